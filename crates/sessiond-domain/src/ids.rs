@@ -1,0 +1,91 @@
+//! Typed ids: a session id can never be passed where a task id is expected.
+
+use std::{fmt, str::FromStr};
+
+use uuid::Uuid;
+
+/// A string that is not a UUID in canonical form.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed {kind} id {value:?}: expected a UUID such as 0190b8c4-7d2a-7c3e-9f00-1a2b3c4d5e6f")]
+pub struct IdParseError {
+    pub kind: &'static str,
+    pub value: String,
+}
+
+macro_rules! typed_id {
+    ($(#[$doc:meta])* $name:ident, $kind:literal) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(Uuid);
+
+        impl $name {
+            /// A new time-ordered (v7) id.
+            pub fn new() -> Self {
+                Self(Uuid::now_v7())
+            }
+
+            pub const fn from_uuid(uuid: Uuid) -> Self {
+                Self(uuid)
+            }
+
+            pub const fn as_uuid(&self) -> &Uuid {
+                &self.0
+            }
+
+            pub fn parse(value: &str) -> Result<Self, IdParseError> {
+                Uuid::try_parse(value).map(Self).map_err(|_| IdParseError {
+                    kind: $kind,
+                    value: value.to_owned(),
+                })
+            }
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                Self::new()
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.hyphenated().fmt(f)
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = IdParseError;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                Self::parse(s)
+            }
+        }
+    };
+}
+
+typed_id!(/// Identifies a task.
+    TaskId, "task");
+typed_id!(/// Identifies a session of a task.
+    SessionId, "session");
+typed_id!(/// Identifies an executor instance (an `executors_running` row).
+    ExecutorId, "executor");
+typed_id!(/// Identifies an agent profile.
+    AgentProfileId, "agent profile");
+typed_id!(/// Identifies a message of a session.
+    MessageId, "message");
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_through_text() {
+        let id = SessionId::new();
+        assert_eq!(SessionId::parse(&id.to_string()), Ok(id));
+    }
+
+    #[test]
+    fn malformed_id_names_its_kind() {
+        let err = TaskId::parse("nope").unwrap_err();
+        assert_eq!(err.kind, "task");
+        assert!(err.to_string().contains("malformed task id"));
+    }
+}

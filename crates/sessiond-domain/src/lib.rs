@@ -1,0 +1,15 @@
+//! The core of sessiond: ids, entities, states, and the pure functions that
+//! decide transitions, session status and startup recovery.
+//!
+//! Architecture invariant: no IO, no async runtime, no serialization derives.
+//! The store maps these types to rows and the server to protobuf messages.
+
+pub mod entities;
+pub mod events;
+pub mod ids;
+pub mod states;
+
+pub use entities::{AgentProfile, ExecutorRecord, Message, Session, Task, Worktree};
+pub use events::{Event, EventKind, EventPayload};
+pub use ids::{AgentProfileId, ExecutorId, IdParseError, MessageId, SessionId, TaskId};
+pub use states::{ExecutorStatus, MessageRole, Runtime, SessionState, TaskState, UnknownValue};
