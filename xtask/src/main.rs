@@ -1,1 +1,118 @@
-fn main() {}
+//! `cargo xtask <command>`: the project's automation, in Rust rather than shell.
+//!
+//! - `ci`: everything CI checks: formatting, clippy, build, every test (with a
+//!   throwaway PostgreSQL this command starts itself unless `DATABASE_URL` is
+//!   set). This is the README's test command and what `.ci/run` calls.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    time::Instant,
+};
+
+use anyhow::{Context, bail};
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("ci") => ci(),
+        _ => {
+            eprintln!("usage: cargo xtask ci");
+            bail!("unknown or missing command {:?}", args.first());
+        }
+    }
+}
+
+fn ci() -> anyhow::Result<()> {
+    let root = workspace_root();
+    std::env::set_current_dir(&root)?;
+    ensure_system_packages()?;
+
+    step("fmt", cargo(&["fmt", "--all", "--", "--check"]))?;
+    step(
+        "clippy",
+        cargo(&["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"]),
+    )?;
+    // Integration tests run the real binaries (agentctl, acp-demo-agent, sessiond).
+    step("build", cargo(&["build", "--workspace", "--bins", "--locked"]))?;
+
+    let (database_url, _cluster) = match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.is_empty() => {
+            eprintln!("xtask: using DATABASE_URL from the environment for the Postgres suite");
+            (url, None)
+        }
+        _ => {
+            let cluster = sessiond_testkit::postgres::start_cluster()
+                .context("starting a throwaway PostgreSQL for the Postgres suite")?;
+            (cluster.url().to_owned(), Some(cluster))
+        }
+    };
+
+    let mut test = if has_nextest() {
+        cargo(&["nextest", "run", "--workspace", "--locked", "--no-fail-fast"])
+    } else {
+        eprintln!("xtask: cargo-nextest not found, running cargo test");
+        cargo(&["test", "--workspace", "--locked", "--no-fail-fast"])
+    };
+    test.env("DATABASE_URL", &database_url);
+    step("test", test)?;
+    step("doctest", cargo(&["test", "--workspace", "--doc", "--locked"]))?;
+    eprintln!("xtask: ci passed");
+    Ok(())
+}
+
+/// Installs what the build and tests need when it is missing (fresh machine).
+fn ensure_system_packages() -> anyhow::Result<()> {
+    let wanted = [
+        ("/usr/lib/postgresql/15/bin/initdb", "postgresql-15"),
+        ("/usr/include/postgresql/libpq-fe.h", "libpq-dev"),
+        ("/usr/bin/git", "git"),
+    ];
+    let missing: Vec<&str> =
+        wanted.iter().filter(|(path, _)| !Path::new(path).exists()).map(|(_, pkg)| *pkg).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    eprintln!("xtask: installing missing packages: {}", missing.join(" "));
+    step("apt-get update", command("apt-get", &["update", "-q"]))?;
+    let mut install = command("apt-get", &["install", "-y", "-q", "--no-install-recommends"]);
+    install.args(&missing).env("DEBIAN_FRONTEND", "noninteractive");
+    step("apt-get install", install)
+}
+
+fn has_nextest() -> bool {
+    Command::new(cargo_bin())
+        .args(["nextest", "--version"])
+        .output()
+        .map(|out| out.status.success())
+        .unwrap_or(false)
+}
+
+fn step(name: &str, mut cmd: Command) -> anyhow::Result<()> {
+    eprintln!("xtask: ==> {name}: {cmd:?}");
+    let started = Instant::now();
+    let status = cmd.status().with_context(|| format!("{name}: cannot start {cmd:?}"))?;
+    eprintln!("xtask: <== {name}: {status} in {:.1}s", started.elapsed().as_secs_f64());
+    if !status.success() {
+        bail!("{name} failed ({status})");
+    }
+    Ok(())
+}
+
+fn cargo(args: &[&str]) -> Command {
+    command(&cargo_bin(), args)
+}
+
+fn command(program: &str, args: &[&str]) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.args(args);
+    cmd
+}
+
+fn cargo_bin() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+}

@@ -1,0 +1,46 @@
+//! `sessiond`: the backend that runs agent sessions and keeps them alive
+//! across its own restarts. This binary stays thin: it reads configuration,
+//! opens the store and wires the gRPC services.
+
+mod config;
+mod serve;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::ServeArgs;
+
+#[derive(Debug, Parser)]
+#[command(name = "sessiond", version, about = "Runs AI coding-agent sessions and keeps them alive across restarts")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Open the database, apply migrations and serve gRPC.
+    Serve(ServeArgs),
+    /// Apply pending database migrations and exit.
+    Migrate(ServeArgs),
+    /// Print the version.
+    Version,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Version => {
+            #[allow(clippy::print_stdout)]
+            {
+                println!("sessiond {}", env!("CARGO_PKG_VERSION"));
+            }
+            Ok(())
+        }
+        Command::Serve(args) => runtime()?.block_on(serve::serve(args.resolve()?)),
+        Command::Migrate(args) => runtime()?.block_on(serve::migrate(args.resolve()?)),
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+}
