@@ -6,7 +6,9 @@ use uuid::Uuid;
 
 /// A string that is not a UUID in canonical form.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("malformed {kind} id {value:?}: expected a UUID such as 0190b8c4-7d2a-7c3e-9f00-1a2b3c4d5e6f")]
+#[error(
+    "malformed {kind} id {value:?}: expected a UUID such as 0190b8c4-7d2a-7c3e-9f00-1a2b3c4d5e6f"
+)]
 pub struct IdParseError {
     pub kind: &'static str,
     pub value: String,

@@ -7,9 +7,24 @@
 pub mod entities;
 pub mod events;
 pub mod ids;
+pub mod recovery;
 pub mod states;
+pub mod status;
+pub mod transitions;
 
 pub use entities::{AgentProfile, ExecutorRecord, Message, Session, Task, Worktree};
 pub use events::{Event, EventKind, EventPayload};
 pub use ids::{AgentProfileId, ExecutorId, IdParseError, MessageId, SessionId, TaskId};
+pub use recovery::{
+    Action, MAX_STEPS, Observation, OutcomeLabel, Recovery, RecoveryFailure, RecoveryInput,
+    RecoveryOutcome, ResumePolicy, SurvivingAgent, UnexpectedObservation,
+};
 pub use states::{ExecutorStatus, MessageRole, Runtime, SessionState, TaskState, UnknownValue};
+pub use status::{
+    AgentProcessState, ExecutionView, ResumeReason, ResumeRefused, SessionStatus, check_resume,
+    session_status,
+};
+pub use transitions::{
+    ExecutorEvent, IllegalExecutorTransition, IllegalSessionTransition, IllegalTaskTransition,
+    IllegalTransition, SessionEvent, TaskEvent,
+};

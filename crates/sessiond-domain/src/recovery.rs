@@ -1,0 +1,847 @@
+//! The startup recovery decision for one executor (seed "Startup Flow"
+//! steps 2-6, DESIGN §4), as a step machine without IO.
+//!
+//! The orchestrator owns the IO. It builds a [`Recovery`], calls
+//! [`Recovery::start`], performs the returned [`Action`], reports what it saw
+//! as an [`Observation`] to [`Recovery::observe`], and repeats until
+//! [`Action::Done`]. At most [`MAX_STEPS`] actions are returned, `Done` included.
+//!
+//! Writes happen at three points, each persisted together with its events in
+//! one transaction:
+//! - [`Action::LaunchAgentctl`] / [`Action::StartContainer`]: the launch intent
+//!   (executor `starting`, the new generation, `session.agentctl_starting`),
+//!   written before anything is spawned;
+//! - [`Action::MarkExecutorReady`]: executor `ready`, execution registered in
+//!   the executors cache, `last_seen_at`, `session.agentctl_ready`. Workspace
+//!   access (shell, files, git) is on from here, whatever the agent does;
+//! - [`Action::Done`]: the final executor status and session state with the
+//!   remaining events ([`RecoveryOutcome::events`]).
+//!
+//! Paths per runtime (`->` is the next action, `=>` the outcome):
+//!
+//! | runtime          | probe                                                                 |
+//! |------------------|-----------------------------------------------------------------------|
+//! | local_standalone | CheckWorktree (missing => executor_error) -> ProbeProcess if a pid is recorded (alive with pid + start time matching -> reattach: HealthCheck; gone or not ours -> LaunchAgentctl) -> HealthCheck |
+//! | local_docker     | FindContainer (running -> HealthCheck; stopped -> StartContainer -> HealthCheck; missing or Docker down => executor_error) |
+//! | remote           | HealthCheck (unreachable => retrying, or executor_error once the background window is over) |
+//!
+//! then, for every runtime: healthy -> ProbeCapabilities -> MarkExecutorReady ->
+//! - agent found alive in agentctl => `reattached` (no resume needed, even for
+//!   agents that cannot resume: nothing was lost);
+//! - session CREATED or ERROR => `executor_only` (never auto-resumed);
+//! - resume unsupported by record, profile or probe => `not_resumable`, session ERROR;
+//! - no resume token => `missing_resume_token`, session ERROR;
+//! - policy `on_demand` => `executor_only`, session unchanged (status says `needs_resume`);
+//! - otherwise ResumeAgent => `resumed` (WAITING_FOR_INPUT) or `resume_failed`
+//!   (session ERROR, executor stays ready).
+//!
+//! A session already COMPLETED or CANCELLED whose executor is still recorded as
+//! live gets StopExecutor => `stopped`.
+
+use std::fmt;
+
+use crate::{
+    entities::{ExecutorRecord, Session},
+    events::EventPayload,
+    ids::ExecutorId,
+    states::{ExecutorStatus, Runtime, SessionState, UnknownValue},
+    transitions::SessionEvent,
+};
+
+/// The most actions one recovery returns, `Done` included (local standalone
+/// with a relaunch and a resume).
+pub const MAX_STEPS: usize = 8;
+
+/// When agents are resumed (DESIGN §4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ResumePolicy {
+    /// At backend start, sessions in STARTING, RUNNING or WAITING_FOR_INPUT.
+    #[default]
+    Startup,
+    /// Only on an explicit `ResumeSession`; startup restores workspaces only.
+    OnDemand,
+}
+
+impl ResumePolicy {
+    pub const ALL: &'static [ResumePolicy] = &[ResumePolicy::Startup, ResumePolicy::OnDemand];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ResumePolicy::Startup => "startup",
+            ResumePolicy::OnDemand => "on_demand",
+        }
+    }
+
+    pub fn parse(value: &str) -> Result<Self, UnknownValue> {
+        Self::ALL
+            .iter()
+            .copied()
+            .find(|p| p.as_str() == value)
+            .ok_or_else(|| UnknownValue {
+                kind: "resume policy",
+                value: value.to_owned(),
+                expected: "startup on_demand",
+            })
+    }
+}
+
+impl fmt::Display for ResumePolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The agent process agentctl reported in `Health` (agentctl and its agent
+/// may both have survived the backend).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SurvivingAgent {
+    /// No agent, or it is still starting, or it exited.
+    None,
+    /// Initialized and idle.
+    Idle,
+    /// In the middle of a turn.
+    Busy,
+}
+
+/// What the orchestrator saw after performing an action.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Observation {
+    WorktreeExists,
+    WorktreeMissing,
+    /// The recorded pid is alive; `identity_proven` when its start time matches
+    /// the record too (otherwise the pid was reused and must not be touched).
+    ProcessAlive {
+        identity_proven: bool,
+    },
+    ProcessGone,
+    ContainerRunning,
+    ContainerStopped,
+    ContainerMissing,
+    DockerUnavailable {
+        reason: String,
+    },
+    /// agentctl was spawned, or the container started.
+    Launched,
+    /// The remote host (or agentctl's address) did not answer. The startup
+    /// pass sets `retry_in_background` while the reconnect window is open;
+    /// the background retrier clears it once the window is over.
+    HostUnreachable {
+        reason: String,
+        retry_in_background: bool,
+    },
+    /// Health answered with this executor's id and accepted the secret.
+    Healthy {
+        agent: SurvivingAgent,
+    },
+    /// Health answered wrongly (another executor's id, secret refused, ...).
+    Unhealthy {
+        reason: String,
+    },
+    Capabilities {
+        supports_session_resume: bool,
+    },
+    /// The agent has not answered ACP `initialize` yet, or the call failed.
+    CapabilitiesUnknown,
+    /// The write of [`Action::MarkExecutorReady`] is done.
+    Applied,
+    ResumeSucceeded,
+    ResumeFailed {
+        reason: String,
+    },
+    ExecutorStopped,
+    /// The action could not be performed (spawn, container start or stop failed).
+    ActionFailed {
+        reason: String,
+    },
+    /// This executor's recovery deadline passed during the last action.
+    DeadlineExceeded,
+}
+
+/// What the orchestrator should do next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Does the worktree directory exist? Expect `WorktreeExists` / `WorktreeMissing`.
+    CheckWorktree { path: String },
+    /// Is the recorded agentctl process alive, with the recorded start time?
+    /// Expect `ProcessAlive` / `ProcessGone`.
+    ProbeProcess {
+        pid: u32,
+        pid_start_time: Option<u64>,
+    },
+    /// Persist the intent (executor `starting`, `generation`, `event`), then
+    /// spawn agentctl. Expect `Launched` / `ActionFailed`.
+    LaunchAgentctl {
+        generation: i64,
+        event: EventPayload,
+    },
+    /// Find the container by id, else by the `sessiond.executor_id` label.
+    /// Expect `ContainerRunning` / `ContainerStopped` / `ContainerMissing` / `DockerUnavailable`.
+    FindContainer { container_id: Option<String> },
+    /// Persist the intent as for `LaunchAgentctl`, then start the stopped
+    /// container. Expect `Launched` / `ActionFailed`.
+    StartContainer {
+        generation: i64,
+        event: EventPayload,
+    },
+    /// Call agentctl `Health`, check identity. Expect `Healthy` / `Unhealthy` / `HostUnreachable`.
+    HealthCheck,
+    /// Call agentctl `Capabilities`. Expect `Capabilities` / `CapabilitiesUnknown`.
+    ProbeCapabilities,
+    /// Persist executor `ready` with `event`, register the execution in the
+    /// executors cache. Expect `Applied`.
+    MarkExecutorReady { event: EventPayload },
+    /// Launch the agent if none runs and load the conversation.
+    /// Expect `ResumeSucceeded` / `ResumeFailed`.
+    ResumeAgent { resume_token: String },
+    /// The session has ended: stop whatever still runs for it (idempotent).
+    /// Expect `ExecutorStopped` / `ActionFailed`.
+    StopExecutor,
+    /// Persist the outcome and publish its events; log its label.
+    Done(RecoveryOutcome),
+}
+
+/// The outcome label for the per-executor summary log line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OutcomeLabel {
+    /// The agent was resumed from its token.
+    Resumed,
+    /// agentctl and its agent had survived; reattached without a resume.
+    Reattached,
+    /// Workspace restored; the agent was not resumed (policy or session state).
+    ExecutorOnly,
+    /// Workspace restored; the agent cannot resume, the session is ERROR.
+    NotResumable,
+    /// Workspace restored; there was no token to resume from, the session is ERROR.
+    MissingResumeToken,
+    /// Workspace restored; resuming the agent failed, the session is ERROR.
+    ResumeFailed,
+    /// The executor could not be recovered; executor and session are ERROR.
+    ExecutorError,
+    /// The remote host is unreachable; reconnecting in the background.
+    Retrying,
+    /// The session had ended; its executor was stopped.
+    Stopped,
+}
+
+impl OutcomeLabel {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            OutcomeLabel::Resumed => "resumed",
+            OutcomeLabel::Reattached => "reattached",
+            OutcomeLabel::ExecutorOnly => "executor_only",
+            OutcomeLabel::NotResumable => "not_resumable",
+            OutcomeLabel::MissingResumeToken => "missing_resume_token",
+            OutcomeLabel::ResumeFailed => "resume_failed",
+            OutcomeLabel::ExecutorError => "executor_error",
+            OutcomeLabel::Retrying => "retrying",
+            OutcomeLabel::Stopped => "stopped",
+        }
+    }
+}
+
+impl fmt::Display for OutcomeLabel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why recovery left an executor or a session in error. `code()` is stable
+/// and machine-readable; the display text tells the user what to do.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RecoveryFailure {
+    #[error("worktree {path} no longer exists; create a new session")]
+    WorktreeMissing { path: String },
+    #[error("Docker is not available ({reason}); start Docker, then resume the session")]
+    DockerUnavailable { reason: String },
+    #[error("the container of this session no longer exists; create a new session")]
+    ContainerMissing,
+    #[error("could not start agentctl: {reason}; resume the session to try again")]
+    LaunchFailed { reason: String },
+    #[error("agentctl is not healthy: {reason}; resume the session to try again")]
+    Unhealthy { reason: String },
+    #[error("remote executor {url} is unreachable ({reason}); reconnecting in the background")]
+    Reconnecting { url: String, reason: String },
+    #[error(
+        "remote executor {url} is unreachable ({reason}); resume the session once the host is back"
+    )]
+    HostUnreachable { url: String, reason: String },
+    #[error("this agent cannot resume previous sessions; create a new session")]
+    NotResumable,
+    #[error("the agent never gave a resume token for this session; create a new session")]
+    MissingResumeToken,
+    #[error("resuming the agent failed: {reason}; resume the session to try again")]
+    ResumeFailed { reason: String },
+    #[error("could not stop the executor of this ended session: {reason}")]
+    StopFailed { reason: String },
+    #[error("recovery did not finish in time while {during}; resume the session to try again")]
+    DeadlineExceeded { during: &'static str },
+}
+
+impl RecoveryFailure {
+    pub const fn code(&self) -> &'static str {
+        match self {
+            RecoveryFailure::WorktreeMissing { .. } => "worktree_missing",
+            RecoveryFailure::DockerUnavailable { .. } => "docker_unavailable",
+            RecoveryFailure::ContainerMissing => "container_missing",
+            RecoveryFailure::LaunchFailed { .. } => "launch_failed",
+            RecoveryFailure::Unhealthy { .. } => "unhealthy",
+            RecoveryFailure::Reconnecting { .. } => "reconnecting",
+            RecoveryFailure::HostUnreachable { .. } => "host_unreachable",
+            RecoveryFailure::NotResumable => "not_resumable",
+            RecoveryFailure::MissingResumeToken => "missing_resume_token",
+            RecoveryFailure::ResumeFailed { .. } => "resume_failed",
+            RecoveryFailure::StopFailed { .. } => "stop_failed",
+            RecoveryFailure::DeadlineExceeded { .. } => "deadline_exceeded",
+        }
+    }
+
+    /// The text stored as `error_message`: `"<code>: <what to do>"`, so the
+    /// seed's `error_message=not_resumable` stays recognisable by its prefix.
+    pub fn message(&self) -> String {
+        format!("{}: {self}", self.code())
+    }
+}
+
+/// Where recovery ends for one executor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecoveryOutcome {
+    pub label: OutcomeLabel,
+    pub executor_status: ExecutorStatus,
+    /// The executor's error, `None` to clear it.
+    pub executor_error: Option<RecoveryFailure>,
+    /// The generation after recovery (grown by one if agentctl was relaunched).
+    pub generation: i64,
+    /// The session's state after recovery; write it only if it differs from
+    /// the state recovery started with (a `state_changed` event is in `events`
+    /// exactly then).
+    pub session_state: SessionState,
+    /// The session's new error; `Some` only together with a change to ERROR.
+    /// When the state changes to anything else, clear the session's error.
+    pub session_error: Option<RecoveryFailure>,
+    /// Shell, files and git are available (agentctl is healthy).
+    pub workspace_enabled: bool,
+    /// Keep reconnecting in the background and run recovery again when the
+    /// host answers.
+    pub retry_in_background: bool,
+    /// Events to publish with the final write, in order. Events of earlier
+    /// writes (`agentctl_starting`, `agentctl_ready`) are not repeated.
+    pub events: Vec<EventPayload>,
+}
+
+impl RecoveryOutcome {
+    /// The message to show for the session: its own error, else the executor's.
+    pub fn error_message(&self) -> Option<String> {
+        self.session_error
+            .as_ref()
+            .or(self.executor_error.as_ref())
+            .map(RecoveryFailure::message)
+    }
+}
+
+/// Everything the decision depends on, copied out of the records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecoveryInput {
+    pub executor_id: ExecutorId,
+    pub runtime: Runtime,
+    pub generation: i64,
+    pub agentctl_url: Option<String>,
+    pub container_id: Option<String>,
+    pub pid: Option<u32>,
+    pub pid_start_time: Option<u64>,
+    pub worktree_path: String,
+    /// `executors_running.supports_session_resume`.
+    pub record_supports_session_resume: bool,
+    /// The agent profile's claim.
+    pub profile_supports_session_resume: bool,
+    pub resume_token: Option<String>,
+    pub session_state: SessionState,
+    pub policy: ResumePolicy,
+}
+
+impl RecoveryInput {
+    /// Takes the session's resume token, or the record's when the session has none.
+    pub fn new(
+        record: &ExecutorRecord,
+        session: &Session,
+        profile_supports_session_resume: bool,
+        policy: ResumePolicy,
+    ) -> Self {
+        let non_empty = |token: &Option<String>| token.clone().filter(|t| !t.is_empty());
+        let worktree_path = if record.worktree.path.is_empty() {
+            record.workspace_path.clone()
+        } else {
+            record.worktree.path.clone()
+        };
+        Self {
+            executor_id: record.id,
+            runtime: record.runtime,
+            generation: record.generation,
+            agentctl_url: record.agentctl_url.clone(),
+            container_id: record.container_id.clone(),
+            pid: record.pid,
+            pid_start_time: record.pid_start_time,
+            worktree_path,
+            record_supports_session_resume: record.supports_session_resume,
+            profile_supports_session_resume,
+            resume_token: non_empty(&session.resume_token)
+                .or_else(|| non_empty(&record.resume_token)),
+            session_state: session.state,
+            policy,
+        }
+    }
+}
+
+/// An observation that makes no sense after the last action: a bug in the
+/// orchestrator. The machine is unchanged; report what the action really
+/// produced (`ActionFailed` and `DeadlineExceeded` are always accepted).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("recovery of executor {executor_id}: unexpected observation {observation:?} while {phase}")]
+pub struct UnexpectedObservation {
+    pub executor_id: ExecutorId,
+    pub phase: &'static str,
+    pub observation: Observation,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    NotStarted,
+    CheckingWorktree,
+    ProbingProcess,
+    Launching,
+    FindingContainer,
+    StartingContainer,
+    CheckingHealth,
+    ProbingCapabilities,
+    MarkingReady,
+    Resuming,
+    Stopping,
+    Done,
+}
+
+impl Phase {
+    const fn describe(self) -> &'static str {
+        match self {
+            Phase::NotStarted => "not started",
+            Phase::CheckingWorktree => "checking the worktree",
+            Phase::ProbingProcess => "probing the agentctl process",
+            Phase::Launching => "launching agentctl",
+            Phase::FindingContainer => "finding the container",
+            Phase::StartingContainer => "starting the container",
+            Phase::CheckingHealth => "checking agentctl health",
+            Phase::ProbingCapabilities => "probing capabilities",
+            Phase::MarkingReady => "marking the executor ready",
+            Phase::Resuming => "resuming the agent",
+            Phase::Stopping => "stopping the executor",
+            Phase::Done => "done",
+        }
+    }
+}
+
+/// The recovery of one executor. See the module documentation.
+#[derive(Debug, Clone)]
+pub struct Recovery {
+    input: RecoveryInput,
+    phase: Phase,
+    generation: i64,
+    agent: SurvivingAgent,
+    probe: Option<bool>,
+    steps: usize,
+}
+
+impl Recovery {
+    pub fn new(input: RecoveryInput) -> Self {
+        Self {
+            generation: input.generation,
+            input,
+            phase: Phase::NotStarted,
+            agent: SurvivingAgent::None,
+            probe: None,
+            steps: 0,
+        }
+    }
+
+    pub fn input(&self) -> &RecoveryInput {
+        &self.input
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.phase == Phase::Done
+    }
+
+    /// The first action. Calling it again returns the same action only if
+    /// nothing was observed yet; afterwards use [`Recovery::observe`].
+    pub fn start(&mut self) -> Action {
+        self.phase = Phase::NotStarted;
+        self.steps = 0;
+        self.generation = self.input.generation;
+        if self.input.session_state.is_terminal() {
+            return self.go(Phase::Stopping, Action::StopExecutor);
+        }
+        match self.input.runtime {
+            Runtime::LocalStandalone => {
+                let path = self.input.worktree_path.clone();
+                self.go(Phase::CheckingWorktree, Action::CheckWorktree { path })
+            }
+            Runtime::LocalDocker => {
+                let container_id = self.input.container_id.clone();
+                self.go(
+                    Phase::FindingContainer,
+                    Action::FindContainer { container_id },
+                )
+            }
+            Runtime::Remote => self.go(Phase::CheckingHealth, Action::HealthCheck),
+        }
+    }
+
+    /// The next action after `observation`.
+    pub fn observe(&mut self, observation: Observation) -> Result<Action, UnexpectedObservation> {
+        use Observation as O;
+        use Phase as P;
+        let action = match (self.phase, observation) {
+            (P::NotStarted | P::Done, observation) => return Err(self.unexpected(observation)),
+
+            (P::Stopping, O::ExecutorStopped) => self.stopped(),
+            (P::Stopping, O::ActionFailed { reason }) => {
+                self.executor_failed(RecoveryFailure::StopFailed { reason })
+            }
+
+            (P::Resuming, O::ResumeSucceeded) => {
+                self.ready_done(OutcomeLabel::Resumed, SessionEvent::Resumed, None)
+            }
+            (P::Resuming, O::ResumeFailed { reason } | O::ActionFailed { reason }) => self
+                .ready_done(
+                    OutcomeLabel::ResumeFailed,
+                    SessionEvent::Failed,
+                    Some(RecoveryFailure::ResumeFailed { reason }),
+                ),
+            (P::Resuming, O::DeadlineExceeded) => self.ready_done(
+                OutcomeLabel::ResumeFailed,
+                SessionEvent::Failed,
+                Some(RecoveryFailure::DeadlineExceeded {
+                    during: P::Resuming.describe(),
+                }),
+            ),
+
+            (phase, O::DeadlineExceeded) => {
+                self.executor_failed(RecoveryFailure::DeadlineExceeded {
+                    during: phase.describe(),
+                })
+            }
+
+            (P::CheckingWorktree, O::WorktreeMissing) => {
+                let path = self.input.worktree_path.clone();
+                self.executor_failed(RecoveryFailure::WorktreeMissing { path })
+            }
+            (P::CheckingWorktree, O::WorktreeExists) => match self.input.pid {
+                Some(pid) => {
+                    let pid_start_time = self.input.pid_start_time;
+                    self.go(
+                        P::ProbingProcess,
+                        Action::ProbeProcess {
+                            pid,
+                            pid_start_time,
+                        },
+                    )
+                }
+                None => self.launch_agentctl(),
+            },
+
+            (
+                P::ProbingProcess,
+                O::ProcessAlive {
+                    identity_proven: true,
+                },
+            ) => self.go(P::CheckingHealth, Action::HealthCheck),
+            // A reused pid belongs to someone else: leave it alone, launch anew.
+            (
+                P::ProbingProcess,
+                O::ProcessAlive {
+                    identity_proven: false,
+                }
+                | O::ProcessGone,
+            ) => self.launch_agentctl(),
+
+            (P::FindingContainer, O::ContainerRunning) => {
+                self.go(P::CheckingHealth, Action::HealthCheck)
+            }
+            (P::FindingContainer, O::ContainerStopped) => {
+                self.generation += 1;
+                let event = self.starting_event();
+                let generation = self.generation;
+                self.go(
+                    P::StartingContainer,
+                    Action::StartContainer { generation, event },
+                )
+            }
+            (P::FindingContainer, O::ContainerMissing) => {
+                self.executor_failed(RecoveryFailure::ContainerMissing)
+            }
+            (P::FindingContainer, O::DockerUnavailable { reason }) => {
+                self.executor_failed(RecoveryFailure::DockerUnavailable { reason })
+            }
+
+            (P::Launching | P::StartingContainer, O::Launched) => {
+                self.go(P::CheckingHealth, Action::HealthCheck)
+            }
+            (P::Launching | P::StartingContainer, O::ActionFailed { reason }) => {
+                self.executor_failed(RecoveryFailure::LaunchFailed { reason })
+            }
+
+            (P::CheckingHealth, O::Healthy { agent }) => {
+                self.agent = agent;
+                self.go(P::ProbingCapabilities, Action::ProbeCapabilities)
+            }
+            (P::CheckingHealth, O::Unhealthy { reason }) => {
+                self.executor_failed(RecoveryFailure::Unhealthy { reason })
+            }
+            (
+                P::CheckingHealth,
+                O::HostUnreachable {
+                    reason,
+                    retry_in_background,
+                },
+            ) => self.unreachable(reason, retry_in_background),
+            (P::CheckingHealth, O::ActionFailed { reason }) => {
+                self.executor_failed(RecoveryFailure::Unhealthy { reason })
+            }
+
+            (
+                P::ProbingCapabilities,
+                O::Capabilities {
+                    supports_session_resume,
+                },
+            ) => {
+                self.probe = Some(supports_session_resume);
+                self.mark_ready()
+            }
+            (P::ProbingCapabilities, O::CapabilitiesUnknown | O::ActionFailed { .. }) => {
+                self.probe = None;
+                self.mark_ready()
+            }
+
+            (P::MarkingReady, O::Applied) => self.after_ready(),
+            (P::MarkingReady, O::ActionFailed { reason }) => {
+                self.executor_failed(RecoveryFailure::Unhealthy { reason })
+            }
+
+            (_, observation) => return Err(self.unexpected(observation)),
+        };
+        Ok(action)
+    }
+
+    /// Resume is possible as far as anyone said: the record, the profile and
+    /// (once probed) the agent. The probe can only lower the claims.
+    fn supports_resume(&self) -> bool {
+        self.input.record_supports_session_resume
+            && self.input.profile_supports_session_resume
+            && self.probe != Some(false)
+    }
+
+    fn go(&mut self, phase: Phase, action: Action) -> Action {
+        self.phase = phase;
+        self.steps += 1;
+        debug_assert!(
+            self.steps <= MAX_STEPS,
+            "recovery exceeded {MAX_STEPS} steps"
+        );
+        action
+    }
+
+    fn unexpected(&self, observation: Observation) -> UnexpectedObservation {
+        UnexpectedObservation {
+            executor_id: self.input.executor_id,
+            phase: self.phase.describe(),
+            observation,
+        }
+    }
+
+    fn starting_event(&self) -> EventPayload {
+        EventPayload::AgentctlStarting {
+            executor_id: self.input.executor_id,
+            runtime: self.input.runtime,
+            generation: self.generation,
+        }
+    }
+
+    fn launch_agentctl(&mut self) -> Action {
+        self.generation += 1;
+        let event = self.starting_event();
+        let generation = self.generation;
+        self.go(
+            Phase::Launching,
+            Action::LaunchAgentctl { generation, event },
+        )
+    }
+
+    fn mark_ready(&mut self) -> Action {
+        let event = EventPayload::AgentctlReady {
+            executor_id: self.input.executor_id,
+            runtime: self.input.runtime,
+            supports_session_resume: self.supports_resume(),
+        };
+        self.go(Phase::MarkingReady, Action::MarkExecutorReady { event })
+    }
+
+    fn after_ready(&mut self) -> Action {
+        let state = self.input.session_state;
+        match self.agent {
+            SurvivingAgent::Idle if state.is_auto_resumable() => {
+                return self.ready_done(OutcomeLabel::Reattached, SessionEvent::Resumed, None);
+            }
+            SurvivingAgent::Busy if state.is_auto_resumable() => {
+                return self.ready_done(
+                    OutcomeLabel::Reattached,
+                    SessionEvent::AgentFoundBusy,
+                    None,
+                );
+            }
+            _ => {}
+        }
+        if !state.is_auto_resumable() {
+            return self.ready_unchanged(OutcomeLabel::ExecutorOnly);
+        }
+        if !self.supports_resume() {
+            return self.ready_done(
+                OutcomeLabel::NotResumable,
+                SessionEvent::Failed,
+                Some(RecoveryFailure::NotResumable),
+            );
+        }
+        let Some(resume_token) = self.input.resume_token.clone() else {
+            return self.ready_done(
+                OutcomeLabel::MissingResumeToken,
+                SessionEvent::Failed,
+                Some(RecoveryFailure::MissingResumeToken),
+            );
+        };
+        match self.input.policy {
+            ResumePolicy::OnDemand => self.ready_unchanged(OutcomeLabel::ExecutorOnly),
+            ResumePolicy::Startup => self.go(Phase::Resuming, Action::ResumeAgent { resume_token }),
+        }
+    }
+
+    /// Applies `event` to the session: the new state, and a `state_changed`
+    /// event if the state changed. An illegal event leaves the session as is.
+    fn session_after(
+        &self,
+        event: SessionEvent,
+        error: Option<&RecoveryFailure>,
+    ) -> (SessionState, Option<EventPayload>) {
+        let from = self.input.session_state;
+        let to = from.transition(event).unwrap_or(from);
+        let changed = (to != from).then(|| EventPayload::StateChanged {
+            from,
+            to,
+            error_message: error.map(RecoveryFailure::message),
+        });
+        (to, changed)
+    }
+
+    fn done(&mut self, outcome: RecoveryOutcome) -> Action {
+        let action = self.go(Phase::Done, Action::Done(outcome));
+        debug_assert!(self.steps <= MAX_STEPS);
+        action
+    }
+
+    fn ready_done(
+        &mut self,
+        label: OutcomeLabel,
+        event: SessionEvent,
+        error: Option<RecoveryFailure>,
+    ) -> Action {
+        let (session_state, changed) = self.session_after(event, error.as_ref());
+        let session_error = if changed.is_some() { error } else { None };
+        self.done(RecoveryOutcome {
+            label,
+            executor_status: ExecutorStatus::Ready,
+            executor_error: None,
+            generation: self.generation,
+            session_state,
+            session_error,
+            workspace_enabled: true,
+            retry_in_background: false,
+            events: changed.into_iter().collect(),
+        })
+    }
+
+    fn ready_unchanged(&mut self, label: OutcomeLabel) -> Action {
+        self.done(RecoveryOutcome {
+            label,
+            executor_status: ExecutorStatus::Ready,
+            executor_error: None,
+            generation: self.generation,
+            session_state: self.input.session_state,
+            session_error: None,
+            workspace_enabled: true,
+            retry_in_background: false,
+            events: Vec::new(),
+        })
+    }
+
+    /// Executor `error`; the session goes ERROR with the same reason unless it
+    /// already is ERROR (its earlier reason stays) or has ended.
+    fn executor_failed(&mut self, failure: RecoveryFailure) -> Action {
+        let (session_state, changed) = self.session_after(SessionEvent::Failed, Some(&failure));
+        let mut events = vec![EventPayload::AgentctlError {
+            executor_id: self.input.executor_id,
+            error_message: failure.message(),
+        }];
+        let session_error = changed.is_some().then(|| failure.clone());
+        events.extend(changed);
+        self.done(RecoveryOutcome {
+            label: OutcomeLabel::ExecutorError,
+            executor_status: ExecutorStatus::Error,
+            executor_error: Some(failure),
+            generation: self.generation,
+            session_state,
+            session_error,
+            workspace_enabled: false,
+            retry_in_background: false,
+            events,
+        })
+    }
+
+    /// Remote hosts outlive the backend: while the reconnect window is open
+    /// the executor shows `error` with its reason but the session is left as
+    /// it was, so it resumes without a state change when the host answers.
+    fn unreachable(&mut self, reason: String, retry_in_background: bool) -> Action {
+        let url = self.input.agentctl_url.clone().unwrap_or_default();
+        if !(retry_in_background && self.input.runtime == Runtime::Remote) {
+            return self.executor_failed(if self.input.runtime == Runtime::Remote {
+                RecoveryFailure::HostUnreachable { url, reason }
+            } else {
+                RecoveryFailure::Unhealthy { reason }
+            });
+        }
+        let failure = RecoveryFailure::Reconnecting { url, reason };
+        let events = vec![EventPayload::AgentctlError {
+            executor_id: self.input.executor_id,
+            error_message: failure.message(),
+        }];
+        self.done(RecoveryOutcome {
+            label: OutcomeLabel::Retrying,
+            executor_status: ExecutorStatus::Error,
+            executor_error: Some(failure),
+            generation: self.generation,
+            session_state: self.input.session_state,
+            session_error: None,
+            workspace_enabled: false,
+            retry_in_background: true,
+            events,
+        })
+    }
+
+    fn stopped(&mut self) -> Action {
+        self.done(RecoveryOutcome {
+            label: OutcomeLabel::Stopped,
+            executor_status: ExecutorStatus::Stopped,
+            executor_error: None,
+            generation: self.generation,
+            session_state: self.input.session_state,
+            session_error: None,
+            workspace_enabled: false,
+            retry_in_background: false,
+            events: Vec::new(),
+        })
+    }
+}

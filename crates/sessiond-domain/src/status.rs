@@ -1,0 +1,395 @@
+//! The seed's Session Status API (`task.session.status`) as a pure function.
+
+use std::fmt;
+
+use crate::{
+    entities::{ExecutorRecord, Session},
+    ids::{AgentProfileId, SessionId, TaskId},
+    states::{ExecutorStatus, Runtime, SessionState, UnknownValue},
+};
+
+/// What the agent process of one execution is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AgentProcessState {
+    /// No agent process runs.
+    NotRunning,
+    /// A launch or resume is in flight (single-flight): neither running nor
+    /// in need of another resume.
+    Starting,
+    /// The agent process runs (idle or in a turn).
+    Running,
+}
+
+/// What is known about one session's current execution: taken from the
+/// in-memory executors cache, or from the executor record when the cache has
+/// no entry (see [`ExecutionView::from_record`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecutionView {
+    /// The session this execution belongs to. A view of another session of
+    /// the same task is ignored (seed: only `execution.SessionID == sessionID`).
+    pub session_id: SessionId,
+    pub execution_id: String,
+    pub executor_status: ExecutorStatus,
+    pub agent: AgentProcessState,
+    /// The capability probe's answer; `None` until probed. It can only lower
+    /// the profile's claim.
+    pub supports_session_resume: Option<bool>,
+}
+
+impl ExecutionView {
+    /// A view built from the persisted record alone: no agent is known to run,
+    /// and the record's resume flag stands for the probe's last verdict.
+    pub fn from_record(record: &ExecutorRecord) -> Self {
+        Self {
+            session_id: record.session_id,
+            execution_id: record.execution_id(),
+            executor_status: record.status,
+            agent: AgentProcessState::NotRunning,
+            supports_session_resume: Some(record.supports_session_resume),
+        }
+    }
+}
+
+/// Why a session does, or cannot, need a resume. The string forms are those
+/// of `sessiond.v1.ResumeReason` (without the `RESUME_REASON_` prefix, in lower case).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ResumeReason {
+    /// Nothing to resume: the agent runs, or a launch/resume is in flight.
+    None,
+    /// No agent runs and the session can be resumed: show "Resume" (or auto-resume).
+    AgentNotRunning,
+    /// The profile does not claim resume support, or the agent said it has
+    /// none: show "Create a new session".
+    NotResumable,
+    /// Resume is supported but there is no conversation token: the agent
+    /// never opened a conversation (or the session was never launched).
+    MissingResumeToken,
+    /// The session is COMPLETED or CANCELLED; start a new session instead.
+    SessionEnded,
+}
+
+impl ResumeReason {
+    pub const ALL: &'static [ResumeReason] = &[
+        ResumeReason::None,
+        ResumeReason::AgentNotRunning,
+        ResumeReason::NotResumable,
+        ResumeReason::MissingResumeToken,
+        ResumeReason::SessionEnded,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ResumeReason::None => "",
+            ResumeReason::AgentNotRunning => "agent_not_running",
+            ResumeReason::NotResumable => "not_resumable",
+            ResumeReason::MissingResumeToken => "missing_resume_token",
+            ResumeReason::SessionEnded => "session_ended",
+        }
+    }
+
+    pub fn parse(value: &str) -> Result<Self, UnknownValue> {
+        Self::ALL
+            .iter()
+            .copied()
+            .find(|r| r.as_str() == value)
+            .ok_or_else(|| UnknownValue {
+                kind: "resume reason",
+                value: value.to_owned(),
+                expected: "\"\" agent_not_running not_resumable missing_resume_token session_ended",
+            })
+    }
+}
+
+impl fmt::Display for ResumeReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The answer of `GetSessionStatus`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionStatus {
+    pub session_id: SessionId,
+    pub task_id: TaskId,
+    pub state: SessionState,
+    pub agent_profile_id: AgentProfileId,
+    /// `None` when the session has no execution.
+    pub executor_status: Option<ExecutorStatus>,
+    pub agent_execution_id: Option<String>,
+    pub runtime: Runtime,
+    /// An agent process runs for this session (not for another session of the task).
+    pub is_agent_running: bool,
+    /// The session could be resumed: not ended, resume supported by the
+    /// profile and not denied by the agent, and a resume token present.
+    pub is_resumable: bool,
+    /// Resumable, and no agent runs or is being started for it.
+    pub needs_resume: bool,
+    pub resume_reason: ResumeReason,
+    pub worktree_path: String,
+    pub worktree_branch: String,
+    pub error_message: Option<String>,
+}
+
+/// Derives a session's status from the session, what is known of its
+/// execution, and the profile's `supports_session_resume` claim.
+///
+/// The reason is decided in this order, first match wins:
+/// 1. COMPLETED or CANCELLED: [`ResumeReason::SessionEnded`].
+/// 2. an agent runs or is being started: [`ResumeReason::None`].
+/// 3. profile claims no resume, or the probe said unsupported: [`ResumeReason::NotResumable`].
+/// 4. no token (a CREATED session never has a conversation, whatever its
+///    metadata says): [`ResumeReason::MissingResumeToken`].
+/// 5. otherwise: [`ResumeReason::AgentNotRunning`].
+///
+/// `needs_resume` holds exactly when the reason is `agent_not_running`.
+pub fn session_status(
+    session: &Session,
+    execution: Option<&ExecutionView>,
+    profile_supports_resume: bool,
+) -> SessionStatus {
+    let execution = execution.filter(|view| view.session_id == session.id);
+    let agent = execution.map_or(AgentProcessState::NotRunning, |view| view.agent);
+    let agent_denies_resume =
+        execution.and_then(|view| view.supports_session_resume) == Some(false);
+    let supports_resume = profile_supports_resume && !agent_denies_resume;
+    let has_token = session.state != SessionState::Created
+        && session
+            .resume_token
+            .as_deref()
+            .is_some_and(|token| !token.is_empty());
+    let ended = session.state.is_terminal();
+
+    let is_agent_running = agent == AgentProcessState::Running;
+    let is_resumable = !ended && supports_resume && has_token;
+    let resume_reason = if ended {
+        ResumeReason::SessionEnded
+    } else if agent != AgentProcessState::NotRunning {
+        ResumeReason::None
+    } else if !supports_resume {
+        ResumeReason::NotResumable
+    } else if !has_token {
+        ResumeReason::MissingResumeToken
+    } else {
+        ResumeReason::AgentNotRunning
+    };
+
+    SessionStatus {
+        session_id: session.id,
+        task_id: session.task_id,
+        state: session.state,
+        agent_profile_id: session.agent_profile_id,
+        executor_status: execution.map(|view| view.executor_status),
+        agent_execution_id: execution
+            .map(|view| view.execution_id.clone())
+            .or_else(|| session.agent_execution_id.clone()),
+        runtime: session.runtime,
+        is_agent_running,
+        is_resumable,
+        needs_resume: resume_reason == ResumeReason::AgentNotRunning,
+        resume_reason,
+        worktree_path: session.worktree.path.clone(),
+        worktree_branch: session.worktree.branch.clone(),
+        error_message: session.error_message.clone(),
+    }
+}
+
+/// Why an explicit `ResumeSession` is refused (seed Session Resumption Flow, step 1).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResumeRefused {
+    #[error("the session has ended ({0}); create a new session")]
+    SessionEnded(SessionState),
+    #[error("this agent cannot resume previous sessions; create a new session")]
+    NotResumable,
+    #[error(
+        "the session has no resume token (the agent never opened a conversation); create a new session"
+    )]
+    MissingResumeToken,
+}
+
+/// Whether an explicit resume should go ahead, given the session's status.
+///
+/// `Ok(false)` means there is nothing to do: the agent runs or a resume is
+/// already in flight (the caller joins it instead of starting another).
+pub fn check_resume(status: &SessionStatus) -> Result<bool, ResumeRefused> {
+    match status.resume_reason {
+        ResumeReason::AgentNotRunning => Ok(true),
+        ResumeReason::None => Ok(false),
+        ResumeReason::NotResumable => Err(ResumeRefused::NotResumable),
+        ResumeReason::MissingResumeToken => Err(ResumeRefused::MissingResumeToken),
+        ResumeReason::SessionEnded => Err(ResumeRefused::SessionEnded(status.state)),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::collections::BTreeMap;
+
+    use chrono::{TimeZone, Utc};
+
+    use super::*;
+    use crate::{entities::Worktree, ids::ExecutorId};
+
+    pub(crate) fn session(state: SessionState, token: Option<&str>) -> Session {
+        let at = Utc
+            .timestamp_opt(1_700_000_000, 0)
+            .single()
+            .expect("valid time");
+        Session {
+            id: SessionId::new(),
+            task_id: TaskId::new(),
+            state,
+            agent_profile_id: AgentProfileId::new(),
+            agent_execution_id: None,
+            runtime: Runtime::LocalDocker,
+            executor_id: Some(ExecutorId::new()),
+            worktree: Worktree {
+                id: "wt".into(),
+                path: "/work/wt".into(),
+                branch: "feature".into(),
+            },
+            resume_token: token.map(str::to_owned),
+            metadata: BTreeMap::new(),
+            error_message: None,
+            version: 1,
+            created_at: at,
+            updated_at: at,
+        }
+    }
+
+    fn view(session: &Session, agent: AgentProcessState, probe: Option<bool>) -> ExecutionView {
+        ExecutionView {
+            session_id: session.id,
+            execution_id: "exec/1".into(),
+            executor_status: ExecutorStatus::Ready,
+            agent,
+            supports_session_resume: probe,
+        }
+    }
+
+    use AgentProcessState::{NotRunning, Running, Starting};
+    use ResumeReason as R;
+
+    /// (state, token, profile claim, agent, probe) -> (running, resumable, needs, reason)
+    type Case = (
+        SessionState,
+        Option<&'static str>,
+        bool,
+        Option<AgentProcessState>,
+        Option<bool>,
+        (bool, bool, bool, R),
+    );
+
+    #[rustfmt::skip]
+    const CASES: &[Case] = {
+        use SessionState as S;
+        &[
+            (S::WaitingForInput, Some("t"), true,  None,             None,        (false, true,  true,  R::AgentNotRunning)),
+            (S::WaitingForInput, Some("t"), true,  Some(NotRunning), Some(true),  (false, true,  true,  R::AgentNotRunning)),
+            (S::WaitingForInput, Some("t"), true,  Some(Running),    Some(true),  (true,  true,  false, R::None)),
+            (S::Running,         Some("t"), true,  Some(Starting),   None,        (false, true,  false, R::None)),
+            (S::WaitingForInput, Some("t"), false, None,             None,        (false, false, false, R::NotResumable)),
+            (S::WaitingForInput, Some("t"), true,  Some(NotRunning), Some(false), (false, false, false, R::NotResumable)),
+            (S::WaitingForInput, Some("t"), false, Some(Running),    None,        (true,  false, false, R::None)),
+            (S::WaitingForInput, None,      true,  None,             None,        (false, false, false, R::MissingResumeToken)),
+            (S::WaitingForInput, Some(""),  true,  None,             None,        (false, false, false, R::MissingResumeToken)),
+            (S::Created,         Some("t"), true,  None,             None,        (false, false, false, R::MissingResumeToken)),
+            (S::Starting,        Some("t"), true,  None,             None,        (false, true,  true,  R::AgentNotRunning)),
+            (S::Error,           Some("t"), true,  None,             None,        (false, true,  true,  R::AgentNotRunning)),
+            (S::Error,           None,      false, None,             None,        (false, false, false, R::NotResumable)),
+            (S::Completed,       Some("t"), true,  None,             None,        (false, false, false, R::SessionEnded)),
+            (S::Cancelled,       Some("t"), true,  Some(Running),    None,        (true,  false, false, R::SessionEnded)),
+        ]
+    };
+
+    #[test]
+    fn reasons_table() {
+        for (i, &(state, token, profile, agent, probe, expected)) in CASES.iter().enumerate() {
+            let s = session(state, token);
+            let v = agent.map(|a| view(&s, a, probe));
+            let st = session_status(&s, v.as_ref(), profile);
+            assert_eq!(
+                (
+                    st.is_agent_running,
+                    st.is_resumable,
+                    st.needs_resume,
+                    st.resume_reason
+                ),
+                expected,
+                "case {i}: {state} token={token:?} profile={profile} agent={agent:?} probe={probe:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn execution_of_another_session_is_ignored() {
+        let s = session(SessionState::WaitingForInput, Some("t"));
+        let mut other = view(&s, Running, Some(true));
+        other.session_id = SessionId::new();
+        let st = session_status(&s, Some(&other), true);
+        assert!(!st.is_agent_running);
+        assert!(st.needs_resume);
+        assert_eq!(st.executor_status, None);
+    }
+
+    #[test]
+    fn copies_session_and_execution_fields() {
+        let mut s = session(SessionState::Error, Some("t"));
+        s.error_message = Some("boom".into());
+        s.agent_execution_id = Some("old/1".into());
+        let st = session_status(&s, None, true);
+        assert_eq!(st.agent_execution_id.as_deref(), Some("old/1"));
+        assert_eq!(st.worktree_path, "/work/wt");
+        assert_eq!(st.worktree_branch, "feature");
+        assert_eq!(st.error_message.as_deref(), Some("boom"));
+        assert_eq!(st.runtime, Runtime::LocalDocker);
+
+        let v = view(&s, NotRunning, None);
+        let st = session_status(&s, Some(&v), true);
+        assert_eq!(st.agent_execution_id.as_deref(), Some("exec/1"));
+        assert_eq!(st.executor_status, Some(ExecutorStatus::Ready));
+    }
+
+    #[test]
+    fn reason_strings_match_the_proto() {
+        let strings: Vec<_> = R::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(
+            strings,
+            [
+                "",
+                "agent_not_running",
+                "not_resumable",
+                "missing_resume_token",
+                "session_ended"
+            ]
+        );
+        for r in R::ALL {
+            assert_eq!(R::parse(r.as_str()), Ok(*r));
+        }
+        assert!(R::parse("nope").is_err());
+    }
+
+    #[test]
+    fn check_resume_follows_the_reason() {
+        let s = session(SessionState::Error, Some("t"));
+        assert_eq!(check_resume(&session_status(&s, None, true)), Ok(true));
+        assert_eq!(
+            check_resume(&session_status(&s, None, false)),
+            Err(ResumeRefused::NotResumable)
+        );
+        let running = view(&s, Running, None);
+        assert_eq!(
+            check_resume(&session_status(&s, Some(&running), true)),
+            Ok(false)
+        );
+        let ended = session(SessionState::Completed, Some("t"));
+        assert_eq!(
+            check_resume(&session_status(&ended, None, true)),
+            Err(ResumeRefused::SessionEnded(SessionState::Completed))
+        );
+        let tokenless = session(SessionState::WaitingForInput, None);
+        assert_eq!(
+            check_resume(&session_status(&tokenless, None, true)),
+            Err(ResumeRefused::MissingResumeToken)
+        );
+    }
+}
