@@ -1,0 +1,528 @@
+//! `local_docker`: agentctl inside a local container, through bollard.
+//!
+//! The container is named `sessiond-<executor_id>` and labelled
+//! `sessiond.executor_id`, `sessiond.session_id`, `sessiond.task_id`; the
+//! worktree is bind-mounted at [`DockerConfig::container_workspace`] and a
+//! per-executor run directory at `/run/sessiond`, where agentctl writes its port
+//! file. With the default `host` network mode that port is reachable on the
+//! host's loopback.
+//!
+//! **Launch** creates the container; when the name is taken (a concurrent
+//! launch, or a crash between create and persist) it adopts the existing
+//! container instead, so one executor never gets two containers. It then
+//! starts it and waits for `Health` to answer with the executor id.
+//!
+//! **Recover** finds the container by the recorded id, then by the
+//! `sessiond.executor_id` label: running → health check (reattached); exited or
+//! created → start, then health (restarted); paused → unpause, then health;
+//! missing → [`Error::ContainerMissing`]. **Stop** stops the container (it can
+//! be recovered later); **remove** removes it and its run directory.
+
+use std::{
+    collections::HashMap,
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use async_trait::async_trait;
+use bollard::{
+    API_DEFAULT_VERSION, Docker,
+    errors::Error as BollardError,
+    models::{ContainerCreateBody, ContainerInspectResponse, ContainerStateStatusEnum, HostConfig},
+    query_parameters::{
+        CreateContainerOptions, InspectContainerOptions, ListContainersOptions,
+        RemoveContainerOptions, StartContainerOptions, StopContainerOptions,
+    },
+};
+use sessiond_domain::{ExecutorId, Runtime};
+
+use crate::{
+    AgentctlClient, ClientConfig, Executor, ExecutorHandle, Health, LaunchSpec, Recovered,
+    RecoveryAction,
+    error::{Error, Result},
+    fresh_secret,
+    standalone::{read_port, remove_if_exists},
+};
+
+/// Label holding the executor id.
+pub const LABEL_EXECUTOR_ID: &str = "sessiond.executor_id";
+/// Label holding the session id.
+pub const LABEL_SESSION_ID: &str = "sessiond.session_id";
+/// Label holding the task id.
+pub const LABEL_TASK_ID: &str = "sessiond.task_id";
+/// Where the run directory is mounted inside the container.
+const CONTAINER_RUN_DIR: &str = "/run/sessiond";
+
+/// The deterministic container name of an executor.
+pub fn container_name(executor_id: ExecutorId) -> String {
+    format!("sessiond-{executor_id}")
+}
+
+/// Resource limits of an executor's container; `None` leaves the engine default.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResourceLimits {
+    pub memory_bytes: Option<i64>,
+    /// CPUs in units of 10^-9 (1.5 CPUs = 1_500_000_000).
+    pub nano_cpus: Option<i64>,
+    pub pids_limit: Option<i64>,
+}
+
+/// Configuration of the Docker driver.
+#[derive(Debug, Clone)]
+pub struct DockerConfig {
+    /// Engine address: `unix:///path/to/docker.sock` or `tcp://host:port`.
+    pub docker_host: String,
+    /// Image holding agentctl (and the agents), e.g. `sessiond-agentctl:dev`.
+    pub image: String,
+    /// agentctl inside the image.
+    pub agentctl_path: String,
+    /// `host` by default: these machines have no bridge network, and the
+    /// backend reaches agentctl on loopback.
+    pub network_mode: String,
+    pub limits: ResourceLimits,
+    /// Where the worktree is mounted inside the container.
+    pub container_workspace: String,
+    /// `user[:group]` to run as inside the container; the image default when unset.
+    pub user: Option<String>,
+    /// Host directory for per-executor run directories (port files).
+    pub run_dir: PathBuf,
+    /// Passed as `--idle-timeout`.
+    pub idle_timeout: Option<Duration>,
+    /// Limit for agentctl to answer `Health` after a start.
+    pub startup_timeout: Duration,
+    /// Between TERM and KILL when stopping the container.
+    pub stop_grace: Duration,
+    /// Timeout of each Docker API call.
+    pub api_timeout: Duration,
+    pub client: ClientConfig,
+}
+
+impl DockerConfig {
+    pub fn new(docker_host: impl Into<String>, image: impl Into<String>, run_dir: PathBuf) -> Self {
+        Self {
+            docker_host: docker_host.into(),
+            image: image.into(),
+            agentctl_path: "/usr/local/bin/agentctl".into(),
+            network_mode: "host".into(),
+            limits: ResourceLimits::default(),
+            container_workspace: "/workspace".into(),
+            user: None,
+            run_dir,
+            idle_timeout: None,
+            startup_timeout: Duration::from_secs(15),
+            stop_grace: Duration::from_secs(5),
+            api_timeout: Duration::from_secs(30),
+            client: ClientConfig::default(),
+        }
+    }
+}
+
+/// The Docker driver.
+#[derive(Debug, Clone)]
+pub struct DockerExecutor {
+    docker: Docker,
+    config: DockerConfig,
+}
+
+/// What the driver needs to know about one container.
+#[derive(Debug)]
+struct Found {
+    id: String,
+    status: ContainerStateStatusEnum,
+    secret: Option<String>,
+}
+
+impl DockerExecutor {
+    /// Connects to the engine and negotiates the API version (the engines
+    /// here speak older versions than bollard's default).
+    pub async fn connect(config: DockerConfig) -> Result<Self> {
+        let timeout = config.api_timeout.as_secs().max(1);
+        let host = config.docker_host.as_str();
+        let docker = if host.starts_with("unix://") || host.starts_with('/') {
+            Docker::connect_with_unix(host, timeout, API_DEFAULT_VERSION)?
+        } else if host.starts_with("tcp://") || host.starts_with("http://") {
+            Docker::connect_with_http(host, timeout, API_DEFAULT_VERSION)?
+        } else {
+            return Err(Error::Config(format!(
+                "docker_host {host:?}: expected unix:// or tcp://"
+            )));
+        };
+        let docker = docker.negotiate_version().await?;
+        Ok(Self { docker, config })
+    }
+
+    /// The engine connection, for callers that need more than the trait.
+    pub fn docker(&self) -> &Docker {
+        &self.docker
+    }
+
+    /// Ids of every container (running or not) labelled with `executor_id`.
+    pub async fn containers_of(&self, executor_id: ExecutorId) -> Result<Vec<String>> {
+        let filters = HashMap::from([(
+            "label".to_owned(),
+            vec![format!("{LABEL_EXECUTOR_ID}={executor_id}")],
+        )]);
+        let options = ListContainersOptions {
+            all: true,
+            filters: Some(filters),
+            ..Default::default()
+        };
+        let list = self.docker.list_containers(Some(options)).await?;
+        Ok(list.into_iter().filter_map(|c| c.id).collect())
+    }
+
+    fn run_dir(&self, executor_id: ExecutorId) -> PathBuf {
+        self.config.run_dir.join(executor_id.to_string())
+    }
+
+    fn port_file(&self, executor_id: ExecutorId) -> PathBuf {
+        self.run_dir(executor_id).join("port")
+    }
+
+    fn create_body(&self, spec: &LaunchSpec, secret: &str) -> ContainerCreateBody {
+        let id = spec.executor_id;
+        let c = &self.config;
+        let mut cmd = vec![
+            c.agentctl_path.clone(),
+            "--executor-id".into(),
+            id.to_string(),
+            "--workspace".into(),
+            c.container_workspace.clone(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--port-file".into(),
+            format!("{CONTAINER_RUN_DIR}/port"),
+        ];
+        if let Some(idle) = c.idle_timeout {
+            cmd.extend([
+                "--idle-timeout".into(),
+                format!("{}s", idle.as_secs().max(1)),
+            ]);
+        }
+        let labels = HashMap::from([
+            (LABEL_EXECUTOR_ID.to_owned(), id.to_string()),
+            (LABEL_SESSION_ID.to_owned(), spec.session_id.to_string()),
+            (LABEL_TASK_ID.to_owned(), spec.task_id.to_string()),
+        ]);
+        let binds = vec![
+            format!(
+                "{}:{}",
+                spec.workspace_path.display(),
+                c.container_workspace
+            ),
+            format!("{}:{CONTAINER_RUN_DIR}", self.run_dir(id).display()),
+        ];
+        ContainerCreateBody {
+            image: Some(c.image.clone()),
+            cmd: Some(cmd),
+            env: Some(vec![format!("AGENTCTL_SECRET={secret}")]),
+            labels: Some(labels),
+            working_dir: Some(c.container_workspace.clone()),
+            user: c.user.clone(),
+            host_config: Some(HostConfig {
+                network_mode: Some(c.network_mode.clone()),
+                binds: Some(binds),
+                memory: c.limits.memory_bytes,
+                nano_cpus: c.limits.nano_cpus,
+                pids_limit: c.limits.pids_limit,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// The container by id, `None` when the engine does not know it.
+    async fn inspect(&self, id_or_name: &str) -> Result<Option<Found>> {
+        match self
+            .docker
+            .inspect_container(id_or_name, None::<InspectContainerOptions>)
+            .await
+        {
+            Ok(info) => Ok(Some(found(info))),
+            Err(BollardError::DockerResponseServerError {
+                status_code: 404, ..
+            }) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Recorded id first, then the executor label.
+    async fn locate(&self, handle: &ExecutorHandle) -> Result<Option<Found>> {
+        if let Some(id) = &handle.container_id
+            && let Some(found) = self.inspect(id).await?
+        {
+            return Ok(Some(found));
+        }
+        for id in self.containers_of(handle.executor_id).await? {
+            if let Some(found) = self.inspect(&id).await? {
+                return Ok(Some(found));
+            }
+        }
+        Ok(None)
+    }
+
+    async fn start(&self, container_id: &str) -> Result<()> {
+        // 304 (already started, e.g. by a concurrent launch) is a success for bollard.
+        self.docker
+            .start_container(container_id, None::<StartContainerOptions>)
+            .await?;
+        Ok(())
+    }
+
+    /// Waits for agentctl in the container to write its port and answer
+    /// `Health` with the executor id.
+    async fn wait_ready(
+        &self,
+        executor_id: ExecutorId,
+        container_id: &str,
+        secret: &str,
+    ) -> Result<(u16, Health)> {
+        let started = Instant::now();
+        let deadline = started + self.config.startup_timeout;
+        let port_file = self.port_file(executor_id);
+        let mut last_error = String::from("no port file yet");
+        loop {
+            // A stale port from the previous start fails Health (nobody or
+            // someone else listens), so it is retried until agentctl rewrites it.
+            if let Some(port) = read_port(&port_file) {
+                let client = AgentctlClient::new(&local_url(port), secret, &self.config.client)?;
+                match client.verify_identity(executor_id).await {
+                    Ok(health) => {
+                        tracing::info!(%executor_id, container_id, port,
+                            elapsed_ms = started.elapsed().as_millis() as u64, "agentctl in container ready");
+                        return Ok((port, health));
+                    }
+                    Err(e) => last_error = e.to_string(),
+                }
+            }
+            if let Some(found) = self.inspect(container_id).await?
+                && matches!(
+                    found.status,
+                    ContainerStateStatusEnum::EXITED | ContainerStateStatusEnum::DEAD
+                )
+            {
+                return Err(Error::ExitedEarly {
+                    executor_id,
+                    status: format!("container {container_id} is {}", found.status),
+                    log_hint: format!("; see `docker logs {container_id}`"),
+                });
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::NotReady {
+                    executor_id,
+                    timeout: self.config.startup_timeout,
+                    last_error,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn handle_for(
+        &self,
+        spec: &LaunchSpec,
+        container_id: String,
+        secret: String,
+        port: u16,
+    ) -> ExecutorHandle {
+        let mut handle = ExecutorHandle::new(spec, Runtime::LocalDocker, secret, local_url(port));
+        handle.agentctl_port = Some(port);
+        handle.container_id = Some(container_id);
+        handle
+    }
+}
+
+#[async_trait]
+impl Executor for DockerExecutor {
+    fn runtime(&self) -> Runtime {
+        Runtime::LocalDocker
+    }
+
+    async fn launch(&self, spec: &LaunchSpec) -> Result<ExecutorHandle> {
+        let id = spec.executor_id;
+        if !spec.workspace_path.is_dir() {
+            return Err(Error::WorkspaceMissing {
+                executor_id: id,
+                path: spec.workspace_path.clone(),
+            });
+        }
+        let run_dir = self.run_dir(id);
+        std::fs::create_dir_all(&run_dir).map_err(|source| Error::Io {
+            action: "creating run directory",
+            path: run_dir.clone(),
+            source,
+        })?;
+        let name = container_name(id);
+        let secret = fresh_secret();
+        let options = CreateContainerOptions {
+            name: Some(name.clone()),
+            ..Default::default()
+        };
+        let (container_id, secret) = match self
+            .docker
+            .create_container(Some(options), self.create_body(spec, &secret))
+            .await
+        {
+            Ok(created) => {
+                tracing::info!(executor_id = %id, container_id = %created.id, "container created");
+                (created.id, secret)
+            }
+            Err(BollardError::DockerResponseServerError {
+                status_code: 409, ..
+            }) => {
+                // Someone created it first: adopt theirs, with its secret.
+                let found = self
+                    .inspect(&name)
+                    .await?
+                    .ok_or_else(|| Error::ContainerMissing {
+                        executor_id: id,
+                        container_id: Some(name.clone()),
+                    })?;
+                tracing::info!(executor_id = %id, container_id = %found.id, "container exists, adopting it");
+                let secret = found.secret.ok_or_else(|| Error::ContainerUnusable {
+                    executor_id: id,
+                    container_id: found.id.clone(),
+                    state: "missing its AGENTCTL_SECRET".into(),
+                })?;
+                (found.id, secret)
+            }
+            Err(BollardError::DockerResponseServerError {
+                status_code: 404,
+                message,
+            }) => {
+                return Err(Error::Config(format!(
+                    "image {:?}: {message} (build it with `cargo xtask docker-image`)",
+                    self.config.image
+                )));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        self.start(&container_id).await?;
+        let (port, _) = self.wait_ready(id, &container_id, &secret).await?;
+        Ok(self.handle_for(spec, container_id, secret, port))
+    }
+
+    async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered> {
+        let id = handle.executor_id;
+        let found = self
+            .locate(handle)
+            .await?
+            .ok_or_else(|| Error::ContainerMissing {
+                executor_id: id,
+                container_id: handle.container_id.clone(),
+            })?;
+        let action = match found.status {
+            ContainerStateStatusEnum::RUNNING | ContainerStateStatusEnum::RESTARTING => {
+                RecoveryAction::Reattached
+            }
+            ContainerStateStatusEnum::EXITED | ContainerStateStatusEnum::CREATED => {
+                tracing::info!(executor_id = %id, container_id = %found.id, status = %found.status, "starting stopped container");
+                self.start(&found.id).await?;
+                RecoveryAction::Restarted
+            }
+            ContainerStateStatusEnum::PAUSED => {
+                self.docker.unpause_container(&found.id).await?;
+                RecoveryAction::Restarted
+            }
+            other => {
+                return Err(Error::ContainerUnusable {
+                    executor_id: id,
+                    container_id: found.id,
+                    state: other.to_string(),
+                });
+            }
+        };
+        let secret = found.secret.unwrap_or_else(|| handle.auth_secret.clone());
+        let (port, health) = self.wait_ready(id, &found.id, &secret).await?;
+        let mut recovered = handle.clone();
+        recovered.runtime = Runtime::LocalDocker;
+        recovered.container_id = Some(found.id);
+        recovered.auth_secret = secret;
+        recovered.agentctl_port = Some(port);
+        recovered.agentctl_url = local_url(port);
+        Ok(Recovered {
+            handle: recovered,
+            action,
+            health,
+        })
+    }
+
+    async fn stop(&self, handle: &ExecutorHandle) -> Result<()> {
+        let Some(found) = self.locate(handle).await? else {
+            return Ok(());
+        };
+        let t = i32::try_from(self.config.stop_grace.as_secs()).unwrap_or(i32::MAX);
+        let options = StopContainerOptions {
+            t: Some(t),
+            ..Default::default()
+        };
+        match self.docker.stop_container(&found.id, Some(options)).await {
+            Ok(())
+            | Err(BollardError::DockerResponseServerError {
+                status_code: 404, ..
+            }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn remove(&self, handle: &ExecutorHandle) -> Result<()> {
+        let mut ids = self.containers_of(handle.executor_id).await?;
+        ids.extend(handle.container_id.clone());
+        ids.sort();
+        ids.dedup();
+        for id in ids {
+            let options = RemoveContainerOptions {
+                force: true,
+                v: true,
+                ..Default::default()
+            };
+            match self.docker.remove_container(&id, Some(options)).await {
+                Ok(())
+                | Err(BollardError::DockerResponseServerError {
+                    status_code: 404, ..
+                }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        remove_if_exists(&self.port_file(handle.executor_id))?;
+        let dir = self.run_dir(handle.executor_id);
+        match std::fs::remove_dir(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io {
+                action: "removing run directory",
+                path: dir,
+                source: e,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn client(&self, handle: &ExecutorHandle) -> Result<AgentctlClient> {
+        AgentctlClient::new(
+            &handle.agentctl_url,
+            &handle.auth_secret,
+            &self.config.client,
+        )
+    }
+}
+
+fn found(info: ContainerInspectResponse) -> Found {
+    let status = info
+        .state
+        .and_then(|s| s.status)
+        .unwrap_or(ContainerStateStatusEnum::EMPTY);
+    let secret = info
+        .config
+        .and_then(|c| c.env)
+        .unwrap_or_default()
+        .into_iter()
+        .find_map(|kv| kv.strip_prefix("AGENTCTL_SECRET=").map(str::to_owned));
+    Found {
+        id: info.id.unwrap_or_default(),
+        status,
+        secret,
+    }
+}
+
+fn local_url(port: u16) -> String {
+    format!("http://127.0.0.1:{port}")
+}

@@ -1,0 +1,138 @@
+//! The one error type of this crate.
+
+use std::{path::PathBuf, time::Duration};
+
+use sessiond_domain::ExecutorId;
+
+/// `Result` with this crate's [`Error`] as the default error.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything an executor driver or the agentctl client can fail with.
+///
+/// Messages name the executor, address or path involved so that a user can act
+/// on them; [`Error::is_unavailable`] tells the caller whether waiting and
+/// retrying may help.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The driver's configuration or the caller's input cannot work.
+    #[error("invalid executor configuration: {0}")]
+    Config(String),
+
+    /// The TCP/TLS connection to agentctl could not be made.
+    #[error("agentctl at {url} is unreachable: {message}")]
+    Unreachable { url: String, message: String },
+
+    /// agentctl (or something listening on its address) did not answer in time.
+    #[error("agentctl at {url} did not answer {call} within {timeout:?}")]
+    Timeout {
+        url: String,
+        call: &'static str,
+        timeout: Duration,
+    },
+
+    /// agentctl answered with a gRPC error.
+    #[error("agentctl at {url} failed {call}: {status}")]
+    Rpc {
+        url: String,
+        call: &'static str,
+        status: Box<tonic::Status>,
+    },
+
+    /// agentctl refused the executor's secret.
+    #[error("agentctl at {url} rejected the executor secret")]
+    Unauthenticated { url: String },
+
+    /// Something answered at the recorded address, but not the agentctl of
+    /// this executor.
+    #[error("agentctl at {url} serves executor {actual:?}, not {expected}")]
+    IdentityMismatch {
+        url: String,
+        expected: ExecutorId,
+        actual: String,
+    },
+
+    /// agentctl did not become healthy before the startup deadline.
+    #[error("agentctl for executor {executor_id} not ready within {timeout:?}: {last_error}")]
+    NotReady {
+        executor_id: ExecutorId,
+        timeout: Duration,
+        last_error: String,
+    },
+
+    /// The agentctl binary could not be started.
+    #[error("cannot start agentctl {path}: {source}")]
+    Spawn {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+
+    /// The agentctl process ended before it became healthy.
+    #[error("agentctl for executor {executor_id} exited during startup ({status}){log_hint}")]
+    ExitedEarly {
+        executor_id: ExecutorId,
+        status: String,
+        log_hint: String,
+    },
+
+    /// The executor's worktree is gone, so nothing can be launched in it.
+    #[error("workspace {path} of executor {executor_id} does not exist")]
+    WorkspaceMissing {
+        executor_id: ExecutorId,
+        path: PathBuf,
+    },
+
+    /// Neither the recorded container id nor the executor's label finds a container.
+    #[error("no container for executor {executor_id} (looked up id {container_id:?} and label)")]
+    ContainerMissing {
+        executor_id: ExecutorId,
+        container_id: Option<String>,
+    },
+
+    /// The container exists in a state the driver cannot bring back.
+    #[error("container {container_id} of executor {executor_id} is {state}")]
+    ContainerUnusable {
+        executor_id: ExecutorId,
+        container_id: String,
+        state: String,
+    },
+
+    /// The Docker engine refused or failed a call.
+    #[error("docker engine: {0}")]
+    Docker(Box<bollard::errors::Error>),
+
+    /// A local file operation failed.
+    #[error("{action} {path}: {source}")]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+
+    /// Signalling or inspecting a local process failed.
+    #[error("process {pid}: {message}")]
+    Process { pid: u32, message: String },
+}
+
+impl Error {
+    /// True when the failure may go away by itself (host down, agentctl
+    /// starting or hung, engine busy): a caller may retry later. False for
+    /// failures that need someone to act (bad config, wrong identity, missing
+    /// workspace or container).
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            Error::Unreachable { .. } | Error::Timeout { .. } | Error::NotReady { .. } => true,
+            Error::Rpc { status, .. } => matches!(
+                status.code(),
+                tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Unknown
+            ),
+            Error::Docker(_) => true,
+            _ => false,
+        }
+    }
+}
+
+impl From<bollard::errors::Error> for Error {
+    fn from(err: bollard::errors::Error) -> Self {
+        Error::Docker(Box::new(err))
+    }
+}

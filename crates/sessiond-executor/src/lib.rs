@@ -1,0 +1,307 @@
+//! Executors: where an agentctl (and so an agent) runs, behind one trait.
+//!
+//! [`Executor`] launches, recovers, probes and stops the agentctl of one
+//! executor; the three drivers are [`standalone::StandaloneExecutor`] (a local
+//! process), [`docker::DockerExecutor`] (a local container, through bollard)
+//! and [`remote::RemoteExecutor`] (an agentctl some other host runs). Every
+//! driver returns an [`ExecutorHandle`]: the fields the caller persists in
+//! `executors_running` (see [`ExecutorHandle::apply_to`]) and hands back to
+//! recover, probe or stop that executor later, possibly from another backend
+//! process.
+//!
+//! This crate is the only one that knows OS processes, Docker and the agentctl
+//! transport. It reads no configuration: drivers take typed config structs.
+
+mod client;
+pub mod docker;
+mod error;
+pub mod process;
+pub mod remote;
+pub mod standalone;
+
+use std::{fmt, path::PathBuf, time::Duration};
+
+use async_trait::async_trait;
+use sessiond_domain::{ExecutorId, ExecutorRecord, Runtime, SessionId, TaskId};
+
+pub use client::{
+    AgentState, AgentctlClient, BearerAuth, Capabilities, ClientConfig, Health, RawClient, Support,
+    TlsConfig,
+};
+pub use error::{Error, Result};
+
+/// What to launch: one agentctl for one executor, in one workspace.
+#[derive(Debug, Clone)]
+pub struct LaunchSpec {
+    pub executor_id: ExecutorId,
+    pub session_id: SessionId,
+    pub task_id: TaskId,
+    /// The worktree agentctl serves (host path).
+    pub workspace_path: PathBuf,
+    /// The generation the caller persisted with its launch intent
+    /// (`executors_running.status = starting`) before calling `launch`.
+    pub generation: i64,
+    /// Address and secret of an agentctl that already runs elsewhere; only the
+    /// remote driver uses (and requires) it.
+    pub remote: Option<RemoteTarget>,
+}
+
+/// An agentctl that some other host runs.
+#[derive(Clone)]
+pub struct RemoteTarget {
+    pub url: String,
+    pub auth_secret: String,
+}
+
+impl fmt::Debug for RemoteTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteTarget")
+            .field("url", &self.url)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where an executor's agentctl is and how to prove it is ours: everything
+/// `executors_running` records about the runtime side of an executor.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ExecutorHandle {
+    pub executor_id: ExecutorId,
+    pub session_id: SessionId,
+    pub task_id: TaskId,
+    pub runtime: Runtime,
+    pub workspace_path: PathBuf,
+    pub generation: i64,
+    /// The bearer secret agentctl was started with.
+    pub auth_secret: String,
+    /// `http://127.0.0.1:<port>` for local drivers.
+    pub agentctl_url: String,
+    pub agentctl_port: Option<u16>,
+    /// Standalone: agentctl's pid and its start time (`/proc/<pid>/stat` field 22).
+    pub pid: Option<u32>,
+    pub pid_start_time: Option<u64>,
+    /// Docker: the container's full id.
+    pub container_id: Option<String>,
+}
+
+impl fmt::Debug for ExecutorHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExecutorHandle")
+            .field("executor_id", &self.executor_id)
+            .field("session_id", &self.session_id)
+            .field("task_id", &self.task_id)
+            .field("runtime", &self.runtime)
+            .field("workspace_path", &self.workspace_path)
+            .field("generation", &self.generation)
+            .field("auth_secret", &"<redacted>")
+            .field("agentctl_url", &self.agentctl_url)
+            .field("agentctl_port", &self.agentctl_port)
+            .field("pid", &self.pid)
+            .field("pid_start_time", &self.pid_start_time)
+            .field("container_id", &self.container_id)
+            .finish()
+    }
+}
+
+impl ExecutorHandle {
+    /// The handle a stored record describes, to recover or stop it.
+    pub fn from_record(record: &ExecutorRecord) -> Self {
+        Self {
+            executor_id: record.id,
+            session_id: record.session_id,
+            task_id: record.task_id,
+            runtime: record.runtime,
+            workspace_path: PathBuf::from(&record.workspace_path),
+            generation: record.generation,
+            auth_secret: record.auth_secret.clone(),
+            agentctl_url: record.agentctl_url.clone().unwrap_or_default(),
+            agentctl_port: record.agentctl_port,
+            pid: record.pid,
+            pid_start_time: record.pid_start_time,
+            container_id: record.container_id.clone(),
+        }
+    }
+
+    /// Writes the runtime fields into `record` (url, port, pid, start time,
+    /// container id, secret, generation); status and timestamps stay the
+    /// caller's business.
+    pub fn apply_to(&self, record: &mut ExecutorRecord) {
+        record.agentctl_url = Some(self.agentctl_url.clone()).filter(|u| !u.is_empty());
+        record.agentctl_port = self.agentctl_port;
+        record.pid = self.pid;
+        record.pid_start_time = self.pid_start_time;
+        record.container_id = self.container_id.clone();
+        record.auth_secret = self.auth_secret.clone();
+        record.generation = self.generation;
+    }
+
+    fn new(spec: &LaunchSpec, runtime: Runtime, auth_secret: String, url: String) -> Self {
+        Self {
+            executor_id: spec.executor_id,
+            session_id: spec.session_id,
+            task_id: spec.task_id,
+            runtime,
+            workspace_path: spec.workspace_path.clone(),
+            generation: spec.generation,
+            auth_secret,
+            agentctl_url: url,
+            agentctl_port: None,
+            pid: None,
+            pid_start_time: None,
+            container_id: None,
+        }
+    }
+
+    /// The spec to launch this executor anew with the next generation.
+    pub fn relaunch_spec(&self) -> LaunchSpec {
+        LaunchSpec {
+            executor_id: self.executor_id,
+            session_id: self.session_id,
+            task_id: self.task_id,
+            workspace_path: self.workspace_path.clone(),
+            generation: self.generation + 1,
+            remote: None,
+        }
+    }
+}
+
+/// How [`Executor::recover`] got the executor back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecoveryAction {
+    /// The recorded agentctl was running and proved its identity: nothing was
+    /// started, the handle is unchanged.
+    Reattached,
+    /// The recorded container existed but was stopped; it was started again
+    /// (same container, new agentctl process inside).
+    Restarted,
+    /// A new agentctl was launched (generation + 1) because the recorded one
+    /// was gone or could not be trusted.
+    Relaunched,
+}
+
+/// A recovered executor: its (possibly new) handle and what was done.
+#[derive(Debug, Clone)]
+pub struct Recovered {
+    pub handle: ExecutorHandle,
+    pub action: RecoveryAction,
+    pub health: Health,
+}
+
+/// One kind of executor runtime.
+///
+/// Object safe, so the caller can hold one `Arc<dyn Executor>` per
+/// [`Runtime`]. Every method is bounded in time by the driver's configuration.
+#[async_trait]
+pub trait Executor: Send + Sync + fmt::Debug {
+    /// The runtime this driver serves.
+    fn runtime(&self) -> Runtime;
+
+    /// Starts (or, for remote, connects to) the agentctl of `spec` and returns
+    /// once it answered `Health` with the executor's id.
+    async fn launch(&self, spec: &LaunchSpec) -> Result<ExecutorHandle>;
+
+    /// Brings the executor of a stored handle back: reattach when the recorded
+    /// agentctl still runs and proves its identity, otherwise as the driver's
+    /// recover rules say (see each driver's module documentation).
+    async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered>;
+
+    /// `Health` of the handle's agentctl, checked against its executor id.
+    async fn health(&self, handle: &ExecutorHandle) -> Result<Health> {
+        self.client(handle)?
+            .verify_identity(handle.executor_id)
+            .await
+    }
+
+    /// The capability probe of the handle's agentctl.
+    async fn capabilities(&self, handle: &ExecutorHandle) -> Result<Capabilities> {
+        self.client(handle)?.capabilities().await
+    }
+
+    /// Stops the executor's runtime (process ended, container stopped, remote
+    /// agent stopped); what is needed to start it again stays.
+    async fn stop(&self, handle: &ExecutorHandle) -> Result<()>;
+
+    /// Stops the executor and removes what the driver made for it.
+    async fn remove(&self, handle: &ExecutorHandle) -> Result<()>;
+
+    /// An authenticated client of the handle's agentctl, with per-call
+    /// deadlines and a connect timeout. Does not connect yet.
+    fn client(&self, handle: &ExecutorHandle) -> Result<AgentctlClient>;
+}
+
+/// A fresh bearer secret: 244 random bits from the OS generator, as hex.
+pub fn fresh_secret() -> String {
+    format!(
+        "{}{}",
+        uuid::Uuid::new_v4().simple(),
+        uuid::Uuid::new_v4().simple()
+    )
+}
+
+/// Exponential backoff with jitter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    pub initial: Duration,
+    pub max: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self {
+            initial: Duration::from_millis(250),
+            max: Duration::from_secs(30),
+        }
+    }
+}
+
+impl Backoff {
+    /// Delay before retry number `attempt` (0-based): `initial * 2^attempt`
+    /// capped at `max`, then a random point in its upper half ("equal jitter"),
+    /// so many executors reconnecting at once spread out.
+    pub fn delay(&self, attempt: u32) -> Duration {
+        let base = self
+            .initial
+            .saturating_mul(2u32.saturating_pow(attempt.min(30)))
+            .min(self.max);
+        let half = base / 2;
+        let random = (uuid::Uuid::new_v4().as_u128() & 0xffff_ffff) as f64 / f64::from(u32::MAX);
+        half + half.mul_f64(random)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_with_jitter_and_caps() {
+        let b = Backoff {
+            initial: Duration::from_millis(100),
+            max: Duration::from_secs(1),
+        };
+        for _ in 0..50 {
+            let d0 = b.delay(0);
+            assert!(
+                d0 >= Duration::from_millis(50) && d0 <= Duration::from_millis(100),
+                "{d0:?}"
+            );
+            let d2 = b.delay(2);
+            assert!(
+                d2 >= Duration::from_millis(200) && d2 <= Duration::from_millis(400),
+                "{d2:?}"
+            );
+            let d9 = b.delay(40);
+            assert!(
+                d9 >= Duration::from_millis(500) && d9 <= Duration::from_secs(1),
+                "{d9:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn secrets_are_fresh_and_header_safe() {
+        let a = fresh_secret();
+        assert_eq!(a.len(), 64);
+        assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
+        assert_ne!(a, fresh_secret());
+    }
+}

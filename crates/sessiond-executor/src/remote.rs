@@ -1,0 +1,168 @@
+//! `remote`: an agentctl that another host runs; this driver starts nothing.
+//!
+//! **Launch** and **recover** connect to the agentctl URL (plain `http://`, or
+//! `https://` verified against a CA) and call `Health` until it answers with
+//! the executor id, retrying with exponential backoff and jitter until the
+//! configured deadline; then the executor is ready. A host that stays
+//! unreachable, or a listener that accepts and never answers, ends in an error
+//! once the deadline passes ([`Error::NotReady`] carrying the last failure).
+//! **Stop** asks agentctl to stop its agent; agentctl itself belongs to the
+//! remote host. **Remove** is the same as stop.
+
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use sessiond_domain::{ExecutorId, Runtime};
+
+use crate::{
+    AgentctlClient, Backoff, ClientConfig, Executor, ExecutorHandle, Health, LaunchSpec, Recovered,
+    RecoveryAction,
+    error::{Error, Result},
+};
+
+/// Configuration of the remote driver.
+#[derive(Debug, Clone)]
+pub struct RemoteConfig {
+    /// Connection timeouts and TLS trust (for `https://` URLs).
+    pub client: ClientConfig,
+    /// Delays between attempts.
+    pub backoff: Backoff,
+    /// How long launch and recover keep trying before giving up.
+    pub ready_deadline: Duration,
+    /// Grace passed to agentctl's `StopAgent` on stop.
+    pub stop_grace: Duration,
+}
+
+impl Default for RemoteConfig {
+    fn default() -> Self {
+        Self {
+            client: ClientConfig::default(),
+            backoff: Backoff::default(),
+            ready_deadline: Duration::from_secs(60),
+            stop_grace: Duration::from_secs(3),
+        }
+    }
+}
+
+/// The remote driver.
+#[derive(Debug, Clone)]
+pub struct RemoteExecutor {
+    config: RemoteConfig,
+}
+
+impl RemoteExecutor {
+    pub fn new(config: RemoteConfig) -> Self {
+        Self { config }
+    }
+
+    /// `Health` with identity check, retried with backoff until
+    /// `ready_deadline`. Fails at once on errors waiting cannot fix (wrong
+    /// secret, wrong executor, bad URL).
+    pub async fn wait_ready(
+        &self,
+        client: &AgentctlClient,
+        executor_id: ExecutorId,
+    ) -> Result<Health> {
+        let started = Instant::now();
+        let deadline = started + self.config.ready_deadline;
+        let mut attempt = 0u32;
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let last_error =
+                match tokio::time::timeout(remaining, client.verify_identity(executor_id)).await {
+                    Ok(Ok(health)) => {
+                        tracing::info!(%executor_id, url = client.url(), attempts = attempt + 1,
+                        elapsed_ms = started.elapsed().as_millis() as u64, "remote agentctl ready");
+                        return Ok(health);
+                    }
+                    Ok(Err(e)) if !e.is_unavailable() => return Err(e),
+                    Ok(Err(e)) => e.to_string(),
+                    Err(_) => format!("no answer within the remaining {remaining:?}"),
+                };
+            let delay = self.config.backoff.delay(attempt);
+            attempt += 1;
+            let now = Instant::now();
+            if now + delay >= deadline {
+                return Err(Error::NotReady {
+                    executor_id,
+                    timeout: self.config.ready_deadline,
+                    last_error,
+                });
+            }
+            tracing::debug!(%executor_id, url = client.url(), attempt, ?delay, %last_error, "remote agentctl not ready, retrying");
+            tokio::time::sleep(delay).await;
+        }
+    }
+}
+
+#[async_trait]
+impl Executor for RemoteExecutor {
+    fn runtime(&self) -> Runtime {
+        Runtime::Remote
+    }
+
+    async fn launch(&self, spec: &LaunchSpec) -> Result<ExecutorHandle> {
+        let target = spec.remote.as_ref().ok_or_else(|| {
+            Error::Config(format!(
+                "remote executor {} needs an agentctl URL and secret (LaunchSpec::remote)",
+                spec.executor_id
+            ))
+        })?;
+        let mut handle = ExecutorHandle::new(
+            spec,
+            Runtime::Remote,
+            target.auth_secret.clone(),
+            target.url.clone(),
+        );
+        handle.agentctl_port = port_of(&target.url);
+        self.wait_ready(&self.client(&handle)?, spec.executor_id)
+            .await?;
+        Ok(handle)
+    }
+
+    async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered> {
+        let health = self
+            .wait_ready(&self.client(handle)?, handle.executor_id)
+            .await?;
+        Ok(Recovered {
+            handle: handle.clone(),
+            action: RecoveryAction::Reattached,
+            health,
+        })
+    }
+
+    async fn stop(&self, handle: &ExecutorHandle) -> Result<()> {
+        self.client(handle)?
+            .stop_agent(self.config.stop_grace)
+            .await
+    }
+
+    async fn remove(&self, handle: &ExecutorHandle) -> Result<()> {
+        self.stop(handle).await
+    }
+
+    fn client(&self, handle: &ExecutorHandle) -> Result<AgentctlClient> {
+        AgentctlClient::new(
+            &handle.agentctl_url,
+            &handle.auth_secret,
+            &self.config.client,
+        )
+    }
+}
+
+fn port_of(url: &str) -> Option<u16> {
+    let authority = url.split("://").nth(1)?.split('/').next()?;
+    authority.rsplit_once(':')?.1.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn port_from_url() {
+        assert_eq!(port_of("http://127.0.0.1:7001"), Some(7001));
+        assert_eq!(port_of("https://[::1]:443/x"), Some(443));
+        assert_eq!(port_of("https://agent.example"), None);
+    }
+}

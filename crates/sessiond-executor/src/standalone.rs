@@ -1,0 +1,332 @@
+//! `local_standalone`: agentctl as a local process of this machine.
+//!
+//! **Launch** spawns agentctl (in its own process group, so signals aimed at
+//! the backend's group do not reach it and it outlives the backend) with a fresh
+//! secret in the environment, waits for its port file and for `Health` to
+//! answer with the executor id, and records pid, process start time, port and
+//! secret.
+//!
+//! **Recover** reattaches (same pid, nothing restarted) when the recorded pid
+//! runs, its start time equals the recorded one, and `Health` with the recorded
+//! secret answers with the executor id. Otherwise it launches a new agentctl
+//! with generation + 1. A pid whose start time does not match belongs to some
+//! other process: it is never signalled and never trusted. A process that does
+//! match but fails `Health` is ours and hung: it is terminated before the
+//! relaunch, so one executor never has two agentctls.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::{Duration, Instant},
+};
+
+use async_trait::async_trait;
+use sessiond_domain::{ExecutorId, Runtime};
+
+use crate::{
+    AgentctlClient, ClientConfig, Executor, ExecutorHandle, LaunchSpec, Recovered, RecoveryAction,
+    error::{Error, Result},
+    fresh_secret,
+    process::{self, OwnedProcess},
+};
+
+/// Configuration of the standalone driver.
+#[derive(Debug, Clone)]
+pub struct StandaloneConfig {
+    /// The agentctl binary; see [`default_agentctl_path`].
+    pub agentctl_path: PathBuf,
+    /// Directory for per-executor runtime files (`<executor_id>.port`, and the
+    /// agentctl log when `log_dir` is unset is discarded).
+    pub run_dir: PathBuf,
+    /// When set, agentctl's stdout and stderr go to `<log_dir>/<executor_id>.log`.
+    pub log_dir: Option<PathBuf>,
+    /// Passed as `--idle-timeout` (seconds): agentctl exits on its own after so
+    /// long without backend contact.
+    pub idle_timeout: Option<Duration>,
+    /// Limit for a launched agentctl to answer `Health`.
+    pub startup_timeout: Duration,
+    /// Between TERM and KILL when stopping.
+    pub stop_grace: Duration,
+    pub client: ClientConfig,
+}
+
+impl StandaloneConfig {
+    pub fn new(agentctl_path: PathBuf, run_dir: PathBuf) -> Self {
+        Self {
+            agentctl_path,
+            run_dir,
+            log_dir: None,
+            idle_timeout: None,
+            startup_timeout: Duration::from_secs(10),
+            stop_grace: Duration::from_secs(5),
+            client: ClientConfig::default(),
+        }
+    }
+}
+
+/// Where agentctl is by default: next to the running executable, else on
+/// `PATH`. For binaries building a [`StandaloneConfig`].
+pub fn default_agentctl_path() -> Option<PathBuf> {
+    let beside = std::env::current_exe().ok()?.parent()?.join("agentctl");
+    if beside.is_file() {
+        return Some(beside);
+    }
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|dir| dir.join("agentctl"))
+        .find(|p| p.is_file())
+}
+
+/// The standalone driver.
+#[derive(Debug, Clone)]
+pub struct StandaloneExecutor {
+    config: StandaloneConfig,
+}
+
+impl StandaloneExecutor {
+    pub fn new(config: StandaloneConfig) -> Self {
+        Self { config }
+    }
+
+    fn port_file(&self, id: ExecutorId) -> PathBuf {
+        self.config.run_dir.join(format!("{id}.port"))
+    }
+
+    fn log_file(&self, id: ExecutorId) -> Option<PathBuf> {
+        self.config
+            .log_dir
+            .as_ref()
+            .map(|d| d.join(format!("{id}.log")))
+    }
+
+    fn output(&self, id: ExecutorId) -> Result<(Stdio, Stdio)> {
+        let Some(path) = self.log_file(id) else {
+            return Ok((Stdio::null(), Stdio::null()));
+        };
+        let io_err = |source| Error::Io {
+            action: "opening agentctl log",
+            path: path.clone(),
+            source,
+        };
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(io_err)?;
+        let second = file.try_clone().map_err(io_err)?;
+        Ok((Stdio::from(file), Stdio::from(second)))
+    }
+
+    async fn spawn(&self, spec: &LaunchSpec) -> Result<ExecutorHandle> {
+        let id = spec.executor_id;
+        if !spec.workspace_path.is_dir() {
+            return Err(Error::WorkspaceMissing {
+                executor_id: id,
+                path: spec.workspace_path.clone(),
+            });
+        }
+        let run_dir = &self.config.run_dir;
+        std::fs::create_dir_all(run_dir).map_err(|source| Error::Io {
+            action: "creating run directory",
+            path: run_dir.clone(),
+            source,
+        })?;
+        let port_file = self.port_file(id);
+        remove_if_exists(&port_file)?;
+        let secret = fresh_secret();
+        let (stdout, stderr) = self.output(id)?;
+
+        let mut cmd = tokio::process::Command::new(&self.config.agentctl_path);
+        cmd.arg("--executor-id")
+            .arg(id.to_string())
+            .arg("--workspace")
+            .arg(&spec.workspace_path)
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--port-file")
+            .arg(&port_file)
+            .env("AGENTCTL_SECRET", &secret)
+            .current_dir(&spec.workspace_path)
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr)
+            // Own process group: outlives the backend and its terminal's signals.
+            .process_group(0)
+            .kill_on_drop(false);
+        if let Some(idle) = self.config.idle_timeout {
+            cmd.arg("--idle-timeout")
+                .arg(format!("{}s", idle.as_secs().max(1)));
+        }
+        let started = Instant::now();
+        let mut child = cmd.spawn().map_err(|source| Error::Spawn {
+            path: self.config.agentctl_path.clone(),
+            source,
+        })?;
+        let pid = child.id().ok_or_else(|| Error::ExitedEarly {
+            executor_id: id,
+            status: "exited before its pid was read".into(),
+            log_hint: String::new(),
+        })?;
+        // Our unreaped child: its /proc entry cannot be another process yet.
+        let start_time = process::start_time(pid).ok_or_else(|| Error::Process {
+            pid,
+            message: "no /proc entry right after spawn".into(),
+        })?;
+
+        let deadline = started + self.config.startup_timeout;
+        let mut last_error = String::from("no port file yet");
+        let ready = loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                let log_hint = self
+                    .log_file(id)
+                    .map(|p| format!("; see {}", p.display()))
+                    .unwrap_or_default();
+                return Err(Error::ExitedEarly {
+                    executor_id: id,
+                    status: status.to_string(),
+                    log_hint,
+                });
+            }
+            if let Some(port) = read_port(&port_file) {
+                let url = local_url(port);
+                // Retried until the deadline, mismatches included: a half-written
+                // port file may name someone else's port for a moment.
+                match AgentctlClient::new(&url, &secret, &self.config.client)?
+                    .verify_identity(id)
+                    .await
+                {
+                    Ok(_) => break Some(port),
+                    Err(e) => last_error = e.to_string(),
+                }
+            }
+            if Instant::now() >= deadline {
+                break None;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        };
+        let Some(port) = ready else {
+            // Started by us a moment ago, and the pidfd pins it: safe to end.
+            if let Some(proc) = OwnedProcess::open(pid, start_time) {
+                let _ = proc.terminate(start_time, self.config.stop_grace).await;
+            }
+            let _ = child.try_wait();
+            return Err(Error::NotReady {
+                executor_id: id,
+                timeout: self.config.startup_timeout,
+                last_error,
+            });
+        };
+        // Dropping the tokio child does not kill it; the runtime reaps it once
+        // it exits while this process still lives.
+        drop(child);
+        tracing::info!(
+            executor_id = %id, pid, port, generation = spec.generation,
+            elapsed_ms = started.elapsed().as_millis() as u64, "agentctl launched"
+        );
+        let mut handle =
+            ExecutorHandle::new(spec, Runtime::LocalStandalone, secret, local_url(port));
+        handle.agentctl_port = Some(port);
+        handle.pid = Some(pid);
+        handle.pid_start_time = Some(start_time);
+        Ok(handle)
+    }
+
+    /// The recorded agentctl, if that very process still runs.
+    fn recorded_process(handle: &ExecutorHandle) -> Option<OwnedProcess> {
+        OwnedProcess::open(handle.pid?, handle.pid_start_time?)
+    }
+}
+
+#[async_trait]
+impl Executor for StandaloneExecutor {
+    fn runtime(&self) -> Runtime {
+        Runtime::LocalStandalone
+    }
+
+    async fn launch(&self, spec: &LaunchSpec) -> Result<ExecutorHandle> {
+        self.spawn(spec).await
+    }
+
+    async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered> {
+        let id = handle.executor_id;
+        if let Some(proc) = Self::recorded_process(handle) {
+            match self.health(handle).await {
+                Ok(health) if health.pid == 0 || Some(health.pid) == handle.pid => {
+                    tracing::info!(executor_id = %id, pid = proc.pid(), "reattached to running agentctl");
+                    return Ok(Recovered {
+                        handle: handle.clone(),
+                        action: RecoveryAction::Reattached,
+                        health,
+                    });
+                }
+                outcome => {
+                    // pid and start time match: this is the process we started,
+                    // but it does not answer as it should. End it before relaunching.
+                    let reason = match outcome {
+                        Ok(h) => format!("Health reports pid {}", h.pid),
+                        Err(e) => e.to_string(),
+                    };
+                    tracing::warn!(executor_id = %id, pid = proc.pid(), %reason, "recorded agentctl unhealthy, replacing it");
+                    if let Some(start_time) = handle.pid_start_time {
+                        proc.terminate(start_time, self.config.stop_grace).await?;
+                    }
+                }
+            }
+        } else if let Some(pid) = handle.pid {
+            tracing::info!(executor_id = %id, pid, "recorded agentctl is gone (or its pid was reused); launching a new one");
+        }
+        let new = self.spawn(&handle.relaunch_spec()).await?;
+        let health = self.health(&new).await?;
+        Ok(Recovered {
+            handle: new,
+            action: RecoveryAction::Relaunched,
+            health,
+        })
+    }
+
+    async fn stop(&self, handle: &ExecutorHandle) -> Result<()> {
+        if let (Some(proc), Some(start_time)) =
+            (Self::recorded_process(handle), handle.pid_start_time)
+        {
+            proc.terminate(start_time, self.config.stop_grace).await?;
+        }
+        Ok(())
+    }
+
+    async fn remove(&self, handle: &ExecutorHandle) -> Result<()> {
+        self.stop(handle).await?;
+        remove_if_exists(&self.port_file(handle.executor_id))
+    }
+
+    fn client(&self, handle: &ExecutorHandle) -> Result<AgentctlClient> {
+        AgentctlClient::new(
+            &handle.agentctl_url,
+            &handle.auth_secret,
+            &self.config.client,
+        )
+    }
+}
+
+fn local_url(port: u16) -> String {
+    format!("http://127.0.0.1:{port}")
+}
+
+/// The port agentctl wrote, once the file holds a whole number.
+pub(crate) fn read_port(path: &Path) -> Option<u16> {
+    std::fs::read_to_string(path)
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+        .filter(|p| *p != 0)
+}
+
+pub(crate) fn remove_if_exists(path: &Path) -> Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io {
+            action: "removing",
+            path: path.to_owned(),
+            source: e,
+        }),
+        _ => Ok(()),
+    }
+}
