@@ -845,3 +845,853 @@ impl Recovery {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::EventKind;
+
+    use Observation as O;
+    use OutcomeLabel as L;
+    use SessionState as S;
+
+    fn input(runtime: Runtime, session_state: SessionState) -> RecoveryInput {
+        RecoveryInput {
+            executor_id: ExecutorId::new(),
+            runtime,
+            generation: 3,
+            agentctl_url: Some("http://10.0.0.7:7070".into()),
+            container_id: Some("c0ffee".into()),
+            pid: Some(4242),
+            pid_start_time: Some(99),
+            worktree_path: "/work/wt/feature".into(),
+            record_supports_session_resume: true,
+            profile_supports_session_resume: true,
+            resume_token: Some("tok".into()),
+            session_state,
+            policy: ResumePolicy::Startup,
+        }
+    }
+
+    fn kind(action: &Action) -> &'static str {
+        match action {
+            Action::CheckWorktree { .. } => "check_worktree",
+            Action::ProbeProcess { .. } => "probe_process",
+            Action::LaunchAgentctl { .. } => "launch_agentctl",
+            Action::FindContainer { .. } => "find_container",
+            Action::StartContainer { .. } => "start_container",
+            Action::HealthCheck => "health_check",
+            Action::ProbeCapabilities => "probe_capabilities",
+            Action::MarkExecutorReady { .. } => "mark_ready",
+            Action::ResumeAgent { .. } => "resume_agent",
+            Action::StopExecutor => "stop_executor",
+            Action::Done(_) => "done",
+        }
+    }
+
+    /// Feeds `observations` in order; returns every action and the outcome.
+    fn run(input: RecoveryInput, observations: Vec<Observation>) -> (Vec<Action>, RecoveryOutcome) {
+        let mut recovery = Recovery::new(input);
+        let mut actions = vec![recovery.start()];
+        for observation in observations {
+            let action = recovery.observe(observation).expect("expected observation");
+            actions.push(action);
+        }
+        match actions.last() {
+            Some(Action::Done(outcome)) => {
+                let outcome = outcome.clone();
+                (actions, outcome)
+            }
+            other => panic!("recovery not done, last action {other:?}"),
+        }
+    }
+
+    fn healthy() -> Observation {
+        O::Healthy {
+            agent: SurvivingAgent::None,
+        }
+    }
+
+    fn caps(supports: bool) -> Observation {
+        O::Capabilities {
+            supports_session_resume: supports,
+        }
+    }
+
+    struct Expect {
+        actions: &'static [&'static str],
+        label: OutcomeLabel,
+        executor: ExecutorStatus,
+        session: SessionState,
+        workspace: bool,
+        /// Events of the final write.
+        events: &'static [EventKind],
+    }
+
+    fn check(name: &str, input: RecoveryInput, observations: Vec<Observation>, expect: Expect) {
+        let initial = input.session_state;
+        let (actions, outcome) = run(input, observations);
+        let kinds: Vec<_> = actions.iter().map(kind).collect();
+        assert_eq!(kinds, expect.actions, "{name}: actions");
+        assert!(actions.len() <= MAX_STEPS, "{name}: bounded");
+        assert_eq!(outcome.label, expect.label, "{name}: label");
+        assert_eq!(outcome.executor_status, expect.executor, "{name}: executor");
+        assert_eq!(outcome.session_state, expect.session, "{name}: session");
+        assert_eq!(
+            outcome.workspace_enabled, expect.workspace,
+            "{name}: workspace"
+        );
+        let events: Vec<_> = outcome.events.iter().map(EventPayload::kind).collect();
+        assert_eq!(events, expect.events, "{name}: events");
+        assert_eq!(
+            events.contains(&EventKind::StateChanged),
+            initial != outcome.session_state,
+            "{name}: state_changed exactly when the state changed"
+        );
+    }
+
+    const AGENTCTL_ERROR_AND_STATE: &[EventKind] =
+        &[EventKind::AgentctlError, EventKind::StateChanged];
+
+    #[test]
+    fn standalone_table() {
+        let standalone = |state| input(Runtime::LocalStandalone, state);
+        let full = &[
+            "check_worktree",
+            "probe_process",
+            "launch_agentctl",
+            "health_check",
+            "probe_capabilities",
+            "mark_ready",
+            "resume_agent",
+            "done",
+        ];
+        check(
+            "worktree missing",
+            standalone(S::WaitingForInput),
+            vec![O::WorktreeMissing],
+            Expect {
+                actions: &["check_worktree", "done"],
+                label: L::ExecutorError,
+                executor: ExecutorStatus::Error,
+                session: S::Error,
+                workspace: false,
+                events: AGENTCTL_ERROR_AND_STATE,
+            },
+        );
+        check(
+            "process gone: relaunch and resume",
+            standalone(S::WaitingForInput),
+            vec![
+                O::WorktreeExists,
+                O::ProcessGone,
+                O::Launched,
+                healthy(),
+                caps(true),
+                O::Applied,
+                O::ResumeSucceeded,
+            ],
+            Expect {
+                actions: full,
+                label: L::Resumed,
+                executor: ExecutorStatus::Ready,
+                session: S::WaitingForInput,
+                workspace: true,
+                events: &[],
+            },
+        );
+        check(
+            "pid reused: never trusted, relaunch",
+            standalone(S::Running),
+            vec![
+                O::WorktreeExists,
+                O::ProcessAlive {
+                    identity_proven: false,
+                },
+                O::Launched,
+                healthy(),
+                O::CapabilitiesUnknown,
+                O::Applied,
+                O::ResumeSucceeded,
+            ],
+            Expect {
+                actions: full,
+                label: L::Resumed,
+                executor: ExecutorStatus::Ready,
+                session: S::WaitingForInput,
+                workspace: true,
+                events: &[EventKind::StateChanged],
+            },
+        );
+        check(
+            "agentctl and agent survived: reattach",
+            standalone(S::WaitingForInput),
+            vec![
+                O::WorktreeExists,
+                O::ProcessAlive {
+                    identity_proven: true,
+                },
+                O::Healthy {
+                    agent: SurvivingAgent::Idle,
+                },
+                caps(true),
+                O::Applied,
+            ],
+            Expect {
+                actions: &[
+                    "check_worktree",
+                    "probe_process",
+                    "health_check",
+                    "probe_capabilities",
+                    "mark_ready",
+                    "done",
+                ],
+                label: L::Reattached,
+                executor: ExecutorStatus::Ready,
+                session: S::WaitingForInput,
+                workspace: true,
+                events: &[],
+            },
+        );
+        check(
+            "no pid recorded: launch",
+            RecoveryInput {
+                pid: None,
+                ..standalone(S::Starting)
+            },
+            vec![
+                O::WorktreeExists,
+                O::Launched,
+                healthy(),
+                caps(true),
+                O::Applied,
+                O::ResumeSucceeded,
+            ],
+            Expect {
+                actions: &[
+                    "check_worktree",
+                    "launch_agentctl",
+                    "health_check",
+                    "probe_capabilities",
+                    "mark_ready",
+                    "resume_agent",
+                    "done",
+                ],
+                label: L::Resumed,
+                executor: ExecutorStatus::Ready,
+                session: S::WaitingForInput,
+                workspace: true,
+                events: &[EventKind::StateChanged],
+            },
+        );
+        check(
+            "launch failed",
+            standalone(S::WaitingForInput),
+            vec![
+                O::WorktreeExists,
+                O::ProcessGone,
+                O::ActionFailed {
+                    reason: "ENOENT".into(),
+                },
+            ],
+            Expect {
+                actions: &["check_worktree", "probe_process", "launch_agentctl", "done"],
+                label: L::ExecutorError,
+                executor: ExecutorStatus::Error,
+                session: S::Error,
+                workspace: false,
+                events: AGENTCTL_ERROR_AND_STATE,
+            },
+        );
+        check(
+            "resume failed keeps the workspace",
+            standalone(S::WaitingForInput),
+            vec![
+                O::WorktreeExists,
+                O::ProcessGone,
+                O::Launched,
+                healthy(),
+                caps(true),
+                O::Applied,
+                O::ResumeFailed {
+                    reason: "session not found".into(),
+                },
+            ],
+            Expect {
+                actions: full,
+                label: L::ResumeFailed,
+                executor: ExecutorStatus::Ready,
+                session: S::Error,
+                workspace: true,
+                events: &[EventKind::StateChanged],
+            },
+        );
+        check(
+            "deadline while resuming keeps the workspace",
+            standalone(S::Running),
+            vec![
+                O::WorktreeExists,
+                O::ProcessGone,
+                O::Launched,
+                healthy(),
+                caps(true),
+                O::Applied,
+                O::DeadlineExceeded,
+            ],
+            Expect {
+                actions: full,
+                label: L::ResumeFailed,
+                executor: ExecutorStatus::Ready,
+                session: S::Error,
+                workspace: true,
+                events: &[EventKind::StateChanged],
+            },
+        );
+        check(
+            "deadline during health check",
+            standalone(S::WaitingForInput),
+            vec![
+                O::WorktreeExists,
+                O::ProcessGone,
+                O::Launched,
+                O::DeadlineExceeded,
+            ],
+            Expect {
+                actions: &[
+                    "check_worktree",
+                    "probe_process",
+                    "launch_agentctl",
+                    "health_check",
+                    "done",
+                ],
+                label: L::ExecutorError,
+                executor: ExecutorStatus::Error,
+                session: S::Error,
+                workspace: false,
+                events: AGENTCTL_ERROR_AND_STATE,
+            },
+        );
+    }
+
+    #[test]
+    fn docker_table() {
+        let docker = |state| input(Runtime::LocalDocker, state);
+        let to_ready = |first: Observation| vec![first, healthy(), caps(true), O::Applied];
+        let with = |mut obs: Vec<Observation>, last: Observation| {
+            obs.push(last);
+            obs
+        };
+        let ready_path: &[&str] = &[
+            "find_container",
+            "health_check",
+            "probe_capabilities",
+            "mark_ready",
+            "done",
+        ];
+        let resume_path: &[&str] = &[
+            "find_container",
+            "health_check",
+            "probe_capabilities",
+            "mark_ready",
+            "resume_agent",
+            "done",
+        ];
+        check(
+            "container running: resume",
+            docker(S::WaitingForInput),
+            with(to_ready(O::ContainerRunning), O::ResumeSucceeded),
+            Expect {
+                actions: resume_path,
+                label: L::Resumed,
+                executor: ExecutorStatus::Ready,
+                session: S::WaitingForInput,
+                workspace: true,
+                events: &[],
+            },
+        );
+        check(
+            "container stopped: start it",
+            docker(S::Running),
+            vec![
+                O::ContainerStopped,
+                O::Launched,
+                healthy(),
+                caps(true),
+                O::Applied,
+                O::ResumeSucceeded,
+            ],
+            Expect {
+                actions: &[
+                    "find_container",
+                    "start_container",
+                    "health_check",
+                    "probe_capabilities",
+                    "mark_ready",
+                    "resume_agent",
+                    "done",
+                ],
+                label: L::Resumed,
+                executor: ExecutorStatus::Ready,
+                session: S::WaitingForInput,
+                workspace: true,
+                events: &[EventKind::StateChanged],
+            },
+        );
+        for (name, observation) in [
+            ("container missing", O::ContainerMissing),
+            (
+                "docker down",
+                O::DockerUnavailable {
+                    reason: "no socket".into(),
+                },
+            ),
+        ] {
+            check(
+                name,
+                docker(S::WaitingForInput),
+                vec![observation],
+                Expect {
+                    actions: &["find_container", "done"],
+                    label: L::ExecutorError,
+                    executor: ExecutorStatus::Error,
+                    session: S::Error,
+                    workspace: false,
+                    events: AGENTCTL_ERROR_AND_STATE,
+                },
+            );
+        }
+        let not_resumable = Expect {
+            actions: ready_path,
+            label: L::NotResumable,
+            executor: ExecutorStatus::Ready,
+            session: S::Error,
+            workspace: true,
+            events: &[EventKind::StateChanged],
+        };
+        check(
+            "record says not resumable",
+            RecoveryInput {
+                record_supports_session_resume: false,
+                ..docker(S::WaitingForInput)
+            },
+            to_ready(O::ContainerRunning),
+            not_resumable,
+        );
+        check(
+            "profile says not resumable",
+            RecoveryInput {
+                profile_supports_session_resume: false,
+                ..docker(S::Running)
+            },
+            to_ready(O::ContainerRunning),
+            Expect {
+                actions: ready_path,
+                ..not_resumable_expect()
+            },
+        );
+        check(
+            "probe lowers the claim",
+            docker(S::WaitingForInput),
+            vec![O::ContainerRunning, healthy(), caps(false), O::Applied],
+            not_resumable_expect(),
+        );
+        check(
+            "no token",
+            RecoveryInput {
+                resume_token: None,
+                ..docker(S::WaitingForInput)
+            },
+            to_ready(O::ContainerRunning),
+            Expect {
+                label: L::MissingResumeToken,
+                ..not_resumable_expect()
+            },
+        );
+        let unchanged = |session| Expect {
+            actions: ready_path,
+            label: L::ExecutorOnly,
+            executor: ExecutorStatus::Ready,
+            session,
+            workspace: true,
+            events: &[],
+        };
+        check(
+            "on_demand policy",
+            RecoveryInput {
+                policy: ResumePolicy::OnDemand,
+                ..docker(S::WaitingForInput)
+            },
+            to_ready(O::ContainerRunning),
+            unchanged(S::WaitingForInput),
+        );
+        check(
+            "ERROR is never auto-resumed",
+            docker(S::Error),
+            to_ready(O::ContainerRunning),
+            unchanged(S::Error),
+        );
+        check(
+            "CREATED is never auto-resumed",
+            docker(S::Created),
+            to_ready(O::ContainerRunning),
+            unchanged(S::Created),
+        );
+        check(
+            "agent found busy",
+            docker(S::WaitingForInput),
+            vec![
+                O::ContainerRunning,
+                O::Healthy {
+                    agent: SurvivingAgent::Busy,
+                },
+                caps(true),
+                O::Applied,
+            ],
+            Expect {
+                actions: ready_path,
+                label: L::Reattached,
+                executor: ExecutorStatus::Ready,
+                session: S::Running,
+                workspace: true,
+                events: &[EventKind::StateChanged],
+            },
+        );
+        check(
+            "surviving agent of a non-resumable profile keeps working",
+            RecoveryInput {
+                profile_supports_session_resume: false,
+                ..docker(S::Running)
+            },
+            vec![
+                O::ContainerRunning,
+                O::Healthy {
+                    agent: SurvivingAgent::Idle,
+                },
+                caps(false),
+                O::Applied,
+            ],
+            Expect {
+                actions: ready_path,
+                label: L::Reattached,
+                executor: ExecutorStatus::Ready,
+                session: S::WaitingForInput,
+                workspace: true,
+                events: &[EventKind::StateChanged],
+            },
+        );
+        check(
+            "executor lost while the session is already ERROR",
+            docker(S::Error),
+            vec![O::ContainerMissing],
+            Expect {
+                actions: &["find_container", "done"],
+                label: L::ExecutorError,
+                executor: ExecutorStatus::Error,
+                session: S::Error,
+                workspace: false,
+                events: &[EventKind::AgentctlError],
+            },
+        );
+    }
+
+    fn not_resumable_expect() -> Expect {
+        Expect {
+            actions: &[
+                "find_container",
+                "health_check",
+                "probe_capabilities",
+                "mark_ready",
+                "done",
+            ],
+            label: L::NotResumable,
+            executor: ExecutorStatus::Ready,
+            session: S::Error,
+            workspace: true,
+            events: &[EventKind::StateChanged],
+        }
+    }
+
+    #[test]
+    fn remote_table() {
+        let remote = |state| input(Runtime::Remote, state);
+        check(
+            "reachable: resume",
+            remote(S::WaitingForInput),
+            vec![healthy(), caps(true), O::Applied, O::ResumeSucceeded],
+            Expect {
+                actions: &[
+                    "health_check",
+                    "probe_capabilities",
+                    "mark_ready",
+                    "resume_agent",
+                    "done",
+                ],
+                label: L::Resumed,
+                executor: ExecutorStatus::Ready,
+                session: S::WaitingForInput,
+                workspace: true,
+                events: &[],
+            },
+        );
+        check(
+            "unreachable within the window: retry, session kept",
+            remote(S::Running),
+            vec![O::HostUnreachable {
+                reason: "connection refused".into(),
+                retry_in_background: true,
+            }],
+            Expect {
+                actions: &["health_check", "done"],
+                label: L::Retrying,
+                executor: ExecutorStatus::Error,
+                session: S::Running,
+                workspace: false,
+                events: &[EventKind::AgentctlError],
+            },
+        );
+        check(
+            "unreachable after the window",
+            remote(S::Running),
+            vec![O::HostUnreachable {
+                reason: "timeout".into(),
+                retry_in_background: false,
+            }],
+            Expect {
+                actions: &["health_check", "done"],
+                label: L::ExecutorError,
+                executor: ExecutorStatus::Error,
+                session: S::Error,
+                workspace: false,
+                events: AGENTCTL_ERROR_AND_STATE,
+            },
+        );
+        check(
+            "answers as another executor",
+            remote(S::WaitingForInput),
+            vec![O::Unhealthy {
+                reason: "executor id mismatch".into(),
+            }],
+            Expect {
+                actions: &["health_check", "done"],
+                label: L::ExecutorError,
+                executor: ExecutorStatus::Error,
+                session: S::Error,
+                workspace: false,
+                events: AGENTCTL_ERROR_AND_STATE,
+            },
+        );
+    }
+
+    #[test]
+    fn ended_sessions_get_their_executor_stopped() {
+        for state in [S::Completed, S::Cancelled] {
+            for &runtime in Runtime::ALL {
+                check(
+                    "ended",
+                    input(runtime, state),
+                    vec![O::ExecutorStopped],
+                    Expect {
+                        actions: &["stop_executor", "done"],
+                        label: L::Stopped,
+                        executor: ExecutorStatus::Stopped,
+                        session: state,
+                        workspace: false,
+                        events: &[],
+                    },
+                );
+                check(
+                    "stop failed",
+                    input(runtime, state),
+                    vec![O::ActionFailed {
+                        reason: "busy".into(),
+                    }],
+                    Expect {
+                        actions: &["stop_executor", "done"],
+                        label: L::ExecutorError,
+                        executor: ExecutorStatus::Error,
+                        session: state,
+                        workspace: false,
+                        events: &[EventKind::AgentctlError],
+                    },
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn messages_are_actionable_and_coded() {
+        let (_, outcome) = run(
+            input(Runtime::LocalStandalone, S::Running),
+            vec![O::WorktreeMissing],
+        );
+        assert_eq!(
+            outcome.error_message().as_deref(),
+            Some(
+                "worktree_missing: worktree /work/wt/feature no longer exists; create a new session"
+            )
+        );
+        match &outcome.events[1] {
+            EventPayload::StateChanged {
+                from,
+                to,
+                error_message,
+            } => {
+                assert_eq!((*from, *to), (S::Running, S::Error));
+                assert_eq!(error_message, &outcome.error_message());
+            }
+            other => panic!("expected state_changed, got {other:?}"),
+        }
+        assert!(
+            RecoveryFailure::NotResumable
+                .message()
+                .starts_with("not_resumable: ")
+        );
+        let (_, outcome) = run(
+            input(Runtime::Remote, S::Running),
+            vec![O::HostUnreachable {
+                reason: "refused".into(),
+                retry_in_background: true,
+            }],
+        );
+        assert!(outcome.retry_in_background);
+        assert!(
+            outcome
+                .error_message()
+                .is_some_and(|m| m.contains("http://10.0.0.7:7070") && m.contains("reconnecting"))
+        );
+    }
+
+    #[test]
+    fn launch_writes_the_next_generation_before_spawning() {
+        let (actions, outcome) = run(
+            input(Runtime::LocalStandalone, S::WaitingForInput),
+            vec![
+                O::WorktreeExists,
+                O::ProcessGone,
+                O::ActionFailed { reason: "x".into() },
+            ],
+        );
+        let Action::LaunchAgentctl { generation, event } = &actions[2] else {
+            panic!("expected a launch, got {:?}", actions[2]);
+        };
+        assert_eq!(*generation, 4);
+        assert!(matches!(
+            event,
+            EventPayload::AgentctlStarting { generation: 4, .. }
+        ));
+        assert_eq!(outcome.generation, 4);
+    }
+
+    #[test]
+    fn ready_event_carries_the_effective_capability() {
+        let mut recovery = Recovery::new(input(Runtime::Remote, S::WaitingForInput));
+        recovery.start();
+        recovery.observe(healthy()).expect("health");
+        let action = recovery.observe(caps(false)).expect("caps");
+        assert!(matches!(
+            action,
+            Action::MarkExecutorReady {
+                event: EventPayload::AgentctlReady {
+                    supports_session_resume: false,
+                    ..
+                }
+            }
+        ));
+    }
+
+    #[test]
+    fn resume_uses_the_token() {
+        let mut recovery = Recovery::new(input(Runtime::Remote, S::WaitingForInput));
+        recovery.start();
+        recovery.observe(healthy()).expect("health");
+        recovery.observe(caps(true)).expect("caps");
+        let action = recovery.observe(O::Applied).expect("applied");
+        assert_eq!(
+            action,
+            Action::ResumeAgent {
+                resume_token: "tok".into()
+            }
+        );
+    }
+
+    #[test]
+    fn unexpected_observations_are_rejected_without_effect() {
+        let mut recovery = Recovery::new(input(Runtime::LocalDocker, S::WaitingForInput));
+        assert!(
+            recovery.observe(O::ContainerRunning).is_err(),
+            "before start"
+        );
+        recovery.start();
+        let err = recovery.observe(O::ResumeSucceeded).unwrap_err();
+        assert_eq!(err.phase, "finding the container");
+        assert_eq!(
+            recovery
+                .observe(O::ContainerRunning)
+                .expect("still finding"),
+            Action::HealthCheck
+        );
+        let done = recovery.observe(O::DeadlineExceeded).expect("deadline");
+        assert!(matches!(done, Action::Done(_)));
+        assert!(recovery.is_done());
+        assert!(recovery.observe(O::Applied).is_err(), "after done");
+    }
+
+    #[test]
+    fn input_from_records_prefers_the_session_token() {
+        use crate::status::tests::session;
+        use chrono::{TimeZone, Utc};
+
+        let session = session(S::Running, Some("from-session"));
+        let at = Utc
+            .timestamp_opt(1_700_000_000, 0)
+            .single()
+            .expect("valid time");
+        let mut record = ExecutorRecord {
+            id: ExecutorId::new(),
+            session_id: session.id,
+            task_id: session.task_id,
+            runtime: Runtime::LocalStandalone,
+            status: ExecutorStatus::Ready,
+            agentctl_url: None,
+            agentctl_port: Some(7070),
+            container_id: None,
+            pid: Some(1),
+            pid_start_time: Some(2),
+            auth_secret: "s".into(),
+            generation: 7,
+            supports_session_resume: true,
+            supports_workspace_only: true,
+            resume_token: Some("from-record".into()),
+            workspace_path: "/work/ws".into(),
+            worktree: Default::default(),
+            last_seen_at: None,
+            error_message: None,
+            owner_id: None,
+            lease_expires_at: None,
+            version: 1,
+            created_at: at,
+            updated_at: at,
+        };
+        let built = RecoveryInput::new(&record, &session, true, ResumePolicy::Startup);
+        assert_eq!(built.resume_token.as_deref(), Some("from-session"));
+        assert_eq!(built.worktree_path, "/work/ws");
+        assert_eq!(built.generation, 7);
+
+        let tokenless = crate::status::tests::session(S::Running, None);
+        let built = RecoveryInput::new(&record, &tokenless, true, ResumePolicy::Startup);
+        assert_eq!(built.resume_token.as_deref(), Some("from-record"));
+
+        record.resume_token = Some(String::new());
+        let built = RecoveryInput::new(&record, &tokenless, true, ResumePolicy::Startup);
+        assert_eq!(built.resume_token, None);
+    }
+
+    #[test]
+    fn policy_strings() {
+        for p in ResumePolicy::ALL {
+            assert_eq!(ResumePolicy::parse(p.as_str()), Ok(*p));
+        }
+        assert_eq!(ResumePolicy::default(), ResumePolicy::Startup);
+        assert!(ResumePolicy::parse("eager").is_err());
+    }
+}
