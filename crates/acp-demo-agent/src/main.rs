@@ -1,0 +1,419 @@
+//! `acp-demo-agent`: a small, deterministic ACP agent over stdio.
+//!
+//! It answers every prompt with `turn N of session ID: you said "PROMPT"`,
+//! streamed as at least three `agent_message_chunk` updates, and keeps each
+//! session's transcript in a state directory so `session/load` in a new
+//! process restores the conversation (replaying it as session updates, as ACP
+//! specifies). Switches (flags or `ACP_DEMO_*` environment variables) make it
+//! misbehave on purpose for tests: no `loadSession` capability, a slow start,
+//! a failing load, a crash after N prompts or in the middle of a turn, and a
+//! delay between chunks so a turn can be cancelled.
+//!
+//! Prompts starting with a slash exercise client features:
+//! `/tool` reports a tool call, `/permission` asks for permission,
+//! `/read PATH` and `/write PATH TEXT` use the client's file system.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use agent_client_protocol::v1::ConnectionTo;
+use agent_client_protocol::v1::schema::{
+    AgentCapabilities, CancelNotification, ContentBlock, ContentChunk, Implementation,
+    InitializeRequest, InitializeResponse, LoadSessionRequest, LoadSessionResponse,
+    NewSessionRequest, NewSessionResponse, PermissionOption, PermissionOptionKind, PromptRequest,
+    PromptResponse, ReadTextFileRequest, RequestPermissionOutcome, RequestPermissionRequest,
+    SessionNotification, SessionUpdate, StopReason, TextContent, ToolCall, ToolCallStatus,
+    ToolCallUpdate, ToolCallUpdateFields, WriteTextFileRequest,
+};
+use agent_client_protocol::{Client, Error, ErrorCode, Stdio};
+use clap::Parser;
+use clap::builder::BoolishValueParser;
+
+#[derive(Debug, Clone, Parser)]
+#[command(name = "acp-demo-agent", version, about)]
+struct Cli {
+    /// Directory holding one transcript file per session.
+    #[arg(long, env = "ACP_DEMO_STATE_DIR")]
+    state_dir: Option<PathBuf>,
+    /// Advertise `loadSession: false` (and refuse `session/load`).
+    #[arg(long, env = "ACP_DEMO_NO_LOAD_SESSION", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
+    no_load_session: bool,
+    /// Wait this long before reading stdin (a slow start).
+    #[arg(long, env = "ACP_DEMO_START_DELAY_MS", default_value_t = 0)]
+    start_delay_ms: u64,
+    /// Reject every `session/load`.
+    #[arg(long, env = "ACP_DEMO_FAIL_LOAD", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
+    fail_load: bool,
+    /// Exit with status 43 right after answering the Nth prompt of this process.
+    #[arg(long, env = "ACP_DEMO_CRASH_AFTER_PROMPTS")]
+    crash_after_prompts: Option<u32>,
+    /// Exit with status 42 in the middle of the Nth prompt of this process,
+    /// after its first chunk.
+    #[arg(long, env = "ACP_DEMO_CRASH_MID_TURN")]
+    crash_mid_turn: Option<u32>,
+    /// Delay between reply chunks (a slow turn, for cancel tests).
+    #[arg(long, env = "ACP_DEMO_CHUNK_DELAY_MS", default_value_t = 0)]
+    chunk_delay_ms: u64,
+}
+
+#[derive(Debug)]
+struct Demo {
+    cli: Cli,
+    state_dir: PathBuf,
+    prompts: Mutex<u32>,
+    cancelled: Mutex<HashSet<String>>,
+}
+
+#[derive(Debug, Clone)]
+struct Turn {
+    prompt: String,
+    reply: String,
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let state_dir = cli
+        .state_dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join("acp-demo-agent"));
+    std::fs::create_dir_all(&state_dir)?;
+    if cli.start_delay_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(cli.start_delay_ms)).await;
+    }
+    let demo = Arc::new(Demo {
+        cli,
+        state_dir,
+        prompts: Mutex::new(0),
+        cancelled: Mutex::new(HashSet::new()),
+    });
+    serve(demo).await?;
+    Ok(())
+}
+
+async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
+    let d_init = demo.clone();
+    let d_new = demo.clone();
+    let d_load = demo.clone();
+    let d_prompt = demo.clone();
+    let d_cancel = demo;
+    agent_client_protocol::Agent
+        .v1()
+        .name("acp-demo-agent")
+        .on_receive_request(
+            async move |init: InitializeRequest, responder, _cx| {
+                let caps = AgentCapabilities::new().load_session(!d_init.cli.no_load_session);
+                responder.respond(
+                    InitializeResponse::new(init.protocol_version)
+                        .agent_capabilities(caps)
+                        .agent_info(Implementation::new(
+                            "acp-demo-agent",
+                            env!("CARGO_PKG_VERSION"),
+                        )),
+                )
+            },
+            agent_client_protocol::on_receive_request!(),
+        )
+        .on_receive_request(
+            async move |req: NewSessionRequest, responder, _cx| {
+                let id = uuid::Uuid::new_v4().to_string();
+                match save_transcript(&d_new.state_dir, &id, &req.cwd, &[]) {
+                    Ok(()) => responder.respond(NewSessionResponse::new(id)),
+                    Err(e) => responder.respond_with_error(Error::new(
+                        ErrorCode::INTERNAL_ERROR,
+                        format!("cannot persist session: {e}"),
+                    )),
+                }
+            },
+            agent_client_protocol::on_receive_request!(),
+        )
+        .on_receive_request(
+            async move |req: LoadSessionRequest, responder, cx: ConnectionTo<Client>| {
+                if d_load.cli.no_load_session {
+                    return responder.respond_with_error(Error::method_not_found());
+                }
+                if d_load.cli.fail_load {
+                    return responder.respond_with_error(Error::new(
+                        ErrorCode::INTERNAL_ERROR,
+                        "acp-demo-agent is configured to fail session/load",
+                    ));
+                }
+                let id = req.session_id.0.to_string();
+                let turns = match load_transcript(&d_load.state_dir, &id) {
+                    Ok(t) => t,
+                    Err(msg) => {
+                        return responder
+                            .respond_with_error(Error::new(ErrorCode::RESOURCE_NOT_FOUND, msg));
+                    }
+                };
+                // Replay the conversation before answering, as ACP specifies.
+                for turn in &turns {
+                    cx.send_notification(SessionNotification::new(
+                        req.session_id.clone(),
+                        SessionUpdate::UserMessageChunk(text_chunk(&turn.prompt)),
+                    ))?;
+                    cx.send_notification(SessionNotification::new(
+                        req.session_id.clone(),
+                        SessionUpdate::AgentMessageChunk(text_chunk(&turn.reply)),
+                    ))?;
+                }
+                responder.respond(LoadSessionResponse::new())
+            },
+            agent_client_protocol::on_receive_request!(),
+        )
+        .on_receive_request(
+            async move |req: PromptRequest, responder, cx: ConnectionTo<Client>| {
+                let demo = d_prompt.clone();
+                let conn = cx.clone();
+                cx.spawn(async move {
+                    let result = run_turn(&demo, &conn, req).await;
+                    let crash_after = demo.cli.crash_after_prompts;
+                    let count = current_prompt_count(&demo);
+                    responder.respond_with_result(result)?;
+                    if crash_after == Some(count) {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        eprintln!("acp-demo-agent: crashing after prompt {count} as configured");
+                        std::process::exit(43);
+                    }
+                    Ok(())
+                })
+            },
+            agent_client_protocol::on_receive_request!(),
+        )
+        .on_receive_notification(
+            async move |n: CancelNotification, _cx| {
+                lock(&d_cancel.cancelled).insert(n.session_id.0.to_string());
+                Ok(())
+            },
+            agent_client_protocol::on_receive_notification!(),
+        )
+        .connect_to(Stdio::new())
+        .await
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn current_prompt_count(demo: &Demo) -> u32 {
+    *lock(&demo.prompts)
+}
+
+fn text_chunk(text: &str) -> ContentChunk {
+    ContentChunk::new(ContentBlock::Text(TextContent::new(text)))
+}
+
+async fn run_turn(
+    demo: &Demo,
+    cx: &ConnectionTo<Client>,
+    req: PromptRequest,
+) -> Result<PromptResponse, Error> {
+    let id = req.session_id.0.to_string();
+    let count = {
+        let mut n = lock(&demo.prompts);
+        *n += 1;
+        *n
+    };
+    lock(&demo.cancelled).remove(&id);
+    let mut turns = load_transcript(&demo.state_dir, &id)
+        .map_err(|msg| Error::new(ErrorCode::RESOURCE_NOT_FOUND, msg))?;
+    let prompt: String = req
+        .prompt
+        .iter()
+        .filter_map(|b| match b {
+            ContentBlock::Text(t) => Some(t.text.as_str()),
+            _ => None,
+        })
+        .collect::<Vec<_>>()
+        .join("");
+    let n = turns.len() + 1;
+    let mut chunks = vec![
+        format!("turn {n} "),
+        format!("of session {id}: "),
+        format!("you said \"{prompt}\""),
+    ];
+    if let Some(extra) = slash_command(cx, &req.session_id, &prompt).await? {
+        chunks.push(format!("\n{extra}"));
+    }
+    let delay = Duration::from_millis(demo.cli.chunk_delay_ms);
+    for (i, chunk) in chunks.iter().enumerate() {
+        if i > 0 && !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        if lock(&demo.cancelled).remove(&id) {
+            return Ok(PromptResponse::new(StopReason::Cancelled));
+        }
+        cx.send_notification(SessionNotification::new(
+            req.session_id.clone(),
+            SessionUpdate::AgentMessageChunk(text_chunk(chunk)),
+        ))?;
+        if i == 0 && demo.cli.crash_mid_turn == Some(count) {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            eprintln!("acp-demo-agent: crashing in the middle of prompt {count} as configured");
+            std::process::exit(42);
+        }
+    }
+    if lock(&demo.cancelled).remove(&id) {
+        return Ok(PromptResponse::new(StopReason::Cancelled));
+    }
+    turns.push(Turn {
+        prompt,
+        reply: chunks.concat(),
+    });
+    let cwd = load_cwd(&demo.state_dir, &id).unwrap_or_default();
+    save_transcript(&demo.state_dir, &id, &cwd, &turns).map_err(|e| {
+        Error::new(
+            ErrorCode::INTERNAL_ERROR,
+            format!("cannot persist turn: {e}"),
+        )
+    })?;
+    Ok(PromptResponse::new(StopReason::EndTurn))
+}
+
+/// Runs the client-facing feature a slash prompt asks for and describes the
+/// outcome; `None` for an ordinary prompt.
+async fn slash_command(
+    cx: &ConnectionTo<Client>,
+    session: &agent_client_protocol::v1::schema::SessionId,
+    prompt: &str,
+) -> Result<Option<String>, Error> {
+    let mut words = prompt.splitn(3, ' ');
+    let Some(cmd) = words.next() else {
+        return Ok(None);
+    };
+    let out = match cmd {
+        "/tool" => {
+            cx.send_notification(SessionNotification::new(
+                session.clone(),
+                SessionUpdate::ToolCall(
+                    ToolCall::new("demo-tool-1", "demo tool").status(ToolCallStatus::InProgress),
+                ),
+            ))?;
+            cx.send_notification(SessionNotification::new(
+                session.clone(),
+                SessionUpdate::ToolCallUpdate(ToolCallUpdate::new(
+                    "demo-tool-1",
+                    ToolCallUpdateFields::new().status(ToolCallStatus::Completed),
+                )),
+            ))?;
+            "tool: done".to_owned()
+        }
+        "/permission" => {
+            let options = vec![
+                PermissionOption::new("allow", "Allow", PermissionOptionKind::AllowOnce),
+                PermissionOption::new("reject", "Reject", PermissionOptionKind::RejectOnce),
+            ];
+            let answer = cx
+                .send_request(RequestPermissionRequest::new(
+                    session.clone(),
+                    ToolCallUpdate::new(
+                        "demo-permission-1",
+                        ToolCallUpdateFields::new().title("demo permission".to_owned()),
+                    ),
+                    options,
+                ))
+                .block_task()
+                .await?;
+            match answer.outcome {
+                RequestPermissionOutcome::Selected(s) => format!("permission: {}", s.option_id.0),
+                _ => "permission: cancelled".to_owned(),
+            }
+        }
+        "/read" => {
+            let path = words.next().unwrap_or_default();
+            match cx
+                .send_request(ReadTextFileRequest::new(session.clone(), path))
+                .block_task()
+                .await
+            {
+                Ok(r) => format!("read: {}", r.content),
+                Err(e) => format!("read failed: {}", e.message),
+            }
+        }
+        "/write" => {
+            let path = words.next().unwrap_or_default();
+            let content = words.next().unwrap_or_default();
+            match cx
+                .send_request(WriteTextFileRequest::new(session.clone(), path, content))
+                .block_task()
+                .await
+            {
+                Ok(_) => "write: ok".to_owned(),
+                Err(e) => format!("write failed: {}", e.message),
+            }
+        }
+        _ => return Ok(None),
+    };
+    Ok(Some(out))
+}
+
+fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
+fn transcript_path(dir: &Path, id: &str) -> Result<PathBuf, String> {
+    if !valid_id(id) {
+        return Err(format!("invalid session id {id:?}"));
+    }
+    Ok(dir.join(format!("{id}.json")))
+}
+
+fn read_json(dir: &Path, id: &str) -> Result<serde_json::Value, String> {
+    let path = transcript_path(dir, id)?;
+    let text =
+        std::fs::read_to_string(&path).map_err(|e| format!("session {id} not found: {e}"))?;
+    serde_json::from_str(&text).map_err(|e| format!("session {id} is corrupt: {e}"))
+}
+
+fn load_transcript(dir: &Path, id: &str) -> Result<Vec<Turn>, String> {
+    let v = read_json(dir, id)?;
+    let turns = v
+        .get("turns")
+        .and_then(|t| t.as_array())
+        .cloned()
+        .unwrap_or_default();
+    Ok(turns
+        .iter()
+        .map(|t| Turn {
+            prompt: t
+                .get("prompt")
+                .and_then(|p| p.as_str())
+                .unwrap_or_default()
+                .to_owned(),
+            reply: t
+                .get("reply")
+                .and_then(|p| p.as_str())
+                .unwrap_or_default()
+                .to_owned(),
+        })
+        .collect())
+}
+
+fn load_cwd(dir: &Path, id: &str) -> Option<PathBuf> {
+    read_json(dir, id)
+        .ok()?
+        .get("cwd")
+        .and_then(|c| c.as_str())
+        .map(PathBuf::from)
+}
+
+fn save_transcript(dir: &Path, id: &str, cwd: &Path, turns: &[Turn]) -> std::io::Result<()> {
+    let path = transcript_path(dir, id).map_err(std::io::Error::other)?;
+    let value = serde_json::json!({
+        "session_id": id,
+        "cwd": cwd.to_string_lossy(),
+        "turns": turns
+            .iter()
+            .map(|t| serde_json::json!({"prompt": t.prompt, "reply": t.reply}))
+            .collect::<Vec<_>>(),
+    });
+    let tmp = dir.join(format!(".{id}.json.tmp"));
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&value)?)?;
+    std::fs::rename(&tmp, &path)
+}

@@ -1,0 +1,890 @@
+//! The agent process and agentctl's ACP client side of it.
+//!
+//! [`AgentManager`] owns at most one agent process at a time: it spawns it in
+//! its own process group, speaks ACP over its stdio with the
+//! `agent-client-protocol` crate, turns ACP session updates into
+//! [`UpdateLog`] entries, answers the agent's own requests (permission, file
+//! system) and notices when the process exits.
+//!
+//! Locking: `slot` is a plain mutex held only for short, non-async sections;
+//! updates about the agent's state are pushed while it is held so the log
+//! order matches the state order. `ops` serializes the slow lifecycle calls
+//! (launch, new session, resume).
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use agent_client_protocol::schema::ProtocolVersion;
+use agent_client_protocol::v1::ConnectionTo;
+use agent_client_protocol::v1::schema::{
+    CancelNotification, ClientCapabilities, ContentBlock, FileSystemCapabilities, Implementation,
+    InitializeRequest, LoadSessionRequest, NewSessionRequest, PermissionOptionKind, PromptRequest,
+    ReadTextFileRequest, ReadTextFileResponse, RequestPermissionOutcome, RequestPermissionRequest,
+    RequestPermissionResponse, SelectedPermissionOutcome, SessionId, SessionNotification,
+    SessionUpdate, StopReason, TextContent, ToolCallStatus, WriteTextFileRequest,
+    WriteTextFileResponse,
+};
+use agent_client_protocol::{Agent, Client, ErrorCode, Lines};
+use sessiond_proto::agentctl::v1::{
+    AgentExit, AgentExited, AgentState, AgentStateChanged, MessageChunk, ToolCall, TurnEnded,
+    agent_update::Kind,
+};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::sync::{oneshot, watch};
+
+use crate::error::{Error, Result};
+use crate::exec::SCRUBBED_ENV;
+use crate::sys;
+use crate::updates::UpdateLog;
+use crate::workspace::Workspace;
+
+/// Deadline for ACP `initialize` when the request gives none.
+pub const DEFAULT_INITIALIZE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Grace period between TERM and KILL when the request gives none.
+pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(3);
+/// Deadline for `session/new` and `session/load`.
+const SESSION_SETUP_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How agentctl answers an agent's `session/request_permission`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PermissionPolicy {
+    /// Pick the agent's allow-once option (or allow-always when that is all
+    /// it offers).
+    AllowOnce,
+    /// Pick a reject option, or cancel.
+    Reject,
+}
+
+/// What to launch.
+#[derive(Debug, Clone, Default)]
+pub struct LaunchSpec {
+    /// Program, looked up on PATH when not absolute.
+    pub command: String,
+    /// Arguments.
+    pub args: Vec<String>,
+    /// Extra environment.
+    pub env: HashMap<String, String>,
+    /// The profile's `supports_session_resume` claim.
+    pub profile_supports_session_resume: bool,
+    /// Deadline for ACP `initialize`.
+    pub initialize_timeout: Duration,
+}
+
+/// What the agent said at `initialize`.
+#[derive(Debug, Clone, Default)]
+pub struct Launched {
+    /// Process id (and process group id) of the agent.
+    pub pid: u32,
+    /// `agentInfo.name`, when given.
+    pub name: String,
+    /// `agentInfo.version`, when given.
+    pub version: String,
+    /// `agentCapabilities.loadSession`.
+    pub load_session: bool,
+}
+
+/// A snapshot for Health and Capabilities.
+#[derive(Debug, Clone)]
+pub struct Status {
+    /// Current agent state.
+    pub state: AgentState,
+    /// How the last agent ended, when it has.
+    pub exit: Option<AgentExit>,
+    /// The profile's claim at the last launch.
+    pub profile_claim: bool,
+    /// `loadSession` from the last successful `initialize`.
+    pub agent_load_session: Option<bool>,
+}
+
+#[derive(Debug)]
+struct Running {
+    pid: u32,
+    conn: Option<ConnectionTo<Agent>>,
+    exit_rx: watch::Receiver<Option<AgentExit>>,
+    /// Dropping it ends the ACP connection's foreground.
+    _close: oneshot::Sender<()>,
+}
+
+#[derive(Debug, Clone)]
+struct Turn {
+    turn_id: String,
+    message_id: String,
+    session: SessionId,
+}
+
+#[derive(Debug)]
+struct Slot {
+    generation: u64,
+    state: AgentState,
+    exit: Option<AgentExit>,
+    profile_claim: bool,
+    agent_load_session: Option<bool>,
+    running: Option<Running>,
+    session: Option<SessionId>,
+    turn: Option<Turn>,
+    /// A `session/load` is in flight for this session: its replayed history
+    /// is dropped instead of being reported as new messages.
+    replaying: Option<SessionId>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    workspace: Arc<Workspace>,
+    updates: Arc<UpdateLog>,
+    policy: PermissionPolicy,
+    slot: Mutex<Slot>,
+    ops: tokio::sync::Mutex<()>,
+}
+
+/// Owns the agent process and the ACP connection to it.
+#[derive(Debug, Clone)]
+pub struct AgentManager {
+    shared: Arc<Shared>,
+}
+
+impl Shared {
+    fn slot(&self) -> MutexGuard<'_, Slot> {
+        self.slot
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Slot {
+    /// Changes state and reports it, if it changed.
+    fn set_state(&mut self, updates: &UpdateLog, state: AgentState) {
+        if self.state != state {
+            self.state = state;
+            updates.push(Kind::StateChanged(AgentStateChanged {
+                state: state as i32,
+            }));
+        }
+    }
+
+    fn is_alive(&self) -> bool {
+        matches!(
+            self.state,
+            AgentState::Starting | AgentState::Ready | AgentState::Busy
+        )
+    }
+
+    /// The connection of a running, initialized agent.
+    fn connection(&self) -> Result<ConnectionTo<Agent>> {
+        match (&self.state, &self.running) {
+            (AgentState::Ready | AgentState::Busy, Some(Running { conn: Some(c), .. })) => {
+                Ok(c.clone())
+            }
+            (AgentState::Starting, _) => Err(Error::FailedPrecondition(
+                "the agent is still starting (ACP initialize not answered)".into(),
+            )),
+            _ => Err(Error::FailedPrecondition(
+                "no agent is running; call LaunchAgent first".into(),
+            )),
+        }
+    }
+}
+
+fn exit_of(status: std::process::ExitStatus) -> AgentExit {
+    use std::os::unix::process::ExitStatusExt;
+    AgentExit {
+        code: status.code(),
+        signal: status.signal(),
+    }
+}
+
+fn describe_exit(exit: &AgentExit) -> String {
+    match (exit.code, exit.signal) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(s)) => format!("signal {s}"),
+        (None, None) => "unknown status".into(),
+    }
+}
+
+fn stop_reason_name(r: StopReason) -> String {
+    serde_json::to_value(r)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_else(|| format!("{r:?}"))
+}
+
+fn tool_status_name(s: ToolCallStatus) -> String {
+    serde_json::to_value(s)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_else(|| format!("{s:?}"))
+}
+
+fn acp_error(what: &str, e: &agent_client_protocol::Error) -> Error {
+    if agent_client_protocol::is_connection_terminated(e)
+        || agent_client_protocol::is_incoming_transport_closed(e)
+    {
+        return Error::Unavailable(format!("{what}: the agent's connection closed"));
+    }
+    let detail = match &e.data {
+        Some(d) => format!("{} ({d})", e.message),
+        None => e.message.clone(),
+    };
+    if e.code == ErrorCode::RESOURCE_NOT_FOUND {
+        Error::NotFound(format!("{what}: {detail}"))
+    } else if e.code == ErrorCode::INVALID_PARAMS {
+        Error::InvalidArgument(format!("{what}: {detail}"))
+    } else {
+        Error::Agent(format!(
+            "{what}: agent answered error {}: {detail}",
+            e.code.value()
+        ))
+    }
+}
+
+impl AgentManager {
+    /// A manager with no agent.
+    pub fn new(
+        workspace: Arc<Workspace>,
+        updates: Arc<UpdateLog>,
+        policy: PermissionPolicy,
+    ) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                workspace,
+                updates,
+                policy,
+                slot: Mutex::new(Slot {
+                    generation: 0,
+                    state: AgentState::None,
+                    exit: None,
+                    profile_claim: false,
+                    agent_load_session: None,
+                    running: None,
+                    session: None,
+                    turn: None,
+                    replaying: None,
+                }),
+                ops: tokio::sync::Mutex::new(()),
+            }),
+        }
+    }
+
+    /// Current state, for Health and Capabilities.
+    pub fn status(&self) -> Status {
+        let slot = self.shared.slot();
+        Status {
+            state: slot.state,
+            exit: slot.exit,
+            profile_claim: slot.profile_claim,
+            agent_load_session: slot.agent_load_session,
+        }
+    }
+
+    /// Spawns the agent and runs ACP `initialize`.
+    pub async fn launch(&self, spec: LaunchSpec) -> Result<Launched> {
+        let _op = self.shared.ops.lock().await;
+        if spec.command.is_empty() {
+            return Err(Error::InvalidArgument("command is empty".into()));
+        }
+        if spec.command.contains('\0') || spec.args.iter().any(|a| a.contains('\0')) {
+            return Err(Error::InvalidArgument(
+                "command and arguments must not contain NUL bytes".into(),
+            ));
+        }
+        if spec
+            .env
+            .iter()
+            .any(|(k, v)| k.is_empty() || k.contains(['\0', '=']) || v.contains('\0'))
+        {
+            return Err(Error::InvalidArgument(
+                "invalid environment variable".into(),
+            ));
+        }
+        {
+            let slot = self.shared.slot();
+            if slot.is_alive() {
+                let pid = slot.running.as_ref().map_or(0, |r| r.pid);
+                return Err(Error::FailedPrecondition(format!(
+                    "an agent is already running (pid {pid}); call StopAgent first"
+                )));
+            }
+        }
+        let mut cmd = tokio::process::Command::new(&spec.command);
+        cmd.args(&spec.args)
+            .envs(&spec.env)
+            .current_dir(self.shared.workspace.root())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        for k in SCRUBBED_ENV {
+            cmd.env_remove(k);
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| Error::io(format!("starting agent `{}`", spec.command), e))?;
+        let pid = child.id().unwrap_or(0);
+        let (Some(stdin), Some(stdout), Some(stderr)) =
+            (child.stdin.take(), child.stdout.take(), child.stderr.take())
+        else {
+            let _ = sys::kill_group(pid, sys::SIGKILL);
+            return Err(Error::Unavailable("agent stdio was not captured".into()));
+        };
+        tracing::info!(pid, command = %spec.command, "agent spawned");
+
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let (close_tx, close_rx) = oneshot::channel::<()>();
+        let generation = {
+            let mut slot = self.shared.slot();
+            slot.generation += 1;
+            slot.exit = None;
+            slot.profile_claim = spec.profile_supports_session_resume;
+            slot.agent_load_session = None;
+            slot.session = None;
+            slot.turn = None;
+            slot.replaying = None;
+            slot.running = Some(Running {
+                pid,
+                conn: None,
+                exit_rx: exit_rx.clone(),
+                _close: close_tx,
+            });
+            slot.set_state(&self.shared.updates, AgentState::Starting);
+            slot.generation
+        };
+
+        // Agent stderr goes to our log, line by line.
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                tracing::info!(target: "agent_stderr", pid, "{line}");
+            }
+        });
+        // Exit watcher: the only place the child is reaped.
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            let exit = match child.wait().await {
+                Ok(status) => exit_of(status),
+                Err(e) => {
+                    tracing::warn!(pid, error = %e, "waiting for agent failed");
+                    AgentExit::default()
+                }
+            };
+            tracing::info!(pid, exit = %describe_exit(&exit), "agent exited");
+            on_exit(&shared, generation, exit);
+            let _ = exit_tx.send(Some(exit));
+        });
+
+        let (conn_tx, conn_rx) = oneshot::channel();
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            let result = run_connection(shared, generation, stdin, stdout, conn_tx, close_rx).await;
+            if let Err(e) = result {
+                tracing::info!(pid, error = ?e, "ACP connection ended");
+            }
+        });
+
+        let timeout = if spec.initialize_timeout.is_zero() {
+            DEFAULT_INITIALIZE_TIMEOUT
+        } else {
+            spec.initialize_timeout
+        };
+        let init = async {
+            let conn = conn_rx
+                .await
+                .map_err(|_| Error::Unavailable("ACP connection did not start".into()))?;
+            let request = InitializeRequest::new(ProtocolVersion::V1)
+                .client_capabilities(
+                    ClientCapabilities::new()
+                        .fs(FileSystemCapabilities::new()
+                            .read_text_file(true)
+                            .write_text_file(true))
+                        .terminal(false),
+                )
+                .client_info(Implementation::new("agentctl", env!("CARGO_PKG_VERSION")));
+            let resp = conn
+                .send_request(request)
+                .block_task()
+                .await
+                .map_err(|e| acp_error("ACP initialize", &e))?;
+            Ok::<_, Error>((conn, resp))
+        };
+        let mut exit_wait = exit_rx.clone();
+        let outcome = tokio::select! {
+            r = tokio::time::timeout(timeout, init) => match r {
+                Ok(r) => r,
+                Err(_) => Err(Error::DeadlineExceeded(format!(
+                    "the agent did not answer ACP initialize within {} ms",
+                    timeout.as_millis()
+                ))),
+            },
+            exit = exit_wait.wait_for(Option::is_some) => {
+                let exit = exit.ok().and_then(|e| *e).unwrap_or_default();
+                Err(Error::Unavailable(format!(
+                    "the agent exited during ACP initialize ({})",
+                    describe_exit(&exit)
+                )))
+            }
+        };
+        match outcome {
+            Ok((conn, resp)) => {
+                let load_session = resp.agent_capabilities.load_session;
+                let (name, version) = resp
+                    .agent_info
+                    .map(|i| (i.name, i.version))
+                    .unwrap_or_default();
+                let mut slot = self.shared.slot();
+                if slot.generation != generation || slot.state != AgentState::Starting {
+                    return Err(Error::Unavailable(
+                        "the agent exited right after ACP initialize".into(),
+                    ));
+                }
+                if let Some(r) = slot.running.as_mut() {
+                    r.conn = Some(conn);
+                }
+                slot.agent_load_session = Some(load_session);
+                slot.set_state(&self.shared.updates, AgentState::Ready);
+                tracing::info!(pid, %name, %version, load_session, "agent initialized");
+                Ok(Launched {
+                    pid,
+                    name,
+                    version,
+                    load_session,
+                })
+            }
+            Err(e) => {
+                tracing::warn!(pid, error = %e, "agent launch failed; stopping it");
+                self.stop_pid(pid, exit_rx, Duration::from_millis(500))
+                    .await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Opens a new ACP session; its id is the resume token.
+    pub async fn new_session(&self) -> Result<String> {
+        let _op = self.shared.ops.lock().await;
+        let conn = {
+            let slot = self.shared.slot();
+            if slot.state == AgentState::Busy {
+                return Err(Error::FailedPrecondition("a turn is in progress".into()));
+            }
+            slot.connection()?
+        };
+        let request = NewSessionRequest::new(self.shared.workspace.root().to_path_buf());
+        let resp = tokio::time::timeout(
+            SESSION_SETUP_TIMEOUT,
+            conn.send_request(request).block_task(),
+        )
+        .await
+        .map_err(|_| Error::DeadlineExceeded("session/new was not answered in time".into()))?
+        .map_err(|e| acp_error("ACP session/new", &e))?;
+        let id = resp.session_id;
+        self.shared.slot().session = Some(id.clone());
+        Ok(id.0.to_string())
+    }
+
+    /// ACP `session/load` with a token from `new_session`.
+    pub async fn resume_session(&self, token: &str) -> Result<String> {
+        let _op = self.shared.ops.lock().await;
+        if token.is_empty() {
+            return Err(Error::InvalidArgument("resume_token is empty".into()));
+        }
+        let session = SessionId::new(token);
+        let conn = {
+            let mut slot = self.shared.slot();
+            let conn = slot.connection()?;
+            if slot.state == AgentState::Busy {
+                return Err(Error::FailedPrecondition("a turn is in progress".into()));
+            }
+            if slot.agent_load_session != Some(true) {
+                return Err(Error::FailedPrecondition(
+                    "the agent does not support session resume (no ACP loadSession capability); start a new session".into(),
+                ));
+            }
+            if !slot.profile_claim {
+                return Err(Error::FailedPrecondition(
+                    "the agent profile does not claim session resume; start a new session".into(),
+                ));
+            }
+            slot.replaying = Some(session.clone());
+            conn
+        };
+        let request =
+            LoadSessionRequest::new(session.clone(), self.shared.workspace.root().to_path_buf());
+        let result = tokio::time::timeout(
+            SESSION_SETUP_TIMEOUT,
+            conn.send_request(request).block_task(),
+        )
+        .await;
+        let mut slot = self.shared.slot();
+        slot.replaying = None;
+        match result {
+            Ok(Ok(_)) => {
+                slot.session = Some(session);
+                Ok(token.to_owned())
+            }
+            Ok(Err(e)) => Err(acp_error(
+                &format!("ACP session/load of {token:?} was rejected"),
+                &e,
+            )),
+            Err(_) => Err(Error::DeadlineExceeded(
+                "session/load was not answered in time".into(),
+            )),
+        }
+    }
+
+    /// Starts one turn in the background; returns `(turn_id, message_id)`.
+    pub fn prompt(&self, text: String, turn_id: String) -> Result<(String, String)> {
+        if text.is_empty() {
+            return Err(Error::InvalidArgument("prompt text is empty".into()));
+        }
+        let turn_id = if turn_id.is_empty() {
+            uuid::Uuid::now_v7().to_string()
+        } else {
+            turn_id
+        };
+        let message_id = uuid::Uuid::now_v7().to_string();
+        let (conn, session, exit_rx, pid) = {
+            let mut slot = self.shared.slot();
+            let conn = slot.connection()?;
+            if slot.state == AgentState::Busy {
+                return Err(Error::FailedPrecondition(
+                    "a turn is already in progress; wait for TurnEnded or Cancel".into(),
+                ));
+            }
+            let Some(session) = slot.session.clone() else {
+                return Err(Error::FailedPrecondition(
+                    "no session; call NewSession or ResumeSession first".into(),
+                ));
+            };
+            let (exit_rx, pid) = slot
+                .running
+                .as_ref()
+                .map(|r| (r.exit_rx.clone(), r.pid))
+                .ok_or_else(|| Error::FailedPrecondition("no agent is running".into()))?;
+            slot.turn = Some(Turn {
+                turn_id: turn_id.clone(),
+                message_id: message_id.clone(),
+                session: session.clone(),
+            });
+            slot.set_state(&self.shared.updates, AgentState::Busy);
+            (conn, session, exit_rx, pid)
+        };
+        let shared = self.shared.clone();
+        let tid = turn_id.clone();
+        tokio::spawn(async move {
+            let request =
+                PromptRequest::new(session, vec![ContentBlock::Text(TextContent::new(text))]);
+            match conn.send_request(request).block_task().await {
+                Ok(resp) => finish_turn(&shared, &tid, &stop_reason_name(resp.stop_reason), ""),
+                Err(e) => {
+                    let err = acp_error("ACP session/prompt", &e);
+                    if matches!(err, Error::Unavailable(_)) {
+                        // The agent is going away: let the exit watcher end
+                        // the turn with the exit status; if stdout closed but
+                        // the process lingers, end it.
+                        let mut rx = exit_rx.clone();
+                        let exited = tokio::time::timeout(
+                            Duration::from_secs(3),
+                            rx.wait_for(Option::is_some),
+                        )
+                        .await
+                        .is_ok();
+                        if !exited {
+                            let _ = sys::kill_group(pid, sys::SIGKILL);
+                        }
+                    }
+                    finish_turn(&shared, &tid, "error", &err.to_string());
+                }
+            }
+        });
+        Ok((turn_id, message_id))
+    }
+
+    /// Sends ACP `session/cancel` for the turn in progress.
+    pub fn cancel(&self) -> Result<bool> {
+        let slot = self.shared.slot();
+        let Some(turn) = slot.turn.as_ref() else {
+            return Ok(false);
+        };
+        let conn = slot.connection()?;
+        conn.send_notification(CancelNotification::new(turn.session.clone()))
+            .map_err(|e| acp_error("ACP session/cancel", &e))?;
+        Ok(true)
+    }
+
+    /// Ends the agent's process group: TERM, then KILL after `grace`.
+    pub async fn stop(&self, grace: Duration) -> Option<AgentExit> {
+        let (pid, exit_rx) = {
+            let slot = self.shared.slot();
+            match slot.running.as_ref() {
+                Some(r) => (r.pid, r.exit_rx.clone()),
+                None => return slot.exit,
+            }
+        };
+        self.stop_pid(pid, exit_rx, grace).await
+    }
+
+    async fn stop_pid(
+        &self,
+        pid: u32,
+        mut exit_rx: watch::Receiver<Option<AgentExit>>,
+        grace: Duration,
+    ) -> Option<AgentExit> {
+        let grace = if grace.is_zero() {
+            DEFAULT_STOP_GRACE
+        } else {
+            grace
+        };
+        let _ = sys::kill_group(pid, sys::SIGTERM);
+        let exited = tokio::time::timeout(grace, exit_rx.wait_for(Option::is_some))
+            .await
+            .is_ok();
+        // KILL whatever is left of the group, leader or not.
+        let _ = sys::kill_group(pid, sys::SIGKILL);
+        if !exited {
+            let _ = tokio::time::timeout(Duration::from_secs(5), exit_rx.wait_for(Option::is_some))
+                .await;
+        }
+        let exit = *exit_rx.borrow();
+        exit
+    }
+}
+
+/// Records the agent's exit: state EXITED, the in-flight turn ended with an
+/// error, `AgentExited` on the stream.
+fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) {
+    let mut slot = shared.slot();
+    if slot.generation != generation {
+        return;
+    }
+    let running = slot.running.take();
+    slot.exit = Some(exit);
+    slot.replaying = None;
+    slot.session = None;
+    if let Some(turn) = slot.turn.take() {
+        shared.updates.push(Kind::TurnEnded(TurnEnded {
+            turn_id: turn.turn_id,
+            stop_reason: "error".into(),
+            error_message: format!(
+                "the agent exited during the turn ({})",
+                describe_exit(&exit)
+            ),
+        }));
+    }
+    slot.set_state(&shared.updates, AgentState::Exited);
+    shared
+        .updates
+        .push(Kind::AgentExited(AgentExited { exit: Some(exit) }));
+    drop(slot);
+    drop(running);
+}
+
+/// Ends `turn_id` if it is still the turn in progress.
+fn finish_turn(shared: &Shared, turn_id: &str, stop_reason: &str, error: &str) {
+    let mut slot = shared.slot();
+    if slot.turn.as_ref().is_none_or(|t| t.turn_id != turn_id) {
+        return;
+    }
+    slot.turn = None;
+    shared.updates.push(Kind::TurnEnded(TurnEnded {
+        turn_id: turn_id.to_owned(),
+        stop_reason: stop_reason.to_owned(),
+        error_message: error.to_owned(),
+    }));
+    if slot.state == AgentState::Busy {
+        slot.set_state(&shared.updates, AgentState::Ready);
+    }
+}
+
+/// Maps one ACP session update to the stream, if it belongs to the turn in
+/// progress; replayed history during `session/load` is dropped.
+fn on_session_update(shared: &Shared, generation: u64, n: SessionNotification) {
+    let slot = shared.slot();
+    if slot.generation != generation {
+        return;
+    }
+    if slot.replaying.as_ref() == Some(&n.session_id) {
+        return;
+    }
+    let Some(turn) = slot.turn.as_ref().filter(|t| t.session == n.session_id) else {
+        tracing::debug!(session = %n.session_id, "session update outside a turn ignored");
+        return;
+    };
+    let kind = match n.update {
+        SessionUpdate::AgentMessageChunk(chunk) => match chunk.content {
+            ContentBlock::Text(t) => Kind::MessageChunk(MessageChunk {
+                turn_id: turn.turn_id.clone(),
+                message_id: turn.message_id.clone(),
+                text: t.text,
+            }),
+            _ => return,
+        },
+        SessionUpdate::ToolCall(tc) => Kind::ToolCall(ToolCall {
+            turn_id: turn.turn_id.clone(),
+            tool_call_id: tc.tool_call_id.0.to_string(),
+            title: tc.title,
+            status: tool_status_name(tc.status),
+        }),
+        SessionUpdate::ToolCallUpdate(u) => Kind::ToolCall(ToolCall {
+            turn_id: turn.turn_id.clone(),
+            tool_call_id: u.tool_call_id.0.to_string(),
+            title: u.fields.title.unwrap_or_default(),
+            status: u.fields.status.map(tool_status_name).unwrap_or_default(),
+        }),
+        _ => return,
+    };
+    shared.updates.push(kind);
+}
+
+fn lines_transport(
+    stdin: tokio::process::ChildStdin,
+    stdout: tokio::process::ChildStdout,
+) -> Lines<
+    impl futures::Sink<String, Error = std::io::Error> + Send + 'static,
+    impl futures::Stream<Item = std::io::Result<String>> + Send + 'static,
+> {
+    let incoming =
+        futures::stream::unfold(BufReader::new(stdout).lines(), |mut lines| async move {
+            match lines.next_line().await {
+                Ok(Some(line)) => Some((Ok(line), lines)),
+                Ok(None) => None,
+                Err(e) => Some((Err(e), lines)),
+            }
+        });
+    let outgoing = futures::sink::unfold(stdin, |mut stdin, line: String| async move {
+        stdin.write_all(line.as_bytes()).await?;
+        stdin.write_all(b"\n").await?;
+        stdin.flush().await?;
+        Ok::<_, std::io::Error>(stdin)
+    });
+    Lines::new(Box::pin(outgoing), Box::pin(incoming))
+}
+
+/// The ACP client: session updates to the stream, and answers to the agent's
+/// requests (permission by policy; file system confined to the workspace;
+/// terminals are not offered, so the SDK answers them "method not found").
+/// Runs until `close` fires or the connection fails.
+async fn run_connection(
+    shared: Arc<Shared>,
+    generation: u64,
+    stdin: tokio::process::ChildStdin,
+    stdout: tokio::process::ChildStdout,
+    conn_tx: oneshot::Sender<ConnectionTo<Agent>>,
+    close: oneshot::Receiver<()>,
+) -> std::result::Result<(), agent_client_protocol::Error> {
+    let s_updates = shared.clone();
+    let s_perm = shared.clone();
+    let s_read = shared.clone();
+    let s_write = shared;
+    Client
+        .v1()
+        .name("agentctl")
+        .on_receive_notification(
+            async move |n: SessionNotification, _cx| {
+                on_session_update(&s_updates, generation, n);
+                Ok(())
+            },
+            agent_client_protocol::on_receive_notification!(),
+        )
+        .on_receive_request(
+            async move |req: RequestPermissionRequest, responder, _cx| {
+                let wanted: &[PermissionOptionKind] = match s_perm.policy {
+                    PermissionPolicy::AllowOnce => &[
+                        PermissionOptionKind::AllowOnce,
+                        PermissionOptionKind::AllowAlways,
+                    ],
+                    PermissionPolicy::Reject => &[
+                        PermissionOptionKind::RejectOnce,
+                        PermissionOptionKind::RejectAlways,
+                    ],
+                };
+                let chosen = wanted.iter().find_map(|kind| {
+                    req.options
+                        .iter()
+                        .find(|o| o.kind == *kind)
+                        .map(|o| o.option_id.clone())
+                });
+                let outcome = match chosen {
+                    Some(id) => {
+                        RequestPermissionOutcome::Selected(SelectedPermissionOutcome::new(id))
+                    }
+                    None => RequestPermissionOutcome::Cancelled,
+                };
+                responder.respond(RequestPermissionResponse::new(outcome))
+            },
+            agent_client_protocol::on_receive_request!(),
+        )
+        .on_receive_request(
+            async move |req: ReadTextFileRequest, responder, _cx| {
+                let path = req.path.to_string_lossy().into_owned();
+                let result = s_read.workspace.read_file(&path, 0).and_then(|bytes| {
+                    String::from_utf8(bytes)
+                        .map_err(|_| Error::InvalidArgument(format!("{path} is not UTF-8 text")))
+                });
+                match result {
+                    Ok(text) => {
+                        let text = select_lines(&text, req.line, req.limit);
+                        responder.respond(ReadTextFileResponse::new(text))
+                    }
+                    Err(e) => responder.respond_with_error(fs_error(&e)),
+                }
+            },
+            agent_client_protocol::on_receive_request!(),
+        )
+        .on_receive_request(
+            async move |req: WriteTextFileRequest, responder, _cx| {
+                let path = req.path.to_string_lossy().into_owned();
+                match s_write
+                    .workspace
+                    .write_file(&path, req.content.as_bytes(), true)
+                {
+                    Ok(_) => responder.respond(WriteTextFileResponse::new()),
+                    Err(e) => responder.respond_with_error(fs_error(&e)),
+                }
+            },
+            agent_client_protocol::on_receive_request!(),
+        )
+        .connect_with(
+            lines_transport(stdin, stdout),
+            async move |cx: ConnectionTo<Agent>| {
+                let _ = conn_tx.send(cx);
+                let _ = close.await;
+                Ok(())
+            },
+        )
+        .await
+}
+
+fn fs_error(e: &Error) -> agent_client_protocol::Error {
+    let code = match e {
+        Error::NotFound(_) => ErrorCode::RESOURCE_NOT_FOUND,
+        Error::InvalidArgument(_) | Error::PermissionDenied(_) | Error::OutOfRange(_) => {
+            ErrorCode::INVALID_PARAMS
+        }
+        _ => ErrorCode::INTERNAL_ERROR,
+    };
+    agent_client_protocol::Error::new(code, e.to_string())
+}
+
+/// `line` is 1-based; `limit` counts lines.
+fn select_lines(text: &str, line: Option<u32>, limit: Option<u32>) -> String {
+    if line.is_none() && limit.is_none() {
+        return text.to_owned();
+    }
+    let start = line.map_or(0, |l| l.saturating_sub(1) as usize);
+    let take = limit.map_or(usize::MAX, |l| l as usize);
+    text.split_inclusive('\n').skip(start).take(take).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines() {
+        assert_eq!(select_lines("a\nb\nc\n", Some(2), Some(1)), "b\n");
+        assert_eq!(select_lines("a\nb\nc", None, Some(2)), "a\nb\n");
+        assert_eq!(select_lines("a\nb", None, None), "a\nb");
+        assert_eq!(stop_reason_name(StopReason::EndTurn), "end_turn");
+        assert_eq!(tool_status_name(ToolCallStatus::InProgress), "in_progress");
+    }
+}

@@ -1,0 +1,83 @@
+//! agentctl's error type, and its one mapping to gRPC status codes.
+
+use tonic::{Code, Status};
+
+/// Everything an agentctl operation can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Malformed input: a NUL byte, an empty required field, a bad value.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The path resolves outside the workspace root.
+    #[error("permission denied: {0}")]
+    PermissionDenied(String),
+    /// The file, directory, session or command does not exist.
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// The call does not fit the current state (no agent, turn in progress,
+    /// no `loadSession`, not a git repository, ...).
+    #[error("failed precondition: {0}")]
+    FailedPrecondition(String),
+    /// A size limit was exceeded.
+    #[error("out of range: {0}")]
+    OutOfRange(String),
+    /// The agent did not answer in time.
+    #[error("deadline exceeded: {0}")]
+    DeadlineExceeded(String),
+    /// The agent is gone or its connection broke.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    /// The agent answered with an error.
+    #[error("agent error: {0}")]
+    Agent(String),
+    /// Anything else, with context.
+    #[error("{context}: {source}")]
+    Io {
+        /// What agentctl was doing.
+        context: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+}
+
+/// `Result` with agentctl's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// Wraps an IO error with what was being done, mapping the kinds that
+    /// have a precise meaning.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        let context = context.into();
+        match source.kind() {
+            std::io::ErrorKind::NotFound => Self::NotFound(format!("{context}: {source}")),
+            std::io::ErrorKind::PermissionDenied => {
+                Self::PermissionDenied(format!("{context}: {source}"))
+            }
+            std::io::ErrorKind::IsADirectory
+            | std::io::ErrorKind::NotADirectory
+            | std::io::ErrorKind::InvalidInput => {
+                Self::InvalidArgument(format!("{context}: {source}"))
+            }
+            _ if source.raw_os_error() == Some(libc::ELOOP) => {
+                Self::PermissionDenied(format!("{context}: refusing to follow a symlink"))
+            }
+            _ => Self::Io { context, source },
+        }
+    }
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Self {
+        let code = match &e {
+            Error::InvalidArgument(_) => Code::InvalidArgument,
+            Error::PermissionDenied(_) => Code::PermissionDenied,
+            Error::NotFound(_) => Code::NotFound,
+            Error::FailedPrecondition(_) | Error::Agent(_) => Code::FailedPrecondition,
+            Error::OutOfRange(_) => Code::OutOfRange,
+            Error::DeadlineExceeded(_) => Code::DeadlineExceeded,
+            Error::Unavailable(_) => Code::Unavailable,
+            Error::Io { .. } => Code::Internal,
+        };
+        Status::new(code, e.to_string())
+    }
+}

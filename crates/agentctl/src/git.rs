@@ -1,0 +1,171 @@
+//! `git status` / `git diff` of the workspace through the `git` binary.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use sessiond_proto::agentctl::v1::{GitFileStatus, GitStatusResponse};
+
+use crate::error::{Error, Result};
+use crate::exec::{self, ExecSpec};
+use crate::workspace::Workspace;
+
+const GIT_TIMEOUT: Duration = Duration::from_secs(60);
+const GIT_MAX_OUTPUT: u64 = 32 << 20;
+
+async fn git(ws: &Workspace, args: &[String]) -> Result<Vec<u8>> {
+    let mut env = HashMap::new();
+    // Only the workspace itself may be the repository, never a parent of it.
+    if let Some(parent) = ws.root().parent() {
+        env.insert(
+            "GIT_CEILING_DIRECTORIES".to_owned(),
+            parent.to_string_lossy().into_owned(),
+        );
+    }
+    env.insert("GIT_OPTIONAL_LOCKS".to_owned(), "0".to_owned());
+    env.insert("GIT_TERMINAL_PROMPT".to_owned(), "0".to_owned());
+    env.insert("LC_ALL".to_owned(), "C".to_owned());
+    let out = exec::run(ExecSpec {
+        command: "git",
+        args,
+        cwd: ws.root(),
+        env: &env,
+        timeout: GIT_TIMEOUT,
+        max_output: GIT_MAX_OUTPUT,
+    })
+    .await
+    .map_err(|e| match e {
+        Error::NotFound(m) => Error::FailedPrecondition(format!("git is not installed: {m}")),
+        other => other,
+    })?;
+    if out.timed_out {
+        return Err(Error::DeadlineExceeded(format!(
+            "git {} took longer than {GIT_TIMEOUT:?}",
+            args.join(" ")
+        )));
+    }
+    if out.exit_code != Some(0) {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if stderr.contains("not a git repository") {
+            return Err(Error::FailedPrecondition(format!(
+                "workspace {} is not a git repository",
+                ws.root().display()
+            )));
+        }
+        return Err(Error::FailedPrecondition(format!(
+            "git {} failed: {}",
+            args.first().map_or("", String::as_str),
+            stderr.trim()
+        )));
+    }
+    if out.stdout_truncated {
+        return Err(Error::OutOfRange(format!(
+            "git output is larger than {GIT_MAX_OUTPUT} bytes"
+        )));
+    }
+    Ok(out.stdout)
+}
+
+/// `git status --porcelain=v1 -b`, parsed.
+pub async fn status(ws: &Workspace) -> Result<GitStatusResponse> {
+    let args = [
+        "status",
+        "--porcelain=v1",
+        "-b",
+        "-z",
+        "--untracked-files=all",
+    ]
+    .map(String::from);
+    let out = git(ws, &args).await?;
+    Ok(parse_status(&String::from_utf8_lossy(&out)))
+}
+
+/// Parses `git status --porcelain=v1 -b -z` output.
+pub fn parse_status(out: &str) -> GitStatusResponse {
+    let mut resp = GitStatusResponse::default();
+    let mut records = out.split('\0').filter(|r| !r.is_empty());
+    while let Some(rec) = records.next() {
+        if let Some(header) = rec.strip_prefix("## ") {
+            resp.branch = parse_branch(header);
+            continue;
+        }
+        let (code, path) = (rec.get(..2).unwrap_or(""), rec.get(3..).unwrap_or(""));
+        if code.contains(['R', 'C']) {
+            // The original path of a rename or copy follows as its own record.
+            records.next();
+        }
+        resp.files.push(GitFileStatus {
+            path: path.to_owned(),
+            code: code.to_owned(),
+        });
+    }
+    resp
+}
+
+fn parse_branch(header: &str) -> String {
+    for prefix in ["No commits yet on ", "Initial commit on "] {
+        if let Some(b) = header.strip_prefix(prefix) {
+            return b.trim().to_owned();
+        }
+    }
+    if header.starts_with("HEAD (no branch)") {
+        return "HEAD".to_owned();
+    }
+    let end = header
+        .find("...")
+        .or_else(|| header.find(' '))
+        .unwrap_or(header.len());
+    header[..end].to_owned()
+}
+
+/// `git diff` of the working tree against the index, or of the index against
+/// HEAD when `staged`; limited to `paths` when given.
+pub async fn diff(ws: &Workspace, staged: bool, paths: &[String]) -> Result<String> {
+    let mut args: Vec<String> = ["diff", "--no-color", "--no-ext-diff"]
+        .map(String::from)
+        .to_vec();
+    if staged {
+        args.push("--cached".into());
+    }
+    args.push("--".into());
+    for p in paths {
+        let resolved = ws.resolve(p)?;
+        let rel = ws.relative(&resolved);
+        args.push(if rel.as_os_str().is_empty() {
+            ".".to_owned()
+        } else {
+            rel.to_string_lossy().into_owned()
+        });
+    }
+    let out = git(ws, &args).await?;
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_porcelain() {
+        let s = parse_status(
+            "## main...origin/main [ahead 1]\0 M a.txt\0?? new file\0R  b\0old b\0A  c\0",
+        );
+        assert_eq!(s.branch, "main");
+        let got: Vec<(&str, &str)> = s
+            .files
+            .iter()
+            .map(|f| (f.code.as_str(), f.path.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (" M", "a.txt"),
+                ("??", "new file"),
+                ("R ", "b"),
+                ("A ", "c")
+            ]
+        );
+        assert_eq!(parse_status("## No commits yet on trunk\0").branch, "trunk");
+        assert_eq!(parse_status("## HEAD (no branch)\0").branch, "HEAD");
+        assert_eq!(parse_status("## dev\0").branch, "dev");
+    }
+}

@@ -1,0 +1,22 @@
+//! agentctl: the sidecar next to one agent.
+//!
+//! It serves `proto/agentctl/v1` ([`service::AgentCtl`]) to the backend,
+//! authenticates every call with the executor's bearer secret
+//! ([`auth`]), owns at most one agent process and speaks ACP to it
+//! ([`agent`]), keeps a bounded, cursor-addressed log of agent updates
+//! ([`updates`]) and offers shell, file and git access confined to the
+//! workspace root ([`workspace`], [`exec`], [`git`]).
+//!
+//! Trust boundary: whoever holds the secret controls the agent and the
+//! workspace; nothing reaches outside the workspace root through the file
+//! calls, and the secret is never passed to the agent or to commands.
+
+pub mod agent;
+pub mod auth;
+pub mod error;
+pub mod exec;
+pub mod git;
+pub mod service;
+pub mod sys;
+pub mod updates;
+pub mod workspace;

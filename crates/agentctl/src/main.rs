@@ -1,0 +1,206 @@
+//! The `agentctl` binary: configuration, listener, signals, idle exit.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use agentctl::agent::{AgentManager, PermissionPolicy};
+use agentctl::auth::{Activity, Authenticator, Secret};
+use agentctl::service::AgentCtl;
+use agentctl::updates::UpdateLog;
+use agentctl::workspace::Workspace;
+use anyhow::{Context, bail};
+use clap::Parser;
+use sessiond_proto::agentctl::v1::agent_ctl_service_server::AgentCtlServiceServer;
+use tokio::sync::watch;
+use tokio_stream::wrappers::TcpListenerStream;
+
+/// The sidecar next to one agent: gRPC server, ACP client, workspace access.
+///
+/// The secret comes from the AGENTCTL_SECRET environment variable or from
+/// --secret-file; every call must carry `authorization: Bearer <secret>`.
+#[derive(Debug, Parser)]
+#[command(name = "agentctl", version)]
+struct Cli {
+    /// Identity reported by Health, so the backend can prove who it talks to.
+    #[arg(long)]
+    executor_id: String,
+    /// Workspace root; every file, exec and git call is confined to it.
+    #[arg(long)]
+    workspace: PathBuf,
+    /// Address to listen on; port 0 picks a free port.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: SocketAddr,
+    /// File to write the bound port to (atomically, via rename).
+    #[arg(long)]
+    port_file: Option<PathBuf>,
+    /// File holding the secret (instead of AGENTCTL_SECRET).
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
+    /// Exit after this long without an authenticated call (and no open update
+    /// stream), e.g. `90s`, `15m`, `500ms`; `0` never exits.
+    #[arg(long, default_value = "30m", value_parser = parse_duration)]
+    idle_timeout: Duration,
+    /// Updates kept for replay by StreamUpdates.
+    #[arg(long, default_value_t = 4096)]
+    update_buffer: usize,
+    /// How the agent's permission requests are answered.
+    #[arg(long, value_enum, default_value_t = PermissionPolicy::AllowOnce)]
+    permission_policy: PermissionPolicy,
+    /// Grace between TERM and KILL when agentctl itself is terminated.
+    #[arg(long, default_value = "3s", value_parser = parse_duration)]
+    stop_grace: Duration,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((s, ""), |i| s.split_at(i));
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {s:?} (examples: 500ms, 30s, 15m, 2h)"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "" | "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n * 60)),
+        "h" => Ok(Duration::from_secs(n * 3600)),
+        _ => Err(format!("invalid duration unit in {s:?} (ms, s, m, h)")),
+    }
+}
+
+fn load_secret(cli: &Cli) -> anyhow::Result<Secret> {
+    let raw = match &cli.secret_file {
+        Some(path) => std::fs::read_to_string(path)
+            .with_context(|| format!("reading secret file {}", path.display()))?,
+        None => std::env::var("AGENTCTL_SECRET")
+            .context("no secret: set AGENTCTL_SECRET or pass --secret-file")?,
+    };
+    Secret::new(&raw).context("the secret is empty")
+}
+
+fn write_port_file(path: &std::path::Path, port: u16) -> anyhow::Result<()> {
+    let file_name = path
+        .file_name()
+        .with_context(|| format!("port file {} has no file name", path.display()))?;
+    let tmp = path.with_file_name(format!(
+        ".{}.{}.tmp",
+        file_name.to_string_lossy(),
+        std::process::id()
+    ));
+    std::fs::write(&tmp, format!("{port}\n"))
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("AGENTCTL_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let secret = load_secret(&cli)?;
+    if cli.executor_id.is_empty() {
+        bail!("--executor-id must not be empty");
+    }
+    let workspace = Arc::new(Workspace::open(&cli.workspace)?);
+    let updates = Arc::new(UpdateLog::new(cli.update_buffer));
+    let activity = Arc::new(Activity::default());
+    let agent = AgentManager::new(workspace.clone(), updates.clone(), cli.permission_policy);
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let service = AgentCtl::new(
+        cli.executor_id.clone(),
+        workspace.clone(),
+        agent.clone(),
+        updates,
+        activity.clone(),
+        shutdown_rx.clone(),
+    );
+
+    let listener = tokio::net::TcpListener::bind(cli.listen)
+        .await
+        .with_context(|| format!("binding {}", cli.listen))?;
+    let addr = listener.local_addr()?;
+    if let Some(path) = &cli.port_file {
+        write_port_file(path, addr.port())?;
+    }
+    {
+        #[allow(clippy::print_stdout)]
+        {
+            use std::io::Write;
+            println!("agentctl listening on {addr}");
+            let _ = std::io::stdout().flush();
+        }
+    }
+    tracing::info!(
+        %addr,
+        executor_id = %cli.executor_id,
+        workspace = %workspace.root().display(),
+        idle_timeout = ?cli.idle_timeout,
+        "agentctl serving"
+    );
+
+    // Why we stop: SIGTERM/SIGINT, or no backend contact for too long.
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let idle_timeout = cli.idle_timeout;
+    let idle_activity = activity.clone();
+    let stop_reason = async move {
+        let idle = async {
+            if idle_timeout.is_zero() {
+                return std::future::pending::<()>().await;
+            }
+            loop {
+                let idle_for = idle_activity.idle_for();
+                if idle_for >= idle_timeout {
+                    return;
+                }
+                let left = idle_timeout - idle_for;
+                tokio::time::sleep(left.min(Duration::from_millis(500))).await;
+            }
+        };
+        tokio::select! {
+            _ = sigterm.recv() => "SIGTERM",
+            _ = tokio::signal::ctrl_c() => "SIGINT",
+            () = idle => "idle timeout",
+        }
+    };
+    // On the way out: end update streams, stop the agent, then let the server
+    // drain; connections that do not close within a few seconds are dropped.
+    let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
+    let stop_grace = cli.stop_grace;
+    let stopping_agent = agent.clone();
+    let shutdown = async move {
+        let reason = stop_reason.await;
+        tracing::info!(reason, "agentctl shutting down; stopping the agent");
+        let _ = shutdown_tx.send(true);
+        let exit = stopping_agent.stop(stop_grace).await;
+        tracing::info!(?exit, "agent stopped");
+        let _ = stopped_tx.send(());
+    };
+
+    let auth = Authenticator::new(secret, activity);
+    let server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .add_service(AgentCtlServiceServer::with_interceptor(service, auth))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown);
+    let drain_deadline = async {
+        if stopped_rx.await.is_ok() {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        r = server => r.context("serving gRPC")?,
+        () = drain_deadline => tracing::warn!("connections did not close within 5 s; exiting anyway"),
+    }
+    tracing::info!("agentctl exited cleanly");
+    Ok(())
+}

@@ -1,0 +1,267 @@
+//! The `AgentCtlService` gRPC implementation.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sessiond_proto::agentctl::v1::agent_ctl_service_server::AgentCtlService;
+use sessiond_proto::agentctl::v1::{
+    AgentUpdate, CancelRequest, CancelResponse, CapabilitiesRequest, CapabilitiesResponse,
+    Capability, ExecRequest, ExecResponse, GitDiffRequest, GitDiffResponse, GitStatusRequest,
+    GitStatusResponse, HealthRequest, HealthResponse, LaunchAgentRequest, LaunchAgentResponse,
+    ListDirRequest, ListDirResponse, NewSessionRequest, NewSessionResponse, PromptRequest,
+    PromptResponse, ReadFileRequest, ReadFileResponse, ResumeSessionRequest, ResumeSessionResponse,
+    StopAgentRequest, StopAgentResponse, StreamUpdatesRequest, WriteFileRequest, WriteFileResponse,
+};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::agent::{AgentManager, LaunchSpec};
+use crate::auth::Activity;
+use crate::exec::{self, ExecSpec};
+use crate::git;
+use crate::updates::{Read, UpdateLog};
+use crate::workspace::Workspace;
+
+/// Updates sent per read of the log while replaying.
+const REPLAY_BATCH: usize = 256;
+
+/// One agentctl: identity, workspace, agent and update log.
+#[derive(Debug, Clone)]
+pub struct AgentCtl {
+    executor_id: String,
+    started: Instant,
+    workspace: Arc<Workspace>,
+    agent: AgentManager,
+    updates: Arc<UpdateLog>,
+    activity: Arc<Activity>,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl AgentCtl {
+    /// Wires the service. `shutdown` turning true ends open update streams.
+    pub fn new(
+        executor_id: String,
+        workspace: Arc<Workspace>,
+        agent: AgentManager,
+        updates: Arc<UpdateLog>,
+        activity: Arc<Activity>,
+        shutdown: watch::Receiver<bool>,
+    ) -> Self {
+        Self {
+            executor_id,
+            started: Instant::now(),
+            workspace,
+            agent,
+            updates,
+            activity,
+            shutdown,
+        }
+    }
+}
+
+type Res<T> = Result<Response<T>, Status>;
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> crate::error::Result<T> + Send + 'static,
+) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Status::internal(format!("worker failed: {e}")))?
+        .map_err(Status::from)
+}
+
+#[tonic::async_trait]
+impl AgentCtlService for AgentCtl {
+    async fn health(&self, _req: Request<HealthRequest>) -> Res<HealthResponse> {
+        let status = self.agent.status();
+        Ok(Response::new(HealthResponse {
+            executor_id: self.executor_id.clone(),
+            agentctl_version: env!("CARGO_PKG_VERSION").to_owned(),
+            agent_state: status.state as i32,
+            agent_exit: status.exit,
+            uptime_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            pid: std::process::id(),
+        }))
+    }
+
+    async fn capabilities(&self, _req: Request<CapabilitiesRequest>) -> Res<CapabilitiesResponse> {
+        let status = self.agent.status();
+        let resume = match status.agent_load_session {
+            None => Capability::Unknown,
+            Some(true) if status.profile_claim => Capability::Supported,
+            Some(_) => Capability::Unsupported,
+        };
+        Ok(Response::new(CapabilitiesResponse {
+            supports_session_resume: resume as i32,
+            supports_workspace_only: Capability::Supported as i32,
+            profile_claims_session_resume: status.profile_claim,
+            agent_load_session: status.agent_load_session,
+        }))
+    }
+
+    async fn launch_agent(&self, req: Request<LaunchAgentRequest>) -> Res<LaunchAgentResponse> {
+        let r = req.into_inner();
+        let launched = self
+            .agent
+            .launch(LaunchSpec {
+                command: r.command,
+                args: r.args,
+                env: r.env,
+                profile_supports_session_resume: r.profile_supports_session_resume,
+                initialize_timeout: Duration::from_millis(r.initialize_timeout_ms),
+            })
+            .await?;
+        Ok(Response::new(LaunchAgentResponse {
+            agent_pid: launched.pid,
+            agent_name: launched.name,
+            agent_version: launched.version,
+            agent_load_session: launched.load_session,
+        }))
+    }
+
+    async fn new_session(&self, _req: Request<NewSessionRequest>) -> Res<NewSessionResponse> {
+        let resume_token = self.agent.new_session().await?;
+        Ok(Response::new(NewSessionResponse { resume_token }))
+    }
+
+    async fn resume_session(
+        &self,
+        req: Request<ResumeSessionRequest>,
+    ) -> Res<ResumeSessionResponse> {
+        let token = req.into_inner().resume_token;
+        let resume_token = self.agent.resume_session(&token).await?;
+        Ok(Response::new(ResumeSessionResponse { resume_token }))
+    }
+
+    async fn prompt(&self, req: Request<PromptRequest>) -> Res<PromptResponse> {
+        let r = req.into_inner();
+        let (turn_id, message_id) = self.agent.prompt(r.text, r.turn_id)?;
+        Ok(Response::new(PromptResponse {
+            turn_id,
+            message_id,
+        }))
+    }
+
+    async fn cancel(&self, _req: Request<CancelRequest>) -> Res<CancelResponse> {
+        let cancelled = self.agent.cancel()?;
+        Ok(Response::new(CancelResponse { cancelled }))
+    }
+
+    async fn stop_agent(&self, req: Request<StopAgentRequest>) -> Res<StopAgentResponse> {
+        let grace = Duration::from_millis(req.into_inner().grace_ms);
+        let exit = self.agent.stop(grace).await;
+        Ok(Response::new(StopAgentResponse { exit }))
+    }
+
+    type StreamUpdatesStream = ReceiverStream<Result<AgentUpdate, Status>>;
+
+    async fn stream_updates(
+        &self,
+        req: Request<StreamUpdatesRequest>,
+    ) -> Res<Self::StreamUpdatesStream> {
+        let mut last = req.into_inner().after_cursor;
+        let (tx, rx) = mpsc::channel(REPLAY_BATCH);
+        let log = self.updates.clone();
+        let guard = self.activity.stream_guard();
+        let mut shutdown = self.shutdown.clone();
+        tokio::spawn(async move {
+            let _guard = guard;
+            let mut wake = log.subscribe();
+            loop {
+                wake.borrow_and_update();
+                match log.read_after(last, REPLAY_BATCH) {
+                    Read::Gap(gap) => {
+                        last = gap.cursor;
+                        if tx.send(Ok(gap)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Read::Updates(batch) if batch.is_empty() => {
+                        tokio::select! {
+                            changed = wake.changed() => if changed.is_err() { return },
+                            () = tx.closed() => return,
+                            _ = shutdown.wait_for(|s| *s) => return,
+                        }
+                    }
+                    Read::Updates(batch) => {
+                        for update in batch {
+                            last = update.cursor;
+                            if tx.send(Ok(update)).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn exec(&self, req: Request<ExecRequest>) -> Res<ExecResponse> {
+        let r = req.into_inner();
+        let ws = self.workspace.clone();
+        let cwd_arg = r.cwd.clone();
+        let cwd = blocking(move || ws.resolve(&cwd_arg)).await?;
+        let timeout = if r.timeout_ms == 0 {
+            exec::DEFAULT_TIMEOUT
+        } else {
+            Duration::from_millis(r.timeout_ms)
+        };
+        let max_output = if r.max_output_bytes == 0 {
+            exec::DEFAULT_MAX_OUTPUT
+        } else {
+            r.max_output_bytes
+        };
+        let out = exec::run(ExecSpec {
+            command: &r.command,
+            args: &r.args,
+            cwd: &cwd,
+            env: &r.env,
+            timeout,
+            max_output,
+        })
+        .await?;
+        Ok(Response::new(ExecResponse {
+            exit_code: out.exit_code,
+            stdout: out.stdout,
+            stderr: out.stderr,
+            timed_out: out.timed_out,
+            stdout_truncated: out.stdout_truncated,
+            stderr_truncated: out.stderr_truncated,
+            duration_ms: u64::try_from(out.duration.as_millis()).unwrap_or(u64::MAX),
+        }))
+    }
+
+    async fn read_file(&self, req: Request<ReadFileRequest>) -> Res<ReadFileResponse> {
+        let r = req.into_inner();
+        let ws = self.workspace.clone();
+        let content = blocking(move || ws.read_file(&r.path, r.max_bytes)).await?;
+        Ok(Response::new(ReadFileResponse { content }))
+    }
+
+    async fn write_file(&self, req: Request<WriteFileRequest>) -> Res<WriteFileResponse> {
+        let r = req.into_inner();
+        let ws = self.workspace.clone();
+        let bytes_written =
+            blocking(move || ws.write_file(&r.path, &r.content, r.create_parents)).await?;
+        Ok(Response::new(WriteFileResponse { bytes_written }))
+    }
+
+    async fn list_dir(&self, req: Request<ListDirRequest>) -> Res<ListDirResponse> {
+        let path = req.into_inner().path;
+        let ws = self.workspace.clone();
+        let entries = blocking(move || ws.list_dir(&path)).await?;
+        Ok(Response::new(ListDirResponse { entries }))
+    }
+
+    async fn git_status(&self, _req: Request<GitStatusRequest>) -> Res<GitStatusResponse> {
+        Ok(Response::new(git::status(&self.workspace).await?))
+    }
+
+    async fn git_diff(&self, req: Request<GitDiffRequest>) -> Res<GitDiffResponse> {
+        let r = req.into_inner();
+        let diff = git::diff(&self.workspace, r.staged, &r.paths).await?;
+        Ok(Response::new(GitDiffResponse { diff }))
+    }
+}

@@ -1,0 +1,273 @@
+//! File operations confined to the workspace root.
+//!
+//! Every path is resolved by [`Workspace::resolve`]: NUL bytes are refused,
+//! `..` is applied lexically and may not climb above the root, the longest
+//! existing prefix is canonicalized (following symlinks) and must stay inside
+//! the root, and the rest may only name plain components. Files are then
+//! opened with `O_NOFOLLOW`, so a symlink swapped in after the check is not
+//! followed either.
+
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Component, Path, PathBuf};
+
+use sessiond_proto::agentctl::v1::{DirEntry, EntryKind};
+
+use crate::error::{Error, Result};
+
+/// Default and maximum size of a file read (16 MiB).
+pub const DEFAULT_MAX_READ: u64 = 16 << 20;
+
+/// The workspace root, canonical.
+#[derive(Debug, Clone)]
+pub struct Workspace {
+    root: PathBuf,
+}
+
+impl Workspace {
+    /// Opens `root`, which must be an existing directory.
+    pub fn open(root: &Path) -> Result<Self> {
+        let root = std::fs::canonicalize(root)
+            .map_err(|e| Error::io(format!("workspace {}", root.display()), e))?;
+        if !root.is_dir() {
+            return Err(Error::InvalidArgument(format!(
+                "workspace {} is not a directory",
+                root.display()
+            )));
+        }
+        Ok(Self { root })
+    }
+
+    /// The canonical root.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Resolves `path` (relative to the root, or absolute inside it) to a
+    /// path inside the root whose existing part has no symlinks.
+    pub fn resolve(&self, path: &str) -> Result<PathBuf> {
+        if path.contains('\0') {
+            return Err(Error::InvalidArgument("path contains a NUL byte".into()));
+        }
+        let p = Path::new(path);
+        let joined = if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            self.root.join(p)
+        };
+        let mut lexical = PathBuf::new();
+        for c in joined.components() {
+            match c {
+                Component::Prefix(_) | Component::RootDir => lexical.push(c.as_os_str()),
+                Component::CurDir => {}
+                Component::ParentDir => {
+                    if !lexical.pop() || !lexical.starts_with(&self.root) {
+                        return Err(self.escape(path));
+                    }
+                }
+                Component::Normal(s) => lexical.push(s),
+            }
+        }
+        if !lexical.starts_with(&self.root) {
+            return Err(self.escape(path));
+        }
+        // Find the longest prefix that exists (without following a final symlink).
+        let mut existing = lexical;
+        let mut rest: Vec<OsString> = Vec::new();
+        loop {
+            match std::fs::symlink_metadata(&existing) {
+                Ok(_) => break,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    let Some(name) = existing.file_name().map(ToOwned::to_owned) else {
+                        return Err(Error::NotFound(format!("{path}: no existing ancestor")));
+                    };
+                    rest.push(name);
+                    existing.pop();
+                }
+                Err(e) => return Err(Error::io(format!("resolving {path}"), e)),
+            }
+        }
+        let canonical = match std::fs::canonicalize(&existing) {
+            Ok(c) => c,
+            // A dangling symlink: we cannot tell where it leads once created.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(Error::PermissionDenied(format!(
+                    "{path}: refusing a dangling symlink"
+                )));
+            }
+            Err(e) => return Err(Error::io(format!("resolving {path}"), e)),
+        };
+        if !canonical.starts_with(&self.root) {
+            return Err(self.escape(path));
+        }
+        let mut resolved = canonical;
+        for name in rest.into_iter().rev() {
+            resolved.push(name);
+        }
+        Ok(resolved)
+    }
+
+    fn escape(&self, path: &str) -> Error {
+        Error::PermissionDenied(format!("{path:?} resolves outside the workspace root"))
+    }
+
+    /// Path of `abs` relative to the root, for messages and git.
+    pub fn relative<'a>(&self, abs: &'a Path) -> &'a Path {
+        abs.strip_prefix(&self.root).unwrap_or(abs)
+    }
+
+    /// Reads a whole file of at most `max_bytes` (0: 16 MiB).
+    pub fn read_file(&self, path: &str, max_bytes: u64) -> Result<Vec<u8>> {
+        if path.is_empty() {
+            return Err(Error::InvalidArgument("path is empty".into()));
+        }
+        let max = if max_bytes == 0 {
+            DEFAULT_MAX_READ
+        } else {
+            max_bytes
+        };
+        let resolved = self.resolve(path)?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&resolved)
+            .map_err(|e| Error::io(format!("opening {path}"), e))?;
+        let meta = file
+            .metadata()
+            .map_err(|e| Error::io(format!("stat {path}"), e))?;
+        if meta.is_dir() {
+            return Err(Error::InvalidArgument(format!("{path} is a directory")));
+        }
+        if meta.len() > max {
+            return Err(Error::OutOfRange(format!(
+                "{path} is {} bytes, more than the limit of {max}",
+                meta.len()
+            )));
+        }
+        let mut content = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0));
+        file.take(max + 1)
+            .read_to_end(&mut content)
+            .map_err(|e| Error::io(format!("reading {path}"), e))?;
+        if content.len() as u64 > max {
+            return Err(Error::OutOfRange(format!(
+                "{path} grew past the limit of {max} bytes"
+            )));
+        }
+        Ok(content)
+    }
+
+    /// Writes (creating or truncating) a file; returns the bytes written.
+    pub fn write_file(&self, path: &str, content: &[u8], create_parents: bool) -> Result<u64> {
+        if path.is_empty() {
+            return Err(Error::InvalidArgument("path is empty".into()));
+        }
+        let resolved = self.resolve(path)?;
+        if resolved == self.root {
+            return Err(Error::InvalidArgument(
+                "cannot write the workspace root".into(),
+            ));
+        }
+        if let Some(parent) = resolved.parent() {
+            if create_parents {
+                std::fs::create_dir_all(parent)
+                    .map_err(|e| Error::io(format!("creating parents of {path}"), e))?;
+            } else if !parent.is_dir() {
+                return Err(Error::NotFound(format!(
+                    "parent directory of {path} does not exist (set create_parents)"
+                )));
+            }
+        }
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&resolved)
+            .map_err(|e| Error::io(format!("opening {path}"), e))?;
+        file.write_all(content)
+            .map_err(|e| Error::io(format!("writing {path}"), e))?;
+        Ok(content.len() as u64)
+    }
+
+    /// Lists a directory (empty path: the root), sorted by name.
+    pub fn list_dir(&self, path: &str) -> Result<Vec<DirEntry>> {
+        let resolved = self.resolve(path)?;
+        let rd =
+            std::fs::read_dir(&resolved).map_err(|e| Error::io(format!("listing {path:?}"), e))?;
+        let mut entries = Vec::new();
+        for entry in rd {
+            let entry = entry.map_err(|e| Error::io(format!("listing {path:?}"), e))?;
+            let meta = entry
+                .path()
+                .symlink_metadata()
+                .map_err(|e| Error::io(format!("stat in {path:?}"), e))?;
+            let ft = meta.file_type();
+            let kind = if ft.is_symlink() {
+                EntryKind::Symlink
+            } else if ft.is_dir() {
+                EntryKind::Dir
+            } else if ft.is_file() {
+                EntryKind::File
+            } else {
+                EntryKind::Other
+            };
+            entries.push(DirEntry {
+                name: entry.file_name().to_string_lossy().into_owned(),
+                kind: kind as i32,
+                size: if ft.is_file() { meta.len() } else { 0 },
+            });
+        }
+        entries.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(entries)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn setup() -> (tempfile::TempDir, Workspace, PathBuf) {
+        let base = tempfile::tempdir().expect("tempdir");
+        let root = base.path().join("ws");
+        let outside = base.path().join("outside");
+        std::fs::create_dir_all(&root).expect("mkdir");
+        std::fs::create_dir_all(&outside).expect("mkdir");
+        std::fs::write(outside.join("secret"), "s").expect("write");
+        let ws = Workspace::open(&root).expect("open");
+        (base, ws, outside)
+    }
+
+    fn denied(r: Result<PathBuf>) -> bool {
+        matches!(r, Err(Error::PermissionDenied(_)))
+    }
+
+    #[test]
+    fn resolve_rules() {
+        let (_base, ws, outside) = setup();
+        let root = ws.root().to_path_buf();
+        assert_eq!(ws.resolve("").expect("root"), root);
+        assert_eq!(ws.resolve("a/b").expect("new"), root.join("a/b"));
+        assert_eq!(ws.resolve("a/../b").expect("lexical"), root.join("b"));
+        assert!(denied(ws.resolve("../outside/secret")));
+        assert!(denied(ws.resolve("a/../../x")));
+        assert!(denied(
+            ws.resolve(&outside.join("secret").to_string_lossy())
+        ));
+        assert_eq!(
+            ws.resolve(&root.join("x").to_string_lossy())
+                .expect("abs inside"),
+            root.join("x")
+        );
+        assert!(matches!(ws.resolve("a\0b"), Err(Error::InvalidArgument(_))));
+        std::os::unix::fs::symlink(&outside, root.join("out")).expect("symlink");
+        assert!(denied(ws.resolve("out/secret")));
+        assert!(denied(ws.resolve("out/new-file")));
+        assert!(denied(ws.resolve("out")));
+        std::os::unix::fs::symlink(outside.join("nope"), root.join("dangling")).expect("symlink");
+        assert!(denied(ws.resolve("dangling")));
+        std::fs::create_dir(root.join("d")).expect("mkdir");
+        std::os::unix::fs::symlink(root.join("d"), root.join("inner")).expect("symlink");
+        assert_eq!(ws.resolve("inner/f").expect("inner link"), root.join("d/f"));
+    }
+}
