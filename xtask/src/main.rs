@@ -42,7 +42,8 @@ fn ci() -> anyhow::Result<()> {
             (url, None)
         }
         _ => {
-            let cluster = sessiond_testkit::postgres::start_cluster()
+            let cluster = sessiond_testkit::postgres::try_start_cluster()
+                .map_err(anyhow::Error::msg)
                 .context("starting a throwaway PostgreSQL for the Postgres suite")?;
             (cluster.url().to_owned(), Some(cluster))
         }
