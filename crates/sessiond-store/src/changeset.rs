@@ -1,0 +1,447 @@
+//! The write path: one [`Changeset`] is one transaction.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use diesel::prelude::*;
+use sessiond_domain::{
+    Event, EventPayload, ExecutorId, ExecutorRecord, Message, MessageId, Session, SessionId,
+    TaskId, TaskState,
+};
+
+use crate::{
+    Error, Result,
+    conn::{AnyConnection, Ts},
+    error::on_unique,
+    rows::{EventRow, ExecutorRow, MessageRow, SessionChanges, SessionRow},
+    schema::{executors_running, session_events, session_messages, task_sessions, tasks},
+};
+
+/// Everything one state change writes, committed all-or-nothing by
+/// [`Store::commit`](crate::Store::commit).
+///
+/// Versions: a session or executor update carries the version the caller
+/// read (`session.version`, `record.version`); the store writes version + 1,
+/// or fails with [`Error::Conflict`] when the row has moved on. Seqs: new
+/// messages and events get their `seq` (per session) and `task_seq` (per task)
+/// from the store, gap-free; whatever the caller put there is ignored.
+/// `updated_at` of every updated row is set by the store.
+#[derive(Debug, Clone, Default)]
+#[must_use]
+pub struct Changeset {
+    pub(crate) session: Option<Session>,
+    pub(crate) executor: Option<ExecutorWrite>,
+    pub(crate) task_state: Option<(TaskId, TaskState)>,
+    pub(crate) new_messages: Vec<Message>,
+    pub(crate) message_updates: Vec<MessageUpdate>,
+    pub(crate) events: Vec<(SessionId, EventPayload)>,
+}
+
+/// How a changeset writes an executor record.
+#[derive(Debug, Clone)]
+pub enum ExecutorWrite {
+    /// A new record; stored with version 1. At most one per session.
+    Insert(ExecutorRecord),
+    /// Replaces the record if its stored version is still `record.version`.
+    Update(ExecutorRecord),
+}
+
+/// New content for a message (an agent's reply streams into one message).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MessageUpdate {
+    pub id: MessageId,
+    pub content: String,
+    pub complete: bool,
+}
+
+/// What a commit wrote, as stored.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Committed {
+    pub session: Option<Session>,
+    pub executor: Option<ExecutorRecord>,
+    /// New messages, then updated ones, in changeset order.
+    pub messages: Vec<Message>,
+    /// In changeset order, with their seqs.
+    pub events: Vec<Event>,
+}
+
+impl Changeset {
+    pub fn new() -> Changeset {
+        Changeset::default()
+    }
+
+    /// Updates the session, expecting its stored version to be
+    /// `session.version`. Its task, id and `created_at` are not changed.
+    pub fn update_session(mut self, session: Session) -> Self {
+        self.session = Some(session);
+        self
+    }
+
+    /// Inserts a new executor record.
+    pub fn insert_executor(mut self, record: ExecutorRecord) -> Self {
+        self.executor = Some(ExecutorWrite::Insert(record));
+        self
+    }
+
+    /// Updates an executor record, expecting its stored version to be
+    /// `record.version`.
+    pub fn update_executor(mut self, record: ExecutorRecord) -> Self {
+        self.executor = Some(ExecutorWrite::Update(record));
+        self
+    }
+
+    pub fn set_task_state(mut self, task: TaskId, state: TaskState) -> Self {
+        self.task_state = Some((task, state));
+        self
+    }
+
+    /// Appends a message to its session; the store assigns its `seq`.
+    pub fn add_message(mut self, message: Message) -> Self {
+        self.new_messages.push(message);
+        self
+    }
+
+    pub fn update_message(mut self, id: MessageId, content: impl Into<String>, complete: bool) -> Self {
+        self.message_updates.push(MessageUpdate {
+            id,
+            content: content.into(),
+            complete,
+        });
+        self
+    }
+
+    /// Appends an event to the session's outbox. A `MessageAdded` or
+    /// `MessageUpdated` payload about a message of this changeset is stored
+    /// with that message as written (seq and timestamps included).
+    pub fn event(mut self, session: SessionId, payload: EventPayload) -> Self {
+        self.events.push((session, payload));
+        self
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.session.is_none()
+            && self.executor.is_none()
+            && self.task_state.is_none()
+            && self.new_messages.is_empty()
+            && self.message_updates.is_empty()
+            && self.events.is_empty()
+    }
+}
+
+/// Per session: how many event and message seqs this changeset needs.
+#[derive(Debug, Default, Clone, Copy)]
+struct Need {
+    events: i64,
+    messages: i64,
+}
+
+/// Writes a changeset inside the caller's write transaction.
+///
+/// Lock order (Postgres): task rows in id order, then session rows in id
+/// order, then the rest; every writer follows it, so writers queue instead of
+/// deadlocking. Each counter is advanced with `UPDATE .. SET c = c + n` (which
+/// takes the row lock until commit) and then read back, so seqs are gap-free:
+/// a rolled-back transaction gives its numbers back.
+pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Committed> {
+    let now = Ts::new(crate::conn::now());
+
+    // Which task each involved session belongs to (immutable, read unlocked).
+    let mut task_of: BTreeMap<SessionId, TaskId> = BTreeMap::new();
+    let mut update_targets: Vec<(MessageUpdate, SessionId)> = Vec::new();
+    for u in &change.message_updates {
+        let sid: Option<String> = session_messages::table
+            .find(u.id.to_string())
+            .select(session_messages::session_id)
+            .first(conn)
+            .optional()?;
+        let sid = sid.ok_or_else(|| Error::not_found("message", u.id))?;
+        let sid = SessionId::parse(&sid).map_err(|e| Error::corrupt("message", u.id, e))?;
+        update_targets.push((u.clone(), sid));
+    }
+    let involved = change
+        .session
+        .iter()
+        .map(|s| s.id)
+        .chain(change.new_messages.iter().map(|m| m.session_id))
+        .chain(change.events.iter().map(|(s, _)| *s))
+        .chain(update_targets.iter().map(|(_, s)| *s))
+        .collect::<BTreeSet<_>>();
+    for sid in involved {
+        task_of.insert(sid, session_task(conn, sid)?);
+    }
+    for m in &change.new_messages {
+        if m.task_id != task_of[&m.session_id] {
+            return Err(Error::Invalid(format!(
+                "message {} names task {} but session {} belongs to task {}",
+                m.id, m.task_id, m.session_id, task_of[&m.session_id]
+            )));
+        }
+    }
+
+    let mut need: BTreeMap<SessionId, Need> = BTreeMap::new();
+    for m in &change.new_messages {
+        need.entry(m.session_id).or_default().messages += 1;
+    }
+    let mut task_events: BTreeMap<TaskId, i64> = BTreeMap::new();
+    for (sid, _) in &change.events {
+        need.entry(*sid).or_default().events += 1;
+        *task_events.entry(task_of[sid]).or_default() += 1;
+    }
+
+    // 1. Task rows, in id order: state and the task_seq counter.
+    let mut next_task_seq: HashMap<TaskId, i64> = HashMap::new();
+    let mut task_ids: BTreeSet<TaskId> = task_events.keys().copied().collect();
+    if let Some((t, _)) = &change.task_state {
+        task_ids.insert(*t);
+    }
+    for t in task_ids {
+        let k = task_events.get(&t).copied().unwrap_or(0);
+        let target = tasks::table.find(t.to_string());
+        let n = match change.task_state {
+            Some((st, state)) if st == t => diesel::update(target.clone())
+                .set((
+                    tasks::state.eq(state.as_str()),
+                    tasks::updated_at.eq(now),
+                    tasks::last_event_seq.eq(tasks::last_event_seq + k),
+                ))
+                .execute(conn)?,
+            _ => diesel::update(target.clone())
+                .set(tasks::last_event_seq.eq(tasks::last_event_seq + k))
+                .execute(conn)?,
+        };
+        if n == 0 {
+            return Err(Error::not_found("task", t));
+        }
+        if k > 0 {
+            let last: i64 = target.select(tasks::last_event_seq).first(conn)?;
+            next_task_seq.insert(t, last - k + 1);
+        }
+    }
+
+    // 2. Session rows, in id order: the versioned update and the counters.
+    let mut next_seq: HashMap<SessionId, Need> = HashMap::new();
+    let mut session_ids: BTreeSet<SessionId> = need.keys().copied().collect();
+    if let Some(s) = &change.session {
+        session_ids.insert(s.id);
+    }
+    for sid in session_ids {
+        let n = need.get(&sid).copied().unwrap_or_default();
+        let target = task_sessions::table.find(sid.to_string());
+        let counters = (
+            task_sessions::last_event_seq.eq(task_sessions::last_event_seq + n.events),
+            task_sessions::last_message_seq.eq(task_sessions::last_message_seq + n.messages),
+        );
+        match change.session.as_ref().filter(|s| s.id == sid) {
+            Some(s) => {
+                let written = diesel::update(target.clone().filter(task_sessions::version.eq(s.version)))
+                    .set((
+                        SessionChanges::from_domain(s, now),
+                        task_sessions::version.eq(task_sessions::version + 1),
+                        counters,
+                    ))
+                    .execute(conn)?;
+                if written == 0 {
+                    let actual: Option<i64> =
+                        target.select(task_sessions::version).first(conn).optional()?;
+                    return Err(match actual {
+                        None => Error::not_found("session", sid),
+                        Some(actual_version) => Error::Conflict {
+                            entity: "session",
+                            id: sid.to_string(),
+                            expected_version: s.version,
+                            actual_version,
+                        },
+                    });
+                }
+            }
+            None if n.events + n.messages > 0 => {
+                if diesel::update(target.clone()).set(counters).execute(conn)? == 0 {
+                    return Err(Error::not_found("session", sid));
+                }
+            }
+            None => {}
+        }
+        if n.events + n.messages > 0 {
+            let (last_event, last_message): (i64, i64) = target
+                .select((task_sessions::last_event_seq, task_sessions::last_message_seq))
+                .first(conn)?;
+            next_seq.insert(
+                sid,
+                Need {
+                    events: last_event - n.events + 1,
+                    messages: last_message - n.messages + 1,
+                },
+            );
+        }
+    }
+
+    // 3. The executor record.
+    let executor = match change.executor {
+        None => None,
+        Some(ExecutorWrite::Insert(mut record)) => {
+            record.version = 1;
+            let task = session_task(conn, record.session_id)?;
+            if task != record.task_id {
+                return Err(Error::Invalid(format!(
+                    "executor {} names task {} but session {} belongs to task {task}",
+                    record.id, record.task_id, record.session_id
+                )));
+            }
+            let row = ExecutorRow::from_domain(&record)?;
+            diesel::insert_into(executors_running::table)
+                .values(&row)
+                .execute(conn)
+                .map_err(|e| {
+                    on_unique(e, "executor", |detail| {
+                        if detail.contains("session_id") {
+                            format!("for session {}", record.session_id)
+                        } else {
+                            record.id.to_string()
+                        }
+                    })
+                })?;
+            Some(record.id)
+        }
+        Some(ExecutorWrite::Update(record)) => {
+            let mut row = ExecutorRow::from_domain(&record)?;
+            let expected = record.version;
+            row.version = expected + 1;
+            row.updated_at = now;
+            let target = executors_running::table.find(record.id.to_string());
+            // id, session, task and created_at never change.
+            let current: Option<(String, String, Ts)> = target
+                .clone()
+                .select((
+                    executors_running::session_id,
+                    executors_running::task_id,
+                    executors_running::created_at,
+                ))
+                .first(conn)
+                .optional()?;
+            let Some((session_id, task_id, created_at)) = current else {
+                return Err(Error::not_found("executor", record.id));
+            };
+            row.session_id = session_id;
+            row.task_id = task_id;
+            row.created_at = created_at;
+            let written = diesel::update(target.clone().filter(executors_running::version.eq(expected)))
+                .set(&row)
+                .execute(conn)?;
+            if written == 0 {
+                let actual: i64 = target.select(executors_running::version).first(conn)?;
+                return Err(Error::Conflict {
+                    entity: "executor",
+                    id: record.id.to_string(),
+                    expected_version: expected,
+                    actual_version: actual,
+                });
+            }
+            Some(record.id)
+        }
+    };
+
+    // 4. Messages.
+    let mut messages = Vec::with_capacity(change.new_messages.len() + update_targets.len());
+    for mut m in change.new_messages {
+        let next = next_seq.get_mut(&m.session_id).map(|n| &mut n.messages);
+        let Some(next) = next else {
+            return Err(Error::Invalid("message seq not allocated".into()));
+        };
+        m.seq = *next;
+        *next += 1;
+        m.created_at = crate::conn::truncate(m.created_at);
+        m.updated_at = crate::conn::truncate(m.updated_at);
+        diesel::insert_into(session_messages::table)
+            .values(MessageRow::from_domain(&m))
+            .execute(conn)
+            .map_err(|e| on_unique(e, "message", |_| m.id.to_string()))?;
+        messages.push(m);
+    }
+    for (u, _) in &update_targets {
+        let target = session_messages::table.find(u.id.to_string());
+        diesel::update(target.clone())
+            .set((
+                session_messages::content.eq(&u.content),
+                session_messages::complete.eq(u.complete),
+                session_messages::updated_at.eq(now),
+            ))
+            .execute(conn)?;
+        let row: MessageRow = target.select(MessageRow::as_select()).first(conn)?;
+        messages.push(row.into_domain()?);
+    }
+
+    // 5. Events.
+    let mut events = Vec::with_capacity(change.events.len());
+    for (sid, mut payload) in change.events {
+        match &mut payload {
+            EventPayload::MessageAdded(m) | EventPayload::MessageUpdated(m) => {
+                // The latest written state of that message in this changeset.
+                if let Some(stored) = messages.iter().rev().find(|s| s.id == m.id) {
+                    *m = stored.clone();
+                }
+            }
+            _ => {}
+        }
+        let task = task_of[&sid];
+        let seq = next_seq.get_mut(&sid).map(|n| &mut n.events);
+        let task_seq = next_task_seq.get_mut(&task);
+        let (Some(seq), Some(task_seq)) = (seq, task_seq) else {
+            return Err(Error::Invalid("event seq not allocated".into()));
+        };
+        let event = Event {
+            session_id: sid,
+            task_id: task,
+            seq: *seq,
+            task_seq: *task_seq,
+            payload,
+            created_at: now.0,
+        };
+        *seq += 1;
+        *task_seq += 1;
+        diesel::insert_into(session_events::table)
+            .values(EventRow::from_domain(&event))
+            .execute(conn)?;
+        events.push(event);
+    }
+
+    // 6. Read back what the caller will hold.
+    let session = match &change.session {
+        Some(s) => Some(
+            task_sessions::table
+                .find(s.id.to_string())
+                .select(SessionRow::as_select())
+                .first(conn)?
+                .into_domain()?,
+        ),
+        None => None,
+    };
+    let executor = match executor {
+        Some(id) => Some(load_executor(conn, id)?),
+        None => None,
+    };
+    Ok(Committed {
+        session,
+        executor,
+        messages,
+        events,
+    })
+}
+
+pub(crate) fn session_task(conn: &mut AnyConnection, sid: SessionId) -> Result<TaskId> {
+    let task: Option<String> = task_sessions::table
+        .find(sid.to_string())
+        .select(task_sessions::task_id)
+        .first(conn)
+        .optional()?;
+    let task = task.ok_or_else(|| Error::not_found("session", sid))?;
+    TaskId::parse(&task).map_err(|e| Error::corrupt("session", sid, e))
+}
+
+pub(crate) fn load_executor(conn: &mut AnyConnection, id: ExecutorId) -> Result<ExecutorRecord> {
+    executors_running::table
+        .find(id.to_string())
+        .select(ExecutorRow::as_select())
+        .first(conn)
+        .optional()?
+        .ok_or_else(|| Error::not_found("executor", id))?
+        .into_domain()
+}

@@ -1,0 +1,218 @@
+//! The one connection type of the store, its pool, the timestamp SQL type,
+//! and write transactions.
+
+use std::time::Duration;
+
+use chrono::{DateTime, SecondsFormat, SubsecRound, Utc};
+use diesel::{
+    backend::Backend as DieselBackend,
+    connection::{AnsiTransactionManager, SimpleConnection, TransactionManager},
+    deserialize::{self, FromSql, FromSqlRow},
+    expression::AsExpression,
+    pg::{Pg, PgConnection},
+    r2d2::{self, ManageConnection, R2D2Connection},
+    serialize::{self, IsNull, Output, ToSql},
+    sql_types::{HasSqlType, SqlType, Text, Timestamptz},
+    sqlite::{Sqlite, SqliteConnection},
+    Connection,
+};
+
+use crate::{Backend, Error, Result};
+
+/// A connection to either backend. Repository code is written once against
+/// this type; diesel's `MultiConnection` derive dispatches every query to the
+/// inner connection and generates the `MultiBackend` the schema is typed for.
+#[derive(diesel::MultiConnection)]
+pub enum AnyConnection {
+    Pg(PgConnection),
+    Sqlite(SqliteConnection),
+}
+
+
+/// A point in time, UTC, microsecond precision. `TIMESTAMPTZ` on Postgres;
+/// on SQLite fixed-width RFC 3339 text (`2026-01-02T03:04:05.123456Z`), which
+/// sorts like the time it denotes.
+#[derive(Debug, Clone, Copy, Default, SqlType, diesel::query_builder::QueryId)]
+#[diesel(postgres_type(oid = 1184, array_oid = 1185))]
+#[diesel(sqlite_type(name = "Text"))]
+pub struct UtcTimestamp;
+
+/// Rust side of [`UtcTimestamp`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, AsExpression, FromSqlRow)]
+#[diesel(sql_type = UtcTimestamp)]
+pub struct Ts(pub(crate) DateTime<Utc>);
+
+impl Ts {
+    pub(crate) fn new(t: DateTime<Utc>) -> Ts {
+        Ts(truncate(t))
+    }
+}
+
+/// What both backends can store: microseconds.
+pub(crate) fn truncate(t: DateTime<Utc>) -> DateTime<Utc> {
+    t.trunc_subsecs(6)
+}
+
+pub(crate) fn now() -> DateTime<Utc> {
+    truncate(Utc::now())
+}
+
+impl ToSql<UtcTimestamp, Pg> for Ts {
+    fn to_sql<'b>(&'b self, out: &mut Output<'b, '_, Pg>) -> serialize::Result {
+        <DateTime<Utc> as ToSql<Timestamptz, Pg>>::to_sql(&self.0, out)
+    }
+}
+
+impl FromSql<UtcTimestamp, Pg> for Ts {
+    fn from_sql(bytes: <Pg as DieselBackend>::RawValue<'_>) -> deserialize::Result<Self> {
+        <DateTime<Utc> as FromSql<Timestamptz, Pg>>::from_sql(bytes).map(Ts)
+    }
+}
+
+impl ToSql<UtcTimestamp, Sqlite> for Ts {
+    fn to_sql<'b>(&'b self, out: &mut Output<'b, '_, Sqlite>) -> serialize::Result {
+        out.set_value(self.0.to_rfc3339_opts(SecondsFormat::Micros, true));
+        Ok(IsNull::No)
+    }
+}
+
+impl FromSql<UtcTimestamp, Sqlite> for Ts {
+    fn from_sql(bytes: <Sqlite as DieselBackend>::RawValue<'_>) -> deserialize::Result<Self> {
+        let text = <String as FromSql<Text, Sqlite>>::from_sql(bytes)?;
+        let t = DateTime::parse_from_rfc3339(&text)
+            .map_err(|e| format!("timestamp {text:?} is not RFC 3339: {e}"))?;
+        Ok(Ts(t.with_timezone(&Utc)))
+    }
+}
+
+impl HasSqlType<UtcTimestamp> for MultiBackend {
+    fn metadata(lookup: &mut Self::MetadataLookup) -> Self::TypeMetadata {
+        MultiBackend::lookup_sql_type::<UtcTimestamp>(lookup)
+    }
+}
+
+impl FromSql<UtcTimestamp, MultiBackend> for Ts {
+    fn from_sql(bytes: <MultiBackend as DieselBackend>::RawValue<'_>) -> deserialize::Result<Self> {
+        bytes.from_sql::<Ts, UtcTimestamp>()
+    }
+}
+
+impl ToSql<UtcTimestamp, MultiBackend> for Ts {
+    fn to_sql<'b>(&'b self, out: &mut Output<'b, '_, MultiBackend>) -> serialize::Result {
+        out.set_value((UtcTimestamp, self));
+        Ok(IsNull::No)
+    }
+}
+
+/// Runs `f` in one write transaction and commits it, or rolls everything back
+/// when `f` fails.
+///
+/// On SQLite the transaction is `BEGIN IMMEDIATE`: it takes the database's
+/// write lock before the first read, so two writers never both hold a read
+/// snapshot and then deadlock upgrading it (the second waits in
+/// `busy_timeout` instead). On Postgres it is a plain `BEGIN` (READ
+/// COMMITTED); writers serialize on the row locks their `UPDATE`s take.
+pub(crate) fn write_transaction<T>(
+    conn: &mut AnyConnection,
+    f: impl FnOnce(&mut AnyConnection) -> Result<T>,
+) -> Result<T> {
+    match conn {
+        AnyConnection::Pg(c) => AnsiTransactionManager::begin_transaction_sql(c, "BEGIN")?,
+        AnyConnection::Sqlite(c) => {
+            AnsiTransactionManager::begin_transaction_sql(c, "BEGIN IMMEDIATE")?
+        }
+    }
+    match f(conn) {
+        Ok(value) => {
+            match conn {
+                AnyConnection::Pg(c) => commit(c)?,
+                AnyConnection::Sqlite(c) => commit(c)?,
+            }
+            Ok(value)
+        }
+        Err(e) => {
+            // The caller's error is the one that matters; a failed rollback
+            // leaves the connection broken, and the pool discards it.
+            let _ = match conn {
+                AnyConnection::Pg(c) => rollback(c),
+                AnyConnection::Sqlite(c) => rollback(c),
+            };
+            Err(e)
+        }
+    }
+}
+
+fn commit<C>(c: &mut C) -> diesel::QueryResult<()>
+where
+    C: Connection<TransactionManager = AnsiTransactionManager>,
+{
+    <AnsiTransactionManager as TransactionManager<C>>::commit_transaction(c)
+}
+
+fn rollback<C>(c: &mut C) -> diesel::QueryResult<()>
+where
+    C: Connection<TransactionManager = AnsiTransactionManager>,
+{
+    <AnsiTransactionManager as TransactionManager<C>>::rollback_transaction(c)
+}
+
+/// Opens connections of one backend for the pool; never guesses the backend
+/// from a failed attempt at the other one.
+#[derive(Debug)]
+pub(crate) struct Manager {
+    pub(crate) backend: Backend,
+    pub(crate) target: String,
+    pub(crate) busy_timeout: Duration,
+}
+
+impl ManageConnection for Manager {
+    type Connection = AnyConnection;
+    type Error = r2d2::Error;
+
+    fn connect(&self) -> Result<AnyConnection, r2d2::Error> {
+        match self.backend {
+            Backend::Postgres => {
+                let mut c =
+                    PgConnection::establish(&self.target).map_err(r2d2::Error::ConnectionError)?;
+                // Only for what the server renders as text (logs, psql);
+                // the store reads and writes timestamps in binary UTC.
+                c.batch_execute("SET TIME ZONE 'UTC'")
+                    .map_err(r2d2::Error::QueryError)?;
+                Ok(AnyConnection::Pg(c))
+            }
+            Backend::Sqlite => {
+                let mut c = SqliteConnection::establish(&self.target)
+                    .map_err(r2d2::Error::ConnectionError)?;
+                let pragmas = format!(
+                    "PRAGMA busy_timeout = {};
+                     PRAGMA journal_mode = WAL;
+                     PRAGMA synchronous = NORMAL;
+                     PRAGMA foreign_keys = ON;",
+                    self.busy_timeout.as_millis()
+                );
+                c.batch_execute(&pragmas).map_err(r2d2::Error::QueryError)?;
+                Ok(AnyConnection::Sqlite(c))
+            }
+        }
+    }
+
+    fn is_valid(&self, conn: &mut AnyConnection) -> Result<(), r2d2::Error> {
+        conn.ping().map_err(r2d2::Error::QueryError)
+    }
+
+    fn has_broken(&self, conn: &mut AnyConnection) -> bool {
+        std::thread::panicking() || conn.is_broken()
+    }
+}
+
+impl From<diesel::result::Error> for Error {
+    fn from(e: diesel::result::Error) -> Self {
+        Error::Database(Box::new(e))
+    }
+}
+
+impl From<r2d2::PoolError> for Error {
+    fn from(e: r2d2::PoolError) -> Self {
+        Error::Pool(Box::new(e))
+    }
+}

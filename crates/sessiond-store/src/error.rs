@@ -1,0 +1,108 @@
+//! The store's one error type.
+
+/// A boxed source error (diesel, r2d2, migrations); its type is not part of
+/// the store's API.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The row does not exist.
+    #[error("{entity} {id} not found")]
+    NotFound { entity: &'static str, id: String },
+
+    /// Optimistic concurrency: someone else wrote the row since the caller
+    /// read it. Re-read and decide again.
+    #[error(
+        "{entity} {id} was changed concurrently: expected version {expected_version}, \
+         found {actual_version}"
+    )]
+    Conflict {
+        entity: &'static str,
+        id: String,
+        expected_version: i64,
+        actual_version: i64,
+    },
+
+    /// A row with this key (or unique value) exists already.
+    #[error("{entity} {id} already exists")]
+    AlreadyExists { entity: &'static str, id: String },
+
+    /// A stored row does not map to a domain value (unknown state, bad JSON).
+    #[error("stored {entity} {id} is corrupt: {reason}")]
+    Corrupt {
+        entity: &'static str,
+        id: String,
+        reason: String,
+    },
+
+    /// The caller passed something the store cannot accept (e.g. a malformed
+    /// database URL, a message for a session it does not belong to).
+    #[error("invalid input: {0}")]
+    Invalid(String),
+
+    #[error("database error: {0}")]
+    Database(#[source] BoxError),
+
+    #[error("cannot get a database connection: {0}")]
+    Pool(#[source] BoxError),
+
+    #[error("migration failed: {0}")]
+    Migration(#[source] BoxError),
+
+    /// The blocking task running the query panicked or was cancelled.
+    #[error("database worker task failed: {0}")]
+    Blocking(String),
+}
+
+impl Error {
+    pub(crate) fn not_found(entity: &'static str, id: impl ToString) -> Error {
+        Error::NotFound {
+            entity,
+            id: id.to_string(),
+        }
+    }
+
+    pub(crate) fn corrupt(entity: &'static str, id: impl ToString, reason: impl ToString) -> Error {
+        Error::Corrupt {
+            entity,
+            id: id.to_string(),
+            reason: reason.to_string(),
+        }
+    }
+
+    /// True for [`Error::NotFound`].
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, Error::NotFound { .. })
+    }
+
+    /// True for [`Error::Conflict`].
+    pub fn is_conflict(&self) -> bool {
+        matches!(self, Error::Conflict { .. })
+    }
+}
+
+/// Maps a unique violation to [`Error::AlreadyExists`], anything else as usual.
+pub(crate) fn on_unique(
+    e: diesel::result::Error,
+    entity: &'static str,
+    id: impl FnOnce(&str) -> String,
+) -> Error {
+    use diesel::result::{DatabaseErrorKind, Error as D};
+    match &e {
+        D::DatabaseError(DatabaseErrorKind::UniqueViolation, info) => {
+            let detail = format!(
+                "{} {}",
+                info.constraint_name().unwrap_or_default(),
+                info.message()
+            );
+            Error::AlreadyExists {
+                entity,
+                id: id(&detail),
+            }
+        }
+        _ => Error::from(e),
+    }
+}

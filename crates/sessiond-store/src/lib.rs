@@ -1,0 +1,39 @@
+//! Persistence of sessiond on PostgreSQL and SQLite, returning domain types.
+//!
+//! Architecture invariant: this is the only crate that knows SQL. A state
+//! change and the outbox event announcing it are written in one transaction
+//! ([`Store::commit`] with a [`Changeset`]).
+//!
+//! Decisions:
+//! - One set of repository code for both backends: `AnyConnection` is a
+//!   diesel `MultiConnection` over `PgConnection` and `SqliteConnection`, and
+//!   the schema uses only types its `MultiBackend` supports. Only migrations,
+//!   connection setup and transaction start differ per backend.
+//! - Ids are canonical UUID text. Times are UTC with microsecond precision:
+//!   `TIMESTAMPTZ` on Postgres, fixed-width RFC 3339 `TEXT` on SQLite, one
+//!   custom SQL type (`UtcTimestamp`) maps both to `DateTime<Utc>`.
+//! - Blocking: an r2d2 pool of synchronous diesel connections; every call runs
+//!   in `tokio::task::spawn_blocking`.
+//! - Writes: SQLite transactions start with `BEGIN IMMEDIATE` (WAL mode,
+//!   `busy_timeout`, `foreign_keys=ON`); Postgres runs READ COMMITTED and
+//!   relies on row locks taken by `UPDATE`, in a fixed order (tasks, then
+//!   sessions, by id).
+//! - Seqs: `tasks.last_event_seq` and `task_sessions.last_event_seq` /
+//!   `last_message_seq` are counters advanced inside the writing transaction
+//!   (`UPDATE .. SET c = c + n`, then read back), so event `seq` (per session),
+//!   `task_seq` (per task) and message `seq` are unique and gap-free.
+//! - Optimistic concurrency: session and executor updates carry the version
+//!   the writer read; a stale one gets [`Error::Conflict`].
+//! - Event payloads are JSON text (`serde_json`, in this crate only) beside a
+//!   `kind` column holding `EventKind::as_str()`.
+
+mod changeset;
+mod conn;
+mod error;
+mod rows;
+mod schema;
+mod store;
+
+pub use changeset::{Changeset, Committed, ExecutorWrite, MessageUpdate};
+pub use error::{BoxError, Error, Result};
+pub use store::{Backend, Store, StoreOptions, parse_database_url};

@@ -1,0 +1,687 @@
+//! Rows and their mapping to and from domain types. Everything that reads a
+//! row checks it: an unknown state or malformed JSON is [`Error::Corrupt`].
+
+use std::collections::BTreeMap;
+
+use diesel::prelude::*;
+use serde_json::{Map, Value, json};
+use sessiond_domain::{
+    AgentProfile, AgentProfileId, Event, EventKind, EventPayload, ExecutorId, ExecutorRecord,
+    ExecutorStatus, Message, MessageId, MessageRole, Runtime, Session, SessionId, SessionState,
+    Task, TaskId, TaskState, Worktree,
+};
+
+use crate::{
+    Error, Result,
+    conn::Ts,
+    schema::{
+        agent_profiles, executors_running, session_events, session_messages, task_sessions, tasks,
+    },
+};
+
+/// The `metadata` key holding a session's resume token.
+pub(crate) const RESUME_TOKEN_KEY: &str = "resume_token";
+
+// ---------------------------------------------------------------- tasks
+
+#[derive(Debug, Queryable, Selectable, Insertable)]
+#[diesel(table_name = tasks)]
+pub(crate) struct TaskRow {
+    pub id: String,
+    pub title: String,
+    pub state: String,
+    pub created_at: Ts,
+    pub updated_at: Ts,
+}
+
+impl TaskRow {
+    pub(crate) fn from_domain(t: &Task) -> TaskRow {
+        TaskRow {
+            id: t.id.to_string(),
+            title: t.title.clone(),
+            state: t.state.as_str().to_owned(),
+            created_at: Ts::new(t.created_at),
+            updated_at: Ts::new(t.updated_at),
+        }
+    }
+
+    pub(crate) fn into_domain(self) -> Result<Task> {
+        const E: &str = "task";
+        Ok(Task {
+            id: TaskId::parse(&self.id).map_err(|e| Error::corrupt(E, &self.id, e))?,
+            state: TaskState::parse(&self.state).map_err(|e| Error::corrupt(E, &self.id, e))?,
+            title: self.title,
+            created_at: self.created_at.0,
+            updated_at: self.updated_at.0,
+        })
+    }
+}
+
+// ---------------------------------------------------------------- profiles
+
+#[derive(Debug, Queryable, Selectable, Insertable)]
+#[diesel(table_name = agent_profiles)]
+pub(crate) struct ProfileRow {
+    pub id: String,
+    pub name: String,
+    pub command: String,
+    pub args: String,
+    pub env: String,
+    pub supports_session_resume: bool,
+    pub created_at: Ts,
+    pub updated_at: Ts,
+}
+
+impl ProfileRow {
+    pub(crate) fn from_domain(p: &AgentProfile) -> ProfileRow {
+        ProfileRow {
+            id: p.id.to_string(),
+            name: p.name.clone(),
+            command: p.command.clone(),
+            args: json!(p.args).to_string(),
+            env: json!(p.env).to_string(),
+            supports_session_resume: p.supports_session_resume,
+            created_at: Ts::new(p.created_at),
+            updated_at: Ts::new(p.updated_at),
+        }
+    }
+
+    pub(crate) fn into_domain(self) -> Result<AgentProfile> {
+        const E: &str = "agent profile";
+        let corrupt = |e: String| Error::corrupt(E, &self.id, e);
+        let args = match parse_json(&self.args).map_err(corrupt)? {
+            Value::Array(items) => items
+                .into_iter()
+                .map(|v| match v {
+                    Value::String(s) => Ok(s),
+                    other => Err(corrupt(format!("args: {other} is not a string"))),
+                })
+                .collect::<Result<Vec<_>>>()?,
+            other => return Err(corrupt(format!("args: {other} is not an array"))),
+        };
+        let env = string_map(parse_json(&self.env).map_err(corrupt)?).map_err(corrupt)?;
+        Ok(AgentProfile {
+            id: AgentProfileId::parse(&self.id).map_err(|e| corrupt(e.to_string()))?,
+            name: self.name,
+            command: self.command,
+            args,
+            env,
+            supports_session_resume: self.supports_session_resume,
+            created_at: self.created_at.0,
+            updated_at: self.updated_at.0,
+        })
+    }
+}
+
+// ---------------------------------------------------------------- sessions
+
+#[derive(Debug, Queryable, Selectable, Insertable)]
+#[diesel(table_name = task_sessions)]
+pub(crate) struct SessionRow {
+    pub id: String,
+    pub task_id: String,
+    pub state: String,
+    pub agent_profile_id: String,
+    pub agent_execution_id: Option<String>,
+    pub runtime: String,
+    pub executor_id: Option<String>,
+    pub worktree_id: String,
+    pub worktree_path: String,
+    pub worktree_branch: String,
+    pub metadata: String,
+    pub error_message: Option<String>,
+    pub version: i64,
+    pub created_at: Ts,
+    pub updated_at: Ts,
+}
+
+/// The columns a session update may change (not its id, task or creation).
+#[derive(Debug, AsChangeset)]
+#[diesel(table_name = task_sessions, treat_none_as_null = true)]
+pub(crate) struct SessionChanges {
+    pub state: String,
+    pub agent_profile_id: String,
+    pub agent_execution_id: Option<String>,
+    pub runtime: String,
+    pub executor_id: Option<String>,
+    pub worktree_id: String,
+    pub worktree_path: String,
+    pub worktree_branch: String,
+    pub metadata: String,
+    pub error_message: Option<String>,
+    pub updated_at: Ts,
+}
+
+fn session_metadata(s: &Session) -> String {
+    let mut map: Map<String, Value> = s
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+        .collect();
+    // The typed field wins over a free-form key of the same name.
+    map.remove(RESUME_TOKEN_KEY);
+    if let Some(token) = &s.resume_token {
+        map.insert(RESUME_TOKEN_KEY.to_owned(), Value::String(token.clone()));
+    }
+    Value::Object(map).to_string()
+}
+
+impl SessionRow {
+    pub(crate) fn from_domain(s: &Session) -> SessionRow {
+        SessionRow {
+            id: s.id.to_string(),
+            task_id: s.task_id.to_string(),
+            state: s.state.as_str().to_owned(),
+            agent_profile_id: s.agent_profile_id.to_string(),
+            agent_execution_id: s.agent_execution_id.clone(),
+            runtime: s.runtime.as_str().to_owned(),
+            executor_id: s.executor_id.map(|e| e.to_string()),
+            worktree_id: s.worktree.id.clone(),
+            worktree_path: s.worktree.path.clone(),
+            worktree_branch: s.worktree.branch.clone(),
+            metadata: session_metadata(s),
+            error_message: s.error_message.clone(),
+            version: s.version,
+            created_at: Ts::new(s.created_at),
+            updated_at: Ts::new(s.updated_at),
+        }
+    }
+
+    pub(crate) fn into_domain(self) -> Result<Session> {
+        const E: &str = "session";
+        let corrupt = |e: String| Error::corrupt(E, &self.id, e);
+        let mut metadata = string_map(parse_json(&self.metadata).map_err(corrupt)?)
+            .map_err(|e| corrupt(format!("metadata: {e}")))?;
+        let resume_token = metadata.remove(RESUME_TOKEN_KEY);
+        Ok(Session {
+            id: SessionId::parse(&self.id).map_err(|e| corrupt(e.to_string()))?,
+            task_id: TaskId::parse(&self.task_id).map_err(|e| corrupt(e.to_string()))?,
+            state: SessionState::parse(&self.state).map_err(|e| corrupt(e.to_string()))?,
+            agent_profile_id: AgentProfileId::parse(&self.agent_profile_id)
+                .map_err(|e| corrupt(e.to_string()))?,
+            agent_execution_id: self.agent_execution_id,
+            runtime: Runtime::parse(&self.runtime).map_err(|e| corrupt(e.to_string()))?,
+            executor_id: self
+                .executor_id
+                .as_deref()
+                .map(ExecutorId::parse)
+                .transpose()
+                .map_err(|e| corrupt(e.to_string()))?,
+            worktree: Worktree {
+                id: self.worktree_id,
+                path: self.worktree_path,
+                branch: self.worktree_branch,
+            },
+            resume_token,
+            metadata,
+            error_message: self.error_message,
+            version: self.version,
+            created_at: self.created_at.0,
+            updated_at: self.updated_at.0,
+        })
+    }
+}
+
+impl SessionChanges {
+    pub(crate) fn from_domain(s: &Session, updated_at: Ts) -> SessionChanges {
+        let row = SessionRow::from_domain(s);
+        SessionChanges {
+            state: row.state,
+            agent_profile_id: row.agent_profile_id,
+            agent_execution_id: row.agent_execution_id,
+            runtime: row.runtime,
+            executor_id: row.executor_id,
+            worktree_id: row.worktree_id,
+            worktree_path: row.worktree_path,
+            worktree_branch: row.worktree_branch,
+            metadata: row.metadata,
+            error_message: row.error_message,
+            updated_at,
+        }
+    }
+}
+
+// ---------------------------------------------------------------- executors
+
+#[derive(Debug, Queryable, Selectable, Insertable, AsChangeset)]
+#[diesel(table_name = executors_running, treat_none_as_null = true)]
+pub(crate) struct ExecutorRow {
+    pub id: String,
+    pub session_id: String,
+    pub task_id: String,
+    pub runtime: String,
+    pub status: String,
+    pub agentctl_url: Option<String>,
+    pub agentctl_port: Option<i32>,
+    pub container_id: Option<String>,
+    pub pid: Option<i64>,
+    pub pid_start_time: Option<i64>,
+    pub auth_secret: String,
+    pub generation: i64,
+    pub supports_session_resume: bool,
+    pub supports_workspace_only: bool,
+    pub resume_token: Option<String>,
+    pub workspace_path: String,
+    pub worktree_id: String,
+    pub worktree_path: String,
+    pub worktree_branch: String,
+    pub last_seen_at: Option<Ts>,
+    pub error_message: Option<String>,
+    pub owner_id: Option<String>,
+    pub lease_expires_at: Option<Ts>,
+    pub version: i64,
+    pub created_at: Ts,
+    pub updated_at: Ts,
+}
+
+impl ExecutorRow {
+    pub(crate) fn from_domain(e: &ExecutorRecord) -> Result<ExecutorRow> {
+        let pid_start_time = e
+            .pid_start_time
+            .map(i64::try_from)
+            .transpose()
+            .map_err(|_| Error::Invalid(format!("executor {}: pid_start_time out of range", e.id)))?;
+        Ok(ExecutorRow {
+            id: e.id.to_string(),
+            session_id: e.session_id.to_string(),
+            task_id: e.task_id.to_string(),
+            runtime: e.runtime.as_str().to_owned(),
+            status: e.status.as_str().to_owned(),
+            agentctl_url: e.agentctl_url.clone(),
+            agentctl_port: e.agentctl_port.map(i32::from),
+            container_id: e.container_id.clone(),
+            pid: e.pid.map(i64::from),
+            pid_start_time,
+            auth_secret: e.auth_secret.clone(),
+            generation: e.generation,
+            supports_session_resume: e.supports_session_resume,
+            supports_workspace_only: e.supports_workspace_only,
+            resume_token: e.resume_token.clone(),
+            workspace_path: e.workspace_path.clone(),
+            worktree_id: e.worktree.id.clone(),
+            worktree_path: e.worktree.path.clone(),
+            worktree_branch: e.worktree.branch.clone(),
+            last_seen_at: e.last_seen_at.map(Ts::new),
+            error_message: e.error_message.clone(),
+            owner_id: e.owner_id.clone(),
+            lease_expires_at: e.lease_expires_at.map(Ts::new),
+            version: e.version,
+            created_at: Ts::new(e.created_at),
+            updated_at: Ts::new(e.updated_at),
+        })
+    }
+
+    pub(crate) fn into_domain(self) -> Result<ExecutorRecord> {
+        const E: &str = "executor";
+        let corrupt = |e: String| Error::corrupt(E, &self.id, e);
+        Ok(ExecutorRecord {
+            id: ExecutorId::parse(&self.id).map_err(|e| corrupt(e.to_string()))?,
+            session_id: SessionId::parse(&self.session_id).map_err(|e| corrupt(e.to_string()))?,
+            task_id: TaskId::parse(&self.task_id).map_err(|e| corrupt(e.to_string()))?,
+            runtime: Runtime::parse(&self.runtime).map_err(|e| corrupt(e.to_string()))?,
+            status: ExecutorStatus::parse(&self.status).map_err(|e| corrupt(e.to_string()))?,
+            agentctl_url: self.agentctl_url,
+            agentctl_port: self
+                .agentctl_port
+                .map(u16::try_from)
+                .transpose()
+                .map_err(|e| corrupt(format!("agentctl_port: {e}")))?,
+            container_id: self.container_id,
+            pid: self
+                .pid
+                .map(u32::try_from)
+                .transpose()
+                .map_err(|e| corrupt(format!("pid: {e}")))?,
+            pid_start_time: self
+                .pid_start_time
+                .map(u64::try_from)
+                .transpose()
+                .map_err(|e| corrupt(format!("pid_start_time: {e}")))?,
+            auth_secret: self.auth_secret,
+            generation: self.generation,
+            supports_session_resume: self.supports_session_resume,
+            supports_workspace_only: self.supports_workspace_only,
+            resume_token: self.resume_token,
+            workspace_path: self.workspace_path,
+            worktree: Worktree {
+                id: self.worktree_id,
+                path: self.worktree_path,
+                branch: self.worktree_branch,
+            },
+            last_seen_at: self.last_seen_at.map(|t| t.0),
+            error_message: self.error_message,
+            owner_id: self.owner_id,
+            lease_expires_at: self.lease_expires_at.map(|t| t.0),
+            version: self.version,
+            created_at: self.created_at.0,
+            updated_at: self.updated_at.0,
+        })
+    }
+}
+
+// ---------------------------------------------------------------- messages
+
+#[derive(Debug, Queryable, Selectable, Insertable)]
+#[diesel(table_name = session_messages)]
+pub(crate) struct MessageRow {
+    pub id: String,
+    pub session_id: String,
+    pub task_id: String,
+    pub role: String,
+    pub content: String,
+    pub seq: i64,
+    pub complete: bool,
+    pub created_at: Ts,
+    pub updated_at: Ts,
+}
+
+impl MessageRow {
+    pub(crate) fn from_domain(m: &Message) -> MessageRow {
+        MessageRow {
+            id: m.id.to_string(),
+            session_id: m.session_id.to_string(),
+            task_id: m.task_id.to_string(),
+            role: m.role.as_str().to_owned(),
+            content: m.content.clone(),
+            seq: m.seq,
+            complete: m.complete,
+            created_at: Ts::new(m.created_at),
+            updated_at: Ts::new(m.updated_at),
+        }
+    }
+
+    pub(crate) fn into_domain(self) -> Result<Message> {
+        const E: &str = "message";
+        let corrupt = |e: String| Error::corrupt(E, &self.id, e);
+        Ok(Message {
+            id: MessageId::parse(&self.id).map_err(|e| corrupt(e.to_string()))?,
+            session_id: SessionId::parse(&self.session_id).map_err(|e| corrupt(e.to_string()))?,
+            task_id: TaskId::parse(&self.task_id).map_err(|e| corrupt(e.to_string()))?,
+            role: MessageRole::parse(&self.role).map_err(|e| corrupt(e.to_string()))?,
+            content: self.content,
+            seq: self.seq,
+            complete: self.complete,
+            created_at: self.created_at.0,
+            updated_at: self.updated_at.0,
+        })
+    }
+}
+
+// ---------------------------------------------------------------- events
+
+#[derive(Debug, Queryable, Selectable, Insertable)]
+#[diesel(table_name = session_events)]
+pub(crate) struct EventRow {
+    pub session_id: String,
+    pub seq: i64,
+    pub task_id: String,
+    pub task_seq: i64,
+    pub kind: String,
+    pub payload: String,
+    pub created_at: Ts,
+}
+
+impl EventRow {
+    pub(crate) fn from_domain(e: &Event) -> EventRow {
+        EventRow {
+            session_id: e.session_id.to_string(),
+            seq: e.seq,
+            task_id: e.task_id.to_string(),
+            task_seq: e.task_seq,
+            kind: e.kind().as_str().to_owned(),
+            payload: encode_payload(&e.payload).to_string(),
+            created_at: Ts::new(e.created_at),
+        }
+    }
+
+    pub(crate) fn into_domain(self) -> Result<Event> {
+        const E: &str = "event";
+        let id = format!("{}#{}", self.session_id, self.seq);
+        let corrupt = |e: String| Error::corrupt(E, &id, e);
+        let kind = EventKind::parse(&self.kind)
+            .ok_or_else(|| corrupt(format!("unknown kind {:?}", self.kind)))?;
+        let payload = parse_json(&self.payload)
+            .and_then(|v| decode_payload(kind, &v))
+            .map_err(corrupt)?;
+        Ok(Event {
+            session_id: SessionId::parse(&self.session_id).map_err(|e| corrupt(e.to_string()))?,
+            task_id: TaskId::parse(&self.task_id).map_err(|e| corrupt(e.to_string()))?,
+            seq: self.seq,
+            task_seq: self.task_seq,
+            payload,
+            created_at: self.created_at.0,
+        })
+    }
+}
+
+fn encode_message(m: &Message) -> Value {
+    json!({
+        "id": m.id.to_string(),
+        "session_id": m.session_id.to_string(),
+        "task_id": m.task_id.to_string(),
+        "role": m.role.as_str(),
+        "content": m.content,
+        "seq": m.seq,
+        "complete": m.complete,
+        "created_at": Ts::new(m.created_at).0.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        "updated_at": Ts::new(m.updated_at).0.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+    })
+}
+
+/// The JSON stored in `session_events.payload`; the kind is its own column.
+pub(crate) fn encode_payload(p: &EventPayload) -> Value {
+    match p {
+        EventPayload::AgentctlStarting {
+            executor_id,
+            runtime,
+            generation,
+        } => json!({
+            "executor_id": executor_id.to_string(),
+            "runtime": runtime.as_str(),
+            "generation": generation,
+        }),
+        EventPayload::AgentctlReady {
+            executor_id,
+            runtime,
+            supports_session_resume,
+        } => json!({
+            "executor_id": executor_id.to_string(),
+            "runtime": runtime.as_str(),
+            "supports_session_resume": supports_session_resume,
+        }),
+        EventPayload::AgentctlError {
+            executor_id,
+            error_message,
+        } => json!({
+            "executor_id": executor_id.to_string(),
+            "error_message": error_message,
+        }),
+        EventPayload::StateChanged {
+            from,
+            to,
+            error_message,
+        } => json!({
+            "from": from.as_str(),
+            "to": to.as_str(),
+            "error_message": error_message,
+        }),
+        EventPayload::MessageAdded(m) | EventPayload::MessageUpdated(m) => {
+            json!({ "message": encode_message(m) })
+        }
+    }
+}
+
+fn decode_payload(kind: EventKind, v: &Value) -> Result<EventPayload, String> {
+    Ok(match kind {
+        EventKind::AgentctlStarting => EventPayload::AgentctlStarting {
+            executor_id: parse_field(v, "executor_id", ExecutorId::parse)?,
+            runtime: parse_field(v, "runtime", Runtime::parse)?,
+            generation: int(v, "generation")?,
+        },
+        EventKind::AgentctlReady => EventPayload::AgentctlReady {
+            executor_id: parse_field(v, "executor_id", ExecutorId::parse)?,
+            runtime: parse_field(v, "runtime", Runtime::parse)?,
+            supports_session_resume: boolean(v, "supports_session_resume")?,
+        },
+        EventKind::AgentctlError => EventPayload::AgentctlError {
+            executor_id: parse_field(v, "executor_id", ExecutorId::parse)?,
+            error_message: string(v, "error_message")?.to_owned(),
+        },
+        EventKind::StateChanged => EventPayload::StateChanged {
+            from: parse_field(v, "from", SessionState::parse)?,
+            to: parse_field(v, "to", SessionState::parse)?,
+            error_message: opt_string(v, "error_message")?,
+        },
+        EventKind::MessageAdded => EventPayload::MessageAdded(decode_message(field(v, "message")?)?),
+        EventKind::MessageUpdated => {
+            EventPayload::MessageUpdated(decode_message(field(v, "message")?)?)
+        }
+    })
+}
+
+fn decode_message(v: &Value) -> Result<Message, String> {
+    Ok(Message {
+        id: parse_field(v, "id", MessageId::parse)?,
+        session_id: parse_field(v, "session_id", SessionId::parse)?,
+        task_id: parse_field(v, "task_id", TaskId::parse)?,
+        role: parse_field(v, "role", MessageRole::parse)?,
+        content: string(v, "content")?.to_owned(),
+        seq: int(v, "seq")?,
+        complete: boolean(v, "complete")?,
+        created_at: parse_field(v, "created_at", parse_time)?,
+        updated_at: parse_field(v, "updated_at", parse_time)?,
+    })
+}
+
+fn parse_time(s: &str) -> Result<chrono::DateTime<chrono::Utc>, chrono::ParseError> {
+    chrono::DateTime::parse_from_rfc3339(s).map(|t| t.with_timezone(&chrono::Utc))
+}
+
+// ---------------------------------------------------------------- JSON helpers
+
+fn parse_json(text: &str) -> Result<Value, String> {
+    serde_json::from_str(text).map_err(|e| format!("malformed JSON: {e}"))
+}
+
+/// A JSON object of strings. Values of other types are kept as their JSON text.
+fn string_map(v: Value) -> Result<BTreeMap<String, String>, String> {
+    match v {
+        Value::Object(map) => Ok(map
+            .into_iter()
+            .map(|(k, v)| match v {
+                Value::String(s) => (k, s),
+                other => (k, other.to_string()),
+            })
+            .collect()),
+        other => Err(format!("{other} is not an object")),
+    }
+}
+
+fn field<'a>(v: &'a Value, key: &str) -> Result<&'a Value, String> {
+    v.get(key).ok_or_else(|| format!("missing field {key:?}"))
+}
+
+fn string<'a>(v: &'a Value, key: &str) -> Result<&'a str, String> {
+    field(v, key)?
+        .as_str()
+        .ok_or_else(|| format!("field {key:?} is not a string"))
+}
+
+fn opt_string(v: &Value, key: &str) -> Result<Option<String>, String> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(format!("field {key:?} is not a string")),
+    }
+}
+
+fn int(v: &Value, key: &str) -> Result<i64, String> {
+    field(v, key)?
+        .as_i64()
+        .ok_or_else(|| format!("field {key:?} is not an integer"))
+}
+
+fn boolean(v: &Value, key: &str) -> Result<bool, String> {
+    field(v, key)?
+        .as_bool()
+        .ok_or_else(|| format!("field {key:?} is not a boolean"))
+}
+
+fn parse_field<T, E: std::fmt::Display>(
+    v: &Value,
+    key: &str,
+    parse: impl FnOnce(&str) -> Result<T, E>,
+) -> Result<T, String> {
+    parse(string(v, key)?).map_err(|e| format!("field {key:?}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message() -> Message {
+        let now = crate::conn::now();
+        Message {
+            id: MessageId::new(),
+            session_id: SessionId::new(),
+            task_id: TaskId::new(),
+            role: MessageRole::Agent,
+            content: "hello \"world\"".into(),
+            seq: 3,
+            complete: false,
+            created_at: now,
+            updated_at: now,
+        }
+    }
+
+    #[test]
+    fn every_payload_round_trips_through_json() {
+        let payloads = vec![
+            EventPayload::AgentctlStarting {
+                executor_id: ExecutorId::new(),
+                runtime: Runtime::LocalDocker,
+                generation: 7,
+            },
+            EventPayload::AgentctlReady {
+                executor_id: ExecutorId::new(),
+                runtime: Runtime::Remote,
+                supports_session_resume: true,
+            },
+            EventPayload::AgentctlError {
+                executor_id: ExecutorId::new(),
+                error_message: "gone".into(),
+            },
+            EventPayload::StateChanged {
+                from: SessionState::Running,
+                to: SessionState::Error,
+                error_message: Some("boom".into()),
+            },
+            EventPayload::StateChanged {
+                from: SessionState::Created,
+                to: SessionState::Starting,
+                error_message: None,
+            },
+            EventPayload::MessageAdded(message()),
+            EventPayload::MessageUpdated(message()),
+        ];
+        for p in payloads {
+            let text = encode_payload(&p).to_string();
+            let back = decode_payload(p.kind(), &parse_json(&text).expect("json")).expect("decode");
+            assert_eq!(back, p);
+        }
+    }
+
+    #[test]
+    fn unknown_kind_is_corrupt() {
+        let row = EventRow {
+            session_id: SessionId::new().to_string(),
+            seq: 1,
+            task_id: TaskId::new().to_string(),
+            task_seq: 1,
+            kind: "session.nope".into(),
+            payload: "{}".into(),
+            created_at: Ts::new(crate::conn::now()),
+        };
+        assert!(matches!(row.into_domain(), Err(Error::Corrupt { .. })));
+    }
+}

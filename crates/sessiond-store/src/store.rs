@@ -1,0 +1,627 @@
+//! [`Store`]: connect, migrate, and the repository operations.
+
+use std::{fmt, path::Path, time::Duration};
+
+use diesel::{connection::SimpleConnection, prelude::*, r2d2::Pool};
+use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
+use sessiond_domain::{
+    AgentProfile, AgentProfileId, Event, EventPayload, ExecutorId, ExecutorRecord, ExecutorStatus,
+    Message, Session, SessionId, Task, TaskId,
+};
+
+use crate::{
+    Error, Result,
+    changeset::{self, Changeset, Committed},
+    conn::{self, AnyConnection, Manager, Ts, write_transaction},
+    error::on_unique,
+    rows::{EventRow, ExecutorRow, MessageRow, ProfileRow, SessionRow, TaskRow},
+    schema::{
+        agent_profiles, executors_running, session_events, session_messages, task_sessions, tasks,
+    },
+};
+
+const POSTGRES_MIGRATIONS: EmbeddedMigrations = embed_migrations!("../../migrations/postgres");
+const SQLITE_MIGRATIONS: EmbeddedMigrations = embed_migrations!("../../migrations/sqlite");
+
+/// Serializes migrations of several processes on one Postgres database.
+const MIGRATION_LOCK_KEY: i64 = 0x5e55_10d0;
+
+/// Which database a [`Store`] talks to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Backend {
+    Postgres,
+    Sqlite,
+}
+
+/// How to open a [`Store`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct StoreOptions {
+    /// Pool size (1 for an in-memory SQLite database, whatever is set here).
+    pub max_connections: u32,
+    /// How long to wait for a connection, at connect and from the pool.
+    pub connect_timeout: Duration,
+    /// SQLite: how long a writer waits for the write lock before failing.
+    pub busy_timeout: Duration,
+    /// Apply pending migrations at connect.
+    pub migrate: bool,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            max_connections: 8,
+            connect_timeout: Duration::from_secs(10),
+            busy_timeout: Duration::from_secs(10),
+            migrate: true,
+        }
+    }
+}
+
+impl StoreOptions {
+    pub fn max_connections(mut self, n: u32) -> Self {
+        self.max_connections = n.max(1);
+        self
+    }
+
+    pub fn connect_timeout(mut self, d: Duration) -> Self {
+        self.connect_timeout = d;
+        self
+    }
+
+    pub fn busy_timeout(mut self, d: Duration) -> Self {
+        self.busy_timeout = d;
+        self
+    }
+
+    pub fn migrate(mut self, yes: bool) -> Self {
+        self.migrate = yes;
+        self
+    }
+}
+
+/// The persistence of sessiond. Cheap to clone; all clones share one pool.
+///
+/// Every method runs its queries on a pooled connection inside
+/// `tokio::task::spawn_blocking`, so async callers never block the runtime
+/// (and must call from within a tokio runtime).
+#[derive(Clone)]
+pub struct Store {
+    pool: Pool<Manager>,
+    backend: Backend,
+}
+
+impl fmt::Debug for Store {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Store")
+            .field("backend", &self.backend)
+            .field("pool", &self.pool.state())
+            .finish()
+    }
+}
+
+/// Splits a database URL into backend and what its driver is given.
+///
+/// `postgres://..` and `postgresql://..` are Postgres. `sqlite://PATH`,
+/// `sqlite:PATH`, a `file:` URI or a plain path are SQLite; `:memory:` and
+/// `sqlite::memory:` are a private in-memory SQLite database.
+pub fn parse_database_url(url: &str) -> Result<(Backend, String)> {
+    let url = url.trim();
+    if url.is_empty() {
+        return Err(Error::Invalid("empty database URL".into()));
+    }
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        return Ok((Backend::Postgres, url.to_owned()));
+    }
+    let target = url
+        .strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))
+        .unwrap_or(url);
+    if target.is_empty() {
+        return Err(Error::Invalid(format!("no SQLite path in {url:?}")));
+    }
+    if target.contains("://") {
+        return Err(Error::Invalid(format!(
+            "unsupported database URL {url:?}: expected postgres://.., sqlite://PATH or a file path"
+        )));
+    }
+    Ok((Backend::Sqlite, target.to_owned()))
+}
+
+fn is_memory(target: &str) -> bool {
+    target == ":memory:" || target.contains("mode=memory")
+}
+
+impl Store {
+    /// Opens a pool on `url` (see [`parse_database_url`]) and, unless
+    /// `opts.migrate` is false, applies pending migrations. A SQLite file and
+    /// its parent directory are created when missing.
+    pub async fn connect(url: &str, opts: StoreOptions) -> Result<Store> {
+        let (backend, target) = parse_database_url(url)?;
+        blocking(move || {
+            let mut max = opts.max_connections.max(1);
+            if backend == Backend::Sqlite {
+                if is_memory(&target) {
+                    max = 1;
+                } else if !target.starts_with("file:") {
+                    if let Some(parent) = Path::new(&target).parent() {
+                        if !parent.as_os_str().is_empty() {
+                            std::fs::create_dir_all(parent).map_err(|e| {
+                                Error::Invalid(format!(
+                                    "cannot create directory {} for the database: {e}",
+                                    parent.display()
+                                ))
+                            })?;
+                        }
+                    }
+                }
+            }
+            let manager = Manager {
+                backend,
+                target,
+                busy_timeout: opts.busy_timeout,
+            };
+            let pool = Pool::builder()
+                .max_size(max)
+                .min_idle(Some(1))
+                .connection_timeout(opts.connect_timeout)
+                .build(manager)
+                .map_err(|e| Error::Pool(Box::new(e)))?;
+            let store = Store { pool, backend };
+            if opts.migrate {
+                let mut conn = store.pool.get()?;
+                run_pending(&mut conn)?;
+            }
+            Ok(store)
+        })
+        .await
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// Checks that the database answers.
+    pub async fn ping(&self) -> Result<()> {
+        self.read(|c| {
+            c.batch_execute("SELECT 1")?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Applies pending migrations; returns their versions.
+    pub async fn run_pending_migrations(&self) -> Result<Vec<String>> {
+        self.read(run_pending).await
+    }
+
+    /// Reverts every applied migration (for tests of the down migrations);
+    /// returns their versions, newest first.
+    pub async fn revert_all_migrations(&self) -> Result<Vec<String>> {
+        self.read(|c| {
+            let reverted = match c {
+                AnyConnection::Pg(c) => c.revert_all_migrations(POSTGRES_MIGRATIONS),
+                AnyConnection::Sqlite(c) => c.revert_all_migrations(SQLITE_MIGRATIONS),
+            }
+            .map_err(Error::Migration)?;
+            Ok(reverted.iter().map(ToString::to_string).collect())
+        })
+        .await
+    }
+
+    // ------------------------------------------------------------ tasks
+
+    /// Stores a new task; returns it as stored (times at microseconds).
+    pub async fn create_task(&self, task: &Task) -> Result<Task> {
+        let row = TaskRow::from_domain(task);
+        self.write(move |c| {
+            let id = row.id.clone();
+            diesel::insert_into(tasks::table)
+                .values(&row)
+                .execute(c)
+                .map_err(|e| on_unique(e, "task", |_| id))?;
+            row.into_domain()
+        })
+        .await
+    }
+
+    pub async fn get_task(&self, id: TaskId) -> Result<Task> {
+        self.read(move |c| {
+            tasks::table
+                .find(id.to_string())
+                .select(TaskRow::as_select())
+                .first(c)
+                .optional()?
+                .ok_or_else(|| Error::not_found("task", id))?
+                .into_domain()
+        })
+        .await
+    }
+
+    /// Tasks in id order (ids are time-ordered), after `after`, at most `limit`.
+    pub async fn list_tasks(&self, after: Option<TaskId>, limit: u32) -> Result<Vec<Task>> {
+        self.read(move |c| {
+            let mut q = tasks::table
+                .select(TaskRow::as_select())
+                .order(tasks::id)
+                .limit(i64::from(limit))
+                .into_boxed();
+            if let Some(after) = after {
+                q = q.filter(tasks::id.gt(after.to_string()));
+            }
+            q.load(c)?.into_iter().map(TaskRow::into_domain).collect()
+        })
+        .await
+    }
+
+    // ------------------------------------------------------------ profiles
+
+    /// Creates the profile, or updates the one with the same name (keeping
+    /// its id and `created_at`). Returns the stored profile.
+    pub async fn upsert_agent_profile(&self, profile: &AgentProfile) -> Result<AgentProfile> {
+        let row = ProfileRow::from_domain(profile);
+        self.write(move |c| {
+            let existing: Option<(String, Ts)> = agent_profiles::table
+                .filter(agent_profiles::name.eq(&row.name))
+                .select((agent_profiles::id, agent_profiles::created_at))
+                .first(c)
+                .optional()?;
+            let id = match existing {
+                Some((id, _)) => {
+                    diesel::update(agent_profiles::table.find(&id))
+                        .set((
+                            agent_profiles::command.eq(&row.command),
+                            agent_profiles::args.eq(&row.args),
+                            agent_profiles::env.eq(&row.env),
+                            agent_profiles::supports_session_resume
+                                .eq(row.supports_session_resume),
+                            agent_profiles::updated_at.eq(Ts::new(conn::now())),
+                        ))
+                        .execute(c)?;
+                    id
+                }
+                None => {
+                    let id = row.id.clone();
+                    diesel::insert_into(agent_profiles::table)
+                        .values(&row)
+                        .execute(c)
+                        .map_err(|e| on_unique(e, "agent profile", |_| id.clone()))?;
+                    id
+                }
+            };
+            load_profile(c, false, &id)
+        })
+        .await
+    }
+
+    pub async fn get_agent_profile(&self, id: AgentProfileId) -> Result<AgentProfile> {
+        self.read(move |c| {
+            let key = id.to_string();
+            load_profile(c, false, &key)
+        })
+        .await
+    }
+
+    pub async fn get_agent_profile_by_name(&self, name: &str) -> Result<AgentProfile> {
+        let name = name.to_owned();
+        self.read(move |c| load_profile(c, true, &name))
+            .await
+    }
+
+    /// All profiles, by name.
+    pub async fn list_agent_profiles(&self) -> Result<Vec<AgentProfile>> {
+        self.read(|c| {
+            agent_profiles::table
+                .select(ProfileRow::as_select())
+                .order(agent_profiles::name)
+                .load(c)?
+                .into_iter()
+                .map(ProfileRow::into_domain)
+                .collect()
+        })
+        .await
+    }
+
+    // ------------------------------------------------------------ sessions
+
+    /// Stores a new session (at version 1) and its first events in one
+    /// transaction. Returns the stored session and the events with seqs.
+    pub async fn create_session(
+        &self,
+        session: &Session,
+        events: Vec<EventPayload>,
+    ) -> Result<(Session, Vec<Event>)> {
+        let mut row = SessionRow::from_domain(session);
+        row.version = 1;
+        let (sid, task, profile) = (session.id, session.task_id, session.agent_profile_id);
+        self.write(move |c| {
+            let task_exists: i64 = tasks::table
+                .filter(tasks::id.eq(task.to_string()))
+                .count()
+                .get_result(c)?;
+            if task_exists == 0 {
+                return Err(Error::not_found("task", task));
+            }
+            let profile_exists: i64 = agent_profiles::table
+                .filter(agent_profiles::id.eq(profile.to_string()))
+                .count()
+                .get_result(c)?;
+            if profile_exists == 0 {
+                return Err(Error::not_found("agent profile", profile));
+            }
+            diesel::insert_into(task_sessions::table)
+                .values(&row)
+                .execute(c)
+                .map_err(|e| on_unique(e, "session", |_| sid.to_string()))?;
+            let mut change = Changeset::new();
+            for payload in events {
+                change = change.event(sid, payload);
+            }
+            let committed = changeset::apply(c, change)?;
+            Ok((row.into_domain()?, committed.events))
+        })
+        .await
+    }
+
+    pub async fn get_session(&self, id: SessionId) -> Result<Session> {
+        self.read(move |c| {
+            task_sessions::table
+                .find(id.to_string())
+                .select(SessionRow::as_select())
+                .first(c)
+                .optional()?
+                .ok_or_else(|| Error::not_found("session", id))?
+                .into_domain()
+        })
+        .await
+    }
+
+    /// The sessions of a task, oldest first.
+    pub async fn list_sessions(&self, task: TaskId) -> Result<Vec<Session>> {
+        self.read(move |c| {
+            task_sessions::table
+                .filter(task_sessions::task_id.eq(task.to_string()))
+                .select(SessionRow::as_select())
+                .order((task_sessions::created_at, task_sessions::id))
+                .load(c)?
+                .into_iter()
+                .map(SessionRow::into_domain)
+                .collect()
+        })
+        .await
+    }
+
+    // ------------------------------------------------------------ executors
+
+    pub async fn get_executor(&self, id: ExecutorId) -> Result<ExecutorRecord> {
+        self.read(move |c| changeset::load_executor(c, id)).await
+    }
+
+    pub async fn get_executor_for_session(
+        &self,
+        session: SessionId,
+    ) -> Result<Option<ExecutorRecord>> {
+        self.read(move |c| {
+            executors_running::table
+                .filter(executors_running::session_id.eq(session.to_string()))
+                .select(ExecutorRow::as_select())
+                .first(c)
+                .optional()?
+                .map(ExecutorRow::into_domain)
+                .transpose()
+        })
+        .await
+    }
+
+    /// All executor records, oldest first.
+    pub async fn list_executors(&self) -> Result<Vec<ExecutorRecord>> {
+        self.read(|c| load_executors(c, None)).await
+    }
+
+    /// The executors startup recovery must look at: status `starting` or
+    /// `ready` (seed Startup Flow step 1), oldest first.
+    pub async fn load_recoverable_executors(&self) -> Result<Vec<ExecutorRecord>> {
+        self.read(|c| load_executors(c, Some(ExecutorStatus::RECOVERABLE)))
+            .await
+    }
+
+    /// Deletes an executor record; false when there was none.
+    pub async fn delete_executor(&self, id: ExecutorId) -> Result<bool> {
+        self.write(move |c| {
+            let n = diesel::delete(executors_running::table.find(id.to_string())).execute(c)?;
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    // ------------------------------------------------------------ the write path
+
+    /// Writes a [`Changeset`] in one transaction: all of it, or nothing.
+    pub async fn commit(&self, change: Changeset) -> Result<Committed> {
+        if change.is_empty() {
+            return Ok(Committed::default());
+        }
+        self.write(move |c| changeset::apply(c, change)).await
+    }
+
+    // ------------------------------------------------------------ messages & events
+
+    /// Messages of a session with `seq > after_seq`, in seq order.
+    pub async fn list_messages(
+        &self,
+        session: SessionId,
+        after_seq: i64,
+        limit: u32,
+    ) -> Result<Vec<Message>> {
+        self.read(move |c| {
+            session_messages::table
+                .filter(session_messages::session_id.eq(session.to_string()))
+                .filter(session_messages::seq.gt(after_seq))
+                .order(session_messages::seq)
+                .limit(i64::from(limit))
+                .select(MessageRow::as_select())
+                .load(c)?
+                .into_iter()
+                .map(MessageRow::into_domain)
+                .collect()
+        })
+        .await
+    }
+
+    /// Events of a session with `seq > after_seq`, in seq order.
+    pub async fn events_after(
+        &self,
+        session: SessionId,
+        after_seq: i64,
+        limit: u32,
+    ) -> Result<Vec<Event>> {
+        self.read(move |c| {
+            session_events::table
+                .filter(session_events::session_id.eq(session.to_string()))
+                .filter(session_events::seq.gt(after_seq))
+                .order(session_events::seq)
+                .limit(i64::from(limit))
+                .select(EventRow::as_select())
+                .load(c)?
+                .into_iter()
+                .map(EventRow::into_domain)
+                .collect()
+        })
+        .await
+    }
+
+    /// Events of all sessions of a task with `task_seq > after_task_seq`, in
+    /// task_seq order.
+    pub async fn task_events_after(
+        &self,
+        task: TaskId,
+        after_task_seq: i64,
+        limit: u32,
+    ) -> Result<Vec<Event>> {
+        self.read(move |c| {
+            session_events::table
+                .filter(session_events::task_id.eq(task.to_string()))
+                .filter(session_events::task_seq.gt(after_task_seq))
+                .order(session_events::task_seq)
+                .limit(i64::from(limit))
+                .select(EventRow::as_select())
+                .load(c)?
+                .into_iter()
+                .map(EventRow::into_domain)
+                .collect()
+        })
+        .await
+    }
+
+    /// The seq of the session's newest event (0 when it has none): a
+    /// watcher's snapshot cursor.
+    pub async fn last_event_seq(&self, session: SessionId) -> Result<i64> {
+        self.read(move |c| {
+            task_sessions::table
+                .find(session.to_string())
+                .select(task_sessions::last_event_seq)
+                .first(c)
+                .optional()?
+                .ok_or_else(|| Error::not_found("session", session))
+        })
+        .await
+    }
+
+    /// The newest task_seq of a task (0 when it has no events).
+    pub async fn last_task_event_seq(&self, task: TaskId) -> Result<i64> {
+        self.read(move |c| {
+            tasks::table
+                .find(task.to_string())
+                .select(tasks::last_event_seq)
+                .first(c)
+                .optional()?
+                .ok_or_else(|| Error::not_found("task", task))
+        })
+        .await
+    }
+
+    // ------------------------------------------------------------ plumbing
+
+    /// Runs `f` on a pooled connection on the blocking thread pool.
+    async fn read<T, F>(&self, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut AnyConnection) -> Result<T> + Send + 'static,
+    {
+        let pool = self.pool.clone();
+        blocking(move || {
+            let mut conn = pool.get()?;
+            f(&mut conn)
+        })
+        .await
+    }
+
+    /// Like `read`, inside one write transaction.
+    async fn write<T, F>(&self, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut AnyConnection) -> Result<T> + Send + 'static,
+    {
+        self.read(move |c| write_transaction(c, f)).await
+    }
+}
+
+async fn blocking<T, F>(f: F) -> Result<T>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T> + Send + 'static,
+{
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Blocking(e.to_string()))?
+}
+
+fn run_pending(conn: &mut AnyConnection) -> Result<Vec<String>> {
+    fn versions<V: ToString>(
+        applied: Result<Vec<V>, crate::BoxError>,
+    ) -> Result<Vec<String>> {
+        Ok(applied
+            .map_err(Error::Migration)?
+            .iter()
+            .map(ToString::to_string)
+            .collect())
+    }
+    match conn {
+        AnyConnection::Pg(c) => {
+            c.batch_execute(&format!("SELECT pg_advisory_lock({MIGRATION_LOCK_KEY})"))?;
+            let applied = versions(c.run_pending_migrations(POSTGRES_MIGRATIONS));
+            c.batch_execute(&format!("SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})"))?;
+            applied
+        }
+        AnyConnection::Sqlite(c) => versions(c.run_pending_migrations(SQLITE_MIGRATIONS)),
+    }
+}
+
+fn load_profile(c: &mut AnyConnection, by_name: bool, key: &str) -> Result<AgentProfile> {
+    let q = agent_profiles::table
+        .select(ProfileRow::as_select())
+        .into_boxed();
+    let q = if by_name {
+        q.filter(agent_profiles::name.eq(key))
+    } else {
+        q.filter(agent_profiles::id.eq(key))
+    };
+    q.first(c)
+        .optional()?
+        .ok_or_else(|| Error::not_found("agent profile", key))?
+        .into_domain()
+}
+
+fn load_executors(
+    c: &mut AnyConnection,
+    statuses: Option<&[ExecutorStatus]>,
+) -> Result<Vec<ExecutorRecord>> {
+    let mut q = executors_running::table
+        .select(ExecutorRow::as_select())
+        .order((executors_running::created_at, executors_running::id))
+        .into_boxed();
+    if let Some(statuses) = statuses {
+        q = q.filter(executors_running::status.eq_any(statuses.iter().map(|s| s.as_str())));
+    }
+    q.load(c)?.into_iter().map(ExecutorRow::into_domain).collect()
+}

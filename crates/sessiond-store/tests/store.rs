@@ -1,0 +1,773 @@
+//! The store suite, written once and run on SQLite (a temp file) and on a
+//! real PostgreSQL (a throwaway cluster started by sessiond-testkit, or
+//! `DATABASE_URL`), one fresh database per test.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use chrono::{Duration, Utc};
+use sessiond_domain::{
+    AgentProfile, AgentProfileId, EventKind, EventPayload, ExecutorId, ExecutorRecord,
+    ExecutorStatus, Message, MessageId, MessageRole, Runtime, Session, SessionId, SessionState,
+    Task, TaskId, TaskState, Worktree,
+};
+use sessiond_store::{Backend, Changeset, Error, Store, StoreOptions};
+
+/// A store on a fresh database, and what keeps that database alive.
+struct Db {
+    store: Store,
+    _guard: Guard,
+}
+
+#[allow(dead_code)] // the guards are held for their Drop
+enum Guard {
+    Sqlite(tempfile::TempDir),
+    Postgres(sessiond_testkit::postgres::TestDatabase),
+}
+
+mod open {
+    use super::*;
+
+    pub async fn sqlite() -> Db {
+        let dir = tempfile::tempdir().unwrap();
+        // A missing parent directory is created by the store.
+        let path = dir.path().join("data").join("sessiond.db");
+        let url = format!("sqlite://{}", path.display());
+        let store = Store::connect(&url, StoreOptions::default()).await.unwrap();
+        assert_eq!(store.backend(), Backend::Sqlite);
+        assert!(path.exists());
+        Db {
+            store,
+            _guard: Guard::Sqlite(dir),
+        }
+    }
+
+    pub async fn postgres() -> Db {
+        let db = tokio::task::spawn_blocking(sessiond_testkit::postgres::test_database)
+            .await
+            .unwrap();
+        let store = Store::connect(db.url(), StoreOptions::default())
+            .await
+            .unwrap();
+        assert_eq!(store.backend(), Backend::Postgres);
+        Db {
+            store,
+            _guard: Guard::Postgres(db),
+        }
+    }
+}
+
+// ------------------------------------------------------------------ fixtures
+
+fn task(title: &str) -> Task {
+    let now = Utc::now();
+    Task {
+        id: TaskId::new(),
+        title: title.into(),
+        state: TaskState::Todo,
+        created_at: now,
+        updated_at: now,
+    }
+}
+
+fn profile(name: &str) -> AgentProfile {
+    let now = Utc::now();
+    AgentProfile {
+        id: AgentProfileId::new(),
+        name: name.into(),
+        command: "acp-demo-agent".into(),
+        args: vec!["--state-dir".into(), "/tmp/x y".into()],
+        env: BTreeMap::from([("RUST_LOG".into(), "info".into())]),
+        supports_session_resume: true,
+        created_at: now,
+        updated_at: now,
+    }
+}
+
+fn session(task: &Task, profile: &AgentProfile) -> Session {
+    let now = Utc::now();
+    Session {
+        id: SessionId::new(),
+        task_id: task.id,
+        state: SessionState::Created,
+        agent_profile_id: profile.id,
+        agent_execution_id: None,
+        runtime: Runtime::LocalStandalone,
+        executor_id: None,
+        worktree: Worktree {
+            id: "wt-1".into(),
+            path: "/work/wt-1".into(),
+            branch: "sessiond/wt-1".into(),
+        },
+        resume_token: Some("acp-session-1".into()),
+        metadata: BTreeMap::from([("note".into(), "ünïcode \"quoted\"".into())]),
+        error_message: None,
+        version: 1,
+        created_at: now,
+        updated_at: now,
+    }
+}
+
+fn executor(s: &Session, status: ExecutorStatus) -> ExecutorRecord {
+    let now = Utc::now();
+    ExecutorRecord {
+        id: ExecutorId::new(),
+        session_id: s.id,
+        task_id: s.task_id,
+        runtime: Runtime::LocalStandalone,
+        status,
+        agentctl_url: Some("http://127.0.0.1:7001".into()),
+        agentctl_port: Some(7001),
+        container_id: None,
+        pid: Some(4242),
+        pid_start_time: Some(u64::from(u32::MAX) + 17),
+        auth_secret: "s3cret".into(),
+        generation: 1,
+        supports_session_resume: true,
+        supports_workspace_only: true,
+        resume_token: Some("acp-session-1".into()),
+        workspace_path: "/work/wt-1".into(),
+        worktree: s.worktree.clone(),
+        last_seen_at: Some(now),
+        error_message: None,
+        owner_id: Some("replica-a".into()),
+        lease_expires_at: Some(now + Duration::seconds(30)),
+        version: 1,
+        created_at: now,
+        updated_at: now,
+    }
+}
+
+fn message(s: &Session, role: MessageRole, content: &str) -> Message {
+    let now = Utc::now();
+    Message {
+        id: MessageId::new(),
+        session_id: s.id,
+        task_id: s.task_id,
+        role,
+        content: content.into(),
+        seq: 0,
+        complete: role != MessageRole::Agent,
+        created_at: now,
+        updated_at: now,
+    }
+}
+
+fn state_changed(from: SessionState, to: SessionState) -> EventPayload {
+    EventPayload::StateChanged {
+        from,
+        to,
+        error_message: None,
+    }
+}
+
+/// A task, a profile and a session on it.
+async fn seed(store: &Store) -> (Task, AgentProfile, Session) {
+    let t = store.create_task(&task("fix the bug")).await.unwrap();
+    let p = store
+        .upsert_agent_profile(&profile(&format!("demo-{}", TaskId::new())))
+        .await
+        .unwrap();
+    let (s, _) = store.create_session(&session(&t, &p), vec![]).await.unwrap();
+    (t, p, s)
+}
+
+fn assert_gap_free(seqs: impl IntoIterator<Item = i64>, n: usize, what: &str) {
+    let seqs: Vec<i64> = seqs.into_iter().collect();
+    let unique: BTreeSet<i64> = seqs.iter().copied().collect();
+    assert_eq!(unique.len(), seqs.len(), "{what}: duplicate seqs in {seqs:?}");
+    let expected: BTreeSet<i64> = (1..=n as i64).collect();
+    assert_eq!(unique, expected, "{what}: not 1..={n}");
+}
+
+// ------------------------------------------------------------------ the suite
+
+mod suite {
+    use super::*;
+
+    pub async fn tasks_crud_and_not_found(store: &Store) {
+        let a = store.create_task(&task("a")).await.unwrap();
+        let b = store.create_task(&task("b")).await.unwrap();
+        let c = store.create_task(&task("c")).await.unwrap();
+        assert_eq!(store.get_task(a.id).await.unwrap(), a);
+
+        let all = store.list_tasks(None, 10).await.unwrap();
+        assert_eq!(all, vec![a.clone(), b.clone(), c.clone()]);
+        let page = store.list_tasks(Some(a.id), 1).await.unwrap();
+        assert_eq!(page, vec![b.clone()]);
+
+        let dup = store.create_task(&a).await.unwrap_err();
+        assert!(matches!(dup, Error::AlreadyExists { entity: "task", .. }), "{dup}");
+
+        let missing = TaskId::new();
+        let err = store.get_task(missing).await.unwrap_err();
+        match err {
+            Error::NotFound { entity, id } => {
+                assert_eq!(entity, "task");
+                assert_eq!(id, missing.to_string());
+            }
+            other => panic!("expected NotFound, got {other}"),
+        }
+
+        let done = store
+            .commit(Changeset::new().set_task_state(b.id, TaskState::InProgress))
+            .await
+            .unwrap();
+        assert!(done.events.is_empty());
+        let b2 = store.get_task(b.id).await.unwrap();
+        assert_eq!(b2.state, TaskState::InProgress);
+        assert!(b2.updated_at >= b.updated_at);
+        let err = store
+            .commit(Changeset::new().set_task_state(missing, TaskState::Review))
+            .await
+            .unwrap_err();
+        assert!(err.is_not_found(), "{err}");
+    }
+
+    pub async fn profiles_upsert_by_name(store: &Store) {
+        let first = store.upsert_agent_profile(&profile("demo")).await.unwrap();
+        let mut again = profile("demo");
+        again.command = "other-agent".into();
+        again.supports_session_resume = false;
+        again.args = vec![];
+        let second = store.upsert_agent_profile(&again).await.unwrap();
+        assert_eq!(second.id, first.id, "the existing id is kept");
+        assert_eq!(second.created_at, first.created_at);
+        assert_eq!(second.command, "other-agent");
+        assert!(!second.supports_session_resume);
+        assert!(second.args.is_empty());
+
+        assert_eq!(store.get_agent_profile(first.id).await.unwrap(), second);
+        assert_eq!(store.get_agent_profile_by_name("demo").await.unwrap(), second);
+        let other = store.upsert_agent_profile(&profile("claude")).await.unwrap();
+        let names: Vec<String> = store
+            .list_agent_profiles()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|p| p.name)
+            .collect();
+        assert_eq!(names, ["claude", "demo"]);
+        assert_eq!(other.env.get("RUST_LOG").map(String::as_str), Some("info"));
+
+        assert!(store
+            .get_agent_profile(AgentProfileId::new())
+            .await
+            .unwrap_err()
+            .is_not_found());
+        assert!(store
+            .get_agent_profile_by_name("nope")
+            .await
+            .unwrap_err()
+            .is_not_found());
+    }
+
+    pub async fn sessions_crud(store: &Store) {
+        let t = store.create_task(&task("t")).await.unwrap();
+        let p = store.upsert_agent_profile(&profile("demo")).await.unwrap();
+        let mut new = session(&t, &p);
+        new.version = 99; // ignored: a new session starts at version 1
+        let (s, events) = store
+            .create_session(&new, vec![state_changed(SessionState::Created, SessionState::Created)])
+            .await
+            .unwrap();
+        assert_eq!(s.version, 1);
+        assert_eq!(s.resume_token.as_deref(), Some("acp-session-1"));
+        assert_eq!(s.metadata.get("note").map(String::as_str), Some("ünïcode \"quoted\""));
+        assert!(!s.metadata.contains_key("resume_token"));
+        assert_eq!(events.len(), 1);
+        assert_eq!((events[0].seq, events[0].task_seq), (1, 1));
+        assert_eq!(store.get_session(s.id).await.unwrap(), s);
+        assert_eq!(store.last_event_seq(s.id).await.unwrap(), 1);
+
+        let (s2, none) = store.create_session(&session(&t, &p), vec![]).await.unwrap();
+        assert!(none.is_empty());
+        assert_eq!(store.last_event_seq(s2.id).await.unwrap(), 0);
+        let listed = store.list_sessions(t.id).await.unwrap();
+        assert_eq!(listed.iter().map(|s| s.id).collect::<Vec<_>>(), vec![s.id, s2.id]);
+        assert!(store.list_sessions(TaskId::new()).await.unwrap().is_empty());
+
+        // Update: every field but id, task and created_at.
+        let mut changed = s.clone();
+        changed.state = SessionState::Running;
+        changed.agent_execution_id = Some("exec/1".into());
+        changed.runtime = Runtime::LocalDocker;
+        changed.executor_id = Some(ExecutorId::new());
+        changed.resume_token = None;
+        changed.error_message = Some("transient".into());
+        changed.metadata.insert("k".into(), "v".into());
+        let done = store
+            .commit(
+                Changeset::new()
+                    .update_session(changed.clone())
+                    .event(s.id, state_changed(SessionState::Created, SessionState::Running)),
+            )
+            .await
+            .unwrap();
+        let stored = done.session.unwrap();
+        assert_eq!(stored.version, 2);
+        assert_eq!(stored.state, SessionState::Running);
+        assert_eq!(stored.resume_token, None);
+        assert_eq!(stored.executor_id, changed.executor_id);
+        assert_eq!(stored.created_at, s.created_at);
+        assert_eq!(store.get_session(s.id).await.unwrap(), stored);
+        assert_eq!(done.events[0].seq, 2);
+        assert_eq!(done.events[0].task_seq, 2);
+
+        // NotFound: unknown session, unknown task, unknown profile.
+        assert!(store.get_session(SessionId::new()).await.unwrap_err().is_not_found());
+        let orphan = session(&task("never stored"), &p);
+        let err = store.create_session(&orphan, vec![]).await.unwrap_err();
+        assert!(matches!(err, Error::NotFound { entity: "task", .. }), "{err}");
+        let no_profile = session(&t, &profile("never stored"));
+        let err = store.create_session(&no_profile, vec![]).await.unwrap_err();
+        assert!(matches!(err, Error::NotFound { entity: "agent profile", .. }), "{err}");
+        let err = store.create_session(&s, vec![]).await.unwrap_err();
+        assert!(matches!(err, Error::AlreadyExists { entity: "session", .. }), "{err}");
+        let mut ghost = s.clone();
+        ghost.id = SessionId::new();
+        let err = store.commit(Changeset::new().update_session(ghost)).await.unwrap_err();
+        assert!(err.is_not_found(), "{err}");
+        let err = store.last_event_seq(SessionId::new()).await.unwrap_err();
+        assert!(err.is_not_found(), "{err}");
+    }
+
+    pub async fn executors_crud(store: &Store) {
+        let (_, _, s) = seed(store).await;
+        let rec = executor(&s, ExecutorStatus::Starting);
+        let done = store
+            .commit(Changeset::new().insert_executor(rec.clone()).event(
+                s.id,
+                EventPayload::AgentctlStarting {
+                    executor_id: rec.id,
+                    runtime: rec.runtime,
+                    generation: rec.generation,
+                },
+            ))
+            .await
+            .unwrap();
+        let stored = done.executor.unwrap();
+        assert_eq!(stored.version, 1);
+        assert_eq!(stored.pid_start_time, rec.pid_start_time);
+        assert_eq!(stored.auth_secret, "s3cret");
+        assert_eq!(stored.owner_id.as_deref(), Some("replica-a"));
+        assert_eq!(
+            stored.lease_expires_at.map(|t| t.timestamp_micros()),
+            rec.lease_expires_at.map(|t| t.timestamp_micros())
+        );
+        assert_eq!(store.get_executor(rec.id).await.unwrap(), stored);
+        assert_eq!(store.get_executor_for_session(s.id).await.unwrap(), Some(stored.clone()));
+        assert_eq!(store.list_executors().await.unwrap(), vec![stored.clone()]);
+
+        // One executor per session.
+        let err = store
+            .commit(Changeset::new().insert_executor(executor(&s, ExecutorStatus::Starting)))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::AlreadyExists { entity: "executor", .. }), "{err}");
+
+        // Versioned update.
+        let mut ready = stored.clone();
+        ready.status = ExecutorStatus::Ready;
+        ready.generation = 2;
+        ready.pid = None;
+        ready.pid_start_time = None;
+        ready.container_id = Some("c0ffee".into());
+        let updated = store
+            .commit(Changeset::new().update_executor(ready.clone()))
+            .await
+            .unwrap()
+            .executor
+            .unwrap();
+        assert_eq!(updated.version, 2);
+        assert_eq!(updated.status, ExecutorStatus::Ready);
+        assert_eq!(updated.pid, None);
+        assert_eq!(updated.container_id.as_deref(), Some("c0ffee"));
+        assert_eq!(updated.created_at, stored.created_at);
+
+        // Stale: `ready` still says version 1.
+        let err = store
+            .commit(Changeset::new().update_executor(ready))
+            .await
+            .unwrap_err();
+        match err {
+            Error::Conflict {
+                entity,
+                expected_version,
+                actual_version,
+                ..
+            } => {
+                assert_eq!(entity, "executor");
+                assert_eq!((expected_version, actual_version), (1, 2));
+            }
+            other => panic!("expected Conflict, got {other}"),
+        }
+
+        assert!(store.delete_executor(rec.id).await.unwrap());
+        assert!(!store.delete_executor(rec.id).await.unwrap());
+        assert!(store.get_executor(rec.id).await.unwrap_err().is_not_found());
+        assert_eq!(store.get_executor_for_session(s.id).await.unwrap(), None);
+        let err = store
+            .commit(Changeset::new().update_executor(updated))
+            .await
+            .unwrap_err();
+        assert!(err.is_not_found(), "{err}");
+    }
+
+    pub async fn recoverable_executors_filter_by_status(store: &Store) {
+        let t = store.create_task(&task("t")).await.unwrap();
+        let p = store.upsert_agent_profile(&profile("demo")).await.unwrap();
+        let mut wanted = Vec::new();
+        for status in ExecutorStatus::ALL {
+            let (s, _) = store.create_session(&session(&t, &p), vec![]).await.unwrap();
+            let rec = store
+                .commit(Changeset::new().insert_executor(executor(&s, *status)))
+                .await
+                .unwrap()
+                .executor
+                .unwrap();
+            if ExecutorStatus::RECOVERABLE.contains(status) {
+                wanted.push(rec.id);
+            }
+        }
+        let got: Vec<ExecutorId> = store
+            .load_recoverable_executors()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.id)
+            .collect();
+        assert_eq!(got, wanted);
+        assert_eq!(store.list_executors().await.unwrap().len(), ExecutorStatus::ALL.len());
+    }
+
+    pub async fn changeset_is_all_or_nothing(store: &Store) {
+        let (t, _, s) = seed(store).await;
+        let m = message(&s, MessageRole::User, "hello");
+        let mut running = s.clone();
+        running.state = SessionState::Running;
+
+        // The last part fails (the message to update does not exist).
+        let err = store
+            .commit(
+                Changeset::new()
+                    .update_session(running.clone())
+                    .insert_executor(executor(&s, ExecutorStatus::Starting))
+                    .set_task_state(t.id, TaskState::InProgress)
+                    .add_message(m.clone())
+                    .event(s.id, state_changed(SessionState::Created, SessionState::Running))
+                    .update_message(MessageId::new(), "x", true),
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::NotFound { entity: "message", .. }), "{err}");
+        assert_nothing_written(store, &t, &s).await;
+
+        // A constraint fails after everything else was written.
+        let first = store
+            .commit(Changeset::new().insert_executor(executor(&s, ExecutorStatus::Starting)))
+            .await
+            .unwrap()
+            .executor
+            .unwrap();
+        let err = store
+            .commit(
+                Changeset::new()
+                    .update_session(running)
+                    .set_task_state(t.id, TaskState::InProgress)
+                    .add_message(m)
+                    .event(s.id, state_changed(SessionState::Created, SessionState::Running))
+                    .insert_executor(executor(&s, ExecutorStatus::Starting)),
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::AlreadyExists { .. }), "{err}");
+        assert_nothing_written(store, &t, &s).await;
+        assert_eq!(store.get_executor_for_session(s.id).await.unwrap(), Some(first));
+
+        // The numbers a failed commit would have used are handed out again.
+        let ok = store
+            .commit(Changeset::new().event(s.id, state_changed(SessionState::Created, SessionState::Starting)))
+            .await
+            .unwrap();
+        assert_eq!((ok.events[0].seq, ok.events[0].task_seq), (1, 1));
+    }
+
+    async fn assert_nothing_written(store: &Store, t: &Task, s: &Session) {
+        assert_eq!(store.get_session(s.id).await.unwrap(), *s);
+        assert_eq!(store.get_task(t.id).await.unwrap(), *t);
+        assert!(store.events_after(s.id, 0, 100).await.unwrap().is_empty());
+        assert!(store.list_messages(s.id, 0, 100).await.unwrap().is_empty());
+        assert_eq!(store.last_event_seq(s.id).await.unwrap(), 0);
+        assert_eq!(store.last_task_event_seq(t.id).await.unwrap(), 0);
+    }
+
+    pub async fn two_writers_same_version_one_wins(store: &Store) {
+        let (_, _, s) = seed(store).await;
+        let write = |to: SessionState| {
+            let store = store.clone();
+            let mut next = s.clone();
+            next.state = to;
+            tokio::spawn(async move {
+                store
+                    .commit(
+                        Changeset::new()
+                            .update_session(next)
+                            .event(s.id, state_changed(SessionState::Created, to)),
+                    )
+                    .await
+            })
+        };
+        let (a, b) = tokio::join!(write(SessionState::Running), write(SessionState::Cancelled));
+        let results = [a.unwrap(), b.unwrap()];
+        let wins = results.iter().filter(|r| r.is_ok()).count();
+        assert_eq!(wins, 1, "exactly one writer wins: {results:?}");
+        let loser = results.iter().find_map(|r| r.as_ref().err()).unwrap();
+        match loser {
+            Error::Conflict {
+                entity,
+                id,
+                expected_version,
+                actual_version,
+            } => {
+                assert_eq!(*entity, "session");
+                assert_eq!(*id, s.id.to_string());
+                assert_eq!((*expected_version, *actual_version), (1, 2));
+            }
+            other => panic!("expected Conflict, got {other}"),
+        }
+        let winner = results.iter().find_map(|r| r.as_ref().ok()).unwrap();
+        let stored = store.get_session(s.id).await.unwrap();
+        assert_eq!(Some(&stored), winner.session.as_ref());
+        assert_eq!(stored.version, 2);
+        // Only the winner's event exists.
+        assert_eq!(store.events_after(s.id, 0, 10).await.unwrap().len(), 1);
+    }
+
+    pub async fn concurrent_appenders_get_gap_free_seqs(store: &Store) {
+        const WRITERS: usize = 8;
+        const COMMITS: usize = 12;
+        let (t, p, s) = seed(store).await;
+        // A second session of the same task shares the task_seq counter.
+        let (other, _) = store.create_session(&session(&t, &p), vec![]).await.unwrap();
+
+        let mut handles = Vec::new();
+        for w in 0..WRITERS {
+            let store = store.clone();
+            handles.push(tokio::spawn(async move {
+                let mut seqs = Vec::new();
+                for i in 0..COMMITS {
+                    let mut change = Changeset::new()
+                        .event(s.id, state_changed(SessionState::Running, SessionState::WaitingForInput));
+                    if i % 2 == 0 {
+                        change = change
+                            .event(s.id, state_changed(SessionState::WaitingForInput, SessionState::Running));
+                    }
+                    if w % 2 == 0 {
+                        change = change
+                            .event(other.id, state_changed(SessionState::Created, SessionState::Starting));
+                    }
+                    let done = store.commit(change).await.unwrap();
+                    seqs.extend(done.events.into_iter().map(|e| (e.session_id, e.seq, e.task_seq)));
+                }
+                seqs
+            }));
+        }
+        let mut returned = Vec::new();
+        for h in handles {
+            returned.extend(h.await.unwrap());
+        }
+
+        let per_writer_s = COMMITS + COMMITS.div_ceil(2);
+        let n_s = WRITERS * per_writer_s;
+        let n_other = WRITERS.div_ceil(2) * COMMITS;
+        let stored_s = store.events_after(s.id, 0, 10_000).await.unwrap();
+        let stored_other = store.events_after(other.id, 0, 10_000).await.unwrap();
+        assert_gap_free(stored_s.iter().map(|e| e.seq), n_s, "session seq");
+        assert_gap_free(stored_other.iter().map(|e| e.seq), n_other, "other session seq");
+        let by_task = store.task_events_after(t.id, 0, 10_000).await.unwrap();
+        assert_gap_free(by_task.iter().map(|e| e.task_seq), n_s + n_other, "task_seq");
+        assert!(by_task.windows(2).all(|w| w[0].task_seq < w[1].task_seq));
+
+        // What commit returned is what was stored.
+        let mut stored: Vec<_> = by_task.iter().map(|e| (e.session_id, e.seq, e.task_seq)).collect();
+        stored.sort();
+        returned.sort();
+        assert_eq!(returned, stored);
+        assert_eq!(store.last_event_seq(s.id).await.unwrap(), n_s as i64);
+        assert_eq!(store.last_task_event_seq(t.id).await.unwrap(), (n_s + n_other) as i64);
+    }
+
+    pub async fn messages_append_and_update(store: &Store) {
+        let (_, _, s) = seed(store).await;
+        let user = message(&s, MessageRole::User, "do it");
+        let agent = message(&s, MessageRole::Agent, "on it");
+        let done = store
+            .commit(
+                Changeset::new()
+                    .add_message(user.clone())
+                    .event(s.id, EventPayload::MessageAdded(user.clone()))
+                    .add_message(agent.clone())
+                    .event(s.id, EventPayload::MessageAdded(agent.clone())),
+            )
+            .await
+            .unwrap();
+        assert_eq!(done.messages.iter().map(|m| m.seq).collect::<Vec<_>>(), [1, 2]);
+        // The event carries the message as stored, seq included.
+        match &done.events[1].payload {
+            EventPayload::MessageAdded(m) => assert_eq!(m, &done.messages[1]),
+            other => panic!("unexpected payload {other:?}"),
+        }
+
+        let done2 = store
+            .commit(
+                Changeset::new()
+                    .update_message(agent.id, "on it: done", true)
+                    .event(s.id, EventPayload::MessageUpdated(agent.clone())),
+            )
+            .await
+            .unwrap();
+        let updated = &done2.messages[0];
+        assert_eq!((updated.seq, updated.complete), (2, true));
+        assert_eq!(updated.content, "on it: done");
+        assert_eq!(updated.created_at, done.messages[1].created_at);
+        let events = store.events_after(s.id, 2, 10).await.unwrap();
+        assert_eq!(events.len(), 1);
+        assert_eq!(events[0].kind(), EventKind::MessageUpdated);
+        assert_eq!(events[0].payload, EventPayload::MessageUpdated(updated.clone()));
+
+        let third = store
+            .commit(Changeset::new().add_message(message(&s, MessageRole::System, "note")))
+            .await
+            .unwrap();
+        assert_eq!(third.messages[0].seq, 3);
+
+        let all = store.list_messages(s.id, 0, 10).await.unwrap();
+        assert_eq!(all.iter().map(|m| m.seq).collect::<Vec<_>>(), [1, 2, 3]);
+        assert_eq!(all[1], *updated);
+        let page = store.list_messages(s.id, 1, 1).await.unwrap();
+        assert_eq!(page.iter().map(|m| m.seq).collect::<Vec<_>>(), [2]);
+
+        let err = store
+            .commit(Changeset::new().update_message(MessageId::new(), "x", true))
+            .await
+            .unwrap_err();
+        assert!(err.is_not_found(), "{err}");
+        let mut foreign = message(&s, MessageRole::User, "x");
+        foreign.task_id = TaskId::new();
+        let err = store.commit(Changeset::new().add_message(foreign)).await.unwrap_err();
+        assert!(matches!(err, Error::Invalid(_)), "{err}");
+    }
+
+    pub async fn events_after_and_task_events_after(store: &Store) {
+        let (t, p, a) = seed(store).await;
+        let (b, _) = store.create_session(&session(&t, &p), vec![]).await.unwrap();
+        let eid = ExecutorId::new();
+        let payloads = [
+            (a.id, state_changed(SessionState::Created, SessionState::Starting)),
+            (b.id, state_changed(SessionState::Created, SessionState::Starting)),
+            (
+                a.id,
+                EventPayload::AgentctlStarting {
+                    executor_id: eid,
+                    runtime: Runtime::Remote,
+                    generation: 3,
+                },
+            ),
+            (
+                a.id,
+                EventPayload::AgentctlReady {
+                    executor_id: eid,
+                    runtime: Runtime::Remote,
+                    supports_session_resume: false,
+                },
+            ),
+            (
+                b.id,
+                EventPayload::AgentctlError {
+                    executor_id: eid,
+                    error_message: "host unreachable".into(),
+                },
+            ),
+        ];
+        for (sid, payload) in payloads.clone() {
+            store.commit(Changeset::new().event(sid, payload)).await.unwrap();
+        }
+
+        let a_events = store.events_after(a.id, 0, 100).await.unwrap();
+        assert_eq!(a_events.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3]);
+        assert_eq!(a_events.iter().map(|e| e.task_seq).collect::<Vec<_>>(), [1, 3, 4]);
+        assert!(a_events.iter().all(|e| e.task_id == t.id && e.session_id == a.id));
+        assert_eq!(a_events[1].payload, payloads[2].1);
+        assert_eq!(a_events[2].kind(), EventKind::AgentctlReady);
+        let after = store.events_after(a.id, 1, 1).await.unwrap();
+        assert_eq!(after.iter().map(|e| e.seq).collect::<Vec<_>>(), [2]);
+        assert!(store.events_after(a.id, 3, 100).await.unwrap().is_empty());
+
+        let all = store.task_events_after(t.id, 0, 100).await.unwrap();
+        let got: Vec<_> = all.iter().map(|e| (e.session_id, e.payload.clone())).collect();
+        assert_eq!(got, payloads.to_vec());
+        let tail = store.task_events_after(t.id, 3, 100).await.unwrap();
+        assert_eq!(tail.iter().map(|e| e.task_seq).collect::<Vec<_>>(), [4, 5]);
+        assert!(store.task_events_after(TaskId::new(), 0, 100).await.unwrap().is_empty());
+
+        let err = store
+            .commit(Changeset::new().event(SessionId::new(), payloads[0].1.clone()))
+            .await
+            .unwrap_err();
+        assert!(err.is_not_found(), "{err}");
+    }
+
+    pub async fn migrations_round_trip(store: &Store) {
+        seed(store).await;
+        let reverted = store.revert_all_migrations().await.unwrap();
+        assert_eq!(reverted.len(), 1, "{reverted:?}");
+        let err = store.list_tasks(None, 10).await.unwrap_err();
+        assert!(matches!(err, Error::Database(_)), "tables are gone: {err}");
+        let applied = store.run_pending_migrations().await.unwrap();
+        assert_eq!(applied, reverted);
+        assert!(store.run_pending_migrations().await.unwrap().is_empty());
+        assert!(store.list_tasks(None, 10).await.unwrap().is_empty());
+        let (t, _, s) = seed(store).await;
+        store
+            .commit(Changeset::new().event(s.id, state_changed(SessionState::Created, SessionState::Starting)))
+            .await
+            .unwrap();
+        assert_eq!(store.last_task_event_seq(t.id).await.unwrap(), 1);
+        store.ping().await.unwrap();
+    }
+}
+
+macro_rules! store_test {
+    ($backend:ident, $name:ident) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn $name() {
+            let db = open::$backend().await;
+            suite::$name(&db.store).await;
+        }
+    };
+}
+
+/// Instantiates the whole suite for one backend.
+macro_rules! store_tests {
+    ($backend:ident) => {
+        mod $backend {
+            use super::*;
+            store_test!($backend, tasks_crud_and_not_found);
+            store_test!($backend, profiles_upsert_by_name);
+            store_test!($backend, sessions_crud);
+            store_test!($backend, executors_crud);
+            store_test!($backend, recoverable_executors_filter_by_status);
+            store_test!($backend, changeset_is_all_or_nothing);
+            store_test!($backend, two_writers_same_version_one_wins);
+            store_test!($backend, concurrent_appenders_get_gap_free_seqs);
+            store_test!($backend, messages_append_and_update);
+            store_test!($backend, events_after_and_task_events_after);
+            store_test!($backend, migrations_round_trip);
+        }
+    };
+}
+
+store_tests!(sqlite);
+store_tests!(postgres);
