@@ -343,9 +343,8 @@ impl AgentctlClient {
 }
 
 fn is_timeout(status: &tonic::Status) -> bool {
-    error_chain(status)
-        .to_ascii_lowercase()
-        .contains("timed out")
+    let text = error_chain(status).to_ascii_lowercase();
+    text.contains("timed out") || text.contains("timeout expired")
 }
 
 /// True when the status was made on this side from a transport failure

@@ -66,31 +66,33 @@ impl RemoteExecutor {
         let started = Instant::now();
         let deadline = started + self.config.ready_deadline;
         let mut attempt = 0u32;
+        let mut last_error = String::from("no answer");
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
-            let last_error =
-                match tokio::time::timeout(remaining, client.verify_identity(executor_id)).await {
-                    Ok(Ok(health)) => {
-                        tracing::info!(%executor_id, url = client.url(), attempts = attempt + 1,
-                        elapsed_ms = started.elapsed().as_millis() as u64, "remote agentctl ready");
-                        return Ok(health);
-                    }
-                    Ok(Err(e)) if !e.is_unavailable() => return Err(e),
-                    Ok(Err(e)) => e.to_string(),
-                    Err(_) => format!("no answer within the remaining {remaining:?}"),
-                };
-            let delay = self.config.backoff.delay(attempt);
-            attempt += 1;
-            let now = Instant::now();
-            if now + delay >= deadline {
+            if remaining.is_zero() {
                 return Err(Error::NotReady {
                     executor_id,
                     timeout: self.config.ready_deadline,
                     last_error,
                 });
             }
-            tracing::debug!(%executor_id, url = client.url(), attempt, ?delay, %last_error, "remote agentctl not ready, retrying");
-            tokio::time::sleep(delay).await;
+            match tokio::time::timeout(remaining, client.verify_identity(executor_id)).await {
+                Ok(Ok(health)) => {
+                    tracing::info!(%executor_id, url = client.url(), attempts = attempt + 1,
+                        elapsed_ms = started.elapsed().as_millis() as u64, "remote agentctl ready");
+                    return Ok(health);
+                }
+                Ok(Err(e)) if !e.is_unavailable() => return Err(e),
+                Ok(Err(e)) => last_error = e.to_string(),
+                // The deadline cut the attempt short; keep what the previous one said.
+                Err(_) => {}
+            }
+            let delay = self.config.backoff.delay(attempt);
+            attempt += 1;
+            tracing::debug!(%executor_id, url = client.url(), attempt, ?delay, %last_error,
+                "remote agentctl not ready, retrying");
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            tokio::time::sleep(delay.min(remaining)).await;
         }
     }
 }

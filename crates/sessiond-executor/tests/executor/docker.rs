@@ -1,0 +1,241 @@
+//! Run only with `SESSIOND_DOCKER_TESTS=1` (as `cargo xtask ci` sets, with the
+//! `DOCKER_HOST` of the engine it started). With the switch set, an engine or
+//! image that is not there fails the test.
+
+use std::time::{Duration, Instant};
+
+use sessiond_executor::{
+    Error, Executor, ExecutorHandle, RecoveryAction, Support,
+    docker::{
+        DockerConfig, DockerExecutor, LABEL_EXECUTOR_ID, LABEL_SESSION_ID, LABEL_TASK_ID,
+        container_name,
+    },
+};
+use sessiond_proto::agentctl::v1 as pb;
+
+use crate::support::{client_config, spec};
+
+struct Fixture {
+    workspace: tempfile::TempDir,
+    _run: tempfile::TempDir,
+    driver: DockerExecutor,
+}
+
+/// `None` when Docker tests are not asked for; panics when they are and the
+/// engine is unusable.
+async fn fixture() -> Option<Fixture> {
+    if std::env::var("SESSIOND_DOCKER_TESTS").as_deref() != Ok("1") {
+        eprintln!(
+            "docker tests not requested (set SESSIOND_DOCKER_TESTS=1 and DOCKER_HOST; `cargo xtask ci` does)"
+        );
+        return None;
+    }
+    let host =
+        std::env::var("DOCKER_HOST").unwrap_or_else(|_| "unix:///var/run/docker.sock".into());
+    let image =
+        std::env::var("SESSIOND_DOCKER_IMAGE").unwrap_or_else(|_| "sessiond-agentctl:dev".into());
+    let workspace = tempfile::tempdir().expect("workspace");
+    let run = tempfile::tempdir().expect("run dir");
+    let mut config = DockerConfig::new(host.clone(), image.clone(), run.path().to_owned());
+    config.client = client_config();
+    config.stop_grace = Duration::from_secs(2);
+    let driver = DockerExecutor::connect(config).await.unwrap_or_else(|e| {
+        panic!("SESSIOND_DOCKER_TESTS=1 but the engine at {host} is unusable: {e}")
+    });
+    driver
+        .docker()
+        .inspect_image(&image)
+        .await
+        .unwrap_or_else(|e| {
+            panic!("image {image} missing ({e}); build it with `cargo xtask docker-image`")
+        });
+    Some(Fixture {
+        workspace,
+        _run: run,
+        driver,
+    })
+}
+
+async fn container_status(f: &Fixture, id: &str) -> String {
+    let info = f
+        .driver
+        .docker()
+        .inspect_container(id, None)
+        .await
+        .expect("inspect");
+    info.state
+        .and_then(|s| s.status)
+        .map(|s| s.to_string())
+        .unwrap_or_default()
+}
+
+/// Removes the executor's containers and asserts none is left.
+async fn cleanup(f: &Fixture, handle: &ExecutorHandle) {
+    f.driver.remove(handle).await.expect("remove");
+    let left = f
+        .driver
+        .containers_of(handle.executor_id)
+        .await
+        .expect("list");
+    assert!(left.is_empty(), "containers left behind: {left:?}");
+}
+
+#[tokio::test]
+async fn launch_health_capabilities_stop() {
+    let Some(f) = fixture().await else { return };
+    let spec = spec(f.workspace.path());
+    let started = Instant::now();
+    let handle = f.driver.launch(&spec).await.expect("launch");
+    eprintln!("docker launch to healthy: {:?}", started.elapsed());
+
+    let id = handle.container_id.clone().expect("container id");
+    let info = f
+        .driver
+        .docker()
+        .inspect_container(&id, None)
+        .await
+        .expect("inspect");
+    assert_eq!(
+        info.name.as_deref(),
+        Some(format!("/{}", container_name(spec.executor_id)).as_str())
+    );
+    let labels = info.config.and_then(|c| c.labels).expect("labels");
+    assert_eq!(
+        labels.get(LABEL_EXECUTOR_ID),
+        Some(&spec.executor_id.to_string())
+    );
+    assert_eq!(
+        labels.get(LABEL_SESSION_ID),
+        Some(&spec.session_id.to_string())
+    );
+    assert_eq!(labels.get(LABEL_TASK_ID), Some(&spec.task_id.to_string()));
+    let host_config = info.host_config.expect("host config");
+    assert_eq!(host_config.network_mode.as_deref(), Some("host"));
+
+    let health = f.driver.health(&handle).await.expect("health");
+    assert_eq!(health.executor_id, spec.executor_id.to_string());
+    let caps = f.driver.capabilities(&handle).await.expect("capabilities");
+    assert_eq!(caps.supports_workspace_only, Support::Supported);
+
+    // The worktree is bind-mounted: a file written through agentctl in the
+    // container lands on the host, and git runs inside the image.
+    let mut raw = f.driver.client(&handle).expect("client").raw();
+    raw.write_file(pb::WriteFileRequest {
+        path: "from-container.txt".into(),
+        content: b"ok".to_vec(),
+        create_parents: false,
+    })
+    .await
+    .expect("write");
+    assert_eq!(
+        std::fs::read(f.workspace.path().join("from-container.txt")).expect("on host"),
+        b"ok"
+    );
+    let exec = raw
+        .exec(pb::ExecRequest {
+            command: "git".into(),
+            args: vec!["--version".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("exec git")
+        .into_inner();
+    assert_eq!(
+        exec.exit_code,
+        Some(0),
+        "git in the image: {}",
+        String::from_utf8_lossy(&exec.stderr)
+    );
+
+    let started = Instant::now();
+    f.driver.stop(&handle).await.expect("stop");
+    eprintln!("docker stop: {:?}", started.elapsed());
+    assert_eq!(container_status(&f, &id).await, "exited");
+    cleanup(&f, &handle).await;
+}
+
+#[tokio::test]
+async fn recover_running_container_reattaches() {
+    let Some(f) = fixture().await else { return };
+    let handle = f
+        .driver
+        .launch(&spec(f.workspace.path()))
+        .await
+        .expect("launch");
+    let started = Instant::now();
+    let recovered = f.driver.recover(&handle).await.expect("recover");
+    eprintln!("docker recover (running): {:?}", started.elapsed());
+    assert_eq!(recovered.action, RecoveryAction::Reattached);
+    assert_eq!(recovered.handle, handle, "same container, port and secret");
+
+    // Found by label when the recorded container id is stale.
+    let mut stale = handle.clone();
+    stale.container_id = Some("0123456789ab".into());
+    let by_label = f.driver.recover(&stale).await.expect("recover by label");
+    assert_eq!(by_label.handle.container_id, handle.container_id);
+    cleanup(&f, &handle).await;
+}
+
+#[tokio::test]
+async fn recover_stopped_container_starts_it() {
+    let Some(f) = fixture().await else { return };
+    let handle = f
+        .driver
+        .launch(&spec(f.workspace.path()))
+        .await
+        .expect("launch");
+    f.driver.stop(&handle).await.expect("stop");
+    let id = handle.container_id.clone().expect("id");
+    assert_eq!(container_status(&f, &id).await, "exited");
+
+    let started = Instant::now();
+    let recovered = f.driver.recover(&handle).await.expect("recover");
+    eprintln!(
+        "docker recover (stopped -> started): {:?}",
+        started.elapsed()
+    );
+    assert_eq!(recovered.action, RecoveryAction::Restarted);
+    assert_eq!(recovered.handle.container_id, handle.container_id);
+    assert_eq!(container_status(&f, &id).await, "running");
+    f.driver
+        .health(&recovered.handle)
+        .await
+        .expect("healthy after start");
+    cleanup(&f, &recovered.handle).await;
+}
+
+#[tokio::test]
+async fn recover_removed_container_is_an_error() {
+    let Some(f) = fixture().await else { return };
+    let handle = f
+        .driver
+        .launch(&spec(f.workspace.path()))
+        .await
+        .expect("launch");
+    f.driver.remove(&handle).await.expect("remove");
+    let err = f.driver.recover(&handle).await.expect_err("container gone");
+    assert!(matches!(err, Error::ContainerMissing { .. }), "{err}");
+    cleanup(&f, &handle).await;
+}
+
+#[tokio::test]
+async fn concurrent_launches_make_one_container() {
+    let Some(f) = fixture().await else { return };
+    let spec = spec(f.workspace.path());
+    let (a, b) = tokio::join!(f.driver.launch(&spec), f.driver.launch(&spec));
+    let (a, b) = (a.expect("first launch"), b.expect("second launch"));
+    assert_eq!(a.container_id, b.container_id);
+    assert_eq!(
+        a.auth_secret, b.auth_secret,
+        "the loser adopts the winner's secret"
+    );
+    let containers = f
+        .driver
+        .containers_of(spec.executor_id)
+        .await
+        .expect("list");
+    assert_eq!(containers.len(), 1, "{containers:?}");
+    f.driver.health(&a).await.expect("healthy");
+    f.driver.health(&b).await.expect("healthy");
+    cleanup(&f, &a).await;
+}

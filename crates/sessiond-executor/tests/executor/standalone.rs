@@ -1,0 +1,254 @@
+use std::{
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use sessiond_executor::{
+    Error, Executor, ExecutorHandle, RecoveryAction, Support,
+    process::{self, OwnedProcess},
+    standalone::{StandaloneConfig, StandaloneExecutor},
+};
+use sessiond_proto::agentctl::v1 as pb;
+
+use crate::support::{agentctl_path, assert_gone, client_config, is_running, spec};
+
+struct Fixture {
+    workspace: tempfile::TempDir,
+    run: tempfile::TempDir,
+    driver: StandaloneExecutor,
+}
+
+fn fixture() -> Fixture {
+    let workspace = tempfile::tempdir().expect("workspace");
+    let run = tempfile::tempdir().expect("run dir");
+    let mut config = StandaloneConfig::new(agentctl_path(), run.path().to_owned());
+    config.log_dir = Some(run.path().to_owned());
+    config.client = client_config();
+    Fixture {
+        workspace,
+        run,
+        driver: StandaloneExecutor::new(config),
+    }
+}
+
+fn pid_of(handle: &ExecutorHandle) -> u32 {
+    handle.pid.expect("standalone handle has a pid")
+}
+
+#[tokio::test]
+async fn launch_health_capabilities_stop() {
+    let f = fixture();
+    let spec = spec(f.workspace.path());
+    let started = Instant::now();
+    let handle = f.driver.launch(&spec).await.expect("launch");
+    eprintln!("standalone launch to healthy: {:?}", started.elapsed());
+
+    let pid = pid_of(&handle);
+    assert!(is_running(pid));
+    assert_eq!(handle.pid_start_time, process::start_time(pid));
+    assert_eq!(handle.generation, 1);
+    assert_eq!(
+        handle.agentctl_url,
+        format!("http://127.0.0.1:{}", handle.agentctl_port.expect("port"))
+    );
+    assert_eq!(handle.auth_secret.len(), 64);
+
+    let health = f.driver.health(&handle).await.expect("health");
+    assert_eq!(health.executor_id, spec.executor_id.to_string());
+    assert_eq!(health.pid, pid);
+
+    let caps = f.driver.capabilities(&handle).await.expect("capabilities");
+    assert_eq!(caps.supports_workspace_only, Support::Supported);
+    assert_eq!(
+        caps.supports_session_resume,
+        Support::Unknown,
+        "no agent launched yet"
+    );
+
+    // The client is authenticated and serves the workspace.
+    let mut raw = f.driver.client(&handle).expect("client").raw();
+    raw.write_file(pb::WriteFileRequest {
+        path: "hello.txt".into(),
+        content: b"hi".to_vec(),
+        create_parents: false,
+    })
+    .await
+    .expect("write through agentctl");
+    assert_eq!(
+        std::fs::read(f.workspace.path().join("hello.txt")).expect("file on disk"),
+        b"hi"
+    );
+
+    // Own process group: a signal to the backend's group does not reach it.
+    let pgid = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    let pgid: u32 = pgid[pgid.rfind(')').expect(")") + 2..]
+        .split_whitespace()
+        .nth(2)
+        .expect("pgrp")
+        .parse()
+        .expect("num");
+    assert_eq!(pgid, pid, "agentctl leads its own process group");
+
+    let started = Instant::now();
+    f.driver.stop(&handle).await.expect("stop");
+    eprintln!("standalone stop: {:?}", started.elapsed());
+    assert_gone(pid).await;
+    assert!(matches!(f.driver.health(&handle).await, Err(e) if e.is_unavailable()));
+    f.driver.remove(&handle).await.expect("remove");
+    drop(f.run);
+}
+
+#[tokio::test]
+async fn wrong_secret_or_identity_is_refused() {
+    let f = fixture();
+    let handle = f
+        .driver
+        .launch(&spec(f.workspace.path()))
+        .await
+        .expect("launch");
+
+    let mut wrong_secret = handle.clone();
+    wrong_secret.auth_secret = sessiond_executor::fresh_secret();
+    let err = f
+        .driver
+        .health(&wrong_secret)
+        .await
+        .expect_err("wrong secret");
+    assert!(matches!(err, Error::Unauthenticated { .. }), "{err}");
+
+    let mut wrong_id = handle.clone();
+    wrong_id.executor_id = sessiond_domain::ExecutorId::new();
+    let err = f
+        .driver
+        .health(&wrong_id)
+        .await
+        .expect_err("other executor");
+    assert!(matches!(err, Error::IdentityMismatch { .. }), "{err}");
+
+    f.driver.stop(&handle).await.expect("stop");
+    assert_gone(pid_of(&handle)).await;
+}
+
+#[tokio::test]
+async fn recover_reattaches_to_a_live_agentctl() {
+    let f = fixture();
+    let handle = f
+        .driver
+        .launch(&spec(f.workspace.path()))
+        .await
+        .expect("launch");
+
+    let started = Instant::now();
+    let recovered = f.driver.recover(&handle).await.expect("recover");
+    eprintln!("standalone recover (reattach): {:?}", started.elapsed());
+    assert_eq!(recovered.action, RecoveryAction::Reattached);
+    assert_eq!(
+        recovered.handle, handle,
+        "same pid, port, secret and generation"
+    );
+    assert!(is_running(pid_of(&handle)));
+
+    f.driver.stop(&handle).await.expect("stop");
+    assert_gone(pid_of(&handle)).await;
+}
+
+#[tokio::test]
+async fn recover_relaunches_a_killed_agentctl() {
+    let f = fixture();
+    let handle = f
+        .driver
+        .launch(&spec(f.workspace.path()))
+        .await
+        .expect("launch");
+    let old_pid = pid_of(&handle);
+    let own = OwnedProcess::open(old_pid, handle.pid_start_time.expect("start time"))
+        .expect("our process");
+    own.signal(rustix::process::Signal::KILL).expect("kill -9");
+    assert_gone(old_pid).await;
+
+    let started = Instant::now();
+    let recovered = f.driver.recover(&handle).await.expect("recover");
+    eprintln!("standalone recover (relaunch): {:?}", started.elapsed());
+    assert_eq!(recovered.action, RecoveryAction::Relaunched);
+    assert_eq!(recovered.handle.generation, handle.generation + 1);
+    let new_pid = pid_of(&recovered.handle);
+    assert_ne!(new_pid, old_pid);
+    assert_ne!(
+        recovered.handle.auth_secret, handle.auth_secret,
+        "a fresh secret per launch"
+    );
+    assert_eq!(recovered.health.pid, new_pid);
+    f.driver
+        .health(&recovered.handle)
+        .await
+        .expect("new agentctl healthy");
+
+    f.driver.stop(&recovered.handle).await.expect("stop");
+    assert_gone(new_pid).await;
+}
+
+#[tokio::test]
+async fn recover_neither_trusts_nor_signals_a_reused_pid() {
+    let f = fixture();
+    let handle = f
+        .driver
+        .launch(&spec(f.workspace.path()))
+        .await
+        .expect("launch");
+    let agentctl_pid = pid_of(&handle);
+    f.driver.stop(&handle).await.expect("stop");
+    assert_gone(agentctl_pid).await;
+
+    // An unrelated process now holds the recorded pid (start time differs).
+    let mut stranger = Command::new("sleep")
+        .arg("300")
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn sleep");
+    let stranger_pid = stranger.id();
+    let mut record = handle.clone();
+    record.pid = Some(stranger_pid);
+    assert_ne!(process::start_time(stranger_pid), record.pid_start_time);
+
+    // stop must leave it alone...
+    f.driver
+        .stop(&record)
+        .await
+        .expect("stop on a foreign pid is a no-op");
+    // ...and so must recover, which launches a new agentctl instead.
+    let recovered = f.driver.recover(&record).await.expect("recover");
+    assert_eq!(recovered.action, RecoveryAction::Relaunched);
+    let new_pid = pid_of(&recovered.handle);
+    assert_ne!(new_pid, stranger_pid);
+    assert_eq!(recovered.health.executor_id, handle.executor_id.to_string());
+
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        stranger.try_wait().expect("try_wait").is_none(),
+        "the unrelated process was signalled"
+    );
+    assert!(is_running(stranger_pid));
+
+    f.driver.stop(&recovered.handle).await.expect("stop");
+    assert_gone(new_pid).await;
+    stranger.kill().expect("kill sleep");
+    stranger.wait().expect("reap sleep");
+    assert_gone(stranger_pid).await;
+}
+
+#[tokio::test]
+async fn recover_fails_when_the_worktree_is_gone() {
+    let f = fixture();
+    let handle = f
+        .driver
+        .launch(&spec(f.workspace.path()))
+        .await
+        .expect("launch");
+    f.driver.stop(&handle).await.expect("stop");
+    assert_gone(pid_of(&handle)).await;
+
+    let mut record = handle.clone();
+    record.workspace_path = f.workspace.path().join("deleted-worktree");
+    let err = f.driver.recover(&record).await.expect_err("no worktree");
+    assert!(matches!(err, Error::WorkspaceMissing { .. }), "{err}");
+}
