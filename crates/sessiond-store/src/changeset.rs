@@ -100,7 +100,12 @@ impl Changeset {
         self
     }
 
-    pub fn update_message(mut self, id: MessageId, content: impl Into<String>, complete: bool) -> Self {
+    pub fn update_message(
+        mut self,
+        id: MessageId,
+        content: impl Into<String>,
+        complete: bool,
+    ) -> Self {
         self.message_updates.push(MessageUpdate {
             id,
             content: content.into(),
@@ -232,16 +237,19 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
         );
         match change.session.as_ref().filter(|s| s.id == sid) {
             Some(s) => {
-                let written = diesel::update(target.clone().filter(task_sessions::version.eq(s.version)))
-                    .set((
-                        SessionChanges::from_domain(s, now),
-                        task_sessions::version.eq(task_sessions::version + 1),
-                        counters,
-                    ))
-                    .execute(conn)?;
+                let written =
+                    diesel::update(target.clone().filter(task_sessions::version.eq(s.version)))
+                        .set((
+                            SessionChanges::from_domain(s, now),
+                            task_sessions::version.eq(task_sessions::version + 1),
+                            counters,
+                        ))
+                        .execute(conn)?;
                 if written == 0 {
-                    let actual: Option<i64> =
-                        target.select(task_sessions::version).first(conn).optional()?;
+                    let actual: Option<i64> = target
+                        .select(task_sessions::version)
+                        .first(conn)
+                        .optional()?;
                     return Err(match actual {
                         None => Error::not_found("session", sid),
                         Some(actual_version) => Error::Conflict {
@@ -253,16 +261,19 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
                     });
                 }
             }
-            None if n.events + n.messages > 0 => {
-                if diesel::update(target.clone()).set(counters).execute(conn)? == 0 {
+            None => {
+                let written = diesel::update(target.clone()).set(counters).execute(conn)?;
+                if written == 0 {
                     return Err(Error::not_found("session", sid));
                 }
             }
-            None => {}
         }
         if n.events + n.messages > 0 {
             let (last_event, last_message): (i64, i64) = target
-                .select((task_sessions::last_event_seq, task_sessions::last_message_seq))
+                .select((
+                    task_sessions::last_event_seq,
+                    task_sessions::last_message_seq,
+                ))
                 .first(conn)?;
             next_seq.insert(
                 sid,
@@ -323,9 +334,13 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
             row.session_id = session_id;
             row.task_id = task_id;
             row.created_at = created_at;
-            let written = diesel::update(target.clone().filter(executors_running::version.eq(expected)))
-                .set(&row)
-                .execute(conn)?;
+            let written = diesel::update(
+                target
+                    .clone()
+                    .filter(executors_running::version.eq(expected)),
+            )
+            .set(&row)
+            .execute(conn)?;
             if written == 0 {
                 let actual: i64 = target.select(executors_running::version).first(conn)?;
                 return Err(Error::Conflict {

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, SubsecRound, Utc};
 use diesel::{
+    Connection,
     backend::Backend as DieselBackend,
     connection::{AnsiTransactionManager, SimpleConnection, TransactionManager},
     deserialize::{self, FromSql, FromSqlRow},
@@ -14,7 +15,6 @@ use diesel::{
     serialize::{self, IsNull, Output, ToSql},
     sql_types::{HasSqlType, SqlType, Text, Timestamptz},
     sqlite::{Sqlite, SqliteConnection},
-    Connection,
 };
 
 use crate::{Backend, Error, Result};
@@ -27,7 +27,6 @@ pub enum AnyConnection {
     Pg(PgConnection),
     Sqlite(SqliteConnection),
 }
-
 
 /// A point in time, UTC, microsecond precision. `TIMESTAMPTZ` on Postgres;
 /// on SQLite fixed-width RFC 3339 text (`2026-01-02T03:04:05.123456Z`), which

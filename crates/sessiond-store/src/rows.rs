@@ -280,7 +280,9 @@ impl ExecutorRow {
             .pid_start_time
             .map(i64::try_from)
             .transpose()
-            .map_err(|_| Error::Invalid(format!("executor {}: pid_start_time out of range", e.id)))?;
+            .map_err(|_| {
+                Error::Invalid(format!("executor {}: pid_start_time out of range", e.id))
+            })?;
         Ok(ExecutorRow {
             id: e.id.to_string(),
             session_id: e.session_id.to_string(),
@@ -532,7 +534,9 @@ fn decode_payload(kind: EventKind, v: &Value) -> Result<EventPayload, String> {
             to: parse_field(v, "to", SessionState::parse)?,
             error_message: opt_string(v, "error_message")?,
         },
-        EventKind::MessageAdded => EventPayload::MessageAdded(decode_message(field(v, "message")?)?),
+        EventKind::MessageAdded => {
+            EventPayload::MessageAdded(decode_message(field(v, "message")?)?)
+        }
         EventKind::MessageUpdated => {
             EventPayload::MessageUpdated(decode_message(field(v, "message")?)?)
         }

@@ -143,17 +143,16 @@ impl Store {
             if backend == Backend::Sqlite {
                 if is_memory(&target) {
                     max = 1;
-                } else if !target.starts_with("file:") {
-                    if let Some(parent) = Path::new(&target).parent() {
-                        if !parent.as_os_str().is_empty() {
-                            std::fs::create_dir_all(parent).map_err(|e| {
-                                Error::Invalid(format!(
-                                    "cannot create directory {} for the database: {e}",
-                                    parent.display()
-                                ))
-                            })?;
-                        }
-                    }
+                } else if let Some(parent) = Path::new(&target)
+                    .parent()
+                    .filter(|p| !target.starts_with("file:") && !p.as_os_str().is_empty())
+                {
+                    std::fs::create_dir_all(parent).map_err(|e| {
+                        Error::Invalid(format!(
+                            "cannot create directory {} for the database: {e}",
+                            parent.display()
+                        ))
+                    })?;
                 }
             }
             let manager = Manager {
@@ -273,8 +272,7 @@ impl Store {
                             agent_profiles::command.eq(&row.command),
                             agent_profiles::args.eq(&row.args),
                             agent_profiles::env.eq(&row.env),
-                            agent_profiles::supports_session_resume
-                                .eq(row.supports_session_resume),
+                            agent_profiles::supports_session_resume.eq(row.supports_session_resume),
                             agent_profiles::updated_at.eq(Ts::new(conn::now())),
                         ))
                         .execute(c)?;
@@ -304,8 +302,7 @@ impl Store {
 
     pub async fn get_agent_profile_by_name(&self, name: &str) -> Result<AgentProfile> {
         let name = name.to_owned();
-        self.read(move |c| load_profile(c, true, &name))
-            .await
+        self.read(move |c| load_profile(c, true, &name)).await
     }
 
     /// All profiles, by name.
@@ -577,9 +574,7 @@ where
 }
 
 fn run_pending(conn: &mut AnyConnection) -> Result<Vec<String>> {
-    fn versions<V: ToString>(
-        applied: Result<Vec<V>, crate::BoxError>,
-    ) -> Result<Vec<String>> {
+    fn versions<V: ToString>(applied: Result<Vec<V>, crate::BoxError>) -> Result<Vec<String>> {
         Ok(applied
             .map_err(Error::Migration)?
             .iter()
@@ -623,5 +618,8 @@ fn load_executors(
     if let Some(statuses) = statuses {
         q = q.filter(executors_running::status.eq_any(statuses.iter().map(|s| s.as_str())));
     }
-    q.load(c)?.into_iter().map(ExecutorRow::into_domain).collect()
+    q.load(c)?
+        .into_iter()
+        .map(ExecutorRow::into_domain)
+        .collect()
 }

@@ -169,14 +169,21 @@ async fn seed(store: &Store) -> (Task, AgentProfile, Session) {
         .upsert_agent_profile(&profile(&format!("demo-{}", TaskId::new())))
         .await
         .unwrap();
-    let (s, _) = store.create_session(&session(&t, &p), vec![]).await.unwrap();
+    let (s, _) = store
+        .create_session(&session(&t, &p), vec![])
+        .await
+        .unwrap();
     (t, p, s)
 }
 
 fn assert_gap_free(seqs: impl IntoIterator<Item = i64>, n: usize, what: &str) {
     let seqs: Vec<i64> = seqs.into_iter().collect();
     let unique: BTreeSet<i64> = seqs.iter().copied().collect();
-    assert_eq!(unique.len(), seqs.len(), "{what}: duplicate seqs in {seqs:?}");
+    assert_eq!(
+        unique.len(),
+        seqs.len(),
+        "{what}: duplicate seqs in {seqs:?}"
+    );
     let expected: BTreeSet<i64> = (1..=n as i64).collect();
     assert_eq!(unique, expected, "{what}: not 1..={n}");
 }
@@ -198,7 +205,10 @@ mod suite {
         assert_eq!(page, vec![b.clone()]);
 
         let dup = store.create_task(&a).await.unwrap_err();
-        assert!(matches!(dup, Error::AlreadyExists { entity: "task", .. }), "{dup}");
+        assert!(
+            matches!(dup, Error::AlreadyExists { entity: "task", .. }),
+            "{dup}"
+        );
 
         let missing = TaskId::new();
         let err = store.get_task(missing).await.unwrap_err();
@@ -239,8 +249,14 @@ mod suite {
         assert!(second.args.is_empty());
 
         assert_eq!(store.get_agent_profile(first.id).await.unwrap(), second);
-        assert_eq!(store.get_agent_profile_by_name("demo").await.unwrap(), second);
-        let other = store.upsert_agent_profile(&profile("claude")).await.unwrap();
+        assert_eq!(
+            store.get_agent_profile_by_name("demo").await.unwrap(),
+            second
+        );
+        let other = store
+            .upsert_agent_profile(&profile("claude"))
+            .await
+            .unwrap();
         let names: Vec<String> = store
             .list_agent_profiles()
             .await
@@ -251,16 +267,20 @@ mod suite {
         assert_eq!(names, ["claude", "demo"]);
         assert_eq!(other.env.get("RUST_LOG").map(String::as_str), Some("info"));
 
-        assert!(store
-            .get_agent_profile(AgentProfileId::new())
-            .await
-            .unwrap_err()
-            .is_not_found());
-        assert!(store
-            .get_agent_profile_by_name("nope")
-            .await
-            .unwrap_err()
-            .is_not_found());
+        assert!(
+            store
+                .get_agent_profile(AgentProfileId::new())
+                .await
+                .unwrap_err()
+                .is_not_found()
+        );
+        assert!(
+            store
+                .get_agent_profile_by_name("nope")
+                .await
+                .unwrap_err()
+                .is_not_found()
+        );
     }
 
     pub async fn sessions_crud(store: &Store) {
@@ -269,23 +289,35 @@ mod suite {
         let mut new = session(&t, &p);
         new.version = 99; // ignored: a new session starts at version 1
         let (s, events) = store
-            .create_session(&new, vec![state_changed(SessionState::Created, SessionState::Created)])
+            .create_session(
+                &new,
+                vec![state_changed(SessionState::Created, SessionState::Created)],
+            )
             .await
             .unwrap();
         assert_eq!(s.version, 1);
         assert_eq!(s.resume_token.as_deref(), Some("acp-session-1"));
-        assert_eq!(s.metadata.get("note").map(String::as_str), Some("ünïcode \"quoted\""));
+        assert_eq!(
+            s.metadata.get("note").map(String::as_str),
+            Some("ünïcode \"quoted\"")
+        );
         assert!(!s.metadata.contains_key("resume_token"));
         assert_eq!(events.len(), 1);
         assert_eq!((events[0].seq, events[0].task_seq), (1, 1));
         assert_eq!(store.get_session(s.id).await.unwrap(), s);
         assert_eq!(store.last_event_seq(s.id).await.unwrap(), 1);
 
-        let (s2, none) = store.create_session(&session(&t, &p), vec![]).await.unwrap();
+        let (s2, none) = store
+            .create_session(&session(&t, &p), vec![])
+            .await
+            .unwrap();
         assert!(none.is_empty());
         assert_eq!(store.last_event_seq(s2.id).await.unwrap(), 0);
         let listed = store.list_sessions(t.id).await.unwrap();
-        assert_eq!(listed.iter().map(|s| s.id).collect::<Vec<_>>(), vec![s.id, s2.id]);
+        assert_eq!(
+            listed.iter().map(|s| s.id).collect::<Vec<_>>(),
+            vec![s.id, s2.id]
+        );
         assert!(store.list_sessions(TaskId::new()).await.unwrap().is_empty());
 
         // Update: every field but id, task and created_at.
@@ -298,11 +330,10 @@ mod suite {
         changed.error_message = Some("transient".into());
         changed.metadata.insert("k".into(), "v".into());
         let done = store
-            .commit(
-                Changeset::new()
-                    .update_session(changed.clone())
-                    .event(s.id, state_changed(SessionState::Created, SessionState::Running)),
-            )
+            .commit(Changeset::new().update_session(changed.clone()).event(
+                s.id,
+                state_changed(SessionState::Created, SessionState::Running),
+            ))
             .await
             .unwrap();
         let stored = done.session.unwrap();
@@ -316,18 +347,48 @@ mod suite {
         assert_eq!(done.events[0].task_seq, 2);
 
         // NotFound: unknown session, unknown task, unknown profile.
-        assert!(store.get_session(SessionId::new()).await.unwrap_err().is_not_found());
+        assert!(
+            store
+                .get_session(SessionId::new())
+                .await
+                .unwrap_err()
+                .is_not_found()
+        );
         let orphan = session(&task("never stored"), &p);
         let err = store.create_session(&orphan, vec![]).await.unwrap_err();
-        assert!(matches!(err, Error::NotFound { entity: "task", .. }), "{err}");
+        assert!(
+            matches!(err, Error::NotFound { entity: "task", .. }),
+            "{err}"
+        );
         let no_profile = session(&t, &profile("never stored"));
         let err = store.create_session(&no_profile, vec![]).await.unwrap_err();
-        assert!(matches!(err, Error::NotFound { entity: "agent profile", .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::NotFound {
+                    entity: "agent profile",
+                    ..
+                }
+            ),
+            "{err}"
+        );
         let err = store.create_session(&s, vec![]).await.unwrap_err();
-        assert!(matches!(err, Error::AlreadyExists { entity: "session", .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::AlreadyExists {
+                    entity: "session",
+                    ..
+                }
+            ),
+            "{err}"
+        );
         let mut ghost = s.clone();
         ghost.id = SessionId::new();
-        let err = store.commit(Changeset::new().update_session(ghost)).await.unwrap_err();
+        let err = store
+            .commit(Changeset::new().update_session(ghost))
+            .await
+            .unwrap_err();
         assert!(err.is_not_found(), "{err}");
         let err = store.last_event_seq(SessionId::new()).await.unwrap_err();
         assert!(err.is_not_found(), "{err}");
@@ -357,7 +418,10 @@ mod suite {
             rec.lease_expires_at.map(|t| t.timestamp_micros())
         );
         assert_eq!(store.get_executor(rec.id).await.unwrap(), stored);
-        assert_eq!(store.get_executor_for_session(s.id).await.unwrap(), Some(stored.clone()));
+        assert_eq!(
+            store.get_executor_for_session(s.id).await.unwrap(),
+            Some(stored.clone())
+        );
         assert_eq!(store.list_executors().await.unwrap(), vec![stored.clone()]);
 
         // One executor per session.
@@ -365,7 +429,16 @@ mod suite {
             .commit(Changeset::new().insert_executor(executor(&s, ExecutorStatus::Starting)))
             .await
             .unwrap_err();
-        assert!(matches!(err, Error::AlreadyExists { entity: "executor", .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::AlreadyExists {
+                    entity: "executor",
+                    ..
+                }
+            ),
+            "{err}"
+        );
 
         // Versioned update.
         let mut ready = stored.clone();
@@ -420,7 +493,10 @@ mod suite {
         let p = store.upsert_agent_profile(&profile("demo")).await.unwrap();
         let mut wanted = Vec::new();
         for status in ExecutorStatus::ALL {
-            let (s, _) = store.create_session(&session(&t, &p), vec![]).await.unwrap();
+            let (s, _) = store
+                .create_session(&session(&t, &p), vec![])
+                .await
+                .unwrap();
             let rec = store
                 .commit(Changeset::new().insert_executor(executor(&s, *status)))
                 .await
@@ -439,7 +515,10 @@ mod suite {
             .map(|e| e.id)
             .collect();
         assert_eq!(got, wanted);
-        assert_eq!(store.list_executors().await.unwrap().len(), ExecutorStatus::ALL.len());
+        assert_eq!(
+            store.list_executors().await.unwrap().len(),
+            ExecutorStatus::ALL.len()
+        );
     }
 
     pub async fn changeset_is_all_or_nothing(store: &Store) {
@@ -456,12 +535,24 @@ mod suite {
                     .insert_executor(executor(&s, ExecutorStatus::Starting))
                     .set_task_state(t.id, TaskState::InProgress)
                     .add_message(m.clone())
-                    .event(s.id, state_changed(SessionState::Created, SessionState::Running))
+                    .event(
+                        s.id,
+                        state_changed(SessionState::Created, SessionState::Running),
+                    )
                     .update_message(MessageId::new(), "x", true),
             )
             .await
             .unwrap_err();
-        assert!(matches!(err, Error::NotFound { entity: "message", .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::NotFound {
+                    entity: "message",
+                    ..
+                }
+            ),
+            "{err}"
+        );
         assert_nothing_written(store, &t, &s).await;
 
         // A constraint fails after everything else was written.
@@ -477,18 +568,27 @@ mod suite {
                     .update_session(running)
                     .set_task_state(t.id, TaskState::InProgress)
                     .add_message(m)
-                    .event(s.id, state_changed(SessionState::Created, SessionState::Running))
+                    .event(
+                        s.id,
+                        state_changed(SessionState::Created, SessionState::Running),
+                    )
                     .insert_executor(executor(&s, ExecutorStatus::Starting)),
             )
             .await
             .unwrap_err();
         assert!(matches!(err, Error::AlreadyExists { .. }), "{err}");
         assert_nothing_written(store, &t, &s).await;
-        assert_eq!(store.get_executor_for_session(s.id).await.unwrap(), Some(first));
+        assert_eq!(
+            store.get_executor_for_session(s.id).await.unwrap(),
+            Some(first)
+        );
 
         // The numbers a failed commit would have used are handed out again.
         let ok = store
-            .commit(Changeset::new().event(s.id, state_changed(SessionState::Created, SessionState::Starting)))
+            .commit(Changeset::new().event(
+                s.id,
+                state_changed(SessionState::Created, SessionState::Starting),
+            ))
             .await
             .unwrap();
         assert_eq!((ok.events[0].seq, ok.events[0].task_seq), (1, 1));
@@ -550,7 +650,10 @@ mod suite {
         const COMMITS: usize = 12;
         let (t, p, s) = seed(store).await;
         // A second session of the same task shares the task_seq counter.
-        let (other, _) = store.create_session(&session(&t, &p), vec![]).await.unwrap();
+        let (other, _) = store
+            .create_session(&session(&t, &p), vec![])
+            .await
+            .unwrap();
 
         let mut handles = Vec::new();
         for w in 0..WRITERS {
@@ -558,18 +661,28 @@ mod suite {
             handles.push(tokio::spawn(async move {
                 let mut seqs = Vec::new();
                 for i in 0..COMMITS {
-                    let mut change = Changeset::new()
-                        .event(s.id, state_changed(SessionState::Running, SessionState::WaitingForInput));
+                    let mut change = Changeset::new().event(
+                        s.id,
+                        state_changed(SessionState::Running, SessionState::WaitingForInput),
+                    );
                     if i % 2 == 0 {
-                        change = change
-                            .event(s.id, state_changed(SessionState::WaitingForInput, SessionState::Running));
+                        change = change.event(
+                            s.id,
+                            state_changed(SessionState::WaitingForInput, SessionState::Running),
+                        );
                     }
                     if w % 2 == 0 {
-                        change = change
-                            .event(other.id, state_changed(SessionState::Created, SessionState::Starting));
+                        change = change.event(
+                            other.id,
+                            state_changed(SessionState::Created, SessionState::Starting),
+                        );
                     }
                     let done = store.commit(change).await.unwrap();
-                    seqs.extend(done.events.into_iter().map(|e| (e.session_id, e.seq, e.task_seq)));
+                    seqs.extend(
+                        done.events
+                            .into_iter()
+                            .map(|e| (e.session_id, e.seq, e.task_seq)),
+                    );
                 }
                 seqs
             }));
@@ -585,18 +698,32 @@ mod suite {
         let stored_s = store.events_after(s.id, 0, 10_000).await.unwrap();
         let stored_other = store.events_after(other.id, 0, 10_000).await.unwrap();
         assert_gap_free(stored_s.iter().map(|e| e.seq), n_s, "session seq");
-        assert_gap_free(stored_other.iter().map(|e| e.seq), n_other, "other session seq");
+        assert_gap_free(
+            stored_other.iter().map(|e| e.seq),
+            n_other,
+            "other session seq",
+        );
         let by_task = store.task_events_after(t.id, 0, 10_000).await.unwrap();
-        assert_gap_free(by_task.iter().map(|e| e.task_seq), n_s + n_other, "task_seq");
+        assert_gap_free(
+            by_task.iter().map(|e| e.task_seq),
+            n_s + n_other,
+            "task_seq",
+        );
         assert!(by_task.windows(2).all(|w| w[0].task_seq < w[1].task_seq));
 
         // What commit returned is what was stored.
-        let mut stored: Vec<_> = by_task.iter().map(|e| (e.session_id, e.seq, e.task_seq)).collect();
+        let mut stored: Vec<_> = by_task
+            .iter()
+            .map(|e| (e.session_id, e.seq, e.task_seq))
+            .collect();
         stored.sort();
         returned.sort();
         assert_eq!(returned, stored);
         assert_eq!(store.last_event_seq(s.id).await.unwrap(), n_s as i64);
-        assert_eq!(store.last_task_event_seq(t.id).await.unwrap(), (n_s + n_other) as i64);
+        assert_eq!(
+            store.last_task_event_seq(t.id).await.unwrap(),
+            (n_s + n_other) as i64
+        );
     }
 
     pub async fn messages_append_and_update(store: &Store) {
@@ -613,7 +740,10 @@ mod suite {
             )
             .await
             .unwrap();
-        assert_eq!(done.messages.iter().map(|m| m.seq).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(
+            done.messages.iter().map(|m| m.seq).collect::<Vec<_>>(),
+            [1, 2]
+        );
         // The event carries the message as stored, seq included.
         match &done.events[1].payload {
             EventPayload::MessageAdded(m) => assert_eq!(m, &done.messages[1]),
@@ -635,7 +765,10 @@ mod suite {
         let events = store.events_after(s.id, 2, 10).await.unwrap();
         assert_eq!(events.len(), 1);
         assert_eq!(events[0].kind(), EventKind::MessageUpdated);
-        assert_eq!(events[0].payload, EventPayload::MessageUpdated(updated.clone()));
+        assert_eq!(
+            events[0].payload,
+            EventPayload::MessageUpdated(updated.clone())
+        );
 
         let third = store
             .commit(Changeset::new().add_message(message(&s, MessageRole::System, "note")))
@@ -656,17 +789,29 @@ mod suite {
         assert!(err.is_not_found(), "{err}");
         let mut foreign = message(&s, MessageRole::User, "x");
         foreign.task_id = TaskId::new();
-        let err = store.commit(Changeset::new().add_message(foreign)).await.unwrap_err();
+        let err = store
+            .commit(Changeset::new().add_message(foreign))
+            .await
+            .unwrap_err();
         assert!(matches!(err, Error::Invalid(_)), "{err}");
     }
 
     pub async fn events_after_and_task_events_after(store: &Store) {
         let (t, p, a) = seed(store).await;
-        let (b, _) = store.create_session(&session(&t, &p), vec![]).await.unwrap();
+        let (b, _) = store
+            .create_session(&session(&t, &p), vec![])
+            .await
+            .unwrap();
         let eid = ExecutorId::new();
         let payloads = [
-            (a.id, state_changed(SessionState::Created, SessionState::Starting)),
-            (b.id, state_changed(SessionState::Created, SessionState::Starting)),
+            (
+                a.id,
+                state_changed(SessionState::Created, SessionState::Starting),
+            ),
+            (
+                b.id,
+                state_changed(SessionState::Created, SessionState::Starting),
+            ),
             (
                 a.id,
                 EventPayload::AgentctlStarting {
@@ -692,13 +837,26 @@ mod suite {
             ),
         ];
         for (sid, payload) in payloads.clone() {
-            store.commit(Changeset::new().event(sid, payload)).await.unwrap();
+            store
+                .commit(Changeset::new().event(sid, payload))
+                .await
+                .unwrap();
         }
 
         let a_events = store.events_after(a.id, 0, 100).await.unwrap();
-        assert_eq!(a_events.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3]);
-        assert_eq!(a_events.iter().map(|e| e.task_seq).collect::<Vec<_>>(), [1, 3, 4]);
-        assert!(a_events.iter().all(|e| e.task_id == t.id && e.session_id == a.id));
+        assert_eq!(
+            a_events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            [1, 2, 3]
+        );
+        assert_eq!(
+            a_events.iter().map(|e| e.task_seq).collect::<Vec<_>>(),
+            [1, 3, 4]
+        );
+        assert!(
+            a_events
+                .iter()
+                .all(|e| e.task_id == t.id && e.session_id == a.id)
+        );
         assert_eq!(a_events[1].payload, payloads[2].1);
         assert_eq!(a_events[2].kind(), EventKind::AgentctlReady);
         let after = store.events_after(a.id, 1, 1).await.unwrap();
@@ -706,11 +864,20 @@ mod suite {
         assert!(store.events_after(a.id, 3, 100).await.unwrap().is_empty());
 
         let all = store.task_events_after(t.id, 0, 100).await.unwrap();
-        let got: Vec<_> = all.iter().map(|e| (e.session_id, e.payload.clone())).collect();
+        let got: Vec<_> = all
+            .iter()
+            .map(|e| (e.session_id, e.payload.clone()))
+            .collect();
         assert_eq!(got, payloads.to_vec());
         let tail = store.task_events_after(t.id, 3, 100).await.unwrap();
         assert_eq!(tail.iter().map(|e| e.task_seq).collect::<Vec<_>>(), [4, 5]);
-        assert!(store.task_events_after(TaskId::new(), 0, 100).await.unwrap().is_empty());
+        assert!(
+            store
+                .task_events_after(TaskId::new(), 0, 100)
+                .await
+                .unwrap()
+                .is_empty()
+        );
 
         let err = store
             .commit(Changeset::new().event(SessionId::new(), payloads[0].1.clone()))
@@ -731,7 +898,10 @@ mod suite {
         assert!(store.list_tasks(None, 10).await.unwrap().is_empty());
         let (t, _, s) = seed(store).await;
         store
-            .commit(Changeset::new().event(s.id, state_changed(SessionState::Created, SessionState::Starting)))
+            .commit(Changeset::new().event(
+                s.id,
+                state_changed(SessionState::Created, SessionState::Starting),
+            ))
             .await
             .unwrap();
         assert_eq!(store.last_task_event_seq(t.id).await.unwrap(), 1);

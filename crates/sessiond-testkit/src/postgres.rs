@@ -182,8 +182,10 @@ fn start_in(dir: &Path, bin: &Path, as_root: bool) -> Result<Cluster, StartError
     fs::create_dir(dir.join("sock")).map_err(|e| fatal(format!("mkdir sock: {e}")))?;
     if as_root {
         // initdb refuses to run as root; the cluster belongs to `postgres`.
-        run(Command::new("chown").args(["-R", "postgres:postgres"]).arg(dir))
-            .map_err(|e| fatal(e))?;
+        run(Command::new("chown")
+            .args(["-R", "postgres:postgres"])
+            .arg(dir))
+        .map_err(&fatal)?;
     }
 
     let mut initdb = as_postgres(as_root, &bin.join("initdb"));
@@ -195,7 +197,11 @@ fn start_in(dir: &Path, bin: &Path, as_root: bool) -> Result<Cluster, StartError
     run(&mut initdb).map_err(|e| fatal(format!("initdb failed: {e}")))?;
 
     let port = free_port().map_err(|e| fatal(format!("cannot find a free port: {e}")))?;
-    let runas = if as_root { "runuser -u postgres --" } else { "" };
+    let runas = if as_root {
+        "runuser -u postgres --"
+    } else {
+        ""
+    };
     let mut supervisor = Command::new("sh")
         .arg("-c")
         .arg(SUPERVISOR)
@@ -379,7 +385,18 @@ impl Drop for TestDatabase {
 /// Runs one SQL command through `psql`.
 pub fn psql_command(url: &str, sql: &str) -> Result<String, String> {
     run(Command::new(psql())
-        .args(["-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-d", url, "-c", sql])
+        .args([
+            "-X",
+            "-q",
+            "-A",
+            "-t",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-d",
+            url,
+            "-c",
+            sql,
+        ])
         .env("PGCONNECT_TIMEOUT", "10"))
 }
 
@@ -421,6 +438,66 @@ mod tests {
         assert_eq!(out.trim(), "42");
         drop(db);
         drop(cluster);
-        assert!(!dir.exists(), "the supervisor removes the cluster directory");
+        assert!(
+            !dir.exists(),
+            "the supervisor removes the cluster directory"
+        );
+    }
+
+    const CHILD_ENV: &str = "SESSIOND_TESTKIT_CLUSTER_REPORT";
+
+    /// Run by `killed_owner_leaves_nothing_behind` in a child process: starts
+    /// a cluster, reports it, and waits to be killed.
+    #[test]
+    fn child_holds_a_cluster() {
+        let Some(report) = env::var_os(CHILD_ENV) else {
+            return;
+        };
+        let cluster = start_cluster();
+        let line = format!("{} {}", cluster.pid(), cluster.dir.display());
+        fs::write(&report, line).expect("report");
+        thread::sleep(Duration::from_secs(60));
+    }
+
+    #[test]
+    fn killed_owner_leaves_nothing_behind() {
+        let scratch = tempfile::tempdir().expect("tempdir");
+        let report = scratch.path().join("report");
+        let mut child = Command::new(env::current_exe().expect("current_exe"))
+            .args([
+                "--exact",
+                "postgres::tests::child_holds_a_cluster",
+                "--nocapture",
+            ])
+            .env(CHILD_ENV, &report)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("spawn child test");
+        let deadline = Instant::now() + START_DEADLINE;
+        let text = loop {
+            if let Some(text) = fs::read_to_string(&report).ok().filter(|t| !t.is_empty()) {
+                break text;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the child did not start a cluster"
+            );
+            thread::sleep(Duration::from_millis(20));
+        };
+        let (pid, dir) = text.split_once(' ').expect("report format");
+        let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+        assert!(proc_dir.exists(), "postgres runs while its owner lives");
+
+        child.kill().expect("SIGKILL the owner"); // SIGKILL: no destructor runs
+        child.wait().expect("reap");
+
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while proc_dir.exists() || Path::new(dir).exists() {
+            assert!(
+                Instant::now() < deadline,
+                "postgres (pid {pid}) or {dir} survived its killed owner"
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
     }
 }
