@@ -644,8 +644,7 @@ impl AgentManager {
             let _ = tokio::time::timeout(Duration::from_secs(5), exit_rx.wait_for(Option::is_some))
                 .await;
         }
-        let exit = *exit_rx.borrow();
-        exit
+        *exit_rx.borrow()
     }
 }
 

@@ -1,0 +1,1609 @@
+//! agentctl end to end: the real `agentctl` binary, the real `acp-demo-agent`,
+//! a real tonic client over loopback.
+//!
+//! Every test works under its own temporary directory, and every process it
+//! starts carries that directory on its command line (`--workspace`,
+//! `--state-dir`), so the harness can prove nothing is left behind and kill
+//! whatever is.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use sessiond_proto::agentctl::v1::agent_ctl_service_client::AgentCtlServiceClient;
+use sessiond_proto::agentctl::v1::agent_update::Kind;
+use sessiond_proto::agentctl::v1::*;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tonic::Code;
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+
+const SECRET: &str = "test-secret-0123456789";
+const WAIT: Duration = Duration::from_secs(20);
+
+type Client = AgentCtlServiceClient<InterceptedService<Channel, Bearer>>;
+
+#[derive(Clone)]
+struct Bearer(Option<String>);
+
+impl Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut()
+                .insert("authorization", v.parse().expect("header value"));
+        }
+        Ok(req)
+    }
+}
+
+fn agentctl_exe() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_agentctl"))
+}
+
+/// `acp-demo-agent` sits next to `agentctl` in the target directory; build it
+/// when it is not there yet (e.g. `cargo test -p agentctl` on a fresh tree).
+fn demo_agent_exe() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let exe = agentctl_exe()
+                .parent()
+                .expect("target dir")
+                .join("acp-demo-agent");
+            if !exe.exists() {
+                let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+                let status = std::process::Command::new(cargo)
+                    .args(["build", "-p", "acp-demo-agent"])
+                    .status();
+                assert!(
+                    exe.exists(),
+                    "{} is missing and building it failed ({status:?}); run `cargo build -p acp-demo-agent` first",
+                    exe.display()
+                );
+            }
+            exe
+        })
+        .clone()
+}
+
+/// One test's world: a temporary base with `ws/` (the workspace), `state/`
+/// (the demo agent's transcripts) and `outside/` (must stay untouched).
+struct Harness {
+    base: tempfile::TempDir,
+}
+
+impl Harness {
+    fn new() -> Self {
+        let base = tempfile::Builder::new()
+            .prefix("agentctl-test-")
+            .tempdir()
+            .expect("tempdir");
+        for d in ["ws", "state", "outside"] {
+            std::fs::create_dir_all(base.path().join(d)).expect("mkdir");
+        }
+        std::fs::write(base.path().join("outside/secret.txt"), "top secret").expect("write");
+        Self { base }
+    }
+
+    fn ws(&self) -> PathBuf {
+        self.base.path().join("ws")
+    }
+
+    fn outside(&self) -> PathBuf {
+        self.base.path().join("outside")
+    }
+
+    fn marker(&self) -> String {
+        self.base.path().to_string_lossy().into_owned()
+    }
+
+    async fn spawn(&self, extra: &[&str]) -> Ctl {
+        let port_file = self.base.path().join("agentctl.port");
+        let log = std::fs::File::create(self.base.path().join("agentctl.log")).expect("log");
+        let mut child = tokio::process::Command::new(agentctl_exe())
+            .arg("--executor-id")
+            .arg("exec-test")
+            .arg("--workspace")
+            .arg(self.ws())
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--port-file")
+            .arg(&port_file)
+            .args(extra)
+            .env("AGENTCTL_SECRET", SECRET)
+            .env("AGENTCTL_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn agentctl");
+        let pid = child.id().expect("pid");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(WAIT, lines.next_line())
+            .await
+            .expect("agentctl printed nothing")
+            .expect("read stdout")
+            .expect("agentctl closed stdout");
+        let addr = line
+            .strip_prefix("agentctl listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .to_owned();
+        let port: u16 = std::fs::read_to_string(&port_file)
+            .expect("port file")
+            .trim()
+            .parse()
+            .expect("port number");
+        assert!(
+            addr.ends_with(&format!(":{port}")),
+            "{addr} vs port file {port}"
+        );
+        Ctl { child, pid, addr }
+    }
+
+    fn demo(&self, claim: bool, env: &[(&str, &str)]) -> LaunchAgentRequest {
+        LaunchAgentRequest {
+            command: demo_agent_exe().to_string_lossy().into_owned(),
+            args: vec![
+                "--state-dir".into(),
+                self.base
+                    .path()
+                    .join("state")
+                    .to_string_lossy()
+                    .into_owned(),
+            ],
+            env: env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect::<HashMap<_, _>>(),
+            profile_supports_session_resume: claim,
+            initialize_timeout_ms: 20_000,
+        }
+    }
+
+    /// Processes (not zombies) whose command line mentions this test's base.
+    fn leftovers(&self) -> Vec<u32> {
+        let marker = self.marker();
+        let mut found = Vec::new();
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return found;
+        };
+        for entry in dir.flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+                continue;
+            };
+            if !String::from_utf8_lossy(&cmdline).contains(&marker) {
+                continue;
+            }
+            if is_zombie(pid) {
+                continue;
+            }
+            found.push(pid);
+        }
+        found
+    }
+
+    /// Waits until nothing this test started is alive.
+    async fn assert_no_leftovers(&self) {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let left = self.leftovers();
+            if left.is_empty() {
+                return;
+            }
+            assert!(Instant::now() < deadline, "processes left behind: {left:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        // Whatever a failed test left running dies with it.
+        for pid in self.leftovers() {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+    }
+}
+
+fn is_zombie(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return true;
+    };
+    // The state follows the parenthesised command name.
+    stat.rsplit_once(") ")
+        .and_then(|(_, rest)| rest.chars().next())
+        .is_none_or(|s| s == 'Z' || s == 'X')
+}
+
+fn alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists() && !is_zombie(pid)
+}
+
+async fn wait_dead(pid: u32) {
+    let deadline = Instant::now() + WAIT;
+    while alive(pid) {
+        assert!(Instant::now() < deadline, "pid {pid} still alive");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+struct Ctl {
+    child: tokio::process::Child,
+    pid: u32,
+    addr: String,
+}
+
+impl Ctl {
+    async fn client_with(&self, auth: Option<String>) -> Client {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", self.addr))
+            .expect("endpoint")
+            .connect()
+            .await
+            .expect("connect");
+        AgentCtlServiceClient::with_interceptor(channel, Bearer(auth))
+    }
+
+    async fn client(&self) -> Client {
+        self.client_with(Some(format!("Bearer {SECRET}"))).await
+    }
+
+    fn signal(&self, sig: &str) {
+        let status = std::process::Command::new("kill")
+            .args([sig, &self.pid.to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+    }
+
+    async fn wait_exit(&mut self) -> std::process::ExitStatus {
+        tokio::time::timeout(WAIT, self.child.wait())
+            .await
+            .expect("agentctl did not exit")
+            .expect("wait")
+    }
+
+    /// SIGTERM, and agentctl must exit 0.
+    async fn shutdown(mut self) {
+        self.signal("-TERM");
+        let status = self.wait_exit().await;
+        assert_eq!(status.code(), Some(0), "agentctl exit status {status:?}");
+    }
+}
+
+/// A live update stream.
+struct Stream {
+    inner: tonic::Streaming<AgentUpdate>,
+}
+
+impl Stream {
+    async fn open(client: &mut Client, after: u64) -> Self {
+        let inner = client
+            .stream_updates(StreamUpdatesRequest {
+                after_cursor: after,
+            })
+            .await
+            .expect("stream_updates")
+            .into_inner();
+        Self { inner }
+    }
+
+    async fn next(&mut self) -> AgentUpdate {
+        tokio::time::timeout(WAIT, self.inner.message())
+            .await
+            .expect("no update in time")
+            .expect("stream error")
+            .expect("stream ended")
+    }
+
+    /// Reads until `pred` holds for an update; returns everything read.
+    async fn until(&mut self, pred: impl Fn(&AgentUpdate) -> bool) -> Vec<AgentUpdate> {
+        let mut seen = Vec::new();
+        loop {
+            let u = self.next().await;
+            let done = pred(&u);
+            seen.push(u);
+            if done {
+                return seen;
+            }
+        }
+    }
+
+    async fn until_turn_end(&mut self, turn_id: &str) -> Vec<AgentUpdate> {
+        self.until(|u| matches!(&u.kind, Some(Kind::TurnEnded(t)) if t.turn_id == turn_id))
+            .await
+    }
+}
+
+fn reply_text(updates: &[AgentUpdate], message_id: &str) -> (String, usize) {
+    let chunks: Vec<&str> = updates
+        .iter()
+        .filter_map(|u| match &u.kind {
+            Some(Kind::MessageChunk(c)) if c.message_id == message_id => Some(c.text.as_str()),
+            _ => None,
+        })
+        .collect();
+    (chunks.concat(), chunks.len())
+}
+
+fn turn_end(updates: &[AgentUpdate]) -> TurnEnded {
+    updates
+        .iter()
+        .find_map(|u| match &u.kind {
+            Some(Kind::TurnEnded(t)) => Some(t.clone()),
+            _ => None,
+        })
+        .expect("TurnEnded")
+}
+
+async fn prompt(client: &mut Client, stream: &mut Stream, text: &str) -> (String, TurnEnded) {
+    let resp = client
+        .prompt(PromptRequest {
+            text: text.into(),
+            turn_id: String::new(),
+        })
+        .await
+        .expect("prompt")
+        .into_inner();
+    let updates = stream.until_turn_end(&resp.turn_id).await;
+    let (reply, chunks) = reply_text(&updates, &resp.message_id);
+    let end = turn_end(&updates);
+    if end.stop_reason == "end_turn" {
+        assert!(chunks >= 3, "reply in {chunks} chunks: {updates:?}");
+    }
+    (reply, end)
+}
+
+async fn health(client: &mut Client) -> HealthResponse {
+    client
+        .health(HealthRequest {})
+        .await
+        .expect("health")
+        .into_inner()
+}
+
+async fn caps(client: &mut Client) -> CapabilitiesResponse {
+    client
+        .capabilities(CapabilitiesRequest {})
+        .await
+        .expect("capabilities")
+        .into_inner()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn launch_prompt_stop_relaunch_resume_continues_conversation() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+
+    let hl = health(&mut c).await;
+    assert_eq!(hl.executor_id, "exec-test");
+    assert_eq!(hl.agent_state(), AgentState::None);
+    assert_eq!(hl.pid, ctl.pid);
+    let cp = caps(&mut c).await;
+    assert_eq!(cp.supports_session_resume(), Capability::Unknown);
+    assert_eq!(cp.supports_workspace_only(), Capability::Supported);
+    // Nothing to prompt yet.
+    let err = c
+        .prompt(PromptRequest {
+            text: "x".into(),
+            turn_id: String::new(),
+        })
+        .await
+        .expect_err("no agent");
+    assert_eq!(err.code(), Code::FailedPrecondition);
+
+    let mut stream = Stream::open(&mut c, 0).await;
+    let launched = c
+        .launch_agent(h.demo(true, &[]))
+        .await
+        .expect("launch")
+        .into_inner();
+    assert!(launched.agent_load_session);
+    assert_eq!(launched.agent_name, "acp-demo-agent");
+    let first_pid = launched.agent_pid;
+    assert!(alive(first_pid));
+    assert_eq!(health(&mut c).await.agent_state(), AgentState::Ready);
+    assert_eq!(
+        caps(&mut c).await.supports_session_resume(),
+        Capability::Supported
+    );
+    let again = c
+        .launch_agent(h.demo(true, &[]))
+        .await
+        .expect_err("second launch");
+    assert_eq!(again.code(), Code::FailedPrecondition);
+
+    let token = c
+        .new_session(NewSessionRequest {})
+        .await
+        .expect("new session")
+        .into_inner()
+        .resume_token;
+    assert!(!token.is_empty());
+    let (r1, e1) = prompt(&mut c, &mut stream, "hello").await;
+    assert_eq!(e1.stop_reason, "end_turn");
+    assert_eq!(r1, format!("turn 1 of session {token}: you said \"hello\""));
+    let (r2, _) = prompt(&mut c, &mut stream, "second").await;
+    assert_eq!(
+        r2,
+        format!("turn 2 of session {token}: you said \"second\"")
+    );
+
+    let stopped = c
+        .stop_agent(StopAgentRequest { grace_ms: 2000 })
+        .await
+        .expect("stop")
+        .into_inner();
+    assert!(stopped.exit.is_some());
+    wait_dead(first_pid).await;
+    let hl = health(&mut c).await;
+    assert_eq!(hl.agent_state(), AgentState::Exited);
+    assert!(hl.agent_exit.is_some());
+    stream
+        .until(|u| matches!(u.kind, Some(Kind::AgentExited(_))))
+        .await;
+
+    // A new agent process, the same conversation.
+    let relaunched = c
+        .launch_agent(h.demo(true, &[]))
+        .await
+        .expect("relaunch")
+        .into_inner();
+    assert_ne!(relaunched.agent_pid, first_pid);
+    let before = health(&mut c).await;
+    assert_eq!(before.agent_state(), AgentState::Ready);
+    let resumed = c
+        .resume_session(ResumeSessionRequest {
+            resume_token: token.clone(),
+        })
+        .await
+        .expect("resume")
+        .into_inner();
+    assert_eq!(resumed.resume_token, token);
+    let resp = c
+        .prompt(PromptRequest {
+            text: "third".into(),
+            turn_id: "my-turn-3".into(),
+        })
+        .await
+        .expect("prompt")
+        .into_inner();
+    assert_eq!(resp.turn_id, "my-turn-3");
+    let updates = stream.until_turn_end("my-turn-3").await;
+    // The two replayed turns were not re-emitted: every chunk seen since the
+    // relaunch belongs to the new turn.
+    for u in &updates {
+        if let Some(Kind::MessageChunk(m)) = &u.kind {
+            assert_eq!(m.turn_id, "my-turn-3", "replayed history leaked: {u:?}");
+            assert_eq!(m.message_id, resp.message_id);
+        }
+    }
+    let (r3, _) = reply_text(&updates, &resp.message_id);
+    assert_eq!(r3, format!("turn 3 of session {token}: you said \"third\""));
+
+    // An unknown token is refused by the agent with a clear error.
+    let err = c
+        .resume_session(ResumeSessionRequest {
+            resume_token: "no-such-session".into(),
+        })
+        .await
+        .expect_err("unknown token");
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_without_load_session_cannot_resume_but_workspace_works() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    c.launch_agent(h.demo(true, &[("ACP_DEMO_NO_LOAD_SESSION", "1")]))
+        .await
+        .expect("launch");
+    let cp = caps(&mut c).await;
+    assert_eq!(cp.supports_session_resume(), Capability::Unsupported);
+    assert_eq!(cp.agent_load_session, Some(false));
+    assert!(cp.profile_claims_session_resume);
+    let err = c
+        .resume_session(ResumeSessionRequest {
+            resume_token: "anything".into(),
+        })
+        .await
+        .expect_err("resume must fail");
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(err.message().contains("loadSession"), "{}", err.message());
+
+    // Workspace calls keep working.
+    c.write_file(WriteFileRequest {
+        path: "notes.txt".into(),
+        content: b"hi".to_vec(),
+        create_parents: false,
+    })
+    .await
+    .expect("write");
+    let read = c
+        .read_file(ReadFileRequest {
+            path: "notes.txt".into(),
+            max_bytes: 0,
+        })
+        .await
+        .expect("read")
+        .into_inner();
+    assert_eq!(read.content, b"hi");
+    let out = c
+        .exec(ExecRequest {
+            command: "cat".into(),
+            args: vec!["notes.txt".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("exec")
+        .into_inner();
+    assert_eq!(out.stdout, b"hi");
+    let list = c
+        .list_dir(ListDirRequest {
+            path: String::new(),
+        })
+        .await
+        .expect("list")
+        .into_inner();
+    assert!(list.entries.iter().any(|e| e.name == "notes.txt"));
+
+    // A profile that does not claim resume lowers a capable agent too.
+    c.stop_agent(StopAgentRequest { grace_ms: 0 })
+        .await
+        .expect("stop");
+    c.launch_agent(h.demo(false, &[])).await.expect("launch");
+    let cp = caps(&mut c).await;
+    assert_eq!(cp.supports_session_resume(), Capability::Unsupported);
+    assert_eq!(cp.agent_load_session, Some(true));
+
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejected_load_is_a_clear_error_and_workspace_stays_usable() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    c.launch_agent(h.demo(true, &[("ACP_DEMO_FAIL_LOAD", "true")]))
+        .await
+        .expect("launch");
+    let err = c
+        .resume_session(ResumeSessionRequest {
+            resume_token: "some-token".into(),
+        })
+        .await
+        .expect_err("load rejected");
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains("session/load") && err.message().contains("configured to fail"),
+        "{}",
+        err.message()
+    );
+    let out = c
+        .exec(ExecRequest {
+            command: "echo".into(),
+            args: vec!["still here".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("exec")
+        .into_inner();
+    assert_eq!(out.stdout, b"still here\n");
+    // And the agent itself still works with a new session.
+    let mut stream = Stream::open(&mut c, 0).await;
+    let token = c
+        .new_session(NewSessionRequest {})
+        .await
+        .expect("new session")
+        .into_inner()
+        .resume_token;
+    let (reply, _) = prompt(&mut c, &mut stream, "after").await;
+    assert_eq!(
+        reply,
+        format!("turn 1 of session {token}: you said \"after\"")
+    );
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+async fn expect_unauthenticated(c: &mut Client, label: &str) {
+    macro_rules! check {
+        ($name:literal, $call:expr) => {
+            match $call.await {
+                Ok(_) => panic!("{label}: {} succeeded without a valid secret", $name),
+                Err(s) => assert_eq!(s.code(), Code::Unauthenticated, "{label}: {}: {s:?}", $name),
+            }
+        };
+    }
+    check!("Health", c.health(HealthRequest {}));
+    check!("Capabilities", c.capabilities(CapabilitiesRequest {}));
+    check!(
+        "LaunchAgent",
+        c.launch_agent(LaunchAgentRequest {
+            command: "sh".into(),
+            ..Default::default()
+        })
+    );
+    check!("NewSession", c.new_session(NewSessionRequest {}));
+    check!(
+        "ResumeSession",
+        c.resume_session(ResumeSessionRequest {
+            resume_token: "t".into()
+        })
+    );
+    check!(
+        "Prompt",
+        c.prompt(PromptRequest {
+            text: "x".into(),
+            turn_id: String::new()
+        })
+    );
+    check!("Cancel", c.cancel(CancelRequest {}));
+    check!("StopAgent", c.stop_agent(StopAgentRequest { grace_ms: 0 }));
+    check!(
+        "StreamUpdates",
+        c.stream_updates(StreamUpdatesRequest { after_cursor: 0 })
+    );
+    check!(
+        "Exec",
+        c.exec(ExecRequest {
+            command: "touch".into(),
+            args: vec!["pwned".into()],
+            ..Default::default()
+        })
+    );
+    check!(
+        "ReadFile",
+        c.read_file(ReadFileRequest {
+            path: "x".into(),
+            max_bytes: 0
+        })
+    );
+    check!(
+        "WriteFile",
+        c.write_file(WriteFileRequest {
+            path: "pwned2".into(),
+            content: vec![],
+            create_parents: false
+        })
+    );
+    check!(
+        "ListDir",
+        c.list_dir(ListDirRequest {
+            path: String::new()
+        })
+    );
+    check!("GitStatus", c.git_status(GitStatusRequest {}));
+    check!(
+        "GitDiff",
+        c.git_diff(GitDiffRequest {
+            staged: false,
+            paths: vec![]
+        })
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_call_needs_the_secret() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    for (label, auth) in [
+        ("missing", None),
+        ("wrong", Some("Bearer not-the-secret".to_owned())),
+        (
+            "prefix",
+            Some(format!("Bearer {}", &SECRET[..SECRET.len() - 1])),
+        ),
+        ("longer", Some(format!("Bearer {SECRET}x"))),
+        ("no scheme", Some(SECRET.to_owned())),
+        ("basic", Some(format!("Basic {SECRET}"))),
+    ] {
+        let mut c = ctl.client_with(auth).await;
+        expect_unauthenticated(&mut c, label).await;
+    }
+    assert!(!h.ws().join("pwned").exists());
+    assert!(!h.ws().join("pwned2").exists());
+    // The scheme is case-insensitive; the secret is not.
+    let mut ok = ctl.client_with(Some(format!("bearer {SECRET}"))).await;
+    health(&mut ok).await;
+    let log = std::fs::read_to_string(h.base.path().join("agentctl.log")).expect("log");
+    assert!(!log.contains(SECRET), "the secret was logged");
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paths_outside_the_workspace_are_refused() {
+    let h = Harness::new();
+    let ws = h.ws();
+    let outside = h.outside();
+    std::os::unix::fs::symlink(&outside, ws.join("out-dir")).expect("symlink");
+    std::os::unix::fs::symlink(outside.join("secret.txt"), ws.join("out-file")).expect("symlink");
+    std::os::unix::fs::symlink(outside.join("created.txt"), ws.join("dangling")).expect("symlink");
+    std::fs::create_dir(ws.join("sub")).expect("mkdir");
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let abs_secret = outside.join("secret.txt").to_string_lossy().into_owned();
+
+    for path in [
+        "../outside/secret.txt",
+        "sub/../../outside/secret.txt",
+        abs_secret.as_str(),
+        "out-dir/secret.txt",
+        "out-file",
+    ] {
+        let err = c
+            .read_file(ReadFileRequest {
+                path: path.into(),
+                max_bytes: 0,
+            })
+            .await
+            .expect_err(path);
+        assert_eq!(err.code(), Code::PermissionDenied, "read {path}: {err:?}");
+    }
+    let abs_new = outside.join("new.txt").to_string_lossy().into_owned();
+    for path in [
+        "../outside/new.txt",
+        abs_new.as_str(),
+        "out-dir/new.txt",
+        "out-dir/deeper/new.txt",
+        "out-file",
+        "dangling",
+    ] {
+        let err = c
+            .write_file(WriteFileRequest {
+                path: path.into(),
+                content: b"pwned".to_vec(),
+                create_parents: true,
+            })
+            .await
+            .expect_err(path);
+        assert_eq!(err.code(), Code::PermissionDenied, "write {path}: {err:?}");
+    }
+    for path in ["..", "out-dir", "../outside"] {
+        let err = c
+            .list_dir(ListDirRequest { path: path.into() })
+            .await
+            .expect_err(path);
+        assert_eq!(err.code(), Code::PermissionDenied, "list {path}: {err:?}");
+    }
+    let err = c
+        .exec(ExecRequest {
+            command: "pwd".into(),
+            cwd: "../outside".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("exec cwd");
+    assert_eq!(err.code(), Code::PermissionDenied);
+    let err = c
+        .git_diff(GitDiffRequest {
+            staged: false,
+            paths: vec!["../outside".into()],
+        })
+        .await
+        .expect_err("diff path");
+    assert_eq!(err.code(), Code::PermissionDenied);
+    for path in ["a\0b", "sub/\0"] {
+        let err = c
+            .read_file(ReadFileRequest {
+                path: path.into(),
+                max_bytes: 0,
+            })
+            .await
+            .expect_err("nul");
+        assert_eq!(err.code(), Code::InvalidArgument);
+        let err = c
+            .write_file(WriteFileRequest {
+                path: path.into(),
+                content: vec![],
+                create_parents: true,
+            })
+            .await
+            .expect_err("nul");
+        assert_eq!(err.code(), Code::InvalidArgument);
+    }
+    // Nothing outside changed.
+    let mut names: Vec<String> = std::fs::read_dir(&outside)
+        .expect("read outside")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, vec!["secret.txt"]);
+    assert_eq!(
+        std::fs::read_to_string(outside.join("secret.txt")).expect("secret"),
+        "top secret"
+    );
+
+    // What is inside works, including an absolute path inside the root and
+    // `..` that stays inside.
+    c.write_file(WriteFileRequest {
+        path: "sub/deep/er/f.txt".into(),
+        content: b"inside".to_vec(),
+        create_parents: true,
+    })
+    .await
+    .expect("write inside");
+    let abs_inside = ws.canonicalize().expect("canon").join("sub/deep/er/f.txt");
+    let read = c
+        .read_file(ReadFileRequest {
+            path: abs_inside.to_string_lossy().into_owned(),
+            max_bytes: 0,
+        })
+        .await
+        .expect("read abs inside")
+        .into_inner();
+    assert_eq!(read.content, b"inside");
+    let read = c
+        .read_file(ReadFileRequest {
+            path: "sub/deep/../deep/er/f.txt".into(),
+            max_bytes: 0,
+        })
+        .await
+        .expect("read dotdot inside")
+        .into_inner();
+    assert_eq!(read.content, b"inside");
+    let err = c
+        .read_file(ReadFileRequest {
+            path: "sub/deep/er/f.txt".into(),
+            max_bytes: 3,
+        })
+        .await
+        .expect_err("too large");
+    assert_eq!(err.code(), Code::OutOfRange);
+    let err = c
+        .write_file(WriteFileRequest {
+            path: "nodir/f.txt".into(),
+            content: vec![],
+            create_parents: false,
+        })
+        .await
+        .expect_err("no parent");
+    assert_eq!(err.code(), Code::NotFound);
+    let list = c
+        .list_dir(ListDirRequest {
+            path: String::new(),
+        })
+        .await
+        .expect("list root")
+        .into_inner();
+    let kinds: HashMap<String, EntryKind> = list
+        .entries
+        .iter()
+        .map(|e| (e.name.clone(), e.kind()))
+        .collect();
+    assert_eq!(kinds.get("sub"), Some(&EntryKind::Dir));
+    assert_eq!(kinds.get("out-dir"), Some(&EntryKind::Symlink));
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_file_requests_are_confined_and_permissions_answered() {
+    let h = Harness::new();
+    std::fs::write(h.ws().join("inside.txt"), "inside text").expect("write");
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let mut stream = Stream::open(&mut c, 0).await;
+    c.launch_agent(h.demo(true, &[])).await.expect("launch");
+    c.new_session(NewSessionRequest {}).await.expect("session");
+    let ws = h.ws().canonicalize().expect("canon");
+    let outside = h.outside().canonicalize().expect("canon");
+
+    let (r, _) = prompt(
+        &mut c,
+        &mut stream,
+        &format!("/read {}", ws.join("inside.txt").display()),
+    )
+    .await;
+    assert!(r.ends_with("read: inside text"), "{r}");
+    let (r, _) = prompt(
+        &mut c,
+        &mut stream,
+        &format!("/read {}", outside.join("secret.txt").display()),
+    )
+    .await;
+    assert!(r.contains("read failed"), "{r}");
+    assert!(!r.contains("top secret"), "{r}");
+    let (r, _) = prompt(
+        &mut c,
+        &mut stream,
+        &format!("/read {}/../outside/secret.txt", ws.display()),
+    )
+    .await;
+    assert!(r.contains("read failed"), "{r}");
+    let (r, _) = prompt(
+        &mut c,
+        &mut stream,
+        &format!("/write {} pwned", outside.join("x.txt").display()),
+    )
+    .await;
+    assert!(r.contains("write failed"), "{r}");
+    assert!(!outside.join("x.txt").exists());
+    let (r, _) = prompt(
+        &mut c,
+        &mut stream,
+        &format!("/write {} agent-wrote", ws.join("new/file.txt").display()),
+    )
+    .await;
+    assert!(r.ends_with("write: ok"), "{r}");
+    assert_eq!(
+        std::fs::read_to_string(ws.join("new/file.txt")).expect("written"),
+        "agent-wrote"
+    );
+    let (r, _) = prompt(&mut c, &mut stream, "/permission").await;
+    assert!(r.ends_with("permission: allow"), "{r}");
+    // Tool calls reach the stream.
+    let resp = c
+        .prompt(PromptRequest {
+            text: "/tool".into(),
+            turn_id: String::new(),
+        })
+        .await
+        .expect("prompt")
+        .into_inner();
+    let updates = stream.until_turn_end(&resp.turn_id).await;
+    let statuses: Vec<String> = updates
+        .iter()
+        .filter_map(|u| match &u.kind {
+            Some(Kind::ToolCall(t)) if t.tool_call_id == "demo-tool-1" => Some(t.status.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(statuses, vec!["in_progress", "completed"]);
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_timeout_output_cap_exit_code_and_cwd() {
+    let h = Harness::new();
+    std::fs::create_dir(h.ws().join("sub")).expect("mkdir");
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+
+    let started = Instant::now();
+    let out = c
+        .exec(ExecRequest {
+            command: "sh".into(),
+            args: vec![
+                "-c".into(),
+                "echo $$ > group.pid; sleep 30 & sleep 30; echo never".into(),
+            ],
+            timeout_ms: 500,
+            ..Default::default()
+        })
+        .await
+        .expect("exec")
+        .into_inner();
+    assert!(out.timed_out);
+    assert_eq!(out.exit_code, None);
+    assert!(started.elapsed() < Duration::from_secs(15));
+    assert!(out.duration_ms >= 500);
+    let pgid: u32 = std::fs::read_to_string(h.ws().join("group.pid"))
+        .expect("pid file")
+        .trim()
+        .parse()
+        .expect("pid");
+    // The whole group is gone, the background sleep included.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let members = group_members(pgid);
+        if members.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "group {pgid} survived: {members:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let out = c
+        .exec(ExecRequest {
+            command: "sh".into(),
+            args: vec!["-c".into(), "head -c 100000 /dev/zero; echo err >&2".into()],
+            max_output_bytes: 1000,
+            ..Default::default()
+        })
+        .await
+        .expect("exec")
+        .into_inner();
+    assert_eq!(out.exit_code, Some(0));
+    assert_eq!(out.stdout.len(), 1000);
+    assert!(out.stdout_truncated);
+    assert_eq!(out.stderr, b"err\n");
+    assert!(!out.stderr_truncated);
+
+    let out = c
+        .exec(ExecRequest {
+            command: "sh".into(),
+            args: vec![
+                "-c".into(),
+                "pwd; echo $AGENTCTL_SECRET; echo $FOO; exit 7".into(),
+            ],
+            cwd: "sub".into(),
+            env: HashMap::from([("FOO".to_owned(), "bar".to_owned())]),
+            ..Default::default()
+        })
+        .await
+        .expect("exec")
+        .into_inner();
+    assert_eq!(out.exit_code, Some(7));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines[0].ends_with("/ws/sub"), "{text}");
+    assert_eq!(lines[1], "", "the secret leaked into exec's environment");
+    assert_eq!(lines[2], "bar");
+
+    let err = c
+        .exec(ExecRequest {
+            command: "definitely-not-a-command-xyz".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("missing command");
+    assert_eq!(err.code(), Code::NotFound);
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+fn group_members(pgid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("proc").flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some((_, rest)) = stat.rsplit_once(") ") else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split(' ').collect();
+        // state ppid pgrp ...
+        if fields.get(2).and_then(|p| p.parse::<u32>().ok()) == Some(pgid)
+            && fields.first() != Some(&"Z")
+        {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+fn git(ws: &Path, args: &[&str]) {
+    let status = std::process::Command::new("git")
+        .args([
+            "-c",
+            "user.name=t",
+            "-c",
+            "user.email=t@example.com",
+            "-c",
+            "init.defaultBranch=main",
+        ])
+        .args(args)
+        .current_dir(ws)
+        .stdout(Stdio::null())
+        .status()
+        .expect("git");
+    assert!(status.success(), "git {args:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn git_status_and_diff_in_a_fresh_repository() {
+    let h = Harness::new();
+    let ws = h.ws();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+
+    // Not a repository (and a repository above it must not count).
+    let err = c
+        .git_status(GitStatusRequest {})
+        .await
+        .expect_err("non-git");
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains("not a git repository"),
+        "{}",
+        err.message()
+    );
+    let err = c
+        .git_diff(GitDiffRequest {
+            staged: false,
+            paths: vec![],
+        })
+        .await
+        .expect_err("non-git");
+    assert_eq!(err.code(), Code::FailedPrecondition);
+
+    git(&ws, &["init", "-q", "-b", "main"]);
+    let st = c
+        .git_status(GitStatusRequest {})
+        .await
+        .expect("status")
+        .into_inner();
+    assert_eq!(st.branch, "main");
+    assert!(st.files.is_empty());
+
+    std::fs::write(ws.join("tracked.txt"), "one\n").expect("write");
+    git(&ws, &["add", "tracked.txt"]);
+    git(&ws, &["commit", "-q", "-m", "init"]);
+    std::fs::write(ws.join("tracked.txt"), "one\ntwo\n").expect("write");
+    std::fs::write(ws.join("staged.txt"), "s\n").expect("write");
+    git(&ws, &["add", "staged.txt"]);
+    std::fs::create_dir(ws.join("dir")).expect("mkdir");
+    std::fs::write(ws.join("dir/untracked file.txt"), "u\n").expect("write");
+
+    let st = c
+        .git_status(GitStatusRequest {})
+        .await
+        .expect("status")
+        .into_inner();
+    assert_eq!(st.branch, "main");
+    let mut files: Vec<(String, String)> = st.files.into_iter().map(|f| (f.code, f.path)).collect();
+    files.sort();
+    assert_eq!(
+        files,
+        vec![
+            (" M".to_owned(), "tracked.txt".to_owned()),
+            ("??".to_owned(), "dir/untracked file.txt".to_owned()),
+            ("A ".to_owned(), "staged.txt".to_owned()),
+        ]
+    );
+    let diff = c
+        .git_diff(GitDiffRequest {
+            staged: false,
+            paths: vec![],
+        })
+        .await
+        .expect("diff")
+        .into_inner()
+        .diff;
+    assert!(diff.contains("+two"), "{diff}");
+    assert!(!diff.contains("staged.txt"), "{diff}");
+    let staged = c
+        .git_diff(GitDiffRequest {
+            staged: true,
+            paths: vec![],
+        })
+        .await
+        .expect("diff")
+        .into_inner()
+        .diff;
+    assert!(staged.contains("+s"), "{staged}");
+    assert!(!staged.contains("+two"), "{staged}");
+    let limited = c
+        .git_diff(GitDiffRequest {
+            staged: true,
+            paths: vec!["tracked.txt".into()],
+        })
+        .await
+        .expect("diff")
+        .into_inner()
+        .diff;
+    assert!(limited.is_empty(), "{limited}");
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_crash_mid_turn_is_reported_on_the_stream_and_in_health() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let mut stream = Stream::open(&mut c, 0).await;
+    let launched = c
+        .launch_agent(h.demo(true, &[("ACP_DEMO_CRASH_MID_TURN", "1")]))
+        .await
+        .expect("launch")
+        .into_inner();
+    c.new_session(NewSessionRequest {}).await.expect("session");
+    let resp = c
+        .prompt(PromptRequest {
+            text: "boom".into(),
+            turn_id: "t-crash".into(),
+        })
+        .await
+        .expect("prompt")
+        .into_inner();
+    let updates = stream
+        .until(|u| matches!(u.kind, Some(Kind::AgentExited(_))))
+        .await;
+    let (partial, _) = reply_text(&updates, &resp.message_id);
+    assert!(partial.starts_with("turn 1"), "{partial}");
+    let end = turn_end(&updates);
+    assert_eq!(end.turn_id, "t-crash");
+    assert_eq!(end.stop_reason, "error");
+    assert!(end.error_message.contains("exit"), "{}", end.error_message);
+    let exited = updates
+        .iter()
+        .find_map(|u| match &u.kind {
+            Some(Kind::AgentExited(e)) => e.exit,
+            _ => None,
+        })
+        .expect("exit");
+    assert_eq!(exited.code, Some(42));
+    assert!(updates.iter().any(|u| matches!(&u.kind,
+        Some(Kind::StateChanged(s)) if s.state() == AgentState::Exited)));
+    let hl = health(&mut c).await;
+    assert_eq!(hl.agent_state(), AgentState::Exited);
+    assert_eq!(hl.agent_exit.and_then(|e| e.code), Some(42));
+    wait_dead(launched.agent_pid).await;
+    let err = c
+        .prompt(PromptRequest {
+            text: "again".into(),
+            turn_id: String::new(),
+        })
+        .await
+        .expect_err("agent gone");
+    assert_eq!(err.code(), Code::FailedPrecondition);
+
+    // An agent that crashes between turns: the turn ends normally, then the
+    // exit is reported.
+    c.launch_agent(h.demo(true, &[("ACP_DEMO_CRASH_AFTER_PROMPTS", "1")]))
+        .await
+        .expect("relaunch");
+    c.new_session(NewSessionRequest {}).await.expect("session");
+    let (_, end) = prompt(&mut c, &mut stream, "once").await;
+    assert_eq!(end.stop_reason, "end_turn");
+    let updates = stream
+        .until(|u| matches!(u.kind, Some(Kind::AgentExited(_))))
+        .await;
+    assert!(updates.iter().any(|u| matches!(&u.kind,
+        Some(Kind::AgentExited(e)) if e.exit.and_then(|x| x.code) == Some(43))));
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_ends_the_turn_as_cancelled() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let mut stream = Stream::open(&mut c, 0).await;
+    c.launch_agent(h.demo(true, &[("ACP_DEMO_CHUNK_DELAY_MS", "400")]))
+        .await
+        .expect("launch");
+    c.new_session(NewSessionRequest {}).await.expect("session");
+    assert!(
+        !c.cancel(CancelRequest {})
+            .await
+            .expect("cancel")
+            .into_inner()
+            .cancelled
+    );
+    let resp = c
+        .prompt(PromptRequest {
+            text: "slow".into(),
+            turn_id: String::new(),
+        })
+        .await
+        .expect("prompt")
+        .into_inner();
+    stream
+        .until(|u| matches!(u.kind, Some(Kind::MessageChunk(_))))
+        .await;
+    assert_eq!(health(&mut c).await.agent_state(), AgentState::Busy);
+    let busy = c
+        .prompt(PromptRequest {
+            text: "overlap".into(),
+            turn_id: String::new(),
+        })
+        .await
+        .expect_err("busy");
+    assert_eq!(busy.code(), Code::FailedPrecondition);
+    assert!(
+        c.cancel(CancelRequest {})
+            .await
+            .expect("cancel")
+            .into_inner()
+            .cancelled
+    );
+    let updates = stream.until_turn_end(&resp.turn_id).await;
+    assert_eq!(turn_end(&updates).stop_reason, "cancelled");
+    let ready = stream
+        .until(|u| matches!(&u.kind, Some(Kind::StateChanged(s)) if s.state() == AgentState::Ready))
+        .await;
+    assert!(!ready.is_empty());
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+fn cursors(updates: &[AgentUpdate]) -> Vec<u64> {
+    updates.iter().map(|u| u.cursor).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnecting_consumer_sees_every_update_once_and_gap_when_too_old() {
+    let h = Harness::new();
+    let ctl = h.spawn(&["--update-buffer", "16"]).await;
+    let mut c = ctl.client().await;
+    c.launch_agent(h.demo(true, &[("ACP_DEMO_CHUNK_DELAY_MS", "100")]))
+        .await
+        .expect("launch");
+    c.new_session(NewSessionRequest {}).await.expect("session");
+    let first = c
+        .prompt(PromptRequest {
+            text: "one".into(),
+            turn_id: "t1".into(),
+        })
+        .await
+        .expect("prompt")
+        .into_inner();
+
+    // A consumer reads a little, goes away mid-turn, and comes back.
+    let mut seen = Vec::new();
+    let mut s = Stream::open(&mut c, 0).await;
+    for _ in 0..3 {
+        seen.push(s.next().await);
+    }
+    drop(s);
+    let last = seen.last().expect("seen").cursor;
+    let mut s = Stream::open(&mut c, last).await;
+    seen.extend(s.until_turn_end("t1").await);
+    drop(s);
+    // Back again, while the next turn streams live.
+    let last = seen.last().expect("seen").cursor;
+    c.prompt(PromptRequest {
+        text: "two".into(),
+        turn_id: "t2".into(),
+    })
+    .await
+    .expect("prompt");
+    let mut s = Stream::open(&mut c, last).await;
+    seen.extend(
+        s.until(|u| matches!(u.kind, Some(Kind::MessageChunk(_))))
+            .await,
+    );
+    drop(s);
+    let last = seen.last().expect("seen").cursor;
+    let mut s = Stream::open(&mut c, last).await;
+    seen.extend(s.until_turn_end("t2").await);
+    seen.extend(
+        s.until(
+            |u| matches!(&u.kind, Some(Kind::StateChanged(st)) if st.state() == AgentState::Ready),
+        )
+        .await,
+    );
+    drop(s);
+
+    let got = cursors(&seen);
+    let expected: Vec<u64> = (1..=got.len() as u64).collect();
+    assert_eq!(got, expected, "every update exactly once, in order");
+    assert!(seen.iter().all(|u| !matches!(u.kind, Some(Kind::Gap(_)))));
+    let (reply, _) = reply_text(&seen, &first.message_id);
+    assert!(reply.starts_with("turn 1 "), "{reply}");
+    // A fresh read from 0 sees the same updates.
+    let mut s = Stream::open(&mut c, 0).await;
+    let mut again = Vec::new();
+    for _ in 0..got.len() {
+        again.push(s.next().await);
+    }
+    assert_eq!(again, seen);
+    drop(s);
+
+    // Push the early updates out of the 16-entry buffer.
+    let mut s = Stream::open(&mut c, got.len() as u64).await;
+    for t in ["t3", "t4", "t5"] {
+        c.prompt(PromptRequest {
+            text: t.into(),
+            turn_id: t.into(),
+        })
+        .await
+        .expect("prompt");
+        s.until_turn_end(t).await;
+    }
+    let latest = s
+        .until(
+            |u| matches!(&u.kind, Some(Kind::StateChanged(st)) if st.state() == AgentState::Ready),
+        )
+        .await
+        .last()
+        .expect("update")
+        .cursor;
+    drop(s);
+    let oldest = latest - 15;
+    let mut s = Stream::open(&mut c, 2).await;
+    let gap = s.next().await;
+    match &gap.kind {
+        Some(Kind::Gap(g)) => {
+            assert_eq!(g.requested_after, 2);
+            assert_eq!(g.next_cursor, oldest);
+        }
+        other => panic!("expected a gap, got {other:?}"),
+    }
+    assert_eq!(s.next().await.cursor, oldest);
+    drop(s);
+    // 0 means "whatever is still buffered", without a gap.
+    let mut s = Stream::open(&mut c, 0).await;
+    assert_eq!(s.next().await.cursor, oldest);
+    drop(s);
+    // A cursor from another agentctl process (ahead of ours) is a gap too.
+    let mut s = Stream::open(&mut c, latest + 100).await;
+    match s.next().await.kind {
+        Some(Kind::Gap(g)) => assert_eq!(g.next_cursor, latest + 1),
+        other => panic!("expected a gap, got {other:?}"),
+    }
+    drop(s);
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_initialize_times_out_and_the_agent_is_stopped() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let mut req = h.demo(true, &[("ACP_DEMO_START_DELAY_MS", "10000")]);
+    req.initialize_timeout_ms = 300;
+    let err = c.launch_agent(req).await.expect_err("timeout");
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
+    assert_eq!(health(&mut c).await.agent_state(), AgentState::Exited);
+    assert_eq!(
+        caps(&mut c).await.supports_session_resume(),
+        Capability::Unknown
+    );
+    // Only agentctl itself is left.
+    let deadline = Instant::now() + WAIT;
+    while h.leftovers() != vec![ctl.pid] {
+        assert!(
+            Instant::now() < deadline,
+            "agent survived: {:?}",
+            h.leftovers()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A slow start within the deadline works.
+    let mut req = h.demo(true, &[("ACP_DEMO_START_DELAY_MS", "300")]);
+    req.initialize_timeout_ms = 15_000;
+    c.launch_agent(req).await.expect("slow but in time");
+    let err = c
+        .launch_agent(LaunchAgentRequest::default())
+        .await
+        .expect_err("empty command");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orphaned_agentctl_exits_after_idle_timeout_and_stops_its_agent() {
+    let h = Harness::new();
+    let mut ctl = h.spawn(&["--idle-timeout", "1500ms"]).await;
+    let agent_pid = {
+        let mut c = ctl.client().await;
+        c.launch_agent(h.demo(true, &[]))
+            .await
+            .expect("launch")
+            .into_inner()
+            .agent_pid
+    };
+    // The backend is gone: no more calls.
+    let started = Instant::now();
+    let status = ctl.wait_exit().await;
+    assert_eq!(status.code(), Some(0));
+    assert!(started.elapsed() >= Duration::from_millis(1000));
+    wait_dead(agent_pid).await;
+    h.assert_no_leftovers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_stream_counts_as_contact_and_calls_reset_the_idle_clock() {
+    let h = Harness::new();
+    let mut ctl = h.spawn(&["--idle-timeout", "1s"]).await;
+    let mut c = ctl.client().await;
+    // Calls every 300 ms keep it alive well past the timeout.
+    for _ in 0..8 {
+        health(&mut c).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // So does an open update stream.
+    let s = Stream::open(&mut c, 0).await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    health(&mut c).await;
+    drop(s);
+    drop(c);
+    let status = ctl.wait_exit().await;
+    assert_eq!(status.code(), Some(0));
+    h.assert_no_leftovers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_the_agent_and_exits_cleanly() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let mut stream = Stream::open(&mut c, 0).await;
+    let agent_pid = c
+        .launch_agent(h.demo(true, &[]))
+        .await
+        .expect("launch")
+        .into_inner()
+        .agent_pid;
+    c.new_session(NewSessionRequest {}).await.expect("session");
+    prompt(&mut c, &mut stream, "hi").await;
+    // An open stream must not hold the shutdown up.
+    ctl.shutdown().await;
+    wait_dead(agent_pid).await;
+    h.assert_no_leftovers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secret_from_file_and_bad_configuration() {
+    let h = Harness::new();
+    let secret_file = h.base.path().join("secret");
+    std::fs::write(&secret_file, "file-secret\n").expect("write");
+    let mut child = tokio::process::Command::new(agentctl_exe())
+        .args([
+            "--executor-id",
+            "e2",
+            "--listen",
+            "127.0.0.1:0",
+            "--workspace",
+        ])
+        .arg(h.ws())
+        .arg("--secret-file")
+        .arg(&secret_file)
+        .env_remove("AGENTCTL_SECRET")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    let pid = child.id().expect("pid");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let line = tokio::time::timeout(WAIT, lines.next_line())
+        .await
+        .expect("line")
+        .expect("read")
+        .expect("some line");
+    let addr = line
+        .strip_prefix("agentctl listening on ")
+        .expect("prefix")
+        .to_owned();
+    let ctl = Ctl { child, pid, addr };
+    let mut ok = ctl.client_with(Some("Bearer file-secret".into())).await;
+    assert_eq!(health(&mut ok).await.executor_id, "e2");
+    let mut bad = ctl.client_with(Some(format!("Bearer {SECRET}"))).await;
+    assert_eq!(
+        bad.health(HealthRequest {})
+            .await
+            .expect_err("wrong")
+            .code(),
+        Code::Unauthenticated
+    );
+    ctl.shutdown().await;
+
+    // No secret, or a workspace that does not exist: refuse to start.
+    for (env_secret, ws) in [
+        (None, h.ws()),
+        (Some(SECRET), h.base.path().join("missing")),
+    ] {
+        let mut cmd = std::process::Command::new(agentctl_exe());
+        cmd.args(["--executor-id", "e3", "--workspace"])
+            .arg(&ws)
+            .env_remove("AGENTCTL_SECRET")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if let Some(s) = env_secret {
+            cmd.env("AGENTCTL_SECRET", s);
+        }
+        let status = cmd.status().expect("run");
+        assert!(!status.success());
+    }
+    h.assert_no_leftovers().await;
+}
