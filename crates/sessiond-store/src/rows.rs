@@ -59,7 +59,7 @@ impl TaskRow {
 
 // ---------------------------------------------------------------- profiles
 
-#[derive(Debug, Queryable, Selectable, Insertable)]
+#[derive(Debug, Clone, Queryable, Selectable, Insertable)]
 #[diesel(table_name = agent_profiles)]
 pub(crate) struct ProfileRow {
     pub id: String,

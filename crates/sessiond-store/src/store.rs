@@ -257,39 +257,21 @@ impl Store {
 
     /// Creates the profile, or updates the one with the same name (keeping
     /// its id and `created_at`). Returns the stored profile.
+    ///
+    /// Two concurrent upserts of a new name both succeed with one id: the
+    /// loser of the insert race (a unique violation on Postgres) retries as
+    /// an update.
     pub async fn upsert_agent_profile(&self, profile: &AgentProfile) -> Result<AgentProfile> {
         let row = ProfileRow::from_domain(profile);
-        self.write(move |c| {
-            let existing: Option<(String, Ts)> = agent_profiles::table
-                .filter(agent_profiles::name.eq(&row.name))
-                .select((agent_profiles::id, agent_profiles::created_at))
-                .first(c)
-                .optional()?;
-            let id = match existing {
-                Some((id, _)) => {
-                    diesel::update(agent_profiles::table.find(&id))
-                        .set((
-                            agent_profiles::command.eq(&row.command),
-                            agent_profiles::args.eq(&row.args),
-                            agent_profiles::env.eq(&row.env),
-                            agent_profiles::supports_session_resume.eq(row.supports_session_resume),
-                            agent_profiles::updated_at.eq(Ts::new(conn::now())),
-                        ))
-                        .execute(c)?;
-                    id
-                }
-                None => {
-                    let id = row.id.clone();
-                    diesel::insert_into(agent_profiles::table)
-                        .values(&row)
-                        .execute(c)
-                        .map_err(|e| on_unique(e, "agent profile", |_| id.clone()))?;
-                    id
-                }
-            };
-            load_profile(c, false, &id)
-        })
-        .await
+        let mut attempt = 0;
+        loop {
+            let row = row.clone();
+            let result = self.write(move |c| upsert_profile(c, &row)).await;
+            match result {
+                Err(Error::AlreadyExists { .. }) if attempt == 0 => attempt += 1,
+                other => return other,
+            }
+        }
     }
 
     pub async fn get_agent_profile(&self, id: AgentProfileId) -> Result<AgentProfile> {
@@ -592,6 +574,36 @@ fn run_pending(conn: &mut AnyConnection) -> Result<Vec<String>> {
     }
 }
 
+fn upsert_profile(c: &mut AnyConnection, row: &ProfileRow) -> Result<AgentProfile> {
+    let existing: Option<String> = agent_profiles::table
+        .filter(agent_profiles::name.eq(&row.name))
+        .select(agent_profiles::id)
+        .first(c)
+        .optional()?;
+    let id = match existing {
+        Some(id) => {
+            diesel::update(agent_profiles::table.find(&id))
+                .set((
+                    agent_profiles::command.eq(&row.command),
+                    agent_profiles::args.eq(&row.args),
+                    agent_profiles::env.eq(&row.env),
+                    agent_profiles::supports_session_resume.eq(row.supports_session_resume),
+                    agent_profiles::updated_at.eq(Ts::new(conn::now())),
+                ))
+                .execute(c)?;
+            id
+        }
+        None => {
+            diesel::insert_into(agent_profiles::table)
+                .values(row)
+                .execute(c)
+                .map_err(|e| on_unique(e, "agent profile", |_| row.name.clone()))?;
+            row.id.clone()
+        }
+    };
+    load_profile(c, false, &id)
+}
+
 fn load_profile(c: &mut AnyConnection, by_name: bool, key: &str) -> Result<AgentProfile> {
     let q = agent_profiles::table
         .select(ProfileRow::as_select())
@@ -622,4 +634,41 @@ fn load_executors(
         .into_iter()
         .map(ExecutorRow::into_domain)
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn database_urls() {
+        let pg = |u: &str| parse_database_url(u).unwrap();
+        assert_eq!(pg("postgres://u@h/db").0, Backend::Postgres);
+        assert_eq!(pg("postgresql://h/db").0, Backend::Postgres);
+        assert_eq!(
+            pg("sqlite:///var/lib/s.db"),
+            (Backend::Sqlite, "/var/lib/s.db".into())
+        );
+        assert_eq!(
+            pg("sqlite://rel/s.db"),
+            (Backend::Sqlite, "rel/s.db".into())
+        );
+        assert_eq!(pg("sqlite::memory:"), (Backend::Sqlite, ":memory:".into()));
+        assert_eq!(pg("/tmp/s.db"), (Backend::Sqlite, "/tmp/s.db".into()));
+        assert!(matches!(parse_database_url(""), Err(Error::Invalid(_))));
+        assert!(matches!(
+            parse_database_url("mysql://h/db"),
+            Err(Error::Invalid(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn in_memory_sqlite_is_one_migrated_connection() {
+        let store = Store::connect(":memory:", StoreOptions::default())
+            .await
+            .unwrap();
+        assert_eq!(store.pool.max_size(), 1);
+        assert!(store.list_tasks(None, 1).await.unwrap().is_empty());
+        assert!(store.run_pending_migrations().await.unwrap().is_empty());
+    }
 }

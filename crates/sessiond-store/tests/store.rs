@@ -283,6 +283,21 @@ mod suite {
         );
     }
 
+    pub async fn profiles_upsert_concurrently(store: &Store) {
+        let handles: Vec<_> = (0..6)
+            .map(|_| {
+                let store = store.clone();
+                tokio::spawn(async move { store.upsert_agent_profile(&profile("racy")).await })
+            })
+            .collect();
+        let mut ids = BTreeSet::new();
+        for h in handles {
+            ids.insert(h.await.unwrap().unwrap().id);
+        }
+        assert_eq!(ids.len(), 1, "one profile per name: {ids:?}");
+        assert_eq!(store.list_agent_profiles().await.unwrap().len(), 1);
+    }
+
     pub async fn sessions_crud(store: &Store) {
         let t = store.create_task(&task("t")).await.unwrap();
         let p = store.upsert_agent_profile(&profile("demo")).await.unwrap();
@@ -926,6 +941,7 @@ macro_rules! store_tests {
             use super::*;
             store_test!($backend, tasks_crud_and_not_found);
             store_test!($backend, profiles_upsert_by_name);
+            store_test!($backend, profiles_upsert_concurrently);
             store_test!($backend, sessions_crud);
             store_test!($backend, executors_crud);
             store_test!($backend, recoverable_executors_filter_by_status);
