@@ -127,6 +127,8 @@ struct Slot {
     /// A `session/load` is in flight for this session: its replayed history
     /// is dropped instead of being reported as new messages.
     replaying: Option<SessionId>,
+    /// Updates dropped during the current `session/load`, for the log.
+    replayed: u64,
 }
 
 #[derive(Debug)]
@@ -260,6 +262,7 @@ impl AgentManager {
                     session: None,
                     turn: None,
                     replaying: None,
+                    replayed: 0,
                 }),
                 ops: tokio::sync::Mutex::new(()),
             }),
@@ -505,6 +508,7 @@ impl AgentManager {
                 ));
             }
             slot.replaying = Some(session.clone());
+            slot.replayed = 0;
             conn
         };
         let request =
@@ -518,6 +522,11 @@ impl AgentManager {
         slot.replaying = None;
         match result {
             Ok(Ok(_)) => {
+                tracing::info!(
+                    session = %session,
+                    replayed = slot.replayed,
+                    "session/load done; replayed history not re-emitted"
+                );
                 slot.session = Some(session);
                 Ok(token.to_owned())
             }
@@ -697,11 +706,12 @@ fn finish_turn(shared: &Shared, turn_id: &str, stop_reason: &str, error: &str) {
 /// Maps one ACP session update to the stream, if it belongs to the turn in
 /// progress; replayed history during `session/load` is dropped.
 fn on_session_update(shared: &Shared, generation: u64, n: SessionNotification) {
-    let slot = shared.slot();
+    let mut slot = shared.slot();
     if slot.generation != generation {
         return;
     }
     if slot.replaying.as_ref() == Some(&n.session_id) {
+        slot.replayed += 1;
         return;
     }
     let Some(turn) = slot.turn.as_ref().filter(|t| t.session == n.session_id) else {

@@ -100,6 +100,7 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("AGENTCTL_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
@@ -131,12 +132,12 @@ async fn main() -> anyhow::Result<()> {
         write_port_file(path, addr.port())?;
     }
     {
-        #[allow(clippy::print_stdout)]
-        {
-            use std::io::Write;
-            println!("agentctl listening on {addr}");
-            let _ = std::io::stdout().flush();
-        }
+        // The one line on stdout, for whoever started us; a closed stdout is
+        // not an error (the port file says the same).
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "agentctl listening on {addr}");
+        let _ = out.flush();
     }
     tracing::info!(
         %addr,

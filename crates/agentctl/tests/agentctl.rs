@@ -487,6 +487,13 @@ async fn launch_prompt_stop_relaunch_resume_continues_conversation() {
             assert_eq!(m.message_id, resp.message_id);
         }
     }
+    // The agent did replay both turns (prompt + reply each) during the load.
+    let log = std::fs::read_to_string(h.base.path().join("agentctl.log")).expect("log");
+    assert!(
+        log.lines()
+            .any(|l| l.contains("session/load done") && l.contains("replayed=4")),
+        "no replay recorded in the log:\n{log}"
+    );
     let (r3, _) = reply_text(&updates, &resp.message_id);
     assert_eq!(r3, format!("turn 3 of session {token}: you said \"third\""));
 
@@ -499,6 +506,44 @@ async fn launch_prompt_stop_relaunch_resume_continues_conversation() {
         .expect_err("unknown token");
     assert_eq!(err.code(), Code::NotFound, "{err:?}");
 
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_agentctl_process_resumes_the_conversation() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let mut stream = Stream::open(&mut c, 0).await;
+    c.launch_agent(h.demo(true, &[])).await.expect("launch");
+    let token = c
+        .new_session(NewSessionRequest {})
+        .await
+        .expect("session")
+        .into_inner()
+        .resume_token;
+    prompt(&mut c, &mut stream, "before restart").await;
+    drop(stream);
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+
+    // As after a backend restart with a standalone executor: a new agentctl,
+    // a new agent, the recorded token.
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let mut stream = Stream::open(&mut c, 0).await;
+    c.launch_agent(h.demo(true, &[])).await.expect("launch");
+    c.resume_session(ResumeSessionRequest {
+        resume_token: token.clone(),
+    })
+    .await
+    .expect("resume");
+    let (reply, _) = prompt(&mut c, &mut stream, "after restart").await;
+    assert_eq!(
+        reply,
+        format!("turn 2 of session {token}: you said \"after restart\"")
+    );
     ctl.shutdown().await;
     h.assert_no_leftovers().await;
 }
