@@ -130,7 +130,8 @@ impl Workspace {
         let resolved = self.resolve(path)?;
         let file = std::fs::OpenOptions::new()
             .read(true)
-            .custom_flags(libc::O_NOFOLLOW)
+            // O_NONBLOCK: opening a FIFO must not hang the call.
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .open(&resolved)
             .map_err(|e| Error::io(format!("opening {path}"), e))?;
         let meta = file
@@ -138,6 +139,11 @@ impl Workspace {
             .map_err(|e| Error::io(format!("stat {path}"), e))?;
         if meta.is_dir() {
             return Err(Error::InvalidArgument(format!("{path} is a directory")));
+        }
+        if !meta.is_file() {
+            return Err(Error::InvalidArgument(format!(
+                "{path} is not a regular file"
+            )));
         }
         if meta.len() > max {
             return Err(Error::OutOfRange(format!(
@@ -182,7 +188,7 @@ impl Workspace {
             .write(true)
             .create(true)
             .truncate(true)
-            .custom_flags(libc::O_NOFOLLOW)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .open(&resolved)
             .map_err(|e| Error::io(format!("opening {path}"), e))?;
         file.write_all(content)
@@ -269,5 +275,25 @@ mod tests {
         std::fs::create_dir(root.join("d")).expect("mkdir");
         std::os::unix::fs::symlink(root.join("d"), root.join("inner")).expect("symlink");
         assert_eq!(ws.resolve("inner/f").expect("inner link"), root.join("d/f"));
+    }
+
+    #[test]
+    fn special_files_do_not_hang() {
+        let (_base, ws, _outside) = setup();
+        let status = std::process::Command::new("mkfifo")
+            .arg(ws.root().join("fifo"))
+            .status()
+            .expect("mkfifo");
+        assert!(status.success());
+        assert!(matches!(
+            ws.read_file("fifo", 0),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(ws.write_file("fifo", b"x", false).is_err());
+        assert!(matches!(
+            ws.read_file("", 0),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(ws.list_dir("nope"), Err(Error::NotFound(_))));
     }
 }

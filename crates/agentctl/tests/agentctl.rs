@@ -1652,3 +1652,49 @@ async fn secret_from_file_and_bad_configuration() {
     }
     h.assert_no_leftovers().await;
 }
+
+/// Opt-in interoperability check with a real ACP agent, e.g.
+/// `AGENTCTL_REAL_AGENT="claude-code-acp" cargo test -p agentctl --test agentctl -- --ignored real_agent`.
+/// It needs the agent installed (and credentials for the prompt part), so it
+/// is not part of the default run; asked for without the variable, it fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real ACP agent: set AGENTCTL_REAL_AGENT"]
+async fn real_agent_smoke() {
+    let cmdline = std::env::var("AGENTCTL_REAL_AGENT")
+        .expect("set AGENTCTL_REAL_AGENT to the agent command line, e.g. `claude-code-acp`");
+    let mut words = cmdline.split_whitespace().map(str::to_owned);
+    let command = words.next().expect("empty AGENTCTL_REAL_AGENT");
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let launched = c
+        .launch_agent(LaunchAgentRequest {
+            command,
+            args: words.collect(),
+            env: HashMap::new(),
+            profile_supports_session_resume: true,
+            initialize_timeout_ms: 60_000,
+        })
+        .await
+        .expect("launch")
+        .into_inner();
+    println!("launched: {launched:?}");
+    let cp = caps(&mut c).await;
+    assert_ne!(cp.supports_session_resume(), Capability::Unknown);
+    println!("capabilities: {cp:?}");
+    match c.new_session(NewSessionRequest {}).await {
+        Ok(r) => {
+            let token = r.into_inner().resume_token;
+            println!("new session: {token}");
+            if std::env::var_os("AGENTCTL_REAL_AGENT_PROMPT").is_some() {
+                let mut stream = Stream::open(&mut c, 0).await;
+                let (reply, end) =
+                    prompt(&mut c, &mut stream, "Reply with the single word: pong").await;
+                println!("reply: {reply:?} ({end:?})");
+            }
+        }
+        Err(e) => println!("new session refused (credentials?): {e:?}"),
+    }
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
