@@ -3,6 +3,9 @@
 //! - `ci`: everything CI checks: formatting, clippy, build, every test (with a
 //!   throwaway PostgreSQL this command starts itself unless `DATABASE_URL` is
 //!   set). This is the README's test command and what `.ci/run` calls.
+//!   The Docker executor tests run against a dockerd it starts unless one
+//!   runs (installing `docker.io` when missing), with an image built offline.
+//! - `docker-image`: builds the `sessiond-agentctl:dev` image with no registry.
 
 use std::{
     path::{Path, PathBuf},
@@ -12,12 +15,15 @@ use std::{
 
 use anyhow::{Context, bail};
 
+mod docker;
+
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("ci") => ci(),
+        Some("docker-image") => docker_image(&args[1..]),
         _ => {
-            eprintln!("usage: cargo xtask ci");
+            eprintln!("usage: cargo xtask ci | cargo xtask docker-image [--tar <file>]");
             bail!("unknown or missing command {:?}", args.first());
         }
     }
@@ -31,10 +37,25 @@ fn ci() -> anyhow::Result<()> {
     step("fmt", cargo(&["fmt", "--all", "--", "--check"]))?;
     step(
         "clippy",
-        cargo(&["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"]),
+        cargo(&[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--locked",
+            "--",
+            "-D",
+            "warnings",
+        ]),
     )?;
     // Integration tests run the real binaries (agentctl, acp-demo-agent, sessiond).
-    step("build", cargo(&["build", "--workspace", "--bins", "--locked"]))?;
+    step(
+        "build",
+        cargo(&["build", "--workspace", "--bins", "--locked"]),
+    )?;
+    // The Docker executor tests run for real: an engine (ours unless one runs;
+    // stopped when `engine` drops) and the agentctl image built offline.
+    let engine = docker::Engine::ensure().context("a Docker engine for the Docker tests")?;
+    docker::build_image(&engine, &docker::target_dir(&root).join("debug"))?;
 
     let (database_url, _cluster) = match std::env::var("DATABASE_URL") {
         Ok(url) if !url.is_empty() => {
@@ -50,16 +71,65 @@ fn ci() -> anyhow::Result<()> {
     };
 
     let mut test = if has_nextest() {
-        cargo(&["nextest", "run", "--workspace", "--locked", "--no-fail-fast"])
+        cargo(&[
+            "nextest",
+            "run",
+            "--workspace",
+            "--locked",
+            "--no-fail-fast",
+        ])
     } else {
         eprintln!("xtask: cargo-nextest not found, running cargo test");
         cargo(&["test", "--workspace", "--locked", "--no-fail-fast"])
     };
     test.env("DATABASE_URL", &database_url);
+    test.env("SESSIOND_DOCKER_TESTS", "1")
+        .env("DOCKER_HOST", engine.host());
     step("test", test)?;
-    step("doctest", cargo(&["test", "--workspace", "--doc", "--locked"]))?;
+    step(
+        "doctest",
+        cargo(&["test", "--workspace", "--doc", "--locked"]),
+    )?;
+    engine.stop()?;
     eprintln!("xtask: ci passed");
     Ok(())
+}
+
+/// Builds agentctl and acp-demo-agent and imports them as the image
+/// `sessiond-agentctl:dev` into the running engine, or with `--tar <file>`
+/// writes the root filesystem tarball (for `docker import`) without an engine.
+fn docker_image(args: &[String]) -> anyhow::Result<()> {
+    let tar = match args {
+        [] => None,
+        [flag, path] if flag == "--tar" => Some(std::env::current_dir()?.join(path)),
+        _ => bail!("usage: cargo xtask docker-image [--tar <file>]"),
+    };
+    let root = workspace_root();
+    std::env::set_current_dir(&root)?;
+    step(
+        "build",
+        cargo(&[
+            "build",
+            "-p",
+            "agentctl",
+            "-p",
+            "acp-demo-agent",
+            "--bins",
+            "--locked",
+        ]),
+    )?;
+    let bin_dir = docker::target_dir(&root).join("debug");
+    if let Some(tar) = tar {
+        return docker::write_rootfs_tar(&bin_dir, &tar);
+    }
+    let Some(engine) = docker::Engine::running()? else {
+        bail!(
+            "no Docker engine runs (DOCKER_HOST unset, nothing at /var/run/docker.sock). Start one, e.g. \
+             `dockerd --bridge=none --iptables=false --ip-forward=false --ip-masq=false &`, \
+             or write a tarball with `cargo xtask docker-image --tar rootfs.tar`"
+        );
+    };
+    docker::build_image(&engine, &bin_dir)
 }
 
 /// Installs what the build and tests need when it is missing (fresh machine).
@@ -69,15 +139,23 @@ fn ensure_system_packages() -> anyhow::Result<()> {
         ("/usr/include/postgresql/libpq-fe.h", "libpq-dev"),
         ("/usr/bin/git", "git"),
     ];
-    let missing: Vec<&str> =
-        wanted.iter().filter(|(path, _)| !Path::new(path).exists()).map(|(_, pkg)| *pkg).collect();
+    let missing: Vec<&str> = wanted
+        .iter()
+        .filter(|(path, _)| !Path::new(path).exists())
+        .map(|(_, pkg)| *pkg)
+        .collect();
     if missing.is_empty() {
         return Ok(());
     }
     eprintln!("xtask: installing missing packages: {}", missing.join(" "));
     step("apt-get update", command("apt-get", &["update", "-q"]))?;
-    let mut install = command("apt-get", &["install", "-y", "-q", "--no-install-recommends"]);
-    install.args(&missing).env("DEBIAN_FRONTEND", "noninteractive");
+    let mut install = command(
+        "apt-get",
+        &["install", "-y", "-q", "--no-install-recommends"],
+    );
+    install
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive");
     step("apt-get install", install)
 }
 
@@ -92,8 +170,13 @@ fn has_nextest() -> bool {
 fn step(name: &str, mut cmd: Command) -> anyhow::Result<()> {
     eprintln!("xtask: ==> {name}: {cmd:?}");
     let started = Instant::now();
-    let status = cmd.status().with_context(|| format!("{name}: cannot start {cmd:?}"))?;
-    eprintln!("xtask: <== {name}: {status} in {:.1}s", started.elapsed().as_secs_f64());
+    let status = cmd
+        .status()
+        .with_context(|| format!("{name}: cannot start {cmd:?}"))?;
+    eprintln!(
+        "xtask: <== {name}: {status} in {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
     if !status.success() {
         bail!("{name} failed ({status})");
     }
@@ -115,5 +198,8 @@ fn cargo_bin() -> String {
 }
 
 fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
 }

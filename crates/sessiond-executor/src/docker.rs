@@ -318,6 +318,25 @@ impl DockerExecutor {
         }
     }
 
+    /// The container named `name` that another launch is creating or has
+    /// created. The engine reserves the name before the container can be
+    /// inspected, so a concurrent create may need a moment to show up.
+    async fn adopt(&self, executor_id: ExecutorId, name: &str) -> Result<Found> {
+        let deadline = Instant::now() + self.config.api_timeout;
+        loop {
+            if let Some(found) = self.inspect(name).await? {
+                return Ok(found);
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::ContainerMissing {
+                    executor_id,
+                    container_id: Some(name.to_owned()),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
     fn handle_for(
         &self,
         spec: &LaunchSpec,
@@ -371,13 +390,7 @@ impl Executor for DockerExecutor {
                 status_code: 409, ..
             }) => {
                 // Someone created it first: adopt theirs, with its secret.
-                let found = self
-                    .inspect(&name)
-                    .await?
-                    .ok_or_else(|| Error::ContainerMissing {
-                        executor_id: id,
-                        container_id: Some(name.clone()),
-                    })?;
+                let found = self.adopt(id, &name).await?;
                 tracing::info!(executor_id = %id, container_id = %found.id, "container exists, adopting it");
                 let secret = found.secret.ok_or_else(|| Error::ContainerUnusable {
                     executor_id: id,
