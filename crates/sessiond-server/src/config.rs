@@ -47,12 +47,19 @@ impl ServeArgs {
         };
         let database_url = match self.database_url {
             Some(url) if url.trim().is_empty() => {
-                bail!("database_url: must not be empty; unset it to use the embedded SQLite default")
+                bail!(
+                    "database_url: must not be empty; unset it to use the embedded SQLite default"
+                )
             }
             Some(url) => url,
             None => data_dir.join("sessiond.sqlite3").display().to_string(),
         };
-        Ok(Config { data_dir, database_url, listen: self.listen, log_json: self.log_json })
+        Ok(Config {
+            data_dir,
+            database_url,
+            listen: self.listen,
+            log_json: self.log_json,
+        })
     }
 }
 

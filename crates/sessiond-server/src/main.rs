@@ -10,7 +10,11 @@ use clap::{Parser, Subcommand};
 use crate::config::ServeArgs;
 
 #[derive(Debug, Parser)]
-#[command(name = "sessiond", version, about = "Runs AI coding-agent sessions and keeps them alive across restarts")]
+#[command(
+    name = "sessiond",
+    version,
+    about = "Runs AI coding-agent sessions and keeps them alive across restarts"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -42,5 +46,7 @@ fn main() -> anyhow::Result<()> {
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
 }

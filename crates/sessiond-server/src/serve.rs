@@ -17,7 +17,9 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
 
     let (health, health_service) = tonic_health::server::health_reporter();
     // "" is the whole server; it reports SERVING only once the store is open.
-    health.set_service_status("", ServingStatus::NotServing).await;
+    health
+        .set_service_status("", ServingStatus::NotServing)
+        .await;
 
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(sessiond_proto::FILE_DESCRIPTOR_SET)
@@ -62,9 +64,8 @@ pub async fn migrate(config: Config) -> anyhow::Result<()> {
 
 async fn open_store(config: &Config) -> anyhow::Result<Store> {
     if !config.database_url.starts_with("postgres") {
-        std::fs::create_dir_all(&config.data_dir).with_context(|| {
-            format!("data_dir: cannot create {}", config.data_dir.display())
-        })?;
+        std::fs::create_dir_all(&config.data_dir)
+            .with_context(|| format!("data_dir: cannot create {}", config.data_dir.display()))?;
     }
     Store::connect(&config.database_url, StoreOptions::default())
         .await
@@ -89,14 +90,15 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(term) => term,
-            Err(err) => {
-                tracing::warn!(%err, "cannot listen for SIGTERM; only ctrl-c stops the server");
-                let _ = ctrl_c.await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(err) => {
+                    tracing::warn!(%err, "cannot listen for SIGTERM; only ctrl-c stops the server");
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}
@@ -112,7 +114,9 @@ async fn shutdown_signal() {
 fn init_tracing(json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("SESSIOND_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     if json {
         builder.json().init();
     } else {

@@ -1,0 +1,142 @@
+//! The README's run command, for real: `sessiond serve` on a fresh data
+//! directory creates the SQLite database and answers a gRPC health check.
+
+use std::{
+    io::{BufRead, BufReader},
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use tonic_health::pb::{
+    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+};
+use tonic_reflection::pb::v1::{
+    ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+    server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+};
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(data_dir: &std::path::Path) -> Server {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sessiond"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(data_dir)
+        .env_remove("SESSIOND_DATABASE_URL")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn sessiond");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut line = String::new();
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .expect("read the listening line");
+    let addr = line
+        .trim()
+        .strip_prefix("sessiond listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_owned();
+    Server { child, addr }
+}
+
+async fn channel(server: &Server) -> tonic::transport::Channel {
+    tonic::transport::Channel::from_shared(format!("http://{}", server.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn serve_creates_sqlite_database_and_reports_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let data_dir = dir.path().join("data");
+    let server = start(&data_dir);
+    assert!(
+        data_dir.join("sessiond.sqlite3").exists(),
+        "the SQLite database was not created"
+    );
+
+    let mut health = HealthClient::new(channel(&server).await);
+    let status = health
+        .check(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
+    assert_eq!(status, ServingStatus::Serving as i32);
+
+    let mut reflection = ServerReflectionClient::new(channel(&server).await);
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut responses = reflection
+        .server_reflection_info(tokio_stream::iter([request]))
+        .await
+        .unwrap()
+        .into_inner();
+    let response = tokio::time::timeout(Duration::from_secs(5), responses.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
+        panic!("unexpected reflection answer {response:?}");
+    };
+    let names: Vec<_> = list.service.into_iter().map(|s| s.name).collect();
+    assert!(
+        names.iter().any(|n| n == "grpc.health.v1.Health"),
+        "{names:?}"
+    );
+    assert!(
+        names.iter().any(|n| n == "sessiond.v1.SessionService"),
+        "{names:?}"
+    );
+}
+
+#[tokio::test]
+async fn restart_reuses_the_same_database() {
+    let dir = tempfile::tempdir().unwrap();
+    let data_dir = dir.path().join("data");
+    drop(start(&data_dir));
+    let server = start(&data_dir);
+    let mut health = HealthClient::new(channel(&server).await);
+    let status = health
+        .check(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
+    assert_eq!(status, ServingStatus::Serving as i32);
+}
+
+#[test]
+fn empty_database_url_is_rejected_naming_the_key() {
+    let out = Command::new(env!("CARGO_BIN_EXE_sessiond"))
+        .args([
+            "migrate",
+            "--data-dir",
+            "/nonexistent-unused",
+            "--database-url",
+            " ",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("database_url"), "{stderr}");
+}
