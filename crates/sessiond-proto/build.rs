@@ -23,9 +23,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(std::env::var_os("CARGO_FEATURE_CLIENT").is_some())
         .build_server(std::env::var_os("CARGO_FEATURE_SERVER").is_some())
         .file_descriptor_set_path(out_dir.join("descriptor.bin"))
-        .compile_protos(
-            &protos.map(|p| root.join(p)),
-            &[root.clone()],
-        )?;
+        .compile_protos(&protos.map(|p| root.join(p)), std::slice::from_ref(&root))?;
     Ok(())
 }
