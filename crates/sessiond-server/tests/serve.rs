@@ -1,6 +1,8 @@
 //! The README's run command, for real: `sessiond serve` on a fresh data
 //! directory creates the SQLite database and answers a gRPC health check.
 
+#![allow(clippy::unwrap_used)]
+
 use std::{
     io::{BufRead, BufReader},
     process::{Child, Command, Stdio},
