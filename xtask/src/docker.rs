@@ -179,6 +179,11 @@ impl Engine {
             }
         }
         eprintln!("xtask: dockerd (pid {pid}) stopped");
+        // dockerd leaves its default network namespace (and anything a killed
+        // container had) mounted under the exec root.
+        for mount_point in mounts_under(&own.dir) {
+            let _ = Command::new("umount").arg("-l").arg(&mount_point).status();
+        }
         if let Err(e) = fs::remove_dir_all(&own.dir) {
             eprintln!("xtask: could not remove {}: {e}", own.dir.display());
         }
@@ -192,6 +197,21 @@ impl Drop for Engine {
             eprintln!("xtask: stopping dockerd: {e:#}");
         }
     }
+}
+
+/// Mount points at or below `dir`, deepest first.
+fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let text = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let mut points: Vec<PathBuf> = text
+        .lines()
+        .filter_map(|line| line.split_whitespace().nth(1))
+        // /proc/self/mounts escapes spaces as \040; our paths have none.
+        .map(PathBuf::from)
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    points.dedup();
+    points
 }
 
 fn answers(host: &str) -> bool {

@@ -6,6 +6,7 @@
 //!   The Docker executor tests run against a dockerd it starts unless one
 //!   runs (installing `docker.io` when missing), with an image built offline.
 //! - `docker-image`: builds the `sessiond-agentctl:dev` image with no registry.
+//! - `docker-tests`: only the Docker executor tests, with an engine as in `ci`.
 
 use std::{
     path::{Path, PathBuf},
@@ -22,8 +23,9 @@ fn main() -> anyhow::Result<()> {
     match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("docker-image") => docker_image(&args[1..]),
+        Some("docker-tests") => docker_tests(),
         _ => {
-            eprintln!("usage: cargo xtask ci | cargo xtask docker-image [--tar <file>]");
+            eprintln!("usage: cargo xtask ci | docker-image [--tar <file>] | docker-tests");
             bail!("unknown or missing command {:?}", args.first());
         }
     }
@@ -130,6 +132,38 @@ fn docker_image(args: &[String]) -> anyhow::Result<()> {
         );
     };
     docker::build_image(&engine, &bin_dir)
+}
+
+/// Just the Docker executor tests, against an engine provided as in `ci`.
+fn docker_tests() -> anyhow::Result<()> {
+    let root = workspace_root();
+    std::env::set_current_dir(&root)?;
+    step(
+        "build",
+        cargo(&[
+            "build",
+            "-p",
+            "agentctl",
+            "-p",
+            "acp-demo-agent",
+            "--locked",
+        ]),
+    )?;
+    let engine = docker::Engine::ensure().context("a Docker engine for the Docker tests")?;
+    docker::build_image(&engine, &docker::target_dir(&root).join("debug"))?;
+    let mut test = cargo(&[
+        "test",
+        "-p",
+        "sessiond-executor",
+        "--locked",
+        "--test",
+        "executor",
+    ]);
+    test.args(["--", "docker::"]);
+    test.env("SESSIOND_DOCKER_TESTS", "1")
+        .env("DOCKER_HOST", engine.host());
+    step("docker tests", test)?;
+    engine.stop()
 }
 
 /// Installs what the build and tests need when it is missing (fresh machine).
