@@ -1320,7 +1320,7 @@ async fn cancel_ends_the_turn_as_cancelled() {
     let ctl = h.spawn(&[]).await;
     let mut c = ctl.client().await;
     let mut stream = Stream::open(&mut c, 0).await;
-    c.launch_agent(h.demo(true, &[("ACP_DEMO_CHUNK_DELAY_MS", "400")]))
+    c.launch_agent(h.demo(true, &[("ACP_DEMO_CHUNK_DELAY_MS", "1500")]))
         .await
         .expect("launch");
     c.new_session(NewSessionRequest {}).await.expect("session");
@@ -1549,16 +1549,16 @@ async fn orphaned_agentctl_exits_after_idle_timeout_and_stops_its_agent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_stream_counts_as_contact_and_calls_reset_the_idle_clock() {
     let h = Harness::new();
-    let mut ctl = h.spawn(&["--idle-timeout", "1s"]).await;
+    let mut ctl = h.spawn(&["--idle-timeout", "3s"]).await;
     let mut c = ctl.client().await;
     // Calls every 300 ms keep it alive well past the timeout.
-    for _ in 0..8 {
+    for _ in 0..15 {
         health(&mut c).await;
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     // So does an open update stream.
     let s = Stream::open(&mut c, 0).await;
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    tokio::time::sleep(Duration::from_millis(4500)).await;
     health(&mut c).await;
     drop(s);
     drop(c);
