@@ -12,7 +12,7 @@ use sessiond_proto::agentctl::v1::{self as pb, agent_ctl_service_client::AgentCt
 use tonic::{
     metadata::{Ascii, MetadataValue},
     service::{Interceptor, interceptor::InterceptedService},
-    transport::{Certificate, Channel, ClientTlsConfig, Endpoint},
+    transport::{Channel, Endpoint},
 };
 
 use crate::error::{Error, Result};
@@ -184,21 +184,12 @@ impl AgentctlClient {
             .keep_alive_timeout(config.call_timeout)
             .keep_alive_while_idle(true);
         if url.starts_with("https://") {
-            let mut tls = ClientTlsConfig::new();
-            match &config.tls {
-                Some(t) => {
-                    tls = tls.ca_certificate(Certificate::from_pem(&t.ca_pem));
-                    if let Some(domain) = &t.domain_name {
-                        tls = tls.domain_name(domain.clone());
-                    }
-                }
-                None => {
-                    return Err(bad(
-                        "https needs a CA certificate (ClientConfig::tls)".into()
-                    ));
-                }
-            }
-            endpoint = endpoint.tls_config(tls).map_err(|e| bad(e.to_string()))?;
+            let Some(tls) = &config.tls else {
+                return Err(bad(
+                    "https needs a CA certificate (ClientConfig::tls)".into()
+                ));
+            };
+            endpoint = with_tls(endpoint, tls).map_err(bad)?;
         } else if !url.starts_with("http://") {
             return Err(bad("expected an http:// or https:// URL".into()));
         }
@@ -342,6 +333,21 @@ impl AgentctlClient {
     }
 }
 
+#[cfg(feature = "tls")]
+fn with_tls(endpoint: Endpoint, tls: &TlsConfig) -> Result<Endpoint, String> {
+    use tonic::transport::{Certificate, ClientTlsConfig};
+    let mut config = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&tls.ca_pem));
+    if let Some(domain) = &tls.domain_name {
+        config = config.domain_name(domain.clone());
+    }
+    endpoint.tls_config(config).map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "tls"))]
+fn with_tls(_endpoint: Endpoint, _tls: &TlsConfig) -> Result<Endpoint, String> {
+    Err("this build has no TLS support (sessiond-executor's `tls` feature)".into())
+}
+
 fn is_timeout(status: &tonic::Status) -> bool {
     let text = error_chain(status).to_ascii_lowercase();
     text.contains("timed out") || text.contains("timeout expired")
@@ -364,4 +370,36 @@ fn error_chain(status: &tonic::Status) -> String {
         source = err.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A throwaway self-signed CA (no key kept), to build a TLS endpoint.
+    const TEST_CA: &str = "-----BEGIN CERTIFICATE-----\nMIIBjTCCATOgAwIBAgIUeXAUr90IFS0F1942O0TNt5pb9hAwCgYIKoZIzj0EAwIw\nGzEZMBcGA1UEAwwQc2Vzc2lvbmQtdGVzdC1jYTAgFw0yNjExMjkwODQxNDVaGA8y\nMTI2MTEwNTA4NDE0NVowGzEZMBcGA1UEAwwQc2Vzc2lvbmQtdGVzdC1jYTBZMBMG\nByqGSM49AgEGCCqGSM49AwEHA0IABPFE1gf8GKH15qrHxY5jrkUbQuf3Djz0sS0M\nDuTBm0NIzactjhnRXL0yJ6n8CUEKfcWXv9wpTQPRRYmwyHS1/S6jUzBRMB0GA1Ud\nDgQWBBRyQndZ3lr/ro+6tWUsdzTnUEaV9zAfBgNVHSMEGDAWgBRyQndZ3lr/ro+6\ntWUsdzTnUEaV9zAPBgNVHRMBAf8EBTADAQH/MAoGCCqGSM49BAMCA0gAMEUCID/W\nPYsDSFG0SUMsAIxJoh0K34CapoKaRmptVXf2uZGEAiEA3XbvF0cHzOrdIMlwF+5W\nARVsYYTDcvmRvm4gEVLES3Y=\n-----END CERTIFICATE-----\n";
+
+    #[test]
+    fn rejects_urls_it_cannot_serve() {
+        let config = ClientConfig::default();
+        let err = AgentctlClient::new("ftp://host:1", "s", &config).expect_err("scheme");
+        assert!(err.to_string().contains("http:// or https://"), "{err}");
+        let err = AgentctlClient::new("https://host:1", "s", &config).expect_err("no CA");
+        assert!(err.to_string().contains("CA certificate"), "{err}");
+        let err = AgentctlClient::new("http://host:1", "line\nbreak", &config).expect_err("header");
+        assert!(matches!(err, Error::Config(_)), "{err}");
+    }
+
+    #[tokio::test]
+    async fn https_with_a_ca_builds_only_with_the_tls_feature() {
+        let config = ClientConfig {
+            tls: Some(TlsConfig {
+                ca_pem: TEST_CA.as_bytes().to_vec(),
+                domain_name: None,
+            }),
+            ..ClientConfig::default()
+        };
+        let built = AgentctlClient::new("https://127.0.0.1:1", "s", &config);
+        assert_eq!(built.is_ok(), cfg!(feature = "tls"), "{built:?}");
+    }
 }
