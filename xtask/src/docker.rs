@@ -93,7 +93,7 @@ impl Engine {
         let host = format!("unix://{}", socket.display());
         let log_path = dir.join("dockerd.log");
         let log = fs::File::create(&log_path).context("creating dockerd.log")?;
-        let mut cmd = Command::new("dockerd");
+        let mut cmd = Command::new(find_program("dockerd").context("dockerd not found")?);
         cmd.args([
             "--bridge=none",
             "--iptables=false",
@@ -223,9 +223,18 @@ fn answers(host: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// `program` on `PATH`, or in the sbin directories a non-login root shell
+/// may lack on its `PATH`.
+fn find_program(program: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/usr/bin", "/sbin"].map(PathBuf::from))
+        .map(|dir| dir.join(program))
+        .find(|p| p.is_file())
+}
+
 fn on_path(program: &str) -> bool {
-    std::env::var_os("PATH")
-        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()))
+    find_program(program).is_some()
 }
 
 /// Installs Debian's `docker.io` (engine, containerd, runc, CLI) when

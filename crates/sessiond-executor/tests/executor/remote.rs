@@ -1,5 +1,6 @@
 use std::time::{Duration, Instant};
 
+use sessiond_domain::ExecutorId;
 use sessiond_executor::{
     AgentctlClient, Backoff, Error, Executor, ExecutorHandle, LaunchSpec, RecoveryAction,
     RemoteTarget, Support,
@@ -95,11 +96,9 @@ async fn retries_with_backoff_until_the_host_listens() {
     let workspace = tempfile::tempdir().expect("workspace");
     let port = free_port();
     let url = format!("http://127.0.0.1:{port}");
-    // Start agentctl first (so its identity is known), stop it, and bring it
-    // back on the same port 2 s after the driver began retrying.
-    let first = ManualAgentctl::start(workspace.path(), &format!("127.0.0.1:{port}")).await;
-    let (executor_id, secret) = (first.executor_id, first.secret.clone());
-    first.kill().await;
+    // The record names this agentctl; its host brings it up 2 s after the
+    // driver began trying.
+    let (executor_id, secret) = (ExecutorId::new(), sessiond_executor::fresh_secret());
 
     let path = workspace.path().to_owned();
     let late_secret = secret.clone();

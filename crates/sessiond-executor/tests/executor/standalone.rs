@@ -24,6 +24,8 @@ fn fixture() -> Fixture {
     let mut config = StandaloneConfig::new(agentctl_path(), run.path().to_owned());
     config.log_dir = Some(run.path().to_owned());
     config.client = client_config();
+    // A failing test may leave its agentctl behind; it then exits by itself.
+    config.idle_timeout = Some(Duration::from_secs(120));
     Fixture {
         workspace,
         run,

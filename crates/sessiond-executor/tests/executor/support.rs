@@ -98,6 +98,8 @@ impl ManualAgentctl {
             .arg(workspace)
             .arg("--port-file")
             .arg(&port_file)
+            // Exits by itself should a failing test leave it behind.
+            .args(["--idle-timeout", "120s"])
             .env("AGENTCTL_SECRET", &secret)
             .env("AGENTCTL_LOG", "warn")
             .stdin(Stdio::null())
@@ -124,11 +126,17 @@ impl ManualAgentctl {
     }
 
     /// Kills it and asserts that it is gone.
-    pub async fn kill(mut self) {
+    pub async fn kill(self) {
         let pid = self.child.id();
+        drop(self);
+        assert_gone(pid).await;
+    }
+}
+
+impl Drop for ManualAgentctl {
+    fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        assert_gone(pid).await;
     }
 }
 
