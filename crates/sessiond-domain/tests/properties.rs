@@ -387,6 +387,7 @@ proptest! {
                 }
                 None => Observation::DeadlineExceeded,
             };
+            let surviving_before = surviving;
             match &observation {
                 Observation::Capabilities { supports_session_resume: false } => probe_denied = true,
                 Observation::Healthy { agent } => surviving = *agent,
@@ -406,6 +407,7 @@ proptest! {
                         Observation::ResumeSucceeded => saw_resume_success = false,
                         _ => {}
                     }
+                    surviving = surviving_before;
                     continue;
                 }
             }
