@@ -1,13 +1,36 @@
-//! Configuration, read once here and passed down as typed values.
-//! Precedence: flags, then `SESSIOND_*` environment variables, then defaults.
+//! Configuration, loaded once here and passed down as typed values.
+//!
+//! Precedence, lowest first: built-in defaults, the TOML file (`--config`,
+//! `SESSIOND_CONFIG`), `SESSIOND_*` environment variables, flags. The file is
+//! parsed into [`FileConfig`] (serde, unknown keys rejected), flags and
+//! environment variables are overlaid on it, and [`FileConfig::validate`]
+//! turns the result into [`Config`], reporting every problem with the dotted
+//! key it concerns (`executors.docker.image: must not be empty`).
+//!
+//! `sessiond.example.toml` at the repository root documents every key.
 
-use std::{net::SocketAddr, path::PathBuf};
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use anyhow::{Context, bail};
-use clap::Args;
+use clap::{Args, builder::BoolishValueParser};
+use serde::Deserialize;
+use sessiond_domain::{ResumePolicy, Runtime};
 
-#[derive(Debug, Clone, Args)]
+/// The built-in agent profile: the demo ACP agent shipped with sessiond.
+pub const DEMO_PROFILE: &str = "demo";
+
+#[derive(Debug, Clone, Default, Args)]
 pub struct ServeArgs {
+    /// TOML configuration file (see sessiond.example.toml). Flags and
+    /// SESSIOND_* variables override what it says.
+    #[arg(long, env = "SESSIOND_CONFIG")]
+    pub config: Option<PathBuf>,
+
     /// Directory for the embedded SQLite database and other state.
     /// Default: $XDG_DATA_HOME/sessiond, or ~/.local/share/sessiond.
     #[arg(long, env = "SESSIOND_DATA_DIR")]
@@ -18,49 +41,857 @@ pub struct ServeArgs {
     #[arg(long, env = "SESSIOND_DATABASE_URL")]
     pub database_url: Option<String>,
 
-    /// Address to serve gRPC on. Port 0 picks a free port (printed at start).
-    #[arg(long, env = "SESSIOND_LISTEN", default_value = "127.0.0.1:50051")]
-    pub listen: SocketAddr,
+    /// Address to serve gRPC (and gRPC-web) on. Port 0 picks a free port
+    /// (printed at start). Default 127.0.0.1:50051.
+    #[arg(long, env = "SESSIOND_LISTEN")]
+    pub listen: Option<String>,
 
     /// Log as JSON lines instead of human-readable text.
-    #[arg(long, env = "SESSIOND_LOG_JSON")]
-    pub log_json: bool,
+    #[arg(long, env = "SESSIOND_LOG_JSON", value_parser = BoolishValueParser::new(),
+          num_args = 0..=1, default_missing_value = "true")]
+    pub log_json: Option<bool>,
+
+    /// API bearer tokens, comma-separated (replace `auth.tokens`).
+    #[arg(
+        long,
+        env = "SESSIOND_API_TOKENS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub api_tokens: Option<Vec<String>>,
+
+    /// Serve without authentication. Only allowed on a loopback address.
+    #[arg(long, env = "SESSIOND_INSECURE_NO_AUTH", value_parser = BoolishValueParser::new(),
+          num_args = 0..=1, default_missing_value = "true")]
+    pub insecure_no_auth: Option<bool>,
+
+    /// Prometheus metrics address (`GET /metrics`), or `off`. Default 127.0.0.1:9464.
+    #[arg(long, env = "SESSIOND_METRICS_LISTEN")]
+    pub metrics_listen: Option<String>,
+
+    /// Largest message content `SendMessage` accepts, in bytes.
+    #[arg(long, env = "SESSIOND_MAX_MESSAGE_BYTES")]
+    pub max_message_bytes: Option<u64>,
+
+    /// Browser origins allowed by CORS, comma-separated; `*` for any.
+    #[arg(long, env = "SESSIOND_CORS_ALLOWED_ORIGINS", value_delimiter = ',')]
+    pub cors_allowed_origins: Option<Vec<String>>,
+
+    /// Runtime of sessions that do not ask for one:
+    /// local_standalone | local_docker | remote.
+    #[arg(long, env = "SESSIOND_DEFAULT_RUNTIME")]
+    pub default_runtime: Option<String>,
+
+    /// Agent profile of sessions that do not name one.
+    #[arg(long, env = "SESSIOND_DEFAULT_AGENT")]
+    pub default_agent: Option<String>,
+
+    /// The agentctl binary for standalone executors.
+    /// Default: next to the sessiond executable, then PATH.
+    #[arg(long, env = "SESSIOND_AGENTCTL_PATH")]
+    pub agentctl_path: Option<PathBuf>,
+
+    /// Enable the Docker runtime.
+    #[arg(long, env = "SESSIOND_DOCKER_ENABLED", value_parser = BoolishValueParser::new(),
+          num_args = 0..=1, default_missing_value = "true")]
+    pub docker_enabled: Option<bool>,
+
+    /// Docker engine address (unix:///... or tcp://...).
+    #[arg(long, env = "SESSIOND_DOCKER_HOST")]
+    pub docker_host: Option<String>,
+
+    /// Image holding agentctl and the agents.
+    #[arg(long, env = "SESSIOND_DOCKER_IMAGE")]
+    pub docker_image: Option<String>,
+
+    /// When to resume sessions after a restart: startup | on_demand.
+    #[arg(long, env = "SESSIOND_RECOVERY_MODE")]
+    pub recovery_mode: Option<String>,
+
+    /// How many executors startup recovery handles at once.
+    #[arg(long, env = "SESSIOND_RECOVERY_CONCURRENCY")]
+    pub recovery_concurrency: Option<u32>,
+
+    /// Deadline of one executor's recovery, e.g. `5s`.
+    #[arg(long, env = "SESSIOND_RECOVERY_EXECUTOR_DEADLINE")]
+    pub recovery_executor_deadline: Option<String>,
 }
 
-/// Validated configuration.
+/// The TOML file's shape, with every default filled in. Durations are
+/// strings such as `250ms`, `5s`, `2m`, `1h`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FileConfig {
+    pub data_dir: Option<PathBuf>,
+    pub database_url: Option<String>,
+    pub listen: String,
+    pub max_message_bytes: u64,
+    pub log_json: bool,
+    /// Time in-flight calls get to finish after SIGTERM.
+    pub shutdown_grace: String,
+    pub default_agent: String,
+    pub auth: AuthSection,
+    pub cors: CorsSection,
+    pub metrics: MetricsSection,
+    pub executors: ExecutorsSection,
+    pub recovery: RecoverySection,
+    pub agents: Vec<AgentSection>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthSection {
+    pub tokens: Vec<String>,
+    /// A file with one token per line (blank lines and `#` comments ignored).
+    pub tokens_file: Option<PathBuf>,
+    pub insecure_no_auth: bool,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CorsSection {
+    pub allowed_origins: Vec<String>,
+    pub max_age: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsSection {
+    /// `off` (or empty) disables the endpoint.
+    pub listen: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ExecutorsSection {
+    pub default_runtime: String,
+    pub connect_timeout: String,
+    pub call_timeout: String,
+    /// agentctl exits on its own after this long without backend contact; `0s` never.
+    pub idle_timeout: String,
+    pub standalone: StandaloneSection,
+    pub docker: DockerSection,
+    pub remote: RemoteSection,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StandaloneSection {
+    pub agentctl_path: Option<PathBuf>,
+    pub run_dir: Option<PathBuf>,
+    pub log_dir: Option<PathBuf>,
+    pub startup_timeout: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DockerSection {
+    pub enabled: bool,
+    pub host: String,
+    pub image: String,
+    pub agentctl_path: String,
+    pub network_mode: String,
+    pub user: Option<String>,
+    pub memory_bytes: Option<i64>,
+    pub cpus: Option<f64>,
+    pub pids_limit: Option<i64>,
+    pub startup_timeout: String,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RemoteSection {
+    /// PEM CA for `https://` agentctl URLs.
+    pub tls_ca_file: Option<PathBuf>,
+    pub tls_domain_name: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RecoverySection {
+    pub mode: String,
+    pub concurrency: u32,
+    pub executor_deadline: String,
+    pub remote_backoff_initial: String,
+    pub remote_backoff_max: String,
+    pub remote_backoff_window: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentSection {
+    pub name: String,
+    pub command: String,
+    #[serde(default)]
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default = "yes")]
+    pub supports_session_resume: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for FileConfig {
+    fn default() -> Self {
+        Self {
+            data_dir: None,
+            database_url: None,
+            listen: "127.0.0.1:50051".into(),
+            max_message_bytes: 1024 * 1024,
+            log_json: false,
+            shutdown_grace: "10s".into(),
+            default_agent: DEMO_PROFILE.into(),
+            auth: AuthSection::default(),
+            cors: CorsSection::default(),
+            metrics: MetricsSection::default(),
+            executors: ExecutorsSection::default(),
+            recovery: RecoverySection::default(),
+            agents: Vec::new(),
+        }
+    }
+}
+
+impl Default for CorsSection {
+    fn default() -> Self {
+        Self {
+            allowed_origins: vec!["*".into()],
+            max_age: "1h".into(),
+        }
+    }
+}
+
+impl Default for MetricsSection {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:9464".into(),
+        }
+    }
+}
+
+impl Default for ExecutorsSection {
+    fn default() -> Self {
+        Self {
+            default_runtime: Runtime::LocalStandalone.as_str().into(),
+            connect_timeout: "2s".into(),
+            call_timeout: "5s".into(),
+            idle_timeout: "0s".into(),
+            standalone: StandaloneSection::default(),
+            docker: DockerSection::default(),
+            remote: RemoteSection::default(),
+        }
+    }
+}
+
+impl Default for StandaloneSection {
+    fn default() -> Self {
+        Self {
+            agentctl_path: None,
+            run_dir: None,
+            log_dir: None,
+            startup_timeout: "10s".into(),
+        }
+    }
+}
+
+impl Default for DockerSection {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            host: "unix:///var/run/docker.sock".into(),
+            image: "sessiond-agentctl:dev".into(),
+            agentctl_path: "/usr/local/bin/agentctl".into(),
+            network_mode: "host".into(),
+            user: None,
+            memory_bytes: None,
+            cpus: None,
+            pids_limit: None,
+            startup_timeout: "15s".into(),
+        }
+    }
+}
+
+impl Default for RecoverySection {
+    fn default() -> Self {
+        Self {
+            mode: "startup".into(),
+            concurrency: 8,
+            executor_deadline: "5s".into(),
+            remote_backoff_initial: "250ms".into(),
+            remote_backoff_max: "30s".into(),
+            remote_backoff_window: "10m".into(),
+        }
+    }
+}
+
+/// The validated configuration `serve` and `migrate` run with.
 #[derive(Debug, Clone)]
 pub struct Config {
     pub data_dir: PathBuf,
     pub database_url: String,
     pub listen: SocketAddr,
+    pub max_message_bytes: usize,
     pub log_json: bool,
+    pub shutdown_grace: Duration,
+    pub auth: AuthConfig,
+    pub cors: CorsConfig,
+    /// `None`: no metrics endpoint.
+    pub metrics_listen: Option<SocketAddr>,
+    pub executors: ExecutorsConfig,
+    pub recovery: RecoveryConfig,
+    pub agents: Vec<AgentConfig>,
+    pub default_agent: String,
+}
+
+/// Who may call the API.
+#[derive(Clone)]
+pub enum AuthConfig {
+    /// Any of these bearer tokens.
+    Tokens(Vec<String>),
+    /// Nobody is asked (loopback only; asked for explicitly).
+    Disabled,
+}
+
+impl std::fmt::Debug for AuthConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AuthConfig::Tokens(t) => write!(f, "Tokens({} redacted)", t.len()),
+            AuthConfig::Disabled => f.write_str("Disabled"),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct CorsConfig {
+    /// Empty: any origin.
+    pub allowed_origins: Vec<String>,
+    pub max_age: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct ExecutorsConfig {
+    pub default_runtime: Runtime,
+    pub connect_timeout: Duration,
+    pub call_timeout: Duration,
+    pub idle_timeout: Option<Duration>,
+    pub agentctl_path: PathBuf,
+    pub run_dir: PathBuf,
+    pub log_dir: PathBuf,
+    pub standalone_startup_timeout: Duration,
+    pub docker: Option<DockerConfig>,
+    pub remote_tls_ca_file: Option<PathBuf>,
+    pub remote_tls_domain_name: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct DockerConfig {
+    pub host: String,
+    pub image: String,
+    pub agentctl_path: String,
+    pub network_mode: String,
+    pub user: Option<String>,
+    pub memory_bytes: Option<i64>,
+    pub nano_cpus: Option<i64>,
+    pub pids_limit: Option<i64>,
+    pub startup_timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct RecoveryConfig {
+    pub policy: ResumePolicy,
+    pub concurrency: usize,
+    pub executor_deadline: Duration,
+    pub remote_backoff_initial: Duration,
+    pub remote_backoff_max: Duration,
+    pub remote_backoff_window: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentConfig {
+    pub name: String,
+    pub command: String,
+    pub args: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub supports_session_resume: bool,
 }
 
 impl ServeArgs {
-    pub fn resolve(self) -> anyhow::Result<Config> {
+    /// Defaults, then the file, then environment and flags; validated.
+    pub fn resolve(&self) -> anyhow::Result<Config> {
+        let mut file = match &self.config {
+            Some(path) => FileConfig::read(path)?,
+            None => FileConfig::default(),
+        };
+        self.overlay(&mut file);
+        file.validate()
+    }
+
+    /// As [`ServeArgs::resolve`], for commands that serve no API (`migrate`):
+    /// no API token is required.
+    pub fn resolve_for_migrate(&self) -> anyhow::Result<Config> {
+        let mut file = match &self.config {
+            Some(path) => FileConfig::read(path)?,
+            None => FileConfig::default(),
+        };
+        self.overlay(&mut file);
+        file.validate_inner(false)
+    }
+
+    /// Environment variables and flags win over the file (clap already
+    /// prefers a flag to its variable).
+    fn overlay(&self, f: &mut FileConfig) {
+        fn set<T: Clone>(target: &mut T, value: &Option<T>) {
+            if let Some(v) = value {
+                *target = v.clone();
+            }
+        }
+        if self.data_dir.is_some() {
+            f.data_dir.clone_from(&self.data_dir);
+        }
+        if self.database_url.is_some() {
+            f.database_url.clone_from(&self.database_url);
+        }
+        set(&mut f.listen, &self.listen);
+        set(&mut f.log_json, &self.log_json);
+        set(&mut f.auth.tokens, &self.api_tokens);
+        set(&mut f.auth.insecure_no_auth, &self.insecure_no_auth);
+        set(&mut f.metrics.listen, &self.metrics_listen);
+        set(&mut f.max_message_bytes, &self.max_message_bytes);
+        set(&mut f.cors.allowed_origins, &self.cors_allowed_origins);
+        set(&mut f.executors.default_runtime, &self.default_runtime);
+        set(&mut f.default_agent, &self.default_agent);
+        if self.agentctl_path.is_some() {
+            f.executors
+                .standalone
+                .agentctl_path
+                .clone_from(&self.agentctl_path);
+        }
+        set(&mut f.executors.docker.enabled, &self.docker_enabled);
+        set(&mut f.executors.docker.host, &self.docker_host);
+        set(&mut f.executors.docker.image, &self.docker_image);
+        set(&mut f.recovery.mode, &self.recovery_mode);
+        set(&mut f.recovery.concurrency, &self.recovery_concurrency);
+        set(
+            &mut f.recovery.executor_deadline,
+            &self.recovery_executor_deadline,
+        );
+    }
+}
+
+/// Collects validation problems so the user sees all of them at once.
+#[derive(Default)]
+struct Problems(Vec<String>);
+
+impl Problems {
+    fn add(&mut self, key: &str, message: impl std::fmt::Display) {
+        self.0.push(format!("{key}: {message}"));
+    }
+
+    fn duration(&mut self, key: &str, value: &str) -> Duration {
+        match parse_duration(value) {
+            Ok(d) => d,
+            Err(e) => {
+                self.add(key, e);
+                Duration::ZERO
+            }
+        }
+    }
+
+    fn positive_duration(&mut self, key: &str, value: &str) -> Duration {
+        let d = self.duration(key, value);
+        if d.is_zero() && parse_duration(value).is_ok() {
+            self.add(key, "must be greater than zero");
+        }
+        d
+    }
+
+    fn addr(&mut self, key: &str, value: &str) -> Option<SocketAddr> {
+        match value.trim().parse::<SocketAddr>() {
+            Ok(a) => Some(a),
+            Err(_) => {
+                self.add(
+                    key,
+                    format!("{value:?} is not an address such as 127.0.0.1:50051"),
+                );
+                None
+            }
+        }
+    }
+
+    fn non_empty(&mut self, key: &str, value: &str) {
+        if value.trim().is_empty() {
+            self.add(key, "must not be empty");
+        }
+    }
+}
+
+impl FileConfig {
+    pub fn read(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("config: cannot read {}", path.display()))?;
+        Self::parse(&text).with_context(|| format!("config file {}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> anyhow::Result<Self> {
+        toml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))
+    }
+
+    pub fn validate(self) -> anyhow::Result<Config> {
+        self.validate_inner(true)
+    }
+
+    fn validate_inner(self, serves_api: bool) -> anyhow::Result<Config> {
+        let mut p = Problems::default();
+
         let data_dir = match self.data_dir {
+            Some(dir) if dir.as_os_str().is_empty() => {
+                p.add("data_dir", "must not be empty");
+                PathBuf::new()
+            }
             Some(dir) => dir,
-            None => default_data_dir().context(
-                "data_dir: cannot derive a default (neither XDG_DATA_HOME nor HOME is set); \
-                 pass --data-dir or set SESSIOND_DATA_DIR",
-            )?,
+            None => default_data_dir().unwrap_or_else(|| {
+                p.add(
+                    "data_dir",
+                    "cannot derive a default (neither XDG_DATA_HOME nor HOME is set); \
+                     pass --data-dir or set SESSIOND_DATA_DIR",
+                );
+                PathBuf::new()
+            }),
         };
         let database_url = match self.database_url {
             Some(url) if url.trim().is_empty() => {
-                bail!(
-                    "database_url: must not be empty; unset it to use the embedded SQLite default"
-                )
+                p.add(
+                    "database_url",
+                    "must not be empty; unset it to use the embedded SQLite default",
+                );
+                String::new()
             }
             Some(url) => url,
             None => data_dir.join("sessiond.sqlite3").display().to_string(),
         };
+        let listen = p.addr("listen", &self.listen);
+        if self.max_message_bytes == 0 {
+            p.add("max_message_bytes", "must be greater than zero");
+        }
+        let shutdown_grace = p.duration("shutdown_grace", &self.shutdown_grace);
+
+        let mut tokens: Vec<String> = self
+            .auth
+            .tokens
+            .iter()
+            .map(|t| t.trim().to_owned())
+            .collect();
+        if let Some(path) = &self.auth.tokens_file {
+            match std::fs::read_to_string(path) {
+                Ok(text) => tokens.extend(
+                    text.lines()
+                        .map(str::trim)
+                        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                        .map(str::to_owned),
+                ),
+                Err(e) => p.add(
+                    "auth.tokens_file",
+                    format!("cannot read {}: {e}", path.display()),
+                ),
+            }
+        }
+        tokens.retain(|t| !t.is_empty());
+        for (i, token) in tokens.iter().enumerate() {
+            if token.len() < 16 {
+                p.add(
+                    &format!("auth.tokens[{i}]"),
+                    "must be at least 16 characters",
+                );
+            }
+            if !token.bytes().all(|b| b.is_ascii_graphic()) {
+                p.add(
+                    &format!("auth.tokens[{i}]"),
+                    "must be printable ASCII without spaces",
+                );
+            }
+        }
+        let auth = if self.auth.insecure_no_auth {
+            if let Some(addr) = listen
+                && !addr.ip().is_loopback()
+            {
+                p.add(
+                    "auth.insecure_no_auth",
+                    format!(
+                        "refuses to serve without authentication on the non-loopback \
+                         address {addr}; configure auth.tokens or listen on 127.0.0.1"
+                    ),
+                );
+            }
+            AuthConfig::Disabled
+        } else {
+            if tokens.is_empty() && serves_api {
+                p.add(
+                    "auth.tokens",
+                    "no API token configured: set SESSIOND_API_TOKENS (or auth.tokens), \
+                     or pass --insecure-no-auth to serve on loopback without authentication",
+                );
+            }
+            AuthConfig::Tokens(tokens)
+        };
+
+        for (i, origin) in self.cors.allowed_origins.iter().enumerate() {
+            if origin != "*" && http::HeaderValue::from_str(origin).is_err() {
+                p.add(
+                    &format!("cors.allowed_origins[{i}]"),
+                    "is not a valid origin",
+                );
+            }
+        }
+        let cors = CorsConfig {
+            allowed_origins: if self.cors.allowed_origins.iter().any(|o| o == "*") {
+                Vec::new()
+            } else {
+                self.cors.allowed_origins.clone()
+            },
+            max_age: p.duration("cors.max_age", &self.cors.max_age),
+        };
+
+        let metrics_listen = match self.metrics.listen.trim() {
+            "" | "off" | "none" | "disabled" => None,
+            other => p.addr("metrics.listen", other),
+        };
+
+        let e = &self.executors;
+        let default_runtime = match Runtime::parse(e.default_runtime.trim()) {
+            Ok(r) => r,
+            Err(err) => {
+                p.add("executors.default_runtime", err);
+                Runtime::LocalStandalone
+            }
+        };
+        if default_runtime == Runtime::LocalDocker && !e.docker.enabled {
+            p.add(
+                "executors.default_runtime",
+                "is local_docker but executors.docker.enabled is false",
+            );
+        }
+        let agentctl_path = match &e.standalone.agentctl_path {
+            Some(path) if path.as_os_str().is_empty() => {
+                p.add("executors.standalone.agentctl_path", "must not be empty");
+                PathBuf::new()
+            }
+            Some(path) => path.clone(),
+            None => sessiond_executor::standalone::default_agentctl_path()
+                .unwrap_or_else(|| PathBuf::from("agentctl")),
+        };
+        let idle = p.duration("executors.idle_timeout", &e.idle_timeout);
+        let docker = if e.docker.enabled {
+            let d = &e.docker;
+            p.non_empty("executors.docker.host", &d.host);
+            if !d.host.trim().is_empty()
+                && !["unix://", "tcp://", "http://", "https://"]
+                    .iter()
+                    .any(|s| d.host.starts_with(s))
+            {
+                p.add(
+                    "executors.docker.host",
+                    "must start with unix://, tcp://, http:// or https://",
+                );
+            }
+            p.non_empty("executors.docker.image", &d.image);
+            p.non_empty("executors.docker.agentctl_path", &d.agentctl_path);
+            p.non_empty("executors.docker.network_mode", &d.network_mode);
+            if let Some(m) = d.memory_bytes
+                && m < 4 * 1024 * 1024
+            {
+                p.add(
+                    "executors.docker.memory_bytes",
+                    "must be at least 4194304 (4 MiB)",
+                );
+            }
+            if let Some(c) = d.cpus
+                && !(c > 0.0 && c.is_finite())
+            {
+                p.add("executors.docker.cpus", "must be greater than zero");
+            }
+            if let Some(n) = d.pids_limit
+                && n < 1
+            {
+                p.add("executors.docker.pids_limit", "must be at least 1");
+            }
+            Some(DockerConfig {
+                host: d.host.clone(),
+                image: d.image.clone(),
+                agentctl_path: d.agentctl_path.clone(),
+                network_mode: d.network_mode.clone(),
+                user: d.user.clone().filter(|u| !u.is_empty()),
+                memory_bytes: d.memory_bytes,
+                nano_cpus: d.cpus.map(|c| (c * 1e9) as i64),
+                pids_limit: d.pids_limit,
+                startup_timeout: p
+                    .positive_duration("executors.docker.startup_timeout", &d.startup_timeout),
+            })
+        } else {
+            None
+        };
+        if let Some(ca) = &e.remote.tls_ca_file
+            && !ca.is_file()
+        {
+            p.add(
+                "executors.remote.tls_ca_file",
+                format!("{} is not a readable file", ca.display()),
+            );
+        }
+        let executors = ExecutorsConfig {
+            default_runtime,
+            connect_timeout: p.positive_duration("executors.connect_timeout", &e.connect_timeout),
+            call_timeout: p.positive_duration("executors.call_timeout", &e.call_timeout),
+            idle_timeout: Some(idle).filter(|d| !d.is_zero()),
+            agentctl_path,
+            run_dir: e
+                .standalone
+                .run_dir
+                .clone()
+                .unwrap_or_else(|| data_dir.join("run")),
+            log_dir: e
+                .standalone
+                .log_dir
+                .clone()
+                .unwrap_or_else(|| data_dir.join("logs")),
+            standalone_startup_timeout: p.positive_duration(
+                "executors.standalone.startup_timeout",
+                &e.standalone.startup_timeout,
+            ),
+            docker,
+            remote_tls_ca_file: e.remote.tls_ca_file.clone(),
+            remote_tls_domain_name: e.remote.tls_domain_name.clone(),
+        };
+
+        let r = &self.recovery;
+        let policy = match ResumePolicy::parse(r.mode.trim()) {
+            Ok(policy) => policy,
+            Err(_) => {
+                p.add(
+                    "recovery.mode",
+                    format!("{:?} is not one of: startup, on_demand", r.mode),
+                );
+                ResumePolicy::Startup
+            }
+        };
+        if r.concurrency == 0 || r.concurrency > 1024 {
+            p.add("recovery.concurrency", "must be between 1 and 1024");
+        }
+        let recovery = RecoveryConfig {
+            policy,
+            concurrency: r.concurrency.clamp(1, 1024) as usize,
+            executor_deadline: p
+                .positive_duration("recovery.executor_deadline", &r.executor_deadline),
+            remote_backoff_initial: p
+                .positive_duration("recovery.remote_backoff_initial", &r.remote_backoff_initial),
+            remote_backoff_max: p
+                .positive_duration("recovery.remote_backoff_max", &r.remote_backoff_max),
+            remote_backoff_window: p
+                .duration("recovery.remote_backoff_window", &r.remote_backoff_window),
+        };
+        if recovery.remote_backoff_max < recovery.remote_backoff_initial {
+            p.add(
+                "recovery.remote_backoff_max",
+                "must not be less than recovery.remote_backoff_initial",
+            );
+        }
+
+        let agents = agent_profiles(&self.agents, &data_dir, &mut p);
+        if !agents.iter().any(|a| a.name == self.default_agent) {
+            p.add(
+                "default_agent",
+                format!(
+                    "{:?} names no agent profile (have: {})",
+                    self.default_agent,
+                    agents
+                        .iter()
+                        .map(|a| a.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            );
+        }
+
+        if !p.0.is_empty() {
+            bail!("invalid configuration:\n  {}", p.0.join("\n  "));
+        }
         Ok(Config {
             data_dir,
             database_url,
-            listen: self.listen,
+            listen: listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 50051))),
+            max_message_bytes: usize::try_from(self.max_message_bytes).unwrap_or(usize::MAX),
             log_json: self.log_json,
+            shutdown_grace,
+            auth,
+            cors,
+            metrics_listen,
+            executors,
+            recovery,
+            agents,
+            default_agent: self.default_agent,
         })
     }
+}
+
+/// The built-in demo profile, then the file's profiles (one named `demo`
+/// replaces the built-in one).
+fn agent_profiles(
+    sections: &[AgentSection],
+    data_dir: &Path,
+    p: &mut Problems,
+) -> Vec<AgentConfig> {
+    let mut agents = vec![demo_profile(data_dir)];
+    for (i, a) in sections.iter().enumerate() {
+        let key = format!("agents[{i}]");
+        if a.name.trim().is_empty() {
+            p.add(&format!("{key}.name"), "must not be empty");
+        }
+        if a.command.trim().is_empty() {
+            p.add(&format!("{key}.command"), "must not be empty");
+        }
+        if sections[..i].iter().any(|b| b.name == a.name) {
+            p.add(
+                &format!("{key}.name"),
+                format!("{:?} is used by an earlier profile", a.name),
+            );
+        }
+        let profile = AgentConfig {
+            name: a.name.clone(),
+            command: a.command.clone(),
+            args: a.args.clone(),
+            env: a.env.clone(),
+            supports_session_resume: a.supports_session_resume,
+        };
+        match agents.iter_mut().find(|b| b.name == a.name) {
+            Some(existing) => *existing = profile,
+            None => agents.push(profile),
+        }
+    }
+    agents
+}
+
+/// `acp-demo-agent` (next to this executable, else on PATH), keeping its
+/// transcripts in the data directory so `session/load` works after restarts.
+pub fn demo_profile(data_dir: &Path) -> AgentConfig {
+    let command = beside_current_exe("acp-demo-agent")
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|| "acp-demo-agent".into());
+    AgentConfig {
+        name: DEMO_PROFILE.into(),
+        command,
+        args: Vec::new(),
+        env: BTreeMap::from([(
+            "ACP_DEMO_STATE_DIR".to_owned(),
+            data_dir.join("acp-demo-agent").display().to_string(),
+        )]),
+        supports_session_resume: true,
+    }
+}
+
+fn beside_current_exe(name: &str) -> Option<PathBuf> {
+    let beside = std::env::current_exe().ok()?.parent()?.join(name);
+    beside.is_file().then_some(beside)
 }
 
 fn default_data_dir() -> Option<PathBuf> {
@@ -69,4 +900,185 @@ fn default_data_dir() -> Option<PathBuf> {
     }
     let home = std::env::var_os("HOME").filter(|v| !v.is_empty())?;
     Some(PathBuf::from(home).join(".local/share/sessiond"))
+}
+
+/// `250ms`, `5s`, `2m`, `1h`, or a bare number of seconds.
+pub fn parse_duration(value: &str) -> Result<Duration, String> {
+    let v = value.trim();
+    let split = v
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(v.len());
+    let (number, unit) = v.split_at(split);
+    let n: f64 = number
+        .parse()
+        .map_err(|_| format!("{value:?} is not a duration such as 250ms, 5s, 2m or 1h"))?;
+    let secs = match unit.trim() {
+        "ms" => n / 1000.0,
+        "" | "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => {
+            return Err(format!("{value:?} has an unknown unit; use ms, s, m or h"));
+        }
+    };
+    if !secs.is_finite() || secs < 0.0 || secs > 1e9 {
+        return Err(format!("{value:?} is out of range"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn with_tokens() -> FileConfig {
+        let mut f = FileConfig {
+            data_dir: Some("/tmp/sessiond-test".into()),
+            ..FileConfig::default()
+        };
+        f.auth.tokens = vec!["0123456789abcdef0123".into()];
+        f
+    }
+
+    fn error_of(f: FileConfig) -> String {
+        format!("{:#}", f.validate().unwrap_err())
+    }
+
+    #[test]
+    fn defaults_validate_once_a_token_is_set() {
+        let c = with_tokens().validate().unwrap();
+        assert_eq!(c.listen.to_string(), "127.0.0.1:50051");
+        assert_eq!(
+            c.database_url,
+            "/tmp/sessiond-test/sessiond.sqlite3".to_owned()
+        );
+        assert_eq!(c.metrics_listen.unwrap().port(), 9464);
+        assert_eq!(c.recovery.concurrency, 8);
+        assert_eq!(c.recovery.executor_deadline, Duration::from_secs(5));
+        assert_eq!(c.agents[0].name, DEMO_PROFILE);
+        assert!(c.executors.docker.is_none());
+        assert!(c.cors.allowed_origins.is_empty());
+    }
+
+    #[test]
+    fn no_token_and_no_explicit_insecure_mode_is_an_error() {
+        let f = FileConfig {
+            data_dir: Some("/tmp/x".into()),
+            ..FileConfig::default()
+        };
+        assert!(error_of(f).contains("auth.tokens: no API token"));
+    }
+
+    #[test]
+    fn insecure_mode_refuses_non_loopback_listen() {
+        let mut f = with_tokens();
+        f.auth.insecure_no_auth = true;
+        f.listen = "0.0.0.0:50051".into();
+        assert!(error_of(f.clone()).contains("auth.insecure_no_auth: refuses"));
+        f.listen = "[::1]:0".into();
+        assert!(matches!(f.validate().unwrap().auth, AuthConfig::Disabled));
+    }
+
+    #[test]
+    fn errors_name_the_key_and_all_are_reported() {
+        let text = r#"
+            listen = "nowhere"
+            [executors.docker]
+            enabled = true
+            image = ""
+            [recovery]
+            mode = "sometimes"
+            executor_deadline = "5 parsecs"
+        "#;
+        let mut f = FileConfig::parse(text).unwrap();
+        f.data_dir = Some("/tmp/x".into());
+        f.auth.tokens = vec!["0123456789abcdef".into()];
+        let err = error_of(f);
+        assert!(
+            err.contains("listen: \"nowhere\" is not an address"),
+            "{err}"
+        );
+        assert!(
+            err.contains("executors.docker.image: must not be empty"),
+            "{err}"
+        );
+        assert!(err.contains("recovery.mode:"), "{err}");
+        assert!(err.contains("recovery.executor_deadline:"), "{err}");
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected_with_their_name() {
+        let err = FileConfig::parse("[recovery]\nconcurency = 3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("concurency"), "{err}");
+    }
+
+    #[test]
+    fn file_profiles_add_to_and_override_the_demo_profile() {
+        let text = r#"
+            default_agent = "claude"
+            [[agents]]
+            name = "claude"
+            command = "claude-code-acp"
+            [[agents]]
+            name = "demo"
+            command = "/opt/demo"
+            supports_session_resume = false
+        "#;
+        let mut f = FileConfig::parse(text).unwrap();
+        f.data_dir = Some("/tmp/x".into());
+        f.auth.tokens = vec!["0123456789abcdef".into()];
+        let c = f.validate().unwrap();
+        assert_eq!(c.agents.len(), 2);
+        assert_eq!(c.agents[0].command, "/opt/demo");
+        assert!(!c.agents[0].supports_session_resume);
+        assert!(c.agents[1].supports_session_resume);
+        assert_eq!(c.default_agent, "claude");
+    }
+
+    #[test]
+    fn flags_and_env_override_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(
+            &path,
+            "listen = \"127.0.0.1:1111\"\n[auth]\ntokens = [\"from-the-file-0123456\"]\n",
+        )
+        .unwrap();
+        let args = ServeArgs {
+            config: Some(path),
+            data_dir: Some(dir.path().into()),
+            listen: Some("127.0.0.1:2222".into()),
+            ..ServeArgs::default()
+        };
+        let c = args.resolve().unwrap();
+        assert_eq!(c.listen.port(), 2222);
+        let AuthConfig::Tokens(t) = c.auth else {
+            panic!()
+        };
+        assert_eq!(t, vec!["from-the-file-0123456".to_owned()]);
+    }
+
+    #[test]
+    fn example_config_in_the_repository_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../sessiond.example.toml");
+        let mut f = FileConfig::read(&path).unwrap();
+        f.data_dir = Some("/tmp/x".into());
+        f.auth.tokens = vec!["0123456789abcdef".into()];
+        f.validate().unwrap();
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("5s"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
+        assert!(parse_duration("5 parsecs").is_err());
+        assert!(parse_duration("").is_err());
+    }
 }

@@ -2,7 +2,9 @@
 //! across its own restarts. This binary stays thin: it reads configuration,
 //! opens the store and wires the gRPC services.
 
+mod auth;
 mod config;
+mod metrics;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -41,7 +43,7 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Serve(args) => runtime()?.block_on(serve::serve(args.resolve()?)),
-        Command::Migrate(args) => runtime()?.block_on(serve::migrate(args.resolve()?)),
+        Command::Migrate(args) => runtime()?.block_on(serve::migrate(args.resolve_for_migrate()?)),
     }
 }
 

@@ -1,25 +1,47 @@
-//! `sessiond serve`: opens the store, then serves gRPC until SIGTERM/ctrl-c.
+//! `sessiond serve`: opens the store, serves gRPC (+ gRPC-web, health,
+//! reflection, metrics), runs startup recovery, and stops on SIGTERM/ctrl-c
+//! leaving executors running.
+//!
+//! Layers around every service, outermost first: CORS (preflights answered
+//! without credentials) → gRPC-web translation → RPC metrics → bearer auth.
 
 use std::time::Instant;
 
 use anyhow::Context;
+use http::{HeaderName, HeaderValue};
 use sessiond_store::{Store, StoreOptions};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic_health::ServingStatus;
+use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 
-use crate::config::Config;
+use crate::{
+    auth::AuthLayer,
+    config::{AuthConfig, Config, CorsConfig},
+    metrics::{self, Metrics, RpcMetricsLayer},
+};
+
+/// Services whose health follows startup recovery ("" is the whole server).
+const HEALTH_SERVICES: &[&str] = &[
+    "",
+    "sessiond.v1.SessionService",
+    "sessiond.v1.WorkspaceService",
+];
 
 pub async fn serve(config: Config) -> anyhow::Result<()> {
     init_tracing(config.log_json);
     let started = Instant::now();
+    if matches!(config.auth, AuthConfig::Disabled) {
+        tracing::warn!(listen = %config.listen, "authentication is disabled (--insecure-no-auth); loopback only");
+    }
     let store = open_store(&config).await?;
 
     let (health, health_service) = tonic_health::server::health_reporter();
-    // "" is the whole server; it reports SERVING only once the store is open.
-    health
-        .set_service_status("", ServingStatus::NotServing)
-        .await;
+    for service in HEALTH_SERVICES {
+        health
+            .set_service_status(*service, ServingStatus::NotServing)
+            .await;
+    }
 
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(sessiond_proto::FILE_DESCRIPTOR_SET)
@@ -27,31 +49,82 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         .build_v1()
         .context("building the reflection service")?;
 
+    let metrics = Metrics::new(snapshot_source(store.clone()));
+
     let listener = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("listen: cannot bind {}", config.listen))?;
     let local_addr = listener.local_addr()?;
-    // One machine-readable line on stdout so scripts (and tests) find the port.
+    let metrics_listener = match config.metrics_listen {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("metrics.listen: cannot bind {addr}"))?,
+        ),
+        None => None,
+    };
+    // Machine-readable lines on stdout so scripts (and tests) find the ports.
     #[allow(clippy::print_stdout)]
     {
         println!("sessiond listening on {local_addr}");
+        if let Some(l) = &metrics_listener {
+            println!("sessiond metrics on {}", l.local_addr()?);
+        }
     }
 
-    health.set_service_status("", ServingStatus::Serving).await;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let wait_stop = move || {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|stopped| *stopped).await;
+        }
+    };
+    if let Some(l) = metrics_listener {
+        tokio::spawn(metrics::serve(l, metrics.clone(), wait_stop()));
+    }
+
+    let tokens = match &config.auth {
+        AuthConfig::Tokens(t) => Some(t.clone()),
+        AuthConfig::Disabled => None,
+    };
+    let router = tonic::transport::Server::builder()
+        .accept_http1(true)
+        .layer(cors_layer(&config.cors))
+        .layer(tonic_web::GrpcWebLayer::new())
+        .layer(RpcMetricsLayer::new(metrics.clone()))
+        .layer(AuthLayer::new(tokens))
+        .add_service(health_service)
+        .add_service(reflection);
+    let server = tokio::spawn(
+        router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), wait_stop()),
+    );
+
     tracing::info!(
         %local_addr,
         backend = ?store.backend(),
         startup_ms = started.elapsed().as_millis() as u64,
-        "serving"
+        "accepting calls; recovering executors"
     );
+    let recovery_started = Instant::now();
+    metrics.record_recovery(recovery_started.elapsed(), &[]);
+    for service in HEALTH_SERVICES {
+        health
+            .set_service_status(*service, ServingStatus::Serving)
+            .await;
+    }
+    tracing::info!("serving");
 
-    tonic::transport::Server::builder()
-        .add_service(health_service)
-        .add_service(reflection)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown_signal())
-        .await
-        .context("gRPC server failed")?;
-    tracing::info!("stopped");
+    shutdown_signal().await;
+    let _ = stop_tx.send(true);
+    match tokio::time::timeout(config.shutdown_grace, server).await {
+        Ok(Ok(result)) => result.context("gRPC server failed")?,
+        Ok(Err(join)) => return Err(join).context("gRPC server task failed"),
+        Err(_) => tracing::warn!(
+            grace = ?config.shutdown_grace,
+            "in-flight calls did not finish within the shutdown grace; exiting anyway"
+        ),
+    }
+    tracing::info!("stopped; executors keep running for the next start to reattach");
     Ok(())
 }
 
@@ -70,6 +143,57 @@ async fn open_store(config: &Config) -> anyhow::Result<Store> {
     Store::connect(&config.database_url, StoreOptions::default())
         .await
         .with_context(|| format!("database_url: cannot open {}", redact(&config.database_url)))
+}
+
+/// CORS for browsers calling through gRPC-web: bearer tokens travel in the
+/// `authorization` header, never in cookies, so credentials stay off.
+fn cors_layer(config: &CorsConfig) -> CorsLayer {
+    let origin = if config.allowed_origins.is_empty() {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(
+            config
+                .allowed_origins
+                .iter()
+                .filter_map(|o| HeaderValue::from_str(o).ok()),
+        )
+    };
+    CorsLayer::new()
+        .allow_origin(origin)
+        .allow_methods([http::Method::POST, http::Method::OPTIONS])
+        // `*` would not cover `authorization`; echo what the browser asks for.
+        .allow_headers(AllowHeaders::mirror_request())
+        .expose_headers([
+            HeaderName::from_static("grpc-status"),
+            HeaderName::from_static("grpc-message"),
+            HeaderName::from_static("grpc-status-details-bin"),
+        ])
+        .max_age(config.max_age)
+}
+
+/// Gauges read from the store at scrape time.
+fn snapshot_source(store: Store) -> impl Fn() -> metrics::Snapshot + Send + Sync + 'static {
+    move || {
+        let store = store.clone();
+        Box::pin(async move {
+            let mut executors = std::collections::BTreeMap::new();
+            for s in sessiond_domain::ExecutorStatus::ALL {
+                executors.insert(s.as_str().to_owned(), 0.0);
+            }
+            if let Ok(list) = store.list_executors().await {
+                for e in list {
+                    *executors.entry(e.status.as_str().to_owned()).or_insert(0.0) += 1.0;
+                }
+            }
+            vec![(
+                "sessiond_executors".to_owned(),
+                executors
+                    .into_iter()
+                    .map(|(k, v)| ("status".to_owned(), k, v))
+                    .collect(),
+            )]
+        })
+    }
 }
 
 /// Hides the password of a `postgres://user:password@host` URL.

@@ -31,7 +31,15 @@ impl Drop for Server {
 
 fn start(data_dir: &std::path::Path) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_sessiond"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--insecure-no-auth",
+            "--metrics-listen",
+            "off",
+            "--data-dir",
+        ])
         .arg(data_dir)
         .env_remove("SESSIOND_DATABASE_URL")
         .stdout(Stdio::piped())

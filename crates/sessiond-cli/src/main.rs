@@ -1,0 +1,782 @@
+//! `sessionctl`: a command-line client of the sessiond API.
+//!
+//! Server address and token come from `--addr`/`--token` or `SESSIOND_ADDR`/
+//! `SESSIOND_TOKEN`; `--task` from `SESSIOND_TASK` as well, so a shell can set
+//! it once. Every command prints readable text, or one JSON document per
+//! result (per event for `watch`) with `--json`.
+
+#![allow(clippy::print_stdout)]
+
+mod output;
+
+use std::{io::Write, process::ExitCode, time::Duration};
+
+use anyhow::{Context, bail};
+use clap::{Args, Parser, Subcommand};
+use sessiond_proto::sessiond::v1::{
+    self as pb, session_service_client::SessionServiceClient,
+    workspace_service_client::WorkspaceServiceClient,
+};
+use tokio_stream::StreamExt;
+use tonic::{
+    metadata::{Ascii, MetadataValue},
+    service::{Interceptor, interceptor::InterceptedService},
+    transport::Channel,
+};
+
+use crate::output::Out;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "sessionctl",
+    version,
+    about = "Command-line client of sessiond: tasks, agent sessions, messages, events, workspaces"
+)]
+struct Cli {
+    /// Server address.
+    #[arg(
+        long,
+        global = true,
+        env = "SESSIOND_ADDR",
+        default_value = "http://127.0.0.1:50051"
+    )]
+    addr: String,
+    /// API bearer token.
+    #[arg(long, global = true, env = "SESSIOND_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    /// For create commands: print only the new id.
+    #[arg(long, short, global = true)]
+    quiet: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Tasks: units of work that have sessions.
+    #[command(subcommand)]
+    Task(TaskCmd),
+    /// Agent sessions of a task.
+    #[command(subcommand)]
+    Session(SessionCmd),
+    /// Send a prompt to a session's agent and print its reply as it streams.
+    Send(SendArgs),
+    /// List a session's messages.
+    Messages(MessagesArgs),
+    /// Follow a session's (or a task's) events live; reconnects after a
+    /// disconnect from the last event seen, so nothing is missed or repeated.
+    Watch(WatchArgs),
+    /// Shell, files and git of a session's workspace.
+    #[command(subcommand)]
+    Workspace(WorkspaceCmd),
+    /// List the agent profiles the server knows.
+    Profiles,
+}
+
+#[derive(Debug, Subcommand)]
+enum TaskCmd {
+    Create { title: String },
+    List,
+    Get { task_id: String },
+}
+
+#[derive(Debug, Args)]
+struct TaskArg {
+    /// The task the session belongs to.
+    #[arg(long, env = "SESSIOND_TASK")]
+    task: String,
+}
+
+#[derive(Debug, Args)]
+struct SessionRef {
+    #[command(flatten)]
+    task: TaskArg,
+    session_id: String,
+}
+
+#[derive(Debug, Subcommand)]
+enum SessionCmd {
+    /// Launch an executor and an agent; returns once the agent waits for input.
+    Create {
+        #[command(flatten)]
+        task: TaskArg,
+        /// Agent profile name or id; the server's default when omitted.
+        #[arg(long)]
+        agent: Option<String>,
+        /// local_standalone | local_docker | remote; the server's default when omitted.
+        #[arg(long)]
+        runtime: Option<String>,
+        /// Working tree for the agent (must exist on the executor's host).
+        #[arg(long, default_value = ".")]
+        worktree: String,
+        #[arg(long, default_value = "")]
+        branch: String,
+        /// agentctl URL for the remote runtime.
+        #[arg(long)]
+        remote_url: Option<String>,
+    },
+    List {
+        #[command(flatten)]
+        task: TaskArg,
+    },
+    Get(SessionRef),
+    /// Session-specific status: executor, agent, resumability.
+    Status(SessionRef),
+    /// Resume the agent conversation from the session's resume token.
+    Resume(SessionRef),
+    /// End the agent and its executor.
+    Stop {
+        #[command(flatten)]
+        session: SessionRef,
+        /// Mark the session COMPLETED instead of CANCELLED.
+        #[arg(long)]
+        completed: bool,
+    },
+    /// Stop if needed and remove the session's executor.
+    Delete(SessionRef),
+}
+
+#[derive(Debug, Args)]
+struct SendArgs {
+    #[command(flatten)]
+    session: SessionRef,
+    /// The prompt.
+    text: String,
+    /// Return once the message is stored instead of waiting for the reply.
+    #[arg(long)]
+    no_wait: bool,
+    /// Give up waiting for the reply after this many seconds.
+    #[arg(long, default_value_t = 300)]
+    timeout_secs: u64,
+}
+
+#[derive(Debug, Args)]
+struct MessagesArgs {
+    #[command(flatten)]
+    session: SessionRef,
+    /// Only messages after this seq.
+    #[arg(long, default_value_t = 0)]
+    after_seq: i64,
+}
+
+#[derive(Debug, Args)]
+struct WatchArgs {
+    /// The session to follow.
+    #[arg(long, conflicts_with = "task", required_unless_present = "task")]
+    session: Option<String>,
+    /// Follow every session of this task instead.
+    #[arg(long)]
+    task: Option<String>,
+    /// Start after this seq (task_seq with --task); 0 replays everything.
+    #[arg(long, default_value_t = 0)]
+    after_seq: i64,
+    /// Exit after this many events (for scripts).
+    #[arg(long)]
+    count: Option<usize>,
+}
+
+#[derive(Debug, Subcommand)]
+enum WorkspaceCmd {
+    /// Run a command in the workspace; exits with its exit code.
+    Exec {
+        #[command(flatten)]
+        session: SessionRef,
+        /// Working directory relative to the worktree.
+        #[arg(long, default_value = "")]
+        cwd: String,
+        #[arg(long, default_value_t = 60_000)]
+        timeout_ms: u64,
+        /// The command and its arguments (after `--`).
+        #[arg(last = true, required = true)]
+        argv: Vec<String>,
+    },
+    /// Print a file of the workspace.
+    Cat {
+        #[command(flatten)]
+        session: SessionRef,
+        path: String,
+    },
+    /// List a directory of the workspace.
+    Ls {
+        #[command(flatten)]
+        session: SessionRef,
+        #[arg(default_value = "")]
+        path: String,
+    },
+    /// `git status` of the workspace.
+    GitStatus(SessionRef),
+    /// `git diff` of the workspace.
+    GitDiff {
+        #[command(flatten)]
+        session: SessionRef,
+        #[arg(long)]
+        staged: bool,
+    },
+}
+
+#[derive(Debug, Clone)]
+struct Bearer(Option<MetadataValue<Ascii>>);
+
+impl Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+type Sessions = SessionServiceClient<InterceptedService<Channel, Bearer>>;
+type Workspaces = WorkspaceServiceClient<InterceptedService<Channel, Bearer>>;
+
+struct Clients {
+    sessions: Sessions,
+    workspaces: Workspaces,
+    addr: String,
+    bearer: Bearer,
+}
+
+impl Clients {
+    async fn connect(addr: &str, token: Option<&str>) -> anyhow::Result<Self> {
+        let addr = if addr.contains("://") {
+            addr.to_owned()
+        } else {
+            format!("http://{addr}")
+        };
+        let bearer = Bearer(
+            token
+                .filter(|t| !t.is_empty())
+                .map(|t| format!("Bearer {t}").parse())
+                .transpose()
+                .context("SESSIOND_TOKEN is not a valid header value")?,
+        );
+        let channel = channel(&addr).await?;
+        Ok(Self {
+            sessions: SessionServiceClient::with_interceptor(channel.clone(), bearer.clone())
+                .max_decoding_message_size(64 * 1024 * 1024),
+            workspaces: WorkspaceServiceClient::with_interceptor(channel, bearer.clone())
+                .max_decoding_message_size(64 * 1024 * 1024),
+            addr,
+            bearer,
+        })
+    }
+
+    /// A fresh connection (after the server went away).
+    async fn reconnect(&mut self) -> anyhow::Result<()> {
+        let channel = channel(&self.addr).await?;
+        self.sessions =
+            SessionServiceClient::with_interceptor(channel.clone(), self.bearer.clone());
+        self.workspaces = WorkspaceServiceClient::with_interceptor(channel, self.bearer.clone());
+        Ok(())
+    }
+}
+
+async fn channel(addr: &str) -> anyhow::Result<Channel> {
+    tonic::transport::Endpoint::from_shared(addr.to_owned())
+        .with_context(|| format!("--addr {addr:?} is not a URL"))?
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .with_context(|| format!("cannot connect to sessiond at {addr}"))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            match e.downcast_ref::<tonic::Status>() {
+                Some(status) => eprintln!("error: {} ({:?})", status.message(), status.code()),
+                None => eprintln!("error: {e:#}"),
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let out = Out {
+        json: cli.json,
+        quiet: cli.quiet,
+    };
+    let mut c = Clients::connect(&cli.addr, cli.token.as_deref()).await?;
+    match cli.command {
+        Command::Task(cmd) => task(&mut c, &out, cmd).await?,
+        Command::Session(cmd) => session(&mut c, &out, cmd).await?,
+        Command::Send(args) => send(&mut c, &out, args).await?,
+        Command::Messages(args) => messages(&mut c, &out, args).await?,
+        Command::Watch(args) => watch(&mut c, &out, args).await?,
+        Command::Workspace(cmd) => return workspace(&mut c, &out, cmd).await,
+        Command::Profiles => {
+            let r = c
+                .sessions
+                .list_agent_profiles(pb::ListAgentProfilesRequest {})
+                .await?
+                .into_inner();
+            out.profiles(&r.profiles);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn task(c: &mut Clients, out: &Out, cmd: TaskCmd) -> anyhow::Result<()> {
+    match cmd {
+        TaskCmd::Create { title } => {
+            let r = c
+                .sessions
+                .create_task(pb::CreateTaskRequest { title })
+                .await?
+                .into_inner();
+            out.created_task(r.task.as_ref());
+        }
+        TaskCmd::Get { task_id } => {
+            let r = c
+                .sessions
+                .get_task(pb::GetTaskRequest { task_id })
+                .await?
+                .into_inner();
+            out.tasks(r.task.as_slice());
+        }
+        TaskCmd::List => {
+            let mut all = Vec::new();
+            let mut page_token = String::new();
+            loop {
+                let r = c
+                    .sessions
+                    .list_tasks(pb::ListTasksRequest {
+                        page_size: 1000,
+                        page_token,
+                    })
+                    .await?
+                    .into_inner();
+                all.extend(r.tasks);
+                if r.next_page_token.is_empty() {
+                    break;
+                }
+                page_token = r.next_page_token;
+            }
+            out.tasks(&all);
+        }
+    }
+    Ok(())
+}
+
+fn parse_runtime(value: &str) -> anyhow::Result<pb::Runtime> {
+    Ok(match value {
+        "local_standalone" | "standalone" => pb::Runtime::LocalStandalone,
+        "local_docker" | "docker" => pb::Runtime::LocalDocker,
+        "remote" => pb::Runtime::Remote,
+        other => bail!("--runtime {other:?}: expected local_standalone, local_docker or remote"),
+    })
+}
+
+async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<()> {
+    match cmd {
+        SessionCmd::Create {
+            task,
+            agent,
+            runtime,
+            worktree,
+            branch,
+            remote_url,
+        } => {
+            let runtime = runtime.as_deref().map(parse_runtime).transpose()?;
+            // The server resolves paths on the executor's host; make the
+            // default `.` mean this shell's directory.
+            let path = if remote_url.is_none() {
+                std::path::absolute(&worktree)
+                    .with_context(|| format!("--worktree {worktree:?}"))?
+                    .display()
+                    .to_string()
+            } else {
+                worktree
+            };
+            let r = c
+                .sessions
+                .create_session(pb::CreateSessionRequest {
+                    task_id: task.task,
+                    agent_profile: agent.unwrap_or_default(),
+                    runtime: runtime.unwrap_or(pb::Runtime::Unspecified) as i32,
+                    worktree: Some(pb::Worktree {
+                        id: String::new(),
+                        path,
+                        branch,
+                    }),
+                    remote_url: remote_url.unwrap_or_default(),
+                })
+                .await?
+                .into_inner();
+            out.created_session(r.session.as_ref());
+        }
+        SessionCmd::List { task } => {
+            let r = c
+                .sessions
+                .list_sessions(pb::ListSessionsRequest { task_id: task.task })
+                .await?
+                .into_inner();
+            out.sessions(&r.sessions);
+        }
+        SessionCmd::Get(s) => {
+            let r = c
+                .sessions
+                .get_session(pb::GetSessionRequest {
+                    task_id: s.task.task,
+                    session_id: s.session_id,
+                })
+                .await?
+                .into_inner();
+            out.sessions(r.session.as_slice());
+        }
+        SessionCmd::Status(s) => {
+            let r = c
+                .sessions
+                .get_session_status(pb::GetSessionStatusRequest {
+                    task_id: s.task.task,
+                    session_id: s.session_id,
+                })
+                .await?
+                .into_inner();
+            out.status(&r);
+        }
+        SessionCmd::Resume(s) => {
+            let r = c
+                .sessions
+                .resume_session(pb::ResumeSessionRequest {
+                    task_id: s.task.task,
+                    session_id: s.session_id,
+                })
+                .await?
+                .into_inner();
+            out.sessions(r.session.as_slice());
+        }
+        SessionCmd::Stop { session, completed } => {
+            let r = c
+                .sessions
+                .stop_session(pb::StopSessionRequest {
+                    task_id: session.task.task,
+                    session_id: session.session_id,
+                    outcome: if completed {
+                        pb::StopOutcome::Completed
+                    } else {
+                        pb::StopOutcome::Cancelled
+                    } as i32,
+                })
+                .await?
+                .into_inner();
+            out.sessions(r.session.as_slice());
+        }
+        SessionCmd::Delete(s) => {
+            c.sessions
+                .delete_session(pb::DeleteSessionRequest {
+                    task_id: s.task.task,
+                    session_id: s.session_id.clone(),
+                })
+                .await?;
+            out.deleted(&s.session_id);
+        }
+    }
+    Ok(())
+}
+
+/// Sends the prompt, then follows the session's events and prints the
+/// agent's reply as it streams, until the turn ends.
+async fn send(c: &mut Clients, out: &Out, args: SendArgs) -> anyhow::Result<()> {
+    let task_id = args.session.task.task;
+    let session_id = args.session.session_id;
+    let sent = c
+        .sessions
+        .send_message(pb::SendMessageRequest {
+            task_id,
+            session_id: session_id.clone(),
+            content: args.text,
+        })
+        .await?
+        .into_inner();
+    if args.no_wait {
+        if let Some(m) = &sent.message {
+            out.messages(std::slice::from_ref(m));
+        }
+        return Ok(());
+    }
+    let user_seq = sent.message.as_ref().map_or(0, |m| m.seq);
+    let user_id = sent
+        .message
+        .as_ref()
+        .map(|m| m.id.clone())
+        .unwrap_or_default();
+    // Replays the session's events, then tails: everything after our own
+    // message.added belongs to this turn.
+    let mut events = c
+        .sessions
+        .watch_session(pb::WatchSessionRequest {
+            session_id,
+            after_seq: 0,
+        })
+        .await?
+        .into_inner();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout_secs);
+    let mut printed = 0usize;
+    let mut reply: Option<pb::Message> = None;
+    let mut in_turn = false;
+    loop {
+        let next = tokio::time::timeout_at(deadline, events.next())
+            .await
+            .context("timed out waiting for the agent's reply")?;
+        let Some(event) = next.transpose()? else {
+            bail!("the server closed the event stream before the reply was complete");
+        };
+        match event.payload {
+            Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
+                if m.id == user_id =>
+            {
+                in_turn = true;
+            }
+            Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
+            | Some(pb::event::Payload::MessageUpdated(pb::MessageUpdated { message: Some(m) }))
+                if m.role == pb::MessageRole::Agent as i32 && m.seq > user_seq =>
+            {
+                if !out.json && m.content.len() > printed {
+                    let mut stdout = std::io::stdout().lock();
+                    let _ = stdout.write_all(&m.content.as_bytes()[printed..]);
+                    let _ = stdout.flush();
+                    printed = m.content.len();
+                }
+                let complete = m.complete;
+                reply = Some(m);
+                if complete {
+                    break;
+                }
+            }
+            Some(pb::event::Payload::StateChanged(sc)) if in_turn => {
+                if sc.to == pb::SessionState::Error as i32 {
+                    bail!("the session went to ERROR: {}", sc.error_message);
+                }
+                if sc.to == pb::SessionState::WaitingForInput as i32 && reply.is_some() {
+                    break;
+                }
+            }
+            _ => {}
+        }
+    }
+    if out.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "message": sent.message.as_ref().map(output::message_json),
+                "reply": reply.as_ref().map(output::message_json),
+            })
+        );
+    } else if printed > 0 {
+        println!();
+    }
+    Ok(())
+}
+
+async fn messages(c: &mut Clients, out: &Out, args: MessagesArgs) -> anyhow::Result<()> {
+    let mut after_seq = args.after_seq;
+    let mut all = Vec::new();
+    loop {
+        let r = c
+            .sessions
+            .list_messages(pb::ListMessagesRequest {
+                task_id: args.session.task.task.clone(),
+                session_id: args.session.session_id.clone(),
+                after_seq,
+                page_size: 1000,
+            })
+            .await?
+            .into_inner();
+        all.extend(r.messages);
+        if r.next_after_seq == 0 {
+            break;
+        }
+        after_seq = r.next_after_seq;
+    }
+    out.messages(&all);
+    Ok(())
+}
+
+async fn watch(c: &mut Clients, out: &Out, args: WatchArgs) -> anyhow::Result<()> {
+    let mut cursor = args.after_seq;
+    let mut seen = 0usize;
+    let mut attempt = 0u32;
+    loop {
+        let opened = match (&args.session, &args.task) {
+            (Some(session_id), _) => {
+                c.sessions
+                    .watch_session(pb::WatchSessionRequest {
+                        session_id: session_id.clone(),
+                        after_seq: cursor,
+                    })
+                    .await
+            }
+            (None, Some(task_id)) => {
+                c.sessions
+                    .watch_task(pb::WatchTaskRequest {
+                        task_id: task_id.clone(),
+                        after_task_seq: cursor,
+                    })
+                    .await
+            }
+            (None, None) => bail!("pass --session or --task"),
+        };
+        let mut stream = match opened {
+            Ok(s) => {
+                attempt = 0;
+                s.into_inner()
+            }
+            Err(status) if retryable(&status) => {
+                reconnect_after(c, &mut attempt, &status).await;
+                continue;
+            }
+            Err(status) => return Err(status.into()),
+        };
+        loop {
+            match stream.next().await {
+                Some(Ok(event)) => {
+                    cursor = if args.task.is_some() {
+                        event.task_seq
+                    } else {
+                        event.seq
+                    };
+                    out.event(&event);
+                    seen += 1;
+                    if args.count.is_some_and(|n| seen >= n) {
+                        return Ok(());
+                    }
+                }
+                Some(Err(status)) if retryable(&status) => {
+                    reconnect_after(c, &mut attempt, &status).await;
+                    break;
+                }
+                Some(Err(status)) => return Err(status.into()),
+                None => {
+                    reconnect_after(c, &mut attempt, &tonic::Status::unavailable("stream ended"))
+                        .await;
+                    break;
+                }
+            }
+        }
+    }
+}
+
+fn retryable(status: &tonic::Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::Unavailable
+            | tonic::Code::Unknown
+            | tonic::Code::Internal
+            | tonic::Code::Cancelled
+    )
+}
+
+/// Waits (250 ms doubling to 5 s) and reconnects; the caller resumes from
+/// its cursor.
+async fn reconnect_after(c: &mut Clients, attempt: &mut u32, why: &tonic::Status) {
+    let delay = Duration::from_millis(250) * 2u32.pow((*attempt).min(5));
+    let delay = delay.min(Duration::from_secs(5));
+    *attempt += 1;
+    eprintln!(
+        "sessionctl: disconnected ({}); reconnecting in {delay:?}",
+        why.message()
+    );
+    tokio::time::sleep(delay).await;
+    if let Err(e) = c.reconnect().await {
+        eprintln!("sessionctl: {e:#}");
+    }
+}
+
+fn session_ref(s: SessionRef) -> pb::SessionRef {
+    pb::SessionRef {
+        task_id: s.task.task,
+        session_id: s.session_id,
+    }
+}
+
+async fn workspace(c: &mut Clients, out: &Out, cmd: WorkspaceCmd) -> anyhow::Result<ExitCode> {
+    match cmd {
+        WorkspaceCmd::Exec {
+            session,
+            cwd,
+            timeout_ms,
+            mut argv,
+        } => {
+            let command = argv.remove(0);
+            let r = c
+                .workspaces
+                .exec(pb::ExecRequest {
+                    session: Some(session_ref(session)),
+                    command,
+                    args: argv,
+                    cwd,
+                    timeout_ms,
+                    max_output_bytes: 0,
+                })
+                .await?
+                .into_inner();
+            out.exec(&r);
+            return Ok(match r.exit_code {
+                Some(0) => ExitCode::SUCCESS,
+                Some(n) => ExitCode::from(u8::try_from(n.clamp(1, 255)).unwrap_or(1)),
+                None => ExitCode::from(124),
+            });
+        }
+        WorkspaceCmd::Cat { session, path } => {
+            let r = c
+                .workspaces
+                .read_file(pb::ReadFileRequest {
+                    session: Some(session_ref(session)),
+                    path: path.clone(),
+                })
+                .await?
+                .into_inner();
+            out.file(&path, &r.content);
+        }
+        WorkspaceCmd::Ls { session, path } => {
+            let r = c
+                .workspaces
+                .list_dir(pb::ListDirRequest {
+                    session: Some(session_ref(session)),
+                    path,
+                })
+                .await?
+                .into_inner();
+            out.entries(&r.entries);
+        }
+        WorkspaceCmd::GitStatus(session) => {
+            let r = c
+                .workspaces
+                .git_status(pb::GitStatusRequest {
+                    session: Some(session_ref(session)),
+                })
+                .await?
+                .into_inner();
+            out.git_status(&r);
+        }
+        WorkspaceCmd::GitDiff { session, staged } => {
+            let r = c
+                .workspaces
+                .git_diff(pb::GitDiffRequest {
+                    session: Some(session_ref(session)),
+                    staged,
+                })
+                .await?
+                .into_inner();
+            out.git_diff(&r.diff);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

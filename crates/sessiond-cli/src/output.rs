@@ -1,0 +1,396 @@
+//! Readable text and `--json` output of every result.
+
+use std::io::Write;
+
+use serde_json::{Value, json};
+use sessiond_proto::sessiond::v1 as pb;
+
+#[derive(Debug, Clone, Copy)]
+pub struct Out {
+    pub json: bool,
+    pub quiet: bool,
+}
+
+fn ts(t: Option<&prost_types::Timestamp>) -> String {
+    t.and_then(|t| chrono::DateTime::from_timestamp(t.seconds, t.nanos.max(0) as u32))
+        .map(|d| d.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
+        .unwrap_or_default()
+}
+
+/// `SESSION_STATE_WAITING_FOR_INPUT` -> `WAITING_FOR_INPUT`.
+fn short(name: &str, prefix: &str) -> String {
+    name.strip_prefix(prefix).unwrap_or(name).to_owned()
+}
+
+fn task_state(v: i32) -> String {
+    pb::TaskState::try_from(v).map_or(v.to_string(), |s| short(s.as_str_name(), "TASK_STATE_"))
+}
+fn session_state(v: i32) -> String {
+    pb::SessionState::try_from(v)
+        .map_or(v.to_string(), |s| short(s.as_str_name(), "SESSION_STATE_"))
+}
+fn executor_status(v: i32) -> String {
+    pb::ExecutorStatus::try_from(v).map_or(v.to_string(), |s| {
+        short(s.as_str_name(), "EXECUTOR_STATUS_").to_lowercase()
+    })
+}
+fn runtime(v: i32) -> String {
+    pb::Runtime::try_from(v).map_or(v.to_string(), |s| {
+        short(s.as_str_name(), "RUNTIME_").to_lowercase()
+    })
+}
+fn role(v: i32) -> String {
+    pb::MessageRole::try_from(v).map_or(v.to_string(), |s| {
+        short(s.as_str_name(), "MESSAGE_ROLE_").to_lowercase()
+    })
+}
+fn resume_reason(v: i32) -> String {
+    pb::ResumeReason::try_from(v).map_or(v.to_string(), |s| {
+        short(s.as_str_name(), "RESUME_REASON_").to_lowercase()
+    })
+}
+
+fn task_json(t: &pb::Task) -> Value {
+    json!({
+        "id": t.id, "title": t.title, "state": task_state(t.state),
+        "created_at": ts(t.created_at.as_ref()), "updated_at": ts(t.updated_at.as_ref()),
+    })
+}
+
+fn session_json(s: &pb::Session) -> Value {
+    let w = s.worktree.clone().unwrap_or_default();
+    json!({
+        "id": s.id, "task_id": s.task_id, "state": session_state(s.state),
+        "agent_profile_id": s.agent_profile_id, "runtime": runtime(s.runtime),
+        "worktree": {"id": w.id, "path": w.path, "branch": w.branch},
+        "executor_id": s.executor_id, "agent_execution_id": s.agent_execution_id,
+        "resume_token": s.resume_token, "error_message": s.error_message,
+        "version": s.version,
+        "created_at": ts(s.created_at.as_ref()), "updated_at": ts(s.updated_at.as_ref()),
+    })
+}
+
+pub fn message_json(m: &pb::Message) -> Value {
+    json!({
+        "id": m.id, "session_id": m.session_id, "task_id": m.task_id,
+        "role": role(m.role), "content": m.content, "seq": m.seq, "complete": m.complete,
+        "created_at": ts(m.created_at.as_ref()), "updated_at": ts(m.updated_at.as_ref()),
+    })
+}
+
+fn event_json(e: &pb::Event) -> Value {
+    use pb::event::Payload;
+    let payload = match &e.payload {
+        Some(Payload::AgentctlStarting(p)) => json!({
+            "executor_id": p.executor_id, "runtime": runtime(p.runtime), "generation": p.generation,
+        }),
+        Some(Payload::AgentctlReady(p)) => json!({
+            "executor_id": p.executor_id, "runtime": runtime(p.runtime),
+            "supports_session_resume": p.supports_session_resume,
+        }),
+        Some(Payload::AgentctlError(p)) => json!({
+            "executor_id": p.executor_id, "error_message": p.error_message,
+        }),
+        Some(Payload::StateChanged(p)) => json!({
+            "from": session_state(p.from), "to": session_state(p.to),
+            "error_message": p.error_message,
+        }),
+        Some(Payload::MessageAdded(p)) => json!({"message": p.message.as_ref().map(message_json)}),
+        Some(Payload::MessageUpdated(p)) => {
+            json!({"message": p.message.as_ref().map(message_json)})
+        }
+        None => Value::Null,
+    };
+    json!({
+        "session_id": e.session_id, "task_id": e.task_id, "seq": e.seq, "task_seq": e.task_seq,
+        "kind": e.kind, "created_at": ts(e.created_at.as_ref()), "payload": payload,
+    })
+}
+
+fn one_line(text: &str, max: usize) -> String {
+    let flat: String = text
+        .chars()
+        .map(|c| if c == '\n' { ' ' } else { c })
+        .collect();
+    if flat.chars().count() > max {
+        format!("{}…", flat.chars().take(max).collect::<String>())
+    } else {
+        flat
+    }
+}
+
+#[allow(clippy::print_stdout)]
+impl Out {
+    fn print_json(&self, v: Value) {
+        println!("{v}");
+    }
+
+    pub fn created_task(&self, t: Option<&pb::Task>) {
+        let Some(t) = t else { return };
+        if self.json {
+            self.print_json(task_json(t));
+        } else if self.quiet {
+            println!("{}", t.id);
+        } else {
+            println!("created task {} ({})", t.id, t.title);
+        }
+    }
+
+    pub fn tasks(&self, tasks: &[pb::Task]) {
+        if self.json {
+            self.print_json(Value::Array(tasks.iter().map(task_json).collect()));
+            return;
+        }
+        if tasks.is_empty() {
+            println!("no tasks");
+            return;
+        }
+        println!("{:<36}  {:<11}  TITLE", "ID", "STATE");
+        for t in tasks {
+            println!("{:<36}  {:<11}  {}", t.id, task_state(t.state), t.title);
+        }
+    }
+
+    pub fn created_session(&self, s: Option<&pb::Session>) {
+        let Some(s) = s else { return };
+        if self.json {
+            self.print_json(session_json(s));
+        } else if self.quiet {
+            println!("{}", s.id);
+        } else {
+            println!(
+                "created session {} ({}, {})",
+                s.id,
+                session_state(s.state),
+                runtime(s.runtime)
+            );
+            if !s.error_message.is_empty() {
+                println!("  error: {}", s.error_message);
+            }
+        }
+    }
+
+    pub fn sessions(&self, sessions: &[pb::Session]) {
+        if self.json {
+            let v: Vec<Value> = sessions.iter().map(session_json).collect();
+            if sessions.len() == 1 {
+                self.print_json(v.into_iter().next().unwrap_or_default());
+            } else {
+                self.print_json(Value::Array(v));
+            }
+            return;
+        }
+        if sessions.is_empty() {
+            println!("no sessions");
+            return;
+        }
+        println!("{:<36}  {:<17}  {:<16}  ERROR", "ID", "STATE", "RUNTIME");
+        for s in sessions {
+            println!(
+                "{:<36}  {:<17}  {:<16}  {}",
+                s.id,
+                session_state(s.state),
+                runtime(s.runtime),
+                one_line(&s.error_message, 60)
+            );
+        }
+    }
+
+    pub fn status(&self, s: &pb::GetSessionStatusResponse) {
+        if self.json {
+            self.print_json(json!({
+                "session_id": s.session_id, "task_id": s.task_id,
+                "state": session_state(s.state), "agent_profile_id": s.agent_profile_id,
+                "executor_status": executor_status(s.executor_status),
+                "agent_execution_id": s.agent_execution_id, "runtime": runtime(s.runtime),
+                "is_agent_running": s.is_agent_running, "is_resumable": s.is_resumable,
+                "needs_resume": s.needs_resume, "resume_reason": resume_reason(s.resume_reason),
+                "worktree_path": s.worktree_path, "worktree_branch": s.worktree_branch,
+                "error_message": s.error_message,
+            }));
+            return;
+        }
+        println!("session           {}", s.session_id);
+        println!("task              {}", s.task_id);
+        println!("state             {}", session_state(s.state));
+        println!("executor          {}", executor_status(s.executor_status));
+        println!("runtime           {}", runtime(s.runtime));
+        println!("agent running     {}", s.is_agent_running);
+        println!("resumable         {}", s.is_resumable);
+        println!("needs resume      {}", s.needs_resume);
+        println!("resume reason     {}", resume_reason(s.resume_reason));
+        println!("execution         {}", s.agent_execution_id);
+        println!(
+            "worktree          {} {}",
+            s.worktree_path, s.worktree_branch
+        );
+        if !s.error_message.is_empty() {
+            println!("error             {}", s.error_message);
+        }
+    }
+
+    pub fn deleted(&self, id: &str) {
+        if self.json {
+            self.print_json(json!({"deleted": id}));
+        } else {
+            println!("deleted session {id}");
+        }
+    }
+
+    pub fn messages(&self, messages: &[pb::Message]) {
+        if self.json {
+            self.print_json(Value::Array(messages.iter().map(message_json).collect()));
+            return;
+        }
+        for m in messages {
+            let more = if m.complete { "" } else { " …" };
+            println!("[{}] {}: {}{more}", m.seq, role(m.role), m.content);
+        }
+    }
+
+    pub fn event(&self, e: &pb::Event) {
+        use pb::event::Payload;
+        if self.json {
+            self.print_json(event_json(e));
+            return;
+        }
+        let detail = match &e.payload {
+            Some(Payload::AgentctlStarting(p)) => {
+                format!("executor {} generation {}", p.executor_id, p.generation)
+            }
+            Some(Payload::AgentctlReady(p)) => format!(
+                "executor {} ({}), resume {}",
+                p.executor_id,
+                runtime(p.runtime),
+                if p.supports_session_resume {
+                    "supported"
+                } else {
+                    "unsupported"
+                }
+            ),
+            Some(Payload::AgentctlError(p)) => {
+                format!("executor {}: {}", p.executor_id, p.error_message)
+            }
+            Some(Payload::StateChanged(p)) => {
+                let mut s = format!("{} -> {}", session_state(p.from), session_state(p.to));
+                if !p.error_message.is_empty() {
+                    s.push_str(&format!(" ({})", p.error_message));
+                }
+                s
+            }
+            Some(Payload::MessageAdded(pb::MessageAdded { message }))
+            | Some(Payload::MessageUpdated(pb::MessageUpdated { message })) => {
+                message.as_ref().map_or(String::new(), |m| {
+                    format!(
+                        "[{}] {}: {}",
+                        m.seq,
+                        role(m.role),
+                        one_line(&m.content, 100)
+                    )
+                })
+            }
+            None => String::new(),
+        };
+        println!(
+            "{:>5}  {}  {:<28} {}",
+            e.seq,
+            &e.session_id.get(..8).unwrap_or(&e.session_id),
+            e.kind,
+            detail
+        );
+        let _ = std::io::stdout().flush();
+    }
+
+    pub fn profiles(&self, profiles: &[pb::AgentProfile]) {
+        if self.json {
+            self.print_json(Value::Array(
+                profiles
+                    .iter()
+                    .map(|p| {
+                        json!({
+                            "id": p.id, "name": p.name, "command": p.command, "args": p.args,
+                            "supports_session_resume": p.supports_session_resume,
+                        })
+                    })
+                    .collect(),
+            ));
+            return;
+        }
+        println!("{:<16}  {:<6}  COMMAND", "NAME", "RESUME");
+        for p in profiles {
+            println!(
+                "{:<16}  {:<6}  {} {}",
+                p.name,
+                p.supports_session_resume,
+                p.command,
+                p.args.join(" ")
+            );
+        }
+    }
+
+    pub fn exec(&self, r: &pb::ExecResponse) {
+        if self.json {
+            self.print_json(json!({
+                "exit_code": r.exit_code, "timed_out": r.timed_out,
+                "stdout": String::from_utf8_lossy(&r.stdout),
+                "stderr": String::from_utf8_lossy(&r.stderr),
+                "stdout_truncated": r.stdout_truncated, "stderr_truncated": r.stderr_truncated,
+            }));
+            return;
+        }
+        let _ = std::io::stdout().write_all(&r.stdout);
+        let _ = std::io::stderr().write_all(&r.stderr);
+        if r.timed_out {
+            eprintln!("sessionctl: the command timed out");
+        }
+    }
+
+    pub fn file(&self, path: &str, content: &[u8]) {
+        if self.json {
+            self.print_json(json!({"path": path, "content": String::from_utf8_lossy(content)}));
+        } else {
+            let _ = std::io::stdout().write_all(content);
+        }
+    }
+
+    pub fn entries(&self, entries: &[pb::DirEntry]) {
+        if self.json {
+            self.print_json(Value::Array(
+                entries
+                    .iter()
+                    .map(|e| json!({"name": e.name, "is_dir": e.is_dir, "size": e.size}))
+                    .collect(),
+            ));
+            return;
+        }
+        for e in entries {
+            if e.is_dir {
+                println!("{:>10}  {}/", "-", e.name);
+            } else {
+                println!("{:>10}  {}", e.size, e.name);
+            }
+        }
+    }
+
+    pub fn git_status(&self, r: &pb::GitStatusResponse) {
+        if self.json {
+            self.print_json(json!({
+                "branch": r.branch,
+                "files": r.files.iter().map(|f| json!({"path": f.path, "code": f.code})).collect::<Vec<_>>(),
+            }));
+            return;
+        }
+        println!("## {}", r.branch);
+        for f in &r.files {
+            println!("{:>2} {}", f.code, f.path);
+        }
+    }
+
+    pub fn git_diff(&self, diff: &str) {
+        if self.json {
+            self.print_json(json!({"diff": diff}));
+        } else {
+            print!("{diff}");
+        }
+    }
+}
