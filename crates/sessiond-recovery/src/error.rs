@@ -1,0 +1,179 @@
+//! The one error type of this crate. The server maps each variant to a gRPC
+//! code in one place (see [`Error::kind`]).
+
+use std::sync::Arc;
+
+use sessiond_domain::{SessionId, SessionState, TaskId};
+
+/// `Result` with this crate's [`Error`] as the default error.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The class of an [`Error`], for the server's mapping to status codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// NOT_FOUND.
+    NotFound,
+    /// INVALID_ARGUMENT.
+    InvalidArgument,
+    /// FAILED_PRECONDITION: the request does not fit the session's state.
+    FailedPrecondition,
+    /// ABORTED: a concurrent writer won; retry.
+    Aborted,
+    /// UNAVAILABLE: an executor, agent or the database cannot be reached now.
+    Unavailable,
+    /// INTERNAL.
+    Internal,
+}
+
+/// Everything the session lifecycle, recovery and resume can fail with.
+///
+/// Cheap to clone (sources are shared), so one resume attempt can hand the
+/// same outcome to every caller that joined it.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// A task, session, agent profile or executor does not exist.
+    #[error("{entity} {id} not found")]
+    NotFound { entity: &'static str, id: String },
+
+    /// The session exists but belongs to another task.
+    #[error("session {session_id} belongs to task {actual}, not to task {requested}")]
+    WrongTask {
+        session_id: SessionId,
+        requested: TaskId,
+        actual: TaskId,
+    },
+
+    /// The agent cannot resume this session (profile or agent says so).
+    #[error("session {session_id} cannot be resumed: {reason}")]
+    NotResumable {
+        session_id: SessionId,
+        reason: String,
+    },
+
+    /// Resume is supported but the agent never gave a token.
+    #[error(
+        "session {session_id} has no resume token (the agent never opened a conversation); create a new session"
+    )]
+    MissingResumeToken { session_id: SessionId },
+
+    /// The session's worktree directory is gone.
+    #[error("worktree {path} of session {session_id} no longer exists; create a new session")]
+    WorktreeMissing { session_id: SessionId, path: String },
+
+    /// The session is COMPLETED or CANCELLED.
+    #[error("session {session_id} has ended ({state}); create a new session")]
+    SessionEnded {
+        session_id: SessionId,
+        state: SessionState,
+    },
+
+    /// The request does not fit the session's current state.
+    #[error("session {session_id} is {state}: cannot {action}; {hint}")]
+    InvalidState {
+        session_id: SessionId,
+        state: SessionState,
+        action: &'static str,
+        hint: &'static str,
+    },
+
+    /// No agent runs for the session (it exited, or was never resumed).
+    #[error("the agent of session {session_id} is not running; resume the session first")]
+    AgentNotRunning { session_id: SessionId },
+
+    /// An executor driver or the agentctl transport failed.
+    #[error("{0}")]
+    Executor(Arc<sessiond_executor::Error>),
+
+    /// agentctl answered an agent call (LaunchAgent, NewSession, ResumeSession,
+    /// Prompt, ...) with an error.
+    #[error("agent call {call} failed ({code:?}): {message}")]
+    Agent {
+        call: &'static str,
+        code: tonic::Code,
+        message: String,
+    },
+
+    /// An attempt to resume the session failed; the session is ERROR with
+    /// this reason.
+    #[error("resuming session {session_id} failed: {reason}")]
+    ResumeFailed {
+        session_id: SessionId,
+        reason: String,
+    },
+
+    /// Someone else changed the record since it was read.
+    #[error("{entity} {id} was changed concurrently; retry")]
+    Conflict { entity: &'static str, id: String },
+
+    /// A needed service is not available (no driver for a runtime, host down).
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+
+    /// The caller's input cannot work.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// The database failed.
+    #[error("store: {0}")]
+    Store(Arc<sessiond_store::Error>),
+
+    /// A bug or a broken invariant.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl Error {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::NotFound { .. } => ErrorKind::NotFound,
+            Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
+            Error::WrongTask { .. }
+            | Error::NotResumable { .. }
+            | Error::MissingResumeToken { .. }
+            | Error::WorktreeMissing { .. }
+            | Error::SessionEnded { .. }
+            | Error::InvalidState { .. }
+            | Error::AgentNotRunning { .. }
+            | Error::ResumeFailed { .. } => ErrorKind::FailedPrecondition,
+            Error::Conflict { .. } => ErrorKind::Aborted,
+            Error::Unavailable(_) => ErrorKind::Unavailable,
+            Error::Executor(e) if e.is_unavailable() => ErrorKind::Unavailable,
+            Error::Executor(_) => ErrorKind::FailedPrecondition,
+            Error::Agent { code, .. } => match code {
+                tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => ErrorKind::Unavailable,
+                tonic::Code::InvalidArgument => ErrorKind::InvalidArgument,
+                _ => ErrorKind::FailedPrecondition,
+            },
+            Error::Store(e) => match &**e {
+                sessiond_store::Error::Pool(_) => ErrorKind::Unavailable,
+                sessiond_store::Error::Invalid(_) => ErrorKind::InvalidArgument,
+                _ => ErrorKind::Internal,
+            },
+            Error::Internal(_) => ErrorKind::Internal,
+        }
+    }
+
+    pub(crate) fn agent(call: &'static str, status: &tonic::Status) -> Error {
+        Error::Agent {
+            call,
+            code: status.code(),
+            message: status.message().to_owned(),
+        }
+    }
+}
+
+impl From<sessiond_store::Error> for Error {
+    fn from(e: sessiond_store::Error) -> Self {
+        match e {
+            sessiond_store::Error::NotFound { entity, id } => Error::NotFound { entity, id },
+            sessiond_store::Error::Conflict { entity, id, .. } => Error::Conflict { entity, id },
+            other => Error::Store(Arc::new(other)),
+        }
+    }
+}
+
+impl From<sessiond_executor::Error> for Error {
+    fn from(e: sessiond_executor::Error) -> Self {
+        Error::Executor(Arc::new(e))
+    }
+}

@@ -1,0 +1,44 @@
+//! Session lifecycle, startup recovery, explicit resume, session status and
+//! durable event publication: the orchestration of sessiond.
+//!
+//! Architecture invariant: this crate decides *when* and orchestrates; the
+//! decisions themselves are the pure functions of `sessiond-domain`
+//! (transitions, [`sessiond_domain::session_status`],
+//! [`sessiond_domain::check_resume`], the [`sessiond_domain::Recovery`] step
+//! machine), the IO goes through `sessiond-store` (one [`sessiond_store::Changeset`]
+//! per state change, its events in the same transaction) and the
+//! [`sessiond_executor::Executor`] drivers. It reads no configuration files
+//! or environment: [`ManagerConfig`] is passed in.
+//!
+//! Entry point: [`SessionManager`].
+//! - Lifecycle (`lifecycle.rs`): [`SessionManager::create_session`],
+//!   [`SessionManager::send_message`], [`SessionManager::end_session`],
+//!   [`SessionManager::delete_session`]. The agent's streamed reply is stored
+//!   by a per-session update pump (`pump.rs`).
+//! - Startup recovery (`recovery.rs`): [`SessionManager::recover_all`], then
+//!   background reconnects of remote hosts.
+//! - Explicit resume (`resume.rs`): [`SessionManager::resume_session`],
+//!   single-flight per session.
+//! - Status and events (`manager.rs`, `events.rs`):
+//!   [`SessionManager::session_status`], [`SessionManager::watch_session`],
+//!   [`SessionManager::watch_task`].
+//!
+//! Every write of a state change goes through `SessionManager::commit`:
+//! commit the changeset, then publish exactly the events it stored.
+
+mod config;
+mod error;
+mod events;
+mod lifecycle;
+mod manager;
+mod ops;
+mod pump;
+mod recovery;
+mod resume;
+
+pub use config::ManagerConfig;
+pub use error::{Error, ErrorKind, Result};
+pub use events::{EventBus, EventStream};
+pub use lifecycle::{EndReason, NewSession};
+pub use manager::{Execution, SessionManager, Stats};
+pub use recovery::RecoverySummary;

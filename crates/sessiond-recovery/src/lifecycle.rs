@@ -1,0 +1,489 @@
+//! Creating sessions, sending messages, ending and deleting sessions.
+
+use std::{collections::BTreeMap, path::Path};
+
+use chrono::Utc;
+use sessiond_domain::{
+    AgentProcessState, AgentProfileId, EventPayload, ExecutorId, ExecutorRecord, ExecutorStatus,
+    Message, MessageId, MessageRole, Runtime, Session, SessionEvent, SessionId, SessionState,
+    TaskEvent, TaskId, Worktree,
+};
+use sessiond_executor::{ExecutorHandle, RemoteTarget};
+use sessiond_proto::agentctl::v1 as pb;
+use sessiond_store::Changeset;
+
+use crate::{
+    error::{Error, Result},
+    manager::{SessionManager, transition},
+    ops::probe_verdict,
+    pump::{CURSOR_KEY, TURN_KEY, cursor_value},
+};
+
+/// What [`SessionManager::create_session`] needs.
+#[derive(Debug, Clone)]
+pub struct NewSession {
+    pub task_id: TaskId,
+    pub agent_profile_id: AgentProfileId,
+    pub runtime: Runtime,
+    /// The working tree the agent works in (a host path for local runtimes,
+    /// a path on the remote host for `remote`).
+    pub worktree: Worktree,
+    /// Remote only: the agentctl that host runs, and its secret.
+    pub remote: Option<RemoteTarget>,
+    /// Free-form metadata stored with the session.
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// How a session ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndReason {
+    /// The work is done: COMPLETED.
+    Completed,
+    /// The user stopped it: CANCELLED.
+    Cancelled,
+}
+
+impl SessionManager {
+    /// Creates a session and starts its agent: intent first (session
+    /// STARTING, executor `starting` generation 1, events), then agentctl,
+    /// capability probe, LaunchAgent, NewSession (its id is the
+    /// `resume_token`), session WAITING_FOR_INPUT.
+    ///
+    /// Input errors are returned before anything is written. Once the
+    /// session exists, a failure is not an `Err`: the session is returned in
+    /// ERROR with an `error_message` saying what to do.
+    pub async fn create_session(&self, req: NewSession) -> Result<Session> {
+        let store = &self.inner.store;
+        let task = store.get_task(req.task_id).await?;
+        if task.state.is_terminal() {
+            return Err(Error::InvalidArgument(format!(
+                "task {} is {}; sessions cannot be added to it",
+                task.id, task.state
+            )));
+        }
+        let profile = store.get_agent_profile(req.agent_profile_id).await?;
+        self.driver(req.runtime)?;
+        if req.worktree.path.is_empty() {
+            return Err(Error::InvalidArgument("worktree path is empty".into()));
+        }
+        if req.runtime == Runtime::Remote && req.remote.is_none() {
+            return Err(Error::InvalidArgument(
+                "a remote session needs the agentctl URL and secret of its host".into(),
+            ));
+        }
+        let session_id = SessionId::new();
+        if req.runtime != Runtime::Remote && !Path::new(&req.worktree.path).is_dir() {
+            return Err(Error::WorktreeMissing {
+                session_id,
+                path: req.worktree.path.clone(),
+            });
+        }
+
+        let now = Utc::now();
+        let executor_id = ExecutorId::new();
+        let created = Session {
+            id: session_id,
+            task_id: req.task_id,
+            state: SessionState::Created,
+            agent_profile_id: profile.id,
+            agent_execution_id: None,
+            runtime: req.runtime,
+            executor_id: Some(executor_id),
+            worktree: req.worktree.clone(),
+            resume_token: None,
+            metadata: req.metadata.clone(),
+            error_message: None,
+            version: 1,
+            created_at: now,
+            updated_at: now,
+        };
+        let (created, _) = store.create_session(&created, Vec::new()).await?;
+        let _guard = self.lock_session(session_id).await;
+
+        // Intent, before anything is spawned.
+        let record = ExecutorRecord {
+            id: executor_id,
+            session_id,
+            task_id: req.task_id,
+            runtime: req.runtime,
+            status: ExecutorStatus::Starting,
+            agentctl_url: req.remote.as_ref().map(|r| r.url.clone()),
+            agentctl_port: None,
+            container_id: None,
+            pid: None,
+            pid_start_time: None,
+            auth_secret: req
+                .remote
+                .as_ref()
+                .map(|r| r.auth_secret.clone())
+                .unwrap_or_default(),
+            generation: 1,
+            supports_session_resume: profile.supports_session_resume,
+            supports_workspace_only: true,
+            resume_token: None,
+            workspace_path: req.worktree.path.clone(),
+            worktree: req.worktree.clone(),
+            last_seen_at: None,
+            error_message: None,
+            owner_id: None,
+            lease_expires_at: None,
+            version: 1,
+            created_at: now,
+            updated_at: now,
+        };
+        let (mut starting, ev) = transition(&created, SessionEvent::LaunchRequested, None)?;
+        starting.agent_execution_id = Some(record.execution_id());
+        let mut change = Changeset::new()
+            .update_session(starting)
+            .insert_executor(record.clone());
+        if let Some(ev) = ev {
+            change = change.event(session_id, ev);
+        }
+        change = change.event(
+            session_id,
+            EventPayload::AgentctlStarting {
+                executor_id,
+                runtime: req.runtime,
+                generation: 1,
+            },
+        );
+        change = self
+            .with_task_event(change, req.task_id, TaskEvent::WorkStarted)
+            .await?;
+        let committed = self.commit(change).await?;
+        let mut session = committed
+            .session
+            .ok_or_else(|| Error::Internal("no session".into()))?;
+        let mut record = committed
+            .executor
+            .ok_or_else(|| Error::Internal("no executor".into()))?;
+
+        // agentctl.
+        let limit = self.inner.config.executor_deadline * 4;
+        let handle = match self.launch_agentctl(&record, 1, limit).await {
+            Some(Ok(h)) => h,
+            failed => {
+                let reason = match failed {
+                    Some(Err(e)) => format!(
+                        "could not start agentctl: {e}; check the executor configuration and create a new session"
+                    ),
+                    _ => format!(
+                        "agentctl did not start within {limit:?}; check the executor and create a new session"
+                    ),
+                };
+                return self.fail_create(session, record, reason, true).await;
+            }
+        };
+        let mut ready = record.clone();
+        handle.apply_to(&mut ready);
+        ready.status = ExecutorStatus::Ready;
+        ready.last_seen_at = Some(Utc::now());
+        let ready_event = EventPayload::AgentctlReady {
+            executor_id,
+            runtime: req.runtime,
+            supports_session_resume: profile.supports_session_resume,
+        };
+        record = self
+            .commit(
+                Changeset::new()
+                    .update_executor(ready)
+                    .event(session_id, ready_event),
+            )
+            .await?
+            .executor
+            .ok_or_else(|| Error::Internal("no executor".into()))?;
+
+        // Agent and conversation.
+        let client = self.client(&record)?;
+        self.cache_update(session_id, |e| e.agent = AgentProcessState::Starting);
+        let opened = async {
+            self.ensure_agent(&client, &profile).await?;
+            let probe = client
+                .capabilities()
+                .await
+                .ok()
+                .and_then(|c| probe_verdict(c.supports_session_resume));
+            let token = self.new_conversation(&client).await?;
+            Ok::<_, Error>((probe, token))
+        }
+        .await;
+        let (probe, token) = match opened {
+            Ok(v) => v,
+            Err(e) => {
+                self.stop_agent_quietly(&record).await;
+                let reason = format!(
+                    "the agent of profile {:?} could not start a conversation: {e}; check the profile's command, then create a new session",
+                    profile.name
+                );
+                return self.fail_create(session, record, reason, false).await;
+            }
+        };
+        let (mut waiting, ev) = transition(&session, SessionEvent::AgentReady, None)?;
+        waiting.resume_token = Some(token.clone());
+        waiting
+            .metadata
+            .insert(CURSOR_KEY.into(), cursor_value(record.generation, 0));
+        let mut r = record.clone();
+        r.resume_token = Some(token);
+        r.supports_session_resume = profile.supports_session_resume && probe != Some(false);
+        let mut change = Changeset::new().update_session(waiting).update_executor(r);
+        if let Some(ev) = ev {
+            change = change.event(session_id, ev);
+        }
+        let committed = self.commit(change).await?;
+        session = committed.session.unwrap_or(session);
+        if let Some(r) = committed.executor {
+            record = r;
+        }
+        self.cache_update(session_id, |e| {
+            e.agent = AgentProcessState::Running;
+            e.probe = probe;
+        });
+        self.start_pump(&session, &record);
+        Ok(session)
+    }
+
+    async fn fail_create(
+        &self,
+        session: Session,
+        record: ExecutorRecord,
+        reason: String,
+        executor_failed: bool,
+    ) -> Result<Session> {
+        tracing::warn!(session = %session.id, %reason, "session could not start");
+        let (failed, ev) = transition(&session, SessionEvent::Failed, Some(reason.clone()))?;
+        let mut change = Changeset::new().update_session(failed);
+        if executor_failed {
+            let mut r = record.clone();
+            r.status = ExecutorStatus::Error;
+            r.error_message = Some(reason.clone());
+            change = change.update_executor(r).event(
+                session.id,
+                EventPayload::AgentctlError {
+                    executor_id: record.id,
+                    error_message: reason,
+                },
+            );
+        }
+        if let Some(ev) = ev {
+            change = change.event(session.id, ev);
+        }
+        let committed = self.commit(change).await?;
+        self.cache_update(session.id, |e| e.agent = AgentProcessState::NotRunning);
+        committed
+            .session
+            .ok_or_else(|| Error::Internal("no session".into()))
+    }
+
+    /// Sends a user message: persists it (`message.added`), session RUNNING,
+    /// then prompts the agent. The reply is persisted by the session's update
+    /// pump as one agent message; the session returns to WAITING_FOR_INPUT
+    /// when the turn ends.
+    pub async fn send_message(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        text: &str,
+    ) -> Result<Message> {
+        if text.trim().is_empty() {
+            return Err(Error::InvalidArgument("the message is empty".into()));
+        }
+        self.session_of_task(task, session_id).await?;
+        let _guard = self.lock_session(session_id).await;
+        let session = self.inner.store.get_session(session_id).await?;
+        match session.state {
+            SessionState::WaitingForInput => {}
+            s if s.is_terminal() => {
+                return Err(Error::SessionEnded {
+                    session_id,
+                    state: s,
+                });
+            }
+            SessionState::Running => {
+                return Err(Error::InvalidState {
+                    session_id,
+                    state: session.state,
+                    action: "send a message",
+                    hint: "the agent is still working on the previous one; wait for its reply",
+                });
+            }
+            SessionState::Error => return Err(Error::AgentNotRunning { session_id }),
+            s => {
+                return Err(Error::InvalidState {
+                    session_id,
+                    state: s,
+                    action: "send a message",
+                    hint: "wait until the agent is ready",
+                });
+            }
+        }
+        let execution = self.execution(session_id);
+        let Some(execution) = execution.filter(|e| {
+            e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
+        }) else {
+            return Err(Error::AgentNotRunning { session_id });
+        };
+        let record = execution.record;
+
+        let now = Utc::now();
+        let message = Message {
+            id: MessageId::new(),
+            session_id,
+            task_id: session.task_id,
+            role: MessageRole::User,
+            content: text.to_owned(),
+            seq: 0,
+            complete: true,
+            created_at: now,
+            updated_at: now,
+        };
+        let turn_id = message.id.to_string();
+        let (mut running, ev) = transition(&session, SessionEvent::TurnStarted, None)?;
+        running.metadata.insert(TURN_KEY.into(), turn_id.clone());
+        let mut change = Changeset::new()
+            .add_message(message.clone())
+            .event(session_id, EventPayload::MessageAdded(message.clone()))
+            .update_session(running);
+        if let Some(ev) = ev {
+            change = change.event(session_id, ev);
+        }
+        change = self
+            .with_task_event(change, session.task_id, TaskEvent::WorkStarted)
+            .await?;
+        let committed = self.commit(change).await?;
+        let stored = committed
+            .messages
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::Internal("no message".into()))?;
+        let running = committed
+            .session
+            .ok_or_else(|| Error::Internal("no session".into()))?;
+        if !self.has_pump(session_id) {
+            self.start_pump(&running, &record);
+        }
+
+        let client = self.client(&record)?;
+        let prompted = client
+            .raw()
+            .prompt(pb::PromptRequest {
+                text: text.to_owned(),
+                turn_id,
+            })
+            .await;
+        if let Err(status) = prompted {
+            let e = Error::agent("Prompt", &status);
+            let reason = format!(
+                "the agent did not accept the message: {e}; resume the session, then send it again"
+            );
+            let (failed, ev) = transition(&running, SessionEvent::Failed, Some(reason))?;
+            let mut change = Changeset::new().update_session(failed);
+            if let Some(ev) = ev {
+                change = change.event(session_id, ev);
+            }
+            self.commit(change).await?;
+            return Err(e);
+        }
+        Ok(stored)
+    }
+
+    /// Ends a session: COMPLETED or CANCELLED first (so a crash from here on
+    /// is finished by recovery's StopExecutor), then the agent and the
+    /// executor are stopped per runtime (remote: the agent only) and the
+    /// executor is marked `stopped`. Ending an ended session returns it.
+    pub async fn end_session(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        reason: EndReason,
+    ) -> Result<Session> {
+        self.session_of_task(task, session_id).await?;
+        let _guard = self.lock_session(session_id).await;
+        let session = self.inner.store.get_session(session_id).await?;
+        let session = if session.state.is_terminal() {
+            session
+        } else {
+            let event = match reason {
+                EndReason::Completed => SessionEvent::Completed,
+                EndReason::Cancelled => SessionEvent::Cancelled,
+            };
+            let (ended, ev) = transition(&session, event, None)?;
+            let mut change = Changeset::new().update_session(ended);
+            if let Some(ev) = ev {
+                change = change.event(session_id, ev);
+            }
+            self.commit(change)
+                .await?
+                .session
+                .ok_or_else(|| Error::Internal("no session".into()))?
+        };
+        self.stop_pump(session_id);
+        if let Some(record) = self
+            .inner
+            .store
+            .get_executor_for_session(session_id)
+            .await?
+            && record.status != ExecutorStatus::Stopped
+        {
+            self.stop_executor(record).await?;
+        }
+        self.cache_remove(session_id);
+        Ok(session)
+    }
+
+    /// Completes a session (COMPLETED).
+    pub async fn complete_session(&self, task: TaskId, session: SessionId) -> Result<Session> {
+        self.end_session(task, session, EndReason::Completed).await
+    }
+
+    /// Cancels a session (CANCELLED).
+    pub async fn cancel_session(&self, task: TaskId, session: SessionId) -> Result<Session> {
+        self.end_session(task, session, EndReason::Cancelled).await
+    }
+
+    /// Stops the agent and the executor and records `stopped`. A failure
+    /// leaves the record as it was, so the next recovery stops it.
+    async fn stop_executor(&self, record: ExecutorRecord) -> Result<()> {
+        let driver = self.driver(record.runtime)?;
+        let handle = ExecutorHandle::from_record(&record);
+        if !record.auth_secret.is_empty() {
+            self.stop_agent_quietly(&record).await;
+        }
+        if let Err(e) = driver.stop(&handle).await {
+            tracing::warn!(executor_id = %record.id, error = %e, "could not stop executor; recovery will retry");
+            return Err(e.into());
+        }
+        let mut stopped = record;
+        stopped.status = ExecutorStatus::Stopped;
+        self.commit(Changeset::new().update_executor(stopped))
+            .await?;
+        Ok(())
+    }
+
+    /// Deletes a session's runtime: ends the session (CANCELLED) if it has
+    /// not ended, removes the executor (container removed, files of the
+    /// driver removed; remote: agent stopped) and its record. The session
+    /// row, its messages and events stay as history.
+    pub async fn delete_session(&self, task: TaskId, session_id: SessionId) -> Result<()> {
+        self.session_of_task(task, session_id).await?;
+        if let Err(e) = self
+            .end_session(task, session_id, EndReason::Cancelled)
+            .await
+        {
+            tracing::warn!(session = %session_id, error = %e, "ending the session before delete failed; removing anyway");
+        }
+        let _guard = self.lock_session(session_id).await;
+        if let Some(record) = self
+            .inner
+            .store
+            .get_executor_for_session(session_id)
+            .await?
+        {
+            let driver = self.driver(record.runtime)?;
+            driver.remove(&ExecutorHandle::from_record(&record)).await?;
+            self.inner.store.delete_executor(record.id).await?;
+        }
+        self.cache_remove(session_id);
+        Ok(())
+    }
+}

@@ -1,0 +1,451 @@
+//! [`SessionManager`]: the state every flow shares, and the small helpers
+//! they are built from (per-session locks, single-flight operations, the
+//! executors cache, commit-then-publish).
+
+use std::{
+    collections::{HashMap, HashSet},
+    fmt,
+    sync::{
+        Arc, Mutex as StdMutex, MutexGuard,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use futures::{
+    FutureExt,
+    future::{BoxFuture, Shared},
+};
+use sessiond_domain::{
+    AgentProcessState, EventPayload, ExecutionView, ExecutorRecord, OutcomeLabel, Runtime, Session,
+    SessionEvent, SessionId, SessionStatus, TaskEvent, TaskId,
+};
+use sessiond_executor::{AgentctlClient, Executor, ExecutorHandle};
+use sessiond_store::{Changeset, Committed, Store};
+use tokio::{sync::OwnedMutexGuard, task::AbortHandle};
+
+use crate::{
+    config::ManagerConfig,
+    error::{Error, Result},
+    events::{self, EventBus, EventStream},
+};
+
+/// What the in-memory executors cache knows of one session's execution.
+#[derive(Debug, Clone)]
+pub struct Execution {
+    /// The executor record as last written by this manager.
+    pub record: ExecutorRecord,
+    /// The agent process as last seen (Health, the update stream, or our own calls).
+    pub agent: AgentProcessState,
+    /// The capability probe's answer, once the agent answered `initialize`.
+    pub probe: Option<bool>,
+}
+
+impl Execution {
+    pub fn view(&self) -> ExecutionView {
+        ExecutionView {
+            session_id: self.record.session_id,
+            execution_id: self.record.execution_id(),
+            executor_status: self.record.status,
+            agent: self.agent,
+            supports_session_resume: self.probe.or(Some(self.record.supports_session_resume)),
+        }
+    }
+}
+
+/// Counters of what this manager started, for tests and metrics.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub agentctl_launches: AtomicU64,
+    pub agent_launches: AtomicU64,
+    pub resume_attempts: AtomicU64,
+}
+
+/// A snapshot of [`SessionManager::stats`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Stats {
+    /// agentctl processes launched (or containers started, remote connects).
+    pub agentctl_launches: u64,
+    /// LaunchAgent calls made.
+    pub agent_launches: u64,
+    /// Agent resume attempts (ResumeSession calls), startup and explicit.
+    pub resume_attempts: u64,
+}
+
+/// The result of one exclusive operation on a session, shared by everyone
+/// who joined it.
+#[derive(Debug, Clone)]
+pub(crate) enum OpOutcome {
+    /// Startup or background recovery ended with this label.
+    Recovery(OutcomeLabel),
+    /// An explicit resume ended with this status.
+    Resume(SessionStatus),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OpKind {
+    Recovery,
+    Resume,
+}
+
+type SharedOp = Shared<BoxFuture<'static, Result<OpOutcome>>>;
+
+struct Inflight {
+    id: u64,
+    kind: OpKind,
+    fut: SharedOp,
+}
+
+pub(crate) struct Inner {
+    pub store: Store,
+    pub drivers: HashMap<Runtime, Arc<dyn Executor>>,
+    pub config: ManagerConfig,
+    pub bus: EventBus,
+    pub counters: Counters,
+    cache: StdMutex<HashMap<SessionId, Execution>>,
+    locks: StdMutex<HashMap<SessionId, Arc<tokio::sync::Mutex<()>>>>,
+    inflight: StdMutex<HashMap<SessionId, Inflight>>,
+    pub pumps: StdMutex<HashMap<SessionId, AbortHandle>>,
+    background: StdMutex<Vec<AbortHandle>>,
+    pub retrying: StdMutex<HashSet<SessionId>>,
+    next_op: AtomicU64,
+}
+
+/// Runs sessions: create, message, stop; recovers them at startup; resumes
+/// them on request; answers their status; publishes their events.
+///
+/// Cheap to clone: all clones share one state. Background work (update
+/// pumps, remote reconnects, liveness checks) runs on tokio tasks that
+/// [`SessionManager::shutdown`] aborts, leaving executors running, as a
+/// backend that stops must.
+#[derive(Clone)]
+pub struct SessionManager {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl fmt::Debug for SessionManager {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SessionManager")
+            .field("store", &self.inner.store)
+            .field("runtimes", &self.inner.drivers.keys().collect::<Vec<_>>())
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) fn lock<T>(m: &StdMutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl SessionManager {
+    /// A manager over `store` with one driver per runtime it should serve.
+    pub fn new(
+        store: Store,
+        drivers: impl IntoIterator<Item = Arc<dyn Executor>>,
+        config: ManagerConfig,
+    ) -> Self {
+        let drivers = drivers.into_iter().map(|d| (d.runtime(), d)).collect();
+        let bus = EventBus::new(config.event_buffer);
+        Self {
+            inner: Arc::new(Inner {
+                store,
+                drivers,
+                bus,
+                config,
+                counters: Counters::default(),
+                cache: StdMutex::default(),
+                locks: StdMutex::default(),
+                inflight: StdMutex::default(),
+                pumps: StdMutex::default(),
+                background: StdMutex::default(),
+                retrying: StdMutex::default(),
+                next_op: AtomicU64::new(1),
+            }),
+        }
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.inner.store
+    }
+
+    pub fn config(&self) -> &ManagerConfig {
+        &self.inner.config
+    }
+
+    /// The publisher; `publish` only what was committed.
+    pub fn events(&self) -> &EventBus {
+        &self.inner.bus
+    }
+
+    pub fn stats(&self) -> Stats {
+        let c = &self.inner.counters;
+        Stats {
+            agentctl_launches: c.agentctl_launches.load(Ordering::Relaxed),
+            agent_launches: c.agent_launches.load(Ordering::Relaxed),
+            resume_attempts: c.resume_attempts.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The executors cache entry of a session, if any.
+    pub fn execution(&self, session: SessionId) -> Option<Execution> {
+        lock(&self.inner.cache).get(&session).cloned()
+    }
+
+    /// Stops all background work of this manager (update pumps, reconnects,
+    /// liveness checks, operations in flight) and leaves every executor and
+    /// agent running: what a backend shutting down (or crashing) does.
+    pub fn shutdown(&self) {
+        for (_, h) in lock(&self.inner.pumps).drain() {
+            h.abort();
+        }
+        for h in lock(&self.inner.background).drain(..) {
+            h.abort();
+        }
+        lock(&self.inner.inflight).clear();
+    }
+
+    /// Session state and its execution's status, for this session only
+    /// (seed "Session Status API").
+    pub async fn session_status(&self, task: TaskId, session: SessionId) -> Result<SessionStatus> {
+        let s = self.session_of_task(task, session).await?;
+        self.status_of(&s).await
+    }
+
+    pub(crate) async fn status_of(&self, s: &Session) -> Result<SessionStatus> {
+        let profile = self
+            .inner
+            .store
+            .get_agent_profile(s.agent_profile_id)
+            .await?;
+        let view = match self.execution(s.id) {
+            Some(e) => Some(e.view()),
+            None => self
+                .inner
+                .store
+                .get_executor_for_session(s.id)
+                .await?
+                .map(|r| ExecutionView::from_record(&r)),
+        };
+        Ok(sessiond_domain::session_status(
+            s,
+            view.as_ref(),
+            profile.supports_session_resume,
+        ))
+    }
+
+    /// The session's events after `after_seq` from the outbox, then live
+    /// ones; no gap, no duplicate. Fails at once if the session does not exist.
+    pub async fn watch_session(&self, session: SessionId, after_seq: i64) -> Result<EventStream> {
+        self.inner.store.get_session(session).await?;
+        Ok(events::watch_session(
+            self.inner.store.clone(),
+            &self.inner.bus,
+            session,
+            after_seq,
+            self.inner.config.replay_page,
+        ))
+    }
+
+    /// Events of every session of the task after `after_task_seq`, then live.
+    pub async fn watch_task(&self, task: TaskId, after_task_seq: i64) -> Result<EventStream> {
+        self.inner.store.get_task(task).await?;
+        Ok(events::watch_task(
+            self.inner.store.clone(),
+            &self.inner.bus,
+            task,
+            after_task_seq,
+            self.inner.config.replay_page,
+        ))
+    }
+
+    // ------------------------------------------------------------ helpers
+
+    pub(crate) async fn session_of_task(
+        &self,
+        task: TaskId,
+        session: SessionId,
+    ) -> Result<Session> {
+        let s = self.inner.store.get_session(session).await?;
+        if s.task_id != task {
+            return Err(Error::WrongTask {
+                session_id: session,
+                requested: task,
+                actual: s.task_id,
+            });
+        }
+        Ok(s)
+    }
+
+    pub(crate) fn driver(&self, runtime: Runtime) -> Result<Arc<dyn Executor>> {
+        self.inner.drivers.get(&runtime).cloned().ok_or_else(|| {
+            Error::Unavailable(format!(
+                "no executor driver is configured for runtime {runtime}"
+            ))
+        })
+    }
+
+    pub(crate) fn client(&self, record: &ExecutorRecord) -> Result<AgentctlClient> {
+        let handle = ExecutorHandle::from_record(record);
+        Ok(self.driver(record.runtime)?.client(&handle)?)
+    }
+
+    /// Commits and then publishes what was committed.
+    pub(crate) async fn commit(&self, change: Changeset) -> Result<Committed> {
+        let committed = self.inner.store.commit(change).await?;
+        self.inner.bus.publish(&committed.events);
+        if let Some(record) = &committed.executor {
+            self.cache_record(record);
+        }
+        Ok(committed)
+    }
+
+    /// Serializes state changes of one session within this manager.
+    pub(crate) async fn lock_session(&self, session: SessionId) -> OwnedMutexGuard<()> {
+        let m = lock(&self.inner.locks)
+            .entry(session)
+            .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(())))
+            .clone();
+        m.lock_owned().await
+    }
+
+    /// Keeps the cache's record current (the agent and probe are kept).
+    pub(crate) fn cache_record(&self, record: &ExecutorRecord) {
+        let mut cache = lock(&self.inner.cache);
+        match cache.get_mut(&record.session_id) {
+            Some(e) => e.record = record.clone(),
+            None => {
+                cache.insert(
+                    record.session_id,
+                    Execution {
+                        record: record.clone(),
+                        agent: AgentProcessState::NotRunning,
+                        probe: None,
+                    },
+                );
+            }
+        }
+    }
+
+    pub(crate) fn cache_update(&self, session: SessionId, f: impl FnOnce(&mut Execution)) {
+        if let Some(e) = lock(&self.inner.cache).get_mut(&session) {
+            f(e);
+        }
+    }
+
+    pub(crate) fn cache_remove(&self, session: SessionId) {
+        lock(&self.inner.cache).remove(&session);
+    }
+
+    /// The task's state change for `event`, added to `change` when it moves.
+    pub(crate) async fn with_task_event(
+        &self,
+        change: Changeset,
+        task: TaskId,
+        event: TaskEvent,
+    ) -> Result<Changeset> {
+        let t = self.inner.store.get_task(task).await?;
+        Ok(match t.state.transition(event) {
+            Ok(next) if next != t.state => change.set_task_state(task, next),
+            _ => change,
+        })
+    }
+
+    /// Registers a background task so `shutdown` can end it.
+    pub(crate) fn spawn_background<F>(&self, fut: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let h = tokio::spawn(fut);
+        let mut bg = lock(&self.inner.background);
+        bg.retain(|h| !h.is_finished());
+        bg.push(h.abort_handle());
+    }
+
+    pub(crate) fn set_pump(&self, session: SessionId, handle: AbortHandle) {
+        if let Some(old) = lock(&self.inner.pumps).insert(session, handle) {
+            old.abort();
+        }
+    }
+
+    pub(crate) fn stop_pump(&self, session: SessionId) {
+        if let Some(old) = lock(&self.inner.pumps).remove(&session) {
+            old.abort();
+        }
+    }
+
+    /// The operation in flight for `session`, if any.
+    pub(crate) fn inflight(&self, session: SessionId) -> Option<(OpKind, SharedOp)> {
+        lock(&self.inner.inflight)
+            .get(&session)
+            .map(|op| (op.kind, op.fut.clone()))
+    }
+
+    /// Runs `op` as the one exclusive operation of `session`, or joins the
+    /// one already in flight. The operation runs on its own task, so a caller
+    /// that goes away does not cut it short. Returns the shared outcome and
+    /// the kind of the operation that was joined or started.
+    pub(crate) fn single_flight(
+        &self,
+        session: SessionId,
+        kind: OpKind,
+        op: BoxFuture<'static, Result<OpOutcome>>,
+    ) -> (OpKind, SharedOp) {
+        let mut map = lock(&self.inner.inflight);
+        if let Some(existing) = map.get(&session) {
+            return (existing.kind, existing.fut.clone());
+        }
+        let id = self.inner.next_op.fetch_add(1, Ordering::Relaxed);
+        let me = self.clone();
+        let task = tokio::spawn(async move {
+            let out = op.await;
+            let mut map = lock(&me.inner.inflight);
+            if map.get(&session).is_some_and(|o| o.id == id) {
+                map.remove(&session);
+            }
+            out
+        });
+        lock(&self.inner.background).push(task.abort_handle());
+        let fut: SharedOp = async move {
+            task.await
+                .map_err(|e| Error::Internal(format!("session operation ended: {e}")))?
+        }
+        .boxed()
+        .shared();
+        map.insert(
+            session,
+            Inflight {
+                id,
+                kind,
+                fut: fut.clone(),
+            },
+        );
+        (kind, fut)
+    }
+}
+
+/// A session event applied: the new session and, if the state changed, its
+/// `state_changed` payload. The error is kept only on ERROR.
+pub(crate) fn transition(
+    session: &Session,
+    event: SessionEvent,
+    error: Option<String>,
+) -> Result<(Session, Option<EventPayload>)> {
+    let to = session
+        .state
+        .transition(event)
+        .map_err(|e| Error::InvalidState {
+            session_id: session.id,
+            state: e.from,
+            action: e.event.as_str(),
+            hint: "look at the session's status first",
+        })?;
+    let mut next = session.clone();
+    let error = error.filter(|_| to == sessiond_domain::SessionState::Error);
+    next.state = to;
+    next.error_message = error.clone();
+    let changed = (to != session.state).then_some(EventPayload::StateChanged {
+        from: session.state,
+        to,
+        error_message: error,
+    });
+    Ok((next, changed))
+}

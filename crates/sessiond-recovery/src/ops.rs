@@ -1,0 +1,276 @@
+//! Executor and agent operations built from the public API of
+//! `sessiond-executor`, at the grain the flows need: "is the recorded agentctl
+//! alive and ours?" without relaunching it, a launch that cannot leave an
+//! unrecorded agentctl behind when its caller's deadline passes, and the
+//! agent calls (LaunchAgent, NewSession, ResumeSession).
+
+use std::{
+    path::PathBuf,
+    sync::atomic::Ordering,
+    time::{Duration, Instant},
+};
+
+use sessiond_domain::{
+    AgentProcessState, AgentProfile, ExecutorId, ExecutorRecord, Runtime, SurvivingAgent,
+};
+use sessiond_executor::{
+    AgentState, AgentctlClient, ExecutorHandle, Health, LaunchSpec, RemoteTarget, Support,
+    process::{self, OwnedProcess},
+};
+use sessiond_proto::agentctl::v1 as pb;
+
+use crate::{
+    error::{Error, Result},
+    manager::SessionManager,
+};
+
+/// What agentctl's `Health` says about its agent, for the recovery machine.
+pub(crate) fn surviving_agent(health: &Health) -> SurvivingAgent {
+    match health.agent_state {
+        AgentState::Ready => SurvivingAgent::Idle,
+        AgentState::Busy => SurvivingAgent::Busy,
+        _ => SurvivingAgent::None,
+    }
+}
+
+/// The agent's state for the executors cache.
+pub(crate) fn agent_process(state: AgentState) -> AgentProcessState {
+    match state {
+        AgentState::Ready | AgentState::Busy => AgentProcessState::Running,
+        AgentState::Starting => AgentProcessState::Starting,
+        _ => AgentProcessState::NotRunning,
+    }
+}
+
+/// The probe's verdict on resume: `None` until the agent answered `initialize`.
+pub(crate) fn probe_verdict(support: Support) -> Option<bool> {
+    match support {
+        Support::Supported => Some(true),
+        Support::Unsupported => Some(false),
+        Support::Unknown => None,
+    }
+}
+
+/// Whether the recorded local agentctl process still runs and is the one we
+/// started (pid and start time both match). `None` when no pid is recorded.
+pub(crate) fn recorded_process_alive(record: &ExecutorRecord) -> Option<bool> {
+    let pid = record.pid?;
+    Some(
+        record
+            .pid_start_time
+            .is_some_and(|st| process::is_same_running(pid, st)),
+    )
+}
+
+/// Local agentctl processes started for `executor_id` (found by their
+/// `--executor-id` argument): positive evidence that they belong to this
+/// executor, even when their pid was never recorded (a crash between spawn
+/// and persist).
+pub(crate) fn agentctl_processes_of(executor_id: ExecutorId) -> Vec<(u32, u64)> {
+    let wanted = executor_id.to_string();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for entry in dir.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        let is_agentctl = args.first().is_some_and(|a0| {
+            std::path::Path::new(std::str::from_utf8(a0).unwrap_or_default())
+                .file_name()
+                .is_some_and(|n| n == "agentctl")
+        });
+        let ours = args
+            .windows(2)
+            .any(|w| w[0] == b"--executor-id" && w[1] == wanted.as_bytes());
+        if is_agentctl
+            && ours
+            && let Some(st) = process::stat(pid).filter(|s| s.is_running())
+        {
+            found.push((pid, st.start_time));
+        }
+    }
+    found
+}
+
+impl SessionManager {
+    /// Ends every local agentctl of this executor (used right before a new
+    /// generation is spawned, so one executor never has two).
+    pub(crate) async fn end_stray_agentctls(&self, record: &ExecutorRecord) {
+        if record.runtime != Runtime::LocalStandalone {
+            return;
+        }
+        for (pid, start_time) in agentctl_processes_of(record.id) {
+            if let Some(p) = OwnedProcess::open(pid, start_time) {
+                tracing::warn!(executor_id = %record.id, pid, "ending a stray agentctl of this executor before relaunching");
+                if let Err(e) = p
+                    .terminate(start_time, self.inner.config.agent_stop_grace)
+                    .await
+                {
+                    tracing::warn!(executor_id = %record.id, pid, error = %e, "could not end stray agentctl");
+                }
+            }
+        }
+    }
+
+    /// Starts (or for remote: connects to) agentctl for `record` at
+    /// `generation`. The caller has persisted the launch intent.
+    ///
+    /// The launch runs on its own task. If `limit` passes first, `None` is
+    /// returned and the launch, should it still succeed, is stopped again:
+    /// nothing runs that no record describes.
+    pub(crate) async fn launch_agentctl(
+        &self,
+        record: &ExecutorRecord,
+        generation: i64,
+        limit: Duration,
+    ) -> Option<Result<ExecutorHandle>> {
+        let driver = match self.driver(record.runtime) {
+            Ok(d) => d,
+            Err(e) => return Some(Err(e)),
+        };
+        self.end_stray_agentctls(record).await;
+        let spec = LaunchSpec {
+            executor_id: record.id,
+            session_id: record.session_id,
+            task_id: record.task_id,
+            workspace_path: PathBuf::from(&record.workspace_path),
+            generation,
+            remote: (record.runtime == Runtime::Remote).then(|| RemoteTarget {
+                url: record.agentctl_url.clone().unwrap_or_default(),
+                auth_secret: record.auth_secret.clone(),
+            }),
+        };
+        self.inner
+            .counters
+            .agentctl_launches
+            .fetch_add(1, Ordering::Relaxed);
+        let d = driver.clone();
+        let mut task = tokio::spawn(async move { d.launch(&spec).await });
+        match tokio::time::timeout(limit, &mut task).await {
+            Ok(Ok(r)) => Some(r.map_err(Error::from)),
+            Ok(Err(e)) => Some(Err(Error::Internal(format!("launch task failed: {e}")))),
+            Err(_) => {
+                let executor_id = record.id;
+                tokio::spawn(async move {
+                    if let Ok(Ok(handle)) = task.await {
+                        tracing::warn!(%executor_id, "agentctl came up after the recovery deadline; stopping it");
+                        if let Err(e) = driver.stop(&handle).await {
+                            tracing::warn!(%executor_id, error = %e, "could not stop late agentctl");
+                        }
+                    }
+                });
+                None
+            }
+        }
+    }
+
+    /// Launches the profile's agent unless one runs already; waits for a
+    /// starting one. Returns true when it launched one.
+    pub(crate) async fn ensure_agent(
+        &self,
+        client: &AgentctlClient,
+        profile: &AgentProfile,
+    ) -> Result<bool> {
+        let deadline = Instant::now() + self.inner.config.agent_initialize_timeout;
+        loop {
+            let health = client.health().await?;
+            match health.agent_state {
+                AgentState::Ready | AgentState::Busy => return Ok(false),
+                AgentState::Starting if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                _ => break,
+            }
+        }
+        self.inner
+            .counters
+            .agent_launches
+            .fetch_add(1, Ordering::Relaxed);
+        let timeout_ms =
+            u64::try_from(self.inner.config.agent_initialize_timeout.as_millis()).unwrap_or(0);
+        let request = pb::LaunchAgentRequest {
+            command: profile.command.clone(),
+            args: profile.args.clone(),
+            env: profile.env.clone().into_iter().collect(),
+            profile_supports_session_resume: profile.supports_session_resume,
+            initialize_timeout_ms: timeout_ms,
+        };
+        client
+            .raw()
+            .launch_agent(request)
+            .await
+            .map_err(|s| Error::agent("LaunchAgent", &s))?;
+        Ok(true)
+    }
+
+    /// Opens a new ACP conversation; returns its resume token.
+    pub(crate) async fn new_conversation(&self, client: &AgentctlClient) -> Result<String> {
+        let token = client
+            .raw()
+            .new_session(pb::NewSessionRequest {})
+            .await
+            .map_err(|s| Error::agent("NewSession", &s))?
+            .into_inner()
+            .resume_token;
+        if token.is_empty() {
+            return Err(Error::Agent {
+                call: "NewSession",
+                code: tonic::Code::Internal,
+                message: "the agent returned an empty session id".into(),
+            });
+        }
+        Ok(token)
+    }
+
+    /// Loads the conversation `token` into the running agent.
+    pub(crate) async fn load_conversation(
+        &self,
+        client: &AgentctlClient,
+        token: &str,
+    ) -> Result<()> {
+        self.inner
+            .counters
+            .resume_attempts
+            .fetch_add(1, Ordering::Relaxed);
+        client
+            .raw()
+            .resume_session(pb::ResumeSessionRequest {
+                resume_token: token.to_owned(),
+            })
+            .await
+            .map_err(|s| Error::agent("ResumeSession", &s))?;
+        Ok(())
+    }
+
+    /// Launches the agent if needed, then loads the conversation.
+    pub(crate) async fn resume_agent(
+        &self,
+        record: &ExecutorRecord,
+        profile: &AgentProfile,
+        token: &str,
+    ) -> Result<()> {
+        let client = self.client(record)?;
+        self.ensure_agent(&client, profile).await?;
+        self.load_conversation(&client, token).await
+    }
+
+    /// Stops the agent, best effort (after a failed resume, so no agent runs
+    /// without a conversation).
+    pub(crate) async fn stop_agent_quietly(&self, record: &ExecutorRecord) {
+        if let Ok(client) = self.client(record)
+            && let Err(e) = client.stop_agent(self.inner.config.agent_stop_grace).await
+        {
+            tracing::debug!(executor_id = %record.id, error = %e, "StopAgent failed");
+        }
+    }
+}

@@ -1,0 +1,503 @@
+//! The per-session update pump: consumes agentctl's `StreamUpdates` from the
+//! session's cursor and turns it into stored messages and state changes.
+//!
+//! - An agent reply is ONE message: added on its first chunk, updated as
+//!   chunks arrive (at most every `message_flush_interval`), completed when
+//!   the turn ends. Its id is agentctl's `message_id` (a UUID), so replaying
+//!   the same updates after a backend restart rewrites the same message
+//!   instead of adding a second one.
+//! - The cursor is kept in memory and written to the session's metadata
+//!   (`agentctl_cursor` = `<generation>:<cursor>`) at every turn end and agent
+//!   exit; a restarted backend continues from there (cursors restart at 1 in
+//!   a new agentctl process, hence the generation). Updates after the stored
+//!   cursor are replayed, which is harmless: message writes are idempotent
+//!   and a turn end whose turn is not the session's current one changes no
+//!   state.
+//! - `Gap` (the cursor fell out of agentctl's buffer): the pending message is
+//!   completed as it is, and if the agent is idle by now the turn is ended.
+//! - The agent exiting (not on our request) puts a live session in ERROR.
+
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use sessiond_domain::{
+    AgentProcessState, EventPayload, ExecutorRecord, ExecutorStatus, Message, MessageId,
+    MessageRole, Session, SessionEvent, SessionId, SessionState, TaskEvent, TaskId,
+};
+use sessiond_executor::{AgentState, AgentctlClient};
+use sessiond_proto::agentctl::v1::{self as pb, agent_update::Kind};
+use sessiond_store::Changeset;
+
+use crate::{
+    error::Result,
+    manager::{SessionManager, lock, transition},
+    ops::agent_process,
+};
+
+/// Session metadata key of the update cursor.
+pub(crate) const CURSOR_KEY: &str = "agentctl_cursor";
+/// Session metadata key of the turn in progress (the user message id).
+pub(crate) const TURN_KEY: &str = "turn_id";
+
+/// How many reconnects in a row may fail before agentctl counts as lost.
+const MAX_STREAM_FAILURES: u32 = 5;
+
+pub(crate) fn cursor_value(generation: i64, cursor: u64) -> String {
+    format!("{generation}:{cursor}")
+}
+
+/// The stored cursor if it belongs to `generation`, else 0.
+pub(crate) fn stored_cursor(session: &Session, generation: i64) -> u64 {
+    session
+        .metadata
+        .get(CURSOR_KEY)
+        .and_then(|v| v.split_once(':'))
+        .filter(|(g, _)| g.parse::<i64>().ok() == Some(generation))
+        .and_then(|(_, c)| c.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The agent message being streamed.
+#[derive(Debug)]
+struct Pending {
+    id: MessageId,
+    content: String,
+    stored: bool,
+    dirty: bool,
+    last_flush: Instant,
+}
+
+struct Pump {
+    mgr: SessionManager,
+    session_id: SessionId,
+    task_id: TaskId,
+    generation: i64,
+    client: AgentctlClient,
+    cursor: u64,
+    pending: Option<Pending>,
+}
+
+impl SessionManager {
+    /// Starts (or restarts) the update pump of a session from its stored cursor.
+    pub(crate) fn start_pump(&self, session: &Session, record: &ExecutorRecord) {
+        let client = match self.client(record) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(session = %session.id, error = %e, "no update pump: no client");
+                return;
+            }
+        };
+        let pump = Pump {
+            mgr: self.clone(),
+            session_id: session.id,
+            task_id: session.task_id,
+            generation: record.generation,
+            client,
+            cursor: stored_cursor(session, record.generation),
+            pending: None,
+        };
+        let handle = tokio::spawn(pump.run());
+        self.set_pump(session.id, handle.abort_handle());
+    }
+
+    pub(crate) fn has_pump(&self, session: SessionId) -> bool {
+        crate::manager::lock(&self.inner.pumps)
+            .get(&session)
+            .is_some_and(|h| !h.is_finished())
+    }
+}
+
+impl Pump {
+    async fn run(mut self) {
+        let mut failures = 0u32;
+        loop {
+            let opened = self
+                .client
+                .raw()
+                .stream_updates(pb::StreamUpdatesRequest {
+                    after_cursor: self.cursor,
+                })
+                .await;
+            let mut stream = match opened {
+                Ok(r) => {
+                    failures = 0;
+                    r.into_inner()
+                }
+                Err(status) => {
+                    failures += 1;
+                    tracing::debug!(session = %self.session_id, %status, failures, "update stream failed");
+                    if failures >= MAX_STREAM_FAILURES {
+                        self.agentctl_lost(status.message()).await;
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100 << failures.min(5))).await;
+                    continue;
+                }
+            };
+            loop {
+                let flush_at = self
+                    .pending
+                    .as_ref()
+                    .filter(|p| p.dirty)
+                    .map(|p| p.last_flush + self.mgr.inner.config.message_flush_interval);
+                let next = tokio::select! {
+                    m = stream.message() => m,
+                    () = sleep_until(flush_at) => {
+                        if let Err(e) = self.flush(false).await {
+                            tracing::warn!(session = %self.session_id, error = %e, "could not write agent message");
+                        }
+                        continue;
+                    }
+                };
+                match next {
+                    Ok(Some(update)) => {
+                        if let Err(e) = self.handle(update).await {
+                            tracing::warn!(session = %self.session_id, error = %e, "could not apply agent update");
+                        }
+                    }
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            // The stream ended (agentctl restarting, network); reconnect.
+            failures += 1;
+            if failures >= MAX_STREAM_FAILURES {
+                self.agentctl_lost("the update stream keeps closing").await;
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100 << failures.min(5))).await;
+        }
+    }
+
+    async fn handle(&mut self, update: pb::AgentUpdate) -> Result<()> {
+        let cursor = update.cursor;
+        match update.kind {
+            Some(Kind::MessageChunk(chunk)) => {
+                self.cursor = cursor;
+                self.chunk(&chunk.message_id, &chunk.text).await?;
+            }
+            Some(Kind::TurnEnded(end)) => {
+                self.cursor = cursor;
+                self.turn_ended(&end).await?;
+            }
+            Some(Kind::StateChanged(s)) => {
+                self.cursor = cursor;
+                let state = AgentState::try_from(s.state).unwrap_or(AgentState::Unspecified);
+                self.mgr
+                    .cache_update(self.session_id, |e| e.agent = agent_process(state));
+            }
+            Some(Kind::AgentExited(exit)) => {
+                self.cursor = cursor;
+                self.agent_exited(exit.exit.as_ref()).await?;
+            }
+            Some(Kind::Gap(gap)) => {
+                self.cursor = gap.next_cursor.saturating_sub(1).max(cursor);
+                self.gap().await?;
+            }
+            Some(Kind::ToolCall(_)) | None => self.cursor = cursor,
+        }
+        Ok(())
+    }
+
+    fn message_id(raw: &str) -> MessageId {
+        uuid::Uuid::try_parse(raw)
+            .map(MessageId::from_uuid)
+            .unwrap_or_else(|_| MessageId::new())
+    }
+
+    async fn chunk(&mut self, raw_id: &str, text: &str) -> Result<()> {
+        let id = Self::message_id(raw_id);
+        match &mut self.pending {
+            Some(p) if p.id == id => {
+                p.content.push_str(text);
+                p.dirty = true;
+                if p.last_flush.elapsed() >= self.mgr.inner.config.message_flush_interval {
+                    self.flush(false).await?;
+                }
+            }
+            _ => {
+                if self.pending.is_some() {
+                    self.flush(true).await?;
+                }
+                self.pending = Some(Pending {
+                    id,
+                    content: text.to_owned(),
+                    stored: false,
+                    dirty: true,
+                    last_flush: Instant::now(),
+                });
+                self.flush(false).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The pending message as a changeset (added the first time, else updated).
+    fn message_change(&self, p: &Pending, complete: bool, change: Changeset) -> Changeset {
+        let now = Utc::now();
+        let m = Message {
+            id: p.id,
+            session_id: self.session_id,
+            task_id: self.task_id,
+            role: MessageRole::Agent,
+            content: p.content.clone(),
+            seq: 0,
+            complete,
+            created_at: now,
+            updated_at: now,
+        };
+        if p.stored {
+            change
+                .update_message(p.id, p.content.clone(), complete)
+                .event(self.session_id, EventPayload::MessageUpdated(m))
+        } else {
+            change
+                .add_message(m.clone())
+                .event(self.session_id, EventPayload::MessageAdded(m))
+        }
+    }
+
+    /// Writes the pending message; `complete` ends it.
+    async fn flush(&mut self, complete: bool) -> Result<()> {
+        let Some(p) = self.pending.as_ref() else {
+            return Ok(());
+        };
+        if !p.dirty && !complete {
+            return Ok(());
+        }
+        let change = self.message_change(p, complete, Changeset::new());
+        match self.mgr.inner.store.commit(change).await {
+            Ok(c) => self.mgr.inner.bus.publish(&c.events),
+            Err(sessiond_store::Error::AlreadyExists { .. }) if !p.stored => {
+                // Replayed after a restart: the message exists; rewrite it.
+                let mut again = Pending {
+                    id: p.id,
+                    content: p.content.clone(),
+                    stored: true,
+                    dirty: true,
+                    last_flush: p.last_flush,
+                };
+                let change = self.message_change(&again, complete, Changeset::new());
+                let c = self.mgr.inner.store.commit(change).await?;
+                self.mgr.inner.bus.publish(&c.events);
+                again.dirty = false;
+                self.pending = Some(again);
+            }
+            Err(e) => return Err(e.into()),
+        }
+        if complete {
+            self.pending = None;
+        } else if let Some(p) = self.pending.as_mut() {
+            p.stored = true;
+            p.dirty = false;
+            p.last_flush = Instant::now();
+        }
+        Ok(())
+    }
+
+    /// Ends the pending message inside `change` (for a write that also changes state).
+    async fn complete_pending_into(&mut self, change: Changeset) -> Result<Changeset> {
+        let Some(p) = self.pending.as_ref() else {
+            return Ok(change);
+        };
+        if !p.stored {
+            // Make sure it exists (or is found to exist) first.
+            self.flush(false).await?;
+        }
+        let Some(p) = self.pending.take() else {
+            return Ok(change);
+        };
+        let mut stored = p;
+        stored.stored = true;
+        Ok(self.message_change(&stored, true, change))
+    }
+
+    async fn turn_ended(&mut self, end: &pb::TurnEnded) -> Result<()> {
+        let exited = end.stop_reason == "error" && self.agent_gone().await;
+        let _guard = self.mgr.lock_session(self.session_id).await;
+        let session = self.mgr.inner.store.get_session(self.session_id).await?;
+        let mut change = self.complete_pending_into(Changeset::new()).await?;
+        let current_turn = session.metadata.get(TURN_KEY).cloned();
+        let ours = current_turn.as_deref().is_none_or(|t| t == end.turn_id);
+        let mut next = session.clone();
+        let mut task_event = None;
+        if session.state == SessionState::Running && ours {
+            let (s, ev) = if exited {
+                let reason = format!(
+                    "{}; resume the session to continue",
+                    if end.error_message.is_empty() {
+                        "the agent exited during the turn"
+                    } else {
+                        end.error_message.as_str()
+                    }
+                );
+                transition(&session, SessionEvent::Failed, Some(reason))?
+            } else {
+                task_event = Some(TaskEvent::ReadyForReview);
+                transition(&session, SessionEvent::TurnEnded, None)?
+            };
+            next = s;
+            if let Some(ev) = ev {
+                change = change.event(self.session_id, ev);
+            }
+            if end.stop_reason == "error" && !exited {
+                let now = Utc::now();
+                let m = Message {
+                    id: MessageId::new(),
+                    session_id: self.session_id,
+                    task_id: self.task_id,
+                    role: MessageRole::System,
+                    content: format!("the agent's turn failed: {}", end.error_message),
+                    seq: 0,
+                    complete: true,
+                    created_at: now,
+                    updated_at: now,
+                };
+                change = change
+                    .add_message(m.clone())
+                    .event(self.session_id, EventPayload::MessageAdded(m));
+            }
+            next.metadata.remove(TURN_KEY);
+        }
+        next.metadata.insert(
+            CURSOR_KEY.into(),
+            cursor_value(self.generation, self.cursor),
+        );
+        change = change.update_session(next);
+        if let Some(ev) = task_event {
+            change = self.mgr.with_task_event(change, self.task_id, ev).await?;
+        }
+        self.mgr.commit(change).await?;
+        if exited {
+            self.mgr
+                .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
+        }
+        Ok(())
+    }
+
+    /// True when agentctl reports no running agent right now.
+    async fn agent_gone(&self) -> bool {
+        match self.client.health().await {
+            Ok(h) => !matches!(
+                h.agent_state,
+                AgentState::Ready | AgentState::Busy | AgentState::Starting
+            ),
+            Err(_) => false,
+        }
+    }
+
+    async fn agent_exited(&mut self, exit: Option<&pb::AgentExit>) -> Result<()> {
+        // A replayed exit of an agent that has been replaced since changes nothing.
+        if !self.agent_gone().await {
+            return Ok(());
+        }
+        self.mgr
+            .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
+        let _guard = self.mgr.lock_session(self.session_id).await;
+        let session = self.mgr.inner.store.get_session(self.session_id).await?;
+        let mut change = self.complete_pending_into(Changeset::new()).await?;
+        let mut next = session.clone();
+        if matches!(
+            session.state,
+            SessionState::Starting | SessionState::Running | SessionState::WaitingForInput
+        ) {
+            let how = match exit {
+                Some(pb::AgentExit { code: Some(c), .. }) => format!("exit code {c}"),
+                Some(pb::AgentExit {
+                    signal: Some(s), ..
+                }) => format!("signal {s}"),
+                _ => "unknown status".into(),
+            };
+            let reason =
+                format!("the agent process exited ({how}); resume the session to continue");
+            let (s, ev) = transition(&session, SessionEvent::Failed, Some(reason))?;
+            next = s;
+            next.metadata.remove(TURN_KEY);
+            if let Some(ev) = ev {
+                change = change.event(self.session_id, ev);
+            }
+        }
+        next.metadata.insert(
+            CURSOR_KEY.into(),
+            cursor_value(self.generation, self.cursor),
+        );
+        self.mgr.commit(change.update_session(next)).await?;
+        Ok(())
+    }
+
+    async fn gap(&mut self) -> Result<()> {
+        tracing::warn!(session = %self.session_id, cursor = self.cursor, "agent updates were lost (gap); ending the pending message");
+        if self.pending.is_some() {
+            self.flush(true).await?;
+        }
+        let idle = matches!(
+            self.client.health().await.map(|h| h.agent_state),
+            Ok(AgentState::Ready)
+        );
+        if idle {
+            let end = pb::TurnEnded {
+                turn_id: String::new(),
+                stop_reason: "end_turn".into(),
+                error_message: String::new(),
+            };
+            self.turn_ended(&end).await?;
+        }
+        Ok(())
+    }
+
+    /// agentctl stopped answering: executor `error`, a live session ERROR.
+    async fn agentctl_lost(&mut self, reason: &str) {
+        let result: Result<()> = async {
+            let _ = self.flush(true).await;
+            let _guard = self.mgr.lock_session(self.session_id).await;
+            let Some(record) = self
+                .mgr
+                .inner
+                .store
+                .get_executor_for_session(self.session_id)
+                .await?
+            else {
+                return Ok(());
+            };
+            if record.generation != self.generation || record.status != ExecutorStatus::Ready {
+                return Ok(());
+            }
+            let message =
+                format!("agentctl stopped answering ({reason}); resume the session to try again");
+            let mut failed = record.clone();
+            failed.status = ExecutorStatus::Error;
+            failed.error_message = Some(message.clone());
+            let mut change = Changeset::new().update_executor(failed).event(
+                self.session_id,
+                EventPayload::AgentctlError {
+                    executor_id: record.id,
+                    error_message: message.clone(),
+                },
+            );
+            let session = self.mgr.inner.store.get_session(self.session_id).await?;
+            if !session.state.is_terminal() && session.state != SessionState::Error {
+                let (s, ev) = transition(&session, SessionEvent::Failed, Some(message))?;
+                change = change.update_session(s);
+                if let Some(ev) = ev {
+                    change = change.event(self.session_id, ev);
+                }
+            }
+            self.mgr.commit(change).await?;
+            self.mgr
+                .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
+            Ok(())
+        }
+        .await;
+        if let Err(e) = result {
+            tracing::warn!(session = %self.session_id, error = %e, "could not record lost agentctl");
+        }
+        // This pump ends; forget it.
+        let _ = lock(&self.mgr.inner.pumps).remove(&self.session_id);
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,603 @@
+//! Startup recovery (seed "Startup Flow" steps 1-7): every executor in
+//! `starting`/`ready` is driven through the domain's [`Recovery`] step
+//! machine with the real drivers, under bounded concurrency and a deadline
+//! per executor; unreachable remote hosts are retried in the background.
+//!
+//! Decision on remote executors that are `error` while reconnecting: the
+//! domain marks them `error` (with the `reconnecting:` code) and the store's
+//! `load_recoverable_executors` only returns `starting`/`ready`. A restart
+//! during the reconnect window must not forget them, so [`SessionManager::recover_all`]
+//! also loads remote executors in `error` whose message carries the
+//! `reconnecting` code and whose window (counted from `last_seen_at`, else
+//! from the record's last update) is still open.
+
+use std::{
+    collections::BTreeMap,
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use chrono::Utc;
+use futures::{FutureExt, StreamExt};
+use sessiond_domain::{
+    Action, AgentProcessState, AgentProfile, EventPayload, ExecutorRecord, ExecutorStatus,
+    Observation, OutcomeLabel, Recovery, RecoveryInput, RecoveryOutcome, Runtime, Session,
+    SessionId, SurvivingAgent, TaskEvent,
+};
+use sessiond_executor::{ExecutorHandle, RecoveryAction};
+use sessiond_store::Changeset;
+
+use crate::{
+    error::{Error, Result},
+    manager::{OpKind, OpOutcome, SessionManager},
+    ops::{probe_verdict, surviving_agent},
+};
+
+/// The error code (message prefix) of an executor whose remote host is being
+/// reconnected in the background.
+const RECONNECTING: &str = "reconnecting:";
+
+/// What startup recovery did.
+#[derive(Debug, Clone, Default)]
+pub struct RecoverySummary {
+    /// Executors looked at.
+    pub total: usize,
+    /// Executors per outcome label (`resumed`, `reattached`, ...).
+    pub counts: BTreeMap<&'static str, usize>,
+    /// Executors whose recovery failed on something other than the executor
+    /// (the database, a bug); their records are unchanged.
+    pub failed: usize,
+    /// Each session and how its recovery ended.
+    pub outcomes: Vec<(SessionId, Result<OutcomeLabel, String>)>,
+    pub duration: Duration,
+}
+
+impl RecoverySummary {
+    pub fn count(&self, label: OutcomeLabel) -> usize {
+        self.counts.get(label.as_str()).copied().unwrap_or(0)
+    }
+
+    pub fn outcome(&self, session: SessionId) -> Option<&Result<OutcomeLabel, String>> {
+        self.outcomes
+            .iter()
+            .find(|(s, _)| *s == session)
+            .map(|(_, o)| o)
+    }
+}
+
+/// Mutable state of one executor's recovery.
+struct Run {
+    record: ExecutorRecord,
+    session: Session,
+    profile: AgentProfile,
+    agent: SurvivingAgent,
+    probe: Option<bool>,
+    /// Docker: what `recover` already did while the container was looked up.
+    docker: Option<ExecutorHandle>,
+    started_as: ExecutorStatus,
+}
+
+impl SessionManager {
+    /// Recovers every executor that was live when the backend stopped. Meant
+    /// to run before the server reports SERVING. Logs one summary line.
+    pub async fn recover_all(&self) -> Result<RecoverySummary> {
+        let started = Instant::now();
+        let store = &self.inner.store;
+        let mut records = store.load_recoverable_executors().await?;
+        if self.inner.drivers.contains_key(&Runtime::Remote) {
+            let now = Utc::now();
+            let window = self.inner.config.remote_retry_window;
+            records.extend(store.list_executors().await?.into_iter().filter(|r| {
+                r.runtime == Runtime::Remote
+                    && r.status == ExecutorStatus::Error
+                    && r.error_message
+                        .as_deref()
+                        .is_some_and(|m| m.starts_with(RECONNECTING))
+                    && window_open(r, window, now)
+            }));
+        }
+        let total = records.len();
+        let concurrency = self.inner.config.recovery_concurrency.max(1);
+        let results: Vec<(SessionId, Result<OutcomeLabel>)> = futures::stream::iter(records)
+            .map(|record| {
+                let me = self.clone();
+                async move {
+                    let session = record.session_id;
+                    (session, me.recover_shared(record).await)
+                }
+            })
+            .buffer_unordered(concurrency)
+            .collect()
+            .await;
+
+        let mut summary = RecoverySummary {
+            total,
+            ..RecoverySummary::default()
+        };
+        for (session, result) in results {
+            match result {
+                Ok(label) => *summary.counts.entry(label.as_str()).or_default() += 1,
+                Err(ref e) => {
+                    summary.failed += 1;
+                    tracing::error!(%session, error = %e, "recovery of session failed");
+                }
+            }
+            summary
+                .outcomes
+                .push((session, result.map_err(|e| e.to_string())));
+        }
+        summary.duration = started.elapsed();
+        let counts = summary
+            .counts
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        tracing::info!(
+            total = summary.total,
+            failed = summary.failed,
+            duration_ms = summary.duration.as_millis() as u64,
+            "startup recovery done: {}",
+            if counts.is_empty() {
+                "nothing to recover".to_owned()
+            } else {
+                counts
+            }
+        );
+        Ok(summary)
+    }
+
+    /// Recovers one executor as the session's exclusive operation (an
+    /// explicit resume arriving meanwhile joins it).
+    pub(crate) async fn recover_shared(&self, record: ExecutorRecord) -> Result<OutcomeLabel> {
+        let me = self.clone();
+        let session = record.session_id;
+        let (kind, fut) = self.single_flight(
+            session,
+            OpKind::Recovery,
+            async move { me.recover_one(record).await.map(OpOutcome::Recovery) }.boxed(),
+        );
+        match (kind, fut.await?) {
+            (_, OpOutcome::Recovery(label)) => Ok(label),
+            // An explicit resume was running; it did the work.
+            (_, OpOutcome::Resume(status)) => Ok(if status.is_agent_running {
+                OutcomeLabel::Resumed
+            } else {
+                OutcomeLabel::ExecutorOnly
+            }),
+        }
+    }
+
+    async fn recover_one(&self, record: ExecutorRecord) -> Result<OutcomeLabel> {
+        let _guard = self.lock_session(record.session_id).await;
+        let store = &self.inner.store;
+        // Re-read under the lock: the caller's copy may be stale.
+        let record = store.get_executor(record.id).await?;
+        let session = store.get_session(record.session_id).await?;
+        let profile = store.get_agent_profile(session.agent_profile_id).await?;
+        let input = RecoveryInput::new(
+            &record,
+            &session,
+            profile.supports_session_resume,
+            self.inner.config.resume_policy,
+        );
+        let retry = record.runtime == Runtime::Remote
+            && window_open(&record, self.inner.config.remote_retry_window, Utc::now());
+        let mut machine = Recovery::new(input);
+        let deadline = Instant::now() + self.inner.config.executor_deadline;
+        let mut run = Run {
+            started_as: record.status,
+            record,
+            session,
+            profile,
+            agent: SurvivingAgent::None,
+            probe: None,
+            docker: None,
+        };
+        let mut action = machine.start();
+        loop {
+            let observation = match action {
+                Action::Done(outcome) => {
+                    let label = outcome.label;
+                    self.finish(run, outcome).await?;
+                    return Ok(label);
+                }
+                action => self.perform(&mut run, action, deadline, retry).await?,
+            };
+            action = machine
+                .observe(observation)
+                .map_err(|e| Error::Internal(e.to_string()))?;
+        }
+    }
+
+    /// Performs one action of the machine and reports what it saw.
+    async fn perform(
+        &self,
+        run: &mut Run,
+        action: Action,
+        deadline: Instant,
+        retry_in_background: bool,
+    ) -> Result<Observation> {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let timed_out = remaining.is_zero();
+        Ok(match action {
+            Action::CheckWorktree { path } => {
+                if Path::new(&path).is_dir() {
+                    Observation::WorktreeExists
+                } else {
+                    Observation::WorktreeMissing
+                }
+            }
+            Action::ProbeProcess {
+                pid,
+                pid_start_time,
+            } => match (sessiond_executor::process::stat(pid), pid_start_time) {
+                (Some(st), Some(recorded)) if st.is_running() => Observation::ProcessAlive {
+                    identity_proven: st.start_time == recorded,
+                },
+                (Some(st), None) if st.is_running() => Observation::ProcessAlive {
+                    identity_proven: false,
+                },
+                _ => Observation::ProcessGone,
+            },
+            Action::LaunchAgentctl { generation, event } => {
+                self.write_intent(run, generation, event).await?;
+                if timed_out {
+                    return Ok(Observation::DeadlineExceeded);
+                }
+                match self
+                    .launch_agentctl(&run.record, generation, remaining)
+                    .await
+                {
+                    None => Observation::DeadlineExceeded,
+                    Some(Err(e)) => Observation::ActionFailed {
+                        reason: e.to_string(),
+                    },
+                    Some(Ok(handle)) => {
+                        self.persist_handle(run, &handle).await?;
+                        Observation::Launched
+                    }
+                }
+            }
+            Action::FindContainer { .. } => {
+                if timed_out {
+                    return Ok(Observation::DeadlineExceeded);
+                }
+                // The trait offers no "find" without "start": `recover`
+                // starts a stopped container itself; the intent is written
+                // right after (see the crate docs).
+                let driver = self.driver(run.record.runtime)?;
+                let handle = ExecutorHandle::from_record(&run.record);
+                match tokio::time::timeout(remaining, driver.recover(&handle)).await {
+                    Err(_) => Observation::DeadlineExceeded,
+                    Ok(Ok(recovered)) => {
+                        let restarted = recovered.action != RecoveryAction::Reattached;
+                        run.docker = Some(recovered.handle);
+                        if restarted {
+                            Observation::ContainerStopped
+                        } else {
+                            Observation::ContainerRunning
+                        }
+                    }
+                    Ok(Err(sessiond_executor::Error::ContainerMissing { .. })) => {
+                        Observation::ContainerMissing
+                    }
+                    Ok(Err(e)) => Observation::DockerUnavailable {
+                        reason: e.to_string(),
+                    },
+                }
+            }
+            Action::StartContainer { generation, event } => {
+                self.write_intent(run, generation, event).await?;
+                match run.docker.take() {
+                    Some(mut handle) => {
+                        handle.generation = generation;
+                        self.persist_handle(run, &handle).await?;
+                        Observation::Launched
+                    }
+                    None => Observation::ActionFailed {
+                        reason: "the container was not started".into(),
+                    },
+                }
+            }
+            Action::HealthCheck => {
+                if timed_out {
+                    return Ok(Observation::DeadlineExceeded);
+                }
+                let driver = self.driver(run.record.runtime)?;
+                let handle = ExecutorHandle::from_record(&run.record);
+                match tokio::time::timeout(remaining, driver.health(&handle)).await {
+                    Err(_) => Observation::DeadlineExceeded,
+                    Ok(Ok(health)) => {
+                        run.agent = surviving_agent(&health);
+                        Observation::Healthy { agent: run.agent }
+                    }
+                    Ok(Err(e)) if e.is_unavailable() => Observation::HostUnreachable {
+                        reason: e.to_string(),
+                        retry_in_background,
+                    },
+                    Ok(Err(e)) => Observation::Unhealthy {
+                        reason: e.to_string(),
+                    },
+                }
+            }
+            Action::ProbeCapabilities => {
+                if timed_out {
+                    return Ok(Observation::DeadlineExceeded);
+                }
+                let driver = self.driver(run.record.runtime)?;
+                let handle = ExecutorHandle::from_record(&run.record);
+                match tokio::time::timeout(remaining, driver.capabilities(&handle)).await {
+                    Ok(Ok(caps)) => match probe_verdict(caps.supports_session_resume) {
+                        Some(v) => {
+                            run.probe = Some(v);
+                            Observation::Capabilities {
+                                supports_session_resume: v,
+                            }
+                        }
+                        None => Observation::CapabilitiesUnknown,
+                    },
+                    Ok(Err(e)) => Observation::ActionFailed {
+                        reason: e.to_string(),
+                    },
+                    Err(_) => Observation::CapabilitiesUnknown,
+                }
+            }
+            Action::MarkExecutorReady { event } => {
+                self.mark_ready(run, event).await?;
+                Observation::Applied
+            }
+            Action::ResumeAgent { resume_token } => {
+                if timed_out {
+                    return Ok(Observation::DeadlineExceeded);
+                }
+                let sid = run.session.id;
+                self.cache_update(sid, |e| e.agent = AgentProcessState::Starting);
+                let attempt = self.resume_agent(&run.record, &run.profile, &resume_token);
+                match tokio::time::timeout(remaining, attempt).await {
+                    Ok(Ok(())) => Observation::ResumeSucceeded,
+                    Ok(Err(e)) => {
+                        self.stop_agent_quietly(&run.record).await;
+                        self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
+                        Observation::ResumeFailed {
+                            reason: e.to_string(),
+                        }
+                    }
+                    Err(_) => {
+                        self.stop_agent_quietly(&run.record).await;
+                        self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
+                        Observation::DeadlineExceeded
+                    }
+                }
+            }
+            Action::StopExecutor => {
+                let driver = self.driver(run.record.runtime)?;
+                let handle = ExecutorHandle::from_record(&run.record);
+                let limit = remaining.max(Duration::from_secs(1));
+                if let Ok(client) = driver.client(&handle) {
+                    let _ = tokio::time::timeout(
+                        limit,
+                        client.stop_agent(self.inner.config.agent_stop_grace),
+                    )
+                    .await;
+                }
+                match tokio::time::timeout(limit, driver.stop(&handle)).await {
+                    Ok(Ok(())) => Observation::ExecutorStopped,
+                    Ok(Err(e)) => Observation::ActionFailed {
+                        reason: e.to_string(),
+                    },
+                    Err(_) => Observation::ActionFailed {
+                        reason: "stopping did not finish in time".into(),
+                    },
+                }
+            }
+            Action::Done(_) => {
+                return Err(Error::Internal("Done is handled by the caller".into()));
+            }
+        })
+    }
+
+    /// The launch intent: executor `starting` with the new generation and
+    /// its `agentctl_starting` event, in one transaction, before any spawn.
+    async fn write_intent(
+        &self,
+        run: &mut Run,
+        generation: i64,
+        event: EventPayload,
+    ) -> Result<()> {
+        let mut record = run.record.clone();
+        record.status = ExecutorStatus::Starting;
+        record.generation = generation;
+        record.error_message = None;
+        let mut session = run.session.clone();
+        session.agent_execution_id = Some(record.execution_id());
+        let committed = self
+            .commit(
+                Changeset::new()
+                    .update_executor(record)
+                    .update_session(session)
+                    .event(run.session.id, event),
+            )
+            .await?;
+        run.record = committed
+            .executor
+            .ok_or_else(|| Error::Internal("no executor".into()))?;
+        run.session = committed
+            .session
+            .ok_or_else(|| Error::Internal("no session".into()))?;
+        Ok(())
+    }
+
+    /// Records where the freshly started agentctl is (pid, port, secret).
+    async fn persist_handle(&self, run: &mut Run, handle: &ExecutorHandle) -> Result<()> {
+        let mut record = run.record.clone();
+        handle.apply_to(&mut record);
+        let committed = self
+            .commit(Changeset::new().update_executor(record))
+            .await?;
+        run.record = committed
+            .executor
+            .ok_or_else(|| Error::Internal("no executor".into()))?;
+        Ok(())
+    }
+
+    /// Executor `ready` (workspace access on), the execution in the cache.
+    /// `agentctl_ready` is published only when the status really changes, so
+    /// a restart that finds everything as it was produces no event.
+    async fn mark_ready(&self, run: &mut Run, event: EventPayload) -> Result<()> {
+        let mut record = run.record.clone();
+        let changed = record.status != ExecutorStatus::Ready;
+        record.status = ExecutorStatus::Ready;
+        record.error_message = None;
+        record.last_seen_at = Some(Utc::now());
+        if run.probe == Some(false) {
+            record.supports_session_resume = false;
+        }
+        let mut change = Changeset::new().update_executor(record);
+        if changed {
+            change = change.event(run.session.id, event);
+        }
+        let committed = self.commit(change).await?;
+        run.record = committed
+            .executor
+            .ok_or_else(|| Error::Internal("no executor".into()))?;
+        let agent = match run.agent {
+            SurvivingAgent::Idle | SurvivingAgent::Busy => AgentProcessState::Running,
+            SurvivingAgent::None => AgentProcessState::NotRunning,
+        };
+        let probe = run.probe;
+        self.cache_update(run.session.id, |e| {
+            e.agent = agent;
+            e.probe = probe;
+        });
+        Ok(())
+    }
+
+    /// Persists the outcome with its events; syncs the cache; starts the
+    /// update pump or the background reconnect.
+    async fn finish(&self, run: Run, outcome: RecoveryOutcome) -> Result<()> {
+        let sid = run.session.id;
+        let mut record = run.record.clone();
+        record.status = outcome.executor_status;
+        record.error_message = outcome.executor_error.as_ref().map(|f| f.message());
+        record.generation = outcome.generation;
+        let mut change = Changeset::new();
+        let record_changed = record.status != run.record.status
+            || record.error_message != run.record.error_message
+            || record.generation != run.record.generation;
+        if record_changed {
+            change = change.update_executor(record);
+        }
+        if outcome.session_state != run.session.state {
+            let mut session = run.session.clone();
+            session.state = outcome.session_state;
+            session.error_message = outcome.session_error.as_ref().map(|f| f.message());
+            change = change.update_session(session);
+        }
+        for event in outcome.events.iter().cloned() {
+            change = change.event(sid, event);
+        }
+        let agent_back = matches!(
+            outcome.label,
+            OutcomeLabel::Resumed | OutcomeLabel::Reattached
+        );
+        if agent_back {
+            change = self
+                .with_task_event(change, run.session.task_id, TaskEvent::ReadyForReview)
+                .await?;
+        }
+        let committed = self.commit(change).await?;
+        let record = committed.executor.unwrap_or(record_after(&run, &outcome));
+        tracing::debug!(session = %sid, executor_id = %record.id, label = %outcome.label,
+            started_as = %run.started_as, "executor recovered");
+
+        match outcome.executor_status {
+            ExecutorStatus::Stopped => self.cache_remove(sid),
+            _ => {
+                self.cache_record(&record);
+                if agent_back {
+                    self.cache_update(sid, |e| e.agent = AgentProcessState::Running);
+                } else if outcome.label != OutcomeLabel::ExecutorOnly {
+                    self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
+                }
+            }
+        }
+        if outcome.retry_in_background {
+            self.spawn_reconnect(record.clone());
+        }
+        if agent_back || (outcome.workspace_enabled && run.agent != SurvivingAgent::None) {
+            let session = self.inner.store.get_session(sid).await?;
+            self.start_pump(&session, &record);
+        }
+        Ok(())
+    }
+
+    /// Keeps trying an unreachable remote host in the background, with
+    /// backoff, while its window is open; runs recovery again when it answers
+    /// (or once more when the window closes, which marks it failed).
+    pub(crate) fn spawn_reconnect(&self, record: ExecutorRecord) {
+        let session = record.session_id;
+        if !crate::manager::lock(&self.inner.retrying).insert(session) {
+            return;
+        }
+        let me = self.clone();
+        self.spawn_background(async move {
+            let backoff = me.inner.config.remote_backoff;
+            let window = me.inner.config.remote_retry_window;
+            let mut attempt = 0u32;
+            loop {
+                tokio::time::sleep(backoff.delay(attempt)).await;
+                attempt = attempt.saturating_add(1);
+                let current = match me.inner.store.get_executor(record.id).await {
+                    Ok(r) => r,
+                    Err(e) if e.is_not_found() => break,
+                    Err(e) => {
+                        tracing::warn!(%session, error = %e, "reconnect: cannot read executor");
+                        continue;
+                    }
+                };
+                if current.status != ExecutorStatus::Error {
+                    break; // someone else (an explicit resume) brought it back
+                }
+                let open = window_open(&current, window, Utc::now());
+                let answers = match me.driver(current.runtime) {
+                    Ok(d) => d
+                        .health(&ExecutorHandle::from_record(&current))
+                        .await
+                        .is_ok(),
+                    Err(_) => false,
+                };
+                if !answers && open {
+                    tracing::debug!(%session, attempt, "remote executor still unreachable");
+                    continue;
+                }
+                crate::manager::lock(&me.inner.retrying).remove(&session);
+                // A `retrying` outcome starts a fresh reconnect loop itself.
+                match me.recover_shared(current).await {
+                    Ok(label) => {
+                        tracing::info!(%session, %label, attempts = attempt, "background reconnect: recovery ran");
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(%session, error = %e, "reconnect: recovery failed");
+                        return;
+                    }
+                }
+            }
+            crate::manager::lock(&me.inner.retrying).remove(&session);
+        });
+    }
+}
+
+fn record_after(run: &Run, outcome: &RecoveryOutcome) -> ExecutorRecord {
+    let mut r = run.record.clone();
+    r.status = outcome.executor_status;
+    r
+}
+
+/// The background reconnect window of a remote executor is still open.
+fn window_open(record: &ExecutorRecord, window: Duration, now: chrono::DateTime<Utc>) -> bool {
+    let since = record.last_seen_at.unwrap_or(record.updated_at);
+    let window = chrono::Duration::from_std(window).unwrap_or(chrono::Duration::MAX);
+    since + window > now
+}

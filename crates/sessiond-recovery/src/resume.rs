@@ -1,0 +1,350 @@
+//! Explicit resume (seed "Session Resumption Flow"): validate, then one
+//! attempt per session however many callers ask (single-flight, shared with
+//! a startup or background recovery of the same session).
+//!
+//! Executor resume and agent resume are separate (DESIGN §4): when agentctl
+//! is healthy but the agent cannot be resumed, the session goes ERROR and the
+//! executor stays `ready`, so shell, files and git keep working. The executor
+//! goes `error` only when agentctl itself could not be brought back.
+
+use std::path::Path;
+
+use chrono::Utc;
+use futures::FutureExt;
+use sessiond_domain::{
+    AgentProcessState, EventPayload, ExecutorStatus, OutcomeLabel, ResumeRefused, Runtime, Session,
+    SessionEvent, SessionId, SessionStatus, TaskEvent, TaskId, check_resume,
+};
+use sessiond_executor::ExecutorHandle;
+use sessiond_store::Changeset;
+
+use crate::{
+    error::{Error, Result},
+    manager::{OpKind, OpOutcome, SessionManager, transition},
+    ops::{probe_verdict, recorded_process_alive},
+};
+
+impl SessionManager {
+    /// Resumes a session on request. Concurrent calls (and a call racing a
+    /// recovery of the same session) share one attempt and its outcome.
+    ///
+    /// Validation errors, in order: [`Error::NotFound`], [`Error::WrongTask`],
+    /// [`Error::SessionEnded`], [`Error::NotResumable`],
+    /// [`Error::MissingResumeToken`], [`Error::WorktreeMissing`]. A session
+    /// whose agent already runs is returned as it is.
+    pub async fn resume_session(&self, task: TaskId, session: SessionId) -> Result<SessionStatus> {
+        let s = self.session_of_task(task, session).await?;
+        if let Some((kind, fut)) = self.inflight(session) {
+            let out = fut.await;
+            if let Some(answer) = self.joined_answer(task, session, kind, out).await {
+                return answer;
+            }
+        }
+        let s = self.inner.store.get_session(s.id).await?;
+        if !self.validate_resume(&s).await? {
+            return self.status_of(&s).await;
+        }
+        let me = self.clone();
+        let (kind, fut) = self.single_flight(
+            session,
+            OpKind::Resume,
+            async move { me.resume_attempt(session).await.map(OpOutcome::Resume) }.boxed(),
+        );
+        let out = fut.await;
+        match self.joined_answer(task, session, kind, out).await {
+            Some(answer) => answer,
+            None => self.session_status(task, session).await,
+        }
+    }
+
+    /// What a caller who joined an operation answers: the resume's outcome,
+    /// or a recovery's when that recovery tried the agent. `None`: the
+    /// recovery did not try the agent, decide anew.
+    async fn joined_answer(
+        &self,
+        task: TaskId,
+        session: SessionId,
+        kind: OpKind,
+        out: Result<OpOutcome>,
+    ) -> Option<Result<SessionStatus>> {
+        match (kind, out) {
+            (_, Ok(OpOutcome::Resume(status))) => Some(Ok(status)),
+            (OpKind::Resume, Err(e)) => Some(Err(e)),
+            (_, Ok(OpOutcome::Recovery(label))) => match label {
+                OutcomeLabel::Resumed | OutcomeLabel::Reattached => {
+                    Some(self.session_status(task, session).await)
+                }
+                OutcomeLabel::ResumeFailed => {
+                    let reason = match self.inner.store.get_session(session).await {
+                        Ok(s) => s.error_message.unwrap_or_default(),
+                        Err(e) => return Some(Err(e.into())),
+                    };
+                    Some(Err(Error::ResumeFailed {
+                        session_id: session,
+                        reason,
+                    }))
+                }
+                _ => None,
+            },
+            (OpKind::Recovery, Err(_)) => None,
+        }
+    }
+
+    /// True when a resume should run; false when the agent already runs (or
+    /// is being started). Errors name what makes the session unresumable.
+    async fn validate_resume(&self, s: &Session) -> Result<bool> {
+        let status = self.status_of(s).await?;
+        let go = match check_resume(&status) {
+            Ok(go) => go,
+            Err(ResumeRefused::SessionEnded(state)) => {
+                return Err(Error::SessionEnded {
+                    session_id: s.id,
+                    state,
+                });
+            }
+            Err(ResumeRefused::NotResumable) => {
+                return Err(Error::NotResumable {
+                    session_id: s.id,
+                    reason: ResumeRefused::NotResumable.to_string(),
+                });
+            }
+            Err(ResumeRefused::MissingResumeToken) => {
+                return Err(Error::MissingResumeToken { session_id: s.id });
+            }
+        };
+        if go && s.runtime != Runtime::Remote && !Path::new(&s.worktree.path).is_dir() {
+            return Err(Error::WorktreeMissing {
+                session_id: s.id,
+                path: s.worktree.path.clone(),
+            });
+        }
+        Ok(go)
+    }
+
+    /// The one resume attempt of a session.
+    async fn resume_attempt(&self, session_id: SessionId) -> Result<SessionStatus> {
+        let _guard = self.lock_session(session_id).await;
+        let store = &self.inner.store;
+        let session = store.get_session(session_id).await?;
+        if !self.validate_resume(&session).await? {
+            return self.status_of(&session).await;
+        }
+        let profile = store.get_agent_profile(session.agent_profile_id).await?;
+        let Some(mut record) = store.get_executor_for_session(session_id).await? else {
+            return Err(Error::InvalidState {
+                session_id,
+                state: session.state,
+                action: "resume",
+                hint: "the session has no executor any more; create a new session",
+            });
+        };
+        let Some(token) = session.resume_token.clone() else {
+            return Err(Error::MissingResumeToken { session_id });
+        };
+        let driver = self.driver(record.runtime)?;
+        let limit = self.inner.config.executor_deadline;
+
+        // Is the recorded agentctl alive, ours and answering?
+        let handle = ExecutorHandle::from_record(&record);
+        let process_ok = recorded_process_alive(&record).unwrap_or(true);
+        let healthy = process_ok
+            && !record.auth_secret.is_empty()
+            && tokio::time::timeout(limit, driver.health(&handle))
+                .await
+                .is_ok_and(|r| r.is_ok());
+
+        // Intent: session STARTING and, if agentctl must be (re)started, the
+        // executor `starting` with generation + 1, in one transaction.
+        let (starting, ev) = transition(&session, SessionEvent::ResumeRequested, None)?;
+        let mut change = Changeset::new();
+        let mut relaunch_generation = None;
+        if !healthy && record.runtime != Runtime::Remote {
+            let generation = record.generation + 1;
+            relaunch_generation = Some(generation);
+            let mut intent = record.clone();
+            intent.status = ExecutorStatus::Starting;
+            intent.generation = generation;
+            intent.error_message = None;
+            change = change.update_executor(intent).event(
+                session_id,
+                EventPayload::AgentctlStarting {
+                    executor_id: record.id,
+                    runtime: record.runtime,
+                    generation,
+                },
+            );
+        }
+        let mut starting = starting;
+        if let Some(g) = relaunch_generation {
+            starting.agent_execution_id = Some(format!("{}/{g}", record.id));
+        }
+        change = change.update_session(starting);
+        if let Some(ev) = ev {
+            change = change.event(session_id, ev);
+        }
+        let committed = self.commit(change).await?;
+        let mut session = committed
+            .session
+            .ok_or_else(|| Error::Internal("no session".into()))?;
+        if let Some(r) = committed.executor {
+            record = r;
+        }
+        self.cache_update(session_id, |e| e.agent = AgentProcessState::Starting);
+
+        // Executor.
+        let executor = async {
+            if let Some(generation) = relaunch_generation {
+                if recorded_process_alive(&record) == Some(true) {
+                    // Ours (pid and start time match) but not answering: end it.
+                    self.end_stray_agentctls(&record).await;
+                }
+                let handle = match record.runtime {
+                    Runtime::LocalDocker => {
+                        let mut h = driver
+                            .recover(&ExecutorHandle::from_record(&record))
+                            .await?
+                            .handle;
+                        h.generation = generation;
+                        h
+                    }
+                    _ => match self.launch_agentctl(&record, generation, limit * 2).await {
+                        Some(r) => r?,
+                        None => {
+                            return Err(Error::Unavailable(format!(
+                                "agentctl did not start within {:?}",
+                                limit * 2
+                            )));
+                        }
+                    },
+                };
+                let mut r = record.clone();
+                handle.apply_to(&mut r);
+                record = self
+                    .commit(Changeset::new().update_executor(r))
+                    .await?
+                    .executor
+                    .ok_or_else(|| Error::Internal("no executor".into()))?;
+            } else if !healthy {
+                return Err(Error::Unavailable(format!(
+                    "remote agentctl at {} does not answer",
+                    record.agentctl_url.as_deref().unwrap_or("?")
+                )));
+            }
+            let caps = driver
+                .capabilities(&ExecutorHandle::from_record(&record))
+                .await
+                .ok();
+            Ok::<_, Error>(caps.and_then(|c| probe_verdict(c.supports_session_resume)))
+        }
+        .await;
+
+        let probe = match executor {
+            Ok(p) => p,
+            Err(e) => {
+                let reason =
+                    format!("agentctl could not be started: {e}; resume the session to try again");
+                let mut failed = record.clone();
+                failed.status = ExecutorStatus::Error;
+                failed.error_message = Some(reason.clone());
+                let (s2, ev) = transition(&session, SessionEvent::Failed, Some(reason.clone()))?;
+                let mut change = Changeset::new()
+                    .update_executor(failed)
+                    .event(
+                        session_id,
+                        EventPayload::AgentctlError {
+                            executor_id: record.id,
+                            error_message: reason.clone(),
+                        },
+                    )
+                    .update_session(s2);
+                if let Some(ev) = ev {
+                    change = change.event(session_id, ev);
+                }
+                self.commit(change).await?;
+                self.cache_update(session_id, |e| e.agent = AgentProcessState::NotRunning);
+                return Err(Error::ResumeFailed { session_id, reason });
+            }
+        };
+
+        // Executor ready: workspace access on, whatever the agent does next.
+        if record.status != ExecutorStatus::Ready || record.last_seen_at.is_none() {
+            let was_ready = record.status == ExecutorStatus::Ready;
+            let mut ready = record.clone();
+            ready.status = ExecutorStatus::Ready;
+            ready.error_message = None;
+            ready.last_seen_at = Some(Utc::now());
+            let mut change = Changeset::new().update_executor(ready);
+            if !was_ready {
+                change = change.event(
+                    session_id,
+                    EventPayload::AgentctlReady {
+                        executor_id: record.id,
+                        runtime: record.runtime,
+                        supports_session_resume: profile.supports_session_resume
+                            && record.supports_session_resume
+                            && probe != Some(false),
+                    },
+                );
+            }
+            record = self
+                .commit(change)
+                .await?
+                .executor
+                .ok_or_else(|| Error::Internal("no executor".into()))?;
+        }
+        self.cache_update(session_id, |e| {
+            e.agent = AgentProcessState::Starting;
+            e.probe = probe;
+        });
+
+        // Agent.
+        let resumed = tokio::time::timeout(
+            limit + self.inner.config.agent_initialize_timeout,
+            self.resume_agent(&record, &profile, &token),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(Error::Unavailable(
+                "the agent did not resume in time".into(),
+            ))
+        });
+        match resumed {
+            Ok(()) => {
+                let (s2, ev) = transition(&session, SessionEvent::Resumed, None)?;
+                let mut change = Changeset::new().update_session(s2);
+                if let Some(ev) = ev {
+                    change = change.event(session_id, ev);
+                }
+                if record.resume_token.as_deref() != Some(token.as_str()) {
+                    let mut r = record.clone();
+                    r.resume_token = Some(token.clone());
+                    change = change.update_executor(r);
+                }
+                change = self
+                    .with_task_event(change, session.task_id, TaskEvent::ReadyForReview)
+                    .await?;
+                let committed = self.commit(change).await?;
+                session = committed.session.unwrap_or(session);
+                if let Some(r) = committed.executor {
+                    record = r;
+                }
+                self.cache_update(session_id, |e| e.agent = AgentProcessState::Running);
+                self.start_pump(&session, &record);
+                self.status_of(&session).await
+            }
+            Err(e) => {
+                self.stop_agent_quietly(&record).await;
+                let reason =
+                    format!("resuming the agent failed: {e}; resume the session to try again");
+                let (s2, ev) = transition(&session, SessionEvent::Failed, Some(reason.clone()))?;
+                let mut change = Changeset::new().update_session(s2);
+                if let Some(ev) = ev {
+                    change = change.event(session_id, ev);
+                }
+                self.commit(change).await?;
+                self.cache_update(session_id, |e| e.agent = AgentProcessState::NotRunning);
+                Err(Error::ResumeFailed { session_id, reason })
+            }
+        }
+    }
+}
