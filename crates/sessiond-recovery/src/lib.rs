@@ -39,6 +39,6 @@ mod resume;
 pub use config::ManagerConfig;
 pub use error::{Error, ErrorKind, Result};
 pub use events::{EventBus, EventStream};
-pub use lifecycle::{EndReason, NewSession};
+pub use lifecycle::{EndReason, NewSession, RemoteAgentctl};
 pub use manager::{Execution, SessionManager, Stats};
 pub use recovery::RecoverySummary;

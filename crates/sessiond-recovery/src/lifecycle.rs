@@ -8,7 +8,7 @@ use sessiond_domain::{
     Message, MessageId, MessageRole, Runtime, Session, SessionEvent, SessionId, SessionState,
     TaskEvent, TaskId, Worktree,
 };
-use sessiond_executor::{ExecutorHandle, RemoteTarget};
+use sessiond_executor::ExecutorHandle;
 use sessiond_proto::agentctl::v1 as pb;
 use sessiond_store::Changeset;
 
@@ -28,10 +28,28 @@ pub struct NewSession {
     /// The working tree the agent works in (a host path for local runtimes,
     /// a path on the remote host for `remote`).
     pub worktree: Worktree,
-    /// Remote only: the agentctl that host runs, and its secret.
-    pub remote: Option<RemoteTarget>,
+    /// Remote only: the agentctl that host runs.
+    pub remote: Option<RemoteAgentctl>,
     /// Free-form metadata stored with the session.
     pub metadata: BTreeMap<String, String>,
+}
+
+/// An agentctl another host runs for a new remote session: it was started
+/// with `executor_id` and `auth_secret`, and listens at `url`.
+#[derive(Clone)]
+pub struct RemoteAgentctl {
+    pub executor_id: ExecutorId,
+    pub url: String,
+    pub auth_secret: String,
+}
+
+impl std::fmt::Debug for RemoteAgentctl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteAgentctl")
+            .field("executor_id", &self.executor_id)
+            .field("url", &self.url)
+            .finish_non_exhaustive()
+    }
 }
 
 /// How a session ends.
@@ -80,7 +98,10 @@ impl SessionManager {
         }
 
         let now = Utc::now();
-        let executor_id = ExecutorId::new();
+        let executor_id = req
+            .remote
+            .as_ref()
+            .map_or_else(ExecutorId::new, |r| r.executor_id);
         let created = Session {
             id: session_id,
             task_id: req.task_id,

@@ -511,6 +511,11 @@ impl SessionManager {
         tracing::debug!(session = %sid, executor_id = %record.id, label = %outcome.label,
             started_as = %run.started_as, "executor recovered");
 
+        if outcome.executor_status == ExecutorStatus::Error {
+            // Nothing of ours may keep running for an executor in error
+            // (e.g. a live agentctl whose worktree was deleted).
+            self.end_stray_agentctls(&record).await;
+        }
         match outcome.executor_status {
             ExecutorStatus::Stopped => self.cache_remove(sid),
             _ => {

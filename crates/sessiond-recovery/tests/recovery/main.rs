@@ -1,0 +1,16 @@
+//! sessiond-recovery as users live it: real agentctl processes, the real
+//! acp-demo-agent, SQLite and a real PostgreSQL. A backend restart is a
+//! `shutdown()` of the manager (its tasks end, executors keep running) and a
+//! new manager on the same store.
+//!
+//! Needs `cargo build -p agentctl -p acp-demo-agent` first.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+mod events;
+mod lifecycle;
+mod remote;
+mod restart;
+mod resume;

@@ -1,0 +1,142 @@
+use std::{
+    path::Path,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use sessiond_domain::{ExecutorId, ExecutorStatus, OutcomeLabel, SessionState};
+use sessiond_executor::process;
+use sessiond_recovery::RemoteAgentctl;
+
+use crate::support::{Db, World, bin, children_of, expected_reply, kill_tree};
+
+/// An agentctl started by the test, standing for one a remote host runs.
+struct RemoteHost {
+    child: Child,
+}
+
+impl RemoteHost {
+    async fn start(w: &World, workspace: &Path, id: ExecutorId, secret: &str, port: u16) -> Self {
+        let port_file = w.path(&format!("remote-{port}.port"));
+        let _ = std::fs::remove_file(&port_file);
+        let child = Command::new(bin("agentctl"))
+            .args(["--executor-id", &id.to_string()])
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .arg("--workspace")
+            .arg(workspace)
+            .arg("--port-file")
+            .arg(&port_file)
+            .args(["--idle-timeout", "300s"])
+            .env("AGENTCTL_SECRET", secret)
+            .env("AGENTCTL_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        w.procs
+            .add(child.id(), process::start_time(child.id()).unwrap());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !port_file.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "remote agentctl wrote no port file"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        RemoteHost { child }
+    }
+
+    fn track_agent(&self, w: &World) {
+        for k in children_of(self.child.id()) {
+            if let Some(st) = process::start_time(k) {
+                w.procs.add(k, st);
+            }
+        }
+    }
+
+    async fn kill(mut self) {
+        kill_tree(self.child.id()).await;
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A remote host that is down when the backend restarts: the executor shows
+/// `error` (reconnecting) while the session keeps its state; when the host
+/// is back, the background reconnect makes the executor ready and resumes
+/// the agent, without another restart. The conversation continues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_host_back_after_restart_resumes_in_background() {
+    let w = World::new(Db::Sqlite).await;
+    let id = ExecutorId::new();
+    let secret = sessiond_executor::fresh_secret();
+    let port = free_port();
+    let wt = w.worktree("remote");
+    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let mgr = w.manager();
+    let remote = RemoteAgentctl {
+        executor_id: id,
+        url: format!("http://127.0.0.1:{port}"),
+        auth_secret: secret.clone(),
+    };
+    let s = w
+        .create_with(&mgr, "remote", &w.profile, Some(remote))
+        .await;
+    assert_eq!(
+        s.state,
+        SessionState::WaitingForInput,
+        "{:?}",
+        s.error_message
+    );
+    host.track_agent(&w);
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+
+    mgr.shutdown();
+    drop(mgr);
+    host.kill().await;
+
+    let mgr = w.manager();
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Retrying), 1, "{summary:?}");
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.executor_status, Some(ExecutorStatus::Error));
+    assert_eq!(
+        st.state,
+        SessionState::WaitingForInput,
+        "session left as it was"
+    );
+    let rec = w.record(s.id).await;
+    assert!(rec.error_message.unwrap().starts_with("reconnecting:"));
+
+    // The host comes back: same executor id, secret and address.
+    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let st = w.status(&mgr, s.id).await;
+        if st.executor_status == Some(ExecutorStatus::Ready) && st.is_agent_running {
+            assert_eq!(st.state, SessionState::WaitingForInput);
+            break;
+        }
+        assert!(Instant::now() < deadline, "remote never came back: {st:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    host.track_agent(&w);
+    assert_eq!(mgr.stats().agent_launches, 1);
+    let reply = w.prompt(&mgr, s.id, "two").await;
+    assert_eq!(reply, expected_reply(2, &token, "two"));
+
+    // Remote: ending the session stops the agent only; the host's agentctl
+    // is the host's.
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    assert!(crate::support::is_running(host.child.id()));
+    host.kill().await;
+    w.finish(&mgr, &[]).await;
+}

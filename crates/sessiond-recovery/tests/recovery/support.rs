@@ -1,0 +1,452 @@
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use chrono::Utc;
+use futures::StreamExt;
+use sessiond_domain::{
+    AgentProfile, AgentProfileId, Event, ExecutorRecord, Message, MessageRole, Runtime, Session,
+    SessionId, SessionState, SessionStatus, Task, TaskId, TaskState, Worktree,
+};
+use sessiond_executor::{
+    Backoff, ClientConfig, Executor, process,
+    remote::{RemoteConfig, RemoteExecutor},
+    standalone::{StandaloneConfig, StandaloneExecutor},
+};
+use sessiond_recovery::{ManagerConfig, NewSession, RemoteAgentctl, SessionManager};
+use sessiond_store::{Store, StoreOptions};
+
+/// target/<profile>/<name>, beside the directory of this test binary.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(Path::parent).unwrap();
+    let path = dir.join(name);
+    assert!(
+        path.is_file(),
+        "{} not found: build it first with `cargo build -p agentctl -p acp-demo-agent`",
+        path.display()
+    );
+    path
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Db {
+    Sqlite,
+    Postgres,
+}
+
+#[allow(dead_code)] // held for Drop
+enum DbGuard {
+    None,
+    Postgres(sessiond_testkit::postgres::TestDatabase),
+}
+
+/// Everything one test owns: a store, directories, a task, profiles, and
+/// the processes it must leave behind none of.
+pub struct World {
+    pub store: Store,
+    pub dir: tempfile::TempDir,
+    pub task: Task,
+    pub profile: AgentProfile,
+    pub procs: Procs,
+    _db: DbGuard,
+}
+
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "sessiond_recovery=info".into()),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+impl World {
+    pub async fn new(db: Db) -> World {
+        init_tracing();
+        let dir = tempfile::tempdir().unwrap();
+        let (store, guard) = match db {
+            Db::Sqlite => {
+                let url = format!("sqlite://{}", dir.path().join("sessiond.db").display());
+                (
+                    Store::connect(&url, StoreOptions::default()).await.unwrap(),
+                    DbGuard::None,
+                )
+            }
+            Db::Postgres => {
+                let tdb = tokio::task::spawn_blocking(sessiond_testkit::postgres::test_database)
+                    .await
+                    .unwrap();
+                (
+                    Store::connect(tdb.url(), StoreOptions::default())
+                        .await
+                        .unwrap(),
+                    DbGuard::Postgres(tdb),
+                )
+            }
+        };
+        let now = Utc::now();
+        let task = store
+            .create_task(&Task {
+                id: TaskId::new(),
+                title: "recovery test".into(),
+                state: TaskState::Todo,
+                created_at: now,
+                updated_at: now,
+            })
+            .await
+            .unwrap();
+        let mut w = World {
+            store,
+            task,
+            profile: placeholder_profile(),
+            procs: Procs::default(),
+            dir,
+            _db: guard,
+        };
+        w.profile = w.demo_profile("demo", &[]).await;
+        w
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    /// A demo-agent profile with `ACP_DEMO_*` switches.
+    pub async fn demo_profile(&self, name: &str, env: &[(&str, &str)]) -> AgentProfile {
+        self.profile_with(name, env, true).await
+    }
+
+    pub async fn profile_with(
+        &self,
+        name: &str,
+        env: &[(&str, &str)],
+        claims_resume: bool,
+    ) -> AgentProfile {
+        let now = Utc::now();
+        self.store
+            .upsert_agent_profile(&AgentProfile {
+                id: AgentProfileId::new(),
+                name: name.into(),
+                command: bin("acp-demo-agent").display().to_string(),
+                args: vec![
+                    "--state-dir".into(),
+                    self.path("agent-state").display().to_string(),
+                ],
+                env: env
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+                supports_session_resume: claims_resume,
+                created_at: now,
+                updated_at: now,
+            })
+            .await
+            .unwrap()
+    }
+
+    pub fn worktree(&self, name: &str) -> Worktree {
+        let path = self.path(&format!("wt-{name}"));
+        std::fs::create_dir_all(&path).unwrap();
+        Worktree {
+            id: name.into(),
+            path: path.display().to_string(),
+            branch: format!("sessiond/{name}"),
+        }
+    }
+
+    pub fn config(&self) -> ManagerConfig {
+        ManagerConfig {
+            executor_deadline: Duration::from_secs(10),
+            remote_retry_window: Duration::from_secs(120),
+            remote_backoff: Backoff {
+                initial: Duration::from_millis(100),
+                max: Duration::from_millis(800),
+            },
+            agent_initialize_timeout: Duration::from_secs(10),
+            agent_stop_grace: Duration::from_secs(2),
+            ..ManagerConfig::default()
+        }
+    }
+
+    pub fn drivers(&self) -> Vec<Arc<dyn Executor>> {
+        let client = ClientConfig {
+            connect_timeout: Duration::from_secs(1),
+            call_timeout: Duration::from_secs(5),
+            ..ClientConfig::default()
+        };
+        let mut sc = StandaloneConfig::new(bin("agentctl"), self.path("run"));
+        sc.log_dir = Some(self.path("run"));
+        // A safety net: an agentctl a failed test leaves behind ends itself.
+        sc.idle_timeout = Some(Duration::from_secs(300));
+        sc.stop_grace = Duration::from_secs(2);
+        sc.client = client.clone();
+        let rc = RemoteConfig {
+            client,
+            ready_deadline: Duration::from_secs(5),
+            stop_grace: Duration::from_secs(2),
+            ..RemoteConfig::default()
+        };
+        vec![
+            Arc::new(StandaloneExecutor::new(sc)),
+            Arc::new(RemoteExecutor::new(rc)),
+        ]
+    }
+
+    pub fn manager(&self) -> SessionManager {
+        self.manager_with(self.config())
+    }
+
+    pub fn manager_with(&self, config: ManagerConfig) -> SessionManager {
+        SessionManager::new(self.store.clone(), self.drivers(), config)
+    }
+
+    pub async fn create(&self, mgr: &SessionManager, name: &str) -> Session {
+        self.create_with(mgr, name, &self.profile, None).await
+    }
+
+    pub async fn create_with(
+        &self,
+        mgr: &SessionManager,
+        name: &str,
+        profile: &AgentProfile,
+        remote: Option<RemoteAgentctl>,
+    ) -> Session {
+        let s = mgr
+            .create_session(NewSession {
+                task_id: self.task.id,
+                agent_profile_id: profile.id,
+                runtime: if remote.is_some() {
+                    Runtime::Remote
+                } else {
+                    Runtime::LocalStandalone
+                },
+                worktree: self.worktree(name),
+                remote,
+                metadata: BTreeMap::new(),
+            })
+            .await
+            .unwrap();
+        self.track(s.id).await;
+        s
+    }
+
+    pub async fn record(&self, session: SessionId) -> ExecutorRecord {
+        self.store
+            .get_executor_for_session(session)
+            .await
+            .unwrap()
+            .unwrap()
+    }
+
+    /// Remembers the session's agentctl and its agent, to check at the end.
+    pub async fn track(&self, session: SessionId) {
+        if let Some(r) = self.store.get_executor_for_session(session).await.unwrap()
+            && let (Some(pid), Some(st)) = (r.pid, r.pid_start_time)
+        {
+            self.procs.add(pid, st);
+            for child in children_of(pid) {
+                if let Some(cst) = process::start_time(child) {
+                    self.procs.add(child, cst);
+                }
+            }
+        }
+    }
+
+    /// Sends a message and waits for the turn to end; returns the reply.
+    pub async fn prompt(&self, mgr: &SessionManager, session: SessionId, text: &str) -> String {
+        let before = self.messages(session).await.len();
+        mgr.send_message(self.task.id, session, text).await.unwrap();
+        self.wait_state(mgr, session, SessionState::WaitingForInput)
+            .await;
+        let msgs = self.messages(session).await;
+        assert_eq!(msgs.len(), before + 2, "one user and one agent message");
+        let reply = msgs.last().unwrap();
+        assert_eq!(reply.role, MessageRole::Agent);
+        assert!(reply.complete, "reply complete after the turn");
+        reply.content.clone()
+    }
+
+    pub async fn messages(&self, session: SessionId) -> Vec<Message> {
+        self.store.list_messages(session, 0, 10_000).await.unwrap()
+    }
+
+    pub async fn status(&self, mgr: &SessionManager, session: SessionId) -> SessionStatus {
+        mgr.session_status(self.task.id, session).await.unwrap()
+    }
+
+    pub async fn wait_state(&self, mgr: &SessionManager, session: SessionId, state: SessionState) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let st = self.status(mgr, session).await;
+            if st.state == state {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "session {session} stayed {} ({:?}), expected {state}",
+                st.state,
+                st.error_message
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub async fn events(&self, session: SessionId) -> Vec<Event> {
+        self.store.events_after(session, 0, 100_000).await.unwrap()
+    }
+
+    /// Ends the sessions, stops the manager and asserts that no process this
+    /// test started is left.
+    pub async fn finish(self, mgr: &SessionManager, sessions: &[SessionId]) {
+        for s in sessions {
+            let _ = mgr.cancel_session(self.task.id, *s).await;
+        }
+        mgr.shutdown();
+        self.procs.assert_all_gone().await;
+    }
+}
+
+fn placeholder_profile() -> AgentProfile {
+    let now = Utc::now();
+    AgentProfile {
+        id: AgentProfileId::new(),
+        name: String::new(),
+        command: String::new(),
+        args: Vec::new(),
+        env: BTreeMap::new(),
+        supports_session_resume: false,
+        created_at: now,
+        updated_at: now,
+    }
+}
+
+/// Processes a test started (pid, start time); killed on drop if still running.
+#[derive(Default, Clone)]
+pub struct Procs(Arc<Mutex<Vec<(u32, u64)>>>);
+
+impl Procs {
+    pub fn add(&self, pid: u32, start_time: u64) {
+        let mut v = self.0.lock().unwrap();
+        if !v.contains(&(pid, start_time)) {
+            v.push((pid, start_time));
+        }
+    }
+
+    pub fn running(&self) -> Vec<u32> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(p, st)| process::is_same_running(*p, *st))
+            .map(|(p, _)| *p)
+            .collect()
+    }
+
+    pub async fn assert_all_gone(&self) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !self.running().is_empty() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let left = self.running();
+        assert!(left.is_empty(), "processes left running: {left:?}");
+    }
+}
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        if Arc::strong_count(&self.0) > 1 {
+            return;
+        }
+        for pid in self.running() {
+            kill9(pid);
+        }
+    }
+}
+
+pub fn kill9(pid: u32) {
+    let _ = std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status();
+}
+
+/// Kills an agentctl and its agent as a crash of the machine would, and
+/// waits until they are gone.
+pub async fn kill_tree(pid: u32) {
+    let kids = children_of(pid);
+    kill9(pid);
+    for k in &kids {
+        kill9(*k);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while (is_running(pid) || kids.iter().any(|k| is_running(*k))) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!is_running(pid), "agentctl {pid} survived kill -9");
+}
+
+pub fn is_running(pid: u32) -> bool {
+    process::stat(pid).is_some_and(|s| s.is_running())
+}
+
+/// Direct children of `pid` (from /proc/*/stat field 4).
+pub fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(child) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
+            continue;
+        };
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+            continue;
+        };
+        let ppid = rest
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(pid) {
+            out.push(child);
+        }
+    }
+    out
+}
+
+/// Collects events from a watch stream until `done` holds for the last one
+/// (or the time is up).
+pub async fn collect_until(
+    stream: &mut sessiond_recovery::EventStream,
+    mut done: impl FnMut(&Event) -> bool,
+) -> Vec<Event> {
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let next = tokio::time::timeout(remaining, stream.next())
+            .await
+            .expect("watch stream stalled")
+            .expect("watch stream ended")
+            .unwrap();
+        let stop = done(&next);
+        out.push(next);
+        if stop {
+            return out;
+        }
+    }
+}
+
+/// Asserts seqs are consecutive from `first`.
+pub fn assert_consecutive(events: &[Event], first: i64) {
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e.seq, first + i as i64, "event {i} of {events:?}");
+    }
+}
+
+pub fn expected_reply(n: usize, token: &str, text: &str) -> String {
+    format!("turn {n} of session {token}: you said \"{text}\"")
+}
