@@ -117,6 +117,12 @@ enum SessionCmd {
         /// agentctl URL for the remote runtime.
         #[arg(long)]
         remote_url: Option<String>,
+        /// Secret the remote agentctl was started with.
+        #[arg(long, env = "SESSIOND_REMOTE_SECRET", hide_env_values = true)]
+        remote_secret: Option<String>,
+        /// Executor id the remote agentctl was started with.
+        #[arg(long)]
+        remote_executor_id: Option<String>,
     },
     List {
         #[command(flatten)]
@@ -392,6 +398,8 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
             worktree,
             branch,
             remote_url,
+            remote_secret,
+            remote_executor_id,
         } => {
             let runtime = runtime.as_deref().map(parse_runtime).transpose()?;
             // The server resolves paths on the executor's host; make the
@@ -416,6 +424,8 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
                         branch,
                     }),
                     remote_url: remote_url.unwrap_or_default(),
+                    remote_secret: remote_secret.unwrap_or_default(),
+                    remote_executor_id: remote_executor_id.unwrap_or_default(),
                 })
                 .await?
                 .into_inner();

@@ -686,13 +686,13 @@ impl FileConfig {
             let d = &e.docker;
             p.non_empty("executors.docker.host", &d.host);
             if !d.host.trim().is_empty()
-                && !["unix://", "tcp://", "http://", "https://"]
+                && !["unix://", "tcp://", "http://"]
                     .iter()
                     .any(|s| d.host.starts_with(s))
             {
                 p.add(
                     "executors.docker.host",
-                    "must start with unix://, tcp://, http:// or https://",
+                    "must start with unix://, tcp:// or http://",
                 );
             }
             p.non_empty("executors.docker.image", &d.image);
@@ -921,7 +921,7 @@ pub fn parse_duration(value: &str) -> Result<Duration, String> {
             return Err(format!("{value:?} has an unknown unit; use ms, s, m or h"));
         }
     };
-    if !secs.is_finite() || secs < 0.0 || secs > 1e9 {
+    if !secs.is_finite() || !(0.0..=1e9).contains(&secs) {
         return Err(format!("{value:?} is out of range"));
     }
     Ok(Duration::from_secs_f64(secs))

@@ -2,8 +2,11 @@
 //! across its own restarts. This binary stays thin: it reads configuration,
 //! opens the store and wires the gRPC services.
 
+mod api;
 mod auth;
 mod config;
+mod convert;
+mod error;
 mod metrics;
 mod serve;
 

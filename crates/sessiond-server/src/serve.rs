@@ -5,10 +5,22 @@
 //! Layers around every service, outermost first: CORS (preflights answered
 //! without credentials) → gRPC-web translation → RPC metrics → bearer auth.
 
-use std::time::Instant;
+use std::{sync::Arc, time::Duration, time::Instant};
 
 use anyhow::Context;
+use chrono::Utc;
 use http::{HeaderName, HeaderValue};
+use sessiond_domain::{AgentProfile, AgentProfileId, Runtime};
+use sessiond_executor::{
+    Backoff, ClientConfig, Executor, TlsConfig,
+    docker::{DockerExecutor, ResourceLimits},
+    remote::{RemoteConfig, RemoteExecutor},
+    standalone::{StandaloneConfig, StandaloneExecutor},
+};
+use sessiond_proto::sessiond::v1::{
+    session_service_server::SessionServiceServer, workspace_service_server::WorkspaceServiceServer,
+};
+use sessiond_recovery::{ManagerConfig, SessionManager};
 use sessiond_store::{Store, StoreOptions};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -16,10 +28,14 @@ use tonic_health::ServingStatus;
 use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 
 use crate::{
+    api::{Api, ApiSettings},
     auth::AuthLayer,
     config::{AuthConfig, Config, CorsConfig},
     metrics::{self, Metrics, RpcMetricsLayer},
 };
+
+/// Largest gRPC message the workspace service decodes (WriteFile content).
+const MAX_WORKSPACE_MESSAGE: usize = 64 * 1024 * 1024;
 
 /// Services whose health follows startup recovery ("" is the whole server).
 const HEALTH_SERVICES: &[&str] = &[
@@ -35,6 +51,9 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         tracing::warn!(listen = %config.listen, "authentication is disabled (--insecure-no-auth); loopback only");
     }
     let store = open_store(&config).await?;
+    seed_profiles(&store, &config).await?;
+    let drivers = drivers(&config).await?;
+    let manager = SessionManager::new(store.clone(), drivers, manager_config(&config));
 
     let (health, health_service) = tonic_health::server::health_reporter();
     for service in HEALTH_SERVICES {
@@ -50,6 +69,27 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         .context("building the reflection service")?;
 
     let metrics = Metrics::new(snapshot_source(store.clone()));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let api = Api::new(
+        manager.clone(),
+        ApiSettings {
+            default_runtime: config.executors.default_runtime,
+            default_agent: config.default_agent.clone(),
+            max_message_bytes: config.max_message_bytes,
+            workspace_client: ClientConfig {
+                connect_timeout: config.executors.connect_timeout,
+                call_timeout: Duration::from_secs(15 * 60),
+                ..client_config(&config)?
+            },
+        },
+        stop_rx.clone(),
+    );
+    // Decode a little more than the content limit so an oversized message
+    // is answered INVALID_ARGUMENT naming the limit, not RESOURCE_EXHAUSTED.
+    let session_service = SessionServiceServer::new(api.clone())
+        .max_decoding_message_size((config.max_message_bytes + 64 * 1024).max(4 * 1024 * 1024));
+    let workspace_service =
+        WorkspaceServiceServer::new(api).max_decoding_message_size(MAX_WORKSPACE_MESSAGE);
 
     let listener = TcpListener::bind(config.listen)
         .await
@@ -72,7 +112,6 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         }
     }
 
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let wait_stop = move || {
         let mut rx = stop_rx.clone();
         async move {
@@ -94,7 +133,9 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         .layer(RpcMetricsLayer::new(metrics.clone()))
         .layer(AuthLayer::new(tokens))
         .add_service(health_service)
-        .add_service(reflection);
+        .add_service(reflection)
+        .add_service(session_service)
+        .add_service(workspace_service);
     let server = tokio::spawn(
         router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), wait_stop()),
     );
@@ -105,17 +146,55 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         startup_ms = started.elapsed().as_millis() as u64,
         "accepting calls; recovering executors"
     );
-    let recovery_started = Instant::now();
-    metrics.record_recovery(recovery_started.elapsed(), &[]);
-    for service in HEALTH_SERVICES {
-        health
-            .set_service_status(*service, ServingStatus::Serving)
-            .await;
-    }
-    tracing::info!("serving");
+    // Startup recovery's first pass, then SERVING. A database failure is
+    // retried; the server keeps answering NOT_SERVING meanwhile.
+    let recovery = {
+        let manager = manager.clone();
+        let metrics = metrics.clone();
+        let health = health.clone();
+        tokio::spawn(async move {
+            let mut attempt = 0;
+            loop {
+                match manager.recover_all().await {
+                    Ok(summary) => {
+                        let counts: Vec<(String, u64)> = summary
+                            .counts
+                            .iter()
+                            .map(|(k, v)| ((*k).to_owned(), *v as u64))
+                            .chain(
+                                (summary.failed > 0)
+                                    .then(|| ("failed".to_owned(), summary.failed as u64)),
+                            )
+                            .collect();
+                        metrics.record_recovery(summary.duration, &counts);
+                        break;
+                    }
+                    Err(err) => {
+                        let delay = Backoff::default().delay(attempt);
+                        attempt += 1;
+                        tracing::error!(%err, retry_in = ?delay, "startup recovery failed; retrying");
+                        tokio::time::sleep(delay).await;
+                    }
+                }
+            }
+            for service in HEALTH_SERVICES {
+                health
+                    .set_service_status(*service, ServingStatus::Serving)
+                    .await;
+            }
+            tracing::info!("serving");
+        })
+    };
 
     shutdown_signal().await;
+    recovery.abort();
+    for service in HEALTH_SERVICES {
+        health
+            .set_service_status(*service, ServingStatus::NotServing)
+            .await;
+    }
     let _ = stop_tx.send(true);
+    manager.shutdown();
     match tokio::time::timeout(config.shutdown_grace, server).await {
         Ok(Ok(result)) => result.context("gRPC server failed")?,
         Ok(Err(join)) => return Err(join).context("gRPC server task failed"),
@@ -143,6 +222,122 @@ async fn open_store(config: &Config) -> anyhow::Result<Store> {
     Store::connect(&config.database_url, StoreOptions::default())
         .await
         .with_context(|| format!("database_url: cannot open {}", redact(&config.database_url)))
+}
+
+/// The configured agent profiles, stored by name (ids stay stable).
+async fn seed_profiles(store: &Store, config: &Config) -> anyhow::Result<()> {
+    for (i, a) in config.agents.iter().enumerate() {
+        let now = Utc::now();
+        store
+            .upsert_agent_profile(&AgentProfile {
+                id: AgentProfileId::new(),
+                name: a.name.clone(),
+                command: a.command.clone(),
+                args: a.args.clone(),
+                env: a.env.clone(),
+                supports_session_resume: a.supports_session_resume,
+                created_at: now,
+                updated_at: now,
+            })
+            .await
+            .with_context(|| format!("agents[{i}]: cannot store profile {:?}", a.name))?;
+    }
+    Ok(())
+}
+
+fn client_config(config: &Config) -> anyhow::Result<ClientConfig> {
+    let e = &config.executors;
+    let tls = match &e.remote_tls_ca_file {
+        Some(path) => {
+            let mut tls = TlsConfig::from_ca_file(path)
+                .with_context(|| format!("executors.remote.tls_ca_file: {}", path.display()))?;
+            tls.domain_name.clone_from(&e.remote_tls_domain_name);
+            Some(tls)
+        }
+        None => None,
+    };
+    Ok(ClientConfig {
+        connect_timeout: e.connect_timeout,
+        call_timeout: e.call_timeout,
+        tls,
+        ..ClientConfig::default()
+    })
+}
+
+/// One driver per enabled runtime.
+async fn drivers(config: &Config) -> anyhow::Result<Vec<Arc<dyn Executor>>> {
+    let e = &config.executors;
+    let client = client_config(config)?;
+    let mut standalone = StandaloneConfig::new(e.agentctl_path.clone(), e.run_dir.clone());
+    standalone.log_dir = Some(e.log_dir.clone());
+    standalone.idle_timeout = e.idle_timeout;
+    standalone.startup_timeout = e.standalone_startup_timeout;
+    standalone.client = client.clone();
+    for dir in [&e.run_dir, &e.log_dir] {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("executors.standalone: cannot create {}", dir.display()))?;
+    }
+    if !e.agentctl_path.is_file() {
+        tracing::warn!(
+            path = %e.agentctl_path.display(),
+            "executors.standalone.agentctl_path: no such file; standalone sessions will fail \
+             until agentctl is installed there (or set SESSIOND_AGENTCTL_PATH)"
+        );
+    }
+    let mut drivers: Vec<Arc<dyn Executor>> = vec![
+        Arc::new(StandaloneExecutor::new(standalone)),
+        Arc::new(RemoteExecutor::new(RemoteConfig {
+            client: client.clone(),
+            backoff: Backoff {
+                initial: config.recovery.remote_backoff_initial,
+                max: config.recovery.remote_backoff_max,
+            },
+            ready_deadline: config.recovery.executor_deadline,
+            ..RemoteConfig::default()
+        })),
+    ];
+    if let Some(d) = &e.docker {
+        let mut dc = sessiond_executor::docker::DockerConfig::new(
+            d.host.clone(),
+            d.image.clone(),
+            e.run_dir.join("docker"),
+        );
+        dc.agentctl_path.clone_from(&d.agentctl_path);
+        dc.network_mode.clone_from(&d.network_mode);
+        dc.user.clone_from(&d.user);
+        dc.limits = ResourceLimits {
+            memory_bytes: d.memory_bytes,
+            nano_cpus: d.nano_cpus,
+            pids_limit: d.pids_limit,
+        };
+        dc.idle_timeout = e.idle_timeout;
+        dc.startup_timeout = d.startup_timeout;
+        dc.client = client;
+        let docker = DockerExecutor::connect(dc).await.with_context(|| {
+            format!("executors.docker.host: cannot use the engine at {}", d.host)
+        })?;
+        drivers.push(Arc::new(docker));
+    }
+    tracing::debug!(
+        runtimes = ?drivers.iter().map(|d| d.runtime()).collect::<Vec<Runtime>>(),
+        "executor drivers"
+    );
+    Ok(drivers)
+}
+
+fn manager_config(config: &Config) -> ManagerConfig {
+    let r = &config.recovery;
+    ManagerConfig {
+        resume_policy: r.policy,
+        recovery_concurrency: r.concurrency,
+        executor_deadline: r.executor_deadline,
+        remote_retry_window: r.remote_backoff_window,
+        remote_backoff: Backoff {
+            initial: r.remote_backoff_initial,
+            max: r.remote_backoff_max,
+        },
+        ..ManagerConfig::default()
+    }
 }
 
 /// CORS for browsers calling through gRPC-web: bearer tokens travel in the
@@ -185,13 +380,42 @@ fn snapshot_source(store: Store) -> impl Fn() -> metrics::Snapshot + Send + Sync
                     *executors.entry(e.status.as_str().to_owned()).or_insert(0.0) += 1.0;
                 }
             }
-            vec![(
-                "sessiond_executors".to_owned(),
-                executors
-                    .into_iter()
-                    .map(|(k, v)| ("status".to_owned(), k, v))
-                    .collect(),
-            )]
+            let mut sessions = std::collections::BTreeMap::new();
+            for s in sessiond_domain::SessionState::ALL {
+                sessions.insert(s.as_str().to_owned(), 0.0);
+            }
+            // Every task's sessions: fine for the thousands of tasks one
+            // backend serves; a store-side count would be the next step.
+            let mut after = None;
+            while let Ok(tasks) = store.list_tasks(after, 1000).await {
+                for t in &tasks {
+                    if let Ok(list) = store.list_sessions(t.id).await {
+                        for s in list {
+                            *sessions.entry(s.state.as_str().to_owned()).or_insert(0.0) += 1.0;
+                        }
+                    }
+                }
+                match tasks.last() {
+                    Some(t) if tasks.len() == 1000 => after = Some(t.id),
+                    _ => break,
+                }
+            }
+            vec![
+                (
+                    "sessiond_executors".to_owned(),
+                    executors
+                        .into_iter()
+                        .map(|(k, v)| ("status".to_owned(), k, v))
+                        .collect(),
+                ),
+                (
+                    "sessiond_sessions".to_owned(),
+                    sessions
+                        .into_iter()
+                        .map(|(k, v)| ("state".to_owned(), k, v))
+                        .collect(),
+                ),
+            ]
         })
     }
 }

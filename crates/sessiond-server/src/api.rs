@@ -1,0 +1,750 @@
+//! `sessiond.v1.SessionService` and `sessiond.v1.WorkspaceService` over the
+//! session manager: parse and validate, call, convert. Every error goes
+//! through [`crate::error`].
+
+use std::{
+    collections::HashMap,
+    path::Path,
+    pin::Pin,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use chrono::Utc;
+use futures::{Stream, StreamExt};
+use sessiond_domain::{
+    AgentProfileId, ExecutorId, ExecutorRecord, ExecutorStatus, Runtime, Session, SessionId, Task,
+    TaskId, TaskState, Worktree,
+};
+use sessiond_executor::{AgentctlClient, ClientConfig};
+use sessiond_proto::{agentctl::v1 as apb, sessiond::v1 as pb};
+use sessiond_recovery::{EndReason, NewSession, RemoteAgentctl, SessionManager};
+use sessiond_store::Store;
+use tonic::{Request, Response, Status};
+
+use crate::{
+    convert,
+    error::{ApiError, ApiResult},
+};
+
+/// Settings the handlers need from the configuration.
+#[derive(Debug, Clone)]
+pub struct ApiSettings {
+    pub default_runtime: Runtime,
+    pub default_agent: String,
+    pub max_message_bytes: usize,
+    /// Client settings for proxied workspace calls (a longer call deadline
+    /// than the manager's, since `Exec` may run for minutes).
+    pub workspace_client: ClientConfig,
+}
+
+/// Shared by both services; cheap to clone.
+#[derive(Clone)]
+pub struct Api {
+    manager: SessionManager,
+    store: Store,
+    settings: Arc<ApiSettings>,
+    /// Becomes true when the server shuts down: live streams end.
+    stop: tokio::sync::watch::Receiver<bool>,
+    /// agentctl clients for workspace calls, by executor and generation.
+    clients: Arc<Mutex<HashMap<(ExecutorId, i64), AgentctlClient>>>,
+}
+
+impl std::fmt::Debug for Api {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Api")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+const DEFAULT_PAGE: i32 = 100;
+const MAX_PAGE: i32 = 1000;
+const MAX_TITLE_CHARS: usize = 1000;
+
+fn page_size(value: i32) -> ApiResult<u32> {
+    match value {
+        0 => Ok(DEFAULT_PAGE as u32),
+        1..=MAX_PAGE => Ok(value as u32),
+        _ => Err(ApiError::invalid(format!(
+            "page_size: {value} is not between 0 and {MAX_PAGE}"
+        ))),
+    }
+}
+
+fn task_id(value: &str) -> ApiResult<TaskId> {
+    if value.is_empty() {
+        return Err(ApiError::invalid("task_id: required"));
+    }
+    Ok(TaskId::parse(value)?)
+}
+
+fn session_id(value: &str) -> ApiResult<SessionId> {
+    if value.is_empty() {
+        return Err(ApiError::invalid("session_id: required"));
+    }
+    Ok(SessionId::parse(value)?)
+}
+
+fn ids(task: &str, session: &str) -> ApiResult<(TaskId, SessionId)> {
+    Ok((task_id(task)?, session_id(session)?))
+}
+
+fn reply<T>(result: ApiResult<T>) -> Result<Response<T>, Status> {
+    result.map(Response::new).map_err(Status::from)
+}
+
+pub type EventStream = Pin<Box<dyn Stream<Item = Result<pb::Event, Status>> + Send>>;
+
+impl Api {
+    pub fn new(
+        manager: SessionManager,
+        settings: ApiSettings,
+        stop: tokio::sync::watch::Receiver<bool>,
+    ) -> Self {
+        Self {
+            store: manager.store().clone(),
+            manager,
+            settings: Arc::new(settings),
+            stop,
+            clients: Arc::default(),
+        }
+    }
+
+    /// The session, checked to belong to `task`.
+    async fn session_of(&self, task: TaskId, session: SessionId) -> ApiResult<Session> {
+        let s = self.store.get_session(session).await?;
+        if s.task_id != task {
+            return Err(ApiError::session_not_in_task(session, task));
+        }
+        Ok(s)
+    }
+
+    async fn profile_id(&self, value: &str) -> ApiResult<AgentProfileId> {
+        let name = if value.trim().is_empty() {
+            self.settings.default_agent.as_str()
+        } else {
+            value.trim()
+        };
+        if let Ok(id) = AgentProfileId::parse(name) {
+            return Ok(self.store.get_agent_profile(id).await?.id);
+        }
+        match self.store.get_agent_profile_by_name(name).await {
+            Ok(p) => Ok(p.id),
+            Err(e) if e.is_not_found() => Err(ApiError::NotFound(format!(
+                "agent profile {name:?} not found; ListAgentProfiles shows the configured ones"
+            ))),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn stream(&self, events: sessiond_recovery::EventStream) -> EventStream {
+        let mut stop = self.stop.clone();
+        let stopped = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        events
+            .map(|item| {
+                item.map(|e| convert::event(&e))
+                    .map_err(|e| Status::from(ApiError::from(e)))
+            })
+            .take_until(stopped)
+            .boxed()
+    }
+
+    // ------------------------------------------------------------ workspace
+
+    /// An agentctl client of the session's executor, if it is ready.
+    async fn workspace_client(&self, r: Option<&pb::SessionRef>) -> ApiResult<AgentctlClient> {
+        let r = r.ok_or_else(|| ApiError::invalid("session: required"))?;
+        let (task, session) = ids(&r.task_id, &r.session_id)?;
+        self.session_of(task, session).await?;
+        let record: Option<ExecutorRecord> = match self.manager.execution(session) {
+            Some(e) => Some(e.record),
+            None => self.store.get_executor_for_session(session).await?,
+        };
+        let record = match record {
+            Some(r) if r.status == ExecutorStatus::Ready => r,
+            other => {
+                return Err(ApiError::ExecutorNotReady {
+                    session_id: session,
+                    status: other.as_ref().map(|r| r.status),
+                    detail: other.and_then(|r| r.error_message),
+                });
+            }
+        };
+        let url = record.agentctl_url.clone().unwrap_or_default();
+        let key = (record.id, record.generation);
+        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = clients.get(&key)
+            && c.url() == url
+        {
+            return Ok(c.clone());
+        }
+        let client =
+            AgentctlClient::new(&url, &record.auth_secret, &self.settings.workspace_client)?;
+        clients.retain(|(id, _), _| *id != record.id);
+        clients.insert(key, client.clone());
+        Ok(client)
+    }
+}
+
+fn agentctl<T>(result: Result<Response<T>, Status>) -> ApiResult<T> {
+    result.map(Response::into_inner).map_err(ApiError::Agentctl)
+}
+
+#[tonic::async_trait]
+impl pb::session_service_server::SessionService for Api {
+    async fn create_task(
+        &self,
+        request: Request<pb::CreateTaskRequest>,
+    ) -> Result<Response<pb::CreateTaskResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let title = req.title.trim();
+                if title.is_empty() {
+                    return Err(ApiError::invalid("title: required"));
+                }
+                if title.chars().count() > MAX_TITLE_CHARS {
+                    return Err(ApiError::invalid(format!(
+                        "title: longer than {MAX_TITLE_CHARS} characters"
+                    )));
+                }
+                let now = Utc::now();
+                let task = self
+                    .store
+                    .create_task(&Task {
+                        id: TaskId::new(),
+                        title: title.to_owned(),
+                        state: TaskState::Todo,
+                        created_at: now,
+                        updated_at: now,
+                    })
+                    .await?;
+                Ok(pb::CreateTaskResponse {
+                    task: Some(convert::task(&task)),
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn get_task(
+        &self,
+        request: Request<pb::GetTaskRequest>,
+    ) -> Result<Response<pb::GetTaskResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let task = self.store.get_task(task_id(&req.task_id)?).await?;
+                Ok(pb::GetTaskResponse {
+                    task: Some(convert::task(&task)),
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn list_tasks(
+        &self,
+        request: Request<pb::ListTasksRequest>,
+    ) -> Result<Response<pb::ListTasksResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let limit = page_size(req.page_size)?;
+                let after = match req.page_token.as_str() {
+                    "" => None,
+                    token => Some(TaskId::parse(token).map_err(|_| {
+                        ApiError::invalid("page_token: not a token this server gave")
+                    })?),
+                };
+                let tasks = self.store.list_tasks(after, limit).await?;
+                let next_page_token = if tasks.len() == limit as usize {
+                    tasks.last().map(|t| t.id.to_string()).unwrap_or_default()
+                } else {
+                    String::new()
+                };
+                Ok(pb::ListTasksResponse {
+                    tasks: tasks.iter().map(convert::task).collect(),
+                    next_page_token,
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn list_agent_profiles(
+        &self,
+        _request: Request<pb::ListAgentProfilesRequest>,
+    ) -> Result<Response<pb::ListAgentProfilesResponse>, Status> {
+        reply(
+            async {
+                let profiles = self.store.list_agent_profiles().await?;
+                Ok(pb::ListAgentProfilesResponse {
+                    profiles: profiles.iter().map(convert::profile).collect(),
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn create_session(
+        &self,
+        request: Request<pb::CreateSessionRequest>,
+    ) -> Result<Response<pb::CreateSessionResponse>, Status> {
+        let req = request.into_inner();
+        reply(async {
+            let task = task_id(&req.task_id)?;
+            let runtime = convert::runtime_from(req.runtime)
+                .map_err(ApiError::InvalidArgument)?
+                .unwrap_or(self.settings.default_runtime);
+            let w = req.worktree.unwrap_or_default();
+            if w.path.trim().is_empty() {
+                return Err(ApiError::invalid("worktree.path: required"));
+            }
+            if !Path::new(&w.path).is_absolute() {
+                return Err(ApiError::invalid(format!(
+                    "worktree.path: {:?} is not an absolute path",
+                    w.path
+                )));
+            }
+            let remote = if runtime == Runtime::Remote {
+                if !(req.remote_url.starts_with("http://") || req.remote_url.starts_with("https://"))
+                {
+                    return Err(ApiError::invalid(
+                        "remote_url: a remote session needs the http(s):// URL of its agentctl",
+                    ));
+                }
+                if req.remote_secret.is_empty() {
+                    return Err(ApiError::invalid(
+                        "remote_secret: a remote session needs the secret its agentctl was started with",
+                    ));
+                }
+                let executor_id = ExecutorId::parse(&req.remote_executor_id).map_err(|_| {
+                    ApiError::invalid(
+                        "remote_executor_id: a remote session needs the executor id (a UUID) its agentctl was started with",
+                    )
+                })?;
+                Some(RemoteAgentctl {
+                    executor_id,
+                    url: req.remote_url.clone(),
+                    auth_secret: req.remote_secret.clone(),
+                })
+            } else {
+                if !req.remote_url.is_empty() {
+                    return Err(ApiError::invalid(format!(
+                        "remote_url: only for RUNTIME_REMOTE, not {runtime}"
+                    )));
+                }
+                None
+            };
+            // Unknown task before unknown profile: the task is the parent.
+            self.store.get_task(task).await?;
+            let agent_profile_id = self.profile_id(&req.agent_profile).await?;
+            let session = self
+                .manager
+                .create_session(NewSession {
+                    task_id: task,
+                    agent_profile_id,
+                    runtime,
+                    worktree: Worktree {
+                        id: w.id,
+                        path: w.path,
+                        branch: w.branch,
+                    },
+                    remote,
+                    metadata: Default::default(),
+                })
+                .await?;
+            Ok(pb::CreateSessionResponse {
+                session: Some(convert::session(&session)),
+            })
+        }
+        .await)
+    }
+
+    async fn get_session(
+        &self,
+        request: Request<pb::GetSessionRequest>,
+    ) -> Result<Response<pb::GetSessionResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let (task, session) = ids(&req.task_id, &req.session_id)?;
+                let s = self.session_of(task, session).await?;
+                Ok(pb::GetSessionResponse {
+                    session: Some(convert::session(&s)),
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn list_sessions(
+        &self,
+        request: Request<pb::ListSessionsRequest>,
+    ) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let task = task_id(&req.task_id)?;
+                self.store.get_task(task).await?;
+                let sessions = self.store.list_sessions(task).await?;
+                Ok(pb::ListSessionsResponse {
+                    sessions: sessions.iter().map(convert::session).collect(),
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn get_session_status(
+        &self,
+        request: Request<pb::GetSessionStatusRequest>,
+    ) -> Result<Response<pb::GetSessionStatusResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let (task, session) = ids(&req.task_id, &req.session_id)?;
+                let status = self.manager.session_status(task, session).await?;
+                Ok(convert::status(&status))
+            }
+            .await,
+        )
+    }
+
+    async fn resume_session(
+        &self,
+        request: Request<pb::ResumeSessionRequest>,
+    ) -> Result<Response<pb::ResumeSessionResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let (task, session) = ids(&req.task_id, &req.session_id)?;
+                self.manager.resume_session(task, session).await?;
+                let s = self.session_of(task, session).await?;
+                Ok(pb::ResumeSessionResponse {
+                    session: Some(convert::session(&s)),
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn send_message(
+        &self,
+        request: Request<pb::SendMessageRequest>,
+    ) -> Result<Response<pb::SendMessageResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let (task, session) = ids(&req.task_id, &req.session_id)?;
+                let limit = self.settings.max_message_bytes;
+                if req.content.len() > limit {
+                    return Err(ApiError::invalid(format!(
+                        "content: {} bytes is over the limit of {limit} bytes (max_message_bytes)",
+                        req.content.len()
+                    )));
+                }
+                if req.content.trim().is_empty() {
+                    return Err(ApiError::invalid("content: required"));
+                }
+                let message = self
+                    .manager
+                    .send_message(task, session, &req.content)
+                    .await?;
+                Ok(pb::SendMessageResponse {
+                    message: Some(convert::message(&message)),
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn list_messages(
+        &self,
+        request: Request<pb::ListMessagesRequest>,
+    ) -> Result<Response<pb::ListMessagesResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let (task, session) = ids(&req.task_id, &req.session_id)?;
+                if req.after_seq < 0 {
+                    return Err(ApiError::invalid("after_seq: must not be negative"));
+                }
+                let limit = page_size(req.page_size)?;
+                self.session_of(task, session).await?;
+                let messages = self
+                    .store
+                    .list_messages(session, req.after_seq, limit)
+                    .await?;
+                let next_after_seq = if messages.len() == limit as usize {
+                    messages.last().map_or(0, |m| m.seq)
+                } else {
+                    0
+                };
+                Ok(pb::ListMessagesResponse {
+                    messages: messages.iter().map(convert::message).collect(),
+                    next_after_seq,
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn stop_session(
+        &self,
+        request: Request<pb::StopSessionRequest>,
+    ) -> Result<Response<pb::StopSessionResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let (task, session) = ids(&req.task_id, &req.session_id)?;
+                let reason = match pb::StopOutcome::try_from(req.outcome) {
+                    Ok(pb::StopOutcome::Completed) => EndReason::Completed,
+                    Ok(pb::StopOutcome::Cancelled | pb::StopOutcome::Unspecified) => {
+                        EndReason::Cancelled
+                    }
+                    Err(_) => {
+                        return Err(ApiError::invalid(format!(
+                            "outcome: {} is not a StopOutcome",
+                            req.outcome
+                        )));
+                    }
+                };
+                let s = self.manager.end_session(task, session, reason).await?;
+                Ok(pb::StopSessionResponse {
+                    session: Some(convert::session(&s)),
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn delete_session(
+        &self,
+        request: Request<pb::DeleteSessionRequest>,
+    ) -> Result<Response<pb::DeleteSessionResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let (task, session) = ids(&req.task_id, &req.session_id)?;
+                self.manager.delete_session(task, session).await?;
+                Ok(pb::DeleteSessionResponse {})
+            }
+            .await,
+        )
+    }
+
+    type WatchSessionStream = EventStream;
+
+    async fn watch_session(
+        &self,
+        request: Request<pb::WatchSessionRequest>,
+    ) -> Result<Response<Self::WatchSessionStream>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let session = session_id(&req.session_id)?;
+                if req.after_seq < 0 {
+                    return Err(ApiError::invalid("after_seq: must not be negative"));
+                }
+                let events = self.manager.watch_session(session, req.after_seq).await?;
+                Ok(self.stream(events))
+            }
+            .await,
+        )
+    }
+
+    type WatchTaskStream = EventStream;
+
+    async fn watch_task(
+        &self,
+        request: Request<pb::WatchTaskRequest>,
+    ) -> Result<Response<Self::WatchTaskStream>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let task = task_id(&req.task_id)?;
+                if req.after_task_seq < 0 {
+                    return Err(ApiError::invalid("after_task_seq: must not be negative"));
+                }
+                let events = self.manager.watch_task(task, req.after_task_seq).await?;
+                Ok(self.stream(events))
+            }
+            .await,
+        )
+    }
+}
+
+#[tonic::async_trait]
+impl pb::workspace_service_server::WorkspaceService for Api {
+    async fn exec(
+        &self,
+        request: Request<pb::ExecRequest>,
+    ) -> Result<Response<pb::ExecResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                if req.command.is_empty() {
+                    return Err(ApiError::invalid("command: required"));
+                }
+                let client = self.workspace_client(req.session.as_ref()).await?;
+                let timeout_ms = if req.timeout_ms == 0 {
+                    60_000
+                } else {
+                    req.timeout_ms
+                };
+                let mut call = Request::new(apb::ExecRequest {
+                    command: req.command,
+                    args: req.args,
+                    cwd: req.cwd,
+                    env: Default::default(),
+                    timeout_ms,
+                    max_output_bytes: req.max_output_bytes,
+                });
+                // The command's own limit, plus time to collect its output.
+                call.set_timeout(Duration::from_millis(timeout_ms) + Duration::from_secs(10));
+                let r = agentctl(client.raw().exec(call).await)?;
+                Ok(pb::ExecResponse {
+                    exit_code: r.exit_code,
+                    stdout: r.stdout,
+                    stderr: r.stderr,
+                    timed_out: r.timed_out,
+                    stdout_truncated: r.stdout_truncated,
+                    stderr_truncated: r.stderr_truncated,
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn read_file(
+        &self,
+        request: Request<pb::ReadFileRequest>,
+    ) -> Result<Response<pb::ReadFileResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let client = self.workspace_client(req.session.as_ref()).await?;
+                let r = agentctl(
+                    client
+                        .raw()
+                        .read_file(apb::ReadFileRequest {
+                            path: req.path,
+                            max_bytes: 0,
+                        })
+                        .await,
+                )?;
+                Ok(pb::ReadFileResponse { content: r.content })
+            }
+            .await,
+        )
+    }
+
+    async fn write_file(
+        &self,
+        request: Request<pb::WriteFileRequest>,
+    ) -> Result<Response<pb::WriteFileResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let client = self.workspace_client(req.session.as_ref()).await?;
+                let r = agentctl(
+                    client
+                        .raw()
+                        .write_file(apb::WriteFileRequest {
+                            path: req.path,
+                            content: req.content,
+                            create_parents: req.create_parents,
+                        })
+                        .await,
+                )?;
+                Ok(pb::WriteFileResponse {
+                    bytes_written: r.bytes_written,
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn list_dir(
+        &self,
+        request: Request<pb::ListDirRequest>,
+    ) -> Result<Response<pb::ListDirResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let client = self.workspace_client(req.session.as_ref()).await?;
+                let r = agentctl(
+                    client
+                        .raw()
+                        .list_dir(apb::ListDirRequest { path: req.path })
+                        .await,
+                )?;
+                Ok(pb::ListDirResponse {
+                    entries: r
+                        .entries
+                        .into_iter()
+                        .map(|e| pb::DirEntry {
+                            is_dir: e.kind == apb::EntryKind::Dir as i32,
+                            name: e.name,
+                            size: e.size,
+                        })
+                        .collect(),
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn git_status(
+        &self,
+        request: Request<pb::GitStatusRequest>,
+    ) -> Result<Response<pb::GitStatusResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let client = self.workspace_client(req.session.as_ref()).await?;
+                let r = agentctl(client.raw().git_status(apb::GitStatusRequest {}).await)?;
+                Ok(pb::GitStatusResponse {
+                    branch: r.branch,
+                    files: r
+                        .files
+                        .into_iter()
+                        .map(|f| pb::GitFileStatus {
+                            path: f.path,
+                            code: f.code,
+                        })
+                        .collect(),
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn git_diff(
+        &self,
+        request: Request<pb::GitDiffRequest>,
+    ) -> Result<Response<pb::GitDiffResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let client = self.workspace_client(req.session.as_ref()).await?;
+                let r = agentctl(
+                    client
+                        .raw()
+                        .git_diff(apb::GitDiffRequest {
+                            staged: req.staged,
+                            paths: Vec::new(),
+                        })
+                        .await,
+                )?;
+                Ok(pb::GitDiffResponse { diff: r.diff })
+            }
+            .await,
+        )
+    }
+}

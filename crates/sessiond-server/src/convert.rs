@@ -1,0 +1,264 @@
+//! Domain <-> `sessiond.v1` conversions. The domain knows nothing of
+//! protobuf; this module is the only place the two meet.
+
+use chrono::{DateTime, Utc};
+use sessiond_domain::{
+    AgentProfile, Event, EventPayload, ExecutorStatus, Message, MessageRole, ResumeReason, Runtime,
+    Session, SessionState, SessionStatus, Task, TaskState, Worktree,
+};
+use sessiond_proto::sessiond::v1 as pb;
+
+pub fn timestamp(t: DateTime<Utc>) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: t.timestamp(),
+        nanos: t.timestamp_subsec_nanos() as i32,
+    }
+}
+
+pub fn task_state(s: TaskState) -> pb::TaskState {
+    match s {
+        TaskState::Todo => pb::TaskState::Todo,
+        TaskState::InProgress => pb::TaskState::InProgress,
+        TaskState::Review => pb::TaskState::Review,
+        TaskState::Completed => pb::TaskState::Completed,
+        TaskState::Cancelled => pb::TaskState::Cancelled,
+    }
+}
+
+pub fn session_state(s: SessionState) -> pb::SessionState {
+    match s {
+        SessionState::Created => pb::SessionState::Created,
+        SessionState::Starting => pb::SessionState::Starting,
+        SessionState::Running => pb::SessionState::Running,
+        SessionState::WaitingForInput => pb::SessionState::WaitingForInput,
+        SessionState::Completed => pb::SessionState::Completed,
+        SessionState::Cancelled => pb::SessionState::Cancelled,
+        SessionState::Error => pb::SessionState::Error,
+    }
+}
+
+pub fn executor_status(s: ExecutorStatus) -> pb::ExecutorStatus {
+    match s {
+        ExecutorStatus::Starting => pb::ExecutorStatus::Starting,
+        ExecutorStatus::Ready => pb::ExecutorStatus::Ready,
+        ExecutorStatus::Error => pb::ExecutorStatus::Error,
+        ExecutorStatus::Stopped => pb::ExecutorStatus::Stopped,
+    }
+}
+
+pub fn runtime(r: Runtime) -> pb::Runtime {
+    match r {
+        Runtime::LocalDocker => pb::Runtime::LocalDocker,
+        Runtime::LocalStandalone => pb::Runtime::LocalStandalone,
+        Runtime::Remote => pb::Runtime::Remote,
+    }
+}
+
+/// `None` for RUNTIME_UNSPECIFIED (the caller's default applies); `Err`
+/// for a number that names no runtime.
+pub fn runtime_from(value: i32) -> Result<Option<Runtime>, String> {
+    match pb::Runtime::try_from(value) {
+        Ok(pb::Runtime::Unspecified) => Ok(None),
+        Ok(pb::Runtime::LocalDocker) => Ok(Some(Runtime::LocalDocker)),
+        Ok(pb::Runtime::LocalStandalone) => Ok(Some(Runtime::LocalStandalone)),
+        Ok(pb::Runtime::Remote) => Ok(Some(Runtime::Remote)),
+        Err(_) => Err(format!("runtime: {value} is not a sessiond.v1.Runtime")),
+    }
+}
+
+pub fn role(r: MessageRole) -> pb::MessageRole {
+    match r {
+        MessageRole::User => pb::MessageRole::User,
+        MessageRole::Agent => pb::MessageRole::Agent,
+        MessageRole::System => pb::MessageRole::System,
+    }
+}
+
+pub fn resume_reason(r: ResumeReason) -> pb::ResumeReason {
+    match r {
+        ResumeReason::None => pb::ResumeReason::Unspecified,
+        ResumeReason::AgentNotRunning => pb::ResumeReason::AgentNotRunning,
+        ResumeReason::NotResumable => pb::ResumeReason::NotResumable,
+        ResumeReason::MissingResumeToken => pb::ResumeReason::MissingResumeToken,
+        ResumeReason::SessionEnded => pb::ResumeReason::SessionEnded,
+    }
+}
+
+pub fn task(t: &Task) -> pb::Task {
+    pb::Task {
+        id: t.id.to_string(),
+        title: t.title.clone(),
+        state: task_state(t.state) as i32,
+        created_at: Some(timestamp(t.created_at)),
+        updated_at: Some(timestamp(t.updated_at)),
+    }
+}
+
+pub fn profile(p: &AgentProfile) -> pb::AgentProfile {
+    pb::AgentProfile {
+        id: p.id.to_string(),
+        name: p.name.clone(),
+        command: p.command.clone(),
+        args: p.args.clone(),
+        supports_session_resume: p.supports_session_resume,
+    }
+}
+
+pub fn worktree(w: &Worktree) -> pb::Worktree {
+    pb::Worktree {
+        id: w.id.clone(),
+        path: w.path.clone(),
+        branch: w.branch.clone(),
+    }
+}
+
+pub fn session(s: &Session) -> pb::Session {
+    pb::Session {
+        id: s.id.to_string(),
+        task_id: s.task_id.to_string(),
+        state: session_state(s.state) as i32,
+        agent_profile_id: s.agent_profile_id.to_string(),
+        runtime: runtime(s.runtime) as i32,
+        worktree: Some(worktree(&s.worktree)),
+        executor_id: s.executor_id.map(|e| e.to_string()).unwrap_or_default(),
+        agent_execution_id: s.agent_execution_id.clone().unwrap_or_default(),
+        resume_token: s.resume_token.clone().unwrap_or_default(),
+        error_message: s.error_message.clone().unwrap_or_default(),
+        version: s.version,
+        created_at: Some(timestamp(s.created_at)),
+        updated_at: Some(timestamp(s.updated_at)),
+    }
+}
+
+pub fn message(m: &Message) -> pb::Message {
+    pb::Message {
+        id: m.id.to_string(),
+        session_id: m.session_id.to_string(),
+        task_id: m.task_id.to_string(),
+        role: role(m.role) as i32,
+        content: m.content.clone(),
+        seq: m.seq,
+        complete: m.complete,
+        created_at: Some(timestamp(m.created_at)),
+        updated_at: Some(timestamp(m.updated_at)),
+    }
+}
+
+pub fn status(s: &SessionStatus) -> pb::GetSessionStatusResponse {
+    pb::GetSessionStatusResponse {
+        session_id: s.session_id.to_string(),
+        task_id: s.task_id.to_string(),
+        state: session_state(s.state) as i32,
+        agent_profile_id: s.agent_profile_id.to_string(),
+        executor_status: s
+            .executor_status
+            .map_or(pb::ExecutorStatus::Unspecified, executor_status)
+            as i32,
+        agent_execution_id: s.agent_execution_id.clone().unwrap_or_default(),
+        runtime: runtime(s.runtime) as i32,
+        is_agent_running: s.is_agent_running,
+        is_resumable: s.is_resumable,
+        needs_resume: s.needs_resume,
+        resume_reason: resume_reason(s.resume_reason) as i32,
+        worktree_path: s.worktree_path.clone(),
+        worktree_branch: s.worktree_branch.clone(),
+        error_message: s.error_message.clone().unwrap_or_default(),
+    }
+}
+
+pub fn event(e: &Event) -> pb::Event {
+    use pb::event::Payload;
+    let payload = match &e.payload {
+        EventPayload::AgentctlStarting {
+            executor_id,
+            runtime: r,
+            generation,
+        } => Payload::AgentctlStarting(pb::AgentctlStarting {
+            executor_id: executor_id.to_string(),
+            runtime: runtime(*r) as i32,
+            generation: *generation,
+        }),
+        EventPayload::AgentctlReady {
+            executor_id,
+            runtime: r,
+            supports_session_resume,
+        } => Payload::AgentctlReady(pb::AgentctlReady {
+            executor_id: executor_id.to_string(),
+            runtime: runtime(*r) as i32,
+            supports_session_resume: *supports_session_resume,
+        }),
+        EventPayload::AgentctlError {
+            executor_id,
+            error_message,
+        } => Payload::AgentctlError(pb::AgentctlError {
+            executor_id: executor_id.to_string(),
+            error_message: error_message.clone(),
+        }),
+        EventPayload::StateChanged {
+            from,
+            to,
+            error_message,
+        } => Payload::StateChanged(pb::StateChanged {
+            from: session_state(*from) as i32,
+            to: session_state(*to) as i32,
+            error_message: error_message.clone().unwrap_or_default(),
+        }),
+        EventPayload::MessageAdded(m) => Payload::MessageAdded(pb::MessageAdded {
+            message: Some(message(m)),
+        }),
+        EventPayload::MessageUpdated(m) => Payload::MessageUpdated(pb::MessageUpdated {
+            message: Some(message(m)),
+        }),
+    };
+    pb::Event {
+        session_id: e.session_id.to_string(),
+        task_id: e.task_id.to_string(),
+        seq: e.seq,
+        task_seq: e.task_seq,
+        kind: e.kind().as_str().to_owned(),
+        created_at: Some(timestamp(e.created_at)),
+        payload: Some(payload),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_state_maps_to_its_proto_name() {
+        for s in SessionState::ALL {
+            let name = session_state(*s).as_str_name();
+            assert_eq!(name, format!("SESSION_STATE_{}", s.as_str()));
+        }
+        for s in TaskState::ALL {
+            assert_eq!(
+                task_state(*s).as_str_name(),
+                format!("TASK_STATE_{}", s.as_str())
+            );
+        }
+        for s in ExecutorStatus::ALL {
+            assert_eq!(
+                executor_status(*s).as_str_name(),
+                format!("EXECUTOR_STATUS_{}", s.as_str().to_uppercase())
+            );
+        }
+        for r in Runtime::ALL {
+            assert_eq!(
+                runtime(*r).as_str_name(),
+                format!("RUNTIME_{}", r.as_str().to_uppercase())
+            );
+            assert_eq!(runtime_from(runtime(*r) as i32), Ok(Some(*r)));
+        }
+        for r in ResumeReason::ALL {
+            if *r != ResumeReason::None {
+                assert_eq!(
+                    resume_reason(*r).as_str_name(),
+                    format!("RESUME_REASON_{}", r.as_str().to_uppercase())
+                );
+            }
+        }
+        assert_eq!(runtime_from(0), Ok(None));
+        assert!(runtime_from(99).is_err());
+    }
+}

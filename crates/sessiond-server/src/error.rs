@@ -1,0 +1,280 @@
+//! The one place where errors become `tonic::Status`.
+//!
+//! | error                                              | code                |
+//! |----------------------------------------------------|---------------------|
+//! | malformed id, bad enum, empty/oversized input       | INVALID_ARGUMENT    |
+//! | unknown task / session / profile                    | NOT_FOUND           |
+//! | session addressed under another task                | NOT_FOUND (proto)   |
+//! | not resumable, no token, worktree gone, ended,      | FAILED_PRECONDITION |
+//! | wrong state, agent not running, resume failed       | (message = reason)  |
+//! | executor not ready for a workspace call             | FAILED_PRECONDITION |
+//! | concurrent writer won                               | ABORTED             |
+//! | executor/agent/database unreachable, no driver      | UNAVAILABLE         |
+//! | anything else                                       | INTERNAL (logged)   |
+//!
+//! Every status also carries `sessiond-error` metadata: a stable, machine-
+//! readable reason (`not_found`, `not_resumable`, `executor_not_ready`, ...)
+//! so clients need not parse messages.
+
+use sessiond_domain::{ExecutorStatus, IdParseError, SessionId, TaskId};
+use tonic::{Code, Status};
+
+/// Everything a handler can fail with.
+#[derive(Debug)]
+pub enum ApiError {
+    InvalidArgument(String),
+    NotFound(String),
+    /// A workspace call on a session whose executor is not ready.
+    ExecutorNotReady {
+        session_id: SessionId,
+        status: Option<ExecutorStatus>,
+        detail: Option<String>,
+    },
+    Recovery(sessiond_recovery::Error),
+    Store(sessiond_store::Error),
+    Executor(sessiond_executor::Error),
+    /// agentctl answered a proxied workspace call with this status.
+    Agentctl(Status),
+}
+
+pub type ApiResult<T> = Result<T, ApiError>;
+
+impl ApiError {
+    pub fn invalid(message: impl Into<String>) -> Self {
+        ApiError::InvalidArgument(message.into())
+    }
+
+    /// A session that exists but belongs to another task is reported as not
+    /// found, so ids of other tasks are not revealed.
+    pub fn session_not_in_task(session: SessionId, task: TaskId) -> Self {
+        ApiError::NotFound(format!("session {session} not found in task {task}"))
+    }
+}
+
+impl From<IdParseError> for ApiError {
+    fn from(e: IdParseError) -> Self {
+        ApiError::InvalidArgument(e.to_string())
+    }
+}
+
+impl From<sessiond_recovery::Error> for ApiError {
+    fn from(e: sessiond_recovery::Error) -> Self {
+        ApiError::Recovery(e)
+    }
+}
+
+impl From<sessiond_store::Error> for ApiError {
+    fn from(e: sessiond_store::Error) -> Self {
+        ApiError::Store(e)
+    }
+}
+
+impl From<sessiond_executor::Error> for ApiError {
+    fn from(e: sessiond_executor::Error) -> Self {
+        ApiError::Executor(e)
+    }
+}
+
+fn store_code(e: &sessiond_store::Error) -> (Code, &'static str) {
+    use sessiond_store::Error as E;
+    match e {
+        E::NotFound { .. } => (Code::NotFound, "not_found"),
+        E::Conflict { .. } => (Code::Aborted, "conflict"),
+        E::AlreadyExists { .. } => (Code::AlreadyExists, "already_exists"),
+        E::Invalid(_) => (Code::InvalidArgument, "invalid_argument"),
+        E::Pool(_) => (Code::Unavailable, "database_unavailable"),
+        _ => (Code::Internal, "internal"),
+    }
+}
+
+fn executor_code(e: &sessiond_executor::Error) -> (Code, &'static str) {
+    if e.is_unavailable() {
+        (Code::Unavailable, "executor_unavailable")
+    } else {
+        (Code::FailedPrecondition, "executor_failed")
+    }
+}
+
+fn recovery_code(e: &sessiond_recovery::Error) -> (Code, &'static str) {
+    use sessiond_recovery::{Error as E, ErrorKind as K};
+    let reason = match e {
+        E::NotFound { .. } => "not_found",
+        E::WrongTask { .. } => "not_found",
+        E::NotResumable { .. } => "not_resumable",
+        E::MissingResumeToken { .. } => "missing_resume_token",
+        E::WorktreeMissing { .. } => "worktree_missing",
+        E::SessionEnded { .. } => "session_ended",
+        E::InvalidState { .. } => "invalid_state",
+        E::AgentNotRunning { .. } => "agent_not_running",
+        E::ResumeFailed { .. } => "resume_failed",
+        E::Conflict { .. } => "conflict",
+        E::Unavailable(_) => "unavailable",
+        E::InvalidArgument(_) => "invalid_argument",
+        E::Executor(x) => return executor_code(x),
+        E::Agent { .. } => "agent_failed",
+        E::Store(x) => return store_code(x),
+        _ => "internal",
+    };
+    // The proto documents a session of another task as NOT_FOUND.
+    if matches!(e, E::WrongTask { .. }) {
+        return (Code::NotFound, reason);
+    }
+    let code = match e.kind() {
+        K::NotFound => Code::NotFound,
+        K::InvalidArgument => Code::InvalidArgument,
+        K::FailedPrecondition => Code::FailedPrecondition,
+        K::Aborted => Code::Aborted,
+        K::Unavailable => Code::Unavailable,
+        K::Internal => Code::Internal,
+    };
+    (code, reason)
+}
+
+/// Codes agentctl may answer a workspace call with that mean the same to
+/// our caller; anything else is our problem, not theirs.
+fn agentctl_code(status: &Status) -> (Code, &'static str) {
+    match status.code() {
+        c @ (Code::InvalidArgument
+        | Code::NotFound
+        | Code::OutOfRange
+        | Code::PermissionDenied
+        | Code::AlreadyExists
+        | Code::FailedPrecondition
+        | Code::DeadlineExceeded
+        | Code::ResourceExhausted) => (c, "workspace"),
+        Code::Unavailable | Code::Cancelled => (Code::Unavailable, "executor_unavailable"),
+        _ => (Code::Internal, "agentctl_failed"),
+    }
+}
+
+impl From<ApiError> for Status {
+    fn from(e: ApiError) -> Status {
+        let (code, reason, message) = match &e {
+            ApiError::InvalidArgument(m) => (Code::InvalidArgument, "invalid_argument", m.clone()),
+            ApiError::NotFound(m) => (Code::NotFound, "not_found", m.clone()),
+            ApiError::ExecutorNotReady {
+                session_id,
+                status,
+                detail,
+            } => {
+                let status = status.map_or("absent", |s| s.as_str());
+                let mut m = format!(
+                    "the executor of session {session_id} is {status}; workspace calls need it ready"
+                );
+                if let Some(d) = detail.as_deref().filter(|d| !d.is_empty()) {
+                    m.push_str(&format!(" ({d})"));
+                }
+                (Code::FailedPrecondition, "executor_not_ready", m)
+            }
+            ApiError::Recovery(x) => {
+                let (c, r) = recovery_code(x);
+                let m = match x {
+                    sessiond_recovery::Error::WrongTask {
+                        session_id,
+                        requested,
+                        ..
+                    } => format!("session {session_id} not found in task {requested}"),
+                    other => other.to_string(),
+                };
+                (c, r, m)
+            }
+            ApiError::Store(x) => {
+                let (c, r) = store_code(x);
+                (c, r, x.to_string())
+            }
+            ApiError::Executor(x) => {
+                let (c, r) = executor_code(x);
+                (c, r, x.to_string())
+            }
+            ApiError::Agentctl(s) => {
+                let (c, r) = agentctl_code(s);
+                (c, r, s.message().to_owned())
+            }
+        };
+        if code == Code::Internal {
+            tracing::error!(error = %message, "internal error");
+        }
+        let mut status = Status::new(code, message);
+        if let Ok(v) = reason.parse() {
+            status.metadata_mut().insert("sessiond-error", v);
+        }
+        status
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn code(e: ApiError) -> (Code, String) {
+        let s = Status::from(e);
+        let reason = s
+            .metadata()
+            .get("sessiond-error")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        (s.code(), reason)
+    }
+
+    #[test]
+    fn mapping_table() {
+        let sid = SessionId::new();
+        let tid = TaskId::new();
+        use sessiond_recovery::Error as R;
+        assert_eq!(
+            code(SessionId::parse("x").unwrap_err().into()).0,
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            code(
+                R::NotFound {
+                    entity: "session",
+                    id: sid.to_string()
+                }
+                .into()
+            ),
+            (Code::NotFound, "not_found".into())
+        );
+        let wrong = Status::from(ApiError::from(R::WrongTask {
+            session_id: sid,
+            requested: tid,
+            actual: TaskId::new(),
+        }));
+        assert_eq!(wrong.code(), Code::NotFound);
+        assert!(wrong.message().contains(&tid.to_string()));
+        assert_eq!(
+            code(
+                R::NotResumable {
+                    session_id: sid,
+                    reason: "not_resumable".into()
+                }
+                .into()
+            ),
+            (Code::FailedPrecondition, "not_resumable".into())
+        );
+        assert_eq!(
+            code(R::Unavailable("down".into()).into()).0,
+            Code::Unavailable
+        );
+        let not_ready = Status::from(ApiError::ExecutorNotReady {
+            session_id: sid,
+            status: Some(ExecutorStatus::Error),
+            detail: Some("host down".into()),
+        });
+        assert_eq!(not_ready.code(), Code::FailedPrecondition);
+        assert!(
+            not_ready.message().contains("is error"),
+            "{}",
+            not_ready.message()
+        );
+        assert_eq!(
+            code(ApiError::Agentctl(Status::unauthenticated("secret"))).0,
+            Code::Internal
+        );
+        assert_eq!(
+            code(ApiError::Agentctl(Status::not_found("no such file"))).0,
+            Code::NotFound
+        );
+    }
+}
