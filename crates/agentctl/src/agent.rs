@@ -320,6 +320,9 @@ impl AgentManager {
         for k in SCRUBBED_ENV {
             cmd.env_remove(k);
         }
+        // Dies with agentctl even when agentctl is SIGKILLed. This runs in an
+        // async fn, so on a tokio worker thread (see the caveat there).
+        sys::kill_on_parent_death(&mut cmd);
         let mut child = cmd
             .spawn()
             .map_err(|e| Error::io(format!("starting agent `{}`", spec.command), e))?;

@@ -14,6 +14,9 @@ use crate::sys;
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default output cap per stream (1 MiB).
 pub const DEFAULT_MAX_OUTPUT: u64 = 1 << 20;
+/// Largest output cap per stream a request may ask for (16 MiB), so both
+/// streams together stay well inside one gRPC message.
+pub const MAX_OUTPUT: u64 = 16 << 20;
 
 /// Environment variables never passed to anything agentctl starts.
 pub const SCRUBBED_ENV: &[&str] = &["AGENTCTL_SECRET"];

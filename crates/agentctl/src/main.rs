@@ -12,7 +12,6 @@ use agentctl::updates::UpdateLog;
 use agentctl::workspace::Workspace;
 use anyhow::{Context, bail};
 use clap::Parser;
-use sessiond_proto::agentctl::v1::agent_ctl_service_server::AgentCtlServiceServer;
 use tokio::sync::watch;
 use tokio_stream::wrappers::TcpListenerStream;
 
@@ -189,7 +188,7 @@ async fn main() -> anyhow::Result<()> {
     let server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
-        .add_service(AgentCtlServiceServer::with_interceptor(service, auth))
+        .add_service(agentctl::service::server(service, auth))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown);
     let drain_deadline = async {
         if stopped_rx.await.is_ok() {

@@ -3,7 +3,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sessiond_proto::agentctl::v1::agent_ctl_service_server::AgentCtlService;
+use sessiond_proto::agentctl::v1::agent_ctl_service_server::{
+    AgentCtlService, AgentCtlServiceServer,
+};
 use sessiond_proto::agentctl::v1::{
     AgentUpdate, CancelRequest, CancelResponse, CapabilitiesRequest, CapabilitiesResponse,
     Capability, ExecRequest, ExecResponse, GitDiffRequest, GitDiffResponse, GitStatusRequest,
@@ -14,10 +16,11 @@ use sessiond_proto::agentctl::v1::{
 };
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
 use crate::agent::{AgentManager, LaunchSpec};
-use crate::auth::Activity;
+use crate::auth::{Activity, Authenticator};
 use crate::exec::{self, ExecSpec};
 use crate::git;
 use crate::updates::{Read, UpdateLog};
@@ -25,6 +28,28 @@ use crate::workspace::Workspace;
 
 /// Updates sent per read of the log while replaying.
 const REPLAY_BATCH: usize = 256;
+
+/// Largest gRPC message agentctl reads or writes (64 MiB), well above its
+/// biggest payloads (16 MiB file reads, 2 x 16 MiB exec output, 32 MiB git
+/// output). The backend's client (`sessiond-executor`) uses the same limit;
+/// tonic's default of 4 MiB would cut those off.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// Request metadata naming the agentctl instance a `StreamUpdates` cursor
+/// belongs to (see the proto).
+pub const INSTANCE_ID_METADATA: &str = "agentctl-instance-id";
+
+/// The gRPC service as agentctl serves it: authenticated, with the message
+/// size limits of [`MAX_MESSAGE_BYTES`].
+pub fn server(
+    service: AgentCtl,
+    auth: Authenticator,
+) -> InterceptedService<AgentCtlServiceServer<AgentCtl>, Authenticator> {
+    let server = AgentCtlServiceServer::new(service)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    InterceptedService::new(server, auth)
+}
 
 /// One agentctl: identity, workspace, agent and update log.
 #[derive(Debug, Clone)]
@@ -82,6 +107,7 @@ impl AgentCtlService for AgentCtl {
             agent_exit: status.exit,
             uptime_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
             pid: std::process::id(),
+            instance_id: self.updates.instance_id().to_owned(),
         }))
     }
 
@@ -160,6 +186,12 @@ impl AgentCtlService for AgentCtl {
         &self,
         req: Request<StreamUpdatesRequest>,
     ) -> Res<Self::StreamUpdatesStream> {
+        let instance = req
+            .metadata()
+            .get(INSTANCE_ID_METADATA)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
         let mut last = req.into_inner().after_cursor;
         let (tx, rx) = mpsc::channel(REPLAY_BATCH);
         let log = self.updates.clone();
@@ -168,9 +200,16 @@ impl AgentCtlService for AgentCtl {
         tokio::spawn(async move {
             let _guard = guard;
             let mut wake = log.subscribe();
+            let mut first = true;
             loop {
                 wake.borrow_and_update();
-                match log.read_after(last, REPLAY_BATCH) {
+                let read = if first {
+                    first = false;
+                    log.read_first(last, &instance, REPLAY_BATCH)
+                } else {
+                    log.read_after(last, REPLAY_BATCH)
+                };
+                match read {
                     Read::Gap(gap) => {
                         last = gap.cursor;
                         if tx.send(Ok(gap)).await.is_err() {
@@ -211,7 +250,7 @@ impl AgentCtlService for AgentCtl {
         let max_output = if r.max_output_bytes == 0 {
             exec::DEFAULT_MAX_OUTPUT
         } else {
-            r.max_output_bytes
+            r.max_output_bytes.min(exec::MAX_OUTPUT)
         };
         let out = exec::run(ExecSpec {
             command: &r.command,

@@ -1,4 +1,5 @@
-//! The only place agentctl calls libc directly: signalling a process group.
+//! The only place agentctl calls libc directly: signalling a process group,
+//! and tying the agent's life to agentctl's.
 #![allow(unsafe_code)]
 
 use std::io;
@@ -37,5 +38,49 @@ pub fn kill_group(pgid: u32, signal: i32) -> io::Result<()> {
         } else {
             Err(err)
         }
+    }
+}
+
+/// Makes the kernel send `SIGKILL` to the child `cmd` spawns when the thread
+/// that spawned it ends (`PR_SET_PDEATHSIG`), so an agent does not outlive an
+/// agentctl that was killed without the chance to stop it (`kill -9`, OOM).
+/// The agent runs in its own process group, so nothing else would reach it.
+///
+/// Caveat: "parent" means the spawning *thread*, not the process. agentctl
+/// spawns the agent from an async task, which runs on a tokio worker thread of
+/// the multi-threaded runtime; those threads live as long as the runtime, i.e.
+/// as long as agentctl. Spawning from a `spawn_blocking` thread (which tokio
+/// ends after a while idle) or from inside `block_in_place` would kill the
+/// agent early, so callers must not do that.
+///
+/// If agentctl already died between `fork` and the `prctl` (the signal is
+/// then never sent), the child notices that its parent changed and fails the
+/// spawn instead of running unsupervised.
+pub fn kill_on_parent_death(cmd: &mut tokio::process::Command) {
+    // Read before fork: in the child, `getppid` must still be this process.
+    let parent = libc::pid_t::try_from(std::process::id()).unwrap_or(0);
+    // SAFETY: the closure runs in the forked child before exec, where only
+    // async-signal-safe functions may be called. It calls `prctl` and
+    // `getppid` (both plain system calls) and, on failure, reads `errno`
+    // through `last_os_error` / builds an `io::Error` from a raw code, which
+    // neither allocates nor takes locks. It touches no memory of the parent
+    // beyond the copied `parent` integer.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            ) != 0
+            {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::getppid() != parent {
+                return Err(io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
     }
 }

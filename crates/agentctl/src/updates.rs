@@ -19,8 +19,13 @@ pub enum Read {
 }
 
 /// A ring buffer of updates. Cursors start at 1 and grow by one per update.
+///
+/// Cursors are only meaningful within one agentctl process, so every log has
+/// a random `instance_id` (reported by Health and on every update); a reader
+/// naming another instance gets a `Gap` first.
 #[derive(Debug)]
 pub struct UpdateLog {
+    instance_id: String,
     ring: Mutex<Ring>,
     latest: watch::Sender<u64>,
 }
@@ -43,6 +48,7 @@ impl UpdateLog {
     /// A log keeping at most `capacity` updates (at least one).
     pub fn new(capacity: usize) -> Self {
         Self {
+            instance_id: uuid::Uuid::new_v4().simple().to_string(),
             ring: Mutex::new(Ring {
                 buf: VecDeque::with_capacity(capacity.clamp(1, 1 << 16)),
                 capacity: capacity.max(1),
@@ -50,6 +56,11 @@ impl UpdateLog {
             }),
             latest: watch::channel(0).0,
         }
+    }
+
+    /// This process's instance id: random, fresh for every log.
+    pub fn instance_id(&self) -> &str {
+        &self.instance_id
     }
 
     fn ring(&self) -> std::sync::MutexGuard<'_, Ring> {
@@ -67,6 +78,7 @@ impl UpdateLog {
             ring.buf.push_back(AgentUpdate {
                 cursor,
                 at_unix_ms: now_ms(),
+                instance_id: self.instance_id.clone(),
                 kind: Some(kind),
             });
             while ring.buf.len() > ring.capacity {
@@ -88,27 +100,43 @@ impl UpdateLog {
         self.latest.subscribe()
     }
 
-    /// Up to `max` updates after `after`, or a `Gap` when `after` is neither
-    /// 0 nor continuous with what is buffered.
+    /// The first read of a stream: like [`Self::read_after`], except that a
+    /// cursor of another instance (`instance` non-empty and not ours) gives a
+    /// `Gap` pointing at the oldest buffered update, whatever its number.
+    pub fn read_first(&self, after: u64, instance: &str, max: usize) -> Read {
+        if !instance.is_empty() && instance != self.instance_id {
+            let ring = self.ring();
+            let oldest = ring.buf.front().map_or(ring.next, |u| u.cursor);
+            return Read::Gap(self.gap(after, oldest));
+        }
+        self.read_after(after, max)
+    }
+
+    fn gap(&self, requested_after: u64, next_cursor: u64) -> AgentUpdate {
+        AgentUpdate {
+            cursor: next_cursor - 1,
+            at_unix_ms: now_ms(),
+            instance_id: self.instance_id.clone(),
+            kind: Some(Kind::Gap(Gap {
+                requested_after,
+                next_cursor,
+            })),
+        }
+    }
+
+    /// Up to `max` updates after `after`, or a `Gap` when `after` is not
+    /// continuous with what is buffered: updates after it were dropped (for
+    /// 0, "from the start", once the first update was dropped), or it lies
+    /// ahead of the newest cursor.
     pub fn read_after(&self, after: u64, max: usize) -> Read {
         let ring = self.ring();
         let latest = ring.next - 1;
         let oldest = ring.buf.front().map_or(ring.next, |u| u.cursor);
-        let gap = |next_cursor: u64| {
-            Read::Gap(AgentUpdate {
-                cursor: next_cursor - 1,
-                at_unix_ms: now_ms(),
-                kind: Some(Kind::Gap(Gap {
-                    requested_after: after,
-                    next_cursor,
-                })),
-            })
-        };
         if after > latest {
-            return gap(ring.next);
+            return Read::Gap(self.gap(after, ring.next));
         }
-        if after != 0 && after + 1 < oldest {
-            return gap(oldest);
+        if after + 1 < oldest {
+            return Read::Gap(self.gap(after, oldest));
         }
         let skip = usize::try_from((after + 1).saturating_sub(oldest)).unwrap_or(usize::MAX);
         Read::Updates(ring.buf.iter().skip(skip).take(max).cloned().collect())
@@ -140,7 +168,6 @@ mod tests {
             push(&log);
         }
         assert_eq!(log.latest(), 5);
-        assert_eq!(cursors(log.read_after(0, 10)), vec![3, 4, 5]);
         assert_eq!(cursors(log.read_after(2, 10)), vec![3, 4, 5]);
         assert_eq!(cursors(log.read_after(4, 10)), vec![5]);
         assert_eq!(cursors(log.read_after(5, 10)), Vec::<u64>::new());
@@ -159,5 +186,71 @@ mod tests {
             other => panic!("expected gap, got {other:?}"),
         }
         assert!(matches!(log.read_after(9, 10), Read::Gap(_)));
+    }
+
+    #[test]
+    fn zero_before_the_ring_wrapped_is_no_gap() {
+        let log = UpdateLog::new(3);
+        assert_eq!(cursors(log.read_after(0, 10)), Vec::<u64>::new());
+        push(&log);
+        push(&log);
+        push(&log);
+        assert_eq!(cursors(log.read_after(0, 10)), vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn zero_after_the_ring_wrapped_is_a_gap() {
+        let log = UpdateLog::new(3);
+        for _ in 0..5 {
+            push(&log);
+        }
+        match log.read_after(0, 10) {
+            Read::Gap(u) => {
+                assert_eq!(u.cursor, 2);
+                assert_eq!(
+                    u.kind,
+                    Some(Kind::Gap(Gap {
+                        requested_after: 0,
+                        next_cursor: 3
+                    }))
+                );
+            }
+            other => panic!("expected gap, got {other:?}"),
+        }
+        // Continuing after the gap's cursor reads the buffer.
+        assert_eq!(cursors(log.read_after(2, 10)), vec![3, 4, 5]);
+    }
+
+    #[test]
+    fn a_cursor_of_another_instance_is_a_gap_then_everything_buffered() {
+        let log = UpdateLog::new(8);
+        push(&log);
+        push(&log);
+        let ours = log.instance_id().to_owned();
+        assert_eq!(ours.len(), 32);
+        assert_ne!(ours, UpdateLog::new(8).instance_id(), "fresh per log");
+        // Our own instance, or none: the plain cursor rules.
+        assert_eq!(cursors(log.read_first(1, &ours, 10)), vec![2]);
+        assert_eq!(cursors(log.read_first(1, "", 10)), vec![2]);
+        // An old backend cursor (say 1) from a previous agentctl process
+        // must not skip this process's update 2 ... nor update 1.
+        match log.read_first(1, "some-older-process", 10) {
+            Read::Gap(u) => {
+                assert_eq!(u.instance_id, ours);
+                assert_eq!(
+                    u.kind,
+                    Some(Kind::Gap(Gap {
+                        requested_after: 1,
+                        next_cursor: 1
+                    }))
+                );
+                assert_eq!(cursors(log.read_after(u.cursor, 10)), vec![1, 2]);
+            }
+            other => panic!("expected gap, got {other:?}"),
+        }
+        match log.read_after(1, 10) {
+            Read::Updates(v) => assert!(v.iter().all(|u| u.instance_id == ours)),
+            other => panic!("{other:?}"),
+        }
     }
 }

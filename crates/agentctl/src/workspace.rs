@@ -117,7 +117,8 @@ impl Workspace {
         abs.strip_prefix(&self.root).unwrap_or(abs)
     }
 
-    /// Reads a whole file of at most `max_bytes` (0: 16 MiB).
+    /// Reads a whole file of at most `max_bytes` (0, or more than
+    /// [`DEFAULT_MAX_READ`]: that maximum).
     pub fn read_file(&self, path: &str, max_bytes: u64) -> Result<Vec<u8>> {
         if path.is_empty() {
             return Err(Error::InvalidArgument("path is empty".into()));
@@ -125,7 +126,7 @@ impl Workspace {
         let max = if max_bytes == 0 {
             DEFAULT_MAX_READ
         } else {
-            max_bytes
+            max_bytes.min(DEFAULT_MAX_READ)
         };
         let resolved = self.resolve(path)?;
         let file = std::fs::OpenOptions::new()
@@ -246,6 +247,24 @@ mod tests {
 
     fn denied(r: Result<PathBuf>) -> bool {
         matches!(r, Err(Error::PermissionDenied(_)))
+    }
+
+    #[test]
+    fn read_limit_is_capped_at_the_documented_maximum() {
+        let (_base, ws, _outside) = setup();
+        // Sparse: its size is what counts, nothing is read.
+        let big = std::fs::File::create(ws.root().join("big")).expect("create");
+        big.set_len(DEFAULT_MAX_READ + 1).expect("set_len");
+        for asked in [0, DEFAULT_MAX_READ + 1, u64::MAX] {
+            match ws.read_file("big", asked) {
+                Err(Error::OutOfRange(m)) => {
+                    assert!(m.contains(&DEFAULT_MAX_READ.to_string()), "{m}");
+                }
+                other => panic!("max_bytes {asked}: {:?}", other.map(|v| v.len())),
+            }
+        }
+        std::fs::write(ws.root().join("small"), b"abc").expect("write");
+        assert_eq!(ws.read_file("small", u64::MAX).expect("read"), b"abc");
     }
 
     #[test]

@@ -1473,8 +1473,16 @@ async fn reconnecting_consumer_sees_every_update_once_and_gap_when_too_old() {
     }
     assert_eq!(s.next().await.cursor, oldest);
     drop(s);
-    // 0 means "whatever is still buffered", without a gap.
+    // 0 means "from the start": updates were dropped, so a gap first, then
+    // whatever is still buffered.
     let mut s = Stream::open(&mut c, 0).await;
+    match s.next().await.kind {
+        Some(Kind::Gap(g)) => {
+            assert_eq!(g.requested_after, 0);
+            assert_eq!(g.next_cursor, oldest);
+        }
+        other => panic!("expected a gap, got {other:?}"),
+    }
     assert_eq!(s.next().await.cursor, oldest);
     drop(s);
     // A cursor from another agentctl process (ahead of ours) is a gap too.
@@ -1695,6 +1703,162 @@ async fn real_agent_smoke() {
         }
         Err(e) => println!("new session refused (credentials?): {e:?}"),
     }
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+/// A stream whose cursor names the agentctl instance it came from.
+async fn open_stream_of(client: &mut Client, after: u64, instance: &str) -> Stream {
+    let mut req = tonic::Request::new(StreamUpdatesRequest {
+        after_cursor: after,
+    });
+    req.metadata_mut()
+        .insert("agentctl-instance-id", instance.parse().expect("ascii"));
+    let inner = client
+        .stream_updates(req)
+        .await
+        .expect("stream_updates")
+        .into_inner();
+    Stream { inner }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cursor_from_another_agentctl_process_starts_with_a_gap() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let first_instance = health(&mut c).await.instance_id;
+    assert_eq!(first_instance.len(), 32, "{first_instance:?}");
+    c.launch_agent(h.demo(true, &[])).await.expect("launch");
+    let mut s = Stream::open(&mut c, 0).await;
+    let before = s
+        .until(
+            |u| matches!(&u.kind, Some(Kind::StateChanged(st)) if st.state() == AgentState::Ready),
+        )
+        .await;
+    drop(s);
+    assert!(before.iter().all(|u| u.instance_id == first_instance));
+    let old_cursor = before.last().expect("updates").cursor;
+    ctl.shutdown().await;
+
+    // agentctl restarts (a container restart, a remote host restarting it):
+    // cursors start at 1 again.
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let instance = health(&mut c).await.instance_id;
+    assert_ne!(instance, first_instance, "a fresh instance id per process");
+    c.launch_agent(h.demo(true, &[])).await.expect("launch");
+    let mut s = Stream::open(&mut c, 0).await;
+    let now = s
+        .until(
+            |u| matches!(&u.kind, Some(Kind::StateChanged(st)) if st.state() == AgentState::Ready),
+        )
+        .await;
+    drop(s);
+    assert!(now.len() as u64 >= old_cursor, "{now:?}");
+
+    // The backend's old cursor would skip this process's first updates; with
+    // its instance named it gets a gap and then everything buffered.
+    let mut s = open_stream_of(&mut c, old_cursor, &first_instance).await;
+    match s.next().await.kind {
+        Some(Kind::Gap(g)) => {
+            assert_eq!(g.requested_after, old_cursor);
+            assert_eq!(g.next_cursor, 1);
+        }
+        other => panic!("expected a gap, got {other:?}"),
+    }
+    let mut replayed = Vec::new();
+    for _ in 0..now.len() {
+        replayed.push(s.next().await);
+    }
+    assert_eq!(replayed, now, "everything buffered, from cursor 1");
+    drop(s);
+
+    // Naming this very instance keeps the plain cursor rules.
+    let mut s = open_stream_of(&mut c, 1, &instance).await;
+    assert_eq!(s.next().await, now[1]);
+    drop(s);
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_dies_with_a_sigkilled_agentctl() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    // An "agent" that never answers ACP and ignores its stdin closing, so
+    // only the kernel's parent-death signal can end it. `$0` carries the
+    // test's marker so the harness can find it.
+    let marker = h.marker();
+    let launch = tokio::spawn(async move {
+        c.launch_agent(LaunchAgentRequest {
+            command: "sh".into(),
+            args: vec![
+                "-c".into(),
+                "trap '' TERM HUP PIPE; while :; do sleep 1; done".into(),
+                marker,
+            ],
+            initialize_timeout_ms: 60_000,
+            ..Default::default()
+        })
+        .await
+    });
+    let deadline = Instant::now() + WAIT;
+    let agent = loop {
+        let others: Vec<u32> = h
+            .leftovers()
+            .into_iter()
+            .filter(|p| *p != ctl.pid)
+            .collect();
+        if let Some(pid) = others.first() {
+            break *pid;
+        }
+        assert!(Instant::now() < deadline, "the agent did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    ctl.signal("-KILL");
+    let started = Instant::now();
+    while alive(agent) {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "agent {agent} outlived its SIGKILLed agentctl"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = launch.await;
+    h.assert_no_leftovers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_larger_than_4_mib_go_both_ways() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl
+        .client()
+        .await
+        .max_decoding_message_size(64 << 20)
+        .max_encoding_message_size(64 << 20);
+    let content: Vec<u8> = (0..10u32 << 20).map(|i| (i % 251) as u8).collect();
+    let written = c
+        .write_file(WriteFileRequest {
+            path: "big.bin".into(),
+            content: content.clone(),
+            create_parents: false,
+        })
+        .await
+        .expect("a 10 MiB write is accepted")
+        .into_inner();
+    assert_eq!(written.bytes_written, content.len() as u64);
+    let read = c
+        .read_file(ReadFileRequest {
+            path: "big.bin".into(),
+            max_bytes: u64::MAX,
+        })
+        .await
+        .expect("a 10 MiB read is sent")
+        .into_inner();
+    assert!(read.content == content, "content differs");
     ctl.shutdown().await;
     h.assert_no_leftovers().await;
 }
