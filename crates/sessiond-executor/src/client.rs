@@ -1,9 +1,17 @@
 //! The authenticated agentctl client every driver hands out.
 //!
 //! Every call carries the executor's secret (`authorization: Bearer ...`) and a
-//! deadline; connecting has its own timeout. An agentctl that accepts the TCP
-//! connection and then never answers therefore surfaces as [`Error::Timeout`]
-//! after at most `call_timeout`, never as a hang.
+//! deadline of its own, sent to agentctl as `grpc-timeout` and enforced on this
+//! side too; connecting has its own timeout. The deadline fits the call:
+//! `Health` and `Capabilities` get the short [`ClientConfig::call_timeout`],
+//! calls that wait for the agent or a command get their own time budget plus
+//! that much margin (see [`default_deadline`]). An agentctl that accepts the
+//! TCP connection and then never answers therefore surfaces as
+//! [`Error::Timeout`] once the call's deadline passes, never as a hang.
+//!
+//! Messages of up to [`MAX_MESSAGE_BYTES`] go both ways (agentctl uses the
+//! same limit): file reads of 16 MiB and git output of 32 MiB do not fit
+//! tonic's default of 4 MiB.
 
 use std::{fmt, time::Duration};
 
@@ -19,13 +27,82 @@ use crate::error::{Error, Result};
 
 pub use pb::AgentState;
 
+/// Largest gRPC message the client sends or accepts (64 MiB), the same limit
+/// agentctl applies (`agentctl::service::MAX_MESSAGE_BYTES`).
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// Request metadata naming the agentctl instance a `StreamUpdates` cursor
+/// belongs to (see `proto/agentctl/v1`).
+pub const INSTANCE_ID_METADATA: &str = "agentctl-instance-id";
+
+/// agentctl's own limits, which the per-call deadlines are built from.
+mod budget {
+    use std::time::Duration;
+    /// ACP `initialize` when `LaunchAgentRequest.initialize_timeout_ms` is 0.
+    pub const INITIALIZE: Duration = Duration::from_secs(30);
+    /// ACP `session/new` and `session/load`.
+    pub const SESSION_SETUP: Duration = Duration::from_secs(120);
+    /// `StopAgent` grace when `grace_ms` is 0.
+    pub const STOP_GRACE: Duration = Duration::from_secs(3);
+    /// How long agentctl waits for the process after KILL.
+    pub const AFTER_KILL: Duration = Duration::from_secs(5);
+    /// `Exec` when `timeout_ms` is 0.
+    pub const EXEC: Duration = Duration::from_secs(60);
+    /// git commands.
+    pub const GIT: Duration = Duration::from_secs(60);
+    /// Moving up to 64 MiB of file content.
+    pub const FILE_TRANSFER: Duration = Duration::from_secs(30);
+}
+
+/// The deadline a call to agentctl's `method` gets when its caller gives
+/// none: `call_timeout` for quick calls; for calls that wait on the agent, a
+/// command or git, agentctl's own default limit for them plus `call_timeout`
+/// as margin. `None` for `StreamUpdates`, which stays open indefinitely.
+pub fn default_deadline(method: &str, call_timeout: Duration) -> Option<Duration> {
+    let own = match method {
+        "StreamUpdates" => return None,
+        "LaunchAgent" => budget::INITIALIZE,
+        "NewSession" | "ResumeSession" => budget::SESSION_SETUP,
+        "StopAgent" => budget::STOP_GRACE + budget::AFTER_KILL,
+        "Exec" => budget::EXEC,
+        "GitStatus" | "GitDiff" => budget::GIT,
+        "ReadFile" | "WriteFile" => budget::FILE_TRANSFER,
+        // Health, Capabilities, Prompt (returns at once), Cancel, ListDir.
+        _ => Duration::ZERO,
+    };
+    Some(own + call_timeout)
+}
+
+/// `request` with `deadline`: sent to agentctl as `grpc-timeout` and enforced
+/// by this side's channel. For [`AgentctlClient::raw`] callers that need a
+/// longer (or shorter) deadline than [`default_deadline`].
+pub fn with_deadline<T>(message: T, deadline: Duration) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.set_timeout(deadline);
+    request
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn or_default(ms: u64, default: Duration) -> Duration {
+    if ms == 0 {
+        default
+    } else {
+        Duration::from_millis(ms)
+    }
+}
+
 /// How the backend talks to agentctl: timeouts and transport security.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
     /// Limit for establishing the TCP (and TLS) connection.
     pub connect_timeout: Duration,
-    /// Deadline of every unary call, sent to agentctl as `grpc-timeout` and
-    /// enforced on this side as well.
+    /// Deadline of the quick calls (`Health`, `Capabilities`, `Prompt`,
+    /// `Cancel`, `ListDir`), and the margin added to the own time budget of
+    /// the others (see [`default_deadline`]). Sent to agentctl as
+    /// `grpc-timeout` and enforced on this side as well.
     pub call_timeout: Duration,
     /// HTTP/2 keep-alive pings on idle connections, so a dead peer under a
     /// long update stream is noticed.
@@ -79,10 +156,12 @@ impl fmt::Debug for TlsConfig {
     }
 }
 
-/// Adds `authorization: Bearer <secret>` to every request.
+/// Adds `authorization: Bearer <secret>` to every request, and a deadline
+/// ([`default_deadline`] of the method) to every request that has none yet.
 #[derive(Clone)]
 pub struct BearerAuth {
     header: MetadataValue<Ascii>,
+    call_timeout: Duration,
 }
 
 impl fmt::Debug for BearerAuth {
@@ -99,6 +178,19 @@ impl Interceptor for BearerAuth {
         request
             .metadata_mut()
             .insert("authorization", self.header.clone());
+        if request.metadata().get("grpc-timeout").is_none() {
+            let method = request
+                .extensions()
+                .get::<tonic::GrpcMethod<'static>>()
+                .map(|m| m.method().to_owned());
+            let deadline = match method {
+                Some(method) => default_deadline(&method, self.call_timeout),
+                None => Some(self.call_timeout),
+            };
+            if let Some(deadline) = deadline {
+                request.set_timeout(deadline);
+            }
+        }
         Ok(request)
     }
 }
@@ -115,6 +207,10 @@ pub struct Health {
     /// agentctl's own process id as it sees it (in a container: its namespace's).
     pub pid: u32,
     pub uptime: Duration,
+    /// Random id of this agentctl process, fresh at every start: update
+    /// cursors belong to it (see [`AgentctlClient::stream_updates`]). Empty
+    /// from an agentctl too old to report one.
+    pub instance_id: String,
 }
 
 /// Whether a capability is available.
@@ -175,10 +271,11 @@ impl AgentctlClient {
     /// `https://host:port`). Does not connect yet.
     pub fn new(url: &str, secret: &str, config: &ClientConfig) -> Result<Self> {
         let bad = |what: String| Error::Config(format!("agentctl url {url:?}: {what}"));
+        // No channel-wide `timeout`: it would cap every call, long ones
+        // included, at one value. Each call carries its own deadline instead.
         let mut endpoint = Endpoint::from_shared(url.to_owned())
             .map_err(|e| bad(e.to_string()))?
             .connect_timeout(config.connect_timeout)
-            .timeout(config.call_timeout)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(config.keep_alive_interval)
             .keep_alive_timeout(config.call_timeout)
@@ -197,8 +294,15 @@ impl AgentctlClient {
             .parse()
             .map_err(|_| Error::Config("the executor secret is not valid header text".into()))?;
         let channel = endpoint.connect_lazy();
+        let auth = BearerAuth {
+            header,
+            call_timeout: config.call_timeout,
+        };
+        let inner = AgentCtlServiceClient::with_interceptor(channel, auth)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
         Ok(Self {
-            inner: AgentCtlServiceClient::with_interceptor(channel, BearerAuth { header }),
+            inner,
             url: url.to_owned(),
             call_timeout: config.call_timeout,
         })
@@ -208,19 +312,29 @@ impl AgentctlClient {
         &self.url
     }
 
-    /// The generated client: every agentctl RPC, authenticated, with the
-    /// per-call deadline of the configuration.
+    /// The generated client: every agentctl RPC, authenticated, with message
+    /// limits of [`MAX_MESSAGE_BYTES`]. A request without a deadline gets
+    /// [`default_deadline`] of its method; pass a longer (or shorter) one
+    /// with [`with_deadline`]. The typed methods below choose the deadline
+    /// from the request itself and map errors; prefer them.
     pub fn raw(&self) -> RawClient {
         self.inner.clone()
     }
 
-    /// `Health`, under the call deadline.
+    /// The short deadline of quick calls (the configuration's `call_timeout`).
+    pub fn call_timeout(&self) -> Duration {
+        self.call_timeout
+    }
+
+    /// `Health`, under the short deadline.
     pub async fn health(&self) -> Result<Health> {
-        let mut client = self.raw();
         let resp = self
-            .call("Health", async move {
-                client.health(pb::HealthRequest {}).await
-            })
+            .unary(
+                "Health",
+                self.call_timeout,
+                pb::HealthRequest {},
+                |mut c, r| async move { c.health(r).await },
+            )
             .await?;
         Ok(Health {
             executor_id: resp.executor_id,
@@ -228,6 +342,7 @@ impl AgentctlClient {
             agent_state: AgentState::try_from(resp.agent_state).unwrap_or(AgentState::Unspecified),
             pid: resp.pid,
             uptime: Duration::from_millis(resp.uptime_ms),
+            instance_id: resp.instance_id,
         })
     }
 
@@ -244,13 +359,15 @@ impl AgentctlClient {
         Ok(health)
     }
 
-    /// `Capabilities`, under the call deadline.
+    /// `Capabilities`, under the short deadline.
     pub async fn capabilities(&self) -> Result<Capabilities> {
-        let mut client = self.raw();
         let resp = self
-            .call("Capabilities", async move {
-                client.capabilities(pb::CapabilitiesRequest {}).await
-            })
+            .unary(
+                "Capabilities",
+                self.call_timeout,
+                pb::CapabilitiesRequest {},
+                |mut c, r| async move { c.capabilities(r).await },
+            )
             .await?;
         Ok(Capabilities {
             supports_session_resume: Support::from_proto(resp.supports_session_resume),
@@ -260,14 +377,19 @@ impl AgentctlClient {
         })
     }
 
-    /// `StopAgent`; an agentctl with no agent running counts as stopped.
+    /// `StopAgent`; an agentctl with no agent running counts as stopped. The
+    /// deadline covers the grace, agentctl's wait after KILL, and the margin.
     pub async fn stop_agent(&self, grace: Duration) -> Result<()> {
-        let mut client = self.raw();
-        let grace_ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX);
+        let grace_ms = millis(grace);
+        let deadline =
+            or_default(grace_ms, budget::STOP_GRACE) + budget::AFTER_KILL + self.call_timeout;
         match self
-            .call("StopAgent", async move {
-                client.stop_agent(pb::StopAgentRequest { grace_ms }).await
-            })
+            .unary(
+                "StopAgent",
+                deadline,
+                pb::StopAgentRequest { grace_ms },
+                |mut c, r| async move { c.stop_agent(r).await },
+            )
             .await
         {
             Ok(_) => Ok(()),
@@ -283,40 +405,221 @@ impl AgentctlClient {
         }
     }
 
-    /// Runs one unary call under the deadline (tonic enforces it too; this
-    /// bound also covers connection setup) and maps its errors.
+    /// `LaunchAgent`; the deadline is the request's initialize timeout (30 s
+    /// when 0) plus the margin.
+    pub async fn launch_agent(
+        &self,
+        request: pb::LaunchAgentRequest,
+    ) -> Result<pb::LaunchAgentResponse> {
+        let deadline =
+            or_default(request.initialize_timeout_ms, budget::INITIALIZE) + self.call_timeout;
+        self.unary("LaunchAgent", deadline, request, |mut c, r| async move {
+            c.launch_agent(r).await
+        })
+        .await
+    }
+
+    /// `NewSession`; returns the resume token.
+    pub async fn new_session(&self) -> Result<String> {
+        let deadline = budget::SESSION_SETUP + self.call_timeout;
+        let resp = self
+            .unary(
+                "NewSession",
+                deadline,
+                pb::NewSessionRequest {},
+                |mut c, r| async move { c.new_session(r).await },
+            )
+            .await?;
+        Ok(resp.resume_token)
+    }
+
+    /// `ResumeSession` (ACP `session/load`, which replays the conversation).
+    pub async fn resume_session(&self, resume_token: &str) -> Result<String> {
+        let deadline = budget::SESSION_SETUP + self.call_timeout;
+        let request = pb::ResumeSessionRequest {
+            resume_token: resume_token.to_owned(),
+        };
+        let resp = self
+            .unary("ResumeSession", deadline, request, |mut c, r| async move {
+                c.resume_session(r).await
+            })
+            .await?;
+        Ok(resp.resume_token)
+    }
+
+    /// `Prompt`: returns once the turn started, under the short deadline.
+    pub async fn prompt(&self, request: pb::PromptRequest) -> Result<pb::PromptResponse> {
+        self.unary(
+            "Prompt",
+            self.call_timeout,
+            request,
+            |mut c, r| async move { c.prompt(r).await },
+        )
+        .await
+    }
+
+    /// `Cancel`; false when no turn was in progress.
+    pub async fn cancel(&self) -> Result<bool> {
+        let resp = self
+            .unary(
+                "Cancel",
+                self.call_timeout,
+                pb::CancelRequest {},
+                |mut c, r| async move { c.cancel(r).await },
+            )
+            .await?;
+        Ok(resp.cancelled)
+    }
+
+    /// `Exec`; the deadline is the request's timeout (60 s when 0) plus the
+    /// margin, so agentctl's own timeout (which reports `timed_out`) fires first.
+    pub async fn exec(&self, request: pb::ExecRequest) -> Result<pb::ExecResponse> {
+        let deadline = or_default(request.timeout_ms, budget::EXEC) + self.call_timeout;
+        self.unary("Exec", deadline, request, |mut c, r| async move {
+            c.exec(r).await
+        })
+        .await
+    }
+
+    /// `ReadFile` (up to 16 MiB).
+    pub async fn read_file(&self, request: pb::ReadFileRequest) -> Result<Vec<u8>> {
+        let deadline = budget::FILE_TRANSFER + self.call_timeout;
+        let resp = self
+            .unary("ReadFile", deadline, request, |mut c, r| async move {
+                c.read_file(r).await
+            })
+            .await?;
+        Ok(resp.content)
+    }
+
+    /// `WriteFile`; returns the bytes written.
+    pub async fn write_file(&self, request: pb::WriteFileRequest) -> Result<u64> {
+        let deadline = budget::FILE_TRANSFER + self.call_timeout;
+        let resp = self
+            .unary("WriteFile", deadline, request, |mut c, r| async move {
+                c.write_file(r).await
+            })
+            .await?;
+        Ok(resp.bytes_written)
+    }
+
+    /// `ListDir`.
+    pub async fn list_dir(&self, path: &str) -> Result<Vec<pb::DirEntry>> {
+        let request = pb::ListDirRequest {
+            path: path.to_owned(),
+        };
+        let resp = self
+            .unary(
+                "ListDir",
+                self.call_timeout,
+                request,
+                |mut c, r| async move { c.list_dir(r).await },
+            )
+            .await?;
+        Ok(resp.entries)
+    }
+
+    /// `GitStatus`.
+    pub async fn git_status(&self) -> Result<pb::GitStatusResponse> {
+        let deadline = budget::GIT + self.call_timeout;
+        self.unary(
+            "GitStatus",
+            deadline,
+            pb::GitStatusRequest {},
+            |mut c, r| async move { c.git_status(r).await },
+        )
+        .await
+    }
+
+    /// `GitDiff`; returns the diff text.
+    pub async fn git_diff(&self, request: pb::GitDiffRequest) -> Result<String> {
+        let deadline = budget::GIT + self.call_timeout;
+        let resp = self
+            .unary("GitDiff", deadline, request, |mut c, r| async move {
+                c.git_diff(r).await
+            })
+            .await?;
+        Ok(resp.diff)
+    }
+
+    /// Opens `StreamUpdates` after `after_cursor`, naming the agentctl
+    /// instance the cursor belongs to (`""` when unknown, e.g. a first
+    /// stream). When agentctl is another process than `instance_id` (it was
+    /// restarted: cursors began at 1 again), the stream starts with a `Gap`
+    /// and then replays everything still buffered; every update carries its
+    /// `instance_id` for the consumer to store next to the cursor. Only the
+    /// opening is under the short deadline; the stream itself has none.
+    pub async fn stream_updates(
+        &self,
+        after_cursor: u64,
+        instance_id: &str,
+    ) -> Result<tonic::Streaming<pb::AgentUpdate>> {
+        let mut request = tonic::Request::new(pb::StreamUpdatesRequest { after_cursor });
+        if !instance_id.is_empty() {
+            let value = instance_id.parse().map_err(|_| {
+                Error::Config(format!("instance id {instance_id:?} is not header text"))
+            })?;
+            request.metadata_mut().insert(INSTANCE_ID_METADATA, value);
+        }
+        let mut client = self.raw();
+        self.call("StreamUpdates", self.call_timeout, async move {
+            client.stream_updates(request).await
+        })
+        .await
+    }
+
+    /// One unary call with `deadline` sent as `grpc-timeout`, under the
+    /// outer bound of [`Self::call`].
+    async fn unary<Req, Resp, F, Fut>(
+        &self,
+        name: &'static str,
+        deadline: Duration,
+        message: Req,
+        f: F,
+    ) -> Result<Resp>
+    where
+        F: FnOnce(RawClient, tonic::Request<Req>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
+    {
+        let fut = f(self.raw(), with_deadline(message, deadline));
+        self.call(name, deadline, fut).await
+    }
+
+    /// Runs one call under `deadline` (tonic enforces the `grpc-timeout` too;
+    /// this bound also covers connection setup and a peer that accepted the
+    /// connection but never answers) and maps its errors.
     async fn call<T>(
         &self,
         name: &'static str,
+        deadline: Duration,
         fut: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     ) -> Result<T> {
-        let timeout = self.call_timeout;
         // A little slack so tonic's own deadline (which says more) fires first.
-        let outer = timeout + Duration::from_millis(250);
+        let outer = deadline + Duration::from_millis(250);
         match tokio::time::timeout(outer, fut).await {
             Err(_) => Err(Error::Timeout {
                 url: self.url.clone(),
                 call: name,
-                timeout,
+                timeout: deadline,
             }),
             Ok(Ok(resp)) => Ok(resp.into_inner()),
-            Ok(Err(status)) => Err(self.map_status(name, status)),
+            Ok(Err(status)) => Err(self.map_status(name, deadline, status)),
         }
     }
 
-    fn map_status(&self, call: &'static str, status: tonic::Status) -> Error {
+    fn map_status(&self, call: &'static str, deadline: Duration, status: tonic::Status) -> Error {
         let url = self.url.clone();
         match status.code() {
             tonic::Code::Unauthenticated => Error::Unauthenticated { url },
             tonic::Code::DeadlineExceeded => Error::Timeout {
                 url,
                 call,
-                timeout: self.call_timeout,
+                timeout: deadline,
             },
             tonic::Code::Cancelled if is_timeout(&status) => Error::Timeout {
                 url,
                 call,
-                timeout: self.call_timeout,
+                timeout: deadline,
             },
             tonic::Code::Unavailable | tonic::Code::Unknown if is_transport_error(&status) => {
                 Error::Unreachable {
@@ -388,6 +691,90 @@ mod tests {
         assert!(err.to_string().contains("CA certificate"), "{err}");
         let err = AgentctlClient::new("http://host:1", "line\nbreak", &config).expect_err("header");
         assert!(matches!(err, Error::Config(_)), "{err}");
+    }
+
+    fn intercepted(method: Option<&'static str>, preset: Option<Duration>) -> tonic::Request<()> {
+        let mut auth = BearerAuth {
+            header: "Bearer s".parse().expect("header"),
+            call_timeout: Duration::from_secs(2),
+        };
+        let mut request = tonic::Request::new(());
+        if let Some(m) = method {
+            request
+                .extensions_mut()
+                .insert(tonic::GrpcMethod::new("agentctl.v1.AgentCtlService", m));
+        }
+        if let Some(d) = preset {
+            request.set_timeout(d);
+        }
+        auth.call(request).expect("intercepted")
+    }
+
+    fn grpc_timeout(request: &tonic::Request<()>) -> Option<Duration> {
+        let text = request.metadata().get("grpc-timeout")?.to_str().ok()?;
+        let (num, unit) = text.split_at(text.len() - 1);
+        let n: u64 = num.parse().ok()?;
+        Some(match unit {
+            "H" => Duration::from_secs(n * 3600),
+            "M" => Duration::from_secs(n * 60),
+            "S" => Duration::from_secs(n),
+            "m" => Duration::from_millis(n),
+            "u" => Duration::from_micros(n),
+            "n" => Duration::from_nanos(n),
+            _ => return None,
+        })
+    }
+
+    #[test]
+    fn every_call_gets_auth_and_a_deadline_of_its_own() {
+        let health = intercepted(Some("Health"), None);
+        assert_eq!(
+            health.metadata().get("authorization").expect("auth"),
+            "Bearer s"
+        );
+        assert_eq!(grpc_timeout(&health), Some(Duration::from_secs(2)));
+        // Long calls get agentctl's own budget plus the margin, not 2 s.
+        assert_eq!(
+            grpc_timeout(&intercepted(Some("LaunchAgent"), None)),
+            Some(Duration::from_secs(32))
+        );
+        assert_eq!(
+            grpc_timeout(&intercepted(Some("Exec"), None)),
+            Some(Duration::from_secs(62))
+        );
+        assert_eq!(
+            grpc_timeout(&intercepted(Some("ResumeSession"), None)),
+            Some(Duration::from_secs(122))
+        );
+        // A stream has no deadline; a caller's own deadline is kept.
+        assert_eq!(
+            grpc_timeout(&intercepted(Some("StreamUpdates"), None)),
+            None
+        );
+        assert_eq!(
+            grpc_timeout(&intercepted(Some("Exec"), Some(Duration::from_secs(600)))),
+            Some(Duration::from_secs(600))
+        );
+        assert_eq!(
+            grpc_timeout(&intercepted(None, None)),
+            Some(Duration::from_secs(2))
+        );
+    }
+
+    #[test]
+    fn default_deadlines_cover_agentctls_own_limits() {
+        let short = Duration::from_secs(5);
+        assert_eq!(default_deadline("Health", short), Some(short));
+        assert_eq!(default_deadline("Capabilities", short), Some(short));
+        assert_eq!(
+            default_deadline("StopAgent", short),
+            Some(Duration::from_secs(13))
+        );
+        assert_eq!(
+            default_deadline("GitDiff", short),
+            Some(Duration::from_secs(65))
+        );
+        assert_eq!(default_deadline("StreamUpdates", short), None);
     }
 
     #[tokio::test]

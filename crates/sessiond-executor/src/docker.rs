@@ -12,9 +12,14 @@
 //! container instead, so one executor never gets two containers. It then
 //! starts it and waits for `Health` to answer with the executor id.
 //!
-//! **Recover** finds the container by the recorded id, then by the
-//! `sessiond.executor_id` label: running → health check (reattached); exited or
-//! created → start, then health (restarted); paused → unpause, then health;
+//! **Probe** finds the container by the recorded id, then by the
+//! `sessiond.executor_id` label, and starts nothing: running → health check
+//! ([`Probe::Reattachable`], with the container's current port and secret);
+//! exited, created or paused → [`Probe::NeedsStart`]; missing (or the
+//! worktree is gone) → [`Probe::Missing`]. **Start** starts (or unpauses) the
+//! stopped container, waits for health and returns the handle with the
+//! generation the caller recorded with its intent. **Recover** is probe, then
+//! start with generation + 1 ([`RecoveryAction::Restarted`]);
 //! missing → [`Error::ContainerMissing`]. **Stop** stops the container (it can
 //! be recovered later); **remove** removes it and its run directory.
 
@@ -37,7 +42,7 @@ use bollard::{
 use sessiond_domain::{ExecutorId, Runtime};
 
 use crate::{
-    AgentctlClient, ClientConfig, Executor, ExecutorHandle, Health, LaunchSpec, Recovered,
+    AgentctlClient, ClientConfig, Executor, ExecutorHandle, Health, LaunchSpec, Probe, Recovered,
     RecoveryAction,
     error::{Error, Result},
     fresh_secret,
@@ -261,7 +266,7 @@ impl DockerExecutor {
         Ok(None)
     }
 
-    async fn start(&self, container_id: &str) -> Result<()> {
+    async fn start_container(&self, container_id: &str) -> Result<()> {
         // 304 (already started, e.g. by a concurrent launch) is a success for bollard.
         self.docker
             .start_container(container_id, None::<StartContainerOptions>)
@@ -337,6 +342,49 @@ impl DockerExecutor {
         }
     }
 
+    /// Starts (or unpauses) the handle's container, whatever its state, and
+    /// waits for its agentctl; the handle returned carries `generation`.
+    async fn start_found(
+        &self,
+        handle: &ExecutorHandle,
+        generation: i64,
+    ) -> Result<(ExecutorHandle, Health)> {
+        let id = handle.executor_id;
+        let found = self
+            .locate(handle)
+            .await?
+            .ok_or_else(|| Error::ContainerMissing {
+                executor_id: id,
+                container_id: handle.container_id.clone(),
+            })?;
+        match found.status {
+            ContainerStateStatusEnum::RUNNING | ContainerStateStatusEnum::RESTARTING => {
+                // Started meanwhile (a concurrent recovery): just wait for it.
+            }
+            ContainerStateStatusEnum::EXITED | ContainerStateStatusEnum::CREATED => {
+                tracing::info!(executor_id = %id, container_id = %found.id, status = %found.status, generation, "starting stopped container");
+                self.start_container(&found.id).await?;
+            }
+            ContainerStateStatusEnum::PAUSED => {
+                tracing::info!(executor_id = %id, container_id = %found.id, generation, "unpausing container");
+                self.docker.unpause_container(&found.id).await?;
+            }
+            other => {
+                return Err(Error::ContainerUnusable {
+                    executor_id: id,
+                    container_id: found.id,
+                    state: other.to_string(),
+                });
+            }
+        }
+        let secret = found.secret.unwrap_or_else(|| handle.auth_secret.clone());
+        let (port, health) = self.wait_ready(id, &found.id, &secret).await?;
+        Ok((
+            refreshed(handle, found.id, secret, port, generation),
+            health,
+        ))
+    }
+
     fn handle_for(
         &self,
         spec: &LaunchSpec,
@@ -410,54 +458,86 @@ impl Executor for DockerExecutor {
             }
             Err(e) => return Err(e.into()),
         };
-        self.start(&container_id).await?;
+        self.start_container(&container_id).await?;
         let (port, _) = self.wait_ready(id, &container_id, &secret).await?;
         Ok(self.handle_for(spec, container_id, secret, port))
     }
 
-    async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered> {
+    async fn probe(&self, handle: &ExecutorHandle) -> Result<Probe> {
         let id = handle.executor_id;
-        let found = self
-            .locate(handle)
-            .await?
-            .ok_or_else(|| Error::ContainerMissing {
-                executor_id: id,
-                container_id: handle.container_id.clone(),
-            })?;
-        let action = match found.status {
-            ContainerStateStatusEnum::RUNNING | ContainerStateStatusEnum::RESTARTING => {
-                RecoveryAction::Reattached
-            }
-            ContainerStateStatusEnum::EXITED | ContainerStateStatusEnum::CREATED => {
-                tracing::info!(executor_id = %id, container_id = %found.id, status = %found.status, "starting stopped container");
-                self.start(&found.id).await?;
-                RecoveryAction::Restarted
-            }
-            ContainerStateStatusEnum::PAUSED => {
-                self.docker.unpause_container(&found.id).await?;
-                RecoveryAction::Restarted
-            }
-            other => {
-                return Err(Error::ContainerUnusable {
-                    executor_id: id,
-                    container_id: found.id,
-                    state: other.to_string(),
-                });
-            }
+        let Some(found) = self.locate(handle).await? else {
+            return Ok(Probe::Missing {
+                reason: format!(
+                    "container {} is gone",
+                    handle
+                        .container_id
+                        .clone()
+                        .unwrap_or_else(|| container_name(id))
+                ),
+            });
         };
-        let secret = found.secret.unwrap_or_else(|| handle.auth_secret.clone());
-        let (port, health) = self.wait_ready(id, &found.id, &secret).await?;
-        let mut recovered = handle.clone();
-        recovered.runtime = Runtime::LocalDocker;
-        recovered.container_id = Some(found.id);
-        recovered.auth_secret = secret;
-        recovered.agentctl_port = Some(port);
-        recovered.agentctl_url = local_url(port);
-        Ok(Recovered {
-            handle: recovered,
-            action,
-            health,
-        })
+        match found.status {
+            ContainerStateStatusEnum::RUNNING | ContainerStateStatusEnum::RESTARTING => {
+                let secret = found.secret.unwrap_or_else(|| handle.auth_secret.clone());
+                let (port, health) = self.wait_ready(id, &found.id, &secret).await?;
+                Ok(Probe::Reattachable {
+                    handle: refreshed(handle, found.id, secret, port, handle.generation),
+                    health,
+                })
+            }
+            ContainerStateStatusEnum::EXITED
+            | ContainerStateStatusEnum::CREATED
+            | ContainerStateStatusEnum::PAUSED => {
+                if !handle.workspace_path.is_dir() {
+                    return Ok(Probe::Missing {
+                        reason: format!(
+                            "the worktree {} is missing",
+                            handle.workspace_path.display()
+                        ),
+                    });
+                }
+                Ok(Probe::NeedsStart {
+                    reason: format!("container {} is {}", found.id, found.status),
+                })
+            }
+            other => Err(Error::ContainerUnusable {
+                executor_id: id,
+                container_id: found.id,
+                state: other.to_string(),
+            }),
+        }
+    }
+
+    async fn start(&self, handle: &ExecutorHandle, generation: i64) -> Result<ExecutorHandle> {
+        Ok(self.start_found(handle, generation).await?.0)
+    }
+
+    async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered> {
+        match self.probe(handle).await? {
+            Probe::Reattachable { handle, health } => Ok(Recovered {
+                handle,
+                action: RecoveryAction::Reattached,
+                health,
+            }),
+            Probe::NeedsStart { .. } | Probe::NeedsLaunch { .. } => {
+                let (handle, health) = self.start_found(handle, handle.generation + 1).await?;
+                Ok(Recovered {
+                    handle,
+                    action: RecoveryAction::Restarted,
+                    health,
+                })
+            }
+            Probe::Missing { .. } if !handle.workspace_path.is_dir() => {
+                Err(Error::WorkspaceMissing {
+                    executor_id: handle.executor_id,
+                    path: handle.workspace_path.clone(),
+                })
+            }
+            Probe::Missing { .. } => Err(Error::ContainerMissing {
+                executor_id: handle.executor_id,
+                container_id: handle.container_id.clone(),
+            }),
+        }
     }
 
     async fn stop(&self, handle: &ExecutorHandle) -> Result<()> {
@@ -534,6 +614,24 @@ fn found(info: ContainerInspectResponse) -> Found {
         status,
         secret,
     }
+}
+
+/// `handle` with what the engine says now.
+fn refreshed(
+    handle: &ExecutorHandle,
+    container_id: String,
+    secret: String,
+    port: u16,
+    generation: i64,
+) -> ExecutorHandle {
+    let mut new = handle.clone();
+    new.runtime = Runtime::LocalDocker;
+    new.container_id = Some(container_id);
+    new.auth_secret = secret;
+    new.agentctl_port = Some(port);
+    new.agentctl_url = local_url(port);
+    new.generation = generation;
+    new
 }
 
 fn local_url(port: u16) -> String {

@@ -11,6 +11,23 @@
 //!
 //! This crate is the only one that knows OS processes, Docker and the agentctl
 //! transport. It reads no configuration: drivers take typed config structs.
+//!
+//! # Intent before side effect
+//!
+//! DESIGN §4: every launch writes its intent (`executors_running.status =
+//! starting`, generation + 1) before it spawns anything. Recovery therefore
+//! goes in two phases:
+//!
+//! 1. [`Executor::probe`] looks at what the handle records and starts
+//!    nothing (see [`Probe`]);
+//! 2. on [`Probe::NeedsLaunch`] the caller persists the intent with
+//!    `handle.generation + 1`, then calls
+//!    [`Executor::launch`]`(&handle.relaunch_spec())`; on
+//!    [`Probe::NeedsStart`] (a stopped Docker container) it persists the
+//!    intent, then calls [`Executor::start`]`(&handle, handle.generation + 1)`.
+//!
+//! [`Executor::recover`] does both phases in one call, for callers that keep
+//! no intent record (tests, tools).
 
 mod client;
 pub mod docker;
@@ -25,8 +42,9 @@ use async_trait::async_trait;
 use sessiond_domain::{ExecutorId, ExecutorRecord, Runtime, SessionId, TaskId};
 
 pub use client::{
-    AgentState, AgentctlClient, BearerAuth, Capabilities, ClientConfig, Health, RawClient, Support,
-    TlsConfig,
+    AgentState, AgentctlClient, BearerAuth, Capabilities, ClientConfig, Health,
+    INSTANCE_ID_METADATA, MAX_MESSAGE_BYTES, RawClient, Support, TlsConfig, default_deadline,
+    with_deadline,
 };
 pub use error::{Error, Result};
 
@@ -186,6 +204,32 @@ pub struct Recovered {
     pub health: Health,
 }
 
+/// What [`Executor::probe`] found. Probing starts, spawns and signals nothing,
+/// with one exception: a standalone agentctl that is provably ours (pid *and*
+/// start time match the record) but fails `Health` is hung, and is terminated
+/// so that the launch that follows cannot make a second agentctl.
+#[derive(Debug, Clone)]
+pub enum Probe {
+    /// The recorded agentctl runs and proved its identity. `handle` is the
+    /// recorded one, with what the driver found refreshed (Docker: container
+    /// id, port and secret); persist it if it differs.
+    Reattachable {
+        handle: ExecutorHandle,
+        health: Health,
+    },
+    /// Nothing usable runs (standalone: the process is gone, its pid was
+    /// reused, or it was hung and has been ended). Persist the intent with
+    /// generation + 1, then `launch(&handle.relaunch_spec())`.
+    NeedsLaunch { reason: String },
+    /// Docker: the container exists but is stopped (exited, created or
+    /// paused). Persist the intent with generation + 1, then
+    /// `start(&handle, generation)`.
+    NeedsStart { reason: String },
+    /// It cannot come back: the container is gone, or the worktree is
+    /// missing. The executor goes to `error`, its sessions to `ERROR`.
+    Missing { reason: String },
+}
+
 /// One kind of executor runtime.
 ///
 /// Object safe, so the caller can hold one `Arc<dyn Executor>` per
@@ -199,9 +243,29 @@ pub trait Executor: Send + Sync + fmt::Debug {
     /// once it answered `Health` with the executor's id.
     async fn launch(&self, spec: &LaunchSpec) -> Result<ExecutorHandle>;
 
-    /// Brings the executor of a stored handle back: reattach when the recorded
-    /// agentctl still runs and proves its identity, otherwise as the driver's
-    /// recover rules say (see each driver's module documentation).
+    /// Looks at the executor of a stored handle without starting anything
+    /// (see [`Probe`] for the one exception), so that the caller can persist
+    /// its intent before [`Self::launch`] or [`Self::start`].
+    async fn probe(&self, handle: &ExecutorHandle) -> Result<Probe>;
+
+    /// Starts the existing, stopped runtime of `handle` again (Docker: the
+    /// stopped container) and returns once its agentctl answered `Health`;
+    /// the returned handle carries `generation`, which the caller persisted
+    /// with its intent. Only for [`Probe::NeedsStart`]; drivers that never
+    /// answer it refuse.
+    async fn start(&self, handle: &ExecutorHandle, generation: i64) -> Result<ExecutorHandle> {
+        let _ = generation;
+        Err(Error::Config(format!(
+            "{:?} executor {} has nothing to start; launch it instead",
+            self.runtime(),
+            handle.executor_id
+        )))
+    }
+
+    /// Brings the executor of a stored handle back in one call: [`Self::probe`],
+    /// then [`Self::start`] or [`Self::launch`] with generation + 1 as the probe
+    /// says (see each driver's module documentation). Writes no intent: a
+    /// caller that records one uses the two phases itself.
     async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered>;
 
     /// `Health` of the handle's agentctl, checked against its executor id.

@@ -1,6 +1,6 @@
 //! `remote`: an agentctl that another host runs; this driver starts nothing.
 //!
-//! **Launch** and **recover** connect to the agentctl URL (plain `http://`, or
+//! **Launch**, **probe** and **recover** connect to the agentctl URL (plain `http://`, or
 //! `https://` verified against a CA) and call `Health` until it answers with
 //! the executor id, retrying with exponential backoff and jitter until the
 //! configured deadline; then the executor is ready. A host that stays
@@ -15,8 +15,8 @@ use async_trait::async_trait;
 use sessiond_domain::{ExecutorId, Runtime};
 
 use crate::{
-    AgentctlClient, Backoff, ClientConfig, Executor, ExecutorHandle, Health, LaunchSpec, Recovered,
-    RecoveryAction,
+    AgentctlClient, Backoff, ClientConfig, Executor, ExecutorHandle, Health, LaunchSpec, Probe,
+    Recovered, RecoveryAction,
     error::{Error, Result},
 };
 
@@ -120,6 +120,19 @@ impl Executor for RemoteExecutor {
         self.wait_ready(&self.client(&handle)?, spec.executor_id)
             .await?;
         Ok(handle)
+    }
+
+    /// Reattachable once the remote agentctl answers (retried with backoff
+    /// until the deadline); an error otherwise. Never `NeedsLaunch`: the
+    /// remote host runs agentctl itself.
+    async fn probe(&self, handle: &ExecutorHandle) -> Result<Probe> {
+        let health = self
+            .wait_ready(&self.client(handle)?, handle.executor_id)
+            .await?;
+        Ok(Probe::Reattachable {
+            handle: handle.clone(),
+            health,
+        })
     }
 
     async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered> {

@@ -6,13 +6,21 @@
 //! answer with the executor id, and records pid, process start time, port and
 //! secret.
 //!
-//! **Recover** reattaches (same pid, nothing restarted) when the recorded pid
-//! runs, its start time equals the recorded one, and `Health` with the recorded
-//! secret answers with the executor id. Otherwise it launches a new agentctl
-//! with generation + 1. A pid whose start time does not match belongs to some
-//! other process: it is never signalled and never trusted. A process that does
-//! match but fails `Health` is ours and hung: it is terminated before the
-//! relaunch, so one executor never has two agentctls.
+//! A launch is cancel-safe: if its future is dropped after the spawn and
+//! before it returned the handle (the caller's deadline passed, the caller
+//! went away), the new agentctl is killed (through a pidfd, so never another
+//! process), since nobody would ever learn its secret.
+//!
+//! **Probe** reports [`Probe::Reattachable`] (same pid, nothing restarted)
+//! when the recorded pid runs, its start time equals the recorded one, and
+//! `Health` with the recorded secret answers with the executor id and pid.
+//! Otherwise [`Probe::NeedsLaunch`] (the caller persists its intent, then
+//! launches with generation + 1), or [`Probe::Missing`] when the worktree is
+//! gone. A pid whose start time does not match belongs to some other process:
+//! it is never signalled and never trusted. A process that does match but
+//! fails `Health` is ours and hung: probe terminates it (the only thing probe
+//! ever signals), so one executor never has two agentctls. **Recover** is
+//! probe followed by that launch.
 
 use std::{
     path::{Path, PathBuf},
@@ -24,7 +32,8 @@ use async_trait::async_trait;
 use sessiond_domain::{ExecutorId, Runtime};
 
 use crate::{
-    AgentctlClient, ClientConfig, Executor, ExecutorHandle, LaunchSpec, Recovered, RecoveryAction,
+    AgentctlClient, ClientConfig, Executor, ExecutorHandle, LaunchSpec, Probe, Recovered,
+    RecoveryAction,
     error::{Error, Result},
     fresh_secret,
     process::{self, OwnedProcess},
@@ -171,6 +180,9 @@ impl StandaloneExecutor {
             pid,
             message: "no /proc entry right after spawn".into(),
         })?;
+        // From here on, leaving this function without the handle (an error,
+        // or this future being dropped) ends the child.
+        let mut guard = SpawnGuard(OwnedProcess::open(pid, start_time));
 
         let deadline = started + self.config.startup_timeout;
         let mut last_error = String::from("no port file yet");
@@ -205,7 +217,7 @@ impl StandaloneExecutor {
         };
         let Some(port) = ready else {
             // Started by us a moment ago, and the pidfd pins it: safe to end.
-            if let Some(proc) = OwnedProcess::open(pid, start_time) {
+            if let Some(proc) = guard.0.take() {
                 let _ = proc.terminate(start_time, self.config.stop_grace).await;
             }
             let _ = child.try_wait();
@@ -215,6 +227,8 @@ impl StandaloneExecutor {
                 last_error,
             });
         };
+        // Launched: the handle goes to the caller, the process lives on.
+        guard.disarm();
         // Dropping the tokio child does not kill it; the runtime reaps it once
         // it exits while this process still lives.
         drop(child);
@@ -236,6 +250,33 @@ impl StandaloneExecutor {
     }
 }
 
+/// Kills a freshly spawned agentctl unless [`Self::disarm`] was called: a
+/// launch that does not return its handle (error, or its future dropped) must
+/// not leave an agentctl nobody knows the secret of. The pidfd was opened
+/// while the process was our unreaped child, so the signal cannot reach
+/// another process.
+struct SpawnGuard(Option<OwnedProcess>);
+
+impl SpawnGuard {
+    fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for SpawnGuard {
+    fn drop(&mut self) {
+        if let Some(proc) = self.0.take() {
+            tracing::warn!(
+                pid = proc.pid(),
+                "agentctl launch abandoned before it completed; killing the new agentctl"
+            );
+            // KILL, not TERM: Drop cannot wait for a grace period, and a
+            // brand-new agentctl has no agent to stop yet.
+            let _ = proc.signal(rustix::process::Signal::KILL);
+        }
+    }
+}
+
 #[async_trait]
 impl Executor for StandaloneExecutor {
     fn runtime(&self) -> Runtime {
@@ -246,41 +287,79 @@ impl Executor for StandaloneExecutor {
         self.spawn(spec).await
     }
 
-    async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered> {
+    async fn probe(&self, handle: &ExecutorHandle) -> Result<Probe> {
         let id = handle.executor_id;
         if let Some(proc) = Self::recorded_process(handle) {
             match self.health(handle).await {
                 Ok(health) if health.pid == 0 || Some(health.pid) == handle.pid => {
-                    tracing::info!(executor_id = %id, pid = proc.pid(), "reattached to running agentctl");
-                    return Ok(Recovered {
+                    tracing::info!(executor_id = %id, pid = proc.pid(), "recorded agentctl runs and proved its identity");
+                    return Ok(Probe::Reattachable {
                         handle: handle.clone(),
-                        action: RecoveryAction::Reattached,
                         health,
                     });
                 }
                 outcome => {
                     // pid and start time match: this is the process we started,
-                    // but it does not answer as it should. End it before relaunching.
+                    // but it does not answer as it should. End it, so that the
+                    // launch that follows leaves exactly one agentctl.
                     let reason = match outcome {
                         Ok(h) => format!("Health reports pid {}", h.pid),
                         Err(e) => e.to_string(),
                     };
-                    tracing::warn!(executor_id = %id, pid = proc.pid(), %reason, "recorded agentctl unhealthy, replacing it");
+                    tracing::warn!(executor_id = %id, pid = proc.pid(), %reason, "recorded agentctl unhealthy, ending it");
                     if let Some(start_time) = handle.pid_start_time {
                         proc.terminate(start_time, self.config.stop_grace).await?;
                     }
+                    if !handle.workspace_path.is_dir() {
+                        return Ok(Probe::Missing {
+                            reason: missing_worktree(handle),
+                        });
+                    }
+                    return Ok(Probe::NeedsLaunch {
+                        reason: format!(
+                            "the recorded agentctl (pid {}) was hung and has been ended: {reason}",
+                            proc.pid()
+                        ),
+                    });
                 }
             }
-        } else if let Some(pid) = handle.pid {
-            tracing::info!(executor_id = %id, pid, "recorded agentctl is gone (or its pid was reused); launching a new one");
         }
-        let new = self.spawn(&handle.relaunch_spec()).await?;
-        let health = self.health(&new).await?;
-        Ok(Recovered {
-            handle: new,
-            action: RecoveryAction::Relaunched,
-            health,
-        })
+        if !handle.workspace_path.is_dir() {
+            return Ok(Probe::Missing {
+                reason: missing_worktree(handle),
+            });
+        }
+        let reason = match handle.pid {
+            Some(pid) => format!(
+                "the recorded agentctl (pid {pid}) is gone, or its pid now belongs to another process"
+            ),
+            None => "no agentctl process is recorded".to_owned(),
+        };
+        tracing::info!(executor_id = %id, %reason, "agentctl needs a launch");
+        Ok(Probe::NeedsLaunch { reason })
+    }
+
+    async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered> {
+        match self.probe(handle).await? {
+            Probe::Reattachable { handle, health } => Ok(Recovered {
+                handle,
+                action: RecoveryAction::Reattached,
+                health,
+            }),
+            Probe::Missing { .. } => Err(Error::WorkspaceMissing {
+                executor_id: handle.executor_id,
+                path: handle.workspace_path.clone(),
+            }),
+            Probe::NeedsLaunch { .. } | Probe::NeedsStart { .. } => {
+                let new = self.spawn(&handle.relaunch_spec()).await?;
+                let health = self.health(&new).await?;
+                Ok(Recovered {
+                    handle: new,
+                    action: RecoveryAction::Relaunched,
+                    health,
+                })
+            }
+        }
     }
 
     async fn stop(&self, handle: &ExecutorHandle) -> Result<()> {
@@ -304,6 +383,13 @@ impl Executor for StandaloneExecutor {
             &self.config.client,
         )
     }
+}
+
+fn missing_worktree(handle: &ExecutorHandle) -> String {
+    format!(
+        "the worktree {} is missing",
+        handle.workspace_path.display()
+    )
 }
 
 fn local_url(port: u16) -> String {

@@ -3,6 +3,7 @@
 //! `cargo xtask ci` does). Docker tests run when `SESSIOND_DOCKER_TESTS=1`
 //! and then fail, never skip, when the engine cannot be reached.
 
+mod client;
 mod docker;
 mod remote;
 mod standalone;

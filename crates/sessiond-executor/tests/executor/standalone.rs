@@ -4,13 +4,15 @@ use std::{
 };
 
 use sessiond_executor::{
-    Error, Executor, ExecutorHandle, RecoveryAction, Support,
+    Error, Executor, ExecutorHandle, Probe, RecoveryAction, Support,
     process::{self, OwnedProcess},
     standalone::{StandaloneConfig, StandaloneExecutor},
 };
 use sessiond_proto::agentctl::v1 as pb;
 
-use crate::support::{agentctl_path, assert_gone, client_config, is_running, spec};
+use crate::support::{
+    agentctl_path, assert_gone, client_config, is_running, pids_mentioning, spec,
+};
 
 struct Fixture {
     workspace: tempfile::TempDir,
@@ -26,6 +28,7 @@ fn fixture() -> Fixture {
     config.client = client_config();
     // A failing test may leave its agentctl behind; it then exits by itself.
     config.idle_timeout = Some(Duration::from_secs(120));
+    config.stop_grace = Duration::from_secs(1);
     Fixture {
         workspace,
         run,
@@ -253,4 +256,119 @@ async fn recover_fails_when_the_worktree_is_gone() {
     record.workspace_path = f.workspace.path().join("deleted-worktree");
     let err = f.driver.recover(&record).await.expect_err("no worktree");
     assert!(matches!(err, Error::WorkspaceMissing { .. }), "{err}");
+}
+
+#[tokio::test]
+async fn probe_starts_nothing_and_tells_what_is_needed() {
+    let f = fixture();
+    let handle = f
+        .driver
+        .launch(&spec(f.workspace.path()))
+        .await
+        .expect("launch");
+    let id = handle.executor_id.to_string();
+    let pid = pid_of(&handle);
+
+    // Alive and ours: reattachable, the same handle.
+    match f.driver.probe(&handle).await.expect("probe") {
+        Probe::Reattachable { handle: h, health } => {
+            assert_eq!(h, handle);
+            assert_eq!(health.pid, pid);
+        }
+        other => panic!("expected reattachable, got {other:?}"),
+    }
+    assert_eq!(pids_mentioning(&id), vec![pid], "probe spawned nothing");
+
+    // Killed: the probe says "launch", and launches nothing itself, so the
+    // caller can persist its intent (generation + 1) first.
+    let own = OwnedProcess::open(pid, handle.pid_start_time.expect("start")).expect("ours");
+    own.signal(rustix::process::Signal::KILL).expect("kill -9");
+    assert_gone(pid).await;
+    let probe = f.driver.probe(&handle).await.expect("probe");
+    assert!(matches!(probe, Probe::NeedsLaunch { .. }), "{probe:?}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(pids_mentioning(&id).is_empty(), "probe launched something");
+
+    // The caller's second phase.
+    let relaunched = f
+        .driver
+        .launch(&handle.relaunch_spec())
+        .await
+        .expect("launch after intent");
+    assert_eq!(relaunched.generation, handle.generation + 1);
+    f.driver.health(&relaunched).await.expect("healthy");
+    // A stand-alone executor has nothing to `start`.
+    let err = f
+        .driver
+        .start(&handle, handle.generation + 1)
+        .await
+        .expect_err("nothing to start");
+    assert!(matches!(err, Error::Config(_)), "{err}");
+
+    // The worktree is gone: missing, nothing launched.
+    let mut gone = relaunched.clone();
+    gone.workspace_path = f.workspace.path().join("deleted-worktree");
+    gone.pid = None;
+    let probe = f.driver.probe(&gone).await.expect("probe");
+    assert!(matches!(probe, Probe::Missing { .. }), "{probe:?}");
+
+    f.driver.stop(&relaunched).await.expect("stop");
+    assert_gone(pid_of(&relaunched)).await;
+    assert!(pids_mentioning(&id).is_empty());
+}
+
+#[tokio::test]
+async fn probe_ends_our_hung_agentctl_but_not_a_stranger() {
+    let f = fixture();
+    let handle = f
+        .driver
+        .launch(&spec(f.workspace.path()))
+        .await
+        .expect("launch");
+    let pid = pid_of(&handle);
+    let start_time = handle.pid_start_time.expect("start time");
+
+    // A stranger holding the recorded pid is left alone.
+    let mut stranger = Command::new("sleep")
+        .arg("300")
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn sleep");
+    let mut foreign = handle.clone();
+    foreign.pid = Some(stranger.id());
+    let probe = f.driver.probe(&foreign).await.expect("probe");
+    assert!(matches!(probe, Probe::NeedsLaunch { .. }), "{probe:?}");
+    assert!(stranger.try_wait().expect("try_wait").is_none());
+
+    // Ours, but hung (stopped): it accepts connections and never answers.
+    let own = OwnedProcess::open(pid, start_time).expect("ours");
+    own.signal(rustix::process::Signal::STOP).expect("stop it");
+    let probe = f.driver.probe(&handle).await.expect("probe");
+    assert!(matches!(probe, Probe::NeedsLaunch { .. }), "{probe:?}");
+    assert_gone(pid).await;
+    assert!(
+        pids_mentioning(&handle.executor_id.to_string()).is_empty(),
+        "probe launched something"
+    );
+
+    stranger.kill().expect("kill sleep");
+    stranger.wait().expect("reap sleep");
+}
+
+#[tokio::test]
+async fn an_abandoned_launch_leaves_no_agentctl() {
+    let f = fixture();
+    let spec = spec(f.workspace.path());
+    let id = spec.executor_id.to_string();
+    {
+        let mut launch = Box::pin(f.driver.launch(&spec));
+        // One poll spawns agentctl and then waits for its port file.
+        assert!(futures::poll!(launch.as_mut()).is_pending());
+        let pids = pids_mentioning(&id);
+        assert_eq!(pids.len(), 1, "spawned: {pids:?}");
+        // The caller gives up (its deadline passed): the future is dropped.
+        drop(launch);
+        assert_gone(pids[0]).await;
+    }
+    assert!(pids_mentioning(&id).is_empty());
 }
