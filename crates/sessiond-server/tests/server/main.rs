@@ -1,0 +1,16 @@
+//! Integration tests of the `sessiond` binary: every RPC through a real tonic
+//! client over loopback (with real agentctl and acp-demo-agent processes),
+//! gRPC-web over HTTP/1.1, CORS, reflection, health around recovery,
+//! authentication, configuration errors, metrics.
+//!
+//! Needs `cargo build -p agentctl -p acp-demo-agent` first (`cargo xtask ci`
+//! builds every binary before testing).
+
+#![allow(clippy::unwrap_used)]
+
+mod api;
+mod config;
+mod restart;
+mod serve;
+mod support;
+mod web;

@@ -1,0 +1,310 @@
+//! Starting the real `sessiond` binary and talking to it over loopback.
+//! agentctl and acp-demo-agent must be built beside it
+//! (`cargo build -p agentctl -p acp-demo-agent`, as `cargo xtask ci` does).
+
+use std::{
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use sessiond_proto::sessiond::v1::{
+    self as pb, session_service_client::SessionServiceClient,
+    workspace_service_client::WorkspaceServiceClient,
+};
+use tonic::{
+    metadata::{Ascii, MetadataValue},
+    service::{Interceptor, interceptor::InterceptedService},
+    transport::Channel,
+};
+
+pub const TOKEN: &str = "test-token-0123456789abcdef";
+
+pub fn bin(name: &str) -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_BIN_EXE_sessiond"))
+        .parent()
+        .unwrap()
+        .join(name);
+    assert!(
+        path.is_file(),
+        "{} not found: build it first with `cargo build -p agentctl -p acp-demo-agent`",
+        path.display()
+    );
+    path
+}
+
+/// A running `sessiond serve`; killed (SIGKILL) on drop, with every agentctl
+/// it started (found by its data directory in their command lines).
+pub struct Server {
+    pub child: Option<Child>,
+    pub addr: String,
+    pub metrics: Option<String>,
+    pub data_dir: PathBuf,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+        for pid in agentctl_pids(&self.data_dir) {
+            let _ = Command::new("kill")
+                .args(["-CONT", &pid.to_string()])
+                .status();
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+    }
+}
+
+impl Server {
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM, then wait for a clean exit.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().unwrap();
+        Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap();
+        child.wait().unwrap()
+    }
+}
+
+/// Pids of agentctl processes whose command line mentions `data_dir`.
+pub fn agentctl_pids(data_dir: &Path) -> Vec<u32> {
+    let needle = data_dir.display().to_string();
+    let mut pids = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return pids;
+    };
+    for entry in entries.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if cmdline.contains("agentctl") && cmdline.contains(&needle) {
+            // Skip zombies: they are gone already.
+            let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+            if !stat.contains(") Z ") {
+                pids.push(pid);
+            }
+        }
+    }
+    pids
+}
+
+/// Starts `sessiond serve` on a free loopback port with `TOKEN`, metrics on
+/// a free port, the given extra arguments, and waits for its listening line.
+pub fn start(data_dir: &Path, extra: &[&str]) -> Server {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sessiond"));
+    cmd.args([
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ])
+    .arg("--data-dir")
+    .arg(data_dir)
+    .args(extra)
+    .env("SESSIOND_API_TOKENS", TOKEN)
+    .env_remove("SESSIOND_DATABASE_URL")
+    .env_remove("SESSIOND_CONFIG")
+    .env("SESSIOND_LOG", "info,sessiond=debug")
+    .stdout(Stdio::piped());
+    let mut child = cmd.spawn().expect("spawn sessiond");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut reader = BufReader::new(stdout);
+    let mut line = String::new();
+    reader
+        .read_line(&mut line)
+        .expect("read the listening line");
+    let addr = line
+        .trim()
+        .strip_prefix("sessiond listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_owned();
+    let mut second = String::new();
+    reader
+        .read_line(&mut second)
+        .expect("read the metrics line");
+    let metrics = second
+        .trim()
+        .strip_prefix("sessiond metrics on ")
+        .map(str::to_owned);
+    Server {
+        child: Some(child),
+        addr,
+        metrics,
+        data_dir: data_dir.to_owned(),
+    }
+}
+
+/// Runs `sessiond` with `args` to completion (for configuration errors).
+pub fn run_sessiond(args: &[&str], envs: &[(&str, &str)]) -> (bool, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sessiond"));
+    cmd.args(args)
+        .env_remove("SESSIOND_API_TOKENS")
+        .env_remove("SESSIOND_CONFIG");
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[derive(Clone)]
+pub struct Bearer(Option<MetadataValue<Ascii>>);
+
+impl Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+pub type Sessions = SessionServiceClient<InterceptedService<Channel, Bearer>>;
+pub type Workspaces = WorkspaceServiceClient<InterceptedService<Channel, Bearer>>;
+
+pub async fn channel(addr: &str) -> Channel {
+    Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+fn bearer(token: Option<&str>) -> Bearer {
+    Bearer(token.map(|t| format!("Bearer {t}").parse().unwrap()))
+}
+
+pub async fn sessions(server: &Server) -> Sessions {
+    sessions_with(server, Some(TOKEN)).await
+}
+
+pub async fn sessions_with(server: &Server, token: Option<&str>) -> Sessions {
+    SessionServiceClient::with_interceptor(channel(&server.addr).await, bearer(token))
+        .max_decoding_message_size(64 * 1024 * 1024)
+}
+
+pub async fn workspaces(server: &Server) -> Workspaces {
+    workspaces_with(server, Some(TOKEN)).await
+}
+
+pub async fn workspaces_with(server: &Server, token: Option<&str>) -> Workspaces {
+    WorkspaceServiceClient::with_interceptor(channel(&server.addr).await, bearer(token))
+}
+
+pub async fn create_task(c: &mut Sessions, title: &str) -> pb::Task {
+    c.create_task(pb::CreateTaskRequest {
+        title: title.into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .task
+    .unwrap()
+}
+
+pub async fn create_session(
+    c: &mut Sessions,
+    task: &str,
+    worktree: &Path,
+    profile: &str,
+) -> pb::Session {
+    c.create_session(pb::CreateSessionRequest {
+        task_id: task.into(),
+        agent_profile: profile.into(),
+        runtime: pb::Runtime::LocalStandalone as i32,
+        worktree: Some(pb::Worktree {
+            id: String::new(),
+            path: worktree.display().to_string(),
+            branch: String::new(),
+        }),
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .session
+    .unwrap()
+}
+
+/// Sends `text` and waits (through WatchSession) for the agent's complete
+/// reply; returns its content.
+pub async fn prompt(c: &mut Sessions, task: &str, session: &str, text: &str) -> String {
+    let sent = c
+        .send_message(pb::SendMessageRequest {
+            task_id: task.into(),
+            session_id: session.into(),
+            content: text.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .unwrap();
+    let mut stream = c
+        .watch_session(pb::WatchSessionRequest {
+            session_id: session.into(),
+            after_seq: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut reply = None;
+    while let Ok(Some(event)) = tokio::time::timeout(Duration::from_secs(30), stream.message())
+        .await
+        .unwrap()
+    {
+        match event.payload {
+            Some(pb::event::Payload::MessageUpdated(pb::MessageUpdated { message: Some(m) }))
+            | Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
+                if m.role == pb::MessageRole::Agent as i32 && m.seq > sent.seq && m.complete =>
+            {
+                reply = Some(m.content);
+                break;
+            }
+            _ => {}
+        }
+    }
+    // The turn ends (WAITING_FOR_INPUT) right after the reply is complete.
+    for _ in 0..200 {
+        let s = c
+            .get_session(pb::GetSessionRequest {
+                task_id: task.into(),
+                session_id: session.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .session
+            .unwrap();
+        if s.state == pb::SessionState::WaitingForInput as i32 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    reply.expect("the agent's reply")
+}
+
+pub fn code<T: std::fmt::Debug>(result: Result<T, tonic::Status>) -> tonic::Code {
+    match result {
+        Ok(v) => panic!("expected an error, got {v:?}"),
+        Err(status) => status.code(),
+    }
+}

@@ -1,0 +1,268 @@
+//! gRPC-web over plain HTTP/1.1 (hand-built frames on a TcpStream, as a
+//! browser's fetch would send them), CORS preflight, and reflection.
+
+use std::time::Duration;
+
+use prost::Message as _;
+use sessiond_proto::sessiond::v1 as pb;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpStream,
+};
+use tonic_reflection::pb::v1::{
+    ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+    server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+};
+
+use crate::support::*;
+
+struct HttpResponse {
+    status_line: String,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl HttpResponse {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// One HTTP/1.1 request on a fresh connection (`connection: close`).
+async fn http1(addr: &str, head: &str, body: &[u8]) -> HttpResponse {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream.write_all(body).await.unwrap();
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut raw))
+        .await
+        .unwrap()
+        .unwrap();
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().unwrap().to_owned();
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        .collect();
+    let mut body = raw[split + 4..].to_vec();
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    if chunked {
+        body = dechunk(&body);
+    }
+    HttpResponse {
+        status_line,
+        headers,
+        body,
+    }
+}
+
+fn dechunk(mut data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let line_end = data.windows(2).position(|w| w == b"\r\n").unwrap();
+        let size_text = String::from_utf8_lossy(&data[..line_end]);
+        let size = usize::from_str_radix(size_text.split(';').next().unwrap().trim(), 16).unwrap();
+        data = &data[line_end + 2..];
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&data[..size]);
+        data = &data[size + 2..];
+    }
+}
+
+/// gRPC-web frames: (flag, payload).
+fn frames(mut body: &[u8]) -> Vec<(u8, Vec<u8>)> {
+    let mut out = Vec::new();
+    while body.len() >= 5 {
+        let flag = body[0];
+        let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
+        out.push((flag, body[5..5 + len].to_vec()));
+        body = &body[5 + len..];
+    }
+    out
+}
+
+fn grpc_web_request(
+    addr: &str,
+    method: &str,
+    token: Option<&str>,
+    message: &[u8],
+) -> (String, Vec<u8>) {
+    let mut body = vec![0u8];
+    body.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    body.extend_from_slice(message);
+    let auth = token.map_or(String::new(), |t| format!("authorization: Bearer {t}\r\n"));
+    let head = format!(
+        "POST {method} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/grpc-web+proto\r\n\
+         x-grpc-web: 1\r\norigin: http://app.example\r\n{auth}content-length: {}\r\n\
+         connection: close\r\n\r\n",
+        body.len()
+    );
+    (head, body)
+}
+
+#[tokio::test]
+async fn grpc_web_call_over_http1_succeeds_with_cors_headers() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&dir.path().join("data"), &[]);
+
+    // A task created through gRPC-web, then listed through gRPC-web.
+    let create = pb::CreateTaskRequest {
+        title: "from the browser".into(),
+    }
+    .encode_to_vec();
+    let (head, body) = grpc_web_request(
+        &server.addr,
+        "/sessiond.v1.SessionService/CreateTask",
+        Some(TOKEN),
+        &create,
+    );
+    let r = http1(&server.addr, &head, &body).await;
+    assert!(
+        r.status_line.starts_with("HTTP/1.1 200"),
+        "{}",
+        r.status_line
+    );
+    assert!(
+        r.header("content-type")
+            .unwrap()
+            .starts_with("application/grpc-web"),
+        "{:?}",
+        r.headers
+    );
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("*"),
+        "{:?}",
+        r.headers
+    );
+    assert!(
+        r.header("access-control-expose-headers")
+            .unwrap()
+            .contains("grpc-status")
+    );
+    let f = frames(&r.body);
+    assert_eq!(f.len(), 2, "{f:?}");
+    assert_eq!(f[0].0, 0x00);
+    let created = pb::CreateTaskResponse::decode(f[0].1.as_slice())
+        .unwrap()
+        .task
+        .unwrap();
+    assert_eq!(created.title, "from the browser");
+    assert_eq!(f[1].0, 0x80);
+    let trailers = String::from_utf8_lossy(&f[1].1).to_lowercase();
+    assert!(trailers.contains("grpc-status:0"), "{trailers}");
+
+    let (head, body) = grpc_web_request(
+        &server.addr,
+        "/sessiond.v1.SessionService/ListTasks",
+        Some(TOKEN),
+        &pb::ListTasksRequest::default().encode_to_vec(),
+    );
+    let r = http1(&server.addr, &head, &body).await;
+    let f = frames(&r.body);
+    let listed = pb::ListTasksResponse::decode(f[0].1.as_slice()).unwrap();
+    assert_eq!(listed.tasks.len(), 1);
+    assert_eq!(listed.tasks[0].id, created.id);
+}
+
+#[tokio::test]
+async fn grpc_web_without_token_is_unauthenticated_and_preflight_needs_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&dir.path().join("data"), &[]);
+
+    let (head, body) = grpc_web_request(
+        &server.addr,
+        "/sessiond.v1.SessionService/ListTasks",
+        None,
+        &[],
+    );
+    let r = http1(&server.addr, &head, &body).await;
+    assert!(
+        r.status_line.starts_with("HTTP/1.1 200"),
+        "{}",
+        r.status_line
+    );
+    let in_headers = r.header("grpc-status").map(str::to_owned);
+    let in_trailers = frames(&r.body)
+        .into_iter()
+        .find(|(flag, _)| *flag == 0x80)
+        .map(|(_, t)| String::from_utf8_lossy(&t).to_lowercase());
+    assert!(
+        in_headers.as_deref() == Some("16")
+            || in_trailers
+                .as_deref()
+                .is_some_and(|t| t.contains("grpc-status:16")),
+        "{:?} {in_trailers:?}",
+        r.headers
+    );
+
+    let preflight = format!(
+        "OPTIONS /sessiond.v1.SessionService/ListTasks HTTP/1.1\r\nhost: {}\r\n\
+         origin: http://app.example\r\naccess-control-request-method: POST\r\n\
+         access-control-request-headers: authorization,content-type,x-grpc-web\r\n\
+         connection: close\r\n\r\n",
+        server.addr
+    );
+    let r = http1(&server.addr, &preflight, &[]).await;
+    assert!(
+        r.status_line.starts_with("HTTP/1.1 200"),
+        "{}",
+        r.status_line
+    );
+    assert_eq!(r.header("access-control-allow-origin"), Some("*"));
+    let allowed = r
+        .header("access-control-allow-headers")
+        .unwrap()
+        .to_lowercase();
+    assert!(allowed.contains("authorization"), "{allowed}");
+    assert!(
+        r.header("access-control-allow-methods")
+            .unwrap()
+            .contains("POST")
+    );
+}
+
+#[tokio::test]
+async fn reflection_lists_every_service() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&dir.path().join("data"), &[]);
+    let mut reflection = ServerReflectionClient::with_interceptor(
+        channel(&server.addr).await,
+        |mut req: tonic::Request<()>| {
+            req.metadata_mut()
+                .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+            Ok(req)
+        },
+    );
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut responses = reflection
+        .server_reflection_info(tokio_stream::iter([request]))
+        .await
+        .unwrap()
+        .into_inner();
+    let response = responses.message().await.unwrap().unwrap();
+    let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
+        panic!("unexpected reflection answer {response:?}");
+    };
+    let names: Vec<_> = list.service.into_iter().map(|s| s.name).collect();
+    for expected in [
+        "grpc.health.v1.Health",
+        "sessiond.v1.SessionService",
+        "sessiond.v1.WorkspaceService",
+        "grpc.reflection.v1.ServerReflection",
+    ] {
+        assert!(names.iter().any(|n| n == expected), "{expected}: {names:?}");
+    }
+}
