@@ -208,6 +208,8 @@ pub struct Recovered {
 /// with one exception: a standalone agentctl that is provably ours (pid *and*
 /// start time match the record) but fails `Health` is hung, and is terminated
 /// so that the launch that follows cannot make a second agentctl.
+// One value per recovery, moved once: boxing the handle would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum Probe {
     /// The recorded agentctl runs and proved its identity. `handle` is the

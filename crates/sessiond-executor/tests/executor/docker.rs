@@ -2,10 +2,14 @@
 //! `DOCKER_HOST` of the engine it started). With the switch set, an engine or
 //! image that is not there fails the test.
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::Mutex,
+    time::{Duration, Instant},
+};
 
+use sessiond_domain::ExecutorId;
 use sessiond_executor::{
-    Error, Executor, ExecutorHandle, RecoveryAction, Support,
+    Error, Executor, ExecutorHandle, LaunchSpec, Probe, RecoveryAction, Support,
     docker::{
         DockerConfig, DockerExecutor, LABEL_EXECUTOR_ID, LABEL_SESSION_ID, LABEL_TASK_ID,
         container_name,
@@ -19,6 +23,80 @@ struct Fixture {
     workspace: tempfile::TempDir,
     _run: tempfile::TempDir,
     driver: DockerExecutor,
+    /// Removes this test's containers when the fixture is dropped, also
+    /// while a failing test unwinds.
+    _guard: ContainerGuard,
+}
+
+impl Fixture {
+    /// A launch spec whose containers the guard will remove.
+    fn spec(&self) -> LaunchSpec {
+        let spec = spec(self.workspace.path());
+        self._guard.track(spec.executor_id);
+        spec
+    }
+}
+
+/// Removes every container labelled with a tracked executor id on drop.
+/// Drop cannot await, and the test's runtime may be unwinding, so it uses a
+/// thread with a runtime and an engine connection of its own.
+struct ContainerGuard {
+    host: String,
+    executors: Mutex<Vec<ExecutorId>>,
+}
+
+impl ContainerGuard {
+    fn track(&self, id: ExecutorId) {
+        self.executors
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(id);
+    }
+}
+
+impl Drop for ContainerGuard {
+    fn drop(&mut self) {
+        let ids = std::mem::take(
+            self.executors
+                .get_mut()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        if ids.is_empty() {
+            return;
+        }
+        let host = self.host.clone();
+        let cleanup = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("cleanup runtime");
+            rt.block_on(remove_labelled(&host, &ids))
+        });
+        match cleanup.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => eprintln!("removing test containers failed: {e}"),
+            Err(_) => eprintln!("removing test containers panicked"),
+        }
+    }
+}
+
+async fn remove_labelled(host: &str, ids: &[ExecutorId]) -> Result<(), Error> {
+    let config = DockerConfig::new(host, "unused", std::env::temp_dir());
+    let driver = DockerExecutor::connect(config).await?;
+    for id in ids {
+        for c in driver.containers_of(*id).await? {
+            let options = bollard::query_parameters::RemoveContainerOptions {
+                force: true,
+                ..Default::default()
+            };
+            driver
+                .docker()
+                .remove_container(&c, Some(options))
+                .await
+                .map_err(Error::from)?;
+        }
+    }
+    Ok(())
 }
 
 /// `None` when Docker tests are not asked for; panics when they are and the
@@ -53,6 +131,10 @@ async fn fixture() -> Option<Fixture> {
         workspace,
         _run: run,
         driver,
+        _guard: ContainerGuard {
+            host,
+            executors: Mutex::new(Vec::new()),
+        },
     })
 }
 
@@ -83,7 +165,7 @@ async fn cleanup(f: &Fixture, handle: &ExecutorHandle) {
 #[tokio::test]
 async fn launch_health_capabilities_stop() {
     let Some(f) = fixture().await else { return };
-    let spec = spec(f.workspace.path());
+    let spec = f.spec();
     let started = Instant::now();
     let handle = f.driver.launch(&spec).await.expect("launch");
     eprintln!("docker launch to healthy: {:?}", started.elapsed());
@@ -157,11 +239,7 @@ async fn launch_health_capabilities_stop() {
 #[tokio::test]
 async fn recover_running_container_reattaches() {
     let Some(f) = fixture().await else { return };
-    let handle = f
-        .driver
-        .launch(&spec(f.workspace.path()))
-        .await
-        .expect("launch");
+    let handle = f.driver.launch(&f.spec()).await.expect("launch");
     let started = Instant::now();
     let recovered = f.driver.recover(&handle).await.expect("recover");
     eprintln!("docker recover (running): {:?}", started.elapsed());
@@ -179,11 +257,7 @@ async fn recover_running_container_reattaches() {
 #[tokio::test]
 async fn recover_stopped_container_starts_it() {
     let Some(f) = fixture().await else { return };
-    let handle = f
-        .driver
-        .launch(&spec(f.workspace.path()))
-        .await
-        .expect("launch");
+    let handle = f.driver.launch(&f.spec()).await.expect("launch");
     f.driver.stop(&handle).await.expect("stop");
     let id = handle.container_id.clone().expect("id");
     assert_eq!(container_status(&f, &id).await, "exited");
@@ -196,6 +270,11 @@ async fn recover_stopped_container_starts_it() {
     );
     assert_eq!(recovered.action, RecoveryAction::Restarted);
     assert_eq!(recovered.handle.container_id, handle.container_id);
+    assert_eq!(
+        recovered.handle.generation,
+        handle.generation + 1,
+        "a restart is a new generation"
+    );
     assert_eq!(container_status(&f, &id).await, "running");
     f.driver
         .health(&recovered.handle)
@@ -207,11 +286,7 @@ async fn recover_stopped_container_starts_it() {
 #[tokio::test]
 async fn recover_removed_container_is_an_error() {
     let Some(f) = fixture().await else { return };
-    let handle = f
-        .driver
-        .launch(&spec(f.workspace.path()))
-        .await
-        .expect("launch");
+    let handle = f.driver.launch(&f.spec()).await.expect("launch");
     f.driver.remove(&handle).await.expect("remove");
     let err = f.driver.recover(&handle).await.expect_err("container gone");
     assert!(matches!(err, Error::ContainerMissing { .. }), "{err}");
@@ -221,7 +296,7 @@ async fn recover_removed_container_is_an_error() {
 #[tokio::test]
 async fn concurrent_launches_make_one_container() {
     let Some(f) = fixture().await else { return };
-    let spec = spec(f.workspace.path());
+    let spec = f.spec();
     let (a, b) = tokio::join!(f.driver.launch(&spec), f.driver.launch(&spec));
     let (a, b) = (a.expect("first launch"), b.expect("second launch"));
     assert_eq!(a.container_id, b.container_id);
@@ -238,4 +313,64 @@ async fn concurrent_launches_make_one_container() {
     f.driver.health(&a).await.expect("healthy");
     f.driver.health(&b).await.expect("healthy");
     cleanup(&f, &a).await;
+}
+
+#[tokio::test]
+async fn probe_starts_nothing_then_start_carries_the_new_generation() {
+    let Some(f) = fixture().await else { return };
+    let handle = f.driver.launch(&f.spec()).await.expect("launch");
+    let id = handle.container_id.clone().expect("id");
+    match f.driver.probe(&handle).await.expect("probe running") {
+        Probe::Reattachable { handle: h, .. } => assert_eq!(h, handle),
+        other => panic!("expected reattachable, got {other:?}"),
+    }
+
+    f.driver.stop(&handle).await.expect("stop");
+    let probe = f.driver.probe(&handle).await.expect("probe stopped");
+    assert!(matches!(probe, Probe::NeedsStart { .. }), "{probe:?}");
+    assert_eq!(
+        container_status(&f, &id).await,
+        "exited",
+        "probe started nothing"
+    );
+
+    // The caller persisted its intent with generation + 1; now the start.
+    let started = f
+        .driver
+        .start(&handle, handle.generation + 1)
+        .await
+        .expect("start");
+    assert_eq!(started.generation, handle.generation + 1);
+    assert_eq!(started.container_id, handle.container_id);
+    assert_eq!(container_status(&f, &id).await, "running");
+    f.driver
+        .health(&started)
+        .await
+        .expect("healthy after start");
+
+    f.driver.remove(&started).await.expect("remove");
+    let probe = f.driver.probe(&started).await.expect("probe removed");
+    assert!(matches!(probe, Probe::Missing { .. }), "{probe:?}");
+    cleanup(&f, &started).await;
+}
+
+/// A test that fails half-way still removes its containers: the guard in
+/// the fixture does it when the fixture is dropped during the unwind.
+#[tokio::test]
+async fn a_panicking_test_leaves_no_container() {
+    let Some(f) = fixture().await else { return };
+    let host = f._guard.host.clone();
+    let driver = f.driver.clone();
+    let spec = f.spec();
+    let executor_id = spec.executor_id;
+    let failed = tokio::spawn(async move {
+        let f = f;
+        f.driver.launch(&spec).await.expect("launch");
+        panic!("a test failing with its container running");
+    })
+    .await
+    .expect_err("the test task panicked");
+    assert!(failed.is_panic());
+    let left = driver.containers_of(executor_id).await.expect("list");
+    assert!(left.is_empty(), "containers left behind: {left:?} ({host})");
 }
