@@ -74,6 +74,15 @@ enum Command {
     Workspace(WorkspaceCmd),
     /// List the agent profiles the server knows.
     Profiles,
+    /// The server's health: NOT_SERVING until startup recovery is done.
+    Health {
+        /// Wait (up to --timeout-secs) until the server is SERVING; retries
+        /// while it is not reachable yet.
+        #[arg(long)]
+        wait: bool,
+        #[arg(long, default_value_t = 60)]
+        timeout_secs: u64,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -318,8 +327,12 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         json: cli.json,
         quiet: cli.quiet,
     };
+    if let Command::Health { wait, timeout_secs } = cli.command {
+        return health(&cli.addr, wait, Duration::from_secs(timeout_secs), &out).await;
+    }
     let mut c = Clients::connect(&cli.addr, cli.token.as_deref()).await?;
     match cli.command {
+        Command::Health { .. } => unreachable!("handled above"),
         Command::Task(cmd) => task(&mut c, &out, cmd).await?,
         Command::Session(cmd) => session(&mut c, &out, cmd).await?,
         Command::Send(args) => send(&mut c, &out, args).await?,
@@ -336,6 +349,53 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Health needs no token; with `wait`, connection failures are retried.
+async fn health(addr: &str, wait: bool, timeout: Duration, out: &Out) -> anyhow::Result<ExitCode> {
+    use tonic_health::pb::{
+        HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+    };
+    let addr = if addr.contains("://") {
+        addr.to_owned()
+    } else {
+        format!("http://{addr}")
+    };
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let status = match channel(&addr).await {
+            Ok(ch) => HealthClient::new(ch)
+                .check(HealthCheckRequest {
+                    service: String::new(),
+                })
+                .await
+                .map(|r| r.into_inner().status)
+                .map_err(anyhow::Error::from),
+            Err(e) => Err(e),
+        };
+        match status {
+            Ok(s) if s == ServingStatus::Serving as i32 || !wait => {
+                let name = ServingStatus::try_from(s)
+                    .map_or("UNKNOWN", |s| s.as_str_name())
+                    .to_owned();
+                if out.json {
+                    println!("{}", serde_json::json!({ "status": name }));
+                } else {
+                    println!("{name}");
+                }
+                return Ok(if s == ServingStatus::Serving as i32 {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::FAILURE
+                });
+            }
+            Err(e) if !wait => return Err(e),
+            _ if tokio::time::Instant::now() >= deadline => {
+                bail!("sessiond at {addr} was not SERVING within {timeout:?}")
+            }
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
 }
 
 async fn task(c: &mut Clients, out: &Out, cmd: TaskCmd) -> anyhow::Result<()> {

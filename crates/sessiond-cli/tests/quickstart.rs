@@ -1,0 +1,285 @@
+//! The README quickstart, step by step, through the `sessiond` and
+//! `sessionctl` binaries: start the server; create a task and a session with
+//! the demo agent; send a prompt; kill the server (SIGTERM, as `kill %1`);
+//! start it again; see the session resumed on its own and the conversation
+//! continue.
+//!
+//! The only differences from the README are environment: a private data
+//! directory and HOME, a free port instead of 50051 and no metrics endpoint,
+//! so the test runs beside others. Needs every binary built
+//! (`cargo build --bins`, as `cargo xtask ci` does).
+
+#![allow(clippy::unwrap_used)]
+
+use std::{
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+};
+
+struct Env {
+    home: tempfile::TempDir,
+    addr: String,
+    token: String,
+    task: Option<String>,
+}
+
+fn bin(name: &str) -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_BIN_EXE_sessionctl"))
+        .parent()
+        .unwrap()
+        .join(name);
+    assert!(
+        path.is_file(),
+        "{} not found: build every binary first (`cargo build --bins`)",
+        path.display()
+    );
+    path
+}
+
+impl Env {
+    fn new() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        Self {
+            home: tempfile::tempdir().unwrap(),
+            addr: format!("127.0.0.1:{port}"),
+            // As `od -An -N16 -tx1 /dev/urandom | tr -d ' \n'` would make.
+            token: uuid_like(),
+            task: None,
+        }
+    }
+
+    fn apply(&self, cmd: &mut Command) {
+        let path = format!(
+            "{}:{}",
+            bin("sessiond").parent().unwrap().display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        cmd.env("HOME", self.home.path())
+            .env("PATH", path)
+            .env_remove("XDG_DATA_HOME")
+            .env_remove("SESSIOND_CONFIG")
+            .env_remove("SESSIOND_DATABASE_URL")
+            .env("SESSIOND_LISTEN", &self.addr)
+            .env("SESSIOND_ADDR", &self.addr)
+            .env("SESSIOND_METRICS_LISTEN", "off")
+            .env("SESSIOND_TOKEN", &self.token)
+            .env("SESSIOND_LOG", "warn");
+        match &self.task {
+            Some(t) => cmd.env("SESSIOND_TASK", t),
+            None => cmd.env_remove("SESSIOND_TASK"),
+        };
+    }
+
+    /// `SESSIOND_API_TOKENS=$SESSIOND_TOKEN sessiond serve &`, until its
+    /// listening line.
+    fn serve(&self) -> Child {
+        let mut cmd = Command::new("sessiond");
+        self.apply(&mut cmd);
+        cmd.arg("serve")
+            .env("SESSIOND_API_TOKENS", &self.token)
+            .stdout(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), format!("sessiond listening on {}", self.addr));
+        child
+    }
+
+    fn sessionctl(&self, args: &[&str], cwd: &Path) -> String {
+        let mut cmd = Command::new("sessionctl");
+        self.apply(&mut cmd);
+        let Output {
+            status,
+            stdout,
+            stderr,
+        } = cmd.args(args).current_dir(cwd).output().unwrap();
+        let stdout = String::from_utf8_lossy(&stdout).into_owned();
+        assert!(
+            status.success(),
+            "sessionctl {args:?} failed: {}\n{stdout}",
+            String::from_utf8_lossy(&stderr)
+        );
+        stdout
+    }
+}
+
+fn uuid_like() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{:032x}", nanos ^ (u128::from(std::process::id()) << 64))
+}
+
+fn terminate(mut child: Child) {
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(child.wait().unwrap().success());
+}
+
+/// Every agentctl whose command line mentions `dir`, for cleanup.
+fn agentctls_under(dir: &Path) -> Vec<String> {
+    let needle = dir.display().to_string();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let pid = e.file_name().to_string_lossy().parse::<u32>().ok()?;
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            (cmd.contains("agentctl") && cmd.contains(&needle)).then(|| pid.to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn readme_quickstart_story() {
+    let mut env = Env::new();
+    let scratch = env.home.path().join("quickstart");
+    std::fs::create_dir_all(&scratch).unwrap();
+
+    // 1. Start the server and wait until it has recovered (nothing yet).
+    let server = env.serve();
+    env.sessionctl(&["health", "--wait"], &scratch);
+
+    // 2. A task and a session with the demo agent, in the scratch directory.
+    let task = env
+        .sessionctl(&["task", "create", "Try sessiond", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    env.task = Some(task.clone());
+    let session = env
+        .sessionctl(&["session", "create", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    assert_eq!(session.len(), 36, "{session:?}");
+
+    // 3. A prompt; the reply streams to stdout.
+    let reply = env.sessionctl(&["send", &session, "hello"], &scratch);
+    assert!(
+        reply.contains("turn 1") && reply.contains("you said \"hello\""),
+        "{reply}"
+    );
+
+    // 4. Kill the server; the agent keeps running.
+    terminate(server);
+    assert_eq!(agentctls_under(env.home.path()).len(), 1);
+
+    // 5. Start again: the session is back on its own.
+    let server = env.serve();
+    assert!(
+        env.sessionctl(&["health", "--wait"], &scratch)
+            .contains("SERVING")
+    );
+    let status = env.sessionctl(&["session", "status", &session], &scratch);
+    assert!(status.contains("WAITING_FOR_INPUT"), "{status}");
+    assert!(status.contains("executor          ready"), "{status}");
+    assert!(status.contains("agent running     true"), "{status}");
+
+    // 6. The conversation continues where it was.
+    let reply = env.sessionctl(&["send", &session, "are you still there?"], &scratch);
+    assert!(reply.contains("turn 2"), "{reply}");
+    let messages = env.sessionctl(&["messages", &session], &scratch);
+    assert_eq!(messages.lines().count(), 4, "{messages}");
+    assert!(messages.contains("[1] user: hello"), "{messages}");
+    assert!(messages.contains("[4] agent: turn 2"), "{messages}");
+
+    // --json output of the same data.
+    let json = env.sessionctl(&["--json", "session", "list"], &scratch);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["id"], session.as_str(), "{json}");
+    assert_eq!(v["state"], "WAITING_FOR_INPUT");
+
+    // Workspace access through the CLI.
+    std::fs::write(scratch.join("notes.txt"), "quickstart\n").unwrap();
+    let cat = env.sessionctl(&["workspace", "cat", &session, "notes.txt"], &scratch);
+    assert_eq!(cat, "quickstart\n");
+    let ls = env.sessionctl(&["workspace", "ls", &session], &scratch);
+    assert!(ls.contains("notes.txt"), "{ls}");
+    let out = env.sessionctl(
+        &["workspace", "exec", &session, "--", "echo", "hi"],
+        &scratch,
+    );
+    assert_eq!(out, "hi\n");
+
+    // Clean up: stop the session (its agentctl exits), then the server.
+    env.sessionctl(&["session", "stop", &session], &scratch);
+    terminate(server);
+    for pid in agentctls_under(env.home.path()) {
+        let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    }
+}
+
+#[test]
+fn watch_resumes_from_the_last_seq_after_the_server_restarts() {
+    let mut env = Env::new();
+    let scratch = env.home.path().join("w");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let server = env.serve();
+    env.sessionctl(&["health", "--wait"], &scratch);
+    let task = env
+        .sessionctl(&["task", "create", "watch", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    env.task = Some(task);
+    let session = env
+        .sessionctl(&["session", "create", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    env.sessionctl(&["send", &session, "one"], &scratch);
+
+    // A watcher that outlives a server restart.
+    let mut cmd = Command::new("sessionctl");
+    env.apply(&mut cmd);
+    let mut watcher = cmd
+        .args(["--json", "watch", "--session", &session])
+        .current_dir(&scratch)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::<i64>::new()));
+    let reader = {
+        let lines = lines.clone();
+        let stdout = watcher.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let v: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
+                lines.lock().unwrap().push(v["seq"].as_i64().unwrap());
+            }
+        })
+    };
+    std::thread::sleep(std::time::Duration::from_millis(800));
+    let before_restart = lines.lock().unwrap().len();
+    assert!(before_restart > 0);
+    terminate(server);
+    let server = env.serve();
+    env.sessionctl(&["health", "--wait"], &scratch);
+    env.sessionctl(&["send", &session, "two"], &scratch);
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let _ = watcher.kill();
+    let _ = watcher.wait();
+    reader.join().unwrap();
+    let seqs = lines.lock().unwrap().clone();
+    assert!(seqs.len() > before_restart + 3, "{seqs:?}");
+    assert_eq!(
+        seqs,
+        (1..=seqs.len() as i64).collect::<Vec<_>>(),
+        "no gap, no duplicate"
+    );
+
+    env.sessionctl(&["session", "stop", &session], &scratch);
+    terminate(server);
+    for pid in agentctls_under(env.home.path()) {
+        let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    }
+}
