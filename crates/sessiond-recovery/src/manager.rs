@@ -108,6 +108,7 @@ pub(crate) struct Inner {
     background: StdMutex<Vec<AbortHandle>>,
     pub retrying: StdMutex<HashSet<SessionId>>,
     next_op: AtomicU64,
+    pub liveness_started: std::sync::atomic::AtomicBool,
 }
 
 /// Runs sessions: create, message, stop; recovers them at startup; resumes
@@ -159,6 +160,7 @@ impl SessionManager {
                 background: StdMutex::default(),
                 retrying: StdMutex::default(),
                 next_op: AtomicU64::new(1),
+                liveness_started: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -323,6 +325,10 @@ impl SessionManager {
                 );
             }
         }
+    }
+
+    pub(crate) fn cache_view(&self) -> &StdMutex<HashMap<SessionId, Execution>> {
+        &self.inner.cache
     }
 
     pub(crate) fn cache_update(&self, session: SessionId, f: impl FnOnce(&mut Execution)) {

@@ -24,7 +24,7 @@ use sessiond_domain::{
     Observation, OutcomeLabel, Recovery, RecoveryInput, RecoveryOutcome, Runtime, Session,
     SessionId, SurvivingAgent, TaskEvent,
 };
-use sessiond_executor::{ExecutorHandle, RecoveryAction};
+use sessiond_executor::{ExecutorHandle, Probe};
 use sessiond_store::Changeset;
 
 use crate::{
@@ -72,8 +72,6 @@ struct Run {
     profile: AgentProfile,
     agent: SurvivingAgent,
     probe: Option<bool>,
-    /// Docker: what `recover` already did while the container was looked up.
-    docker: Option<ExecutorHandle>,
     started_as: ExecutorStatus,
 }
 
@@ -192,7 +190,6 @@ impl SessionManager {
             profile,
             agent: SurvivingAgent::None,
             probe: None,
-            docker: None,
         };
         let mut action = machine.start();
         loop {
@@ -263,23 +260,21 @@ impl SessionManager {
                 if timed_out {
                     return Ok(Observation::DeadlineExceeded);
                 }
-                // The trait offers no "find" without "start": `recover`
-                // starts a stopped container itself; the intent is written
-                // right after (see the crate docs).
+                // `probe` starts nothing, so the intent of a start is written
+                // before `start` (Action::StartContainer).
                 let driver = self.driver(run.record.runtime)?;
                 let handle = ExecutorHandle::from_record(&run.record);
-                match tokio::time::timeout(remaining, driver.recover(&handle)).await {
+                match tokio::time::timeout(remaining, driver.probe(&handle)).await {
                     Err(_) => Observation::DeadlineExceeded,
-                    Ok(Ok(recovered)) => {
-                        let restarted = recovered.action != RecoveryAction::Reattached;
-                        run.docker = Some(recovered.handle);
-                        if restarted {
-                            Observation::ContainerStopped
-                        } else {
-                            Observation::ContainerRunning
+                    Ok(Ok(Probe::Reattachable { handle: found, .. })) => {
+                        if found != handle {
+                            self.persist_handle(run, &found).await?;
                         }
+                        Observation::ContainerRunning
                     }
-                    Ok(Err(sessiond_executor::Error::ContainerMissing { .. })) => {
+                    Ok(Ok(Probe::NeedsStart { .. })) => Observation::ContainerStopped,
+                    Ok(Ok(Probe::Missing { .. } | Probe::NeedsLaunch { .. }))
+                    | Ok(Err(sessiond_executor::Error::ContainerMissing { .. })) => {
                         Observation::ContainerMissing
                     }
                     Ok(Err(e)) => Observation::DockerUnavailable {
@@ -289,15 +284,20 @@ impl SessionManager {
             }
             Action::StartContainer { generation, event } => {
                 self.write_intent(run, generation, event).await?;
-                match run.docker.take() {
-                    Some(mut handle) => {
-                        handle.generation = generation;
-                        self.persist_handle(run, &handle).await?;
+                if timed_out {
+                    return Ok(Observation::DeadlineExceeded);
+                }
+                let driver = self.driver(run.record.runtime)?;
+                let handle = ExecutorHandle::from_record(&run.record);
+                match tokio::time::timeout(remaining, driver.start(&handle, generation)).await {
+                    Err(_) => Observation::DeadlineExceeded,
+                    Ok(Err(e)) => Observation::ActionFailed {
+                        reason: e.to_string(),
+                    },
+                    Ok(Ok(started)) => {
+                        self.persist_handle(run, &started).await?;
                         Observation::Launched
                     }
-                    None => Observation::ActionFailed {
-                        reason: "the container was not started".into(),
-                    },
                 }
             }
             Action::HealthCheck => {
@@ -605,4 +605,96 @@ fn window_open(record: &ExecutorRecord, window: Duration, now: chrono::DateTime<
     let since = record.last_seen_at.unwrap_or(record.updated_at);
     let window = chrono::Duration::from_std(window).unwrap_or(chrono::Duration::MAX);
     since + window > now
+}
+
+impl SessionManager {
+    /// Starts the periodic liveness check of ready executors (every
+    /// `liveness_interval`, if set): a healthy one gets `last_seen_at`
+    /// updated (no event); one that stops answering goes `error` with a
+    /// `session.agentctl_error` event, and a live session goes ERROR.
+    /// `recover_all` calls it once recovery is done; calling it again is a
+    /// no-op.
+    pub fn start_liveness_checks(&self) {
+        let Some(every) = self.inner.config.liveness_interval else {
+            return;
+        };
+        if self
+            .inner
+            .liveness_started
+            .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            return;
+        }
+        let me = self.clone();
+        self.spawn_background(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let ready: Vec<ExecutorRecord> = crate::manager::lock(me.cache_view())
+                    .values()
+                    .filter(|e| e.record.status == ExecutorStatus::Ready)
+                    .map(|e| e.record.clone())
+                    .collect();
+                for record in ready {
+                    if let Err(e) = me.check_liveness(record).await {
+                        tracing::debug!(error = %e, "liveness check could not be recorded");
+                    }
+                }
+            }
+        });
+    }
+
+    async fn check_liveness(&self, record: ExecutorRecord) -> Result<()> {
+        let driver = self.driver(record.runtime)?;
+        let handle = ExecutorHandle::from_record(&record);
+        let health =
+            tokio::time::timeout(self.inner.config.executor_deadline, driver.health(&handle)).await;
+        let _guard = self.lock_session(record.session_id).await;
+        let current = self.inner.store.get_executor(record.id).await?;
+        if current.status != ExecutorStatus::Ready || current.generation != record.generation {
+            return Ok(());
+        }
+        let failure = match health {
+            Ok(Ok(_)) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(_) => Some("Health did not answer in time".to_owned()),
+        };
+        let mut next = current.clone();
+        let Some(reason) = failure else {
+            next.last_seen_at = Some(Utc::now());
+            self.commit(Changeset::new().update_executor(next)).await?;
+            return Ok(());
+        };
+        let message =
+            format!("agentctl stopped answering ({reason}); resume the session to try again");
+        next.status = ExecutorStatus::Error;
+        next.error_message = Some(message.clone());
+        let mut change = Changeset::new().update_executor(next).event(
+            record.session_id,
+            EventPayload::AgentctlError {
+                executor_id: record.id,
+                error_message: message.clone(),
+            },
+        );
+        let session = self.inner.store.get_session(record.session_id).await?;
+        if session.state.is_auto_resumable() {
+            let (s, ev) = crate::manager::transition(
+                &session,
+                sessiond_domain::SessionEvent::Failed,
+                Some(message),
+            )?;
+            change = change.update_session(s);
+            if let Some(ev) = ev {
+                change = change.event(record.session_id, ev);
+            }
+        }
+        self.commit(change).await?;
+        self.stop_pump(record.session_id);
+        self.cache_update(record.session_id, |e| {
+            e.agent = AgentProcessState::NotRunning
+        });
+        if record.runtime == Runtime::Remote {
+            self.spawn_reconnect(current);
+        }
+        Ok(())
+    }
 }

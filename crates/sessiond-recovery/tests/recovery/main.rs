@@ -9,6 +9,7 @@
 
 mod support;
 
+mod crash;
 mod events;
 mod lifecycle;
 mod remote;

@@ -174,13 +174,20 @@ impl World {
     }
 
     pub fn drivers(&self) -> Vec<Arc<dyn Executor>> {
+        drivers_in(self.dir.path())
+    }
+}
+
+/// The drivers of a world whose directory is `dir` (also for a child backend).
+pub fn drivers_in(dir: &Path) -> Vec<Arc<dyn Executor>> {
+    {
         let client = ClientConfig {
             connect_timeout: Duration::from_secs(1),
             call_timeout: Duration::from_secs(5),
             ..ClientConfig::default()
         };
-        let mut sc = StandaloneConfig::new(bin("agentctl"), self.path("run"));
-        sc.log_dir = Some(self.path("run"));
+        let mut sc = StandaloneConfig::new(bin("agentctl"), dir.join("run"));
+        sc.log_dir = Some(dir.join("run"));
         // A safety net: an agentctl a failed test leaves behind ends itself.
         sc.idle_timeout = Some(Duration::from_secs(300));
         sc.stop_grace = Duration::from_secs(2);
@@ -196,7 +203,9 @@ impl World {
             Arc::new(RemoteExecutor::new(rc)),
         ]
     }
+}
 
+impl World {
     pub fn manager(&self) -> SessionManager {
         self.manager_with(self.config())
     }
@@ -308,6 +317,15 @@ impl World {
         }
         mgr.shutdown();
         self.procs.assert_all_gone().await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.strays().is_empty() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let strays = self.strays();
+        assert!(
+            strays.is_empty(),
+            "untracked processes of this test left: {strays:?}"
+        );
     }
 }
 
@@ -322,6 +340,41 @@ fn placeholder_profile() -> AgentProfile {
         supports_session_resume: false,
         created_at: now,
         updated_at: now,
+    }
+}
+
+impl Drop for World {
+    /// A failed test may not have tracked everything it started: end every
+    /// agentctl and agent whose command line names this world's directory.
+    fn drop(&mut self) {
+        for pid in self.strays() {
+            kill9(pid);
+        }
+    }
+}
+
+impl World {
+    /// Running agentctl and agent processes whose command line names this
+    /// world's directory (so: started for this test).
+    pub fn strays(&self) -> Vec<u32> {
+        let marker = self.dir.path().display().to_string();
+        let mut out = Vec::new();
+        for e in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                continue;
+            };
+            let text = String::from_utf8_lossy(&cmdline);
+            if (text.contains("agentctl") || text.contains("acp-demo-agent"))
+                && text.contains(&marker)
+                && is_running(pid)
+            {
+                out.push(pid);
+            }
+        }
+        out
     }
 }
 
