@@ -138,6 +138,10 @@ impl SessionManager {
             Ok(d) => d,
             Err(e) => return Some(Err(e)),
         };
+        // Test-only crash point: the caller's intent row is committed, nothing
+        // is spawned yet (compiled only with the `failpoints` feature).
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("launch-after-intent");
         self.end_stray_agentctls(record).await;
         let spec = LaunchSpec {
             executor_id: record.id,
@@ -157,7 +161,12 @@ impl SessionManager {
         let d = driver.clone();
         let mut task = tokio::spawn(async move { d.launch(&spec).await });
         match tokio::time::timeout(limit, &mut task).await {
-            Ok(Ok(r)) => Some(r.map_err(Error::from)),
+            Ok(Ok(r)) => {
+                // Test-only crash point: agentctl runs, its handle is not saved.
+                #[cfg(feature = "failpoints")]
+                fail::fail_point!("launch-after-spawn");
+                Some(r.map_err(Error::from))
+            }
             Ok(Err(e)) => Some(Err(Error::Internal(format!("launch task failed: {e}")))),
             Err(_) => {
                 let executor_id = record.id;

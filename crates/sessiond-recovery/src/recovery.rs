@@ -284,6 +284,8 @@ impl SessionManager {
             }
             Action::StartContainer { generation, event } => {
                 self.write_intent(run, generation, event).await?;
+                #[cfg(feature = "failpoints")]
+                fail::fail_point!("launch-after-intent");
                 if timed_out {
                     return Ok(Observation::DeadlineExceeded);
                 }
@@ -295,6 +297,8 @@ impl SessionManager {
                         reason: e.to_string(),
                     },
                     Ok(Ok(started)) => {
+                        #[cfg(feature = "failpoints")]
+                        fail::fail_point!("launch-after-spawn");
                         self.persist_handle(run, &started).await?;
                         Observation::Launched
                     }
@@ -309,6 +313,10 @@ impl SessionManager {
                 match tokio::time::timeout(remaining, driver.health(&handle)).await {
                     Err(_) => Observation::DeadlineExceeded,
                     Ok(Ok(health)) => {
+                        // Test-only crash point: agentctl proved it is alive
+                        // and ours (a reattach), nothing of it is written yet.
+                        #[cfg(feature = "failpoints")]
+                        fail::fail_point!("recovery-after-reattach");
                         run.agent = surviving_agent(&health);
                         Observation::Healthy { agent: run.agent }
                     }
@@ -458,6 +466,10 @@ impl SessionManager {
             change = change.event(run.session.id, event);
         }
         let committed = self.commit(change).await?;
+        // Test-only crash point: executor `ready` is committed, the next step
+        // (agent resume, or the outcome) has not run.
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("recovery-after-ready");
         run.record = committed
             .executor
             .ok_or_else(|| Error::Internal("no executor".into()))?;

@@ -1,0 +1,161 @@
+//! The crash loop: 20 sessions across the runtimes, a child backend that
+//! recovers, creates the missing sessions and keeps every session busy
+//! (prompts, resumes of ERROR sessions), SIGKILLed at random intervals, then
+//! a clean start and the checks against the world.
+//!
+//! - `SESSIOND_CRASHLOOP_SECS`: how long backends are killed (`cargo xtask
+//!   ci` sets 45). Unset: a 10 s smoke run of the same test.
+//! - `SESSIOND_CRASHLOOP_SEED`: the seed of the kill schedule (printed;
+//!   set it to replay a failing run's schedule).
+//!
+//! Each backend lives 1.5-7.5 s (uniform, seeded). Every third backend is
+//! instead killed 0-400 ms after it printed `RECOVERING`, so kills land in
+//! the middle of startup recovery too; the test counts the kills that came
+//! before the backend finished recovering and requires at least one.
+
+use std::time::{Duration, Instant};
+
+use crate::world::{Mode, Rt, World};
+
+const SESSIONS: usize = 20;
+
+/// SplitMix64: a small seeded generator, enough for a kill schedule.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn between(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo + 1)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_loop_converges() {
+    let secs: u64 = std::env::var("SESSIOND_CRASHLOOP_SECS")
+        .ok()
+        .map(|s| s.parse().expect("SESSIOND_CRASHLOOP_SECS: seconds"))
+        .unwrap_or(10);
+    let seed: u64 = std::env::var("SESSIOND_CRASHLOOP_SEED")
+        .ok()
+        .map(|s| s.parse().expect("SESSIOND_CRASHLOOP_SEED: a u64"))
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    println!(
+        "crash loop: seed {seed} (replay with SESSIOND_CRASHLOOP_SEED={seed}), {secs} s of kills"
+    );
+    let mut rng = Rng(seed);
+
+    let w = World::new().await;
+    let runtimes = w.runtimes();
+    let mut plans = Vec::new();
+    for i in 0..SESSIONS {
+        let rt = runtimes[i % runtimes.len()];
+        let name = format!(
+            "{}-{i:02}",
+            match rt {
+                Rt::Standalone => "sa",
+                Rt::Docker => "dk",
+                Rt::Remote => "rm",
+            }
+        );
+        plans.push(w.plan(&name, rt).await);
+    }
+    let mix: Vec<String> = runtimes
+        .iter()
+        .map(|rt| {
+            format!(
+                "{rt:?}={}",
+                plans.iter().filter(|p| p.runtime == *rt).count()
+            )
+        })
+        .collect();
+    println!("crash loop: {SESSIONS} sessions: {}", mix.join(" "));
+
+    let started = Instant::now();
+    let (mut rounds, mut in_recovery, mut before_recovery) = (0u32, 0u32, 0u32);
+    let mut lifetimes = Vec::new();
+    while started.elapsed() < Duration::from_secs(secs) {
+        rounds += 1;
+        let mut c = w.spawn_child(
+            &format!("round-{rounds:03}"),
+            Mode::Loop {
+                plans: plans.clone(),
+            },
+            None,
+        );
+        let born = Instant::now();
+        if rounds % 3 == 0 {
+            // A kill aimed at recovery.
+            assert!(
+                c.wait_for("RECOVERING", Duration::from_secs(30)).await,
+                "backend {rounds} never started recovering\n{}",
+                c.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(rng.between(0, 400))).await;
+        } else {
+            tokio::time::sleep(Duration::from_millis(rng.between(1500, 7500))).await;
+        }
+        if !c.has("RECOVERING") {
+            before_recovery += 1;
+        } else if !c.has("RECOVERED") {
+            in_recovery += 1;
+        }
+        c.kill9();
+        lifetimes.push(born.elapsed());
+    }
+    let kills = rounds;
+    println!(
+        "crash loop: {rounds} backends, {kills} SIGKILLs in {:.1} s ({in_recovery} during recovery, {before_recovery} before it began), lifetimes {:.1}-{:.1} s",
+        started.elapsed().as_secs_f64(),
+        lifetimes.iter().min().unwrap().as_secs_f64(),
+        lifetimes.iter().max().unwrap().as_secs_f64(),
+    );
+    assert!(
+        in_recovery >= 1,
+        "no kill landed during recovery; seed {seed}"
+    );
+
+    // The clean start.
+    let mgr = w.manager().await;
+    let t = Instant::now();
+    let summary = mgr.recover_all().await.unwrap();
+    println!(
+        "crash loop: clean start recovered {} executors in {:.1} s: {:?}, {} failed",
+        summary.total,
+        t.elapsed().as_secs_f64(),
+        summary.counts,
+        summary.failed
+    );
+    assert_eq!(summary.failed, 0, "{summary:?}");
+    let sessions = w.sessions().await;
+    for s in &sessions {
+        assert_ne!(
+            s.state,
+            sessiond_domain::SessionState::Starting,
+            "left STARTING after the clean start: {s:?}"
+        );
+    }
+    w.settle(Duration::from_secs(60)).await;
+    let line = w.assert_converged(&mgr, false).await;
+    println!("crash loop: {} sessions converged: {line}", sessions.len());
+    let prompted = w.prompt_all(&mgr).await;
+    w.assert_converged(&mgr, false).await;
+    println!("crash loop: {prompted} conversations continued at the right turn");
+    assert!(
+        sessions.len() == SESSIONS,
+        "only {} of {SESSIONS} sessions were created in {secs} s (seed {seed})",
+        sessions.len()
+    );
+    w.cleanup(&mgr).await;
+}

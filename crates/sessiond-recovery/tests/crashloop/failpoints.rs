@@ -1,0 +1,172 @@
+//! One crash per failpoint: the child backend SIGKILLs itself at the point
+//! (the test asserts it got there), a clean backend starts on the same store
+//! and world, and the world must have converged (`World::assert_converged`,
+//! strict: no message may be left undelivered), with every conversation that
+//! existed before the crash continuing at the right turn.
+//!
+//! Sessions on every runtime: standalone, remote, and Docker when enabled.
+
+use std::time::Duration;
+
+use sessiond_domain::{ExecutorStatus, Runtime, Session, SessionState};
+
+use crate::world::{Mode, Rt, World};
+
+fn name(rt: Rt) -> &'static str {
+    match rt {
+        Rt::Standalone => "standalone",
+        Rt::Docker => "docker",
+        Rt::Remote => "remote",
+    }
+}
+
+/// One session per runtime, each with `messages` turns, created by a child
+/// backend that is then `kill -9`ed.
+async fn sessions_before_crash(w: &World, messages: usize) -> Vec<Session> {
+    let mut plans = Vec::new();
+    for rt in w.runtimes() {
+        plans.push(w.plan(name(rt), rt).await);
+    }
+    let mut c = w.spawn_child("setup", Mode::Create { plans, messages }, None);
+    let created = c.wait_for("CREATED", Duration::from_secs(120)).await;
+    if !created {
+        c.kill9();
+        panic!("the setup backend created no sessions\n{}", c.log_tail());
+    }
+    c.kill9();
+    let sessions = w.sessions().await;
+    for s in &sessions {
+        assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
+    }
+    sessions
+}
+
+/// Clean start after the crash, then the checks against the world; returns
+/// how many sessions answered a new prompt at the right turn.
+async fn restart_and_check(w: &World) -> usize {
+    let mgr = w.manager().await;
+    let summary = mgr.recover_all().await.unwrap();
+    eprintln!("clean start: {:?}", summary.counts);
+    for s in w.sessions().await {
+        assert_ne!(s.state, SessionState::Starting, "left STARTING: {s:?}");
+    }
+    w.settle(Duration::from_secs(30)).await;
+    let line = w.assert_converged(&mgr, true).await;
+    let prompted = w.prompt_all(&mgr).await;
+    w.assert_converged(&mgr, true).await;
+    eprintln!("converged: {line}; {prompted} conversations continued");
+    w.cleanup(&mgr).await;
+    prompted
+}
+
+/// A crash inside `create_session`, one child per runtime.
+async fn crash_in_create(fp: &str) {
+    let w = World::new().await;
+    for rt in w.runtimes() {
+        let plan = w.plan(name(rt), rt).await;
+        let mut c = w.spawn_child(
+            &format!("create-{}", name(rt)),
+            Mode::Create {
+                plans: vec![plan],
+                messages: 1,
+            },
+            Some(&format!("{fp}=kill")),
+        );
+        let status = c.wait_exit(Duration::from_secs(90)).await;
+        c.assert_killed_by_failpoint(status, fp);
+    }
+    let before = w.sessions().await;
+    assert_eq!(before.len(), w.runtimes().len());
+    for s in &before {
+        assert_eq!(s.state, SessionState::Starting, "the crash left {s:?}");
+    }
+    let mgr_check = w.manager().await;
+    let summary = mgr_check.recover_all().await.unwrap();
+    eprintln!("clean start: {:?}", summary.counts);
+    // The agent never opened a conversation: nothing to resume. The session
+    // is ERROR (never STARTING), its executor either runs (ready) or, for a
+    // container that was never created, is in error.
+    for s in w.sessions().await {
+        assert_eq!(s.state, SessionState::Error, "{s:?}");
+        let r = w.record(s.id).await.unwrap();
+        let expected = if fp == "launch-after-intent" && s.runtime == Runtime::LocalDocker {
+            ExecutorStatus::Error
+        } else {
+            ExecutorStatus::Ready
+        };
+        assert_eq!(r.status, expected, "{s:?} {r:?}");
+    }
+    let line = w.assert_converged(&mgr_check, true).await;
+    eprintln!("converged: {line}");
+    w.cleanup(&mgr_check).await;
+}
+
+/// A crash inside startup recovery; `kill_executors`: agentctls were killed
+/// (containers stopped) while the backend was down, so recovery relaunches.
+async fn crash_in_recovery(fp: &str, kill_executors: bool) {
+    let w = World::new().await;
+    let sessions = sessions_before_crash(&w, 2).await;
+    if kill_executors {
+        for s in &sessions {
+            w.kill_executor(s).await;
+        }
+    }
+    let mut c = w.spawn_child("recover", Mode::Recover, Some(&format!("{fp}=kill")));
+    let status = c.wait_exit(Duration::from_secs(90)).await;
+    c.assert_killed_by_failpoint(status, fp);
+    let prompted = restart_and_check(&w).await;
+    assert_eq!(
+        prompted,
+        sessions.len(),
+        "every conversation continues after the clean start"
+    );
+}
+
+/// Intent row written (session STARTING, executor `starting`), nothing
+/// spawned: recovery launches the one agentctl; the session, which has no
+/// conversation yet, goes ERROR.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn launch_after_intent_in_create() {
+    crash_in_create("launch-after-intent").await;
+}
+
+/// Relaunch intent written during recovery, nothing spawned: the next
+/// recovery launches exactly one agentctl (starts the container) and resumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn launch_after_intent_in_recovery() {
+    crash_in_recovery("launch-after-intent", true).await;
+}
+
+/// agentctl spawned (container created and started), its pid/container not
+/// saved: the next recovery ends the unrecorded agentctl (adopts the
+/// container by label) so one runs per session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn launch_after_spawn_in_create() {
+    crash_in_create("launch-after-spawn").await;
+}
+
+/// The same crash during a recovery relaunch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn launch_after_spawn_in_recovery() {
+    crash_in_recovery("launch-after-spawn", true).await;
+}
+
+/// agentctl proved alive and ours (reattach), nothing written: the next
+/// recovery reattaches to the same process, nothing is relaunched twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_after_reattach() {
+    crash_in_recovery("recovery-after-reattach", false).await;
+}
+
+/// Executor `ready` committed after a relaunch, agent not resumed yet: the
+/// next recovery reattaches to that agentctl and resumes the agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_after_ready_after_relaunch() {
+    crash_in_recovery("recovery-after-ready", true).await;
+}
+
+/// Executor `ready` committed on a reattach, outcome not written yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_after_ready_after_reattach() {
+    crash_in_recovery("recovery-after-ready", false).await;
+}

@@ -1,0 +1,1115 @@
+//! The world a crash test owns (store, directories, profiles, remote hosts,
+//! Docker), the child backend it runs, and the checks against the world.
+
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    io::{BufRead, BufReader},
+    os::unix::process::ExitStatusExt,
+    path::{Path, PathBuf},
+    process::{Command, ExitStatus, Stdio},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use bollard::query_parameters::{
+    InspectContainerOptions, ListContainersOptions, RemoveContainerOptions, StopContainerOptions,
+};
+use chrono::Utc;
+use serde::{Deserialize, Serialize};
+use sessiond_domain::{
+    AgentProfile, AgentProfileId, ExecutorId, ExecutorRecord, ExecutorStatus, MessageRole, Runtime,
+    Session, SessionId, SessionState, Task, TaskId, TaskState, Worktree,
+};
+use sessiond_executor::{
+    Backoff, ClientConfig, Executor,
+    docker::{DockerConfig, DockerExecutor, LABEL_SESSION_ID, LABEL_TASK_ID},
+    process,
+    remote::{RemoteConfig, RemoteExecutor},
+    standalone::{StandaloneConfig, StandaloneExecutor},
+};
+use sessiond_recovery::{ManagerConfig, NewSession, RemoteAgentctl, SessionManager};
+use sessiond_store::{Store, StoreOptions};
+
+pub const CHILD_ENV: &str = "SESSIOND_CRASHLOOP_CHILD";
+/// Metadata key naming a planned session, so a restarted backend knows it.
+pub const NAME_KEY: &str = "crashloop.name";
+pub const IMAGE: &str = "sessiond-agentctl:dev";
+
+/// target/<profile>/<name>, beside the directory of this test binary.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe.parent().and_then(Path::parent).unwrap().join(name);
+    assert!(
+        path.is_file(),
+        "{} not found: build it first with `cargo build -p agentctl -p acp-demo-agent`",
+        path.display()
+    );
+    path
+}
+
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "sessiond_recovery=info,sessiond_executor=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// What the child backend is told (JSON in [`CHILD_ENV`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ChildSpec {
+    pub db_url: String,
+    pub dir: PathBuf,
+    pub task: String,
+    pub local_profile: String,
+    pub docker_profile: Option<String>,
+    pub docker_host: Option<String>,
+    pub mode: Mode,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Mode {
+    /// Create these sessions (no recovery first) and send `messages` to each;
+    /// print `CRASHLOOP CREATED`, then wait to be killed.
+    Create { plans: Vec<Plan>, messages: usize },
+    /// Recover, print `CRASHLOOP RECOVERED`, wait to be killed.
+    Recover,
+    /// Recover, then keep the planned sessions alive and busy until killed.
+    Loop { plans: Vec<Plan> },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Plan {
+    pub name: String,
+    pub runtime: Rt,
+    pub remote: Option<RemoteSpec>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Rt {
+    Standalone,
+    Docker,
+    Remote,
+}
+
+impl Rt {
+    pub fn runtime(self) -> Runtime {
+        match self {
+            Rt::Standalone => Runtime::LocalStandalone,
+            Rt::Docker => Runtime::LocalDocker,
+            Rt::Remote => Runtime::Remote,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RemoteSpec {
+    pub executor_id: String,
+    pub url: String,
+    pub secret: String,
+}
+
+pub fn manager_config() -> ManagerConfig {
+    ManagerConfig {
+        executor_deadline: Duration::from_secs(10),
+        remote_retry_window: Duration::from_secs(120),
+        remote_backoff: Backoff {
+            initial: Duration::from_millis(100),
+            max: Duration::from_millis(800),
+        },
+        agent_initialize_timeout: Duration::from_secs(10),
+        agent_stop_grace: Duration::from_secs(2),
+        ..ManagerConfig::default()
+    }
+}
+
+/// The drivers of a world whose directory is `dir` (the parent's and the
+/// child's are the same).
+pub async fn drivers(dir: &Path, docker_host: Option<&str>) -> Vec<Arc<dyn Executor>> {
+    let client = ClientConfig {
+        connect_timeout: Duration::from_secs(1),
+        call_timeout: Duration::from_secs(5),
+        ..ClientConfig::default()
+    };
+    let mut sc = StandaloneConfig::new(bin("agentctl"), dir.join("run"));
+    sc.log_dir = Some(dir.join("run"));
+    // A safety net: an agentctl a failed test leaves behind ends itself.
+    sc.idle_timeout = Some(Duration::from_secs(300));
+    sc.stop_grace = Duration::from_secs(2);
+    sc.client = client.clone();
+    let rc = RemoteConfig {
+        client: client.clone(),
+        ready_deadline: Duration::from_secs(5),
+        stop_grace: Duration::from_secs(2),
+        ..RemoteConfig::default()
+    };
+    let mut out: Vec<Arc<dyn Executor>> = vec![
+        Arc::new(StandaloneExecutor::new(sc)),
+        Arc::new(RemoteExecutor::new(rc)),
+    ];
+    if let Some(host) = docker_host {
+        out.push(Arc::new(docker_driver(host, dir).await));
+    }
+    out
+}
+
+async fn docker_driver(host: &str, dir: &Path) -> DockerExecutor {
+    let mut dc = DockerConfig::new(host, IMAGE, dir.join("docker-run"));
+    dc.idle_timeout = Some(Duration::from_secs(300));
+    dc.stop_grace = Duration::from_secs(2);
+    dc.startup_timeout = Duration::from_secs(20);
+    dc.client = ClientConfig {
+        connect_timeout: Duration::from_secs(1),
+        call_timeout: Duration::from_secs(5),
+        ..ClientConfig::default()
+    };
+    DockerExecutor::connect(dc).await.unwrap_or_else(|e| {
+        panic!("SESSIOND_DOCKER_TESTS=1 but the engine at {host} is unusable: {e}")
+    })
+}
+
+/// The Docker engine, when `SESSIOND_DOCKER_TESTS=1`. With the switch set, a
+/// missing engine or image fails the test; without it Docker is left out.
+pub async fn docker_from_env(dir: &Path) -> Option<(String, DockerExecutor)> {
+    if std::env::var("SESSIOND_DOCKER_TESTS").as_deref() != Ok("1") {
+        eprintln!(
+            "crashloop: Docker sessions left out (set SESSIOND_DOCKER_TESTS=1 and DOCKER_HOST; `cargo xtask ci` does)"
+        );
+        return None;
+    }
+    let host =
+        std::env::var("DOCKER_HOST").unwrap_or_else(|_| "unix:///var/run/docker.sock".into());
+    let driver = docker_driver(&host, dir).await;
+    if let Err(e) = driver.docker().inspect_image(IMAGE).await {
+        panic!(
+            "SESSIOND_DOCKER_TESTS=1 but the image {IMAGE} is missing at {host} ({e}); build it with `cargo xtask docker-image`"
+        );
+    }
+    Some((host, driver))
+}
+
+/// An agentctl the test starts itself, standing for one a remote host runs.
+pub struct RemoteHost {
+    pub spec: RemoteSpec,
+    pub child: std::process::Child,
+}
+
+pub struct World {
+    pub dir: tempfile::TempDir,
+    pub db_url: String,
+    pub store: Store,
+    pub task: Task,
+    pub local_profile: AgentProfile,
+    pub docker_profile: Option<AgentProfile>,
+    pub docker: Option<(String, DockerExecutor)>,
+    pub remotes: Mutex<Vec<RemoteHost>>,
+}
+
+impl World {
+    pub async fn new() -> World {
+        init_tracing();
+        let dir = tempfile::tempdir().unwrap();
+        let db_url = format!("sqlite://{}", dir.path().join("sessiond.db").display());
+        let store = Store::connect(&db_url, StoreOptions::default())
+            .await
+            .unwrap();
+        let now = Utc::now();
+        let task = store
+            .create_task(&Task {
+                id: TaskId::new(),
+                title: "crash test".into(),
+                state: TaskState::Todo,
+                created_at: now,
+                updated_at: now,
+            })
+            .await
+            .unwrap();
+        let state_dir = dir.path().join("agent-state").display().to_string();
+        let local_profile = profile(
+            &store,
+            "demo-local",
+            bin("acp-demo-agent").display().to_string(),
+            state_dir,
+        )
+        .await;
+        let docker = docker_from_env(dir.path()).await;
+        let docker_profile = match docker {
+            Some(_) => Some(
+                profile(
+                    &store,
+                    "demo-docker",
+                    "/usr/local/bin/acp-demo-agent".into(),
+                    "/workspace/.acp-state".into(),
+                )
+                .await,
+            ),
+            None => None,
+        };
+        World {
+            dir,
+            db_url,
+            store,
+            task,
+            local_profile,
+            docker_profile,
+            docker,
+            remotes: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    pub fn has_docker(&self) -> bool {
+        self.docker.is_some()
+    }
+
+    pub fn docker_host(&self) -> Option<&str> {
+        self.docker.as_ref().map(|(h, _)| h.as_str())
+    }
+
+    pub fn worktree(&self, name: &str) -> Worktree {
+        let path = self.path(&format!("wt-{name}"));
+        std::fs::create_dir_all(&path).unwrap();
+        Worktree {
+            id: name.into(),
+            path: path.display().to_string(),
+            branch: format!("sessiond/{name}"),
+        }
+    }
+
+    pub async fn manager(&self) -> SessionManager {
+        SessionManager::new(
+            self.store.clone(),
+            drivers(self.dir.path(), self.docker_host()).await,
+            manager_config(),
+        )
+    }
+
+    /// A plan for a session named `name` on `rt`; for remote, starts its agentctl.
+    pub async fn plan(&self, name: &str, rt: Rt) -> Plan {
+        let wt = self.worktree(name);
+        let remote = match rt {
+            Rt::Remote => Some(self.start_remote(Path::new(&wt.path)).await),
+            _ => None,
+        };
+        Plan {
+            name: name.into(),
+            runtime: rt,
+            remote,
+        }
+    }
+
+    /// The runtimes this run covers, in order.
+    pub fn runtimes(&self) -> Vec<Rt> {
+        let mut v = vec![Rt::Standalone, Rt::Remote];
+        if self.has_docker() {
+            v.push(Rt::Docker);
+        }
+        v
+    }
+
+    async fn start_remote(&self, workspace: &Path) -> RemoteSpec {
+        let id = ExecutorId::new();
+        let secret = sessiond_executor::fresh_secret();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let port_file = self.path(&format!("remote-{id}.port"));
+        let log = std::fs::File::create(self.path(&format!("remote-{id}.log"))).unwrap();
+        let child = Command::new(bin("agentctl"))
+            .args(["--executor-id", &id.to_string()])
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .arg("--workspace")
+            .arg(workspace)
+            .arg("--port-file")
+            .arg(&port_file)
+            .args(["--idle-timeout", "300s"])
+            .env("AGENTCTL_SECRET", &secret)
+            .env("AGENTCTL_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !port_file.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "remote agentctl wrote no port file"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let spec = RemoteSpec {
+            executor_id: id.to_string(),
+            url: format!("http://127.0.0.1:{port}"),
+            secret,
+        };
+        self.remotes.lock().unwrap().push(RemoteHost {
+            spec: spec.clone(),
+            child,
+        });
+        spec
+    }
+
+    pub fn spec(&self, mode: Mode) -> ChildSpec {
+        ChildSpec {
+            db_url: self.db_url.clone(),
+            dir: self.dir.path().to_owned(),
+            task: self.task.id.to_string(),
+            local_profile: self.local_profile.id.to_string(),
+            docker_profile: self.docker_profile.as_ref().map(|p| p.id.to_string()),
+            docker_host: self.docker_host().map(str::to_owned),
+            mode,
+        }
+    }
+
+    /// Starts a child backend; its stderr goes to `<dir>/logs/<tag>.log`.
+    pub fn spawn_child(&self, tag: &str, mode: Mode, failpoints: Option<&str>) -> ChildBackend {
+        let logs = self.path("logs");
+        std::fs::create_dir_all(&logs).unwrap();
+        let log = logs.join(format!("{tag}.log"));
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args([
+            "--exact",
+            "child::child_backend",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, serde_json::to_string(&self.spec(mode)).unwrap())
+        .env_remove("FAILPOINTS")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap());
+        if let Some(fp) = failpoints {
+            cmd.env("FAILPOINTS", fp);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let lines = Arc::new(Mutex::new(Vec::<String>::new()));
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if line.starts_with("CRASHLOOP ") {
+                    sink.lock().unwrap().push(line);
+                }
+            }
+        });
+        ChildBackend {
+            child,
+            lines,
+            log,
+            tag: tag.into(),
+        }
+    }
+
+    pub async fn sessions(&self) -> Vec<Session> {
+        self.store.list_sessions(self.task.id).await.unwrap()
+    }
+
+    pub async fn record(&self, s: SessionId) -> Option<ExecutorRecord> {
+        self.store.get_executor_for_session(s).await.unwrap()
+    }
+
+    /// Kills the agentctl of a local session (and its agent) as a crash of
+    /// it would; Docker: stops the container.
+    pub async fn kill_executor(&self, s: &Session) {
+        let r = self.record(s.id).await.unwrap();
+        match r.runtime {
+            Runtime::LocalStandalone => {
+                let pid = r.pid.unwrap();
+                let kids = children_of(pid);
+                kill9(pid);
+                for k in kids {
+                    kill9(k);
+                }
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while is_running(pid) && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            Runtime::LocalDocker => {
+                let (_, d) = self.docker.as_ref().unwrap();
+                d.docker()
+                    .stop_container(
+                        r.container_id.as_deref().unwrap(),
+                        Some(StopContainerOptions {
+                            t: Some(1),
+                            ..Default::default()
+                        }),
+                    )
+                    .await
+                    .unwrap();
+            }
+            Runtime::Remote => {}
+        }
+    }
+
+    /// Removes what the test made: sessions (their executors), remote
+    /// agentctls, every container labelled with the task, stray processes.
+    pub async fn cleanup(&self, mgr: &SessionManager) {
+        for s in self.sessions().await {
+            let _ = mgr.delete_session(self.task.id, s.id).await;
+        }
+        mgr.shutdown();
+        for mut r in std::mem::take(&mut *self.remotes.lock().unwrap()) {
+            let kids = children_of(r.child.id());
+            let _ = r.child.kill();
+            let _ = r.child.wait();
+            for k in kids {
+                kill9(k);
+            }
+        }
+        self.remove_containers().await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.strays().is_empty() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let strays = self.strays();
+        assert!(strays.is_empty(), "processes of this test left: {strays:?}");
+    }
+
+    async fn remove_containers(&self) {
+        let Some((_, d)) = &self.docker else { return };
+        for id in self
+            .containers_labelled(LABEL_TASK_ID, &self.task.id.to_string())
+            .await
+        {
+            let _ = d
+                .docker()
+                .remove_container(
+                    &id.0,
+                    Some(RemoveContainerOptions {
+                        force: true,
+                        ..Default::default()
+                    }),
+                )
+                .await;
+        }
+    }
+
+    /// Containers (id, running) carrying `label=value`.
+    pub async fn containers_labelled(&self, label: &str, value: &str) -> Vec<(String, bool)> {
+        let Some((_, d)) = &self.docker else {
+            return Vec::new();
+        };
+        let filters = HashMap::from([("label".to_owned(), vec![format!("{label}={value}")])]);
+        let list = d
+            .docker()
+            .list_containers(Some(ListContainersOptions {
+                all: true,
+                filters: Some(filters),
+                ..Default::default()
+            }))
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        for c in list {
+            let Some(id) = c.id else { continue };
+            let running = d
+                .docker()
+                .inspect_container(&id, None::<InspectContainerOptions>)
+                .await
+                .ok()
+                .and_then(|i| i.state)
+                .and_then(|s| s.running)
+                .unwrap_or(false);
+            out.push((id, running));
+        }
+        out
+    }
+
+    /// agentctl and agent processes whose command line names this world's
+    /// directory (started for this test, host side).
+    pub fn strays(&self) -> Vec<u32> {
+        let marker = self.dir.path().display().to_string();
+        proc_cmdlines()
+            .into_iter()
+            .filter(|(pid, text)| {
+                (text.contains("agentctl") || text.contains("acp-demo-agent"))
+                    && text.contains(&marker)
+                    && is_running(*pid)
+            })
+            .map(|(pid, _)| pid)
+            .collect()
+    }
+
+    /// Where the demo agent keeps the transcript of conversation `token`.
+    fn transcript_path(&self, s: &Session, token: &str) -> PathBuf {
+        match s.runtime {
+            Runtime::LocalDocker => Path::new(&s.worktree.path)
+                .join(".acp-state")
+                .join(format!("{token}.json")),
+            _ => self.path("agent-state").join(format!("{token}.json")),
+        }
+    }
+
+    pub fn transcript(&self, s: &Session) -> Vec<(String, String)> {
+        let Some(token) = &s.resume_token else {
+            return Vec::new();
+        };
+        let Ok(text) = std::fs::read_to_string(self.transcript_path(s, token)) else {
+            return Vec::new();
+        };
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v["turns"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .iter()
+            .map(|t| {
+                (
+                    t["prompt"].as_str().unwrap_or_default().to_owned(),
+                    t["reply"].as_str().unwrap_or_default().to_owned(),
+                )
+            })
+            .collect()
+    }
+
+    /// Waits until no session is RUNNING or STARTING (turns in flight end).
+    pub async fn settle(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let busy: Vec<(SessionId, SessionState)> = self
+                .sessions()
+                .await
+                .into_iter()
+                .filter(|s| matches!(s.state, SessionState::Running | SessionState::Starting))
+                .map(|s| (s.id, s.state))
+                .collect();
+            if busy.is_empty() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "sessions did not settle within {within:?}: {busy:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The convergence checks, against the world. `strict`: every stored
+    /// user message was delivered (no crash fell between storing a message
+    /// and prompting the agent). Returns a one-line summary.
+    pub async fn assert_converged(&self, mgr: &SessionManager, strict: bool) -> String {
+        let mut failures = Vec::new();
+        let mut states: BTreeMap<String, usize> = BTreeMap::new();
+        let mut undelivered = 0usize;
+        let mut turns_total = 0usize;
+        let remote_ids: HashSet<String> = self
+            .remotes
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|r| r.spec.executor_id.clone())
+            .collect();
+        let cmdlines = proc_cmdlines();
+        for s in self.sessions().await {
+            let name = s.metadata.get(NAME_KEY).cloned().unwrap_or_default();
+            let who = format!("session {name} ({}, {})", s.id, s.runtime);
+            *states.entry(s.state.to_string()).or_default() += 1;
+            if s.state == SessionState::Starting {
+                failures.push(format!("{who} is left STARTING"));
+            }
+            // Executor against the world.
+            let Some(r) = self.record(s.id).await else {
+                failures.push(format!("{who} has no executor record"));
+                continue;
+            };
+            if r.status == ExecutorStatus::Starting {
+                failures.push(format!("{who}: executor left `starting`"));
+            }
+            let agentctls: Vec<u32> = cmdlines
+                .iter()
+                .filter(|(_, c)| {
+                    c.contains("agentctl") && c.contains(&format!("--executor-id {}", r.id))
+                })
+                .map(|(p, _)| *p)
+                .filter(|p| is_running(*p))
+                .collect();
+            let live = r.status == ExecutorStatus::Ready;
+            match r.runtime {
+                Runtime::LocalStandalone => {
+                    if live {
+                        if agentctls.len() != 1 {
+                            failures.push(format!(
+                                "{who}: {} agentctl processes, expected 1: {agentctls:?}",
+                                agentctls.len()
+                            ));
+                        }
+                        let same = matches!((r.pid, r.pid_start_time), (Some(p), Some(st)) if process::is_same_running(p, st));
+                        if !same {
+                            failures.push(format!(
+                                "{who}: the recorded agentctl (pid {:?}, start {:?}) does not run",
+                                r.pid, r.pid_start_time
+                            ));
+                        }
+                    } else if !agentctls.is_empty() {
+                        failures.push(format!(
+                            "{who}: executor {} but agentctls run: {agentctls:?}",
+                            r.status
+                        ));
+                    }
+                }
+                Runtime::LocalDocker => {
+                    let cs = self
+                        .containers_labelled(LABEL_SESSION_ID, &s.id.to_string())
+                        .await;
+                    if cs.len() > 1 {
+                        failures.push(format!("{who}: {} containers: {cs:?}", cs.len()));
+                    }
+                    if live {
+                        let ok = cs.len() == 1
+                            && cs[0].1
+                            && r.container_id.as_deref() == Some(cs[0].0.as_str());
+                        if !ok {
+                            failures.push(format!(
+                                "{who}: recorded container {:?} is not the one running: {cs:?}",
+                                r.container_id
+                            ));
+                        }
+                        if agentctls.len() != 1 {
+                            failures.push(format!(
+                                "{who}: {} agentctl processes in its container, expected 1",
+                                agentctls.len()
+                            ));
+                        }
+                    } else if cs.iter().any(|c| c.1) {
+                        failures.push(format!(
+                            "{who}: executor {} but its container runs",
+                            r.status
+                        ));
+                    }
+                }
+                Runtime::Remote => {
+                    if !remote_ids.contains(&r.id.to_string()) {
+                        failures.push(format!("{who}: not the remote host the test started"));
+                    }
+                    if agentctls.len() != 1 {
+                        failures.push(format!(
+                            "{who}: {} remote agentctls, expected the 1 the test started",
+                            agentctls.len()
+                        ));
+                    }
+                }
+            }
+            if live && r.runtime != Runtime::LocalDocker {
+                for a in &agentctls {
+                    let agents = children_of(*a)
+                        .into_iter()
+                        .filter(|k| is_running(*k))
+                        .count();
+                    if agents > 1 {
+                        failures.push(format!("{who}: agentctl {a} runs {agents} agents"));
+                    }
+                }
+            }
+            if live {
+                let status = mgr.session_status(self.task.id, s.id).await.unwrap();
+                if status.executor_status != Some(ExecutorStatus::Ready) {
+                    failures.push(format!(
+                        "{who}: status API says executor {:?}",
+                        status.executor_status
+                    ));
+                }
+            }
+
+            // Events: per-session seqs 1..n without a gap or a repeat.
+            let events = self.store.events_after(s.id, 0, 1_000_000).await.unwrap();
+            for (i, e) in events.iter().enumerate() {
+                if e.seq != i as i64 + 1 {
+                    failures.push(format!(
+                        "{who}: event #{i} has seq {} (seqs {:?})",
+                        e.seq,
+                        events.iter().map(|e| e.seq).collect::<Vec<_>>()
+                    ));
+                    break;
+                }
+            }
+
+            // Messages: the store against the agent's transcript.
+            let msgs = self.store.list_messages(s.id, 0, 100_000).await.unwrap();
+            let turns = self.transcript(&s);
+            turns_total += turns.len();
+            let mut seen = HashSet::new();
+            for m in msgs.iter().filter(|m| m.role == MessageRole::User) {
+                if !seen.insert(m.content.clone()) {
+                    failures.push(format!("{who}: user message {:?} stored twice", m.content));
+                }
+            }
+            let mut seen = HashSet::new();
+            for (p, _) in &turns {
+                if !seen.insert(p.clone()) {
+                    failures.push(format!("{who}: the agent got prompt {p:?} twice"));
+                }
+            }
+            // Walk the stored messages: each user message is followed by the
+            // agent's reply of its turn, or by nothing if it never reached
+            // the agent.
+            let mut t = 0usize;
+            let mut i = 0usize;
+            while i < msgs.len() {
+                let m = &msgs[i];
+                if m.role != MessageRole::User {
+                    if m.role == MessageRole::Agent {
+                        failures.push(format!(
+                            "{who}: agent message seq {} answers no delivered user message: {:?}",
+                            m.seq, m.content
+                        ));
+                    }
+                    i += 1;
+                    continue;
+                }
+                let reply = msgs.get(i + 1).filter(|n| n.role == MessageRole::Agent);
+                match turns.get(t) {
+                    Some((p, expected)) if *p == m.content => {
+                        match reply {
+                            Some(r) if r.complete && r.content == *expected => {}
+                            Some(r) => failures.push(format!(
+                                "{who}: stored reply to {p:?} is {:?} (complete: {}), the agent said {expected:?}",
+                                r.content, r.complete
+                            )),
+                            None => failures.push(format!(
+                                "{who}: the agent answered {p:?} but no reply is stored (lost)"
+                            )),
+                        }
+                        t += 1;
+                        i += if reply.is_some() { 2 } else { 1 };
+                    }
+                    _ => {
+                        undelivered += 1;
+                        if strict {
+                            failures.push(format!(
+                                "{who}: stored user message {:?} never reached the agent",
+                                m.content
+                            ));
+                        }
+                        if let Some(r) = reply {
+                            failures.push(format!(
+                                "{who}: undelivered {:?} has a stored reply {:?}",
+                                m.content, r.content
+                            ));
+                            i += 1;
+                        }
+                        i += 1;
+                    }
+                }
+            }
+            if t != turns.len() {
+                failures.push(format!(
+                    "{who}: the agent's transcript has {} turns, the store matches {t} of them (lost in the store): {:?}",
+                    turns.len(),
+                    &turns[t..]
+                ));
+            }
+        }
+        assert!(
+            failures.is_empty(),
+            "the world did not converge:\n  {}",
+            failures.join("\n  ")
+        );
+        format!(
+            "states {states:?}, {turns_total} agent turns matched, {undelivered} stored user messages never reached the agent"
+        )
+    }
+
+    /// Every session whose agent runs answers one more prompt, numbered after
+    /// its transcript: the conversation continues where the agent left it.
+    pub async fn prompt_all(&self, mgr: &SessionManager) -> usize {
+        let mut n = 0;
+        for s in self.sessions().await {
+            if s.state != SessionState::WaitingForInput {
+                continue;
+            }
+            let st = mgr.session_status(self.task.id, s.id).await.unwrap();
+            if !st.is_agent_running {
+                continue;
+            }
+            let before = self.transcript(&s).len();
+            let text = format!("after the crashes {}", s.id);
+            mgr.send_message(self.task.id, s.id, &text).await.unwrap();
+            self.settle(Duration::from_secs(30)).await;
+            let msgs = self.store.list_messages(s.id, 0, 100_000).await.unwrap();
+            let last = msgs.last().unwrap();
+            let token = s.resume_token.clone().unwrap();
+            assert_eq!(
+                last.content,
+                format!(
+                    "turn {} of session {token}: you said \"{text}\"",
+                    before + 1
+                ),
+                "session {} ({})",
+                s.id,
+                s.runtime
+            );
+            n += 1;
+        }
+        n
+    }
+}
+
+impl Drop for World {
+    /// A failed test may leave processes and containers: end every agentctl
+    /// and agent naming this world's directory, remove labelled containers.
+    fn drop(&mut self) {
+        for pid in self.strays() {
+            kill9(pid);
+        }
+        for r in self.remotes.get_mut().unwrap().iter_mut() {
+            let _ = r.child.kill();
+            let _ = r.child.wait();
+        }
+        if let Some((host, _)) = &self.docker {
+            let host = host.clone();
+            let task = self.task.id.to_string();
+            let _ = std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(async move {
+                    let d = bollard::Docker::connect_with_unix(
+                        host.trim_start_matches("unix://"),
+                        30,
+                        bollard::API_DEFAULT_VERSION,
+                    )?
+                    .negotiate_version()
+                    .await?;
+                    let filters = HashMap::from([(
+                        "label".to_owned(),
+                        vec![format!("{LABEL_TASK_ID}={task}")],
+                    )]);
+                    let list = d
+                        .list_containers(Some(ListContainersOptions {
+                            all: true,
+                            filters: Some(filters),
+                            ..Default::default()
+                        }))
+                        .await?;
+                    for c in list.into_iter().filter_map(|c| c.id) {
+                        let _ = d
+                            .remove_container(
+                                &c,
+                                Some(RemoveContainerOptions {
+                                    force: true,
+                                    ..Default::default()
+                                }),
+                            )
+                            .await;
+                    }
+                    Ok::<_, bollard::errors::Error>(())
+                })
+            })
+            .join();
+        }
+    }
+}
+
+async fn profile(store: &Store, name: &str, command: String, state_dir: String) -> AgentProfile {
+    let now = Utc::now();
+    store
+        .upsert_agent_profile(&AgentProfile {
+            id: AgentProfileId::new(),
+            name: name.into(),
+            command,
+            args: vec!["--state-dir".into(), state_dir],
+            env: BTreeMap::new(),
+            supports_session_resume: true,
+            created_at: now,
+            updated_at: now,
+        })
+        .await
+        .unwrap()
+}
+
+/// What `create_session` needs for `plan`.
+pub fn new_session(
+    task: TaskId,
+    local: AgentProfileId,
+    docker: Option<AgentProfileId>,
+    dir: &Path,
+    plan: &Plan,
+) -> NewSession {
+    let path = dir.join(format!("wt-{}", plan.name));
+    std::fs::create_dir_all(&path).unwrap();
+    NewSession {
+        task_id: task,
+        agent_profile_id: match plan.runtime {
+            Rt::Docker => docker.unwrap(),
+            _ => local,
+        },
+        runtime: plan.runtime.runtime(),
+        worktree: Worktree {
+            id: plan.name.clone(),
+            path: path.display().to_string(),
+            branch: format!("sessiond/{}", plan.name),
+        },
+        remote: plan.remote.as_ref().map(|r| RemoteAgentctl {
+            executor_id: r.executor_id.parse().unwrap(),
+            url: r.url.clone(),
+            auth_secret: r.secret.clone(),
+        }),
+        metadata: BTreeMap::from([(NAME_KEY.to_owned(), plan.name.clone())]),
+    }
+}
+
+/// A child backend and the marker lines it printed.
+pub struct ChildBackend {
+    pub child: std::process::Child,
+    lines: Arc<Mutex<Vec<String>>>,
+    pub log: PathBuf,
+    pub tag: String,
+}
+
+impl ChildBackend {
+    pub fn has(&self, marker: &str) -> bool {
+        self.lines
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.starts_with(&format!("CRASHLOOP {marker}")))
+    }
+
+    pub fn lines(&self) -> Vec<String> {
+        self.lines.lock().unwrap().clone()
+    }
+
+    /// Waits for `marker`; false when the child exited first or time ran out.
+    pub async fn wait_for(&mut self, marker: &str, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        loop {
+            if self.has(marker) {
+                return true;
+            }
+            if self.child.try_wait().unwrap().is_some() {
+                // Its last lines may still be in the pipe.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                return self.has(marker);
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits for the child to exit on its own (a failpoint killed it).
+    pub async fn wait_exit(&mut self, within: Duration) -> ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                return st;
+            }
+            if Instant::now() >= deadline {
+                self.kill9();
+                panic!(
+                    "child backend {} did not die within {within:?}; lines {:?}\n{}",
+                    self.tag,
+                    self.lines(),
+                    self.log_tail()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// `kill -9` of the backend. Panics when it had already exited on its own
+    /// (a panic in the child is a failure, not a crash we asked for).
+    pub fn kill9(&mut self) -> ExitStatus {
+        let early = self.child.try_wait().unwrap();
+        kill9(self.child.id());
+        let st = self.child.wait().unwrap();
+        if let Some(early) = early {
+            assert_eq!(
+                early.signal(),
+                Some(9),
+                "child backend {} exited on its own ({early}) before it was killed\n{}",
+                self.tag,
+                self.log_tail()
+            );
+        }
+        st
+    }
+
+    pub fn assert_killed_by_failpoint(&self, status: ExitStatus, name: &str) {
+        assert_eq!(
+            status.signal(),
+            Some(9),
+            "child backend {} ended with {status}, not SIGKILL\n{}",
+            self.tag,
+            self.log_tail()
+        );
+        assert!(
+            self.has(&format!("FAILPOINT {name}")),
+            "child backend {} died without hitting failpoint {name}: {:?}\n{}",
+            self.tag,
+            self.lines(),
+            self.log_tail()
+        );
+    }
+
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        let from = lines.len().saturating_sub(40);
+        format!(
+            "--- last lines of {} ---\n{}",
+            self.log.display(),
+            lines[from..].join("\n")
+        )
+    }
+}
+
+pub fn kill9(pid: u32) {
+    let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+}
+
+pub fn is_running(pid: u32) -> bool {
+    process::stat(pid).is_some_and(|s| s.is_running())
+}
+
+/// (pid, command line with spaces) of every process.
+pub fn proc_cmdlines() -> Vec<(u32, String)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        if let Ok(c) = std::fs::read(format!("/proc/{pid}/cmdline")) {
+            let text = String::from_utf8_lossy(&c).replace('\0', " ");
+            out.push((pid, text));
+        }
+    }
+    out
+}
+
+/// Direct children of `pid` (from /proc/*/stat field 4).
+pub fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(child) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
+            continue;
+        };
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+            continue;
+        };
+        if rest
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse::<u32>().ok())
+            == Some(pid)
+        {
+            out.push(child);
+        }
+    }
+    out
+}
