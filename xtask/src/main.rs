@@ -7,6 +7,7 @@
 //!   runs (installing `docker.io` when missing), with an image built offline.
 //! - `docker-image`: builds the `sessiond-agentctl:dev` image with no registry.
 //! - `docker-tests`: only the Docker executor tests, with an engine as in `ci`.
+//! - `bench`: the performance figures (see `bench.rs`); writes docs/PERFORMANCE.md.
 
 use std::{
     path::{Path, PathBuf},
@@ -16,6 +17,7 @@ use std::{
 
 use anyhow::{Context, bail};
 
+mod bench;
 mod docker;
 
 fn main() -> anyhow::Result<()> {
@@ -24,8 +26,16 @@ fn main() -> anyhow::Result<()> {
         Some("ci") => ci(),
         Some("docker-image") => docker_image(&args[1..]),
         Some("docker-tests") => docker_tests(),
+        Some("bench") => {
+            let root = workspace_root();
+            std::env::set_current_dir(&root)?;
+            ensure_system_packages()?;
+            bench::bench(&root, &args[1..])
+        }
         _ => {
-            eprintln!("usage: cargo xtask ci | docker-image [--tar <file>] | docker-tests");
+            eprintln!(
+                "usage: cargo xtask ci | docker-image [--tar <file>] | docker-tests | bench [--quick]"
+            );
             bail!("unknown or missing command {:?}", args.first());
         }
     }

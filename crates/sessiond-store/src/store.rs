@@ -423,6 +423,42 @@ impl Store {
         self.write(move |c| changeset::apply(c, change)).await
     }
 
+    /// Writes many independent [`Changeset`]s in one transaction: one
+    /// commit (one WAL sync, one round of lock traffic) for the lot. Each
+    /// changeset runs in its own savepoint, so one that fails (a stale
+    /// version, a missing row) is rolled back alone and reported in its slot
+    /// while the others are written. Events get their seqs as with
+    /// [`Store::commit`].
+    pub async fn commit_batch(&self, changes: Vec<Changeset>) -> Result<Vec<Result<Committed>>> {
+        if changes.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.write(move |c| {
+            let mut out = Vec::with_capacity(changes.len());
+            for change in changes {
+                if change.is_empty() {
+                    out.push(Ok(Committed::default()));
+                    continue;
+                }
+                c.batch_execute("SAVEPOINT batch_item")?;
+                match changeset::apply(c, change) {
+                    Ok(done) => {
+                        c.batch_execute("RELEASE SAVEPOINT batch_item")?;
+                        out.push(Ok(done));
+                    }
+                    Err(e) => {
+                        c.batch_execute(
+                            "ROLLBACK TO SAVEPOINT batch_item; RELEASE SAVEPOINT batch_item",
+                        )?;
+                        out.push(Err(e));
+                    }
+                }
+            }
+            Ok(out)
+        })
+        .await
+    }
+
     // ------------------------------------------------------------ messages & events
 
     /// Messages of a session with `seq > after_seq`, in seq order.

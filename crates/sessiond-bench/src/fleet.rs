@@ -1,0 +1,265 @@
+//! A bench-only agentctl "fleet": one process that answers for many
+//! executors. The bearer secret names the executor (`fleet.<executor id>`),
+//! so `Health` proves the identity the backend expects without any protocol
+//! change. Calls answer at once and deterministically: no agent runs until
+//! `LaunchAgent`, after which the agent is idle; `ResumeSession` accepts any
+//! token; `StreamUpdates` stays open and sends nothing.
+
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    pin::Pin,
+    sync::{Arc, Mutex},
+    time::Instant,
+};
+
+use futures::Stream;
+use sessiond_proto::agentctl::v1::{
+    self as pb,
+    agent_ctl_service_server::{AgentCtlService, AgentCtlServiceServer},
+};
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::{Request, Response, Status};
+
+/// The secret the fleet accepts for `executor_id`.
+pub fn secret_for(executor_id: &str) -> String {
+    format!("fleet.{executor_id}")
+}
+
+const SHARDS: usize = 64;
+
+#[derive(Clone)]
+pub struct Fleet {
+    started: Instant,
+    /// executor id -> agent launched, sharded to keep 64 concurrent callers apart.
+    agents: Arc<Vec<Mutex<HashMap<String, bool>>>>,
+}
+
+impl std::fmt::Debug for Fleet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fleet").finish_non_exhaustive()
+    }
+}
+
+impl Default for Fleet {
+    fn default() -> Self {
+        Self {
+            started: Instant::now(),
+            agents: Arc::new((0..SHARDS).map(|_| Mutex::default()).collect()),
+        }
+    }
+}
+
+type Res<T> = Result<Response<T>, Status>;
+
+impl Fleet {
+    fn identity<T>(req: &Request<T>) -> Result<String, Status> {
+        let header = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .ok_or_else(|| Status::unauthenticated("missing bearer secret"))?;
+        header
+            .strip_prefix("Bearer fleet.")
+            .map(str::to_owned)
+            .ok_or_else(|| Status::unauthenticated("unknown secret"))
+    }
+
+    fn shard(&self, id: &str) -> &Mutex<HashMap<String, bool>> {
+        let h = id.bytes().fold(0usize, |a, b| {
+            a.wrapping_mul(31).wrapping_add(usize::from(b))
+        });
+        &self.agents[h % SHARDS]
+    }
+
+    fn agent_running(&self, id: &str) -> bool {
+        self.shard(id)
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(id)
+            .copied()
+            .unwrap_or(false)
+    }
+
+    fn set_agent(&self, id: String, running: bool) {
+        let shard = self.shard(&id);
+        shard
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(id, running);
+    }
+}
+
+type UpdateStream = Pin<Box<dyn Stream<Item = Result<pb::AgentUpdate, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl AgentCtlService for Fleet {
+    async fn health(&self, req: Request<pb::HealthRequest>) -> Res<pb::HealthResponse> {
+        let id = Self::identity(&req)?;
+        let state = if self.agent_running(&id) {
+            pb::AgentState::Ready
+        } else {
+            pb::AgentState::None
+        };
+        Ok(Response::new(pb::HealthResponse {
+            executor_id: id,
+            agentctl_version: "fleet".into(),
+            agent_state: state as i32,
+            uptime_ms: self.started.elapsed().as_millis() as u64,
+            pid: std::process::id(),
+            instance_id: "fleet".into(),
+            ..Default::default()
+        }))
+    }
+
+    async fn capabilities(
+        &self,
+        req: Request<pb::CapabilitiesRequest>,
+    ) -> Res<pb::CapabilitiesResponse> {
+        let id = Self::identity(&req)?;
+        let resume = if self.agent_running(&id) {
+            pb::Capability::Supported
+        } else {
+            pb::Capability::Unknown
+        };
+        Ok(Response::new(pb::CapabilitiesResponse {
+            supports_session_resume: resume as i32,
+            supports_workspace_only: pb::Capability::Supported as i32,
+            profile_claims_session_resume: true,
+            agent_load_session: Some(true),
+        }))
+    }
+
+    async fn launch_agent(
+        &self,
+        req: Request<pb::LaunchAgentRequest>,
+    ) -> Res<pb::LaunchAgentResponse> {
+        let id = Self::identity(&req)?;
+        self.set_agent(id, true);
+        Ok(Response::new(pb::LaunchAgentResponse {
+            agent_pid: std::process::id(),
+            agent_name: "fleet-agent".into(),
+            agent_version: "1".into(),
+            agent_load_session: true,
+        }))
+    }
+
+    async fn new_session(
+        &self,
+        req: Request<pb::NewSessionRequest>,
+    ) -> Res<pb::NewSessionResponse> {
+        let id = Self::identity(&req)?;
+        Ok(Response::new(pb::NewSessionResponse {
+            resume_token: format!("conv-{id}"),
+        }))
+    }
+
+    async fn resume_session(
+        &self,
+        req: Request<pb::ResumeSessionRequest>,
+    ) -> Res<pb::ResumeSessionResponse> {
+        let id = Self::identity(&req)?;
+        if !self.agent_running(&id) {
+            return Err(Status::failed_precondition("no agent runs"));
+        }
+        Ok(Response::new(pb::ResumeSessionResponse {
+            resume_token: req.into_inner().resume_token,
+        }))
+    }
+
+    async fn prompt(&self, _req: Request<pb::PromptRequest>) -> Res<pb::PromptResponse> {
+        Err(Status::unimplemented("fleet: no prompts"))
+    }
+
+    async fn cancel(&self, req: Request<pb::CancelRequest>) -> Res<pb::CancelResponse> {
+        Self::identity(&req)?;
+        Ok(Response::new(pb::CancelResponse { cancelled: false }))
+    }
+
+    async fn stop_agent(&self, req: Request<pb::StopAgentRequest>) -> Res<pb::StopAgentResponse> {
+        let id = Self::identity(&req)?;
+        self.set_agent(id, false);
+        Ok(Response::new(pb::StopAgentResponse::default()))
+    }
+
+    type StreamUpdatesStream = UpdateStream;
+
+    async fn stream_updates(
+        &self,
+        req: Request<pb::StreamUpdatesRequest>,
+    ) -> Res<Self::StreamUpdatesStream> {
+        Self::identity(&req)?;
+        Ok(Response::new(Box::pin(futures::stream::pending())))
+    }
+
+    async fn exec(&self, _req: Request<pb::ExecRequest>) -> Res<pb::ExecResponse> {
+        Err(Status::unimplemented("fleet"))
+    }
+    async fn read_file(&self, _req: Request<pb::ReadFileRequest>) -> Res<pb::ReadFileResponse> {
+        Err(Status::unimplemented("fleet"))
+    }
+    async fn write_file(&self, _req: Request<pb::WriteFileRequest>) -> Res<pb::WriteFileResponse> {
+        Err(Status::unimplemented("fleet"))
+    }
+    async fn list_dir(&self, _req: Request<pb::ListDirRequest>) -> Res<pb::ListDirResponse> {
+        Err(Status::unimplemented("fleet"))
+    }
+    async fn git_status(&self, _req: Request<pb::GitStatusRequest>) -> Res<pb::GitStatusResponse> {
+        Err(Status::unimplemented("fleet"))
+    }
+    async fn git_diff(&self, _req: Request<pb::GitDiffRequest>) -> Res<pb::GitDiffResponse> {
+        Err(Status::unimplemented("fleet"))
+    }
+}
+
+/// Serves the fleet on `ports` loopback listeners (port 0 each); prints one
+/// `fleet listening on ADDR` line per listener, then serves until killed.
+pub async fn serve(ports: usize) -> anyhow::Result<()> {
+    let fleet = Fleet::default();
+    let mut addrs: Vec<SocketAddr> = Vec::new();
+    let mut tasks = Vec::new();
+    for _ in 0..ports.max(1) {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        addrs.push(listener.local_addr()?);
+        let svc = AgentCtlServiceServer::new(fleet.clone());
+        tasks.push(tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming(TcpListenerStream::new(listener)),
+        ));
+    }
+    {
+        use std::io::Write as _;
+        let mut out = std::io::stdout().lock();
+        for a in &addrs {
+            writeln!(out, "fleet listening on {a}")?;
+        }
+        out.flush()?;
+    }
+    for t in tasks {
+        t.await??;
+    }
+    Ok(())
+}
+
+/// A bare tonic unary server (the standard `grpc.health.v1` Check, which
+/// answers from a map): the yardstick for GetSessionStatus.
+pub async fn serve_echo() -> anyhow::Result<()> {
+    let (reporter, service) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    {
+        use std::io::Write as _;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "echo listening on {}", listener.local_addr()?)?;
+        out.flush()?;
+    }
+    tonic::transport::Server::builder()
+        .add_service(service)
+        .serve_with_incoming(TcpListenerStream::new(listener))
+        .await?;
+    Ok(())
+}

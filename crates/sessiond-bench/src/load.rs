@@ -1,0 +1,160 @@
+//! Closed-loop unary load: C clients, each on its own connection, call as
+//! fast as answers come for a fixed time; throughput and latency quantiles.
+
+use std::time::{Duration, Instant};
+
+use sessiond_proto::sessiond::v1::{
+    GetSessionStatusRequest, session_service_client::SessionServiceClient,
+};
+use tonic::transport::{Channel, Endpoint};
+use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+
+use crate::seed::Seeded;
+
+#[derive(Debug, Clone, Copy)]
+pub struct Load {
+    pub calls: u64,
+    pub errors: u64,
+    pub per_sec: f64,
+    pub p50: Duration,
+    pub p99: Duration,
+}
+
+pub fn quantile(sorted: &[Duration], q: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+async fn channel(addr: &str) -> anyhow::Result<Channel> {
+    Ok(Endpoint::from_shared(format!("http://{addr}"))?
+        .tcp_nodelay(true)
+        .connect()
+        .await?)
+}
+
+/// Runs `clients` loops of `call` for `duration` after a short warm-up.
+async fn run<F, Fut>(clients: usize, duration: Duration, make: F) -> anyhow::Result<Load>
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<(u64, Vec<Duration>)>> + Send + 'static,
+{
+    let mut tasks = Vec::new();
+    let started = Instant::now();
+    for i in 0..clients {
+        tasks.push(tokio::spawn(make(i)));
+    }
+    let mut lat = Vec::new();
+    let mut errors = 0;
+    for t in tasks {
+        let (e, l) = t.await??;
+        errors += e;
+        lat.extend(l);
+    }
+    let elapsed = started.elapsed().min(duration + Duration::from_secs(1));
+    lat.sort_unstable();
+    Ok(Load {
+        calls: lat.len() as u64,
+        errors,
+        per_sec: lat.len() as f64 / elapsed.as_secs_f64(),
+        p50: quantile(&lat, 0.50),
+        p99: quantile(&lat, 0.99),
+    })
+}
+
+/// GetSessionStatus against a `sessiond serve` at `addr`, over the seeded sessions.
+pub async fn status(
+    addr: &str,
+    sessions: &[Seeded],
+    clients: usize,
+    duration: Duration,
+) -> anyhow::Result<Load> {
+    let sessions: std::sync::Arc<[Seeded]> = sessions.into();
+    let mut channels = Vec::new();
+    for _ in 0..clients {
+        channels.push(channel(addr).await?);
+    }
+    run(clients, duration, move |i| {
+        let mut client = SessionServiceClient::new(channels[i].clone());
+        let sessions = sessions.clone();
+        async move {
+            let mut lat = Vec::with_capacity(100_000);
+            let mut errors = 0;
+            let mut k = i * 7919;
+            let end = Instant::now() + duration;
+            while Instant::now() < end {
+                k = k.wrapping_add(1);
+                let s = sessions[k % sessions.len()];
+                let t = Instant::now();
+                let r = client
+                    .get_session_status(GetSessionStatusRequest {
+                        task_id: s.task.to_string(),
+                        session_id: s.session.to_string(),
+                    })
+                    .await;
+                match r {
+                    Ok(_) => lat.push(t.elapsed()),
+                    Err(_) => errors += 1,
+                }
+            }
+            Ok((errors, lat))
+        }
+    })
+    .await
+}
+
+/// The bare unary yardstick: `grpc.health.v1.Health/Check` at `addr`.
+pub async fn echo(addr: &str, clients: usize, duration: Duration) -> anyhow::Result<Load> {
+    let mut channels = Vec::new();
+    for _ in 0..clients {
+        channels.push(channel(addr).await?);
+    }
+    run(clients, duration, move |i| {
+        let mut client = HealthClient::new(channels[i].clone());
+        async move {
+            let mut lat = Vec::with_capacity(100_000);
+            let mut errors = 0;
+            let end = Instant::now() + duration;
+            while Instant::now() < end {
+                let t = Instant::now();
+                match client
+                    .check(HealthCheckRequest {
+                        service: String::new(),
+                    })
+                    .await
+                {
+                    Ok(_) => lat.push(t.elapsed()),
+                    Err(_) => errors += 1,
+                }
+            }
+            Ok((errors, lat))
+        }
+    })
+    .await
+}
+
+/// Waits until the server at `addr` reports SERVING (startup recovery done).
+pub async fn wait_serving(addr: &str, limit: Duration) -> anyhow::Result<Duration> {
+    let started = Instant::now();
+    loop {
+        if let Ok(ch) = channel(addr).await {
+            let mut c = HealthClient::new(ch);
+            if let Ok(r) = c
+                .check(HealthCheckRequest {
+                    service: String::new(),
+                })
+                .await
+                && r.into_inner().status
+                    == tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+            {
+                return Ok(started.elapsed());
+            }
+        }
+        if started.elapsed() > limit {
+            anyhow::bail!("{addr} did not report SERVING within {limit:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,449 @@
+//! `sessiond-bench`: the figures of `cargo xtask bench` (issue 7).
+//!
+//! - Startup recovery of N remote executors (a bench-only agentctl fleet, see
+//!   `fleet.rs`) on SQLite and PostgreSQL, and of 100 standalone executors
+//!   (real agentctl + demo agent processes), each beside a baseline measured
+//!   in the same run (read the rows, one Health per executor at the same
+//!   concurrency, write the results in batches).
+//! - GetSessionStatus under concurrent clients against `sessiond serve`,
+//!   beside a bare tonic unary server measured the same way.
+//! - Event latency from commit to `watch_session` subscribers (1 and 1,000).
+//! - Peak RSS of `sessiond serve` with 10,000 recovered sessions.
+//!
+//! Prints a table and writes it into `docs/PERFORMANCE.md` between the
+//! `<!-- bench:begin -->` / `<!-- bench:end -->` markers.
+//!
+//! Subcommands `fleet` and `echo` are the child processes it starts itself.
+
+mod events;
+mod fleet;
+mod load;
+mod recovery;
+mod report;
+mod seed;
+mod standalone;
+
+use std::{
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::Context;
+use sessiond_domain::OutcomeLabel;
+use sessiond_recovery::SessionManager;
+
+use crate::{recovery::RecoveryRow, report::Report};
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    match args.first().map(String::as_str) {
+        Some("fleet") => {
+            let ports = args.get(1).and_then(|p| p.parse().ok()).unwrap_or(4);
+            rt.block_on(fleet::serve(ports))
+        }
+        Some("echo") => rt.block_on(fleet::serve_echo()),
+        _ => {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| "warn".into()),
+                )
+                .with_writer(std::io::stderr)
+                .try_init();
+            let opts = Opts::parse(&args)?;
+            rt.block_on(run(opts))
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Opts {
+    sizes: Vec<usize>,
+    postgres: bool,
+    standalone: usize,
+    rss_sessions: usize,
+    load_secs: u64,
+    out: Option<PathBuf>,
+    bin_dir: PathBuf,
+    command: String,
+}
+
+impl Opts {
+    fn parse(args: &[String]) -> anyhow::Result<Opts> {
+        let exe = std::env::current_exe()?;
+        let mut o = Opts {
+            sizes: vec![100, 1_000, 10_000],
+            postgres: true,
+            standalone: 100,
+            rss_sessions: 10_000,
+            load_secs: 5,
+            out: None,
+            bin_dir: exe.parent().map(Path::to_path_buf).unwrap_or_default(),
+            command: std::env::var("SESSIOND_BENCH_COMMAND")
+                .unwrap_or_else(|_| format!("sessiond-bench {}", args.join(" "))),
+        };
+        let mut it = args.iter();
+        while let Some(a) = it.next() {
+            let mut val = || it.next().cloned().context("missing value");
+            match a.as_str() {
+                "--quick" => {
+                    o.sizes = vec![100, 1_000];
+                    o.rss_sessions = 1_000;
+                    o.standalone = 10;
+                    o.load_secs = 2;
+                }
+                "--sizes" => {
+                    o.sizes = val()?
+                        .split(',')
+                        .map(|s| s.trim().replace('_', "").parse())
+                        .collect::<Result<_, _>>()?;
+                }
+                "--no-postgres" => o.postgres = false,
+                "--standalone" => o.standalone = val()?.parse()?,
+                "--rss-sessions" => o.rss_sessions = val()?.parse()?,
+                "--load-secs" => o.load_secs = val()?.parse()?,
+                "--out" => o.out = Some(PathBuf::from(val()?)).filter(|p| p != Path::new("-")),
+                "--bin-dir" => o.bin_dir = PathBuf::from(val()?),
+                other => anyhow::bail!(
+                    "unknown argument {other:?}; usage: sessiond-bench [--quick] [--sizes 100,1000] \
+                     [--no-postgres] [--standalone N] [--rss-sessions N] [--load-secs S] [--out FILE] [--bin-dir DIR]"
+                ),
+            }
+        }
+        Ok(o)
+    }
+}
+
+/// A child process this bench started; killed (by its own pid) on drop.
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl ChildGuard {
+    fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+/// Starts `cmd` and reads `lines` lines of its stdout, each ending in an address.
+fn spawn_with_addrs(
+    mut cmd: Command,
+    prefix: &str,
+    lines: usize,
+) -> anyhow::Result<(ChildGuard, Vec<String>)> {
+    cmd.stdout(Stdio::piped()).stdin(Stdio::null());
+    let mut child = ChildGuard(cmd.spawn().with_context(|| format!("starting {cmd:?}"))?);
+    let stdout = child.0.stdout.take().context("no stdout")?;
+    let mut reader = BufReader::new(stdout);
+    let mut addrs = Vec::new();
+    let mut line = String::new();
+    while addrs.len() < lines {
+        line.clear();
+        if reader.read_line(&mut line)? == 0 {
+            anyhow::bail!("{cmd:?} exited before printing its address");
+        }
+        if let Some(rest) = line.trim().strip_prefix(prefix) {
+            addrs.push(rest.trim().to_owned());
+        }
+    }
+    // Keep draining stdout so the child never blocks on a full pipe.
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        while reader.read_line(&mut sink).unwrap_or(0) > 0 {
+            sink.clear();
+        }
+    });
+    Ok((child, addrs))
+}
+
+/// One database per measurement: a SQLite file, or a new Postgres database.
+enum Db {
+    Sqlite(PathBuf),
+    Postgres { server: String, name: String },
+}
+
+impl Db {
+    fn url(&self) -> String {
+        match self {
+            Db::Sqlite(p) => format!("sqlite://{}", p.display()),
+            Db::Postgres { server, name } => {
+                sessiond_testkit::postgres::with_database(server, name)
+            }
+        }
+    }
+}
+
+impl Drop for Db {
+    fn drop(&mut self) {
+        if let Db::Postgres { server, name } = self {
+            let _ = sessiond_testkit::postgres::psql_command(
+                server,
+                &format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"),
+            );
+        }
+    }
+}
+
+fn new_db(kind: &str, dir: &Path, pg: Option<&str>) -> anyhow::Result<Db> {
+    let tag = uuid_tag();
+    Ok(match (kind, pg) {
+        ("postgres", Some(server)) => {
+            let name = format!("bench_{tag}");
+            sessiond_testkit::postgres::psql_command(
+                server,
+                &format!("CREATE DATABASE \"{name}\""),
+            )
+            .map_err(anyhow::Error::msg)?;
+            Db::Postgres {
+                server: server.to_owned(),
+                name,
+            }
+        }
+        _ => Db::Sqlite(dir.join(format!("bench-{tag}.sqlite3"))),
+    })
+}
+
+fn uuid_tag() -> String {
+    sessiond_domain::TaskId::new().to_string().replace('-', "")[..16].to_owned()
+}
+
+fn say(msg: impl AsRef<str>) {
+    eprintln!("bench: {}", msg.as_ref());
+}
+
+async fn run(opts: Opts) -> anyhow::Result<()> {
+    let total = Instant::now();
+    let dir = tempfile::Builder::new()
+        .prefix("sessiond-bench-")
+        .tempdir()?;
+    let exe = std::env::current_exe()?;
+    let mut report = Report::new(&opts.command);
+
+    // The fleet: one process answering for every remote executor, on 4 ports.
+    let mut fleet_cmd = Command::new(&exe);
+    fleet_cmd.args(["fleet", "4"]);
+    let (fleet, fleet_addrs) = spawn_with_addrs(fleet_cmd, "fleet listening on", 4)?;
+    let fleet_urls: Vec<String> = fleet_addrs.iter().map(|a| format!("http://{a}")).collect();
+    say(format!(
+        "fleet pid {} on {}",
+        fleet.pid(),
+        fleet_addrs.join(", ")
+    ));
+
+    // PostgreSQL: DATABASE_URL, else a throwaway cluster of our own.
+    let (pg_url, _cluster) = if !opts.postgres {
+        (None, None)
+    } else {
+        match std::env::var("DATABASE_URL") {
+            Ok(u) if !u.is_empty() => (Some(u), None),
+            _ => {
+                let c = tokio::task::spawn_blocking(sessiond_testkit::postgres::try_start_cluster)
+                    .await?
+                    .map_err(anyhow::Error::msg)
+                    .context("starting a throwaway PostgreSQL (set DATABASE_URL to use another)")?;
+                (Some(c.url().to_owned()), Some(c))
+            }
+        }
+    };
+
+    // 1. Startup recovery of remote executors.
+    let mut backends = vec!["sqlite"];
+    if pg_url.is_some() {
+        backends.push("postgres");
+    }
+    let mut rss_db: Option<(Db, Vec<seed::Seeded>)> = None;
+    for backend in &backends {
+        for &n in &opts.sizes {
+            let db = new_db(backend, dir.path(), pg_url.as_deref())?;
+            let url = db.url();
+            let t = Instant::now();
+            let seeded = {
+                let store = recovery::open(&url).await?;
+                let profile = seed::profile(&store).await?;
+                let s = seed::remote_sessions(&store, &profile, &fleet_urls, n).await?;
+                // Warm the page cache alike for both measurements.
+                store.load_recoverable_executors().await?;
+                s
+            };
+            say(format!(
+                "{backend} N={n}: seeded in {:.1}s",
+                t.elapsed().as_secs_f64()
+            ));
+            let [r, h, w] =
+                recovery::baseline(&url, recovery::manager_config().recovery_concurrency).await?;
+            let (took, outcomes) =
+                recovery::recover(&url, recovery::remote_drivers(), OutcomeLabel::Resumed, n)
+                    .await?;
+            let row = RecoveryRow {
+                label: format!("remote, {backend}"),
+                n,
+                recovery: took,
+                outcomes,
+                base_read: r,
+                base_health: h,
+                base_write: w,
+            };
+            say(report::recovery_line(&row));
+            report.recovery.push(row);
+            if *backend == "sqlite" && n == opts.rss_sessions {
+                rss_db = Some((db, seeded));
+            }
+        }
+    }
+
+    // 2. Standalone executors: real agentctl processes.
+    if opts.standalone > 0 {
+        let db = new_db("sqlite", dir.path(), None)?;
+        let url = db.url();
+        let sdir = dir.path().join("standalone");
+        std::fs::create_dir_all(&sdir)?;
+        let store = recovery::open(&url).await?;
+        let t = Instant::now();
+        let made = standalone::create(&store, &opts.bin_dir, &sdir, opts.standalone).await;
+        let result = async {
+            let made = made.as_ref().map_err(|e| anyhow::anyhow!("{e:#}"))?;
+            say(format!(
+                "standalone: {} sessions created in {:.1}s",
+                made.len(),
+                t.elapsed().as_secs_f64()
+            ));
+            let [r, h, w] =
+                recovery::baseline(&url, recovery::manager_config().recovery_concurrency).await?;
+            let (took, outcomes) = recovery::recover(
+                &url,
+                standalone::drivers(&opts.bin_dir, &sdir),
+                OutcomeLabel::Reattached,
+                made.len(),
+            )
+            .await?;
+            Ok::<_, anyhow::Error>(RecoveryRow {
+                label: "standalone (agentctl processes), sqlite".into(),
+                n: made.len(),
+                recovery: took,
+                outcomes,
+                base_read: r,
+                base_health: h,
+                base_write: w,
+            })
+        }
+        .await;
+        // Whatever happened: end every process this part started.
+        let created = match &made {
+            Ok(m) => m.clone(),
+            Err(_) => Vec::new(),
+        };
+        standalone::cleanup(&store, &opts.bin_dir, &sdir, &created).await;
+        let row = result?;
+        say(report::recovery_line(&row));
+        report.recovery.push(row);
+    }
+
+    // 3. `sessiond serve` over the 10,000-session SQLite database: peak RSS
+    //    after startup recovery, then GetSessionStatus under load.
+    let clients = 32;
+    let duration = Duration::from_secs(opts.load_secs);
+    if let Some((db, seeded)) = &rss_db {
+        let data = dir.path().join("sessiond-data");
+        let mut cmd = Command::new(opts.bin_dir.join("sessiond"));
+        cmd.args([
+            "serve",
+            "--database-url",
+            &db.url(),
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--insecure-no-auth", "--metrics-listen", "off"])
+        .arg("--data-dir")
+        .arg(&data)
+        .env("RUST_LOG", "warn")
+        .stderr(std::fs::File::create(dir.path().join("sessiond.log"))?);
+        let t = Instant::now();
+        let (server, addrs) = spawn_with_addrs(cmd, "sessiond listening on", 1)?;
+        let addr = addrs[0].clone();
+        let ready = load::wait_serving(&addr, Duration::from_secs(300)).await?;
+        let after_recovery = proc_status(server.pid())?;
+        say(format!(
+            "sessiond serve: {} sessions recovered, SERVING after {:.2}s (since spawn {:.2}s); VmHWM {} MiB",
+            seeded.len(),
+            ready.as_secs_f64(),
+            t.elapsed().as_secs_f64(),
+            after_recovery.0 / 1024
+        ));
+        let status = load::status(&addr, seeded, clients, duration).await?;
+        let after_load = proc_status(server.pid())?;
+        drop(server);
+
+        let mut echo_cmd = Command::new(&exe);
+        echo_cmd.arg("echo");
+        let (echo_child, echo_addrs) = spawn_with_addrs(echo_cmd, "echo listening on", 1)?;
+        let echo = load::echo(&echo_addrs[0], clients, duration).await?;
+        drop(echo_child);
+        report.rss = Some(report::Rss {
+            sessions: seeded.len(),
+            serving_after: ready,
+            hwm_after_recovery_kib: after_recovery.0,
+            rss_after_recovery_kib: after_recovery.1,
+            hwm_after_load_kib: after_load.0,
+        });
+        report.status = Some(report::StatusRow {
+            clients,
+            duration,
+            status,
+            echo,
+        });
+        say(report::status_line(
+            report.status.as_ref().context("status")?,
+        ));
+    }
+
+    // 4. Event latency, in process: commit -> watch_session subscribers.
+    {
+        let db = new_db("sqlite", dir.path(), None)?;
+        let store = recovery::open(&db.url()).await?;
+        let profile = seed::profile(&store).await?;
+        let s = seed::remote_sessions(&store, &profile, &fleet_urls, 1).await?[0];
+        let manager = SessionManager::new(store, Vec::new(), recovery::manager_config());
+        for (subs, events) in [(1usize, 300usize), (1_000, 100)] {
+            let l = events::latency(&manager, s, subs, events, Duration::from_millis(10)).await?;
+            say(report::latency_line(&l));
+            report.latency.push(l);
+        }
+        manager.shutdown();
+    }
+
+    drop(fleet);
+    report.total = total.elapsed();
+    let text = report.render();
+    #[allow(clippy::print_stdout)]
+    {
+        println!("{text}");
+    }
+    if let Some(out) = &opts.out {
+        report::write_into(out, &text)?;
+        say(format!("wrote {}", out.display()));
+    }
+    Ok(())
+}
+
+/// (VmHWM, VmRSS) of a process, in KiB.
+fn proc_status(pid: u32) -> anyhow::Result<(u64, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    Ok((field("VmHWM:"), field("VmRSS:")))
+}

@@ -1,0 +1,152 @@
+//! Startup recovery at scale, beside its baseline measured in the same run.
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use chrono::Utc;
+use futures::StreamExt;
+use sessiond_domain::OutcomeLabel;
+use sessiond_executor::{
+    AgentctlClient, Backoff, ClientConfig, Executor,
+    remote::{RemoteConfig, RemoteExecutor},
+};
+use sessiond_recovery::{ManagerConfig, SessionManager};
+use sessiond_store::{Changeset, Store, StoreOptions};
+
+/// One recovery figure and its baseline.
+#[derive(Debug, Clone)]
+pub struct RecoveryRow {
+    pub label: String,
+    pub n: usize,
+    pub recovery: Duration,
+    pub outcomes: String,
+    pub base_read: Duration,
+    pub base_health: Duration,
+    pub base_write: Duration,
+}
+
+impl RecoveryRow {
+    pub fn baseline(&self) -> Duration {
+        self.base_read + self.base_health + self.base_write
+    }
+
+    pub fn ratio(&self) -> f64 {
+        self.recovery.as_secs_f64() / self.baseline().as_secs_f64().max(1e-9)
+    }
+}
+
+pub fn client_config() -> ClientConfig {
+    ClientConfig {
+        connect_timeout: Duration::from_secs(5),
+        call_timeout: Duration::from_secs(10),
+        ..ClientConfig::default()
+    }
+}
+
+pub fn manager_config() -> ManagerConfig {
+    ManagerConfig {
+        executor_deadline: Duration::from_secs(20),
+        liveness_interval: None,
+        ..ManagerConfig::default()
+    }
+}
+
+pub fn remote_driver() -> Arc<dyn Executor> {
+    Arc::new(RemoteExecutor::new(RemoteConfig {
+        client: client_config(),
+        backoff: Backoff::default(),
+        ready_deadline: Duration::from_secs(10),
+        ..RemoteConfig::default()
+    }))
+}
+
+pub async fn open(url: &str) -> anyhow::Result<Store> {
+    Ok(Store::connect(url, StoreOptions::default()).await?)
+}
+
+/// The bare cost recovery cannot avoid: read the rows, one `Health` per
+/// executor at the recovery's concurrency (one connection each, as every
+/// executor has its own address and secret), write the results in batches.
+pub async fn baseline(url: &str, concurrency: usize) -> anyhow::Result<[Duration; 3]> {
+    let store = open(url).await?;
+    let t0 = Instant::now();
+    let rows = store.load_recoverable_executors().await?;
+    let read = t0.elapsed();
+
+    let t1 = Instant::now();
+    let config = client_config();
+    let healthy: Vec<_> = futures::stream::iter(rows)
+        .map(|r| {
+            let config = config.clone();
+            async move {
+                let client = AgentctlClient::new(
+                    r.agentctl_url.as_deref().unwrap_or_default(),
+                    &r.auth_secret,
+                    &config,
+                )?;
+                client.verify_identity(r.id).await?;
+                Ok::<_, anyhow::Error>(r)
+            }
+        })
+        .buffer_unordered(concurrency)
+        .collect()
+        .await;
+    let health = t1.elapsed();
+    let rows = healthy.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+
+    let t2 = Instant::now();
+    let now = Utc::now();
+    for chunk in rows.chunks(500) {
+        let batch = chunk
+            .iter()
+            .map(|r| {
+                let mut r = r.clone();
+                r.last_seen_at = Some(now);
+                Changeset::new().update_executor(r)
+            })
+            .collect();
+        for r in store.commit_batch(batch).await? {
+            r?;
+        }
+    }
+    let write = t2.elapsed();
+    Ok([read, health, write])
+}
+
+/// A "restart": a fresh store pool and manager; times `recover_all`.
+pub async fn recover(
+    url: &str,
+    drivers: Vec<Arc<dyn Executor>>,
+    expect: OutcomeLabel,
+    n: usize,
+) -> anyhow::Result<(Duration, String)> {
+    let store = open(url).await?;
+    let manager = SessionManager::new(store, drivers, manager_config());
+    let t = Instant::now();
+    let summary = manager.recover_all().await?;
+    let took = t.elapsed();
+    manager.shutdown();
+    let outcomes = summary
+        .counts
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    if summary.count(expect) != n || summary.failed > 0 {
+        let first_error = summary
+            .outcomes
+            .iter()
+            .find_map(|(_, o)| o.as_ref().err().cloned());
+        anyhow::bail!(
+            "recovery of {n} executors: expected {n} {expect}, got {outcomes} (failed {}; first error {first_error:?})",
+            summary.failed
+        );
+    }
+    Ok((took, outcomes))
+}
+
+pub fn remote_drivers() -> Vec<Arc<dyn Executor>> {
+    vec![remote_driver()]
+}

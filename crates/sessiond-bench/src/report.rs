@@ -1,0 +1,305 @@
+//! The table: printed, and written into docs/PERFORMANCE.md between markers.
+
+use std::{fmt::Write as _, path::Path, time::Duration};
+
+use crate::{events::Latency, load::Load, recovery::RecoveryRow};
+
+pub const BEGIN: &str = "<!-- bench:begin -->";
+pub const END: &str = "<!-- bench:end -->";
+
+#[derive(Debug, Clone, Copy)]
+pub struct Rss {
+    pub sessions: usize,
+    pub serving_after: Duration,
+    pub hwm_after_recovery_kib: u64,
+    pub rss_after_recovery_kib: u64,
+    pub hwm_after_load_kib: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct StatusRow {
+    pub clients: usize,
+    pub duration: Duration,
+    pub status: Load,
+    pub echo: Load,
+}
+
+#[derive(Debug)]
+pub struct Report {
+    command: String,
+    pub recovery: Vec<RecoveryRow>,
+    pub status: Option<StatusRow>,
+    pub latency: Vec<Latency>,
+    pub rss: Option<Rss>,
+    pub total: Duration,
+}
+
+fn ms(d: Duration) -> String {
+    let ms = d.as_secs_f64() * 1e3;
+    if ms >= 100.0 {
+        format!("{ms:.0} ms")
+    } else if ms >= 10.0 {
+        format!("{ms:.1} ms")
+    } else {
+        format!("{ms:.2} ms")
+    }
+}
+
+fn mib(kib: u64) -> String {
+    format!("{:.1} MiB", kib as f64 / 1024.0)
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok { "met" } else { "**missed**" }
+}
+
+pub fn recovery_line(r: &RecoveryRow) -> String {
+    format!(
+        "recovery {} N={}: {} vs baseline {} (read {} + health {} + write {}) = {:.2}x [{}]",
+        r.label,
+        r.n,
+        ms(r.recovery),
+        ms(r.baseline()),
+        ms(r.base_read),
+        ms(r.base_health),
+        ms(r.base_write),
+        r.ratio(),
+        r.outcomes
+    )
+}
+
+pub fn status_line(s: &StatusRow) -> String {
+    format!(
+        "GetSessionStatus {:.0}/s p50 {} p99 {} vs echo {:.0}/s p50 {} p99 {} = {:.2}x",
+        s.status.per_sec,
+        ms(s.status.p50),
+        ms(s.status.p99),
+        s.echo.per_sec,
+        ms(s.echo.p50),
+        ms(s.echo.p99),
+        s.status.per_sec / s.echo.per_sec.max(1e-9)
+    )
+}
+
+pub fn latency_line(l: &Latency) -> String {
+    format!(
+        "event latency, {} subscriber(s), {} events: p50 {} p99 {} max {}",
+        l.subscribers,
+        l.events,
+        ms(l.p50),
+        ms(l.p99),
+        ms(l.max)
+    )
+}
+
+fn machine() -> String {
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned())
+        .unwrap_or_else(|| "unknown".into());
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let mem_kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    format!(
+        "{cpus} CPUs (nproc), {model}, {:.1} GiB memory, {}",
+        mem_kib as f64 / 1024.0 / 1024.0,
+        std::env::consts::ARCH
+    )
+}
+
+impl Report {
+    pub fn new(command: &str) -> Self {
+        Self {
+            command: command.to_owned(),
+            recovery: Vec::new(),
+            status: None,
+            latency: Vec::new(),
+            rss: None,
+            total: Duration::ZERO,
+        }
+    }
+
+    pub fn render(&self) -> String {
+        let mut o = String::new();
+        let _ = writeln!(o, "- Machine: {}", machine());
+        let _ = writeln!(
+            o,
+            "- Date: {}",
+            chrono::Utc::now().format("%Y-%m-%d %H:%M UTC")
+        );
+        let _ = writeln!(o, "- Command: `{}` (release build)", self.command);
+        let _ = writeln!(o, "- Bench wall time: {:.0} s", self.total.as_secs_f64());
+        let _ = writeln!(o);
+        let _ = writeln!(
+            o,
+            "### Startup recovery (`SessionManager::recover_all` on a fresh manager)"
+        );
+        let _ = writeln!(o);
+        let _ = writeln!(
+            o,
+            "| executors | N | recovery | baseline (read + health + write) | ratio | outcomes |"
+        );
+        let _ = writeln!(o, "|---|---:|---:|---|---:|---|");
+        for r in &self.recovery {
+            let _ = writeln!(
+                o,
+                "| {} | {} | {} | {} ({} + {} + {}) | {:.2}x | {} |",
+                r.label,
+                r.n,
+                ms(r.recovery),
+                ms(r.baseline()),
+                ms(r.base_read),
+                ms(r.base_health),
+                ms(r.base_write),
+                r.ratio(),
+                r.outcomes
+            );
+        }
+        let _ = writeln!(o);
+        if let Some(s) = &self.status {
+            let _ = writeln!(
+                o,
+                "### GetSessionStatus ({} concurrent clients, one connection each, {} s closed loop)",
+                s.clients,
+                s.duration.as_secs()
+            );
+            let _ = writeln!(o);
+            let _ = writeln!(o, "| server | calls | calls/s | p50 | p99 | errors |");
+            let _ = writeln!(o, "|---|---:|---:|---:|---:|---:|");
+            for (name, l) in [
+                (
+                    "`sessiond serve` GetSessionStatus (10k sessions)",
+                    &s.status,
+                ),
+                ("bare tonic unary (grpc.health Check)", &s.echo),
+            ] {
+                let _ = writeln!(
+                    o,
+                    "| {name} | {} | {:.0} | {} | {} | {} |",
+                    l.calls,
+                    l.per_sec,
+                    ms(l.p50),
+                    ms(l.p99),
+                    l.errors
+                );
+            }
+            let _ = writeln!(
+                o,
+                "\nRatio status / echo: **{:.2}x**\n",
+                s.status.per_sec / s.echo.per_sec.max(1e-9)
+            );
+        }
+        if !self.latency.is_empty() {
+            let _ = writeln!(
+                o,
+                "### Event latency (commit -> `watch_session` subscriber)"
+            );
+            let _ = writeln!(o);
+            let _ = writeln!(o, "| subscribers | events | p50 | p99 | max |");
+            let _ = writeln!(o, "|---:|---:|---:|---:|---:|");
+            for l in &self.latency {
+                let _ = writeln!(
+                    o,
+                    "| {} | {} | {} | {} | {} |",
+                    l.subscribers,
+                    l.events,
+                    ms(l.p50),
+                    ms(l.p99),
+                    ms(l.max)
+                );
+            }
+            let _ = writeln!(o);
+        }
+        if let Some(r) = &self.rss {
+            let _ = writeln!(o, "### Memory of `sessiond serve`");
+            let _ = writeln!(o);
+            let _ = writeln!(
+                o,
+                "{} sessions recovered (SERVING after {:.2} s): peak RSS (VmHWM) {}, RSS {}; peak after the status load {}.\n",
+                r.sessions,
+                r.serving_after.as_secs_f64(),
+                mib(r.hwm_after_recovery_kib),
+                mib(r.rss_after_recovery_kib),
+                mib(r.hwm_after_load_kib)
+            );
+        }
+        let _ = writeln!(o, "### Targets");
+        let _ = writeln!(o);
+        for r in &self.recovery {
+            let _ = writeln!(
+                o,
+                "- recovery <= 1.5x baseline, {} N={}: {:.2}x, {}",
+                r.label,
+                r.n,
+                r.ratio(),
+                verdict(r.ratio() <= 1.5)
+            );
+        }
+        for r in self
+            .recovery
+            .iter()
+            .filter(|r| r.n == 1_000 && r.label.starts_with("remote"))
+        {
+            let _ = writeln!(
+                o,
+                "- 1,000 remote sessions recovered and resumed in < 2 s ({}): {}, {}",
+                r.label,
+                ms(r.recovery),
+                verdict(r.recovery < Duration::from_secs(2))
+            );
+        }
+        if let Some(s) = &self.status {
+            let ratio = s.status.per_sec / s.echo.per_sec.max(1e-9);
+            let _ = writeln!(
+                o,
+                "- status throughput >= 0.5x bare echo: {ratio:.2}x, {}",
+                verdict(ratio >= 0.5)
+            );
+        }
+        if let Some(l) = self.latency.iter().find(|l| l.subscribers >= 1_000) {
+            let _ = writeln!(
+                o,
+                "- event latency p99 < 5 ms with 1,000 subscribers: {}, {}",
+                ms(l.p99),
+                verdict(l.p99 < Duration::from_millis(5))
+            );
+        }
+        if let Some(r) = &self.rss {
+            let _ = writeln!(
+                o,
+                "- peak RSS < 150 MB with {} sessions: {}, {}",
+                r.sessions,
+                mib(r.hwm_after_recovery_kib),
+                verdict(r.hwm_after_recovery_kib * 1024 < 150_000_000)
+            );
+        }
+        o
+    }
+}
+
+/// Replaces what is between the markers of `path` with `text` (or creates
+/// the file with a heading and the markers).
+pub fn write_into(path: &Path, text: &str) -> anyhow::Result<()> {
+    let old = std::fs::read_to_string(path).unwrap_or_else(|_| {
+        format!("# Performance\n\nFigures of `cargo xtask bench`.\n\n{BEGIN}\n{END}\n")
+    });
+    let (Some(b), Some(e)) = (old.find(BEGIN), old.find(END)) else {
+        anyhow::bail!(
+            "{} has no {BEGIN} ... {END} markers; add them where the figures go",
+            path.display()
+        );
+    };
+    let new = format!("{}{BEGIN}\n{text}{}", &old[..b], &old[e..]);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    std::fs::write(path, new)?;
+    Ok(())
+}

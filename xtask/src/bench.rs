@@ -1,0 +1,45 @@
+//! `cargo xtask bench [args]`: builds the release binaries the benchmark
+//! drives (sessiond, agentctl, acp-demo-agent, sessiond-bench) and runs
+//! `sessiond-bench`, which prints its table and writes docs/PERFORMANCE.md.
+//! Extra arguments go to `sessiond-bench` (e.g. `--quick`, `--sizes 100,1000`,
+//! `--no-postgres`); `--out -` writes no file.
+
+use std::path::Path;
+
+use crate::{cargo, command, docker, step};
+
+pub fn bench(root: &Path, args: &[String]) -> anyhow::Result<()> {
+    step(
+        "build (release)",
+        cargo(&[
+            "build",
+            "--release",
+            "--locked",
+            "-p",
+            "sessiond-server",
+            "-p",
+            "agentctl",
+            "-p",
+            "acp-demo-agent",
+            "-p",
+            "sessiond-bench",
+            "--bins",
+        ]),
+    )?;
+    let bin_dir = docker::target_dir(root).join("release");
+    let mut run = command(&bin_dir.join("sessiond-bench").display().to_string(), &[]);
+    let mut shown = String::from("cargo xtask bench");
+    for a in args {
+        shown.push(' ');
+        shown.push_str(a);
+    }
+    let writes_file = !args.iter().any(|a| a == "--out");
+    run.args(args)
+        .arg("--bin-dir")
+        .arg(&bin_dir)
+        .env("SESSIOND_BENCH_COMMAND", &shown);
+    if writes_file {
+        run.arg("--out").arg(root.join("docs/PERFORMANCE.md"));
+    }
+    step("bench", run)
+}
