@@ -372,6 +372,10 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         let addr = addrs[0].clone();
         let ready = load::wait_serving(&addr, Duration::from_secs(300)).await?;
         let after_recovery = proc_status(server.pid())?;
+        let log = std::fs::read_to_string(dir.path().join("sessiond.log")).unwrap_or_default();
+        for line in log.lines().filter(|l| l.contains("WARN") || l.contains("ERROR")).take(3) {
+            say(format!("sessiond log: {line}"));
+        }
         say(format!(
             "sessiond serve: {} sessions recovered, SERVING after {:.2}s (since spawn {:.2}s); VmHWM {} MiB",
             seeded.len(),

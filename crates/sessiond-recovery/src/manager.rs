@@ -102,6 +102,8 @@ pub(crate) struct Inner {
     pub bus: EventBus,
     pub counters: Counters,
     cache: StdMutex<HashMap<SessionId, Execution>>,
+    /// Per session: the agentctl client and the (url, secret) it was made for.
+    clients: StdMutex<HashMap<SessionId, (String, String, AgentctlClient)>>,
     locks: StdMutex<HashMap<SessionId, Arc<tokio::sync::Mutex<()>>>>,
     inflight: StdMutex<HashMap<SessionId, Inflight>>,
     pub pumps: StdMutex<HashMap<SessionId, AbortHandle>>,
@@ -154,6 +156,7 @@ impl SessionManager {
                 config,
                 counters: Counters::default(),
                 cache: StdMutex::default(),
+                clients: StdMutex::default(),
                 locks: StdMutex::default(),
                 inflight: StdMutex::default(),
                 pumps: StdMutex::default(),
@@ -207,9 +210,28 @@ impl SessionManager {
 
     /// Session state and its execution's status, for this session only
     /// (seed "Session Status API").
+    ///
+    /// One store round trip (session, profile claim and executor record
+    /// together); the executors cache, when it knows the session, wins over
+    /// the stored record.
     pub async fn session_status(&self, task: TaskId, session: SessionId) -> Result<SessionStatus> {
-        let s = self.session_of_task(task, session).await?;
-        self.status_of(&s).await
+        let (s, profile_claim, record) = self.inner.store.session_status_inputs(session).await?;
+        if s.task_id != task {
+            return Err(Error::WrongTask {
+                session_id: session,
+                requested: task,
+                actual: s.task_id,
+            });
+        }
+        let view = match self.execution(s.id) {
+            Some(e) => Some(e.view()),
+            None => record.map(|r| ExecutionView::from_record(&r)),
+        };
+        Ok(sessiond_domain::session_status(
+            &s,
+            view.as_ref(),
+            profile_claim,
+        ))
     }
 
     pub(crate) async fn status_of(&self, s: &Session) -> Result<SessionStatus> {
@@ -286,8 +308,32 @@ impl SessionManager {
     }
 
     pub(crate) fn client(&self, record: &ExecutorRecord) -> Result<AgentctlClient> {
-        let handle = ExecutorHandle::from_record(record);
-        Ok(self.driver(record.runtime)?.client(&handle)?)
+        let driver = self.driver(record.runtime)?;
+        Ok(self.agentctl(record, &driver)?)
+    }
+
+    /// The client of the record's agentctl, made once per address and
+    /// secret and then reused (health, capabilities, resume, update pump),
+    /// so a session's calls share one HTTP/2 connection instead of opening
+    /// one each.
+    pub(crate) fn agentctl(
+        &self,
+        record: &ExecutorRecord,
+        driver: &Arc<dyn Executor>,
+    ) -> sessiond_executor::Result<AgentctlClient> {
+        let url = record.agentctl_url.as_deref().unwrap_or_default();
+        if let Some((u, secret, c)) = lock(&self.inner.clients).get(&record.session_id)
+            && u == url
+            && *secret == record.auth_secret
+        {
+            return Ok(c.clone());
+        }
+        let client = driver.client(&ExecutorHandle::from_record(record))?;
+        lock(&self.inner.clients).insert(
+            record.session_id,
+            (url.to_owned(), record.auth_secret.clone(), client.clone()),
+        );
+        Ok(client)
     }
 
     /// Commits and then publishes what was committed.
@@ -339,6 +385,7 @@ impl SessionManager {
 
     pub(crate) fn cache_remove(&self, session: SessionId) {
         lock(&self.inner.cache).remove(&session);
+        lock(&self.inner.clients).remove(&session);
     }
 
     /// The task's state change for `event`, added to `change` when it moves.

@@ -309,8 +309,13 @@ impl SessionManager {
                     return Ok(Observation::DeadlineExceeded);
                 }
                 let driver = self.driver(run.record.runtime)?;
-                let handle = ExecutorHandle::from_record(&run.record);
-                match tokio::time::timeout(remaining, driver.health(&handle)).await {
+                let id = run.record.id;
+                let health = async {
+                    self.agentctl(&run.record, &driver)?
+                        .verify_identity(id)
+                        .await
+                };
+                match tokio::time::timeout(remaining, health).await {
                     Err(_) => Observation::DeadlineExceeded,
                     Ok(Ok(health)) => {
                         // Test-only crash point: agentctl proved it is alive
@@ -334,8 +339,8 @@ impl SessionManager {
                     return Ok(Observation::DeadlineExceeded);
                 }
                 let driver = self.driver(run.record.runtime)?;
-                let handle = ExecutorHandle::from_record(&run.record);
-                match tokio::time::timeout(remaining, driver.capabilities(&handle)).await {
+                let caps = async { self.agentctl(&run.record, &driver)?.capabilities().await };
+                match tokio::time::timeout(remaining, caps).await {
                     Ok(Ok(caps)) => match probe_verdict(caps.supports_session_resume) {
                         Some(v) => {
                             run.probe = Some(v);

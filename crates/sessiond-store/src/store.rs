@@ -163,6 +163,11 @@ impl Store {
             let pool = Pool::builder()
                 .max_size(max)
                 .min_idle(Some(1))
+                // No `SELECT 1` before every checkout: it doubled the cost
+                // of each store call (a network round trip on Postgres). A
+                // connection that broke is still dropped on return
+                // (`has_broken`), and the next call gets a fresh one.
+                .test_on_check_out(false)
                 .connection_timeout(opts.connect_timeout)
                 .build(manager)
                 .map_err(|e| Error::Pool(Box::new(e)))?;
@@ -351,6 +356,41 @@ impl Store {
                 .optional()?
                 .ok_or_else(|| Error::not_found("session", id))?
                 .into_domain()
+        })
+        .await
+    }
+
+    /// What a session's status is derived from, in one round trip to the
+    /// pool: the session, its profile's `supports_session_resume` claim, and
+    /// its executor record if it has one.
+    pub async fn session_status_inputs(
+        &self,
+        id: SessionId,
+    ) -> Result<(Session, bool, Option<ExecutorRecord>)> {
+        self.read(move |c| {
+            let key = id.to_string();
+            let session = task_sessions::table
+                .find(&key)
+                .select(SessionRow::as_select())
+                .first(c)
+                .optional()?
+                .ok_or_else(|| Error::not_found("session", id))?
+                .into_domain()?;
+            let profile = session.agent_profile_id;
+            let claim: bool = agent_profiles::table
+                .find(profile.to_string())
+                .select(agent_profiles::supports_session_resume)
+                .first(c)
+                .optional()?
+                .ok_or_else(|| Error::not_found("agent profile", profile))?;
+            let record = executors_running::table
+                .filter(executors_running::session_id.eq(&key))
+                .select(ExecutorRow::as_select())
+                .first(c)
+                .optional()?
+                .map(ExecutorRow::into_domain)
+                .transpose()?;
+            Ok((session, claim, record))
         })
         .await
     }
