@@ -129,6 +129,28 @@ pub struct DockerExecutor {
     config: DockerConfig,
 }
 
+/// A container carrying the `sessiond.executor_id` label, as listed by
+/// [`DockerExecutor::labelled_containers`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LabelledContainer {
+    pub id: String,
+    /// `running`, `exited`, `created`, ... as the engine reports it.
+    pub state: String,
+    pub labels: HashMap<String, String>,
+}
+
+impl LabelledContainer {
+    /// The value of the `sessiond.executor_id` label.
+    pub fn executor_id(&self) -> Option<&str> {
+        self.labels.get(LABEL_EXECUTOR_ID).map(String::as_str)
+    }
+
+    /// The value of the `sessiond.session_id` label.
+    pub fn session_id(&self) -> Option<&str> {
+        self.labels.get(LABEL_SESSION_ID).map(String::as_str)
+    }
+}
+
 /// What the driver needs to know about one container.
 #[derive(Debug)]
 struct Found {
@@ -174,6 +196,55 @@ impl DockerExecutor {
         };
         let list = self.docker.list_containers(Some(options)).await?;
         Ok(list.into_iter().filter_map(|c| c.id).collect())
+    }
+
+    /// Every container (running or not) that carries the
+    /// `sessiond.executor_id` label, with its labels and state: what an
+    /// orphan sweep looks at. Containers without our label are not listed.
+    pub async fn labelled_containers(&self) -> Result<Vec<LabelledContainer>> {
+        let filters = HashMap::from([("label".to_owned(), vec![LABEL_EXECUTOR_ID.to_owned()])]);
+        let options = ListContainersOptions {
+            all: true,
+            filters: Some(filters),
+            ..Default::default()
+        };
+        let list = self.docker.list_containers(Some(options)).await?;
+        Ok(list
+            .into_iter()
+            .filter_map(|c| {
+                let labels = c.labels.unwrap_or_default();
+                labels
+                    .contains_key(LABEL_EXECUTOR_ID)
+                    .then(|| LabelledContainer {
+                        id: c.id.unwrap_or_default(),
+                        state: c.state.map(|s| s.to_string()).unwrap_or_default(),
+                        labels,
+                    })
+            })
+            .filter(|c| !c.id.is_empty())
+            .collect())
+    }
+
+    /// Removes one container by id (forced; a container that is already
+    /// gone is a success). Unlike [`Executor::remove`] it touches no other
+    /// container of the same executor and no run directory.
+    pub async fn remove_container(&self, container_id: &str) -> Result<()> {
+        let options = RemoveContainerOptions {
+            force: true,
+            v: true,
+            ..Default::default()
+        };
+        match self
+            .docker
+            .remove_container(container_id, Some(options))
+            .await
+        {
+            Ok(())
+            | Err(BollardError::DockerResponseServerError {
+                status_code: 404, ..
+            }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
     }
 
     fn run_dir(&self, executor_id: ExecutorId) -> PathBuf {

@@ -36,6 +36,12 @@ pub struct ManagerConfig {
     /// How often running executors are health-checked (`None`: never). An
     /// executor that stops answering goes `error` with an event.
     pub liveness_interval: Option<Duration>,
+    /// The orphan-container sweep runs this long after the first startup
+    /// recovery pass (so launches and recoveries in flight have written
+    /// their records).
+    pub orphan_sweep_grace: Duration,
+    /// Then again every this long (`None`: once).
+    pub orphan_sweep_interval: Option<Duration>,
 }
 
 impl Default for ManagerConfig {
@@ -52,6 +58,8 @@ impl Default for ManagerConfig {
             event_buffer: 1024,
             replay_page: 500,
             liveness_interval: Some(Duration::from_secs(30)),
+            orphan_sweep_grace: Duration::from_secs(120),
+            orphan_sweep_interval: Some(Duration::from_secs(15 * 60)),
         }
     }
 }

@@ -19,6 +19,11 @@
 //!   background reconnects of remote hosts.
 //! - Explicit resume (`resume.rs`): [`SessionManager::resume_session`],
 //!   single-flight per session.
+//! - Background work (`recovery.rs`, `sweep.rs`): remote reconnects,
+//!   [`SessionManager::start_liveness_checks`] (started by `recover_all`),
+//!   and the orphan-container sweep [`SessionManager::start_orphan_sweep`],
+//!   which acts only after the first recovery pass plus a grace period and
+//!   only on positive evidence that no record tracks a container.
 //! - Status and events (`manager.rs`, `events.rs`):
 //!   [`SessionManager::session_status`], [`SessionManager::watch_session`],
 //!   [`SessionManager::watch_task`].
@@ -35,6 +40,7 @@ mod ops;
 mod pump;
 mod recovery;
 mod resume;
+mod sweep;
 
 pub use config::ManagerConfig;
 pub use error::{Error, ErrorKind, Result};
@@ -42,3 +48,4 @@ pub use events::{EventBus, EventStream};
 pub use lifecycle::{EndReason, NewSession, RemoteAgentctl};
 pub use manager::{Execution, SessionManager, Stats};
 pub use recovery::RecoverySummary;
+pub use sweep::SweepReport;

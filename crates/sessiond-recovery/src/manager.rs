@@ -111,6 +111,8 @@ pub(crate) struct Inner {
     pub retrying: StdMutex<HashSet<SessionId>>,
     next_op: AtomicU64,
     pub liveness_started: std::sync::atomic::AtomicBool,
+    /// Becomes true when the first `recover_all` of this manager finished.
+    first_recovery: tokio::sync::watch::Sender<bool>,
 }
 
 /// Runs sessions: create, message, stop; recovers them at startup; resumes
@@ -164,6 +166,7 @@ impl SessionManager {
                 retrying: StdMutex::default(),
                 next_op: AtomicU64::new(1),
                 liveness_started: std::sync::atomic::AtomicBool::new(false),
+                first_recovery: tokio::sync::watch::Sender::new(false),
             }),
         }
     }
@@ -400,6 +403,22 @@ impl SessionManager {
             Ok(next) if next != t.state => change.set_task_state(task, next),
             _ => change,
         })
+    }
+
+    /// Records that a startup recovery pass has finished.
+    pub(crate) fn mark_first_recovery_done(&self) {
+        self.inner.first_recovery.send_replace(true);
+    }
+
+    /// Whether a startup recovery pass of this manager has finished.
+    pub fn first_recovery_done(&self) -> bool {
+        *self.inner.first_recovery.borrow()
+    }
+
+    /// Waits until a startup recovery pass of this manager has finished.
+    pub(crate) async fn wait_first_recovery(&self) {
+        let mut rx = self.inner.first_recovery.subscribe();
+        let _ = rx.wait_for(|done| *done).await;
     }
 
     /// Registers a background task so `shutdown` can end it.

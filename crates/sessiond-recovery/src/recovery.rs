@@ -142,6 +142,8 @@ impl SessionManager {
                 counts
             }
         );
+        self.mark_first_recovery_done();
+        self.start_liveness_checks();
         Ok(summary)
     }
 

@@ -6,6 +6,11 @@
 //! is healthy but the agent cannot be resumed, the session goes ERROR and the
 //! executor stays `ready`, so shell, files and git keep working. The executor
 //! goes `error` only when agentctl itself could not be brought back.
+//!
+//! agentctl is brought back the way startup recovery does it: a Docker
+//! executor is probed first (probing starts nothing), then the intent is
+//! written, then the container is started (or launched); a standalone one
+//! is relaunched after its intent. See [`Plan`].
 
 use std::path::Path;
 
@@ -15,7 +20,7 @@ use sessiond_domain::{
     AgentProcessState, EventPayload, ExecutorStatus, OutcomeLabel, ResumeRefused, Runtime, Session,
     SessionEvent, SessionId, SessionStatus, TaskEvent, TaskId, check_resume,
 };
-use sessiond_executor::ExecutorHandle;
+use sessiond_executor::{ExecutorHandle, Probe};
 use sessiond_store::Changeset;
 
 use crate::{
@@ -23,6 +28,25 @@ use crate::{
     manager::{OpKind, OpOutcome, SessionManager, transition},
     ops::{probe_verdict, recorded_process_alive},
 };
+
+/// How an explicit resume brings agentctl back, decided before anything is
+/// written: only `Launch` and `Start` have side effects, and both run after
+/// their intent (executor `starting`, generation + 1) is committed.
+#[derive(Debug)]
+enum Plan {
+    /// agentctl answers as recorded.
+    Healthy,
+    /// Docker: the container runs and its agentctl answers; adopt what the
+    /// probe found (port, secret), same generation.
+    Reattach(ExecutorHandle),
+    /// Docker: the container exists but is stopped; start it.
+    Start,
+    /// A new agentctl: a process (standalone) or a container (docker).
+    Launch,
+    /// Nothing can bring it back now (remote host down, container gone,
+    /// engine unreachable).
+    Unavailable(String),
+}
 
 impl SessionManager {
     /// Resumes a session on request. Concurrent calls (and a call racing a
@@ -152,13 +176,40 @@ impl SessionManager {
             && tokio::time::timeout(limit, driver.health(&handle))
                 .await
                 .is_ok_and(|r| r.is_ok());
+        let plan = if healthy {
+            Plan::Healthy
+        } else {
+            match record.runtime {
+                Runtime::Remote => Plan::Unavailable(format!(
+                    "remote agentctl at {} does not answer",
+                    record.agentctl_url.as_deref().unwrap_or("?")
+                )),
+                Runtime::LocalStandalone => Plan::Launch,
+                // Probe starts nothing: what it finds decides whether an
+                // intent is written and which side effect follows it.
+                Runtime::LocalDocker => {
+                    match tokio::time::timeout(limit, driver.probe(&handle)).await {
+                        Ok(Ok(Probe::Reattachable { handle, .. })) => Plan::Reattach(handle),
+                        Ok(Ok(Probe::NeedsStart { .. })) => Plan::Start,
+                        Ok(Ok(Probe::NeedsLaunch { .. })) => Plan::Launch,
+                        Ok(Ok(Probe::Missing { reason })) => {
+                            Plan::Unavailable(format!("{reason}; create a new session"))
+                        }
+                        Ok(Err(e)) => Plan::Unavailable(e.to_string()),
+                        Err(_) => Plan::Unavailable(format!(
+                            "the Docker engine did not answer within {limit:?}"
+                        )),
+                    }
+                }
+            }
+        };
 
         // Intent: session STARTING and, if agentctl must be (re)started, the
         // executor `starting` with generation + 1, in one transaction.
         let (starting, ev) = transition(&session, SessionEvent::ResumeRequested, None)?;
         let mut change = Changeset::new();
         let mut relaunch_generation = None;
-        if !healthy && record.runtime != Runtime::Remote {
+        if matches!(plan, Plan::Launch | Plan::Start) {
             let generation = record.generation + 1;
             relaunch_generation = Some(generation);
             let mut intent = record.clone();
@@ -193,30 +244,47 @@ impl SessionManager {
 
         // Executor.
         let executor = async {
-            if let Some(generation) = relaunch_generation {
-                if recorded_process_alive(&record) == Some(true) {
-                    // Ours (pid and start time match) but not answering: end it.
-                    self.end_stray_agentctls(&record).await;
+            let handle = match (&plan, relaunch_generation) {
+                (Plan::Healthy, _) => None,
+                (Plan::Unavailable(reason), _) => {
+                    return Err(Error::Unavailable(reason.clone()));
                 }
-                let handle = match record.runtime {
-                    Runtime::LocalDocker => {
-                        let mut h = driver
-                            .recover(&ExecutorHandle::from_record(&record))
-                            .await?
-                            .handle;
-                        h.generation = generation;
-                        h
+                // The container runs and answers (at another port, say):
+                // same generation, nothing was started.
+                (Plan::Reattach(found), _) => Some(found.clone()),
+                (Plan::Start, Some(generation)) => {
+                    let current = ExecutorHandle::from_record(&record);
+                    match tokio::time::timeout(limit * 2, driver.start(&current, generation)).await
+                    {
+                        Ok(r) => Some(r?),
+                        Err(_) => {
+                            return Err(Error::Unavailable(format!(
+                                "the container did not start within {:?}",
+                                limit * 2
+                            )));
+                        }
                     }
-                    _ => match self.launch_agentctl(&record, generation, limit * 2).await {
-                        Some(r) => r?,
+                }
+                (Plan::Launch, Some(generation)) => {
+                    if recorded_process_alive(&record) == Some(true) {
+                        // Ours (pid and start time match) but not answering: end it.
+                        self.end_stray_agentctls(&record).await;
+                    }
+                    match self.launch_agentctl(&record, generation, limit * 2).await {
+                        Some(r) => Some(r?),
                         None => {
                             return Err(Error::Unavailable(format!(
                                 "agentctl did not start within {:?}",
                                 limit * 2
                             )));
                         }
-                    },
-                };
+                    }
+                }
+                (Plan::Start | Plan::Launch, None) => {
+                    return Err(Error::Internal("a relaunch without its intent".into()));
+                }
+            };
+            if let Some(handle) = handle {
                 let mut r = record.clone();
                 handle.apply_to(&mut r);
                 record = self
@@ -224,11 +292,6 @@ impl SessionManager {
                     .await?
                     .executor
                     .ok_or_else(|| Error::Internal("no executor".into()))?;
-            } else if !healthy {
-                return Err(Error::Unavailable(format!(
-                    "remote agentctl at {} does not answer",
-                    record.agentctl_url.as_deref().unwrap_or("?")
-                )));
             }
             let caps = driver
                 .capabilities(&ExecutorHandle::from_record(&record))

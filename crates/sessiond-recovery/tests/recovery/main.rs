@@ -9,8 +9,11 @@
 
 mod support;
 
+mod background;
 mod crash;
+mod docker_support;
 mod events;
+mod kill9;
 mod lifecycle;
 mod remote;
 mod restart;

@@ -11,12 +11,18 @@ use sessiond_recovery::RemoteAgentctl;
 use crate::support::{Db, World, bin, children_of, expected_reply, kill_tree};
 
 /// An agentctl started by the test, standing for one a remote host runs.
-struct RemoteHost {
-    child: Child,
+pub struct RemoteHost {
+    pub child: Child,
 }
 
 impl RemoteHost {
-    async fn start(w: &World, workspace: &Path, id: ExecutorId, secret: &str, port: u16) -> Self {
+    pub async fn start(
+        w: &World,
+        workspace: &Path,
+        id: ExecutorId,
+        secret: &str,
+        port: u16,
+    ) -> Self {
         let port_file = w.path(&format!("remote-{port}.port"));
         let _ = std::fs::remove_file(&port_file);
         let child = Command::new(bin("agentctl"))
@@ -46,7 +52,7 @@ impl RemoteHost {
         RemoteHost { child }
     }
 
-    fn track_agent(&self, w: &World) {
+    pub fn track_agent(&self, w: &World) {
         for k in children_of(self.child.id()) {
             if let Some(st) = process::start_time(k) {
                 w.procs.add(k, st);
@@ -54,13 +60,13 @@ impl RemoteHost {
         }
     }
 
-    async fn kill(mut self) {
+    pub async fn kill(mut self) {
         kill_tree(self.child.id()).await;
         let _ = self.child.wait();
     }
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()

@@ -225,15 +225,27 @@ impl World {
         profile: &AgentProfile,
         remote: Option<RemoteAgentctl>,
     ) -> Session {
+        let runtime = if remote.is_some() {
+            Runtime::Remote
+        } else {
+            Runtime::LocalStandalone
+        };
+        self.create_rt(mgr, name, profile, runtime, remote).await
+    }
+
+    pub async fn create_rt(
+        &self,
+        mgr: &SessionManager,
+        name: &str,
+        profile: &AgentProfile,
+        runtime: Runtime,
+        remote: Option<RemoteAgentctl>,
+    ) -> Session {
         let s = mgr
             .create_session(NewSession {
                 task_id: self.task.id,
                 agent_profile_id: profile.id,
-                runtime: if remote.is_some() {
-                    Runtime::Remote
-                } else {
-                    Runtime::LocalStandalone
-                },
+                runtime,
                 worktree: self.worktree(name),
                 remote,
                 metadata: BTreeMap::new(),

@@ -1,0 +1,286 @@
+//! Background work while the backend runs: liveness checks of agentctl and
+//! the orphan-container sweep.
+
+use std::time::{Duration, Instant};
+
+use sessiond_domain::{EventPayload, ExecutorId, ExecutorStatus, Runtime, SessionId, SessionState};
+use sessiond_executor::Executor;
+use sessiond_recovery::ManagerConfig;
+
+use crate::{
+    docker_support::{DockerKit, docker_cli},
+    support::{Db, World, kill_tree},
+};
+
+fn with_liveness(w: &World, every: Option<Duration>) -> ManagerConfig {
+    ManagerConfig {
+        liveness_interval: every,
+        ..w.config()
+    }
+}
+
+/// A healthy executor gets `last_seen_at` refreshed by the liveness checks
+/// (which `recover_all` starts), with no event; when its agentctl dies while
+/// the backend runs, the executor goes `error` with a
+/// `session.agentctl_error` event and the live session goes ERROR.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn liveness_refreshes_last_seen_and_flags_dead_agentctl() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager_with(with_liveness(&w, Some(Duration::from_millis(150))));
+    mgr.recover_all().await.unwrap();
+    let s = w.create(&mgr, "live").await;
+    let first = w.record(s.id).await.last_seen_at.unwrap();
+    let seq_before = w.store.last_event_seq(s.id).await.unwrap();
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = w.record(s.id).await;
+        if r.last_seen_at.unwrap() > first {
+            assert_eq!(r.status, ExecutorStatus::Ready);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "last_seen_at never refreshed: {r:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        w.store.last_event_seq(s.id).await.unwrap(),
+        seq_before,
+        "a healthy check publishes nothing"
+    );
+
+    kill_tree(w.record(s.id).await.pid.unwrap()).await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let r = w.record(s.id).await;
+        if r.status == ExecutorStatus::Error {
+            let msg = r.error_message.unwrap();
+            assert!(msg.contains("agentctl stopped answering"), "{msg}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "dead agentctl never noticed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let events = w.store.events_after(s.id, seq_before, 1000).await.unwrap();
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e.payload, EventPayload::AgentctlError { .. })),
+        "{events:?}"
+    );
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::Error);
+    assert_eq!(st.executor_status, Some(ExecutorStatus::Error));
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// With the checks off, nothing refreshes `last_seen_at`: the refresh above
+/// is the liveness check's doing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn liveness_off_leaves_last_seen_alone() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager_with(with_liveness(&w, None));
+    mgr.recover_all().await.unwrap();
+    let s = w.create(&mgr, "off").await;
+    let first = w.record(s.id).await.last_seen_at;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(w.record(s.id).await.last_seen_at, first);
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// The orphan sweep removes only containers with positive evidence of being
+/// untracked: labelled for an executor of one of our sessions with no
+/// record, or for a stopped executor that tracks another container. It
+/// leaves alone: tracked containers (running or stopped), unlabelled
+/// containers, and labelled containers of sessions this store does not
+/// know. It does nothing before the first recovery pass. Docker only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orphan_sweep_removes_only_proven_orphans() {
+    let w = World::new(Db::Sqlite).await;
+    let Some(kit) = DockerKit::new(&w).await else {
+        return;
+    };
+    let mgr = kit.manager(&w);
+    let image = kit.env.image.clone();
+    let live = w
+        .create_rt(&mgr, "live", &kit.profile, Runtime::LocalDocker, None)
+        .await;
+    assert_eq!(
+        live.state,
+        SessionState::WaitingForInput,
+        "{:?}",
+        live.error_message
+    );
+    let ended = w
+        .create_rt(&mgr, "ended", &kit.profile, Runtime::LocalDocker, None)
+        .await;
+    mgr.complete_session(w.task.id, ended.id).await.unwrap();
+    let ended_rec = w.record(ended.id).await;
+    assert_eq!(ended_rec.status, ExecutorStatus::Stopped);
+    let live_c = kit.one_running(live.id).await;
+    let ended_c = kit.containers_of_session(ended.id).await;
+    assert_eq!(ended_c.len(), 1, "stopped container is kept: {ended_c:?}");
+
+    let task = w.task.id.to_string();
+    let label = |k: &str, v: &str| format!("--label={k}={v}");
+    let create = |name: &str, labels: Vec<String>| {
+        let mut args = vec!["create".to_owned(), "--name".to_owned(), name.to_owned()];
+        args.extend(labels);
+        args.push(image.clone());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        docker_cli(&kit.env, &args)
+    };
+    let tag = uuid::Uuid::new_v4().simple().to_string();
+    // Orphan 1: our session, an executor id with no record.
+    let no_record = create(
+        &format!("sweep-norecord-{tag}"),
+        vec![
+            label("sessiond.executor_id", &ExecutorId::new().to_string()),
+            label("sessiond.session_id", &ended.id.to_string()),
+            label("sessiond.task_id", &task),
+        ],
+    );
+    // Orphan 2: the stopped executor's label, but not the container it tracks.
+    let superseded = create(
+        &format!("sweep-superseded-{tag}"),
+        vec![
+            label("sessiond.executor_id", &ended_rec.id.to_string()),
+            label("sessiond.session_id", &ended.id.to_string()),
+            label("sessiond.task_id", &task),
+        ],
+    );
+    // Kept: the live executor's label, not its container, but it is ready.
+    let beside_live = create(
+        &format!("sweep-besidelive-{tag}"),
+        vec![
+            label(
+                "sessiond.executor_id",
+                &w.record(live.id).await.id.to_string(),
+            ),
+            label("sessiond.session_id", &live.id.to_string()),
+            label("sessiond.task_id", &task),
+        ],
+    );
+    // Kept: a session this store does not know (another installation's).
+    let foreign = create(
+        &format!("sweep-foreign-{tag}"),
+        vec![
+            label("sessiond.executor_id", &ExecutorId::new().to_string()),
+            label("sessiond.session_id", &SessionId::new().to_string()),
+            label("sessiond.task_id", &task),
+        ],
+    );
+    // Kept: no labels of ours at all.
+    let unlabelled = create(&format!("sweep-unlabelled-{tag}"), vec![]);
+
+    let report = mgr.sweep_orphan_containers(&kit.driver).await.unwrap();
+    assert_eq!(
+        report.examined, 0,
+        "no sweep before the first recovery pass"
+    );
+    assert!(report.removed.is_empty());
+
+    mgr.recover_all().await.unwrap();
+    let report = mgr.sweep_orphan_containers(&kit.driver).await.unwrap();
+    let mut removed = report.removed.clone();
+    removed.sort();
+    let mut expected = vec![no_record.clone(), superseded.clone()];
+    expected.sort();
+    assert_eq!(removed, expected, "{report:?}");
+
+    let left = docker_cli(&kit.env, &["ps", "-a", "-q", "--no-trunc"]);
+    for kept in [
+        &live_c.id,
+        &ended_c[0].id,
+        &beside_live,
+        &foreign,
+        &unlabelled,
+    ] {
+        assert!(left.contains(kept.as_str()), "{kept} was removed");
+    }
+    for gone in [&no_record, &superseded] {
+        assert!(!left.contains(gone.as_str()), "{gone} survived");
+    }
+    // The live session still works.
+    let st = w.status(&mgr, live.id).await;
+    assert_eq!(st.executor_status, Some(ExecutorStatus::Ready));
+    for id in [&beside_live, &foreign, &unlabelled] {
+        docker_cli(&kit.env, &["rm", "-f", id]);
+    }
+    mgr.cancel_session(w.task.id, live.id).await.unwrap();
+    mgr.shutdown();
+    for s in [live.id, ended.id] {
+        let r = w.record(s).await;
+        kit.driver
+            .remove(&sessiond_executor::ExecutorHandle::from_record(&r))
+            .await
+            .unwrap();
+    }
+}
+
+/// The background schedule: nothing is swept during the grace period after
+/// the first recovery; then the orphan is removed. Docker only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orphan_sweep_waits_for_recovery_and_grace() {
+    let w = World::new(Db::Sqlite).await;
+    let Some(kit) = DockerKit::new(&w).await else {
+        return;
+    };
+    let config = ManagerConfig {
+        orphan_sweep_grace: Duration::from_millis(1500),
+        orphan_sweep_interval: Some(Duration::from_millis(200)),
+        ..w.config()
+    };
+    let mgr = sessiond_recovery::SessionManager::new(
+        w.store.clone(),
+        crate::docker_support::drivers_with(w.dir.path(), &kit.driver),
+        config,
+    );
+    let ended = w
+        .create_rt(&mgr, "ended", &kit.profile, Runtime::LocalDocker, None)
+        .await;
+    mgr.complete_session(w.task.id, ended.id).await.unwrap();
+    let tag = uuid::Uuid::new_v4().simple().to_string();
+    let orphan = docker_cli(
+        &kit.env,
+        &[
+            "create",
+            "--name",
+            &format!("sweep-bg-{tag}"),
+            &format!("--label=sessiond.executor_id={}", ExecutorId::new()),
+            &format!("--label=sessiond.session_id={}", ended.id),
+            &format!("--label=sessiond.task_id={}", w.task.id),
+            &kit.env.image,
+        ],
+    );
+    let exists =
+        || docker_cli(&kit.env, &["ps", "-a", "-q", "--no-trunc"]).contains(orphan.as_str());
+    mgr.start_orphan_sweep(kit.driver.clone());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(exists(), "swept before the first recovery pass");
+    mgr.recover_all().await.unwrap();
+    let recovered_at = Instant::now();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(
+        exists() || recovered_at.elapsed() >= Duration::from_millis(1500),
+        "swept within the grace period"
+    );
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while exists() {
+        assert!(Instant::now() < deadline, "orphan never swept");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        kit.containers_of_session(ended.id).await.len(),
+        1,
+        "the tracked stopped container stays"
+    );
+    mgr.shutdown();
+    let r = w.record(ended.id).await;
+    kit.driver
+        .remove(&sessiond_executor::ExecutorHandle::from_record(&r))
+        .await
+        .unwrap();
+}
