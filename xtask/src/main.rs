@@ -6,7 +6,10 @@
 //!   The Docker executor tests run against a dockerd it starts unless one
 //!   runs (installing `docker.io` when missing), with an image built offline.
 //! - `docker-image`: builds the `sessiond-agentctl:dev` image with no registry.
-//! - `docker-tests`: only the Docker executor tests, with an engine as in `ci`.
+//! - `docker-tests`: only the Docker tests (executor driver, and recovery on
+//!   the Docker runtime), with an engine as in `ci`. `ci` runs the same tests
+//!   within its one test run, which has `SESSIOND_DOCKER_TESTS=1` and
+//!   `DOCKER_HOST` set.
 //! - `bench`: the performance figures (see `bench.rs`); writes docs/PERFORMANCE.md.
 
 use std::{
@@ -173,6 +176,20 @@ fn docker_tests() -> anyhow::Result<()> {
     test.env("SESSIOND_DOCKER_TESTS", "1")
         .env("DOCKER_HOST", engine.host());
     step("docker tests", test)?;
+    // Recovery on the Docker runtime: kill -9 of the backend, faults while
+    // it is down, crashes during recovery, the orphan sweep.
+    let mut test = cargo(&[
+        "test",
+        "-p",
+        "sessiond-recovery",
+        "--locked",
+        "--test",
+        "recovery",
+    ]);
+    test.args(["--", "docker", "orphan_sweep"]);
+    test.env("SESSIOND_DOCKER_TESTS", "1")
+        .env("DOCKER_HOST", engine.host());
+    step("recovery docker tests", test)?;
     engine.stop()
 }
 
