@@ -73,7 +73,12 @@ async fn child_backend() {
     };
     let spec: ChildSpec = serde_json::from_str(&spec).unwrap();
     init_tracing();
-    install_failpoints();
+    // A create-only backend recovers first like any backend, and arms its
+    // failpoints after that: they are meant for the creates.
+    let create_only = matches!(spec.mode, Mode::Create { .. });
+    if !create_only {
+        install_failpoints();
+    }
     let store = Store::connect(&spec.db_url, StoreOptions::default())
         .await
         .unwrap();
@@ -92,6 +97,8 @@ async fn child_backend() {
     };
     match child.spec.mode.clone() {
         Mode::Create { plans, messages } => {
+            child.mgr.recover_all().await.unwrap();
+            install_failpoints();
             for plan in &plans {
                 child.create(plan).await;
             }

@@ -62,6 +62,9 @@ async fn restart_and_check(w: &World) -> usize {
 /// A crash inside `create_session`, one child per runtime.
 async fn crash_in_create(fp: &str) {
     let w = World::new().await;
+    // One child per runtime. Each backend recovers before it creates, so
+    // the session the previous one left STARTING is recovered by the next,
+    // the last one by the clean start below.
     for rt in w.runtimes() {
         let plan = w.plan(name(rt), rt).await;
         let mut c = w.spawn_child(
@@ -74,11 +77,25 @@ async fn crash_in_create(fp: &str) {
         );
         let status = c.wait_exit(Duration::from_secs(90)).await;
         c.assert_killed_by_failpoint(status, fp);
-    }
-    let before = w.sessions().await;
-    assert_eq!(before.len(), w.runtimes().len());
-    for s in &before {
-        assert_eq!(s.state, SessionState::Starting, "the crash left {s:?}");
+        let crashed = w
+            .sessions()
+            .await
+            .into_iter()
+            .find(|s| s.worktree.id == name(rt))
+            .expect("the crashed backend stored the session");
+        assert_eq!(
+            crashed.state,
+            SessionState::Starting,
+            "the crash left {crashed:?}"
+        );
+        let r = w.record(crashed.id).await.unwrap();
+        assert_eq!(r.status, ExecutorStatus::Starting, "the intent row: {r:?}");
+        if fp == "launch-after-intent" {
+            assert!(
+                r.pid.is_none() && r.container_id.is_none(),
+                "nothing spawned was recorded: {r:?}"
+            );
+        }
     }
     let mgr_check = w.manager().await;
     let summary = mgr_check.recover_all().await.unwrap();

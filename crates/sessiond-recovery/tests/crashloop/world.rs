@@ -395,8 +395,10 @@ impl World {
         let sink = lines.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if line.starts_with("CRASHLOOP ") {
-                    sink.lock().unwrap().push(line);
+                // libtest prints `test child::child_backend ... ` without a
+                // newline before the test's own output.
+                if let Some(at) = line.find("CRASHLOOP ") {
+                    sink.lock().unwrap().push(line[at..].to_owned());
                 }
             }
         });
