@@ -3,6 +3,8 @@
 //! - `ci`: everything CI checks: formatting, clippy, build, every test (with a
 //!   throwaway PostgreSQL this command starts itself unless `DATABASE_URL` is
 //!   set). This is the README's test command and what `.ci/run` calls.
+//!   Then the crash tests (failpoints, a 45 s SIGKILL crash loop), which
+//!   only a build with sessiond-recovery's `failpoints` feature contains.
 //!   The Docker executor tests run against a dockerd it starts unless one
 //!   runs (installing `docker.io` when missing), with an image built offline.
 //! - `docker-image`: builds the `sessiond-agentctl:dev` image with no registry.
@@ -101,6 +103,15 @@ fn ci() -> anyhow::Result<()> {
     test.env("SESSIOND_DOCKER_TESTS", "1")
         .env("DOCKER_HOST", engine.host());
     step("test", test)?;
+    // The crash tests live in a test binary that exists only with
+    // sessiond-recovery's `failpoints` feature, which no build above enables.
+    step("crash tests clippy", crash_tests("clippy"))?;
+    let mut crash = crash_tests("test");
+    crash
+        .env("SESSIOND_CRASHLOOP_SECS", "45")
+        .env("SESSIOND_DOCKER_TESTS", "1")
+        .env("DOCKER_HOST", engine.host());
+    step("crash tests", crash)?;
     step(
         "doctest",
         cargo(&["test", "--workspace", "--doc", "--locked"]),
@@ -108,6 +119,26 @@ fn ci() -> anyhow::Result<()> {
     engine.stop()?;
     eprintln!("xtask: ci passed");
     Ok(())
+}
+
+/// `cargo <sub>` of sessiond-recovery's `crashloop` test binary with the
+/// `failpoints` feature: a crash at each failpoint, and the SIGKILL crash loop
+/// (`SESSIOND_CRASHLOOP_SECS` long; a short smoke run when unset).
+fn crash_tests(sub: &str) -> Command {
+    let mut cmd = cargo(&[
+        sub,
+        "-p",
+        "sessiond-recovery",
+        "--features",
+        "failpoints",
+        "--locked",
+        "--test",
+        "crashloop",
+    ]);
+    if sub == "clippy" {
+        cmd.args(["--", "-D", "warnings"]);
+    }
+    cmd
 }
 
 /// Builds agentctl and acp-demo-agent and imports them as the image
