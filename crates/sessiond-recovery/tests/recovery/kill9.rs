@@ -555,6 +555,25 @@ async fn knock_out(w: &World, kit: Option<&DockerKit>, ids: &[SessionId]) {
     }
 }
 
+/// Like [`knock_out`], but also ends agentctls no record knows of (a
+/// crashed recovery may have spawned one and died before recording it).
+async fn knock_out_all(w: &World, kit: Option<&DockerKit>, ids: &[SessionId]) {
+    match kit {
+        Some(_) => knock_out(w, kit, ids).await,
+        None => {
+            let strays = w.strays();
+            for pid in &strays {
+                kill9(*pid);
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while strays.iter().any(|p| crate::support::is_running(*p)) {
+                assert!(Instant::now() < deadline, "strays survived kill -9");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
+
 /// What must be the same with and without crashes during recovery.
 async fn snapshot(w: &World, mgr: &SessionManager, ids: &[SessionId]) -> Vec<String> {
     let mut out = vec![format!(
@@ -621,21 +640,45 @@ async fn kill9_during_recovery(runtime: Runtime) {
         "{summary:?}"
     );
     let expected = snapshot(&w, &mgr, &ids).await;
+    // Kills land anywhere in [0, 1.5 x this] after the recovery started.
+    let span_ms = (summary.duration.as_millis() as u64 * 3 / 2).max(50);
     mgr.shutdown();
     drop(mgr);
-    knock_out(&w, kit.as_ref(), &ids).await;
 
-    // Crashes at random points of recovery.
+    // Crashes at random points of recovery. Every other round starts from
+    // a fresh loss of every agentctl; the rounds between start from what
+    // the crashed recovery before them left (intents, unrecorded spawns).
     let started = Instant::now();
+    let mut interrupted = 0;
     for round in 0..ROUNDS {
+        if round % 2 == 0 {
+            knock_out_all(&w, kit.as_ref(), &ids).await;
+        }
         let mut child = Backend::start(&w, kit.as_ref()).await;
-        let delay = Duration::from_millis((uuid::Uuid::new_v4().as_u128() % 1500) as u64);
+        let delay =
+            Duration::from_millis((uuid::Uuid::new_v4().as_u128() % u128::from(span_ms)) as u64);
         child.send("recover");
         tokio::time::sleep(delay).await;
-        eprintln!("round {round}: kill -9 {delay:?} into recovery");
+        let mut finished = false;
+        while let Ok(line) = child.lines.try_recv() {
+            finished |= line.contains("RECOVERED");
+        }
         child.kill9().await;
+        interrupted += usize::from(!finished);
+        eprintln!(
+            "round {round}: kill -9 {delay:?} into recovery ({})",
+            if finished {
+                "after it finished"
+            } else {
+                "during it"
+            }
+        );
     }
-    eprintln!("{ROUNDS} crash rounds in {:?}", started.elapsed());
+    eprintln!(
+        "{ROUNDS} crash rounds ({interrupted} during recovery) in {:?}",
+        started.elapsed()
+    );
+    assert!(interrupted > 0, "no round crashed during recovery");
 
     let mgr = manager(&w);
     mgr.recover_all().await.unwrap();
