@@ -215,6 +215,8 @@ pub struct RecoverySection {
     pub remote_backoff_initial: String,
     pub remote_backoff_max: String,
     pub remote_backoff_window: String,
+    pub orphan_sweep_grace: String,
+    pub orphan_sweep_interval: String,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -322,6 +324,8 @@ impl Default for RecoverySection {
             remote_backoff_initial: "250ms".into(),
             remote_backoff_max: "30s".into(),
             remote_backoff_window: "10m".into(),
+            orphan_sweep_grace: "2m".into(),
+            orphan_sweep_interval: "15m".into(),
         }
     }
 }
@@ -406,6 +410,10 @@ pub struct RecoveryConfig {
     pub remote_backoff_initial: Duration,
     pub remote_backoff_max: Duration,
     pub remote_backoff_window: Duration,
+    /// Docker only: sessiond-labelled containers no record tracks are removed
+    /// this long after the first recovery pass, then every interval.
+    pub orphan_sweep_grace: Duration,
+    pub orphan_sweep_interval: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -789,6 +797,9 @@ impl FileConfig {
                 .positive_duration("recovery.remote_backoff_max", &r.remote_backoff_max),
             remote_backoff_window: p
                 .duration("recovery.remote_backoff_window", &r.remote_backoff_window),
+            orphan_sweep_grace: p.duration("recovery.orphan_sweep_grace", &r.orphan_sweep_grace),
+            orphan_sweep_interval: p
+                .positive_duration("recovery.orphan_sweep_interval", &r.orphan_sweep_interval),
         };
         if recovery.remote_backoff_max < recovery.remote_backoff_initial {
             p.add(

@@ -52,8 +52,12 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     }
     let store = open_store(&config).await?;
     seed_profiles(&store, &config).await?;
-    let drivers = drivers(&config).await?;
+    let (drivers, docker) = drivers(&config).await?;
     let manager = SessionManager::new(store.clone(), drivers, manager_config(&config));
+    if let Some(docker) = docker {
+        // Waits for the first recovery pass and the grace period itself.
+        manager.start_orphan_sweep(docker);
+    }
 
     let (health, health_service) = tonic_health::server::health_reporter();
     for service in HEALTH_SERVICES {
@@ -265,7 +269,11 @@ fn client_config(config: &Config) -> anyhow::Result<ClientConfig> {
 }
 
 /// One driver per enabled runtime.
-async fn drivers(config: &Config) -> anyhow::Result<Vec<Arc<dyn Executor>>> {
+/// The executor drivers, and the Docker one again by its type for the orphan
+/// sweep when Docker is enabled.
+async fn drivers(
+    config: &Config,
+) -> anyhow::Result<(Vec<Arc<dyn Executor>>, Option<Arc<DockerExecutor>>)> {
     let e = &config.executors;
     let client = client_config(config)?;
     let mut standalone = StandaloneConfig::new(e.agentctl_path.clone(), e.run_dir.clone());
@@ -296,6 +304,7 @@ async fn drivers(config: &Config) -> anyhow::Result<Vec<Arc<dyn Executor>>> {
             ..RemoteConfig::default()
         })),
     ];
+    let mut docker_driver = None;
     if let Some(d) = &e.docker {
         let mut dc = sessiond_executor::docker::DockerConfig::new(
             d.host.clone(),
@@ -316,13 +325,16 @@ async fn drivers(config: &Config) -> anyhow::Result<Vec<Arc<dyn Executor>>> {
         let docker = DockerExecutor::connect(dc).await.with_context(|| {
             format!("executors.docker.host: cannot use the engine at {}", d.host)
         })?;
-        drivers.push(Arc::new(docker));
+        docker_driver = Some(Arc::new(docker));
+    }
+    if let Some(docker) = &docker_driver {
+        drivers.push(docker.clone());
     }
     tracing::debug!(
         runtimes = ?drivers.iter().map(|d| d.runtime()).collect::<Vec<Runtime>>(),
         "executor drivers"
     );
-    Ok(drivers)
+    Ok((drivers, docker_driver))
 }
 
 fn manager_config(config: &Config) -> ManagerConfig {
@@ -336,6 +348,8 @@ fn manager_config(config: &Config) -> ManagerConfig {
             initial: r.remote_backoff_initial,
             max: r.remote_backoff_max,
         },
+        orphan_sweep_grace: r.orphan_sweep_grace,
+        orphan_sweep_interval: Some(r.orphan_sweep_interval),
         ..ManagerConfig::default()
     }
 }
