@@ -602,6 +602,7 @@ impl World {
         let mut failures = Vec::new();
         let mut states: BTreeMap<String, usize> = BTreeMap::new();
         let mut undelivered = 0usize;
+        let mut out_of_order = 0usize;
         let mut turns_total = 0usize;
         let remote_ids: HashSet<String> = self
             .remotes
@@ -750,40 +751,52 @@ impl World {
                     failures.push(format!("{who}: the agent got prompt {p:?} twice"));
                 }
             }
-            // Walk the stored messages: each user message is followed by the
-            // agent's reply of its turn, or by nothing if it never reached
-            // the agent.
-            let mut t = 0usize;
-            let mut i = 0usize;
-            while i < msgs.len() {
-                let m = &msgs[i];
-                if m.role != MessageRole::User {
-                    if m.role == MessageRole::Agent {
-                        failures.push(format!(
-                            "{who}: agent message seq {} answers no delivered user message: {:?}",
-                            m.seq, m.content
-                        ));
-                    }
-                    i += 1;
+            // Every turn of the agent is stored once: its prompt as one user
+            // message, its reply as one complete agent message after it.
+            let mut delivered = HashSet::new();
+            let mut answers = HashSet::new();
+            for (p, expected) in &turns {
+                let Some(u) = msgs
+                    .iter()
+                    .find(|m| m.role == MessageRole::User && m.content == *p)
+                else {
+                    failures.push(format!(
+                        "{who}: the agent answered {p:?}, which the store does not have"
+                    ));
                     continue;
-                }
-                let reply = msgs.get(i + 1).filter(|n| n.role == MessageRole::Agent);
-                match turns.get(t) {
-                    Some((p, expected)) if *p == m.content => {
-                        match reply {
-                            Some(r) if r.complete && r.content == *expected => {}
-                            Some(r) => failures.push(format!(
-                                "{who}: stored reply to {p:?} is {:?} (complete: {}), the agent said {expected:?}",
-                                r.content, r.complete
-                            )),
-                            None => failures.push(format!(
-                                "{who}: the agent answered {p:?} but no reply is stored (lost)"
-                            )),
+                };
+                delivered.insert(u.seq);
+                let replies: Vec<_> = msgs
+                    .iter()
+                    .filter(|m| m.role == MessageRole::Agent && m.content == *expected)
+                    .collect();
+                match replies.as_slice() {
+                    [r] if r.complete && r.seq > u.seq => {
+                        answers.insert(r.seq);
+                        let later_user = msgs
+                            .iter()
+                            .any(|m| m.role == MessageRole::User && m.seq > u.seq && m.seq < r.seq);
+                        if later_user {
+                            out_of_order += 1;
+                            eprintln!(
+                                "{who}: the reply to {p:?} (seq {}) is stored after a later user message",
+                                r.seq
+                            );
                         }
-                        t += 1;
-                        i += if reply.is_some() { 2 } else { 1 };
                     }
-                    _ => {
+                    [] => failures.push(format!(
+                        "{who}: the agent answered {p:?} but no complete reply is stored (lost)"
+                    )),
+                    many => failures.push(format!(
+                        "{who}: the reply to {p:?} is stored {} times or misplaced: {:?}",
+                        many.len(),
+                        many.iter().map(|m| (m.seq, m.complete)).collect::<Vec<_>>()
+                    )),
+                }
+            }
+            for m in &msgs {
+                match m.role {
+                    MessageRole::User if !delivered.contains(&m.seq) => {
                         undelivered += 1;
                         if strict {
                             failures.push(format!(
@@ -791,24 +804,19 @@ impl World {
                                 m.content
                             ));
                         }
-                        if let Some(r) = reply {
-                            failures.push(format!(
-                                "{who}: undelivered {:?} has a stored reply {:?}",
-                                m.content, r.content
-                            ));
-                            i += 1;
-                        }
-                        i += 1;
                     }
+                    MessageRole::Agent if !answers.contains(&m.seq) => failures.push(format!(
+                        "{who}: agent message seq {} (complete: {}) is no turn of the agent: {:?}",
+                        m.seq, m.complete, m.content
+                    )),
+                    _ => {}
                 }
             }
-            if t != turns.len() {
-                failures.push(format!(
-                    "{who}: the agent's transcript has {} turns, the store matches {t} of them (lost in the store): {:?}",
-                    turns.len(),
-                    &turns[t..]
-                ));
-            }
+        }
+        if strict && out_of_order > 0 {
+            failures.push(format!(
+                "{out_of_order} replies stored after a later user message"
+            ));
         }
         assert!(
             failures.is_empty(),
@@ -816,7 +824,7 @@ impl World {
             failures.join("\n  ")
         );
         format!(
-            "states {states:?}, {turns_total} agent turns matched, {undelivered} stored user messages never reached the agent"
+            "states {states:?}, {turns_total} agent turns matched, {undelivered} stored user messages never reached the agent, {out_of_order} replies stored after a later user message"
         )
     }
 
