@@ -319,7 +319,7 @@ impl Default for RecoverySection {
     fn default() -> Self {
         Self {
             mode: "startup".into(),
-            concurrency: 8,
+            concurrency: 64,
             executor_deadline: "5s".into(),
             remote_backoff_initial: "250ms".into(),
             remote_backoff_max: "30s".into(),
@@ -966,7 +966,7 @@ mod tests {
             "/tmp/sessiond-test/sessiond.sqlite3".to_owned()
         );
         assert_eq!(c.metrics_listen.unwrap().port(), 9464);
-        assert_eq!(c.recovery.concurrency, 8);
+        assert_eq!(c.recovery.concurrency, 64);
         assert_eq!(c.recovery.executor_deadline, Duration::from_secs(5));
         assert_eq!(c.agents[0].name, DEMO_PROFILE);
         assert!(c.executors.docker.is_none());
