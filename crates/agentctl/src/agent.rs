@@ -11,7 +11,7 @@
 //! order matches the state order. `ops` serializes the slow lifecycle calls
 //! (launch, new session, resume).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -46,6 +46,9 @@ pub const DEFAULT_INITIALIZE_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(3);
 /// Deadline for `session/new` and `session/load`.
 const SESSION_SETUP_TIMEOUT: Duration = Duration::from_secs(120);
+/// How many started turns `Prompt` remembers for its idempotency by
+/// `turn_id` (the proto promises 256).
+pub const REMEMBERED_TURNS: usize = 256;
 
 /// How agentctl answers an agent's `session/request_permission`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -83,6 +86,19 @@ pub struct Launched {
     pub version: String,
     /// `agentCapabilities.loadSession`.
     pub load_session: bool,
+}
+
+/// What [`AgentManager::prompt`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prompted {
+    /// The turn's id (the caller's, or a generated one).
+    pub turn_id: String,
+    /// The id the reply's chunks carry.
+    pub message_id: String,
+    /// The turn id was known: nothing was started.
+    pub already_accepted: bool,
+    /// With `already_accepted`: the known turn has ended.
+    pub turn_ended: bool,
 }
 
 /// A snapshot for Health and Capabilities.
@@ -129,6 +145,11 @@ struct Slot {
     replaying: Option<SessionId>,
     /// Updates dropped during the current `session/load`, for the log.
     replayed: u64,
+    /// Turns started by this process, oldest first, at most
+    /// [`REMEMBERED_TURNS`]: `(turn_id, message_id, ended)`. Kept across
+    /// agent relaunches, so a Prompt re-sent for a turn an earlier agent of
+    /// this process got is not run again.
+    turns: VecDeque<(String, String, bool)>,
 }
 
 #[derive(Debug)]
@@ -162,6 +183,30 @@ impl Slot {
             updates.push(Kind::StateChanged(AgentStateChanged {
                 state: state as i32,
             }));
+        }
+    }
+
+    /// The answer to a Prompt for `turn_id` when this process started it.
+    fn known_turn(&self, turn_id: &str) -> Option<Prompted> {
+        if turn_id.is_empty() {
+            return None;
+        }
+        self.turns
+            .iter()
+            .rev()
+            .find(|t| t.0 == turn_id)
+            .map(|(t, m, ended)| Prompted {
+                turn_id: t.clone(),
+                message_id: m.clone(),
+                already_accepted: true,
+                turn_ended: *ended,
+            })
+    }
+
+    /// Marks a remembered turn ended.
+    fn turn_ended(&mut self, turn_id: &str) {
+        if let Some(t) = self.turns.iter_mut().rev().find(|t| t.0 == turn_id) {
+            t.2 = true;
         }
     }
 
@@ -263,6 +308,7 @@ impl AgentManager {
                     turn: None,
                     replaying: None,
                     replayed: 0,
+                    turns: VecDeque::new(),
                 }),
                 ops: tokio::sync::Mutex::new(()),
             }),
@@ -543,8 +589,15 @@ impl AgentManager {
         }
     }
 
-    /// Starts one turn in the background; returns `(turn_id, message_id)`.
-    pub fn prompt(&self, text: String, turn_id: String) -> Result<(String, String)> {
+    /// Starts one turn in the background. Idempotent by `turn_id`: a turn id
+    /// this process already started (in progress or among the last
+    /// [`REMEMBERED_TURNS`]) starts nothing and answers as the first call did.
+    pub fn prompt(&self, text: String, turn_id: String) -> Result<Prompted> {
+        let known = self.shared.slot().known_turn(&turn_id);
+        if let Some(p) = known {
+            tracing::info!(turn_id = %p.turn_id, ended = p.turn_ended, "Prompt for a turn already accepted; nothing started");
+            return Ok(p);
+        }
         if text.is_empty() {
             return Err(Error::InvalidArgument("prompt text is empty".into()));
         }
@@ -556,6 +609,11 @@ impl AgentManager {
         let message_id = uuid::Uuid::now_v7().to_string();
         let (conn, session, exit_rx, pid) = {
             let mut slot = self.shared.slot();
+            // Checked again under this lock: a concurrent duplicate may
+            // have started the turn since the check above.
+            if let Some(p) = slot.known_turn(&turn_id) {
+                return Ok(p);
+            }
             let conn = slot.connection()?;
             if slot.state == AgentState::Busy {
                 return Err(Error::FailedPrecondition(
@@ -577,6 +635,11 @@ impl AgentManager {
                 message_id: message_id.clone(),
                 session: session.clone(),
             });
+            slot.turns
+                .push_back((turn_id.clone(), message_id.clone(), false));
+            while slot.turns.len() > REMEMBERED_TURNS {
+                slot.turns.pop_front();
+            }
             slot.set_state(&self.shared.updates, AgentState::Busy);
             (conn, session, exit_rx, pid)
         };
@@ -608,7 +671,12 @@ impl AgentManager {
                 }
             }
         });
-        Ok((turn_id, message_id))
+        Ok(Prompted {
+            turn_id,
+            message_id,
+            already_accepted: false,
+            turn_ended: false,
+        })
     }
 
     /// Sends ACP `session/cancel` for the turn in progress.
@@ -672,6 +740,7 @@ fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) {
     slot.replaying = None;
     slot.session = None;
     if let Some(turn) = slot.turn.take() {
+        slot.turn_ended(&turn.turn_id);
         shared.updates.push(Kind::TurnEnded(TurnEnded {
             turn_id: turn.turn_id,
             stop_reason: "error".into(),
@@ -696,6 +765,7 @@ fn finish_turn(shared: &Shared, turn_id: &str, stop_reason: &str, error: &str) {
         return;
     }
     slot.turn = None;
+    slot.turn_ended(turn_id);
     shared.updates.push(Kind::TurnEnded(TurnEnded {
         turn_id: turn_id.to_owned(),
         stop_reason: stop_reason.to_owned(),

@@ -108,6 +108,7 @@ impl AgentCtlService for AgentCtl {
             uptime_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
             pid: std::process::id(),
             instance_id: self.updates.instance_id().to_owned(),
+            latest_cursor: self.updates.latest(),
         }))
     }
 
@@ -162,10 +163,12 @@ impl AgentCtlService for AgentCtl {
 
     async fn prompt(&self, req: Request<PromptRequest>) -> Res<PromptResponse> {
         let r = req.into_inner();
-        let (turn_id, message_id) = self.agent.prompt(r.text, r.turn_id)?;
+        let p = self.agent.prompt(r.text, r.turn_id)?;
         Ok(Response::new(PromptResponse {
-            turn_id,
-            message_id,
+            turn_id: p.turn_id,
+            message_id: p.message_id,
+            already_accepted: p.already_accepted,
+            turn_ended: p.turn_ended,
         }))
     }
 

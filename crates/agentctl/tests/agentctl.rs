@@ -510,6 +510,117 @@ async fn launch_prompt_stop_relaunch_resume_continues_conversation() {
     h.assert_no_leftovers().await;
 }
 
+/// Prompt is idempotent by `turn_id`: the same id again (while the turn
+/// runs, after it ended, after the agent was relaunched in the same agentctl)
+/// starts nothing and answers with the first call's ids; the agent answers
+/// the prompt once. A new id still starts a turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_is_idempotent_by_turn_id() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let mut stream = Stream::open(&mut c, 0).await;
+    // Slow chunks, so the duplicate arrives while the turn runs.
+    c.launch_agent(h.demo(true, &[("ACP_DEMO_CHUNK_DELAY_MS", "300")]))
+        .await
+        .expect("launch");
+    let token = c
+        .new_session(NewSessionRequest {})
+        .await
+        .expect("session")
+        .into_inner()
+        .resume_token;
+    let req = || PromptRequest {
+        text: "only once".into(),
+        turn_id: "turn-a".into(),
+    };
+    let first = c.prompt(req()).await.expect("prompt").into_inner();
+    assert_eq!(first.turn_id, "turn-a");
+    assert!(!first.already_accepted);
+    // While it runs.
+    let dup = c.prompt(req()).await.expect("duplicate").into_inner();
+    assert_eq!(
+        (dup.turn_id.as_str(), dup.message_id.as_str()),
+        ("turn-a", first.message_id.as_str())
+    );
+    assert!(dup.already_accepted && !dup.turn_ended, "{dup:?}");
+    // Empty text is fine for a known turn: nothing is started anyway.
+    let dup = c
+        .prompt(PromptRequest {
+            text: String::new(),
+            turn_id: "turn-a".into(),
+        })
+        .await
+        .expect("duplicate without text")
+        .into_inner();
+    assert!(dup.already_accepted);
+    let updates = stream.until_turn_end("turn-a").await;
+    let (reply, _) = reply_text(&updates, &first.message_id);
+    assert_eq!(
+        reply,
+        format!("turn 1 of session {token}: you said \"only once\"")
+    );
+    assert_eq!(health(&mut c).await.agent_state(), AgentState::Ready);
+    // After it ended.
+    let latest = health(&mut c).await.latest_cursor;
+    // The TurnEnded, then the agent's state going back to READY.
+    let ready = stream
+        .until(|u| matches!(u.kind, Some(Kind::StateChanged(_))))
+        .await;
+    assert_eq!(latest, ready.last().unwrap().cursor, "latest_cursor");
+    assert_eq!(latest, updates.last().unwrap().cursor + 1);
+    let dup = c.prompt(req()).await.expect("duplicate").into_inner();
+    assert!(dup.already_accepted && dup.turn_ended, "{dup:?}");
+    assert_eq!(dup.message_id, first.message_id);
+    assert_eq!(health(&mut c).await.agent_state(), AgentState::Ready);
+    assert_eq!(
+        health(&mut c).await.latest_cursor,
+        latest,
+        "nothing happened"
+    );
+
+    // Another agent of the same agentctl: the turn is still known.
+    c.stop_agent(StopAgentRequest { grace_ms: 2000 })
+        .await
+        .expect("stop");
+    c.launch_agent(h.demo(true, &[])).await.expect("relaunch");
+    c.resume_session(ResumeSessionRequest {
+        resume_token: token.clone(),
+    })
+    .await
+    .expect("resume");
+    let dup = c.prompt(req()).await.expect("duplicate").into_inner();
+    assert!(dup.already_accepted && dup.turn_ended, "{dup:?}");
+    // A new turn id starts a turn, numbered after the single first one.
+    let next = c
+        .prompt(PromptRequest {
+            text: "next".into(),
+            turn_id: "turn-b".into(),
+        })
+        .await
+        .expect("prompt")
+        .into_inner();
+    assert!(!next.already_accepted);
+    let updates = stream.until_turn_end("turn-b").await;
+    let (reply, _) = reply_text(&updates, &next.message_id);
+    assert_eq!(
+        reply,
+        format!("turn 2 of session {token}: you said \"next\"")
+    );
+    // The agent's transcript holds "only once" exactly once.
+    let transcript =
+        std::fs::read_to_string(h.base.path().join("state").join(format!("{token}.json")))
+            .expect("transcript");
+    assert_eq!(
+        transcript.matches("only once").count(),
+        2,
+        "prompt + reply: {transcript}"
+    );
+
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_agentctl_process_resumes_the_conversation() {
     let h = Harness::new();
