@@ -354,7 +354,17 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
     let duration = Duration::from_secs(opts.load_secs);
     if let Some((db, seeded)) = &rss_db {
         let data = dir.path().join("sessiond-data");
-        let mut cmd = Command::new(opts.bin_dir.join("sessiond"));
+        // SESSIOND_BENCH_WRAP (e.g. `heaptrack -o /tmp/h`): run the server
+        // under a profiler; its figures then describe the profiled run.
+        let mut cmd = match std::env::var("SESSIOND_BENCH_WRAP") {
+            Ok(w) if !w.trim().is_empty() => {
+                let mut words = w.split_whitespace();
+                let mut c = Command::new(words.next().unwrap_or_default());
+                c.args(words).arg(opts.bin_dir.join("sessiond"));
+                c
+            }
+            _ => Command::new(opts.bin_dir.join("sessiond")),
+        };
         cmd.args([
             "serve",
             "--database-url",
@@ -373,7 +383,11 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         let ready = load::wait_serving(&addr, Duration::from_secs(300)).await?;
         let after_recovery = proc_status(server.pid())?;
         let log = std::fs::read_to_string(dir.path().join("sessiond.log")).unwrap_or_default();
-        for line in log.lines().filter(|l| l.contains("WARN") || l.contains("ERROR")).take(3) {
+        for line in log
+            .lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+            .take(3)
+        {
             say(format!("sessiond log: {line}"));
         }
         say(format!(

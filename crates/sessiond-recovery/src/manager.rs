@@ -52,6 +52,28 @@ impl Execution {
     }
 }
 
+/// What `GetSessionStatus` reads of one session, kept in memory.
+#[derive(Debug, Clone)]
+struct StatusEntry {
+    /// The session row as last committed (or loaded).
+    session: Arc<Session>,
+    /// The agent profile's `supports_session_resume` (profiles are written
+    /// at startup, before the manager serves).
+    profile_claim: bool,
+    /// The executor record as loaded or last committed; the executors cache
+    /// wins over it when it knows the session.
+    record: Option<ExecutionView>,
+}
+
+/// The status snapshot: entries are created only by a load from the store
+/// and replaced by commits; `generation` moves whenever a commit or removal
+/// could make an in-flight load stale, and such a load is then not kept.
+#[derive(Debug, Default)]
+struct StatusSnapshot {
+    generation: u64,
+    entries: HashMap<SessionId, StatusEntry>,
+}
+
 /// Counters of what this manager started, for tests and metrics.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
@@ -102,6 +124,8 @@ pub(crate) struct Inner {
     pub bus: EventBus,
     pub counters: Counters,
     cache: StdMutex<HashMap<SessionId, Execution>>,
+    /// Write-through snapshot of what GetSessionStatus reads (see [`StatusSnapshot`]).
+    status: StdMutex<StatusSnapshot>,
     /// Per session: the agentctl client and the (url, secret) it was made for.
     clients: StdMutex<HashMap<SessionId, (String, String, AgentctlClient)>>,
     locks: StdMutex<HashMap<SessionId, Arc<tokio::sync::Mutex<()>>>>,
@@ -158,6 +182,7 @@ impl SessionManager {
                 config,
                 counters: Counters::default(),
                 cache: StdMutex::default(),
+                status: StdMutex::default(),
                 clients: StdMutex::default(),
                 locks: StdMutex::default(),
                 inflight: StdMutex::default(),
@@ -214,11 +239,18 @@ impl SessionManager {
     /// Session state and its execution's status, for this session only
     /// (seed "Session Status API").
     ///
-    /// One store round trip (session, profile claim and executor record
-    /// together); the executors cache, when it knows the session, wins over
-    /// the stored record.
+    /// Answered from memory: the session row and the profile's claim come
+    /// from the status snapshot (loaded from the store on first use, in one
+    /// round trip, then replaced by every [`SessionManager::commit`]), the
+    /// execution from the executors cache, or, for a session this manager
+    /// never wrote, from the record loaded with the snapshot.
     pub async fn session_status(&self, task: TaskId, session: SessionId) -> Result<SessionStatus> {
-        let (s, profile_claim, record) = self.inner.store.session_status_inputs(session).await?;
+        let cached = lock(&self.inner.status).entries.get(&session).cloned();
+        let snap = match cached {
+            Some(e) => e,
+            None => self.load_status_inputs(session).await?,
+        };
+        let s = &snap.session;
         if s.task_id != task {
             return Err(Error::WrongTask {
                 session_id: session,
@@ -226,15 +258,66 @@ impl SessionManager {
                 actual: s.task_id,
             });
         }
-        let view = match self.execution(s.id) {
-            Some(e) => Some(e.view()),
-            None => record.map(|r| ExecutionView::from_record(&r)),
-        };
+        let cached = lock(&self.inner.cache).get(&session).map(Execution::view);
+        let view = cached.or(snap.record);
         Ok(sessiond_domain::session_status(
-            &s,
+            s,
             view.as_ref(),
-            profile_claim,
+            snap.profile_claim,
         ))
+    }
+
+    /// Reads a session's status inputs from the store and keeps them in the
+    /// snapshot, unless a commit or removal of any session happened while
+    /// reading (then what was read is answered once and not kept).
+    async fn load_status_inputs(&self, session: SessionId) -> Result<StatusEntry> {
+        let generation = lock(&self.inner.status).generation;
+        let (s, profile_claim, record) = self.inner.store.session_status_inputs(session).await?;
+        let entry = StatusEntry {
+            session: Arc::new(s),
+            profile_claim,
+            record: record.map(|r| ExecutionView::from_record(&r)),
+        };
+        let mut snap = lock(&self.inner.status);
+        if snap.generation == generation {
+            return Ok(snap.entries.entry(session).or_insert(entry).clone());
+        }
+        Ok(entry)
+    }
+
+    /// Keeps the status snapshot current after a commit (called before the
+    /// commit returns, so a status read after it never sees older state).
+    fn snapshot_committed(&self, committed: &Committed) {
+        if committed.session.is_none() && committed.executor.is_none() {
+            return;
+        }
+        let mut snap = lock(&self.inner.status);
+        // A session not in the snapshot: a load racing with this commit
+        // must not keep what it read before it.
+        let mut missed = false;
+        if let Some(s) = &committed.session {
+            match snap.entries.get_mut(&s.id) {
+                Some(e) if s.version >= e.session.version => e.session = Arc::new(s.clone()),
+                Some(_) => {}
+                None => missed = true,
+            }
+        }
+        if let Some(r) = &committed.executor {
+            match snap.entries.get_mut(&r.session_id) {
+                Some(e) => e.record = Some(ExecutionView::from_record(r)),
+                None => missed = true,
+            }
+        }
+        if missed {
+            snap.generation += 1;
+        }
+    }
+
+    /// Drops a session from the status snapshot (its record was removed).
+    fn snapshot_forget(&self, session: SessionId) {
+        let mut snap = lock(&self.inner.status);
+        snap.entries.remove(&session);
+        snap.generation += 1;
     }
 
     pub(crate) async fn status_of(&self, s: &Session) -> Result<SessionStatus> {
@@ -342,10 +425,11 @@ impl SessionManager {
     /// Commits and then publishes what was committed.
     pub(crate) async fn commit(&self, change: Changeset) -> Result<Committed> {
         let committed = self.inner.store.commit(change).await?;
-        self.inner.bus.publish(&committed.events);
         if let Some(record) = &committed.executor {
             self.cache_record(record);
         }
+        self.snapshot_committed(&committed);
+        self.inner.bus.publish(&committed.events);
         Ok(committed)
     }
 
@@ -389,6 +473,7 @@ impl SessionManager {
     pub(crate) fn cache_remove(&self, session: SessionId) {
         lock(&self.inner.cache).remove(&session);
         lock(&self.inner.clients).remove(&session);
+        self.snapshot_forget(session);
     }
 
     /// The task's state change for `event`, added to `change` when it moves.

@@ -17,7 +17,7 @@
 //!   from the store at scrape time.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashMap},
     fmt::Write as _,
     future::Future,
     pin::Pin,
@@ -64,7 +64,9 @@ pub type Snapshot = BoxFuture<'static, Vec<(String, Vec<(String, String, f64)>)>
 
 #[derive(Default)]
 struct Inner {
-    rpc: BTreeMap<(String, String), Histogram>,
+    /// By method, then status code: a call looks its method up by `&str`
+    /// and allocates only the first time a method is seen.
+    rpc: HashMap<String, BTreeMap<&'static str, Histogram>>,
     recovery_seconds: Option<f64>,
     recovery_outcomes: BTreeMap<String, u64>,
     recovery_done: bool,
@@ -97,12 +99,14 @@ impl Metrics {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn observe_rpc(&self, method: &str, code: &str, elapsed: Duration) {
-        self.lock()
-            .rpc
-            .entry((method.to_owned(), code.to_owned()))
-            .or_default()
-            .observe(elapsed.as_secs_f64());
+    pub fn observe_rpc(&self, method: &str, code: &'static str, elapsed: Duration) {
+        let seconds = elapsed.as_secs_f64();
+        let mut inner = self.lock();
+        let by_code = match inner.rpc.get_mut(method) {
+            Some(m) => m,
+            None => inner.rpc.entry(method.to_owned()).or_default(),
+        };
+        by_code.entry(code).or_default().observe(seconds);
     }
 
     pub fn record_recovery(&self, elapsed: Duration, outcomes: &[(String, u64)]) {
@@ -127,7 +131,13 @@ impl Metrics {
                 "# HELP sessiond_rpc_duration_seconds Time from request to response headers, by gRPC method and status code.\n\
                  # TYPE sessiond_rpc_duration_seconds histogram\n",
             );
-            for ((method, code), h) in &inner.rpc {
+            let mut rpc: Vec<(&str, &str, &Histogram)> = inner
+                .rpc
+                .iter()
+                .flat_map(|(m, by_code)| by_code.iter().map(move |(c, h)| (m.as_str(), *c, h)))
+                .collect();
+            rpc.sort_unstable_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+            for (method, code, h) in rpc {
                 let labels = format!("method=\"{}\",code=\"{}\"", escape(method), escape(code));
                 for (i, bound) in BUCKETS.iter().enumerate() {
                     let n = h.counts.get(i).copied().unwrap_or(0);
@@ -296,7 +306,8 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let method = request.uri().path().to_owned();
+        // `Uri` is `Bytes`-backed: this clone does not allocate.
+        let uri = request.uri().clone();
         let metrics = self.metrics.clone();
         let started = Instant::now();
         self.inner
@@ -313,7 +324,7 @@ where
                         .unwrap_or(tonic::Code::Ok),
                     Err(_) => tonic::Code::Internal,
                 };
-                metrics.observe_rpc(&method, code_name(code), started.elapsed());
+                metrics.observe_rpc(uri.path(), code_name(code), started.elapsed());
                 result
             })
             .boxed()
