@@ -381,8 +381,14 @@ impl SessionManager {
             .session
             .ok_or_else(|| Error::Internal("no session".into()))?;
         if !self.has_pump(session_id) {
-            self.start_pump(&running, &record);
+            // From the state before this turn: the turn is prompted just
+            // below, the pump has no pending turn to settle.
+            self.start_pump(&session, &record);
         }
+        // Test-only crash point: the user message and the RUNNING state are
+        // committed, the Prompt has not been sent (recovery re-delivers it).
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("prompt-after-commit");
 
         let client = self.client(&record)?;
         let prompted = client

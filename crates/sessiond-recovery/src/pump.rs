@@ -16,6 +16,18 @@
 //! - `Gap` (the cursor fell out of agentctl's buffer): the pending message is
 //!   completed as it is, and if the agent is idle by now the turn is ended.
 //! - The agent exiting (not on our request) puts a live session in ERROR.
+//! - A pending turn (the pump starts on a RUNNING session with a `turn_id`,
+//!   i.e. after a restart or resume): the pump first catches up, i.e. reads
+//!   up to agentctl's `latest_cursor` at its start, so a reply the agent gave
+//!   while the backend was down is stored, and its `TurnEnded` moves the
+//!   session to WAITING_FOR_INPUT, before anything else can happen (recovery
+//!   keeps such a session RUNNING; `send_message` refuses RUNNING). If it
+//!   caught up, no `TurnEnded` of that turn came and the agent is idle, the
+//!   turn is settled ([`Pump::settle_pending`]): a reply stored for it means
+//!   the prompt reached the agent, so the turn is ended as it is (never run
+//!   twice); otherwise its Prompt is sent again with the same `turn_id`
+//!   (agentctl's Prompt is idempotent by `turn_id`, so a Prompt that did
+//!   arrive before the crash is not run again).
 
 use std::time::{Duration, Instant};
 
@@ -41,6 +53,11 @@ pub(crate) const TURN_KEY: &str = "turn_id";
 
 /// How many reconnects in a row may fail before agentctl counts as lost.
 const MAX_STREAM_FAILURES: u32 = 5;
+
+/// Appended to a partial reply that a settled turn completes: the prompt had
+/// reached the agent, which stopped before it finished, and it is not asked
+/// again.
+pub(crate) const INTERRUPTED_NOTE: &str = "\n\n[sessiond: this reply was interrupted (the agent stopped before it finished) and the message was not sent again]";
 
 pub(crate) fn cursor_value(generation: i64, cursor: u64) -> String {
     format!("{generation}:{cursor}")
@@ -75,6 +92,10 @@ struct Pump {
     client: AgentctlClient,
     cursor: u64,
     pending: Option<Pending>,
+    /// The session's pending turn (user message id) to settle once caught up.
+    settle: Option<String>,
+    /// agentctl's latest cursor when this pump started (for `settle`).
+    target: Option<u64>,
 }
 
 impl SessionManager {
@@ -95,6 +116,8 @@ impl SessionManager {
             client,
             cursor: stored_cursor(session, record.generation),
             pending: None,
+            settle: pending_turn(session),
+            target: None,
         };
         let handle = tokio::spawn(pump.run());
         self.set_pump(session.id, handle.abort_handle());
@@ -107,10 +130,20 @@ impl SessionManager {
     }
 }
 
+/// The turn a RUNNING session waits for (its user message id), if any.
+pub(crate) fn pending_turn(session: &Session) -> Option<String> {
+    (session.state == SessionState::Running)
+        .then(|| session.metadata.get(TURN_KEY).cloned())
+        .flatten()
+}
+
 impl Pump {
     async fn run(mut self) {
         let mut failures = 0u32;
         loop {
+            if self.settle.is_some() && self.target.is_none() {
+                self.target = self.latest_cursor().await;
+            }
             let opened = self
                 .client
                 .raw()
@@ -121,6 +154,7 @@ impl Pump {
             let mut stream = match opened {
                 Ok(r) => {
                     failures = 0;
+                    self.try_settle().await;
                     r.into_inner()
                 }
                 Err(status) => {
@@ -154,6 +188,7 @@ impl Pump {
                         if let Err(e) = self.handle(update).await {
                             tracing::warn!(session = %self.session_id, error = %e, "could not apply agent update");
                         }
+                        self.try_settle().await;
                     }
                     Ok(None) | Err(_) => break,
                 }
@@ -434,14 +469,165 @@ impl Pump {
             Ok(AgentState::Ready)
         );
         if idle {
+            // The turn in progress is the session's own (a gap's lost
+            // TurnEnded cannot name it).
+            let turn_id = self
+                .mgr
+                .inner
+                .store
+                .get_session(self.session_id)
+                .await?
+                .metadata
+                .get(TURN_KEY)
+                .cloned()
+                .unwrap_or_default();
             let end = pb::TurnEnded {
-                turn_id: String::new(),
+                turn_id,
                 stop_reason: "end_turn".into(),
                 error_message: String::new(),
             };
             self.turn_ended(&end).await?;
         }
         Ok(())
+    }
+
+    /// agentctl's newest cursor now: what this pump must have read to have
+    /// caught up. 0 (nothing to wait for) from an agentctl too old to say;
+    /// `None` when it does not answer (asked again at the next reconnect).
+    async fn latest_cursor(&self) -> Option<u64> {
+        let limit = self.mgr.inner.config.executor_deadline;
+        match tokio::time::timeout(limit, self.client.raw().health(pb::HealthRequest {})).await {
+            Ok(Ok(h)) => Some(h.into_inner().latest_cursor),
+            _ => None,
+        }
+    }
+
+    /// Settles the pending turn once the pump has caught up.
+    async fn try_settle(&mut self) {
+        let caught_up = self.target.is_some_and(|t| self.cursor >= t);
+        if !caught_up {
+            return;
+        }
+        let Some(turn) = self.settle.take() else {
+            return;
+        };
+        if let Err(e) = self.settle_pending(&turn).await {
+            tracing::warn!(session = %self.session_id, %turn, error = %e, "could not settle the pending turn");
+        }
+    }
+
+    /// The session is RUNNING turn `turn`, everything agentctl had when the
+    /// pump started has been applied, and no `TurnEnded` of the turn came.
+    /// With the agent busy, its `TurnEnded` will come. With the agent idle:
+    ///
+    /// - a reply stored after the turn's user message means the prompt
+    ///   reached the agent (of this or an earlier agentctl) and the turn is
+    ///   over, its end lost: the reply is completed (a partial one with
+    ///   [`INTERRUPTED_NOTE`]) and the turn ends. The prompt is never run a
+    ///   second time in the conversation.
+    /// - no reply: the Prompt is sent again with the same `turn_id`. If it
+    ///   had reached this agentctl, agentctl says so (`already_accepted`)
+    ///   and starts nothing; an ended turn is then ended here too. A
+    ///   relaunched agentctl knows no earlier turn: the prompt is delivered,
+    ///   which is right when the first delivery never reached an agent, and
+    ///   the one imprecise case is an agent that got the prompt and died
+    ///   before its first reply chunk (then it may see the prompt twice).
+    async fn settle_pending(&mut self, turn: &str) -> Result<()> {
+        let guard = self.mgr.lock_session(self.session_id).await;
+        let store = &self.mgr.inner.store;
+        let session = store.get_session(self.session_id).await?;
+        if pending_turn(&session).as_deref() != Some(turn) {
+            return Ok(()); // its TurnEnded came, or the session moved on
+        }
+        let limit = self.mgr.inner.config.executor_deadline;
+        let state = match tokio::time::timeout(limit, self.client.health()).await {
+            Ok(Ok(h)) => h.agent_state,
+            _ => return Ok(()), // agentctl not answering: the stream handling decides
+        };
+        if state != AgentState::Ready {
+            tracing::debug!(session = %self.session_id, turn, ?state, "pending turn: agent not idle, waiting for its TurnEnded");
+            return Ok(());
+        }
+        let msgs = store.list_messages(self.session_id, 0, u32::MAX).await?;
+        let user = msgs
+            .iter()
+            .find(|m| m.role == MessageRole::User && m.id.to_string() == turn);
+        let replies: Vec<&Message> = match user {
+            Some(u) => msgs
+                .iter()
+                .filter(|m| m.role == MessageRole::Agent && m.seq > u.seq)
+                .collect(),
+            None => Vec::new(),
+        };
+        let Some(user) = user.filter(|_| replies.is_empty() && self.pending.is_none()) else {
+            // Answered (or nothing to answer): complete what is stored, end the turn.
+            let mut change = self.complete_pending_into(Changeset::new()).await?;
+            for r in replies.iter().filter(|r| !r.complete) {
+                let content = format!("{}{INTERRUPTED_NOTE}", r.content);
+                let mut m = (*r).clone();
+                m.content.clone_from(&content);
+                m.complete = true;
+                m.updated_at = Utc::now();
+                change = change
+                    .update_message(r.id, content, true)
+                    .event(self.session_id, EventPayload::MessageUpdated(m));
+            }
+            if !change.is_empty() {
+                self.mgr.commit(change).await?;
+            }
+            drop(guard);
+            tracing::info!(session = %self.session_id, turn, replies = replies.len(),
+                "pending turn was answered but its end was lost; ending it without asking again");
+            return self.end_turn(turn).await;
+        };
+        let prompted = self
+            .client
+            .raw()
+            .prompt(pb::PromptRequest {
+                text: user.content.clone(),
+                turn_id: turn.to_owned(),
+            })
+            .await;
+        match prompted {
+            Ok(r) => {
+                let r = r.into_inner();
+                if r.already_accepted {
+                    tracing::info!(session = %self.session_id, turn, ended = r.turn_ended,
+                        "pending turn had reached agentctl; not sent again");
+                    if r.turn_ended {
+                        drop(guard);
+                        return self.end_turn(turn).await;
+                    }
+                } else {
+                    tracing::info!(session = %self.session_id, turn,
+                        "pending turn had not reached the agent; delivered it again");
+                }
+                Ok(())
+            }
+            Err(status) => {
+                let e = crate::error::Error::agent("Prompt", &status);
+                let reason = format!(
+                    "the agent did not accept the message: {e}; resume the session, then send it again"
+                );
+                let (failed, ev) = transition(&session, SessionEvent::Failed, Some(reason))?;
+                let mut change = Changeset::new().update_session(failed);
+                if let Some(ev) = ev {
+                    change = change.event(self.session_id, ev);
+                }
+                self.mgr.commit(change).await?;
+                Ok(())
+            }
+        }
+    }
+
+    /// Ends turn `turn` as if its `TurnEnded` (end_turn) had arrived.
+    async fn end_turn(&mut self, turn: &str) -> Result<()> {
+        let end = pb::TurnEnded {
+            turn_id: turn.to_owned(),
+            stop_reason: "end_turn".into(),
+            error_message: String::new(),
+        };
+        self.turn_ended(&end).await
     }
 
     /// agentctl stopped answering: executor `error`, a live session ERROR.

@@ -22,7 +22,7 @@ use futures::{FutureExt, StreamExt};
 use sessiond_domain::{
     Action, AgentProcessState, AgentProfile, EventPayload, ExecutorRecord, ExecutorStatus,
     Observation, OutcomeLabel, Recovery, RecoveryInput, RecoveryOutcome, Runtime, Session,
-    SessionId, SurvivingAgent, TaskEvent,
+    SessionId, SessionState, SurvivingAgent, TaskEvent,
 };
 use sessiond_executor::{ExecutorHandle, Probe};
 use sessiond_store::Changeset;
@@ -31,6 +31,7 @@ use crate::{
     error::{Error, Result},
     manager::{OpKind, OpOutcome, SessionManager},
     ops::{probe_verdict, surviving_agent},
+    pump::pending_turn,
 };
 
 /// The error code (message prefix) of an executor whose remote host is being
@@ -494,8 +495,27 @@ impl SessionManager {
 
     /// Persists the outcome with its events; syncs the cache; starts the
     /// update pump or the background reconnect.
-    async fn finish(&self, run: Run, outcome: RecoveryOutcome) -> Result<()> {
+    ///
+    /// A session that was RUNNING a turn (`turn_id` stored) and whose agent
+    /// is back stays RUNNING, with no event, whatever the machine's outcome
+    /// says (WAITING_FOR_INPUT for an idle agent): its update pump first
+    /// stores what agentctl buffered while the backend was down, and the
+    /// turn's `TurnEnded` (or the pump settling the turn, which re-delivers
+    /// a prompt that never reached the agent) moves it on. So the next user
+    /// message can never be stored before the reply to this one.
+    async fn finish(&self, run: Run, mut outcome: RecoveryOutcome) -> Result<()> {
         let sid = run.session.id;
+        let agent_back = matches!(
+            outcome.label,
+            OutcomeLabel::Resumed | OutcomeLabel::Reattached
+        );
+        if agent_back && pending_turn(&run.session).is_some() {
+            outcome.session_state = run.session.state;
+            outcome.session_error = None;
+            outcome
+                .events
+                .retain(|e| !matches!(e, EventPayload::StateChanged { .. }));
+        }
         let mut record = run.record.clone();
         record.status = outcome.executor_status;
         record.error_message = outcome.executor_error.as_ref().map(|f| f.message());
@@ -516,11 +536,7 @@ impl SessionManager {
         for event in outcome.events.iter().cloned() {
             change = change.event(sid, event);
         }
-        let agent_back = matches!(
-            outcome.label,
-            OutcomeLabel::Resumed | OutcomeLabel::Reattached
-        );
-        if agent_back {
+        if agent_back && outcome.session_state != SessionState::Running {
             change = self
                 .with_task_event(change, run.session.task_id, TaskEvent::ReadyForReview)
                 .await?;

@@ -27,6 +27,7 @@ use crate::{
     error::{Error, Result},
     manager::{OpKind, OpOutcome, SessionManager, transition},
     ops::{probe_verdict, recorded_process_alive},
+    pump::pending_turn,
 };
 
 /// How an explicit resume brings agentctl back, decided before anything is
@@ -165,6 +166,10 @@ impl SessionManager {
         let Some(token) = session.resume_token.clone() else {
             return Err(Error::MissingResumeToken { session_id });
         };
+        // A turn the session was RUNNING: once the agent is back the session
+        // returns to RUNNING and its update pump settles the turn
+        // (re-delivering a prompt that never reached the agent).
+        let pending = pending_turn(&session).is_some();
         let driver = self.driver(record.runtime)?;
         let limit = self.inner.config.executor_deadline;
 
@@ -373,7 +378,12 @@ impl SessionManager {
         });
         match resumed {
             Ok(()) => {
-                let (s2, ev) = transition(&session, SessionEvent::Resumed, None)?;
+                let event = if pending {
+                    SessionEvent::AgentFoundBusy
+                } else {
+                    SessionEvent::Resumed
+                };
+                let (s2, ev) = transition(&session, event, None)?;
                 let mut change = Changeset::new().update_session(s2);
                 if let Some(ev) = ev {
                     change = change.event(session_id, ev);
@@ -383,9 +393,11 @@ impl SessionManager {
                     r.resume_token = Some(token.clone());
                     change = change.update_executor(r);
                 }
-                change = self
-                    .with_task_event(change, session.task_id, TaskEvent::ReadyForReview)
-                    .await?;
+                if !pending {
+                    change = self
+                        .with_task_event(change, session.task_id, TaskEvent::ReadyForReview)
+                        .await?;
+                }
                 let committed = self.commit(change).await?;
                 session = committed.session.unwrap_or(session);
                 if let Some(r) = committed.executor {

@@ -14,13 +14,13 @@
 //! before the backend finished recovering and requires at least one.
 //!
 //! Messages: a turn the agent ran must be stored exactly once (prompt and
-//! complete reply), and nothing the agent did not say may be stored; that
-//! fails the test. Two weaker outcomes of a kill are counted and printed, not
-//! failed, because the recovery crate does not prevent them yet: a user
-//! message stored by a backend killed before its Prompt reached agentctl is
-//! never delivered (no re-delivery after a restart), and a reply replayed by
-//! the update pump after recovery already reported WAITING_FOR_INPUT can be
-//! stored after the next user message. The failpoint tests fail on both.
+//! complete reply), nothing the agent did not say may be stored, every
+//! stored user message must have reached the agent exactly once (a backend
+//! killed between storing a message and its Prompt included: recovery
+//! re-delivers it), and every reply must be stored before the next user
+//! message (recovery keeps a session RUNNING until the reply agentctl
+//! buffered while the backend was down is stored). Any of these fails the
+//! test.
 
 use std::time::{Duration, Instant};
 
@@ -156,10 +156,10 @@ async fn crash_loop_converges() {
         );
     }
     w.settle(Duration::from_secs(60)).await;
-    let line = w.assert_converged(&mgr, false).await;
+    let line = w.assert_converged(&mgr).await;
     println!("crash loop: {} sessions converged: {line}", sessions.len());
     let prompted = w.prompt_all(&mgr).await;
-    w.assert_converged(&mgr, false).await;
+    w.assert_converged(&mgr).await;
     println!("crash loop: {prompted} conversations continued at the right turn");
     assert!(
         sessions.len() == SESSIONS,

@@ -1,8 +1,9 @@
 //! One crash per failpoint: the child backend SIGKILLs itself at the point
 //! (the test asserts it got there), a clean backend starts on the same store
 //! and world, and the world must have converged (`World::assert_converged`,
-//! strict: no message may be left undelivered), with every conversation that
-//! existed before the crash continuing at the right turn.
+//! strict: no message may be left undelivered or stored out of order), with
+//! every conversation that existed before the crash continuing at the right
+//! turn.
 //!
 //! Sessions on every runtime: standalone, remote, and Docker when enabled.
 
@@ -51,9 +52,9 @@ async fn restart_and_check(w: &World) -> usize {
         assert_ne!(s.state, SessionState::Starting, "left STARTING: {s:?}");
     }
     w.settle(Duration::from_secs(30)).await;
-    let line = w.assert_converged(&mgr, true).await;
+    let line = w.assert_converged(&mgr).await;
     let prompted = w.prompt_all(&mgr).await;
-    w.assert_converged(&mgr, true).await;
+    w.assert_converged(&mgr).await;
     eprintln!("converged: {line}; {prompted} conversations continued");
     w.cleanup(&mgr).await;
     prompted
@@ -113,7 +114,7 @@ async fn crash_in_create(fp: &str) {
         };
         assert_eq!(r.status, expected, "{s:?} {r:?}");
     }
-    let line = w.assert_converged(&mgr_check, true).await;
+    let line = w.assert_converged(&mgr_check).await;
     eprintln!("converged: {line}");
     w.cleanup(&mgr_check).await;
 }
@@ -186,4 +187,62 @@ async fn recovery_after_ready_after_relaunch() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recovery_after_ready_after_reattach() {
     crash_in_recovery("recovery-after-ready", false).await;
+}
+
+/// The backend dies after committing a user message (session RUNNING) and
+/// before its Prompt; `kill_executors`: agentctls are killed too (containers
+/// stopped) while it is down. After the restart the message is delivered
+/// and answered exactly once: the reattached agentctl, or the relaunched one
+/// with the conversation loaded, gets the Prompt with the same turn id.
+async fn crash_between_commit_and_prompt(kill_executors: bool) {
+    let w = World::new().await;
+    let mut plans = Vec::new();
+    for rt in w.runtimes() {
+        plans.push(w.plan(name(rt), rt).await);
+    }
+    // Each session gets two messages in turn: the second hit is the first
+    // session's second message.
+    let mut c = w.spawn_child(
+        "send",
+        Mode::Create { plans, messages: 2 },
+        Some("prompt-after-commit=kill@2"),
+    );
+    let status = c.wait_exit(Duration::from_secs(120)).await;
+    c.assert_killed_by_failpoint(status, "prompt-after-commit");
+    let sessions = w.sessions().await;
+    assert_eq!(sessions.len(), w.runtimes().len());
+    let pending: Vec<&Session> = sessions
+        .iter()
+        .filter(|s| s.state == SessionState::Running)
+        .collect();
+    assert_eq!(
+        pending.len(),
+        1,
+        "one message was stored, not sent: {sessions:?}"
+    );
+    let p = pending[0];
+    let msgs = w.store.list_messages(p.id, 0, 1000).await.unwrap();
+    assert_eq!(msgs.len(), 3, "message 1, its reply, message 2: {msgs:?}");
+    assert_eq!(w.transcript(p).len(), 1, "the agent never got message 2");
+    if kill_executors {
+        for s in &sessions {
+            w.kill_executor(s).await;
+        }
+    }
+    let prompted = restart_and_check(&w).await;
+    assert_eq!(
+        prompted,
+        sessions.len(),
+        "every conversation continues after the clean start"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_after_commit() {
+    crash_between_commit_and_prompt(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_after_commit_executors_killed() {
+    crash_between_commit_and_prompt(true).await;
 }

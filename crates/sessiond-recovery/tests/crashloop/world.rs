@@ -595,10 +595,12 @@ impl World {
         }
     }
 
-    /// The convergence checks, against the world. `strict`: every stored
-    /// user message was delivered (no crash fell between storing a message
-    /// and prompting the agent). Returns a one-line summary.
-    pub async fn assert_converged(&self, mgr: &SessionManager, strict: bool) -> String {
+    /// The convergence checks, against the world, all strict: among them,
+    /// every stored user message reached the agent exactly once (a crash
+    /// between storing a message and prompting the agent included), and
+    /// every reply is stored before the next user message. Returns a
+    /// one-line summary.
+    pub async fn assert_converged(&self, mgr: &SessionManager) -> String {
         let mut failures = Vec::new();
         let mut states: BTreeMap<String, usize> = BTreeMap::new();
         let mut undelivered = 0usize;
@@ -778,10 +780,10 @@ impl World {
                             .any(|m| m.role == MessageRole::User && m.seq > u.seq && m.seq < r.seq);
                         if later_user {
                             out_of_order += 1;
-                            eprintln!(
+                            failures.push(format!(
                                 "{who}: the reply to {p:?} (seq {}) is stored after a later user message",
                                 r.seq
-                            );
+                            ));
                         }
                     }
                     [] => failures.push(format!(
@@ -798,12 +800,10 @@ impl World {
                 match m.role {
                     MessageRole::User if !delivered.contains(&m.seq) => {
                         undelivered += 1;
-                        if strict {
-                            failures.push(format!(
-                                "{who}: stored user message {:?} never reached the agent",
-                                m.content
-                            ));
-                        }
+                        failures.push(format!(
+                            "{who}: stored user message {:?} (seq {}) never reached the agent",
+                            m.content, m.seq
+                        ));
                     }
                     MessageRole::Agent if !answers.contains(&m.seq) => failures.push(format!(
                         "{who}: agent message seq {} (complete: {}) is no turn of the agent: {:?}",
@@ -812,11 +812,6 @@ impl World {
                     _ => {}
                 }
             }
-        }
-        if strict && out_of_order > 0 {
-            failures.push(format!(
-                "{out_of_order} replies stored after a later user message"
-            ));
         }
         assert!(
             failures.is_empty(),

@@ -15,6 +15,7 @@ mod docker_support;
 mod events;
 mod kill9;
 mod lifecycle;
+mod pending;
 mod remote;
 mod restart;
 mod resume;

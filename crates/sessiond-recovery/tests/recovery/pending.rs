@@ -1,0 +1,384 @@
+//! A turn pending across a backend restart: "never lose a message".
+//!
+//! - The agent answered while the backend was down: the reply is stored
+//!   before the session is WAITING_FOR_INPUT again, so the next user message
+//!   always comes after it in the store.
+//! - The user message was stored (session RUNNING) but the backend died
+//!   before its Prompt reached agentctl: recovery (or an explicit resume)
+//!   delivers it, and it is answered exactly once.
+//! - A partial reply is stored for the pending turn and the agent is gone:
+//!   the prompt reached the agent once, so it is not sent again; the reply is
+//!   completed with a note.
+
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use sessiond_domain::{
+    EventPayload, Message, MessageId, MessageRole, OutcomeLabel, ResumePolicy, Session,
+    SessionState,
+};
+use sessiond_recovery::SessionManager;
+use sessiond_store::Changeset;
+
+use crate::support::{Db, World, expected_reply, kill_tree};
+
+/// The agent's transcript of `s`: (prompt, reply) per turn.
+fn transcript(w: &World, s: &Session) -> Vec<(String, String)> {
+    let token = s.resume_token.clone().unwrap();
+    let path = w.path("agent-state").join(format!("{token}.json"));
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Vec::new();
+    };
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["turns"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .map(|t| {
+            (
+                t["prompt"].as_str().unwrap().to_owned(),
+                t["reply"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+async fn wait_transcript(w: &World, s: &Session, turns: usize) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while transcript(w, s).len() < turns {
+        assert!(
+            Instant::now() < deadline,
+            "the agent never ran turn {turns}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// What `send_message` commits before its Prompt: the user message and the
+/// session RUNNING that turn. Returns the message.
+async fn commit_user_message(w: &World, s: &Session, text: &str) -> Message {
+    let s = w.store.get_session(s.id).await.unwrap();
+    assert_eq!(s.state, SessionState::WaitingForInput);
+    let now = Utc::now();
+    let m = Message {
+        id: MessageId::new(),
+        session_id: s.id,
+        task_id: s.task_id,
+        role: MessageRole::User,
+        content: text.into(),
+        seq: 0,
+        complete: true,
+        created_at: now,
+        updated_at: now,
+    };
+    let mut running = s.clone();
+    running.state = SessionState::Running;
+    running.metadata.insert("turn_id".into(), m.id.to_string());
+    w.store
+        .commit(
+            Changeset::new()
+                .add_message(m.clone())
+                .event(s.id, EventPayload::MessageAdded(m.clone()))
+                .update_session(running)
+                .event(
+                    s.id,
+                    EventPayload::StateChanged {
+                        from: SessionState::WaitingForInput,
+                        to: SessionState::Running,
+                        error_message: None,
+                    },
+                ),
+        )
+        .await
+        .unwrap();
+    m
+}
+
+/// (role, content) of every stored message, in order.
+async fn conversation(w: &World, s: &Session) -> Vec<(MessageRole, String)> {
+    w.messages(s.id)
+        .await
+        .into_iter()
+        .map(|m| (m.role, m.content))
+        .collect()
+}
+
+/// Whenever the session is seen WAITING_FOR_INPUT, the reply to `text`
+/// (turn `n`) is already stored, complete, right after its prompt. Waits
+/// for WAITING_FOR_INPUT.
+async fn assert_reply_before_waiting(
+    w: &World,
+    mgr: &SessionManager,
+    s: &Session,
+    n: usize,
+    text: &str,
+) {
+    let token = s.resume_token.clone().unwrap();
+    w.wait_state(mgr, s.id, SessionState::WaitingForInput).await;
+    let msgs = w.messages(s.id).await;
+    let u = msgs
+        .iter()
+        .position(|m| m.role == MessageRole::User && m.content == text)
+        .expect("the user message is stored");
+    let reply = msgs.get(u + 1).expect("a reply after it");
+    assert_eq!(reply.role, MessageRole::Agent);
+    assert_eq!(reply.content, expected_reply(n, &token, text));
+    assert!(reply.complete);
+}
+
+/// The agent answered while the backend was down (agentctl buffered the
+/// reply): after the restart the session stays RUNNING (no event) until the
+/// replayed reply is stored, then goes WAITING_FOR_INPUT; a message sent as
+/// soon as the session accepts one is stored after that reply.
+async fn reply_given_while_down_is_stored_before_the_next_message(db: Db) {
+    let w = World::new(db).await;
+    let profile = w
+        .demo_profile("slow", &[("ACP_DEMO_CHUNK_DELAY_MS", "200")])
+        .await;
+    let mgr = w.manager();
+    let s = w.create_with(&mgr, "a", &profile, None).await;
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.send_message(w.task.id, s.id, "two").await.unwrap();
+    // The backend dies before the reply is stored.
+    mgr.shutdown();
+    drop(mgr);
+    assert!(
+        !w.messages(s.id)
+            .await
+            .iter()
+            .any(|m| m.role == MessageRole::Agent && m.content.contains("two")),
+        "the reply was stored before the crash; the test needs a slower turn"
+    );
+    wait_transcript(&w, &s, 2).await;
+    let seq_before = w.store.last_event_seq(s.id).await.unwrap();
+
+    let mgr = w.manager();
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Reattached), 1, "{summary:?}");
+    // Send as soon as the session takes a message.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let st = w.status(&mgr, s.id).await;
+        if st.state == SessionState::WaitingForInput {
+            // Seen WAITING: the reply is there.
+            let msgs = w.messages(s.id).await;
+            assert_eq!(
+                msgs.last().map(|m| (m.role, m.complete)),
+                Some((MessageRole::Agent, true)),
+                "WAITING_FOR_INPUT before the reply was stored: {msgs:?}"
+            );
+        }
+        match mgr.send_message(w.task.id, s.id, "three").await {
+            Ok(_) => break,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "never accepted: {e}");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    }
+    w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
+        .await;
+    let token = s.resume_token.clone().unwrap();
+    let expected: Vec<(MessageRole, String)> = ["one", "two", "three"]
+        .iter()
+        .enumerate()
+        .flat_map(|(i, t)| {
+            [
+                (MessageRole::User, (*t).to_owned()),
+                (MessageRole::Agent, expected_reply(i + 1, &token, t)),
+            ]
+        })
+        .collect();
+    assert_eq!(conversation(&w, &s).await, expected);
+    // The restart itself published no state change: RUNNING stayed RUNNING
+    // until the replayed TurnEnded; the reply's events come before it.
+    let events: Vec<EventPayload> = w
+        .events(s.id)
+        .await
+        .into_iter()
+        .filter(|e| e.seq > seq_before)
+        .map(|e| e.payload)
+        .collect();
+    let first_state = events
+        .iter()
+        .position(|p| matches!(p, EventPayload::StateChanged { .. }))
+        .unwrap();
+    assert!(
+        matches!(
+            events[first_state],
+            EventPayload::StateChanged {
+                from: SessionState::Running,
+                to: SessionState::WaitingForInput,
+                ..
+            }
+        ),
+        "{events:?}"
+    );
+    assert!(
+        events[..first_state]
+            .iter()
+            .any(|p| matches!(p, EventPayload::MessageAdded(m) | EventPayload::MessageUpdated(m) if m.role == MessageRole::Agent && m.complete)),
+        "the reply is stored before the turn ends: {events:?}"
+    );
+    assert_eq!(transcript(&w, &s).len(), 3);
+    w.finish(&mgr, &[s.id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reply_given_while_down_is_stored_before_the_next_message_sqlite() {
+    reply_given_while_down_is_stored_before_the_next_message(Db::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reply_given_while_down_is_stored_before_the_next_message_postgres() {
+    reply_given_while_down_is_stored_before_the_next_message(Db::Postgres).await;
+}
+
+/// The user message is stored, the backend died before its Prompt: the same
+/// agentctl (reattached) gets it after the restart, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undelivered_message_is_delivered_after_a_reattach() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "a").await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    commit_user_message(&w, &s, "two").await;
+
+    let mgr = w.manager();
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Reattached), 1, "{summary:?}");
+    assert_reply_before_waiting(&w, &mgr, &s, 2, "two").await;
+    assert_eq!(
+        transcript(&w, &s)
+            .iter()
+            .map(|(p, _)| p.as_str())
+            .collect::<Vec<_>>(),
+        ["one", "two"],
+        "the agent got the message exactly once"
+    );
+    // A second restart changes nothing: the turn is over.
+    mgr.shutdown();
+    drop(mgr);
+    let mgr = w.manager();
+    mgr.recover_all().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(transcript(&w, &s).len(), 2);
+    let reply = w.prompt(&mgr, s.id, "three").await;
+    assert_eq!(reply, expected_reply(3, &token, "three"));
+    assert_eq!(conversation(&w, &s).await.len(), 6);
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// The same, with agentctl and agent killed while the backend was down: the
+/// new agentctl (session/load) gets the message, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undelivered_message_is_delivered_after_a_relaunch() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "a").await;
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    commit_user_message(&w, &s, "two").await;
+    kill_tree(w.record(s.id).await.pid.unwrap()).await;
+
+    let mgr = w.manager();
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
+    w.track(s.id).await;
+    assert_reply_before_waiting(&w, &mgr, &s, 2, "two").await;
+    assert_eq!(transcript(&w, &s).len(), 2);
+    assert_eq!(conversation(&w, &s).await.len(), 4);
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// Startup recovery on demand leaves the agent down (session RUNNING, the
+/// message pending); the explicit resume delivers it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explicit_resume_delivers_the_pending_message() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "a").await;
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    commit_user_message(&w, &s, "two").await;
+    kill_tree(w.record(s.id).await.pid.unwrap()).await;
+
+    let mut config = w.config();
+    config.resume_policy = ResumePolicy::OnDemand;
+    let mgr = w.manager_with(config);
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::ExecutorOnly), 1, "{summary:?}");
+    w.track(s.id).await;
+    assert_eq!(w.status(&mgr, s.id).await.state, SessionState::Running);
+    assert_eq!(transcript(&w, &s).len(), 1);
+
+    let st = mgr.resume_session(w.task.id, s.id).await.unwrap();
+    assert!(st.is_agent_running, "{st:?}");
+    assert_reply_before_waiting(&w, &mgr, &s, 2, "two").await;
+    assert_eq!(transcript(&w, &s).len(), 2);
+    assert_eq!(conversation(&w, &s).await.len(), 4);
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// A partial reply is stored for the pending turn and agentctl with its
+/// agent died: the prompt had reached the agent, so it is not sent again;
+/// the partial reply is completed with a note and the session takes the
+/// next message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partial_reply_is_completed_not_asked_again() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "a").await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    commit_user_message(&w, &s, "two").await;
+    let now = Utc::now();
+    let partial = Message {
+        id: MessageId::new(),
+        session_id: s.id,
+        task_id: s.task_id,
+        role: MessageRole::Agent,
+        content: "turn 2 ".into(),
+        seq: 0,
+        complete: false,
+        created_at: now,
+        updated_at: now,
+    };
+    w.store
+        .commit(
+            Changeset::new()
+                .add_message(partial.clone())
+                .event(s.id, EventPayload::MessageAdded(partial.clone())),
+        )
+        .await
+        .unwrap();
+    kill_tree(w.record(s.id).await.pid.unwrap()).await;
+
+    let mgr = w.manager();
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
+    w.track(s.id).await;
+    w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
+        .await;
+    let msgs = w.messages(s.id).await;
+    assert_eq!(msgs.len(), 4, "{msgs:?}");
+    let last = msgs.last().unwrap();
+    assert_eq!(last.id, partial.id);
+    assert!(last.complete);
+    assert!(
+        last.content.starts_with("turn 2 ") && last.content.contains("interrupted"),
+        "{last:?}"
+    );
+    assert_eq!(transcript(&w, &s).len(), 1, "the prompt was not run again");
+    let reply = w.prompt(&mgr, s.id, "three").await;
+    assert_eq!(reply, expected_reply(2, &token, "three"));
+    w.finish(&mgr, &[s.id]).await;
+}
