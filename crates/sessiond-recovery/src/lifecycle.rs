@@ -260,7 +260,7 @@ impl SessionManager {
             e.agent = AgentProcessState::Running;
             e.probe = probe;
         });
-        self.start_pump(&session, &record);
+        self.attach_updates(&session, &record);
         Ok(session)
     }
 

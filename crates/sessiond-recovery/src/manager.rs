@@ -74,6 +74,16 @@ struct StatusSnapshot {
     entries: HashMap<SessionId, StatusEntry>,
 }
 
+/// Where a parked update pump stopped reading: the next pump of the session
+/// continues from `cursor` if the executor is still at `generation` and its
+/// agentctl still the process `instance` (empty: not known).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Parked {
+    pub generation: i64,
+    pub cursor: u64,
+    pub instance: String,
+}
+
 /// Counters of what this manager started, for tests and metrics.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
@@ -128,6 +138,12 @@ pub(crate) struct Inner {
     status: StdMutex<StatusSnapshot>,
     /// Per session: the agentctl client and the (url, secret) it was made for.
     clients: StdMutex<HashMap<SessionId, (String, String, AgentctlClient)>>,
+    /// Sessions whose update pump is parked (idle, no stream open): where
+    /// the next pump continues from.
+    parked: StdMutex<HashMap<SessionId, Parked>>,
+    /// Agent profiles read once by `recover_all` for its executors.
+    pub(crate) recovery_profiles:
+        StdMutex<HashMap<sessiond_domain::AgentProfileId, sessiond_domain::AgentProfile>>,
     locks: StdMutex<HashMap<SessionId, Arc<tokio::sync::Mutex<()>>>>,
     inflight: StdMutex<HashMap<SessionId, Inflight>>,
     pub pumps: StdMutex<HashMap<SessionId, AbortHandle>>,
@@ -184,6 +200,8 @@ impl SessionManager {
                 cache: StdMutex::default(),
                 status: StdMutex::default(),
                 clients: StdMutex::default(),
+                parked: StdMutex::default(),
+                recovery_profiles: StdMutex::default(),
                 locks: StdMutex::default(),
                 inflight: StdMutex::default(),
                 pumps: StdMutex::default(),
@@ -422,6 +440,48 @@ impl SessionManager {
         Ok(client)
     }
 
+    /// The cached client of the record's agentctl, if one is cached for the
+    /// same address and secret (never creates or caches one).
+    pub(crate) fn cached_agentctl(&self, record: &ExecutorRecord) -> Option<AgentctlClient> {
+        let url = record.agentctl_url.as_deref().unwrap_or_default();
+        lock(&self.inner.clients)
+            .get(&record.session_id)
+            .filter(|(u, secret, _)| u == url && *secret == record.auth_secret)
+            .map(|(_, _, c)| c.clone())
+    }
+
+    /// Drops the session's cached agentctl client: once no call in flight
+    /// holds a clone, its HTTP/2 connection closes. The next call that needs
+    /// one makes a new client (and connection).
+    pub(crate) fn evict_client(&self, session: SessionId) {
+        lock(&self.inner.clients).remove(&session);
+    }
+
+    /// Records where a parked pump stopped (see [`Parked`]).
+    pub(crate) fn set_parked(&self, session: SessionId, parked: Parked) {
+        lock(&self.inner.parked).insert(session, parked);
+    }
+
+    /// Takes the parked position of a session, if any.
+    pub(crate) fn take_parked(&self, session: SessionId) -> Option<Parked> {
+        lock(&self.inner.parked).remove(&session)
+    }
+
+    /// Whether the session's updates are parked (no pump, no stream open).
+    pub fn is_parked(&self, session: SessionId) -> bool {
+        lock(&self.inner.parked).contains_key(&session)
+    }
+
+    /// Removes the pump entry of `session` if it is the calling task's own
+    /// (a newer pump that replaced it stays).
+    pub(crate) fn remove_own_pump(&self, session: SessionId) {
+        let me = tokio::task::try_id();
+        let mut pumps = lock(&self.inner.pumps);
+        if me.is_some() && pumps.get(&session).map(AbortHandle::id) == me {
+            pumps.remove(&session);
+        }
+    }
+
     /// Commits and then publishes what was committed.
     pub(crate) async fn commit(&self, change: Changeset) -> Result<Committed> {
         let committed = self.inner.store.commit(change).await?;
@@ -473,6 +533,7 @@ impl SessionManager {
     pub(crate) fn cache_remove(&self, session: SessionId) {
         lock(&self.inner.cache).remove(&session);
         lock(&self.inner.clients).remove(&session);
+        lock(&self.inner.parked).remove(&session);
         self.snapshot_forget(session);
     }
 

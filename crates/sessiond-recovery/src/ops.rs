@@ -190,10 +190,32 @@ impl SessionManager {
         client: &AgentctlClient,
         profile: &AgentProfile,
     ) -> Result<bool> {
+        self.ensure_agent_seen(client, profile, None).await
+    }
+
+    /// [`Self::ensure_agent`], given the agent state a `Health` of the
+    /// caller saw just before (startup recovery's identity check): a
+    /// definite answer (running, or no agent) is used instead of asking
+    /// again; a starting agent (or none seen) is asked about as usual.
+    pub(crate) async fn ensure_agent_seen(
+        &self,
+        client: &AgentctlClient,
+        profile: &AgentProfile,
+        seen: Option<AgentState>,
+    ) -> Result<bool> {
         let deadline = Instant::now() + self.inner.config.agent_initialize_timeout;
+        let mut seen = seen.filter(|s| {
+            matches!(
+                s,
+                AgentState::Ready | AgentState::Busy | AgentState::None | AgentState::Exited
+            )
+        });
         loop {
-            let health = client.health().await?;
-            match health.agent_state {
+            let state = match seen.take() {
+                Some(s) => s,
+                None => client.health().await?.agent_state,
+            };
+            match state {
                 AgentState::Ready | AgentState::Busy => return Ok(false),
                 AgentState::Starting if Instant::now() < deadline => {
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -268,8 +290,20 @@ impl SessionManager {
         profile: &AgentProfile,
         token: &str,
     ) -> Result<()> {
+        self.resume_agent_seen(record, profile, token, None).await
+    }
+
+    /// [`Self::resume_agent`] with the agent state a `Health` just saw (see
+    /// [`Self::ensure_agent_seen`]).
+    pub(crate) async fn resume_agent_seen(
+        &self,
+        record: &ExecutorRecord,
+        profile: &AgentProfile,
+        token: &str,
+        seen: Option<AgentState>,
+    ) -> Result<()> {
         let client = self.client(record)?;
-        self.ensure_agent(&client, profile).await?;
+        self.ensure_agent_seen(&client, profile, seen).await?;
         self.load_conversation(&client, token).await
     }
 

@@ -29,6 +29,12 @@
 //!   (agentctl's Prompt is idempotent by `turn_id`, so a Prompt that did
 //!   arrive before the crash is not run again).
 
+//! - Parking: the pump runs only while it has work. An idle session
+//!   (WAITING_FOR_INPUT, nothing pending, caught up with agentctl) holds no
+//!   stream and no connection; see [`SessionManager::attach_updates`] and
+//!   `Pump::try_park`. The next `send_message` starts a pump from the parked
+//!   cursor; an agent exit while parked is found by the liveness check.
+
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
@@ -50,6 +56,10 @@ use crate::{
 pub(crate) const CURSOR_KEY: &str = "agentctl_cursor";
 /// Session metadata key of the turn in progress (the user message id).
 pub(crate) const TURN_KEY: &str = "turn_id";
+
+/// A pump with nothing to do (no reply streaming, no pending turn) checks
+/// after this long without an update whether it can park.
+const PARK_AFTER: Duration = Duration::from_millis(250);
 
 /// How many reconnects in a row may fail before agentctl counts as lost.
 const MAX_STREAM_FAILURES: u32 = 5;
@@ -96,6 +106,12 @@ struct Pump {
     settle: Option<String>,
     /// agentctl's latest cursor when this pump started (for `settle`).
     target: Option<u64>,
+    /// The agentctl instance `cursor` belongs to (empty: not known).
+    instance: String,
+    /// The instance was checked against agentctl's before the first open.
+    instance_checked: bool,
+    /// When the last update came (or the stream opened).
+    last_activity: Instant,
 }
 
 impl SessionManager {
@@ -108,19 +124,57 @@ impl SessionManager {
                 return;
             }
         };
+        // A parked pump of this generation read further than the stored cursor.
+        let stored = stored_cursor(session, record.generation);
+        let (cursor, instance) = match self.take_parked(session.id) {
+            Some(p) if p.generation == record.generation && p.cursor >= stored => {
+                (p.cursor, p.instance)
+            }
+            _ => (stored, String::new()),
+        };
         let pump = Pump {
             mgr: self.clone(),
             session_id: session.id,
             task_id: session.task_id,
             generation: record.generation,
             client,
-            cursor: stored_cursor(session, record.generation),
+            cursor,
             pending: None,
             settle: pending_turn(session),
             target: None,
+            instance,
+            instance_checked: false,
+            last_activity: Instant::now(),
         };
         let handle = tokio::spawn(pump.run());
         self.set_pump(session.id, handle.abort_handle());
+    }
+
+    /// After the agent was (re)attached: a session with work for the pump
+    /// (a turn RUNNING or pending, or any state but WAITING_FOR_INPUT) gets
+    /// its pump; an idle one (WAITING_FOR_INPUT, no pending turn) is parked
+    /// at its stored cursor instead, with no update stream and its agentctl
+    /// client evicted, so no HTTP/2 connection stays open for it. The next
+    /// `send_message` starts the pump from there (replaying what agentctl
+    /// buffered meanwhile, which is idempotent); an agent exit while parked
+    /// is found by the liveness check.
+    pub(crate) fn attach_updates(&self, session: &Session, record: &ExecutorRecord) {
+        if session.state != SessionState::WaitingForInput || pending_turn(session).is_some() {
+            self.start_pump(session, record);
+            return;
+        }
+        self.stop_pump(session.id);
+        let stored = stored_cursor(session, record.generation);
+        let parked = match self.take_parked(session.id) {
+            Some(p) if p.generation == record.generation && p.cursor >= stored => p,
+            _ => crate::manager::Parked {
+                generation: record.generation,
+                cursor: stored,
+                instance: String::new(),
+            },
+        };
+        self.set_parked(session.id, parked);
+        self.evict_client(session.id);
     }
 
     pub(crate) fn has_pump(&self, session: SessionId) -> bool {
@@ -144,6 +198,9 @@ impl Pump {
             if self.settle.is_some() && self.target.is_none() {
                 self.target = self.latest_cursor().await;
             }
+            if !self.instance_checked {
+                self.check_instance().await;
+            }
             let opened = self
                 .client
                 .raw()
@@ -154,6 +211,7 @@ impl Pump {
             let mut stream = match opened {
                 Ok(r) => {
                     failures = 0;
+                    self.last_activity = Instant::now();
                     self.try_settle().await;
                     r.into_inner()
                 }
@@ -174,6 +232,8 @@ impl Pump {
                     .as_ref()
                     .filter(|p| p.dirty)
                     .map(|p| p.last_flush + self.mgr.inner.config.message_flush_interval);
+                let park_at = (self.pending.is_none() && self.settle.is_none())
+                    .then_some(self.last_activity + PARK_AFTER);
                 let next = tokio::select! {
                     m = stream.message() => m,
                     () = sleep_until(flush_at) => {
@@ -182,9 +242,20 @@ impl Pump {
                         }
                         continue;
                     }
+                    () = sleep_until(park_at) => {
+                        if self.try_park().await {
+                            return;
+                        }
+                        self.last_activity = Instant::now();
+                        continue;
+                    }
                 };
                 match next {
                     Ok(Some(update)) => {
+                        self.last_activity = Instant::now();
+                        if !update.instance_id.is_empty() && update.instance_id != self.instance {
+                            self.instance.clone_from(&update.instance_id);
+                        }
                         if let Err(e) = self.handle(update).await {
                             tracing::warn!(session = %self.session_id, error = %e, "could not apply agent update");
                         }
@@ -489,6 +560,78 @@ impl Pump {
             self.turn_ended(&end).await?;
         }
         Ok(())
+    }
+
+    /// Before the first open of a pump that continues a parked one: if
+    /// agentctl is another process than the one the cursor belongs to (it
+    /// restarted while the session was idle; cursors began at 1 again), read
+    /// everything it still buffers (from 0) instead.
+    async fn check_instance(&mut self) {
+        self.instance_checked = true;
+        if self.instance.is_empty() || self.cursor == 0 {
+            return;
+        }
+        let limit = self.mgr.inner.config.executor_deadline;
+        if let Ok(Ok(h)) = tokio::time::timeout(limit, self.client.health()).await
+            && !h.instance_id.is_empty()
+            && h.instance_id != self.instance
+        {
+            tracing::info!(session = %self.session_id, cursor = self.cursor,
+                "agentctl restarted while the session was idle; reading its updates from the start");
+            self.cursor = 0;
+            self.instance = h.instance_id;
+        }
+    }
+
+    /// Parks this pump if the session has nothing for it: no reply being
+    /// streamed, no pending turn, the session WAITING_FOR_INPUT with an idle
+    /// agent (or ERROR), and everything agentctl has was read (its
+    /// `latest_cursor` is not past ours). Decided under the session lock, so
+    /// no turn can start meanwhile (`send_message` takes the lock and starts
+    /// a pump when there is none). Parking records the cursor and instance,
+    /// removes this pump and evicts the session's agentctl client; the
+    /// caller then returns, dropping the stream, so the connection closes.
+    async fn try_park(&mut self) -> bool {
+        if self.pending.is_some() || self.settle.is_some() {
+            return false;
+        }
+        let _guard = self.mgr.lock_session(self.session_id).await;
+        let Ok(session) = self.mgr.inner.store.get_session(self.session_id).await else {
+            return false;
+        };
+        let needs_idle_agent = match session.state {
+            SessionState::WaitingForInput if pending_turn(&session).is_none() => true,
+            SessionState::Error => false,
+            _ => return false,
+        };
+        let limit = self.mgr.inner.config.executor_deadline;
+        let health =
+            tokio::time::timeout(limit, self.client.raw().health(pb::HealthRequest {})).await;
+        let Ok(Ok(h)) = health else {
+            return false; // not answering: the stream handling decides
+        };
+        let h = h.into_inner();
+        if h.latest_cursor > self.cursor {
+            return false; // updates still to read
+        }
+        if needs_idle_agent && AgentState::try_from(h.agent_state) != Ok(AgentState::Ready) {
+            return false;
+        }
+        if !h.instance_id.is_empty() {
+            self.instance = h.instance_id;
+        }
+        self.mgr.set_parked(
+            self.session_id,
+            crate::manager::Parked {
+                generation: self.generation,
+                cursor: self.cursor,
+                instance: std::mem::take(&mut self.instance),
+            },
+        );
+        self.mgr.remove_own_pump(self.session_id);
+        self.mgr.evict_client(self.session_id);
+        tracing::debug!(session = %self.session_id, cursor = self.cursor, "update pump parked (session idle)");
+        true
     }
 
     /// agentctl's newest cursor now: what this pump must have read to have

@@ -24,7 +24,8 @@ use sessiond_domain::{
     Observation, OutcomeLabel, Recovery, RecoveryInput, RecoveryOutcome, Runtime, Session,
     SessionId, SessionState, SurvivingAgent, TaskEvent,
 };
-use sessiond_executor::{ExecutorHandle, Probe};
+use sessiond_executor::{AgentState, ExecutorHandle, Probe};
+use sessiond_proto::agentctl::v1 as pb;
 use sessiond_store::Changeset;
 
 use crate::{
@@ -33,6 +34,9 @@ use crate::{
     ops::{probe_verdict, surviving_agent},
     pump::pending_turn,
 };
+
+/// How many executors the liveness check asks at once.
+const LIVENESS_CONCURRENCY: usize = 16;
 
 /// The error code (message prefix) of an executor whose remote host is being
 /// reconnected in the background.
@@ -72,6 +76,10 @@ struct Run {
     session: Session,
     profile: AgentProfile,
     agent: SurvivingAgent,
+    /// The agent's state as the last `Health` of this recovery saw it, if
+    /// no agentctl was (re)started since (lets the resume skip a second
+    /// `Health`).
+    agent_state: Option<AgentState>,
     probe: Option<bool>,
     started_as: ExecutorStatus,
 }
@@ -96,6 +104,15 @@ impl SessionManager {
             }));
         }
         let total = records.len();
+        // Profiles are written before the manager serves: read them all once
+        // instead of once per executor.
+        match store.list_agent_profiles().await {
+            Ok(all) => {
+                *crate::manager::lock(&self.inner.recovery_profiles) =
+                    all.into_iter().map(|p| (p.id, p)).collect();
+            }
+            Err(e) => tracing::debug!(error = %e, "profiles not preloaded"),
+        }
         let concurrency = self.inner.config.recovery_concurrency.max(1);
         let results: Vec<(SessionId, Result<OutcomeLabel>)> = futures::stream::iter(records)
             .map(|record| {
@@ -108,6 +125,7 @@ impl SessionManager {
             .buffer_unordered(concurrency)
             .collect()
             .await;
+        crate::manager::lock(&self.inner.recovery_profiles).clear();
 
         let mut summary = RecoverySummary {
             total,
@@ -175,7 +193,13 @@ impl SessionManager {
         // Re-read under the lock: the caller's copy may be stale.
         let record = store.get_executor(record.id).await?;
         let session = store.get_session(record.session_id).await?;
-        let profile = store.get_agent_profile(session.agent_profile_id).await?;
+        let preloaded = crate::manager::lock(&self.inner.recovery_profiles)
+            .get(&session.agent_profile_id)
+            .cloned();
+        let profile = match preloaded {
+            Some(p) => p,
+            None => store.get_agent_profile(session.agent_profile_id).await?,
+        };
         let input = RecoveryInput::new(
             &record,
             &session,
@@ -192,6 +216,7 @@ impl SessionManager {
             session,
             profile,
             agent: SurvivingAgent::None,
+            agent_state: None,
             probe: None,
         };
         let mut action = machine.start();
@@ -241,6 +266,7 @@ impl SessionManager {
                 _ => Observation::ProcessGone,
             },
             Action::LaunchAgentctl { generation, event } => {
+                run.agent_state = None;
                 self.write_intent(run, generation, event).await?;
                 if timed_out {
                     return Ok(Observation::DeadlineExceeded);
@@ -286,6 +312,7 @@ impl SessionManager {
                 }
             }
             Action::StartContainer { generation, event } => {
+                run.agent_state = None;
                 self.write_intent(run, generation, event).await?;
                 #[cfg(feature = "failpoints")]
                 fail::fail_point!("launch-after-intent");
@@ -326,6 +353,7 @@ impl SessionManager {
                         #[cfg(feature = "failpoints")]
                         fail::fail_point!("recovery-after-reattach");
                         run.agent = surviving_agent(&health);
+                        run.agent_state = Some(health.agent_state);
                         Observation::Healthy { agent: run.agent }
                     }
                     Ok(Err(e)) if e.is_unavailable() => Observation::HostUnreachable {
@@ -369,7 +397,12 @@ impl SessionManager {
                 }
                 let sid = run.session.id;
                 self.cache_update(sid, |e| e.agent = AgentProcessState::Starting);
-                let attempt = self.resume_agent(&run.record, &run.profile, &resume_token);
+                let attempt = self.resume_agent_seen(
+                    &run.record,
+                    &run.profile,
+                    &resume_token,
+                    run.agent_state.take(),
+                );
                 match tokio::time::timeout(remaining, attempt).await {
                     Ok(Ok(())) => Observation::ResumeSucceeded,
                     Ok(Err(e)) => {
@@ -566,8 +599,15 @@ impl SessionManager {
             self.spawn_reconnect(record.clone());
         }
         if agent_back || (outcome.workspace_enabled && run.agent != SurvivingAgent::None) {
-            let session = self.inner.store.get_session(sid).await?;
-            self.start_pump(&session, &record);
+            let session = committed
+                .session
+                .filter(|s| s.id == sid)
+                .unwrap_or(run.session);
+            if run.agent == SurvivingAgent::Busy {
+                self.start_pump(&session, &record);
+            } else {
+                self.attach_updates(&session, &record);
+            }
         }
         Ok(())
     }
@@ -664,31 +704,69 @@ impl SessionManager {
         self.spawn_background(async move {
             loop {
                 tokio::time::sleep(every).await;
-                let ready: Vec<ExecutorRecord> = crate::manager::lock(me.cache_view())
+                let ready: Vec<(ExecutorRecord, bool)> = crate::manager::lock(me.cache_view())
                     .values()
                     .filter(|e| e.record.status == ExecutorStatus::Ready)
-                    .map(|e| e.record.clone())
+                    .map(|e| (e.record.clone(), e.agent == AgentProcessState::Running))
                     .collect();
-                for record in ready {
-                    if let Err(e) = me.check_liveness(record).await {
-                        tracing::debug!(error = %e, "liveness check could not be recorded");
-                    }
-                }
+                futures::stream::iter(ready)
+                    .for_each_concurrent(LIVENESS_CONCURRENCY, |(record, agent_running)| {
+                        let me = me.clone();
+                        async move {
+                            if let Err(e) = me.check_liveness(record, agent_running).await {
+                                tracing::debug!(error = %e, "liveness check could not be recorded");
+                            }
+                        }
+                    })
+                    .await;
             }
         });
     }
 
-    async fn check_liveness(&self, record: ExecutorRecord) -> Result<()> {
-        let driver = self.driver(record.runtime)?;
-        let handle = ExecutorHandle::from_record(&record);
-        let health =
-            tokio::time::timeout(self.inner.config.executor_deadline, driver.health(&handle)).await;
+    /// `Health` of the record's agentctl, identity checked, with the agent's
+    /// exit. Uses the session's cached client when one is open (a pump runs),
+    /// else a client of its own that is dropped afterwards, so a parked
+    /// session keeps no connection between checks.
+    async fn liveness_health(&self, record: &ExecutorRecord) -> Result<pb::HealthResponse> {
+        let client = match self.cached_agentctl(record) {
+            Some(c) => c,
+            None => self
+                .driver(record.runtime)?
+                .client(&ExecutorHandle::from_record(record))?,
+        };
+        let h = client
+            .raw()
+            .health(pb::HealthRequest {})
+            .await
+            .map_err(|s| Error::agent("Health", &s))?
+            .into_inner();
+        if h.executor_id != record.id.to_string() {
+            return Err(Error::Unavailable(format!(
+                "the agentctl at {} is executor {:?}, not {}",
+                client.url(),
+                h.executor_id,
+                record.id
+            )));
+        }
+        Ok(h)
+    }
+
+    /// One liveness check. agentctl answering refreshes `last_seen_at`; not
+    /// answering puts the executor in `error` (and a live session in ERROR).
+    /// agentctl answering that its agent exited (or that it has none) while
+    /// the cache knew the agent running and no update pump runs (a parked,
+    /// idle session: no stream would report the exit) is what the pump's
+    /// `AgentExited` handling does: the session goes ERROR with what
+    /// happened and what to do, and the agent counts as not running.
+    async fn check_liveness(&self, record: ExecutorRecord, agent_running: bool) -> Result<()> {
+        let limit = self.inner.config.executor_deadline;
+        let health = tokio::time::timeout(limit, self.liveness_health(&record)).await;
         let _guard = self.lock_session(record.session_id).await;
         let current = self.inner.store.get_executor(record.id).await?;
         if current.status != ExecutorStatus::Ready || current.generation != record.generation {
             return Ok(());
         }
-        let failure = match health {
+        let failure = match &health {
             Ok(Ok(_)) => None,
             Ok(Err(e)) => Some(e.to_string()),
             Err(_) => Some("Health did not answer in time".to_owned()),
@@ -696,7 +774,62 @@ impl SessionManager {
         let mut next = current.clone();
         let Some(reason) = failure else {
             next.last_seen_at = Some(Utc::now());
-            self.commit(Changeset::new().update_executor(next)).await?;
+            let mut change = Changeset::new().update_executor(next);
+            let gone = |h: &pb::HealthResponse| {
+                matches!(
+                    AgentState::try_from(h.agent_state),
+                    Ok(AgentState::Exited | AgentState::None)
+                )
+            };
+            let mut exited = None;
+            if agent_running
+                && health.as_ref().is_ok_and(|h| h.as_ref().is_ok_and(gone))
+                && !self.has_pump(record.session_id)
+                && self
+                    .execution(record.session_id)
+                    .is_some_and(|e| e.agent == AgentProcessState::Running)
+            {
+                // Confirmed under the lock (nothing can launch an agent meanwhile).
+                if let Ok(Ok(h)) = tokio::time::timeout(limit, self.liveness_health(&record)).await
+                    && gone(&h)
+                {
+                    exited = Some(h.agent_exit.unwrap_or_default());
+                }
+            }
+            if let Some(exit) = &exited {
+                let session = self.inner.store.get_session(record.session_id).await?;
+                if matches!(
+                    session.state,
+                    SessionState::Starting | SessionState::Running | SessionState::WaitingForInput
+                ) {
+                    let how = match exit {
+                        pb::AgentExit { code: Some(c), .. } => format!("exit code {c}"),
+                        pb::AgentExit {
+                            signal: Some(s), ..
+                        } => format!("signal {s}"),
+                        _ => "unknown status".into(),
+                    };
+                    let reason =
+                        format!("the agent process exited ({how}); resume the session to continue");
+                    let (mut s, ev) = crate::manager::transition(
+                        &session,
+                        sessiond_domain::SessionEvent::Failed,
+                        Some(reason),
+                    )?;
+                    s.metadata.remove(crate::pump::TURN_KEY);
+                    change = change.update_session(s);
+                    if let Some(ev) = ev {
+                        change = change.event(record.session_id, ev);
+                    }
+                }
+                tracing::info!(session = %record.session_id, "liveness: the idle session's agent exited");
+            }
+            self.commit(change).await?;
+            if exited.is_some() {
+                self.cache_update(record.session_id, |e| {
+                    e.agent = AgentProcessState::NotRunning
+                });
+            }
             return Ok(());
         };
         let message =

@@ -404,7 +404,7 @@ impl SessionManager {
                     record = r;
                 }
                 self.cache_update(session_id, |e| e.agent = AgentProcessState::Running);
-                self.start_pump(&session, &record);
+                self.attach_updates(&session, &record);
                 self.status_of(&session).await
             }
             Err(e) => {

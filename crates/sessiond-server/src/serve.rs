@@ -350,7 +350,20 @@ fn manager_config(config: &Config) -> ManagerConfig {
         },
         orphan_sweep_grace: r.orphan_sweep_grace,
         orphan_sweep_interval: Some(r.orphan_sweep_interval),
+        liveness_interval: Some(liveness_interval(config.executors.idle_timeout)),
         ..ManagerConfig::default()
+    }
+}
+
+/// How often executors are health-checked. An idle session holds no update
+/// stream (its pump is parked), so these authenticated `Health` calls are
+/// what keeps its agentctl's idle clock from running out: at most a third
+/// of `executors.idle_timeout`, and 30 s at most.
+fn liveness_interval(idle_timeout: Option<std::time::Duration>) -> std::time::Duration {
+    let every = std::time::Duration::from_secs(30);
+    match idle_timeout {
+        Some(idle) if !idle.is_zero() => every.min(idle / 3),
+        _ => every,
     }
 }
 
@@ -488,7 +501,26 @@ fn init_tracing(json: bool) {
 
 #[cfg(test)]
 mod tests {
-    use super::redact;
+    use std::time::Duration;
+
+    use super::{liveness_interval, redact};
+
+    #[test]
+    fn liveness_feeds_the_agentctl_idle_clock() {
+        assert_eq!(liveness_interval(None), Duration::from_secs(30));
+        assert_eq!(
+            liveness_interval(Some(Duration::ZERO)),
+            Duration::from_secs(30)
+        );
+        assert_eq!(
+            liveness_interval(Some(Duration::from_secs(60))),
+            Duration::from_secs(20)
+        );
+        assert_eq!(
+            liveness_interval(Some(Duration::from_secs(1800))),
+            Duration::from_secs(30)
+        );
+    }
 
     #[test]
     fn redacts_postgres_password() {

@@ -9,7 +9,7 @@ use sessiond_recovery::ManagerConfig;
 
 use crate::{
     docker_support::{DockerKit, docker_cli},
-    support::{Db, World, kill_tree},
+    support::{Db, World, children_of, kill_tree, kill9},
 };
 
 fn with_liveness(w: &World, every: Option<Duration>) -> ManagerConfig {
@@ -73,6 +73,77 @@ async fn liveness_refreshes_last_seen_and_flags_dead_agentctl() {
     let st = w.status(&mgr, s.id).await;
     assert_eq!(st.state, SessionState::Error);
     assert_eq!(st.executor_status, Some(ExecutorStatus::Error));
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// An idle session (WAITING_FOR_INPUT, nothing pending) holds no update
+/// stream: its pump is parked after create and again after each turn. When
+/// its agent exits while parked, the liveness check finds it (no stream
+/// would report it): session ERROR with what happened and what to do, a
+/// `state_changed` event, executor still `ready`. A resume brings the agent
+/// back and the next message starts the pump again and is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_session_is_parked_and_its_agent_exit_is_found_by_liveness() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager_with(with_liveness(&w, Some(Duration::from_millis(150))));
+    mgr.recover_all().await.unwrap();
+    let s = w.create(&mgr, "idle").await;
+    assert!(mgr.is_parked(s.id), "a new idle session holds no stream");
+    mgr.send_message(w.task.id, s.id, "hello").await.unwrap();
+    assert!(!mgr.is_parked(s.id), "a turn needs the stream");
+    w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
+        .await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !mgr.is_parked(s.id) {
+        assert!(
+            Instant::now() < deadline,
+            "the pump never parked after the turn"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(w.messages(s.id).await.len(), 2);
+    let seq_before = w.store.last_event_seq(s.id).await.unwrap();
+
+    // The agent (agentctl's child) dies; agentctl stays.
+    let agentctl = w.record(s.id).await.pid.unwrap();
+    let agents = children_of(agentctl);
+    assert!(
+        !agents.is_empty(),
+        "no agent process under agentctl {agentctl}"
+    );
+    for pid in agents {
+        kill9(pid);
+    }
+    w.wait_state(&mgr, s.id, SessionState::Error).await;
+    let st = w.status(&mgr, s.id).await;
+    let msg = st.error_message.clone().unwrap();
+    assert!(msg.contains("agent process exited"), "{msg}");
+    assert!(msg.contains("resume the session"), "{msg}");
+    assert!(!st.is_agent_running);
+    assert_eq!(st.executor_status, Some(ExecutorStatus::Ready));
+    let events = w.store.events_after(s.id, seq_before, 1000).await.unwrap();
+    assert!(
+        events.iter().any(|e| matches!(
+            e.payload,
+            EventPayload::StateChanged {
+                to: SessionState::Error,
+                ..
+            }
+        )),
+        "{events:?}"
+    );
+
+    mgr.resume_session(w.task.id, s.id).await.unwrap();
+    w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
+        .await;
+    mgr.send_message(w.task.id, s.id, "again").await.unwrap();
+    w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
+        .await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while w.messages(s.id).await.len() < 4 || !w.messages(s.id).await[3].complete {
+        assert!(Instant::now() < deadline, "second reply never stored");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     w.finish(&mgr, &[s.id]).await;
 }
 
