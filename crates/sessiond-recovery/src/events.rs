@@ -9,21 +9,23 @@
 //! re-read the outbox from its cursor. So a watcher sees every seq exactly
 //! once, in order, whatever happens between subscribe, replay and tail.
 
-use futures::stream::BoxStream;
+use std::{collections::VecDeque, sync::Arc};
+
+use futures::stream::{self, BoxStream};
 use sessiond_domain::{Event, SessionId, TaskId};
 use sessiond_store::Store;
-use tokio::sync::{broadcast, mpsc};
-use tokio_stream::wrappers::ReceiverStream;
+use tokio::sync::broadcast;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// A stream of events that never skips and never repeats a seq.
 pub type EventStream = BoxStream<'static, Result<Event>>;
 
-/// Fans committed events out to subscribers.
+/// Fans committed events out to subscribers. Events travel as `Arc`s, so a
+/// commit costs each subscriber a pointer copy, not a clone of the event.
 #[derive(Debug, Clone)]
 pub struct EventBus {
-    tx: broadcast::Sender<Event>,
+    tx: broadcast::Sender<Arc<Event>>,
 }
 
 impl EventBus {
@@ -36,11 +38,11 @@ impl EventBus {
     pub fn publish(&self, events: &[Event]) {
         for event in events {
             // No receiver is fine: the outbox has it.
-            let _ = self.tx.send(event.clone());
+            let _ = self.tx.send(Arc::new(event.clone()));
         }
     }
 
-    pub(crate) fn subscribe(&self) -> broadcast::Receiver<Event> {
+    pub(crate) fn subscribe(&self) -> broadcast::Receiver<Arc<Event>> {
         self.tx.subscribe()
     }
 }
@@ -98,91 +100,90 @@ pub(crate) fn watch_task(
 fn watch(store: Store, bus: &EventBus, scope: Scope, after: i64, page: u32) -> EventStream {
     // Subscribe before the first replay, so nothing committed after the
     // replay's read can be missed.
-    let rx = bus.subscribe();
-    let (tx, out) = mpsc::channel(page.clamp(16, 1024) as usize);
-    tokio::spawn(async move {
-        let mut w = Watcher {
-            store,
-            scope,
-            last: after.max(0),
-            page: page.max(1),
-            tx,
-        };
-        if let Err(e) = w.run(rx).await {
-            let _ = w.tx.send(Err(e)).await;
-        }
-    });
-    Box::pin(ReceiverStream::new(out))
+    let watcher = Watcher {
+        rx: bus.subscribe(),
+        store,
+        scope,
+        last: after.max(0),
+        page: page.max(1),
+        pending: VecDeque::new(),
+        catch_up: true,
+        done: false,
+    };
+    // The subscriber's own stream polls the receiver: no relay task and no
+    // second channel between a commit and the subscriber.
+    Box::pin(stream::unfold(watcher, |mut w| async move {
+        let item = w.next().await?;
+        Some((item, w))
+    }))
 }
 
 struct Watcher {
+    rx: broadcast::Receiver<Arc<Event>>,
     store: Store,
     scope: Scope,
     last: i64,
     page: u32,
-    tx: mpsc::Sender<Result<Event>>,
-}
-
-/// The subscriber went away; stop quietly.
-struct Gone;
-
-impl From<Gone> for Error {
-    fn from(_: Gone) -> Self {
-        Error::Internal("subscriber gone".into())
-    }
+    /// Replayed events not yet handed out.
+    pending: VecDeque<Event>,
+    /// The outbox must be read from the cursor before the next live event.
+    catch_up: bool,
+    done: bool,
 }
 
 impl Watcher {
-    async fn run(&mut self, mut rx: broadcast::Receiver<Event>) -> Result<()> {
-        if self.catch_up().await?.is_err() {
-            return Ok(());
-        }
+    async fn next(&mut self) -> Option<Result<Event>> {
         loop {
-            let received = tokio::select! {
-                r = rx.recv() => r,
-                () = self.tx.closed() => return Ok(()),
-            };
-            let step = match received {
-                Ok(e) if !self.scope.matches(&e) => Ok(()),
-                Ok(e) => {
-                    let seq = self.scope.cursor(&e);
-                    if seq <= self.last {
-                        Ok(())
-                    } else if seq == self.last + 1 {
-                        self.last = seq;
-                        self.tx.send(Ok(e)).await.map_err(|_| Gone)
-                    } else {
-                        self.catch_up().await?
+            if let Some(e) = self.pending.pop_front() {
+                return Some(Ok(e));
+            }
+            if self.done {
+                return None;
+            }
+            if self.catch_up {
+                match self.read_page().await {
+                    Ok(full) => self.catch_up = full,
+                    Err(e) => {
+                        self.done = true;
+                        return Some(Err(e));
                     }
                 }
-                Err(broadcast::error::RecvError::Lagged(_)) => self.catch_up().await?,
+                continue;
+            }
+            match self.rx.recv().await {
+                Ok(e) if !self.scope.matches(&e) => {}
+                Ok(e) => {
+                    let seq = self.scope.cursor(&e);
+                    if seq == self.last + 1 {
+                        self.last = seq;
+                        return Some(Ok(Arc::unwrap_or_clone(e)));
+                    }
+                    // A seq at or below the cursor is a duplicate; one that
+                    // skips ahead (commits published out of order) means the
+                    // outbox has what came between.
+                    if seq > self.last {
+                        self.catch_up = true;
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(_)) => self.catch_up = true,
                 // The manager is gone (backend shutting down): end the stream.
-                Err(broadcast::error::RecvError::Closed) => return Ok(()),
-            };
-            if step.is_err() {
-                return Ok(());
+                Err(broadcast::error::RecvError::Closed) => self.done = true,
             }
         }
     }
 
-    /// Sends everything stored after the cursor.
-    async fn catch_up(&mut self) -> Result<Result<(), Gone>> {
-        loop {
-            let batch = self.scope.read(&self.store, self.last, self.page).await?;
-            let n = batch.len();
-            for e in batch {
-                let seq = self.scope.cursor(&e);
-                if seq <= self.last {
-                    continue;
-                }
+    /// Queues one page of what is stored after the cursor; true when the page
+    /// was full, so there may be more.
+    async fn read_page(&mut self) -> Result<bool> {
+        let batch = self.scope.read(&self.store, self.last, self.page).await?;
+        let full = batch.len() >= self.page as usize;
+        for e in batch {
+            let seq = self.scope.cursor(&e);
+            if seq > self.last {
                 self.last = seq;
-                if self.tx.send(Ok(e)).await.is_err() {
-                    return Ok(Err(Gone));
-                }
-            }
-            if n < self.page as usize {
-                return Ok(Ok(()));
+                self.pending.push_back(e);
             }
         }
+        Ok(full)
     }
 }
