@@ -402,29 +402,18 @@ fn snapshot_source(store: Store) -> impl Fn() -> metrics::Snapshot + Send + Sync
             for s in sessiond_domain::ExecutorStatus::ALL {
                 executors.insert(s.as_str().to_owned(), 0.0);
             }
-            if let Ok(list) = store.list_executors().await {
-                for e in list {
-                    *executors.entry(e.status.as_str().to_owned()).or_insert(0.0) += 1.0;
+            if let Ok(counts) = store.count_executors_by_status().await {
+                for (status, n) in counts {
+                    executors.insert(status.as_str().to_owned(), n as f64);
                 }
             }
             let mut sessions = std::collections::BTreeMap::new();
             for s in sessiond_domain::SessionState::ALL {
                 sessions.insert(s.as_str().to_owned(), 0.0);
             }
-            // Every task's sessions: fine for the thousands of tasks one
-            // backend serves; a store-side count would be the next step.
-            let mut after = None;
-            while let Ok(tasks) = store.list_tasks(after, 1000).await {
-                for t in &tasks {
-                    if let Ok(list) = store.list_sessions(t.id).await {
-                        for s in list {
-                            *sessions.entry(s.state.as_str().to_owned()).or_insert(0.0) += 1.0;
-                        }
-                    }
-                }
-                match tasks.last() {
-                    Some(t) if tasks.len() == 1000 => after = Some(t.id),
-                    _ => break,
+            if let Ok(counts) = store.count_sessions_by_state().await {
+                for (state, n) in counts {
+                    sessions.insert(state.as_str().to_owned(), n as f64);
                 }
             }
             vec![

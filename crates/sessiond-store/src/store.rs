@@ -6,7 +6,7 @@ use diesel::{connection::SimpleConnection, prelude::*, r2d2::Pool};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 use sessiond_domain::{
     AgentProfile, AgentProfileId, Event, EventPayload, ExecutorId, ExecutorRecord, ExecutorStatus,
-    Message, Session, SessionId, Task, TaskId,
+    Message, Session, SessionId, SessionState, Task, TaskId,
 };
 
 use crate::{
@@ -410,7 +410,51 @@ impl Store {
         .await
     }
 
+    /// How many sessions are in each state (states with none are absent).
+    pub async fn count_sessions_by_state(&self) -> Result<Vec<(SessionState, i64)>> {
+        self.read(|c| {
+            let rows: Vec<(String, i64)> = task_sessions::table
+                .group_by(task_sessions::state)
+                .select((task_sessions::state, diesel::dsl::count_star()))
+                .load(c)?;
+            rows.into_iter()
+                .map(|(state, n)| {
+                    SessionState::parse(&state)
+                        .map(|s| (s, n))
+                        .map_err(|e| Error::Corrupt {
+                            entity: "session",
+                            id: format!("state {state}"),
+                            reason: e.to_string(),
+                        })
+                })
+                .collect()
+        })
+        .await
+    }
+
     // ------------------------------------------------------------ executors
+
+    /// How many executors are in each status (statuses with none are absent).
+    pub async fn count_executors_by_status(&self) -> Result<Vec<(ExecutorStatus, i64)>> {
+        self.read(|c| {
+            let rows: Vec<(String, i64)> = executors_running::table
+                .group_by(executors_running::status)
+                .select((executors_running::status, diesel::dsl::count_star()))
+                .load(c)?;
+            rows.into_iter()
+                .map(|(status, n)| {
+                    ExecutorStatus::parse(&status)
+                        .map(|s| (s, n))
+                        .map_err(|e| Error::Corrupt {
+                            entity: "executor",
+                            id: format!("status {status}"),
+                            reason: e.to_string(),
+                        })
+                })
+                .collect()
+        })
+        .await
+    }
 
     pub async fn get_executor(&self, id: ExecutorId) -> Result<ExecutorRecord> {
         self.read(move |c| changeset::load_executor(c, id)).await

@@ -534,6 +534,20 @@ mod suite {
             store.list_executors().await.unwrap().len(),
             ExecutorStatus::ALL.len()
         );
+
+        // The metrics gauges count by status and state in the database.
+        let mut by_status = store.count_executors_by_status().await.unwrap();
+        by_status.sort();
+        let one_each: Vec<_> = ExecutorStatus::ALL.iter().map(|s| (*s, 1)).collect();
+        assert_eq!(by_status, one_each);
+        let by_state = store.count_sessions_by_state().await.unwrap();
+        let total: i64 = by_state.iter().map(|(_, n)| n).sum();
+        assert_eq!(total, ExecutorStatus::ALL.len() as i64);
+        assert_eq!(
+            by_state.len(),
+            1,
+            "every session was created in one state: {by_state:?}"
+        );
     }
 
     pub async fn changeset_is_all_or_nothing(store: &Store) {
