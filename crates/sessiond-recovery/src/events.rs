@@ -18,8 +18,9 @@ use tokio::sync::broadcast;
 
 use crate::error::Result;
 
-/// A stream of events that never skips and never repeats a seq.
-pub type EventStream = BoxStream<'static, Result<Event>>;
+/// A stream of events that never skips and never repeats a seq. Events are
+/// shared, not copied, between the subscribers of one session.
+pub type EventStream = BoxStream<'static, Result<Arc<Event>>>;
 
 /// Fans committed events out to subscribers. Events travel as `Arc`s, so a
 /// commit costs each subscriber a pointer copy, not a clone of the event.
@@ -125,14 +126,14 @@ struct Watcher {
     last: i64,
     page: u32,
     /// Replayed events not yet handed out.
-    pending: VecDeque<Event>,
+    pending: VecDeque<Arc<Event>>,
     /// The outbox must be read from the cursor before the next live event.
     catch_up: bool,
     done: bool,
 }
 
 impl Watcher {
-    async fn next(&mut self) -> Option<Result<Event>> {
+    async fn next(&mut self) -> Option<Result<Arc<Event>>> {
         loop {
             if let Some(e) = self.pending.pop_front() {
                 return Some(Ok(e));
@@ -156,7 +157,7 @@ impl Watcher {
                     let seq = self.scope.cursor(&e);
                     if seq == self.last + 1 {
                         self.last = seq;
-                        return Some(Ok(Arc::unwrap_or_clone(e)));
+                        return Some(Ok(e));
                     }
                     // A seq at or below the cursor is a duplicate; one that
                     // skips ahead (commits published out of order) means the
@@ -181,7 +182,7 @@ impl Watcher {
             let seq = self.scope.cursor(&e);
             if seq > self.last {
                 self.last = seq;
-                self.pending.push_back(e);
+                self.pending.push_back(Arc::new(e));
             }
         }
         Ok(full)

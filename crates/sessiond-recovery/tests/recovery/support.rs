@@ -498,7 +498,7 @@ pub async fn collect_until(
             .expect("watch stream ended")
             .unwrap();
         let stop = done(&next);
-        out.push(next);
+        out.push(std::sync::Arc::unwrap_or_clone(next));
         if stop {
             return out;
         }
