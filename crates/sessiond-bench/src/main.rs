@@ -332,19 +332,33 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
                 made.len(),
                 t.elapsed().as_secs_f64()
             ));
-            let [r, h, w] =
-                recovery::baseline(&url, recovery::manager_config().recovery_concurrency).await?;
-            let (took, outcomes) = recovery::recover(
-                &url,
-                standalone::drivers(&opts.bin_dir, &sdir),
-                OutcomeLabel::Reattached,
-                made.len(),
-            )
-            .await?;
+            // A reattach leaves the world as it found it, so the same
+            // processes serve three rounds; report the medians.
+            let mut recoveries = Vec::new();
+            let mut baselines = Vec::new();
+            let mut outcomes = String::new();
+            for _ in 0..3 {
+                baselines.push(
+                    recovery::baseline(&url, recovery::manager_config().recovery_concurrency)
+                        .await?,
+                );
+                let (took, o) = recovery::recover(
+                    &url,
+                    standalone::drivers(&opts.bin_dir, &sdir),
+                    OutcomeLabel::Reattached,
+                    made.len(),
+                )
+                .await?;
+                recoveries.push(took);
+                outcomes = o;
+            }
+            recoveries.sort();
+            baselines.sort_by_key(|[r, h, w]| *r + *h + *w);
+            let [r, h, w] = baselines[1];
             Ok::<_, anyhow::Error>(RecoveryRow {
                 label: "standalone (agentctl processes), sqlite".into(),
                 n: made.len(),
-                recovery: took,
+                recovery: recoveries[1],
                 outcomes,
                 base_read: r,
                 base_health: h,
