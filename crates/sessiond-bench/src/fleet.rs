@@ -169,7 +169,9 @@ impl AgentCtlService for Fleet {
     }
 
     async fn prompt(&self, _req: Request<pb::PromptRequest>) -> Res<pb::PromptResponse> {
-        Err(Status::unimplemented("fleet: no prompts"))
+        Err(Status::failed_precondition(
+            "the bench fleet stands in for recovery only; it runs no turns",
+        ))
     }
 
     async fn cancel(&self, req: Request<pb::CancelRequest>) -> Res<pb::CancelResponse> {
@@ -194,22 +196,22 @@ impl AgentCtlService for Fleet {
     }
 
     async fn exec(&self, _req: Request<pb::ExecRequest>) -> Res<pb::ExecResponse> {
-        Err(Status::unimplemented("fleet"))
+        Err(no_workspace())
     }
     async fn read_file(&self, _req: Request<pb::ReadFileRequest>) -> Res<pb::ReadFileResponse> {
-        Err(Status::unimplemented("fleet"))
+        Err(no_workspace())
     }
     async fn write_file(&self, _req: Request<pb::WriteFileRequest>) -> Res<pb::WriteFileResponse> {
-        Err(Status::unimplemented("fleet"))
+        Err(no_workspace())
     }
     async fn list_dir(&self, _req: Request<pb::ListDirRequest>) -> Res<pb::ListDirResponse> {
-        Err(Status::unimplemented("fleet"))
+        Err(no_workspace())
     }
     async fn git_status(&self, _req: Request<pb::GitStatusRequest>) -> Res<pb::GitStatusResponse> {
-        Err(Status::unimplemented("fleet"))
+        Err(no_workspace())
     }
     async fn git_diff(&self, _req: Request<pb::GitDiffRequest>) -> Res<pb::GitDiffResponse> {
-        Err(Status::unimplemented("fleet"))
+        Err(no_workspace())
     }
 }
 
@@ -262,4 +264,10 @@ pub async fn serve_echo() -> anyhow::Result<()> {
         .serve_with_incoming(TcpListenerStream::new(listener))
         .await?;
     Ok(())
+}
+
+/// The fleet serves the calls startup recovery makes; the bench never uses a
+/// workspace, so none is behind it.
+fn no_workspace() -> Status {
+    Status::failed_precondition("the bench fleet stands in for recovery only; it has no workspace")
 }
