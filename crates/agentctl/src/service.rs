@@ -129,16 +129,19 @@ impl AgentCtlService for AgentCtl {
 
     async fn launch_agent(&self, req: Request<LaunchAgentRequest>) -> Res<LaunchAgentResponse> {
         let r = req.into_inner();
-        let launched = self
-            .agent
-            .launch(LaunchSpec {
-                command: r.command,
-                args: r.args,
-                env: r.env,
-                profile_supports_session_resume: r.profile_supports_session_resume,
-                initialize_timeout: Duration::from_millis(r.initialize_timeout_ms),
-            })
-            .await?;
+        let agent = self.agent.clone();
+        let launched = to_completion(async move {
+            agent
+                .launch(LaunchSpec {
+                    command: r.command,
+                    args: r.args,
+                    env: r.env,
+                    profile_supports_session_resume: r.profile_supports_session_resume,
+                    initialize_timeout: Duration::from_millis(r.initialize_timeout_ms),
+                })
+                .await
+        })
+        .await?;
         Ok(Response::new(LaunchAgentResponse {
             agent_pid: launched.pid,
             agent_name: launched.name,
@@ -148,7 +151,8 @@ impl AgentCtlService for AgentCtl {
     }
 
     async fn new_session(&self, _req: Request<NewSessionRequest>) -> Res<NewSessionResponse> {
-        let resume_token = self.agent.new_session().await?;
+        let agent = self.agent.clone();
+        let resume_token = to_completion(async move { agent.new_session().await }).await?;
         Ok(Response::new(NewSessionResponse { resume_token }))
     }
 
@@ -157,7 +161,8 @@ impl AgentCtlService for AgentCtl {
         req: Request<ResumeSessionRequest>,
     ) -> Res<ResumeSessionResponse> {
         let token = req.into_inner().resume_token;
-        let resume_token = self.agent.resume_session(&token).await?;
+        let agent = self.agent.clone();
+        let resume_token = to_completion(async move { agent.resume_session(&token).await }).await?;
         Ok(Response::new(ResumeSessionResponse { resume_token }))
     }
 
@@ -306,4 +311,19 @@ impl AgentCtlService for AgentCtl {
         let diff = git::diff(&self.workspace, r.staged, &r.paths).await?;
         Ok(Response::new(GitDiffResponse { diff }))
     }
+}
+
+/// Runs an agent operation to its end even if the caller goes away.
+///
+/// tonic drops a handler's future when its client disconnects; dropping an
+/// ACP `initialize` or `session/load` half-way would leave the agent stuck in
+/// `starting` (or half-loaded) for the next backend, which would then wait
+/// out its deadline. On its own task the operation finishes and the agent's
+/// state stays true; the next caller sees the outcome.
+async fn to_completion<T: Send + 'static>(
+    work: impl Future<Output = crate::error::Result<T>> + Send + 'static,
+) -> crate::error::Result<T> {
+    tokio::spawn(work).await.map_err(|e| {
+        crate::error::Error::Unavailable(format!("agent operation ended abnormally: {e}"))
+    })?
 }
