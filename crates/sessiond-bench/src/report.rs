@@ -83,12 +83,14 @@ pub fn status_line(s: &StatusRow) -> String {
 
 pub fn latency_line(l: &Latency) -> String {
     format!(
-        "event latency, {} subscriber(s), {} events: p50 {} p99 {} max {}",
+        "event latency, {} subscriber(s), {} events: p50 {} p99 {} max {} (the commit before it: p50 {} p99 {})",
         l.subscribers,
         l.events,
         ms(l.p50),
         ms(l.p99),
-        ms(l.max)
+        ms(l.max),
+        ms(l.commit_p50),
+        ms(l.commit_p99)
     )
 }
 
@@ -199,20 +201,25 @@ impl Report {
         if !self.latency.is_empty() {
             let _ = writeln!(
                 o,
-                "### Event latency (commit -> `watch_session` subscriber)"
+                "### Event latency (committed state change -> `watch_session` subscriber)"
             );
             let _ = writeln!(o);
-            let _ = writeln!(o, "| subscribers | events | p50 | p99 | max |");
-            let _ = writeln!(o, "|---:|---:|---:|---:|---:|");
+            let _ = writeln!(
+                o,
+                "| subscribers | events | p50 | p99 | max | the commit before it: p50 | p99 |"
+            );
+            let _ = writeln!(o, "|---:|---:|---:|---:|---:|---:|---:|");
             for l in &self.latency {
                 let _ = writeln!(
                     o,
-                    "| {} | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {} | {} | {} |",
                     l.subscribers,
                     l.events,
                     ms(l.p50),
                     ms(l.p99),
-                    ms(l.max)
+                    ms(l.max),
+                    ms(l.commit_p50),
+                    ms(l.commit_p99)
                 );
             }
             let _ = writeln!(o);

@@ -3,7 +3,7 @@
 //! executors cache, commit-then-publish).
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{HashMap, HashSet, hash_map::Entry},
     fmt,
     sync::{
         Arc, Mutex as StdMutex, MutexGuard,
@@ -72,6 +72,19 @@ struct StatusEntry {
 struct StatusSnapshot {
     generation: u64,
     entries: HashMap<SessionId, StatusEntry>,
+    /// While [`SessionManager::load_status_snapshot`] reads: the sessions a
+    /// commit or removal touched meanwhile, whose rows it must not keep.
+    priming: Option<HashSet<SessionId>>,
+}
+
+impl StatusSnapshot {
+    /// A commit or removal of `session` that an in-flight load may predate.
+    fn missed(&mut self, session: SessionId) {
+        self.generation += 1;
+        if let Some(touched) = &mut self.priming {
+            touched.insert(session);
+        }
+    }
 }
 
 /// Where a parked update pump stopped reading: the next pump of the session
@@ -312,22 +325,18 @@ impl SessionManager {
         let mut snap = lock(&self.inner.status);
         // A session not in the snapshot: a load racing with this commit
         // must not keep what it read before it.
-        let mut missed = false;
         if let Some(s) = &committed.session {
             match snap.entries.get_mut(&s.id) {
                 Some(e) if s.version >= e.session.version => e.session = Arc::new(s.clone()),
                 Some(_) => {}
-                None => missed = true,
+                None => snap.missed(s.id),
             }
         }
         if let Some(r) = &committed.executor {
             match snap.entries.get_mut(&r.session_id) {
                 Some(e) => e.record = Some(ExecutionView::from_record(r)),
-                None => missed = true,
+                None => snap.missed(r.session_id),
             }
-        }
-        if missed {
-            snap.generation += 1;
         }
     }
 
@@ -335,7 +344,41 @@ impl SessionManager {
     fn snapshot_forget(&self, session: SessionId) {
         let mut snap = lock(&self.inner.status);
         snap.entries.remove(&session);
-        snap.generation += 1;
+        snap.missed(session);
+    }
+
+    /// Loads the status snapshot of every session with an executor record
+    /// in one store call, so GetSessionStatus answers them from memory from
+    /// the first call (`sessiond serve` runs it after startup recovery,
+    /// before reporting SERVING). A session committed or removed while this
+    /// reads is left to load on its first call; an entry already present is
+    /// kept (it is at least as new). Returns how many entries it added.
+    pub async fn load_status_snapshot(&self) -> Result<usize> {
+        {
+            let mut snap = lock(&self.inner.status);
+            if snap.priming.is_some() {
+                return Ok(0); // another load is running; it fills the same entries
+            }
+            snap.priming = Some(HashSet::new());
+        }
+        let read = self.inner.store.managed_session_status_inputs().await;
+        let mut snap = lock(&self.inner.status);
+        let touched = snap.priming.take().unwrap_or_default();
+        let mut added = 0;
+        for (session, profile_claim, record) in read? {
+            if touched.contains(&session.id) {
+                continue;
+            }
+            if let Entry::Vacant(v) = snap.entries.entry(session.id) {
+                v.insert(StatusEntry {
+                    session: Arc::new(session),
+                    profile_claim,
+                    record: record.as_ref().map(ExecutionView::from_record),
+                });
+                added += 1;
+            }
+        }
+        Ok(added)
     }
 
     pub(crate) async fn status_of(&self, s: &Session) -> Result<SessionStatus> {

@@ -181,6 +181,18 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
                     }
                 }
             }
+            // GetSessionStatus from memory from the first call, not one
+            // store round trip per session the first time each is asked.
+            let t = std::time::Instant::now();
+            match manager.load_status_snapshot().await {
+                Ok(n) => tracing::info!(
+                    sessions = n,
+                    took_ms = t.elapsed().as_millis() as u64,
+                    "status snapshot loaded"
+                ),
+                // Not fatal: each session then loads on its first status call.
+                Err(e) => tracing::warn!(error = %e, "status snapshot not loaded"),
+            }
             for service in HEALTH_SERVICES {
                 health
                     .set_service_status(*service, ServingStatus::Serving)

@@ -1,6 +1,6 @@
 //! [`Store`]: connect, migrate, and the repository operations.
 
-use std::{fmt, path::Path, time::Duration};
+use std::{collections::HashMap, fmt, path::Path, time::Duration};
 
 use diesel::{connection::SimpleConnection, prelude::*, r2d2::Pool};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
@@ -391,6 +391,48 @@ impl Store {
                 .map(ExecutorRow::into_domain)
                 .transpose()?;
             Ok((session, claim, record))
+        })
+        .await
+    }
+
+    /// [`Store::session_status_inputs`] of every session that has an
+    /// executor record (the sessions a backend manages), in one blocking
+    /// call: the records, then their sessions by id in chunks, then the
+    /// profiles' claims. Not one snapshot: a caller that needs the result
+    /// current must account for commits made meanwhile.
+    pub async fn managed_session_status_inputs(
+        &self,
+    ) -> Result<Vec<(Session, bool, Option<ExecutorRecord>)>> {
+        self.read(|c| {
+            let records = load_executors(c, None)?;
+            let claims: HashMap<String, bool> = agent_profiles::table
+                .select((agent_profiles::id, agent_profiles::supports_session_resume))
+                .load(c)?
+                .into_iter()
+                .collect();
+            let mut by_session: HashMap<String, ExecutorRecord> = records
+                .into_iter()
+                .map(|r| (r.session_id.to_string(), r))
+                .collect();
+            let keys: Vec<String> = by_session.keys().cloned().collect();
+            let mut out = Vec::with_capacity(keys.len());
+            // Well under SQLite's and Postgres' bind-parameter limits.
+            for chunk in keys.chunks(500) {
+                let rows: Vec<SessionRow> = task_sessions::table
+                    .filter(task_sessions::id.eq_any(chunk))
+                    .select(SessionRow::as_select())
+                    .load(c)?;
+                for row in rows {
+                    let session = row.into_domain()?;
+                    let profile = session.agent_profile_id;
+                    let claim = *claims
+                        .get(&profile.to_string())
+                        .ok_or_else(|| Error::not_found("agent profile", profile))?;
+                    let record = by_session.remove(&session.id.to_string());
+                    out.push((session, claim, record));
+                }
+            }
+            Ok(out)
         })
         .await
     }
