@@ -168,9 +168,7 @@ impl SessionManager {
                 generation: 1,
             },
         );
-        change = self
-            .with_task_event(change, req.task_id, TaskEvent::WorkStarted)
-            .await?;
+        change = change.task_event(req.task_id, TaskEvent::WorkStarted);
         let committed = self.commit(change).await?;
         let mut session = committed
             .session
@@ -368,9 +366,7 @@ impl SessionManager {
         if let Some(ev) = ev {
             change = change.event(session_id, ev);
         }
-        change = self
-            .with_task_event(change, session.task_id, TaskEvent::WorkStarted)
-            .await?;
+        change = change.task_event(session.task_id, TaskEvent::WorkStarted);
         let committed = self.commit(change).await?;
         let stored = committed
             .messages

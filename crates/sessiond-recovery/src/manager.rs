@@ -17,7 +17,7 @@ use futures::{
 };
 use sessiond_domain::{
     AgentProcessState, EventPayload, ExecutionView, ExecutorRecord, OutcomeLabel, Runtime, Session,
-    SessionEvent, SessionId, SessionStatus, TaskEvent, TaskId,
+    SessionEvent, SessionId, SessionStatus, TaskId,
 };
 use sessiond_executor::{AgentctlClient, Executor, ExecutorHandle};
 use sessiond_store::{Changeset, Committed, Store};
@@ -578,20 +578,6 @@ impl SessionManager {
         lock(&self.inner.clients).remove(&session);
         lock(&self.inner.parked).remove(&session);
         self.snapshot_forget(session);
-    }
-
-    /// The task's state change for `event`, added to `change` when it moves.
-    pub(crate) async fn with_task_event(
-        &self,
-        change: Changeset,
-        task: TaskId,
-        event: TaskEvent,
-    ) -> Result<Changeset> {
-        let t = self.inner.store.get_task(task).await?;
-        Ok(match t.state.transition(event) {
-            Ok(next) if next != t.state => change.set_task_state(task, next),
-            _ => change,
-        })
     }
 
     /// Records that a startup recovery pass has finished.

@@ -470,7 +470,7 @@ impl Pump {
         );
         change = change.update_session(next);
         if let Some(ev) = task_event {
-            change = self.mgr.with_task_event(change, self.task_id, ev).await?;
+            change = change.task_event(self.task_id, ev);
         }
         self.mgr.commit(change).await?;
         if exited {

@@ -82,6 +82,9 @@ struct Run {
     agent_state: Option<AgentState>,
     probe: Option<bool>,
     started_as: ExecutorStatus,
+    /// `record.last_seen_at` was refreshed in memory only (the executor was
+    /// `ready` already, so nothing else changed): the outcome commit writes it.
+    seen_unsaved: bool,
 }
 
 impl SessionManager {
@@ -191,8 +194,7 @@ impl SessionManager {
         let _guard = self.lock_session(record.session_id).await;
         let store = &self.inner.store;
         // Re-read under the lock: the caller's copy may be stale.
-        let record = store.get_executor(record.id).await?;
-        let session = store.get_session(record.session_id).await?;
+        let (record, session) = store.get_executor_and_session(record.id).await?;
         let preloaded = crate::manager::lock(&self.inner.recovery_profiles)
             .get(&session.agent_profile_id)
             .cloned();
@@ -218,6 +220,7 @@ impl SessionManager {
             agent: SurvivingAgent::None,
             agent_state: None,
             probe: None,
+            seen_unsaved: false,
         };
         let mut action = machine.start();
         loop {
@@ -502,18 +505,31 @@ impl SessionManager {
         if run.probe == Some(false) {
             record.supports_session_resume = false;
         }
-        let mut change = Changeset::new().update_executor(record);
-        if changed {
-            change = change.event(run.session.id, event);
+        if !changed
+            && record.error_message == run.record.error_message
+            && record.supports_session_resume == run.record.supports_session_resume
+        {
+            // Already `ready` as stored: nothing to write before the next
+            // step (a crash here finds the same row); the fresh
+            // `last_seen_at` goes with the outcome, one commit instead of two.
+            self.cache_record(&record);
+            run.record = record;
+            run.seen_unsaved = true;
+        } else {
+            let mut change = Changeset::new().update_executor(record);
+            if changed {
+                change = change.event(run.session.id, event);
+            }
+            let committed = self.commit(change).await?;
+            run.record = committed
+                .executor
+                .ok_or_else(|| Error::Internal("no executor".into()))?;
+            run.seen_unsaved = false;
         }
-        let committed = self.commit(change).await?;
-        // Test-only crash point: executor `ready` is committed, the next step
+        // Test-only crash point: executor `ready` is stored, the next step
         // (agent resume, or the outcome) has not run.
         #[cfg(feature = "failpoints")]
         fail::fail_point!("recovery-after-ready");
-        run.record = committed
-            .executor
-            .ok_or_else(|| Error::Internal("no executor".into()))?;
         let agent = match run.agent {
             SurvivingAgent::Idle | SurvivingAgent::Busy => AgentProcessState::Running,
             SurvivingAgent::None => AgentProcessState::NotRunning,
@@ -554,7 +570,8 @@ impl SessionManager {
         record.error_message = outcome.executor_error.as_ref().map(|f| f.message());
         record.generation = outcome.generation;
         let mut change = Changeset::new();
-        let record_changed = record.status != run.record.status
+        let record_changed = run.seen_unsaved
+            || record.status != run.record.status
             || record.error_message != run.record.error_message
             || record.generation != run.record.generation;
         if record_changed {
@@ -570,9 +587,7 @@ impl SessionManager {
             change = change.event(sid, event);
         }
         if agent_back && outcome.session_state != SessionState::Running {
-            change = self
-                .with_task_event(change, run.session.task_id, TaskEvent::ReadyForReview)
-                .await?;
+            change = change.task_event(run.session.task_id, TaskEvent::ReadyForReview);
         }
         let committed = self.commit(change).await?;
         let record = committed.executor.unwrap_or(record_after(&run, &outcome));

@@ -394,9 +394,7 @@ impl SessionManager {
                     change = change.update_executor(r);
                 }
                 if !pending {
-                    change = self
-                        .with_task_event(change, session.task_id, TaskEvent::ReadyForReview)
-                        .await?;
+                    change = change.task_event(session.task_id, TaskEvent::ReadyForReview);
                 }
                 let committed = self.commit(change).await?;
                 session = committed.session.unwrap_or(session);

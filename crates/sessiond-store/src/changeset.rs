@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use diesel::prelude::*;
 use sessiond_domain::{
     Event, EventPayload, ExecutorId, ExecutorRecord, Message, MessageId, Session, SessionId,
-    TaskId, TaskState,
+    TaskEvent, TaskId, TaskState,
 };
 
 use crate::{
@@ -30,10 +30,19 @@ use crate::{
 pub struct Changeset {
     pub(crate) session: Option<Session>,
     pub(crate) executor: Option<ExecutorWrite>,
-    pub(crate) task_state: Option<(TaskId, TaskState)>,
+    pub(crate) task_state: Option<(TaskId, TaskChange)>,
     pub(crate) new_messages: Vec<Message>,
     pub(crate) message_updates: Vec<MessageUpdate>,
     pub(crate) events: Vec<(SessionId, EventPayload)>,
+}
+
+/// How a changeset moves a task.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum TaskChange {
+    To(TaskState),
+    /// The task's state machine applied to the stored state inside the
+    /// transaction; no change when the event does not move it.
+    Event(TaskEvent),
 }
 
 /// How a changeset writes an executor record.
@@ -90,7 +99,15 @@ impl Changeset {
     }
 
     pub fn set_task_state(mut self, task: TaskId, state: TaskState) -> Self {
-        self.task_state = Some((task, state));
+        self.task_state = Some((task, TaskChange::To(state)));
+        self
+    }
+
+    /// Moves the task by `event` if its stored state allows it (read and
+    /// written inside the transaction, so no separate read and no race with
+    /// another writer); an event that does not apply changes nothing.
+    pub fn task_event(mut self, task: TaskId, event: TaskEvent) -> Self {
+        self.task_state = Some((task, TaskChange::Event(event)));
         self
     }
 
@@ -201,8 +218,19 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
     for t in task_ids {
         let k = task_events.get(&t).copied().unwrap_or(0);
         let target = tasks::table.find(t.to_string());
-        let n = match change.task_state {
-            Some((st, state)) if st == t => diesel::update(target.clone())
+        let state = match change.task_state {
+            Some((st, TaskChange::To(state))) if st == t => Some(state),
+            Some((st, TaskChange::Event(event))) if st == t => {
+                let stored: Option<String> =
+                    target.clone().select(tasks::state).first(conn).optional()?;
+                let stored = stored.ok_or_else(|| Error::not_found("task", t))?;
+                let stored = TaskState::parse(&stored).map_err(|e| Error::corrupt("task", t, e))?;
+                stored.transition(event).ok().filter(|next| *next != stored)
+            }
+            _ => None,
+        };
+        let n = match state {
+            Some(state) => diesel::update(target.clone())
                 .set((
                     tasks::state.eq(state.as_str()),
                     tasks::updated_at.eq(now),

@@ -1,6 +1,12 @@
 //! [`Store`]: connect, migrate, and the repository operations.
 
-use std::{collections::HashMap, fmt, path::Path, time::Duration};
+use std::{
+    collections::HashMap,
+    fmt,
+    path::Path,
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
+};
 
 use diesel::{connection::SimpleConnection, prelude::*, r2d2::Pool};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
@@ -89,6 +95,8 @@ impl StoreOptions {
 pub struct Store {
     pool: Pool<Manager>,
     backend: Backend,
+    /// SQLite: this process's writers take turns here (see `write`).
+    writer: Arc<Mutex<()>>,
 }
 
 impl fmt::Debug for Store {
@@ -171,7 +179,11 @@ impl Store {
                 .connection_timeout(opts.connect_timeout)
                 .build(manager)
                 .map_err(|e| Error::Pool(Box::new(e)))?;
-            let store = Store { pool, backend };
+            let store = Store {
+                pool,
+                backend,
+                writer: Arc::default(),
+            };
             if opts.migrate {
                 let mut conn = store.pool.get()?;
                 run_pending(&mut conn)?;
@@ -348,16 +360,7 @@ impl Store {
     }
 
     pub async fn get_session(&self, id: SessionId) -> Result<Session> {
-        self.read(move |c| {
-            task_sessions::table
-                .find(id.to_string())
-                .select(SessionRow::as_select())
-                .first(c)
-                .optional()?
-                .ok_or_else(|| Error::not_found("session", id))?
-                .into_domain()
-        })
-        .await
+        self.read(move |c| load_session(c, id)).await
     }
 
     /// What a session's status is derived from, in one round trip to the
@@ -500,6 +503,20 @@ impl Store {
 
     pub async fn get_executor(&self, id: ExecutorId) -> Result<ExecutorRecord> {
         self.read(move |c| changeset::load_executor(c, id)).await
+    }
+
+    /// An executor record and its session, on one pooled connection in one
+    /// blocking call (recovery re-reads both under the session lock).
+    pub async fn get_executor_and_session(
+        &self,
+        id: ExecutorId,
+    ) -> Result<(ExecutorRecord, Session)> {
+        self.read(move |c| {
+            let record = changeset::load_executor(c, id)?;
+            let session = load_session(c, record.session_id)?;
+            Ok((record, session))
+        })
+        .await
     }
 
     pub async fn get_executor_for_session(
@@ -703,7 +720,21 @@ impl Store {
         T: Send + 'static,
         F: FnOnce(&mut AnyConnection) -> Result<T> + Send + 'static,
     {
-        self.read(move |c| write_transaction(c, f)).await
+        let pool = self.pool.clone();
+        let writer = (self.backend == Backend::Sqlite).then(|| self.writer.clone());
+        blocking(move || {
+            // SQLite has one write lock. Writers that found it taken slept
+            // in its busy handler (1, 2, 5, 10, ... ms) and were not woken
+            // when it freed; queued here, the next one starts at once. The
+            // turn is taken before the pool checkout, so a waiting writer
+            // holds no connection. (Other processes still meet busy_timeout.)
+            let _turn = writer
+                .as_ref()
+                .map(|w| w.lock().unwrap_or_else(PoisonError::into_inner));
+            let mut conn = pool.get()?;
+            write_transaction(&mut conn, f)
+        })
+        .await
     }
 }
 
@@ -778,6 +809,16 @@ fn load_profile(c: &mut AnyConnection, by_name: bool, key: &str) -> Result<Agent
     q.first(c)
         .optional()?
         .ok_or_else(|| Error::not_found("agent profile", key))?
+        .into_domain()
+}
+
+fn load_session(c: &mut AnyConnection, id: SessionId) -> Result<Session> {
+    task_sessions::table
+        .find(id.to_string())
+        .select(SessionRow::as_select())
+        .first(c)
+        .optional()?
+        .ok_or_else(|| Error::not_found("session", id))?
         .into_domain()
 }
 

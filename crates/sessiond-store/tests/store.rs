@@ -10,7 +10,7 @@ use chrono::{Duration, Utc};
 use sessiond_domain::{
     AgentProfile, AgentProfileId, EventKind, EventPayload, ExecutorId, ExecutorRecord,
     ExecutorStatus, Message, MessageId, MessageRole, Runtime, Session, SessionId, SessionState,
-    Task, TaskId, TaskState, Worktree,
+    Task, TaskEvent, TaskId, TaskState, Worktree,
 };
 use sessiond_store::{Backend, Changeset, Error, Store, StoreOptions};
 
@@ -915,6 +915,89 @@ mod suite {
         assert!(err.is_not_found(), "{err}");
     }
 
+    /// `Changeset::task_event` applies the task machine to the stored state
+    /// inside the transaction: a legal event moves it, one that does not
+    /// apply changes nothing and is no error, a missing task is NOT_FOUND
+    /// and writes nothing of the changeset.
+    pub async fn task_event_applies_the_machine_in_the_transaction(store: &Store) {
+        let (t, _, s) = seed(store).await;
+        let state = |store: &Store| {
+            let store = store.clone();
+            async move { store.get_task(t.id).await.unwrap().state }
+        };
+        // TODO has had no work to review: no change, and the event is stored.
+        let c = store
+            .commit(
+                Changeset::new()
+                    .event(
+                        s.id,
+                        state_changed(SessionState::Created, SessionState::Starting),
+                    )
+                    .task_event(t.id, TaskEvent::ReadyForReview),
+            )
+            .await
+            .unwrap();
+        assert_eq!(c.events.len(), 1);
+        assert_eq!(state(store).await, TaskState::Todo);
+        store
+            .commit(Changeset::new().task_event(t.id, TaskEvent::WorkStarted))
+            .await
+            .unwrap();
+        assert_eq!(state(store).await, TaskState::InProgress);
+        store
+            .commit(Changeset::new().task_event(t.id, TaskEvent::ReadyForReview))
+            .await
+            .unwrap();
+        assert_eq!(state(store).await, TaskState::Review);
+
+        let before = store.last_event_seq(s.id).await.unwrap();
+        let err = store
+            .commit(
+                Changeset::new()
+                    .event(
+                        s.id,
+                        state_changed(SessionState::Starting, SessionState::WaitingForInput),
+                    )
+                    .task_event(TaskId::new(), TaskEvent::WorkStarted),
+            )
+            .await
+            .unwrap_err();
+        assert!(err.is_not_found(), "{err}");
+        assert_eq!(store.last_event_seq(s.id).await.unwrap(), before);
+    }
+
+    /// The batched reads recovery and the status snapshot use agree with the
+    /// one-row reads, and list only sessions that have an executor record.
+    pub async fn managed_reads_match_single_reads(store: &Store) {
+        let (t, p, s) = seed(store).await;
+        let (other, _) = store
+            .create_session(&session(&t, &p), vec![])
+            .await
+            .unwrap();
+        let rec = store
+            .commit(Changeset::new().insert_executor(executor(&s, ExecutorStatus::Ready)))
+            .await
+            .unwrap()
+            .executor
+            .unwrap();
+        let (r, got) = store.get_executor_and_session(rec.id).await.unwrap();
+        assert_eq!(r, rec);
+        assert_eq!(got, store.get_session(s.id).await.unwrap());
+        assert!(
+            store
+                .get_executor_and_session(ExecutorId::new())
+                .await
+                .unwrap_err()
+                .is_not_found()
+        );
+
+        let all = store.managed_session_status_inputs().await.unwrap();
+        assert_eq!(all.len(), 1, "only the session with an executor: {all:?}");
+        let one = store.session_status_inputs(s.id).await.unwrap();
+        assert_eq!(all[0], one);
+        assert_ne!(all[0].0.id, other.id);
+    }
+
     pub async fn migrations_round_trip(store: &Store) {
         seed(store).await;
         let reverted = store.revert_all_migrations().await.unwrap();
@@ -964,6 +1047,8 @@ macro_rules! store_tests {
             store_test!($backend, concurrent_appenders_get_gap_free_seqs);
             store_test!($backend, messages_append_and_update);
             store_test!($backend, events_after_and_task_events_after);
+            store_test!($backend, task_event_applies_the_machine_in_the_transaction);
+            store_test!($backend, managed_reads_match_single_reads);
             store_test!($backend, migrations_round_trip);
         }
     };

@@ -28,7 +28,19 @@ async fn restart_reattaches(db: Db) {
     let after = w.record(s.id).await;
     assert_eq!(after.pid, before.pid, "same agentctl process");
     assert_eq!(after.generation, before.generation);
+    assert!(
+        after.last_seen_at > before.last_seen_at,
+        "the reattach stored a fresh last_seen_at"
+    );
     assert!(is_running(after.pid.unwrap()));
+    // What `sessiond serve` does before SERVING: the session's status inputs
+    // come from one batched read, then from memory (and commits).
+    assert_eq!(mgr.load_status_snapshot().await.unwrap(), 1);
+    assert_eq!(
+        mgr.load_status_snapshot().await.unwrap(),
+        0,
+        "entries present are kept"
+    );
     assert_eq!(
         w.store.last_event_seq(s.id).await.unwrap(),
         events_before,
