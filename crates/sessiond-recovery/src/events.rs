@@ -9,7 +9,11 @@
 //! re-read the outbox from its cursor. So a watcher sees every seq exactly
 //! once, in order, whatever happens between subscribe, replay and tail.
 
-use std::{collections::VecDeque, sync::Arc};
+use std::{
+    collections::{HashMap, VecDeque},
+    hash::Hash,
+    sync::{Arc, Mutex, PoisonError, Weak},
+};
 
 use futures::stream::{self, BoxStream};
 use sessiond_domain::{Event, SessionId, TaskId};
@@ -22,29 +26,104 @@ use crate::error::Result;
 /// shared, not copied, between the subscribers of one session.
 pub type EventStream = BoxStream<'static, Result<Arc<Event>>>;
 
-/// Fans committed events out to subscribers. Events travel as `Arc`s, so a
-/// commit costs each subscriber a pointer copy, not a clone of the event.
+/// Fans committed events out to subscribers: one channel per watched
+/// session and per watched task, so a commit wakes only the watchers of its
+/// own session and task (not every watcher of every session), and costs each
+/// a pointer copy (`Arc`), not a clone of the event. A channel exists while
+/// someone watches its key; the last watcher to go removes it.
 #[derive(Debug, Clone)]
 pub struct EventBus {
-    tx: broadcast::Sender<Arc<Event>>,
+    channels: Arc<Channels>,
+}
+
+#[derive(Debug)]
+struct Channels {
+    capacity: usize,
+    sessions: Mutex<HashMap<SessionId, broadcast::Sender<Arc<Event>>>>,
+    tasks: Mutex<HashMap<TaskId, broadcast::Sender<Arc<Event>>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Sends to `key`'s channel, if anyone watches it; a channel whose
+/// receivers are all gone is removed.
+fn send_to<K: Eq + Hash>(
+    map: &Mutex<HashMap<K, broadcast::Sender<Arc<Event>>>>,
+    key: &K,
+    event: &Arc<Event>,
+) {
+    let mut map = lock(map);
+    if let Some(tx) = map.get(key)
+        && tx.send(event.clone()).is_err()
+    {
+        map.remove(key);
+    }
+}
+
+fn subscribe_to<K: Eq + Hash + Copy>(
+    map: &Mutex<HashMap<K, broadcast::Sender<Arc<Event>>>>,
+    key: K,
+    capacity: usize,
+) -> broadcast::Receiver<Arc<Event>> {
+    lock(map)
+        .entry(key)
+        .or_insert_with(|| broadcast::channel(capacity).0)
+        .subscribe()
+}
+
+/// Removes `key`'s channel when the receiver about to be dropped is its last.
+fn release<K: Eq + Hash>(map: &Mutex<HashMap<K, broadcast::Sender<Arc<Event>>>>, key: &K) {
+    let mut map = lock(map);
+    if map.get(key).is_some_and(|tx| tx.receiver_count() <= 1) {
+        map.remove(key);
+    }
 }
 
 impl EventBus {
     pub fn new(capacity: usize) -> Self {
-        let (tx, _) = broadcast::channel(capacity.max(16));
-        Self { tx }
-    }
-
-    /// Publishes committed events, in the order given.
-    pub fn publish(&self, events: &[Event]) {
-        for event in events {
-            // No receiver is fine: the outbox has it.
-            let _ = self.tx.send(Arc::new(event.clone()));
+        Self {
+            channels: Arc::new(Channels {
+                capacity: capacity.max(16),
+                sessions: Mutex::default(),
+                tasks: Mutex::default(),
+            }),
         }
     }
 
-    pub(crate) fn subscribe(&self) -> broadcast::Receiver<Arc<Event>> {
-        self.tx.subscribe()
+    /// Publishes committed events, in the order given. No watcher is fine:
+    /// the outbox has them.
+    pub fn publish(&self, events: &[Event]) {
+        let c = &self.channels;
+        for event in events {
+            let watched_session = lock(&c.sessions).contains_key(&event.session_id);
+            let watched_task = lock(&c.tasks).contains_key(&event.task_id);
+            if !watched_session && !watched_task {
+                continue;
+            }
+            let event = Arc::new(event.clone());
+            if watched_session {
+                send_to(&c.sessions, &event.session_id, &event);
+            }
+            if watched_task {
+                send_to(&c.tasks, &event.task_id, &event);
+            }
+        }
+    }
+
+    fn subscribe(&self, scope: Scope) -> broadcast::Receiver<Arc<Event>> {
+        let c = &self.channels;
+        match scope {
+            Scope::Session(s) => subscribe_to(&c.sessions, s, c.capacity),
+            Scope::Task(t) => subscribe_to(&c.tasks, t, c.capacity),
+        }
+    }
+
+    /// Watchers of sessions and of tasks with a channel now (for tests).
+    pub fn watched(&self) -> (usize, usize) {
+        let c = &self.channels;
+        (lock(&c.sessions).len(), lock(&c.tasks).len())
     }
 }
 
@@ -56,13 +135,6 @@ enum Scope {
 }
 
 impl Scope {
-    fn matches(self, e: &Event) -> bool {
-        match self {
-            Scope::Session(s) => e.session_id == s,
-            Scope::Task(t) => e.task_id == t,
-        }
-    }
-
     fn cursor(self, e: &Event) -> i64 {
         match self {
             Scope::Session(_) => e.seq,
@@ -102,7 +174,8 @@ fn watch(store: Store, bus: &EventBus, scope: Scope, after: i64, page: u32) -> E
     // Subscribe before the first replay, so nothing committed after the
     // replay's read can be missed.
     let watcher = Watcher {
-        rx: bus.subscribe(),
+        rx: bus.subscribe(scope),
+        bus: Arc::downgrade(&bus.channels),
         store,
         scope,
         last: after.max(0),
@@ -121,6 +194,9 @@ fn watch(store: Store, bus: &EventBus, scope: Scope, after: i64, page: u32) -> E
 
 struct Watcher {
     rx: broadcast::Receiver<Arc<Event>>,
+    /// To remove the channel when this is its last watcher. Weak: watchers
+    /// must not keep the bus alive (its end is what ends their streams).
+    bus: Weak<Channels>,
     store: Store,
     scope: Scope,
     last: i64,
@@ -130,6 +206,17 @@ struct Watcher {
     /// The outbox must be read from the cursor before the next live event.
     catch_up: bool,
     done: bool,
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        if let Some(c) = self.bus.upgrade() {
+            match self.scope {
+                Scope::Session(s) => release(&c.sessions, &s),
+                Scope::Task(t) => release(&c.tasks, &t),
+            }
+        }
+    }
 }
 
 impl Watcher {
@@ -152,7 +239,6 @@ impl Watcher {
                 continue;
             }
             match self.rx.recv().await {
-                Ok(e) if !self.scope.matches(&e) => {}
                 Ok(e) => {
                     let seq = self.scope.cursor(&e);
                     if seq == self.last + 1 {

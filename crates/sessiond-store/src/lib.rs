@@ -15,7 +15,8 @@
 //! - Blocking: an r2d2 pool of synchronous diesel connections; every call runs
 //!   in `tokio::task::spawn_blocking`.
 //! - Writes: SQLite transactions start with `BEGIN IMMEDIATE` (WAL mode,
-//!   `busy_timeout`, `foreign_keys=ON`); Postgres runs READ COMMITTED and
+//!   `busy_timeout`, `foreign_keys=ON`) and a process's writers queue on an
+//!   in-process mutex first; Postgres runs READ COMMITTED and
 //!   relies on row locks taken by `UPDATE`, in a fixed order (tasks, then
 //!   sessions, by id).
 //! - Seqs: `tasks.last_event_seq` and `task_sessions.last_event_seq` /

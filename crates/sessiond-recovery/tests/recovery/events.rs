@@ -85,6 +85,7 @@ async fn two_sessions_of_one_task_stay_independent() {
     assert_ne!(ra.pid, rb.pid);
 
     let mut watch_b = mgr.watch_session(b.id, 0).await.unwrap();
+    assert_eq!(mgr.events().watched(), (1, 0), "one channel, B's");
     let reply = w.prompt(&mgr, a.id, "for a").await;
     assert_eq!(
         reply,
@@ -116,6 +117,12 @@ async fn two_sessions_of_one_task_stay_independent() {
     assert!(sb.is_agent_running);
     assert_eq!(sb.state, SessionState::WaitingForInput);
     w.prompt(&mgr, b.id, "for b").await;
+    drop(watch_b);
+    assert_eq!(
+        mgr.events().watched(),
+        (0, 0),
+        "the last watcher removes its channel"
+    );
     w.finish(&mgr, &[b.id]).await;
 }
 
