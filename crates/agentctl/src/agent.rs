@@ -112,6 +112,8 @@ pub struct Status {
     pub profile_claim: bool,
     /// `loadSession` from the last successful `initialize`.
     pub agent_load_session: Option<bool>,
+    /// The ACP session the agent has open, if any.
+    pub session: Option<String>,
 }
 
 #[derive(Debug)]
@@ -323,6 +325,7 @@ impl AgentManager {
             exit: slot.exit,
             profile_claim: slot.profile_claim,
             agent_load_session: slot.agent_load_session,
+            session: slot.session.as_ref().map(|s| s.0.to_string()),
         }
     }
 

@@ -109,6 +109,7 @@ impl AgentCtlService for AgentCtl {
             pid: std::process::id(),
             instance_id: self.updates.instance_id().to_owned(),
             latest_cursor: self.updates.latest(),
+            acp_session_id: status.session.unwrap_or_default(),
         }))
     }
 

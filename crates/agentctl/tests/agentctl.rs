@@ -413,6 +413,11 @@ async fn launch_prompt_stop_relaunch_resume_continues_conversation() {
     assert!(alive(first_pid));
     assert_eq!(health(&mut c).await.agent_state(), AgentState::Ready);
     assert_eq!(
+        health(&mut c).await.acp_session_id,
+        "",
+        "launched: no conversation open yet"
+    );
+    assert_eq!(
         caps(&mut c).await.supports_session_resume(),
         Capability::Supported
     );
@@ -429,6 +434,7 @@ async fn launch_prompt_stop_relaunch_resume_continues_conversation() {
         .into_inner()
         .resume_token;
     assert!(!token.is_empty());
+    assert_eq!(health(&mut c).await.acp_session_id, token);
     let (r1, e1) = prompt(&mut c, &mut stream, "hello").await;
     assert_eq!(e1.stop_reason, "end_turn");
     assert_eq!(r1, format!("turn 1 of session {token}: you said \"hello\""));
@@ -447,6 +453,10 @@ async fn launch_prompt_stop_relaunch_resume_continues_conversation() {
     wait_dead(first_pid).await;
     let hl = health(&mut c).await;
     assert_eq!(hl.agent_state(), AgentState::Exited);
+    assert_eq!(
+        hl.acp_session_id, "",
+        "the conversation ended with the agent"
+    );
     assert!(hl.agent_exit.is_some());
     stream
         .until(|u| matches!(u.kind, Some(Kind::AgentExited(_))))

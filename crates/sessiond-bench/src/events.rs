@@ -18,6 +18,8 @@ use crate::{load::quantile, seed::Seeded};
 #[derive(Debug, Clone, Copy)]
 pub struct Latency {
     pub subscribers: usize,
+    /// Other sessions, each with one watcher of its own, that no event is for.
+    pub bystanders: usize,
     pub events: usize,
     pub p50: Duration,
     pub p99: Duration,
@@ -29,15 +31,24 @@ pub struct Latency {
 
 /// `events` state changes of `session`, one every `gap`, each committed and
 /// published the way `SessionManager` does it (`Store::commit`, then
-/// `EventBus::publish` of what was stored).
+/// `EventBus::publish` of what was stored), while each of `bystanders`
+/// (other sessions) has a watcher that must receive nothing.
 pub async fn latency(
     manager: &SessionManager,
     session: Seeded,
     subscribers: usize,
+    bystanders: &[Seeded],
     events: usize,
     gap: Duration,
 ) -> anyhow::Result<Latency> {
     let store = manager.store().clone();
+    let mut idle = Vec::new();
+    for b in bystanders {
+        let mut stream = manager
+            .watch_session(b.session, store.last_event_seq(b.session).await?)
+            .await?;
+        idle.push(tokio::spawn(async move { stream.next().await.is_some() }));
+    }
     let start_seq = store.last_event_seq(session.session).await?;
     let mut receivers = Vec::new();
     for _ in 0..subscribers {
@@ -104,10 +115,15 @@ pub async fn latency(
             lat.push(at.saturating_duration_since(*t));
         }
     }
+    for w in idle {
+        anyhow::ensure!(!w.is_finished(), "a bystander's watcher got an event");
+        w.abort();
+    }
     lat.sort_unstable();
     commits.sort_unstable();
     Ok(Latency {
         subscribers,
+        bystanders: bystanders.len(),
         events,
         p50: quantile(&lat, 0.5),
         p99: quantile(&lat, 0.99),

@@ -29,11 +29,14 @@ pub fn secret_for(executor_id: &str) -> String {
 
 const SHARDS: usize = 64;
 
+/// Executor id -> its launched agent's open session (None: no session yet).
+type Agents = HashMap<String, Option<String>>;
+
 #[derive(Clone)]
 pub struct Fleet {
     started: Instant,
-    /// executor id -> agent launched, sharded to keep 64 concurrent callers apart.
-    agents: Arc<Vec<Mutex<HashMap<String, bool>>>>,
+    /// Launched agents, sharded to keep 64 concurrent callers apart.
+    agents: Arc<Vec<Mutex<Agents>>>,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -66,28 +69,43 @@ impl Fleet {
             .ok_or_else(|| Status::unauthenticated("unknown secret"))
     }
 
-    fn shard(&self, id: &str) -> &Mutex<HashMap<String, bool>> {
+    fn shard(&self, id: &str) -> &Mutex<Agents> {
         let h = id.bytes().fold(0usize, |a, b| {
             a.wrapping_mul(31).wrapping_add(usize::from(b))
         });
         &self.agents[h % SHARDS]
     }
 
-    fn agent_running(&self, id: &str) -> bool {
+    fn agents(&self, id: &str) -> std::sync::MutexGuard<'_, Agents> {
         self.shard(id)
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn agent_running(&self, id: &str) -> bool {
+        self.agents(id).contains_key(id)
+    }
+
+    /// The open session of `id`'s agent; empty when none.
+    fn session_of(&self, id: &str) -> String {
+        self.agents(id)
             .get(id)
-            .copied()
-            .unwrap_or(false)
+            .cloned()
+            .flatten()
+            .unwrap_or_default()
     }
 
     fn set_agent(&self, id: String, running: bool) {
-        let shard = self.shard(&id);
-        shard
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(id, running);
+        let mut agents = self.agents(&id);
+        if running {
+            agents.insert(id, None);
+        } else {
+            agents.remove(&id);
+        }
+    }
+
+    fn open_session(&self, id: String, session: String) {
+        self.agents(&id).insert(id, Some(session));
     }
 }
 
@@ -103,12 +121,13 @@ impl AgentCtlService for Fleet {
             pb::AgentState::None
         };
         Ok(Response::new(pb::HealthResponse {
-            executor_id: id,
+            executor_id: id.clone(),
             agentctl_version: "fleet".into(),
             agent_state: state as i32,
             uptime_ms: self.started.elapsed().as_millis() as u64,
             pid: std::process::id(),
             instance_id: "fleet".into(),
+            acp_session_id: self.session_of(&id),
             ..Default::default()
         }))
     }
@@ -150,8 +169,13 @@ impl AgentCtlService for Fleet {
         req: Request<pb::NewSessionRequest>,
     ) -> Res<pb::NewSessionResponse> {
         let id = Self::identity(&req)?;
+        if !self.agent_running(&id) {
+            return Err(Status::failed_precondition("no agent runs"));
+        }
+        let token = format!("conv-{id}");
+        self.open_session(id, token.clone());
         Ok(Response::new(pb::NewSessionResponse {
-            resume_token: format!("conv-{id}"),
+            resume_token: token,
         }))
     }
 
@@ -163,8 +187,10 @@ impl AgentCtlService for Fleet {
         if !self.agent_running(&id) {
             return Err(Status::failed_precondition("no agent runs"));
         }
+        let token = req.into_inner().resume_token;
+        self.open_session(id, token.clone());
         Ok(Response::new(pb::ResumeSessionResponse {
-            resume_token: req.into_inner().resume_token,
+            resume_token: token,
         }))
     }
 

@@ -458,12 +458,27 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         let db = new_db("sqlite", dir.path(), None)?;
         let store = recovery::open(&db.url()).await?;
         let profile = seed::profile(&store).await?;
-        let s = seed::remote_sessions(&store, &profile, &fleet_urls, 1).await?[0];
+        let seeded = seed::remote_sessions(&store, &profile, &fleet_urls, 1_000).await?;
+        let (s, others) = (seeded[0], &seeded[1..]);
         let manager = SessionManager::new(store, Vec::new(), recovery::manager_config());
         // Enough events that one scheduling stall of the shared machine (it
         // delays all 1,000 deliveries of that event) stays under the p99.
-        for (subs, events) in [(1usize, 1_000usize), (1_000, 500)] {
-            let l = events::latency(&manager, s, subs, events, Duration::from_millis(5)).await?;
+        // The third row: one watcher each on 999 other sessions, to which
+        // no event goes (fan-out is per session).
+        for (subs, bystanders, events) in [
+            (1usize, 0usize, 1_000usize),
+            (1_000, 0, 500),
+            (1, others.len(), 1_000),
+        ] {
+            let l = events::latency(
+                &manager,
+                s,
+                subs,
+                &others[..bystanders],
+                events,
+                Duration::from_millis(5),
+            )
+            .await?;
             say(report::latency_line(&l));
             report.latency.push(l);
         }

@@ -83,8 +83,9 @@ pub fn status_line(s: &StatusRow) -> String {
 
 pub fn latency_line(l: &Latency) -> String {
     format!(
-        "event latency, {} subscriber(s), {} events: p50 {} p99 {} max {} (the commit before it: p50 {} p99 {})",
+        "event latency, {} subscriber(s), {} watched other sessions, {} events: p50 {} p99 {} max {} (the commit before it: p50 {} p99 {})",
         l.subscribers,
+        l.bystanders,
         l.events,
         ms(l.p50),
         ms(l.p99),
@@ -206,14 +207,15 @@ impl Report {
             let _ = writeln!(o);
             let _ = writeln!(
                 o,
-                "| subscribers | events | p50 | p99 | max | the commit before it: p50 | p99 |"
+                "| subscribers | other sessions watched | events | p50 | p99 | max | the commit before it: p50 | p99 |"
             );
-            let _ = writeln!(o, "|---:|---:|---:|---:|---:|---:|---:|");
+            let _ = writeln!(o, "|---:|---:|---:|---:|---:|---:|---:|---:|");
             for l in &self.latency {
                 let _ = writeln!(
                     o,
-                    "| {} | {} | {} | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {} | {} | {} | {} |",
                     l.subscribers,
+                    l.bystanders,
                     l.events,
                     ms(l.p50),
                     ms(l.p99),

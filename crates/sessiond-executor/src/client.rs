@@ -211,6 +211,9 @@ pub struct Health {
     /// cursors belong to it (see [`AgentctlClient::stream_updates`]). Empty
     /// from an agentctl too old to report one.
     pub instance_id: String,
+    /// The ACP session the agent has open; empty while it has none (an
+    /// agent launched whose NewSession / ResumeSession never ran).
+    pub acp_session_id: String,
 }
 
 /// Whether a capability is available.
@@ -343,6 +346,7 @@ impl AgentctlClient {
             pid: resp.pid,
             uptime: Duration::from_millis(resp.uptime_ms),
             instance_id: resp.instance_id,
+            acp_session_id: resp.acp_session_id,
         })
     }
 

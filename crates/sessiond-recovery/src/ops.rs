@@ -25,9 +25,15 @@ use crate::{
 };
 
 /// What agentctl's `Health` says about its agent, for the recovery machine.
-pub(crate) fn surviving_agent(health: &Health) -> SurvivingAgent {
+/// An idle agent survives only with the session's conversation open (the
+/// ACP session is the session's resume token, when it has one): an agent
+/// launched by a backend that died before ResumeSession (or NewSession)
+/// has none, could not take a Prompt, and must be resumed, not reattached.
+pub(crate) fn surviving_agent(health: &Health, resume_token: Option<&str>) -> SurvivingAgent {
+    let conversation_open = !health.acp_session_id.is_empty()
+        && resume_token.is_none_or(|t| t == health.acp_session_id);
     match health.agent_state {
-        AgentState::Ready => SurvivingAgent::Idle,
+        AgentState::Ready if conversation_open => SurvivingAgent::Idle,
         AgentState::Busy => SurvivingAgent::Busy,
         _ => SurvivingAgent::None,
     }

@@ -355,7 +355,7 @@ impl SessionManager {
                         // and ours (a reattach), nothing of it is written yet.
                         #[cfg(feature = "failpoints")]
                         fail::fail_point!("recovery-after-reattach");
-                        run.agent = surviving_agent(&health);
+                        run.agent = surviving_agent(&health, run.session.resume_token.as_deref());
                         run.agent_state = Some(health.agent_state);
                         Observation::Healthy { agent: run.agent }
                     }

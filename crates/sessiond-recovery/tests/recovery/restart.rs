@@ -1,4 +1,4 @@
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use sessiond_domain::{ExecutorStatus, OutcomeLabel, SessionState, TaskState};
 use sessiond_proto::agentctl::v1 as pb;
@@ -294,4 +294,59 @@ async fn recovery_of_many_sessions() {
         assert!(w.status(&mgr, *id).await.is_agent_running);
     }
     w.finish(&mgr, &ids).await;
+}
+
+/// A backend killed between LaunchAgent and ResumeSession leaves agentctl
+/// with an idle agent that has no conversation open (Health: READY, no ACP
+/// session). Recovery must resume it on that agent (no second agent), not
+/// reattach to it: a reattached session-less agent fails the next Prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_without_open_session_is_resumed_not_reattached() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "a").await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    let record = w.record(s.id).await;
+    mgr.shutdown();
+    drop(mgr);
+
+    // What the dead backend's half-done resume left: a fresh agent, no session.
+    let drivers = w.drivers();
+    let driver = drivers
+        .iter()
+        .find(|d| d.runtime() == record.runtime)
+        .unwrap();
+    let client = driver
+        .client(&sessiond_executor::ExecutorHandle::from_record(&record))
+        .unwrap();
+    client.stop_agent(Duration::from_secs(2)).await.unwrap();
+    client
+        .raw()
+        .launch_agent(pb::LaunchAgentRequest {
+            command: w.profile.command.clone(),
+            args: w.profile.args.clone(),
+            env: w.profile.env.clone().into_iter().collect(),
+            profile_supports_session_resume: true,
+            initialize_timeout_ms: 10_000,
+        })
+        .await
+        .unwrap();
+    let h = client.health().await.unwrap();
+    assert_eq!(h.agent_state, sessiond_executor::AgentState::Ready);
+    assert!(h.acp_session_id.is_empty(), "no conversation open: {h:?}");
+
+    let mgr = w.manager();
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
+    assert_eq!(mgr.stats().agentctl_launches, 0);
+    assert_eq!(mgr.stats().agent_launches, 0, "the running agent is reused");
+    let h = client.health().await.unwrap();
+    assert_eq!(
+        h.acp_session_id, token,
+        "the session's conversation is open"
+    );
+    let reply = w.prompt(&mgr, s.id, "two").await;
+    assert_eq!(reply, expected_reply(2, &token, "two"));
+    w.finish(&mgr, &[s.id]).await;
 }
