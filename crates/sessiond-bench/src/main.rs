@@ -266,9 +266,8 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         for &n in &opts.sizes {
             // Small N takes ~100 ms, where one scheduling hiccup of a shared
             // machine moves the ratio; take the median of fresh rounds.
-            let rounds = if n <= 1_000 { 3 } else { 1 };
-            let mut recoveries = Vec::new();
-            let mut baselines = Vec::new();
+            let rounds = if n <= 1_000 { 5 } else { 1 };
+            let mut measured = Vec::new();
             let mut outcomes = String::new();
             for _ in 0..rounds {
                 let db = new_db(backend, dir.path(), pg_url.as_deref())?;
@@ -292,25 +291,14 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
                 let (took, o) =
                     recovery::recover(&url, recovery::remote_drivers(), OutcomeLabel::Resumed, n)
                         .await?;
-                recoveries.push(took);
-                baselines.push(baseline);
+                measured.push((took, baseline));
                 outcomes = o;
                 if *backend == "sqlite" && n == opts.rss_sessions {
                     rss_db = Some((db, seeded));
                 }
             }
-            recoveries.sort();
-            baselines.sort_by_key(|[r, h, w]| *r + *h + *w);
-            let [r, h, w] = baselines[baselines.len() / 2];
-            let row = RecoveryRow {
-                label: format!("remote, {backend}"),
-                n,
-                recovery: recoveries[recoveries.len() / 2],
-                outcomes,
-                base_read: r,
-                base_health: h,
-                base_write: w,
-            };
+            let row =
+                RecoveryRow::from_rounds(format!("remote, {backend}"), n, outcomes, &measured);
             say(report::recovery_line(&row));
             report.recovery.push(row);
         }
@@ -333,15 +321,13 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
                 t.elapsed().as_secs_f64()
             ));
             // A reattach leaves the world as it found it, so the same
-            // processes serve three rounds; report the medians.
-            let mut recoveries = Vec::new();
-            let mut baselines = Vec::new();
+            // processes serve five rounds; report the medians.
+            let mut measured = Vec::new();
             let mut outcomes = String::new();
-            for _ in 0..3 {
-                baselines.push(
+            for _ in 0..5 {
+                let baseline =
                     recovery::baseline(&url, recovery::manager_config().recovery_concurrency)
-                        .await?,
-                );
+                        .await?;
                 let (took, o) = recovery::recover(
                     &url,
                     standalone::drivers(&opts.bin_dir, &sdir),
@@ -349,21 +335,15 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
                     made.len(),
                 )
                 .await?;
-                recoveries.push(took);
+                measured.push((took, baseline));
                 outcomes = o;
             }
-            recoveries.sort();
-            baselines.sort_by_key(|[r, h, w]| *r + *h + *w);
-            let [r, h, w] = baselines[1];
-            Ok::<_, anyhow::Error>(RecoveryRow {
-                label: "standalone (agentctl processes), sqlite".into(),
-                n: made.len(),
-                recovery: recoveries[1],
+            Ok::<_, anyhow::Error>(RecoveryRow::from_rounds(
+                "standalone (agentctl processes), sqlite".into(),
+                made.len(),
                 outcomes,
-                base_read: r,
-                base_health: h,
-                base_write: w,
-            })
+                &measured,
+            ))
         }
         .await;
         // Whatever happened: end every process this part started.

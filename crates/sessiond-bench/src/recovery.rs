@@ -25,15 +25,68 @@ pub struct RecoveryRow {
     pub base_read: Duration,
     pub base_health: Duration,
     pub base_write: Duration,
+    /// recovery / baseline of each round, measured back to back.
+    pub round_ratios: Vec<f64>,
 }
 
 impl RecoveryRow {
+    /// The row of `rounds` (recovery, [read, health, write]) pairs: median
+    /// recovery beside the median baseline, and as the ratio the median of
+    /// the rounds' own ratios (each pair measured back to back, so a drift
+    /// of the shared machine's load between rounds cancels).
+    pub fn from_rounds(
+        label: String,
+        n: usize,
+        outcomes: String,
+        rounds: &[(Duration, [Duration; 3])],
+    ) -> RecoveryRow {
+        let mut recoveries: Vec<Duration> = rounds.iter().map(|(r, _)| *r).collect();
+        recoveries.sort();
+        let mut baselines: Vec<[Duration; 3]> = rounds.iter().map(|(_, b)| *b).collect();
+        baselines.sort_by_key(|[r, h, w]| *r + *h + *w);
+        let [base_read, base_health, base_write] = baselines
+            .get(baselines.len() / 2)
+            .copied()
+            .unwrap_or_default();
+        let round_ratios = rounds
+            .iter()
+            .map(|(r, [a, b, c])| r.as_secs_f64() / (*a + *b + *c).as_secs_f64().max(1e-9))
+            .collect();
+        RecoveryRow {
+            label,
+            n,
+            recovery: recoveries
+                .get(recoveries.len() / 2)
+                .copied()
+                .unwrap_or_default(),
+            outcomes,
+            base_read,
+            base_health,
+            base_write,
+            round_ratios,
+        }
+    }
+
     pub fn baseline(&self) -> Duration {
         self.base_read + self.base_health + self.base_write
     }
 
     pub fn ratio(&self) -> f64 {
-        self.recovery.as_secs_f64() / self.baseline().as_secs_f64().max(1e-9)
+        let mut r = self.round_ratios.clone();
+        if r.is_empty() {
+            return self.recovery.as_secs_f64() / self.baseline().as_secs_f64().max(1e-9);
+        }
+        r.sort_by(f64::total_cmp);
+        r[r.len() / 2]
+    }
+
+    /// The rounds' ratios in the order measured, e.g. `0.93 1.05 1.10`.
+    pub fn rounds_text(&self) -> String {
+        self.round_ratios
+            .iter()
+            .map(|r| format!("{r:.2}"))
+            .collect::<Vec<_>>()
+            .join(" ")
     }
 }
 

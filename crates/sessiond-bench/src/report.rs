@@ -55,7 +55,7 @@ fn verdict(ok: bool) -> &'static str {
 
 pub fn recovery_line(r: &RecoveryRow) -> String {
     format!(
-        "recovery {} N={}: {} vs baseline {} (read {} + health {} + write {}) = {:.2}x [{}]",
+        "recovery {} N={}: {} vs baseline {} (read {} + health {} + write {}) = {:.2}x (rounds: {}) [{}]",
         r.label,
         r.n,
         ms(r.recovery),
@@ -64,6 +64,7 @@ pub fn recovery_line(r: &RecoveryRow) -> String {
         ms(r.base_health),
         ms(r.base_write),
         r.ratio(),
+        r.rounds_text(),
         r.outcomes
     )
 }
@@ -147,13 +148,20 @@ impl Report {
         let _ = writeln!(o);
         let _ = writeln!(
             o,
-            "| executors | N | recovery | baseline (read + health + write) | ratio | outcomes |"
+            "Recovery and baseline: medians over the rounds (5 for N <= 1,000, else 1). \
+             Ratio: the median of the rounds' own recovery / baseline ratios, listed \
+             in the order measured."
         );
-        let _ = writeln!(o, "|---|---:|---:|---|---:|---|");
+        let _ = writeln!(o);
+        let _ = writeln!(
+            o,
+            "| executors | N | recovery | baseline (read + health + write) | ratio | ratio per round | outcomes |"
+        );
+        let _ = writeln!(o, "|---|---:|---:|---|---:|---|---|");
         for r in &self.recovery {
             let _ = writeln!(
                 o,
-                "| {} | {} | {} | {} ({} + {} + {}) | {:.2}x | {} |",
+                "| {} | {} | {} | {} ({} + {} + {}) | {:.2}x | {} | {} |",
                 r.label,
                 r.n,
                 ms(r.recovery),
@@ -162,6 +170,7 @@ impl Report {
                 ms(r.base_health),
                 ms(r.base_write),
                 r.ratio(),
+                r.rounds_text(),
                 r.outcomes
             );
         }
