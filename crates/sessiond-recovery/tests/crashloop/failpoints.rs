@@ -183,7 +183,9 @@ async fn recovery_after_ready_after_relaunch() {
     crash_in_recovery("recovery-after-ready", true).await;
 }
 
-/// Executor `ready` committed on a reattach, outcome not written yet.
+/// Executor `ready` on a reattach (already `ready` as stored, so nothing is
+/// rewritten before this point; its `last_seen_at` goes with the outcome),
+/// outcome not written yet.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recovery_after_ready_after_reattach() {
     crash_in_recovery("recovery-after-ready", false).await;
