@@ -214,16 +214,7 @@ async fn workspace_works(
     s: sessiond_domain::SessionId,
 ) {
     let exec = mgr.execution(s).expect("execution cached");
-    let record = exec.record;
-    let drivers = w.drivers();
-    let driver = drivers
-        .iter()
-        .find(|d| d.runtime() == record.runtime)
-        .unwrap();
-    let mut raw = driver
-        .client(&sessiond_executor::ExecutorHandle::from_record(&record))
-        .unwrap()
-        .raw();
+    let mut raw = w.agentctl(&exec.record).raw();
     raw.write_file(pb::WriteFileRequest {
         path: "note.txt".into(),
         content: b"still here".to_vec(),
@@ -312,14 +303,7 @@ async fn agent_without_open_session_is_resumed_not_reattached() {
     drop(mgr);
 
     // What the dead backend's half-done resume left: a fresh agent, no session.
-    let drivers = w.drivers();
-    let driver = drivers
-        .iter()
-        .find(|d| d.runtime() == record.runtime)
-        .unwrap();
-    let client = driver
-        .client(&sessiond_executor::ExecutorHandle::from_record(&record))
-        .unwrap();
+    let client = w.agentctl(&record);
     client.stop_agent(Duration::from_secs(2)).await.unwrap();
     client
         .raw()

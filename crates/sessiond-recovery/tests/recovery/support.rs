@@ -256,6 +256,16 @@ impl World {
         s
     }
 
+    /// A client of the record's agentctl, made by its runtime's driver.
+    pub fn agentctl(&self, record: &ExecutorRecord) -> sessiond_executor::AgentctlClient {
+        self.drivers()
+            .iter()
+            .find(|d| d.runtime() == record.runtime)
+            .unwrap()
+            .client(&sessiond_executor::ExecutorHandle::from_record(record))
+            .unwrap()
+    }
+
     pub async fn record(&self, session: SessionId) -> ExecutorRecord {
         self.store
             .get_executor_for_session(session)
