@@ -347,8 +347,8 @@ impl SessionManager {
         snap.missed(session);
     }
 
-    /// Loads the status snapshot of every session with an executor record
-    /// in one store call, so GetSessionStatus answers them from memory from
+    /// Loads the status snapshot of every session with a live (not
+    /// `stopped`) executor record in one store call, so GetSessionStatus answers them from memory from
     /// the first call (`sessiond serve` runs it after startup recovery,
     /// before reporting SERVING). A session committed or removed while this
     /// reads is left to load on its first call; an entry already present is

@@ -398,8 +398,9 @@ impl Store {
         .await
     }
 
-    /// [`Store::session_status_inputs`] of every session that has an
-    /// executor record (the sessions a backend manages), in one blocking
+    /// [`Store::session_status_inputs`] of every session whose executor
+    /// record is not `stopped` (the sessions a backend manages; ended ones
+    /// keep a stopped record as history and are left out), in one blocking
     /// call: the records, then their sessions by id in chunks, then the
     /// profiles' claims. Not one snapshot: a caller that needs the result
     /// current must account for commits made meanwhile.
@@ -407,7 +408,12 @@ impl Store {
         &self,
     ) -> Result<Vec<(Session, bool, Option<ExecutorRecord>)>> {
         self.read(|c| {
-            let records = load_executors(c, None)?;
+            let live = [
+                ExecutorStatus::Starting,
+                ExecutorStatus::Ready,
+                ExecutorStatus::Error,
+            ];
+            let records = load_executors(c, Some(&live))?;
             let claims: HashMap<String, bool> = agent_profiles::table
                 .select((agent_profiles::id, agent_profiles::supports_session_resume))
                 .load(c)?
