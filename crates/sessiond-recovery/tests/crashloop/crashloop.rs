@@ -11,7 +11,10 @@
 //! Each backend lives 1.5-7.5 s (uniform, seeded). Every third backend (the 2nd, 5th, ...) is
 //! instead killed 0-150 ms after it printed `RECOVERING`, so kills land in
 //! the middle of startup recovery too; the test counts the kills that came
-//! before the backend finished recovering and requires at least one.
+//! before the backend finished recovering and requires at least one. An
+//! aimed kill that came too late (recovery of 20 mostly idle sessions can
+//! take less than 150 ms) halves the window of the next one, and until one
+//! has landed every backend is aimed at.
 //!
 //! Messages: a turn the agent ran must be stored exactly once (prompt and
 //! complete reply), nothing the agent did not say may be stored, every
@@ -93,6 +96,7 @@ async fn crash_loop_converges() {
 
     let started = Instant::now();
     let (mut rounds, mut in_recovery, mut before_recovery) = (0u32, 0u32, 0u32);
+    let mut aim_ms = 150;
     let mut lifetimes = Vec::new();
     while started.elapsed() < Duration::from_secs(secs) {
         rounds += 1;
@@ -104,14 +108,15 @@ async fn crash_loop_converges() {
             None,
         );
         let born = Instant::now();
-        if rounds % 3 == 2 {
+        let aimed = rounds % 3 == 2 || (rounds > 2 && in_recovery == 0);
+        if aimed {
             // A kill aimed at recovery.
             assert!(
                 c.wait_for("RECOVERING", Duration::from_secs(30)).await,
                 "backend {rounds} never started recovering\n{}",
                 c.log_tail()
             );
-            tokio::time::sleep(Duration::from_millis(rng.between(0, 150))).await;
+            tokio::time::sleep(Duration::from_millis(rng.between(0, aim_ms))).await;
         } else {
             tokio::time::sleep(Duration::from_millis(rng.between(1500, 7500))).await;
         }
@@ -119,6 +124,8 @@ async fn crash_loop_converges() {
             before_recovery += 1;
         } else if !c.has("RECOVERED") {
             in_recovery += 1;
+        } else if aimed {
+            aim_ms /= 2;
         }
         c.kill9();
         lifetimes.push(born.elapsed());

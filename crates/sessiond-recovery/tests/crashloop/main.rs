@@ -30,6 +30,8 @@
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
 
 mod child;
+#[path = "../common/mod.rs"]
+mod common;
 mod crashloop;
 mod failpoints;
 mod world;

@@ -21,11 +21,9 @@ use sessiond_domain::{
     Session, SessionId, SessionState, Task, TaskId, TaskState, Worktree,
 };
 use sessiond_executor::{
-    Backoff, ClientConfig, Executor,
+    Backoff, Executor,
     docker::{DockerConfig, DockerExecutor, LABEL_SESSION_ID, LABEL_TASK_ID},
     process,
-    remote::{RemoteConfig, RemoteExecutor},
-    standalone::{StandaloneConfig, StandaloneExecutor},
 };
 use sessiond_recovery::{ManagerConfig, NewSession, RemoteAgentctl, SessionManager};
 use sessiond_store::{Store, StoreOptions};
@@ -35,17 +33,7 @@ pub const CHILD_ENV: &str = "SESSIOND_CRASHLOOP_CHILD";
 pub const NAME_KEY: &str = "crashloop.name";
 pub const IMAGE: &str = "sessiond-agentctl:dev";
 
-/// target/<profile>/<name>, beside the directory of this test binary.
-pub fn bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe.parent().and_then(Path::parent).unwrap().join(name);
-    assert!(
-        path.is_file(),
-        "{} not found: build it first with `cargo build -p agentctl -p acp-demo-agent`",
-        path.display()
-    );
-    path
-}
+pub use crate::common::{bin, children_of, is_running, kill9};
 
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()
@@ -128,27 +116,7 @@ pub fn manager_config() -> ManagerConfig {
 /// The drivers of a world whose directory is `dir` (the parent's and the
 /// child's are the same).
 pub async fn drivers(dir: &Path, docker_host: Option<&str>) -> Vec<Arc<dyn Executor>> {
-    let client = ClientConfig {
-        connect_timeout: Duration::from_secs(1),
-        call_timeout: Duration::from_secs(5),
-        ..ClientConfig::default()
-    };
-    let mut sc = StandaloneConfig::new(bin("agentctl"), dir.join("run"));
-    sc.log_dir = Some(dir.join("run"));
-    // A safety net: an agentctl a failed test leaves behind ends itself.
-    sc.idle_timeout = Some(Duration::from_secs(300));
-    sc.stop_grace = Duration::from_secs(2);
-    sc.client = client.clone();
-    let rc = RemoteConfig {
-        client: client.clone(),
-        ready_deadline: Duration::from_secs(5),
-        stop_grace: Duration::from_secs(2),
-        ..RemoteConfig::default()
-    };
-    let mut out: Vec<Arc<dyn Executor>> = vec![
-        Arc::new(StandaloneExecutor::new(sc)),
-        Arc::new(RemoteExecutor::new(rc)),
-    ];
+    let mut out = crate::common::local_drivers(dir);
     if let Some(host) = docker_host {
         out.push(Arc::new(docker_driver(host, dir).await));
     }
@@ -160,11 +128,7 @@ async fn docker_driver(host: &str, dir: &Path) -> DockerExecutor {
     dc.idle_timeout = Some(Duration::from_secs(300));
     dc.stop_grace = Duration::from_secs(2);
     dc.startup_timeout = Duration::from_secs(20);
-    dc.client = ClientConfig {
-        connect_timeout: Duration::from_secs(1),
-        call_timeout: Duration::from_secs(5),
-        ..ClientConfig::default()
-    };
+    dc.client = crate::common::client_config();
     DockerExecutor::connect(dc).await.unwrap_or_else(|e| {
         panic!("SESSIOND_DOCKER_TESTS=1 but the engine at {host} is unusable: {e}")
     })
@@ -1071,14 +1035,6 @@ impl ChildBackend {
     }
 }
 
-pub fn kill9(pid: u32) {
-    let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-}
-
-pub fn is_running(pid: u32) -> bool {
-    process::stat(pid).is_some_and(|s| s.is_running())
-}
-
 /// (pid, command line with spaces) of every process.
 pub fn proc_cmdlines() -> Vec<(u32, String)> {
     let mut out = Vec::new();
@@ -1089,31 +1045,6 @@ pub fn proc_cmdlines() -> Vec<(u32, String)> {
         if let Ok(c) = std::fs::read(format!("/proc/{pid}/cmdline")) {
             let text = String::from_utf8_lossy(&c).replace('\0', " ");
             out.push((pid, text));
-        }
-    }
-    out
-}
-
-/// Direct children of `pid` (from /proc/*/stat field 4).
-pub fn children_of(pid: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Some(child) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
-            continue;
-        };
-        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
-            continue;
-        };
-        if rest
-            .split_whitespace()
-            .nth(1)
-            .and_then(|p| p.parse::<u32>().ok())
-            == Some(pid)
-        {
-            out.push(child);
         }
     }
     out

@@ -7,6 +7,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "../common/mod.rs"]
+mod common;
 mod support;
 
 mod background;

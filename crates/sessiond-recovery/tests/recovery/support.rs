@@ -11,26 +11,11 @@ use sessiond_domain::{
     AgentProfile, AgentProfileId, Event, ExecutorRecord, Message, MessageRole, Runtime, Session,
     SessionId, SessionState, SessionStatus, Task, TaskId, TaskState, Worktree,
 };
-use sessiond_executor::{
-    Backoff, ClientConfig, Executor, process,
-    remote::{RemoteConfig, RemoteExecutor},
-    standalone::{StandaloneConfig, StandaloneExecutor},
-};
+use sessiond_executor::{Backoff, Executor, process};
 use sessiond_recovery::{ManagerConfig, NewSession, RemoteAgentctl, SessionManager};
 use sessiond_store::{Store, StoreOptions};
 
-/// target/<profile>/<name>, beside the directory of this test binary.
-pub fn bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().and_then(Path::parent).unwrap();
-    let path = dir.join(name);
-    assert!(
-        path.is_file(),
-        "{} not found: build it first with `cargo build -p agentctl -p acp-demo-agent`",
-        path.display()
-    );
-    path
-}
+pub use crate::common::{bin, children_of, is_running, kill9};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Db {
@@ -180,29 +165,7 @@ impl World {
 
 /// The drivers of a world whose directory is `dir` (also for a child backend).
 pub fn drivers_in(dir: &Path) -> Vec<Arc<dyn Executor>> {
-    {
-        let client = ClientConfig {
-            connect_timeout: Duration::from_secs(1),
-            call_timeout: Duration::from_secs(5),
-            ..ClientConfig::default()
-        };
-        let mut sc = StandaloneConfig::new(bin("agentctl"), dir.join("run"));
-        sc.log_dir = Some(dir.join("run"));
-        // A safety net: an agentctl a failed test leaves behind ends itself.
-        sc.idle_timeout = Some(Duration::from_secs(300));
-        sc.stop_grace = Duration::from_secs(2);
-        sc.client = client.clone();
-        let rc = RemoteConfig {
-            client,
-            ready_deadline: Duration::from_secs(5),
-            stop_grace: Duration::from_secs(2),
-            ..RemoteConfig::default()
-        };
-        vec![
-            Arc::new(StandaloneExecutor::new(sc)),
-            Arc::new(RemoteExecutor::new(rc)),
-        ]
-    }
+    crate::common::local_drivers(dir)
 }
 
 impl World {
@@ -443,12 +406,6 @@ impl Drop for Procs {
     }
 }
 
-pub fn kill9(pid: u32) {
-    let _ = std::process::Command::new("kill")
-        .args(["-9", &pid.to_string()])
-        .status();
-}
-
 /// Kills an agentctl and its agent as a crash of the machine would, and
 /// waits until they are gone.
 pub async fn kill_tree(pid: u32) {
@@ -462,34 +419,6 @@ pub async fn kill_tree(pid: u32) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(!is_running(pid), "agentctl {pid} survived kill -9");
-}
-
-pub fn is_running(pid: u32) -> bool {
-    process::stat(pid).is_some_and(|s| s.is_running())
-}
-
-/// Direct children of `pid` (from /proc/*/stat field 4).
-pub fn children_of(pid: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Some(child) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
-            continue;
-        };
-        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
-            continue;
-        };
-        let ppid = rest
-            .split_whitespace()
-            .nth(1)
-            .and_then(|p| p.parse::<u32>().ok());
-        if ppid == Some(pid) {
-            out.push(child);
-        }
-    }
-    out
 }
 
 /// Collects events from a watch stream until `done` holds for the last one
