@@ -478,12 +478,7 @@ impl Executor for DockerExecutor {
 
     async fn launch(&self, spec: &LaunchSpec) -> Result<ExecutorHandle> {
         let id = spec.executor_id;
-        if !spec.workspace_path.is_dir() {
-            return Err(Error::WorkspaceMissing {
-                executor_id: id,
-                path: spec.workspace_path.clone(),
-            });
-        }
+        spec.require_workspace()?;
         let run_dir = self.run_dir(id);
         std::fs::create_dir_all(&run_dir).map_err(|source| Error::Io {
             action: "creating run directory",

@@ -64,6 +64,20 @@ pub struct LaunchSpec {
     pub remote: Option<RemoteTarget>,
 }
 
+impl LaunchSpec {
+    /// The local drivers mount or serve the worktree: without it there is
+    /// nothing to launch into.
+    pub(crate) fn require_workspace(&self) -> Result<()> {
+        if self.workspace_path.is_dir() {
+            return Ok(());
+        }
+        Err(Error::WorkspaceMissing {
+            executor_id: self.executor_id,
+            path: self.workspace_path.clone(),
+        })
+    }
+}
+
 /// An agentctl that some other host runs.
 #[derive(Clone)]
 pub struct RemoteTarget {
