@@ -68,6 +68,8 @@ struct Opts {
     standalone: usize,
     rss_sessions: usize,
     load_secs: u64,
+    /// Measure the idle CPU over one liveness round (~40 s).
+    idle_window: bool,
     out: Option<PathBuf>,
     bin_dir: PathBuf,
     command: String,
@@ -82,6 +84,7 @@ impl Opts {
             standalone: 100,
             rss_sessions: 10_000,
             load_secs: 5,
+            idle_window: true,
             out: None,
             bin_dir: exe.parent().map(Path::to_path_buf).unwrap_or_default(),
             command: std::env::var("SESSIOND_BENCH_COMMAND")
@@ -96,7 +99,9 @@ impl Opts {
                     o.rss_sessions = 1_000;
                     o.standalone = 10;
                     o.load_secs = 2;
+                    o.idle_window = false;
                 }
+                "--no-idle" => o.idle_window = false,
                 "--sizes" => {
                     o.sizes = val()?
                         .split(',')
@@ -111,7 +116,7 @@ impl Opts {
                 "--bin-dir" => o.bin_dir = PathBuf::from(val()?),
                 other => anyhow::bail!(
                     "unknown argument {other:?}; usage: sessiond-bench [--quick] [--sizes 100,1000] \
-                     [--no-postgres] [--standalone N] [--rss-sessions N] [--load-secs S] [--out FILE] [--bin-dir DIR]"
+                     [--no-postgres] [--standalone N] [--rss-sessions N] [--load-secs S] [--no-idle] [--out FILE] [--bin-dir DIR]"
                 ),
             }
         }
@@ -408,6 +413,30 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         ));
         let status = load::status(&addr, seeded, clients, duration).await?;
         let after_load = proc_status(server.pid())?;
+        // Idle cost: the window runs past the first liveness round (one
+        // `Health` per executor, `LIVENESS_INTERVAL` after SERVING) and the
+        // few seconds it takes.
+        let idle = if opts.idle_window {
+            let serving_at = t + ready;
+            let until = serving_at + LIVENESS_INTERVAL + Duration::from_secs(20);
+            let (s0, f0) = (proc_cpu(server.pid())?, proc_cpu(fleet.pid())?);
+            let from = Instant::now();
+            tokio::time::sleep_until(until.into()).await;
+            let idle = report::IdleCpu {
+                window: from.elapsed(),
+                server_cpu: proc_cpu(server.pid())?.saturating_sub(s0),
+                fleet_cpu: proc_cpu(fleet.pid())?.saturating_sub(f0),
+            };
+            say(format!(
+                "idle {:.0} s: sessiond {:.2} s CPU, fleet {:.2} s CPU",
+                idle.window.as_secs_f64(),
+                idle.server_cpu.as_secs_f64(),
+                idle.fleet_cpu.as_secs_f64()
+            ));
+            Some(idle)
+        } else {
+            None
+        };
         drop(server);
 
         let mut echo_cmd = Command::new(&exe);
@@ -421,6 +450,7 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
             hwm_after_recovery_kib: after_recovery.0,
             rss_after_recovery_kib: after_recovery.1,
             hwm_after_load_kib: after_load.0,
+            idle,
         });
         report.status = Some(report::StatusRow {
             clients,
@@ -477,6 +507,37 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         say(format!("wrote {}", out.display()));
     }
     Ok(())
+}
+
+/// `sessiond serve`'s liveness interval with the default configuration
+/// (executors never idle out): min(30 s, idle timeout / 3).
+const LIVENESS_INTERVAL: Duration = Duration::from_secs(30);
+
+/// User + system CPU a process has used (`/proc/PID/stat`, clock ticks).
+fn proc_cpu(pid: u32) -> anyhow::Result<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let rest = stat
+        .rfind(')')
+        .map(|i| &stat[i + 1..])
+        .context("unreadable /proc stat")?;
+    // After the command: state is field 3, utime 14 and stime 15.
+    let field = |n: usize| -> anyhow::Result<u64> {
+        Ok(rest
+            .split_whitespace()
+            .nth(n - 3)
+            .context("short /proc stat")?
+            .parse()?)
+    };
+    let ticks = field(14)? + field(15)?;
+    Ok(Duration::from_secs_f64(
+        ticks as f64 / clock_ticks()? as f64,
+    ))
+}
+
+/// `getconf CLK_TCK`: the unit of /proc's CPU times.
+fn clock_ticks() -> anyhow::Result<u64> {
+    let out = Command::new("getconf").arg("CLK_TCK").output()?;
+    Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)
 }
 
 /// (VmHWM, VmRSS) of a process, in KiB.

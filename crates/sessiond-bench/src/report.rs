@@ -14,6 +14,16 @@ pub struct Rss {
     pub hwm_after_recovery_kib: u64,
     pub rss_after_recovery_kib: u64,
     pub hwm_after_load_kib: u64,
+    /// CPU of `sessiond serve` (and of the fleet answering it) over a window
+    /// holding one liveness round of every executor, with no client calls.
+    pub idle: Option<IdleCpu>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct IdleCpu {
+    pub window: Duration,
+    pub server_cpu: Duration,
+    pub fleet_cpu: Duration,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -247,6 +257,18 @@ impl Report {
                 mib(r.rss_after_recovery_kib),
                 mib(r.hwm_after_load_kib)
             );
+            if let Some(i) = &r.idle {
+                let _ = writeln!(
+                    o,
+                    "Idle, over {:.0} s holding one liveness round (a `Health` per executor): \
+                     `sessiond serve` used {:.2} s of CPU ({:.1} % of one core), the fleet \
+                     answering it {:.2} s.\n",
+                    i.window.as_secs_f64(),
+                    i.server_cpu.as_secs_f64(),
+                    100.0 * i.server_cpu.as_secs_f64() / i.window.as_secs_f64().max(1e-9),
+                    i.fleet_cpu.as_secs_f64()
+                );
+            }
         }
         let _ = writeln!(o, "### Targets");
         let _ = writeln!(o);

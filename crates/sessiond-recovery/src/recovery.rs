@@ -20,9 +20,9 @@ use std::{
 use chrono::Utc;
 use futures::{FutureExt, StreamExt};
 use sessiond_domain::{
-    Action, AgentProcessState, AgentProfile, EventPayload, ExecutorRecord, ExecutorStatus,
-    Observation, OutcomeLabel, Recovery, RecoveryInput, RecoveryOutcome, Runtime, Session,
-    SessionId, SessionState, SurvivingAgent, TaskEvent,
+    Action, AgentProcessState, AgentProfile, EventPayload, ExecutorId, ExecutorRecord,
+    ExecutorStatus, Observation, OutcomeLabel, Recovery, RecoveryInput, RecoveryOutcome, Runtime,
+    Session, SessionId, SessionState, SurvivingAgent, TaskEvent,
 };
 use sessiond_executor::{AgentState, ExecutorHandle, Probe};
 use sessiond_proto::agentctl::v1 as pb;
@@ -724,16 +724,29 @@ impl SessionManager {
                     .filter(|e| e.record.status == ExecutorStatus::Ready)
                     .map(|e| (e.record.clone(), e.agent == AgentProcessState::Running))
                     .collect();
-                futures::stream::iter(ready)
-                    .for_each_concurrent(LIVENESS_CONCURRENCY, |(record, agent_running)| {
+                let seen: Vec<(ExecutorId, i64)> = futures::stream::iter(ready)
+                    .map(|(record, agent_running)| {
                         let me = me.clone();
                         async move {
-                            if let Err(e) = me.check_liveness(record, agent_running).await {
-                                tracing::debug!(error = %e, "liveness check could not be recorded");
-                            }
+                            me.check_liveness(record, agent_running)
+                                .await
+                                .unwrap_or_else(|e| {
+                                    tracing::debug!(error = %e, "liveness check could not be recorded");
+                                    None
+                                })
                         }
                     })
+                    .buffer_unordered(LIVENESS_CONCURRENCY)
+                    .filter_map(futures::future::ready)
+                    .collect()
                     .await;
+                // The healthy ones' heartbeats, a few transactions for the
+                // whole round instead of one commit per executor.
+                for chunk in seen.chunks(500) {
+                    if let Err(e) = me.inner.store.touch_executors(chunk.to_vec(), Utc::now()).await {
+                        tracing::debug!(error = %e, "liveness heartbeats could not be recorded");
+                    }
+                }
             }
         });
     }
@@ -766,20 +779,39 @@ impl SessionManager {
         Ok(h)
     }
 
-    /// One liveness check. agentctl answering refreshes `last_seen_at`; not
-    /// answering puts the executor in `error` (and a live session in ERROR).
-    /// agentctl answering that its agent exited (or that it has none) while
-    /// the cache knew the agent running and no update pump runs (a parked,
-    /// idle session: no stream would report the exit) is what the pump's
-    /// `AgentExited` handling does: the session goes ERROR with what
-    /// happened and what to do, and the agent counts as not running.
-    async fn check_liveness(&self, record: ExecutorRecord, agent_running: bool) -> Result<()> {
+    /// One liveness check. agentctl answering refreshes `last_seen_at`
+    /// (returned as a heartbeat for the round's batched write when nothing
+    /// else is to be done); not answering puts the executor in `error` (and a
+    /// live session in ERROR). agentctl answering that its agent exited (or
+    /// that it has none) while the cache knew the agent running and no
+    /// update pump runs (a parked, idle session: no stream would report the
+    /// exit) is what the pump's `AgentExited` handling does: the session goes
+    /// ERROR with what happened and what to do, and the agent counts as not
+    /// running.
+    async fn check_liveness(
+        &self,
+        record: ExecutorRecord,
+        agent_running: bool,
+    ) -> Result<Option<(ExecutorId, i64)>> {
         let limit = self.inner.config.executor_deadline;
         let health = tokio::time::timeout(limit, self.liveness_health(&record)).await;
+        let gone = |h: &pb::HealthResponse| {
+            matches!(
+                AgentState::try_from(h.agent_state),
+                Ok(AgentState::Exited | AgentState::None)
+            )
+        };
+        // The common case: it answered and its agent is as the cache knows
+        // it. The heartbeat's write checks status and generation itself.
+        if let Ok(Ok(h)) = &health
+            && !(agent_running && gone(h))
+        {
+            return Ok(Some((record.id, record.generation)));
+        }
         let _guard = self.lock_session(record.session_id).await;
         let current = self.inner.store.get_executor(record.id).await?;
         if current.status != ExecutorStatus::Ready || current.generation != record.generation {
-            return Ok(());
+            return Ok(None);
         }
         let failure = match &health {
             Ok(Ok(_)) => None,
@@ -790,12 +822,6 @@ impl SessionManager {
         let Some(reason) = failure else {
             next.last_seen_at = Some(Utc::now());
             let mut change = Changeset::new().update_executor(next);
-            let gone = |h: &pb::HealthResponse| {
-                matches!(
-                    AgentState::try_from(h.agent_state),
-                    Ok(AgentState::Exited | AgentState::None)
-                )
-            };
             let mut exited = None;
             if agent_running
                 && health.as_ref().is_ok_and(|h| h.as_ref().is_ok_and(gone))
@@ -845,7 +871,7 @@ impl SessionManager {
                     e.agent = AgentProcessState::NotRunning
                 });
             }
-            return Ok(());
+            return Ok(None);
         };
         let message =
             format!("agentctl stopped answering ({reason}); resume the session to try again");
@@ -878,6 +904,6 @@ impl SessionManager {
         if record.runtime == Runtime::Remote {
             self.spawn_reconnect(current);
         }
-        Ok(())
+        Ok(None)
     }
 }

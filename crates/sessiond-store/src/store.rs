@@ -553,6 +553,38 @@ impl Store {
             .await
     }
 
+    /// Records that agentctl answered: `last_seen_at = at` for each
+    /// `(executor, generation)` still `ready` at that generation, in one
+    /// transaction; returns how many rows it touched. A heartbeat, not a
+    /// state change: no version bump and no event (a writer holding an older
+    /// copy may write its older `last_seen_at` back, which only makes the
+    /// executor look seen earlier).
+    pub async fn touch_executors(
+        &self,
+        seen: Vec<(ExecutorId, i64)>,
+        at: chrono::DateTime<chrono::Utc>,
+    ) -> Result<usize> {
+        if seen.is_empty() {
+            return Ok(0);
+        }
+        self.write(move |c| {
+            let at = Ts::new(at);
+            let mut touched = 0;
+            for (id, generation) in seen {
+                touched += diesel::update(
+                    executors_running::table
+                        .find(id.to_string())
+                        .filter(executors_running::generation.eq(generation))
+                        .filter(executors_running::status.eq(ExecutorStatus::Ready.as_str())),
+                )
+                .set(executors_running::last_seen_at.eq(Some(at)))
+                .execute(c)?;
+            }
+            Ok(touched)
+        })
+        .await
+    }
+
     /// Deletes an executor record; false when there was none.
     pub async fn delete_executor(&self, id: ExecutorId) -> Result<bool> {
         self.write(move |c| {

@@ -991,6 +991,7 @@ mod suite {
             .unwrap();
         let (r, got) = store.get_executor_and_session(rec.id).await.unwrap();
         assert_eq!(r, rec);
+        let rec = r;
         assert_eq!(got, store.get_session(s.id).await.unwrap());
         assert!(
             store
@@ -999,6 +1000,30 @@ mod suite {
                 .unwrap_err()
                 .is_not_found()
         );
+
+        // The liveness heartbeat: only at the recorded generation, while
+        // `ready`; no version bump.
+        let at = Utc::now() + Duration::seconds(5);
+        assert_eq!(
+            store
+                .touch_executors(vec![(rec.id, rec.generation + 1)], at)
+                .await
+                .unwrap(),
+            0
+        );
+        assert_eq!(
+            store
+                .touch_executors(vec![(rec.id, rec.generation)], at)
+                .await
+                .unwrap(),
+            1
+        );
+        let touched = store.get_executor(rec.id).await.unwrap();
+        assert_eq!(
+            touched.last_seen_at.map(|t| t.timestamp_micros()),
+            Some(at.timestamp_micros())
+        );
+        assert_eq!(touched.version, rec.version);
 
         let all = store.managed_session_status_inputs().await.unwrap();
         assert_eq!(
