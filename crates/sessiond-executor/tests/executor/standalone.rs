@@ -364,7 +364,17 @@ async fn an_abandoned_launch_leaves_no_agentctl() {
         let mut launch = Box::pin(f.driver.launch(&spec));
         // One poll spawns agentctl and then waits for its port file.
         assert!(futures::poll!(launch.as_mut()).is_pending());
-        let pids = pids_mentioning(&id);
+        // The spawn has returned, but the kernel may not have set up the new
+        // program's arguments yet (/proc/PID/cmdline is empty for a moment
+        // after exec releases the parent): look again for a while.
+        let mut pids = pids_mentioning(&id);
+        for _ in 0..100 {
+            if !pids.is_empty() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            pids = pids_mentioning(&id);
+        }
         assert_eq!(pids.len(), 1, "spawned: {pids:?}");
         // The caller gives up (its deadline passed): the future is dropped.
         drop(launch);
