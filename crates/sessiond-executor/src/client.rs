@@ -300,10 +300,9 @@ impl AgentctlClient {
                 }
             }))
         } else {
-            let mut endpoint = settings(
-                Endpoint::from_shared(url.to_owned()).map_err(|e| bad(e.to_string()))?,
-            )
-            .tcp_nodelay(true);
+            let mut endpoint =
+                settings(Endpoint::from_shared(url.to_owned()).map_err(|e| bad(e.to_string()))?)
+                    .tcp_nodelay(true);
             if url.starts_with("https://") {
                 let Some(tls) = &config.tls else {
                     return Err(bad(
@@ -312,9 +311,7 @@ impl AgentctlClient {
                 };
                 endpoint = with_tls(endpoint, tls).map_err(bad)?;
             } else if !url.starts_with("http://") {
-                return Err(bad(
-                    "expected a unix://, http:// or https:// URL".into()
-                ));
+                return Err(bad("expected a unix://, http:// or https:// URL".into()));
             }
             endpoint.connect_lazy()
         };

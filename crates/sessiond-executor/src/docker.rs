@@ -334,7 +334,11 @@ impl DockerExecutor {
 
     /// `uid:gid` the container runs as: the configured user, else the
     /// worktree's owner. Root is refused: the container is a boundary.
-    fn user_for(&self, executor_id: ExecutorId, workspace: &Path) -> Result<(String, Option<(u32, u32)>)> {
+    fn user_for(
+        &self,
+        executor_id: ExecutorId,
+        workspace: &Path,
+    ) -> Result<(String, Option<(u32, u32)>)> {
         let (user, ids) = match &self.config.user {
             Some(user) => (user.clone(), parse_ids(user)),
             None => {
@@ -395,7 +399,12 @@ impl DockerExecutor {
     /// Puts the one-shot copy of the secret where agentctl reads (and then
     /// unlinks) it; only right before the container starts, never while an
     /// agent runs.
-    fn hand_over_secret(&self, executor_id: ExecutorId, secret: &str, ids: Option<(u32, u32)>) -> Result<()> {
+    fn hand_over_secret(
+        &self,
+        executor_id: ExecutorId,
+        secret: &str,
+        ids: Option<(u32, u32)>,
+    ) -> Result<()> {
         let path = self.run_dir(executor_id).join(SECRET_NAME);
         write_secret_file(&path, secret)?;
         chown_to(&path, ids)

@@ -55,12 +55,12 @@ async fn launch_health_capabilities_stop() {
     assert_eq!(handle.generation, 1);
     // A Unix socket in the run directory, only for our user; no TCP port.
     let socket = f.run.path().join(format!("{}.sock", spec.executor_id));
-    assert_eq!(
-        handle.agentctl_url,
-        format!("unix://{}", socket.display())
-    );
+    assert_eq!(handle.agentctl_url, format!("unix://{}", socket.display()));
     assert_eq!(handle.agentctl_port, None);
-    let mode = std::fs::metadata(&socket).expect("socket").permissions().mode();
+    let mode = std::fs::metadata(&socket)
+        .expect("socket")
+        .permissions()
+        .mode();
     assert_eq!(mode & 0o777, 0o600, "socket mode {mode:o}");
     assert_eq!(
         listening_tcp_inodes_of(pid),
@@ -71,11 +71,18 @@ async fn launch_health_capabilities_stop() {
     // The secret file was consumed, and agentctl's environment and memory
     // are closed to processes of its own user (it is non-dumpable).
     assert!(
-        !f.run.path().join(format!("{}.secret", spec.executor_id)).exists(),
+        !f.run
+            .path()
+            .join(format!("{}.secret", spec.executor_id))
+            .exists(),
         "agentctl unlinks its secret file"
     );
     let environ = std::fs::metadata(format!("/proc/{pid}/environ")).expect("environ");
-    assert_eq!(environ.uid(), 0, "a non-dumpable process's /proc files are root's");
+    assert_eq!(
+        environ.uid(),
+        0,
+        "a non-dumpable process's /proc files are root's"
+    );
 
     let health = f.driver.health(&handle).await.expect("health");
     assert_eq!(health.executor_id, spec.executor_id.to_string());
@@ -406,7 +413,11 @@ async fn an_abandoned_launch_leaves_no_agentctl() {
 fn listening_tcp_inodes_of(pid: u32) -> usize {
     let mut listening = std::collections::HashSet::new();
     for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
-        for line in std::fs::read_to_string(table).unwrap_or_default().lines().skip(1) {
+        for line in std::fs::read_to_string(table)
+            .unwrap_or_default()
+            .lines()
+            .skip(1)
+        {
             let cols: Vec<&str> = line.split_whitespace().collect();
             // st == 0A: LISTEN; column 9 is the inode.
             if cols.get(3) == Some(&"0A")
