@@ -275,6 +275,9 @@ impl AgentctlClient {
     /// (remote). Does not connect yet.
     pub fn new(url: &str, secret: &str, config: &ClientConfig) -> Result<Self> {
         let bad = |what: String| Error::Config(format!("agentctl url {url:?}: {what}"));
+        let header: MetadataValue<Ascii> = format!("Bearer {secret}")
+            .parse()
+            .map_err(|_| Error::Config("the executor secret is not valid header text".into()))?;
         // No channel-wide `timeout`: it would cap every call, long ones
         // included, at one value. Each call carries its own deadline instead.
         let settings = |endpoint: Endpoint| {
@@ -315,9 +318,6 @@ impl AgentctlClient {
             }
             endpoint.connect_lazy()
         };
-        let header: MetadataValue<Ascii> = format!("Bearer {secret}")
-            .parse()
-            .map_err(|_| Error::Config("the executor secret is not valid header text".into()))?;
         let auth = BearerAuth {
             header,
             call_timeout: config.call_timeout,
@@ -710,6 +710,8 @@ mod tests {
     #[test]
     fn rejects_urls_it_cannot_serve() {
         let config = ClientConfig::default();
+        let err = AgentctlClient::new("unix://relative.sock", "s", &config).expect_err("relative");
+        assert!(err.to_string().contains("absolute socket path"), "{err}");
         let err = AgentctlClient::new("ftp://host:1", "s", &config).expect_err("scheme");
         assert!(err.to_string().contains("http:// or https://"), "{err}");
         let err = AgentctlClient::new("https://host:1", "s", &config).expect_err("no CA");
