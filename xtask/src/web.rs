@@ -40,7 +40,12 @@ pub fn build_and_check(root: &Path) -> anyhow::Result<()> {
 pub fn browser_suite(root: &Path, bin_dir: &Path) -> anyhow::Result<()> {
     let mut test = command(
         "node",
-        &["--test", "--test-concurrency=1", "--test-timeout=600000", "e2e/"],
+        &[
+            "--test",
+            "--test-concurrency=1",
+            "--test-timeout=600000",
+            "e2e/",
+        ],
     );
     test.current_dir(root.join("web"))
         .env("SESSIOND_BIN_DIR", bin_dir)
@@ -55,7 +60,9 @@ fn require_node() -> anyhow::Result<()> {
         .map(|o| o.status.success())
         .unwrap_or(false);
     if !ok {
-        bail!("node (20+) and npm are needed to build and test the web console (web/); install Node.js");
+        bail!(
+            "node (20+) and npm are needed to build and test the web console (web/); install Node.js"
+        );
     }
     Ok(())
 }

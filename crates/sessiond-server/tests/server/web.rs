@@ -367,13 +367,24 @@ async fn console_is_served_at_root_with_types_caching_and_csp() {
         missing.status_line
     );
 
-    // The API beside it still refuses a call without a token.
-    let (head, body) = grpc_web_request(
-        &server.addr,
-        "/sessiond.v1.SessionService/ListTasks",
-        None,
-        &pb::ListTasksRequest::default().encode_to_vec(),
-    );
+    // The page's own calls (Origin = this server) are not cross-origin,
+    // and still need the token; another origin is still refused.
+    let origin = format!("http://{}", server.addr);
+    let list = pb::ListTasksRequest::default().encode_to_vec();
+    let method = "/sessiond.v1.SessionService/ListTasks";
+    let (head, body) = grpc_web_request_from(&server.addr, &origin, method, None, &list);
     let r = http1(&server.addr, &head, &body).await;
     assert_eq!(r.header("grpc-status"), Some("16"), "{:?}", r.headers);
+    let (head, body) = grpc_web_request_from(&server.addr, &origin, method, Some(TOKEN), &list);
+    let r = http1(&server.addr, &head, &body).await;
+    // A success's status is in the trailer frame at the end of the body.
+    let trailers = String::from_utf8_lossy(&r.body).to_lowercase();
+    assert!(
+        trailers.contains("grpc-status:0"),
+        "{:?} {trailers:?}",
+        r.headers
+    );
+    let (head, body) = grpc_web_request(&server.addr, method, Some(TOKEN), &list);
+    let r = http1(&server.addr, &head, &body).await;
+    assert_eq!(r.header("grpc-status"), Some("7"), "{:?}", r.headers);
 }
