@@ -671,7 +671,12 @@ impl AgentManager {
     /// returns and as handed before the agent is sent it. With
     /// `only_if_journaled` and no journal, nothing starts
     /// (FAILED_PRECONDITION).
-    pub fn prompt(&self, text: String, turn_id: String, only_if_journaled: bool) -> Result<Prompted> {
+    pub fn prompt(
+        &self,
+        text: String,
+        turn_id: String,
+        only_if_journaled: bool,
+    ) -> Result<Prompted> {
         let instance = self.shared.updates.instance_id().to_owned();
         let known = self.shared.slot().known_turn(&turn_id, &instance);
         if let Some(p) = known {
@@ -814,7 +819,10 @@ impl AgentManager {
     /// Test hook: SIGKILLs this process at crash point `name` when asked to.
     fn crash_point(&self, name: &str) {
         if self.shared.crash_at.as_deref() == Some(name) {
-            tracing::warn!(point = name, "crash point reached; killing agentctl (test hook)");
+            tracing::warn!(
+                point = name,
+                "crash point reached; killing agentctl (test hook)"
+            );
             sys::kill_self();
         }
     }

@@ -172,9 +172,7 @@ fn render(loaded: &Loaded) -> String {
         );
         out.push('\n');
         if t.phase != Phase::Accepted {
-            out.push_str(
-                &json!({"k":"handed","turn":t.turn_id,"instance":t.instance}).to_string(),
-            );
+            out.push_str(&json!({"k":"handed","turn":t.turn_id,"instance":t.instance}).to_string());
             out.push('\n');
         }
         if t.phase == Phase::Ended {

@@ -2015,7 +2015,11 @@ fn lines_of(path: &Path) -> Vec<String> {
 async fn wait_lines(path: &Path, n: usize) {
     let deadline = Instant::now() + WAIT;
     while lines_of(path).len() < n {
-        assert!(Instant::now() < deadline, "{} never had {n} lines", path.display());
+        assert!(
+            Instant::now() < deadline,
+            "{} never had {n} lines",
+            path.display()
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -2064,7 +2068,9 @@ async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
     let mut c = ctl.client().await;
     let first = health(&mut c).await;
     assert!(first.journaled && first.journal_fresh, "{first:?}");
-    c.launch_agent(h.demo(true, &agent_env)).await.expect("launch");
+    c.launch_agent(h.demo(true, &agent_env))
+        .await
+        .expect("launch");
     let token = c
         .new_session(NewSessionRequest {})
         .await
@@ -2081,7 +2087,10 @@ async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
     assert_eq!(p.accepted_by_instance, first.instance_id);
     wait_lines(&side, 1).await;
     wait_lines(&gc_file, 1).await;
-    let gc: u32 = lines_of(&gc_file)[0].trim().parse().expect("grandchild pid");
+    let gc: u32 = lines_of(&gc_file)[0]
+        .trim()
+        .parse()
+        .expect("grandchild pid");
     assert!(alive(gc));
     let mut ctl = ctl;
     ctl.signal("-KILL");
@@ -2099,7 +2108,9 @@ async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
     let second = health(&mut c).await;
     assert!(second.journaled && !second.journal_fresh, "{second:?}");
     assert_ne!(second.instance_id, first.instance_id);
-    c.launch_agent(h.demo(true, &agent_env[..1])).await.expect("launch");
+    c.launch_agent(h.demo(true, &agent_env[..1]))
+        .await
+        .expect("launch");
     c.resume_session(ResumeSessionRequest {
         resume_token: token.clone(),
     })
@@ -2130,7 +2141,9 @@ async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
         )
         .await;
     let mut c = ctl.client().await;
-    c.launch_agent(h.demo(true, &agent_env[..1])).await.expect("launch");
+    c.launch_agent(h.demo(true, &agent_env[..1]))
+        .await
+        .expect("launch");
     c.resume_session(ResumeSessionRequest {
         resume_token: token.clone(),
     })
@@ -2143,7 +2156,9 @@ async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
     assert_eq!(lines_of(&side).len(), 2, "the agent never got it");
     let ctl = h.spawn(&["--journal", &journal_arg]).await;
     let mut c = ctl.client().await;
-    c.launch_agent(h.demo(true, &agent_env[..1])).await.expect("launch");
+    c.launch_agent(h.demo(true, &agent_env[..1]))
+        .await
+        .expect("launch");
     c.resume_session(ResumeSessionRequest {
         resume_token: token.clone(),
     })
@@ -2162,7 +2177,9 @@ async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
     let ctl = h.spawn(&[]).await;
     let mut c = ctl.client().await;
     assert!(!health(&mut c).await.journaled);
-    c.launch_agent(h.demo(true, &agent_env[..1])).await.expect("launch");
+    c.launch_agent(h.demo(true, &agent_env[..1]))
+        .await
+        .expect("launch");
     c.resume_session(ResumeSessionRequest {
         resume_token: token.clone(),
     })

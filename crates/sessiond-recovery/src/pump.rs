@@ -854,7 +854,10 @@ impl Pump {
                     if r.turn_ended && r.end_cursor <= self.cursor {
                         drop(guard);
                         return self
-                            .end_interrupted(turn, "its end was lost with agentctl's dropped updates")
+                            .end_interrupted(
+                                turn,
+                                "its end was lost with agentctl's dropped updates",
+                            )
                             .await;
                     }
                     // Its TurnEnded is ahead on this live stream (an
