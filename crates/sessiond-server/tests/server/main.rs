@@ -11,6 +11,7 @@
 mod api;
 mod config;
 mod restart;
+mod security;
 mod serve;
 mod support;
 mod web;
