@@ -7,27 +7,28 @@
 //!   the same updates after a backend restart rewrites the same message
 //!   instead of adding a second one.
 //! - The cursor is kept in memory and written to the session's metadata
-//!   (`agentctl_cursor` = `<generation>:<cursor>`) at every turn end and agent
-//!   exit; a restarted backend continues from there (cursors restart at 1 in
-//!   a new agentctl process, hence the generation). Updates after the stored
-//!   cursor are replayed, which is harmless: message writes are idempotent
-//!   and a turn end whose turn is not the session's current one changes no
-//!   state.
-//! - `Gap` (the cursor fell out of agentctl's buffer): the pending message is
-//!   completed as it is, and if the agent is idle by now the turn is ended.
+//!   (`agentctl_cursor` = `<generation>:<cursor>@<instance>`) at every turn
+//!   end and agent exit; a restarted backend continues from there, naming
+//!   the agentctl instance the cursor belongs to (cursors restart at 1 in
+//!   every agentctl process). Updates after the stored cursor are replayed:
+//!   a replayed reply is rebuilt from its first chunk and never written
+//!   shorter than what is stored (it only grows; a complete one is left
+//!   alone), and a turn end whose turn is not the session's current one
+//!   changes no state.
+//! - `Gap` (the cursor fell out of agentctl's buffer, or agentctl is a new
+//!   process): what was streamed is kept and the session's turn is settled
+//!   by the decision table below, never ended as if its reply were whole.
 //! - The agent exiting (not on our request) puts a live session in ERROR.
 //! - A pending turn (the pump starts on a RUNNING session with a `turn_id`,
 //!   i.e. after a restart or resume): the pump first catches up, i.e. reads
-//!   up to agentctl's `latest_cursor` at its start, so a reply the agent gave
-//!   while the backend was down is stored, and its `TurnEnded` moves the
-//!   session to WAITING_FOR_INPUT, before anything else can happen (recovery
-//!   keeps such a session RUNNING; `send_message` refuses RUNNING). If it
-//!   caught up, no `TurnEnded` of that turn came and the agent is idle, the
-//!   turn is settled ([`Pump::settle_pending`]): a reply stored for it means
-//!   the prompt reached the agent, so the turn is ended as it is (never run
-//!   twice); otherwise its Prompt is sent again with the same `turn_id`
-//!   (agentctl's Prompt is idempotent by `turn_id`, so a Prompt that did
-//!   arrive before the crash is not run again).
+//!   up to agentctl's `latest_cursor`, so a reply the agent gave while the
+//!   backend was down is stored and its `TurnEnded` moves the session to
+//!   WAITING_FOR_INPUT before anything else can happen. If no `TurnEnded` of
+//!   that turn came and the agent is idle, the turn is settled
+//!   ([`Pump::settle_pending`], table in docs/ARCHITECTURE.md): at most
+//!   once — delivered again only when agentctl's journal proves the prompt
+//!   never reached an agent, otherwise ended *interrupted* with a system
+//!   message.
 
 //! - Parking: the pump runs only while it has work. An idle session
 //!   (WAITING_FOR_INPUT, nothing pending, caught up with agentctl) holds no
