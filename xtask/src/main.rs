@@ -26,6 +26,7 @@ use anyhow::{Context, bail};
 mod apt;
 mod bench;
 mod docker;
+mod web;
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -66,11 +67,14 @@ fn ci() -> anyhow::Result<()> {
             "warnings",
         ]),
     )?;
+    // The console's bundle first: `sessiond` embeds web/dist.
+    web::build_and_check(&root)?;
     // Integration tests run the real binaries (agentctl, acp-demo-agent, sessiond).
     step(
         "build",
         cargo(&["build", "--workspace", "--bins", "--locked"]),
     )?;
+    web::browser_suite(&root, &docker::target_dir(&root).join("debug"))?;
     // The Docker executor tests run for real: an engine (ours unless one runs;
     // stopped when `engine` drops) and the agentctl image built offline.
     let engine = docker::Engine::ensure().context("a Docker engine for the Docker tests")?;
@@ -389,6 +393,8 @@ fn ensure_system_packages() -> anyhow::Result<()> {
         ("/usr/lib/postgresql/15/bin/initdb", "postgresql-15"),
         ("/usr/include/postgresql/libpq-fe.h", "libpq-dev"),
         ("/usr/bin/git", "git"),
+        // The web console's browser suite (never a browser downloaded by npm).
+        ("/usr/bin/chromium", "chromium"),
     ];
     let missing: Vec<&str> = wanted
         .iter()

@@ -2,7 +2,8 @@
 //! reflection, metrics), runs startup recovery, and stops on SIGTERM/ctrl-c
 //! leaving executors running.
 //!
-//! Layers around every service, outermost first: CORS (preflights answered
+//! Layers around every service, outermost first: the web console (`GET`
+//! and `HEAD` answered from the embedded files), CORS (preflights answered
 //! without credentials) → gRPC-web translation → RPC metrics → bearer auth.
 
 use std::{sync::Arc, time::Duration, time::Instant};
@@ -145,6 +146,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     };
     let router = tonic::transport::Server::builder()
         .accept_http1(true)
+        .layer(crate::console::ConsoleLayer)
         .layer(cors_layer(&config.cors))
         .layer(tonic_web::GrpcWebLayer::new())
         .layer(RpcMetricsLayer::new(metrics.clone()))
