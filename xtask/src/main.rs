@@ -74,7 +74,11 @@ fn ci() -> anyhow::Result<()> {
         "build",
         cargo(&["build", "--workspace", "--bins", "--locked"]),
     )?;
-    web::browser_suite(&root, &docker::target_dir(&root).join("debug"))?;
+    let mut tally = Tally::default();
+    tally.run(
+        "web: browser suite",
+        web::browser_suite(&root, &docker::target_dir(&root).join("debug")),
+    )?;
     // The Docker executor tests run for real: an engine (ours unless one runs;
     // stopped when `engine` drops) and the agentctl image built offline.
     let engine = docker::Engine::ensure().context("a Docker engine for the Docker tests")?;
@@ -95,7 +99,6 @@ fn ci() -> anyhow::Result<()> {
 
     // Every test, the `#[ignore]`d ones that need Docker included; the
     // child-process entry points are ignored too and never run here.
-    let mut tally = Tally::default();
     let mut test = if has_nextest() {
         let mut cmd = cargo(&[
             "nextest",
@@ -164,7 +167,8 @@ struct Tally {
 impl Tally {
     /// Runs a test command to the end (a failure does not stop `ci` before
     /// the other test runs), passing its output through and counting from
-    /// its summary lines (nextest's `Summary`, libtest's `test result:`).
+    /// its summary lines (nextest's `Summary`, libtest's `test result:`,
+    /// node's test runner's `# pass N` / `# fail N`).
     fn run(&mut self, name: &str, mut cmd: Command) -> anyhow::Result<()> {
         use std::io::{BufRead, BufReader, Write};
         eprintln!("xtask: ==> {name}: {cmd:?}");
@@ -252,6 +256,21 @@ impl Counts {
         // libtest: "test result: ok. 5 passed; 0 failed; 1 ignored; ..."
         if self.nextest {
             return;
+        }
+        // node --test (tap or spec reporter): "# pass 5", "ℹ fail 0".
+        for prefix in ["# ", "ℹ "] {
+            if let Some(rest) = line.strip_prefix(prefix) {
+                let mut words = rest.split_whitespace();
+                let (what, n) = (
+                    words.next(),
+                    words.next().and_then(|n| n.parse::<u64>().ok()),
+                );
+                match (what, n, words.next()) {
+                    (Some("pass"), Some(n), None) => self.passed += n,
+                    (Some("fail" | "cancelled"), Some(n), None) => self.failed += n,
+                    _ => {}
+                }
+            }
         }
         if let Some(rest) = line.strip_prefix("test result: ") {
             for part in rest.split(';') {
@@ -488,6 +507,21 @@ mod tests {
             ]),
             (2, 0)
         );
+    }
+
+    #[test]
+    fn counts_node_test_runner_summaries() {
+        assert_eq!(
+            count(&[
+                "# tests 6",
+                "# suites 1",
+                "# pass 5",
+                "# fail 1",
+                "# cancelled 0"
+            ]),
+            (5, 1)
+        );
+        assert_eq!(count(&["ℹ pass 3", "ℹ fail 0"]), (3, 0));
     }
 
     #[test]

@@ -107,6 +107,12 @@ impl StandaloneExecutor {
         absolute(&self.config.run_dir).join(format!("{id}.secret"))
     }
 
+    /// agentctl's turn journal: kept across agentctl relaunches of the
+    /// executor (that is its point), removed with the executor.
+    fn journal_file(&self, id: ExecutorId) -> PathBuf {
+        self.config.run_dir.join(format!("{id}.journal"))
+    }
+
     fn log_file(&self, id: ExecutorId) -> Option<PathBuf> {
         self.config
             .log_dir
@@ -159,6 +165,8 @@ impl StandaloneExecutor {
             .arg("--secret-file")
             .arg(&secret_file)
             .arg("--remove-secret-file")
+            .arg("--journal")
+            .arg(self.journal_file(id))
             .current_dir(&spec.workspace_path)
             .stdin(Stdio::null())
             .stdout(stdout)
@@ -375,6 +383,7 @@ impl Executor for StandaloneExecutor {
 
     async fn remove(&self, handle: &ExecutorHandle) -> Result<()> {
         self.stop(handle).await?;
+        remove_if_exists(&self.journal_file(handle.executor_id))?;
         remove_if_exists(&self.secret_file(handle.executor_id))?;
         remove_if_exists(&self.socket(handle.executor_id))
     }

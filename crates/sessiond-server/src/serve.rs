@@ -349,9 +349,17 @@ async fn drivers(
         dc.idle_timeout = e.idle_timeout;
         dc.startup_timeout = d.startup_timeout;
         dc.client = client;
-        let docker = DockerExecutor::connect(dc).await.with_context(|| {
-            format!("executors.docker.host: cannot use the engine at {}", d.host)
-        })?;
+        // A bad address is a configuration error; an engine that does not
+        // answer is not: the backend starts and recovers everything else,
+        // and Docker executors go to error (`docker_unavailable`) until the
+        // engine answers (the driver negotiates on its first call).
+        let docker = DockerExecutor::new(dc)
+            .with_context(|| format!("executors.docker.host: cannot use {}", d.host))?;
+        if let Err(e) = docker.engine().await {
+            tracing::warn!(host = %d.host, error = %e,
+                "the Docker engine does not answer; starting without it: Docker sessions are in \
+                 error (docker_unavailable) until it does");
+        }
         docker_driver = Some(Arc::new(docker));
     }
     if let Some(docker) = &docker_driver {

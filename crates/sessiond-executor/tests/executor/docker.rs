@@ -95,6 +95,7 @@ async fn remove_labelled(host: &str, ids: &[ExecutorId]) -> Result<(), Error> {
             };
             driver
                 .docker()
+                .expect("connected")
                 .remove_container(&c, Some(options))
                 .await
                 .map_err(Error::from)?;
@@ -126,6 +127,7 @@ async fn fixture() -> Fixture {
     });
     driver
         .docker()
+        .expect("connected")
         .inspect_image(&image)
         .await
         .unwrap_or_else(|e| {
@@ -146,6 +148,7 @@ async fn container_status(f: &Fixture, id: &str) -> String {
     let info = f
         .driver
         .docker()
+        .expect("connected")
         .inspect_container(id, None)
         .await
         .expect("inspect");
@@ -179,6 +182,7 @@ async fn launch_health_capabilities_stop() {
     let info = f
         .driver
         .docker()
+        .expect("connected")
         .inspect_container(&id, None)
         .await
         .expect("inspect");
