@@ -35,7 +35,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::{oneshot, watch};
 
 use crate::error::{Error, Result};
-use crate::exec::SCRUBBED_ENV;
+use crate::exec::explicit_env;
 use crate::sys;
 use crate::updates::UpdateLog;
 use crate::workspace::Workspace;
@@ -360,15 +360,14 @@ impl AgentManager {
         }
         let mut cmd = tokio::process::Command::new(&spec.command);
         cmd.args(&spec.args)
-            .envs(&spec.env)
             .current_dir(self.shared.workspace.root())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0);
-        for k in SCRUBBED_ENV {
-            cmd.env_remove(k);
-        }
+        // A small base plus the profile's variables, never agentctl's (or its
+        // starter's) whole environment: the agent is prompt-injectable.
+        explicit_env(&mut cmd, &spec.env);
         // Dies with agentctl even when agentctl is SIGKILLed. This runs in an
         // async fn, so on a tokio worker thread (see the caveat there).
         sys::kill_on_parent_death(&mut cmd);

@@ -23,6 +23,7 @@
 //! probe followed by that launch.
 
 use std::{
+    os::unix::fs::OpenOptionsExt,
     path::{Path, PathBuf},
     process::Stdio,
     time::{Duration, Instant},
@@ -57,6 +58,10 @@ pub struct StandaloneConfig {
     /// Between TERM and KILL when stopping.
     pub stop_grace: Duration,
     pub client: ClientConfig,
+    /// agentctl's whole environment (plus `AGENTCTL_SECRET`): never the
+    /// backend's own, which holds its API tokens and database URL. The
+    /// binary picks the variables (see `sessiond serve`).
+    pub env: Vec<(String, String)>,
 }
 
 impl StandaloneConfig {
@@ -69,6 +74,7 @@ impl StandaloneConfig {
             startup_timeout: Duration::from_secs(10),
             stop_grace: Duration::from_secs(5),
             client: ClientConfig::default(),
+            env: vec![("PATH".into(), "/usr/local/bin:/usr/bin:/bin".into())],
         }
     }
 }
@@ -116,9 +122,11 @@ impl StandaloneExecutor {
             path: path.clone(),
             source,
         };
+        // Only this user reads agentctl's log.
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(0o600)
             .open(&path)
             .map_err(io_err)?;
         let second = file.try_clone().map_err(io_err)?;
@@ -148,6 +156,8 @@ impl StandaloneExecutor {
             .arg("127.0.0.1:0")
             .arg("--port-file")
             .arg(&port_file)
+            .env_clear()
+            .envs(self.config.env.iter().map(|(k, v)| (k, v)))
             .env("AGENTCTL_SECRET", &secret)
             .current_dir(&spec.workspace_path)
             .stdin(Stdio::null())

@@ -27,6 +27,14 @@ use crate::{
     error::{ApiError, ApiResult},
 };
 
+/// Longest Exec timeout a client may ask for (24 h).
+const MAX_EXEC_TIMEOUT_MS: u64 = 24 * 3600 * 1000;
+/// Largest per-stream output cap a client may ask for (agentctl's 16 MiB).
+const MAX_EXEC_OUTPUT: u64 = 16 << 20;
+
+/// Output kept per stream in a timed-out Exec's status details.
+const TIMED_OUT_OUTPUT: usize = 4 * 1024;
+
 /// Settings the handlers need from the configuration.
 #[derive(Debug, Clone)]
 pub struct ApiSettings {
@@ -591,12 +599,25 @@ impl pb::workspace_service_server::WorkspaceService for Api {
                 if req.command.is_empty() {
                     return Err(ApiError::invalid("command: required"));
                 }
+                if req.timeout_ms > MAX_EXEC_TIMEOUT_MS {
+                    return Err(ApiError::invalid(format!(
+                        "timeout_ms: {} is more than the maximum of {MAX_EXEC_TIMEOUT_MS} (24 h)",
+                        req.timeout_ms
+                    )));
+                }
+                if req.max_output_bytes > MAX_EXEC_OUTPUT {
+                    return Err(ApiError::invalid(format!(
+                        "max_output_bytes: {} is more than the maximum of {MAX_EXEC_OUTPUT}",
+                        req.max_output_bytes
+                    )));
+                }
                 let client = self.workspace_client(req.session.as_ref()).await?;
                 let timeout_ms = if req.timeout_ms == 0 {
                     60_000
                 } else {
                     req.timeout_ms
                 };
+                let command = req.command.clone();
                 let mut call = Request::new(apb::ExecRequest {
                     command: req.command,
                     args: req.args,
@@ -608,14 +629,34 @@ impl pb::workspace_service_server::WorkspaceService for Api {
                 // The command's own limit, plus time to collect its output.
                 call.set_timeout(Duration::from_millis(timeout_ms) + Duration::from_secs(10));
                 let r = agentctl(client.raw().exec(call).await)?;
-                Ok(pb::ExecResponse {
+                let response = pb::ExecResponse {
                     exit_code: r.exit_code,
                     stdout: r.stdout,
                     stderr: r.stderr,
                     timed_out: r.timed_out,
                     stdout_truncated: r.stdout_truncated,
                     stderr_truncated: r.stderr_truncated,
-                })
+                };
+                if response.timed_out {
+                    // Details travel in a trailer: keep them well inside
+                    // header limits.
+                    let mut partial = response;
+                    for (buf, cut) in [
+                        (&mut partial.stdout, &mut partial.stdout_truncated),
+                        (&mut partial.stderr, &mut partial.stderr_truncated),
+                    ] {
+                        if buf.len() > TIMED_OUT_OUTPUT {
+                            buf.truncate(TIMED_OUT_OUTPUT);
+                            *cut = true;
+                        }
+                    }
+                    return Err(ApiError::CommandTimedOut {
+                        command,
+                        timeout_ms,
+                        output: prost::Message::encode_to_vec(&partial),
+                    });
+                }
+                Ok(response)
             }
             .await,
         )

@@ -245,12 +245,81 @@ pub async fn migrate(config: Config) -> anyhow::Result<()> {
 
 async fn open_store(config: &Config) -> anyhow::Result<Store> {
     if !config.database_url.starts_with("postgres") {
-        std::fs::create_dir_all(&config.data_dir)
-            .with_context(|| format!("data_dir: cannot create {}", config.data_dir.display()))?;
+        private_dir(&config.data_dir, "data_dir")?;
+        // SQLite gives -wal and -shm the main file's mode.
+        let db = std::path::Path::new(&config.database_url);
+        if db.starts_with(&config.data_dir) && !db.exists() {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .open(db)
+                .with_context(|| format!("database_url: cannot create {}", db.display()))?;
+        }
+        tighten_files(&config.data_dir);
     }
     Store::connect(&config.database_url, StoreOptions::default())
         .await
         .with_context(|| format!("database_url: cannot open {}", redact(&config.database_url)))
+}
+
+/// Creates `dir` (and missing parents) readable by this user only, or
+/// tightens an existing one to 0700 with a warning: it holds the database
+/// with every agentctl's secret, logs and port files.
+fn private_dir(dir: &std::path::Path, key: &str) -> anyhow::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    if !dir.exists() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .with_context(|| format!("{key}: cannot create {}", dir.display()))?;
+    }
+    let mode = std::fs::metadata(dir)
+        .with_context(|| format!("{key}: cannot stat {}", dir.display()))?
+        .permissions()
+        .mode();
+    if mode & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("{key}: cannot restrict {} to 0700", dir.display()))?;
+        tracing::warn!(
+            path = %dir.display(),
+            was = format!("{:o}", mode & 0o777),
+            "{key} was readable by other users; restricted to 0700"
+        );
+    }
+    Ok(())
+}
+
+/// Restricts the regular files directly in `dir` to 0600 (warning once),
+/// for state left by an older version or created under a looser umask.
+fn tighten_files(dir: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut fixed = 0;
+    for entry in entries.flatten() {
+        let Ok(meta) = entry.path().symlink_metadata() else {
+            continue;
+        };
+        if meta.is_file()
+            && meta.permissions().mode() & 0o077 != 0
+            && std::fs::set_permissions(entry.path(), std::fs::Permissions::from_mode(0o600))
+                .is_ok()
+        {
+            fixed += 1;
+        }
+    }
+    if fixed > 0 {
+        tracing::warn!(
+            dir = %dir.display(),
+            files = fixed,
+            "files were readable by other users; restricted to 0600"
+        );
+    }
 }
 
 /// The configured agent profiles, stored by name (ids stay stable).
@@ -306,9 +375,13 @@ async fn drivers(
     standalone.idle_timeout = e.idle_timeout;
     standalone.startup_timeout = e.standalone_startup_timeout;
     standalone.client = client.clone();
-    for dir in [&e.run_dir, &e.log_dir] {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("executors.standalone: cannot create {}", dir.display()))?;
+    standalone.env = agentctl_env();
+    for (dir, key) in [
+        (&e.run_dir, "executors.standalone.run_dir"),
+        (&e.log_dir, "executors.standalone.log_dir"),
+    ] {
+        private_dir(dir, key)?;
+        tighten_files(dir);
     }
     if !e.agentctl_path.is_file() {
         tracing::warn!(
@@ -360,6 +433,31 @@ async fn drivers(
         "executor drivers"
     );
     Ok((drivers, docker_driver))
+}
+
+/// What a standalone agentctl inherits from us: enough to find programs and
+/// behave, and its log filter; never our tokens, database URL or anything
+/// else `SESSIOND_*` (agentctl passes a subset on to the agent and commands).
+fn agentctl_env() -> Vec<(String, String)> {
+    const PASSED: &[&str] = &[
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "LANG",
+        "LANGUAGE",
+        "LC_ALL",
+        "LC_CTYPE",
+        "TZ",
+        "TMPDIR",
+        "TERM",
+        "AGENTCTL_LOG",
+    ];
+    PASSED
+        .iter()
+        .filter_map(|k| std::env::var(k).ok().map(|v| ((*k).to_owned(), v)))
+        .collect()
 }
 
 fn manager_config(config: &Config) -> ManagerConfig {
