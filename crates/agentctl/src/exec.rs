@@ -167,8 +167,8 @@ pub async fn run(spec: ExecSpec<'_>) -> Result<ExecOutput> {
     // The pipes' identities, to find processes that escaped the group
     // (`setsid cmd &`) and still hold them.
     let pipes: Vec<u64> = [
-        out.as_ref().and_then(|o| sys::fd_inode(o)),
-        err.as_ref().and_then(|e| sys::fd_inode(e)),
+        out.as_ref().and_then(sys::fd_inode),
+        err.as_ref().and_then(sys::fd_inode),
     ]
     .into_iter()
     .flatten()
