@@ -41,6 +41,8 @@ pub struct ApiSettings {
     pub default_runtime: Runtime,
     pub default_agent: String,
     pub max_message_bytes: usize,
+    /// Local worktrees must lie in one of these (absolute, normalised).
+    pub worktree_roots: Vec<std::path::PathBuf>,
     /// Client settings for proxied workspace calls (a longer call deadline
     /// than the manager's, since `Exec` may run for minutes).
     pub workspace_client: ClientConfig,
@@ -78,6 +80,59 @@ fn page_size(value: i32) -> ApiResult<u32> {
             "page_size: {value} is not between 0 and {MAX_PAGE}"
         ))),
     }
+}
+
+/// Longest worktree path accepted (Linux's PATH_MAX).
+const MAX_PATH_BYTES: usize = 4096;
+
+/// A local worktree must be a normalised absolute path inside one of
+/// `roots`, and, when it exists, stay inside one after symlinks resolve.
+fn check_worktree(path: &str, roots: &[std::path::PathBuf]) -> ApiResult<()> {
+    use std::path::Component;
+    if path.chars().any(char::is_control) {
+        return Err(ApiError::invalid(
+            "worktree.path: contains a control character",
+        ));
+    }
+    let p = Path::new(path);
+    if p.components()
+        .any(|c| !matches!(c, Component::RootDir | Component::Normal(_)))
+    {
+        return Err(ApiError::invalid(format!(
+            "worktree.path: {path:?} is not normalised (no . or .. components)"
+        )));
+    }
+    let inside = |p: &Path| {
+        roots.iter().any(|root| {
+            p.starts_with(root)
+                || std::fs::canonicalize(root).is_ok_and(|canonical| p.starts_with(canonical))
+        })
+    };
+    let listed = || {
+        roots
+            .iter()
+            .map(|r| r.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if !inside(p) {
+        return Err(ApiError::invalid(format!(
+            "worktree.path: {path:?} is outside executors.worktree_roots ({}); \
+             use a directory inside one, or add its parent to worktree_roots",
+            listed()
+        )));
+    }
+    if let Ok(canonical) = std::fs::canonicalize(p)
+        && !inside(&canonical)
+    {
+        return Err(ApiError::invalid(format!(
+            "worktree.path: {path:?} resolves to {} (through a symlink), outside \
+             executors.worktree_roots ({})",
+            canonical.display(),
+            listed()
+        )));
+    }
+    Ok(())
 }
 
 fn task_id(value: &str) -> ApiResult<TaskId> {
@@ -219,6 +274,14 @@ impl pb::session_service_server::SessionService for Api {
                         "title: longer than {MAX_TITLE_CHARS} characters"
                     )));
                 }
+                // NUL and terminal escapes would reach every client's screen.
+                if let Some(c) = title.chars().find(|c| c.is_control()) {
+                    return Err(ApiError::invalid(format!(
+                        "title: contains the control character {:?}; titles are one line of \
+                         printable text",
+                        c
+                    )));
+                }
                 let now = Utc::now();
                 let task = self
                     .store
@@ -317,6 +380,14 @@ impl pb::session_service_server::SessionService for Api {
                     "worktree.path: {:?} is not an absolute path",
                     w.path
                 )));
+            }
+            if w.path.len() > MAX_PATH_BYTES {
+                return Err(ApiError::invalid(format!(
+                    "worktree.path: longer than {MAX_PATH_BYTES} bytes"
+                )));
+            }
+            if runtime != Runtime::Remote {
+                check_worktree(&w.path, &self.settings.worktree_roots)?;
             }
             let remote = if runtime == Runtime::Remote {
                 if !(req.remote_url.starts_with("http://") || req.remote_url.starts_with("https://"))

@@ -87,6 +87,11 @@ pub struct ServeArgs {
     #[arg(long, env = "SESSIOND_DEFAULT_AGENT")]
     pub default_agent: Option<String>,
 
+    /// Directories local worktrees must lie in, comma-separated
+    /// (replace `executors.worktree_roots`). Default: the serving user's home.
+    #[arg(long, env = "SESSIOND_WORKTREE_ROOTS", value_delimiter = ',')]
+    pub worktree_roots: Option<Vec<PathBuf>>,
+
     /// The agentctl binary for standalone executors.
     /// Default: next to the sessiond executable, then PATH.
     #[arg(long, env = "SESSIOND_AGENTCTL_PATH")]
@@ -170,6 +175,9 @@ pub struct ExecutorsSection {
     pub call_timeout: String,
     /// agentctl exits on its own after this long without backend contact; `0s` never.
     pub idle_timeout: String,
+    /// Local (standalone, Docker) worktrees must lie in one of these
+    /// directories. Default: the serving user's home. `/` is refused.
+    pub worktree_roots: Option<Vec<PathBuf>>,
     pub standalone: StandaloneSection,
     pub docker: DockerSection,
     pub remote: RemoteSection,
@@ -281,6 +289,7 @@ impl Default for ExecutorsSection {
             connect_timeout: "2s".into(),
             call_timeout: "5s".into(),
             idle_timeout: "0s".into(),
+            worktree_roots: None,
             standalone: StandaloneSection::default(),
             docker: DockerSection::default(),
             remote: RemoteSection::default(),
@@ -393,6 +402,8 @@ pub struct ExecutorsConfig {
     pub connect_timeout: Duration,
     pub call_timeout: Duration,
     pub idle_timeout: Option<Duration>,
+    /// Absolute, normalised, never `/`.
+    pub worktree_roots: Vec<PathBuf>,
     pub agentctl_path: PathBuf,
     pub run_dir: PathBuf,
     pub log_dir: PathBuf,
@@ -483,6 +494,9 @@ impl ServeArgs {
         set(&mut f.cors.allowed_origins, &self.cors_allowed_origins);
         set(&mut f.executors.default_runtime, &self.default_runtime);
         set(&mut f.default_agent, &self.default_agent);
+        if self.worktree_roots.is_some() {
+            f.executors.worktree_roots.clone_from(&self.worktree_roots);
+        }
         if self.agentctl_path.is_some() {
             f.executors
                 .standalone
@@ -737,6 +751,41 @@ impl FileConfig {
                 .unwrap_or_else(|| PathBuf::from("agentctl")),
         };
         let idle = p.duration("executors.idle_timeout", &e.idle_timeout);
+        let worktree_roots = match &e.worktree_roots {
+            Some(roots) => roots.clone(),
+            None => match std::env::var_os("HOME").filter(|h| !h.is_empty()) {
+                Some(home) => vec![PathBuf::from(home)],
+                None => {
+                    p.add(
+                        "executors.worktree_roots",
+                        "cannot default to the home directory (HOME is not set); \
+                         set SESSIOND_WORKTREE_ROOTS",
+                    );
+                    Vec::new()
+                }
+            },
+        };
+        for (i, root) in worktree_roots.iter().enumerate() {
+            let key = format!("executors.worktree_roots[{i}]");
+            if !root.is_absolute() {
+                p.add(&key, format!("{} is not an absolute path", root.display()));
+            } else if root.parent().is_none() {
+                p.add(
+                    &key,
+                    "\"/\" is refused: it would let sessions use any directory, /etc included",
+                );
+            } else if root.components().any(|c| {
+                !matches!(
+                    c,
+                    std::path::Component::RootDir | std::path::Component::Normal(_)
+                )
+            }) {
+                p.add(
+                    &key,
+                    format!("{} is not normalised (no . or ..)", root.display()),
+                );
+            }
+        }
         let docker = if e.docker.enabled {
             let d = &e.docker;
             p.non_empty("executors.docker.host", &d.host);
@@ -799,6 +848,7 @@ impl FileConfig {
             connect_timeout: p.positive_duration("executors.connect_timeout", &e.connect_timeout),
             call_timeout: p.positive_duration("executors.call_timeout", &e.call_timeout),
             idle_timeout: Some(idle).filter(|d| !d.is_zero()),
+            worktree_roots,
             agentctl_path,
             run_dir: e
                 .standalone

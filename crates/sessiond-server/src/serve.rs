@@ -93,6 +93,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             default_runtime: config.executors.default_runtime,
             default_agent: config.default_agent.clone(),
             max_message_bytes: config.max_message_bytes,
+            worktree_roots: config.executors.worktree_roots.clone(),
             workspace_client: ClientConfig {
                 connect_timeout: config.executors.connect_timeout,
                 call_timeout: Duration::from_secs(15 * 60),

@@ -553,3 +553,72 @@ async fn writes_through_hard_links_are_refused() {
     assert!(err.message().contains("hard link"), "{}", err.message());
     assert_eq!(std::fs::read_to_string(&outside).unwrap(), "precious\n");
 }
+
+#[tokio::test]
+async fn titles_with_control_characters_are_refused_and_not_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&dir.path().join("data"), &[]);
+    let mut c = sessions(&server).await;
+    for title in ["a\0b", "red \u{1b}[31m alert", "two\nlines", "bell\u{7}"] {
+        let err = c
+            .create_task(pb::CreateTaskRequest {
+                title: title.into(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{title:?}: {err}");
+        assert!(
+            err.message()
+                .starts_with("title: contains the control character"),
+            "{}",
+            err.message()
+        );
+    }
+    assert_eq!(task_count(&server, Some(TOKEN)).await, 0);
+}
+
+#[tokio::test]
+async fn worktrees_outside_the_roots_are_refused_and_nothing_is_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&dir.path().join("data"), &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "roots").await;
+    let tmp = std::fs::canonicalize(std::env::temp_dir()).unwrap();
+    let escape = dir.path().join("work/escape");
+    std::fs::create_dir_all(dir.path().join("work")).unwrap();
+    std::os::unix::fs::symlink("/etc", &escape).unwrap();
+    let up = format!("{}/../../etc", dir.path().display());
+    let long = format!("{}/{}", tmp.display(), "x".repeat(5000));
+    for (path, expect) in [
+        ("/".to_owned(), "outside executors.worktree_roots"),
+        ("/etc".to_owned(), "outside executors.worktree_roots"),
+        (up, "not normalised"),
+        (escape.display().to_string(), "through a symlink"),
+        (long, "longer than 4096 bytes"),
+    ] {
+        let err = c
+            .create_session(pb::CreateSessionRequest {
+                task_id: task.id.clone(),
+                runtime: pb::Runtime::LocalStandalone as i32,
+                worktree: Some(pb::Worktree {
+                    id: String::new(),
+                    path: path.clone(),
+                    branch: String::new(),
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{path}: {err}");
+        assert!(err.message().contains(expect), "{path}: {}", err.message());
+    }
+    let listed = c
+        .list_sessions(pb::ListSessionsRequest {
+            task_id: task.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(listed.sessions.is_empty(), "{listed:?}");
+    assert!(agentctl_pids(&server.data_dir).is_empty());
+}
