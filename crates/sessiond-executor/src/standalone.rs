@@ -106,6 +106,12 @@ impl StandaloneExecutor {
         self.config.run_dir.join(format!("{id}.port"))
     }
 
+    /// agentctl's turn journal: kept across agentctl relaunches of the
+    /// executor (that is its point), removed with the executor.
+    fn journal_file(&self, id: ExecutorId) -> PathBuf {
+        self.config.run_dir.join(format!("{id}.journal"))
+    }
+
     fn log_file(&self, id: ExecutorId) -> Option<PathBuf> {
         self.config
             .log_dir
@@ -156,6 +162,8 @@ impl StandaloneExecutor {
             .arg("127.0.0.1:0")
             .arg("--port-file")
             .arg(&port_file)
+            .arg("--journal")
+            .arg(self.journal_file(id))
             .env_clear()
             .envs(self.config.env.iter().map(|(k, v)| (k, v)))
             .env("AGENTCTL_SECRET", &secret)
@@ -378,6 +386,7 @@ impl Executor for StandaloneExecutor {
 
     async fn remove(&self, handle: &ExecutorHandle) -> Result<()> {
         self.stop(handle).await?;
+        remove_if_exists(&self.journal_file(handle.executor_id))?;
         remove_if_exists(&self.port_file(handle.executor_id))
     }
 
