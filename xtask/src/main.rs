@@ -230,6 +230,8 @@ fn ensure_system_packages() -> anyhow::Result<()> {
         ("/usr/lib/postgresql/15/bin/initdb", "postgresql-15"),
         ("/usr/include/postgresql/libpq-fe.h", "libpq-dev"),
         ("/usr/bin/git", "git"),
+        // promtool validates the metrics exposition and docs/ops/ alert rules.
+        ("/usr/bin/promtool", "prometheus"),
     ];
     let missing: Vec<&str> = wanted
         .iter()

@@ -159,6 +159,10 @@ pub struct CorsSection {
 pub struct MetricsSection {
     /// `off` (or empty) disables the endpoint.
     pub listen: String,
+    /// Connections the endpoint serves at once.
+    pub max_connections: u32,
+    /// A connection that sends no request for this long is closed.
+    pub idle_timeout: String,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -269,6 +273,8 @@ impl Default for MetricsSection {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:9464".into(),
+            max_connections: 1024,
+            idle_timeout: "10s".into(),
         }
     }
 }
@@ -343,6 +349,8 @@ pub struct Config {
     pub cors: CorsConfig,
     /// `None`: no metrics endpoint.
     pub metrics_listen: Option<SocketAddr>,
+    pub metrics_max_connections: usize,
+    pub metrics_idle_timeout: Duration,
     pub executors: ExecutorsConfig,
     pub recovery: RecoveryConfig,
     pub agents: Vec<AgentConfig>,
@@ -665,6 +673,13 @@ impl FileConfig {
             "" | "off" | "none" | "disabled" => None,
             other => p.addr("metrics.listen", other),
         };
+        if self.metrics.max_connections == 0 {
+            p.add("metrics.max_connections", "must be at least 1");
+        }
+        let metrics_idle_timeout = p.duration("metrics.idle_timeout", &self.metrics.idle_timeout);
+        if metrics_idle_timeout.is_zero() {
+            p.add("metrics.idle_timeout", "must be longer than 0s");
+        }
 
         let e = &self.executors;
         let default_runtime = match Runtime::parse(e.default_runtime.trim()) {
@@ -837,6 +852,8 @@ impl FileConfig {
             auth,
             cors,
             metrics_listen,
+            metrics_max_connections: self.metrics.max_connections as usize,
+            metrics_idle_timeout,
             executors,
             recovery,
             agents,

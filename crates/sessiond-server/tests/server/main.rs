@@ -10,6 +10,7 @@
 
 mod api;
 mod config;
+mod metrics;
 mod restart;
 mod serve;
 mod support;
