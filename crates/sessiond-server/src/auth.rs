@@ -1,5 +1,8 @@
-//! Bearer-token authentication for every gRPC (and gRPC-web) call except
-//! `grpc.health.v1.Health`, as a tower layer in front of all services.
+//! Who may call: bearer-token authentication for every gRPC (and gRPC-web)
+//! call except `grpc.health.v1.Health`, and the browser checks — a request
+//! from a web page (`Origin`) must come from a configured origin, and a
+//! server without authentication answers only requests addressed to a
+//! loopback name (`Host` / `:authority`), which defeats DNS rebinding.
 //!
 //! It sits inside the gRPC-web translation (so browsers get a proper
 //! grpc-web UNAUTHENTICATED answer) and inside CORS (so preflight `OPTIONS`
@@ -14,28 +17,40 @@ use futures::future::{BoxFuture, FutureExt};
 use subtle::ConstantTimeEq;
 use tower::{Layer, Service};
 
+use crate::config::AllowedOrigins;
+
 /// Paths that never need a token: health checks by load balancers and
 /// orchestrators.
 const PUBLIC_PREFIX: &str = "/grpc.health.v1.Health/";
 
 #[derive(Clone)]
 pub struct AuthLayer {
+    policy: Arc<Policy>,
+}
+
+struct Policy {
     /// `None`: authentication disabled (explicitly asked for).
     tokens: Option<Arc<[Vec<u8>]>>,
+    origins: AllowedOrigins,
 }
 
 impl std::fmt::Debug for AuthLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AuthLayer")
-            .field("enabled", &self.tokens.is_some())
+            .field("enabled", &self.policy.tokens.is_some())
             .finish()
     }
 }
 
 impl AuthLayer {
-    pub fn new(tokens: Option<Vec<String>>) -> Self {
+    /// `tokens: None` serves without authentication; then only loopback
+    /// `Host`s are answered.
+    pub fn new(tokens: Option<Vec<String>>, origins: AllowedOrigins) -> Self {
         Self {
-            tokens: tokens.map(|t| t.into_iter().map(String::into_bytes).collect()),
+            policy: Arc::new(Policy {
+                tokens: tokens.map(|t| t.into_iter().map(String::into_bytes).collect()),
+                origins,
+            }),
         }
     }
 }
@@ -45,7 +60,7 @@ impl<S> Layer<S> for AuthLayer {
     fn layer(&self, inner: S) -> Self::Service {
         Auth {
             inner,
-            tokens: self.tokens.clone(),
+            policy: self.policy.clone(),
         }
     }
 }
@@ -53,13 +68,13 @@ impl<S> Layer<S> for AuthLayer {
 #[derive(Clone)]
 pub struct Auth<S> {
     inner: S,
-    tokens: Option<Arc<[Vec<u8>]>>,
+    policy: Arc<Policy>,
 }
 
 impl<S> std::fmt::Debug for Auth<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Auth")
-            .field("enabled", &self.tokens.is_some())
+            .field("enabled", &self.policy.tokens.is_some())
             .finish()
     }
 }
@@ -74,6 +89,80 @@ fn accepted(tokens: &[Vec<u8>], presented: &[u8]) -> bool {
     bool::from(ok)
 }
 
+/// Longest part of a refused header value quoted back in a message.
+const ECHO_LIMIT: usize = 128;
+
+fn quoted(value: &[u8]) -> String {
+    let text = String::from_utf8_lossy(value);
+    let mut out: String = text.chars().take(ECHO_LIMIT).collect();
+    if text.chars().count() > ECHO_LIMIT {
+        out.push('…');
+    }
+    format!("{out:?}")
+}
+
+/// Refuses a browser request from an origin that is not configured, and,
+/// without authentication, a request addressed to a name that is not
+/// loopback (a DNS-rebinding page reaches 127.0.0.1 under its own name).
+fn refuse_browser<B>(policy: &Policy, request: &http::Request<B>) -> Option<String> {
+    if let Some(origin) = request.headers().get(http::header::ORIGIN) {
+        let allowed = match &policy.origins {
+            AllowedOrigins::Any => true,
+            AllowedOrigins::None => false,
+            AllowedOrigins::List(list) => list.iter().any(|o| o.as_bytes() == origin.as_bytes()),
+        };
+        if !allowed {
+            return Some(format!(
+                "cross-origin request from origin {} refused: it is not listed in \
+                 cors.allowed_origins",
+                quoted(origin.as_bytes())
+            ));
+        }
+    }
+    if policy.tokens.is_none() {
+        let host = request
+            .uri()
+            .authority()
+            .map(|a| a.as_str().as_bytes().to_vec())
+            .or_else(|| {
+                request
+                    .headers()
+                    .get(http::header::HOST)
+                    .map(|h| h.as_bytes().to_vec())
+            });
+        if let Some(host) = host
+            && !is_loopback_host(&host)
+        {
+            return Some(format!(
+                "host {} refused: without authentication (insecure_no_auth) only \
+                 localhost or a loopback address may be used",
+                quoted(&host)
+            ));
+        }
+    }
+    None
+}
+
+/// `localhost`, `*.localhost`, `127.x.y.z` or `[::1]`, with an optional port.
+pub fn is_loopback_host(host: &[u8]) -> bool {
+    let Ok(host) = std::str::from_utf8(host) else {
+        return false;
+    };
+    let name = match host.strip_prefix('[') {
+        Some(rest) => match rest.split_once(']') {
+            Some((ip, port)) if port.is_empty() || port.starts_with(':') => ip,
+            _ => return false,
+        },
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    let name = name.trim_end_matches('.').to_ascii_lowercase();
+    if name == "localhost" || name.ends_with(".localhost") {
+        return true;
+    }
+    name.parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_loopback())
+}
+
 /// Why a request has no valid credentials; `None` if it has.
 fn reject_reason<B>(tokens: &[Vec<u8>], request: &http::Request<B>) -> Option<&'static str> {
     if request.uri().path().starts_with(PUBLIC_PREFIX) {
@@ -82,12 +171,11 @@ fn reject_reason<B>(tokens: &[Vec<u8>], request: &http::Request<B>) -> Option<&'
     let Some(value) = request.headers().get(http::header::AUTHORIZATION) else {
         return Some("missing `authorization: Bearer <token>` metadata");
     };
-    let Some(token) = value
-        .as_bytes()
-        .strip_prefix(b"Bearer ")
-        .or_else(|| value.as_bytes().strip_prefix(b"bearer "))
-    else {
-        return Some("the authorization metadata is not a Bearer token");
+    // RFC 7235: the scheme is case-insensitive.
+    let bytes = value.as_bytes();
+    let token = match bytes.get(..7) {
+        Some(scheme) if scheme.eq_ignore_ascii_case(b"bearer ") => &bytes[7..],
+        _ => return Some("the authorization metadata is not a Bearer token"),
     };
     if accepted(tokens, token.trim_ascii()) {
         None
@@ -113,7 +201,12 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        if let Some(tokens) = &self.tokens
+        if let Some(reason) = refuse_browser(&self.policy, &request) {
+            tracing::debug!(path = request.uri().path(), reason, "refused call");
+            let status = tonic::Status::permission_denied(reason);
+            return futures::future::ready(Ok(status.into_http())).boxed();
+        }
+        if let Some(tokens) = &self.policy.tokens
             && let Some(reason) = reject_reason(tokens, &request)
         {
             tracing::debug!(path = request.uri().path(), reason, "unauthenticated call");
@@ -176,5 +269,42 @@ mod tests {
             ),
             None
         );
+        assert_eq!(
+            reject_reason(
+                &tokens,
+                &req(
+                    "/sessiond.v1.SessionService/ListTasks",
+                    Some("BEARER second-token-xyz")
+                )
+            ),
+            None
+        );
+    }
+
+    #[test]
+    fn loopback_hosts() {
+        for ok in [
+            "localhost",
+            "localhost:50051",
+            "LOCALHOST.",
+            "app.localhost:1",
+            "127.0.0.1",
+            "127.1.2.3:80",
+            "[::1]",
+            "[::1]:50051",
+        ] {
+            assert!(is_loopback_host(ok.as_bytes()), "{ok}");
+        }
+        for bad in [
+            "evil.example",
+            "evil.example:50051",
+            "localhost.evil.example",
+            "10.0.0.1:1",
+            "[::2]:1",
+            "[::1]x",
+            "0.0.0.0",
+        ] {
+            assert!(!is_loopback_host(bad.as_bytes()), "{bad}");
+        }
     }
 }

@@ -73,7 +73,8 @@ pub struct ServeArgs {
     #[arg(long, env = "SESSIOND_MAX_MESSAGE_BYTES")]
     pub max_message_bytes: Option<u64>,
 
-    /// Browser origins allowed by CORS, comma-separated; `*` for any.
+    /// Browser origins allowed by CORS, comma-separated; `*` for any (refused
+    /// with --insecure-no-auth). Default: none.
     #[arg(long, env = "SESSIOND_CORS_ALLOWED_ORIGINS", value_delimiter = ',')]
     pub cors_allowed_origins: Option<Vec<String>>,
 
@@ -263,7 +264,7 @@ impl Default for FileConfig {
 impl Default for CorsSection {
     fn default() -> Self {
         Self {
-            allowed_origins: vec!["*".into()],
+            allowed_origins: Vec::new(),
             max_age: "1h".into(),
         }
     }
@@ -355,6 +356,8 @@ pub struct Config {
     pub recovery: RecoveryConfig,
     pub agents: Vec<AgentConfig>,
     pub default_agent: String,
+    /// Problems that do not stop the server, logged once logging is up.
+    pub warnings: Vec<String>,
 }
 
 /// Who may call the API.
@@ -377,9 +380,19 @@ impl std::fmt::Debug for AuthConfig {
 
 #[derive(Debug, Clone)]
 pub struct CorsConfig {
-    /// Empty: any origin.
-    pub allowed_origins: Vec<String>,
+    pub allowed_origins: AllowedOrigins,
     pub max_age: Duration,
+}
+
+/// Which browser origins may call the API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AllowedOrigins {
+    /// No cross-origin access: requests carrying an `Origin` are refused.
+    None,
+    /// Any origin (`"*"`; never together with `insecure_no_auth`).
+    Any,
+    /// Exactly these origins.
+    List(Vec<String>),
 }
 
 #[derive(Debug, Clone)]
@@ -629,6 +642,18 @@ impl FileConfig {
             }
         }
         let auth = if self.auth.insecure_no_auth {
+            if !tokens.is_empty() {
+                p.add(
+                    "auth.insecure_no_auth",
+                    format!(
+                        "conflicts with auth.tokens ({} configured, from auth.tokens, \
+                         auth.tokens_file, --api-tokens or SESSIOND_API_TOKENS): \
+                         remove the tokens to serve without authentication, or drop \
+                         insecure_no_auth",
+                        tokens.len()
+                    ),
+                );
+            }
             if let Some(addr) = listen
                 && !addr.ip().is_loopback()
             {
@@ -652,19 +677,41 @@ impl FileConfig {
             AuthConfig::Tokens(tokens)
         };
 
+        let mut origins = Vec::new();
+        let mut any_origin = false;
         for (i, origin) in self.cors.allowed_origins.iter().enumerate() {
-            if origin != "*" && http::HeaderValue::from_str(origin).is_err() {
+            let origin = origin.trim();
+            if origin == "*" {
+                any_origin = true;
+            } else if http::HeaderValue::from_str(origin).is_err()
+                || !(origin.starts_with("http://") || origin.starts_with("https://"))
+                || origin.trim_end_matches('/') != origin
+            {
                 p.add(
                     &format!("cors.allowed_origins[{i}]"),
-                    "is not a valid origin",
+                    format!(
+                        "{origin:?} is not an origin such as https://app.example.com \
+                         (scheme and host, no path)"
+                    ),
                 );
+            } else {
+                origins.push(origin.to_owned());
             }
         }
+        if any_origin && self.auth.insecure_no_auth {
+            p.add(
+                "cors.allowed_origins",
+                "\"*\" is refused together with auth.insecure_no_auth: any web page the \
+                 user visits could drive the API; list the origins of your web console",
+            );
+        }
         let cors = CorsConfig {
-            allowed_origins: if self.cors.allowed_origins.iter().any(|o| o == "*") {
-                Vec::new()
+            allowed_origins: if any_origin {
+                AllowedOrigins::Any
+            } else if origins.is_empty() {
+                AllowedOrigins::None
             } else {
-                self.cors.allowed_origins.clone()
+                AllowedOrigins::List(origins)
             },
             max_age: p.duration("cors.max_age", &self.cors.max_age),
         };
@@ -858,6 +905,7 @@ impl FileConfig {
             recovery,
             agents,
             default_agent: self.default_agent,
+            warnings: Vec::new(),
         })
     }
 }
@@ -987,7 +1035,7 @@ mod tests {
         assert_eq!(c.recovery.executor_deadline, Duration::from_secs(5));
         assert_eq!(c.agents[0].name, DEMO_PROFILE);
         assert!(c.executors.docker.is_none());
-        assert!(c.cors.allowed_origins.is_empty());
+        assert_eq!(c.cors.allowed_origins, AllowedOrigins::None);
     }
 
     #[test]
@@ -1002,11 +1050,47 @@ mod tests {
     #[test]
     fn insecure_mode_refuses_non_loopback_listen() {
         let mut f = with_tokens();
+        f.auth.tokens.clear();
         f.auth.insecure_no_auth = true;
         f.listen = "0.0.0.0:50051".into();
         assert!(error_of(f.clone()).contains("auth.insecure_no_auth: refuses"));
         f.listen = "[::1]:0".into();
         assert!(matches!(f.validate().unwrap().auth, AuthConfig::Disabled));
+    }
+
+    #[test]
+    fn insecure_mode_conflicts_with_tokens_and_with_any_origin() {
+        let mut f = with_tokens();
+        f.auth.insecure_no_auth = true;
+        f.cors.allowed_origins = vec!["*".into()];
+        let err = error_of(f);
+        assert!(
+            err.contains("auth.insecure_no_auth: conflicts with auth.tokens"),
+            "{err}"
+        );
+        assert!(
+            err.contains(
+                "cors.allowed_origins: \"*\" is refused together with auth.insecure_no_auth"
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn origins_none_any_or_a_list() {
+        let mut f = with_tokens();
+        f.cors.allowed_origins = vec!["*".into()];
+        assert_eq!(
+            f.clone().validate().unwrap().cors.allowed_origins,
+            AllowedOrigins::Any
+        );
+        f.cors.allowed_origins = vec!["https://app.example".into()];
+        assert_eq!(
+            f.clone().validate().unwrap().cors.allowed_origins,
+            AllowedOrigins::List(vec!["https://app.example".into()])
+        );
+        f.cors.allowed_origins = vec!["app.example/x".into()];
+        assert!(error_of(f).contains("cors.allowed_origins[0]"));
     }
 
     #[test]

@@ -19,6 +19,27 @@
 use sessiond_domain::{ExecutorStatus, IdParseError, SessionId, TaskId};
 use tonic::{Code, Status};
 
+/// The metadata key of the machine-readable reason (exposed to browsers).
+pub const ERROR_METADATA: &str = "sessiond-error";
+
+/// Longest message a status carries: messages quote client input (ids,
+/// paths), and an unbounded `grpc-message` header would turn a client's
+/// mistake into a RESOURCE_EXHAUSTED on its side.
+pub const MAX_MESSAGE_BYTES: usize = 1024;
+
+/// Cuts `message` to [`MAX_MESSAGE_BYTES`] on a character boundary, saying so.
+pub fn bounded(mut message: String) -> String {
+    if message.len() > MAX_MESSAGE_BYTES {
+        let mut end = MAX_MESSAGE_BYTES;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+        message.push_str("… (truncated)");
+    }
+    message
+}
+
 /// Everything a handler can fail with.
 #[derive(Debug)]
 pub enum ApiError {
@@ -194,9 +215,9 @@ impl From<ApiError> for Status {
         if code == Code::Internal {
             tracing::error!(error = %message, "internal error");
         }
-        let mut status = Status::new(code, message);
+        let mut status = Status::new(code, bounded(message));
         if let Ok(v) = reason.parse() {
-            status.metadata_mut().insert("sessiond-error", v);
+            status.metadata_mut().insert(ERROR_METADATA, v);
         }
         status
     }
@@ -215,6 +236,13 @@ mod tests {
             .unwrap_or_default()
             .to_owned();
         (s.code(), reason)
+    }
+
+    #[test]
+    fn long_messages_are_cut() {
+        let s = Status::from(ApiError::invalid(format!("bad id {}", "é".repeat(100_000))));
+        assert!(s.message().len() <= MAX_MESSAGE_BYTES + 20);
+        assert!(s.message().ends_with("(truncated)"));
     }
 
     #[test]

@@ -45,7 +45,18 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Serve(args) => runtime()?.block_on(serve::serve(args.resolve()?)),
+        Command::Serve(args) => {
+            let mut config = args.resolve()?;
+            // Flags are visible to every local user in `ps` and /proc.
+            if std::env::args().any(|a| a == "--api-tokens" || a.starts_with("--api-tokens=")) {
+                config.warnings.push(
+                    "--api-tokens puts the API tokens in the process list (ps, /proc/PID/cmdline) \
+                     for every local user to read; prefer SESSIOND_API_TOKENS or auth.tokens_file"
+                        .to_owned(),
+                );
+            }
+            runtime()?.block_on(serve::serve(config))
+        }
         Command::Migrate(args) => runtime()?.block_on(serve::migrate(args.resolve_for_migrate()?)),
     }
 }

@@ -30,7 +30,7 @@ use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 use crate::{
     api::{Api, ApiSettings},
     auth::AuthLayer,
-    config::{AuthConfig, Config, CorsConfig},
+    config::{AllowedOrigins, AuthConfig, Config, CorsConfig},
     metrics::{self, Metrics, RpcMetricsLayer},
 };
 
@@ -47,6 +47,9 @@ const HEALTH_SERVICES: &[&str] = &[
 pub async fn serve(config: Config) -> anyhow::Result<()> {
     init_tracing(config.log_json);
     let started = Instant::now();
+    for warning in &config.warnings {
+        tracing::warn!("{warning}");
+    }
     if matches!(config.auth, AuthConfig::Disabled) {
         tracing::warn!(listen = %config.listen, "authentication is disabled (--insecure-no-auth); loopback only");
     }
@@ -66,9 +69,19 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             .await;
     }
 
-    let reflection = tonic_reflection::server::Builder::configure()
+    // The descriptor set also holds agentctl's protocol: list only what we serve.
+    let mut reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(sessiond_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
+    for service in [
+        "sessiond.v1.SessionService",
+        "sessiond.v1.WorkspaceService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+    ] {
+        reflection = reflection.with_service_name(service);
+    }
+    let reflection = reflection
         .build_v1()
         .context("building the reflection service")?;
 
@@ -139,7 +152,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         .layer(cors_layer(&config.cors))
         .layer(tonic_web::GrpcWebLayer::new())
         .layer(RpcMetricsLayer::new(metrics.clone()))
-        .layer(AuthLayer::new(tokens))
+        .layer(AuthLayer::new(tokens, config.cors.allowed_origins.clone()))
         .add_service(health_service)
         .add_service(reflection)
         .add_service(session_service)
@@ -386,17 +399,16 @@ fn liveness_interval(idle_timeout: Option<std::time::Duration>) -> std::time::Du
 }
 
 /// CORS for browsers calling through gRPC-web: bearer tokens travel in the
-/// `authorization` header, never in cookies, so credentials stay off.
+/// `authorization` header, never in cookies, so credentials stay off. With
+/// no origins configured no preflight is allowed (and `AuthLayer` refuses
+/// any request that carries an `Origin`).
 fn cors_layer(config: &CorsConfig) -> CorsLayer {
-    let origin = if config.allowed_origins.is_empty() {
-        AllowOrigin::any()
-    } else {
-        AllowOrigin::list(
-            config
-                .allowed_origins
-                .iter()
-                .filter_map(|o| HeaderValue::from_str(o).ok()),
-        )
+    let origin = match &config.allowed_origins {
+        AllowedOrigins::Any => AllowOrigin::any(),
+        AllowedOrigins::None => AllowOrigin::list(Vec::<HeaderValue>::new()),
+        AllowedOrigins::List(list) => {
+            AllowOrigin::list(list.iter().filter_map(|o| HeaderValue::from_str(o).ok()))
+        }
     };
     CorsLayer::new()
         .allow_origin(origin)
@@ -407,6 +419,7 @@ fn cors_layer(config: &CorsConfig) -> CorsLayer {
             HeaderName::from_static("grpc-status"),
             HeaderName::from_static("grpc-message"),
             HeaderName::from_static("grpc-status-details-bin"),
+            HeaderName::from_static(crate::error::ERROR_METADATA),
         ])
         .max_age(config.max_age)
 }

@@ -12,6 +12,7 @@ mod api;
 mod config;
 mod metrics;
 mod restart;
+mod security;
 mod serve;
 mod support;
 mod web;

@@ -105,7 +105,25 @@ pub fn agentctl_pids(data_dir: &Path) -> Vec<u32> {
 /// Starts `sessiond serve` on a free loopback port with `TOKEN`, metrics on
 /// a free port, the given extra arguments, and waits for its listening line.
 pub fn start(data_dir: &Path, extra: &[&str]) -> Server {
+    start_with(data_dir, extra, Some(TOKEN), None)
+}
+
+/// As [`start`], with the given API token (none: the caller passes
+/// `--insecure-no-auth`) and stderr to `stderr` when given.
+pub fn start_with(
+    data_dir: &Path,
+    extra: &[&str],
+    token: Option<&str>,
+    stderr: Option<&Path>,
+) -> Server {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_sessiond"));
+    match token {
+        Some(t) => cmd.env("SESSIOND_API_TOKENS", t),
+        None => cmd.env_remove("SESSIOND_API_TOKENS"),
+    };
+    if let Some(path) = stderr {
+        cmd.stderr(std::fs::File::create(path).unwrap());
+    }
     cmd.args([
         "serve",
         "--listen",
@@ -116,7 +134,6 @@ pub fn start(data_dir: &Path, extra: &[&str]) -> Server {
     .arg("--data-dir")
     .arg(data_dir)
     .args(extra)
-    .env("SESSIOND_API_TOKENS", TOKEN)
     .env_remove("SESSIOND_DATABASE_URL")
     .env_remove("SESSIOND_CONFIG")
     .env("SESSIOND_LOG", "info,sessiond=debug")
