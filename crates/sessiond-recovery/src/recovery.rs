@@ -662,6 +662,7 @@ impl SessionManager {
                         .is_ok(),
                     Err(_) => false,
                 };
+                me.inner.metrics.reconnect_attempt(answers);
                 if !answers && open {
                     tracing::debug!(%session, attempt, "remote executor still unreachable");
                     continue;

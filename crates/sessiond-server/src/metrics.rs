@@ -58,8 +58,12 @@ const RPC_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
-/// The OpenMetrics text format `prometheus-client` writes.
-const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// The OpenMetrics text format `prometheus-client` writes; what Prometheus
+/// asks for first.
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// The classic Prometheus text format, for clients that do not ask for
+/// OpenMetrics (curl, `promtool check metrics`).
+const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RpcLabels {
@@ -254,10 +258,27 @@ impl Metrics {
                 Bytes::from_static(b"only GET\n"),
             );
         }
+        let openmetrics = request
+            .headers()
+            .get_all(http::header::ACCEPT)
+            .iter()
+            .any(|v| {
+                v.to_str()
+                    .is_ok_and(|v| v.contains("application/openmetrics-text"))
+            });
         match request.uri().path() {
-            "/metrics" | "/" => reply(StatusCode::OK, CONTENT_TYPE, self.render().await.into()),
+            "/metrics" | "/" if openmetrics => {
+                reply(StatusCode::OK, OPENMETRICS, self.render().await.into())
+            }
+            "/metrics" | "/" => reply(
+                StatusCode::OK,
+                PROMETHEUS_TEXT,
+                prometheus_text(&self.render().await).into(),
+            ),
             "/livez" => reply(StatusCode::OK, text, Bytes::from_static(b"ok\n")),
-            "/readyz" if self.is_ready() => reply(StatusCode::OK, text, Bytes::from_static(b"ok\n")),
+            "/readyz" if self.is_ready() => {
+                reply(StatusCode::OK, text, Bytes::from_static(b"ok\n"))
+            }
             "/readyz" => reply(
                 StatusCode::SERVICE_UNAVAILABLE,
                 text,
@@ -270,6 +291,41 @@ impl Metrics {
             ),
         }
     }
+}
+
+/// OpenMetrics text as the classic Prometheus text format (0.0.4): the
+/// samples are the same; only a counter's `# HELP` / `# TYPE` name differs
+/// (OpenMetrics names the family `x`, its sample `x_total`; 0.0.4 names
+/// both `x_total`), and 0.0.4 has no `# UNIT` and no `# EOF`.
+fn prometheus_text(openmetrics: &str) -> String {
+    let mut out = String::with_capacity(openmetrics.len());
+    let mut counters = std::collections::HashSet::new();
+    for line in openmetrics.lines() {
+        if let Some(name) = line
+            .strip_prefix("# TYPE ")
+            .and_then(|rest| rest.strip_suffix(" counter"))
+        {
+            counters.insert(name.to_owned());
+        }
+    }
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|prefix| {
+            let rest = line.strip_prefix(prefix)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters
+                .contains(name)
+                .then(|| format!("{prefix}{name}_total {tail}"))
+        });
+        match renamed {
+            Some(l) => out.push_str(&l),
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// Bounds of the metrics endpoint.
@@ -474,11 +530,24 @@ mod tests {
         assert!(text.ends_with("# EOF\n"), "{text}");
     }
 
+    #[test]
+    fn classic_text_names_counter_families_with_total() {
+        let om = "# HELP x_seconds A gauge.\n# TYPE x_seconds gauge\n# UNIT x_seconds seconds\nx_seconds 1\n\
+                  # HELP y Things.\n# TYPE y counter\ny_total{a=\"b\"} 2\n# EOF\n";
+        assert_eq!(
+            prometheus_text(om),
+            "# HELP x_seconds A gauge.\n# TYPE x_seconds gauge\nx_seconds 1\n\
+             # HELP y_total Things.\n# TYPE y_total counter\ny_total{a=\"b\"} 2\n"
+        );
+    }
+
     async fn get(addr: std::net::SocketAddr, path: &str) -> String {
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes())
-            .await
-            .unwrap();
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
         let mut out = String::new();
         s.read_to_string(&mut out).await.unwrap();
         out
@@ -537,7 +606,7 @@ mod tests {
         assert!(out.starts_with("HTTP/1.1 200"), "{out}");
         let out = get(addr, "/metrics").await;
         assert!(out.starts_with("HTTP/1.1 200"), "{out}");
-        assert!(out.contains("application/openmetrics-text"), "{out}");
+        assert!(out.contains("text/plain; version=0.0.4"), "{out}");
         let out = get(addr, "/nope").await;
         assert!(out.starts_with("HTTP/1.1 404"), "{out}");
     }

@@ -85,7 +85,9 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         .build_v1()
         .context("building the reflection service")?;
 
-    let metrics = Metrics::new(Some(Box::new(snapshot_source(store.clone()))), |_| {});
+    let metrics = Metrics::new(Some(Box::new(snapshot_source(store.clone()))), |r| {
+        manager.metrics().register(r)
+    });
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let api = Api::new(
         manager.clone(),
@@ -444,7 +446,11 @@ fn snapshot_source(store: Store) -> impl Fn() -> metrics::Snapshot + Send + Sync
             let mut executors: std::collections::BTreeMap<(&'static str, &'static str), i64> =
                 Runtime::ALL
                     .iter()
-                    .flat_map(|r| ExecutorStatus::ALL.iter().map(|s| ((r.as_str(), s.as_str()), 0)))
+                    .flat_map(|r| {
+                        ExecutorStatus::ALL
+                            .iter()
+                            .map(|s| ((r.as_str(), s.as_str()), 0))
+                    })
                     .collect();
             match store.count_executors_by_runtime_and_status().await {
                 Ok(counts) => {
@@ -456,10 +462,7 @@ fn snapshot_source(store: Store) -> impl Fn() -> metrics::Snapshot + Send + Sync
             }
             metrics::StoreCounts {
                 sessions: sessions.into_iter().collect(),
-                executors: executors
-                    .into_iter()
-                    .map(|((r, s), n)| (r, s, n))
-                    .collect(),
+                executors: executors.into_iter().map(|((r, s), n)| (r, s, n)).collect(),
             }
         })
     }

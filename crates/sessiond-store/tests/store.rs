@@ -537,11 +537,7 @@ mod suite {
 
         // The metrics gauges count by runtime, status and state in the database.
         let mut by_status = std::collections::BTreeMap::new();
-        for (_, status, n) in store
-            .count_executors_by_runtime_and_status()
-            .await
-            .unwrap()
-        {
+        for (_, status, n) in store.count_executors_by_runtime_and_status().await.unwrap() {
             *by_status.entry(status).or_insert(0) += n;
         }
         let by_status: Vec<_> = by_status.into_iter().collect();

@@ -194,5 +194,8 @@ fn logs_to_a_file_have_no_colour_codes() {
     let _ = child.kill();
     let _ = child.wait();
     assert!(text.contains("accepting calls"), "{text}");
-    assert!(!text.contains('\u{1b}'), "colour codes in a log file: {text:?}");
+    assert!(
+        !text.contains('\u{1b}'),
+        "colour codes in a log file: {text:?}"
+    );
 }
