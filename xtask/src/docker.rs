@@ -244,16 +244,14 @@ fn ensure_dockerd_installed() -> anyhow::Result<()> {
         return Ok(());
     }
     eprintln!("xtask: dockerd not found, installing docker.io");
-    run(Command::new("apt-get").args(["update", "-q"]))?;
-    run(Command::new("apt-get")
-        .args([
-            "install",
-            "-y",
-            "-q",
-            "--no-install-recommends",
-            "docker.io",
-        ])
-        .env("DEBIAN_FRONTEND", "noninteractive"))?;
+    crate::apt::apt_get(&["update", "-q"])?;
+    crate::apt::apt_get(&[
+        "install",
+        "-y",
+        "-q",
+        "--no-install-recommends",
+        "docker.io",
+    ])?;
     if !on_path("dockerd") {
         bail!("docker.io installed but dockerd is still not on PATH");
     }

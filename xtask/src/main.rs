@@ -5,13 +5,14 @@
 //!   set). This is the README's test command and what `.ci/run` calls.
 //!   Then the crash tests (failpoints, a 45 s SIGKILL crash loop), which
 //!   only a build with sessiond-recovery's `failpoints` feature contains.
-//!   The Docker executor tests run against a dockerd it starts unless one
-//!   runs (installing `docker.io` when missing), with an image built offline.
+//!   The Docker tests (`#[ignore]`d, so a plain test run never counts them as
+//!   passed) run explicitly, against a dockerd it starts unless one runs
+//!   (installing `docker.io` when missing), with an image built offline.
+//!   Its last line is `N passed, N failed` over every test it ran.
 //! - `docker-image`: builds the `sessiond-agentctl:dev` image with no registry.
 //! - `docker-tests`: only the Docker tests (executor driver, and recovery on
 //!   the Docker runtime), with an engine as in `ci`. `ci` runs the same tests
-//!   within its one test run, which has `SESSIOND_DOCKER_TESTS=1` and
-//!   `DOCKER_HOST` set.
+//!   within its one test run, which has `DOCKER_HOST` set.
 //! - `bench`: the performance figures (see `bench.rs`); writes docs/PERFORMANCE.md.
 
 use std::{
@@ -22,6 +23,7 @@ use std::{
 
 use anyhow::{Context, bail};
 
+mod apt;
 mod bench;
 mod docker;
 
@@ -87,22 +89,39 @@ fn ci() -> anyhow::Result<()> {
         }
     };
 
+    // Every test, the `#[ignore]`d ones that need Docker included; the
+    // child-process entry points are ignored too and never run here.
+    let mut tally = Tally::default();
     let mut test = if has_nextest() {
-        cargo(&[
+        let mut cmd = cargo(&[
             "nextest",
             "run",
             "--workspace",
             "--locked",
             "--no-fail-fast",
-        ])
+            "--run-ignored",
+            "all",
+        ]);
+        let children = CHILD_ENTRY_POINTS
+            .iter()
+            .map(|t| format!("test(={t})"))
+            .collect::<Vec<_>>()
+            .join(" | ");
+        cmd.args(["-E", &format!("not ({children})")]);
+        cmd
     } else {
         eprintln!("xtask: cargo-nextest not found, running cargo test");
-        cargo(&["test", "--workspace", "--locked", "--no-fail-fast"])
+        let mut cmd = cargo(&["test", "--workspace", "--locked", "--no-fail-fast"]);
+        cmd.args(["--", "--include-ignored"]);
+        for t in CHILD_ENTRY_POINTS {
+            cmd.args(["--skip", t]);
+        }
+        cmd
     };
     test.env("DATABASE_URL", &database_url);
     test.env("SESSIOND_DOCKER_TESTS", "1")
         .env("DOCKER_HOST", engine.host());
-    step("test", test)?;
+    tally.run("test", test)?;
     // The crash tests live in a test binary that exists only with
     // sessiond-recovery's `failpoints` feature, which no build above enables.
     step("crash tests clippy", crash_tests("clippy"))?;
@@ -111,14 +130,154 @@ fn ci() -> anyhow::Result<()> {
         .env("SESSIOND_CRASHLOOP_SECS", "45")
         .env("SESSIOND_DOCKER_TESTS", "1")
         .env("DOCKER_HOST", engine.host());
-    step("crash tests", crash)?;
-    step(
+    tally.run("crash tests", crash)?;
+    tally.run(
         "doctest",
         cargo(&["test", "--workspace", "--doc", "--locked"]),
     )?;
     engine.stop()?;
-    eprintln!("xtask: ci passed");
+    // The last line: every test this command ran, over all the runs above.
+    eprintln!("{} passed, {} failed", tally.passed, tally.failed);
+    if !tally.failed_steps.is_empty() {
+        bail!("failed: {}", tally.failed_steps.join(", "));
+    }
     Ok(())
+}
+
+/// Test functions that are child-process entry points of crash tests (this
+/// test binary re-executed), `#[ignore]`d so that no run reports them as
+/// tests; the tests that start them pass `--ignored --exact`.
+const CHILD_ENTRY_POINTS: [&str; 2] = ["crash::child_backend", "kill9::backend_process"];
+
+/// Tests passed and failed over the test runs of one `ci`.
+#[derive(Debug, Default)]
+struct Tally {
+    passed: u64,
+    failed: u64,
+    failed_steps: Vec<String>,
+}
+
+impl Tally {
+    /// Runs a test command to the end (a failure does not stop `ci` before
+    /// the other test runs), passing its output through and counting from
+    /// its summary lines (nextest's `Summary`, libtest's `test result:`).
+    fn run(&mut self, name: &str, mut cmd: Command) -> anyhow::Result<()> {
+        use std::io::{BufRead, BufReader, Write};
+        eprintln!("xtask: ==> {name}: {cmd:?}");
+        let started = Instant::now();
+        let mut child = cmd
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .with_context(|| format!("{name}: cannot start {cmd:?}"))?;
+        let stdout = child.stdout.take().context("child stdout")?;
+        let stderr = child.stderr.take().context("child stderr")?;
+        let out = std::thread::spawn(move || {
+            let mut counts = Counts::default();
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                counts.add(&line);
+                let mut o = std::io::stdout().lock();
+                let _ = writeln!(o, "{line}");
+            }
+            counts
+        });
+        let mut counts = Counts::default();
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            counts.add(&line);
+            eprintln!("{line}");
+        }
+        let status = child.wait()?;
+        let from_stdout = out
+            .join()
+            .map_err(|_| anyhow::anyhow!("{name}: output reader panicked"))?;
+        let counts = counts.merge(from_stdout);
+        eprintln!(
+            "xtask: <== {name}: {status} in {:.1}s ({} passed, {} failed)",
+            started.elapsed().as_secs_f64(),
+            counts.passed,
+            counts.failed
+        );
+        self.passed += counts.passed;
+        self.failed += counts.failed;
+        if !status.success() {
+            self.failed_steps.push(name.to_owned());
+            if counts.failed == 0 {
+                // It failed without a test failing (a build error): say so in
+                // the total as one failure rather than as nothing.
+                self.failed += 1;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Counts read from one test run's summary lines.
+#[derive(Debug, Default, PartialEq)]
+struct Counts {
+    passed: u64,
+    failed: u64,
+    /// A nextest summary was seen (it already totals the run, so libtest
+    /// lines inside failing tests' output are not added again).
+    nextest: bool,
+}
+
+impl Counts {
+    fn add(&mut self, line: &str) {
+        let line = line.trim();
+        // nextest: "Summary [  12.3s] 250 tests run: 248 passed (1 slow), 2 failed, 3 skipped"
+        if let Some(i) = line.find(" run: ")
+            && line.starts_with("Summary")
+        {
+            let (mut passed, mut failed) = (0, 0);
+            for part in line[i + 6..].split(", ") {
+                let mut words = part.split_whitespace();
+                let n: u64 = words.next().and_then(|n| n.parse().ok()).unwrap_or(0);
+                match words.next() {
+                    Some("passed") => passed += n,
+                    Some("failed" | "timed") => failed += n,
+                    _ => {}
+                }
+            }
+            *self = Counts {
+                passed,
+                failed,
+                nextest: true,
+            };
+            return;
+        }
+        // libtest: "test result: ok. 5 passed; 0 failed; 1 ignored; ..."
+        if self.nextest {
+            return;
+        }
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            for part in rest.split(';') {
+                let words: Vec<&str> = part.split_whitespace().collect();
+                let (n, what) = match words.as_slice() {
+                    [.., n, what] => (n.parse::<u64>().unwrap_or(0), *what),
+                    _ => continue,
+                };
+                match what {
+                    "passed" => self.passed += n,
+                    "failed" => self.failed += n,
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    fn merge(self, other: Counts) -> Counts {
+        if self.nextest {
+            return self;
+        }
+        if other.nextest {
+            return other;
+        }
+        Counts {
+            passed: self.passed + other.passed,
+            failed: self.failed + other.failed,
+            nextest: false,
+        }
+    }
 }
 
 /// `cargo <sub>` of sessiond-recovery's `crashloop` test binary with the
@@ -203,7 +362,7 @@ fn docker_tests() -> anyhow::Result<()> {
         "--test",
         "executor",
     ]);
-    test.args(["--", "docker::"]);
+    test.args(["--", "docker::", "--include-ignored"]);
     test.env("SESSIOND_DOCKER_TESTS", "1")
         .env("DOCKER_HOST", engine.host());
     step("docker tests", test)?;
@@ -217,7 +376,7 @@ fn docker_tests() -> anyhow::Result<()> {
         "--test",
         "recovery",
     ]);
-    test.args(["--", "docker", "orphan_sweep"]);
+    test.args(["--", "docker", "orphan_sweep", "--include-ignored"]);
     test.env("SESSIOND_DOCKER_TESTS", "1")
         .env("DOCKER_HOST", engine.host());
     step("recovery docker tests", test)?;
@@ -242,15 +401,10 @@ fn ensure_system_packages() -> anyhow::Result<()> {
         return Ok(());
     }
     eprintln!("xtask: installing missing packages: {}", missing.join(" "));
-    step("apt-get update", command("apt-get", &["update", "-q"]))?;
-    let mut install = command(
-        "apt-get",
-        &["install", "-y", "-q", "--no-install-recommends"],
-    );
-    install
-        .args(&missing)
-        .env("DEBIAN_FRONTEND", "noninteractive");
-    step("apt-get install", install)
+    apt::apt_get(&["update", "-q"])?;
+    let mut install = vec!["install", "-y", "-q", "--no-install-recommends"];
+    install.extend(&missing);
+    apt::apt_get(&install)
 }
 
 fn has_nextest() -> bool {
@@ -296,4 +450,51 @@ fn workspace_root() -> PathBuf {
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Counts;
+
+    fn count(lines: &[&str]) -> (u64, u64) {
+        let mut c = Counts::default();
+        for l in lines {
+            c.add(l);
+        }
+        (c.passed, c.failed)
+    }
+
+    #[test]
+    fn counts_nextest_summaries() {
+        assert_eq!(
+            count(&[
+                "     Summary [  81.201s] 312 tests run: 310 passed (2 slow), 2 failed, 4 skipped"
+            ]),
+            (310, 2)
+        );
+        assert_eq!(
+            count(&["Summary [   1.0s] 3 tests run: 1 passed, 1 failed, 1 timed out, 0 skipped"]),
+            (1, 2)
+        );
+        // A failing test's output replayed after the summary adds nothing.
+        assert_eq!(
+            count(&[
+                "Summary [   1.0s] 2 tests run: 2 passed, 0 skipped",
+                "test result: ok. 9 passed; 0 failed; 0 ignored",
+            ]),
+            (2, 0)
+        );
+    }
+
+    #[test]
+    fn counts_libtest_results() {
+        assert_eq!(
+            count(&[
+                "test result: ok. 5 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.01s",
+                "test result: FAILED. 3 passed; 2 failed; 0 ignored; 0 measured; 0 filtered out",
+                "test result: ok. 0 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out",
+            ]),
+            (8, 2)
+        );
+    }
 }

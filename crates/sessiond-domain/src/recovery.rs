@@ -21,7 +21,7 @@
 //!
 //! | runtime          | probe                                                                 |
 //! |------------------|-----------------------------------------------------------------------|
-//! | local_standalone | CheckWorktree (missing => executor_error) -> ProbeProcess if a pid is recorded (alive with pid + start time matching -> reattach: HealthCheck; gone or not ours -> LaunchAgentctl) -> HealthCheck |
+//! | local_standalone | CheckWorktree (missing => executor_error) -> ProbeProcess if a pid is recorded (alive with pid + start time matching -> reattach: HealthCheck, and if that fails our agentctl is hung -> EndAgentctl -> LaunchAgentctl; gone or not ours -> LaunchAgentctl) -> HealthCheck |
 //! | local_docker     | FindContainer (running -> HealthCheck; stopped -> StartContainer -> HealthCheck; missing or Docker down => executor_error) |
 //! | remote           | HealthCheck (unreachable => retrying, or executor_error once the background window is over) |
 //!
@@ -49,8 +49,8 @@ use crate::{
 };
 
 /// The most actions one recovery returns, `Done` included (local standalone
-/// with a relaunch and a resume).
-pub const MAX_STEPS: usize = 8;
+/// whose hung agentctl is ended and relaunched, then a resume).
+pub const MAX_STEPS: usize = 10;
 
 /// When agents are resumed (DESIGN §4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -196,6 +196,10 @@ pub enum Action {
     /// The session has ended: stop whatever still runs for it (idempotent).
     /// Expect `ExecutorStopped` / `ActionFailed`.
     StopExecutor,
+    /// The recorded agentctl is ours (pid + start time) but `Health` failed:
+    /// it is hung. End it (TERM, then KILL), so the relaunch that follows
+    /// leaves exactly one. Expect `ExecutorStopped` / `ActionFailed`.
+    EndAgentctl,
     /// Persist the outcome and publish its events; log its label.
     Done(RecoveryOutcome),
 }
@@ -415,6 +419,7 @@ enum Phase {
     MarkingReady,
     Resuming,
     Stopping,
+    EndingHung,
     Done,
 }
 
@@ -432,6 +437,7 @@ impl Phase {
             Phase::MarkingReady => "marking the executor ready",
             Phase::Resuming => "resuming the agent",
             Phase::Stopping => "stopping the executor",
+            Phase::EndingHung => "ending the hung agentctl",
             Phase::Done => "done",
         }
     }
@@ -446,6 +452,9 @@ pub struct Recovery {
     agent: SurvivingAgent,
     probe: Option<bool>,
     steps: usize,
+    /// The health check under way is of the recorded agentctl, proven ours
+    /// by pid and start time: if it fails, that process is hung.
+    checking_recorded: bool,
 }
 
 impl Recovery {
@@ -457,6 +466,7 @@ impl Recovery {
             agent: SurvivingAgent::None,
             probe: None,
             steps: 0,
+            checking_recorded: false,
         }
     }
 
@@ -473,6 +483,7 @@ impl Recovery {
     pub fn start(&mut self) -> Action {
         self.phase = Phase::NotStarted;
         self.steps = 0;
+        self.checking_recorded = false;
         self.generation = self.input.generation;
         if self.input.session_state.is_terminal() {
             return self.go(Phase::Stopping, Action::StopExecutor);
@@ -522,6 +533,11 @@ impl Recovery {
                 }),
             ),
 
+            // Our own agentctl did not answer Health in time: it is hung.
+            (P::CheckingHealth, O::DeadlineExceeded) if self.checking_recorded => {
+                self.checking_recorded = false;
+                self.go(P::EndingHung, Action::EndAgentctl)
+            }
             (phase, O::DeadlineExceeded) => {
                 self.executor_failed(RecoveryFailure::DeadlineExceeded {
                     during: phase.describe(),
@@ -551,7 +567,22 @@ impl Recovery {
                 O::ProcessAlive {
                     identity_proven: true,
                 },
-            ) => self.go(P::CheckingHealth, Action::HealthCheck),
+            ) => {
+                self.checking_recorded = true;
+                self.go(P::CheckingHealth, Action::HealthCheck)
+            }
+            // Our own agentctl does not answer: end it and launch a new one.
+            (
+                P::CheckingHealth,
+                O::Unhealthy { .. } | O::HostUnreachable { .. } | O::ActionFailed { .. },
+            ) if self.checking_recorded => {
+                self.checking_recorded = false;
+                self.go(P::EndingHung, Action::EndAgentctl)
+            }
+            (P::EndingHung, O::ExecutorStopped) => self.launch_agentctl(),
+            (P::EndingHung, O::ActionFailed { reason }) => {
+                self.executor_failed(RecoveryFailure::Unhealthy { reason })
+            }
             // A reused pid belongs to someone else: leave it alone, launch anew.
             (
                 P::ProbingProcess,
@@ -588,6 +619,7 @@ impl Recovery {
             }
 
             (P::CheckingHealth, O::Healthy { agent }) => {
+                self.checking_recorded = false;
                 self.agent = agent;
                 self.go(P::ProbingCapabilities, Action::ProbeCapabilities)
             }
@@ -885,6 +917,7 @@ mod tests {
             Action::MarkExecutorReady { .. } => "mark_ready",
             Action::ResumeAgent { .. } => "resume_agent",
             Action::StopExecutor => "stop_executor",
+            Action::EndAgentctl => "end_agentctl",
             Action::Done(_) => "done",
         }
     }
@@ -1021,6 +1054,117 @@ mod tests {
                 session: S::WaitingForInput,
                 workspace: true,
                 events: &[EventKind::StateChanged],
+            },
+        );
+        for hung in [
+            O::DeadlineExceeded,
+            O::Unhealthy {
+                reason: "Health did not answer".into(),
+            },
+            O::HostUnreachable {
+                reason: "deadline".into(),
+                retry_in_background: false,
+            },
+        ] {
+            check(
+                "our agentctl hung: ended, relaunched, resumed",
+                standalone(S::WaitingForInput),
+                vec![
+                    O::WorktreeExists,
+                    O::ProcessAlive {
+                        identity_proven: true,
+                    },
+                    hung,
+                    O::ExecutorStopped,
+                    O::Launched,
+                    healthy(),
+                    caps(true),
+                    O::Applied,
+                    O::ResumeSucceeded,
+                ],
+                Expect {
+                    actions: &[
+                        "check_worktree",
+                        "probe_process",
+                        "health_check",
+                        "end_agentctl",
+                        "launch_agentctl",
+                        "health_check",
+                        "probe_capabilities",
+                        "mark_ready",
+                        "resume_agent",
+                        "done",
+                    ],
+                    label: L::Resumed,
+                    executor: ExecutorStatus::Ready,
+                    session: S::WaitingForInput,
+                    workspace: true,
+                    events: &[],
+                },
+            );
+        }
+        check(
+            "hung agentctl that cannot be ended: error",
+            standalone(S::WaitingForInput),
+            vec![
+                O::WorktreeExists,
+                O::ProcessAlive {
+                    identity_proven: true,
+                },
+                O::Unhealthy {
+                    reason: "no answer".into(),
+                },
+                O::ActionFailed {
+                    reason: "still running after KILL".into(),
+                },
+            ],
+            Expect {
+                actions: &[
+                    "check_worktree",
+                    "probe_process",
+                    "health_check",
+                    "end_agentctl",
+                    "done",
+                ],
+                label: L::ExecutorError,
+                executor: ExecutorStatus::Error,
+                session: S::Error,
+                workspace: false,
+                events: AGENTCTL_ERROR_AND_STATE,
+            },
+        );
+        check(
+            "the relaunched agentctl unhealthy too: error, no second end",
+            standalone(S::WaitingForInput),
+            vec![
+                O::WorktreeExists,
+                O::ProcessAlive {
+                    identity_proven: true,
+                },
+                O::Unhealthy {
+                    reason: "no answer".into(),
+                },
+                O::ExecutorStopped,
+                O::Launched,
+                O::Unhealthy {
+                    reason: "no answer".into(),
+                },
+            ],
+            Expect {
+                actions: &[
+                    "check_worktree",
+                    "probe_process",
+                    "health_check",
+                    "end_agentctl",
+                    "launch_agentctl",
+                    "health_check",
+                    "done",
+                ],
+                label: L::ExecutorError,
+                executor: ExecutorStatus::Error,
+                session: S::Error,
+                workspace: false,
+                events: AGENTCTL_ERROR_AND_STATE,
             },
         );
         check(

@@ -337,7 +337,7 @@ fn fitting(action: &Action) -> Vec<Observation> {
         Action::ResumeAgent { .. } => {
             vec![O::ResumeSucceeded, O::ResumeFailed { reason: failure() }]
         }
-        Action::StopExecutor => vec![O::ExecutorStopped],
+        Action::StopExecutor | Action::EndAgentctl => vec![O::ExecutorStopped],
         Action::Done(_) => vec![],
     };
     fit.push(O::ActionFailed { reason: failure() });

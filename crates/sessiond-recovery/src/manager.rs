@@ -165,6 +165,10 @@ pub(crate) struct Inner {
     pub retrying: StdMutex<HashSet<SessionId>>,
     next_op: AtomicU64,
     pub liveness_started: std::sync::atomic::AtomicBool,
+    /// When this manager (the backend) started: a remote host's reconnect
+    /// window is never counted from before it, so an outage of the backend
+    /// longer than the window does not use the window up.
+    pub started_at: chrono::DateTime<chrono::Utc>,
     /// Becomes true when the first `recover_all` of this manager finished.
     first_recovery: tokio::sync::watch::Sender<bool>,
 }
@@ -225,6 +229,7 @@ impl SessionManager {
                 retrying: StdMutex::default(),
                 next_op: AtomicU64::new(1),
                 liveness_started: std::sync::atomic::AtomicBool::new(false),
+                started_at: chrono::Utc::now(),
                 first_recovery: tokio::sync::watch::Sender::new(false),
             }),
         }

@@ -8,8 +8,10 @@
 //! `load_recoverable_executors` only returns `starting`/`ready`. A restart
 //! during the reconnect window must not forget them, so [`SessionManager::recover_all`]
 //! also loads remote executors in `error` whose message carries the
-//! `reconnecting` code and whose window (counted from `last_seen_at`, else
-//! from the record's last update) is still open.
+//! `reconnecting` code and whose window is still open. The window is counted
+//! from the later of the host's last sign of life (`last_seen_at`, else the
+//! record's last update) and this backend's start: a backend that was down
+//! longer than the window still retries for a whole window.
 
 use std::{
     collections::BTreeMap,
@@ -103,7 +105,7 @@ impl SessionManager {
                     && r.error_message
                         .as_deref()
                         .is_some_and(|m| m.starts_with(RECONNECTING))
-                    && window_open(r, window, now)
+                    && window_open(r, window, now, self.inner.started_at)
             }));
         }
         let total = records.len();
@@ -209,9 +211,14 @@ impl SessionManager {
             self.inner.config.resume_policy,
         );
         let retry = record.runtime == Runtime::Remote
-            && window_open(&record, self.inner.config.remote_retry_window, Utc::now());
+            && window_open(
+                &record,
+                self.inner.config.remote_retry_window,
+                Utc::now(),
+                self.inner.started_at,
+            );
         let mut machine = Recovery::new(input);
-        let deadline = Instant::now() + self.inner.config.executor_deadline;
+        let mut deadline = Instant::now() + self.inner.config.executor_deadline;
         let mut run = Run {
             started_as: record.status,
             record,
@@ -229,6 +236,14 @@ impl SessionManager {
                     let label = outcome.label;
                     self.finish(run, outcome).await?;
                     return Ok(label);
+                }
+                Action::EndAgentctl => {
+                    let seen = self.perform(&mut run, Action::EndAgentctl, deadline, retry);
+                    let seen = seen.await?;
+                    // The hung agentctl used up this executor's time; the
+                    // relaunch gets a deadline of its own.
+                    deadline = Instant::now() + self.inner.config.executor_deadline;
+                    seen
                 }
                 action => self.perform(&mut run, action, deadline, retry).await?,
             };
@@ -443,6 +458,27 @@ impl SessionManager {
                     },
                 }
             }
+            Action::EndAgentctl => {
+                // The recorded agentctl is ours (pid + start time) and did not
+                // answer Health: a hung process. `stop` verifies the start
+                // time again, sends TERM, then KILL (which also ends a
+                // SIGSTOPped one); the launch that follows leaves exactly one.
+                tracing::warn!(session = %run.session.id, executor_id = %run.record.id,
+                    pid = ?run.record.pid, "recovery: our agentctl is hung, ending it to relaunch");
+                let driver = self.driver(run.record.runtime)?;
+                let handle = ExecutorHandle::from_record(&run.record);
+                let limit =
+                    remaining.max(Duration::from_secs(1)) + self.inner.config.agent_stop_grace;
+                match tokio::time::timeout(limit, driver.stop(&handle)).await {
+                    Ok(Ok(())) => Observation::ExecutorStopped,
+                    Ok(Err(e)) => Observation::ActionFailed {
+                        reason: e.to_string(),
+                    },
+                    Err(_) => Observation::ActionFailed {
+                        reason: "ending the hung agentctl did not finish in time".into(),
+                    },
+                }
+            }
             Action::Done(_) => {
                 return Err(Error::Internal("Done is handled by the caller".into()));
             }
@@ -654,7 +690,7 @@ impl SessionManager {
                 if current.status != ExecutorStatus::Error {
                     break; // someone else (an explicit resume) brought it back
                 }
-                let open = window_open(&current, window, Utc::now());
+                let open = window_open(&current, window, Utc::now(), me.inner.started_at);
                 let answers = match me.driver(current.runtime) {
                     Ok(d) => d
                         .health(&ExecutorHandle::from_record(&current))
@@ -691,9 +727,19 @@ fn record_after(run: &Run, outcome: &RecoveryOutcome) -> ExecutorRecord {
     r
 }
 
-/// The background reconnect window of a remote executor is still open.
-fn window_open(record: &ExecutorRecord, window: Duration, now: chrono::DateTime<Utc>) -> bool {
-    let since = record.last_seen_at.unwrap_or(record.updated_at);
+/// The background reconnect window of a remote executor is still open:
+/// counted from its last sign of life, but never from before the backend
+/// started (its own outage must not use the window up).
+fn window_open(
+    record: &ExecutorRecord,
+    window: Duration,
+    now: chrono::DateTime<Utc>,
+    backend_started: chrono::DateTime<Utc>,
+) -> bool {
+    let since = record
+        .last_seen_at
+        .unwrap_or(record.updated_at)
+        .max(backend_started);
     let window = chrono::Duration::from_std(window).unwrap_or(chrono::Duration::MAX);
     since + window > now
 }

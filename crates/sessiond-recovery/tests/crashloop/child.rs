@@ -66,10 +66,14 @@ fn install_failpoints() {
     }
 }
 
+// Not a test: `--ignored --exact` runs it in the child process only.
+#[ignore = "child-process entry point, not a test"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn child_backend() {
     let Ok(spec) = std::env::var(CHILD_ENV) else {
-        return; // only meaningful when a crash test starts it
+        panic!(
+            "a child-process entry point, not a test: started by the crash tests (World::spawn_child) with {CHILD_ENV} set"
+        );
     };
     let spec: ChildSpec = serde_json::from_str(&spec).unwrap();
     init_tracing();

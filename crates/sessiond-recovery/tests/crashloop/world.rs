@@ -342,6 +342,7 @@ impl World {
         cmd.args([
             "--exact",
             "child::child_backend",
+            "--ignored",
             "--nocapture",
             "--test-threads=1",
         ])

@@ -17,10 +17,14 @@ const CHILD_ENV: &str = "SESSIOND_RECOVERY_TEST_CHILD";
 
 /// The child backend: recovers, creates a session, sends one message, waits
 /// for the reply, prints the session id, then waits to be killed.
+// Not a test: `--ignored --exact` runs it in the child process only.
+#[ignore = "child-process entry point, not a test"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn child_backend() {
     let Ok(spec) = std::env::var(CHILD_ENV) else {
-        return; // only meaningful when started by `backend_killed_with_sigkill`
+        panic!(
+            "a child-process entry point, not a test: started by backend_killed_with_sigkill with {CHILD_ENV} set"
+        );
     };
     let parts: Vec<&str> = spec.split('|').collect();
     let (url, dir, task, profile, worktree) = (parts[0], parts[1], parts[2], parts[3], parts[4]);
@@ -89,6 +93,7 @@ async fn backend_killed_with_sigkill() {
         .args([
             "--exact",
             "crash::child_backend",
+            "--ignored",
             "--nocapture",
             "--test-threads=1",
         ])

@@ -1,7 +1,7 @@
-//! The Docker runtime for recovery tests. Run only with
-//! `SESSIOND_DOCKER_TESTS=1` (as `cargo xtask ci` and `cargo xtask
-//! docker-tests` set, with the `DOCKER_HOST` of the engine they provide).
-//! With the switch set, an engine or image that is not there FAILS the test.
+//! The Docker runtime for recovery tests. The tests using it are
+//! `#[ignore = "needs Docker: run by cargo xtask ci"]`; `cargo xtask ci` and
+//! `cargo xtask docker-tests` run them with the `DOCKER_HOST` of the engine
+//! they provide. An engine or image that is not there FAILS the test.
 
 use std::{path::Path, sync::Arc, time::Duration};
 
@@ -15,8 +15,6 @@ use sessiond_recovery::SessionManager;
 
 use crate::support::{World, drivers_in};
 
-pub const SWITCH: &str = "SESSIOND_DOCKER_TESTS";
-
 /// Where the engine is and which image to use, when Docker tests are asked for.
 #[derive(Debug, Clone)]
 pub struct DockerEnv {
@@ -24,19 +22,13 @@ pub struct DockerEnv {
     pub image: String,
 }
 
-/// `None` (with a note) when Docker tests are not requested.
-pub fn docker_env() -> Option<DockerEnv> {
-    if std::env::var(SWITCH).as_deref() != Ok("1") {
-        eprintln!(
-            "docker tests not requested (set {SWITCH}=1 and DOCKER_HOST; `cargo xtask ci` does)"
-        );
-        return None;
-    }
-    Some(DockerEnv {
+/// The engine at `DOCKER_HOST` (else the default socket) and the image.
+pub fn docker_env() -> DockerEnv {
+    DockerEnv {
         host: std::env::var("DOCKER_HOST").unwrap_or_else(|_| "unix:///var/run/docker.sock".into()),
         image: std::env::var("SESSIOND_DOCKER_IMAGE")
             .unwrap_or_else(|_| "sessiond-agentctl:dev".into()),
-    })
+    }
 }
 
 /// The Docker driver of a world whose directory is `dir` (the same config in
@@ -52,7 +44,8 @@ pub async fn docker_driver(env: &DockerEnv, dir: &Path) -> Arc<DockerExecutor> {
     config.idle_timeout = Some(Duration::from_secs(300));
     let driver = DockerExecutor::connect(config).await.unwrap_or_else(|e| {
         panic!(
-            "{SWITCH}=1 but the Docker engine at {} is unusable: {e}",
+            "no usable Docker engine at {} ({e}): set DOCKER_HOST to a running dockerd, \
+             or run `cargo xtask ci` / `cargo xtask docker-tests`, which start one",
             env.host
         )
     });
@@ -87,9 +80,9 @@ pub struct DockerKit {
 }
 
 impl DockerKit {
-    /// `None` when Docker tests are not requested.
-    pub async fn new(w: &World) -> Option<DockerKit> {
-        let env = docker_env()?;
+    /// Panics naming what is missing when the engine or image is not there.
+    pub async fn new(w: &World) -> DockerKit {
+        let env = docker_env();
         let driver = docker_driver(&env, w.dir.path()).await;
         let now = Utc::now();
         let profile = w
@@ -106,12 +99,12 @@ impl DockerKit {
             })
             .await
             .unwrap();
-        Some(DockerKit {
+        DockerKit {
             env,
             driver,
             profile,
             task: w.task.id,
-        })
+        }
     }
 
     pub fn manager(&self, w: &World) -> SessionManager {

@@ -6,7 +6,7 @@ use std::{
 
 use sessiond_domain::{ExecutorId, ExecutorStatus, OutcomeLabel, SessionState};
 use sessiond_executor::process;
-use sessiond_recovery::RemoteAgentctl;
+use sessiond_recovery::{ManagerConfig, RemoteAgentctl};
 
 use crate::support::{Db, World, bin, children_of, expected_reply, kill_tree};
 
@@ -143,6 +143,82 @@ async fn remote_host_back_after_restart_resumes_in_background() {
     // is the host's.
     mgr.cancel_session(w.task.id, s.id).await.unwrap();
     assert!(crate::support::is_running(host.child.id()));
+    host.kill().await;
+    w.finish(&mgr, &[]).await;
+}
+
+/// The backend was down longer than the reconnect window while the remote
+/// host was down too: the window counts from the backend's start, so the
+/// executor is retried in the background (not failed at once), and when the
+/// host is back the session is reconnected and resumed without a user call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_window_counts_from_the_backend_start() {
+    const WINDOW: Duration = Duration::from_secs(6);
+    let w = World::new(Db::Sqlite).await;
+    let id = ExecutorId::new();
+    let secret = sessiond_executor::fresh_secret();
+    let port = free_port();
+    let wt = w.worktree("remote");
+    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let config = ManagerConfig {
+        remote_retry_window: WINDOW,
+        ..w.config()
+    };
+    let mgr = w.manager_with(config.clone());
+    let remote = RemoteAgentctl {
+        executor_id: id,
+        url: format!("http://127.0.0.1:{port}"),
+        auth_secret: secret.clone(),
+    };
+    let s = w
+        .create_with(&mgr, "remote", &w.profile, Some(remote))
+        .await;
+    host.track_agent(&w);
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    host.kill().await;
+    // The backend stays down longer than the whole window.
+    let last_seen = w.record(s.id).await.last_seen_at.unwrap();
+    tokio::time::sleep(WINDOW + Duration::from_millis(500)).await;
+    assert!(chrono::Utc::now() - last_seen > chrono::Duration::from_std(WINDOW).unwrap());
+
+    let mgr = w.manager_with(config);
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Retrying), 1, "{summary:?}");
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(
+        st.state,
+        SessionState::WaitingForInput,
+        "session left as it was"
+    );
+    assert!(
+        w.record(s.id)
+            .await
+            .error_message
+            .unwrap()
+            .starts_with("reconnecting:")
+    );
+
+    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let st = w.status(&mgr, s.id).await;
+        if st.executor_status == Some(ExecutorStatus::Ready) && st.is_agent_running {
+            assert_eq!(st.state, SessionState::WaitingForInput);
+            break;
+        }
+        assert!(Instant::now() < deadline, "remote never came back: {st:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    host.track_agent(&w);
+    // Resumed from its token in the host's new agentctl, without a user call.
+    assert_eq!(mgr.stats().agent_launches, 1);
+    let after = w.store.get_session(s.id).await.unwrap();
+    assert_eq!(after.resume_token.as_deref(), Some(token.as_str()));
+    assert_eq!(after.state, SessionState::WaitingForInput);
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
     host.kill().await;
     w.finish(&mgr, &[]).await;
 }

@@ -105,6 +105,45 @@ async fn killed_agentctl_is_relaunched_and_resumed() {
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// Our own agentctl hung while the backend was down (SIGSTOPped: alive,
+/// pid and start time as recorded, no answer to Health): recovery ends it
+/// and launches a new one (generation + 1), the agent is resumed from its
+/// token and the conversation continues; the hung process is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hung_agentctl_is_ended_and_relaunched() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "hung").await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    let old = w.record(s.id).await;
+    let pid = old.pid.unwrap();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid as i32).unwrap(),
+        rustix::process::Signal::STOP,
+    )
+    .unwrap();
+
+    let mgr = w.manager();
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
+    assert!(!is_running(pid), "the hung agentctl {pid} was ended");
+    assert_eq!(mgr.stats().agentctl_launches, 1);
+    let new = w.record(s.id).await;
+    w.track(s.id).await;
+    assert_eq!(new.generation, old.generation + 1);
+    assert_ne!(new.pid, old.pid);
+    assert_eq!(new.status, ExecutorStatus::Ready);
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::WaitingForInput);
+    assert!(st.is_agent_running);
+    let reply = w.prompt(&mgr, s.id, "two").await;
+    assert_eq!(reply, expected_reply(2, &token, "two"));
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// Worktree deleted while down: executor error, session ERROR with the
 /// reason, and no agentctl launched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
