@@ -216,6 +216,17 @@ impl Default for ManagerMetrics {
         for s in [true, false] {
             drop(me.watch.streams.get_or_create(&scope(s)));
         }
+        for runtime in Runtime::ALL {
+            for kind in ["launch", "relaunch"] {
+                for outcome in ["ok", "failed", "timeout"] {
+                    drop(me.launches.get_or_create(&LaunchLabels {
+                        runtime: runtime.as_str(),
+                        kind,
+                        outcome,
+                    }));
+                }
+            }
+        }
         me
     }
 }

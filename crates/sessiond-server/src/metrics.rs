@@ -151,7 +151,27 @@ impl Metrics {
             "Duration of the last startup recovery pass",
             recovery_seconds.clone(),
         );
-        let recovery_outcomes = Family::default();
+        let recovery_outcomes: Family<OutcomeLabels, Counter> = Family::default();
+        // Every outcome at 0 from the start, so alerts' increase() sees it.
+        use sessiond_domain::OutcomeLabel as O;
+        for label in [
+            O::Resumed,
+            O::Reattached,
+            O::ExecutorOnly,
+            O::NotResumable,
+            O::MissingResumeToken,
+            O::ResumeFailed,
+            O::ExecutorError,
+            O::Retrying,
+            O::Stopped,
+        ] {
+            drop(recovery_outcomes.get_or_create(&OutcomeLabels {
+                outcome: label.as_str().to_owned(),
+            }));
+        }
+        drop(recovery_outcomes.get_or_create(&OutcomeLabels {
+            outcome: "failed".to_owned(),
+        }));
         registry.register(
             // The encoder appends `_total` to counters.
             "sessiond_recovery_executors",
