@@ -26,6 +26,7 @@ use anyhow::{Context, bail};
 mod apt;
 mod bench;
 mod docker;
+mod web;
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -66,10 +67,17 @@ fn ci() -> anyhow::Result<()> {
             "warnings",
         ]),
     )?;
+    // The console's bundle first: `sessiond` embeds web/dist.
+    web::build_and_check(&root)?;
     // Integration tests run the real binaries (agentctl, acp-demo-agent, sessiond).
     step(
         "build",
         cargo(&["build", "--workspace", "--bins", "--locked"]),
+    )?;
+    let mut tally = Tally::default();
+    tally.run(
+        "web: browser suite",
+        web::browser_suite(&root, &docker::target_dir(&root).join("debug")),
     )?;
     // The Docker executor tests run for real: an engine (ours unless one runs;
     // stopped when `engine` drops) and the agentctl image built offline.
@@ -91,7 +99,6 @@ fn ci() -> anyhow::Result<()> {
 
     // Every test, the `#[ignore]`d ones that need Docker included; the
     // child-process entry points are ignored too and never run here.
-    let mut tally = Tally::default();
     let mut test = if has_nextest() {
         let mut cmd = cargo(&[
             "nextest",
@@ -160,7 +167,8 @@ struct Tally {
 impl Tally {
     /// Runs a test command to the end (a failure does not stop `ci` before
     /// the other test runs), passing its output through and counting from
-    /// its summary lines (nextest's `Summary`, libtest's `test result:`).
+    /// its summary lines (nextest's `Summary`, libtest's `test result:`,
+    /// node's test runner's `# pass N` / `# fail N`).
     fn run(&mut self, name: &str, mut cmd: Command) -> anyhow::Result<()> {
         use std::io::{BufRead, BufReader, Write};
         eprintln!("xtask: ==> {name}: {cmd:?}");
@@ -248,6 +256,21 @@ impl Counts {
         // libtest: "test result: ok. 5 passed; 0 failed; 1 ignored; ..."
         if self.nextest {
             return;
+        }
+        // node --test (tap or spec reporter): "# pass 5", "ℹ fail 0".
+        for prefix in ["# ", "ℹ "] {
+            if let Some(rest) = line.strip_prefix(prefix) {
+                let mut words = rest.split_whitespace();
+                let (what, n) = (
+                    words.next(),
+                    words.next().and_then(|n| n.parse::<u64>().ok()),
+                );
+                match (what, n, words.next()) {
+                    (Some("pass"), Some(n), None) => self.passed += n,
+                    (Some("fail" | "cancelled"), Some(n), None) => self.failed += n,
+                    _ => {}
+                }
+            }
         }
         if let Some(rest) = line.strip_prefix("test result: ") {
             for part in rest.split(';') {
@@ -391,6 +414,8 @@ fn ensure_system_packages() -> anyhow::Result<()> {
         ("/usr/bin/git", "git"),
         // promtool validates the metrics exposition and docs/ops/ alert rules.
         ("/usr/bin/promtool", "prometheus"),
+        // The web console's browser suite (never a browser downloaded by npm).
+        ("/usr/bin/chromium", "chromium"),
     ];
     let missing: Vec<&str> = wanted
         .iter()
@@ -484,6 +509,21 @@ mod tests {
             ]),
             (2, 0)
         );
+    }
+
+    #[test]
+    fn counts_node_test_runner_summaries() {
+        assert_eq!(
+            count(&[
+                "# tests 6",
+                "# suites 1",
+                "# pass 5",
+                "# fail 1",
+                "# cancelled 0"
+            ]),
+            (5, 1)
+        );
+        assert_eq!(count(&["ℹ pass 3", "ℹ fail 0"]), (3, 0));
     }
 
     #[test]

@@ -22,7 +22,7 @@
 //! | runtime          | probe                                                                 |
 //! |------------------|-----------------------------------------------------------------------|
 //! | local_standalone | CheckWorktree (missing => executor_error) -> ProbeProcess if a pid is recorded (alive with pid + start time matching -> reattach: HealthCheck, and if that fails our agentctl is hung -> EndAgentctl -> LaunchAgentctl; gone or not ours -> LaunchAgentctl) -> HealthCheck |
-//! | local_docker     | FindContainer (running -> HealthCheck; stopped -> StartContainer -> HealthCheck; missing or Docker down => executor_error) |
+//! | local_docker     | FindContainer (running -> HealthCheck; stopped -> StartContainer -> HealthCheck; missing => executor_error; Docker down => retrying until the engine answers) |
 //! | remote           | HealthCheck (unreachable => retrying, or executor_error once the background window is over) |
 //!
 //! then, for every runtime: healthy -> ProbeCapabilities -> MarkExecutorReady ->
@@ -255,7 +255,9 @@ impl fmt::Display for OutcomeLabel {
 pub enum RecoveryFailure {
     #[error("worktree {path} no longer exists; create a new session")]
     WorktreeMissing { path: String },
-    #[error("Docker is not available ({reason}); start Docker, then resume the session")]
+    #[error(
+        "Docker is not available ({reason}); the session recovers by itself once the engine answers"
+    )]
     DockerUnavailable { reason: String },
     #[error("the container of this session no longer exists; create a new session")]
     ContainerMissing,
@@ -608,7 +610,7 @@ impl Recovery {
                 self.executor_failed(RecoveryFailure::ContainerMissing)
             }
             (P::FindingContainer, O::DockerUnavailable { reason }) => {
-                self.executor_failed(RecoveryFailure::DockerUnavailable { reason })
+                self.retrying(RecoveryFailure::DockerUnavailable { reason })
             }
 
             (P::Launching | P::StartingContainer, O::Launched) => {
@@ -845,7 +847,13 @@ impl Recovery {
                 RecoveryFailure::Unhealthy { reason }
             });
         }
-        let failure = RecoveryFailure::Reconnecting { url, reason };
+        self.retrying(RecoveryFailure::Reconnecting { url, reason })
+    }
+
+    /// The executor cannot be reached for now (remote host, Docker engine):
+    /// executor `error` with the failure, session unchanged, and a retry in
+    /// the background that runs recovery again once it answers.
+    fn retrying(&mut self, failure: RecoveryFailure) -> Action {
         let events = vec![EventPayload::AgentctlError {
             executor_id: self.input.executor_id,
             error_message: failure.message(),
@@ -1381,29 +1389,34 @@ mod tests {
                 events: &[EventKind::StateChanged],
             },
         );
-        for (name, observation) in [
-            ("container missing", O::ContainerMissing),
-            (
-                "docker down",
-                O::DockerUnavailable {
-                    reason: "no socket".into(),
-                },
-            ),
-        ] {
-            check(
-                name,
-                docker(S::WaitingForInput),
-                vec![observation],
-                Expect {
-                    actions: &["find_container", "done"],
-                    label: L::ExecutorError,
-                    executor: ExecutorStatus::Error,
-                    session: S::Error,
-                    workspace: false,
-                    events: AGENTCTL_ERROR_AND_STATE,
-                },
-            );
-        }
+        check(
+            "docker down: retrying, session unchanged",
+            docker(S::WaitingForInput),
+            vec![O::DockerUnavailable {
+                reason: "no socket".into(),
+            }],
+            Expect {
+                actions: &["find_container", "done"],
+                label: L::Retrying,
+                executor: ExecutorStatus::Error,
+                session: S::WaitingForInput,
+                workspace: false,
+                events: &[EventKind::AgentctlError],
+            },
+        );
+        check(
+            "container missing",
+            docker(S::WaitingForInput),
+            vec![O::ContainerMissing],
+            Expect {
+                actions: &["find_container", "done"],
+                label: L::ExecutorError,
+                executor: ExecutorStatus::Error,
+                session: S::Error,
+                workspace: false,
+                events: AGENTCTL_ERROR_AND_STATE,
+            },
+        );
         let not_resumable = Expect {
             actions: ready_path,
             label: L::NotResumable,

@@ -455,7 +455,10 @@ proptest! {
         if outcome.workspace_enabled {
             prop_assert!(events.iter().any(|e| e.kind() == EventKind::AgentctlReady));
         }
-        prop_assert!(!outcome.retry_in_background || input.runtime == Runtime::Remote);
+        prop_assert!(
+            !outcome.retry_in_background
+                || matches!(input.runtime, Runtime::Remote | Runtime::LocalDocker)
+        );
 
         match outcome.label {
             OutcomeLabel::Resumed => {

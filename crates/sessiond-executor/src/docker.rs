@@ -125,7 +125,10 @@ impl DockerConfig {
 /// The Docker driver.
 #[derive(Debug, Clone)]
 pub struct DockerExecutor {
-    docker: Docker,
+    /// The negotiated connection, made on first use (see
+    /// [`DockerExecutor::engine`]): the driver exists while the engine is
+    /// down, and its calls fail as `Error::Docker` until the engine answers.
+    negotiated: tokio::sync::OnceCell<Docker>,
     config: DockerConfig,
 }
 
@@ -161,26 +164,60 @@ struct Found {
 
 impl DockerExecutor {
     /// Connects to the engine and negotiates the API version (the engines
-    /// here speak older versions than bollard's default).
+    /// here speak older versions than bollard's default); fails when the
+    /// engine does not answer. See [`DockerExecutor::new`] for a driver that
+    /// waits for its engine.
     pub async fn connect(config: DockerConfig) -> Result<Self> {
-        let timeout = config.api_timeout.as_secs().max(1);
+        let driver = Self::new(config)?;
+        driver.engine().await?;
+        Ok(driver)
+    }
+
+    /// The driver without contacting the engine (only the address's form
+    /// is checked; a socket that is not there yet is fine): the connection
+    /// is made and the version negotiated on the first call that reaches
+    /// the engine, so a backend starts while Docker is down and its Docker
+    /// executors work again once the engine answers.
+    pub fn new(config: DockerConfig) -> Result<Self> {
         let host = config.docker_host.as_str();
-        let docker = if host.starts_with("unix://") || host.starts_with('/') {
-            Docker::connect_with_unix(host, timeout, API_DEFAULT_VERSION)?
-        } else if host.starts_with("tcp://") || host.starts_with("http://") {
-            Docker::connect_with_http(host, timeout, API_DEFAULT_VERSION)?
-        } else {
+        let known = host.starts_with("unix://")
+            || host.starts_with('/')
+            || host.starts_with("tcp://")
+            || host.starts_with("http://");
+        if !known {
             return Err(Error::Config(format!(
                 "docker_host {host:?}: expected unix:// or tcp://"
             )));
-        };
-        let docker = docker.negotiate_version().await?;
-        Ok(Self { docker, config })
+        }
+        Ok(Self {
+            negotiated: tokio::sync::OnceCell::new(),
+            config,
+        })
     }
 
-    /// The engine connection, for callers that need more than the trait.
-    pub fn docker(&self) -> &Docker {
-        &self.docker
+    /// The engine connection with its negotiated API version; connects and
+    /// negotiates on the first call (again after a failure: the engine may
+    /// be back).
+    pub async fn engine(&self) -> Result<&Docker> {
+        self.negotiated
+            .get_or_try_init(|| async {
+                let timeout = self.config.api_timeout.as_secs().max(1);
+                let host = self.config.docker_host.as_str();
+                let docker = if host.starts_with("unix://") || host.starts_with('/') {
+                    Docker::connect_with_unix(host, timeout, API_DEFAULT_VERSION)?
+                } else {
+                    Docker::connect_with_http(host, timeout, API_DEFAULT_VERSION)?
+                };
+                Ok::<_, Error>(docker.negotiate_version().await?)
+            })
+            .await
+    }
+
+    /// The engine connection, for callers that need more than the trait;
+    /// `None` until a call reached the engine (always `Some` after
+    /// [`DockerExecutor::connect`]).
+    pub fn docker(&self) -> Option<&Docker> {
+        self.negotiated.get()
     }
 
     /// Ids of every container (running or not) labelled with `executor_id`.
@@ -194,7 +231,7 @@ impl DockerExecutor {
             filters: Some(filters),
             ..Default::default()
         };
-        let list = self.docker.list_containers(Some(options)).await?;
+        let list = self.engine().await?.list_containers(Some(options)).await?;
         Ok(list.into_iter().filter_map(|c| c.id).collect())
     }
 
@@ -208,7 +245,7 @@ impl DockerExecutor {
             filters: Some(filters),
             ..Default::default()
         };
-        let list = self.docker.list_containers(Some(options)).await?;
+        let list = self.engine().await?.list_containers(Some(options)).await?;
         Ok(list
             .into_iter()
             .filter_map(|c| {
@@ -235,7 +272,8 @@ impl DockerExecutor {
             ..Default::default()
         };
         match self
-            .docker
+            .engine()
+            .await?
             .remove_container(container_id, Some(options))
             .await
         {
@@ -310,7 +348,8 @@ impl DockerExecutor {
     /// The container by id, `None` when the engine does not know it.
     async fn inspect(&self, id_or_name: &str) -> Result<Option<Found>> {
         match self
-            .docker
+            .engine()
+            .await?
             .inspect_container(id_or_name, None::<InspectContainerOptions>)
             .await
         {
@@ -339,7 +378,8 @@ impl DockerExecutor {
 
     async fn start_container(&self, container_id: &str) -> Result<()> {
         // 304 (already started, e.g. by a concurrent launch) is a success for bollard.
-        self.docker
+        self.engine()
+            .await?
             .start_container(container_id, None::<StartContainerOptions>)
             .await?;
         Ok(())
@@ -438,7 +478,7 @@ impl DockerExecutor {
             }
             ContainerStateStatusEnum::PAUSED => {
                 tracing::info!(executor_id = %id, container_id = %found.id, generation, "unpausing container");
-                self.docker.unpause_container(&found.id).await?;
+                self.engine().await?.unpause_container(&found.id).await?;
             }
             other => {
                 return Err(Error::ContainerUnusable {
@@ -492,7 +532,8 @@ impl Executor for DockerExecutor {
             ..Default::default()
         };
         let (container_id, secret) = match self
-            .docker
+            .engine()
+            .await?
             .create_container(Some(options), self.create_body(spec, &secret))
             .await
         {
@@ -615,7 +656,12 @@ impl Executor for DockerExecutor {
             t: Some(t),
             ..Default::default()
         };
-        match self.docker.stop_container(&found.id, Some(options)).await {
+        match self
+            .engine()
+            .await?
+            .stop_container(&found.id, Some(options))
+            .await
+        {
             Ok(())
             | Err(BollardError::DockerResponseServerError {
                 status_code: 404, ..
@@ -635,7 +681,12 @@ impl Executor for DockerExecutor {
                 v: true,
                 ..Default::default()
             };
-            match self.docker.remove_container(&id, Some(options)).await {
+            match self
+                .engine()
+                .await?
+                .remove_container(&id, Some(options))
+                .await
+            {
                 Ok(())
                 | Err(BollardError::DockerResponseServerError {
                     status_code: 404, ..

@@ -44,6 +44,11 @@ const LIVENESS_CONCURRENCY: usize = 16;
 /// reconnected in the background.
 const RECONNECTING: &str = "reconnecting:";
 
+/// The error code of a Docker executor whose engine did not answer; retried
+/// in the background until the engine answers (no window: an engine comes
+/// back when someone starts it).
+const DOCKER_UNAVAILABLE: &str = "docker_unavailable:";
+
 /// What startup recovery did.
 #[derive(Debug, Clone, Default)]
 pub struct RecoverySummary {
@@ -96,16 +101,23 @@ impl SessionManager {
         let started = Instant::now();
         let store = &self.inner.store;
         let mut records = store.load_recoverable_executors().await?;
-        if self.inner.drivers.contains_key(&Runtime::Remote) {
+        let remote = self.inner.drivers.contains_key(&Runtime::Remote);
+        let docker = self.inner.drivers.contains_key(&Runtime::LocalDocker);
+        if remote || docker {
             let now = Utc::now();
             let window = self.inner.config.remote_retry_window;
             records.extend(store.list_executors().await?.into_iter().filter(|r| {
-                r.runtime == Runtime::Remote
-                    && r.status == ExecutorStatus::Error
-                    && r.error_message
-                        .as_deref()
-                        .is_some_and(|m| m.starts_with(RECONNECTING))
-                    && window_open(r, window, now, self.inner.started_at)
+                let code = |c: &str| r.error_message.as_deref().is_some_and(|m| m.starts_with(c));
+                r.status == ExecutorStatus::Error
+                    && match r.runtime {
+                        Runtime::Remote => {
+                            remote
+                                && code(RECONNECTING)
+                                && window_open(r, window, now, self.inner.started_at)
+                        }
+                        Runtime::LocalDocker => docker && code(DOCKER_UNAVAILABLE),
+                        Runtime::LocalStandalone => false,
+                    }
             }));
         }
         let total = records.len();
@@ -665,7 +677,9 @@ impl SessionManager {
 
     /// Keeps trying an unreachable remote host in the background, with
     /// backoff, while its window is open; runs recovery again when it answers
-    /// (or once more when the window closes, which marks it failed).
+    /// (or once more when the window closes, which marks it failed). A
+    /// Docker executor whose engine was down is retried the same way until
+    /// the engine answers, with no window.
     pub(crate) fn spawn_reconnect(&self, record: ExecutorRecord) {
         let session = record.session_id;
         if !crate::manager::lock(&self.inner.retrying).insert(session) {
@@ -690,17 +704,23 @@ impl SessionManager {
                 if current.status != ExecutorStatus::Error {
                     break; // someone else (an explicit resume) brought it back
                 }
-                let open = window_open(&current, window, Utc::now(), me.inner.started_at);
+                let docker = current.runtime == Runtime::LocalDocker;
+                let open =
+                    docker || window_open(&current, window, Utc::now(), me.inner.started_at);
+                let handle = ExecutorHandle::from_record(&current);
                 let answers = match me.driver(current.runtime) {
-                    Ok(d) => d
-                        .health(&ExecutorHandle::from_record(&current))
-                        .await
-                        .is_ok(),
+                    // Any answer of the engine about the container will do:
+                    // recovery then starts it, or fails it as missing.
+                    Ok(d) if docker => matches!(
+                        d.probe(&handle).await,
+                        Ok(_) | Err(sessiond_executor::Error::ContainerMissing { .. })
+                    ),
+                    Ok(d) => d.health(&handle).await.is_ok(),
                     Err(_) => false,
                 };
                 me.inner.metrics.reconnect_attempt(answers);
                 if !answers && open {
-                    tracing::debug!(%session, attempt, "remote executor still unreachable");
+                    tracing::debug!(%session, attempt, "executor still unreachable");
                     continue;
                 }
                 crate::manager::lock(&me.inner.retrying).remove(&session);

@@ -138,17 +138,35 @@ impl Api {
         }
     }
 
+    /// A watch stream that a shutdown ends with UNAVAILABLE, not OK: a
+    /// client must not take a cut stream for a finished one, and resubscribes
+    /// from its last seq.
     fn stream(&self, events: sessiond_recovery::EventStream) -> EventStream {
         let mut stop = self.stop.clone();
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;
         };
+        let after = self.stop.clone();
+        let cut = futures::stream::once(async move {
+            (*after.borrow()).then(|| {
+                let mut status = Status::unavailable(
+                    "sessiond is shutting down; resubscribe from your last seq",
+                );
+                status.metadata_mut().insert(
+                    "sessiond-error",
+                    tonic::metadata::MetadataValue::from_static("shutting_down"),
+                );
+                Err(status)
+            })
+        })
+        .filter_map(futures::future::ready);
         events
             .map(|item| {
                 item.map(|e| convert::event(&e))
                     .map_err(|e| Status::from(ApiError::from(e)))
             })
             .take_until(stopped)
+            .chain(cut)
             .boxed()
     }
 

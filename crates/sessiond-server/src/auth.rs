@@ -105,12 +105,35 @@ fn quoted(value: &[u8]) -> String {
 /// without authentication, a request addressed to a name that is not
 /// loopback (a DNS-rebinding page reaches 127.0.0.1 under its own name).
 fn refuse_browser<B>(policy: &Policy, request: &http::Request<B>) -> Option<String> {
+    let host = request
+        .uri()
+        .authority()
+        .map(|a| a.as_str().as_bytes().to_vec())
+        .or_else(|| {
+            request
+                .headers()
+                .get(http::header::HOST)
+                .map(|h| h.as_bytes().to_vec())
+        });
     if let Some(origin) = request.headers().get(http::header::ORIGIN) {
-        let allowed = match &policy.origins {
-            AllowedOrigins::Any => true,
-            AllowedOrigins::None => false,
-            AllowedOrigins::List(list) => list.iter().any(|o| o.as_bytes() == origin.as_bytes()),
-        };
+        // The console served by this server calls back to its own origin.
+        // That is no cross-origin call; a DNS-rebinding page that looks
+        // same-origin is still refused by the loopback-host rule below
+        // (without auth) or has no token (with auth).
+        let same_origin = host.as_deref().is_some_and(|h| {
+            let o = origin.as_bytes();
+            [&b"http://"[..], &b"https://"[..]].iter().any(|scheme| {
+                o.len() == scheme.len() + h.len() && o.starts_with(scheme) && o.ends_with(h)
+            })
+        });
+        let allowed = same_origin
+            || match &policy.origins {
+                AllowedOrigins::Any => true,
+                AllowedOrigins::None => false,
+                AllowedOrigins::List(list) => {
+                    list.iter().any(|o| o.as_bytes() == origin.as_bytes())
+                }
+            };
         if !allowed {
             return Some(format!(
                 "cross-origin request from origin {} refused: it is not listed in \
@@ -119,26 +142,15 @@ fn refuse_browser<B>(policy: &Policy, request: &http::Request<B>) -> Option<Stri
             ));
         }
     }
-    if policy.tokens.is_none() {
-        let host = request
-            .uri()
-            .authority()
-            .map(|a| a.as_str().as_bytes().to_vec())
-            .or_else(|| {
-                request
-                    .headers()
-                    .get(http::header::HOST)
-                    .map(|h| h.as_bytes().to_vec())
-            });
-        if let Some(host) = host
-            && !is_loopback_host(&host)
-        {
-            return Some(format!(
-                "host {} refused: without authentication (insecure_no_auth) only \
+    if policy.tokens.is_none()
+        && let Some(host) = host
+        && !is_loopback_host(&host)
+    {
+        return Some(format!(
+            "host {} refused: without authentication (insecure_no_auth) only \
                  localhost or a loopback address may be used",
-                quoted(&host)
-            ));
-        }
+            quoted(&host)
+        ));
     }
     None
 }
@@ -278,6 +290,48 @@ mod tests {
                 )
             ),
             None
+        );
+    }
+
+    #[test]
+    fn the_console_calling_its_own_origin_is_not_cross_origin() {
+        let call = |host: &str, origin: &str| {
+            http::Request::builder()
+                .uri("/sessiond.v1.SessionService/ListTasks")
+                .header("host", host)
+                .header("origin", origin)
+                .body(())
+                .unwrap_or_default()
+        };
+        let no_auth = Policy {
+            tokens: None,
+            origins: AllowedOrigins::None,
+        };
+        assert_eq!(
+            refuse_browser(&no_auth, &call("127.0.0.1:50051", "http://127.0.0.1:50051")),
+            None
+        );
+        assert_eq!(
+            refuse_browser(&no_auth, &call("localhost:8080", "https://localhost:8080")),
+            None
+        );
+        // Another port or name is another origin.
+        assert!(
+            refuse_browser(&no_auth, &call("127.0.0.1:50051", "http://127.0.0.1:50052")).is_some()
+        );
+        assert!(
+            refuse_browser(&no_auth, &call("127.0.0.1:50051", "http://127.0.0.1:5005")).is_some()
+        );
+        assert!(
+            refuse_browser(&no_auth, &call("127.0.0.1:50051", "http://evil.example")).is_some()
+        );
+        // DNS rebinding looks same-origin; the loopback-host rule refuses it.
+        assert!(
+            refuse_browser(
+                &no_auth,
+                &call("evil.example:50051", "http://evil.example:50051")
+            )
+            .is_some()
         );
     }
 

@@ -5,6 +5,7 @@
 mod api;
 mod auth;
 mod config;
+mod console;
 mod convert;
 mod error;
 mod metrics;

@@ -2,7 +2,8 @@
 //! reflection, metrics), runs startup recovery, and stops on SIGTERM/ctrl-c
 //! leaving executors running.
 //!
-//! Layers around every service, outermost first: CORS (preflights answered
+//! Layers around every service, outermost first: the web console (`GET`
+//! and `HEAD` answered from the embedded files), CORS (preflights answered
 //! without credentials) → gRPC-web translation → RPC metrics → bearer auth.
 
 use std::{sync::Arc, time::Duration, time::Instant};
@@ -151,6 +152,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     };
     let router = tonic::transport::Server::builder()
         .accept_http1(true)
+        .layer(crate::console::ConsoleLayer)
         .layer(cors_layer(&config.cors))
         .layer(tonic_web::GrpcWebLayer::new())
         .layer(RpcMetricsLayer::new(metrics.clone()))
@@ -355,9 +357,17 @@ async fn drivers(
         dc.idle_timeout = e.idle_timeout;
         dc.startup_timeout = d.startup_timeout;
         dc.client = client;
-        let docker = DockerExecutor::connect(dc).await.with_context(|| {
-            format!("executors.docker.host: cannot use the engine at {}", d.host)
-        })?;
+        // A bad address is a configuration error; an engine that does not
+        // answer is not: the backend starts and recovers everything else,
+        // and Docker executors go to error (`docker_unavailable`) until the
+        // engine answers (the driver negotiates on its first call).
+        let docker = DockerExecutor::new(dc)
+            .with_context(|| format!("executors.docker.host: cannot use {}", d.host))?;
+        if let Err(e) = docker.engine().await {
+            tracing::warn!(host = %d.host, error = %e,
+                "the Docker engine does not answer; starting without it: Docker sessions are in \
+                 error (docker_unavailable) until it does");
+        }
         docker_driver = Some(Arc::new(docker));
     }
     if let Some(docker) = &docker_driver {

@@ -92,6 +92,7 @@ async fn remove_labelled(host: &str, ids: &[ExecutorId]) -> Result<(), Error> {
             };
             driver
                 .docker()
+                .expect("connected")
                 .remove_container(&c, Some(options))
                 .await
                 .map_err(Error::from)?;
@@ -120,6 +121,7 @@ async fn fixture() -> Fixture {
     });
     driver
         .docker()
+        .expect("connected")
         .inspect_image(&image)
         .await
         .unwrap_or_else(|e| {
@@ -140,6 +142,7 @@ async fn container_status(f: &Fixture, id: &str) -> String {
     let info = f
         .driver
         .docker()
+        .expect("connected")
         .inspect_container(id, None)
         .await
         .expect("inspect");
@@ -173,6 +176,7 @@ async fn launch_health_capabilities_stop() {
     let info = f
         .driver
         .docker()
+        .expect("connected")
         .inspect_container(&id, None)
         .await
         .expect("inspect");

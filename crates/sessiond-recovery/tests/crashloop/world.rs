@@ -146,7 +146,12 @@ pub async fn docker_from_env(dir: &Path) -> Option<(String, DockerExecutor)> {
     let host =
         std::env::var("DOCKER_HOST").unwrap_or_else(|_| "unix:///var/run/docker.sock".into());
     let driver = docker_driver(&host, dir).await;
-    if let Err(e) = driver.docker().inspect_image(IMAGE).await {
+    if let Err(e) = driver
+        .docker()
+        .expect("connected")
+        .inspect_image(IMAGE)
+        .await
+    {
         panic!(
             "SESSIOND_DOCKER_TESTS=1 but the image {IMAGE} is missing at {host} ({e}); build it with `cargo xtask docker-image`"
         );
@@ -403,6 +408,7 @@ impl World {
             Runtime::LocalDocker => {
                 let (_, d) = self.docker.as_ref().unwrap();
                 d.docker()
+                    .expect("connected")
                     .stop_container(
                         r.container_id.as_deref().unwrap(),
                         Some(StopContainerOptions {
@@ -449,6 +455,7 @@ impl World {
         {
             let _ = d
                 .docker()
+                .expect("connected")
                 .remove_container(
                     &id.0,
                     Some(RemoveContainerOptions {
@@ -468,6 +475,7 @@ impl World {
         let filters = HashMap::from([("label".to_owned(), vec![format!("{label}={value}")])]);
         let list = d
             .docker()
+            .expect("connected")
             .list_containers(Some(ListContainersOptions {
                 all: true,
                 filters: Some(filters),
@@ -480,6 +488,7 @@ impl World {
             let Some(id) = c.id else { continue };
             let running = d
                 .docker()
+                .expect("connected")
                 .inspect_container(&id, None::<InspectContainerOptions>)
                 .await
                 .ok()

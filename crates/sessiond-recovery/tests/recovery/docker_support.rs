@@ -51,6 +51,7 @@ pub async fn docker_driver(env: &DockerEnv, dir: &Path) -> Arc<DockerExecutor> {
     });
     driver
         .docker()
+        .expect("connected")
         .inspect_image(&env.image)
         .await
         .unwrap_or_else(|e| {

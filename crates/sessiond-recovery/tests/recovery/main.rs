@@ -13,6 +13,7 @@ mod support;
 
 mod background;
 mod crash;
+mod docker_down;
 mod docker_support;
 mod events;
 mod kill9;

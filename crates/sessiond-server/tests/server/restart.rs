@@ -128,7 +128,20 @@ async fn sigterm_leaves_executors_running_and_the_next_start_reattaches() {
     assert_eq!(before.len(), 1);
     let exit = server.terminate();
     assert!(exit.success(), "{exit:?}");
-    while let Ok(Some(_)) = open_stream.message().await {}
+    // A stream cut by the shutdown ends with UNAVAILABLE, never OK, so a
+    // client does not mistake it for a finished one and resubscribes.
+    let cut = loop {
+        match open_stream.message().await {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the shutdown ended the watch stream with OK"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(cut.code(), Code::Unavailable, "{cut:?}");
+    assert_eq!(
+        cut.metadata().get("sessiond-error").unwrap(),
+        "shutting_down"
+    );
     assert_eq!(
         agentctl_pids(&data),
         before,

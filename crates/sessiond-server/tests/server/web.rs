@@ -288,3 +288,103 @@ async fn reflection_lists_exactly_the_served_services() {
         ]
     );
 }
+
+fn get(addr: &str, path: &str) -> String {
+    format!("GET {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n")
+}
+
+/// The console is served at `/` of the API port without a token, from the
+/// files embedded in the binary, with types, caching and a strict CSP; the
+/// API on the same port still needs its token.
+#[tokio::test]
+async fn console_is_served_at_root_with_types_caching_and_csp() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&dir.path().join("data"), &[]);
+
+    let index = http1(&server.addr, &get(&server.addr, "/"), b"").await;
+    assert!(
+        index.status_line.starts_with("HTTP/1.1 200"),
+        "{}",
+        index.status_line
+    );
+    assert_eq!(
+        index.header("content-type"),
+        Some("text/html; charset=utf-8")
+    );
+    assert_eq!(index.header("cache-control"), Some("no-cache"));
+    let csp = index.header("content-security-policy").unwrap();
+    for directive in [
+        "default-src 'none'",
+        "script-src 'self'",
+        "connect-src 'self'",
+        "frame-ancestors 'none'",
+    ] {
+        assert!(csp.contains(directive), "{csp}");
+    }
+    assert!(
+        !csp.contains("unsafe-inline") && !csp.contains("unsafe-eval"),
+        "{csp}"
+    );
+    assert_eq!(index.header("x-content-type-options"), Some("nosniff"));
+    let html = String::from_utf8(index.body).unwrap();
+    assert!(
+        !html.contains("<script>"),
+        "no inline script under the CSP: {html}"
+    );
+
+    // Every asset the page names is served with its type and cached for good.
+    let assets: Vec<&str> = html
+        .split('"')
+        .filter(|s| s.starts_with("/assets/"))
+        .collect();
+    assert!(assets.iter().any(|a| a.ends_with(".js")), "{html}");
+    assert!(assets.iter().any(|a| a.ends_with(".css")), "{html}");
+    for asset in assets {
+        let r = http1(&server.addr, &get(&server.addr, asset), b"").await;
+        assert!(
+            r.status_line.starts_with("HTTP/1.1 200"),
+            "{asset}: {}",
+            r.status_line
+        );
+        let expected = if asset.ends_with(".js") {
+            "text/javascript; charset=utf-8"
+        } else {
+            "text/css; charset=utf-8"
+        };
+        assert_eq!(r.header("content-type"), Some(expected), "{asset}");
+        assert_eq!(
+            r.header("cache-control"),
+            Some("public, max-age=31536000, immutable"),
+            "{asset}"
+        );
+        assert!(!r.body.is_empty(), "{asset}");
+    }
+
+    let missing = http1(&server.addr, &get(&server.addr, "/assets/nope.js"), b"").await;
+    assert!(
+        missing.status_line.starts_with("HTTP/1.1 404"),
+        "{}",
+        missing.status_line
+    );
+
+    // The page's own calls (Origin = this server) are not cross-origin,
+    // and still need the token; another origin is still refused.
+    let origin = format!("http://{}", server.addr);
+    let list = pb::ListTasksRequest::default().encode_to_vec();
+    let method = "/sessiond.v1.SessionService/ListTasks";
+    let (head, body) = grpc_web_request_from(&server.addr, &origin, method, None, &list);
+    let r = http1(&server.addr, &head, &body).await;
+    assert_eq!(r.header("grpc-status"), Some("16"), "{:?}", r.headers);
+    let (head, body) = grpc_web_request_from(&server.addr, &origin, method, Some(TOKEN), &list);
+    let r = http1(&server.addr, &head, &body).await;
+    // A success's status is in the trailer frame at the end of the body.
+    let trailers = String::from_utf8_lossy(&r.body).to_lowercase();
+    assert!(
+        trailers.contains("grpc-status:0"),
+        "{:?} {trailers:?}",
+        r.headers
+    );
+    let (head, body) = grpc_web_request(&server.addr, method, Some(TOKEN), &list);
+    let r = http1(&server.addr, &head, &body).await;
+    assert_eq!(r.header("grpc-status"), Some("7"), "{:?}", r.headers);
+}

@@ -1,0 +1,250 @@
+// The console end to end: real sessiond + agentctl + acp-demo-agent, real
+// headless Chromium. Screenshots of each step go to target/web-e2e/.
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { Sessiond, bin, browser, scratch } from "./harness.mjs";
+
+const T = 60_000;
+
+async function visible(page, selector, timeout = T) {
+  await page.locator(selector).first().waitFor({ state: "visible", timeout });
+}
+async function hidden(page, selector, timeout = T) {
+  await page.locator(selector).first().waitFor({ state: "hidden", timeout });
+}
+/** Waits until the conversation has a message containing `text`. */
+async function message(page, text) {
+  await page.waitForFunction(
+    (t) => [...document.querySelectorAll("[data-testid=messages] .msg")].some((m) => m.textContent.includes(t) && !m.classList.contains("streaming")),
+    text,
+    { timeout: T },
+  );
+}
+/** The conversation as rendered: [seq, role, text] per message. */
+async function conversation(page) {
+  return page.$$eval("[data-testid=messages] .msg", (ms) =>
+    ms.map((m) => [Number(m.dataset.seq), m.querySelector(".who").textContent, m.querySelector(".text").textContent]),
+  );
+}
+function assertNoGapNoDuplicate(msgs) {
+  const seqs = msgs.map(([s]) => s);
+  assert.deepEqual(seqs, seqs.map((_, i) => i + 1), `messages are 1..n in order: ${JSON.stringify(msgs)}`);
+}
+async function send(page, text) {
+  await page.waitForFunction(() => !document.querySelector(".composer button[type=submit]").disabled, null, { timeout: T });
+  await page.fill("textarea[name=message]", text);
+  await page.keyboard.press("Enter");
+}
+async function createTaskAndSession(page, { title, work, profile }) {
+  await page.fill("input[name=title]", title);
+  await page.click("text=Create task");
+  await visible(page, "[data-testid=new-session]");
+  if (profile) {
+    await page.waitForFunction((p) => [...document.querySelectorAll("select[name=profile] option")].some((o) => o.value === p), profile, { timeout: T });
+    await page.selectOption("select[name=profile]", profile);
+  }
+  await page.fill("input[name=worktree]", work);
+  await page.click("text=Start session");
+  await page.waitForURL(/#\/tasks\/[^/]+\/sessions\/[^/]+$/, { timeout: T });
+  await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
+}
+
+test("chat streams live, survives SIGTERM and kill -9 of sessiond without gap or duplicate; workspace panel", async () => {
+  const { work, data } = scratch("chat");
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();
+  const b = await browser("chat");
+  try {
+    const { page } = b;
+    await page.goto(server.url);
+    await visible(page, "input[name=title]");
+    await b.screenshot("tasks-empty");
+    await createTaskAndSession(page, { title: "Console e2e", work });
+    await b.screenshot("session-ready");
+
+    await send(page, "hello");
+    await message(page, 'turn 1 of session');
+    await b.screenshot("first-reply");
+
+    // SIGTERM: the page says it is reconnecting, then carries on.
+    b.expectNetworkErrors(true);
+    await server.terminate();
+    await visible(page, "[data-testid=reconnecting]");
+    await b.screenshot("reconnecting-after-sigterm");
+    await server.start();
+    await hidden(page, "[data-testid=reconnecting]");
+    await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
+    await send(page, "second");
+    await message(page, 'turn 2 of session');
+    assertNoGapNoDuplicate(await conversation(page));
+
+    // kill -9: the same, with the agent left running beside its agentctl.
+    await server.kill();
+    await visible(page, "[data-testid=reconnecting]");
+    await server.start();
+    await hidden(page, "[data-testid=reconnecting]");
+    b.expectNetworkErrors(false);
+    await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
+    await send(page, "third");
+    await message(page, 'turn 3 of session');
+    const msgs = await conversation(page);
+    assertNoGapNoDuplicate(msgs);
+    assert.deepEqual(
+      msgs.map(([, who]) => who),
+      ["you", "agent", "you", "agent", "you", "agent"],
+      JSON.stringify(msgs),
+    );
+    assert.equal(msgs.filter(([, , t]) => t.includes("turn 2 of session")).length, 1);
+    await b.screenshot("continued-after-kill9");
+
+    // Workspace: read a file, change it with a command, see the git diff.
+    await page.click("button.file:has-text('README.md')");
+    await page.waitForSelector("[data-testid=file-viewer]:has-text('hello from the worktree')", { timeout: T });
+    await b.screenshot("workspace-file");
+    await page.click("role=tab[name='Run']");
+    await page.fill("input[name=command]", "echo changed by the console >> README.md && echo done");
+    await page.click(".run form button[type=submit]");
+    await page.waitForSelector("[data-testid=exec-result]:has-text('exit 0')", { timeout: T });
+    assert.match(await page.textContent("[data-testid=exec-result] .stdout"), /done/);
+    await b.screenshot("workspace-run");
+    await page.click("role=tab[name='Git']");
+    await page.waitForSelector("[data-testid=git-diff] .add:has-text('+changed by the console')", { timeout: T });
+    await page.waitForSelector("[data-testid=git-status]:has-text('README.md')", { timeout: T });
+    await b.screenshot("workspace-git");
+
+    // The task view: live badges from one WatchTask stream.
+    await page.click("nav a:text-is('Task')");
+    await page.waitForSelector("[data-testid=sessions] [data-testid=state]:has-text('waiting for input')", { timeout: T });
+    await page.waitForSelector("[data-testid=sessions] [data-testid=executor]:has-text('executor ready')", { timeout: T });
+    await b.screenshot("task-view");
+    await page.setViewportSize({ width: 390, height: 844 });
+    await b.screenshot("task-view-phone");
+
+    // Stop from the session view.
+    await page.setViewportSize({ width: 1280, height: 800 });
+    await page.click("[data-testid=sessions] a");
+    await page.click("button:has-text('Stop')");
+    await page.waitForSelector("[data-testid=state]:has-text('cancelled')", { timeout: T });
+    await b.screenshot("stopped");
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
+test("on_demand: after kill -9 of everything, Resume → spinner → the conversation continues", async () => {
+  const { work, data } = scratch("resume");
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth", "--recovery-mode", "on_demand"] }).start();
+  const b = await browser("resume");
+  try {
+    const { page } = b;
+    await page.goto(server.url);
+    await createTaskAndSession(page, { title: "Resume e2e", work });
+    await send(page, "remember me");
+    await message(page, "turn 1 of session");
+    const url = page.url();
+
+    b.expectNetworkErrors(true);
+    await server.kill();
+    assert.ok(server.killAgentctls().length >= 1, "an agentctl ran for the session");
+    await server.start();
+    await page.goto(url);
+    b.expectNetworkErrors(false);
+    await visible(page, "[data-testid=needs-resume] button:has-text('Resume')");
+    await visible(page, "[data-testid=workspace-only]");
+    await b.screenshot("needs-resume");
+    await page.click("[data-testid=needs-resume] button:has-text('Resume')");
+    await hidden(page, "[data-testid=needs-resume]");
+    await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
+    await hidden(page, "[data-testid=workspace-only]");
+    await b.screenshot("resumed");
+    await send(page, "again");
+    await message(page, "turn 2 of session");
+    assertNoGapNoDuplicate(await conversation(page));
+    await b.screenshot("continued-after-resume");
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
+test("an agent that cannot load sessions: not-resumable banner, then a new session that works", async () => {
+  const { dir, work, data } = scratch("forgetful");
+  const config = join(dir, "sessiond.toml");
+  writeFileSync(
+    config,
+    `[[agents]]\nname = "forgetful"\ncommand = "${bin("acp-demo-agent")}"\nargs = ["--no-load-session"]\n` +
+      `supports_session_resume = false\nenv = { ACP_DEMO_STATE_DIR = "${join(dir, "demo-state")}" }\n`,
+  );
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth", "--config", config] }).start();
+  const b = await browser("forgetful");
+  try {
+    const { page } = b;
+    await page.goto(server.url);
+    await createTaskAndSession(page, { title: "Forgetful e2e", work, profile: "forgetful" });
+    await send(page, "remember me");
+    await message(page, "turn 1 of session");
+    const url = page.url();
+
+    b.expectNetworkErrors(true);
+    await server.kill();
+    server.killAgentctls();
+    await server.start();
+    await page.goto(url);
+    b.expectNetworkErrors(false);
+    await visible(page, "[data-testid=not-resumable]");
+    assert.match(await page.textContent("[data-testid=not-resumable]"), /not_resumable|cannot resume/);
+    await visible(page, "[data-testid=workspace-only]");
+    await b.screenshot("not-resumable");
+    // The workspace stays usable without the agent.
+    await page.click("button.file:has-text('README.md')");
+    await page.waitForSelector("[data-testid=file-viewer]:has-text('hello from the worktree')", { timeout: T });
+
+    await page.click("[data-testid=not-resumable] button:has-text('Start a new session')");
+    await page.waitForFunction((old) => location.href !== old, url, { timeout: T });
+    await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
+    await send(page, "fresh start");
+    await message(page, "turn 1 of session");
+    await b.screenshot("new-session");
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
+test("a token-protected server: sign-in, a wrong token is rejected clearly, the right one works", async () => {
+  const { data } = scratch("token");
+  const token = "e2e-token-0123456789abcdef";
+  const server = await new Sessiond({ data, env: { SESSIOND_API_TOKENS: token } }).start();
+  const b = await browser("token");
+  try {
+    const { page } = b;
+    await page.goto(server.url);
+    await page.waitForSelector("[data-testid=signin-message]:has-text('needs an API token')", { timeout: T });
+    await b.screenshot("signin");
+    await page.fill("input[name=token]", "wrong-token-0123456789");
+    await page.click("form.signin button[type=submit]");
+    await page.waitForSelector("[data-testid=signin-message]:has-text('rejected this API token')", { timeout: T });
+    await b.screenshot("wrong-token");
+    await page.fill("input[name=token]", token);
+    await page.click("form.signin button[type=submit]");
+    await visible(page, "input[name=title]");
+    await page.fill("input[name=title]", "With a token");
+    await page.click("text=Create task");
+    await visible(page, "[data-testid=new-session]");
+    await b.screenshot("signed-in");
+    // Kept for the tab only.
+    assert.equal(await page.evaluate(() => sessionStorage.getItem("sessiond.token")), token);
+    assert.equal(await page.evaluate(() => localStorage.length), 0);
+    // Chromium logs the 16 of a refused call? It must not: gRPC errors are
+    // HTTP 200 with grpc-status in the body or headers.
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});

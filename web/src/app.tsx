@@ -1,0 +1,782 @@
+import { Component } from "preact";
+import { useCallback, useEffect, useMemo, useRef, useState } from "preact/hooks";
+import { Code, ConnectError } from "@connectrpc/connect";
+import { describe, follow, getToken, health, isUnauthenticated, reason, sessions, setToken, type WatchState } from "./api";
+import { HealthCheckResponse_ServingStatus as Serving } from "./gen/grpc/health/v1/health_pb";
+import type { GetSessionStatusResponse } from "./gen/sessiond/v1/session_service_pb";
+import type { Event } from "./gen/sessiond/v1/events_pb";
+import {
+  ExecutorStatus,
+  ResumeReason,
+  Runtime,
+  SessionState,
+  type AgentProfile,
+  type Message,
+  type Session,
+  type Task,
+} from "./gen/sessiond/v1/types_pb";
+import { executorLabel, executorTone, reasonLabel, roleLabel, runtimeLabel, stateLabel, stateTone } from "./labels";
+import { Workspace } from "./workspace";
+
+// ------------------------------------------------------------------ routing
+
+type Route =
+  | { name: "tasks" }
+  | { name: "task"; taskId: string }
+  | { name: "session"; taskId: string; sessionId: string };
+
+function parseRoute(hash: string): Route {
+  const parts = hash.replace(/^#\/?/, "").split("/").filter(Boolean);
+  if (parts[0] === "tasks" && parts[1] && parts[2] === "sessions" && parts[3])
+    return { name: "session", taskId: parts[1], sessionId: parts[3] };
+  if (parts[0] === "tasks" && parts[1]) return { name: "task", taskId: parts[1] };
+  return { name: "tasks" };
+}
+
+export const taskHref = (t: string) => `#/tasks/${t}`;
+export const sessionHref = (t: string, s: string) => `#/tasks/${t}/sessions/${s}`;
+
+function useRoute(): Route {
+  const [route, setRoute] = useState(() => parseRoute(location.hash));
+  useEffect(() => {
+    const on = () => setRoute(parseRoute(location.hash));
+    addEventListener("hashchange", on);
+    return () => removeEventListener("hashchange", on);
+  }, []);
+  return route;
+}
+
+// -------------------------------------------------------------- auth state
+
+let onAuthFailure: () => void = () => {};
+/** Reports UNAUTHENTICATED to the app (which shows sign-in); true if it was. */
+export function authFailed(err: unknown): boolean {
+  if (!isUnauthenticated(err)) return false;
+  onAuthFailure();
+  return true;
+}
+
+// ------------------------------------------------------------------- shell
+
+type Backend = "serving" | "recovering" | "unreachable" | "unknown";
+
+function useBackendHealth(): Backend {
+  const [state, setState] = useState<Backend>("unknown");
+  useEffect(() => {
+    let stopped = false;
+    let timer = 0;
+    const poll = async () => {
+      let next: Backend;
+      try {
+        const r = await health.check({}, { timeoutMs: 3000 });
+        next = r.status === Serving.SERVING ? "serving" : "recovering";
+      } catch {
+        next = "unreachable";
+      }
+      if (stopped) return;
+      setState(next);
+      timer = window.setTimeout(poll, next === "serving" ? 5000 : 1000);
+    };
+    poll();
+    return () => {
+      stopped = true;
+      clearTimeout(timer);
+    };
+  }, []);
+  return state;
+}
+
+export function App() {
+  const route = useRoute();
+  const [signIn, setSignIn] = useState<"none" | "needed">("none");
+  const [generation, setGeneration] = useState(0);
+  const backend = useBackendHealth();
+  onAuthFailure = () => setSignIn("needed");
+
+  const submitToken = (token: string) => {
+    setToken(token);
+    setSignIn("none");
+    setGeneration((g) => g + 1);
+  };
+
+  return (
+    <div class="shell">
+      <header class="top">
+        <a class="brand" href="#/">sessiond</a>
+        <nav aria-label="breadcrumb" class="crumbs">
+          {route.name !== "tasks" && <a href="#/">Tasks</a>}
+          {route.name === "session" && <a href={taskHref(route.taskId)}>Task</a>}
+        </nav>
+        <button type="button" class="link" onClick={() => setSignIn("needed")}>
+          {getToken() ? "Change API token" : "API token"}
+        </button>
+      </header>
+      {backend === "recovering" && (
+        <div class="banner warn" role="status" data-testid="banner-recovering">
+          sessiond is recovering its sessions; they will be back in a moment.
+        </div>
+      )}
+      {backend === "unreachable" && (
+        <div class="banner warn" role="status" data-testid="banner-unreachable">
+          Cannot reach sessiond; reconnecting…
+        </div>
+      )}
+      <main key={generation}>
+        {signIn === "needed" ? (
+          <SignIn onSubmit={submitToken} onCancel={getToken() ? () => setSignIn("none") : undefined} />
+        ) : route.name === "tasks" ? (
+          <TasksView />
+        ) : route.name === "task" ? (
+          <TaskView taskId={route.taskId} />
+        ) : (
+          <SessionView key={route.sessionId} taskId={route.taskId} sessionId={route.sessionId} />
+        )}
+      </main>
+    </div>
+  );
+}
+
+function SignIn(props: { onSubmit: (t: string) => void; onCancel?: () => void }) {
+  const [token, setTokenText] = useState("");
+  const had = getToken();
+  return (
+    <form
+      class="card signin"
+      onSubmit={(e) => {
+        e.preventDefault();
+        props.onSubmit(token.trim());
+      }}
+    >
+      <h1>Sign in</h1>
+      <p role="alert" data-testid="signin-message">
+        {had
+          ? "sessiond rejected this API token (UNAUTHENTICATED). Enter a valid token."
+          : "This sessiond needs an API token (SESSIOND_API_TOKENS)."}
+      </p>
+      <label>
+        API token
+        <input
+          type="password"
+          name="token"
+          autoComplete="off"
+          value={token}
+          onInput={(e) => setTokenText((e.target as HTMLInputElement).value)}
+          autoFocus
+        />
+      </label>
+      <p class="hint">Kept for this tab only (sessionStorage); closing the tab forgets it.</p>
+      <div class="row">
+        <button type="submit">Sign in</button>
+        {props.onCancel && (
+          <button type="button" class="secondary" onClick={props.onCancel}>
+            Cancel
+          </button>
+        )}
+      </div>
+    </form>
+  );
+}
+
+function ErrorLine(props: { error: string }) {
+  return props.error ? (
+    <p class="error" role="alert">
+      {props.error}
+    </p>
+  ) : null;
+}
+
+function Badge(props: { tone: string; children: any; testid?: string }) {
+  return (
+    <span class={`badge ${props.tone}`} data-testid={props.testid}>
+      {props.children}
+    </span>
+  );
+}
+
+function fail(setError: (s: string) => void) {
+  return (err: unknown) => {
+    if (!authFailed(err)) setError(describe(err));
+  };
+}
+
+// ------------------------------------------------------------------- tasks
+
+function TasksView() {
+  const [tasks, setTasks] = useState<Task[] | null>(null);
+  const [title, setTitle] = useState("");
+  const [error, setError] = useState("");
+  const [busy, setBusy] = useState(false);
+  const load = useCallback(() => {
+    sessions
+      .listTasks({ pageSize: 1000 })
+      .then((r) => setTasks(r.tasks))
+      .catch(fail(setError));
+  }, []);
+  useEffect(load, [load]);
+
+  return (
+    <section>
+      <h1>Tasks</h1>
+      <form
+        class="row"
+        onSubmit={async (e) => {
+          e.preventDefault();
+          setBusy(true);
+          setError("");
+          try {
+            const r = await sessions.createTask({ title: title.trim() });
+            setTitle("");
+            location.hash = taskHref(r.task!.id);
+          } catch (err) {
+            fail(setError)(err);
+          } finally {
+            setBusy(false);
+          }
+        }}
+      >
+        <label class="grow">
+          <span class="sr">New task title</span>
+          <input
+            name="title"
+            placeholder="New task title"
+            value={title}
+            onInput={(e) => setTitle((e.target as HTMLInputElement).value)}
+            required
+          />
+        </label>
+        <button type="submit" disabled={busy}>
+          Create task
+        </button>
+      </form>
+      <ErrorLine error={error} />
+      {tasks === null ? (
+        <p class="muted">Loading…</p>
+      ) : tasks.length === 0 ? (
+        <p class="muted">No tasks yet.</p>
+      ) : (
+        <ul class="list" data-testid="tasks">
+          {tasks.map((t) => (
+            <li key={t.id}>
+              <a href={taskHref(t.id)}>{t.title}</a>
+            </li>
+          ))}
+        </ul>
+      )}
+    </section>
+  );
+}
+
+// -------------------------------------------------------------------- task
+
+type SessionRow = { session: Session; executor: ExecutorStatus };
+
+function applyTaskEvent(rows: Map<string, SessionRow>, e: Event): boolean {
+  const row = rows.get(e.sessionId);
+  if (!row) return false;
+  const p = e.payload;
+  let next: SessionRow | null = null;
+  switch (p.case) {
+    case "stateChanged":
+      next = { ...row, session: { ...row.session, state: p.value.to, errorMessage: p.value.errorMessage } as Session };
+      if (p.value.to === SessionState.COMPLETED || p.value.to === SessionState.CANCELLED)
+        next.executor = ExecutorStatus.STOPPED;
+      break;
+    case "agentctlStarting":
+      next = { ...row, executor: ExecutorStatus.STARTING };
+      break;
+    case "agentctlReady":
+      next = { ...row, executor: ExecutorStatus.READY };
+      break;
+    case "agentctlError":
+      next = { ...row, executor: ExecutorStatus.ERROR };
+      break;
+  }
+  if (next) rows.set(e.sessionId, next);
+  return true;
+}
+
+function TaskView(props: { taskId: string }) {
+  const { taskId } = props;
+  const [task, setTask] = useState<Task | null>(null);
+  const [profiles, setProfiles] = useState<AgentProfile[]>([]);
+  const [rows, setRows] = useState<Map<string, SessionRow> | null>(null);
+  const [watch, setWatch] = useState<WatchState>("live");
+  const [error, setError] = useState("");
+  const rowsRef = useRef(new Map<string, SessionRow>());
+  const pending = useRef<Event[]>([]);
+  const loaded = useRef(false);
+
+  useEffect(() => {
+    sessions.getTask({ taskId }).then((r) => setTask(r.task ?? null)).catch(fail(setError));
+    sessions.listAgentProfiles({}).then((r) => setProfiles(r.profiles)).catch(fail(setError));
+    let refetching = false;
+    let frame = 0;
+    const publish = () => {
+      frame = 0;
+      setRows(new Map(rowsRef.current));
+    };
+    const schedule = () => {
+      if (!frame) frame = requestAnimationFrame(publish);
+    };
+    // The list is the base; the task's events (replayed from its first, then
+    // live) move each session's state and executor badges. An event of a
+    // session the list does not have yet (created elsewhere) refetches it.
+    const refetch = () => {
+      if (refetching) return;
+      refetching = true;
+      sessions
+        .listSessions({ taskId })
+        .then((r) => {
+          const next = new Map<string, SessionRow>();
+          for (const s of r.sessions) {
+            const old = rowsRef.current.get(s.id);
+            next.set(s.id, { session: s, executor: old?.executor ?? ExecutorStatus.UNSPECIFIED });
+          }
+          rowsRef.current = next;
+          loaded.current = true;
+          const queued = pending.current;
+          pending.current = [];
+          for (const e of queued) applyTaskEvent(next, e);
+          schedule();
+        })
+        .catch(fail(setError))
+        .finally(() => (refetching = false));
+    };
+    refetch();
+    const stop = follow(
+      (after, signal) => sessions.watchTask({ taskId, afterTaskSeq: after }, { signal }),
+      (e) => e.taskSeq,
+      (e) => {
+        if (!loaded.current || refetching) {
+          pending.current.push(e);
+          return;
+        }
+        if (!applyTaskEvent(rowsRef.current, e)) {
+          pending.current.push(e);
+          refetch();
+        }
+        schedule();
+      },
+      (s) => {
+        if (s === "unauthenticated") onAuthFailure();
+        setWatch(s);
+      },
+    );
+    return () => {
+      stop();
+      cancelAnimationFrame(frame);
+    };
+  }, [taskId]);
+
+  const profileName = useMemo(() => new Map(profiles.map((p) => [p.id, p.name])), [profiles]);
+  const list = rows ? [...rows.values()].sort((a, b) => Number((b.session.createdAt?.seconds ?? 0n) - (a.session.createdAt?.seconds ?? 0n)) || (a.session.id < b.session.id ? 1 : -1)) : null;
+
+  return (
+    <section>
+      <h1>{task?.title ?? "Task"}</h1>
+      {watch === "reconnecting" && (
+        <p class="banner warn" role="status" data-testid="reconnecting">
+          reconnecting…
+        </p>
+      )}
+      <ErrorLine error={error} />
+      <div class="split">
+        <div>
+          <h2>Sessions</h2>
+          {list === null ? (
+            <p class="muted">Loading…</p>
+          ) : list.length === 0 ? (
+            <p class="muted">No sessions yet.</p>
+          ) : (
+            <ul class="list sessions" data-testid="sessions">
+              {list.map(({ session: s, executor }) => (
+                <li key={s.id} data-session={s.id}>
+                  <a href={sessionHref(taskId, s.id)}>{s.id.slice(0, 8)}</a>
+                  <span class="badges">
+                    <Badge tone={stateTone(s.state)} testid="state">{stateLabel[s.state]}</Badge>
+                    <Badge tone={executorTone(executor)} testid="executor">{executorLabel[executor]}</Badge>
+                    <Badge tone="idle">{profileName.get(s.agentProfileId) ?? "agent"}</Badge>
+                    <Badge tone="idle">{runtimeLabel[s.runtime]}</Badge>
+                  </span>
+                </li>
+              ))}
+            </ul>
+          )}
+        </div>
+        <NewSession taskId={taskId} profiles={profiles} />
+      </div>
+    </section>
+  );
+}
+
+function NewSession(props: { taskId: string; profiles: AgentProfile[] }) {
+  const [profile, setProfile] = useState("");
+  const [runtime, setRuntime] = useState<Runtime>(Runtime.UNSPECIFIED);
+  const [path, setPath] = useState("");
+  const [branch, setBranch] = useState("");
+  const [remote, setRemote] = useState({ url: "", secret: "", executorId: "" });
+  const [busy, setBusy] = useState(false);
+  const [error, setError] = useState("");
+  const val = (f: (v: string) => void) => (e: any) => f((e.target as HTMLInputElement).value);
+  return (
+    <form
+      class="card"
+      data-testid="new-session"
+      onSubmit={async (e) => {
+        e.preventDefault();
+        setBusy(true);
+        setError("");
+        try {
+          const r = await sessions.createSession({
+            taskId: props.taskId,
+            agentProfile: profile,
+            runtime,
+            worktree: { path: path.trim(), branch: branch.trim() },
+            remoteUrl: remote.url,
+            remoteSecret: remote.secret,
+            remoteExecutorId: remote.executorId,
+          });
+          location.hash = sessionHref(props.taskId, r.session!.id);
+        } catch (err) {
+          fail(setError)(err);
+        } finally {
+          setBusy(false);
+        }
+      }}
+    >
+      <h2>New session</h2>
+      <label>
+        Agent profile
+        <select name="profile" value={profile} onChange={val(setProfile)}>
+          <option value="">default</option>
+          {props.profiles.map((p) => (
+            <option key={p.id} value={p.name}>
+              {p.name}
+              {p.supportsSessionResume ? "" : " (cannot resume)"}
+            </option>
+          ))}
+        </select>
+      </label>
+      <label>
+        Runtime
+        <select name="runtime" value={String(runtime)} onChange={val((v) => setRuntime(Number(v)))}>
+          <option value={String(Runtime.UNSPECIFIED)}>server default</option>
+          <option value={String(Runtime.LOCAL_STANDALONE)}>local process</option>
+          <option value={String(Runtime.LOCAL_DOCKER)}>docker</option>
+          <option value={String(Runtime.REMOTE)}>remote host</option>
+        </select>
+      </label>
+      <label>
+        Worktree path (absolute, on the executor's host)
+        <input name="worktree" required placeholder="/home/me/project" value={path} onInput={val(setPath)} />
+      </label>
+      <label>
+        Branch (optional)
+        <input name="branch" value={branch} onInput={val(setBranch)} />
+      </label>
+      {runtime === Runtime.REMOTE && (
+        <fieldset>
+          <legend>Remote agentctl</legend>
+          <label>
+            URL
+            <input name="remote-url" value={remote.url} onInput={val((url) => setRemote({ ...remote, url }))} />
+          </label>
+          <label>
+            Secret
+            <input name="remote-secret" type="password" value={remote.secret} onInput={val((secret) => setRemote({ ...remote, secret }))} />
+          </label>
+          <label>
+            Executor id
+            <input name="remote-executor" value={remote.executorId} onInput={val((executorId) => setRemote({ ...remote, executorId }))} />
+          </label>
+        </fieldset>
+      )}
+      <button type="submit" disabled={busy}>
+        {busy ? <Spinner label="Starting the agent…" /> : "Start session"}
+      </button>
+      <ErrorLine error={error} />
+    </form>
+  );
+}
+
+function Spinner(props: { label: string }) {
+  return (
+    <span class="spinner-wrap" role="status" data-testid="spinner">
+      <span class="spinner" aria-hidden="true" />
+      {props.label}
+    </span>
+  );
+}
+
+// ----------------------------------------------------------------- session
+
+class MessageView extends Component<{ message: Message }> {
+  shouldComponentUpdate(next: { message: Message }) {
+    return next.message !== this.props.message;
+  }
+  render() {
+    const m = this.props.message;
+    return (
+      <li class={`msg role-${m.role}${m.complete ? "" : " streaming"}`} data-seq={String(m.seq)}>
+        <span class="who">{roleLabel[m.role]}</span>
+        <div class="text">{m.content}</div>
+      </li>
+    );
+  }
+}
+
+function SessionView(props: { taskId: string; sessionId: string }) {
+  const { taskId, sessionId } = props;
+  const [status, setStatus] = useState<GetSessionStatusResponse | null>(null);
+  const [statusError, setStatusError] = useState("");
+  const [messages, setMessages] = useState<Message[]>([]);
+  const [watch, setWatch] = useState<WatchState>("live");
+  const [resuming, setResuming] = useState(false);
+  const [resumeError, setResumeError] = useState<{ reason: string; message: string } | null>(null);
+  const [draft, setDraft] = useState("");
+  const [error, setError] = useState("");
+  const [starting, setStarting] = useState(false);
+  const [profileName, setProfileName] = useState("");
+  const list = useRef<HTMLOListElement>(null);
+  const stick = useRef(true);
+
+  const refresh = useCallback(() => {
+    sessions
+      .getSessionStatus({ taskId, sessionId })
+      .then((s) => {
+        setStatus(s);
+        setStatusError("");
+      })
+      .catch((err) => {
+        if (authFailed(err)) return;
+        // While sessiond restarts, the banner says so; not an error here.
+        if (err instanceof ConnectError && err.code === Code.Unavailable) return;
+        setStatusError(describe(err));
+      });
+  }, [taskId, sessionId]);
+
+  useEffect(() => {
+    refresh();
+    const byId = new Map<string, number>();
+    let acc: Message[] = [];
+    let frame = 0;
+    let statusTimer = 0;
+    const publish = () => {
+      frame = 0;
+      setMessages(acc.slice());
+    };
+    const stop = follow(
+      (after, signal) => sessions.watchSession({ sessionId, afterSeq: after }, { signal }),
+      (e) => e.seq,
+      (e) => {
+        const p = e.payload;
+        if (p.case === "messageAdded" || p.case === "messageUpdated") {
+          const m = p.value.message!;
+          const at = byId.get(m.id);
+          if (at === undefined) {
+            byId.set(m.id, acc.length);
+            acc.push(m);
+          } else acc[at] = m;
+          if (!frame) frame = requestAnimationFrame(publish);
+        } else {
+          // State and executor changes: ask for the session's status again.
+          clearTimeout(statusTimer);
+          statusTimer = window.setTimeout(refresh, 50);
+        }
+      },
+      (s) => {
+        if (s === "unauthenticated") onAuthFailure();
+        if (s === "live") refresh();
+        setWatch(s);
+      },
+    );
+    return () => {
+      stop();
+      cancelAnimationFrame(frame);
+      clearTimeout(statusTimer);
+    };
+  }, [sessionId, refresh]);
+
+  useEffect(() => {
+    if (!status) return;
+    sessions
+      .listAgentProfiles({})
+      .then((r) => setProfileName(r.profiles.find((p) => p.id === status.agentProfileId)?.name ?? ""))
+      .catch(() => {});
+  }, [status?.agentProfileId]);
+
+  useEffect(() => {
+    const el = list.current;
+    if (el && stick.current) el.scrollTop = el.scrollHeight;
+  }, [messages]);
+
+  const resume = async () => {
+    setResuming(true);
+    setResumeError(null);
+    try {
+      await sessions.resumeSession({ taskId, sessionId });
+    } catch (err) {
+      if (!authFailed(err)) setResumeError({ reason: reason(err), message: err instanceof ConnectError ? err.rawMessage : String(err) });
+    } finally {
+      setResuming(false);
+      refresh();
+    }
+  };
+
+  const startNew = async () => {
+    if (!status) return;
+    setStarting(true);
+    setError("");
+    try {
+      const r = await sessions.createSession({
+        taskId,
+        agentProfile: status.agentProfileId,
+        runtime: status.runtime,
+        worktree: { path: status.worktreePath, branch: status.worktreeBranch },
+      });
+      location.hash = sessionHref(taskId, r.session!.id);
+    } catch (err) {
+      fail(setError)(err);
+    } finally {
+      setStarting(false);
+    }
+  };
+
+  const send = async () => {
+    const content = draft.trim();
+    if (!content) return;
+    setError("");
+    try {
+      await sessions.sendMessage({ taskId, sessionId, content });
+      setDraft("");
+      stick.current = true;
+    } catch (err) {
+      fail(setError)(err);
+    }
+  };
+
+  const stopSession = async () => {
+    setError("");
+    try {
+      await sessions.stopSession({ taskId, sessionId });
+      refresh();
+    } catch (err) {
+      fail(setError)(err);
+    }
+  };
+
+  const s = status;
+  const ended = s && (s.state === SessionState.COMPLETED || s.state === SessionState.CANCELLED);
+  const notResumable =
+    s &&
+    !ended &&
+    !s.isAgentRunning &&
+    !s.needsResume &&
+    (s.state === SessionState.ERROR || s.resumeReason === ResumeReason.NOT_RESUMABLE || s.resumeReason === ResumeReason.MISSING_RESUME_TOKEN);
+  const failedResume = resumeError && resumeError.reason !== "" ? resumeError : null;
+  const showNewSession = !!(notResumable || ended || (failedResume && !s?.isAgentRunning));
+  const workspaceOnly = s && s.executorStatus === ExecutorStatus.READY && !s.isAgentRunning;
+  const canSend = s && s.isAgentRunning && (s.state === SessionState.WAITING_FOR_INPUT || s.state === SessionState.RUNNING);
+
+  return (
+    <section class="session">
+      <div class="session-head">
+        <h1>Session {sessionId.slice(0, 8)}</h1>
+        {s && (
+          <span class="badges" data-testid="session-badges">
+            <Badge tone={stateTone(s.state)} testid="state">{stateLabel[s.state]}</Badge>
+            <Badge tone={executorTone(s.executorStatus)} testid="executor">{executorLabel[s.executorStatus]}</Badge>
+            {workspaceOnly && <Badge tone="warn" testid="workspace-only">workspace only</Badge>}
+            {profileName && <Badge tone="idle">{profileName}</Badge>}
+            <Badge tone="idle">{runtimeLabel[s.runtime]}</Badge>
+          </span>
+        )}
+        {s && !ended && (
+          <button type="button" class="secondary" onClick={stopSession}>
+            Stop
+          </button>
+        )}
+      </div>
+      {watch === "reconnecting" && (
+        <p class="banner warn" role="status" data-testid="reconnecting">
+          reconnecting…
+        </p>
+      )}
+      <ErrorLine error={statusError} />
+      {s && s.needsResume && !resuming && (
+        <div class="banner info" data-testid="needs-resume">
+          <span>{reasonLabel[s.resumeReason] || "The agent is not running."}</span>
+          <button type="button" onClick={resume}>
+            Resume
+          </button>
+        </div>
+      )}
+      {resuming && (
+        <div class="banner info">
+          <Spinner label="Resuming the agent…" />
+        </div>
+      )}
+      {showNewSession && (
+        <div class="banner bad" role="alert" data-testid="not-resumable">
+          <span>
+            {failedResume
+              ? `${failedResume.reason}: ${failedResume.message}`
+              : ended
+                ? reasonLabel[ResumeReason.SESSION_ENDED]
+                : [s?.errorMessage, reasonLabel[s!.resumeReason]].filter(Boolean).join(" — ") || "The agent cannot be resumed."}
+          </span>
+          <button type="button" onClick={startNew} disabled={starting}>
+            {starting ? <Spinner label="Starting…" /> : "Start a new session"}
+          </button>
+        </div>
+      )}
+      <div class="session-body">
+        <div class="conversation">
+          <ol
+            class="messages"
+            ref={list}
+            data-testid="messages"
+            aria-live="polite"
+            onScroll={(e) => {
+              const el = e.currentTarget as HTMLElement;
+              stick.current = el.scrollHeight - el.scrollTop - el.clientHeight < 40;
+            }}
+          >
+            {messages.map((m) => (
+              <MessageView key={m.id} message={m} />
+            ))}
+          </ol>
+          <form
+            class="composer"
+            onSubmit={(e) => {
+              e.preventDefault();
+              send();
+            }}
+          >
+            <label class="grow">
+              <span class="sr">Message</span>
+              <textarea
+                name="message"
+                rows={2}
+                placeholder={canSend ? "Message the agent (Enter sends, Shift+Enter new line)" : "The agent is not running"}
+                value={draft}
+                onInput={(e) => setDraft((e.target as HTMLTextAreaElement).value)}
+                onKeyDown={(e) => {
+                  if (e.key === "Enter" && !e.shiftKey) {
+                    e.preventDefault();
+                    send();
+                  }
+                }}
+              />
+            </label>
+            <button type="submit" disabled={!canSend}>
+              Send
+            </button>
+          </form>
+          <ErrorLine error={error} />
+        </div>
+        <Workspace taskId={taskId} sessionId={sessionId} ready={s?.executorStatus === ExecutorStatus.READY} />
+      </div>
+    </section>
+  );
+}

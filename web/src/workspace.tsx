@@ -1,0 +1,203 @@
+import { useEffect, useState } from "preact/hooks";
+import { describe, workspace } from "./api";
+import { authFailed } from "./app";
+import type { DirEntry, GitStatusResponse, ExecResponse } from "./gen/sessiond/v1/workspace_service_pb";
+
+const text = new TextDecoder();
+
+type Tab = "files" | "git" | "run";
+
+/** Shell, files and git of the session's worktree: usable whenever the
+ * executor is ready, whether or not the agent runs. */
+export function Workspace(props: { taskId: string; sessionId: string; ready: boolean }) {
+  const [tab, setTab] = useState<Tab>("files");
+  const session = { taskId: props.taskId, sessionId: props.sessionId };
+  return (
+    <aside class="workspace card" aria-label="Workspace">
+      <div class="tabs" role="tablist">
+        {(["files", "git", "run"] as Tab[]).map((t) => (
+          <button
+            key={t}
+            type="button"
+            role="tab"
+            aria-selected={tab === t}
+            class={tab === t ? "tab active" : "tab"}
+            onClick={() => setTab(t)}
+          >
+            {t === "files" ? "Files" : t === "git" ? "Git" : "Run"}
+          </button>
+        ))}
+      </div>
+      {!props.ready ? (
+        <p class="muted">The workspace is available once the executor is ready.</p>
+      ) : tab === "files" ? (
+        <Files session={session} />
+      ) : tab === "git" ? (
+        <Git session={session} />
+      ) : (
+        <Run session={session} />
+      )}
+    </aside>
+  );
+}
+
+type Ref = { taskId: string; sessionId: string };
+
+function useError(): [string, (s: string) => void, (err: unknown) => void] {
+  const [error, setError] = useState("");
+  return [error, setError, (err) => !authFailed(err) && setError(describe(err))];
+}
+
+function Dir(props: { session: Ref; path: string; onOpen: (p: string) => void }) {
+  const [entries, setEntries] = useState<DirEntry[] | null>(null);
+  const [open, setOpen] = useState<Record<string, boolean>>({});
+  const [error, , onError] = useError();
+  useEffect(() => {
+    workspace
+      .listDir({ session: props.session, path: props.path })
+      .then((r) =>
+        setEntries(
+          [...r.entries].sort((a, b) => Number(b.isDir) - Number(a.isDir) || a.name.localeCompare(b.name)),
+        ),
+      )
+      .catch(onError);
+  }, [props.path]);
+  if (error) return <p class="error">{error}</p>;
+  if (!entries) return <p class="muted">Loading…</p>;
+  return (
+    <ul class="tree">
+      {entries.map((e) => {
+        const p = props.path ? `${props.path}/${e.name}` : e.name;
+        return (
+          <li key={e.name}>
+            {e.isDir ? (
+              <>
+                <button type="button" class="link" aria-expanded={!!open[e.name]} onClick={() => setOpen({ ...open, [e.name]: !open[e.name] })}>
+                  {open[e.name] ? "▾" : "▸"} {e.name}/
+                </button>
+                {open[e.name] && <Dir session={props.session} path={p} onOpen={props.onOpen} />}
+              </>
+            ) : (
+              <button type="button" class="link file" onClick={() => props.onOpen(p)}>
+                {e.name}
+              </button>
+            )}
+          </li>
+        );
+      })}
+    </ul>
+  );
+}
+
+function Files(props: { session: Ref }) {
+  const [file, setFile] = useState<{ path: string; content: string } | null>(null);
+  const [error, setError, onError] = useError();
+  const openFile = (path: string) => {
+    setError("");
+    workspace
+      .readFile({ session: props.session, path })
+      .then((r) => setFile({ path, content: text.decode(r.content) }))
+      .catch(onError);
+  };
+  return (
+    <div class="files">
+      <Dir session={props.session} path="" onOpen={openFile} />
+      {error && <p class="error">{error}</p>}
+      {file && (
+        <figure class="viewer" data-testid="file-viewer">
+          <figcaption>{file.path}</figcaption>
+          <pre>{file.content}</pre>
+        </figure>
+      )}
+    </div>
+  );
+}
+
+function Git(props: { session: Ref }) {
+  const [status, setStatus] = useState<GitStatusResponse | null>(null);
+  const [diff, setDiff] = useState("");
+  const [error, setError, onError] = useError();
+  const load = () => {
+    setError("");
+    workspace.gitStatus({ session: props.session }).then(setStatus).catch(onError);
+    workspace
+      .gitDiff({ session: props.session })
+      .then((r) => setDiff(r.diff))
+      .catch(onError);
+  };
+  useEffect(load, []);
+  return (
+    <div class="git">
+      <div class="row">
+        <strong>{status ? `branch ${status.branch || "(detached)"}` : ""}</strong>
+        <button type="button" class="secondary" onClick={load}>
+          Refresh
+        </button>
+      </div>
+      {error && <p class="error">{error}</p>}
+      {status && (
+        <ul class="list compact" data-testid="git-status">
+          {status.files.length === 0 && <li class="muted">clean</li>}
+          {status.files.map((f) => (
+            <li key={f.path}>
+              <code>{f.code}</code> {f.path}
+            </li>
+          ))}
+        </ul>
+      )}
+      <pre class="diff" data-testid="git-diff">
+        {diff.split("\n").map((line, i) => (
+          <span key={i} class={line.startsWith("+") && !line.startsWith("+++") ? "add" : line.startsWith("-") && !line.startsWith("---") ? "del" : ""}>
+            {line + "\n"}
+          </span>
+        ))}
+      </pre>
+    </div>
+  );
+}
+
+function Run(props: { session: Ref }) {
+  const [command, setCommand] = useState("");
+  const [result, setResult] = useState<ExecResponse | null>(null);
+  const [busy, setBusy] = useState(false);
+  const [error, setError, onError] = useError();
+  return (
+    <div class="run">
+      <form
+        class="row"
+        onSubmit={async (e) => {
+          e.preventDefault();
+          setBusy(true);
+          setError("");
+          try {
+            // One command line, run by the worktree's shell.
+            setResult(await workspace.exec({ session: props.session, command: "sh", args: ["-c", command], timeoutMs: 60000n }));
+          } catch (err) {
+            onError(err);
+          } finally {
+            setBusy(false);
+          }
+        }}
+      >
+        <label class="grow">
+          <span class="sr">Command</span>
+          <input name="command" placeholder="ls -la" value={command} onInput={(e) => setCommand((e.target as HTMLInputElement).value)} required />
+        </label>
+        <button type="submit" disabled={busy}>
+          Run
+        </button>
+      </form>
+      {error && <p class="error">{error}</p>}
+      {result && (
+        <div data-testid="exec-result">
+          <p>
+            exit {result.exitCode ?? "none"}
+            {result.timedOut ? " (timed out)" : ""}
+          </p>
+          <pre class="stdout">{text.decode(result.stdout)}</pre>
+          {result.stderr.length > 0 && <pre class="stderr">{text.decode(result.stderr)}</pre>}
+        </div>
+      )}
+    </div>
+  );
+}
