@@ -109,11 +109,6 @@ async fn metrics_answer_beside_1000_idle_connections_which_are_then_closed() {
     assert!(body.contains("sessiond_recovery_done 1"), "{body}");
     let (status, _) = http_get(&metrics, "/livez").await;
     assert!(status.contains(" 200"), "{status}");
-    assert!(
-        open_fds(pid) >= baseline + 900,
-        "the idle connections were not accepted: {} fds, baseline {baseline}",
-        open_fds(pid)
-    );
 
     // The server hangs up on them (hyper's header-read timeout): we still
     // hold our ends, so only the server side can have closed.
