@@ -20,7 +20,7 @@ const sc = (sub, ...args) =>
   }).trim();
 
 try {
-  const many = sc(["task", "create"], "200 sessions", "-q");
+  const many = sc(["task", "create"], `${SESSIONS} sessions`, "-q");
   let t = Date.now();
   for (let i = 0; i < SESSIONS; i++) {
     const s = sc(["session", "create"], "--task", many, "--worktree", work, "-q");

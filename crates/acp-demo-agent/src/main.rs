@@ -56,6 +56,23 @@ struct Cli {
     /// Delay between reply chunks (a slow turn, for cancel tests).
     #[arg(long, env = "ACP_DEMO_CHUNK_DELAY_MS", default_value_t = 0)]
     chunk_delay_ms: u64,
+    /// A tool call with a side effect before the reply: every prompt first
+    /// appends one line (the prompt) to this file (relative to the working
+    /// directory, i.e. the worktree) and reports a tool call.
+    #[arg(long, env = "ACP_DEMO_SIDE_EFFECT_FILE")]
+    side_effect_file: Option<PathBuf>,
+    /// After the side effect, wait while this file exists (a gate a test
+    /// holds closed to crash things at that exact point of a turn).
+    #[arg(long, env = "ACP_DEMO_GATE_FILE")]
+    gate_file: Option<PathBuf>,
+    /// Split the reply into this many extra chunks (a long, multi-chunk
+    /// reply; with --chunk-delay-ms a slow one).
+    #[arg(long, env = "ACP_DEMO_EXTRA_CHUNKS", default_value_t = 0)]
+    extra_chunks: u32,
+    /// At start, run a child that starts a grandchild (`sleep`), like npm
+    /// wrappers around a native agent; the grandchild's pid goes to this file.
+    #[arg(long, env = "ACP_DEMO_GRANDCHILD_PID_FILE")]
+    grandchild_pid_file: Option<PathBuf>,
 }
 
 #[derive(Debug)]
@@ -80,6 +97,17 @@ async fn main() -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| std::env::temp_dir().join("acp-demo-agent"));
     std::fs::create_dir_all(&state_dir)?;
+    if let Some(file) = &cli.grandchild_pid_file {
+        // Not waited for: it lives as long as nothing kills it.
+        let _child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg("sleep 600 & echo $! > \"$1\"; wait")
+            .arg("sh")
+            .arg(file)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .spawn()?;
+    }
     if cli.start_delay_ms > 0 {
         tokio::time::sleep(Duration::from_millis(cli.start_delay_ms)).await;
     }
@@ -229,11 +257,22 @@ async fn run_turn(
         .collect::<Vec<_>>()
         .join("");
     let n = turns.len() + 1;
+    if let Some(file) = &demo.cli.side_effect_file {
+        side_effect(cx, &req.session_id, file, &prompt, count)?;
+        if let Some(gate) = &demo.cli.gate_file {
+            while gate.exists() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
     let mut chunks = vec![
         format!("turn {n} "),
         format!("of session {id}: "),
         format!("you said \"{prompt}\""),
     ];
+    for i in 0..demo.cli.extra_chunks {
+        chunks.push(format!(" [{}]", i + 1));
+    }
     if let Some(extra) = slash_command(cx, &req.session_id, &prompt).await? {
         chunks.push(format!("\n{extra}"));
     }
@@ -270,6 +309,35 @@ async fn run_turn(
         )
     })?;
     Ok(PromptResponse::new(StopReason::EndTurn))
+}
+
+/// The tool call of `--side-effect-file`: appends the prompt as one line and
+/// reports a completed tool call.
+fn side_effect(
+    cx: &ConnectionTo<Client>,
+    session: &agent_client_protocol::v1::schema::SessionId,
+    file: &Path,
+    prompt: &str,
+    count: u32,
+) -> Result<(), Error> {
+    use std::io::Write;
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(file)
+        .and_then(|mut f| {
+            writeln!(f, "{}", prompt.replace('\n', " "))?;
+            f.sync_data()
+        })
+        .map_err(|e| Error::new(ErrorCode::INTERNAL_ERROR, format!("side effect: {e}")))?;
+    cx.send_notification(SessionNotification::new(
+        session.clone(),
+        SessionUpdate::ToolCall(
+            ToolCall::new(format!("side-effect-{count}"), "append a line")
+                .status(ToolCallStatus::Completed),
+        ),
+    ))?;
+    Ok(())
 }
 
 /// Runs the client-facing feature a slash prompt asks for and describes the

@@ -36,7 +36,9 @@ use tokio::sync::{oneshot, watch};
 
 use crate::error::{Error, Result};
 use crate::exec::SCRUBBED_ENV;
+use crate::journal::{AgentRecord, Journal, Loaded, Phase, TurnRecord};
 use crate::sys;
+use crate::tree;
 use crate::updates::UpdateLog;
 use crate::workspace::Workspace;
 
@@ -99,6 +101,12 @@ pub struct Prompted {
     pub already_accepted: bool,
     /// With `already_accepted`: the known turn has ended.
     pub turn_ended: bool,
+    /// The agentctl instance that accepted the turn.
+    pub accepted_by: String,
+    /// How far the turn got.
+    pub phase: Phase,
+    /// With `turn_ended`: the cursor of its `TurnEnded`.
+    pub end_cursor: u64,
 }
 
 /// A snapshot for Health and Capabilities.
@@ -147,11 +155,13 @@ struct Slot {
     replaying: Option<SessionId>,
     /// Updates dropped during the current `session/load`, for the log.
     replayed: u64,
-    /// Turns started by this process, oldest first, at most
-    /// [`REMEMBERED_TURNS`]: `(turn_id, message_id, ended)`. Kept across
-    /// agent relaunches, so a Prompt re-sent for a turn an earlier agent of
-    /// this process got is not run again.
-    turns: VecDeque<(String, String, bool)>,
+    /// Turns started by this process or (read from the journal) earlier
+    /// agentctl processes of this executor, oldest first, at most
+    /// [`REMEMBERED_TURNS`]. Kept across agent relaunches, so a Prompt
+    /// re-sent for a turn an earlier agent got is not run again.
+    turns: VecDeque<TurnRecord>,
+    /// Marker of the running agent's process tree (see [`tree`]).
+    marker: String,
 }
 
 #[derive(Debug)]
@@ -161,6 +171,11 @@ struct Shared {
     policy: PermissionPolicy,
     slot: Mutex<Slot>,
     ops: tokio::sync::Mutex<()>,
+    journal: Journal,
+    /// The journal was created by this process (see the proto's Health).
+    journal_fresh: bool,
+    /// Test hook: the crash point at which this process SIGKILLs itself.
+    crash_at: Option<String>,
 }
 
 /// Owns the agent process and the ACP connection to it.
@@ -188,27 +203,40 @@ impl Slot {
         }
     }
 
-    /// The answer to a Prompt for `turn_id` when this process started it.
-    fn known_turn(&self, turn_id: &str) -> Option<Prompted> {
+    /// The answer to a Prompt for `turn_id` when it must start nothing:
+    /// this process accepted it, or an earlier one handed it to an agent.
+    /// A turn an earlier process accepted but never handed to an agent is
+    /// not known: it provably reached no agent and may run now.
+    fn known_turn(&self, turn_id: &str, instance: &str) -> Option<Prompted> {
         if turn_id.is_empty() {
             return None;
         }
         self.turns
             .iter()
             .rev()
-            .find(|t| t.0 == turn_id)
-            .map(|(t, m, ended)| Prompted {
-                turn_id: t.clone(),
-                message_id: m.clone(),
+            .find(|t| t.turn_id == turn_id)
+            .filter(|t| t.instance == instance || t.phase != Phase::Accepted)
+            .map(|t| Prompted {
+                turn_id: t.turn_id.clone(),
+                message_id: t.message_id.clone(),
                 already_accepted: true,
-                turn_ended: *ended,
+                turn_ended: t.phase == Phase::Ended,
+                accepted_by: t.instance.clone(),
+                phase: t.phase,
+                end_cursor: t.end_cursor,
             })
     }
 
-    /// Marks a remembered turn ended.
-    fn turn_ended(&mut self, turn_id: &str) {
-        if let Some(t) = self.turns.iter_mut().rev().find(|t| t.0 == turn_id) {
-            t.2 = true;
+    /// Marks a remembered turn of this process with `phase`.
+    fn set_phase(&mut self, turn_id: &str, instance: &str, phase: Phase, cursor: u64) {
+        if let Some(t) = self
+            .turns
+            .iter_mut()
+            .rev()
+            .find(|t| t.turn_id == turn_id && t.instance == instance)
+        {
+            t.phase = phase;
+            t.end_cursor = cursor;
         }
     }
 
@@ -288,11 +316,34 @@ fn acp_error(what: &str, e: &agent_client_protocol::Error) -> Error {
 }
 
 impl AgentManager {
-    /// A manager with no agent.
+    /// A manager with no agent and no journal.
     pub fn new(
         workspace: Arc<Workspace>,
         updates: Arc<UpdateLog>,
         policy: PermissionPolicy,
+    ) -> Self {
+        Self::with_journal(
+            workspace,
+            updates,
+            policy,
+            Journal::none(),
+            Loaded::default(),
+            None,
+        )
+    }
+
+    /// A manager with no agent, recording turns in `journal`, knowing the
+    /// turns earlier processes recorded there (`loaded`). `crash_at` is a test hook:
+    /// the process SIGKILLs itself at that point of a turn
+    /// (`after-accepted`: recorded, Prompt not answered; `after-handed`:
+    /// recorded as handed, the agent not yet sent it).
+    pub fn with_journal(
+        workspace: Arc<Workspace>,
+        updates: Arc<UpdateLog>,
+        policy: PermissionPolicy,
+        journal: Journal,
+        loaded: Loaded,
+        crash_at: Option<String>,
     ) -> Self {
         Self {
             shared: Arc::new(Shared {
@@ -310,9 +361,13 @@ impl AgentManager {
                     turn: None,
                     replaying: None,
                     replayed: 0,
-                    turns: VecDeque::new(),
+                    turns: loaded.turns,
+                    marker: String::new(),
                 }),
                 ops: tokio::sync::Mutex::new(()),
+                journal_fresh: journal.is_durable() && loaded.fresh,
+                journal,
+                crash_at,
             }),
         }
     }
@@ -364,11 +419,16 @@ impl AgentManager {
             .current_dir(self.shared.workspace.root())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
+            .stderr(Stdio::piped());
         for k in SCRUBBED_ENV {
             cmd.env_remove(k);
         }
+        // Its own session (so its own process group), and a marker every
+        // descendant inherits: the tree can be ended whole, even after
+        // agentctl died (see `tree`).
+        let marker = uuid::Uuid::new_v4().simple().to_string();
+        cmd.env(tree::MARKER_ENV, &marker);
+        sys::new_session(&mut cmd);
         // Dies with agentctl even when agentctl is SIGKILLed. This runs in an
         // async fn, so on a tokio worker thread (see the caveat there).
         sys::kill_on_parent_death(&mut cmd);
@@ -383,6 +443,16 @@ impl AgentManager {
             return Err(Error::Unavailable("agent stdio was not captured".into()));
         };
         tracing::info!(pid, command = %spec.command, "agent spawned");
+        let record = AgentRecord {
+            instance: self.shared.updates.instance_id().to_owned(),
+            pid,
+            start_time: tree::stat(pid).map_or(0, |(st, _)| st),
+            marker: marker.clone(),
+        };
+        if let Err(e) = self.shared.journal.agent(&record) {
+            let _ = sys::kill_group(pid, sys::SIGKILL);
+            return Err(e);
+        }
 
         let (exit_tx, exit_rx) = watch::channel(None);
         let (close_tx, close_rx) = oneshot::channel::<()>();
@@ -395,6 +465,7 @@ impl AgentManager {
             slot.session = None;
             slot.turn = None;
             slot.replaying = None;
+            slot.marker = marker;
             slot.running = Some(Running {
                 pid,
                 conn: None,
@@ -595,11 +666,30 @@ impl AgentManager {
     /// Starts one turn in the background. Idempotent by `turn_id`: a turn id
     /// this process already started (in progress or among the last
     /// [`REMEMBERED_TURNS`]) starts nothing and answers as the first call did.
-    pub fn prompt(&self, text: String, turn_id: String) -> Result<Prompted> {
-        let known = self.shared.slot().known_turn(&turn_id);
+    ///
+    /// The turn is recorded in the journal (fsync) as accepted before this
+    /// returns and as handed before the agent is sent it. With
+    /// `only_if_journaled` and no journal, nothing starts
+    /// (FAILED_PRECONDITION).
+    pub fn prompt(
+        &self,
+        text: String,
+        turn_id: String,
+        only_if_journaled: bool,
+    ) -> Result<Prompted> {
+        let instance = self.shared.updates.instance_id().to_owned();
+        let known = self.shared.slot().known_turn(&turn_id, &instance);
         if let Some(p) = known {
-            tracing::info!(turn_id = %p.turn_id, ended = p.turn_ended, "Prompt for a turn already accepted; nothing started");
+            tracing::info!(turn_id = %p.turn_id, ended = p.turn_ended, accepted_by = %p.accepted_by,
+                "Prompt for a turn already accepted; nothing started");
             return Ok(p);
+        }
+        if only_if_journaled && !self.shared.journal.is_durable() {
+            return Err(Error::FailedPrecondition(
+                "this agentctl keeps no turn journal (--journal), so it cannot tell whether an \
+                 earlier agentctl process handed this turn to an agent; not starting it"
+                    .into(),
+            ));
         }
         if text.is_empty() {
             return Err(Error::InvalidArgument("prompt text is empty".into()));
@@ -614,7 +704,7 @@ impl AgentManager {
             let mut slot = self.shared.slot();
             // Checked again under this lock: a concurrent duplicate may
             // have started the turn since the check above.
-            if let Some(p) = slot.known_turn(&turn_id) {
+            if let Some(p) = slot.known_turn(&turn_id, &instance) {
                 return Ok(p);
             }
             let conn = slot.connection()?;
@@ -633,22 +723,57 @@ impl AgentManager {
                 .as_ref()
                 .map(|r| (r.exit_rx.clone(), r.pid))
                 .ok_or_else(|| Error::FailedPrecondition("no agent is running".into()))?;
+            // Durable before anything else happens (under the slot lock, so
+            // the journal's order is the turns' order; no turn runs now).
+            self.shared
+                .journal
+                .accepted(&turn_id, &message_id, &instance)?;
             slot.turn = Some(Turn {
                 turn_id: turn_id.clone(),
                 message_id: message_id.clone(),
                 session: session.clone(),
             });
-            slot.turns
-                .push_back((turn_id.clone(), message_id.clone(), false));
+            slot.turns.retain(|t| t.turn_id != turn_id);
+            slot.turns.push_back(TurnRecord {
+                turn_id: turn_id.clone(),
+                message_id: message_id.clone(),
+                instance: instance.clone(),
+                phase: Phase::Accepted,
+                end_cursor: 0,
+            });
             while slot.turns.len() > REMEMBERED_TURNS {
                 slot.turns.pop_front();
             }
             slot.set_state(&self.shared.updates, AgentState::Busy);
             (conn, session, exit_rx, pid)
         };
+        self.crash_point("after-accepted");
         let shared = self.shared.clone();
         let tid = turn_id.clone();
+        let this = self.clone();
         tokio::spawn(async move {
+            // Durable before the agent can see the prompt.
+            let handed = {
+                let mut slot = shared.slot();
+                let still_ours = slot.turn.as_ref().is_some_and(|t| t.turn_id == tid);
+                still_ours.then(|| {
+                    let r = shared.journal.handed(&tid, &instance);
+                    if r.is_ok() {
+                        slot.set_phase(&tid, &instance, Phase::Handed, 0);
+                    }
+                    r
+                })
+            };
+            match handed {
+                None => return, // the agent exited meanwhile; the turn ended
+                Some(Err(e)) => {
+                    tracing::error!(turn_id = %tid, error = %e, "could not record the turn as handed; not sending it");
+                    finish_turn(&shared, &tid, "error", &e.to_string());
+                    return;
+                }
+                Some(Ok(())) => {}
+            }
+            this.crash_point("after-handed");
             let request =
                 PromptRequest::new(session, vec![ContentBlock::Text(TextContent::new(text))]);
             match conn.send_request(request).block_task().await {
@@ -679,7 +804,27 @@ impl AgentManager {
             message_id,
             already_accepted: false,
             turn_ended: false,
+            accepted_by: self.shared.updates.instance_id().to_owned(),
+            phase: Phase::Accepted,
+            end_cursor: 0,
         })
+    }
+
+    /// Whether turns are journaled durably, and whether this process
+    /// created the journal.
+    pub fn journaled(&self) -> (bool, bool) {
+        (self.shared.journal.is_durable(), self.shared.journal_fresh)
+    }
+
+    /// Test hook: SIGKILLs this process at crash point `name` when asked to.
+    fn crash_point(&self, name: &str) {
+        if self.shared.crash_at.as_deref() == Some(name) {
+            tracing::warn!(
+                point = name,
+                "crash point reached; killing agentctl (test hook)"
+            );
+            sys::kill_self();
+        }
     }
 
     /// Sends ACP `session/cancel` for the turn in progress.
@@ -743,22 +888,48 @@ fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) {
     slot.replaying = None;
     slot.session = None;
     if let Some(turn) = slot.turn.take() {
-        slot.turn_ended(&turn.turn_id);
-        shared.updates.push(Kind::TurnEnded(TurnEnded {
-            turn_id: turn.turn_id,
+        let cursor = shared.updates.push(Kind::TurnEnded(TurnEnded {
+            turn_id: turn.turn_id.clone(),
             stop_reason: "error".into(),
             error_message: format!(
                 "the agent exited during the turn ({})",
                 describe_exit(&exit)
             ),
         }));
+        record_ended(shared, &mut slot, &turn.turn_id, cursor);
     }
+    // What the agent left of its tree (children it did not wait for) ends
+    // with it.
+    let marker = std::mem::take(&mut slot.marker);
     slot.set_state(&shared.updates, AgentState::Exited);
     shared
         .updates
         .push(Kind::AgentExited(AgentExited { exit: Some(exit) }));
     drop(slot);
+    if !marker.is_empty() && running.is_some() {
+        let record = AgentRecord {
+            instance: shared.updates.instance_id().to_owned(),
+            pid: running.as_ref().map_or(0, |r| r.pid),
+            start_time: 0,
+            marker,
+        };
+        let ended = tree::end(&record);
+        if ended > 0 {
+            tracing::info!(ended, "ended processes the agent left behind");
+        }
+    }
     drop(running);
+}
+
+/// Marks `turn_id` ended at `cursor`, in memory and in the journal. A failed
+/// journal write is logged: the end is on the stream already, and a
+/// relaunched agentctl reading "handed" only makes the backend more careful.
+fn record_ended(shared: &Shared, slot: &mut Slot, turn_id: &str, cursor: u64) {
+    let instance = shared.updates.instance_id();
+    slot.set_phase(turn_id, instance, Phase::Ended, cursor);
+    if let Err(e) = shared.journal.ended(turn_id, instance, cursor) {
+        tracing::warn!(turn_id, error = %e, "could not record the turn's end in the journal");
+    }
 }
 
 /// Ends `turn_id` if it is still the turn in progress.
@@ -768,12 +939,12 @@ fn finish_turn(shared: &Shared, turn_id: &str, stop_reason: &str, error: &str) {
         return;
     }
     slot.turn = None;
-    slot.turn_ended(turn_id);
-    shared.updates.push(Kind::TurnEnded(TurnEnded {
+    let cursor = shared.updates.push(Kind::TurnEnded(TurnEnded {
         turn_id: turn_id.to_owned(),
         stop_reason: stop_reason.to_owned(),
         error_message: error.to_owned(),
     }));
+    record_ended(shared, &mut slot, turn_id, cursor);
     if slot.state == AgentState::Busy {
         slot.set_state(&shared.updates, AgentState::Ready);
     }

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use agentctl::agent::{AgentManager, PermissionPolicy};
 use agentctl::auth::{Activity, Authenticator, Secret};
+use agentctl::journal::Journal;
 use agentctl::service::AgentCtl;
+use agentctl::tree;
 use agentctl::updates::UpdateLog;
 use agentctl::workspace::Workspace;
 use anyhow::{Context, bail};
@@ -47,6 +49,13 @@ struct Cli {
     /// How the agent's permission requests are answered.
     #[arg(long, value_enum, default_value_t = PermissionPolicy::AllowOnce)]
     permission_policy: PermissionPolicy,
+    /// The durable turn journal (created if missing), normally in the
+    /// executor's run directory, shared by every agentctl process of one
+    /// executor: what earlier processes did with each turn, and the agent
+    /// process trees they started (ended at start, before anything else).
+    /// Without it, a relaunched agentctl knows nothing of earlier turns.
+    #[arg(long)]
+    journal: Option<PathBuf>,
     /// Grace between TERM and KILL when agentctl itself is terminated.
     #[arg(long, default_value = "3s", value_parser = parse_duration)]
     stop_grace: Duration,
@@ -112,7 +121,40 @@ async fn main() -> anyhow::Result<()> {
     let workspace = Arc::new(Workspace::open(&cli.workspace)?);
     let updates = Arc::new(UpdateLog::new(cli.update_buffer));
     let activity = Arc::new(Activity::default());
-    let agent = AgentManager::new(workspace.clone(), updates.clone(), cli.permission_policy);
+    let (journal, loaded) = match &cli.journal {
+        Some(path) => {
+            // Agent trees of earlier agentctl processes (a SIGKILLed one
+            // cannot end its agent's grandchildren) end before we serve.
+            let (journal, loaded) = Journal::open(
+                path,
+                updates.instance_id(),
+                agentctl::agent::REMEMBERED_TURNS,
+                |a| {
+                    let ended = tree::end(a);
+                    if ended > 0 {
+                        tracing::warn!(ended, pid = a.pid, instance = %a.instance,
+                            "ended the processes an earlier agentctl's agent left behind");
+                    }
+                    !tree::members(a).is_empty()
+                },
+            )?;
+            tracing::info!(journal = %path.display(), turns = loaded.turns.len(), fresh = loaded.fresh, "turn journal opened");
+            (journal, loaded)
+        }
+        None => (Journal::none(), Default::default()),
+    };
+    // Test hook for deterministic crash tests (see AgentManager::with_journal).
+    let crash_at = std::env::var("AGENTCTL_TEST_CRASH_AT")
+        .ok()
+        .filter(|v| !v.is_empty());
+    let agent = AgentManager::with_journal(
+        workspace.clone(),
+        updates.clone(),
+        cli.permission_policy,
+        journal,
+        loaded,
+        crash_at,
+    );
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let service = AgentCtl::new(
         cli.executor_id.clone(),

@@ -12,7 +12,8 @@ use sessiond_proto::agentctl::v1::{
     GitStatusResponse, HealthRequest, HealthResponse, LaunchAgentRequest, LaunchAgentResponse,
     ListDirRequest, ListDirResponse, NewSessionRequest, NewSessionResponse, PromptRequest,
     PromptResponse, ReadFileRequest, ReadFileResponse, ResumeSessionRequest, ResumeSessionResponse,
-    StopAgentRequest, StopAgentResponse, StreamUpdatesRequest, WriteFileRequest, WriteFileResponse,
+    StopAgentRequest, StopAgentResponse, StreamUpdatesRequest, TurnPhase, WriteFileRequest,
+    WriteFileResponse,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
@@ -23,6 +24,7 @@ use crate::agent::{AgentManager, LaunchSpec};
 use crate::auth::{Activity, Authenticator};
 use crate::exec::{self, ExecSpec};
 use crate::git;
+use crate::journal::Phase;
 use crate::updates::{Read, UpdateLog};
 use crate::workspace::Workspace;
 
@@ -100,6 +102,7 @@ async fn blocking<T: Send + 'static>(
 impl AgentCtlService for AgentCtl {
     async fn health(&self, _req: Request<HealthRequest>) -> Res<HealthResponse> {
         let status = self.agent.status();
+        let (journaled, journal_fresh) = self.agent.journaled();
         Ok(Response::new(HealthResponse {
             executor_id: self.executor_id.clone(),
             agentctl_version: env!("CARGO_PKG_VERSION").to_owned(),
@@ -110,6 +113,8 @@ impl AgentCtlService for AgentCtl {
             instance_id: self.updates.instance_id().to_owned(),
             latest_cursor: self.updates.latest(),
             acp_session_id: status.session.unwrap_or_default(),
+            journaled,
+            journal_fresh,
         }))
     }
 
@@ -169,12 +174,20 @@ impl AgentCtlService for AgentCtl {
 
     async fn prompt(&self, req: Request<PromptRequest>) -> Res<PromptResponse> {
         let r = req.into_inner();
-        let p = self.agent.prompt(r.text, r.turn_id)?;
+        let p = self.agent.prompt(r.text, r.turn_id, r.only_if_journaled)?;
+        let phase = match p.phase {
+            Phase::Accepted => TurnPhase::Accepted,
+            Phase::Handed => TurnPhase::Handed,
+            Phase::Ended => TurnPhase::Ended,
+        };
         Ok(Response::new(PromptResponse {
             turn_id: p.turn_id,
             message_id: p.message_id,
             already_accepted: p.already_accepted,
             turn_ended: p.turn_ended,
+            accepted_by_instance: p.accepted_by,
+            phase: phase as i32,
+            end_cursor: p.end_cursor,
         }))
     }
 

@@ -84,3 +84,47 @@ pub fn kill_on_parent_death(cmd: &mut tokio::process::Command) {
         });
     }
 }
+
+/// Runs the child `cmd` spawns as the leader of a new session (and process
+/// group), so its whole tree can be told apart from agentctl's: every
+/// descendant that does not call `setsid` itself keeps that session id.
+pub fn new_session(cmd: &mut tokio::process::Command) {
+    // SAFETY: `setsid` is an async-signal-safe system call; on failure only
+    // `errno` is read. Nothing of the parent's memory is touched.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Sends SIGKILL to ourselves: the test hook for crash points (see
+/// `AgentManager::crash_point`).
+pub fn kill_self() -> ! {
+    // SAFETY: plain system calls on our own pid.
+    unsafe {
+        libc::kill(libc::getpid(), libc::SIGKILL);
+    }
+    std::process::abort()
+}
+
+/// Sends `signal` to one process.
+pub fn kill_pid(pid: u32, signal: i32) -> io::Result<()> {
+    let pid = libc::pid_t::try_from(pid)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "pid too large"))?;
+    if pid <= 1 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "refusing to signal pid 0 or 1",
+        ));
+    }
+    // SAFETY: kill takes two integers; pid > 1 rules out groups and init.
+    if unsafe { libc::kill(pid, signal) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}

@@ -100,6 +100,10 @@ impl Harness {
     }
 
     async fn spawn(&self, extra: &[&str]) -> Ctl {
+        self.spawn_env(extra, &[]).await
+    }
+
+    async fn spawn_env(&self, extra: &[&str], env: &[(&str, &str)]) -> Ctl {
         let port_file = self.base.path().join("agentctl.port");
         let log = std::fs::File::create(self.base.path().join("agentctl.log")).expect("log");
         let mut child = tokio::process::Command::new(agentctl_exe())
@@ -112,6 +116,7 @@ impl Harness {
             .arg("--port-file")
             .arg(&port_file)
             .args(extra)
+            .envs(env.iter().copied())
             .env("AGENTCTL_SECRET", SECRET)
             .env("AGENTCTL_LOG", "info")
             .stdin(Stdio::null())
@@ -349,6 +354,7 @@ async fn prompt(client: &mut Client, stream: &mut Stream, text: &str) -> (String
         .prompt(PromptRequest {
             text: text.into(),
             turn_id: String::new(),
+            ..Default::default()
         })
         .await
         .expect("prompt")
@@ -396,6 +402,7 @@ async fn launch_prompt_stop_relaunch_resume_continues_conversation() {
         .prompt(PromptRequest {
             text: "x".into(),
             turn_id: String::new(),
+            ..Default::default()
         })
         .await
         .expect_err("no agent");
@@ -483,6 +490,7 @@ async fn launch_prompt_stop_relaunch_resume_continues_conversation() {
         .prompt(PromptRequest {
             text: "third".into(),
             turn_id: "my-turn-3".into(),
+            ..Default::default()
         })
         .await
         .expect("prompt")
@@ -543,6 +551,7 @@ async fn prompt_is_idempotent_by_turn_id() {
     let req = || PromptRequest {
         text: "only once".into(),
         turn_id: "turn-a".into(),
+        ..Default::default()
     };
     let first = c.prompt(req()).await.expect("prompt").into_inner();
     assert_eq!(first.turn_id, "turn-a");
@@ -559,6 +568,7 @@ async fn prompt_is_idempotent_by_turn_id() {
         .prompt(PromptRequest {
             text: String::new(),
             turn_id: "turn-a".into(),
+            ..Default::default()
         })
         .await
         .expect("duplicate without text")
@@ -606,6 +616,7 @@ async fn prompt_is_idempotent_by_turn_id() {
         .prompt(PromptRequest {
             text: "next".into(),
             turn_id: "turn-b".into(),
+            ..Default::default()
         })
         .await
         .expect("prompt")
@@ -815,7 +826,8 @@ async fn expect_unauthenticated(c: &mut Client, label: &str) {
         "Prompt",
         c.prompt(PromptRequest {
             text: "x".into(),
-            turn_id: String::new()
+            turn_id: String::new(),
+            ..Default::default()
         })
     );
     check!("Cancel", c.cancel(CancelRequest {}));
@@ -1118,6 +1130,7 @@ async fn agent_file_requests_are_confined_and_permissions_answered() {
         .prompt(PromptRequest {
             text: "/tool".into(),
             turn_id: String::new(),
+            ..Default::default()
         })
         .await
         .expect("prompt")
@@ -1382,6 +1395,7 @@ async fn agent_crash_mid_turn_is_reported_on_the_stream_and_in_health() {
         .prompt(PromptRequest {
             text: "boom".into(),
             turn_id: "t-crash".into(),
+            ..Default::default()
         })
         .await
         .expect("prompt")
@@ -1413,6 +1427,7 @@ async fn agent_crash_mid_turn_is_reported_on_the_stream_and_in_health() {
         .prompt(PromptRequest {
             text: "again".into(),
             turn_id: String::new(),
+            ..Default::default()
         })
         .await
         .expect_err("agent gone");
@@ -1456,6 +1471,7 @@ async fn cancel_ends_the_turn_as_cancelled() {
         .prompt(PromptRequest {
             text: "slow".into(),
             turn_id: String::new(),
+            ..Default::default()
         })
         .await
         .expect("prompt")
@@ -1468,6 +1484,7 @@ async fn cancel_ends_the_turn_as_cancelled() {
         .prompt(PromptRequest {
             text: "overlap".into(),
             turn_id: String::new(),
+            ..Default::default()
         })
         .await
         .expect_err("busy");
@@ -1506,6 +1523,7 @@ async fn reconnecting_consumer_sees_every_update_once_and_gap_when_too_old() {
         .prompt(PromptRequest {
             text: "one".into(),
             turn_id: "t1".into(),
+            ..Default::default()
         })
         .await
         .expect("prompt")
@@ -1527,6 +1545,7 @@ async fn reconnecting_consumer_sees_every_update_once_and_gap_when_too_old() {
     c.prompt(PromptRequest {
         text: "two".into(),
         turn_id: "t2".into(),
+        ..Default::default()
     })
     .await
     .expect("prompt");
@@ -1568,6 +1587,7 @@ async fn reconnecting_consumer_sees_every_update_once_and_gap_when_too_old() {
         c.prompt(PromptRequest {
             text: t.into(),
             turn_id: t.into(),
+            ..Default::default()
         })
         .await
         .expect("prompt");
@@ -1980,6 +2000,197 @@ async fn messages_larger_than_4_mib_go_both_ways() {
         .expect("a 10 MiB read is sent")
         .into_inner();
     assert!(read.content == content, "content differs");
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+fn lines_of(path: &Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+async fn wait_lines(path: &Path, n: usize) {
+    let deadline = Instant::now() + WAIT;
+    while lines_of(path).len() < n {
+        assert!(
+            Instant::now() < deadline,
+            "{} never had {n} lines",
+            path.display()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn turn_prompt(text: &str, turn: &str, only_if_journaled: bool) -> PromptRequest {
+    PromptRequest {
+        text: text.into(),
+        turn_id: turn.into(),
+        only_if_journaled,
+    }
+}
+
+/// The turn journal across `kill -9` of agentctl, at each agentctl-side
+/// point of a turn, with an agent whose tool call appends a line to a
+/// worktree file before it replies and which runs a grandchild process:
+///
+/// - killed after the turn was handed to the agent (the agent held at a gate
+///   right after its side effect): a relaunched agentctl reading the journal
+///   answers a re-sent Prompt `already_accepted` by the dead instance, phase
+///   HANDED, and starts nothing (the side effect stays at one line);
+/// - the dead agent's grandchild (which PDEATHSIG does not reach) is ended
+///   by the relaunched agentctl before it serves;
+/// - killed after recording acceptance, before Prompt returned (crash hook):
+///   the turn never reached an agent, so the relaunched agentctl delivers it
+///   once;
+/// - without a journal, `only_if_journaled` refuses and starts nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
+    let h = Harness::new();
+    let journal = h.base.path().join("exec.journal");
+    let journal_arg = journal.to_string_lossy().into_owned();
+    let side = h.ws().join("side-effects.txt");
+    let gate = h.base.path().join("gate");
+    let gc_file = h.base.path().join("grandchild.pid");
+    let side_s = side.to_string_lossy().into_owned();
+    let gate_s = gate.to_string_lossy().into_owned();
+    let gc_s = gc_file.to_string_lossy().into_owned();
+    let agent_env = [
+        ("ACP_DEMO_SIDE_EFFECT_FILE", side_s.as_str()),
+        ("ACP_DEMO_GATE_FILE", gate_s.as_str()),
+        ("ACP_DEMO_GRANDCHILD_PID_FILE", gc_s.as_str()),
+    ];
+
+    // 1. Handed to the agent, which ran its tool call; then kill -9.
+    let ctl = h.spawn(&["--journal", &journal_arg]).await;
+    let mut c = ctl.client().await;
+    let first = health(&mut c).await;
+    assert!(first.journaled && first.journal_fresh, "{first:?}");
+    c.launch_agent(h.demo(true, &agent_env))
+        .await
+        .expect("launch");
+    let token = c
+        .new_session(NewSessionRequest {})
+        .await
+        .expect("session")
+        .into_inner()
+        .resume_token;
+    std::fs::write(&gate, "").unwrap();
+    let p = c
+        .prompt(turn_prompt("one", "t1", true))
+        .await
+        .expect("prompt")
+        .into_inner();
+    assert!(!p.already_accepted);
+    assert_eq!(p.accepted_by_instance, first.instance_id);
+    wait_lines(&side, 1).await;
+    wait_lines(&gc_file, 1).await;
+    let gc: u32 = lines_of(&gc_file)[0]
+        .trim()
+        .parse()
+        .expect("grandchild pid");
+    assert!(alive(gc));
+    let mut ctl = ctl;
+    ctl.signal("-KILL");
+    ctl.wait_exit().await;
+    // PDEATHSIG ended the agent, not its grandchild.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(alive(gc), "the grandchild outlives a SIGKILLed agentctl");
+    std::fs::remove_file(&gate).unwrap();
+
+    // 2. Relaunched on the same journal: the old tree ends first; the turn is
+    // known as handed by the dead instance and is not run again.
+    let ctl = h.spawn(&["--journal", &journal_arg]).await;
+    wait_dead(gc).await;
+    let mut c = ctl.client().await;
+    let second = health(&mut c).await;
+    assert!(second.journaled && !second.journal_fresh, "{second:?}");
+    assert_ne!(second.instance_id, first.instance_id);
+    c.launch_agent(h.demo(true, &agent_env[..1]))
+        .await
+        .expect("launch");
+    c.resume_session(ResumeSessionRequest {
+        resume_token: token.clone(),
+    })
+    .await
+    .expect("resume");
+    let again = c
+        .prompt(turn_prompt("one", "t1", true))
+        .await
+        .expect("prompt again")
+        .into_inner();
+    assert!(again.already_accepted, "{again:?}");
+    assert_eq!(again.accepted_by_instance, first.instance_id);
+    assert_eq!(again.phase, TurnPhase::Handed as i32);
+    assert!(!again.turn_ended);
+    let mut stream = Stream::open(&mut c, 0).await;
+    let (reply, end) = prompt(&mut c, &mut stream, "two").await;
+    assert_eq!(end.stop_reason, "end_turn");
+    assert!(reply.contains("you said \"two\""), "{reply}");
+    assert_eq!(lines_of(&side), ["one", "two"], "each prompt ran once");
+    drop(stream);
+
+    // 3. Crash after acceptance was recorded, before Prompt returned.
+    ctl.shutdown().await;
+    let ctl = h
+        .spawn_env(
+            &["--journal", &journal_arg],
+            &[("AGENTCTL_TEST_CRASH_AT", "after-accepted")],
+        )
+        .await;
+    let mut c = ctl.client().await;
+    c.launch_agent(h.demo(true, &agent_env[..1]))
+        .await
+        .expect("launch");
+    c.resume_session(ResumeSessionRequest {
+        resume_token: token.clone(),
+    })
+    .await
+    .expect("resume");
+    let lost = c.prompt(turn_prompt("three", "t3", true)).await;
+    assert!(lost.is_err(), "agentctl died before answering: {lost:?}");
+    let mut ctl = ctl;
+    ctl.wait_exit().await;
+    assert_eq!(lines_of(&side).len(), 2, "the agent never got it");
+    let ctl = h.spawn(&["--journal", &journal_arg]).await;
+    let mut c = ctl.client().await;
+    c.launch_agent(h.demo(true, &agent_env[..1]))
+        .await
+        .expect("launch");
+    c.resume_session(ResumeSessionRequest {
+        resume_token: token.clone(),
+    })
+    .await
+    .expect("resume");
+    let delivered = c
+        .prompt(turn_prompt("three", "t3", true))
+        .await
+        .expect("prompt")
+        .into_inner();
+    assert!(!delivered.already_accepted, "{delivered:?}");
+    wait_lines(&side, 3).await;
+    ctl.shutdown().await;
+
+    // 4. No journal: a re-send that needs one starts nothing.
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    assert!(!health(&mut c).await.journaled);
+    c.launch_agent(h.demo(true, &agent_env[..1]))
+        .await
+        .expect("launch");
+    c.resume_session(ResumeSessionRequest {
+        resume_token: token.clone(),
+    })
+    .await
+    .expect("resume");
+    let refused = c
+        .prompt(turn_prompt("four", "t4", true))
+        .await
+        .expect_err("no journal");
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
+    assert_eq!(lines_of(&side).len(), 3);
     ctl.shutdown().await;
     h.assert_no_leftovers().await;
 }

@@ -214,6 +214,10 @@ pub struct Health {
     /// The ACP session the agent has open; empty while it has none (an
     /// agent launched whose NewSession / ResumeSession never ran).
     pub acp_session_id: String,
+    /// agentctl keeps a durable turn journal.
+    pub journaled: bool,
+    /// ... which this process created (it knows no earlier process's turns).
+    pub journal_fresh: bool,
 }
 
 /// Whether a capability is available.
@@ -347,6 +351,8 @@ impl AgentctlClient {
             uptime: Duration::from_millis(resp.uptime_ms),
             instance_id: resp.instance_id,
             acp_session_id: resp.acp_session_id,
+            journaled: resp.journaled,
+            journal_fresh: resp.journal_fresh,
         })
     }
 

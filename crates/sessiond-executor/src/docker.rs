@@ -306,6 +306,10 @@ impl DockerExecutor {
             "127.0.0.1:0".into(),
             "--port-file".into(),
             format!("{CONTAINER_RUN_DIR}/port"),
+            // In the run directory on the host: it outlives the container,
+            // so a relaunched agentctl knows what the last one did.
+            "--journal".into(),
+            format!("{CONTAINER_RUN_DIR}/journal"),
         ];
         if let Some(idle) = c.idle_timeout {
             cmd.extend([
@@ -695,6 +699,7 @@ impl Executor for DockerExecutor {
             }
         }
         remove_if_exists(&self.port_file(handle.executor_id))?;
+        remove_if_exists(&self.run_dir(handle.executor_id).join("journal"))?;
         let dir = self.run_dir(handle.executor_id);
         match std::fs::remove_dir(&dir) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io {

@@ -100,6 +100,12 @@ impl StandaloneExecutor {
         self.config.run_dir.join(format!("{id}.port"))
     }
 
+    /// agentctl's turn journal: kept across agentctl relaunches of the
+    /// executor (that is its point), removed with the executor.
+    fn journal_file(&self, id: ExecutorId) -> PathBuf {
+        self.config.run_dir.join(format!("{id}.journal"))
+    }
+
     fn log_file(&self, id: ExecutorId) -> Option<PathBuf> {
         self.config
             .log_dir
@@ -148,6 +154,8 @@ impl StandaloneExecutor {
             .arg("127.0.0.1:0")
             .arg("--port-file")
             .arg(&port_file)
+            .arg("--journal")
+            .arg(self.journal_file(id))
             .env("AGENTCTL_SECRET", &secret)
             .current_dir(&spec.workspace_path)
             .stdin(Stdio::null())
@@ -368,6 +376,7 @@ impl Executor for StandaloneExecutor {
 
     async fn remove(&self, handle: &ExecutorHandle) -> Result<()> {
         self.stop(handle).await?;
+        remove_if_exists(&self.journal_file(handle.executor_id))?;
         remove_if_exists(&self.port_file(handle.executor_id))
     }
 

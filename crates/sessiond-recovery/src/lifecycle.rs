@@ -16,7 +16,7 @@ use crate::{
     error::{Error, Result},
     manager::{SessionManager, transition},
     ops::probe_verdict,
-    pump::{CURSOR_KEY, TURN_KEY, cursor_value},
+    pump::{CURSOR_KEY, TURN_GENERATION_KEY, TURN_KEY, cursor_value},
 };
 
 /// What [`SessionManager::create_session`] needs.
@@ -241,7 +241,7 @@ impl SessionManager {
         waiting.resume_token = Some(token.clone());
         waiting
             .metadata
-            .insert(CURSOR_KEY.into(), cursor_value(record.generation, 0));
+            .insert(CURSOR_KEY.into(), cursor_value(record.generation, 0, ""));
         let mut r = record.clone();
         r.resume_token = Some(token);
         r.supports_session_resume = profile.supports_session_resume && probe != Some(false);
@@ -359,6 +359,11 @@ impl SessionManager {
         let turn_id = message.id.to_string();
         let (mut running, ev) = transition(&session, SessionEvent::TurnStarted, None)?;
         running.metadata.insert(TURN_KEY.into(), turn_id.clone());
+        // Which agentctl generation got the Prompt: after a relaunch, only
+        // the journal can tell whether it reached an agent.
+        running
+            .metadata
+            .insert(TURN_GENERATION_KEY.into(), record.generation.to_string());
         let mut change = Changeset::new()
             .add_message(message.clone())
             .event(session_id, EventPayload::MessageAdded(message.clone()))
@@ -394,6 +399,7 @@ impl SessionManager {
             .prompt(pb::PromptRequest {
                 text: text.to_owned(),
                 turn_id,
+                ..Default::default()
             })
             .await;
         if let Err(status) = prompted {

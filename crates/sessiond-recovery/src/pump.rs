@@ -7,27 +7,28 @@
 //!   the same updates after a backend restart rewrites the same message
 //!   instead of adding a second one.
 //! - The cursor is kept in memory and written to the session's metadata
-//!   (`agentctl_cursor` = `<generation>:<cursor>`) at every turn end and agent
-//!   exit; a restarted backend continues from there (cursors restart at 1 in
-//!   a new agentctl process, hence the generation). Updates after the stored
-//!   cursor are replayed, which is harmless: message writes are idempotent
-//!   and a turn end whose turn is not the session's current one changes no
-//!   state.
-//! - `Gap` (the cursor fell out of agentctl's buffer): the pending message is
-//!   completed as it is, and if the agent is idle by now the turn is ended.
+//!   (`agentctl_cursor` = `<generation>:<cursor>@<instance>`) at every turn
+//!   end and agent exit; a restarted backend continues from there, naming
+//!   the agentctl instance the cursor belongs to (cursors restart at 1 in
+//!   every agentctl process). Updates after the stored cursor are replayed:
+//!   a replayed reply is rebuilt from its first chunk and never written
+//!   shorter than what is stored (it only grows; a complete one is left
+//!   alone), and a turn end whose turn is not the session's current one
+//!   changes no state.
+//! - `Gap` (the cursor fell out of agentctl's buffer, or agentctl is a new
+//!   process): what was streamed is kept and the session's turn is settled
+//!   by the decision table below, never ended as if its reply were whole.
 //! - The agent exiting (not on our request) puts a live session in ERROR.
 //! - A pending turn (the pump starts on a RUNNING session with a `turn_id`,
 //!   i.e. after a restart or resume): the pump first catches up, i.e. reads
-//!   up to agentctl's `latest_cursor` at its start, so a reply the agent gave
-//!   while the backend was down is stored, and its `TurnEnded` moves the
-//!   session to WAITING_FOR_INPUT, before anything else can happen (recovery
-//!   keeps such a session RUNNING; `send_message` refuses RUNNING). If it
-//!   caught up, no `TurnEnded` of that turn came and the agent is idle, the
-//!   turn is settled ([`Pump::settle_pending`]): a reply stored for it means
-//!   the prompt reached the agent, so the turn is ended as it is (never run
-//!   twice); otherwise its Prompt is sent again with the same `turn_id`
-//!   (agentctl's Prompt is idempotent by `turn_id`, so a Prompt that did
-//!   arrive before the crash is not run again).
+//!   up to agentctl's `latest_cursor`, so a reply the agent gave while the
+//!   backend was down is stored and its `TurnEnded` moves the session to
+//!   WAITING_FOR_INPUT before anything else can happen. If no `TurnEnded` of
+//!   that turn came and the agent is idle, the turn is settled
+//!   ([`Pump::settle_pending`], table in docs/ARCHITECTURE.md): at most
+//!   once — delivered again only when agentctl's journal proves the prompt
+//!   never reached an agent, otherwise ended *interrupted* with a system
+//!   message.
 
 //! - Parking: the pump runs only while it has work. An idle session
 //!   (WAITING_FOR_INPUT, nothing pending, caught up with agentctl) holds no
@@ -69,19 +70,37 @@ const MAX_STREAM_FAILURES: u32 = 5;
 /// again.
 pub(crate) const INTERRUPTED_NOTE: &str = "\n\n[sessiond: this reply was interrupted (the agent stopped before it finished) and the message was not sent again]";
 
-pub(crate) fn cursor_value(generation: i64, cursor: u64) -> String {
-    format!("{generation}:{cursor}")
+/// Session metadata key of the executor generation a turn was sent to.
+pub(crate) const TURN_GENERATION_KEY: &str = "turn_generation";
+
+/// Written to the conversation when a turn ends without a whole reply and
+/// the prompt may have reached the agent: it is not sent again
+/// automatically (at most once); the user decides.
+pub(crate) const TURN_INTERRUPTED: &str = "the turn was interrupted: the agent may have started working on this message (it may have run tools or changed files) but its reply did not arrive whole, so sessiond did not send it again. Send it again, or retry it, if it should run again.";
+
+/// `<generation>:<cursor>@<instance>`: a cursor means something only to the
+/// agentctl process (instance) that numbered it.
+pub(crate) fn cursor_value(generation: i64, cursor: u64, instance: &str) -> String {
+    if instance.is_empty() {
+        format!("{generation}:{cursor}")
+    } else {
+        format!("{generation}:{cursor}@{instance}")
+    }
 }
 
-/// The stored cursor if it belongs to `generation`, else 0.
-pub(crate) fn stored_cursor(session: &Session, generation: i64) -> u64 {
+/// The stored cursor and its agentctl instance if it belongs to
+/// `generation`, else `(0, "")`.
+pub(crate) fn stored_cursor(session: &Session, generation: i64) -> (u64, String) {
     session
         .metadata
         .get(CURSOR_KEY)
         .and_then(|v| v.split_once(':'))
         .filter(|(g, _)| g.parse::<i64>().ok() == Some(generation))
-        .and_then(|(_, c)| c.parse().ok())
-        .unwrap_or(0)
+        .and_then(|(_, rest)| {
+            let (c, instance) = rest.split_once('@').unwrap_or((rest, ""));
+            Some((c.parse().ok()?, instance.to_owned()))
+        })
+        .unwrap_or_default()
 }
 
 /// The agent message being streamed.
@@ -92,6 +111,12 @@ struct Pending {
     stored: bool,
     dirty: bool,
     last_flush: Instant,
+    /// What the store already holds for this message, when it is longer
+    /// than `content` (a replay rebuilding it from its first chunk): the
+    /// stored reply only grows, so nothing shorter is written.
+    floor: String,
+    /// The stored message was complete: the replay changes nothing.
+    frozen: bool,
 }
 
 struct Pump {
@@ -125,12 +150,15 @@ impl SessionManager {
             }
         };
         // A parked pump of this generation read further than the stored cursor.
-        let stored = stored_cursor(session, record.generation);
+        let (stored, stored_instance) = stored_cursor(session, record.generation);
         let (cursor, instance) = match self.take_parked(session.id) {
-            Some(p) if p.generation == record.generation && p.cursor >= stored => {
+            Some(p)
+                if p.generation == record.generation
+                    && (p.cursor >= stored || p.instance != stored_instance) =>
+            {
                 (p.cursor, p.instance)
             }
-            _ => (stored, String::new()),
+            _ => (stored, stored_instance),
         };
         let pump = Pump {
             mgr: self.clone(),
@@ -164,13 +192,18 @@ impl SessionManager {
             return;
         }
         self.stop_pump(session.id);
-        let stored = stored_cursor(session, record.generation);
+        let (stored, instance) = stored_cursor(session, record.generation);
         let parked = match self.take_parked(session.id) {
-            Some(p) if p.generation == record.generation && p.cursor >= stored => p,
+            Some(p)
+                if p.generation == record.generation
+                    && (p.cursor >= stored || p.instance != instance) =>
+            {
+                p
+            }
             _ => crate::manager::Parked {
                 generation: record.generation,
                 cursor: stored,
-                instance: String::new(),
+                instance,
             },
         };
         self.set_parked(session.id, parked);
@@ -201,25 +234,24 @@ impl Pump {
             if !self.instance_checked {
                 self.check_instance().await;
             }
+            // Naming the instance: a cursor of an earlier agentctl process
+            // gets a Gap and then everything the new one buffered.
             let opened = self
                 .client
-                .raw()
-                .stream_updates(pb::StreamUpdatesRequest {
-                    after_cursor: self.cursor,
-                })
+                .stream_updates(self.cursor, &self.instance)
                 .await;
             let mut stream = match opened {
                 Ok(r) => {
                     failures = 0;
                     self.last_activity = Instant::now();
                     self.try_settle().await;
-                    r.into_inner()
+                    r
                 }
                 Err(status) => {
                     failures += 1;
-                    tracing::debug!(session = %self.session_id, %status, failures, "update stream failed");
+                    tracing::debug!(session = %self.session_id, error = %status, failures, "update stream failed");
                     if failures >= MAX_STREAM_FAILURES {
-                        self.agentctl_lost(status.message()).await;
+                        self.agentctl_lost(&status.to_string()).await;
                         return;
                     }
                     tokio::time::sleep(Duration::from_millis(100 << failures.min(5))).await;
@@ -253,8 +285,20 @@ impl Pump {
                 match next {
                     Ok(Some(update)) => {
                         self.last_activity = Instant::now();
+                        let mut restarted = false;
                         if !update.instance_id.is_empty() && update.instance_id != self.instance {
+                            restarted = !self.instance.is_empty();
                             self.instance.clone_from(&update.instance_id);
+                        }
+                        if restarted && matches!(update.kind, Some(Kind::Gap(_))) {
+                            // agentctl is another process now: what the old
+                            // one had not sent is gone with it. Not a loss in
+                            // the new one's stream; a turn pending is settled
+                            // by the decision table (its journal says
+                            // whether the old agent got the prompt).
+                            self.cursor = update.cursor;
+                            self.instance_restarted().await;
+                            continue;
                         }
                         if let Err(e) = self.handle(update).await {
                             tracing::warn!(session = %self.session_id, error = %e, "could not apply agent update");
@@ -314,6 +358,7 @@ impl Pump {
         self.mgr.inner.metrics.chunk(self.session_id);
         let id = Self::message_id(raw_id);
         match &mut self.pending {
+            Some(p) if p.id == id && p.frozen => {}
             Some(p) if p.id == id => {
                 p.content.push_str(text);
                 p.dirty = true;
@@ -331,6 +376,8 @@ impl Pump {
                     stored: false,
                     dirty: true,
                     last_flush: Instant::now(),
+                    floor: String::new(),
+                    frozen: false,
                 });
                 self.flush(false).await?;
             }
@@ -341,12 +388,17 @@ impl Pump {
     /// The pending message as a changeset (added the first time, else updated).
     fn message_change(&self, p: &Pending, complete: bool, change: Changeset) -> Changeset {
         let now = Utc::now();
+        let content = if p.content.len() >= p.floor.len() {
+            p.content.clone()
+        } else {
+            p.floor.clone()
+        };
         let m = Message {
             id: p.id,
             session_id: self.session_id,
             task_id: self.task_id,
             role: MessageRole::Agent,
-            content: p.content.clone(),
+            content: content.clone(),
             seq: 0,
             complete,
             created_at: now,
@@ -354,7 +406,7 @@ impl Pump {
         };
         if p.stored {
             change
-                .update_message(p.id, p.content.clone(), complete)
+                .update_message(p.id, content, complete)
                 .event(self.session_id, EventPayload::MessageUpdated(m))
         } else {
             change
@@ -368,24 +420,62 @@ impl Pump {
         let Some(p) = self.pending.as_ref() else {
             return Ok(());
         };
+        if p.frozen {
+            if complete {
+                self.pending = None;
+            }
+            return Ok(());
+        }
         if !p.dirty && !complete {
+            return Ok(());
+        }
+        if !complete && p.stored && p.content.len() <= p.floor.len() {
+            // A replay still below what is stored: writing would shrink it.
+            if let Some(p) = self.pending.as_mut() {
+                p.dirty = false;
+            }
             return Ok(());
         }
         let change = self.message_change(p, complete, Changeset::new());
         match self.mgr.inner.store.commit(change).await {
             Ok(c) => self.mgr.inner.bus.publish(&c.events),
             Err(sessiond_store::Error::AlreadyExists { .. }) if !p.stored => {
-                // Replayed after a restart: the message exists; rewrite it.
-                let mut again = Pending {
-                    id: p.id,
-                    content: p.content.clone(),
-                    stored: true,
-                    dirty: true,
-                    last_flush: p.last_flush,
+                // Replayed after a restart: the message exists. The replay
+                // rebuilds it from its first chunk, so what is stored may be
+                // longer than what was replayed so far: it is kept (a stored
+                // reply only grows, watchers never see it shrink), and a
+                // complete one is left alone.
+                let id = p.id;
+                let stored = self
+                    .mgr
+                    .inner
+                    .store
+                    .list_messages(self.session_id, 0, u32::MAX)
+                    .await?
+                    .into_iter()
+                    .find(|m| m.id == id);
+                let Some(mut again) = self.pending.take() else {
+                    return Ok(());
                 };
-                let change = self.message_change(&again, complete, Changeset::new());
-                let c = self.mgr.inner.store.commit(change).await?;
-                self.mgr.inner.bus.publish(&c.events);
+                again.stored = true;
+                if let Some(m) = stored {
+                    if m.complete {
+                        again.frozen = true;
+                        again.dirty = false;
+                        if !complete {
+                            self.pending = Some(again);
+                        }
+                        return Ok(());
+                    }
+                    if m.content.len() > again.content.len() {
+                        again.floor = m.content;
+                    }
+                }
+                if complete || again.content.len() > again.floor.len() {
+                    let change = self.message_change(&again, complete, Changeset::new());
+                    let c = self.mgr.inner.store.commit(change).await?;
+                    self.mgr.inner.bus.publish(&c.events);
+                }
                 again.dirty = false;
                 self.pending = Some(again);
             }
@@ -413,6 +503,9 @@ impl Pump {
         let Some(p) = self.pending.take() else {
             return Ok(change);
         };
+        if p.frozen {
+            return Ok(change);
+        }
         let mut stored = p;
         stored.stored = true;
         Ok(self.message_change(&stored, true, change))
@@ -470,10 +563,11 @@ impl Pump {
                     .event(self.session_id, EventPayload::MessageAdded(m));
             }
             next.metadata.remove(TURN_KEY);
+            next.metadata.remove(TURN_GENERATION_KEY);
         }
         next.metadata.insert(
             CURSOR_KEY.into(),
-            cursor_value(self.generation, self.cursor),
+            cursor_value(self.generation, self.cursor, &self.instance),
         );
         change = change.update_session(next);
         if let Some(ev) = task_event {
@@ -545,40 +639,41 @@ impl Pump {
         }
         next.metadata.insert(
             CURSOR_KEY.into(),
-            cursor_value(self.generation, self.cursor),
+            cursor_value(self.generation, self.cursor, &self.instance),
         );
         self.mgr.commit(change.update_session(next)).await?;
         Ok(())
     }
 
+    /// Updates of this agentctl were dropped from its buffer before we read
+    /// them. What was streamed of the reply is kept (stored, not completed);
+    /// the session's turn, if one is pending, goes through the decision
+    /// table ([`Pump::settle_pending`]) instead of being ended as if whole.
     async fn gap(&mut self) -> Result<()> {
-        tracing::warn!(session = %self.session_id, cursor = self.cursor, "agent updates were lost (gap); ending the pending message");
-        if self.pending.is_some() {
-            self.flush(true).await?;
+        tracing::warn!(session = %self.session_id, cursor = self.cursor, "agent updates were lost (gap); settling the pending turn");
+        self.resettle().await
+    }
+
+    /// agentctl is another process than the one our cursor belonged to.
+    async fn instance_restarted(&mut self) {
+        tracing::warn!(session = %self.session_id, instance = %self.instance,
+            "agentctl restarted (new instance); settling the pending turn from its journal");
+        if let Err(e) = self.resettle().await {
+            tracing::warn!(session = %self.session_id, error = %e, "could not settle after an agentctl restart");
         }
-        let idle = matches!(
-            self.client.health().await.map(|h| h.agent_state),
-            Ok(AgentState::Ready)
-        );
-        if idle {
-            // The turn in progress is the session's own (a gap's lost
-            // TurnEnded cannot name it).
-            let turn_id = self
-                .mgr
-                .inner
-                .store
-                .get_session(self.session_id)
-                .await?
-                .metadata
-                .get(TURN_KEY)
-                .cloned()
-                .unwrap_or_default();
-            let end = pb::TurnEnded {
-                turn_id,
-                stop_reason: "end_turn".into(),
-                error_message: String::new(),
-            };
-            self.turn_ended(&end).await?;
+    }
+
+    /// Keeps what was streamed, and settles the session's turn (if any)
+    /// once caught up with agentctl as it is now.
+    async fn resettle(&mut self) -> Result<()> {
+        if self.pending.is_some() {
+            self.flush(false).await?;
+        }
+        let session = self.mgr.inner.store.get_session(self.session_id).await?;
+        if let Some(turn) = pending_turn(&session) {
+            self.settle = Some(turn);
+            self.target = self.latest_cursor().await;
+            self.try_settle().await;
         }
         Ok(())
     }
@@ -682,20 +777,24 @@ impl Pump {
 
     /// The session is RUNNING turn `turn`, everything agentctl had when the
     /// pump started has been applied, and no `TurnEnded` of the turn came.
-    /// With the agent busy, its `TurnEnded` will come. With the agent idle:
+    /// The decision table (docs/ARCHITECTURE.md, "A pending turn after a
+    /// restart"): at most once; delivered again only when agentctl's journal
+    /// proves the prompt never reached an agent; otherwise, when it is not
+    /// known whether the agent ran it, the turn ends *interrupted* (the
+    /// reply kept as stored, with a note; a system message says so).
     ///
-    /// - a reply stored after the turn's user message means the prompt
-    ///   reached the agent (of this or an earlier agentctl) and the turn is
-    ///   over, its end lost: the reply is completed (a partial one with
-    ///   [`INTERRUPTED_NOTE`]) and the turn ends. The prompt is never run a
-    ///   second time in the conversation.
-    /// - no reply: the Prompt is sent again with the same `turn_id`. If it
-    ///   had reached this agentctl, agentctl says so (`already_accepted`)
-    ///   and starts nothing; an ended turn is then ended here too. A
-    ///   relaunched agentctl knows no earlier turn: the prompt is delivered,
-    ///   which is right when the first delivery never reached an agent, and
-    ///   the one imprecise case is an agent that got the prompt and died
-    ///   before its first reply chunk (then it may see the prompt twice).
+    /// - agentctl not answering, its agent not idle, or updates not all read
+    ///   yet (its `latest_cursor` is past ours): wait (a `TurnEnded` may
+    ///   still come; this runs again).
+    /// - a reply stored for the turn, or agentctl keeps no journal, or its
+    ///   journal is fresh while the turn went to another agentctl
+    ///   generation: interrupted.
+    /// - else Prompt again with the same `turn_id` and `only_if_journaled`:
+    ///   - not known to the journal: delivered now (exactly once);
+    ///   - accepted by this agentctl process: its `TurnEnded` is on the
+    ///     stream ahead of us, wait; or it was lost in a gap: interrupted;
+    ///   - handed to an agent by an earlier process: interrupted;
+    ///   - refused for lack of a journal: interrupted.
     async fn settle_pending(&mut self, turn: &str) -> Result<()> {
         let guard = self.mgr.lock_session(self.session_id).await;
         let store = &self.mgr.inner.store;
@@ -704,69 +803,101 @@ impl Pump {
             return Ok(()); // its TurnEnded came, or the session moved on
         }
         let limit = self.mgr.inner.config.executor_deadline;
-        let state = match tokio::time::timeout(limit, self.client.health()).await {
-            Ok(Ok(h)) => h.agent_state,
-            _ => return Ok(()), // agentctl not answering: the stream handling decides
+        let Ok(Ok(h)) =
+            tokio::time::timeout(limit, self.client.raw().health(pb::HealthRequest {})).await
+        else {
+            return Ok(()); // agentctl not answering: the stream handling decides
         };
+        let h = h.into_inner();
+        let state = AgentState::try_from(h.agent_state).unwrap_or(AgentState::Unspecified);
         if state != AgentState::Ready {
             tracing::debug!(session = %self.session_id, turn, ?state, "pending turn: agent not idle, waiting for its TurnEnded");
+            return Ok(());
+        }
+        if h.instance_id == self.instance && h.latest_cursor > self.cursor {
+            // The turn may have ended after we last looked: read on first.
+            self.settle = Some(turn.to_owned());
+            self.target = Some(h.latest_cursor);
             return Ok(());
         }
         let msgs = store.list_messages(self.session_id, 0, u32::MAX).await?;
         let user = msgs
             .iter()
-            .find(|m| m.role == MessageRole::User && m.id.to_string() == turn);
-        let replies: Vec<&Message> = match user {
-            Some(u) => msgs
-                .iter()
-                .filter(|m| m.role == MessageRole::Agent && m.seq > u.seq)
-                .collect(),
-            None => Vec::new(),
-        };
-        let Some(user) = user.filter(|_| replies.is_empty() && self.pending.is_none()) else {
-            // Answered (or nothing to answer): complete what is stored, end the turn.
-            let mut change = self.complete_pending_into(Changeset::new()).await?;
-            for r in replies.iter().filter(|r| !r.complete) {
-                let content = format!("{}{INTERRUPTED_NOTE}", r.content);
-                let mut m = (*r).clone();
-                m.content.clone_from(&content);
-                m.complete = true;
-                m.updated_at = Utc::now();
-                change = change
-                    .update_message(r.id, content, true)
-                    .event(self.session_id, EventPayload::MessageUpdated(m));
-            }
-            if !change.is_empty() {
-                self.mgr.commit(change).await?;
-            }
+            .find(|m| m.role == MessageRole::User && m.id.to_string() == turn)
+            .cloned();
+        let answered = user.as_ref().is_some_and(|u| {
+            msgs.iter()
+                .any(|m| m.role == MessageRole::Agent && m.seq > u.seq)
+        }) || self.pending.is_some();
+        let Some(user) = user.filter(|_| !answered) else {
             drop(guard);
-            tracing::info!(session = %self.session_id, turn, replies = replies.len(),
-                "pending turn was answered but its end was lost; ending it without asking again");
-            return self.end_turn(turn).await;
+            return self
+                .end_interrupted(turn, "a partial reply was stored and its end was lost")
+                .await;
         };
+        let same_generation = session
+            .metadata
+            .get(TURN_GENERATION_KEY)
+            .is_none_or(|g| g.parse::<i64>().ok() == Some(self.generation));
+        let remote = self
+            .mgr
+            .inner
+            .store
+            .get_executor_for_session(self.session_id)
+            .await?
+            .is_some_and(|r| r.runtime == sessiond_domain::Runtime::Remote);
+        if !h.journaled || (h.journal_fresh && (!same_generation || remote)) {
+            drop(guard);
+            let why = if h.journaled {
+                "agentctl was relaunched with a new journal, so it cannot tell whether the agent got the message"
+            } else {
+                "agentctl keeps no turn journal, so it cannot tell whether the agent got the message"
+            };
+            return self.end_interrupted(turn, why).await;
+        }
         let prompted = self
             .client
             .raw()
             .prompt(pb::PromptRequest {
                 text: user.content.clone(),
                 turn_id: turn.to_owned(),
+                only_if_journaled: true,
             })
             .await;
         match prompted {
             Ok(r) => {
                 let r = r.into_inner();
-                if r.already_accepted {
-                    tracing::info!(session = %self.session_id, turn, ended = r.turn_ended,
-                        "pending turn had reached agentctl; not sent again");
-                    if r.turn_ended {
-                        drop(guard);
-                        return self.end_turn(turn).await;
-                    }
-                } else {
+                if !r.already_accepted {
                     tracing::info!(session = %self.session_id, turn,
-                        "pending turn had not reached the agent; delivered it again");
+                        "pending turn had not reached an agent (agentctl's journal); delivered it once");
+                    return Ok(());
                 }
-                Ok(())
+                if r.accepted_by_instance == h.instance_id {
+                    if r.turn_ended && r.end_cursor <= self.cursor {
+                        drop(guard);
+                        return self
+                            .end_interrupted(
+                                turn,
+                                "its end was lost with agentctl's dropped updates",
+                            )
+                            .await;
+                    }
+                    // Its TurnEnded is ahead on this live stream (an
+                    // agentctl restart or a gap settles again).
+                    tracing::info!(session = %self.session_id, turn, ended = r.turn_ended,
+                        "pending turn is agentctl's current one; waiting for its TurnEnded");
+                    return Ok(());
+                }
+                drop(guard);
+                self.end_interrupted(
+                    turn,
+                    "an earlier agentctl process handed it to the agent, which may have run it",
+                )
+                .await
+            }
+            Err(status) if status.code() == tonic::Code::FailedPrecondition => {
+                drop(guard);
+                self.end_interrupted(turn, status.message()).await
             }
             Err(status) => {
                 let e = crate::error::Error::agent("Prompt", &status);
@@ -784,14 +915,73 @@ impl Pump {
         }
     }
 
-    /// Ends turn `turn` as if its `TurnEnded` (end_turn) had arrived.
-    async fn end_turn(&mut self, turn: &str) -> Result<()> {
-        let end = pb::TurnEnded {
-            turn_id: turn.to_owned(),
-            stop_reason: "end_turn".into(),
-            error_message: String::new(),
+    /// Ends turn `turn` *interrupted*: what is stored of its reply is kept
+    /// and completed with [`INTERRUPTED_NOTE`], a system message saying so
+    /// is added (with its `message.added` event), and the session waits for
+    /// input. One commit; each message changed once.
+    async fn end_interrupted(&mut self, turn: &str, why: &str) -> Result<()> {
+        if self.pending.is_some() {
+            self.flush(false).await?;
+        }
+        self.pending = None;
+        let _guard = self.mgr.lock_session(self.session_id).await;
+        let store = &self.mgr.inner.store;
+        let session = store.get_session(self.session_id).await?;
+        if pending_turn(&session).as_deref() != Some(turn) {
+            return Ok(());
+        }
+        let msgs = store.list_messages(self.session_id, 0, u32::MAX).await?;
+        let user_seq = msgs
+            .iter()
+            .find(|m| m.role == MessageRole::User && m.id.to_string() == turn)
+            .map(|m| m.seq);
+        let mut change = Changeset::new();
+        let now = Utc::now();
+        if let Some(seq) = user_seq {
+            for r in msgs
+                .iter()
+                .filter(|m| m.role == MessageRole::Agent && m.seq > seq && !m.complete)
+            {
+                let mut m = r.clone();
+                m.content = format!("{}{INTERRUPTED_NOTE}", r.content);
+                m.complete = true;
+                m.updated_at = now;
+                change = change
+                    .update_message(r.id, m.content.clone(), true)
+                    .event(self.session_id, EventPayload::MessageUpdated(m));
+            }
+        }
+        let note = Message {
+            id: MessageId::new(),
+            session_id: self.session_id,
+            task_id: self.task_id,
+            role: MessageRole::System,
+            content: format!("{TURN_INTERRUPTED} ({why})"),
+            seq: 0,
+            complete: true,
+            created_at: now,
+            updated_at: now,
         };
-        self.turn_ended(&end).await
+        change = change
+            .add_message(note.clone())
+            .event(self.session_id, EventPayload::MessageAdded(note));
+        let (mut next, ev) = transition(&session, SessionEvent::TurnEnded, None)?;
+        next.metadata.remove(TURN_KEY);
+        next.metadata.remove(TURN_GENERATION_KEY);
+        next.metadata.insert(
+            CURSOR_KEY.into(),
+            cursor_value(self.generation, self.cursor, &self.instance),
+        );
+        if let Some(ev) = ev {
+            change = change.event(self.session_id, ev);
+        }
+        change = change
+            .update_session(next)
+            .task_event(self.task_id, TaskEvent::ReadyForReview);
+        self.mgr.commit(change).await?;
+        tracing::warn!(session = %self.session_id, turn, why,
+            "pending turn ended interrupted; not sent again (at most once)");
+        Ok(())
     }
 
     /// agentctl stopped answering: executor `error`, a live session ERROR.

@@ -369,16 +369,85 @@ async fn partial_reply_is_completed_not_asked_again() {
     w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
         .await;
     let msgs = w.messages(s.id).await;
-    assert_eq!(msgs.len(), 4, "{msgs:?}");
-    let last = msgs.last().unwrap();
-    assert_eq!(last.id, partial.id);
-    assert!(last.complete);
+    assert_eq!(msgs.len(), 5, "{msgs:?}");
+    let reply = &msgs[3];
+    assert_eq!(reply.id, partial.id);
+    assert!(reply.complete);
     assert!(
-        last.content.starts_with("turn 2 ") && last.content.contains("interrupted"),
-        "{last:?}"
+        reply.content.starts_with("turn 2 ") && reply.content.contains("interrupted"),
+        "{reply:?}"
     );
+    let note = &msgs[4];
+    assert_eq!(note.role, MessageRole::System);
+    assert!(note.content.contains("interrupted"), "{note:?}");
     assert_eq!(transcript(&w, &s).len(), 1, "the prompt was not run again");
     let reply = w.prompt(&mgr, s.id, "three").await;
     assert_eq!(reply, expected_reply(2, &token, "three"));
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// Defect 1 of the crash campaign: sessiond died right after its Prompt
+/// reached agentctl, the agent ran the turn (its tool call wrote to the
+/// worktree), then agentctl was killed while sessiond was down. The
+/// relaunched agentctl's journal says the turn was handed to an agent, so
+/// recovery does not deliver it again: the turn ends *interrupted* (a system
+/// message and its event), the side effect happened once, and the next
+/// message works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_handed_to_a_killed_agentctl_is_interrupted_not_run_again() {
+    let w = World::new(Db::Sqlite).await;
+    let side = w.path("side-effects.txt");
+    let side_s = side.to_string_lossy().into_owned();
+    let profile = w
+        .demo_profile("side", &[("ACP_DEMO_SIDE_EFFECT_FILE", side_s.as_str())])
+        .await;
+    let mgr = w.manager();
+    let s = w.create_with(&mgr, "a", &profile, None).await;
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    let m = commit_user_message(&w, &s, "two").await;
+    let record = w.record(s.id).await;
+    let p = w
+        .agentctl(&record)
+        .raw()
+        .prompt(sessiond_proto::agentctl::v1::PromptRequest {
+            text: "two".into(),
+            turn_id: m.id.to_string(),
+            ..Default::default()
+        })
+        .await
+        .expect("prompt")
+        .into_inner();
+    assert!(!p.already_accepted);
+    wait_transcript(&w, &s, 2).await;
+    kill_tree(record.pid.unwrap()).await;
+
+    let mgr = w.manager();
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
+    w.track(s.id).await;
+    w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
+        .await;
+    let msgs = w.messages(s.id).await;
+    let last = msgs.last().unwrap();
+    assert_eq!(last.role, MessageRole::System, "{msgs:?}");
+    assert!(last.content.contains("interrupted"), "{last:?}");
+    assert!(
+        w.events(s.id).await.iter().any(|e| matches!(
+            &e.payload,
+            EventPayload::MessageAdded(x) if x.id == last.id
+        )),
+        "the interruption has its event"
+    );
+    assert_eq!(transcript(&w, &s).len(), 2, "the prompt was not run again");
+    let lines = std::fs::read_to_string(&side).unwrap();
+    assert_eq!(lines.lines().collect::<Vec<_>>(), ["one", "two"]);
+    w.prompt(&mgr, s.id, "three").await;
+    assert_eq!(
+        std::fs::read_to_string(&side).unwrap().lines().count(),
+        3,
+        "the next message runs once"
+    );
     w.finish(&mgr, &[s.id]).await;
 }

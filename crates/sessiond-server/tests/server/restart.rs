@@ -238,3 +238,38 @@ async fn non_resumable_session_after_restart_keeps_its_workspace() {
         .into_inner();
     assert_eq!(out.stdout, b"still here\n");
 }
+
+/// The Docker runtime configured but no engine answers (its socket is not
+/// there) when `sessiond serve` starts: the backend starts anyway, reaches
+/// SERVING after recovering the standalone session, and that session's
+/// conversation continues.
+#[tokio::test]
+async fn docker_engine_down_at_start_does_not_stop_the_backend() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let mut server = start(&data, &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "no engine").await;
+    let s = create_session(&mut c, &task.id, &work, "").await;
+    assert!(
+        prompt(&mut c, &task.id, &s.id, "one")
+            .await
+            .contains("turn 1")
+    );
+    server.kill();
+
+    let host = format!("unix://{}", dir.path().join("no-engine.sock").display());
+    let server = start(&data, &["--docker-enabled", "--docker-host", &host]);
+    wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+    let st = status(&mut c, &task.id, &s.id).await;
+    assert_eq!(st.executor_status, pb::ExecutorStatus::Ready as i32);
+    assert!(st.is_agent_running);
+    assert!(
+        prompt(&mut c, &task.id, &s.id, "two")
+            .await
+            .contains("turn 2")
+    );
+}

@@ -1,0 +1,356 @@
+//! The durable turn journal: what every agentctl process of one executor did
+//! with each turn, so a relaunched agentctl can tell the backend whether a
+//! prompt may have reached an agent (then it must never be run again
+//! automatically) or provably did not (then it may be delivered now).
+//!
+//! One file of JSON lines in the executor's run directory, appended and
+//! `fsync`ed before the step it records takes effect:
+//!
+//! - `{"k":"start","instance":I}`: an agentctl process began using the file;
+//! - `{"k":"accepted","turn":T,"message":M,"instance":I}`: before Prompt returns;
+//! - `{"k":"handed","turn":T,"instance":I}`: before the prompt is written to
+//!   the agent's stdin;
+//! - `{"k":"ended","turn":T,"instance":I,"cursor":C}`: after its `TurnEnded`
+//!   got cursor `C` in instance `I`'s update log;
+//! - `{"k":"agent","instance":I,"pid":P,"sid":S,"start_time":T,"marker":X}`:
+//!   an agent process tree was started (for ending a previous generation's
+//!   leftovers, see [`crate::sys::end_session_tree`]).
+//!
+//! A torn last line (a crash mid-write) is ignored: its step had not taken
+//! effect, since effects only follow a completed `fsync`. At open the file is
+//! compacted to the remembered turns and rewritten atomically (temp file,
+//! fsync, rename, fsync of the directory).
+
+use std::collections::VecDeque;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use serde_json::{Value, json};
+
+use crate::error::{Error, Result};
+
+/// How far a turn got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Recorded; not handed to any agent.
+    Accepted,
+    /// Handed to an agent: it may have run any part of it.
+    Handed,
+    /// Its `TurnEnded` is in the update log of the instance that ran it.
+    Ended,
+}
+
+/// One remembered turn.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TurnRecord {
+    /// The caller's turn id.
+    pub turn_id: String,
+    /// The id its reply chunks carry.
+    pub message_id: String,
+    /// The agentctl instance that accepted (and maybe ran) it.
+    pub instance: String,
+    /// How far it got.
+    pub phase: Phase,
+    /// With [`Phase::Ended`]: the cursor of its `TurnEnded`.
+    pub end_cursor: u64,
+}
+
+/// An agent process tree some agentctl started.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentRecord {
+    /// The agentctl instance that started it.
+    pub instance: String,
+    /// The agent's pid, which is also its session and process group id.
+    pub pid: u32,
+    /// Its start time (clock ticks after boot, `/proc/PID/stat` field 22).
+    pub start_time: u64,
+    /// A random value in the environment of every process of the tree.
+    pub marker: String,
+}
+
+/// What the file held when this process opened it.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// Remembered turns, oldest first.
+    pub turns: VecDeque<TurnRecord>,
+    /// Agent trees started by earlier instances (possibly still alive).
+    pub agents: Vec<AgentRecord>,
+    /// There was no journal: this process created it.
+    pub fresh: bool,
+}
+
+/// The open journal (or none: then nothing is durable).
+#[derive(Debug)]
+pub struct Journal {
+    file: Option<Mutex<File>>,
+    path: Option<PathBuf>,
+}
+
+fn record(v: &Value) -> Option<(&str, &str)> {
+    Some((v.get("k")?.as_str()?, v.get("instance")?.as_str()?))
+}
+
+fn s(v: &Value, key: &str) -> String {
+    v.get(key)
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned()
+}
+
+fn n(v: &Value, key: &str) -> u64 {
+    v.get(key).and_then(Value::as_u64).unwrap_or(0)
+}
+
+/// Parses journal text (a torn or foreign line is skipped), keeping at most
+/// `keep` turns.
+pub fn parse(text: &str, keep: usize) -> Loaded {
+    let mut loaded = Loaded::default();
+    for line in text.lines() {
+        let Ok(v) = serde_json::from_str::<Value>(line) else {
+            continue;
+        };
+        let Some((kind, instance)) = record(&v) else {
+            continue;
+        };
+        let turn_id = s(&v, "turn");
+        match kind {
+            "accepted" => {
+                // A re-accept (by a later instance) replaces the older entry.
+                loaded.turns.retain(|t| t.turn_id != turn_id);
+                loaded.turns.push_back(TurnRecord {
+                    turn_id: turn_id.clone(),
+                    message_id: s(&v, "message"),
+                    instance: instance.to_owned(),
+                    phase: Phase::Accepted,
+                    end_cursor: 0,
+                });
+                while loaded.turns.len() > keep {
+                    loaded.turns.pop_front();
+                }
+            }
+            "handed" | "ended" => {
+                if let Some(t) = loaded
+                    .turns
+                    .iter_mut()
+                    .rev()
+                    .find(|t| t.turn_id == turn_id && t.instance == instance)
+                {
+                    if kind == "handed" {
+                        if t.phase == Phase::Accepted {
+                            t.phase = Phase::Handed;
+                        }
+                    } else {
+                        t.phase = Phase::Ended;
+                        t.end_cursor = n(&v, "cursor");
+                    }
+                }
+            }
+            "agent" => loaded.agents.push(AgentRecord {
+                instance: instance.to_owned(),
+                pid: u32::try_from(n(&v, "pid")).unwrap_or(0),
+                start_time: n(&v, "start_time"),
+                marker: s(&v, "marker"),
+            }),
+            _ => {}
+        }
+    }
+    loaded
+}
+
+fn render(loaded: &Loaded) -> String {
+    let mut out = String::new();
+    for a in &loaded.agents {
+        out.push_str(&agent_line(a).to_string());
+        out.push('\n');
+    }
+    for t in &loaded.turns {
+        out.push_str(
+            &json!({"k":"accepted","turn":t.turn_id,"message":t.message_id,"instance":t.instance})
+                .to_string(),
+        );
+        out.push('\n');
+        if t.phase != Phase::Accepted {
+            out.push_str(&json!({"k":"handed","turn":t.turn_id,"instance":t.instance}).to_string());
+            out.push('\n');
+        }
+        if t.phase == Phase::Ended {
+            out.push_str(
+                &json!({"k":"ended","turn":t.turn_id,"instance":t.instance,"cursor":t.end_cursor})
+                    .to_string(),
+            );
+            out.push('\n');
+        }
+    }
+    out
+}
+
+fn agent_line(a: &AgentRecord) -> Value {
+    json!({"k":"agent","instance":a.instance,"pid":a.pid,"start_time":a.start_time,"marker":a.marker})
+}
+
+fn io(context: String, e: std::io::Error) -> Error {
+    Error::io(context, e)
+}
+
+impl Journal {
+    /// No journal: nothing outlives this process.
+    pub fn none() -> Self {
+        Self {
+            file: None,
+            path: None,
+        }
+    }
+
+    /// Opens (creating) the journal at `path` for `instance`, keeping at
+    /// most `keep` turns; returns what earlier instances recorded.
+    /// `still_alive` filters the agent records worth keeping.
+    pub fn open(
+        path: &Path,
+        instance: &str,
+        keep: usize,
+        still_alive: impl Fn(&AgentRecord) -> bool,
+    ) -> Result<(Self, Loaded)> {
+        let (text, fresh) = match std::fs::read(path) {
+            Ok(b) => (String::from_utf8_lossy(&b).into_owned(), false),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (String::new(), true),
+            Err(e) => return Err(io(format!("reading journal {}", path.display()), e)),
+        };
+        let mut loaded = parse(&text, keep);
+        loaded.fresh = fresh;
+        loaded.agents.retain(|a| still_alive(a));
+        let mut compact = render(&loaded);
+        compact.push_str(&json!({"k":"start","instance":instance}).to_string());
+        compact.push('\n');
+        let tmp = path.with_extension("journal.tmp");
+        {
+            let mut f = File::create(&tmp)
+                .map_err(|e| io(format!("creating journal {}", tmp.display()), e))?;
+            f.write_all(compact.as_bytes())
+                .and_then(|()| f.sync_all())
+                .map_err(|e| io(format!("writing journal {}", tmp.display()), e))?;
+        }
+        std::fs::rename(&tmp, path)
+            .map_err(|e| io(format!("renaming journal to {}", path.display()), e))?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| io(format!("syncing directory {}", dir.display()), e))?;
+        }
+        let file = OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map_err(|e| io(format!("opening journal {}", path.display()), e))?;
+        Ok((
+            Self {
+                file: Some(Mutex::new(file)),
+                path: Some(path.to_owned()),
+            },
+            loaded,
+        ))
+    }
+
+    /// True when records are durable.
+    pub fn is_durable(&self) -> bool {
+        self.file.is_some()
+    }
+
+    fn append(&self, v: &Value) -> Result<()> {
+        let Some(file) = &self.file else {
+            return Ok(());
+        };
+        let mut line = v.to_string();
+        line.push('\n');
+        let mut f = file
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        f.write_all(line.as_bytes())
+            .and_then(|()| f.sync_data())
+            .map_err(|e| {
+                let path = self.path.as_deref().unwrap_or(Path::new("?"));
+                io(format!("writing journal {}", path.display()), e)
+            })
+    }
+
+    /// Records `turn` accepted by `instance`.
+    pub fn accepted(&self, turn: &str, message: &str, instance: &str) -> Result<()> {
+        self.append(&json!({"k":"accepted","turn":turn,"message":message,"instance":instance}))
+    }
+
+    /// Records `turn` handed to the agent.
+    pub fn handed(&self, turn: &str, instance: &str) -> Result<()> {
+        self.append(&json!({"k":"handed","turn":turn,"instance":instance}))
+    }
+
+    /// Records `turn` ended at `cursor`.
+    pub fn ended(&self, turn: &str, instance: &str, cursor: u64) -> Result<()> {
+        self.append(&json!({"k":"ended","turn":turn,"instance":instance,"cursor":cursor}))
+    }
+
+    /// Records an agent process tree.
+    pub fn agent(&self, a: &AgentRecord) -> Result<()> {
+        self.append(&agent_line(a))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phases_reaccept_torn_line_and_compaction() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.journal");
+        let (j, loaded) = Journal::open(&path, "i1", 3, |_| true).unwrap();
+        assert!(loaded.turns.is_empty());
+        assert!(loaded.fresh);
+        j.accepted("t1", "m1", "i1").unwrap();
+        j.handed("t1", "i1").unwrap();
+        j.ended("t1", "i1", 7).unwrap();
+        j.accepted("t2", "m2", "i1").unwrap();
+        j.handed("t2", "i1").unwrap();
+        j.accepted("t3", "m3", "i1").unwrap();
+        j.agent(&AgentRecord {
+            instance: "i1".into(),
+            pid: 42,
+            start_time: 9,
+            marker: "mk".into(),
+        })
+        .unwrap();
+        drop(j);
+        // A crash mid-write leaves a torn line: ignored.
+        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(br#"{"k":"ended","turn":"t2","inst"#).unwrap();
+        drop(f);
+
+        let (j, loaded) = Journal::open(&path, "i2", 3, |_| true).unwrap();
+        assert!(!loaded.fresh);
+        let phases: Vec<_> = loaded
+            .turns
+            .iter()
+            .map(|t| (t.turn_id.as_str(), t.phase, t.end_cursor))
+            .collect();
+        assert_eq!(
+            phases,
+            [
+                ("t1", Phase::Ended, 7),
+                ("t2", Phase::Handed, 0),
+                ("t3", Phase::Accepted, 0)
+            ]
+        );
+        assert_eq!(loaded.agents.len(), 1);
+        // t3 never reached an agent: the new instance takes it over.
+        j.accepted("t3", "m3b", "i2").unwrap();
+        j.accepted("t4", "m4", "i2").unwrap();
+        drop(j);
+        let (_j, loaded) = Journal::open(&path, "i3", 3, |_| false).unwrap();
+        let kept: Vec<_> = loaded
+            .turns
+            .iter()
+            .map(|t| (t.turn_id.as_str(), t.instance.as_str()))
+            .collect();
+        assert_eq!(kept, [("t2", "i1"), ("t3", "i2"), ("t4", "i2")]);
+        assert!(loaded.agents.is_empty(), "filtered by still_alive");
+    }
+}
