@@ -165,6 +165,10 @@ pub struct CorsSection {
 pub struct MetricsSection {
     /// `off` (or empty) disables the endpoint.
     pub listen: String,
+    /// Connections the endpoint serves at once.
+    pub max_connections: u32,
+    /// A connection that sends no request for this long is closed.
+    pub idle_timeout: String,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -278,6 +282,8 @@ impl Default for MetricsSection {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:9464".into(),
+            max_connections: 1024,
+            idle_timeout: "10s".into(),
         }
     }
 }
@@ -353,6 +359,8 @@ pub struct Config {
     pub cors: CorsConfig,
     /// `None`: no metrics endpoint.
     pub metrics_listen: Option<SocketAddr>,
+    pub metrics_max_connections: usize,
+    pub metrics_idle_timeout: Duration,
     pub executors: ExecutorsConfig,
     pub recovery: RecoveryConfig,
     pub agents: Vec<AgentConfig>,
@@ -726,6 +734,13 @@ impl FileConfig {
             "" | "off" | "none" | "disabled" => None,
             other => p.addr("metrics.listen", other),
         };
+        if self.metrics.max_connections == 0 {
+            p.add("metrics.max_connections", "must be at least 1");
+        }
+        let metrics_idle_timeout = p.duration("metrics.idle_timeout", &self.metrics.idle_timeout);
+        if metrics_idle_timeout.is_zero() {
+            p.add("metrics.idle_timeout", "must be longer than 0s");
+        }
 
         let e = &self.executors;
         let default_runtime = match Runtime::parse(e.default_runtime.trim()) {
@@ -934,6 +949,8 @@ impl FileConfig {
             auth,
             cors,
             metrics_listen,
+            metrics_max_connections: self.metrics.max_connections as usize,
+            metrics_idle_timeout,
             executors,
             recovery,
             agents,

@@ -86,7 +86,9 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         .build_v1()
         .context("building the reflection service")?;
 
-    let metrics = Metrics::new(snapshot_source(store.clone()));
+    let metrics = Metrics::new(Some(Box::new(snapshot_source(store.clone()))), |r| {
+        manager.metrics().register(r)
+    });
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let api = Api::new(
         manager.clone(),
@@ -138,7 +140,11 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         }
     };
     if let Some(l) = metrics_listener {
-        tokio::spawn(metrics::serve(l, metrics.clone(), wait_stop()));
+        let limits = metrics::HttpLimits {
+            max_connections: config.metrics_max_connections,
+            idle_timeout: config.metrics_idle_timeout,
+        };
+        tokio::spawn(metrics::serve(l, metrics.clone(), limits, wait_stop()));
     }
 
     let tokens = match &config.auth {
@@ -214,12 +220,14 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
                     .set_service_status(*service, ServingStatus::Serving)
                     .await;
             }
+            metrics.set_ready(true);
             tracing::info!("serving");
         })
     };
 
     shutdown_signal().await;
     recovery.abort();
+    metrics.set_ready(false);
     for service in HEALTH_SERVICES {
         health
             .set_service_status(*service, ServingStatus::NotServing)
@@ -527,45 +535,44 @@ fn cors_layer(config: &CorsConfig) -> CorsLayer {
         .max_age(config.max_age)
 }
 
-/// Gauges read from the store at scrape time.
+/// Counts read from the store at scrape time; every state and status is
+/// listed (0 when none) so a series does not vanish when it empties.
 fn snapshot_source(store: Store) -> impl Fn() -> metrics::Snapshot + Send + Sync + 'static {
+    use sessiond_domain::{ExecutorStatus, SessionState};
     move || {
         let store = store.clone();
         Box::pin(async move {
-            let mut executors = std::collections::BTreeMap::new();
-            for s in sessiond_domain::ExecutorStatus::ALL {
-                executors.insert(s.as_str().to_owned(), 0.0);
-            }
-            if let Ok(counts) = store.count_executors_by_status().await {
-                for (status, n) in counts {
-                    executors.insert(status.as_str().to_owned(), n as f64);
+            let mut sessions: std::collections::BTreeMap<&'static str, i64> =
+                SessionState::ALL.iter().map(|s| (s.as_str(), 0)).collect();
+            match store.count_sessions_by_state().await {
+                Ok(counts) => {
+                    for (state, n) in counts {
+                        sessions.insert(state.as_str(), n);
+                    }
                 }
+                Err(err) => tracing::warn!(%err, "metrics: cannot count sessions"),
             }
-            let mut sessions = std::collections::BTreeMap::new();
-            for s in sessiond_domain::SessionState::ALL {
-                sessions.insert(s.as_str().to_owned(), 0.0);
-            }
-            if let Ok(counts) = store.count_sessions_by_state().await {
-                for (state, n) in counts {
-                    sessions.insert(state.as_str().to_owned(), n as f64);
+            let mut executors: std::collections::BTreeMap<(&'static str, &'static str), i64> =
+                Runtime::ALL
+                    .iter()
+                    .flat_map(|r| {
+                        ExecutorStatus::ALL
+                            .iter()
+                            .map(|s| ((r.as_str(), s.as_str()), 0))
+                    })
+                    .collect();
+            match store.count_executors_by_runtime_and_status().await {
+                Ok(counts) => {
+                    for (runtime, status, n) in counts {
+                        executors.insert((runtime.as_str(), status.as_str()), n);
+                    }
                 }
+                Err(err) => tracing::warn!(%err, "metrics: cannot count executors"),
             }
-            vec![
-                (
-                    "sessiond_executors".to_owned(),
-                    executors
-                        .into_iter()
-                        .map(|(k, v)| ("status".to_owned(), k, v))
-                        .collect(),
-                ),
-                (
-                    "sessiond_sessions".to_owned(),
-                    sessions
-                        .into_iter()
-                        .map(|(k, v)| ("state".to_owned(), k, v))
-                        .collect(),
-                ),
-            ]
+            metrics::StoreCounts {
+                sessions: sessions.into_iter().collect(),
+                executors: executors.into_iter().map(|((r, s), n)| (r, s, n)).collect(),
+            }
         })
     }
 }
@@ -612,8 +619,10 @@ async fn shutdown_signal() {
 fn init_tracing(json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("SESSIOND_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colour codes only for a person at a terminal, never in a log file.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     if json {
         builder.json().init();
