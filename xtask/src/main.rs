@@ -412,6 +412,8 @@ fn ensure_system_packages() -> anyhow::Result<()> {
         ("/usr/lib/postgresql/15/bin/initdb", "postgresql-15"),
         ("/usr/include/postgresql/libpq-fe.h", "libpq-dev"),
         ("/usr/bin/git", "git"),
+        // promtool validates the metrics exposition and docs/ops/ alert rules.
+        ("/usr/bin/promtool", "prometheus"),
         // The web console's browser suite (never a browser downloaded by npm).
         ("/usr/bin/chromium", "chromium"),
     ];

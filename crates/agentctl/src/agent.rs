@@ -35,7 +35,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::{oneshot, watch};
 
 use crate::error::{Error, Result};
-use crate::exec::SCRUBBED_ENV;
+use crate::exec::explicit_env;
 use crate::journal::{AgentRecord, Journal, Loaded, Phase, TurnRecord};
 use crate::sys;
 use crate::tree;
@@ -415,14 +415,13 @@ impl AgentManager {
         }
         let mut cmd = tokio::process::Command::new(&spec.command);
         cmd.args(&spec.args)
-            .envs(&spec.env)
             .current_dir(self.shared.workspace.root())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        for k in SCRUBBED_ENV {
-            cmd.env_remove(k);
-        }
+        // A small base plus the profile's variables, never agentctl's (or its
+        // starter's) whole environment: the agent is prompt-injectable.
+        explicit_env(&mut cmd, &spec.env);
         // Its own session (so its own process group), and a marker every
         // descendant inherits: the tree can be ended whole, even after
         // agentctl died (see `tree`).

@@ -57,30 +57,72 @@ pub struct ExecOutput {
     pub duration: Duration,
 }
 
-async fn read_capped(mut r: impl AsyncRead + Unpin, cap: u64) -> (Vec<u8>, bool) {
-    let mut kept = Vec::new();
-    let mut truncated = false;
+/// Where a reader keeps what it read, so the caller can take the output so
+/// far when the deadline passes while a stream is still open.
+#[derive(Debug, Default)]
+struct Capture {
+    kept: Vec<u8>,
+    truncated: bool,
+}
+
+type Shared = std::sync::Arc<std::sync::Mutex<Capture>>;
+
+fn take(c: &Shared) -> (Vec<u8>, bool) {
+    let mut c = c.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    (std::mem::take(&mut c.kept), c.truncated)
+}
+
+async fn read_capped(mut r: impl AsyncRead + Unpin, cap: u64, into: Shared) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         match r.read(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => {
+                let mut c = into
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
                 let room =
-                    usize::try_from(cap.saturating_sub(kept.len() as u64)).unwrap_or(usize::MAX);
+                    usize::try_from(cap.saturating_sub(c.kept.len() as u64)).unwrap_or(usize::MAX);
                 let take = n.min(room);
-                kept.extend_from_slice(&buf[..take]);
+                c.kept.extend_from_slice(&buf[..take]);
                 if take < n {
-                    truncated = true;
+                    c.truncated = true;
                 }
             }
         }
     }
-    (kept, truncated)
 }
 
-/// Runs a command in its own process group. When the command exits, or the
-/// timeout passes, whatever is left of its group is killed, so nothing it
-/// started outlives the call.
+/// The environment variables passed on from agentctl's own environment to
+/// the agent and to commands: enough to find programs and behave (locale,
+/// home, temp dir), nothing that could carry a secret. Everything else a
+/// child gets is named by the caller (the profile's or the request's env).
+pub const BASE_ENV: &[&str] = &[
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ",
+    "TMPDIR", "TERM",
+];
+
+/// Replaces `cmd`'s environment by [`BASE_ENV`] taken from ours, then `extra`.
+pub fn explicit_env(cmd: &mut tokio::process::Command, extra: &HashMap<String, String>) {
+    cmd.env_clear();
+    for key in BASE_ENV {
+        if let Some(v) = std::env::var_os(key) {
+            cmd.env(key, v);
+        }
+    }
+    cmd.envs(extra);
+    for k in SCRUBBED_ENV {
+        cmd.env_remove(k);
+    }
+}
+
+/// Longest timeout a command may ask for (24 h).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
+/// How long readers get to drain what is buffered once the command's
+/// processes are dead.
+const DRAIN: Duration = Duration::from_millis(200);
+
 pub async fn run(spec: ExecSpec<'_>) -> Result<ExecOutput> {
     if spec.command.is_empty() {
         return Err(Error::InvalidArgument("command is empty".into()));
@@ -96,40 +138,52 @@ pub async fn run(spec: ExecSpec<'_>) -> Result<ExecOutput> {
             "command, arguments and environment must not contain NUL bytes".into(),
         ));
     }
+    if spec.timeout.is_zero() || spec.timeout > MAX_TIMEOUT {
+        return Err(Error::InvalidArgument(format!(
+            "timeout must be between 1 ms and {} ms",
+            MAX_TIMEOUT.as_millis()
+        )));
+    }
     let started = Instant::now();
+    let deadline = tokio::time::Instant::now() + spec.timeout;
     let mut cmd = tokio::process::Command::new(spec.command);
     cmd.args(spec.args)
         .current_dir(spec.cwd)
-        .envs(spec.env)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .process_group(0)
         .kill_on_drop(true);
-    for k in SCRUBBED_ENV {
-        cmd.env_remove(k);
-    }
+    explicit_env(&mut cmd, spec.env);
+    // Its own session (and so its own process group, id = its pid): no
+    // controlling terminal, and one signal reaches everything it starts
+    // that does not leave the group on purpose.
+    sys::new_session(&mut cmd);
     let mut child = cmd
         .spawn()
         .map_err(|e| Error::io(format!("starting `{}`", spec.command), e))?;
     let pgid = child.id().unwrap_or(0);
     let out = child.stdout.take();
     let err = child.stderr.take();
+    // The pipes' identities, to find processes that escaped the group
+    // (`setsid cmd &`) and still hold them.
+    let pipes: Vec<u64> = [
+        out.as_ref().and_then(sys::fd_inode),
+        err.as_ref().and_then(sys::fd_inode),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     let cap = spec.max_output;
-    let out_task = tokio::spawn(async move {
-        match out {
-            Some(o) => read_capped(o, cap).await,
-            None => (Vec::new(), false),
-        }
-    });
-    let err_task = tokio::spawn(async move {
-        match err {
-            Some(e) => read_capped(e, cap).await,
-            None => (Vec::new(), false),
-        }
-    });
+    let (out_buf, err_buf) = (Shared::default(), Shared::default());
+    let mut readers = tokio::task::JoinSet::new();
+    if let Some(o) = out {
+        readers.spawn(read_capped(o, cap, out_buf.clone()));
+    }
+    if let Some(e) = err {
+        readers.spawn(read_capped(e, cap, err_buf.clone()));
+    }
     let mut timed_out = false;
-    let status = match tokio::time::timeout(spec.timeout, child.wait()).await {
+    let status = match tokio::time::timeout_at(deadline, child.wait()).await {
         Ok(status) => Some(status.map_err(|e| Error::io("waiting for command", e))?),
         Err(_) => {
             timed_out = true;
@@ -142,8 +196,36 @@ pub async fn run(spec: ExecSpec<'_>) -> Result<ExecOutput> {
     if timed_out {
         let _ = child.wait().await;
     }
-    let (stdout, stdout_truncated) = out_task.await.unwrap_or_default();
-    let (stderr, stderr_truncated) = err_task.await.unwrap_or_default();
+    // Output ends when every writer is gone, but never after the deadline:
+    // a process that left the group and holds a pipe is killed there.
+    let limit = if timed_out {
+        tokio::time::Instant::now() + DRAIN
+    } else {
+        deadline
+    };
+    let drained = tokio::time::timeout_at(limit, async {
+        while readers.join_next().await.is_some() {}
+    })
+    .await
+    .is_ok();
+    if !drained {
+        timed_out = true;
+        let killed = sys::kill_pipe_holders(&pipes);
+        if killed > 0 {
+            tracing::info!(
+                killed,
+                "killed processes that left the command's group and held its output"
+            );
+        }
+        let _ = tokio::time::timeout(DRAIN, async {
+            while readers.join_next().await.is_some() {}
+        })
+        .await;
+        readers.abort_all();
+    }
+    // What the readers read so far is in the buffers, finished or not.
+    let (stdout, stdout_truncated) = take(&out_buf);
+    let (stderr, stderr_truncated) = take(&err_buf);
     Ok(ExecOutput {
         exit_code: status.and_then(|s| s.code()),
         stdout,

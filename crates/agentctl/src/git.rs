@@ -12,8 +12,62 @@ use crate::workspace::Workspace;
 const GIT_TIMEOUT: Duration = Duration::from_secs(60);
 const GIT_MAX_OUTPUT: u64 = 32 << 20;
 
+/// Configuration that makes git execute nothing the repository names: the
+/// workspace's `.git/config` is written by the agent (or through WriteFile),
+/// and a UI polling GitStatus must not run what it planted there. Command
+/// line `-c` wins over every config file.
+const INERT: &[&str] = &[
+    "core.fsmonitor=false",
+    "core.hooksPath=/dev/null",
+    "core.pager=cat",
+    "core.editor=false",
+    "core.sshCommand=false",
+    "core.askPass=",
+    "credential.helper=",
+    "diff.external=",
+    "protocol.allow=never",
+    "uploadpack.packObjectsHook=",
+    "gpg.program=false",
+    "core.untrackedCache=false",
+];
+
+/// The names of filter drivers the repository configures (`filter.<name>.*`):
+/// their clean / smudge / process commands would run on status and diff.
+async fn filter_drivers(ws: &Workspace, env: &HashMap<String, String>) -> Result<Vec<String>> {
+    let args = [
+        "config",
+        "--null",
+        "--name-only",
+        "--get-regexp",
+        r"^filter\.",
+    ]
+    .map(String::from);
+    let out = exec::run(ExecSpec {
+        command: "git",
+        args: &args,
+        cwd: ws.root(),
+        env,
+        timeout: GIT_TIMEOUT,
+        max_output: 1 << 20,
+    })
+    .await?;
+    let names = String::from_utf8_lossy(&out.stdout)
+        .split('\0')
+        .filter_map(|key| {
+            let rest = key.strip_prefix("filter.")?;
+            let (name, _) = rest.rsplit_once('.')?;
+            Some(name.to_owned())
+        })
+        .collect::<std::collections::BTreeSet<_>>();
+    Ok(names.into_iter().collect())
+}
+
 async fn git(ws: &Workspace, args: &[String]) -> Result<Vec<u8>> {
     let mut env = HashMap::new();
+    // No system-wide config; the user's own (~/.gitconfig) is theirs.
+    env.insert("GIT_CONFIG_NOSYSTEM".to_owned(), "1".to_owned());
+    env.insert("GIT_PAGER".to_owned(), "cat".to_owned());
+    env.insert("GIT_EXTERNAL_DIFF".to_owned(), String::new());
     // Only the workspace itself may be the repository, never a parent of it.
     if let Some(parent) = ws.root().parent() {
         env.insert(
@@ -24,9 +78,25 @@ async fn git(ws: &Workspace, args: &[String]) -> Result<Vec<u8>> {
     env.insert("GIT_OPTIONAL_LOCKS".to_owned(), "0".to_owned());
     env.insert("GIT_TERMINAL_PROMPT".to_owned(), "0".to_owned());
     env.insert("LC_ALL".to_owned(), "C".to_owned());
+    let mut full: Vec<String> = Vec::new();
+    for setting in INERT {
+        full.push("-c".into());
+        full.push((*setting).into());
+    }
+    for name in filter_drivers(ws, &env).await.unwrap_or_default() {
+        // A driver without commands passes content through unchanged.
+        for key in ["clean", "smudge", "process"] {
+            full.push("-c".into());
+            full.push(format!("filter.{name}.{key}="));
+        }
+        full.push("-c".into());
+        full.push(format!("filter.{name}.required=false"));
+    }
+    full.push("--no-pager".into());
+    full.extend(args.iter().cloned());
     let out = exec::run(ExecSpec {
         command: "git",
-        args,
+        args: &full,
         cwd: ws.root(),
         env: &env,
         timeout: GIT_TIMEOUT,
@@ -120,7 +190,7 @@ fn parse_branch(header: &str) -> String {
 /// `git diff` of the working tree against the index, or of the index against
 /// HEAD when `staged`; limited to `paths` when given.
 pub async fn diff(ws: &Workspace, staged: bool, paths: &[String]) -> Result<String> {
-    let mut args: Vec<String> = ["diff", "--no-color", "--no-ext-diff"]
+    let mut args: Vec<String> = ["diff", "--no-color", "--no-ext-diff", "--no-textconv"]
         .map(String::from)
         .to_vec();
     if staged {

@@ -24,6 +24,7 @@
 use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -225,7 +226,13 @@ impl Journal {
         compact.push('\n');
         let tmp = path.with_extension("journal.tmp");
         {
-            let mut f = File::create(&tmp)
+            // The journal holds prompts: private to agentctl's user, like its run dir.
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)
                 .map_err(|e| io(format!("creating journal {}", tmp.display()), e))?;
             f.write_all(compact.as_bytes())
                 .and_then(|()| f.sync_all())

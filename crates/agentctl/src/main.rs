@@ -146,8 +146,19 @@ fn write_port_file(path: &std::path::Path, port: u16) -> anyhow::Result<()> {
         file_name.to_string_lossy(),
         std::process::id()
     ));
-    std::fs::write(&tmp, format!("{port}\n"))
-        .with_context(|| format!("writing {}", tmp.display()))?;
+    {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        f.write_all(format!("{port}\n").as_bytes())
+            .with_context(|| format!("writing {}", tmp.display()))?;
+    }
     std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
     Ok(())
 }

@@ -118,6 +118,52 @@ pub fn new_session(cmd: &mut tokio::process::Command) {
     }
 }
 
+/// The inode of the pipe (or file) behind `fd`.
+pub fn fd_inode(fd: &impl std::os::fd::AsRawFd) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .ok()
+        .map(|m| m.ino())
+}
+
+/// SIGKILLs every other process that holds one of the pipes `inodes` open
+/// (found through `/proc/*/fd`); returns how many it signalled. This reaches
+/// what a command started and detached from its group (`setsid cmd &`) as
+/// long as it still holds the command's output.
+pub fn kill_pipe_holders(inodes: &[u64]) -> usize {
+    if inodes.is_empty() {
+        return 0;
+    }
+    let wanted: Vec<String> = inodes.iter().map(|i| format!("pipe:[{i}]")).collect();
+    let me = std::process::id();
+    let mut killed = 0;
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    for entry in procs.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if pid == me || pid <= 1 {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) else {
+            continue;
+        };
+        let holds = fds.flatten().any(|fd| {
+            std::fs::read_link(fd.path())
+                .is_ok_and(|target| wanted.iter().any(|w| target.as_os_str() == w.as_str()))
+        });
+        if holds && let Ok(pid) = libc::pid_t::try_from(pid) {
+            // SAFETY: kill takes two integers; pid > 1 and not our own.
+            if unsafe { libc::kill(pid, libc::SIGKILL) } == 0 {
+                killed += 1;
+            }
+        }
+    }
+    killed
+}
+
 /// Sends SIGKILL to ourselves: the test hook for crash points (see
 /// `AgentManager::crash_point`).
 pub fn kill_self() -> ! {

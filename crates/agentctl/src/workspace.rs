@@ -185,13 +185,35 @@ impl Workspace {
                 )));
             }
         }
+        // Not truncated at open: the file is checked first.
+        #[allow(clippy::suspicious_open_options)]
         let mut file = std::fs::OpenOptions::new()
             .write(true)
             .create(true)
-            .truncate(true)
             .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .open(&resolved)
             .map_err(|e| Error::io(format!("opening {path}"), e))?;
+        let meta = file
+            .metadata()
+            .map_err(|e| Error::io(format!("stat {path}"), e))?;
+        if !meta.is_file() {
+            return Err(Error::InvalidArgument(format!(
+                "{path} is not a regular file"
+            )));
+        }
+        // A hard link made inside the workspace to a file outside it would
+        // be written through; links cannot be told apart, so refuse them all.
+        {
+            use std::os::unix::fs::MetadataExt;
+            if meta.nlink() > 1 {
+                return Err(Error::PermissionDenied(format!(
+                    "{path} has {} hard links; refusing to write through a hard link",
+                    meta.nlink()
+                )));
+            }
+        }
+        file.set_len(0)
+            .map_err(|e| Error::io(format!("truncating {path}"), e))?;
         file.write_all(content)
             .map_err(|e| Error::io(format!("writing {path}"), e))?;
         Ok(content.len() as u64)

@@ -50,6 +50,23 @@ fn resume_reason(v: i32) -> String {
     })
 }
 
+/// A server-provided string made safe for a terminal: control characters
+/// (escape sequences, NUL, newlines) are shown escaped, never interpreted.
+pub fn printable(text: &str) -> String {
+    if !text.chars().any(char::is_control) {
+        return text.to_owned();
+    }
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 fn task_json(t: &pb::Task) -> Value {
     json!({
         "id": t.id, "title": t.title, "state": task_state(t.state),
@@ -132,7 +149,7 @@ impl Out {
         } else if self.quiet {
             println!("{}", t.id);
         } else {
-            println!("created task {} ({})", t.id, t.title);
+            println!("created task {} ({})", t.id, printable(&t.title));
         }
     }
 
@@ -147,7 +164,12 @@ impl Out {
         }
         println!("{:<36}  {:<11}  TITLE", "ID", "STATE");
         for t in tasks {
-            println!("{:<36}  {:<11}  {}", t.id, task_state(t.state), t.title);
+            println!(
+                "{:<36}  {:<11}  {}",
+                t.id,
+                task_state(t.state),
+                printable(&t.title)
+            );
         }
     }
 
@@ -392,5 +414,16 @@ impl Out {
         } else {
             print!("{diff}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::printable;
+
+    #[test]
+    fn control_characters_are_shown_escaped() {
+        assert_eq!(printable("plain title"), "plain title");
+        assert_eq!(printable("a\u{1b}[31mred\0\n"), "a\\u{1b}[31mred\\u{0}\\n");
     }
 }

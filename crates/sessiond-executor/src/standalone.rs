@@ -25,6 +25,7 @@
 //! probe followed by that launch.
 
 use std::{
+    os::unix::fs::OpenOptionsExt,
     path::{Path, PathBuf},
     process::Stdio,
     time::{Duration, Instant},
@@ -60,6 +61,10 @@ pub struct StandaloneConfig {
     /// Between TERM and KILL when stopping.
     pub stop_grace: Duration,
     pub client: ClientConfig,
+    /// agentctl's whole environment (its secret travels in a file): never the
+    /// backend's own, which holds its API tokens and database URL. The
+    /// binary picks the variables (see `sessiond serve`).
+    pub env: Vec<(String, String)>,
 }
 
 impl StandaloneConfig {
@@ -72,6 +77,7 @@ impl StandaloneConfig {
             startup_timeout: Duration::from_secs(10),
             stop_grace: Duration::from_secs(5),
             client: ClientConfig::default(),
+            env: vec![("PATH".into(), "/usr/local/bin:/usr/bin:/bin".into())],
         }
     }
 }
@@ -129,9 +135,11 @@ impl StandaloneExecutor {
             path: path.clone(),
             source,
         };
+        // Only this user reads agentctl's log.
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(0o600)
             .open(&path)
             .map_err(io_err)?;
         let second = file.try_clone().map_err(io_err)?;
@@ -167,6 +175,10 @@ impl StandaloneExecutor {
             .arg("--remove-secret-file")
             .arg("--journal")
             .arg(self.journal_file(id))
+            // Only what the config names: never sessiond's own environment
+            // (the secret travels in the file above, not in the environment).
+            .env_clear()
+            .envs(self.config.env.iter().map(|(k, v)| (k, v)))
             .current_dir(&spec.workspace_path)
             .stdin(Stdio::null())
             .stdout(stdout)

@@ -20,7 +20,7 @@ use sessiond_domain::{Event, SessionId, TaskId};
 use sessiond_store::Store;
 use tokio::sync::broadcast;
 
-use crate::error::Result;
+use crate::{error::Result, metrics::WatchMetrics};
 
 /// A stream of events that never skips and never repeats a seq. Events are
 /// shared, not copied, between the subscribers of one session.
@@ -39,6 +39,7 @@ pub struct EventBus {
 #[derive(Debug)]
 struct Channels {
     capacity: usize,
+    metrics: WatchMetrics,
     sessions: Mutex<HashMap<SessionId, broadcast::Sender<Arc<Event>>>>,
     tasks: Mutex<HashMap<TaskId, broadcast::Sender<Arc<Event>>>>,
 }
@@ -83,8 +84,13 @@ fn release<K: Eq + Hash>(map: &Mutex<HashMap<K, broadcast::Sender<Arc<Event>>>>,
 
 impl EventBus {
     pub fn new(capacity: usize) -> Self {
+        Self::with_metrics(capacity, WatchMetrics::default())
+    }
+
+    pub(crate) fn with_metrics(capacity: usize, metrics: WatchMetrics) -> Self {
         Self {
             channels: Arc::new(Channels {
+                metrics,
                 capacity: capacity.max(16),
                 sessions: Mutex::default(),
                 tasks: Mutex::default(),
@@ -173,7 +179,12 @@ pub(crate) fn watch_task(
 fn watch(store: Store, bus: &EventBus, scope: Scope, after: i64, page: u32) -> EventStream {
     // Subscribe before the first replay, so nothing committed after the
     // replay's read can be missed.
+    let metrics = bus.channels.metrics.clone();
+    metrics.opened(matches!(scope, Scope::Session(_)));
     let watcher = Watcher {
+        metrics,
+        seen: after.max(0),
+        lag: 0,
         rx: bus.subscribe(scope),
         bus: Arc::downgrade(&bus.channels),
         store,
@@ -193,6 +204,11 @@ fn watch(store: Store, bus: &EventBus, scope: Scope, after: i64, page: u32) -> E
 }
 
 struct Watcher {
+    metrics: WatchMetrics,
+    /// The newest seq known committed (from the live channel or a replay).
+    seen: i64,
+    /// This watcher's share of the outbox lag gauge.
+    lag: i64,
     rx: broadcast::Receiver<Arc<Event>>,
     /// To remove the channel when this is its last watcher. Weak: watchers
     /// must not keep the bus alive (its end is what ends their streams).
@@ -210,6 +226,8 @@ struct Watcher {
 
 impl Drop for Watcher {
     fn drop(&mut self) {
+        self.metrics.lag.dec_by(self.lag);
+        self.metrics.closed(matches!(self.scope, Scope::Session(_)));
         if let Some(c) = self.bus.upgrade() {
             match self.scope {
                 Scope::Session(s) => release(&c.sessions, &s),
@@ -220,7 +238,24 @@ impl Drop for Watcher {
 }
 
 impl Watcher {
+    /// Re-states this watcher's lag each time its client takes an event:
+    /// events known committed (replayed or received) but not handed out,
+    /// plus those published and still queued in its channel.
+    fn report_lag(&mut self) {
+        let delivered = self.last - self.pending.len() as i64;
+        let queued = i64::try_from(self.rx.len()).unwrap_or(i64::MAX / 2);
+        let lag = (self.seen.max(self.last) - delivered).max(0) + queued;
+        self.metrics.lag.inc_by(lag - self.lag);
+        self.lag = lag;
+    }
+
     async fn next(&mut self) -> Option<Result<Arc<Event>>> {
+        let item = self.next_inner().await;
+        self.report_lag();
+        item
+    }
+
+    async fn next_inner(&mut self) -> Option<Result<Arc<Event>>> {
         loop {
             if let Some(e) = self.pending.pop_front() {
                 return Some(Ok(e));
@@ -241,6 +276,7 @@ impl Watcher {
             match self.rx.recv().await {
                 Ok(e) => {
                     let seq = self.scope.cursor(&e);
+                    self.seen = self.seen.max(seq);
                     if seq == self.last + 1 {
                         self.last = seq;
                         return Some(Ok(e));

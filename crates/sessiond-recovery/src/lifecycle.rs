@@ -392,6 +392,8 @@ impl SessionManager {
         fail::fail_point!("prompt-after-commit");
 
         let client = self.client(&record)?;
+        // Timed from just before the Prompt: its first chunk can beat the reply.
+        self.inner.metrics.turn_started(session_id);
         let prompted = client
             .raw()
             .prompt(pb::PromptRequest {
@@ -401,6 +403,9 @@ impl SessionManager {
             })
             .await;
         if let Err(status) = prompted {
+            self.inner
+                .metrics
+                .turn_ended(session_id, crate::metrics::TurnOutcome::Failed);
             let e = Error::agent("Prompt", &status);
             let reason = format!(
                 "the agent did not accept the message: {e}; resume the session, then send it again"

@@ -146,6 +146,7 @@ pub(crate) struct Inner {
     pub config: ManagerConfig,
     pub bus: EventBus,
     pub counters: Counters,
+    pub metrics: Arc<crate::metrics::ManagerMetrics>,
     cache: StdMutex<HashMap<SessionId, Execution>>,
     /// Write-through snapshot of what GetSessionStatus reads (see [`StatusSnapshot`]).
     status: StdMutex<StatusSnapshot>,
@@ -206,7 +207,8 @@ impl SessionManager {
         config: ManagerConfig,
     ) -> Self {
         let drivers = drivers.into_iter().map(|d| (d.runtime(), d)).collect();
-        let bus = EventBus::new(config.event_buffer);
+        let metrics = Arc::new(crate::metrics::ManagerMetrics::default());
+        let bus = EventBus::with_metrics(config.event_buffer, metrics.watch.clone());
         Self {
             inner: Arc::new(Inner {
                 store,
@@ -214,6 +216,7 @@ impl SessionManager {
                 bus,
                 config,
                 counters: Counters::default(),
+                metrics,
                 cache: StdMutex::default(),
                 status: StdMutex::default(),
                 clients: StdMutex::default(),
@@ -238,6 +241,12 @@ impl SessionManager {
 
     pub fn config(&self) -> &ManagerConfig {
         &self.inner.config
+    }
+
+    /// The operator's metric families (turns, agent exits, launches,
+    /// resumes, reconnects, watch streams); the server registers them.
+    pub fn metrics(&self) -> &crate::metrics::ManagerMetrics {
+        &self.inner.metrics
     }
 
     /// The publisher; `publish` only what was committed.

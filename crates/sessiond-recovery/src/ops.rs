@@ -166,7 +166,16 @@ impl SessionManager {
             .fetch_add(1, Ordering::Relaxed);
         let d = driver.clone();
         let mut task = tokio::spawn(async move { d.launch(&spec).await });
-        match tokio::time::timeout(limit, &mut task).await {
+        let result = tokio::time::timeout(limit, &mut task).await;
+        let outcome = match &result {
+            Ok(Ok(Ok(_))) => "ok",
+            Ok(_) => "failed",
+            Err(_) => "timeout",
+        };
+        self.inner
+            .metrics
+            .launch(record.runtime, generation, outcome);
+        match result {
             Ok(Ok(r)) => {
                 // Test-only crash point: agentctl runs, its handle is not saved.
                 #[cfg(feature = "failpoints")]
@@ -279,13 +288,14 @@ impl SessionManager {
             .counters
             .resume_attempts
             .fetch_add(1, Ordering::Relaxed);
-        client
+        let loaded = client
             .raw()
             .resume_session(pb::ResumeSessionRequest {
                 resume_token: token.to_owned(),
             })
-            .await
-            .map_err(|s| Error::agent("ResumeSession", &s))?;
+            .await;
+        self.inner.metrics.resume(loaded.is_ok());
+        loaded.map_err(|s| Error::agent("ResumeSession", &s))?;
         Ok(())
     }
 

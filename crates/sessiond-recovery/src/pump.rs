@@ -355,6 +355,7 @@ impl Pump {
     }
 
     async fn chunk(&mut self, raw_id: &str, text: &str) -> Result<()> {
+        self.mgr.inner.metrics.chunk(self.session_id);
         let id = Self::message_id(raw_id);
         match &mut self.pending {
             Some(p) if p.id == id && p.frozen => {}
@@ -520,6 +521,12 @@ impl Pump {
         let mut next = session.clone();
         let mut task_event = None;
         if session.state == SessionState::Running && ours {
+            let outcome = if exited {
+                crate::metrics::TurnOutcome::Failed
+            } else {
+                crate::metrics::TurnOutcome::from_stop_reason(&end.stop_reason)
+            };
+            self.mgr.inner.metrics.turn_ended(self.session_id, outcome);
             let (s, ev) = if exited {
                 let reason = format!(
                     "{}; resume the session to continue",
@@ -592,10 +599,24 @@ impl Pump {
         }
         self.mgr
             .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
+        self.mgr
+            .inner
+            .metrics
+            .agent_exited(crate::metrics::ExitCause::of(
+                exit.and_then(|e| e.code),
+                exit.and_then(|e| e.signal),
+            ));
         let _guard = self.mgr.lock_session(self.session_id).await;
         let session = self.mgr.inner.store.get_session(self.session_id).await?;
         let mut change = self.complete_pending_into(Changeset::new()).await?;
         let mut next = session.clone();
+        if session.state == SessionState::Running {
+            // Its TurnEnded did not come first: the turn died with the agent.
+            self.mgr
+                .inner
+                .metrics
+                .turn_ended(self.session_id, crate::metrics::TurnOutcome::Failed);
+        }
         if matches!(
             session.state,
             SessionState::Starting | SessionState::Running | SessionState::WaitingForInput

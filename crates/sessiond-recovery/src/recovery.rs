@@ -718,6 +718,7 @@ impl SessionManager {
                     Ok(d) => d.health(&handle).await.is_ok(),
                     Err(_) => false,
                 };
+                me.inner.metrics.reconnect_attempt(answers);
                 if !answers && open {
                     tracing::debug!(%session, attempt, "executor still unreachable");
                     continue;

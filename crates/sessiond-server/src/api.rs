@@ -27,12 +27,22 @@ use crate::{
     error::{ApiError, ApiResult},
 };
 
+/// Longest Exec timeout a client may ask for (24 h).
+const MAX_EXEC_TIMEOUT_MS: u64 = 24 * 3600 * 1000;
+/// Largest per-stream output cap a client may ask for (agentctl's 16 MiB).
+const MAX_EXEC_OUTPUT: u64 = 16 << 20;
+
+/// Output kept per stream in a timed-out Exec's status details.
+const TIMED_OUT_OUTPUT: usize = 4 * 1024;
+
 /// Settings the handlers need from the configuration.
 #[derive(Debug, Clone)]
 pub struct ApiSettings {
     pub default_runtime: Runtime,
     pub default_agent: String,
     pub max_message_bytes: usize,
+    /// Local worktrees must lie in one of these (absolute, normalised).
+    pub worktree_roots: Vec<std::path::PathBuf>,
     /// Client settings for proxied workspace calls (a longer call deadline
     /// than the manager's, since `Exec` may run for minutes).
     pub workspace_client: ClientConfig,
@@ -70,6 +80,59 @@ fn page_size(value: i32) -> ApiResult<u32> {
             "page_size: {value} is not between 0 and {MAX_PAGE}"
         ))),
     }
+}
+
+/// Longest worktree path accepted (Linux's PATH_MAX).
+const MAX_PATH_BYTES: usize = 4096;
+
+/// A local worktree must be a normalised absolute path inside one of
+/// `roots`, and, when it exists, stay inside one after symlinks resolve.
+fn check_worktree(path: &str, roots: &[std::path::PathBuf]) -> ApiResult<()> {
+    use std::path::Component;
+    if path.chars().any(char::is_control) {
+        return Err(ApiError::invalid(
+            "worktree.path: contains a control character",
+        ));
+    }
+    let p = Path::new(path);
+    if p.components()
+        .any(|c| !matches!(c, Component::RootDir | Component::Normal(_)))
+    {
+        return Err(ApiError::invalid(format!(
+            "worktree.path: {path:?} is not normalised (no . or .. components)"
+        )));
+    }
+    let inside = |p: &Path| {
+        roots.iter().any(|root| {
+            p.starts_with(root)
+                || std::fs::canonicalize(root).is_ok_and(|canonical| p.starts_with(canonical))
+        })
+    };
+    let listed = || {
+        roots
+            .iter()
+            .map(|r| r.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if !inside(p) {
+        return Err(ApiError::invalid(format!(
+            "worktree.path: {path:?} is outside executors.worktree_roots ({}); \
+             use a directory inside one, or add its parent to worktree_roots",
+            listed()
+        )));
+    }
+    if let Ok(canonical) = std::fs::canonicalize(p)
+        && !inside(&canonical)
+    {
+        return Err(ApiError::invalid(format!(
+            "worktree.path: {path:?} resolves to {} (through a symlink), outside \
+             executors.worktree_roots ({})",
+            canonical.display(),
+            listed()
+        )));
+    }
+    Ok(())
 }
 
 fn task_id(value: &str) -> ApiResult<TaskId> {
@@ -229,6 +292,14 @@ impl pb::session_service_server::SessionService for Api {
                         "title: longer than {MAX_TITLE_CHARS} characters"
                     )));
                 }
+                // NUL and terminal escapes would reach every client's screen.
+                if let Some(c) = title.chars().find(|c| c.is_control()) {
+                    return Err(ApiError::invalid(format!(
+                        "title: contains the control character {:?}; titles are one line of \
+                         printable text",
+                        c
+                    )));
+                }
                 let now = Utc::now();
                 let task = self
                     .store
@@ -327,6 +398,14 @@ impl pb::session_service_server::SessionService for Api {
                     "worktree.path: {:?} is not an absolute path",
                     w.path
                 )));
+            }
+            if w.path.len() > MAX_PATH_BYTES {
+                return Err(ApiError::invalid(format!(
+                    "worktree.path: longer than {MAX_PATH_BYTES} bytes"
+                )));
+            }
+            if runtime != Runtime::Remote {
+                check_worktree(&w.path, &self.settings.worktree_roots)?;
             }
             let remote = if runtime == Runtime::Remote {
                 if !(req.remote_url.starts_with("http://") || req.remote_url.starts_with("https://"))
@@ -609,12 +688,25 @@ impl pb::workspace_service_server::WorkspaceService for Api {
                 if req.command.is_empty() {
                     return Err(ApiError::invalid("command: required"));
                 }
+                if req.timeout_ms > MAX_EXEC_TIMEOUT_MS {
+                    return Err(ApiError::invalid(format!(
+                        "timeout_ms: {} is more than the maximum of {MAX_EXEC_TIMEOUT_MS} (24 h)",
+                        req.timeout_ms
+                    )));
+                }
+                if req.max_output_bytes > MAX_EXEC_OUTPUT {
+                    return Err(ApiError::invalid(format!(
+                        "max_output_bytes: {} is more than the maximum of {MAX_EXEC_OUTPUT}",
+                        req.max_output_bytes
+                    )));
+                }
                 let client = self.workspace_client(req.session.as_ref()).await?;
                 let timeout_ms = if req.timeout_ms == 0 {
                     60_000
                 } else {
                     req.timeout_ms
                 };
+                let command = req.command.clone();
                 let mut call = Request::new(apb::ExecRequest {
                     command: req.command,
                     args: req.args,
@@ -626,14 +718,34 @@ impl pb::workspace_service_server::WorkspaceService for Api {
                 // The command's own limit, plus time to collect its output.
                 call.set_timeout(Duration::from_millis(timeout_ms) + Duration::from_secs(10));
                 let r = agentctl(client.raw().exec(call).await)?;
-                Ok(pb::ExecResponse {
+                let response = pb::ExecResponse {
                     exit_code: r.exit_code,
                     stdout: r.stdout,
                     stderr: r.stderr,
                     timed_out: r.timed_out,
                     stdout_truncated: r.stdout_truncated,
                     stderr_truncated: r.stderr_truncated,
-                })
+                };
+                if response.timed_out {
+                    // Details travel in a trailer: keep them well inside
+                    // header limits.
+                    let mut partial = response;
+                    for (buf, cut) in [
+                        (&mut partial.stdout, &mut partial.stdout_truncated),
+                        (&mut partial.stderr, &mut partial.stderr_truncated),
+                    ] {
+                        if buf.len() > TIMED_OUT_OUTPUT {
+                            buf.truncate(TIMED_OUT_OUTPUT);
+                            *cut = true;
+                        }
+                    }
+                    return Err(ApiError::CommandTimedOut {
+                        command,
+                        timeout_ms,
+                        output: prost::Message::encode_to_vec(&partial),
+                    });
+                }
+                Ok(response)
             }
             .await,
         )

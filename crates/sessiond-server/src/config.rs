@@ -87,6 +87,11 @@ pub struct ServeArgs {
     #[arg(long, env = "SESSIOND_DEFAULT_AGENT")]
     pub default_agent: Option<String>,
 
+    /// Directories local worktrees must lie in, comma-separated
+    /// (replace `executors.worktree_roots`). Default: the serving user's home.
+    #[arg(long, env = "SESSIOND_WORKTREE_ROOTS", value_delimiter = ',')]
+    pub worktree_roots: Option<Vec<PathBuf>>,
+
     /// The agentctl binary for standalone executors.
     /// Default: next to the sessiond executable, then PATH.
     #[arg(long, env = "SESSIOND_AGENTCTL_PATH")]
@@ -160,6 +165,10 @@ pub struct CorsSection {
 pub struct MetricsSection {
     /// `off` (or empty) disables the endpoint.
     pub listen: String,
+    /// Connections the endpoint serves at once.
+    pub max_connections: u32,
+    /// A connection that sends no request for this long is closed.
+    pub idle_timeout: String,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -170,6 +179,9 @@ pub struct ExecutorsSection {
     pub call_timeout: String,
     /// agentctl exits on its own after this long without backend contact; `0s` never.
     pub idle_timeout: String,
+    /// Local (standalone, Docker) worktrees must lie in one of these
+    /// directories. Default: the serving user's home. `/` is refused.
+    pub worktree_roots: Option<Vec<PathBuf>>,
     pub standalone: StandaloneSection,
     pub docker: DockerSection,
     pub remote: RemoteSection,
@@ -270,6 +282,8 @@ impl Default for MetricsSection {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:9464".into(),
+            max_connections: 1024,
+            idle_timeout: "10s".into(),
         }
     }
 }
@@ -281,6 +295,7 @@ impl Default for ExecutorsSection {
             connect_timeout: "2s".into(),
             call_timeout: "5s".into(),
             idle_timeout: "0s".into(),
+            worktree_roots: None,
             standalone: StandaloneSection::default(),
             docker: DockerSection::default(),
             remote: RemoteSection::default(),
@@ -344,6 +359,8 @@ pub struct Config {
     pub cors: CorsConfig,
     /// `None`: no metrics endpoint.
     pub metrics_listen: Option<SocketAddr>,
+    pub metrics_max_connections: usize,
+    pub metrics_idle_timeout: Duration,
     pub executors: ExecutorsConfig,
     pub recovery: RecoveryConfig,
     pub agents: Vec<AgentConfig>,
@@ -393,6 +410,8 @@ pub struct ExecutorsConfig {
     pub connect_timeout: Duration,
     pub call_timeout: Duration,
     pub idle_timeout: Option<Duration>,
+    /// Absolute, normalised, never `/`.
+    pub worktree_roots: Vec<PathBuf>,
     pub agentctl_path: PathBuf,
     pub run_dir: PathBuf,
     pub log_dir: PathBuf,
@@ -483,6 +502,9 @@ impl ServeArgs {
         set(&mut f.cors.allowed_origins, &self.cors_allowed_origins);
         set(&mut f.executors.default_runtime, &self.default_runtime);
         set(&mut f.default_agent, &self.default_agent);
+        if self.worktree_roots.is_some() {
+            f.executors.worktree_roots.clone_from(&self.worktree_roots);
+        }
         if self.agentctl_path.is_some() {
             f.executors
                 .standalone
@@ -712,6 +734,13 @@ impl FileConfig {
             "" | "off" | "none" | "disabled" => None,
             other => p.addr("metrics.listen", other),
         };
+        if self.metrics.max_connections == 0 {
+            p.add("metrics.max_connections", "must be at least 1");
+        }
+        let metrics_idle_timeout = p.duration("metrics.idle_timeout", &self.metrics.idle_timeout);
+        if metrics_idle_timeout.is_zero() {
+            p.add("metrics.idle_timeout", "must be longer than 0s");
+        }
 
         let e = &self.executors;
         let default_runtime = match Runtime::parse(e.default_runtime.trim()) {
@@ -737,6 +766,41 @@ impl FileConfig {
                 .unwrap_or_else(|| PathBuf::from("agentctl")),
         };
         let idle = p.duration("executors.idle_timeout", &e.idle_timeout);
+        let worktree_roots = match &e.worktree_roots {
+            Some(roots) => roots.clone(),
+            None => match std::env::var_os("HOME").filter(|h| !h.is_empty()) {
+                Some(home) => vec![PathBuf::from(home)],
+                None => {
+                    p.add(
+                        "executors.worktree_roots",
+                        "cannot default to the home directory (HOME is not set); \
+                         set SESSIOND_WORKTREE_ROOTS",
+                    );
+                    Vec::new()
+                }
+            },
+        };
+        for (i, root) in worktree_roots.iter().enumerate() {
+            let key = format!("executors.worktree_roots[{i}]");
+            if !root.is_absolute() {
+                p.add(&key, format!("{} is not an absolute path", root.display()));
+            } else if root.parent().is_none() {
+                p.add(
+                    &key,
+                    "\"/\" is refused: it would let sessions use any directory, /etc included",
+                );
+            } else if root.components().any(|c| {
+                !matches!(
+                    c,
+                    std::path::Component::RootDir | std::path::Component::Normal(_)
+                )
+            }) {
+                p.add(
+                    &key,
+                    format!("{} is not normalised (no . or ..)", root.display()),
+                );
+            }
+        }
         let docker = if e.docker.enabled {
             let d = &e.docker;
             p.non_empty("executors.docker.host", &d.host);
@@ -820,6 +884,7 @@ impl FileConfig {
             connect_timeout: p.positive_duration("executors.connect_timeout", &e.connect_timeout),
             call_timeout: p.positive_duration("executors.call_timeout", &e.call_timeout),
             idle_timeout: Some(idle).filter(|d| !d.is_zero()),
+            worktree_roots,
             agentctl_path,
             run_dir: e
                 .standalone
@@ -905,6 +970,8 @@ impl FileConfig {
             auth,
             cors,
             metrics_listen,
+            metrics_max_connections: self.metrics.max_connections as usize,
+            metrics_idle_timeout,
             executors,
             recovery,
             agents,

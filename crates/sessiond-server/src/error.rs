@@ -9,6 +9,7 @@
 //! | wrong state, agent not running, resume failed       | (message = reason)  |
 //! | executor not ready for a workspace call             | FAILED_PRECONDITION |
 //! | concurrent writer won                               | ABORTED             |
+//! | Exec past its timeout (details: output so far)      | DEADLINE_EXCEEDED   |
 //! | executor/agent/database unreachable, no driver      | UNAVAILABLE         |
 //! | anything else                                       | INTERNAL (logged)   |
 //!
@@ -56,6 +57,13 @@ pub enum ApiError {
     Executor(sessiond_executor::Error),
     /// agentctl answered a proxied workspace call with this status.
     Agentctl(Status),
+    /// Exec ran past its timeout; its process group was killed. `output`
+    /// is the encoded `ExecResponse` with the output so far (status details).
+    CommandTimedOut {
+        command: String,
+        timeout_ms: u64,
+        output: Vec<u8>,
+    },
 }
 
 pub type ApiResult<T> = Result<T, ApiError>;
@@ -211,11 +219,29 @@ impl From<ApiError> for Status {
                 let (c, r) = agentctl_code(s);
                 (c, r, s.message().to_owned())
             }
+            ApiError::CommandTimedOut {
+                command,
+                timeout_ms,
+                ..
+            } => (
+                Code::DeadlineExceeded,
+                "command_timed_out",
+                format!(
+                    "{command:?} ran past its timeout of {timeout_ms} ms and was killed with \
+                     everything it started; the output so far is in the status details \
+                     (an ExecResponse)"
+                ),
+            ),
         };
         if code == Code::Internal {
             tracing::error!(error = %message, "internal error");
         }
-        let mut status = Status::new(code, bounded(message));
+        let mut status = match e {
+            ApiError::CommandTimedOut { output, .. } => {
+                Status::with_details(code, bounded(message), tonic::codegen::Bytes::from(output))
+            }
+            _ => Status::new(code, bounded(message)),
+        };
         if let Ok(v) = reason.parse() {
             status.metadata_mut().insert(ERROR_METADATA, v);
         }

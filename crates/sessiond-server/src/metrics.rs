@@ -1,82 +1,121 @@
-//! Prometheus metrics, hand-rolled in the text exposition format (0.0.4).
+//! Prometheus metrics and the HTTP probes, on their own address
+//! (`metrics.listen`) so the API port never exposes operational data.
 //!
-//! A handful of counters, gauges and one histogram family do not justify a
-//! metrics framework: this module is ~250 lines with no dependency, while
-//! `prometheus-client` would add a crate and a derive macro for the same
-//! output. Served on its own address (`metrics.listen`) by a minimal HTTP/1.1
-//! responder, so the API port never exposes operational data.
+//! Metrics use `prometheus-client`, the official Rust client of the
+//! Prometheus project: typed families with derived label sets (so a label
+//! set is a closed struct, never a session id), an OpenMetrics text encoder
+//! that Prometheus and `promtool` parse, and no global registry: the one
+//! registry is built here and families from other crates
+//! (`sessiond_recovery::ManagerMetrics`) register into it. The `prometheus`
+//! crate was the alternative; it keeps a process-global default registry and
+//! a protobuf dependency we do not need.
 //!
-//! Families:
+//! HTTP is hyper's HTTP/1.1 server (hyper is already under tonic): `GET
+//! /metrics`, `GET /livez` (the process answers), `GET /readyz` (200 once
+//! the first startup recovery pass is done — the same moment gRPC health
+//! turns SERVING — and 503 again on shutdown). Connections are bounded:
+//! at most `max_connections` at once (the accept loop waits for a free slot,
+//! so extra clients queue in the kernel's backlog instead of costing a task
+//! each), and a connection that sends no request head for `idle_timeout`
+//! (new or kept alive) is closed.
+//!
+//! Families registered here (the recovery crate adds the per-turn,
+//! per-agent and per-stream ones):
 //! - `sessiond_rpc_duration_seconds{method,code}` histogram: time from
 //!   request to response headers (for streams: until the stream starts).
 //! - `sessiond_recovery_duration_seconds` gauge: the last startup recovery pass.
 //! - `sessiond_recovery_executors_total{outcome}` counter: executors handled by
-//!   recovery, by outcome.
+//!   startup recovery, by outcome.
 //! - `sessiond_recovery_done` gauge: 1 once the first pass finished.
-//! - `sessiond_sessions{state}`, `sessiond_executors{status}` gauges: counted
-//!   from the store at scrape time.
+//! - `sessiond_sessions{state}`, `sessiond_executors{runtime,status}` gauges:
+//!   counted from the store at scrape time.
 
 use std::{
-    collections::{BTreeMap, HashMap},
-    fmt::Write as _,
+    convert::Infallible,
     future::Future,
     pin::Pin,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
     task::{Context, Poll},
     time::{Duration, Instant},
 };
 
 use futures::future::{BoxFuture, FutureExt};
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpListener,
+use http_body_util::Full;
+use hyper::{Method, Request, Response, StatusCode, body::Bytes, service::service_fn};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use prometheus_client::{
+    encoding::{EncodeLabelSet, text::encode},
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    registry::Registry,
 };
+use tokio::{net::TcpListener, sync::Semaphore};
 use tower::{Layer, Service};
 
-const BUCKETS: &[f64] = &[
+const RPC_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
-#[derive(Debug, Default, Clone)]
-struct Histogram {
-    counts: Vec<u64>,
-    sum: f64,
-    count: u64,
+/// The OpenMetrics text format `prometheus-client` writes; what Prometheus
+/// asks for first.
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// The classic Prometheus text format, for clients that do not ask for
+/// OpenMetrics (curl, `promtool check metrics`).
+const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RpcLabels {
+    method: String,
+    code: &'static str,
 }
 
-impl Histogram {
-    fn observe(&mut self, seconds: f64) {
-        if self.counts.is_empty() {
-            self.counts = vec![0; BUCKETS.len()];
-        }
-        for (i, bound) in BUCKETS.iter().enumerate() {
-            if seconds <= *bound {
-                self.counts[i] += 1;
-            }
-        }
-        self.sum += seconds;
-        self.count += 1;
-    }
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: String,
 }
 
-/// Gauges computed at scrape time (from the store).
-pub type Snapshot = BoxFuture<'static, Vec<(String, Vec<(String, String, f64)>)>>;
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    state: &'static str,
+}
 
-#[derive(Default)]
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ExecutorLabels {
+    runtime: &'static str,
+    status: &'static str,
+}
+
+/// What the store says at scrape time.
+#[derive(Debug, Default)]
+pub struct StoreCounts {
+    pub sessions: Vec<(&'static str, i64)>,
+    pub executors: Vec<(&'static str, &'static str, i64)>,
+}
+
+/// Counts read from the store at scrape time.
+pub type Snapshot = BoxFuture<'static, StoreCounts>;
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
 struct Inner {
-    /// By method, then status code: a call looks its method up by `&str`
-    /// and allocates only the first time a method is seen.
-    rpc: HashMap<String, BTreeMap<&'static str, Histogram>>,
-    recovery_seconds: Option<f64>,
-    recovery_outcomes: BTreeMap<String, u64>,
-    recovery_done: bool,
+    registry: Registry,
+    rpc: HistogramFamily<RpcLabels>,
+    recovery_done: Gauge,
+    recovery_seconds: Gauge<f64, AtomicU64>,
+    recovery_outcomes: Family<OutcomeLabels, Counter>,
+    sessions: Family<StateLabels, Gauge>,
+    executors: Family<ExecutorLabels, Gauge>,
+    snapshot: Option<Box<dyn Fn() -> Snapshot + Send + Sync>>,
+    /// `/readyz`: set with gRPC health's SERVING, cleared on shutdown.
+    ready: AtomicBool,
 }
 
-/// The registry; cheap to clone.
-#[derive(Clone, Default)]
+/// The registry and the server's own families; cheap to clone.
+#[derive(Clone)]
 pub struct Metrics {
-    inner: Arc<Mutex<Inner>>,
-    snapshot: Option<Arc<dyn Fn() -> Snapshot + Send + Sync>>,
+    inner: Arc<Inner>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -86,135 +125,260 @@ impl std::fmt::Debug for Metrics {
 }
 
 impl Metrics {
-    /// `snapshot` yields gauge families `(name, [(label, value, number)])`
-    /// at scrape time.
-    pub fn new(snapshot: impl Fn() -> Snapshot + Send + Sync + 'static) -> Self {
-        Self {
-            inner: Arc::default(),
-            snapshot: Some(Arc::new(snapshot)),
+    /// `snapshot` yields the store's counts at scrape time; `more` registers
+    /// other crates' families in the same registry.
+    pub fn new(
+        snapshot: Option<Box<dyn Fn() -> Snapshot + Send + Sync>>,
+        more: impl FnOnce(&mut Registry),
+    ) -> Self {
+        let mut registry = Registry::default();
+        let rpc: HistogramFamily<RpcLabels> =
+            Family::new_with_constructor(|| Histogram::new(RPC_BUCKETS.iter().copied()));
+        registry.register(
+            "sessiond_rpc_duration_seconds",
+            "Time from request to response headers, by gRPC method and status code",
+            rpc.clone(),
+        );
+        let recovery_done = Gauge::default();
+        registry.register(
+            "sessiond_recovery_done",
+            "1 once startup recovery finished its first pass",
+            recovery_done.clone(),
+        );
+        let recovery_seconds = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "sessiond_recovery_duration_seconds",
+            "Duration of the last startup recovery pass",
+            recovery_seconds.clone(),
+        );
+        let recovery_outcomes: Family<OutcomeLabels, Counter> = Family::default();
+        // Every outcome at 0 from the start, so alerts' increase() sees it.
+        use sessiond_domain::OutcomeLabel as O;
+        for label in [
+            O::Resumed,
+            O::Reattached,
+            O::ExecutorOnly,
+            O::NotResumable,
+            O::MissingResumeToken,
+            O::ResumeFailed,
+            O::ExecutorError,
+            O::Retrying,
+            O::Stopped,
+        ] {
+            drop(recovery_outcomes.get_or_create(&OutcomeLabels {
+                outcome: label.as_str().to_owned(),
+            }));
         }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        drop(recovery_outcomes.get_or_create(&OutcomeLabels {
+            outcome: "failed".to_owned(),
+        }));
+        registry.register(
+            // The encoder appends `_total` to counters.
+            "sessiond_recovery_executors",
+            "Executors handled by startup recovery, by outcome",
+            recovery_outcomes.clone(),
+        );
+        let sessions = Family::default();
+        registry.register(
+            "sessiond_sessions",
+            "Sessions by state (from the store at scrape time)",
+            sessions.clone(),
+        );
+        let executors = Family::default();
+        registry.register(
+            "sessiond_executors",
+            "Executor records by runtime and status (from the store at scrape time)",
+            executors.clone(),
+        );
+        more(&mut registry);
+        Self {
+            inner: Arc::new(Inner {
+                registry,
+                rpc,
+                recovery_done,
+                recovery_seconds,
+                recovery_outcomes,
+                sessions,
+                executors,
+                snapshot,
+                ready: AtomicBool::new(false),
+            }),
+        }
     }
 
     pub fn observe_rpc(&self, method: &str, code: &'static str, elapsed: Duration) {
-        let seconds = elapsed.as_secs_f64();
-        let mut inner = self.lock();
-        let by_code = match inner.rpc.get_mut(method) {
-            Some(m) => m,
-            None => inner.rpc.entry(method.to_owned()).or_default(),
-        };
-        by_code.entry(code).or_default().observe(seconds);
+        self.inner
+            .rpc
+            .get_or_create(&RpcLabels {
+                method: method.to_owned(),
+                code,
+            })
+            .observe(elapsed.as_secs_f64());
     }
 
     pub fn record_recovery(&self, elapsed: Duration, outcomes: &[(String, u64)]) {
-        let mut inner = self.lock();
-        inner.recovery_seconds = Some(elapsed.as_secs_f64());
+        self.inner.recovery_seconds.set(elapsed.as_secs_f64());
         for (outcome, n) in outcomes {
-            *inner.recovery_outcomes.entry(outcome.clone()).or_default() += n;
+            self.inner
+                .recovery_outcomes
+                .get_or_create(&OutcomeLabels {
+                    outcome: outcome.clone(),
+                })
+                .inc_by(*n);
         }
-        inner.recovery_done = true;
+        self.inner.recovery_done.set(1);
     }
 
-    /// The exposition text.
+    /// `/readyz` answers 200 while set.
+    pub fn set_ready(&self, ready: bool) {
+        self.inner.ready.store(ready, Ordering::SeqCst);
+    }
+
+    fn is_ready(&self) -> bool {
+        self.inner.ready.load(Ordering::SeqCst)
+    }
+
+    /// The exposition text (OpenMetrics).
     pub async fn render(&self) -> String {
-        let gauges = match &self.snapshot {
-            Some(f) => f().await,
-            None => Vec::new(),
-        };
+        if let Some(snapshot) = &self.inner.snapshot {
+            let counts = snapshot().await;
+            for (state, n) in counts.sessions {
+                self.inner
+                    .sessions
+                    .get_or_create(&StateLabels { state })
+                    .set(n);
+            }
+            for (runtime, status, n) in counts.executors {
+                self.inner
+                    .executors
+                    .get_or_create(&ExecutorLabels { runtime, status })
+                    .set(n);
+            }
+        }
         let mut out = String::new();
-        {
-            let inner = self.lock();
-            out.push_str(
-                "# HELP sessiond_rpc_duration_seconds Time from request to response headers, by gRPC method and status code.\n\
-                 # TYPE sessiond_rpc_duration_seconds histogram\n",
-            );
-            let mut rpc: Vec<(&str, &str, &Histogram)> = inner
-                .rpc
-                .iter()
-                .flat_map(|(m, by_code)| by_code.iter().map(move |(c, h)| (m.as_str(), *c, h)))
-                .collect();
-            rpc.sort_unstable_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
-            for (method, code, h) in rpc {
-                let labels = format!("method=\"{}\",code=\"{}\"", escape(method), escape(code));
-                for (i, bound) in BUCKETS.iter().enumerate() {
-                    let n = h.counts.get(i).copied().unwrap_or(0);
-                    let _ = writeln!(
-                        out,
-                        "sessiond_rpc_duration_seconds_bucket{{{labels},le=\"{bound}\"}} {n}"
-                    );
-                }
-                let _ = writeln!(
-                    out,
-                    "sessiond_rpc_duration_seconds_bucket{{{labels},le=\"+Inf\"}} {}",
-                    h.count
-                );
-                let _ = writeln!(
-                    out,
-                    "sessiond_rpc_duration_seconds_sum{{{labels}}} {}",
-                    h.sum
-                );
-                let _ = writeln!(
-                    out,
-                    "sessiond_rpc_duration_seconds_count{{{labels}}} {}",
-                    h.count
-                );
-            }
-            out.push_str(
-                "# HELP sessiond_recovery_done 1 once startup recovery finished its first pass.\n\
-                 # TYPE sessiond_recovery_done gauge\n",
-            );
-            let _ = writeln!(
-                out,
-                "sessiond_recovery_done {}",
-                u8::from(inner.recovery_done)
-            );
-            out.push_str(
-                "# HELP sessiond_recovery_duration_seconds Duration of the last startup recovery pass.\n\
-                 # TYPE sessiond_recovery_duration_seconds gauge\n",
-            );
-            if let Some(s) = inner.recovery_seconds {
-                let _ = writeln!(out, "sessiond_recovery_duration_seconds {s}");
-            }
-            out.push_str(
-                "# HELP sessiond_recovery_executors_total Executors handled by startup recovery, by outcome.\n\
-                 # TYPE sessiond_recovery_executors_total counter\n",
-            );
-            for (outcome, n) in &inner.recovery_outcomes {
-                let _ = writeln!(
-                    out,
-                    "sessiond_recovery_executors_total{{outcome=\"{}\"}} {n}",
-                    escape(outcome)
-                );
-            }
-        }
-        for (name, samples) in gauges {
-            let _ = writeln!(out, "# TYPE {name} gauge");
-            for (label, value, n) in samples {
-                let _ = writeln!(out, "{name}{{{label}=\"{}\"}} {n}", escape(&value));
-            }
-        }
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.inner.registry);
         out
     }
+
+    async fn respond(&self, request: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+        let reply = |status: StatusCode, content_type: &str, body: Bytes| {
+            let mut r = Response::new(Full::new(body));
+            *r.status_mut() = status;
+            if let Ok(v) = http::HeaderValue::from_str(content_type) {
+                r.headers_mut().insert(http::header::CONTENT_TYPE, v);
+            }
+            r
+        };
+        let text = "text/plain; charset=utf-8";
+        if request.method() != Method::GET && request.method() != Method::HEAD {
+            return reply(
+                StatusCode::METHOD_NOT_ALLOWED,
+                text,
+                Bytes::from_static(b"only GET\n"),
+            );
+        }
+        let openmetrics = request
+            .headers()
+            .get_all(http::header::ACCEPT)
+            .iter()
+            .any(|v| {
+                v.to_str()
+                    .is_ok_and(|v| v.contains("application/openmetrics-text"))
+            });
+        match request.uri().path() {
+            "/metrics" | "/" if openmetrics => {
+                reply(StatusCode::OK, OPENMETRICS, self.render().await.into())
+            }
+            "/metrics" | "/" => reply(
+                StatusCode::OK,
+                PROMETHEUS_TEXT,
+                prometheus_text(&self.render().await).into(),
+            ),
+            "/livez" => reply(StatusCode::OK, text, Bytes::from_static(b"ok\n")),
+            "/readyz" if self.is_ready() => {
+                reply(StatusCode::OK, text, Bytes::from_static(b"ok\n"))
+            }
+            "/readyz" => reply(
+                StatusCode::SERVICE_UNAVAILABLE,
+                text,
+                Bytes::from_static(b"not ready: startup recovery has not finished\n"),
+            ),
+            _ => reply(
+                StatusCode::NOT_FOUND,
+                text,
+                Bytes::from_static(b"not found: try /metrics, /livez or /readyz\n"),
+            ),
+        }
+    }
 }
 
-fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+/// OpenMetrics text as the classic Prometheus text format (0.0.4): the
+/// samples are the same; only a counter's `# HELP` / `# TYPE` name differs
+/// (OpenMetrics names the family `x`, its sample `x_total`; 0.0.4 names
+/// both `x_total`), and 0.0.4 has no `# UNIT` and no `# EOF`.
+fn prometheus_text(openmetrics: &str) -> String {
+    let mut out = String::with_capacity(openmetrics.len());
+    let mut counters = std::collections::HashSet::new();
+    for line in openmetrics.lines() {
+        if let Some(name) = line
+            .strip_prefix("# TYPE ")
+            .and_then(|rest| rest.strip_suffix(" counter"))
+        {
+            counters.insert(name.to_owned());
+        }
+    }
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|prefix| {
+            let rest = line.strip_prefix(prefix)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters
+                .contains(name)
+                .then(|| format!("{prefix}{name}_total {tail}"))
+        });
+        match renamed {
+            Some(l) => out.push_str(&l),
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
 }
 
-/// Serves `GET /metrics` on `listener` until `shutdown` resolves.
+/// Bounds of the metrics endpoint.
+#[derive(Debug, Clone, Copy)]
+pub struct HttpLimits {
+    /// Connections served at once; further clients wait in the backlog.
+    pub max_connections: usize,
+    /// A connection that sends no request head this long is closed.
+    pub idle_timeout: Duration,
+}
+
+/// Serves `/metrics`, `/livez` and `/readyz` on `listener` until `shutdown`.
 pub async fn serve(
     listener: TcpListener,
     metrics: Metrics,
+    limits: HttpLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.idle_timeout)
+        .keep_alive(true);
     tokio::pin!(shutdown);
     loop {
-        let (mut stream, _) = tokio::select! {
+        let slot = tokio::select! {
+            _ = &mut shutdown => return,
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => return, // never closed
+            },
+        };
+        let (stream, _) = tokio::select! {
             _ = &mut shutdown => return,
             accepted = listener.accept() => match accepted {
                 Ok(s) => s,
@@ -226,39 +390,17 @@ pub async fn serve(
             },
         };
         let metrics = metrics.clone();
+        let connection = http.serve_connection(
+            TokioIo::new(stream),
+            service_fn(move |request| {
+                let metrics = metrics.clone();
+                async move { Ok::<_, Infallible>(metrics.respond(request).await) }
+            }),
+        );
         tokio::spawn(async move {
-            let mut buf = Vec::with_capacity(1024);
-            let mut chunk = [0u8; 1024];
-            let head_done = tokio::time::timeout(Duration::from_secs(5), async {
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 16 * 1024 {
-                    match stream.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return false,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                }
-                true
-            })
-            .await;
-            if !matches!(head_done, Ok(true)) {
-                return;
-            }
-            let line = buf.split(|b| *b == b'\r').next().unwrap_or_default();
-            let line = String::from_utf8_lossy(line);
-            let mut parts = line.split_whitespace();
-            let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-            let path = path.split('?').next().unwrap_or("");
-            let response = if method == "GET" && (path == "/metrics" || path == "/") {
-                let body = metrics.render().await;
-                format!(
-                    "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4; charset=utf-8\r\n\
-                     content-length: {}\r\nconnection: close\r\n\r\n{body}",
-                    body.len()
-                )
-            } else {
-                "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".into()
-            };
-            let _ = stream.write_all(response.as_bytes()).await;
-            let _ = stream.shutdown().await;
+            // Header timeouts and resets are the client's business.
+            let _ = connection.await;
+            drop(slot);
         });
     }
 }
@@ -356,19 +498,28 @@ fn code_name(code: tonic::Code) -> &'static str {
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
     use super::*;
+
+    fn metrics() -> Metrics {
+        Metrics::new(
+            Some(Box::new(|| {
+                async {
+                    StoreCounts {
+                        sessions: vec![("RUNNING", 2)],
+                        executors: vec![("local_standalone", "ready", 3)],
+                    }
+                }
+                .boxed()
+            })),
+            |_| {},
+        )
+    }
 
     #[tokio::test]
     async fn renders_histogram_and_recovery_families() {
-        let m = Metrics::new(|| {
-            async {
-                vec![(
-                    "sessiond_sessions".to_owned(),
-                    vec![("state".to_owned(), "RUNNING".to_owned(), 2.0)],
-                )]
-            }
-            .boxed()
-        });
+        let m = metrics();
         m.observe_rpc(
             "/sessiond.v1.SessionService/ListTasks",
             "OK",
@@ -377,14 +528,106 @@ mod tests {
         m.record_recovery(Duration::from_millis(1500), &[("resumed".into(), 2)]);
         let text = m.render().await;
         assert!(text.contains(
-            "sessiond_rpc_duration_seconds_bucket{method=\"/sessiond.v1.SessionService/ListTasks\",code=\"OK\",le=\"0.005\"} 1"
+            "sessiond_rpc_duration_seconds_bucket{le=\"0.005\",method=\"/sessiond.v1.SessionService/ListTasks\",code=\"OK\"} 1"
         ), "{text}");
         assert!(
             text.contains("sessiond_recovery_duration_seconds 1.5"),
             "{text}"
         );
-        assert!(text.contains("sessiond_recovery_executors_total{outcome=\"resumed\"} 2"));
-        assert!(text.contains("sessiond_sessions{state=\"RUNNING\"} 2"));
-        assert!(text.contains("sessiond_recovery_done 1"));
+        assert!(
+            text.contains("sessiond_recovery_executors_total{outcome=\"resumed\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("sessiond_sessions{state=\"RUNNING\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("sessiond_executors{runtime=\"local_standalone\",status=\"ready\"} 3"),
+            "{text}"
+        );
+        assert!(text.contains("sessiond_recovery_done 1"), "{text}");
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+
+    #[test]
+    fn classic_text_names_counter_families_with_total() {
+        let om = "# HELP x_seconds A gauge.\n# TYPE x_seconds gauge\n# UNIT x_seconds seconds\nx_seconds 1\n\
+                  # HELP y Things.\n# TYPE y counter\ny_total{a=\"b\"} 2\n# EOF\n";
+        assert_eq!(
+            prometheus_text(om),
+            "# HELP x_seconds A gauge.\n# TYPE x_seconds gauge\nx_seconds 1\n\
+             # HELP y_total Things.\n# TYPE y_total counter\ny_total{a=\"b\"} 2\n"
+        );
+    }
+
+    async fn get(addr: std::net::SocketAddr, path: &str) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    /// With every slot held by a silent client, the next request waits for
+    /// the idle timeout to free one, then is served: the bound holds and
+    /// idle connections do not pin it forever.
+    #[tokio::test]
+    async fn connections_are_bounded_and_idle_ones_closed() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let m = metrics();
+        let idle_timeout = Duration::from_millis(500);
+        tokio::spawn(serve(
+            listener,
+            m.clone(),
+            HttpLimits {
+                max_connections: 4,
+                idle_timeout,
+            },
+            futures::future::pending(),
+        ));
+        let mut idle = Vec::new();
+        for _ in 0..4 {
+            idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        // Let the server accept all four before we measure.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let started = Instant::now();
+        let out = get(addr, "/livez").await;
+        assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+        assert!(
+            started.elapsed() >= idle_timeout / 2,
+            "served before an idle slot was freed: the bound did not hold"
+        );
+        // The silent clients were disconnected by the server.
+        for mut s in idle {
+            let mut buf = [0u8; 64];
+            let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+                .await
+                .expect("the server closes an idle connection")
+                .unwrap_or(0);
+            // hyper may answer 408 before closing; either way it closes.
+            let rest = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+                .await
+                .expect("closed")
+                .unwrap_or(0);
+            assert!(n == 0 || rest == 0);
+        }
+
+        let out = get(addr, "/readyz").await;
+        assert!(out.starts_with("HTTP/1.1 503"), "{out}");
+        m.set_ready(true);
+        let out = get(addr, "/readyz").await;
+        assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+        let out = get(addr, "/metrics").await;
+        assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+        assert!(out.contains("text/plain; version=0.0.4"), "{out}");
+        let out = get(addr, "/nope").await;
+        assert!(out.starts_with("HTTP/1.1 404"), "{out}");
     }
 }

@@ -86,7 +86,9 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         .build_v1()
         .context("building the reflection service")?;
 
-    let metrics = Metrics::new(snapshot_source(store.clone()));
+    let metrics = Metrics::new(Some(Box::new(snapshot_source(store.clone()))), |r| {
+        manager.metrics().register(r)
+    });
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let api = Api::new(
         manager.clone(),
@@ -94,6 +96,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             default_runtime: config.executors.default_runtime,
             default_agent: config.default_agent.clone(),
             max_message_bytes: config.max_message_bytes,
+            worktree_roots: config.executors.worktree_roots.clone(),
             workspace_client: ClientConfig {
                 connect_timeout: config.executors.connect_timeout,
                 call_timeout: Duration::from_secs(15 * 60),
@@ -137,7 +140,11 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         }
     };
     if let Some(l) = metrics_listener {
-        tokio::spawn(metrics::serve(l, metrics.clone(), wait_stop()));
+        let limits = metrics::HttpLimits {
+            max_connections: config.metrics_max_connections,
+            idle_timeout: config.metrics_idle_timeout,
+        };
+        tokio::spawn(metrics::serve(l, metrics.clone(), limits, wait_stop()));
     }
 
     let tokens = match &config.auth {
@@ -213,12 +220,14 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
                     .set_service_status(*service, ServingStatus::Serving)
                     .await;
             }
+            metrics.set_ready(true);
             tracing::info!("serving");
         })
     };
 
     shutdown_signal().await;
     recovery.abort();
+    metrics.set_ready(false);
     for service in HEALTH_SERVICES {
         health
             .set_service_status(*service, ServingStatus::NotServing)
@@ -247,12 +256,81 @@ pub async fn migrate(config: Config) -> anyhow::Result<()> {
 
 async fn open_store(config: &Config) -> anyhow::Result<Store> {
     if !config.database_url.starts_with("postgres") {
-        std::fs::create_dir_all(&config.data_dir)
-            .with_context(|| format!("data_dir: cannot create {}", config.data_dir.display()))?;
+        private_dir(&config.data_dir, "data_dir")?;
+        // SQLite gives -wal and -shm the main file's mode.
+        let db = std::path::Path::new(&config.database_url);
+        if db.starts_with(&config.data_dir) && !db.exists() {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .open(db)
+                .with_context(|| format!("database_url: cannot create {}", db.display()))?;
+        }
+        tighten_files(&config.data_dir);
     }
     Store::connect(&config.database_url, StoreOptions::default())
         .await
         .with_context(|| format!("database_url: cannot open {}", redact(&config.database_url)))
+}
+
+/// Creates `dir` (and missing parents) readable by this user only, or
+/// tightens an existing one to 0700 with a warning: it holds the database
+/// with every agentctl's secret, logs and port files.
+fn private_dir(dir: &std::path::Path, key: &str) -> anyhow::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    if !dir.exists() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .with_context(|| format!("{key}: cannot create {}", dir.display()))?;
+    }
+    let mode = std::fs::metadata(dir)
+        .with_context(|| format!("{key}: cannot stat {}", dir.display()))?
+        .permissions()
+        .mode();
+    if mode & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("{key}: cannot restrict {} to 0700", dir.display()))?;
+        tracing::warn!(
+            path = %dir.display(),
+            was = format!("{:o}", mode & 0o777),
+            "{key} was readable by other users; restricted to 0700"
+        );
+    }
+    Ok(())
+}
+
+/// Restricts the regular files directly in `dir` to 0600 (warning once),
+/// for state left by an older version or created under a looser umask.
+fn tighten_files(dir: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut fixed = 0;
+    for entry in entries.flatten() {
+        let Ok(meta) = entry.path().symlink_metadata() else {
+            continue;
+        };
+        if meta.is_file()
+            && meta.permissions().mode() & 0o077 != 0
+            && std::fs::set_permissions(entry.path(), std::fs::Permissions::from_mode(0o600))
+                .is_ok()
+        {
+            fixed += 1;
+        }
+    }
+    if fixed > 0 {
+        tracing::warn!(
+            dir = %dir.display(),
+            files = fixed,
+            "files were readable by other users; restricted to 0600"
+        );
+    }
 }
 
 /// The configured agent profiles, stored by name (ids stay stable).
@@ -308,9 +386,13 @@ async fn drivers(
     standalone.idle_timeout = e.idle_timeout;
     standalone.startup_timeout = e.standalone_startup_timeout;
     standalone.client = client.clone();
-    for dir in [&e.run_dir, &e.log_dir] {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("executors.standalone: cannot create {}", dir.display()))?;
+    standalone.env = agentctl_env();
+    for (dir, key) in [
+        (&e.run_dir, "executors.standalone.run_dir"),
+        (&e.log_dir, "executors.standalone.log_dir"),
+    ] {
+        private_dir(dir, key)?;
+        tighten_files(dir);
     }
     if !e.agentctl_path.is_file() {
         tracing::warn!(
@@ -372,6 +454,31 @@ async fn drivers(
     Ok((drivers, docker_driver))
 }
 
+/// What a standalone agentctl inherits from us: enough to find programs and
+/// behave, and its log filter; never our tokens, database URL or anything
+/// else `SESSIOND_*` (agentctl passes a subset on to the agent and commands).
+fn agentctl_env() -> Vec<(String, String)> {
+    const PASSED: &[&str] = &[
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "LANG",
+        "LANGUAGE",
+        "LC_ALL",
+        "LC_CTYPE",
+        "TZ",
+        "TMPDIR",
+        "TERM",
+        "AGENTCTL_LOG",
+    ];
+    PASSED
+        .iter()
+        .filter_map(|k| std::env::var(k).ok().map(|v| ((*k).to_owned(), v)))
+        .collect()
+}
+
 fn manager_config(config: &Config) -> ManagerConfig {
     let r = &config.recovery;
     ManagerConfig {
@@ -428,45 +535,44 @@ fn cors_layer(config: &CorsConfig) -> CorsLayer {
         .max_age(config.max_age)
 }
 
-/// Gauges read from the store at scrape time.
+/// Counts read from the store at scrape time; every state and status is
+/// listed (0 when none) so a series does not vanish when it empties.
 fn snapshot_source(store: Store) -> impl Fn() -> metrics::Snapshot + Send + Sync + 'static {
+    use sessiond_domain::{ExecutorStatus, SessionState};
     move || {
         let store = store.clone();
         Box::pin(async move {
-            let mut executors = std::collections::BTreeMap::new();
-            for s in sessiond_domain::ExecutorStatus::ALL {
-                executors.insert(s.as_str().to_owned(), 0.0);
-            }
-            if let Ok(counts) = store.count_executors_by_status().await {
-                for (status, n) in counts {
-                    executors.insert(status.as_str().to_owned(), n as f64);
+            let mut sessions: std::collections::BTreeMap<&'static str, i64> =
+                SessionState::ALL.iter().map(|s| (s.as_str(), 0)).collect();
+            match store.count_sessions_by_state().await {
+                Ok(counts) => {
+                    for (state, n) in counts {
+                        sessions.insert(state.as_str(), n);
+                    }
                 }
+                Err(err) => tracing::warn!(%err, "metrics: cannot count sessions"),
             }
-            let mut sessions = std::collections::BTreeMap::new();
-            for s in sessiond_domain::SessionState::ALL {
-                sessions.insert(s.as_str().to_owned(), 0.0);
-            }
-            if let Ok(counts) = store.count_sessions_by_state().await {
-                for (state, n) in counts {
-                    sessions.insert(state.as_str().to_owned(), n as f64);
+            let mut executors: std::collections::BTreeMap<(&'static str, &'static str), i64> =
+                Runtime::ALL
+                    .iter()
+                    .flat_map(|r| {
+                        ExecutorStatus::ALL
+                            .iter()
+                            .map(|s| ((r.as_str(), s.as_str()), 0))
+                    })
+                    .collect();
+            match store.count_executors_by_runtime_and_status().await {
+                Ok(counts) => {
+                    for (runtime, status, n) in counts {
+                        executors.insert((runtime.as_str(), status.as_str()), n);
+                    }
                 }
+                Err(err) => tracing::warn!(%err, "metrics: cannot count executors"),
             }
-            vec![
-                (
-                    "sessiond_executors".to_owned(),
-                    executors
-                        .into_iter()
-                        .map(|(k, v)| ("status".to_owned(), k, v))
-                        .collect(),
-                ),
-                (
-                    "sessiond_sessions".to_owned(),
-                    sessions
-                        .into_iter()
-                        .map(|(k, v)| ("state".to_owned(), k, v))
-                        .collect(),
-                ),
-            ]
+            metrics::StoreCounts {
+                sessions: sessions.into_iter().collect(),
+                executors: executors.into_iter().map(|((r, s), n)| (r, s, n)).collect(),
+            }
         })
     }
 }
@@ -513,8 +619,10 @@ async fn shutdown_signal() {
 fn init_tracing(json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("SESSIOND_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colour codes only for a person at a terminal, never in a log file.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     if json {
         builder.json().init();

@@ -12,7 +12,7 @@ use diesel::{connection::SimpleConnection, prelude::*, r2d2::Pool};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 use sessiond_domain::{
     AgentProfile, AgentProfileId, Event, EventPayload, ExecutorId, ExecutorRecord, ExecutorStatus,
-    Message, Session, SessionId, SessionState, Task, TaskId,
+    Message, Runtime, Session, SessionId, SessionState, Task, TaskId,
 };
 
 use crate::{
@@ -485,22 +485,30 @@ impl Store {
 
     // ------------------------------------------------------------ executors
 
-    /// How many executors are in each status (statuses with none are absent).
-    pub async fn count_executors_by_status(&self) -> Result<Vec<(ExecutorStatus, i64)>> {
+    /// How many executors of each runtime are in each status (pairs with
+    /// none are absent); the metrics' `sessiond_executors` gauge.
+    pub async fn count_executors_by_runtime_and_status(
+        &self,
+    ) -> Result<Vec<(Runtime, ExecutorStatus, i64)>> {
         self.read(|c| {
-            let rows: Vec<(String, i64)> = executors_running::table
-                .group_by(executors_running::status)
-                .select((executors_running::status, diesel::dsl::count_star()))
+            let rows: Vec<(String, String, i64)> = executors_running::table
+                .group_by((executors_running::runtime, executors_running::status))
+                .select((
+                    executors_running::runtime,
+                    executors_running::status,
+                    diesel::dsl::count_star(),
+                ))
                 .load(c)?;
             rows.into_iter()
-                .map(|(status, n)| {
-                    ExecutorStatus::parse(&status)
-                        .map(|s| (s, n))
-                        .map_err(|e| Error::Corrupt {
-                            entity: "executor",
-                            id: format!("status {status}"),
-                            reason: e.to_string(),
-                        })
+                .map(|(runtime, status, n)| {
+                    let corrupt = |e: String| Error::Corrupt {
+                        entity: "executor",
+                        id: format!("runtime {runtime} status {status}"),
+                        reason: e,
+                    };
+                    let r = Runtime::parse(&runtime).map_err(|e| corrupt(e.to_string()))?;
+                    let s = ExecutorStatus::parse(&status).map_err(|e| corrupt(e.to_string()))?;
+                    Ok((r, s, n))
                 })
                 .collect()
         })

@@ -535,9 +535,12 @@ mod suite {
             ExecutorStatus::ALL.len()
         );
 
-        // The metrics gauges count by status and state in the database.
-        let mut by_status = store.count_executors_by_status().await.unwrap();
-        by_status.sort();
+        // The metrics gauges count by runtime, status and state in the database.
+        let mut by_status = std::collections::BTreeMap::new();
+        for (_, status, n) in store.count_executors_by_runtime_and_status().await.unwrap() {
+            *by_status.entry(status).or_insert(0) += n;
+        }
+        let by_status: Vec<_> = by_status.into_iter().collect();
         let one_each: Vec<_> = ExecutorStatus::ALL.iter().map(|s| (*s, 1)).collect();
         assert_eq!(by_status, one_each);
         let by_state = store.count_sessions_by_state().await.unwrap();

@@ -429,7 +429,7 @@ async fn session_lifecycle_workspace_and_events() {
 async fn scrape(addr: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
+    s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
         .await
         .unwrap();
     let mut out = String::new();

@@ -10,6 +10,8 @@
 
 mod api;
 mod config;
+mod metrics;
+mod ops;
 mod restart;
 mod security;
 mod serve;

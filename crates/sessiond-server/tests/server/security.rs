@@ -256,3 +256,369 @@ async fn malformed_ids_are_echoed_truncated() {
     assert!(err.message().len() < 2048, "{} bytes", err.message().len());
     assert!(err.message().contains("truncated"), "{}", err.message());
 }
+
+fn session_ref(task: &str, session: &str) -> Option<pb::SessionRef> {
+    Some(pb::SessionRef {
+        task_id: task.into(),
+        session_id: session.into(),
+    })
+}
+
+/// A server with one live demo session on `work`.
+async fn with_session(
+    dir: &std::path::Path,
+) -> (Server, Sessions, Workspaces, pb::Task, pb::Session) {
+    let work = dir.join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let server = start(&dir.join("data"), &[]);
+    let mut c = sessions(&server).await;
+    let w = workspaces(&server).await;
+    let task = create_task(&mut c, "security").await;
+    let s = create_session(&mut c, &task.id, &work, "").await;
+    assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
+    (server, c, w, task, s)
+}
+
+/// Children of every thread of `pid` (the agent is spawned from a worker).
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+        .flat_map(|t| {
+            std::fs::read_to_string(t.path().join("children"))
+                .unwrap_or_default()
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect()
+}
+
+fn environ(pid: u32) -> String {
+    String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/environ")).unwrap())
+        .replace('\0', "\n")
+}
+
+#[tokio::test]
+async fn agentctl_agent_and_exec_get_none_of_sessiond_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, _c, mut w, task, s) = with_session(dir.path()).await;
+    let out = w
+        .exec(pb::ExecRequest {
+            session: session_ref(&task.id, &s.id),
+            command: "env".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let env = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(env.contains("PATH="), "{env}");
+    for leaked in [TOKEN, "SESSIOND_", "AGENTCTL_SECRET"] {
+        assert!(!env.contains(leaked), "Exec sees {leaked}: {env}");
+    }
+    let agentctls = agentctl_pids(&server.data_dir);
+    assert_eq!(agentctls.len(), 1, "{agentctls:?}");
+    let agentctl_env = environ(agentctls[0]);
+    assert!(!agentctl_env.contains(TOKEN), "{agentctl_env}");
+    assert!(!agentctl_env.contains("SESSIOND_"), "{agentctl_env}");
+    let agents = children(agentctls[0]);
+    assert_eq!(agents.len(), 1, "the agent: {agents:?}");
+    let agent_env = environ(agents[0]);
+    for leaked in [TOKEN, "SESSIOND_", "AGENTCTL_SECRET"] {
+        assert!(
+            !agent_env.contains(leaked),
+            "the agent sees {leaked}: {agent_env}"
+        );
+    }
+    // The profile's own variables do reach it.
+    assert!(agent_env.contains("ACP_DEMO_STATE_DIR="), "{agent_env}");
+}
+
+#[tokio::test]
+async fn state_is_private_to_the_serving_user() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    // Left world-readable by an older version: tightened at start.
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(data.join("stale.txt"), "x").unwrap();
+    std::fs::set_permissions(
+        data.join("stale.txt"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+    let (server, mut c, _w, _task, _s) = with_session(dir.path()).await;
+    // A write, so the WAL exists.
+    create_task(&mut c, "wal").await;
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&data), 0o700);
+    assert_eq!(mode(&data.join("stale.txt")), 0o600);
+    for f in [
+        "sessiond.sqlite3",
+        "sessiond.sqlite3-wal",
+        "sessiond.sqlite3-shm",
+    ] {
+        assert_eq!(mode(&data.join(f)), 0o600, "{f}");
+    }
+    for sub in ["run", "logs"] {
+        assert_eq!(mode(&data.join(sub)), 0o700, "{sub}");
+        for entry in std::fs::read_dir(data.join(sub)).unwrap().flatten() {
+            if entry.file_type().unwrap().is_file() {
+                assert_eq!(mode(&entry.path()), 0o600, "{}", entry.path().display());
+            }
+        }
+    }
+    assert!(std::fs::read_dir(data.join("logs")).unwrap().count() > 0);
+    assert!(std::fs::read_dir(data.join("run")).unwrap().count() > 0);
+    drop(server);
+}
+
+/// Whether any process's command line contains `needle`.
+fn process_with(needle: &str) -> bool {
+    std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+        std::fs::read(e.path().join("cmdline"))
+            .map(|c| {
+                String::from_utf8_lossy(&c)
+                    .replace('\0', " ")
+                    .contains(needle)
+            })
+            .unwrap_or(false)
+    })
+}
+
+#[tokio::test]
+async fn exec_is_bounded_by_its_timeout_even_when_children_escape() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, _c, mut w, task, s) = with_session(dir.path()).await;
+    // Leaves the group and keeps stdout open; the call must still end at
+    // the deadline, with the output so far, and the escapee must be gone.
+    let marker = "31.4159";
+    let started = std::time::Instant::now();
+    let err = w
+        .exec(pb::ExecRequest {
+            session: session_ref(&task.id, &s.id),
+            command: "sh".into(),
+            args: vec![
+                "-c".into(),
+                format!("setsid sleep {marker} & echo started; sleep 600"),
+            ],
+            timeout_ms: 2000,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    assert!(err.message().contains("2000 ms"), "{}", err.message());
+    assert!(took < std::time::Duration::from_secs(10), "took {took:?}");
+    let partial = pb::ExecResponse::decode(err.details()).unwrap();
+    assert!(partial.timed_out);
+    assert_eq!(partial.stdout, b"started\n");
+    assert!(
+        !process_with(&format!("sleep {marker}")),
+        "the escaped child survived"
+    );
+    assert!(!process_with("sleep 600"), "the command survived");
+
+    // The leader exits at once; its escapee holds stdout past the deadline.
+    let err = w
+        .exec(pb::ExecRequest {
+            session: session_ref(&task.id, &s.id),
+            command: "sh".into(),
+            // It waits until the escapee has left the group (its own
+            // session), so the leader's exit cannot take it along.
+            args: vec![
+                "-c".into(),
+                format!(
+                    "setsid sh -c 'touch escaped; exec sleep {marker}2' & \
+                     while [ ! -e escaped ]; do sleep 0.05; done; echo started"
+                ),
+            ],
+            timeout_ms: 1500,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    assert!(
+        !process_with(&format!("sleep {marker}2")),
+        "the escaped child survived"
+    );
+
+    for (timeout_ms, max_output_bytes, field) in [
+        (u64::MAX, 0, "timeout_ms"),
+        (400_000_000_000_000, 0, "timeout_ms"),
+        (1000, u64::MAX, "max_output_bytes"),
+    ] {
+        let err = w
+            .exec(pb::ExecRequest {
+                session: session_ref(&task.id, &s.id),
+                command: "true".into(),
+                timeout_ms,
+                max_output_bytes,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+        assert!(err.message().starts_with(field), "{}", err.message());
+    }
+}
+
+#[tokio::test]
+async fn git_runs_nothing_the_repository_configures() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, _c, mut w, task, s) = with_session(dir.path()).await;
+    let work = dir.path().join("work");
+    let git = |args: &[&str]| {
+        let st = std::process::Command::new("git")
+            .args(args)
+            .current_dir(&work)
+            .status()
+            .unwrap();
+        assert!(st.success(), "git {args:?}");
+    };
+    git(&["init", "-q", "-b", "main"]);
+    std::fs::write(work.join("a.txt"), "one\n").unwrap();
+    git(&["add", "a.txt"]);
+    git(&[
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@t",
+        "commit",
+        "-qm",
+        "one",
+    ]);
+    std::fs::write(work.join("a.txt"), "two\n").unwrap();
+    // What an agent could plant: commands in .git/config and attributes.
+    let planted = dir.path().join("planted");
+    let touch = |name: &str| format!("touch {}/{name}; cat", planted.display());
+    std::fs::create_dir_all(&planted).unwrap();
+    git(&["config", "core.fsmonitor", &touch("fsmonitor")]);
+    git(&["config", "diff.external", &touch("external")]);
+    git(&["config", "core.pager", &touch("pager")]);
+    git(&["config", "filter.evil.clean", &touch("clean")]);
+    git(&["config", "filter.evil.process", &touch("process")]);
+    git(&["config", "diff.evil.textconv", &touch("textconv")]);
+    std::fs::write(work.join(".gitattributes"), "* filter=evil diff=evil\n").unwrap();
+
+    let status = w
+        .git_status(pb::GitStatusRequest {
+            session: session_ref(&task.id, &s.id),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(status.files.iter().any(|f| f.path == "a.txt"), "{status:?}");
+    let diff = w
+        .git_diff(pb::GitDiffRequest {
+            session: session_ref(&task.id, &s.id),
+            staged: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(diff.diff.contains("+two"), "{}", diff.diff);
+    let ran: Vec<_> = std::fs::read_dir(&planted)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(
+        ran.is_empty(),
+        "repository-configured commands ran: {ran:?}"
+    );
+}
+
+#[tokio::test]
+async fn writes_through_hard_links_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, _c, mut w, task, s) = with_session(dir.path()).await;
+    let outside = dir.path().join("outside.txt");
+    std::fs::write(&outside, "precious\n").unwrap();
+    std::fs::hard_link(&outside, dir.path().join("work/link.txt")).unwrap();
+    let err = w
+        .write_file(pb::WriteFileRequest {
+            session: session_ref(&task.id, &s.id),
+            path: "link.txt".into(),
+            content: b"overwritten".to_vec(),
+            create_parents: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::PermissionDenied, "{err}");
+    assert!(err.message().contains("hard link"), "{}", err.message());
+    assert_eq!(std::fs::read_to_string(&outside).unwrap(), "precious\n");
+}
+
+#[tokio::test]
+async fn titles_with_control_characters_are_refused_and_not_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&dir.path().join("data"), &[]);
+    let mut c = sessions(&server).await;
+    for title in ["a\0b", "red \u{1b}[31m alert", "two\nlines", "bell\u{7}"] {
+        let err = c
+            .create_task(pb::CreateTaskRequest {
+                title: title.into(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{title:?}: {err}");
+        assert!(
+            err.message()
+                .starts_with("title: contains the control character"),
+            "{}",
+            err.message()
+        );
+    }
+    assert_eq!(task_count(&server, Some(TOKEN)).await, 0);
+}
+
+#[tokio::test]
+async fn worktrees_outside_the_roots_are_refused_and_nothing_is_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&dir.path().join("data"), &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "roots").await;
+    let tmp = std::fs::canonicalize(std::env::temp_dir()).unwrap();
+    let escape = dir.path().join("work/escape");
+    std::fs::create_dir_all(dir.path().join("work")).unwrap();
+    std::os::unix::fs::symlink("/etc", &escape).unwrap();
+    let up = format!("{}/../../etc", dir.path().display());
+    let long = format!("{}/{}", tmp.display(), "x".repeat(5000));
+    for (path, expect) in [
+        ("/".to_owned(), "outside executors.worktree_roots"),
+        ("/etc".to_owned(), "outside executors.worktree_roots"),
+        (up, "not normalised"),
+        (escape.display().to_string(), "through a symlink"),
+        (long, "longer than 4096 bytes"),
+    ] {
+        let err = c
+            .create_session(pb::CreateSessionRequest {
+                task_id: task.id.clone(),
+                runtime: pb::Runtime::LocalStandalone as i32,
+                worktree: Some(pb::Worktree {
+                    id: String::new(),
+                    path: path.clone(),
+                    branch: String::new(),
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{path}: {err}");
+        assert!(err.message().contains(expect), "{path}: {}", err.message());
+    }
+    let listed = c
+        .list_sessions(pb::ListSessionsRequest {
+            task_id: task.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(listed.sessions.is_empty(), "{listed:?}");
+    assert!(agentctl_pids(&server.data_dir).is_empty());
+}

@@ -154,3 +154,48 @@ fn empty_database_url_is_rejected_naming_the_key() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("database_url"), "{stderr}");
 }
+
+/// Logs written to a file (not a terminal) carry no ANSI colour codes.
+#[test]
+fn logs_to_a_file_have_no_colour_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("sessiond.log");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sessiond"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--insecure-no-auth",
+            "--metrics-listen",
+            "off",
+            "--data-dir",
+        ])
+        .arg(dir.path().join("data"))
+        .env_remove("SESSIOND_DATABASE_URL")
+        .env_remove("SESSIOND_LOG_JSON")
+        .env("SESSIOND_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("spawn sessiond");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    // "accepting calls" is logged right after the listening line; wait for it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let text = loop {
+        let text = std::fs::read_to_string(&log).unwrap();
+        if text.contains("accepting calls") || std::time::Instant::now() > deadline {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(text.contains("accepting calls"), "{text}");
+    assert!(
+        !text.contains('\u{1b}'),
+        "colour codes in a log file: {text:?}"
+    );
+}

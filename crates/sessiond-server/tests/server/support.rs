@@ -134,6 +134,11 @@ pub fn start_with(
     .arg("--data-dir")
     .arg(data_dir)
     .args(extra)
+    // Tests keep their worktrees in temporary directories.
+    .env(
+        "SESSIOND_WORKTREE_ROOTS",
+        std::fs::canonicalize(std::env::temp_dir()).unwrap(),
+    )
     .env_remove("SESSIOND_DATABASE_URL")
     .env_remove("SESSIOND_CONFIG")
     .env("SESSIOND_LOG", "info,sessiond=debug")
