@@ -30,7 +30,8 @@ export function scratch(name) {
 }
 
 function serverEnv(extra) {
-  const env = { ...process.env, SESSIOND_LOG: "info", ...extra };
+  // Scratch worktrees live under the temp dir, outside the default root ($HOME).
+  const env = { ...process.env, SESSIOND_LOG: "info", SESSIOND_WORKTREE_ROOTS: tmpdir(), ...extra };
   // The server's own settings come from its arguments only.
   for (const k of ["SESSIOND_CONFIG", "SESSIOND_DATABASE_URL", "DATABASE_URL", "SESSIOND_API_TOKENS", "SESSIOND_LISTEN"]) if (!(k in extra)) delete env[k];
   return env;
