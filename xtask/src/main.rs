@@ -98,7 +98,8 @@ fn ci() -> anyhow::Result<()> {
     };
 
     // Every test, the `#[ignore]`d ones that need Docker included; the
-    // child-process entry points are ignored too and never run here.
+    // child-process entry points and the opt-in tests are ignored too and
+    // never run here.
     let mut test = if has_nextest() {
         let mut cmd = cargo(&[
             "nextest",
@@ -111,6 +112,7 @@ fn ci() -> anyhow::Result<()> {
         ]);
         let children = CHILD_ENTRY_POINTS
             .iter()
+            .chain(OPT_IN.iter())
             .map(|t| format!("test(={t})"))
             .collect::<Vec<_>>()
             .join(" | ");
@@ -120,7 +122,7 @@ fn ci() -> anyhow::Result<()> {
         eprintln!("xtask: cargo-nextest not found, running cargo test");
         let mut cmd = cargo(&["test", "--workspace", "--locked", "--no-fail-fast"]);
         cmd.args(["--", "--include-ignored"]);
-        for t in CHILD_ENTRY_POINTS {
+        for t in CHILD_ENTRY_POINTS.iter().chain(OPT_IN.iter()) {
             cmd.args(["--skip", t]);
         }
         cmd
@@ -155,6 +157,10 @@ fn ci() -> anyhow::Result<()> {
 /// test binary re-executed), `#[ignore]`d so that no run reports them as
 /// tests; the tests that start them pass `--ignored --exact`.
 const CHILD_ENTRY_POINTS: [&str; 2] = ["crash::child_backend", "kill9::backend_process"];
+
+/// `#[ignore]`d tests that need what CI cannot have (a third-party agent with
+/// its credentials, named by `AGENTCTL_REAL_AGENT`); run by hand.
+const OPT_IN: [&str; 1] = ["real_agent_smoke"];
 
 /// Tests passed and failed over the test runs of one `ci`.
 #[derive(Debug, Default)]

@@ -580,6 +580,7 @@ impl World {
         let mut failures = Vec::new();
         let mut states: BTreeMap<String, usize> = BTreeMap::new();
         let mut undelivered = 0usize;
+        let mut interrupted = 0usize;
         let mut out_of_order = 0usize;
         let mut turns_total = 0usize;
         let remote_ids: HashSet<String> = self
@@ -774,6 +775,19 @@ impl World {
             }
             for m in &msgs {
                 match m.role {
+                    // At most once: a turn that may have reached an agent
+                    // is not re-sent but ends with an explicit "interrupted"
+                    // system message, which is a valid end for a user message.
+                    MessageRole::User
+                        if !delivered.contains(&m.seq)
+                            && msgs.iter().any(|s| {
+                                s.role == MessageRole::System
+                                    && s.seq > m.seq
+                                    && s.content.starts_with("the turn was interrupted")
+                            }) =>
+                    {
+                        interrupted += 1;
+                    }
                     MessageRole::User if !delivered.contains(&m.seq) => {
                         undelivered += 1;
                         failures.push(format!(
@@ -795,7 +809,7 @@ impl World {
             failures.join("\n  ")
         );
         format!(
-            "states {states:?}, {turns_total} agent turns matched, {undelivered} stored user messages never reached the agent, {out_of_order} replies stored after a later user message"
+            "states {states:?}, {turns_total} agent turns matched, {undelivered} stored user messages never reached the agent, {interrupted} ended interrupted (not re-sent), {out_of_order} replies stored after a later user message"
         )
     }
 
