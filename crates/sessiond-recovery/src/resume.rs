@@ -67,7 +67,17 @@ impl SessionManager {
         }
         let s = self.inner.store.get_session(s.id).await?;
         if !self.validate_resume(&s).await? {
-            return self.status_of(&s).await;
+            // The agent is running or being started. If an attempt began
+            // after the check above, its outcome is the answer every caller
+            // shares; otherwise read the session again, as that attempt
+            // (if any) left it.
+            if let Some((kind, fut)) = self.inflight(session) {
+                let out = fut.await;
+                if let Some(answer) = self.joined_answer(task, session, kind, out).await {
+                    return answer;
+                }
+            }
+            return self.session_status(task, session).await;
         }
         let me = self.clone();
         let (kind, fut) = self.single_flight(
