@@ -979,6 +979,10 @@ impl Pump {
             .update_session(next)
             .task_event(self.task_id, TaskEvent::ReadyForReview);
         self.mgr.commit(change).await?;
+        self.mgr
+            .inner
+            .metrics
+            .turn_ended(self.session_id, crate::metrics::TurnOutcome::Interrupted);
         tracing::warn!(session = %self.session_id, turn, why,
             "pending turn ended interrupted; not sent again (at most once)");
         Ok(())

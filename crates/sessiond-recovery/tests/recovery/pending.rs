@@ -441,6 +441,15 @@ async fn a_turn_handed_to_a_killed_agentctl_is_interrupted_not_run_again() {
         "the interruption has its event"
     );
     assert_eq!(transcript(&w, &s).len(), 2, "the prompt was not run again");
+    // Operators see it among the turns by outcome.
+    let mut registry = prometheus_client::registry::Registry::default();
+    mgr.metrics().register(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(
+        text.contains("sessiond_turns_total{outcome=\"interrupted\"} 1\n"),
+        "{text}"
+    );
     let lines = std::fs::read_to_string(&side).unwrap();
     assert_eq!(lines.lines().collect::<Vec<_>>(), ["one", "two"]);
     w.prompt(&mgr, s.id, "three").await;
