@@ -656,14 +656,15 @@ impl SessionManager {
         }
         let id = self.inner.next_op.fetch_add(1, Ordering::Relaxed);
         let me = self.clone();
-        let task = tokio::spawn(async move {
+        // In the first caller's span: the operation belongs to its trace.
+        let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
             let out = op.await;
             let mut map = lock(&me.inner.inflight);
             if map.get(&session).is_some_and(|o| o.id == id) {
                 map.remove(&session);
             }
             out
-        });
+        }));
         lock(&self.inner.background).push(task.abort_handle());
         let fut: SharedOp = async move {
             task.await

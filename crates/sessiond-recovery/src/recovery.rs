@@ -98,6 +98,20 @@ impl SessionManager {
     /// Recovers every executor that was live when the backend stopped. Meant
     /// to run before the server reports SERVING. Logs one summary line.
     pub async fn recover_all(&self) -> Result<RecoverySummary> {
+        // One trace per pass, one child span per executor.
+        let span = tracing::info_span!(
+            "startup_recovery",
+            executors = tracing::field::Empty,
+            failed = tracing::field::Empty,
+        );
+        let summary =
+            tracing::Instrument::instrument(self.recover_all_inner(), span.clone()).await?;
+        span.record("executors", summary.total);
+        span.record("failed", summary.failed);
+        Ok(summary)
+    }
+
+    async fn recover_all_inner(&self) -> Result<RecoverySummary> {
         let started = Instant::now();
         let store = &self.inner.store;
         let mut records = store.load_recoverable_executors().await?;
@@ -134,10 +148,27 @@ impl SessionManager {
         let results: Vec<(SessionId, Result<OutcomeLabel>)> = futures::stream::iter(records)
             .map(|record| {
                 let me = self.clone();
-                async move {
-                    let session = record.session_id;
-                    (session, me.recover_shared(record).await)
-                }
+                let span = tracing::info_span!(
+                    "recover_executor",
+                    executor_id = %record.id,
+                    session_id = %record.session_id,
+                    runtime = record.runtime.as_str(),
+                    status = record.status.as_str(),
+                    outcome = tracing::field::Empty,
+                );
+                tracing::Instrument::instrument(
+                    async move {
+                        let session = record.session_id;
+                        let result = me.recover_shared(record).await;
+                        let outcome = match &result {
+                            Ok(label) => label.as_str(),
+                            Err(_) => "failed",
+                        };
+                        tracing::Span::current().record("outcome", outcome);
+                        (session, result)
+                    },
+                    span,
+                )
             })
             .buffer_unordered(concurrency)
             .collect()
