@@ -241,8 +241,14 @@ pub fn server_span(path: &str, parent: opentelemetry::Context) -> tracing::Span 
     span
 }
 
-/// Opens a [`server_span`] around every gRPC call (health checks excepted:
-/// probes every few seconds are not worth a trace each).
+/// Health checks: gRPC health and agentctl's `Health`, which sessiond's
+/// liveness checks call every few seconds per executor; not worth a trace
+/// each.
+fn is_probe(path: &str) -> bool {
+    path.starts_with("/grpc.health.v1.Health/") || path.ends_with("/Health")
+}
+
+/// Opens a [`server_span`] around every gRPC call but health checks.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GrpcTraceLayer;
 
@@ -275,7 +281,7 @@ where
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         let path = request.uri().path();
-        let span = if path.starts_with("/grpc.health.v1.Health/") {
+        let span = if is_probe(path) {
             tracing::Span::none()
         } else {
             server_span(path, extract(request.headers()))

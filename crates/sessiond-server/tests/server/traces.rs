@@ -100,6 +100,8 @@ fn find<'a>(
 /// Prompt (a child across the process boundary) and agentctl's span of the
 /// agent's turn (its child, with the ACP stop reason), all in the client's
 /// trace; and sessiond's JSON log lines inside the call carry that trace id.
+/// Then, after a kill -9 of sessiond, startup recovery is one trace with a
+/// span for the session's executor.
 #[tokio::test]
 async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
     let (collector_addr, collector) = start_collector().await;
@@ -228,5 +230,55 @@ async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
     let json: serde_json::Value = serde_json::from_str(line).unwrap();
     assert_eq!(json["trace_id"], trace, "{line}");
     assert_eq!(json["span_id"], hex(&send.span_id), "{line}");
+
+    // kill -9 and start again: startup recovery is one trace with a span
+    // per executor, naming it and its outcome.
+    let mut server = server;
+    server.kill();
+    let server = start_with(&data, &["--otlp-endpoint", &endpoint], Some(TOKEN), None);
+    let executor = {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+        loop {
+            let spans = collector.spans.lock().unwrap().clone();
+            // The first start's pass had nothing to recover.
+            let one = spans
+                .iter()
+                .filter(|(s, x)| s == "sessiond" && x.name == "startup_recovery")
+                .find_map(|(_, pass)| {
+                    spans
+                        .iter()
+                        .find(|(s, x)| {
+                            s == "sessiond"
+                                && x.name == "recover_executor"
+                                && x.trace_id == pass.trace_id
+                                && x.parent_span_id == pass.span_id
+                        })
+                        .map(|(_, x)| x.clone())
+                });
+            if let Some(one) = one {
+                break one;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no recover_executor span under startup_recovery: {:#?}",
+                spans.iter().map(|(s, x)| (s, &x.name)).collect::<Vec<_>>()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    assert_eq!(
+        attribute(&executor, "session_id").as_deref(),
+        Some(session.id.as_str()),
+        "{executor:#?}"
+    );
+    assert_eq!(
+        attribute(&executor, "runtime").as_deref(),
+        Some("local_standalone")
+    );
+    assert_eq!(
+        attribute(&executor, "outcome").as_deref(),
+        Some("reattached"),
+        "{executor:#?}"
+    );
     drop(server);
 }
