@@ -99,7 +99,8 @@ fn find<'a>(
 /// span for agentctl's Prompt (its child), agentctl's server span for that
 /// Prompt (a child across the process boundary) and agentctl's span of the
 /// agent's turn (its child, with the ACP stop reason), all in the client's
-/// trace; and sessiond's JSON log lines inside the call carry that trace id.
+/// trace; and the JSON log lines of sessiond (inside the call) and of
+/// agentctl (inside the turn) carry that trace id and their span's id.
 /// Then, after a kill -9 of sessiond, startup recovery is one trace with a
 /// span for the session's executor.
 #[tokio::test]
@@ -230,6 +231,19 @@ async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
     let json: serde_json::Value = serde_json::from_str(line).unwrap();
     assert_eq!(json["trace_id"], trace, "{line}");
     assert_eq!(json["span_id"], hex(&send.span_id), "{line}");
+    // So does agentctl's (JSON because sessiond logs JSON), from the turn.
+    let agentctl_logs: String = std::fs::read_dir(data.join("logs"))
+        .unwrap()
+        .flatten()
+        .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default())
+        .collect();
+    let line = agentctl_logs
+        .lines()
+        .find(|l| l.contains("turn ended"))
+        .unwrap_or_else(|| panic!("no agentctl log line of the turn in:\n{agentctl_logs}"));
+    let json: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(json["trace_id"], trace, "{line}");
+    assert_eq!(json["span_id"], hex(&turn.span_id), "{line}");
 
     // kill -9 and start again: startup recovery is one trace with a span
     // per executor, naming it and its outcome.
