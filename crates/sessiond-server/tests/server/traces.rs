@@ -289,9 +289,13 @@ async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
         attribute(&executor, "runtime").as_deref(),
         Some("local_standalone")
     );
-    assert_eq!(
-        attribute(&executor, "outcome").as_deref(),
-        Some("reattached"),
+    // agentctl survived: reattached (or, if it answered too late on a
+    // loaded machine, relaunched and resumed); never failed.
+    assert!(
+        matches!(
+            attribute(&executor, "outcome").as_deref(),
+            Some("reattached" | "resumed")
+        ),
         "{executor:#?}"
     );
     drop(server);
