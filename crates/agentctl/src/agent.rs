@@ -781,8 +781,15 @@ impl AgentManager {
                 Some(Ok(())) => {}
             }
             this.crash_point("after-handed");
+            // The turn's trace context, for an agent that traces: ACP's
+            // convention is W3C keys at the root of `_meta`.
+            let mut meta = serde_json::Map::new();
+            sessiond_telemetry::inject_current(|k, v| {
+                meta.insert(k.to_owned(), serde_json::Value::String(v));
+            });
             let request =
-                PromptRequest::new(session, vec![ContentBlock::Text(TextContent::new(text))]);
+                PromptRequest::new(session, vec![ContentBlock::Text(TextContent::new(text))])
+                    .meta((!meta.is_empty()).then_some(meta));
             match conn.send_request(request).block_task().await {
                 Ok(resp) => {
                     let reason = stop_reason_name(resp.stop_reason);

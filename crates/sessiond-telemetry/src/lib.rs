@@ -221,6 +221,21 @@ pub fn extract(headers: &http::HeaderMap) -> opentelemetry::Context {
     opentelemetry::global::get_text_map_propagator(|p| p.extract(&HeaderExtractor(headers)))
 }
 
+/// The current span's trace context, as `set(key, value)` calls
+/// (`traceparent`, `tracestate`): for carriers other than gRPC metadata,
+/// such as ACP's `_meta` (where the agent finds it under those root keys).
+pub fn inject_current(set: impl FnMut(&str, String)) {
+    struct Setter<F>(F);
+    impl<F: FnMut(&str, String)> opentelemetry::propagation::Injector for Setter<F> {
+        fn set(&mut self, key: &str, value: String) {
+            (self.0)(key, value);
+        }
+    }
+    let cx = tracing::Span::current().context();
+    let mut setter = Setter(set);
+    opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&cx, &mut setter));
+}
+
 /// A server span for the gRPC call to `path` (`/pkg.Service/Method`), the
 /// child of `parent` when that carries a valid remote span.
 pub fn server_span(path: &str, parent: opentelemetry::Context) -> tracing::Span {

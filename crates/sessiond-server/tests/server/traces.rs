@@ -100,7 +100,8 @@ fn find<'a>(
 /// Prompt (a child across the process boundary) and agentctl's span of the
 /// agent's turn (its child, with the ACP stop reason), all in the client's
 /// trace; and the JSON log lines of sessiond (inside the call) and of
-/// agentctl (inside the turn) carry that trace id and their span's id.
+/// agentctl (inside the turn) carry that trace id and their span's id; the
+/// agent receives the turn span's context in ACP's `_meta.traceparent`.
 /// Then, after a kill -9 of sessiond, startup recovery is one trace with a
 /// span for the session's executor.
 #[tokio::test]
@@ -112,15 +113,36 @@ async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
     std::fs::create_dir_all(&work).unwrap();
     let log = dir.path().join("sessiond.log");
     let endpoint = format!("http://{collector_addr}");
+    // The demo agent writes down the traceparent each prompt brings it.
+    let traceparents = dir.path().join("traceparents.txt");
+    let config = dir.path().join("sessiond.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[agents]]\nname = \"traced\"\ncommand = \"{}\"\n\
+             env = {{ ACP_DEMO_STATE_DIR = \"{}\", ACP_DEMO_TRACEPARENT_FILE = \"{}\" }}\n",
+            bin("acp-demo-agent").display(),
+            dir.path().join("agent-state").display(),
+            traceparents.display()
+        ),
+    )
+    .unwrap();
+    let config = config.display().to_string();
     let server = start_with(
         &data,
-        &["--otlp-endpoint", &endpoint, "--log-json"],
+        &[
+            "--config",
+            &config,
+            "--otlp-endpoint",
+            &endpoint,
+            "--log-json",
+        ],
         Some(TOKEN),
         Some(&log),
     );
     let mut c = sessions(&server).await;
     let task = create_task(&mut c, "traced").await;
-    let session = create_session(&mut c, &task.id, &work, "").await;
+    let session = create_session(&mut c, &task.id, &work, "traced").await;
 
     let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
     let client_span = "00f067aa0ba902b7";
@@ -221,6 +243,11 @@ async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
         "{turn:#?}"
     );
     assert!(turn.end_time_unix_nano >= turn.start_time_unix_nano);
+    // The agent itself got the turn's context (ACP `_meta.traceparent`).
+    assert_eq!(
+        std::fs::read_to_string(&traceparents).unwrap(),
+        format!("00-{trace}-{}-01\n", hex(&turn.span_id))
+    );
 
     // sessiond's own log line of the call leads to the trace.
     let text = std::fs::read_to_string(&log).unwrap();
@@ -249,7 +276,12 @@ async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
     // per executor, naming it and its outcome.
     let mut server = server;
     server.kill();
-    let server = start_with(&data, &["--otlp-endpoint", &endpoint], Some(TOKEN), None);
+    let server = start_with(
+        &data,
+        &["--config", &config, "--otlp-endpoint", &endpoint],
+        Some(TOKEN),
+        None,
+    );
     let executor = {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
         loop {
