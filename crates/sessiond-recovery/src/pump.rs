@@ -73,6 +73,15 @@ pub(crate) const INTERRUPTED_NOTE: &str = "\n\n[sessiond: this reply was interru
 /// Session metadata key of the executor generation a turn was sent to.
 pub(crate) const TURN_GENERATION_KEY: &str = "turn_generation";
 
+/// Session metadata key of the agentctl instance last known alive before a
+/// turn's Prompt (see [`SessionManager::send_message`]).
+pub(crate) const TURN_INSTANCE_KEY: &str = "turn_instance";
+
+/// Session metadata key of the last turn (user message id) if it ended
+/// interrupted: the one turn `retry_turn` may run again. Removed when the
+/// next turn starts.
+pub(crate) const INTERRUPTED_TURN_KEY: &str = "interrupted_turn";
+
 /// Written to the conversation when a turn ends without a whole reply and
 /// the prompt may have reached the agent: it is not sent again
 /// automatically (at most once); the user decides.
@@ -564,6 +573,7 @@ impl Pump {
             }
             next.metadata.remove(TURN_KEY);
             next.metadata.remove(TURN_GENERATION_KEY);
+            next.metadata.remove(TURN_INSTANCE_KEY);
         }
         next.metadata.insert(
             CURSOR_KEY.into(),
@@ -846,7 +856,12 @@ impl Pump {
             .get_executor_for_session(self.session_id)
             .await?
             .is_some_and(|r| r.runtime == sessiond_domain::Runtime::Remote);
-        if !h.journaled || (h.journal_fresh && (!same_generation || remote)) {
+        // The agentctl process known alive before the Prompt answers now:
+        // it held the address all along, so any Prompt of the turn went to
+        // it and its journal (fresh or not) covers the turn.
+        let same_instance = !h.instance_id.is_empty()
+            && session.metadata.get(TURN_INSTANCE_KEY) == Some(&h.instance_id);
+        if !h.journaled || (h.journal_fresh && !same_instance && (!same_generation || remote)) {
             drop(guard);
             let why = if h.journaled {
                 "agentctl was relaunched with a new journal, so it cannot tell whether the agent got the message"
@@ -968,6 +983,11 @@ impl Pump {
         let (mut next, ev) = transition(&session, SessionEvent::TurnEnded, None)?;
         next.metadata.remove(TURN_KEY);
         next.metadata.remove(TURN_GENERATION_KEY);
+        next.metadata.remove(TURN_INSTANCE_KEY);
+        if user_seq.is_some() {
+            next.metadata
+                .insert(INTERRUPTED_TURN_KEY.into(), turn.to_owned());
+        }
         next.metadata.insert(
             CURSOR_KEY.into(),
             cursor_value(self.generation, self.cursor, &self.instance),
