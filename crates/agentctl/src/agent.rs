@@ -746,7 +746,7 @@ impl AgentManager {
             slot.set_state(&self.shared.updates, AgentState::Busy);
             (conn, session, exit_rx, pid)
         };
-        self.crash_point("after-accepted");
+        self.crash_point("after-accepted", &text);
         let shared = self.shared.clone();
         let tid = turn_id.clone();
         let this = self.clone();
@@ -772,7 +772,7 @@ impl AgentManager {
                 }
                 Some(Ok(())) => {}
             }
-            this.crash_point("after-handed");
+            this.crash_point("after-handed", &text);
             let request =
                 PromptRequest::new(session, vec![ContentBlock::Text(TextContent::new(text))]);
             match conn.send_request(request).block_task().await {
@@ -815,9 +815,17 @@ impl AgentManager {
         (self.shared.journal.is_durable(), self.shared.journal_fresh)
     }
 
-    /// Test hook: SIGKILLs this process at crash point `name` when asked to.
-    fn crash_point(&self, name: &str) {
-        if self.shared.crash_at.as_deref() == Some(name) {
+    /// Test hook: SIGKILLs this process at crash point `name` when asked to
+    /// (`NAME`, or `NAME:TEXT` for the prompt `text` = TEXT only, so a test
+    /// can run earlier turns through the same process).
+    fn crash_point(&self, name: &str, text: &str) {
+        let hit = self.shared.crash_at.as_deref().is_some_and(|at| {
+            at == name
+                || at
+                    .split_once(':')
+                    .is_some_and(|(n, t)| n == name && t == text)
+        });
+        if hit {
             tracing::warn!(
                 point = name,
                 "crash point reached; killing agentctl (test hook)"

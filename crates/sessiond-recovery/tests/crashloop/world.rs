@@ -299,6 +299,10 @@ impl World {
             .arg("--port-file")
             .arg(&port_file)
             .args(["--idle-timeout", "300s"])
+            // The host operator's journal, as DESIGN §9 expects of every
+            // agentctl: a restarted remote agentctl answers from it.
+            .arg("--journal")
+            .arg(self.path(&format!("remote-{id}.journal")))
             .env("AGENTCTL_SECRET", &secret)
             .env("AGENTCTL_LOG", "warn")
             .stdin(Stdio::null())
@@ -575,6 +579,11 @@ impl World {
     /// every reply is stored before the next user message. Returns a
     /// one-line summary.
     pub async fn assert_converged(&self, mgr: &SessionManager) -> String {
+        self.converged(mgr).await.line
+    }
+
+    /// [`World::assert_converged`], with the counts.
+    pub async fn converged(&self, mgr: &SessionManager) -> Converged {
         let mut failures = Vec::new();
         let mut states: BTreeMap<String, usize> = BTreeMap::new();
         let mut undelivered = 0usize;
@@ -806,9 +815,12 @@ impl World {
             "the world did not converge:\n  {}",
             failures.join("\n  ")
         );
-        format!(
-            "states {states:?}, {turns_total} agent turns matched, {undelivered} stored user messages never reached the agent, {interrupted} ended interrupted (not re-sent), {out_of_order} replies stored after a later user message"
-        )
+        Converged {
+            line: format!(
+                "states {states:?}, {turns_total} agent turns matched, {undelivered} stored user messages never reached the agent, {interrupted} ended interrupted (not re-sent), {out_of_order} replies stored after a later user message"
+            ),
+            interrupted,
+        }
     }
 
     /// Every session whose agent runs answers one more prompt, numbered after
@@ -1060,6 +1072,13 @@ impl ChildBackend {
 }
 
 /// (pid, command line with spaces) of every process.
+/// What [`World::converged`] found.
+pub struct Converged {
+    pub line: String,
+    /// User messages whose turn ended interrupted (not re-sent).
+    pub interrupted: usize,
+}
+
 pub fn proc_cmdlines() -> Vec<(u32, String)> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {

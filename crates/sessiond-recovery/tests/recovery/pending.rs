@@ -23,7 +23,7 @@ use sessiond_store::Changeset;
 use crate::support::{Db, World, expected_reply, kill_tree};
 
 /// The agent's transcript of `s`: (prompt, reply) per turn.
-fn transcript(w: &World, s: &Session) -> Vec<(String, String)> {
+pub(crate) fn transcript(w: &World, s: &Session) -> Vec<(String, String)> {
     let token = s.resume_token.clone().unwrap();
     let path = w.path("agent-state").join(format!("{token}.json"));
     let Ok(text) = std::fs::read_to_string(path) else {
@@ -57,7 +57,7 @@ async fn wait_transcript(w: &World, s: &Session, turns: usize) {
 
 /// What `send_message` commits before its Prompt: the user message and the
 /// session RUNNING that turn. Returns the message.
-async fn commit_user_message(w: &World, s: &Session, text: &str) -> Message {
+pub(crate) async fn commit_user_message(w: &World, s: &Session, text: &str) -> Message {
     let s = w.store.get_session(s.id).await.unwrap();
     assert_eq!(s.state, SessionState::WaitingForInput);
     let now = Utc::now();
