@@ -506,7 +506,7 @@ impl SessionManager {
             .raw()
             .prompt(pb::PromptRequest {
                 text: text.to_owned(),
-                turn_id,
+                turn_id: turn_id.clone(),
                 ..Default::default()
             })
             .await;
@@ -518,8 +518,21 @@ impl SessionManager {
             let reason = format!(
                 "the agent did not accept the message: {e}; resume the session, then send it again"
             );
-            let (failed, ev) = transition(&running, SessionEvent::Failed, Some(reason))?;
-            let mut change = Changeset::new().update_session(failed);
+            // Never silent: the conversation says the turn did not run
+            // through (a transport error leaves it unknown whether agentctl
+            // took it, so it is not sent again; the user may retry).
+            let (mut failed, ev) = transition(&running, SessionEvent::Failed, Some(reason))?;
+            let why = format!("the agent did not accept the message: {e}");
+            let mut change = crate::pump::interrupt_turn(
+                self,
+                &running,
+                &turn_id,
+                &why,
+                Changeset::new(),
+                &mut failed,
+            )
+            .await?
+            .update_session(failed);
             if let Some(ev) = ev {
                 change = change.event(session_id, ev);
             }
