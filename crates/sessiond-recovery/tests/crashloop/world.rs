@@ -872,11 +872,14 @@ impl World {
                     // Interrupted after the agent finished (its end lost
                     // with a killed agentctl): told, not re-run. A partial
                     // reply kept for it must be the start of the agent's.
-                    for m in msgs.iter().filter(|m| {
-                        m.role == MessageRole::Agent
-                            && m.seq > u.seq
-                            && m.content.contains(INTERRUPTED_MARK)
-                    }) {
+                    for m in msgs
+                        .iter()
+                        .skip_while(|m| m.seq <= u.seq)
+                        .take_while(|m| m.role != MessageRole::User)
+                        .filter(|m| {
+                            m.role == MessageRole::Agent && m.content.contains(INTERRUPTED_MARK)
+                        })
+                    {
                         let kept = m.content.split("\n\n[sessiond:").next().unwrap_or("");
                         if !expected.starts_with(kept) {
                             failures.push(format!(
