@@ -100,6 +100,9 @@ pub struct DockerConfig {
     /// Timeout of each Docker API call.
     pub api_timeout: Duration,
     pub client: ClientConfig,
+    /// More environment for agentctl in the container (its trace export
+    /// settings), beside `AGENTCTL_SECRET`.
+    pub env: Vec<(String, String)>,
 }
 
 impl DockerConfig {
@@ -118,6 +121,7 @@ impl DockerConfig {
             stop_grace: Duration::from_secs(5),
             api_timeout: Duration::from_secs(30),
             client: ClientConfig::default(),
+            env: Vec::new(),
         }
     }
 }
@@ -333,7 +337,11 @@ impl DockerExecutor {
         ContainerCreateBody {
             image: Some(c.image.clone()),
             cmd: Some(cmd),
-            env: Some(vec![format!("AGENTCTL_SECRET={secret}")]),
+            env: Some(
+                std::iter::once(format!("AGENTCTL_SECRET={secret}"))
+                    .chain(c.env.iter().map(|(k, v)| format!("{k}={v}")))
+                    .collect(),
+            ),
             labels: Some(labels),
             working_dir: Some(c.container_workspace.clone()),
             user: c.user.clone(),
