@@ -375,3 +375,97 @@ async fn remote_restart_mid_reply_is_interrupted() {
 async fn remote_restart_after_the_agent_finished_is_interrupted() {
     remote_restart_at(Point::AfterFinished).await;
 }
+
+/// Replay after a restart never shrinks a stored reply: sessiond stored
+/// three chunks of a reply (the agent holds mid-reply), dies, the agent
+/// finishes while it is down, and the restarted backend replays the turn
+/// from its first chunk. Nothing shorter than what was stored is written:
+/// neither the stored events nor a watcher subscribed across the replay see
+/// the reply shrink, and no event repeats. The reply ends whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_after_restart_never_shrinks_a_stored_reply() {
+    let w = World::new(Db::Sqlite).await;
+    let mid_gate = w.path("mid-gate");
+    let mid_s = mid_gate.display().to_string();
+    let profile = w
+        .demo_profile(
+            "mid",
+            &[
+                ("ACP_DEMO_MID_GATE_FILE", mid_s.as_str()),
+                ("ACP_DEMO_MID_GATE_AFTER", "3"),
+                ("ACP_DEMO_EXTRA_CHUNKS", "3"),
+            ],
+        )
+        .await;
+    let mgr = w.manager();
+    let s = w.create_with(&mgr, "mid", &profile, None).await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    std::fs::write(&mid_gate, "").unwrap();
+    let two = mgr.send_message(w.task.id, s.id, "two").await.unwrap();
+    // The three chunks before the gate are stored (the pump flushes at
+    // most every 50 ms; wait for the store, not for a time).
+    let first_three = format!("turn 2 of session {token}: you said \"two\"");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let stored = loop {
+        let msgs = w.messages(s.id).await;
+        if let Some(m) = msgs
+            .iter()
+            .find(|m| m.role == MessageRole::Agent && m.seq > two.seq)
+            && m.content == first_three
+        {
+            break m.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the partial reply was never stored: {msgs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(!stored.complete);
+    // sessiond dies; the agent finishes its reply while it is down.
+    mgr.shutdown();
+    drop(mgr);
+    std::fs::remove_file(&mid_gate).unwrap();
+    wait_until("the agent's reply", || transcript(&w, &s).len() == 2).await;
+
+    let mgr = w.manager();
+    let after = w.store.last_event_seq(s.id).await.unwrap();
+    let mut watch = mgr.watch_session(s.id, after).await.unwrap();
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Reattached), 1, "{summary:?}");
+    w.track(s.id).await;
+    w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
+        .await;
+    let whole = format!("{first_three} [1] [2] [3]");
+    // What the watcher saw across the replay: the reply only grew.
+    let mut seen = Vec::new();
+    while let Ok(Some(e)) = tokio::time::timeout(Duration::from_millis(500), watch.next()).await {
+        seen.push(e.unwrap());
+    }
+    for e in &seen {
+        if let EventPayload::MessageAdded(m) | EventPayload::MessageUpdated(m) = &e.payload
+            && m.id == stored.id
+        {
+            assert!(
+                m.content.starts_with(&first_three),
+                "a watcher saw the reply shrink to {:?}",
+                m.content
+            );
+        }
+    }
+    assert!(
+        seen.iter().any(|e| matches!(&e.payload,
+            EventPayload::MessageUpdated(m) if m.id == stored.id && m.complete && m.content == whole)),
+        "the watcher saw the reply end whole: {seen:?}"
+    );
+    let msgs = w.messages(s.id).await;
+    let reply = msgs.iter().find(|m| m.id == stored.id).unwrap();
+    assert_eq!(
+        (reply.content.as_str(), reply.complete),
+        (whole.as_str(), true)
+    );
+    assert_conversation_whole(&w, &s, &msgs);
+    assert_events_sound(&w.events(s.id).await);
+    w.finish(&mgr, &[s.id]).await;
+}
