@@ -105,7 +105,7 @@ pub struct ExecutorHandle {
     pub generation: i64,
     /// The bearer secret agentctl was started with.
     pub auth_secret: String,
-    /// `http://127.0.0.1:<port>` for local drivers.
+    /// `unix:///<run_dir>/...sock` for local drivers, `http(s)://host:port` for remote.
     pub agentctl_url: String,
     pub agentctl_port: Option<u16>,
     /// Standalone: agentctl's pid and its start time (`/proc/<pid>/stat` field 22).

@@ -321,11 +321,11 @@ impl Default for DockerSection {
             host: "unix:///var/run/docker.sock".into(),
             image: "sessiond-agentctl:dev".into(),
             agentctl_path: "/usr/local/bin/agentctl".into(),
-            network_mode: "host".into(),
+            network_mode: "none".into(),
             user: None,
             memory_bytes: None,
             cpus: None,
-            pids_limit: None,
+            pids_limit: Some(1024),
             startup_timeout: "15s".into(),
         }
     }
@@ -817,6 +817,27 @@ impl FileConfig {
             p.non_empty("executors.docker.image", &d.image);
             p.non_empty("executors.docker.agentctl_path", &d.agentctl_path);
             p.non_empty("executors.docker.network_mode", &d.network_mode);
+            let mode = d.network_mode.trim();
+            if mode == "host" || mode.starts_with("container:") {
+                p.add(
+                    "executors.docker.network_mode",
+                    format!(
+                        "{mode:?} would put agent containers in another network namespace (the host's \
+                         sees every session's and sessiond's loopback traffic); use \"none\" (agentctl \
+                         needs no network), \"bridge\" or a user-defined network"
+                    ),
+                );
+            }
+            if let Some(user) = &d.user {
+                let name = user.split(':').next().unwrap_or_default().trim();
+                if name == "0" || name == "root" {
+                    p.add(
+                        "executors.docker.user",
+                        "containers never run as root; give a non-root uid:gid, or leave it unset \
+                         to run as the worktree's owner",
+                    );
+                }
+            }
             if let Some(m) = d.memory_bytes
                 && m < 4 * 1024 * 1024
             {
@@ -1106,6 +1127,34 @@ mod tests {
         assert!(error_of(f.clone()).contains("auth.insecure_no_auth: refuses"));
         f.listen = "[::1]:0".into();
         assert!(matches!(f.validate().unwrap().auth, AuthConfig::Disabled));
+    }
+
+    #[test]
+    fn docker_defaults_to_no_network_and_refuses_host_network_and_root() {
+        let mut f = with_tokens();
+        f.executors.docker.enabled = true;
+        let docker = f.clone().validate().unwrap().executors.docker.unwrap();
+        assert_eq!(docker.network_mode, "none");
+        assert_eq!(docker.pids_limit, Some(1024));
+        assert_eq!(docker.user, None, "the worktree owner's uid:gid");
+
+        f.executors.docker.network_mode = "bridge".into();
+        assert!(f.clone().validate().is_ok());
+        for mode in ["host", "container:abc"] {
+            let mut g = f.clone();
+            g.executors.docker.network_mode = mode.into();
+            let err = error_of(g);
+            assert!(err.contains("executors.docker.network_mode"), "{err}");
+        }
+        for user in ["0", "0:0", "root", "root:root"] {
+            let mut g = f.clone();
+            g.executors.docker.user = Some(user.into());
+            let err = error_of(g);
+            assert!(
+                err.contains("executors.docker.user: containers never run as root"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

@@ -20,6 +20,9 @@ use sessiond_proto::agentctl::v1 as pb;
 
 use crate::support::{client_config, spec};
 
+/// The non-root user the test worktrees belong to, so their containers run as it.
+const AGENT_UID: u32 = 1000;
+
 struct Fixture {
     workspace: tempfile::TempDir,
     _run: tempfile::TempDir,
@@ -109,6 +112,9 @@ async fn fixture() -> Fixture {
     let image =
         std::env::var("SESSIOND_DOCKER_IMAGE").unwrap_or_else(|_| "sessiond-agentctl:dev".into());
     let workspace = tempfile::tempdir().expect("workspace");
+    // Containers run as the worktree's owner, never as root.
+    std::os::unix::fs::chown(workspace.path(), Some(AGENT_UID), Some(AGENT_UID))
+        .expect("chown the workspace to the agent's user (the tests run as root)");
     let run = tempfile::tempdir().expect("run dir");
     let mut config = DockerConfig::new(host.clone(), image.clone(), run.path().to_owned());
     config.client = client_config();
@@ -184,7 +190,7 @@ async fn launch_health_capabilities_stop() {
         info.name.as_deref(),
         Some(format!("/{}", container_name(spec.executor_id)).as_str())
     );
-    let labels = info.config.and_then(|c| c.labels).expect("labels");
+    let labels = info.config.clone().and_then(|c| c.labels).expect("labels");
     assert_eq!(
         labels.get(LABEL_EXECUTOR_ID),
         Some(&spec.executor_id.to_string())
@@ -194,8 +200,32 @@ async fn launch_health_capabilities_stop() {
         Some(&spec.session_id.to_string())
     );
     assert_eq!(labels.get(LABEL_TASK_ID), Some(&spec.task_id.to_string()));
+    // The container is a boundary: no network, the worktree owner's user,
+    // no capabilities, no privilege gain, read-only root, a pids limit.
+    let config = info.config.clone().expect("config");
+    assert_eq!(config.user.as_deref(), Some("1000:1000"));
+    assert!(
+        !config
+            .env
+            .unwrap_or_default()
+            .iter()
+            .any(|e| e.contains(&handle.auth_secret)),
+        "the secret is not in the container's environment"
+    );
     let host_config = info.host_config.expect("host config");
-    assert_eq!(host_config.network_mode.as_deref(), Some("host"));
+    assert_eq!(host_config.network_mode.as_deref(), Some("none"));
+    assert_eq!(host_config.cap_drop, Some(vec!["ALL".to_owned()]));
+    assert_eq!(
+        host_config.security_opt,
+        Some(vec!["no-new-privileges".to_owned()])
+    );
+    assert_eq!(host_config.readonly_rootfs, Some(true));
+    assert_eq!(host_config.pids_limit, Some(1024));
+    assert!(
+        handle.agentctl_url.starts_with("unix://") && handle.agentctl_port.is_none(),
+        "{}",
+        handle.agentctl_url
+    );
 
     let health = f.driver.health(&handle).await.expect("health");
     assert_eq!(health.executor_id, spec.executor_id.to_string());

@@ -243,6 +243,8 @@ impl World {
     pub fn worktree(&self, name: &str) -> Worktree {
         let path = self.path(&format!("wt-{name}"));
         std::fs::create_dir_all(&path).unwrap();
+        // Docker containers run as the worktree's owner, never as root.
+        std::os::unix::fs::chown(&path, Some(1000), Some(1000)).unwrap();
         Worktree {
             id: name.into(),
             path: path.display().to_string(),
@@ -930,6 +932,8 @@ pub fn new_session(
 ) -> NewSession {
     let path = dir.join(format!("wt-{}", plan.name));
     std::fs::create_dir_all(&path).unwrap();
+    // Docker containers run as the worktree's owner, never as root.
+    std::os::unix::fs::chown(&path, Some(1000), Some(1000)).unwrap();
     NewSession {
         task_id: task,
         agent_profile_id: match plan.runtime {
