@@ -226,6 +226,10 @@ impl SessionManager {
             Ok::<_, Error>((probe, token))
         }
         .await;
+        // Test-only crash point: the agent opened the conversation, its
+        // token is not stored yet (recovery adopts agentctl's).
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("create-after-conversation");
         let (probe, token) = match opened {
             Ok(v) => v,
             Err(e) => {

@@ -92,6 +92,10 @@ struct Run {
     /// `record.last_seen_at` was refreshed in memory only (the executor was
     /// `ready` already, so nothing else changed): the outcome commit writes it.
     seen_unsaved: bool,
+    /// The session had no resume token and its surviving agent holds an open
+    /// conversation: that conversation's id became the token (in memory; the
+    /// outcome commit writes it to the session and the executor).
+    adopted_token: bool,
 }
 
 impl SessionManager {
@@ -240,6 +244,7 @@ impl SessionManager {
             agent_state: None,
             probe: None,
             seen_unsaved: false,
+            adopted_token: false,
         };
         let mut action = machine.start();
         loop {
@@ -383,6 +388,21 @@ impl SessionManager {
                         #[cfg(feature = "failpoints")]
                         fail::fail_point!("recovery-after-reattach");
                         run.agent = surviving_agent(&health, run.session.resume_token.as_deref());
+                        if run.agent != SurvivingAgent::None
+                            && run.session.resume_token.is_none()
+                            && !health.acp_session_id.is_empty()
+                        {
+                            // A create died between the agent's `session/new`
+                            // and storing its id: the conversation agentctl
+                            // holds is the one that create opened. Without
+                            // adopting it the session would run on, unable
+                            // ever to be resumed.
+                            tracing::info!(session = %run.session.id, executor_id = %run.record.id,
+                                "recovery: adopting the surviving agent's conversation as the resume token");
+                            run.session.resume_token = Some(health.acp_session_id.clone());
+                            run.record.resume_token = Some(health.acp_session_id.clone());
+                            run.adopted_token = true;
+                        }
                         run.agent_state = Some(health.agent_state);
                         Observation::Healthy { agent: run.agent }
                     }
@@ -619,13 +639,14 @@ impl SessionManager {
         record.generation = outcome.generation;
         let mut change = Changeset::new();
         let record_changed = run.seen_unsaved
+            || run.adopted_token
             || record.status != run.record.status
             || record.error_message != run.record.error_message
             || record.generation != run.record.generation;
         if record_changed {
             change = change.update_executor(record);
         }
-        if outcome.session_state != run.session.state {
+        if outcome.session_state != run.session.state || run.adopted_token {
             let mut session = run.session.clone();
             session.state = outcome.session_state;
             session.error_message = outcome.session_error.as_ref().map(|f| f.message());
