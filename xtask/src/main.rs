@@ -378,6 +378,10 @@ fn docker_tests() -> anyhow::Result<()> {
             "agentctl",
             "-p",
             "acp-demo-agent",
+            // `boundary-probe`, run inside a container by the boundary test.
+            "-p",
+            "sessiond-testkit",
+            "--bins",
             "--locked",
         ]),
     )?;
