@@ -491,7 +491,7 @@ impl DockerExecutor {
             format!("rw,nosuid,nodev,mode=1777,size={}", c.tmp_size_bytes),
         )]);
         ContainerCreateBody {
-            image: Some(c.image.clone()),
+            image: Some(spec.image.clone().unwrap_or_else(|| c.image.clone())),
             cmd: Some(cmd),
             env: Some(vec![format!("HOME={CONTAINER_HOME}")]),
             labels: Some(labels),
@@ -881,6 +881,10 @@ impl Executor for DockerExecutor {
             &handle.auth_secret,
             &self.config.client,
         )
+    }
+
+    fn image(&self, requested: Option<&str>) -> Option<String> {
+        Some(requested.unwrap_or(&self.config.image).to_owned())
     }
 }
 

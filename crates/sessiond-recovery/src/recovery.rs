@@ -307,7 +307,7 @@ impl SessionManager {
                     return Ok(Observation::DeadlineExceeded);
                 }
                 match self
-                    .launch_agentctl(&run.record, generation, remaining)
+                    .launch_agentctl(&run.record, &run.profile, generation, remaining)
                     .await
                 {
                     None => Observation::DeadlineExceeded,

@@ -285,7 +285,10 @@ impl SessionManager {
                         // Ours (pid and start time match) but not answering: end it.
                         self.end_stray_agentctls(&record).await;
                     }
-                    match self.launch_agentctl(&record, generation, limit * 2).await {
+                    match self
+                        .launch_agentctl(&record, &profile, generation, limit * 2)
+                        .await
+                    {
                         Some(r) => Some(r?),
                         None => {
                             return Err(Error::Unavailable(format!(

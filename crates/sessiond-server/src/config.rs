@@ -19,7 +19,7 @@ use std::{
 use anyhow::{Context, bail};
 use clap::{Args, builder::BoolishValueParser};
 use serde::Deserialize;
-use sessiond_domain::{ResumePolicy, Runtime};
+use sessiond_domain::{ContainerAgent, ResumePolicy, Runtime};
 
 /// The built-in agent profile: the demo ACP agent shipped with sessiond.
 pub const DEMO_PROFILE: &str = "demo";
@@ -243,6 +243,22 @@ pub struct AgentSection {
     pub env: BTreeMap<String, String>,
     #[serde(default = "yes")]
     pub supports_session_resume: bool,
+    /// How the agent runs in a Docker container, when not as on the host.
+    #[serde(default)]
+    pub container: Option<ContainerSection>,
+}
+
+/// `[agents.container]`: the agent inside an image.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContainerSection {
+    /// The image; `executors.docker.image` when unset.
+    pub image: Option<String>,
+    pub command: String,
+    #[serde(default)]
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
 }
 
 fn yes() -> bool {
@@ -455,6 +471,7 @@ pub struct AgentConfig {
     pub args: Vec<String>,
     pub env: BTreeMap<String, String>,
     pub supports_session_resume: bool,
+    pub container: Option<ContainerAgent>,
 }
 
 impl ServeArgs {
@@ -1003,12 +1020,29 @@ fn agent_profiles(
                 format!("{:?} is used by an earlier profile", a.name),
             );
         }
+        if let Some(c) = &a.container {
+            if c.command.trim().is_empty() {
+                p.add(&format!("{key}.container.command"), "must not be empty");
+            }
+            if c.image.as_deref().is_some_and(|i| i.trim().is_empty()) {
+                p.add(
+                    &format!("{key}.container.image"),
+                    "must not be empty (leave it out for executors.docker.image)",
+                );
+            }
+        }
         let profile = AgentConfig {
             name: a.name.clone(),
             command: a.command.clone(),
             args: a.args.clone(),
             env: a.env.clone(),
             supports_session_resume: a.supports_session_resume,
+            container: a.container.as_ref().map(|c| ContainerAgent {
+                image: c.image.clone(),
+                command: c.command.clone(),
+                args: c.args.clone(),
+                env: c.env.clone(),
+            }),
         };
         match agents.iter_mut().find(|b| b.name == a.name) {
             Some(existing) => *existing = profile,
@@ -1020,6 +1054,10 @@ fn agent_profiles(
 
 /// `acp-demo-agent` (next to this executable, else on PATH), keeping its
 /// transcripts in the data directory so `session/load` works after restarts.
+/// In a container it is the image's `/usr/local/bin/acp-demo-agent` (the
+/// `Dockerfile` and `cargo xtask docker-image` put it there), keeping its
+/// transcripts in the agent's `HOME` in the run directory, which outlives
+/// container restarts.
 pub fn demo_profile(data_dir: &Path) -> AgentConfig {
     let command = beside_current_exe("acp-demo-agent")
         .map(|p| p.display().to_string())
@@ -1033,6 +1071,18 @@ pub fn demo_profile(data_dir: &Path) -> AgentConfig {
             data_dir.join("acp-demo-agent").display().to_string(),
         )]),
         supports_session_resume: true,
+        container: Some(ContainerAgent {
+            image: None,
+            command: "/usr/local/bin/acp-demo-agent".into(),
+            args: Vec::new(),
+            env: BTreeMap::from([(
+                "ACP_DEMO_STATE_DIR".to_owned(),
+                format!(
+                    "{}/acp-demo-agent",
+                    sessiond_executor::docker::CONTAINER_HOME
+                ),
+            )]),
+        }),
     }
 }
 
@@ -1248,6 +1298,55 @@ mod tests {
         assert!(!c.agents[0].supports_session_resume);
         assert!(c.agents[1].supports_session_resume);
         assert_eq!(c.default_agent, "claude");
+    }
+
+    #[test]
+    fn profiles_name_a_command_and_image_for_containers() {
+        let text = r#"
+            [[agents]]
+            name = "claude"
+            command = "claude-code-acp"
+            env = { KEY = "k" }
+            [agents.container]
+            image = "agents:1"
+            command = "/usr/bin/claude-code-acp"
+            args = ["--in-container"]
+            env = { HOME_HINT = "/run/sessiond/home" }
+            [[agents]]
+            name = "bad"
+            command = "x"
+            [agents.container]
+            command = " "
+            image = ""
+        "#;
+        let mut f = FileConfig::parse(text).unwrap();
+        f.data_dir = Some("/tmp/x".into());
+        f.auth.tokens = vec!["0123456789abcdef".into()];
+        let err = f.clone().validate().unwrap_err().to_string();
+        assert!(
+            err.contains("agents[1].container.command: must not be empty"),
+            "{err}"
+        );
+        assert!(
+            err.contains("agents[1].container.image: must not be empty"),
+            "{err}"
+        );
+        f.agents.pop();
+        let c = f.validate().unwrap();
+        // The built-in demo profile runs the image's own acp-demo-agent.
+        let demo = c.agents[0].container.as_ref().unwrap();
+        assert_eq!(c.agents[0].name, DEMO_PROFILE);
+        assert_eq!(demo.command, "/usr/local/bin/acp-demo-agent");
+        assert_eq!(demo.image, None, "the executor's image");
+        assert_eq!(
+            demo.env["ACP_DEMO_STATE_DIR"],
+            "/run/sessiond/home/acp-demo-agent"
+        );
+        let claude = c.agents[1].container.as_ref().unwrap();
+        assert_eq!(claude.image.as_deref(), Some("agents:1"));
+        assert_eq!(claude.command, "/usr/bin/claude-code-acp");
+        assert_eq!(claude.args, ["--in-container"]);
+        assert_eq!(c.agents[1].env["KEY"], "k");
     }
 
     #[test]

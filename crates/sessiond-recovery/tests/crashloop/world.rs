@@ -956,6 +956,7 @@ async fn profile(store: &Store, name: &str, command: String, state_dir: String) 
             args: vec!["--state-dir".into(), state_dir],
             env: BTreeMap::new(),
             supports_session_resume: true,
+            container: None,
             created_at: now,
             updated_at: now,
         })

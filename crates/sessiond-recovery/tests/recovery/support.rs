@@ -127,6 +127,7 @@ impl World {
                     .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                     .collect(),
                 supports_session_resume: claims_resume,
+                container: None,
                 created_at: now,
                 updated_at: now,
             })
@@ -325,6 +326,7 @@ fn placeholder_profile() -> AgentProfile {
         args: Vec::new(),
         env: BTreeMap::new(),
         supports_session_resume: false,
+        container: None,
         created_at: now,
         updated_at: now,
     }
