@@ -16,6 +16,7 @@
 use std::{
     collections::BTreeMap,
     path::Path,
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -339,6 +340,9 @@ impl SessionManager {
                     Ok(Ok(Probe::NeedsStart { .. })) => Observation::ContainerStopped,
                     Ok(Ok(Probe::Missing { .. } | Probe::NeedsLaunch { .. }))
                     | Ok(Err(sessiond_executor::Error::ContainerMissing { .. })) => {
+                        // Gone for good: what the driver kept for it (run
+                        // directory, secret) goes too.
+                        self.remove_gone_executor(&driver, &handle).await;
                         Observation::ContainerMissing
                     }
                     Ok(Err(e)) => Observation::DockerUnavailable {
@@ -515,6 +519,27 @@ impl SessionManager {
                 return Err(Error::Internal("Done is handled by the caller".into()));
             }
         })
+    }
+
+    /// Removes what a driver kept for an executor whose container no longer
+    /// exists (its run directory and secret), best effort: the session is
+    /// told to create a new one either way, and a leftover is only disk.
+    pub(crate) async fn remove_gone_executor(
+        &self,
+        driver: &Arc<dyn sessiond_executor::Executor>,
+        handle: &ExecutorHandle,
+    ) {
+        let limit = self.inner.config.executor_deadline;
+        match tokio::time::timeout(limit, driver.remove(handle)).await {
+            Ok(Ok(())) => {
+                tracing::info!(executor_id = %handle.executor_id,
+                    "container gone; its run directory is removed");
+            }
+            Ok(Err(e)) => tracing::warn!(executor_id = %handle.executor_id, error = %e,
+                "container gone; could not remove its run directory"),
+            Err(_) => tracing::warn!(executor_id = %handle.executor_id,
+                "container gone; removing its run directory did not finish in time"),
+        }
     }
 
     /// The launch intent: executor `starting` with the new generation and
