@@ -142,12 +142,12 @@ pub struct SessionStatus {
 /// The reason is decided in this order, first match wins:
 /// 1. COMPLETED or CANCELLED: [`ResumeReason::SessionEnded`].
 /// 2. an agent runs or is being started: [`ResumeReason::None`].
-/// 2b. ERROR because its container no longer exists (`error_message` code
+/// 3. ERROR because its container no longer exists (`error_message` code
 ///    `container_missing`): [`ResumeReason::ExecutorGone`].
-/// 3. profile claims no resume, or the probe said unsupported: [`ResumeReason::NotResumable`].
-/// 4. no token (a CREATED session never has a conversation, whatever its
+/// 4. profile claims no resume, or the probe said unsupported: [`ResumeReason::NotResumable`].
+/// 5. no token (a CREATED session never has a conversation, whatever its
 ///    metadata says): [`ResumeReason::MissingResumeToken`].
-/// 5. otherwise: [`ResumeReason::AgentNotRunning`].
+/// 6. otherwise: [`ResumeReason::AgentNotRunning`].
 ///
 /// `needs_resume` holds exactly when the reason is `agent_not_running`.
 pub fn session_status(
