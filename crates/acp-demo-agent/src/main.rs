@@ -73,6 +73,10 @@ struct Cli {
     /// wrappers around a native agent; the grandchild's pid goes to this file.
     #[arg(long, env = "ACP_DEMO_GRANDCHILD_PID_FILE")]
     grandchild_pid_file: Option<PathBuf>,
+    /// Appends the W3C `traceparent` each prompt carries in its `_meta`
+    /// (`-` when none) to this file, as an agent continuing the trace would.
+    #[arg(long, env = "ACP_DEMO_TRACEPARENT_FILE")]
+    traceparent_file: Option<PathBuf>,
 }
 
 #[derive(Debug)]
@@ -245,6 +249,26 @@ async fn run_turn(
         *n
     };
     lock(&demo.cancelled).remove(&id);
+    if let Some(file) = &demo.cli.traceparent_file {
+        let traceparent = req
+            .meta
+            .as_ref()
+            .and_then(|m| m.get("traceparent"))
+            .and_then(|v| v.as_str())
+            .unwrap_or("-");
+        let line = format!("{traceparent}\n");
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(file)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()))
+            .map_err(|e| {
+                Error::new(
+                    ErrorCode::INTERNAL_ERROR,
+                    format!("cannot write {}: {e}", file.display()),
+                )
+            })?;
+    }
     let mut turns = load_transcript(&demo.state_dir, &id)
         .map_err(|msg| Error::new(ErrorCode::RESOURCE_NOT_FOUND, msg))?;
     let prompt: String = req

@@ -750,7 +750,15 @@ impl AgentManager {
         let shared = self.shared.clone();
         let tid = turn_id.clone();
         let this = self.clone();
-        tokio::spawn(async move {
+        // The agent's turn in the trace: a child of the Prompt call's span
+        // (current here), open until the agent answers session/prompt.
+        let turn_span = tracing::info_span!(
+            "agent_turn",
+            otel.name = "agent turn",
+            turn_id = %turn_id,
+            acp.stop_reason = tracing::field::Empty,
+        );
+        let task = async move {
             // Durable before the agent can see the prompt.
             let handed = {
                 let mut slot = shared.slot();
@@ -773,10 +781,21 @@ impl AgentManager {
                 Some(Ok(())) => {}
             }
             this.crash_point("after-handed");
+            // The turn's trace context, for an agent that traces: ACP's
+            // convention is W3C keys at the root of `_meta`.
+            let mut meta = serde_json::Map::new();
+            sessiond_telemetry::inject_current(|k, v| {
+                meta.insert(k.to_owned(), serde_json::Value::String(v));
+            });
             let request =
-                PromptRequest::new(session, vec![ContentBlock::Text(TextContent::new(text))]);
+                PromptRequest::new(session, vec![ContentBlock::Text(TextContent::new(text))])
+                    .meta((!meta.is_empty()).then_some(meta));
             match conn.send_request(request).block_task().await {
-                Ok(resp) => finish_turn(&shared, &tid, &stop_reason_name(resp.stop_reason), ""),
+                Ok(resp) => {
+                    let reason = stop_reason_name(resp.stop_reason);
+                    tracing::Span::current().record("acp.stop_reason", reason.as_str());
+                    finish_turn(&shared, &tid, &reason, "");
+                }
                 Err(e) => {
                     let err = acp_error("ACP session/prompt", &e);
                     if matches!(err, Error::Unavailable(_)) {
@@ -794,10 +813,12 @@ impl AgentManager {
                             let _ = sys::kill_group(pid, sys::SIGKILL);
                         }
                     }
+                    tracing::Span::current().record("acp.stop_reason", "error");
                     finish_turn(&shared, &tid, "error", &err.to_string());
                 }
             }
-        });
+        };
+        tokio::spawn(tracing::Instrument::instrument(task, turn_span));
         Ok(Prompted {
             turn_id,
             message_id,
@@ -938,6 +959,7 @@ fn finish_turn(shared: &Shared, turn_id: &str, stop_reason: &str, error: &str) {
         return;
     }
     slot.turn = None;
+    tracing::info!(turn_id, stop_reason, "turn ended");
     let cursor = shared.updates.push(Kind::TurnEnded(TurnEnded {
         turn_id: turn_id.to_owned(),
         stop_reason: stop_reason.to_owned(),

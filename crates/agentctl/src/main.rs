@@ -67,6 +67,39 @@ struct Cli {
     /// Grace between TERM and KILL when agentctl itself is terminated.
     #[arg(long, default_value = "3s", value_parser = parse_duration)]
     stop_grace: Duration,
+    /// OpenTelemetry collector to export traces to over OTLP/gRPC
+    /// (`http://127.0.0.1:4317`); none by default. sessiond passes its own.
+    #[arg(long, env = "AGENTCTL_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
+    /// Fraction of new traces exported, 0 to 1; a caller's sampled
+    /// `traceparent` (sessiond's) is always followed.
+    #[arg(long, env = "AGENTCTL_TRACE_SAMPLE_RATIO", default_value_t = 1.0,
+          value_parser = parse_ratio)]
+    trace_sample_ratio: f64,
+    /// Log as JSON lines (with trace and span ids) instead of text.
+    #[arg(long, env = "AGENTCTL_LOG_JSON", value_parser = clap::builder::BoolishValueParser::new(),
+          num_args = 0..=1, default_missing_value = "true", default_value = "false")]
+    log_json: bool,
+}
+
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(r) if (0.0..=1.0).contains(&r) => Ok(r),
+        _ => Err(format!("{s:?} is not a fraction between 0 and 1")),
+    }
+}
+
+fn parse_endpoint(s: &str) -> Result<Option<String>, String> {
+    match s.trim() {
+        "" | "off" | "none" => Ok(None),
+        url if url.starts_with("http://") && url.len() > "http://".len() => {
+            Ok(Some(url.to_owned()))
+        }
+        url => Err(format!(
+            "--otlp-endpoint {url:?} is not an OTLP/gRPC address such as http://127.0.0.1:4317 \
+             (TLS to the collector is not built in)"
+        )),
+    }
 }
 
 /// Where agentctl listens.
@@ -180,14 +213,20 @@ fn announce(addr: &str) {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("AGENTCTL_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+    let otlp_endpoint = match cli.otlp_endpoint.as_deref() {
+        Some(s) => parse_endpoint(s).map_err(anyhow::Error::msg)?,
+        None => None,
+    };
+    let telemetry = sessiond_telemetry::init(sessiond_telemetry::Settings {
+        service_name: "agentctl",
+        log_filter: std::env::var("AGENTCTL_LOG")
+            .ok()
+            .filter(|f| !f.trim().is_empty())
+            .unwrap_or_else(|| "info".into()),
+        log_json: cli.log_json,
+        otlp_endpoint,
+        sample_ratio: cli.trace_sample_ratio,
+    })?;
     let secret = load_secret(&cli)?;
     // Before any agent runs: the secret must not be readable through /proc.
     agentctl::sys::forbid_inspection().context("PR_SET_DUMPABLE")?;
@@ -309,6 +348,7 @@ async fn main() -> anyhow::Result<()> {
     let router = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .layer(sessiond_telemetry::GrpcTraceLayer)
         .add_service(agentctl::service::server(service, auth));
     let server = async move {
         match incoming {
@@ -328,5 +368,6 @@ async fn main() -> anyhow::Result<()> {
         () = drain_deadline => tracing::warn!("connections did not close within 5 s; exiting anyway"),
     }
     tracing::info!("agentctl exited cleanly");
+    telemetry.shutdown();
     Ok(())
 }

@@ -178,6 +178,7 @@ impl Interceptor for BearerAuth {
         request
             .metadata_mut()
             .insert("authorization", self.header.clone());
+        inject_trace_context(request.metadata_mut());
         if request.metadata().get("grpc-timeout").is_none() {
             let method = request
                 .extensions()
@@ -193,6 +194,32 @@ impl Interceptor for BearerAuth {
         }
         Ok(request)
     }
+}
+
+/// Sets the metadata keys of the propagator the binary installed (W3C
+/// `traceparent`, `tracestate`).
+struct MetadataInjector<'a>(&'a mut tonic::metadata::MetadataMap);
+
+impl opentelemetry::propagation::Injector for MetadataInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(key), Ok(value)) = (
+            tonic::metadata::MetadataKey::from_bytes(key.as_bytes()),
+            MetadataValue::try_from(value),
+        ) {
+            self.0.insert(key, value);
+        }
+    }
+}
+
+/// Passes the current span's trace context on to agentctl, which continues
+/// the trace (its server span is a child of ours). Nothing is added when no
+/// OpenTelemetry layer or propagator is installed.
+fn inject_trace_context(metadata: &mut tonic::metadata::MetadataMap) {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let cx = tracing::Span::current().context();
+    opentelemetry::global::get_text_map_propagator(|p| {
+        p.inject_context(&cx, &mut MetadataInjector(metadata));
+    });
 }
 
 /// The generated client with authentication applied; all agentctl RPCs.

@@ -128,6 +128,9 @@ pub struct DockerConfig {
     /// Timeout of each Docker API call.
     pub api_timeout: Duration,
     pub client: ClientConfig,
+    /// More environment for agentctl in the container (its trace export
+    /// settings), beside `HOME`; never its secret.
+    pub env: Vec<(String, String)>,
 }
 
 impl DockerConfig {
@@ -150,6 +153,7 @@ impl DockerConfig {
             stop_grace: Duration::from_secs(5),
             api_timeout: Duration::from_secs(30),
             client: ClientConfig::default(),
+            env: Vec::new(),
         }
     }
 }
@@ -493,7 +497,12 @@ impl DockerExecutor {
         ContainerCreateBody {
             image: Some(spec.image.clone().unwrap_or_else(|| c.image.clone())),
             cmd: Some(cmd),
-            env: Some(vec![format!("HOME={CONTAINER_HOME}")]),
+            // Never the secret (a file agentctl unlinks, see above).
+            env: Some(
+                std::iter::once(format!("HOME={CONTAINER_HOME}"))
+                    .chain(c.env.iter().map(|(k, v)| format!("{k}={v}")))
+                    .collect(),
+            ),
             labels: Some(labels),
             working_dir: Some(c.container_workspace.clone()),
             user: Some(user),

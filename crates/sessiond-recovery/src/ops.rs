@@ -167,7 +167,16 @@ impl SessionManager {
             .agentctl_launches
             .fetch_add(1, Ordering::Relaxed);
         let d = driver.clone();
-        let mut task = tokio::spawn(async move { d.launch(&spec).await });
+        let span = tracing::info_span!(
+            "launch_agentctl",
+            executor_id = %record.id,
+            runtime = record.runtime.as_str(),
+            generation,
+        );
+        let mut task = tokio::spawn(tracing::Instrument::instrument(
+            async move { d.launch(&spec).await },
+            span,
+        ));
         let result = tokio::time::timeout(limit, &mut task).await;
         let outcome = match &result {
             Ok(Ok(Ok(_))) => "ok",

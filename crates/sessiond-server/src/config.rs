@@ -69,6 +69,16 @@ pub struct ServeArgs {
     #[arg(long, env = "SESSIOND_METRICS_LISTEN")]
     pub metrics_listen: Option<String>,
 
+    /// OpenTelemetry collector to export traces to over OTLP/gRPC
+    /// (`http://127.0.0.1:4317`), or `off` (the default).
+    #[arg(long, env = "SESSIOND_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+
+    /// Fraction of new traces exported, 0 to 1 (a caller's sampled
+    /// `traceparent` is always followed). Default 1.
+    #[arg(long, env = "SESSIOND_TRACE_SAMPLE_RATIO")]
+    pub trace_sample_ratio: Option<f64>,
+
     /// Largest message content `SendMessage` accepts, in bytes.
     #[arg(long, env = "SESSIOND_MAX_MESSAGE_BYTES")]
     pub max_message_bytes: Option<u64>,
@@ -139,6 +149,7 @@ pub struct FileConfig {
     pub auth: AuthSection,
     pub cors: CorsSection,
     pub metrics: MetricsSection,
+    pub traces: TracesSection,
     pub executors: ExecutorsSection,
     pub recovery: RecoverySection,
     pub agents: Vec<AgentSection>,
@@ -169,6 +180,24 @@ pub struct MetricsSection {
     pub max_connections: u32,
     /// A connection that sends no request for this long is closed.
     pub idle_timeout: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TracesSection {
+    /// OTLP/gRPC collector (`http://host:4317`); `off` (or empty) exports nothing.
+    pub otlp_endpoint: String,
+    /// Fraction of new traces exported, 0 to 1.
+    pub sample_ratio: f64,
+}
+
+impl Default for TracesSection {
+    fn default() -> Self {
+        Self {
+            otlp_endpoint: "off".into(),
+            sample_ratio: 1.0,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -278,6 +307,7 @@ impl Default for FileConfig {
             auth: AuthSection::default(),
             cors: CorsSection::default(),
             metrics: MetricsSection::default(),
+            traces: TracesSection::default(),
             executors: ExecutorsSection::default(),
             recovery: RecoverySection::default(),
             agents: Vec::new(),
@@ -377,6 +407,9 @@ pub struct Config {
     pub metrics_listen: Option<SocketAddr>,
     pub metrics_max_connections: usize,
     pub metrics_idle_timeout: Duration,
+    /// `None`: spans are not exported.
+    pub otlp_endpoint: Option<String>,
+    pub trace_sample_ratio: f64,
     pub executors: ExecutorsConfig,
     pub recovery: RecoveryConfig,
     pub agents: Vec<AgentConfig>,
@@ -515,6 +548,8 @@ impl ServeArgs {
         set(&mut f.auth.tokens, &self.api_tokens);
         set(&mut f.auth.insecure_no_auth, &self.insecure_no_auth);
         set(&mut f.metrics.listen, &self.metrics_listen);
+        set(&mut f.traces.otlp_endpoint, &self.otlp_endpoint);
+        set(&mut f.traces.sample_ratio, &self.trace_sample_ratio);
         set(&mut f.max_message_bytes, &self.max_message_bytes);
         set(&mut f.cors.allowed_origins, &self.cors_allowed_origins);
         set(&mut f.executors.default_runtime, &self.default_runtime);
@@ -759,6 +794,43 @@ impl FileConfig {
             p.add("metrics.idle_timeout", "must be longer than 0s");
         }
 
+        let otlp_endpoint = match self.traces.otlp_endpoint.trim() {
+            "" | "off" | "none" | "disabled" => None,
+            url if url.starts_with("http://")
+                && url.len() > "http://".len()
+                && http::Uri::try_from(url).is_ok() =>
+            {
+                Some(url.to_owned())
+            }
+            url if url.starts_with("https://") => {
+                p.add(
+                    "traces.otlp_endpoint",
+                    format!(
+                        "{url:?}: TLS to the collector is not built in; export to a collector \
+                         (or agent) on a trusted network with http://host:4317"
+                    ),
+                );
+                None
+            }
+            url => {
+                p.add(
+                    "traces.otlp_endpoint",
+                    format!(
+                        "{url:?} is not an OTLP/gRPC address such as http://127.0.0.1:4317 \
+                         (or off)"
+                    ),
+                );
+                None
+            }
+        };
+        let trace_sample_ratio = self.traces.sample_ratio;
+        if !(0.0..=1.0).contains(&trace_sample_ratio) {
+            p.add(
+                "traces.sample_ratio",
+                format!("{trace_sample_ratio} is not a fraction between 0 and 1"),
+            );
+        }
+
         let e = &self.executors;
         let default_runtime = match Runtime::parse(e.default_runtime.trim()) {
             Ok(r) => r,
@@ -989,6 +1061,8 @@ impl FileConfig {
             metrics_listen,
             metrics_max_connections: self.metrics.max_connections as usize,
             metrics_idle_timeout,
+            otlp_endpoint,
+            trace_sample_ratio,
             executors,
             recovery,
             agents,
@@ -1379,6 +1453,46 @@ mod tests {
         f.data_dir = Some("/tmp/x".into());
         f.auth.tokens = vec!["0123456789abcdef".into()];
         f.validate().unwrap();
+    }
+
+    #[test]
+    fn traces_are_off_by_default_and_validated() {
+        let parse = |text: &str| {
+            let mut f = FileConfig::parse(text).unwrap();
+            f.data_dir = Some("/tmp/x".into());
+            f.auth.tokens = vec!["0123456789abcdef".into()];
+            f.validate()
+        };
+        let c = parse("").unwrap();
+        assert_eq!(c.otlp_endpoint, None);
+        assert_eq!(c.trace_sample_ratio, 1.0);
+        let c = parse("[traces]\notlp_endpoint = \"http://127.0.0.1:4317\"\nsample_ratio = 0.25\n")
+            .unwrap();
+        assert_eq!(c.otlp_endpoint.as_deref(), Some("http://127.0.0.1:4317"));
+        assert_eq!(c.trace_sample_ratio, 0.25);
+        let e = parse("[traces]\notlp_endpoint = \"collector:4317\"\nsample_ratio = 2.0\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("traces.otlp_endpoint: \"collector:4317\""),
+            "{e}"
+        );
+        assert!(
+            e.contains("traces.sample_ratio: 2 is not a fraction"),
+            "{e}"
+        );
+        let e = parse("[traces]\notlp_endpoint = \"https://c:4317\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("TLS to the collector is not built in"), "{e}");
+        // A flag (or SESSIOND_OTLP_ENDPOINT) overrides the file.
+        let args = ServeArgs {
+            otlp_endpoint: Some("off".into()),
+            ..ServeArgs::default()
+        };
+        let mut f = FileConfig::parse("[traces]\notlp_endpoint = \"http://c:4317\"\n").unwrap();
+        args.overlay(&mut f);
+        assert_eq!(f.traces.otlp_endpoint, "off");
     }
 
     #[test]

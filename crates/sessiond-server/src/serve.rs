@@ -46,7 +46,7 @@ const HEALTH_SERVICES: &[&str] = &[
 ];
 
 pub async fn serve(config: Config) -> anyhow::Result<()> {
-    init_tracing(config.log_json);
+    let telemetry = init_telemetry(&config)?;
     let started = Instant::now();
     for warning in &config.warnings {
         tracing::warn!("{warning}");
@@ -156,6 +156,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         .layer(crate::console::ConsoleLayer)
         .layer(cors_layer(&config.cors))
         .layer(tonic_web::GrpcWebLayer::new())
+        .layer(sessiond_telemetry::GrpcTraceLayer)
         .layer(RpcMetricsLayer::new(metrics.clone()))
         .layer(AuthLayer::new(tokens, config.cors.allowed_origins.clone()))
         .add_service(health_service)
@@ -244,11 +245,15 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         ),
     }
     tracing::info!("stopped; executors keep running for the next start to reattach");
+    telemetry.shutdown();
     Ok(())
 }
 
 pub async fn migrate(config: Config) -> anyhow::Result<()> {
-    init_tracing(config.log_json);
+    let _telemetry = init_telemetry(&Config {
+        otlp_endpoint: None,
+        ..config.clone()
+    })?;
     open_store(&config).await?;
     tracing::info!("migrations applied");
     Ok(())
@@ -388,6 +393,7 @@ async fn drivers(
     standalone.startup_timeout = e.standalone_startup_timeout;
     standalone.client = client.clone();
     standalone.env = agentctl_env();
+    standalone.env.extend(agentctl_telemetry_env(config));
     for (dir, key) in [
         (&e.run_dir, "executors.standalone.run_dir"),
         (&e.log_dir, "executors.standalone.log_dir"),
@@ -432,6 +438,7 @@ async fn drivers(
         dc.idle_timeout = e.idle_timeout;
         dc.startup_timeout = d.startup_timeout;
         dc.client = client;
+        dc.env = agentctl_telemetry_env(config);
         // A bad address is a configuration error; an engine that does not
         // answer is not: the backend starts and recovers everything else,
         // and Docker executors go to error (`docker_unavailable`) until the
@@ -617,19 +624,42 @@ async fn shutdown_signal() {
     tracing::info!("shutdown requested; finishing in-flight calls");
 }
 
-fn init_tracing(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("SESSIOND_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // Colour codes only for a person at a terminal, never in a log file.
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    if json {
-        builder.json().init();
-    } else {
-        builder.init();
+/// Logs (`SESSIOND_LOG` filter, text or JSON) and, when
+/// `traces.otlp_endpoint` is set, span export.
+fn init_telemetry(config: &Config) -> anyhow::Result<sessiond_telemetry::Telemetry> {
+    let log_filter = std::env::var("SESSIOND_LOG")
+        .ok()
+        .filter(|f| !f.trim().is_empty())
+        .unwrap_or_else(|| "info".into());
+    let telemetry = sessiond_telemetry::init(sessiond_telemetry::Settings {
+        service_name: "sessiond",
+        log_filter,
+        log_json: config.log_json,
+        otlp_endpoint: config.otlp_endpoint.clone(),
+        sample_ratio: config.trace_sample_ratio,
+    })
+    .context("traces")?;
+    if let Some(endpoint) = &config.otlp_endpoint {
+        tracing::info!(%endpoint, sample_ratio = config.trace_sample_ratio, "exporting traces over OTLP/gRPC");
     }
+    Ok(telemetry)
+}
+
+/// What agentctl needs to continue our traces (and log like us): the same
+/// collector and ratio (a sampled parent is followed anyway).
+fn agentctl_telemetry_env(config: &Config) -> Vec<(String, String)> {
+    let mut env = Vec::new();
+    if let Some(endpoint) = &config.otlp_endpoint {
+        env.push(("AGENTCTL_OTLP_ENDPOINT".to_owned(), endpoint.clone()));
+        env.push((
+            "AGENTCTL_TRACE_SAMPLE_RATIO".to_owned(),
+            config.trace_sample_ratio.to_string(),
+        ));
+    }
+    if config.log_json {
+        env.push(("AGENTCTL_LOG_JSON".to_owned(), "true".to_owned()));
+    }
+    env
 }
 
 #[cfg(test)]

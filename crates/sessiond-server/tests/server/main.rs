@@ -1,7 +1,8 @@
 //! Integration tests of the `sessiond` binary: every RPC through a real tonic
 //! client over loopback (with real agentctl and acp-demo-agent processes),
 //! gRPC-web over HTTP/1.1, CORS, reflection, health around recovery,
-//! authentication, configuration errors, metrics.
+//! authentication, configuration errors, metrics, traces (an in-test OTLP
+//! receiver).
 //!
 //! Needs `cargo build -p agentctl -p acp-demo-agent` first (`cargo xtask ci`
 //! builds every binary before testing).
@@ -16,4 +17,5 @@ mod restart;
 mod security;
 mod serve;
 mod support;
+mod traces;
 mod web;
