@@ -1001,8 +1001,7 @@ impl Pump {
             if record.generation != self.generation || record.status != ExecutorStatus::Ready {
                 return Ok(());
             }
-            let message =
-                format!("agentctl stopped answering ({reason}); resume the session to try again");
+            let message = self.mgr.lost_agentctl_message(&record, reason).await;
             let mut failed = record.clone();
             failed.status = ExecutorStatus::Error;
             failed.error_message = Some(message.clone());

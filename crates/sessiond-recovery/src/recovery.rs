@@ -340,9 +340,12 @@ impl SessionManager {
                     Ok(Ok(Probe::NeedsStart { .. })) => Observation::ContainerStopped,
                     Ok(Ok(Probe::Missing { .. } | Probe::NeedsLaunch { .. }))
                     | Ok(Err(sessiond_executor::Error::ContainerMissing { .. })) => {
-                        // Gone for good: what the driver kept for it (run
-                        // directory, secret) goes too.
-                        self.remove_gone_executor(&driver, &handle).await;
+                        // Gone for good (the container, not the worktree
+                        // a stopped one mounts): what the driver kept for it
+                        // (run directory, secret) goes too.
+                        if Path::new(&run.record.workspace_path).is_dir() {
+                            self.remove_gone_executor(&driver, &handle).await;
+                        }
                         Observation::ContainerMissing
                     }
                     Ok(Err(e)) => Observation::DockerUnavailable {
@@ -540,6 +543,34 @@ impl SessionManager {
             Err(_) => tracing::warn!(executor_id = %handle.executor_id,
                 "container gone; removing its run directory did not finish in time"),
         }
+    }
+
+    /// What an executor whose agentctl stopped answering is told. A Docker
+    /// executor whose container is gone for good is said so (and its
+    /// leftovers removed) at once, not after a resume finds out: the status
+    /// then says "not resumable" with the same words.
+    pub(crate) async fn lost_agentctl_message(
+        &self,
+        record: &ExecutorRecord,
+        reason: &str,
+    ) -> String {
+        if record.runtime == Runtime::LocalDocker
+            && Path::new(&record.workspace_path).is_dir()
+            && let Ok(driver) = self.driver(record.runtime)
+        {
+            let handle = ExecutorHandle::from_record(record);
+            let limit = self.inner.config.executor_deadline;
+            let probed = tokio::time::timeout(limit, driver.probe(&handle)).await;
+            if matches!(
+                probed,
+                Ok(Ok(Probe::Missing { .. }))
+                    | Ok(Err(sessiond_executor::Error::ContainerMissing { .. }))
+            ) {
+                self.remove_gone_executor(&driver, &handle).await;
+                return sessiond_domain::RecoveryFailure::ContainerMissing.message();
+            }
+        }
+        format!("agentctl stopped answering ({reason}); resume the session to try again")
     }
 
     /// The launch intent: executor `starting` with the new generation and
@@ -986,8 +1017,7 @@ impl SessionManager {
             }
             return Ok(None);
         };
-        let message =
-            format!("agentctl stopped answering ({reason}); resume the session to try again");
+        let message = self.lost_agentctl_message(&current, &reason).await;
         next.status = ExecutorStatus::Error;
         next.error_message = Some(message.clone());
         let mut change = Changeset::new().update_executor(next).event(

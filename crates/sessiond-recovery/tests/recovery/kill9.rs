@@ -563,10 +563,11 @@ async fn docker_explicit_resume_starts_stopped_container() {
     w.finish(&mgr, &[s.id]).await;
 }
 
-/// Explicit resume of a Docker session whose container was removed while
-/// the backend ran: refused as not resumable (FAILED_PRECONDITION), nothing
-/// started; the status then agrees with the error (not resumable, the
-/// `container_missing` message) and the run directory is gone.
+/// A Docker session whose container was removed while the backend ran: the
+/// liveness check finds it gone, so the status says not resumable with the
+/// `container_missing` message and the run directory is removed; an explicit
+/// resume is refused (FAILED_PRECONDITION) with the same words and starts
+/// nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs Docker: run by cargo xtask ci"]
 async fn docker_explicit_resume_of_a_removed_container_is_refused_and_cleaned_up() {
@@ -592,6 +593,10 @@ async fn docker_explicit_resume_of_a_removed_container_is_refused_and_cleaned_up
     let container = kit.one_running(s.id).await;
     kit.driver.remove_container(&container.id).await.unwrap();
     w.wait_state(&mgr, s.id, SessionState::Error).await;
+    let st = w.status(&mgr, s.id).await;
+    assert!(!st.is_resumable && !st.needs_resume, "{st:?}");
+    assert_eq!(st.resume_reason, ResumeReason::ExecutorGone);
+    assert!(!run_dir.exists(), "the run directory is removed");
 
     let err = mgr.resume_session(w.task.id, s.id).await.unwrap_err();
     assert_eq!(
