@@ -785,6 +785,14 @@ impl Executor for DockerExecutor {
                     reason: format!("container {} is {}", found.id, found.status),
                 })
             }
+            // Being removed (a forced removal marks it so before killing
+            // it), or dead (a removal that failed half-way): it can never
+            // start again.
+            ContainerStateStatusEnum::REMOVING | ContainerStateStatusEnum::DEAD => {
+                Ok(Probe::Missing {
+                    reason: format!("container {} is {}", found.id, found.status),
+                })
+            }
             other => Err(Error::ContainerUnusable {
                 executor_id: id,
                 container_id: found.id,
@@ -865,9 +873,11 @@ impl Executor for DockerExecutor {
                 .remove_container(&id, Some(options))
                 .await
             {
+                // 409: someone else's removal of it is in progress already.
                 Ok(())
                 | Err(BollardError::DockerResponseServerError {
-                    status_code: 404, ..
+                    status_code: 404 | 409,
+                    ..
                 }) => {}
                 Err(e) => return Err(e.into()),
             }

@@ -561,6 +561,7 @@ impl SessionManager {
             let handle = ExecutorHandle::from_record(record);
             let limit = self.inner.config.executor_deadline;
             let probed = tokio::time::timeout(limit, driver.probe(&handle)).await;
+            tracing::debug!(executor_id = %record.id, ?probed, "agentctl lost: the container probed");
             if matches!(
                 probed,
                 Ok(Ok(Probe::Missing { .. }))
