@@ -171,6 +171,19 @@ impl SessionState {
     }
 }
 
+impl ExecutorEvent {
+    /// The event whose legal outcome is `status` (the recovery decision table
+    /// names target statuses; applying this event checks the move is legal).
+    pub const fn reaching(status: ExecutorStatus) -> ExecutorEvent {
+        match status {
+            ExecutorStatus::Starting => ExecutorEvent::LaunchIntent,
+            ExecutorStatus::Ready => ExecutorEvent::Healthy,
+            ExecutorStatus::Error => ExecutorEvent::Failed,
+            ExecutorStatus::Stopped => ExecutorEvent::Stopped,
+        }
+    }
+}
+
 impl ExecutorStatus {
     /// The executor state machine.
     ///

@@ -4,9 +4,9 @@ use std::{collections::BTreeMap, path::Path};
 
 use chrono::Utc;
 use sessiond_domain::{
-    AgentProcessState, AgentProfileId, EventPayload, ExecutorId, ExecutorRecord, ExecutorStatus,
-    Message, MessageId, MessageRole, Runtime, Session, SessionEvent, SessionId, SessionState,
-    TaskEvent, TaskId, Worktree,
+    AgentProcessState, AgentProfileId, EventPayload, ExecutorEvent, ExecutorId, ExecutorRecord,
+    ExecutorStatus, Message, MessageId, MessageRole, Runtime, Session, SessionEvent, SessionId,
+    SessionState, TaskEvent, TaskId, Worktree,
 };
 use sessiond_executor::ExecutorHandle;
 use sessiond_proto::agentctl::v1 as pb;
@@ -14,7 +14,7 @@ use sessiond_store::Changeset;
 
 use crate::{
     error::{Error, Result},
-    manager::{SessionManager, transition},
+    manager::{SessionManager, executor_moved, transition},
     ops::probe_verdict,
     pump::{CURSOR_KEY, TURN_GENERATION_KEY, TURN_KEY, cursor_value},
 };
@@ -118,10 +118,11 @@ impl SessionManager {
             created_at: now,
             updated_at: now,
         };
-        let (created, _) = store.create_session(&created, Vec::new()).await?;
         let _guard = self.lock_session(session_id).await;
 
-        // Intent, before anything is spawned.
+        // The session and its intent, in one transaction before anything is
+        // spawned: no crash leaves a CREATED session that recovery, which
+        // starts from executor rows, would never see.
         let record = ExecutorRecord {
             id: executor_id,
             session_id,
@@ -169,7 +170,8 @@ impl SessionManager {
             },
         );
         change = change.task_event(req.task_id, TaskEvent::WorkStarted);
-        let committed = self.commit(change).await?;
+        let committed = store.create_session_with(&created, change).await?;
+        self.after_commit(&committed);
         let mut session = committed
             .session
             .ok_or_else(|| Error::Internal("no session".into()))?;
@@ -193,9 +195,8 @@ impl SessionManager {
                 return self.fail_create(session, record, reason, true).await;
             }
         };
-        let mut ready = record.clone();
+        let mut ready = executor_moved(&record, ExecutorEvent::Healthy)?;
         handle.apply_to(&mut ready);
-        ready.status = ExecutorStatus::Ready;
         ready.last_seen_at = Some(Utc::now());
         let ready_event = EventPayload::AgentctlReady {
             executor_id,
@@ -292,8 +293,7 @@ impl SessionManager {
         let (failed, ev) = transition(&session, SessionEvent::Failed, Some(reason.clone()))?;
         let mut change = Changeset::new().update_session(failed);
         if executor_failed {
-            let mut r = record.clone();
-            r.status = ExecutorStatus::Error;
+            let mut r = executor_moved(&record, ExecutorEvent::Failed)?;
             r.error_message = Some(reason.clone());
             change = change.update_executor(r).event(
                 session.id,
@@ -506,8 +506,7 @@ impl SessionManager {
             tracing::warn!(executor_id = %record.id, error = %e, "could not stop executor; recovery will retry");
             return Err(e.into());
         }
-        let mut stopped = record;
-        stopped.status = ExecutorStatus::Stopped;
+        let stopped = executor_moved(&record, ExecutorEvent::Stopped)?;
         self.commit(Changeset::new().update_executor(stopped))
             .await?;
         Ok(())

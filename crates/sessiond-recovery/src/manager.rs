@@ -16,8 +16,8 @@ use futures::{
     future::{BoxFuture, Shared},
 };
 use sessiond_domain::{
-    AgentProcessState, EventPayload, ExecutionView, ExecutorRecord, OutcomeLabel, Runtime, Session,
-    SessionEvent, SessionId, SessionStatus, TaskId,
+    AgentProcessState, EventPayload, ExecutionView, ExecutorEvent, ExecutorRecord, OutcomeLabel,
+    Runtime, Session, SessionEvent, SessionId, SessionStatus, TaskId,
 };
 use sessiond_executor::{AgentctlClient, Executor, ExecutorHandle};
 use sessiond_store::{Changeset, Committed, Store};
@@ -542,12 +542,18 @@ impl SessionManager {
     /// Commits and then publishes what was committed.
     pub(crate) async fn commit(&self, change: Changeset) -> Result<Committed> {
         let committed = self.inner.store.commit(change).await?;
+        self.after_commit(&committed);
+        Ok(committed)
+    }
+
+    /// What every commit of this manager is followed by: the cache and the
+    /// status snapshot take the stored rows, watchers get the events.
+    pub(crate) fn after_commit(&self, committed: &Committed) {
         if let Some(record) = &committed.executor {
             self.cache_record(record);
         }
-        self.snapshot_committed(&committed);
+        self.snapshot_committed(committed);
         self.inner.bus.publish(&committed.events);
-        Ok(committed)
     }
 
     /// Serializes state changes of one session within this manager.
@@ -681,6 +687,22 @@ impl SessionManager {
         );
         (kind, fut)
     }
+}
+
+/// An executor event applied through the domain's state machine, which every
+/// executor status change goes through: an illegal move (a stopped executor
+/// turning ready or failed) is refused instead of written.
+pub(crate) fn executor_moved(
+    record: &ExecutorRecord,
+    event: ExecutorEvent,
+) -> Result<ExecutorRecord> {
+    let status = record
+        .status
+        .transition(event)
+        .map_err(|e| Error::Internal(format!("executor {}: {e}", record.id)))?;
+    let mut next = record.clone();
+    next.status = status;
+    Ok(next)
 }
 
 /// A session event applied: the new session and, if the state changed, its

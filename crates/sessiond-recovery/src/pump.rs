@@ -40,8 +40,8 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use sessiond_domain::{
-    AgentProcessState, EventPayload, ExecutorRecord, ExecutorStatus, Message, MessageId,
-    MessageRole, Session, SessionEvent, SessionId, SessionState, TaskEvent, TaskId,
+    AgentProcessState, EventPayload, ExecutorEvent, ExecutorRecord, ExecutorStatus, Message,
+    MessageId, MessageRole, Session, SessionEvent, SessionId, SessionState, TaskEvent, TaskId,
 };
 use sessiond_executor::{AgentState, AgentctlClient};
 use sessiond_proto::agentctl::v1::{self as pb, agent_update::Kind};
@@ -49,7 +49,7 @@ use sessiond_store::Changeset;
 
 use crate::{
     error::Result,
-    manager::{SessionManager, lock, transition},
+    manager::{SessionManager, executor_moved, lock, transition},
     ops::agent_process,
 };
 
@@ -1002,8 +1002,7 @@ impl Pump {
                 return Ok(());
             }
             let message = self.mgr.lost_agentctl_message(&record, reason).await;
-            let mut failed = record.clone();
-            failed.status = ExecutorStatus::Error;
+            let mut failed = executor_moved(&record, ExecutorEvent::Failed)?;
             failed.error_message = Some(message.clone());
             let mut change = Changeset::new().update_executor(failed).event(
                 self.session_id,

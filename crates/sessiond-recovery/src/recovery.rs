@@ -23,9 +23,9 @@ use std::{
 use chrono::Utc;
 use futures::{FutureExt, StreamExt};
 use sessiond_domain::{
-    Action, AgentProcessState, AgentProfile, EventPayload, ExecutorId, ExecutorRecord,
-    ExecutorStatus, Observation, OutcomeLabel, Recovery, RecoveryInput, RecoveryOutcome, Runtime,
-    Session, SessionId, SessionState, SurvivingAgent, TaskEvent,
+    Action, AgentProcessState, AgentProfile, EventPayload, ExecutorEvent, ExecutorId,
+    ExecutorRecord, ExecutorStatus, Observation, OutcomeLabel, Recovery, RecoveryInput,
+    RecoveryOutcome, Runtime, Session, SessionId, SessionState, SurvivingAgent, TaskEvent,
 };
 use sessiond_executor::{AgentState, ExecutorHandle, Probe};
 use sessiond_proto::agentctl::v1 as pb;
@@ -33,7 +33,7 @@ use sessiond_store::Changeset;
 
 use crate::{
     error::{Error, Result},
-    manager::{OpKind, OpOutcome, SessionManager},
+    manager::{OpKind, OpOutcome, SessionManager, executor_moved},
     ops::{probe_verdict, surviving_agent},
     pump::pending_turn,
 };
@@ -582,8 +582,7 @@ impl SessionManager {
         generation: i64,
         event: EventPayload,
     ) -> Result<()> {
-        let mut record = run.record.clone();
-        record.status = ExecutorStatus::Starting;
+        let mut record = executor_moved(&run.record, ExecutorEvent::LaunchIntent)?;
         record.generation = generation;
         record.error_message = None;
         let mut session = run.session.clone();
@@ -622,9 +621,8 @@ impl SessionManager {
     /// `agentctl_ready` is published only when the status really changes, so
     /// a restart that finds everything as it was produces no event.
     async fn mark_ready(&self, run: &mut Run, event: EventPayload) -> Result<()> {
-        let mut record = run.record.clone();
-        let changed = record.status != ExecutorStatus::Ready;
-        record.status = ExecutorStatus::Ready;
+        let changed = run.record.status != ExecutorStatus::Ready;
+        let mut record = executor_moved(&run.record, ExecutorEvent::Healthy)?;
         record.error_message = None;
         record.last_seen_at = Some(Utc::now());
         if run.probe == Some(false) {
@@ -690,8 +688,10 @@ impl SessionManager {
                 .events
                 .retain(|e| !matches!(e, EventPayload::StateChanged { .. }));
         }
-        let mut record = run.record.clone();
-        record.status = outcome.executor_status;
+        let mut record = executor_moved(
+            &run.record,
+            ExecutorEvent::reaching(outcome.executor_status),
+        )?;
         record.error_message = outcome.executor_error.as_ref().map(|f| f.message());
         record.generation = outcome.generation;
         let mut change = Changeset::new();
@@ -701,7 +701,7 @@ impl SessionManager {
             || record.error_message != run.record.error_message
             || record.generation != run.record.generation;
         if record_changed {
-            change = change.update_executor(record);
+            change = change.update_executor(record.clone());
         }
         if outcome.session_state != run.session.state || run.adopted_token {
             let mut session = run.session.clone();
@@ -716,7 +716,7 @@ impl SessionManager {
             change = change.task_event(run.session.task_id, TaskEvent::ReadyForReview);
         }
         let committed = self.commit(change).await?;
-        let record = committed.executor.unwrap_or(record_after(&run, &outcome));
+        let record = committed.executor.unwrap_or(record);
         tracing::debug!(session = %sid, executor_id = %record.id, label = %outcome.label,
             started_as = %run.started_as, "executor recovered");
 
@@ -817,12 +817,6 @@ impl SessionManager {
             crate::manager::lock(&me.inner.retrying).remove(&session);
         });
     }
-}
-
-fn record_after(run: &Run, outcome: &RecoveryOutcome) -> ExecutorRecord {
-    let mut r = run.record.clone();
-    r.status = outcome.executor_status;
-    r
 }
 
 /// The background reconnect window of a remote executor is still open:
@@ -1019,7 +1013,7 @@ impl SessionManager {
             return Ok(None);
         };
         let message = self.lost_agentctl_message(&current, &reason).await;
-        next.status = ExecutorStatus::Error;
+        next = executor_moved(&next, ExecutorEvent::Failed)?;
         next.error_message = Some(message.clone());
         let mut change = Changeset::new().update_executor(next).event(
             record.session_id,

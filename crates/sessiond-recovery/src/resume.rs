@@ -17,15 +17,16 @@ use std::path::Path;
 use chrono::Utc;
 use futures::FutureExt;
 use sessiond_domain::{
-    AgentProcessState, EventPayload, ExecutorStatus, OutcomeLabel, RecoveryFailure, ResumeRefused,
-    Runtime, Session, SessionEvent, SessionId, SessionStatus, TaskEvent, TaskId, check_resume,
+    AgentProcessState, EventPayload, ExecutorEvent, ExecutorStatus, OutcomeLabel, RecoveryFailure,
+    ResumeRefused, Runtime, Session, SessionEvent, SessionId, SessionStatus, TaskEvent, TaskId,
+    check_resume,
 };
 use sessiond_executor::{ExecutorHandle, Probe};
 use sessiond_store::Changeset;
 
 use crate::{
     error::{Error, Result},
-    manager::{OpKind, OpOutcome, SessionManager, transition},
+    manager::{OpKind, OpOutcome, SessionManager, executor_moved, transition},
     ops::{probe_verdict, recorded_process_alive},
     pump::pending_turn,
 };
@@ -227,8 +228,7 @@ impl SessionManager {
         if matches!(plan, Plan::Launch | Plan::Start) {
             let generation = record.generation + 1;
             relaunch_generation = Some(generation);
-            let mut intent = record.clone();
-            intent.status = ExecutorStatus::Starting;
+            let mut intent = executor_moved(&record, ExecutorEvent::LaunchIntent)?;
             intent.generation = generation;
             intent.error_message = None;
             change = change.update_executor(intent).event(
@@ -338,8 +338,7 @@ impl SessionManager {
                 } else {
                     format!("agentctl could not be started: {e}; resume the session to try again")
                 };
-                let mut failed = record.clone();
-                failed.status = ExecutorStatus::Error;
+                let mut failed = executor_moved(&record, ExecutorEvent::Failed)?;
                 failed.error_message = Some(reason.clone());
                 let (s2, ev) = transition(&session, SessionEvent::Failed, Some(reason.clone()))?;
                 let mut change = Changeset::new()
@@ -367,8 +366,7 @@ impl SessionManager {
         // Executor ready: workspace access on, whatever the agent does next.
         if record.status != ExecutorStatus::Ready || record.last_seen_at.is_none() {
             let was_ready = record.status == ExecutorStatus::Ready;
-            let mut ready = record.clone();
-            ready.status = ExecutorStatus::Ready;
+            let mut ready = executor_moved(&record, ExecutorEvent::Healthy)?;
             ready.error_message = None;
             ready.last_seen_at = Some(Utc::now());
             let mut change = Changeset::new().update_executor(ready);

@@ -331,20 +331,7 @@ impl Store {
         row.version = 1;
         let (sid, task, profile) = (session.id, session.task_id, session.agent_profile_id);
         self.write(move |c| {
-            let task_exists: i64 = tasks::table
-                .filter(tasks::id.eq(task.to_string()))
-                .count()
-                .get_result(c)?;
-            if task_exists == 0 {
-                return Err(Error::not_found("task", task));
-            }
-            let profile_exists: i64 = agent_profiles::table
-                .filter(agent_profiles::id.eq(profile.to_string()))
-                .count()
-                .get_result(c)?;
-            if profile_exists == 0 {
-                return Err(Error::not_found("agent profile", profile));
-            }
+            check_session_parents(c, task, profile)?;
             diesel::insert_into(task_sessions::table)
                 .values(&row)
                 .execute(c)
@@ -355,6 +342,29 @@ impl Store {
             }
             let committed = changeset::apply(c, change)?;
             Ok((row.into_domain()?, committed.events))
+        })
+        .await
+    }
+
+    /// Inserts a new session and applies `then` in the same transaction, so
+    /// a session never exists without what its creation wrote next (its
+    /// executor intent): a crash leaves both or neither. `then` may update
+    /// the new session (its version is 1).
+    pub async fn create_session_with(
+        &self,
+        session: &Session,
+        then: Changeset,
+    ) -> Result<Committed> {
+        let mut row = SessionRow::from_domain(session);
+        row.version = 1;
+        let (sid, task, profile) = (session.id, session.task_id, session.agent_profile_id);
+        self.write(move |c| {
+            check_session_parents(c, task, profile)?;
+            diesel::insert_into(task_sessions::table)
+                .values(&row)
+                .execute(c)
+                .map_err(|e| on_unique(e, "session", |_| sid.to_string()))?;
+            changeset::apply(c, then)
         })
         .await
     }
@@ -884,6 +894,29 @@ fn load_executors(
         .into_iter()
         .map(ExecutorRow::into_domain)
         .collect()
+}
+
+/// A new session's task and agent profile exist (NOT_FOUND names the missing one).
+fn check_session_parents(
+    c: &mut AnyConnection,
+    task: TaskId,
+    profile: AgentProfileId,
+) -> Result<()> {
+    let task_exists: i64 = tasks::table
+        .filter(tasks::id.eq(task.to_string()))
+        .count()
+        .get_result(c)?;
+    if task_exists == 0 {
+        return Err(Error::not_found("task", task));
+    }
+    let profile_exists: i64 = agent_profiles::table
+        .filter(agent_profiles::id.eq(profile.to_string()))
+        .count()
+        .get_result(c)?;
+    if profile_exists == 0 {
+        return Err(Error::not_found("agent profile", profile));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

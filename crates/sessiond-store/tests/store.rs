@@ -194,6 +194,69 @@ fn assert_gap_free(seqs: impl IntoIterator<Item = i64>, n: usize, what: &str) {
 mod suite {
     use super::*;
 
+    /// A session created with its intent is stored with it or not at all.
+    pub async fn session_created_with_its_intent_or_not_at_all(store: &Store) {
+        let t = store.create_task(&task("atomic")).await.unwrap();
+        let p = store
+            .upsert_agent_profile(&profile(&format!("demo-{}", TaskId::new())))
+            .await
+            .unwrap();
+        let new = session(&t, &p);
+        let mut starting = new.clone();
+        starting.state = SessionState::Starting;
+        let committed = store
+            .create_session_with(
+                &new,
+                Changeset::new()
+                    .update_session(starting)
+                    .insert_executor(executor(&new, ExecutorStatus::Starting))
+                    .event(
+                        new.id,
+                        state_changed(SessionState::Created, SessionState::Starting),
+                    ),
+            )
+            .await
+            .unwrap();
+        let stored = store.get_session(new.id).await.unwrap();
+        assert_eq!(stored.state, SessionState::Starting);
+        assert_eq!(stored.version, 2);
+        assert_eq!(committed.session, Some(stored));
+        assert_eq!(committed.events.len(), 1);
+        assert_eq!(committed.events[0].seq, 1);
+        let r = store
+            .get_executor_for_session(new.id)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.status, ExecutorStatus::Starting);
+
+        // The second write fails (a stale version): no session is left.
+        let doomed = session(&t, &p);
+        let mut stale = doomed.clone();
+        stale.version = 7;
+        let err = store
+            .create_session_with(
+                &doomed,
+                Changeset::new()
+                    .update_session(stale)
+                    .insert_executor(executor(&doomed, ExecutorStatus::Starting)),
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Conflict { .. }), "{err}");
+        assert!(
+            store
+                .get_session(doomed.id)
+                .await
+                .unwrap_err()
+                .is_not_found()
+        );
+        assert_eq!(
+            store.get_executor_for_session(doomed.id).await.unwrap(),
+            None
+        );
+    }
+
     pub async fn tasks_crud_and_not_found(store: &Store) {
         let a = store.create_task(&task("a")).await.unwrap();
         let b = store.create_task(&task("b")).await.unwrap();
@@ -1103,6 +1166,7 @@ macro_rules! store_tests {
             store_test!($backend, profiles_upsert_by_name);
             store_test!($backend, profiles_upsert_concurrently);
             store_test!($backend, sessions_crud);
+            store_test!($backend, session_created_with_its_intent_or_not_at_all);
             store_test!($backend, executors_crud);
             store_test!($backend, recoverable_executors_filter_by_status);
             store_test!($backend, changeset_is_all_or_nothing);
