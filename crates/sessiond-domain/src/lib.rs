@@ -24,7 +24,7 @@ pub use recovery::{
 pub use states::{ExecutorStatus, MessageRole, Runtime, SessionState, TaskState, UnknownValue};
 pub use status::{
     AgentProcessState, ExecutionView, ResumeReason, ResumeRefused, SessionStatus, check_resume,
-    session_status,
+    retrying_message, session_status,
 };
 pub use transitions::{
     ExecutorEvent, IllegalExecutorTransition, IllegalSessionTransition, IllegalTaskTransition,

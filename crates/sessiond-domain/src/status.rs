@@ -34,6 +34,10 @@ pub struct ExecutionView {
     /// The capability probe's answer; `None` until probed. It can only lower
     /// the profile's claim.
     pub supports_session_resume: Option<bool>,
+    /// The executor's error while it is retried in the background (a remote
+    /// host reconnecting, a Docker engine coming back): shown as the status's
+    /// message while the session itself keeps its state.
+    pub retrying: Option<String>,
 }
 
 impl ExecutionView {
@@ -46,8 +50,24 @@ impl ExecutionView {
             executor_status: record.status,
             agent: AgentProcessState::NotRunning,
             supports_session_resume: Some(record.supports_session_resume),
+            retrying: retrying_message(record),
         }
     }
+}
+
+/// The error codes of an executor that is retried in the background rather
+/// than failed (see `RecoveryFailure::code`).
+const RETRIED_CODES: [&str; 2] = ["reconnecting:", "docker_unavailable:"];
+
+/// The record's error when the executor is `error` but retried in the background.
+pub fn retrying_message(record: &ExecutorRecord) -> Option<String> {
+    record
+        .error_message
+        .as_ref()
+        .filter(|m| {
+            record.status == ExecutorStatus::Error && RETRIED_CODES.iter().any(|c| m.starts_with(c))
+        })
+        .cloned()
 }
 
 /// Why a session does, or cannot, need a resume. The string forms are those
@@ -200,7 +220,10 @@ pub fn session_status(
         resume_reason,
         worktree_path: session.worktree.path.clone(),
         worktree_branch: session.worktree.branch.clone(),
-        error_message: session.error_message.clone(),
+        error_message: session
+            .error_message
+            .clone()
+            .or_else(|| execution.and_then(|view| view.retrying.clone())),
     }
 }
 
@@ -288,6 +311,7 @@ pub(crate) mod tests {
             executor_status: ExecutorStatus::Ready,
             agent,
             supports_session_resume: probe,
+            retrying: None,
         }
     }
 

@@ -96,6 +96,7 @@ fn status_of(case: &StatusCase) -> (Session, sessiond_domain::SessionStatus) {
             executor_status,
             agent,
             supports_session_resume: probe,
+            retrying: None,
         },
     );
     let status = session_status(&s, view.as_ref(), case.profile);

@@ -413,14 +413,26 @@ impl SessionManager {
         let client = self.client(&record)?;
         // Timed from just before the Prompt: its first chunk can beat the reply.
         self.inner.metrics.turn_started(session_id);
-        let prompted = client
-            .raw()
-            .prompt(pb::PromptRequest {
+        // The client side of agentctl's Prompt span; its trace context
+        // travels in the call's metadata.
+        let span = tracing::info_span!(
+            "agentctl_prompt",
+            otel.name = "agentctl.v1.AgentCtlService/Prompt",
+            otel.kind = "client",
+            rpc.system = "grpc",
+            rpc.service = "agentctl.v1.AgentCtlService",
+            rpc.method = "Prompt",
+            turn_id = %turn_id,
+        );
+        let prompted = tracing::Instrument::instrument(
+            client.raw().prompt(pb::PromptRequest {
                 text: text.to_owned(),
                 turn_id,
                 ..Default::default()
-            })
-            .await;
+            }),
+            span,
+        )
+        .await;
         if let Err(status) = prompted {
             self.inner
                 .metrics
@@ -437,6 +449,7 @@ impl SessionManager {
             self.commit(change).await?;
             return Err(e);
         }
+        tracing::info!(session = %session_id, turn_id = %stored.id, "message sent; the agent's turn started");
         Ok(stored)
     }
 

@@ -48,6 +48,7 @@ impl Execution {
             executor_status: self.record.status,
             agent: self.agent,
             supports_session_resume: self.probe.or(Some(self.record.supports_session_resume)),
+            retrying: sessiond_domain::retrying_message(&self.record),
         }
     }
 }

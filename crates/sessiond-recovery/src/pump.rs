@@ -41,7 +41,8 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use sessiond_domain::{
     AgentProcessState, EventPayload, ExecutorEvent, ExecutorRecord, ExecutorStatus, Message,
-    MessageId, MessageRole, Session, SessionEvent, SessionId, SessionState, TaskEvent, TaskId,
+    MessageId, MessageRole, Runtime, Session, SessionEvent, SessionId, SessionState, TaskEvent,
+    TaskId,
 };
 use sessiond_executor::{AgentState, AgentctlClient};
 use sessiond_proto::agentctl::v1::{self as pb, agent_update::Kind};
@@ -986,6 +987,7 @@ impl Pump {
 
     /// agentctl stopped answering: executor `error`, a live session ERROR.
     async fn agentctl_lost(&mut self, reason: &str) {
+        let mut reconnect = None;
         let result: Result<()> = async {
             let _ = self.flush(true).await;
             let _guard = self.mgr.lock_session(self.session_id).await;
@@ -999,6 +1001,15 @@ impl Pump {
                 return Ok(());
             };
             if record.generation != self.generation || record.status != ExecutorStatus::Ready {
+                return Ok(());
+            }
+            if record.runtime == Runtime::Remote {
+                self.mgr
+                    .commit(crate::recovery::remote_lost(&record, reason)?)
+                    .await?;
+                self.mgr
+                    .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
+                reconnect = Some(record);
                 return Ok(());
             }
             let message = self.mgr.lost_agentctl_message(&record, reason).await;
@@ -1030,6 +1041,9 @@ impl Pump {
         }
         // This pump ends; forget it.
         let _ = lock(&self.mgr.inner.pumps).remove(&self.session_id);
+        if let Some(record) = reconnect {
+            self.mgr.spawn_reconnect(record);
+        }
     }
 }
 

@@ -24,8 +24,9 @@ use chrono::Utc;
 use futures::{FutureExt, StreamExt};
 use sessiond_domain::{
     Action, AgentProcessState, AgentProfile, EventPayload, ExecutorEvent, ExecutorId,
-    ExecutorRecord, ExecutorStatus, Observation, OutcomeLabel, Recovery, RecoveryInput,
-    RecoveryOutcome, Runtime, Session, SessionId, SessionState, SurvivingAgent, TaskEvent,
+    ExecutorRecord, ExecutorStatus, Observation, OutcomeLabel, Recovery, RecoveryFailure,
+    RecoveryInput, RecoveryOutcome, Runtime, Session, SessionId, SessionState, SurvivingAgent,
+    TaskEvent,
 };
 use sessiond_executor::{AgentState, ExecutorHandle, Probe};
 use sessiond_proto::agentctl::v1 as pb;
@@ -819,6 +820,28 @@ impl SessionManager {
     }
 }
 
+/// A remote host stopped answering while the backend runs (a network blip,
+/// the host restarting): the executor goes `error` with the `reconnecting:`
+/// code and the session keeps its state — the status shows the reconnect —
+/// and the background reconnect ([`SessionManager::spawn_reconnect`]) runs
+/// recovery when the host answers again, which reattaches or resumes without
+/// a user call. The caller then spawns that reconnect.
+pub(crate) fn remote_lost(record: &ExecutorRecord, reason: &str) -> Result<Changeset> {
+    let failure = RecoveryFailure::Reconnecting {
+        url: record.agentctl_url.clone().unwrap_or_default(),
+        reason: reason.to_owned(),
+    };
+    let mut lost = executor_moved(record, ExecutorEvent::Failed)?;
+    lost.error_message = Some(failure.message());
+    Ok(Changeset::new().update_executor(lost).event(
+        record.session_id,
+        EventPayload::AgentctlError {
+            executor_id: record.id,
+            error_message: failure.message(),
+        },
+    ))
+}
+
 /// The background reconnect window of a remote executor is still open:
 /// counted from its last sign of life, but never from before the backend
 /// started (its own outage must not use the window up).
@@ -1012,6 +1035,15 @@ impl SessionManager {
             }
             return Ok(None);
         };
+        if record.runtime == Runtime::Remote {
+            self.commit(remote_lost(&current, &reason)?).await?;
+            self.stop_pump(record.session_id);
+            self.cache_update(record.session_id, |e| {
+                e.agent = AgentProcessState::NotRunning
+            });
+            self.spawn_reconnect(current);
+            return Ok(None);
+        }
         let message = self.lost_agentctl_message(&current, &reason).await;
         next = executor_moved(&next, ExecutorEvent::Failed)?;
         next.error_message = Some(message.clone());
@@ -1039,9 +1071,6 @@ impl SessionManager {
         self.cache_update(record.session_id, |e| {
             e.agent = AgentProcessState::NotRunning
         });
-        if record.runtime == Runtime::Remote {
-            self.spawn_reconnect(current);
-        }
         Ok(None)
     }
 }

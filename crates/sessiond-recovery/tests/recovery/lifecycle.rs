@@ -2,7 +2,9 @@ use sessiond_domain::{
     EventKind, EventPayload, ExecutorStatus, MessageRole, SessionState, TaskState,
 };
 
-use crate::support::{Db, World, assert_consecutive, expected_reply};
+use crate::support::{
+    Db, World, assert_consecutive, children_of, expected_reply, is_running, kill9,
+};
 
 /// Create a session, prompt it: the reply is one agent message (added once,
 /// then updated), the session goes RUNNING then WAITING_FOR_INPUT, every
@@ -177,5 +179,62 @@ async fn broken_profile_is_error_with_message() {
         "{msg}"
     );
     assert_eq!(w.record(s.id).await.status, ExecutorStatus::Ready);
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// An idle agent killed with SIGKILL (its agentctl lives on): agentctl
+/// pushes the exit, so the status says so at once — the bound is 2 s,
+/// no liveness poll is involved — and ResumeSession launches a new agent
+/// that continues the same conversation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_agent_killed_is_noticed_and_resumed() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "idle").await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    let record = w.record(s.id).await;
+    let agentctl = record.pid.unwrap();
+    let agents: Vec<u32> = children_of(agentctl)
+        .into_iter()
+        .filter(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains("acp-demo-agent"))
+        })
+        .collect();
+    assert_eq!(agents.len(), 1, "one agent under agentctl {agentctl}");
+    assert!(w.status(&mgr, s.id).await.is_agent_running);
+
+    kill9(agents[0]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    let st = loop {
+        let st = w.status(&mgr, s.id).await;
+        if !st.is_agent_running {
+            break st;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "agent death not noticed within 2 s: {st:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert!(st.needs_resume && st.is_resumable, "{st:?}");
+    assert_eq!(st.state, SessionState::Error, "{st:?}");
+    assert!(
+        st.error_message
+            .as_deref()
+            .is_some_and(|m| m.contains("agent process exited")),
+        "{st:?}"
+    );
+    // The executor (workspace access) is untouched.
+    assert_eq!(st.executor_status, Some(ExecutorStatus::Ready), "{st:?}");
+    assert!(is_running(agentctl));
+
+    let resumed = mgr.resume_session(w.task.id, s.id).await.unwrap();
+    assert!(resumed.is_agent_running, "{resumed:?}");
+    assert_eq!(resumed.state, SessionState::WaitingForInput);
+    assert_eq!(w.record(s.id).await.pid, Some(agentctl), "agentctl kept");
+    let reply = w.prompt(&mgr, s.id, "two").await;
+    assert_eq!(reply, expected_reply(2, &token, "two"));
     w.finish(&mgr, &[s.id]).await;
 }

@@ -222,3 +222,98 @@ async fn remote_window_counts_from_the_backend_start() {
     host.kill().await;
     w.finish(&mgr, &[]).await;
 }
+
+/// A blip while the backend runs: the remote agentctl stops answering (it is
+/// SIGSTOPped, so its connections hang as on a broken network) and the
+/// liveness check notices. The executor shows `error` with a reconnecting
+/// message, the session keeps its state and the status says it is
+/// reconnecting; when the host answers again the background reconnect
+/// reattaches the same agent without a user call, and the conversation
+/// continues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_blip_during_liveness_reconnects_by_itself() {
+    let w = World::new(Db::Sqlite).await;
+    let id = ExecutorId::new();
+    let secret = sessiond_executor::fresh_secret();
+    let port = free_port();
+    let wt = w.worktree("remote");
+    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let mgr = w.manager_with(ManagerConfig {
+        liveness_interval: Some(Duration::from_millis(200)),
+        ..w.config()
+    });
+    let remote = RemoteAgentctl {
+        executor_id: id,
+        url: format!("http://127.0.0.1:{port}"),
+        auth_secret: secret.clone(),
+    };
+    let s = w
+        .create_with(&mgr, "remote", &w.profile, Some(remote))
+        .await;
+    assert_eq!(
+        s.state,
+        SessionState::WaitingForInput,
+        "{:?}",
+        s.error_message
+    );
+    host.track_agent(&w);
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    let agent = children_of(host.child.id());
+
+    signal(host.child.id(), "-STOP");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let st = loop {
+        let st = w.status(&mgr, s.id).await;
+        if st.executor_status == Some(ExecutorStatus::Error) {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the blip was never noticed: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        st.state,
+        SessionState::WaitingForInput,
+        "session left as it was: {st:?}"
+    );
+    assert!(!st.is_agent_running, "{st:?}");
+    assert!(
+        st.error_message
+            .as_deref()
+            .is_some_and(|m| m.starts_with("reconnecting:") && m.contains(&port.to_string())),
+        "the status says it is reconnecting: {st:?}"
+    );
+
+    signal(host.child.id(), "-CONT");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let st = w.status(&mgr, s.id).await;
+        if st.executor_status == Some(ExecutorStatus::Ready) && st.is_agent_running {
+            assert_eq!(st.state, SessionState::WaitingForInput);
+            assert_eq!(st.error_message, None, "{st:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "never reconnected: {st:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Reattached: the same agent process, no new launch.
+    assert_eq!(children_of(host.child.id()), agent);
+    assert_eq!(mgr.stats().agent_launches, 1);
+    let reply = w.prompt(&mgr, s.id, "two").await;
+    assert_eq!(reply, expected_reply(2, &token, "two"));
+
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    host.kill().await;
+    w.finish(&mgr, &[]).await;
+}
+
+fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "kill {sig} {pid}");
+}

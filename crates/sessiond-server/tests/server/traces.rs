@@ -95,12 +95,13 @@ fn find<'a>(
 }
 
 /// One SendMessage with a client `traceparent`: the collector receives
-/// sessiond's server span (child of the client's span), agentctl's server
-/// span for the Prompt sessiond sent (its child, across the process
-/// boundary) and agentctl's span of the agent's turn (its child, with the
-/// ACP stop reason), all in the client's trace; agentctl's JSON log line
-/// inside the turn carries that trace id and the turn's span id; the agent
-/// receives the turn span's context in ACP's `_meta.traceparent`.
+/// sessiond's server span (child of the client's span), sessiond's client
+/// span for agentctl's Prompt (its child), agentctl's server span for that
+/// Prompt (a child across the process boundary) and agentctl's span of the
+/// agent's turn (its child, with the ACP stop reason), all in the client's
+/// trace; and the JSON log lines of sessiond (inside the call) and of
+/// agentctl (inside the turn) carry that trace id and their span's id; the
+/// agent receives the turn span's context in ACP's `_meta.traceparent`.
 #[tokio::test]
 async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
     let (collector_addr, collector) = start_collector().await;
@@ -154,7 +155,7 @@ async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
     );
     c.send_message(request).await.unwrap();
 
-    // Batches leave every few seconds; wait for all three spans.
+    // Batches leave every few seconds; wait for all four spans.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
     let spans = loop {
         let spans = collector.spans.lock().unwrap().clone();
@@ -165,6 +166,13 @@ async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
             "sessiond.v1.SessionService/SendMessage",
         )
         .is_some()
+            && find(
+                &spans,
+                "sessiond",
+                trace,
+                "agentctl.v1.AgentCtlService/Prompt",
+            )
+            .is_some()
             && find(
                 &spans,
                 "agentctl",
@@ -201,6 +209,16 @@ async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
         Some("SendMessage")
     );
 
+    let prompt_out = find(
+        &spans,
+        "sessiond",
+        trace,
+        "agentctl.v1.AgentCtlService/Prompt",
+    )
+    .unwrap();
+    assert_eq!(prompt_out.kind, SpanKind::Client as i32);
+    assert_eq!(hex(&prompt_out.parent_span_id), hex(&send.span_id));
+
     let prompt_in = find(
         &spans,
         "agentctl",
@@ -211,7 +229,7 @@ async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
     assert_eq!(prompt_in.kind, SpanKind::Server as i32);
     assert_eq!(
         hex(&prompt_in.parent_span_id),
-        hex(&send.span_id),
+        hex(&prompt_out.span_id),
         "agentctl continues sessiond's trace"
     );
 
@@ -229,7 +247,16 @@ async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
         format!("00-{trace}-{}-01\n", hex(&turn.span_id))
     );
 
-    // agentctl's log (JSON because sessiond logs JSON) leads to the turn.
+    // sessiond's own log line of the call leads to the trace.
+    let text = std::fs::read_to_string(&log).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.contains("the agent's turn started"))
+        .unwrap_or_else(|| panic!("no log line of the SendMessage in:\n{text}"));
+    let json: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(json["trace_id"], trace, "{line}");
+    assert_eq!(json["span_id"], hex(&send.span_id), "{line}");
+    // So does agentctl's (JSON because sessiond logs JSON), from the turn.
     let agentctl_logs: String = std::fs::read_dir(data.join("logs"))
         .unwrap()
         .flatten()
