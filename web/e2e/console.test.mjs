@@ -2,7 +2,7 @@
 // headless Chromium. Screenshots of each step go to target/web-e2e/.
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { writeFileSync } from "node:fs";
+import { existsSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { Sessiond, bin, browser, scratch } from "./harness.mjs";
 
@@ -242,6 +242,58 @@ test("a token-protected server: sign-in, a wrong token is rejected clearly, the 
     assert.equal(await page.evaluate(() => localStorage.length), 0);
     // Chromium logs the 16 of a refused call? It must not: gRPC errors are
     // HTTP 200 with grpc-status in the body or headers.
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
+test("a turn interrupted by a crash is not re-run by itself; Retry runs it again on request", async () => {
+  const { dir, work, data } = scratch("retry");
+  const side = join(dir, "side-effects.txt");
+  const gate = join(dir, "gate");
+  const config = join(dir, "sessiond.toml");
+  writeFileSync(
+    config,
+    `[[agents]]\nname = "tools"\ncommand = "${bin("acp-demo-agent")}"\n` +
+      `env = { ACP_DEMO_STATE_DIR = "${join(dir, "demo-state")}", ACP_DEMO_SIDE_EFFECT_FILE = "${side}", ACP_DEMO_GATE_FILE = "${gate}" }\n`,
+  );
+  const lines = () => (existsSync(side) ? readFileSync(side, "utf8").split("\n").filter(Boolean) : []);
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth", "--config", config] }).start();
+  const b = await browser("retry");
+  try {
+    const { page } = b;
+    await page.goto(server.url);
+    await createTaskAndSession(page, { title: "Retry e2e", work, profile: "tools" });
+    // The agent runs its tool call, then holds at the gate: sessiond and
+    // agentctl die in the middle of the turn.
+    writeFileSync(gate, "");
+    await send(page, "edit the file");
+    const deadline = Date.now() + T;
+    while (lines().length < 1) {
+      assert.ok(Date.now() < deadline, "the agent never ran its tool call");
+      await new Promise((r) => setTimeout(r, 20));
+    }
+    const url = page.url();
+    b.expectNetworkErrors(true);
+    await server.kill();
+    assert.ok(server.killAgentctls().length >= 1, "an agentctl ran for the session");
+    rmSync(gate);
+    await server.start();
+    await page.goto(url);
+    // Refused fetches of the page before the restart may be reported late.
+    await visible(page, "[data-testid=interrupted] button:has-text('Retry it')");
+    b.expectNetworkErrors(false);
+    await message(page, "the turn was interrupted");
+    assert.deepEqual(lines(), ["edit the file"], "not run again by itself");
+    await b.screenshot("interrupted");
+    await page.click("[data-testid=interrupted] button:has-text('Retry it')");
+    await message(page, 'you said "edit the file"');
+    await hidden(page, "[data-testid=interrupted]");
+    assert.deepEqual(lines(), ["edit the file", "edit the file"], "run again once, on request");
+    assertNoGapNoDuplicate(await conversation(page));
+    await b.screenshot("retried");
     assert.deepEqual(b.errors, []);
   } finally {
     await b.close();

@@ -7,6 +7,7 @@ import type { GetSessionStatusResponse } from "./gen/sessiond/v1/session_service
 import type { Event } from "./gen/sessiond/v1/events_pb";
 import {
   ExecutorStatus,
+  MessageRole,
   ResumeReason,
   Runtime,
   SessionState,
@@ -536,6 +537,7 @@ function SessionView(props: { taskId: string; sessionId: string }) {
   const [draft, setDraft] = useState("");
   const [error, setError] = useState("");
   const [starting, setStarting] = useState(false);
+  const [retrying, setRetrying] = useState(false);
   const [profileName, setProfileName] = useState("");
   const list = useRef<HTMLOListElement>(null);
   const stick = useRef(true);
@@ -655,6 +657,23 @@ function SessionView(props: { taskId: string; sessionId: string }) {
     }
   };
 
+  // The last turn ended interrupted (a crash left it unknown whether the
+  // agent ran it; sessiond never re-sends such a turn): the user may retry.
+  const last = messages[messages.length - 1];
+  const interrupted = !!last && last.role === MessageRole.SYSTEM && last.content.startsWith("the turn was interrupted");
+  const retry = async () => {
+    setError("");
+    setRetrying(true);
+    try {
+      await sessions.retryTurn({ taskId, sessionId });
+      stick.current = true;
+    } catch (err) {
+      fail(setError)(err);
+    } finally {
+      setRetrying(false);
+    }
+  };
+
   const stopSession = async () => {
     setError("");
     try {
@@ -746,6 +765,14 @@ function SessionView(props: { taskId: string; sessionId: string }) {
               <MessageView key={m.id} message={m} />
             ))}
           </ol>
+          {interrupted && canSend && s?.state === SessionState.WAITING_FOR_INPUT && (
+            <div class="banner warn" data-testid="interrupted">
+              <span>The last turn was interrupted and not sent again; the agent may have run part of it.</span>
+              <button type="button" onClick={retry} disabled={retrying}>
+                Retry it
+              </button>
+            </div>
+          )}
           <form
             class="composer"
             onSubmit={(e) => {

@@ -65,6 +65,13 @@ struct Cli {
     /// holds closed to crash things at that exact point of a turn).
     #[arg(long, env = "ACP_DEMO_GATE_FILE")]
     gate_file: Option<PathBuf>,
+    /// After the reply's first chunk(s), wait while this file exists (a
+    /// gate that holds the turn in the middle of its reply).
+    #[arg(long, env = "ACP_DEMO_MID_GATE_FILE")]
+    mid_gate_file: Option<PathBuf>,
+    /// How many reply chunks go out before the mid-reply gate holds.
+    #[arg(long, env = "ACP_DEMO_MID_GATE_AFTER", default_value_t = 1)]
+    mid_gate_after: usize,
     /// Split the reply into this many extra chunks (a long, multi-chunk
     /// reply; with --chunk-delay-ms a slow one).
     #[arg(long, env = "ACP_DEMO_EXTRA_CHUNKS", default_value_t = 0)]
@@ -312,6 +319,13 @@ async fn run_turn(
             req.session_id.clone(),
             SessionUpdate::AgentMessageChunk(text_chunk(chunk)),
         ))?;
+        if i + 1 == demo.cli.mid_gate_after.max(1)
+            && let Some(gate) = &demo.cli.mid_gate_file
+        {
+            while gate.exists() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
         if i == 0 && demo.cli.crash_mid_turn == Some(count) {
             tokio::time::sleep(Duration::from_millis(200)).await;
             eprintln!("acp-demo-agent: crashing in the middle of prompt {count} as configured");

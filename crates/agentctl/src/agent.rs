@@ -746,7 +746,7 @@ impl AgentManager {
             slot.set_state(&self.shared.updates, AgentState::Busy);
             (conn, session, exit_rx, pid)
         };
-        self.crash_point("after-accepted");
+        self.crash_point("after-accepted", &text);
         let shared = self.shared.clone();
         let tid = turn_id.clone();
         let this = self.clone();
@@ -780,7 +780,7 @@ impl AgentManager {
                 }
                 Some(Ok(())) => {}
             }
-            this.crash_point("after-handed");
+            this.crash_point("after-handed", &text);
             // The turn's trace context, for an agent that traces: ACP's
             // convention is W3C keys at the root of `_meta`.
             let mut meta = serde_json::Map::new();
@@ -836,9 +836,17 @@ impl AgentManager {
         (self.shared.journal.is_durable(), self.shared.journal_fresh)
     }
 
-    /// Test hook: SIGKILLs this process at crash point `name` when asked to.
-    fn crash_point(&self, name: &str) {
-        if self.shared.crash_at.as_deref() == Some(name) {
+    /// Test hook: SIGKILLs this process at crash point `name` when asked to
+    /// (`NAME`, or `NAME:TEXT` for the prompt `text` = TEXT only, so a test
+    /// can run earlier turns through the same process).
+    fn crash_point(&self, name: &str, text: &str) {
+        let hit = self.shared.crash_at.as_deref().is_some_and(|at| {
+            at == name
+                || at
+                    .split_once(':')
+                    .is_some_and(|(n, t)| n == name && t == text)
+        });
+        if hit {
             tracing::warn!(
                 point = name,
                 "crash point reached; killing agentctl (test hook)"

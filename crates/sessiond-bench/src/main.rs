@@ -9,6 +9,9 @@
 //!   beside a bare tonic unary server measured the same way.
 //! - Event latency from commit to `watch_session` subscribers (1 and 1,000).
 //! - Peak RSS of `sessiond serve` with 10,000 recovered sessions.
+//! - The turn path: SendMessage -> first agent chunk at a `watch_session`
+//!   subscriber vs the same prompt straight to agentctl (`turn.rs`;
+//!   `--only-turns` runs just that).
 //!
 //! Prints a table and writes it into `docs/PERFORMANCE.md` between the
 //! `<!-- bench:begin -->` / `<!-- bench:end -->` markers.
@@ -22,6 +25,7 @@ mod recovery;
 mod report;
 mod seed;
 mod standalone;
+mod turn;
 
 use std::{
     io::{BufRead, BufReader},
@@ -68,6 +72,10 @@ struct Opts {
     standalone: usize,
     rss_sessions: usize,
     load_secs: u64,
+    /// Turns measured on the turn path (0: skip it).
+    turns: usize,
+    /// Only the turn path.
+    only_turns: bool,
     /// Measure the idle CPU over one liveness round (~40 s).
     idle_window: bool,
     out: Option<PathBuf>,
@@ -84,6 +92,8 @@ impl Opts {
             standalone: 100,
             rss_sessions: 10_000,
             load_secs: 5,
+            turns: 50,
+            only_turns: false,
             idle_window: true,
             out: None,
             bin_dir: exe.parent().map(Path::to_path_buf).unwrap_or_default(),
@@ -99,9 +109,12 @@ impl Opts {
                     o.rss_sessions = 1_000;
                     o.standalone = 10;
                     o.load_secs = 2;
+                    o.turns = 20;
                     o.idle_window = false;
                 }
                 "--no-idle" => o.idle_window = false,
+                "--turns" => o.turns = val()?.parse()?,
+                "--only-turns" => o.only_turns = true,
                 "--sizes" => {
                     o.sizes = val()?
                         .split(',')
@@ -116,7 +129,7 @@ impl Opts {
                 "--bin-dir" => o.bin_dir = PathBuf::from(val()?),
                 other => anyhow::bail!(
                     "unknown argument {other:?}; usage: sessiond-bench [--quick] [--sizes 100,1000] \
-                     [--no-postgres] [--standalone N] [--rss-sessions N] [--load-secs S] [--no-idle] [--out FILE] [--bin-dir DIR]"
+                     [--no-postgres] [--standalone N] [--rss-sessions N] [--load-secs S] [--no-idle] [--turns N] [--only-turns] [--out FILE] [--bin-dir DIR]"
                 ),
             }
         }
@@ -226,11 +239,38 @@ fn say(msg: impl AsRef<str>) {
     eprintln!("bench: {}", msg.as_ref());
 }
 
+/// The turn path (see `turn.rs`): printed, and written between its own
+/// markers.
+async fn run_turns(opts: &Opts, dir: &Path) -> anyhow::Result<()> {
+    let db = new_db("sqlite", dir, None)?;
+    let store = recovery::open(&db.url()).await?;
+    let tdir = dir.join("turns");
+    std::fs::create_dir_all(&tdir)?;
+    let row = turn::measure(&store, &opts.bin_dir, &tdir, opts.turns).await?;
+    say(report::turn_line(&row));
+    let text = report::render_turn(&row, &opts.command);
+    #[allow(clippy::print_stdout)]
+    {
+        println!("{text}");
+    }
+    if let Some(out) = &opts.out {
+        report::write_between(out, report::TURN_BEGIN, report::TURN_END, &text)?;
+        say(format!("wrote the turn path into {}", out.display()));
+    }
+    Ok(())
+}
+
 async fn run(opts: Opts) -> anyhow::Result<()> {
     let total = Instant::now();
     let dir = tempfile::Builder::new()
         .prefix("sessiond-bench-")
         .tempdir()?;
+    if opts.turns > 0 {
+        run_turns(&opts, dir.path()).await?;
+    }
+    if opts.only_turns {
+        return Ok(());
+    }
     let exe = std::env::current_exe()?;
     let mut report = Report::new(&opts.command);
 

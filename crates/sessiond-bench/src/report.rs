@@ -2,10 +2,14 @@
 
 use std::{fmt::Write as _, path::Path, time::Duration};
 
-use crate::{events::Latency, load::Load, recovery::RecoveryRow};
+use crate::{events::Latency, load::Load, recovery::RecoveryRow, turn::TurnRow};
 
 pub const BEGIN: &str = "<!-- bench:begin -->";
 pub const END: &str = "<!-- bench:end -->";
+/// The turn-path figures have markers of their own, so `--only-turns`
+/// refreshes them without the long runs.
+pub const TURN_BEGIN: &str = "<!-- bench:turn:begin -->";
+pub const TURN_END: &str = "<!-- bench:turn:end -->";
 
 #[derive(Debug, Clone, Copy)]
 pub struct Rss {
@@ -90,6 +94,50 @@ pub fn status_line(s: &StatusRow) -> String {
         ms(s.echo.p99),
         s.status.per_sec / s.echo.per_sec.max(1e-9)
     )
+}
+
+pub fn turn_line(t: &TurnRow) -> String {
+    format!(
+        "turn path, {} turns: SendMessage -> first chunk at a watcher p50 {} p99 {} vs Prompt -> first chunk straight from agentctl p50 {} p99 {} = {:.2}x at p50",
+        t.turns,
+        ms(t.sessiond_p50),
+        ms(t.sessiond_p99),
+        ms(t.direct_p50),
+        ms(t.direct_p99),
+        t.ratio()
+    )
+}
+
+/// The turn-path section (between [`TURN_BEGIN`] and [`TURN_END`]).
+pub fn render_turn(t: &TurnRow, command: &str) -> String {
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "- Machine: {}; {}; `{command}` (release build)",
+        machine(),
+        chrono::Utc::now().format("%Y-%m-%d %H:%M UTC")
+    );
+    let _ = writeln!(o);
+    let _ = writeln!(
+        o,
+        "| path | turns | p50 | p99 |\n|---|---:|---:|---:|\n\
+         | `SendMessage` -> first agent chunk at a `watch_session` subscriber (journaled turn) | {} | {} | {} |\n\
+         | the same prompt straight to agentctl: `Prompt` -> first chunk on `StreamUpdates` | {} | {} | {} |",
+        t.turns,
+        ms(t.sessiond_p50),
+        ms(t.sessiond_p99),
+        t.turns,
+        ms(t.direct_p50),
+        ms(t.direct_p99)
+    );
+    let _ = writeln!(o);
+    let _ = writeln!(
+        o,
+        "- Ratio at p50: {:.2}x (target <= 1.3x: {})",
+        t.ratio(),
+        verdict(t.ratio() <= 1.3)
+    );
+    o
 }
 
 pub fn latency_line(l: &Latency) -> String {
@@ -327,16 +375,21 @@ impl Report {
 /// Replaces what is between the markers of `path` with `text` (or creates
 /// the file with a heading and the markers).
 pub fn write_into(path: &Path, text: &str) -> anyhow::Result<()> {
+    write_between(path, BEGIN, END, text)
+}
+
+/// Replaces what stands between markers `begin` and `end` in `path`.
+pub fn write_between(path: &Path, begin: &str, end: &str, text: &str) -> anyhow::Result<()> {
     let old = std::fs::read_to_string(path).unwrap_or_else(|_| {
-        format!("# Performance\n\nFigures of `cargo xtask bench`.\n\n{BEGIN}\n{END}\n")
+        format!("# Performance\n\nFigures of `cargo xtask bench`.\n\n{begin}\n{end}\n")
     });
-    let (Some(b), Some(e)) = (old.find(BEGIN), old.find(END)) else {
+    let (Some(b), Some(e)) = (old.find(begin), old.find(end)) else {
         anyhow::bail!(
-            "{} has no {BEGIN} ... {END} markers; add them where the figures go",
+            "{} has no {begin} ... {end} markers; add them where the figures go",
             path.display()
         );
     };
-    let new = format!("{}{BEGIN}\n{text}{}", &old[..b], &old[e..]);
+    let new = format!("{}{begin}\n{text}{}", &old[..b], &old[e..]);
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent)?;
     }

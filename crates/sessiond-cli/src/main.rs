@@ -64,6 +64,10 @@ enum Command {
     Session(SessionCmd),
     /// Send a prompt to a session's agent and print its reply as it streams.
     Send(SendArgs),
+    /// Run again the session's last turn if it ended interrupted (a crash
+    /// left it unknown whether the agent ran it; sessiond never re-sends
+    /// such a turn by itself), and print the reply as it streams.
+    Retry(RetryArgs),
     /// List a session's messages.
     Messages(MessagesArgs),
     /// Follow a session's (or a task's) events live; reconnects after a
@@ -160,6 +164,23 @@ struct SendArgs {
     session: SessionRef,
     /// The prompt.
     text: String,
+    /// Return once the message is stored instead of waiting for the reply.
+    #[arg(long)]
+    no_wait: bool,
+    /// Give up waiting for the reply after this many seconds.
+    #[arg(long, default_value_t = 300)]
+    timeout_secs: u64,
+}
+
+#[derive(Debug, Args)]
+struct RetryArgs {
+    #[command(flatten)]
+    session: SessionRef,
+    /// The interrupted turn's user message (from `messages`); the last turn
+    /// when omitted. Naming it makes a repeated call fail instead of
+    /// running the turn again.
+    #[arg(long)]
+    message_id: Option<String>,
     /// Return once the message is stored instead of waiting for the reply.
     #[arg(long)]
     no_wait: bool,
@@ -336,6 +357,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Task(cmd) => task(&mut c, &out, cmd).await?,
         Command::Session(cmd) => session(&mut c, &out, cmd).await?,
         Command::Send(args) => send(&mut c, &out, args).await?,
+        Command::Retry(args) => retry(&mut c, &out, args).await?,
         Command::Messages(args) => messages(&mut c, &out, args).await?,
         Command::Watch(args) => watch(&mut c, &out, args).await?,
         Command::Workspace(cmd) => return workspace(&mut c, &out, cmd).await,
@@ -575,18 +597,62 @@ async fn send(c: &mut Clients, out: &Out, args: SendArgs) -> anyhow::Result<()> 
         })
         .await?
         .into_inner();
-    if args.no_wait {
-        if let Some(m) = &sent.message {
+    follow_turn(
+        c,
+        out,
+        session_id,
+        sent.message,
+        args.no_wait,
+        args.timeout_secs,
+    )
+    .await
+}
+
+/// Retries the interrupted turn, then prints its reply as `send` does.
+async fn retry(c: &mut Clients, out: &Out, args: RetryArgs) -> anyhow::Result<()> {
+    let session_id = args.session.session_id;
+    let sent = c
+        .sessions
+        .retry_turn(pb::RetryTurnRequest {
+            task_id: args.session.task.task,
+            session_id: session_id.clone(),
+            message_id: args.message_id.unwrap_or_default(),
+        })
+        .await?
+        .into_inner();
+    if !out.json {
+        eprintln!("retrying message {}", sent.retried_message_id);
+    }
+    follow_turn(
+        c,
+        out,
+        session_id,
+        sent.message,
+        args.no_wait,
+        args.timeout_secs,
+    )
+    .await
+}
+
+/// Follows the session's events after user message `sent` and prints the
+/// agent's reply as it streams, until the turn ends. A turn that ends
+/// without a reply (interrupted, or failed) is an error naming why.
+async fn follow_turn(
+    c: &mut Clients,
+    out: &Out,
+    session_id: String,
+    sent: Option<pb::Message>,
+    no_wait: bool,
+    timeout_secs: u64,
+) -> anyhow::Result<()> {
+    if no_wait {
+        if let Some(m) = &sent {
             out.messages(std::slice::from_ref(m));
         }
         return Ok(());
     }
-    let user_seq = sent.message.as_ref().map_or(0, |m| m.seq);
-    let user_id = sent
-        .message
-        .as_ref()
-        .map(|m| m.id.clone())
-        .unwrap_or_default();
+    let user_seq = sent.as_ref().map_or(0, |m| m.seq);
+    let user_id = sent.as_ref().map(|m| m.id.clone()).unwrap_or_default();
     // Replays the session's events, then tails: everything after our own
     // message.added belongs to this turn.
     let mut events = c
@@ -597,9 +663,11 @@ async fn send(c: &mut Clients, out: &Out, args: SendArgs) -> anyhow::Result<()> 
         })
         .await?
         .into_inner();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout_secs);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout_secs);
     let mut printed = 0usize;
     let mut reply: Option<pb::Message> = None;
+    let mut note: Option<String> = None;
+    let mut ended = false;
     let mut in_turn = false;
     loop {
         let next = tokio::time::timeout_at(deadline, events.next())
@@ -630,12 +698,28 @@ async fn send(c: &mut Clients, out: &Out, args: SendArgs) -> anyhow::Result<()> 
                     break;
                 }
             }
+            Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
+                if in_turn && m.role == pb::MessageRole::System as i32 =>
+            {
+                if ended && reply.is_none() {
+                    bail!("{}", m.content);
+                }
+                note = Some(m.content);
+            }
             Some(pb::event::Payload::StateChanged(sc)) if in_turn => {
                 if sc.to == pb::SessionState::Error as i32 {
                     bail!("the session went to ERROR: {}", sc.error_message);
                 }
-                if sc.to == pb::SessionState::WaitingForInput as i32 && reply.is_some() {
-                    break;
+                if sc.to == pb::SessionState::WaitingForInput as i32 {
+                    ended = true;
+                    if reply.is_some() {
+                        break;
+                    }
+                    // The turn ended without a reply (interrupted or failed):
+                    // its system message says why (it may come next).
+                    if let Some(note) = note.take() {
+                        bail!("{note}");
+                    }
                 }
             }
             _ => {}
@@ -645,7 +729,7 @@ async fn send(c: &mut Clients, out: &Out, args: SendArgs) -> anyhow::Result<()> 
         println!(
             "{}",
             serde_json::json!({
-                "message": sent.message.as_ref().map(output::message_json),
+                "message": sent.as_ref().map(output::message_json),
                 "reply": reply.as_ref().map(output::message_json),
             })
         );

@@ -76,6 +76,15 @@ pub enum Error {
         hint: &'static str,
     },
 
+    /// RetryTurn on a session whose last turn did not end interrupted.
+    #[error(
+        "session {session_id}: no interrupted turn to retry: {detail}; send a new message instead"
+    )]
+    TurnNotInterrupted {
+        session_id: SessionId,
+        detail: String,
+    },
+
     /// No agent runs for the session (it exited, or was never resumed).
     #[error("the agent of session {session_id} is not running; resume the session first")]
     AgentNotRunning { session_id: SessionId },
@@ -134,6 +143,7 @@ impl Error {
             | Error::SessionEnded { .. }
             | Error::InvalidState { .. }
             | Error::AgentNotRunning { .. }
+            | Error::TurnNotInterrupted { .. }
             | Error::ResumeFailed { .. } => ErrorKind::FailedPrecondition,
             Error::Conflict { .. } => ErrorKind::Aborted,
             Error::Unavailable(_) => ErrorKind::Unavailable,

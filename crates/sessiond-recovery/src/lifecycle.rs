@@ -16,7 +16,10 @@ use crate::{
     error::{Error, Result},
     manager::{SessionManager, executor_moved, transition},
     ops::probe_verdict,
-    pump::{CURSOR_KEY, TURN_GENERATION_KEY, TURN_KEY, cursor_value},
+    pump::{
+        CURSOR_KEY, INTERRUPTED_TURN_KEY, TURN_GENERATION_KEY, TURN_INSTANCE_KEY, TURN_KEY,
+        cursor_value, stored_cursor,
+    },
 };
 
 /// What [`SessionManager::create_session`] needs.
@@ -329,6 +332,88 @@ impl SessionManager {
         self.session_of_task(task, session_id).await?;
         let _guard = self.lock_session(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
+        self.check_can_start_turn(&session, "send a message")?;
+        self.start_turn(session, text).await
+    }
+
+    /// Runs again a turn that ended *interrupted* (a crash left it unknown
+    /// whether the agent ran it, so it was not sent again automatically):
+    /// the user asks for it explicitly. A new user message with the same
+    /// content is stored and prompted as [`SessionManager::send_message`]
+    /// does; the interrupted turn stays in the conversation as it ended.
+    /// `message`: the interrupted turn's user message (`None`: the session's
+    /// last turn). Only the last turn can be retried, once: a turn sent
+    /// after it (a retry included) makes it not retryable.
+    pub async fn retry_turn(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        message: Option<MessageId>,
+    ) -> Result<(Message, MessageId)> {
+        self.session_of_task(task, session_id).await?;
+        let _guard = self.lock_session(session_id).await;
+        let session = self.inner.store.get_session(session_id).await?;
+        self.check_can_start_turn(&session, "retry a turn")?;
+        let interrupted = session.metadata.get(INTERRUPTED_TURN_KEY).cloned();
+        let msgs = self
+            .inner
+            .store
+            .list_messages(session_id, 0, u32::MAX)
+            .await?;
+        let original = match (message, interrupted) {
+            (Some(m), interrupted) => {
+                let Some(found) = msgs.iter().find(|x| x.id == m) else {
+                    return Err(Error::NotFound {
+                        entity: "message",
+                        id: format!("{m} (in session {session_id})"),
+                    });
+                };
+                if found.role != MessageRole::User {
+                    return Err(Error::InvalidArgument(format!(
+                        "message_id: message {m} is a {} message; name the user message of the interrupted turn",
+                        found.role
+                    )));
+                }
+                if interrupted.as_deref() != Some(m.to_string().as_str()) {
+                    return Err(Error::TurnNotInterrupted {
+                        session_id,
+                        detail: match interrupted {
+                            Some(_) => format!(
+                                "message {m} is not the session's interrupted turn (only the last turn can be retried)"
+                            ),
+                            None => format!(
+                                "the turn of message {m} did not end interrupted, or a later message was sent"
+                            ),
+                        },
+                    });
+                }
+                found.clone()
+            }
+            (None, Some(turn)) => msgs
+                .iter()
+                .find(|x| x.role == MessageRole::User && x.id.to_string() == turn)
+                .cloned()
+                .ok_or_else(|| {
+                    Error::Internal(format!(
+                        "interrupted turn {turn} has no stored user message"
+                    ))
+                })?,
+            (None, None) => {
+                return Err(Error::TurnNotInterrupted {
+                    session_id,
+                    detail: "its last turn did not end interrupted".into(),
+                });
+            }
+        };
+        let message = self.start_turn(session, &original.content).await?;
+        tracing::info!(session = %session_id, retried = %original.id, turn = %message.id,
+            "interrupted turn retried on the user's request");
+        Ok((message, original.id))
+    }
+
+    /// A turn can start only on a session waiting for input.
+    fn check_can_start_turn(&self, session: &Session, action: &'static str) -> Result<()> {
+        let session_id = session.id;
         match session.state {
             SessionState::WaitingForInput => {}
             s if s.is_terminal() => {
@@ -341,8 +426,8 @@ impl SessionManager {
                 return Err(Error::InvalidState {
                     session_id,
                     state: session.state,
-                    action: "send a message",
-                    hint: "the agent is still working on the previous one; wait for its reply",
+                    action,
+                    hint: "the agent is still working on the previous message; wait for its reply",
                 });
             }
             SessionState::Error => return Err(Error::AgentNotRunning { session_id }),
@@ -350,11 +435,18 @@ impl SessionManager {
                 return Err(Error::InvalidState {
                     session_id,
                     state: s,
-                    action: "send a message",
+                    action,
                     hint: "wait until the agent is ready",
                 });
             }
         }
+        Ok(())
+    }
+
+    /// Stores user message `text`, session RUNNING, then the Prompt. The
+    /// caller holds the session lock and checked the state.
+    async fn start_turn(&self, session: Session, text: &str) -> Result<Message> {
+        let session_id = session.id;
         let execution = self.execution(session_id);
         let Some(execution) = execution.filter(|e| {
             e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
@@ -383,6 +475,22 @@ impl SessionManager {
         running
             .metadata
             .insert(TURN_GENERATION_KEY.into(), record.generation.to_string());
+        // The agentctl process last known alive before the Prompt (a parked
+        // pump's, else the stored cursor's): if that process still answers
+        // after a crash, any Prompt of this turn went to it (one process
+        // holds the address), so its journal alone tells whether the turn
+        // reached an agent, even a journal it created (fresh).
+        let instance = self
+            .parked_instance(session_id)
+            .filter(|i| !i.is_empty())
+            .unwrap_or_else(|| stored_cursor(&session, record.generation).1);
+        if instance.is_empty() {
+            running.metadata.remove(TURN_INSTANCE_KEY);
+        } else {
+            running.metadata.insert(TURN_INSTANCE_KEY.into(), instance);
+        }
+        // A new turn: the interrupted one before it can no longer be retried.
+        running.metadata.remove(INTERRUPTED_TURN_KEY);
         let mut change = Changeset::new()
             .add_message(message.clone())
             .event(session_id, EventPayload::MessageAdded(message.clone()))
@@ -427,7 +535,7 @@ impl SessionManager {
         let prompted = tracing::Instrument::instrument(
             client.raw().prompt(pb::PromptRequest {
                 text: text.to_owned(),
-                turn_id,
+                turn_id: turn_id.clone(),
                 ..Default::default()
             }),
             span,
@@ -441,8 +549,21 @@ impl SessionManager {
             let reason = format!(
                 "the agent did not accept the message: {e}; resume the session, then send it again"
             );
-            let (failed, ev) = transition(&running, SessionEvent::Failed, Some(reason))?;
-            let mut change = Changeset::new().update_session(failed);
+            // Never silent: the conversation says the turn did not run
+            // through (a transport error leaves it unknown whether agentctl
+            // took it, so it is not sent again; the user may retry).
+            let (mut failed, ev) = transition(&running, SessionEvent::Failed, Some(reason))?;
+            let why = format!("the agent did not accept the message: {e}");
+            let mut change = crate::pump::interrupt_turn(
+                self,
+                &running,
+                &turn_id,
+                &why,
+                Changeset::new(),
+                &mut failed,
+            )
+            .await?
+            .update_session(failed);
             if let Some(ev) = ev {
                 change = change.event(session_id, ev);
             }

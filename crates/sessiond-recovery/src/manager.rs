@@ -520,6 +520,13 @@ impl SessionManager {
         lock(&self.inner.parked).insert(session, parked);
     }
 
+    /// The agentctl instance a parked session's cursor belongs to.
+    pub(crate) fn parked_instance(&self, session: SessionId) -> Option<String> {
+        lock(&self.inner.parked)
+            .get(&session)
+            .map(|p| p.instance.clone())
+    }
+
     /// Takes the parked position of a session, if any.
     pub(crate) fn take_parked(&self, session: SessionId) -> Option<Parked> {
         lock(&self.inner.parked).remove(&session)

@@ -74,6 +74,15 @@ pub(crate) const INTERRUPTED_NOTE: &str = "\n\n[sessiond: this reply was interru
 /// Session metadata key of the executor generation a turn was sent to.
 pub(crate) const TURN_GENERATION_KEY: &str = "turn_generation";
 
+/// Session metadata key of the agentctl instance last known alive before a
+/// turn's Prompt (see [`SessionManager::send_message`]).
+pub(crate) const TURN_INSTANCE_KEY: &str = "turn_instance";
+
+/// Session metadata key of the last turn (user message id) if it ended
+/// interrupted: the one turn `retry_turn` may run again. Removed when the
+/// next turn starts.
+pub(crate) const INTERRUPTED_TURN_KEY: &str = "interrupted_turn";
+
 /// Written to the conversation when a turn ends without a whole reply and
 /// the prompt may have reached the agent: it is not sent again
 /// automatically (at most once); the user decides.
@@ -516,9 +525,20 @@ impl Pump {
         let exited = end.stop_reason == "error" && self.agent_gone().await;
         let _guard = self.mgr.lock_session(self.session_id).await;
         let session = self.mgr.inner.store.get_session(self.session_id).await?;
-        let mut change = self.complete_pending_into(Changeset::new()).await?;
         let current_turn = session.metadata.get(TURN_KEY).cloned();
         let ours = current_turn.as_deref().is_none_or(|t| t == end.turn_id);
+        // The agent died in the middle of the session's turn: its reply is
+        // kept as streamed and the turn ends interrupted, not as if whole.
+        let died_in = current_turn
+            .clone()
+            .filter(|_| exited && ours && session.state == SessionState::Running);
+        let mut change = if died_in.is_some() {
+            self.flush(false).await?;
+            self.pending = None;
+            Changeset::new()
+        } else {
+            self.complete_pending_into(Changeset::new()).await?
+        };
         let mut next = session.clone();
         let mut task_event = None;
         if session.state == SessionState::Running && ours {
@@ -543,6 +563,14 @@ impl Pump {
                 transition(&session, SessionEvent::TurnEnded, None)?
             };
             next = s;
+            if let Some(turn) = &died_in {
+                let why = if end.error_message.is_empty() {
+                    "the agent exited during the turn"
+                } else {
+                    end.error_message.as_str()
+                };
+                change = interrupt_turn(&self.mgr, &session, turn, why, change, &mut next).await?;
+            }
             if let Some(ev) = ev {
                 change = change.event(self.session_id, ev);
             }
@@ -565,6 +593,7 @@ impl Pump {
             }
             next.metadata.remove(TURN_KEY);
             next.metadata.remove(TURN_GENERATION_KEY);
+            next.metadata.remove(TURN_INSTANCE_KEY);
         }
         next.metadata.insert(
             CURSOR_KEY.into(),
@@ -609,10 +638,18 @@ impl Pump {
             ));
         let _guard = self.mgr.lock_session(self.session_id).await;
         let session = self.mgr.inner.store.get_session(self.session_id).await?;
-        let mut change = self.complete_pending_into(Changeset::new()).await?;
+        // Its TurnEnded did not come first: the turn died with the agent,
+        // its reply unfinished (kept as streamed, marked interrupted).
+        let turn = pending_turn(&session);
+        let mut change = if turn.is_some() {
+            self.flush(false).await?;
+            self.pending = None;
+            Changeset::new()
+        } else {
+            self.complete_pending_into(Changeset::new()).await?
+        };
         let mut next = session.clone();
         if session.state == SessionState::Running {
-            // Its TurnEnded did not come first: the turn died with the agent.
             self.mgr
                 .inner
                 .metrics
@@ -634,6 +671,10 @@ impl Pump {
             let (s, ev) = transition(&session, SessionEvent::Failed, Some(reason))?;
             next = s;
             next.metadata.remove(TURN_KEY);
+            if let Some(turn) = &turn {
+                let why = format!("the agent process exited ({how}) during the turn");
+                change = interrupt_turn(&self.mgr, &session, turn, &why, change, &mut next).await?;
+            }
             if let Some(ev) = ev {
                 change = change.event(self.session_id, ev);
             }
@@ -847,7 +888,12 @@ impl Pump {
             .get_executor_for_session(self.session_id)
             .await?
             .is_some_and(|r| r.runtime == sessiond_domain::Runtime::Remote);
-        if !h.journaled || (h.journal_fresh && (!same_generation || remote)) {
+        // The agentctl process known alive before the Prompt answers now:
+        // it held the address all along, so any Prompt of the turn went to
+        // it and its journal (fresh or not) covers the turn.
+        let same_instance = !h.instance_id.is_empty()
+            && session.metadata.get(TURN_INSTANCE_KEY) == Some(&h.instance_id);
+        if !h.journaled || (h.journal_fresh && !same_instance && (!same_generation || remote)) {
             drop(guard);
             let why = if h.journaled {
                 "agentctl was relaunched with a new journal, so it cannot tell whether the agent got the message"
@@ -905,8 +951,18 @@ impl Pump {
                 let reason = format!(
                     "the agent did not accept the message: {e}; resume the session, then send it again"
                 );
-                let (failed, ev) = transition(&session, SessionEvent::Failed, Some(reason))?;
-                let mut change = Changeset::new().update_session(failed);
+                let (mut failed, ev) = transition(&session, SessionEvent::Failed, Some(reason))?;
+                let why = format!("the agent did not accept the message: {e}");
+                let mut change = interrupt_turn(
+                    &self.mgr,
+                    &session,
+                    turn,
+                    &why,
+                    Changeset::new(),
+                    &mut failed,
+                )
+                .await?
+                .update_session(failed);
                 if let Some(ev) = ev {
                     change = change.event(self.session_id, ev);
                 }
@@ -931,44 +987,9 @@ impl Pump {
         if pending_turn(&session).as_deref() != Some(turn) {
             return Ok(());
         }
-        let msgs = store.list_messages(self.session_id, 0, u32::MAX).await?;
-        let user_seq = msgs
-            .iter()
-            .find(|m| m.role == MessageRole::User && m.id.to_string() == turn)
-            .map(|m| m.seq);
-        let mut change = Changeset::new();
-        let now = Utc::now();
-        if let Some(seq) = user_seq {
-            for r in msgs
-                .iter()
-                .filter(|m| m.role == MessageRole::Agent && m.seq > seq && !m.complete)
-            {
-                let mut m = r.clone();
-                m.content = format!("{}{INTERRUPTED_NOTE}", r.content);
-                m.complete = true;
-                m.updated_at = now;
-                change = change
-                    .update_message(r.id, m.content.clone(), true)
-                    .event(self.session_id, EventPayload::MessageUpdated(m));
-            }
-        }
-        let note = Message {
-            id: MessageId::new(),
-            session_id: self.session_id,
-            task_id: self.task_id,
-            role: MessageRole::System,
-            content: format!("{TURN_INTERRUPTED} ({why})"),
-            seq: 0,
-            complete: true,
-            created_at: now,
-            updated_at: now,
-        };
-        change = change
-            .add_message(note.clone())
-            .event(self.session_id, EventPayload::MessageAdded(note));
         let (mut next, ev) = transition(&session, SessionEvent::TurnEnded, None)?;
-        next.metadata.remove(TURN_KEY);
-        next.metadata.remove(TURN_GENERATION_KEY);
+        let mut change =
+            interrupt_turn(&self.mgr, &session, turn, why, Changeset::new(), &mut next).await?;
         next.metadata.insert(
             CURSOR_KEY.into(),
             cursor_value(self.generation, self.cursor, &self.instance),
@@ -989,7 +1010,10 @@ impl Pump {
     async fn agentctl_lost(&mut self, reason: &str) {
         let mut reconnect = None;
         let result: Result<()> = async {
-            let _ = self.flush(true).await;
+            // What was streamed is kept, not completed: the turn ends
+            // interrupted below (its end is unknown).
+            let _ = self.flush(false).await;
+            self.pending = None;
             let _guard = self.mgr.lock_session(self.session_id).await;
             let Some(record) = self
                 .mgr
@@ -1024,7 +1048,16 @@ impl Pump {
             );
             let session = self.mgr.inner.store.get_session(self.session_id).await?;
             if !session.state.is_terminal() && session.state != SessionState::Error {
-                let (s, ev) = transition(&session, SessionEvent::Failed, Some(message))?;
+                let (mut s, ev) = transition(&session, SessionEvent::Failed, Some(message))?;
+                if let Some(turn) = pending_turn(&session) {
+                    self.mgr
+                        .inner
+                        .metrics
+                        .turn_ended(self.session_id, crate::metrics::TurnOutcome::Interrupted);
+                    let why = format!("agentctl stopped answering during the turn ({reason})");
+                    change =
+                        interrupt_turn(&self.mgr, &session, &turn, &why, change, &mut s).await?;
+                }
                 change = change.update_session(s);
                 if let Some(ev) = ev {
                     change = change.event(self.session_id, ev);
@@ -1045,6 +1078,69 @@ impl Pump {
             self.mgr.spawn_reconnect(record);
         }
     }
+}
+
+/// What ends turn `turn` of `session` *interrupted*, added to `change`: the
+/// stored, unfinished part of its reply completed with [`INTERRUPTED_NOTE`]
+/// (kept, never shortened), a system message saying the turn was
+/// interrupted and why (with its `message.added`), and in `next`'s metadata
+/// the turn cleared and recorded as the one `retry_turn` may run again. The
+/// caller holds the session lock, has flushed (not completed) the reply it
+/// was streaming, and adds the state change after this.
+pub(crate) async fn interrupt_turn(
+    mgr: &SessionManager,
+    session: &Session,
+    turn: &str,
+    why: &str,
+    mut change: Changeset,
+    next: &mut Session,
+) -> Result<Changeset> {
+    let msgs = mgr
+        .inner
+        .store
+        .list_messages(session.id, 0, u32::MAX)
+        .await?;
+    let user_seq = msgs
+        .iter()
+        .find(|m| m.role == MessageRole::User && m.id.to_string() == turn)
+        .map(|m| m.seq);
+    let now = Utc::now();
+    if let Some(seq) = user_seq {
+        for r in msgs
+            .iter()
+            .filter(|m| m.role == MessageRole::Agent && m.seq > seq && !m.complete)
+        {
+            let mut m = r.clone();
+            m.content = format!("{}{INTERRUPTED_NOTE}", r.content);
+            m.complete = true;
+            m.updated_at = now;
+            change = change
+                .update_message(r.id, m.content.clone(), true)
+                .event(session.id, EventPayload::MessageUpdated(m));
+        }
+    }
+    let note = Message {
+        id: MessageId::new(),
+        session_id: session.id,
+        task_id: session.task_id,
+        role: MessageRole::System,
+        content: format!("{TURN_INTERRUPTED} ({why})"),
+        seq: 0,
+        complete: true,
+        created_at: now,
+        updated_at: now,
+    };
+    change = change
+        .add_message(note.clone())
+        .event(session.id, EventPayload::MessageAdded(note));
+    next.metadata.remove(TURN_KEY);
+    next.metadata.remove(TURN_GENERATION_KEY);
+    next.metadata.remove(TURN_INSTANCE_KEY);
+    if user_seq.is_some() {
+        next.metadata
+            .insert(INTERRUPTED_TURN_KEY.into(), turn.to_owned());
+    }
+    Ok(change)
 }
 
 async fn sleep_until(at: Option<Instant>) {

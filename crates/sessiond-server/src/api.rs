@@ -13,8 +13,8 @@ use std::{
 use chrono::Utc;
 use futures::{Stream, StreamExt};
 use sessiond_domain::{
-    AgentProfileId, ExecutorId, ExecutorRecord, ExecutorStatus, Runtime, Session, SessionId, Task,
-    TaskId, TaskState, Worktree,
+    AgentProfileId, ExecutorId, ExecutorRecord, ExecutorStatus, MessageId, Runtime, Session,
+    SessionId, Task, TaskId, TaskState, Worktree,
 };
 use sessiond_executor::{AgentctlClient, ClientConfig};
 use sessiond_proto::{agentctl::v1 as apb, sessiond::v1 as pb};
@@ -554,6 +554,29 @@ impl pb::session_service_server::SessionService for Api {
                     .await?;
                 Ok(pb::SendMessageResponse {
                     message: Some(convert::message(&message)),
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn retry_turn(
+        &self,
+        request: Request<pb::RetryTurnRequest>,
+    ) -> Result<Response<pb::RetryTurnResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let (task, session) = ids(&req.task_id, &req.session_id)?;
+                let message = if req.message_id.is_empty() {
+                    None
+                } else {
+                    Some(MessageId::parse(&req.message_id)?)
+                };
+                let (message, retried) = self.manager.retry_turn(task, session, message).await?;
+                Ok(pb::RetryTurnResponse {
+                    message: Some(convert::message(&message)),
+                    retried_message_id: retried.to_string(),
                 })
             }
             .await,

@@ -6,7 +6,8 @@
 //! | unknown task / session / profile                    | NOT_FOUND           |
 //! | session addressed under another task                | NOT_FOUND (proto)   |
 //! | not resumable, no token, worktree gone, ended,      | FAILED_PRECONDITION |
-//! | wrong state, agent not running, resume failed       | (message = reason)  |
+//! | wrong state, agent not running, resume failed,      | (message = reason)  |
+//! | retry of a turn that did not end interrupted        |                     |
 //! | executor not ready for a workspace call             | FAILED_PRECONDITION |
 //! | concurrent writer won                               | ABORTED             |
 //! | Exec past its timeout (details: output so far)      | DEADLINE_EXCEEDED   |
@@ -135,6 +136,7 @@ fn recovery_code(e: &sessiond_recovery::Error) -> (Code, &'static str) {
         E::SessionEnded { .. } => "session_ended",
         E::InvalidState { .. } => "invalid_state",
         E::AgentNotRunning { .. } => "agent_not_running",
+        E::TurnNotInterrupted { .. } => "turn_not_interrupted",
         E::ResumeFailed { .. } => "resume_failed",
         E::Conflict { .. } => "conflict",
         E::Unavailable(_) => "unavailable",

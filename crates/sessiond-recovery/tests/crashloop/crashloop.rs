@@ -18,14 +18,22 @@
 //! take less than 150 ms) halves the window of the next one, and until one
 //! has landed every backend is aimed at.
 //!
+//! Agentctls die too: in half of the unaimed rounds the agentctl of a
+//! session running a turn (standalone: SIGKILL; remote: its host restarts
+//! it on the same journal) is killed while the backend runs, and after a
+//! third of the backend kills one more while it is down. Turns cut so end
+//! interrupted (at most once), never re-run by themselves.
+//!
 //! Messages: a turn the agent ran must be stored exactly once (prompt and
 //! complete reply), nothing the agent did not say may be stored, every
 //! stored user message must have reached the agent exactly once (a backend
 //! killed between storing a message and its Prompt included: recovery
 //! re-delivers it), and every reply must be stored before the next user
 //! message (recovery keeps a session RUNNING until the reply agentctl
-//! buffered while the backend was down is stored). Any of these fails the
-//! test.
+//! buffered while the backend was down is stored), unless the turn ended
+//! with an explicit interrupted message; every tool-call side effect ran
+//! at most once per prompt, exactly once for a turn the agent finished.
+//! Any of these fails the test.
 
 use std::time::{Duration, Instant};
 
@@ -48,6 +56,34 @@ impl Rng {
     fn between(&mut self, lo: u64, hi: u64) -> u64 {
         lo + self.next() % (hi - lo + 1)
     }
+}
+
+/// Kills the agentctl of a session running a turn (any live session when
+/// none is); returns its runtime's name.
+async fn kill_an_agentctl(w: &World, rng: &mut Rng) -> Option<&'static str> {
+    let sessions = w.sessions().await;
+    let running: Vec<_> = sessions
+        .iter()
+        .filter(|s| s.state == sessiond_domain::SessionState::Running)
+        .collect();
+    let pool = if running.is_empty() {
+        sessions
+            .iter()
+            .filter(|s| s.state == sessiond_domain::SessionState::WaitingForInput)
+            .collect()
+    } else {
+        running
+    };
+    if pool.is_empty() {
+        return None;
+    }
+    let s = pool[(rng.next() % pool.len() as u64) as usize];
+    let name = match s.runtime {
+        sessiond_domain::Runtime::Remote => "remote",
+        sessiond_domain::Runtime::LocalStandalone => "standalone",
+        sessiond_domain::Runtime::LocalDocker => "docker",
+    };
+    w.kill_agentctl(s).await.then_some(name)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -119,6 +155,7 @@ async fn crash_loop_converges() {
     let (mut rounds, mut in_recovery, mut before_recovery) = (0u32, 0u32, 0u32);
     let mut aim_ms = 150;
     let mut lifetimes = Vec::new();
+    let mut agentctl_kills: std::collections::BTreeMap<String, u32> = Default::default();
     while started.elapsed() < Duration::from_secs(secs) {
         rounds += 1;
         let mut c = w.spawn_child(
@@ -139,7 +176,19 @@ async fn crash_loop_converges() {
             );
             tokio::time::sleep(Duration::from_millis(rng.between(0, aim_ms))).await;
         } else {
-            tokio::time::sleep(Duration::from_millis(rng.between(1500, 7500))).await;
+            let life = rng.between(1500, 7500);
+            if rng.next().is_multiple_of(2) {
+                // An agentctl (or a remote host's agentctl) dies while the
+                // backend runs, preferably in the middle of a turn.
+                let at = rng.between(300, life - 200);
+                tokio::time::sleep(Duration::from_millis(at)).await;
+                if let Some(k) = kill_an_agentctl(&w, &mut rng).await {
+                    *agentctl_kills.entry(format!("{k} live")).or_default() += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(life - at)).await;
+            } else {
+                tokio::time::sleep(Duration::from_millis(life)).await;
+            }
         }
         if !c.has("RECOVERING") {
             before_recovery += 1;
@@ -150,8 +199,15 @@ async fn crash_loop_converges() {
         }
         c.kill9();
         lifetimes.push(born.elapsed());
+        if rng.next().is_multiple_of(3) {
+            // ... or while the backend is down (a turn it left running).
+            if let Some(k) = kill_an_agentctl(&w, &mut rng).await {
+                *agentctl_kills.entry(format!("{k} down")).or_default() += 1;
+            }
+        }
     }
     let kills = rounds;
+    println!("crash loop: agentctl kills {agentctl_kills:?}");
     println!(
         "crash loop: {rounds} backends, {kills} SIGKILLs in {:.1} s ({in_recovery} during recovery, {before_recovery} before it began), lifetimes {:.1}-{:.1} s",
         started.elapsed().as_secs_f64(),

@@ -45,6 +45,11 @@ async fn sessions_before_crash(w: &World, messages: usize) -> Vec<Session> {
 /// Clean start after the crash, then the checks against the world; returns
 /// how many sessions answered a new prompt at the right turn.
 async fn restart_and_check(w: &World) -> usize {
+    restart_and_count(w).await.0
+}
+
+/// [`restart_and_check`], also returning how many turns ended interrupted.
+async fn restart_and_count(w: &World) -> (usize, usize) {
     let mgr = w.manager().await;
     let summary = mgr.recover_all().await.unwrap();
     eprintln!("clean start: {:?}", summary.counts);
@@ -52,12 +57,15 @@ async fn restart_and_check(w: &World) -> usize {
         assert_ne!(s.state, SessionState::Starting, "left STARTING: {s:?}");
     }
     w.settle(Duration::from_secs(30)).await;
-    let line = w.assert_converged(&mgr).await;
+    let converged = w.converged(&mgr).await;
     let prompted = w.prompt_all(&mgr).await;
     w.assert_converged(&mgr).await;
-    eprintln!("converged: {line}; {prompted} conversations continued");
+    eprintln!(
+        "converged: {}; {prompted} conversations continued",
+        converged.line
+    );
     w.cleanup(&mgr).await;
-    prompted
+    (prompted, converged.interrupted)
 }
 
 /// A crash inside `create_session`, one child per runtime.
@@ -196,18 +204,19 @@ async fn recovery_after_ready_after_reattach() {
 /// stopped) while it is down. After the restart the message is delivered
 /// and answered exactly once: the reattached agentctl, or the relaunched one
 /// with the conversation loaded, gets the Prompt with the same turn id.
-async fn crash_between_commit_and_prompt(kill_executors: bool) {
+async fn crash_between_commit_and_prompt(kill_executors: bool, rt: Rt) {
     let w = World::new().await;
     let mut plans = Vec::new();
     for rt in w.runtimes() {
         plans.push(w.plan(name(rt), rt).await);
     }
-    // Each session gets two messages in turn: the second hit is the first
-    // session's second message.
+    // Each session gets two messages in turn, in the order of
+    // `runtimes()`: hit 2k+2 is the second message of session k.
+    let k = w.runtimes().iter().position(|r| *r == rt).unwrap();
     let mut c = w.spawn_child(
         "send",
         Mode::Create { plans, messages: 2 },
-        Some("prompt-after-commit=kill@2"),
+        Some(&format!("prompt-after-commit=kill@{}", 2 * k + 2)),
     );
     let status = c.wait_exit(Duration::from_secs(120)).await;
     c.assert_killed_by_failpoint(status, "prompt-after-commit");
@@ -223,6 +232,7 @@ async fn crash_between_commit_and_prompt(kill_executors: bool) {
         "one message was stored, not sent: {sessions:?}"
     );
     let p = pending[0];
+    assert_eq!(p.runtime, rt.runtime(), "{p:?}");
     let msgs = w.store.list_messages(p.id, 0, 1000).await.unwrap();
     assert_eq!(msgs.len(), 3, "message 1, its reply, message 2: {msgs:?}");
     assert_eq!(w.transcript(p).len(), 1, "the agent never got message 2");
@@ -231,22 +241,37 @@ async fn crash_between_commit_and_prompt(kill_executors: bool) {
             w.kill_executor(s).await;
         }
     }
-    let prompted = restart_and_check(&w).await;
+    let (prompted, interrupted) = restart_and_count(&w).await;
     assert_eq!(
         prompted,
         sessions.len(),
         "every conversation continues after the clean start"
     );
+    // The Prompt provably never reached agentctl (its journal does not
+    // know the turn; on a remote host, the agentctl known alive before it
+    // still answers): delivered, not interrupted.
+    assert_eq!(
+        interrupted, 0,
+        "a turn that never reached agentctl was interrupted"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_after_commit() {
-    crash_between_commit_and_prompt(false).await;
+    crash_between_commit_and_prompt(false, Rt::Standalone).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_after_commit_executors_killed() {
-    crash_between_commit_and_prompt(true).await;
+    crash_between_commit_and_prompt(true, Rt::Standalone).await;
+}
+
+/// The pending turn is the remote session's, whose agentctl created its
+/// journal at its start (fresh) and still runs: that journal alone proves
+/// the turn never reached it, so it is delivered once, not interrupted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_after_commit_remote() {
+    crash_between_commit_and_prompt(false, Rt::Remote).await;
 }
 
 /// The agent opened the conversation (agentctl holds its id), the backend

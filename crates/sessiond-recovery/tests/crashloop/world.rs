@@ -32,6 +32,12 @@ pub const CHILD_ENV: &str = "SESSIOND_CRASHLOOP_CHILD";
 /// Metadata key naming a planned session, so a restarted backend knows it.
 pub const NAME_KEY: &str = "crashloop.name";
 pub const IMAGE: &str = "sessiond-agentctl:dev";
+/// The demo agent's side-effect file, relative to each worktree.
+pub const SIDE_EFFECT_FILE: &str = "side-effects.txt";
+/// What the demo agent's extra chunks add to every reply.
+pub const REPLY_TAIL: &str = " [1] [2] [3]";
+/// How an interrupted turn's partial reply is marked (pump's INTERRUPTED_NOTE).
+const INTERRUPTED_MARK: &str = "[sessiond: this reply was interrupted";
 
 pub use crate::common::{bin, children_of, is_running, kill9};
 
@@ -163,6 +169,9 @@ pub async fn docker_from_env(dir: &Path) -> Option<(String, DockerExecutor)> {
 pub struct RemoteHost {
     pub spec: RemoteSpec,
     pub child: std::process::Child,
+    /// What a restart needs: the same port, workspace and journal.
+    port: u16,
+    workspace: PathBuf,
 }
 
 pub struct World {
@@ -291,17 +300,49 @@ impl World {
             .local_addr()
             .unwrap()
             .port();
+        let spec = RemoteSpec {
+            executor_id: id.to_string(),
+            url: format!("http://127.0.0.1:{port}"),
+            secret,
+        };
+        let child = self.spawn_remote(&spec, port, workspace).await;
+        self.remotes.lock().unwrap().push(RemoteHost {
+            spec: spec.clone(),
+            child,
+            port,
+            workspace: workspace.to_owned(),
+        });
+        spec
+    }
+
+    /// Starts the host's agentctl for `spec` and waits for its port file.
+    async fn spawn_remote(
+        &self,
+        spec: &RemoteSpec,
+        port: u16,
+        workspace: &Path,
+    ) -> std::process::Child {
+        let id = &spec.executor_id;
         let port_file = self.path(&format!("remote-{id}.port"));
-        let log = std::fs::File::create(self.path(&format!("remote-{id}.log"))).unwrap();
+        let _ = std::fs::remove_file(&port_file);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.path(&format!("remote-{id}.log")))
+            .unwrap();
         let child = Command::new(bin("agentctl"))
-            .args(["--executor-id", &id.to_string()])
+            .args(["--executor-id", id])
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .arg("--workspace")
             .arg(workspace)
             .arg("--port-file")
             .arg(&port_file)
             .args(["--idle-timeout", "300s"])
-            .env("AGENTCTL_SECRET", &secret)
+            // The host operator's journal, as DESIGN §9 expects of every
+            // agentctl: a restarted remote agentctl answers from it.
+            .arg("--journal")
+            .arg(self.path(&format!("remote-{id}.journal")))
+            .env("AGENTCTL_SECRET", &spec.secret)
             .env("AGENTCTL_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
@@ -316,16 +357,34 @@ impl World {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let spec = RemoteSpec {
-            executor_id: id.to_string(),
-            url: format!("http://127.0.0.1:{port}"),
-            secret,
+        child
+    }
+
+    /// The remote host of executor `executor_id` restarts its agentctl:
+    /// SIGKILL (its agent dies with it; the new one ends the old tree),
+    /// then the same command on the same port and journal.
+    pub async fn restart_remote(&self, executor_id: &str) -> bool {
+        let found = {
+            let mut remotes = self.remotes.lock().unwrap();
+            let Some(r) = remotes
+                .iter_mut()
+                .find(|r| r.spec.executor_id == executor_id)
+            else {
+                return false;
+            };
+            kill9(r.child.id());
+            let _ = r.child.wait();
+            (r.spec.clone(), r.port, r.workspace.clone())
         };
-        self.remotes.lock().unwrap().push(RemoteHost {
-            spec: spec.clone(),
-            child,
-        });
-        spec
+        let child = self.spawn_remote(&found.0, found.1, &found.2).await;
+        let mut remotes = self.remotes.lock().unwrap();
+        if let Some(r) = remotes
+            .iter_mut()
+            .find(|r| r.spec.executor_id == executor_id)
+        {
+            r.child = child;
+        }
+        true
     }
 
     pub fn spec(&self, mode: Mode) -> ChildSpec {
@@ -422,6 +481,27 @@ impl World {
                     .unwrap();
             }
             Runtime::Remote => {}
+        }
+    }
+
+    /// Kills the agentctl of session `s` as a crash would: a standalone
+    /// one by its recorded pid (identity checked; its agent dies with it),
+    /// a remote one restarted by its host (same port and journal). Docker
+    /// executors are left alone. Returns whether one was killed.
+    pub async fn kill_agentctl(&self, s: &Session) -> bool {
+        let Some(r) = self.record(s.id).await else {
+            return false;
+        };
+        match r.runtime {
+            Runtime::LocalStandalone => match (r.pid, r.pid_start_time) {
+                (Some(pid), Some(st)) if process::is_same_running(pid, st) => {
+                    kill9(pid);
+                    true
+                }
+                _ => false,
+            },
+            Runtime::Remote => self.restart_remote(&r.id.to_string()).await,
+            Runtime::LocalDocker => false,
         }
     }
 
@@ -613,12 +693,19 @@ impl World {
     /// every reply is stored before the next user message. Returns a
     /// one-line summary.
     pub async fn assert_converged(&self, mgr: &SessionManager) -> String {
+        self.converged(mgr).await.line
+    }
+
+    /// [`World::assert_converged`], with the counts.
+    pub async fn converged(&self, mgr: &SessionManager) -> Converged {
         let mut failures = Vec::new();
         let mut states: BTreeMap<String, usize> = BTreeMap::new();
         let mut undelivered = 0usize;
         let mut interrupted = 0usize;
         let mut out_of_order = 0usize;
         let mut turns_total = 0usize;
+        let mut side_effects = 0usize;
+        let mut lost_ends = 0usize;
         let remote_ids: HashSet<String> = self
             .remotes
             .lock()
@@ -771,8 +858,43 @@ impl World {
                     failures.push(format!("{who}: the agent got prompt {p:?} twice"));
                 }
             }
+            // Side effects: the agent's tool call ran at most once per
+            // prompt, and exactly once for every turn it finished.
+            let side = std::fs::read_to_string(Path::new(&s.worktree.path).join(SIDE_EFFECT_FILE))
+                .unwrap_or_default();
+            let mut runs: HashMap<&str, usize> = HashMap::new();
+            for line in side.lines() {
+                *runs.entry(line).or_default() += 1;
+            }
+            side_effects += side.lines().count();
+            for (p, n) in &runs {
+                if *n > 1 {
+                    failures.push(format!("{who}: the tool call of {p:?} ran {n} times"));
+                }
+            }
+            for (p, _) in &turns {
+                if runs.get(p.as_str()).copied().unwrap_or(0) != 1 {
+                    failures.push(format!(
+                        "{who}: the agent finished {p:?} but its tool call ran {} times",
+                        runs.get(p.as_str()).copied().unwrap_or(0)
+                    ));
+                }
+            }
+            // The turn of user message `seq` ended interrupted: a system
+            // message says so before the next user message.
+            let interrupted_after = |seq: i64| {
+                msgs.iter()
+                    .skip_while(|m| m.seq <= seq)
+                    .take_while(|m| m.role != MessageRole::User)
+                    .any(|m| {
+                        m.role == MessageRole::System
+                            && m.content.starts_with("the turn was interrupted")
+                    })
+            };
             // Every turn of the agent is stored once: its prompt as one user
-            // message, its reply as one complete agent message after it.
+            // message, its reply as one complete agent message after it (or,
+            // when the reply died with agentctl's buffer, the turn says it
+            // was interrupted).
             let mut delivered = HashSet::new();
             let mut answers = HashSet::new();
             for (p, expected) in &turns {
@@ -786,6 +908,33 @@ impl World {
                     continue;
                 };
                 delivered.insert(u.seq);
+                let whole = msgs
+                    .iter()
+                    .any(|m| m.role == MessageRole::Agent && m.content == *expected);
+                if !whole && interrupted_after(u.seq) {
+                    // Interrupted after the agent finished (its end lost
+                    // with a killed agentctl): told, not re-run. A partial
+                    // reply kept for it must be the start of the agent's.
+                    for m in msgs
+                        .iter()
+                        .skip_while(|m| m.seq <= u.seq)
+                        .take_while(|m| m.role != MessageRole::User)
+                        .filter(|m| {
+                            m.role == MessageRole::Agent && m.content.contains(INTERRUPTED_MARK)
+                        })
+                    {
+                        let kept = m.content.split("\n\n[sessiond:").next().unwrap_or("");
+                        if !expected.starts_with(kept) {
+                            failures.push(format!(
+                                "{who}: partial reply {:?} is not the start of the agent's {expected:?}",
+                                m.content
+                            ));
+                        }
+                    }
+                    lost_ends += 1;
+                    interrupted += 1;
+                    continue;
+                }
                 let replies: Vec<_> = msgs
                     .iter()
                     .filter(|m| m.role == MessageRole::Agent && m.content == *expected)
@@ -836,6 +985,9 @@ impl World {
                             m.content, m.seq
                         ));
                     }
+                    // A partial reply of an interrupted turn, marked so.
+                    MessageRole::Agent
+                        if !answers.contains(&m.seq) && m.content.contains(INTERRUPTED_MARK) => {}
                     MessageRole::Agent if !answers.contains(&m.seq) => failures.push(format!(
                         "{who}: agent message seq {} (complete: {}) is no turn of the agent: {:?}",
                         m.seq, m.complete, m.content
@@ -849,9 +1001,12 @@ impl World {
             "the world did not converge:\n  {}",
             failures.join("\n  ")
         );
-        format!(
-            "states {states:?}, {turns_total} agent turns matched, {undelivered} stored user messages never reached the agent, {interrupted} ended interrupted (not re-sent), {out_of_order} replies stored after a later user message"
-        )
+        Converged {
+            line: format!(
+                "states {states:?}, {turns_total} agent turns matched, {side_effects} tool-call side effects (none repeated), {undelivered} stored user messages never reached the agent, {interrupted} ended interrupted (not re-sent; {lost_ends} of them after the agent finished, the end lost with its agentctl), {out_of_order} replies stored after a later user message"
+            ),
+            interrupted,
+        }
     }
 
     /// Every session whose agent runs answers one more prompt, numbered after
@@ -876,7 +1031,7 @@ impl World {
             assert_eq!(
                 last.content,
                 format!(
-                    "turn {} of session {token}: you said \"{text}\"",
+                    "turn {} of session {token}: you said \"{text}\"{REPLY_TAIL}",
                     before + 1
                 ),
                 "session {} ({})",
@@ -954,7 +1109,14 @@ async fn profile(store: &Store, name: &str, command: String, state_dir: String) 
             name: name.into(),
             command,
             args: vec!["--state-dir".into(), state_dir],
-            env: BTreeMap::new(),
+            // Every turn first makes a tool call with a side effect (one
+            // line in the worktree, counted by the checks), then replies in
+            // slow chunks, so kills land inside turns.
+            env: BTreeMap::from([
+                ("ACP_DEMO_SIDE_EFFECT_FILE".into(), SIDE_EFFECT_FILE.into()),
+                ("ACP_DEMO_EXTRA_CHUNKS".into(), "3".into()),
+                ("ACP_DEMO_CHUNK_DELAY_MS".into(), "30".into()),
+            ]),
             supports_session_resume: true,
             container: None,
             created_at: now,
@@ -1106,6 +1268,13 @@ impl ChildBackend {
 }
 
 /// (pid, command line with spaces) of every process.
+/// What [`World::converged`] found.
+pub struct Converged {
+    pub line: String,
+    /// User messages whose turn ended interrupted (not re-sent).
+    pub interrupted: usize,
+}
+
 pub fn proc_cmdlines() -> Vec<(u32, String)> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {

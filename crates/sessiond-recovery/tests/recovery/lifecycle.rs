@@ -141,10 +141,34 @@ async fn agent_exit_mid_turn_is_error() {
         st.needs_resume,
         "an exited agent with a token can be resumed"
     );
-    // The partial reply is one complete message.
+    // The partial reply is one message, kept as streamed and marked
+    // interrupted (never passed off as whole); a system message says the
+    // turn was interrupted, so nothing ends silently, and it can be retried
+    // once the session is resumed.
     let msgs = w.messages(s.id).await;
-    assert_eq!(msgs.len(), 2);
+    assert_eq!(msgs.len(), 3, "{msgs:?}");
     assert!(msgs[1].complete);
+    assert!(
+        msgs[1].content.starts_with("turn 1 ") && msgs[1].content.contains("interrupted"),
+        "{:?}",
+        msgs[1]
+    );
+    assert_eq!(msgs[2].role, sessiond_domain::MessageRole::System);
+    assert!(
+        msgs[2].content.starts_with("the turn was interrupted"),
+        "{:?}",
+        msgs[2]
+    );
+    assert!(msgs[2].content.contains("exit"), "{:?}", msgs[2]);
+    assert_eq!(
+        w.store
+            .get_session(s.id)
+            .await
+            .unwrap()
+            .metadata
+            .get("interrupted_turn"),
+        Some(&msgs[0].id.to_string())
+    );
     assert_consecutive(&w.events(s.id).await, 1);
     w.finish(&mgr, &[s.id]).await;
 }

@@ -22,3 +22,4 @@ mod pending;
 mod remote;
 mod restart;
 mod resume;
+mod turn_crash;

@@ -17,13 +17,13 @@ use sessiond_domain::{
     EventPayload, Message, MessageId, MessageRole, OutcomeLabel, ResumePolicy, Session,
     SessionState,
 };
-use sessiond_recovery::SessionManager;
+use sessiond_recovery::{Error, ErrorKind, SessionManager};
 use sessiond_store::Changeset;
 
 use crate::support::{Db, World, expected_reply, kill_tree};
 
 /// The agent's transcript of `s`: (prompt, reply) per turn.
-fn transcript(w: &World, s: &Session) -> Vec<(String, String)> {
+pub(crate) fn transcript(w: &World, s: &Session) -> Vec<(String, String)> {
     let token = s.resume_token.clone().unwrap();
     let path = w.path("agent-state").join(format!("{token}.json"));
     let Ok(text) = std::fs::read_to_string(path) else {
@@ -57,7 +57,7 @@ async fn wait_transcript(w: &World, s: &Session, turns: usize) {
 
 /// What `send_message` commits before its Prompt: the user message and the
 /// session RUNNING that turn. Returns the message.
-async fn commit_user_message(w: &World, s: &Session, text: &str) -> Message {
+pub(crate) async fn commit_user_message(w: &World, s: &Session, text: &str) -> Message {
     let s = w.store.get_session(s.id).await.unwrap();
     assert_eq!(s.state, SessionState::WaitingForInput);
     let now = Utc::now();
@@ -397,6 +397,25 @@ async fn partial_reply_is_completed_not_asked_again() {
 async fn a_turn_handed_to_a_killed_agentctl_is_interrupted_not_run_again() {
     let w = World::new(Db::Sqlite).await;
     let side = w.path("side-effects.txt");
+    let (mgr, s, _) = interrupt_second_turn(&w, &side).await;
+    w.prompt(&mgr, s.id, "three").await;
+    assert_eq!(
+        std::fs::read_to_string(&side).unwrap().lines().count(),
+        3,
+        "the next message runs once"
+    );
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// A session (demo agent with a side-effect file) answers "one"; then
+/// sessiond dies right after its Prompt of "two" reached agentctl, the
+/// agent runs the turn, agentctl is killed while sessiond is down, and the
+/// restarted backend ends turn "two" interrupted. Returns the new manager,
+/// the session and the user message "two".
+async fn interrupt_second_turn(
+    w: &World,
+    side: &std::path::Path,
+) -> (SessionManager, Session, Message) {
     let side_s = side.to_string_lossy().into_owned();
     let profile = w
         .demo_profile("side", &[("ACP_DEMO_SIDE_EFFECT_FILE", side_s.as_str())])
@@ -404,9 +423,12 @@ async fn a_turn_handed_to_a_killed_agentctl_is_interrupted_not_run_again() {
     let mgr = w.manager();
     let s = w.create_with(&mgr, "a", &profile, None).await;
     w.prompt(&mgr, s.id, "one").await;
+    let err = mgr.retry_turn(w.task.id, s.id, None).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+    assert!(matches!(err, Error::TurnNotInterrupted { .. }), "{err}");
     mgr.shutdown();
     drop(mgr);
-    let m = commit_user_message(&w, &s, "two").await;
+    let m = commit_user_message(w, &s, "two").await;
     let record = w.record(s.id).await;
     let p = w
         .agentctl(&record)
@@ -420,7 +442,7 @@ async fn a_turn_handed_to_a_killed_agentctl_is_interrupted_not_run_again() {
         .expect("prompt")
         .into_inner();
     assert!(!p.already_accepted);
-    wait_transcript(&w, &s, 2).await;
+    wait_transcript(w, &s, 2).await;
     kill_tree(record.pid.unwrap()).await;
 
     let mgr = w.manager();
@@ -440,14 +462,77 @@ async fn a_turn_handed_to_a_killed_agentctl_is_interrupted_not_run_again() {
         )),
         "the interruption has its event"
     );
-    assert_eq!(transcript(&w, &s).len(), 2, "the prompt was not run again");
-    let lines = std::fs::read_to_string(&side).unwrap();
+    assert_eq!(transcript(w, &s).len(), 2, "the prompt was not run again");
+    let lines = std::fs::read_to_string(side).unwrap();
     assert_eq!(lines.lines().collect::<Vec<_>>(), ["one", "two"]);
-    w.prompt(&mgr, s.id, "three").await;
+    (mgr, s, m)
+}
+
+/// An interrupted turn runs again only when the user retries it: a new user
+/// message with the same content, answered once; the retry cannot be
+/// repeated, and only the interrupted turn (named or the last) qualifies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_turn_runs_again_only_when_retried() {
+    let w = World::new(Db::Sqlite).await;
+    let side = w.path("side-effects.txt");
+    let (mgr, s, two) = interrupt_second_turn(&w, &side).await;
+    let token = s.resume_token.clone().unwrap();
+    let msgs = w.messages(s.id).await;
+    let one = msgs.iter().find(|m| m.content == "one").unwrap().id;
+    let reply_one = msgs
+        .iter()
+        .find(|m| m.role == MessageRole::Agent)
+        .unwrap()
+        .id;
+
+    let not_it = mgr
+        .retry_turn(w.task.id, s.id, Some(one))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(not_it, Error::TurnNotInterrupted { .. }),
+        "{not_it}"
+    );
+    let agent = mgr
+        .retry_turn(w.task.id, s.id, Some(reply_one))
+        .await
+        .unwrap_err();
+    assert_eq!(agent.kind(), ErrorKind::InvalidArgument, "{agent}");
+    let unknown = mgr
+        .retry_turn(w.task.id, s.id, Some(MessageId::new()))
+        .await
+        .unwrap_err();
+    assert_eq!(unknown.kind(), ErrorKind::NotFound, "{unknown}");
     assert_eq!(
         std::fs::read_to_string(&side).unwrap().lines().count(),
-        3,
-        "the next message runs once"
+        2,
+        "refused retries ran nothing"
     );
+
+    let (retry, retried) = mgr.retry_turn(w.task.id, s.id, Some(two.id)).await.unwrap();
+    assert_eq!(retried, two.id);
+    assert_ne!(retry.id, two.id, "a new user message");
+    assert_eq!(
+        (retry.role, retry.content.as_str()),
+        (MessageRole::User, "two")
+    );
+    w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
+        .await;
+    let msgs = w.messages(s.id).await;
+    let last = msgs.last().unwrap();
+    assert_eq!(last.role, MessageRole::Agent, "{msgs:?}");
+    assert!(last.complete);
+    assert_eq!(last.content, expected_reply(3, &token, "two"));
+    assert_eq!(msgs[msgs.len() - 2].id, retry.id);
+    assert_eq!(transcript(&w, &s).len(), 3);
+    let lines = std::fs::read_to_string(&side).unwrap();
+    assert_eq!(lines.lines().collect::<Vec<_>>(), ["one", "two", "two"]);
+
+    // Once: neither the named turn nor "the last turn" can run again.
+    for m in [Some(two.id), None] {
+        let again = mgr.retry_turn(w.task.id, s.id, m).await.unwrap_err();
+        assert!(matches!(again, Error::TurnNotInterrupted { .. }), "{again}");
+    }
+    assert_eq!(std::fs::read_to_string(&side).unwrap().lines().count(), 3);
     w.finish(&mgr, &[s.id]).await;
 }

@@ -23,10 +23,24 @@ impl RemoteHost {
         secret: &str,
         port: u16,
     ) -> Self {
+        Self::start_with(w, workspace, id, secret, port, None, &[]).await
+    }
+
+    /// As [`RemoteHost::start`], with a turn journal (the host operator's
+    /// `--journal`, kept across restarts) and extra environment.
+    pub async fn start_with(
+        w: &World,
+        workspace: &Path,
+        id: ExecutorId,
+        secret: &str,
+        port: u16,
+        journal: Option<&Path>,
+        env: &[(&str, &str)],
+    ) -> Self {
         let port_file = w.path(&format!("remote-{port}.port"));
         let _ = std::fs::remove_file(&port_file);
-        let child = Command::new(bin("agentctl"))
-            .args(["--executor-id", &id.to_string()])
+        let mut cmd = Command::new(bin("agentctl"));
+        cmd.args(["--executor-id", &id.to_string()])
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .arg("--workspace")
             .arg(workspace)
@@ -35,10 +49,13 @@ impl RemoteHost {
             .args(["--idle-timeout", "300s"])
             .env("AGENTCTL_SECRET", secret)
             .env("AGENTCTL_LOG", "warn")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
+            .stdout(Stdio::null());
+        if let Some(j) = journal {
+            cmd.arg("--journal").arg(j);
+        }
+        let child = cmd.spawn().unwrap();
         w.procs
             .add(child.id(), process::start_time(child.id()).unwrap());
         let deadline = Instant::now() + Duration::from_secs(10);

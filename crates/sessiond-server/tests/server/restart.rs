@@ -273,3 +273,178 @@ async fn docker_engine_down_at_start_does_not_stop_the_backend() {
             .contains("turn 2")
     );
 }
+
+/// The reason a status carries in `sessiond-error`.
+fn reason(status: &tonic::Status) -> &str {
+    status
+        .metadata()
+        .get("sessiond-error")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+}
+
+/// `sessionctl` against `server`: (success, stdout, stderr).
+fn sessionctl(server: &Server, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(bin("sessionctl"))
+        .args(["--addr", &format!("http://{}", server.addr)])
+        .args(["--token", TOKEN])
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A turn whose agent ran its tool call when sessiond and agentctl were
+/// both killed ends interrupted after the restart (at most once: the
+/// relaunched agentctl's journal says an earlier process handed it to the
+/// agent). RetryTurn — over gRPC and `sessionctl retry` — runs it again only
+/// when asked, once, with precise codes for every refusal.
+#[tokio::test]
+async fn an_interrupted_turn_is_retried_only_on_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let side = dir.path().join("side-effects.txt");
+    let gate = dir.path().join("gate");
+    let config = dir.path().join("sessiond.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[agents]]\nname = \"side\"\ncommand = \"{}\"\n\
+             env = {{ ACP_DEMO_STATE_DIR = \"{}\", ACP_DEMO_SIDE_EFFECT_FILE = \"{}\", \
+             ACP_DEMO_GATE_FILE = \"{}\" }}\n",
+            bin("acp-demo-agent").display(),
+            dir.path().join("demo-state").display(),
+            side.display(),
+            gate.display(),
+        ),
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    let lines = || {
+        std::fs::read_to_string(&side)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    let mut server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "retry").await;
+    let s = create_session(&mut c, &task.id, &work, "side").await;
+    assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
+    prompt(&mut c, &task.id, &s.id, "one").await;
+    let retry = |message_id: &str| pb::RetryTurnRequest {
+        task_id: task.id.clone(),
+        session_id: s.id.clone(),
+        message_id: message_id.into(),
+    };
+
+    // Nothing was interrupted: nothing to retry.
+    let err = c.retry_turn(retry("")).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert_eq!(reason(&err), "turn_not_interrupted", "{err:?}");
+    let (ok, _, stderr) = sessionctl(&server, &["retry", "--task", &task.id, &s.id]);
+    assert!(!ok && stderr.contains("no interrupted turn"), "{stderr}");
+
+    // Turn two: the agent runs its tool call, then holds at the gate.
+    std::fs::write(&gate, "").unwrap();
+    let two = c
+        .send_message(pb::SendMessageRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            content: "two".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while lines().len() < 2 {
+        assert!(std::time::Instant::now() < deadline, "no tool call");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let err = c.retry_turn(retry(&two.id)).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert_eq!(reason(&err), "invalid_state", "a turn is running: {err:?}");
+
+    // sessiond and agentctl (with its agent) die; the gate opens.
+    server.kill();
+    let pids = agentctl_pids(&data);
+    assert_eq!(pids.len(), 1);
+    for pid in pids {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    std::fs::remove_file(&gate).unwrap();
+
+    let server = start(&data, &["--config", &config]);
+    wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let note = loop {
+        let msgs = c
+            .list_messages(pb::ListMessagesRequest {
+                task_id: task.id.clone(),
+                session_id: s.id.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .messages;
+        let st = status(&mut c, &task.id, &s.id).await;
+        let last = msgs.last().unwrap().clone();
+        if st.state == pb::SessionState::WaitingForInput as i32
+            && last.role == pb::MessageRole::System as i32
+        {
+            break last;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "turn two never ended interrupted: {st:?} {msgs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(note.content.contains("interrupted"), "{note:?}");
+    assert_eq!(lines(), ["one", "two"], "not run again by itself");
+
+    let err = c.retry_turn(retry("not-an-id")).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    let err = c
+        .retry_turn(retry("0190b8c4-7d2a-7c3e-9f00-1a2b3c4d5e6f"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+    assert_eq!(lines(), ["one", "two"], "refusals ran nothing");
+
+    // The user retries it with sessionctl: it runs once more.
+    let (ok, stdout, stderr) = sessionctl(
+        &server,
+        &["retry", "--task", &task.id, &s.id, "--message-id", &two.id],
+    );
+    assert!(ok, "sessionctl retry failed: {stderr}\n{stdout}");
+    // The killed agent never finished turn two (its transcript has one
+    // turn): the retry is its second.
+    assert!(
+        stdout.contains("turn 2 of session") && stdout.contains("you said \"two\""),
+        "{stdout}"
+    );
+    assert_eq!(lines(), ["one", "two", "two"]);
+
+    // Once only.
+    let err = c.retry_turn(retry(&two.id)).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert_eq!(reason(&err), "turn_not_interrupted", "{err:?}");
+    let err = c.retry_turn(retry("")).await.unwrap_err();
+    assert_eq!(reason(&err), "turn_not_interrupted", "{err:?}");
+    assert_eq!(lines(), ["one", "two", "two"]);
+}
