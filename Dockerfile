@@ -1,7 +1,8 @@
 # The agentctl executor image, for users with a registry: agentctl, the demo
-# ACP agent, git and a shell. `sessiond`'s Docker executor runs it with
-# `network_mode: host`, the worktree at /workspace and its run directory at
-# /run/sessiond. Without a registry, `cargo xtask docker-image` builds the same
+# ACP agent, git and a shell. `sessiond`'s Docker executor runs it as a
+# non-root user with no capabilities, a read-only root filesystem and (by
+# default) no network, the worktree at /workspace and its run directory at
+# /run/sessiond, where agentctl listens on a Unix socket. Without a registry, `cargo xtask docker-image` builds the same
 # image (`sessiond-agentctl:dev`) offline with `docker import`.
 #
 #   docker build -t sessiond-agentctl:dev .

@@ -10,8 +10,9 @@
 //!   (installing `docker.io` when missing), with an image built offline.
 //!   Its last line is `N passed, N failed` over every test it ran.
 //! - `docker-image`: builds the `sessiond-agentctl:dev` image with no registry.
-//! - `docker-tests`: only the Docker tests (executor driver, and recovery on
-//!   the Docker runtime), with an engine as in `ci`. `ci` runs the same tests
+//! - `docker-tests`: only the Docker tests (executor driver with the
+//!   container boundary probe, recovery on the Docker runtime, sessionctl's
+//!   Docker session), with an engine as in `ci`. `ci` runs the same tests
 //!   within its one test run, which has `DOCKER_HOST` set.
 //! - `bench`: the performance figures (see `bench.rs`); writes docs/PERFORMANCE.md.
 
@@ -378,6 +379,15 @@ fn docker_tests() -> anyhow::Result<()> {
             "agentctl",
             "-p",
             "acp-demo-agent",
+            // `boundary-probe`, run inside a container by the boundary test.
+            "-p",
+            "sessiond-testkit",
+            // sessiond and sessionctl for the CLI's Docker session test.
+            "-p",
+            "sessiond-server",
+            "-p",
+            "sessiond-cli",
+            "--bins",
             "--locked",
         ]),
     )?;
@@ -409,6 +419,18 @@ fn docker_tests() -> anyhow::Result<()> {
     test.env("SESSIOND_DOCKER_TESTS", "1")
         .env("DOCKER_HOST", engine.host());
     step("recovery docker tests", test)?;
+    // `sessionctl session create --runtime local_docker` with the default profile.
+    let mut test = cargo(&[
+        "test",
+        "-p",
+        "sessiond-cli",
+        "--locked",
+        "--test",
+        "quickstart",
+    ]);
+    test.args(["--", "docker", "--include-ignored"]);
+    test.env("DOCKER_HOST", engine.host());
+    step("sessionctl docker test", test)?;
     engine.stop()
 }
 

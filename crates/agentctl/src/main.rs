@@ -1,6 +1,7 @@
 //! The `agentctl` binary: configuration, listener, signals, idle exit.
 
 use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,12 +16,13 @@ use agentctl::workspace::Workspace;
 use anyhow::{Context, bail};
 use clap::Parser;
 use tokio::sync::watch;
-use tokio_stream::wrappers::TcpListenerStream;
+use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 
 /// The sidecar next to one agent: gRPC server, ACP client, workspace access.
 ///
-/// The secret comes from the AGENTCTL_SECRET environment variable or from
-/// --secret-file; every call must carry `authorization: Bearer <secret>`.
+/// The secret comes from --secret-file (removed after reading with
+/// --remove-secret-file) or from the AGENTCTL_SECRET environment variable;
+/// every call must carry `authorization: Bearer <secret>`.
 #[derive(Debug, Parser)]
 #[command(name = "agentctl", version)]
 struct Cli {
@@ -30,15 +32,21 @@ struct Cli {
     /// Workspace root; every file, exec and git call is confined to it.
     #[arg(long)]
     workspace: PathBuf,
-    /// Address to listen on; port 0 picks a free port.
-    #[arg(long, default_value = "127.0.0.1:0")]
-    listen: SocketAddr,
-    /// File to write the bound port to (atomically, via rename).
+    /// Where to listen: `unix:<path>` for a Unix-domain socket (local
+    /// executors: no network needed, socket mode 0600), or `host:port` for
+    /// TCP (remote executors; port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:0", value_parser = parse_listen)]
+    listen: Listen,
+    /// File to write the bound TCP port to (atomically, via rename).
     #[arg(long)]
     port_file: Option<PathBuf>,
     /// File holding the secret (instead of AGENTCTL_SECRET).
     #[arg(long)]
     secret_file: Option<PathBuf>,
+    /// Unlink --secret-file once it is read, so the agent (same user) cannot
+    /// read it later.
+    #[arg(long, requires = "secret_file")]
+    remove_secret_file: bool,
     /// Exit after this long without an authenticated call (and no open update
     /// stream), e.g. `90s`, `15m`, `500ms`; `0` never exits.
     #[arg(long, default_value = "30m", value_parser = parse_duration)]
@@ -94,6 +102,25 @@ fn parse_endpoint(s: &str) -> Result<Option<String>, String> {
     }
 }
 
+/// Where agentctl listens.
+#[derive(Debug, Clone)]
+enum Listen {
+    Tcp(SocketAddr),
+    Unix(PathBuf),
+}
+
+fn parse_listen(s: &str) -> Result<Listen, String> {
+    if let Some(path) = s.strip_prefix("unix:") {
+        if path.is_empty() {
+            return Err("unix: needs a socket path, e.g. unix:/run/sessiond/agentctl.sock".into());
+        }
+        return Ok(Listen::Unix(PathBuf::from(path)));
+    }
+    s.parse::<SocketAddr>().map(Listen::Tcp).map_err(|e| {
+        format!("invalid listen address {s:?}: {e} (expected host:port or unix:<path>)")
+    })
+}
+
 fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let (num, unit) = s
@@ -118,7 +145,29 @@ fn load_secret(cli: &Cli) -> anyhow::Result<Secret> {
         None => std::env::var("AGENTCTL_SECRET")
             .context("no secret: set AGENTCTL_SECRET or pass --secret-file")?,
     };
+    if let (true, Some(path)) = (cli.remove_secret_file, &cli.secret_file) {
+        std::fs::remove_file(path)
+            .with_context(|| format!("removing secret file {}", path.display()))?;
+    }
     Secret::new(&raw).context("the secret is empty")
+}
+
+/// Binds a Unix socket at `path` that only this user (and root) may connect
+/// to. A socket file left by an earlier agentctl of this run directory is
+/// replaced; anything else at that path is an error.
+fn bind_unix(path: &std::path::Path) -> anyhow::Result<tokio::net::UnixListener> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path)
+            .with_context(|| format!("removing stale socket {}", path.display()))?,
+        Ok(_) => bail!("{} exists and is not a socket", path.display()),
+        Err(_) => {}
+    }
+    let listener = tokio::net::UnixListener::bind(path)
+        .with_context(|| format!("binding unix socket {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("restricting {}", path.display()))?;
+    Ok(listener)
 }
 
 fn write_port_file(path: &std::path::Path, port: u16) -> anyhow::Result<()> {
@@ -147,6 +196,20 @@ fn write_port_file(path: &std::path::Path, port: u16) -> anyhow::Result<()> {
     Ok(())
 }
 
+enum Incoming {
+    Tcp(TcpListenerStream),
+    Unix(UnixListenerStream),
+}
+
+/// The one line on stdout, for whoever started us; a closed stdout is not an
+/// error (the port file or the socket says the same).
+fn announce(addr: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "agentctl listening on {addr}");
+    let _ = out.flush();
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -165,6 +228,8 @@ async fn main() -> anyhow::Result<()> {
         sample_ratio: cli.trace_sample_ratio,
     })?;
     let secret = load_secret(&cli)?;
+    // Before any agent runs: the secret must not be readable through /proc.
+    agentctl::sys::forbid_inspection().context("PR_SET_DUMPABLE")?;
     if cli.executor_id.is_empty() {
         bail!("--executor-id must not be empty");
     }
@@ -215,23 +280,26 @@ async fn main() -> anyhow::Result<()> {
         shutdown_rx.clone(),
     );
 
-    let listener = tokio::net::TcpListener::bind(cli.listen)
-        .await
-        .with_context(|| format!("binding {}", cli.listen))?;
-    let addr = listener.local_addr()?;
-    if let Some(path) = &cli.port_file {
-        write_port_file(path, addr.port())?;
-    }
-    {
-        // The one line on stdout, for whoever started us; a closed stdout is
-        // not an error (the port file says the same).
-        use std::io::Write;
-        let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "agentctl listening on {addr}");
-        let _ = out.flush();
-    }
+    let incoming = match &cli.listen {
+        Listen::Tcp(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding {addr}"))?;
+            let addr = listener.local_addr()?;
+            if let Some(path) = &cli.port_file {
+                write_port_file(path, addr.port())?;
+            }
+            announce(&addr.to_string());
+            Incoming::Tcp(TcpListenerStream::new(listener))
+        }
+        Listen::Unix(path) => {
+            let listener = bind_unix(path)?;
+            announce(&format!("unix:{}", path.display()));
+            Incoming::Unix(UnixListenerStream::new(listener))
+        }
+    };
     tracing::info!(
-        %addr,
+        listen = ?cli.listen,
         executor_id = %cli.executor_id,
         workspace = %workspace.root().display(),
         idle_timeout = ?cli.idle_timeout,
@@ -277,12 +345,17 @@ async fn main() -> anyhow::Result<()> {
     };
 
     let auth = Authenticator::new(secret, activity);
-    let server = tonic::transport::Server::builder()
+    let router = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
         .layer(sessiond_telemetry::GrpcTraceLayer)
-        .add_service(agentctl::service::server(service, auth))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown);
+        .add_service(agentctl::service::server(service, auth));
+    let server = async move {
+        match incoming {
+            Incoming::Tcp(s) => router.serve_with_incoming_shutdown(s, shutdown).await,
+            Incoming::Unix(s) => router.serve_with_incoming_shutdown(s, shutdown).await,
+        }
+    };
     let drain_deadline = async {
         if stopped_rx.await.is_ok() {
             tokio::time::sleep(Duration::from_secs(5)).await;

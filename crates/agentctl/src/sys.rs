@@ -85,6 +85,23 @@ pub fn kill_on_parent_death(cmd: &mut tokio::process::Command) {
     }
 }
 
+/// Marks agentctl non-dumpable (`PR_SET_DUMPABLE` 0): its `/proc/<pid>`
+/// files (`environ`, `mem`, `fd`, ...) become root's and `ptrace` is refused
+/// to processes without `CAP_SYS_PTRACE`, so the agent and the commands it
+/// runs — the same user, and in a container with no capabilities — cannot
+/// read the secret out of agentctl's environment or memory. The agent gets
+/// the ordinary flag back when it execs its own program.
+pub fn forbid_inspection() -> io::Result<()> {
+    // SAFETY: prctl with PR_SET_DUMPABLE takes integers only and changes a
+    // flag of this process; no memory is passed.
+    let rc = unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong, 0, 0, 0) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// Runs the child `cmd` spawns as the leader of a new session (and process
 /// group), so its whole tree can be told apart from agentctl's: every
 /// descendant that does not call `setsid` itself keeps that session id.

@@ -23,6 +23,7 @@ pub async fn profile(store: &Store) -> anyhow::Result<AgentProfile> {
             args: Vec::new(),
             env: BTreeMap::new(),
             supports_session_resume: true,
+            container: None,
             created_at: now,
             updated_at: now,
         })

@@ -46,6 +46,7 @@ pub async fn create(
             ],
             env: BTreeMap::new(),
             supports_session_resume: true,
+            container: None,
             created_at: now,
             updated_at: now,
         })

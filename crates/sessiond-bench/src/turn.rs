@@ -90,6 +90,7 @@ pub async fn measure(
             ],
             env: BTreeMap::new(),
             supports_session_resume: true,
+            container: None,
             created_at: now,
             updated_at: now,
         })

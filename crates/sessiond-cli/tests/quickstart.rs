@@ -78,8 +78,14 @@ impl Env {
     /// `SESSIOND_API_TOKENS=$SESSIOND_TOKEN sessiond serve &`, until its
     /// listening line.
     fn serve(&self) -> Child {
+        self.serve_with(&[])
+    }
+
+    /// [`Env::serve`] with more environment (e.g. the Docker executor's).
+    fn serve_with(&self, extra: &[(&str, &str)]) -> Child {
         let mut cmd = Command::new("sessiond");
         self.apply(&mut cmd);
+        cmd.envs(extra.iter().copied());
         cmd.arg("serve")
             .env("SESSIOND_API_TOKENS", &self.token)
             .stdout(Stdio::piped());
@@ -282,4 +288,123 @@ fn watch_resumes_from_the_last_seq_after_the_server_restarts() {
     for pid in agentctls_under(env.home.path()) {
         let _ = Command::new("kill").args(["-KILL", &pid]).status();
     }
+}
+
+/// The Docker engine and image `cargo xtask ci` provides; a test that needs
+/// them fails naming what is missing.
+fn docker_env() -> (String, String) {
+    let host = std::env::var("DOCKER_HOST").unwrap_or_else(|_| {
+        panic!("DOCKER_HOST is not set: run `cargo xtask ci` or `cargo xtask docker-tests`")
+    });
+    let image =
+        std::env::var("SESSIOND_DOCKER_IMAGE").unwrap_or_else(|_| "sessiond-agentctl:dev".into());
+    (host, image)
+}
+
+/// `sessionctl session create --runtime local_docker` with the default
+/// (`demo`) profile: its container command starts in the default image,
+/// answers, and its conversation survives a container stop (resume loads it
+/// from the agent's HOME in the run directory). A profile that names only a
+/// host command fails at create, the error naming the profile, the image
+/// and the command.
+#[test]
+#[ignore = "needs Docker: run by cargo xtask ci"]
+fn docker_session_with_the_default_profile() {
+    let (host, image) = docker_env();
+    let mut env = Env::new();
+    let scratch = env.home.path().join("dk");
+    std::fs::create_dir_all(&scratch).unwrap();
+    // Containers run as the worktree's owner, never as root (the tests run
+    // as root).
+    std::os::unix::fs::chown(&scratch, Some(1000), Some(1000)).unwrap();
+    let config = env.home.path().join("sessiond.toml");
+    std::fs::write(
+        &config,
+        "[[agents]]\nname = \"host-only\"\ncommand = \"/opt/host-only/agent\"\n",
+    )
+    .unwrap();
+    let server = env.serve_with(&[
+        ("SESSIOND_CONFIG", config.to_str().unwrap()),
+        ("SESSIOND_DOCKER_ENABLED", "true"),
+        ("SESSIOND_DOCKER_HOST", &host),
+        ("SESSIOND_DOCKER_IMAGE", &image),
+    ]);
+    env.sessionctl(&["health", "--wait"], &scratch);
+    let task = env
+        .sessionctl(&["task", "create", "Docker", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    env.task = Some(task);
+
+    let session = env
+        .sessionctl(
+            &["session", "create", "--runtime", "local_docker", "-q"],
+            &scratch,
+        )
+        .trim()
+        .to_owned();
+    let status = env.sessionctl(&["session", "status", &session], &scratch);
+    assert!(status.contains("WAITING_FOR_INPUT"), "{status}");
+    let reply = env.sessionctl(&["send", &session, "hello"], &scratch);
+    assert!(
+        reply.contains("turn 1") && reply.contains("you said \"hello\""),
+        "{reply}"
+    );
+    // The server stops, the container too; the next server starts the
+    // container again and a new agent in it loads the conversation.
+    terminate(server);
+    let docker = |args: &[&str]| {
+        let out = Command::new("docker")
+            .args(args)
+            .env("DOCKER_HOST", &host)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "docker {args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    let label = format!("label=sessiond.session_id={session}");
+    let container = docker(&["ps", "-q", "--filter", &label]);
+    assert!(!container.is_empty(), "the session's container runs");
+    docker(&["stop", "-t", "1", &container]);
+    let server = env.serve_with(&[
+        ("SESSIOND_CONFIG", config.to_str().unwrap()),
+        ("SESSIOND_DOCKER_ENABLED", "true"),
+        ("SESSIOND_DOCKER_HOST", &host),
+        ("SESSIOND_DOCKER_IMAGE", &image),
+    ]);
+    env.sessionctl(&["health", "--wait"], &scratch);
+    let status = env.sessionctl(&["session", "status", &session], &scratch);
+    assert!(status.contains("WAITING_FOR_INPUT"), "{status}");
+    let reply = env.sessionctl(&["send", &session, "again"], &scratch);
+    assert!(reply.contains("turn 2"), "{reply}");
+
+    let failed = env
+        .sessionctl(
+            &[
+                "session",
+                "create",
+                "--runtime",
+                "local_docker",
+                "--agent",
+                "host-only",
+                "-q",
+            ],
+            &scratch,
+        )
+        .trim()
+        .to_owned();
+    let status = env.sessionctl(&["session", "status", &failed], &scratch);
+    assert!(status.contains("ERROR"), "{status}");
+    for part in [
+        "profile \"host-only\"",
+        &format!("image {image:?}"),
+        "command \"/opt/host-only/agent\"",
+    ] {
+        assert!(status.contains(part), "the error names {part}: {status}");
+    }
+
+    for s in [&session, &failed] {
+        env.sessionctl(&["session", "delete", s], &scratch);
+    }
+    terminate(server);
 }

@@ -31,8 +31,60 @@ pub struct AgentProfile {
     pub env: BTreeMap<String, String>,
     /// The profile's claim. The agent's own capability answer can only lower it.
     pub supports_session_resume: bool,
+    /// How the agent runs in a container (`local_docker`), when that is not
+    /// `command`/`args` of the host: an image has its own file system.
+    pub container: Option<ContainerAgent>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+}
+
+/// A profile's agent inside a container.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ContainerAgent {
+    /// The image to run; the executor's configured image when `None`.
+    pub image: Option<String>,
+    /// The agent's program in the image (absolute, or on the image's `PATH`).
+    pub command: String,
+    pub args: Vec<String>,
+    /// Added to (and overriding) the profile's `env`.
+    pub env: BTreeMap<String, String>,
+}
+
+/// What an agent is started with on one runtime.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentCommand {
+    pub command: String,
+    pub args: Vec<String>,
+    pub env: BTreeMap<String, String>,
+}
+
+impl AgentProfile {
+    /// The agent's command, arguments and environment on `runtime`: the
+    /// container's for `local_docker` when the profile names one, else the
+    /// profile's own.
+    pub fn agent_command(&self, runtime: Runtime) -> AgentCommand {
+        match (&self.container, runtime) {
+            (Some(c), Runtime::LocalDocker) => {
+                let mut env = self.env.clone();
+                env.extend(c.env.clone());
+                AgentCommand {
+                    command: c.command.clone(),
+                    args: c.args.clone(),
+                    env,
+                }
+            }
+            _ => AgentCommand {
+                command: self.command.clone(),
+                args: self.args.clone(),
+                env: self.env.clone(),
+            },
+        }
+    }
+
+    /// The image a `local_docker` session of this profile asks for, if any.
+    pub fn container_image(&self) -> Option<&str> {
+        self.container.as_ref().and_then(|c| c.image.as_deref())
+    }
 }
 
 /// The working tree a session's agent works in.
@@ -124,4 +176,53 @@ pub struct Message {
     pub complete: bool,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn profile(container: Option<ContainerAgent>) -> AgentProfile {
+        AgentProfile {
+            id: AgentProfileId::new(),
+            name: "p".into(),
+            command: "/host/bin/agent".into(),
+            args: vec!["--host".into()],
+            env: BTreeMap::from([
+                ("KEY".to_owned(), "k".to_owned()),
+                ("STATE".to_owned(), "/host/state".to_owned()),
+            ]),
+            supports_session_resume: true,
+            container,
+            created_at: Utc::now(),
+            updated_at: Utc::now(),
+        }
+    }
+
+    #[test]
+    fn a_container_command_applies_to_docker_only() {
+        let p = profile(Some(ContainerAgent {
+            image: Some("img:1".into()),
+            command: "/usr/local/bin/agent".into(),
+            args: vec!["--in-image".into()],
+            env: BTreeMap::from([("STATE".to_owned(), "/run/state".to_owned())]),
+        }));
+        let docker = p.agent_command(Runtime::LocalDocker);
+        assert_eq!(docker.command, "/usr/local/bin/agent");
+        assert_eq!(docker.args, ["--in-image"]);
+        assert_eq!(docker.env["KEY"], "k", "the profile's env is kept");
+        assert_eq!(docker.env["STATE"], "/run/state", "the container's wins");
+        for rt in [Runtime::LocalStandalone, Runtime::Remote] {
+            let c = p.agent_command(rt);
+            assert_eq!(c.command, "/host/bin/agent");
+            assert_eq!(c.env["STATE"], "/host/state");
+        }
+        assert_eq!(p.container_image(), Some("img:1"));
+        let plain = profile(None);
+        assert_eq!(
+            plain.agent_command(Runtime::LocalDocker).command,
+            "/host/bin/agent"
+        );
+        assert_eq!(plain.container_image(), None);
+    }
 }

@@ -12,7 +12,9 @@ pub mod states;
 pub mod status;
 pub mod transitions;
 
-pub use entities::{AgentProfile, ExecutorRecord, Message, Session, Task, Worktree};
+pub use entities::{
+    AgentCommand, AgentProfile, ContainerAgent, ExecutorRecord, Message, Session, Task, Worktree,
+};
 pub use events::{Event, EventKind, EventPayload};
 pub use ids::{AgentProfileId, ExecutorId, IdParseError, MessageId, SessionId, TaskId};
 pub use recovery::{

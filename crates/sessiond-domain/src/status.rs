@@ -86,6 +86,11 @@ pub enum ResumeReason {
     MissingResumeToken,
     /// The session is COMPLETED or CANCELLED; start a new session instead.
     SessionEnded,
+    /// The session's executor is gone for good (its container was removed):
+    /// nothing is left to resume into; create a new session. Publicly it is
+    /// `not_resumable` (the seed's strings; not in [`ResumeReason::ALL`]),
+    /// with the session's `error_message` (code `container_missing`) saying why.
+    ExecutorGone,
 }
 
 impl ResumeReason {
@@ -104,6 +109,7 @@ impl ResumeReason {
             ResumeReason::NotResumable => "not_resumable",
             ResumeReason::MissingResumeToken => "missing_resume_token",
             ResumeReason::SessionEnded => "session_ended",
+            ResumeReason::ExecutorGone => "not_resumable",
         }
     }
 
@@ -156,10 +162,12 @@ pub struct SessionStatus {
 /// The reason is decided in this order, first match wins:
 /// 1. COMPLETED or CANCELLED: [`ResumeReason::SessionEnded`].
 /// 2. an agent runs or is being started: [`ResumeReason::None`].
-/// 3. profile claims no resume, or the probe said unsupported: [`ResumeReason::NotResumable`].
-/// 4. no token (a CREATED session never has a conversation, whatever its
+/// 3. ERROR because its container no longer exists (`error_message` code
+///    `container_missing`): [`ResumeReason::ExecutorGone`].
+/// 4. profile claims no resume, or the probe said unsupported: [`ResumeReason::NotResumable`].
+/// 5. no token (a CREATED session never has a conversation, whatever its
 ///    metadata says): [`ResumeReason::MissingResumeToken`].
-/// 5. otherwise: [`ResumeReason::AgentNotRunning`].
+/// 6. otherwise: [`ResumeReason::AgentNotRunning`].
 ///
 /// `needs_resume` holds exactly when the reason is `agent_not_running`.
 pub fn session_status(
@@ -178,13 +186,16 @@ pub fn session_status(
             .as_deref()
             .is_some_and(|token| !token.is_empty());
     let ended = session.state.is_terminal();
+    let gone = executor_gone(session);
 
     let is_agent_running = agent == AgentProcessState::Running;
-    let is_resumable = !ended && supports_resume && has_token;
+    let is_resumable = !ended && !gone && supports_resume && has_token;
     let resume_reason = if ended {
         ResumeReason::SessionEnded
     } else if agent != AgentProcessState::NotRunning {
         ResumeReason::None
+    } else if gone {
+        ResumeReason::ExecutorGone
     } else if !supports_resume {
         ResumeReason::NotResumable
     } else if !has_token {
@@ -216,6 +227,17 @@ pub fn session_status(
     }
 }
 
+/// The session is ERROR because its executor is gone for good: recovery or a
+/// resume found its container removed and stored that, with the code
+/// `container_missing`, as the session's error.
+fn executor_gone(session: &Session) -> bool {
+    session.state == SessionState::Error
+        && session.error_message.as_deref().is_some_and(|m| {
+            m.split_once(':').map(|(code, _)| code)
+                == Some(crate::recovery::RecoveryFailure::ContainerMissing.code())
+        })
+}
+
 /// Why an explicit `ResumeSession` is refused (seed Session Resumption Flow, step 1).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ResumeRefused {
@@ -227,6 +249,8 @@ pub enum ResumeRefused {
         "the session has no resume token (the agent never opened a conversation); create a new session"
     )]
     MissingResumeToken,
+    #[error("the container of this session no longer exists; create a new session")]
+    ExecutorGone,
 }
 
 /// Whether an explicit resume should go ahead, given the session's status.
@@ -240,6 +264,7 @@ pub fn check_resume(status: &SessionStatus) -> Result<bool, ResumeRefused> {
         ResumeReason::NotResumable => Err(ResumeRefused::NotResumable),
         ResumeReason::MissingResumeToken => Err(ResumeRefused::MissingResumeToken),
         ResumeReason::SessionEnded => Err(ResumeRefused::SessionEnded(status.state)),
+        ResumeReason::ExecutorGone => Err(ResumeRefused::ExecutorGone),
     }
 }
 
@@ -324,6 +349,32 @@ pub(crate) mod tests {
             (S::Cancelled,       Some("t"), true,  Some(Running),    None,        (true,  false, false, R::SessionEnded)),
         ]
     };
+
+    #[test]
+    fn a_removed_container_is_not_resumable_and_says_so() {
+        let mut s = session(SessionState::Error, Some("t"));
+        s.error_message = Some(crate::recovery::RecoveryFailure::ContainerMissing.message());
+        let mut v = view(&s, NotRunning, Some(true));
+        v.executor_status = ExecutorStatus::Error;
+        let st = session_status(&s, Some(&v), true);
+        assert!(!st.is_resumable && !st.needs_resume, "{st:?}");
+        assert_eq!(st.resume_reason, R::ExecutorGone);
+        let msg = st.error_message.clone().unwrap();
+        assert!(msg.contains("create a new session"), "{msg}");
+        assert_eq!(check_resume(&st), Err(ResumeRefused::ExecutorGone));
+        // Another error (agentctl stopped answering) stays resumable.
+        s.error_message =
+            Some("unhealthy: agentctl is not healthy: x; resume the session to try again".into());
+        let st = session_status(&s, Some(&v), true);
+        assert_eq!(st.resume_reason, R::AgentNotRunning);
+        // A running agent wins (a later resume brought it back).
+        s.error_message = Some(crate::recovery::RecoveryFailure::ContainerMissing.message());
+        let running = view(&s, Running, Some(true));
+        assert_eq!(
+            session_status(&s, Some(&running), true).resume_reason,
+            R::None
+        );
+    }
 
     #[test]
     fn reasons_table() {

@@ -97,7 +97,7 @@ fn or_default(ms: u64, default: Duration) -> Duration {
 /// How the backend talks to agentctl: timeouts and transport security.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
-    /// Limit for establishing the TCP (and TLS) connection.
+    /// Limit for establishing the connection (Unix socket, TCP, TLS).
     pub connect_timeout: Duration,
     /// Deadline of the quick calls (`Health`, `Capabilities`, `Prompt`,
     /// `Cancel`, `ListDir`), and the margin added to the own time budget of
@@ -301,33 +301,54 @@ impl fmt::Debug for AgentctlClient {
 }
 
 impl AgentctlClient {
-    /// A client of the agentctl at `url` (`http://host:port` or
-    /// `https://host:port`). Does not connect yet.
+    /// A client of the agentctl at `url`: `unix:///path/to/agentctl.sock`
+    /// (local executors), `http://host:port` or `https://host:port`
+    /// (remote). Does not connect yet.
     pub fn new(url: &str, secret: &str, config: &ClientConfig) -> Result<Self> {
         let bad = |what: String| Error::Config(format!("agentctl url {url:?}: {what}"));
-        // No channel-wide `timeout`: it would cap every call, long ones
-        // included, at one value. Each call carries its own deadline instead.
-        let mut endpoint = Endpoint::from_shared(url.to_owned())
-            .map_err(|e| bad(e.to_string()))?
-            .connect_timeout(config.connect_timeout)
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(config.keep_alive_interval)
-            .keep_alive_timeout(config.call_timeout)
-            .keep_alive_while_idle(true);
-        if url.starts_with("https://") {
-            let Some(tls) = &config.tls else {
-                return Err(bad(
-                    "https needs a CA certificate (ClientConfig::tls)".into()
-                ));
-            };
-            endpoint = with_tls(endpoint, tls).map_err(bad)?;
-        } else if !url.starts_with("http://") {
-            return Err(bad("expected an http:// or https:// URL".into()));
-        }
         let header: MetadataValue<Ascii> = format!("Bearer {secret}")
             .parse()
             .map_err(|_| Error::Config("the executor secret is not valid header text".into()))?;
-        let channel = endpoint.connect_lazy();
+        // No channel-wide `timeout`: it would cap every call, long ones
+        // included, at one value. Each call carries its own deadline instead.
+        let settings = |endpoint: Endpoint| {
+            endpoint
+                .connect_timeout(config.connect_timeout)
+                .http2_keep_alive_interval(config.keep_alive_interval)
+                .keep_alive_timeout(config.call_timeout)
+                .keep_alive_while_idle(true)
+        };
+        let channel = if let Some(path) = url.strip_prefix("unix://") {
+            if !path.starts_with('/') {
+                return Err(bad("a unix:// URL needs an absolute socket path".into()));
+            }
+            // The URI only fills the HTTP/2 `:authority`; the connector
+            // ignores it and dials the socket.
+            let endpoint = settings(Endpoint::from_static("http://agentctl"));
+            let path = std::path::PathBuf::from(path);
+            endpoint.connect_with_connector_lazy(tower::service_fn(move |_: http::Uri| {
+                let path = path.clone();
+                async move {
+                    let stream = tokio::net::UnixStream::connect(&path).await?;
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+                }
+            }))
+        } else {
+            let mut endpoint =
+                settings(Endpoint::from_shared(url.to_owned()).map_err(|e| bad(e.to_string()))?)
+                    .tcp_nodelay(true);
+            if url.starts_with("https://") {
+                let Some(tls) = &config.tls else {
+                    return Err(bad(
+                        "https needs a CA certificate (ClientConfig::tls)".into()
+                    ));
+                };
+                endpoint = with_tls(endpoint, tls).map_err(bad)?;
+            } else if !url.starts_with("http://") {
+                return Err(bad("expected a unix://, http:// or https:// URL".into()));
+            }
+            endpoint.connect_lazy()
+        };
         let auth = BearerAuth {
             header,
             call_timeout: config.call_timeout,
@@ -722,6 +743,8 @@ mod tests {
     #[test]
     fn rejects_urls_it_cannot_serve() {
         let config = ClientConfig::default();
+        let err = AgentctlClient::new("unix://relative.sock", "s", &config).expect_err("relative");
+        assert!(err.to_string().contains("absolute socket path"), "{err}");
         let err = AgentctlClient::new("ftp://host:1", "s", &config).expect_err("scheme");
         assert!(err.to_string().contains("http:// or https://"), "{err}");
         let err = AgentctlClient::new("https://host:1", "s", &config).expect_err("no CA");

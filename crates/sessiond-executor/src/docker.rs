@@ -3,9 +3,23 @@
 //! The container is named `sessiond-<executor_id>` and labelled
 //! `sessiond.executor_id`, `sessiond.session_id`, `sessiond.task_id`; the
 //! worktree is bind-mounted at [`DockerConfig::container_workspace`] and a
-//! per-executor run directory at `/run/sessiond`, where agentctl writes its port
-//! file. With the default `host` network mode that port is reachable on the
-//! host's loopback.
+//! per-executor run directory (`<run_dir>/<executor_id>`, mode 0700) at
+//! `/run/sessiond`, where agentctl listens on the Unix socket
+//! `agentctl.sock`: the backend needs no network to reach it, so the
+//! container's network is only what its agent needs ([`DockerConfig::network_mode`],
+//! `none` by default; `host` is refused, since a container on the host's
+//! network namespace sees every session's and the backend's loopback traffic).
+//!
+//! **The container is a boundary** ([`DockerExecutor::create_body`]): it runs
+//! as a non-root user (the worktree owner's uid:gid unless configured), with
+//! every capability dropped, `no-new-privileges`, a read-only root filesystem
+//! (writable: the worktree, the run directory, a tmpfs at `/tmp`), and the
+//! configured pids / memory / CPU limits. The secret is never in the
+//! container's environment: the driver keeps it in `<run_dir>/<executor_id>.secret`
+//! (host only, mode 0600) and, right before each start, puts a copy at
+//! `/run/sessiond/secret`, which agentctl reads and unlinks before any agent
+//! runs; agentctl is also non-dumpable, so the agent (same user, no
+//! capabilities) can read neither the file nor agentctl's memory.
 //!
 //! **Launch** creates the container; when the name is taken (a concurrent
 //! launch, or a crash between create and persist) it adopts the existing
@@ -21,11 +35,13 @@
 //! generation the caller recorded with its intent. **Recover** is probe, then
 //! start with generation + 1 ([`RecoveryAction::Restarted`]);
 //! missing → [`Error::ContainerMissing`]. **Stop** stops the container (it can
-//! be recovered later); **remove** removes it and its run directory.
+//! be recovered later); **remove** removes it, its run directory and its
+//! secret.
 
 use std::{
     collections::HashMap,
-    path::PathBuf,
+    os::unix::fs::{MetadataExt, PermissionsExt},
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
@@ -46,7 +62,7 @@ use crate::{
     RecoveryAction,
     error::{Error, Result},
     fresh_secret,
-    standalone::{read_port, remove_if_exists},
+    standalone::{absolute, remove_if_exists, socket_url, write_secret_file},
 };
 
 /// Label holding the executor id.
@@ -56,7 +72,14 @@ pub const LABEL_SESSION_ID: &str = "sessiond.session_id";
 /// Label holding the task id.
 pub const LABEL_TASK_ID: &str = "sessiond.task_id";
 /// Where the run directory is mounted inside the container.
-const CONTAINER_RUN_DIR: &str = "/run/sessiond";
+pub const CONTAINER_RUN_DIR: &str = "/run/sessiond";
+/// agentctl's socket, in the run directory.
+const SOCKET_NAME: &str = "agentctl.sock";
+/// The one-shot copy of the secret agentctl consumes, in the run directory.
+const SECRET_NAME: &str = "secret";
+/// `HOME` of the agent: in the run directory, so what an agent keeps there
+/// (its own session files) survives a container restart.
+pub const CONTAINER_HOME: &str = "/run/sessiond/home";
 
 /// The deterministic container name of an executor.
 pub fn container_name(executor_id: ExecutorId) -> String {
@@ -81,15 +104,20 @@ pub struct DockerConfig {
     pub image: String,
     /// agentctl inside the image.
     pub agentctl_path: String,
-    /// `host` by default: these machines have no bridge network, and the
-    /// backend reaches agentctl on loopback.
+    /// The container's network: `none` by default (agentctl is reached over
+    /// its socket, so only the agent could want a network), a user-defined
+    /// network's name, or `bridge`. `host` (and `container:<id>`) is refused.
     pub network_mode: String,
     pub limits: ResourceLimits,
     /// Where the worktree is mounted inside the container.
     pub container_workspace: String,
-    /// `user[:group]` to run as inside the container; the image default when unset.
+    /// `uid[:gid]` to run as inside the container; the worktree owner's
+    /// uid:gid when unset. Never root.
     pub user: Option<String>,
-    /// Host directory for per-executor run directories (port files).
+    /// Size of the tmpfs at `/tmp` (the root filesystem is read-only).
+    pub tmp_size_bytes: u64,
+    /// Host directory for per-executor run directories (sockets, secrets,
+    /// the agent's `HOME`). Kept short: a socket path has at most 107 bytes.
     pub run_dir: PathBuf,
     /// Passed as `--idle-timeout`.
     pub idle_timeout: Option<Duration>,
@@ -101,7 +129,7 @@ pub struct DockerConfig {
     pub api_timeout: Duration,
     pub client: ClientConfig,
     /// More environment for agentctl in the container (its trace export
-    /// settings), beside `AGENTCTL_SECRET`.
+    /// settings), beside `HOME`; never its secret.
     pub env: Vec<(String, String)>,
 }
 
@@ -111,10 +139,14 @@ impl DockerConfig {
             docker_host: docker_host.into(),
             image: image.into(),
             agentctl_path: "/usr/local/bin/agentctl".into(),
-            network_mode: "host".into(),
-            limits: ResourceLimits::default(),
+            network_mode: "none".into(),
+            limits: ResourceLimits {
+                pids_limit: Some(1024),
+                ..ResourceLimits::default()
+            },
             container_workspace: "/workspace".into(),
             user: None,
+            tmp_size_bytes: 256 << 20,
             run_dir,
             idle_timeout: None,
             startup_timeout: Duration::from_secs(15),
@@ -163,7 +195,6 @@ impl LabelledContainer {
 struct Found {
     id: String,
     status: ContainerStateStatusEnum,
-    secret: Option<String>,
 }
 
 impl DockerExecutor {
@@ -290,14 +321,138 @@ impl DockerExecutor {
     }
 
     fn run_dir(&self, executor_id: ExecutorId) -> PathBuf {
-        self.config.run_dir.join(executor_id.to_string())
+        absolute(&self.config.run_dir).join(executor_id.to_string())
     }
 
-    fn port_file(&self, executor_id: ExecutorId) -> PathBuf {
-        self.run_dir(executor_id).join("port")
+    fn socket(&self, executor_id: ExecutorId) -> PathBuf {
+        self.run_dir(executor_id).join(SOCKET_NAME)
     }
 
-    fn create_body(&self, spec: &LaunchSpec, secret: &str) -> ContainerCreateBody {
+    /// The host-only copy of the executor's secret (not mounted).
+    fn host_secret_file(&self, executor_id: ExecutorId) -> PathBuf {
+        absolute(&self.config.run_dir).join(format!("{executor_id}.secret"))
+    }
+
+    fn url(&self, executor_id: ExecutorId) -> Result<String> {
+        socket_url(executor_id, &self.socket(executor_id))
+    }
+
+    /// The executor's secret: the one already kept for it, else a fresh one.
+    /// Published with `link`, which fails when the file exists, so two
+    /// concurrent launches of one executor agree on one secret.
+    fn executor_secret(&self, executor_id: ExecutorId) -> Result<String> {
+        let path = self.host_secret_file(executor_id);
+        if let Some(secret) = read_secret(&path)? {
+            return Ok(secret);
+        }
+        let tmp = path.with_extension(format!("secret.{}", uuid::Uuid::new_v4().simple()));
+        write_secret_file(&tmp, &fresh_secret())?;
+        let linked = std::fs::hard_link(&tmp, &path);
+        remove_if_exists(&tmp)?;
+        match linked {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(source) => {
+                return Err(Error::Io {
+                    action: "keeping the executor secret",
+                    path,
+                    source,
+                });
+            }
+        }
+        read_secret(&path)?.ok_or_else(|| Error::Io {
+            action: "reading the executor secret",
+            path: path.clone(),
+            source: std::io::ErrorKind::NotFound.into(),
+        })
+    }
+
+    /// The secret of a container found by probe or adoption: the kept one,
+    /// else what the record says.
+    fn secret_of(&self, handle: &ExecutorHandle) -> Result<String> {
+        Ok(read_secret(&self.host_secret_file(handle.executor_id))?
+            .unwrap_or_else(|| handle.auth_secret.clone()))
+    }
+
+    /// `uid:gid` the container runs as: the configured user, else the
+    /// worktree's owner. Root is refused: the container is a boundary.
+    fn user_for(
+        &self,
+        executor_id: ExecutorId,
+        workspace: &Path,
+    ) -> Result<(String, Option<(u32, u32)>)> {
+        let (user, ids) = match &self.config.user {
+            Some(user) => (user.clone(), parse_ids(user)),
+            None => {
+                let meta = std::fs::metadata(workspace).map_err(|source| Error::Io {
+                    action: "reading the worktree's owner",
+                    path: workspace.to_owned(),
+                    source,
+                })?;
+                (
+                    format!("{}:{}", meta.uid(), meta.gid()),
+                    Some((meta.uid(), meta.gid())),
+                )
+            }
+        };
+        let is_root = match ids {
+            Some((uid, _)) => uid == 0,
+            None => user.split(':').next() == Some("root"),
+        };
+        if is_root {
+            return Err(Error::Config(format!(
+                "executor {executor_id}: the container would run as root ({user}{}); containers \
+                 never do: chown the worktree to the user the agent should run as, or set \
+                 executors.docker.user to a non-root uid:gid",
+                if self.config.user.is_none() {
+                    format!(", the owner of {}", workspace.display())
+                } else {
+                    String::new()
+                }
+            )));
+        }
+        Ok((user, ids))
+    }
+
+    /// Creates the run directory (mode 0700, owned by the container's user
+    /// so agentctl can create its socket and unlink the secret there) and
+    /// the agent's `HOME` in it.
+    fn prepare_run_dir(&self, executor_id: ExecutorId, ids: Option<(u32, u32)>) -> Result<()> {
+        let dir = self.run_dir(executor_id);
+        let home = dir.join("home");
+        for d in [&dir, &home] {
+            std::fs::create_dir_all(d).map_err(|source| Error::Io {
+                action: "creating run directory",
+                path: d.clone(),
+                source,
+            })?;
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700)).map_err(
+                |source| Error::Io {
+                    action: "restricting run directory",
+                    path: d.clone(),
+                    source,
+                },
+            )?;
+            chown_to(d, ids)?;
+        }
+        Ok(())
+    }
+
+    /// Puts the one-shot copy of the secret where agentctl reads (and then
+    /// unlinks) it; only right before the container starts, never while an
+    /// agent runs.
+    fn hand_over_secret(
+        &self,
+        executor_id: ExecutorId,
+        secret: &str,
+        ids: Option<(u32, u32)>,
+    ) -> Result<()> {
+        let path = self.run_dir(executor_id).join(SECRET_NAME);
+        write_secret_file(&path, secret)?;
+        chown_to(&path, ids)
+    }
+
+    fn create_body(&self, spec: &LaunchSpec, user: String) -> ContainerCreateBody {
         let id = spec.executor_id;
         let c = &self.config;
         let mut cmd = vec![
@@ -307,9 +462,10 @@ impl DockerExecutor {
             "--workspace".into(),
             c.container_workspace.clone(),
             "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--port-file".into(),
-            format!("{CONTAINER_RUN_DIR}/port"),
+            format!("unix:{CONTAINER_RUN_DIR}/{SOCKET_NAME}"),
+            "--secret-file".into(),
+            format!("{CONTAINER_RUN_DIR}/{SECRET_NAME}"),
+            "--remove-secret-file".into(),
             // In the run directory on the host: it outlives the container,
             // so a relaunched agentctl knows what the last one did.
             "--journal".into(),
@@ -334,20 +490,29 @@ impl DockerExecutor {
             ),
             format!("{}:{CONTAINER_RUN_DIR}", self.run_dir(id).display()),
         ];
+        let tmpfs = HashMap::from([(
+            "/tmp".to_owned(),
+            format!("rw,nosuid,nodev,mode=1777,size={}", c.tmp_size_bytes),
+        )]);
         ContainerCreateBody {
-            image: Some(c.image.clone()),
+            image: Some(spec.image.clone().unwrap_or_else(|| c.image.clone())),
             cmd: Some(cmd),
+            // Never the secret (a file agentctl unlinks, see above).
             env: Some(
-                std::iter::once(format!("AGENTCTL_SECRET={secret}"))
+                std::iter::once(format!("HOME={CONTAINER_HOME}"))
                     .chain(c.env.iter().map(|(k, v)| format!("{k}={v}")))
                     .collect(),
             ),
             labels: Some(labels),
             working_dir: Some(c.container_workspace.clone()),
-            user: c.user.clone(),
+            user: Some(user),
             host_config: Some(HostConfig {
                 network_mode: Some(c.network_mode.clone()),
                 binds: Some(binds),
+                tmpfs: Some(tmpfs),
+                readonly_rootfs: Some(true),
+                cap_drop: Some(vec!["ALL".into()]),
+                security_opt: Some(vec!["no-new-privileges".into()]),
                 memory: c.limits.memory_bytes,
                 nano_cpus: c.limits.nano_cpus,
                 pids_limit: c.limits.pids_limit,
@@ -397,28 +562,28 @@ impl DockerExecutor {
         Ok(())
     }
 
-    /// Waits for agentctl in the container to write its port and answer
-    /// `Health` with the executor id.
+    /// Waits for agentctl in the container to answer `Health` with the
+    /// executor id on its socket.
     async fn wait_ready(
         &self,
         executor_id: ExecutorId,
         container_id: &str,
         secret: &str,
-    ) -> Result<(u16, Health)> {
+    ) -> Result<Health> {
         let started = Instant::now();
         let deadline = started + self.config.startup_timeout;
-        let port_file = self.port_file(executor_id);
-        let mut last_error = String::from("no port file yet");
+        let socket = self.socket(executor_id);
+        let client = AgentctlClient::new(&self.url(executor_id)?, secret, &self.config.client)?;
+        let mut last_error = String::from("no socket yet");
         loop {
-            // A stale port from the previous start fails Health (nobody or
-            // someone else listens), so it is retried until agentctl rewrites it.
-            if let Some(port) = read_port(&port_file) {
-                let client = AgentctlClient::new(&local_url(port), secret, &self.config.client)?;
+            // A socket left by the previous start refuses connections until
+            // agentctl replaces it, so it is retried.
+            if socket.exists() {
                 match client.verify_identity(executor_id).await {
                     Ok(health) => {
-                        tracing::info!(%executor_id, container_id, port,
+                        tracing::info!(%executor_id, container_id,
                             elapsed_ms = started.elapsed().as_millis() as u64, "agentctl in container ready");
-                        return Ok((port, health));
+                        return Ok(health);
                     }
                     Err(e) => last_error = e.to_string(),
                 }
@@ -486,6 +651,9 @@ impl DockerExecutor {
             }
             ContainerStateStatusEnum::EXITED | ContainerStateStatusEnum::CREATED => {
                 tracing::info!(executor_id = %id, container_id = %found.id, status = %found.status, generation, "starting stopped container");
+                let (_, ids) = self.user_for(id, &handle.workspace_path)?;
+                self.prepare_run_dir(id, ids)?;
+                self.hand_over_secret(id, &self.secret_of(handle)?, ids)?;
                 self.start_container(&found.id).await?;
             }
             ContainerStateStatusEnum::PAUSED => {
@@ -500,10 +668,10 @@ impl DockerExecutor {
                 });
             }
         }
-        let secret = found.secret.unwrap_or_else(|| handle.auth_secret.clone());
-        let (port, health) = self.wait_ready(id, &found.id, &secret).await?;
+        let secret = self.secret_of(handle)?;
+        let health = self.wait_ready(id, &found.id, &secret).await?;
         Ok((
-            refreshed(handle, found.id, secret, port, generation),
+            refreshed(handle, found.id, secret, self.url(id)?, generation),
             health,
         ))
     }
@@ -513,12 +681,15 @@ impl DockerExecutor {
         spec: &LaunchSpec,
         container_id: String,
         secret: String,
-        port: u16,
-    ) -> ExecutorHandle {
-        let mut handle = ExecutorHandle::new(spec, Runtime::LocalDocker, secret, local_url(port));
-        handle.agentctl_port = Some(port);
+    ) -> Result<ExecutorHandle> {
+        let mut handle = ExecutorHandle::new(
+            spec,
+            Runtime::LocalDocker,
+            secret,
+            self.url(spec.executor_id)?,
+        );
         handle.container_id = Some(container_id);
-        handle
+        Ok(handle)
     }
 }
 
@@ -531,40 +702,35 @@ impl Executor for DockerExecutor {
     async fn launch(&self, spec: &LaunchSpec) -> Result<ExecutorHandle> {
         let id = spec.executor_id;
         spec.require_workspace()?;
-        let run_dir = self.run_dir(id);
-        std::fs::create_dir_all(&run_dir).map_err(|source| Error::Io {
-            action: "creating run directory",
-            path: run_dir.clone(),
-            source,
-        })?;
+        self.url(id)?;
+        let (user, ids) = self.user_for(id, &spec.workspace_path)?;
+        self.prepare_run_dir(id, ids)?;
         let name = container_name(id);
-        let secret = fresh_secret();
+        let secret = self.executor_secret(id)?;
         let options = CreateContainerOptions {
             name: Some(name.clone()),
             ..Default::default()
         };
-        let (container_id, secret) = match self
+        let container_id = match self
             .engine()
             .await?
-            .create_container(Some(options), self.create_body(spec, &secret))
+            .create_container(Some(options), self.create_body(spec, user))
             .await
         {
             Ok(created) => {
                 tracing::info!(executor_id = %id, container_id = %created.id, "container created");
-                (created.id, secret)
+                // Ours to start: hand agentctl its secret first.
+                self.hand_over_secret(id, &secret, ids)?;
+                created.id
             }
             Err(BollardError::DockerResponseServerError {
                 status_code: 409, ..
             }) => {
-                // Someone created it first: adopt theirs, with its secret.
+                // Someone created it first: adopt theirs; the kept secret
+                // is the one its agentctl gets.
                 let found = self.adopt(id, &name).await?;
                 tracing::info!(executor_id = %id, container_id = %found.id, "container exists, adopting it");
-                let secret = found.secret.ok_or_else(|| Error::ContainerUnusable {
-                    executor_id: id,
-                    container_id: found.id.clone(),
-                    state: "missing its AGENTCTL_SECRET".into(),
-                })?;
-                (found.id, secret)
+                found.id
             }
             Err(BollardError::DockerResponseServerError {
                 status_code: 404,
@@ -578,8 +744,8 @@ impl Executor for DockerExecutor {
             Err(e) => return Err(e.into()),
         };
         self.start_container(&container_id).await?;
-        let (port, _) = self.wait_ready(id, &container_id, &secret).await?;
-        Ok(self.handle_for(spec, container_id, secret, port))
+        self.wait_ready(id, &container_id, &secret).await?;
+        self.handle_for(spec, container_id, secret)
     }
 
     async fn probe(&self, handle: &ExecutorHandle) -> Result<Probe> {
@@ -597,10 +763,10 @@ impl Executor for DockerExecutor {
         };
         match found.status {
             ContainerStateStatusEnum::RUNNING | ContainerStateStatusEnum::RESTARTING => {
-                let secret = found.secret.unwrap_or_else(|| handle.auth_secret.clone());
-                let (port, health) = self.wait_ready(id, &found.id, &secret).await?;
+                let secret = self.secret_of(handle)?;
+                let health = self.wait_ready(id, &found.id, &secret).await?;
                 Ok(Probe::Reattachable {
-                    handle: refreshed(handle, found.id, secret, port, handle.generation),
+                    handle: refreshed(handle, found.id, secret, self.url(id)?, handle.generation),
                     health,
                 })
             }
@@ -616,6 +782,14 @@ impl Executor for DockerExecutor {
                     });
                 }
                 Ok(Probe::NeedsStart {
+                    reason: format!("container {} is {}", found.id, found.status),
+                })
+            }
+            // Being removed (a forced removal marks it so before killing
+            // it), or dead (a removal that failed half-way): it can never
+            // start again.
+            ContainerStateStatusEnum::REMOVING | ContainerStateStatusEnum::DEAD => {
+                Ok(Probe::Missing {
                     reason: format!("container {} is {}", found.id, found.status),
                 })
             }
@@ -699,17 +873,18 @@ impl Executor for DockerExecutor {
                 .remove_container(&id, Some(options))
                 .await
             {
+                // 409: someone else's removal of it is in progress already.
                 Ok(())
                 | Err(BollardError::DockerResponseServerError {
-                    status_code: 404, ..
+                    status_code: 404 | 409,
+                    ..
                 }) => {}
                 Err(e) => return Err(e.into()),
             }
         }
-        remove_if_exists(&self.port_file(handle.executor_id))?;
-        remove_if_exists(&self.run_dir(handle.executor_id).join("journal"))?;
+        remove_if_exists(&self.host_secret_file(handle.executor_id))?;
         let dir = self.run_dir(handle.executor_id);
-        match std::fs::remove_dir(&dir) {
+        match std::fs::remove_dir_all(&dir) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io {
                 action: "removing run directory",
                 path: dir,
@@ -726,6 +901,10 @@ impl Executor for DockerExecutor {
             &self.config.client,
         )
     }
+
+    fn image(&self, requested: Option<&str>) -> Option<String> {
+        Some(requested.unwrap_or(&self.config.image).to_owned())
+    }
 }
 
 fn found(info: ContainerInspectResponse) -> Found {
@@ -733,16 +912,9 @@ fn found(info: ContainerInspectResponse) -> Found {
         .state
         .and_then(|s| s.status)
         .unwrap_or(ContainerStateStatusEnum::EMPTY);
-    let secret = info
-        .config
-        .and_then(|c| c.env)
-        .unwrap_or_default()
-        .into_iter()
-        .find_map(|kv| kv.strip_prefix("AGENTCTL_SECRET=").map(str::to_owned));
     Found {
         id: info.id.unwrap_or_default(),
         status,
-        secret,
     }
 }
 
@@ -751,19 +923,74 @@ fn refreshed(
     handle: &ExecutorHandle,
     container_id: String,
     secret: String,
-    port: u16,
+    url: String,
     generation: i64,
 ) -> ExecutorHandle {
     let mut new = handle.clone();
     new.runtime = Runtime::LocalDocker;
     new.container_id = Some(container_id);
     new.auth_secret = secret;
-    new.agentctl_port = Some(port);
-    new.agentctl_url = local_url(port);
+    new.agentctl_port = None;
+    new.agentctl_url = url;
     new.generation = generation;
     new
 }
 
-fn local_url(port: u16) -> String {
-    format!("http://127.0.0.1:{port}")
+/// The secret kept at `path`, `None` when there is none.
+fn read_secret(path: &Path) -> Result<Option<String>> {
+    match std::fs::read_to_string(path) {
+        Ok(s) if !s.trim().is_empty() => Ok(Some(s.trim().to_owned())),
+        Ok(_) => Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(Error::Io {
+            action: "reading the executor secret",
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// `uid:gid` (or a bare `uid`, the group then being the same number).
+fn parse_ids(user: &str) -> Option<(u32, u32)> {
+    let mut parts = user.splitn(2, ':');
+    let uid: u32 = parts.next()?.parse().ok()?;
+    let gid = match parts.next() {
+        Some(g) => g.parse().ok()?,
+        None => uid,
+    };
+    Some((uid, gid))
+}
+
+/// Gives `path` to the container's user when we may (we are root, or it is
+/// us already); a named user cannot be resolved here and is left alone.
+fn chown_to(path: &Path, ids: Option<(u32, u32)>) -> Result<()> {
+    let Some((uid, gid)) = ids else {
+        return Ok(());
+    };
+    let meta = std::fs::metadata(path).map_err(|source| Error::Io {
+        action: "inspecting",
+        path: path.to_owned(),
+        source,
+    })?;
+    if meta.uid() == uid && meta.gid() == gid {
+        return Ok(());
+    }
+    std::os::unix::fs::chown(path, Some(uid), Some(gid)).map_err(|source| Error::Io {
+        action: "giving the run directory to the container's user",
+        path: path.to_owned(),
+        source,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn user_ids_parse() {
+        assert_eq!(parse_ids("1000:1001"), Some((1000, 1001)));
+        assert_eq!(parse_ids("1000"), Some((1000, 1000)));
+        assert_eq!(parse_ids("agent"), None);
+        assert_eq!(parse_ids("1000:staff"), None);
+    }
 }

@@ -62,6 +62,9 @@ pub struct LaunchSpec {
     /// Address and secret of an agentctl that already runs elsewhere; only the
     /// remote driver uses (and requires) it.
     pub remote: Option<RemoteTarget>,
+    /// The image the session's profile asks for; only the Docker driver uses
+    /// it (its configured image when `None`).
+    pub image: Option<String>,
 }
 
 impl LaunchSpec {
@@ -105,7 +108,7 @@ pub struct ExecutorHandle {
     pub generation: i64,
     /// The bearer secret agentctl was started with.
     pub auth_secret: String,
-    /// `http://127.0.0.1:<port>` for local drivers.
+    /// `unix:///<run_dir>/...sock` for local drivers, `http(s)://host:port` for remote.
     pub agentctl_url: String,
     pub agentctl_port: Option<u16>,
     /// Standalone: agentctl's pid and its start time (`/proc/<pid>/stat` field 22).
@@ -192,6 +195,7 @@ impl ExecutorHandle {
             workspace_path: self.workspace_path.clone(),
             generation: self.generation + 1,
             remote: None,
+            image: None,
         }
     }
 }
@@ -306,6 +310,14 @@ pub trait Executor: Send + Sync + fmt::Debug {
     /// An authenticated client of the handle's agentctl, with per-call
     /// deadlines and a connect timeout. Does not connect yet.
     fn client(&self, handle: &ExecutorHandle) -> Result<AgentctlClient>;
+
+    /// The image a launch asking for `requested` runs, for drivers that run
+    /// images (`None` for the others): named in errors about the agent's
+    /// command, which must exist in it.
+    fn image(&self, requested: Option<&str>) -> Option<String> {
+        let _ = requested;
+        None
+    }
 }
 
 /// A fresh bearer secret: 244 random bits from the OS generator, as hex.

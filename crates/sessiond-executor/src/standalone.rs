@@ -1,10 +1,12 @@
 //! `local_standalone`: agentctl as a local process of this machine.
 //!
 //! **Launch** spawns agentctl (in its own process group, so signals aimed at
-//! the backend's group do not reach it and it outlives the backend) with a fresh
-//! secret in the environment, waits for its port file and for `Health` to
-//! answer with the executor id, and records pid, process start time, port and
-//! secret.
+//! the backend's group do not reach it and it outlives the backend) listening
+//! on the Unix socket `<run_dir>/<executor_id>.sock` (mode 0600; no TCP port
+//! at all), with a fresh secret in `<run_dir>/<executor_id>.secret` (mode
+//! 0600) that agentctl reads and unlinks before any agent runs. It waits for
+//! `Health` to answer with the executor id and records pid, process start
+//! time, socket URL and secret.
 //!
 //! A launch is cancel-safe: if its future is dropped after the spawn and
 //! before it returned the handle (the caller's deadline passed, the caller
@@ -45,8 +47,9 @@ use crate::{
 pub struct StandaloneConfig {
     /// The agentctl binary; see [`default_agentctl_path`].
     pub agentctl_path: PathBuf,
-    /// Directory for per-executor runtime files (`<executor_id>.port`, and the
-    /// agentctl log when `log_dir` is unset is discarded).
+    /// Directory for per-executor runtime files (`<executor_id>.sock`, the
+    /// socket; `<executor_id>.secret`, gone once agentctl read it). Kept
+    /// short: a socket path has at most 107 bytes.
     pub run_dir: PathBuf,
     /// When set, agentctl's stdout and stderr go to `<log_dir>/<executor_id>.log`.
     pub log_dir: Option<PathBuf>,
@@ -58,7 +61,7 @@ pub struct StandaloneConfig {
     /// Between TERM and KILL when stopping.
     pub stop_grace: Duration,
     pub client: ClientConfig,
-    /// agentctl's whole environment (plus `AGENTCTL_SECRET`): never the
+    /// agentctl's whole environment (its secret travels in a file): never the
     /// backend's own, which holds its API tokens and database URL. The
     /// binary picks the variables (see `sessiond serve`).
     pub env: Vec<(String, String)>,
@@ -102,8 +105,12 @@ impl StandaloneExecutor {
         Self { config }
     }
 
-    fn port_file(&self, id: ExecutorId) -> PathBuf {
-        self.config.run_dir.join(format!("{id}.port"))
+    fn socket(&self, id: ExecutorId) -> PathBuf {
+        absolute(&self.config.run_dir).join(format!("{id}.sock"))
+    }
+
+    fn secret_file(&self, id: ExecutorId) -> PathBuf {
+        absolute(&self.config.run_dir).join(format!("{id}.secret"))
     }
 
     /// agentctl's turn journal: kept across agentctl relaunches of the
@@ -148,9 +155,12 @@ impl StandaloneExecutor {
             path: run_dir.clone(),
             source,
         })?;
-        let port_file = self.port_file(id);
-        remove_if_exists(&port_file)?;
+        let socket = self.socket(id);
+        let url = socket_url(id, &socket)?;
+        remove_if_exists(&socket)?;
         let secret = fresh_secret();
+        let secret_file = self.secret_file(id);
+        write_secret_file(&secret_file, &secret)?;
         let (stdout, stderr) = self.output(id)?;
 
         let mut cmd = tokio::process::Command::new(&self.config.agentctl_path);
@@ -159,14 +169,16 @@ impl StandaloneExecutor {
             .arg("--workspace")
             .arg(&spec.workspace_path)
             .arg("--listen")
-            .arg("127.0.0.1:0")
-            .arg("--port-file")
-            .arg(&port_file)
+            .arg(format!("unix:{}", socket.display()))
+            .arg("--secret-file")
+            .arg(&secret_file)
+            .arg("--remove-secret-file")
             .arg("--journal")
             .arg(self.journal_file(id))
+            // Only what the config names: never sessiond's own environment
+            // (the secret travels in the file above, not in the environment).
             .env_clear()
             .envs(self.config.env.iter().map(|(k, v)| (k, v)))
-            .env("AGENTCTL_SECRET", &secret)
             .current_dir(&spec.workspace_path)
             .stdin(Stdio::null())
             .stdout(stdout)
@@ -198,60 +210,57 @@ impl StandaloneExecutor {
         let mut guard = SpawnGuard(OwnedProcess::open(pid, start_time));
 
         let deadline = started + self.config.startup_timeout;
-        let mut last_error = String::from("no port file yet");
+        let mut last_error = String::from("no socket yet");
+        let client = AgentctlClient::new(&url, &secret, &self.config.client)?;
         let ready = loop {
             if let Ok(Some(status)) = child.try_wait() {
                 let log_hint = self
                     .log_file(id)
                     .map(|p| format!("; see {}", p.display()))
                     .unwrap_or_default();
+                let _ = remove_if_exists(&secret_file);
                 return Err(Error::ExitedEarly {
                     executor_id: id,
                     status: status.to_string(),
                     log_hint,
                 });
             }
-            if let Some(port) = read_port(&port_file) {
-                let url = local_url(port);
-                // Retried until the deadline, mismatches included: a half-written
-                // port file may name someone else's port for a moment.
-                match AgentctlClient::new(&url, &secret, &self.config.client)?
-                    .verify_identity(id)
-                    .await
-                {
-                    Ok(_) => break Some(port),
+            if socket.exists() {
+                // Retried until the deadline: the socket may be a stale one
+                // nobody listens on until agentctl replaces it.
+                match client.verify_identity(id).await {
+                    Ok(_) => break true,
                     Err(e) => last_error = e.to_string(),
                 }
             }
             if Instant::now() >= deadline {
-                break None;
+                break false;
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         };
-        let Some(port) = ready else {
+        if !ready {
             // Started by us a moment ago, and the pidfd pins it: safe to end.
             if let Some(proc) = guard.0.take() {
                 let _ = proc.terminate(start_time, self.config.stop_grace).await;
             }
             let _ = child.try_wait();
+            let _ = remove_if_exists(&secret_file);
             return Err(Error::NotReady {
                 executor_id: id,
                 timeout: self.config.startup_timeout,
                 last_error,
             });
-        };
+        }
         // Launched: the handle goes to the caller, the process lives on.
         guard.disarm();
         // Dropping the tokio child does not kill it; the runtime reaps it once
         // it exits while this process still lives.
         drop(child);
         tracing::info!(
-            executor_id = %id, pid, port, generation = spec.generation,
+            executor_id = %id, pid, %url, generation = spec.generation,
             elapsed_ms = started.elapsed().as_millis() as u64, "agentctl launched"
         );
-        let mut handle =
-            ExecutorHandle::new(spec, Runtime::LocalStandalone, secret, local_url(port));
-        handle.agentctl_port = Some(port);
+        let mut handle = ExecutorHandle::new(spec, Runtime::LocalStandalone, secret, url);
         handle.pid = Some(pid);
         handle.pid_start_time = Some(start_time);
         Ok(handle)
@@ -387,7 +396,8 @@ impl Executor for StandaloneExecutor {
     async fn remove(&self, handle: &ExecutorHandle) -> Result<()> {
         self.stop(handle).await?;
         remove_if_exists(&self.journal_file(handle.executor_id))?;
-        remove_if_exists(&self.port_file(handle.executor_id))
+        remove_if_exists(&self.secret_file(handle.executor_id))?;
+        remove_if_exists(&self.socket(handle.executor_id))
     }
 
     fn client(&self, handle: &ExecutorHandle) -> Result<AgentctlClient> {
@@ -406,18 +416,47 @@ fn missing_worktree(handle: &ExecutorHandle) -> String {
     )
 }
 
-fn local_url(port: u16) -> String {
-    format!("http://127.0.0.1:{port}")
+/// `path` made absolute against the current directory (agentctl and the
+/// URL must not depend on where they are resolved).
+pub(crate) fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_owned())
 }
 
-/// The port agentctl wrote, once the file holds a whole number.
-pub(crate) fn read_port(path: &Path) -> Option<u16> {
-    std::fs::read_to_string(path)
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
-        .filter(|p| *p != 0)
+/// The longest Unix socket path Linux accepts (`sun_path` minus its NUL).
+const MAX_SOCKET_PATH: usize = 107;
+
+/// `unix://<socket>`, or a configuration error naming the path when it is
+/// too long to bind.
+pub(crate) fn socket_url(executor_id: ExecutorId, socket: &Path) -> Result<String> {
+    let len = socket.as_os_str().len();
+    if len > MAX_SOCKET_PATH {
+        return Err(Error::Config(format!(
+            "executor {executor_id}: the agentctl socket {} is {len} bytes long, more than \
+             the {MAX_SOCKET_PATH} a Unix socket path may have; configure a shorter run directory",
+            socket.display()
+        )));
+    }
+    Ok(format!("unix://{}", socket.display()))
+}
+
+/// Writes `secret` to `path`, readable by its owner only, replacing any
+/// older file there.
+pub(crate) fn write_secret_file(path: &Path, secret: &str) -> Result<()> {
+    use std::{io::Write, os::unix::fs::OpenOptionsExt};
+    remove_if_exists(path)?;
+    let io_err = |source| Error::Io {
+        action: "writing agentctl secret",
+        path: path.to_owned(),
+        source,
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(io_err)?;
+    file.write_all(secret.as_bytes()).map_err(io_err)?;
+    Ok(())
 }
 
 pub(crate) fn remove_if_exists(path: &Path) -> Result<()> {

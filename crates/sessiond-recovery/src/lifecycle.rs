@@ -184,7 +184,7 @@ impl SessionManager {
 
         // agentctl.
         let limit = self.inner.config.executor_deadline * 4;
-        let handle = match self.launch_agentctl(&record, 1, limit).await {
+        let handle = match self.launch_agentctl(&record, &profile, 1, limit).await {
             Some(Ok(h)) => h,
             failed => {
                 let reason = match failed {
@@ -220,7 +220,7 @@ impl SessionManager {
         let client = self.client(&record)?;
         self.cache_update(session_id, |e| e.agent = AgentProcessState::Starting);
         let opened = async {
-            self.ensure_agent(&client, &profile).await?;
+            self.ensure_agent(&client, &profile, req.runtime).await?;
             let probe = client
                 .capabilities()
                 .await
@@ -230,14 +230,33 @@ impl SessionManager {
             Ok::<_, Error>((probe, token))
         }
         .await;
+        // Test-only crash point: the agent opened the conversation, its
+        // token is not stored yet (recovery adopts agentctl's).
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("create-after-conversation");
         let (probe, token) = match opened {
             Ok(v) => v,
             Err(e) => {
                 self.stop_agent_quietly(&record).await;
-                let reason = format!(
-                    "the agent of profile {:?} could not start a conversation: {e}; check the profile's command, then create a new session",
-                    profile.name
-                );
+                let agent = profile.agent_command(req.runtime);
+                let image = self
+                    .driver(req.runtime)
+                    .ok()
+                    .and_then(|d| d.image(profile.container_image()));
+                let reason = match image {
+                    // The command must exist in the image, not on the host.
+                    Some(image) => format!(
+                        "the agent of profile {:?} could not start in image {image:?} (command {:?}): {e}; \
+                         the command must exist in the image: set the profile's container command \
+                         (or image), then create a new session",
+                        profile.name, agent.command
+                    ),
+                    None => format!(
+                        "the agent of profile {:?} could not start a conversation (command {:?}): {e}; \
+                         check the profile's command, then create a new session",
+                        profile.name, agent.command
+                    ),
+                };
                 return self.fail_create(session, record, reason, false).await;
             }
         };

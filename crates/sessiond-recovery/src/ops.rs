@@ -137,6 +137,7 @@ impl SessionManager {
     pub(crate) async fn launch_agentctl(
         &self,
         record: &ExecutorRecord,
+        profile: &AgentProfile,
         generation: i64,
         limit: Duration,
     ) -> Option<Result<ExecutorHandle>> {
@@ -159,6 +160,7 @@ impl SessionManager {
                 url: record.agentctl_url.clone().unwrap_or_default(),
                 auth_secret: record.auth_secret.clone(),
             }),
+            image: profile.container_image().map(str::to_owned),
         };
         self.inner
             .counters
@@ -213,8 +215,9 @@ impl SessionManager {
         &self,
         client: &AgentctlClient,
         profile: &AgentProfile,
+        runtime: Runtime,
     ) -> Result<bool> {
-        self.ensure_agent_seen(client, profile, None).await
+        self.ensure_agent_seen(client, profile, runtime, None).await
     }
 
     /// [`Self::ensure_agent`], given the agent state a `Health` of the
@@ -225,6 +228,7 @@ impl SessionManager {
         &self,
         client: &AgentctlClient,
         profile: &AgentProfile,
+        runtime: Runtime,
         seen: Option<AgentState>,
     ) -> Result<bool> {
         let deadline = Instant::now() + self.inner.config.agent_initialize_timeout;
@@ -253,10 +257,13 @@ impl SessionManager {
             .fetch_add(1, Ordering::Relaxed);
         let timeout_ms =
             u64::try_from(self.inner.config.agent_initialize_timeout.as_millis()).unwrap_or(0);
+        // A container has its own file system: the profile may name another
+        // command for it.
+        let agent = profile.agent_command(runtime);
         let request = pb::LaunchAgentRequest {
-            command: profile.command.clone(),
-            args: profile.args.clone(),
-            env: profile.env.clone().into_iter().collect(),
+            command: agent.command,
+            args: agent.args,
+            env: agent.env.into_iter().collect(),
             profile_supports_session_resume: profile.supports_session_resume,
             initialize_timeout_ms: timeout_ms,
         };
@@ -328,7 +335,8 @@ impl SessionManager {
         seen: Option<AgentState>,
     ) -> Result<()> {
         let client = self.client(record)?;
-        self.ensure_agent_seen(&client, profile, seen).await?;
+        self.ensure_agent_seen(&client, profile, record.runtime, seen)
+            .await?;
         self.load_conversation(&client, token).await
     }
 

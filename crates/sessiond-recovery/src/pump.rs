@@ -1040,8 +1040,7 @@ impl Pump {
                 reconnect = Some(record);
                 return Ok(());
             }
-            let message =
-                format!("agentctl stopped answering ({reason}); resume the session to try again");
+            let message = self.mgr.lost_agentctl_message(&record, reason).await;
             let mut failed = executor_moved(&record, ExecutorEvent::Failed)?;
             failed.error_message = Some(message.clone());
             let mut change = Changeset::new().update_executor(failed).event(

@@ -16,6 +16,7 @@
 use std::{
     collections::BTreeMap,
     path::Path,
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -93,6 +94,10 @@ struct Run {
     /// `record.last_seen_at` was refreshed in memory only (the executor was
     /// `ready` already, so nothing else changed): the outcome commit writes it.
     seen_unsaved: bool,
+    /// The session had no resume token and its surviving agent holds an open
+    /// conversation: that conversation's id became the token (in memory; the
+    /// outcome commit writes it to the session and the executor).
+    adopted_token: bool,
 }
 
 impl SessionManager {
@@ -272,6 +277,7 @@ impl SessionManager {
             agent_state: None,
             probe: None,
             seen_unsaved: false,
+            adopted_token: false,
         };
         let mut action = machine.start();
         loop {
@@ -334,7 +340,7 @@ impl SessionManager {
                     return Ok(Observation::DeadlineExceeded);
                 }
                 match self
-                    .launch_agentctl(&run.record, generation, remaining)
+                    .launch_agentctl(&run.record, &run.profile, generation, remaining)
                     .await
                 {
                     None => Observation::DeadlineExceeded,
@@ -366,6 +372,12 @@ impl SessionManager {
                     Ok(Ok(Probe::NeedsStart { .. })) => Observation::ContainerStopped,
                     Ok(Ok(Probe::Missing { .. } | Probe::NeedsLaunch { .. }))
                     | Ok(Err(sessiond_executor::Error::ContainerMissing { .. })) => {
+                        // Gone for good (the container, not the worktree
+                        // a stopped one mounts): what the driver kept for it
+                        // (run directory, secret) goes too.
+                        if Path::new(&run.record.workspace_path).is_dir() {
+                            self.remove_gone_executor(&driver, &handle).await;
+                        }
                         Observation::ContainerMissing
                     }
                     Ok(Err(e)) => Observation::DockerUnavailable {
@@ -415,6 +427,21 @@ impl SessionManager {
                         #[cfg(feature = "failpoints")]
                         fail::fail_point!("recovery-after-reattach");
                         run.agent = surviving_agent(&health, run.session.resume_token.as_deref());
+                        if run.agent != SurvivingAgent::None
+                            && run.session.resume_token.is_none()
+                            && !health.acp_session_id.is_empty()
+                        {
+                            // A create died between the agent's `session/new`
+                            // and storing its id: the conversation agentctl
+                            // holds is the one that create opened. Without
+                            // adopting it the session would run on, unable
+                            // ever to be resumed.
+                            tracing::info!(session = %run.session.id, executor_id = %run.record.id,
+                                "recovery: adopting the surviving agent's conversation as the resume token");
+                            run.session.resume_token = Some(health.acp_session_id.clone());
+                            run.record.resume_token = Some(health.acp_session_id.clone());
+                            run.adopted_token = true;
+                        }
                         run.agent_state = Some(health.agent_state);
                         Observation::Healthy { agent: run.agent }
                     }
@@ -527,6 +554,56 @@ impl SessionManager {
                 return Err(Error::Internal("Done is handled by the caller".into()));
             }
         })
+    }
+
+    /// Removes what a driver kept for an executor whose container no longer
+    /// exists (its run directory and secret), best effort: the session is
+    /// told to create a new one either way, and a leftover is only disk.
+    pub(crate) async fn remove_gone_executor(
+        &self,
+        driver: &Arc<dyn sessiond_executor::Executor>,
+        handle: &ExecutorHandle,
+    ) {
+        let limit = self.inner.config.executor_deadline;
+        match tokio::time::timeout(limit, driver.remove(handle)).await {
+            Ok(Ok(())) => {
+                tracing::info!(executor_id = %handle.executor_id,
+                    "container gone; its run directory is removed");
+            }
+            Ok(Err(e)) => tracing::warn!(executor_id = %handle.executor_id, error = %e,
+                "container gone; could not remove its run directory"),
+            Err(_) => tracing::warn!(executor_id = %handle.executor_id,
+                "container gone; removing its run directory did not finish in time"),
+        }
+    }
+
+    /// What an executor whose agentctl stopped answering is told. A Docker
+    /// executor whose container is gone for good is said so (and its
+    /// leftovers removed) at once, not after a resume finds out: the status
+    /// then says "not resumable" with the same words.
+    pub(crate) async fn lost_agentctl_message(
+        &self,
+        record: &ExecutorRecord,
+        reason: &str,
+    ) -> String {
+        if record.runtime == Runtime::LocalDocker
+            && Path::new(&record.workspace_path).is_dir()
+            && let Ok(driver) = self.driver(record.runtime)
+        {
+            let handle = ExecutorHandle::from_record(record);
+            let limit = self.inner.config.executor_deadline;
+            let probed = tokio::time::timeout(limit, driver.probe(&handle)).await;
+            tracing::debug!(executor_id = %record.id, ?probed, "agentctl lost: the container probed");
+            if matches!(
+                probed,
+                Ok(Ok(Probe::Missing { .. }))
+                    | Ok(Err(sessiond_executor::Error::ContainerMissing { .. }))
+            ) {
+                self.remove_gone_executor(&driver, &handle).await;
+                return sessiond_domain::RecoveryFailure::ContainerMissing.message();
+            }
+        }
+        format!("agentctl stopped answering ({reason}); resume the session to try again")
     }
 
     /// The launch intent: executor `starting` with the new generation and
@@ -651,13 +728,14 @@ impl SessionManager {
         record.generation = outcome.generation;
         let mut change = Changeset::new();
         let record_changed = run.seen_unsaved
+            || run.adopted_token
             || record.status != run.record.status
             || record.error_message != run.record.error_message
             || record.generation != run.record.generation;
         if record_changed {
             change = change.update_executor(record.clone());
         }
-        if outcome.session_state != run.session.state {
+        if outcome.session_state != run.session.state || run.adopted_token {
             let mut session = run.session.clone();
             session.state = outcome.session_state;
             session.error_message = outcome.session_error.as_ref().map(|f| f.message());
@@ -997,8 +1075,7 @@ impl SessionManager {
             self.spawn_reconnect(current);
             return Ok(None);
         }
-        let message =
-            format!("agentctl stopped answering ({reason}); resume the session to try again");
+        let message = self.lost_agentctl_message(&current, &reason).await;
         next = executor_moved(&next, ExecutorEvent::Failed)?;
         next.error_message = Some(message.clone());
         let mut change = Changeset::new().update_executor(next).event(

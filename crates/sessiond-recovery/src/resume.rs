@@ -17,8 +17,9 @@ use std::path::Path;
 use chrono::Utc;
 use futures::FutureExt;
 use sessiond_domain::{
-    AgentProcessState, EventPayload, ExecutorEvent, ExecutorStatus, OutcomeLabel, ResumeRefused,
-    Runtime, Session, SessionEvent, SessionId, SessionStatus, TaskEvent, TaskId, check_resume,
+    AgentProcessState, EventPayload, ExecutorEvent, ExecutorStatus, OutcomeLabel, RecoveryFailure,
+    ResumeRefused, Runtime, Session, SessionEvent, SessionId, SessionStatus, TaskEvent, TaskId,
+    check_resume,
 };
 use sessiond_executor::{ExecutorHandle, Probe};
 use sessiond_store::Changeset;
@@ -44,9 +45,10 @@ enum Plan {
     Start,
     /// A new agentctl: a process (standalone) or a container (docker).
     Launch,
-    /// Nothing can bring it back now (remote host down, container gone,
-    /// engine unreachable).
+    /// Nothing can bring it back now (remote host down, engine unreachable).
     Unavailable(String),
+    /// Docker: the container no longer exists; nothing ever will.
+    Gone,
 }
 
 impl SessionManager {
@@ -137,10 +139,10 @@ impl SessionManager {
                     state,
                 });
             }
-            Err(ResumeRefused::NotResumable) => {
+            Err(refused @ (ResumeRefused::NotResumable | ResumeRefused::ExecutorGone)) => {
                 return Err(Error::NotResumable {
                     session_id: s.id,
-                    reason: ResumeRefused::NotResumable.to_string(),
+                    reason: refused.to_string(),
                 });
             }
             Err(ResumeRefused::MissingResumeToken) => {
@@ -207,9 +209,8 @@ impl SessionManager {
                         Ok(Ok(Probe::Reattachable { handle, .. })) => Plan::Reattach(handle),
                         Ok(Ok(Probe::NeedsStart { .. })) => Plan::Start,
                         Ok(Ok(Probe::NeedsLaunch { .. })) => Plan::Launch,
-                        Ok(Ok(Probe::Missing { reason })) => {
-                            Plan::Unavailable(format!("{reason}; create a new session"))
-                        }
+                        Ok(Ok(Probe::Missing { .. }))
+                        | Ok(Err(sessiond_executor::Error::ContainerMissing { .. })) => Plan::Gone,
                         Ok(Err(e)) => Plan::Unavailable(e.to_string()),
                         Err(_) => Plan::Unavailable(format!(
                             "the Docker engine did not answer within {limit:?}"
@@ -263,6 +264,12 @@ impl SessionManager {
                 (Plan::Unavailable(reason), _) => {
                     return Err(Error::Unavailable(reason.clone()));
                 }
+                (Plan::Gone, _) => {
+                    return Err(Error::NotResumable {
+                        session_id,
+                        reason: ResumeRefused::ExecutorGone.to_string(),
+                    });
+                }
                 // The container runs and answers (at another port, say):
                 // same generation, nothing was started.
                 (Plan::Reattach(found), _) => Some(found.clone()),
@@ -284,7 +291,10 @@ impl SessionManager {
                         // Ours (pid and start time match) but not answering: end it.
                         self.end_stray_agentctls(&record).await;
                     }
-                    match self.launch_agentctl(&record, generation, limit * 2).await {
+                    match self
+                        .launch_agentctl(&record, &profile, generation, limit * 2)
+                        .await
+                    {
                         Some(r) => Some(r?),
                         None => {
                             return Err(Error::Unavailable(format!(
@@ -318,8 +328,16 @@ impl SessionManager {
         let probe = match executor {
             Ok(p) => p,
             Err(e) => {
-                let reason =
-                    format!("agentctl could not be started: {e}; resume the session to try again");
+                let gone = matches!(plan, Plan::Gone);
+                let reason = if gone {
+                    // Said as recovery says it, so the status (not
+                    // resumable) and the message agree.
+                    self.remove_gone_executor(&driver, &ExecutorHandle::from_record(&record))
+                        .await;
+                    RecoveryFailure::ContainerMissing.message()
+                } else {
+                    format!("agentctl could not be started: {e}; resume the session to try again")
+                };
                 let mut failed = executor_moved(&record, ExecutorEvent::Failed)?;
                 failed.error_message = Some(reason.clone());
                 let (s2, ev) = transition(&session, SessionEvent::Failed, Some(reason.clone()))?;
@@ -338,6 +356,9 @@ impl SessionManager {
                 }
                 self.commit(change).await?;
                 self.cache_update(session_id, |e| e.agent = AgentProcessState::NotRunning);
+                if gone {
+                    return Err(e);
+                }
                 return Err(Error::ResumeFailed { session_id, reason });
             }
         };

@@ -19,7 +19,7 @@ use std::{
 use anyhow::{Context, bail};
 use clap::{Args, builder::BoolishValueParser};
 use serde::Deserialize;
-use sessiond_domain::{ResumePolicy, Runtime};
+use sessiond_domain::{ContainerAgent, ResumePolicy, Runtime};
 
 /// The built-in agent profile: the demo ACP agent shipped with sessiond.
 pub const DEMO_PROFILE: &str = "demo";
@@ -272,6 +272,22 @@ pub struct AgentSection {
     pub env: BTreeMap<String, String>,
     #[serde(default = "yes")]
     pub supports_session_resume: bool,
+    /// How the agent runs in a Docker container, when not as on the host.
+    #[serde(default)]
+    pub container: Option<ContainerSection>,
+}
+
+/// `[agents.container]`: the agent inside an image.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContainerSection {
+    /// The image; `executors.docker.image` when unset.
+    pub image: Option<String>,
+    pub command: String,
+    #[serde(default)]
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
 }
 
 fn yes() -> bool {
@@ -351,11 +367,11 @@ impl Default for DockerSection {
             host: "unix:///var/run/docker.sock".into(),
             image: "sessiond-agentctl:dev".into(),
             agentctl_path: "/usr/local/bin/agentctl".into(),
-            network_mode: "host".into(),
+            network_mode: "none".into(),
             user: None,
             memory_bytes: None,
             cpus: None,
-            pids_limit: None,
+            pids_limit: Some(1024),
             startup_timeout: "15s".into(),
         }
     }
@@ -488,6 +504,7 @@ pub struct AgentConfig {
     pub args: Vec<String>,
     pub env: BTreeMap<String, String>,
     pub supports_session_resume: bool,
+    pub container: Option<ContainerAgent>,
 }
 
 impl ServeArgs {
@@ -889,6 +906,27 @@ impl FileConfig {
             p.non_empty("executors.docker.image", &d.image);
             p.non_empty("executors.docker.agentctl_path", &d.agentctl_path);
             p.non_empty("executors.docker.network_mode", &d.network_mode);
+            let mode = d.network_mode.trim();
+            if mode == "host" || mode.starts_with("container:") {
+                p.add(
+                    "executors.docker.network_mode",
+                    format!(
+                        "{mode:?} would put agent containers in another network namespace (the host's \
+                         sees every session's and sessiond's loopback traffic); use \"none\" (agentctl \
+                         needs no network), \"bridge\" or a user-defined network"
+                    ),
+                );
+            }
+            if let Some(user) = &d.user {
+                let name = user.split(':').next().unwrap_or_default().trim();
+                if name == "0" || name == "root" {
+                    p.add(
+                        "executors.docker.user",
+                        "containers never run as root; give a non-root uid:gid, or leave it unset \
+                         to run as the worktree's owner",
+                    );
+                }
+            }
             if let Some(m) = d.memory_bytes
                 && m < 4 * 1024 * 1024
             {
@@ -1056,12 +1094,29 @@ fn agent_profiles(
                 format!("{:?} is used by an earlier profile", a.name),
             );
         }
+        if let Some(c) = &a.container {
+            if c.command.trim().is_empty() {
+                p.add(&format!("{key}.container.command"), "must not be empty");
+            }
+            if c.image.as_deref().is_some_and(|i| i.trim().is_empty()) {
+                p.add(
+                    &format!("{key}.container.image"),
+                    "must not be empty (leave it out for executors.docker.image)",
+                );
+            }
+        }
         let profile = AgentConfig {
             name: a.name.clone(),
             command: a.command.clone(),
             args: a.args.clone(),
             env: a.env.clone(),
             supports_session_resume: a.supports_session_resume,
+            container: a.container.as_ref().map(|c| ContainerAgent {
+                image: c.image.clone(),
+                command: c.command.clone(),
+                args: c.args.clone(),
+                env: c.env.clone(),
+            }),
         };
         match agents.iter_mut().find(|b| b.name == a.name) {
             Some(existing) => *existing = profile,
@@ -1073,6 +1128,10 @@ fn agent_profiles(
 
 /// `acp-demo-agent` (next to this executable, else on PATH), keeping its
 /// transcripts in the data directory so `session/load` works after restarts.
+/// In a container it is the image's `/usr/local/bin/acp-demo-agent` (the
+/// `Dockerfile` and `cargo xtask docker-image` put it there), keeping its
+/// transcripts in the agent's `HOME` in the run directory, which outlives
+/// container restarts.
 pub fn demo_profile(data_dir: &Path) -> AgentConfig {
     let command = beside_current_exe("acp-demo-agent")
         .map(|p| p.display().to_string())
@@ -1086,6 +1145,18 @@ pub fn demo_profile(data_dir: &Path) -> AgentConfig {
             data_dir.join("acp-demo-agent").display().to_string(),
         )]),
         supports_session_resume: true,
+        container: Some(ContainerAgent {
+            image: None,
+            command: "/usr/local/bin/acp-demo-agent".into(),
+            args: Vec::new(),
+            env: BTreeMap::from([(
+                "ACP_DEMO_STATE_DIR".to_owned(),
+                format!(
+                    "{}/acp-demo-agent",
+                    sessiond_executor::docker::CONTAINER_HOME
+                ),
+            )]),
+        }),
     }
 }
 
@@ -1183,6 +1254,34 @@ mod tests {
     }
 
     #[test]
+    fn docker_defaults_to_no_network_and_refuses_host_network_and_root() {
+        let mut f = with_tokens();
+        f.executors.docker.enabled = true;
+        let docker = f.clone().validate().unwrap().executors.docker.unwrap();
+        assert_eq!(docker.network_mode, "none");
+        assert_eq!(docker.pids_limit, Some(1024));
+        assert_eq!(docker.user, None, "the worktree owner's uid:gid");
+
+        f.executors.docker.network_mode = "bridge".into();
+        assert!(f.clone().validate().is_ok());
+        for mode in ["host", "container:abc"] {
+            let mut g = f.clone();
+            g.executors.docker.network_mode = mode.into();
+            let err = error_of(g);
+            assert!(err.contains("executors.docker.network_mode"), "{err}");
+        }
+        for user in ["0", "0:0", "root", "root:root"] {
+            let mut g = f.clone();
+            g.executors.docker.user = Some(user.into());
+            let err = error_of(g);
+            assert!(
+                err.contains("executors.docker.user: containers never run as root"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
     fn insecure_mode_conflicts_with_tokens_and_with_any_origin() {
         let mut f = with_tokens();
         f.auth.insecure_no_auth = true;
@@ -1273,6 +1372,55 @@ mod tests {
         assert!(!c.agents[0].supports_session_resume);
         assert!(c.agents[1].supports_session_resume);
         assert_eq!(c.default_agent, "claude");
+    }
+
+    #[test]
+    fn profiles_name_a_command_and_image_for_containers() {
+        let text = r#"
+            [[agents]]
+            name = "claude"
+            command = "claude-code-acp"
+            env = { KEY = "k" }
+            [agents.container]
+            image = "agents:1"
+            command = "/usr/bin/claude-code-acp"
+            args = ["--in-container"]
+            env = { HOME_HINT = "/run/sessiond/home" }
+            [[agents]]
+            name = "bad"
+            command = "x"
+            [agents.container]
+            command = " "
+            image = ""
+        "#;
+        let mut f = FileConfig::parse(text).unwrap();
+        f.data_dir = Some("/tmp/x".into());
+        f.auth.tokens = vec!["0123456789abcdef".into()];
+        let err = f.clone().validate().unwrap_err().to_string();
+        assert!(
+            err.contains("agents[1].container.command: must not be empty"),
+            "{err}"
+        );
+        assert!(
+            err.contains("agents[1].container.image: must not be empty"),
+            "{err}"
+        );
+        f.agents.pop();
+        let c = f.validate().unwrap();
+        // The built-in demo profile runs the image's own acp-demo-agent.
+        let demo = c.agents[0].container.as_ref().unwrap();
+        assert_eq!(c.agents[0].name, DEMO_PROFILE);
+        assert_eq!(demo.command, "/usr/local/bin/acp-demo-agent");
+        assert_eq!(demo.image, None, "the executor's image");
+        assert_eq!(
+            demo.env["ACP_DEMO_STATE_DIR"],
+            "/run/sessiond/home/acp-demo-agent"
+        );
+        let claude = c.agents[1].container.as_ref().unwrap();
+        assert_eq!(claude.image.as_deref(), Some("agents:1"));
+        assert_eq!(claude.command, "/usr/bin/claude-code-acp");
+        assert_eq!(claude.args, ["--in-container"]);
+        assert_eq!(c.agents[1].env["KEY"], "k");
     }
 
     #[test]

@@ -81,6 +81,9 @@ pub fn resume_reason(r: ResumeReason) -> pb::ResumeReason {
         ResumeReason::NotResumable => pb::ResumeReason::NotResumable,
         ResumeReason::MissingResumeToken => pb::ResumeReason::MissingResumeToken,
         ResumeReason::SessionEnded => pb::ResumeReason::SessionEnded,
+        // The public enum has no value of its own for it (yet): "cannot be
+        // resumed", with `error_message` (`container_missing: ...`) saying why.
+        ResumeReason::ExecutorGone => pb::ResumeReason::NotResumable,
     }
 }
 
@@ -250,6 +253,10 @@ mod tests {
             );
             assert_eq!(runtime_from(runtime(*r) as i32), Ok(Some(*r)));
         }
+        assert_eq!(
+            resume_reason(ResumeReason::ExecutorGone),
+            pb::ResumeReason::NotResumable
+        );
         for r in ResumeReason::ALL {
             if *r != ResumeReason::None {
                 assert_eq!(

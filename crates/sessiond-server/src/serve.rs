@@ -350,6 +350,7 @@ async fn seed_profiles(store: &Store, config: &Config) -> anyhow::Result<()> {
                 args: a.args.clone(),
                 env: a.env.clone(),
                 supports_session_resume: a.supports_session_resume,
+                container: a.container.clone(),
                 created_at: now,
                 updated_at: now,
             })

@@ -6,9 +6,9 @@ use std::collections::BTreeMap;
 use diesel::prelude::*;
 use serde_json::{Map, Value, json};
 use sessiond_domain::{
-    AgentProfile, AgentProfileId, Event, EventKind, EventPayload, ExecutorId, ExecutorRecord,
-    ExecutorStatus, Message, MessageId, MessageRole, Runtime, Session, SessionId, SessionState,
-    Task, TaskId, TaskState, Worktree,
+    AgentProfile, AgentProfileId, ContainerAgent, Event, EventKind, EventPayload, ExecutorId,
+    ExecutorRecord, ExecutorStatus, Message, MessageId, MessageRole, Runtime, Session, SessionId,
+    SessionState, Task, TaskId, TaskState, Worktree,
 };
 
 use crate::{
@@ -70,6 +70,9 @@ pub(crate) struct ProfileRow {
     pub supports_session_resume: bool,
     pub created_at: Ts,
     pub updated_at: Ts,
+    /// JSON `{image, command, args, env}`; `NULL` when the profile runs in
+    /// a container as on the host.
+    pub container: Option<String>,
 }
 
 impl ProfileRow {
@@ -83,6 +86,15 @@ impl ProfileRow {
             supports_session_resume: p.supports_session_resume,
             created_at: Ts::new(p.created_at),
             updated_at: Ts::new(p.updated_at),
+            container: p.container.as_ref().map(|c| {
+                json!({
+                    "image": c.image,
+                    "command": c.command,
+                    "args": c.args,
+                    "env": c.env,
+                })
+                .to_string()
+            }),
         }
     }
 
@@ -100,6 +112,12 @@ impl ProfileRow {
             other => return Err(corrupt(format!("args: {other} is not an array"))),
         };
         let env = string_map(parse_json(&self.env).map_err(corrupt)?).map_err(corrupt)?;
+        let container = match &self.container {
+            None => None,
+            Some(text) => {
+                Some(container_agent(parse_json(text).map_err(corrupt)?).map_err(corrupt)?)
+            }
+        };
         Ok(AgentProfile {
             id: AgentProfileId::parse(&self.id).map_err(|e| corrupt(e.to_string()))?,
             name: self.name,
@@ -107,6 +125,7 @@ impl ProfileRow {
             args,
             env,
             supports_session_resume: self.supports_session_resume,
+            container,
             created_at: self.created_at.0,
             updated_at: self.updated_at.0,
         })
@@ -568,6 +587,43 @@ fn parse_json(text: &str) -> Result<Value, String> {
 }
 
 /// A JSON object of strings. Values of other types are kept as their JSON text.
+/// A profile's `container` column.
+fn container_agent(v: Value) -> Result<ContainerAgent, String> {
+    let Value::Object(mut map) = v else {
+        return Err(format!("container: {v} is not an object"));
+    };
+    let image = match map.remove("image") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s),
+        Some(other) => return Err(format!("container.image: {other} is not a string")),
+    };
+    let command = match map.remove("command") {
+        Some(Value::String(s)) => s,
+        other => return Err(format!("container.command: {other:?} is not a string")),
+    };
+    let args = match map.remove("args") {
+        None => Vec::new(),
+        Some(Value::Array(items)) => items
+            .into_iter()
+            .map(|v| match v {
+                Value::String(s) => Ok(s),
+                other => Err(format!("container.args: {other} is not a string")),
+            })
+            .collect::<Result<Vec<_>, String>>()?,
+        Some(other) => return Err(format!("container.args: {other} is not an array")),
+    };
+    let env = match map.remove("env") {
+        None => BTreeMap::new(),
+        Some(v) => string_map(v).map_err(|e| format!("container.env: {e}"))?,
+    };
+    Ok(ContainerAgent {
+        image,
+        command,
+        args,
+        env,
+    })
+}
+
 fn string_map(v: Value) -> Result<BTreeMap<String, String>, String> {
     match v {
         Value::Object(map) => Ok(map

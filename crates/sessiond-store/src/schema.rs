@@ -31,6 +31,7 @@ diesel::table! {
         supports_session_resume -> Bool,
         created_at -> UtcTimestamp,
         updated_at -> UtcTimestamp,
+        container -> Nullable<Text>,
     }
 }
 

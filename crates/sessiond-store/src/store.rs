@@ -837,6 +837,7 @@ fn upsert_profile(c: &mut AnyConnection, row: &ProfileRow) -> Result<AgentProfil
                     agent_profiles::args.eq(&row.args),
                     agent_profiles::env.eq(&row.env),
                     agent_profiles::supports_session_resume.eq(row.supports_session_resume),
+                    agent_profiles::container.eq(&row.container),
                     agent_profiles::updated_at.eq(Ts::new(conn::now())),
                 ))
                 .execute(c)?;

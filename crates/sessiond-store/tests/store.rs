@@ -80,6 +80,7 @@ fn profile(name: &str) -> AgentProfile {
         args: vec!["--state-dir".into(), "/tmp/x y".into()],
         env: BTreeMap::from([("RUST_LOG".into(), "info".into())]),
         supports_session_resume: true,
+        container: None,
         created_at: now,
         updated_at: now,
     }
@@ -329,6 +330,26 @@ mod suite {
             .collect();
         assert_eq!(names, ["claude", "demo"]);
         assert_eq!(other.env.get("RUST_LOG").map(String::as_str), Some("info"));
+
+        // A container command (and image) is stored, and cleared again.
+        let mut boxed = profile("claude");
+        boxed.container = Some(sessiond_domain::ContainerAgent {
+            image: Some("agents:1".into()),
+            command: "/usr/bin/claude-code-acp".into(),
+            args: vec!["--in-container".into()],
+            env: BTreeMap::from([("STATE".to_owned(), "/run/state".to_owned())]),
+        });
+        let stored = store.upsert_agent_profile(&boxed).await.unwrap();
+        assert_eq!(stored.container, boxed.container);
+        assert_eq!(
+            store.get_agent_profile(other.id).await.unwrap().container,
+            boxed.container
+        );
+        let cleared = store
+            .upsert_agent_profile(&profile("claude"))
+            .await
+            .unwrap();
+        assert_eq!(cleared.container, None);
 
         assert!(
             store
@@ -1105,11 +1126,12 @@ mod suite {
     pub async fn migrations_round_trip(store: &Store) {
         seed(store).await;
         let reverted = store.revert_all_migrations().await.unwrap();
-        assert_eq!(reverted.len(), 1, "{reverted:?}");
+        assert_eq!(reverted.len(), 2, "{reverted:?}");
         let err = store.list_tasks(None, 10).await.unwrap_err();
         assert!(matches!(err, Error::Database(_)), "tables are gone: {err}");
         let applied = store.run_pending_migrations().await.unwrap();
-        assert_eq!(applied, reverted);
+        // Reverted newest first, applied oldest first.
+        assert_eq!(applied, reverted.iter().rev().cloned().collect::<Vec<_>>());
         assert!(store.run_pending_migrations().await.unwrap().is_empty());
         assert!(store.list_tasks(None, 10).await.unwrap().is_empty());
         let (t, _, s) = seed(store).await;

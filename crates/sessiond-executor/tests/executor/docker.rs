@@ -20,6 +20,9 @@ use sessiond_proto::agentctl::v1 as pb;
 
 use crate::support::{client_config, spec};
 
+/// The non-root user the test worktrees belong to, so their containers run as it.
+const AGENT_UID: u32 = 1000;
+
 struct Fixture {
     workspace: tempfile::TempDir,
     _run: tempfile::TempDir,
@@ -109,6 +112,9 @@ async fn fixture() -> Fixture {
     let image =
         std::env::var("SESSIOND_DOCKER_IMAGE").unwrap_or_else(|_| "sessiond-agentctl:dev".into());
     let workspace = tempfile::tempdir().expect("workspace");
+    // Containers run as the worktree's owner, never as root.
+    std::os::unix::fs::chown(workspace.path(), Some(AGENT_UID), Some(AGENT_UID))
+        .expect("chown the workspace to the agent's user (the tests run as root)");
     let run = tempfile::tempdir().expect("run dir");
     let mut config = DockerConfig::new(host.clone(), image.clone(), run.path().to_owned());
     config.client = client_config();
@@ -184,7 +190,7 @@ async fn launch_health_capabilities_stop() {
         info.name.as_deref(),
         Some(format!("/{}", container_name(spec.executor_id)).as_str())
     );
-    let labels = info.config.and_then(|c| c.labels).expect("labels");
+    let labels = info.config.clone().and_then(|c| c.labels).expect("labels");
     assert_eq!(
         labels.get(LABEL_EXECUTOR_ID),
         Some(&spec.executor_id.to_string())
@@ -194,8 +200,32 @@ async fn launch_health_capabilities_stop() {
         Some(&spec.session_id.to_string())
     );
     assert_eq!(labels.get(LABEL_TASK_ID), Some(&spec.task_id.to_string()));
+    // The container is a boundary: no network, the worktree owner's user,
+    // no capabilities, no privilege gain, read-only root, a pids limit.
+    let config = info.config.clone().expect("config");
+    assert_eq!(config.user.as_deref(), Some("1000:1000"));
+    assert!(
+        !config
+            .env
+            .unwrap_or_default()
+            .iter()
+            .any(|e| e.contains(&handle.auth_secret)),
+        "the secret is not in the container's environment"
+    );
     let host_config = info.host_config.expect("host config");
-    assert_eq!(host_config.network_mode.as_deref(), Some("host"));
+    assert_eq!(host_config.network_mode.as_deref(), Some("none"));
+    assert_eq!(host_config.cap_drop, Some(vec!["ALL".to_owned()]));
+    assert_eq!(
+        host_config.security_opt,
+        Some(vec!["no-new-privileges".to_owned()])
+    );
+    assert_eq!(host_config.readonly_rootfs, Some(true));
+    assert_eq!(host_config.pids_limit, Some(1024));
+    assert!(
+        handle.agentctl_url.starts_with("unix://") && handle.agentctl_port.is_none(),
+        "{}",
+        handle.agentctl_url
+    );
 
     let health = f.driver.health(&handle).await.expect("health");
     assert_eq!(health.executor_id, spec.executor_id.to_string());
@@ -382,4 +412,133 @@ async fn a_panicking_test_leaves_no_container() {
     assert!(failed.is_panic());
     let left = driver.containers_of(executor_id).await.expect("list");
     assert!(left.is_empty(), "containers left behind: {left:?} ({host})");
+}
+
+/// What a process of the agent's user sees from inside its container (run
+/// through agentctl's `Exec`, as the agent's own commands are), with a
+/// second session's container beside it and a TCP port on the host standing
+/// for sessiond's API: no raw or packet socket (no sniffing), no interface
+/// but the container's own loopback, neither the host port nor the other
+/// session's agentctl reachable, agentctl's secret readable nowhere (its
+/// environment, the handed-over file, its memory), and a non-root user with
+/// no capabilities and `no-new-privileges`.
+#[tokio::test]
+#[ignore = "needs Docker: run by cargo xtask ci"]
+async fn agent_container_is_a_boundary() {
+    let f = fixture().await;
+    let handle = f.driver.launch(&f.spec()).await.expect("launch");
+    let other = f
+        .driver
+        .launch(&f.spec())
+        .await
+        .expect("launch a second session");
+
+    // The probe goes in through the worktree (the image stays as shipped).
+    let probe = crate::support::agentctl_path().with_file_name("boundary-probe");
+    assert!(
+        probe.is_file(),
+        "{} not found: build it first (`cargo build --workspace --bins`)",
+        probe.display()
+    );
+    let inside = f.workspace.path().join("boundary-probe");
+    std::fs::copy(&probe, &inside).expect("copy the probe into the worktree");
+    // A port on every address of the host, as sessiond's API (and, before
+    // agentctl moved to a socket, every executor's agentctl) listens.
+    let api = std::net::TcpListener::bind("0.0.0.0:0").expect("host listener");
+    api.set_nonblocking(true).expect("nonblocking");
+    let port = api.local_addr().expect("addr").port();
+    let mut targets = vec![format!("127.0.0.1:{port}")];
+    // The host's own address on its default route, when it has one.
+    if let Ok(udp) = std::net::UdpSocket::bind("0.0.0.0:0")
+        && udp.connect("192.0.2.1:9").is_ok()
+        && let Ok(addr) = udp.local_addr()
+        && !addr.ip().is_loopback()
+    {
+        targets.push(format!("{}:{port}", addr.ip()));
+    }
+    let other_socket = other.agentctl_url.trim_start_matches("unix://").to_owned();
+    assert!(
+        std::path::Path::new(&other_socket).exists(),
+        "the second session's socket {other_socket} is on the host"
+    );
+    let other_in_container = format!("/run/sessiond/../{}/agentctl.sock", other.executor_id);
+    let mut args = Vec::new();
+    for t in &targets {
+        args.extend(["--connect".to_owned(), t.clone()]);
+    }
+    for p in [&other_socket, &other_in_container] {
+        args.extend(["--connect-unix".to_owned(), p.clone()]);
+    }
+    for p in ["/proc/1/environ", "/run/sessiond/secret", "/proc/1/mem"] {
+        args.extend(["--read".to_owned(), p.to_owned()]);
+    }
+
+    let out = f
+        .driver
+        .client(&handle)
+        .expect("client")
+        .exec(pb::ExecRequest {
+            command: "/workspace/boundary-probe".into(),
+            args,
+            ..Default::default()
+        })
+        .await
+        .expect("exec the probe");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    eprintln!("what the probe saw from inside the container:\n{text}");
+    assert_eq!(
+        out.exit_code,
+        Some(0),
+        "probe: {text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let seen: std::collections::HashMap<&str, &str> =
+        text.lines().filter_map(|l| l.split_once('=')).collect();
+    let get = |k: &str| *seen.get(k).unwrap_or_else(|| panic!("no {k} in {text}"));
+
+    let ids = format!("{AGENT_UID} {AGENT_UID} {AGENT_UID} {AGENT_UID}");
+    assert_eq!(get("uid"), ids, "the worktree owner, not root: {text}");
+    assert_eq!(get("gid"), ids, "{text}");
+    for caps in ["cap_eff", "cap_prm", "cap_bnd"] {
+        assert_eq!(get(caps), "0000000000000000", "no capabilities: {text}");
+    }
+    assert_eq!(get("no_new_privs"), "1", "{text}");
+    assert!(
+        get("af_packet").starts_with("refused"),
+        "no sniffing: {text}"
+    );
+    assert!(get("raw_inet").starts_with("refused"), "{text}");
+    assert_eq!(get("interfaces"), "lo", "network `none`: {text}");
+    for t in &targets {
+        assert!(
+            get(&format!("connect:{t}")).starts_with("failed"),
+            "the host's port {t} is out of reach: {text}"
+        );
+    }
+    assert!(
+        matches!(api.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "nothing reached the host port"
+    );
+    for p in [&other_socket, &other_in_container] {
+        assert!(
+            get(&format!("connect:{p}")).starts_with("failed"),
+            "the other session's agentctl is out of reach: {text}"
+        );
+    }
+    for p in ["/proc/1/environ", "/run/sessiond/secret", "/proc/1/mem"] {
+        assert!(
+            get(&format!("read:{p}")).starts_with("failed"),
+            "the agent's user cannot read agentctl's secret through {p}: {text}"
+        );
+    }
+    assert!(
+        !get("env_keys").split(' ').any(|k| k.contains("SECRET")),
+        "no secret in the environment: {text}"
+    );
+    // The secret is nowhere in what the probe printed, and agentctl still
+    // answers with it: the handover worked.
+    assert!(!text.contains(&handle.auth_secret));
+    f.driver.health(&handle).await.expect("healthy");
+    cleanup(&f, &other).await;
+    cleanup(&f, &handle).await;
 }

@@ -1,4 +1,5 @@
 use std::{
+    os::unix::fs::{MetadataExt, PermissionsExt},
     process::{Command, Stdio},
     time::{Duration, Instant},
 };
@@ -52,11 +53,36 @@ async fn launch_health_capabilities_stop() {
     assert!(is_running(pid));
     assert_eq!(handle.pid_start_time, process::start_time(pid));
     assert_eq!(handle.generation, 1);
+    // A Unix socket in the run directory, only for our user; no TCP port.
+    let socket = f.run.path().join(format!("{}.sock", spec.executor_id));
+    assert_eq!(handle.agentctl_url, format!("unix://{}", socket.display()));
+    assert_eq!(handle.agentctl_port, None);
+    let mode = std::fs::metadata(&socket)
+        .expect("socket")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600, "socket mode {mode:o}");
     assert_eq!(
-        handle.agentctl_url,
-        format!("http://127.0.0.1:{}", handle.agentctl_port.expect("port"))
+        listening_tcp_inodes_of(pid),
+        0,
+        "agentctl listens on no TCP port"
     );
     assert_eq!(handle.auth_secret.len(), 64);
+    // The secret file was consumed, and agentctl's environment and memory
+    // are closed to processes of its own user (it is non-dumpable).
+    assert!(
+        !f.run
+            .path()
+            .join(format!("{}.secret", spec.executor_id))
+            .exists(),
+        "agentctl unlinks its secret file"
+    );
+    let environ = std::fs::metadata(format!("/proc/{pid}/environ")).expect("environ");
+    assert_eq!(
+        environ.uid(),
+        0,
+        "a non-dumpable process's /proc files are root's"
+    );
 
     let health = f.driver.health(&handle).await.expect("health");
     assert_eq!(health.executor_id, spec.executor_id.to_string());
@@ -381,4 +407,29 @@ async fn an_abandoned_launch_leaves_no_agentctl() {
         assert_gone(pids[0]).await;
     }
     assert!(pids_mentioning(&id).is_empty());
+}
+
+/// Sockets of `pid` that are listening TCP sockets (from /proc/net/tcp{,6}).
+fn listening_tcp_inodes_of(pid: u32) -> usize {
+    let mut listening = std::collections::HashSet::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        for line in std::fs::read_to_string(table)
+            .unwrap_or_default()
+            .lines()
+            .skip(1)
+        {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            // st == 0A: LISTEN; column 9 is the inode.
+            if cols.get(3) == Some(&"0A")
+                && let Some(inode) = cols.get(9)
+            {
+                listening.insert(format!("socket:[{inode}]"));
+            }
+        }
+    }
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("fds of agentctl")
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|target| listening.contains(&target.display().to_string()))
+        .count()
 }

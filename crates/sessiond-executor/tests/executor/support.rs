@@ -31,6 +31,7 @@ pub fn spec(workspace: &Path) -> LaunchSpec {
         workspace_path: workspace.to_owned(),
         generation: 1,
         remote: None,
+        image: None,
     }
 }
 

@@ -7,6 +7,8 @@
 //!   ci` sets 45). Unset: a 15 s smoke run of the same test.
 //! - `SESSIOND_CRASHLOOP_SEED`: the seed of the kill schedule (printed;
 //!   set it to replay a failing run's schedule).
+//! - `SESSIOND_CRASHLOOP_RUNTIMES`: a comma list of `standalone`, `remote`,
+//!   `docker` to focus the 20 sessions on (default: all available).
 //!
 //! Each backend lives 1.5-7.5 s (uniform, seeded). Every third backend (the 2nd, 5th, ...) is
 //! instead killed 0-150 ms after it printed `RECOVERING`, so kills land in
@@ -106,6 +108,25 @@ async fn crash_loop_converges() {
 
     let w = World::new().await;
     let runtimes = w.runtimes();
+    let runtimes: Vec<Rt> = match std::env::var("SESSIOND_CRASHLOOP_RUNTIMES") {
+        Ok(list) => list
+            .split(',')
+            .map(|name| {
+                let rt = match name.trim() {
+                    "standalone" => Rt::Standalone,
+                    "remote" => Rt::Remote,
+                    "docker" => Rt::Docker,
+                    other => panic!("SESSIOND_CRASHLOOP_RUNTIMES: unknown runtime {other:?}"),
+                };
+                assert!(
+                    runtimes.contains(&rt),
+                    "SESSIOND_CRASHLOOP_RUNTIMES names {rt:?}, which this run does not have"
+                );
+                rt
+            })
+            .collect(),
+        Err(_) => runtimes,
+    };
     let mut plans = Vec::new();
     for i in 0..SESSIONS {
         let rt = runtimes[i % runtimes.len()];

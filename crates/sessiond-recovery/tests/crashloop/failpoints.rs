@@ -273,3 +273,60 @@ async fn prompt_after_commit_executors_killed() {
 async fn prompt_after_commit_remote() {
     crash_between_commit_and_prompt(false, Rt::Remote).await;
 }
+
+/// The agent opened the conversation (agentctl holds its id), the backend
+/// died before storing it as the session's resume token: the next recovery
+/// adopts agentctl's conversation as the token, so the session is not left
+/// WAITING_FOR_INPUT without one (a session that could never be resumed,
+/// and whose agent transcript nobody could name).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_after_conversation() {
+    let fp = "create-after-conversation";
+    let w = World::new().await;
+    for rt in w.runtimes() {
+        let plan = w.plan(name(rt), rt).await;
+        let mut c = w.spawn_child(
+            &format!("create-{}", name(rt)),
+            Mode::Create {
+                plans: vec![plan],
+                messages: 1,
+            },
+            Some(&format!("{fp}=kill")),
+        );
+        let status = c.wait_exit(Duration::from_secs(90)).await;
+        c.assert_killed_by_failpoint(status, fp);
+        let crashed = w
+            .sessions()
+            .await
+            .into_iter()
+            .find(|s| s.worktree.id == name(rt))
+            .expect("the crashed backend stored the session");
+        assert_eq!(crashed.state, SessionState::Starting, "{crashed:?}");
+        assert_eq!(crashed.resume_token, None, "{crashed:?}");
+    }
+    let mgr = w.manager().await;
+    let summary = mgr.recover_all().await.unwrap();
+    eprintln!("clean start: {:?}", summary.counts);
+    for s in w.sessions().await {
+        assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
+        let token = s
+            .resume_token
+            .clone()
+            .unwrap_or_else(|| panic!("no resume token adopted: {s:?}"));
+        let r = w.record(s.id).await.unwrap();
+        assert_eq!(r.status, ExecutorStatus::Ready, "{r:?}");
+        assert_eq!(r.resume_token.as_deref(), Some(token.as_str()), "{r:?}");
+        let status = mgr.session_status(w.task.id, s.id).await.unwrap();
+        assert!(status.is_agent_running, "{status:?}");
+    }
+    let line = w.assert_converged(&mgr).await;
+    let prompted = w.prompt_all(&mgr).await;
+    w.assert_converged(&mgr).await;
+    assert_eq!(
+        prompted,
+        w.runtimes().len(),
+        "every conversation takes its first turn in the conversation it opened"
+    );
+    eprintln!("converged: {line}; {prompted} conversations continued");
+    w.cleanup(&mgr).await;
+}

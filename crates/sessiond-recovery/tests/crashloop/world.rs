@@ -252,6 +252,8 @@ impl World {
     pub fn worktree(&self, name: &str) -> Worktree {
         let path = self.path(&format!("wt-{name}"));
         std::fs::create_dir_all(&path).unwrap();
+        // Docker containers run as the worktree's owner, never as root.
+        std::os::unix::fs::chown(&path, Some(1000), Some(1000)).unwrap();
         Worktree {
             id: name.into(),
             path: path.display().to_string(),
@@ -605,6 +607,42 @@ impl World {
         }
     }
 
+    /// What the checker finds where the transcript of `s` should be.
+    fn transcript_diagnosis(&self, s: &Session, r: &ExecutorRecord) -> String {
+        let Some(token) = &s.resume_token else {
+            return format!(
+                "no transcript read: the session has no resume token (executor's: {:?})",
+                r.resume_token
+            );
+        };
+        let path = self.transcript_path(s, token);
+        let dir = path.parent().map(Path::to_owned).unwrap_or_default();
+        let listing: Vec<String> = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries
+                .flatten()
+                .map(|e| {
+                    let meta = e.metadata().ok();
+                    format!(
+                        "{} ({} bytes)",
+                        e.file_name().to_string_lossy(),
+                        meta.map(|m| m.len()).unwrap_or(0)
+                    )
+                })
+                .collect(),
+            Err(e) => vec![format!("unreadable: {e}")],
+        };
+        let read = match std::fs::read_to_string(&path) {
+            Ok(text) => format!("{} bytes", text.len()),
+            Err(e) => format!("not readable: {e}"),
+        };
+        format!(
+            "transcript of token {token} (executor's token {:?}) at {}: {read}; {} holds {listing:?}",
+            r.resume_token,
+            path.display(),
+            dir.display()
+        )
+    }
+
     pub fn transcript(&self, s: &Session) -> Vec<(String, String)> {
         let Some(token) = &s.resume_token else {
             return Vec::new();
@@ -803,6 +841,11 @@ impl World {
             let msgs = self.store.list_messages(s.id, 0, 100_000).await.unwrap();
             let turns = self.transcript(&s);
             turns_total += turns.len();
+            if turns.is_empty() && msgs.iter().any(|m| m.role == MessageRole::Agent) {
+                // Say where the checker looked and what is there, so a
+                // mismatch of token or path is told apart from lost turns.
+                failures.push(format!("{who}: {}", self.transcript_diagnosis(&s, &r)));
+            }
             let mut seen = HashSet::new();
             for m in msgs.iter().filter(|m| m.role == MessageRole::User) {
                 if !seen.insert(m.content.clone()) {
@@ -1075,6 +1118,7 @@ async fn profile(store: &Store, name: &str, command: String, state_dir: String) 
                 ("ACP_DEMO_CHUNK_DELAY_MS".into(), "30".into()),
             ]),
             supports_session_resume: true,
+            container: None,
             created_at: now,
             updated_at: now,
         })
@@ -1092,6 +1136,8 @@ pub fn new_session(
 ) -> NewSession {
     let path = dir.join(format!("wt-{}", plan.name));
     std::fs::create_dir_all(&path).unwrap();
+    // Docker containers run as the worktree's owner, never as root.
+    std::os::unix::fs::chown(&path, Some(1000), Some(1000)).unwrap();
     NewSession {
         task_id: task,
         agent_profile_id: match plan.runtime {

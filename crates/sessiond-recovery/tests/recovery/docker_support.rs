@@ -95,6 +95,7 @@ impl DockerKit {
                 args: vec!["--state-dir".into(), "/workspace/.agent-state".into()],
                 env: Default::default(),
                 supports_session_resume: true,
+                container: None,
                 created_at: now,
                 updated_at: now,
             })

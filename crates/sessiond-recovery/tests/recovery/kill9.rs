@@ -15,7 +15,8 @@ use std::{
 
 use futures::StreamExt;
 use sessiond_domain::{
-    ExecutorId, ExecutorStatus, OutcomeLabel, Runtime, SessionId, SessionState, TaskState,
+    ExecutorId, ExecutorStatus, OutcomeLabel, ResumeReason, Runtime, SessionId, SessionState,
+    TaskState,
 };
 use sessiond_executor::{Executor, ExecutorHandle};
 use sessiond_recovery::{NewSession, RemoteAgentctl, SessionManager};
@@ -437,6 +438,16 @@ async fn docker_fault_while_down(remove: bool) {
     child.kill9().await;
     let before = w.record(sid).await;
     let container = kit.one_running(sid).await;
+    let run_dir = w.dir.path().join("docker-run").join(before.id.to_string());
+    let secret = w
+        .dir
+        .path()
+        .join("docker-run")
+        .join(format!("{}.secret", before.id));
+    assert!(
+        run_dir.is_dir() && secret.is_file(),
+        "the driver keeps both"
+    );
     if remove {
         kit.driver.remove_container(&container.id).await.unwrap();
     } else {
@@ -453,14 +464,30 @@ async fn docker_fault_while_down(remove: bool) {
         assert_eq!(summary.count(OutcomeLabel::ExecutorError), 1, "{summary:?}");
         assert_eq!(st.state, SessionState::Error);
         assert_eq!(st.executor_status, Some(ExecutorStatus::Error));
-        let msg = st.error_message.unwrap();
-        assert!(msg.contains("container"), "{msg}");
+        let msg = st.error_message.clone().unwrap();
+        assert!(
+            msg.starts_with("container_missing:") && msg.contains("create a new session"),
+            "{msg}"
+        );
+        // The fields agree with the message: nothing to resume.
+        assert!(!st.is_resumable && !st.needs_resume, "{st:?}");
+        assert_eq!(st.resume_reason, ResumeReason::ExecutorGone, "{st:?}");
         assert!(kit.containers_of_session(sid).await.is_empty());
         assert_eq!(agentctls_of(before.id), 0);
+        assert!(
+            !run_dir.exists(),
+            "the removed container's run directory is left"
+        );
+        assert!(!secret.exists(), "its secret is left");
         // An explicit resume says why it cannot, and starts nothing either.
         let err = mgr.resume_session(w.task.id, sid).await.unwrap_err();
-        assert!(err.to_string().contains("gone"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("the container of this session no longer exists; create a new session"),
+            "{err}"
+        );
         assert!(kit.containers_of_session(sid).await.is_empty());
+        assert_eq!(w.status(&mgr, sid).await, st, "the refusal changed nothing");
     } else {
         assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
         let after = w.record(sid).await;
@@ -533,6 +560,69 @@ async fn docker_explicit_resume_starts_stopped_container() {
     assert_one_agentctl(&w, Some(&kit), s.id, Runtime::LocalDocker).await;
     let reply = w.prompt(&mgr, s.id, "two").await;
     assert_eq!(reply, expected_reply(2, &token, "two"));
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// A Docker session whose container was removed while the backend ran: the
+/// liveness check finds it gone, so the status says not resumable with the
+/// `container_missing` message and the run directory is removed; an explicit
+/// resume is refused (FAILED_PRECONDITION) with the same words and starts
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs Docker: run by cargo xtask ci"]
+async fn docker_explicit_resume_of_a_removed_container_is_refused_and_cleaned_up() {
+    let w = World::new(Db::Sqlite).await;
+    let kit = DockerKit::new(&w).await;
+    let config = sessiond_recovery::ManagerConfig {
+        liveness_interval: Some(Duration::from_millis(200)),
+        ..w.config()
+    };
+    let mgr = SessionManager::new(
+        w.store.clone(),
+        drivers_with(w.dir.path(), &kit.driver),
+        config,
+    );
+    mgr.recover_all().await.unwrap();
+    let s = w
+        .create_rt(&mgr, "gone", &kit.profile, Runtime::LocalDocker, None)
+        .await;
+    w.prompt(&mgr, s.id, "one").await;
+    let record = w.record(s.id).await;
+    let run_dir = w.dir.path().join("docker-run").join(record.id.to_string());
+    assert!(run_dir.is_dir());
+    let container = kit.one_running(s.id).await;
+    kit.driver.remove_container(&container.id).await.unwrap();
+    w.wait_state(&mgr, s.id, SessionState::Error).await;
+    let st = w.status(&mgr, s.id).await;
+    assert!(!st.is_resumable && !st.needs_resume, "{st:?}");
+    assert_eq!(st.resume_reason, ResumeReason::ExecutorGone);
+    assert!(!run_dir.exists(), "the run directory is removed");
+
+    let err = mgr.resume_session(w.task.id, s.id).await.unwrap_err();
+    assert_eq!(
+        err.kind(),
+        sessiond_recovery::ErrorKind::FailedPrecondition,
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("the container of this session no longer exists; create a new session"),
+        "{err}"
+    );
+    assert!(
+        kit.containers_of_session(s.id).await.is_empty(),
+        "nothing started"
+    );
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::Error);
+    assert!(!st.is_resumable && !st.needs_resume, "{st:?}");
+    assert_eq!(st.resume_reason, ResumeReason::ExecutorGone);
+    let msg = st.error_message.clone().unwrap();
+    assert!(msg.starts_with("container_missing:"), "{msg}");
+    assert!(!run_dir.exists(), "the run directory is removed");
+    // Asked again: refused at once by the status, same answer.
+    let again = mgr.resume_session(w.task.id, s.id).await.unwrap_err();
+    assert_eq!(again.to_string(), err.to_string());
     w.finish(&mgr, &[s.id]).await;
 }
 

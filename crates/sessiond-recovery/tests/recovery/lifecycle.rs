@@ -188,6 +188,7 @@ async fn broken_profile_is_error_with_message() {
             args: vec![],
             env: Default::default(),
             supports_session_resume: true,
+            container: None,
             created_at: now,
             updated_at: now,
         })

@@ -127,6 +127,7 @@ impl World {
                     .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                     .collect(),
                 supports_session_resume: claims_resume,
+                container: None,
                 created_at: now,
                 updated_at: now,
             })
@@ -137,6 +138,8 @@ impl World {
     pub fn worktree(&self, name: &str) -> Worktree {
         let path = self.path(&format!("wt-{name}"));
         std::fs::create_dir_all(&path).unwrap();
+        // Docker containers run as the worktree's owner, never as root.
+        std::os::unix::fs::chown(&path, Some(1000), Some(1000)).unwrap();
         Worktree {
             id: name.into(),
             path: path.display().to_string(),
@@ -323,6 +326,7 @@ fn placeholder_profile() -> AgentProfile {
         args: Vec::new(),
         env: BTreeMap::new(),
         supports_session_resume: false,
+        container: None,
         created_at: now,
         updated_at: now,
     }
