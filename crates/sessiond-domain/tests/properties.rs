@@ -388,7 +388,7 @@ proptest! {
                 }
                 None => Observation::DeadlineExceeded,
             };
-            let surviving_before = surviving;
+            let noted_before = (surviving, probe_denied, saw_resume_success);
             match &observation {
                 Observation::Capabilities { supports_session_resume: false } => probe_denied = true,
                 Observation::Healthy { agent } => surviving = *agent,
@@ -402,13 +402,9 @@ proptest! {
                     prop_assert!(actions <= MAX_STEPS, "more than {} actions", MAX_STEPS);
                 }
                 // Rejected: nothing was accepted, so undo what we noted.
-                Err(err) => {
-                    match err.observation {
-                        Observation::Capabilities { supports_session_resume: false } => probe_denied = false,
-                        Observation::ResumeSucceeded => saw_resume_success = false,
-                        _ => {}
-                    }
-                    surviving = surviving_before;
+                // (Restored, not cleared: an earlier accepted denial stands.)
+                Err(_) => {
+                    (surviving, probe_denied, saw_resume_success) = noted_before;
                     continue;
                 }
             }
