@@ -327,23 +327,12 @@ impl Store {
         session: &Session,
         events: Vec<EventPayload>,
     ) -> Result<(Session, Vec<Event>)> {
-        let mut row = SessionRow::from_domain(session);
-        row.version = 1;
-        let (sid, task, profile) = (session.id, session.task_id, session.agent_profile_id);
-        self.write(move |c| {
-            check_session_parents(c, task, profile)?;
-            diesel::insert_into(task_sessions::table)
-                .values(&row)
-                .execute(c)
-                .map_err(|e| on_unique(e, "session", |_| sid.to_string()))?;
-            let mut change = Changeset::new();
-            for payload in events {
-                change = change.event(sid, payload);
-            }
-            let committed = changeset::apply(c, change)?;
-            Ok((row.into_domain()?, committed.events))
-        })
-        .await
+        let mut change = Changeset::new();
+        for payload in events {
+            change = change.event(session.id, payload);
+        }
+        let (stored, committed) = self.insert_session_then(session, change).await?;
+        Ok((stored, committed.events))
     }
 
     /// Inserts a new session and applies `then` in the same transaction, so
@@ -355,6 +344,15 @@ impl Store {
         session: &Session,
         then: Changeset,
     ) -> Result<Committed> {
+        Ok(self.insert_session_then(session, then).await?.1)
+    }
+
+    /// The session as inserted (version 1), and what `then` wrote after it.
+    async fn insert_session_then(
+        &self,
+        session: &Session,
+        then: Changeset,
+    ) -> Result<(Session, Committed)> {
         let mut row = SessionRow::from_domain(session);
         row.version = 1;
         let (sid, task, profile) = (session.id, session.task_id, session.agent_profile_id);
@@ -364,7 +362,8 @@ impl Store {
                 .values(&row)
                 .execute(c)
                 .map_err(|e| on_unique(e, "session", |_| sid.to_string()))?;
-            changeset::apply(c, then)
+            let committed = changeset::apply(c, then)?;
+            Ok((row.into_domain()?, committed))
         })
         .await
     }
