@@ -96,6 +96,8 @@ impl DockerKit {
                 env: Default::default(),
                 supports_session_resume: true,
                 container: None,
+                auth_method: None,
+                permission_policy: sessiond_domain::PermissionPolicy::Allow,
                 created_at: now,
                 updated_at: now,
             })
