@@ -1113,7 +1113,10 @@ impl FileConfig {
         for (key, value) in [
             ("limits.max_live_sessions", l.max_live_sessions),
             ("limits.max_watch_streams", l.max_watch_streams),
-            ("limits.max_watch_streams_per_token", l.max_watch_streams_per_token),
+            (
+                "limits.max_watch_streams_per_token",
+                l.max_watch_streams_per_token,
+            ),
         ] {
             if value == 0 {
                 p.add(key, "must be at least 1");

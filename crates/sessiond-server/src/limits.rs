@@ -245,7 +245,12 @@ mod tests {
 
     #[test]
     fn names_wildcards_and_networks() {
-        let h = hosts(&["agents.example.com", "*.build.example", "10.1.0.0/16", "fd00::/8"]);
+        let h = hosts(&[
+            "agents.example.com",
+            "*.build.example",
+            "10.1.0.0/16",
+            "fd00::/8",
+        ]);
         assert!(h.check("https://agents.example.com:443").is_ok());
         assert!(h.check("https://a.b.build.example:1").is_ok());
         assert!(h.check("https://build.example:1").is_err());
@@ -258,7 +263,11 @@ mod tests {
             assert!(AllowedHosts::parse(&[bad.to_owned()]).is_err(), "{bad:?}");
         }
         let none = hosts(&[]);
-        assert!(none.check("http://127.0.0.1:1").unwrap_err().contains("off"));
+        assert!(
+            none.check("http://127.0.0.1:1")
+                .unwrap_err()
+                .contains("off")
+        );
     }
 
     #[test]
@@ -267,10 +276,14 @@ mod tests {
         let a1 = l.acquire(Caller(1)).unwrap();
         let _a2 = l.acquire(Caller(1)).unwrap();
         let e = l.acquire(Caller(1)).unwrap_err();
-        assert!(matches!(&e, ApiError::LimitReached(m) if m.contains("max_watch_streams_per_token")));
+        assert!(
+            matches!(&e, ApiError::LimitReached(m) if m.contains("max_watch_streams_per_token"))
+        );
         let _b1 = l.acquire(Caller(2)).unwrap();
         let e = l.acquire(Caller(3)).unwrap_err();
-        assert!(matches!(&e, ApiError::LimitReached(m) if m.contains("(limits.max_watch_streams)")));
+        assert!(
+            matches!(&e, ApiError::LimitReached(m) if m.contains("(limits.max_watch_streams)"))
+        );
         drop(a1);
         let _c = l.acquire(Caller(3)).unwrap();
     }

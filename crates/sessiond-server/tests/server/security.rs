@@ -807,10 +807,7 @@ async fn watch_streams_are_capped_globally_and_per_token() {
         match b.watch_task(watch(&task.id)).await {
             Ok(_) => break,
             Err(e) if e.code() == Code::ResourceExhausted => {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "slot not freed: {e}"
-                );
+                assert!(std::time::Instant::now() < deadline, "slot not freed: {e}");
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             }
             Err(e) => panic!("{e}"),
@@ -878,9 +875,16 @@ async fn over_long_paths_and_arguments_are_invalid_argument() {
         (long_command, "command: "),
     ] {
         assert_eq!(err.code(), Code::InvalidArgument, "{field}: {err}");
-        assert!(err.message().starts_with(field), "{field}: {}", err.message());
+        assert!(
+            err.message().starts_with(field),
+            "{field}: {}",
+            err.message()
+        );
     }
-    assert!(!dir.path().join("work/dir").exists(), "a directory was made");
+    assert!(
+        !dir.path().join("work/dir").exists(),
+        "a directory was made"
+    );
 }
 
 #[tokio::test]
