@@ -11,7 +11,8 @@
 //!
 //! Prompts starting with a slash exercise client features:
 //! `/tool` reports a tool call, `/permission` asks for permission,
-//! `/read PATH` and `/write PATH TEXT` use the client's file system.
+//! `/read PATH` and `/write PATH TEXT` use the client's file system, `/long`
+//! streams for a minute (to be cancelled), `/fail` fails the turn.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -21,11 +22,12 @@ use std::time::Duration;
 use agent_client_protocol::v1::ConnectionTo;
 use agent_client_protocol::v1::schema::{
     AgentCapabilities, AuthMethod, AuthMethodAgent, AuthenticateRequest, AuthenticateResponse,
-    CancelNotification, ContentBlock, ContentChunk, Implementation, InitializeRequest,
-    InitializeResponse, LoadSessionRequest, LoadSessionResponse, NewSessionRequest,
-    NewSessionResponse, PermissionOption, PermissionOptionKind, PromptRequest, PromptResponse,
-    ReadTextFileRequest, RequestPermissionOutcome, RequestPermissionRequest, SessionNotification,
-    SessionUpdate, StopReason, TextContent, ToolCall, ToolCallStatus, ToolCallUpdate,
+    CancelNotification, ContentBlock, ContentChunk, CurrentModeUpdate, Implementation,
+    InitializeRequest, InitializeResponse, LoadSessionRequest, LoadSessionResponse,
+    NewSessionRequest, NewSessionResponse, PermissionOption, PermissionOptionKind, PromptRequest,
+    PromptResponse, ReadTextFileRequest, RequestPermissionOutcome, RequestPermissionRequest,
+    SessionMode, SessionModeState, SessionNotification, SessionUpdate, SetSessionModeRequest,
+    SetSessionModeResponse, StopReason, TextContent, ToolCall, ToolCallStatus, ToolCallUpdate,
     ToolCallUpdateFields, WriteTextFileRequest,
 };
 use agent_client_protocol::{Client, Error, ErrorCode, Stdio};
@@ -91,6 +93,11 @@ struct Cli {
     /// (`-` when none) to this file, as an agent continuing the trace would.
     #[arg(long, env = "ACP_DEMO_TRACEPARENT_FILE")]
     traceparent_file: Option<PathBuf>,
+    /// Store nothing of a session before its first prompt (as
+    /// claude-code-acp and codex-acp do): `session/load` of a session that
+    /// was never prompted fails with "Resource not found" after a restart.
+    #[arg(long, env = "ACP_DEMO_LAZY_PERSIST", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
+    lazy_persist: bool,
 }
 
 #[derive(Debug)]
@@ -100,6 +107,26 @@ struct Demo {
     prompts: Mutex<u32>,
     cancelled: Mutex<HashSet<String>>,
     authenticated: Mutex<bool>,
+    /// `--lazy-persist`: sessions of this process not written yet, with their cwd.
+    unsaved: Mutex<std::collections::HashMap<String, PathBuf>>,
+    /// The session mode of each session of this process (`default` when absent).
+    modes: Mutex<std::collections::HashMap<String, String>>,
+}
+
+/// The session modes every session offers (ACP session modes).
+const MODES: &[(&str, &str, &str)] = &[
+    ("default", "Default", "answers as usual"),
+    ("plan", "Plan", "answers, then says it only planned"),
+];
+
+fn mode_state(current: &str) -> SessionModeState {
+    SessionModeState::new(
+        current.to_owned(),
+        MODES
+            .iter()
+            .map(|(id, name, what)| SessionMode::new(*id, *name).description(what.to_string()))
+            .collect(),
+    )
 }
 
 impl Demo {
@@ -146,6 +173,8 @@ async fn main() -> anyhow::Result<()> {
         prompts: Mutex::new(0),
         cancelled: Mutex::new(HashSet::new()),
         authenticated: Mutex::new(false),
+        unsaved: Mutex::new(std::collections::HashMap::new()),
+        modes: Mutex::new(std::collections::HashMap::new()),
     });
     serve(demo).await?;
     Ok(())
@@ -157,6 +186,7 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
     let d_new = demo.clone();
     let d_load = demo.clone();
     let d_prompt = demo.clone();
+    let d_mode = demo.clone();
     let d_cancel = demo;
     agent_client_protocol::Agent
         .v1()
@@ -208,8 +238,15 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
                     return responder.respond_with_error(e);
                 }
                 let id = uuid::Uuid::new_v4().to_string();
+                if d_new.cli.lazy_persist {
+                    lock(&d_new.unsaved).insert(id.clone(), req.cwd.clone());
+                    return responder
+                        .respond(NewSessionResponse::new(id).modes(mode_state("default")));
+                }
                 match save_transcript(&d_new.state_dir, &id, &req.cwd, &[]) {
-                    Ok(()) => responder.respond(NewSessionResponse::new(id)),
+                    Ok(()) => {
+                        responder.respond(NewSessionResponse::new(id).modes(mode_state("default")))
+                    }
                     Err(e) => responder.respond_with_error(Error::new(
                         ErrorCode::INTERNAL_ERROR,
                         format!("cannot persist session: {e}"),
@@ -233,6 +270,14 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
                     ));
                 }
                 let id = req.session_id.0.to_string();
+                let mode = lock(&d_load.modes)
+                    .get(&id)
+                    .cloned()
+                    .unwrap_or_else(|| "default".to_owned());
+                if lock(&d_load.unsaved).contains_key(&id) {
+                    // Known to this process, nothing to replay.
+                    return responder.respond(LoadSessionResponse::new().modes(mode_state(&mode)));
+                }
                 let turns = match load_transcript(&d_load.state_dir, &id) {
                     Ok(t) => t,
                     Err(msg) => {
@@ -251,7 +296,7 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
                         SessionUpdate::AgentMessageChunk(text_chunk(&turn.reply)),
                     ))?;
                 }
-                responder.respond(LoadSessionResponse::new())
+                responder.respond(LoadSessionResponse::new().modes(mode_state(&mode)))
             },
             agent_client_protocol::on_receive_request!(),
         )
@@ -271,6 +316,23 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
                     }
                     Ok(())
                 })
+            },
+            agent_client_protocol::on_receive_request!(),
+        )
+        .on_receive_request(
+            async move |req: SetSessionModeRequest, responder, cx: ConnectionTo<Client>| {
+                let mode = req.mode_id.0.to_string();
+                if !MODES.iter().any(|(id, _, _)| *id == mode) {
+                    return responder.respond_with_error(Error::invalid_params().data(format!(
+                        "unknown mode {mode:?}; the modes are default and plan"
+                    )));
+                }
+                lock(&d_mode.modes).insert(req.session_id.0.to_string(), mode.clone());
+                cx.send_notification(SessionNotification::new(
+                    req.session_id.clone(),
+                    SessionUpdate::CurrentModeUpdate(CurrentModeUpdate::new(mode)),
+                ))?;
+                responder.respond(SetSessionModeResponse::new())
             },
             agent_client_protocol::on_receive_request!(),
         )
@@ -329,8 +391,12 @@ async fn run_turn(
                 )
             })?;
     }
-    let mut turns = load_transcript(&demo.state_dir, &id)
-        .map_err(|msg| Error::new(ErrorCode::RESOURCE_NOT_FOUND, msg))?;
+    let unsaved_cwd = lock(&demo.unsaved).get(&id).cloned();
+    let mut turns = match unsaved_cwd {
+        Some(_) => Vec::new(),
+        None => load_transcript(&demo.state_dir, &id)
+            .map_err(|msg| Error::new(ErrorCode::RESOURCE_NOT_FOUND, msg))?,
+    };
     let prompt: String = req
         .prompt
         .iter()
@@ -354,13 +420,20 @@ async fn run_turn(
         format!("of session {id}: "),
         format!("you said \"{prompt}\""),
     ];
-    for i in 0..demo.cli.extra_chunks {
+    // `/long`: a turn of 600 chunks 100 ms apart (a minute), which honours
+    // `session/cancel` between chunks.
+    let long = prompt.split_whitespace().next() == Some("/long");
+    let extra = if long { 600 } else { demo.cli.extra_chunks };
+    for i in 0..extra {
         chunks.push(format!(" [{}]", i + 1));
     }
     if let Some(extra) = slash_command(cx, &req.session_id, &prompt).await? {
         chunks.push(format!("\n{extra}"));
     }
-    let delay = Duration::from_millis(demo.cli.chunk_delay_ms);
+    if lock(&demo.modes).get(&id).map(String::as_str) == Some("plan") {
+        chunks.push(" (plan mode: nothing was done)".to_owned());
+    }
+    let delay = Duration::from_millis(if long { 100 } else { demo.cli.chunk_delay_ms });
     for (i, chunk) in chunks.iter().enumerate() {
         if i > 0 && !delay.is_zero() {
             tokio::time::sleep(delay).await;
@@ -392,13 +465,16 @@ async fn run_turn(
         prompt,
         reply: chunks.concat(),
     });
-    let cwd = load_cwd(&demo.state_dir, &id).unwrap_or_default();
+    let cwd = unsaved_cwd
+        .or_else(|| load_cwd(&demo.state_dir, &id))
+        .unwrap_or_default();
     save_transcript(&demo.state_dir, &id, &cwd, &turns).map_err(|e| {
         Error::new(
             ErrorCode::INTERNAL_ERROR,
             format!("cannot persist turn: {e}"),
         )
     })?;
+    lock(&demo.unsaved).remove(&id);
     Ok(PromptResponse::new(StopReason::EndTurn))
 }
 
@@ -479,6 +555,12 @@ async fn slash_command(
                 RequestPermissionOutcome::Selected(s) => format!("permission: {}", s.option_id.0),
                 _ => "permission: cancelled".to_owned(),
             }
+        }
+        "/fail" => {
+            return Err(Error::new(
+                ErrorCode::INTERNAL_ERROR,
+                "acp-demo-agent: this turn fails on purpose (/fail)",
+            ));
         }
         "/read" => {
             let path = words.next().unwrap_or_default();

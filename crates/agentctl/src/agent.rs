@@ -23,9 +23,9 @@ use agent_client_protocol::v1::schema::{
     FileSystemCapabilities, Implementation, InitializeRequest, LoadSessionRequest,
     NewSessionRequest, PermissionOptionKind, PromptRequest, ReadTextFileRequest,
     ReadTextFileResponse, RequestPermissionOutcome, RequestPermissionRequest,
-    RequestPermissionResponse, SelectedPermissionOutcome, SessionId, SessionNotification,
-    SessionUpdate, StopReason, TextContent, ToolCallStatus, WriteTextFileRequest,
-    WriteTextFileResponse,
+    RequestPermissionResponse, SelectedPermissionOutcome, SessionId, SessionModeId,
+    SessionModeState, SessionNotification, SessionUpdate, SetSessionModeRequest, StopReason,
+    TextContent, ToolCallStatus, WriteTextFileRequest, WriteTextFileResponse,
 };
 use agent_client_protocol::{Agent, Client, ErrorCode, Lines};
 use sessiond_proto::agentctl::v1::{
@@ -203,6 +203,10 @@ struct Slot {
     turns: VecDeque<TurnRecord>,
     /// Marker of the running agent's process tree (see [`tree`]).
     marker: String,
+    /// The session modes the agent offered for `session` (ACP session
+    /// modes, from `session/new` / `session/load`), the current one kept up
+    /// to date by `set_mode`.
+    modes: Option<SessionModeState>,
 }
 
 #[derive(Debug)]
@@ -446,6 +450,7 @@ impl AgentManager {
                     replayed: 0,
                     turns: loaded.turns,
                     marker: String::new(),
+                    modes: None,
                 }),
                 ops: tokio::sync::Mutex::new(()),
                 journal_fresh: journal.is_durable() && loaded.fresh,
@@ -547,6 +552,7 @@ impl AgentManager {
             slot.auth_methods = Vec::new();
             slot.policy = spec.permission_policy.unwrap_or(self.shared.policy);
             slot.session = None;
+            slot.modes = None;
             slot.turn = None;
             slot.replaying = None;
             slot.marker = marker;
@@ -716,7 +722,9 @@ impl AgentManager {
         .map_err(|_| Error::DeadlineExceeded("session/new was not answered in time".into()))?
         .map_err(|e| self.shared.acp_error("ACP session/new", &e))?;
         let id = resp.session_id;
-        self.shared.slot().session = Some(id.clone());
+        let mut slot = self.shared.slot();
+        slot.session = Some(id.clone());
+        slot.modes = resp.modes;
         Ok(id.0.to_string())
     }
 
@@ -757,13 +765,14 @@ impl AgentManager {
         let mut slot = self.shared.slot();
         slot.replaying = None;
         match result {
-            Ok(Ok(_)) => {
+            Ok(Ok(resp)) => {
                 tracing::info!(
                     session = %session,
                     replayed = slot.replayed,
                     "session/load done; replayed history not re-emitted"
                 );
                 slot.session = Some(session);
+                slot.modes = resp.modes;
                 Ok(token.to_owned())
             }
             Ok(Err(e)) => {
@@ -776,6 +785,52 @@ impl AgentManager {
                 "session/load was not answered in time".into(),
             )),
         }
+    }
+
+    /// The session modes of the open conversation, if the agent has modes.
+    pub fn modes(&self) -> Option<SessionModeState> {
+        self.shared.slot().modes.clone()
+    }
+
+    /// ACP `session/set_mode` of the open conversation; returns its modes
+    /// with `mode_id` current.
+    pub async fn set_mode(&self, mode_id: &str) -> Result<SessionModeState> {
+        let _op = self.shared.ops.lock().await;
+        let (conn, session, modes) = {
+            let slot = self.shared.slot();
+            let conn = slot.connection()?;
+            let Some(session) = slot.session.clone() else {
+                return Err(Error::FailedPrecondition(
+                    "no conversation is open (NewSession or ResumeSession first)".into(),
+                ));
+            };
+            (conn, session, slot.modes.clone())
+        };
+        let Some(modes) = modes else {
+            return Err(Error::FailedPrecondition(
+                "the agent offers no session modes".into(),
+            ));
+        };
+        if !modes.available_modes.iter().any(|m| &*m.id.0 == mode_id) {
+            let known: Vec<&str> = modes.available_modes.iter().map(|m| &*m.id.0).collect();
+            return Err(Error::InvalidArgument(format!(
+                "mode_id: the agent has no mode {mode_id:?}; its modes are {}",
+                known.join(", ")
+            )));
+        }
+        tokio::time::timeout(
+            SESSION_SETUP_TIMEOUT,
+            conn.send_request(SetSessionModeRequest::new(session, mode_id.to_owned()))
+                .block_task(),
+        )
+        .await
+        .map_err(|_| Error::DeadlineExceeded("session/set_mode was not answered in time".into()))?
+        .map_err(|e| self.shared.acp_error("ACP session/set_mode", &e))?;
+        let mut slot = self.shared.slot();
+        let mut modes = slot.modes.clone().unwrap_or(modes);
+        modes.current_mode_id = SessionModeId::new(mode_id);
+        slot.modes = Some(modes.clone());
+        Ok(modes)
     }
 
     /// Starts one turn in the background. Idempotent by `turn_id`: a turn id
@@ -1044,6 +1099,7 @@ fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) {
     slot.exit = Some(exit);
     slot.replaying = None;
     slot.session = None;
+    slot.modes = None;
     if let Some(turn) = slot.turn.take() {
         let cursor = shared.updates.push(Kind::TurnEnded(TurnEnded {
             turn_id: turn.turn_id.clone(),

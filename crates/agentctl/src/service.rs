@@ -13,8 +13,8 @@ use sessiond_proto::agentctl::v1::{
     GitStatusResponse, HealthRequest, HealthResponse, LaunchAgentRequest, LaunchAgentResponse,
     ListDirRequest, ListDirResponse, NewSessionRequest, NewSessionResponse, PromptRequest,
     PromptResponse, ReadFileRequest, ReadFileResponse, ResumeSessionRequest, ResumeSessionResponse,
-    StopAgentRequest, StopAgentResponse, StreamUpdatesRequest, TurnPhase, WriteFileRequest,
-    WriteFileResponse,
+    SessionMode, SessionModes, SetModeRequest, SetModeResponse, StopAgentRequest,
+    StopAgentResponse, StreamUpdatesRequest, TurnPhase, WriteFileRequest, WriteFileResponse,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
@@ -116,6 +116,7 @@ impl AgentCtlService for AgentCtl {
             acp_session_id: status.session.unwrap_or_default(),
             journaled,
             journal_fresh,
+            modes: self.agent.modes().map(|m| session_modes(&m)),
         }))
     }
 
@@ -177,7 +178,10 @@ impl AgentCtlService for AgentCtl {
     async fn new_session(&self, _req: Request<NewSessionRequest>) -> Res<NewSessionResponse> {
         let agent = self.agent.clone();
         let resume_token = to_completion(async move { agent.new_session().await }).await?;
-        Ok(Response::new(NewSessionResponse { resume_token }))
+        Ok(Response::new(NewSessionResponse {
+            resume_token,
+            modes: self.agent.modes().map(|m| session_modes(&m)),
+        }))
     }
 
     async fn resume_session(
@@ -187,7 +191,19 @@ impl AgentCtlService for AgentCtl {
         let token = req.into_inner().resume_token;
         let agent = self.agent.clone();
         let resume_token = to_completion(async move { agent.resume_session(&token).await }).await?;
-        Ok(Response::new(ResumeSessionResponse { resume_token }))
+        Ok(Response::new(ResumeSessionResponse {
+            resume_token,
+            modes: self.agent.modes().map(|m| session_modes(&m)),
+        }))
+    }
+
+    async fn set_mode(&self, req: Request<SetModeRequest>) -> Res<SetModeResponse> {
+        let mode_id = req.into_inner().mode_id;
+        let agent = self.agent.clone();
+        let modes = to_completion(async move { agent.set_mode(&mode_id).await }).await?;
+        Ok(Response::new(SetModeResponse {
+            modes: Some(session_modes(&modes)),
+        }))
     }
 
     async fn prompt(&self, req: Request<PromptRequest>) -> Res<PromptResponse> {
@@ -358,4 +374,20 @@ async fn to_completion<T: Send + 'static>(
     tokio::spawn(work).await.map_err(|e| {
         crate::error::Error::Unavailable(format!("agent operation ended abnormally: {e}"))
     })?
+}
+
+/// ACP session modes on the wire.
+fn session_modes(m: &agent_client_protocol::v1::schema::SessionModeState) -> SessionModes {
+    SessionModes {
+        current_mode_id: m.current_mode_id.0.to_string(),
+        available: m
+            .available_modes
+            .iter()
+            .map(|m| SessionMode {
+                id: m.id.0.to_string(),
+                name: m.name.clone(),
+                description: m.description.clone().unwrap_or_default(),
+            })
+            .collect(),
+    }
 }

@@ -178,6 +178,7 @@ impl AgentCtlService for Fleet {
         self.open_session(id, token.clone());
         Ok(Response::new(pb::NewSessionResponse {
             resume_token: token,
+            modes: None,
         }))
     }
 
@@ -193,6 +194,7 @@ impl AgentCtlService for Fleet {
         self.open_session(id, token.clone());
         Ok(Response::new(pb::ResumeSessionResponse {
             resume_token: token,
+            modes: None,
         }))
     }
 
@@ -205,6 +207,13 @@ impl AgentCtlService for Fleet {
     async fn cancel(&self, req: Request<pb::CancelRequest>) -> Res<pb::CancelResponse> {
         Self::identity(&req)?;
         Ok(Response::new(pb::CancelResponse { cancelled: false }))
+    }
+
+    async fn set_mode(&self, req: Request<pb::SetModeRequest>) -> Res<pb::SetModeResponse> {
+        Self::identity(&req)?;
+        Err(Status::failed_precondition(
+            "the bench fleet stands in for recovery only; it has no session modes",
+        ))
     }
 
     async fn stop_agent(&self, req: Request<pb::StopAgentRequest>) -> Res<pb::StopAgentResponse> {

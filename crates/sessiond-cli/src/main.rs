@@ -68,6 +68,14 @@ enum Command {
     /// left it unknown whether the agent ran it; sessiond never re-sends
     /// such a turn by itself), and print the reply as it streams.
     Retry(RetryArgs),
+    /// Cancel the session's turn in progress; the reply so far is kept.
+    Cancel(SessionRef),
+    /// Switch the agent's session mode (`session status` lists the modes).
+    Mode {
+        #[command(flatten)]
+        session: SessionRef,
+        mode_id: String,
+    },
     /// List a session's messages.
     Messages(MessagesArgs),
     /// Follow a session's (or a task's) events live; reconnects after a
@@ -358,6 +366,29 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Session(cmd) => session(&mut c, &out, cmd).await?,
         Command::Send(args) => send(&mut c, &out, args).await?,
         Command::Retry(args) => retry(&mut c, &out, args).await?,
+        Command::Cancel(s) => {
+            let r = c
+                .sessions
+                .cancel_turn(pb::CancelTurnRequest {
+                    task_id: s.task.task,
+                    session_id: s.session_id.clone(),
+                })
+                .await?
+                .into_inner();
+            out.cancelled(&s.session_id, r.cancelled);
+        }
+        Command::Mode { session, mode_id } => {
+            let r = c
+                .sessions
+                .set_session_mode(pb::SetSessionModeRequest {
+                    task_id: session.task.task,
+                    session_id: session.session_id.clone(),
+                    mode_id,
+                })
+                .await?
+                .into_inner();
+            out.modes(&session.session_id, &r.modes.unwrap_or_default());
+        }
         Command::Messages(args) => messages(&mut c, &out, args).await?,
         Command::Watch(args) => watch(&mut c, &out, args).await?,
         Command::Workspace(cmd) => return workspace(&mut c, &out, cmd).await,
@@ -512,6 +543,16 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
                 .await?
                 .into_inner();
             out.created_session(r.session.as_ref());
+            // Created but not usable: a script must not go on as if it were.
+            if let Some(s) = r.session.as_ref()
+                && s.state == pb::SessionState::Error as i32
+            {
+                bail!(
+                    "session {} was created but is ERROR: {}",
+                    s.id,
+                    s.error_message
+                );
+            }
         }
         SessionCmd::List { task } => {
             let r = c
@@ -635,8 +676,9 @@ async fn retry(c: &mut Clients, out: &Out, args: RetryArgs) -> anyhow::Result<()
 }
 
 /// Follows the session's events after user message `sent` and prints the
-/// agent's reply as it streams, until the turn ends. A turn that ends
-/// without a reply (interrupted, or failed) is an error naming why.
+/// agent's reply as it streams, until the turn's `turn_ended`. A turn that
+/// ends otherwise than `end_turn` (failed, interrupted, cancelled, ...) is
+/// an error naming why, at once (a non-zero exit).
 async fn follow_turn(
     c: &mut Clients,
     out: &Out,
@@ -664,17 +706,23 @@ async fn follow_turn(
         .await?
         .into_inner();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout_secs);
-    let mut printed = 0usize;
+    // The reply may be several agent messages (text around tool calls):
+    // each is printed as it grows.
+    let mut printing: Option<(String, usize)> = None;
     let mut reply: Option<pb::Message> = None;
     let mut note: Option<String> = None;
-    let mut ended = false;
     let mut in_turn = false;
-    loop {
+    let end = loop {
         let next = tokio::time::timeout_at(deadline, events.next())
             .await
-            .context("timed out waiting for the agent's reply")?;
+            .with_context(|| {
+                format!(
+                    "timed out after {timeout_secs} s waiting for the end of the agent's turn; \
+                     it goes on (`sessionctl cancel` cancels it, `sessionctl messages` shows it)"
+                )
+            })?;
         let Some(event) = next.transpose()? else {
-            bail!("the server closed the event stream before the reply was complete");
+            bail!("the server closed the event stream before the turn ended");
         };
         match event.payload {
             Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
@@ -686,44 +734,35 @@ async fn follow_turn(
             | Some(pb::event::Payload::MessageUpdated(pb::MessageUpdated { message: Some(m) }))
                 if m.role == pb::MessageRole::Agent as i32 && m.seq > user_seq =>
             {
-                if !out.json && m.content.len() > printed {
+                if !out.json {
                     let mut stdout = std::io::stdout().lock();
-                    let _ = stdout.write_all(&m.content.as_bytes()[printed..]);
-                    let _ = stdout.flush();
-                    printed = m.content.len();
+                    let done = match &printing {
+                        Some((id, n)) if *id == m.id => *n,
+                        Some(_) => {
+                            let _ = stdout.write_all(b"\n");
+                            0
+                        }
+                        None => 0,
+                    };
+                    if m.content.len() > done {
+                        let _ = stdout.write_all(&m.content.as_bytes()[done..]);
+                        let _ = stdout.flush();
+                    }
+                    printing = Some((m.id.clone(), m.content.len().max(done)));
                 }
-                let complete = m.complete;
                 reply = Some(m);
-                if complete {
-                    break;
-                }
             }
             Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
                 if in_turn && m.role == pb::MessageRole::System as i32 =>
             {
-                if ended && reply.is_none() {
-                    bail!("{}", m.content);
-                }
                 note = Some(m.content);
             }
-            Some(pb::event::Payload::StateChanged(sc)) if in_turn => {
-                if sc.to == pb::SessionState::Error as i32 {
-                    bail!("the session went to ERROR: {}", sc.error_message);
-                }
-                if sc.to == pb::SessionState::WaitingForInput as i32 {
-                    ended = true;
-                    if reply.is_some() {
-                        break;
-                    }
-                    // The turn ended without a reply (interrupted or failed):
-                    // its system message says why (it may come next).
-                    if let Some(note) = note.take() {
-                        bail!("{note}");
-                    }
-                }
-            }
+            Some(pb::event::Payload::TurnEnded(t)) if t.turn_id == user_id => break t,
             _ => {}
         }
+    };
+    if !out.json && printing.is_some() {
+        println!();
     }
     if out.json {
         println!(
@@ -731,12 +770,23 @@ async fn follow_turn(
             serde_json::json!({
                 "message": sent.as_ref().map(output::message_json),
                 "reply": reply.as_ref().map(output::message_json),
+                "stop_reason": end.stop_reason,
+                "error_message": end.error_message,
             })
         );
-    } else if printed > 0 {
-        println!();
     }
-    Ok(())
+    match end.stop_reason.as_str() {
+        "end_turn" => Ok(()),
+        // The system message of a failed, interrupted or cancelled turn
+        // says what happened and what can be done.
+        reason => match note {
+            Some(note) => bail!("the turn ended {reason}: {note}"),
+            None if !end.error_message.is_empty() => {
+                bail!("the turn ended {reason}: {}", end.error_message)
+            }
+            None => bail!("the turn ended {reason}"),
+        },
+    }
 }
 
 async fn messages(c: &mut Clients, out: &Out, args: MessagesArgs) -> anyhow::Result<()> {

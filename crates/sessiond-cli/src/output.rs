@@ -116,12 +116,34 @@ fn event_json(e: &pb::Event) -> Value {
         Some(Payload::MessageUpdated(p)) => {
             json!({"message": p.message.as_ref().map(message_json)})
         }
+        Some(Payload::TurnEnded(p)) => json!({
+            "turn_id": p.turn_id, "stop_reason": p.stop_reason, "error_message": p.error_message,
+        }),
+        Some(Payload::ConversationReplaced(p)) => json!({
+            "previous_resume_token": p.previous_resume_token,
+            "resume_token": p.resume_token, "reason": p.reason,
+        }),
         None => Value::Null,
     };
     json!({
         "session_id": e.session_id, "task_id": e.task_id, "seq": e.seq, "task_seq": e.task_seq,
         "kind": e.kind, "created_at": ts(e.created_at.as_ref()), "payload": payload,
     })
+}
+
+fn modes_json(m: &pb::SessionModes) -> Value {
+    json!({
+        "current_mode_id": m.current_mode_id,
+        "available": m.available.iter().map(|a| json!({
+            "id": a.id, "name": a.name, "description": a.description,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// `plan (of default, plan)`: the current mode first, then every mode.
+fn modes_line(m: &pb::SessionModes) -> String {
+    let all: Vec<&str> = m.available.iter().map(|a| a.id.as_str()).collect();
+    format!("{} (of {})", m.current_mode_id, all.join(", "))
 }
 
 fn one_line(text: &str, max: usize) -> String {
@@ -229,6 +251,7 @@ impl Out {
                 "needs_resume": s.needs_resume, "resume_reason": resume_reason(s.resume_reason),
                 "worktree_path": s.worktree_path, "worktree_branch": s.worktree_branch,
                 "error_message": s.error_message,
+                "modes": s.modes.as_ref().map(modes_json),
             }));
             return;
         }
@@ -249,6 +272,17 @@ impl Out {
         if !s.error_message.is_empty() {
             println!("error             {}", s.error_message);
         }
+        if let Some(m) = &s.modes {
+            println!("modes             {}", modes_line(m));
+        }
+    }
+
+    pub fn modes(&self, session_id: &str, m: &pb::SessionModes) {
+        if self.json {
+            self.print_json(json!({"session_id": session_id, "modes": modes_json(m)}));
+        } else {
+            println!("session {session_id} mode {}", modes_line(m));
+        }
     }
 
     pub fn deleted(&self, id: &str) {
@@ -256,6 +290,18 @@ impl Out {
             self.print_json(json!({"deleted": id}));
         } else {
             println!("deleted session {id}");
+        }
+    }
+
+    pub fn cancelled(&self, session_id: &str, cancelled: bool) {
+        if self.json {
+            self.print_json(json!({"session_id": session_id, "cancelled": cancelled}));
+        } else if cancelled {
+            println!(
+                "cancel requested for the turn of session {session_id}; the reply so far is kept"
+            );
+        } else {
+            println!("session {session_id} had no turn in progress any more (it had just ended)");
         }
     }
 
@@ -311,6 +357,17 @@ impl Out {
                     )
                 })
             }
+            Some(Payload::TurnEnded(p)) => {
+                let mut s = format!("turn {}: {}", p.turn_id, p.stop_reason);
+                if !p.error_message.is_empty() {
+                    s.push_str(&format!(" ({})", p.error_message));
+                }
+                s
+            }
+            Some(Payload::ConversationReplaced(p)) => format!(
+                "new conversation {} replaces {} ({})",
+                p.resume_token, p.previous_resume_token, p.reason
+            ),
             None => String::new(),
         };
         println!(

@@ -15,6 +15,7 @@ use std::{
     io::{BufRead, BufReader},
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
+    time::{Duration, Instant},
 };
 
 struct Env {
@@ -113,6 +114,29 @@ impl Env {
             String::from_utf8_lossy(&stderr)
         );
         stdout
+    }
+}
+
+impl Env {
+    /// Runs `sessionctl args` expecting it to fail; returns its stdout,
+    /// stderr and how long it took.
+    fn sessionctl_fails(&self, args: &[&str], cwd: &Path) -> (String, String, Duration) {
+        let mut cmd = Command::new("sessionctl");
+        self.apply(&mut cmd);
+        let started = Instant::now();
+        let Output {
+            status,
+            stdout,
+            stderr,
+        } = cmd.args(args).current_dir(cwd).output().unwrap();
+        let took = started.elapsed();
+        let stdout = String::from_utf8_lossy(&stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&stderr).into_owned();
+        assert!(
+            !status.success(),
+            "sessionctl {args:?} succeeded:\n{stdout}\n{stderr}"
+        );
+        (stdout, stderr, took)
     }
 }
 
@@ -219,6 +243,135 @@ fn readme_quickstart_story() {
 
     // Clean up: stop the session (its agentctl exits), then the server.
     env.sessionctl(&["session", "stop", &session], &scratch);
+    terminate(server);
+    for pid in agentctls_under(env.home.path()) {
+        let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    }
+}
+
+/// `send` ends at once, with a non-zero exit and the system message, when
+/// the turn fails, the agent crashes in the middle of it, or it is
+/// cancelled (never after its timeout: 120 s given, each ends in well under
+/// 60 s); `send` and `resume` agree about what to do next; `session create`
+/// exits non-zero when the new session is ERROR.
+#[test]
+fn sessionctl_stops_at_once_on_failed_interrupted_and_cancelled_turns() {
+    let mut env = Env::new();
+    let scratch = env.home.path().join("turns");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let config = env.home.path().join("sessiond.toml");
+    let demo = bin("acp-demo-agent");
+    let state = env.home.path().join("demo-state");
+    std::fs::write(
+        &config,
+        format!(
+            "[[agents]]\nname = \"crashy\"\ncommand = \"{}\"\nargs = [\"--crash-mid-turn\", \"1\"]\n\
+             env = {{ ACP_DEMO_STATE_DIR = \"{}\" }}\n\
+             [[agents]]\nname = \"locked\"\ncommand = \"{}\"\nargs = [\"--require-auth\"]\n",
+            demo.display(),
+            state.display(),
+            demo.display()
+        ),
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    let server = env.serve_with(&[("SESSIOND_CONFIG", &config)]);
+    env.sessionctl(&["health", "--wait"], &scratch);
+    let task = env
+        .sessionctl(&["task", "create", "turns", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    env.task = Some(task);
+
+    // An ERROR session is not a success.
+    let (stdout, stderr, _) =
+        env.sessionctl_fails(&["session", "create", "--agent", "locked"], &scratch);
+    assert!(stdout.contains("ERROR"), "{stdout}");
+    assert!(stderr.contains("is ERROR"), "{stderr}");
+    assert!(stderr.contains("auth_method"), "{stderr}");
+
+    // A failed turn (the agent answers the prompt with an error).
+    let session = env
+        .sessionctl(&["session", "create", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    let (_, stderr, took) = env.sessionctl_fails(
+        &["send", &session, "/fail", "--timeout-secs", "120"],
+        &scratch,
+    );
+    assert!(took < Duration::from_secs(60), "{took:?}");
+    assert!(stderr.contains("the turn ended error"), "{stderr}");
+    assert!(stderr.contains("fails on purpose"), "{stderr}");
+    // The session goes on.
+    let reply = env.sessionctl(&["send", &session, "next"], &scratch);
+    assert!(reply.contains("you said \"next\""), "{reply}");
+
+    // A cancelled turn: `send` of a long turn, cancelled from another shell.
+    let mut cmd = Command::new("sessionctl");
+    env.apply(&mut cmd);
+    let started = Instant::now();
+    let send = cmd
+        .args(["send", &session, "/long", "--timeout-secs", "120"])
+        .current_dir(&scratch)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until part of the reply is stored, then cancel.
+    loop {
+        let m = env.sessionctl(&["messages", &session], &scratch);
+        // [1] /fail, [2] its system note, [3] next, [4] reply, [5] /long.
+        if m.contains("[6] agent: turn 2 ") {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(50), "{m}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = env.sessionctl(&["cancel", &session], &scratch);
+    assert!(out.contains("cancel requested"), "{out}");
+    let out = send.wait_with_output().unwrap();
+    let took = started.elapsed();
+    assert!(!out.status.success());
+    assert!(took < Duration::from_secs(60), "{took:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // `/fail` stored no turn in the agent: `next` was its turn 1.
+    assert!(stdout.contains("turn 2 "), "the reply so far: {stdout}");
+    assert!(stderr.contains("the turn ended cancelled"), "{stderr}");
+    let (_, stderr, _) = env.sessionctl_fails(&["cancel", &session], &scratch);
+    assert!(stderr.contains("no turn is in progress"), "{stderr}");
+
+    // The agent crashes in the middle of the turn: interrupted, at once.
+    let crashy = env
+        .sessionctl(&["session", "create", "--agent", "crashy", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    let (stdout, stderr, took) = env.sessionctl_fails(
+        &["send", &crashy, "boom", "--timeout-secs", "120"],
+        &scratch,
+    );
+    assert!(took < Duration::from_secs(60), "{took:?}");
+    assert!(stdout.contains("turn 1 "), "the partial reply: {stdout}");
+    assert!(stderr.contains("the turn ended interrupted"), "{stderr}");
+    // `send` and `resume` agree: resume first, and resume works.
+    let (_, stderr, _) = env.sessionctl_fails(&["send", &crashy, "again"], &scratch);
+    assert!(stderr.contains("resume the session first"), "{stderr}");
+    let resumed = env.sessionctl(&["session", "resume", &crashy], &scratch);
+    assert!(resumed.contains("WAITING_FOR_INPUT"), "{resumed}");
+
+    // Session modes: listed in the status, switched with `mode`.
+    let status = env.sessionctl(&["session", "status", &session], &scratch);
+    assert!(
+        status.contains("modes             default (of default, plan)"),
+        "{status}"
+    );
+    let out = env.sessionctl(&["mode", &session, "plan"], &scratch);
+    assert!(out.contains("mode plan (of default, plan)"), "{out}");
+    let (_, stderr, _) = env.sessionctl_fails(&["mode", &session, "fast"], &scratch);
+    assert!(stderr.contains("default, plan"), "{stderr}");
+
+    env.sessionctl(&["session", "stop", &session], &scratch);
+    env.sessionctl(&["session", "stop", &crashy], &scratch);
     terminate(server);
     for pid in agentctls_under(env.home.path()) {
         let _ = Command::new("kill").args(["-KILL", &pid]).status();

@@ -183,6 +183,22 @@ pub struct Message {
     pub updated_at: DateTime<Utc>,
 }
 
+/// The session modes an agent offers for a conversation (ACP session
+/// modes, e.g. claude-code-acp's `default`, `acceptEdits`, `plan`), and
+/// which one is current.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AgentModes {
+    pub current: String,
+    pub available: Vec<AgentMode>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentMode {
+    pub id: String,
+    pub name: String,
+    pub description: String,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

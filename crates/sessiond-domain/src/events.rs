@@ -10,7 +10,8 @@ use crate::{
     states::{Runtime, SessionState},
 };
 
-/// The six event kinds of the seed, with their wire names.
+/// The event kinds, with their wire names: the six of the seed, then the
+/// end of every turn and a conversation the agent had lost, replaced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum EventKind {
     AgentctlStarting,
@@ -19,6 +20,8 @@ pub enum EventKind {
     StateChanged,
     MessageAdded,
     MessageUpdated,
+    TurnEnded,
+    ConversationReplaced,
 }
 
 impl EventKind {
@@ -29,6 +32,8 @@ impl EventKind {
         EventKind::StateChanged,
         EventKind::MessageAdded,
         EventKind::MessageUpdated,
+        EventKind::TurnEnded,
+        EventKind::ConversationReplaced,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -39,6 +44,8 @@ impl EventKind {
             EventKind::StateChanged => "session.state_changed",
             EventKind::MessageAdded => "session.message.added",
             EventKind::MessageUpdated => "session.message.updated",
+            EventKind::TurnEnded => "session.turn_ended",
+            EventKind::ConversationReplaced => "session.conversation_replaced",
         }
     }
 
@@ -79,6 +86,23 @@ pub enum EventPayload {
     },
     MessageAdded(Message),
     MessageUpdated(Message),
+    /// A turn ended, however: `stop_reason` is the agent's (ACP
+    /// `end_turn`, `max_tokens`, `max_turn_requests`, `refusal`,
+    /// `cancelled`), or `error` (the turn failed, `error_message` says why)
+    /// or `interrupted` (its end is unknown: the agent or agentctl died).
+    TurnEnded {
+        /// The id of the user message that started the turn.
+        turn_id: String,
+        stop_reason: String,
+        error_message: Option<String>,
+    },
+    /// The agent could not load a conversation that had no turn yet (agents
+    /// that store nothing before the first prompt); a new one replaced it.
+    ConversationReplaced {
+        previous_resume_token: String,
+        resume_token: String,
+        reason: String,
+    },
 }
 
 impl EventPayload {
@@ -90,6 +114,8 @@ impl EventPayload {
             EventPayload::StateChanged { .. } => EventKind::StateChanged,
             EventPayload::MessageAdded(_) => EventKind::MessageAdded,
             EventPayload::MessageUpdated(_) => EventKind::MessageUpdated,
+            EventPayload::TurnEnded { .. } => EventKind::TurnEnded,
+            EventPayload::ConversationReplaced { .. } => EventKind::ConversationReplaced,
         }
     }
 }

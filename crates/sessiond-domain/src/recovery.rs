@@ -148,6 +148,11 @@ pub enum Observation {
     ResumeFailed {
         reason: String,
     },
+    /// The agent refused to load a conversation that has turns: it no
+    /// longer has it (another try fails the same way).
+    ConversationLost {
+        reason: String,
+    },
     ExecutorStopped,
     /// The action could not be performed (spawn, container start or stop failed).
     ActionFailed {
@@ -191,7 +196,7 @@ pub enum Action {
     /// executors cache. Expect `Applied`.
     MarkExecutorReady { event: EventPayload },
     /// Launch the agent if none runs and load the conversation.
-    /// Expect `ResumeSucceeded` / `ResumeFailed`.
+    /// Expect `ResumeSucceeded` / `ResumeFailed` / `ConversationLost`.
     ResumeAgent { resume_token: String },
     /// The session has ended: stop whatever still runs for it (idempotent).
     /// Expect `ExecutorStopped` / `ActionFailed`.
@@ -277,6 +282,12 @@ pub enum RecoveryFailure {
     MissingResumeToken,
     #[error("resuming the agent failed: {reason}; resume the session to try again")]
     ResumeFailed { reason: String },
+    #[error(
+        "the agent could not load this conversation ({reason}): it no longer has it, so resuming \
+         again fails the same way unless the agent gets it back; the messages stay readable and the \
+         workspace usable; create a new session to continue the work"
+    )]
+    ConversationLost { reason: String },
     #[error("could not stop the executor of this ended session: {reason}")]
     StopFailed { reason: String },
     #[error("recovery did not finish in time while {during}; resume the session to try again")]
@@ -295,7 +306,9 @@ impl RecoveryFailure {
             RecoveryFailure::HostUnreachable { .. } => "host_unreachable",
             RecoveryFailure::NotResumable => "not_resumable",
             RecoveryFailure::MissingResumeToken => "missing_resume_token",
-            RecoveryFailure::ResumeFailed { .. } => "resume_failed",
+            RecoveryFailure::ResumeFailed { .. } | RecoveryFailure::ConversationLost { .. } => {
+                "resume_failed"
+            }
             RecoveryFailure::StopFailed { .. } => "stop_failed",
             RecoveryFailure::DeadlineExceeded { .. } => "deadline_exceeded",
         }
@@ -527,6 +540,11 @@ impl Recovery {
                     SessionEvent::Failed,
                     Some(RecoveryFailure::ResumeFailed { reason }),
                 ),
+            (P::Resuming, O::ConversationLost { reason }) => self.ready_done(
+                OutcomeLabel::ResumeFailed,
+                SessionEvent::Failed,
+                Some(RecoveryFailure::ConversationLost { reason }),
+            ),
             (P::Resuming, O::DeadlineExceeded) => self.ready_done(
                 OutcomeLabel::ResumeFailed,
                 SessionEvent::Failed,

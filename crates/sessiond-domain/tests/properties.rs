@@ -278,6 +278,7 @@ fn every_observation() -> Vec<Observation> {
         O::Applied,
         O::ResumeSucceeded,
         O::ResumeFailed { reason: failure() },
+        O::ConversationLost { reason: failure() },
         O::ExecutorStopped,
         O::ActionFailed { reason: failure() },
         O::DeadlineExceeded,
@@ -336,7 +337,11 @@ fn fitting(action: &Action) -> Vec<Observation> {
         ],
         Action::MarkExecutorReady { .. } => vec![O::Applied],
         Action::ResumeAgent { .. } => {
-            vec![O::ResumeSucceeded, O::ResumeFailed { reason: failure() }]
+            vec![
+                O::ResumeSucceeded,
+                O::ResumeFailed { reason: failure() },
+                O::ConversationLost { reason: failure() },
+            ]
         }
         Action::StopExecutor | Action::EndAgentctl => vec![O::ExecutorStopped],
         Action::Done(_) => vec![],

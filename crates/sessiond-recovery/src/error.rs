@@ -88,8 +88,9 @@ pub enum Error {
     },
 
     /// No agent runs for the session (it exited, or was never resumed).
-    #[error("the agent of session {session_id} is not running; resume the session first")]
-    AgentNotRunning { session_id: SessionId },
+    /// `hint` agrees with what `ResumeSession` would answer.
+    #[error("the agent of session {session_id} is not running; {hint}")]
+    AgentNotRunning { session_id: SessionId, hint: String },
 
     /// An executor driver or the agentctl transport failed.
     #[error("{0}")]

@@ -4,9 +4,9 @@ use std::{collections::BTreeMap, path::Path};
 
 use chrono::Utc;
 use sessiond_domain::{
-    AgentProcessState, AgentProfileId, EventPayload, ExecutorEvent, ExecutorId, ExecutorRecord,
-    ExecutorStatus, Message, MessageId, MessageRole, Runtime, Session, SessionEvent, SessionId,
-    SessionState, TaskEvent, TaskId, Worktree,
+    AgentMode, AgentModes, AgentProcessState, AgentProfileId, EventPayload, ExecutorEvent,
+    ExecutorId, ExecutorRecord, ExecutorStatus, Message, MessageId, MessageRole, Runtime, Session,
+    SessionEvent, SessionId, SessionState, TaskEvent, TaskId, Worktree, check_resume,
 };
 use sessiond_executor::ExecutorHandle;
 use sessiond_proto::agentctl::v1 as pb;
@@ -381,7 +381,8 @@ impl SessionManager {
         self.session_of_task(task, session_id).await?;
         let _guard = self.lock_session(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
-        self.check_can_start_turn(&session, "send a message")?;
+        self.check_can_start_turn(&session, "send a message")
+            .await?;
         self.start_turn(session, text).await
     }
 
@@ -402,7 +403,7 @@ impl SessionManager {
         self.session_of_task(task, session_id).await?;
         let _guard = self.lock_session(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
-        self.check_can_start_turn(&session, "retry a turn")?;
+        self.check_can_start_turn(&session, "retry a turn").await?;
         let interrupted = session.metadata.get(INTERRUPTED_TURN_KEY).cloned();
         let msgs = self
             .inner
@@ -460,8 +461,149 @@ impl SessionManager {
         Ok((message, original.id))
     }
 
+    /// Cancels the session's turn in progress: ACP `session/cancel` through
+    /// agentctl. The turn ends on the update stream like any other, with
+    /// stop reason `cancelled`: the reply so far is kept (completed), a
+    /// system message says the turn was cancelled, and `turn_ended` is
+    /// published. Returns false when agentctl had no turn in progress any
+    /// more (it ended just before). The session lock is not held: the
+    /// update pump takes it to end the turn.
+    pub async fn cancel_turn(&self, task: TaskId, session_id: SessionId) -> Result<bool> {
+        self.session_of_task(task, session_id).await?;
+        let session = self.inner.store.get_session(session_id).await?;
+        match session.state {
+            SessionState::Running => {}
+            s if s.is_terminal() => {
+                return Err(Error::SessionEnded {
+                    session_id,
+                    state: s,
+                });
+            }
+            s => {
+                return Err(Error::InvalidState {
+                    session_id,
+                    state: s,
+                    action: "cancel a turn",
+                    hint: "no turn is in progress",
+                });
+            }
+        }
+        let Some(execution) = self.execution(session_id).filter(|e| {
+            e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
+        }) else {
+            return Err(Error::AgentNotRunning {
+                session_id,
+                hint: "its turn ends as soon as the agent is resumed or found gone".into(),
+            });
+        };
+        let client = self.client(&execution.record)?;
+        let answer = client
+            .raw()
+            .cancel(pb::CancelRequest {})
+            .await
+            .map_err(|s| Error::agent("Cancel", &s))?
+            .into_inner();
+        tracing::info!(session = %session_id, cancelled = answer.cancelled, "turn cancel requested");
+        Ok(answer.cancelled)
+    }
+
+    /// The session modes the session's agent offers (ACP session modes),
+    /// read live from agentctl; `None` when the agent runs without modes,
+    /// does not run, or does not answer.
+    pub async fn session_modes(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+    ) -> Result<Option<AgentModes>> {
+        self.session_of_task(task, session_id).await?;
+        let Some(execution) = self.execution(session_id).filter(|e| {
+            e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
+        }) else {
+            return Ok(None);
+        };
+        let Ok(client) = self.client(&execution.record) else {
+            return Ok(None);
+        };
+        Ok(client
+            .raw()
+            .health(pb::HealthRequest {})
+            .await
+            .ok()
+            .and_then(|h| h.into_inner().modes)
+            .map(|m| agent_modes(&m)))
+    }
+
+    /// Switches the session's agent to session mode `mode_id` (ACP
+    /// `session/set_mode`); returns the modes with it current. The agent
+    /// must run (WAITING_FOR_INPUT or RUNNING: ACP allows a switch during
+    /// a turn). INVALID_ARGUMENT names the modes when `mode_id` is not one.
+    pub async fn set_session_mode(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        mode_id: &str,
+    ) -> Result<AgentModes> {
+        if mode_id.trim().is_empty() {
+            return Err(Error::InvalidArgument("mode_id: must not be empty".into()));
+        }
+        self.session_of_task(task, session_id).await?;
+        let session = self.inner.store.get_session(session_id).await?;
+        match session.state {
+            SessionState::WaitingForInput | SessionState::Running => {}
+            s if s.is_terminal() => {
+                return Err(Error::SessionEnded {
+                    session_id,
+                    state: s,
+                });
+            }
+            SessionState::Error => return Err(self.agent_not_running(&session).await),
+            s => {
+                return Err(Error::InvalidState {
+                    session_id,
+                    state: s,
+                    action: "set the session mode",
+                    hint: "wait until the agent is ready",
+                });
+            }
+        }
+        let Some(execution) = self.execution(session_id).filter(|e| {
+            e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
+        }) else {
+            return Err(self.agent_not_running(&session).await);
+        };
+        let client = self.client(&execution.record)?;
+        let modes = client
+            .raw()
+            .set_mode(pb::SetModeRequest {
+                mode_id: mode_id.to_owned(),
+            })
+            .await
+            .map_err(|s| Error::agent("SetMode", &s))?
+            .into_inner()
+            .modes
+            .unwrap_or_default();
+        tracing::info!(session = %session_id, mode_id, "session mode set");
+        Ok(agent_modes(&modes))
+    }
+
+    /// The error for a session whose agent does not run, with the hint that
+    /// `ResumeSession` agrees with: resume it, or why it cannot be resumed.
+    async fn agent_not_running(&self, session: &Session) -> Error {
+        let session_id = session.id;
+        let why = session
+            .error_message
+            .as_deref()
+            .map(|m| format!(" ({m})"))
+            .unwrap_or_default();
+        let hint = match self.status_of(session).await.map(|s| check_resume(&s)) {
+            Ok(Err(refused)) => format!("it cannot be resumed{why}: {refused}"),
+            _ => format!("resume the session first{why}"),
+        };
+        Error::AgentNotRunning { session_id, hint }
+    }
+
     /// A turn can start only on a session waiting for input.
-    fn check_can_start_turn(&self, session: &Session, action: &'static str) -> Result<()> {
+    async fn check_can_start_turn(&self, session: &Session, action: &'static str) -> Result<()> {
         let session_id = session.id;
         match session.state {
             SessionState::WaitingForInput => {}
@@ -479,7 +621,7 @@ impl SessionManager {
                     hint: "the agent is still working on the previous message; wait for its reply",
                 });
             }
-            SessionState::Error => return Err(Error::AgentNotRunning { session_id }),
+            SessionState::Error => return Err(self.agent_not_running(session).await),
             s => {
                 return Err(Error::InvalidState {
                     session_id,
@@ -500,7 +642,7 @@ impl SessionManager {
         let Some(execution) = execution.filter(|e| {
             e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
         }) else {
-            return Err(Error::AgentNotRunning { session_id });
+            return Err(self.agent_not_running(&session).await);
         };
         let record = execution.record;
 
@@ -720,5 +862,20 @@ impl SessionManager {
         }
         self.cache_remove(session_id);
         Ok(())
+    }
+}
+
+fn agent_modes(m: &pb::SessionModes) -> AgentModes {
+    AgentModes {
+        current: m.current_mode_id.clone(),
+        available: m
+            .available
+            .iter()
+            .map(|m| AgentMode {
+                id: m.id.clone(),
+                name: m.name.clone(),
+                description: m.description.clone(),
+            })
+            .collect(),
     }
 }

@@ -12,7 +12,7 @@ use std::{
 
 use sessiond_domain::{
     AgentProcessState, AgentProfile, ExecutorId, ExecutorRecord, PermissionPolicy, Runtime,
-    SurvivingAgent,
+    Session, SurvivingAgent,
 };
 use sessiond_executor::{
     AgentState, AgentctlClient, ExecutorHandle, Health, LaunchSpec, RemoteTarget, Support,
@@ -23,6 +23,7 @@ use sessiond_proto::agentctl::v1 as pb;
 use crate::{
     error::{Error, Result},
     manager::SessionManager,
+    pump::pending_turn,
 };
 
 /// What agentctl's `Health` says about its agent, for the recovery machine.
@@ -322,28 +323,64 @@ impl SessionManager {
     }
 
     /// Launches the agent if needed, then loads the conversation.
+    /// `no_turn_yet`: see [`Self::resume_agent_seen`].
     pub(crate) async fn resume_agent(
         &self,
         record: &ExecutorRecord,
         profile: &AgentProfile,
         token: &str,
-    ) -> Result<()> {
-        self.resume_agent_seen(record, profile, token, None).await
+        no_turn_yet: bool,
+    ) -> Result<Resumed> {
+        self.resume_agent_seen(record, profile, token, None, no_turn_yet)
+            .await
     }
 
     /// [`Self::resume_agent`] with the agent state a `Health` just saw (see
     /// [`Self::ensure_agent_seen`]).
+    ///
+    /// `no_turn_yet`: the session was never prompted. Agents such as
+    /// claude-code-acp and codex-acp store nothing before the first prompt,
+    /// so their `session/load` of such a conversation fails after a
+    /// restart; a new conversation then replaces it, as nothing is lost.
     pub(crate) async fn resume_agent_seen(
         &self,
         record: &ExecutorRecord,
         profile: &AgentProfile,
         token: &str,
         seen: Option<AgentState>,
-    ) -> Result<()> {
+        no_turn_yet: bool,
+    ) -> Result<Resumed> {
         let client = self.client(record)?;
         self.ensure_agent_seen(&client, profile, record.runtime, seen)
             .await?;
-        self.load_conversation(&client, token).await
+        match self.load_conversation(&client, token).await {
+            Ok(()) => Ok(Resumed::Loaded),
+            Err(e) if no_turn_yet && load_refused(&e) => {
+                let reason = e.to_string();
+                match self.new_conversation(&client).await {
+                    Ok(token) => Ok(Resumed::Replaced { token, reason }),
+                    Err(new) => Err(Error::Agent {
+                        call: "NewSession",
+                        code: tonic::Code::FailedPrecondition,
+                        message: format!(
+                            "the agent could not load the conversation ({reason}) nor open a new one ({new})"
+                        ),
+                    }),
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// True when the session has no message yet: it was never prompted.
+    pub(crate) async fn no_turn_yet(&self, session: &Session) -> Result<bool> {
+        Ok(pending_turn(session).is_none()
+            && self
+                .inner
+                .store
+                .list_messages(session.id, 0, 1)
+                .await?
+                .is_empty())
     }
 
     /// Stops the agent, best effort (after a failed resume, so no agent runs
@@ -355,4 +392,30 @@ impl SessionManager {
             tracing::debug!(executor_id = %record.id, error = %e, "StopAgent failed");
         }
     }
+}
+
+/// How a resume got the agent's conversation back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Resumed {
+    /// `session/load` of the stored resume token.
+    Loaded,
+    /// The agent could not load a conversation that had no turn yet; the new
+    /// conversation `token` replaces it (`reason`: the agent's answer).
+    Replaced { token: String, reason: String },
+}
+
+/// The agent answered `session/load` with an error of its own (it does not
+/// have the conversation, or rejects it), as opposed to not answering
+/// (another try may work) or requiring authentication (a profile fix).
+pub(crate) fn load_refused(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Agent {
+            call: "ResumeSession",
+            code: tonic::Code::NotFound
+                | tonic::Code::FailedPrecondition
+                | tonic::Code::InvalidArgument,
+            message,
+        } if !message.contains("requires authentication")
+    )
 }

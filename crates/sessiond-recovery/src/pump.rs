@@ -86,6 +86,10 @@ pub(crate) const INTERRUPTED_TURN_KEY: &str = "interrupted_turn";
 /// Written to the conversation when a turn ends without a whole reply and
 /// the prompt may have reached the agent: it is not sent again
 /// automatically (at most once); the user decides.
+/// The system message after a turn cancelled on request (CancelTurn).
+pub(crate) const TURN_CANCELLED: &str =
+    "the turn was cancelled on request; the reply so far is kept as it was when the agent stopped";
+
 pub(crate) const TURN_INTERRUPTED: &str = "the turn was interrupted: the agent may have started working on this message (it may have run tools or changed files) but its reply did not arrive whole, so sessiond did not send it again. Send it again, or retry it, if it should run again.";
 
 /// `<generation>:<cursor>@<instance>`: a cursor means something only to the
@@ -574,14 +578,21 @@ impl Pump {
             if let Some(ev) = ev {
                 change = change.event(self.session_id, ev);
             }
-            if end.stop_reason == "error" && !exited {
+            let note = match end.stop_reason.as_str() {
+                "error" if !exited => {
+                    Some(format!("the agent's turn failed: {}", end.error_message))
+                }
+                "cancelled" => Some(TURN_CANCELLED.to_owned()),
+                _ => None,
+            };
+            if let Some(content) = note {
                 let now = Utc::now();
                 let m = Message {
                     id: MessageId::new(),
                     session_id: self.session_id,
                     task_id: self.task_id,
                     role: MessageRole::System,
-                    content: format!("the agent's turn failed: {}", end.error_message),
+                    content,
                     seq: 0,
                     complete: true,
                     created_at: now,
@@ -590,6 +601,18 @@ impl Pump {
                 change = change
                     .add_message(m.clone())
                     .event(self.session_id, EventPayload::MessageAdded(m));
+            }
+            // A turn that died with the agent has its `turn_ended`
+            // (interrupted) from `interrupt_turn`.
+            if died_in.is_none() {
+                change = change.event(
+                    self.session_id,
+                    EventPayload::TurnEnded {
+                        turn_id: current_turn.clone().unwrap_or_else(|| end.turn_id.clone()),
+                        stop_reason: end.stop_reason.clone(),
+                        error_message: Some(end.error_message.clone()).filter(|m| !m.is_empty()),
+                    },
+                );
             }
             next.metadata.remove(TURN_KEY);
             next.metadata.remove(TURN_GENERATION_KEY);
@@ -1140,7 +1163,15 @@ pub(crate) async fn interrupt_turn(
     };
     change = change
         .add_message(note.clone())
-        .event(session.id, EventPayload::MessageAdded(note));
+        .event(session.id, EventPayload::MessageAdded(note))
+        .event(
+            session.id,
+            EventPayload::TurnEnded {
+                turn_id: turn.to_owned(),
+                stop_reason: "interrupted".into(),
+                error_message: Some(why.to_owned()),
+            },
+        );
     next.metadata.remove(TURN_KEY);
     next.metadata.remove(TURN_GENERATION_KEY);
     next.metadata.remove(TURN_INSTANCE_KEY);

@@ -35,7 +35,7 @@ use sessiond_store::Changeset;
 use crate::{
     error::{Error, Result},
     manager::{OpKind, OpOutcome, SessionManager, executor_moved},
-    ops::{probe_verdict, surviving_agent},
+    ops::{Resumed, load_refused, probe_verdict, surviving_agent},
     pump::pending_turn,
 };
 
@@ -98,6 +98,10 @@ struct Run {
     /// conversation: that conversation's id became the token (in memory; the
     /// outcome commit writes it to the session and the executor).
     adopted_token: bool,
+    /// The agent could not load the session's never-prompted conversation
+    /// and a new one replaced it (the token is in `session` and `record`
+    /// with `adopted_token`): this event goes with the outcome.
+    replaced: Option<EventPayload>,
 }
 
 impl SessionManager {
@@ -278,6 +282,7 @@ impl SessionManager {
             probe: None,
             seen_unsaved: false,
             adopted_token: false,
+            replaced: None,
         };
         let mut action = machine.start();
         loop {
@@ -486,19 +491,40 @@ impl SessionManager {
                 }
                 let sid = run.session.id;
                 self.cache_update(sid, |e| e.agent = AgentProcessState::Starting);
+                let no_turn_yet = self.no_turn_yet(&run.session).await?;
                 let attempt = self.resume_agent_seen(
                     &run.record,
                     &run.profile,
                     &resume_token,
                     run.agent_state.take(),
+                    no_turn_yet,
                 );
                 match tokio::time::timeout(remaining, attempt).await {
-                    Ok(Ok(())) => Observation::ResumeSucceeded,
+                    Ok(Ok(Resumed::Loaded)) => Observation::ResumeSucceeded,
+                    Ok(Ok(Resumed::Replaced { token, reason })) => {
+                        tracing::info!(session = %sid, reason = %reason,
+                            "recovery: the agent had not kept the unprompted conversation; a new one replaces it");
+                        run.session.resume_token = Some(token.clone());
+                        run.record.resume_token = Some(token.clone());
+                        run.adopted_token = true;
+                        run.replaced = Some(EventPayload::ConversationReplaced {
+                            previous_resume_token: resume_token,
+                            resume_token: token,
+                            reason,
+                        });
+                        Observation::ResumeSucceeded
+                    }
                     Ok(Err(e)) => {
                         self.stop_agent_quietly(&run.record).await;
                         self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
-                        Observation::ResumeFailed {
-                            reason: e.to_string(),
+                        if load_refused(&e) {
+                            Observation::ConversationLost {
+                                reason: e.to_string(),
+                            }
+                        } else {
+                            Observation::ResumeFailed {
+                                reason: e.to_string(),
+                            }
                         }
                     }
                     Err(_) => {
@@ -740,6 +766,9 @@ impl SessionManager {
             session.state = outcome.session_state;
             session.error_message = outcome.session_error.as_ref().map(|f| f.message());
             change = change.update_session(session);
+        }
+        if let Some(event) = run.replaced.clone().filter(|_| agent_back) {
+            change = change.event(sid, event);
         }
         for event in outcome.events.iter().cloned() {
             change = change.event(sid, event);

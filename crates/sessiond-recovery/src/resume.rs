@@ -27,7 +27,7 @@ use sessiond_store::Changeset;
 use crate::{
     error::{Error, Result},
     manager::{OpKind, OpOutcome, SessionManager, executor_moved, transition},
-    ops::{probe_verdict, recorded_process_alive},
+    ops::{Resumed, load_refused, probe_verdict, recorded_process_alive},
     pump::pending_turn,
 };
 
@@ -182,6 +182,7 @@ impl SessionManager {
         // returns to RUNNING and its update pump settles the turn
         // (re-delivering a prompt that never reached the agent).
         let pending = pending_turn(&session).is_some();
+        let no_turn_yet = self.no_turn_yet(&session).await?;
         let driver = self.driver(record.runtime)?;
         let limit = self.inner.config.executor_deadline;
 
@@ -400,7 +401,7 @@ impl SessionManager {
         // Agent.
         let resumed = tokio::time::timeout(
             limit + self.inner.config.agent_initialize_timeout,
-            self.resume_agent(&record, &profile, &token),
+            self.resume_agent(&record, &profile, &token, no_turn_yet),
         )
         .await
         .unwrap_or_else(|_| {
@@ -409,14 +410,34 @@ impl SessionManager {
             ))
         });
         match resumed {
-            Ok(()) => {
+            Ok(resumed) => {
                 let event = if pending {
                     SessionEvent::AgentFoundBusy
                 } else {
                     SessionEvent::Resumed
                 };
-                let (s2, ev) = transition(&session, event, None)?;
+                let (mut s2, ev) = transition(&session, event, None)?;
+                let mut token = token;
+                let mut replaced = None;
+                if let Resumed::Replaced {
+                    token: new_token,
+                    reason,
+                } = resumed
+                {
+                    tracing::info!(session = %session_id, reason = %reason,
+                        "resume: the agent had not kept the unprompted conversation; a new one replaces it");
+                    s2.resume_token = Some(new_token.clone());
+                    replaced = Some(EventPayload::ConversationReplaced {
+                        previous_resume_token: token,
+                        resume_token: new_token.clone(),
+                        reason,
+                    });
+                    token = new_token;
+                }
                 let mut change = Changeset::new().update_session(s2);
+                if let Some(ev) = replaced {
+                    change = change.event(session_id, ev);
+                }
                 if let Some(ev) = ev {
                     change = change.event(session_id, ev);
                 }
@@ -439,8 +460,15 @@ impl SessionManager {
             }
             Err(e) => {
                 self.stop_agent_quietly(&record).await;
-                let reason =
-                    format!("resuming the agent failed: {e}; resume the session to try again");
+                let reason = if load_refused(&e) {
+                    // Another try fails the same way: say so.
+                    RecoveryFailure::ConversationLost {
+                        reason: e.to_string(),
+                    }
+                    .message()
+                } else {
+                    format!("resuming the agent failed: {e}; resume the session to try again")
+                };
                 let (s2, ev) = transition(&session, SessionEvent::Failed, Some(reason.clone()))?;
                 let mut change = Changeset::new().update_session(s2);
                 if let Some(ev) = ev {

@@ -610,7 +610,10 @@ impl pb::session_service_server::SessionService for Api {
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
                 let status = self.manager.session_status(task, session).await?;
-                Ok(convert::status(&status))
+                let modes = self.manager.session_modes(task, session).await?;
+                let mut out = convert::status(&status);
+                out.modes = modes.as_ref().map(convert::modes);
+                Ok(out)
             }
             .await,
         )
@@ -681,6 +684,41 @@ impl pb::session_service_server::SessionService for Api {
                 Ok(pb::RetryTurnResponse {
                     message: Some(convert::message(&message)),
                     retried_message_id: retried.to_string(),
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn cancel_turn(
+        &self,
+        request: Request<pb::CancelTurnRequest>,
+    ) -> Result<Response<pb::CancelTurnResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let (task, session) = ids(&req.task_id, &req.session_id)?;
+                let cancelled = self.manager.cancel_turn(task, session).await?;
+                Ok(pb::CancelTurnResponse { cancelled })
+            }
+            .await,
+        )
+    }
+
+    async fn set_session_mode(
+        &self,
+        request: Request<pb::SetSessionModeRequest>,
+    ) -> Result<Response<pb::SetSessionModeResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let (task, session) = ids(&req.task_id, &req.session_id)?;
+                let modes = self
+                    .manager
+                    .set_session_mode(task, session, &req.mode_id)
+                    .await?;
+                Ok(pb::SetSessionModeResponse {
+                    modes: Some(convert::modes(&modes)),
                 })
             }
             .await,

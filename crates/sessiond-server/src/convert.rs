@@ -3,8 +3,8 @@
 
 use chrono::{DateTime, Utc};
 use sessiond_domain::{
-    AgentProfile, Event, EventPayload, ExecutorStatus, Message, MessageRole, ResumeReason, Runtime,
-    Session, SessionState, SessionStatus, Task, TaskState, Worktree,
+    AgentModes, AgentProfile, Event, EventPayload, ExecutorStatus, Message, MessageRole,
+    ResumeReason, Runtime, Session, SessionState, SessionStatus, Task, TaskState, Worktree,
 };
 use sessiond_proto::sessiond::v1 as pb;
 
@@ -168,6 +168,22 @@ pub fn status(s: &SessionStatus) -> pb::GetSessionStatusResponse {
         worktree_path: s.worktree_path.clone(),
         worktree_branch: s.worktree_branch.clone(),
         error_message: s.error_message.clone().unwrap_or_default(),
+        modes: None,
+    }
+}
+
+pub fn modes(m: &AgentModes) -> pb::SessionModes {
+    pb::SessionModes {
+        current_mode_id: m.current.clone(),
+        available: m
+            .available
+            .iter()
+            .map(|m| pb::SessionMode {
+                id: m.id.clone(),
+                name: m.name.clone(),
+                description: m.description.clone(),
+            })
+            .collect(),
     }
 }
 
@@ -213,6 +229,24 @@ pub fn event(e: &Event) -> pb::Event {
         }),
         EventPayload::MessageUpdated(m) => Payload::MessageUpdated(pb::MessageUpdated {
             message: Some(message(m)),
+        }),
+        EventPayload::TurnEnded {
+            turn_id,
+            stop_reason,
+            error_message,
+        } => Payload::TurnEnded(pb::TurnEnded {
+            turn_id: turn_id.clone(),
+            stop_reason: stop_reason.clone(),
+            error_message: error_message.clone().unwrap_or_default(),
+        }),
+        EventPayload::ConversationReplaced {
+            previous_resume_token,
+            resume_token,
+            reason,
+        } => Payload::ConversationReplaced(pb::ConversationReplaced {
+            previous_resume_token: previous_resume_token.clone(),
+            resume_token: resume_token.clone(),
+            reason: reason.clone(),
         }),
     };
     pb::Event {

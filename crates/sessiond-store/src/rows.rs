@@ -536,6 +536,24 @@ pub(crate) fn encode_payload(p: &EventPayload) -> Value {
         EventPayload::MessageAdded(m) | EventPayload::MessageUpdated(m) => {
             json!({ "message": encode_message(m) })
         }
+        EventPayload::TurnEnded {
+            turn_id,
+            stop_reason,
+            error_message,
+        } => json!({
+            "turn_id": turn_id,
+            "stop_reason": stop_reason,
+            "error_message": error_message,
+        }),
+        EventPayload::ConversationReplaced {
+            previous_resume_token,
+            resume_token,
+            reason,
+        } => json!({
+            "previous_resume_token": previous_resume_token,
+            "resume_token": resume_token,
+            "reason": reason,
+        }),
     }
 }
 
@@ -575,6 +593,16 @@ fn decode_payload(kind: EventKind, v: &Value) -> Result<EventPayload, String> {
         EventKind::MessageUpdated => {
             EventPayload::MessageUpdated(decode_message(field(v, "message")?)?)
         }
+        EventKind::TurnEnded => EventPayload::TurnEnded {
+            turn_id: string(v, "turn_id")?.to_owned(),
+            stop_reason: string(v, "stop_reason")?.to_owned(),
+            error_message: opt_string(v, "error_message")?,
+        },
+        EventKind::ConversationReplaced => EventPayload::ConversationReplaced {
+            previous_resume_token: string(v, "previous_resume_token")?.to_owned(),
+            resume_token: string(v, "resume_token")?.to_owned(),
+            reason: string(v, "reason")?.to_owned(),
+        },
     })
 }
 
@@ -744,6 +772,21 @@ mod tests {
             },
             EventPayload::MessageAdded(message()),
             EventPayload::MessageUpdated(message()),
+            EventPayload::TurnEnded {
+                turn_id: "t".into(),
+                stop_reason: "cancelled".into(),
+                error_message: None,
+            },
+            EventPayload::TurnEnded {
+                turn_id: "t".into(),
+                stop_reason: "error".into(),
+                error_message: Some("boom".into()),
+            },
+            EventPayload::ConversationReplaced {
+                previous_resume_token: "a".into(),
+                resume_token: "b".into(),
+                reason: "not found".into(),
+            },
         ];
         for p in payloads {
             let text = encode_payload(&p).to_string();

@@ -9,6 +9,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod agents;
 mod api;
 mod config;
 mod metrics;

@@ -1,0 +1,554 @@
+//! Real agents as first-class (issue 12): ACP `authenticate` per profile,
+//! resuming what exists after kill -9 (a never-prompted conversation the
+//! agent did not keep is replaced; one with turns stays ERROR with the
+//! truth), cancelling a turn, and failed turns ending at once.
+
+use std::{path::Path, process::Command, time::Duration};
+
+use sessiond_proto::sessiond::v1 as pb;
+use tonic::Code;
+use tonic_health::pb::{
+    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+};
+
+use crate::support::*;
+
+/// A config file with demo-agent profiles: (name, args, extra TOML lines,
+/// extra env entries), their transcripts under `dir/demo-state`.
+fn config(dir: &Path, profiles: &[(&str, &[&str], &str, &str)]) -> String {
+    let path = dir.join("sessiond.toml");
+    let mut text = String::new();
+    for (name, args, extra, env) in profiles {
+        let args = args
+            .iter()
+            .map(|a| format!("{a:?}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        text.push_str(&format!(
+            "[[agents]]\nname = \"{name}\"\ncommand = \"{}\"\nargs = [{args}]\n{extra}\n\
+             env = {{ ACP_DEMO_STATE_DIR = \"{}\"{env} }}\n",
+            bin("acp-demo-agent").display(),
+            dir.join("demo-state").display()
+        ));
+    }
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+async fn wait_serving(server: &Server) {
+    let mut health = HealthClient::new(channel(&server.addr).await);
+    let mut watch = health
+        .watch(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    loop {
+        let status = tokio::time::timeout(Duration::from_secs(60), watch.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap()
+            .status;
+        if status == ServingStatus::Serving as i32 {
+            return;
+        }
+    }
+}
+
+async fn get(c: &mut Sessions, task: &str, session: &str) -> pb::Session {
+    c.get_session(pb::GetSessionRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .session
+    .unwrap()
+}
+
+/// Every stored event of the session so far (the replay of WatchSession).
+async fn events(c: &mut Sessions, session: &str) -> Vec<pb::Event> {
+    let mut stream = c
+        .watch_session(pb::WatchSessionRequest {
+            session_id: session.into(),
+            after_seq: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut out = Vec::new();
+    // The replay comes at once; the tail then stays quiet.
+    while let Ok(Some(Ok(e))) =
+        tokio::time::timeout(Duration::from_millis(500), stream.next_message()).await
+    {
+        out.push(e);
+    }
+    out
+}
+
+trait NextMessage {
+    async fn next_message(&mut self) -> Option<Result<pb::Event, tonic::Status>>;
+}
+
+impl NextMessage for tonic::Streaming<pb::Event> {
+    async fn next_message(&mut self) -> Option<Result<pb::Event, tonic::Status>> {
+        self.message().await.transpose()
+    }
+}
+
+/// Waits (WatchSession) for the `turn_ended` of turn `turn_id`.
+async fn turn_end(c: &mut Sessions, session: &str, turn_id: &str) -> pb::TurnEnded {
+    let mut stream = c
+        .watch_session(pb::WatchSessionRequest {
+            session_id: session.into(),
+            after_seq: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(60), stream.message())
+            .await
+            .expect("turn_ended within 60 s")
+            .unwrap()
+            .expect("stream open");
+        if let Some(pb::event::Payload::TurnEnded(t)) = e.payload
+            && t.turn_id == turn_id
+        {
+            return t;
+        }
+    }
+}
+
+fn kill_agentctls(data: &Path) {
+    for pid in agentctl_pids(data) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+}
+
+#[tokio::test]
+async fn authenticate_required_configured_and_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let config = config(
+        dir.path(),
+        &[
+            ("codexlike", &["--require-auth"], "", ""),
+            (
+                "codexauth",
+                &["--require-auth"],
+                "auth_method = \"demo-token\"",
+                ", ACP_DEMO_TOKEN = \"t0ken\"",
+            ),
+            (
+                "codexbad",
+                &["--require-auth"],
+                "auth_method = \"demo-token\"",
+                "",
+            ),
+        ],
+    );
+    let server = start(&dir.path().join("data"), &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "auth").await;
+
+    // Required, none configured: the error names what the agent offers and
+    // the profile key to set; the session is ERROR, not hanging.
+    let s = create_session(&mut c, &task.id, &work, "codexlike").await;
+    assert_eq!(s.state, pb::SessionState::Error as i32, "{s:?}");
+    for needle in [
+        "demo-token",
+        "demo-login",
+        "auth_method",
+        "requires authentication",
+    ] {
+        assert!(
+            s.error_message.contains(needle),
+            "{needle}: {}",
+            s.error_message
+        );
+    }
+    assert!(
+        !s.error_message.contains("check the profile's command"),
+        "{}",
+        s.error_message
+    );
+
+    // Configured, and the environment the method needs is there.
+    let s = create_session(&mut c, &task.id, &work, "codexauth").await;
+    assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
+    let reply = prompt(&mut c, &task.id, &s.id, "hello").await;
+    assert!(reply.contains("turn 1"), "{reply}");
+
+    // Configured, but the method fails (its environment is missing): the
+    // agent's answer is in the error.
+    let s = create_session(&mut c, &task.id, &work, "codexbad").await;
+    assert_eq!(s.state, pb::SessionState::Error as i32, "{s:?}");
+    assert!(
+        s.error_message.contains("ACP_DEMO_TOKEN"),
+        "{}",
+        s.error_message
+    );
+}
+
+#[tokio::test]
+async fn never_prompted_session_gets_a_new_conversation_after_kill_9() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    // Stores nothing before the first prompt, as claude-code-acp does.
+    let config = config(dir.path(), &[("lazy", &["--lazy-persist"], "", "")]);
+    let mut server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "lazy").await;
+    let fresh = create_session(&mut c, &task.id, &work, "lazy").await;
+    let used = create_session(&mut c, &task.id, &work, "lazy").await;
+    let lost = create_session(&mut c, &task.id, &work, "lazy").await;
+    for s in [&fresh, &used, &lost] {
+        assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
+    }
+    assert!(
+        prompt(&mut c, &task.id, &used.id, "one")
+            .await
+            .contains("turn 1")
+    );
+    assert!(
+        prompt(&mut c, &task.id, &lost.id, "one")
+            .await
+            .contains("turn 1")
+    );
+    server.kill();
+    kill_agentctls(&data);
+    // The agent of `lost` loses its transcript while everything is down.
+    let transcript = dir
+        .path()
+        .join("demo-state")
+        .join(format!("{}.json", lost.resume_token));
+    std::fs::remove_file(&transcript).unwrap();
+
+    let server = start(&data, &["--config", &config]);
+    wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+
+    // Never prompted: a new conversation, a new token, an event saying so.
+    let now = get(&mut c, &task.id, &fresh.id).await;
+    assert_eq!(
+        now.state,
+        pb::SessionState::WaitingForInput as i32,
+        "{now:?}"
+    );
+    assert_ne!(now.resume_token, fresh.resume_token);
+    assert!(!now.resume_token.is_empty());
+    let replaced: Vec<_> = events(&mut c, &fresh.id)
+        .await
+        .into_iter()
+        .filter_map(|e| match e.payload {
+            Some(pb::event::Payload::ConversationReplaced(r)) => Some((e.kind, r)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(replaced.len(), 1, "{replaced:?}");
+    assert_eq!(replaced[0].0, "session.conversation_replaced");
+    assert_eq!(replaced[0].1.previous_resume_token, fresh.resume_token);
+    assert_eq!(replaced[0].1.resume_token, now.resume_token);
+    assert!(
+        replaced[0].1.reason.contains("not found"),
+        "{:?}",
+        replaced[0]
+    );
+    let reply = prompt(&mut c, &task.id, &fresh.id, "first").await;
+    assert!(reply.contains("turn 1"), "{reply}");
+
+    // Prompted and kept by the agent: loaded as before.
+    let now = get(&mut c, &task.id, &used.id).await;
+    assert_eq!(
+        now.state,
+        pb::SessionState::WaitingForInput as i32,
+        "{now:?}"
+    );
+    assert_eq!(now.resume_token, used.resume_token);
+    assert!(
+        prompt(&mut c, &task.id, &used.id, "two")
+            .await
+            .contains("turn 2")
+    );
+
+    // Prompted, and the agent lost it: ERROR resume_failed, saying that
+    // another resume fails the same way, and what is left.
+    let now = get(&mut c, &task.id, &lost.id).await;
+    assert_eq!(now.state, pb::SessionState::Error as i32, "{now:?}");
+    assert!(
+        now.error_message.starts_with("resume_failed: "),
+        "{}",
+        now.error_message
+    );
+    for needle in [
+        "no longer has it",
+        "fails the same way",
+        "create a new session",
+    ] {
+        assert!(
+            now.error_message.contains(needle),
+            "{needle}: {}",
+            now.error_message
+        );
+    }
+    assert!(
+        !now.error_message
+            .contains("resume the session to try again"),
+        "{}",
+        now.error_message
+    );
+    assert_eq!(now.resume_token, lost.resume_token, "nothing replaced");
+    // An explicit resume answers the same truth; SendMessage's hint
+    // carries it too instead of a bare "resume first".
+    let err = c
+        .resume_session(pb::ResumeSessionRequest {
+            task_id: task.id.clone(),
+            session_id: lost.id.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains("no longer has it"),
+        "{}",
+        err.message()
+    );
+    let err = c
+        .send_message(pb::SendMessageRequest {
+            task_id: task.id.clone(),
+            session_id: lost.id.clone(),
+            content: "again".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains("no longer has it"),
+        "{}",
+        err.message()
+    );
+    // Its messages stay readable.
+    let msgs = c
+        .list_messages(pb::ListMessagesRequest {
+            task_id: task.id.clone(),
+            session_id: lost.id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .messages;
+    assert_eq!(msgs.len(), 2, "{msgs:?}");
+}
+
+#[tokio::test]
+async fn cancel_turn_keeps_the_reply_so_far() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let server = start(&dir.path().join("data"), &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "cancel").await;
+    let s = create_session(&mut c, &task.id, &work, "").await;
+
+    // Nothing to cancel while waiting for input.
+    let err = c
+        .cancel_turn(pb::CancelTurnRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("no turn is in progress"), "{err:?}");
+
+    // `/long` streams for a minute; cancel it once part of the reply is in.
+    let sent = c
+        .send_message(pb::SendMessageRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            content: "/long".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .unwrap();
+    let mut stream = c
+        .watch_session(pb::WatchSessionRequest {
+            session_id: s.id.clone(),
+            after_seq: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(30), stream.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        if let Some(pb::event::Payload::MessageUpdated(pb::MessageUpdated { message: Some(m) })) =
+            e.payload
+            && m.role == pb::MessageRole::Agent as i32
+            && m.content.contains("[3]")
+        {
+            break;
+        }
+    }
+    let r = c
+        .cancel_turn(pb::CancelTurnRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.cancelled);
+    let end = turn_end(&mut c, &s.id, &sent.id).await;
+    assert_eq!(end.stop_reason, "cancelled", "{end:?}");
+
+    let msgs = c
+        .list_messages(pb::ListMessagesRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .messages;
+    assert_eq!(msgs.len(), 3, "{msgs:?}");
+    let reply = &msgs[1];
+    assert_eq!(reply.role, pb::MessageRole::Agent as i32);
+    assert!(reply.complete, "{reply:?}");
+    assert!(reply.content.starts_with("turn 1 "), "{reply:?}");
+    assert!(reply.content.contains("[3]"), "the reply so far: {reply:?}");
+    assert!(!reply.content.contains("[600]"), "cut short: {reply:?}");
+    assert_eq!(msgs[2].role, pb::MessageRole::System as i32);
+    assert!(msgs[2].content.contains("cancelled"), "{:?}", msgs[2]);
+    let now = get(&mut c, &task.id, &s.id).await;
+    assert_eq!(now.state, pb::SessionState::WaitingForInput as i32);
+
+    // The conversation goes on.
+    let reply = prompt(&mut c, &task.id, &s.id, "after").await;
+    assert!(reply.contains("you said \"after\""), "{reply}");
+}
+
+#[tokio::test]
+async fn failed_turn_ends_with_its_reason_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let server = start(&dir.path().join("data"), &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "fail").await;
+    let s = create_session(&mut c, &task.id, &work, "").await;
+    let sent = c
+        .send_message(pb::SendMessageRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            content: "/fail".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .unwrap();
+    let end = turn_end(&mut c, &s.id, &sent.id).await;
+    assert_eq!(end.stop_reason, "error", "{end:?}");
+    assert!(end.error_message.contains("fails on purpose"), "{end:?}");
+    let now = get(&mut c, &task.id, &s.id).await;
+    assert_eq!(now.state, pb::SessionState::WaitingForInput as i32);
+    let reply = prompt(&mut c, &task.id, &s.id, "next").await;
+    assert!(reply.contains("you said \"next\""), "{reply}");
+}
+
+#[tokio::test]
+async fn session_modes_are_listed_and_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let server = start(&dir.path().join("data"), &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "modes").await;
+    let s = create_session(&mut c, &task.id, &work, "").await;
+    let status = |c: &mut Sessions| {
+        let mut c = c.clone();
+        let (task, session) = (task.id.clone(), s.id.clone());
+        async move {
+            c.get_session_status(pb::GetSessionStatusRequest {
+                task_id: task,
+                session_id: session,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+        }
+    };
+    let modes = status(&mut c)
+        .await
+        .modes
+        .expect("the demo agent has modes");
+    assert_eq!(modes.current_mode_id, "default");
+    let ids: Vec<_> = modes.available.iter().map(|m| m.id.as_str()).collect();
+    assert_eq!(ids, ["default", "plan"]);
+    assert_eq!(modes.available[1].name, "Plan");
+
+    let err = c
+        .set_session_mode(pb::SetSessionModeRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            mode_id: "fast".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("default, plan"), "{err:?}");
+
+    let set = c
+        .set_session_mode(pb::SetSessionModeRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            mode_id: "plan".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .modes
+        .unwrap();
+    assert_eq!(set.current_mode_id, "plan");
+    assert_eq!(status(&mut c).await.modes.unwrap().current_mode_id, "plan");
+    // The agent really switched.
+    let reply = prompt(&mut c, &task.id, &s.id, "do it").await;
+    assert!(reply.contains("plan mode"), "{reply}");
+
+    // A stopped session has no agent to ask: no modes, and no switch.
+    c.stop_session(pb::StopSessionRequest {
+        task_id: task.id.clone(),
+        session_id: s.id.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert!(status(&mut c).await.modes.is_none());
+    let err = c
+        .set_session_mode(pb::SetSessionModeRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            mode_id: "default".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+}
