@@ -388,6 +388,21 @@ fn process_with(needle: &str) -> bool {
     })
 }
 
+/// Whether no process's command line contains `needle` within 5 s: a
+/// SIGKILLed process leaves the process table asynchronously (on a loaded
+/// machine, after the call has returned). A survivor — these sleep 30 s
+/// and more — is still there.
+async fn gone(needle: &str) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while process_with(needle) {
+        if std::time::Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    true
+}
+
 #[tokio::test]
 async fn exec_is_bounded_by_its_timeout_even_when_children_escape() {
     let dir = tempfile::tempdir().unwrap();
@@ -417,10 +432,10 @@ async fn exec_is_bounded_by_its_timeout_even_when_children_escape() {
     assert!(partial.timed_out);
     assert_eq!(partial.stdout, b"started\n");
     assert!(
-        !process_with(&format!("sleep {marker}")),
+        gone(&format!("sleep {marker}")).await,
         "the escaped child survived"
     );
-    assert!(!process_with("sleep 600"), "the command survived");
+    assert!(gone("sleep 600").await, "the command survived");
 
     // The leader exits at once; its escapee holds stdout past the deadline.
     let err = w
@@ -443,7 +458,7 @@ async fn exec_is_bounded_by_its_timeout_even_when_children_escape() {
         .unwrap_err();
     assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
     assert!(
-        !process_with(&format!("sleep {marker}2")),
+        gone(&format!("sleep {marker}2")).await,
         "the escaped child survived"
     );
 
