@@ -55,8 +55,15 @@ impl Error {
             }
             std::io::ErrorKind::IsADirectory
             | std::io::ErrorKind::NotADirectory
-            | std::io::ErrorKind::InvalidInput => {
+            | std::io::ErrorKind::InvalidInput
+            | std::io::ErrorKind::InvalidFilename
+            | std::io::ErrorKind::ArgumentListTooLong => {
+                // ENAMETOOLONG / E2BIG: the caller's input is too long.
                 Self::InvalidArgument(format!("{context}: {source}"))
+            }
+            // EXDEV from openat2(RESOLVE_BENEATH): the path left the root.
+            _ if source.raw_os_error() == Some(libc::EXDEV) => {
+                Self::PermissionDenied(format!("{context}: resolves outside the workspace root"))
             }
             _ if source.raw_os_error() == Some(libc::ELOOP) => {
                 Self::PermissionDenied(format!("{context}: refusing to follow a symlink"))
