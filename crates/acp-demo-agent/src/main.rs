@@ -480,12 +480,21 @@ fn activity(
         PlanEntry, PlanEntryPriority, PlanEntryStatus, SessionInfoUpdate, ToolCallContent,
         ToolCallLocation, ToolKind,
     };
-    let send = |u: SessionUpdate| cx.send_notification(SessionNotification::new(session.clone(), u));
+    let send =
+        |u: SessionUpdate| cx.send_notification(SessionNotification::new(session.clone(), u));
     send(SessionUpdate::AgentThoughtChunk(text_chunk("thinking ")))?;
     send(SessionUpdate::AgentThoughtChunk(text_chunk("about it")))?;
     send(SessionUpdate::Plan(Plan::new(vec![
-        PlanEntry::new("read the file", PlanEntryPriority::High, PlanEntryStatus::Completed),
-        PlanEntry::new("edit the file", PlanEntryPriority::Medium, PlanEntryStatus::InProgress),
+        PlanEntry::new(
+            "read the file",
+            PlanEntryPriority::High,
+            PlanEntryStatus::Completed,
+        ),
+        PlanEntry::new(
+            "edit the file",
+            PlanEntryPriority::Medium,
+            PlanEntryStatus::InProgress,
+        ),
     ])))?;
     send(SessionUpdate::ToolCall(
         ToolCall::new("demo-edit-1", "edit notes.txt")
@@ -510,7 +519,9 @@ fn activity(
             AvailableCommand::new("activity", "report every kind of activity"),
         ]),
     ))?;
-    send(SessionUpdate::CurrentModeUpdate(CurrentModeUpdate::new("plan")))?;
+    send(SessionUpdate::CurrentModeUpdate(CurrentModeUpdate::new(
+        "plan",
+    )))?;
     send(SessionUpdate::SessionInfoUpdate(
         SessionInfoUpdate::new().title("demo session".to_owned()),
     ))?;
@@ -564,7 +575,10 @@ async fn edit_with_permission(
             .await
         {
             Ok(_) => (ToolCallStatus::Completed, "edit: written".to_owned()),
-            Err(e) => (ToolCallStatus::Failed, format!("edit failed: {}", e.message)),
+            Err(e) => (
+                ToolCallStatus::Failed,
+                format!("edit failed: {}", e.message),
+            ),
         }
     } else {
         let why = match answer.outcome {

@@ -177,8 +177,8 @@ impl Parts {
                     None => {
                         // An update for a call we never saw (allowed by ACP
                         // when the update carries enough to make one).
-                        let call = AcpToolCall::try_from(u.clone())
-                            .unwrap_or_else(|_| placeholder(u));
+                        let call =
+                            AcpToolCall::try_from(u.clone()).unwrap_or_else(|_| placeholder(u));
                         self.tools.insert(
                             key.clone(),
                             ToolPart {
@@ -290,9 +290,7 @@ mod tests {
     use super::*;
 
     fn thought(t: &str) -> SessionUpdate {
-        SessionUpdate::AgentThoughtChunk(ContentChunk::new(ContentBlock::Text(TextContent::new(
-            t,
-        ))))
+        SessionUpdate::AgentThoughtChunk(ContentChunk::new(ContentBlock::Text(TextContent::new(t))))
     }
 
     #[test]
@@ -334,7 +332,10 @@ mod tests {
         let c = p.apply("t", SessionUpdate::Plan(plan));
         assert_eq!(c.len(), 2);
         assert_eq!((c[0].kind.as_str(), c[0].complete), (THOUGHT, true));
-        assert_eq!((c[1].kind.as_str(), c[1].text.as_str()), (PLAN, "[pending] step"));
+        assert_eq!(
+            (c[1].kind.as_str(), c[1].text.as_str()),
+            (PLAN, "[pending] step")
+        );
         let d = p.apply("t", thought("again"));
         assert_ne!(d[0].part_id, a[0].part_id, "a new run is a new part");
         let closed = p.close("t");

@@ -23,8 +23,7 @@ use agent_client_protocol::v1::schema::{
     InitializeRequest, LoadSessionRequest, NewSessionRequest, PermissionOptionKind, PromptRequest,
     ReadTextFileRequest, ReadTextFileResponse, RequestPermissionOutcome, RequestPermissionRequest,
     RequestPermissionResponse, SelectedPermissionOutcome, SessionId, SessionNotification,
-    SessionUpdate, StopReason, TextContent, WriteTextFileRequest,
-    WriteTextFileResponse,
+    SessionUpdate, StopReason, TextContent, WriteTextFileRequest, WriteTextFileResponse,
 };
 use agent_client_protocol::{Agent, Client, ErrorCode, Lines};
 use sessiond_proto::agentctl::v1::{
@@ -34,10 +33,10 @@ use sessiond_proto::agentctl::v1::{
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::{oneshot, watch};
 
+use crate::activity::{self, Parts};
 use crate::error::{Error, Result};
 use crate::exec::explicit_env;
 use crate::journal::{AgentRecord, Journal, Loaded, Phase, TurnRecord};
-use crate::activity::{self, Parts};
 use crate::sys;
 use crate::tree;
 use crate::updates::UpdateLog;
@@ -1032,7 +1031,9 @@ fn on_session_update(shared: &Shared, generation: u64, n: SessionNotification) {
             Some(a) => {
                 shared.updates.push(Kind::Activity(a));
             }
-            None => tracing::debug!(session = %n.session_id, "session update outside a turn ignored"),
+            None => {
+                tracing::debug!(session = %n.session_id, "session update outside a turn ignored")
+            }
         }
         return;
     };

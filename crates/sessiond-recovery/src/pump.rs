@@ -42,8 +42,8 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use sessiond_domain::{
     AgentProcessState, EventPayload, ExecutorEvent, ExecutorRecord, ExecutorStatus, Message,
-    MessageId, MessageKind, MessageRole, Runtime, Session, SessionEvent, SessionId, SessionState, TaskEvent,
-    TaskId,
+    MessageId, MessageKind, MessageRole, Runtime, Session, SessionEvent, SessionId, SessionState,
+    TaskEvent, TaskId,
 };
 use sessiond_executor::{AgentState, AgentctlClient};
 use sessiond_proto::agentctl::v1::{self as pb, agent_update::Kind};
@@ -1222,15 +1222,12 @@ pub(crate) async fn interrupt_turn(
         .map(|m| m.seq);
     let now = Utc::now();
     if let Some(seq) = user_seq {
-        for r in msgs
-            .iter()
-            .filter(|m| {
-                m.role == MessageRole::Agent
-                    && m.kind == MessageKind::Text
-                    && m.seq > seq
-                    && !m.complete
-            })
-        {
+        for r in msgs.iter().filter(|m| {
+            m.role == MessageRole::Agent
+                && m.kind == MessageKind::Text
+                && m.seq > seq
+                && !m.complete
+        }) {
             let mut m = r.clone();
             m.content = format!("{}{INTERRUPTED_NOTE}", r.content);
             m.complete = true;

@@ -3,8 +3,8 @@
 
 use chrono::{DateTime, Utc};
 use sessiond_domain::{
-    AgentProfile, Event, EventPayload, ExecutorStatus, Message, MessageKind, MessageRole, ResumeReason, Runtime,
-    Session, SessionState, SessionStatus, Task, TaskState, Worktree,
+    AgentProfile, Event, EventPayload, ExecutorStatus, Message, MessageKind, MessageRole,
+    ResumeReason, Runtime, Session, SessionState, SessionStatus, Task, TaskState, Worktree,
 };
 use sessiond_proto::sessiond::v1 as pb;
 
@@ -167,10 +167,10 @@ fn message_kind(k: MessageKind) -> pb::MessageKind {
 /// agent's word: a field missing or of another type reads as empty, never
 /// as an error (what an agent sent is still shown).
 mod parts {
-    use sessiond_domain::MessageKind;
-    use sessiond_proto::sessiond::v1 as pb;
     use pb::message::Part;
     use serde_json::Value;
+    use sessiond_domain::MessageKind;
+    use sessiond_proto::sessiond::v1 as pb;
 
     fn envelope(data: &str) -> Option<Value> {
         serde_json::from_str(data).ok()
@@ -197,10 +197,7 @@ mod parts {
     }
 
     fn list<'a>(v: &'a Value, key: &str) -> impl Iterator<Item = &'a Value> {
-        v.get(key)
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
+        v.get(key).and_then(Value::as_array).into_iter().flatten()
     }
 
     pub(super) fn part(kind: MessageKind, data: &str) -> Option<Part> {

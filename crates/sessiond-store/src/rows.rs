@@ -7,8 +7,8 @@ use diesel::prelude::*;
 use serde_json::{Map, Value, json};
 use sessiond_domain::{
     AgentProfile, AgentProfileId, ContainerAgent, Event, EventKind, EventPayload, ExecutorId,
-    ExecutorRecord, ExecutorStatus, Message, MessageId, MessageKind, MessageRole, Runtime, Session, SessionId,
-    SessionState, Task, TaskId, TaskState, Worktree,
+    ExecutorRecord, ExecutorStatus, Message, MessageId, MessageKind, MessageRole, Runtime, Session,
+    SessionId, SessionState, Task, TaskId, TaskState, Worktree,
 };
 
 use crate::{

@@ -9,8 +9,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use chrono::{Duration, Utc};
 use sessiond_domain::{
     AgentProfile, AgentProfileId, EventKind, EventPayload, ExecutorId, ExecutorRecord,
-    ExecutorStatus, Message, MessageId, MessageKind, MessageRole, Runtime, Session, SessionId, SessionState,
-    Task, TaskEvent, TaskId, TaskState, Worktree,
+    ExecutorStatus, Message, MessageId, MessageKind, MessageRole, Runtime, Session, SessionId,
+    SessionState, Task, TaskEvent, TaskId, TaskState, Worktree,
 };
 use sessiond_store::{Backend, Changeset, Error, Store, StoreOptions};
 
@@ -872,7 +872,11 @@ mod suite {
             .unwrap();
         let updated = &done2.messages[0];
         assert_eq!(
-            (updated.kind, updated.data.as_str(), updated.content.as_str()),
+            (
+                updated.kind,
+                updated.data.as_str(),
+                updated.content.as_str()
+            ),
             (MessageKind::ToolCall, data2, "Read file (done)")
         );
         // A plain text update keeps the part's data.

@@ -175,10 +175,16 @@ fn assert_activity_parts(msgs: &[pb::Message]) {
     // The reply is still one text message, after the activity.
     let replies: Vec<_> = msgs
         .iter()
-        .filter(|m| m.role == pb::MessageRole::Agent as i32 && m.kind == pb::MessageKind::Text as i32)
+        .filter(|m| {
+            m.role == pb::MessageRole::Agent as i32 && m.kind == pb::MessageKind::Text as i32
+        })
         .collect();
     assert_eq!(replies.len(), 1, "{msgs:#?}");
-    assert!(replies[0].content.ends_with("activity: sent"), "{:?}", replies[0]);
+    assert!(
+        replies[0].content.ends_with("activity: sent"),
+        "{:?}",
+        replies[0]
+    );
 }
 
 /// The last state of each message in an event list.
@@ -280,7 +286,10 @@ async fn every_update_kind_is_stored_streamed_and_replayed_after_a_restart() {
         .expect("the second turn's tool call");
     match &tool.part {
         Some(Part::ToolCall(t)) => {
-            assert_eq!((t.tool_call_id.as_str(), t.status.as_str()), ("demo-tool-1", "completed"));
+            assert_eq!(
+                (t.tool_call_id.as_str(), t.status.as_str()),
+                ("demo-tool-1", "completed")
+            );
         }
         other => panic!("{other:?}"),
     }
