@@ -7,7 +7,10 @@ use chrono::{DateTime, Utc};
 
 use crate::{
     ids::{AgentProfileId, ExecutorId, MessageId, SessionId, TaskId},
-    states::{ExecutorStatus, MessageKind, MessageRole, Runtime, SessionState, TaskState},
+    states::{
+        ExecutorStatus, MessageKind, MessageRole, PermissionPolicy, Runtime, SessionState,
+        TaskState,
+    },
 };
 
 /// A unit of work on a repository; it has one or more sessions.
@@ -34,6 +37,11 @@ pub struct AgentProfile {
     /// How the agent runs in a container (`local_docker`), when that is not
     /// `command`/`args` of the host: an image has its own file system.
     pub container: Option<ContainerAgent>,
+    /// ACP auth method agentctl calls `authenticate` with after
+    /// `initialize` (e.g. `openai-api-key` for codex-acp); `None`: no call.
+    pub auth_method: Option<String>,
+    /// How the agent's permission requests are answered.
+    pub permission_policy: PermissionPolicy,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
@@ -201,6 +209,8 @@ mod tests {
             ]),
             supports_session_resume: true,
             container,
+            auth_method: None,
+            permission_policy: PermissionPolicy::Allow,
             created_at: Utc::now(),
             updated_at: Utc::now(),
         }
