@@ -709,6 +709,8 @@ async fn follow_turn(
     // The reply may be several agent messages (text around tool calls):
     // each is printed as it grows.
     let mut printing: Option<(String, usize)> = None;
+    // Activity lines shown, by message id (printed again when they change).
+    let mut shown: std::collections::HashMap<String, String> = Default::default();
     let mut reply: Option<pb::Message> = None;
     let mut note: Option<String> = None;
     let mut in_turn = false;
@@ -729,6 +731,22 @@ async fn follow_turn(
                 if m.id == user_id =>
             {
                 in_turn = true;
+            }
+            Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
+            | Some(pb::event::Payload::MessageUpdated(pb::MessageUpdated { message: Some(m) }))
+                if m.role == pb::MessageRole::Agent as i32
+                    && m.seq > user_seq
+                    && !output::is_text(&m) =>
+            {
+                // The agent's activity, one line on stderr each time a
+                // part changes what it shows (the reply keeps stdout).
+                // Thoughts show once, whole.
+                let shows = m.kind != pb::MessageKind::Thought as i32 || m.complete;
+                let line = output::activity_line(&m);
+                if !out.json && shows && shown.get(&m.id) != Some(&line) {
+                    eprintln!("{line}");
+                    shown.insert(m.id.clone(), line);
+                }
             }
             Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
             | Some(pb::event::Payload::MessageUpdated(pb::MessageUpdated { message: Some(m) }))

@@ -9,6 +9,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod activity;
 mod agents;
 mod api;
 mod config;
