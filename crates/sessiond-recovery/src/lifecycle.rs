@@ -330,6 +330,7 @@ impl SessionManager {
             return Err(Error::InvalidArgument("the message is empty".into()));
         }
         self.session_of_task(task, session_id).await?;
+        self.ensure_recovered(session_id).await;
         let _guard = self.lock_session(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         self.check_can_start_turn(&session, "send a message")?;
@@ -351,6 +352,7 @@ impl SessionManager {
         message: Option<MessageId>,
     ) -> Result<(Message, MessageId)> {
         self.session_of_task(task, session_id).await?;
+        self.ensure_recovered(session_id).await;
         let _guard = self.lock_session(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         self.check_can_start_turn(&session, "retry a turn")?;
@@ -585,6 +587,7 @@ impl SessionManager {
         reason: EndReason,
     ) -> Result<Session> {
         self.session_of_task(task, session_id).await?;
+        self.ensure_recovered(session_id).await;
         let _guard = self.lock_session(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         let session = if session.state.is_terminal() {
