@@ -14,6 +14,8 @@
 //!   container boundary probe, recovery on the Docker runtime, sessionctl's
 //!   Docker session), with an engine as in `ci`. `ci` runs the same tests
 //!   within its one test run, which has `DOCKER_HOST` set.
+//! - `soak [--runs N]`: the test suites of `ci` N times (3) under CPU load
+//!   (a busy loop per core), reporting each run's failures: the flake check.
 //! - `bench`: the performance figures (see `bench.rs`); writes docs/PERFORMANCE.md.
 
 use std::{
@@ -35,6 +37,7 @@ fn main() -> anyhow::Result<()> {
         Some("ci") => ci(),
         Some("docker-image") => docker_image(&args[1..]),
         Some("docker-tests") => docker_tests(),
+        Some("soak") => soak(&args[1..]),
         Some("bench") => {
             let root = workspace_root();
             std::env::set_current_dir(&root)?;
@@ -43,7 +46,7 @@ fn main() -> anyhow::Result<()> {
         }
         _ => {
             eprintln!(
-                "usage: cargo xtask ci | docker-image [--tar <file>] | docker-tests | bench [--quick]"
+                "usage: cargo xtask ci | docker-image [--tar <file>] | docker-tests | soak [--runs N] | bench [--quick]"
             );
             bail!("unknown or missing command {:?}", args.first());
         }
@@ -98,6 +101,19 @@ fn ci() -> anyhow::Result<()> {
         }
     };
 
+    test_suites(&mut tally, engine.host(), &database_url)?;
+    engine.stop()?;
+    // The last line: every test this command ran, over all the runs above.
+    eprintln!("{} passed, {} failed", tally.passed, tally.failed);
+    if !tally.failed_steps.is_empty() {
+        bail!("failed: {}", tally.failed_steps.join(", "));
+    }
+    Ok(())
+}
+
+/// Every test `ci` runs after its browser suite: the workspace (the
+/// `#[ignore]`d Docker tests included), the crash tests, the doctests.
+fn test_suites(tally: &mut Tally, docker_host: &str, database_url: &str) -> anyhow::Result<()> {
     // Every test, the `#[ignore]`d ones that need Docker included; the
     // child-process entry points and the opt-in tests are ignored too and
     // never run here.
@@ -128,9 +144,9 @@ fn ci() -> anyhow::Result<()> {
         }
         cmd
     };
-    test.env("DATABASE_URL", &database_url);
+    test.env("DATABASE_URL", database_url);
     test.env("SESSIOND_DOCKER_TESTS", "1")
-        .env("DOCKER_HOST", engine.host());
+        .env("DOCKER_HOST", docker_host);
     tally.run("test", test)?;
     // The crash tests live in a test binary that exists only with
     // sessiond-recovery's `failpoints` feature, which no build above enables.
@@ -139,19 +155,97 @@ fn ci() -> anyhow::Result<()> {
     crash
         .env("SESSIOND_CRASHLOOP_SECS", "45")
         .env("SESSIOND_DOCKER_TESTS", "1")
-        .env("DOCKER_HOST", engine.host());
+        .env("DOCKER_HOST", docker_host);
     tally.run("crash tests", crash)?;
     tally.run(
         "doctest",
         cargo(&["test", "--workspace", "--doc", "--locked"]),
+    )
+}
+
+/// `soak [--runs N]`: the suites of [`test_suites`] N times in a row (3 by
+/// default) while one busy loop per core competes for the CPU at the tests'
+/// own priority, to find tests that depend on timing. Prints each run's
+/// counts and the tests that failed; fails when any did.
+fn soak(args: &[String]) -> anyhow::Result<()> {
+    let runs: u32 = match args {
+        [] => 3,
+        [flag, n] if flag == "--runs" => n.parse().context("--runs N")?,
+        _ => bail!("usage: cargo xtask soak [--runs N]"),
+    };
+    let root = workspace_root();
+    std::env::set_current_dir(&root)?;
+    ensure_system_packages()?;
+    step(
+        "build",
+        cargo(&["build", "--workspace", "--bins", "--locked"]),
     )?;
+    let engine = docker::Engine::ensure().context("a Docker engine for the Docker tests")?;
+    docker::build_image(&engine, &docker::target_dir(&root).join("debug"))?;
+    let cluster = sessiond_testkit::postgres::try_start_cluster()
+        .map_err(anyhow::Error::msg)
+        .context("starting a throwaway PostgreSQL for the Postgres suite")?;
+    let load = BusyLoops::start()?;
+    let mut results = Vec::new();
+    for run in 1..=runs {
+        eprintln!(
+            "xtask: soak run {run}/{runs} under {} busy loops",
+            load.0.len()
+        );
+        let mut tally = Tally::default();
+        test_suites(&mut tally, engine.host(), cluster.url())?;
+        results.push(tally);
+    }
+    drop(load);
     engine.stop()?;
-    // The last line: every test this command ran, over all the runs above.
-    eprintln!("{} passed, {} failed", tally.passed, tally.failed);
-    if !tally.failed_steps.is_empty() {
-        bail!("failed: {}", tally.failed_steps.join(", "));
+    let mut flaky = 0;
+    for (i, t) in results.iter().enumerate() {
+        eprintln!(
+            "xtask: soak run {}: {} passed, {} failed{}",
+            i + 1,
+            t.passed,
+            t.failed,
+            if t.failed_tests.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", t.failed_tests.join(", "))
+            }
+        );
+        flaky += t.failed;
+    }
+    eprintln!("{flaky} failed over {runs} runs under load");
+    if flaky > 0 {
+        bail!("{flaky} test failures under load");
     }
     Ok(())
+}
+
+/// One `sh` busy loop per core; killed (by pid) when dropped.
+struct BusyLoops(Vec<std::process::Child>);
+
+impl BusyLoops {
+    fn start() -> anyhow::Result<BusyLoops> {
+        let cores = std::thread::available_parallelism().map_or(2, usize::from);
+        let mut loops = Vec::with_capacity(cores);
+        for _ in 0..cores {
+            loops.push(
+                Command::new("sh")
+                    .args(["-c", "while :; do :; done"])
+                    .spawn()
+                    .context("starting a busy loop")?,
+            );
+        }
+        Ok(BusyLoops(loops))
+    }
+}
+
+impl Drop for BusyLoops {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 /// Test functions that are child-process entry points of crash tests (this
@@ -169,6 +263,8 @@ struct Tally {
     passed: u64,
     failed: u64,
     failed_steps: Vec<String>,
+    /// nextest's `FAIL [..] crate::binary test` lines, for `soak`'s report.
+    failed_tests: Vec<String>,
 }
 
 impl Tally {
@@ -214,6 +310,8 @@ impl Tally {
         );
         self.passed += counts.passed;
         self.failed += counts.failed;
+        self.failed_tests
+            .extend(counts.failed_tests.iter().map(|t| format!("{name}: {t}")));
         if !status.success() {
             self.failed_steps.push(name.to_owned());
             if counts.failed == 0 {
@@ -234,11 +332,31 @@ struct Counts {
     /// A nextest summary was seen (it already totals the run, so libtest
     /// lines inside failing tests' output are not added again).
     nextest: bool,
+    /// Names from nextest's `FAIL [time] (i/n) name` and libtest's
+    /// `test name ... FAILED` lines, each once.
+    failed_tests: Vec<String>,
 }
 
 impl Counts {
     fn add(&mut self, line: &str) {
         let line = line.trim();
+        let failed = line
+            .strip_prefix("FAIL [")
+            .or_else(|| line.strip_prefix("TIMEOUT ["))
+            .and_then(|rest| rest.split_once("] "))
+            .map(|(_, name)| match name.split_once(") ") {
+                Some((progress, name)) if progress.starts_with('(') => name,
+                _ => name,
+            })
+            .or_else(|| {
+                line.strip_prefix("test ")
+                    .and_then(|rest| rest.strip_suffix(" ... FAILED"))
+            });
+        if let Some(name) = failed
+            && !self.failed_tests.iter().any(|n| n == name)
+        {
+            self.failed_tests.push(name.to_owned());
+        }
         // nextest: "Summary [  12.3s] 250 tests run: 248 passed (1 slow), 2 failed, 3 skipped"
         if let Some(i) = line.find(" run: ")
             && line.starts_with("Summary")
@@ -253,11 +371,9 @@ impl Counts {
                     _ => {}
                 }
             }
-            *self = Counts {
-                passed,
-                failed,
-                nextest: true,
-            };
+            self.passed = passed;
+            self.failed = failed;
+            self.nextest = true;
             return;
         }
         // libtest: "test result: ok. 5 passed; 0 failed; 1 ignored; ..."
@@ -295,18 +411,21 @@ impl Counts {
         }
     }
 
-    fn merge(self, other: Counts) -> Counts {
-        if self.nextest {
-            return self;
+    fn merge(mut self, other: Counts) -> Counts {
+        for name in other.failed_tests {
+            if !self.failed_tests.contains(&name) {
+                self.failed_tests.push(name);
+            }
         }
-        if other.nextest {
-            return other;
+        if other.nextest && !self.nextest {
+            self.passed = other.passed;
+            self.failed = other.failed;
+            self.nextest = true;
+        } else if !self.nextest {
+            self.passed += other.passed;
+            self.failed += other.failed;
         }
-        Counts {
-            passed: self.passed + other.passed,
-            failed: self.failed + other.failed,
-            nextest: false,
-        }
+        self
     }
 }
 
@@ -552,6 +671,29 @@ mod tests {
             (5, 1)
         );
         assert_eq!(count(&["ℹ pass 3", "ℹ fail 0"]), (3, 0));
+    }
+
+    #[test]
+    fn names_failed_tests_once() {
+        let mut c = Counts::default();
+        for l in [
+            "        FAIL [   1.716s] (1/6) sessiond-recovery::recovery turn_crash::a",
+            "        PASS [   0.822s] (2/6) sessiond-recovery::recovery turn_crash::b",
+            "     TIMEOUT [  60.001s] sessiond-server::server security::c",
+            "        FAIL [   1.716s] sessiond-recovery::recovery turn_crash::a",
+            "test crash::d ... FAILED",
+            "test crash::e ... ok",
+        ] {
+            c.add(l);
+        }
+        assert_eq!(
+            c.failed_tests,
+            [
+                "sessiond-recovery::recovery turn_crash::a",
+                "sessiond-server::server security::c",
+                "crash::d"
+            ]
+        );
     }
 
     #[test]

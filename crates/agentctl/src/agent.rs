@@ -175,7 +175,20 @@ struct Shared {
     /// The journal was created by this process (see the proto's Health).
     journal_fresh: bool,
     /// Test hook: the crash point at which this process SIGKILLs itself.
-    crash_at: Option<String>,
+    crash_at: Option<CrashHook>,
+}
+
+/// Test hook for deterministic crash tests: the point of a turn at which
+/// agentctl SIGKILLs itself (`NAME`, or `NAME:TEXT` for the prompt `TEXT`
+/// only, so a test can run earlier turns through the same process).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CrashHook {
+    pub at: String,
+    /// Fire only while this marker file does not exist, creating it first:
+    /// a backend that relaunches agentctl with the same environment (a local
+    /// process, a restarted container) must not crash it again at the turn
+    /// it delivers after recovery.
+    pub once: Option<std::path::PathBuf>,
 }
 
 /// Owns the agent process and the ACP connection to it.
@@ -343,7 +356,7 @@ impl AgentManager {
         policy: PermissionPolicy,
         journal: Journal,
         loaded: Loaded,
-        crash_at: Option<String>,
+        crash_at: Option<CrashHook>,
     ) -> Self {
         Self {
             shared: Arc::new(Shared {
@@ -837,22 +850,35 @@ impl AgentManager {
     }
 
     /// Test hook: SIGKILLs this process at crash point `name` when asked to
-    /// (`NAME`, or `NAME:TEXT` for the prompt `text` = TEXT only, so a test
-    /// can run earlier turns through the same process).
+    /// (see [`CrashHook`]).
     fn crash_point(&self, name: &str, text: &str) {
-        let hit = self.shared.crash_at.as_deref().is_some_and(|at| {
-            at == name
-                || at
-                    .split_once(':')
-                    .is_some_and(|(n, t)| n == name && t == text)
-        });
-        if hit {
-            tracing::warn!(
-                point = name,
-                "crash point reached; killing agentctl (test hook)"
-            );
-            sys::kill_self();
+        let Some(hook) = &self.shared.crash_at else {
+            return;
+        };
+        let hit = hook.at == name
+            || hook
+                .at
+                .split_once(':')
+                .is_some_and(|(n, t)| n == name && t == text);
+        if !hit {
+            return;
         }
+        if let Some(marker) = &hook.once {
+            // create_new: only the first process to get here crashes.
+            let created = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(marker)
+                .and_then(|f| f.sync_all());
+            if created.is_err() {
+                return;
+            }
+        }
+        tracing::warn!(
+            point = name,
+            "crash point reached; killing agentctl (test hook)"
+        );
+        sys::kill_self();
     }
 
     /// Sends ACP `session/cancel` for the turn in progress.

@@ -55,7 +55,10 @@ impl Error {
             }
             std::io::ErrorKind::IsADirectory
             | std::io::ErrorKind::NotADirectory
-            | std::io::ErrorKind::InvalidInput => {
+            | std::io::ErrorKind::InvalidInput
+            | std::io::ErrorKind::InvalidFilename
+            | std::io::ErrorKind::ArgumentListTooLong => {
+                // ENAMETOOLONG / E2BIG: the caller's input is too long.
                 Self::InvalidArgument(format!("{context}: {source}"))
             }
             _ if source.raw_os_error() == Some(libc::ELOOP) => {

@@ -261,7 +261,11 @@ async fn main() -> anyhow::Result<()> {
     // Test hook for deterministic crash tests (see AgentManager::with_journal).
     let crash_at = std::env::var("AGENTCTL_TEST_CRASH_AT")
         .ok()
-        .filter(|v| !v.is_empty());
+        .filter(|v| !v.is_empty())
+        .map(|at| agentctl::agent::CrashHook {
+            at,
+            once: std::env::var_os("AGENTCTL_TEST_CRASH_ONCE").map(Into::into),
+        });
     let agent = AgentManager::with_journal(
         workspace.clone(),
         updates.clone(),

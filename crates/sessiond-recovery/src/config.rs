@@ -42,6 +42,10 @@ pub struct ManagerConfig {
     pub orphan_sweep_grace: Duration,
     /// Then again every this long (`None`: once).
     pub orphan_sweep_interval: Option<Duration>,
+    /// At most this many sessions with a live executor (`starting` or
+    /// `ready`); a create past it is refused before anything is stored
+    /// (`None`: no limit).
+    pub max_live_sessions: Option<usize>,
 }
 
 impl Default for ManagerConfig {
@@ -60,6 +64,7 @@ impl Default for ManagerConfig {
             liveness_interval: Some(Duration::from_secs(30)),
             orphan_sweep_grace: Duration::from_secs(120),
             orphan_sweep_interval: Some(Duration::from_secs(15 * 60)),
+            max_live_sessions: None,
         }
     }
 }

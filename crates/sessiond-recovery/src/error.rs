@@ -21,6 +21,8 @@ pub enum ErrorKind {
     Aborted,
     /// UNAVAILABLE: an executor, agent or the database cannot be reached now.
     Unavailable,
+    /// RESOURCE_EXHAUSTED: a configured limit is reached.
+    ResourceExhausted,
     /// INTERNAL.
     Internal,
 }
@@ -122,6 +124,15 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// A configured limit is reached (`limit` is its configuration key).
+    #[error("{what}: the limit of {max} ({limit}) is reached; {hint}")]
+    LimitReached {
+        limit: &'static str,
+        max: usize,
+        what: &'static str,
+        hint: &'static str,
+    },
+
     /// The database failed.
     #[error("store: {0}")]
     Store(Arc<sessiond_store::Error>),
@@ -147,6 +158,7 @@ impl Error {
             | Error::ResumeFailed { .. } => ErrorKind::FailedPrecondition,
             Error::Conflict { .. } => ErrorKind::Aborted,
             Error::Unavailable(_) => ErrorKind::Unavailable,
+            Error::LimitReached { .. } => ErrorKind::ResourceExhausted,
             Error::Executor(e) if e.is_unavailable() => ErrorKind::Unavailable,
             Error::Executor(_) => ErrorKind::FailedPrecondition,
             Error::Agent { code, .. } => match code {

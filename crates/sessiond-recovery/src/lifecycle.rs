@@ -65,6 +65,36 @@ pub enum EndReason {
 }
 
 impl SessionManager {
+    /// With `max_live_sessions` set: refuses when that many executors are
+    /// already `starting` or `ready`, else holds the create gate until the
+    /// caller's intent is committed (which counts it).
+    async fn admit_live_session(&self) -> Result<Option<tokio::sync::MutexGuard<'_, ()>>> {
+        let Some(max) = self.inner.config.max_live_sessions else {
+            return Ok(None);
+        };
+        let gate = self.inner.create_gate.lock().await;
+        let live: i64 = self
+            .inner
+            .store
+            .count_executors_by_runtime_and_status()
+            .await?
+            .into_iter()
+            .filter(|(_, status, _)| {
+                matches!(status, ExecutorStatus::Starting | ExecutorStatus::Ready)
+            })
+            .map(|(_, _, n)| n)
+            .sum();
+        if usize::try_from(live).unwrap_or(usize::MAX) >= max {
+            return Err(Error::LimitReached {
+                limit: "limits.max_live_sessions",
+                max,
+                what: "live sessions",
+                hint: "stop or delete a session, or raise the limit",
+            });
+        }
+        Ok(Some(gate))
+    }
+
     /// Creates a session and starts its agent: intent first (session
     /// STARTING, executor `starting` generation 1, events), then agentctl,
     /// capability probe, LaunchAgent, NewSession (its id is the
@@ -122,6 +152,7 @@ impl SessionManager {
             updated_at: now,
         };
         let _guard = self.lock_session(session_id).await;
+        let gate = self.admit_live_session().await?;
 
         // The session and its intent, in one transaction before anything is
         // spawned: no crash leaves a CREATED session that recovery, which
@@ -174,6 +205,7 @@ impl SessionManager {
         );
         change = change.task_event(req.task_id, TaskEvent::WorkStarted);
         let committed = store.create_session_with(&created, change).await?;
+        drop(gate);
         self.after_commit(&committed);
         let mut session = committed
             .session

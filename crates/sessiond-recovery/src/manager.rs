@@ -160,6 +160,9 @@ pub(crate) struct Inner {
     pub(crate) recovery_profiles:
         StdMutex<HashMap<sessiond_domain::AgentProfileId, sessiond_domain::AgentProfile>>,
     locks: StdMutex<HashMap<SessionId, Arc<tokio::sync::Mutex<()>>>>,
+    /// Held by a create from counting live sessions to committing its
+    /// intent, so concurrent creates cannot all slip under the limit.
+    pub(crate) create_gate: tokio::sync::Mutex<()>,
     inflight: StdMutex<HashMap<SessionId, Inflight>>,
     pub pumps: StdMutex<HashMap<SessionId, AbortHandle>>,
     background: StdMutex<Vec<AbortHandle>>,
@@ -229,6 +232,7 @@ impl SessionManager {
                 parked: StdMutex::default(),
                 recovery_profiles: StdMutex::default(),
                 locks: StdMutex::default(),
+                create_gate: tokio::sync::Mutex::default(),
                 inflight: StdMutex::default(),
                 pumps: StdMutex::default(),
                 background: StdMutex::default(),

@@ -967,6 +967,10 @@ impl Pump {
                     change = change.event(self.session_id, ev);
                 }
                 self.mgr.commit(change).await?;
+                self.mgr
+                    .inner
+                    .metrics
+                    .turn_ended(self.session_id, crate::metrics::TurnOutcome::Failed);
                 Ok(())
             }
         }

@@ -43,6 +43,10 @@ pub struct ApiSettings {
     pub max_message_bytes: usize,
     /// Local worktrees must lie in one of these (absolute, normalised).
     pub worktree_roots: Vec<std::path::PathBuf>,
+    /// Hosts a remote session's agentctl URL may name.
+    pub remote_allowed_hosts: crate::limits::AllowedHosts,
+    /// Open watch streams, globally and per token.
+    pub watch_limits: Arc<crate::limits::WatchLimits>,
     /// Client settings for proxied workspace calls (a longer call deadline
     /// than the manager's, since `Exec` may run for minutes).
     pub workspace_client: ClientConfig,
@@ -84,6 +88,75 @@ fn page_size(value: i32) -> ApiResult<u32> {
 
 /// Longest worktree path accepted (Linux's PATH_MAX).
 const MAX_PATH_BYTES: usize = 4096;
+/// Longest path component (Linux's NAME_MAX).
+const MAX_NAME_BYTES: usize = 255;
+/// Longest single Exec argument (Linux's MAX_ARG_STRLEN, less its NUL).
+const MAX_ARG_BYTES: usize = 128 * 1024 - 1;
+/// Most Exec arguments, and their total size (well inside ARG_MAX).
+const MAX_ARGS: usize = 4096;
+const MAX_ARGS_TOTAL_BYTES: usize = 1024 * 1024;
+/// Longest remote agentctl URL or secret.
+const MAX_REMOTE_FIELD_BYTES: usize = 2048;
+
+/// A workspace path a client sends (relative to the workspace, or empty for
+/// its root): the sizes the kernel would refuse are INVALID_ARGUMENT here,
+/// naming the field, instead of an OS error later.
+fn check_path_field(field: &str, path: &str) -> ApiResult<()> {
+    if path.len() > MAX_PATH_BYTES {
+        return Err(ApiError::invalid(format!(
+            "{field}: {} bytes is longer than {MAX_PATH_BYTES} bytes",
+            path.len()
+        )));
+    }
+    if path.contains('\0') {
+        return Err(ApiError::invalid(format!("{field}: contains a NUL byte")));
+    }
+    if let Some(long) = path.split('/').find(|c| c.len() > MAX_NAME_BYTES) {
+        return Err(ApiError::invalid(format!(
+            "{field}: a component of {} bytes is longer than {MAX_NAME_BYTES} bytes",
+            long.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Exec's command line: sizes `execve` would refuse (E2BIG), and NUL.
+fn check_command_line(command: &str, args: &[String]) -> ApiResult<()> {
+    if command.len() > MAX_PATH_BYTES {
+        return Err(ApiError::invalid(format!(
+            "command: {} bytes is longer than {MAX_PATH_BYTES} bytes",
+            command.len()
+        )));
+    }
+    if command.contains('\0') {
+        return Err(ApiError::invalid("command: contains a NUL byte"));
+    }
+    if args.len() > MAX_ARGS {
+        return Err(ApiError::invalid(format!(
+            "args: {} arguments are more than {MAX_ARGS}",
+            args.len()
+        )));
+    }
+    let mut total = 0usize;
+    for (i, arg) in args.iter().enumerate() {
+        if arg.len() > MAX_ARG_BYTES {
+            return Err(ApiError::invalid(format!(
+                "args[{i}]: {} bytes is longer than {MAX_ARG_BYTES} bytes",
+                arg.len()
+            )));
+        }
+        if arg.contains('\0') {
+            return Err(ApiError::invalid(format!("args[{i}]: contains a NUL byte")));
+        }
+        total += arg.len() + 1;
+    }
+    if total > MAX_ARGS_TOTAL_BYTES {
+        return Err(ApiError::invalid(format!(
+            "args: {total} bytes in all is more than {MAX_ARGS_TOTAL_BYTES} bytes"
+        )));
+    }
+    Ok(())
+}
 
 /// A local worktree must be a normalised absolute path inside one of
 /// `roots`, and, when it exists, stay inside one after symlinks resolve.
@@ -153,6 +226,15 @@ fn ids(task: &str, session: &str) -> ApiResult<(TaskId, SessionId)> {
     Ok((task_id(task)?, session_id(session)?))
 }
 
+/// The caller `auth.rs` identified (its token's index).
+fn caller<T>(request: &Request<T>) -> crate::limits::Caller {
+    request
+        .extensions()
+        .get::<crate::limits::Caller>()
+        .copied()
+        .unwrap_or(crate::limits::Caller(0))
+}
+
 fn reply<T>(result: ApiResult<T>) -> Result<Response<T>, Status> {
     result.map(Response::new).map_err(Status::from)
 }
@@ -204,7 +286,12 @@ impl Api {
     /// A watch stream that a shutdown ends with UNAVAILABLE, not OK: a
     /// client must not take a cut stream for a finished one, and resubscribes
     /// from its last seq.
-    fn stream(&self, events: sessiond_recovery::EventStream) -> EventStream {
+    /// `permit` holds the stream's watch slot until the stream is dropped.
+    fn stream(
+        &self,
+        events: sessiond_recovery::EventStream,
+        permit: crate::limits::WatchPermit,
+    ) -> EventStream {
         let mut stop = self.stop.clone();
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;
@@ -224,7 +311,8 @@ impl Api {
         })
         .filter_map(futures::future::ready);
         events
-            .map(|item| {
+            .map(move |item| {
+                let _slot = &permit;
                 item.map(|e| convert::event(&e))
                     .map_err(|e| Status::from(ApiError::from(e)))
             })
@@ -416,6 +504,22 @@ impl pb::session_service_server::SessionService for Api {
                         "remote_url: a remote session needs the http(s):// URL of its agentctl",
                     ));
                 }
+                for (field, value) in [
+                    ("remote_url", &req.remote_url),
+                    ("remote_secret", &req.remote_secret),
+                ] {
+                    if value.len() > MAX_REMOTE_FIELD_BYTES {
+                        return Err(ApiError::invalid(format!(
+                            "{field}: longer than {MAX_REMOTE_FIELD_BYTES} bytes"
+                        )));
+                    }
+                }
+                // Before anything is stored or dialled: a caller must not
+                // make sessiond connect wherever it likes (SSRF).
+                self.settings
+                    .remote_allowed_hosts
+                    .check(&req.remote_url)
+                    .map_err(ApiError::InvalidArgument)?;
                 if req.remote_secret.is_empty() {
                     return Err(ApiError::invalid(
                         "remote_secret: a remote session needs the secret its agentctl was started with",
@@ -666,6 +770,7 @@ impl pb::session_service_server::SessionService for Api {
         &self,
         request: Request<pb::WatchSessionRequest>,
     ) -> Result<Response<Self::WatchSessionStream>, Status> {
+        let caller = caller(&request);
         let req = request.into_inner();
         reply(
             async {
@@ -673,8 +778,9 @@ impl pb::session_service_server::SessionService for Api {
                 if req.after_seq < 0 {
                     return Err(ApiError::invalid("after_seq: must not be negative"));
                 }
+                let permit = self.settings.watch_limits.acquire(caller)?;
                 let events = self.manager.watch_session(session, req.after_seq).await?;
-                Ok(self.stream(events))
+                Ok(self.stream(events, permit))
             }
             .await,
         )
@@ -686,6 +792,7 @@ impl pb::session_service_server::SessionService for Api {
         &self,
         request: Request<pb::WatchTaskRequest>,
     ) -> Result<Response<Self::WatchTaskStream>, Status> {
+        let caller = caller(&request);
         let req = request.into_inner();
         reply(
             async {
@@ -693,8 +800,9 @@ impl pb::session_service_server::SessionService for Api {
                 if req.after_task_seq < 0 {
                     return Err(ApiError::invalid("after_task_seq: must not be negative"));
                 }
+                let permit = self.settings.watch_limits.acquire(caller)?;
                 let events = self.manager.watch_task(task, req.after_task_seq).await?;
-                Ok(self.stream(events))
+                Ok(self.stream(events, permit))
             }
             .await,
         )
@@ -713,6 +821,8 @@ impl pb::workspace_service_server::WorkspaceService for Api {
                 if req.command.is_empty() {
                     return Err(ApiError::invalid("command: required"));
                 }
+                check_command_line(&req.command, &req.args)?;
+                check_path_field("cwd", &req.cwd)?;
                 if req.timeout_ms > MAX_EXEC_TIMEOUT_MS {
                     return Err(ApiError::invalid(format!(
                         "timeout_ms: {} is more than the maximum of {MAX_EXEC_TIMEOUT_MS} (24 h)",
@@ -783,6 +893,7 @@ impl pb::workspace_service_server::WorkspaceService for Api {
         let req = request.into_inner();
         reply(
             async {
+                check_path_field("path", &req.path)?;
                 let client = self.workspace_client(req.session.as_ref()).await?;
                 let r = agentctl(
                     client
@@ -806,6 +917,7 @@ impl pb::workspace_service_server::WorkspaceService for Api {
         let req = request.into_inner();
         reply(
             async {
+                check_path_field("path", &req.path)?;
                 let client = self.workspace_client(req.session.as_ref()).await?;
                 let r = agentctl(
                     client
@@ -832,6 +944,7 @@ impl pb::workspace_service_server::WorkspaceService for Api {
         let req = request.into_inner();
         reply(
             async {
+                check_path_field("path", &req.path)?;
                 let client = self.workspace_client(req.session.as_ref()).await?;
                 let r = agentctl(
                     client

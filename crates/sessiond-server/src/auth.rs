@@ -17,7 +17,7 @@ use futures::future::{BoxFuture, FutureExt};
 use subtle::ConstantTimeEq;
 use tower::{Layer, Service};
 
-use crate::config::AllowedOrigins;
+use crate::{config::AllowedOrigins, limits::Caller};
 
 /// Paths that never need a token: health checks by load balancers and
 /// orchestrators.
@@ -80,13 +80,18 @@ impl<S> std::fmt::Debug for Auth<S> {
 }
 
 /// Compares `presented` with every accepted token in constant time (per
-/// token length); the loop never exits early.
-fn accepted(tokens: &[Vec<u8>], presented: &[u8]) -> bool {
+/// token length); the loop never exits early. Answers the index of the
+/// token that matched (who is calling, for per-token limits).
+fn accepted(tokens: &[Vec<u8>], presented: &[u8]) -> Option<usize> {
+    use subtle::ConditionallySelectable;
     let mut ok = subtle::Choice::from(0u8);
-    for token in tokens {
-        ok |= token.as_slice().ct_eq(presented);
+    let mut index = 0u64;
+    for (i, token) in tokens.iter().enumerate() {
+        let hit = token.as_slice().ct_eq(presented);
+        index = u64::conditional_select(&index, &(i as u64), hit);
+        ok |= hit;
     }
-    bool::from(ok)
+    bool::from(ok).then_some(index as usize)
 }
 
 /// Longest part of a refused header value quoted back in a message.
@@ -175,25 +180,24 @@ pub fn is_loopback_host(host: &[u8]) -> bool {
         .is_ok_and(|ip| ip.is_loopback())
 }
 
-/// Why a request has no valid credentials; `None` if it has.
-fn reject_reason<B>(tokens: &[Vec<u8>], request: &http::Request<B>) -> Option<&'static str> {
+/// Who the request's credentials name, or why it has none that are valid.
+/// Health checks need none (they get caller 0).
+fn authenticate<B>(tokens: &[Vec<u8>], request: &http::Request<B>) -> Result<Caller, &'static str> {
     if request.uri().path().starts_with(PUBLIC_PREFIX) {
-        return None;
+        return Ok(Caller(0));
     }
     let Some(value) = request.headers().get(http::header::AUTHORIZATION) else {
-        return Some("missing `authorization: Bearer <token>` metadata");
+        return Err("missing `authorization: Bearer <token>` metadata");
     };
     // RFC 7235: the scheme is case-insensitive.
     let bytes = value.as_bytes();
     let token = match bytes.get(..7) {
         Some(scheme) if scheme.eq_ignore_ascii_case(b"bearer ") => &bytes[7..],
-        _ => return Some("the authorization metadata is not a Bearer token"),
+        _ => return Err("the authorization metadata is not a Bearer token"),
     };
-    if accepted(tokens, token.trim_ascii()) {
-        None
-    } else {
-        Some("the bearer token is not valid")
-    }
+    accepted(tokens, token.trim_ascii())
+        .map(Caller)
+        .ok_or("the bearer token is not valid")
 }
 
 impl<S, B, RB> Service<http::Request<B>> for Auth<S>
@@ -218,13 +222,19 @@ where
             let status = tonic::Status::permission_denied(reason);
             return futures::future::ready(Ok(status.into_http())).boxed();
         }
-        if let Some(tokens) = &self.policy.tokens
-            && let Some(reason) = reject_reason(tokens, &request)
-        {
-            tracing::debug!(path = request.uri().path(), reason, "unauthenticated call");
-            let status = tonic::Status::unauthenticated(reason);
-            return futures::future::ready(Ok(status.into_http())).boxed();
-        }
+        let mut request = request;
+        let caller = match &self.policy.tokens {
+            Some(tokens) => match authenticate(tokens, &request) {
+                Ok(caller) => caller,
+                Err(reason) => {
+                    tracing::debug!(path = request.uri().path(), reason, "unauthenticated call");
+                    let status = tonic::Status::unauthenticated(reason);
+                    return futures::future::ready(Ok(status.into_http())).boxed();
+                }
+            },
+            None => Caller(0),
+        };
+        request.extensions_mut().insert(caller);
         // The clone that was polled ready serves this call; keep a fresh one.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
@@ -247,49 +257,26 @@ mod tests {
     #[test]
     fn health_is_public_everything_else_needs_a_valid_token() {
         let tokens = vec![b"0123456789abcdef".to_vec(), b"second-token-xyz".to_vec()];
+        let list = "/sessiond.v1.SessionService/ListTasks";
         assert_eq!(
-            reject_reason(&tokens, &req("/grpc.health.v1.Health/Check", None)),
-            None
+            authenticate(&tokens, &req("/grpc.health.v1.Health/Check", None)),
+            Ok(Caller(0))
         );
-        assert!(
-            reject_reason(&tokens, &req("/sessiond.v1.SessionService/ListTasks", None)).is_some()
-        );
-        assert!(
-            reject_reason(
-                &tokens,
-                &req("/sessiond.v1.SessionService/ListTasks", Some("Basic x"))
-            )
-            .is_some()
-        );
-        assert!(
-            reject_reason(
-                &tokens,
-                &req(
-                    "/sessiond.v1.SessionService/ListTasks",
-                    Some("Bearer 0123456789abcde")
-                )
-            )
-            .is_some()
+        assert!(authenticate(&tokens, &req(list, None)).is_err());
+        assert!(authenticate(&tokens, &req(list, Some("Basic x"))).is_err());
+        assert!(authenticate(&tokens, &req(list, Some("Bearer 0123456789abcde"))).is_err());
+        // The caller is the index of the token that matched.
+        assert_eq!(
+            authenticate(&tokens, &req(list, Some("Bearer 0123456789abcdef"))),
+            Ok(Caller(0))
         );
         assert_eq!(
-            reject_reason(
-                &tokens,
-                &req(
-                    "/sessiond.v1.SessionService/ListTasks",
-                    Some("Bearer second-token-xyz")
-                )
-            ),
-            None
+            authenticate(&tokens, &req(list, Some("Bearer second-token-xyz"))),
+            Ok(Caller(1))
         );
         assert_eq!(
-            reject_reason(
-                &tokens,
-                &req(
-                    "/sessiond.v1.SessionService/ListTasks",
-                    Some("BEARER second-token-xyz")
-                )
-            ),
-            None
+            authenticate(&tokens, &req(list, Some("BEARER second-token-xyz"))),
+            Ok(Caller(1))
         );
     }
 

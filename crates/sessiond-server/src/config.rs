@@ -131,6 +131,23 @@ pub struct ServeArgs {
     /// Deadline of one executor's recovery, e.g. `5s`.
     #[arg(long, env = "SESSIOND_RECOVERY_EXECUTOR_DEADLINE")]
     pub recovery_executor_deadline: Option<String>,
+
+    /// Hosts remote agentctl URLs may name, comma-separated: names,
+    /// `*.domain`, addresses, networks (replace `executors.remote.allowed_hosts`).
+    #[arg(long, env = "SESSIOND_REMOTE_ALLOWED_HOSTS", value_delimiter = ',')]
+    pub remote_allowed_hosts: Option<Vec<String>>,
+
+    /// Most sessions with a live executor at once (`limits.max_live_sessions`).
+    #[arg(long, env = "SESSIOND_MAX_LIVE_SESSIONS")]
+    pub max_live_sessions: Option<u32>,
+
+    /// Most open watch streams (`limits.max_watch_streams`).
+    #[arg(long, env = "SESSIOND_MAX_WATCH_STREAMS")]
+    pub max_watch_streams: Option<u32>,
+
+    /// Most open watch streams per API token (`limits.max_watch_streams_per_token`).
+    #[arg(long, env = "SESSIOND_MAX_WATCH_STREAMS_PER_TOKEN")]
+    pub max_watch_streams_per_token: Option<u32>,
 }
 
 /// The TOML file's shape, with every default filled in. Durations are
@@ -152,7 +169,38 @@ pub struct FileConfig {
     pub traces: TracesSection,
     pub executors: ExecutorsSection,
     pub recovery: RecoverySection,
+    pub limits: LimitsSection,
     pub agents: Vec<AgentSection>,
+}
+
+/// `[limits]`: what callers may hold at once.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsSection {
+    /// Sessions with a live executor (`starting` or `ready`).
+    pub max_live_sessions: u32,
+    /// Open WatchSession / WatchTask streams, all callers together.
+    pub max_watch_streams: u32,
+    /// Open watch streams per API token.
+    pub max_watch_streams_per_token: u32,
+}
+
+impl Default for LimitsSection {
+    fn default() -> Self {
+        Self {
+            max_live_sessions: 64,
+            max_watch_streams: 1024,
+            max_watch_streams_per_token: 256,
+        }
+    }
+}
+
+/// Validated `[limits]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitsConfig {
+    pub max_live_sessions: usize,
+    pub max_watch_streams: usize,
+    pub max_watch_streams_per_token: usize,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -246,6 +294,9 @@ pub struct RemoteSection {
     /// PEM CA for `https://` agentctl URLs.
     pub tls_ca_file: Option<PathBuf>,
     pub tls_domain_name: Option<String>,
+    /// Hosts remote agentctl URLs may name: host names, `*.domain`,
+    /// addresses and networks (`10.0.0.0/8`). Default: loopback only.
+    pub allowed_hosts: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -310,6 +361,7 @@ impl Default for FileConfig {
             traces: TracesSection::default(),
             executors: ExecutorsSection::default(),
             recovery: RecoverySection::default(),
+            limits: LimitsSection::default(),
             agents: Vec::new(),
         }
     }
@@ -412,6 +464,7 @@ pub struct Config {
     pub trace_sample_ratio: f64,
     pub executors: ExecutorsConfig,
     pub recovery: RecoveryConfig,
+    pub limits: LimitsConfig,
     pub agents: Vec<AgentConfig>,
     pub default_agent: String,
     /// Problems that do not stop the server, logged once logging is up.
@@ -468,6 +521,7 @@ pub struct ExecutorsConfig {
     pub docker: Option<DockerConfig>,
     pub remote_tls_ca_file: Option<PathBuf>,
     pub remote_tls_domain_name: Option<String>,
+    pub remote_allowed_hosts: crate::limits::AllowedHosts,
 }
 
 #[derive(Debug, Clone)]
@@ -571,6 +625,18 @@ impl ServeArgs {
         set(
             &mut f.recovery.executor_deadline,
             &self.recovery_executor_deadline,
+        );
+        if self.remote_allowed_hosts.is_some() {
+            f.executors
+                .remote
+                .allowed_hosts
+                .clone_from(&self.remote_allowed_hosts);
+        }
+        set(&mut f.limits.max_live_sessions, &self.max_live_sessions);
+        set(&mut f.limits.max_watch_streams, &self.max_watch_streams);
+        set(
+            &mut f.limits.max_watch_streams_per_token,
+            &self.max_watch_streams_per_token,
         );
     }
 }
@@ -968,6 +1034,18 @@ impl FileConfig {
                 format!("{} is not a readable file", ca.display()),
             );
         }
+        let allowed_hosts: Vec<String> = match &e.remote.allowed_hosts {
+            Some(list) => list.clone(),
+            None => crate::limits::DEFAULT_ALLOWED_HOSTS
+                .iter()
+                .map(|h| (*h).to_owned())
+                .collect(),
+        };
+        let remote_allowed_hosts = crate::limits::AllowedHosts::parse(&allowed_hosts)
+            .unwrap_or_else(|(i, why)| {
+                p.add(&format!("executors.remote.allowed_hosts[{i}]"), why);
+                crate::limits::AllowedHosts::default()
+            });
         let executors = ExecutorsConfig {
             default_runtime,
             connect_timeout: p.positive_duration("executors.connect_timeout", &e.connect_timeout),
@@ -992,6 +1070,7 @@ impl FileConfig {
             docker,
             remote_tls_ca_file: e.remote.tls_ca_file.clone(),
             remote_tls_domain_name: e.remote.tls_domain_name.clone(),
+            remote_allowed_hosts,
         };
 
         let r = &self.recovery;
@@ -1030,6 +1109,31 @@ impl FileConfig {
             );
         }
 
+        let l = &self.limits;
+        for (key, value) in [
+            ("limits.max_live_sessions", l.max_live_sessions),
+            ("limits.max_watch_streams", l.max_watch_streams),
+            (
+                "limits.max_watch_streams_per_token",
+                l.max_watch_streams_per_token,
+            ),
+        ] {
+            if value == 0 {
+                p.add(key, "must be at least 1");
+            }
+        }
+        if l.max_watch_streams_per_token > l.max_watch_streams {
+            p.add(
+                "limits.max_watch_streams_per_token",
+                "must not be more than limits.max_watch_streams",
+            );
+        }
+        let limits = LimitsConfig {
+            max_live_sessions: l.max_live_sessions as usize,
+            max_watch_streams: l.max_watch_streams as usize,
+            max_watch_streams_per_token: l.max_watch_streams_per_token as usize,
+        };
+
         let agents = agent_profiles(&self.agents, &data_dir, &mut p);
         if !agents.iter().any(|a| a.name == self.default_agent) {
             p.add(
@@ -1065,6 +1169,7 @@ impl FileConfig {
             trace_sample_ratio,
             executors,
             recovery,
+            limits,
             agents,
             default_agent: self.default_agent,
             warnings: Vec::new(),

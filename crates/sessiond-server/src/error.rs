@@ -10,6 +10,7 @@
 //! | retry of a turn that did not end interrupted        |                     |
 //! | executor not ready for a workspace call             | FAILED_PRECONDITION |
 //! | concurrent writer won                               | ABORTED             |
+//! | a configured limit (live sessions, watch streams)   | RESOURCE_EXHAUSTED  |
 //! | Exec past its timeout (details: output so far)      | DEADLINE_EXCEEDED   |
 //! | executor/agent/database unreachable, no driver      | UNAVAILABLE         |
 //! | anything else                                       | INTERNAL (logged)   |
@@ -47,6 +48,8 @@ pub fn bounded(mut message: String) -> String {
 pub enum ApiError {
     InvalidArgument(String),
     NotFound(String),
+    /// A configured limit is reached; the message names its key.
+    LimitReached(String),
     /// A workspace call on a session whose executor is not ready.
     ExecutorNotReady {
         session_id: SessionId,
@@ -141,6 +144,7 @@ fn recovery_code(e: &sessiond_recovery::Error) -> (Code, &'static str) {
         E::Conflict { .. } => "conflict",
         E::Unavailable(_) => "unavailable",
         E::InvalidArgument(_) => "invalid_argument",
+        E::LimitReached { .. } => "limit_reached",
         E::Executor(x) => return executor_code(x),
         E::Agent { .. } => "agent_failed",
         E::Store(x) => return store_code(x),
@@ -156,6 +160,7 @@ fn recovery_code(e: &sessiond_recovery::Error) -> (Code, &'static str) {
         K::FailedPrecondition => Code::FailedPrecondition,
         K::Aborted => Code::Aborted,
         K::Unavailable => Code::Unavailable,
+        K::ResourceExhausted => Code::ResourceExhausted,
         K::Internal => Code::Internal,
     };
     (code, reason)
@@ -183,6 +188,7 @@ impl From<ApiError> for Status {
         let (code, reason, message) = match &e {
             ApiError::InvalidArgument(m) => (Code::InvalidArgument, "invalid_argument", m.clone()),
             ApiError::NotFound(m) => (Code::NotFound, "not_found", m.clone()),
+            ApiError::LimitReached(m) => (Code::ResourceExhausted, "limit_reached", m.clone()),
             ApiError::ExecutorNotReady {
                 session_id,
                 status,

@@ -8,6 +8,7 @@ mod config;
 mod console;
 mod convert;
 mod error;
+mod limits;
 mod metrics;
 mod serve;
 

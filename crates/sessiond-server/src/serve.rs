@@ -103,6 +103,11 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             default_agent: config.default_agent.clone(),
             max_message_bytes: config.max_message_bytes,
             worktree_roots: config.executors.worktree_roots.clone(),
+            remote_allowed_hosts: config.executors.remote_allowed_hosts.clone(),
+            watch_limits: crate::limits::WatchLimits::new(
+                config.limits.max_watch_streams,
+                config.limits.max_watch_streams_per_token,
+            ),
             workspace_client: ClientConfig {
                 connect_timeout: config.executors.connect_timeout,
                 call_timeout: Duration::from_secs(15 * 60),
@@ -525,6 +530,7 @@ fn manager_config(config: &Config) -> ManagerConfig {
         orphan_sweep_grace: r.orphan_sweep_grace,
         orphan_sweep_interval: Some(r.orphan_sweep_interval),
         liveness_interval: Some(liveness_interval(config.executors.idle_timeout)),
+        max_live_sessions: Some(config.limits.max_live_sessions),
         ..ManagerConfig::default()
     }
 }

@@ -37,7 +37,17 @@ pub fn client_config() -> ClientConfig {
 
 /// The standalone and remote drivers of a world whose directory is `dir`.
 pub fn local_drivers(dir: &Path) -> Vec<Arc<dyn Executor>> {
+    local_drivers_with(dir, &[])
+}
+
+/// [`local_drivers`] whose local agentctls get `agentctl_env` too (test hooks).
+pub fn local_drivers_with(dir: &Path, agentctl_env: &[(&str, &str)]) -> Vec<Arc<dyn Executor>> {
     let mut sc = StandaloneConfig::new(bin("agentctl"), dir.join("run"));
+    sc.env.extend(
+        agentctl_env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+    );
     sc.log_dir = Some(dir.join("run"));
     // A safety net: an agentctl a failed test leaves behind ends itself.
     sc.idle_timeout = Some(Duration::from_secs(300));

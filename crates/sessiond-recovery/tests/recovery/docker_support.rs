@@ -34,7 +34,20 @@ pub fn docker_env() -> DockerEnv {
 /// The Docker driver of a world whose directory is `dir` (the same config in
 /// the test and in a child backend). Panics when the engine is unusable.
 pub async fn docker_driver(env: &DockerEnv, dir: &Path) -> Arc<DockerExecutor> {
+    docker_driver_with(env, dir, &[]).await
+}
+
+/// [`docker_driver`] whose containers' agentctl gets `agentctl_env` too (test hooks).
+pub async fn docker_driver_with(
+    env: &DockerEnv,
+    dir: &Path,
+    agentctl_env: &[(&str, &str)],
+) -> Arc<DockerExecutor> {
     let mut config = DockerConfig::new(env.host.clone(), env.image.clone(), dir.join("docker-run"));
+    config.env = agentctl_env
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
     config.client = ClientConfig {
         connect_timeout: Duration::from_secs(1),
         call_timeout: Duration::from_secs(5),
@@ -63,6 +76,35 @@ pub async fn docker_driver(env: &DockerEnv, dir: &Path) -> Arc<DockerExecutor> {
     Arc::new(driver)
 }
 
+/// The demo agent inside the image, its state in the mounted worktree (so a
+/// restarted container's agent can `session/load`), with `env`.
+pub async fn demo_profile_in_docker(w: &World, name: &str, env: &[(&str, &str)]) -> AgentProfile {
+    let now = Utc::now();
+    w.store
+        .upsert_agent_profile(&AgentProfile {
+            id: AgentProfileId::new(),
+            name: name.into(),
+            command: "/usr/local/bin/acp-demo-agent".into(),
+            args: vec![
+                "--state-dir".into(),
+                format!("{CONTAINER_WORKSPACE}/.agent-state"),
+            ],
+            env: env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            supports_session_resume: true,
+            container: None,
+            created_at: now,
+            updated_at: now,
+        })
+        .await
+        .unwrap()
+}
+
+/// Where the driver mounts the worktree (its default).
+pub const CONTAINER_WORKSPACE: &str = "/workspace";
+
 /// Standalone, remote and Docker drivers for `dir`.
 pub fn drivers_with(dir: &Path, docker: &Arc<DockerExecutor>) -> Vec<Arc<dyn Executor>> {
     let mut d = drivers_in(dir);
@@ -83,24 +125,14 @@ pub struct DockerKit {
 impl DockerKit {
     /// Panics naming what is missing when the engine or image is not there.
     pub async fn new(w: &World) -> DockerKit {
+        DockerKit::with_agentctl_env(w, &[]).await
+    }
+
+    /// A kit whose containers' agentctl gets `agentctl_env` too (test hooks).
+    pub async fn with_agentctl_env(w: &World, agentctl_env: &[(&str, &str)]) -> DockerKit {
         let env = docker_env();
-        let driver = docker_driver(&env, w.dir.path()).await;
-        let now = Utc::now();
-        let profile = w
-            .store
-            .upsert_agent_profile(&AgentProfile {
-                id: AgentProfileId::new(),
-                name: "demo-in-docker".into(),
-                command: "/usr/local/bin/acp-demo-agent".into(),
-                args: vec!["--state-dir".into(), "/workspace/.agent-state".into()],
-                env: Default::default(),
-                supports_session_resume: true,
-                container: None,
-                created_at: now,
-                updated_at: now,
-            })
-            .await
-            .unwrap();
+        let driver = docker_driver_with(&env, w.dir.path(), agentctl_env).await;
+        let profile = demo_profile_in_docker(w, "demo-in-docker", &[]).await;
         DockerKit {
             env,
             driver,

@@ -24,8 +24,13 @@ use crate::support::{Db, World, expected_reply, kill_tree};
 
 /// The agent's transcript of `s`: (prompt, reply) per turn.
 pub(crate) fn transcript(w: &World, s: &Session) -> Vec<(String, String)> {
+    transcript_in(&w.path("agent-state"), s)
+}
+
+/// The transcript of `s` kept by a demo agent whose state dir is `state_dir`.
+pub(crate) fn transcript_in(state_dir: &std::path::Path, s: &Session) -> Vec<(String, String)> {
     let token = s.resume_token.clone().unwrap();
-    let path = w.path("agent-state").join(format!("{token}.json"));
+    let path = state_dir.join(format!("{token}.json"));
     let Ok(text) = std::fs::read_to_string(path) else {
         return Vec::new();
     };

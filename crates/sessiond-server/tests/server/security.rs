@@ -622,3 +622,381 @@ async fn worktrees_outside_the_roots_are_refused_and_nothing_is_stored() {
     assert!(listed.sessions.is_empty(), "{listed:?}");
     assert!(agentctl_pids(&server.data_dir).is_empty());
 }
+
+fn remote_request(task: &str, url: &str) -> pb::CreateSessionRequest {
+    pb::CreateSessionRequest {
+        task_id: task.into(),
+        runtime: pb::Runtime::Remote as i32,
+        worktree: Some(pb::Worktree {
+            id: String::new(),
+            path: "/srv/work".into(),
+            branch: String::new(),
+        }),
+        remote_url: url.into(),
+        remote_secret: "remote-secret-0123456789".into(),
+        remote_executor_id: "0190b6a4-8f43-7c5e-9a7b-3f1d2c4b5a69".into(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn remote_hosts_outside_the_allowed_list_are_refused_undialled_and_not_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    // A listener on loopback that must never see a connection: the server
+    // allows only 10.0.0.0/8 here, so even loopback is not dialled.
+    let bait = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    bait.set_nonblocking(true).unwrap();
+    let bait_url = format!("http://{}", bait.local_addr().unwrap());
+    let server = start(
+        &dir.path().join("data"),
+        &["--remote-allowed-hosts", "10.0.0.0/8,agents.example.com"],
+    );
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "ssrf").await;
+    for url in [
+        bait_url.as_str(),
+        "http://169.254.169.254:80",
+        "https://agents.example.com.evil.example:443",
+        "http://[::1]:7000",
+        "http://user@10.0.0.1:7000",
+    ] {
+        let err = c
+            .create_session(remote_request(&task.id, url))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{url}: {err}");
+        assert!(
+            err.message().starts_with("remote_url:")
+                && (err.message().contains("executors.remote.allowed_hosts")
+                    || err.message().contains("user information")),
+            "{url}: {}",
+            err.message()
+        );
+    }
+    assert!(
+        bait.accept().is_err(),
+        "sessiond dialled a host it does not allow"
+    );
+    let listed = c
+        .list_sessions(pb::ListSessionsRequest {
+            task_id: task.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(listed.sessions.is_empty(), "{listed:?}");
+
+    // The default is loopback only.
+    let server = start(&dir.path().join("data2"), &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "ssrf default").await;
+    let err = c
+        .create_session(remote_request(&task.id, "http://10.1.2.3:7000"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert!(
+        err.message().contains("localhost, 127.0.0.0/8, ::1"),
+        "{}",
+        err.message()
+    );
+}
+
+#[tokio::test]
+async fn live_sessions_are_capped_and_nothing_is_stored_past_the_cap() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let server = start(&dir.path().join("data"), &["--max-live-sessions", "1"]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "cap").await;
+    let first = create_session(&mut c, &task.id, &work, "").await;
+    assert_eq!(first.state, pb::SessionState::WaitingForInput as i32);
+    let request = pb::CreateSessionRequest {
+        task_id: task.id.clone(),
+        runtime: pb::Runtime::LocalStandalone as i32,
+        worktree: Some(pb::Worktree {
+            id: String::new(),
+            path: work.display().to_string(),
+            branch: String::new(),
+        }),
+        ..Default::default()
+    };
+    let err = c.create_session(request.clone()).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    assert!(
+        err.message().contains("limits.max_live_sessions") && err.message().contains("of 1"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(
+        err.metadata()
+            .get("sessiond-error")
+            .and_then(|v| v.to_str().ok()),
+        Some("limit_reached")
+    );
+    let listed = c
+        .list_sessions(pb::ListSessionsRequest {
+            task_id: task.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed.sessions.len(), 1, "{listed:?}");
+    assert_eq!(agentctl_pids(&server.data_dir).len(), 1);
+
+    // Stopping the first frees its slot.
+    c.stop_session(pb::StopSessionRequest {
+        task_id: task.id.clone(),
+        session_id: first.id.clone(),
+        outcome: pb::StopOutcome::Completed as i32,
+    })
+    .await
+    .unwrap();
+    let second = c.create_session(request).await.unwrap().into_inner();
+    assert_eq!(
+        second.session.unwrap().state,
+        pb::SessionState::WaitingForInput as i32
+    );
+}
+
+#[tokio::test]
+async fn watch_streams_are_capped_globally_and_per_token() {
+    const OTHER: &str = "other-token-0123456789abcdef";
+    let dir = tempfile::tempdir().unwrap();
+    let both = format!("{TOKEN},{OTHER}");
+    let server = start_with(
+        &dir.path().join("data"),
+        &[
+            "--max-watch-streams",
+            "3",
+            "--max-watch-streams-per-token",
+            "2",
+        ],
+        Some(&both),
+        None,
+    );
+    let mut a = sessions_with(&server, Some(TOKEN)).await;
+    let mut b = sessions_with(&server, Some(OTHER)).await;
+    let task = create_task(&mut a, "watch").await;
+    let watch = |task: &str| pb::WatchTaskRequest {
+        task_id: task.into(),
+        after_task_seq: 0,
+    };
+    let a1 = a.watch_task(watch(&task.id)).await.unwrap().into_inner();
+    let _a2 = a.watch_task(watch(&task.id)).await.unwrap().into_inner();
+    let err = a.watch_task(watch(&task.id)).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    assert!(
+        err.message().contains("limits.max_watch_streams_per_token"),
+        "{}",
+        err.message()
+    );
+    let _b1 = b.watch_task(watch(&task.id)).await.unwrap().into_inner();
+    let err = b.watch_task(watch(&task.id)).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    assert!(
+        err.message().contains("(limits.max_watch_streams)"),
+        "{}",
+        err.message()
+    );
+    // A client that goes away frees its slot (the server sees the reset).
+    drop(a1);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        match b.watch_task(watch(&task.id)).await {
+            Ok(_) => break,
+            Err(e) if e.code() == Code::ResourceExhausted => {
+                assert!(std::time::Instant::now() < deadline, "slot not freed: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn over_long_paths_and_arguments_are_invalid_argument() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, _c, mut w, task, s) = with_session(dir.path()).await;
+    let r = || session_ref(&task.id, &s.id);
+    let long_path = "a/".repeat(2100);
+    let long_name = "n".repeat(300);
+    let read = w
+        .read_file(pb::ReadFileRequest {
+            session: r(),
+            path: long_path.clone(),
+        })
+        .await
+        .unwrap_err();
+    let write = w
+        .write_file(pb::WriteFileRequest {
+            session: r(),
+            path: format!("dir/{long_name}"),
+            content: b"x".to_vec(),
+            create_parents: true,
+        })
+        .await
+        .unwrap_err();
+    let list = w
+        .list_dir(pb::ListDirRequest {
+            session: r(),
+            path: long_name.clone(),
+        })
+        .await
+        .unwrap_err();
+    let exec = |command: &str, args: Vec<String>, cwd: &str| pb::ExecRequest {
+        session: r(),
+        command: command.into(),
+        args,
+        cwd: cwd.into(),
+        ..Default::default()
+    };
+    let big_arg = w
+        .exec(exec("echo", vec!["x".repeat(200 * 1024)], ""))
+        .await
+        .unwrap_err();
+    let many_args = w
+        .exec(exec("echo", vec!["x".into(); 5000], ""))
+        .await
+        .unwrap_err();
+    let long_cwd = w.exec(exec("pwd", vec![], &long_path)).await.unwrap_err();
+    let long_command = w
+        .exec(exec(&"c".repeat(5000), vec![], ""))
+        .await
+        .unwrap_err();
+    for (err, field) in [
+        (read, "path: "),
+        (write, "path: a component of 300 bytes"),
+        (list, "path: a component"),
+        (big_arg, "args[0]: "),
+        (many_args, "args: 5000 arguments"),
+        (long_cwd, "cwd: "),
+        (long_command, "command: "),
+    ] {
+        assert_eq!(err.code(), Code::InvalidArgument, "{field}: {err}");
+        assert!(
+            err.message().starts_with(field),
+            "{field}: {}",
+            err.message()
+        );
+    }
+    assert!(
+        !dir.path().join("work/dir").exists(),
+        "a directory was made"
+    );
+}
+
+#[tokio::test]
+async fn numeric_fields_are_range_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, mut c, mut w, task, s) = with_session(dir.path()).await;
+    let mut errors: Vec<(&str, tonic::Status)> = Vec::new();
+    for page_size in [-1, 1001, i32::MIN, i32::MAX] {
+        errors.push((
+            "page_size",
+            c.list_tasks(pb::ListTasksRequest {
+                page_size,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err(),
+        ));
+    }
+    errors.push((
+        "after_seq",
+        c.list_messages(pb::ListMessagesRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            after_seq: i64::MIN,
+            page_size: 0,
+        })
+        .await
+        .unwrap_err(),
+    ));
+    errors.push((
+        "page_size",
+        c.list_messages(pb::ListMessagesRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            after_seq: 0,
+            page_size: -5,
+        })
+        .await
+        .unwrap_err(),
+    ));
+    errors.push((
+        "after_seq",
+        c.watch_session(pb::WatchSessionRequest {
+            session_id: s.id.clone(),
+            after_seq: -1,
+        })
+        .await
+        .map(|_| ())
+        .unwrap_err(),
+    ));
+    errors.push((
+        "after_task_seq",
+        c.watch_task(pb::WatchTaskRequest {
+            task_id: task.id.clone(),
+            after_task_seq: -1,
+        })
+        .await
+        .map(|_| ())
+        .unwrap_err(),
+    ));
+    errors.push((
+        "outcome",
+        c.stop_session(pb::StopSessionRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            outcome: 99,
+        })
+        .await
+        .unwrap_err(),
+    ));
+    errors.push((
+        "runtime",
+        c.create_session(pb::CreateSessionRequest {
+            task_id: task.id.clone(),
+            runtime: 99,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err(),
+    ));
+    for (timeout_ms, max_output_bytes, field) in [
+        (u64::MAX, 0, "timeout_ms"),
+        (400_000_000_000_000, 0, "timeout_ms"),
+        (1000, u64::MAX, "max_output_bytes"),
+    ] {
+        errors.push((
+            field,
+            w.exec(pb::ExecRequest {
+                session: session_ref(&task.id, &s.id),
+                command: "true".into(),
+                timeout_ms,
+                max_output_bytes,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err(),
+        ));
+    }
+    for (field, err) in errors {
+        assert_eq!(err.code(), Code::InvalidArgument, "{field}: {err}");
+        assert!(err.message().contains(field), "{field}: {}", err.message());
+    }
+    // The session is untouched.
+    let status = c
+        .get_session(pb::GetSessionRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .session
+        .unwrap();
+    assert_eq!(status.state, pb::SessionState::WaitingForInput as i32);
+}

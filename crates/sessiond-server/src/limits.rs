@@ -1,0 +1,290 @@
+//! What a caller may make sessiond do: which hosts a remote session may
+//! point sessiond at (`executors.remote.allowed_hosts`, against SSRF), and
+//! how many watch streams are open at once (`limits.*`, globally and per
+//! API token).
+
+use std::{
+    collections::HashMap,
+    net::IpAddr,
+    sync::{Arc, Mutex},
+};
+
+use crate::error::ApiError;
+
+/// Hosts remote agentctl URLs may name: host names (exact, or `*.suffix`
+/// for any name under it) and IP networks (`10.0.0.0/8`, `::1`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AllowedHosts {
+    names: Vec<String>,
+    nets: Vec<(IpAddr, u8)>,
+    /// As configured, for messages.
+    listed: Vec<String>,
+}
+
+/// The default: loopback only (an agentctl on this machine, e.g. behind an
+/// SSH tunnel). Other hosts must be listed by the operator.
+pub const DEFAULT_ALLOWED_HOSTS: &[&str] = &["localhost", "127.0.0.0/8", "::1"];
+
+fn normal_name(name: &str) -> String {
+    name.trim().trim_end_matches('.').to_ascii_lowercase()
+}
+
+impl AllowedHosts {
+    /// Parses the configured entries; an error names the entry's index.
+    pub fn parse(entries: &[String]) -> Result<Self, (usize, String)> {
+        let mut hosts = AllowedHosts::default();
+        for (i, entry) in entries.iter().enumerate() {
+            let e = entry.trim();
+            if e.is_empty() {
+                return Err((i, "must not be empty".into()));
+            }
+            if let Some((ip, bits)) = e.split_once('/') {
+                let ip: IpAddr = ip
+                    .parse()
+                    .map_err(|_| (i, format!("{e:?} is not an IP network (address/bits)")))?;
+                let max = if ip.is_ipv4() { 32 } else { 128 };
+                let bits: u8 = bits
+                    .parse()
+                    .ok()
+                    .filter(|b| *b <= max)
+                    .ok_or_else(|| (i, format!("{e:?}: prefix length must be 0 to {max}")))?;
+                if bits == 0 {
+                    return Err((
+                        i,
+                        format!("{e:?} allows every address; list the networks agentctls run in"),
+                    ));
+                }
+                hosts.nets.push((ip.to_canonical(), bits));
+            } else if let Ok(ip) = e.trim_matches(['[', ']']).parse::<IpAddr>() {
+                let bits = if ip.to_canonical().is_ipv4() { 32 } else { 128 };
+                hosts.nets.push((ip.to_canonical(), bits));
+            } else {
+                let name = normal_name(e);
+                let label = name.strip_prefix("*.").unwrap_or(&name);
+                if label.is_empty()
+                    || label.contains('*')
+                    || !label
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.')
+                {
+                    return Err((
+                        i,
+                        format!("{e:?} is not a host name, `*.domain`, address or network"),
+                    ));
+                }
+                hosts.names.push(name);
+            }
+            hosts.listed.push(e.to_owned());
+        }
+        Ok(hosts)
+    }
+
+    fn allows_ip(&self, ip: IpAddr) -> bool {
+        let ip = ip.to_canonical();
+        self.nets.iter().any(|(net, bits)| match (net, ip) {
+            (IpAddr::V4(n), IpAddr::V4(a)) => {
+                let mask = u32::MAX.checked_shl(32 - u32::from(*bits)).unwrap_or(0);
+                u32::from(*n) & mask == u32::from(a) & mask
+            }
+            (IpAddr::V6(n), IpAddr::V6(a)) => {
+                let mask = u128::MAX.checked_shl(128 - u32::from(*bits)).unwrap_or(0);
+                u128::from(*n) & mask == u128::from(a) & mask
+            }
+            _ => false,
+        })
+    }
+
+    fn allows_name(&self, name: &str) -> bool {
+        let name = normal_name(name);
+        self.names.iter().any(|n| match n.strip_prefix("*.") {
+            Some(suffix) => name
+                .strip_suffix(suffix)
+                .is_some_and(|head| head.ends_with('.') && head.len() > 1),
+            None => *n == name,
+        })
+    }
+
+    /// Whether `url` (an `http(s)://` agentctl URL) names an allowed host.
+    /// The message says what to change.
+    pub fn check(&self, url: &str) -> Result<(), String> {
+        let uri: http::Uri = url
+            .parse()
+            .map_err(|e| format!("remote_url: not a URL ({e})"))?;
+        let authority = uri
+            .authority()
+            .ok_or_else(|| "remote_url: has no host".to_owned())?;
+        if authority.as_str().contains('@') {
+            return Err("remote_url: must not carry user information".into());
+        }
+        let host = authority.host().trim_matches(['[', ']']);
+        let allowed = match host.parse::<IpAddr>() {
+            Ok(ip) => self.allows_ip(ip),
+            Err(_) => self.allows_name(host),
+        };
+        if allowed {
+            Ok(())
+        } else {
+            Err(format!(
+                "remote_url: host {host:?} is not in executors.remote.allowed_hosts ({}); \
+                 an operator must list the agentctl's host or network",
+                if self.listed.is_empty() {
+                    "empty: remote sessions are off".to_owned()
+                } else {
+                    self.listed.join(", ")
+                }
+            ))
+        }
+    }
+}
+
+/// Who is calling: the index of the API token that authenticated the call
+/// (0 for every call when authentication is off). Set by `auth.rs`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Caller(pub usize);
+
+/// Open watch streams, counted globally and per caller.
+#[derive(Debug)]
+pub struct WatchLimits {
+    max: usize,
+    max_per_token: usize,
+    open: Mutex<(usize, HashMap<Caller, usize>)>,
+}
+
+/// One open stream; dropping it (the stream ends or the client goes away)
+/// frees the slot.
+#[derive(Debug)]
+pub struct WatchPermit {
+    limits: Arc<WatchLimits>,
+    caller: Caller,
+}
+
+impl WatchLimits {
+    pub fn new(max: usize, max_per_token: usize) -> Arc<Self> {
+        Arc::new(Self {
+            max,
+            max_per_token,
+            open: Mutex::default(),
+        })
+    }
+
+    pub fn acquire(self: &Arc<Self>, caller: Caller) -> Result<WatchPermit, ApiError> {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let (total, per) = &mut *open;
+        if *total >= self.max {
+            return Err(ApiError::LimitReached(format!(
+                "watch streams: the limit of {} open streams (limits.max_watch_streams) is \
+                 reached; close a stream or retry later",
+                self.max
+            )));
+        }
+        let mine = per.entry(caller).or_default();
+        if *mine >= self.max_per_token {
+            return Err(ApiError::LimitReached(format!(
+                "watch streams: this token has {} open streams, the limit \
+                 (limits.max_watch_streams_per_token); close one first",
+                self.max_per_token
+            )));
+        }
+        *mine += 1;
+        *total += 1;
+        Ok(WatchPermit {
+            limits: self.clone(),
+            caller,
+        })
+    }
+}
+
+impl Drop for WatchPermit {
+    fn drop(&mut self) {
+        let mut open = self.limits.open.lock().unwrap_or_else(|e| e.into_inner());
+        let (total, per) = &mut *open;
+        *total = total.saturating_sub(1);
+        if let Some(n) = per.get_mut(&self.caller) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                per.remove(&self.caller);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hosts(entries: &[&str]) -> AllowedHosts {
+        AllowedHosts::parse(&entries.iter().map(|e| (*e).to_owned()).collect::<Vec<_>>()).unwrap()
+    }
+
+    #[test]
+    fn default_allows_loopback_only() {
+        let h = hosts(DEFAULT_ALLOWED_HOSTS);
+        for ok in [
+            "http://127.0.0.1:7000",
+            "https://127.9.9.9:1",
+            "http://[::1]:7000",
+            "http://localhost:1",
+            "http://LOCALHOST.:1",
+            "http://[::ffff:127.0.0.1]:1",
+        ] {
+            assert!(h.check(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "http://169.254.169.254/",
+            "http://10.0.0.1:7000",
+            "http://evil.example:80",
+            "http://2130706433:80",
+            "http://localhost.evil.example:1",
+            "http://user@127.0.0.1:1",
+            "http://[::2]:1",
+        ] {
+            let err = h.check(bad).unwrap_err();
+            assert!(err.starts_with("remote_url:"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn names_wildcards_and_networks() {
+        let h = hosts(&[
+            "agents.example.com",
+            "*.build.example",
+            "10.1.0.0/16",
+            "fd00::/8",
+        ]);
+        assert!(h.check("https://agents.example.com:443").is_ok());
+        assert!(h.check("https://a.b.build.example:1").is_ok());
+        assert!(h.check("https://build.example:1").is_err());
+        assert!(h.check("https://xbuild.example:1").is_err());
+        assert!(h.check("http://10.1.200.3:1").is_ok());
+        assert!(h.check("http://10.2.0.1:1").is_err());
+        assert!(h.check("http://[fd12::1]:1").is_ok());
+        assert!(h.check("http://[fe80::1]:1").is_err());
+        for bad in ["", "0.0.0.0/0", "10.0.0.0/33", "a*b", "*.", "x y"] {
+            assert!(AllowedHosts::parse(&[bad.to_owned()]).is_err(), "{bad:?}");
+        }
+        let none = hosts(&[]);
+        assert!(
+            none.check("http://127.0.0.1:1")
+                .unwrap_err()
+                .contains("off")
+        );
+    }
+
+    #[test]
+    fn watch_limits_global_and_per_caller() {
+        let l = WatchLimits::new(3, 2);
+        let a1 = l.acquire(Caller(1)).unwrap();
+        let _a2 = l.acquire(Caller(1)).unwrap();
+        let e = l.acquire(Caller(1)).unwrap_err();
+        assert!(
+            matches!(&e, ApiError::LimitReached(m) if m.contains("max_watch_streams_per_token"))
+        );
+        let _b1 = l.acquire(Caller(2)).unwrap();
+        let e = l.acquire(Caller(3)).unwrap_err();
+        assert!(
+            matches!(&e, ApiError::LimitReached(m) if m.contains("(limits.max_watch_streams)"))
+        );
+        drop(a1);
+        let _c = l.acquire(Caller(3)).unwrap();
+    }
+}
