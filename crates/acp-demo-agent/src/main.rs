@@ -20,12 +20,13 @@ use std::time::Duration;
 
 use agent_client_protocol::v1::ConnectionTo;
 use agent_client_protocol::v1::schema::{
-    AgentCapabilities, CancelNotification, ContentBlock, ContentChunk, Implementation,
-    InitializeRequest, InitializeResponse, LoadSessionRequest, LoadSessionResponse,
-    NewSessionRequest, NewSessionResponse, PermissionOption, PermissionOptionKind, PromptRequest,
-    PromptResponse, ReadTextFileRequest, RequestPermissionOutcome, RequestPermissionRequest,
-    SessionNotification, SessionUpdate, StopReason, TextContent, ToolCall, ToolCallStatus,
-    ToolCallUpdate, ToolCallUpdateFields, WriteTextFileRequest,
+    AgentCapabilities, AuthMethod, AuthMethodAgent, AuthenticateRequest, AuthenticateResponse,
+    CancelNotification, ContentBlock, ContentChunk, Implementation, InitializeRequest,
+    InitializeResponse, LoadSessionRequest, LoadSessionResponse, NewSessionRequest,
+    NewSessionResponse, PermissionOption, PermissionOptionKind, PromptRequest, PromptResponse,
+    ReadTextFileRequest, RequestPermissionOutcome, RequestPermissionRequest, SessionNotification,
+    SessionUpdate, StopReason, TextContent, ToolCall, ToolCallStatus, ToolCallUpdate,
+    ToolCallUpdateFields, WriteTextFileRequest,
 };
 use agent_client_protocol::{Client, Error, ErrorCode, Stdio};
 use clap::Parser;
@@ -56,6 +57,12 @@ struct Cli {
     /// Delay between reply chunks (a slow turn, for cancel tests).
     #[arg(long, env = "ACP_DEMO_CHUNK_DELAY_MS", default_value_t = 0)]
     chunk_delay_ms: u64,
+    /// Require ACP `authenticate` before any session call (answered with
+    /// -32000 "Authentication required" until then), as codex-acp does. The
+    /// method `demo-token` succeeds when `ACP_DEMO_TOKEN` is set and not
+    /// empty; `demo-login` is offered but always fails.
+    #[arg(long, env = "ACP_DEMO_REQUIRE_AUTH", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
+    require_auth: bool,
     /// A tool call with a side effect before the reply: every prompt first
     /// appends one line (the prompt) to this file (relative to the working
     /// directory, i.e. the worktree) and reports a tool call.
@@ -92,6 +99,17 @@ struct Demo {
     state_dir: PathBuf,
     prompts: Mutex<u32>,
     cancelled: Mutex<HashSet<String>>,
+    authenticated: Mutex<bool>,
+}
+
+impl Demo {
+    /// `Err(-32000)` while authentication is required and was not done.
+    fn check_auth(&self) -> Result<(), Error> {
+        if self.cli.require_auth && !*lock(&self.authenticated) {
+            return Err(Error::auth_required());
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -127,6 +145,7 @@ async fn main() -> anyhow::Result<()> {
         state_dir,
         prompts: Mutex::new(0),
         cancelled: Mutex::new(HashSet::new()),
+        authenticated: Mutex::new(false),
     });
     serve(demo).await?;
     Ok(())
@@ -134,6 +153,7 @@ async fn main() -> anyhow::Result<()> {
 
 async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
     let d_init = demo.clone();
+    let d_auth = demo.clone();
     let d_new = demo.clone();
     let d_load = demo.clone();
     let d_prompt = demo.clone();
@@ -144,9 +164,21 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
         .on_receive_request(
             async move |init: InitializeRequest, responder, _cx| {
                 let caps = AgentCapabilities::new().load_session(!d_init.cli.no_load_session);
+                let auth_methods = if d_init.cli.require_auth {
+                    vec![
+                        AuthMethod::Agent(
+                            AuthMethodAgent::new("demo-token", "Demo token")
+                                .description("uses ACP_DEMO_TOKEN from the environment"),
+                        ),
+                        AuthMethod::Agent(AuthMethodAgent::new("demo-login", "Demo login")),
+                    ]
+                } else {
+                    Vec::new()
+                };
                 responder.respond(
                     InitializeResponse::new(init.protocol_version)
                         .agent_capabilities(caps)
+                        .auth_methods(auth_methods)
                         .agent_info(Implementation::new(
                             "acp-demo-agent",
                             env!("CARGO_PKG_VERSION"),
@@ -156,7 +188,25 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
             agent_client_protocol::on_receive_request!(),
         )
         .on_receive_request(
+            async move |req: AuthenticateRequest, responder, _cx| {
+                let method = req.method_id.0.to_string();
+                let ok = method == "demo-token"
+                    && std::env::var("ACP_DEMO_TOKEN").is_ok_and(|t| !t.is_empty());
+                if ok {
+                    *lock(&d_auth.authenticated) = true;
+                    return responder.respond(AuthenticateResponse::new());
+                }
+                responder.respond_with_error(Error::auth_required().data(format!(
+                    "authentication with {method:?} failed: demo-token needs ACP_DEMO_TOKEN"
+                )))
+            },
+            agent_client_protocol::on_receive_request!(),
+        )
+        .on_receive_request(
             async move |req: NewSessionRequest, responder, _cx| {
+                if let Err(e) = d_new.check_auth() {
+                    return responder.respond_with_error(e);
+                }
                 let id = uuid::Uuid::new_v4().to_string();
                 match save_transcript(&d_new.state_dir, &id, &req.cwd, &[]) {
                     Ok(()) => responder.respond(NewSessionResponse::new(id)),
@@ -170,6 +220,9 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
         )
         .on_receive_request(
             async move |req: LoadSessionRequest, responder, cx: ConnectionTo<Client>| {
+                if let Err(e) = d_load.check_auth() {
+                    return responder.respond_with_error(e);
+                }
                 if d_load.cli.no_load_session {
                     return responder.respond_with_error(Error::method_not_found());
                 }

@@ -19,9 +19,10 @@ use std::time::Duration;
 use agent_client_protocol::schema::ProtocolVersion;
 use agent_client_protocol::v1::ConnectionTo;
 use agent_client_protocol::v1::schema::{
-    CancelNotification, ClientCapabilities, ContentBlock, FileSystemCapabilities, Implementation,
-    InitializeRequest, LoadSessionRequest, NewSessionRequest, PermissionOptionKind, PromptRequest,
-    ReadTextFileRequest, ReadTextFileResponse, RequestPermissionOutcome, RequestPermissionRequest,
+    AuthMethod, AuthenticateRequest, CancelNotification, ClientCapabilities, ContentBlock,
+    FileSystemCapabilities, Implementation, InitializeRequest, LoadSessionRequest,
+    NewSessionRequest, PermissionOptionKind, PromptRequest, ReadTextFileRequest,
+    ReadTextFileResponse, RequestPermissionOutcome, RequestPermissionRequest,
     RequestPermissionResponse, SelectedPermissionOutcome, SessionId, SessionNotification,
     SessionUpdate, StopReason, TextContent, ToolCallStatus, WriteTextFileRequest,
     WriteTextFileResponse,
@@ -73,8 +74,40 @@ pub struct LaunchSpec {
     pub env: HashMap<String, String>,
     /// The profile's `supports_session_resume` claim.
     pub profile_supports_session_resume: bool,
-    /// Deadline for ACP `initialize`.
+    /// Deadline for ACP `initialize` (and `authenticate`).
     pub initialize_timeout: Duration,
+    /// ACP auth method to `authenticate` with after `initialize`.
+    pub auth_method: Option<String>,
+    /// Permission policy for this agent; `None`: agentctl's default.
+    pub permission_policy: Option<PermissionPolicy>,
+}
+
+/// An auth method the agent offered at `initialize`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OfferedAuth {
+    pub id: String,
+    pub name: String,
+    pub description: String,
+}
+
+fn offered_auth(m: &AuthMethod) -> OfferedAuth {
+    OfferedAuth {
+        id: m.id().0.to_string(),
+        name: m.name().to_owned(),
+        description: m.description().unwrap_or_default().to_owned(),
+    }
+}
+
+/// `openai-api-key ("Use OPENAI_API_KEY"), chatgpt ("Log in")`, or `none`.
+fn describe_offered(methods: &[OfferedAuth]) -> String {
+    if methods.is_empty() {
+        return "none".into();
+    }
+    methods
+        .iter()
+        .map(|m| format!("{} ({:?})", m.id, m.name))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// What the agent said at `initialize`.
@@ -88,6 +121,10 @@ pub struct Launched {
     pub version: String,
     /// `agentCapabilities.loadSession`.
     pub load_session: bool,
+    /// `authMethods` the agent offered.
+    pub auth_methods: Vec<OfferedAuth>,
+    /// The method `authenticate` succeeded with, if one was called.
+    pub authenticated_with: Option<String>,
 }
 
 /// What [`AgentManager::prompt`] did.
@@ -147,6 +184,10 @@ struct Slot {
     exit: Option<AgentExit>,
     profile_claim: bool,
     agent_load_session: Option<bool>,
+    /// What the current agent offered at `initialize`, for error messages.
+    auth_methods: Vec<OfferedAuth>,
+    /// The current agent's permission policy.
+    policy: PermissionPolicy,
     running: Option<Running>,
     session: Option<SessionId>,
     turn: Option<Turn>,
@@ -203,6 +244,33 @@ impl Shared {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+
+    /// [`acp_error`], and for ACP's "authentication required" a message
+    /// naming what the agent offered and the profile key to set.
+    fn acp_error(&self, what: &str, e: &agent_client_protocol::Error) -> Error {
+        if e.code == ErrorCode::AUTH_REQUIRED {
+            let offered = describe_offered(&self.slot().auth_methods);
+            return Error::FailedPrecondition(format!(
+                "{what}: the agent requires authentication ({}); it offers the auth methods: {offered}; set `auth_method` in the agent profile (sessiond config `[[agents]] auth_method = \"...\"`) to one of them and give the environment it needs in the profile's `env`",
+                e.message
+            ));
+        }
+        acp_error(what, e)
+    }
+}
+
+/// ACP `initialize` failed. The SDK checks the protocol version the agent
+/// selected itself and reports a mismatch as JSON-RPC -32600, which must
+/// not read as if the agent had answered with an error.
+fn initialize_error(e: &agent_client_protocol::Error) -> Error {
+    let data = e.data.as_ref().map(ToString::to_string).unwrap_or_default();
+    if e.code == ErrorCode::INVALID_REQUEST && data.contains("protocol version") {
+        return Error::FailedPrecondition(format!(
+            "the agent's ACP protocol version is not supported: agentctl speaks ACP protocol version 1 and rejected the agent's initialize answer ({}); use a version of the agent that speaks ACP v1",
+            data.trim_matches('"')
+        ));
+    }
+    acp_error("ACP initialize", e)
 }
 
 impl Slot {
@@ -369,6 +437,8 @@ impl AgentManager {
                     exit: None,
                     profile_claim: false,
                     agent_load_session: None,
+                    auth_methods: Vec::new(),
+                    policy,
                     running: None,
                     session: None,
                     turn: None,
@@ -474,6 +544,8 @@ impl AgentManager {
             slot.exit = None;
             slot.profile_claim = spec.profile_supports_session_resume;
             slot.agent_load_session = None;
+            slot.auth_methods = Vec::new();
+            slot.policy = spec.permission_policy.unwrap_or(self.shared.policy);
             slot.session = None;
             slot.turn = None;
             slot.replaying = None;
@@ -541,8 +613,34 @@ impl AgentManager {
                 .send_request(request)
                 .block_task()
                 .await
-                .map_err(|e| acp_error("ACP initialize", &e))?;
-            Ok::<_, Error>((conn, resp))
+                .map_err(|e| initialize_error(&e))?;
+            let offered: Vec<OfferedAuth> = resp.auth_methods.iter().map(offered_auth).collect();
+            let authenticated_with = match spec.auth_method.as_deref().filter(|m| !m.is_empty()) {
+                None => None,
+                Some(method) => {
+                    if !offered.iter().any(|m| m.id == method) {
+                        return Err(Error::FailedPrecondition(format!(
+                            "the profile's auth_method {method:?} is not offered by the agent; it offers: {}; set the profile's auth_method to one of them (or remove it)",
+                            describe_offered(&offered)
+                        )));
+                    }
+                    conn.send_request(AuthenticateRequest::new(method.to_owned()))
+                        .block_task()
+                        .await
+                        .map_err(|e| {
+                            let err = acp_error(&format!("ACP authenticate with {method:?}"), &e);
+                            match err {
+                                Error::Unavailable(_) => err,
+                                other => Error::FailedPrecondition(format!(
+                                    "{other}; check the environment this auth method needs (e.g. the API key in the profile's env)"
+                                )),
+                            }
+                        })?;
+                    tracing::info!(pid, method, "agent authenticated");
+                    Some(method.to_owned())
+                }
+            };
+            Ok::<_, Error>((conn, resp, offered, authenticated_with))
         };
         let mut exit_wait = exit_rx.clone();
         let outcome = tokio::select! {
@@ -562,7 +660,7 @@ impl AgentManager {
             }
         };
         match outcome {
-            Ok((conn, resp)) => {
+            Ok((conn, resp, auth_methods, authenticated_with)) => {
                 let load_session = resp.agent_capabilities.load_session;
                 let (name, version) = resp
                     .agent_info
@@ -578,6 +676,7 @@ impl AgentManager {
                     r.conn = Some(conn);
                 }
                 slot.agent_load_session = Some(load_session);
+                slot.auth_methods = auth_methods.clone();
                 slot.set_state(&self.shared.updates, AgentState::Ready);
                 tracing::info!(pid, %name, %version, load_session, "agent initialized");
                 Ok(Launched {
@@ -585,6 +684,8 @@ impl AgentManager {
                     name,
                     version,
                     load_session,
+                    auth_methods,
+                    authenticated_with,
                 })
             }
             Err(e) => {
@@ -613,7 +714,7 @@ impl AgentManager {
         )
         .await
         .map_err(|_| Error::DeadlineExceeded("session/new was not answered in time".into()))?
-        .map_err(|e| acp_error("ACP session/new", &e))?;
+        .map_err(|e| self.shared.acp_error("ACP session/new", &e))?;
         let id = resp.session_id;
         self.shared.slot().session = Some(id.clone());
         Ok(id.0.to_string())
@@ -665,10 +766,12 @@ impl AgentManager {
                 slot.session = Some(session);
                 Ok(token.to_owned())
             }
-            Ok(Err(e)) => Err(acp_error(
-                &format!("ACP session/load of {token:?} was rejected"),
-                &e,
-            )),
+            Ok(Err(e)) => {
+                drop(slot);
+                Err(self
+                    .shared
+                    .acp_error(&format!("ACP session/load of {token:?} was rejected"), &e))
+            }
             Err(_) => Err(Error::DeadlineExceeded(
                 "session/load was not answered in time".into(),
             )),
@@ -810,7 +913,7 @@ impl AgentManager {
                     finish_turn(&shared, &tid, &reason, "");
                 }
                 Err(e) => {
-                    let err = acp_error("ACP session/prompt", &e);
+                    let err = shared.acp_error("ACP session/prompt", &e);
                     if matches!(err, Error::Unavailable(_)) {
                         // The agent is going away: let the exit watcher end
                         // the turn with the exit status; if stdout closed but
@@ -1098,7 +1201,8 @@ async fn run_connection(
         )
         .on_receive_request(
             async move |req: RequestPermissionRequest, responder, _cx| {
-                let wanted: &[PermissionOptionKind] = match s_perm.policy {
+                let policy = s_perm.slot().policy;
+                let wanted: &[PermissionOptionKind] = match policy {
                     PermissionPolicy::AllowOnce => &[
                         PermissionOptionKind::AllowOnce,
                         PermissionOptionKind::AllowAlways,

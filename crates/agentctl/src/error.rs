@@ -61,6 +61,10 @@ impl Error {
                 // ENAMETOOLONG / E2BIG: the caller's input is too long.
                 Self::InvalidArgument(format!("{context}: {source}"))
             }
+            // EXDEV from openat2(RESOLVE_BENEATH): the path left the root.
+            _ if source.raw_os_error() == Some(libc::EXDEV) => {
+                Self::PermissionDenied(format!("{context}: resolves outside the workspace root"))
+            }
             _ if source.raw_os_error() == Some(libc::ELOOP) => {
                 Self::PermissionDenied(format!("{context}: refusing to follow a symlink"))
             }

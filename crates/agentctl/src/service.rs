@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use sessiond_proto::agentctl::v1 as pb;
 use sessiond_proto::agentctl::v1::agent_ctl_service_server::{
     AgentCtlService, AgentCtlServiceServer,
 };
@@ -20,7 +21,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
-use crate::agent::{AgentManager, LaunchSpec};
+use crate::agent::{AgentManager, LaunchSpec, PermissionPolicy};
 use crate::auth::{Activity, Authenticator};
 use crate::exec::{self, ExecSpec};
 use crate::git;
@@ -135,6 +136,11 @@ impl AgentCtlService for AgentCtl {
 
     async fn launch_agent(&self, req: Request<LaunchAgentRequest>) -> Res<LaunchAgentResponse> {
         let r = req.into_inner();
+        let permission_policy = match r.permission_policy() {
+            pb::PermissionPolicy::Allow => Some(PermissionPolicy::AllowOnce),
+            pb::PermissionPolicy::Deny => Some(PermissionPolicy::Reject),
+            pb::PermissionPolicy::Unspecified => None,
+        };
         let agent = self.agent.clone();
         let launched = to_completion(async move {
             agent
@@ -144,6 +150,8 @@ impl AgentCtlService for AgentCtl {
                     env: r.env,
                     profile_supports_session_resume: r.profile_supports_session_resume,
                     initialize_timeout: Duration::from_millis(r.initialize_timeout_ms),
+                    auth_method: Some(r.auth_method).filter(|m| !m.is_empty()),
+                    permission_policy,
                 })
                 .await
         })
@@ -153,6 +161,16 @@ impl AgentCtlService for AgentCtl {
             agent_name: launched.name,
             agent_version: launched.version,
             agent_load_session: launched.load_session,
+            auth_methods: launched
+                .auth_methods
+                .into_iter()
+                .map(|m| pb::AuthMethod {
+                    id: m.id,
+                    name: m.name,
+                    description: m.description,
+                })
+                .collect(),
+            authenticated_with: launched.authenticated_with.unwrap_or_default(),
         }))
     }
 

@@ -194,3 +194,178 @@ pub fn kill_pid(pid: u32, signal: i32) -> io::Result<()> {
         Err(io::Error::last_os_error())
     }
 }
+
+/// How [`open_beneath`] resolves a path below a directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resolve {
+    /// `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)` where the kernel has
+    /// it (5.6+), else the walk.
+    Best,
+    /// One `openat(O_NOFOLLOW)` per component (the fallback; tests pick it).
+    Walk,
+}
+
+/// Set once `openat2` answered ENOSYS (an old kernel, or a seccomp filter
+/// that does not know it): every later call walks.
+static NO_OPENAT2: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether [`Resolve::Best`] uses `openat2` (false once it answered ENOSYS).
+pub fn openat2_in_use() -> bool {
+    !NO_OPENAT2.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+fn c_path(p: &std::path::Path) -> io::Result<std::ffi::CString> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(p.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
+}
+
+fn check(fd: libc::c_int) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    if fd < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        // SAFETY: the kernel just returned this descriptor to us; nobody
+        // else owns it.
+        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+    }
+}
+
+fn openat(
+    dir: std::os::fd::BorrowedFd<'_>,
+    name: &std::ffi::CStr,
+    flags: libc::c_int,
+    mode: libc::mode_t,
+) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: `dir` is a live descriptor and `name` a NUL-terminated string
+    // that outlives the call.
+    check(unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            flags | libc::O_CLOEXEC,
+            libc::c_uint::from(mode),
+        )
+    })
+}
+
+/// Opens `rel` (plain components only, empty for `dir` itself) beneath
+/// `dir` with `flags`, never following a symlink on the way or at the end
+/// and never leaving `dir`: a component swapped for a symlink after the
+/// caller checked the path fails with ELOOP (or EXDEV), so nothing outside
+/// is opened. `mode` applies with `O_CREAT`.
+pub fn open_beneath(
+    dir: std::os::fd::BorrowedFd<'_>,
+    rel: &std::path::Path,
+    flags: libc::c_int,
+    mode: libc::mode_t,
+    how: Resolve,
+) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::AsRawFd;
+    use std::path::Component;
+    let mut names = Vec::new();
+    for c in rel.components() {
+        match c {
+            Component::Normal(n) => names.push(c_path(std::path::Path::new(n))?),
+            Component::CurDir => {}
+            _ => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "only plain path components may be opened beneath a directory",
+                ));
+            }
+        }
+    }
+    if how == Resolve::Best && !NO_OPENAT2.load(std::sync::atomic::Ordering::Relaxed) {
+        let path = if names.is_empty() {
+            c"."
+        } else {
+            &*c_path(rel)?
+        };
+        // The kernel's `struct open_how` (libc's is non-exhaustive).
+        #[repr(C)]
+        struct OpenHow {
+            flags: u64,
+            mode: u64,
+            resolve: u64,
+        }
+        let open_how = OpenHow {
+            flags: (flags | libc::O_CLOEXEC | libc::O_NOFOLLOW) as u64,
+            mode: if flags & libc::O_CREAT != 0 {
+                u64::from(mode)
+            } else {
+                0
+            },
+            resolve: libc::RESOLVE_BENEATH
+                | libc::RESOLVE_NO_SYMLINKS
+                | libc::RESOLVE_NO_MAGICLINKS,
+        };
+        // SAFETY: openat2 reads `open_how` (of the size passed) and the
+        // NUL-terminated path, both alive for the call.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_openat2,
+                dir.as_raw_fd(),
+                path.as_ptr(),
+                &raw const open_how,
+                std::mem::size_of::<OpenHow>(),
+            )
+        };
+        match check(libc::c_int::try_from(fd).unwrap_or(-1)) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
+                NO_OPENAT2.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+            // A seccomp filter that refuses unknown calls with EPERM (or an
+            // immutable file): the walk is as safe, and answers for itself.
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {}
+            done => return done,
+        }
+    }
+    // The walk: each intermediate directory opened with O_NOFOLLOW and
+    // checked to be a directory, the next looked up relative to it.
+    let Some((last, parents)) = names.split_last() else {
+        return openat(dir, c".", flags | libc::O_NOFOLLOW, mode);
+    };
+    let mut held: Option<std::os::fd::OwnedFd> = None;
+    for name in parents {
+        let at = held.as_ref().map_or(dir, std::os::fd::AsFd::as_fd);
+        let next = openat(at, name, libc::O_PATH | libc::O_NOFOLLOW, 0)?;
+        let meta = std::fs::File::from(next.try_clone()?).metadata()?;
+        if meta.file_type().is_symlink() {
+            return Err(io::Error::from_raw_os_error(libc::ELOOP));
+        }
+        if !meta.is_dir() {
+            return Err(io::Error::from_raw_os_error(libc::ENOTDIR));
+        }
+        held = Some(next);
+    }
+    let at = held.as_ref().map_or(dir, std::os::fd::AsFd::as_fd);
+    openat(at, last, flags | libc::O_NOFOLLOW, mode)
+}
+
+/// Creates the directories of `rel` beneath `dir` that do not exist
+/// (`mkdir -p`), never following a symlink (each step is [`open_beneath`]).
+pub fn mkdirs_beneath(
+    dir: std::os::fd::BorrowedFd<'_>,
+    rel: &std::path::Path,
+    how: Resolve,
+) -> io::Result<()> {
+    let mut so_far = std::path::PathBuf::new();
+    for c in rel.components() {
+        so_far.push(c);
+        let parent = so_far.parent().unwrap_or(std::path::Path::new(""));
+        let at = open_beneath(dir, parent, libc::O_PATH | libc::O_DIRECTORY, 0, how)?;
+        let name = c_path(std::path::Path::new(c.as_os_str()))?;
+        // SAFETY: `at` is a live descriptor and `name` NUL-terminated.
+        let rc =
+            unsafe { libc::mkdirat(std::os::fd::AsRawFd::as_raw_fd(&at), name.as_ptr(), 0o755) };
+        if rc != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EEXIST) {
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}

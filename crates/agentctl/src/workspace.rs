@@ -3,18 +3,25 @@
 //! Every path is resolved by [`Workspace::resolve`]: NUL bytes are refused,
 //! `..` is applied lexically and may not climb above the root, the longest
 //! existing prefix is canonicalized (following symlinks) and must stay inside
-//! the root, and the rest may only name plain components. Files are then
-//! opened with `O_NOFOLLOW`, so a symlink swapped in after the check is not
-//! followed either.
+//! the root, and the rest may only name plain components. Files and
+//! directories are then opened beneath a descriptor of the root held since
+//! [`Workspace::open`] (`sys::open_beneath`: `openat2` with
+//! `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS` where the kernel has it, an
+//! `O_NOFOLLOW` walk otherwise), so a component swapped for a symlink after
+//! the check fails instead of leading outside.
 
 use std::ffi::OsString;
 use std::io::{Read, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
 
 use sessiond_proto::agentctl::v1::{DirEntry, EntryKind};
 
-use crate::error::{Error, Result};
+use crate::{
+    error::{Error, Result},
+    sys::{self, Resolve},
+};
 
 /// Default and maximum size of a file read (16 MiB).
 pub const DEFAULT_MAX_READ: u64 = 16 << 20;
@@ -23,6 +30,9 @@ pub const DEFAULT_MAX_READ: u64 = 16 << 20;
 #[derive(Debug, Clone)]
 pub struct Workspace {
     root: PathBuf,
+    /// The root, opened once: every file call resolves beneath it.
+    root_fd: Arc<OwnedFd>,
+    resolve: Resolve,
 }
 
 impl Workspace {
@@ -36,7 +46,35 @@ impl Workspace {
                 root.display()
             )));
         }
-        Ok(Self { root })
+        let root_fd = std::fs::File::open(&root)
+            .map_err(|e| Error::io(format!("workspace {}", root.display()), e))?;
+        Ok(Self {
+            root,
+            root_fd: Arc::new(root_fd.into()),
+            resolve: Resolve::Best,
+        })
+    }
+
+    /// The same workspace resolving with `how` (tests of the fallback).
+    pub fn with_resolve(mut self, how: Resolve) -> Self {
+        self.resolve = how;
+        self
+    }
+
+    /// Opens a path [`Workspace::resolve`] answered, beneath the root.
+    fn open_resolved(
+        &self,
+        resolved: &Path,
+        what: &str,
+        flags: libc::c_int,
+        mode: libc::mode_t,
+    ) -> Result<std::fs::File> {
+        let rel = resolved.strip_prefix(&self.root).map_err(|_| {
+            Error::PermissionDenied(format!("{what:?} resolves outside the workspace root"))
+        })?;
+        sys::open_beneath(self.root_fd.as_fd(), rel, flags, mode, self.resolve)
+            .map(std::fs::File::from)
+            .map_err(|e| Error::io(format!("opening {what}"), e))
     }
 
     /// The canonical root.
@@ -129,12 +167,8 @@ impl Workspace {
             max_bytes.min(DEFAULT_MAX_READ)
         };
         let resolved = self.resolve(path)?;
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            // O_NONBLOCK: opening a FIFO must not hang the call.
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(&resolved)
-            .map_err(|e| Error::io(format!("opening {path}"), e))?;
+        // O_NONBLOCK: opening a FIFO must not hang the call.
+        let file = self.open_resolved(&resolved, path, libc::O_RDONLY | libc::O_NONBLOCK, 0)?;
         let meta = file
             .metadata()
             .map_err(|e| Error::io(format!("stat {path}"), e))?;
@@ -177,7 +211,8 @@ impl Workspace {
         }
         if let Some(parent) = resolved.parent() {
             if create_parents {
-                std::fs::create_dir_all(parent)
+                let rel = parent.strip_prefix(&self.root).unwrap_or(Path::new(""));
+                sys::mkdirs_beneath(self.root_fd.as_fd(), rel, self.resolve)
                     .map_err(|e| Error::io(format!("creating parents of {path}"), e))?;
             } else if !parent.is_dir() {
                 return Err(Error::NotFound(format!(
@@ -186,13 +221,12 @@ impl Workspace {
             }
         }
         // Not truncated at open: the file is checked first.
-        #[allow(clippy::suspicious_open_options)]
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(&resolved)
-            .map_err(|e| Error::io(format!("opening {path}"), e))?;
+        let mut file = self.open_resolved(
+            &resolved,
+            path,
+            libc::O_WRONLY | libc::O_CREAT | libc::O_NONBLOCK,
+            0o644,
+        )?;
         let meta = file
             .metadata()
             .map_err(|e| Error::io(format!("stat {path}"), e))?;
@@ -222,14 +256,20 @@ impl Workspace {
     /// Lists a directory (empty path: the root), sorted by name.
     pub fn list_dir(&self, path: &str) -> Result<Vec<DirEntry>> {
         let resolved = self.resolve(path)?;
-        let rd =
-            std::fs::read_dir(&resolved).map_err(|e| Error::io(format!("listing {path:?}"), e))?;
+        let dir = self.open_resolved(&resolved, path, libc::O_RDONLY | libc::O_DIRECTORY, 0)?;
+        // Read through the descriptor (its /proc link names exactly the
+        // directory opened beneath the root, whatever was renamed since).
+        let rd = std::fs::read_dir(format!(
+            "/proc/self/fd/{}",
+            std::os::fd::AsRawFd::as_raw_fd(&dir)
+        ))
+        .map_err(|e| Error::io(format!("listing {path:?}"), e))?;
         let mut entries = Vec::new();
         for entry in rd {
             let entry = entry.map_err(|e| Error::io(format!("listing {path:?}"), e))?;
+            // Relative to the open directory, not following a symlink.
             let meta = entry
-                .path()
-                .symlink_metadata()
+                .metadata()
                 .map_err(|e| Error::io(format!("stat in {path:?}"), e))?;
             let ft = meta.file_type();
             let kind = if ft.is_symlink() {
@@ -316,6 +356,81 @@ mod tests {
         std::fs::create_dir(root.join("d")).expect("mkdir");
         std::os::unix::fs::symlink(root.join("d"), root.join("inner")).expect("symlink");
         assert_eq!(ws.resolve("inner/f").expect("inner link"), root.join("d/f"));
+    }
+
+    /// The check-then-open race: `d` is a real directory when the path is
+    /// resolved, then swapped for a symlink to a directory outside before
+    /// the open. Neither resolver follows it, for reading or writing.
+    #[test]
+    fn a_directory_swapped_for_a_symlink_after_the_check_is_not_followed() {
+        for how in [Resolve::Best, Resolve::Walk] {
+            let (_base, ws, outside) = setup();
+            let ws = ws.with_resolve(how);
+            let root = ws.root().to_path_buf();
+            std::fs::create_dir(root.join("d")).expect("mkdir");
+            std::fs::write(root.join("d/secret"), "inside").expect("write");
+            let read = ws.resolve("d/secret").expect("resolve");
+            let write = ws.resolve("d/new").expect("resolve");
+            std::fs::rename(root.join("d"), root.join("d.old")).expect("rename");
+            std::os::unix::fs::symlink(&outside, root.join("d")).expect("symlink");
+            let r = ws.open_resolved(&read, "d/secret", libc::O_RDONLY, 0);
+            assert!(
+                matches!(r, Err(Error::PermissionDenied(_))),
+                "{how:?} read: {r:?}"
+            );
+            let w = ws.open_resolved(&write, "d/new", libc::O_WRONLY | libc::O_CREAT, 0o644);
+            assert!(
+                matches!(w, Err(Error::PermissionDenied(_))),
+                "{how:?} write: {w:?}"
+            );
+            assert!(!outside.join("new").exists(), "{how:?}: created outside");
+            let parents = sys::mkdirs_beneath(ws.root_fd.as_fd(), Path::new("d/x/y"), how);
+            assert!(parents.is_err(), "{how:?}: mkdir through the symlink");
+            assert!(!outside.join("x").exists(), "{how:?}: created outside");
+            // A final component swapped for a symlink is refused too.
+            std::fs::write(root.join("f"), "f").expect("write");
+            let f = ws.resolve("f").expect("resolve");
+            std::fs::remove_file(root.join("f")).expect("rm");
+            std::os::unix::fs::symlink(outside.join("secret"), root.join("f")).expect("symlink");
+            let r = ws.open_resolved(&f, "f", libc::O_RDONLY, 0);
+            assert!(
+                matches!(r, Err(Error::PermissionDenied(_))),
+                "{how:?}: {r:?}"
+            );
+        }
+        // This kernel (5.6+) has openat2: `Best` used it, not the walk.
+        assert!(sys::openat2_in_use(), "openat2 answered ENOSYS");
+    }
+
+    /// Both resolvers serve the ordinary calls the same way.
+    #[test]
+    fn file_calls_work_with_either_resolver() {
+        for how in [Resolve::Best, Resolve::Walk] {
+            let (_base, ws, outside) = setup();
+            let ws = ws.with_resolve(how);
+            assert_eq!(ws.write_file("a/b/c.txt", b"abc", true).expect("write"), 3);
+            assert_eq!(ws.read_file("a/b/c.txt", 0).expect("read"), b"abc");
+            assert_eq!(ws.write_file("a/b/c.txt", b"x", false).expect("rewrite"), 1);
+            assert_eq!(ws.read_file("a/./b/../b/c.txt", 0).expect("read"), b"x");
+            let names: Vec<String> = ws
+                .list_dir("a/b")
+                .expect("list")
+                .into_iter()
+                .map(|e| e.name)
+                .collect();
+            assert_eq!(names, ["c.txt"]);
+            assert_eq!(ws.list_dir("").expect("root").len(), 1);
+            std::os::unix::fs::symlink(&outside, ws.root().join("out")).expect("symlink");
+            assert!(matches!(
+                ws.read_file("out/secret", 0),
+                Err(Error::PermissionDenied(_))
+            ));
+            assert!(matches!(
+                ws.write_file("out/new", b"x", true),
+                Err(Error::PermissionDenied(_))
+            ));
+            assert!(!outside.join("new").exists());
+        }
     }
 
     #[test]

@@ -166,6 +166,7 @@ impl Harness {
                 .collect::<HashMap<_, _>>(),
             profile_supports_session_resume: claim,
             initialize_timeout_ms: 20_000,
+            ..Default::default()
         }
     }
 
@@ -1823,6 +1824,7 @@ async fn real_agent_smoke() {
             env: HashMap::new(),
             profile_supports_session_resume: true,
             initialize_timeout_ms: 60_000,
+            ..Default::default()
         })
         .await
         .expect("launch")
@@ -2000,6 +2002,123 @@ async fn messages_larger_than_4_mib_go_both_ways() {
         .expect("a 10 MiB read is sent")
         .into_inner();
     assert!(read.content == content, "content differs");
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn authenticate_missing_unknown_failing_and_configured() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+
+    // Required but not configured: the launch works (many agents offer
+    // methods they do not need), the first session call names the offered
+    // methods and the profile key.
+    let launched = c
+        .launch_agent(h.demo(true, &[("ACP_DEMO_REQUIRE_AUTH", "1")]))
+        .await
+        .expect("launch")
+        .into_inner();
+    let offered: Vec<&str> = launched
+        .auth_methods
+        .iter()
+        .map(|m| m.id.as_str())
+        .collect();
+    assert_eq!(offered, ["demo-token", "demo-login"]);
+    assert_eq!(launched.authenticated_with, "");
+    let err = c
+        .new_session(NewSessionRequest {})
+        .await
+        .expect_err("auth required");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    for needle in [
+        "requires authentication",
+        "demo-token",
+        "demo-login",
+        "auth_method",
+    ] {
+        assert!(
+            err.message().contains(needle),
+            "{needle}: {}",
+            err.message()
+        );
+    }
+    c.stop_agent(StopAgentRequest { grace_ms: 0 })
+        .await
+        .expect("stop");
+
+    // A method the agent does not offer.
+    let mut req = h.demo(true, &[("ACP_DEMO_REQUIRE_AUTH", "1")]);
+    req.auth_method = "api-key".into();
+    let err = c.launch_agent(req).await.expect_err("not offered");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(
+        err.message().contains("\"api-key\" is not offered")
+            && err.message().contains("demo-token"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(health(&mut c).await.agent_state(), AgentState::Exited);
+
+    // Offered, but the environment it needs is missing: authenticate fails.
+    let mut req = h.demo(true, &[("ACP_DEMO_REQUIRE_AUTH", "1")]);
+    req.auth_method = "demo-token".into();
+    let err = c.launch_agent(req).await.expect_err("authenticate fails");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(
+        err.message().contains("authenticate") && err.message().contains("ACP_DEMO_TOKEN"),
+        "{}",
+        err.message()
+    );
+
+    // Configured with its environment: authenticated, sessions and prompts work.
+    let mut req = h.demo(
+        true,
+        &[("ACP_DEMO_REQUIRE_AUTH", "1"), ("ACP_DEMO_TOKEN", "t0ken")],
+    );
+    req.auth_method = "demo-token".into();
+    let launched = c.launch_agent(req).await.expect("launch").into_inner();
+    assert_eq!(launched.authenticated_with, "demo-token");
+    let mut stream = Stream::open(&mut c, 0).await;
+    let token = c
+        .new_session(NewSessionRequest {})
+        .await
+        .expect("new session after authenticate")
+        .into_inner()
+        .resume_token;
+    let (reply, _) = prompt(&mut c, &mut stream, "hello").await;
+    assert_eq!(
+        reply,
+        format!("turn 1 of session {token}: you said \"hello\"")
+    );
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permission_policy_comes_from_the_launch_request() {
+    let h = Harness::new();
+    // agentctl's own default allows; the launch asks to deny.
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let mut req = h.demo(true, &[]);
+    req.permission_policy = PermissionPolicy::Deny as i32;
+    c.launch_agent(req).await.expect("launch");
+    let mut stream = Stream::open(&mut c, 0).await;
+    c.new_session(NewSessionRequest {}).await.expect("session");
+    let (reply, _) = prompt(&mut c, &mut stream, "/permission").await;
+    assert!(reply.ends_with("permission: reject"), "{reply}");
+    c.stop_agent(StopAgentRequest { grace_ms: 0 })
+        .await
+        .expect("stop");
+
+    let mut req = h.demo(true, &[]);
+    req.permission_policy = PermissionPolicy::Unspecified as i32;
+    c.launch_agent(req).await.expect("launch");
+    c.new_session(NewSessionRequest {}).await.expect("session");
+    let (reply, _) = prompt(&mut c, &mut stream, "/permission").await;
+    assert!(reply.ends_with("permission: allow"), "{reply}");
     ctl.shutdown().await;
     h.assert_no_leftovers().await;
 }

@@ -162,6 +162,8 @@ impl AgentCtlService for Fleet {
             agent_name: "fleet-agent".into(),
             agent_version: "1".into(),
             agent_load_session: true,
+            auth_methods: Vec::new(),
+            authenticated_with: String::new(),
         }))
     }
 

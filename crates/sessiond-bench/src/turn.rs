@@ -91,6 +91,8 @@ pub async fn measure(
             env: BTreeMap::new(),
             supports_session_resume: true,
             container: None,
+            auth_method: None,
+            permission_policy: sessiond_domain::PermissionPolicy::Allow,
             created_at: now,
             updated_at: now,
         })

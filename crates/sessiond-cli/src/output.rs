@@ -288,10 +288,10 @@ impl Out {
                 "executor {} ({}), resume {}",
                 p.executor_id,
                 runtime(p.runtime),
-                if p.supports_session_resume {
-                    "supported"
-                } else {
-                    "unsupported"
+                match p.supports_session_resume {
+                    Some(true) => "supported",
+                    Some(false) => "unsupported",
+                    None => "not known until the agent starts",
                 }
             ),
             Some(Payload::AgentctlError(p)) => {

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 
 use crate::{
     ids::{AgentProfileId, ExecutorId, MessageId, SessionId, TaskId},
-    states::{ExecutorStatus, MessageRole, Runtime, SessionState, TaskState},
+    states::{ExecutorStatus, MessageRole, PermissionPolicy, Runtime, SessionState, TaskState},
 };
 
 /// A unit of work on a repository; it has one or more sessions.
@@ -34,6 +34,11 @@ pub struct AgentProfile {
     /// How the agent runs in a container (`local_docker`), when that is not
     /// `command`/`args` of the host: an image has its own file system.
     pub container: Option<ContainerAgent>,
+    /// ACP auth method agentctl calls `authenticate` with after
+    /// `initialize` (e.g. `openai-api-key` for codex-acp); `None`: no call.
+    pub auth_method: Option<String>,
+    /// How the agent's permission requests are answered.
+    pub permission_policy: PermissionPolicy,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
@@ -194,6 +199,8 @@ mod tests {
             ]),
             supports_session_resume: true,
             container,
+            auth_method: None,
+            permission_policy: PermissionPolicy::Allow,
             created_at: Utc::now(),
             updated_at: Utc::now(),
         }

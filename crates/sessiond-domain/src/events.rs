@@ -64,7 +64,9 @@ pub enum EventPayload {
     AgentctlReady {
         executor_id: ExecutorId,
         runtime: Runtime,
-        supports_session_resume: bool,
+        /// `None` while the agent has not been probed yet (agentctl is up,
+        /// the agent not launched): the claim alone proves nothing.
+        supports_session_resume: Option<bool>,
     },
     AgentctlError {
         executor_id: ExecutorId,

@@ -21,7 +21,9 @@ pub use recovery::{
     Action, MAX_STEPS, Observation, OutcomeLabel, Recovery, RecoveryFailure, RecoveryInput,
     RecoveryOutcome, ResumePolicy, SurvivingAgent, UnexpectedObservation,
 };
-pub use states::{ExecutorStatus, MessageRole, Runtime, SessionState, TaskState, UnknownValue};
+pub use states::{
+    ExecutorStatus, MessageRole, PermissionPolicy, Runtime, SessionState, TaskState, UnknownValue,
+};
 pub use status::{
     AgentProcessState, ExecutionView, ResumeReason, ResumeRefused, SessionStatus, check_resume,
     retrying_message, session_status,

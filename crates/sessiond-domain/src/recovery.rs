@@ -671,6 +671,16 @@ impl Recovery {
             && self.probe != Some(false)
     }
 
+    /// [`Self::supports_resume`] for the ready event: unknown (`None`) while
+    /// the claims allow it and the agent was not probed.
+    fn resume_verdict(&self) -> Option<bool> {
+        if self.input.record_supports_session_resume && self.input.profile_supports_session_resume {
+            self.probe
+        } else {
+            Some(false)
+        }
+    }
+
     fn go(&mut self, phase: Phase, action: Action) -> Action {
         self.phase = phase;
         self.steps += 1;
@@ -711,7 +721,7 @@ impl Recovery {
         let event = EventPayload::AgentctlReady {
             executor_id: self.input.executor_id,
             runtime: self.input.runtime,
-            supports_session_resume: self.supports_resume(),
+            supports_session_resume: self.resume_verdict(),
         };
         self.go(Phase::MarkingReady, Action::MarkExecutorReady { event })
     }
@@ -1749,7 +1759,7 @@ mod tests {
             action,
             Action::MarkExecutorReady {
                 event: EventPayload::AgentctlReady {
-                    supports_session_resume: false,
+                    supports_session_resume: Some(false),
                     ..
                 }
             }

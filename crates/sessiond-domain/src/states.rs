@@ -105,6 +105,15 @@ string_enum!(
     System => "system",
 });
 
+string_enum!(
+    /// How agentctl answers the agent's permission requests for a profile.
+    PermissionPolicy, "permission policy", {
+    /// Pick the agent's allow option.
+    Allow => "allow",
+    /// Pick the agent's reject option (or cancel the request).
+    Deny => "deny",
+});
+
 impl SessionState {
     /// COMPLETED and CANCELLED: nothing runs and nothing will be resumed.
     pub const fn is_terminal(self) -> bool {

@@ -472,11 +472,10 @@ impl DockerExecutor {
             format!("{CONTAINER_RUN_DIR}/journal"),
         ];
         if let Some(idle) = c.idle_timeout {
-            cmd.extend([
-                "--idle-timeout".into(),
-                format!("{}s", idle.as_secs().max(1)),
-            ]);
+            // `0ms` is agentctl's "never"; `None` leaves its own default.
+            cmd.extend(["--idle-timeout".into(), format!("{}ms", idle.as_millis())]);
         }
+
         let labels = HashMap::from([
             (LABEL_EXECUTOR_ID.to_owned(), id.to_string()),
             (LABEL_SESSION_ID.to_owned(), spec.session_id.to_string()),

@@ -187,9 +187,11 @@ impl StandaloneExecutor {
             .process_group(0)
             .kill_on_drop(false);
         if let Some(idle) = self.config.idle_timeout {
+            // `0ms` is agentctl's "never"; `None` leaves its own default.
             cmd.arg("--idle-timeout")
-                .arg(format!("{}s", idle.as_secs().max(1)));
+                .arg(format!("{}ms", idle.as_millis()));
         }
+
         let started = Instant::now();
         let mut child = cmd.spawn().map_err(|source| Error::Spawn {
             path: self.config.agentctl_path.clone(),

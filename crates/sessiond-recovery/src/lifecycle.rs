@@ -233,10 +233,12 @@ impl SessionManager {
         let mut ready = executor_moved(&record, ExecutorEvent::Healthy)?;
         handle.apply_to(&mut ready);
         ready.last_seen_at = Some(Utc::now());
+        // The agent is not launched yet, so nothing is known about resume
+        // unless the profile already rules it out.
         let ready_event = EventPayload::AgentctlReady {
             executor_id,
             runtime: req.runtime,
-            supports_session_resume: profile.supports_session_resume,
+            supports_session_resume: (!profile.supports_session_resume).then_some(false),
         };
         record = self
             .commit(
@@ -275,7 +277,22 @@ impl SessionManager {
                     .driver(req.runtime)
                     .ok()
                     .and_then(|d| d.image(profile.container_image()));
+                // agentctl's FAILED_PRECONDITION answers already say what to
+                // change (auth method, protocol version); anything else is
+                // most likely the profile's command or environment.
+                let precondition = matches!(
+                    &e,
+                    Error::Agent {
+                        code: tonic::Code::FailedPrecondition,
+                        ..
+                    }
+                );
                 let reason = match image {
+                    _ if precondition => format!(
+                        "the agent of profile {:?} could not start a conversation: {e}; \
+                         fix the agent profile as described, then create a new session",
+                        profile.name
+                    ),
                     // The command must exist in the image, not on the host.
                     Some(image) => format!(
                         "the agent of profile {:?} could not start in image {image:?} (command {:?}): {e}; \
@@ -285,7 +302,7 @@ impl SessionManager {
                     ),
                     None => format!(
                         "the agent of profile {:?} could not start a conversation (command {:?}): {e}; \
-                         check the profile's command, then create a new session",
+                         check the profile's command and env, then create a new session",
                         profile.name, agent.command
                     ),
                 };

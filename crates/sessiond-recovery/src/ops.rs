@@ -11,7 +11,8 @@ use std::{
 };
 
 use sessiond_domain::{
-    AgentProcessState, AgentProfile, ExecutorId, ExecutorRecord, Runtime, SurvivingAgent,
+    AgentProcessState, AgentProfile, ExecutorId, ExecutorRecord, PermissionPolicy, Runtime,
+    SurvivingAgent,
 };
 use sessiond_executor::{
     AgentState, AgentctlClient, ExecutorHandle, Health, LaunchSpec, RemoteTarget, Support,
@@ -266,6 +267,11 @@ impl SessionManager {
             env: agent.env.into_iter().collect(),
             profile_supports_session_resume: profile.supports_session_resume,
             initialize_timeout_ms: timeout_ms,
+            auth_method: profile.auth_method.clone().unwrap_or_default(),
+            permission_policy: match profile.permission_policy {
+                PermissionPolicy::Allow => pb::PermissionPolicy::Allow,
+                PermissionPolicy::Deny => pb::PermissionPolicy::Deny,
+            } as i32,
         };
         client
             .raw()

@@ -379,9 +379,13 @@ impl SessionManager {
                     EventPayload::AgentctlReady {
                         executor_id: record.id,
                         runtime: record.runtime,
-                        supports_session_resume: profile.supports_session_resume
+                        supports_session_resume: if profile.supports_session_resume
                             && record.supports_session_resume
-                            && probe != Some(false),
+                        {
+                            probe
+                        } else {
+                            Some(false)
+                        },
                     },
                 );
             }

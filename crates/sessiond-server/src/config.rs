@@ -19,7 +19,7 @@ use std::{
 use anyhow::{Context, bail};
 use clap::{Args, builder::BoolishValueParser};
 use serde::Deserialize;
-use sessiond_domain::{ContainerAgent, ResumePolicy, Runtime};
+use sessiond_domain::{ContainerAgent, PermissionPolicy, ResumePolicy, Runtime};
 
 /// The built-in agent profile: the demo ACP agent shipped with sessiond.
 pub const DEMO_PROFILE: &str = "demo";
@@ -323,6 +323,12 @@ pub struct AgentSection {
     pub env: BTreeMap<String, String>,
     #[serde(default = "yes")]
     pub supports_session_resume: bool,
+    /// ACP auth method to `authenticate` with (e.g. `openai-api-key`).
+    #[serde(default)]
+    pub auth_method: Option<String>,
+    /// `allow` (default) or `deny`: how permission requests are answered.
+    #[serde(default)]
+    pub permission_policy: Option<String>,
     /// How the agent runs in a Docker container, when not as on the host.
     #[serde(default)]
     pub container: Option<ContainerSection>,
@@ -559,6 +565,8 @@ pub struct AgentConfig {
     pub env: BTreeMap<String, String>,
     pub supports_session_resume: bool,
     pub container: Option<ContainerAgent>,
+    pub auth_method: Option<String>,
+    pub permission_policy: PermissionPolicy,
 }
 
 impl ServeArgs {
@@ -1050,7 +1058,9 @@ impl FileConfig {
             default_runtime,
             connect_timeout: p.positive_duration("executors.connect_timeout", &e.connect_timeout),
             call_timeout: p.positive_duration("executors.call_timeout", &e.call_timeout),
-            idle_timeout: Some(idle).filter(|d| !d.is_zero()),
+            // Passed to agentctl as is: `0s` must reach it as "never", not
+            // fall back to agentctl's own default.
+            idle_timeout: Some(idle),
             worktree_roots,
             agentctl_path,
             run_dir: e
@@ -1210,6 +1220,21 @@ fn agent_profiles(
                 );
             }
         }
+        if let Some(m) = &a.auth_method
+            && m.trim().is_empty()
+        {
+            p.add(
+                &format!("{key}.auth_method"),
+                "must not be empty (remove it for an agent that needs no authenticate)",
+            );
+        }
+        let permission_policy = match a.permission_policy.as_deref().map(str::trim) {
+            None => PermissionPolicy::Allow,
+            Some(v) => PermissionPolicy::parse(v).unwrap_or_else(|e| {
+                p.add(&format!("{key}.permission_policy"), e);
+                PermissionPolicy::Allow
+            }),
+        };
         let profile = AgentConfig {
             name: a.name.clone(),
             command: a.command.clone(),
@@ -1222,6 +1247,8 @@ fn agent_profiles(
                 args: c.args.clone(),
                 env: c.env.clone(),
             }),
+            auth_method: a.auth_method.clone().filter(|m| !m.trim().is_empty()),
+            permission_policy,
         };
         match agents.iter_mut().find(|b| b.name == a.name) {
             Some(existing) => *existing = profile,
@@ -1262,6 +1289,8 @@ pub fn demo_profile(data_dir: &Path) -> AgentConfig {
                 ),
             )]),
         }),
+        auth_method: None,
+        permission_policy: PermissionPolicy::Allow,
     }
 }
 
@@ -1526,6 +1555,43 @@ mod tests {
         assert_eq!(claude.command, "/usr/bin/claude-code-acp");
         assert_eq!(claude.args, ["--in-container"]);
         assert_eq!(c.agents[1].env["KEY"], "k");
+    }
+
+    #[test]
+    fn profiles_carry_auth_method_and_permission_policy() {
+        let text = r#"
+            [executors]
+            idle_timeout = "0s"
+            [[agents]]
+            name = "codex"
+            command = "codex-acp"
+            auth_method = "openai-api-key"
+            permission_policy = "deny"
+        "#;
+        let mut f = FileConfig::parse(text).unwrap();
+        f.data_dir = Some("/tmp/x".into());
+        f.auth.tokens = vec!["0123456789abcdef".into()];
+        let c = f.validate().unwrap();
+        assert_eq!(c.agents[1].auth_method.as_deref(), Some("openai-api-key"));
+        assert_eq!(c.agents[1].permission_policy, PermissionPolicy::Deny);
+        assert_eq!(c.agents[0].permission_policy, PermissionPolicy::Allow);
+        assert_eq!(c.agents[0].auth_method, None);
+        // "0s" reaches agentctl as "never", not as its own default.
+        assert_eq!(c.executors.idle_timeout, Some(Duration::ZERO));
+
+        let bad = r#"
+            [[agents]]
+            name = "x"
+            command = "x"
+            auth_method = " "
+            permission_policy = "ask-me"
+        "#;
+        let mut f = FileConfig::parse(bad).unwrap();
+        f.data_dir = Some("/tmp/x".into());
+        f.auth.tokens = vec!["0123456789abcdef".into()];
+        let err = f.validate().unwrap_err().to_string();
+        assert!(err.contains("agents[0].auth_method"), "{err}");
+        assert!(err.contains("agents[0].permission_policy"), "{err}");
     }
 
     #[test]

@@ -104,6 +104,8 @@ pub fn profile(p: &AgentProfile) -> pb::AgentProfile {
         command: p.command.clone(),
         args: p.args.clone(),
         supports_session_resume: p.supports_session_resume,
+        auth_method: p.auth_method.clone().unwrap_or_default(),
+        permission_policy: p.permission_policy.as_str().to_owned(),
     }
 }
 

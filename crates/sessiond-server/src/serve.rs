@@ -362,6 +362,8 @@ async fn seed_profiles(store: &Store, config: &Config) -> anyhow::Result<()> {
                 env: a.env.clone(),
                 supports_session_resume: a.supports_session_resume,
                 container: a.container.clone(),
+                auth_method: a.auth_method.clone(),
+                permission_policy: a.permission_policy,
                 created_at: now,
                 updated_at: now,
             })

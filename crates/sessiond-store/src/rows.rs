@@ -7,8 +7,8 @@ use diesel::prelude::*;
 use serde_json::{Map, Value, json};
 use sessiond_domain::{
     AgentProfile, AgentProfileId, ContainerAgent, Event, EventKind, EventPayload, ExecutorId,
-    ExecutorRecord, ExecutorStatus, Message, MessageId, MessageRole, Runtime, Session, SessionId,
-    SessionState, Task, TaskId, TaskState, Worktree,
+    ExecutorRecord, ExecutorStatus, Message, MessageId, MessageRole, PermissionPolicy, Runtime,
+    Session, SessionId, SessionState, Task, TaskId, TaskState, Worktree,
 };
 
 use crate::{
@@ -73,6 +73,8 @@ pub(crate) struct ProfileRow {
     /// JSON `{image, command, args, env}`; `NULL` when the profile runs in
     /// a container as on the host.
     pub container: Option<String>,
+    pub auth_method: Option<String>,
+    pub permission_policy: String,
 }
 
 impl ProfileRow {
@@ -95,6 +97,8 @@ impl ProfileRow {
                 })
                 .to_string()
             }),
+            auth_method: p.auth_method.clone(),
+            permission_policy: p.permission_policy.as_str().to_owned(),
         }
     }
 
@@ -126,6 +130,9 @@ impl ProfileRow {
             env,
             supports_session_resume: self.supports_session_resume,
             container,
+            auth_method: self.auth_method.filter(|m| !m.is_empty()),
+            permission_policy: PermissionPolicy::parse(&self.permission_policy)
+                .map_err(|e| corrupt(e.to_string()))?,
             created_at: self.created_at.0,
             updated_at: self.updated_at.0,
         })
@@ -542,7 +549,16 @@ fn decode_payload(kind: EventKind, v: &Value) -> Result<EventPayload, String> {
         EventKind::AgentctlReady => EventPayload::AgentctlReady {
             executor_id: parse_field(v, "executor_id", ExecutorId::parse)?,
             runtime: parse_field(v, "runtime", Runtime::parse)?,
-            supports_session_resume: boolean(v, "supports_session_resume")?,
+            // Null: not probed yet.
+            supports_session_resume: match v.get("supports_session_resume") {
+                None | Some(Value::Null) => None,
+                Some(Value::Bool(b)) => Some(*b),
+                Some(other) => {
+                    return Err(format!(
+                        "field \"supports_session_resume\": {other} is not a boolean"
+                    ));
+                }
+            },
         },
         EventKind::AgentctlError => EventPayload::AgentctlError {
             executor_id: parse_field(v, "executor_id", ExecutorId::parse)?,
@@ -704,8 +720,13 @@ mod tests {
             },
             EventPayload::AgentctlReady {
                 executor_id: ExecutorId::new(),
+                runtime: Runtime::LocalStandalone,
+                supports_session_resume: None,
+            },
+            EventPayload::AgentctlReady {
+                executor_id: ExecutorId::new(),
                 runtime: Runtime::Remote,
-                supports_session_resume: true,
+                supports_session_resume: Some(true),
             },
             EventPayload::AgentctlError {
                 executor_id: ExecutorId::new(),

@@ -32,6 +32,8 @@ diesel::table! {
         created_at -> UtcTimestamp,
         updated_at -> UtcTimestamp,
         container -> Nullable<Text>,
+        auth_method -> Nullable<Text>,
+        permission_policy -> Text,
     }
 }
 

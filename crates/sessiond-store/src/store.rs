@@ -837,6 +837,8 @@ fn upsert_profile(c: &mut AnyConnection, row: &ProfileRow) -> Result<AgentProfil
                     agent_profiles::env.eq(&row.env),
                     agent_profiles::supports_session_resume.eq(row.supports_session_resume),
                     agent_profiles::container.eq(&row.container),
+                    agent_profiles::auth_method.eq(&row.auth_method),
+                    agent_profiles::permission_policy.eq(&row.permission_policy),
                     agent_profiles::updated_at.eq(Ts::new(conn::now())),
                 ))
                 .execute(c)?;

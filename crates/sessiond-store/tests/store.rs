@@ -81,6 +81,8 @@ fn profile(name: &str) -> AgentProfile {
         env: BTreeMap::from([("RUST_LOG".into(), "info".into())]),
         supports_session_resume: true,
         container: None,
+        auth_method: None,
+        permission_policy: sessiond_domain::PermissionPolicy::Allow,
         created_at: now,
         updated_at: now,
     }
@@ -941,7 +943,7 @@ mod suite {
                 EventPayload::AgentctlReady {
                     executor_id: eid,
                     runtime: Runtime::Remote,
-                    supports_session_resume: false,
+                    supports_session_resume: Some(false),
                 },
             ),
             (
@@ -1126,7 +1128,9 @@ mod suite {
     pub async fn migrations_round_trip(store: &Store) {
         seed(store).await;
         let reverted = store.revert_all_migrations().await.unwrap();
-        assert_eq!(reverted.len(), 2, "{reverted:?}");
+        // Every migration directory (init, profile container, profile auth +
+        // permission policy).
+        assert_eq!(reverted.len(), 3, "{reverted:?}");
         let err = store.list_tasks(None, 10).await.unwrap_err();
         assert!(matches!(err, Error::Database(_)), "tables are gone: {err}");
         let applied = store.run_pending_migrations().await.unwrap();

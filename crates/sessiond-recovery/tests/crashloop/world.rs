@@ -1124,6 +1124,8 @@ async fn profile(store: &Store, name: &str, command: String, state_dir: String) 
             ]),
             supports_session_resume: true,
             container: None,
+            auth_method: None,
+            permission_policy: sessiond_domain::PermissionPolicy::Allow,
             created_at: now,
             updated_at: now,
         })

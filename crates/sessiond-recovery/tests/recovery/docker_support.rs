@@ -95,6 +95,8 @@ pub async fn demo_profile_in_docker(w: &World, name: &str, env: &[(&str, &str)])
                 .collect(),
             supports_session_resume: true,
             container: None,
+            auth_method: None,
+            permission_policy: sessiond_domain::PermissionPolicy::Allow,
             created_at: now,
             updated_at: now,
         })

@@ -189,6 +189,8 @@ async fn broken_profile_is_error_with_message() {
             env: Default::default(),
             supports_session_resume: true,
             container: None,
+            auth_method: None,
+            permission_policy: sessiond_domain::PermissionPolicy::Allow,
             created_at: now,
             updated_at: now,
         })

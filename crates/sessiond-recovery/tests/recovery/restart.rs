@@ -352,6 +352,7 @@ async fn agent_without_open_session_is_resumed_not_reattached() {
             env: w.profile.env.clone().into_iter().collect(),
             profile_supports_session_resume: true,
             initialize_timeout_ms: 10_000,
+            ..Default::default()
         })
         .await
         .unwrap();

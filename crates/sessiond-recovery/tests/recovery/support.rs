@@ -128,6 +128,8 @@ impl World {
                     .collect(),
                 supports_session_resume: claims_resume,
                 container: None,
+                auth_method: None,
+                permission_policy: sessiond_domain::PermissionPolicy::Allow,
                 created_at: now,
                 updated_at: now,
             })
@@ -327,6 +329,8 @@ fn placeholder_profile() -> AgentProfile {
         env: BTreeMap::new(),
         supports_session_resume: false,
         container: None,
+        auth_method: None,
+        permission_policy: sessiond_domain::PermissionPolicy::Allow,
         created_at: now,
         updated_at: now,
     }

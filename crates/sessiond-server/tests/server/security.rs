@@ -1000,3 +1000,54 @@ async fn numeric_fields_are_range_checked() {
         .unwrap();
     assert_eq!(status.state, pb::SessionState::WaitingForInput as i32);
 }
+
+#[tokio::test]
+async fn a_symlinked_directory_leading_outside_is_refused_for_read_and_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, _c, mut w, task, s) = with_session(dir.path()).await;
+    let outside = dir.path().join("outside");
+    std::fs::create_dir_all(&outside).unwrap();
+    std::fs::write(outside.join("secret"), "precious\n").unwrap();
+    std::os::unix::fs::symlink(&outside, dir.path().join("work/sub")).unwrap();
+    let read = w
+        .read_file(pb::ReadFileRequest {
+            session: session_ref(&task.id, &s.id),
+            path: "sub/secret".into(),
+        })
+        .await
+        .unwrap_err();
+    let overwrite = w
+        .write_file(pb::WriteFileRequest {
+            session: session_ref(&task.id, &s.id),
+            path: "sub/secret".into(),
+            content: b"overwritten".to_vec(),
+            create_parents: false,
+        })
+        .await
+        .unwrap_err();
+    let create = w
+        .write_file(pb::WriteFileRequest {
+            session: session_ref(&task.id, &s.id),
+            path: "sub/deeper/new".into(),
+            content: b"new".to_vec(),
+            create_parents: true,
+        })
+        .await
+        .unwrap_err();
+    for (what, err) in [("read", read), ("overwrite", overwrite), ("create", create)] {
+        assert_eq!(err.code(), Code::PermissionDenied, "{what}: {err}");
+        assert!(
+            err.message().contains("outside the workspace"),
+            "{what}: {}",
+            err.message()
+        );
+    }
+    assert_eq!(
+        std::fs::read_to_string(outside.join("secret")).unwrap(),
+        "precious\n"
+    );
+    assert!(
+        !outside.join("deeper").exists(),
+        "a directory was made outside"
+    );
+}
