@@ -216,6 +216,54 @@ test("an agent that cannot load sessions: not-resumable banner, then a new sessi
   }
 });
 
+test("while sessiond recovers its sessions: a banner, not errors; then the conversation continues", async () => {
+  const { dir, work, data } = scratch("recovering");
+  // The agent waits at its start while this file exists: the restarted
+  // backend's recovery of the session stays open until the test opens it.
+  const gate = join(dir, "start-gate");
+  const config = join(dir, "sessiond.toml");
+  writeFileSync(
+    config,
+    `[[agents]]\nname = "gated"\ncommand = "${bin("acp-demo-agent")}"\n` +
+      `env = { ACP_DEMO_STATE_DIR = "${join(dir, "demo-state")}", ACP_DEMO_START_GATE_FILE = "${gate}" }\n`,
+  );
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth", "--config", config] }).start();
+  const b = await browser("recovering");
+  try {
+    const { page } = b;
+    await page.goto(server.url);
+    await createTaskAndSession(page, { title: "Recovering e2e", work, profile: "gated" });
+    await send(page, "before the restart");
+    await message(page, "turn 1 of session");
+
+    // kill -9 of sessiond and of the agentctls: recovery relaunches the
+    // agent, which holds at its start gate, so the backend is recovering.
+    b.expectNetworkErrors(true);
+    await server.kill();
+    server.killAgentctls();
+    writeFileSync(gate, "");
+    await server.start();
+    await visible(page, "[data-testid=banner-recovering]");
+    await b.screenshot("recovering-banner");
+    assert.equal(await page.locator("p.error, [data-testid=not-resumable]").count(), 0, "a banner, not errors");
+    // Recovery resumes the agent by itself: no Resume call to action meanwhile.
+    assert.equal(await page.locator("[data-testid=needs-resume]").count(), 0);
+
+    rmSync(gate);
+    await hidden(page, "[data-testid=banner-recovering]");
+    await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
+    b.expectNetworkErrors(false);
+    await send(page, "after the restart");
+    await message(page, "turn 2 of session");
+    assertNoGapNoDuplicate(await conversation(page));
+    await b.screenshot("recovered");
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
 test("a token-protected server: sign-in, a wrong token is rejected clearly, the right one works", async () => {
   const { data } = scratch("token");
   const token = "e2e-token-0123456789abcdef";

@@ -130,7 +130,7 @@ export function App() {
         ) : route.name === "task" ? (
           <TaskView taskId={route.taskId} />
         ) : (
-          <SessionView key={route.sessionId} taskId={route.taskId} sessionId={route.sessionId} />
+          <SessionView key={route.sessionId} taskId={route.taskId} sessionId={route.sessionId} backend={backend} />
         )}
       </main>
     </div>
@@ -526,7 +526,7 @@ class MessageView extends Component<{ message: Message }> {
   }
 }
 
-function SessionView(props: { taskId: string; sessionId: string }) {
+function SessionView(props: { taskId: string; sessionId: string; backend: Backend }) {
   const { taskId, sessionId } = props;
   const [status, setStatus] = useState<GetSessionStatusResponse | null>(null);
   const [statusError, setStatusError] = useState("");
@@ -556,6 +556,12 @@ function SessionView(props: { taskId: string; sessionId: string }) {
         setStatusError(describe(err));
       });
   }, [taskId, sessionId]);
+
+  // The end of startup recovery: the agent may have come back without an
+  // event of its own (agentctl_ready comes before the agent's resume).
+  useEffect(() => {
+    if (props.backend === "serving") refresh();
+  }, [props.backend, refresh]);
 
   useEffect(() => {
     refresh();
@@ -733,7 +739,8 @@ function SessionView(props: { taskId: string; sessionId: string }) {
         </p>
       )}
       <ErrorLine error={statusError} />
-      {s && s.needsResume && !resuming && (
+      {/* While startup recovery runs it resumes the agent by itself. */}
+      {s && s.needsResume && !resuming && props.backend !== "recovering" && (
         <div class="banner info" data-testid="needs-resume">
           <span>{reasonLabel[s.resumeReason] || "The agent is not running."}</span>
           <button type="button" onClick={resume}>

@@ -44,6 +44,10 @@ struct Cli {
     /// Wait this long before reading stdin (a slow start).
     #[arg(long, env = "ACP_DEMO_START_DELAY_MS", default_value_t = 0)]
     start_delay_ms: u64,
+    /// Before reading stdin, wait while this file exists (a gate a test
+    /// holds closed to keep a backend's recovery of this agent open).
+    #[arg(long, env = "ACP_DEMO_START_GATE_FILE")]
+    start_gate_file: Option<PathBuf>,
     /// Reject every `session/load`.
     #[arg(long, env = "ACP_DEMO_FAIL_LOAD", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
     fail_load: bool,
@@ -139,6 +143,11 @@ async fn main() -> anyhow::Result<()> {
     }
     if cli.start_delay_ms > 0 {
         tokio::time::sleep(Duration::from_millis(cli.start_delay_ms)).await;
+    }
+    if let Some(gate) = &cli.start_gate_file {
+        while gate.exists() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
     let demo = Arc::new(Demo {
         cli,
