@@ -563,6 +563,8 @@ fn ensure_system_packages() -> anyhow::Result<()> {
         ("/usr/bin/promtool", "prometheus"),
         // The web console's browser suite (never a browser downloaded by npm).
         ("/usr/bin/chromium", "chromium"),
+        // The TLS tests make their certificates with the openssl CLI.
+        ("/usr/bin/openssl", "openssl"),
     ];
     let missing: Vec<&str> = wanted
         .iter()

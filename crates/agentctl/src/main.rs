@@ -37,6 +37,16 @@ struct Cli {
     /// TCP (remote executors; port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:0", value_parser = parse_listen)]
     listen: Listen,
+    /// PEM certificate (chain) to serve TLS with on a TCP listener (remote
+    /// executors: the secret and all workspace traffic cross the network).
+    #[arg(long, env = "AGENTCTL_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "AGENTCTL_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// PEM CA: clients must present a certificate it signed (mutual TLS).
+    #[arg(long, env = "AGENTCTL_TLS_CLIENT_CA", requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
     /// File to write the bound TCP port to (atomically, via rename).
     #[arg(long)]
     port_file: Option<PathBuf>,
@@ -201,6 +211,29 @@ enum Incoming {
     Unix(UnixListenerStream),
 }
 
+/// TLS for a TCP listener from the --tls-* files (read before serving, so
+/// a bad file is a start error naming the flag).
+fn server_tls(cli: &Cli) -> anyhow::Result<Option<tonic::transport::ServerTlsConfig>> {
+    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+    let (Some(cert), Some(key)) = (&cli.tls_cert, &cli.tls_key) else {
+        return Ok(None);
+    };
+    if matches!(cli.listen, Listen::Unix(_)) {
+        anyhow::bail!("--tls-cert is for TCP listeners; a Unix socket is local (mode 0600)");
+    }
+    let read = |flag: &str, path: &PathBuf| {
+        std::fs::read(path).with_context(|| format!("{flag}: cannot read {}", path.display()))
+    };
+    let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(
+        read("--tls-cert", cert)?,
+        read("--tls-key", key)?,
+    ));
+    if let Some(ca) = &cli.tls_client_ca {
+        tls = tls.client_ca_root(Certificate::from_pem(read("--tls-client-ca", ca)?));
+    }
+    Ok(Some(tls))
+}
+
 /// The one line on stdout, for whoever started us; a closed stdout is not an
 /// error (the port file or the socket says the same).
 fn announce(addr: &str) {
@@ -284,6 +317,7 @@ async fn main() -> anyhow::Result<()> {
         shutdown_rx.clone(),
     );
 
+    let tls = server_tls(&cli)?;
     let incoming = match &cli.listen {
         Listen::Tcp(addr) => {
             let listener = tokio::net::TcpListener::bind(addr)
@@ -349,7 +383,13 @@ async fn main() -> anyhow::Result<()> {
     };
 
     let auth = Authenticator::new(secret, activity);
-    let router = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder
+            .tls_config(tls)
+            .context("--tls-cert / --tls-key / --tls-client-ca")?;
+    }
+    let router = builder
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
         .layer(sessiond_telemetry::GrpcTraceLayer)

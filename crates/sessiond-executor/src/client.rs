@@ -129,6 +129,9 @@ pub struct TlsConfig {
     pub ca_pem: Vec<u8>,
     /// Name to verify the certificate against, when it differs from the URL host.
     pub domain_name: Option<String>,
+    /// PEM certificate and key sessiond presents to agentctls that require
+    /// client certificates (`agentctl --tls-client-ca`).
+    pub client_identity: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 impl TlsConfig {
@@ -143,7 +146,28 @@ impl TlsConfig {
         Ok(Self {
             ca_pem,
             domain_name: None,
+            client_identity: None,
         })
+    }
+
+    /// Adds the client certificate and key read from PEM files.
+    pub fn with_client_identity_files(
+        mut self,
+        cert: &std::path::Path,
+        key: &std::path::Path,
+    ) -> Result<Self> {
+        let read = |path: &std::path::Path, action| {
+            std::fs::read(path).map_err(|source| Error::Io {
+                action,
+                path: path.to_owned(),
+                source,
+            })
+        };
+        self.client_identity = Some((
+            read(cert, "reading client certificate")?,
+            read(key, "reading client key")?,
+        ));
+        Ok(self)
     }
 }
 
@@ -152,6 +176,7 @@ impl fmt::Debug for TlsConfig {
         f.debug_struct("TlsConfig")
             .field("ca_pem_bytes", &self.ca_pem.len())
             .field("domain_name", &self.domain_name)
+            .field("client_identity", &self.client_identity.is_some())
             .finish()
     }
 }
@@ -289,6 +314,9 @@ pub struct AgentctlClient {
     inner: RawClient,
     url: String,
     call_timeout: Duration,
+    /// TLS without a client certificate: an agentctl that requires one
+    /// closes the connection right after the handshake, which says why.
+    tls_without_identity: bool,
 }
 
 impl fmt::Debug for AgentctlClient {
@@ -360,6 +388,11 @@ impl AgentctlClient {
             inner,
             url: url.to_owned(),
             call_timeout: config.call_timeout,
+            tls_without_identity: url.starts_with("https://")
+                && config
+                    .tls
+                    .as_ref()
+                    .is_some_and(|t| t.client_identity.is_none()),
         })
     }
 
@@ -679,10 +712,25 @@ impl AgentctlClient {
                 call,
                 timeout: deadline,
             },
-            tonic::Code::Unavailable | tonic::Code::Unknown if is_transport_error(&status) => {
-                Error::Unreachable {
+            tonic::Code::Cancelled
+                if self.tls_without_identity
+                    && error_chain(&status).contains("connection closed") =>
+            {
+                Error::Tls {
                     url,
-                    message: error_chain(&status),
+                    message: format!(
+                        "agentctl closed the connection after the handshake ({}); it may \
+                         require a client certificate (executors.remote.tls_client_cert_file)",
+                        error_chain(&status)
+                    ),
+                }
+            }
+            tonic::Code::Unavailable | tonic::Code::Unknown if is_transport_error(&status) => {
+                let message = error_chain(&status);
+                if is_certificate_error(&message) {
+                    Error::Tls { url, message }
+                } else {
+                    Error::Unreachable { url, message }
                 }
             }
             _ => Error::Rpc {
@@ -694,19 +742,30 @@ impl AgentctlClient {
     }
 }
 
-#[cfg(feature = "tls")]
 fn with_tls(endpoint: Endpoint, tls: &TlsConfig) -> Result<Endpoint, String> {
-    use tonic::transport::{Certificate, ClientTlsConfig};
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
     let mut config = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&tls.ca_pem));
     if let Some(domain) = &tls.domain_name {
         config = config.domain_name(domain.clone());
     }
+    if let Some((cert, key)) = &tls.client_identity {
+        config = config.identity(Identity::from_pem(cert, key));
+    }
     endpoint.tls_config(config).map_err(|e| e.to_string())
 }
 
-#[cfg(not(feature = "tls"))]
-fn with_tls(_endpoint: Endpoint, _tls: &TlsConfig) -> Result<Endpoint, String> {
-    Err("this build has no TLS support (sessiond-executor's `tls` feature)".into())
+/// rustls' words for a handshake refused over a certificate (ours of
+/// theirs, or theirs of ours).
+fn is_certificate_error(chain: &str) -> bool {
+    let text = chain.to_ascii_lowercase();
+    [
+        "certificate",
+        "unknownissuer",
+        "unknownca",
+        "notvalidforname",
+    ]
+    .iter()
+    .any(|w| text.contains(w))
 }
 
 fn is_timeout(status: &tonic::Status) -> bool {
@@ -838,15 +897,16 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn https_with_a_ca_builds_only_with_the_tls_feature() {
+    async fn https_with_a_ca_builds_in_the_default_build() {
         let config = ClientConfig {
             tls: Some(TlsConfig {
                 ca_pem: TEST_CA.as_bytes().to_vec(),
                 domain_name: None,
+                client_identity: None,
             }),
             ..ClientConfig::default()
         };
         let built = AgentctlClient::new("https://127.0.0.1:1", "s", &config);
-        assert_eq!(built.is_ok(), cfg!(feature = "tls"), "{built:?}");
+        assert!(built.is_ok(), "{built:?}");
     }
 }

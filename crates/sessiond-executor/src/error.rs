@@ -22,6 +22,15 @@ pub enum Error {
     #[error("agentctl at {url} is unreachable: {message}")]
     Unreachable { url: String, message: String },
 
+    /// The TLS handshake with agentctl failed on a certificate (untrusted
+    /// issuer, wrong name, a client certificate refused): waiting will not
+    /// fix it.
+    #[error(
+        "TLS with agentctl at {url} failed: {message}; check executors.remote.tls_ca_file, \
+         tls_domain_name and the client certificate against agentctl's --tls-* files"
+    )]
+    Tls { url: String, message: String },
+
     /// agentctl (or something listening on its address) did not answer in time.
     #[error("agentctl at {url} did not answer {call} within {timeout:?}")]
     Timeout {

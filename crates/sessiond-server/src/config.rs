@@ -132,6 +132,19 @@ pub struct ServeArgs {
     #[arg(long, env = "SESSIOND_RECOVERY_EXECUTOR_DEADLINE")]
     pub recovery_executor_deadline: Option<String>,
 
+    /// PEM certificate (chain) to serve the API port with TLS (`tls.cert_file`).
+    #[arg(long, env = "SESSIOND_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key of --tls-cert (`tls.key_file`).
+    #[arg(long, env = "SESSIOND_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+
+    /// PEM CA that signed remote agentctls' certificates
+    /// (`executors.remote.tls_ca_file`).
+    #[arg(long, env = "SESSIOND_REMOTE_TLS_CA_FILE")]
+    pub remote_tls_ca_file: Option<PathBuf>,
+
     /// Hosts remote agentctl URLs may name, comma-separated: names,
     /// `*.domain`, addresses, networks (replace `executors.remote.allowed_hosts`).
     #[arg(long, env = "SESSIOND_REMOTE_ALLOWED_HOSTS", value_delimiter = ',')]
@@ -170,7 +183,17 @@ pub struct FileConfig {
     pub executors: ExecutorsSection,
     pub recovery: RecoverySection,
     pub limits: LimitsSection,
+    pub tls: TlsSection,
     pub agents: Vec<AgentSection>,
+}
+
+/// `[tls]`: TLS on the API port (gRPC, gRPC-web, the console; HTTP/2 for
+/// browsers through ALPN).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsSection {
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
 }
 
 /// `[limits]`: what callers may hold at once.
@@ -294,6 +317,10 @@ pub struct RemoteSection {
     /// PEM CA for `https://` agentctl URLs.
     pub tls_ca_file: Option<PathBuf>,
     pub tls_domain_name: Option<String>,
+    /// PEM certificate and key sessiond presents to agentctls that require
+    /// client certificates (both or neither).
+    pub tls_client_cert_file: Option<PathBuf>,
+    pub tls_client_key_file: Option<PathBuf>,
     /// Hosts remote agentctl URLs may name: host names, `*.domain`,
     /// addresses and networks (`10.0.0.0/8`). Default: loopback only.
     pub allowed_hosts: Option<Vec<String>>,
@@ -368,6 +395,7 @@ impl Default for FileConfig {
             executors: ExecutorsSection::default(),
             recovery: RecoverySection::default(),
             limits: LimitsSection::default(),
+            tls: TlsSection::default(),
             agents: Vec::new(),
         }
     }
@@ -471,6 +499,8 @@ pub struct Config {
     pub executors: ExecutorsConfig,
     pub recovery: RecoveryConfig,
     pub limits: LimitsConfig,
+    /// `(cert, key)` PEM files: the API port serves TLS.
+    pub tls: Option<(PathBuf, PathBuf)>,
     pub agents: Vec<AgentConfig>,
     pub default_agent: String,
     /// Problems that do not stop the server, logged once logging is up.
@@ -527,6 +557,7 @@ pub struct ExecutorsConfig {
     pub docker: Option<DockerConfig>,
     pub remote_tls_ca_file: Option<PathBuf>,
     pub remote_tls_domain_name: Option<String>,
+    pub remote_tls_client_identity: Option<(PathBuf, PathBuf)>,
     pub remote_allowed_hosts: crate::limits::AllowedHosts,
 }
 
@@ -634,6 +665,18 @@ impl ServeArgs {
             &mut f.recovery.executor_deadline,
             &self.recovery_executor_deadline,
         );
+        if self.tls_cert.is_some() {
+            f.tls.cert_file.clone_from(&self.tls_cert);
+        }
+        if self.tls_key.is_some() {
+            f.tls.key_file.clone_from(&self.tls_key);
+        }
+        if self.remote_tls_ca_file.is_some() {
+            f.executors
+                .remote
+                .tls_ca_file
+                .clone_from(&self.remote_tls_ca_file);
+        }
         if self.remote_allowed_hosts.is_some() {
             f.executors
                 .remote
@@ -646,6 +689,35 @@ impl ServeArgs {
             &mut f.limits.max_watch_streams_per_token,
             &self.max_watch_streams_per_token,
         );
+    }
+}
+
+/// A certificate and its key: both or neither, each a readable file.
+fn pem_pair(
+    p: &mut Problems,
+    (cert_key, cert): (&str, &Option<PathBuf>),
+    (key_key, key): (&str, &Option<PathBuf>),
+) -> Option<(PathBuf, PathBuf)> {
+    match (cert, key) {
+        (None, None) => None,
+        (Some(cert), Some(key)) => {
+            let mut ok = true;
+            for (k, path) in [(cert_key, cert), (key_key, key)] {
+                if !path.is_file() {
+                    p.add(k, format!("{} is not a readable file", path.display()));
+                    ok = false;
+                }
+            }
+            ok.then(|| (cert.clone(), key.clone()))
+        }
+        (Some(_), None) => {
+            p.add(key_key, format!("is required with {cert_key}"));
+            None
+        }
+        (None, Some(_)) => {
+            p.add(cert_key, format!("is required with {key_key}"));
+            None
+        }
     }
 }
 
@@ -1042,6 +1114,23 @@ impl FileConfig {
                 format!("{} is not a readable file", ca.display()),
             );
         }
+        let remote_tls_client_identity = pem_pair(
+            &mut p,
+            (
+                "executors.remote.tls_client_cert_file",
+                &e.remote.tls_client_cert_file,
+            ),
+            (
+                "executors.remote.tls_client_key_file",
+                &e.remote.tls_client_key_file,
+            ),
+        );
+        if remote_tls_client_identity.is_some() && e.remote.tls_ca_file.is_none() {
+            p.add(
+                "executors.remote.tls_client_cert_file",
+                "needs executors.remote.tls_ca_file (client certificates are sent over https only)",
+            );
+        }
         let allowed_hosts: Vec<String> = match &e.remote.allowed_hosts {
             Some(list) => list.clone(),
             None => crate::limits::DEFAULT_ALLOWED_HOSTS
@@ -1080,6 +1169,7 @@ impl FileConfig {
             docker,
             remote_tls_ca_file: e.remote.tls_ca_file.clone(),
             remote_tls_domain_name: e.remote.tls_domain_name.clone(),
+            remote_tls_client_identity,
             remote_allowed_hosts,
         };
 
@@ -1144,6 +1234,12 @@ impl FileConfig {
             max_watch_streams_per_token: l.max_watch_streams_per_token as usize,
         };
 
+        let tls = pem_pair(
+            &mut p,
+            ("tls.cert_file", &self.tls.cert_file),
+            ("tls.key_file", &self.tls.key_file),
+        );
+
         let agents = agent_profiles(&self.agents, &data_dir, &mut p);
         if !agents.iter().any(|a| a.name == self.default_agent) {
             p.add(
@@ -1180,6 +1276,7 @@ impl FileConfig {
             executors,
             recovery,
             limits,
+            tls,
             agents,
             default_agent: self.default_agent,
             warnings: Vec::new(),

@@ -162,7 +162,23 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         AuthConfig::Tokens(t) => Some(t.clone()),
         AuthConfig::Disabled => None,
     };
-    let router = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some((cert, key)) = &config.tls {
+        // ALPN offers h2, so browsers speak HTTP/2 (no 6-connection limit of
+        // HTTP/1.1); a client sending no ALPN may still speak HTTP/1.1.
+        let read = |key_name: &str, path: &std::path::Path| {
+            std::fs::read(path)
+                .with_context(|| format!("{key_name}: cannot read {}", path.display()))
+        };
+        let identity = tonic::transport::Identity::from_pem(
+            read("tls.cert_file", cert)?,
+            read("tls.key_file", key)?,
+        );
+        builder = builder
+            .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+            .context("tls.cert_file / tls.key_file")?;
+    }
+    let router = builder
         .accept_http1(true)
         .layer(crate::console::ConsoleLayer)
         .layer(cors_layer(&config.cors))
@@ -380,6 +396,11 @@ fn client_config(config: &Config) -> anyhow::Result<ClientConfig> {
             let mut tls = TlsConfig::from_ca_file(path)
                 .with_context(|| format!("executors.remote.tls_ca_file: {}", path.display()))?;
             tls.domain_name.clone_from(&e.remote_tls_domain_name);
+            if let Some((cert, key)) = &e.remote_tls_client_identity {
+                tls = tls
+                    .with_client_identity_files(cert, key)
+                    .context("executors.remote.tls_client_cert_file / tls_client_key_file")?;
+            }
             Some(tls)
         }
         None => None,

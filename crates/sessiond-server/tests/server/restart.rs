@@ -11,7 +11,7 @@ use tonic_health::pb::{
 
 use crate::support::*;
 
-async fn wait_serving(server: &Server) {
+pub(crate) async fn wait_serving(server: &Server) {
     let mut health = HealthClient::new(channel(&server.addr).await);
     let mut watch = health
         .watch(HealthCheckRequest {

@@ -388,6 +388,21 @@ fn process_with(needle: &str) -> bool {
     })
 }
 
+/// Whether no process's command line contains `needle` within 5 s: a
+/// SIGKILLed process leaves the process table asynchronously (on a loaded
+/// machine, after the call has returned). A survivor — these sleep 30 s
+/// and more — is still there.
+async fn gone(needle: &str) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while process_with(needle) {
+        if std::time::Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    true
+}
+
 #[tokio::test]
 async fn exec_is_bounded_by_its_timeout_even_when_children_escape() {
     let dir = tempfile::tempdir().unwrap();
@@ -417,10 +432,10 @@ async fn exec_is_bounded_by_its_timeout_even_when_children_escape() {
     assert!(partial.timed_out);
     assert_eq!(partial.stdout, b"started\n");
     assert!(
-        !process_with(&format!("sleep {marker}")),
+        gone(&format!("sleep {marker}")).await,
         "the escaped child survived"
     );
-    assert!(!process_with("sleep 600"), "the command survived");
+    assert!(gone("sleep 600").await, "the command survived");
 
     // The leader exits at once; its escapee holds stdout past the deadline.
     let err = w
@@ -443,7 +458,7 @@ async fn exec_is_bounded_by_its_timeout_even_when_children_escape() {
         .unwrap_err();
     assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
     assert!(
-        !process_with(&format!("sleep {marker}2")),
+        gone(&format!("sleep {marker}2")).await,
         "the escaped child survived"
     );
 
@@ -1050,4 +1065,351 @@ async fn a_symlinked_directory_leading_outside_is_refused_for_read_and_write() {
         !outside.join("deeper").exists(),
         "a directory was made outside"
     );
+}
+
+/// Certificates made for one test with the `openssl` CLI: a CA, agentctl's
+/// server certificate (127.0.0.1, localhost) and sessiond's client
+/// certificate signed by it, and an unrelated CA.
+struct Pki {
+    dir: std::path::PathBuf,
+}
+
+impl Pki {
+    fn path(&self, name: &str) -> String {
+        self.dir.join(name).display().to_string()
+    }
+
+    fn new(dir: &std::path::Path) -> Pki {
+        let dir = dir.join("pki");
+        std::fs::create_dir_all(&dir).unwrap();
+        let run = |args: &[&str]| {
+            let out = std::process::Command::new("openssl")
+                .args(args)
+                .current_dir(&dir)
+                .output()
+                .expect("the openssl CLI (apt-get install openssl)");
+            assert!(
+                out.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        let key = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+        ];
+        for ca in ["ca", "other-ca"] {
+            let mut args = vec!["req", "-x509"];
+            args.extend(key);
+            let (k, c, subj) = (
+                format!("{ca}.key"),
+                format!("{ca}.pem"),
+                format!("/CN={ca}"),
+            );
+            args.extend(["-keyout", &k, "-out", &c, "-days", "2", "-subj", &subj]);
+            run(&args);
+        }
+        for (name, usage) in [("server", "serverAuth"), ("client", "clientAuth")] {
+            std::fs::write(
+                dir.join(format!("{name}.ext")),
+                format!(
+                    "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n\
+                     keyUsage=critical,digitalSignature\nextendedKeyUsage={usage}\n"
+                ),
+            )
+            .unwrap();
+            let mut args = vec!["req"];
+            args.extend(key);
+            let (k, csr, subj) = (
+                format!("{name}.key"),
+                format!("{name}.csr"),
+                format!("/CN={name}"),
+            );
+            args.extend(["-keyout", &k, "-out", &csr, "-subj", &subj]);
+            run(&args);
+            let (pem, ext) = (format!("{name}.pem"), format!("{name}.ext"));
+            run(&[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                &pem,
+                "-days",
+                "2",
+                "-extfile",
+                &ext,
+            ]);
+        }
+        Pki { dir }
+    }
+}
+
+/// A remote agentctl serving TLS on loopback (requiring a client
+/// certificate from `ca.pem`), as a remote host's operator would run it.
+struct RemoteAgentctl {
+    child: std::process::Child,
+    url: String,
+    executor_id: String,
+    secret: String,
+    workspace: std::path::PathBuf,
+}
+
+impl Drop for RemoteAgentctl {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn remote_agentctl_tls(dir: &std::path::Path, pki: &Pki) -> RemoteAgentctl {
+    use std::io::BufRead;
+    let workspace = dir.join("remote-work");
+    std::fs::create_dir_all(&workspace).unwrap();
+    let executor_id = "0190b6a4-8f43-7c5e-9a7b-3f1d2c4b5a70".to_owned();
+    let secret = "remote-tls-secret-0123456789".to_owned();
+    let mut child = std::process::Command::new(bin("agentctl"))
+        .args(["--executor-id", &executor_id, "--listen", "127.0.0.1:0"])
+        .arg("--workspace")
+        .arg(&workspace)
+        .args(["--idle-timeout", "0"])
+        .arg("--journal")
+        .arg(dir.join("remote.journal"))
+        .args(["--tls-cert", &pki.path("server.pem")])
+        .args(["--tls-key", &pki.path("server.key")])
+        .args(["--tls-client-ca", &pki.path("ca.pem")])
+        .env("AGENTCTL_SECRET", &secret)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("agentctl listening on ")
+        .unwrap_or_else(|| panic!("{line:?}"))
+        .to_owned();
+    RemoteAgentctl {
+        child,
+        url: format!("https://{addr}"),
+        executor_id,
+        secret,
+        workspace,
+    }
+}
+
+fn tls_remote_request(task: &str, remote: &RemoteAgentctl) -> pb::CreateSessionRequest {
+    pb::CreateSessionRequest {
+        task_id: task.into(),
+        runtime: pb::Runtime::Remote as i32,
+        worktree: Some(pb::Worktree {
+            id: String::new(),
+            path: remote.workspace.display().to_string(),
+            branch: String::new(),
+        }),
+        remote_url: remote.url.clone(),
+        remote_secret: remote.secret.clone(),
+        remote_executor_id: remote.executor_id.clone(),
+        ..Default::default()
+    }
+}
+
+/// sessiond's configuration for TLS to remote agentctls.
+fn tls_config_file(dir: &std::path::Path, pki: &Pki, ca: &str, client_cert: bool) -> String {
+    let path = dir.join(format!("tls-{ca}-{client_cert}.toml"));
+    let mut text = format!(
+        "[executors.remote]\ntls_ca_file = \"{}\"\n",
+        pki.path(&format!("{ca}.pem"))
+    );
+    if client_cert {
+        text.push_str(&format!(
+            "tls_client_cert_file = \"{}\"\ntls_client_key_file = \"{}\"\n",
+            pki.path("client.pem"),
+            pki.path("client.key")
+        ));
+    }
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+#[tokio::test]
+async fn remote_session_over_tls_survives_kill_9_and_recovers_over_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let remote = remote_agentctl_tls(dir.path(), &pki);
+    let config = tls_config_file(dir.path(), &pki, "ca", true);
+    let data = dir.path().join("data");
+    let mut server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "tls").await;
+    let s = c
+        .create_session(tls_remote_request(&task.id, &remote))
+        .await
+        .unwrap()
+        .into_inner()
+        .session
+        .unwrap();
+    assert_eq!(
+        s.state,
+        pb::SessionState::WaitingForInput as i32,
+        "{:?}",
+        s.error_message
+    );
+    let first = prompt(&mut c, &task.id, &s.id, "over tls").await;
+    assert!(first.contains("turn 1"), "{first}");
+
+    server.kill();
+    let server = start(&data, &["--config", &config]);
+    crate::restart::wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+    let status = c
+        .get_session_status(pb::GetSessionStatusRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        status.executor_status,
+        pb::ExecutorStatus::Ready as i32,
+        "{status:?}"
+    );
+    assert!(status.is_agent_running, "{status:?}");
+    // The same conversation, reached again over TLS.
+    let second = prompt(&mut c, &task.id, &s.id, "again").await;
+    assert!(second.contains("turn 2"), "{second}");
+    // And the workspace calls go through it too.
+    let mut w = workspaces(&server).await;
+    let out = w
+        .exec(pb::ExecRequest {
+            session: session_ref(&task.id, &s.id),
+            command: "pwd".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        std::fs::canonicalize(&remote.workspace)
+            .unwrap()
+            .display()
+            .to_string()
+    );
+}
+
+#[tokio::test]
+async fn remote_tls_with_a_wrong_ca_or_no_client_certificate_is_refused_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let remote = remote_agentctl_tls(dir.path(), &pki);
+    for (ca, client_cert, expect) in [
+        ("other-ca", true, "UnknownIssuer"),
+        ("ca", false, "client certificate"),
+    ] {
+        let config = tls_config_file(dir.path(), &pki, ca, client_cert);
+        let server = start(
+            &dir.path().join(format!("data-{ca}-{client_cert}")),
+            &["--config", &config],
+        );
+        let mut c = sessions(&server).await;
+        let task = create_task(&mut c, "bad tls").await;
+        let started = std::time::Instant::now();
+        let s = c
+            .create_session(tls_remote_request(&task.id, &remote))
+            .await
+            .unwrap()
+            .into_inner()
+            .session
+            .unwrap();
+        let message = s.error_message.clone();
+        assert_eq!(s.state, pb::SessionState::Error as i32, "{ca}: {s:?}");
+        assert!(
+            message.contains("TLS with agentctl") && message.contains(expect),
+            "{ca} {client_cert}: {message}"
+        );
+        // Refused at once, not retried until the launch deadline.
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(30),
+            "{ca}: took {:?}",
+            started.elapsed()
+        );
+    }
+}
+
+#[tokio::test]
+async fn the_public_port_serves_grpc_over_tls_and_offers_http2() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let server = start(
+        &dir.path().join("data"),
+        &[
+            "--tls-cert",
+            &pki.path("server.pem"),
+            "--tls-key",
+            &pki.path("server.key"),
+        ],
+    );
+    let port = server.addr.rsplit_once(':').unwrap().1.to_owned();
+    let ca = std::fs::read(pki.path("ca.pem")).unwrap();
+    let channel = tonic::transport::Channel::from_shared(format!("https://localhost:{port}"))
+        .unwrap()
+        .tls_config(
+            tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(&ca)),
+        )
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let token: tonic::metadata::MetadataValue<_> = format!("Bearer {TOKEN}").parse().unwrap();
+    let mut c = sessiond_proto::sessiond::v1::session_service_client::SessionServiceClient::with_interceptor(
+        channel,
+        move |mut r: tonic::Request<()>| {
+            r.metadata_mut().insert("authorization", token.clone());
+            Ok(r)
+        },
+    );
+    let task = c
+        .create_task(pb::CreateTaskRequest {
+            title: "over tls".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .task
+        .unwrap();
+    assert_eq!(task.title, "over tls");
+    // Plain text is not served on a TLS port.
+    let plain = tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect()
+        .await;
+    if let Ok(ch) = plain {
+        let r = sessiond_proto::sessiond::v1::session_service_client::SessionServiceClient::new(ch)
+            .list_tasks(pb::ListTasksRequest::default())
+            .await;
+        assert!(r.is_err(), "plain text answered: {r:?}");
+    }
+    // A browser offering h2 and http/1.1 gets h2 (no 6-connection limit).
+    let out = std::process::Command::new("openssl")
+        .args(["s_client", "-connect", &format!("127.0.0.1:{port}")])
+        .args(["-alpn", "h2,http/1.1", "-CAfile", &pki.path("ca.pem")])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("ALPN protocol: h2"), "{text}");
+    assert!(text.contains("Verify return code: 0 (ok)"), "{text}");
 }
