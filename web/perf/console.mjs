@@ -2,39 +2,25 @@
 // hand: `node web/perf/console.mjs` after `cargo build --bins`; figures go to
 // docs/PERFORMANCE.md). Not a test: nothing here is asserted.
 //   - a task view with 200 sessions: time from navigation to every row shown
-//     with its state and executor badges (ListSessions + one WatchTask replay);
+//     with its state and executor badges (ListSessions + one WatchTask replay
+//     of the sessions' 1,000 events);
 //   - a session with 2,000 messages: time to render them all, then a scroll
 //     from top to bottom, frame by frame (frame times, long tasks).
+// The store is seeded directly (`sessiond-bench console-seed`: ended
+// sessions with the events real ones leave, and the messages), so the
+// figures are the console's and sessiond's serving, not agents' turns.
 import { execFileSync } from "node:child_process";
 import { Sessiond, bin, browser, scratch } from "../e2e/harness.mjs";
 
 const SESSIONS = Number(process.env.PERF_SESSIONS ?? 200);
-const TURNS = Number(process.env.PERF_TURNS ?? 1000); // two messages a turn
+const MESSAGES = Number(process.env.PERF_MESSAGES ?? 2000);
 
-const { work, data } = scratch("perf");
+const { data } = scratch("perf");
+const seeded = JSON.parse(execFileSync(bin("sessiond-bench"), ["console-seed", data, String(SESSIONS), String(MESSAGES)], { encoding: "utf8" }));
+const { many, chat, session } = seeded;
 const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();
-const sc = (sub, ...args) =>
-  execFileSync(bin("sessionctl"), [...sub, ...args], {
-    encoding: "utf8",
-    env: { ...process.env, SESSIOND_ADDR: `http://${server.addr}` },
-  }).trim();
 
 try {
-  const many = sc(["task", "create"], `${SESSIONS} sessions`, "-q");
-  let t = Date.now();
-  for (let i = 0; i < SESSIONS; i++) {
-    const s = sc(["session", "create"], "--task", many, "--worktree", work, "-q");
-    // Stopped right away: one agent at a time on this machine.
-    if (i < SESSIONS - 1) sc(["session", "stop"], "--task", many, s);
-  }
-  console.error(`created ${SESSIONS} sessions in ${((Date.now() - t) / 1000).toFixed(1)} s`);
-
-  const chat = sc(["task", "create"], "2000 messages", "-q");
-  const session = sc(["session", "create"], "--task", chat, "--worktree", work, "-q");
-  t = Date.now();
-  for (let i = 0; i < TURNS; i++) sc(["send"], "--task", chat, session, `message ${i + 1}: ${"lorem ipsum ".repeat(8)}`);
-  console.error(`sent ${TURNS} turns in ${((Date.now() - t) / 1000).toFixed(1)} s`);
-
   const b = await browser("perf");
   const { page } = b;
   const results = {};
@@ -56,41 +42,84 @@ try {
     await page.goto("about:blank");
     const start = Date.now();
     await page.goto(`${server.url}#/tasks/${chat}/sessions/${session}`);
-    await page.waitForFunction((n) => document.querySelectorAll("[data-testid=messages] .msg").length === n, TURNS * 2, {
+    await page.waitForFunction((n) => document.querySelectorAll("[data-testid=messages] .msg").length === n, MESSAGES, {
       timeout: 120_000,
       polling: "raf",
     });
     (results.sessionRender ??= []).push(Date.now() - start);
   }
-  // Scroll top to bottom in 60 steps, one per frame; record every frame.
-  const scroll = await page.evaluate(async () => {
-    const el = document.querySelector("[data-testid=messages]");
-    el.scrollTop = 0;
-    await new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)));
-    const longTasks = [];
-    const obs = new PerformanceObserver((l) => longTasks.push(...l.getEntries().map((e) => e.duration)));
-    obs.observe({ entryTypes: ["longtask"] });
-    const frames = [];
-    let last = performance.now();
-    const steps = 120;
-    for (let i = 1; i <= steps; i++) {
-      el.scrollTop = (el.scrollHeight - el.clientHeight) * (i / steps);
-      await new Promise((r) => requestAnimationFrame(r));
-      const now = performance.now();
-      frames.push(now - last);
-      last = now;
-    }
-    obs.disconnect();
-    frames.sort((a, b) => a - b);
-    return {
-      frames: frames.length,
-      medianMs: frames[Math.floor(frames.length / 2)],
-      p95Ms: frames[Math.floor(frames.length * 0.95)],
-      maxMs: frames[frames.length - 1],
-      over50ms: frames.filter((f) => f > 50).length,
-      longTasks: longTasks.length,
-    };
-  });
+  // Scroll top to bottom in 120 steps, one per frame; record every frame.
+  const scrollFrames = (selector) =>
+    page.evaluate(async (sel) => {
+      const el = document.querySelector(sel);
+      el.scrollTop = 0;
+      await new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)));
+      const longTasks = [];
+      const obs = new PerformanceObserver((l) => longTasks.push(...l.getEntries().map((e) => e.duration)));
+      obs.observe({ entryTypes: ["longtask"] });
+      let mutations = 0;
+      const mo = new MutationObserver((l) => (mutations += l.length));
+      mo.observe(document.body, { subtree: true, childList: true, attributes: true, characterData: true });
+      const frames = [];
+      let last = performance.now();
+      const steps = 120;
+      for (let i = 1; i <= steps; i++) {
+        el.scrollTop = (el.scrollHeight - el.clientHeight) * (i / steps);
+        await new Promise((r) => requestAnimationFrame(r));
+        const now = performance.now();
+        frames.push(now - last);
+        last = now;
+      }
+      obs.disconnect();
+      mo.disconnect();
+      frames.sort((a, b) => a - b);
+      return {
+        mutations,
+        frames: frames.length,
+        medianMs: frames[Math.floor(frames.length / 2)],
+        p95Ms: frames[Math.floor(frames.length * 0.95)],
+        maxMs: frames[frames.length - 1],
+        over50ms: frames.filter((f) => f > 50).length,
+        longTasks: longTasks.length,
+      };
+    }, selector);
+  // PERF_PROFILE=1: the top functions by self time during the scroll.
+  let cdp;
+  if (process.env.PERF_PROFILE) {
+    cdp = await page.context().newCDPSession(page);
+    await cdp.send("Profiler.enable");
+    await cdp.send("Profiler.setSamplingInterval", { interval: 200 });
+    await cdp.send("Profiler.start");
+  }
+  const scroll = await scrollFrames("[data-testid=messages]");
+  if (cdp) {
+    const { profile } = await cdp.send("Profiler.stop");
+    const self = new Map();
+    const dt = profile.timeDeltas;
+    const byId = new Map(profile.nodes.map((n) => [n.id, n]));
+    profile.samples.forEach((id, i) => {
+      const n = byId.get(id);
+      const key = `${n.callFrame.functionName || "(anon)"} ${n.callFrame.url.split("/").pop()}:${n.callFrame.lineNumber}`;
+      self.set(key, (self.get(key) ?? 0) + (dt[i] ?? 0) / 1000);
+    });
+    console.error([...self].sort((a, b) => b[1] - a[1]).slice(0, 15).map(([k, v]) => `${v.toFixed(0)} ms ${k}`).join("\n"));
+  }
+  // The baseline, in the same browser and the same run: the same 2,000
+  // texts as a static list (no app, no framework), rendered and scrolled
+  // the same way. The machine is shared: read the console's figures as
+  // ratios to these.
+  const texts = await page.$$eval("[data-testid=messages] .msg .text", (ts) => ts.map((t) => t.textContent));
+  const html =
+    `<style>#list{height:600px;overflow:auto;font:14px sans-serif}.msg{padding:8px;white-space:pre-wrap}</style>` +
+    `<div id="list">${texts.map((t) => `<div class="msg">${t.replace(/[&<>]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;" })[c])}</div>`).join("")}</div>`;
+  for (let run = 0; run < 3; run++) {
+    await page.goto("about:blank");
+    const start = Date.now();
+    await page.setContent(html);
+    await page.waitForFunction((n) => document.querySelectorAll("#list .msg").length === n, MESSAGES, { polling: "raf" });
+    (results.baselineRender ??= []).push(Date.now() - start);
+  }
+  results.baselineScroll = await scrollFrames("#list");
   results.scroll = scroll;
   console.log(JSON.stringify(results, null, 2));
   await b.close();

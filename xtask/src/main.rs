@@ -352,8 +352,13 @@ impl Counts {
                 line.strip_prefix("test ")
                     .and_then(|rest| rest.strip_suffix(" ... FAILED"))
             });
+        // nextest replays a failed test's output, libtest's own `FAILED`
+        // line included: the short name of an entry already there.
         if let Some(name) = failed
-            && !self.failed_tests.iter().any(|n| n == name)
+            && !self
+                .failed_tests
+                .iter()
+                .any(|n| n == name || n.ends_with(&format!(" {name}")))
         {
             self.failed_tests.push(name.to_owned());
         }
@@ -683,6 +688,7 @@ mod tests {
             "        PASS [   0.822s] (2/6) sessiond-recovery::recovery turn_crash::b",
             "     TIMEOUT [  60.001s] sessiond-server::server security::c",
             "        FAIL [   1.716s] sessiond-recovery::recovery turn_crash::a",
+            "test turn_crash::a ... FAILED",
             "test crash::d ... FAILED",
             "test crash::e ... ok",
         ] {

@@ -20,9 +20,11 @@
 //! Prints a table and writes it into `docs/PERFORMANCE.md` between the
 //! `<!-- bench:begin -->` / `<!-- bench:end -->` markers.
 //!
-//! Subcommands `fleet` and `echo` are the child processes it starts itself.
+//! Subcommands `fleet` and `echo` are the child processes it starts itself;
+//! `console-seed` seeds the store behind `web/perf/console.mjs`.
 
 mod availability;
+mod console;
 mod events;
 mod fleet;
 mod load;
@@ -56,6 +58,7 @@ fn main() -> anyhow::Result<()> {
             rt.block_on(fleet::serve(ports))
         }
         Some("echo") => rt.block_on(fleet::serve_echo()),
+        Some("console-seed") => rt.block_on(console::seed(&args[1..])),
         _ => {
             let _ = tracing_subscriber::fmt()
                 .with_env_filter(

@@ -151,6 +151,16 @@ fn assert_conversation_whole(turns: &[(String, String)], msgs: &[sessiond_domain
     }
 }
 
+/// Waits until the dead agentctl's agents are gone too (their parent-death
+/// signal lands a moment after agentctl dies): a gate opened before would
+/// let the old agent finish a turn its agentctl never reported.
+async fn wait_agents_gone(agents: &[u32]) {
+    wait_until("the old agentctl's agents to die with it", || {
+        agents.iter().all(|p| !is_running(*p))
+    })
+    .await;
+}
+
 /// Waits until agentctl has streamed the first reply chunk of turn `turn`.
 async fn wait_first_chunk(client: &sessiond_executor::AgentctlClient, turn: &str) {
     let mut stream = client.stream_updates(0, "").await.unwrap();
@@ -380,6 +390,7 @@ async fn remote_restart_at(point: Point) {
         crate::support::kill9(old_agentctl);
         let _ = host.child.wait();
     }
+    wait_agents_gone(&old_agents).await;
     let _ = std::fs::remove_file(&files.gate);
     let _ = std::fs::remove_file(&files.mid_gate);
     let host = RemoteHost::start_with(
@@ -508,11 +519,15 @@ async fn local_restart_at(rt: Local, point: Point) {
     // agent's grandchild (local), or the container's processes.
     // (A container's agentctl has no host pid on record.)
     let old_agentctl = before.pid.unwrap_or(0);
+    let old_agents = match rt {
+        Local::Standalone => crate::support::children_of(old_agentctl),
+        Local::Docker => Vec::new(),
+    };
     let old_tree = match rt {
         Local::Standalone => {
             let grandchild = files.grandchild_pid().unwrap();
             assert!(is_running(grandchild));
-            let mut tree = crate::support::children_of(old_agentctl);
+            let mut tree = old_agents.clone();
             tree.extend([old_agentctl, grandchild]);
             tree
         }
@@ -561,6 +576,7 @@ async fn local_restart_at(rt: Local, point: Point) {
     if point.crash_hook().is_some() {
         assert!(wt_path.join("crashed").exists(), "the hook fired, once");
     }
+    wait_agents_gone(&old_agents).await;
     let _ = std::fs::remove_file(&files.gate);
     let _ = std::fs::remove_file(&files.mid_gate);
 

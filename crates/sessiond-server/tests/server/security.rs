@@ -417,7 +417,9 @@ async fn exec_is_bounded_by_its_timeout_even_when_children_escape() {
             command: "sh".into(),
             args: vec![
                 "-c".into(),
-                format!("setsid sleep {marker} & echo started; sleep 600"),
+                // Both durations are unique on the machine: other tests'
+                // agents run `sleep 600` of their own.
+                format!("setsid sleep {marker} & echo started; sleep {marker}1"),
             ],
             timeout_ms: 2000,
             ..Default::default()
@@ -435,7 +437,10 @@ async fn exec_is_bounded_by_its_timeout_even_when_children_escape() {
         gone(&format!("sleep {marker}")).await,
         "the escaped child survived"
     );
-    assert!(gone("sleep 600").await, "the command survived");
+    assert!(
+        gone(&format!("sleep {marker}1")).await,
+        "the command survived"
+    );
 
     // The leader exits at once; its escapee holds stdout past the deadline.
     let err = w
