@@ -74,8 +74,11 @@ pub async fn seed(args: &[String]) -> anyhow::Result<()> {
             r?;
         }
     }
-    // Ids are UUIDs: no JSON escaping needed.
-    println!(r#"{{"many":"{many}","chat":"{chat}","session":"{session}"}}"#);
+    // Ids are UUIDs: no JSON escaping needed. Stdout is this subcommand's output.
+    #[allow(clippy::print_stdout)]
+    {
+        println!(r#"{{"many":"{many}","chat":"{chat}","session":"{session}"}}"#);
+    }
     Ok(())
 }
 
