@@ -511,6 +511,28 @@ function Spinner(props: { label: string }) {
 
 // ----------------------------------------------------------------- session
 
+// An activity part (tool call, plan, ...) as one readable line; the text
+// of a reply or a thought as is.
+function partText(m: Message): string {
+  const p = m.part;
+  switch (p.case) {
+    case "toolCall": {
+      const diffs = p.value.content.flatMap((c) => (c.content.case === "diff" ? [c.content.value.path] : []));
+      return `tool ${p.value.toolKind}: ${p.value.title} (${p.value.status})${diffs.length ? ` diff ${diffs.join(", ")}` : ""}`;
+    }
+    case "plan":
+      return "plan:\n" + p.value.entries.map((e) => `[${e.status}] ${e.content}`).join("\n");
+    case "availableCommands":
+      return "commands: " + p.value.commands.map((c) => "/" + c.name).join(" ");
+    case "currentMode":
+      return "mode: " + p.value.modeId;
+    case "other":
+      return p.value.updateKind;
+    default:
+      return m.content;
+  }
+}
+
 class MessageView extends Component<{ message: Message }> {
   shouldComponentUpdate(next: { message: Message }) {
     return next.message !== this.props.message;
@@ -520,7 +542,7 @@ class MessageView extends Component<{ message: Message }> {
     return (
       <li class={`msg role-${m.role}${m.complete ? "" : " streaming"}`} data-seq={String(m.seq)}>
         <span class="who">{roleLabel[m.role]}</span>
-        <div class="text">{m.content}</div>
+        <div class={m.part.case ? "text part" : "text"}>{partText(m)}</div>
       </li>
     );
   }

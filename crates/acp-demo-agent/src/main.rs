@@ -10,8 +10,11 @@
 //! delay between chunks so a turn can be cancelled.
 //!
 //! Prompts starting with a slash exercise client features:
-//! `/tool` reports a tool call, `/permission` asks for permission,
-//! `/read PATH` and `/write PATH TEXT` use the client's file system.
+//! `/tool` reports a tool call, `/activity` one update of every kind a
+//! client shows (thought, plan, tool call and update with a diff, commands,
+//! mode, an untyped kind), `/permission` asks for permission, `/edit PATH
+//! TEXT` asks permission before a tool call that writes PATH, `/read PATH`
+//! and `/write PATH TEXT` use the client's file system.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -468,6 +471,15 @@ async fn slash_command(
             ))?;
             "tool: done".to_owned()
         }
+        "/activity" => {
+            activity(cx, session)?;
+            "activity: sent".to_owned()
+        }
+        "/edit" => {
+            let path = words.next().unwrap_or_default();
+            let content = words.next().unwrap_or_default();
+            edit_with_permission(cx, session, path, content).await?
+        }
         "/permission" => {
             let options = vec![
                 PermissionOption::new("allow", "Allow", PermissionOptionKind::AllowOnce),
@@ -515,6 +527,136 @@ async fn slash_command(
         _ => return Ok(None),
     };
     Ok(Some(out))
+}
+
+/// `/activity`: one update of every kind a client shows besides the reply:
+/// a thought (two chunks), a plan, a tool call with locations and its update
+/// (text content, a diff, status), the available commands, a mode change and
+/// a kind the client does not type (`session_info_update`).
+fn activity(
+    cx: &ConnectionTo<Client>,
+    session: &agent_client_protocol::v1::schema::SessionId,
+) -> Result<(), Error> {
+    use agent_client_protocol::v1::schema::{
+        AvailableCommand, AvailableCommandsUpdate, Content, CurrentModeUpdate, Diff, Plan,
+        PlanEntry, PlanEntryPriority, PlanEntryStatus, SessionInfoUpdate, ToolCallContent,
+        ToolCallLocation, ToolKind,
+    };
+    let send =
+        |u: SessionUpdate| cx.send_notification(SessionNotification::new(session.clone(), u));
+    send(SessionUpdate::AgentThoughtChunk(text_chunk("thinking ")))?;
+    send(SessionUpdate::AgentThoughtChunk(text_chunk("about it")))?;
+    send(SessionUpdate::Plan(Plan::new(vec![
+        PlanEntry::new(
+            "read the file",
+            PlanEntryPriority::High,
+            PlanEntryStatus::Completed,
+        ),
+        PlanEntry::new(
+            "edit the file",
+            PlanEntryPriority::Medium,
+            PlanEntryStatus::InProgress,
+        ),
+    ])))?;
+    send(SessionUpdate::ToolCall(
+        ToolCall::new("demo-edit-1", "edit notes.txt")
+            .kind(ToolKind::Edit)
+            .status(ToolCallStatus::InProgress)
+            .locations(vec![ToolCallLocation::new("notes.txt").line(3)]),
+    ))?;
+    send(SessionUpdate::ToolCallUpdate(ToolCallUpdate::new(
+        "demo-edit-1",
+        ToolCallUpdateFields::new()
+            .status(ToolCallStatus::Completed)
+            .content(vec![
+                ToolCallContent::Content(Content::new(ContentBlock::Text(TextContent::new(
+                    "edited 1 line",
+                )))),
+                ToolCallContent::Diff(Diff::new("notes.txt", "new line").old_text("old line")),
+            ]),
+    )))?;
+    send(SessionUpdate::AvailableCommandsUpdate(
+        AvailableCommandsUpdate::new(vec![
+            AvailableCommand::new("tool", "report a tool call"),
+            AvailableCommand::new("activity", "report every kind of activity"),
+        ]),
+    ))?;
+    send(SessionUpdate::CurrentModeUpdate(CurrentModeUpdate::new(
+        "plan",
+    )))?;
+    send(SessionUpdate::SessionInfoUpdate(
+        SessionInfoUpdate::new().title("demo session".to_owned()),
+    ))?;
+    Ok(())
+}
+
+/// `/edit PATH TEXT`: a tool call that asks permission first (as coding
+/// agents do before changing files); writes PATH through the client only
+/// when an allow option was chosen.
+async fn edit_with_permission(
+    cx: &ConnectionTo<Client>,
+    session: &agent_client_protocol::v1::schema::SessionId,
+    path: &str,
+    content: &str,
+) -> Result<String, Error> {
+    use agent_client_protocol::v1::schema::{Diff, ToolCallContent, ToolKind};
+    let id = "demo-edit-permission";
+    let diff = vec![ToolCallContent::Diff(Diff::new(path, content))];
+    cx.send_notification(SessionNotification::new(
+        session.clone(),
+        SessionUpdate::ToolCall(
+            ToolCall::new(id, format!("write {path}"))
+                .kind(ToolKind::Edit)
+                .status(ToolCallStatus::Pending)
+                .content(diff.clone()),
+        ),
+    ))?;
+    let options = vec![
+        PermissionOption::new("allow", "Allow", PermissionOptionKind::AllowOnce),
+        PermissionOption::new("reject", "Reject", PermissionOptionKind::RejectOnce),
+    ];
+    let answer = cx
+        .send_request(RequestPermissionRequest::new(
+            session.clone(),
+            ToolCallUpdate::new(
+                id,
+                ToolCallUpdateFields::new()
+                    .title(format!("write {path}"))
+                    .content(diff),
+            ),
+            options,
+        ))
+        .block_task()
+        .await?;
+    let allowed = matches!(&answer.outcome,
+        RequestPermissionOutcome::Selected(s) if s.option_id.0.as_ref() == "allow");
+    let (status, out) = if allowed {
+        match cx
+            .send_request(WriteTextFileRequest::new(session.clone(), path, content))
+            .block_task()
+            .await
+        {
+            Ok(_) => (ToolCallStatus::Completed, "edit: written".to_owned()),
+            Err(e) => (
+                ToolCallStatus::Failed,
+                format!("edit failed: {}", e.message),
+            ),
+        }
+    } else {
+        let why = match answer.outcome {
+            RequestPermissionOutcome::Selected(s) => s.option_id.0.to_string(),
+            _ => "cancelled".to_owned(),
+        };
+        (ToolCallStatus::Failed, format!("edit: not allowed ({why})"))
+    };
+    cx.send_notification(SessionNotification::new(
+        session.clone(),
+        SessionUpdate::ToolCallUpdate(ToolCallUpdate::new(
+            id,
+            ToolCallUpdateFields::new().status(status),
+        )),
+    ))?;
+    Ok(out)
 }
 
 fn valid_id(id: &str) -> bool {

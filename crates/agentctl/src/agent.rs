@@ -24,17 +24,17 @@ use agent_client_protocol::v1::schema::{
     NewSessionRequest, PermissionOptionKind, PromptRequest, ReadTextFileRequest,
     ReadTextFileResponse, RequestPermissionOutcome, RequestPermissionRequest,
     RequestPermissionResponse, SelectedPermissionOutcome, SessionId, SessionNotification,
-    SessionUpdate, StopReason, TextContent, ToolCallStatus, WriteTextFileRequest,
-    WriteTextFileResponse,
+    SessionUpdate, StopReason, TextContent, WriteTextFileRequest, WriteTextFileResponse,
 };
 use agent_client_protocol::{Agent, Client, ErrorCode, Lines};
 use sessiond_proto::agentctl::v1::{
-    AgentExit, AgentExited, AgentState, AgentStateChanged, MessageChunk, ToolCall, TurnEnded,
+    AgentExit, AgentExited, AgentState, AgentStateChanged, MessageChunk, TurnEnded,
     agent_update::Kind,
 };
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::{oneshot, watch};
 
+use crate::activity::{self, Parts};
 use crate::error::{Error, Result};
 use crate::exec::explicit_env;
 use crate::journal::{AgentRecord, Journal, Loaded, Phase, TurnRecord};
@@ -203,6 +203,8 @@ struct Slot {
     turns: VecDeque<TurnRecord>,
     /// Marker of the running agent's process tree (see [`tree`]).
     marker: String,
+    /// The activity parts of the turn in progress.
+    parts: Parts,
 }
 
 #[derive(Debug)]
@@ -367,13 +369,6 @@ fn stop_reason_name(r: StopReason) -> String {
         .unwrap_or_else(|| format!("{r:?}"))
 }
 
-fn tool_status_name(s: ToolCallStatus) -> String {
-    serde_json::to_value(s)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_owned))
-        .unwrap_or_else(|| format!("{s:?}"))
-}
-
 fn acp_error(what: &str, e: &agent_client_protocol::Error) -> Error {
     if agent_client_protocol::is_connection_terminated(e)
         || agent_client_protocol::is_incoming_transport_closed(e)
@@ -446,6 +441,7 @@ impl AgentManager {
                     replayed: 0,
                     turns: loaded.turns,
                     marker: String::new(),
+                    parts: Parts::default(),
                 }),
                 ops: tokio::sync::Mutex::new(()),
                 journal_fresh: journal.is_durable() && loaded.fresh,
@@ -843,6 +839,7 @@ impl AgentManager {
             self.shared
                 .journal
                 .accepted(&turn_id, &message_id, &instance)?;
+            slot.parts = Parts::default();
             slot.turn = Some(Turn {
                 turn_id: turn_id.clone(),
                 message_id: message_id.clone(),
@@ -1045,6 +1042,9 @@ fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) {
     slot.replaying = None;
     slot.session = None;
     if let Some(turn) = slot.turn.take() {
+        for a in slot.parts.close(&turn.turn_id) {
+            shared.updates.push(Kind::Activity(a));
+        }
         let cursor = shared.updates.push(Kind::TurnEnded(TurnEnded {
             turn_id: turn.turn_id.clone(),
             stop_reason: "error".into(),
@@ -1097,6 +1097,9 @@ fn finish_turn(shared: &Shared, turn_id: &str, stop_reason: &str, error: &str) {
     }
     slot.turn = None;
     tracing::info!(turn_id, stop_reason, "turn ended");
+    for a in slot.parts.close(turn_id) {
+        shared.updates.push(Kind::Activity(a));
+    }
     let cursor = shared.updates.push(Kind::TurnEnded(TurnEnded {
         turn_id: turn_id.to_owned(),
         stop_reason: stop_reason.to_owned(),
@@ -1119,34 +1122,41 @@ fn on_session_update(shared: &Shared, generation: u64, n: SessionNotification) {
         slot.replayed += 1;
         return;
     }
-    let Some(turn) = slot.turn.as_ref().filter(|t| t.session == n.session_id) else {
-        tracing::debug!(session = %n.session_id, "session update outside a turn ignored");
+    let Some(turn) = slot
+        .turn
+        .as_ref()
+        .filter(|t| t.session == n.session_id)
+        .cloned()
+    else {
+        // Between turns only what describes the session is kept (commands,
+        // mode, untyped kinds); a stray chunk or tool call is not.
+        match activity::outside_turn(n.update) {
+            Some(a) => {
+                shared.updates.push(Kind::Activity(a));
+            }
+            None => {
+                tracing::debug!(session = %n.session_id, "session update outside a turn ignored")
+            }
+        }
         return;
     };
-    let kind = match n.update {
-        SessionUpdate::AgentMessageChunk(chunk) => match chunk.content {
-            ContentBlock::Text(t) => Kind::MessageChunk(MessageChunk {
+    if let SessionUpdate::AgentMessageChunk(chunk) = &n.update {
+        if let ContentBlock::Text(t) = &chunk.content {
+            // The reply's text closes a thought being streamed.
+            for a in slot.parts.apply(&turn.turn_id, n.update.clone()) {
+                shared.updates.push(Kind::Activity(a));
+            }
+            shared.updates.push(Kind::MessageChunk(MessageChunk {
                 turn_id: turn.turn_id.clone(),
                 message_id: turn.message_id.clone(),
-                text: t.text,
-            }),
-            _ => return,
-        },
-        SessionUpdate::ToolCall(tc) => Kind::ToolCall(ToolCall {
-            turn_id: turn.turn_id.clone(),
-            tool_call_id: tc.tool_call_id.0.to_string(),
-            title: tc.title,
-            status: tool_status_name(tc.status),
-        }),
-        SessionUpdate::ToolCallUpdate(u) => Kind::ToolCall(ToolCall {
-            turn_id: turn.turn_id.clone(),
-            tool_call_id: u.tool_call_id.0.to_string(),
-            title: u.fields.title.unwrap_or_default(),
-            status: u.fields.status.map(tool_status_name).unwrap_or_default(),
-        }),
-        _ => return,
-    };
-    shared.updates.push(kind);
+                text: t.text.clone(),
+            }));
+        }
+        return;
+    }
+    for a in slot.parts.apply(&turn.turn_id, n.update) {
+        shared.updates.push(Kind::Activity(a));
+    }
 }
 
 fn lines_transport(
@@ -1300,6 +1310,5 @@ mod tests {
         assert_eq!(select_lines("a\nb\nc", None, Some(2)), "a\nb\n");
         assert_eq!(select_lines("a\nb", None, None), "a\nb");
         assert_eq!(stop_reason_name(StopReason::EndTurn), "end_turn");
-        assert_eq!(tool_status_name(ToolCallStatus::InProgress), "in_progress");
     }
 }

@@ -11,6 +11,7 @@
 //! workspace; nothing reaches outside the workspace root through the file
 //! calls, and the secret is never passed to the agent or to commands.
 
+pub mod activity;
 pub mod agent;
 pub mod auth;
 pub mod error;

@@ -1140,7 +1140,11 @@ async fn agent_file_requests_are_confined_and_permissions_answered() {
     let statuses: Vec<String> = updates
         .iter()
         .filter_map(|u| match &u.kind {
-            Some(Kind::ToolCall(t)) if t.tool_call_id == "demo-tool-1" => Some(t.status.clone()),
+            Some(Kind::Activity(a)) if a.kind == "tool_call" => {
+                let call: serde_json::Value = serde_json::from_str(&a.json).expect("ACP JSON");
+                (call["toolCallId"] == "demo-tool-1")
+                    .then(|| call["status"].as_str().unwrap_or("").to_owned())
+            }
             _ => None,
         })
         .collect();

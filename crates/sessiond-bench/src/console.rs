@@ -59,6 +59,8 @@ pub async fn seed(args: &[String]) -> anyhow::Result<()> {
                 task_id: chat,
                 role,
                 content,
+                kind: sessiond_domain::MessageKind::Text,
+                data: String::new(),
                 seq: 0,
                 complete: true,
                 created_at: now,
@@ -74,7 +76,7 @@ pub async fn seed(args: &[String]) -> anyhow::Result<()> {
             r?;
         }
     }
-    // Ids are UUIDs: no JSON escaping needed. Stdout is this subcommand's output.
+    // Ids are UUIDs: no JSON escaping needed. The caller reads this line.
     #[allow(clippy::print_stdout)]
     {
         println!(r#"{{"many":"{many}","chat":"{chat}","session":"{session}"}}"#);

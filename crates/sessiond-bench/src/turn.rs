@@ -178,7 +178,9 @@ async fn rounds(
                         .ok_or_else(|| anyhow::anyhow!("watch stream ended"))??;
                     match &e.payload {
                         EventPayload::MessageAdded(m)
-                            if m.role == MessageRole::Agent && first.is_none() =>
+                            if m.role == MessageRole::Agent
+                                && m.kind == sessiond_domain::MessageKind::Text
+                                && first.is_none() =>
                         {
                             first = Some(t.elapsed());
                         }

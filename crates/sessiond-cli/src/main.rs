@@ -665,6 +665,8 @@ async fn follow_turn(
         .into_inner();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout_secs);
     let mut printed = 0usize;
+    // Activity lines shown, by message id (printed again when they change).
+    let mut shown: std::collections::HashMap<String, String> = Default::default();
     let mut reply: Option<pb::Message> = None;
     let mut note: Option<String> = None;
     let mut ended = false;
@@ -681,6 +683,22 @@ async fn follow_turn(
                 if m.id == user_id =>
             {
                 in_turn = true;
+            }
+            Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
+            | Some(pb::event::Payload::MessageUpdated(pb::MessageUpdated { message: Some(m) }))
+                if m.role == pb::MessageRole::Agent as i32
+                    && m.seq > user_seq
+                    && !output::is_text(&m) =>
+            {
+                // The agent's activity, one line on stderr each time a
+                // part changes what it shows (the reply keeps stdout).
+                // Thoughts show once, whole.
+                let shows = m.kind != pb::MessageKind::Thought as i32 || m.complete;
+                let line = output::activity_line(&m);
+                if !out.json && shows && shown.get(&m.id) != Some(&line) {
+                    eprintln!("{line}");
+                    shown.insert(m.id.clone(), line);
+                }
             }
             Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
             | Some(pb::event::Payload::MessageUpdated(pb::MessageUpdated { message: Some(m) }))

@@ -88,11 +88,92 @@ fn session_json(s: &pb::Session) -> Value {
 }
 
 pub fn message_json(m: &pb::Message) -> Value {
-    json!({
+    let mut v = json!({
         "id": m.id, "session_id": m.session_id, "task_id": m.task_id,
         "role": role(m.role), "content": m.content, "seq": m.seq, "complete": m.complete,
         "created_at": ts(m.created_at.as_ref()), "updated_at": ts(m.updated_at.as_ref()),
+        "kind": kind_name(m.kind),
+    });
+    if let Some(part) = part_json(m) {
+        v["part"] = part;
+    }
+    v
+}
+
+/// True for text (a user message, a reply, a system note); false for the
+/// agent's activity parts (tool calls, plans, thoughts, ...).
+pub fn is_text(m: &pb::Message) -> bool {
+    matches!(
+        pb::MessageKind::try_from(m.kind),
+        Ok(pb::MessageKind::Text | pb::MessageKind::Unspecified) | Err(_)
+    )
+}
+
+fn kind_name(k: i32) -> &'static str {
+    match pb::MessageKind::try_from(k) {
+        Ok(pb::MessageKind::ToolCall) => "tool_call",
+        Ok(pb::MessageKind::Plan) => "plan",
+        Ok(pb::MessageKind::Thought) => "thought",
+        Ok(pb::MessageKind::AvailableCommands) => "available_commands",
+        Ok(pb::MessageKind::CurrentMode) => "current_mode",
+        Ok(pb::MessageKind::Other) => "other",
+        _ => "text",
+    }
+}
+
+fn part_json(m: &pb::Message) -> Option<Value> {
+    use pb::message::Part;
+    use pb::tool_call_content::Content;
+    Some(match m.part.as_ref()? {
+        Part::ToolCall(t) => json!({
+            "tool_call_id": t.tool_call_id, "title": t.title, "tool_kind": t.tool_kind,
+            "status": t.status,
+            "content": t.content.iter().map(|c| match &c.content {
+                Some(Content::Text(s)) => json!({"text": s}),
+                Some(Content::Diff(d)) => json!({"diff": {"path": d.path, "old_text": d.old_text, "new_text": d.new_text}}),
+                Some(Content::TerminalId(id)) => json!({"terminal_id": id}),
+                Some(Content::OtherJson(s)) => json!({"other_json": s}),
+                None => Value::Null,
+            }).collect::<Vec<_>>(),
+            "locations": t.locations.iter().map(|l| json!({"path": l.path, "line": l.line})).collect::<Vec<_>>(),
+        }),
+        Part::Plan(p) => json!({"entries": p.entries.iter().map(|e| json!({
+            "content": e.content, "priority": e.priority, "status": e.status,
+        })).collect::<Vec<_>>()}),
+        Part::AvailableCommands(c) => json!({"commands": c.commands.iter().map(|c| json!({
+            "name": c.name, "description": c.description, "input_hint": c.input_hint,
+        })).collect::<Vec<_>>()}),
+        Part::CurrentMode(c) => json!({"mode_id": c.mode_id}),
+        Part::Other(r) => json!({"update_kind": r.update_kind, "json": r.json}),
     })
+}
+
+/// One line for an activity part, as `send` prints it while the turn
+/// streams and `messages` lists it: `[tool edit] write notes.txt: completed`.
+pub fn activity_line(m: &pb::Message) -> String {
+    use pb::message::Part;
+    match m.part.as_ref() {
+        Some(Part::ToolCall(t)) => {
+            let mut line = format!("[tool {}] {}: {}", t.tool_kind, t.title, t.status);
+            for c in &t.content {
+                if let Some(pb::tool_call_content::Content::Diff(d)) = &c.content {
+                    line.push_str(&format!(" (diff {})", d.path));
+                }
+            }
+            line
+        }
+        Some(Part::Plan(p)) => {
+            let mut line = "[plan]".to_owned();
+            for e in &p.entries {
+                line.push_str(&format!("\n  [{}] {}", e.status, e.content));
+            }
+            line
+        }
+        Some(Part::AvailableCommands(_)) => format!("[commands] {}", m.content),
+        Some(Part::CurrentMode(c)) => format!("[mode] {}", c.mode_id),
+        Some(Part::Other(r)) => format!("[{}]", r.update_kind),
+        None => format!("[{}] {}", kind_name(m.kind), m.content),
+    }
 }
 
 fn event_json(e: &pb::Event) -> Value {
@@ -270,7 +351,11 @@ impl Out {
         }
         for m in messages {
             let more = if m.complete { "" } else { " …" };
-            println!("[{}] {}: {}{more}", m.seq, role(m.role), m.content);
+            if is_text(m) {
+                println!("[{}] {}: {}{more}", m.seq, role(m.role), m.content);
+            } else {
+                println!("[{}] {}: {}{more}", m.seq, role(m.role), activity_line(m));
+            }
         }
     }
 

@@ -7,7 +7,10 @@ use chrono::{DateTime, Utc};
 
 use crate::{
     ids::{AgentProfileId, ExecutorId, MessageId, SessionId, TaskId},
-    states::{ExecutorStatus, MessageRole, PermissionPolicy, Runtime, SessionState, TaskState},
+    states::{
+        ExecutorStatus, MessageKind, MessageRole, PermissionPolicy, Runtime, SessionState,
+        TaskState,
+    },
 };
 
 /// A unit of work on a repository; it has one or more sessions.
@@ -174,7 +177,14 @@ pub struct Message {
     pub session_id: SessionId,
     pub task_id: TaskId,
     pub role: MessageRole,
+    /// Text, or a readable summary of an activity part (a tool call's
+    /// title, a plan's entries, a thought, ...).
     pub content: String,
+    pub kind: MessageKind,
+    /// An activity part's state: the store's JSON envelope
+    /// (`{"rev": n, "update": <ACP session/update object>}`); empty for text.
+    /// Opaque here: the domain knows no JSON.
+    pub data: String,
     /// Order within the session, from 1.
     pub seq: i64,
     /// False while the agent is still streaming it.

@@ -106,6 +106,27 @@ string_enum!(
 });
 
 string_enum!(
+    /// What a message holds: text (a user message, an agent's reply, a
+    /// system note), or a part of the agent's activity during a turn (ACP
+    /// `session/update` kinds other than the reply's text). Activity parts
+    /// keep their state as the agent described it in `Message::data`.
+    MessageKind, "message kind", {
+    Text => "text",
+    /// ACP `tool_call`, with every later `tool_call_update` merged in.
+    ToolCall => "tool_call",
+    /// ACP `plan` (each plan update replaces the whole plan).
+    Plan => "plan",
+    /// ACP `agent_thought_chunk`s in a row, as one text.
+    Thought => "thought",
+    /// ACP `available_commands_update`.
+    AvailableCommands => "available_commands",
+    /// ACP `current_mode_update`.
+    CurrentMode => "current_mode",
+    /// Any other `session/update` kind, kept as the agent sent it.
+    Other => "other",
+});
+
+string_enum!(
     /// How agentctl answers the agent's permission requests for a profile.
     PermissionPolicy, "permission policy", {
     /// Pick the agent's allow option.
@@ -135,6 +156,9 @@ mod tests {
     fn string_forms_round_trip() {
         for s in SessionState::ALL {
             assert_eq!(SessionState::parse(s.as_str()), Ok(*s));
+        }
+        for k in MessageKind::ALL {
+            assert_eq!(MessageKind::parse(k.as_str()), Ok(*k));
         }
         for s in ExecutorStatus::ALL {
             assert_eq!(ExecutorStatus::parse(s.as_str()), Ok(*s));

@@ -513,6 +513,8 @@ impl SessionManager {
             task_id: session.task_id,
             role: MessageRole::User,
             content: text.to_owned(),
+            kind: sessiond_domain::MessageKind::Text,
+            data: String::new(),
             seq: 0,
             complete: true,
             created_at: now,

@@ -36,13 +36,14 @@
 //!   `Pump::try_park`. The next `send_message` starts a pump from the parked
 //!   cursor; an agent exit while parked is found by the liveness check.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use sessiond_domain::{
     AgentProcessState, EventPayload, ExecutorEvent, ExecutorRecord, ExecutorStatus, Message,
-    MessageId, MessageRole, Runtime, Session, SessionEvent, SessionId, SessionState, TaskEvent,
-    TaskId,
+    MessageId, MessageKind, MessageRole, Runtime, Session, SessionEvent, SessionId, SessionState,
+    TaskEvent, TaskId,
 };
 use sessiond_executor::{AgentState, AgentctlClient};
 use sessiond_proto::agentctl::v1::{self as pb, agent_update::Kind};
@@ -87,6 +88,23 @@ pub(crate) const INTERRUPTED_TURN_KEY: &str = "interrupted_turn";
 /// the prompt may have reached the agent: it is not sent again
 /// automatically (at most once); the user decides.
 pub(crate) const TURN_INTERRUPTED: &str = "the turn was interrupted: the agent may have started working on this message (it may have run tools or changed files) but its reply did not arrive whole, so sessiond did not send it again. Send it again, or retry it, if it should run again.";
+
+/// The stored state of an activity part (`Message::data`):
+/// `{"rev": n, "update": <the part as ACP JSON>}`. JSON that does not parse
+/// is kept as a string, never dropped.
+pub(crate) fn part_data(rev: u64, json: &str) -> String {
+    let update = serde_json::from_str::<serde_json::Value>(json)
+        .unwrap_or_else(|_| serde_json::Value::String(json.to_owned()));
+    serde_json::json!({ "rev": rev, "update": update }).to_string()
+}
+
+/// The rev of a stored part (0 when it has none).
+fn stored_part_rev(data: &str) -> u64 {
+    serde_json::from_str::<serde_json::Value>(data)
+        .ok()
+        .and_then(|v| v.get("rev")?.as_u64())
+        .unwrap_or(0)
+}
 
 /// `<generation>:<cursor>@<instance>`: a cursor means something only to the
 /// agentctl process (instance) that numbered it.
@@ -137,6 +155,8 @@ struct Pump {
     client: AgentctlClient,
     cursor: u64,
     pending: Option<Pending>,
+    /// Activity parts this pump has stored, with the rev stored.
+    parts: HashMap<MessageId, u64>,
     /// The session's pending turn (user message id) to settle once caught up.
     settle: Option<String>,
     /// agentctl's latest cursor when this pump started (for `settle`).
@@ -178,6 +198,7 @@ impl SessionManager {
             client,
             cursor,
             pending: None,
+            parts: HashMap::new(),
             settle: pending_turn(session),
             target: None,
             instance,
@@ -353,8 +374,80 @@ impl Pump {
                 self.cursor = gap.next_cursor.saturating_sub(1).max(cursor);
                 self.gap().await?;
             }
+            Some(Kind::Activity(a)) => {
+                self.cursor = cursor;
+                self.activity(a).await?;
+            }
             Some(Kind::ToolCall(_)) | None => self.cursor = cursor,
         }
+        Ok(())
+    }
+
+    /// Stores an activity part (a tool call, plan, thought, ...) as one
+    /// message per part: added the first time, replaced by each higher rev.
+    /// A replay (after a restart) meets revs already stored and writes
+    /// nothing, so a part never moves backwards.
+    async fn activity(&mut self, a: pb::Activity) -> Result<()> {
+        let id = Self::message_id(&a.part_id);
+        if self.parts.get(&id).is_some_and(|r| *r >= a.rev) {
+            return Ok(());
+        }
+        let kind = MessageKind::parse(&a.kind).unwrap_or(MessageKind::Other);
+        let data = part_data(a.rev, &a.json);
+        let now = Utc::now();
+        let m = Message {
+            id,
+            session_id: self.session_id,
+            task_id: self.task_id,
+            role: MessageRole::Agent,
+            content: a.text,
+            kind,
+            data,
+            seq: 0,
+            complete: a.complete,
+            created_at: now,
+            updated_at: now,
+        };
+        let update = |m: &Message| {
+            Changeset::new()
+                .update_part(m.id, m.content.clone(), m.data.clone(), m.complete)
+                .event(self.session_id, EventPayload::MessageUpdated(m.clone()))
+        };
+        let change = if self.parts.contains_key(&id) {
+            update(&m)
+        } else {
+            let add = Changeset::new()
+                .add_message(m.clone())
+                .event(self.session_id, EventPayload::MessageAdded(m.clone()));
+            match self.mgr.inner.store.commit(add).await {
+                Ok(c) => {
+                    self.mgr.inner.bus.publish(&c.events);
+                    self.parts.insert(id, a.rev);
+                    return Ok(());
+                }
+                Err(sessiond_store::Error::AlreadyExists { .. }) => {
+                    // Replayed after a restart: keep the later of the two.
+                    let stored = self
+                        .mgr
+                        .inner
+                        .store
+                        .list_messages(self.session_id, 0, u32::MAX)
+                        .await?
+                        .into_iter()
+                        .find(|s| s.id == id);
+                    let stored_rev = stored.map_or(0, |s| stored_part_rev(&s.data));
+                    if stored_rev >= a.rev {
+                        self.parts.insert(id, stored_rev);
+                        return Ok(());
+                    }
+                    update(&m)
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let c = self.mgr.inner.store.commit(change).await?;
+        self.mgr.inner.bus.publish(&c.events);
+        self.parts.insert(id, a.rev);
         Ok(())
     }
 
@@ -409,6 +502,8 @@ impl Pump {
             task_id: self.task_id,
             role: MessageRole::Agent,
             content: content.clone(),
+            kind: MessageKind::Text,
+            data: String::new(),
             seq: 0,
             complete,
             created_at: now,
@@ -582,6 +677,8 @@ impl Pump {
                     task_id: self.task_id,
                     role: MessageRole::System,
                     content: format!("the agent's turn failed: {}", end.error_message),
+                    kind: MessageKind::Text,
+                    data: String::new(),
                     seq: 0,
                     complete: true,
                     created_at: now,
@@ -867,9 +964,20 @@ impl Pump {
             .iter()
             .find(|m| m.role == MessageRole::User && m.id.to_string() == turn)
             .cloned();
+        // Any part of the turn's work counts (a tool call proves the prompt
+        // reached the agent); session-wide parts (commands, mode) do not.
         let answered = user.as_ref().is_some_and(|u| {
-            msgs.iter()
-                .any(|m| m.role == MessageRole::Agent && m.seq > u.seq)
+            msgs.iter().any(|m| {
+                m.role == MessageRole::Agent
+                    && m.seq > u.seq
+                    && matches!(
+                        m.kind,
+                        MessageKind::Text
+                            | MessageKind::ToolCall
+                            | MessageKind::Plan
+                            | MessageKind::Thought
+                    )
+            })
         }) || self.pending.is_some();
         let Some(user) = user.filter(|_| !answered) else {
             drop(guard);
@@ -1114,10 +1222,12 @@ pub(crate) async fn interrupt_turn(
         .map(|m| m.seq);
     let now = Utc::now();
     if let Some(seq) = user_seq {
-        for r in msgs
-            .iter()
-            .filter(|m| m.role == MessageRole::Agent && m.seq > seq && !m.complete)
-        {
+        for r in msgs.iter().filter(|m| {
+            m.role == MessageRole::Agent
+                && m.kind == MessageKind::Text
+                && m.seq > seq
+                && !m.complete
+        }) {
             let mut m = r.clone();
             m.content = format!("{}{INTERRUPTED_NOTE}", r.content);
             m.complete = true;
@@ -1133,6 +1243,8 @@ pub(crate) async fn interrupt_turn(
         task_id: session.task_id,
         role: MessageRole::System,
         content: format!("{TURN_INTERRUPTED} ({why})"),
+        kind: MessageKind::Text,
+        data: String::new(),
         seq: 0,
         complete: true,
         created_at: now,

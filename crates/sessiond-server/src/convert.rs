@@ -3,8 +3,8 @@
 
 use chrono::{DateTime, Utc};
 use sessiond_domain::{
-    AgentProfile, Event, EventPayload, ExecutorStatus, Message, MessageRole, ResumeReason, Runtime,
-    Session, SessionState, SessionStatus, Task, TaskState, Worktree,
+    AgentProfile, Event, EventPayload, ExecutorStatus, Message, MessageKind, MessageRole,
+    ResumeReason, Runtime, Session, SessionState, SessionStatus, Task, TaskState, Worktree,
 };
 use sessiond_proto::sessiond::v1 as pb;
 
@@ -146,6 +146,146 @@ pub fn message(m: &Message) -> pb::Message {
         complete: m.complete,
         created_at: Some(timestamp(m.created_at)),
         updated_at: Some(timestamp(m.updated_at)),
+        kind: message_kind(m.kind) as i32,
+        part: parts::part(m.kind, &m.data),
+        part_rev: parts::rev(&m.data),
+    }
+}
+
+fn message_kind(k: MessageKind) -> pb::MessageKind {
+    match k {
+        MessageKind::Text => pb::MessageKind::Text,
+        MessageKind::ToolCall => pb::MessageKind::ToolCall,
+        MessageKind::Plan => pb::MessageKind::Plan,
+        MessageKind::Thought => pb::MessageKind::Thought,
+        MessageKind::AvailableCommands => pb::MessageKind::AvailableCommands,
+        MessageKind::CurrentMode => pb::MessageKind::CurrentMode,
+        MessageKind::Other => pb::MessageKind::Other,
+    }
+}
+
+/// Activity parts: the stored envelope (`{"rev": n, "update": <ACP JSON>}`,
+/// written by the update pump) to typed proto parts. ACP's JSON is the
+/// agent's word: a field missing or of another type reads as empty, never
+/// as an error (what an agent sent is still shown).
+mod parts {
+    use pb::message::Part;
+    use serde_json::Value;
+    use sessiond_domain::MessageKind;
+    use sessiond_proto::sessiond::v1 as pb;
+
+    fn envelope(data: &str) -> Option<Value> {
+        serde_json::from_str(data).ok()
+    }
+
+    pub(super) fn rev(data: &str) -> u64 {
+        envelope(data)
+            .and_then(|v| v.get("rev")?.as_u64())
+            .unwrap_or(0)
+    }
+
+    fn s(v: &Value, key: &str) -> String {
+        v.get(key)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned()
+    }
+
+    fn json_text(v: Option<&Value>) -> String {
+        match v {
+            None | Some(Value::Null) => String::new(),
+            Some(v) => v.to_string(),
+        }
+    }
+
+    fn list<'a>(v: &'a Value, key: &str) -> impl Iterator<Item = &'a Value> {
+        v.get(key).and_then(Value::as_array).into_iter().flatten()
+    }
+
+    pub(super) fn part(kind: MessageKind, data: &str) -> Option<Part> {
+        let u = envelope(data)?.get("update")?.clone();
+        Some(match kind {
+            MessageKind::Text | MessageKind::Thought => return None,
+            MessageKind::ToolCall => Part::ToolCall(tool_call(&u)),
+            MessageKind::Plan => Part::Plan(pb::PlanPart {
+                entries: list(&u, "entries")
+                    .map(|e| pb::PlanEntry {
+                        content: s(e, "content"),
+                        priority: s(e, "priority"),
+                        status: s(e, "status"),
+                    })
+                    .collect(),
+            }),
+            MessageKind::AvailableCommands => Part::AvailableCommands(pb::AvailableCommandsPart {
+                commands: list(&u, "availableCommands")
+                    .map(|c| pb::AvailableCommand {
+                        name: s(c, "name"),
+                        description: s(c, "description"),
+                        input_hint: c.get("input").map(|i| s(i, "hint")).unwrap_or_default(),
+                    })
+                    .collect(),
+            }),
+            MessageKind::CurrentMode => Part::CurrentMode(pb::CurrentModePart {
+                mode_id: s(&u, "currentModeId"),
+            }),
+            MessageKind::Other => Part::Other(pb::RawPart {
+                update_kind: s(&u, "sessionUpdate"),
+                json: u.to_string(),
+            }),
+        })
+    }
+
+    fn tool_call(u: &Value) -> pb::ToolCallPart {
+        use pb::tool_call_content::Content;
+        pb::ToolCallPart {
+            tool_call_id: s(u, "toolCallId"),
+            title: s(u, "title"),
+            // ACP leaves out the defaults (kind other, status pending).
+            tool_kind: Some(s(u, "kind"))
+                .filter(|k| !k.is_empty())
+                .unwrap_or_else(|| "other".into()),
+            status: Some(s(u, "status"))
+                .filter(|k| !k.is_empty())
+                .unwrap_or_else(|| "pending".into()),
+            content: list(u, "content")
+                .map(|c| {
+                    let content = match c.get("type").and_then(Value::as_str) {
+                        Some("diff") => Content::Diff(pb::FileDiff {
+                            path: s(c, "path"),
+                            old_text: c.get("oldText").and_then(Value::as_str).map(str::to_owned),
+                            new_text: s(c, "newText"),
+                        }),
+                        Some("terminal") => Content::TerminalId(s(c, "terminalId")),
+                        Some("content")
+                            if c.pointer("/content/type").and_then(Value::as_str)
+                                == Some("text") =>
+                        {
+                            Content::Text(
+                                c.pointer("/content/text")
+                                    .and_then(Value::as_str)
+                                    .unwrap_or_default()
+                                    .to_owned(),
+                            )
+                        }
+                        _ => Content::OtherJson(c.to_string()),
+                    };
+                    pb::ToolCallContent {
+                        content: Some(content),
+                    }
+                })
+                .collect(),
+            locations: list(u, "locations")
+                .map(|l| pb::ToolCallLocation {
+                    path: s(l, "path"),
+                    line: l
+                        .get("line")
+                        .and_then(Value::as_u64)
+                        .and_then(|n| u32::try_from(n).ok()),
+                })
+                .collect(),
+            raw_input_json: json_text(u.get("rawInput")),
+            raw_output_json: json_text(u.get("rawOutput")),
+        }
     }
 }
 

@@ -60,6 +60,8 @@ pub struct MessageUpdate {
     pub id: MessageId,
     pub content: String,
     pub complete: bool,
+    /// A new `data` (an activity part's state); `None` keeps it.
+    pub data: Option<String>,
 }
 
 /// What a commit wrote, as stored.
@@ -127,6 +129,24 @@ impl Changeset {
             id,
             content: content.into(),
             complete,
+            data: None,
+        });
+        self
+    }
+
+    /// Replaces an activity part's summary and state (see `Message::data`).
+    pub fn update_part(
+        mut self,
+        id: MessageId,
+        content: impl Into<String>,
+        data: impl Into<String>,
+        complete: bool,
+    ) -> Self {
+        self.message_updates.push(MessageUpdate {
+            id,
+            content: content.into(),
+            complete,
+            data: Some(data.into()),
         });
         self
     }
@@ -408,6 +428,11 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
                 session_messages::updated_at.eq(now),
             ))
             .execute(conn)?;
+        if let Some(data) = &u.data {
+            diesel::update(target.clone())
+                .set(session_messages::data.eq(data))
+                .execute(conn)?;
+        }
         let row: MessageRow = target.select(MessageRow::as_select()).first(conn)?;
         messages.push(row.into_domain()?);
     }

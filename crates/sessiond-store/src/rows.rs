@@ -7,8 +7,8 @@ use diesel::prelude::*;
 use serde_json::{Map, Value, json};
 use sessiond_domain::{
     AgentProfile, AgentProfileId, ContainerAgent, Event, EventKind, EventPayload, ExecutorId,
-    ExecutorRecord, ExecutorStatus, Message, MessageId, MessageRole, PermissionPolicy, Runtime,
-    Session, SessionId, SessionState, Task, TaskId, TaskState, Worktree,
+    ExecutorRecord, ExecutorStatus, Message, MessageId, MessageKind, MessageRole, PermissionPolicy,
+    Runtime, Session, SessionId, SessionState, Task, TaskId, TaskState, Worktree,
 };
 
 use crate::{
@@ -401,6 +401,8 @@ pub(crate) struct MessageRow {
     pub complete: bool,
     pub created_at: Ts,
     pub updated_at: Ts,
+    pub kind: String,
+    pub data: String,
 }
 
 impl MessageRow {
@@ -415,6 +417,8 @@ impl MessageRow {
             complete: m.complete,
             created_at: Ts::new(m.created_at),
             updated_at: Ts::new(m.updated_at),
+            kind: m.kind.as_str().to_owned(),
+            data: m.data.clone(),
         }
     }
 
@@ -426,6 +430,8 @@ impl MessageRow {
             session_id: SessionId::parse(&self.session_id).map_err(|e| corrupt(e.to_string()))?,
             task_id: TaskId::parse(&self.task_id).map_err(|e| corrupt(e.to_string()))?,
             role: MessageRole::parse(&self.role).map_err(|e| corrupt(e.to_string()))?,
+            kind: MessageKind::parse(&self.kind).map_err(|e| corrupt(e.to_string()))?,
+            data: self.data,
             content: self.content,
             seq: self.seq,
             complete: self.complete,
@@ -491,6 +497,8 @@ fn encode_message(m: &Message) -> Value {
         "content": m.content,
         "seq": m.seq,
         "complete": m.complete,
+        "kind": m.kind.as_str(),
+        "data": m.data,
         "created_at": Ts::new(m.created_at).0.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
         "updated_at": Ts::new(m.updated_at).0.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
     })
@@ -585,6 +593,12 @@ fn decode_message(v: &Value) -> Result<Message, String> {
         task_id: parse_field(v, "task_id", TaskId::parse)?,
         role: parse_field(v, "role", MessageRole::parse)?,
         content: string(v, "content")?.to_owned(),
+        // Absent in events stored before activity parts existed: text.
+        kind: match opt_string(v, "kind")? {
+            Some(k) => MessageKind::parse(&k).map_err(|e| e.to_string())?,
+            None => MessageKind::Text,
+        },
+        data: opt_string(v, "data")?.unwrap_or_default(),
         seq: int(v, "seq")?,
         complete: boolean(v, "complete")?,
         created_at: parse_field(v, "created_at", parse_time)?,
@@ -703,6 +717,8 @@ mod tests {
             task_id: TaskId::new(),
             role: MessageRole::Agent,
             content: "hello \"world\"".into(),
+            kind: MessageKind::Plan,
+            data: r#"{"rev":1,"update":{"entries":[]}}"#.into(),
             seq: 3,
             complete: false,
             created_at: now,

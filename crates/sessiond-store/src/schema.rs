@@ -110,6 +110,8 @@ diesel::table! {
         complete -> Bool,
         created_at -> UtcTimestamp,
         updated_at -> UtcTimestamp,
+        kind -> Text,
+        data -> Text,
     }
 }
 

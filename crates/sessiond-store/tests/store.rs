@@ -9,8 +9,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use chrono::{Duration, Utc};
 use sessiond_domain::{
     AgentProfile, AgentProfileId, EventKind, EventPayload, ExecutorId, ExecutorRecord,
-    ExecutorStatus, Message, MessageId, MessageRole, Runtime, Session, SessionId, SessionState,
-    Task, TaskEvent, TaskId, TaskState, Worktree,
+    ExecutorStatus, Message, MessageId, MessageKind, MessageRole, Runtime, Session, SessionId,
+    SessionState, Task, TaskEvent, TaskId, TaskState, Worktree,
 };
 use sessiond_store::{Backend, Changeset, Error, Store, StoreOptions};
 
@@ -150,6 +150,8 @@ fn message(s: &Session, role: MessageRole, content: &str) -> Message {
         task_id: s.task_id,
         role,
         content: content.into(),
+        kind: MessageKind::Text,
+        data: String::new(),
         seq: 0,
         complete: role != MessageRole::Agent,
         created_at: now,
@@ -844,6 +846,65 @@ mod suite {
         );
     }
 
+    /// An activity part keeps its kind and state through a commit, an
+    /// update, a read and the event log.
+    pub async fn activity_parts_round_trip(store: &Store) {
+        let (_, _, s) = seed(store).await;
+        let mut part = message(&s, MessageRole::Agent, "Read file");
+        part.kind = MessageKind::ToolCall;
+        part.data = r#"{"rev":1,"update":{"toolCallId":"t1","status":"pending"}}"#.into();
+        let done = store
+            .commit(
+                Changeset::new()
+                    .add_message(part.clone())
+                    .event(s.id, EventPayload::MessageAdded(part.clone())),
+            )
+            .await
+            .unwrap();
+        assert_eq!(done.messages[0].kind, MessageKind::ToolCall);
+        assert_eq!(done.messages[0].data, part.data);
+        let data2 = r#"{"rev":2,"update":{"toolCallId":"t1","status":"completed"}}"#;
+        let done2 = store
+            .commit(
+                Changeset::new()
+                    .update_part(part.id, "Read file (done)", data2, true)
+                    .event(s.id, EventPayload::MessageUpdated(part.clone())),
+            )
+            .await
+            .unwrap();
+        let updated = &done2.messages[0];
+        assert_eq!(
+            (
+                updated.kind,
+                updated.data.as_str(),
+                updated.content.as_str()
+            ),
+            (MessageKind::ToolCall, data2, "Read file (done)")
+        );
+        // A plain text update keeps the part's data.
+        store
+            .commit(Changeset::new().update_message(part.id, "Read file (done)", true))
+            .await
+            .unwrap();
+        let all = store.list_messages(s.id, 0, 10).await.unwrap();
+        assert_eq!(all[0].data, data2);
+        let events = store.events_after(s.id, 0, 10).await.unwrap();
+        assert_eq!(
+            events
+                .iter()
+                .map(|e| match &e.payload {
+                    EventPayload::MessageAdded(m) | EventPayload::MessageUpdated(m) =>
+                        (m.kind, m.data.clone()),
+                    other => panic!("unexpected payload {other:?}"),
+                })
+                .collect::<Vec<_>>(),
+            [
+                (MessageKind::ToolCall, part.data.clone()),
+                (MessageKind::ToolCall, data2.to_owned())
+            ]
+        );
+    }
+
     pub async fn messages_append_and_update(store: &Store) {
         let (_, _, s) = seed(store).await;
         let user = message(&s, MessageRole::User, "do it");
@@ -1129,8 +1190,8 @@ mod suite {
         seed(store).await;
         let reverted = store.revert_all_migrations().await.unwrap();
         // Every migration directory (init, profile container, profile auth +
-        // permission policy).
-        assert_eq!(reverted.len(), 3, "{reverted:?}");
+        // permission policy, message parts).
+        assert_eq!(reverted.len(), 4, "{reverted:?}");
         let err = store.list_tasks(None, 10).await.unwrap_err();
         assert!(matches!(err, Error::Database(_)), "tables are gone: {err}");
         let applied = store.run_pending_migrations().await.unwrap();
@@ -1177,6 +1238,7 @@ macro_rules! store_tests {
             store_test!($backend, two_writers_same_version_one_wins);
             store_test!($backend, concurrent_appenders_get_gap_free_seqs);
             store_test!($backend, messages_append_and_update);
+            store_test!($backend, activity_parts_round_trip);
             store_test!($backend, events_after_and_task_events_after);
             store_test!($backend, task_event_applies_the_machine_in_the_transaction);
             store_test!($backend, managed_reads_match_single_reads);

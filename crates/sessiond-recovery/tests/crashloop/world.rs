@@ -843,7 +843,10 @@ impl World {
             }
 
             // Messages: the store against the agent's transcript.
-            let msgs = self.store.list_messages(s.id, 0, 100_000).await.unwrap();
+            let mut msgs = self.store.list_messages(s.id, 0, 100_000).await.unwrap();
+            // The conversation's text; the side effect's tool call parts
+            // are the agent's activity, not turns.
+            msgs.retain(|m| m.kind == sessiond_domain::MessageKind::Text);
             let turns = self.transcript(&s);
             turns_total += turns.len();
             if turns.is_empty() && msgs.iter().any(|m| m.role == MessageRole::Agent) {
@@ -1030,7 +1033,10 @@ impl World {
             let text = format!("after the crashes {}", s.id);
             mgr.send_message(self.task.id, s.id, &text).await.unwrap();
             self.settle(Duration::from_secs(30)).await;
-            let msgs = self.store.list_messages(s.id, 0, 100_000).await.unwrap();
+            let mut msgs = self.store.list_messages(s.id, 0, 100_000).await.unwrap();
+            // The conversation's text; the side effect's tool call parts
+            // are the agent's activity, not turns.
+            msgs.retain(|m| m.kind == sessiond_domain::MessageKind::Text);
             let last = msgs.last().unwrap();
             let token = s.resume_token.clone().unwrap();
             assert_eq!(

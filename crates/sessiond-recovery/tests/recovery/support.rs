@@ -270,7 +270,16 @@ impl World {
         reply.content.clone()
     }
 
+    /// The conversation's text (user messages, replies, system notes),
+    /// without the agent's activity parts.
     pub async fn messages(&self, session: SessionId) -> Vec<Message> {
+        let mut all = self.all_messages(session).await;
+        all.retain(|m| m.kind == sessiond_domain::MessageKind::Text);
+        all
+    }
+
+    /// Every stored message, activity parts included.
+    pub async fn all_messages(&self, session: SessionId) -> Vec<Message> {
         self.store.list_messages(session, 0, 10_000).await.unwrap()
     }
 

@@ -9,6 +9,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod activity;
 mod api;
 mod config;
 mod metrics;

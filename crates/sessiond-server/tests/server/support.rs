@@ -310,7 +310,10 @@ pub async fn prompt(c: &mut Sessions, task: &str, session: &str, text: &str) -> 
         match event.payload {
             Some(pb::event::Payload::MessageUpdated(pb::MessageUpdated { message: Some(m) }))
             | Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
-                if m.role == pb::MessageRole::Agent as i32 && m.seq > sent.seq && m.complete =>
+                if m.role == pb::MessageRole::Agent as i32
+                    && m.kind == pb::MessageKind::Text as i32
+                    && m.seq > sent.seq
+                    && m.complete =>
             {
                 reply = Some(m.content);
                 break;

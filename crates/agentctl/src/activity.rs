@@ -1,0 +1,347 @@
+//! The agent's activity during a turn: every ACP `session/update` other than
+//! the reply's text becomes an [`Activity`] on the update stream.
+//!
+//! Each part (a tool call, a run of thought chunks, the turn's plan, any
+//! other update) gets a stable UUID, and every later update of a part is
+//! sent with its whole state and a higher `rev`: a consumer that replays the
+//! stream (a backend restart) keeps the highest rev and never moves a part
+//! backwards, and no consumer has to merge `tool_call_update`s itself.
+
+use std::collections::HashMap;
+
+use agent_client_protocol::v1::schema::{
+    ContentBlock, SessionUpdate, ToolCall as AcpToolCall, ToolCallStatus, ToolCallUpdate,
+};
+use sessiond_proto::agentctl::v1::Activity;
+
+/// Kinds on the wire (`Activity.kind`).
+pub const TOOL_CALL: &str = "tool_call";
+pub const PLAN: &str = "plan";
+pub const THOUGHT: &str = "thought";
+pub const AVAILABLE_COMMANDS: &str = "available_commands";
+pub const CURRENT_MODE: &str = "current_mode";
+pub const OTHER: &str = "other";
+
+#[derive(Debug)]
+struct ToolPart {
+    id: String,
+    rev: u64,
+    call: AcpToolCall,
+}
+
+#[derive(Debug)]
+struct TextPart {
+    id: String,
+    rev: u64,
+    text: String,
+}
+
+/// The open parts of the turn in progress.
+#[derive(Debug, Default)]
+pub struct Parts {
+    tools: HashMap<String, ToolPart>,
+    /// The turn's plan: its last state, sent again complete at the end.
+    plan: Option<Activity>,
+    /// The thought being streamed; closed by any other update.
+    thought: Option<TextPart>,
+}
+
+fn new_id() -> String {
+    uuid::Uuid::now_v7().to_string()
+}
+
+/// ACP JSON of a schema value (they all serialize; `{}` if one ever fails).
+macro_rules! json {
+    ($v:expr) => {
+        serde_json::to_string($v).unwrap_or_else(|_| "{}".into())
+    };
+}
+
+fn activity(turn_id: &str, id: &str, kind: &str, rev: u64, text: String, json: String) -> Activity {
+    Activity {
+        turn_id: turn_id.to_owned(),
+        part_id: id.to_owned(),
+        kind: kind.to_owned(),
+        rev,
+        text,
+        json,
+        complete: false,
+    }
+}
+
+fn finished(status: ToolCallStatus) -> bool {
+    matches!(status, ToolCallStatus::Completed | ToolCallStatus::Failed)
+}
+
+/// The `sessionUpdate` tag of an update (`usage_update`, ...).
+fn tag(update: &SessionUpdate) -> String {
+    serde_json::to_value(update)
+        .ok()
+        .and_then(|v| v.get("sessionUpdate")?.as_str().map(str::to_owned))
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// Updates that mean something outside a turn (they describe the session,
+/// not the turn): available commands, the mode, anything we do not type.
+pub fn outside_turn(update: SessionUpdate) -> Option<Activity> {
+    let a = match update {
+        SessionUpdate::AvailableCommandsUpdate(u) => activity(
+            "",
+            &new_id(),
+            AVAILABLE_COMMANDS,
+            1,
+            commands_text(&u.available_commands),
+            json!(&u),
+        ),
+        SessionUpdate::CurrentModeUpdate(u) => activity(
+            "",
+            &new_id(),
+            CURRENT_MODE,
+            1,
+            u.current_mode_id.to_string(),
+            json!(&u),
+        ),
+        SessionUpdate::UserMessageChunk(_)
+        | SessionUpdate::AgentMessageChunk(_)
+        | SessionUpdate::AgentThoughtChunk(_)
+        | SessionUpdate::ToolCall(_)
+        | SessionUpdate::ToolCallUpdate(_)
+        | SessionUpdate::Plan(_) => return None,
+        other => activity("", &new_id(), OTHER, 1, tag(&other), json!(&other)),
+    };
+    Some(Activity {
+        complete: true,
+        ..a
+    })
+}
+
+fn commands_text(commands: &[agent_client_protocol::v1::schema::AvailableCommand]) -> String {
+    commands
+        .iter()
+        .map(|c| format!("/{}", c.name))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+impl Parts {
+    /// The activities one update of the turn `turn_id` makes (none for the
+    /// reply's text, which is a `MessageChunk`): the closed thought first
+    /// when this update ends a run of thought chunks.
+    pub fn apply(&mut self, turn_id: &str, update: SessionUpdate) -> Vec<Activity> {
+        let mut out = Vec::new();
+        if !matches!(update, SessionUpdate::AgentThoughtChunk(_))
+            && let Some(t) = self.thought.take()
+        {
+            out.push(close_thought(turn_id, t));
+        }
+        match update {
+            SessionUpdate::AgentMessageChunk(_) | SessionUpdate::UserMessageChunk(_) => {}
+            SessionUpdate::AgentThoughtChunk(chunk) => {
+                let ContentBlock::Text(t) = chunk.content else {
+                    return out;
+                };
+                let part = self.thought.get_or_insert_with(|| TextPart {
+                    id: new_id(),
+                    rev: 0,
+                    text: String::new(),
+                });
+                part.rev += 1;
+                part.text.push_str(&t.text);
+                out.push(activity(
+                    turn_id,
+                    &part.id,
+                    THOUGHT,
+                    part.rev,
+                    part.text.clone(),
+                    "{}".into(),
+                ));
+            }
+            SessionUpdate::ToolCall(call) => {
+                let key = call.tool_call_id.0.to_string();
+                let part = self.tools.entry(key).or_insert_with(|| ToolPart {
+                    id: new_id(),
+                    rev: 0,
+                    call: call.clone(),
+                });
+                part.rev += 1;
+                part.call = call;
+                out.push(tool_activity(turn_id, part));
+            }
+            SessionUpdate::ToolCallUpdate(u) => {
+                let key = u.tool_call_id.0.to_string();
+                match self.tools.get_mut(&key) {
+                    Some(part) => {
+                        part.rev += 1;
+                        part.call.update(u.fields);
+                    }
+                    None => {
+                        // An update for a call we never saw (allowed by ACP
+                        // when the update carries enough to make one).
+                        let call =
+                            AcpToolCall::try_from(u.clone()).unwrap_or_else(|_| placeholder(u));
+                        self.tools.insert(
+                            key.clone(),
+                            ToolPart {
+                                id: new_id(),
+                                rev: 1,
+                                call,
+                            },
+                        );
+                    }
+                }
+                if let Some(part) = self.tools.get(&key) {
+                    out.push(tool_activity(turn_id, part));
+                }
+            }
+            SessionUpdate::Plan(plan) => {
+                let (id, rev) = self
+                    .plan
+                    .as_ref()
+                    .map_or_else(|| (new_id(), 1), |p| (p.part_id.clone(), p.rev + 1));
+                let text = plan
+                    .entries
+                    .iter()
+                    .map(|e| format!("[{}] {}", status_name(&e.status), e.content))
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                let a = activity(turn_id, &id, PLAN, rev, text, json!(&plan));
+                self.plan = Some(a.clone());
+                out.push(a);
+            }
+            other => {
+                if let Some(mut a) = outside_turn(other) {
+                    a.turn_id = turn_id.to_owned();
+                    out.push(a);
+                }
+            }
+        }
+        out
+    }
+
+    /// At the turn's end: every part still open, marked complete (a tool
+    /// call the agent never finished keeps its last status).
+    pub fn close(&mut self, turn_id: &str) -> Vec<Activity> {
+        let mut out = Vec::new();
+        if let Some(t) = self.thought.take() {
+            out.push(close_thought(turn_id, t));
+        }
+        let mut tools: Vec<ToolPart> = std::mem::take(&mut self.tools).into_values().collect();
+        tools.sort_by(|a, b| a.id.cmp(&b.id));
+        for mut part in tools {
+            if !finished(part.call.status) {
+                part.rev += 1;
+                let mut a = tool_activity(turn_id, &part);
+                a.complete = true;
+                out.push(a);
+            }
+        }
+        if let Some(plan) = self.plan.take() {
+            out.push(Activity {
+                rev: plan.rev + 1,
+                complete: true,
+                ..plan
+            });
+        }
+        out
+    }
+}
+
+fn close_thought(turn_id: &str, t: TextPart) -> Activity {
+    Activity {
+        complete: true,
+        ..activity(turn_id, &t.id, THOUGHT, t.rev + 1, t.text, "{}".into())
+    }
+}
+
+fn placeholder(u: ToolCallUpdate) -> AcpToolCall {
+    let mut call = AcpToolCall::new(u.tool_call_id, u.fields.title.clone().unwrap_or_default());
+    call.update(u.fields);
+    call
+}
+
+fn status_name(s: &agent_client_protocol::v1::schema::PlanEntryStatus) -> String {
+    serde_json::to_value(s)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+fn tool_activity(turn_id: &str, part: &ToolPart) -> Activity {
+    Activity {
+        complete: finished(part.call.status),
+        ..activity(
+            turn_id,
+            &part.id,
+            TOOL_CALL,
+            part.rev,
+            part.call.title.clone(),
+            json!(&part.call),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use agent_client_protocol::v1::schema::{
+        ContentChunk, Plan, PlanEntry, PlanEntryPriority, PlanEntryStatus, TextContent,
+        ToolCallUpdateFields,
+    };
+
+    use super::*;
+
+    fn thought(t: &str) -> SessionUpdate {
+        SessionUpdate::AgentThoughtChunk(ContentChunk::new(ContentBlock::Text(TextContent::new(t))))
+    }
+
+    #[test]
+    fn tool_call_updates_merge_and_revs_grow() {
+        let mut p = Parts::default();
+        let a = p.apply(
+            "t",
+            SessionUpdate::ToolCall(AcpToolCall::new("c1", "Edit a.txt")),
+        );
+        let b = p.apply(
+            "t",
+            SessionUpdate::ToolCallUpdate(ToolCallUpdate::new(
+                "c1",
+                ToolCallUpdateFields::new().status(ToolCallStatus::Completed),
+            )),
+        );
+        assert_eq!((a.len(), b.len()), (1, 1));
+        assert_eq!(a[0].part_id, b[0].part_id);
+        assert_eq!((a[0].rev, b[0].rev), (1, 2));
+        assert!(!a[0].complete && b[0].complete);
+        let v: serde_json::Value = serde_json::from_str(&b[0].json).unwrap();
+        assert_eq!(v["title"], "Edit a.txt");
+        assert_eq!(v["status"], "completed");
+        assert!(p.close("t").is_empty(), "a finished call needs no closing");
+    }
+
+    #[test]
+    fn a_thought_run_is_one_part_closed_by_the_next_update() {
+        let mut p = Parts::default();
+        let a = p.apply("t", thought("let me "));
+        let b = p.apply("t", thought("think"));
+        assert_eq!(a[0].part_id, b[0].part_id);
+        assert_eq!(b[0].text, "let me think");
+        let plan = Plan::new(vec![PlanEntry::new(
+            "step",
+            PlanEntryPriority::High,
+            PlanEntryStatus::Pending,
+        )]);
+        let c = p.apply("t", SessionUpdate::Plan(plan));
+        assert_eq!(c.len(), 2);
+        assert_eq!((c[0].kind.as_str(), c[0].complete), (THOUGHT, true));
+        assert_eq!(
+            (c[1].kind.as_str(), c[1].text.as_str()),
+            (PLAN, "[pending] step")
+        );
+        let d = p.apply("t", thought("again"));
+        assert_ne!(d[0].part_id, a[0].part_id, "a new run is a new part");
+        let closed = p.close("t");
+        assert_eq!(closed.len(), 2, "the thought and the plan");
+        assert!(closed.iter().all(|a| a.complete));
+        assert_eq!(closed[1].part_id, c[1].part_id);
+        assert_eq!(closed[1].rev, c[1].rev + 1);
+    }
+}
