@@ -627,6 +627,14 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
     };
   }, [sessionId, refresh]);
 
+  // Right after a restart the session may not be recovered yet; a recovery
+  // that finds everything as it was emits no event, so ask again.
+  useEffect(() => {
+    if (!status?.recovering) return;
+    const t = window.setTimeout(refresh, 1000);
+    return () => clearTimeout(t);
+  }, [status, refresh]);
+
   useEffect(() => {
     if (!status) return;
     sessions
@@ -714,9 +722,11 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
 
   const s = status;
   const ended = s && (s.state === SessionState.COMPLETED || s.state === SessionState.CANCELLED);
+  const recovering = !!s?.recovering;
   const notResumable =
     s &&
     !ended &&
+    !recovering &&
     !s.isAgentRunning &&
     !s.needsResume &&
     (s.state === SessionState.ERROR || s.resumeReason === ResumeReason.NOT_RESUMABLE || s.resumeReason === ResumeReason.MISSING_RESUME_TOKEN);
@@ -733,6 +743,7 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
           <span class="badges" data-testid="session-badges">
             <Badge tone={stateTone(s.state)} testid="state">{stateLabel[s.state]}</Badge>
             <Badge tone={executorTone(s.executorStatus)} testid="executor">{executorLabel[s.executorStatus]}</Badge>
+            {recovering && <Badge tone="warn" testid="recovering">recovering</Badge>}
             {workspaceOnly && <Badge tone="warn" testid="workspace-only">workspace only</Badge>}
             {profileName && <Badge tone="idle">{profileName}</Badge>}
             <Badge tone="idle">{runtimeLabel[s.runtime]}</Badge>

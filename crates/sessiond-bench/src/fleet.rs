@@ -3,7 +3,8 @@
 //! so `Health` proves the identity the backend expects without any protocol
 //! change. Calls answer at once and deterministically: no agent runs until
 //! `LaunchAgent`, after which the agent is idle; `ResumeSession` accepts any
-//! token; `StreamUpdates` stays open and sends nothing.
+//! token; `Prompt` is accepted (by a launched agent) and never answered;
+//! `StreamUpdates` stays open and sends nothing.
 
 use std::{
     collections::HashMap,
@@ -198,10 +199,19 @@ impl AgentCtlService for Fleet {
         }))
     }
 
-    async fn prompt(&self, _req: Request<pb::PromptRequest>) -> Res<pb::PromptResponse> {
-        Err(Status::failed_precondition(
-            "the bench fleet stands in for recovery only; it runs no turns",
-        ))
+    /// Accepted and never answered (the update stream stays silent): what
+    /// the availability bench times is sessiond answering SendMessage.
+    async fn prompt(&self, req: Request<pb::PromptRequest>) -> Res<pb::PromptResponse> {
+        let id = Self::identity(&req)?;
+        if !self.agent_running(&id) {
+            return Err(Status::failed_precondition("no agent runs"));
+        }
+        let turn_id = req.into_inner().turn_id;
+        Ok(Response::new(pb::PromptResponse {
+            message_id: format!("reply-{turn_id}"),
+            turn_id,
+            ..Default::default()
+        }))
     }
 
     async fn cancel(&self, req: Request<pb::CancelRequest>) -> Res<pb::CancelResponse> {

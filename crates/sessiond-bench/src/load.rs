@@ -28,7 +28,7 @@ pub fn quantile(sorted: &[Duration], q: f64) -> Duration {
     sorted[i.min(sorted.len() - 1)]
 }
 
-async fn channel(addr: &str) -> anyhow::Result<Channel> {
+pub(crate) async fn channel(addr: &str) -> anyhow::Result<Channel> {
     Ok(Endpoint::from_shared(format!("http://{addr}"))?
         .tcp_nodelay(true)
         .connect()

@@ -12,6 +12,10 @@
 //! - The turn path: SendMessage -> first agent chunk at a `watch_session`
 //!   subscriber vs the same prompt straight to agentctl (`turn.rs`;
 //!   `--only-turns` runs just that).
+//! - Availability while recovering (`availability.rs`; `--n`, default
+//!   10,000; `--only-availability` runs just that): first answer and a
+//!   SendMessage on a session not yet recovered, against one executor's
+//!   recovery, and the pass with and without the recovery queue.
 //!
 //! Prints a table and writes it into `docs/PERFORMANCE.md` between the
 //! `<!-- bench:begin -->` / `<!-- bench:end -->` markers.
@@ -19,6 +23,7 @@
 //! Subcommands `fleet` and `echo` are the child processes it starts itself;
 //! `console-seed` seeds the store behind `web/perf/console.mjs`.
 
+mod availability;
 mod console;
 mod events;
 mod fleet;
@@ -81,6 +86,12 @@ struct Opts {
     only_turns: bool,
     /// Measure the idle CPU over one liveness round (~40 s).
     idle_window: bool,
+    /// Sessions of the availability measurement (0: skip it).
+    availability_n: usize,
+    /// Pairs of passes (with / without the recovery queue) it compares.
+    availability_pairs: usize,
+    /// Only the availability measurement.
+    only_availability: bool,
     out: Option<PathBuf>,
     bin_dir: PathBuf,
     command: String,
@@ -98,6 +109,9 @@ impl Opts {
             turns: 50,
             only_turns: false,
             idle_window: true,
+            availability_n: 10_000,
+            availability_pairs: 2,
+            only_availability: false,
             out: None,
             bin_dir: exe.parent().map(Path::to_path_buf).unwrap_or_default(),
             command: std::env::var("SESSIOND_BENCH_COMMAND")
@@ -114,7 +128,11 @@ impl Opts {
                     o.load_secs = 2;
                     o.turns = 20;
                     o.idle_window = false;
+                    o.availability_n = 1_000;
                 }
+                "--n" => o.availability_n = val()?.replace('_', "").parse()?,
+                "--pairs" => o.availability_pairs = val()?.parse::<usize>()?.max(1),
+                "--only-availability" => o.only_availability = true,
                 "--no-idle" => o.idle_window = false,
                 "--turns" => o.turns = val()?.parse()?,
                 "--only-turns" => o.only_turns = true,
@@ -132,7 +150,7 @@ impl Opts {
                 "--bin-dir" => o.bin_dir = PathBuf::from(val()?),
                 other => anyhow::bail!(
                     "unknown argument {other:?}; usage: sessiond-bench [--quick] [--sizes 100,1000] \
-                     [--no-postgres] [--standalone N] [--rss-sessions N] [--load-secs S] [--no-idle] [--turns N] [--only-turns] [--out FILE] [--bin-dir DIR]"
+                     [--no-postgres] [--standalone N] [--rss-sessions N] [--load-secs S] [--no-idle] [--turns N] [--only-turns] [--n N] [--pairs P] [--only-availability] [--out FILE] [--bin-dir DIR]"
                 ),
             }
         }
@@ -268,7 +286,7 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
     let dir = tempfile::Builder::new()
         .prefix("sessiond-bench-")
         .tempdir()?;
-    if opts.turns > 0 {
+    if opts.turns > 0 && !opts.only_availability {
         run_turns(&opts, dir.path()).await?;
     }
     if opts.only_turns {
@@ -287,6 +305,30 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         fleet.pid(),
         fleet_addrs.join(", ")
     ));
+
+    if opts.availability_n > 0 {
+        let row = availability::measure(
+            dir.path(),
+            &opts.bin_dir,
+            &fleet_urls,
+            opts.availability_n,
+            opts.availability_pairs,
+        )
+        .await?;
+        say(availability::line(&row));
+        let text = availability::render(&row, &opts.command);
+        #[allow(clippy::print_stdout)]
+        {
+            println!("{text}");
+        }
+        if let Some(out) = &opts.out {
+            report::write_between(out, availability::BEGIN, availability::END, &text)?;
+            say(format!("wrote availability into {}", out.display()));
+        }
+    }
+    if opts.only_availability {
+        return Ok(());
+    }
 
     // PostgreSQL: DATABASE_URL, else a throwaway cluster of our own.
     let (pg_url, _cluster) = if !opts.postgres {

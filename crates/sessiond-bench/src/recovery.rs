@@ -175,8 +175,21 @@ pub async fn recover(
     expect: OutcomeLabel,
     n: usize,
 ) -> anyhow::Result<(Duration, String)> {
+    recover_with(url, drivers, expect, n, true).await
+}
+
+/// [`recover`], with calls jumping the recovery queue (`priority`, the
+/// default) or without the queue at all (the availability baseline).
+pub async fn recover_with(
+    url: &str,
+    drivers: Vec<Arc<dyn Executor>>,
+    expect: OutcomeLabel,
+    n: usize,
+    priority: bool,
+) -> anyhow::Result<(Duration, String)> {
     let store = open(url).await?;
     let manager = SessionManager::new(store, drivers, manager_config());
+    manager.set_recovery_priority(priority);
     let t = Instant::now();
     let summary = manager.recover_all().await?;
     let took = t.elapsed();

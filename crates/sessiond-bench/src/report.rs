@@ -48,7 +48,7 @@ pub struct Report {
     pub total: Duration,
 }
 
-fn ms(d: Duration) -> String {
+pub(crate) fn ms(d: Duration) -> String {
     let ms = d.as_secs_f64() * 1e3;
     if ms >= 100.0 {
         format!("{ms:.0} ms")
@@ -63,7 +63,7 @@ fn mib(kib: u64) -> String {
     format!("{:.1} MiB", kib as f64 / 1024.0)
 }
 
-fn verdict(ok: bool) -> &'static str {
+pub(crate) fn verdict(ok: bool) -> &'static str {
     if ok { "met" } else { "**missed**" }
 }
 
@@ -154,7 +154,7 @@ pub fn latency_line(l: &Latency) -> String {
     )
 }
 
-fn machine() -> String {
+pub(crate) fn machine() -> String {
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpuinfo

@@ -331,12 +331,16 @@ impl Out {
                 "is_agent_running": s.is_agent_running, "is_resumable": s.is_resumable,
                 "needs_resume": s.needs_resume, "resume_reason": resume_reason(s.resume_reason),
                 "worktree_path": s.worktree_path, "worktree_branch": s.worktree_branch,
-                "error_message": s.error_message,
+                "error_message": s.error_message, "recovering": s.recovering,
                 "modes": s.modes.as_ref().map(modes_json),
             }));
             return;
         }
         println!("session           {}", s.session_id);
+        if s.recovering {
+            // The fields below are from before the restart until then.
+            println!("recovering        true (the backend is recovering this session)");
+        }
         println!("task              {}", s.task_id);
         println!("state             {}", session_state(s.state));
         println!("executor          {}", executor_status(s.executor_status));

@@ -154,6 +154,31 @@ pub struct SessionStatus {
     pub worktree_path: String,
     pub worktree_branch: String,
     pub error_message: Option<String>,
+    /// Startup recovery has not finished with this session yet: the fields
+    /// above are what was recorded before the restart, not yet checked
+    /// against the world (see [`SessionStatus::recovering`]).
+    pub recovering: bool,
+}
+
+impl SessionStatus {
+    /// The status of a session that startup recovery has not finished with
+    /// yet. Whether its agent (or agentctl) survived is not known, so it is
+    /// shown as being started: not running, no resume needed (recovery
+    /// decides that), and an executor `starting` ("being recovered"). An
+    /// ended session keeps its reason.
+    #[must_use]
+    pub fn recovering(mut self) -> Self {
+        self.recovering = true;
+        self.is_agent_running = false;
+        if self.resume_reason != ResumeReason::SessionEnded {
+            self.resume_reason = ResumeReason::None;
+            self.needs_resume = false;
+            if self.executor_status.is_some() {
+                self.executor_status = Some(ExecutorStatus::Starting);
+            }
+        }
+        self
+    }
 }
 
 /// Derives a session's status from the session, what is known of its
@@ -224,6 +249,7 @@ pub fn session_status(
             .error_message
             .clone()
             .or_else(|| execution.and_then(|view| view.retrying.clone())),
+        recovering: false,
     }
 }
 
@@ -466,5 +492,35 @@ pub(crate) mod tests {
             check_resume(&session_status(&tokenless, None, true)),
             Err(ResumeRefused::MissingResumeToken)
         );
+    }
+
+    /// Every case of the table, shown while startup recovery has not
+    /// reached the session: nothing claims the agent runs or needs a resume,
+    /// the executor is `starting`; an ended session stays ended.
+    #[test]
+    fn a_session_not_yet_recovered_is_shown_recovering() {
+        for (state, token, profile, agent, probe, _) in CASES {
+            let s = session(*state, *token);
+            let v = agent.map(|a| view(&s, a, *probe));
+            let plain = session_status(&s, v.as_ref(), *profile);
+            let st = plain.clone().recovering();
+            assert!(st.recovering);
+            assert!(!st.is_agent_running, "{state:?}");
+            assert!(!st.needs_resume, "{state:?}");
+            assert_eq!(st.is_resumable, plain.is_resumable);
+            assert_eq!(st.state, plain.state);
+            if state.is_terminal() {
+                assert_eq!(st.resume_reason, R::SessionEnded);
+                assert_eq!(st.executor_status, plain.executor_status);
+            } else {
+                assert_eq!(st.resume_reason, R::None, "{state:?}");
+                assert_eq!(
+                    st.executor_status,
+                    v.as_ref().map(|_| ExecutorStatus::Starting)
+                );
+                // An explicit resume joins recovery instead of starting another.
+                assert_eq!(check_resume(&st), Ok(false));
+            }
+        }
     }
 }

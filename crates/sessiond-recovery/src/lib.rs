@@ -16,7 +16,9 @@
 //!   [`SessionManager::delete_session`]. The agent's streamed reply is stored
 //!   by a per-session update pump (`pump.rs`).
 //! - Startup recovery (`recovery.rs`): [`SessionManager::recover_all`], then
-//!   background reconnects of remote hosts.
+//!   background reconnects of remote hosts. While a pass runs, a call on a
+//!   session it has not reached recovers that session first (`queue.rs`,
+//!   [`SessionManager::ensure_recovered`]).
 //! - Explicit resume (`resume.rs`): [`SessionManager::resume_session`],
 //!   single-flight per session.
 //! - Background work (`recovery.rs`, `sweep.rs`): remote reconnects,
@@ -39,6 +41,7 @@ mod manager;
 mod metrics;
 mod ops;
 mod pump;
+mod queue;
 mod recovery;
 mod resume;
 mod sweep;
@@ -49,5 +52,6 @@ pub use events::{EventBus, EventStream};
 pub use lifecycle::{EndReason, NewSession, RemoteAgentctl};
 pub use manager::{Execution, SessionManager, Stats};
 pub use metrics::{ExitCause, ManagerMetrics, TurnOutcome};
+pub use queue::PassGate;
 pub use recovery::RecoverySummary;
 pub use sweep::SweepReport;

@@ -379,6 +379,7 @@ impl SessionManager {
             return Err(Error::InvalidArgument("the message is empty".into()));
         }
         self.session_of_task(task, session_id).await?;
+        self.ensure_recovered(session_id).await;
         let _guard = self.lock_session(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         self.check_can_start_turn(&session, "send a message")
@@ -401,6 +402,7 @@ impl SessionManager {
         message: Option<MessageId>,
     ) -> Result<(Message, MessageId)> {
         self.session_of_task(task, session_id).await?;
+        self.ensure_recovered(session_id).await;
         let _guard = self.lock_session(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         self.check_can_start_turn(&session, "retry a turn").await?;
@@ -470,6 +472,7 @@ impl SessionManager {
     /// update pump takes it to end the turn.
     pub async fn cancel_turn(&self, task: TaskId, session_id: SessionId) -> Result<bool> {
         self.session_of_task(task, session_id).await?;
+        self.ensure_recovered(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         match session.state {
             SessionState::Running => {}
@@ -547,6 +550,7 @@ impl SessionManager {
             return Err(Error::InvalidArgument("mode_id: must not be empty".into()));
         }
         self.session_of_task(task, session_id).await?;
+        self.ensure_recovered(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         match session.state {
             SessionState::WaitingForInput | SessionState::Running => {}
@@ -778,6 +782,7 @@ impl SessionManager {
         reason: EndReason,
     ) -> Result<Session> {
         self.session_of_task(task, session_id).await?;
+        self.ensure_recovered(session_id).await;
         let _guard = self.lock_session(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         let session = if session.state.is_terminal() {

@@ -175,6 +175,11 @@ pub(crate) struct Inner {
     pub started_at: chrono::DateTime<chrono::Utc>,
     /// Becomes true when the first `recover_all` of this manager finished.
     first_recovery: tokio::sync::watch::Sender<bool>,
+    /// Startup recovery's queue (`queue.rs`).
+    pub(crate) queue: StdMutex<crate::queue::RecoveryQueue>,
+    pub(crate) queue_phase: tokio::sync::watch::Sender<crate::queue::Phase>,
+    /// How many calls' recoveries run now (the pass yields to them).
+    pub(crate) calls_recovering: tokio::sync::watch::Sender<usize>,
 }
 
 /// Runs sessions: create, message, stop; recovers them at startup; resumes
@@ -236,6 +241,9 @@ impl SessionManager {
                 liveness_started: std::sync::atomic::AtomicBool::new(false),
                 started_at: chrono::Utc::now(),
                 first_recovery: tokio::sync::watch::Sender::new(false),
+                queue: StdMutex::default(),
+                queue_phase: tokio::sync::watch::Sender::new(crate::queue::Phase::Idle),
+                calls_recovering: tokio::sync::watch::Sender::new(0),
             }),
         }
     }
@@ -295,6 +303,7 @@ impl SessionManager {
     /// execution from the executors cache, or, for a session this manager
     /// never wrote, from the record loaded with the snapshot.
     pub async fn session_status(&self, task: TaskId, session: SessionId) -> Result<SessionStatus> {
+        self.queue_filled().await;
         let cached = lock(&self.inner.status).entries.get(&session).cloned();
         let snap = match cached {
             Some(e) => e,
@@ -310,11 +319,12 @@ impl SessionManager {
         }
         let cached = lock(&self.inner.cache).get(&session).map(Execution::view);
         let view = cached.or(snap.record);
-        Ok(sessiond_domain::session_status(
-            s,
-            view.as_ref(),
-            snap.profile_claim,
-        ))
+        let status = sessiond_domain::session_status(s, view.as_ref(), snap.profile_claim);
+        Ok(if self.is_recovering(session) {
+            status.recovering()
+        } else {
+            status
+        })
     }
 
     /// Reads a session's status inputs from the store and keeps them in the
@@ -629,14 +639,16 @@ impl SessionManager {
     }
 
     /// Registers a background task so `shutdown` can end it.
-    pub(crate) fn spawn_background<F>(&self, fut: F)
+    pub(crate) fn spawn_background<F>(&self, fut: F) -> tokio::task::JoinHandle<F::Output>
     where
-        F: Future<Output = ()> + Send + 'static,
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
     {
         let h = tokio::spawn(fut);
         let mut bg = lock(&self.inner.background);
         bg.retain(|h| !h.is_finished());
         bg.push(h.abort_handle());
+        h
     }
 
     pub(crate) fn set_pump(&self, session: SessionId, handle: AbortHandle) {

@@ -37,6 +37,7 @@ use crate::{
     manager::{OpKind, OpOutcome, SessionManager, executor_moved},
     ops::{Resumed, load_refused, probe_verdict, surviving_agent},
     pump::pending_turn,
+    queue::{Claim, SharedRecovery},
 };
 
 /// How many executors the liveness check asks at once.
@@ -77,6 +78,38 @@ impl RecoverySummary {
             .find(|(s, _)| *s == session)
             .map(|(_, o)| o)
     }
+}
+
+/// Who runs a recovery. The machine has few cores and one database writer:
+/// while a call waits for its session's recovery, the pass's recoveries
+/// stop between steps (`Pass` yields to `Call`), so the call's one
+/// recovery does not queue behind the pass's `concurrency` others at every
+/// lock and connection. Background reconnects are `Other` and never wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lane {
+    Pass,
+    Call,
+    Other,
+}
+
+/// One executor of the pass: recovered by the pass, or by a call that
+/// claimed it first (awaited once the pass is through).
+enum PassResult {
+    Done(Result<OutcomeLabel>),
+    Claimed(SharedRecovery),
+}
+
+/// Runs `f` when dropped.
+struct Guard<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for Guard<F> {
+    fn drop(&mut self) {
+        (self.0)();
+    }
+}
+
+fn scopeguard<F: FnMut()>(f: F) -> Guard<F> {
+    Guard(f)
 }
 
 /// Mutable state of one executor's recovery.
@@ -123,6 +156,10 @@ impl SessionManager {
 
     async fn recover_all_inner(&self) -> Result<RecoverySummary> {
         let started = Instant::now();
+        // Calls wait for the queue from here until it is filled, and nothing
+        // waits once the pass ends, however it ends.
+        self.expect_startup_recovery();
+        let _closed = scopeguard(|| self.close_queue());
         let store = &self.inner.store;
         let mut records = store.load_recoverable_executors().await?;
         let remote = self.inner.drivers.contains_key(&Runtime::Remote);
@@ -154,10 +191,13 @@ impl SessionManager {
             }
             Err(e) => tracing::debug!(error = %e, "profiles not preloaded"),
         }
+        let queued = self.fill_queue(&records);
+        let gate = self.pass_gate();
         let concurrency = self.inner.config.recovery_concurrency.max(1);
-        let results: Vec<(SessionId, Result<OutcomeLabel>)> = futures::stream::iter(records)
+        let passed: Vec<(SessionId, PassResult)> = futures::stream::iter(records)
             .map(|record| {
                 let me = self.clone();
+                let gate = gate.clone();
                 let span = tracing::info_span!(
                     "recover_executor",
                     executor_id = %record.id,
@@ -168,14 +208,23 @@ impl SessionManager {
                 );
                 tracing::Instrument::instrument(
                     async move {
+                        if let Some(gate) = gate {
+                            gate().await;
+                        }
                         let session = record.session_id;
-                        let result = me.recover_shared(record).await;
+                        // A call on the session may have claimed it already:
+                        // its outcome is counted once the pass is through.
+                        let result = match queued.then(|| me.claim(session, Lane::Pass)).flatten() {
+                            Some(Claim::Joined(fut)) => return (session, PassResult::Claimed(fut)),
+                            Some(Claim::Started(fut)) => fut.await,
+                            None => me.recover_shared(record).await,
+                        };
                         let outcome = match &result {
                             Ok(label) => label.as_str(),
                             Err(_) => "failed",
                         };
                         tracing::Span::current().record("outcome", outcome);
-                        (session, result)
+                        (session, PassResult::Done(result))
                     },
                     span,
                 )
@@ -183,6 +232,16 @@ impl SessionManager {
             .buffer_unordered(concurrency)
             .collect()
             .await;
+        let mut results = Vec::with_capacity(passed.len());
+        for (session, r) in passed {
+            results.push((
+                session,
+                match r {
+                    PassResult::Done(r) => r,
+                    PassResult::Claimed(fut) => fut.await,
+                },
+            ));
+        }
         crate::manager::lock(&self.inner.recovery_profiles).clear();
 
         let mut summary = RecoverySummary {
@@ -227,12 +286,22 @@ impl SessionManager {
     /// Recovers one executor as the session's exclusive operation (an
     /// explicit resume arriving meanwhile joins it).
     pub(crate) async fn recover_shared(&self, record: ExecutorRecord) -> Result<OutcomeLabel> {
+        self.recover_shared_in(record, Lane::Other).await
+    }
+
+    /// [`Self::recover_shared`] in a lane: a call's recovery goes ahead of
+    /// the pass's (see [`Lane`]).
+    pub(crate) async fn recover_shared_in(
+        &self,
+        record: ExecutorRecord,
+        lane: Lane,
+    ) -> Result<OutcomeLabel> {
         let me = self.clone();
         let session = record.session_id;
         let (kind, fut) = self.single_flight(
             session,
             OpKind::Recovery,
-            async move { me.recover_one(record).await.map(OpOutcome::Recovery) }.boxed(),
+            async move { me.recover_one(record, lane).await.map(OpOutcome::Recovery) }.boxed(),
         );
         match (kind, fut.await?) {
             (_, OpOutcome::Recovery(label)) => Ok(label),
@@ -245,7 +314,11 @@ impl SessionManager {
         }
     }
 
-    async fn recover_one(&self, record: ExecutorRecord) -> Result<OutcomeLabel> {
+    async fn recover_one(&self, record: ExecutorRecord, lane: Lane) -> Result<OutcomeLabel> {
+        let _ahead = (lane == Lane::Call).then(|| self.call_recovery_started());
+        if lane == Lane::Pass {
+            self.yield_to_calls().await;
+        }
         let _guard = self.lock_session(record.session_id).await;
         let store = &self.inner.store;
         // Re-read under the lock: the caller's copy may be stale.
@@ -286,6 +359,11 @@ impl SessionManager {
         };
         let mut action = machine.start();
         loop {
+            if lane == Lane::Pass {
+                // Paused while a call's recovery runs: that time is not
+                // this executor's.
+                deadline += self.yield_to_calls().await;
+            }
             let observation = match action {
                 Action::Done(outcome) => {
                     let label = outcome.label;

@@ -61,6 +61,9 @@ impl SessionManager {
     /// whose agent already runs is returned as it is.
     pub async fn resume_session(&self, task: TaskId, session: SessionId) -> Result<SessionStatus> {
         let s = self.session_of_task(task, session).await?;
+        // Not recovered yet since the restart: recovery first (it may well
+        // resume the agent itself), then decide.
+        self.ensure_recovered(session).await;
         if let Some((kind, fut)) = self.inflight(session) {
             let out = fut.await;
             if let Some(answer) = self.joined_answer(task, session, kind, out).await {

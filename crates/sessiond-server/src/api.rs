@@ -328,6 +328,8 @@ impl Api {
         let r = r.ok_or_else(|| ApiError::invalid("session: required"))?;
         let (task, session) = ids(&r.task_id, &r.session_id)?;
         self.session_of(task, session).await?;
+        // Not recovered since the restart yet: recover it first.
+        self.manager.ensure_recovered(session).await;
         let record: Option<ExecutorRecord> = match self.manager.execution(session) {
             Some(e) => Some(e.record),
             None => self.store.get_executor_for_session(session).await?,

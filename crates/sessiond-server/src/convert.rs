@@ -309,6 +309,7 @@ pub fn status(s: &SessionStatus) -> pb::GetSessionStatusResponse {
         worktree_path: s.worktree_path.clone(),
         worktree_branch: s.worktree_branch.clone(),
         error_message: s.error_message.clone().unwrap_or_default(),
+        recovering: s.recovering,
         modes: None,
     }
 }

@@ -58,6 +58,12 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     seed_profiles(&store, &config).await?;
     let (drivers, docker) = drivers(&config).await?;
     let manager = SessionManager::new(store.clone(), drivers, manager_config(&config));
+    // Calls answer from the moment we listen; one on a session the first
+    // pass has not reached yet recovers that session first.
+    manager.expect_startup_recovery();
+    if let Some(gate) = test_recovery_gate() {
+        manager.gate_recovery_pass(gate);
+    }
     if let Some(docker) = docker {
         // Waits for the first recovery pass and the grace period itself.
         manager.start_orphan_sweep(docker);
@@ -488,6 +494,24 @@ async fn drivers(
         "executor drivers"
     );
     Ok((drivers, docker_driver))
+}
+
+/// Test hook: with `SESSIOND_TEST_RECOVERY_GATE=<file>`, the startup
+/// recovery pass waits while that file exists before it takes up each
+/// executor (calls on sessions still recover theirs), so a test can look at
+/// the API in the middle of a pass without guessing a time.
+fn test_recovery_gate() -> Option<sessiond_recovery::PassGate> {
+    let path = std::env::var_os("SESSIOND_TEST_RECOVERY_GATE").filter(|p| !p.is_empty())?;
+    let path = std::path::PathBuf::from(path);
+    tracing::warn!(gate = %path.display(), "SESSIOND_TEST_RECOVERY_GATE: the recovery pass waits while this file exists");
+    Some(Arc::new(move || {
+        let path = path.clone();
+        Box::pin(async move {
+            while path.exists() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    }))
 }
 
 /// What a standalone agentctl inherits from us: enough to find programs and

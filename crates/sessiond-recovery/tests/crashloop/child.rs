@@ -119,6 +119,20 @@ async fn child_backend() {
             let summary = child.mgr.recover_all().await.unwrap();
             say(&format!("RECOVERED {:?}", summary.counts));
         }
+        Mode::RecoverPrioritised => {
+            child
+                .mgr
+                .gate_recovery_pass(std::sync::Arc::new(|| Box::pin(std::future::pending())));
+            let pass = child.mgr.clone();
+            tokio::spawn(async move { pass.recover_all().await });
+            let sessions = child.store.list_sessions(child.task).await.unwrap();
+            say("PRIORITISING");
+            for s in &sessions {
+                child.mgr.ensure_recovered(s.id).await;
+                assert!(!child.mgr.is_recovering(s.id), "{s:?} still recovering");
+            }
+            say("PRIORITISED");
+        }
         Mode::Loop { plans } => {
             say("RECOVERING");
             let summary = child.mgr.recover_all().await.unwrap();

@@ -148,6 +148,47 @@ async fn crash_in_recovery(fp: &str, kill_executors: bool) {
     );
 }
 
+/// A crash inside a recovery a call claimed ahead of the startup pass (the
+/// pass is held before it takes up anything, so every recovery running is a
+/// call's): as safe as one inside the pass.
+async fn crash_in_prioritised_recovery(fp: &str, kill_executors: bool) {
+    let w = World::new().await;
+    let sessions = sessions_before_crash(&w, 2).await;
+    if kill_executors {
+        for s in &sessions {
+            w.kill_executor(s).await;
+        }
+    }
+    let mut c = w.spawn_child(
+        "prioritised",
+        Mode::RecoverPrioritised,
+        Some(&format!("{fp}=kill")),
+    );
+    let status = c.wait_exit(Duration::from_secs(90)).await;
+    c.assert_killed_by_failpoint(status, fp);
+    assert!(c.has("PRIORITISING"), "{:?}", c.lines());
+    let prompted = restart_and_check(&w).await;
+    assert_eq!(
+        prompted,
+        sessions.len(),
+        "every conversation continues after the clean start"
+    );
+}
+
+/// Relaunch intent written by a call's recovery (ahead of the pass),
+/// nothing spawned: the next recovery launches exactly one agentctl.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn launch_after_intent_in_prioritised_recovery() {
+    crash_in_prioritised_recovery("launch-after-intent", true).await;
+}
+
+/// Executor `ready` committed by a call's recovery after a relaunch, agent
+/// not resumed yet: the next recovery reattaches and resumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_after_ready_in_prioritised_recovery() {
+    crash_in_prioritised_recovery("recovery-after-ready", true).await;
+}
+
 /// Intent row written (session STARTING, executor `starting`), nothing
 /// spawned: recovery launches the one agentctl; the session, which has no
 /// conversation yet, goes ERROR.

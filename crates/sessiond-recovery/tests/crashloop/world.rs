@@ -70,6 +70,11 @@ pub enum Mode {
     Create { plans: Vec<Plan>, messages: usize },
     /// Recover, print `CRASHLOOP RECOVERED`, wait to be killed.
     Recover,
+    /// Start the recovery pass but hold it before it takes up any executor
+    /// (a gate that never opens), print `CRASHLOOP PRIORITISING`, and
+    /// recover every session through a call (`ensure_recovered`): each
+    /// recovery is a call's, run ahead of the pass.
+    RecoverPrioritised,
     /// Recover, then keep the planned sessions alive and busy until killed.
     Loop { plans: Vec<Plan> },
 }

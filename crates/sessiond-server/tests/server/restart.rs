@@ -274,6 +274,115 @@ async fn docker_engine_down_at_start_does_not_stop_the_backend() {
     );
 }
 
+async fn health_of(server: &Server) -> i32 {
+    HealthClient::new(channel(&server.addr).await)
+        .check(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+}
+
+/// The API answers while startup recovery runs. The pass is held before it
+/// takes up any executor by `SESSIOND_TEST_RECOVERY_GATE` (a file: a marker,
+/// not a timed guess): both sessions say `recovering` while health is
+/// NOT_SERVING; a SendMessage on one of them recovers that one at once
+/// (agentctl relaunched, conversation resumed) and is answered before the
+/// pass ends, while the other is still untouched; when the pass goes on,
+/// the first is not recovered a second time (same agentctl process, same
+/// generation) and health turns SERVING.
+#[tokio::test]
+async fn a_call_jumps_the_recovery_queue_while_health_is_not_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let (wa, wb) = (dir.path().join("a"), dir.path().join("b"));
+    std::fs::create_dir_all(&wa).unwrap();
+    std::fs::create_dir_all(&wb).unwrap();
+    let mut server = start(&data, &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "queue").await;
+    let a = create_session(&mut c, &task.id, &wa, "").await;
+    let b = create_session(&mut c, &task.id, &wb, "").await;
+    assert!(
+        prompt(&mut c, &task.id, &a.id, "one")
+            .await
+            .contains("turn 1")
+    );
+    // Backend and every agentctl (their agents die with them) gone: each
+    // session's recovery must relaunch agentctl and resume the agent.
+    server.kill();
+    for pid in agentctl_pids(&data) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    for _ in 0..200 {
+        if agentctl_pids(&data).is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(agentctl_pids(&data).is_empty(), "old agentctls still alive");
+
+    let gate = dir.path().join("recovery-gate");
+    std::fs::write(&gate, b"").unwrap();
+    let log = dir.path().join("sessiond.log");
+    let server = start_env(
+        &data,
+        &[],
+        Some(TOKEN),
+        Some(&log),
+        &[("SESSIOND_TEST_RECOVERY_GATE", gate.as_path())],
+    );
+    let mut c = sessions(&server).await;
+    for s in [&a, &b] {
+        let st = status(&mut c, &task.id, &s.id).await;
+        assert!(st.recovering, "{st:?}");
+        assert_eq!(st.executor_status, pb::ExecutorStatus::Starting as i32);
+        assert!(!st.is_agent_running && !st.needs_resume, "{st:?}");
+        assert_eq!(st.state, pb::SessionState::WaitingForInput as i32);
+    }
+    assert_eq!(health_of(&server).await, ServingStatus::NotServing as i32);
+    let (ok, out, _) = sessionctl(&server, &["session", "status", "--task", &task.id, &b.id]);
+    assert!(ok && out.contains("recovering        true"), "{out}");
+
+    // A message to A: recovered ahead of the held pass, and answered.
+    let reply = prompt(&mut c, &task.id, &a.id, "two").await;
+    assert!(reply.contains("turn 2"), "{reply}");
+    let st_a = status(&mut c, &task.id, &a.id).await;
+    assert!(!st_a.recovering && st_a.is_agent_running, "{st_a:?}");
+    assert!(status(&mut c, &task.id, &b.id).await.recovering);
+    assert_eq!(health_of(&server).await, ServingStatus::NotServing as i32);
+    let only_a = agentctl_pids(&data);
+    assert_eq!(only_a.len(), 1, "only A's agentctl runs: {only_a:?}");
+
+    std::fs::remove_file(&gate).unwrap();
+    wait_serving(&server).await;
+    let st_b = status(&mut c, &task.id, &b.id).await;
+    assert!(!st_b.recovering && st_b.is_agent_running, "{st_b:?}");
+    let after = status(&mut c, &task.id, &a.id).await;
+    assert_eq!(
+        after.agent_execution_id, st_a.agent_execution_id,
+        "A recovered twice"
+    );
+    let pids = agentctl_pids(&data);
+    assert_eq!(pids.len(), 2, "{pids:?}");
+    assert!(
+        pids.contains(&only_a[0]),
+        "A's agentctl was replaced: {only_a:?} -> {pids:?}"
+    );
+    assert!(
+        prompt(&mut c, &task.id, &a.id, "three")
+            .await
+            .contains("turn 3")
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("startup recovery done"), "{text}");
+}
+
 /// The reason a status carries in `sessiond-error`.
 fn reason(status: &tonic::Status) -> &str {
     status

@@ -116,7 +116,21 @@ pub fn start_with(
     token: Option<&str>,
     stderr: Option<&Path>,
 ) -> Server {
+    start_env(data_dir, extra, token, stderr, &[])
+}
+
+/// As [`start_with`], with extra environment variables.
+pub fn start_env(
+    data_dir: &Path,
+    extra: &[&str],
+    token: Option<&str>,
+    stderr: Option<&Path>,
+    envs: &[(&str, &Path)],
+) -> Server {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_sessiond"));
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
     match token {
         Some(t) => cmd.env("SESSIOND_API_TOKENS", t),
         None => cmd.env_remove("SESSIOND_API_TOKENS"),

@@ -1,0 +1,225 @@
+//! Startup recovery's queue: the API answers while the pass runs, and a
+//! call on a session the pass has not reached yet recovers that session at
+//! once instead of waiting for the whole pass.
+//!
+//! `recover_all` puts every executor it loaded in the queue (`Waiting`)
+//! before it recovers any. Whoever comes first — the pass, in its order, or
+//! a call on the session ([`SessionManager::ensure_recovered`]) — *claims*
+//! the entry: the recovery starts on a task of its own (the same
+//! `recover_shared` the pass runs: per-session single-flight, intent before
+//! side effect), and the entry holds its shared outcome (`Claimed`), which
+//! everyone else joins. So each executor is recovered once per pass, never
+//! twice at once, and a claimed one does not use a slot of the pass's
+//! bounded concurrency. The pass waits for the claimed ones at its end and
+//! counts them in its summary; then the queue is emptied. While a call's
+//! recovery runs, the pass's recoveries pause between steps (their
+//! deadlines extended by the pause), so the call does not queue behind the
+//! pass's `concurrency` others for the database and the CPU.
+//!
+//! While a session is in the queue and its recovery has not ended,
+//! [`SessionManager::session_status`] says `recovering`. Between the moment
+//! a backend announces a pass ([`SessionManager::expect_startup_recovery`],
+//! before it serves) and the moment the queue is filled, status and calls
+//! wait for the queue (a few tens of milliseconds for 10,000 executors),
+//! so nothing is answered from records the pass is about to look at.
+
+use std::{collections::HashMap, sync::Arc};
+
+use futures::{
+    FutureExt,
+    future::{BoxFuture, Shared},
+};
+use sessiond_domain::{ExecutorRecord, OutcomeLabel, SessionId};
+
+use crate::{
+    error::{Error, Result},
+    manager::{SessionManager, lock},
+    recovery::Lane,
+};
+
+/// The shared outcome of one claimed recovery.
+pub(crate) type SharedRecovery = Shared<BoxFuture<'static, Result<OutcomeLabel>>>;
+
+/// A future the pass awaits before it claims each executor (a test hook:
+/// holds the pass open at a known point; calls still claim).
+pub type PassGate = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
+
+pub(crate) enum Queued {
+    /// Not claimed yet: the record the pass loaded.
+    Waiting(Box<ExecutorRecord>),
+    /// Being recovered (or recovered) in this pass.
+    Claimed(SharedRecovery),
+}
+
+/// Where the queue stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// No pass announced or running: nothing waits for the queue.
+    Idle,
+    /// A pass is announced or loading its executors: wait for `Filled`.
+    Loading,
+    /// The pass's executors are in the queue.
+    Filled,
+}
+
+#[derive(Default)]
+pub(crate) struct RecoveryQueue {
+    pub entries: HashMap<SessionId, Queued>,
+    pub gate: Option<PassGate>,
+    /// Off: the pass recovers in its own order and calls are not
+    /// prioritised (the benchmark's baseline).
+    pub off: bool,
+}
+
+/// What a claim found.
+pub(crate) enum Claim {
+    /// This caller started the recovery.
+    Started(SharedRecovery),
+    /// Someone else had: join its outcome.
+    Joined(SharedRecovery),
+}
+
+impl SessionManager {
+    /// Announces that a startup recovery pass is about to run: from now
+    /// until its queue is filled, status and calls on sessions wait for it
+    /// (`sessiond serve` calls this before it starts serving, so that no
+    /// call slips in before the pass has loaded what it will recover).
+    pub fn expect_startup_recovery(&self) {
+        if !lock(&self.inner.queue).off {
+            self.inner.queue_phase.send_replace(Phase::Loading);
+        }
+    }
+
+    /// Holds the recovery pass before it claims each executor until `gate`
+    /// resolves; calls on sessions still claim theirs. For tests that must
+    /// observe the API while a pass is under way at a known point.
+    pub fn gate_recovery_pass(&self, gate: PassGate) {
+        lock(&self.inner.queue).gate = Some(gate);
+    }
+
+    /// Whether calls jump the recovery queue (on by default). Off, a pass
+    /// recovers strictly in its own order and a call on a session not yet
+    /// recovered is answered from what is recorded: only the benchmark
+    /// turns it off, to measure what the queue costs.
+    pub fn set_recovery_priority(&self, on: bool) {
+        lock(&self.inner.queue).off = !on;
+    }
+
+    /// Whether startup recovery has yet to finish with `session`.
+    pub fn is_recovering(&self, session: SessionId) -> bool {
+        match lock(&self.inner.queue).entries.get(&session) {
+            Some(Queued::Waiting(_)) => true,
+            Some(Queued::Claimed(f)) => f.peek().is_none(),
+            None => false,
+        }
+    }
+
+    /// Waits until the announced pass has filled its queue.
+    pub(crate) async fn queue_filled(&self) {
+        let mut rx = self.inner.queue_phase.subscribe();
+        let _ = rx.wait_for(|p| *p != Phase::Loading).await;
+    }
+
+    /// A call on `session` is about to act on it: if startup recovery has
+    /// not finished with it, recover it now (ahead of the pass) or join the
+    /// recovery under way, and wait for that one session only. Whatever the
+    /// recovery decided is then in the store and the caches; a recovery that
+    /// failed leaves the records as they were, and the caller's own checks
+    /// answer.
+    pub async fn ensure_recovered(&self, session: SessionId) {
+        self.queue_filled().await;
+        let claim = self.claim(session, Lane::Call);
+        let Some(Claim::Started(fut) | Claim::Joined(fut)) = claim else {
+            return;
+        };
+        if let Err(e) = fut.await {
+            tracing::debug!(%session, error = %e, "prioritised recovery failed");
+        }
+    }
+
+    /// Claims `session`'s queue entry: starts its recovery if it is still
+    /// waiting, else hands out the one under way. `None`: not queued.
+    pub(crate) fn claim(&self, session: SessionId, lane: Lane) -> Option<Claim> {
+        let mut queue = lock(&self.inner.queue);
+        let entry = queue.entries.get_mut(&session)?;
+        let record = match entry {
+            Queued::Claimed(f) => return Some(Claim::Joined(f.clone())),
+            Queued::Waiting(r) => (**r).clone(),
+        };
+        let me = self.clone();
+        // On a task of its own (in the claimer's span), so a caller that
+        // goes away does not cut it short.
+        let task = self.spawn_background(tracing::Instrument::in_current_span(async move {
+            me.recover_shared_in(record, lane).await
+        }));
+        let fut: SharedRecovery = async move {
+            task.await
+                .map_err(|e| Error::Internal(format!("recovery task ended: {e}")))?
+        }
+        .boxed()
+        .shared();
+        *entry = Queued::Claimed(fut.clone());
+        Some(Claim::Started(fut))
+    }
+
+    /// Fills the queue with the pass's executors; returns whether calls are
+    /// prioritised in this pass.
+    pub(crate) fn fill_queue(&self, records: &[ExecutorRecord]) -> bool {
+        let mut queue = lock(&self.inner.queue);
+        if queue.off {
+            return false;
+        }
+        queue.entries.clear();
+        queue.entries.reserve(records.len());
+        for r in records {
+            queue
+                .entries
+                .entry(r.session_id)
+                .or_insert_with(|| Queued::Waiting(Box::new(r.clone())));
+        }
+        drop(queue);
+        self.inner.queue_phase.send_replace(Phase::Filled);
+        true
+    }
+
+    /// The pass is over (or failed before filling its queue): nothing is
+    /// waited for any more.
+    pub(crate) fn close_queue(&self) {
+        lock(&self.inner.queue).entries.clear();
+        self.inner.queue_phase.send_replace(Phase::Idle);
+    }
+
+    pub(crate) fn pass_gate(&self) -> Option<PassGate> {
+        lock(&self.inner.queue).gate.clone()
+    }
+
+    /// A call's recovery is running: the pass waits (see [`Lane`]) until
+    /// the returned guard is dropped.
+    pub(crate) fn call_recovery_started(&self) -> CallRecovery {
+        self.inner.calls_recovering.send_modify(|n| *n += 1);
+        CallRecovery(self.clone())
+    }
+
+    /// Waits while a call's recovery runs; returns how long it waited.
+    pub(crate) async fn yield_to_calls(&self) -> std::time::Duration {
+        if *self.inner.calls_recovering.borrow() == 0 {
+            return std::time::Duration::ZERO;
+        }
+        let t = std::time::Instant::now();
+        let mut rx = self.inner.calls_recovering.subscribe();
+        let _ = rx.wait_for(|n| *n == 0).await;
+        t.elapsed()
+    }
+}
+
+/// Ends a call's precedence over the pass when dropped.
+pub(crate) struct CallRecovery(SessionManager);
+
+impl Drop for CallRecovery {
+    fn drop(&mut self) {
+        self.0
+            .inner
+            .calls_recovering
+            .send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
