@@ -531,21 +531,25 @@ fn docker_session_with_the_default_profile() {
     let reply = env.sessionctl(&["send", &session, "again"], &scratch);
     assert!(reply.contains("turn 2"), "{reply}");
 
-    let failed = env
-        .sessionctl(
-            &[
-                "session",
-                "create",
-                "--runtime",
-                "local_docker",
-                "--agent",
-                "host-only",
-                "-q",
-            ],
-            &scratch,
-        )
-        .trim()
-        .to_owned();
+    // The session is created but ERROR: `session create` prints its id and
+    // exits non-zero with the reason.
+    let (stdout, stderr, _) = env.sessionctl_fails(
+        &[
+            "session",
+            "create",
+            "--runtime",
+            "local_docker",
+            "--agent",
+            "host-only",
+            "-q",
+        ],
+        &scratch,
+    );
+    let failed = stdout.trim().to_owned();
+    assert!(
+        stderr.contains("was created but is ERROR"),
+        "{stdout}\n{stderr}"
+    );
     let status = env.sessionctl(&["session", "status", &failed], &scratch);
     assert!(status.contains("ERROR"), "{status}");
     for part in [
