@@ -7,9 +7,6 @@ use std::{path::Path, process::Command, time::Duration};
 
 use sessiond_proto::sessiond::v1 as pb;
 use tonic::Code;
-use tonic_health::pb::{
-    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
-};
 
 use crate::support::*;
 
@@ -33,28 +30,6 @@ fn config(dir: &Path, profiles: &[(&str, &[&str], &str, &str)]) -> String {
     }
     std::fs::write(&path, text).unwrap();
     path.display().to_string()
-}
-
-async fn wait_serving(server: &Server) {
-    let mut health = HealthClient::new(channel(&server.addr).await);
-    let mut watch = health
-        .watch(HealthCheckRequest {
-            service: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    loop {
-        let status = tokio::time::timeout(Duration::from_secs(60), watch.message())
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap()
-            .status;
-        if status == ServingStatus::Serving as i32 {
-            return;
-        }
-    }
 }
 
 async fn get(c: &mut Sessions, task: &str, session: &str) -> pb::Session {
@@ -235,7 +210,7 @@ async fn never_prompted_session_gets_a_new_conversation_after_kill_9() {
     std::fs::remove_file(&transcript).unwrap();
 
     let server = start(&data, &["--config", &config]);
-    wait_serving(&server).await;
+    crate::restart::wait_serving(&server).await;
     let mut c = sessions(&server).await;
 
     // Never prompted: a new conversation, a new token, an event saying so.
