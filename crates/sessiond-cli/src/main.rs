@@ -86,6 +86,9 @@ enum Command {
     Workspace(WorkspaceCmd),
     /// List the agent profiles the server knows.
     Profiles,
+    /// The sessiond replicas sharing the server's database: id, address,
+    /// heartbeat age, and load (executors each owns).
+    Replicas,
     /// The server's health: NOT_SERVING until startup recovery is done.
     Health {
         /// Wait (up to --timeout-secs) until the server is SERVING; retries
@@ -399,6 +402,14 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .await?
                 .into_inner();
             out.profiles(&r.profiles);
+        }
+        Command::Replicas => {
+            let r = c
+                .sessions
+                .list_replicas(pb::ListReplicasRequest {})
+                .await?
+                .into_inner();
+            out.replicas(&r);
         }
     }
     Ok(ExitCode::SUCCESS)

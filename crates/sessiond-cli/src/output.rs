@@ -469,6 +469,50 @@ impl Out {
         let _ = std::io::stdout().flush();
     }
 
+    pub fn replicas(&self, r: &pb::ListReplicasResponse) {
+        let now = chrono::Utc::now();
+        let age_ms = |t: Option<&prost_types::Timestamp>| {
+            t.and_then(|t| chrono::DateTime::from_timestamp(t.seconds, t.nanos.max(0) as u32))
+                .map(|d| (now - d).num_milliseconds().max(0))
+        };
+        if self.json {
+            self.print_json(Value::Array(
+                r.replicas
+                    .iter()
+                    .map(|x| {
+                        json!({
+                            "id": x.id, "address": x.address, "hostname": x.hostname,
+                            "pid": x.pid, "live": x.live, "owned_executors": x.owned_executors,
+                            "heartbeat_age_ms": age_ms(x.heartbeat_at.as_ref()),
+                            "started_at": ts(x.started_at.as_ref()),
+                            "lease_ttl_ms": x.lease_ttl_ms, "self": x.id == r.self_id,
+                        })
+                    })
+                    .collect(),
+            ));
+            return;
+        }
+        println!(
+            "{:<28}  {:<22}  {:<5}  {:>9}  {:>8}",
+            "ID", "ADDRESS", "LIVE", "HEARTBEAT", "EXECUTORS"
+        );
+        for x in &r.replicas {
+            let age = age_ms(x.heartbeat_at.as_ref()).map_or_else(
+                || "-".to_owned(),
+                |ms| format!("{:.1}s ago", ms as f64 / 1000.0),
+            );
+            let me = if x.id == r.self_id { " *" } else { "" };
+            println!(
+                "{:<28}  {:<22}  {:<5}  {:>9}  {:>8}",
+                format!("{}{me}", x.id),
+                x.address,
+                if x.live { "yes" } else { "no" },
+                age,
+                x.owned_executors
+            );
+        }
+    }
+
     pub fn profiles(&self, profiles: &[pb::AgentProfile]) {
         if self.json {
             self.print_json(Value::Array(

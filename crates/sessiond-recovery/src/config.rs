@@ -46,6 +46,33 @@ pub struct ManagerConfig {
     /// `ready`); a create past it is refused before anything is stored
     /// (`None`: no limit).
     pub max_live_sessions: Option<usize>,
+    /// This process as one replica of several on one database.
+    pub replica: ReplicaSettings,
+}
+
+/// Who this replica is and how it holds executors (see `replicas.rs`).
+#[derive(Debug, Clone)]
+pub struct ReplicaSettings {
+    /// Unique among the replicas of one database; stable across restarts
+    /// so a restarted replica takes its own executors back at once.
+    pub id: String,
+    /// A lease not renewed for this long is expired and its executor is
+    /// adopted by another replica; heartbeats run every third of it.
+    pub lease_ttl: Duration,
+    /// The store is this process's alone (SQLite, locked by the binary):
+    /// claims take every lease whatever it says, and nothing is adopted in
+    /// the background (there is nobody to adopt from).
+    pub exclusive: bool,
+}
+
+impl Default for ReplicaSettings {
+    fn default() -> Self {
+        Self {
+            id: "single".into(),
+            lease_ttl: Duration::from_secs(15),
+            exclusive: true,
+        }
+    }
 }
 
 impl Default for ManagerConfig {
@@ -65,6 +92,7 @@ impl Default for ManagerConfig {
             orphan_sweep_grace: Duration::from_secs(120),
             orphan_sweep_interval: Some(Duration::from_secs(15 * 60)),
             max_live_sessions: None,
+            replica: ReplicaSettings::default(),
         }
     }
 }

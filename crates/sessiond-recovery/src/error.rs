@@ -121,6 +121,21 @@ pub enum Error {
     #[error("unavailable: {0}")]
     Unavailable(String),
 
+    /// Another replica owns the session's executor: only it may act on it.
+    /// Retryable: send the call to `address`, or retry here (ownership may
+    /// be moving after that replica stopped).
+    #[error(
+        "session {session_id} is served by replica {owner}{}; send the call there, or retry: \
+         if that replica is gone, another one takes the session over within {ttl_secs}s",
+        at_address(.address)
+    )]
+    NotOwner {
+        session_id: SessionId,
+        owner: String,
+        address: String,
+        ttl_secs: u64,
+    },
+
     /// The caller's input cannot work.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -143,6 +158,14 @@ pub enum Error {
     Internal(String),
 }
 
+fn at_address(address: &str) -> String {
+    if address.is_empty() {
+        String::new()
+    } else {
+        format!(" at {address}")
+    }
+}
+
 impl Error {
     pub fn kind(&self) -> ErrorKind {
         match self {
@@ -158,7 +181,7 @@ impl Error {
             | Error::TurnNotInterrupted { .. }
             | Error::ResumeFailed { .. } => ErrorKind::FailedPrecondition,
             Error::Conflict { .. } => ErrorKind::Aborted,
-            Error::Unavailable(_) => ErrorKind::Unavailable,
+            Error::Unavailable(_) | Error::NotOwner { .. } => ErrorKind::Unavailable,
             Error::LimitReached { .. } => ErrorKind::ResourceExhausted,
             Error::Executor(e) if e.is_unavailable() => ErrorKind::Unavailable,
             Error::Executor(_) => ErrorKind::FailedPrecondition,

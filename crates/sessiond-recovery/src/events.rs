@@ -126,6 +126,21 @@ impl EventBus {
         }
     }
 
+    /// Whether anyone here watches this session or its task.
+    pub(crate) fn watches(&self, session: SessionId, task: TaskId) -> bool {
+        let c = &self.channels;
+        lock(&c.sessions).contains_key(&session) || lock(&c.tasks).contains_key(&task)
+    }
+
+    /// The sessions and tasks watched here now.
+    pub(crate) fn watched_keys(&self) -> (Vec<SessionId>, Vec<TaskId>) {
+        let c = &self.channels;
+        (
+            lock(&c.sessions).keys().copied().collect(),
+            lock(&c.tasks).keys().copied().collect(),
+        )
+    }
+
     /// Watchers of sessions and of tasks with a channel now (for tests).
     pub fn watched(&self) -> (usize, usize) {
         let c = &self.channels;

@@ -43,10 +43,11 @@ mod ops;
 mod pump;
 mod queue;
 mod recovery;
+mod replica;
 mod resume;
 mod sweep;
 
-pub use config::ManagerConfig;
+pub use config::{ManagerConfig, ReplicaSettings};
 pub use error::{Error, ErrorKind, Result};
 pub use events::{EventBus, EventStream};
 pub use lifecycle::{EndReason, NewSession, RemoteAgentctl};

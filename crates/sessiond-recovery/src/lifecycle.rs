@@ -187,6 +187,8 @@ impl SessionManager {
             created_at: now,
             updated_at: now,
         };
+        let mut record = record;
+        self.new_lease(&mut record);
         let (mut starting, ev) = transition(&created, SessionEvent::LaunchRequested, None)?;
         starting.agent_execution_id = Some(record.execution_id());
         let mut change = Changeset::new()
@@ -205,6 +207,8 @@ impl SessionManager {
         );
         change = change.task_event(req.task_id, TaskEvent::WorkStarted);
         let committed = store.create_session_with(&created, change).await?;
+        // After the commit: a heartbeat never sees it owned before the row exists.
+        self.mark_owned(session_id);
         drop(gate);
         self.after_commit(&committed);
         let mut session = committed
@@ -379,7 +383,7 @@ impl SessionManager {
             return Err(Error::InvalidArgument("the message is empty".into()));
         }
         self.session_of_task(task, session_id).await?;
-        self.ensure_recovered(session_id).await;
+        self.ensure_recovered(session_id).await?;
         let _guard = self.lock_session(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         self.check_can_start_turn(&session, "send a message")
@@ -402,7 +406,7 @@ impl SessionManager {
         message: Option<MessageId>,
     ) -> Result<(Message, MessageId)> {
         self.session_of_task(task, session_id).await?;
-        self.ensure_recovered(session_id).await;
+        self.ensure_recovered(session_id).await?;
         let _guard = self.lock_session(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         self.check_can_start_turn(&session, "retry a turn").await?;
@@ -472,7 +476,7 @@ impl SessionManager {
     /// update pump takes it to end the turn.
     pub async fn cancel_turn(&self, task: TaskId, session_id: SessionId) -> Result<bool> {
         self.session_of_task(task, session_id).await?;
-        self.ensure_recovered(session_id).await;
+        self.ensure_recovered(session_id).await?;
         let session = self.inner.store.get_session(session_id).await?;
         match session.state {
             SessionState::Running => {}
@@ -550,7 +554,7 @@ impl SessionManager {
             return Err(Error::InvalidArgument("mode_id: must not be empty".into()));
         }
         self.session_of_task(task, session_id).await?;
-        self.ensure_recovered(session_id).await;
+        self.ensure_recovered(session_id).await?;
         let session = self.inner.store.get_session(session_id).await?;
         match session.state {
             SessionState::WaitingForInput | SessionState::Running => {}
@@ -782,7 +786,7 @@ impl SessionManager {
         reason: EndReason,
     ) -> Result<Session> {
         self.session_of_task(task, session_id).await?;
-        self.ensure_recovered(session_id).await;
+        self.ensure_recovered(session_id).await?;
         let _guard = self.lock_session(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         let session = if session.state.is_terminal() {

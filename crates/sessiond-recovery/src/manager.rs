@@ -180,6 +180,8 @@ pub(crate) struct Inner {
     pub(crate) queue_phase: tokio::sync::watch::Sender<crate::queue::Phase>,
     /// How many calls' recoveries run now (the pass yields to them).
     pub(crate) calls_recovering: tokio::sync::watch::Sender<usize>,
+    /// Sessions whose executor this replica holds the lease of (`replica.rs`).
+    pub(crate) owned: StdMutex<HashSet<SessionId>>,
 }
 
 /// Runs sessions: create, message, stop; recovers them at startup; resumes
@@ -218,6 +220,10 @@ impl SessionManager {
         let drivers = drivers.into_iter().map(|d| (d.runtime(), d)).collect();
         let metrics = Arc::new(crate::metrics::ManagerMetrics::default());
         let bus = EventBus::with_metrics(config.event_buffer, metrics.watch.clone());
+        if !config.replica.exclusive {
+            // Other replicas' watchers are woken by what we commit.
+            store.announce_events_as(&config.replica.id);
+        }
         Self {
             inner: Arc::new(Inner {
                 store,
@@ -244,6 +250,7 @@ impl SessionManager {
                 queue: StdMutex::default(),
                 queue_phase: tokio::sync::watch::Sender::new(crate::queue::Phase::Idle),
                 calls_recovering: tokio::sync::watch::Sender::new(0),
+                owned: StdMutex::default(),
             }),
         }
     }
@@ -304,9 +311,16 @@ impl SessionManager {
     /// never wrote, from the record loaded with the snapshot.
     pub async fn session_status(&self, task: TaskId, session: SessionId) -> Result<SessionStatus> {
         self.queue_filled().await;
-        let cached = lock(&self.inner.status).entries.get(&session).cloned();
+        // Another replica's session changes under us: read what it committed.
+        let elsewhere = !self.owns(session);
+        let cached = if elsewhere {
+            None
+        } else {
+            lock(&self.inner.status).entries.get(&session).cloned()
+        };
         let snap = match cached {
             Some(e) => e,
+            None if elsewhere => self.read_status_inputs(session).await?,
             None => self.load_status_inputs(session).await?,
         };
         let s = &snap.session;
@@ -317,13 +331,47 @@ impl SessionManager {
                 actual: s.task_id,
             });
         }
-        let cached = lock(&self.inner.cache).get(&session).map(Execution::view);
+        let cached = if elsewhere {
+            None
+        } else {
+            lock(&self.inner.cache).get(&session).map(Execution::view)
+        };
         let view = cached.or(snap.record);
         let status = sessiond_domain::session_status(s, view.as_ref(), snap.profile_claim);
         Ok(if self.is_recovering(session) {
             status.recovering()
         } else {
             status
+        })
+    }
+
+    /// A session's status inputs as stored now, not kept (a session another
+    /// replica owns). Whether its agent runs is not stored: it is taken as
+    /// running while a live lease holder keeps the executor ready and the
+    /// session live, since that owner moves the session to ERROR when its
+    /// agent exits (pump, liveness check). Exact only on the owner.
+    async fn read_status_inputs(&self, session: SessionId) -> Result<StatusEntry> {
+        let (s, profile_claim, record) = self.inner.store.session_status_inputs(session).await?;
+        let record = record.map(|r| {
+            let mut view = ExecutionView::from_record(&r);
+            let held =
+                r.owner_id.is_some() && r.lease_expires_at.is_some_and(|t| t > chrono::Utc::now());
+            if held
+                && r.status == sessiond_domain::ExecutorStatus::Ready
+                && matches!(
+                    s.state,
+                    sessiond_domain::SessionState::Running
+                        | sessiond_domain::SessionState::WaitingForInput
+                )
+            {
+                view.agent = AgentProcessState::Running;
+            }
+            view
+        });
+        Ok(StatusEntry {
+            session: Arc::new(s),
+            profile_claim,
+            record,
         })
     }
 

@@ -126,15 +126,19 @@ impl SessionManager {
     /// recovery decided is then in the store and the caches; a recovery that
     /// failed leaves the records as they were, and the caller's own checks
     /// answer.
-    pub async fn ensure_recovered(&self, session: SessionId) {
+    ///
+    /// With other replicas, the session's executor must then be this
+    /// replica's: one whose lease is free or expired is claimed and
+    /// recovered here; one another replica holds is [`Error::NotOwner`].
+    pub async fn ensure_recovered(&self, session: SessionId) -> Result<()> {
         self.queue_filled().await;
         let claim = self.claim(session, Lane::Call);
-        let Some(Claim::Started(fut) | Claim::Joined(fut)) = claim else {
-            return;
-        };
-        if let Err(e) = fut.await {
+        if let Some(Claim::Started(fut) | Claim::Joined(fut)) = claim
+            && let Err(e) = fut.await
+        {
             tracing::debug!(%session, error = %e, "prioritised recovery failed");
         }
+        self.ensure_owned(session).await
     }
 
     /// Claims `session`'s queue entry: starts its recovery if it is still

@@ -165,22 +165,19 @@ impl SessionManager {
         let remote = self.inner.drivers.contains_key(&Runtime::Remote);
         let docker = self.inner.drivers.contains_key(&Runtime::LocalDocker);
         if remote || docker {
-            let now = Utc::now();
-            let window = self.inner.config.remote_retry_window;
             records.extend(store.list_executors().await?.into_iter().filter(|r| {
-                let code = |c: &str| r.error_message.as_deref().is_some_and(|m| m.starts_with(c));
                 r.status == ExecutorStatus::Error
-                    && match r.runtime {
-                        Runtime::Remote => {
-                            remote
-                                && code(RECONNECTING)
-                                && window_open(r, window, now, self.inner.started_at)
-                        }
-                        Runtime::LocalDocker => docker && code(DOCKER_UNAVAILABLE),
-                        Runtime::LocalStandalone => false,
-                    }
+                    && retried_in_background(
+                        r,
+                        &self.inner.drivers,
+                        &self.inner.config,
+                        self.inner.started_at,
+                    )
             }));
         }
+        // With other replicas: only what this one could claim (its own from
+        // before a restart, free or expired leases); the rest is theirs.
+        let records = self.claim_records(records).await?;
         let total = records.len();
         // Profiles are written before the manager serves: read them all once
         // instead of once per executor.
@@ -323,6 +320,9 @@ impl SessionManager {
         let store = &self.inner.store;
         // Re-read under the lock: the caller's copy may be stale.
         let (record, session) = store.get_executor_and_session(record.id).await?;
+        // Only the lease holder recovers (its lease may have gone to another
+        // replica since this recovery was queued).
+        self.ensure_owner(&record)?;
         let preloaded = crate::manager::lock(&self.inner.recovery_profiles)
             .get(&session.agent_profile_id)
             .cloned();
@@ -910,6 +910,9 @@ impl SessionManager {
             loop {
                 tokio::time::sleep(backoff.delay(attempt)).await;
                 attempt = attempt.saturating_add(1);
+                if !me.owns(session) {
+                    break; // another replica holds it now
+                }
                 let current = match me.inner.store.get_executor(record.id).await {
                     Ok(r) => r,
                     Err(e) if e.is_not_found() => break,
@@ -964,6 +967,30 @@ impl SessionManager {
 /// and the background reconnect ([`SessionManager::spawn_reconnect`]) runs
 /// recovery when the host answers again, which reattaches or resumes without
 /// a user call. The caller then spawns that reconnect.
+/// Whether an executor in `error` is still retried in the background (a
+/// remote host reconnecting inside its window, a Docker engine that did not
+/// answer), so recovery takes it up like a live one.
+pub(crate) fn retried_in_background(
+    r: &ExecutorRecord,
+    drivers: &std::collections::HashMap<Runtime, Arc<dyn sessiond_executor::Executor>>,
+    config: &crate::ManagerConfig,
+    started_at: chrono::DateTime<Utc>,
+) -> bool {
+    let code = |c: &str| r.error_message.as_deref().is_some_and(|m| m.starts_with(c));
+    r.status == ExecutorStatus::Error
+        && match r.runtime {
+            Runtime::Remote => {
+                drivers.contains_key(&Runtime::Remote)
+                    && code(RECONNECTING)
+                    && window_open(r, config.remote_retry_window, Utc::now(), started_at)
+            }
+            Runtime::LocalDocker => {
+                drivers.contains_key(&Runtime::LocalDocker) && code(DOCKER_UNAVAILABLE)
+            }
+            Runtime::LocalStandalone => false,
+        }
+}
+
 pub(crate) fn remote_lost(record: &ExecutorRecord, reason: &str) -> Result<Changeset> {
     let failure = RecoveryFailure::Reconnecting {
         url: record.agentctl_url.clone().unwrap_or_default(),

@@ -63,7 +63,7 @@ impl SessionManager {
         let s = self.session_of_task(task, session).await?;
         // Not recovered yet since the restart: recovery first (it may well
         // resume the agent itself), then decide.
-        self.ensure_recovered(session).await;
+        self.ensure_recovered(session).await?;
         if let Some((kind, fut)) = self.inflight(session) {
             let out = fut.await;
             if let Some(answer) = self.joined_answer(task, session, kind, out).await {

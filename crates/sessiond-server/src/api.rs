@@ -329,7 +329,7 @@ impl Api {
         let (task, session) = ids(&r.task_id, &r.session_id)?;
         self.session_of(task, session).await?;
         // Not recovered since the restart yet: recover it first.
-        self.manager.ensure_recovered(session).await;
+        self.manager.ensure_recovered(session).await?;
         let record: Option<ExecutorRecord> = match self.manager.execution(session) {
             Some(e) => Some(e.record),
             None => self.store.get_executor_for_session(session).await?,
@@ -463,6 +463,39 @@ impl pb::session_service_server::SessionService for Api {
                 let profiles = self.store.list_agent_profiles().await?;
                 Ok(pb::ListAgentProfilesResponse {
                     profiles: profiles.iter().map(convert::profile).collect(),
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn list_replicas(
+        &self,
+        _request: Request<pb::ListReplicasRequest>,
+    ) -> Result<Response<pb::ListReplicasResponse>, Status> {
+        reply(
+            async {
+                let now = chrono::Utc::now();
+                let me = self.manager.replica_id().to_owned();
+                let mut replicas = self.store.list_replicas(now).await?;
+                // One process on its own store holds no leases: it owns
+                // every live executor.
+                if self.manager.config().replica.exclusive {
+                    let live: i64 = self
+                        .store
+                        .count_executors_by_runtime_and_status()
+                        .await?
+                        .into_iter()
+                        .filter(|(_, status, _)| *status != ExecutorStatus::Stopped)
+                        .map(|(_, _, n)| n)
+                        .sum();
+                    for r in replicas.iter_mut().filter(|r| r.id == me) {
+                        r.owned_executors = live;
+                    }
+                }
+                Ok(pb::ListReplicasResponse {
+                    replicas: replicas.iter().map(|r| convert::replica(r, now)).collect(),
+                    self_id: me,
                 })
             }
             .await,

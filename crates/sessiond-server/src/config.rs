@@ -161,6 +161,20 @@ pub struct ServeArgs {
     /// Most open watch streams per API token (`limits.max_watch_streams_per_token`).
     #[arg(long, env = "SESSIOND_MAX_WATCH_STREAMS_PER_TOKEN")]
     pub max_watch_streams_per_token: Option<u32>,
+
+    /// This replica's id among those sharing the database (`replica.id`).
+    /// Default: generated once and kept in the data directory.
+    #[arg(long, env = "SESSIOND_REPLICA_ID")]
+    pub replica_id: Option<String>,
+
+    /// Where other replicas and clients reach this one (`replica.advertise_address`,
+    /// host:port). Default: the listen address.
+    #[arg(long, env = "SESSIOND_ADVERTISE_ADDRESS")]
+    pub advertise_address: Option<String>,
+
+    /// Executor lease TTL (`replica.lease_ttl`), e.g. `15s`.
+    #[arg(long, env = "SESSIOND_LEASE_TTL")]
+    pub lease_ttl: Option<String>,
 }
 
 /// The TOML file's shape, with every default filled in. Durations are
@@ -184,7 +198,41 @@ pub struct FileConfig {
     pub recovery: RecoverySection,
     pub limits: LimitsSection,
     pub tls: TlsSection,
+    pub replica: ReplicaSection,
     pub agents: Vec<AgentSection>,
+}
+
+/// `[replica]`: this process as one of several on one PostgreSQL.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReplicaSection {
+    /// Unique per replica, stable across its restarts. Default: generated
+    /// once and kept in `<data_dir>/replica-id`.
+    pub id: Option<String>,
+    /// host:port others reach this replica's API at. Default: `listen`.
+    pub advertise_address: Option<String>,
+    /// A replica that has not renewed its leases for this long is gone;
+    /// the others adopt its executors.
+    pub lease_ttl: String,
+}
+
+impl Default for ReplicaSection {
+    fn default() -> Self {
+        Self {
+            id: None,
+            advertise_address: None,
+            lease_ttl: "15s".into(),
+        }
+    }
+}
+
+/// Validated `[replica]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaConfig {
+    /// `None`: generated once into the data directory (by `serve`).
+    pub id: Option<String>,
+    pub advertise_address: Option<String>,
+    pub lease_ttl: Duration,
 }
 
 /// `[tls]`: TLS on the API port (gRPC, gRPC-web, the console; HTTP/2 for
@@ -396,6 +444,7 @@ impl Default for FileConfig {
             recovery: RecoverySection::default(),
             limits: LimitsSection::default(),
             tls: TlsSection::default(),
+            replica: ReplicaSection::default(),
             agents: Vec::new(),
         }
     }
@@ -501,6 +550,7 @@ pub struct Config {
     pub limits: LimitsConfig,
     /// `(cert, key)` PEM files: the API port serves TLS.
     pub tls: Option<(PathBuf, PathBuf)>,
+    pub replica: ReplicaConfig,
     pub agents: Vec<AgentConfig>,
     pub default_agent: String,
     /// Problems that do not stop the server, logged once logging is up.
@@ -665,6 +715,15 @@ impl ServeArgs {
             &mut f.recovery.executor_deadline,
             &self.recovery_executor_deadline,
         );
+        if self.replica_id.is_some() {
+            f.replica.id.clone_from(&self.replica_id);
+        }
+        if self.advertise_address.is_some() {
+            f.replica
+                .advertise_address
+                .clone_from(&self.advertise_address);
+        }
+        set(&mut f.replica.lease_ttl, &self.lease_ttl);
         if self.tls_cert.is_some() {
             f.tls.cert_file.clone_from(&self.tls_cert);
         }
@@ -1240,6 +1299,7 @@ impl FileConfig {
             ("tls.key_file", &self.tls.key_file),
         );
 
+        let replica = replica_config(&self.replica, &mut p);
         let agents = agent_profiles(&self.agents, &data_dir, &mut p);
         if !agents.iter().any(|a| a.name == self.default_agent) {
             p.add(
@@ -1277,11 +1337,63 @@ impl FileConfig {
             recovery,
             limits,
             tls,
+            replica,
             agents,
             default_agent: self.default_agent,
             warnings: Vec::new(),
         })
     }
+}
+
+/// `[replica]`: an id others can tell apart and put in logs and
+/// metadata, an address of the form host:port, a TTL of at least a second
+/// (heartbeats run every third of it).
+fn replica_config(r: &ReplicaSection, p: &mut Problems) -> ReplicaConfig {
+    let id = r.id.as_ref().map(|id| id.trim().to_owned());
+    if let Some(id) = &id
+        && let Err(e) = check_replica_id(id)
+    {
+        p.add("replica.id", e);
+    }
+    let advertise_address = r
+        .advertise_address
+        .as_ref()
+        .map(|a| a.trim().to_owned())
+        .filter(|a| !a.is_empty());
+    if let Some(a) = &advertise_address
+        && a.rsplit_once(':')
+            .is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err())
+    {
+        p.add(
+            "replica.advertise_address",
+            format!("{a:?} is not host:port"),
+        );
+    }
+    let lease_ttl = p.duration("replica.lease_ttl", &r.lease_ttl);
+    if lease_ttl < Duration::from_secs(1) {
+        p.add("replica.lease_ttl", "must be at least 1s");
+    }
+    ReplicaConfig {
+        id,
+        advertise_address,
+        lease_ttl,
+    }
+}
+
+/// A replica id: 1 to 64 of `A-Z a-z 0-9 . _ -`.
+pub fn check_replica_id(id: &str) -> Result<(), String> {
+    if id.is_empty() || id.len() > 64 {
+        return Err("must be 1 to 64 characters".into());
+    }
+    if let Some(c) = id
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        return Err(format!(
+            "{c:?} is not allowed (letters, digits, '.', '_', '-')"
+        ));
+    }
+    Ok(())
 }
 
 /// The built-in demo profile, then the file's profiles (one named `demo`

@@ -25,6 +25,10 @@ use tonic::{Code, Status};
 /// The metadata key of the machine-readable reason (exposed to browsers).
 pub const ERROR_METADATA: &str = "sessiond-error";
 
+/// With `not_owner`: the replica that serves the session, and its address.
+pub const OWNER_METADATA: &str = "sessiond-owner";
+pub const OWNER_ADDRESS_METADATA: &str = "sessiond-owner-address";
+
 /// Longest message a status carries: messages quote client input (ids,
 /// paths), and an unbounded `grpc-message` header would turn a client's
 /// mistake into a RESOURCE_EXHAUSTED on its side.
@@ -143,6 +147,7 @@ fn recovery_code(e: &sessiond_recovery::Error) -> (Code, &'static str) {
         E::ResumeFailed { .. } => "resume_failed",
         E::Conflict { .. } => "conflict",
         E::Unavailable(_) => "unavailable",
+        E::NotOwner { .. } => "not_owner",
         E::InvalidArgument(_) => "invalid_argument",
         E::LimitReached { .. } => "limit_reached",
         E::Executor(x) => return executor_code(x),
@@ -244,14 +249,24 @@ impl From<ApiError> for Status {
         if code == Code::Internal {
             tracing::error!(error = %message, "internal error");
         }
-        let mut status = match e {
-            ApiError::CommandTimedOut { output, .. } => {
-                Status::with_details(code, bounded(message), tonic::codegen::Bytes::from(output))
-            }
+        let mut status = match &e {
+            ApiError::CommandTimedOut { output, .. } => Status::with_details(
+                code,
+                bounded(message),
+                tonic::codegen::Bytes::from(output.clone()),
+            ),
             _ => Status::new(code, bounded(message)),
         };
         if let Ok(v) = reason.parse() {
             status.metadata_mut().insert(ERROR_METADATA, v);
+        }
+        // Where to send the call instead (a client or balancer may retry there).
+        if let ApiError::Recovery(sessiond_recovery::Error::NotOwner { owner, address, .. }) = &e {
+            for (key, value) in [(OWNER_METADATA, owner), (OWNER_ADDRESS_METADATA, address)] {
+                if let Ok(v) = value.parse() {
+                    status.metadata_mut().insert(key, v);
+                }
+            }
         }
         status
     }

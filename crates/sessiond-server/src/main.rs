@@ -10,6 +10,7 @@ mod convert;
 mod error;
 mod limits;
 mod metrics;
+mod replica;
 mod serve;
 
 use clap::{Parser, Subcommand};

@@ -54,10 +54,18 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     if matches!(config.auth, AuthConfig::Disabled) {
         tracing::warn!(listen = %config.listen, "authentication is disabled (--insecure-no-auth); loopback only");
     }
+    // Before the store is opened: a second sessiond on the same SQLite file
+    // (or data directory) stops here, having touched nothing.
+    let instance_lock = crate::replica::lock_instance(&config)?;
     let store = open_store(&config).await?;
     seed_profiles(&store, &config).await?;
     let (drivers, docker) = drivers(&config).await?;
-    let manager = SessionManager::new(store.clone(), drivers, manager_config(&config));
+    let replica_id = crate::replica::replica_id(&config)?;
+    let manager = SessionManager::new(
+        store.clone(),
+        drivers,
+        manager_config(&config, replica_id.clone(), store.backend()),
+    );
     // Calls answer from the moment we listen; one on a session the first
     // pass has not reached yet recovers that session first.
     manager.expect_startup_recovery();
@@ -135,6 +143,32 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         ),
         None => None,
     };
+    // Registered before the first recovery pass claims anything.
+    let advertised = config
+        .replica
+        .advertise_address
+        .clone()
+        .unwrap_or_else(|| local_addr.to_string());
+    manager
+        .start_replica(sessiond_store::ReplicaInfo {
+            id: replica_id.clone(),
+            address: advertised.clone(),
+            hostname: crate::replica::hostname(),
+            pid: i64::from(std::process::id()),
+            started_at: Utc::now(),
+            heartbeat_at: Utc::now(),
+            lease_ttl: config.replica.lease_ttl,
+            owned_executors: 0,
+        })
+        .await
+        .context("registering this replica in the database")?;
+    tracing::info!(
+        replica = %replica_id,
+        address = %advertised,
+        lease_ttl = ?config.replica.lease_ttl,
+        exclusive = manager.config().replica.exclusive,
+        "replica registered"
+    );
     // Machine-readable lines on stdout so scripts (and tests) find the ports.
     #[allow(clippy::print_stdout)]
     {
@@ -263,14 +297,27 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     }
     let _ = stop_tx.send(true);
     manager.shutdown();
-    match tokio::time::timeout(config.shutdown_grace, server).await {
-        Ok(Ok(result)) => result.context("gRPC server failed")?,
-        Ok(Err(join)) => return Err(join).context("gRPC server task failed"),
-        Err(_) => tracing::warn!(
-            grace = ?config.shutdown_grace,
-            "in-flight calls did not finish within the shutdown grace; exiting anyway"
-        ),
+    let served = match tokio::time::timeout(config.shutdown_grace, server).await {
+        Ok(Ok(result)) => result.context("gRPC server failed"),
+        Ok(Err(join)) => Err(join).context("gRPC server task failed"),
+        Err(_) => {
+            tracing::warn!(
+                grace = ?config.shutdown_grace,
+                "in-flight calls did not finish within the shutdown grace; exiting anyway"
+            );
+            Ok(())
+        }
+    };
+    // Graceful handoff: the other replicas adopt our executors on their next
+    // round instead of after the lease TTL. After the calls ended, so
+    // nothing of ours acts on an executor another replica took.
+    match manager.release_leases().await {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(executors = n, "leases released for the other replicas"),
+        Err(e) => tracing::warn!(error = %e, "leases not released; others adopt after the TTL"),
     }
+    served?;
+    drop(instance_lock);
     tracing::info!("stopped; executors keep running for the next start to reattach");
     telemetry.shutdown();
     Ok(())
@@ -539,9 +586,19 @@ fn agentctl_env() -> Vec<(String, String)> {
         .collect()
 }
 
-fn manager_config(config: &Config) -> ManagerConfig {
+fn manager_config(
+    config: &Config,
+    replica_id: String,
+    backend: sessiond_store::Backend,
+) -> ManagerConfig {
     let r = &config.recovery;
     ManagerConfig {
+        replica: sessiond_recovery::ReplicaSettings {
+            id: replica_id,
+            lease_ttl: config.replica.lease_ttl,
+            // SQLite is locked to this process (`replica::lock_instance`).
+            exclusive: backend == sessiond_store::Backend::Sqlite,
+        },
         resume_policy: r.policy,
         recovery_concurrency: r.concurrency,
         executor_deadline: r.executor_deadline,
@@ -592,6 +649,8 @@ fn cors_layer(config: &CorsConfig) -> CorsLayer {
             HeaderName::from_static("grpc-message"),
             HeaderName::from_static("grpc-status-details-bin"),
             HeaderName::from_static(crate::error::ERROR_METADATA),
+            HeaderName::from_static(crate::error::OWNER_METADATA),
+            HeaderName::from_static(crate::error::OWNER_ADDRESS_METADATA),
         ])
         .max_age(config.max_age)
 }

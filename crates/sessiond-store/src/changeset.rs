@@ -183,6 +183,10 @@ struct Need {
 /// deadlocking. Each counter is advanced with `UPDATE .. SET c = c + n` (which
 /// takes the row lock until commit) and then read back, so seqs are gap-free:
 /// a rolled-back transaction gives its numbers back.
+/// What an executor update keeps from the stored row: session, task,
+/// created_at, and the lease (owner, expiry).
+type KeptColumns = (String, String, Ts, Option<String>, Option<Ts>);
+
 pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Committed> {
     let now = Ts::new(crate::conn::now());
 
@@ -366,22 +370,30 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
             row.version = expected + 1;
             row.updated_at = now;
             let target = executors_running::table.find(record.id.to_string());
-            // id, session, task and created_at never change.
-            let current: Option<(String, String, Ts)> = target
+            // id, session, task and created_at never change. The lease
+            // (owner, expiry) is only written by the lease operations
+            // (`replicas.rs`): a writer holding an older copy must not put
+            // an expired lease or a former owner back.
+            let current: Option<KeptColumns> = target
                 .clone()
                 .select((
                     executors_running::session_id,
                     executors_running::task_id,
                     executors_running::created_at,
+                    executors_running::owner_id,
+                    executors_running::lease_expires_at,
                 ))
                 .first(conn)
                 .optional()?;
-            let Some((session_id, task_id, created_at)) = current else {
+            let Some((session_id, task_id, created_at, owner_id, lease_expires_at)) = current
+            else {
                 return Err(Error::not_found("executor", record.id));
             };
             row.session_id = session_id;
             row.task_id = task_id;
             row.created_at = created_at;
+            row.owner_id = owner_id;
+            row.lease_expires_at = lease_expires_at;
             let written = diesel::update(
                 target
                     .clone()

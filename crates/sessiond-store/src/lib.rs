@@ -31,10 +31,14 @@
 mod changeset;
 mod conn;
 mod error;
+mod events;
+mod replicas;
 mod rows;
 mod schema;
 mod store;
 
 pub use changeset::{Changeset, Committed, ExecutorWrite, MessageUpdate};
 pub use error::{BoxError, Error, Result};
+pub use events::EventWake;
+pub use replicas::{Claimed, ReplicaInfo};
 pub use store::{Backend, Store, StoreOptions, parse_database_url};

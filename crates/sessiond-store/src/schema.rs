@@ -91,6 +91,7 @@ diesel::table! {
         owner_id -> Nullable<Text>,
         lease_expires_at -> Nullable<UtcTimestamp>,
         version -> BigInt,
+        lease_epoch -> BigInt,
         created_at -> UtcTimestamp,
         updated_at -> UtcTimestamp,
     }
@@ -130,6 +131,21 @@ diesel::table! {
     }
 }
 
+diesel::table! {
+    use diesel::sql_types::*;
+    use crate::conn::UtcTimestamp;
+
+    replicas (id) {
+        id -> Text,
+        address -> Text,
+        hostname -> Text,
+        pid -> BigInt,
+        started_at -> UtcTimestamp,
+        heartbeat_at -> UtcTimestamp,
+        lease_ttl_ms -> BigInt,
+    }
+}
+
 diesel::joinable!(task_sessions -> tasks (task_id));
 diesel::joinable!(task_sessions -> agent_profiles (agent_profile_id));
 diesel::joinable!(executors_running -> task_sessions (session_id));
@@ -143,4 +159,5 @@ diesel::allow_tables_to_appear_in_same_query!(
     executors_running,
     session_messages,
     session_events,
+    replicas,
 );

@@ -97,6 +97,11 @@ pub struct Store {
     backend: Backend,
     /// SQLite: this process's writers take turns here (see `write`).
     writer: Arc<Mutex<()>>,
+    /// PostgreSQL with other replicas: this replica's id, sent with the
+    /// `NOTIFY` of each committed event (`events.rs`); unset, none is sent.
+    origin: Arc<std::sync::OnceLock<String>>,
+    /// What the pool connects to (the event listener opens its own connection).
+    pub(crate) target: Arc<str>,
 }
 
 impl fmt::Debug for Store {
@@ -165,7 +170,7 @@ impl Store {
             }
             let manager = Manager {
                 backend,
-                target,
+                target: target.clone(),
                 busy_timeout: opts.busy_timeout,
             };
             let pool = Pool::builder()
@@ -183,6 +188,8 @@ impl Store {
                 pool,
                 backend,
                 writer: Arc::default(),
+                origin: Arc::default(),
+                target: target.into(),
             };
             if opts.migrate {
                 let mut conn = store.pool.get()?;
@@ -195,6 +202,15 @@ impl Store {
 
     pub fn backend(&self) -> Backend {
         self.backend
+    }
+
+    /// PostgreSQL: announce every event this store commits with a `NOTIFY`
+    /// naming `replica` (see [`Store::listen_events`]). Set once; later
+    /// calls are ignored. SQLite has no other replica to tell.
+    pub fn announce_events_as(&self, replica: &str) {
+        if self.backend == Backend::Postgres {
+            let _ = self.origin.set(replica.to_owned());
+        }
     }
 
     /// Checks that the database answers.
@@ -356,6 +372,7 @@ impl Store {
         let mut row = SessionRow::from_domain(session);
         row.version = 1;
         let (sid, task, profile) = (session.id, session.task_id, session.agent_profile_id);
+        let origin = self.origin.clone();
         self.write(move |c| {
             check_session_parents(c, task, profile)?;
             diesel::insert_into(task_sessions::table)
@@ -363,6 +380,7 @@ impl Store {
                 .execute(c)
                 .map_err(|e| on_unique(e, "session", |_| sid.to_string()))?;
             let committed = changeset::apply(c, then)?;
+            crate::events::notify(c, origin.get().map(String::as_str), &committed.events)?;
             Ok((row.into_domain()?, committed))
         })
         .await
@@ -618,7 +636,13 @@ impl Store {
         if change.is_empty() {
             return Ok(Committed::default());
         }
-        self.write(move |c| changeset::apply(c, change)).await
+        let origin = self.origin.clone();
+        self.write(move |c| {
+            let done = changeset::apply(c, change)?;
+            crate::events::notify(c, origin.get().map(String::as_str), &done.events)?;
+            Ok(done)
+        })
+        .await
     }
 
     /// Writes many independent [`Changeset`]s in one transaction: one
@@ -631,6 +655,7 @@ impl Store {
         if changes.is_empty() {
             return Ok(Vec::new());
         }
+        let origin = self.origin.clone();
         self.write(move |c| {
             let mut out = Vec::with_capacity(changes.len());
             for change in changes {
@@ -639,7 +664,10 @@ impl Store {
                     continue;
                 }
                 c.batch_execute("SAVEPOINT batch_item")?;
-                match changeset::apply(c, change) {
+                match changeset::apply(c, change).and_then(|done| {
+                    crate::events::notify(c, origin.get().map(String::as_str), &done.events)?;
+                    Ok(done)
+                }) {
                     Ok(done) => {
                         c.batch_execute("RELEASE SAVEPOINT batch_item")?;
                         out.push(Ok(done));
@@ -756,7 +784,7 @@ impl Store {
     // ------------------------------------------------------------ plumbing
 
     /// Runs `f` on a pooled connection on the blocking thread pool.
-    async fn read<T, F>(&self, f: F) -> Result<T>
+    pub(crate) async fn read<T, F>(&self, f: F) -> Result<T>
     where
         T: Send + 'static,
         F: FnOnce(&mut AnyConnection) -> Result<T> + Send + 'static,
@@ -770,7 +798,7 @@ impl Store {
     }
 
     /// Like `read`, inside one write transaction.
-    async fn write<T, F>(&self, f: F) -> Result<T>
+    pub(crate) async fn write<T, F>(&self, f: F) -> Result<T>
     where
         T: Send + 'static,
         F: FnOnce(&mut AnyConnection) -> Result<T> + Send + 'static,

@@ -1186,12 +1186,140 @@ mod suite {
         assert!(all[0].0.id != other.id && all[0].0.id != ended.id);
     }
 
+    /// Leases: a claim takes a free, own or expired lease (epoch + 1,
+    /// version + 1) and never a live one of another replica; renewal keeps
+    /// what is still owned; a changeset never writes the lease back; a
+    /// release lets another replica adopt at once; the listing counts
+    /// unexpired leases per replica.
+    pub async fn leases_claim_renew_release_and_adopt(store: &Store) {
+        use sessiond_store::ReplicaInfo;
+        let ttl = std::time::Duration::from_secs(30);
+        let now = Utc::now();
+        for id in ["replica-a", "replica-b"] {
+            store
+                .register_replica(ReplicaInfo {
+                    id: id.into(),
+                    address: format!("{id}:50051"),
+                    hostname: "h".into(),
+                    pid: 1,
+                    started_at: now,
+                    heartbeat_at: now,
+                    lease_ttl: ttl,
+                    owned_executors: 0,
+                })
+                .await
+                .unwrap();
+        }
+        let (_, _, s) = seed(store).await;
+        let mut rec = executor(&s, ExecutorStatus::Ready);
+        rec.owner_id = None;
+        rec.lease_expires_at = None;
+        store
+            .commit(Changeset::new().insert_executor(rec.clone()))
+            .await
+            .unwrap();
+
+        // A free executor: A gets it, B does not.
+        let got = store
+            .claim_executors("replica-a", vec![rec.id], now, ttl, false)
+            .await
+            .unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].epoch, 1);
+        assert_eq!(got[0].record.version, 2, "a claim fences older copies");
+        assert_eq!(got[0].record.owner_id.as_deref(), Some("replica-a"));
+        let none = store
+            .claim_executors("replica-b", vec![rec.id], now, ttl, false)
+            .await
+            .unwrap();
+        assert!(
+            none.is_empty(),
+            "a live lease of another replica is not taken"
+        );
+        assert!(
+            store
+                .claim_expired("replica-b", now, ttl, 10)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+
+        // A writer holding the pre-claim copy is refused; a current one
+        // cannot put an old lease back.
+        let err = store
+            .commit(Changeset::new().update_executor(rec.clone()))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Conflict { .. }), "{err}");
+        let mut current = got[0].record.clone();
+        current.owner_id = None;
+        current.lease_expires_at = None;
+        current.error_message = Some("x".into());
+        let written = store
+            .commit(Changeset::new().update_executor(current))
+            .await
+            .unwrap()
+            .executor
+            .unwrap();
+        assert_eq!(written.owner_id.as_deref(), Some("replica-a"));
+        assert!(written.lease_expires_at.is_some());
+
+        // Renewal keeps it A's; the listing counts it for A.
+        let owned = store
+            .heartbeat_replica("replica-a", now, ttl)
+            .await
+            .unwrap();
+        assert_eq!(owned, vec![s.id]);
+        let listed = store.list_replicas(now).await.unwrap();
+        let loads: Vec<(String, i64)> = listed
+            .iter()
+            .map(|r| (r.id.clone(), r.owned_executors))
+            .collect();
+        assert_eq!(
+            loads,
+            [("replica-a".to_owned(), 1), ("replica-b".to_owned(), 0)]
+        );
+        assert!(listed[0].is_live(now));
+        assert!(!listed[0].is_live(now + Duration::seconds(31)));
+
+        // Expired: B adopts it (epoch 2), and A's next heartbeat no longer
+        // lists it.
+        let later = now + Duration::seconds(31);
+        let adopted = store
+            .claim_expired("replica-b", later, ttl, 10)
+            .await
+            .unwrap();
+        assert_eq!(adopted.len(), 1);
+        assert_eq!(adopted[0].epoch, 2);
+        assert_eq!(adopted[0].record.owner_id.as_deref(), Some("replica-b"));
+        assert!(
+            store
+                .heartbeat_replica("replica-a", later, ttl)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+
+        // Released: A may take it back at once, without waiting for a TTL.
+        assert_eq!(store.release_leases("replica-b", later).await.unwrap(), 1);
+        let back = store
+            .claim_expired("replica-a", later + Duration::milliseconds(1), ttl, 10)
+            .await
+            .unwrap();
+        assert_eq!(back.len(), 1);
+        assert_eq!(back[0].epoch, 3);
+        assert!(matches!(
+            store.heartbeat_replica("nobody", now, ttl).await,
+            Err(Error::NotFound { .. })
+        ));
+    }
+
     pub async fn migrations_round_trip(store: &Store) {
         seed(store).await;
         let reverted = store.revert_all_migrations().await.unwrap();
         // Every migration directory (init, profile container, profile auth +
-        // permission policy, message parts).
-        assert_eq!(reverted.len(), 4, "{reverted:?}");
+        // permission policy, message parts, replicas).
+        assert_eq!(reverted.len(), 5, "{reverted:?}");
         let err = store.list_tasks(None, 10).await.unwrap_err();
         assert!(matches!(err, Error::Database(_)), "tables are gone: {err}");
         let applied = store.run_pending_migrations().await.unwrap();
@@ -1243,9 +1371,93 @@ macro_rules! store_tests {
             store_test!($backend, task_event_applies_the_machine_in_the_transaction);
             store_test!($backend, managed_reads_match_single_reads);
             store_test!($backend, migrations_round_trip);
+            store_test!($backend, leases_claim_renew_release_and_adopt);
         }
     };
 }
 
 store_tests!(sqlite);
 store_tests!(postgres);
+
+/// PostgreSQL: an event committed by one replica wakes the listener of
+/// another (after the commit, naming the event), never its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_events_wake_the_other_replicas() {
+    use sessiond_store::EventWake;
+    let db = open::postgres().await;
+    let a = db.store.clone();
+    a.announce_events_as("replica-a");
+    let mut wakes = a.listen_events("replica-a").unwrap();
+    let Guard::Postgres(pg) = &db._guard else {
+        panic!("a postgres database")
+    };
+    let b = Store::connect(pg.url(), StoreOptions::default().max_connections(2))
+        .await
+        .unwrap();
+    b.announce_events_as("replica-b");
+    let mut b_wakes = b.listen_events("replica-b").unwrap();
+
+    let (_, _, s) = seed(&a).await;
+    let committed = b
+        .commit(Changeset::new().event(
+            s.id,
+            EventPayload::StateChanged {
+                from: SessionState::Created,
+                to: SessionState::Starting,
+                error_message: None,
+            },
+        ))
+        .await
+        .unwrap();
+    let e = &committed.events[0];
+    let wake = tokio::time::timeout(std::time::Duration::from_secs(30), wakes.recv())
+        .await
+        .expect("a wake within 30 s")
+        .unwrap();
+    assert_eq!(
+        wake,
+        EventWake::Committed {
+            session: s.id,
+            seq: e.seq,
+            task: s.task_id,
+            task_seq: e.task_seq,
+        }
+    );
+    // B's own commit did not wake B; A's commit does.
+    a.commit(Changeset::new().event(
+        s.id,
+        EventPayload::StateChanged {
+            from: SessionState::Starting,
+            to: SessionState::WaitingForInput,
+            error_message: None,
+        },
+    ))
+    .await
+    .unwrap();
+    // (Seeding by A woke B too; the wake of this commit comes after those.)
+    let want = EventWake::Committed {
+        session: s.id,
+        seq: e.seq + 1,
+        task: s.task_id,
+        task_seq: e.task_seq + 1,
+    };
+    loop {
+        let wake = tokio::time::timeout(std::time::Duration::from_secs(30), b_wakes.recv())
+            .await
+            .expect("a wake within 30 s")
+            .unwrap();
+        assert_ne!(
+            wake,
+            EventWake::Committed {
+                session: s.id,
+                seq: e.seq,
+                task: s.task_id,
+                task_seq: e.task_seq,
+            },
+            "B was woken by its own commit"
+        );
+        if wake == want {
+            break;
+        }
+    }
+}

@@ -128,7 +128,7 @@ async fn child_backend() {
             let sessions = child.store.list_sessions(child.task).await.unwrap();
             say("PRIORITISING");
             for s in &sessions {
-                child.mgr.ensure_recovered(s.id).await;
+                child.mgr.ensure_recovered(s.id).await.unwrap();
                 assert!(!child.mgr.is_recovering(s.id), "{s:?} still recovering");
             }
             say("PRIORITISED");

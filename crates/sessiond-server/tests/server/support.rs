@@ -232,6 +232,11 @@ pub async fn sessions(server: &Server) -> Sessions {
     sessions_with(server, Some(TOKEN)).await
 }
 
+/// A client of the server at `addr`, with `TOKEN`.
+pub async fn sessions_at(addr: &str) -> Sessions {
+    SessionServiceClient::with_interceptor(channel(addr).await, bearer(Some(TOKEN)))
+}
+
 pub async fn sessions_with(server: &Server, token: Option<&str>) -> Sessions {
     SessionServiceClient::with_interceptor(channel(&server.addr).await, bearer(token))
         .max_decoding_message_size(64 * 1024 * 1024)

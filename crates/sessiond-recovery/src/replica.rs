@@ -1,0 +1,379 @@
+//! This process as one replica of several on one database: membership,
+//! executor ownership by lease, adoption of a dead replica's executors and
+//! the graceful handoff (see `sessiond_store` `replicas.rs` for the SQL).
+//!
+//! - Only the owner of an executor's lease recovers, pumps, checks the
+//!   liveness of and talks to it. The in-memory set `owned` mirrors the
+//!   leases this replica holds; every recovery starts by checking it
+//!   (`ensure_owner`), so the startup pass, a call's recovery, a background
+//!   reconnect and an adoption all run the same step machine only on what
+//!   was claimed.
+//! - One heartbeat task (every third of the TTL) refreshes the replica's
+//!   row and renews all its leases in one transaction; a session whose
+//!   lease is no longer this replica's (it was paused past its TTL and
+//!   someone adopted it) is dropped at once: pump stopped, caches cleared.
+//! - One adoption task (same period) claims expired leases in bounded
+//!   batches and recovers them with bounded concurrency.
+//! - A call on a session whose executor another replica holds (unexpired)
+//!   is refused with [`Error::NotOwner`] (UNAVAILABLE, naming the owner);
+//!   one whose lease is expired or free is claimed by the call and
+//!   recovered first (adoption on demand).
+//! - With `exclusive` (SQLite, one process), none of this writes anything:
+//!   every session counts as owned.
+
+use std::{collections::HashSet, time::Duration};
+
+use chrono::Utc;
+use futures::StreamExt;
+use sessiond_domain::{ExecutorRecord, ExecutorStatus, SessionId};
+use sessiond_store::{EventWake, ReplicaInfo};
+
+use crate::{
+    error::{Error, Result},
+    manager::{SessionManager, lock},
+    recovery::Lane,
+};
+
+/// How many expired leases one adoption round claims at most (per
+/// transaction); rounds follow each other at once while they come back full.
+const ADOPTION_BATCH: u32 = 64;
+
+impl SessionManager {
+    /// This replica's id.
+    pub fn replica_id(&self) -> &str {
+        &self.inner.config.replica.id
+    }
+
+    fn exclusive(&self) -> bool {
+        self.inner.config.replica.exclusive
+    }
+
+    /// Whether this replica holds the lease of `session`'s executor (always
+    /// with an exclusive store).
+    pub fn owns(&self, session: SessionId) -> bool {
+        self.exclusive() || lock(&self.inner.owned).contains(&session)
+    }
+
+    /// Sessions this replica holds leases on now (empty with an exclusive store).
+    pub fn owned_sessions(&self) -> HashSet<SessionId> {
+        lock(&self.inner.owned).clone()
+    }
+
+    pub(crate) fn mark_owned(&self, session: SessionId) {
+        if !self.exclusive() {
+            lock(&self.inner.owned).insert(session);
+        }
+    }
+
+    /// The lease fields a new executor record of this replica carries.
+    pub(crate) fn new_lease(&self, record: &mut ExecutorRecord) {
+        if self.exclusive() {
+            return;
+        }
+        let r = &self.inner.config.replica;
+        record.owner_id = Some(r.id.clone());
+        record.lease_expires_at = Some(Utc::now() + chrono_ttl(r.lease_ttl));
+    }
+
+    /// Claims the executors of `records` this replica may take (free,
+    /// expired, or its own from before a restart) and returns their fresh
+    /// records; the others belong to live replicas. With an exclusive store
+    /// every record is returned as is.
+    pub(crate) async fn claim_records(
+        &self,
+        records: Vec<ExecutorRecord>,
+    ) -> Result<Vec<ExecutorRecord>> {
+        if self.exclusive() || records.is_empty() {
+            return Ok(records);
+        }
+        let r = &self.inner.config.replica;
+        let claimed = self
+            .inner
+            .store
+            .claim_executors(
+                &r.id,
+                records.iter().map(|x| x.id).collect(),
+                Utc::now(),
+                r.lease_ttl,
+                false,
+            )
+            .await?;
+        let mut out = Vec::with_capacity(claimed.len());
+        for c in claimed {
+            self.mark_owned(c.record.session_id);
+            out.push(c.record);
+        }
+        Ok(out)
+    }
+
+    /// Before any recovery step: the lease must be ours.
+    pub(crate) fn ensure_owner(&self, record: &ExecutorRecord) -> Result<()> {
+        if self.owns(record.session_id) {
+            return Ok(());
+        }
+        Err(self.not_owner(record, None))
+    }
+
+    fn not_owner(&self, record: &ExecutorRecord, address: Option<String>) -> Error {
+        Error::NotOwner {
+            session_id: record.session_id,
+            owner: record.owner_id.clone().unwrap_or_default(),
+            address: address.unwrap_or_default(),
+            ttl_secs: self.inner.config.replica.lease_ttl.as_secs().max(1),
+        }
+    }
+
+    /// A call is about to act on `session`: its executor must be this
+    /// replica's. A free or expired lease is claimed here and, when the
+    /// executor is live, recovered before the call goes on (the same step
+    /// machine as startup); a lease another replica holds is
+    /// [`Error::NotOwner`]. A session without an executor needs no owner.
+    pub(crate) async fn ensure_owned(&self, session: SessionId) -> Result<()> {
+        if self.owns(session) {
+            return Ok(());
+        }
+        let store = &self.inner.store;
+        let Some(record) = store.get_executor_for_session(session).await? else {
+            return Ok(());
+        };
+        let me = self.replica_id().to_owned();
+        let held_elsewhere = record.owner_id.as_deref().is_some_and(|o| o != me)
+            && record.lease_expires_at.is_some_and(|t| t > Utc::now());
+        if !held_elsewhere {
+            let claimed = self.claim_records(vec![record.clone()]).await?;
+            if let Some(record) = claimed.into_iter().next() {
+                tracing::info!(%session, executor_id = %record.id, "executor adopted by a call");
+                if self.adoptable(&record) {
+                    self.recover_shared_in(record, Lane::Call).await?;
+                }
+                return Ok(());
+            }
+        }
+        // Someone else holds it (or just claimed it): name them.
+        let record = store
+            .get_executor_for_session(session)
+            .await?
+            .unwrap_or(record);
+        let owner = record.owner_id.clone().unwrap_or_default();
+        let address = store.get_replica(&owner).await?.map(|r| r.address);
+        Err(self.not_owner(&record, address))
+    }
+
+    /// Whether recovery runs on a claimed executor (what startup recovery
+    /// would load: `starting` / `ready`, or `error` while retried in the
+    /// background).
+    fn adoptable(&self, record: &ExecutorRecord) -> bool {
+        match record.status {
+            ExecutorStatus::Starting | ExecutorStatus::Ready => true,
+            ExecutorStatus::Error => crate::recovery::retried_in_background(
+                record,
+                &self.inner.drivers,
+                &self.inner.config,
+                self.inner.started_at,
+            ),
+            ExecutorStatus::Stopped => false,
+        }
+    }
+
+    /// Drops everything this replica keeps for `session` after its lease
+    /// went to another replica: no pump, no connection, no cached state.
+    fn relinquish(&self, session: SessionId) {
+        lock(&self.inner.owned).remove(&session);
+        self.stop_pump(session);
+        self.cache_remove(session);
+        tracing::warn!(%session, "lease lost to another replica; no longer acting on this session");
+    }
+
+    /// Registers this replica and starts its heartbeat (lease renewal) and,
+    /// unless the store is exclusive, the adoption of expired leases.
+    /// Returns once the replica row is written.
+    pub async fn start_replica(&self, info: ReplicaInfo) -> Result<()> {
+        self.inner.store.register_replica(info.clone()).await?;
+        let ttl = self.inner.config.replica.lease_ttl;
+        let every = (ttl / 3).max(Duration::from_millis(50));
+        let me = self.clone();
+        self.spawn_background(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                me.heartbeat(&info).await;
+            }
+        });
+        if !self.exclusive() {
+            self.start_event_relay();
+            let me = self.clone();
+            let every = every.min(Duration::from_secs(1));
+            self.spawn_background(async move {
+                // The startup pass claims this replica's own executors first.
+                me.wait_first_recovery().await;
+                loop {
+                    match me.adopt_round().await {
+                        Ok(n) if n >= ADOPTION_BATCH as usize => continue,
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!(error = %e, "adoption round failed"),
+                    }
+                    tokio::time::sleep(every).await;
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// One heartbeat: the replica row and every lease, then drop what was lost.
+    async fn heartbeat(&self, info: &ReplicaInfo) {
+        let r = &self.inner.config.replica;
+        let before = self.owned_sessions();
+        match self
+            .inner
+            .store
+            .heartbeat_replica(&r.id, Utc::now(), r.lease_ttl)
+            .await
+        {
+            Ok(now_owned) => {
+                let now_owned: HashSet<SessionId> = now_owned.into_iter().collect();
+                for lost in before.difference(&now_owned) {
+                    self.relinquish(*lost);
+                }
+            }
+            Err(sessiond_store::Error::NotFound { .. }) => {
+                // Our row was removed (an operator cleaning up): register again.
+                let info = ReplicaInfo {
+                    heartbeat_at: Utc::now(),
+                    ..info.clone()
+                };
+                if let Err(e) = self.inner.store.register_replica(info).await {
+                    tracing::warn!(error = %e, "replica could not register again");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "replica heartbeat failed; leases not renewed"),
+        }
+    }
+
+    /// Claims up to one batch of expired leases and recovers what it got;
+    /// returns how many it claimed.
+    async fn adopt_round(&self) -> Result<usize> {
+        let r = &self.inner.config.replica;
+        let claimed = self
+            .inner
+            .store
+            .claim_expired(&r.id, Utc::now(), r.lease_ttl, ADOPTION_BATCH)
+            .await?;
+        let n = claimed.len();
+        if n == 0 {
+            return Ok(0);
+        }
+        let started = std::time::Instant::now();
+        let mut records = Vec::with_capacity(n);
+        for c in claimed {
+            self.mark_owned(c.record.session_id);
+            if self.adoptable(&c.record) {
+                records.push(c.record);
+            }
+        }
+        let recovering = records.len();
+        let concurrency = self.inner.config.recovery_concurrency.max(1);
+        let failed = futures::stream::iter(records)
+            .map(|record| {
+                let me = self.clone();
+                async move {
+                    let session = record.session_id;
+                    match me.recover_shared(record).await {
+                        Ok(label) => {
+                            tracing::info!(%session, outcome = label.as_str(), "adopted");
+                            0
+                        }
+                        Err(e) => {
+                            tracing::error!(%session, error = %e, "adoption recovery failed");
+                            1
+                        }
+                    }
+                }
+            })
+            .buffer_unordered(concurrency)
+            .fold(0usize, |a, b| async move { a + b })
+            .await;
+        tracing::info!(
+            claimed = n,
+            recovered = recovering - failed,
+            failed,
+            took_ms = started.elapsed().as_millis() as u64,
+            "adopted executors of a replica whose lease expired"
+        );
+        Ok(n)
+    }
+
+    /// Hands the events other replicas commit to this replica's watchers:
+    /// each wake names one committed event, which is read from the outbox
+    /// (only when someone here watches its session or task) and published;
+    /// watchers drop what they saw and re-read the outbox on a skip, so the
+    /// order notifications arrive in does not matter. A resync (the
+    /// listener reconnected) publishes each watched session's and task's
+    /// newest event, which makes a watcher that missed some catch up.
+    fn start_event_relay(&self) {
+        let Some(mut wakes) = self.inner.store.listen_events(self.replica_id()) else {
+            return;
+        };
+        let me = self.clone();
+        self.spawn_background(async move {
+            while let Some(wake) = wakes.recv().await {
+                if let Err(e) = me.relay(wake).await {
+                    tracing::debug!(error = %e, "event from another replica not relayed");
+                }
+            }
+        });
+    }
+
+    async fn relay(&self, wake: EventWake) -> Result<()> {
+        let store = &self.inner.store;
+        let bus = &self.inner.bus;
+        match wake {
+            EventWake::Committed {
+                session,
+                seq,
+                task,
+                task_seq: _,
+            } => {
+                if !bus.watches(session, task) {
+                    return Ok(());
+                }
+                let events = store.events_after(session, seq - 1, 1).await?;
+                bus.publish(&events);
+            }
+            EventWake::Resync => {
+                let (sessions, tasks) = bus.watched_keys();
+                for s in sessions {
+                    let last = store.last_event_seq(s).await?;
+                    if last > 0 {
+                        bus.publish(&store.events_after(s, last - 1, 1).await?);
+                    }
+                }
+                for t in tasks {
+                    let last = store.last_task_event_seq(t).await?;
+                    if last > 0 {
+                        bus.publish(&store.task_events_after(t, last - 1, 1).await?);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Graceful handoff: ends every lease of this replica now, so the others
+    /// adopt its executors on their next round instead of after the TTL.
+    /// Call after the pumps stopped ([`SessionManager::shutdown`]).
+    pub async fn release_leases(&self) -> Result<usize> {
+        if self.exclusive() {
+            return Ok(0);
+        }
+        let n = self
+            .inner
+            .store
+            .release_leases(self.replica_id(), Utc::now())
+            .await?;
+        lock(&self.inner.owned).clear();
+        Ok(n)
+    }
+}
+
+fn chrono_ttl(ttl: Duration) -> chrono::Duration {
+    chrono::Duration::from_std(ttl).unwrap_or(chrono::Duration::days(1))
+}

@@ -1,0 +1,427 @@
+//! Several `sessiond` replicas on one real PostgreSQL (child processes of
+//! the real binary, real agentctl and demo agent processes): membership,
+//! ownership by lease, adoption after kill -9, the SIGTERM handoff, calls
+//! to a replica that does not own the session; and SQLite refusing a
+//! second sessiond.
+
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use sessiond_proto::sessiond::v1 as pb;
+use sessiond_store::{Store, StoreOptions};
+use tonic::Code;
+
+use crate::{restart::wait_serving, support::*};
+
+/// A replica's process, its data directory and its id.
+struct Replica {
+    server: Server,
+    id: String,
+}
+
+fn start_replica(root: &Path, id: &str, db: &str, ttl: &str) -> Replica {
+    let server = start(
+        &root.join(id),
+        &["--database-url", db, "--replica-id", id, "--lease-ttl", ttl],
+    );
+    Replica {
+        server,
+        id: id.to_owned(),
+    }
+}
+
+async fn replicas(c: &mut Sessions) -> pb::ListReplicasResponse {
+    c.list_replicas(pb::ListReplicasRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+async fn owner(store: &Store, session: &str) -> Option<String> {
+    let id = sessiond_domain::SessionId::parse(session).unwrap();
+    store
+        .get_executor_for_session(id)
+        .await
+        .unwrap()
+        .and_then(|r| r.owner_id)
+}
+
+/// Polls (bounded) until `f` holds.
+async fn until<F, Fut>(what: &str, limit: Duration, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let t = Instant::now();
+    while !f().await {
+        assert!(t.elapsed() < limit, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// agentctl processes per executor id (from their command lines) of the
+/// replicas under `root`, every data directory together: the world, not
+/// the database.
+fn agentctls_by_executor(root: &Path) -> HashMap<String, Vec<u32>> {
+    let root = root.display().to_string();
+    let mut out: HashMap<String, Vec<u32>> = HashMap::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        if stat.contains(") Z ")
+            || !args.first().is_some_and(|a| a.ends_with("agentctl"))
+            || !args.iter().any(|a| a.contains(&root))
+        {
+            continue;
+        }
+        if let Some(i) = args.iter().position(|a| a == "--executor-id") {
+            out.entry(args[i + 1].clone()).or_default().push(pid);
+        }
+    }
+    out
+}
+
+fn not_owner(status: &tonic::Status) -> (String, String) {
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    let md = status.metadata();
+    assert_eq!(
+        md.get("sessiond-error").unwrap().to_str().unwrap(),
+        "not_owner"
+    );
+    (
+        md.get("sessiond-owner")
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .to_owned(),
+        md.get("sessiond-owner-address")
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default(),
+    )
+}
+
+async fn send(
+    c: &mut Sessions,
+    task: &str,
+    session: &str,
+    text: &str,
+) -> Result<(), tonic::Status> {
+    c.send_message(pb::SendMessageRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+        content: text.into(),
+    })
+    .await
+    .map(|_| ())
+}
+
+/// Watches a session from the start on the replica at `addr` until an
+/// agent reply containing `until` is complete; returns the seqs it saw.
+async fn watch_until_turn(addr: &str, task: &str, session: &str, until: &str) -> Vec<i64> {
+    let _ = task;
+    let mut c = sessions_at(addr).await;
+    let mut stream = c
+        .watch_session(pb::WatchSessionRequest {
+            session_id: session.into(),
+            after_seq: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut seqs = Vec::new();
+    while let Some(event) = stream.message().await.unwrap() {
+        seqs.push(event.seq);
+        if let Some(
+            pb::event::Payload::MessageUpdated(pb::MessageUpdated { message: Some(m) })
+            | pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }),
+        ) = event.payload
+            && m.role == pb::MessageRole::Agent as i32
+            && m.complete
+            && m.content.contains(until)
+        {
+            return seqs;
+        }
+    }
+    panic!("the watch on {addr} ended before {until:?}: {seqs:?}");
+}
+
+fn worktree(root: &Path, name: &str) -> PathBuf {
+    let w = root.join("work").join(name);
+    std::fs::create_dir_all(&w).unwrap();
+    w
+}
+
+#[tokio::test]
+async fn three_replicas_adopt_the_sessions_of_one_killed_with_sigkill() {
+    let db = sessiond_testkit::postgres::test_database();
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let store = Store::connect(db.url(), StoreOptions::default().max_connections(2))
+        .await
+        .unwrap();
+    let mut a = start_replica(root, "replica-a", db.url(), "2s");
+    let b = start_replica(root, "replica-b", db.url(), "2s");
+    let c = start_replica(root, "replica-c", db.url(), "2s");
+    for r in [&a, &b, &c] {
+        wait_serving(&r.server).await;
+    }
+    let mut ca = sessions(&a.server).await;
+    let mut cb = sessions(&b.server).await;
+    let mut cc = sessions(&c.server).await;
+
+    // Sessions across the replicas: each owned by the one that created it.
+    let task = create_task(&mut ca, "replicas").await;
+    let mut created: Vec<(String, String)> = Vec::new(); // (session, owner)
+    for (i, (client, r)) in [(&mut ca, &a), (&mut cb, &b), (&mut cc, &c)]
+        .into_iter()
+        .enumerate()
+    {
+        for j in 0..2 {
+            let w = worktree(root, &format!("w{i}{j}"));
+            let s = create_session(client, &task.id, &w, "").await;
+            assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
+            let reply = prompt(client, &task.id, &s.id, "hello").await;
+            assert!(reply.contains("turn 1"), "{reply}");
+            assert_eq!(owner(&store, &s.id).await.as_deref(), Some(r.id.as_str()));
+            created.push((s.id, r.id.clone()));
+        }
+    }
+    let listed = replicas(&mut cc).await;
+    assert_eq!(listed.self_id, "replica-c");
+    let ids: Vec<&str> = listed.replicas.iter().map(|r| r.id.as_str()).collect();
+    assert_eq!(ids, ["replica-a", "replica-b", "replica-c"]);
+    for r in &listed.replicas {
+        assert!(r.live, "{r:?}");
+        assert_eq!(r.owned_executors, 2, "{r:?}");
+    }
+    assert_eq!(
+        listed.replicas[0].address, a.server.addr,
+        "the advertised address defaults to the listen address"
+    );
+
+    // A command sent to a replica that does not own the session: a clean
+    // retryable error naming the owner and where it is.
+    let (s_a, _) = created[0].clone();
+    let err = send(&mut cb, &task.id, &s_a, "wrong replica")
+        .await
+        .unwrap_err();
+    let (named, address) = not_owner(&err);
+    assert_eq!(named, "replica-a");
+    assert_eq!(address, a.server.addr);
+    // Reads answer on any replica.
+    let st = cb
+        .get_session_status(pb::GetSessionStatusRequest {
+            task_id: task.id.clone(),
+            session_id: s_a.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(st.is_agent_running, "{st:?}");
+
+    // Watchers of A's first session on B and on C: whichever adopts it,
+    // one of them sees the new owner's commits from another replica.
+    let watchers: Vec<_> = [&b, &c]
+        .into_iter()
+        .map(|r| {
+            let addr = r.server.addr.clone();
+            let (task, session) = (task.id.clone(), s_a.clone());
+            tokio::spawn(async move { watch_until_turn(&addr, &task, &session, "turn 2").await })
+        })
+        .collect();
+
+    let before = agentctls_by_executor(root);
+    assert_eq!(before.len(), 6, "one agentctl per session: {before:?}");
+    assert!(before.values().all(|p| p.len() == 1), "{before:?}");
+
+    // kill -9 replica A: its two sessions go to B and C within the TTL plus
+    // their recovery (a reattach: the agentctls outlive A).
+    a.server.kill();
+    let a_sessions: Vec<String> = created
+        .iter()
+        .filter(|(_, o)| o == "replica-a")
+        .map(|(s, _)| s.clone())
+        .collect();
+    until("A's sessions adopted", Duration::from_secs(60), || {
+        let store = store.clone();
+        let a_sessions = a_sessions.clone();
+        async move {
+            for s in &a_sessions {
+                match owner(&store, s).await.as_deref() {
+                    Some("replica-b" | "replica-c") => {}
+                    _ => return false,
+                }
+            }
+            true
+        }
+    })
+    .await;
+    let listed = replicas(&mut cb).await;
+    let gone = listed
+        .replicas
+        .iter()
+        .find(|r| r.id == "replica-a")
+        .unwrap();
+    assert!(!gone.live, "{gone:?}");
+    assert_eq!(gone.owned_executors, 0, "{gone:?}");
+    assert_eq!(
+        listed
+            .replicas
+            .iter()
+            .map(|r| r.owned_executors)
+            .sum::<i64>(),
+        6,
+        "every session owned exactly once: {listed:?}"
+    );
+
+    // The world: still exactly one agentctl per executor, the same ones.
+    let after = agentctls_by_executor(root);
+    assert_eq!(after, before, "adoption reattached, nothing launched twice");
+
+    // The conversations continue, on their new owner (whichever took each).
+    for s in &a_sessions {
+        let new_owner = owner(&store, s).await.unwrap();
+        let client = if new_owner == "replica-b" {
+            &mut cb
+        } else {
+            &mut cc
+        };
+        let reply = prompt(client, &task.id, s, "again").await;
+        assert!(reply.contains("turn 2"), "{reply}");
+    }
+    // Every event of A's first session, committed by A and then by its
+    // adopter, reached both watchers in seq order: no gap, no duplicate.
+    for w in watchers {
+        let seqs = tokio::time::timeout(Duration::from_secs(60), w)
+            .await
+            .expect("the watcher saw turn 2")
+            .unwrap();
+        let expected: Vec<i64> = (1..=*seqs.last().unwrap()).collect();
+        assert_eq!(seqs, expected);
+    }
+    // And B's and C's own sessions were never touched by the adoption.
+    for (s, o) in created.iter().filter(|(_, o)| o != "replica-a") {
+        assert_eq!(owner(&store, s).await.as_ref(), Some(o));
+    }
+    assert_eq!(agentctls_by_executor(root), before);
+    drop(b);
+    drop(c);
+}
+
+#[tokio::test]
+async fn sigterm_hands_sessions_over_without_waiting_for_the_ttl() {
+    let db = sessiond_testkit::postgres::test_database();
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let store = Store::connect(db.url(), StoreOptions::default().max_connections(2))
+        .await
+        .unwrap();
+    // A TTL far longer than the handoff may take.
+    let mut a = start_replica(root, "replica-a", db.url(), "60s");
+    let b = start_replica(root, "replica-b", db.url(), "60s");
+    wait_serving(&a.server).await;
+    wait_serving(&b.server).await;
+    let mut ca = sessions(&a.server).await;
+    let task = create_task(&mut ca, "handoff").await;
+    let s = create_session(&mut ca, &task.id, &worktree(root, "w"), "").await;
+    assert!(
+        prompt(&mut ca, &task.id, &s.id, "hi")
+            .await
+            .contains("turn 1")
+    );
+    assert_eq!(owner(&store, &s.id).await.as_deref(), Some("replica-a"));
+    let pids = agentctls_by_executor(root);
+
+    let stopped = Instant::now();
+    assert!(a.server.terminate().success());
+    until("B adopted A's session", Duration::from_secs(30), || {
+        let store = store.clone();
+        let s = s.id.clone();
+        async move { owner(&store, &s).await.as_deref() == Some("replica-b") }
+    })
+    .await;
+    assert!(
+        stopped.elapsed() < Duration::from_secs(60),
+        "handed over before the TTL could run out"
+    );
+    let mut cb = sessions(&b.server).await;
+    assert!(
+        prompt(&mut cb, &task.id, &s.id, "on b")
+            .await
+            .contains("turn 2")
+    );
+    assert_eq!(
+        agentctls_by_executor(root),
+        pids,
+        "the same agentctl, reattached"
+    );
+    drop(b);
+}
+
+#[tokio::test]
+async fn a_second_sessiond_on_one_sqlite_database_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let mut first = start(&data, &[]);
+    wait_serving(&first).await;
+    let (ok, stderr) = run_sessiond(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "off",
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        &[("SESSIOND_API_TOKENS", TOKEN)],
+    );
+    assert!(!ok, "a second sessiond on the same SQLite file started");
+    assert!(
+        stderr.contains("is in use by another sessiond")
+            && stderr.contains("SQLite serves one sessiond at a time")
+            && stderr.contains(&format!("pid {}", first.child.as_ref().unwrap().id())),
+        "{stderr}"
+    );
+    // One replica, listed with what it runs.
+    let mut c = sessions(&first).await;
+    let work = worktree(dir.path(), "w");
+    let task = create_task(&mut c, "sqlite").await;
+    create_session(&mut c, &task.id, &work, "").await;
+    let listed = replicas(&mut c).await;
+    assert_eq!(listed.replicas.len(), 1, "{listed:?}");
+    assert_eq!(listed.replicas[0].id, listed.self_id);
+    assert_eq!(listed.replicas[0].owned_executors, 1);
+    let out = Command::new(bin("sessionctl"))
+        .args(["--addr", &format!("http://{}", first.addr), "replicas"])
+        .env("SESSIOND_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains(&listed.self_id) && text.contains("yes"),
+        "{text}"
+    );
+    // The lock dies with its process: kill -9, and a new one starts.
+    first.kill();
+    let second = start(&data, &[]);
+    wait_serving(&second).await;
+}

@@ -1,0 +1,174 @@
+//! Events across replicas on PostgreSQL: every commit that stores events
+//! also sends, in its transaction, one `NOTIFY sessiond_events` per event
+//! (delivered only if the transaction commits, in commit order), naming the
+//! replica that wrote it. Each replica listens on a connection of its own
+//! and hands what the *other* replicas committed to its event bus. A
+//! notification only wakes: readers read the outbox after their last seq,
+//! so a lost notification delays an event, never loses or reorders it.
+
+use std::time::Duration;
+
+use tokio::sync::mpsc::{self, Receiver, Sender, error::TrySendError};
+
+use diesel::{Connection, RunQueryDsl, connection::SimpleConnection, pg::PgConnection};
+use sessiond_domain::{Event, SessionId, TaskId};
+
+use crate::{Result, conn::AnyConnection, store::Store};
+
+const CHANNEL: &str = "sessiond_events";
+
+/// How often the listener looks for notifications (libpq delivers them on
+/// the next read of the socket; diesel gives no way to wait on it).
+const POLL: Duration = Duration::from_millis(10);
+
+/// What the listener hands out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventWake {
+    /// Another replica committed this event.
+    Committed {
+        session: SessionId,
+        seq: i64,
+        task: TaskId,
+        task_seq: i64,
+    },
+    /// The listener (re)connected: notifications may have been missed
+    /// meanwhile; readers should look at the outbox.
+    Resync,
+}
+
+/// Sends one notification per event in the caller's transaction (Postgres,
+/// with an origin only).
+pub(crate) fn notify(c: &mut AnyConnection, origin: Option<&str>, events: &[Event]) -> Result<()> {
+    let (Some(origin), AnyConnection::Pg(pg)) = (origin, c) else {
+        return Ok(());
+    };
+    for e in events {
+        let payload = format!(
+            "{origin} {} {} {} {}",
+            e.session_id, e.seq, e.task_id, e.task_seq
+        );
+        diesel::sql_query("SELECT pg_notify($1, $2)")
+            .bind::<diesel::sql_types::Text, _>(CHANNEL)
+            .bind::<diesel::sql_types::Text, _>(payload)
+            .execute(pg)?;
+    }
+    Ok(())
+}
+
+fn parse(payload: &str, me: &str) -> Option<EventWake> {
+    let mut parts = payload.split(' ');
+    let origin = parts.next()?;
+    if origin == me {
+        return None;
+    }
+    Some(EventWake::Committed {
+        session: SessionId::parse(parts.next()?).ok()?,
+        seq: parts.next()?.parse().ok()?,
+        task: TaskId::parse(parts.next()?).ok()?,
+        task_seq: parts.next()?.parse().ok()?,
+    })
+}
+
+impl Store {
+    /// PostgreSQL: listens for the events other replicas commit (all but
+    /// `me`'s) on a connection of its own, on a thread that ends when the
+    /// receiver is dropped. Reconnects after a failure, then sends
+    /// [`EventWake::Resync`]. `None` on SQLite.
+    pub fn listen_events(&self, me: &str) -> Option<Receiver<EventWake>> {
+        if self.backend() != crate::Backend::Postgres {
+            return None;
+        }
+        let (tx, rx) = mpsc::channel(4096);
+        let target = self.target.to_string();
+        let me = me.to_owned();
+        std::thread::Builder::new()
+            .name("sessiond-listen".into())
+            .spawn(move || listen(&target, &me, &tx))
+            .ok()?;
+        Some(rx)
+    }
+}
+
+fn listen(target: &str, me: &str, tx: &Sender<EventWake>) {
+    let mut first = true;
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let conn = PgConnection::establish(target)
+            .map_err(|e| e.to_string())
+            .and_then(|mut c| {
+                c.batch_execute(&format!("LISTEN {CHANNEL}"))
+                    .map_err(|e| e.to_string())?;
+                Ok(c)
+            });
+        let mut conn = match conn {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "event listener cannot connect; retrying");
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(100);
+        if !first && !send(tx, EventWake::Resync) {
+            return;
+        }
+        first = false;
+        'poll: loop {
+            for n in conn.notifications_iter() {
+                match n {
+                    Ok(n) => {
+                        if let Some(wake) = parse(&n.payload, me)
+                            && !send(tx, wake)
+                        {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "event listener lost its connection; reconnecting");
+                        break 'poll;
+                    }
+                }
+            }
+            // Also notices a receiver that went away while all was quiet.
+            if tx.is_closed() {
+                return;
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+}
+
+/// False when nobody listens any more. A full channel drops the wake and
+/// asks for a resync instead (readers catch up from the outbox).
+fn send(tx: &Sender<EventWake>, wake: EventWake) -> bool {
+    match tx.try_send(wake) {
+        Ok(()) => true,
+        // The relay is behind: it resyncs from the outbox once it gets here.
+        Err(TrySendError::Full(_)) => tx.blocking_send(EventWake::Resync).is_ok(),
+        Err(TrySendError::Closed(_)) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notifications_of_others_parse_and_ours_are_skipped() {
+        let s = SessionId::new();
+        let t = TaskId::new();
+        let payload = format!("replica-a {s} 7 {t} 12");
+        assert_eq!(
+            parse(&payload, "replica-b"),
+            Some(EventWake::Committed {
+                session: s,
+                seq: 7,
+                task: t,
+                task_seq: 12
+            })
+        );
+        assert_eq!(parse(&payload, "replica-a"), None);
+        assert_eq!(parse("garbage", "x"), None);
+    }
+}
