@@ -153,6 +153,12 @@ test("cancel a running turn: the reply so far stays and the turn shows as cancel
       { timeout: T },
     );
     await b.screenshot("long-turn-running");
+    // At phone width the composer's buttons stay on screen.
+    await page.setViewportSize({ width: 390, height: 844 });
+    const box = await page.locator("[data-testid=cancel-turn]").boundingBox();
+    assert.ok(box && box.x >= 0 && box.x + box.width <= 390, `cancel button within the phone's width: ${JSON.stringify(box)}`);
+    await b.screenshot("long-turn-running-phone");
+    await page.setViewportSize({ width: 1280, height: 800 });
     await page.click("[data-testid=cancel-turn]");
     await message(page, "the turn was cancelled on request");
     await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
