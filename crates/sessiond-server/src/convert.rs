@@ -402,6 +402,21 @@ pub fn event(e: &Event) -> pb::Event {
     }
 }
 
+/// A replica row as the API shows it, live as of `now`.
+pub fn replica(r: &sessiond_store::ReplicaInfo, now: DateTime<Utc>) -> pb::Replica {
+    pb::Replica {
+        id: r.id.clone(),
+        address: r.address.clone(),
+        hostname: r.hostname.clone(),
+        pid: r.pid,
+        started_at: Some(timestamp(r.started_at)),
+        heartbeat_at: Some(timestamp(r.heartbeat_at)),
+        live: r.is_live(now),
+        owned_executors: r.owned_executors,
+        lease_ttl_ms: i64::try_from(r.lease_ttl.as_millis()).unwrap_or(i64::MAX),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -445,20 +460,5 @@ mod tests {
         }
         assert_eq!(runtime_from(0), Ok(None));
         assert!(runtime_from(99).is_err());
-    }
-}
-
-/// A replica row as the API shows it, live as of `now`.
-pub fn replica(r: &sessiond_store::ReplicaInfo, now: DateTime<Utc>) -> pb::Replica {
-    pb::Replica {
-        id: r.id.clone(),
-        address: r.address.clone(),
-        hostname: r.hostname.clone(),
-        pid: r.pid,
-        started_at: Some(timestamp(r.started_at)),
-        heartbeat_at: Some(timestamp(r.heartbeat_at)),
-        live: r.is_live(now),
-        owned_executors: r.owned_executors,
-        lease_ttl_ms: i64::try_from(r.lease_ttl.as_millis()).unwrap_or(i64::MAX),
     }
 }
