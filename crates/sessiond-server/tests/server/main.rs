@@ -15,6 +15,7 @@ mod api;
 mod config;
 mod metrics;
 mod ops;
+mod permissions;
 mod restart;
 mod security;
 mod serve;
