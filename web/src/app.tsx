@@ -533,15 +533,36 @@ function partText(m: Message): string {
   }
 }
 
-class MessageView extends Component<{ message: Message }> {
-  shouldComponentUpdate(next: { message: Message }) {
-    return next.message !== this.props.message;
+// How a turn that did not end normally is marked on its user message.
+const stopLabel: Record<string, string> = {
+  cancelled: "cancelled",
+  error: "failed",
+  interrupted: "interrupted",
+  refusal: "refused by the agent",
+  max_tokens: "stopped: max tokens",
+  max_turn_requests: "stopped: max turn requests",
+};
+
+type MessageProps = { message: Message; stop?: string };
+
+class MessageView extends Component<MessageProps> {
+  shouldComponentUpdate(next: MessageProps) {
+    return next.message !== this.props.message || next.stop !== this.props.stop;
   }
   render() {
-    const m = this.props.message;
+    const { message: m, stop } = this.props;
+    const label = stop && stop !== "end_turn" ? (stopLabel[stop] ?? stop) : "";
     return (
       <li class={`msg role-${m.role}${m.complete ? "" : " streaming"}`} data-seq={String(m.seq)}>
-        <span class="who">{roleLabel[m.role]}</span>
+        <span class="who">
+          {roleLabel[m.role]}
+          {label && (
+            <span class={`turn-stop stop-${stop}`} data-testid="turn-stop">
+              {" · turn "}
+              {label}
+            </span>
+          )}
+        </span>
         <div class={m.part.case ? "text part" : "text"}>{partText(m)}</div>
       </li>
     );
@@ -553,6 +574,9 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   const [status, setStatus] = useState<GetSessionStatusResponse | null>(null);
   const [statusError, setStatusError] = useState("");
   const [messages, setMessages] = useState<Message[]>([]);
+  // Stop reason of each ended turn, by the id of its user message.
+  const [stops, setStops] = useState<ReadonlyMap<string, string>>(new Map());
+  const [cancelling, setCancelling] = useState(false);
   const [watch, setWatch] = useState<WatchState>("live");
   const [resuming, setResuming] = useState(false);
   const [resumeError, setResumeError] = useState<{ reason: string; message: string } | null>(null);
@@ -589,11 +613,13 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
     refresh();
     const byId = new Map<string, number>();
     let acc: Message[] = [];
+    const stopAcc = new Map<string, string>();
     let frame = 0;
     let statusTimer = 0;
     const publish = () => {
       frame = 0;
       setMessages(acc.slice());
+      setStops(new Map(stopAcc));
     };
     const stop = follow(
       (after, signal) => sessions.watchSession({ sessionId, afterSeq: after }, { signal }),
@@ -609,6 +635,10 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
           } else acc[at] = m;
           if (!frame) frame = requestAnimationFrame(publish);
         } else {
+          if (p.case === "turnEnded") {
+            stopAcc.set(p.value.turnId, p.value.stopReason);
+            if (!frame) frame = requestAnimationFrame(publish);
+          }
           // State and executor changes: ask for the session's status again.
           clearTimeout(statusTimer);
           statusTimer = window.setTimeout(refresh, 50);
@@ -710,6 +740,23 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
     }
   };
 
+  // Cancels the running turn; it ends on the event stream (the reply so far
+  // stays, a system message and the turn's mark say it was cancelled).
+  const cancelTurn = async () => {
+    setError("");
+    setCancelling(true);
+    try {
+      await sessions.cancelTurn({ taskId, sessionId });
+    } catch (err) {
+      // The turn ended meanwhile: nothing to cancel, not an error.
+      if (reason(err) !== "invalid_state") {
+        fail(setError)(err);
+        setCancelling(false);
+      }
+      refresh();
+    }
+  };
+
   const stopSession = async () => {
     setError("");
     try {
@@ -734,6 +781,11 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   const showNewSession = !!(notResumable || ended || (failedResume && !s?.isAgentRunning));
   const workspaceOnly = s && s.executorStatus === ExecutorStatus.READY && !s.isAgentRunning;
   const canSend = s && s.isAgentRunning && (s.state === SessionState.WAITING_FOR_INPUT || s.state === SessionState.RUNNING);
+  const turnRunning = !!s && s.isAgentRunning && s.state === SessionState.RUNNING;
+  // A cancel is done once the turn has ended (the session left RUNNING).
+  useEffect(() => {
+    if (!turnRunning) setCancelling(false);
+  }, [turnRunning]);
 
   return (
     <section class="session">
@@ -802,7 +854,7 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
             }}
           >
             {messages.map((m) => (
-              <MessageView key={m.id} message={m} />
+              <MessageView key={m.id} message={m} stop={m.role === MessageRole.USER ? stops.get(m.id) : undefined} />
             ))}
           </ol>
           {interrupted && canSend && s?.state === SessionState.WAITING_FOR_INPUT && (
@@ -832,10 +884,18 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
                   if (e.key === "Enter" && !e.shiftKey) {
                     e.preventDefault();
                     send();
+                  } else if (e.key === "Escape" && turnRunning && !cancelling) {
+                    e.preventDefault();
+                    cancelTurn();
                   }
                 }}
               />
             </label>
+            {turnRunning && (
+              <button type="button" class="secondary" data-testid="cancel-turn" onClick={cancelTurn} disabled={cancelling} title="Cancel the turn (Esc)">
+                {cancelling ? "Cancelling…" : "Cancel turn"}
+              </button>
+            )}
             <button type="submit" disabled={!canSend}>
               Send
             </button>
