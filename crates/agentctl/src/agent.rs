@@ -225,7 +225,7 @@ struct Slot {
     marker: String,
     /// The session modes the agent offered for `session` (ACP session
     /// modes, from `session/new` / `session/load`), the current one kept up
-    /// to date by `set_mode`.
+    /// to date by `set_mode` and the agent's own `current_mode_update`.
     modes: Option<SessionModeState>,
     /// The activity parts of the turn in progress.
     parts: Parts,
@@ -1388,6 +1388,14 @@ fn on_session_update(shared: &Shared, generation: u64, n: SessionNotification) {
     if slot.replaying.as_ref() == Some(&n.session_id) {
         slot.replayed += 1;
         return;
+    }
+    // A mode the agent switched to by itself is the current one from now on
+    // (Health reports it), in a turn or between turns.
+    if let SessionUpdate::CurrentModeUpdate(u) = &n.update
+        && slot.session.as_ref() == Some(&n.session_id)
+        && let Some(modes) = slot.modes.as_mut()
+    {
+        modes.current_mode_id = u.current_mode_id.clone();
     }
     let Some(turn) = slot
         .turn

@@ -378,6 +378,68 @@ fn sessionctl_stops_at_once_on_failed_interrupted_and_cancelled_turns() {
     }
 }
 
+/// `send` prints the agent's activity on stderr as it streams (each change
+/// of a part: the tool call pending, then completed), the reply on stdout;
+/// `messages` lists the same parts.
+#[test]
+fn send_prints_tool_calls_and_plans_as_they_stream() {
+    let mut env = Env::new();
+    let scratch = env.home.path().join("activity");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let server = env.serve();
+    env.sessionctl(&["health", "--wait"], &scratch);
+    let task = env
+        .sessionctl(&["task", "create", "activity", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    env.task = Some(task);
+    let session = env
+        .sessionctl(&["session", "create", "-q"], &scratch)
+        .trim()
+        .to_owned();
+
+    let mut cmd = Command::new("sessionctl");
+    env.apply(&mut cmd);
+    let out = cmd
+        .args(["send", &session, "/activity"])
+        .current_dir(&scratch)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("activity: sent"), "the reply: {stdout}");
+    assert!(
+        !stdout.contains("[tool"),
+        "activity stays off stdout: {stdout}"
+    );
+    let started = stderr
+        .find("[tool edit] edit notes.txt: in_progress")
+        .unwrap_or_else(|| panic!("the tool call as it started: {stderr}"));
+    let done = stderr
+        .find("[tool edit] edit notes.txt: completed (diff notes.txt)")
+        .unwrap_or_else(|| panic!("the tool call completed: {stderr}"));
+    assert!(started < done, "{stderr}");
+    assert!(
+        stderr.contains("[plan]\n  [completed] read the file\n  [in_progress] edit the file"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("[thought] thinking about it"), "{stderr}");
+    assert!(stderr.contains("[mode] plan"), "{stderr}");
+
+    let messages = env.sessionctl(&["messages", &session], &scratch);
+    assert!(
+        messages.contains("[tool edit] edit notes.txt: completed (diff notes.txt)"),
+        "{messages}"
+    );
+
+    env.sessionctl(&["session", "stop", &session], &scratch);
+    terminate(server);
+    for pid in agentctls_under(env.home.path()) {
+        let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    }
+}
+
 #[test]
 fn watch_resumes_from_the_last_seq_after_the_server_restarts() {
     let mut env = Env::new();
