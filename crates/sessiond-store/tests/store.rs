@@ -1191,8 +1191,8 @@ mod suite {
         seed(store).await;
         let reverted = store.revert_all_migrations().await.unwrap();
         // Every migration directory (init, profile container, profile auth +
-        // permission policy, message parts).
-        assert_eq!(reverted.len(), 4, "{reverted:?}");
+        // permission policy, message parts, permission timeout).
+        assert_eq!(reverted.len(), 5, "{reverted:?}");
         let err = store.list_tasks(None, 10).await.unwrap_err();
         assert!(matches!(err, Error::Database(_)), "tables are gone: {err}");
         let applied = store.run_pending_migrations().await.unwrap();
