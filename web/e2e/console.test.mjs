@@ -251,6 +251,18 @@ test("permission policy ask: a prompt with a button per option, kept over a relo
     await page.reload();
     await message(page, "permission: allow");
     assert.equal(await page.locator(prompt).count(), 0);
+
+    // Answered elsewhere (another tab rejects): this tab's prompt goes away
+    // with no action of its own (permission.resolved, and the status of the
+    // turn's end no longer lists it).
+    await send(page, "/permission");
+    await visible(page, `${prompt} button[data-option=reject]`);
+    const other = await page.context().newPage();
+    await other.goto(page.url());
+    await other.locator(`${prompt} button[data-option=reject]`).click({ timeout: T });
+    await hidden(page, "[data-testid=permissions]");
+    await message(page, "permission: reject");
+    await other.close();
     assert.deepEqual(b.errors, []);
   } finally {
     await b.close();
