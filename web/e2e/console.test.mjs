@@ -217,6 +217,8 @@ test("permission policy ask: a prompt with a button per option, kept over a relo
     await visible(page, `${prompt} button[data-option=allow]`);
     await visible(page, `${prompt} button[data-option=reject]`);
     assert.match(await page.textContent(prompt), /demo permission/);
+    // The profile's timeout (default 5 min) rejects it unless answered; the prompt says when.
+    assert.match(await page.textContent(`${prompt} [data-testid=permission-expires]`), /rejected by itself at \S/);
     await b.screenshot("permission-asked");
 
     // Still waiting after a reload (GetSessionStatus lists it) ...

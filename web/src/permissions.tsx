@@ -36,6 +36,12 @@ export function PermissionPrompts(props: {
         <div key={r.requestId} class="banner info permission" role="group" aria-label="Permission request" data-request={r.requestId}>
           <span>
             The agent asks permission: <strong>{r.toolCall?.title || "a tool call"}</strong>
+            {r.expiresAt && (
+              <span class="hint" data-testid="permission-expires">
+                {" "}
+                (rejected by itself at {new Date(Number(r.expiresAt.seconds) * 1000).toLocaleTimeString()})
+              </span>
+            )}
           </span>
           <span class="row">
             {r.options.map((o) => (
