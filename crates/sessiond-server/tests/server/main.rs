@@ -16,6 +16,7 @@ mod config;
 mod interop;
 mod metrics;
 mod ops;
+mod permissions;
 mod replicas;
 mod restart;
 mod security;
