@@ -156,7 +156,7 @@ impl SessionManager {
                 "option_id is empty: name one of the request's options".into(),
             ));
         }
-        self.ensure_recovered(session_id).await;
+        self.ensure_recovered(session_id).await?;
         let m = self
             .inner
             .store
