@@ -134,6 +134,144 @@ test("chat streams live, survives SIGTERM and kill -9 of sessiond without gap or
   }
 });
 
+test("cancel a running turn: the reply so far stays and the turn shows as cancelled", async () => {
+  const { work, data } = scratch("cancel");
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();
+  const b = await browser("cancel");
+  try {
+    const { page } = b;
+    await page.goto(server.url);
+    await createTaskAndSession(page, { title: "Cancel e2e", work });
+    // `/long`: the demo agent streams 600 chunks 100 ms apart and honours
+    // session/cancel between them.
+    await send(page, "/long story");
+    await visible(page, "[data-testid=cancel-turn]");
+    // Some of the reply has streamed in (its third numbered chunk).
+    await page.waitForFunction(
+      () => [...document.querySelectorAll("[data-testid=messages] .msg.streaming")].some((m) => m.textContent.includes(" [3]")),
+      null,
+      { timeout: T },
+    );
+    await b.screenshot("long-turn-running");
+    // At phone width the composer's buttons stay on screen.
+    await page.setViewportSize({ width: 390, height: 844 });
+    const box = await page.locator("[data-testid=cancel-turn]").boundingBox();
+    assert.ok(box && box.x >= 0 && box.x + box.width <= 390, `cancel button within the phone's width: ${JSON.stringify(box)}`);
+    await b.screenshot("long-turn-running-phone");
+    await page.setViewportSize({ width: 1280, height: 800 });
+    await page.click("[data-testid=cancel-turn]");
+    await message(page, "the turn was cancelled on request");
+    await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
+    await hidden(page, "[data-testid=cancel-turn]");
+    const msgs = await conversation(page);
+    assertNoGapNoDuplicate(msgs);
+    assert.deepEqual(msgs.map(([, who]) => who.split(" ")[0]), ["you", "agent", "system"], JSON.stringify(msgs));
+    // The reply so far is kept, and it is not the whole minute-long reply.
+    const reply = msgs[1][2];
+    assert.match(reply, /^turn 1 of session .*you said "\/long story" \[1\] \[2\] \[3\]/);
+    assert.doesNotMatch(reply, /\[600\]/);
+    assert.equal(await page.locator("[data-testid=messages] .msg.streaming").count(), 0, "no message is still streaming");
+    assert.equal(await page.textContent("[data-testid=messages] .msg.role-1 [data-testid=turn-stop]"), " · turn cancelled");
+    await b.screenshot("turn-cancelled");
+
+    // Esc in the composer cancels too; the session takes the next turn.
+    await send(page, "/long again");
+    await page.waitForFunction(
+      () => [...document.querySelectorAll("[data-testid=messages] .msg.streaming")].some((m) => m.textContent.includes(" [1]")),
+      null,
+      { timeout: T },
+    );
+    await visible(page, "[data-testid=cancel-turn]");
+    await page.focus("textarea[name=message]");
+    await page.keyboard.press("Escape");
+    await page.waitForFunction(() => document.querySelectorAll("[data-testid=turn-stop]").length === 2, null, { timeout: T });
+    await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
+    await send(page, "after the cancels");
+    await message(page, 'you said "after the cancels"');
+    assertNoGapNoDuplicate(await conversation(page));
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
+test("permission policy ask: a prompt with a button per option, kept over a reload and a restart, answered from the keyboard", async () => {
+  const { dir, work, data } = scratch("permission");
+  const config = join(dir, "sessiond.toml");
+  writeFileSync(
+    config,
+    `[[agents]]\nname = "careful"\ncommand = "${bin("acp-demo-agent")}"\npermission_policy = "ask"\n` +
+      `env = { ACP_DEMO_STATE_DIR = "${join(dir, "demo-state")}" }\n`,
+  );
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth", "--config", config] }).start();
+  const b = await browser("permission");
+  try {
+    const { page } = b;
+    await page.goto(server.url);
+    await createTaskAndSession(page, { title: "Permission e2e", work, profile: "careful" });
+    // `/permission`: the demo agent asks with options allow / reject and
+    // waits for the answer.
+    await send(page, "/permission");
+    const prompt = "[data-testid=permissions] [role=group]";
+    await visible(page, `${prompt} button[data-option=allow]`);
+    await visible(page, `${prompt} button[data-option=reject]`);
+    assert.match(await page.textContent(prompt), /demo permission/);
+    // The profile's timeout (default 5 min) rejects it unless answered; the prompt says when.
+    assert.match(await page.textContent(`${prompt} [data-testid=permission-expires]`), /rejected by itself at \S/);
+    await b.screenshot("permission-asked");
+
+    // Still waiting after a reload (GetSessionStatus lists it) ...
+    await page.reload();
+    await visible(page, `${prompt} button[data-option=allow]`);
+    // ... and after sessiond restarts while agentctl holds the request.
+    b.expectNetworkErrors(true);
+    await server.terminate();
+    await visible(page, "[data-testid=reconnecting]");
+    await server.start();
+    await hidden(page, "[data-testid=reconnecting]");
+    b.expectNetworkErrors(false);
+    await page.reload();
+    await visible(page, `${prompt} button[data-option=allow]`);
+    assert.equal(await page.locator(prompt).count(), 1, "one prompt for one request");
+    await b.screenshot("permission-after-restart");
+
+    // Keyboard: from the composer, Shift+Tab reaches the prompt's buttons.
+    await page.focus("textarea[name=message]");
+    await page.keyboard.press("Shift+Tab");
+    await page.keyboard.press("Shift+Tab");
+    assert.equal(await page.evaluate(() => document.activeElement?.dataset.option), "allow");
+    await page.keyboard.press("Enter");
+    await hidden(page, "[data-testid=permissions]");
+    await message(page, "permission: allow");
+    await message(page, "permission asked for demo permission (selected: Allow)");
+    await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
+    assertNoGapNoDuplicate(await conversation(page));
+    await b.screenshot("permission-answered");
+
+    // Answered, it stays answered: not shown again after a reload.
+    await page.reload();
+    await message(page, "permission: allow");
+    assert.equal(await page.locator(prompt).count(), 0);
+
+    // Answered elsewhere (another tab rejects): this tab's prompt goes away
+    // with no action of its own (permission.resolved, and the status of the
+    // turn's end no longer lists it).
+    await send(page, "/permission");
+    await visible(page, `${prompt} button[data-option=reject]`);
+    const other = await page.context().newPage();
+    await other.goto(page.url());
+    await other.locator(`${prompt} button[data-option=reject]`).click({ timeout: T });
+    await hidden(page, "[data-testid=permissions]");
+    await message(page, "permission: reject");
+    await other.close();
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
 test("on_demand: after kill -9 of everything, Resume → spinner → the conversation continues", async () => {
   const { work, data } = scratch("resume");
   const server = await new Sessiond({ data, args: ["--insecure-no-auth", "--recovery-mode", "on_demand"] }).start();

@@ -83,6 +83,34 @@ try {
         longTasks: longTasks.length,
       };
     }, selector);
+  // The scroll's CPU time, from a Chromium trace: busy time of the
+  // renderer's main thread (style, layout, paint, script) and of the
+  // compositor threads. Frame times depend on the machine's load of the
+  // moment; the CPU a scroll costs much less.
+  const traced = async (what) => {
+    const cdpT = await page.context().newCDPSession(page);
+    const events = [];
+    cdpT.on("Tracing.dataCollected", (d) => events.push(...d.value));
+    await cdpT.send("Tracing.start", { categories: "toplevel,devtools.timeline,__metadata", transferMode: "ReportEvents" });
+    const result = await what();
+    const done = new Promise((r) => cdpT.once("Tracing.tracingComplete", r));
+    await cdpT.send("Tracing.end");
+    await done;
+    await cdpT.detach();
+    const threads = new Map();
+    for (const e of events) if (e.ph === "M" && e.name === "thread_name") threads.set(`${e.pid}:${e.tid}`, e.args.name);
+    const busy = {};
+    const main = {};
+    for (const e of events) {
+      if (e.ph !== "X" || !e.dur) continue;
+      const thread = threads.get(`${e.pid}:${e.tid}`) ?? "other";
+      if (e.name === "ThreadControllerImpl::RunTask") busy[thread] = (busy[thread] ?? 0) + e.dur / 1000;
+      if (thread === "CrRendererMain" && ["UpdateLayoutTree", "Layout", "PrePaint", "Paint", "Layerize", "Commit", "FunctionCall"].includes(e.name))
+        main[e.name] = (main[e.name] ?? 0) + e.dur / 1000;
+    }
+    const round = (o) => Object.fromEntries(Object.entries(o).map(([k, v]) => [k, Math.round(v)]));
+    return { ...result, cpuMs: { rendererMain: Math.round(busy.CrRendererMain ?? 0), compositor: Math.round(busy.Compositor ?? 0), viz: Math.round(busy.VizCompositorThread ?? 0) }, rendererMainMs: round(main) };
+  };
   // PERF_PROFILE=1: the top functions by self time during the scroll.
   let cdp;
   if (process.env.PERF_PROFILE) {
@@ -91,7 +119,7 @@ try {
     await cdp.send("Profiler.setSamplingInterval", { interval: 200 });
     await cdp.send("Profiler.start");
   }
-  const scroll = await scrollFrames("[data-testid=messages]");
+  const scroll = await traced(() => scrollFrames("[data-testid=messages]"));
   if (cdp) {
     const { profile } = await cdp.send("Profiler.stop");
     const self = new Map();
@@ -119,7 +147,7 @@ try {
     await page.waitForFunction((n) => document.querySelectorAll("#list .msg").length === n, MESSAGES, { polling: "raf" });
     (results.baselineRender ??= []).push(Date.now() - start);
   }
-  results.baselineScroll = await scrollFrames("#list");
+  results.baselineScroll = await traced(() => scrollFrames("#list"));
   results.scroll = scroll;
   console.log(JSON.stringify(results, null, 2));
   await b.close();

@@ -13,11 +13,13 @@ import {
   SessionState,
   type AgentProfile,
   type Message,
+  type PermissionRequest,
   type Session,
   type Task,
 } from "./gen/sessiond/v1/types_pb";
 import { executorLabel, executorTone, reasonLabel, roleLabel, runtimeLabel, stateLabel, stateTone } from "./labels";
 import { Workspace } from "./workspace";
+import { PermissionPrompts } from "./permissions";
 
 // ------------------------------------------------------------------ routing
 
@@ -528,20 +530,47 @@ function partText(m: Message): string {
       return "mode: " + p.value.modeId;
     case "other":
       return p.value.updateKind;
+    case "permission": {
+      const r = p.value;
+      const chosen = r.options.find((o) => o.optionId === r.optionId);
+      const outcome = r.status === "pending" ? "waiting for an answer" : `${r.status.replace("_", " ")}${chosen ? `: ${chosen.name}` : r.optionId ? `: ${r.optionId}` : ""}`;
+      return `permission asked for ${r.toolCall?.title || "a tool call"} (${outcome})`;
+    }
     default:
       return m.content;
   }
 }
 
-class MessageView extends Component<{ message: Message }> {
-  shouldComponentUpdate(next: { message: Message }) {
-    return next.message !== this.props.message;
+// How a turn that did not end normally is marked on its user message.
+const stopLabel: Record<string, string> = {
+  cancelled: "cancelled",
+  error: "failed",
+  interrupted: "interrupted",
+  refusal: "refused by the agent",
+  max_tokens: "stopped: max tokens",
+  max_turn_requests: "stopped: max turn requests",
+};
+
+type MessageProps = { message: Message; stop?: string };
+
+class MessageView extends Component<MessageProps> {
+  shouldComponentUpdate(next: MessageProps) {
+    return next.message !== this.props.message || next.stop !== this.props.stop;
   }
   render() {
-    const m = this.props.message;
+    const { message: m, stop } = this.props;
+    const label = stop && stop !== "end_turn" ? (stopLabel[stop] ?? stop) : "";
     return (
-      <li class={`msg role-${m.role}${m.complete ? "" : " streaming"}`} data-seq={String(m.seq)}>
-        <span class="who">{roleLabel[m.role]}</span>
+      <li class={`msg role-${m.role}${m.complete || m.part.case ? "" : " streaming"}`} data-seq={String(m.seq)}>
+        <span class="who">
+          {roleLabel[m.role]}
+          {label && (
+            <span class={`turn-stop stop-${stop}`} data-testid="turn-stop">
+              {" · turn "}
+              {label}
+            </span>
+          )}
+        </span>
         <div class={m.part.case ? "text part" : "text"}>{partText(m)}</div>
       </li>
     );
@@ -553,6 +582,13 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   const [status, setStatus] = useState<GetSessionStatusResponse | null>(null);
   const [statusError, setStatusError] = useState("");
   const [messages, setMessages] = useState<Message[]>([]);
+  // Stop reason of each ended turn, by the id of its user message.
+  const [stops, setStops] = useState<ReadonlyMap<string, string>>(new Map());
+  const [cancelling, setCancelling] = useState(false);
+  // The agent's permission requests that wait for an answer: those of the
+  // last status plus those asked since, less those resolved since (by id).
+  const [asked, setAsked] = useState<ReadonlyMap<string, PermissionRequest>>(new Map());
+  const [resolved, setResolved] = useState<ReadonlySet<string>>(new Set());
   const [watch, setWatch] = useState<WatchState>("live");
   const [resuming, setResuming] = useState(false);
   const [resumeError, setResumeError] = useState<{ reason: string; message: string } | null>(null);
@@ -589,11 +625,17 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
     refresh();
     const byId = new Map<string, number>();
     let acc: Message[] = [];
+    const stopAcc = new Map<string, string>();
+    const askedAcc = new Map<string, PermissionRequest>();
+    const resolvedAcc = new Set<string>();
     let frame = 0;
     let statusTimer = 0;
     const publish = () => {
       frame = 0;
       setMessages(acc.slice());
+      setStops(new Map(stopAcc));
+      setAsked(new Map(askedAcc));
+      setResolved(new Set(resolvedAcc));
     };
     const stop = follow(
       (after, signal) => sessions.watchSession({ sessionId, afterSeq: after }, { signal }),
@@ -609,6 +651,20 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
           } else acc[at] = m;
           if (!frame) frame = requestAnimationFrame(publish);
         } else {
+          if (p.case === "turnEnded") {
+            stopAcc.set(p.value.turnId, p.value.stopReason);
+            if (!frame) frame = requestAnimationFrame(publish);
+          } else if (p.case === "permissionRequested" && p.value.request) {
+            askedAcc.set(p.value.request.requestId, p.value.request);
+            if (!frame) frame = requestAnimationFrame(publish);
+            // A prompt and nothing else: the status need not be asked again.
+            return;
+          } else if (p.case === "permissionResolved") {
+            resolvedAcc.add(p.value.requestId);
+            askedAcc.delete(p.value.requestId);
+            if (!frame) frame = requestAnimationFrame(publish);
+            return;
+          }
           // State and executor changes: ask for the session's status again.
           clearTimeout(statusTimer);
           statusTimer = window.setTimeout(refresh, 50);
@@ -710,6 +766,23 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
     }
   };
 
+  // Cancels the running turn; it ends on the event stream (the reply so far
+  // stays, a system message and the turn's mark say it was cancelled).
+  const cancelTurn = async () => {
+    setError("");
+    setCancelling(true);
+    try {
+      await sessions.cancelTurn({ taskId, sessionId });
+    } catch (err) {
+      // The turn ended meanwhile: nothing to cancel, not an error.
+      if (reason(err) !== "invalid_state") {
+        fail(setError)(err);
+        setCancelling(false);
+      }
+      refresh();
+    }
+  };
+
   const stopSession = async () => {
     setError("");
     try {
@@ -721,6 +794,12 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   };
 
   const s = status;
+  const pendingPermissions = useMemo(() => {
+    const all = new Map<string, PermissionRequest>();
+    for (const r of status?.pendingPermissions ?? []) all.set(r.requestId, r);
+    for (const [id, r] of asked) all.set(id, r);
+    return [...all.values()].filter((r) => !resolved.has(r.requestId));
+  }, [status, asked, resolved]);
   const ended = s && (s.state === SessionState.COMPLETED || s.state === SessionState.CANCELLED);
   const recovering = !!s?.recovering;
   const notResumable =
@@ -734,6 +813,11 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   const showNewSession = !!(notResumable || ended || (failedResume && !s?.isAgentRunning));
   const workspaceOnly = s && s.executorStatus === ExecutorStatus.READY && !s.isAgentRunning;
   const canSend = s && s.isAgentRunning && (s.state === SessionState.WAITING_FOR_INPUT || s.state === SessionState.RUNNING);
+  const turnRunning = !!s && s.isAgentRunning && s.state === SessionState.RUNNING;
+  // A cancel is done once the turn has ended (the session left RUNNING).
+  useEffect(() => {
+    if (!turnRunning) setCancelling(false);
+  }, [turnRunning]);
 
   return (
     <section class="session">
@@ -802,9 +886,16 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
             }}
           >
             {messages.map((m) => (
-              <MessageView key={m.id} message={m} />
+              <MessageView key={m.id} message={m} stop={m.role === MessageRole.USER ? stops.get(m.id) : undefined} />
             ))}
           </ol>
+          <PermissionPrompts
+            taskId={taskId}
+            sessionId={sessionId}
+            requests={pendingPermissions}
+            onGone={(id) => setResolved((r) => new Set(r).add(id))}
+            onError={fail(setError)}
+          />
           {interrupted && canSend && s?.state === SessionState.WAITING_FOR_INPUT && (
             <div class="banner warn" data-testid="interrupted">
               <span>The last turn was interrupted and not sent again; the agent may have run part of it.</span>
@@ -832,10 +923,18 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
                   if (e.key === "Enter" && !e.shiftKey) {
                     e.preventDefault();
                     send();
+                  } else if (e.key === "Escape" && turnRunning && !cancelling) {
+                    e.preventDefault();
+                    cancelTurn();
                   }
                 }}
               />
             </label>
+            {turnRunning && (
+              <button type="button" class="secondary" data-testid="cancel-turn" onClick={cancelTurn} disabled={cancelling} title="Cancel the turn (Esc)">
+                {cancelling ? "Cancelling…" : "Cancel turn"}
+              </button>
+            )}
             <button type="submit" disabled={!canSend}>
               Send
             </button>

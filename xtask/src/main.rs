@@ -14,6 +14,9 @@
 //!   container boundary probe, recovery on the Docker runtime, sessionctl's
 //!   Docker session), with an engine as in `ci`. `ci` runs the same tests
 //!   within its one test run, which has `DOCKER_HOST` set.
+//! - `interop-venv`: only the virtualenv of the interop test's Python ACP
+//!   agent (`target/interop-venv`, from `tests/interop/requirements.txt`),
+//!   which `ci` and `soak` make too (its test is `#[ignore]`d, run by `ci`).
 //! - `soak [--runs N]`: the test suites of `ci` N times (3) under CPU load
 //!   (a busy loop per core), reporting each run's failures: the flake check.
 //! - `bench`: the performance figures (see `bench.rs`); writes docs/PERFORMANCE.md.
@@ -29,6 +32,7 @@ use anyhow::{Context, bail};
 mod apt;
 mod bench;
 mod docker;
+mod interop;
 mod web;
 
 fn main() -> anyhow::Result<()> {
@@ -38,6 +42,7 @@ fn main() -> anyhow::Result<()> {
         Some("docker-image") => docker_image(&args[1..]),
         Some("docker-tests") => docker_tests(),
         Some("soak") => soak(&args[1..]),
+        Some("interop-venv") => interop::ensure_venv(&workspace_root()).map(|_| ()),
         Some("bench") => {
             let root = workspace_root();
             std::env::set_current_dir(&root)?;
@@ -46,7 +51,7 @@ fn main() -> anyhow::Result<()> {
         }
         _ => {
             eprintln!(
-                "usage: cargo xtask ci | docker-image [--tar <file>] | docker-tests | soak [--runs N] | bench [--quick]"
+                "usage: cargo xtask ci | docker-image [--tar <file>] | docker-tests | interop-venv | soak [--runs N] | bench [--quick]"
             );
             bail!("unknown or missing command {:?}", args.first());
         }
@@ -57,6 +62,8 @@ fn ci() -> anyhow::Result<()> {
     let root = workspace_root();
     std::env::set_current_dir(&root)?;
     ensure_system_packages()?;
+    // The interop test's agent runs on the Python ACP SDK.
+    interop::ensure_venv(&root)?;
 
     step("fmt", cargo(&["fmt", "--all", "--", "--check"]))?;
     step(
@@ -176,6 +183,7 @@ fn soak(args: &[String]) -> anyhow::Result<()> {
     let root = workspace_root();
     std::env::set_current_dir(&root)?;
     ensure_system_packages()?;
+    interop::ensure_venv(&root)?;
     step(
         "build",
         cargo(&["build", "--workspace", "--bins", "--locked"]),

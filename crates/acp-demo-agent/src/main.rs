@@ -15,7 +15,8 @@
 //! mode, an untyped kind), `/permission` asks for permission, `/edit PATH
 //! TEXT` asks permission before a tool call that writes PATH, `/read PATH`
 //! and `/write PATH TEXT` use the client's file system, `/long` streams for
-//! a minute (to be cancelled), `/fail` fails the turn.
+//! a minute (to be cancelled), `/fail` fails the turn, `/mode ID` switches
+//! the agent's own mode (`current_mode_update`).
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -438,6 +439,21 @@ async fn run_turn(
     let extra = if long { 600 } else { demo.cli.extra_chunks };
     for i in 0..extra {
         chunks.push(format!(" [{}]", i + 1));
+    }
+    // `/mode ID`: the agent switches its own mode (ACP
+    // `current_mode_update`), as agents do when a task calls for it.
+    if let ["/mode", mode] = prompt.split_whitespace().collect::<Vec<_>>()[..] {
+        if !MODES.iter().any(|(m, _, _)| *m == mode) {
+            return Err(Error::invalid_params().data(format!(
+                "unknown mode {mode:?}; the modes are default and plan"
+            )));
+        }
+        lock(&demo.modes).insert(id.clone(), mode.to_owned());
+        cx.send_notification(SessionNotification::new(
+            req.session_id.clone(),
+            SessionUpdate::CurrentModeUpdate(CurrentModeUpdate::new(mode.to_owned())),
+        ))?;
+        chunks.push(format!("\nmode: {mode}"));
     }
     if let Some(extra) = slash_command(cx, &req.session_id, &prompt).await? {
         chunks.push(format!("\n{extra}"));

@@ -21,6 +21,63 @@ pub const THOUGHT: &str = "thought";
 pub const AVAILABLE_COMMANDS: &str = "available_commands";
 pub const CURRENT_MODE: &str = "current_mode";
 pub const OTHER: &str = "other";
+pub const PERMISSION: &str = "permission";
+
+/// A permission request of policy `ask`, pending (rev 1): the ACP request's
+/// tool call and options, `status: "pending"`, when it was asked and when
+/// its timeout answers it (Unix milliseconds). The part id is the request
+/// id the backend answers with.
+pub fn permission_requested(
+    turn_id: &str,
+    request_id: &str,
+    req: &agent_client_protocol::v1::schema::RequestPermissionRequest,
+    requested_at_ms: u64,
+    expires_at_ms: u64,
+) -> Activity {
+    let title = req.tool_call.fields.title.clone().unwrap_or_default();
+    let json = serde_json::json!({
+        "requestId": request_id,
+        "turnId": turn_id,
+        "toolCall": req.tool_call,
+        "options": req.options,
+        "status": "pending",
+        "requestedAtMs": requested_at_ms,
+        "expiresAtMs": expires_at_ms,
+    });
+    activity(turn_id, request_id, PERMISSION, 1, title, json.to_string())
+}
+
+/// The request resolved (rev 2, complete): `status` is `selected`,
+/// `timed_out` or `cancelled`, `optionId` the option the agent was given
+/// (none when it was told `cancelled`), `reason` why (timeouts, cancels).
+pub fn permission_resolved(
+    part: &mut Activity,
+    status: &str,
+    option_id: Option<&str>,
+    reason: &str,
+) {
+    let mut v: serde_json::Value =
+        serde_json::from_str(&part.json).unwrap_or_else(|_| serde_json::json!({}));
+    v["status"] = status.into();
+    if let Some(o) = option_id {
+        v["optionId"] = o.into();
+    }
+    if !reason.is_empty() {
+        v["reason"] = reason.into();
+    }
+    part.json = v.to_string();
+    part.rev = 2;
+    part.complete = true;
+}
+
+/// A pending request's part rebuilt from its journaled state.
+pub fn permission_part(turn_id: &str, request_id: &str, json: String) -> Activity {
+    let title = serde_json::from_str::<serde_json::Value>(&json)
+        .ok()
+        .and_then(|v| v.pointer("/toolCall/title")?.as_str().map(str::to_owned))
+        .unwrap_or_default();
+    activity(turn_id, request_id, PERMISSION, 1, title, json)
+}
 
 #[derive(Debug)]
 struct ToolPart {

@@ -62,6 +62,23 @@ pub enum PermissionPolicy {
     AllowOnce,
     /// Pick a reject option, or cancel.
     Reject,
+    /// Ask the backend: the request goes on the update stream (an
+    /// `Activity` of kind `permission`) and waits for `RespondPermission`,
+    /// at most the launch's permission timeout, then picks a reject option
+    /// (or cancels when the agent offered none).
+    Ask,
+}
+
+/// How long an `ask` permission request waits when the launch gives no
+/// timeout; then it is answered with a reject option.
+pub const DEFAULT_PERMISSION_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// A permission request waiting for the backend's answer.
+#[derive(Debug)]
+struct Ask {
+    /// The agent's option ids.
+    options: Vec<String>,
+    answer: oneshot::Sender<String>,
 }
 
 /// What to launch.
@@ -81,6 +98,8 @@ pub struct LaunchSpec {
     pub auth_method: Option<String>,
     /// Permission policy for this agent; `None`: agentctl's default.
     pub permission_policy: Option<PermissionPolicy>,
+    /// How long an `ask` request waits for an answer (zero: the default).
+    pub permission_timeout: Duration,
 }
 
 /// An auth method the agent offered at `initialize`.
@@ -206,10 +225,15 @@ struct Slot {
     marker: String,
     /// The session modes the agent offered for `session` (ACP session
     /// modes, from `session/new` / `session/load`), the current one kept up
-    /// to date by `set_mode`.
+    /// to date by `set_mode` and the agent's own `current_mode_update`.
     modes: Option<SessionModeState>,
     /// The activity parts of the turn in progress.
     parts: Parts,
+    /// How long an `ask` permission request waits.
+    permission_timeout: Duration,
+    /// `ask` permission requests waiting for an answer, by request id.
+    /// Dropping one (agent exit, turn cancelled) answers it `cancelled`.
+    asks: HashMap<String, Ask>,
 }
 
 #[derive(Debug)]
@@ -448,6 +472,8 @@ impl AgentManager {
                     marker: String::new(),
                     modes: None,
                     parts: Parts::default(),
+                    permission_timeout: DEFAULT_PERMISSION_TIMEOUT,
+                    asks: HashMap::new(),
                 }),
                 ops: tokio::sync::Mutex::new(()),
                 journal_fresh: journal.is_durable() && loaded.fresh,
@@ -455,6 +481,34 @@ impl AgentManager {
                 crash_at,
             }),
         }
+        .report_dead_permissions(loaded.permissions)
+    }
+
+    /// Permission requests an earlier agentctl process journaled and never
+    /// resolved: it died waiting, and its agent with it, so each is put on
+    /// this process's stream as `cancelled` (the backend clears its prompt)
+    /// and journaled resolved.
+    fn report_dead_permissions(self, pending: Vec<crate::journal::PermissionRecord>) -> Self {
+        let instance = self.shared.updates.instance_id().to_owned();
+        for p in pending {
+            let mut part = activity::permission_part(&p.turn_id, &p.request_id, p.part);
+            activity::permission_resolved(
+                &mut part,
+                "cancelled",
+                None,
+                "agentctl exited while the request waited (its agent exited with it)",
+            );
+            tracing::info!(request_id = %p.request_id, "permission request of an earlier agentctl process reported cancelled");
+            self.shared.updates.push(Kind::Activity(part));
+            if let Err(e) = self
+                .shared
+                .journal
+                .permission_resolved(&p.request_id, &instance)
+            {
+                tracing::warn!(request_id = %p.request_id, error = %e, "could not journal the permission request's end");
+            }
+        }
+        self
     }
 
     /// Current state, for Health and Capabilities.
@@ -548,6 +602,12 @@ impl AgentManager {
             slot.agent_load_session = None;
             slot.auth_methods = Vec::new();
             slot.policy = spec.permission_policy.unwrap_or(self.shared.policy);
+            slot.permission_timeout = if spec.permission_timeout.is_zero() {
+                DEFAULT_PERMISSION_TIMEOUT
+            } else {
+                spec.permission_timeout
+            };
+            slot.asks.clear();
             slot.session = None;
             slot.modes = None;
             slot.turn = None;
@@ -1037,14 +1097,38 @@ impl AgentManager {
         sys::kill_self();
     }
 
+    /// Answers a pending `ask` permission request with one of its options.
+    pub fn respond_permission(&self, request_id: &str, option_id: &str) -> Result<()> {
+        let mut slot = self.shared.slot();
+        let Some(ask) = slot.asks.get(request_id) else {
+            return Err(Error::NotFound(format!(
+                "no permission request {request_id} is waiting (answered, timed out, cancelled, or asked of another agentctl process)"
+            )));
+        };
+        if !ask.options.iter().any(|o| o == option_id) {
+            return Err(Error::InvalidArgument(format!(
+                "option_id {option_id:?} is not an option of permission request {request_id}; the agent offered: {}",
+                ask.options.join(", ")
+            )));
+        }
+        let Some(ask) = slot.asks.remove(request_id) else {
+            return Ok(());
+        };
+        let _ = ask.answer.send(option_id.to_owned());
+        Ok(())
+    }
+
     /// Sends ACP `session/cancel` for the turn in progress.
     pub fn cancel(&self) -> Result<bool> {
-        let slot = self.shared.slot();
-        let Some(turn) = slot.turn.as_ref() else {
+        let mut slot = self.shared.slot();
+        let Some(session) = slot.turn.as_ref().map(|t| t.session.clone()) else {
             return Ok(false);
         };
         let conn = slot.connection()?;
-        conn.send_notification(CancelNotification::new(turn.session.clone()))
+        // ACP: a cancelled turn's pending permission requests are answered
+        // `cancelled` (dropping them does).
+        slot.asks.clear();
+        conn.send_notification(CancelNotification::new(session))
             .map_err(|e| acp_error("ACP session/cancel", &e))?;
         Ok(true)
     }
@@ -1095,6 +1179,7 @@ fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) {
     }
     let running = slot.running.take();
     slot.exit = Some(exit);
+    slot.asks.clear();
     slot.replaying = None;
     slot.session = None;
     slot.modes = None;
@@ -1133,6 +1218,131 @@ fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) {
         }
     }
     drop(running);
+}
+
+/// The first option of the first kind in `wanted`, or `cancelled`.
+fn pick(
+    req: &RequestPermissionRequest,
+    wanted: &[PermissionOptionKind],
+) -> RequestPermissionOutcome {
+    let chosen = wanted.iter().find_map(|kind| {
+        req.options
+            .iter()
+            .find(|o| o.kind == *kind)
+            .map(|o| o.option_id.clone())
+    });
+    match chosen {
+        Some(id) => RequestPermissionOutcome::Selected(SelectedPermissionOutcome::new(id)),
+        None => RequestPermissionOutcome::Cancelled,
+    }
+}
+
+fn unix_ms(t: std::time::SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Policy `ask`: journals the request (fsync), puts it on the update stream
+/// as a `permission` activity part (rev 1, pending), waits for
+/// [`AgentManager::respond_permission`] at most the permission timeout
+/// (then a reject option, or `cancelled` when the agent offered none), and
+/// puts the outcome on the stream (rev 2, complete). A request dropped
+/// unanswered (turn cancelled, agent exited) is `cancelled`.
+async fn ask(
+    shared: &Shared,
+    generation: u64,
+    req: &RequestPermissionRequest,
+) -> RequestPermissionOutcome {
+    let request_id = uuid::Uuid::now_v7().to_string();
+    let instance = shared.updates.instance_id().to_owned();
+    let (tx, rx) = oneshot::channel();
+    let (timeout, mut part) = {
+        let mut slot = shared.slot();
+        if slot.generation != generation {
+            return RequestPermissionOutcome::Cancelled;
+        }
+        let turn_id = slot
+            .turn
+            .as_ref()
+            .map(|t| t.turn_id.clone())
+            .unwrap_or_default();
+        let now = std::time::SystemTime::now();
+        let timeout = slot.permission_timeout;
+        let part = activity::permission_requested(
+            &turn_id,
+            &request_id,
+            req,
+            unix_ms(now),
+            unix_ms(now + timeout),
+        );
+        // Journal before the backend can know of it: a later agentctl
+        // process finds it pending and reports it cancelled.
+        let record = crate::journal::PermissionRecord {
+            instance: instance.clone(),
+            turn_id,
+            request_id: request_id.clone(),
+            part: part.json.clone(),
+        };
+        if let Err(e) = shared.journal.permission(&record) {
+            tracing::warn!(request_id, error = %e, "could not journal the permission request; refusing it");
+            return RequestPermissionOutcome::Cancelled;
+        }
+        slot.asks.insert(
+            request_id.clone(),
+            Ask {
+                options: req
+                    .options
+                    .iter()
+                    .map(|o| o.option_id.0.to_string())
+                    .collect(),
+                answer: tx,
+            },
+        );
+        shared.updates.push(Kind::Activity(part.clone()));
+        (timeout, part)
+    };
+    tracing::info!(
+        request_id,
+        ?timeout,
+        "permission request waits for the backend's answer"
+    );
+    let (outcome, status, reason) = match tokio::time::timeout(timeout, rx).await {
+        Ok(Ok(option)) => (
+            RequestPermissionOutcome::Selected(SelectedPermissionOutcome::new(option)),
+            "selected",
+            String::new(),
+        ),
+        Ok(Err(_)) => (
+            RequestPermissionOutcome::Cancelled,
+            "cancelled",
+            "the turn was cancelled or the agent exited while the request waited".to_owned(),
+        ),
+        Err(_) => (
+            pick(
+                req,
+                &[
+                    PermissionOptionKind::RejectOnce,
+                    PermissionOptionKind::RejectAlways,
+                ],
+            ),
+            "timed_out",
+            format!("no answer within {}s", timeout.as_secs_f64()),
+        ),
+    };
+    let mut slot = shared.slot();
+    slot.asks.remove(&request_id);
+    let option_id = match &outcome {
+        RequestPermissionOutcome::Selected(s) => Some(s.option_id.0.to_string()),
+        _ => None,
+    };
+    activity::permission_resolved(&mut part, status, option_id.as_deref(), &reason);
+    shared.updates.push(Kind::Activity(part));
+    if let Err(e) = shared.journal.permission_resolved(&request_id, &instance) {
+        tracing::warn!(request_id, error = %e, "could not journal the permission request's end");
+    }
+    drop(slot);
+    tracing::info!(request_id, status, "permission request answered");
+    outcome
 }
 
 /// Marks `turn_id` ended at `cursor`, in memory and in the journal. A failed
@@ -1178,6 +1388,14 @@ fn on_session_update(shared: &Shared, generation: u64, n: SessionNotification) {
     if slot.replaying.as_ref() == Some(&n.session_id) {
         slot.replayed += 1;
         return;
+    }
+    // A mode the agent switched to by itself is the current one from now on
+    // (Health reports it), in a turn or between turns.
+    if let SessionUpdate::CurrentModeUpdate(u) = &n.update
+        && slot.session.as_ref() == Some(&n.session_id)
+        && let Some(modes) = slot.modes.as_mut()
+    {
+        modes.current_mode_id = u.current_mode_id.clone();
     }
     let Some(turn) = slot
         .turn
@@ -1278,20 +1496,20 @@ async fn run_connection(
                         PermissionOptionKind::RejectOnce,
                         PermissionOptionKind::RejectAlways,
                     ],
-                };
-                let chosen = wanted.iter().find_map(|kind| {
-                    req.options
-                        .iter()
-                        .find(|o| o.kind == *kind)
-                        .map(|o| o.option_id.clone())
-                });
-                let outcome = match chosen {
-                    Some(id) => {
-                        RequestPermissionOutcome::Selected(SelectedPermissionOutcome::new(id))
+                    PermissionPolicy::Ask => {
+                        // Answered from its own task: the connection keeps
+                        // serving the agent (updates, files) meanwhile.
+                        let shared = s_perm.clone();
+                        tokio::spawn(async move {
+                            let outcome = ask(&shared, generation, &req).await;
+                            if let Err(e) = responder.respond(RequestPermissionResponse::new(outcome)) {
+                                tracing::debug!(error = %e, "could not answer the permission request (agent gone)");
+                            }
+                        });
+                        return Ok(());
                     }
-                    None => RequestPermissionOutcome::Cancelled,
                 };
-                responder.respond(RequestPermissionResponse::new(outcome))
+                responder.respond(RequestPermissionResponse::new(pick(&req, wanted)))
             },
             agent_client_protocol::on_receive_request!(),
         )

@@ -15,6 +15,13 @@
 //! - `{"k":"agent","instance":I,"pid":P,"sid":S,"start_time":T,"marker":X}`:
 //!   an agent process tree was started (for ending a previous generation's
 //!   leftovers, see [`crate::sys::end_session_tree`]).
+//! - `{"k":"permission","instance":I,"turn":T,"request":R,"part":J}`: a
+//!   permission request of policy `ask` (its part's JSON), before the
+//!   backend is told about it;
+//! - `{"k":"permission_resolved","instance":I,"request":R}`: after the
+//!   agent was given its answer. A request still pending when a later
+//!   process opens the file died with its agent: that process reports it
+//!   cancelled (see [`crate::agent::AgentManager::with_journal`]).
 //!
 //! A torn last line (a crash mid-write) is ignored: its step had not taken
 //! effect, since effects only follow a completed `fsync`. At open the file is
@@ -71,9 +78,22 @@ pub struct AgentRecord {
     pub marker: String,
 }
 
+/// A permission request that was waiting for the backend's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PermissionRecord {
+    /// The agentctl instance that asked it.
+    pub instance: String,
+    pub turn_id: String,
+    pub request_id: String,
+    /// The pending part's JSON (`activity::permission_requested`).
+    pub part: String,
+}
+
 /// What the file held when this process opened it.
 #[derive(Debug, Default)]
 pub struct Loaded {
+    /// Permission requests never resolved (their agentctl died waiting).
+    pub permissions: Vec<PermissionRecord>,
     /// Remembered turns, oldest first.
     pub turns: VecDeque<TurnRecord>,
     /// Agent trees started by earlier instances (possibly still alive).
@@ -148,6 +168,16 @@ pub fn parse(text: &str, keep: usize) -> Loaded {
                     }
                 }
             }
+            "permission" => loaded.permissions.push(PermissionRecord {
+                instance: instance.to_owned(),
+                turn_id,
+                request_id: s(&v, "request"),
+                part: s(&v, "part"),
+            }),
+            "permission_resolved" => {
+                let request = s(&v, "request");
+                loaded.permissions.retain(|p| p.request_id != request);
+            }
             "agent" => loaded.agents.push(AgentRecord {
                 instance: instance.to_owned(),
                 pid: u32::try_from(n(&v, "pid")).unwrap_or(0),
@@ -164,6 +194,10 @@ fn render(loaded: &Loaded) -> String {
     let mut out = String::new();
     for a in &loaded.agents {
         out.push_str(&agent_line(a).to_string());
+        out.push('\n');
+    }
+    for p in &loaded.permissions {
+        out.push_str(&permission_line(p).to_string());
         out.push('\n');
     }
     for t in &loaded.turns {
@@ -189,6 +223,10 @@ fn render(loaded: &Loaded) -> String {
 
 fn agent_line(a: &AgentRecord) -> Value {
     json!({"k":"agent","instance":a.instance,"pid":a.pid,"start_time":a.start_time,"marker":a.marker})
+}
+
+fn permission_line(p: &PermissionRecord) -> Value {
+    json!({"k":"permission","instance":p.instance,"turn":p.turn_id,"request":p.request_id,"part":p.part})
 }
 
 fn io(context: String, e: std::io::Error) -> Error {
@@ -295,6 +333,16 @@ impl Journal {
         self.append(&json!({"k":"ended","turn":turn,"instance":instance,"cursor":cursor}))
     }
 
+    /// Records a permission request waiting for the backend's answer.
+    pub fn permission(&self, p: &PermissionRecord) -> Result<()> {
+        self.append(&permission_line(p))
+    }
+
+    /// Records that a permission request no longer waits.
+    pub fn permission_resolved(&self, request: &str, instance: &str) -> Result<()> {
+        self.append(&json!({"k":"permission_resolved","request":request,"instance":instance}))
+    }
+
     /// Records an agent process tree.
     pub fn agent(&self, a: &AgentRecord) -> Result<()> {
         self.append(&agent_line(a))
@@ -359,5 +407,32 @@ mod tests {
             .collect();
         assert_eq!(kept, [("t2", "i1"), ("t3", "i2"), ("t4", "i2")]);
         assert!(loaded.agents.is_empty(), "filtered by still_alive");
+    }
+
+    #[test]
+    fn pending_permission_requests_survive_until_resolved() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.journal");
+        let (j, _) = Journal::open(&path, "i1", 8, |_| true).unwrap();
+        let rec = |r: &str| PermissionRecord {
+            instance: "i1".into(),
+            turn_id: "t1".into(),
+            request_id: r.into(),
+            part: format!(r#"{{"requestId":"{r}"}}"#),
+        };
+        j.permission(&rec("r1")).unwrap();
+        j.permission(&rec("r2")).unwrap();
+        j.permission_resolved("r1", "i1").unwrap();
+        drop(j);
+        let (j, loaded) = Journal::open(&path, "i2", 8, |_| true).unwrap();
+        assert_eq!(loaded.permissions, [rec("r2")], "r1 was resolved");
+        // Kept through the compaction until a process resolves it.
+        drop(j);
+        let (j, loaded) = Journal::open(&path, "i3", 8, |_| true).unwrap();
+        assert_eq!(loaded.permissions, [rec("r2")]);
+        j.permission_resolved("r2", "i3").unwrap();
+        drop(j);
+        let (_j, loaded) = Journal::open(&path, "i4", 8, |_| true).unwrap();
+        assert!(loaded.permissions.is_empty());
     }
 }

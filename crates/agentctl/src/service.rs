@@ -140,6 +140,7 @@ impl AgentCtlService for AgentCtl {
         let permission_policy = match r.permission_policy() {
             pb::PermissionPolicy::Allow => Some(PermissionPolicy::AllowOnce),
             pb::PermissionPolicy::Deny => Some(PermissionPolicy::Reject),
+            pb::PermissionPolicy::Ask => Some(PermissionPolicy::Ask),
             pb::PermissionPolicy::Unspecified => None,
         };
         let agent = self.agent.clone();
@@ -153,6 +154,7 @@ impl AgentCtlService for AgentCtl {
                     initialize_timeout: Duration::from_millis(r.initialize_timeout_ms),
                     auth_method: Some(r.auth_method).filter(|m| !m.is_empty()),
                     permission_policy,
+                    permission_timeout: Duration::from_millis(r.permission_timeout_ms),
                 })
                 .await
         })
@@ -228,6 +230,15 @@ impl AgentCtlService for AgentCtl {
     async fn cancel(&self, _req: Request<CancelRequest>) -> Res<CancelResponse> {
         let cancelled = self.agent.cancel()?;
         Ok(Response::new(CancelResponse { cancelled }))
+    }
+
+    async fn respond_permission(
+        &self,
+        req: Request<pb::RespondPermissionRequest>,
+    ) -> Res<pb::RespondPermissionResponse> {
+        let r = req.into_inner();
+        self.agent.respond_permission(&r.request_id, &r.option_id)?;
+        Ok(Response::new(pb::RespondPermissionResponse {}))
     }
 
     async fn stop_agent(&self, req: Request<StopAgentRequest>) -> Res<StopAgentResponse> {

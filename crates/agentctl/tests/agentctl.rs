@@ -2317,3 +2317,197 @@ async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
     ctl.shutdown().await;
     h.assert_no_leftovers().await;
 }
+
+/// The `permission` activity parts of `updates` (rev, parsed JSON).
+fn permission_parts(updates: &[AgentUpdate]) -> Vec<(u64, serde_json::Value)> {
+    updates
+        .iter()
+        .filter_map(|u| match &u.kind {
+            Some(Kind::Activity(a)) if a.kind == "permission" => {
+                Some((a.rev, serde_json::from_str(&a.json).expect("part JSON")))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+fn ask_launch(h: &Harness, timeout_ms: u64) -> LaunchAgentRequest {
+    let mut req = h.demo(true, &[]);
+    req.permission_policy = PermissionPolicy::Ask as i32;
+    req.permission_timeout_ms = timeout_ms;
+    req
+}
+
+/// Policy ASK: the request goes on the stream (journaled first) and waits
+/// for RespondPermission (unknown request NOT_FOUND, foreign option
+/// INVALID_ARGUMENT); an allowed edit is written; an unanswered one times
+/// out with the agent's reject option; a cancelled turn cancels it; and a
+/// request pending when agentctl is SIGKILLed is reported cancelled by the
+/// next agentctl process on the same journal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ask_policy_waits_for_an_answer_times_out_and_is_journaled() {
+    let h = Harness::new();
+    let journal = h.base.path().join("exec.journal");
+    let journal_arg = journal.to_string_lossy().into_owned();
+    let ctl = h.spawn(&["--journal", &journal_arg]).await;
+    let mut c = ctl.client().await;
+    c.launch_agent(ask_launch(&h, 60_000))
+        .await
+        .expect("launch");
+    let token = c
+        .new_session(NewSessionRequest {})
+        .await
+        .expect("session")
+        .into_inner()
+        .resume_token;
+    let mut stream = Stream::open(&mut c, 0).await;
+
+    // Asked: pending, with the tool call, the options and its deadline.
+    c.prompt(turn_prompt("/edit a.txt one", "t1", false))
+        .await
+        .expect("prompt");
+    let seen = stream
+        .until(|u| matches!(&u.kind, Some(Kind::Activity(a)) if a.kind == "permission"))
+        .await;
+    let (rev, part) = permission_parts(&seen).pop().unwrap();
+    assert_eq!(rev, 1);
+    assert_eq!(part["status"], "pending");
+    assert_eq!(part["turnId"], "t1");
+    assert_eq!(part["toolCall"]["title"], "write a.txt");
+    assert_eq!(part["options"][0]["optionId"], "allow");
+    assert_eq!(part["options"][1]["kind"], "reject_once");
+    assert_eq!(
+        part["expiresAtMs"].as_u64().unwrap() - part["requestedAtMs"].as_u64().unwrap(),
+        60_000
+    );
+    let request = part["requestId"].as_str().unwrap().to_owned();
+    assert!(
+        std::fs::read_to_string(&journal)
+            .unwrap()
+            .contains(&request),
+        "journaled before it was sent"
+    );
+    assert!(!h.ws().join("a.txt").exists());
+    let err = c
+        .respond_permission(RespondPermissionRequest {
+            request_id: "nope".into(),
+            option_id: "allow".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+    let err = c
+        .respond_permission(RespondPermissionRequest {
+            request_id: request.clone(),
+            option_id: "sometimes".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("allow, reject"), "{err:?}");
+    c.respond_permission(RespondPermissionRequest {
+        request_id: request.clone(),
+        option_id: "allow".into(),
+    })
+    .await
+    .expect("answer");
+    let seen = stream.until_turn_end("t1").await;
+    let (rev, part) = permission_parts(&seen).pop().unwrap();
+    assert_eq!(rev, 2);
+    assert_eq!(
+        (part["status"].as_str(), part["optionId"].as_str()),
+        (Some("selected"), Some("allow"))
+    );
+    assert_eq!(
+        std::fs::read_to_string(h.ws().join("a.txt")).unwrap(),
+        "one"
+    );
+    // Answered: no longer waiting.
+    let err = c
+        .respond_permission(RespondPermissionRequest {
+            request_id: request.clone(),
+            option_id: "allow".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+
+    // Cancelling the turn cancels its request.
+    c.prompt(turn_prompt("/edit c.txt three", "t2", false))
+        .await
+        .expect("prompt");
+    stream
+        .until(|u| matches!(&u.kind, Some(Kind::Activity(a)) if a.kind == "permission"))
+        .await;
+    assert!(
+        c.cancel(CancelRequest {})
+            .await
+            .expect("cancel")
+            .into_inner()
+            .cancelled
+    );
+    let seen = stream.until_turn_end("t2").await;
+    let (rev, part) = permission_parts(&seen).pop().unwrap();
+    assert_eq!((rev, part["status"].as_str()), (2, Some("cancelled")));
+    assert!(!h.ws().join("c.txt").exists());
+
+    // Pending when agentctl is SIGKILLed: the next process reports it.
+    c.prompt(turn_prompt("/edit d.txt four", "t3", false))
+        .await
+        .expect("prompt");
+    let seen = stream
+        .until(|u| matches!(&u.kind, Some(Kind::Activity(a)) if a.kind == "permission"))
+        .await;
+    let dead = permission_parts(&seen).pop().unwrap().1["requestId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    drop(stream);
+    let mut ctl = ctl;
+    ctl.signal("-KILL");
+    ctl.wait_exit().await;
+    let ctl = h.spawn(&["--journal", &journal_arg]).await;
+    let mut c = ctl.client().await;
+    let mut stream = Stream::open(&mut c, 0).await;
+    let seen = stream
+        .until(|u| matches!(&u.kind, Some(Kind::Activity(a)) if a.kind == "permission"))
+        .await;
+    let (rev, part) = permission_parts(&seen).pop().unwrap();
+    assert_eq!(part["requestId"], dead.as_str());
+    assert_eq!((rev, part["status"].as_str()), (2, Some("cancelled")));
+    assert!(
+        part["reason"].as_str().unwrap().contains("agentctl exited"),
+        "{part}"
+    );
+    assert!(!h.ws().join("d.txt").exists());
+
+    // Timeout: the agent's reject option, and the tool does not run.
+    c.launch_agent(ask_launch(&h, 300)).await.expect("launch");
+    c.resume_session(ResumeSessionRequest {
+        resume_token: token,
+    })
+    .await
+    .expect("resume");
+    let (reply, end) = prompt(&mut c, &mut stream, "/edit b.txt two").await;
+    assert_eq!(end.stop_reason, "end_turn");
+    assert!(reply.contains("not allowed (reject)"), "{reply}");
+    assert!(!h.ws().join("b.txt").exists());
+    drop(stream);
+    let mut stream = Stream::open(&mut c, 0).await;
+    let seen = stream.until_turn_end(&end.turn_id).await;
+    let (rev, part) = permission_parts(&seen).pop().unwrap();
+    assert_eq!(rev, 2);
+    assert_eq!(
+        (part["status"].as_str(), part["optionId"].as_str()),
+        (Some("timed_out"), Some("reject"))
+    );
+    assert!(
+        part["reason"]
+            .as_str()
+            .unwrap()
+            .contains("no answer within"),
+        "{part}"
+    );
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}

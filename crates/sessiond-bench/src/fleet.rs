@@ -226,6 +226,16 @@ impl AgentCtlService for Fleet {
         ))
     }
 
+    async fn respond_permission(
+        &self,
+        req: Request<pb::RespondPermissionRequest>,
+    ) -> Res<pb::RespondPermissionResponse> {
+        Self::identity(&req)?;
+        Err(Status::not_found(
+            "the bench fleet stands in for recovery only; no permission request waits",
+        ))
+    }
+
     async fn stop_agent(&self, req: Request<pb::StopAgentRequest>) -> Res<pb::StopAgentResponse> {
         let id = Self::identity(&req)?;
         self.set_agent(id, false);

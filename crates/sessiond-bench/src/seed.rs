@@ -26,6 +26,7 @@ pub async fn profile(store: &Store) -> anyhow::Result<AgentProfile> {
             container: None,
             auth_method: None,
             permission_policy: sessiond_domain::PermissionPolicy::Allow,
+            permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
             created_at: now,
             updated_at: now,
         })

@@ -70,6 +70,14 @@ enum Command {
     Retry(RetryArgs),
     /// Cancel the session's turn in progress; the reply so far is kept.
     Cancel(SessionRef),
+    /// Answer a permission request of the agent (profile policy `ask`;
+    /// `session status` lists the pending ones) with one of its options.
+    Permission {
+        #[command(flatten)]
+        session: SessionRef,
+        request_id: String,
+        option_id: String,
+    },
     /// Switch the agent's session mode (`session status` lists the modes).
     Mode {
         #[command(flatten)]
@@ -178,6 +186,21 @@ struct SendArgs {
     /// Give up waiting for the reply after this many seconds.
     #[arg(long, default_value_t = 300)]
     timeout_secs: u64,
+    #[command(flatten)]
+    answer: AnswerArgs,
+}
+
+/// How `send` and `retry` answer the agent's permission requests (profile
+/// policy `ask`). Without either flag they ask on the terminal; with no
+/// terminal they stop with an error instead of waiting.
+#[derive(Debug, Args)]
+struct AnswerArgs {
+    /// Allow every permission request of the turn (the agent's allow option).
+    #[arg(long, conflicts_with = "deny")]
+    approve: bool,
+    /// Reject every permission request of the turn (the agent's reject option).
+    #[arg(long)]
+    deny: bool,
 }
 
 #[derive(Debug, Args)]
@@ -195,6 +218,8 @@ struct RetryArgs {
     /// Give up waiting for the reply after this many seconds.
     #[arg(long, default_value_t = 300)]
     timeout_secs: u64,
+    #[command(flatten)]
+    answer: AnswerArgs,
 }
 
 #[derive(Debug, Args)]
@@ -376,6 +401,23 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .await?
                 .into_inner();
             out.cancelled(&s.session_id, r.cancelled);
+        }
+        Command::Permission {
+            session,
+            request_id,
+            option_id,
+        } => {
+            let r = c
+                .sessions
+                .respond_to_permission(pb::RespondToPermissionRequest {
+                    task_id: session.task.task,
+                    session_id: session.session_id.clone(),
+                    request_id,
+                    option_id: option_id.clone(),
+                })
+                .await?
+                .into_inner();
+            out.permission_answered(&r.request.unwrap_or_default(), &option_id);
         }
         Command::Mode { session, mode_id } => {
             let r = c
@@ -632,30 +674,31 @@ async fn send(c: &mut Clients, out: &Out, args: SendArgs) -> anyhow::Result<()> 
     let sent = c
         .sessions
         .send_message(pb::SendMessageRequest {
-            task_id,
+            task_id: task_id.clone(),
             session_id: session_id.clone(),
             content: args.text,
         })
         .await?
         .into_inner();
-    follow_turn(
-        c,
-        out,
+    let turn = Turn {
+        task_id,
         session_id,
-        sent.message,
-        args.no_wait,
-        args.timeout_secs,
-    )
-    .await
+        sent: sent.message,
+        no_wait: args.no_wait,
+        timeout_secs: args.timeout_secs,
+        answer: args.answer,
+    };
+    follow_turn(c, out, turn).await
 }
 
 /// Retries the interrupted turn, then prints its reply as `send` does.
 async fn retry(c: &mut Clients, out: &Out, args: RetryArgs) -> anyhow::Result<()> {
     let session_id = args.session.session_id;
+    let task_id = args.session.task.task;
     let sent = c
         .sessions
         .retry_turn(pb::RetryTurnRequest {
-            task_id: args.session.task.task,
+            task_id: task_id.clone(),
             session_id: session_id.clone(),
             message_id: args.message_id.unwrap_or_default(),
         })
@@ -664,29 +707,121 @@ async fn retry(c: &mut Clients, out: &Out, args: RetryArgs) -> anyhow::Result<()
     if !out.json {
         eprintln!("retrying message {}", sent.retried_message_id);
     }
-    follow_turn(
-        c,
-        out,
+    let turn = Turn {
+        task_id,
         session_id,
-        sent.message,
-        args.no_wait,
-        args.timeout_secs,
-    )
-    .await
+        sent: sent.message,
+        no_wait: args.no_wait,
+        timeout_secs: args.timeout_secs,
+        answer: args.answer,
+    };
+    follow_turn(c, out, turn).await
+}
+
+/// A turn `follow_turn` waits for.
+struct Turn {
+    task_id: String,
+    session_id: String,
+    /// The user message that started it.
+    sent: Option<pb::Message>,
+    no_wait: bool,
+    timeout_secs: u64,
+    answer: AnswerArgs,
+}
+
+/// The option to answer `req` with: by flag, else asked on the terminal;
+/// with neither an error that says how to answer, so nothing hangs.
+async fn choose_option(answer: &AnswerArgs, req: &pb::PermissionRequest) -> anyhow::Result<String> {
+    use std::io::IsTerminal;
+    let of_kinds = |kinds: &[&str]| {
+        kinds.iter().find_map(|k| {
+            req.options
+                .iter()
+                .find(|o| o.kind == *k)
+                .map(|o| o.option_id.clone())
+        })
+    };
+    let offered = req
+        .options
+        .iter()
+        .map(|o| format!("{} ({})", o.option_id, o.kind))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let title = req
+        .tool_call
+        .as_ref()
+        .map(|t| t.title.clone())
+        .unwrap_or_default();
+    if answer.approve {
+        return of_kinds(&["allow_once", "allow_always"]).with_context(|| {
+            format!(
+                "--approve: permission request {} ({title}) offers no allow option: {offered}",
+                req.request_id
+            )
+        });
+    }
+    if answer.deny {
+        return of_kinds(&["reject_once", "reject_always"]).with_context(|| {
+            format!(
+                "--deny: permission request {} ({title}) offers no reject option: {offered}",
+                req.request_id
+            )
+        });
+    }
+    if !std::io::stdin().is_terminal() {
+        bail!(
+            "the agent asks permission ({title}; request {}; options: {offered}) and stdin is not a terminal to ask on; \
+             pass --approve or --deny, or answer with `sessionctl permission --task TASK SESSION {} OPTION_ID` \
+             (the request waits until the profile's permission timeout, then it is rejected)",
+            req.request_id,
+            req.request_id
+        );
+    }
+    let options = req.options.clone();
+    let prompt = {
+        let mut p = format!("the agent asks permission: {title}\n");
+        for (i, o) in options.iter().enumerate() {
+            p.push_str(&format!("  {}) {} [{}]\n", i + 1, o.name, o.kind));
+        }
+        p.push_str("answer (number or option id): ");
+        p
+    };
+    tokio::task::spawn_blocking(move || -> anyhow::Result<String> {
+        loop {
+            eprint!("{prompt}");
+            let _ = std::io::stderr().flush();
+            let mut line = String::new();
+            if std::io::stdin().read_line(&mut line)? == 0 {
+                bail!("stdin closed before the permission request was answered");
+            }
+            let line = line.trim();
+            let chosen = line
+                .parse::<usize>()
+                .ok()
+                .and_then(|n| options.get(n.checked_sub(1)?))
+                .or_else(|| options.iter().find(|o| o.option_id == line));
+            match chosen {
+                Some(o) => return Ok(o.option_id.clone()),
+                None => eprintln!("{line:?} is not one of the options"),
+            }
+        }
+    })
+    .await?
 }
 
 /// Follows the session's events after user message `sent` and prints the
 /// agent's reply as it streams, until the turn's `turn_ended`. A turn that
 /// ends otherwise than `end_turn` (failed, interrupted, cancelled, ...) is
 /// an error naming why, at once (a non-zero exit).
-async fn follow_turn(
-    c: &mut Clients,
-    out: &Out,
-    session_id: String,
-    sent: Option<pb::Message>,
-    no_wait: bool,
-    timeout_secs: u64,
-) -> anyhow::Result<()> {
+async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<()> {
+    let Turn {
+        task_id,
+        session_id,
+        sent,
+        no_wait,
+        timeout_secs,
+        answer,
+    } = turn;
     if no_wait {
         if let Some(m) = &sent {
             out.messages(std::slice::from_ref(m));
@@ -700,7 +835,7 @@ async fn follow_turn(
     let mut events = c
         .sessions
         .watch_session(pb::WatchSessionRequest {
-            session_id,
+            session_id: session_id.clone(),
             after_seq: 0,
         })
         .await?
@@ -741,7 +876,13 @@ async fn follow_turn(
                 // The agent's activity, one line on stderr each time a
                 // part changes what it shows (the reply keeps stdout).
                 // Thoughts show once, whole.
-                let shows = m.kind != pb::MessageKind::Thought as i32 || m.complete;
+                // A permission request shows when asked; its outcome
+                // shows with its reason from `permission.resolved`.
+                let shows = match pb::MessageKind::try_from(m.kind) {
+                    Ok(pb::MessageKind::Thought) => m.complete,
+                    Ok(pb::MessageKind::Permission) => !m.complete,
+                    _ => true,
+                };
                 let line = output::activity_line(&m);
                 if !out.json && shows && shown.get(&m.id) != Some(&line) {
                     eprintln!("{line}");
@@ -774,6 +915,41 @@ async fn follow_turn(
                 if in_turn && m.role == pb::MessageRole::System as i32 =>
             {
                 note = Some(m.content);
+            }
+            Some(pb::event::Payload::PermissionRequested(pb::PermissionRequested {
+                request: Some(req),
+            })) if in_turn && req.status == "pending" => {
+                let option_id = choose_option(&answer, &req).await?;
+                let answered = c
+                    .sessions
+                    .respond_to_permission(pb::RespondToPermissionRequest {
+                        task_id: task_id.clone(),
+                        session_id: session_id.clone(),
+                        request_id: req.request_id.clone(),
+                        option_id: option_id.clone(),
+                    })
+                    .await;
+                match answered {
+                    Ok(_) if !out.json => eprintln!("[permission] answered {option_id}"),
+                    Ok(_) => {}
+                    // Answered elsewhere, timed out or cancelled meanwhile:
+                    // its resolution follows on the stream.
+                    Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+                        eprintln!("[permission] not answered: {}", s.message());
+                    }
+                    Err(s) => return Err(s.into()),
+                }
+            }
+            Some(pb::event::Payload::PermissionResolved(r)) if in_turn && !out.json => {
+                let how = match (r.outcome.as_str(), r.option_id.as_str()) {
+                    (o, "") => o.to_owned(),
+                    (o, opt) => format!("{o} {opt}"),
+                };
+                if r.reason.is_empty() {
+                    eprintln!("[permission] {how}");
+                } else {
+                    eprintln!("[permission] {how} ({})", r.reason);
+                }
             }
             Some(pb::event::Payload::TurnEnded(t)) if t.turn_id == user_id => break t,
             _ => {}

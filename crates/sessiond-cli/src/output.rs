@@ -117,6 +117,7 @@ fn kind_name(k: i32) -> &'static str {
         Ok(pb::MessageKind::AvailableCommands) => "available_commands",
         Ok(pb::MessageKind::CurrentMode) => "current_mode",
         Ok(pb::MessageKind::Other) => "other",
+        Ok(pb::MessageKind::Permission) => "permission",
         _ => "text",
     }
 }
@@ -145,7 +146,31 @@ fn part_json(m: &pb::Message) -> Option<Value> {
         })).collect::<Vec<_>>()}),
         Part::CurrentMode(c) => json!({"mode_id": c.mode_id}),
         Part::Other(r) => json!({"update_kind": r.update_kind, "json": r.json}),
+        Part::Permission(p) => permission_json(p),
     })
+}
+
+fn permission_json(p: &pb::PermissionRequest) -> Value {
+    json!({
+        "request_id": p.request_id, "turn_id": p.turn_id,
+        "title": p.tool_call.as_ref().map(|t| t.title.clone()).unwrap_or_default(),
+        "options": p.options.iter().map(|o| json!({
+            "option_id": o.option_id, "name": o.name, "kind": o.kind,
+        })).collect::<Vec<_>>(),
+        "status": p.status, "option_id": p.option_id,
+        "expires_at": ts(p.expires_at.as_ref()),
+    })
+}
+
+/// `write notes.txt: allow (allow_once), reject (reject_once)`.
+fn permission_line(p: &pb::PermissionRequest) -> String {
+    let title = p.tool_call.as_ref().map_or("", |t| t.title.as_str());
+    let options: Vec<String> = p
+        .options
+        .iter()
+        .map(|o| format!("{} ({})", o.option_id, o.kind))
+        .collect();
+    format!("{title}: {}", options.join(", "))
 }
 
 /// One line for an activity part, as `send` prints it while the turn
@@ -172,6 +197,13 @@ pub fn activity_line(m: &pb::Message) -> String {
         Some(Part::AvailableCommands(_)) => format!("[commands] {}", m.content),
         Some(Part::CurrentMode(c)) => format!("[mode] {}", c.mode_id),
         Some(Part::Other(r)) => format!("[{}]", r.update_kind),
+        Some(Part::Permission(p)) => {
+            let title = p.tool_call.as_ref().map_or("", |t| t.title.as_str());
+            match p.option_id.as_str() {
+                "" => format!("[permission] {title}: {}", p.status),
+                o => format!("[permission] {title}: {} {o}", p.status),
+            }
+        }
         None => format!("[{}] {}", kind_name(m.kind), m.content),
     }
 }
@@ -203,6 +235,13 @@ fn event_json(e: &pb::Event) -> Value {
         Some(Payload::ConversationReplaced(p)) => json!({
             "previous_resume_token": p.previous_resume_token,
             "resume_token": p.resume_token, "reason": p.reason,
+        }),
+        Some(Payload::PermissionRequested(p)) => {
+            json!({"request": p.request.as_ref().map(permission_json)})
+        }
+        Some(Payload::PermissionResolved(p)) => json!({
+            "request_id": p.request_id, "outcome": p.outcome,
+            "option_id": p.option_id, "reason": p.reason,
         }),
         None => Value::Null,
     };
@@ -333,6 +372,7 @@ impl Out {
                 "worktree_path": s.worktree_path, "worktree_branch": s.worktree_branch,
                 "error_message": s.error_message, "recovering": s.recovering,
                 "modes": s.modes.as_ref().map(modes_json),
+                "pending_permissions": s.pending_permissions.iter().map(permission_json).collect::<Vec<_>>(),
             }));
             return;
         }
@@ -359,6 +399,21 @@ impl Out {
         }
         if let Some(m) = &s.modes {
             println!("modes             {}", modes_line(m));
+        }
+        for p in &s.pending_permissions {
+            println!(
+                "permission        {} asks: {}",
+                p.request_id,
+                permission_line(p)
+            );
+        }
+    }
+
+    pub fn permission_answered(&self, p: &pb::PermissionRequest, option_id: &str) {
+        if self.json {
+            self.print_json(json!({"request": permission_json(p), "answered": option_id}));
+        } else {
+            println!("permission request {} answered {option_id}", p.request_id);
         }
     }
 
@@ -457,6 +512,21 @@ impl Out {
                 "new conversation {} replaces {} ({})",
                 p.resume_token, p.previous_resume_token, p.reason
             ),
+            Some(Payload::PermissionRequested(p)) => {
+                p.request.as_ref().map_or(String::new(), |r| {
+                    format!("{} asks: {}", r.request_id, permission_line(r))
+                })
+            }
+            Some(Payload::PermissionResolved(p)) => {
+                let mut s = format!("{}: {}", p.request_id, p.outcome);
+                if !p.option_id.is_empty() {
+                    s.push_str(&format!(" {}", p.option_id));
+                }
+                if !p.reason.is_empty() {
+                    s.push_str(&format!(" ({})", p.reason));
+                }
+                s
+            }
             None => String::new(),
         };
         println!(

@@ -378,6 +378,68 @@ fn sessionctl_stops_at_once_on_failed_interrupted_and_cancelled_turns() {
     }
 }
 
+/// `send` prints the agent's activity on stderr as it streams (each change
+/// of a part: the tool call pending, then completed), the reply on stdout;
+/// `messages` lists the same parts.
+#[test]
+fn send_prints_tool_calls_and_plans_as_they_stream() {
+    let mut env = Env::new();
+    let scratch = env.home.path().join("activity");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let server = env.serve();
+    env.sessionctl(&["health", "--wait"], &scratch);
+    let task = env
+        .sessionctl(&["task", "create", "activity", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    env.task = Some(task);
+    let session = env
+        .sessionctl(&["session", "create", "-q"], &scratch)
+        .trim()
+        .to_owned();
+
+    let mut cmd = Command::new("sessionctl");
+    env.apply(&mut cmd);
+    let out = cmd
+        .args(["send", &session, "/activity"])
+        .current_dir(&scratch)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("activity: sent"), "the reply: {stdout}");
+    assert!(
+        !stdout.contains("[tool"),
+        "activity stays off stdout: {stdout}"
+    );
+    let started = stderr
+        .find("[tool edit] edit notes.txt: in_progress")
+        .unwrap_or_else(|| panic!("the tool call as it started: {stderr}"));
+    let done = stderr
+        .find("[tool edit] edit notes.txt: completed (diff notes.txt)")
+        .unwrap_or_else(|| panic!("the tool call completed: {stderr}"));
+    assert!(started < done, "{stderr}");
+    assert!(
+        stderr.contains("[plan]\n  [completed] read the file\n  [in_progress] edit the file"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("[thought] thinking about it"), "{stderr}");
+    assert!(stderr.contains("[mode] plan"), "{stderr}");
+
+    let messages = env.sessionctl(&["messages", &session], &scratch);
+    assert!(
+        messages.contains("[tool edit] edit notes.txt: completed (diff notes.txt)"),
+        "{messages}"
+    );
+
+    env.sessionctl(&["session", "stop", &session], &scratch);
+    terminate(server);
+    for pid in agentctls_under(env.home.path()) {
+        let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    }
+}
+
 #[test]
 fn watch_resumes_from_the_last_seq_after_the_server_restarts() {
     let mut env = Env::new();
@@ -435,6 +497,152 @@ fn watch_resumes_from_the_last_seq_after_the_server_restarts() {
         (1..=seqs.len() as i64).collect::<Vec<_>>(),
         "no gap, no duplicate"
     );
+
+    env.sessionctl(&["session", "stop", &session], &scratch);
+    terminate(server);
+    for pid in agentctls_under(env.home.path()) {
+        let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    }
+}
+
+/// A profile with permission policy `ask`: `send --approve` allows the
+/// agent's tool call (the file is written), `send --deny` rejects it (not
+/// written, the reply says so), `send` with no terminal and no flag stops
+/// at once naming the request and how to answer it, `session status` lists
+/// it, `sessionctl permission` answers it, and on a terminal `send` asks.
+#[test]
+fn sessionctl_answers_permission_requests() {
+    let mut env = Env::new();
+    let scratch = env.home.path().join("perm");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let config = env.home.path().join("sessiond.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[agents]]\nname = \"asker\"\ncommand = \"{}\"\npermission_policy = \"ask\"\n\
+             env = {{ ACP_DEMO_STATE_DIR = \"{}\" }}\n",
+            bin("acp-demo-agent").display(),
+            env.home.path().join("demo-state").display()
+        ),
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    let server = env.serve_with(&[("SESSIOND_CONFIG", &config)]);
+    env.sessionctl(&["health", "--wait"], &scratch);
+    let task = env
+        .sessionctl(&["task", "create", "permissions", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    env.task = Some(task);
+    let session = env
+        .sessionctl(&["session", "create", "--agent", "asker", "-q"], &scratch)
+        .trim()
+        .to_owned();
+
+    // --approve: allowed, the tool runs; the tool call and the request are
+    // printed as they stream.
+    let mut cmd = Command::new("sessionctl");
+    env.apply(&mut cmd);
+    let out = cmd
+        .args(["send", &session, "/edit yes.txt approved", "--approve"])
+        .current_dir(&scratch)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("edit: written"), "{stdout}");
+    assert!(stderr.contains("[tool edit] write yes.txt"), "{stderr}");
+    assert!(
+        stderr.contains("[permission] write yes.txt: pending"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("[permission] selected allow"), "{stderr}");
+    assert_eq!(
+        std::fs::read_to_string(scratch.join("yes.txt")).unwrap(),
+        "approved"
+    );
+
+    // --deny: rejected, not run, and the reply says so.
+    let reply = env.sessionctl(
+        &["send", &session, "/edit no.txt denied", "--deny"],
+        &scratch,
+    );
+    assert!(reply.contains("not allowed (reject)"), "{reply}");
+    assert!(!scratch.join("no.txt").exists());
+
+    // No terminal, no flag: it stops at once instead of hanging.
+    let (_, stderr, took) =
+        env.sessionctl_fails(&["send", &session, "/edit later.txt x"], &scratch);
+    assert!(took < Duration::from_secs(60), "{took:?}");
+    assert!(stderr.contains("stdin is not a terminal"), "{stderr}");
+    assert!(stderr.contains("--approve or --deny"), "{stderr}");
+    // The request still waits: listed, and answered from another command.
+    let status = env.sessionctl(&["session", "status", &session], &scratch);
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("permission "))
+        .unwrap_or_else(|| panic!("{status}"));
+    assert!(
+        line.contains("write later.txt: allow (allow_once), reject (reject_once)"),
+        "{line}"
+    );
+    let request = line.split_whitespace().nth(1).unwrap().to_owned();
+    assert!(stderr.contains(&request), "{stderr}");
+    let (_, err, _) = env.sessionctl_fails(&["permission", &session, &request, "maybe"], &scratch);
+    assert!(err.contains("allow, reject"), "{err}");
+    let out = env.sessionctl(&["permission", &session, &request, "allow"], &scratch);
+    assert!(
+        out.contains(&format!("permission request {request} answered allow")),
+        "{out}"
+    );
+    let started = Instant::now();
+    while !env
+        .sessionctl(&["session", "status", &session], &scratch)
+        .contains("WAITING_FOR_INPUT")
+    {
+        assert!(started.elapsed() < Duration::from_secs(60));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        std::fs::read_to_string(scratch.join("later.txt")).unwrap(),
+        "x"
+    );
+    let (_, err, _) = env.sessionctl_fails(&["permission", &session, &request, "allow"], &scratch);
+    assert!(err.contains("answered already"), "{err}");
+
+    // On a terminal (`script` gives it one), `send` asks; "2" is reject.
+    let mut cmd = Command::new("script");
+    env.apply(&mut cmd);
+    let line = format!("sessionctl send {session} '/edit tty.txt t'; echo exit=$?");
+    let mut child = cmd
+        .args(["-qec", &line, "/dev/null"])
+        .current_dir(&scratch)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Typed ahead: the terminal holds the line until `send` asks. stdin
+    // stays open until `script` is done (its end would end the session).
+    let mut stdin = child.stdin.take().unwrap();
+    {
+        use std::io::Write;
+        stdin.write_all(b"2\n").unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    drop(stdin);
+    let tty = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        tty.contains("the agent asks permission: write tty.txt"),
+        "{tty}"
+    );
+    assert!(tty.contains("2) Reject [reject_once]"), "{tty}");
+    assert!(tty.contains("not allowed (reject)"), "{tty}");
+    assert!(tty.contains("exit=0"), "{tty}");
+    assert!(!scratch.join("tty.txt").exists());
 
     env.sessionctl(&["session", "stop", &session], &scratch);
     terminate(server);

@@ -23,6 +23,12 @@ pub struct Task {
     pub updated_at: DateTime<Utc>,
 }
 
+/// How long a permission request of policy `ask` waits for a client's
+/// answer when the profile does not say: long enough for a person to read
+/// a prompt and decide, short enough that an unattended agent is not held
+/// for long. Then it is rejected: a tool nobody approved does not run.
+pub const DEFAULT_PERMISSION_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// How to start an agent, and whether it claims to resume sessions.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentProfile {
@@ -42,6 +48,9 @@ pub struct AgentProfile {
     pub auth_method: Option<String>,
     /// How the agent's permission requests are answered.
     pub permission_policy: PermissionPolicy,
+    /// Policy `ask`: how long a request waits for an answer before it is
+    /// rejected ([`DEFAULT_PERMISSION_TIMEOUT`] unless configured).
+    pub permission_timeout: std::time::Duration,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
@@ -227,6 +236,7 @@ mod tests {
             container,
             auth_method: None,
             permission_policy: PermissionPolicy::Allow,
+            permission_timeout: DEFAULT_PERMISSION_TIMEOUT,
             created_at: Utc::now(),
             updated_at: Utc::now(),
         }

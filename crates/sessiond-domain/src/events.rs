@@ -11,7 +11,8 @@ use crate::{
 };
 
 /// The event kinds, with their wire names: the six of the seed, then the
-/// end of every turn and a conversation the agent had lost, replaced.
+/// end of every turn, a conversation the agent had lost, replaced, and a
+/// permission request of policy `ask` asked and resolved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum EventKind {
     AgentctlStarting,
@@ -22,6 +23,8 @@ pub enum EventKind {
     MessageUpdated,
     TurnEnded,
     ConversationReplaced,
+    PermissionRequested,
+    PermissionResolved,
 }
 
 impl EventKind {
@@ -34,6 +37,8 @@ impl EventKind {
         EventKind::MessageUpdated,
         EventKind::TurnEnded,
         EventKind::ConversationReplaced,
+        EventKind::PermissionRequested,
+        EventKind::PermissionResolved,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -46,6 +51,8 @@ impl EventKind {
             EventKind::MessageUpdated => "session.message.updated",
             EventKind::TurnEnded => "session.turn_ended",
             EventKind::ConversationReplaced => "session.conversation_replaced",
+            EventKind::PermissionRequested => "session.permission.requested",
+            EventKind::PermissionResolved => "session.permission.resolved",
         }
     }
 
@@ -103,6 +110,20 @@ pub enum EventPayload {
         resume_token: String,
         reason: String,
     },
+    /// The agent asks permission (policy `ask`) and waits for an answer:
+    /// the request's message (kind `Permission`, its data the request).
+    PermissionRequested(Message),
+    /// A permission request stopped waiting.
+    PermissionResolved {
+        /// The request's id (= its message's id).
+        request_id: String,
+        /// `selected`, `timed_out` or `cancelled`.
+        outcome: String,
+        /// The option the agent was given, if any.
+        option_id: Option<String>,
+        /// Why (timeouts and cancels).
+        reason: Option<String>,
+    },
 }
 
 impl EventPayload {
@@ -116,6 +137,8 @@ impl EventPayload {
             EventPayload::MessageUpdated(_) => EventKind::MessageUpdated,
             EventPayload::TurnEnded { .. } => EventKind::TurnEnded,
             EventPayload::ConversationReplaced { .. } => EventKind::ConversationReplaced,
+            EventPayload::PermissionRequested(_) => EventKind::PermissionRequested,
+            EventPayload::PermissionResolved { .. } => EventKind::PermissionResolved,
         }
     }
 }

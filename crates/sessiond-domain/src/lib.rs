@@ -13,8 +13,8 @@ pub mod status;
 pub mod transitions;
 
 pub use entities::{
-    AgentCommand, AgentMode, AgentModes, AgentProfile, ContainerAgent, ExecutorRecord, Message,
-    Session, Task, Worktree,
+    AgentCommand, AgentMode, AgentModes, AgentProfile, ContainerAgent, DEFAULT_PERMISSION_TIMEOUT,
+    ExecutorRecord, Message, Session, Task, Worktree,
 };
 pub use events::{Event, EventKind, EventPayload};
 pub use ids::{AgentProfileId, ExecutorId, IdParseError, MessageId, SessionId, TaskId};

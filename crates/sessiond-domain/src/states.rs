@@ -124,6 +124,9 @@ string_enum!(
     CurrentMode => "current_mode",
     /// Any other `session/update` kind, kept as the agent sent it.
     Other => "other",
+    /// A permission request of policy `ask` (ACP
+    /// `session/request_permission`): incomplete while it waits.
+    Permission => "permission",
 });
 
 string_enum!(
@@ -133,6 +136,9 @@ string_enum!(
     Allow => "allow",
     /// Pick the agent's reject option (or cancel the request).
     Deny => "deny",
+    /// Ask a client (`RespondToPermission`), at most the profile's
+    /// permission timeout; then the agent's reject option.
+    Ask => "ask",
 });
 
 impl SessionState {

@@ -87,6 +87,19 @@ pub enum Error {
         detail: String,
     },
 
+    /// RespondToPermission names a request the session does not have.
+    #[error(
+        "session {session_id} has no permission request {request_id}; pending ones are listed in the session's status"
+    )]
+    PermissionNotFound {
+        session_id: SessionId,
+        request_id: String,
+    },
+
+    /// RespondToPermission on a request that no longer waits.
+    #[error("permission request {request_id} no longer waits for an answer: {detail}")]
+    PermissionResolved { request_id: String, detail: String },
+
     /// No agent runs for the session (it exited, or was never resumed).
     /// `hint` agrees with what `ResumeSession` would answer.
     #[error("the agent of session {session_id} is not running; {hint}")]
@@ -146,7 +159,7 @@ pub enum Error {
 impl Error {
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Error::NotFound { .. } => ErrorKind::NotFound,
+            Error::NotFound { .. } | Error::PermissionNotFound { .. } => ErrorKind::NotFound,
             Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
             Error::WrongTask { .. }
             | Error::NotResumable { .. }
@@ -156,6 +169,7 @@ impl Error {
             | Error::InvalidState { .. }
             | Error::AgentNotRunning { .. }
             | Error::TurnNotInterrupted { .. }
+            | Error::PermissionResolved { .. }
             | Error::ResumeFailed { .. } => ErrorKind::FailedPrecondition,
             Error::Conflict { .. } => ErrorKind::Aborted,
             Error::Unavailable(_) => ErrorKind::Unavailable,

@@ -40,6 +40,7 @@ mod lifecycle;
 mod manager;
 mod metrics;
 mod ops;
+mod permission;
 mod pump;
 mod queue;
 mod recovery;

@@ -793,7 +793,15 @@ impl SessionManager {
                 EndReason::Cancelled => SessionEvent::Cancelled,
             };
             let (ended, ev) = transition(&session, event, None)?;
-            let mut change = Changeset::new().update_session(ended);
+            // The agent is stopped: a request it waits on is never answered.
+            let mut change = crate::permission::cancel_open(
+                self,
+                session_id,
+                Changeset::new(),
+                "the session was stopped",
+            )
+            .await?
+            .update_session(ended);
             if let Some(ev) = ev {
                 change = change.event(session_id, ev);
             }

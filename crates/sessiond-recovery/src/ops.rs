@@ -272,7 +272,10 @@ impl SessionManager {
             permission_policy: match profile.permission_policy {
                 PermissionPolicy::Allow => pb::PermissionPolicy::Allow,
                 PermissionPolicy::Deny => pb::PermissionPolicy::Deny,
+                PermissionPolicy::Ask => pb::PermissionPolicy::Ask,
             } as i32,
+            permission_timeout_ms: u64::try_from(profile.permission_timeout.as_millis())
+                .unwrap_or(u64::MAX),
         };
         client
             .raw()

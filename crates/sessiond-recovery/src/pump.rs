@@ -397,6 +397,9 @@ impl Pump {
             return Ok(());
         }
         let kind = MessageKind::parse(&a.kind).unwrap_or(MessageKind::Other);
+        if kind == MessageKind::Permission {
+            return self.permission(id, a).await;
+        }
         let data = part_data(a.rev, &a.json);
         let now = Utc::now();
         let m = Message {
@@ -451,6 +454,60 @@ impl Pump {
         };
         let c = self.mgr.inner.store.commit(change).await?;
         self.mgr.inner.bus.publish(&c.events);
+        self.parts.insert(id, a.rev);
+        Ok(())
+    }
+
+    /// A permission request's part: like any part, plus its event
+    /// (`permission.requested` when first stored pending,
+    /// `permission.resolved` when it completes) in the same commit. Read
+    /// against the store first: a request sessiond resolved itself
+    /// ([`crate::permission::cancel_open`]) or a replayed rev is not
+    /// written again.
+    async fn permission(&mut self, id: MessageId, a: pb::Activity) -> Result<()> {
+        // Under the session lock, like every turn end that may cancel the
+        // request: one of the two resolves it, never both.
+        let _guard = self.mgr.lock_session(self.session_id).await;
+        let stored = self
+            .mgr
+            .inner
+            .store
+            .get_message(self.session_id, id)
+            .await?;
+        if let Some(s) = &stored
+            && (s.complete || stored_part_rev(&s.data) >= a.rev)
+        {
+            self.parts.insert(id, stored_part_rev(&s.data).max(a.rev));
+            return Ok(());
+        }
+        let now = Utc::now();
+        let m = Message {
+            id,
+            session_id: self.session_id,
+            task_id: self.task_id,
+            role: MessageRole::Agent,
+            content: a.text,
+            kind: MessageKind::Permission,
+            data: part_data(a.rev, &a.json),
+            seq: 0,
+            complete: a.complete,
+            created_at: now,
+            updated_at: now,
+        };
+        let event = crate::permission::event_for(&m, stored.is_none());
+        let mut change = if stored.is_some() {
+            Changeset::new()
+                .update_part(m.id, m.content.clone(), m.data.clone(), m.complete)
+                .event(self.session_id, EventPayload::MessageUpdated(m.clone()))
+        } else {
+            Changeset::new()
+                .add_message(m.clone())
+                .event(self.session_id, EventPayload::MessageAdded(m.clone()))
+        };
+        if let Some(ev) = event {
+            change = change.event(self.session_id, ev);
+        }
+        self.mgr.commit(change).await?;
         self.parts.insert(id, a.rev);
         Ok(())
     }
@@ -714,6 +771,17 @@ impl Pump {
             next.metadata.remove(TURN_KEY);
             next.metadata.remove(TURN_GENERATION_KEY);
             next.metadata.remove(TURN_INSTANCE_KEY);
+            if died_in.is_none() {
+                // agentctl resolves every request before the turn ends; one
+                // still open can never be answered now.
+                change = crate::permission::cancel_open(
+                    &self.mgr,
+                    self.session_id,
+                    change,
+                    "the turn ended while the request waited",
+                )
+                .await?;
+            }
         }
         next.metadata.insert(
             CURSOR_KEY.into(),
@@ -999,6 +1067,7 @@ impl Pump {
                             | MessageKind::ToolCall
                             | MessageKind::Plan
                             | MessageKind::Thought
+                            | MessageKind::Permission
                     )
             })
         }) || self.pending.is_some();
@@ -1260,6 +1329,14 @@ pub(crate) async fn interrupt_turn(
                 .event(session.id, EventPayload::MessageUpdated(m));
         }
     }
+    // Requests the agent waited on die with the turn.
+    change = crate::permission::cancel_open(
+        mgr,
+        session.id,
+        change,
+        &format!("the turn was interrupted: {why}"),
+    )
+    .await?;
     let note = Message {
         id: MessageId::new(),
         session_id: session.id,

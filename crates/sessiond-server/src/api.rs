@@ -615,6 +615,16 @@ impl pb::session_service_server::SessionService for Api {
                 let modes = self.manager.session_modes(task, session).await?;
                 let mut out = convert::status(&status);
                 out.modes = modes.as_ref().map(convert::modes);
+                // Only a turn in progress can wait on one.
+                if status.state == sessiond_domain::SessionState::Running {
+                    out.pending_permissions = self
+                        .manager
+                        .pending_permissions(session)
+                        .await?
+                        .iter()
+                        .map(convert::permission_request)
+                        .collect();
+                }
                 Ok(out)
             }
             .await,
@@ -702,6 +712,26 @@ impl pb::session_service_server::SessionService for Api {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
                 let cancelled = self.manager.cancel_turn(task, session).await?;
                 Ok(pb::CancelTurnResponse { cancelled })
+            }
+            .await,
+        )
+    }
+
+    async fn respond_to_permission(
+        &self,
+        request: Request<pb::RespondToPermissionRequest>,
+    ) -> Result<Response<pb::RespondToPermissionResponse>, Status> {
+        let req = request.into_inner();
+        reply(
+            async {
+                let (task, session) = ids(&req.task_id, &req.session_id)?;
+                let m = self
+                    .manager
+                    .respond_to_permission(task, session, &req.request_id, &req.option_id)
+                    .await?;
+                Ok(pb::RespondToPermissionResponse {
+                    request: Some(convert::permission_request(&m)),
+                })
             }
             .await,
         )

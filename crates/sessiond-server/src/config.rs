@@ -353,9 +353,13 @@ pub struct AgentSection {
     /// ACP auth method to `authenticate` with (e.g. `openai-api-key`).
     #[serde(default)]
     pub auth_method: Option<String>,
-    /// `allow` (default) or `deny`: how permission requests are answered.
+    /// `allow` (default), `deny` or `ask`: how permission requests are answered.
     #[serde(default)]
     pub permission_policy: Option<String>,
+    /// Policy `ask`: how long a request waits for an answer (default `5m`),
+    /// then it is rejected.
+    #[serde(default)]
+    pub permission_timeout: Option<String>,
     /// How the agent runs in a Docker container, when not as on the host.
     #[serde(default)]
     pub container: Option<ContainerSection>,
@@ -598,6 +602,7 @@ pub struct AgentConfig {
     pub container: Option<ContainerAgent>,
     pub auth_method: Option<String>,
     pub permission_policy: PermissionPolicy,
+    pub permission_timeout: Duration,
 }
 
 impl ServeArgs {
@@ -1332,6 +1337,10 @@ fn agent_profiles(
                 PermissionPolicy::Allow
             }),
         };
+        let permission_timeout = match a.permission_timeout.as_deref() {
+            None => sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
+            Some(v) => p.positive_duration(&format!("{key}.permission_timeout"), v),
+        };
         let profile = AgentConfig {
             name: a.name.clone(),
             command: a.command.clone(),
@@ -1346,6 +1355,7 @@ fn agent_profiles(
             }),
             auth_method: a.auth_method.clone().filter(|m| !m.trim().is_empty()),
             permission_policy,
+            permission_timeout,
         };
         match agents.iter_mut().find(|b| b.name == a.name) {
             Some(existing) => *existing = profile,
@@ -1388,6 +1398,7 @@ pub fn demo_profile(data_dir: &Path) -> AgentConfig {
         }),
         auth_method: None,
         permission_policy: PermissionPolicy::Allow,
+        permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
     }
 }
 
@@ -1664,6 +1675,11 @@ mod tests {
             command = "codex-acp"
             auth_method = "openai-api-key"
             permission_policy = "deny"
+            [[agents]]
+            name = "careful"
+            command = "claude-code-acp"
+            permission_policy = "ask"
+            permission_timeout = "90s"
         "#;
         let mut f = FileConfig::parse(text).unwrap();
         f.data_dir = Some("/tmp/x".into());
@@ -1673,6 +1689,12 @@ mod tests {
         assert_eq!(c.agents[1].permission_policy, PermissionPolicy::Deny);
         assert_eq!(c.agents[0].permission_policy, PermissionPolicy::Allow);
         assert_eq!(c.agents[0].auth_method, None);
+        assert_eq!(c.agents[2].permission_policy, PermissionPolicy::Ask);
+        assert_eq!(c.agents[2].permission_timeout, Duration::from_secs(90));
+        assert_eq!(
+            c.agents[1].permission_timeout,
+            sessiond_domain::DEFAULT_PERMISSION_TIMEOUT
+        );
         // "0s" reaches agentctl as "never", not as its own default.
         assert_eq!(c.executors.idle_timeout, Some(Duration::ZERO));
 
@@ -1682,6 +1704,7 @@ mod tests {
             command = "x"
             auth_method = " "
             permission_policy = "ask-me"
+            permission_timeout = "0s"
         "#;
         let mut f = FileConfig::parse(bad).unwrap();
         f.data_dir = Some("/tmp/x".into());
@@ -1689,6 +1712,7 @@ mod tests {
         let err = f.validate().unwrap_err().to_string();
         assert!(err.contains("agents[0].auth_method"), "{err}");
         assert!(err.contains("agents[0].permission_policy"), "{err}");
+        assert!(err.contains("agents[0].permission_timeout"), "{err}");
     }
 
     #[test]

@@ -107,6 +107,7 @@ pub fn profile(p: &AgentProfile) -> pb::AgentProfile {
         supports_session_resume: p.supports_session_resume,
         auth_method: p.auth_method.clone().unwrap_or_default(),
         permission_policy: p.permission_policy.as_str().to_owned(),
+        permission_timeout_ms: u64::try_from(p.permission_timeout.as_millis()).unwrap_or(u64::MAX),
     }
 }
 
@@ -162,7 +163,13 @@ fn message_kind(k: MessageKind) -> pb::MessageKind {
         MessageKind::AvailableCommands => pb::MessageKind::AvailableCommands,
         MessageKind::CurrentMode => pb::MessageKind::CurrentMode,
         MessageKind::Other => pb::MessageKind::Other,
+        MessageKind::Permission => pb::MessageKind::Permission,
     }
+}
+
+/// A permission request from its message (kind `Permission`).
+pub fn permission_request(m: &Message) -> pb::PermissionRequest {
+    parts::permission(&m.id.to_string(), &m.data)
 }
 
 /// Activity parts: the stored envelope (`{"rev": n, "update": <ACP JSON>}`,
@@ -233,7 +240,49 @@ mod parts {
                 update_kind: s(&u, "sessionUpdate"),
                 json: u.to_string(),
             }),
+            MessageKind::Permission => Part::Permission(permission_of(&u)),
         })
+    }
+
+    /// The request's id is its message's id; the rest is agentctl's JSON
+    /// (`requestId`, `turnId`, `toolCall`, `options`, `status`, `optionId`,
+    /// `requestedAtMs`, `expiresAtMs`).
+    pub(super) fn permission(id: &str, data: &str) -> pb::PermissionRequest {
+        let mut p = envelope(data)
+            .and_then(|v| v.get("update").cloned())
+            .map(|u| permission_of(&u))
+            .unwrap_or_default();
+        p.request_id = id.to_owned();
+        p
+    }
+
+    fn ms_timestamp(v: &Value, key: &str) -> Option<prost_types::Timestamp> {
+        let ms = i64::try_from(v.get(key)?.as_u64()?).ok()?;
+        Some(prost_types::Timestamp {
+            seconds: ms.div_euclid(1000),
+            nanos: i32::try_from(ms.rem_euclid(1000) * 1_000_000).ok()?,
+        })
+    }
+
+    fn permission_of(u: &Value) -> pb::PermissionRequest {
+        pb::PermissionRequest {
+            request_id: s(u, "requestId"),
+            turn_id: s(u, "turnId"),
+            tool_call: u.get("toolCall").map(tool_call),
+            options: list(u, "options")
+                .map(|o| pb::PermissionOption {
+                    option_id: s(o, "optionId"),
+                    name: s(o, "name"),
+                    kind: s(o, "kind"),
+                })
+                .collect(),
+            status: Some(s(u, "status"))
+                .filter(|k| !k.is_empty())
+                .unwrap_or_else(|| "pending".into()),
+            option_id: s(u, "optionId"),
+            requested_at: ms_timestamp(u, "requestedAtMs"),
+            expires_at: ms_timestamp(u, "expiresAtMs"),
+        }
     }
 
     fn tool_call(u: &Value) -> pb::ToolCallPart {
@@ -311,6 +360,7 @@ pub fn status(s: &SessionStatus) -> pb::GetSessionStatusResponse {
         error_message: s.error_message.clone().unwrap_or_default(),
         recovering: s.recovering,
         modes: None,
+        pending_permissions: Vec::new(),
     }
 }
 
@@ -389,6 +439,22 @@ pub fn event(e: &Event) -> pb::Event {
             previous_resume_token: previous_resume_token.clone(),
             resume_token: resume_token.clone(),
             reason: reason.clone(),
+        }),
+        EventPayload::PermissionRequested(m) => {
+            Payload::PermissionRequested(pb::PermissionRequested {
+                request: Some(permission_request(m)),
+            })
+        }
+        EventPayload::PermissionResolved {
+            request_id,
+            outcome,
+            option_id,
+            reason,
+        } => Payload::PermissionResolved(pb::PermissionResolved {
+            request_id: request_id.clone(),
+            outcome: outcome.clone(),
+            option_id: option_id.clone().unwrap_or_default(),
+            reason: reason.clone().unwrap_or_default(),
         }),
     };
     pb::Event {

@@ -140,6 +140,8 @@ fn recovery_code(e: &sessiond_recovery::Error) -> (Code, &'static str) {
         E::InvalidState { .. } => "invalid_state",
         E::AgentNotRunning { .. } => "agent_not_running",
         E::TurnNotInterrupted { .. } => "turn_not_interrupted",
+        E::PermissionNotFound { .. } => "permission_not_found",
+        E::PermissionResolved { .. } => "permission_resolved",
         E::ResumeFailed { .. } => "resume_failed",
         E::Conflict { .. } => "conflict",
         E::Unavailable(_) => "unavailable",

@@ -29,6 +29,9 @@
 //! - `sessiond_recovery_done` gauge: 1 once the first pass finished.
 //! - `sessiond_sessions{state}`, `sessiond_executors{runtime,status}` gauges:
 //!   counted from the store at scrape time.
+//! - `sessiond_permission_requests_pending` gauge: permission requests
+//!   (policy `ask`) waiting for an answer, counted from the store at scrape
+//!   time (so it is right after a restart too).
 
 use std::{
     convert::Infallible,
@@ -92,6 +95,7 @@ struct ExecutorLabels {
 pub struct StoreCounts {
     pub sessions: Vec<(&'static str, i64)>,
     pub executors: Vec<(&'static str, &'static str, i64)>,
+    pub permission_requests_pending: i64,
 }
 
 /// Counts read from the store at scrape time.
@@ -107,6 +111,7 @@ struct Inner {
     recovery_outcomes: Family<OutcomeLabels, Counter>,
     sessions: Family<StateLabels, Gauge>,
     executors: Family<ExecutorLabels, Gauge>,
+    permissions_pending: Gauge,
     snapshot: Option<Box<dyn Fn() -> Snapshot + Send + Sync>>,
     /// `/readyz`: set with gRPC health's SERVING, cleared on shutdown.
     ready: AtomicBool,
@@ -190,6 +195,12 @@ impl Metrics {
             "Executor records by runtime and status (from the store at scrape time)",
             executors.clone(),
         );
+        let permissions_pending = Gauge::default();
+        registry.register(
+            "sessiond_permission_requests_pending",
+            "Permission requests (profile policy ask) waiting for an answer (from the store at scrape time)",
+            permissions_pending.clone(),
+        );
         more(&mut registry);
         Self {
             inner: Arc::new(Inner {
@@ -200,6 +211,7 @@ impl Metrics {
                 recovery_outcomes,
                 sessions,
                 executors,
+                permissions_pending,
                 snapshot,
                 ready: AtomicBool::new(false),
             }),
@@ -254,6 +266,9 @@ impl Metrics {
                     .get_or_create(&ExecutorLabels { runtime, status })
                     .set(n);
             }
+            self.inner
+                .permissions_pending
+                .set(counts.permission_requests_pending);
         }
         let mut out = String::new();
         // Writing into a String cannot fail.
@@ -509,6 +524,7 @@ mod tests {
                     StoreCounts {
                         sessions: vec![("RUNNING", 2)],
                         executors: vec![("local_standalone", "ready", 3)],
+                        permission_requests_pending: 1,
                     }
                 }
                 .boxed()
@@ -540,6 +556,10 @@ mod tests {
         );
         assert!(
             text.contains("sessiond_sessions{state=\"RUNNING\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("sessiond_permission_requests_pending 1"),
             "{text}"
         );
         assert!(

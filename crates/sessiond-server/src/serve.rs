@@ -380,6 +380,7 @@ async fn seed_profiles(store: &Store, config: &Config) -> anyhow::Result<()> {
                 container: a.container.clone(),
                 auth_method: a.auth_method.clone(),
                 permission_policy: a.permission_policy,
+                permission_timeout: a.permission_timeout,
                 created_at: now,
                 updated_at: now,
             })
@@ -630,7 +631,15 @@ fn snapshot_source(store: Store) -> impl Fn() -> metrics::Snapshot + Send + Sync
                 }
                 Err(err) => tracing::warn!(%err, "metrics: cannot count executors"),
             }
+            let permission_requests_pending = store
+                .count_open_parts(sessiond_domain::MessageKind::Permission)
+                .await
+                .unwrap_or_else(|err| {
+                    tracing::warn!(%err, "metrics: cannot count permission requests");
+                    0
+                });
             metrics::StoreCounts {
+                permission_requests_pending,
                 sessions: sessions.into_iter().collect(),
                 executors: executors.into_iter().map(|((r, s), n)| (r, s, n)).collect(),
             }

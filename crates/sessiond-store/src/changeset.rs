@@ -441,7 +441,9 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
     let mut events = Vec::with_capacity(change.events.len());
     for (sid, mut payload) in change.events {
         match &mut payload {
-            EventPayload::MessageAdded(m) | EventPayload::MessageUpdated(m) => {
+            EventPayload::MessageAdded(m)
+            | EventPayload::MessageUpdated(m)
+            | EventPayload::PermissionRequested(m) => {
                 // The latest written state of that message in this changeset.
                 if let Some(stored) = messages.iter().rev().find(|s| s.id == m.id) {
                     *m = stored.clone();

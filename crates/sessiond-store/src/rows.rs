@@ -75,6 +75,7 @@ pub(crate) struct ProfileRow {
     pub container: Option<String>,
     pub auth_method: Option<String>,
     pub permission_policy: String,
+    pub permission_timeout_ms: i64,
 }
 
 impl ProfileRow {
@@ -99,6 +100,8 @@ impl ProfileRow {
             }),
             auth_method: p.auth_method.clone(),
             permission_policy: p.permission_policy.as_str().to_owned(),
+            permission_timeout_ms: i64::try_from(p.permission_timeout.as_millis())
+                .unwrap_or(i64::MAX),
         }
     }
 
@@ -133,6 +136,14 @@ impl ProfileRow {
             auth_method: self.auth_method.filter(|m| !m.is_empty()),
             permission_policy: PermissionPolicy::parse(&self.permission_policy)
                 .map_err(|e| corrupt(e.to_string()))?,
+            permission_timeout: std::time::Duration::from_millis(
+                u64::try_from(self.permission_timeout_ms).map_err(|_| {
+                    corrupt(format!(
+                        "permission_timeout_ms {} < 0",
+                        self.permission_timeout_ms
+                    ))
+                })?,
+            ),
             created_at: self.created_at.0,
             updated_at: self.updated_at.0,
         })
@@ -562,6 +573,18 @@ pub(crate) fn encode_payload(p: &EventPayload) -> Value {
             "resume_token": resume_token,
             "reason": reason,
         }),
+        EventPayload::PermissionRequested(m) => json!({ "message": encode_message(m) }),
+        EventPayload::PermissionResolved {
+            request_id,
+            outcome,
+            option_id,
+            reason,
+        } => json!({
+            "request_id": request_id,
+            "outcome": outcome,
+            "option_id": option_id,
+            "reason": reason,
+        }),
     }
 }
 
@@ -610,6 +633,15 @@ fn decode_payload(kind: EventKind, v: &Value) -> Result<EventPayload, String> {
             previous_resume_token: string(v, "previous_resume_token")?.to_owned(),
             resume_token: string(v, "resume_token")?.to_owned(),
             reason: string(v, "reason")?.to_owned(),
+        },
+        EventKind::PermissionRequested => {
+            EventPayload::PermissionRequested(decode_message(field(v, "message")?)?)
+        }
+        EventKind::PermissionResolved => EventPayload::PermissionResolved {
+            request_id: string(v, "request_id")?.to_owned(),
+            outcome: string(v, "outcome")?.to_owned(),
+            option_id: opt_string(v, "option_id")?,
+            reason: opt_string(v, "reason")?,
         },
     })
 }
@@ -788,6 +820,19 @@ mod tests {
             },
             EventPayload::MessageAdded(message()),
             EventPayload::MessageUpdated(message()),
+            EventPayload::PermissionRequested(message()),
+            EventPayload::PermissionResolved {
+                request_id: "r".into(),
+                outcome: "timed_out".into(),
+                option_id: Some("reject".into()),
+                reason: Some("no answer".into()),
+            },
+            EventPayload::PermissionResolved {
+                request_id: "r".into(),
+                outcome: "cancelled".into(),
+                option_id: None,
+                reason: None,
+            },
             EventPayload::TurnEnded {
                 turn_id: "t".into(),
                 stop_reason: "cancelled".into(),

@@ -34,6 +34,7 @@ diesel::table! {
         container -> Nullable<Text>,
         auth_method -> Nullable<Text>,
         permission_policy -> Text,
+        permission_timeout_ms -> BigInt,
     }
 }
 

@@ -12,7 +12,7 @@ use diesel::{connection::SimpleConnection, prelude::*, r2d2::Pool};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 use sessiond_domain::{
     AgentProfile, AgentProfileId, Event, EventPayload, ExecutorId, ExecutorRecord, ExecutorStatus,
-    Message, Runtime, Session, SessionId, SessionState, Task, TaskId,
+    Message, MessageId, MessageKind, Runtime, Session, SessionId, SessionState, Task, TaskId,
 };
 
 use crate::{
@@ -681,6 +681,52 @@ impl Store {
         .await
     }
 
+    /// One message of a session; `None` when the session has no such message.
+    pub async fn get_message(&self, session: SessionId, id: MessageId) -> Result<Option<Message>> {
+        self.read(move |c| {
+            session_messages::table
+                .filter(session_messages::session_id.eq(session.to_string()))
+                .filter(session_messages::id.eq(id.to_string()))
+                .select(MessageRow::as_select())
+                .first(c)
+                .optional()?
+                .map(MessageRow::into_domain)
+                .transpose()
+        })
+        .await
+    }
+
+    /// A session's activity parts of `kind` that are not complete yet (for
+    /// `Permission`: the requests still waiting), in seq order.
+    pub async fn open_parts(&self, session: SessionId, kind: MessageKind) -> Result<Vec<Message>> {
+        self.read(move |c| {
+            session_messages::table
+                .filter(session_messages::session_id.eq(session.to_string()))
+                .filter(session_messages::kind.eq(kind.as_str()))
+                .filter(session_messages::complete.eq(false))
+                .order(session_messages::seq)
+                .select(MessageRow::as_select())
+                .load(c)?
+                .into_iter()
+                .map(MessageRow::into_domain)
+                .collect()
+        })
+        .await
+    }
+
+    /// How many activity parts of `kind` are not complete, over all
+    /// sessions (the pending permission requests gauge).
+    pub async fn count_open_parts(&self, kind: MessageKind) -> Result<i64> {
+        self.read(move |c| {
+            Ok(session_messages::table
+                .filter(session_messages::kind.eq(kind.as_str()))
+                .filter(session_messages::complete.eq(false))
+                .count()
+                .get_result(c)?)
+        })
+        .await
+    }
+
     /// Events of a session with `seq > after_seq`, in seq order.
     pub async fn events_after(
         &self,
@@ -839,6 +885,7 @@ fn upsert_profile(c: &mut AnyConnection, row: &ProfileRow) -> Result<AgentProfil
                     agent_profiles::container.eq(&row.container),
                     agent_profiles::auth_method.eq(&row.auth_method),
                     agent_profiles::permission_policy.eq(&row.permission_policy),
+                    agent_profiles::permission_timeout_ms.eq(row.permission_timeout_ms),
                     agent_profiles::updated_at.eq(Ts::new(conn::now())),
                 ))
                 .execute(c)?;

@@ -83,6 +83,7 @@ fn profile(name: &str) -> AgentProfile {
         container: None,
         auth_method: None,
         permission_policy: sessiond_domain::PermissionPolicy::Allow,
+        permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
         created_at: now,
         updated_at: now,
     }
@@ -1190,8 +1191,8 @@ mod suite {
         seed(store).await;
         let reverted = store.revert_all_migrations().await.unwrap();
         // Every migration directory (init, profile container, profile auth +
-        // permission policy, message parts).
-        assert_eq!(reverted.len(), 4, "{reverted:?}");
+        // permission policy, message parts, permission timeout).
+        assert_eq!(reverted.len(), 5, "{reverted:?}");
         let err = store.list_tasks(None, 10).await.unwrap_err();
         assert!(matches!(err, Error::Database(_)), "tables are gone: {err}");
         let applied = store.run_pending_migrations().await.unwrap();

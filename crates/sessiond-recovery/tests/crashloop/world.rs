@@ -1132,6 +1132,7 @@ async fn profile(store: &Store, name: &str, command: String, state_dir: String) 
             container: None,
             auth_method: None,
             permission_policy: sessiond_domain::PermissionPolicy::Allow,
+            permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
             created_at: now,
             updated_at: now,
         })

@@ -97,6 +97,7 @@ pub async fn demo_profile_in_docker(w: &World, name: &str, env: &[(&str, &str)])
             container: None,
             auth_method: None,
             permission_policy: sessiond_domain::PermissionPolicy::Allow,
+            permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
             created_at: now,
             updated_at: now,
         })

@@ -191,6 +191,7 @@ async fn broken_profile_is_error_with_message() {
             container: None,
             auth_method: None,
             permission_policy: sessiond_domain::PermissionPolicy::Allow,
+            permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
             created_at: now,
             updated_at: now,
         })

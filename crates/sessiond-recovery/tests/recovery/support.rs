@@ -130,6 +130,7 @@ impl World {
                 container: None,
                 auth_method: None,
                 permission_policy: sessiond_domain::PermissionPolicy::Allow,
+                permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
                 created_at: now,
                 updated_at: now,
             })
@@ -340,6 +341,7 @@ fn placeholder_profile() -> AgentProfile {
         container: None,
         auth_method: None,
         permission_policy: sessiond_domain::PermissionPolicy::Allow,
+        permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
         created_at: now,
         updated_at: now,
     }

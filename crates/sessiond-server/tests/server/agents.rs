@@ -527,3 +527,115 @@ async fn session_modes_are_listed_and_set() {
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
 }
+
+/// A mode the agent switches to by itself (ACP `current_mode_update`) is
+/// the session's current mode in its status, stored as a part of the
+/// conversation, and still current after a kill -9 and restart of sessiond.
+#[tokio::test]
+async fn agent_initiated_mode_change_is_listed_and_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let mut server = start(&data, &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "agent modes").await;
+    let s = create_session(&mut c, &task.id, &work, "").await;
+    async fn current(c: &mut Sessions, task: &str, session: &str) -> String {
+        c.get_session_status(pb::GetSessionStatusRequest {
+            task_id: task.into(),
+            session_id: session.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .modes
+        .expect("the demo agent has modes")
+        .current_mode_id
+    }
+    assert_eq!(current(&mut c, &task.id, &s.id).await, "default");
+
+    let reply = prompt(&mut c, &task.id, &s.id, "/mode plan").await;
+    assert!(reply.contains("mode: plan"), "{reply}");
+    assert_eq!(current(&mut c, &task.id, &s.id).await, "plan");
+    let parts: Vec<_> = c
+        .list_messages(pb::ListMessagesRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .messages
+        .into_iter()
+        .filter_map(|m| m.part)
+        .collect();
+    assert_eq!(
+        parts,
+        [pb::message::Part::CurrentMode(pb::CurrentModePart {
+            mode_id: "plan".into()
+        })]
+    );
+
+    server.kill();
+    let server = start(&data, &[]);
+    crate::restart::wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+    assert_eq!(current(&mut c, &task.id, &s.id).await, "plan");
+    // The agent is in that mode, and switches back when asked.
+    let reply = prompt(&mut c, &task.id, &s.id, "next").await;
+    assert!(reply.contains("plan mode"), "{reply}");
+    let set = c
+        .set_session_mode(pb::SetSessionModeRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            mode_id: "default".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .modes
+        .unwrap();
+    assert_eq!(set.current_mode_id, "default");
+    assert_eq!(current(&mut c, &task.id, &s.id).await, "default");
+}
+
+/// `executors.idle_timeout` reaches agentctl as documented: "0s" (the
+/// default) is agentctl's "never" (`--idle-timeout 0ms`), not its own
+/// 30-minute default; another value is passed as it is.
+#[tokio::test]
+async fn idle_timeout_is_passed_to_agentctl() {
+    fn idle_arg(data: &Path) -> String {
+        let pids = agentctl_pids(data);
+        assert_eq!(pids.len(), 1, "{pids:?}");
+        let cmdline = std::fs::read(format!("/proc/{}/cmdline", pids[0])).unwrap();
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let at = args
+            .iter()
+            .position(|a| a == "--idle-timeout")
+            .unwrap_or_else(|| panic!("no --idle-timeout in {args:?}"));
+        args[at + 1].clone()
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    for (toml, expected) in [
+        ("", "0ms"),
+        ("idle_timeout = \"0s\"", "0ms"),
+        ("idle_timeout = \"45s\"", "45000ms"),
+    ] {
+        let data = dir.path().join(format!("data-{expected}-{}", toml.len()));
+        let config = dir.path().join(format!("idle-{}.toml", toml.len()));
+        std::fs::write(&config, format!("[executors]\n{toml}\n")).unwrap();
+        let server = start(&data, &["--config", &config.display().to_string()]);
+        let mut c = sessions(&server).await;
+        let task = create_task(&mut c, "idle").await;
+        let s = create_session(&mut c, &task.id, &work, "").await;
+        assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
+        assert_eq!(idle_arg(&data), expected, "{toml:?}");
+    }
+}

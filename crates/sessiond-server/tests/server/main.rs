@@ -2,7 +2,7 @@
 //! client over loopback (with real agentctl and acp-demo-agent processes),
 //! gRPC-web over HTTP/1.1, CORS, reflection, health around recovery,
 //! authentication, configuration errors, metrics, traces (an in-test OTLP
-//! receiver).
+//! receiver), interop with an agent on the Python ACP SDK.
 //!
 //! Needs `cargo build -p agentctl -p acp-demo-agent` first (`cargo xtask ci`
 //! builds every binary before testing).
@@ -13,8 +13,10 @@ mod activity;
 mod agents;
 mod api;
 mod config;
+mod interop;
 mod metrics;
 mod ops;
+mod permissions;
 mod restart;
 mod security;
 mod serve;

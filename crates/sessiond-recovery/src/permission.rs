@@ -1,0 +1,245 @@
+//! Permission requests of profile policy `ask`.
+//!
+//! agentctl puts each request on the update stream as an activity part of
+//! kind `permission` (rev 1 pending; rev 2 complete: `selected`,
+//! `timed_out` or `cancelled`). The pump stores it as one message (kind
+//! `Permission`, incomplete while it waits) and announces it with
+//! `session.permission.requested` / `session.permission.resolved`, in the
+//! same transaction. So the store is the list of pending requests (a
+//! restarted backend shows them again while agentctl still waits), and a
+//! replay after a restart writes nothing twice.
+//!
+//! A request can only be answered while its agentctl waits; when the turn
+//! ends without agentctl resolving it (the agent or agentctl died, the
+//! session was stopped), [`cancel_open`] resolves it `cancelled` here.
+
+use chrono::Utc;
+use serde_json::Value;
+use sessiond_domain::{
+    AgentProcessState, EventPayload, ExecutorStatus, Message, MessageId, MessageKind, SessionId,
+    TaskId,
+};
+use sessiond_proto::agentctl::v1 as pb;
+use sessiond_store::Changeset;
+
+use crate::{
+    error::{Error, Result},
+    manager::SessionManager,
+};
+
+/// The request's state inside a stored part (`{"rev", "update": {...}}`).
+fn request_of(data: &str) -> Value {
+    serde_json::from_str::<Value>(data)
+        .ok()
+        .and_then(|v| v.get("update").cloned())
+        .unwrap_or(Value::Null)
+}
+
+/// The status of a stored request (`pending` when it says none).
+pub(crate) fn status_of(data: &str) -> String {
+    request_of(data)
+        .get("status")
+        .and_then(Value::as_str)
+        .unwrap_or("pending")
+        .to_owned()
+}
+
+/// The event a permission part's new state announces: requested (a part
+/// seen pending for the first time) or resolved.
+pub(crate) fn event_for(m: &Message, first: bool) -> Option<EventPayload> {
+    let req = request_of(&m.data);
+    let status = req
+        .get("status")
+        .and_then(Value::as_str)
+        .unwrap_or("pending");
+    let text = |k: &str| {
+        req.get(k)
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+    };
+    match status {
+        "pending" if first => Some(EventPayload::PermissionRequested(m.clone())),
+        "pending" => None,
+        outcome => Some(EventPayload::PermissionResolved {
+            request_id: m.id.to_string(),
+            outcome: outcome.to_owned(),
+            option_id: text("optionId"),
+            reason: text("reason"),
+        }),
+    }
+}
+
+/// Adds to `change` what resolves every permission request of `session`
+/// still open in the store as `cancelled` (`reason` says why): the part
+/// completed (rev + 1, so agentctl's own later `cancelled` rev is not
+/// written again) and `session.permission.resolved`.
+pub(crate) async fn cancel_open(
+    mgr: &SessionManager,
+    session: SessionId,
+    mut change: Changeset,
+    reason: &str,
+) -> Result<Changeset> {
+    let open = mgr
+        .inner
+        .store
+        .open_parts(session, MessageKind::Permission)
+        .await?;
+    let now = Utc::now();
+    for m in open {
+        let env: Value = serde_json::from_str(&m.data).unwrap_or(Value::Null);
+        let rev = env.get("rev").and_then(Value::as_u64).unwrap_or(1);
+        let mut req = env
+            .get("update")
+            .cloned()
+            .unwrap_or_else(|| Value::Object(Default::default()));
+        if let Some(o) = req.as_object_mut() {
+            o.insert("status".into(), "cancelled".into());
+            o.insert("reason".into(), reason.into());
+        }
+        let mut done = m.clone();
+        done.data = crate::pump::part_data(rev + 1, &req.to_string());
+        done.complete = true;
+        done.updated_at = now;
+        change = change
+            .update_part(m.id, m.content.clone(), done.data.clone(), true)
+            .event(session, EventPayload::MessageUpdated(done.clone()))
+            .event(
+                session,
+                EventPayload::PermissionResolved {
+                    request_id: m.id.to_string(),
+                    outcome: "cancelled".into(),
+                    option_id: None,
+                    reason: Some(reason.to_owned()),
+                },
+            );
+    }
+    Ok(change)
+}
+
+impl SessionManager {
+    /// The permission requests the session's agent waits on, oldest first.
+    /// Only a RUNNING session can have any (a turn's end resolves them):
+    /// callers that know the state (GetSessionStatus) skip the store read
+    /// for the others.
+    pub async fn pending_permissions(&self, session_id: SessionId) -> Result<Vec<Message>> {
+        Ok(self
+            .inner
+            .store
+            .open_parts(session_id, MessageKind::Permission)
+            .await?)
+    }
+
+    /// Answers permission request `request_id` of the session with
+    /// `option_id`. agentctl gives the agent the answer; the resolution is
+    /// stored from the update stream (`session.permission.resolved`,
+    /// outcome `selected`). Returns the request as stored now.
+    pub async fn respond_to_permission(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        request_id: &str,
+        option_id: &str,
+    ) -> Result<Message> {
+        self.session_of_task(task, session_id).await?;
+        let not_found = || Error::PermissionNotFound {
+            session_id,
+            request_id: request_id.to_owned(),
+        };
+        let id = MessageId::parse(request_id).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "request_id {request_id:?} is not a permission request id (a UUID from session.permission.requested)"
+            ))
+        })?;
+        if option_id.is_empty() {
+            return Err(Error::InvalidArgument(
+                "option_id is empty: name one of the request's options".into(),
+            ));
+        }
+        self.ensure_recovered(session_id).await;
+        let m = self
+            .inner
+            .store
+            .get_message(session_id, id)
+            .await?
+            .filter(|m| m.kind == MessageKind::Permission)
+            .ok_or_else(not_found)?;
+        if m.complete {
+            return Err(Error::PermissionResolved {
+                request_id: request_id.to_owned(),
+                detail: resolved_detail(&m),
+            });
+        }
+        let req = request_of(&m.data);
+        let options: Vec<String> = req
+            .get("options")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(|o| o.get("optionId")?.as_str().map(str::to_owned))
+            .collect();
+        if !options.iter().any(|o| o == option_id) {
+            return Err(Error::InvalidArgument(format!(
+                "option_id {option_id:?} is not an option of permission request {request_id}; the agent offered: {}",
+                options.join(", ")
+            )));
+        }
+        let Some(execution) = self.execution(session_id).filter(|e| {
+            e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
+        }) else {
+            return Err(Error::AgentNotRunning {
+                session_id,
+                hint: "its permission requests are cancelled when the agent is found gone".into(),
+            });
+        };
+        let client = self.client(&execution.record)?;
+        let answered = client
+            .raw()
+            .respond_permission(pb::RespondPermissionRequest {
+                request_id: request_id.to_owned(),
+                option_id: option_id.to_owned(),
+            })
+            .await;
+        match answered {
+            Ok(_) => {
+                tracing::info!(session = %session_id, request_id, option_id, "permission request answered");
+                Ok(m)
+            }
+            // agentctl no longer waits: timed out or cancelled a moment
+            // ago (its resolution is on its way through the update
+            // stream), or it is another agentctl process now.
+            Err(s) if s.code() == tonic::Code::NotFound => Err(Error::PermissionResolved {
+                request_id: request_id.to_owned(),
+                detail: format!(
+                    "the agent no longer waits for it ({}); watch for session.permission.resolved",
+                    s.message()
+                ),
+            }),
+            Err(s) if s.code() == tonic::Code::InvalidArgument => {
+                Err(Error::InvalidArgument(s.message().to_owned()))
+            }
+            Err(s) => Err(Error::agent("RespondPermission", &s)),
+        }
+    }
+}
+
+/// What became of a resolved request, for the error message.
+fn resolved_detail(m: &Message) -> String {
+    let req = request_of(&m.data);
+    let option = req
+        .get("optionId")
+        .and_then(Value::as_str)
+        .map(|o| format!(" with option {o:?}"))
+        .unwrap_or_default();
+    match status_of(&m.data).as_str() {
+        "selected" => format!("it was answered already{option}"),
+        "timed_out" => format!("it timed out{option}"),
+        "cancelled" => format!(
+            "it was cancelled ({})",
+            req.get("reason")
+                .and_then(Value::as_str)
+                .unwrap_or("the turn ended")
+        ),
+        other => format!("it is {other}"),
+    }
+}

@@ -1,0 +1,480 @@
+//! Permission policy `ask` end to end (issue 12): the real sessiond binary,
+//! real agentctl processes and the demo agent's `/edit PATH TEXT`, which
+//! asks permission before it writes PATH and writes only when allowed.
+//! Asked → answered (allow: the file is written; reject: it is not), the
+//! timeout's default outcome, a restart of sessiond (SIGTERM and kill -9)
+//! while agentctl waits, agentctl killed while a request waits, and every
+//! bad RespondToPermission input. Kills are aimed at a stored
+//! `permission.requested` event, never after a sleep.
+
+use std::{path::Path, process::Command, time::Duration};
+
+use sessiond_proto::sessiond::v1 as pb;
+use tonic::Code;
+
+use crate::support::*;
+
+/// A config with one demo-agent profile `asker` of policy `ask`.
+fn config(dir: &Path, timeout: Option<&str>) -> String {
+    let path = dir.join("sessiond.toml");
+    let timeout = timeout
+        .map(|t| format!("permission_timeout = \"{t}\"\n"))
+        .unwrap_or_default();
+    std::fs::write(
+        &path,
+        format!(
+            "[[agents]]\nname = \"asker\"\ncommand = \"{}\"\npermission_policy = \"ask\"\n{timeout}\
+             env = {{ ACP_DEMO_STATE_DIR = \"{}\" }}\n",
+            bin("acp-demo-agent").display(),
+            dir.join("demo-state").display()
+        ),
+    )
+    .unwrap();
+    path.display().to_string()
+}
+
+async fn send(c: &mut Sessions, task: &str, session: &str, text: &str) -> pb::Message {
+    c.send_message(pb::SendMessageRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+        content: text.into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .message
+    .unwrap()
+}
+
+/// Follows WatchSession from the start until `pick` returns something.
+async fn wait_for<T>(
+    c: &mut Sessions,
+    session: &str,
+    mut pick: impl FnMut(&pb::Event) -> Option<T>,
+) -> T {
+    let mut stream = c
+        .watch_session(pb::WatchSessionRequest {
+            session_id: session.into(),
+            after_seq: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(60), stream.message())
+            .await
+            .expect("the event within 60 s")
+            .unwrap()
+            .expect("stream open");
+        if let Some(t) = pick(&e) {
+            return t;
+        }
+    }
+}
+
+/// The `permission.requested` of turn `turn` (the user message id).
+async fn requested(c: &mut Sessions, session: &str, turn: &str) -> pb::PermissionRequest {
+    wait_for(c, session, |e| match &e.payload {
+        Some(pb::event::Payload::PermissionRequested(pb::PermissionRequested {
+            request: Some(r),
+        })) if r.turn_id == turn => {
+            assert_eq!(e.kind, "session.permission.requested");
+            Some(r.clone())
+        }
+        _ => None,
+    })
+    .await
+}
+
+async fn resolved(c: &mut Sessions, session: &str, request: &str) -> pb::PermissionResolved {
+    wait_for(c, session, |e| match &e.payload {
+        Some(pb::event::Payload::PermissionResolved(r)) if r.request_id == request => {
+            assert_eq!(e.kind, "session.permission.resolved");
+            Some(r.clone())
+        }
+        _ => None,
+    })
+    .await
+}
+
+async fn turn_end(c: &mut Sessions, session: &str, turn: &str) -> pb::TurnEnded {
+    wait_for(c, session, |e| match &e.payload {
+        Some(pb::event::Payload::TurnEnded(t)) if t.turn_id == turn => Some(t.clone()),
+        _ => None,
+    })
+    .await
+}
+
+/// Every stored event of the session (WatchSession's replay).
+async fn all_events(c: &mut Sessions, session: &str) -> Vec<pb::Event> {
+    let mut stream = c
+        .watch_session(pb::WatchSessionRequest {
+            session_id: session.into(),
+            after_seq: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut out = Vec::new();
+    // The replay comes at once; the tail then stays quiet.
+    while let Ok(Ok(Some(e))) =
+        tokio::time::timeout(Duration::from_millis(500), stream.message()).await
+    {
+        out.push(e);
+    }
+    out
+}
+
+async fn respond(
+    c: &mut Sessions,
+    task: &str,
+    session: &str,
+    request: &str,
+    option: &str,
+) -> Result<pb::RespondToPermissionResponse, tonic::Status> {
+    c.respond_to_permission(pb::RespondToPermissionRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+        request_id: request.into(),
+        option_id: option.into(),
+    })
+    .await
+    .map(tonic::Response::into_inner)
+}
+
+async fn pending(c: &mut Sessions, task: &str, session: &str) -> Vec<pb::PermissionRequest> {
+    c.get_session_status(pb::GetSessionStatusRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .pending_permissions
+}
+
+async fn messages(c: &mut Sessions, task: &str, session: &str) -> Vec<pb::Message> {
+    c.list_messages(pb::ListMessagesRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+        page_size: 1000,
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .messages
+}
+
+/// The agent's text replies after user message `after`.
+fn replies(msgs: &[pb::Message], after: &pb::Message) -> Vec<String> {
+    msgs.iter()
+        .filter(|m| {
+            m.role == pb::MessageRole::Agent as i32
+                && m.kind == pb::MessageKind::Text as i32
+                && m.seq > after.seq
+        })
+        .map(|m| m.content.clone())
+        .collect()
+}
+
+fn count_kind(events: &[pb::Event], kind: &str, request: &str) -> usize {
+    events
+        .iter()
+        .filter(|e| {
+            e.kind == kind
+                && match &e.payload {
+                    Some(pb::event::Payload::PermissionRequested(p)) => {
+                        p.request.as_ref().is_some_and(|r| r.request_id == request)
+                    }
+                    Some(pb::event::Payload::PermissionResolved(r)) => r.request_id == request,
+                    _ => false,
+                }
+        })
+        .count()
+}
+
+async fn gauge(server: &Server) -> f64 {
+    let text = crate::metrics::http_get(server.metrics.as_ref().unwrap(), "/metrics")
+        .await
+        .1;
+    text.lines()
+        .find_map(|l| l.strip_prefix("sessiond_permission_requests_pending "))
+        .map(|v| v.trim().parse().unwrap())
+        .expect("the gauge is exported")
+}
+
+#[tokio::test]
+async fn ask_answered_allow_runs_the_tool_and_reject_does_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let config = config(dir.path(), None);
+    let server = start(&dir.path().join("data"), &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "ask").await;
+    let s = create_session(&mut c, &task.id, &work, "asker").await;
+    assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
+    assert_eq!(gauge(&server).await, 0.0);
+
+    // Asked: the event carries the tool call and the agent's options.
+    let sent = send(&mut c, &task.id, &s.id, "/edit notes.txt hello").await;
+    let req = requested(&mut c, &s.id, &sent.id).await;
+    assert_eq!(req.status, "pending");
+    let tool = req.tool_call.clone().unwrap();
+    assert_eq!(tool.title, "write notes.txt");
+    let options: Vec<_> = req
+        .options
+        .iter()
+        .map(|o| (o.option_id.as_str(), o.kind.as_str()))
+        .collect();
+    assert_eq!(
+        options,
+        [("allow", "allow_once"), ("reject", "reject_once")]
+    );
+    let (asked, expires) = (req.requested_at.unwrap(), req.expires_at.unwrap());
+    assert_eq!(expires.seconds - asked.seconds, 300, "the 5-minute default");
+    // Nothing ran yet; the session shows the request; the gauge counts it.
+    assert!(!work.join("notes.txt").exists());
+    let listed = pending(&mut c, &task.id, &s.id).await;
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].request_id, req.request_id);
+    assert_eq!(gauge(&server).await, 1.0);
+
+    // Bad inputs, each with its code; the request still waits.
+    let other = "0190f3b4-0000-7000-8000-000000000000".to_owned();
+    let err = respond(&mut c, &task.id, &s.id, &other, "allow")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+    assert!(err.message().contains(&other), "{err:?}");
+    let err = respond(&mut c, &task.id, &s.id, "not-an-id", "allow")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    let err = respond(&mut c, &task.id, &s.id, &req.request_id, "maybe")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("allow, reject"), "{err:?}");
+    // A request of this session named under another task is not found.
+    let other_task = create_task(&mut c, "other").await;
+    let err = respond(&mut c, &other_task.id, &s.id, &req.request_id, "allow")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+    assert_eq!(pending(&mut c, &task.id, &s.id).await.len(), 1);
+
+    // Allowed: the tool runs, the turn ends normally.
+    let answered = respond(&mut c, &task.id, &s.id, &req.request_id, "allow")
+        .await
+        .unwrap();
+    assert_eq!(answered.request.unwrap().request_id, req.request_id);
+    let r = resolved(&mut c, &s.id, &req.request_id).await;
+    assert_eq!(
+        (r.outcome.as_str(), r.option_id.as_str()),
+        ("selected", "allow")
+    );
+    let end = turn_end(&mut c, &s.id, &sent.id).await;
+    assert_eq!(end.stop_reason, "end_turn", "{end:?}");
+    assert_eq!(
+        std::fs::read_to_string(work.join("notes.txt")).unwrap(),
+        "hello"
+    );
+    let msgs = messages(&mut c, &task.id, &s.id).await;
+    let reply = replies(&msgs, &sent);
+    assert_eq!(reply.len(), 1, "{reply:?}");
+    assert!(reply[0].contains("edit: written"), "{reply:?}");
+    let part = msgs
+        .iter()
+        .find(|m| m.id == req.request_id)
+        .expect("the request is a message of the conversation");
+    assert_eq!(part.kind, pb::MessageKind::Permission as i32);
+    assert!(part.complete);
+    match &part.part {
+        Some(pb::message::Part::Permission(p)) => {
+            assert_eq!(
+                (p.status.as_str(), p.option_id.as_str()),
+                ("selected", "allow")
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    // Answered already: FAILED_PRECONDITION; nothing pending any more.
+    let err = respond(&mut c, &task.id, &s.id, &req.request_id, "reject")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("answered already"), "{err:?}");
+    assert!(pending(&mut c, &task.id, &s.id).await.is_empty());
+    assert_eq!(gauge(&server).await, 0.0);
+
+    // Rejected: the tool does not run and the reply says so.
+    let sent = send(&mut c, &task.id, &s.id, "/edit other.txt nope").await;
+    let req = requested(&mut c, &s.id, &sent.id).await;
+    respond(&mut c, &task.id, &s.id, &req.request_id, "reject")
+        .await
+        .unwrap();
+    let end = turn_end(&mut c, &s.id, &sent.id).await;
+    assert_eq!(end.stop_reason, "end_turn", "{end:?}");
+    assert!(!work.join("other.txt").exists(), "rejected: not written");
+    let reply = replies(&messages(&mut c, &task.id, &s.id).await, &sent);
+    assert!(reply[0].contains("not allowed (reject)"), "{reply:?}");
+    let r = resolved(&mut c, &s.id, &req.request_id).await;
+    assert_eq!(
+        (r.outcome.as_str(), r.option_id.as_str()),
+        ("selected", "reject")
+    );
+}
+
+#[tokio::test]
+async fn unanswered_request_times_out_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let config = config(dir.path(), Some("1s"));
+    let server = start(&dir.path().join("data"), &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "timeout").await;
+    let s = create_session(&mut c, &task.id, &work, "asker").await;
+    let sent = send(&mut c, &task.id, &s.id, "/edit late.txt x").await;
+    let req = requested(&mut c, &s.id, &sent.id).await;
+    let (asked, expires) = (req.requested_at.unwrap(), req.expires_at.unwrap());
+    let ms = (expires.seconds - asked.seconds) * 1000
+        + i64::from(expires.nanos - asked.nanos) / 1_000_000;
+    assert_eq!(ms, 1000, "the profile's timeout");
+    // The default outcome: the agent's reject option, with an event.
+    let r = resolved(&mut c, &s.id, &req.request_id).await;
+    assert_eq!(r.outcome, "timed_out", "{r:?}");
+    assert_eq!(r.option_id, "reject", "{r:?}");
+    assert!(r.reason.contains("no answer within"), "{r:?}");
+    let end = turn_end(&mut c, &s.id, &sent.id).await;
+    assert_eq!(end.stop_reason, "end_turn", "{end:?}");
+    assert!(!work.join("late.txt").exists());
+    let reply = replies(&messages(&mut c, &task.id, &s.id).await, &sent);
+    assert!(reply[0].contains("not allowed (reject)"), "{reply:?}");
+    let err = respond(&mut c, &task.id, &s.id, &req.request_id, "allow")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("timed out"), "{err:?}");
+    assert!(pending(&mut c, &task.id, &s.id).await.is_empty());
+}
+
+/// A backend restart while agentctl waits: the request is listed again,
+/// WatchSession replays its event, and answering it after the restart
+/// completes the turn exactly once. SIGTERM, then kill -9.
+#[tokio::test]
+async fn pending_request_survives_a_backend_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let config = config(dir.path(), None);
+    let mut server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "restart").await;
+    let s = create_session(&mut c, &task.id, &work, "asker").await;
+    let agentctls = agentctl_pids(&data);
+    assert_eq!(agentctls.len(), 1);
+
+    for (round, kill9) in [(1, false), (2, true)] {
+        let file = format!("f{round}.txt");
+        let sent = send(&mut c, &task.id, &s.id, &format!("/edit {file} r{round}")).await;
+        let req = requested(&mut c, &s.id, &sent.id).await;
+        if kill9 {
+            server.kill();
+        } else {
+            assert!(server.terminate().success());
+        }
+        // The old value's drop would end the agentctls under `data`.
+        std::mem::forget(std::mem::replace(
+            &mut server,
+            start(&data, &["--config", &config]),
+        ));
+        crate::restart::wait_serving(&server).await;
+        c = sessions(&server).await;
+        assert_eq!(agentctl_pids(&data), agentctls, "agentctl still waits");
+
+        let listed = pending(&mut c, &task.id, &s.id).await;
+        assert_eq!(listed.len(), 1, "round {round}: {listed:?}");
+        assert_eq!(listed[0].request_id, req.request_id);
+        assert_eq!(listed[0].status, "pending");
+        let events = all_events(&mut c, &s.id).await;
+        assert_eq!(
+            count_kind(&events, "session.permission.requested", &req.request_id),
+            1,
+            "replayed once"
+        );
+        assert!(!work.join(&file).exists());
+
+        respond(&mut c, &task.id, &s.id, &req.request_id, "allow")
+            .await
+            .unwrap();
+        let end = turn_end(&mut c, &s.id, &sent.id).await;
+        assert_eq!(end.stop_reason, "end_turn", "round {round}: {end:?}");
+        assert_eq!(
+            std::fs::read_to_string(work.join(&file)).unwrap(),
+            format!("r{round}")
+        );
+        // Exactly once: one reply, one end, one resolution.
+        let msgs = messages(&mut c, &task.id, &s.id).await;
+        let reply = replies(&msgs, &sent);
+        assert_eq!(reply.len(), 1, "round {round}: {reply:?}");
+        assert!(reply[0].contains("edit: written"), "{reply:?}");
+        let events = all_events(&mut c, &s.id).await;
+        assert_eq!(
+            count_kind(&events, "session.permission.resolved", &req.request_id),
+            1
+        );
+        let ends = events
+            .iter()
+            .filter(|e| {
+                matches!(&e.payload, Some(pb::event::Payload::TurnEnded(t)) if t.turn_id == sent.id)
+            })
+            .count();
+        assert_eq!(ends, 1, "round {round}");
+        assert!(pending(&mut c, &task.id, &s.id).await.is_empty());
+    }
+}
+
+/// agentctl dies while a request waits: the request is cancelled (event),
+/// the turn ends interrupted, and answering it is refused.
+#[tokio::test]
+async fn agentctl_killed_while_a_request_waits_cancels_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let config = config(dir.path(), None);
+    let server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "agentctl dies").await;
+    let s = create_session(&mut c, &task.id, &work, "asker").await;
+    let sent = send(&mut c, &task.id, &s.id, "/edit gone.txt x").await;
+    let req = requested(&mut c, &s.id, &sent.id).await;
+    for pid in agentctl_pids(&data) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    let r = resolved(&mut c, &s.id, &req.request_id).await;
+    assert_eq!(r.outcome, "cancelled", "{r:?}");
+    assert!(!r.reason.is_empty(), "{r:?}");
+    let end = turn_end(&mut c, &s.id, &sent.id).await;
+    assert_eq!(end.stop_reason, "interrupted", "{end:?}");
+    assert!(!work.join("gone.txt").exists());
+    let err = respond(&mut c, &task.id, &s.id, &req.request_id, "allow")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("cancelled"), "{err:?}");
+    let msgs = messages(&mut c, &task.id, &s.id).await;
+    let part = msgs.iter().find(|m| m.id == req.request_id).unwrap();
+    assert!(part.complete, "{part:?}");
+    match &part.part {
+        Some(pb::message::Part::Permission(p)) => assert_eq!(p.status, "cancelled"),
+        other => panic!("{other:?}"),
+    }
+}

@@ -1,0 +1,2 @@
+DROP INDEX session_messages_kind_complete;
+ALTER TABLE agent_profiles DROP COLUMN permission_timeout_ms;

@@ -1,0 +1,256 @@
+"""An ACP agent written on the Python `agent-client-protocol` SDK (PyPI).
+
+sessiond's own tests otherwise speak ACP only with agents built on the Rust
+SDK; this one is a second implementation, for the interop test
+(`crates/sessiond-server/tests/server/interop.rs`). It runs in the
+virtualenv `cargo xtask ci` makes under `target/` from `requirements.txt`.
+
+What it does, deterministically:
+- `initialize`: protocol version 1 (`--protocol-version N` answers N instead,
+  to test the client's check), `loadSession: true`, no auth methods.
+- `session/new`: a new session with modes `default` and `plan`, stored at
+  once as `<state-dir>/<session id>.json` (cwd, mode, history).
+- `session/load`: replays the stored history (user chunks, tool calls,
+  agent chunks) as ACP specifies, then answers with the stored modes, so a
+  new process restores the conversation; unknown ids are -32002.
+- `session/prompt`: a tool call (`tool_call`, pending) that asks
+  `session/request_permission` before it runs; allowed, it appends the
+  prompt as one line to `interop.txt` in the session's cwd and reports
+  `tool_call_update` completed with text content; rejected or cancelled, it
+  reports the update `failed`. Then the reply, streamed in chunks:
+  `turn N: you said "PROMPT"` (N counts the stored turns, so it proves a
+  load), plus ` (tool: allowed|rejected|cancelled)`.
+  `/mode ID` instead switches the agent's own mode (ACP
+  `current_mode_update`, stored) without a tool call.
+- `session/set_mode`, `session/cancel`.
+Every call is logged as one JSON line to `<state-dir>/calls.log` with the
+pid, so a test can tell which process did what.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from acp import (
+    PROTOCOL_VERSION,
+    RequestError,
+    run_agent,
+    start_tool_call,
+    text_block,
+    tool_content,
+    update_agent_message_text,
+    update_tool_call,
+    update_user_message_text,
+)
+from acp.helpers import update_current_mode
+from acp.interfaces import Client
+from acp.schema import (
+    AgentCapabilities,
+    Implementation,
+    InitializeResponse,
+    LoadSessionResponse,
+    NewSessionResponse,
+    PermissionOption,
+    PromptResponse,
+    SessionMode,
+    SessionModeState,
+    SetSessionModeResponse,
+    ToolCallLocation,
+    ToolCallUpdate,
+)
+
+MODES = [
+    SessionMode(id="default", name="Default", description="asks before each tool call"),
+    SessionMode(id="plan", name="Plan", description="the same, and says so"),
+]
+SIDE_EFFECT_FILE = "interop.txt"
+
+
+class Store:
+    """One JSON file per session: {"cwd", "mode", "history": [...]}."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, session_id: str) -> Path:
+        return self.root / f"{session_id}.json"
+
+    def load(self, session_id: str) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.path(session_id).read_text())
+        except FileNotFoundError:
+            return None
+
+    def save(self, session_id: str, state: dict[str, Any]) -> None:
+        # Written whole and renamed: a kill -9 leaves the old or the new file.
+        tmp = self.path(session_id).with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path(session_id))
+
+    def log(self, method: str, **fields: Any) -> None:
+        with open(self.root / "calls.log", "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "method": method, **fields}) + "\n")
+
+
+def modes(current: str) -> SessionModeState:
+    return SessionModeState(current_mode_id=current, available_modes=MODES)
+
+
+class InteropAgent:
+    def __init__(self, store: Store, protocol_version: int) -> None:
+        self.store = store
+        self.protocol_version = protocol_version
+        self.conn: Client | None = None
+        self.cancelled: set[str] = set()
+
+    def on_connect(self, conn: Client) -> None:
+        self.conn = conn
+
+    async def initialize(self, protocol_version: int, client_capabilities=None, client_info=None, **kwargs: Any) -> InitializeResponse:
+        self.store.log("initialize", protocol_version=protocol_version)
+        return InitializeResponse(
+            protocol_version=self.protocol_version,
+            agent_capabilities=AgentCapabilities(load_session=True),
+            agent_info=Implementation(name="python-interop-agent", version="1"),
+            auth_methods=[],
+        )
+
+    async def authenticate(self, method_id: str, **kwargs: Any) -> None:
+        raise RequestError.invalid_params({"method_id": method_id, "reason": "no auth methods"})
+
+    async def new_session(self, cwd: str, mcp_servers=None, **kwargs: Any) -> NewSessionResponse:
+        session_id = uuid.uuid4().hex
+        self.store.save(session_id, {"cwd": cwd, "mode": "default", "history": []})
+        self.store.log("session/new", session_id=session_id)
+        return NewSessionResponse(session_id=session_id, modes=modes("default"))
+
+    async def load_session(self, cwd: str, session_id: str, mcp_servers=None, **kwargs: Any) -> LoadSessionResponse:
+        state = self.store.load(session_id)
+        if state is None:
+            raise RequestError.resource_not_found(session_id)
+        # Replay the conversation before answering, as ACP specifies.
+        for item in state["history"]:
+            if item["kind"] == "user":
+                update = update_user_message_text(item["text"])
+            elif item["kind"] == "agent":
+                update = update_agent_message_text(item["text"])
+            else:
+                update = start_tool_call(item["id"], item["title"], kind="edit", status=item["status"])
+            await self.conn.session_update(session_id=session_id, update=update)
+        self.store.log("session/load", session_id=session_id, replayed=len(state["history"]))
+        return LoadSessionResponse(modes=modes(state["mode"]))
+
+    async def set_session_mode(self, session_id: str, mode_id: str, **kwargs: Any) -> SetSessionModeResponse:
+        await self.switch_mode(session_id, mode_id)
+        self.store.log("session/set_mode", session_id=session_id, mode_id=mode_id)
+        return SetSessionModeResponse()
+
+    async def switch_mode(self, session_id: str, mode_id: str) -> None:
+        if mode_id not in [m.id for m in MODES]:
+            raise RequestError.invalid_params({"mode_id": mode_id, "modes": [m.id for m in MODES]})
+        state = self.must_load(session_id)
+        state["mode"] = mode_id
+        self.store.save(session_id, state)
+        await self.conn.session_update(session_id=session_id, update=update_current_mode(mode_id))
+
+    def must_load(self, session_id: str) -> dict[str, Any]:
+        state = self.store.load(session_id)
+        if state is None:
+            raise RequestError.resource_not_found(session_id)
+        return state
+
+    async def cancel(self, session_id: str, **kwargs: Any) -> None:
+        self.store.log("session/cancel", session_id=session_id)
+        self.cancelled.add(session_id)
+
+    async def prompt(self, session_id: str, prompt: list[Any], **kwargs: Any) -> PromptResponse:
+        text = "".join(getattr(block, "text", "") for block in prompt)
+        self.store.log("session/prompt", session_id=session_id, text=text)
+        self.cancelled.discard(session_id)
+        state = self.must_load(session_id)
+        turn = sum(1 for item in state["history"] if item["kind"] == "user") + 1
+        history = state["history"]
+        history.append({"kind": "user", "text": text})
+
+        words = text.split()
+        if len(words) == 2 and words[0] == "/mode":
+            # The agent changes its own mode (ACP `current_mode_update`).
+            await self.switch_mode(session_id, words[1])
+            state = self.must_load(session_id)
+            state["history"] = history
+            note = f"mode: {words[1]}"
+        else:
+            note = await self.tool(session_id, turn, text, state["cwd"], history)
+        if session_id in self.cancelled:
+            return PromptResponse(stop_reason="cancelled")
+        reply = [f"turn {turn}: ", f'you said "{text}"', f" ({note})"]
+        if state["mode"] == "plan":
+            reply.append(" [plan mode]")
+        for chunk in reply:
+            await self.conn.session_update(session_id=session_id, update=update_agent_message_text(chunk))
+        history.append({"kind": "agent", "text": "".join(reply)})
+        state["history"] = history
+        self.store.save(session_id, state)
+        return PromptResponse(stop_reason="end_turn")
+
+    async def tool(self, session_id: str, turn: int, text: str, cwd: str, history: list[Any]) -> str:
+        """A tool call that asks permission first; returns what happened."""
+        tool_id = f"py-tool-{turn}"
+        title = f"append to {SIDE_EFFECT_FILE}"
+        target = str(Path(cwd) / SIDE_EFFECT_FILE)
+        await self.conn.session_update(
+            session_id=session_id,
+            update=start_tool_call(
+                tool_id,
+                title,
+                kind="edit",
+                status="pending",
+                locations=[ToolCallLocation(path=target)],
+                raw_input={"line": text},
+            ),
+        )
+        answer = await self.conn.request_permission(
+            session_id=session_id,
+            tool_call=ToolCallUpdate(tool_call_id=tool_id, title=title, kind="edit", status="pending"),
+            options=[
+                PermissionOption(option_id="allow", name="Allow", kind="allow_once"),
+                PermissionOption(option_id="reject", name="Reject", kind="reject_once"),
+            ],
+        )
+        outcome = answer.outcome
+        if outcome.outcome == "selected" and outcome.option_id == "allow":
+            with open(target, "a") as f:
+                f.write(text.replace("\n", " ") + "\n")
+            status, result, note = "completed", "appended 1 line", "tool: allowed"
+        elif outcome.outcome == "selected":
+            status, result, note = "failed", "permission rejected", "tool: rejected"
+        else:
+            status, result, note = "failed", "permission cancelled", "tool: cancelled"
+        await self.conn.session_update(
+            session_id=session_id,
+            update=update_tool_call(tool_id, status=status, content=[tool_content(text_block(result))]),
+        )
+        history.append({"kind": "tool", "id": tool_id, "title": title, "status": status})
+        return note
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--state-dir", required=True, type=Path)
+    parser.add_argument("--protocol-version", type=int, default=PROTOCOL_VERSION)
+    args = parser.parse_args()
+    asyncio.run(run_agent(InteropAgent(Store(args.state_dir), args.protocol_version)))
+
+
+if __name__ == "__main__":
+    main()
