@@ -196,6 +196,82 @@ test("cancel a running turn: the reply so far stays and the turn shows as cancel
   }
 });
 
+test("permission policy ask: a prompt with a button per option, kept over a reload and a restart, answered from the keyboard", async () => {
+  const { dir, work, data } = scratch("permission");
+  const config = join(dir, "sessiond.toml");
+  writeFileSync(
+    config,
+    `[[agents]]\nname = "careful"\ncommand = "${bin("acp-demo-agent")}"\npermission_policy = "ask"\n` +
+      `env = { ACP_DEMO_STATE_DIR = "${join(dir, "demo-state")}" }\n`,
+  );
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth", "--config", config] }).start();
+  const b = await browser("permission");
+  try {
+    const { page } = b;
+    await page.goto(server.url);
+    await createTaskAndSession(page, { title: "Permission e2e", work, profile: "careful" });
+    // `/permission`: the demo agent asks with options allow / reject and
+    // waits for the answer.
+    await send(page, "/permission");
+    const prompt = "[data-testid=permissions] [role=group]";
+    await visible(page, `${prompt} button[data-option=allow]`);
+    await visible(page, `${prompt} button[data-option=reject]`);
+    assert.match(await page.textContent(prompt), /demo permission/);
+    // The profile's timeout (default 5 min) rejects it unless answered; the prompt says when.
+    assert.match(await page.textContent(`${prompt} [data-testid=permission-expires]`), /rejected by itself at \S/);
+    await b.screenshot("permission-asked");
+
+    // Still waiting after a reload (GetSessionStatus lists it) ...
+    await page.reload();
+    await visible(page, `${prompt} button[data-option=allow]`);
+    // ... and after sessiond restarts while agentctl holds the request.
+    b.expectNetworkErrors(true);
+    await server.terminate();
+    await visible(page, "[data-testid=reconnecting]");
+    await server.start();
+    await hidden(page, "[data-testid=reconnecting]");
+    b.expectNetworkErrors(false);
+    await page.reload();
+    await visible(page, `${prompt} button[data-option=allow]`);
+    assert.equal(await page.locator(prompt).count(), 1, "one prompt for one request");
+    await b.screenshot("permission-after-restart");
+
+    // Keyboard: from the composer, Shift+Tab reaches the prompt's buttons.
+    await page.focus("textarea[name=message]");
+    await page.keyboard.press("Shift+Tab");
+    await page.keyboard.press("Shift+Tab");
+    assert.equal(await page.evaluate(() => document.activeElement?.dataset.option), "allow");
+    await page.keyboard.press("Enter");
+    await hidden(page, "[data-testid=permissions]");
+    await message(page, "permission: allow");
+    await message(page, "permission asked for demo permission (selected: Allow)");
+    await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
+    assertNoGapNoDuplicate(await conversation(page));
+    await b.screenshot("permission-answered");
+
+    // Answered, it stays answered: not shown again after a reload.
+    await page.reload();
+    await message(page, "permission: allow");
+    assert.equal(await page.locator(prompt).count(), 0);
+
+    // Answered elsewhere (another tab rejects): this tab's prompt goes away
+    // with no action of its own (permission.resolved, and the status of the
+    // turn's end no longer lists it).
+    await send(page, "/permission");
+    await visible(page, `${prompt} button[data-option=reject]`);
+    const other = await page.context().newPage();
+    await other.goto(page.url());
+    await other.locator(`${prompt} button[data-option=reject]`).click({ timeout: T });
+    await hidden(page, "[data-testid=permissions]");
+    await message(page, "permission: reject");
+    await other.close();
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
 test("on_demand: after kill -9 of everything, Resume → spinner → the conversation continues", async () => {
   const { work, data } = scratch("resume");
   const server = await new Sessiond({ data, args: ["--insecure-no-auth", "--recovery-mode", "on_demand"] }).start();

@@ -13,11 +13,13 @@ import {
   SessionState,
   type AgentProfile,
   type Message,
+  type PermissionRequest,
   type Session,
   type Task,
 } from "./gen/sessiond/v1/types_pb";
 import { executorLabel, executorTone, reasonLabel, roleLabel, runtimeLabel, stateLabel, stateTone } from "./labels";
 import { Workspace } from "./workspace";
+import { PermissionPrompts } from "./permissions";
 
 // ------------------------------------------------------------------ routing
 
@@ -528,6 +530,12 @@ function partText(m: Message): string {
       return "mode: " + p.value.modeId;
     case "other":
       return p.value.updateKind;
+    case "permission": {
+      const r = p.value;
+      const chosen = r.options.find((o) => o.optionId === r.optionId);
+      const outcome = r.status === "pending" ? "waiting for an answer" : `${r.status.replace("_", " ")}${chosen ? `: ${chosen.name}` : r.optionId ? `: ${r.optionId}` : ""}`;
+      return `permission asked for ${r.toolCall?.title || "a tool call"} (${outcome})`;
+    }
     default:
       return m.content;
   }
@@ -553,7 +561,7 @@ class MessageView extends Component<MessageProps> {
     const { message: m, stop } = this.props;
     const label = stop && stop !== "end_turn" ? (stopLabel[stop] ?? stop) : "";
     return (
-      <li class={`msg role-${m.role}${m.complete ? "" : " streaming"}`} data-seq={String(m.seq)}>
+      <li class={`msg role-${m.role}${m.complete || m.part.case ? "" : " streaming"}`} data-seq={String(m.seq)}>
         <span class="who">
           {roleLabel[m.role]}
           {label && (
@@ -577,6 +585,10 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   // Stop reason of each ended turn, by the id of its user message.
   const [stops, setStops] = useState<ReadonlyMap<string, string>>(new Map());
   const [cancelling, setCancelling] = useState(false);
+  // The agent's permission requests that wait for an answer: those of the
+  // last status plus those asked since, less those resolved since (by id).
+  const [asked, setAsked] = useState<ReadonlyMap<string, PermissionRequest>>(new Map());
+  const [resolved, setResolved] = useState<ReadonlySet<string>>(new Set());
   const [watch, setWatch] = useState<WatchState>("live");
   const [resuming, setResuming] = useState(false);
   const [resumeError, setResumeError] = useState<{ reason: string; message: string } | null>(null);
@@ -614,12 +626,16 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
     const byId = new Map<string, number>();
     let acc: Message[] = [];
     const stopAcc = new Map<string, string>();
+    const askedAcc = new Map<string, PermissionRequest>();
+    const resolvedAcc = new Set<string>();
     let frame = 0;
     let statusTimer = 0;
     const publish = () => {
       frame = 0;
       setMessages(acc.slice());
       setStops(new Map(stopAcc));
+      setAsked(new Map(askedAcc));
+      setResolved(new Set(resolvedAcc));
     };
     const stop = follow(
       (after, signal) => sessions.watchSession({ sessionId, afterSeq: after }, { signal }),
@@ -638,6 +654,16 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
           if (p.case === "turnEnded") {
             stopAcc.set(p.value.turnId, p.value.stopReason);
             if (!frame) frame = requestAnimationFrame(publish);
+          } else if (p.case === "permissionRequested" && p.value.request) {
+            askedAcc.set(p.value.request.requestId, p.value.request);
+            if (!frame) frame = requestAnimationFrame(publish);
+            // A prompt and nothing else: the status need not be asked again.
+            return;
+          } else if (p.case === "permissionResolved") {
+            resolvedAcc.add(p.value.requestId);
+            askedAcc.delete(p.value.requestId);
+            if (!frame) frame = requestAnimationFrame(publish);
+            return;
           }
           // State and executor changes: ask for the session's status again.
           clearTimeout(statusTimer);
@@ -768,6 +794,12 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   };
 
   const s = status;
+  const pendingPermissions = useMemo(() => {
+    const all = new Map<string, PermissionRequest>();
+    for (const r of status?.pendingPermissions ?? []) all.set(r.requestId, r);
+    for (const [id, r] of asked) all.set(id, r);
+    return [...all.values()].filter((r) => !resolved.has(r.requestId));
+  }, [status, asked, resolved]);
   const ended = s && (s.state === SessionState.COMPLETED || s.state === SessionState.CANCELLED);
   const recovering = !!s?.recovering;
   const notResumable =
@@ -857,6 +889,13 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
               <MessageView key={m.id} message={m} stop={m.role === MessageRole.USER ? stops.get(m.id) : undefined} />
             ))}
           </ol>
+          <PermissionPrompts
+            taskId={taskId}
+            sessionId={sessionId}
+            requests={pendingPermissions}
+            onGone={(id) => setResolved((r) => new Set(r).add(id))}
+            onError={fail(setError)}
+          />
           {interrupted && canSend && s?.state === SessionState.WAITING_FOR_INPUT && (
             <div class="banner warn" data-testid="interrupted">
               <span>The last turn was interrupted and not sent again; the agent may have run part of it.</span>
