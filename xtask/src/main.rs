@@ -228,7 +228,9 @@ fn soak(args: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One `sh` busy loop per core; killed (by pid) when dropped.
+/// One `sh` busy loop per core; killed (by pid) when dropped. Each loop also
+/// ends by itself once xtask is gone (`kill -0 $PPID` fails), so a soak
+/// interrupted by a signal leaves no loop spinning.
 struct BusyLoops(Vec<std::process::Child>);
 
 impl BusyLoops {
@@ -238,7 +240,7 @@ impl BusyLoops {
         for _ in 0..cores {
             loops.push(
                 Command::new("sh")
-                    .args(["-c", "while :; do :; done"])
+                    .args(["-c", "while kill -0 $PPID 2>/dev/null; do :; done"])
                     .spawn()
                     .context("starting a busy loop")?,
             );

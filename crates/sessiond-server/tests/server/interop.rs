@@ -4,8 +4,9 @@
 //! real sessiond and agentctl. Create, a prompt whose tool call asks
 //! permission first, kill -9 of sessiond, agentctl and the agent, a restart
 //! that really goes through `session/load` in a new agent process, and a
-//! prompt that continues the conversation; the agent's own mode switch; the
-//! protocol-version check of its `initialize` answer.
+//! prompt that continues the conversation, with permission policies allow,
+//! deny and ask (answered through RespondToPermission); the agent's own
+//! mode switch; the protocol-version check of its `initialize` answer.
 //!
 //! `#[ignore]`d because a plain test run may lack the virtualenv; `cargo
 //! xtask ci` makes it and runs them (`cargo xtask interop-venv` makes it
@@ -393,6 +394,192 @@ async fn an_agent_of_another_protocol_version_is_agentctls_error() {
     assert!(
         calls(dir.path()).iter().any(|c| c.method == "initialize"),
         "the agent was asked"
+    );
+}
+
+/// The `permission.requested` of turn `turn` (its user message id).
+async fn permission_requested(
+    c: &mut Sessions,
+    session: &str,
+    turn: &str,
+) -> pb::PermissionRequest {
+    let mut stream = c
+        .watch_session(pb::WatchSessionRequest {
+            session_id: session.into(),
+            after_seq: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(60), stream.message())
+            .await
+            .expect("permission.requested within 60 s")
+            .unwrap()
+            .expect("stream open");
+        if let Some(pb::event::Payload::PermissionRequested(pb::PermissionRequested {
+            request: Some(r),
+        })) = e.payload
+            && r.turn_id == turn
+        {
+            return r;
+        }
+    }
+}
+
+/// Sends `text` to a session of policy `ask`, answers the agent's
+/// permission request with `option` through RespondToPermission once it is
+/// asked, and returns the reply.
+async fn prompt_and_answer(
+    c: &mut Sessions,
+    task: &str,
+    session: &str,
+    text: &str,
+    option: &str,
+) -> (pb::PermissionRequest, String) {
+    let sent = c
+        .send_message(pb::SendMessageRequest {
+            task_id: task.into(),
+            session_id: session.into(),
+            content: text.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .unwrap();
+    let asked = permission_requested(c, session, &sent.id).await;
+    c.respond_to_permission(pb::RespondToPermissionRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+        request_id: asked.request_id.clone(),
+        option_id: option.into(),
+    })
+    .await
+    .unwrap();
+    // The turn ends; the reply is the agent text after the user message.
+    let mut stream = c
+        .watch_session(pb::WatchSessionRequest {
+            session_id: session.into(),
+            after_seq: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(60), stream.message())
+            .await
+            .expect("turn_ended within 60 s")
+            .unwrap()
+            .expect("stream open");
+        if let Some(pb::event::Payload::TurnEnded(t)) = e.payload
+            && t.turn_id == sent.id
+        {
+            assert_eq!(t.stop_reason, "end_turn", "{t:?}");
+            break;
+        }
+    }
+    let reply = list(c, task, session)
+        .await
+        .into_iter()
+        .rfind(|m| {
+            m.role == pb::MessageRole::Agent as i32 && m.kind == pb::MessageKind::Text as i32
+        })
+        .expect("a reply");
+    assert!(reply.seq > sent.seq, "{reply:?}");
+    (asked, reply.content)
+}
+
+/// Policy `ask` with the Python agent: its `session/request_permission`
+/// reaches the API as `permission.requested` (its tool call, its options)
+/// and the option chosen through RespondToPermission is what the agent
+/// gets: allowed before a kill -9 of everything, rejected after the
+/// restart and `session/load`.
+#[tokio::test]
+#[ignore = "needs the Python ACP SDK's virtualenv: run by cargo xtask ci"]
+async fn python_sdk_agent_permission_answered_through_respond_to_permission() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work").canonicalize_or_create();
+    let config = config(dir.path(), &[("pyask", &[], "permission_policy = \"ask\"")]);
+    let mut server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "interop ask").await;
+    let s = create_session(&mut c, &task.id, &work, "pyask").await;
+    assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
+
+    let (asked, reply) = prompt_and_answer(&mut c, &task.id, &s.id, "asked", "allow").await;
+    let tool = asked.tool_call.as_ref().expect("the tool call asked about");
+    assert_eq!(
+        (tool.tool_call_id.as_str(), tool.title.as_str()),
+        ("py-tool-1", "append to interop.txt"),
+        "{asked:?}"
+    );
+    let options: Vec<_> = asked
+        .options
+        .iter()
+        .map(|o| (o.option_id.as_str(), o.name.as_str(), o.kind.as_str()))
+        .collect();
+    assert_eq!(
+        options,
+        [
+            ("allow", "Allow", "allow_once"),
+            ("reject", "Reject", "reject_once")
+        ]
+    );
+    assert_eq!(reply, "turn 1: you said \"asked\" (tool: allowed)");
+    assert_eq!(
+        std::fs::read_to_string(work.join("interop.txt")).unwrap(),
+        "asked\n"
+    );
+    let first = calls(dir.path())
+        .into_iter()
+        .find(|c| c.method == "session/new")
+        .unwrap();
+
+    server.kill();
+    for pid in agentctl_pids(&data) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while alive(first.pid) {
+        assert!(Instant::now() < deadline, "agent {} still alive", first.pid);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let server = start(&data, &["--config", &config]);
+    crate::restart::wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+
+    let (_, reply) = prompt_and_answer(&mut c, &task.id, &s.id, "again", "reject").await;
+    assert_eq!(reply, "turn 2: you said \"again\" (tool: rejected)");
+    assert_eq!(
+        std::fs::read_to_string(work.join("interop.txt")).unwrap(),
+        "asked\n"
+    );
+    assert!(
+        calls(dir.path())
+            .iter()
+            .any(|c| c.method == "session/load" && c.pid != first.pid),
+        "loaded by a new agent process"
+    );
+    // Both requests are in the conversation with the option given.
+    let answered: Vec<_> = list(&mut c, &task.id, &s.id)
+        .await
+        .into_iter()
+        .filter_map(|m| match m.part {
+            Some(Part::Permission(p)) => Some((p.status, p.option_id)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        answered,
+        [
+            ("selected".to_owned(), "allow".to_owned()),
+            ("selected".to_owned(), "reject".to_owned())
+        ]
     );
 }
 

@@ -478,3 +478,54 @@ async fn agentctl_killed_while_a_request_waits_cancels_it() {
         other => panic!("{other:?}"),
     }
 }
+
+/// Pids of the demo agents whose environment names `dir` (their state dir).
+fn demo_agents_under(dir: &Path) -> Vec<u32> {
+    let needle = dir.display().to_string();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let pid = e.file_name().to_string_lossy().parse::<u32>().ok()?;
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            let env = std::fs::read(e.path().join("environ")).ok()?;
+            (String::from_utf8_lossy(&cmd).contains("acp-demo-agent")
+                && String::from_utf8_lossy(&env).contains(&needle))
+            .then_some(pid)
+        })
+        .collect()
+}
+
+/// The agent (not agentctl) dies while a request waits: cancelled, with
+/// its event, and the turn ends interrupted.
+#[tokio::test]
+async fn agent_exit_while_a_request_waits_cancels_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let config = config(dir.path(), None);
+    let server = start(&dir.path().join("data"), &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "agent dies").await;
+    let s = create_session(&mut c, &task.id, &work, "asker").await;
+    let sent = send(&mut c, &task.id, &s.id, "/edit dead.txt x").await;
+    let req = requested(&mut c, &s.id, &sent.id).await;
+    let agents = demo_agents_under(&dir.path().join("demo-state"));
+    assert_eq!(agents.len(), 1, "{agents:?}");
+    Command::new("kill")
+        .args(["-KILL", &agents[0].to_string()])
+        .status()
+        .unwrap();
+    let r = resolved(&mut c, &s.id, &req.request_id).await;
+    assert_eq!(r.outcome, "cancelled", "{r:?}");
+    let end = turn_end(&mut c, &s.id, &sent.id).await;
+    assert_eq!(end.stop_reason, "interrupted", "{end:?}");
+    assert!(!work.join("dead.txt").exists());
+    assert!(pending(&mut c, &task.id, &s.id).await.is_empty());
+    let events = all_events(&mut c, &s.id).await;
+    assert_eq!(
+        count_kind(&events, "session.permission.resolved", &req.request_id),
+        1,
+        "resolved once (sessiond's cancel and agentctl's are one)"
+    );
+}
