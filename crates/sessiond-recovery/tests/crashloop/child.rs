@@ -123,6 +123,9 @@ async fn child_backend() {
             child
                 .mgr
                 .gate_recovery_pass(std::sync::Arc::new(|| Box::pin(std::future::pending())));
+            // As `sessiond serve` does: announce the pass before it runs, so
+            // a call waits for its queue instead of racing its lease claims.
+            child.mgr.expect_startup_recovery();
             let pass = child.mgr.clone();
             tokio::spawn(async move { pass.recover_all().await });
             let sessions = child.store.list_sessions(child.task).await.unwrap();
