@@ -44,60 +44,6 @@ async fn get(c: &mut Sessions, task: &str, session: &str) -> pb::Session {
     .unwrap()
 }
 
-/// Every stored event of the session so far (the replay of WatchSession).
-async fn events(c: &mut Sessions, session: &str) -> Vec<pb::Event> {
-    let mut stream = c
-        .watch_session(pb::WatchSessionRequest {
-            session_id: session.into(),
-            after_seq: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut out = Vec::new();
-    // The replay comes at once; the tail then stays quiet.
-    while let Ok(Some(Ok(e))) =
-        tokio::time::timeout(Duration::from_millis(500), stream.next_message()).await
-    {
-        out.push(e);
-    }
-    out
-}
-
-trait NextMessage {
-    async fn next_message(&mut self) -> Option<Result<pb::Event, tonic::Status>>;
-}
-
-impl NextMessage for tonic::Streaming<pb::Event> {
-    async fn next_message(&mut self) -> Option<Result<pb::Event, tonic::Status>> {
-        self.message().await.transpose()
-    }
-}
-
-/// Waits (WatchSession) for the `turn_ended` of turn `turn_id`.
-async fn turn_end(c: &mut Sessions, session: &str, turn_id: &str) -> pb::TurnEnded {
-    let mut stream = c
-        .watch_session(pb::WatchSessionRequest {
-            session_id: session.into(),
-            after_seq: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    loop {
-        let e = tokio::time::timeout(Duration::from_secs(60), stream.message())
-            .await
-            .expect("turn_ended within 60 s")
-            .unwrap()
-            .expect("stream open");
-        if let Some(pb::event::Payload::TurnEnded(t)) = e.payload
-            && t.turn_id == turn_id
-        {
-            return t;
-        }
-    }
-}
-
 fn kill_agentctls(data: &Path) {
     for pid in agentctl_pids(data) {
         Command::new("kill")
@@ -222,7 +168,7 @@ async fn never_prompted_session_gets_a_new_conversation_after_kill_9() {
     );
     assert_ne!(now.resume_token, fresh.resume_token);
     assert!(!now.resume_token.is_empty());
-    let replaced: Vec<_> = events(&mut c, &fresh.id)
+    let replaced: Vec<_> = replayed_events(&mut c, &fresh.id)
         .await
         .into_iter()
         .filter_map(|e| match e.payload {

@@ -138,24 +138,11 @@ async fn current_mode(c: &mut Sessions, task: &str, session: &str) -> Option<Str
 
 /// The session's first `session.agentctl_ready` event (a replay).
 async fn first_agentctl_ready(c: &mut Sessions, session: &str) -> pb::AgentctlReady {
-    let mut stream = c
-        .watch_session(pb::WatchSessionRequest {
-            session_id: session.into(),
-            after_seq: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    loop {
-        let e = tokio::time::timeout(Duration::from_secs(30), stream.message())
-            .await
-            .expect("agentctl_ready replayed")
-            .unwrap()
-            .expect("stream open");
-        if let Some(pb::event::Payload::AgentctlReady(r)) = e.payload {
-            return r;
-        }
-    }
+    wait_for(c, session, |e| match &e.payload {
+        Some(pb::event::Payload::AgentctlReady(r)) => Some(r.clone()),
+        _ => None,
+    })
+    .await
 }
 
 /// The tool call part of `m`, which must be one.
@@ -403,28 +390,13 @@ async fn permission_requested(
     session: &str,
     turn: &str,
 ) -> pb::PermissionRequest {
-    let mut stream = c
-        .watch_session(pb::WatchSessionRequest {
-            session_id: session.into(),
-            after_seq: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    loop {
-        let e = tokio::time::timeout(Duration::from_secs(60), stream.message())
-            .await
-            .expect("permission.requested within 60 s")
-            .unwrap()
-            .expect("stream open");
-        if let Some(pb::event::Payload::PermissionRequested(pb::PermissionRequested {
+    wait_for(c, session, |e| match &e.payload {
+        Some(pb::event::Payload::PermissionRequested(pb::PermissionRequested {
             request: Some(r),
-        })) = e.payload
-            && r.turn_id == turn
-        {
-            return r;
-        }
-    }
+        })) if r.turn_id == turn => Some(r.clone()),
+        _ => None,
+    })
+    .await
 }
 
 /// Sends `text` to a session of policy `ask`, answers the agent's
@@ -458,27 +430,8 @@ async fn prompt_and_answer(
     .await
     .unwrap();
     // The turn ends; the reply is the agent text after the user message.
-    let mut stream = c
-        .watch_session(pb::WatchSessionRequest {
-            session_id: session.into(),
-            after_seq: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    loop {
-        let e = tokio::time::timeout(Duration::from_secs(60), stream.message())
-            .await
-            .expect("turn_ended within 60 s")
-            .unwrap()
-            .expect("stream open");
-        if let Some(pb::event::Payload::TurnEnded(t)) = e.payload
-            && t.turn_id == sent.id
-        {
-            assert_eq!(t.stop_reason, "end_turn", "{t:?}");
-            break;
-        }
-    }
+    let end = turn_end(c, session, &sent.id).await;
+    assert_eq!(end.stop_reason, "end_turn", "{end:?}");
     let reply = list(c, task, session)
         .await
         .into_iter()

@@ -7,7 +7,7 @@
 //! bad RespondToPermission input. Kills are aimed at a stored
 //! `permission.requested` event, never after a sleep.
 
-use std::{path::Path, process::Command, time::Duration};
+use std::{path::Path, process::Command};
 
 use sessiond_proto::sessiond::v1 as pb;
 use tonic::Code;
@@ -46,32 +46,6 @@ async fn send(c: &mut Sessions, task: &str, session: &str, text: &str) -> pb::Me
     .unwrap()
 }
 
-/// Follows WatchSession from the start until `pick` returns something.
-async fn wait_for<T>(
-    c: &mut Sessions,
-    session: &str,
-    mut pick: impl FnMut(&pb::Event) -> Option<T>,
-) -> T {
-    let mut stream = c
-        .watch_session(pb::WatchSessionRequest {
-            session_id: session.into(),
-            after_seq: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    loop {
-        let e = tokio::time::timeout(Duration::from_secs(60), stream.message())
-            .await
-            .expect("the event within 60 s")
-            .unwrap()
-            .expect("stream open");
-        if let Some(t) = pick(&e) {
-            return t;
-        }
-    }
-}
-
 /// The `permission.requested` of turn `turn` (the user message id).
 async fn requested(c: &mut Sessions, session: &str, turn: &str) -> pb::PermissionRequest {
     wait_for(c, session, |e| match &e.payload {
@@ -95,34 +69,6 @@ async fn resolved(c: &mut Sessions, session: &str, request: &str) -> pb::Permiss
         _ => None,
     })
     .await
-}
-
-async fn turn_end(c: &mut Sessions, session: &str, turn: &str) -> pb::TurnEnded {
-    wait_for(c, session, |e| match &e.payload {
-        Some(pb::event::Payload::TurnEnded(t)) if t.turn_id == turn => Some(t.clone()),
-        _ => None,
-    })
-    .await
-}
-
-/// Every stored event of the session (WatchSession's replay).
-async fn all_events(c: &mut Sessions, session: &str) -> Vec<pb::Event> {
-    let mut stream = c
-        .watch_session(pb::WatchSessionRequest {
-            session_id: session.into(),
-            after_seq: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut out = Vec::new();
-    // The replay comes at once; the tail then stays quiet.
-    while let Ok(Ok(Some(e))) =
-        tokio::time::timeout(Duration::from_millis(500), stream.message()).await
-    {
-        out.push(e);
-    }
-    out
 }
 
 async fn respond(
@@ -400,7 +346,7 @@ async fn pending_request_survives_a_backend_restart() {
         assert_eq!(listed.len(), 1, "round {round}: {listed:?}");
         assert_eq!(listed[0].request_id, req.request_id);
         assert_eq!(listed[0].status, "pending");
-        let events = all_events(&mut c, &s.id).await;
+        let events = replayed_events(&mut c, &s.id).await;
         assert_eq!(
             count_kind(&events, "session.permission.requested", &req.request_id),
             1,
@@ -422,7 +368,7 @@ async fn pending_request_survives_a_backend_restart() {
         let reply = replies(&msgs, &sent);
         assert_eq!(reply.len(), 1, "round {round}: {reply:?}");
         assert!(reply[0].contains("edit: written"), "{reply:?}");
-        let events = all_events(&mut c, &s.id).await;
+        let events = replayed_events(&mut c, &s.id).await;
         assert_eq!(
             count_kind(&events, "session.permission.resolved", &req.request_id),
             1
@@ -522,7 +468,7 @@ async fn agent_exit_while_a_request_waits_cancels_it() {
     assert_eq!(end.stop_reason, "interrupted", "{end:?}");
     assert!(!work.join("dead.txt").exists());
     assert!(pending(&mut c, &task.id, &s.id).await.is_empty());
-    let events = all_events(&mut c, &s.id).await;
+    let events = replayed_events(&mut c, &s.id).await;
     assert_eq!(
         count_kind(&events, "session.permission.resolved", &req.request_id),
         1,

@@ -352,3 +352,55 @@ pub fn code<T: std::fmt::Debug>(result: Result<T, tonic::Status>) -> tonic::Code
         Err(status) => status.code(),
     }
 }
+
+/// WatchSession from the first event (the stored replay, then live).
+pub async fn watch_from_start(c: &mut Sessions, session: &str) -> tonic::Streaming<pb::Event> {
+    c.watch_session(pb::WatchSessionRequest {
+        session_id: session.into(),
+        after_seq: 0,
+    })
+    .await
+    .unwrap()
+    .into_inner()
+}
+
+/// Follows WatchSession from the start until `pick` returns something.
+pub async fn wait_for<T>(
+    c: &mut Sessions,
+    session: &str,
+    mut pick: impl FnMut(&pb::Event) -> Option<T>,
+) -> T {
+    let mut stream = watch_from_start(c, session).await;
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(60), stream.message())
+            .await
+            .expect("the event within 60 s")
+            .unwrap()
+            .expect("stream open");
+        if let Some(t) = pick(&e) {
+            return t;
+        }
+    }
+}
+
+/// Waits for the `turn_ended` of turn `turn` (its user message id).
+pub async fn turn_end(c: &mut Sessions, session: &str, turn: &str) -> pb::TurnEnded {
+    wait_for(c, session, |e| match &e.payload {
+        Some(pb::event::Payload::TurnEnded(t)) if t.turn_id == turn => Some(t.clone()),
+        _ => None,
+    })
+    .await
+}
+
+/// Every stored event of the session so far (WatchSession's replay).
+pub async fn replayed_events(c: &mut Sessions, session: &str) -> Vec<pb::Event> {
+    let mut stream = watch_from_start(c, session).await;
+    let mut out = Vec::new();
+    // The replay comes at once; the tail then stays quiet.
+    while let Ok(Ok(Some(e))) =
+        tokio::time::timeout(Duration::from_millis(500), stream.message()).await
+    {
+        out.push(e);
+    }
+    out
+}
