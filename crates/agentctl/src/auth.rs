@@ -6,6 +6,8 @@ use std::time::{Duration, Instant};
 
 use tonic::{Request, Status};
 
+use crate::fence::EpochFence;
+
 /// The executor's shared secret. Its `Debug` never shows the value.
 #[derive(Clone)]
 pub struct Secret(Arc<[u8]>);
@@ -96,17 +98,24 @@ impl Drop for StreamGuard {
     }
 }
 
-/// A tonic interceptor accepting only `authorization: Bearer <secret>`.
+/// A tonic interceptor accepting only `authorization: Bearer <secret>`,
+/// then only a lease epoch no older than the newest seen ([`EpochFence`]).
 #[derive(Debug, Clone)]
 pub struct Authenticator {
     secret: Secret,
     activity: Arc<Activity>,
+    fence: Arc<EpochFence>,
 }
 
 impl Authenticator {
-    /// Checks calls against `secret` and records accepted ones in `activity`.
-    pub fn new(secret: Secret, activity: Arc<Activity>) -> Self {
-        Self { secret, activity }
+    /// Checks calls against `secret` and `fence`, and records accepted ones
+    /// in `activity`.
+    pub fn new(secret: Secret, activity: Arc<Activity>, fence: Arc<EpochFence>) -> Self {
+        Self {
+            secret,
+            activity,
+            fence,
+        }
     }
 
     /// Accepts the request or answers UNAUTHENTICATED.
@@ -129,6 +138,8 @@ impl Authenticator {
         if !self.secret.matches(token) {
             return Err(Status::unauthenticated("invalid executor secret"));
         }
+        // Every call, reads included: a stale replica gets nothing to act on.
+        self.fence.admit_metadata(req.metadata())?;
         self.activity.touch();
         Ok(req)
     }

@@ -2,7 +2,8 @@
 //!
 //! It serves `proto/agentctl/v1` ([`service::AgentCtl`]) to the backend,
 //! authenticates every call with the executor's bearer secret
-//! ([`auth`]), owns at most one agent process and speaks ACP to it
+//! ([`auth`]), refuses calls of a sessiond replica whose lease was
+//! superseded ([`fence`]), owns at most one agent process and speaks ACP to it
 //! ([`agent`]), keeps a bounded, cursor-addressed log of agent updates
 //! ([`updates`]) and offers shell, file and git access confined to the
 //! workspace root ([`workspace`], [`exec`], [`git`]).
@@ -16,6 +17,7 @@ pub mod agent;
 pub mod auth;
 pub mod error;
 pub mod exec;
+pub mod fence;
 pub mod git;
 pub mod journal;
 pub mod service;

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use agentctl::agent::{AgentManager, PermissionPolicy};
 use agentctl::auth::{Activity, Authenticator, Secret};
+use agentctl::fence::EpochFence;
 use agentctl::journal::Journal;
 use agentctl::service::AgentCtl;
 use agentctl::tree;
@@ -74,6 +75,11 @@ struct Cli {
     /// Without it, a relaunched agentctl knows nothing of earlier turns.
     #[arg(long)]
     journal: Option<PathBuf>,
+    /// Where the newest sessiond lease epoch seen is kept (fsynced), so a
+    /// relaunched agentctl still refuses a superseded replica. Default:
+    /// the --journal path with `.epoch` appended; without either, memory only.
+    #[arg(long)]
+    epoch_file: Option<PathBuf>,
     /// Grace between TERM and KILL when agentctl itself is terminated.
     #[arg(long, default_value = "3s", value_parser = parse_duration)]
     stop_grace: Duration,
@@ -266,6 +272,17 @@ async fn main() -> anyhow::Result<()> {
     if cli.executor_id.is_empty() {
         bail!("--executor-id must not be empty");
     }
+    let epoch_file = cli.epoch_file.clone().or_else(|| {
+        cli.journal.as_ref().map(|j| {
+            let mut p = j.clone().into_os_string();
+            p.push(".epoch");
+            PathBuf::from(p)
+        })
+    });
+    let fence = Arc::new(match &epoch_file {
+        Some(path) => EpochFence::open(path)?,
+        None => EpochFence::in_memory(),
+    });
     let workspace = Arc::new(Workspace::open(&cli.workspace)?);
     let updates = Arc::new(UpdateLog::new(cli.update_buffer));
     let activity = Arc::new(Activity::default());
@@ -382,7 +399,7 @@ async fn main() -> anyhow::Result<()> {
         let _ = stopped_tx.send(());
     };
 
-    let auth = Authenticator::new(secret, activity);
+    let auth = Authenticator::new(secret, activity, fence);
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = tls {
         builder = builder

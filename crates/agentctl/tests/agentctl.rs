@@ -2511,3 +2511,125 @@ async fn ask_policy_waits_for_an_answer_times_out_and_is_journaled() {
     ctl.shutdown().await;
     h.assert_no_leftovers().await;
 }
+
+/// `request` carrying sessiond's lease epoch `epoch`.
+fn epoch<T>(request: T, epoch: i64) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(request);
+    r.metadata_mut()
+        .insert("sessiond-lease-epoch", epoch.to_string().parse().unwrap());
+    r
+}
+
+fn assert_stale(status: &tonic::Status, sent: i64, newest: i64) {
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    let m = status.message();
+    assert!(m.starts_with("stale_epoch"), "{m}");
+    assert!(
+        m.contains(&format!("epoch {sent}")) && m.contains(&format!("epoch {newest}")),
+        "{m}"
+    );
+}
+
+/// Fencing: agentctl keeps the newest lease epoch it has seen and refuses
+/// calls carrying an older one (prompt, launch, exec, health alike) before
+/// they act; calls without the header are accepted and lower nothing; the
+/// newest epoch is in `<journal>.epoch` and a relaunched agentctl (kill -9,
+/// same journal) still refuses the old one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn older_lease_epochs_are_refused_across_an_agentctl_restart() {
+    let h = Harness::new();
+    let journal = h.base.path().join("exec.journal");
+    let journal_arg = journal.to_string_lossy().into_owned();
+    let epoch_file = h.base.path().join("exec.journal.epoch");
+    let side = h.ws().join("side-effects.txt");
+    let side_s = side.to_string_lossy().into_owned();
+    let agent_env = [("ACP_DEMO_SIDE_EFFECT_FILE", side_s.as_str())];
+
+    let ctl = h.spawn(&["--journal", &journal_arg]).await;
+    let mut c = ctl.client().await;
+    // The first owner (epoch 1) launches the agent and prompts once.
+    c.launch_agent(epoch(h.demo(true, &agent_env), 1))
+        .await
+        .expect("launch");
+    c.new_session(epoch(NewSessionRequest {}, 1))
+        .await
+        .expect("session");
+    c.prompt(epoch(turn_prompt("one", "t1", false), 1))
+        .await
+        .expect("prompt");
+    wait_lines(&side, 1).await;
+    assert_eq!(
+        std::fs::read_to_string(&epoch_file).unwrap().trim(),
+        "1",
+        "persisted"
+    );
+
+    // Another replica adopts (epoch 2): its first call fences epoch 1 off.
+    health(&mut c).await; // no header: accepted, lowers nothing
+    c.health(epoch(HealthRequest {}, 2))
+        .await
+        .expect("health at 2");
+    assert_eq!(std::fs::read_to_string(&epoch_file).unwrap().trim(), "2");
+    let err = c
+        .prompt(epoch(turn_prompt("stale", "t2", false), 1))
+        .await
+        .unwrap_err();
+    assert_stale(&err, 1, 2);
+    let err = c
+        .exec(epoch(
+            ExecRequest {
+                command: "touch".into(),
+                args: vec!["stale-exec".into()],
+                ..Default::default()
+            },
+            1,
+        ))
+        .await
+        .unwrap_err();
+    assert_stale(&err, 1, 2);
+    assert!(!h.ws().join("stale-exec").exists());
+    let err = c.cancel(epoch(CancelRequest {}, 0)).await.unwrap_err();
+    assert_stale(&err, 0, 2);
+    assert_eq!(lines_of(&side), ["one"], "the stale prompt never ran");
+    // Without the header: accepted; the stored epoch stays 2.
+    health(&mut c).await;
+    assert_eq!(std::fs::read_to_string(&epoch_file).unwrap().trim(), "2");
+    // A malformed epoch is a bad request, not a pass.
+    let mut bad = tonic::Request::new(HealthRequest {});
+    bad.metadata_mut()
+        .insert("sessiond-lease-epoch", "two".parse().unwrap());
+    assert_eq!(
+        c.health(bad).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+
+    // kill -9 and relaunch on the same journal: epoch 2 is remembered.
+    let mut ctl = ctl;
+    ctl.signal("-KILL");
+    ctl.wait_exit().await;
+    let ctl = h.spawn(&["--journal", &journal_arg]).await;
+    let mut c = ctl.client().await;
+    let err = c
+        .launch_agent(epoch(h.demo(true, &agent_env), 1))
+        .await
+        .unwrap_err();
+    assert_stale(&err, 1, 2);
+    c.launch_agent(epoch(h.demo(true, &agent_env), 2))
+        .await
+        .expect("launch at 2");
+    c.new_session(epoch(NewSessionRequest {}, 3))
+        .await
+        .expect("session at 3");
+    let err = c
+        .prompt(epoch(turn_prompt("stale", "t3", false), 2))
+        .await
+        .unwrap_err();
+    assert_stale(&err, 2, 3);
+    c.prompt(epoch(turn_prompt("two", "t4", false), 3))
+        .await
+        .expect("prompt at 3");
+    wait_lines(&side, 2).await;
+    assert_eq!(lines_of(&side), ["one", "two"]);
+    assert_eq!(std::fs::read_to_string(&epoch_file).unwrap().trim(), "3");
+    ctl.shutdown().await;
+}

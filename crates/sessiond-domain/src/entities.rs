@@ -166,6 +166,10 @@ pub struct ExecutorRecord {
     /// The backend replica that owns this executor, and until when.
     pub owner_id: Option<String>,
     pub lease_expires_at: Option<DateTime<Utc>>,
+    /// The fencing token: grows by one on every claim of the lease. Writes
+    /// and agentctl calls of the owner carry it; an older one is refused.
+    /// Only the lease operations write it (a new record starts at 0).
+    pub lease_epoch: i64,
     pub version: i64,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,

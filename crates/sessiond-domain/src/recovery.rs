@@ -1853,6 +1853,7 @@ mod tests {
             error_message: None,
             owner_id: None,
             lease_expires_at: None,
+            lease_epoch: 0,
             version: 1,
             created_at: at,
             updated_at: at,

@@ -13,7 +13,14 @@
 //! same limit): file reads of 16 MiB and git output of 32 MiB do not fit
 //! tonic's default of 4 MiB.
 
-use std::{fmt, time::Duration};
+use std::{
+    fmt,
+    sync::{
+        Arc,
+        atomic::{AtomicI64, Ordering},
+    },
+    time::Duration,
+};
 
 use sessiond_domain::ExecutorId;
 use sessiond_proto::agentctl::v1::{self as pb, agent_ctl_service_client::AgentCtlServiceClient};
@@ -34,6 +41,18 @@ pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 /// Request metadata naming the agentctl instance a `StreamUpdates` cursor
 /// belongs to (see `proto/agentctl/v1`).
 pub const INSTANCE_ID_METADATA: &str = "agentctl-instance-id";
+
+/// Request metadata carrying the lease epoch (fencing token) of the
+/// sessiond replica that owns the executor (see `proto/agentctl/v1`):
+/// agentctl refuses a call whose epoch is older than the newest it has seen
+/// (FAILED_PRECONDITION, message starting with [`STALE_EPOCH`]).
+pub const LEASE_EPOCH_METADATA: &str = "sessiond-lease-epoch";
+
+/// How agentctl's refusal of an older lease epoch begins.
+pub const STALE_EPOCH: &str = "stale_epoch";
+
+/// No epoch set: calls go without [`LEASE_EPOCH_METADATA`].
+const NO_EPOCH: i64 = -1;
 
 /// agentctl's own limits, which the per-call deadlines are built from.
 mod budget {
@@ -181,12 +200,14 @@ impl fmt::Debug for TlsConfig {
     }
 }
 
-/// Adds `authorization: Bearer <secret>` to every request, and a deadline
-/// ([`default_deadline`] of the method) to every request that has none yet.
+/// Adds `authorization: Bearer <secret>` and the lease epoch (when one is
+/// set) to every request, and a deadline ([`default_deadline`] of the
+/// method) to every request that has none yet.
 #[derive(Clone)]
 pub struct BearerAuth {
     header: MetadataValue<Ascii>,
     call_timeout: Duration,
+    epoch: Arc<AtomicI64>,
 }
 
 impl fmt::Debug for BearerAuth {
@@ -203,6 +224,12 @@ impl Interceptor for BearerAuth {
         request
             .metadata_mut()
             .insert("authorization", self.header.clone());
+        let epoch = self.epoch.load(Ordering::SeqCst);
+        if epoch >= 0 {
+            request
+                .metadata_mut()
+                .insert(LEASE_EPOCH_METADATA, MetadataValue::from(epoch));
+        }
         inject_trace_context(request.metadata_mut());
         if request.metadata().get("grpc-timeout").is_none() {
             let method = request
@@ -317,6 +344,9 @@ pub struct AgentctlClient {
     /// TLS without a client certificate: an agentctl that requires one
     /// closes the connection right after the handshake, which says why.
     tls_without_identity: bool,
+    /// The lease epoch every call carries (shared by all clones and the
+    /// interceptor); only ever raised.
+    epoch: Arc<AtomicI64>,
 }
 
 impl fmt::Debug for AgentctlClient {
@@ -377,9 +407,11 @@ impl AgentctlClient {
             }
             endpoint.connect_lazy()
         };
+        let epoch = Arc::new(AtomicI64::new(NO_EPOCH));
         let auth = BearerAuth {
             header,
             call_timeout: config.call_timeout,
+            epoch: epoch.clone(),
         };
         let inner = AgentCtlServiceClient::with_interceptor(channel, auth)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
@@ -393,7 +425,28 @@ impl AgentctlClient {
                     .tls
                     .as_ref()
                     .is_some_and(|t| t.client_identity.is_none()),
+            epoch,
         })
+    }
+
+    /// This client with calls carrying lease epoch `epoch` (none: no header).
+    pub fn with_lease_epoch(self, epoch: Option<i64>) -> Self {
+        if let Some(e) = epoch {
+            self.raise_lease_epoch(e);
+        }
+        self
+    }
+
+    /// From now on every call (of every clone) carries at least `epoch`:
+    /// the epoch is never lowered, so a stale copy of the executor record
+    /// cannot make this replica fence itself off.
+    pub fn raise_lease_epoch(&self, epoch: i64) {
+        self.epoch.fetch_max(epoch.max(NO_EPOCH), Ordering::SeqCst);
+    }
+
+    /// The lease epoch calls carry, if any.
+    pub fn lease_epoch(&self) -> Option<i64> {
+        Some(self.epoch.load(Ordering::SeqCst)).filter(|e| *e >= 0)
     }
 
     pub fn url(&self) -> &str {
@@ -702,6 +755,13 @@ impl AgentctlClient {
         let url = self.url.clone();
         match status.code() {
             tonic::Code::Unauthenticated => Error::Unauthenticated { url },
+            tonic::Code::FailedPrecondition if status.message().starts_with(STALE_EPOCH) => {
+                Error::StaleEpoch {
+                    url,
+                    call,
+                    message: status.message().to_owned(),
+                }
+            }
             tonic::Code::DeadlineExceeded => Error::Timeout {
                 url,
                 call,

@@ -562,17 +562,20 @@ impl DockerExecutor {
     }
 
     /// Waits for agentctl in the container to answer `Health` with the
-    /// executor id on its socket.
+    /// executor id on its socket; `epoch`: the lease epoch to send (a
+    /// reattach's first call fences the previous owner off).
     async fn wait_ready(
         &self,
         executor_id: ExecutorId,
         container_id: &str,
         secret: &str,
+        epoch: Option<i64>,
     ) -> Result<Health> {
         let started = Instant::now();
         let deadline = started + self.config.startup_timeout;
         let socket = self.socket(executor_id);
-        let client = AgentctlClient::new(&self.url(executor_id)?, secret, &self.config.client)?;
+        let client = AgentctlClient::new(&self.url(executor_id)?, secret, &self.config.client)?
+            .with_lease_epoch(epoch);
         let mut last_error = String::from("no socket yet");
         loop {
             // A socket left by the previous start refuses connections until
@@ -584,6 +587,8 @@ impl DockerExecutor {
                             elapsed_ms = started.elapsed().as_millis() as u64, "agentctl in container ready");
                         return Ok(health);
                     }
+                    // Another replica owns it now: waiting changes nothing.
+                    Err(e @ Error::StaleEpoch { .. }) => return Err(e),
                     Err(e) => last_error = e.to_string(),
                 }
             }
@@ -668,7 +673,7 @@ impl DockerExecutor {
             }
         }
         let secret = self.secret_of(handle)?;
-        let health = self.wait_ready(id, &found.id, &secret).await?;
+        let health = self.wait_ready(id, &found.id, &secret, None).await?;
         Ok((
             refreshed(handle, found.id, secret, self.url(id)?, generation),
             health,
@@ -743,7 +748,7 @@ impl Executor for DockerExecutor {
             Err(e) => return Err(e.into()),
         };
         self.start_container(&container_id).await?;
-        self.wait_ready(id, &container_id, &secret).await?;
+        self.wait_ready(id, &container_id, &secret, None).await?;
         self.handle_for(spec, container_id, secret)
     }
 
@@ -763,7 +768,9 @@ impl Executor for DockerExecutor {
         match found.status {
             ContainerStateStatusEnum::RUNNING | ContainerStateStatusEnum::RESTARTING => {
                 let secret = self.secret_of(handle)?;
-                let health = self.wait_ready(id, &found.id, &secret).await?;
+                let health = self
+                    .wait_ready(id, &found.id, &secret, handle.lease_epoch)
+                    .await?;
                 Ok(Probe::Reattachable {
                     handle: refreshed(handle, found.id, secret, self.url(id)?, handle.generation),
                     health,
@@ -894,11 +901,12 @@ impl Executor for DockerExecutor {
     }
 
     fn client(&self, handle: &ExecutorHandle) -> Result<AgentctlClient> {
-        AgentctlClient::new(
+        Ok(AgentctlClient::new(
             &handle.agentctl_url,
             &handle.auth_secret,
             &self.config.client,
-        )
+        )?
+        .with_lease_epoch(handle.lease_epoch))
     }
 
     fn image(&self, requested: Option<&str>) -> Option<String> {

@@ -47,6 +47,15 @@ pub enum Error {
         status: Box<tonic::Status>,
     },
 
+    /// agentctl refused the call: it has seen a newer lease epoch than the
+    /// one this replica sent, so another replica owns the executor now.
+    #[error("agentctl at {url} refused {call} for a superseded lease: {message}")]
+    StaleEpoch {
+        url: String,
+        call: &'static str,
+        message: String,
+    },
+
     /// agentctl refused the executor's secret.
     #[error("agentctl at {url} rejected the executor secret")]
     Unauthenticated { url: String },

@@ -43,8 +43,8 @@ use sessiond_domain::{ExecutorId, ExecutorRecord, Runtime, SessionId, TaskId};
 
 pub use client::{
     AgentState, AgentctlClient, BearerAuth, Capabilities, ClientConfig, Health,
-    INSTANCE_ID_METADATA, MAX_MESSAGE_BYTES, RawClient, Support, TlsConfig, default_deadline,
-    with_deadline,
+    INSTANCE_ID_METADATA, LEASE_EPOCH_METADATA, MAX_MESSAGE_BYTES, RawClient, STALE_EPOCH, Support,
+    TlsConfig, default_deadline, with_deadline,
 };
 pub use error::{Error, Result};
 
@@ -116,6 +116,9 @@ pub struct ExecutorHandle {
     pub pid_start_time: Option<u64>,
     /// Docker: the container's full id.
     pub container_id: Option<String>,
+    /// The owner's lease epoch, sent on every agentctl call of the driver's
+    /// clients (`None`: not sent, e.g. while launching a new executor).
+    pub lease_epoch: Option<i64>,
 }
 
 impl fmt::Debug for ExecutorHandle {
@@ -133,6 +136,7 @@ impl fmt::Debug for ExecutorHandle {
             .field("pid", &self.pid)
             .field("pid_start_time", &self.pid_start_time)
             .field("container_id", &self.container_id)
+            .field("lease_epoch", &self.lease_epoch)
             .finish()
     }
 }
@@ -153,6 +157,7 @@ impl ExecutorHandle {
             pid: record.pid,
             pid_start_time: record.pid_start_time,
             container_id: record.container_id.clone(),
+            lease_epoch: Some(record.lease_epoch),
         }
     }
 
@@ -183,6 +188,7 @@ impl ExecutorHandle {
             pid: None,
             pid_start_time: None,
             container_id: None,
+            lease_epoch: None,
         }
     }
 

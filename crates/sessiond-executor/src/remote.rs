@@ -157,11 +157,12 @@ impl Executor for RemoteExecutor {
     }
 
     fn client(&self, handle: &ExecutorHandle) -> Result<AgentctlClient> {
-        AgentctlClient::new(
+        Ok(AgentctlClient::new(
             &handle.agentctl_url,
             &handle.auth_secret,
             &self.config.client,
-        )
+        )?
+        .with_lease_epoch(handle.lease_epoch))
     }
 }
 

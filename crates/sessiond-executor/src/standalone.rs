@@ -322,6 +322,9 @@ impl Executor for StandaloneExecutor {
                         health,
                     });
                 }
+                // Not hung: it answered that another replica owns it now.
+                // Ending it would kill the new owner's agentctl.
+                Err(e @ Error::StaleEpoch { .. }) => return Err(e),
                 outcome => {
                     // pid and start time match: this is the process we started,
                     // but it does not answer as it should. End it, so that the
@@ -398,16 +401,21 @@ impl Executor for StandaloneExecutor {
     async fn remove(&self, handle: &ExecutorHandle) -> Result<()> {
         self.stop(handle).await?;
         remove_if_exists(&self.journal_file(handle.executor_id))?;
+        // agentctl's lease epoch, kept beside its journal.
+        let mut epoch = self.journal_file(handle.executor_id).into_os_string();
+        epoch.push(".epoch");
+        remove_if_exists(&PathBuf::from(epoch))?;
         remove_if_exists(&self.secret_file(handle.executor_id))?;
         remove_if_exists(&self.socket(handle.executor_id))
     }
 
     fn client(&self, handle: &ExecutorHandle) -> Result<AgentctlClient> {
-        AgentctlClient::new(
+        Ok(AgentctlClient::new(
             &handle.agentctl_url,
             &handle.auth_secret,
             &self.config.client,
-        )
+        )?
+        .with_lease_epoch(handle.lease_epoch))
     }
 }
 

@@ -198,6 +198,10 @@ impl Error {
             Error::Unavailable(_) | Error::NotOwner { .. } => ErrorKind::Unavailable,
             Error::LimitReached { .. } => ErrorKind::ResourceExhausted,
             Error::Executor(e) if e.is_unavailable() => ErrorKind::Unavailable,
+            // Another replica owns the executor now: retry there.
+            Error::Executor(e) if matches!(**e, sessiond_executor::Error::StaleEpoch { .. }) => {
+                ErrorKind::Unavailable
+            }
             Error::Executor(_) => ErrorKind::FailedPrecondition,
             Error::Agent { code, .. } => match code {
                 tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => ErrorKind::Unavailable,
@@ -227,6 +231,11 @@ impl From<sessiond_store::Error> for Error {
         match e {
             sessiond_store::Error::NotFound { entity, id } => Error::NotFound { entity, id },
             sessiond_store::Error::Conflict { entity, id, .. } => Error::Conflict { entity, id },
+            // Normally turned into `NotOwner` by the manager (which knows
+            // the TTL); retryable either way.
+            e @ sessiond_store::Error::LeaseLost { .. } => {
+                Error::Unavailable(format!("{e}; retry: the session's new owner serves it"))
+            }
             other => Error::Store(Arc::new(other)),
         }
     }

@@ -183,6 +183,7 @@ impl SessionManager {
             error_message: None,
             owner_id: None,
             lease_expires_at: None,
+            lease_epoch: 0,
             version: 1,
             created_at: now,
             updated_at: now,
@@ -208,7 +209,10 @@ impl SessionManager {
         change = change.task_event(req.task_id, TaskEvent::WorkStarted);
         let committed = store.create_session_with(&created, change).await?;
         // After the commit: a heartbeat never sees it owned before the row exists.
-        self.mark_owned(session_id);
+        self.mark_owned(
+            session_id,
+            committed.executor.as_ref().map_or(0, |e| e.lease_epoch),
+        );
         drop(gate);
         self.after_commit(&committed);
         let mut session = committed
@@ -386,8 +390,9 @@ impl SessionManager {
         self.ensure_recovered(session_id).await?;
         let _guard = self.lock_session(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
-        self.check_can_start_turn(&session, "send a message")
-            .await?;
+        if let Err(e) = self.check_can_start_turn(&session, "send a message").await {
+            return Err(self.unless_lost(session_id, e).await);
+        }
         self.start_turn(session, text).await
     }
 
@@ -409,7 +414,9 @@ impl SessionManager {
         self.ensure_recovered(session_id).await?;
         let _guard = self.lock_session(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
-        self.check_can_start_turn(&session, "retry a turn").await?;
+        if let Err(e) = self.check_can_start_turn(&session, "retry a turn").await {
+            return Err(self.unless_lost(session_id, e).await);
+        }
         let interrupted = session.metadata.get(INTERRUPTED_TURN_KEY).cloned();
         let msgs = self
             .inner
@@ -508,7 +515,10 @@ impl SessionManager {
             .raw()
             .cancel(pb::CancelRequest {})
             .await
-            .map_err(|s| Error::agent("Cancel", &s))?
+            .map_err(|s| {
+                self.agentctl_refused(session_id, &s);
+                Error::agent("Cancel", &s)
+            })?
             .into_inner();
         tracing::info!(session = %session_id, cancelled = answer.cancelled, "turn cancel requested");
         Ok(answer.cancelled)
@@ -743,6 +753,10 @@ impl SessionManager {
         )
         .await;
         if let Err(status) = prompted {
+            if self.agentctl_refused(session_id, &status) {
+                // Another replica adopted the session: it settles this turn.
+                return Err(self.not_owner_now(session_id).await);
+            }
             self.inner
                 .metrics
                 .turn_ended(session_id, crate::metrics::TurnOutcome::Failed);
@@ -879,6 +893,8 @@ impl SessionManager {
             driver.remove(&ExecutorHandle::from_record(&record)).await?;
             self.inner.store.delete_executor(record.id).await?;
         }
+        // No executor row, no lease: later writes need no fence.
+        self.forget_lease(session_id);
         self.cache_remove(session_id);
         Ok(())
     }

@@ -182,6 +182,12 @@ pub(crate) struct Inner {
     pub(crate) calls_recovering: tokio::sync::watch::Sender<usize>,
     /// Sessions whose executor this replica holds the lease of (`replica.rs`).
     pub(crate) owned: StdMutex<HashSet<SessionId>>,
+    /// The newest lease epoch this replica claimed per session; kept after
+    /// the lease is lost, so a late write still carries the old epoch and
+    /// is refused instead of going out unfenced (`replica.rs`).
+    pub(crate) epochs: StdMutex<HashMap<SessionId, i64>>,
+    /// Test hook: awaited before each heartbeat (see `gate_heartbeat`).
+    pub(crate) heartbeat_gate: StdMutex<Option<crate::queue::PassGate>>,
 }
 
 /// Runs sessions: create, message, stop; recovers them at startup; resumes
@@ -251,6 +257,8 @@ impl SessionManager {
                 queue_phase: tokio::sync::watch::Sender::new(crate::queue::Phase::Idle),
                 calls_recovering: tokio::sync::watch::Sender::new(0),
                 owned: StdMutex::default(),
+                epochs: StdMutex::default(),
+                heartbeat_gate: StdMutex::default(),
             }),
         }
     }
@@ -550,6 +558,8 @@ impl SessionManager {
             && u == url
             && *secret == record.auth_secret
         {
+            // A claim since the client was made: calls carry the new epoch.
+            c.raise_lease_epoch(record.lease_epoch);
             return Ok(c.clone());
         }
         let client = driver.client(&ExecutorHandle::from_record(record))?;
@@ -609,9 +619,13 @@ impl SessionManager {
         }
     }
 
-    /// Commits and then publishes what was committed.
+    /// Commits (fenced by this replica's lease, see
+    /// [`SessionManager::store_commit`]) and then publishes what was committed.
     pub(crate) async fn commit(&self, change: Changeset) -> Result<Committed> {
-        let committed = self.inner.store.commit(change).await?;
+        let committed = self
+            .store_commit(change)
+            .await
+            .map_err(|e| self.lease_error(e))?;
         self.after_commit(&committed);
         Ok(committed)
     }

@@ -104,6 +104,11 @@ struct OutcomeLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ByLabels {
+    by: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CauseLabels {
     cause: &'static str,
 }
@@ -140,6 +145,7 @@ pub struct ManagerMetrics {
     resumes: Family<OutcomeLabels, Counter>,
     launches: Family<LaunchLabels, Counter>,
     reconnects: Family<OutcomeLabels, Counter>,
+    fenced: Family<ByLabels, Counter>,
     pub(crate) watch: WatchMetrics,
     clocks: Mutex<HashMap<SessionId, TurnClock>>,
 }
@@ -181,6 +187,7 @@ impl Default for ManagerMetrics {
             resumes: Family::default(),
             launches: Family::default(),
             reconnects: Family::default(),
+            fenced: Family::default(),
             watch: WatchMetrics::default(),
             clocks: Mutex::default(),
         };
@@ -213,6 +220,9 @@ impl Default for ManagerMetrics {
         for outcome in ["reachable", "unreachable"] {
             drop(me.reconnects.get_or_create(&OutcomeLabels { outcome }));
         }
+        for by in ["store", "agentctl"] {
+            drop(me.fenced.get_or_create(&ByLabels { by }));
+        }
         for s in [true, false] {
             drop(me.watch.streams.get_or_create(&scope(s)));
         }
@@ -238,6 +248,13 @@ impl ManagerMetrics {
             "sessiond_turns",
             "Agent turns ended, by outcome (completed, cancelled, failed, interrupted)",
             self.turns.clone(),
+        );
+        registry.register(
+            "sessiond_fenced_actions",
+            "Writes (by=store) and agentctl calls (by=agentctl) refused because this replica's \
+             lease epoch was superseded: it was paused past its lease and another replica \
+             adopted the session",
+            self.fenced.clone(),
         );
         registry.register(
             "sessiond_turn_duration_seconds",
@@ -341,6 +358,12 @@ impl ManagerMetrics {
                 outcome,
             })
             .inc();
+    }
+
+    /// A write or agentctl call of this replica was refused for a lease
+    /// epoch it no longer holds (`by`: `store` or `agentctl`).
+    pub(crate) fn fenced(&self, by: &'static str) {
+        self.fenced.get_or_create(&ByLabels { by }).inc();
     }
 
     pub(crate) fn reconnect_attempt(&self, reachable: bool) {

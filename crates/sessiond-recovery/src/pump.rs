@@ -283,6 +283,9 @@ impl Pump {
                     r
                 }
                 Err(status) => {
+                    if self.mgr.executor_refused(self.session_id, &status) {
+                        return;
+                    }
                     failures += 1;
                     tracing::debug!(session = %self.session_id, error = %status, failures, "update stream failed");
                     if failures >= MAX_STREAM_FAILURES {
@@ -426,7 +429,7 @@ impl Pump {
             let add = Changeset::new()
                 .add_message(m.clone())
                 .event(self.session_id, EventPayload::MessageAdded(m.clone()));
-            match self.mgr.inner.store.commit(add).await {
+            match self.mgr.store_commit(add).await {
                 Ok(c) => {
                     self.mgr.inner.bus.publish(&c.events);
                     self.parts.insert(id, a.rev);
@@ -452,7 +455,7 @@ impl Pump {
                 Err(e) => return Err(e.into()),
             }
         };
-        let c = self.mgr.inner.store.commit(change).await?;
+        let c = self.mgr.store_commit(change).await?;
         self.mgr.inner.bus.publish(&c.events);
         self.parts.insert(id, a.rev);
         Ok(())
@@ -603,7 +606,7 @@ impl Pump {
             return Ok(());
         }
         let change = self.message_change(p, complete, Changeset::new());
-        match self.mgr.inner.store.commit(change).await {
+        match self.mgr.store_commit(change).await {
             Ok(c) => self.mgr.inner.bus.publish(&c.events),
             Err(sessiond_store::Error::AlreadyExists { .. }) if !p.stored => {
                 // Replayed after a restart: the message exists. The replay
@@ -639,7 +642,7 @@ impl Pump {
                 }
                 if complete || again.content.len() > again.floor.len() {
                     let change = self.message_change(&again, complete, Changeset::new());
-                    let c = self.mgr.inner.store.commit(change).await?;
+                    let c = self.mgr.store_commit(change).await?;
                     self.mgr.inner.bus.publish(&c.events);
                 }
                 again.dirty = false;
@@ -1142,6 +1145,8 @@ impl Pump {
                 )
                 .await
             }
+            // A superseded lease: the new owner settles the turn.
+            Err(status) if self.mgr.agentctl_refused(self.session_id, &status) => Ok(()),
             Err(status) if status.code() == tonic::Code::FailedPrecondition => {
                 drop(guard);
                 self.end_interrupted(turn, status.message()).await

@@ -528,6 +528,12 @@ impl SessionManager {
                         run.agent_state = Some(health.agent_state);
                         Observation::Healthy { agent: run.agent }
                     }
+                    // Not hung: agentctl serves a newer owner. Never
+                    // "end the hung agentctl" here: that would kill the
+                    // new owner's. This replica stops acting on it.
+                    Ok(Err(e)) if self.executor_refused(run.session.id, &e) => {
+                        return Err(self.not_owner_now(run.session.id).await);
+                    }
                     Ok(Err(e)) if e.is_unavailable() => Observation::HostUnreachable {
                         reason: e.to_string(),
                         retry_in_background,

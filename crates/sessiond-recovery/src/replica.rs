@@ -26,7 +26,7 @@ use std::{collections::HashSet, time::Duration};
 use chrono::Utc;
 use futures::StreamExt;
 use sessiond_domain::{ExecutorRecord, ExecutorStatus, SessionId};
-use sessiond_store::{EventWake, ReplicaInfo};
+use sessiond_store::{Changeset, Committed, EventWake, Fence, ReplicaInfo};
 
 use crate::{
     error::{Error, Result},
@@ -59,9 +59,131 @@ impl SessionManager {
         lock(&self.inner.owned).clone()
     }
 
-    pub(crate) fn mark_owned(&self, session: SessionId) {
+    /// Records that this replica holds `session`'s lease at `epoch` (a
+    /// claim, or the lease a create inserted).
+    pub(crate) fn mark_owned(&self, session: SessionId, epoch: i64) {
         if !self.exclusive() {
+            lock(&self.inner.epochs)
+                .entry(session)
+                .and_modify(|e| *e = (*e).max(epoch))
+                .or_insert(epoch);
             lock(&self.inner.owned).insert(session);
+        }
+    }
+
+    /// Forgets `session`'s lease after its executor row was deleted.
+    pub(crate) fn forget_lease(&self, session: SessionId) {
+        lock(&self.inner.epochs).remove(&session);
+        lock(&self.inner.owned).remove(&session);
+    }
+
+    /// The fencing token of this replica's writes and agentctl calls on
+    /// `session`: the newest epoch it claimed, still carried after the
+    /// lease was lost (then it is refused). `None` with an exclusive store
+    /// or for a session this replica never held.
+    pub(crate) fn fence(&self, session: SessionId) -> Option<Fence> {
+        if self.exclusive() {
+            return None;
+        }
+        let epoch = *lock(&self.inner.epochs).get(&session)?;
+        Some(Fence {
+            session,
+            owner: self.replica_id().to_owned(),
+            epoch,
+        })
+    }
+
+    /// Every write of the session path: fenced by the lease this replica
+    /// holds on the changeset's session (checked in the write's
+    /// transaction). On [`sessiond_store::Error::LeaseLost`] the session is
+    /// dropped here (see [`SessionManager::lease_lost`]) and the error
+    /// returned: the caller stops, it never retries as if nothing happened.
+    pub(crate) async fn store_commit(
+        &self,
+        mut change: Changeset,
+    ) -> std::result::Result<Committed, sessiond_store::Error> {
+        let fence = change.subject().and_then(|s| self.fence(s));
+        if let Some(f) = &fence {
+            change = change.fenced(f.clone());
+        }
+        let out = self.inner.store.commit(change).await;
+        if let (Err(e), Some(f)) = (&out, &fence)
+            && e.is_lease_lost()
+        {
+            self.lease_lost(f.session, f.epoch, "store", &e.to_string());
+        }
+        out
+    }
+
+    /// A store error as the manager's: a lost lease is [`Error::NotOwner`]
+    /// naming the replica that holds it now (retryable there).
+    pub(crate) fn lease_error(&self, e: sessiond_store::Error) -> Error {
+        match e {
+            sessiond_store::Error::LeaseLost {
+                session_id,
+                current_owner,
+                ..
+            } => match SessionId::parse(&session_id) {
+                Ok(session_id) => Error::NotOwner {
+                    session_id,
+                    owner: current_owner,
+                    address: String::new(),
+                    ttl_secs: self.inner.config.replica.lease_ttl.as_secs().max(1),
+                },
+                Err(_) => Error::Unavailable(format!("lease of session {session_id} lost")),
+            },
+            other => other.into(),
+        }
+    }
+
+    /// Whether `status` (of an agentctl call on `session`) is agentctl
+    /// refusing a superseded lease epoch; if so the session is dropped
+    /// here as after a refused write.
+    pub(crate) fn agentctl_refused(&self, session: SessionId, status: &tonic::Status) -> bool {
+        if status.code() != tonic::Code::FailedPrecondition
+            || !status.message().starts_with(sessiond_executor::STALE_EPOCH)
+        {
+            return false;
+        }
+        self.fenced_by_agentctl(session, status.message());
+        true
+    }
+
+    /// [`Self::agentctl_refused`] for a typed client's error.
+    pub(crate) fn executor_refused(
+        &self,
+        session: SessionId,
+        error: &sessiond_executor::Error,
+    ) -> bool {
+        match error {
+            sessiond_executor::Error::StaleEpoch { message, .. } => {
+                self.fenced_by_agentctl(session, message);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn fenced_by_agentctl(&self, session: SessionId, why: &str) {
+        if let Some(f) = self.fence(session) {
+            self.lease_lost(session, f.epoch, "agentctl", why);
+        } else {
+            self.inner.metrics.fenced("agentctl");
+            tracing::warn!(%session, reason = why, "fenced: agentctl refused a superseded lease epoch");
+        }
+    }
+
+    /// A write (`by` = `store`) or an agentctl call (`by` = `agentctl`) was
+    /// refused for `epoch`: another claim superseded it. When `epoch` is
+    /// still the newest this replica holds for the session (it did not
+    /// claim it again meanwhile), the session is dropped at once, as the
+    /// heartbeat would have: no pump, no client, no caches.
+    pub(crate) fn lease_lost(&self, session: SessionId, epoch: i64, by: &'static str, why: &str) {
+        self.inner.metrics.fenced(by);
+        tracing::warn!(%session, epoch, by, reason = why, "fenced: lease epoch superseded, action refused");
+        let current = lock(&self.inner.epochs).get(&session).copied();
+        if current == Some(epoch) && lock(&self.inner.owned).contains(&session) {
+            self.relinquish(session);
         }
     }
 
@@ -100,7 +222,7 @@ impl SessionManager {
             .await?;
         let mut out = Vec::with_capacity(claimed.len());
         for c in claimed {
-            self.mark_owned(c.record.session_id);
+            self.mark_owned(c.record.session_id, c.epoch);
             out.push(c.record);
         }
         Ok(out)
@@ -157,6 +279,37 @@ impl SessionManager {
         let owner = record.owner_id.clone().unwrap_or_default();
         let address = store.get_replica(&owner).await?.map(|r| r.address);
         Err(self.not_owner(&record, address))
+    }
+
+    /// `e`, unless this replica lost `session`'s lease meanwhile (a
+    /// fenced write or a heartbeat dropped it while the call ran, clearing
+    /// the caches the call's checks read): then [`Error::NotOwner`].
+    pub(crate) async fn unless_lost(&self, session: SessionId, e: Error) -> Error {
+        if self.owns(session) || !lock(&self.inner.epochs).contains_key(&session) {
+            return e;
+        }
+        self.not_owner_now(session).await
+    }
+
+    /// [`Error::NotOwner`] naming the replica the store says owns
+    /// `session`'s executor now (after this replica was fenced off).
+    pub(crate) async fn not_owner_now(&self, session: SessionId) -> Error {
+        let store = &self.inner.store;
+        let record = match store.get_executor_for_session(session).await {
+            Ok(Some(r)) => r,
+            Ok(None) => {
+                return Error::Unavailable(format!("session {session} has no executor now"));
+            }
+            Err(e) => return e.into(),
+        };
+        let owner = record.owner_id.clone().unwrap_or_default();
+        let address = store
+            .get_replica(&owner)
+            .await
+            .ok()
+            .flatten()
+            .map(|r| r.address);
+        self.not_owner(&record, address)
     }
 
     /// Whether recovery runs on a claimed executor (what startup recovery
@@ -218,8 +371,20 @@ impl SessionManager {
         Ok(())
     }
 
+    /// Test hook: each heartbeat first awaits `gate`, so a test can hold a
+    /// replica's belief that it still owns its sessions (as after a pause,
+    /// before its first heartbeat) and prove its writes and agentctl calls
+    /// are fenced, without guessing how long that moment lasts.
+    pub fn gate_heartbeat(&self, gate: crate::queue::PassGate) {
+        *lock(&self.inner.heartbeat_gate) = Some(gate);
+    }
+
     /// One heartbeat: the replica row and every lease, then drop what was lost.
     async fn heartbeat(&self, info: &ReplicaInfo) {
+        let gate = lock(&self.inner.heartbeat_gate).clone();
+        if let Some(gate) = gate {
+            gate().await;
+        }
         let r = &self.inner.config.replica;
         let before = self.owned_sessions();
         match self
@@ -264,7 +429,7 @@ impl SessionManager {
         let started = std::time::Instant::now();
         let mut records = Vec::with_capacity(n);
         for c in claimed {
-            self.mark_owned(c.record.session_id);
+            self.mark_owned(c.record.session_id, c.epoch);
             if self.adoptable(&c.record) {
                 records.push(c.record);
             }

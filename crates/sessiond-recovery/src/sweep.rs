@@ -231,6 +231,7 @@ mod tests {
             error_message: None,
             owner_id: None,
             lease_expires_at: None,
+            lease_epoch: 0,
             version: 1,
             created_at: now,
             updated_at: now,

@@ -350,10 +350,13 @@ impl Api {
         if let Some(c) = clients.get(&key)
             && c.url() == url
         {
+            // Fenced like the manager's calls: this replica's lease epoch.
+            c.raise_lease_epoch(record.lease_epoch);
             return Ok(c.clone());
         }
         let client =
-            AgentctlClient::new(&url, &record.auth_secret, &self.settings.workspace_client)?;
+            AgentctlClient::new(&url, &record.auth_secret, &self.settings.workspace_client)?
+                .with_lease_epoch(Some(record.lease_epoch));
         clients.retain(|(id, _), _| *id != record.id);
         clients.insert(key, client.clone());
         Ok(client)

@@ -120,11 +120,16 @@ fn store_code(e: &sessiond_store::Error) -> (Code, &'static str) {
         E::AlreadyExists { .. } => (Code::AlreadyExists, "already_exists"),
         E::Invalid(_) => (Code::InvalidArgument, "invalid_argument"),
         E::Pool(_) => (Code::Unavailable, "database_unavailable"),
+        E::LeaseLost { .. } => (Code::Unavailable, "lease_lost"),
         _ => (Code::Internal, "internal"),
     }
 }
 
 fn executor_code(e: &sessiond_executor::Error) -> (Code, &'static str) {
+    if matches!(e, sessiond_executor::Error::StaleEpoch { .. }) {
+        // Another replica adopted the session: retry, it serves it now.
+        return (Code::Unavailable, "stale_epoch");
+    }
     if e.is_unavailable() {
         (Code::Unavailable, "executor_unavailable")
     } else {
@@ -176,6 +181,12 @@ fn recovery_code(e: &sessiond_recovery::Error) -> (Code, &'static str) {
 /// Codes agentctl may answer a workspace call with that mean the same to
 /// our caller; anything else is our problem, not theirs.
 fn agentctl_code(status: &Status) -> (Code, &'static str) {
+    if status.code() == Code::FailedPrecondition
+        && status.message().starts_with(sessiond_executor::STALE_EPOCH)
+    {
+        // agentctl fenced this replica off: another one owns the session.
+        return (Code::Unavailable, "stale_epoch");
+    }
     match status.code() {
         c @ (Code::InvalidArgument
         | Code::NotFound

@@ -72,6 +72,9 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     if let Some(gate) = test_recovery_gate() {
         manager.gate_recovery_pass(gate);
     }
+    if let Some(gate) = test_gate("SESSIOND_TEST_HEARTBEAT_GATE", "each replica heartbeat") {
+        manager.gate_heartbeat(gate);
+    }
     if let Some(docker) = docker {
         // Waits for the first recovery pass and the grace period itself.
         manager.start_orphan_sweep(docker);
@@ -552,6 +555,23 @@ fn test_recovery_gate() -> Option<sessiond_recovery::PassGate> {
     let path = std::env::var_os("SESSIOND_TEST_RECOVERY_GATE").filter(|p| !p.is_empty())?;
     let path = std::path::PathBuf::from(path);
     tracing::warn!(gate = %path.display(), "SESSIOND_TEST_RECOVERY_GATE: the recovery pass waits while this file exists");
+    Some(Arc::new(move || {
+        let path = path.clone();
+        Box::pin(async move {
+            while path.exists() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    }))
+}
+
+/// Test hook: with `<var>=<file>`, `what` waits while that file exists
+/// (`SESSIOND_TEST_HEARTBEAT_GATE`: a fencing test holds a resumed replica
+/// before its first heartbeat).
+fn test_gate(var: &str, what: &str) -> Option<sessiond_recovery::PassGate> {
+    let path = std::env::var_os(var).filter(|p| !p.is_empty())?;
+    let path = std::path::PathBuf::from(path);
+    tracing::warn!(gate = %path.display(), "{var}: {what} waits while this file exists");
     Some(Arc::new(move || {
         let path = path.clone();
         Box::pin(async move {

@@ -34,6 +34,16 @@ pub struct Changeset {
     pub(crate) new_messages: Vec<Message>,
     pub(crate) message_updates: Vec<MessageUpdate>,
     pub(crate) events: Vec<(SessionId, EventPayload)>,
+    pub(crate) fence: Option<Fence>,
+}
+
+/// A fencing token: the lease a replica holds on a session's executor, as
+/// `owner` at `epoch` (see [`Changeset::fenced`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fence {
+    pub session: SessionId,
+    pub owner: String,
+    pub epoch: i64,
 }
 
 /// How a changeset moves a task.
@@ -159,6 +169,32 @@ impl Changeset {
         self
     }
 
+    /// Makes the write depend on the lease: it commits only if the
+    /// session's executor row still names `fence.owner` at `fence.epoch`
+    /// (checked, and the row locked, in the same transaction, so a claim by
+    /// another replica is ordered wholly before or after it); otherwise
+    /// nothing is written and the commit fails with
+    /// [`Error::LeaseLost`]. A session without an executor row passes only
+    /// when the changeset inserts one (a create).
+    pub fn fenced(mut self, fence: Fence) -> Self {
+        self.fence = Some(fence);
+        self
+    }
+
+    /// The session this changeset is about: the updated session, the
+    /// executor's, or the first message's or event's.
+    pub fn subject(&self) -> Option<SessionId> {
+        self.session
+            .as_ref()
+            .map(|s| s.id)
+            .or(match &self.executor {
+                Some(ExecutorWrite::Insert(r) | ExecutorWrite::Update(r)) => Some(r.session_id),
+                None => None,
+            })
+            .or(self.new_messages.first().map(|m| m.session_id))
+            .or(self.events.first().map(|(s, _)| *s))
+    }
+
     pub fn is_empty(&self) -> bool {
         self.session.is_none()
             && self.executor.is_none()
@@ -184,8 +220,8 @@ struct Need {
 /// takes the row lock until commit) and then read back, so seqs are gap-free:
 /// a rolled-back transaction gives its numbers back.
 /// What an executor update keeps from the stored row: session, task,
-/// created_at, and the lease (owner, expiry).
-type KeptColumns = (String, String, Ts, Option<String>, Option<Ts>);
+/// created_at, and the lease (owner, expiry, epoch).
+type KeptColumns = (String, String, Ts, Option<String>, Option<Ts>, i64);
 
 pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Committed> {
     let now = Ts::new(crate::conn::now());
@@ -337,7 +373,11 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
         }
     }
 
-    // 3. The executor record.
+    // 3. The fence (locks the executor row; after the task and session
+    //    rows, like every writer of executors), then the executor record.
+    if let Some(fence) = &change.fence {
+        check_fence(conn, fence, &change.executor)?;
+    }
     let executor = match change.executor {
         None => None,
         Some(ExecutorWrite::Insert(mut record)) => {
@@ -382,10 +422,12 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
                     executors_running::created_at,
                     executors_running::owner_id,
                     executors_running::lease_expires_at,
+                    executors_running::lease_epoch,
                 ))
                 .first(conn)
                 .optional()?;
-            let Some((session_id, task_id, created_at, owner_id, lease_expires_at)) = current
+            let Some((session_id, task_id, created_at, owner_id, lease_expires_at, lease_epoch)) =
+                current
             else {
                 return Err(Error::not_found("executor", record.id));
             };
@@ -394,6 +436,7 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
             row.created_at = created_at;
             row.owner_id = owner_id;
             row.lease_expires_at = lease_expires_at;
+            row.lease_epoch = lease_epoch;
             let written = diesel::update(
                 target
                     .clone()
@@ -505,6 +548,49 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
         executor,
         messages,
         events,
+    })
+}
+
+/// The lease check of [`Changeset::fenced`]. A no-op `UPDATE` filtered on
+/// owner and epoch: it takes the row lock until commit (PostgreSQL), so a
+/// concurrent claim waits for this transaction or has already changed what
+/// the filter sees (READ COMMITTED re-checks the newest row version);
+/// SQLite's write transaction is exclusive anyway.
+fn check_fence(
+    conn: &mut AnyConnection,
+    fence: &Fence,
+    executor: &Option<ExecutorWrite>,
+) -> Result<()> {
+    let session = fence.session.to_string();
+    let n = diesel::update(
+        executors_running::table
+            .filter(executors_running::session_id.eq(&session))
+            .filter(executors_running::owner_id.eq(&fence.owner))
+            .filter(executors_running::lease_epoch.eq(fence.epoch)),
+    )
+    .set(executors_running::lease_epoch.eq(executors_running::lease_epoch))
+    .execute(conn)?;
+    if n > 0 {
+        return Ok(());
+    }
+    let current: Option<(Option<String>, i64)> = executors_running::table
+        .filter(executors_running::session_id.eq(&session))
+        .select((executors_running::owner_id, executors_running::lease_epoch))
+        .first(conn)
+        .optional()?;
+    let creating =
+        matches!(executor, Some(ExecutorWrite::Insert(r)) if r.session_id == fence.session);
+    let (current_owner, current_epoch) = match current {
+        None if creating => return Ok(()),
+        None => ("-".to_owned(), 0),
+        Some((owner, epoch)) => (owner.unwrap_or_else(|| "-".to_owned()), epoch),
+    };
+    Err(Error::LeaseLost {
+        session_id: session,
+        owner: fence.owner.clone(),
+        epoch: fence.epoch,
+        current_owner,
+        current_epoch,
     })
 }
 

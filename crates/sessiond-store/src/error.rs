@@ -26,6 +26,23 @@ pub enum Error {
         actual_version: i64,
     },
 
+    /// Fencing: the write was made for the lease of `session_id`'s executor
+    /// as `owner` at `epoch`, but the row says another claim happened since
+    /// (another replica adopted it, or this one claimed it again). Nothing
+    /// was written; the writer must stop acting on the session.
+    #[error(
+        "lease of session {session_id} lost: written as {owner} at epoch {epoch}, but the \
+         executor is now {current_owner} at epoch {current_epoch}"
+    )]
+    LeaseLost {
+        session_id: String,
+        owner: String,
+        epoch: i64,
+        /// `-` when the executor row is gone.
+        current_owner: String,
+        current_epoch: i64,
+    },
+
     /// A row with this key (or unique value) exists already.
     #[error("{entity} {id} already exists")]
     AlreadyExists { entity: &'static str, id: String },
@@ -76,6 +93,11 @@ impl Error {
     /// True for [`Error::NotFound`].
     pub fn is_not_found(&self) -> bool {
         matches!(self, Error::NotFound { .. })
+    }
+
+    /// True for [`Error::LeaseLost`].
+    pub fn is_lease_lost(&self) -> bool {
+        matches!(self, Error::LeaseLost { .. })
     }
 
     /// True for [`Error::Conflict`].

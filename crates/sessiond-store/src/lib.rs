@@ -37,7 +37,7 @@ mod rows;
 mod schema;
 mod store;
 
-pub use changeset::{Changeset, Committed, ExecutorWrite, MessageUpdate};
+pub use changeset::{Changeset, Committed, ExecutorWrite, Fence, MessageUpdate};
 pub use error::{BoxError, Error, Result};
 pub use events::EventWake;
 pub use replicas::{Claimed, ReplicaInfo};

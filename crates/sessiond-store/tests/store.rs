@@ -137,6 +137,7 @@ fn executor(s: &Session, status: ExecutorStatus) -> ExecutorRecord {
         error_message: None,
         owner_id: Some("replica-a".into()),
         lease_expires_at: Some(now + Duration::seconds(30)),
+        lease_epoch: 0,
         version: 1,
         created_at: now,
         updated_at: now,
@@ -1315,6 +1316,167 @@ mod suite {
         ));
     }
 
+    /// Fencing: a changeset fenced with the lease the writer holds commits
+    /// while the row still names that owner and epoch; after another
+    /// replica's claim (epoch + 1) the same write fails with `LeaseLost`
+    /// (both epochs named) and writes nothing: no message, no event, no
+    /// session change. A create (fence + executor insert) passes.
+    pub async fn fenced_writes_fail_after_the_lease_moved(store: &Store) {
+        use sessiond_store::Fence;
+        let ttl = std::time::Duration::from_secs(30);
+        let now = Utc::now();
+        let (t, _, s) = seed(store).await;
+        let mut rec = executor(&s, ExecutorStatus::Ready);
+        rec.owner_id = Some("replica-a".into());
+        let fence = |owner: &str, epoch: i64| Fence {
+            session: s.id,
+            owner: owner.into(),
+            epoch,
+        };
+        // The create: no executor row yet, the changeset inserts it.
+        store
+            .commit(
+                Changeset::new()
+                    .insert_executor(rec.clone())
+                    .event(
+                        s.id,
+                        state_changed(SessionState::Created, SessionState::Starting),
+                    )
+                    .fenced(fence("replica-a", 0)),
+            )
+            .await
+            .unwrap();
+        // A's writes at epoch 0 go through.
+        let m = message(&s, MessageRole::User, "one");
+        store
+            .commit(
+                Changeset::new()
+                    .add_message(m.clone())
+                    .event(s.id, EventPayload::MessageAdded(m))
+                    .fenced(fence("replica-a", 0)),
+            )
+            .await
+            .unwrap();
+        let before_events = store.last_event_seq(s.id).await.unwrap();
+        let before_task = store.last_task_event_seq(t.id).await.unwrap();
+        let session = store.get_session(s.id).await.unwrap();
+
+        // B adopts (expired lease): epoch 1.
+        let later = now + Duration::seconds(31);
+        let adopted = store
+            .claim_expired("replica-b", later, ttl, 10)
+            .await
+            .unwrap();
+        assert_eq!(adopted.len(), 1);
+        assert_eq!(adopted[0].epoch, 1);
+        assert_eq!(adopted[0].record.lease_epoch, 1);
+
+        // A, paused past its lease, tries to write as before: refused, all of it.
+        let m2 = message(&s, MessageRole::User, "two");
+        let mut next = session.clone();
+        next.state = SessionState::Running;
+        let err = store
+            .commit(
+                Changeset::new()
+                    .update_session(next.clone())
+                    .add_message(m2.clone())
+                    .event(s.id, EventPayload::MessageAdded(m2.clone()))
+                    .fenced(fence("replica-a", 0)),
+            )
+            .await
+            .unwrap_err();
+        match &err {
+            Error::LeaseLost {
+                owner,
+                epoch,
+                current_owner,
+                current_epoch,
+                ..
+            } => {
+                assert_eq!(
+                    (
+                        owner.as_str(),
+                        *epoch,
+                        current_owner.as_str(),
+                        *current_epoch
+                    ),
+                    ("replica-a", 0, "replica-b", 1)
+                );
+                let text = err.to_string();
+                assert!(
+                    text.contains("epoch 0") && text.contains("epoch 1"),
+                    "{text}"
+                );
+            }
+            other => panic!("expected LeaseLost, got {other}"),
+        }
+        assert!(err.is_lease_lost());
+        assert_eq!(store.last_event_seq(s.id).await.unwrap(), before_events);
+        assert_eq!(store.last_task_event_seq(t.id).await.unwrap(), before_task);
+        let msgs = store.list_messages(s.id, 0, 10).await.unwrap();
+        assert_eq!(msgs.len(), 1, "{msgs:?}");
+        assert_eq!(store.get_session(s.id).await.unwrap(), session);
+        // The right owner at the wrong epoch is refused too (A's own older
+        // claim); B at its epoch writes.
+        assert!(
+            store
+                .commit(
+                    Changeset::new()
+                        .event(
+                            s.id,
+                            state_changed(SessionState::Starting, SessionState::Running)
+                        )
+                        .fenced(fence("replica-b", 0)),
+                )
+                .await
+                .unwrap_err()
+                .is_lease_lost()
+        );
+        store
+            .commit(
+                Changeset::new()
+                    .update_session(next)
+                    .add_message(m2.clone())
+                    .event(s.id, EventPayload::MessageAdded(m2))
+                    .fenced(fence("replica-b", 1)),
+            )
+            .await
+            .unwrap();
+        assert_eq!(store.last_event_seq(s.id).await.unwrap(), before_events + 1);
+        // A changeset update keeps the stored epoch (never writes it back).
+        let mut copy = store.get_executor(rec.id).await.unwrap();
+        assert_eq!(copy.lease_epoch, 1);
+        copy.lease_epoch = 0;
+        copy.error_message = Some("x".into());
+        let written = store
+            .commit(
+                Changeset::new()
+                    .update_executor(copy)
+                    .fenced(fence("replica-b", 1)),
+            )
+            .await
+            .unwrap()
+            .executor
+            .unwrap();
+        assert_eq!(written.lease_epoch, 1);
+        // Gone executor: a fenced write that does not create it is refused.
+        store.delete_executor(rec.id).await.unwrap();
+        assert!(
+            store
+                .commit(
+                    Changeset::new()
+                        .event(
+                            s.id,
+                            state_changed(SessionState::Running, SessionState::Starting)
+                        )
+                        .fenced(fence("replica-b", 1)),
+                )
+                .await
+                .unwrap_err()
+                .is_lease_lost()
+        );
+    }
+
     pub async fn migrations_round_trip(store: &Store) {
         seed(store).await;
         let reverted = store.revert_all_migrations().await.unwrap();
@@ -1373,6 +1535,7 @@ macro_rules! store_tests {
             store_test!($backend, managed_reads_match_single_reads);
             store_test!($backend, migrations_round_trip);
             store_test!($backend, leases_claim_renew_release_and_adopt);
+            store_test!($backend, fenced_writes_fail_after_the_lease_moved);
         }
     };
 }

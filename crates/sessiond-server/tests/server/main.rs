@@ -13,6 +13,7 @@ mod activity;
 mod agents;
 mod api;
 mod config;
+mod fencing;
 mod interop;
 mod metrics;
 mod ops;
