@@ -139,8 +139,7 @@ impl SessionManager {
     /// [`Error::NotOwner`]. A session without an executor needs no owner.
     pub(crate) async fn ensure_owned(&self, session: SessionId) -> Result<()> {
         if self.owns(session) {
-            self.join_adoption(session).await;
-            return Ok(());
+            return self.join_adoption(session).await;
         }
         let store = &self.inner.store;
         let Some(record) = store.get_executor_for_session(session).await? else {
@@ -155,8 +154,7 @@ impl SessionManager {
                 // The adoption round claimed it meanwhile: claiming it again
                 // would bump the version under the round's recovery.
                 drop(claims);
-                self.join_adoption(session).await;
-                return Ok(());
+                return self.join_adoption(session).await;
             }
             let claimed = self.claim_records(vec![record.clone()]).await?;
             drop(claims);
@@ -269,14 +267,19 @@ impl SessionManager {
     /// A call on a session this replica owns: when the adoption round
     /// claimed it and has not recovered it yet, recover it now (ahead of
     /// the round) or wait for the recovery under way, as a call does during
-    /// startup recovery. A failed recovery leaves the records as they were
-    /// and the caller's own checks answer.
-    async fn join_adoption(&self, session: SessionId) {
+    /// startup recovery. A failed recovery is UNAVAILABLE: it is tried
+    /// again (by the next round or call), so the caller retries.
+    async fn join_adoption(&self, session: SessionId) -> Result<()> {
         if let Some(recovery) = self.claim_adoption(session, Lane::Call)
             && let Err(e) = recovery.await
         {
             tracing::debug!(%session, error = %e, "adoption recovery failed");
+            return Err(Error::Unavailable(format!(
+                "session {session} is being adopted by this replica and its recovery failed \
+                 ({e}); it is tried again: retry in a moment"
+            )));
         }
+        Ok(())
     }
 
     /// One heartbeat: the replica row and every lease, then drop what was lost.
