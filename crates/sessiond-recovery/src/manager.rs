@@ -188,6 +188,12 @@ pub(crate) struct Inner {
     pub(crate) epochs: StdMutex<HashMap<SessionId, i64>>,
     /// Test hook: awaited before each heartbeat (see `gate_heartbeat`).
     pub(crate) heartbeat_gate: StdMutex<Option<crate::queue::PassGate>>,
+    /// This replica's lease claims, one at a time (`replica.rs`): a call
+    /// never claims again what the adoption round just claimed.
+    pub(crate) claims: tokio::sync::Mutex<()>,
+    /// Sessions the adoption round claimed and has yet to recover
+    /// (`replica.rs`): a call on one joins (or starts) its recovery.
+    pub(crate) adoptions: StdMutex<HashMap<SessionId, crate::replica::Adoption>>,
 }
 
 /// Runs sessions: create, message, stop; recovers them at startup; resumes
@@ -259,6 +265,8 @@ impl SessionManager {
                 owned: StdMutex::default(),
                 epochs: StdMutex::default(),
                 heartbeat_gate: StdMutex::default(),
+                claims: tokio::sync::Mutex::new(()),
+                adoptions: StdMutex::default(),
             }),
         }
     }
