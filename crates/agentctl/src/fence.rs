@@ -183,14 +183,14 @@ mod tests {
 
     #[test]
     fn older_refused_newer_stored_none_accepted() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir().expect("ok");
         let path = dir.path().join("lease-epoch");
-        let fence = EpochFence::open(&path).unwrap();
+        let fence = EpochFence::open(&path).expect("ok");
         assert_eq!(fence.newest(), None);
-        fence.admit(None).unwrap();
-        fence.admit(Some(3)).unwrap();
-        fence.admit(Some(3)).unwrap();
-        let err = fence.admit(Some(2)).unwrap_err();
+        fence.admit(None).expect("ok");
+        fence.admit(Some(3)).expect("ok");
+        fence.admit(Some(3)).expect("ok");
+        let err = fence.admit(Some(2)).expect_err("refused");
         assert_eq!(err.code(), tonic::Code::FailedPrecondition);
         assert!(err.message().starts_with(STALE_EPOCH), "{}", err.message());
         assert!(
@@ -199,32 +199,32 @@ mod tests {
             err.message()
         );
         // No header: accepted, and the stored epoch stays.
-        fence.admit(None).unwrap();
+        fence.admit(None).expect("ok");
         assert_eq!(fence.newest(), Some(3));
-        assert_eq!(std::fs::read_to_string(&path).unwrap().trim(), "3");
+        assert_eq!(std::fs::read_to_string(&path).expect("ok").trim(), "3");
         // A new process of the same executor remembers it.
-        let again = EpochFence::open(&path).unwrap();
+        let again = EpochFence::open(&path).expect("ok");
         assert_eq!(again.newest(), Some(3));
         assert!(again.admit(Some(1)).is_err());
-        again.admit(Some(4)).unwrap();
-        assert_eq!(EpochFence::open(&path).unwrap().newest(), Some(4));
+        again.admit(Some(4)).expect("ok");
+        assert_eq!(EpochFence::open(&path).expect("ok").newest(), Some(4));
     }
 
     #[test]
     fn a_corrupt_file_or_header_is_an_error() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir().expect("ok");
         let path = dir.path().join("lease-epoch");
-        std::fs::write(&path, "x").unwrap();
+        std::fs::write(&path, "x").expect("ok");
         assert!(EpochFence::open(&path).is_err());
         let fence = EpochFence::in_memory();
         let mut md = tonic::metadata::MetadataMap::new();
-        md.insert(LEASE_EPOCH_METADATA, "-1".parse().unwrap());
+        md.insert(LEASE_EPOCH_METADATA, "-1".parse().expect("ok"));
         assert_eq!(
-            fence.admit_metadata(&md).unwrap_err().code(),
+            fence.admit_metadata(&md).expect_err("refused").code(),
             tonic::Code::InvalidArgument
         );
-        md.insert(LEASE_EPOCH_METADATA, "7".parse().unwrap());
-        fence.admit_metadata(&md).unwrap();
+        md.insert(LEASE_EPOCH_METADATA, "7".parse().expect("ok"));
+        fence.admit_metadata(&md).expect("ok");
         assert_eq!(fence.newest(), Some(7));
     }
 }

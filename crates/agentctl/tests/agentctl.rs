@@ -2515,8 +2515,10 @@ async fn ask_policy_waits_for_an_answer_times_out_and_is_journaled() {
 /// `request` carrying sessiond's lease epoch `epoch`.
 fn epoch<T>(request: T, epoch: i64) -> tonic::Request<T> {
     let mut r = tonic::Request::new(request);
-    r.metadata_mut()
-        .insert("sessiond-lease-epoch", epoch.to_string().parse().unwrap());
+    r.metadata_mut().insert(
+        "sessiond-lease-epoch",
+        epoch.to_string().parse().expect("ok"),
+    );
     r
 }
 
@@ -2559,7 +2561,7 @@ async fn older_lease_epochs_are_refused_across_an_agentctl_restart() {
         .expect("prompt");
     wait_lines(&side, 1).await;
     assert_eq!(
-        std::fs::read_to_string(&epoch_file).unwrap().trim(),
+        std::fs::read_to_string(&epoch_file).expect("ok").trim(),
         "1",
         "persisted"
     );
@@ -2569,11 +2571,14 @@ async fn older_lease_epochs_are_refused_across_an_agentctl_restart() {
     c.health(epoch(HealthRequest {}, 2))
         .await
         .expect("health at 2");
-    assert_eq!(std::fs::read_to_string(&epoch_file).unwrap().trim(), "2");
+    assert_eq!(
+        std::fs::read_to_string(&epoch_file).expect("ok").trim(),
+        "2"
+    );
     let err = c
         .prompt(epoch(turn_prompt("stale", "t2", false), 1))
         .await
-        .unwrap_err();
+        .expect_err("refused");
     assert_stale(&err, 1, 2);
     let err = c
         .exec(epoch(
@@ -2585,21 +2590,27 @@ async fn older_lease_epochs_are_refused_across_an_agentctl_restart() {
             1,
         ))
         .await
-        .unwrap_err();
+        .expect_err("refused");
     assert_stale(&err, 1, 2);
     assert!(!h.ws().join("stale-exec").exists());
-    let err = c.cancel(epoch(CancelRequest {}, 0)).await.unwrap_err();
+    let err = c
+        .cancel(epoch(CancelRequest {}, 0))
+        .await
+        .expect_err("refused");
     assert_stale(&err, 0, 2);
     assert_eq!(lines_of(&side), ["one"], "the stale prompt never ran");
     // Without the header: accepted; the stored epoch stays 2.
     health(&mut c).await;
-    assert_eq!(std::fs::read_to_string(&epoch_file).unwrap().trim(), "2");
+    assert_eq!(
+        std::fs::read_to_string(&epoch_file).expect("ok").trim(),
+        "2"
+    );
     // A malformed epoch is a bad request, not a pass.
     let mut bad = tonic::Request::new(HealthRequest {});
     bad.metadata_mut()
-        .insert("sessiond-lease-epoch", "two".parse().unwrap());
+        .insert("sessiond-lease-epoch", "two".parse().expect("ok"));
     assert_eq!(
-        c.health(bad).await.unwrap_err().code(),
+        c.health(bad).await.expect_err("refused").code(),
         Code::InvalidArgument
     );
 
@@ -2612,7 +2623,7 @@ async fn older_lease_epochs_are_refused_across_an_agentctl_restart() {
     let err = c
         .launch_agent(epoch(h.demo(true, &agent_env), 1))
         .await
-        .unwrap_err();
+        .expect_err("refused");
     assert_stale(&err, 1, 2);
     c.launch_agent(epoch(h.demo(true, &agent_env), 2))
         .await
@@ -2623,13 +2634,16 @@ async fn older_lease_epochs_are_refused_across_an_agentctl_restart() {
     let err = c
         .prompt(epoch(turn_prompt("stale", "t3", false), 2))
         .await
-        .unwrap_err();
+        .expect_err("refused");
     assert_stale(&err, 2, 3);
     c.prompt(epoch(turn_prompt("two", "t4", false), 3))
         .await
         .expect("prompt at 3");
     wait_lines(&side, 2).await;
     assert_eq!(lines_of(&side), ["one", "two"]);
-    assert_eq!(std::fs::read_to_string(&epoch_file).unwrap().trim(), "3");
+    assert_eq!(
+        std::fs::read_to_string(&epoch_file).expect("ok").trim(),
+        "3"
+    );
     ctl.shutdown().await;
 }

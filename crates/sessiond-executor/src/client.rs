@@ -876,6 +876,7 @@ mod tests {
         let mut auth = BearerAuth {
             header: "Bearer s".parse().expect("header"),
             call_timeout: Duration::from_secs(2),
+            epoch: Arc::new(AtomicI64::new(NO_EPOCH)),
         };
         let mut request = tonic::Request::new(());
         if let Some(m) = method {
@@ -902,6 +903,35 @@ mod tests {
             "n" => Duration::from_nanos(n),
             _ => return None,
         })
+    }
+
+    /// The lease epoch rides on every call once set, is shared by clones,
+    /// and is never lowered; without one no header is sent.
+    #[test]
+    fn the_lease_epoch_is_sent_and_only_raised() {
+        let config = ClientConfig::default();
+        let client = AgentctlClient::new("http://127.0.0.1:1", "s", &config).expect("client");
+        assert_eq!(client.lease_epoch(), None);
+        let epoch_of = |c: &AgentctlClient| {
+            let mut auth = BearerAuth {
+                header: "Bearer s".parse().expect("header"),
+                call_timeout: Duration::from_secs(2),
+                epoch: c.epoch.clone(),
+            };
+            auth.call(tonic::Request::new(()))
+                .expect("intercepted")
+                .metadata()
+                .get(LEASE_EPOCH_METADATA)
+                .map(|v| v.to_str().expect("ascii").to_owned())
+        };
+        assert_eq!(epoch_of(&client), None);
+        let client = client.with_lease_epoch(Some(3));
+        let clone = client.clone();
+        assert_eq!(epoch_of(&clone).as_deref(), Some("3"));
+        clone.raise_lease_epoch(2);
+        assert_eq!(client.lease_epoch(), Some(3), "never lowered");
+        client.raise_lease_epoch(5);
+        assert_eq!(epoch_of(&clone).as_deref(), Some("5"));
     }
 
     #[test]
