@@ -907,8 +907,8 @@ mod tests {
 
     /// The lease epoch rides on every call once set, is shared by clones,
     /// and is never lowered; without one no header is sent.
-    #[test]
-    fn the_lease_epoch_is_sent_and_only_raised() {
+    #[tokio::test]
+    async fn the_lease_epoch_is_sent_and_only_raised() {
         let config = ClientConfig::default();
         let client = AgentctlClient::new("http://127.0.0.1:1", "s", &config).expect("client");
         assert_eq!(client.lease_epoch(), None);

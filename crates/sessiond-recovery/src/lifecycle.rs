@@ -389,11 +389,18 @@ impl SessionManager {
         self.session_of_task(task, session_id).await?;
         self.ensure_recovered(session_id).await?;
         let _guard = self.lock_session(session_id).await;
-        let session = self.inner.store.get_session(session_id).await?;
-        if let Err(e) = self.check_can_start_turn(&session, "send a message").await {
-            return Err(self.unless_lost(session_id, e).await);
+        let sent = async {
+            let session = self.inner.store.get_session(session_id).await?;
+            self.check_can_start_turn(&session, "send a message")
+                .await?;
+            self.start_turn(session, text).await
         }
-        self.start_turn(session, text).await
+        .await;
+        match sent {
+            // Lost the lease while the call ran: the new owner is named.
+            Err(e) => Err(self.unless_lost(session_id, e).await),
+            ok => ok,
+        }
     }
 
     /// Runs again a turn that ended *interrupted* (a crash left it unknown

@@ -302,10 +302,26 @@ impl SessionManager {
     /// fenced write or a heartbeat dropped it while the call ran, clearing
     /// the caches the call's checks read): then [`Error::NotOwner`].
     pub(crate) async fn unless_lost(&self, session: SessionId, e: Error) -> Error {
-        if self.owns(session) || !lock(&self.inner.epochs).contains_key(&session) {
+        let Some(f) = self.fence(session) else {
             return e;
+        };
+        if !self.owns(session) {
+            return self.not_owner_now(session).await;
         }
-        self.not_owner_now(session).await
+        // Still owned here: the row says whether another claim happened
+        // (a failure caused by the lost lease, noticed before any write).
+        match self.inner.store.get_executor_for_session(session).await {
+            Ok(Some(r)) if r.owner_id.as_deref() != Some(&f.owner) || r.lease_epoch != f.epoch => {
+                let why = format!(
+                    "executor now {} at epoch {}",
+                    r.owner_id.as_deref().unwrap_or("-"),
+                    r.lease_epoch
+                );
+                self.lease_lost(session, f.epoch, "store", &why);
+                self.not_owner_now(session).await
+            }
+            _ => e,
+        }
     }
 
     /// [`Error::NotOwner`] naming the replica the store says owns
