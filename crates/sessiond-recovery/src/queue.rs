@@ -16,12 +16,23 @@
 //! deadlines extended by the pause), so the call does not queue behind the
 //! pass's `concurrency` others for the database and the CPU.
 //!
+//! The pass's own recoveries run with a `sessiond_store::Yield` flag: their
+//! store calls give way to everyone else's (SQLite's write turn, two pool
+//! connections kept free), and a call that joins one promotes it. A call
+//! that waited for a recovery keeps the pass paused between steps until it
+//! is answered (`recover_ahead`, at most [`MAX_PAUSE`] at a time), so its
+//! own writes and `Prompt` do not compete with the pass either.
+//!
 //! While a session is in the queue and its recovery has not ended,
 //! [`SessionManager::session_status`] says `recovering`. Between the moment
 //! a backend announces a pass ([`SessionManager::expect_startup_recovery`],
-//! before it serves) and the moment the queue is filled, status and calls
-//! wait for the queue (a few tens of milliseconds for 10,000 executors),
-//! so nothing is answered from records the pass is about to look at.
+//! before it serves) and the moment the queue is filled, nothing waits on an
+//! exclusive store (SQLite, where the pass takes every live executor):
+//! status answers from the records (a `starting` / `ready` executor is one
+//! the pass is about to recover: `recovering`), and a call on such a session
+//! claims its recovery at once (`claim_while_loading`); the pass, once
+//! filled, joins it. With other replicas the pass first claims leases, so
+//! status and calls wait for the queue there.
 
 use std::{collections::HashMap, sync::Arc};
 
