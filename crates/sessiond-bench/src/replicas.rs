@@ -200,7 +200,7 @@ pub async fn adoption(
                 m
             });
     anyhow::ensure!(
-        owners.get("bench-a").is_none()
+        !owners.contains_key("bench-a")
             && owners.get("bench-b").copied().unwrap_or(0)
                 + owners.get("bench-c").copied().unwrap_or(0)
                 == n,
