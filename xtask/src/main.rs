@@ -8,7 +8,8 @@
 //!   The Docker tests (`#[ignore]`d, so a plain test run never counts them as
 //!   passed) run explicitly, against a dockerd it starts unless one runs
 //!   (installing `docker.io` when missing), with an image built offline.
-//!   It builds and runs the library crates' examples (`EXAMPLES`).
+//!   It builds and runs the library crates' examples (`EXAMPLES`), builds
+//!   their API docs with warnings as errors and packages them (dry run).
 //!   Its last line is `N passed, N failed` over every test it ran.
 //! - `docker-image`: builds the `sessiond-agentctl:dev` image with no registry.
 //! - `docker-tests`: only the Docker tests (executor driver with the
@@ -89,6 +90,7 @@ fn ci() -> anyhow::Result<()> {
         cargo(&["build", "--workspace", "--bins", "--locked"]),
     )?;
     examples()?;
+    library_docs_and_packages()?;
     let mut tally = Tally::default();
     tally.run(
         "web: browser suite",
@@ -195,6 +197,56 @@ fn examples() -> anyhow::Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// The crates other Rust services embed (publishable; see docs/EMBEDDING.md).
+const LIBRARY_CRATES: &[&str] = &[
+    "sessiond-domain",
+    "sessiond-proto",
+    "sessiond-store",
+    "sessiond-executor",
+    "sessiond-recovery",
+    "sessiond-telemetry",
+    "sessiond-server",
+];
+
+/// The library crates' API docs with every rustdoc warning an error (a
+/// broken or private intra-doc link fails), and each library crate packaged
+/// as `cargo publish` would (`cargo package --workspace`, which resolves the
+/// unpublished sessiond crates among themselves). `--no-verify`: the
+/// packages are not compiled again from the tarballs.
+fn library_docs_and_packages() -> anyhow::Result<()> {
+    let mut doc = cargo(&["doc", "--no-deps", "--locked"]);
+    for c in LIBRARY_CRATES {
+        doc.args(["-p", c]);
+    }
+    doc.env("RUSTDOCFLAGS", "-D warnings");
+    step("docs", doc)?;
+    let mut package = cargo(&[
+        "package",
+        "--workspace",
+        "--no-verify",
+        "--locked",
+        "--allow-dirty",
+    ]);
+    for member in workspace_members()? {
+        if !LIBRARY_CRATES.contains(&member.as_str()) {
+            package.args(["--exclude", &member]);
+        }
+    }
+    step("package the library crates", package)
+}
+
+/// The workspace's package names (the directories of `crates/`, and xtask).
+fn workspace_members() -> anyhow::Result<Vec<String>> {
+    let mut members = vec!["xtask".to_owned()];
+    for entry in std::fs::read_dir(workspace_root().join("crates"))? {
+        let entry = entry?;
+        if entry.path().join("Cargo.toml").is_file() {
+            members.push(entry.file_name().to_string_lossy().into_owned());
+        }
+    }
+    Ok(members)
 }
 
 /// `soak [--runs N]`: the suites of [`test_suites`] N times in a row (3 by

@@ -314,7 +314,7 @@ impl SessionManager {
     ///
     /// Answered from memory: the session row and the profile's claim come
     /// from the status snapshot (loaded from the store on first use, in one
-    /// round trip, then replaced by every [`SessionManager::commit`]), the
+    /// round trip, then replaced by every `SessionManager::commit`), the
     /// execution from the executors cache, or, for a session this manager
     /// never wrote, from the record loaded with the snapshot.
     pub async fn session_status(&self, task: TaskId, session: SessionId) -> Result<SessionStatus> {
