@@ -46,6 +46,7 @@ impl Yield {
         self.0.store(false, Ordering::Relaxed);
     }
 
+    /// Whether this work still yields to everyone else's (not promoted yet).
     pub fn is_yielding(&self) -> bool {
         self.0.load(Ordering::Relaxed)
     }
