@@ -21,6 +21,8 @@
 //!   which `ci` and `soak` make too (its test is `#[ignore]`d, run by `ci`).
 //! - `soak [--runs N]`: the test suites of `ci` N times (3) under CPU load
 //!   (a busy loop per core), reporting each run's failures: the flake check.
+//! - `public-api`: rewrites docs/public-api.txt, the public-API snapshot of
+//!   the library crates that xtask's test compares (see `public_api.rs`).
 //! - `bench`: the performance figures (see `bench.rs`); writes docs/PERFORMANCE.md.
 
 use std::{
@@ -37,6 +39,7 @@ mod bench;
 mod compose;
 mod docker;
 mod interop;
+mod public_api;
 mod web;
 
 fn main() -> anyhow::Result<()> {
@@ -46,6 +49,15 @@ fn main() -> anyhow::Result<()> {
         Some("docker-image") => docker_image(&args[1..]),
         Some("docker-tests") => docker_tests(),
         Some("soak") => soak(&args[1..]),
+        Some("public-api") => {
+            let root = workspace_root();
+            std::fs::write(
+                public_api::snapshot_path(&root),
+                public_api::listing(&root)?,
+            )?;
+            eprintln!("xtask: wrote docs/public-api.txt");
+            Ok(())
+        }
         Some("interop-venv") => interop::ensure_venv(&workspace_root()).map(|_| ()),
         Some("bench") => {
             let root = workspace_root();
@@ -55,7 +67,7 @@ fn main() -> anyhow::Result<()> {
         }
         _ => {
             eprintln!(
-                "usage: cargo xtask ci | docker-image [--tar <file>] | docker-tests | interop-venv | soak [--runs N] | bench [--quick]"
+                "usage: cargo xtask ci | docker-image [--tar <file>] | docker-tests | interop-venv | soak [--runs N] | bench [--quick] | public-api"
             );
             bail!("unknown or missing command {:?}", args.first());
         }

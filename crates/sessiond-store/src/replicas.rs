@@ -28,13 +28,19 @@ use crate::{
 /// One replica as registered, with what it owns now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplicaInfo {
+    /// The replica id (stable across its restarts).
     pub id: String,
     /// Where its API is reached (`host:port`).
     pub address: String,
+    /// The host it runs on.
     pub hostname: String,
+    /// Its process id there.
     pub pid: i64,
+    /// When it registered.
     pub started_at: DateTime<Utc>,
+    /// Its last heartbeat.
     pub heartbeat_at: DateTime<Utc>,
+    /// How long its leases last without a renewal.
     pub lease_ttl: Duration,
     /// Executors it holds an unexpired lease on (not `stopped`).
     pub owned_executors: i64,
@@ -54,7 +60,9 @@ impl ReplicaInfo {
 /// version as written by the claim) and its new lease epoch.
 #[derive(Debug, Clone)]
 pub struct Claimed {
+    /// The executor record as the claim wrote it.
     pub record: ExecutorRecord,
+    /// The lease epoch this replica now holds (its fencing token).
     pub epoch: i64,
 }
 
