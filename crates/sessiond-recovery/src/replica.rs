@@ -53,7 +53,7 @@ impl SessionManager {
         &self.inner.config.replica.id
     }
 
-    fn exclusive(&self) -> bool {
+    pub(crate) fn exclusive(&self) -> bool {
         self.inner.config.replica.exclusive
     }
 
@@ -395,6 +395,13 @@ impl SessionManager {
                 loop {
                     match me.adopt_round().await {
                         Ok(n) if n >= ADOPTION_BATCH as usize => continue,
+                        // A claim takes its fair share at most: a short
+                        // pause lets the other survivors take theirs, then
+                        // look again for what is left.
+                        Ok(n) if n > 0 => {
+                            tokio::time::sleep(every / 8).await;
+                            continue;
+                        }
                         Ok(_) => {}
                         Err(e) => tracing::warn!(error = %e, "adoption round failed"),
                     }

@@ -41,8 +41,11 @@ pub struct Changeset {
 /// `owner` at `epoch` (see [`Changeset::fenced`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fence {
+    /// The session whose executor's lease the write depends on.
     pub session: SessionId,
+    /// The replica the writer is.
     pub owner: String,
+    /// The lease epoch the writer claimed.
     pub epoch: i64,
 }
 
@@ -67,8 +70,11 @@ pub enum ExecutorWrite {
 /// New content for a message (an agent's reply streams into one message).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MessageUpdate {
+    /// The message to update.
     pub id: MessageId,
+    /// Its whole content now.
     pub content: String,
+    /// Whether the message is complete (a reply's turn ended).
     pub complete: bool,
     /// A new `data` (an activity part's state); `None` keeps it.
     pub data: Option<String>,
@@ -77,7 +83,9 @@ pub struct MessageUpdate {
 /// What a commit wrote, as stored.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Committed {
+    /// The session as written, when the changeset updated it.
     pub session: Option<Session>,
+    /// The executor record as written, when the changeset wrote one.
     pub executor: Option<ExecutorRecord>,
     /// New messages, then updated ones, in changeset order.
     pub messages: Vec<Message>,
@@ -86,6 +94,7 @@ pub struct Committed {
 }
 
 impl Changeset {
+    /// An empty changeset.
     pub fn new() -> Changeset {
         Changeset::default()
     }
@@ -110,6 +119,7 @@ impl Changeset {
         self
     }
 
+    /// Sets the task's state (no transition check: see [`Changeset::task_event`]).
     pub fn set_task_state(mut self, task: TaskId, state: TaskState) -> Self {
         self.task_state = Some((task, TaskChange::To(state)));
         self
@@ -129,6 +139,7 @@ impl Changeset {
         self
     }
 
+    /// Replaces a message's content (and completeness, and `data` when given).
     pub fn update_message(
         mut self,
         id: MessageId,
@@ -195,6 +206,7 @@ impl Changeset {
             .or(self.events.first().map(|(s, _)| *s))
     }
 
+    /// Whether the changeset writes nothing.
     pub fn is_empty(&self) -> bool {
         self.session.is_none()
             && self.executor.is_none()
