@@ -158,6 +158,10 @@ async fn a_replica_resumed_after_sigstop_past_its_lease_is_fenced_off() {
 
     // A paused past its lease: B adopts the session (a claim: epoch + 1)
     // and serves it.
+    let metrics_a = a.metrics.clone().expect("metrics address");
+    let before = http_get(&metrics_a, "/metrics").await.1;
+    let refused_before = fenced(&before, "store") + fenced(&before, "agentctl");
+    assert_eq!(refused_before, 0.0, "nothing was refused before the pause");
     signal(&a, "-STOP");
     until("B owns the session", Duration::from_secs(60), || async {
         owner_and_epoch(&store, &s.id).await.0.as_deref() == Some("replica-b")
@@ -193,10 +197,6 @@ async fn a_replica_resumed_after_sigstop_past_its_lease_is_fenced_off() {
     // A resumes, its heartbeat held: it still believes it owns the session.
     std::fs::write(&heartbeat_gate, b"").unwrap();
     signal(&a, "-CONT");
-    let metrics_a = a.metrics.clone().expect("metrics address");
-    let before = http_get(&metrics_a, "/metrics").await.1;
-    let refused_before = fenced(&before, "store") + fenced(&before, "agentctl");
-    assert_eq!(refused_before, 0.0, "nothing was refused before the pause");
 
     // A call to A acts on the session: A's write (fenced by epoch
     // `epoch_a`) is refused in its transaction, or was already refused on
