@@ -8,6 +8,7 @@ mod config;
 mod console;
 mod convert;
 mod error;
+mod forward;
 mod limits;
 mod metrics;
 mod replica;

@@ -121,6 +121,11 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
                 call_timeout: Duration::from_secs(15 * 60),
                 ..client_config(&config)?
             },
+            peers: crate::forward::Peers::new(
+                replica_id.clone(),
+                forward_policy(&config),
+                MAX_WORKSPACE_MESSAGE.max(config.max_message_bytes + 64 * 1024),
+            ),
         },
         stop_rx.clone(),
     );
@@ -435,6 +440,26 @@ async fn seed_profiles(store: &Store, config: &Config) -> anyhow::Result<()> {
             .with_context(|| format!("agents[{i}]: cannot store profile {:?}", a.name))?;
     }
     Ok(())
+}
+
+/// Whether commands for sessions other replicas own are forwarded to them
+/// (see `forward.rs`): only with authentication (the caller's token is what
+/// the owner checks) and without TLS (no trust roots for the peers yet).
+fn forward_policy(config: &Config) -> crate::forward::Policy {
+    use crate::forward::Policy;
+    if matches!(config.auth, AuthConfig::Disabled) {
+        Policy::Refuse(
+            "this replica runs without authentication (insecure_no_auth) and never forwards \
+             calls; send it to the owner",
+        )
+    } else if config.tls.is_some() {
+        Policy::Refuse(
+            "forwarding between replicas serving TLS is not supported yet; send the call to the \
+             owner",
+        )
+    } else {
+        Policy::Forward
+    }
 }
 
 fn client_config(config: &Config) -> anyhow::Result<ClientConfig> {

@@ -41,7 +41,7 @@ async fn replicas(c: &mut Sessions) -> pb::ListReplicasResponse {
         .into_inner()
 }
 
-async fn owner(store: &Store, session: &str) -> Option<String> {
+pub(crate) async fn owner(store: &Store, session: &str) -> Option<String> {
     let id = sessiond_domain::SessionId::parse(session).unwrap();
     store
         .get_executor_for_session(id)
@@ -66,7 +66,7 @@ where
 /// agentctl processes per executor id (from their command lines) of the
 /// replicas under `root`, every data directory together: the world, not
 /// the database.
-fn agentctls_by_executor(root: &Path) -> HashMap<String, Vec<u32>> {
+pub(crate) fn agentctls_by_executor(root: &Path) -> HashMap<String, Vec<u32>> {
     let root = root.display().to_string();
     let mut out: HashMap<String, Vec<u32>> = HashMap::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
@@ -113,21 +113,6 @@ fn not_owner(status: &tonic::Status) -> (String, String) {
     )
 }
 
-async fn send(
-    c: &mut Sessions,
-    task: &str,
-    session: &str,
-    text: &str,
-) -> Result<(), tonic::Status> {
-    c.send_message(pb::SendMessageRequest {
-        task_id: task.into(),
-        session_id: session.into(),
-        content: text.into(),
-    })
-    .await
-    .map(|_| ())
-}
-
 /// Watches a session from the start on the replica at `addr` until an
 /// agent reply containing `until` is complete; returns the seqs it saw.
 async fn watch_until_turn(addr: &str, task: &str, session: &str, until: &str) -> Vec<i64> {
@@ -158,7 +143,7 @@ async fn watch_until_turn(addr: &str, task: &str, session: &str, until: &str) ->
     panic!("the watch on {addr} ended before {until:?}: {seqs:?}");
 }
 
-fn worktree(root: &Path, name: &str) -> PathBuf {
+pub(crate) fn worktree(root: &Path, name: &str) -> PathBuf {
     let w = root.join("work").join(name);
     std::fs::create_dir_all(&w).unwrap();
     w
@@ -212,12 +197,19 @@ async fn three_replicas_adopt_the_sessions_of_one_killed_with_sigkill() {
         "the advertised address defaults to the listen address"
     );
 
-    // A command sent to a replica that does not own the session: a clean
-    // retryable error naming the owner and where it is.
+    // A command that another replica already forwarded, landing on one
+    // that does not own the session, is not forwarded again: a clean
+    // retryable error naming the owner and where it is (forwarding itself:
+    // forwarding.rs).
     let (s_a, _) = created[0].clone();
-    let err = send(&mut cb, &task.id, &s_a, "wrong replica")
-        .await
-        .unwrap_err();
+    let mut hop = tonic::Request::new(pb::SendMessageRequest {
+        task_id: task.id.clone(),
+        session_id: s_a.clone(),
+        content: "wrong replica".into(),
+    });
+    hop.metadata_mut()
+        .insert("sessiond-forwarded-by", "replica-c".parse().unwrap());
+    let err = cb.send_message(hop).await.unwrap_err();
     let (named, address) = not_owner(&err);
     assert_eq!(named, "replica-a");
     assert_eq!(address, a.server.addr);
