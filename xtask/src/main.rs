@@ -31,6 +31,8 @@ use anyhow::{Context, bail};
 
 mod apt;
 mod bench;
+#[cfg(test)]
+mod compose;
 mod docker;
 mod interop;
 mod web;

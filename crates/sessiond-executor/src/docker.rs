@@ -587,17 +587,35 @@ impl DockerExecutor {
                     Err(e) => last_error = e.to_string(),
                 }
             }
-            if let Some(found) = self.inspect(container_id).await?
-                && matches!(
-                    found.status,
-                    ContainerStateStatusEnum::EXITED | ContainerStateStatusEnum::DEAD
-                )
-            {
-                return Err(Error::ExitedEarly {
-                    executor_id,
-                    status: format!("container {container_id} is {}", found.status),
-                    log_hint: format!("; see `docker logs {container_id}`"),
-                });
+            // A container removed (or being removed) while we wait can never
+            // answer: say so at once rather than wait out the timeout, so a
+            // probe racing a `docker rm -f` reports the container gone.
+            match self.inspect(container_id).await? {
+                None => {
+                    return Err(Error::ContainerMissing {
+                        executor_id,
+                        container_id: Some(container_id.to_owned()),
+                    });
+                }
+                Some(found)
+                    if matches!(
+                        found.status,
+                        ContainerStateStatusEnum::REMOVING | ContainerStateStatusEnum::DEAD
+                    ) =>
+                {
+                    return Err(Error::ContainerMissing {
+                        executor_id,
+                        container_id: Some(found.id),
+                    });
+                }
+                Some(found) if found.status == ContainerStateStatusEnum::EXITED => {
+                    return Err(Error::ExitedEarly {
+                        executor_id,
+                        status: format!("container {container_id} is {}", found.status),
+                        log_hint: format!("; see `docker logs {container_id}`"),
+                    });
+                }
+                Some(_) => {}
             }
             if Instant::now() >= deadline {
                 return Err(Error::NotReady {

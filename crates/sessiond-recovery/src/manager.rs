@@ -182,6 +182,12 @@ pub(crate) struct Inner {
     pub(crate) calls_recovering: tokio::sync::watch::Sender<usize>,
     /// Sessions whose executor this replica holds the lease of (`replica.rs`).
     pub(crate) owned: StdMutex<HashSet<SessionId>>,
+    /// This replica's lease claims, one at a time (`replica.rs`): a call
+    /// never claims again what the adoption round just claimed.
+    pub(crate) claims: tokio::sync::Mutex<()>,
+    /// Sessions the adoption round claimed and has yet to recover
+    /// (`replica.rs`): a call on one joins (or starts) its recovery.
+    pub(crate) adoptions: StdMutex<HashMap<SessionId, crate::replica::Adoption>>,
 }
 
 /// Runs sessions: create, message, stop; recovers them at startup; resumes
@@ -251,6 +257,8 @@ impl SessionManager {
                 queue_phase: tokio::sync::watch::Sender::new(crate::queue::Phase::Idle),
                 calls_recovering: tokio::sync::watch::Sender::new(0),
                 owned: StdMutex::default(),
+                claims: tokio::sync::Mutex::new(()),
+                adoptions: StdMutex::default(),
             }),
         }
     }

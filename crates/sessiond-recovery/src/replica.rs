@@ -24,15 +24,24 @@
 use std::{collections::HashSet, time::Duration};
 
 use chrono::Utc;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use sessiond_domain::{ExecutorRecord, ExecutorStatus, SessionId};
 use sessiond_store::{EventWake, ReplicaInfo};
 
 use crate::{
     error::{Error, Result},
     manager::{SessionManager, lock},
+    queue::SharedRecovery,
     recovery::Lane,
 };
+
+/// A session the adoption round claimed and has not recovered yet: its
+/// record, and the recovery under way (`None`: not started, or failed and
+/// to be tried again).
+pub(crate) struct Adoption {
+    record: ExecutorRecord,
+    recovery: Option<SharedRecovery>,
+}
 
 /// How many expired leases one adoption round claims at most (per
 /// transaction); rounds follow each other at once while they come back full.
@@ -130,7 +139,7 @@ impl SessionManager {
     /// [`Error::NotOwner`]. A session without an executor needs no owner.
     pub(crate) async fn ensure_owned(&self, session: SessionId) -> Result<()> {
         if self.owns(session) {
-            return Ok(());
+            return self.join_adoption(session).await;
         }
         let store = &self.inner.store;
         let Some(record) = store.get_executor_for_session(session).await? else {
@@ -140,7 +149,15 @@ impl SessionManager {
         let held_elsewhere = record.owner_id.as_deref().is_some_and(|o| o != me)
             && record.lease_expires_at.is_some_and(|t| t > Utc::now());
         if !held_elsewhere {
+            let claims = self.inner.claims.lock().await;
+            if self.owns(session) {
+                // The adoption round claimed it meanwhile: claiming it again
+                // would bump the version under the round's recovery.
+                drop(claims);
+                return self.join_adoption(session).await;
+            }
             let claimed = self.claim_records(vec![record.clone()]).await?;
+            drop(claims);
             if let Some(record) = claimed.into_iter().next() {
                 tracing::info!(%session, executor_id = %record.id, "executor adopted by a call");
                 if self.adoptable(&record) {
@@ -179,6 +196,7 @@ impl SessionManager {
     /// went to another replica: no pump, no connection, no cached state.
     fn relinquish(&self, session: SessionId) {
         lock(&self.inner.owned).remove(&session);
+        lock(&self.inner.adoptions).remove(&session);
         self.stop_pump(session);
         self.cache_remove(session);
         tracing::warn!(%session, "lease lost to another replica; no longer acting on this session");
@@ -218,6 +236,52 @@ impl SessionManager {
         Ok(())
     }
 
+    /// Starts the recovery of a session the adoption round claimed, or
+    /// hands out the one under way; `None` when the round is not adopting
+    /// it (any more).
+    fn claim_adoption(&self, session: SessionId, lane: Lane) -> Option<SharedRecovery> {
+        let mut adoptions = lock(&self.inner.adoptions);
+        let entry = adoptions.get_mut(&session)?;
+        // One under way or done well is joined; a failed one starts again.
+        if let Some(f) = &entry.recovery
+            && !matches!(f.peek(), Some(Err(_)))
+        {
+            return Some(f.clone());
+        }
+        let record = entry.record.clone();
+        let me = self.clone();
+        // On a task of its own, so a caller that goes away does not cut it short.
+        let task = self.spawn_background(tracing::Instrument::in_current_span(async move {
+            me.recover_shared_in(record, lane).await
+        }));
+        let fut: SharedRecovery = async move {
+            task.await
+                .map_err(|e| Error::Internal(format!("adoption task ended: {e}")))?
+        }
+        .boxed()
+        .shared();
+        entry.recovery = Some(fut.clone());
+        Some(fut)
+    }
+
+    /// A call on a session this replica owns: when the adoption round
+    /// claimed it and has not recovered it yet, recover it now (ahead of
+    /// the round) or wait for the recovery under way, as a call does during
+    /// startup recovery. A failed recovery is UNAVAILABLE: it is tried
+    /// again (by the next round or call), so the caller retries.
+    async fn join_adoption(&self, session: SessionId) -> Result<()> {
+        if let Some(recovery) = self.claim_adoption(session, Lane::Call)
+            && let Err(e) = recovery.await
+        {
+            tracing::debug!(%session, error = %e, "adoption recovery failed");
+            return Err(Error::Unavailable(format!(
+                "session {session} is being adopted by this replica and its recovery failed \
+                 ({e}); it is tried again: retry in a moment"
+            )));
+        }
+        Ok(())
+    }
+
     /// One heartbeat: the replica row and every lease, then drop what was lost.
     async fn heartbeat(&self, info: &ReplicaInfo) {
         let r = &self.inner.config.replica;
@@ -252,37 +316,72 @@ impl SessionManager {
     /// returns how many it claimed.
     async fn adopt_round(&self) -> Result<usize> {
         let r = &self.inner.config.replica;
+        let claims = self.inner.claims.lock().await;
         let claimed = self
             .inner
             .store
             .claim_expired(&r.id, Utc::now(), r.lease_ttl, ADOPTION_BATCH)
             .await?;
         let n = claimed.len();
-        if n == 0 {
-            return Ok(0);
-        }
         let started = std::time::Instant::now();
-        let mut records = Vec::with_capacity(n);
-        for c in claimed {
-            self.mark_owned(c.record.session_id);
-            if self.adoptable(&c.record) {
-                records.push(c.record);
+        let mut sessions = Vec::with_capacity(n);
+        {
+            // Owned and queued together, before any call can see either.
+            let mut adoptions = lock(&self.inner.adoptions);
+            // Earlier adoptions whose recovery failed (often a write race
+            // with the replica that lost the lease and has not noticed yet)
+            // are tried again: a session owned here and never recovered
+            // would otherwise stay stuck, its lease renewed by every
+            // heartbeat.
+            adoptions
+                .retain(|_, a| !matches!(a.recovery.as_ref().and_then(|f| f.peek()), Some(Ok(_))));
+            for (session, a) in adoptions.iter() {
+                if a.recovery.as_ref().is_none_or(|f| f.peek().is_some()) {
+                    sessions.push(*session);
+                }
+            }
+            for c in claimed {
+                self.mark_owned(c.record.session_id);
+                if self.adoptable(&c.record) {
+                    sessions.push(c.record.session_id);
+                    adoptions.insert(
+                        c.record.session_id,
+                        Adoption {
+                            record: c.record,
+                            recovery: None,
+                        },
+                    );
+                }
             }
         }
-        let recovering = records.len();
+        drop(claims);
+        if sessions.is_empty() {
+            return Ok(n);
+        }
+        let recovering = sessions.len();
         let concurrency = self.inner.config.recovery_concurrency.max(1);
-        let failed = futures::stream::iter(records)
-            .map(|record| {
+        let failed = futures::stream::iter(sessions.clone())
+            .map(|session| {
                 let me = self.clone();
                 async move {
-                    let session = record.session_id;
-                    match me.recover_shared(record).await {
+                    let Some(recovery) = me.claim_adoption(session, Lane::Other) else {
+                        return 0;
+                    };
+                    let result = recovery.await;
+                    let mut adoptions = lock(&me.inner.adoptions);
+                    match result {
                         Ok(label) => {
+                            adoptions.remove(&session);
                             tracing::info!(%session, outcome = label.as_str(), "adopted");
                             0
                         }
                         Err(e) => {
-                            tracing::error!(%session, error = %e, "adoption recovery failed");
+                            // The next round (or a call) tries again.
+                            if let Some(a) = adoptions.get_mut(&session) {
+                                a.recovery = None;
+                            }
+                            tracing::error!(%session, error = %e,
+                                "adoption recovery failed; tried again on the next round");
                             1
                         }
                     }

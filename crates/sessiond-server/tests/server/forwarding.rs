@@ -15,7 +15,7 @@ use sessiond_store::{Store, StoreOptions};
 use tonic::{Code, Request};
 
 use crate::{
-    replicas::{agentctls_by_executor, owner, worktree},
+    replicas::{assert_one_each, owner, worktree, world},
     restart::wait_serving,
     support::*,
 };
@@ -147,9 +147,9 @@ async fn commands_sent_to_a_non_owner_replica_run_once_on_the_owner() {
     let s = create_session(&mut ca, &task.id, &work, "asker").await;
     assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
     assert_eq!(owner(&store, &s.id).await.as_deref(), Some("replica-a"));
-    let agentctls = agentctls_by_executor(root);
+    let agentctls = world(root);
     assert_eq!(agentctls.len(), 1, "{agentctls:?}");
-    assert!(agentctls.values().all(|p| p.len() == 1), "{agentctls:?}");
+    assert_one_each(&agentctls);
 
     // SendMessage on B: forwarded, the turn runs on A once.
     let reply = prompt(&mut cb, &task.id, &s.id, "hello from b").await;
@@ -289,7 +289,7 @@ async fn commands_sent_to_a_non_owner_replica_run_once_on_the_owner() {
 
     // The world: the same single agentctl; the transcript holds exactly the
     // two turns sent through B; A ran each SendMessage once.
-    assert_eq!(agentctls_by_executor(root), agentctls);
+    assert_eq!(world(root), agentctls);
     let (users, agents) = transcript(&mut ca, &task.id, &s.id).await;
     assert_eq!(users, ["hello from b", "/edit notes.txt hello"]);
     assert_eq!(agents.len(), 2, "{agents:?}");
@@ -324,8 +324,9 @@ async fn while_ownership_moves_calls_are_retryable_then_work_after_adoption() {
             .await
             .contains("turn 1")
     );
-    let agentctls = agentctls_by_executor(root);
+    let agentctls = world(root);
     assert_eq!(agentctls.len(), 1, "{agentctls:?}");
+    assert_one_each(&agentctls);
 
     // The owner dies; its lease still runs.
     a.kill();
@@ -409,7 +410,7 @@ async fn while_ownership_moves_calls_are_retryable_then_work_after_adoption() {
     assert_eq!(users, ["one", "after"], "the retried message stored once");
     assert_eq!(agents.len(), 2, "{agents:?}");
     assert_eq!(
-        agentctls_by_executor(root),
+        world(root),
         agentctls,
         "adopted by reattaching: the same agentctl"
     );

@@ -18,6 +18,7 @@ mod interop;
 mod metrics;
 mod ops;
 mod permissions;
+mod replica_crashloop;
 mod replicas;
 mod restart;
 mod security;

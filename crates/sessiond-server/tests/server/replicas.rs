@@ -5,12 +5,13 @@
 //! second sessiond.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     path::{Path, PathBuf},
     process::Command,
     time::{Duration, Instant},
 };
 
+use futures::StreamExt;
 use sessiond_proto::sessiond::v1 as pb;
 use sessiond_store::{Store, StoreOptions};
 use tonic::Code;
@@ -18,23 +19,33 @@ use tonic::Code;
 use crate::{restart::wait_serving, support::*};
 
 /// A replica's process, its data directory and its id.
-struct Replica {
-    server: Server,
-    id: String,
+pub(crate) struct Replica {
+    pub server: Server,
+    pub id: String,
 }
 
-fn start_replica(root: &Path, id: &str, db: &str, ttl: &str) -> Replica {
-    let server = start(
-        &root.join(id),
-        &["--database-url", db, "--replica-id", id, "--lease-ttl", ttl],
-    );
+pub(crate) fn start_replica(root: &Path, id: &str, db: &str, ttl: &str) -> Replica {
+    start_replica_with(root, id, db, ttl, &[])
+}
+
+/// As [`start_replica`], with more `sessiond serve` arguments.
+pub(crate) fn start_replica_with(
+    root: &Path,
+    id: &str,
+    db: &str,
+    ttl: &str,
+    extra: &[&str],
+) -> Replica {
+    let mut args = vec!["--database-url", db, "--replica-id", id, "--lease-ttl", ttl];
+    args.extend_from_slice(extra);
+    let server = start(&root.join(id), &args);
     Replica {
         server,
         id: id.to_owned(),
     }
 }
 
-async fn replicas(c: &mut Sessions) -> pb::ListReplicasResponse {
+pub(crate) async fn replicas(c: &mut Sessions) -> pb::ListReplicasResponse {
     c.list_replicas(pb::ListReplicasRequest {})
         .await
         .unwrap()
@@ -51,7 +62,7 @@ pub(crate) async fn owner(store: &Store, session: &str) -> Option<String> {
 }
 
 /// Polls (bounded) until `f` holds.
-async fn until<F, Fut>(what: &str, limit: Duration, mut f: F)
+pub(crate) async fn until<F, Fut>(what: &str, limit: Duration, mut f: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -63,38 +74,93 @@ where
     }
 }
 
-/// agentctl processes per executor id (from their command lines) of the
-/// replicas under `root`, every data directory together: the world, not
-/// the database.
-pub(crate) fn agentctls_by_executor(root: &Path) -> HashMap<String, Vec<u32>> {
-    let root = root.display().to_string();
-    let mut out: HashMap<String, Vec<u32>> = HashMap::new();
+/// One process of the world: its parent and its command line.
+struct Proc {
+    ppid: u32,
+    args: Vec<String>,
+}
+
+/// Every live (not zombie) process, by pid, from /proc.
+fn processes() -> HashMap<u32, Proc> {
+    let mut out = HashMap::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
             continue;
         };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+        let (Ok(cmdline), Ok(stat)) = (
+            std::fs::read(entry.path().join("cmdline")),
+            std::fs::read_to_string(entry.path().join("stat")),
+        ) else {
             continue;
         };
-        let args: Vec<String> = cmdline
-            .split(|b| *b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-        if stat.contains(") Z ")
-            || !args.first().is_some_and(|a| a.ends_with("agentctl"))
-            || !args.iter().any(|a| a.contains(&root))
-        {
+        // After the command's ")": state, then the parent's pid.
+        let mut fields = stat.rsplit(')').next().unwrap_or("").split_whitespace();
+        let state = fields.next().unwrap_or("Z");
+        let Some(ppid) = fields.next().and_then(|p| p.parse().ok()) else {
+            continue;
+        };
+        if state == "Z" || state == "X" {
             continue;
         }
-        if let Some(i) = args.iter().position(|a| a == "--executor-id") {
-            out.entry(args[i + 1].clone()).or_default().push(pid);
-        }
+        let args = cmdline
+            .split(|b| *b == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        out.insert(pid, Proc { ppid, args });
     }
     out
 }
 
-fn not_owner(status: &tonic::Status) -> (String, String) {
+/// The processes of one executor: its agentctls (exactly one when all is
+/// well) and the agents those run.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(crate) struct ExecutorProcs {
+    pub agentctls: Vec<u32>,
+    pub agents: Vec<u32>,
+}
+
+/// agentctl processes per executor id (from their command lines) of the
+/// replicas under `root`, every data directory together, with the agent
+/// processes each runs: the world, not the database.
+pub(crate) fn world(root: &Path) -> BTreeMap<String, ExecutorProcs> {
+    let root = root.display().to_string();
+    let procs = processes();
+    let mut out: BTreeMap<String, ExecutorProcs> = BTreeMap::new();
+    for (pid, p) in &procs {
+        if !p.args.first().is_some_and(|a| a.ends_with("agentctl"))
+            || !p.args.iter().any(|a| a.contains(&root))
+        {
+            continue;
+        }
+        let Some(i) = p.args.iter().position(|a| a == "--executor-id") else {
+            continue;
+        };
+        let e = out.entry(p.args[i + 1].clone()).or_default();
+        e.agentctls.push(*pid);
+        e.agents.extend(procs.iter().filter_map(|(child, c)| {
+            (c.ppid == *pid && c.args.iter().any(|a| a.contains("acp-demo-agent")))
+                .then_some(*child)
+        }));
+    }
+    for e in out.values_mut() {
+        e.agentctls.sort_unstable();
+        e.agents.sort_unstable();
+    }
+    out
+}
+
+/// Asserts one agentctl and one agent per executor in `w`.
+pub(crate) fn assert_one_each(w: &BTreeMap<String, ExecutorProcs>) {
+    for (executor, p) in w {
+        assert!(
+            p.agentctls.len() == 1 && p.agents.len() == 1,
+            "executor {executor}: not exactly one agentctl running one agent: {p:?}"
+        );
+    }
+}
+
+pub(crate) fn not_owner(status: &tonic::Status) -> (String, String) {
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     let md = status.metadata();
     assert_eq!(
@@ -113,9 +179,29 @@ fn not_owner(status: &tonic::Status) -> (String, String) {
     )
 }
 
+pub(crate) async fn send(
+    c: &mut Sessions,
+    task: &str,
+    session: &str,
+    text: &str,
+) -> Result<(), tonic::Status> {
+    c.send_message(pb::SendMessageRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+        content: text.into(),
+    })
+    .await
+    .map(|_| ())
+}
+
 /// Watches a session from the start on the replica at `addr` until an
 /// agent reply containing `until` is complete; returns the seqs it saw.
-async fn watch_until_turn(addr: &str, task: &str, session: &str, until: &str) -> Vec<i64> {
+pub(crate) async fn watch_until_turn(
+    addr: &str,
+    task: &str,
+    session: &str,
+    until: &str,
+) -> Vec<i64> {
     let _ = task;
     let mut c = sessions_at(addr).await;
     let mut stream = c
@@ -149,6 +235,21 @@ pub(crate) fn worktree(root: &Path, name: &str) -> PathBuf {
     w
 }
 
+/// Sessions each replica of the kill test creates.
+const PER_REPLICA: usize = 10;
+
+/// Runs `f` over `items`, at most `n` at once; the results in input order.
+pub(crate) async fn bounded<T, R, F, Fut>(n: usize, items: Vec<T>, f: F) -> Vec<R>
+where
+    F: Fn(T) -> Fut,
+    Fut: std::future::Future<Output = R>,
+{
+    futures::stream::iter(items.into_iter().map(f))
+        .buffered(n)
+        .collect()
+        .await
+}
+
 #[tokio::test]
 async fn three_replicas_adopt_the_sessions_of_one_killed_with_sigkill() {
     let db = sessiond_testkit::postgres::test_database();
@@ -157,32 +258,47 @@ async fn three_replicas_adopt_the_sessions_of_one_killed_with_sigkill() {
     let store = Store::connect(db.url(), StoreOptions::default().max_connections(2))
         .await
         .unwrap();
-    let mut a = start_replica(root, "replica-a", db.url(), "2s");
-    let b = start_replica(root, "replica-b", db.url(), "2s");
-    let c = start_replica(root, "replica-c", db.url(), "2s");
+    // A TTL a loaded machine's heartbeats (every third of it) keep up with.
+    let mut a = start_replica(root, "replica-a", db.url(), "3s");
+    let b = start_replica(root, "replica-b", db.url(), "3s");
+    let c = start_replica(root, "replica-c", db.url(), "3s");
     for r in [&a, &b, &c] {
         wait_serving(&r.server).await;
     }
-    let mut ca = sessions(&a.server).await;
+    let ca = sessions(&a.server).await;
     let mut cb = sessions(&b.server).await;
     let mut cc = sessions(&c.server).await;
 
-    // Sessions across the replicas: each owned by the one that created it.
-    let task = create_task(&mut ca, "replicas").await;
-    let mut created: Vec<(String, String)> = Vec::new(); // (session, owner)
-    for (i, (client, r)) in [(&mut ca, &a), (&mut cb, &b), (&mut cc, &c)]
+    // 30 sessions across the replicas, each owned by the one that created
+    // it; a few creates and first turns at once (each launches an agentctl
+    // and its agent).
+    let task = create_task(&mut ca.clone(), "replicas").await;
+    let plan: Vec<(Sessions, String, PathBuf)> = [(&ca, &a), (&cb, &b), (&cc, &c)]
         .into_iter()
-        .enumerate()
-    {
-        for j in 0..2 {
-            let w = worktree(root, &format!("w{i}{j}"));
-            let s = create_session(client, &task.id, &w, "").await;
+        .flat_map(|(client, r)| {
+            (0..PER_REPLICA).map(move |j| {
+                (
+                    client.clone(),
+                    r.id.clone(),
+                    worktree(root, &format!("{}-{j:02}", r.id)),
+                )
+            })
+        })
+        .collect();
+    let task_id = task.id.clone();
+    let created: Vec<(String, String)> = bounded(6, plan, |(mut client, r, w)| {
+        let task = task_id.clone();
+        async move {
+            let s = create_session(&mut client, &task, &w, "").await;
             assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
-            let reply = prompt(client, &task.id, &s.id, "hello").await;
+            let reply = prompt(&mut client, &task, &s.id, "hello").await;
             assert!(reply.contains("turn 1"), "{reply}");
-            assert_eq!(owner(&store, &s.id).await.as_deref(), Some(r.id.as_str()));
-            created.push((s.id, r.id.clone()));
+            (s.id, r)
         }
+    })
+    .await; // (session, owner)
+    for (s, r) in &created {
+        assert_eq!(owner(&store, s).await.as_ref(), Some(r));
     }
     let listed = replicas(&mut cc).await;
     assert_eq!(listed.self_id, "replica-c");
@@ -190,7 +306,7 @@ async fn three_replicas_adopt_the_sessions_of_one_killed_with_sigkill() {
     assert_eq!(ids, ["replica-a", "replica-b", "replica-c"]);
     for r in &listed.replicas {
         assert!(r.live, "{r:?}");
-        assert_eq!(r.owned_executors, 2, "{r:?}");
+        assert_eq!(r.owned_executors, PER_REPLICA as i64, "{r:?}");
     }
     assert_eq!(
         listed.replicas[0].address, a.server.addr,
@@ -224,30 +340,40 @@ async fn three_replicas_adopt_the_sessions_of_one_killed_with_sigkill() {
         .into_inner();
     assert!(st.is_agent_running, "{st:?}");
 
-    // Watchers of A's first session on B and on C: whichever adopts it,
-    // one of them sees the new owner's commits from another replica.
-    let watchers: Vec<_> = [&b, &c]
-        .into_iter()
-        .map(|r| {
-            let addr = r.server.addr.clone();
-            let (task, session) = (task.id.clone(), s_a.clone());
-            tokio::spawn(async move { watch_until_turn(&addr, &task, &session, "turn 2").await })
-        })
-        .collect();
-
-    let before = agentctls_by_executor(root);
-    assert_eq!(before.len(), 6, "one agentctl per session: {before:?}");
-    assert!(before.values().all(|p| p.len() == 1), "{before:?}");
-
-    // kill -9 replica A: its two sessions go to B and C within the TTL plus
-    // their recovery (a reattach: the agentctls outlive A).
-    a.server.kill();
     let a_sessions: Vec<String> = created
         .iter()
         .filter(|(_, o)| o == "replica-a")
         .map(|(s, _)| s.clone())
         .collect();
-    until("A's sessions adopted", Duration::from_secs(60), || {
+    assert_eq!(a_sessions.len(), PER_REPLICA);
+    // Watchers of every session of A, on B and on C: whichever adopts one,
+    // the other sees the new owner's commits from another replica.
+    let watchers: Vec<_> = a_sessions
+        .iter()
+        .flat_map(|s| [(s.clone(), &b), (s.clone(), &c)])
+        .map(|(session, r)| {
+            let addr = r.server.addr.clone();
+            let task = task.id.clone();
+            tokio::spawn(async move {
+                let seqs = watch_until_turn(&addr, &task, &session, "turn 2").await;
+                (session, addr, seqs)
+            })
+        })
+        .collect();
+
+    let before = world(root);
+    assert_eq!(
+        before.len(),
+        3 * PER_REPLICA,
+        "one agentctl per session: {before:?}"
+    );
+    assert_one_each(&before);
+
+    // kill -9 replica A: its sessions go to B and C within the TTL plus
+    // their recovery (a reattach: the agentctls outlive A).
+    a.server.kill();
+    let killed = Instant::now();
+    until("A's sessions adopted", Duration::from_secs(90), || {
         let store = store.clone();
         let a_sessions = a_sessions.clone();
         async move {
@@ -261,6 +387,7 @@ async fn three_replicas_adopt_the_sessions_of_one_killed_with_sigkill() {
         }
     })
     .await;
+    let adopted_in = killed.elapsed();
     let listed = replicas(&mut cb).await;
     let gone = listed
         .replicas
@@ -275,40 +402,63 @@ async fn three_replicas_adopt_the_sessions_of_one_killed_with_sigkill() {
             .iter()
             .map(|r| r.owned_executors)
             .sum::<i64>(),
-        6,
+        3 * PER_REPLICA as i64,
         "every session owned exactly once: {listed:?}"
     );
-
-    // The world: still exactly one agentctl per executor, the same ones.
-    let after = agentctls_by_executor(root);
-    assert_eq!(after, before, "adoption reattached, nothing launched twice");
-
-    // The conversations continue, on their new owner (whichever took each).
+    let mut by_adopter: BTreeMap<String, usize> = BTreeMap::new();
     for s in &a_sessions {
-        let new_owner = owner(&store, s).await.unwrap();
-        let client = if new_owner == "replica-b" {
-            &mut cb
-        } else {
-            &mut cc
-        };
-        let reply = prompt(client, &task.id, s, "again").await;
-        assert!(reply.contains("turn 2"), "{reply}");
+        *by_adopter
+            .entry(owner(&store, s).await.unwrap())
+            .or_default() += 1;
     }
-    // Every event of A's first session, committed by A and then by its
-    // adopter, reached both watchers in seq order: no gap, no duplicate.
+    println!(
+        "kill test: {} sessions of replica-a adopted {:.1} s after its kill -9 (lease TTL 3 s): {by_adopter:?}",
+        a_sessions.len(),
+        adopted_in.as_secs_f64()
+    );
+
+    // The world: still exactly one agentctl running one agent per
+    // executor, the same processes.
+    assert_eq!(
+        world(root),
+        before,
+        "adoption reattached, nothing launched twice"
+    );
+
+    // The conversations continue, every one on its owner now (A's on
+    // whichever replica took each).
+    let task_id = task.id.clone();
+    let store2 = store.clone();
+    let (cb2, cc2) = (cb.clone(), cc.clone());
+    bounded(6, created.clone(), |(s, _)| {
+        let (task, store) = (task_id.clone(), store2.clone());
+        let (cb, cc) = (cb2.clone(), cc2.clone());
+        async move {
+            let mut client = match owner(&store, &s).await.as_deref() {
+                Some("replica-b") => cb,
+                Some("replica-c") => cc,
+                other => panic!("session {s} owned by {other:?}"),
+            };
+            let reply = prompt(&mut client, &task, &s, "again").await;
+            assert!(reply.contains("turn 2"), "{s}: {reply}");
+        }
+    })
+    .await;
+    // Every event of A's sessions, committed by A and then by its adopter,
+    // reached both watchers in seq order: no gap, no duplicate.
     for w in watchers {
-        let seqs = tokio::time::timeout(Duration::from_secs(60), w)
+        let (session, addr, seqs) = tokio::time::timeout(Duration::from_secs(60), w)
             .await
             .expect("the watcher saw turn 2")
             .unwrap();
         let expected: Vec<i64> = (1..=*seqs.last().unwrap()).collect();
-        assert_eq!(seqs, expected);
+        assert_eq!(seqs, expected, "session {session} watched on {addr}");
     }
     // And B's and C's own sessions were never touched by the adoption.
     for (s, o) in created.iter().filter(|(_, o)| o != "replica-a") {
         assert_eq!(owner(&store, s).await.as_ref(), Some(o));
     }
-    assert_eq!(agentctls_by_executor(root), before);
+    assert_eq!(world(root), before);
     drop(b);
     drop(c);
 }
@@ -335,7 +485,7 @@ async fn sigterm_hands_sessions_over_without_waiting_for_the_ttl() {
             .contains("turn 1")
     );
     assert_eq!(owner(&store, &s.id).await.as_deref(), Some("replica-a"));
-    let pids = agentctls_by_executor(root);
+    let pids = world(root);
 
     let stopped = Instant::now();
     assert!(a.server.terminate().success());
@@ -355,11 +505,7 @@ async fn sigterm_hands_sessions_over_without_waiting_for_the_ttl() {
             .await
             .contains("turn 2")
     );
-    assert_eq!(
-        agentctls_by_executor(root),
-        pids,
-        "the same agentctl, reattached"
-    );
+    assert_eq!(world(root), pids, "the same agentctl, reattached");
     drop(b);
 }
 

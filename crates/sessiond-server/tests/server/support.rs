@@ -237,6 +237,20 @@ pub async fn sessions_at(addr: &str) -> Sessions {
     SessionServiceClient::with_interceptor(channel(addr).await, bearer(Some(TOKEN)))
 }
 
+/// A client of the server at `addr`, with `TOKEN`, or why it could not
+/// connect (a replica killed a moment ago).
+pub async fn try_sessions_at(addr: &str) -> Result<Sessions, tonic::transport::Error> {
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await?;
+    Ok(SessionServiceClient::with_interceptor(
+        channel,
+        bearer(Some(TOKEN)),
+    ))
+}
+
 pub async fn sessions_with(server: &Server, token: Option<&str>) -> Sessions {
     SessionServiceClient::with_interceptor(channel(&server.addr).await, bearer(token))
         .max_decoding_message_size(64 * 1024 * 1024)
