@@ -8,6 +8,7 @@
 //!   The Docker tests (`#[ignore]`d, so a plain test run never counts them as
 //!   passed) run explicitly, against a dockerd it starts unless one runs
 //!   (installing `docker.io` when missing), with an image built offline.
+//!   It builds and runs the library crates' examples (`EXAMPLES`).
 //!   Its last line is `N passed, N failed` over every test it ran.
 //! - `docker-image`: builds the `sessiond-agentctl:dev` image with no registry.
 //! - `docker-tests`: only the Docker tests (executor driver with the
@@ -87,6 +88,7 @@ fn ci() -> anyhow::Result<()> {
         "build",
         cargo(&["build", "--workspace", "--bins", "--locked"]),
     )?;
+    examples()?;
     let mut tally = Tally::default();
     tally.run(
         "web: browser suite",
@@ -170,6 +172,29 @@ fn test_suites(tally: &mut Tally, docker_host: &str, database_url: &str) -> anyh
         "doctest",
         cargo(&["test", "--workspace", "--doc", "--locked"]),
     )
+}
+
+/// The library crates' examples: every one built, and run (each asserts
+/// what it shows, with real agentctl and demo-agent processes where it
+/// starts sessions; they find the binaries `build` made beside them).
+const EXAMPLES: &[(&str, &str)] = &[
+    ("sessiond-server", "embed_tonic"),
+    ("sessiond-server", "custom_executor"),
+    ("sessiond-recovery", "drive_sessions"),
+];
+
+fn examples() -> anyhow::Result<()> {
+    step(
+        "examples: build",
+        cargo(&["build", "--workspace", "--examples", "--locked"]),
+    )?;
+    for (package, example) in EXAMPLES {
+        step(
+            &format!("example {example}"),
+            cargo(&["run", "--locked", "-q", "-p", package, "--example", example]),
+        )?;
+    }
+    Ok(())
 }
 
 /// `soak [--runs N]`: the suites of [`test_suites`] N times in a row (3 by

@@ -847,6 +847,13 @@ impl FileConfig {
         self.validate_inner(true)
     }
 
+    /// As [`FileConfig::validate`], for an embedder that puts its own
+    /// authentication around [`crate::Services`]: `auth.tokens` may be
+    /// empty (they are used only by [`crate::serve`]).
+    pub fn validate_for_embedding(self) -> anyhow::Result<Config> {
+        self.validate_inner(false)
+    }
+
     fn validate_inner(self, serves_api: bool) -> anyhow::Result<Config> {
         let mut p = Problems::default();
 

@@ -1,22 +1,12 @@
 //! `sessiond`: the backend that runs agent sessions and keeps them alive
-//! across its own restarts. This binary stays thin: it reads configuration,
-//! opens the store and wires the gRPC services.
+//! across its own restarts. This binary stays thin: it reads configuration
+//! (file, environment, flags) and hands it to the `sessiond_server` library.
 
-mod api;
-mod auth;
-mod config;
-mod console;
-mod convert;
-mod error;
-mod forward;
-mod limits;
-mod metrics;
-mod replica;
-mod serve;
+use std::{sync::Arc, time::Duration};
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
-
-use crate::config::ServeArgs;
+use sessiond_server::config::{Config, ServeArgs};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -59,9 +49,28 @@ fn main() -> anyhow::Result<()> {
                         .to_owned(),
                 );
             }
-            runtime()?.block_on(serve::serve(config))
+            runtime()?.block_on(async {
+                let _telemetry = init_telemetry(&config)?;
+                let mut builder = sessiond_server::Sessiond::builder(config)
+                    .agentctl_env(sessiond_server::inherited_agentctl_env());
+                if let Some(gate) = test_recovery_gate() {
+                    builder = builder.recovery_gate(gate);
+                }
+                builder.serve().await?;
+                Ok(())
+            })
         }
-        Command::Migrate(args) => runtime()?.block_on(serve::migrate(args.resolve_for_migrate()?)),
+        Command::Migrate(args) => {
+            let config = args.resolve_for_migrate()?;
+            runtime()?.block_on(async {
+                let _telemetry = init_telemetry(&Config {
+                    otlp_endpoint: None,
+                    ..config.clone()
+                })?;
+                sessiond_server::migrate(config).await?;
+                Ok(())
+            })
+        }
     }
 }
 
@@ -69,4 +78,43 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?)
+}
+
+/// Logs (`SESSIOND_LOG` filter, text or JSON) and, when
+/// `traces.otlp_endpoint` is set, span export.
+fn init_telemetry(config: &Config) -> anyhow::Result<sessiond_telemetry::Telemetry> {
+    let log_filter = std::env::var("SESSIOND_LOG")
+        .ok()
+        .filter(|f| !f.trim().is_empty())
+        .unwrap_or_else(|| "info".into());
+    let telemetry = sessiond_telemetry::init(sessiond_telemetry::Settings {
+        service_name: "sessiond",
+        log_filter,
+        log_json: config.log_json,
+        otlp_endpoint: config.otlp_endpoint.clone(),
+        sample_ratio: config.trace_sample_ratio,
+    })
+    .context("traces")?;
+    if let Some(endpoint) = &config.otlp_endpoint {
+        tracing::info!(%endpoint, sample_ratio = config.trace_sample_ratio, "exporting traces over OTLP/gRPC");
+    }
+    Ok(telemetry)
+}
+
+/// Test hook: with `SESSIOND_TEST_RECOVERY_GATE=<file>`, the startup
+/// recovery pass waits while that file exists before it takes up each
+/// executor (calls on sessions still recover theirs), so a test can look at
+/// the API in the middle of a pass without guessing a time.
+fn test_recovery_gate() -> Option<sessiond_recovery::PassGate> {
+    let path = std::env::var_os("SESSIOND_TEST_RECOVERY_GATE").filter(|p| !p.is_empty())?;
+    let path = std::path::PathBuf::from(path);
+    tracing::warn!(gate = %path.display(), "SESSIOND_TEST_RECOVERY_GATE: the recovery pass waits while this file exists");
+    Some(Arc::new(move || {
+        let path = path.clone();
+        Box::pin(async move {
+            while path.exists() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    }))
 }

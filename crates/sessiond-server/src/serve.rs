@@ -1,12 +1,12 @@
-//! `sessiond serve`: opens the store, serves gRPC (+ gRPC-web, health,
-//! reflection, metrics), runs startup recovery, and stops on SIGTERM/ctrl-c
-//! leaving executors running.
+//! `sessiond serve`: a [`Sessiond`] behind sessiond's own tonic server
+//! (+ gRPC-web, auth, metrics), stopped by SIGTERM/ctrl-c leaving executors
+//! running; and the helpers [`Sessiond`]'s builder uses.
 //!
 //! Layers around every service, outermost first: the web console (`GET`
 //! and `HEAD` answered from the embedded files), CORS (preflights answered
 //! without credentials) → gRPC-web translation → RPC metrics → bearer auth.
 
-use std::{sync::Arc, time::Duration, time::Instant};
+use std::{sync::Arc, time::Instant};
 
 use anyhow::Context;
 use chrono::Utc;
@@ -18,123 +18,52 @@ use sessiond_executor::{
     remote::{RemoteConfig, RemoteExecutor},
     standalone::{StandaloneConfig, StandaloneExecutor},
 };
-use sessiond_proto::sessiond::v1::{
-    session_service_server::SessionServiceServer, workspace_service_server::WorkspaceServiceServer,
-};
-use sessiond_recovery::{ManagerConfig, SessionManager};
+use sessiond_recovery::ManagerConfig;
 use sessiond_store::{Store, StoreOptions};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
-use tonic_health::ServingStatus;
 use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 
 use crate::{
-    api::{Api, ApiSettings},
     auth::AuthLayer,
     config::{AllowedOrigins, AuthConfig, Config, CorsConfig},
-    metrics::{self, Metrics, RpcMetricsLayer},
+    embed::{Result, Sessiond, SessiondBuilder},
+    metrics::{self, RpcMetricsLayer},
 };
 
-/// Largest gRPC message the workspace service decodes (WriteFile content).
-const MAX_WORKSPACE_MESSAGE: usize = 64 * 1024 * 1024;
+/// What `sessiond serve` does: builds a [`Sessiond`] from `config`, serves
+/// its services on `config.listen` (TLS, gRPC-web, CORS, bearer-token auth,
+/// the console) and metrics on `metrics.listen`, runs startup recovery, and
+/// stops on SIGTERM or ctrl-c leaving executors running. Logging is the
+/// caller's (the binary sets up `sessiond-telemetry`).
+///
+/// Prints `sessiond listening on <addr>` (and `sessiond metrics on <addr>`)
+/// on stdout once it listens.
+pub async fn serve(config: Config) -> Result<()> {
+    Sessiond::builder(config).serve().await
+}
 
-/// Services whose health follows startup recovery ("" is the whole server).
-const HEALTH_SERVICES: &[&str] = &[
-    "",
-    "sessiond.v1.SessionService",
-    "sessiond.v1.WorkspaceService",
-];
+impl SessiondBuilder {
+    /// [`crate::serve`] with this builder's parts: builds, then serves until
+    /// SIGTERM or ctrl-c.
+    pub async fn serve(self) -> Result<()> {
+        Ok(serve_until(self, shutdown_signal()).await?)
+    }
+}
 
-pub async fn serve(config: Config) -> anyhow::Result<()> {
-    let telemetry = init_telemetry(&config)?;
+async fn serve_until(
+    builder: SessiondBuilder,
+    stop: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
     let started = Instant::now();
+    let config = builder.config().clone();
     for warning in &config.warnings {
         tracing::warn!("{warning}");
     }
     if matches!(config.auth, AuthConfig::Disabled) {
         tracing::warn!(listen = %config.listen, "authentication is disabled (--insecure-no-auth); loopback only");
     }
-    // Before the store is opened: a second sessiond on the same SQLite file
-    // (or data directory) stops here, having touched nothing.
-    let instance_lock = crate::replica::lock_instance(&config)?;
-    let store = open_store(&config).await?;
-    seed_profiles(&store, &config).await?;
-    let (drivers, docker) = drivers(&config).await?;
-    let replica_id = crate::replica::replica_id(&config)?;
-    let manager = SessionManager::new(
-        store.clone(),
-        drivers,
-        manager_config(&config, replica_id.clone(), store.backend()),
-    );
-    // Calls answer from the moment we listen; one on a session the first
-    // pass has not reached yet recovers that session first.
-    manager.expect_startup_recovery();
-    if let Some(gate) = test_recovery_gate() {
-        manager.gate_recovery_pass(gate);
-    }
-    if let Some(docker) = docker {
-        // Waits for the first recovery pass and the grace period itself.
-        manager.start_orphan_sweep(docker);
-    }
-
-    let (health, health_service) = tonic_health::server::health_reporter();
-    for service in HEALTH_SERVICES {
-        health
-            .set_service_status(*service, ServingStatus::NotServing)
-            .await;
-    }
-
-    // The descriptor set also holds agentctl's protocol: list only what we serve.
-    let mut reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(sessiond_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
-    for service in [
-        "sessiond.v1.SessionService",
-        "sessiond.v1.WorkspaceService",
-        "grpc.health.v1.Health",
-        "grpc.reflection.v1.ServerReflection",
-    ] {
-        reflection = reflection.with_service_name(service);
-    }
-    let reflection = reflection
-        .build_v1()
-        .context("building the reflection service")?;
-
-    let metrics = Metrics::new(Some(Box::new(snapshot_source(store.clone()))), |r| {
-        manager.metrics().register(r)
-    });
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let api = Api::new(
-        manager.clone(),
-        ApiSettings {
-            default_runtime: config.executors.default_runtime,
-            default_agent: config.default_agent.clone(),
-            max_message_bytes: config.max_message_bytes,
-            worktree_roots: config.executors.worktree_roots.clone(),
-            remote_allowed_hosts: config.executors.remote_allowed_hosts.clone(),
-            watch_limits: crate::limits::WatchLimits::new(
-                config.limits.max_watch_streams,
-                config.limits.max_watch_streams_per_token,
-            ),
-            workspace_client: ClientConfig {
-                connect_timeout: config.executors.connect_timeout,
-                call_timeout: Duration::from_secs(15 * 60),
-                ..client_config(&config)?
-            },
-            peers: crate::forward::Peers::new(
-                replica_id.clone(),
-                forward_policy(&config),
-                MAX_WORKSPACE_MESSAGE.max(config.max_message_bytes + 64 * 1024),
-            ),
-        },
-        stop_rx.clone(),
-    );
-    // Decode a little more than the content limit so an oversized message
-    // is answered INVALID_ARGUMENT naming the limit, not RESOURCE_EXHAUSTED.
-    let session_service = SessionServiceServer::new(api.clone())
-        .max_decoding_message_size((config.max_message_bytes + 64 * 1024).max(4 * 1024 * 1024));
-    let workspace_service =
-        WorkspaceServiceServer::new(api).max_decoding_message_size(MAX_WORKSPACE_MESSAGE);
+    let sessiond = builder.build().await?;
 
     let listener = TcpListener::bind(config.listen)
         .await
@@ -149,31 +78,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         None => None,
     };
     // Registered before the first recovery pass claims anything.
-    let advertised = config
-        .replica
-        .advertise_address
-        .clone()
-        .unwrap_or_else(|| local_addr.to_string());
-    manager
-        .start_replica(sessiond_store::ReplicaInfo {
-            id: replica_id.clone(),
-            address: advertised.clone(),
-            hostname: crate::replica::hostname(),
-            pid: i64::from(std::process::id()),
-            started_at: Utc::now(),
-            heartbeat_at: Utc::now(),
-            lease_ttl: config.replica.lease_ttl,
-            owned_executors: 0,
-        })
-        .await
-        .context("registering this replica in the database")?;
-    tracing::info!(
-        replica = %replica_id,
-        address = %advertised,
-        lease_ttl = ?config.replica.lease_ttl,
-        exclusive = manager.config().replica.exclusive,
-        "replica registered"
-    );
+    sessiond.start(&local_addr.to_string()).await?;
     // Machine-readable lines on stdout so scripts (and tests) find the ports.
     #[allow(clippy::print_stdout)]
     {
@@ -182,19 +87,17 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             println!("sessiond metrics on {}", l.local_addr()?);
         }
     }
-
-    let wait_stop = move || {
-        let mut rx = stop_rx.clone();
-        async move {
-            let _ = rx.wait_for(|stopped| *stopped).await;
-        }
-    };
     if let Some(l) = metrics_listener {
         let limits = metrics::HttpLimits {
             max_connections: config.metrics_max_connections,
             idle_timeout: config.metrics_idle_timeout,
         };
-        tokio::spawn(metrics::serve(l, metrics.clone(), limits, wait_stop()));
+        tokio::spawn(metrics::serve(
+            l,
+            sessiond.metrics().clone(),
+            limits,
+            sessiond.stopped(),
+        ));
     }
 
     let tokens = match &config.auth {
@@ -217,91 +120,32 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
             .context("tls.cert_file / tls.key_file")?;
     }
+    let services = sessiond.services();
     let router = builder
         .accept_http1(true)
         .layer(crate::console::ConsoleLayer)
         .layer(cors_layer(&config.cors))
         .layer(tonic_web::GrpcWebLayer::new())
         .layer(sessiond_telemetry::GrpcTraceLayer)
-        .layer(RpcMetricsLayer::new(metrics.clone()))
+        .layer(RpcMetricsLayer::new(sessiond.metrics().clone()))
         .layer(AuthLayer::new(tokens, config.cors.allowed_origins.clone()))
-        .add_service(health_service)
-        .add_service(reflection)
-        .add_service(session_service)
-        .add_service(workspace_service);
+        .add_service(services.health)
+        .add_service(services.reflection)
+        .add_service(services.session)
+        .add_service(services.workspace);
     let server = tokio::spawn(
-        router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), wait_stop()),
+        router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), sessiond.stopped()),
     );
 
     tracing::info!(
         %local_addr,
-        backend = ?store.backend(),
+        backend = ?sessiond.store().backend(),
         startup_ms = started.elapsed().as_millis() as u64,
         "accepting calls; recovering executors"
     );
-    // Startup recovery's first pass, then SERVING. A database failure is
-    // retried; the server keeps answering NOT_SERVING meanwhile.
-    let recovery = {
-        let manager = manager.clone();
-        let metrics = metrics.clone();
-        let health = health.clone();
-        tokio::spawn(async move {
-            let mut attempt = 0;
-            loop {
-                match manager.recover_all().await {
-                    Ok(summary) => {
-                        let counts: Vec<(String, u64)> = summary
-                            .counts
-                            .iter()
-                            .map(|(k, v)| ((*k).to_owned(), *v as u64))
-                            .chain(
-                                (summary.failed > 0)
-                                    .then(|| ("failed".to_owned(), summary.failed as u64)),
-                            )
-                            .collect();
-                        metrics.record_recovery(summary.duration, &counts);
-                        break;
-                    }
-                    Err(err) => {
-                        let delay = Backoff::default().delay(attempt);
-                        attempt += 1;
-                        tracing::error!(%err, retry_in = ?delay, "startup recovery failed; retrying");
-                        tokio::time::sleep(delay).await;
-                    }
-                }
-            }
-            // GetSessionStatus from memory from the first call, not one
-            // store round trip per session the first time each is asked.
-            let t = std::time::Instant::now();
-            match manager.load_status_snapshot().await {
-                Ok(n) => tracing::info!(
-                    sessions = n,
-                    took_ms = t.elapsed().as_millis() as u64,
-                    "status snapshot loaded"
-                ),
-                // Not fatal: each session then loads on its first status call.
-                Err(e) => tracing::warn!(error = %e, "status snapshot not loaded"),
-            }
-            for service in HEALTH_SERVICES {
-                health
-                    .set_service_status(*service, ServingStatus::Serving)
-                    .await;
-            }
-            metrics.set_ready(true);
-            tracing::info!("serving");
-        })
-    };
 
-    shutdown_signal().await;
-    recovery.abort();
-    metrics.set_ready(false);
-    for service in HEALTH_SERVICES {
-        health
-            .set_service_status(*service, ServingStatus::NotServing)
-            .await;
-    }
-    let _ = stop_tx.send(true);
-    manager.shutdown();
+    stop.await;
+    sessiond.shutdown().await;
     let served = match tokio::time::timeout(config.shutdown_grace, server).await {
         Ok(Ok(result)) => result.context("gRPC server failed"),
         Ok(Err(join)) => Err(join).context("gRPC server task failed"),
@@ -313,32 +157,22 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             Ok(())
         }
     };
-    // Graceful handoff: the other replicas adopt our executors on their next
-    // round instead of after the lease TTL. After the calls ended, so
-    // nothing of ours acts on an executor another replica took.
-    match manager.release_leases().await {
-        Ok(0) => {}
-        Ok(n) => tracing::info!(executors = n, "leases released for the other replicas"),
-        Err(e) => tracing::warn!(error = %e, "leases not released; others adopt after the TTL"),
-    }
+    // Graceful handoff (leases released), then the instance lock dropped.
+    sessiond.release().await;
     served?;
-    drop(instance_lock);
     tracing::info!("stopped; executors keep running for the next start to reattach");
-    telemetry.shutdown();
     Ok(())
 }
 
-pub async fn migrate(config: Config) -> anyhow::Result<()> {
-    let _telemetry = init_telemetry(&Config {
-        otlp_endpoint: None,
-        ..config.clone()
-    })?;
+/// What `sessiond migrate` does: opens the database named by
+/// `config.database_url` and applies pending migrations.
+pub async fn migrate(config: Config) -> Result<()> {
     open_store(&config).await?;
     tracing::info!("migrations applied");
     Ok(())
 }
 
-async fn open_store(config: &Config) -> anyhow::Result<Store> {
+pub(crate) async fn open_store(config: &Config) -> anyhow::Result<Store> {
     if !config.database_url.starts_with("postgres") {
         private_dir(&config.data_dir, "data_dir")?;
         // SQLite gives -wal and -shm the main file's mode.
@@ -418,7 +252,7 @@ fn tighten_files(dir: &std::path::Path) {
 }
 
 /// The configured agent profiles, stored by name (ids stay stable).
-async fn seed_profiles(store: &Store, config: &Config) -> anyhow::Result<()> {
+pub(crate) async fn seed_profiles(store: &Store, config: &Config) -> anyhow::Result<()> {
     for (i, a) in config.agents.iter().enumerate() {
         let now = Utc::now();
         store
@@ -445,7 +279,7 @@ async fn seed_profiles(store: &Store, config: &Config) -> anyhow::Result<()> {
 /// Whether commands for sessions other replicas own are forwarded to them
 /// (see `forward.rs`): only with authentication (the caller's token is what
 /// the owner checks) and without TLS (no trust roots for the peers yet).
-fn forward_policy(config: &Config) -> crate::forward::Policy {
+pub(crate) fn forward_policy(config: &Config) -> crate::forward::Policy {
     use crate::forward::Policy;
     if matches!(config.auth, AuthConfig::Disabled) {
         Policy::Refuse(
@@ -462,7 +296,7 @@ fn forward_policy(config: &Config) -> crate::forward::Policy {
     }
 }
 
-fn client_config(config: &Config) -> anyhow::Result<ClientConfig> {
+pub(crate) fn client_config(config: &Config) -> anyhow::Result<ClientConfig> {
     let e = &config.executors;
     let tls = match &e.remote_tls_ca_file {
         Some(path) => {
@@ -489,8 +323,9 @@ fn client_config(config: &Config) -> anyhow::Result<ClientConfig> {
 /// One driver per enabled runtime.
 /// The executor drivers, and the Docker one again by its type for the orphan
 /// sweep when Docker is enabled.
-async fn drivers(
+pub(crate) async fn drivers(
     config: &Config,
+    agentctl_env: Vec<(String, String)>,
 ) -> anyhow::Result<(Vec<Arc<dyn Executor>>, Option<Arc<DockerExecutor>>)> {
     let e = &config.executors;
     let client = client_config(config)?;
@@ -499,7 +334,7 @@ async fn drivers(
     standalone.idle_timeout = e.idle_timeout;
     standalone.startup_timeout = e.standalone_startup_timeout;
     standalone.client = client.clone();
-    standalone.env = agentctl_env();
+    standalone.env = agentctl_env;
     standalone.env.extend(agentctl_telemetry_env(config));
     for (dir, key) in [
         (&e.run_dir, "executors.standalone.run_dir"),
@@ -569,50 +404,7 @@ async fn drivers(
     Ok((drivers, docker_driver))
 }
 
-/// Test hook: with `SESSIOND_TEST_RECOVERY_GATE=<file>`, the startup
-/// recovery pass waits while that file exists before it takes up each
-/// executor (calls on sessions still recover theirs), so a test can look at
-/// the API in the middle of a pass without guessing a time.
-fn test_recovery_gate() -> Option<sessiond_recovery::PassGate> {
-    let path = std::env::var_os("SESSIOND_TEST_RECOVERY_GATE").filter(|p| !p.is_empty())?;
-    let path = std::path::PathBuf::from(path);
-    tracing::warn!(gate = %path.display(), "SESSIOND_TEST_RECOVERY_GATE: the recovery pass waits while this file exists");
-    Some(Arc::new(move || {
-        let path = path.clone();
-        Box::pin(async move {
-            while path.exists() {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-    }))
-}
-
-/// What a standalone agentctl inherits from us: enough to find programs and
-/// behave, and its log filter; never our tokens, database URL or anything
-/// else `SESSIOND_*` (agentctl passes a subset on to the agent and commands).
-fn agentctl_env() -> Vec<(String, String)> {
-    const PASSED: &[&str] = &[
-        "PATH",
-        "HOME",
-        "USER",
-        "LOGNAME",
-        "SHELL",
-        "LANG",
-        "LANGUAGE",
-        "LC_ALL",
-        "LC_CTYPE",
-        "TZ",
-        "TMPDIR",
-        "TERM",
-        "AGENTCTL_LOG",
-    ];
-    PASSED
-        .iter()
-        .filter_map(|k| std::env::var(k).ok().map(|v| ((*k).to_owned(), v)))
-        .collect()
-}
-
-fn manager_config(
+pub(crate) fn manager_config(
     config: &Config,
     replica_id: String,
     backend: sessiond_store::Backend,
@@ -683,7 +475,9 @@ fn cors_layer(config: &CorsConfig) -> CorsLayer {
 
 /// Counts read from the store at scrape time; every state and status is
 /// listed (0 when none) so a series does not vanish when it empties.
-fn snapshot_source(store: Store) -> impl Fn() -> metrics::Snapshot + Send + Sync + 'static {
+pub(crate) fn snapshot_source(
+    store: Store,
+) -> impl Fn() -> metrics::Snapshot + Send + Sync + 'static {
     use sessiond_domain::{ExecutorStatus, SessionState};
     move || {
         let store = store.clone();
@@ -768,27 +562,6 @@ async fn shutdown_signal() {
         let _ = ctrl_c.await;
     }
     tracing::info!("shutdown requested; finishing in-flight calls");
-}
-
-/// Logs (`SESSIOND_LOG` filter, text or JSON) and, when
-/// `traces.otlp_endpoint` is set, span export.
-fn init_telemetry(config: &Config) -> anyhow::Result<sessiond_telemetry::Telemetry> {
-    let log_filter = std::env::var("SESSIOND_LOG")
-        .ok()
-        .filter(|f| !f.trim().is_empty())
-        .unwrap_or_else(|| "info".into());
-    let telemetry = sessiond_telemetry::init(sessiond_telemetry::Settings {
-        service_name: "sessiond",
-        log_filter,
-        log_json: config.log_json,
-        otlp_endpoint: config.otlp_endpoint.clone(),
-        sample_ratio: config.trace_sample_ratio,
-    })
-    .context("traces")?;
-    if let Some(endpoint) = &config.otlp_endpoint {
-        tracing::info!(%endpoint, sample_ratio = config.trace_sample_ratio, "exporting traces over OTLP/gRPC");
-    }
-    Ok(telemetry)
 }
 
 /// What agentctl needs to continue our traces (and log like us): the same

@@ -13,6 +13,7 @@ mod activity;
 mod agents;
 mod api;
 mod config;
+mod embedding;
 mod forwarding;
 mod interop;
 mod metrics;
