@@ -8,7 +8,8 @@
 //!   The Docker tests (`#[ignore]`d, so a plain test run never counts them as
 //!   passed) run explicitly, against a dockerd it starts unless one runs
 //!   (installing `docker.io` when missing), with an image built offline.
-//!   It builds and runs the library crates' examples (`EXAMPLES`).
+//!   It builds and runs the library crates' examples (`EXAMPLES`), builds
+//!   their API docs with warnings as errors and packages them (dry run).
 //!   Its last line is `N passed, N failed` over every test it ran.
 //! - `docker-image`: builds the `sessiond-agentctl:dev` image with no registry.
 //! - `docker-tests`: only the Docker tests (executor driver with the
@@ -20,6 +21,8 @@
 //!   which `ci` and `soak` make too (its test is `#[ignore]`d, run by `ci`).
 //! - `soak [--runs N]`: the test suites of `ci` N times (3) under CPU load
 //!   (a busy loop per core), reporting each run's failures: the flake check.
+//! - `public-api`: rewrites docs/public-api.txt, the public-API snapshot of
+//!   the library crates that xtask's test compares (see `public_api.rs`).
 //! - `bench`: the performance figures (see `bench.rs`); writes docs/PERFORMANCE.md.
 
 use std::{
@@ -36,6 +39,7 @@ mod bench;
 mod compose;
 mod docker;
 mod interop;
+mod public_api;
 mod web;
 
 fn main() -> anyhow::Result<()> {
@@ -45,6 +49,15 @@ fn main() -> anyhow::Result<()> {
         Some("docker-image") => docker_image(&args[1..]),
         Some("docker-tests") => docker_tests(),
         Some("soak") => soak(&args[1..]),
+        Some("public-api") => {
+            let root = workspace_root();
+            std::fs::write(
+                public_api::snapshot_path(&root),
+                public_api::listing(&root)?,
+            )?;
+            eprintln!("xtask: wrote docs/public-api.txt");
+            Ok(())
+        }
         Some("interop-venv") => interop::ensure_venv(&workspace_root()).map(|_| ()),
         Some("bench") => {
             let root = workspace_root();
@@ -54,7 +67,7 @@ fn main() -> anyhow::Result<()> {
         }
         _ => {
             eprintln!(
-                "usage: cargo xtask ci | docker-image [--tar <file>] | docker-tests | interop-venv | soak [--runs N] | bench [--quick]"
+                "usage: cargo xtask ci | docker-image [--tar <file>] | docker-tests | interop-venv | soak [--runs N] | bench [--quick] | public-api"
             );
             bail!("unknown or missing command {:?}", args.first());
         }
@@ -89,6 +102,7 @@ fn ci() -> anyhow::Result<()> {
         cargo(&["build", "--workspace", "--bins", "--locked"]),
     )?;
     examples()?;
+    library_docs_and_packages()?;
     let mut tally = Tally::default();
     tally.run(
         "web: browser suite",
@@ -195,6 +209,56 @@ fn examples() -> anyhow::Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// The crates other Rust services embed (publishable; see docs/EMBEDDING.md).
+const LIBRARY_CRATES: &[&str] = &[
+    "sessiond-domain",
+    "sessiond-proto",
+    "sessiond-store",
+    "sessiond-executor",
+    "sessiond-recovery",
+    "sessiond-telemetry",
+    "sessiond-server",
+];
+
+/// The library crates' API docs with every rustdoc warning an error (a
+/// broken or private intra-doc link fails), and each library crate packaged
+/// as `cargo publish` would (`cargo package --workspace`, which resolves the
+/// unpublished sessiond crates among themselves). `--no-verify`: the
+/// packages are not compiled again from the tarballs.
+fn library_docs_and_packages() -> anyhow::Result<()> {
+    let mut doc = cargo(&["doc", "--no-deps", "--locked"]);
+    for c in LIBRARY_CRATES {
+        doc.args(["-p", c]);
+    }
+    doc.env("RUSTDOCFLAGS", "-D warnings");
+    step("docs", doc)?;
+    let mut package = cargo(&[
+        "package",
+        "--workspace",
+        "--no-verify",
+        "--locked",
+        "--allow-dirty",
+    ]);
+    for member in workspace_members()? {
+        if !LIBRARY_CRATES.contains(&member.as_str()) {
+            package.args(["--exclude", &member]);
+        }
+    }
+    step("package the library crates", package)
+}
+
+/// The workspace's package names (the directories of `crates/`, and xtask).
+fn workspace_members() -> anyhow::Result<Vec<String>> {
+    let mut members = vec!["xtask".to_owned()];
+    for entry in std::fs::read_dir(workspace_root().join("crates"))? {
+        let entry = entry?;
+        if entry.path().join("Cargo.toml").is_file() {
+            members.push(entry.file_name().to_string_lossy().into_owned());
+        }
+    }
+    Ok(members)
 }
 
 /// `soak [--runs N]`: the suites of [`test_suites`] N times in a row (3 by

@@ -159,7 +159,14 @@ pub async fn measure(
     .args(["--insecure-no-auth", "--metrics-listen", "off"])
     .arg("--data-dir")
     .arg(&data)
-    .env("SESSIOND_LOG", "info")
+    // SESSIOND_BENCH_SERVE_LOG: another filter for the serve's log (e.g.
+    // `info,sessiond_recovery=debug,sessiond_store=debug` to see what a
+    // slow call waited on), the log kept as availability-sessiond.log in
+    // the current directory.
+    .env(
+        "SESSIOND_LOG",
+        std::env::var("SESSIOND_BENCH_SERVE_LOG").unwrap_or_else(|_| "info".into()),
+    )
     .stderr(std::fs::File::create(&log)?);
     let t0 = Instant::now();
     let (server, addrs) = spawn_with_addrs(cmd, "sessiond listening on", 1)?;
@@ -218,6 +225,9 @@ pub async fn measure(
     let serving = crate::load::wait_serving(&addr, Duration::from_secs(300)).await?;
     let serving = t0.elapsed().max(serving);
     drop(server);
+    if std::env::var_os("SESSIOND_BENCH_SERVE_LOG").is_some() {
+        let _ = std::fs::copy(&log, "availability-sessiond.log");
+    }
     let serve_pass = std::fs::read_to_string(&log)
         .unwrap_or_default()
         .lines()
@@ -265,9 +275,14 @@ pub fn render(r: &AvailabilityRow, command: &str) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "- Machine: {}; {}; `{command}` (release build)",
+        "- Machine: {}; {}; `{command}` ({} build)",
         machine(),
-        chrono::Utc::now().format("%Y-%m-%d %H:%M UTC")
+        chrono::Utc::now().format("%Y-%m-%d %H:%M UTC"),
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        }
     );
     let _ = writeln!(o);
     let _ = writeln!(

@@ -16,6 +16,11 @@
 //!   10,000; `--only-availability` runs just that): first answer and a
 //!   SendMessage on a session not yet recovered, against one executor's
 //!   recovery, and the pass with and without the recovery queue.
+//! - Replicas on one PostgreSQL (`replicas.rs`; `--replicas N`, default
+//!   1,000, 0 skips; `--lease-ttl S`, default 3; `--only-replicas` runs just
+//!   that): adoption of a killed replica's sessions by two survivors against
+//!   the lease TTL plus a single-replica recovery, and event latency across
+//!   replicas against the same replica.
 //!
 //! Prints a table and writes it into `docs/PERFORMANCE.md` between the
 //! `<!-- bench:begin -->` / `<!-- bench:end -->` markers.
@@ -29,6 +34,7 @@ mod events;
 mod fleet;
 mod load;
 mod recovery;
+mod replicas;
 mod report;
 mod seed;
 mod standalone;
@@ -92,6 +98,13 @@ struct Opts {
     availability_pairs: usize,
     /// Only the availability measurement.
     only_availability: bool,
+    /// Sessions of a killed replica adopted by two others (0: skip the
+    /// replicas measurements; they need PostgreSQL).
+    replicas_n: usize,
+    /// Lease TTL of the replicas in the adoption measurement.
+    lease_ttl: Duration,
+    /// Only the replicas measurements.
+    only_replicas: bool,
     out: Option<PathBuf>,
     bin_dir: PathBuf,
     command: String,
@@ -112,6 +125,9 @@ impl Opts {
             availability_n: 10_000,
             availability_pairs: 2,
             only_availability: false,
+            replicas_n: 1_000,
+            lease_ttl: Duration::from_secs(3),
+            only_replicas: false,
             out: None,
             bin_dir: exe.parent().map(Path::to_path_buf).unwrap_or_default(),
             command: std::env::var("SESSIOND_BENCH_COMMAND")
@@ -131,8 +147,13 @@ impl Opts {
                     o.availability_n = 1_000;
                 }
                 "--n" => o.availability_n = val()?.replace('_', "").parse()?,
-                "--pairs" => o.availability_pairs = val()?.parse::<usize>()?.max(1),
+                "--pairs" => o.availability_pairs = val()?.parse::<usize>()?,
                 "--only-availability" => o.only_availability = true,
+                "--replicas" => o.replicas_n = val()?.replace('_', "").parse()?,
+                "--lease-ttl" => {
+                    o.lease_ttl = Duration::from_secs_f64(val()?.trim_end_matches('s').parse()?);
+                }
+                "--only-replicas" => o.only_replicas = true,
                 "--no-idle" => o.idle_window = false,
                 "--turns" => o.turns = val()?.parse()?,
                 "--only-turns" => o.only_turns = true,
@@ -150,7 +171,7 @@ impl Opts {
                 "--bin-dir" => o.bin_dir = PathBuf::from(val()?),
                 other => anyhow::bail!(
                     "unknown argument {other:?}; usage: sessiond-bench [--quick] [--sizes 100,1000] \
-                     [--no-postgres] [--standalone N] [--rss-sessions N] [--load-secs S] [--no-idle] [--turns N] [--only-turns] [--n N] [--pairs P] [--only-availability] [--out FILE] [--bin-dir DIR]"
+                     [--no-postgres] [--standalone N] [--rss-sessions N] [--load-secs S] [--no-idle] [--turns N] [--only-turns] [--n N] [--pairs P] [--only-availability] [--replicas N] [--lease-ttl S] [--only-replicas] [--out FILE] [--bin-dir DIR]"
                 ),
             }
         }
@@ -171,6 +192,12 @@ impl Drop for ChildGuard {
 impl ChildGuard {
     fn pid(&self) -> u32 {
         self.0.id()
+    }
+
+    /// SIGKILL (kill -9), and reaped.
+    fn kill_now(&mut self) -> std::io::Result<()> {
+        self.0.kill()?;
+        self.0.wait().map(drop)
     }
 }
 
@@ -286,7 +313,7 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
     let dir = tempfile::Builder::new()
         .prefix("sessiond-bench-")
         .tempdir()?;
-    if opts.turns > 0 && !opts.only_availability {
+    if opts.turns > 0 && !opts.only_availability && !opts.only_replicas {
         run_turns(&opts, dir.path()).await?;
     }
     if opts.only_turns {
@@ -306,6 +333,11 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         fleet_addrs.join(", ")
     ));
 
+    if opts.only_replicas {
+        let (pg, _cluster) = postgres().await?;
+        run_replicas(&opts, dir.path(), &pg, &fleet_urls).await?;
+        return Ok(());
+    }
     if opts.availability_n > 0 {
         let row = availability::measure(
             dir.path(),
@@ -334,16 +366,8 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
     let (pg_url, _cluster) = if !opts.postgres {
         (None, None)
     } else {
-        match std::env::var("DATABASE_URL") {
-            Ok(u) if !u.is_empty() => (Some(u), None),
-            _ => {
-                let c = tokio::task::spawn_blocking(sessiond_testkit::postgres::try_start_cluster)
-                    .await?
-                    .map_err(anyhow::Error::msg)
-                    .context("starting a throwaway PostgreSQL (set DATABASE_URL to use another)")?;
-                (Some(c.url().to_owned()), Some(c))
-            }
-        }
+        let (url, cluster) = postgres().await?;
+        (Some(url), cluster)
     };
 
     // 1. Startup recovery of remote executors.
@@ -580,6 +604,13 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         manager.shutdown();
     }
 
+    // 5. Replicas on one PostgreSQL: adoption, events across replicas.
+    if let Some(pg) = &pg_url
+        && opts.replicas_n > 0
+    {
+        run_replicas(&opts, dir.path(), pg, &fleet_urls).await?;
+    }
+
     drop(fleet);
     report.total = total.elapsed();
     let text = report.render();
@@ -590,6 +621,58 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
     if let Some(out) = &opts.out {
         report::write_into(out, &text)?;
         say(format!("wrote {}", out.display()));
+    }
+    Ok(())
+}
+
+/// PostgreSQL for the measurements that need it: `DATABASE_URL`, else a
+/// throwaway cluster of our own (stopped when the guard drops).
+async fn postgres() -> anyhow::Result<(String, Option<sessiond_testkit::postgres::Cluster>)> {
+    match std::env::var("DATABASE_URL") {
+        Ok(u) if !u.is_empty() => Ok((u, None)),
+        _ => {
+            let c = tokio::task::spawn_blocking(sessiond_testkit::postgres::try_start_cluster)
+                .await?
+                .map_err(anyhow::Error::msg)
+                .context("starting a throwaway PostgreSQL (set DATABASE_URL to use another)")?;
+            Ok((c.url().to_owned(), Some(c)))
+        }
+    }
+}
+
+/// Adoption by two survivors and event latency across replicas
+/// (`replicas.rs`): printed, and written between their own markers.
+async fn run_replicas(
+    opts: &Opts,
+    dir: &Path,
+    pg: &str,
+    fleet_urls: &[String],
+) -> anyhow::Result<()> {
+    let adoption = replicas::adoption(
+        dir,
+        &opts.bin_dir,
+        pg,
+        fleet_urls,
+        opts.replicas_n,
+        opts.lease_ttl,
+    )
+    .await?;
+    let events =
+        replicas::cross_latency(dir, pg, fleet_urls, 1_000, Duration::from_millis(5)).await?;
+    say(replicas::line(&adoption, &events));
+    let build = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    let text = replicas::render(&adoption, &events, &opts.command, build);
+    #[allow(clippy::print_stdout)]
+    {
+        println!("{text}");
+    }
+    if let Some(out) = &opts.out {
+        report::write_between(out, replicas::BEGIN, replicas::END, &text)?;
+        say(format!("wrote the replicas section into {}", out.display()));
     }
     Ok(())
 }

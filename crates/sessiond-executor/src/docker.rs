@@ -10,7 +10,7 @@
 //! `none` by default; `host` is refused, since a container on the host's
 //! network namespace sees every session's and the backend's loopback traffic).
 //!
-//! **The container is a boundary** ([`DockerExecutor::create_body`]): it runs
+//! **The container is a boundary** (`DockerExecutor::create_body`): it runs
 //! as a non-root user (the worktree owner's uid:gid unless configured), with
 //! every capability dropped, `no-new-privileges`, a read-only root filesystem
 //! (writable: the worktree, the run directory, a tmpfs at `/tmp`), and the

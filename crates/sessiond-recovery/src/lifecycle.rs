@@ -382,13 +382,27 @@ impl SessionManager {
         if text.trim().is_empty() {
             return Err(Error::InvalidArgument("the message is empty".into()));
         }
+        let t = std::time::Instant::now();
         self.session_of_task(task, session_id).await?;
-        self.ensure_recovered(session_id).await?;
+        let checked = t.elapsed();
+        let _ahead = self.recover_ahead(session_id).await?;
+        let recovered = t.elapsed();
         let _guard = self.lock_session(session_id).await;
+        let locked = t.elapsed();
         let session = self.inner.store.get_session(session_id).await?;
         self.check_can_start_turn(&session, "send a message")
             .await?;
-        self.start_turn(session, text).await
+        let sent = self.start_turn(session, text).await;
+        // Where a slow call spent its time (availability while recovering).
+        tracing::debug!(
+            %session_id,
+            checked_ms = ms(checked),
+            recovered_ms = ms(recovered),
+            locked_ms = ms(locked),
+            done_ms = ms(t.elapsed()),
+            "send_message timing"
+        );
+        sent
     }
 
     /// Runs again a turn that ended *interrupted* (a crash left it unknown
@@ -406,7 +420,7 @@ impl SessionManager {
         message: Option<MessageId>,
     ) -> Result<(Message, MessageId)> {
         self.session_of_task(task, session_id).await?;
-        self.ensure_recovered(session_id).await?;
+        let _ahead = self.recover_ahead(session_id).await?;
         let _guard = self.lock_session(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         self.check_can_start_turn(&session, "retry a turn").await?;
@@ -897,4 +911,9 @@ fn agent_modes(m: &pb::SessionModes) -> AgentModes {
             })
             .collect(),
     }
+}
+
+/// Milliseconds, for timing fields of debug events.
+pub(crate) fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
 }

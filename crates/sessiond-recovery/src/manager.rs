@@ -314,11 +314,17 @@ impl SessionManager {
     ///
     /// Answered from memory: the session row and the profile's claim come
     /// from the status snapshot (loaded from the store on first use, in one
-    /// round trip, then replaced by every [`SessionManager::commit`]), the
+    /// round trip, then replaced by every `SessionManager::commit`), the
     /// execution from the executors cache, or, for a session this manager
     /// never wrote, from the record loaded with the snapshot.
     pub async fn session_status(&self, task: TaskId, session: SessionId) -> Result<SessionStatus> {
-        self.queue_filled().await;
+        // While an exclusive store's pass loads its executors, answer at
+        // once from the records (a live executor is about to be recovered)
+        // instead of waiting for the load of all of them.
+        let loading = self.answers_while_loading();
+        if !loading {
+            self.queue_filled().await;
+        }
         // Another replica's session changes under us: read what it committed.
         let elsewhere = !self.owns(session);
         let cached = if elsewhere {
@@ -346,7 +352,12 @@ impl SessionManager {
         };
         let view = cached.or(snap.record);
         let status = sessiond_domain::session_status(s, view.as_ref(), snap.profile_claim);
-        Ok(if self.is_recovering(session) {
+        let recovering = if loading {
+            self.recovering_while_loading(session, view.as_ref())
+        } else {
+            self.is_recovering(session)
+        };
+        Ok(if recovering {
             status.recovering()
         } else {
             status

@@ -16,12 +16,23 @@
 //! deadlines extended by the pause), so the call does not queue behind the
 //! pass's `concurrency` others for the database and the CPU.
 //!
+//! The pass's own recoveries run with a `sessiond_store::Yield` flag: their
+//! store calls give way to everyone else's (SQLite's write turn, two pool
+//! connections kept free), and a call that joins one promotes it. A call
+//! that waited for a recovery keeps the pass paused between steps until it
+//! is answered (`recover_ahead`, at most [`MAX_PAUSE`] at a time), so its
+//! own writes and `Prompt` do not compete with the pass either.
+//!
 //! While a session is in the queue and its recovery has not ended,
 //! [`SessionManager::session_status`] says `recovering`. Between the moment
 //! a backend announces a pass ([`SessionManager::expect_startup_recovery`],
-//! before it serves) and the moment the queue is filled, status and calls
-//! wait for the queue (a few tens of milliseconds for 10,000 executors),
-//! so nothing is answered from records the pass is about to look at.
+//! before it serves) and the moment the queue is filled, nothing waits on an
+//! exclusive store (SQLite, where the pass takes every live executor):
+//! status answers from the records (a `starting` / `ready` executor is one
+//! the pass is about to recover: `recovering`), and a call on such a session
+//! claims its recovery at once (`claim_while_loading`); the pass, once
+//! filled, joins it. With other replicas the pass first claims leases, so
+//! status and calls wait for the queue there.
 
 use std::{collections::HashMap, sync::Arc};
 
@@ -29,7 +40,8 @@ use futures::{
     FutureExt,
     future::{BoxFuture, Shared},
 };
-use sessiond_domain::{ExecutorRecord, OutcomeLabel, SessionId};
+use sessiond_domain::{ExecutorRecord, ExecutorStatus, OutcomeLabel, SessionId};
+use sessiond_store::Yield;
 
 use crate::{
     error::{Error, Result},
@@ -47,8 +59,9 @@ pub type PassGate = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
 pub(crate) enum Queued {
     /// Not claimed yet: the record the pass loaded.
     Waiting(Box<ExecutorRecord>),
-    /// Being recovered (or recovered) in this pass.
-    Claimed(SharedRecovery),
+    /// Being recovered (or recovered) in this pass; the pass's own claims
+    /// carry the flag that makes their store calls give way to calls'.
+    Claimed(SharedRecovery, Option<Yield>),
 }
 
 /// Where the queue stands.
@@ -109,7 +122,7 @@ impl SessionManager {
     pub fn is_recovering(&self, session: SessionId) -> bool {
         match lock(&self.inner.queue).entries.get(&session) {
             Some(Queued::Waiting(_)) => true,
-            Some(Queued::Claimed(f)) => f.peek().is_none(),
+            Some(Queued::Claimed(f, _)) => f.peek().is_none(),
             None => false,
         }
     }
@@ -131,14 +144,94 @@ impl SessionManager {
     /// replica's: one whose lease is free or expired is claimed and
     /// recovered here; one another replica holds is [`Error::NotOwner`].
     pub async fn ensure_recovered(&self, session: SessionId) -> Result<()> {
-        self.queue_filled().await;
-        let claim = self.claim(session, Lane::Call);
-        if let Some(Claim::Started(fut) | Claim::Joined(fut)) = claim
-            && let Err(e) = fut.await
-        {
-            tracing::debug!(%session, error = %e, "prioritised recovery failed");
+        self.recover_ahead(session).await.map(drop)
+    }
+
+    /// [`Self::ensure_recovered`] for a call that goes on to use the
+    /// session at once (`SendMessage`, `RetryTurn`): when it waited for a
+    /// recovery, the returned guard keeps the pass paused between its steps
+    /// until the call is done (at most [`MAX_PAUSE`] at a time), so the rest
+    /// of the call (its writes, its `Prompt`) does not compete with the
+    /// pass's `concurrency` recoveries either.
+    pub(crate) async fn recover_ahead(&self, session: SessionId) -> Result<Option<CallRecovery>> {
+        // A call during the pass's load (exclusive store: the pass takes
+        // every live executor) starts its session's recovery now instead of
+        // waiting for the load of all the others.
+        let early = self.claim_while_loading(session).await?;
+        if early.is_none() {
+            self.queue_filled().await;
         }
-        self.ensure_owned(session).await
+        let claim = early.or_else(|| self.claim(session, Lane::Call));
+        let mut ahead = None;
+        if let Some(Claim::Started(fut) | Claim::Joined(fut)) = claim {
+            ahead = Some(self.call_recovery_started());
+            if let Err(e) = fut.await {
+                tracing::debug!(%session, error = %e, "prioritised recovery failed");
+            }
+        }
+        self.ensure_owned(session).await?;
+        Ok(ahead)
+    }
+
+    /// While an announced pass of an exclusive store loads its executors:
+    /// if `session`'s executor is live (`starting` or `ready`, which the
+    /// pass will recover), claim it for this call; the pass, once its queue
+    /// is filled, joins this recovery instead of running its own.
+    async fn claim_while_loading(&self, session: SessionId) -> Result<Option<Claim>> {
+        if !self.exclusive() || *self.inner.queue_phase.borrow() != Phase::Loading {
+            return Ok(None);
+        }
+        let Some(record) = self.inner.store.get_executor_for_session(session).await? else {
+            return Ok(None);
+        };
+        if !matches!(
+            record.status,
+            ExecutorStatus::Starting | ExecutorStatus::Ready
+        ) {
+            return Ok(None);
+        }
+        let mut queue = lock(&self.inner.queue);
+        if queue.off || *self.inner.queue_phase.borrow() != Phase::Loading {
+            return Ok(None);
+        }
+        if let Some(Queued::Claimed(f, _)) = queue.entries.get(&session) {
+            return Ok(Some(Claim::Joined(f.clone())));
+        }
+        let fut = self.start_claimed(record, Lane::Call);
+        queue
+            .entries
+            .insert(session, Queued::Claimed(fut.clone(), None));
+        Ok(Some(Claim::Started(fut)))
+    }
+
+    /// The answer of `session_status` on `recovering` while the pass of an
+    /// exclusive store is loading: the executor the status shows is live,
+    /// so the pass is about to recover it (unless a call already did).
+    pub(crate) fn recovering_while_loading(
+        &self,
+        session: SessionId,
+        view: Option<&sessiond_domain::ExecutionView>,
+    ) -> bool {
+        let queue = lock(&self.inner.queue);
+        if let Some(entry) = queue.entries.get(&session) {
+            return match entry {
+                Queued::Waiting(_) => true,
+                Queued::Claimed(f, _) => f.peek().is_none(),
+            };
+        }
+        *self.inner.queue_phase.borrow() == Phase::Loading
+            && view.is_some_and(|v| {
+                matches!(
+                    v.executor_status,
+                    ExecutorStatus::Starting | ExecutorStatus::Ready
+                )
+            })
+    }
+
+    /// Whether status may answer without waiting for the queue: an
+    /// exclusive store's pass is loading (see `recovering_while_loading`).
+    pub(crate) fn answers_while_loading(&self) -> bool {
+        self.exclusive() && *self.inner.queue_phase.borrow() == Phase::Loading
     }
 
     /// Claims `session`'s queue entry: starts its recovery if it is still
@@ -147,14 +240,40 @@ impl SessionManager {
         let mut queue = lock(&self.inner.queue);
         let entry = queue.entries.get_mut(&session)?;
         let record = match entry {
-            Queued::Claimed(f) => return Some(Claim::Joined(f.clone())),
+            Queued::Claimed(f, flag) => {
+                if lane == Lane::Call
+                    && let Some(flag) = flag
+                {
+                    // A call now waits for this pass recovery: it stops
+                    // giving way (it is the call's recovery too).
+                    flag.promote();
+                }
+                return Some(Claim::Joined(f.clone()));
+            }
             Queued::Waiting(r) => (**r).clone(),
         };
+        let (fut, flag) = self.start_recovery(record, lane);
+        *entry = Queued::Claimed(fut.clone(), flag);
+        Some(Claim::Started(fut))
+    }
+
+    fn start_claimed(&self, record: ExecutorRecord, lane: Lane) -> SharedRecovery {
+        self.start_recovery(record, lane).0
+    }
+
+    /// Starts a claimed recovery on a task of its own (in the claimer's
+    /// span, so a caller that goes away does not cut it short); the pass's
+    /// own claims yield to calls' store work (the flag, kept in the entry).
+    fn start_recovery(
+        &self,
+        record: ExecutorRecord,
+        lane: Lane,
+    ) -> (SharedRecovery, Option<Yield>) {
         let me = self.clone();
-        // On a task of its own (in the claimer's span), so a caller that
-        // goes away does not cut it short.
+        let flag = (lane == Lane::Pass).then(Yield::new);
+        let yielding = flag.clone();
         let task = self.spawn_background(tracing::Instrument::in_current_span(async move {
-            me.recover_shared_in(record, lane).await
+            me.recover_shared_with(record, lane, yielding).await
         }));
         let fut: SharedRecovery = async move {
             task.await
@@ -162,8 +281,7 @@ impl SessionManager {
         }
         .boxed()
         .shared();
-        *entry = Queued::Claimed(fut.clone());
-        Some(Claim::Started(fut))
+        (fut, flag)
     }
 
     /// Fills the queue with the pass's executors; returns whether calls are
@@ -173,7 +291,8 @@ impl SessionManager {
         if queue.off {
             return false;
         }
-        queue.entries.clear();
+        // Not cleared: a call may have claimed its session during the load
+        // (`claim_while_loading`); `close_queue` empties it after a pass.
         queue.entries.reserve(records.len());
         for r in records {
             queue
@@ -211,10 +330,15 @@ impl SessionManager {
         }
         let t = std::time::Instant::now();
         let mut rx = self.inner.calls_recovering.subscribe();
-        let _ = rx.wait_for(|n| *n == 0).await;
+        // Bounded: a call that holds its precedence long (a slow agent)
+        // slows the pass down to one step per pause, never stops it.
+        let _ = tokio::time::timeout(MAX_PAUSE, rx.wait_for(|n| *n == 0)).await;
         t.elapsed()
     }
 }
+
+/// The longest the pass's recoveries pause at once for calls.
+pub(crate) const MAX_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Ends a call's precedence over the pass when dropped.
 pub(crate) struct CallRecovery(SessionManager);

@@ -30,7 +30,7 @@ use sessiond_domain::{
 };
 use sessiond_executor::{AgentState, ExecutorHandle, Probe};
 use sessiond_proto::agentctl::v1 as pb;
-use sessiond_store::Changeset;
+use sessiond_store::{Changeset, Store, Yield};
 
 use crate::{
     error::{Error, Result},
@@ -189,6 +189,11 @@ impl SessionManager {
             Err(e) => tracing::debug!(error = %e, "profiles not preloaded"),
         }
         let queued = self.fill_queue(&records);
+        tracing::debug!(
+            executors = total,
+            took_ms = crate::lifecycle::ms(started.elapsed()),
+            "recovery queue filled"
+        );
         let gate = self.pass_gate();
         let concurrency = self.inner.config.recovery_concurrency.max(1);
         let passed: Vec<(SessionId, PassResult)> = futures::stream::iter(records)
@@ -293,13 +298,29 @@ impl SessionManager {
         record: ExecutorRecord,
         lane: Lane,
     ) -> Result<OutcomeLabel> {
+        self.recover_shared_with(record, lane, None).await
+    }
+
+    /// [`Self::recover_shared_in`]; with `yielding`, the recovery's store
+    /// calls give way to everyone else's while the flag is set (the pass's
+    /// recoveries: see `sessiond_store::Store::yielding`).
+    pub(crate) async fn recover_shared_with(
+        &self,
+        record: ExecutorRecord,
+        lane: Lane,
+        yielding: Option<Yield>,
+    ) -> Result<OutcomeLabel> {
         let me = self.clone();
         let session = record.session_id;
-        let (kind, fut) = self.single_flight(
-            session,
-            OpKind::Recovery,
-            async move { me.recover_one(record, lane).await.map(OpOutcome::Recovery) }.boxed(),
-        );
+        let op = async move {
+            let run = me.recover_one(record, lane, yielding.clone());
+            match yielding {
+                Some(flag) => Store::yielding(flag, run).await,
+                None => run.await,
+            }
+            .map(OpOutcome::Recovery)
+        };
+        let (kind, fut) = self.single_flight(session, OpKind::Recovery, op.boxed());
         match (kind, fut.await?) {
             (_, OpOutcome::Recovery(label)) => Ok(label),
             // An explicit resume was running; it did the work.
@@ -311,12 +332,28 @@ impl SessionManager {
         }
     }
 
-    async fn recover_one(&self, record: ExecutorRecord, lane: Lane) -> Result<OutcomeLabel> {
+    async fn recover_one(
+        &self,
+        record: ExecutorRecord,
+        lane: Lane,
+        yielding: Option<Yield>,
+    ) -> Result<OutcomeLabel> {
         let _ahead = (lane == Lane::Call).then(|| self.call_recovery_started());
-        if lane == Lane::Pass {
+        // A pass recovery a call joined (promoted) no longer pauses for calls.
+        let pauses = || lane == Lane::Pass && yielding.as_ref().is_none_or(Yield::is_yielding);
+        if pauses() {
             self.yield_to_calls().await;
         }
+        let began = Instant::now();
         let _guard = self.lock_session(record.session_id).await;
+        let call = lane == Lane::Call;
+        if call {
+            tracing::debug!(
+                session_id = %record.session_id,
+                at_ms = crate::lifecycle::ms(began.elapsed()),
+                "call's recovery: session locked"
+            );
+        }
         let store = &self.inner.store;
         // Re-read under the lock: the caller's copy may be stale.
         let (record, session) = store.get_executor_and_session(record.id).await?;
@@ -359,7 +396,7 @@ impl SessionManager {
         };
         let mut action = machine.start();
         loop {
-            if lane == Lane::Pass {
+            if pauses() {
                 // Paused while a call's recovery runs: that time is not
                 // this executor's.
                 deadline += self.yield_to_calls().await;
@@ -380,6 +417,14 @@ impl SessionManager {
                 }
                 action => self.perform(&mut run, action, deadline, retry).await?,
             };
+            if call {
+                tracing::debug!(
+                    session_id = %run.record.session_id,
+                    at_ms = crate::lifecycle::ms(began.elapsed()),
+                    ?observation,
+                    "call's recovery: step done"
+                );
+            }
             action = machine
                 .observe(observation)
                 .map_err(|e| Error::Internal(e.to_string()))?;

@@ -53,7 +53,7 @@ impl SessionManager {
         &self.inner.config.replica.id
     }
 
-    fn exclusive(&self) -> bool {
+    pub(crate) fn exclusive(&self) -> bool {
         self.inner.config.replica.exclusive
     }
 

@@ -16,7 +16,9 @@
 //!   in `tokio::task::spawn_blocking`.
 //! - Writes: SQLite transactions start with `BEGIN IMMEDIATE` (WAL mode,
 //!   `busy_timeout`, `foreign_keys=ON`) and a process's writers queue on an
-//!   in-process mutex first; Postgres runs READ COMMITTED and
+//!   in-process lock first (bulk work run in `Store::yielding`, such as
+//!   startup recovery's pass, lets other writers go first and leaves two
+//!   pool connections free, `lanes.rs`); Postgres runs READ COMMITTED and
 //!   relies on row locks taken by `UPDATE`, in a fixed order (tasks, then
 //!   sessions, by id).
 //! - Seqs: `tasks.last_event_seq` and `task_sessions.last_event_seq` /
@@ -32,6 +34,7 @@ mod changeset;
 mod conn;
 mod error;
 mod events;
+mod lanes;
 mod replicas;
 mod rows;
 mod schema;
@@ -40,5 +43,6 @@ mod store;
 pub use changeset::{Changeset, Committed, ExecutorWrite, MessageUpdate};
 pub use error::{BoxError, Error, Result};
 pub use events::EventWake;
+pub use lanes::Yield;
 pub use replicas::{Claimed, ReplicaInfo};
 pub use store::{Backend, Store, StoreOptions, parse_database_url};

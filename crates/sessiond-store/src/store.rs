@@ -4,8 +4,8 @@ use std::{
     collections::HashMap,
     fmt,
     path::Path,
-    sync::{Arc, Mutex, PoisonError},
-    time::Duration,
+    sync::Arc,
+    time::{Duration, Instant},
 };
 
 use diesel::{connection::SimpleConnection, prelude::*, r2d2::Pool};
@@ -20,6 +20,7 @@ use crate::{
     changeset::{self, Changeset, Committed},
     conn::{self, AnyConnection, Manager, Ts, write_transaction},
     error::on_unique,
+    lanes::{self, Yield},
     rows::{EventRow, ExecutorRow, MessageRow, ProfileRow, SessionRow, TaskRow},
     schema::{
         agent_profiles, executors_running, session_events, session_messages, task_sessions, tasks,
@@ -96,7 +97,11 @@ pub struct Store {
     pool: Pool<Manager>,
     backend: Backend,
     /// SQLite: this process's writers take turns here (see `write`).
-    writer: Arc<Mutex<()>>,
+    writer: Arc<lanes::Turns>,
+    /// The pool connections yielding work may hold (`lanes.rs`).
+    slots: Arc<lanes::Slots>,
+    /// The pool's checkout timeout (also bounds the wait for a slot).
+    checkout_timeout: Duration,
     /// PostgreSQL with other replicas: this replica's id, sent with the
     /// `NOTIFY` of each committed event (`events.rs`); unset, none is sent.
     origin: Arc<std::sync::OnceLock<String>>,
@@ -188,6 +193,8 @@ impl Store {
                 pool,
                 backend,
                 writer: Arc::default(),
+                slots: Arc::new(lanes::Slots::new(max)),
+                checkout_timeout: opts.connect_timeout,
                 origin: Arc::default(),
                 target: target.into(),
             };
@@ -829,6 +836,16 @@ impl Store {
 
     // ------------------------------------------------------------ plumbing
 
+    /// Runs `fut` as bulk work whose store calls yield to everyone else's
+    /// while `flag` is set: a SQLite write turn is taken only when no other
+    /// writer waits, and at most all but two of the pool's connections are
+    /// held by such work (see `lanes.rs`). Startup recovery's pass runs in
+    /// it, so a call that recovers one session ahead of the pass does not
+    /// queue behind the pass's writes.
+    pub async fn yielding<F: std::future::Future>(flag: Yield, fut: F) -> F::Output {
+        lanes::scope(flag, fut).await
+    }
+
     /// Runs `f` on a pooled connection on the blocking thread pool.
     pub(crate) async fn read<T, F>(&self, f: F) -> Result<T>
     where
@@ -836,8 +853,16 @@ impl Store {
         F: FnOnce(&mut AnyConnection) -> Result<T> + Send + 'static,
     {
         let pool = self.pool.clone();
+        let slots = self.slots.clone();
+        let timeout = self.checkout_timeout;
+        let flag = lanes::current();
         blocking(move || {
+            let asked = Instant::now();
+            let _slot = slots
+                .take(flag.as_ref(), timeout)
+                .map_err(|()| Error::Pool(Box::new(TimedOut(timeout))))?;
             let mut conn = pool.get()?;
+            waited("read", flag.as_ref(), asked);
             f(&mut conn)
         })
         .await
@@ -851,21 +876,57 @@ impl Store {
     {
         let pool = self.pool.clone();
         let writer = (self.backend == Backend::Sqlite).then(|| self.writer.clone());
+        let slots = self.slots.clone();
+        let timeout = self.checkout_timeout;
+        let flag = lanes::current();
         blocking(move || {
+            let asked = Instant::now();
             // SQLite has one write lock. Writers that found it taken slept
             // in its busy handler (1, 2, 5, 10, ... ms) and were not woken
             // when it freed; queued here, the next one starts at once. The
             // turn is taken before the pool checkout, so a waiting writer
             // holds no connection. (Other processes still meet busy_timeout.)
-            let _turn = writer
-                .as_ref()
-                .map(|w| w.lock().unwrap_or_else(PoisonError::into_inner));
+            let _turn = writer.as_ref().map(|w| w.take(flag.as_ref()));
+            let _slot = slots
+                .take(flag.as_ref(), timeout)
+                .map_err(|()| Error::Pool(Box::new(TimedOut(timeout))))?;
             let mut conn = pool.get()?;
+            waited("write", flag.as_ref(), asked);
             write_transaction(&mut conn, f)
         })
         .await
     }
 }
+
+/// Logs (at debug) a store call that waited for its turn or a connection:
+/// what a slow call waited on, with its yielding flag.
+fn waited(kind: &'static str, flag: Option<&Yield>, asked: Instant) {
+    let waited = asked.elapsed();
+    if waited >= Duration::from_millis(5) {
+        tracing::debug!(
+            kind,
+            waited_ms = waited.as_secs_f64() * 1e3,
+            yielding = flag.is_some_and(Yield::is_yielding),
+            "store call waited for its turn or a connection"
+        );
+    }
+}
+
+/// No pool slot for yielding work within the checkout timeout.
+#[derive(Debug)]
+struct TimedOut(Duration);
+
+impl fmt::Display for TimedOut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "no connection free for background work within {:?}",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for TimedOut {}
 
 async fn blocking<T, F>(f: F) -> Result<T>
 where
