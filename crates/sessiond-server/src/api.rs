@@ -331,6 +331,11 @@ impl Api {
     /// and the executor recovered), or on the replica that owns it, to which
     /// the call is forwarded (see `forward.rs`).
     async fn route(&self, session: SessionId, origin: &Origin) -> ApiResult<Option<Owner>> {
+        // Already ours: the call's own recovery step (which may pause the
+        // startup pass for it) does the rest.
+        if self.manager.owns(session) {
+            return Ok(None);
+        }
         match self.manager.ensure_recovered(session).await {
             Ok(()) => Ok(None),
             Err(sessiond_recovery::Error::NotOwner {
@@ -418,6 +423,7 @@ impl Api {
         if let Some(owner) = self.route(session, origin).await? {
             return Ok(Target::Owner(owner));
         }
+        self.manager.ensure_recovered(session).await?;
         let record: Option<ExecutorRecord> = match self.manager.execution(session) {
             Some(e) => Some(e.record),
             None => self.store.get_executor_for_session(session).await?,
