@@ -226,6 +226,13 @@ impl SessionManager {
                 loop {
                     match me.adopt_round().await {
                         Ok(n) if n >= ADOPTION_BATCH as usize => continue,
+                        // A claim takes its fair share at most: a short
+                        // pause lets the other survivors take theirs, then
+                        // look again for what is left.
+                        Ok(n) if n > 0 => {
+                            tokio::time::sleep(every / 8).await;
+                            continue;
+                        }
                         Ok(_) => {}
                         Err(e) => tracing::warn!(error = %e, "adoption round failed"),
                     }

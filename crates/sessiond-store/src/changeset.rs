@@ -57,8 +57,11 @@ pub enum ExecutorWrite {
 /// New content for a message (an agent's reply streams into one message).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MessageUpdate {
+    /// The message to update.
     pub id: MessageId,
+    /// Its whole content now.
     pub content: String,
+    /// Whether the message is complete (a reply's turn ended).
     pub complete: bool,
     /// A new `data` (an activity part's state); `None` keeps it.
     pub data: Option<String>,
@@ -67,7 +70,9 @@ pub struct MessageUpdate {
 /// What a commit wrote, as stored.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Committed {
+    /// The session as written, when the changeset updated it.
     pub session: Option<Session>,
+    /// The executor record as written, when the changeset wrote one.
     pub executor: Option<ExecutorRecord>,
     /// New messages, then updated ones, in changeset order.
     pub messages: Vec<Message>,
@@ -76,6 +81,7 @@ pub struct Committed {
 }
 
 impl Changeset {
+    /// An empty changeset.
     pub fn new() -> Changeset {
         Changeset::default()
     }
@@ -100,6 +106,7 @@ impl Changeset {
         self
     }
 
+    /// Sets the task's state (no transition check: see [`Changeset::task_event`]).
     pub fn set_task_state(mut self, task: TaskId, state: TaskState) -> Self {
         self.task_state = Some((task, TaskChange::To(state)));
         self
@@ -119,6 +126,7 @@ impl Changeset {
         self
     }
 
+    /// Replaces a message's content (and completeness, and `data` when given).
     pub fn update_message(
         mut self,
         id: MessageId,
@@ -159,6 +167,7 @@ impl Changeset {
         self
     }
 
+    /// Whether the changeset writes nothing.
     pub fn is_empty(&self) -> bool {
         self.session.is_none()
             && self.executor.is_none()

@@ -4,14 +4,22 @@
 /// the store's API.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
+/// `Result` with the store's [`Error`] as the default error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Everything a store call can fail with; each message names the entity
+/// and id involved.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// The row does not exist.
     #[error("{entity} {id} not found")]
-    NotFound { entity: &'static str, id: String },
+    NotFound {
+        /// What kind of row (`task`, `session`, ...).
+        entity: &'static str,
+        /// Its id.
+        id: String,
+    },
 
     /// Optimistic concurrency: someone else wrote the row since the caller
     /// read it. Re-read and decide again.
@@ -20,21 +28,33 @@ pub enum Error {
          found {actual_version}"
     )]
     Conflict {
+        /// What kind of row.
         entity: &'static str,
+        /// Its id.
         id: String,
+        /// The version the caller read.
         expected_version: i64,
+        /// The version stored now.
         actual_version: i64,
     },
 
     /// A row with this key (or unique value) exists already.
     #[error("{entity} {id} already exists")]
-    AlreadyExists { entity: &'static str, id: String },
+    AlreadyExists {
+        /// What kind of row.
+        entity: &'static str,
+        /// Its id (or unique value).
+        id: String,
+    },
 
     /// A stored row does not map to a domain value (unknown state, bad JSON).
     #[error("stored {entity} {id} is corrupt: {reason}")]
     Corrupt {
+        /// What kind of row.
         entity: &'static str,
+        /// Its id.
         id: String,
+        /// What does not map.
         reason: String,
     },
 
@@ -43,12 +63,15 @@ pub enum Error {
     #[error("invalid input: {0}")]
     Invalid(String),
 
+    /// The database refused or failed a statement.
     #[error("database error: {0}")]
     Database(#[source] BoxError),
 
+    /// No connection could be had from the pool in time.
     #[error("cannot get a database connection: {0}")]
     Pool(#[source] BoxError),
 
+    /// Applying the embedded migrations failed.
     #[error("migration failed: {0}")]
     Migration(#[source] BoxError),
 

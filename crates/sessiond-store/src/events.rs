@@ -26,9 +26,13 @@ const POLL: Duration = Duration::from_millis(10);
 pub enum EventWake {
     /// Another replica committed this event.
     Committed {
+        /// The event's session.
         session: SessionId,
+        /// Its seq in the session.
         seq: i64,
+        /// The session's task.
         task: TaskId,
+        /// Its seq in the task.
         task_seq: i64,
     },
     /// The listener (re)connected: notifications may have been missed

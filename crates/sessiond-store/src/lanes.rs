@@ -23,7 +23,7 @@ use std::{
 };
 
 /// Connections of the pool that yielding work never takes.
-pub const RESERVED: u32 = 2;
+pub(crate) const RESERVED: u32 = 2;
 
 /// Whether the store work of a task yields to others (see the module docs).
 #[derive(Debug, Clone)]
@@ -46,6 +46,7 @@ impl Yield {
         self.0.store(false, Ordering::Relaxed);
     }
 
+    /// Whether this work still yields to everyone else's (not promoted yet).
     pub fn is_yielding(&self) -> bool {
         self.0.load(Ordering::Relaxed)
     }

@@ -1,3 +1,4 @@
+#![deny(missing_docs)]
 //! Persistence of sessiond on PostgreSQL and SQLite, returning domain types.
 //!
 //! Architecture invariant: this is the only crate that knows SQL. A state

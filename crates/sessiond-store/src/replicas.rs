@@ -28,13 +28,19 @@ use crate::{
 /// One replica as registered, with what it owns now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplicaInfo {
+    /// The replica id (stable across its restarts).
     pub id: String,
     /// Where its API is reached (`host:port`).
     pub address: String,
+    /// The host it runs on.
     pub hostname: String,
+    /// Its process id there.
     pub pid: i64,
+    /// When it registered.
     pub started_at: DateTime<Utc>,
+    /// Its last heartbeat.
     pub heartbeat_at: DateTime<Utc>,
+    /// How long its leases last without a renewal.
     pub lease_ttl: Duration,
     /// Executors it holds an unexpired lease on (not `stopped`).
     pub owned_executors: i64,
@@ -54,7 +60,9 @@ impl ReplicaInfo {
 /// version as written by the claim) and its new lease epoch.
 #[derive(Debug, Clone)]
 pub struct Claimed {
+    /// The executor record as the claim wrote it.
     pub record: ExecutorRecord,
+    /// The lease epoch this replica now holds (its fencing token).
     pub epoch: i64,
 }
 
@@ -131,6 +139,32 @@ fn claim_one(
     Ok(Some(epoch))
 }
 
+/// Replicas whose last heartbeat is within their lease TTL of `now`.
+fn live_replicas(c: &mut AnyConnection, now: DateTime<Utc>) -> Result<i64> {
+    let beats: Vec<(Ts, i64)> = replicas::table
+        .select((replicas::heartbeat_at, replicas::lease_ttl_ms))
+        .load(c)?;
+    Ok(beats
+        .into_iter()
+        .filter(|(at, ttl_ms)| at.0 + chrono::Duration::milliseconds(*ttl_ms) > now)
+        .count() as i64)
+}
+
+/// PostgreSQL: locks replica `owner`'s executor rows in id order before a
+/// statement that updates them all, so it takes its row locks in the same
+/// order as the claims (one row at a time, in id order) and the two cannot
+/// deadlock. SQLite has one writer and needs nothing.
+fn lock_owned_in_id_order(c: &mut AnyConnection, owner: &str) -> Result<()> {
+    if let AnyConnection::Pg(pg) = c {
+        diesel::sql_query(
+            "SELECT id FROM executors_running WHERE owner_id = $1 ORDER BY id FOR UPDATE",
+        )
+        .bind::<diesel::sql_types::Text, _>(owner)
+        .execute(pg)?;
+    }
+    Ok(())
+}
+
 fn load_claimed(c: &mut AnyConnection, id: &str, epoch: i64) -> Result<Claimed> {
     let record = executors_running::table
         .find(id)
@@ -185,6 +219,7 @@ impl Store {
             if beat == 0 {
                 return Err(Error::not_found("replica", &id));
             }
+            lock_owned_in_id_order(c, &id)?;
             diesel::update(executors_running::table.filter(executors_running::owner_id.eq(&id)))
                 .set(executors_running::lease_expires_at.eq(Some(expiry(now, ttl))))
                 .execute(c)?;
@@ -208,6 +243,7 @@ impl Store {
     pub async fn release_leases(&self, id: &str, now: DateTime<Utc>) -> Result<usize> {
         let id = id.to_owned();
         self.write(move |c| {
+            lock_owned_in_id_order(c, &id)?;
             Ok(
                 diesel::update(
                     executors_running::table.filter(executors_running::owner_id.eq(&id)),
@@ -278,10 +314,13 @@ impl Store {
             return Ok(Vec::new());
         }
         let owner = owner.to_owned();
+        // Rows are locked in id order by every multi-row writer here, so
+        // two replicas claiming and renewing at once never deadlock.
+        let mut ids: Vec<String> = ids.iter().map(ToString::to_string).collect();
+        ids.sort_unstable();
         self.write(move |c| {
             let mut out = Vec::with_capacity(ids.len());
             for id in ids {
-                let id = id.to_string();
                 if let Some(epoch) = claim_one(c, &id, &owner, now, ttl, force)? {
                     out.push(load_claimed(c, &id, epoch)?);
                 }
@@ -291,11 +330,13 @@ impl Store {
         .await
     }
 
-    /// Claims up to `limit` live executors (`starting`, `ready`, `error`)
-    /// whose lease is expired or that have no owner, oldest first: the
-    /// adoption of a dead (or stopped) replica's executors. Several replicas
-    /// may run this at once; the conditional update gives each executor to
-    /// one of them.
+    /// Claims live executors (`starting`, `ready`, `error`) whose lease is
+    /// expired or that have no owner, oldest first: the adoption of a dead
+    /// (or stopped) replica's executors. It takes at most `limit`, and at
+    /// most its fair share: what is up for adoption divided by the live
+    /// replicas (at least one), so the survivors of a crash split the work
+    /// instead of the quickest taking all. Several replicas may run this at
+    /// once; the conditional update gives each executor to one of them.
     pub async fn claim_expired(
         &self,
         owner: &str,
@@ -306,17 +347,28 @@ impl Store {
         let owner = owner.to_owned();
         self.write(move |c| {
             let at = Ts::new(now);
-            let ids: Vec<String> = executors_running::table
-                .filter(executors_running::status.eq_any(live_statuses()))
-                .filter(
-                    executors_running::owner_id
-                        .is_null()
-                        .or(executors_running::lease_expires_at.is_null())
-                        .or(executors_running::lease_expires_at.le(at)),
-                )
-                .order((executors_running::created_at, executors_running::id))
+            let up_for_adoption = || {
+                executors_running::table
+                    .filter(executors_running::status.eq_any(live_statuses()))
+                    .filter(
+                        executors_running::owner_id
+                            .is_null()
+                            .or(executors_running::lease_expires_at.is_null())
+                            .or(executors_running::lease_expires_at.le(at)),
+                    )
+            };
+            let waiting: i64 = up_for_adoption().count().get_result(c)?;
+            if waiting == 0 {
+                return Ok(Vec::new());
+            }
+            let live = live_replicas(c, now)?.max(1);
+            let share = (waiting + live - 1) / live;
+            // UUIDv7 ids: id order is creation order, and the lock order of
+            // every multi-row writer here.
+            let ids: Vec<String> = up_for_adoption()
+                .order(executors_running::id)
                 .select(executors_running::id)
-                .limit(i64::from(limit.max(1)))
+                .limit(share.min(i64::from(limit.max(1))))
                 .load(c)?;
             let mut out = Vec::with_capacity(ids.len());
             for id in ids {

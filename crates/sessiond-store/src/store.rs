@@ -36,7 +36,9 @@ const MIGRATION_LOCK_KEY: i64 = 0x5e55_10d0;
 /// Which database a [`Store`] talks to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Backend {
+    /// PostgreSQL (`postgres://`).
     Postgres,
+    /// SQLite (a file path, `sqlite://` or `file:` URL).
     Sqlite,
 }
 
@@ -66,21 +68,25 @@ impl Default for StoreOptions {
 }
 
 impl StoreOptions {
+    /// Largest number of pooled connections (at least 1).
     pub fn max_connections(mut self, n: u32) -> Self {
         self.max_connections = n.max(1);
         self
     }
 
+    /// How long a connection may take to open.
     pub fn connect_timeout(mut self, d: Duration) -> Self {
         self.connect_timeout = d;
         self
     }
 
+    /// SQLite: how long a statement waits for another process's write lock.
     pub fn busy_timeout(mut self, d: Duration) -> Self {
         self.busy_timeout = d;
         self
     }
 
+    /// Whether `connect` applies pending migrations (default yes).
     pub fn migrate(mut self, yes: bool) -> Self {
         self.migrate = yes;
         self
@@ -207,6 +213,7 @@ impl Store {
         .await
     }
 
+    /// Which database this store talks to.
     pub fn backend(&self) -> Backend {
         self.backend
     }
@@ -264,6 +271,7 @@ impl Store {
         .await
     }
 
+    /// The task `id`, or [`Error::NotFound`].
     pub async fn get_task(&self, id: TaskId) -> Result<Task> {
         self.read(move |c| {
             tasks::table
@@ -314,6 +322,7 @@ impl Store {
         }
     }
 
+    /// The agent profile `id`, or [`Error::NotFound`].
     pub async fn get_agent_profile(&self, id: AgentProfileId) -> Result<AgentProfile> {
         self.read(move |c| {
             let key = id.to_string();
@@ -322,6 +331,7 @@ impl Store {
         .await
     }
 
+    /// The agent profile named `name`, or [`Error::NotFound`].
     pub async fn get_agent_profile_by_name(&self, name: &str) -> Result<AgentProfile> {
         let name = name.to_owned();
         self.read(move |c| load_profile(c, true, &name)).await
@@ -393,6 +403,7 @@ impl Store {
         .await
     }
 
+    /// The session `id`, or [`Error::NotFound`].
     pub async fn get_session(&self, id: SessionId) -> Result<Session> {
         self.read(move |c| load_session(c, id)).await
     }
@@ -549,6 +560,7 @@ impl Store {
         .await
     }
 
+    /// The executor record `id`, or [`Error::NotFound`].
     pub async fn get_executor(&self, id: ExecutorId) -> Result<ExecutorRecord> {
         self.read(move |c| changeset::load_executor(c, id)).await
     }
@@ -567,6 +579,7 @@ impl Store {
         .await
     }
 
+    /// The executor record of a session, if it has one.
     pub async fn get_executor_for_session(
         &self,
         session: SessionId,

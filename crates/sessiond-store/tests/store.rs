@@ -1315,6 +1315,76 @@ mod suite {
         ));
     }
 
+    /// Adoption is spread: each claim of expired leases takes at most its
+    /// fair share (what is up for adoption over the live replicas), so two
+    /// survivors of a crash split a dead replica's executors.
+    pub async fn expired_leases_are_split_among_live_replicas(store: &Store) {
+        use sessiond_store::ReplicaInfo;
+        let ttl = std::time::Duration::from_secs(30);
+        let now = Utc::now();
+        let dead_beat = now - Duration::seconds(60);
+        for (id, beat) in [("dead", dead_beat), ("alive-1", now), ("alive-2", now)] {
+            store
+                .register_replica(ReplicaInfo {
+                    id: id.into(),
+                    address: format!("{id}:50051"),
+                    hostname: "h".into(),
+                    pid: 1,
+                    started_at: beat,
+                    heartbeat_at: beat,
+                    lease_ttl: ttl,
+                    owned_executors: 0,
+                })
+                .await
+                .unwrap();
+        }
+        let (t, p, _) = seed(store).await;
+        for _ in 0..10 {
+            let (s, _) = store
+                .create_session(&session(&t, &p), vec![])
+                .await
+                .unwrap();
+            let mut rec = executor(&s, ExecutorStatus::Ready);
+            rec.owner_id = Some("dead".into());
+            rec.lease_expires_at = Some(dead_beat + Duration::seconds(30));
+            store
+                .commit(Changeset::new().insert_executor(rec))
+                .await
+                .unwrap();
+        }
+        let first = store.claim_expired("alive-1", now, ttl, 64).await.unwrap();
+        assert_eq!(first.len(), 5, "half of 10 for one of two live replicas");
+        let second = store.claim_expired("alive-2", now, ttl, 64).await.unwrap();
+        assert_eq!(second.len(), 3, "half of the 5 left, rounded up");
+        let limited = store.claim_expired("alive-2", now, ttl, 1).await.unwrap();
+        assert_eq!(limited.len(), 1, "never more than the limit");
+        let rest = store.claim_expired("alive-1", now, ttl, 64).await.unwrap();
+        assert_eq!(rest.len(), 1);
+        assert!(
+            store
+                .claim_expired("alive-2", now, ttl, 64)
+                .await
+                .unwrap()
+                .is_empty(),
+            "nothing left"
+        );
+        let loads: Vec<(String, i64)> = store
+            .list_replicas(now)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| (r.id, r.owned_executors))
+            .collect();
+        assert_eq!(
+            loads,
+            [
+                ("alive-1".to_owned(), 6),
+                ("alive-2".to_owned(), 4),
+                ("dead".to_owned(), 0)
+            ]
+        );
+    }
+
     pub async fn migrations_round_trip(store: &Store) {
         seed(store).await;
         let reverted = store.revert_all_migrations().await.unwrap();
@@ -1373,6 +1443,7 @@ macro_rules! store_tests {
             store_test!($backend, managed_reads_match_single_reads);
             store_test!($backend, migrations_round_trip);
             store_test!($backend, leases_claim_renew_release_and_adopt);
+            store_test!($backend, expired_leases_are_split_among_live_replicas);
         }
     };
 }

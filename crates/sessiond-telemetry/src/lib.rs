@@ -1,3 +1,4 @@
+#![deny(missing_docs)]
 //! Logs and traces of the sessiond binaries (`sessiond`, `agentctl`), on
 //! the ecosystem's libraries: `tracing` for both, `tracing-opentelemetry`
 //! to turn spans into OpenTelemetry spans, the OTLP/gRPC exporter of
@@ -58,12 +59,27 @@ pub struct Settings {
     pub sample_ratio: f64,
 }
 
+/// Why telemetry could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// The log filter does not parse.
     #[error("log filter {filter:?}: {message}")]
-    Filter { filter: String, message: String },
+    Filter {
+        /// The filter as given.
+        filter: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// The OTLP exporter cannot be built for this endpoint.
     #[error("OTLP endpoint {endpoint:?}: {message}")]
-    Exporter { endpoint: String, message: String },
+    Exporter {
+        /// The endpoint as given.
+        endpoint: String,
+        /// Why the exporter refused it.
+        message: String,
+    },
+    /// The process already has a global subscriber (telemetry is set up
+    /// once per process).
     #[error("a global tracing subscriber is already installed: {0}")]
     AlreadyInstalled(String),
 }
@@ -274,6 +290,7 @@ impl<S> tower::Layer<S> for GrpcTraceLayer {
     }
 }
 
+/// The service [`GrpcTraceLayer`] wraps around `S`.
 #[derive(Debug, Clone)]
 pub struct GrpcTrace<S> {
     inner: S,
