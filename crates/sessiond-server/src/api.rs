@@ -25,6 +25,7 @@ use tonic::{Request, Response, Status};
 use crate::{
     convert,
     error::{ApiError, ApiResult},
+    forward::{self, Failure, Origin, Owner, Peers},
 };
 
 /// Longest Exec timeout a client may ask for (24 h).
@@ -50,6 +51,8 @@ pub struct ApiSettings {
     /// Client settings for proxied workspace calls (a longer call deadline
     /// than the manager's, since `Exec` may run for minutes).
     pub workspace_client: ClientConfig,
+    /// Forwarding of commands to the replica that owns their session.
+    pub peers: Peers,
 }
 
 /// Shared by both services; cheap to clone.
@@ -321,14 +324,105 @@ impl Api {
             .boxed()
     }
 
+    // ------------------------------------------------------------ routing
+
+    /// Where a command on `session` runs: here (`None`: its executor is this
+    /// replica's, or its lease was free or expired and is now claimed here
+    /// and the executor recovered), or on the replica that owns it, to which
+    /// the call is forwarded (see `forward.rs`).
+    async fn route(&self, session: SessionId, origin: &Origin) -> ApiResult<Option<Owner>> {
+        // Already ours: the call's own recovery step (which may pause the
+        // startup pass for it) does the rest.
+        if self.manager.owns(session) {
+            return Ok(None);
+        }
+        match self.manager.ensure_recovered(session).await {
+            Ok(()) => Ok(None),
+            Err(sessiond_recovery::Error::NotOwner {
+                session_id,
+                owner,
+                address,
+                ttl_secs,
+            }) => {
+                let error = sessiond_recovery::Error::NotOwner {
+                    session_id,
+                    owner: owner.clone(),
+                    address: address.clone(),
+                    ttl_secs,
+                };
+                let o = self
+                    .settings
+                    .peers
+                    .owner(session, owner, address, origin, error)?;
+                tracing::debug!(%session, owner = %o.replica, address = %o.address, "forwarding a call to the session's owner");
+                Ok(Some(o))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The answer of a call forwarded to `owner`.
+    async fn forwarded<T>(
+        &self,
+        owner: &Owner,
+        result: Result<Response<T>, Status>,
+    ) -> ApiResult<T> {
+        let status = match result {
+            Ok(r) => return Ok(r.into_inner()),
+            Err(s) => s,
+        };
+        match forward::classify(owner, status) {
+            Failure::Answered(s) | Failure::DeadlineExceeded(s) => Err(ApiError::Forwarded(s)),
+            Failure::Refused(status) => Err(ApiError::OwnerRefused {
+                owner: owner.replica.clone(),
+                status,
+            }),
+            Failure::Unreachable(s) => {
+                let retry_after = self.lease_left(owner).await;
+                tracing::warn!(session = %owner.session, owner = %owner.replica, address = %owner.address, error = %s.message(), "the owner of a session did not answer a forwarded call");
+                Err(ApiError::OwnershipMoving {
+                    session: owner.session,
+                    owner: owner.replica.clone(),
+                    address: owner.address.clone(),
+                    retry_after,
+                    cause: format!("{:?}: {}", s.code(), s.message()),
+                })
+            }
+        }
+    }
+
+    /// When a retry may find `owner`'s session served by someone: after
+    /// what is left of its lease plus one adoption round; soon when the
+    /// lease has run out or moved already.
+    async fn lease_left(&self, owner: &Owner) -> Duration {
+        let ttl = self.manager.config().replica.lease_ttl;
+        let round = (ttl / 3).min(Duration::from_secs(1));
+        match self.store.get_executor_for_session(owner.session).await {
+            Ok(Some(r)) if r.owner_id.as_deref() == Some(owner.replica.as_str()) => r
+                .lease_expires_at
+                .and_then(|t| (t - Utc::now()).to_std().ok())
+                .map_or(forward::RETRY_SOON, |left| left + round),
+            _ => forward::RETRY_SOON,
+        }
+    }
+
     // ------------------------------------------------------------ workspace
 
-    /// An agentctl client of the session's executor, if it is ready.
-    async fn workspace_client(&self, r: Option<&pb::SessionRef>) -> ApiResult<AgentctlClient> {
+    /// Where a workspace call runs: an agentctl client of the session's
+    /// executor when it is this replica's and ready, else its owner.
+    async fn workspace_target(
+        &self,
+        r: Option<&pb::SessionRef>,
+        origin: &Origin,
+    ) -> ApiResult<Target> {
         let r = r.ok_or_else(|| ApiError::invalid("session: required"))?;
         let (task, session) = ids(&r.task_id, &r.session_id)?;
         self.session_of(task, session).await?;
-        // Not recovered since the restart yet: recover it first.
+        // Not recovered since the restart yet: recover it first; another
+        // replica's: forward the call there.
+        if let Some(owner) = self.route(session, origin).await? {
+            return Ok(Target::Owner(owner));
+        }
         self.manager.ensure_recovered(session).await?;
         let record: Option<ExecutorRecord> = match self.manager.execution(session) {
             Some(e) => Some(e.record),
@@ -352,15 +446,21 @@ impl Api {
         {
             // Fenced like the manager's calls: this replica's lease epoch.
             c.raise_lease_epoch(record.lease_epoch);
-            return Ok(c.clone());
+            return Ok(Target::Here(c.clone()));
         }
         let client =
             AgentctlClient::new(&url, &record.auth_secret, &self.settings.workspace_client)?
                 .with_lease_epoch(Some(record.lease_epoch));
         clients.retain(|(id, _), _| *id != record.id);
         clients.insert(key, client.clone());
-        Ok(client)
+        Ok(Target::Here(client))
     }
+}
+
+/// Where a workspace call goes.
+enum Target {
+    Here(AgentctlClient),
+    Owner(Owner),
 }
 
 fn agentctl<T>(result: Result<Response<T>, Status>) -> ApiResult<T> {
@@ -671,10 +771,15 @@ impl pb::session_service_server::SessionService for Api {
         &self,
         request: Request<pb::ResumeSessionRequest>,
     ) -> Result<Response<pb::ResumeSessionResponse>, Status> {
+        let origin = Origin::of(&request);
         let req = request.into_inner();
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
+                if let Some(o) = self.route(session, &origin).await? {
+                    let r = o.sessions().resume_session(o.request(req)).await;
+                    return self.forwarded(&o, r).await;
+                }
                 self.manager.resume_session(task, session).await?;
                 let s = self.session_of(task, session).await?;
                 Ok(pb::ResumeSessionResponse {
@@ -689,6 +794,7 @@ impl pb::session_service_server::SessionService for Api {
         &self,
         request: Request<pb::SendMessageRequest>,
     ) -> Result<Response<pb::SendMessageResponse>, Status> {
+        let origin = Origin::of(&request);
         let req = request.into_inner();
         reply(
             async {
@@ -702,6 +808,10 @@ impl pb::session_service_server::SessionService for Api {
                 }
                 if req.content.trim().is_empty() {
                     return Err(ApiError::invalid("content: required"));
+                }
+                if let Some(o) = self.route(session, &origin).await? {
+                    let r = o.sessions().send_message(o.request(req)).await;
+                    return self.forwarded(&o, r).await;
                 }
                 let message = self
                     .manager
@@ -719,10 +829,15 @@ impl pb::session_service_server::SessionService for Api {
         &self,
         request: Request<pb::RetryTurnRequest>,
     ) -> Result<Response<pb::RetryTurnResponse>, Status> {
+        let origin = Origin::of(&request);
         let req = request.into_inner();
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
+                if let Some(o) = self.route(session, &origin).await? {
+                    let r = o.sessions().retry_turn(o.request(req)).await;
+                    return self.forwarded(&o, r).await;
+                }
                 let message = if req.message_id.is_empty() {
                     None
                 } else {
@@ -742,10 +857,15 @@ impl pb::session_service_server::SessionService for Api {
         &self,
         request: Request<pb::CancelTurnRequest>,
     ) -> Result<Response<pb::CancelTurnResponse>, Status> {
+        let origin = Origin::of(&request);
         let req = request.into_inner();
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
+                if let Some(o) = self.route(session, &origin).await? {
+                    let r = o.sessions().cancel_turn(o.request(req)).await;
+                    return self.forwarded(&o, r).await;
+                }
                 let cancelled = self.manager.cancel_turn(task, session).await?;
                 Ok(pb::CancelTurnResponse { cancelled })
             }
@@ -757,10 +877,15 @@ impl pb::session_service_server::SessionService for Api {
         &self,
         request: Request<pb::RespondToPermissionRequest>,
     ) -> Result<Response<pb::RespondToPermissionResponse>, Status> {
+        let origin = Origin::of(&request);
         let req = request.into_inner();
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
+                if let Some(o) = self.route(session, &origin).await? {
+                    let r = o.sessions().respond_to_permission(o.request(req)).await;
+                    return self.forwarded(&o, r).await;
+                }
                 let m = self
                     .manager
                     .respond_to_permission(task, session, &req.request_id, &req.option_id)
@@ -777,10 +902,15 @@ impl pb::session_service_server::SessionService for Api {
         &self,
         request: Request<pb::SetSessionModeRequest>,
     ) -> Result<Response<pb::SetSessionModeResponse>, Status> {
+        let origin = Origin::of(&request);
         let req = request.into_inner();
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
+                if let Some(o) = self.route(session, &origin).await? {
+                    let r = o.sessions().set_session_mode(o.request(req)).await;
+                    return self.forwarded(&o, r).await;
+                }
                 let modes = self
                     .manager
                     .set_session_mode(task, session, &req.mode_id)
@@ -828,6 +958,7 @@ impl pb::session_service_server::SessionService for Api {
         &self,
         request: Request<pb::StopSessionRequest>,
     ) -> Result<Response<pb::StopSessionResponse>, Status> {
+        let origin = Origin::of(&request);
         let req = request.into_inner();
         reply(
             async {
@@ -844,6 +975,10 @@ impl pb::session_service_server::SessionService for Api {
                         )));
                     }
                 };
+                if let Some(o) = self.route(session, &origin).await? {
+                    let r = o.sessions().stop_session(o.request(req)).await;
+                    return self.forwarded(&o, r).await;
+                }
                 let s = self.manager.end_session(task, session, reason).await?;
                 Ok(pb::StopSessionResponse {
                     session: Some(convert::session(&s)),
@@ -857,10 +992,15 @@ impl pb::session_service_server::SessionService for Api {
         &self,
         request: Request<pb::DeleteSessionRequest>,
     ) -> Result<Response<pb::DeleteSessionResponse>, Status> {
+        let origin = Origin::of(&request);
         let req = request.into_inner();
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
+                if let Some(o) = self.route(session, &origin).await? {
+                    let r = o.sessions().delete_session(o.request(req)).await;
+                    return self.forwarded(&o, r).await;
+                }
                 self.manager.delete_session(task, session).await?;
                 Ok(pb::DeleteSessionResponse {})
             }
@@ -919,6 +1059,7 @@ impl pb::workspace_service_server::WorkspaceService for Api {
         &self,
         request: Request<pb::ExecRequest>,
     ) -> Result<Response<pb::ExecResponse>, Status> {
+        let origin = Origin::of(&request);
         let req = request.into_inner();
         reply(
             async {
@@ -939,7 +1080,13 @@ impl pb::workspace_service_server::WorkspaceService for Api {
                         req.max_output_bytes
                     )));
                 }
-                let client = self.workspace_client(req.session.as_ref()).await?;
+                let client = match self.workspace_target(req.session.as_ref(), &origin).await? {
+                    Target::Here(c) => c,
+                    Target::Owner(o) => {
+                        let r = o.workspace().exec(o.request(req)).await;
+                        return self.forwarded(&o, r).await;
+                    }
+                };
                 let timeout_ms = if req.timeout_ms == 0 {
                     60_000
                 } else {
@@ -994,11 +1141,18 @@ impl pb::workspace_service_server::WorkspaceService for Api {
         &self,
         request: Request<pb::ReadFileRequest>,
     ) -> Result<Response<pb::ReadFileResponse>, Status> {
+        let origin = Origin::of(&request);
         let req = request.into_inner();
         reply(
             async {
                 check_path_field("path", &req.path)?;
-                let client = self.workspace_client(req.session.as_ref()).await?;
+                let client = match self.workspace_target(req.session.as_ref(), &origin).await? {
+                    Target::Here(c) => c,
+                    Target::Owner(o) => {
+                        let r = o.workspace().read_file(o.request(req)).await;
+                        return self.forwarded(&o, r).await;
+                    }
+                };
                 let r = agentctl(
                     client
                         .raw()
@@ -1018,11 +1172,18 @@ impl pb::workspace_service_server::WorkspaceService for Api {
         &self,
         request: Request<pb::WriteFileRequest>,
     ) -> Result<Response<pb::WriteFileResponse>, Status> {
+        let origin = Origin::of(&request);
         let req = request.into_inner();
         reply(
             async {
                 check_path_field("path", &req.path)?;
-                let client = self.workspace_client(req.session.as_ref()).await?;
+                let client = match self.workspace_target(req.session.as_ref(), &origin).await? {
+                    Target::Here(c) => c,
+                    Target::Owner(o) => {
+                        let r = o.workspace().write_file(o.request(req)).await;
+                        return self.forwarded(&o, r).await;
+                    }
+                };
                 let r = agentctl(
                     client
                         .raw()
@@ -1045,11 +1206,18 @@ impl pb::workspace_service_server::WorkspaceService for Api {
         &self,
         request: Request<pb::ListDirRequest>,
     ) -> Result<Response<pb::ListDirResponse>, Status> {
+        let origin = Origin::of(&request);
         let req = request.into_inner();
         reply(
             async {
                 check_path_field("path", &req.path)?;
-                let client = self.workspace_client(req.session.as_ref()).await?;
+                let client = match self.workspace_target(req.session.as_ref(), &origin).await? {
+                    Target::Here(c) => c,
+                    Target::Owner(o) => {
+                        let r = o.workspace().list_dir(o.request(req)).await;
+                        return self.forwarded(&o, r).await;
+                    }
+                };
                 let r = agentctl(
                     client
                         .raw()
@@ -1076,10 +1244,17 @@ impl pb::workspace_service_server::WorkspaceService for Api {
         &self,
         request: Request<pb::GitStatusRequest>,
     ) -> Result<Response<pb::GitStatusResponse>, Status> {
+        let origin = Origin::of(&request);
         let req = request.into_inner();
         reply(
             async {
-                let client = self.workspace_client(req.session.as_ref()).await?;
+                let client = match self.workspace_target(req.session.as_ref(), &origin).await? {
+                    Target::Here(c) => c,
+                    Target::Owner(o) => {
+                        let r = o.workspace().git_status(o.request(req)).await;
+                        return self.forwarded(&o, r).await;
+                    }
+                };
                 let r = agentctl(client.raw().git_status(apb::GitStatusRequest {}).await)?;
                 Ok(pb::GitStatusResponse {
                     branch: r.branch,
@@ -1101,10 +1276,17 @@ impl pb::workspace_service_server::WorkspaceService for Api {
         &self,
         request: Request<pb::GitDiffRequest>,
     ) -> Result<Response<pb::GitDiffResponse>, Status> {
+        let origin = Origin::of(&request);
         let req = request.into_inner();
         reply(
             async {
-                let client = self.workspace_client(req.session.as_ref()).await?;
+                let client = match self.workspace_target(req.session.as_ref(), &origin).await? {
+                    Target::Here(c) => c,
+                    Target::Owner(o) => {
+                        let r = o.workspace().git_diff(o.request(req)).await;
+                        return self.forwarded(&o, r).await;
+                    }
+                };
                 let r = agentctl(
                     client
                         .raw()

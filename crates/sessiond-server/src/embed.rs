@@ -217,6 +217,11 @@ impl SessiondBuilder {
                     call_timeout: Duration::from_secs(15 * 60),
                     ..serve::client_config(&config)?
                 },
+                peers: crate::forward::Peers::new(
+                    replica_id.clone(),
+                    serve::forward_policy(&config),
+                    MAX_WORKSPACE_MESSAGE.max(config.max_message_bytes + 64 * 1024),
+                ),
             },
             stop_rx.clone(),
         );

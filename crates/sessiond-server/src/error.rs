@@ -13,6 +13,10 @@
 //! | a configured limit (live sessions, watch streams)   | RESOURCE_EXHAUSTED  |
 //! | Exec past its timeout (details: output so far)      | DEADLINE_EXCEEDED   |
 //! | executor/agent/database unreachable, no driver      | UNAVAILABLE         |
+//! | session owned by another replica and not forwarded  | UNAVAILABLE         |
+//! | (`not_owner`), or its owner not answering           | (`retry-after-ms`)  |
+//! | (`ownership_moving`)                                |                     |
+//! | a forwarded call: the owner's own status, unchanged |                     |
 //! | anything else                                       | INTERNAL (logged)   |
 //!
 //! Every status also carries `sessiond-error` metadata: a stable, machine-
@@ -65,6 +69,28 @@ pub enum ApiError {
     Executor(sessiond_executor::Error),
     /// agentctl answered a proxied workspace call with this status.
     Agentctl(Status),
+    /// Another replica owns the session and this one does not forward the
+    /// call (hop guard, or forwarding off); `note` says why.
+    NotOwner {
+        error: sessiond_recovery::Error,
+        retry_after: std::time::Duration,
+        note: Option<String>,
+    },
+    /// The owner did not answer a forwarded call: ownership is moving.
+    OwnershipMoving {
+        session: SessionId,
+        owner: String,
+        address: String,
+        retry_after: std::time::Duration,
+        cause: String,
+    },
+    /// The owner answered a forwarded call with this status: passed on as is.
+    Forwarded(Status),
+    /// The owner refused the caller's credentials on a forwarded call.
+    OwnerRefused {
+        owner: String,
+        status: Status,
+    },
     /// Exec ran past its timeout; its process group was killed. `output`
     /// is the encoded `ExecResponse` with the output so far (status details).
     CommandTimedOut {
@@ -204,6 +230,40 @@ fn agentctl_code(status: &Status) -> (Code, &'static str) {
 impl From<ApiError> for Status {
     fn from(e: ApiError) -> Status {
         let (code, reason, message) = match &e {
+            ApiError::Forwarded(status) => return status.clone(),
+            ApiError::NotOwner { error, note, .. } => {
+                let mut m = error.to_string();
+                if let Some(n) = note {
+                    m.push(' ');
+                    m.push_str(n);
+                }
+                (Code::Unavailable, "not_owner", m)
+            }
+            ApiError::OwnershipMoving {
+                session,
+                owner,
+                address,
+                retry_after,
+                cause,
+            } => (
+                Code::Unavailable,
+                "ownership_moving",
+                format!(
+                    "session {session} is owned by replica {owner} ({address}), which did not \
+                     answer: {cause}; ownership is moving (when its lease runs out another \
+                     replica takes the session over): retry in {} ms",
+                    retry_after.as_millis()
+                ),
+            ),
+            ApiError::OwnerRefused { owner, status } => (
+                status.code(),
+                "owner_refused_credentials",
+                format!(
+                    "replica {owner}, which owns this session, refused the call's credentials \
+                     ({}); every replica must accept the same auth.tokens",
+                    status.message()
+                ),
+            ),
             ApiError::InvalidArgument(m) => (Code::InvalidArgument, "invalid_argument", m.clone()),
             ApiError::NotFound(m) => (Code::NotFound, "not_found", m.clone()),
             ApiError::LimitReached(m) => (Code::ResourceExhausted, "limit_reached", m.clone()),
@@ -273,12 +333,36 @@ impl From<ApiError> for Status {
         if let Ok(v) = reason.parse() {
             status.metadata_mut().insert(ERROR_METADATA, v);
         }
-        // Where to send the call instead (a client or balancer may retry there).
-        if let ApiError::Recovery(sessiond_recovery::Error::NotOwner { owner, address, .. }) = &e {
+        // Where to send the call instead (a client or balancer may retry
+        // there), and when a retry may find the session served.
+        let moving = match &e {
+            ApiError::Recovery(sessiond_recovery::Error::NotOwner { owner, address, .. }) => {
+                Some((owner, address, crate::forward::RETRY_SOON))
+            }
+            ApiError::NotOwner {
+                error: sessiond_recovery::Error::NotOwner { owner, address, .. },
+                retry_after,
+                ..
+            }
+            | ApiError::OwnershipMoving {
+                owner,
+                address,
+                retry_after,
+                ..
+            } => Some((owner, address, *retry_after)),
+            _ => None,
+        };
+        if let Some((owner, address, retry_after)) = moving {
             for (key, value) in [(OWNER_METADATA, owner), (OWNER_ADDRESS_METADATA, address)] {
                 if let Ok(v) = value.parse() {
                     status.metadata_mut().insert(key, v);
                 }
+            }
+            let ms = retry_after.as_millis().max(1).to_string();
+            if let Ok(v) = ms.parse() {
+                status
+                    .metadata_mut()
+                    .insert(crate::forward::RETRY_AFTER_MS, v);
             }
         }
         status

@@ -29,6 +29,7 @@ mod console;
 mod convert;
 mod embed;
 mod error;
+mod forward;
 mod limits;
 mod metrics;
 mod replica;

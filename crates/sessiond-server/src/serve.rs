@@ -276,6 +276,26 @@ pub(crate) async fn seed_profiles(store: &Store, config: &Config) -> anyhow::Res
     Ok(())
 }
 
+/// Whether commands for sessions other replicas own are forwarded to them
+/// (see `forward.rs`): only with authentication (the caller's token is what
+/// the owner checks) and without TLS (no trust roots for the peers yet).
+pub(crate) fn forward_policy(config: &Config) -> crate::forward::Policy {
+    use crate::forward::Policy;
+    if matches!(config.auth, AuthConfig::Disabled) {
+        Policy::Refuse(
+            "this replica runs without authentication (insecure_no_auth) and never forwards \
+             calls; send it to the owner",
+        )
+    } else if config.tls.is_some() {
+        Policy::Refuse(
+            "forwarding between replicas serving TLS is not supported yet; send the call to the \
+             owner",
+        )
+    } else {
+        Policy::Forward
+    }
+}
+
 pub(crate) fn client_config(config: &Config) -> anyhow::Result<ClientConfig> {
     let e = &config.executors;
     let tls = match &e.remote_tls_ca_file {

@@ -15,6 +15,7 @@ mod api;
 mod config;
 mod embedding;
 mod fencing;
+mod forwarding;
 mod interop;
 mod metrics;
 mod ops;

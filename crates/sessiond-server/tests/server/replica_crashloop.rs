@@ -13,8 +13,8 @@
 //! - A round ends when every session answered at least one more prompt
 //!   after the kill: nothing stays stuck with a dead owner.
 //! - Prompts go to the session's owner (read from the database) or, while
-//!   the owner is dead, to any live replica; UNAVAILABLE (`not_owner` while
-//!   the lease has not run out, or a replica that went away) is retried
+//!   the owner is dead, to any live replica; UNAVAILABLE (`ownership_moving`
+//!   while the lease has not run out, or a replica that went away) is retried
 //!   with a new prompt. A call cut by the kill of its replica has an
 //!   unknown outcome. Every prompt has a text of its own, so the checks
 //!   tell them apart.
@@ -140,7 +140,7 @@ async fn prompter(
             .unwrap()
             .and_then(|r| r.owner_id);
         // The owner when it runs, else any live replica (which claims the
-        // lease once it ran out, or answers not_owner).
+        // lease once it ran out, or answers ownership_moving).
         let target = {
             let f = fleet.lock().unwrap();
             let live: Vec<(&String, &String)> = f.live.iter().collect();

@@ -313,12 +313,19 @@ async fn three_replicas_adopt_the_sessions_of_one_killed_with_sigkill() {
         "the advertised address defaults to the listen address"
     );
 
-    // A command sent to a replica that does not own the session: a clean
-    // retryable error naming the owner and where it is.
+    // A command that another replica already forwarded, landing on one
+    // that does not own the session, is not forwarded again: a clean
+    // retryable error naming the owner and where it is (forwarding itself:
+    // forwarding.rs).
     let (s_a, _) = created[0].clone();
-    let err = send(&mut cb, &task.id, &s_a, "wrong replica")
-        .await
-        .unwrap_err();
+    let mut hop = tonic::Request::new(pb::SendMessageRequest {
+        task_id: task.id.clone(),
+        session_id: s_a.clone(),
+        content: "wrong replica".into(),
+    });
+    hop.metadata_mut()
+        .insert("sessiond-forwarded-by", "replica-c".parse().unwrap());
+    let err = cb.send_message(hop).await.unwrap_err();
     let (named, address) = not_owner(&err);
     assert_eq!(named, "replica-a");
     assert_eq!(address, a.server.addr);
