@@ -731,6 +731,12 @@ impl World {
                 failures.push(format!("{who} has no executor record"));
                 continue;
             };
+            // Every failure names the session's state and its executor's,
+            // so a rare one tells which recovery path left it so.
+            let who = format!(
+                "{who}, {} with executor {} {:?}",
+                s.state, r.status, r.error_message
+            );
             if r.status == ExecutorStatus::Starting {
                 failures.push(format!("{who}: executor left `starting`"));
             }
