@@ -5,30 +5,13 @@
 //! (lease epoch checked in the write's transaction) or its agentctl calls by
 //! agentctl (older epoch), nothing is prompted or launched twice.
 
-use std::{
-    path::Path,
-    process::Command,
-    time::{Duration, Instant},
-};
+use std::{path::Path, process::Command, time::Duration};
 
 use sessiond_proto::sessiond::v1 as pb;
 use sessiond_store::{Store, StoreOptions};
 use tonic::Code;
 
-use crate::{metrics::http_get, restart::wait_serving, support::*};
-
-/// Polls (bounded) until `f` holds.
-async fn until<F, Fut>(what: &str, limit: Duration, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let t = Instant::now();
-    while !f().await {
-        assert!(t.elapsed() < limit, "{what}: not within {limit:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
+use crate::{metrics::http_get, replicas::until, restart::wait_serving, support::*};
 
 async fn owner_and_epoch(store: &Store, session: &str) -> (Option<String>, i64) {
     let id = sessiond_domain::SessionId::parse(session).unwrap();
