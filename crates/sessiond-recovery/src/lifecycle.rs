@@ -387,9 +387,12 @@ impl SessionManager {
             return Err(Error::InvalidArgument("the message is empty".into()));
         }
         let t = std::time::Instant::now();
+        let early = self.precede_pass(session_id);
         self.session_of_task(task, session_id).await?;
         let checked = t.elapsed();
         let _ahead = self.recover_ahead(session_id).await?;
+        // `_ahead` (if the session needed recovering) now holds the pause.
+        drop(early);
         let recovered = t.elapsed();
         let _guard = self.lock_session(session_id).await;
         let locked = t.elapsed();
@@ -430,8 +433,10 @@ impl SessionManager {
         session_id: SessionId,
         message: Option<MessageId>,
     ) -> Result<(Message, MessageId)> {
+        let early = self.precede_pass(session_id);
         self.session_of_task(task, session_id).await?;
         let _ahead = self.recover_ahead(session_id).await?;
+        drop(early);
         let _guard = self.lock_session(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         if let Err(e) = self.check_can_start_turn(&session, "retry a turn").await {

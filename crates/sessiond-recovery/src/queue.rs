@@ -316,6 +316,26 @@ impl SessionManager {
         lock(&self.inner.queue).gate.clone()
     }
 
+    /// A call that goes on to use `session` at once (`SendMessage`,
+    /// `RetryTurn`) has arrived while startup recovery may still have to
+    /// recover it: the pass pauses between its steps from now on, not only
+    /// once the call's own recovery starts, so the call's first reads and
+    /// its recovery do not share the CPU and the store with recoveries the
+    /// pass starts meanwhile. `None` when no pass runs or the session is
+    /// done with; the caller drops the guard once [`Self::recover_ahead`]
+    /// has answered (which holds the pause on if it recovered the session).
+    pub(crate) fn precede_pass(&self, session: SessionId) -> Option<CallRecovery> {
+        let phase = *self.inner.queue_phase.borrow();
+        let waits = match phase {
+            Phase::Idle => false,
+            // Not known yet whether the pass takes it; no pass recovery
+            // runs while it loads, so the pause costs nothing meanwhile.
+            Phase::Loading => true,
+            Phase::Filled => self.is_recovering(session),
+        };
+        waits.then(|| self.call_recovery_started())
+    }
+
     /// A call's recovery is running: the pass waits (see [`Lane`]) until
     /// the returned guard is dropped.
     pub(crate) fn call_recovery_started(&self) -> CallRecovery {

@@ -43,6 +43,9 @@ use crate::{
 /// How many executors the liveness check asks at once.
 const LIVENESS_CONCURRENCY: usize = 16;
 
+/// Executors the pass reads at once (see `load_recoverable`).
+const LOAD_PAGE: u32 = 1_000;
+
 /// The error code (message prefix) of an executor whose remote host is being
 /// reconnected in the background.
 const RECONNECTING: &str = "reconnecting:";
@@ -161,11 +164,14 @@ impl SessionManager {
         self.expect_startup_recovery();
         let _closed = scopeguard(|| self.close_queue());
         let store = &self.inner.store;
-        let mut records = store.load_recoverable_executors().await?;
+        let mut records = self.load_recoverable().await?;
         let remote = self.inner.drivers.contains_key(&Runtime::Remote);
         let docker = self.inner.drivers.contains_key(&Runtime::LocalDocker);
         if remote || docker {
-            records.extend(store.list_executors().await?.into_iter().filter(|r| {
+            let failed = store
+                .list_executors_with_status(vec![ExecutorStatus::Error])
+                .await?;
+            records.extend(failed.into_iter().filter(|r| {
                 r.status == ExecutorStatus::Error
                     && retried_in_background(
                         r,
@@ -283,6 +289,30 @@ impl SessionManager {
         self.mark_first_recovery_done();
         self.start_liveness_checks();
         Ok(summary)
+    }
+
+    /// Every executor the pass must look at (`starting` or `ready`), read
+    /// page by page: between two pages a call that arrived meanwhile goes
+    /// first (reading and decoding 10,000 records is CPU the call's own
+    /// recovery would otherwise share). Only those created before the pass
+    /// began: what a call creates meanwhile is that call's.
+    async fn load_recoverable(&self) -> Result<Vec<ExecutorRecord>> {
+        let until = Utc::now();
+        let mut records: Vec<ExecutorRecord> = Vec::new();
+        loop {
+            let after = records.last().map(|r| (r.created_at, r.id));
+            let page = self
+                .inner
+                .store
+                .load_recoverable_executors_page(until, after, LOAD_PAGE)
+                .await?;
+            let full = page.len() == LOAD_PAGE as usize;
+            records.extend(page);
+            if !full {
+                return Ok(records);
+            }
+            self.yield_to_calls().await;
+        }
     }
 
     /// Recovers one executor as the session's exclusive operation (an

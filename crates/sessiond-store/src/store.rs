@@ -184,9 +184,18 @@ impl Store {
                 target: target.clone(),
                 busy_timeout: opts.busy_timeout,
             };
+            // A file-backed SQLite keeps a few connections open: opening
+            // one (WAL, pragmas) while a call waits for it cost a call
+            // arriving during startup recovery's load tens of ms. Cheap
+            // for a local file; a server's connections stay on demand.
+            let idle = if backend == Backend::Sqlite && !is_memory(&target) {
+                max.min(4)
+            } else {
+                1
+            };
             let pool = Pool::builder()
                 .max_size(max)
-                .min_idle(Some(1))
+                .min_idle(Some(idle))
                 // No `SELECT 1` before every checkout: it doubled the cost
                 // of each store call (a network round trip on Postgres). A
                 // connection that broke is still dropped on return
@@ -601,11 +610,60 @@ impl Store {
         self.read(|c| load_executors(c, None)).await
     }
 
+    /// The executors whose status is one of `statuses`, oldest first
+    /// (startup recovery's look at failed ones: without reading every
+    /// executor of a large store).
+    pub async fn list_executors_with_status(
+        &self,
+        statuses: Vec<ExecutorStatus>,
+    ) -> Result<Vec<ExecutorRecord>> {
+        self.read(move |c| load_executors(c, Some(&statuses))).await
+    }
+
     /// The executors startup recovery must look at: status `starting` or
     /// `ready` (seed Startup Flow step 1), oldest first.
     pub async fn load_recoverable_executors(&self) -> Result<Vec<ExecutorRecord>> {
         self.read(|c| load_executors(c, Some(ExecutorStatus::RECOVERABLE)))
             .await
+    }
+
+    /// A page of [`Self::load_recoverable_executors`]: at most `limit`
+    /// recoverable executors created no later than `until`, in the same
+    /// order, after `after` (the `created_at` and id of the previous page's
+    /// last one). Startup recovery reads a large store page by page, so a
+    /// call that arrives meanwhile goes ahead between two pages.
+    pub async fn load_recoverable_executors_page(
+        &self,
+        until: chrono::DateTime<chrono::Utc>,
+        after: Option<(chrono::DateTime<chrono::Utc>, ExecutorId)>,
+        limit: u32,
+    ) -> Result<Vec<ExecutorRecord>> {
+        self.read(move |c| {
+            let mut q = executors_running::table
+                .select(ExecutorRow::as_select())
+                .filter(
+                    executors_running::status
+                        .eq_any(ExecutorStatus::RECOVERABLE.iter().map(|s| s.as_str())),
+                )
+                .filter(executors_running::created_at.le(Ts::new(until)))
+                .order((executors_running::created_at, executors_running::id))
+                .limit(i64::from(limit))
+                .into_boxed();
+            if let Some((at, id)) = after {
+                q = q.filter(
+                    executors_running::created_at
+                        .gt(Ts::new(at))
+                        .or(executors_running::created_at
+                            .eq(Ts::new(at))
+                            .and(executors_running::id.gt(id.to_string()))),
+                );
+            }
+            q.load(c)?
+                .into_iter()
+                .map(ExecutorRow::into_domain)
+                .collect()
+        })
+        .await
     }
 
     /// Records that agentctl answered: `last_seen_at = at` for each

@@ -620,6 +620,41 @@ mod suite {
             .map(|e| e.id)
             .collect();
         assert_eq!(got, wanted);
+        // Read page by page (startup recovery's load), the same list in the
+        // same order, whatever the page size; none created after `until`.
+        let until = Utc::now();
+        for limit in [1, 2, 1_000] {
+            let mut paged: Vec<ExecutorId> = Vec::new();
+            let mut after = None;
+            loop {
+                let page = store
+                    .load_recoverable_executors_page(until, after, limit)
+                    .await
+                    .unwrap();
+                assert!(page.len() <= limit as usize);
+                after = page.last().map(|e| (e.created_at, e.id));
+                let last = page.len() < limit as usize;
+                paged.extend(page.into_iter().map(|e| e.id));
+                if last {
+                    break;
+                }
+            }
+            assert_eq!(paged, wanted, "pages of {limit}");
+        }
+        let before = until - Duration::hours(1);
+        assert!(
+            store
+                .load_recoverable_executors_page(before, None, 10)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        let failed = store
+            .list_executors_with_status(vec![ExecutorStatus::Error])
+            .await
+            .unwrap();
+        assert_eq!(failed.len(), 1);
+        assert_eq!(failed[0].status, ExecutorStatus::Error);
         assert_eq!(
             store.list_executors().await.unwrap().len(),
             ExecutorStatus::ALL.len()
