@@ -64,14 +64,18 @@ pub struct RecoverySummary {
     pub failed: usize,
     /// Each session and how its recovery ended.
     pub outcomes: Vec<(SessionId, Result<OutcomeLabel, String>)>,
+    /// Wall time of the pass.
     pub duration: Duration,
 }
 
 impl RecoverySummary {
+    /// How many executors ended with `label`.
     pub fn count(&self, label: OutcomeLabel) -> usize {
         self.counts.get(label.as_str()).copied().unwrap_or(0)
     }
 
+    /// How `session`'s recovery ended (`Err`: the error that stopped it);
+    /// `None` when the pass did not look at it.
     pub fn outcome(&self, session: SessionId) -> Option<&Result<OutcomeLabel, String>> {
         self.outcomes
             .iter()
