@@ -44,13 +44,15 @@ impl Default for RemoteConfig {
     }
 }
 
-/// The remote driver.
+/// The remote driver ([`Runtime::Remote`]): connects to an agentctl that
+/// another host runs and started itself; it never spawns or kills anything.
 #[derive(Debug, Clone)]
 pub struct RemoteExecutor {
     config: RemoteConfig,
 }
 
 impl RemoteExecutor {
+    /// The driver; it connects to nothing until the first call.
     pub fn new(config: RemoteConfig) -> Self {
         Self { config }
     }
@@ -58,6 +60,12 @@ impl RemoteExecutor {
     /// `Health` with identity check, retried with backoff until
     /// `ready_deadline`. Fails at once on errors waiting cannot fix (wrong
     /// secret, wrong executor, bad URL).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotReady`] with the last failure once the deadline passed;
+    /// at once, any error for which [`Error::is_unavailable`] is false
+    /// ([`Error::Unauthenticated`], [`Error::IdentityMismatch`], [`Error::Tls`], ...).
     pub async fn wait_ready(
         &self,
         client: &AgentctlClient,
