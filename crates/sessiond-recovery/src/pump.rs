@@ -252,6 +252,19 @@ impl SessionManager {
     }
 }
 
+/// The turn a session was running when recovery or a resume takes it up:
+/// [`pending_turn`], or the turn of a STARTING session (an explicit resume
+/// of a RUNNING session commits STARTING with the turn kept, then brings
+/// the agent back; a crash in between leaves it so).
+pub(crate) fn turn_in_flight(session: &Session) -> Option<String> {
+    matches!(
+        session.state,
+        SessionState::Running | SessionState::Starting
+    )
+    .then(|| session.metadata.get(TURN_KEY).cloned())
+    .flatten()
+}
+
 /// The turn a RUNNING session waits for (its user message id), if any.
 pub(crate) fn pending_turn(session: &Session) -> Option<String> {
     (session.state == SessionState::Running)
