@@ -1036,6 +1036,8 @@ impl Pump {
     /// - agentctl not answering, its agent not idle, or updates not all read
     ///   yet (its `latest_cursor` is past ours): wait (a `TurnEnded` may
     ///   still come; this runs again).
+    /// - agentctl runs no agent (a remote host restarted its agentctl while
+    ///   we ran): as the agent's exit, interrupted and the session ERROR.
     /// - a reply stored for the turn, or agentctl keeps no journal, or its
     ///   journal is fresh while the turn went to another agentctl
     ///   generation: interrupted.
@@ -1060,6 +1062,16 @@ impl Pump {
         };
         let h = h.into_inner();
         let state = AgentState::try_from(h.agent_state).unwrap_or(AgentState::Unspecified);
+        if matches!(state, AgentState::None | AgentState::Exited) {
+            // No agent in this agentctl (a remote host restarted its
+            // agentctl while we ran): nothing will end the turn, and the
+            // agent counts as running until told. As an agent exit: the
+            // session ERROR (resume it), the turn interrupted.
+            drop(guard);
+            tracing::warn!(session = %self.session_id, turn, ?state,
+                "pending turn: agentctl runs no agent; ending the turn as the agent's exit");
+            return self.agent_exited(h.agent_exit.as_ref()).await;
+        }
         if state != AgentState::Ready {
             tracing::debug!(session = %self.session_id, turn, ?state, "pending turn: agent not idle, waiting for its TurnEnded");
             return Ok(());
