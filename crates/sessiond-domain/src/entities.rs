@@ -16,10 +16,15 @@ use crate::{
 /// A unit of work on a repository; it has one or more sessions.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Task {
+    /// The task's id; its sessions carry it as `task_id`.
     pub id: TaskId,
+    /// Free text chosen by the user.
     pub title: String,
+    /// Where the task is in its lifecycle.
     pub state: TaskState,
+    /// When the task was created (UTC, set by the store).
     pub created_at: DateTime<Utc>,
+    /// When the task was last written (UTC, set by the store).
     pub updated_at: DateTime<Utc>,
 }
 
@@ -32,11 +37,16 @@ pub const DEFAULT_PERMISSION_TIMEOUT: std::time::Duration = std::time::Duration:
 /// How to start an agent, and whether it claims to resume sessions.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentProfile {
+    /// The profile's id; sessions refer to it as `agent_profile_id`.
     pub id: AgentProfileId,
     /// Unique, human-chosen (e.g. `demo`, `claude-code`).
     pub name: String,
+    /// The ACP agent's program on the host agentctl runs on (absolute, or on
+    /// its `PATH`); agentctl starts it and speaks ACP over its stdio.
     pub command: String,
+    /// Arguments of `command`.
     pub args: Vec<String>,
+    /// Environment variables set for the agent, on top of agentctl's own.
     pub env: BTreeMap<String, String>,
     /// The profile's claim. The agent's own capability answer can only lower it.
     pub supports_session_resume: bool,
@@ -51,7 +61,9 @@ pub struct AgentProfile {
     /// Policy `ask`: how long a request waits for an answer before it is
     /// rejected ([`DEFAULT_PERMISSION_TIMEOUT`] unless configured).
     pub permission_timeout: std::time::Duration,
+    /// When the profile was created (UTC).
     pub created_at: DateTime<Utc>,
+    /// When the profile was last changed (UTC).
     pub updated_at: DateTime<Utc>,
 }
 
@@ -62,6 +74,7 @@ pub struct ContainerAgent {
     pub image: Option<String>,
     /// The agent's program in the image (absolute, or on the image's `PATH`).
     pub command: String,
+    /// Arguments of `command` (the profile's `args` are not used).
     pub args: Vec<String>,
     /// Added to (and overriding) the profile's `env`.
     pub env: BTreeMap<String, String>,
@@ -70,8 +83,11 @@ pub struct ContainerAgent {
 /// What an agent is started with on one runtime.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentCommand {
+    /// The program to run.
     pub command: String,
+    /// Its arguments.
     pub args: Vec<String>,
+    /// The agent's environment (profile's, overridden by the container's).
     pub env: BTreeMap<String, String>,
 }
 
@@ -107,31 +123,48 @@ impl AgentProfile {
 /// The working tree a session's agent works in.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Worktree {
+    /// The caller's name for the worktree (opaque to sessiond).
     pub id: String,
+    /// Absolute path of the directory, as the executor sees it; the agent's
+    /// working directory.
     pub path: String,
+    /// The git branch checked out there (informational; sessiond does not
+    /// switch it).
     pub branch: String,
 }
 
 /// One conversation with one agent, inside one executor.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Session {
+    /// The session's id.
     pub id: SessionId,
+    /// The task it belongs to.
     pub task_id: TaskId,
+    /// Where the session is in its lifecycle (see [`SessionState::transition`]).
     pub state: SessionState,
+    /// The profile its agent is started from.
     pub agent_profile_id: AgentProfileId,
     /// Id of the current agent execution (the executor id and its generation).
     pub agent_execution_id: Option<String>,
+    /// Where its executor runs; fixed when the session is created.
     pub runtime: Runtime,
+    /// Its executor (`executors_running` row); `None` until one is created.
     pub executor_id: Option<ExecutorId>,
+    /// The directory its agent works in.
     pub worktree: Worktree,
     /// The agent's token for resuming this conversation (stored in `metadata`).
     pub resume_token: Option<String>,
     /// Other metadata, free-form.
     pub metadata: BTreeMap<String, String>,
+    /// Why the session is ERROR, as `"<code>: <what to do>"` (see
+    /// [`RecoveryFailure::message`](crate::RecoveryFailure::message)); cleared
+    /// when it leaves ERROR.
     pub error_message: Option<String>,
     /// Grows by one with every write; a writer holding an older value loses.
     pub version: i64,
+    /// When the session was created (UTC).
     pub created_at: DateTime<Utc>,
+    /// When the session was last written (UTC).
     pub updated_at: DateTime<Utc>,
 }
 
@@ -139,12 +172,20 @@ pub struct Session {
 /// reattach to an executor after it restarts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExecutorRecord {
+    /// The executor's id; agentctl reports it in `Health` to prove identity.
     pub id: ExecutorId,
+    /// The session it serves (one executor per session).
     pub session_id: SessionId,
+    /// The task of that session.
     pub task_id: TaskId,
+    /// Where it runs; decides how recovery finds it again.
     pub runtime: Runtime,
+    /// Its status (see [`ExecutorStatus::transition`] for the legal moves).
     pub status: ExecutorStatus,
+    /// Base URL of agentctl's gRPC endpoint; `None` before the first launch.
     pub agentctl_url: Option<String>,
+    /// The port of `agentctl_url` when known separately (remote executors);
+    /// informational, `agentctl_url` is what is dialled.
     pub agentctl_port: Option<u16>,
     /// Docker only.
     pub container_id: Option<String>,
@@ -156,27 +197,42 @@ pub struct ExecutorRecord {
     pub auth_secret: String,
     /// Grows by one on every (re)launch; intent is written before the spawn.
     pub generation: i64,
+    /// Resume support as last known: the profile's claim, lowered by the
+    /// agent's capability probe.
     pub supports_session_resume: bool,
+    /// The executor can serve the workspace (shell, files, git) without an
+    /// agent running.
     pub supports_workspace_only: bool,
+    /// A copy of the session's resume token, used when the session has none.
     pub resume_token: Option<String>,
+    /// The workspace directory; recovery uses it when `worktree.path` is empty.
     pub workspace_path: String,
+    /// The session's worktree as the executor was launched with it.
     pub worktree: Worktree,
+    /// When agentctl last answered a health check.
     pub last_seen_at: Option<DateTime<Utc>>,
+    /// Why the executor is `error`, as `"<code>: <what to do>"`.
     pub error_message: Option<String>,
     /// The backend replica that owns this executor, and until when.
     pub owner_id: Option<String>,
+    /// When the owner's lease ends unless renewed; another replica may then
+    /// claim the executor.
     pub lease_expires_at: Option<DateTime<Utc>>,
     /// The fencing token: grows by one on every claim of the lease. Writes
     /// and agentctl calls of the owner carry it; an older one is refused.
     /// Only the lease operations write it (a new record starts at 0).
     pub lease_epoch: i64,
+    /// Grows by one with every write; a writer holding an older value loses.
     pub version: i64,
+    /// When the record was created (UTC).
     pub created_at: DateTime<Utc>,
+    /// When the record was last written (UTC).
     pub updated_at: DateTime<Utc>,
 }
 
 impl ExecutorRecord {
-    /// The id of the agent execution this record describes right now.
+    /// The id of the agent execution this record describes right now:
+    /// `"<executor id>/<generation>"`, so every relaunch gets a new one.
     pub fn execution_id(&self) -> String {
         format!("{}/{}", self.id, self.generation)
     }
@@ -186,13 +242,18 @@ impl ExecutorRecord {
 /// when its first chunk arrives and updated as the rest arrive.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {
+    /// The message's id (for a permission request, also the request's id).
     pub id: MessageId,
+    /// The session it belongs to.
     pub session_id: SessionId,
+    /// The task of that session.
     pub task_id: TaskId,
+    /// Who wrote it.
     pub role: MessageRole,
     /// Text, or a readable summary of an activity part (a tool call's
     /// title, a plan's entries, a thought, ...).
     pub content: String,
+    /// Text, or which kind of activity part.
     pub kind: MessageKind,
     /// An activity part's state: the store's JSON envelope
     /// (`{"rev": n, "update": <ACP session/update object>}`); empty for text.
@@ -202,7 +263,9 @@ pub struct Message {
     pub seq: i64,
     /// False while the agent is still streaming it.
     pub complete: bool,
+    /// When the message was added (UTC).
     pub created_at: DateTime<Utc>,
+    /// When it was last updated (UTC); changes while it streams.
     pub updated_at: DateTime<Utc>,
 }
 
@@ -211,14 +274,20 @@ pub struct Message {
 /// which one is current.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct AgentModes {
+    /// The id of the mode in effect (one of `available`).
     pub current: String,
+    /// The modes the agent offers, in its order.
     pub available: Vec<AgentMode>,
 }
 
+/// One session mode an agent offers (ACP `SessionMode`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentMode {
+    /// The agent's id for the mode, used to switch to it (e.g. `plan`).
     pub id: String,
+    /// Its human-readable name.
     pub name: String,
+    /// What it does, as the agent describes it (may be empty).
     pub description: String,
 }
 

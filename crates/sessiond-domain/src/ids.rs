@@ -10,7 +10,9 @@ use uuid::Uuid;
     "malformed {kind} id {value:?}: expected a UUID such as 0190b8c4-7d2a-7c3e-9f00-1a2b3c4d5e6f"
 )]
 pub struct IdParseError {
+    /// Which id was expected, in words (`"task"`, `"session"`, `"agent profile"`, ...).
     pub kind: &'static str,
+    /// The text that was given, unchanged.
     pub value: String,
 }
 
@@ -26,14 +28,24 @@ macro_rules! typed_id {
                 Self(Uuid::now_v7())
             }
 
+            /// Wraps an existing UUID (e.g. one read back from the store); no check
+            /// is made, every UUID is a valid id.
             pub const fn from_uuid(uuid: Uuid) -> Self {
                 Self(uuid)
             }
 
+            /// The UUID inside, e.g. to bind it as a SQL parameter.
             pub const fn as_uuid(&self) -> &Uuid {
                 &self.0
             }
 
+            /// Parses a UUID in any form [`Uuid::try_parse`] accepts (canonical
+            /// hyphenated, simple, braced, URN).
+            ///
+            /// # Errors
+            ///
+            /// [`IdParseError`], naming this kind of id and the text, when
+            /// `value` is not a UUID.
             pub fn parse(value: &str) -> Result<Self, IdParseError> {
                 Uuid::try_parse(value).map(Self).map_err(|_| IdParseError {
                     kind: $kind,
@@ -64,6 +76,21 @@ macro_rules! typed_id {
 }
 
 typed_id!(/// Identifies a task.
+    ///
+    /// Every id type is a UUID (v7, time-ordered, when made by `new`) with
+    /// its own type, so ids of different records cannot be mixed up. The
+    /// text form is the hyphenated UUID, and parsing names the expected kind:
+    ///
+    /// ```
+    /// use sessiond_domain::{SessionId, TaskId};
+    ///
+    /// let id = TaskId::new();
+    /// assert_eq!(id.to_string().parse::<TaskId>(), Ok(id));
+    ///
+    /// let err = SessionId::parse("not-a-uuid").unwrap_err();
+    /// assert_eq!(err.kind, "session");
+    /// assert!(err.to_string().starts_with("malformed session id"));
+    /// ```
     TaskId, "task");
 typed_id!(/// Identifies a session of a task.
     SessionId, "session");

@@ -4,6 +4,8 @@
 //! Architecture invariant: no IO, no async runtime, no serialization derives.
 //! The store maps these types to rows and the server to protobuf messages.
 
+#![deny(missing_docs)]
+
 pub mod entities;
 pub mod events;
 pub mod ids;

@@ -63,8 +63,10 @@ pub enum ResumePolicy {
 }
 
 impl ResumePolicy {
+    /// Every policy.
     pub const ALL: &'static [ResumePolicy] = &[ResumePolicy::Startup, ResumePolicy::OnDemand];
 
+    /// The configuration form: `startup` or `on_demand`.
     pub const fn as_str(self) -> &'static str {
         match self {
             ResumePolicy::Startup => "startup",
@@ -72,6 +74,11 @@ impl ResumePolicy {
         }
     }
 
+    /// The policy whose [`as_str`](Self::as_str) is `value`.
+    ///
+    /// # Errors
+    ///
+    /// [`UnknownValue`] for any other text.
     pub fn parse(value: &str) -> Result<Self, UnknownValue> {
         Self::ALL
             .iter()
@@ -106,18 +113,28 @@ pub enum SurvivingAgent {
 /// What the orchestrator saw after performing an action.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Observation {
+    /// After [`Action::CheckWorktree`]: the directory exists.
     WorktreeExists,
+    /// After [`Action::CheckWorktree`]: the directory is gone.
     WorktreeMissing,
     /// The recorded pid is alive; `identity_proven` when its start time matches
     /// the record too (otherwise the pid was reused and must not be touched).
     ProcessAlive {
+        /// The start time matches `pid_start_time` too.
         identity_proven: bool,
     },
+    /// After [`Action::ProbeProcess`]: no process has the recorded pid.
     ProcessGone,
+    /// After [`Action::FindContainer`]: found and running.
     ContainerRunning,
+    /// After [`Action::FindContainer`]: found, not running.
     ContainerStopped,
+    /// After [`Action::FindContainer`]: neither the id nor the label matches
+    /// a container.
     ContainerMissing,
+    /// After [`Action::FindContainer`]: the Docker engine did not answer.
     DockerUnavailable {
+        /// The engine's (or the client's) error.
         reason: String,
     },
     /// agentctl was spawned, or the container started.
@@ -126,36 +143,51 @@ pub enum Observation {
     /// pass sets `retry_in_background` while the reconnect window is open;
     /// the background retrier clears it once the window is over.
     HostUnreachable {
+        /// The transport error.
         reason: String,
+        /// Keep the session as it is and retry later instead of failing now.
         retry_in_background: bool,
     },
     /// Health answered with this executor's id and accepted the secret.
     Healthy {
+        /// The agent agentctl reports, if one survived.
         agent: SurvivingAgent,
     },
     /// Health answered wrongly (another executor's id, secret refused, ...).
     Unhealthy {
+        /// What was wrong.
         reason: String,
     },
+    /// After [`Action::ProbeCapabilities`]: the agent's own answer.
     Capabilities {
+        /// The agent says it can load earlier conversations (ACP
+        /// `loadSession`); `false` lowers the profile's claim.
         supports_session_resume: bool,
     },
     /// The agent has not answered ACP `initialize` yet, or the call failed.
     CapabilitiesUnknown,
     /// The write of [`Action::MarkExecutorReady`] is done.
     Applied,
+    /// After [`Action::ResumeAgent`]: the conversation is loaded, the agent idle.
     ResumeSucceeded,
+    /// After [`Action::ResumeAgent`]: launching the agent or loading failed
+    /// (another try may succeed).
     ResumeFailed {
+        /// The agent's or agentctl's error.
         reason: String,
     },
     /// The agent refused to load a conversation that has turns: it no
     /// longer has it (another try fails the same way).
     ConversationLost {
+        /// The agent's error.
         reason: String,
     },
+    /// After [`Action::StopExecutor`] or [`Action::EndAgentctl`]: nothing of
+    /// it runs any more.
     ExecutorStopped,
     /// The action could not be performed (spawn, container start or stop failed).
     ActionFailed {
+        /// Why.
         reason: String,
     },
     /// This executor's recovery deadline passed during the last action.
@@ -166,26 +198,39 @@ pub enum Observation {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
     /// Does the worktree directory exist? Expect `WorktreeExists` / `WorktreeMissing`.
-    CheckWorktree { path: String },
+    CheckWorktree {
+        /// The worktree's directory.
+        path: String,
+    },
     /// Is the recorded agentctl process alive, with the recorded start time?
     /// Expect `ProcessAlive` / `ProcessGone`.
     ProbeProcess {
+        /// The recorded pid.
         pid: u32,
+        /// Its recorded start time (clock ticks since boot); `None` never
+        /// proves identity.
         pid_start_time: Option<u64>,
     },
     /// Persist the intent (executor `starting`, `generation`, `event`), then
     /// spawn agentctl. Expect `Launched` / `ActionFailed`.
     LaunchAgentctl {
+        /// The new generation to write (one more than recorded).
         generation: i64,
+        /// The `session.agentctl_starting` event to write with it.
         event: EventPayload,
     },
     /// Find the container by id, else by the `sessiond.executor_id` label.
     /// Expect `ContainerRunning` / `ContainerStopped` / `ContainerMissing` / `DockerUnavailable`.
-    FindContainer { container_id: Option<String> },
+    FindContainer {
+        /// The recorded container id, if any.
+        container_id: Option<String>,
+    },
     /// Persist the intent as for `LaunchAgentctl`, then start the stopped
     /// container. Expect `Launched` / `ActionFailed`.
     StartContainer {
+        /// The new generation to write (one more than recorded).
         generation: i64,
+        /// The `session.agentctl_starting` event to write with it.
         event: EventPayload,
     },
     /// Call agentctl `Health`, check identity. Expect `Healthy` / `Unhealthy` / `HostUnreachable`.
@@ -194,10 +239,16 @@ pub enum Action {
     ProbeCapabilities,
     /// Persist executor `ready` with `event`, register the execution in the
     /// executors cache. Expect `Applied`.
-    MarkExecutorReady { event: EventPayload },
+    MarkExecutorReady {
+        /// The `session.agentctl_ready` event to write with it.
+        event: EventPayload,
+    },
     /// Launch the agent if none runs and load the conversation.
     /// Expect `ResumeSucceeded` / `ResumeFailed` / `ConversationLost`.
-    ResumeAgent { resume_token: String },
+    ResumeAgent {
+        /// The agent's token of the conversation to load.
+        resume_token: String,
+    },
     /// The session has ended: stop whatever still runs for it (idempotent).
     /// Expect `ExecutorStopped` / `ActionFailed`.
     StopExecutor,
@@ -233,6 +284,7 @@ pub enum OutcomeLabel {
 }
 
 impl OutcomeLabel {
+    /// The label as logged and counted in metrics (e.g. `reattached`).
     pub const fn as_str(self) -> &'static str {
         match self {
             OutcomeLabel::Resumed => "resumed",
@@ -258,43 +310,94 @@ impl fmt::Display for OutcomeLabel {
 /// and machine-readable; the display text tells the user what to do.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RecoveryFailure {
+    /// `worktree_missing`: the worktree directory is gone (local standalone).
     #[error("worktree {path} no longer exists; create a new session")]
-    WorktreeMissing { path: String },
+    WorktreeMissing {
+        /// The missing directory.
+        path: String,
+    },
+    /// `docker_unavailable`: the engine did not answer; retried in the background.
     #[error(
         "Docker is not available ({reason}); the session recovers by itself once the engine answers"
     )]
-    DockerUnavailable { reason: String },
+    DockerUnavailable {
+        /// The engine's (or the client's) error.
+        reason: String,
+    },
+    /// `container_missing`: the container was removed; nothing is left to resume into.
     #[error("the container of this session no longer exists; create a new session")]
     ContainerMissing,
+    /// `launch_failed`: spawning agentctl or starting its container failed.
     #[error("could not start agentctl: {reason}; resume the session to try again")]
-    LaunchFailed { reason: String },
+    LaunchFailed {
+        /// The spawn or start error.
+        reason: String,
+    },
+    /// `unhealthy`: agentctl answered wrongly or not at all.
     #[error("agentctl is not healthy: {reason}; resume the session to try again")]
-    Unhealthy { reason: String },
+    Unhealthy {
+        /// What was wrong.
+        reason: String,
+    },
+    /// `reconnecting`: a remote host is unreachable; retried in the background.
     #[error("remote executor {url} is unreachable ({reason}); reconnecting in the background")]
-    Reconnecting { url: String, reason: String },
+    Reconnecting {
+        /// agentctl's URL on that host.
+        url: String,
+        /// The transport error.
+        reason: String,
+    },
+    /// `host_unreachable`: a remote host stayed unreachable past the
+    /// reconnect window; the user resumes once it is back.
     #[error(
         "remote executor {url} is unreachable ({reason}); resume the session once the host is back"
     )]
-    HostUnreachable { url: String, reason: String },
+    HostUnreachable {
+        /// agentctl's URL on that host.
+        url: String,
+        /// The transport error.
+        reason: String,
+    },
+    /// `not_resumable`: the record, the profile or the agent says it cannot resume.
     #[error("this agent cannot resume previous sessions; create a new session")]
     NotResumable,
+    /// `missing_resume_token`: there is no conversation to resume.
     #[error("the agent never gave a resume token for this session; create a new session")]
     MissingResumeToken,
+    /// `resume_failed`: launching the agent or loading the conversation failed.
     #[error("resuming the agent failed: {reason}; resume the session to try again")]
-    ResumeFailed { reason: String },
+    ResumeFailed {
+        /// The agent's or agentctl's error.
+        reason: String,
+    },
+    /// `resume_failed` too: the agent no longer has the conversation, so
+    /// retrying fails the same way.
     #[error(
         "the agent could not load this conversation ({reason}): it no longer has it, so resuming \
          again fails the same way unless the agent gets it back; the messages stay readable and the \
          workspace usable; create a new session to continue the work"
     )]
-    ConversationLost { reason: String },
+    ConversationLost {
+        /// The agent's error.
+        reason: String,
+    },
+    /// `stop_failed`: the executor of an ended session could not be stopped.
     #[error("could not stop the executor of this ended session: {reason}")]
-    StopFailed { reason: String },
+    StopFailed {
+        /// The stop error.
+        reason: String,
+    },
+    /// `deadline_exceeded`: the executor's recovery deadline passed.
     #[error("recovery did not finish in time while {during}; resume the session to try again")]
-    DeadlineExceeded { during: &'static str },
+    DeadlineExceeded {
+        /// What recovery was doing then (e.g. `checking agentctl health`).
+        during: &'static str,
+    },
 }
 
 impl RecoveryFailure {
+    /// The stable, machine-readable code (e.g. `container_missing`); the
+    /// prefix of [`message`](Self::message).
     pub const fn code(&self) -> &'static str {
         match self {
             RecoveryFailure::WorktreeMissing { .. } => "worktree_missing",
@@ -324,7 +427,9 @@ impl RecoveryFailure {
 /// Where recovery ends for one executor.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecoveryOutcome {
+    /// Which way recovery ended, for the summary log line and metrics.
     pub label: OutcomeLabel,
+    /// The executor's status to write.
     pub executor_status: ExecutorStatus,
     /// The executor's error, `None` to clear it.
     pub executor_error: Option<RecoveryFailure>,
@@ -360,20 +465,31 @@ impl RecoveryOutcome {
 /// Everything the decision depends on, copied out of the records.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecoveryInput {
+    /// The executor being recovered.
     pub executor_id: ExecutorId,
+    /// Where it runs; decides the path (see the module documentation).
     pub runtime: Runtime,
+    /// Its recorded generation; a relaunch writes one more.
     pub generation: i64,
+    /// agentctl's recorded URL (named in remote errors).
     pub agentctl_url: Option<String>,
+    /// The recorded container (local Docker).
     pub container_id: Option<String>,
+    /// The recorded agentctl pid (local standalone).
     pub pid: Option<u32>,
+    /// The recorded start time of `pid`, to tell a reused pid.
     pub pid_start_time: Option<u64>,
+    /// The worktree's directory (the record's workspace path if it has none).
     pub worktree_path: String,
     /// `executors_running.supports_session_resume`.
     pub record_supports_session_resume: bool,
     /// The agent profile's claim.
     pub profile_supports_session_resume: bool,
+    /// The conversation to resume; `None` (never empty) when there is none.
     pub resume_token: Option<String>,
+    /// The session's state when recovery started.
     pub session_state: SessionState,
+    /// Whether agents are resumed now or only on request.
     pub policy: ResumePolicy,
 }
 
@@ -416,8 +532,11 @@ impl RecoveryInput {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("recovery of executor {executor_id}: unexpected observation {observation:?} while {phase}")]
 pub struct UnexpectedObservation {
+    /// The executor whose recovery received it.
     pub executor_id: ExecutorId,
+    /// What the machine was waiting for (e.g. `checking agentctl health`).
     pub phase: &'static str,
+    /// The observation that was refused.
     pub observation: Observation,
 }
 
@@ -459,6 +578,44 @@ impl Phase {
 }
 
 /// The recovery of one executor. See the module documentation.
+///
+/// A remote executor whose agentctl and idle agent survived the backend is
+/// reattached without a resume:
+///
+/// ```
+/// use sessiond_domain::*;
+///
+/// let input = RecoveryInput {
+///     executor_id: ExecutorId::new(),
+///     runtime: Runtime::Remote,
+///     generation: 3,
+///     agentctl_url: Some("https://host:7070".into()),
+///     container_id: None,
+///     pid: None,
+///     pid_start_time: None,
+///     worktree_path: "/work/repo".into(),
+///     record_supports_session_resume: true,
+///     profile_supports_session_resume: true,
+///     resume_token: Some("conv-1".into()),
+///     session_state: SessionState::WaitingForInput,
+///     policy: ResumePolicy::Startup,
+/// };
+/// let mut recovery = Recovery::new(input);
+/// assert_eq!(recovery.start(), Action::HealthCheck);
+/// let next = recovery.observe(Observation::Healthy { agent: SurvivingAgent::Idle })?;
+/// assert_eq!(next, Action::ProbeCapabilities);
+/// let next = recovery.observe(Observation::Capabilities { supports_session_resume: true })?;
+/// assert!(matches!(next, Action::MarkExecutorReady { .. }));
+/// let Action::Done(outcome) = recovery.observe(Observation::Applied)? else {
+///     panic!("recovery should be done");
+/// };
+/// assert_eq!(outcome.label, OutcomeLabel::Reattached);
+/// assert_eq!(outcome.executor_status, ExecutorStatus::Ready);
+/// assert_eq!(outcome.session_state, SessionState::WaitingForInput);
+/// assert!(outcome.events.is_empty(), "nothing changed for the session");
+/// assert!(recovery.is_done());
+/// # Ok::<(), UnexpectedObservation>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct Recovery {
     input: RecoveryInput,
@@ -473,6 +630,7 @@ pub struct Recovery {
 }
 
 impl Recovery {
+    /// A recovery that has not started; call [`Recovery::start`] next.
     pub fn new(input: RecoveryInput) -> Self {
         Self {
             generation: input.generation,
@@ -485,10 +643,12 @@ impl Recovery {
         }
     }
 
+    /// What the decision is based on.
     pub fn input(&self) -> &RecoveryInput {
         &self.input
     }
 
+    /// [`Action::Done`] was returned; further observations are refused.
     pub fn is_done(&self) -> bool {
         self.phase == Phase::Done
     }
@@ -520,6 +680,12 @@ impl Recovery {
     }
 
     /// The next action after `observation`.
+    ///
+    /// # Errors
+    ///
+    /// [`UnexpectedObservation`] when `observation` cannot follow the last
+    /// action (or the recovery is not started or done); the machine is
+    /// unchanged.
     pub fn observe(&mut self, observation: Observation) -> Result<Action, UnexpectedObservation> {
         use Observation as O;
         use Phase as P;

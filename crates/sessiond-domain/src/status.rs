@@ -28,8 +28,11 @@ pub struct ExecutionView {
     /// The session this execution belongs to. A view of another session of
     /// the same task is ignored (seed: only `execution.SessionID == sessionID`).
     pub session_id: SessionId,
+    /// `"<executor id>/<generation>"` (see [`ExecutorRecord::execution_id`]).
     pub execution_id: String,
+    /// The executor's status as last seen.
     pub executor_status: ExecutorStatus,
+    /// Whether the agent process runs, is being started, or not.
     pub agent: AgentProcessState,
     /// The capability probe's answer; `None` until probed. It can only lower
     /// the profile's claim.
@@ -94,6 +97,8 @@ pub enum ResumeReason {
 }
 
 impl ResumeReason {
+    /// The reasons with a string form of their own, in the proto's order
+    /// ([`ResumeReason::ExecutorGone`] is shown as `not_resumable`).
     pub const ALL: &'static [ResumeReason] = &[
         ResumeReason::None,
         ResumeReason::AgentNotRunning,
@@ -102,6 +107,7 @@ impl ResumeReason {
         ResumeReason::SessionEnded,
     ];
 
+    /// The string form: the proto's name in lower case, empty for `None`.
     pub const fn as_str(self) -> &'static str {
         match self {
             ResumeReason::None => "",
@@ -113,6 +119,12 @@ impl ResumeReason {
         }
     }
 
+    /// The reason of [`ResumeReason::ALL`] whose string form is `value`
+    /// (`not_resumable` parses as [`ResumeReason::NotResumable`]).
+    ///
+    /// # Errors
+    ///
+    /// [`UnknownValue`] for any other text.
     pub fn parse(value: &str) -> Result<Self, UnknownValue> {
         Self::ALL
             .iter()
@@ -135,13 +147,19 @@ impl fmt::Display for ResumeReason {
 /// The answer of `GetSessionStatus`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SessionStatus {
+    /// The session.
     pub session_id: SessionId,
+    /// Its task.
     pub task_id: TaskId,
+    /// The session's recorded state.
     pub state: SessionState,
+    /// The profile its agent is started from.
     pub agent_profile_id: AgentProfileId,
     /// `None` when the session has no execution.
     pub executor_status: Option<ExecutorStatus>,
+    /// The current execution's id, else the last one the session recorded.
     pub agent_execution_id: Option<String>,
+    /// Where the session's executor runs.
     pub runtime: Runtime,
     /// An agent process runs for this session (not for another session of the task).
     pub is_agent_running: bool,
@@ -150,9 +168,14 @@ pub struct SessionStatus {
     pub is_resumable: bool,
     /// Resumable, and no agent runs or is being started for it.
     pub needs_resume: bool,
+    /// Why a resume is (or is not) needed; see [`session_status`] for the order.
     pub resume_reason: ResumeReason,
+    /// The worktree's directory.
     pub worktree_path: String,
+    /// The worktree's branch.
     pub worktree_branch: String,
+    /// The session's error, else the executor's while it is retried in the
+    /// background (see [`ExecutionView::retrying`]).
     pub error_message: Option<String>,
     /// Startup recovery has not finished with this session yet: the fields
     /// above are what was recorded before the restart, not yet checked
@@ -195,6 +218,40 @@ impl SessionStatus {
 /// 6. otherwise: [`ResumeReason::AgentNotRunning`].
 ///
 /// `needs_resume` holds exactly when the reason is `agent_not_running`.
+/// An `execution` of another session is ignored, as if it were `None`.
+///
+/// ```
+/// use std::collections::BTreeMap;
+/// use chrono::Utc;
+/// use sessiond_domain::*;
+///
+/// // A session whose agent was lost in a restart: nothing runs, a token exists.
+/// let session = Session {
+///     id: SessionId::new(),
+///     task_id: TaskId::new(),
+///     state: SessionState::WaitingForInput,
+///     agent_profile_id: AgentProfileId::new(),
+///     agent_execution_id: None,
+///     runtime: Runtime::LocalStandalone,
+///     executor_id: None,
+///     worktree: Worktree::default(),
+///     resume_token: Some("conv-1".into()),
+///     metadata: BTreeMap::new(),
+///     error_message: None,
+///     version: 1,
+///     created_at: Utc::now(),
+///     updated_at: Utc::now(),
+/// };
+/// let status = session_status(&session, None, true);
+/// assert!(status.needs_resume);
+/// assert_eq!(status.resume_reason, ResumeReason::AgentNotRunning);
+/// assert_eq!(check_resume(&status), Ok(true));
+///
+/// // A profile that cannot resume: the user is told to start over.
+/// let status = session_status(&session, None, false);
+/// assert_eq!(status.resume_reason, ResumeReason::NotResumable);
+/// assert_eq!(check_resume(&status), Err(ResumeRefused::NotResumable));
+/// ```
 pub fn session_status(
     session: &Session,
     execution: Option<&ExecutionView>,
@@ -267,14 +324,18 @@ fn executor_gone(session: &Session) -> bool {
 /// Why an explicit `ResumeSession` is refused (seed Session Resumption Flow, step 1).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ResumeRefused {
+    /// The session is COMPLETED or CANCELLED (the state it is in).
     #[error("the session has ended ({0}); create a new session")]
     SessionEnded(SessionState),
+    /// The profile claims no resume support, or the agent said it has none.
     #[error("this agent cannot resume previous sessions; create a new session")]
     NotResumable,
+    /// There is no conversation to resume.
     #[error(
         "the session has no resume token (the agent never opened a conversation); create a new session"
     )]
     MissingResumeToken,
+    /// The session's container was removed.
     #[error("the container of this session no longer exists; create a new session")]
     ExecutorGone,
 }
@@ -283,6 +344,11 @@ pub enum ResumeRefused {
 ///
 /// `Ok(false)` means there is nothing to do: the agent runs or a resume is
 /// already in flight (the caller joins it instead of starting another).
+///
+/// # Errors
+///
+/// [`ResumeRefused`] when the session cannot be resumed at all; its text
+/// tells the user what to do instead.
 pub fn check_resume(status: &SessionStatus) -> Result<bool, ResumeRefused> {
     match status.resume_reason {
         ResumeReason::AgentNotRunning => Ok(true),

@@ -24,12 +24,17 @@ where
     S: fmt::Display + fmt::Debug,
     E: fmt::Display + fmt::Debug,
 {
+    /// The state the machine was in (unchanged by the refused event).
     pub from: S,
+    /// The event that is not allowed there.
     pub event: E,
 }
 
+/// A refused [`SessionState::transition`].
 pub type IllegalSessionTransition = IllegalTransition<SessionState, SessionEvent>;
+/// A refused [`ExecutorStatus::transition`].
 pub type IllegalExecutorTransition = IllegalTransition<ExecutorStatus, ExecutorEvent>;
+/// A refused [`TaskState::transition`].
 pub type IllegalTaskTransition = IllegalTransition<TaskState, TaskEvent>;
 
 macro_rules! event_enum {
@@ -41,8 +46,10 @@ macro_rules! event_enum {
         }
 
         impl $name {
+            /// Every event, in the column order of the transition table.
             pub const ALL: &'static [$name] = &[$($name::$variant),+];
 
+            /// The event's name in logs and in [`IllegalTransition`] messages.
             pub const fn as_str(self) -> &'static str {
                 match self {
                     $($name::$variant => $text),+
@@ -109,7 +116,9 @@ event_enum!(
         /// An agent of the task waits for the user to look, e.g. after a
         /// successful resume (seed: `task.state = REVIEW`).
         ReadyForReview => "ready_for_review",
+        /// The task's work is done.
         Completed => "completed",
+        /// The user gave the task up.
         Cancelled => "cancelled",
     }
 );
@@ -139,6 +148,27 @@ impl SessionState {
     ///   looks the same after a restart produces no event.
     /// - `failed` from ERROR stays ERROR (a second failure while already failed).
     /// - COMPLETED and CANCELLED are terminal.
+    ///
+    /// # Errors
+    ///
+    /// [`IllegalTransition`] naming the state and the event for every `-`
+    /// cell; the state is unchanged.
+    ///
+    /// ```
+    /// use sessiond_domain::{SessionEvent as E, SessionState as S};
+    ///
+    /// // A launch, a turn, and a resume after the agent was lost.
+    /// let s = S::Created.transition(E::LaunchRequested)?;
+    /// let s = s.transition(E::AgentReady)?;
+    /// let s = s.transition(E::TurnStarted)?;
+    /// assert_eq!(s, S::Running);
+    /// assert_eq!(s.transition(E::ResumeRequested)?, S::Starting);
+    ///
+    /// // Ended sessions stay ended.
+    /// let err = S::Completed.transition(E::ResumeRequested).unwrap_err();
+    /// assert_eq!(err.to_string(), "resume_requested is not allowed in state COMPLETED");
+    /// # Ok::<(), sessiond_domain::IllegalSessionTransition>(())
+    /// ```
     pub fn transition(self, event: SessionEvent) -> Result<SessionState, IllegalSessionTransition> {
         use SessionEvent as E;
         use SessionState as S;
@@ -198,6 +228,27 @@ impl ExecutorStatus {
     /// a lost process or a stopped executor gets a new generation. `error ->
     /// ready` is a remote host answering again during background reconnect.
     /// Nothing runs in a stopped executor, so it cannot turn healthy or fail.
+    ///
+    /// # Errors
+    ///
+    /// [`IllegalTransition`] for the two `-` cells (`stopped` + `healthy` or
+    /// `failed`).
+    ///
+    /// ```
+    /// use sessiond_domain::{ExecutorEvent, ExecutorStatus};
+    ///
+    /// // A remote host answering again during background reconnect.
+    /// assert_eq!(
+    ///     ExecutorStatus::Error.transition(ExecutorEvent::Healthy),
+    ///     Ok(ExecutorStatus::Ready)
+    /// );
+    /// // A stopped executor runs nothing: it must be relaunched first.
+    /// assert!(ExecutorStatus::Stopped.transition(ExecutorEvent::Healthy).is_err());
+    /// assert_eq!(
+    ///     ExecutorStatus::Stopped.transition(ExecutorEvent::LaunchIntent),
+    ///     Ok(ExecutorStatus::Starting)
+    /// );
+    /// ```
     pub fn transition(
         self,
         event: ExecutorEvent,
@@ -216,7 +267,7 @@ impl ExecutorStatus {
 }
 
 impl TaskState {
-    /// COMPLETED and CANCELLED.
+    /// COMPLETED and CANCELLED: no event moves the task out of them.
     pub const fn is_terminal(self) -> bool {
         matches!(self, TaskState::Completed | TaskState::Cancelled)
     }
@@ -233,6 +284,10 @@ impl TaskState {
     ///
     /// Several sessions of one task report work and reviews independently, so
     /// both are idempotent. A TODO task has had no agent work to review.
+    ///
+    /// # Errors
+    ///
+    /// [`IllegalTransition`] for every `-` cell; the state is unchanged.
     pub fn transition(self, event: TaskEvent) -> Result<TaskState, IllegalTaskTransition> {
         use TaskEvent as E;
         use TaskState as S;

@@ -280,11 +280,17 @@ pub type RawClient = AgentCtlServiceClient<InterceptedService<Channel, BearerAut
 /// What `Health` says about an agentctl.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Health {
+    /// The executor id agentctl was started with; compared with the record's
+    /// by [`AgentctlClient::verify_identity`].
     pub executor_id: String,
+    /// agentctl's version (its crate version).
     pub agentctl_version: String,
+    /// What the agent process is doing (none, starting, idle, busy, exited);
+    /// recovery reattaches to an idle or busy agent without a resume.
     pub agent_state: AgentState,
     /// agentctl's own process id as it sees it (in a container: its namespace's).
     pub pid: u32,
+    /// How long this agentctl process has run.
     pub uptime: Duration,
     /// Random id of this agentctl process, fresh at every start: update
     /// cursors belong to it (see [`AgentctlClient::stream_updates`]). Empty
@@ -304,11 +310,15 @@ pub struct Health {
 pub enum Support {
     /// Not known until the agent has answered ACP `initialize`.
     Unknown,
+    /// Available (for session resume: the profile claims it and the agent
+    /// advertises ACP `loadSession`).
     Supported,
+    /// Not available.
     Unsupported,
 }
 
 impl Support {
+    /// True only for [`Support::Supported`]; unknown counts as no.
     pub fn is_supported(self) -> bool {
         self == Support::Supported
     }
@@ -325,9 +335,14 @@ impl Support {
 /// What `Capabilities` says (seed: "Agentctl Capability Probe").
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Capabilities {
+    /// agentctl's verdict on resuming conversations: the profile's claim
+    /// lowered by the agent's answer; `Unknown` until the agent initialized.
     pub supports_session_resume: Support,
+    /// Whether the workspace (shell, files, git) works without an agent.
     pub supports_workspace_only: Support,
+    /// What the profile agentctl was launched with claims.
     pub profile_claims_session_resume: bool,
+    /// The agent's ACP `loadSession` capability; `None` before `initialize`.
     pub agent_load_session: Option<bool>,
 }
 
@@ -336,6 +351,12 @@ pub struct Capabilities {
 /// Cheap to clone; connects lazily and reconnects by itself. [`Self::raw`]
 /// gives every RPC of the contract; [`Self::health`] and
 /// [`Self::capabilities`] are the calls the drivers need, with errors mapped.
+///
+/// Every typed call fails with [`Error::Timeout`] when its deadline passes,
+/// [`Error::Unreachable`] or [`Error::Tls`] when no connection can be made,
+/// [`Error::Unauthenticated`] when the secret is refused,
+/// [`Error::StaleEpoch`] when another replica holds a newer lease, and
+/// [`Error::Rpc`] for any other gRPC status agentctl answers with.
 #[derive(Clone)]
 pub struct AgentctlClient {
     inner: RawClient,
@@ -362,6 +383,22 @@ impl AgentctlClient {
     /// A client of the agentctl at `url`: `unix:///path/to/agentctl.sock`
     /// (local executors), `http://host:port` or `https://host:port`
     /// (remote). Does not connect yet.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for a URL of another scheme, a relative socket
+    /// path, an `https://` URL without [`ClientConfig::tls`], invalid TLS
+    /// material, or a secret that is not valid header text.
+    ///
+    /// ```
+    /// use sessiond_executor::{AgentctlClient, ClientConfig, Error};
+    ///
+    /// let config = ClientConfig::default();
+    /// let err = AgentctlClient::new("https://host:7070", "secret", &config).unwrap_err();
+    /// assert!(matches!(err, Error::Config(_)), "https needs a CA: {err}");
+    /// let err = AgentctlClient::new("unix://agentctl.sock", "secret", &config).unwrap_err();
+    /// assert!(err.to_string().contains("absolute socket path"));
+    /// ```
     pub fn new(url: &str, secret: &str, config: &ClientConfig) -> Result<Self> {
         let bad = |what: String| Error::Config(format!("agentctl url {url:?}: {what}"));
         let header: MetadataValue<Ascii> = format!("Bearer {secret}")
@@ -449,6 +486,7 @@ impl AgentctlClient {
         Some(self.epoch.load(Ordering::SeqCst)).filter(|e| *e >= 0)
     }
 
+    /// The agentctl URL this client calls (named in its errors).
     pub fn url(&self) -> &str {
         &self.url
     }

@@ -89,9 +89,12 @@ pub fn container_name(executor_id: ExecutorId) -> String {
 /// Resource limits of an executor's container; `None` leaves the engine default.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ResourceLimits {
+    /// Memory limit in bytes (Docker `--memory`).
     pub memory_bytes: Option<i64>,
     /// CPUs in units of 10^-9 (1.5 CPUs = 1_500_000_000).
     pub nano_cpus: Option<i64>,
+    /// Most processes the container may hold (Docker `--pids-limit`);
+    /// [`DockerConfig::new`] sets 1024 against fork bombs.
     pub pids_limit: Option<i64>,
 }
 
@@ -108,6 +111,7 @@ pub struct DockerConfig {
     /// its socket, so only the agent could want a network), a user-defined
     /// network's name, or `bridge`. `host` (and `container:<id>`) is refused.
     pub network_mode: String,
+    /// Memory, CPU and process limits of every container.
     pub limits: ResourceLimits,
     /// Where the worktree is mounted inside the container.
     pub container_workspace: String,
@@ -127,6 +131,7 @@ pub struct DockerConfig {
     pub stop_grace: Duration,
     /// Timeout of each Docker API call.
     pub api_timeout: Duration,
+    /// How the driver's agentctl clients connect and time out.
     pub client: ClientConfig,
     /// More environment for agentctl in the container (its trace export
     /// settings), beside `HOME`; never its secret.
@@ -134,6 +139,10 @@ pub struct DockerConfig {
 }
 
 impl DockerConfig {
+    /// A configuration with the defaults: agentctl at
+    /// `/usr/local/bin/agentctl`, network `none`, 1024 pids, worktree at
+    /// `/workspace`, 256 MiB `/tmp`, 15 s startup, 5 s stop grace, 30 s per
+    /// Docker API call.
     pub fn new(docker_host: impl Into<String>, image: impl Into<String>, run_dir: PathBuf) -> Self {
         Self {
             docker_host: docker_host.into(),
@@ -172,9 +181,11 @@ pub struct DockerExecutor {
 /// [`DockerExecutor::labelled_containers`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LabelledContainer {
+    /// The container's full id.
     pub id: String,
     /// `running`, `exited`, `created`, ... as the engine reports it.
     pub state: String,
+    /// All its labels (`sessiond.executor_id`, `sessiond.session_id`, ...).
     pub labels: HashMap<String, String>,
 }
 
@@ -202,6 +213,11 @@ impl DockerExecutor {
     /// here speak older versions than bollard's default); fails when the
     /// engine does not answer. See [`DockerExecutor::new`] for a driver that
     /// waits for its engine.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for a malformed `docker_host`, [`Error::Docker`]
+    /// when the engine does not answer.
     pub async fn connect(config: DockerConfig) -> Result<Self> {
         let driver = Self::new(config)?;
         driver.engine().await?;
@@ -213,6 +229,11 @@ impl DockerExecutor {
     /// is made and the version negotiated on the first call that reaches
     /// the engine, so a backend starts while Docker is down and its Docker
     /// executors work again once the engine answers.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] when `docker_host` is not `unix://`, `tcp://`,
+    /// `http://` or an absolute socket path.
     pub fn new(config: DockerConfig) -> Result<Self> {
         let host = config.docker_host.as_str();
         let known = host.starts_with("unix://")

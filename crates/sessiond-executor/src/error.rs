@@ -20,7 +20,12 @@ pub enum Error {
 
     /// The TCP/TLS connection to agentctl could not be made.
     #[error("agentctl at {url} is unreachable: {message}")]
-    Unreachable { url: String, message: String },
+    Unreachable {
+        /// agentctl's address.
+        url: String,
+        /// The transport error.
+        message: String,
+    },
 
     /// The TLS handshake with agentctl failed on a certificate (untrusted
     /// issuer, wrong name, a client certificate refused): waiting will not
@@ -29,21 +34,32 @@ pub enum Error {
         "TLS with agentctl at {url} failed: {message}; check executors.remote.tls_ca_file, \
          tls_domain_name and the client certificate against agentctl's --tls-* files"
     )]
-    Tls { url: String, message: String },
+    Tls {
+        /// agentctl's address.
+        url: String,
+        /// The TLS library's error.
+        message: String,
+    },
 
     /// agentctl (or something listening on its address) did not answer in time.
     #[error("agentctl at {url} did not answer {call} within {timeout:?}")]
     Timeout {
+        /// agentctl's address.
         url: String,
+        /// The agentctl RPC (e.g. `Health`).
         call: &'static str,
+        /// The deadline that passed.
         timeout: Duration,
     },
 
     /// agentctl answered with a gRPC error.
     #[error("agentctl at {url} failed {call}: {status}")]
     Rpc {
+        /// agentctl's address.
         url: String,
+        /// The agentctl RPC.
         call: &'static str,
+        /// agentctl's status, code and message as sent.
         status: Box<tonic::Status>,
     },
 
@@ -51,66 +67,91 @@ pub enum Error {
     /// one this replica sent, so another replica owns the executor now.
     #[error("agentctl at {url} refused {call} for a superseded lease: {message}")]
     StaleEpoch {
+        /// agentctl's address.
         url: String,
+        /// The agentctl RPC.
         call: &'static str,
+        /// agentctl's message (names the epochs).
         message: String,
     },
 
     /// agentctl refused the executor's secret.
     #[error("agentctl at {url} rejected the executor secret")]
-    Unauthenticated { url: String },
+    Unauthenticated {
+        /// agentctl's address.
+        url: String,
+    },
 
     /// Something answered at the recorded address, but not the agentctl of
     /// this executor.
     #[error("agentctl at {url} serves executor {actual:?}, not {expected}")]
     IdentityMismatch {
+        /// The address that answered.
         url: String,
+        /// The executor the handle records.
         expected: ExecutorId,
+        /// The executor id it reported instead.
         actual: String,
     },
 
     /// agentctl did not become healthy before the startup deadline.
     #[error("agentctl for executor {executor_id} not ready within {timeout:?}: {last_error}")]
     NotReady {
+        /// The executor being launched or recovered.
         executor_id: ExecutorId,
+        /// The driver's ready deadline.
         timeout: Duration,
+        /// The last failure seen while waiting.
         last_error: String,
     },
 
     /// The agentctl binary could not be started.
     #[error("cannot start agentctl {path}: {source}")]
     Spawn {
+        /// The agentctl binary.
         path: PathBuf,
+        /// The OS error.
         source: std::io::Error,
     },
 
     /// The agentctl process ended before it became healthy.
     #[error("agentctl for executor {executor_id} exited during startup ({status}){log_hint}")]
     ExitedEarly {
+        /// The executor being launched.
         executor_id: ExecutorId,
+        /// Its exit status.
         status: String,
+        /// A suffix telling where agentctl's output is (e.g. which
+        /// `docker logs` to read), or empty.
         log_hint: String,
     },
 
     /// The executor's worktree is gone, so nothing can be launched in it.
     #[error("workspace {path} of executor {executor_id} does not exist")]
     WorkspaceMissing {
+        /// The executor.
         executor_id: ExecutorId,
+        /// The missing directory.
         path: PathBuf,
     },
 
     /// Neither the recorded container id nor the executor's label finds a container.
     #[error("no container for executor {executor_id} (looked up id {container_id:?} and label)")]
     ContainerMissing {
+        /// The executor.
         executor_id: ExecutorId,
+        /// The recorded container id, if any.
         container_id: Option<String>,
     },
 
     /// The container exists in a state the driver cannot bring back.
     #[error("container {container_id} of executor {executor_id} is {state}")]
     ContainerUnusable {
+        /// The executor.
         executor_id: ExecutorId,
+        /// The container found.
         container_id: String,
+        /// Its Docker state (e.g. `dead`, `removing`).
         state: String,
     },
 
@@ -121,14 +162,22 @@ pub enum Error {
     /// A local file operation failed.
     #[error("{action} {path}: {source}")]
     Io {
+        /// What was being done (e.g. `reading CA file`).
         action: &'static str,
+        /// The file or directory.
         path: PathBuf,
+        /// The OS error.
         source: std::io::Error,
     },
 
     /// Signalling or inspecting a local process failed.
     #[error("process {pid}: {message}")]
-    Process { pid: u32, message: String },
+    Process {
+        /// The process.
+        pid: u32,
+        /// What failed.
+        message: String,
+    },
 }
 
 impl Error {

@@ -29,6 +29,8 @@
 //! [`Executor::recover`] does both phases in one call, for callers that keep
 //! no intent record (tests, tools).
 
+#![deny(missing_docs)]
+
 mod client;
 pub mod docker;
 mod error;
@@ -51,8 +53,12 @@ pub use error::{Error, Result};
 /// What to launch: one agentctl for one executor, in one workspace.
 #[derive(Debug, Clone)]
 pub struct LaunchSpec {
+    /// The executor to launch; agentctl is started with it and proves it in
+    /// `Health`.
     pub executor_id: ExecutorId,
+    /// The session it serves (labels, logs).
     pub session_id: SessionId,
+    /// The task of that session (labels, logs).
     pub task_id: TaskId,
     /// The worktree agentctl serves (host path).
     pub workspace_path: PathBuf,
@@ -89,7 +95,9 @@ impl LaunchSpec {
 /// An agentctl that some other host runs.
 #[derive(Clone)]
 pub struct RemoteTarget {
+    /// agentctl's address, `http://host:port` or `https://host:port`.
     pub url: String,
+    /// The bearer secret that agentctl was started with (never logged).
     pub auth_secret: String,
 }
 
@@ -105,19 +113,28 @@ impl fmt::Debug for RemoteTarget {
 /// `executors_running` records about the runtime side of an executor.
 #[derive(Clone, PartialEq, Eq)]
 pub struct ExecutorHandle {
+    /// The executor; agentctl must report it in `Health`.
     pub executor_id: ExecutorId,
+    /// The session it serves.
     pub session_id: SessionId,
+    /// The task of that session.
     pub task_id: TaskId,
+    /// Which driver made it (and must be used to recover, probe or stop it).
     pub runtime: Runtime,
+    /// The worktree agentctl serves (host path).
     pub workspace_path: PathBuf,
+    /// The generation of this launch (see [`LaunchSpec::generation`]).
     pub generation: i64,
     /// The bearer secret agentctl was started with.
     pub auth_secret: String,
     /// `unix:///<run_dir>/...sock` for local drivers, `http(s)://host:port` for remote.
     pub agentctl_url: String,
+    /// The port of a remote `agentctl_url`; `None` for local drivers.
     pub agentctl_port: Option<u16>,
-    /// Standalone: agentctl's pid and its start time (`/proc/<pid>/stat` field 22).
+    /// Standalone: agentctl's pid; never trusted without `pid_start_time`.
     pub pid: Option<u32>,
+    /// Standalone: the start time of `pid` (`/proc/<pid>/stat` field 22, clock
+    /// ticks since boot), which tells our agentctl from a reused pid.
     pub pid_start_time: Option<u64>,
     /// Docker: the container's full id.
     pub container_id: Option<String>,
@@ -229,8 +246,12 @@ pub enum RecoveryAction {
 /// A recovered executor: its (possibly new) handle and what was done.
 #[derive(Debug, Clone)]
 pub struct Recovered {
+    /// The handle to persist: the recorded one when reattached, a new one
+    /// (generation + 1) when restarted or relaunched.
     pub handle: ExecutorHandle,
+    /// What was done to get it back.
     pub action: RecoveryAction,
+    /// agentctl's `Health` answer after recovery (identity already checked).
     pub health: Health,
 }
 
@@ -246,26 +267,93 @@ pub enum Probe {
     /// recorded one, with what the driver found refreshed (Docker: container
     /// id, port and secret); persist it if it differs.
     Reattachable {
+        /// The handle to keep using (and persist if it changed).
         handle: ExecutorHandle,
+        /// agentctl's `Health` answer, identity checked; says whether an
+        /// agent survived too.
         health: Health,
     },
     /// Nothing usable runs (standalone: the process is gone, its pid was
     /// reused, or it was hung and has been ended). Persist the intent with
     /// generation + 1, then `launch(&handle.relaunch_spec())`.
-    NeedsLaunch { reason: String },
+    NeedsLaunch {
+        /// Why the recorded agentctl cannot be used (for logs).
+        reason: String,
+    },
     /// Docker: the container exists but is stopped (exited, created or
     /// paused). Persist the intent with generation + 1, then
     /// `start(&handle, generation)`.
-    NeedsStart { reason: String },
+    NeedsStart {
+        /// The container's state (for logs).
+        reason: String,
+    },
     /// It cannot come back: the container is gone, or the worktree is
     /// missing. The executor goes to `error`, its sessions to `ERROR`.
-    Missing { reason: String },
+    Missing {
+        /// What is gone; shown to the user.
+        reason: String,
+    },
 }
 
 /// One kind of executor runtime.
 ///
 /// Object safe, so the caller can hold one `Arc<dyn Executor>` per
 /// [`Runtime`]. Every method is bounded in time by the driver's configuration.
+///
+/// Third parties implement it for their own way of running agentctl and
+/// hand it to `sessiond_recovery::SessionManager::new` (or the server's
+/// builder) as the driver of one [`Runtime`], in place of the built-in one;
+/// the recovery step machine drives it the same way. The `custom_executor` example of `sessiond-server` is a complete
+/// driver; the smallest one wraps a built-in driver:
+///
+/// ```
+/// use std::sync::Arc;
+///
+/// use async_trait::async_trait;
+/// use sessiond_domain::Runtime;
+/// use sessiond_executor::{
+///     AgentctlClient, Executor, ExecutorHandle, LaunchSpec, Probe, Recovered, Result,
+///     standalone::{StandaloneConfig, StandaloneExecutor},
+/// };
+///
+/// /// Logs every launch, then lets the wrapped driver do the work.
+/// #[derive(Debug)]
+/// struct Logged<E>(E);
+///
+/// #[async_trait]
+/// impl<E: Executor> Executor for Logged<E> {
+///     fn runtime(&self) -> Runtime {
+///         self.0.runtime()
+///     }
+///     async fn launch(&self, spec: &LaunchSpec) -> Result<ExecutorHandle> {
+///         println!("launching {} (generation {})", spec.executor_id, spec.generation);
+///         self.0.launch(spec).await
+///     }
+///     async fn probe(&self, handle: &ExecutorHandle) -> Result<Probe> {
+///         self.0.probe(handle).await
+///     }
+///     // Without this, the default refuses `Probe::NeedsStart`.
+///     async fn start(&self, handle: &ExecutorHandle, generation: i64) -> Result<ExecutorHandle> {
+///         self.0.start(handle, generation).await
+///     }
+///     async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered> {
+///         self.0.recover(handle).await
+///     }
+///     async fn stop(&self, handle: &ExecutorHandle) -> Result<()> {
+///         self.0.stop(handle).await
+///     }
+///     async fn remove(&self, handle: &ExecutorHandle) -> Result<()> {
+///         self.0.remove(handle).await
+///     }
+///     fn client(&self, handle: &ExecutorHandle) -> Result<AgentctlClient> {
+///         self.0.client(handle)
+///     }
+/// }
+///
+/// let config = StandaloneConfig::new("/usr/local/bin/agentctl".into(), "/run/sessiond".into());
+/// let driver: Arc<dyn Executor> = Arc::new(Logged(StandaloneExecutor::new(config)));
+/// assert_eq!(driver.runtime(), Runtime::LocalStandalone);
+/// ```
 #[async_trait]
 pub trait Executor: Send + Sync + fmt::Debug {
     /// The runtime this driver serves.
@@ -273,11 +361,26 @@ pub trait Executor: Send + Sync + fmt::Debug {
 
     /// Starts (or, for remote, connects to) the agentctl of `spec` and returns
     /// once it answered `Health` with the executor's id.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WorkspaceMissing`] (local drivers), [`Error::Spawn`],
+    /// [`Error::ExitedEarly`], [`Error::NotReady`] when agentctl did not
+    /// become healthy before the driver's deadline, [`Error::Config`] for a
+    /// spec the driver cannot run (e.g. remote without [`LaunchSpec::remote`]),
+    /// [`Error::Docker`] for engine failures.
     async fn launch(&self, spec: &LaunchSpec) -> Result<ExecutorHandle>;
 
     /// Looks at the executor of a stored handle without starting anything
     /// (see [`Probe`] for the one exception), so that the caller can persist
     /// its intent before [`Self::launch`] or [`Self::start`].
+    ///
+    /// # Errors
+    ///
+    /// Only when the driver cannot tell (e.g. [`Error::Docker`] with the engine
+    /// down, [`Error::NotReady`] for a remote host that did not answer before
+    /// the deadline); a missing or unusable
+    /// executor is a [`Probe`] answer, not an error.
     async fn probe(&self, handle: &ExecutorHandle) -> Result<Probe>;
 
     /// Starts the existing, stopped runtime of `handle` again (Docker: the
@@ -316,7 +419,8 @@ pub trait Executor: Send + Sync + fmt::Debug {
     /// agent stopped); what is needed to start it again stays.
     async fn stop(&self, handle: &ExecutorHandle) -> Result<()>;
 
-    /// Stops the executor and removes what the driver made for it.
+    /// Stops the executor and removes what the driver made for it
+    /// (container, run directory); idempotent.
     async fn remove(&self, handle: &ExecutorHandle) -> Result<()>;
 
     /// An authenticated client of the handle's agentctl, with per-call
@@ -342,9 +446,23 @@ pub fn fresh_secret() -> String {
 }
 
 /// Exponential backoff with jitter.
+///
+/// ```
+/// use std::time::Duration;
+/// use sessiond_executor::Backoff;
+///
+/// let b = Backoff { initial: Duration::from_millis(100), max: Duration::from_secs(1) };
+/// // Retry 2 waits 100ms * 2^2 = 400ms, jittered into [200ms, 400ms].
+/// let d = b.delay(2);
+/// assert!(d >= Duration::from_millis(200) && d <= Duration::from_millis(400));
+/// // Far retries are capped at `max` (jittered into [500ms, 1s]).
+/// assert!(b.delay(40) <= Duration::from_secs(1));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Backoff {
+    /// The delay before the first retry (before jitter); default 250 ms.
     pub initial: Duration,
+    /// The cap on any delay; default 30 s.
     pub max: Duration,
 }
 

@@ -75,6 +75,8 @@ impl std::fmt::Debug for OwnedProcess {
 }
 
 impl OwnedProcess {
+    /// Binds to `pid` if it is the process that started at `start_time` and
+    /// still runs; `None` otherwise (gone, a zombie, or a reused pid).
     pub fn open(pid: u32, start_time: u64) -> Option<Self> {
         let raw = Pid::from_raw(i32::try_from(pid).ok()?)?;
         // Open first, check second: if the pid was reused before the open, the
@@ -84,10 +86,17 @@ impl OwnedProcess {
         is_same_running(pid, start_time).then_some(Self { pid, fd })
     }
 
+    /// The process id.
     pub fn pid(&self) -> u32 {
         self.pid
     }
 
+    /// Sends `signal` through the pidfd, so it can only reach this process;
+    /// a process that has ended meanwhile counts as signalled.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Process`] when the kernel refuses (e.g. permission).
     pub fn signal(&self, signal: Signal) -> Result<()> {
         match pidfd_send_signal(&self.fd, signal) {
             Ok(()) | Err(rustix::io::Errno::SRCH) => Ok(()),

@@ -51,6 +51,7 @@ pub struct RemoteExecutor {
 }
 
 impl RemoteExecutor {
+    /// The driver; it connects to nothing until the first call.
     pub fn new(config: RemoteConfig) -> Self {
         Self { config }
     }
@@ -58,6 +59,12 @@ impl RemoteExecutor {
     /// `Health` with identity check, retried with backoff until
     /// `ready_deadline`. Fails at once on errors waiting cannot fix (wrong
     /// secret, wrong executor, bad URL).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotReady`] with the last failure once the deadline passed;
+    /// at once, any error for which [`Error::is_unavailable`] is false
+    /// ([`Error::Unauthenticated`], [`Error::IdentityMismatch`], [`Error::Tls`], ...).
     pub async fn wait_ready(
         &self,
         client: &AgentctlClient,

@@ -60,6 +60,7 @@ pub struct StandaloneConfig {
     pub startup_timeout: Duration,
     /// Between TERM and KILL when stopping.
     pub stop_grace: Duration,
+    /// How the driver's agentctl clients connect and time out.
     pub client: ClientConfig,
     /// agentctl's whole environment (its secret travels in a file): never the
     /// backend's own, which holds its API tokens and database URL. The
@@ -68,6 +69,8 @@ pub struct StandaloneConfig {
 }
 
 impl StandaloneConfig {
+    /// A configuration with the defaults: no log files, no idle timeout,
+    /// 10 s startup, 5 s stop grace, and an environment of only a plain `PATH`.
     pub fn new(agentctl_path: PathBuf, run_dir: PathBuf) -> Self {
         Self {
             agentctl_path,
@@ -101,6 +104,7 @@ pub struct StandaloneExecutor {
 }
 
 impl StandaloneExecutor {
+    /// The driver; it touches nothing until the first call.
     pub fn new(config: StandaloneConfig) -> Self {
         Self { config }
     }
