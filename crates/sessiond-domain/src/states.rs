@@ -77,7 +77,7 @@ string_enum!(
     Todo => "TODO",
     /// An agent of the task is working (a launch or a new message).
     InProgress => "IN_PROGRESS",
-    /// An agent finished or was resumed and waits for the user to look.
+    /// An agent finished a turn or was resumed, and waits for the user to look.
     Review => "REVIEW",
     /// The work is done (terminal).
     Completed => "COMPLETED",

@@ -167,7 +167,9 @@ impl DockerConfig {
     }
 }
 
-/// The Docker driver.
+/// The Docker driver ([`Runtime::LocalDocker`]): agentctl in one container
+/// per executor, named by [`container_name`] and labelled with its ids, the
+/// worktree bind-mounted; found again by container id, else by label.
 #[derive(Debug, Clone)]
 pub struct DockerExecutor {
     /// The negotiated connection, made on first use (see

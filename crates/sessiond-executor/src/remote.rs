@@ -44,7 +44,8 @@ impl Default for RemoteConfig {
     }
 }
 
-/// The remote driver.
+/// The remote driver ([`Runtime::Remote`]): connects to an agentctl that
+/// another host runs and started itself; it never spawns or kills anything.
 #[derive(Debug, Clone)]
 pub struct RemoteExecutor {
     config: RemoteConfig,

@@ -97,7 +97,9 @@ pub fn default_agentctl_path() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// The standalone driver.
+/// The standalone driver ([`Runtime::LocalStandalone`]): agentctl as a
+/// child process on this host, serving a Unix socket in the run directory;
+/// found again after a restart by pid and start time (see the module docs).
 #[derive(Debug, Clone)]
 pub struct StandaloneExecutor {
     config: StandaloneConfig,

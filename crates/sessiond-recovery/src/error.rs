@@ -35,20 +35,30 @@ pub enum ErrorKind {
 pub enum Error {
     /// A task, session, agent profile or executor does not exist.
     #[error("{entity} {id} not found")]
-    NotFound { entity: &'static str, id: String },
+    NotFound {
+        /// What was looked up (`task`, `session`, `agent profile`, ...).
+        entity: &'static str,
+        /// The id that was asked for.
+        id: String,
+    },
 
     /// The session exists but belongs to another task.
     #[error("session {session_id} belongs to task {actual}, not to task {requested}")]
     WrongTask {
+        /// The session.
         session_id: SessionId,
+        /// The task the caller named.
         requested: TaskId,
+        /// The task the session belongs to.
         actual: TaskId,
     },
 
     /// The agent cannot resume this session (profile or agent says so).
     #[error("session {session_id} cannot be resumed: {reason}")]
     NotResumable {
+        /// The session.
         session_id: SessionId,
+        /// Why, and what to do instead.
         reason: String,
     },
 
@@ -56,25 +66,39 @@ pub enum Error {
     #[error(
         "session {session_id} has no resume token (the agent never opened a conversation); create a new session"
     )]
-    MissingResumeToken { session_id: SessionId },
+    MissingResumeToken {
+        /// The session.
+        session_id: SessionId,
+    },
 
     /// The session's worktree directory is gone.
     #[error("worktree {path} of session {session_id} no longer exists; create a new session")]
-    WorktreeMissing { session_id: SessionId, path: String },
+    WorktreeMissing {
+        /// The session.
+        session_id: SessionId,
+        /// The missing directory.
+        path: String,
+    },
 
     /// The session is COMPLETED or CANCELLED.
     #[error("session {session_id} has ended ({state}); create a new session")]
     SessionEnded {
+        /// The session.
         session_id: SessionId,
+        /// COMPLETED or CANCELLED.
         state: SessionState,
     },
 
     /// The request does not fit the session's current state.
     #[error("session {session_id} is {state}: cannot {action}; {hint}")]
     InvalidState {
+        /// The session.
         session_id: SessionId,
+        /// Its current state.
         state: SessionState,
+        /// What was asked (e.g. `send a message`).
         action: &'static str,
+        /// What to do instead.
         hint: &'static str,
     },
 
@@ -83,7 +107,9 @@ pub enum Error {
         "session {session_id}: no interrupted turn to retry: {detail}; send a new message instead"
     )]
     TurnNotInterrupted {
+        /// The session.
         session_id: SessionId,
+        /// How its last turn ended instead.
         detail: String,
     },
 
@@ -92,18 +118,30 @@ pub enum Error {
         "session {session_id} has no permission request {request_id}; pending ones are listed in the session's status"
     )]
     PermissionNotFound {
+        /// The session.
         session_id: SessionId,
+        /// The request id given.
         request_id: String,
     },
 
     /// RespondToPermission on a request that no longer waits.
     #[error("permission request {request_id} no longer waits for an answer: {detail}")]
-    PermissionResolved { request_id: String, detail: String },
+    PermissionResolved {
+        /// The request.
+        request_id: String,
+        /// How it was resolved (answered, timed out, cancelled).
+        detail: String,
+    },
 
     /// No agent runs for the session (it exited, or was never resumed).
     /// `hint` agrees with what `ResumeSession` would answer.
     #[error("the agent of session {session_id} is not running; {hint}")]
-    AgentNotRunning { session_id: SessionId, hint: String },
+    AgentNotRunning {
+        /// The session.
+        session_id: SessionId,
+        /// What to do: resume, or create a new session.
+        hint: String,
+    },
 
     /// An executor driver or the agentctl transport failed.
     #[error("{0}")]
@@ -113,8 +151,11 @@ pub enum Error {
     /// Prompt, ...) with an error.
     #[error("agent call {call} failed ({code:?}): {message}")]
     Agent {
+        /// The agentctl RPC.
         call: &'static str,
+        /// agentctl's status code; decides the [`ErrorKind`].
         code: tonic::Code,
+        /// agentctl's message.
         message: String,
     },
 
@@ -122,13 +163,20 @@ pub enum Error {
     /// this reason.
     #[error("resuming session {session_id} failed: {reason}")]
     ResumeFailed {
+        /// The session.
         session_id: SessionId,
+        /// Why; also the session's `error_message`.
         reason: String,
     },
 
     /// Someone else changed the record since it was read.
     #[error("{entity} {id} was changed concurrently; retry")]
-    Conflict { entity: &'static str, id: String },
+    Conflict {
+        /// What was written (`session`, `executor`, ...).
+        entity: &'static str,
+        /// Its id.
+        id: String,
+    },
 
     /// A needed service is not available (no driver for a runtime, host down).
     #[error("unavailable: {0}")]
@@ -143,9 +191,13 @@ pub enum Error {
         at_address(.address)
     )]
     NotOwner {
+        /// The session.
         session_id: SessionId,
+        /// The owning replica's id.
         owner: String,
+        /// Where that replica serves clients; empty when unknown.
         address: String,
+        /// The lease TTL: how long a takeover takes at most if it is gone.
         ttl_secs: u64,
     },
 
@@ -156,9 +208,13 @@ pub enum Error {
     /// A configured limit is reached (`limit` is its configuration key).
     #[error("{what}: the limit of {max} ({limit}) is reached; {hint}")]
     LimitReached {
+        /// The configuration key of the limit.
         limit: &'static str,
+        /// Its value.
         max: usize,
+        /// What would exceed it (e.g. `live sessions`).
         what: &'static str,
+        /// What to do.
         hint: &'static str,
     },
 
@@ -180,6 +236,28 @@ fn at_address(address: &str) -> String {
 }
 
 impl Error {
+    /// The class of this error, which the server maps to a gRPC code:
+    /// precondition failures of the session's state are
+    /// [`ErrorKind::FailedPrecondition`], anything waiting may fix (a host
+    /// down, another replica owning the session, a pool exhausted) is
+    /// [`ErrorKind::Unavailable`].
+    ///
+    /// ```
+    /// use sessiond_domain::{SessionId, SessionState};
+    /// use sessiond_recovery::{Error, ErrorKind};
+    ///
+    /// let ended = Error::SessionEnded { session_id: SessionId::new(), state: SessionState::Completed };
+    /// assert_eq!(ended.kind(), ErrorKind::FailedPrecondition);
+    /// assert!(ended.to_string().ends_with("create a new session"));
+    ///
+    /// let elsewhere = Error::NotOwner {
+    ///     session_id: SessionId::new(),
+    ///     owner: "replica-b".into(),
+    ///     address: "10.0.0.2:50051".into(),
+    ///     ttl_secs: 10,
+    /// };
+    /// assert_eq!(elsewhere.kind(), ErrorKind::Unavailable, "retryable");
+    /// ```
     pub fn kind(&self) -> ErrorKind {
         match self {
             Error::NotFound { .. } | Error::PermissionNotFound { .. } => ErrorKind::NotFound,

@@ -83,6 +83,8 @@ fn release<K: Eq + Hash>(map: &Mutex<HashMap<K, broadcast::Sender<Arc<Event>>>>,
 }
 
 impl EventBus {
+    /// A bus whose per-key channels hold `capacity` events (at least 16)
+    /// for slow watchers; one that falls further behind re-reads the outbox.
     pub fn new(capacity: usize) -> Self {
         Self::with_metrics(capacity, WatchMetrics::default())
     }

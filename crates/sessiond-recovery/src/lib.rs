@@ -33,6 +33,8 @@
 //! Every write of a state change goes through `SessionManager::commit`:
 //! commit the changeset, then publish exactly the events it stored.
 
+#![deny(missing_docs)]
+
 mod config;
 mod error;
 mod events;

@@ -25,8 +25,11 @@ use crate::{
 /// What [`SessionManager::create_session`] needs.
 #[derive(Debug, Clone)]
 pub struct NewSession {
+    /// The task the session belongs to; it must exist and not have ended.
     pub task_id: TaskId,
+    /// The profile the agent is started from; it must exist.
     pub agent_profile_id: AgentProfileId,
+    /// Where the executor runs; the manager needs a driver for it.
     pub runtime: Runtime,
     /// The working tree the agent works in (a host path for local runtimes,
     /// a path on the remote host for `remote`).
@@ -41,8 +44,12 @@ pub struct NewSession {
 /// with `executor_id` and `auth_secret`, and listens at `url`.
 #[derive(Clone)]
 pub struct RemoteAgentctl {
+    /// The executor id agentctl was started with (`--executor-id`); the new
+    /// executor record gets this id, and `Health` must report it.
     pub executor_id: ExecutorId,
+    /// agentctl's address, `http://host:port` or `https://host:port`.
     pub url: String,
+    /// The bearer secret agentctl was started with (never logged).
     pub auth_secret: String,
 }
 

@@ -41,6 +41,8 @@ pub struct Execution {
 }
 
 impl Execution {
+    /// What [`sessiond_domain::session_status`] needs of it; the probe's
+    /// answer, when known, stands for the record's resume flag.
     pub fn view(&self) -> ExecutionView {
         ExecutionView {
             session_id: self.record.session_id,
@@ -203,6 +205,59 @@ pub(crate) struct Inner {
 /// pumps, remote reconnects, liveness checks) runs on tokio tasks that
 /// [`SessionManager::shutdown`] aborts, leaving executors running, as a
 /// backend that stops must.
+///
+/// Driving a session from Rust (the `drive_sessions` example of this crate
+/// is the full, tested version, restart included):
+///
+/// ```no_run
+/// use std::{collections::BTreeMap, sync::Arc};
+///
+/// use futures::StreamExt;
+/// use sessiond_domain::{AgentProfileId, Runtime, TaskId, Worktree};
+/// use sessiond_executor::{
+///     Executor,
+///     standalone::{StandaloneConfig, StandaloneExecutor},
+/// };
+/// use sessiond_recovery::{ManagerConfig, NewSession, SessionManager};
+/// use sessiond_store::{Store, StoreOptions};
+///
+/// # async fn run(task_id: TaskId, profile_id: AgentProfileId)
+/// #     -> Result<(), Box<dyn std::error::Error>> {
+/// let store = Store::connect("sqlite:///var/lib/sessiond/sessiond.db", StoreOptions::default()).await?;
+/// let driver = StandaloneExecutor::new(StandaloneConfig::new(
+///     "/usr/local/bin/agentctl".into(),
+///     "/run/sessiond".into(),
+/// ));
+/// let drivers: Vec<Arc<dyn Executor>> = vec![Arc::new(driver)];
+/// let manager = SessionManager::new(store, drivers, ManagerConfig::default());
+///
+/// // After a restart: reattach to, or resume, what ran before.
+/// let summary = manager.recover_all().await?;
+/// println!("recovered: {:?}", summary.counts);
+///
+/// let session = manager
+///     .create_session(NewSession {
+///         task_id,
+///         agent_profile_id: profile_id,
+///         runtime: Runtime::LocalStandalone,
+///         worktree: Worktree {
+///             id: "main".into(),
+///             path: "/home/me/repo".into(),
+///             branch: "main".into(),
+///         },
+///         remote: None,
+///         metadata: BTreeMap::new(),
+///     })
+///     .await?;
+/// let mut events = manager.watch_session(session.id, 0).await?;
+/// manager.send_message(task_id, session.id, "hello").await?;
+/// while let Some(event) = events.next().await {
+///     let event = event?;
+///     println!("{} {:?}", event.seq, event.payload);
+/// }
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Clone)]
 pub struct SessionManager {
     pub(crate) inner: Arc<Inner>,
@@ -271,10 +326,12 @@ impl SessionManager {
         }
     }
 
+    /// The store the manager writes through.
     pub fn store(&self) -> &Store {
         &self.inner.store
     }
 
+    /// The configuration it was built with.
     pub fn config(&self) -> &ManagerConfig {
         &self.inner.config
     }
@@ -290,6 +347,7 @@ impl SessionManager {
         &self.inner.bus
     }
 
+    /// Counters since this manager was built (for tests and benches).
     pub fn stats(&self) -> Stats {
         let c = &self.inner.counters;
         Stats {

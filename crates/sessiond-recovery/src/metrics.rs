@@ -40,13 +40,18 @@ const FIRST_CHUNK_BUCKETS: &[f64] = &[
 /// How a turn ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TurnOutcome {
+    /// The agent ended the turn itself (`end_turn`, `max_tokens`, `refusal`, ...).
     Completed,
+    /// A client cancelled it.
     Cancelled,
+    /// The agent reported an error, exited mid-turn, or refused the prompt.
     Failed,
+    /// The backend lost it to a crash; settled after recovery.
     Interrupted,
 }
 
 impl TurnOutcome {
+    /// The `outcome` label value.
     pub const fn as_str(self) -> &'static str {
         match self {
             TurnOutcome::Completed => "completed",
@@ -75,10 +80,12 @@ pub enum ExitCause {
     Failed,
     /// Ended by a signal (a crash, the OOM killer, kill -9).
     Signal,
+    /// agentctl reported neither a code nor a signal.
     Unknown,
 }
 
 impl ExitCause {
+    /// The `cause` label value.
     pub const fn as_str(self) -> &'static str {
         match self {
             ExitCause::Exited => "exit_zero",
@@ -88,6 +95,8 @@ impl ExitCause {
         }
     }
 
+    /// The cause of an exit with this exit code or signal, as agentctl
+    /// reports them (a code wins when both are set).
     pub fn of(code: Option<i32>, signal: Option<i32>) -> Self {
         match (code, signal) {
             (Some(0), _) => ExitCause::Exited,

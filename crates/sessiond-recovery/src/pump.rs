@@ -547,6 +547,10 @@ impl Pump {
                     frozen: false,
                 });
                 self.flush(false).await?;
+                // Test-only crash point: a reply's first part is stored
+                // (incomplete), the turn is RUNNING, its end not seen.
+                #[cfg(feature = "failpoints")]
+                fail::fail_point!("reply-after-first-chunk");
             }
         }
         Ok(())

@@ -64,14 +64,18 @@ pub struct RecoverySummary {
     pub failed: usize,
     /// Each session and how its recovery ended.
     pub outcomes: Vec<(SessionId, Result<OutcomeLabel, String>)>,
+    /// Wall time of the pass.
     pub duration: Duration,
 }
 
 impl RecoverySummary {
+    /// How many executors ended with `label`.
     pub fn count(&self, label: OutcomeLabel) -> usize {
         self.counts.get(label.as_str()).copied().unwrap_or(0)
     }
 
+    /// How `session`'s recovery ended (`Err`: the error that stopped it);
+    /// `None` when the pass did not look at it.
     pub fn outcome(&self, session: SessionId) -> Option<&Result<OutcomeLabel, String>> {
         self.outcomes
             .iter()
@@ -882,6 +886,26 @@ impl SessionManager {
         record.error_message = outcome.executor_error.as_ref().map(|f| f.message());
         record.generation = outcome.generation;
         let mut change = Changeset::new();
+        // The session leaves RUNNING without its agent back (executor
+        // failed, the host's reconnect window closed, the agent's resume
+        // failed, ...): no pump will ever settle its pending turn, so it
+        // ends interrupted here, in the same commit as the state change (a
+        // crash leaves either both or neither).
+        let mut settled = None;
+        if !agent_back
+            && outcome.session_state != SessionState::Running
+            && let Some(turn) = pending_turn(&run.session)
+        {
+            let mut next = run.session.clone();
+            let why = match (&outcome.session_error, &outcome.executor_error) {
+                (Some(f), _) | (None, Some(f)) => f.message(),
+                (None, None) => format!("recovery ended {}", outcome.label),
+            };
+            change =
+                crate::pump::interrupt_turn(self, &run.session, &turn, &why, change, &mut next)
+                    .await?;
+            settled = Some((turn, next.metadata));
+        }
         let record_changed = run.seen_unsaved
             || run.adopted_token
             || record.status != run.record.status
@@ -890,10 +914,13 @@ impl SessionManager {
         if record_changed {
             change = change.update_executor(record.clone());
         }
-        if outcome.session_state != run.session.state || run.adopted_token {
+        if outcome.session_state != run.session.state || run.adopted_token || settled.is_some() {
             let mut session = run.session.clone();
             session.state = outcome.session_state;
             session.error_message = outcome.session_error.as_ref().map(|f| f.message());
+            if let Some((_, metadata)) = &settled {
+                session.metadata.clone_from(metadata);
+            }
             change = change.update_session(session);
         }
         if let Some(event) = run.replaced.clone().filter(|_| agent_back) {
@@ -909,6 +936,13 @@ impl SessionManager {
         let record = committed.executor.unwrap_or(record);
         tracing::debug!(session = %sid, executor_id = %record.id, label = %outcome.label,
             started_as = %run.started_as, "executor recovered");
+        if let Some((turn, _)) = &settled {
+            self.inner
+                .metrics
+                .turn_ended(sid, crate::metrics::TurnOutcome::Interrupted);
+            tracing::warn!(session = %sid, %turn, label = %outcome.label,
+                "pending turn ended interrupted: the session left RUNNING without its agent");
+        }
 
         if outcome.executor_status == ExecutorStatus::Error {
             // Nothing of ours may keep running for an executor in error
@@ -1289,11 +1323,21 @@ impl SessionManager {
         );
         let session = self.inner.store.get_session(record.session_id).await?;
         if session.state.is_auto_resumable() {
-            let (s, ev) = crate::manager::transition(
+            let (mut s, ev) = crate::manager::transition(
                 &session,
                 sessiond_domain::SessionEvent::Failed,
                 Some(message),
             )?;
+            // The pump stops below: a turn in flight ends interrupted now,
+            // as the pump's own `agentctl_lost` would have ended it.
+            if let Some(turn) = pending_turn(&session) {
+                let why = format!("agentctl stopped answering during the turn ({reason})");
+                change = crate::pump::interrupt_turn(self, &session, &turn, &why, change, &mut s)
+                    .await?;
+                self.inner
+                    .metrics
+                    .turn_ended(record.session_id, crate::metrics::TurnOutcome::Interrupted);
+            }
             change = change.update_session(s);
             if let Some(ev) = ev {
                 change = change.event(record.session_id, ev);

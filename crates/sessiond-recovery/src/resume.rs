@@ -184,7 +184,8 @@ impl SessionManager {
         // A turn the session was RUNNING: once the agent is back the session
         // returns to RUNNING and its update pump settles the turn
         // (re-delivering a prompt that never reached the agent).
-        let pending = pending_turn(&session).is_some();
+        let turn = pending_turn(&session);
+        let pending = turn.is_some();
         let no_turn_yet = self.no_turn_yet(&session).await?;
         let driver = self.driver(record.runtime)?;
         let limit = self.inner.config.executor_deadline;
@@ -344,8 +345,12 @@ impl SessionManager {
                 };
                 let mut failed = executor_moved(&record, ExecutorEvent::Failed)?;
                 failed.error_message = Some(reason.clone());
-                let (s2, ev) = transition(&session, SessionEvent::Failed, Some(reason.clone()))?;
-                let mut change = Changeset::new()
+                let (mut s2, ev) =
+                    transition(&session, SessionEvent::Failed, Some(reason.clone()))?;
+                let change = self
+                    .interrupt_pending(&session, turn.as_deref(), &reason, &mut s2)
+                    .await?;
+                let mut change = change
                     .update_executor(failed)
                     .event(
                         session_id,
@@ -472,8 +477,12 @@ impl SessionManager {
                 } else {
                     format!("resuming the agent failed: {e}; resume the session to try again")
                 };
-                let (s2, ev) = transition(&session, SessionEvent::Failed, Some(reason.clone()))?;
-                let mut change = Changeset::new().update_session(s2);
+                let (mut s2, ev) =
+                    transition(&session, SessionEvent::Failed, Some(reason.clone()))?;
+                let change = self
+                    .interrupt_pending(&session, turn.as_deref(), &reason, &mut s2)
+                    .await?;
+                let mut change = change.update_session(s2);
                 if let Some(ev) = ev {
                     change = change.event(session_id, ev);
                 }
@@ -482,5 +491,31 @@ impl SessionManager {
                 Err(Error::ResumeFailed { session_id, reason })
             }
         }
+    }
+}
+
+impl SessionManager {
+    /// The session was RUNNING `turn` when the resume began and now goes
+    /// ERROR without its agent: no pump will settle that turn, so it ends
+    /// interrupted in the same commit as the failure (see
+    /// `pump::interrupt_turn`). Nothing to add without a pending turn.
+    async fn interrupt_pending(
+        &self,
+        session: &Session,
+        turn: Option<&str>,
+        why: &str,
+        next: &mut Session,
+    ) -> Result<Changeset> {
+        let Some(turn) = turn else {
+            return Ok(Changeset::new());
+        };
+        let change =
+            crate::pump::interrupt_turn(self, session, turn, why, Changeset::new(), next).await?;
+        self.inner
+            .metrics
+            .turn_ended(session.id, crate::metrics::TurnOutcome::Interrupted);
+        tracing::warn!(session = %session.id, turn, why,
+            "resume failed: the pending turn ended interrupted");
+        Ok(change)
     }
 }

@@ -7,6 +7,8 @@
 //!   ci` sets 45). Unset: a 15 s smoke run of the same test.
 //! - `SESSIOND_CRASHLOOP_SEED`: the seed of the kill schedule (printed;
 //!   set it to replay a failing run's schedule).
+//! - `SESSIOND_CRASHLOOP_KEEP`: set, the world's directory (store,
+//!   children's logs, remote hosts' logs) is kept and its path printed.
 //! - `SESSIOND_CRASHLOOP_RUNTIMES`: a comma list of `standalone`, `remote`,
 //!   `docker` to focus the 20 sessions on (default: all available).
 //!

@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use sessiond_domain::{ExecutorStatus, Runtime, Session, SessionState};
+use sessiond_domain::{ExecutorStatus, OutcomeLabel, Runtime, Session, SessionState};
 
 use crate::world::{Mode, Rt, World};
 
@@ -371,4 +371,136 @@ async fn create_after_conversation() {
     );
     eprintln!("converged: {line}; {prompted} conversations continued");
     w.cleanup(&mgr).await;
+}
+
+/// A remote session's turn cut with the backend (its reply's first part
+/// stored, incomplete), its host down while the backend is down and staying
+/// down until recovery gives it up: the failure the 45 s crash loop hit once
+/// (seed 1796148656580911481: a RUNNING turn left neither completed nor
+/// interrupted, its executor `error` and skipped by every later start).
+/// `window`: the remote reconnect window of the clean start. Zero: the
+/// startup pass itself finds the host unreachable past its window and fails
+/// the executor. A few seconds: the pass keeps the turn pending (executor
+/// `error` with `reconnecting:`, session RUNNING) and the background
+/// reconnect gives the host up when the window closes. Either way the turn
+/// ends interrupted (the system message, the partial reply marked, no turn
+/// left in the session's metadata) in the commit that fails the executor,
+/// and once the host is back a resume continues the conversation.
+async fn remote_turn_cut_host_given_up(window: Duration) {
+    let w = World::new().await;
+    let plan = w.plan(name(Rt::Remote), Rt::Remote).await;
+    let executor_id = plan.remote.as_ref().unwrap().executor_id.clone();
+    // Hit 1: the first reply's first chunk; hit 2: the second one's.
+    let mut c = w.spawn_child(
+        "turn",
+        Mode::Create {
+            plans: vec![plan],
+            messages: 2,
+        },
+        Some("reply-after-first-chunk=kill@2"),
+    );
+    let status = c.wait_exit(Duration::from_secs(120)).await;
+    c.assert_killed_by_failpoint(status, "reply-after-first-chunk");
+    let s = w.sessions().await.pop().expect("the session");
+    assert_eq!(s.state, SessionState::Running, "{s:?}");
+    assert!(s.metadata.contains_key("turn_id"), "{s:?}");
+    let partial = w
+        .store
+        .list_messages(s.id, 0, 1000)
+        .await
+        .unwrap()
+        .into_iter()
+        .rfind(|m| m.kind == sessiond_domain::MessageKind::Text)
+        .unwrap();
+    assert!(
+        partial.role == sessiond_domain::MessageRole::Agent && !partial.complete,
+        "the second reply's first part, incomplete: {partial:?}"
+    );
+
+    // The host goes down with the backend and stays down.
+    assert!(w.stop_remote(&executor_id));
+    let config = sessiond_recovery::ManagerConfig {
+        remote_retry_window: window,
+        ..crate::world::manager_config()
+    };
+    let mgr = sessiond_recovery::SessionManager::new(
+        w.store.clone(),
+        crate::world::drivers(w.dir.path(), w.docker_host()).await,
+        config,
+    );
+    let summary = mgr.recover_all().await.unwrap();
+    eprintln!("clean start, host down: {:?}", summary.counts);
+    if window.is_zero() {
+        assert_eq!(summary.count(OutcomeLabel::ExecutorError), 1, "{summary:?}");
+    } else {
+        assert_eq!(summary.count(OutcomeLabel::Retrying), 1, "{summary:?}");
+        // Inside the window the turn stays pending for the reconnect.
+        let s = w.store.get_session(s.id).await.unwrap();
+        assert_eq!(s.state, SessionState::Running, "{s:?}");
+        let r = w.record(s.id).await.unwrap();
+        assert!(
+            r.status == ExecutorStatus::Error
+                && r.error_message
+                    .as_deref()
+                    .is_some_and(|m| m.starts_with("reconnecting:")),
+            "{r:?}"
+        );
+        // The background reconnect gives the host up once the window closes.
+        let deadline = std::time::Instant::now() + window + Duration::from_secs(60);
+        loop {
+            let r = w.record(s.id).await.unwrap();
+            if !r
+                .error_message
+                .as_deref()
+                .is_some_and(|m| m.starts_with("reconnecting:"))
+            {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the reconnect never gave the host up: {r:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let s = w.store.get_session(s.id).await.unwrap();
+    let r = w.record(s.id).await.unwrap();
+    assert_eq!(r.status, ExecutorStatus::Error, "{r:?}");
+    assert_eq!(s.state, SessionState::Error, "{s:?}");
+    assert!(
+        !s.metadata.contains_key("turn_id"),
+        "the turn is left pending in a session that is no longer RUNNING: {s:?}"
+    );
+    let msgs = w.store.list_messages(s.id, 0, 1000).await.unwrap();
+    let told = msgs.iter().any(|m| {
+        m.role == sessiond_domain::MessageRole::System
+            && m.seq > partial.seq
+            && m.content.starts_with("the turn was interrupted")
+    });
+    assert!(told, "no message says the turn was interrupted: {msgs:?}");
+
+    // The host is back (the world checks expect its agentctl): an explicit
+    // resume, and the conversation goes on.
+    assert!(w.start_remote_again(&executor_id).await);
+    let converged = w.converged(&mgr).await;
+    assert_eq!(converged.interrupted, 1, "{}", converged.line);
+    let st = mgr.resume_session(w.task.id, s.id).await.unwrap();
+    assert!(st.is_agent_running, "{st:?}");
+    let prompted = w.prompt_all(&mgr).await;
+    assert_eq!(prompted, 1, "the conversation continues after the resume");
+    let line = w.assert_converged(&mgr).await;
+    eprintln!("converged: {line}");
+    w.cleanup(&mgr).await;
+}
+
+/// [`remote_turn_cut_host_given_up`]: the startup pass gives the host up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reply_after_first_chunk_remote_host_gone() {
+    remote_turn_cut_host_given_up(Duration::ZERO).await;
+}
+
+/// [`remote_turn_cut_host_given_up`]: the background reconnect gives it up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reply_after_first_chunk_remote_reconnect_gives_up() {
+    remote_turn_cut_host_given_up(Duration::from_secs(3)).await;
 }

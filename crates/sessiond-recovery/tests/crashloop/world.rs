@@ -193,7 +193,12 @@ pub struct World {
 impl World {
     pub async fn new() -> World {
         init_tracing();
-        let dir = tempfile::tempdir().unwrap();
+        let mut dir = tempfile::tempdir().unwrap();
+        if std::env::var_os("SESSIOND_CRASHLOOP_KEEP").is_some() {
+            // A rare failure is read from the children's logs afterwards.
+            dir.disable_cleanup(true);
+            eprintln!("crash test: world kept at {}", dir.path().display());
+        }
         let db_url = format!("sqlite://{}", dir.path().join("sessiond.db").display());
         let store = Store::connect(&db_url, StoreOptions::default())
             .await
@@ -369,16 +374,35 @@ impl World {
     /// SIGKILL (its agent dies with it; the new one ends the old tree),
     /// then the same command on the same port and journal.
     pub async fn restart_remote(&self, executor_id: &str) -> bool {
+        self.stop_remote(executor_id) && self.start_remote_again(executor_id).await
+    }
+
+    /// The remote host of executor `executor_id` goes down: its agentctl
+    /// is SIGKILLed and not started again (until [`Self::start_remote_again`]).
+    pub fn stop_remote(&self, executor_id: &str) -> bool {
+        let mut remotes = self.remotes.lock().unwrap();
+        let Some(r) = remotes
+            .iter_mut()
+            .find(|r| r.spec.executor_id == executor_id)
+        else {
+            return false;
+        };
+        // Not reaped yet: the pid is still this child's.
+        if matches!(r.child.try_wait(), Ok(None)) {
+            kill9(r.child.id());
+        }
+        let _ = r.child.wait();
+        true
+    }
+
+    /// The remote host of executor `executor_id` starts its agentctl again:
+    /// the same command on the same port and journal.
+    pub async fn start_remote_again(&self, executor_id: &str) -> bool {
         let found = {
-            let mut remotes = self.remotes.lock().unwrap();
-            let Some(r) = remotes
-                .iter_mut()
-                .find(|r| r.spec.executor_id == executor_id)
-            else {
+            let remotes = self.remotes.lock().unwrap();
+            let Some(r) = remotes.iter().find(|r| r.spec.executor_id == executor_id) else {
                 return false;
             };
-            kill9(r.child.id());
-            let _ = r.child.wait();
             (r.spec.clone(), r.port, r.workspace.clone())
         };
         let child = self.spawn_remote(&found.0, found.1, &found.2).await;
