@@ -252,6 +252,19 @@ impl SessionManager {
     }
 }
 
+/// The turn a session was running when recovery or a resume takes it up:
+/// [`pending_turn`], or the turn of a STARTING session (an explicit resume
+/// of a RUNNING session commits STARTING with the turn kept, then brings
+/// the agent back; a crash in between leaves it so).
+pub(crate) fn turn_in_flight(session: &Session) -> Option<String> {
+    matches!(
+        session.state,
+        SessionState::Running | SessionState::Starting
+    )
+    .then(|| session.metadata.get(TURN_KEY).cloned())
+    .flatten()
+}
+
 /// The turn a RUNNING session waits for (its user message id), if any.
 pub(crate) fn pending_turn(session: &Session) -> Option<String> {
     (session.state == SessionState::Running)
@@ -1023,6 +1036,8 @@ impl Pump {
     /// - agentctl not answering, its agent not idle, or updates not all read
     ///   yet (its `latest_cursor` is past ours): wait (a `TurnEnded` may
     ///   still come; this runs again).
+    /// - agentctl runs no agent (a remote host restarted its agentctl while
+    ///   we ran): as the agent's exit, interrupted and the session ERROR.
     /// - a reply stored for the turn, or agentctl keeps no journal, or its
     ///   journal is fresh while the turn went to another agentctl
     ///   generation: interrupted.
@@ -1047,6 +1062,16 @@ impl Pump {
         };
         let h = h.into_inner();
         let state = AgentState::try_from(h.agent_state).unwrap_or(AgentState::Unspecified);
+        if matches!(state, AgentState::None | AgentState::Exited) {
+            // No agent in this agentctl (a remote host restarted its
+            // agentctl while we ran): nothing will end the turn, and the
+            // agent counts as running until told. As an agent exit: the
+            // session ERROR (resume it), the turn interrupted.
+            drop(guard);
+            tracing::warn!(session = %self.session_id, turn, ?state,
+                "pending turn: agentctl runs no agent; ending the turn as the agent's exit");
+            return self.agent_exited(h.agent_exit.as_ref()).await;
+        }
         if state != AgentState::Ready {
             tracing::debug!(session = %self.session_id, turn, ?state, "pending turn: agent not idle, waiting for its TurnEnded");
             return Ok(());

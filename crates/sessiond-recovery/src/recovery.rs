@@ -36,7 +36,7 @@ use crate::{
     error::{Error, Result},
     manager::{OpKind, OpOutcome, SessionManager, executor_moved},
     ops::{Resumed, load_refused, probe_verdict, surviving_agent},
-    pump::pending_turn,
+    pump::{pending_turn, turn_in_flight},
     queue::{Claim, SharedRecovery},
 };
 
@@ -872,12 +872,22 @@ impl SessionManager {
             outcome.label,
             OutcomeLabel::Resumed | OutcomeLabel::Reattached
         );
-        if agent_back && pending_turn(&run.session).is_some() {
-            outcome.session_state = run.session.state;
+        let turn = turn_in_flight(&run.session);
+        if agent_back && turn.is_some() {
+            outcome.session_state = SessionState::Running;
             outcome.session_error = None;
             outcome
                 .events
                 .retain(|e| !matches!(e, EventPayload::StateChanged { .. }));
+            if run.session.state != SessionState::Running {
+                // A resume of the RUNNING session died after its intent
+                // (STARTING): RUNNING again, so the pump settles the turn.
+                outcome.events.push(EventPayload::StateChanged {
+                    from: run.session.state,
+                    to: SessionState::Running,
+                    error_message: None,
+                });
+            }
         }
         let mut record = executor_moved(
             &run.record,
@@ -893,8 +903,8 @@ impl SessionManager {
         // crash leaves either both or neither).
         let mut settled = None;
         if !agent_back
-            && outcome.session_state != SessionState::Running
-            && let Some(turn) = pending_turn(&run.session)
+            && outcome.session_state == SessionState::Error
+            && let Some(turn) = turn
         {
             let mut next = run.session.clone();
             let why = match (&outcome.session_error, &outcome.executor_error) {

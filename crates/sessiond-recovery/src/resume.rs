@@ -28,7 +28,7 @@ use crate::{
     error::{Error, Result},
     manager::{OpKind, OpOutcome, SessionManager, executor_moved, transition},
     ops::{Resumed, load_refused, probe_verdict, recorded_process_alive},
-    pump::pending_turn,
+    pump::turn_in_flight,
 };
 
 /// How an explicit resume brings agentctl back, decided before anything is
@@ -184,7 +184,7 @@ impl SessionManager {
         // A turn the session was RUNNING: once the agent is back the session
         // returns to RUNNING and its update pump settles the turn
         // (re-delivering a prompt that never reached the agent).
-        let turn = pending_turn(&session);
+        let turn = turn_in_flight(&session);
         let pending = turn.is_some();
         let no_turn_yet = self.no_turn_yet(&session).await?;
         let driver = self.driver(record.runtime)?;
@@ -261,6 +261,10 @@ impl SessionManager {
             record = r;
         }
         self.cache_update(session_id, |e| e.agent = AgentProcessState::Starting);
+        // Test-only crash point: the resume's intent (session STARTING, a
+        // RUNNING session's turn kept) is committed, nothing else ran.
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("resume-after-intent");
 
         // Executor.
         let executor = async {

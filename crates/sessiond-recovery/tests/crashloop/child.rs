@@ -3,7 +3,8 @@
 //! the parent, or by itself at a failpoint configured in `FAILPOINTS`).
 //!
 //! It prints marker lines on stdout for the parent: `CRASHLOOP RECOVERING`,
-//! `CRASHLOOP RECOVERED`, `CRASHLOOP CREATED`, `CRASHLOOP FAILPOINT <name>`.
+//! `CRASHLOOP RECOVERED`, `CRASHLOOP CREATED`, `CRASHLOOP RESUMED`,
+//! `CRASHLOOP FAILPOINT <name>`.
 
 use std::{
     collections::HashMap,
@@ -135,6 +136,19 @@ async fn child_backend() {
                 assert!(!child.mgr.is_recovering(s.id), "{s:?} still recovering");
             }
             say("PRIORITISED");
+        }
+        Mode::Resume => {
+            let summary = child.mgr.recover_all().await.unwrap();
+            say(&format!("RECOVERED {:?}", summary.counts));
+            for s in child.store.list_sessions(child.task).await.unwrap() {
+                let st = child.mgr.session_status(child.task, s.id).await.unwrap();
+                if st.needs_resume {
+                    say(&format!("RESUMING {}", s.id));
+                    let r = child.mgr.resume_session(child.task, s.id).await;
+                    eprintln!("child backend: resume of {}: {r:?}", s.id);
+                }
+            }
+            say("RESUMED");
         }
         Mode::Loop { plans } => {
             say("RECOVERING");

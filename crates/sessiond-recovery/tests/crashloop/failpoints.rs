@@ -504,3 +504,37 @@ async fn reply_after_first_chunk_remote_host_gone() {
 async fn reply_after_first_chunk_remote_reconnect_gives_up() {
     remote_turn_cut_host_given_up(Duration::from_secs(3)).await;
 }
+
+/// An explicit resume of a RUNNING remote session (its host down, the turn
+/// pending for the reconnect) dies right after its intent: the session is
+/// STARTING with the turn kept. The next recovery, the host back, brings
+/// the agent back and must settle that turn (RUNNING again, its pump
+/// decides: interrupted here, the earlier agentctl process had it), not
+/// resume the session to WAITING_FOR_INPUT with the turn left unsettled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_after_intent_of_a_running_remote_session() {
+    let w = World::new().await;
+    let plan = w.plan(name(Rt::Remote), Rt::Remote).await;
+    let executor_id = plan.remote.as_ref().unwrap().executor_id.clone();
+    let mut c = w.spawn_child(
+        "turn",
+        Mode::Create {
+            plans: vec![plan],
+            messages: 2,
+        },
+        Some("reply-after-first-chunk=kill@2"),
+    );
+    let status = c.wait_exit(Duration::from_secs(120)).await;
+    c.assert_killed_by_failpoint(status, "reply-after-first-chunk");
+    assert!(w.stop_remote(&executor_id));
+    let mut c = w.spawn_child("resume", Mode::Resume, Some("resume-after-intent=kill"));
+    let status = c.wait_exit(Duration::from_secs(120)).await;
+    c.assert_killed_by_failpoint(status, "resume-after-intent");
+    let s = w.sessions().await.pop().expect("the session");
+    assert_eq!(s.state, SessionState::Starting, "{s:?}");
+    assert!(s.metadata.contains_key("turn_id"), "{s:?}");
+    assert!(w.start_remote_again(&executor_id).await);
+    let (prompted, interrupted) = restart_and_count(&w).await;
+    assert_eq!(prompted, 1, "the conversation continues");
+    assert_eq!(interrupted, 1, "the cut turn ends interrupted");
+}

@@ -4,7 +4,8 @@
 //! - `failpoints.rs`: one test per crash point compiled into the library
 //!   with the `failpoints` feature (`launch-after-intent`,
 //!   `launch-after-spawn`, `recovery-after-reattach`, `recovery-after-ready`,
-//!   `prompt-after-commit`, `reply-after-first-chunk`).
+//!   `prompt-after-commit`, `reply-after-first-chunk`,
+//!   `resume-after-intent`).
 //!   The child is configured through `FAILPOINTS` (`name=kill` SIGKILLs the
 //!   child at the first hit, `name=kill@N` at the Nth); the test asserts the
 //!   point was hit, restarts cleanly and checks the world.

@@ -75,6 +75,9 @@ pub enum Mode {
     /// recover every session through a call (`ensure_recovered`): each
     /// recovery is a call's, run ahead of the pass.
     RecoverPrioritised,
+    /// Recover, then an explicit resume of every session whose status
+    /// says it needs one; print `CRASHLOOP RESUMED`, wait to be killed.
+    Resume,
     /// Recover, then keep the planned sessions alive and busy until killed.
     Loop { plans: Vec<Plan> },
 }

@@ -450,6 +450,102 @@ async fn remote_restart_after_the_agent_finished_is_interrupted() {
     remote_restart_at(Point::AfterFinished).await;
 }
 
+/// The remote host restarts its agentctl (on the same journal) while the
+/// backend runs, mid-reply: the pump meets the new agentctl instance, which
+/// runs no agent. Nothing can end the turn there any more, so the backend
+/// ends it itself, as an agent exit: interrupted, the session ERROR (or,
+/// when the pump gave the host up first and the reconnect resumed the
+/// agent, settled by the journal: interrupted too), never RUNNING for ever
+/// with an agent counted as running. A resume, and the conversation goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_restart_while_the_backend_runs_ends_the_turn() {
+    let w = World::new(Db::Sqlite).await;
+    let files = TurnFiles::in_dir(w.dir.path());
+    let env = files.agent_env();
+    let profile = w.demo_profile("turns", &as_refs(&env)).await;
+    let id = ExecutorId::new();
+    let secret = sessiond_executor::fresh_secret();
+    let port = free_port();
+    let wt = w.worktree("remote");
+    let journal = w.path("remote-agentctl.journal");
+    let mut host = RemoteHost::start_with(
+        &w,
+        Path::new(&wt.path),
+        id,
+        &secret,
+        port,
+        Some(&journal),
+        &[],
+    )
+    .await;
+    let mgr = w.manager();
+    let remote = RemoteAgentctl {
+        executor_id: id,
+        url: format!("http://127.0.0.1:{port}"),
+        auth_secret: secret.clone(),
+    };
+    let s = w.create_with(&mgr, "remote", &profile, Some(remote)).await;
+    host.track_agent(&w);
+    w.prompt(&mgr, s.id, "one").await;
+
+    // Turn two, held by the agent after its first chunk.
+    std::fs::write(&files.mid_gate, "").unwrap();
+    let two = mgr.send_message(w.task.id, s.id, "two").await.unwrap();
+    let client = w.agentctl(&w.record(s.id).await);
+    wait_first_chunk(&client, &two.id.to_string()).await;
+    let old_agentctl = host.child.id();
+    let old_agents = crate::support::children_of(old_agentctl);
+    crate::support::kill9(old_agentctl);
+    let _ = host.child.wait();
+    wait_agents_gone(&old_agents).await;
+    let _ = std::fs::remove_file(&files.mid_gate);
+    let host = RemoteHost::start_with(
+        &w,
+        Path::new(&wt.path),
+        id,
+        &secret,
+        port,
+        Some(&journal),
+        &[],
+    )
+    .await;
+
+    // The backend ends the turn by itself.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let state = loop {
+        let st = mgr.session_status(w.task.id, s.id).await.unwrap();
+        if st.state != SessionState::Running {
+            break st.state;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "turn two left RUNNING with no agent to end it: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let msgs = w.messages(s.id).await;
+    let last = msgs.last().unwrap();
+    assert_eq!(last.role, MessageRole::System, "{state}: {msgs:?}");
+    assert!(last.content.contains("interrupted"), "{last:?}");
+    assert!(msgs.iter().all(|m| m.complete), "{msgs:?}");
+    if state == SessionState::Error {
+        mgr.resume_session(w.task.id, s.id).await.unwrap();
+    }
+    host.track_agent(&w);
+    w.prompt(&mgr, s.id, "three").await;
+    assert_eq!(
+        lines(&files.side).iter().filter(|l| *l == "three").count(),
+        1
+    );
+    assert_eq!(lines(&files.side).iter().filter(|l| *l == "two").count(), 1);
+    let msgs = w.messages(s.id).await;
+    assert_conversation_whole(&transcript(&w, &s), &msgs);
+    assert_events_sound(&w.events(s.id).await);
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    host.kill().await;
+    w.finish(&mgr, &[]).await;
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Local {
     Standalone,
