@@ -6,7 +6,8 @@ import { defineConfig } from "vite";
 export default defineConfig({
   esbuild: { jsx: "automatic", jsxImportSource: "preact" },
   build: {
-    outDir: "dist",
+    // Into the crate that embeds it, so its package builds from its own files.
+    outDir: "../crates/sessiond-server/console",
     emptyOutDir: true,
     assetsInlineLimit: 0,
     modulePreload: { polyfill: false },

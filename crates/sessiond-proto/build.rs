@@ -1,9 +1,10 @@
-//! Compiles `proto/` with a vendored protoc, so `cargo build` needs no setup.
+//! Compiles the crate's `proto/` with a vendored protoc, so `cargo build`
+//! needs no setup (and the packaged crate builds from its own files).
 
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("proto");
     let protos = [
         "agentctl/v1/agentctl.proto",
         "sessiond/v1/types.proto",

@@ -9,7 +9,8 @@
 //!   passed) run explicitly, against a dockerd it starts unless one runs
 //!   (installing `docker.io` when missing), with an image built offline.
 //!   It builds and runs the library crates' examples (`EXAMPLES`), builds
-//!   their API docs with warnings as errors and packages them (dry run).
+//!   their API docs with warnings as errors and packages them (dry run),
+//!   checking that each package builds from its tarball alone.
 //!   Its last line is `N passed, N failed` over every test it ran.
 //! - `docker-image`: builds the `sessiond-agentctl:dev` image with no registry.
 //! - `docker-tests`: only the Docker tests (executor driver with the
@@ -21,6 +22,8 @@
 //!   which `ci` and `soak` make too (its test is `#[ignore]`d, run by `ci`).
 //! - `soak [--runs N]`: the test suites of `ci` N times (3) under CPU load
 //!   (a busy loop per core), reporting each run's failures: the flake check.
+//! - `packages`: only the library crates' API docs, their packages and
+//!   the check that each builds from its tarball (as in `ci`).
 //! - `public-api`: rewrites docs/public-api.txt, the public-API snapshot of
 //!   the library crates that xtask's test compares (see `public_api.rs`).
 //! - `bench`: the performance figures (see `bench.rs`); writes docs/PERFORMANCE.md.
@@ -39,6 +42,7 @@ mod bench;
 mod compose;
 mod docker;
 mod interop;
+mod package;
 mod public_api;
 mod web;
 
@@ -59,6 +63,10 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Some("interop-venv") => interop::ensure_venv(&workspace_root()).map(|_| ()),
+        Some("packages") => {
+            std::env::set_current_dir(workspace_root())?;
+            library_docs_and_packages()
+        }
         Some("bench") => {
             let root = workspace_root();
             std::env::set_current_dir(&root)?;
@@ -67,7 +75,7 @@ fn main() -> anyhow::Result<()> {
         }
         _ => {
             eprintln!(
-                "usage: cargo xtask ci | docker-image [--tar <file>] | docker-tests | interop-venv | soak [--runs N] | bench [--quick] | public-api"
+                "usage: cargo xtask ci | docker-image [--tar <file>] | docker-tests | interop-venv | soak [--runs N] | bench [--quick] | public-api | packages"
             );
             bail!("unknown or missing command {:?}", args.first());
         }
@@ -94,7 +102,7 @@ fn ci() -> anyhow::Result<()> {
             "warnings",
         ]),
     )?;
-    // The console's bundle first: `sessiond` embeds web/dist.
+    // The console's bundle first: `sessiond` embeds it (crates/sessiond-server/console).
     web::build_and_check(&root)?;
     // Integration tests run the real binaries (agentctl, acp-demo-agent, sessiond).
     step(
@@ -225,8 +233,10 @@ const LIBRARY_CRATES: &[&str] = &[
 /// The library crates' API docs with every rustdoc warning an error (a
 /// broken or private intra-doc link fails), and each library crate packaged
 /// as `cargo publish` would (`cargo package --workspace`, which resolves the
-/// unpublished sessiond crates among themselves). `--no-verify`: the
-/// packages are not compiled again from the tarballs.
+/// unpublished sessiond crates among themselves). `--no-verify`, because
+/// cargo's own verification rebuilds every dependency once per crate;
+/// [`package::check_tarballs`] then checks that the tarballs build, in one
+/// workspace that reuses the main build's dependencies.
 fn library_docs_and_packages() -> anyhow::Result<()> {
     let mut doc = cargo(&["doc", "--no-deps", "--locked"]);
     for c in LIBRARY_CRATES {
@@ -246,7 +256,9 @@ fn library_docs_and_packages() -> anyhow::Result<()> {
             package.args(["--exclude", &member]);
         }
     }
-    step("package the library crates", package)
+    step("package the library crates", package)?;
+    let root = workspace_root();
+    package::check_tarballs(&root, &docker::target_dir(&root))
 }
 
 /// The workspace's package names (the directories of `crates/`, and xtask).

@@ -1,5 +1,6 @@
-//! The web console in CI: its committed bundle (`web/dist`, embedded in the
-//! `sessiond` binary) is rebuilt from source and must not differ, and the
+//! The web console in CI: its committed bundle (`crates/sessiond-server/console`,
+//! built from `web/` and embedded in the `sessiond` binary) is rebuilt from
+//! source and must not differ, and the
 //! browser suite drives real headless Chromium (Debian's `chromium`, never a
 //! downloaded browser) against a real sessiond.
 
@@ -9,9 +10,14 @@ use anyhow::{Context, bail};
 
 use crate::{command, step};
 
+/// Where vite writes the console's bundle (web/vite.config.ts): inside the
+/// crate that embeds it, so `sessiond-server`'s package is self-contained.
+const CONSOLE_DIST: &str = "crates/sessiond-server/console";
+
 /// `npm ci` (exactly the lockfile), then `npm run build` (client code
-/// generated from `proto/`, type check, vite), then `web/dist` must be what
-/// is committed: a fresh clone's `cargo build` embeds the committed files.
+/// generated from `crates/sessiond-proto/proto`, type check, vite), then
+/// [`CONSOLE_DIST`] must be what is committed: a fresh clone's `cargo build`
+/// embeds the committed files.
 pub fn build_and_check(root: &Path) -> anyhow::Result<()> {
     let web = root.join("web");
     require_node()?;
@@ -21,15 +27,15 @@ pub fn build_and_check(root: &Path) -> anyhow::Result<()> {
     let mut build = command("npm", &["run", "build"]);
     build.current_dir(&web);
     step("web: build", build)?;
-    let out = command("git", &["status", "--porcelain", "--", "web/dist"])
+    let out = command("git", &["status", "--porcelain", "--", CONSOLE_DIST])
         .current_dir(root)
         .output()
-        .context("git status web/dist")?;
+        .with_context(|| format!("git status {CONSOLE_DIST}"))?;
     let changed = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() || !changed.trim().is_empty() {
         bail!(
-            "web/dist differs from a fresh build of web/ (run `npm ci && npm run build` in web/ and \
-             commit web/dist):\n{changed}"
+            "{CONSOLE_DIST} differs from a fresh build of web/ (run `npm ci && npm run build` in \
+             web/ and commit {CONSOLE_DIST}):\n{changed}"
         );
     }
     Ok(())

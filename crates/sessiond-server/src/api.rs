@@ -55,7 +55,9 @@ pub struct ApiSettings {
     pub peers: Peers,
 }
 
-/// Shared by both services; cheap to clone.
+/// The implementation of both public gRPC services (`SessionService` and
+/// `WorkspaceService` of `sessiond-proto`), over one session manager;
+/// cheap to clone. Embedders get it inside [`crate::Services`].
 #[derive(Clone)]
 pub struct Api {
     manager: SessionManager,
@@ -242,10 +244,11 @@ fn reply<T>(result: ApiResult<T>) -> Result<Response<T>, Status> {
     result.map(Response::new).map_err(Status::from)
 }
 
+/// The stream a WatchSession or WatchTask call answers with.
 pub type EventStream = Pin<Box<dyn Stream<Item = Result<pb::Event, Status>> + Send>>;
 
 impl Api {
-    pub fn new(
+    pub(crate) fn new(
         manager: SessionManager,
         settings: ApiSettings,
         stop: tokio::sync::watch::Receiver<bool>,

@@ -23,6 +23,11 @@ use crate::{config::AllowedOrigins, limits::Caller};
 /// orchestrators.
 const PUBLIC_PREFIX: &str = "/grpc.health.v1.Health/";
 
+/// sessiond's authentication as a tower layer, for the services of
+/// [`crate::Services`]: every call but `grpc.health.v1` must carry
+/// `authorization: Bearer <token>` with one of the tokens
+/// (UNAUTHENTICATED otherwise), and a browser `Origin` must be allowed
+/// (PERMISSION_DENIED otherwise). [`crate::serve`] puts it around the API.
 #[derive(Clone)]
 pub struct AuthLayer {
     policy: Arc<Policy>,

@@ -24,6 +24,9 @@ use sessiond_domain::{ContainerAgent, PermissionPolicy, ResumePolicy, Runtime};
 /// The built-in agent profile: the demo ACP agent shipped with sessiond.
 pub const DEMO_PROFILE: &str = "demo";
 
+/// The flags of `sessiond serve` (and `migrate`), each with its
+/// `SESSIOND_*` environment variable; every one overrides the file key it
+/// names. `None`: not given, the file's value (or the default) stands.
 #[derive(Debug, Clone, Default, Args)]
 pub struct ServeArgs {
     /// TOML configuration file (see sessiond.example.toml). Flags and
@@ -192,23 +195,44 @@ pub struct ServeArgs {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct FileConfig {
+    /// `data_dir`: the SQLite database, agentctl run files and logs.
+    /// Default: `$XDG_DATA_HOME/sessiond`, else `~/.local/share/sessiond`.
     pub data_dir: Option<PathBuf>,
+    /// `database_url`: `postgres://...`, `sqlite://PATH` or a file path. Default: the
+    /// SQLite file `<data_dir>/sessiond.sqlite3`.
     pub database_url: Option<String>,
+    /// `listen`: address of the API (gRPC and gRPC-web). Default
+    /// `127.0.0.1:50051`; port 0 picks a free one.
     pub listen: String,
+    /// `max_message_bytes`: largest SendMessage content, in bytes (default 1 MiB).
     pub max_message_bytes: u64,
+    /// `log_json`: JSON log lines instead of text (default false).
     pub log_json: bool,
-    /// Time in-flight calls get to finish after SIGTERM.
+    /// `shutdown_grace`: time in-flight calls get to finish after SIGTERM
+    /// (default `10s`).
     pub shutdown_grace: String,
+    /// `default_agent`: profile of sessions that name none (default `demo`).
     pub default_agent: String,
+    /// `[auth]`.
     pub auth: AuthSection,
+    /// `[cors]`.
     pub cors: CorsSection,
+    /// `[metrics]`.
     pub metrics: MetricsSection,
+    /// `[traces]`.
     pub traces: TracesSection,
+    /// `[executors]` and its subsections.
     pub executors: ExecutorsSection,
+    /// `[recovery]`.
     pub recovery: RecoverySection,
+    /// `[limits]`.
     pub limits: LimitsSection,
+    /// `[tls]`.
     pub tls: TlsSection,
+    /// `[replica]`.
     pub replica: ReplicaSection,
+    /// `[[agents]]`: the agent profiles (the built-in `demo` is added unless
+    /// one here has its name).
     pub agents: Vec<AgentSection>,
 }
 
@@ -251,12 +275,15 @@ impl Default for ReplicaSection {
 pub struct ReplicaConfig {
     /// `None`: generated once into the data directory (by `serve`).
     pub id: Option<String>,
-    /// As configured: `host:port` or `https://host:port` (see
-    /// [`ReplicaConfig::advertised`]).
+    /// host:port or https://host:port others reach this replica's API at;
+    /// `None`: `listen` (see [`ReplicaConfig::advertised`]).
     pub advertise_address: Option<String>,
+    /// How long a lease lasts without renewal (renewed every third of it).
     pub lease_ttl: Duration,
     /// PEM CA file trusted for the other replicas' API certificates.
     pub peer_tls_ca_file: Option<PathBuf>,
+    /// The name their certificates are verified against, when not the
+    /// host of their advertised address.
     pub peer_tls_domain_name: Option<String>,
 }
 
@@ -283,7 +310,9 @@ impl ReplicaConfig {
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TlsSection {
+    /// `tls.cert_file`: PEM certificate (chain); flag `--tls-cert`.
     pub cert_file: Option<PathBuf>,
+    /// `tls.key_file`: its PEM private key (both or neither); flag `--tls-key`.
     pub key_file: Option<PathBuf>,
 }
 
@@ -312,44 +341,62 @@ impl Default for LimitsSection {
 /// Validated `[limits]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LimitsConfig {
+    /// Sessions with a live executor at once; a create past it is
+    /// RESOURCE_EXHAUSTED.
     pub max_live_sessions: usize,
+    /// Open watch streams, all callers together.
     pub max_watch_streams: usize,
+    /// Open watch streams per API token.
     pub max_watch_streams_per_token: usize,
 }
 
+/// `[auth]`: who may call the API served by [`crate::serve`].
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AuthSection {
+    /// Bearer tokens accepted (at least 16 printable characters each);
+    /// flag `--api-tokens`, env `SESSIOND_API_TOKENS` (comma-separated).
     pub tokens: Vec<String>,
     /// A file with one token per line (blank lines and `#` comments ignored).
     pub tokens_file: Option<PathBuf>,
+    /// Serve without any token: only on a loopback `listen`, never with
+    /// tokens; flag `--insecure-no-auth`.
     pub insecure_no_auth: bool,
 }
 
+/// `[cors]`: browser origins allowed to call the API through gRPC-web.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CorsSection {
+    /// Origins such as `https://console.example.com`; `*` for any; empty
+    /// (default): no cross-origin access. Flag `--cors-allowed-origins`.
     pub allowed_origins: Vec<String>,
+    /// How long browsers may cache a preflight answer (default `1h`).
     pub max_age: String,
 }
 
+/// `[metrics]`: the Prometheus endpoint and the `/livez`, `/readyz` probes.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsSection {
-    /// `off` (or empty) disables the endpoint.
+    /// Address of the endpoint (default `127.0.0.1:9464`); `off` (or
+    /// empty) disables it. Flag `--metrics-listen`.
     pub listen: String,
-    /// Connections the endpoint serves at once.
+    /// Connections the endpoint serves at once (default 1024).
     pub max_connections: u32,
-    /// A connection that sends no request for this long is closed.
+    /// A connection that sends no request for this long is closed (default `10s`).
     pub idle_timeout: String,
 }
 
+/// `[traces]`: OpenTelemetry spans over OTLP/gRPC.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TracesSection {
-    /// OTLP/gRPC collector (`http://host:4317`); `off` (or empty) exports nothing.
+    /// OTLP/gRPC collector (`http://host:4317`); `off` (the default, or
+    /// empty) exports nothing. Flag `--otlp-endpoint`.
     pub otlp_endpoint: String,
-    /// Fraction of new traces exported, 0 to 1.
+    /// Fraction of new traces exported, 0 to 1 (default 1). Flag
+    /// `--trace-sample-ratio`.
     pub sample_ratio: f64,
 }
 
@@ -362,83 +409,133 @@ impl Default for TracesSection {
     }
 }
 
+/// `[executors]`: where and how agentctls run.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ExecutorsSection {
+    /// Runtime of sessions that ask for none: `local_standalone` (default),
+    /// `local_docker` or `remote`. Env `SESSIOND_DEFAULT_RUNTIME`.
     pub default_runtime: String,
+    /// Limit of connecting to an agentctl (default `2s`).
     pub connect_timeout: String,
+    /// Limit of one agentctl call (default `5s`).
     pub call_timeout: String,
     /// agentctl exits on its own after this long without backend contact; `0s` never.
     pub idle_timeout: String,
     /// Local (standalone, Docker) worktrees must lie in one of these
     /// directories. Default: the serving user's home. `/` is refused.
     pub worktree_roots: Option<Vec<PathBuf>>,
+    /// `[executors.standalone]`.
     pub standalone: StandaloneSection,
+    /// `[executors.docker]`.
     pub docker: DockerSection,
+    /// `[executors.remote]`.
     pub remote: RemoteSection,
 }
 
+/// `[executors.standalone]`: agentctl as a child process group.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StandaloneSection {
+    /// The agentctl binary. Default: `agentctl` next to the sessiond
+    /// executable, else on PATH. Flag `--agentctl-path`.
     pub agentctl_path: Option<PathBuf>,
+    /// agentctl sockets and one-shot secrets (default `<data_dir>/run`;
+    /// keep it short: a socket path has at most 107 bytes).
     pub run_dir: Option<PathBuf>,
+    /// One log per executor (default `<data_dir>/logs`).
     pub log_dir: Option<PathBuf>,
+    /// How long a new agentctl may take to answer (default `10s`).
     pub startup_timeout: String,
 }
 
+/// `[executors.docker]`: agentctl in a container of a Docker engine.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DockerSection {
+    /// Enable the `local_docker` runtime (default false). Flag `--docker-enabled`.
     pub enabled: bool,
+    /// Engine address (default `unix:///var/run/docker.sock`). Flag `--docker-host`.
     pub host: String,
+    /// Image holding agentctl and the agents (default
+    /// `sessiond-agentctl:dev`). Flag `--docker-image`.
     pub image: String,
+    /// agentctl inside the image (default `/usr/local/bin/agentctl`).
     pub agentctl_path: String,
+    /// The containers' network: `none` (default), `bridge` or a network
+    /// name; `host` is refused.
     pub network_mode: String,
+    /// `uid[:gid]` to run as; default: the owner of the worktree. Never root.
     pub user: Option<String>,
+    /// Memory limit in bytes; unset: the engine's default.
     pub memory_bytes: Option<i64>,
+    /// CPU limit in CPUs (e.g. `2.0`); unset: the engine's default.
     pub cpus: Option<f64>,
+    /// Most processes in a container (default 1024).
     pub pids_limit: Option<i64>,
+    /// How long a new container's agentctl may take to answer (default `15s`).
     pub startup_timeout: String,
 }
 
+/// `[executors.remote]`: agentctls someone else runs, reached by URL.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RemoteSection {
-    /// PEM CA for `https://` agentctl URLs.
+    /// PEM CA for `https://` agentctl URLs. Flag `--remote-tls-ca-file`.
     pub tls_ca_file: Option<PathBuf>,
+    /// Name to verify the certificate against when it differs from the URL host.
     pub tls_domain_name: Option<String>,
-    /// PEM certificate and key sessiond presents to agentctls that require
-    /// client certificates (both or neither).
+    /// PEM certificate sessiond presents to agentctls that require client
+    /// certificates (both or neither with the key; needs `tls_ca_file`).
     pub tls_client_cert_file: Option<PathBuf>,
+    /// The PEM key of `tls_client_cert_file`.
     pub tls_client_key_file: Option<PathBuf>,
     /// Hosts remote agentctl URLs may name: host names, `*.domain`,
     /// addresses and networks (`10.0.0.0/8`). Default: loopback only.
     pub allowed_hosts: Option<Vec<String>>,
 }
 
+/// `[recovery]`: what a restart does with the sessions it finds.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RecoverySection {
+    /// `startup` (default: resume live sessions before reporting SERVING)
+    /// or `on_demand` (resume agents only on ResumeSession). Flag
+    /// `--recovery-mode`.
     pub mode: String,
+    /// Executors recovered at once (default 64).
     pub concurrency: u32,
+    /// Limit of one executor's recovery (default `5s`).
     pub executor_deadline: String,
+    /// First retry delay of a remote host that did not answer (default `250ms`).
     pub remote_backoff_initial: String,
+    /// Longest retry delay, doubling from the initial one (default `30s`).
     pub remote_backoff_max: String,
+    /// How long a remote host is retried (default `10m`).
     pub remote_backoff_window: String,
+    /// Docker: untracked sessiond containers are removed this long after
+    /// the first recovery pass (default `2m`).
     pub orphan_sweep_grace: String,
+    /// Docker: then every this long (default `15m`).
     pub orphan_sweep_interval: String,
 }
 
+/// `[[agents]]`: one agent profile.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentSection {
+    /// What sessions name it by (unique).
     pub name: String,
+    /// The agent's program, looked up on agentctl's PATH when not absolute.
     pub command: String,
+    /// Its arguments.
     #[serde(default)]
     pub args: Vec<String>,
+    /// Its environment (API keys go here), added to agentctl's few passed-on variables.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// The profile's claim that the agent can resume a conversation
+    /// (default true); the agent's own answer can only lower it.
     #[serde(default = "yes")]
     pub supports_session_resume: bool,
     /// ACP auth method to `authenticate` with (e.g. `openai-api-key`).
@@ -462,9 +559,12 @@ pub struct AgentSection {
 pub struct ContainerSection {
     /// The image; `executors.docker.image` when unset.
     pub image: Option<String>,
+    /// The agent's program inside the image.
     pub command: String,
+    /// Its arguments.
     #[serde(default)]
     pub args: Vec<String>,
+    /// Added to the profile's `env`.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
 }
@@ -576,29 +676,47 @@ impl Default for RecoverySection {
 
 /// The validated configuration `serve` and `migrate` run with.
 #[derive(Debug, Clone)]
+/// Every field is the validated form of the [`FileConfig`] key it names.
 pub struct Config {
+    /// `data_dir`, the default filled in.
     pub data_dir: PathBuf,
+    /// `database_url`, resolved (the SQLite default filled in).
     pub database_url: String,
+    /// `listen`.
     pub listen: SocketAddr,
+    /// `max_message_bytes`.
     pub max_message_bytes: usize,
+    /// `log_json`.
     pub log_json: bool,
+    /// `shutdown_grace`.
     pub shutdown_grace: Duration,
+    /// `[auth]`.
     pub auth: AuthConfig,
+    /// `[cors]`.
     pub cors: CorsConfig,
     /// `None`: no metrics endpoint.
     pub metrics_listen: Option<SocketAddr>,
+    /// `metrics.max_connections`.
     pub metrics_max_connections: usize,
+    /// `metrics.idle_timeout`.
     pub metrics_idle_timeout: Duration,
     /// `None`: spans are not exported.
     pub otlp_endpoint: Option<String>,
+    /// `traces.sample_ratio`, 0 to 1.
     pub trace_sample_ratio: f64,
+    /// `[executors]`.
     pub executors: ExecutorsConfig,
+    /// `[recovery]`.
     pub recovery: RecoveryConfig,
+    /// `[limits]`.
     pub limits: LimitsConfig,
     /// `(cert, key)` PEM files: the API port serves TLS.
     pub tls: Option<(PathBuf, PathBuf)>,
+    /// `[replica]`.
     pub replica: ReplicaConfig,
+    /// `[[agents]]`, the built-in `demo` profile included.
     pub agents: Vec<AgentConfig>,
+    /// `default_agent`: names one of `agents`.
     pub default_agent: String,
     /// Problems that do not stop the server, logged once logging is up.
     pub warnings: Vec<String>,
@@ -622,9 +740,12 @@ impl std::fmt::Debug for AuthConfig {
     }
 }
 
+/// Validated `[cors]`.
 #[derive(Debug, Clone)]
 pub struct CorsConfig {
+    /// `cors.allowed_origins`.
     pub allowed_origins: AllowedOrigins,
+    /// `cors.max_age`.
     pub max_age: Duration,
 }
 
@@ -639,62 +760,104 @@ pub enum AllowedOrigins {
     List(Vec<String>),
 }
 
+/// Validated `[executors]` and its subsections.
 #[derive(Debug, Clone)]
 pub struct ExecutorsConfig {
+    /// `executors.default_runtime`.
     pub default_runtime: Runtime,
+    /// `executors.connect_timeout`.
     pub connect_timeout: Duration,
+    /// `executors.call_timeout`.
     pub call_timeout: Duration,
+    /// `executors.idle_timeout`; `None` (`0s`): agentctl never exits on its own.
     pub idle_timeout: Option<Duration>,
     /// Absolute, normalised, never `/`.
     pub worktree_roots: Vec<PathBuf>,
+    /// `executors.standalone.agentctl_path`, resolved.
     pub agentctl_path: PathBuf,
+    /// `executors.standalone.run_dir`, resolved.
     pub run_dir: PathBuf,
+    /// `executors.standalone.log_dir`, resolved.
     pub log_dir: PathBuf,
+    /// `executors.standalone.startup_timeout`.
     pub standalone_startup_timeout: Duration,
+    /// `[executors.docker]`; `None` when not enabled.
     pub docker: Option<DockerConfig>,
+    /// `executors.remote.tls_ca_file`.
     pub remote_tls_ca_file: Option<PathBuf>,
+    /// `executors.remote.tls_domain_name`.
     pub remote_tls_domain_name: Option<String>,
+    /// `executors.remote.tls_client_cert_file` and `tls_client_key_file`.
     pub remote_tls_client_identity: Option<(PathBuf, PathBuf)>,
+    /// `executors.remote.allowed_hosts`.
     pub remote_allowed_hosts: crate::limits::AllowedHosts,
 }
 
+/// Validated `[executors.docker]` (present only when enabled).
 #[derive(Debug, Clone)]
 pub struct DockerConfig {
+    /// `host`.
     pub host: String,
+    /// `image`.
     pub image: String,
+    /// `agentctl_path` inside the image.
     pub agentctl_path: String,
+    /// `network_mode`.
     pub network_mode: String,
+    /// `user`; `None`: the worktree's owner.
     pub user: Option<String>,
+    /// `memory_bytes`.
     pub memory_bytes: Option<i64>,
+    /// `cpus`, in billionths of a CPU (the engine's unit).
     pub nano_cpus: Option<i64>,
+    /// `pids_limit`.
     pub pids_limit: Option<i64>,
+    /// `startup_timeout`.
     pub startup_timeout: Duration,
 }
 
+/// Validated `[recovery]`.
 #[derive(Debug, Clone)]
 pub struct RecoveryConfig {
+    /// `recovery.mode`.
     pub policy: ResumePolicy,
+    /// `recovery.concurrency`.
     pub concurrency: usize,
+    /// `recovery.executor_deadline`.
     pub executor_deadline: Duration,
+    /// `recovery.remote_backoff_initial`.
     pub remote_backoff_initial: Duration,
+    /// `recovery.remote_backoff_max`.
     pub remote_backoff_max: Duration,
+    /// `recovery.remote_backoff_window`.
     pub remote_backoff_window: Duration,
     /// Docker only: sessiond-labelled containers no record tracks are removed
     /// this long after the first recovery pass, then every interval.
     pub orphan_sweep_grace: Duration,
+    /// `recovery.orphan_sweep_interval`.
     pub orphan_sweep_interval: Duration,
 }
 
+/// A validated agent profile (`[[agents]]`, or the built-in `demo`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentConfig {
+    /// `name`.
     pub name: String,
+    /// `command`.
     pub command: String,
+    /// `args`.
     pub args: Vec<String>,
+    /// `env`.
     pub env: BTreeMap<String, String>,
+    /// `supports_session_resume`.
     pub supports_session_resume: bool,
+    /// `[agents.container]`.
     pub container: Option<ContainerAgent>,
+    /// `auth_method`.
     pub auth_method: Option<String>,
+    /// `permission_policy`.
     pub permission_policy: PermissionPolicy,
+    /// `permission_timeout`.
     pub permission_timeout: Duration,
 }
 
@@ -886,16 +1049,23 @@ impl Problems {
 }
 
 impl FileConfig {
+    /// Reads and parses a TOML file ([`FileConfig::parse`]); errors name the file.
     pub fn read(path: &Path) -> anyhow::Result<Self> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("config: cannot read {}", path.display()))?;
         Self::parse(&text).with_context(|| format!("config file {}", path.display()))
     }
 
+    /// Parses TOML text; every missing key takes its default, an unknown
+    /// key is an error naming it.
     pub fn parse(text: &str) -> anyhow::Result<Self> {
         toml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))
     }
 
+    /// Checks every key and resolves defaults that depend on the machine
+    /// (data directory, agentctl path); the error lists every problem, each
+    /// with its dotted key. Requires `auth.tokens` (or `insecure_no_auth`),
+    /// as [`crate::serve`] does.
     pub fn validate(self) -> anyhow::Result<Config> {
         self.validate_inner(true)
     }

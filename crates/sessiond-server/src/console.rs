@@ -1,4 +1,4 @@
-//! The web console: the files of `web/dist`, embedded at build time
+//! The web console: the files of `console/` (built from `web/`), embedded at build time
 //! (build.rs), served at `/` on the API's own port. Same origin as the API,
 //! so the page needs no CORS; a strict Content-Security-Policy allows only
 //! its own scripts, styles and gRPC-web calls back to this origin.
@@ -79,7 +79,7 @@ fn respond(method: &Method, path: &str) -> Response<Body> {
         None if !embedded() => (
             StatusCode::NOT_FOUND,
             Bytes::from_static(
-                b"this sessiond was built without the web console (web/dist was missing)\n",
+                b"this sessiond was built without the web console (its console/ directory was missing)\n",
             ),
             "text/plain; charset=utf-8",
             "no-store",

@@ -22,6 +22,8 @@
 //! `sessiond-proto` for a gRPC client. The guide is docs/EMBEDDING.md; the
 //! examples are `examples/embed_tonic.rs` and `examples/custom_executor/`.
 
+#![deny(missing_docs)]
+
 mod api;
 mod auth;
 pub mod config;

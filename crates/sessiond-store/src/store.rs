@@ -27,8 +27,8 @@ use crate::{
     },
 };
 
-const POSTGRES_MIGRATIONS: EmbeddedMigrations = embed_migrations!("../../migrations/postgres");
-const SQLITE_MIGRATIONS: EmbeddedMigrations = embed_migrations!("../../migrations/sqlite");
+const POSTGRES_MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/postgres");
+const SQLITE_MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/sqlite");
 
 /// Serializes migrations of several processes on one Postgres database.
 const MIGRATION_LOCK_KEY: i64 = 0x5e55_10d0;
