@@ -714,7 +714,9 @@ impl DockerExecutor {
             }
         }
         let secret = self.secret_of(handle)?;
-        let health = self.wait_ready(id, &found.id, &secret, None).await?;
+        let health = self
+            .wait_ready(id, &found.id, &secret, handle.lease_epoch)
+            .await?;
         Ok((
             refreshed(handle, found.id, secret, self.url(id)?, generation),
             health,
@@ -789,7 +791,8 @@ impl Executor for DockerExecutor {
             Err(e) => return Err(e.into()),
         };
         self.start_container(&container_id).await?;
-        self.wait_ready(id, &container_id, &secret, None).await?;
+        self.wait_ready(id, &container_id, &secret, spec.lease_epoch)
+            .await?;
         self.handle_for(spec, container_id, secret)
     }
 

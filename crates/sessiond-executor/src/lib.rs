@@ -71,6 +71,11 @@ pub struct LaunchSpec {
     /// The image the session's profile asks for; only the Docker driver uses
     /// it (its configured image when `None`).
     pub image: Option<String>,
+    /// The launching owner's lease epoch: every agentctl call of the launch
+    /// (readiness included) and of the handle returned carries it, so the
+    /// new agentctl fences older owners off from its first call (`None`: an
+    /// exclusive store, nothing to fence).
+    pub lease_epoch: Option<i64>,
 }
 
 impl LaunchSpec {
@@ -134,7 +139,7 @@ pub struct ExecutorHandle {
     /// Docker: the container's full id.
     pub container_id: Option<String>,
     /// The owner's lease epoch, sent on every agentctl call of the driver's
-    /// clients (`None`: not sent, e.g. while launching a new executor).
+    /// clients (`None`: not sent; an exclusive store has no one to fence).
     pub lease_epoch: Option<i64>,
 }
 
@@ -205,7 +210,7 @@ impl ExecutorHandle {
             pid: None,
             pid_start_time: None,
             container_id: None,
-            lease_epoch: None,
+            lease_epoch: spec.lease_epoch,
         }
     }
 
@@ -219,6 +224,7 @@ impl ExecutorHandle {
             generation: self.generation + 1,
             remote: None,
             image: None,
+            lease_epoch: self.lease_epoch,
         }
     }
 }

@@ -219,7 +219,8 @@ impl StandaloneExecutor {
 
         let deadline = started + self.config.startup_timeout;
         let mut last_error = String::from("no socket yet");
-        let client = AgentctlClient::new(&url, &secret, &self.config.client)?;
+        let client = AgentctlClient::new(&url, &secret, &self.config.client)?
+            .with_lease_epoch(spec.lease_epoch);
         let ready = loop {
             if let Ok(Some(status)) = child.try_wait() {
                 let log_hint = self

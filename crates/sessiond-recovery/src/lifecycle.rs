@@ -921,9 +921,25 @@ impl SessionManager {
             .get_executor_for_session(session_id)
             .await?
         {
+            // Fenced twice: before the removal (a replica resumed after a
+            // pause does not remove what another one adopted) and with the
+            // delete itself.
+            let fence = self.fence(session_id);
+            if let Some(f) = &fence {
+                let checked = self.inner.store.check_lease(f.clone()).await;
+                self.fenced_result(f, checked)?;
+            }
             let driver = self.driver(record.runtime)?;
             driver.remove(&ExecutorHandle::from_record(&record)).await?;
-            self.inner.store.delete_executor(record.id).await?;
+            let deleted = self
+                .inner
+                .store
+                .delete_executor(record.id, fence.clone())
+                .await;
+            match &fence {
+                Some(f) => self.fenced_result(f, deleted)?,
+                None => deleted?,
+            };
         }
         // No executor row, no lease: later writes need no fence.
         self.forget_lease(session_id);

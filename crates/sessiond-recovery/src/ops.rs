@@ -163,6 +163,9 @@ impl SessionManager {
                 auth_secret: record.auth_secret.clone(),
             }),
             image: profile.container_image().map(str::to_owned),
+            // Every call of the launch carries this replica's lease epoch,
+            // the readiness check included.
+            lease_epoch: self.fence(record.session_id).map(|f| f.epoch),
         };
         self.inner
             .counters

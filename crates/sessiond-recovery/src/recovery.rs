@@ -30,7 +30,7 @@ use sessiond_domain::{
 };
 use sessiond_executor::{AgentState, ExecutorHandle, Probe};
 use sessiond_proto::agentctl::v1 as pb;
-use sessiond_store::{Changeset, Store, Yield};
+use sessiond_store::{Changeset, Heartbeat, Store, Yield};
 
 use crate::{
     error::{Error, Result},
@@ -1176,16 +1176,26 @@ impl SessionManager {
                     .filter(|e| e.record.status == ExecutorStatus::Ready)
                     .map(|e| (e.record.clone(), e.agent == AgentProcessState::Running))
                     .collect();
-                let seen: Vec<(ExecutorId, i64)> = futures::stream::iter(ready)
+                let seen: Vec<Heartbeat> = futures::stream::iter(ready)
                     .map(|(record, agent_running)| {
                         let me = me.clone();
                         async move {
-                            me.check_liveness(record, agent_running)
+                            let session = record.session_id;
+                            let seen = me
+                                .check_liveness(record, agent_running)
                                 .await
                                 .unwrap_or_else(|e| {
                                     tracing::debug!(error = %e, "liveness check could not be recorded");
                                     None
-                                })
+                                })?;
+                            // Fenced like every other write of the owner: a
+                            // replica resumed after a pause does not mark
+                            // seen what another one adopted meanwhile.
+                            Some(Heartbeat {
+                                executor: seen.0,
+                                generation: seen.1,
+                                fence: me.fence(session),
+                            })
                         }
                     })
                     .buffer_unordered(LIVENESS_CONCURRENCY)
@@ -1195,8 +1205,15 @@ impl SessionManager {
                 // The healthy ones' heartbeats, a few transactions for the
                 // whole round instead of one commit per executor.
                 for chunk in seen.chunks(500) {
-                    if let Err(e) = me.inner.store.touch_executors(chunk.to_vec(), Utc::now()).await {
-                        tracing::debug!(error = %e, "liveness heartbeats could not be recorded");
+                    match me.inner.store.touch_executors(chunk.to_vec(), Utc::now()).await {
+                        Ok(touched) => {
+                            for (fence, e) in touched.lost {
+                                me.lease_lost(fence.session, fence.epoch, "store", &e.to_string());
+                            }
+                        }
+                        Err(e) => {
+                            tracing::debug!(error = %e, "liveness heartbeats could not be recorded");
+                        }
                     }
                 }
             }

@@ -124,6 +124,22 @@ impl SessionManager {
         out
     }
 
+    /// The result of a store call fenced by `fence` outside a changeset: a
+    /// lost lease drops the session here (as [`Self::store_commit`] does)
+    /// and is [`Error::NotOwner`].
+    pub(crate) fn fenced_result<T>(
+        &self,
+        fence: &Fence,
+        result: std::result::Result<T, sessiond_store::Error>,
+    ) -> Result<T> {
+        result.map_err(|e| {
+            if e.is_lease_lost() {
+                self.lease_lost(fence.session, fence.epoch, "store", &e.to_string());
+            }
+            self.lease_error(e)
+        })
+    }
+
     /// A store error as the manager's: a lost lease is [`Error::NotOwner`]
     /// naming the replica that holds it now (retryable there).
     pub(crate) fn lease_error(&self, e: sessiond_store::Error) -> Error {
@@ -405,11 +421,37 @@ impl SessionManager {
                         Ok(_) => {}
                         Err(e) => tracing::warn!(error = %e, "adoption round failed"),
                     }
-                    tokio::time::sleep(every).await;
+                    tokio::time::sleep(me.until_next_expiry(every).await).await;
                 }
             });
         }
         Ok(())
+    }
+
+    /// How long the adoption loop sleeps after a round that found nothing:
+    /// until the next lease of another replica runs out (plus a little for
+    /// the clocks), at most `every`. A dead replica's leases are thus
+    /// claimed as soon as they expire instead of up to a period later;
+    /// live replicas renew theirs long before, so this only shortens the
+    /// wait when a lease is really about to run out.
+    async fn until_next_expiry(&self, every: Duration) -> Duration {
+        const MARGIN: Duration = Duration::from_millis(10);
+        let now = Utc::now();
+        match self
+            .inner
+            .store
+            .next_lease_expiry(self.replica_id(), now)
+            .await
+        {
+            Ok(Some(at)) => (at - now)
+                .to_std()
+                .map_or(every, |left| (left + MARGIN).min(every)),
+            Ok(None) => every,
+            Err(e) => {
+                tracing::debug!(error = %e, "next lease expiry unknown; polling");
+                every
+            }
+        }
     }
 
     /// Starts the recovery of a session the adoption round claimed, or

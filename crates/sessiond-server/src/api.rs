@@ -380,6 +380,25 @@ impl Api {
                 owner: owner.replica.clone(),
                 status,
             }),
+            Failure::Untrusted(s) => {
+                tracing::warn!(session = %owner.session, owner = %owner.replica, address = %owner.address, error = %forward::error_chain(&s), "the owner's TLS certificate is not trusted (replica.peer_tls_ca_file); call not forwarded");
+                Err(ApiError::NotOwner {
+                    error: sessiond_recovery::Error::NotOwner {
+                        session_id: owner.session,
+                        owner: owner.replica.clone(),
+                        address: owner.address.clone(),
+                        ttl_secs: self.manager.config().replica.lease_ttl.as_secs(),
+                    },
+                    retry_after: forward::RETRY_SOON,
+                    note: Some(format!(
+                        "(not forwarded: the TLS certificate of replica {} is not trusted by this \
+                         replica's replica.peer_tls_ca_file / peer_tls_domain_name: {}; send the \
+                         call to the owner)",
+                        owner.replica,
+                        forward::error_chain(&s)
+                    )),
+                })
+            }
             Failure::Unreachable(s) => {
                 let retry_after = self.lease_left(owner).await;
                 tracing::warn!(session = %owner.session, owner = %owner.replica, address = %owner.address, error = %s.message(), "the owner of a session did not answer a forwarded call");

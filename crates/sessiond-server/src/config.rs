@@ -171,9 +171,19 @@ pub struct ServeArgs {
     pub replica_id: Option<String>,
 
     /// Where other replicas and clients reach this one (`replica.advertise_address`,
-    /// host:port). Default: the listen address.
+    /// host:port or https://host:port). Default: the listen address.
     #[arg(long, env = "SESSIOND_ADVERTISE_ADDRESS")]
     pub advertise_address: Option<String>,
+
+    /// PEM CA that signed the other replicas' API certificates, to forward
+    /// calls to replicas serving TLS (`replica.peer_tls_ca_file`).
+    #[arg(long, env = "SESSIOND_PEER_TLS_CA_FILE")]
+    pub peer_tls_ca_file: Option<PathBuf>,
+
+    /// Name the other replicas' certificates are verified against, when it
+    /// is not the host of their advertised address (`replica.peer_tls_domain_name`).
+    #[arg(long, env = "SESSIOND_PEER_TLS_DOMAIN_NAME")]
+    pub peer_tls_domain_name: Option<String>,
 
     /// Executor lease TTL (`replica.lease_ttl`), e.g. `15s`.
     #[arg(long, env = "SESSIOND_LEASE_TTL")]
@@ -233,11 +243,19 @@ pub struct ReplicaSection {
     /// Unique per replica, stable across its restarts. Default: generated
     /// once and kept in `<data_dir>/replica-id`.
     pub id: Option<String>,
-    /// host:port others reach this replica's API at. Default: `listen`.
+    /// host:port (or https://host:port) others reach this replica's API
+    /// at. Default: `listen`; https when `[tls]` is set.
     pub advertise_address: Option<String>,
     /// A replica that has not renewed its leases for this long is gone;
     /// the others adopt its executors.
     pub lease_ttl: String,
+    /// PEM CA the other replicas' API certificates are verified with when
+    /// a call is forwarded to one serving TLS. Unset: calls for sessions
+    /// of replicas serving TLS are not forwarded (answered `not_owner`).
+    pub peer_tls_ca_file: Option<PathBuf>,
+    /// The name the other replicas' certificates are verified against, when
+    /// not the host of their advertised address.
+    pub peer_tls_domain_name: Option<String>,
 }
 
 impl Default for ReplicaSection {
@@ -246,6 +264,8 @@ impl Default for ReplicaSection {
             id: None,
             advertise_address: None,
             lease_ttl: "15s".into(),
+            peer_tls_ca_file: None,
+            peer_tls_domain_name: None,
         }
     }
 }
@@ -255,10 +275,34 @@ impl Default for ReplicaSection {
 pub struct ReplicaConfig {
     /// `None`: generated once into the data directory (by `serve`).
     pub id: Option<String>,
-    /// host:port others reach this replica's API at; `None`: `listen`.
+    /// host:port or https://host:port others reach this replica's API at;
+    /// `None`: `listen` (see [`ReplicaConfig::advertised`]).
     pub advertise_address: Option<String>,
     /// How long a lease lasts without renewal (renewed every third of it).
     pub lease_ttl: Duration,
+    /// PEM CA file trusted for the other replicas' API certificates.
+    pub peer_tls_ca_file: Option<PathBuf>,
+    /// The name their certificates are verified against, when not the
+    /// host of their advertised address.
+    pub peer_tls_domain_name: Option<String>,
+}
+
+impl ReplicaConfig {
+    /// The address this replica registers for the others: the configured
+    /// one, else `listen_address`; `https://` in front when this replica
+    /// serves TLS (`serves_tls`), so a forwarding replica knows to verify
+    /// it.
+    pub fn advertised(&self, listen_address: &str, serves_tls: bool) -> String {
+        let address = self
+            .advertise_address
+            .clone()
+            .unwrap_or_else(|| listen_address.to_owned());
+        if serves_tls && !address.starts_with("https://") {
+            format!("https://{address}")
+        } else {
+            address
+        }
+    }
 }
 
 /// `[tls]`: TLS on the API port (gRPC, gRPC-web, the console; HTTP/2 for
@@ -891,6 +935,16 @@ impl ServeArgs {
                 .clone_from(&self.advertise_address);
         }
         set(&mut f.replica.lease_ttl, &self.lease_ttl);
+        if self.peer_tls_ca_file.is_some() {
+            f.replica
+                .peer_tls_ca_file
+                .clone_from(&self.peer_tls_ca_file);
+        }
+        if self.peer_tls_domain_name.is_some() {
+            f.replica
+                .peer_tls_domain_name
+                .clone_from(&self.peer_tls_domain_name);
+        }
         if self.tls_cert.is_some() {
             f.tls.cert_file.clone_from(&self.tls_cert);
         }
@@ -1527,8 +1581,9 @@ impl FileConfig {
 }
 
 /// `[replica]`: an id others can tell apart and put in logs and
-/// metadata, an address of the form host:port, a TTL of at least a second
-/// (heartbeats run every third of it).
+/// metadata, an address of the form host:port (https:// allowed in front),
+/// a TTL of at least a second (heartbeats run every third of it), a peer
+/// CA file holding a PEM certificate.
 fn replica_config(r: &ReplicaSection, p: &mut Problems) -> ReplicaConfig {
     let id = r.id.as_ref().map(|id| id.trim().to_owned());
     if let Some(id) = &id
@@ -1542,12 +1597,40 @@ fn replica_config(r: &ReplicaSection, p: &mut Problems) -> ReplicaConfig {
         .map(|a| a.trim().to_owned())
         .filter(|a| !a.is_empty());
     if let Some(a) = &advertise_address
-        && a.rsplit_once(':')
-            .is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err())
+        && a.strip_prefix("https://")
+            .unwrap_or(a)
+            .rsplit_once(':')
+            .is_none_or(|(host, port)| {
+                host.is_empty() || host.contains('/') || port.parse::<u16>().is_err()
+            })
     {
         p.add(
             "replica.advertise_address",
-            format!("{a:?} is not host:port"),
+            format!("{a:?} is not host:port or https://host:port"),
+        );
+    }
+    if let Some(ca) = &r.peer_tls_ca_file {
+        match std::fs::read(ca) {
+            Err(e) => p.add(
+                "replica.peer_tls_ca_file",
+                format!("cannot read {}: {e}", ca.display()),
+            ),
+            Ok(pem) if !pem.windows(27).any(|w| w == b"-----BEGIN CERTIFICATE-----") => p.add(
+                "replica.peer_tls_ca_file",
+                format!("{} holds no PEM certificate", ca.display()),
+            ),
+            Ok(_) => {}
+        }
+    }
+    let peer_tls_domain_name = r
+        .peer_tls_domain_name
+        .as_ref()
+        .map(|d| d.trim().to_owned())
+        .filter(|d| !d.is_empty());
+    if peer_tls_domain_name.is_some() && r.peer_tls_ca_file.is_none() {
+        p.add(
+            "replica.peer_tls_domain_name",
+            "needs replica.peer_tls_ca_file",
         );
     }
     let lease_ttl = p.duration("replica.lease_ttl", &r.lease_ttl);
@@ -1558,6 +1641,8 @@ fn replica_config(r: &ReplicaSection, p: &mut Problems) -> ReplicaConfig {
         id,
         advertise_address,
         lease_ttl,
+        peer_tls_ca_file: r.peer_tls_ca_file.clone(),
+        peer_tls_domain_name,
     }
 }
 
@@ -1761,6 +1846,36 @@ mod tests {
         assert_eq!(c.agents[0].name, DEMO_PROFILE);
         assert!(c.executors.docker.is_none());
         assert_eq!(c.cors.allowed_origins, AllowedOrigins::None);
+    }
+
+    #[test]
+    fn peer_tls_settings_are_checked_and_tls_replicas_advertise_https() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut f = with_tokens();
+        f.replica.peer_tls_ca_file = Some(dir.path().join("missing.pem"));
+        f.replica.advertise_address = Some("http://host:1".into());
+        let e = error_of(f.clone());
+        assert!(e.contains("replica.peer_tls_ca_file: cannot read"), "{e}");
+        assert!(e.contains("replica.advertise_address"), "{e}");
+        let not_pem = dir.path().join("not.pem");
+        std::fs::write(&not_pem, "hello").unwrap();
+        f.replica.peer_tls_ca_file = Some(not_pem);
+        f.replica.advertise_address = Some("https://host:1".into());
+        let e = error_of(f.clone());
+        assert!(e.contains("holds no PEM certificate"), "{e}");
+        f.replica.peer_tls_ca_file = None;
+        f.replica.peer_tls_domain_name = Some("peers".into());
+        let e = error_of(f.clone());
+        assert!(
+            e.contains("replica.peer_tls_domain_name: needs replica.peer_tls_ca_file"),
+            "{e}"
+        );
+        f.replica.peer_tls_domain_name = None;
+        let c = f.validate().unwrap();
+        assert_eq!(c.replica.advertised("1.2.3.4:5", false), "https://host:1");
+        let c = with_tokens().validate().unwrap();
+        assert_eq!(c.replica.advertised("1.2.3.4:5", false), "1.2.3.4:5");
+        assert_eq!(c.replica.advertised("1.2.3.4:5", true), "https://1.2.3.4:5");
     }
 
     #[test]

@@ -221,7 +221,8 @@ impl SessiondBuilder {
                     replica_id.clone(),
                     serve::forward_policy(&config),
                     MAX_WORKSPACE_MESSAGE.max(config.max_message_bytes + 64 * 1024),
-                ),
+                )
+                .with_tls(serve::peer_tls(&config)?),
             },
             stop_rx.clone(),
         );
@@ -435,17 +436,16 @@ impl Sessiond {
     }
 
     /// Registers this replica under `address` (where other replicas and
-    /// clients reach its API; `replica.advertise_address` wins when set),
-    /// then runs the startup recovery pass in the background, retrying a
-    /// database failure; health turns SERVING once it is done. Call it once
-    /// the services answer calls.
+    /// clients reach its API; `replica.advertise_address` wins when set,
+    /// and it is `https://` when `[tls]` is set), then runs the startup
+    /// recovery pass in the background, retrying a database failure;
+    /// health turns SERVING once it is done. Call it once the services
+    /// answer calls.
     pub async fn start(&self, address: &str) -> Result<()> {
         let advertised = self
             .config
             .replica
-            .advertise_address
-            .clone()
-            .unwrap_or_else(|| address.to_owned());
+            .advertised(address, self.config.tls.is_some());
         self.manager
             .start_replica(sessiond_store::ReplicaInfo {
                 id: self.replica_id.clone(),

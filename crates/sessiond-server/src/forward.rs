@@ -11,8 +11,17 @@
 //!   replica to accept the same `auth.tokens`, which a load balancer that
 //!   sends any call anywhere needs anyway. A server without authentication
 //!   (`insecure_no_auth`) never forwards: it answers `not_owner` naming
-//!   the owner instead. So does one serving TLS (no client trust roots for
-//!   the other replicas are configured yet).
+//!   the owner instead.
+//! - **TLS between replicas**: a replica serving TLS advertises an
+//!   `https://` address; a call for a session it owns is forwarded over TLS,
+//!   verified with `replica.peer_tls_ca_file` (and `peer_tls_domain_name`
+//!   when the certificates do not name the advertised host). A replica
+//!   without that CA does not forward to an `https://` owner, and one whose
+//!   CA does not verify the owner's certificate gives up at the handshake:
+//!   both answer `not_owner` naming the owner and why, at once (the owner is
+//!   alive; retrying through this replica would not help). A replica serving
+//!   TLS does not forward to a plain-text owner either: the caller's token
+//!   came over TLS and is not passed on in clear text.
 //! - **Hop guard**: a forwarded call carries `sessiond-forwarded-by: <replica
 //!   id>`. A call carrying it that lands on a replica which does not own the
 //!   session (ownership moved while it travelled) is not forwarded again: it
@@ -45,7 +54,7 @@ use sessiond_proto::sessiond::v1::{
 use tonic::{
     Request, Status,
     metadata::{AsciiMetadataValue, MetadataMap},
-    transport::{Channel, Endpoint},
+    transport::{Channel, ClientTlsConfig, Endpoint},
 };
 
 use crate::error::{ApiError, ERROR_METADATA};
@@ -73,6 +82,17 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How this replica reaches the other replicas' API ports.
+#[derive(Debug, Clone, Default)]
+pub struct PeerTls {
+    /// Trust roots (and name) for owners whose advertised address is
+    /// `https://`; `None`: calls are not forwarded to them.
+    pub trust: Option<ClientTlsConfig>,
+    /// This replica serves TLS: it does not pass a caller's credentials on
+    /// to a plain-text owner.
+    pub no_plain_text: bool,
+}
+
 /// Whether this replica forwards, and why not when it does not.
 #[derive(Debug, Clone)]
 pub enum Policy {
@@ -91,6 +111,7 @@ pub struct Peers {
 struct Inner {
     me: String,
     policy: Policy,
+    tls: PeerTls,
     /// Largest message a forwarded answer may carry.
     max_message: usize,
     channels: Mutex<HashMap<String, (String, Channel)>>,
@@ -215,8 +236,28 @@ pub enum Failure {
     Refused(Status),
     /// The caller's deadline passed on the way.
     DeadlineExceeded(Status),
+    /// The TLS handshake with the owner failed on its certificate: this
+    /// replica's `peer_tls_ca_file` (or name) does not verify it. The owner
+    /// is alive; the cause is configuration.
+    Untrusted(Status),
     /// The owner did not answer: ownership is (probably) moving.
     Unreachable(Status),
+}
+
+/// An error and its sources, `: `-separated (transport errors keep the
+/// cause, such as an untrusted certificate, in their sources).
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(source) = next {
+        let text = source.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        next = source.source();
+    }
+    out
 }
 
 /// Sorts an error of a forwarded call: statuses the owner's handlers give
@@ -230,6 +271,13 @@ pub fn classify(owner: &Owner, status: Status) -> Failure {
     match status.code() {
         Code::Unauthenticated | Code::PermissionDenied => Failure::Refused(status),
         Code::DeadlineExceeded => Failure::DeadlineExceeded(status),
+        // rustls: "invalid peer certificate: UnknownIssuer", "...: NotValidForName".
+        Code::Unavailable | Code::Unknown
+            if owner.address.starts_with("https://")
+                && error_chain(&status).contains("certificate") =>
+        {
+            Failure::Untrusted(status)
+        }
         Code::Cancelled if owner.deadline_passed() => Failure::DeadlineExceeded(status),
         _ => Failure::Unreachable(status),
     }
@@ -241,7 +289,23 @@ impl Peers {
             inner: Arc::new(Inner {
                 me,
                 policy,
+                tls: PeerTls::default(),
                 max_message,
+                channels: Mutex::default(),
+            }),
+        }
+    }
+
+    /// These peers reached with `tls` (default: no trust roots, plain text
+    /// allowed).
+    #[must_use]
+    pub fn with_tls(self, tls: PeerTls) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                me: self.inner.me.clone(),
+                policy: self.inner.policy.clone(),
+                tls,
+                max_message: self.inner.max_message,
                 channels: Mutex::default(),
             }),
         }
@@ -284,7 +348,46 @@ impl Peers {
                 cause: "it has no advertised address (its replica row is gone)".into(),
             });
         }
-        let channel = self.channel(session, &replica, &address)?;
+        let refuse = |note: String| ApiError::NotOwner {
+            error: not_owner,
+            retry_after: RETRY_SOON,
+            note: Some(note),
+        };
+        let tls = match (address.starts_with("https://"), &self.inner.tls) {
+            (true, PeerTls { trust: None, .. }) => {
+                return Err(refuse(format!(
+                    "(not forwarded: replica {replica} serves TLS and this replica has no \
+                     replica.peer_tls_ca_file to verify its certificate; send the call to the \
+                     owner)"
+                )));
+            }
+            (true, PeerTls { trust: Some(t), .. }) => Some(t.clone()),
+            (false, PeerTls { no_plain_text, .. }) if *no_plain_text => {
+                return Err(refuse(format!(
+                    "(not forwarded: this replica serves TLS and does not pass the caller's \
+                     credentials on in clear text to replica {replica}, whose advertised \
+                     address is not https://; send the call to the owner)"
+                )));
+            }
+            (false, _) => None,
+        };
+        let channel = match self.channel(&replica, &address, tls) {
+            Ok(channel) => channel,
+            Err(Bad::Address(cause)) => {
+                return Err(ApiError::OwnershipMoving {
+                    session,
+                    owner: replica,
+                    address,
+                    retry_after: RETRY_SOON,
+                    cause,
+                });
+            }
+            Err(Bad::Tls(cause)) => {
+                return Err(refuse(format!(
+                    "(not forwarded: TLS to replica {replica} at {address}: {cause})"
+                )));
+            }
+        };
         Ok(Owner {
             session,
             replica,
@@ -300,10 +403,10 @@ impl Peers {
     /// connects on the first call, and reconnects after a failure).
     fn channel(
         &self,
-        session: SessionId,
         replica: &str,
         address: &str,
-    ) -> Result<Channel, ApiError> {
+        tls: Option<ClientTlsConfig>,
+    ) -> Result<Channel, Bad> {
         let mut channels = self
             .inner
             .channels
@@ -314,15 +417,21 @@ impl Peers {
         {
             return Ok(channel.clone());
         }
-        let endpoint = Endpoint::from_shared(format!("http://{address}")).map_err(|e| {
-            ApiError::OwnershipMoving {
-                session,
-                owner: replica.to_owned(),
-                address: address.to_owned(),
-                retry_after: RETRY_SOON,
-                cause: format!("its advertised address is not a host:port ({e})"),
-            }
+        let url = if address.contains("://") {
+            address.to_owned()
+        } else {
+            format!("http://{address}")
+        };
+        let mut endpoint = Endpoint::from_shared(url).map_err(|e| {
+            Bad::Address(format!(
+                "its advertised address is not host:port or https://host:port ({e})"
+            ))
         })?;
+        if let Some(tls) = tls {
+            endpoint = endpoint
+                .tls_config(tls)
+                .map_err(|e| Bad::Tls(error_chain(&e)))?;
+        }
         let channel = endpoint
             .connect_timeout(CONNECT_TIMEOUT)
             .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
@@ -332,6 +441,12 @@ impl Peers {
         channels.insert(replica.to_owned(), (address.to_owned(), channel.clone()));
         Ok(channel)
     }
+}
+
+/// Why no client of an owner could be made.
+enum Bad {
+    Address(String),
+    Tls(String),
 }
 
 #[cfg(test)]
@@ -432,5 +547,50 @@ mod tests {
             "replica-a"
         );
         assert!(status.message().contains("no auth"), "{status:?}");
+
+        // An https owner without a peer CA: not forwarded, and said why.
+        let err = peers
+            .owner(
+                SessionId::new(),
+                "replica-a".into(),
+                "https://127.0.0.1:1".into(),
+                &origin,
+                not_owner(),
+            )
+            .unwrap_err();
+        let status = Status::from(err);
+        assert_eq!(status.metadata().get(ERROR_METADATA).unwrap(), "not_owner");
+        assert!(
+            status.message().contains("replica.peer_tls_ca_file"),
+            "{status:?}"
+        );
+        // With one, a client is made for it.
+        let trusting = Peers::new("replica-b".into(), Policy::Forward, 1 << 20).with_tls(PeerTls {
+            trust: Some(ClientTlsConfig::new()),
+            no_plain_text: true,
+        });
+        let owner = trusting
+            .owner(
+                SessionId::new(),
+                "replica-a".into(),
+                "https://127.0.0.1:1".into(),
+                &origin,
+                not_owner(),
+            )
+            .unwrap();
+        assert_eq!(owner.address, "https://127.0.0.1:1");
+        // A replica serving TLS does not pass a token on in clear text.
+        let err = trusting
+            .owner(
+                SessionId::new(),
+                "replica-c".into(),
+                "127.0.0.1:1".into(),
+                &origin,
+                not_owner(),
+            )
+            .unwrap_err();
+        let status = Status::from(err);
+        assert_eq!(status.metadata().get(ERROR_METADATA).unwrap(), "not_owner");
+        assert!(status.message().contains("clear text"), "{status:?}");
     }
 }

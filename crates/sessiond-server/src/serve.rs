@@ -278,7 +278,7 @@ pub(crate) async fn seed_profiles(store: &Store, config: &Config) -> anyhow::Res
 
 /// Whether commands for sessions other replicas own are forwarded to them
 /// (see `forward.rs`): only with authentication (the caller's token is what
-/// the owner checks) and without TLS (no trust roots for the peers yet).
+/// the owner checks).
 pub(crate) fn forward_policy(config: &Config) -> crate::forward::Policy {
     use crate::forward::Policy;
     if matches!(config.auth, AuthConfig::Disabled) {
@@ -286,14 +286,45 @@ pub(crate) fn forward_policy(config: &Config) -> crate::forward::Policy {
             "this replica runs without authentication (insecure_no_auth) and never forwards \
              calls; send it to the owner",
         )
-    } else if config.tls.is_some() {
-        Policy::Refuse(
-            "forwarding between replicas serving TLS is not supported yet; send the call to the \
-             owner",
-        )
     } else {
         Policy::Forward
     }
+}
+
+/// How this replica reaches owners serving TLS (`replica.peer_tls_ca_file`),
+/// and whether it may reach plain-text ones: not when it serves TLS itself
+/// (a caller's token sent over TLS is not passed on in clear text).
+pub(crate) fn peer_tls(config: &Config) -> anyhow::Result<crate::forward::PeerTls> {
+    let r = &config.replica;
+    let trust = match &r.peer_tls_ca_file {
+        Some(path) => {
+            let pem = std::fs::read(path).with_context(|| {
+                format!("replica.peer_tls_ca_file: cannot read {}", path.display())
+            })?;
+            let mut tls = tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(pem));
+            if let Some(name) = &r.peer_tls_domain_name {
+                tls = tls.domain_name(name.clone());
+            }
+            // Built once here so a bad certificate or name fails the start,
+            // not the first forwarded call.
+            tonic::transport::Endpoint::from_static("https://replica.invalid")
+                .tls_config(tls.clone())
+                .map_err(|e| {
+                    anyhow::anyhow!(
+                        "replica.peer_tls_ca_file {} / replica.peer_tls_domain_name: {}",
+                        path.display(),
+                        crate::forward::error_chain(&e)
+                    )
+                })?;
+            Some(tls)
+        }
+        None => None,
+    };
+    Ok(crate::forward::PeerTls {
+        trust,
+        no_plain_text: config.tls.is_some(),
+    })
 }
 
 pub(crate) fn client_config(config: &Config) -> anyhow::Result<ClientConfig> {

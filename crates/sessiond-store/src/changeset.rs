@@ -568,7 +568,7 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
 /// concurrent claim waits for this transaction or has already changed what
 /// the filter sees (READ COMMITTED re-checks the newest row version);
 /// SQLite's write transaction is exclusive anyway.
-fn check_fence(
+pub(crate) fn check_fence(
     conn: &mut AnyConnection,
     fence: &Fence,
     executor: &Option<ExecutorWrite>,

@@ -46,4 +46,4 @@ pub use error::{BoxError, Error, Result};
 pub use events::EventWake;
 pub use lanes::Yield;
 pub use replicas::{Claimed, ReplicaInfo};
-pub use store::{Backend, Store, StoreOptions, parse_database_url};
+pub use store::{Backend, Heartbeat, Store, StoreOptions, Touched, parse_database_url};

@@ -330,6 +330,30 @@ impl Store {
         .await
     }
 
+    /// When the next lease of another replica runs out, if any is still
+    /// running: the moment an adoption round can next find something (a
+    /// dead replica's leases expire when its last renewal says). Live
+    /// replicas renew theirs every third of their TTL, so theirs stay ahead.
+    pub async fn next_lease_expiry(
+        &self,
+        except: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Option<DateTime<Utc>>> {
+        let except = except.to_owned();
+        self.read(move |c| {
+            let next: Option<Option<Ts>> = executors_running::table
+                .filter(executors_running::status.eq_any(live_statuses()))
+                .filter(executors_running::owner_id.ne(&except))
+                .filter(executors_running::lease_expires_at.gt(Ts::new(now)))
+                .order(executors_running::lease_expires_at)
+                .select(executors_running::lease_expires_at)
+                .first(c)
+                .optional()?;
+            Ok(next.flatten().map(|t| t.0))
+        })
+        .await
+    }
+
     /// Claims live executors (`starting`, `ready`, `error`) whose lease is
     /// expired or that have no owner, oldest first: the adoption of a dead
     /// (or stopped) replica's executors. It takes at most `limit`, and at

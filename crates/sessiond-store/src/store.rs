@@ -17,7 +17,7 @@ use sessiond_domain::{
 
 use crate::{
     Error, Result,
-    changeset::{self, Changeset, Committed},
+    changeset::{self, Changeset, Committed, Fence},
     conn::{self, AnyConnection, Manager, Ts, write_transaction},
     error::on_unique,
     lanes::{self, Yield},
@@ -32,6 +32,29 @@ const SQLITE_MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/sqli
 
 /// Serializes migrations of several processes on one Postgres database.
 const MIGRATION_LOCK_KEY: i64 = 0x5e55_10d0;
+
+/// One executor its owner saw alive (a liveness check's answer), for
+/// [`Store::touch_executors`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Heartbeat {
+    /// The executor whose agentctl answered.
+    pub executor: ExecutorId,
+    /// The generation the check talked to.
+    pub generation: i64,
+    /// The lease the writer holds on the executor's session; `None` with
+    /// an exclusive store (one process, no one to fence).
+    pub fence: Option<Fence>,
+}
+
+/// What [`Store::touch_executors`] wrote.
+#[derive(Debug, Default)]
+pub struct Touched {
+    /// Rows whose `last_seen_at` was written.
+    pub touched: usize,
+    /// Heartbeats refused because the executor's lease is no longer the
+    /// fence's: each fence with the [`Error::LeaseLost`] naming the lease now.
+    pub lost: Vec<(Fence, Error)>,
+}
 
 /// Which database a [`Store`] talks to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -667,40 +690,96 @@ impl Store {
     }
 
     /// Records that agentctl answered: `last_seen_at = at` for each
-    /// `(executor, generation)` still `ready` at that generation, in one
-    /// transaction; returns how many rows it touched. A heartbeat, not a
-    /// state change: no version bump and no event (a writer holding an older
-    /// copy may write its older `last_seen_at` back, which only makes the
-    /// executor look seen earlier).
+    /// heartbeat's executor still `ready` at its generation and, when the
+    /// heartbeat carries a [`Fence`], still leased to that owner at that
+    /// epoch; all in one transaction. A heartbeat, not a state change: no
+    /// version bump and no event (a writer holding an older copy may write
+    /// its older `last_seen_at` back, which only makes the executor look
+    /// seen earlier). A heartbeat whose lease moved (a replica resumed after
+    /// a pause, another one adopted the executor) touches nothing and comes
+    /// back in [`Touched::lost`], so the caller drops the session as after
+    /// any fenced write.
     pub async fn touch_executors(
         &self,
-        seen: Vec<(ExecutorId, i64)>,
+        seen: Vec<Heartbeat>,
         at: chrono::DateTime<chrono::Utc>,
-    ) -> Result<usize> {
+    ) -> Result<Touched> {
         if seen.is_empty() {
-            return Ok(0);
+            return Ok(Touched::default());
         }
         self.write(move |c| {
             let at = Ts::new(at);
-            let mut touched = 0;
-            for (id, generation) in seen {
-                touched += diesel::update(
-                    executors_running::table
-                        .find(id.to_string())
-                        .filter(executors_running::generation.eq(generation))
-                        .filter(executors_running::status.eq(ExecutorStatus::Ready.as_str())),
+            let mut out = Touched::default();
+            for h in seen {
+                let row = executors_running::table
+                    .find(h.executor.to_string())
+                    .filter(executors_running::generation.eq(h.generation))
+                    .filter(executors_running::status.eq(ExecutorStatus::Ready.as_str()));
+                let Some(fence) = h.fence else {
+                    out.touched += diesel::update(row)
+                        .set(executors_running::last_seen_at.eq(Some(at)))
+                        .execute(c)?;
+                    continue;
+                };
+                let n = diesel::update(
+                    row.filter(executors_running::owner_id.eq(&fence.owner))
+                        .filter(executors_running::lease_epoch.eq(fence.epoch)),
                 )
                 .set(executors_running::last_seen_at.eq(Some(at)))
                 .execute(c)?;
+                out.touched += n;
+                if n > 0 {
+                    continue;
+                }
+                // Not touched: the lease moved, or only the executor did
+                // (a relaunch, a stop): the lease says which.
+                let current: Option<(Option<String>, i64)> = executors_running::table
+                    .find(h.executor.to_string())
+                    .select((executors_running::owner_id, executors_running::lease_epoch))
+                    .first(c)
+                    .optional()?;
+                if let Some((owner, epoch)) = current
+                    && (owner.as_deref() != Some(fence.owner.as_str()) || epoch != fence.epoch)
+                {
+                    let error = Error::LeaseLost {
+                        session_id: fence.session.to_string(),
+                        owner: fence.owner.clone(),
+                        epoch: fence.epoch,
+                        current_owner: owner.unwrap_or_else(|| "-".to_owned()),
+                        current_epoch: epoch,
+                    };
+                    out.lost.push((fence, error));
+                }
             }
-            Ok(touched)
+            Ok(out)
         })
         .await
     }
 
-    /// Deletes an executor record; false when there was none.
-    pub async fn delete_executor(&self, id: ExecutorId) -> Result<bool> {
+    /// Whether `fence`'s lease is still the writer's ([`Error::LeaseLost`]
+    /// if not): for an action outside the database that only the owner may
+    /// take (removing an executor), checked just before it.
+    pub async fn check_lease(&self, fence: Fence) -> Result<()> {
+        self.write(move |c| changeset::check_fence(c, &fence, &None))
+            .await
+    }
+
+    /// Deletes an executor record; false when there was none. With a
+    /// [`Fence`], only while the lease is still the writer's (else
+    /// [`Error::LeaseLost`], nothing deleted), checked in the same
+    /// transaction.
+    pub async fn delete_executor(&self, id: ExecutorId, fence: Option<Fence>) -> Result<bool> {
         self.write(move |c| {
+            if let Some(f) = &fence {
+                let exists: i64 = executors_running::table
+                    .find(id.to_string())
+                    .count()
+                    .get_result(c)?;
+                if exists == 0 {
+                    return Ok(false);
+                }
+                changeset::check_fence(c, f, &None)?;
+            }
             let n = diesel::delete(executors_running::table.find(id.to_string())).execute(c)?;
             Ok(n > 0)
         })

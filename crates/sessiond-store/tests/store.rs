@@ -12,7 +12,7 @@ use sessiond_domain::{
     ExecutorStatus, Message, MessageId, MessageKind, MessageRole, Runtime, Session, SessionId,
     SessionState, Task, TaskEvent, TaskId, TaskState, Worktree,
 };
-use sessiond_store::{Backend, Changeset, Error, Store, StoreOptions};
+use sessiond_store::{Backend, Changeset, Error, Heartbeat, Store, StoreOptions};
 
 /// A store on a fresh database, and what keeps that database alive.
 struct Db {
@@ -582,8 +582,8 @@ mod suite {
             other => panic!("expected Conflict, got {other}"),
         }
 
-        assert!(store.delete_executor(rec.id).await.unwrap());
-        assert!(!store.delete_executor(rec.id).await.unwrap());
+        assert!(store.delete_executor(rec.id, None).await.unwrap());
+        assert!(!store.delete_executor(rec.id, None).await.unwrap());
         assert!(store.get_executor(rec.id).await.unwrap_err().is_not_found());
         assert_eq!(store.get_executor_for_session(s.id).await.unwrap(), None);
         let err = store
@@ -1191,20 +1191,21 @@ mod suite {
         // The liveness heartbeat: only at the recorded generation, while
         // `ready`; no version bump.
         let at = Utc::now() + Duration::seconds(5);
-        assert_eq!(
-            store
-                .touch_executors(vec![(rec.id, rec.generation + 1)], at)
-                .await
-                .unwrap(),
-            0
-        );
-        assert_eq!(
-            store
-                .touch_executors(vec![(rec.id, rec.generation)], at)
-                .await
-                .unwrap(),
-            1
-        );
+        let beat = |generation| Heartbeat {
+            executor: rec.id,
+            generation,
+            fence: None,
+        };
+        let touched = store
+            .touch_executors(vec![beat(rec.generation + 1)], at)
+            .await
+            .unwrap();
+        assert_eq!((touched.touched, touched.lost.len()), (0, 0));
+        let touched = store
+            .touch_executors(vec![beat(rec.generation)], at)
+            .await
+            .unwrap();
+        assert_eq!((touched.touched, touched.lost.len()), (1, 0));
         let touched = store.get_executor(rec.id).await.unwrap();
         assert_eq!(
             touched.last_seen_at.map(|t| t.timestamp_micros()),
@@ -1494,8 +1495,87 @@ mod suite {
             .executor
             .unwrap();
         assert_eq!(written.lease_epoch, 1);
+
+        // The liveness heartbeat is fenced too: A's (epoch 0) touches
+        // nothing and comes back lost, naming B; B's is written; one of B
+        // at an older generation is neither written nor lost.
+        let seen_at = Utc::now() + Duration::seconds(60);
+        let beat = |owner: &str, epoch: i64, generation: i64| Heartbeat {
+            executor: rec.id,
+            generation,
+            fence: Some(fence(owner, epoch)),
+        };
+        let before = store.get_executor(rec.id).await.unwrap();
+        let touched = store
+            .touch_executors(
+                vec![
+                    beat("replica-a", 0, before.generation),
+                    beat("replica-b", 1, before.generation - 1),
+                ],
+                seen_at,
+            )
+            .await
+            .unwrap();
+        assert_eq!(touched.touched, 0);
+        assert_eq!(touched.lost.len(), 1, "{:?}", touched.lost);
+        let (lost, err) = &touched.lost[0];
+        assert_eq!(lost, &fence("replica-a", 0));
+        match err {
+            Error::LeaseLost {
+                current_owner,
+                current_epoch,
+                ..
+            } => assert_eq!((current_owner.as_str(), *current_epoch), ("replica-b", 1)),
+            other => panic!("expected LeaseLost, got {other}"),
+        }
+        assert_eq!(store.get_executor(rec.id).await.unwrap(), before);
+        let touched = store
+            .touch_executors(vec![beat("replica-b", 1, before.generation)], seen_at)
+            .await
+            .unwrap();
+        assert_eq!((touched.touched, touched.lost.len()), (1, 0));
+        assert_eq!(
+            store
+                .get_executor(rec.id)
+                .await
+                .unwrap()
+                .last_seen_at
+                .map(|t| t.timestamp_micros()),
+            Some(seen_at.timestamp_micros())
+        );
+
+        // Removing the executor: A's lease check and delete are refused,
+        // nothing deleted; B's go through.
+        assert!(
+            store
+                .check_lease(fence("replica-a", 0))
+                .await
+                .unwrap_err()
+                .is_lease_lost()
+        );
+        assert!(
+            store
+                .delete_executor(rec.id, Some(fence("replica-a", 0)))
+                .await
+                .unwrap_err()
+                .is_lease_lost()
+        );
+        assert!(store.get_executor(rec.id).await.is_ok());
+        store.check_lease(fence("replica-b", 1)).await.unwrap();
+        assert!(
+            store
+                .delete_executor(rec.id, Some(fence("replica-b", 1)))
+                .await
+                .unwrap()
+        );
+        assert!(
+            !store
+                .delete_executor(rec.id, Some(fence("replica-b", 1)))
+                .await
+                .unwrap(),
+            "already gone"
+        );
         // Gone executor: a fenced write that does not create it is refused.
-        store.delete_executor(rec.id).await.unwrap();
         assert!(
             store
                 .commit(

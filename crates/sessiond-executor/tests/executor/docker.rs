@@ -542,3 +542,35 @@ async fn agent_container_is_a_boundary() {
     cleanup(&f, &other).await;
     cleanup(&f, &handle).await;
 }
+
+/// Every call of a launch carries the owner's lease epoch, the readiness
+/// check included, and so does the readiness check of a restarted
+/// container: the agentctl refuses an older owner from its first call.
+#[tokio::test]
+#[ignore = "needs Docker: run by cargo xtask ci"]
+async fn launch_and_restart_readiness_carry_the_lease_epoch() {
+    let f = fixture().await;
+    let mut spec = f.spec();
+    spec.lease_epoch = Some(7);
+    let handle = f.driver.launch(&spec).await.expect("launch");
+    assert_eq!(handle.lease_epoch, Some(7));
+    let mut older = handle.clone();
+    older.lease_epoch = Some(6);
+    let err = f.driver.health(&older).await.expect_err("older epoch");
+    assert!(matches!(err, Error::StaleEpoch { .. }), "{err}");
+
+    f.driver.stop(&handle).await.expect("stop");
+    let mut newer = handle.clone();
+    newer.lease_epoch = Some(9);
+    let recovered = f.driver.recover(&newer).await.expect("restart");
+    assert_eq!(recovered.action, RecoveryAction::Restarted);
+    let mut stale = recovered.handle.clone();
+    stale.lease_epoch = Some(8);
+    let err = f.driver.health(&stale).await.expect_err("older epoch");
+    assert!(matches!(err, Error::StaleEpoch { .. }), "{err}");
+    f.driver
+        .health(&recovered.handle)
+        .await
+        .expect("the restarting owner's epoch");
+    cleanup(&f, &recovered.handle).await;
+}

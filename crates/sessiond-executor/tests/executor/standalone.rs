@@ -433,3 +433,39 @@ fn listening_tcp_inodes_of(pid: u32) -> usize {
         .filter(|target| listening.contains(&target.display().to_string()))
         .count()
 }
+
+/// A launch carries the owner's lease epoch from its first (readiness)
+/// call: the new agentctl refuses an older owner at once, before the
+/// launching replica has made any call of its own through the handle.
+#[tokio::test]
+async fn a_launch_fences_older_owners_from_its_readiness_call() {
+    let f = fixture();
+    let mut spec = spec(f.workspace.path());
+    spec.lease_epoch = Some(7);
+    let handle = f.driver.launch(&spec).await.expect("launch");
+    assert_eq!(handle.lease_epoch, Some(7), "the handle keeps the epoch");
+    let mut older = handle.clone();
+    older.lease_epoch = Some(6);
+    let err = f.driver.health(&older).await.expect_err("older epoch");
+    assert!(matches!(err, Error::StaleEpoch { .. }), "{err}");
+    f.driver
+        .health(&handle)
+        .await
+        .expect("the launcher's epoch");
+
+    // A relaunch keeps carrying the handle's epoch.
+    let own = OwnedProcess::open(pid_of(&handle), handle.pid_start_time.expect("start time"))
+        .expect("our process");
+    own.signal(rustix::process::Signal::KILL).expect("kill -9");
+    assert_gone(pid_of(&handle)).await;
+    let mut newer = handle.clone();
+    newer.lease_epoch = Some(9);
+    let recovered = f.driver.recover(&newer).await.expect("relaunch");
+    assert_eq!(recovered.action, RecoveryAction::Relaunched);
+    let mut stale = recovered.handle.clone();
+    stale.lease_epoch = Some(8);
+    let err = f.driver.health(&stale).await.expect_err("older epoch");
+    assert!(matches!(err, Error::StaleEpoch { .. }), "{err}");
+    f.driver.stop(&recovered.handle).await.expect("stop");
+    assert_gone(pid_of(&recovered.handle)).await;
+}

@@ -32,6 +32,7 @@ pub fn spec(workspace: &Path) -> LaunchSpec {
         generation: 1,
         remote: None,
         image: None,
+        lease_epoch: None,
     }
 }
 

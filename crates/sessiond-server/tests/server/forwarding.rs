@@ -415,3 +415,154 @@ async fn while_ownership_moves_calls_are_retryable_then_work_after_adoption() {
         "adopted by reattaching: the same agentctl"
     );
 }
+
+/// Replica `id` on `db` serving TLS with the test PKI's server certificate,
+/// trusting `peer_ca` (a file of `pki`) for the other replicas.
+fn tls_replica(
+    root: &Path,
+    id: &str,
+    db: &str,
+    pki: &crate::security::Pki,
+    peer_ca: &str,
+) -> Server {
+    let config = config(root);
+    start_env(
+        &root.join(id),
+        &[
+            "--database-url",
+            db,
+            "--replica-id",
+            id,
+            "--lease-ttl",
+            "30s",
+            "--config",
+            &config,
+            "--tls-cert",
+            &pki.path("server.pem"),
+            "--tls-key",
+            &pki.path("server.key"),
+            "--peer-tls-ca-file",
+            &pki.path(peer_ca),
+        ],
+        Some(TOKEN),
+        None,
+        &[],
+    )
+}
+
+/// A channel to a replica serving TLS, trusting the test PKI's CA.
+async fn tls_channel(server: &Server, pki: &crate::security::Pki) -> tonic::transport::Channel {
+    let ca = std::fs::read(pki.path("ca.pem")).unwrap();
+    tonic::transport::Channel::from_shared(format!("https://{}", server.addr))
+        .unwrap()
+        .tls_config(
+            tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(ca)),
+        )
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// A client of a replica serving TLS, once its recovery pass is done
+/// (health SERVING).
+async fn tls_sessions(server: &Server, pki: &crate::security::Pki) -> Sessions {
+    use tonic_health::pb::{
+        HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+    };
+    let channel = tls_channel(server, pki).await;
+    let health = HealthClient::new(channel.clone());
+    crate::replicas::until("health SERVING", Duration::from_secs(60), || {
+        let mut health = health.clone();
+        async move {
+            health
+                .check(HealthCheckRequest {
+                    service: String::new(),
+                })
+                .await
+                .is_ok_and(|r| r.into_inner().status == ServingStatus::Serving as i32)
+        }
+    })
+    .await;
+    pb::session_service_client::SessionServiceClient::with_interceptor(channel, bearer(Some(TOKEN)))
+}
+
+#[tokio::test]
+async fn replicas_serving_tls_forward_to_each_other_with_the_peer_ca() {
+    let db = sessiond_testkit::postgres::test_database();
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let pki = crate::security::Pki::new(root);
+    let store = Store::connect(db.url(), StoreOptions::default().max_connections(2))
+        .await
+        .unwrap();
+    // A and B trust the CA that signed every replica's certificate; C
+    // trusts an unrelated one.
+    let a = tls_replica(root, "replica-a", db.url(), &pki, "ca.pem");
+    let b = tls_replica(root, "replica-b", db.url(), &pki, "ca.pem");
+    let c = tls_replica(root, "replica-c", db.url(), &pki, "other-ca.pem");
+    let mut ca = tls_sessions(&a, &pki).await;
+    let mut cb = tls_sessions(&b, &pki).await;
+    let mut cc = tls_sessions(&c, &pki).await;
+    // Replicas serving TLS advertise https addresses.
+    let listed = crate::replicas::replicas(&mut cb).await.replicas;
+    for (server, id) in [(&a, "replica-a"), (&b, "replica-b"), (&c, "replica-c")] {
+        let r = listed.iter().find(|r| r.id == id).unwrap();
+        assert_eq!(r.address, format!("https://{}", server.addr), "{r:?}");
+    }
+
+    let work = worktree(root, "w");
+    let task = create_task(&mut ca, "forwarding over tls").await;
+    let s = create_session(&mut ca, &task.id, &work, "asker").await;
+    assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
+    assert_eq!(owner(&store, &s.id).await.as_deref(), Some("replica-a"));
+
+    // SendMessage on B: forwarded to A over TLS, the turn runs there once.
+    let reply = prompt(&mut cb, &task.id, &s.id, "hello over tls").await;
+    assert!(reply.contains("turn 1"), "{reply}");
+    let (users, agents) = transcript(&mut ca, &task.id, &s.id).await;
+    assert_eq!(users, ["hello over tls"]);
+    assert_eq!(agents.len(), 1, "one turn: {agents:?}");
+    assert_eq!(
+        rpc_count(&a, "/sessiond.v1.SessionService/SendMessage", "OK").await,
+        1,
+        "A ran the forwarded SendMessage"
+    );
+    let agentctls = world(root);
+    assert_eq!(agentctls.len(), 1, "{agentctls:?}");
+    assert_one_each(&agentctls);
+
+    // C does not trust A's certificate: a clean not_owner naming A and the
+    // cause, at once (no hang, no retry loop), and nothing runs.
+    let started = std::time::Instant::now();
+    let err = cc
+        .send_message(send_request(&task.id, &s.id, "from an untrusting replica"))
+        .await
+        .unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert_eq!(metadata(&err, "sessiond-error"), "not_owner");
+    assert_eq!(metadata(&err, "sessiond-owner"), "replica-a");
+    assert_eq!(
+        metadata(&err, "sessiond-owner-address"),
+        format!("https://{}", a.addr)
+    );
+    assert!(
+        err.message().contains("not trusted") && err.message().contains("certificate"),
+        "{err:?}"
+    );
+    let (users, agents) = transcript(&mut ca, &task.id, &s.id).await;
+    assert_eq!(users, ["hello over tls"]);
+    assert_eq!(agents.len(), 1, "{agents:?}");
+    assert_eq!(
+        rpc_count(&a, "/sessiond.v1.SessionService/SendMessage", "OK").await,
+        1,
+        "nothing reached A from C"
+    );
+    assert_eq!(owner(&store, &s.id).await.as_deref(), Some("replica-a"));
+}

@@ -1075,16 +1075,16 @@ async fn a_symlinked_directory_leading_outside_is_refused_for_read_and_write() {
 /// Certificates made for one test with the `openssl` CLI: a CA, agentctl's
 /// server certificate (127.0.0.1, localhost) and sessiond's client
 /// certificate signed by it, and an unrelated CA.
-struct Pki {
+pub(crate) struct Pki {
     dir: std::path::PathBuf,
 }
 
 impl Pki {
-    fn path(&self, name: &str) -> String {
+    pub(crate) fn path(&self, name: &str) -> String {
         self.dir.join(name).display().to_string()
     }
 
-    fn new(dir: &std::path::Path) -> Pki {
+    pub(crate) fn new(dir: &std::path::Path) -> Pki {
         let dir = dir.join("pki");
         std::fs::create_dir_all(&dir).unwrap();
         let run = |args: &[&str]| {

@@ -224,7 +224,7 @@ pub async fn channel(addr: &str) -> Channel {
         .unwrap()
 }
 
-fn bearer(token: Option<&str>) -> Bearer {
+pub fn bearer(token: Option<&str>) -> Bearer {
     Bearer(token.map(|t| format!("Bearer {t}").parse().unwrap()))
 }
 
