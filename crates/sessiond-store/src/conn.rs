@@ -184,12 +184,20 @@ impl ManageConnection for Manager {
                     .map_err(r2d2::Error::ConnectionError)?;
                 let pragmas = format!(
                     "PRAGMA busy_timeout = {};
-                     PRAGMA journal_mode = WAL;
                      PRAGMA synchronous = NORMAL;
                      PRAGMA foreign_keys = ON;",
                     self.busy_timeout.as_millis()
                 );
                 c.batch_execute(&pragmas).map_err(r2d2::Error::QueryError)?;
+                // WAL is a property of the file, and switching to it takes
+                // an exclusive lock that busy_timeout does not wait for: the
+                // pool opens several connections at once, so only one that
+                // finds the file not yet in WAL switches it (the store opens
+                // one connection alone first, see `Store::open`).
+                if !is_wal(&mut c).map_err(r2d2::Error::QueryError)? {
+                    c.batch_execute("PRAGMA journal_mode = WAL;")
+                        .map_err(r2d2::Error::QueryError)?;
+                }
                 Ok(AnyConnection::Sqlite(c))
             }
         }
@@ -202,6 +210,19 @@ impl ManageConnection for Manager {
     fn has_broken(&self, conn: &mut AnyConnection) -> bool {
         std::thread::panicking() || conn.is_broken()
     }
+}
+
+/// Whether the SQLite file is already in WAL mode (reading the mode takes
+/// no lock; an in-memory database answers `memory`).
+fn is_wal(c: &mut SqliteConnection) -> diesel::QueryResult<bool> {
+    #[derive(diesel::QueryableByName)]
+    struct Mode {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        journal_mode: String,
+    }
+    use diesel::RunQueryDsl;
+    let mode: Mode = diesel::sql_query("PRAGMA journal_mode").get_result(c)?;
+    Ok(mode.journal_mode.eq_ignore_ascii_case("wal"))
 }
 
 impl From<diesel::result::Error> for Error {

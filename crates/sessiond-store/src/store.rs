@@ -8,7 +8,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use diesel::{connection::SimpleConnection, prelude::*, r2d2::Pool};
+use diesel::{
+    connection::SimpleConnection,
+    prelude::*,
+    r2d2::{ManageConnection, Pool},
+};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 use sessiond_domain::{
     AgentProfile, AgentProfileId, Event, EventPayload, ExecutorId, ExecutorRecord, ExecutorStatus,
@@ -216,6 +220,11 @@ impl Store {
             } else {
                 1
             };
+            if backend == Backend::Sqlite {
+                // One connection alone first switches a new file to WAL, so
+                // the pool's connections, opened at once, only read the mode.
+                drop(manager.connect().map_err(|e| Error::Pool(Box::new(e)))?);
+            }
             let pool = Pool::builder()
                 .max_size(max)
                 .min_idle(Some(idle))
