@@ -743,6 +743,7 @@ impl SessionManager {
         }
         change = change.task_event(session.task_id, TaskEvent::WorkStarted);
         let committed = self.commit(change).await?;
+        tracing::debug!(%session_id, "turn start committed; prompting");
         let stored = committed
             .messages
             .into_iter()

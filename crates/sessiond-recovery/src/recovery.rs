@@ -46,6 +46,15 @@ const LIVENESS_CONCURRENCY: usize = 16;
 /// Executors the pass reads at once (see `load_recoverable`).
 const LOAD_PAGE: u32 = 1_000;
 
+/// The pass's slow start: its first recoveries begin [`RAMP_STEP`] at a
+/// time, [`RAMP_INTERVAL`] apart, up to its concurrency. Started all at once,
+/// `concurrency` recoveries open that many agentctl connections in the
+/// same instant, and a call arriving then (users come back right after a
+/// restart) waits behind that burst; staggered over a few tens of ms it
+/// costs the pass nothing measurable (18 s at 10,000 executors).
+const RAMP_STEP: usize = 8;
+const RAMP_INTERVAL: Duration = Duration::from_millis(8);
+
 /// The error code (message prefix) of an executor whose remote host is being
 /// reconnected in the background.
 const RECONNECTING: &str = "reconnecting:";
@@ -206,10 +215,18 @@ impl SessionManager {
         );
         let gate = self.pass_gate();
         let concurrency = self.inner.config.recovery_concurrency.max(1);
+        let ramp_from = tokio::time::Instant::now();
         let passed: Vec<(SessionId, PassResult)> = futures::stream::iter(records)
-            .map(|record| {
+            .enumerate()
+            .map(|(i, record)| {
                 let me = self.clone();
                 let gate = gate.clone();
+                // Only the first `concurrency` wait: later ones start when a
+                // slot frees, by which time the ramp is over.
+                let start_at = (i < concurrency).then(|| {
+                    let steps = u32::try_from(i / RAMP_STEP).unwrap_or(u32::MAX);
+                    ramp_from + RAMP_INTERVAL.saturating_mul(steps)
+                });
                 let span = tracing::info_span!(
                     "recover_executor",
                     executor_id = %record.id,
@@ -220,6 +237,9 @@ impl SessionManager {
                 );
                 tracing::Instrument::instrument(
                     async move {
+                        if let Some(at) = start_at {
+                            tokio::time::sleep_until(at).await;
+                        }
                         if let Some(gate) = gate {
                             gate().await;
                         }
@@ -305,6 +325,7 @@ impl SessionManager {
         let mut records: Vec<ExecutorRecord> = Vec::new();
         loop {
             let after = records.last().map(|r| (r.created_at, r.id));
+            let t = Instant::now();
             let page = self
                 .inner
                 .store
@@ -312,10 +333,18 @@ impl SessionManager {
                 .await?;
             let full = page.len() == LOAD_PAGE as usize;
             records.extend(page);
+            let read = t.elapsed();
             if !full {
+                tracing::debug!(loaded = records.len(), read_ms = crate::lifecycle::ms(read), "recovery load: last page read");
                 return Ok(records);
             }
-            self.yield_to_calls().await;
+            let paused = self.yield_to_calls().await;
+            tracing::debug!(
+                loaded = records.len(),
+                read_ms = crate::lifecycle::ms(read),
+                paused_ms = crate::lifecycle::ms(paused),
+                "recovery load: page read"
+            );
         }
     }
 
@@ -401,6 +430,13 @@ impl SessionManager {
             Some(p) => p,
             None => store.get_agent_profile(session.agent_profile_id).await?,
         };
+        if call {
+            tracing::debug!(
+                session_id = %record.session_id,
+                at_ms = crate::lifecycle::ms(began.elapsed()),
+                "call's recovery: records read"
+            );
+        }
         let input = RecoveryInput::new(
             &record,
             &session,

@@ -6,9 +6,12 @@
 //! them: for SQLite's single writer (this process's writers take turns on
 //! one lock) and for the pool's connections. Work run inside
 //! [`Store::yielding`] (with a [`Yield`] flag that is set) takes the write
-//! turn only when no other writer waits, and holds at most all but
-//! [`RESERVED`] of the pool's connections, so a call's store work never
-//! waits for more than the one statement in progress. The flag is shared:
+//! turn only when no other writer waits, and, while anyone else's store
+//! call is in flight, holds at most all but [`RESERVED`] of the pool's
+//! connections besides the writer's, so a call's store work never waits
+//! for more than the one statement in progress. Alone (no other store call
+//! in flight: the pass without any call) it uses the pool as work that does
+//! not yield would, so yielding costs the pass nothing. The flag is shared:
 //! clearing it ([`Yield::promote`]) makes work already under way stop
 //! yielding (a call joined that recovery and now waits for it).
 //!
@@ -22,7 +25,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-/// Connections of the pool that yielding work never takes.
+/// Connections of the pool (besides the writer's) that yielding work leaves
+/// free while anyone else's store call is in flight.
 pub(crate) const RESERVED: u32 = 2;
 
 /// Whether the store work of a task yields to others (see the module docs).
@@ -122,11 +126,31 @@ impl Turns {
     }
 }
 
-/// Counts the pool connections yielding work holds.
+/// Counts the pool connections yielding work holds, and the store calls
+/// of everyone else in flight.
+///
+/// Yielding work holds at most all the pool's connections but one (kept for
+/// SQLite's writer, which takes no slot: see `Store::write`) while nobody
+/// else is using the store, so the pass alone runs as it would without
+/// yielding; while another call is in flight it holds at most all but
+/// [`RESERVED`] more, so that call waits for at most one yielding statement
+/// to end (new yielding work waits here, not in the pool's queue).
 #[derive(Debug)]
 pub(crate) struct Slots {
-    free: Mutex<u32>,
+    state: Mutex<SlotState>,
     freed: Condvar,
+    /// Connections yielding work may hold while nobody else uses the store.
+    alone: u32,
+    /// ... and while someone does.
+    shared: u32,
+}
+
+#[derive(Debug, Default)]
+struct SlotState {
+    /// Connections held (or being checked out) by yielding work.
+    held: u32,
+    /// Store calls of non-yielding work in flight.
+    urgent: u32,
 }
 
 /// One connection's worth of [`Slots`], given back when dropped.
@@ -134,19 +158,44 @@ pub(crate) struct Slot<'a>(&'a Slots);
 
 impl Drop for Slot<'_> {
     fn drop(&mut self) {
-        *self.0.free.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+        self.0.lock().held -= 1;
         self.0.freed.notify_one();
     }
 }
 
+/// A non-yielding store call in flight (see [`Slots::urgent`]).
+pub(crate) struct Urgent<'a>(&'a Slots);
+
+impl Drop for Urgent<'_> {
+    fn drop(&mut self) {
+        self.0.lock().urgent -= 1;
+        // Yielding work waiting for the tighter limit may go on.
+        self.0.freed.notify_all();
+    }
+}
+
 impl Slots {
-    /// `pool_size` connections, of which yielding work may hold all but
-    /// [`RESERVED`] (at least one).
+    /// For a pool of `pool_size` connections (see the type's docs; each
+    /// limit at least one).
     pub(crate) fn new(pool_size: u32) -> Self {
+        let alone = pool_size.saturating_sub(1).max(1);
         Slots {
-            free: Mutex::new(pool_size.saturating_sub(RESERVED).max(1)),
+            state: Mutex::default(),
             freed: Condvar::new(),
+            alone,
+            shared: pool_size.saturating_sub(1 + RESERVED).max(1).min(alone),
         }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A store call of work that does not yield is starting: from now until
+    /// the guard drops, yielding work keeps [`RESERVED`] connections free.
+    pub(crate) fn urgent(&self) -> Urgent<'_> {
+        self.lock().urgent += 1;
+        Urgent(self)
     }
 
     /// For yielding work: waits for a slot (up to `timeout`, the pool's own
@@ -160,19 +209,23 @@ impl Slots {
             return Ok(None);
         }
         let until = Instant::now() + timeout;
-        let mut free = self.free.lock().unwrap_or_else(PoisonError::into_inner);
-        while *free == 0 {
+        let mut s = self.lock();
+        loop {
+            let limit = if s.urgent > 0 { self.shared } else { self.alone };
+            if s.held < limit {
+                break;
+            }
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(());
             }
-            free = self
+            s = self
                 .freed
-                .wait_timeout(free, left)
+                .wait_timeout(s, left)
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
         }
-        *free -= 1;
+        s.held += 1;
         Ok(Some(Slot(self)))
     }
 }
@@ -232,16 +285,49 @@ mod tests {
     }
 
     #[test]
-    fn yielding_work_leaves_reserved_connections() {
+    fn yielding_work_leaves_reserved_connections_while_others_use_the_store() {
         let slots = Slots::new(8);
         let low = Yield::new();
-        let held: Vec<_> = (0..6)
+        // Alone: all but the writer's connection.
+        let mut held: Vec<_> = (0..7)
             .map(|_| slots.take(Some(&low), Duration::from_secs(1)).unwrap())
             .collect();
         assert!(slots.take(Some(&low), Duration::from_millis(20)).is_err());
         // Urgent work takes no slot at all.
         assert!(slots.take(None, Duration::ZERO).unwrap().is_none());
+        // Someone else is using the store: yielding work shrinks to 5 (two
+        // more left free) as its statements end.
+        let call = slots.urgent();
+        held.truncate(5);
+        assert!(slots.take(Some(&low), Duration::from_millis(20)).is_err());
+        drop(call);
+        let sixth = slots.take(Some(&low), Duration::ZERO).unwrap();
+        assert!(sixth.is_some());
         drop(held);
         assert!(slots.take(Some(&low), Duration::ZERO).unwrap().is_some());
+    }
+
+    #[test]
+    fn the_last_urgent_call_ending_wakes_waiting_yielding_work() {
+        let slots = Arc::new(Slots::new(8));
+        let call = slots.urgent();
+        let low = Yield::new();
+        let held: Vec<_> = (0..5)
+            .map(|_| slots.take(Some(&low), Duration::from_secs(1)).unwrap())
+            .collect();
+        let waiter = {
+            let (slots, low) = (slots.clone(), low.clone());
+            std::thread::spawn(move || {
+                slots
+                    .take(Some(&low), Duration::from_secs(30))
+                    .map(|s| s.is_some())
+            })
+        };
+        // Let it reach the wait (if it has not, it takes the slot at once
+        // below: the test passes without proving the wake-up, never fails).
+        std::thread::sleep(Duration::from_millis(50));
+        drop(call);
+        assert_eq!(waiter.join().unwrap(), Ok(true));
+        drop(held);
     }
 }

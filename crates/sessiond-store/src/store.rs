@@ -1017,6 +1017,7 @@ impl Store {
         let flag = lanes::current();
         blocking(move || {
             let asked = Instant::now();
+            let _urgent = (!flag.as_ref().is_some_and(Yield::is_yielding)).then(|| slots.urgent());
             let _slot = slots
                 .take(flag.as_ref(), timeout)
                 .map_err(|()| Error::Pool(Box::new(TimedOut(timeout))))?;
@@ -1045,10 +1046,18 @@ impl Store {
             // when it freed; queued here, the next one starts at once. The
             // turn is taken before the pool checkout, so a waiting writer
             // holds no connection. (Other processes still meet busy_timeout.)
-            let _turn = writer.as_ref().map(|w| w.take(flag.as_ref()));
-            let _slot = slots
-                .take(flag.as_ref(), timeout)
-                .map_err(|()| Error::Pool(Box::new(TimedOut(timeout))))?;
+            let _urgent = (!flag.as_ref().is_some_and(Yield::is_yielding)).then(|| slots.urgent());
+            let turn = writer.as_ref().map(|w| w.take(flag.as_ref()));
+            // The one writer holding SQLite's turn takes no slot: yielding
+            // work leaves it a connection (`lanes::Slots`), so the pass's
+            // serial writes never wait behind its own reads.
+            let _slot = if turn.is_some() {
+                None
+            } else {
+                slots
+                    .take(flag.as_ref(), timeout)
+                    .map_err(|()| Error::Pool(Box::new(TimedOut(timeout))))?
+            };
             let mut conn = pool.get()?;
             waited("write", flag.as_ref(), asked);
             write_transaction(&mut conn, f)
