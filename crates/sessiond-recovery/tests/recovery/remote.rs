@@ -584,3 +584,96 @@ async fn remote_host_gone_during_the_agents_resume_reconnects() {
     host.kill().await;
     w.finish(&mgr, &[]).await;
 }
+
+/// An explicit resume of a RUNNING remote session (its turn pending for the
+/// reconnect) while the host is down: UNAVAILABLE, and the turn stays
+/// pending (session STARTING, the turn kept) for the reconnect. When the
+/// window closes with the host still down, the reconnect gives it up: the
+/// session goes ERROR and the turn ends interrupted in that commit (the
+/// system message, the turn cleared and kept for RetryTurn). Once the host
+/// is back a resume continues the conversation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_explicit_resume_while_unreachable_keeps_the_turn_until_the_window_closes() {
+    const WINDOW: Duration = Duration::from_secs(3);
+    let w = World::new(Db::Sqlite).await;
+    let id = ExecutorId::new();
+    let secret = sessiond_executor::fresh_secret();
+    let port = free_port();
+    let wt = w.worktree("remote");
+    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let config = ManagerConfig {
+        remote_retry_window: WINDOW,
+        ..w.config()
+    };
+    let mgr = w.manager_with(config.clone());
+    let remote = RemoteAgentctl {
+        executor_id: id,
+        url: format!("http://127.0.0.1:{port}"),
+        auth_secret: secret.clone(),
+    };
+    let s = w
+        .create_with(&mgr, "remote", &w.profile, Some(remote))
+        .await;
+    host.track_agent(&w);
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    host.kill().await;
+    // The backend died with turn two stored and not sent.
+    let two = crate::pending::commit_user_message(&w, &s, "two").await;
+
+    let mgr = w.manager_with(config);
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Retrying), 1, "{summary:?}");
+    let err = mgr
+        .resume_session(w.task.id, s.id)
+        .await
+        .expect_err("the host is down");
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    let stored = w.store.get_session(s.id).await.unwrap();
+    assert_eq!(stored.state, SessionState::Starting, "{stored:?}");
+    assert_eq!(
+        stored.metadata.get("turn_id"),
+        Some(&two.id.to_string()),
+        "the turn stays pending for the reconnect: {stored:?}"
+    );
+
+    // The window closes with the host still down: given up.
+    let deadline = Instant::now() + WINDOW + Duration::from_secs(60);
+    loop {
+        let r = w.record(s.id).await;
+        if !r
+            .error_message
+            .as_deref()
+            .is_some_and(|m| m.starts_with("reconnecting:"))
+        {
+            assert_eq!(r.status, ExecutorStatus::Error, "{r:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "never given up: {r:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let after = w.store.get_session(s.id).await.unwrap();
+    assert_eq!(after.state, SessionState::Error, "{after:?}");
+    assert!(!after.metadata.contains_key("turn_id"), "{after:?}");
+    assert_eq!(
+        after.metadata.get("interrupted_turn"),
+        Some(&two.id.to_string())
+    );
+    let msgs = w.messages(s.id).await;
+    let last = msgs.last().unwrap();
+    assert_eq!(last.role, sessiond_domain::MessageRole::System, "{msgs:?}");
+    assert!(
+        last.content.starts_with("the turn was interrupted"),
+        "{last:?}"
+    );
+
+    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let st = mgr.resume_session(w.task.id, s.id).await.unwrap();
+    assert!(st.is_agent_running, "{st:?}");
+    host.track_agent(&w);
+    w.prompt(&mgr, s.id, "three").await;
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    host.kill().await;
+    w.finish(&mgr, &[]).await;
+}
