@@ -409,7 +409,11 @@ impl SessionManager {
             records.extend(page);
             let read = t.elapsed();
             if !full {
-                tracing::debug!(loaded = records.len(), read_ms = crate::lifecycle::ms(read), "recovery load: last page read");
+                tracing::debug!(
+                    loaded = records.len(),
+                    read_ms = crate::lifecycle::ms(read),
+                    "recovery load: last page read"
+                );
                 return Ok(records);
             }
             let paused = self.yield_to_calls().await;

@@ -211,7 +211,11 @@ impl Slots {
         let until = Instant::now() + timeout;
         let mut s = self.lock();
         loop {
-            let limit = if s.urgent > 0 { self.shared } else { self.alone };
+            let limit = if s.urgent > 0 {
+                self.shared
+            } else {
+                self.alone
+            };
             if s.held < limit {
                 break;
             }
