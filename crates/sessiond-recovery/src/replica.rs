@@ -711,11 +711,7 @@ impl SessionManager {
     /// here and never recovered would otherwise stay stuck, its lease
     /// renewed by every heartbeat. Returns how many leases it claimed and
     /// the sessions to recover now.
-    async fn claim_adoptions(
-        &self,
-        limit: usize,
-        retry: bool,
-    ) -> Result<(usize, Vec<SessionId>)> {
+    async fn claim_adoptions(&self, limit: usize, retry: bool) -> Result<(usize, Vec<SessionId>)> {
         let r = &self.inner.config.replica;
         let limit = u32::try_from(limit)
             .unwrap_or(ADOPTION_BATCH)

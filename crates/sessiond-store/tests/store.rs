@@ -1906,10 +1906,8 @@ async fn postgres_concurrent_claims_skip_each_others_rows() {
     let holder = std::thread::spawn(move || {
         let mut c = diesel::PgConnection::establish(&url).unwrap();
         c.transaction::<_, diesel::result::Error, _>(|c| {
-            diesel::sql_query(
-                "SELECT id FROM executors_running ORDER BY id LIMIT 4 FOR UPDATE",
-            )
-            .execute(c)?;
+            diesel::sql_query("SELECT id FROM executors_running ORDER BY id LIMIT 4 FOR UPDATE")
+                .execute(c)?;
             locked_tx.send(()).unwrap();
             release_rx.recv().unwrap();
             Ok(())
@@ -1937,20 +1935,25 @@ async fn postgres_concurrent_claims_skip_each_others_rows() {
     let first = store.claim_expired("alive-1", now, ttl, 64).await.unwrap();
     let mut got1: Vec<String> = first.iter().map(|c| c.record.id.to_string()).collect();
     got1.sort();
-    assert_eq!(got1, ids[..3], "half of the 5 left (rounded up), none twice");
+    assert_eq!(
+        got1,
+        ids[..3],
+        "half of the 5 left (rounded up), none twice"
+    );
     for c in second.iter().chain(&first) {
         assert_eq!(c.epoch, c.record.lease_epoch, "the epoch the claim wrote");
         assert!(c.epoch >= 1);
     }
-    let owners: BTreeMap<String, usize> = store
-        .list_executors()
-        .await
-        .unwrap()
-        .into_iter()
-        .fold(BTreeMap::new(), |mut m, r| {
-            *m.entry(r.owner_id.unwrap_or_default()).or_default() += 1;
-            m
-        });
+    let owners: BTreeMap<String, usize> =
+        store
+            .list_executors()
+            .await
+            .unwrap()
+            .into_iter()
+            .fold(BTreeMap::new(), |mut m, r| {
+                *m.entry(r.owner_id.unwrap_or_default()).or_default() += 1;
+                m
+            });
     assert_eq!(
         owners,
         BTreeMap::from([
