@@ -120,7 +120,17 @@ impl SessionManager {
             )));
         }
         let profile = store.get_agent_profile(req.agent_profile_id).await?;
-        self.driver(req.runtime)?;
+        if !self.inner.drivers.contains_key(&req.runtime) {
+            return Err(Error::InvalidArgument(format!(
+                "runtime {}: no executor driver is registered for it; registered runtimes: {}",
+                req.runtime,
+                self.runtimes()
+                    .iter()
+                    .map(Runtime::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
         if req.worktree.path.is_empty() {
             return Err(Error::InvalidArgument("worktree path is empty".into()));
         }
