@@ -110,8 +110,11 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum TaskCmd {
+    /// Create a task; sessions belong to one.
     Create { title: String },
+    /// List every task.
     List,
+    /// Show one task.
     Get { task_id: String },
 }
 
@@ -158,10 +161,12 @@ enum SessionCmd {
         #[arg(long)]
         remote_executor_id: Option<String>,
     },
+    /// List the task's sessions with their state and runtime.
     List {
         #[command(flatten)]
         task: TaskArg,
     },
+    /// Show one session.
     Get(SessionRef),
     /// Session-specific status: executor, agent, resumability.
     Status(SessionRef),

@@ -275,7 +275,9 @@ pub enum Action {
         event: EventPayload,
     },
     /// Launch the agent if none runs and load the conversation.
-    /// Expect `ResumeSucceeded` / `ResumeFailed` / `ConversationLost`.
+    /// Expect `ResumeSucceeded` / `ResumeFailed` / `ConversationLost`, or
+    /// `HostUnreachable` when a remote host went away during it (a transport
+    /// error, and `Health` confirms the host no longer answers).
     ResumeAgent {
         /// The agent's token of the conversation to load.
         resume_token: String,
@@ -766,6 +768,16 @@ impl Recovery {
                 SessionEvent::Failed,
                 Some(RecoveryFailure::ConversationLost { reason }),
             ),
+            // The remote host went away between its Health and the agent's
+            // resume: the host's failure, not the agent's, so the reconnect
+            // path (inside the window) rather than `resume_failed`.
+            (
+                P::Resuming,
+                O::HostUnreachable {
+                    reason,
+                    retry_in_background,
+                },
+            ) => self.unreachable(reason, retry_in_background),
             (P::Resuming, O::DeadlineExceeded) => self.ready_done(
                 OutcomeLabel::ResumeFailed,
                 SessionEvent::Failed,
@@ -1912,6 +1924,55 @@ mod tests {
             }],
             Expect {
                 actions: &["health_check", "done"],
+                label: L::ExecutorError,
+                executor: ExecutorStatus::Error,
+                session: S::Error,
+                workspace: false,
+                events: AGENTCTL_ERROR_AND_STATE,
+            },
+        );
+        let resume_steps = &[
+            "health_check",
+            "probe_capabilities",
+            "mark_ready",
+            "resume_agent",
+            "done",
+        ];
+        check(
+            "host gone during the agent's resume, inside the window: retry, turn kept",
+            remote(S::Running),
+            vec![
+                healthy(),
+                caps(true),
+                O::Applied,
+                O::HostUnreachable {
+                    reason: "connection refused".into(),
+                    retry_in_background: true,
+                },
+            ],
+            Expect {
+                actions: resume_steps,
+                label: L::Retrying,
+                executor: ExecutorStatus::Error,
+                session: S::Running,
+                workspace: false,
+                events: &[EventKind::AgentctlError],
+            },
+        );
+        check(
+            "host gone during the agent's resume, after the window",
+            remote(S::WaitingForInput),
+            vec![
+                healthy(),
+                caps(true),
+                O::Applied,
+                O::HostUnreachable {
+                    reason: "connection refused".into(),
+                    retry_in_background: false,
+                },
+            ],
+            Expect {
+                actions: resume_steps,
                 label: L::ExecutorError,
                 executor: ExecutorStatus::Error,
                 session: S::Error,

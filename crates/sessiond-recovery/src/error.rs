@@ -295,6 +295,23 @@ impl Error {
         }
     }
 
+    /// The call did not reach its peer, or its answer did not come back (a
+    /// transport failure), as opposed to an answer that is an error.
+    pub(crate) fn is_transport(&self) -> bool {
+        match self {
+            Error::Unavailable(_) => true,
+            Error::Executor(e) => e.is_unavailable(),
+            Error::Agent { code, .. } => matches!(
+                code,
+                tonic::Code::Unavailable
+                    | tonic::Code::DeadlineExceeded
+                    | tonic::Code::Unknown
+                    | tonic::Code::Cancelled
+            ),
+            _ => false,
+        }
+    }
+
     pub(crate) fn agent(call: &'static str, status: &tonic::Status) -> Error {
         Error::Agent {
             call,

@@ -292,9 +292,83 @@ impl SessionManager {
                 counts
             }
         );
+        self.settle_stale_turns().await;
         self.mark_first_recovery_done();
         self.start_liveness_checks();
         Ok(summary)
+    }
+
+    /// Turns left pending in ERROR sessions by versions that did not end
+    /// them when the session failed: no pump settles a turn of a session
+    /// that is not RUNNING, so each is ended interrupted here (see
+    /// [`Self::settle_stale_turn`]). After the pass, so the agents it found
+    /// running are known; sessions another replica owns are left to it.
+    /// Best effort: a failure is logged and the next start tries again.
+    async fn settle_stale_turns(&self) {
+        let stale = match self
+            .inner
+            .store
+            .list_sessions_with_metadata_key(SessionState::Error, crate::pump::TURN_KEY.to_owned())
+            .await
+        {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not look for turns left pending in ERROR sessions");
+                return;
+            }
+        };
+        for session in stale {
+            let id = session.id;
+            if !self.owns(id) {
+                continue;
+            }
+            let _guard = self.lock_session(id).await;
+            let settled = match self.inner.store.get_session(id).await {
+                Ok(s) => self.settle_stale_turn(s).await.map(|_| ()),
+                Err(e) => Err(e.into()),
+            };
+            if let Err(e) = settled {
+                tracing::warn!(session = %id, error = %e, "could not end a turn left pending in an ERROR session");
+            }
+        }
+    }
+
+    /// A session in ERROR whose metadata still names a pending turn, with no
+    /// agent running (written before every path to ERROR ended its turn):
+    /// the turn ends interrupted as `finish` ends it (partial reply marked,
+    /// the system message, `turn_ended`, the turn cleared and kept for
+    /// RetryTurn) in one commit; the session stays ERROR. Idempotent: a
+    /// session without such a turn is returned unchanged, and the commit
+    /// clears it. The caller holds the session lock.
+    pub(crate) async fn settle_stale_turn(&self, session: Session) -> Result<Session> {
+        let Some(turn) = session.metadata.get(crate::pump::TURN_KEY).cloned() else {
+            return Ok(session);
+        };
+        if session.state != SessionState::Error
+            || self
+                .execution(session.id)
+                .is_some_and(|e| e.agent == AgentProcessState::Running)
+        {
+            return Ok(session);
+        }
+        let why = format!(
+            "the session is in ERROR ({}) and no agent runs this turn",
+            session
+                .error_message
+                .as_deref()
+                .unwrap_or("no reason recorded")
+        );
+        let mut next = session.clone();
+        let change =
+            crate::pump::interrupt_turn(self, &session, &turn, &why, Changeset::new(), &mut next)
+                .await?;
+        let committed = self.commit(change.update_session(next)).await?;
+        self.inner
+            .metrics
+            .turn_ended(session.id, crate::metrics::TurnOutcome::Interrupted);
+        tracing::warn!(session = %session.id, %turn,
+            "a turn left pending in an ERROR session ended interrupted");
+        Ok(committed.session.unwrap_or(session))
     }
 
     /// Every executor the pass must look at (`starting` or `ready`), read
@@ -711,6 +785,15 @@ impl SessionManager {
                         Observation::ResumeSucceeded
                     }
                     Ok(Err(e)) => {
+                        // The remote host went away after its Health: the
+                        // host's failure, reconnected like any other.
+                        if let Some(reason) = self.remote_host_gone(&run.record, Some(&e)).await {
+                            self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
+                            return Ok(Observation::HostUnreachable {
+                                reason,
+                                retry_in_background,
+                            });
+                        }
                         self.stop_agent_quietly(&run.record).await;
                         self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
                         if load_refused(&e) {
@@ -724,8 +807,14 @@ impl SessionManager {
                         }
                     }
                     Err(_) => {
-                        self.stop_agent_quietly(&run.record).await;
                         self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
+                        if let Some(reason) = self.remote_host_gone(&run.record, None).await {
+                            return Ok(Observation::HostUnreachable {
+                                reason,
+                                retry_in_background,
+                            });
+                        }
+                        self.stop_agent_quietly(&run.record).await;
                         Observation::DeadlineExceeded
                     }
                 }
@@ -776,6 +865,40 @@ impl SessionManager {
                 return Err(Error::Internal("Done is handled by the caller".into()));
             }
         })
+    }
+
+    /// A call to a remote executor's agentctl failed (`failure`; `None`: it
+    /// did not finish in time): did its host go away? Only a transport
+    /// failure can mean that (any answer of agentctl or its agent says the
+    /// host is there), and only if `Health` now fails in transport too, so
+    /// an agent that refuses a resume stays the agent's failure. `Some`:
+    /// the host does not answer, and why.
+    pub(crate) async fn remote_host_gone(
+        &self,
+        record: &ExecutorRecord,
+        failure: Option<&Error>,
+    ) -> Option<String> {
+        if record.runtime != Runtime::Remote || !failure.is_none_or(Error::is_transport) {
+            return None;
+        }
+        let driver = self.driver(record.runtime).ok()?;
+        let handle = ExecutorHandle::from_record(record);
+        let limit = self
+            .inner
+            .config
+            .executor_deadline
+            .min(Duration::from_secs(5));
+        let confirmed = match tokio::time::timeout(limit, driver.health(&handle)).await {
+            Err(_) => format!("Health did not answer within {limit:?}"),
+            Ok(Err(e)) if e.is_unavailable() => e.to_string(),
+            Ok(_) => return None,
+        };
+        let reason = match failure {
+            Some(e) => format!("{e}; {confirmed}"),
+            None => format!("the call did not finish in time; {confirmed}"),
+        };
+        tracing::info!(executor_id = %record.id, %reason, "the remote host went away during the resume");
+        Some(reason)
     }
 
     /// Removes what a driver kept for an executor whose container no longer
@@ -1170,7 +1293,7 @@ pub(crate) fn remote_lost(record: &ExecutorRecord, reason: &str) -> Result<Chang
 /// The background reconnect window of a remote executor is still open:
 /// counted from its last sign of life, but never from before the backend
 /// started (its own outage must not use the window up).
-fn window_open(
+pub(crate) fn window_open(
     record: &ExecutorRecord,
     window: Duration,
     now: chrono::DateTime<Utc>,

@@ -17,9 +17,9 @@ use std::path::Path;
 use chrono::Utc;
 use futures::FutureExt;
 use sessiond_domain::{
-    AgentProcessState, EventPayload, ExecutorEvent, ExecutorStatus, OutcomeLabel, RecoveryFailure,
-    ResumeRefused, Runtime, Session, SessionEvent, SessionId, SessionStatus, TaskEvent, TaskId,
-    check_resume,
+    AgentProcessState, EventPayload, ExecutorEvent, ExecutorRecord, ExecutorStatus, OutcomeLabel,
+    RecoveryFailure, ResumeRefused, Runtime, Session, SessionEvent, SessionId, SessionStatus,
+    TaskEvent, TaskId, check_resume,
 };
 use sessiond_executor::{ExecutorHandle, Probe};
 use sessiond_store::Changeset;
@@ -58,7 +58,10 @@ impl SessionManager {
     /// Validation errors, in order: [`Error::NotFound`], [`Error::WrongTask`],
     /// [`Error::SessionEnded`], [`Error::NotResumable`],
     /// [`Error::MissingResumeToken`], [`Error::WorktreeMissing`]. A session
-    /// whose agent already runs is returned as it is.
+    /// whose agent already runs is returned as it is. A remote host that
+    /// does not answer (inside its reconnect window) is
+    /// [`Error::Unavailable`]: the reconnect goes on in the background and
+    /// resumes the session by itself once the host answers.
     pub async fn resume_session(&self, task: TaskId, session: SessionId) -> Result<SessionStatus> {
         let s = self.session_of_task(task, session).await?;
         // Not recovered yet since the restart: recovery first (it may well
@@ -169,6 +172,10 @@ impl SessionManager {
         if !self.validate_resume(&session).await? {
             return self.status_of(&session).await;
         }
+        // An ERROR session may still name a turn an older version left
+        // pending: it ends interrupted before the resume, never carried
+        // into the resumed session.
+        let session = self.settle_stale_turn(session).await?;
         let profile = store.get_agent_profile(session.agent_profile_id).await?;
         let Some(mut record) = store.get_executor_for_session(session_id).await? else {
             return Err(Error::InvalidState {
@@ -193,18 +200,41 @@ impl SessionManager {
         // Is the recorded agentctl alive, ours and answering?
         let handle = ExecutorHandle::from_record(&record);
         let process_ok = recorded_process_alive(&record).unwrap_or(true);
-        let healthy = process_ok
-            && !record.auth_secret.is_empty()
-            && tokio::time::timeout(limit, driver.health(&handle))
-                .await
-                .is_ok_and(|r| r.is_ok());
+        let health = if process_ok && !record.auth_secret.is_empty() {
+            Some(tokio::time::timeout(limit, driver.health(&handle)).await)
+        } else {
+            None
+        };
+        let healthy = matches!(health, Some(Ok(Ok(_))));
+        // A remote host that does not answer at all (not one that answers
+        // wrongly), inside its reconnect window (counted from its last sign
+        // of life, never from before this backend's start): reconnected in
+        // the background like a blip, not failed (see `reconnect_instead`).
+        let reconnect = (record.runtime == Runtime::Remote
+            && crate::recovery::window_open(
+                &record,
+                self.inner.config.remote_retry_window,
+                Utc::now(),
+                self.inner.started_at,
+            ))
+        .then(|| match &health {
+            Some(Err(_)) => Some(format!("Health did not answer within {limit:?}")),
+            Some(Ok(Err(e))) if e.is_unavailable() => Some(e.to_string()),
+            _ => None,
+        })
+        .flatten();
         let plan = if healthy {
             Plan::Healthy
         } else {
             match record.runtime {
                 Runtime::Remote => Plan::Unavailable(format!(
-                    "remote agentctl at {} does not answer",
-                    record.agentctl_url.as_deref().unwrap_or("?")
+                    "remote agentctl at {} does not answer{}",
+                    record.agentctl_url.as_deref().unwrap_or("?"),
+                    match &health {
+                        Some(Ok(Err(e))) => format!(" ({e})"),
+                        Some(Err(_)) => format!(" within {limit:?}"),
+                        _ => String::new(),
+                    }
                 )),
                 Runtime::LocalStandalone => Plan::Launch,
                 // Probe starts nothing: what it finds decides whether an
@@ -342,6 +372,10 @@ impl SessionManager {
 
         let probe = match executor {
             Ok(p) => p,
+            Err(_) if matches!(plan, Plan::Unavailable(_)) && reconnect.is_some() => {
+                let reason = reconnect.unwrap_or_default();
+                return Err(self.reconnect_instead(&session, &record, &reason).await?);
+            }
             Err(e) => {
                 let gone = matches!(plan, Plan::Gone);
                 let reason = if gone {
@@ -477,6 +511,17 @@ impl SessionManager {
                 self.status_of(&session).await
             }
             Err(e) => {
+                // The host went away after its Health (inside its window:
+                // it was seen a moment ago): reconnected, not failed.
+                if crate::recovery::window_open(
+                    &record,
+                    self.inner.config.remote_retry_window,
+                    Utc::now(),
+                    self.inner.started_at,
+                ) && let Some(reason) = self.remote_host_gone(&record, Some(&e)).await
+                {
+                    return Err(self.reconnect_instead(&session, &record, &reason).await?);
+                }
                 self.stop_agent_quietly(&record).await;
                 let reason = if load_refused(&e) {
                     // Another try fails the same way: say so.
@@ -505,6 +550,55 @@ impl SessionManager {
 }
 
 impl SessionManager {
+    /// An explicit resume found the remote host unreachable (a transport
+    /// failure, inside its reconnect window): treated as the blip the
+    /// liveness check finds, not as a failed resume. The executor goes
+    /// `error` with the `reconnecting:` code, so the background reconnect
+    /// (started here) and a restart's recovery both take it up; the session
+    /// keeps the resume's intent (STARTING, a RUNNING session's turn kept),
+    /// so the recovery that reaches the host resumes it without another
+    /// call, or, if the window closes first, fails it and ends its turn
+    /// interrupted in the same commit. The caller answers UNAVAILABLE with
+    /// the returned error, which says so.
+    async fn reconnect_instead(
+        &self,
+        session: &Session,
+        record: &ExecutorRecord,
+        reason: &str,
+    ) -> Result<Error> {
+        let current = self.inner.store.get_executor(record.id).await?;
+        let change = if current.status == ExecutorStatus::Error {
+            // Reconnecting already (a restart or the liveness check found
+            // it): only the message is refreshed.
+            let mut r = current.clone();
+            r.error_message = Some(
+                RecoveryFailure::Reconnecting {
+                    url: record.agentctl_url.clone().unwrap_or_default(),
+                    reason: reason.to_owned(),
+                }
+                .message(),
+            );
+            Changeset::new().update_executor(r)
+        } else {
+            crate::recovery::remote_lost(&current, reason)?
+        };
+        let committed = self.commit(change).await?;
+        let record = committed.executor.unwrap_or(current);
+        self.stop_pump(session.id);
+        self.cache_record(&record);
+        self.cache_update(session.id, |e| e.agent = AgentProcessState::NotRunning);
+        self.spawn_reconnect(record.clone());
+        tracing::warn!(session = %session.id, executor_id = %record.id, reason,
+            "resume: the remote host is unreachable; reconnecting in the background");
+        Ok(Error::Unavailable(format!(
+            "remote executor {} is unreachable ({reason}); reconnecting in the background: \
+             the session resumes by itself once the host answers (for up to {:?} after it was \
+             last seen), no need to call again",
+            record.agentctl_url.as_deref().unwrap_or("?"),
+            self.inner.config.remote_retry_window
+        )))
+    }
+
     /// The session was RUNNING `turn` when the resume began and now goes
     /// ERROR without its agent: no pump will settle that turn, so it ends
     /// interrupted in the same commit as the failure (see

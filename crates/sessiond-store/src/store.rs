@@ -547,6 +547,43 @@ impl Store {
         .await
     }
 
+    /// The sessions in `state` whose metadata holds `key`, oldest first
+    /// (startup recovery's look for turns left pending in ERROR sessions,
+    /// without reading every session of a large store).
+    pub async fn list_sessions_with_metadata_key(
+        &self,
+        state: SessionState,
+        key: String,
+    ) -> Result<Vec<Session>> {
+        self.read(move |c| {
+            // Metadata is a JSON object: the key appears as `"key":`. A
+            // match on a value that looks the same is dropped below.
+            let pattern = format!(
+                "%{}:%",
+                serde_json::Value::String(key.clone())
+                    .to_string()
+                    .replace('\\', "\\\\")
+                    .replace('%', "\\%")
+                    .replace('_', "\\_")
+            );
+            let rows = task_sessions::table
+                .filter(task_sessions::state.eq(state.as_str()))
+                .filter(task_sessions::metadata.like(pattern).escape('\\'))
+                .select(SessionRow::as_select())
+                .order((task_sessions::created_at, task_sessions::id))
+                .load(c)?;
+            let mut out = Vec::with_capacity(rows.len());
+            for row in rows {
+                let session = row.into_domain()?;
+                if session.metadata.contains_key(&key) {
+                    out.push(session);
+                }
+            }
+            Ok(out)
+        })
+        .await
+    }
+
     /// How many sessions are in each state (states with none are absent).
     pub async fn count_sessions_by_state(&self) -> Result<Vec<(SessionState, i64)>> {
         self.read(|c| {

@@ -726,6 +726,41 @@ mod suite {
         );
     }
 
+    /// Sessions in a state whose metadata holds a key: the key itself, not
+    /// a value or another key that looks like it (`_` is no wildcard).
+    pub async fn sessions_with_a_metadata_key(store: &Store) {
+        let t = store.create_task(&task("keys")).await.unwrap();
+        let p = store.upsert_agent_profile(&profile("keys")).await.unwrap();
+        let mut want = Vec::new();
+        for (state, meta) in [
+            (SessionState::Error, vec![("turn_id", "m1")]),
+            (SessionState::Error, vec![("turn_id", "m2"), ("x", "y")]),
+            (SessionState::Error, vec![("turnXid", "m3")]),
+            (SessionState::Error, vec![("other", "\"turn_id\":")]),
+            (SessionState::Error, vec![]),
+            (SessionState::Running, vec![("turn_id", "m4")]),
+        ] {
+            let mut s = session(&t, &p);
+            s.state = state;
+            s.metadata = meta
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect();
+            let (s, _) = store.create_session(&s, vec![]).await.unwrap();
+            if state == SessionState::Error && s.metadata.contains_key("turn_id") {
+                want.push(s.id);
+            }
+        }
+        let found: Vec<SessionId> = store
+            .list_sessions_with_metadata_key(SessionState::Error, "turn_id".into())
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|s| s.id)
+            .collect();
+        assert_eq!(found, want);
+    }
+
     pub async fn changeset_is_all_or_nothing(store: &Store) {
         let (t, _, s) = seed(store).await;
         let m = message(&s, MessageRole::User, "hello");
@@ -1761,6 +1796,7 @@ macro_rules! store_tests {
             store_test!($backend, custom_runtimes_round_trip);
             store_test!($backend, recoverable_executors_filter_by_status);
             store_test!($backend, changeset_is_all_or_nothing);
+            store_test!($backend, sessions_with_a_metadata_key);
             store_test!($backend, two_writers_same_version_one_wins);
             store_test!($backend, concurrent_appenders_get_gap_free_seqs);
             store_test!($backend, messages_append_and_update);

@@ -554,3 +554,122 @@ async fn an_interrupted_turn_runs_again_only_when_retried() {
     assert_eq!(std::fs::read_to_string(&side).unwrap().lines().count(), 3);
     w.finish(&mgr, &[s.id]).await;
 }
+
+/// A session in ERROR whose metadata still names a pending turn, with no
+/// agent running (what versions before every path to ERROR ended its turn
+/// left behind; here written to the store as they wrote it: turn two's
+/// user message, the first part of its reply, then the session ERROR and
+/// its executor `error`, so no recovery pass loads it). Startup recovery
+/// ends that turn interrupted in one commit (the partial reply marked, the
+/// system message, `turn_ended`, the turn cleared and kept for RetryTurn),
+/// the session staying ERROR; a second start changes nothing; and the
+/// session resumes and continues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_turn_in_an_error_session_is_settled_at_startup() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "stale").await;
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    let rec = w.record(s.id).await;
+    kill_tree(rec.pid.unwrap()).await;
+
+    let two = commit_user_message(&w, &s, "two").await;
+    let now = Utc::now();
+    let partial = Message {
+        id: MessageId::new(),
+        session_id: s.id,
+        task_id: s.task_id,
+        role: MessageRole::Agent,
+        content: "the first part".into(),
+        kind: sessiond_domain::MessageKind::Text,
+        data: String::new(),
+        seq: 0,
+        complete: false,
+        created_at: now,
+        updated_at: now,
+    };
+    let running = w.store.get_session(s.id).await.unwrap();
+    let mut failed = running.clone();
+    failed.state = SessionState::Error;
+    failed.error_message = Some("agentctl stopped answering (an old version)".into());
+    let mut rec = w.record(s.id).await;
+    rec.status = sessiond_domain::ExecutorStatus::Error;
+    rec.error_message = Some("agentctl stopped answering (an old version)".into());
+    w.store
+        .commit(
+            Changeset::new()
+                .add_message(partial.clone())
+                .event(s.id, EventPayload::MessageAdded(partial.clone()))
+                .update_session(failed)
+                .update_executor(rec),
+        )
+        .await
+        .unwrap();
+    let stale = w.store.get_session(s.id).await.unwrap();
+    assert_eq!(stale.metadata.get("turn_id"), Some(&two.id.to_string()));
+
+    let mgr = w.manager();
+    mgr.recover_all().await.unwrap();
+    let after = w.store.get_session(s.id).await.unwrap();
+    assert_eq!(after.state, SessionState::Error, "{after:?}");
+    assert!(
+        !after.metadata.contains_key("turn_id"),
+        "the stale turn is cleared: {after:?}"
+    );
+    assert_eq!(
+        after.metadata.get("interrupted_turn"),
+        Some(&two.id.to_string()),
+        "kept for RetryTurn: {after:?}"
+    );
+    let msgs = w.messages(s.id).await;
+    let reply = msgs.iter().find(|m| m.id == partial.id).unwrap();
+    assert!(
+        reply.complete
+            && reply.content.starts_with("the first part")
+            && reply.content.contains("interrupted"),
+        "the partial reply is marked, not completed as if whole: {reply:?}"
+    );
+    let last = msgs.last().unwrap();
+    assert_eq!(last.role, MessageRole::System, "{msgs:?}");
+    assert!(
+        last.content.starts_with("the turn was interrupted"),
+        "{last:?}"
+    );
+    let ended: Vec<_> = w
+        .events(s.id)
+        .await
+        .into_iter()
+        .filter_map(|e| match e.payload {
+            EventPayload::TurnEnded {
+                turn_id,
+                stop_reason,
+                ..
+            } => Some((turn_id, stop_reason)),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        ended.contains(&(two.id.to_string(), "interrupted".to_owned())),
+        "{ended:?}"
+    );
+
+    // Idempotent: another start writes nothing more.
+    let seq = w.store.last_event_seq(s.id).await.unwrap();
+    let count = msgs.len();
+    mgr.shutdown();
+    drop(mgr);
+    let mgr = w.manager();
+    mgr.recover_all().await.unwrap();
+    assert_eq!(w.store.last_event_seq(s.id).await.unwrap(), seq);
+    assert_eq!(w.messages(s.id).await.len(), count);
+
+    // The session resumes and the conversation goes on.
+    let st = mgr.resume_session(w.task.id, s.id).await.unwrap();
+    assert!(st.is_agent_running, "{st:?}");
+    w.track(s.id).await;
+    assert_eq!(st.state, SessionState::WaitingForInput, "{st:?}");
+    w.prompt(&mgr, s.id, "three").await;
+    w.finish(&mgr, &[s.id]).await;
+}

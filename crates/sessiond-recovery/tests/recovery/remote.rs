@@ -4,9 +4,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use sessiond_domain::{ExecutorId, ExecutorStatus, OutcomeLabel, SessionState};
+use sessiond_domain::{
+    ExecutorId, ExecutorStatus, OutcomeLabel, SessionId, SessionState, SessionStatus,
+};
 use sessiond_executor::process;
-use sessiond_recovery::{ManagerConfig, RemoteAgentctl};
+use sessiond_recovery::{ErrorKind, ManagerConfig, RemoteAgentctl};
 
 use crate::support::{Db, World, bin, children_of, expected_reply, kill_tree};
 
@@ -333,4 +335,345 @@ fn signal(pid: u32, sig: &str) {
         .status()
         .is_ok_and(|s| s.success());
     assert!(ok, "kill {sig} {pid}");
+}
+
+/// Waits until `f` holds (checked every 20 ms, up to 30 s).
+async fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until the session's executor is ready with its agent running
+/// again, without a user call; returns the status then.
+async fn wait_back(
+    w: &World,
+    mgr: &sessiond_recovery::SessionManager,
+    s: SessionId,
+) -> SessionStatus {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let st = w.status(mgr, s).await;
+        if st.executor_status == Some(ExecutorStatus::Ready) && st.is_agent_running {
+            return st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never reconnected and resumed by itself: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// An explicit ResumeSession while the remote host is down (the restart
+/// found it unreachable, the background reconnect runs): the host not
+/// answering is no failed resume. The call answers UNAVAILABLE saying the
+/// host is unreachable and reconnect continues; the executor keeps the
+/// `reconnecting:` code (so the background reconnect and a restart still
+/// take it up) and the session is not ERROR; when the host is back the
+/// session is resumed without another call and the conversation continues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_explicit_resume_while_unreachable_keeps_reconnecting() {
+    let w = World::new(Db::Sqlite).await;
+    let id = ExecutorId::new();
+    let secret = sessiond_executor::fresh_secret();
+    let port = free_port();
+    let wt = w.worktree("remote");
+    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let mgr = w.manager();
+    let remote = RemoteAgentctl {
+        executor_id: id,
+        url: format!("http://127.0.0.1:{port}"),
+        auth_secret: secret.clone(),
+    };
+    let s = w
+        .create_with(&mgr, "remote", &w.profile, Some(remote))
+        .await;
+    assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
+    host.track_agent(&w);
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    host.kill().await;
+
+    let mgr = w.manager();
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Retrying), 1, "{summary:?}");
+
+    let err = mgr
+        .resume_session(w.task.id, s.id)
+        .await
+        .expect_err("the host is down: the resume cannot succeed now");
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("unreachable") && msg.contains("reconnecting in the background"),
+        "the answer says the host is unreachable and reconnect continues: {msg}"
+    );
+    let rec = w.record(s.id).await;
+    assert_eq!(rec.status, ExecutorStatus::Error);
+    assert!(
+        rec.error_message
+            .as_deref()
+            .is_some_and(|m| m.starts_with("reconnecting:")),
+        "the executor keeps the reconnecting code: {rec:?}"
+    );
+    let st = w.status(&mgr, s.id).await;
+    assert_ne!(st.state, SessionState::Error, "not failed: {st:?}");
+    assert!(
+        st.error_message
+            .as_deref()
+            .is_some_and(|m| m.starts_with("reconnecting:")),
+        "the status says it is reconnecting: {st:?}"
+    );
+    let stored = w.store.get_session(s.id).await.unwrap();
+    assert_ne!(stored.state, SessionState::Error, "{stored:?}");
+
+    // The host comes back: resumed by the background reconnect.
+    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let st = wait_back(&w, &mgr, s.id).await;
+    assert_eq!(st.state, SessionState::WaitingForInput, "{st:?}");
+    assert_eq!(st.error_message, None, "{st:?}");
+    host.track_agent(&w);
+    let reply = w.prompt(&mgr, s.id, "two").await;
+    assert_eq!(reply, expected_reply(2, &token, "two"));
+
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    host.kill().await;
+    w.finish(&mgr, &[]).await;
+}
+
+/// A refused resume by a reachable remote agent (it answers `session/load`
+/// with an error) stays a plain failure: session ERROR `resume_failed`,
+/// executor `ready`, no reconnect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_explicit_resume_refused_by_the_agent_is_a_plain_failure() {
+    let w = World::new(Db::Sqlite).await;
+    let profile = w
+        .demo_profile("refuses", &[("ACP_DEMO_FAIL_LOAD", "1")])
+        .await;
+    let id = ExecutorId::new();
+    let secret = sessiond_executor::fresh_secret();
+    let port = free_port();
+    let wt = w.worktree("remote");
+    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let mgr = w.manager();
+    let remote = RemoteAgentctl {
+        executor_id: id,
+        url: format!("http://127.0.0.1:{port}"),
+        auth_secret: secret.clone(),
+    };
+    let s = w.create_with(&mgr, "remote", &profile, Some(remote)).await;
+    assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
+    host.track_agent(&w);
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    // The host restarts its agentctl (no agent any more; the agent refuses
+    // every load); the backend restarts with resume on demand so the
+    // explicit resume is the one that loads.
+    host.kill().await;
+    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let mgr = w.manager_with(sessiond_recovery::ManagerConfig {
+        resume_policy: sessiond_domain::ResumePolicy::OnDemand,
+        ..w.config()
+    });
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::ExecutorOnly), 1, "{summary:?}");
+    let err = mgr
+        .resume_session(w.task.id, s.id)
+        .await
+        .expect_err("the agent refuses the load");
+    assert_ne!(err.kind(), ErrorKind::Unavailable, "{err}");
+    let rec = w.record(s.id).await;
+    assert_eq!(rec.status, ExecutorStatus::Ready, "{rec:?}");
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::Error, "{st:?}");
+    assert!(
+        !st.error_message
+            .as_deref()
+            .unwrap_or_default()
+            .contains("reconnecting"),
+        "{st:?}"
+    );
+    host.track_agent(&w);
+    host.kill().await;
+    w.finish(&mgr, &[]).await;
+}
+
+/// Startup recovery reaches the remote host (Health answers) and the host
+/// goes away while the agent's resume runs (aimed by the world: the agent
+/// process the resume launched exists, held before its `initialize` by a
+/// start gate, when the host is killed). That is the host's failure, not
+/// the agent's: `retrying` with the executor `error` `reconnecting:` and
+/// the session as it was, not `resume_failed` / ERROR; when the host is
+/// back the background reconnect resumes the session without a user call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_host_gone_during_the_agents_resume_reconnects() {
+    let w = World::new(Db::Sqlite).await;
+    let gate = w.path("start-gate");
+    let gate_env = gate.display().to_string();
+    let profile = w
+        .demo_profile("gated", &[("ACP_DEMO_START_GATE_FILE", gate_env.as_str())])
+        .await;
+    let id = ExecutorId::new();
+    let secret = sessiond_executor::fresh_secret();
+    let port = free_port();
+    let wt = w.worktree("remote");
+    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let mgr = w.manager();
+    let remote = RemoteAgentctl {
+        executor_id: id,
+        url: format!("http://127.0.0.1:{port}"),
+        auth_secret: secret.clone(),
+    };
+    let s = w.create_with(&mgr, "remote", &profile, Some(remote)).await;
+    assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
+    host.track_agent(&w);
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    // The host restarts its agentctl while the backend is down: recovery
+    // finds it healthy with no agent and resumes one, which the gate holds.
+    host.kill().await;
+    std::fs::write(&gate, "").unwrap();
+    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let host_pid = host.child.id();
+
+    let mgr = w.manager();
+    let pass = tokio::spawn({
+        let mgr = mgr.clone();
+        async move { mgr.recover_all().await }
+    });
+    wait_for("the resume to launch the agent on the host", || {
+        !children_of(host_pid).is_empty()
+    })
+    .await;
+    host.kill().await;
+    let summary = pass.await.unwrap().unwrap();
+    assert_eq!(
+        summary.count(OutcomeLabel::Retrying),
+        1,
+        "the host's failure, not the agent's: {summary:?}"
+    );
+    assert_eq!(summary.count(OutcomeLabel::ResumeFailed), 0, "{summary:?}");
+    let rec = w.record(s.id).await;
+    assert_eq!(rec.status, ExecutorStatus::Error, "{rec:?}");
+    assert!(
+        rec.error_message
+            .as_deref()
+            .is_some_and(|m| m.starts_with("reconnecting:")),
+        "{rec:?}"
+    );
+    let stored = w.store.get_session(s.id).await.unwrap();
+    assert_eq!(stored.state, SessionState::WaitingForInput, "{stored:?}");
+
+    // Back, gate open: resumed by the background reconnect.
+    std::fs::remove_file(&gate).unwrap();
+    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let st = wait_back(&w, &mgr, s.id).await;
+    assert_eq!(st.state, SessionState::WaitingForInput, "{st:?}");
+    host.track_agent(&w);
+    let reply = w.prompt(&mgr, s.id, "two").await;
+    assert_eq!(reply, expected_reply(2, &token, "two"));
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    host.kill().await;
+    w.finish(&mgr, &[]).await;
+}
+
+/// An explicit resume of a RUNNING remote session (its turn pending for the
+/// reconnect) while the host is down: UNAVAILABLE, and the turn stays
+/// pending (session STARTING, the turn kept) for the reconnect. When the
+/// window closes with the host still down, the reconnect gives it up: the
+/// session goes ERROR and the turn ends interrupted in that commit (the
+/// system message, the turn cleared and kept for RetryTurn). Once the host
+/// is back a resume continues the conversation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_explicit_resume_while_unreachable_keeps_the_turn_until_the_window_closes() {
+    const WINDOW: Duration = Duration::from_secs(3);
+    let w = World::new(Db::Sqlite).await;
+    let id = ExecutorId::new();
+    let secret = sessiond_executor::fresh_secret();
+    let port = free_port();
+    let wt = w.worktree("remote");
+    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let config = ManagerConfig {
+        remote_retry_window: WINDOW,
+        ..w.config()
+    };
+    let mgr = w.manager_with(config.clone());
+    let remote = RemoteAgentctl {
+        executor_id: id,
+        url: format!("http://127.0.0.1:{port}"),
+        auth_secret: secret.clone(),
+    };
+    let s = w
+        .create_with(&mgr, "remote", &w.profile, Some(remote))
+        .await;
+    host.track_agent(&w);
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    host.kill().await;
+    // The backend died with turn two stored and not sent.
+    let two = crate::pending::commit_user_message(&w, &s, "two").await;
+
+    let mgr = w.manager_with(config);
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Retrying), 1, "{summary:?}");
+    let err = mgr
+        .resume_session(w.task.id, s.id)
+        .await
+        .expect_err("the host is down");
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    let stored = w.store.get_session(s.id).await.unwrap();
+    assert_eq!(stored.state, SessionState::Starting, "{stored:?}");
+    assert_eq!(
+        stored.metadata.get("turn_id"),
+        Some(&two.id.to_string()),
+        "the turn stays pending for the reconnect: {stored:?}"
+    );
+
+    // The window closes with the host still down: given up.
+    let deadline = Instant::now() + WINDOW + Duration::from_secs(60);
+    loop {
+        let r = w.record(s.id).await;
+        if !r
+            .error_message
+            .as_deref()
+            .is_some_and(|m| m.starts_with("reconnecting:"))
+        {
+            assert_eq!(r.status, ExecutorStatus::Error, "{r:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "never given up: {r:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let after = w.store.get_session(s.id).await.unwrap();
+    assert_eq!(after.state, SessionState::Error, "{after:?}");
+    assert!(!after.metadata.contains_key("turn_id"), "{after:?}");
+    assert_eq!(
+        after.metadata.get("interrupted_turn"),
+        Some(&two.id.to_string())
+    );
+    let msgs = w.messages(s.id).await;
+    let last = msgs.last().unwrap();
+    assert_eq!(last.role, sessiond_domain::MessageRole::System, "{msgs:?}");
+    assert!(
+        last.content.starts_with("the turn was interrupted"),
+        "{last:?}"
+    );
+
+    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let st = mgr.resume_session(w.task.id, s.id).await.unwrap();
+    assert!(st.is_agent_running, "{st:?}");
+    host.track_agent(&w);
+    w.prompt(&mgr, s.id, "three").await;
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    host.kill().await;
+    w.finish(&mgr, &[]).await;
 }
