@@ -332,6 +332,14 @@ impl SessionManager {
         &self.inner.store
     }
 
+    /// The runtimes a driver is registered for (built-in and custom), in
+    /// order.
+    pub fn runtimes(&self) -> Vec<Runtime> {
+        let mut runtimes: Vec<Runtime> = self.inner.drivers.keys().copied().collect();
+        runtimes.sort();
+        runtimes
+    }
+
     /// The configuration it was built with.
     pub fn config(&self) -> &ManagerConfig {
         &self.inner.config

@@ -499,6 +499,54 @@ mod suite {
         assert!(err.is_not_found(), "{err}");
     }
 
+    /// A runtime of a third party's own name is stored and read back (the
+    /// `runtime` columns have no CHECK on the built-in names since the
+    /// custom-runtimes migration), in sessions, executors and events.
+    pub async fn custom_runtimes_round_trip(store: &Store) {
+        let vm = Runtime::parse("vm").unwrap();
+        let t = store.create_task(&task("custom")).await.unwrap();
+        let p = store
+            .upsert_agent_profile(&profile(&format!("demo-{}", TaskId::new())))
+            .await
+            .unwrap();
+        let mut new = session(&t, &p);
+        new.runtime = vm;
+        let (s, _) = store.create_session(&new, vec![]).await.unwrap();
+        assert_eq!(s.runtime, vm);
+        assert_eq!(store.get_session(s.id).await.unwrap().runtime, vm);
+        let mut rec = executor(&s, ExecutorStatus::Starting);
+        rec.runtime = vm;
+        store
+            .commit(Changeset::new().insert_executor(rec.clone()).event(
+                s.id,
+                EventPayload::AgentctlStarting {
+                    executor_id: rec.id,
+                    runtime: vm,
+                    generation: 1,
+                },
+            ))
+            .await
+            .unwrap();
+        assert_eq!(store.get_executor(rec.id).await.unwrap().runtime, vm);
+        let recoverable = store.load_recoverable_executors().await.unwrap();
+        assert!(
+            recoverable
+                .iter()
+                .any(|r| r.id == rec.id && r.runtime == vm)
+        );
+        let events = store.events_after(s.id, 0, 10).await.unwrap();
+        assert!(
+            events.iter().any(|e| matches!(e.payload,
+                EventPayload::AgentctlStarting { runtime, .. } if runtime == vm)),
+            "{events:?}"
+        );
+        let counts = store.count_executors_by_runtime_and_status().await.unwrap();
+        assert!(
+            counts.contains(&(vm, ExecutorStatus::Starting, 1)),
+            "{counts:?}"
+        );
+    }
+
     pub async fn executors_crud(store: &Store) {
         let (_, _, s) = seed(store).await;
         let rec = executor(&s, ExecutorStatus::Starting);
@@ -1701,8 +1749,9 @@ mod suite {
         seed(store).await;
         let reverted = store.revert_all_migrations().await.unwrap();
         // Every migration directory (init, profile container, profile auth +
-        // permission policy, message parts, permission timeout, replicas).
-        assert_eq!(reverted.len(), 6, "{reverted:?}");
+        // permission policy, message parts, permission timeout, replicas,
+        // custom runtimes).
+        assert_eq!(reverted.len(), 7, "{reverted:?}");
         let err = store.list_tasks(None, 10).await.unwrap_err();
         assert!(matches!(err, Error::Database(_)), "tables are gone: {err}");
         let applied = store.run_pending_migrations().await.unwrap();
@@ -1744,6 +1793,7 @@ macro_rules! store_tests {
             store_test!($backend, sessions_crud);
             store_test!($backend, session_created_with_its_intent_or_not_at_all);
             store_test!($backend, executors_crud);
+            store_test!($backend, custom_runtimes_round_trip);
             store_test!($backend, recoverable_executors_filter_by_status);
             store_test!($backend, changeset_is_all_or_nothing);
             store_test!($backend, sessions_with_a_metadata_key);
