@@ -17,7 +17,7 @@ import {
   type Session,
   type Task,
 } from "./gen/sessiond/v1/types_pb";
-import { executorLabel, executorTone, reasonLabel, roleLabel, runtimeLabel, stateLabel, stateTone } from "./labels";
+import { executorLabel, executorTone, reasonLabel, roleLabel, runtimeName, stateLabel, stateTone } from "./labels";
 import { Workspace } from "./workspace";
 import { PermissionPrompts } from "./permissions";
 
@@ -399,7 +399,7 @@ function TaskView(props: { taskId: string }) {
                     <Badge tone={stateTone(s.state)} testid="state">{stateLabel[s.state]}</Badge>
                     <Badge tone={executorTone(executor)} testid="executor">{executorLabel[executor]}</Badge>
                     <Badge tone="idle">{profileName.get(s.agentProfileId) ?? "agent"}</Badge>
-                    <Badge tone="idle">{runtimeLabel[s.runtime]}</Badge>
+                    <Badge tone="idle">{runtimeName(s.runtime, s.runtimeName)}</Badge>
                   </span>
                 </li>
               ))}
@@ -726,6 +726,7 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
         taskId,
         agentProfile: status.agentProfileId,
         runtime: status.runtime,
+        runtimeName: status.runtimeName,
         worktree: { path: status.worktreePath, branch: status.worktreeBranch },
       });
       location.hash = sessionHref(taskId, r.session!.id);
@@ -830,7 +831,7 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
             {recovering && <Badge tone="warn" testid="recovering">recovering</Badge>}
             {workspaceOnly && <Badge tone="warn" testid="workspace-only">workspace only</Badge>}
             {profileName && <Badge tone="idle">{profileName}</Badge>}
-            <Badge tone="idle">{runtimeLabel[s.runtime]}</Badge>
+            <Badge tone="idle">{runtimeName(s.runtime, s.runtimeName)}</Badge>
           </span>
         )}
         {s && !ended && (

@@ -25,7 +25,12 @@ export const runtimeLabel: Record<Runtime, string> = {
   [Runtime.LOCAL_DOCKER]: "docker",
   [Runtime.LOCAL_STANDALONE]: "local",
   [Runtime.REMOTE]: "remote",
+  [Runtime.CUSTOM]: "custom runtime",
 };
+
+/** A session's runtime as shown: a custom runtime by the name it was registered under. */
+export const runtimeName = (runtime: Runtime, name: string): string =>
+  runtime === Runtime.CUSTOM && name ? name : runtimeLabel[runtime];
 
 export const reasonLabel: Record<ResumeReason, string> = {
   [ResumeReason.UNSPECIFIED]: "",

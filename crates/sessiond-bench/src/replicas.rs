@@ -49,6 +49,10 @@ pub struct Adoption {
     pub single_pass: Duration,
     /// From the kill of A to the last `adopted` line.
     pub adopted: Duration,
+    /// Of `adopted`: from the kill to the first claim of B or C (when A's
+    /// leases ran out: 2/3 TTL to one TTL after the kill, by where the kill
+    /// fell between two of A's heartbeats), from their logs.
+    pub to_first_claim: Option<Duration>,
     /// Sessions each survivor adopted (B, C).
     pub split: (usize, usize),
     pub failed: usize,
@@ -127,6 +131,24 @@ fn adopted_in(log: &Path) -> (usize, usize) {
     (ok, failed)
 }
 
+/// When the first claim of expired leases in a replica's log began (the
+/// line's timestamp minus the claim's own time).
+fn first_claim_in(log: &Path) -> Option<chrono::DateTime<Utc>> {
+    let text = std::fs::read_to_string(log).ok()?;
+    let line = text
+        .lines()
+        .find(|l| l.contains("claimed expired leases"))?;
+    let at: chrono::DateTime<Utc> = line.split_whitespace().next()?.parse().ok()?;
+    let claim_ms: f64 = line
+        .split("claim_ms=")
+        .nth(1)?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(at - chrono::Duration::microseconds((claim_ms * 1e3) as i64))
+}
+
 fn pass_of(log: &Path) -> Option<Duration> {
     std::fs::read_to_string(log)
         .ok()?
@@ -174,6 +196,7 @@ pub async fn adoption(
     );
 
     let t0 = Instant::now();
+    let killed_at = Utc::now();
     a.kill_now().context("kill -9 of replica A")?;
     let adopted = loop {
         let ((b_ok, b_fail), (c_ok, c_fail)) = (adopted_in(&b_log), adopted_in(&c_log));
@@ -188,6 +211,11 @@ pub async fn adoption(
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     let (took, split, failed) = adopted;
+    let to_first_claim = [first_claim_in(&b_log), first_claim_in(&c_log)]
+        .into_iter()
+        .flatten()
+        .min()
+        .and_then(|t| (t - killed_at).to_std().ok());
     // The database agrees: every executor owned by B or C.
     let store = recovery::open(&db.url()).await?;
     let owners: HashMap<String, usize> =
@@ -211,6 +239,7 @@ pub async fn adoption(
         lease_ttl,
         single_pass,
         adopted: took,
+        to_first_claim,
         split,
         failed,
     })
@@ -376,6 +405,8 @@ pub fn render(a: &Adoption, e: &CrossLatency, command: &str, build: &str) -> Str
          | replica A alone: its startup recovery of the {} (same run) | {} |\n\
          | lease TTL | {} |\n\
          | kill -9 of A -> all {} adopted by B and C (split {} / {}, failed {}) | {} |\n\
+         | of which: kill -> first claim (A's leases run out, 2/3 to 1 TTL after the kill) | {} |\n\
+         | of which: first claim -> all adopted (vs the single-replica recovery above) | {} |\n\
          | budget: lease TTL + single-replica recovery | {} |",
         a.n,
         a.n,
@@ -386,6 +417,9 @@ pub fn render(a: &Adoption, e: &CrossLatency, command: &str, build: &str) -> Str
         a.split.1,
         a.failed,
         ms(a.adopted),
+        a.to_first_claim.map_or("?".to_owned(), ms),
+        a.to_first_claim
+            .map_or("?".to_owned(), |w| ms(a.adopted.saturating_sub(w))),
         ms(a.budget()),
     );
     let _ = writeln!(o);

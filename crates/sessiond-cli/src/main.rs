@@ -141,7 +141,9 @@ enum SessionCmd {
         /// Agent profile name or id; the server's default when omitted.
         #[arg(long)]
         agent: Option<String>,
-        /// local_standalone | local_docker | remote; the server's default when omitted.
+        /// local_standalone | local_docker | remote, or the name of a runtime
+        /// the server registered (an embedding service's own); the server's
+        /// default when omitted.
         #[arg(long)]
         runtime: Option<String>,
         /// Working tree for the agent (must exist on the executor's host).
@@ -551,13 +553,16 @@ async fn task(c: &mut Clients, out: &Out, cmd: TaskCmd) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn parse_runtime(value: &str) -> anyhow::Result<pb::Runtime> {
-    Ok(match value {
-        "local_standalone" | "standalone" => pb::Runtime::LocalStandalone,
-        "local_docker" | "docker" => pb::Runtime::LocalDocker,
-        "remote" => pb::Runtime::Remote,
-        other => bail!("--runtime {other:?}: expected local_standalone, local_docker or remote"),
-    })
+/// The enum value and name of `--runtime`: a built-in runtime by its enum
+/// (or short alias), any other name as a custom runtime's (the server
+/// checks that it is valid and registered).
+fn parse_runtime(value: &str) -> (pb::Runtime, String) {
+    match value {
+        "local_standalone" | "standalone" => (pb::Runtime::LocalStandalone, String::new()),
+        "local_docker" | "docker" => (pb::Runtime::LocalDocker, String::new()),
+        "remote" => (pb::Runtime::Remote, String::new()),
+        other => (pb::Runtime::Custom, other.to_owned()),
+    }
 }
 
 async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<()> {
@@ -572,7 +577,9 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
             remote_secret,
             remote_executor_id,
         } => {
-            let runtime = runtime.as_deref().map(parse_runtime).transpose()?;
+            let (runtime, runtime_name) = runtime
+                .as_deref()
+                .map_or((pb::Runtime::Unspecified, String::new()), parse_runtime);
             // The server resolves paths on the executor's host; make the
             // default `.` mean this shell's directory.
             let path = if remote_url.is_none() {
@@ -588,7 +595,8 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
                 .create_session(pb::CreateSessionRequest {
                     task_id: task.task,
                     agent_profile: agent.unwrap_or_default(),
-                    runtime: runtime.unwrap_or(pb::Runtime::Unspecified) as i32,
+                    runtime: runtime as i32,
+                    runtime_name,
                     worktree: Some(pb::Worktree {
                         id: String::new(),
                         path,

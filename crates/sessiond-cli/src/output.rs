@@ -34,7 +34,12 @@ fn executor_status(v: i32) -> String {
         short(s.as_str_name(), "EXECUTOR_STATUS_").to_lowercase()
     })
 }
-fn runtime(v: i32) -> String {
+/// The runtime's name as the server sent it (a custom runtime's is only
+/// there), else the enum's.
+fn runtime(v: i32, name: &str) -> String {
+    if !name.is_empty() {
+        return name.to_owned();
+    }
     pb::Runtime::try_from(v).map_or(v.to_string(), |s| {
         short(s.as_str_name(), "RUNTIME_").to_lowercase()
     })
@@ -78,7 +83,7 @@ fn session_json(s: &pb::Session) -> Value {
     let w = s.worktree.clone().unwrap_or_default();
     json!({
         "id": s.id, "task_id": s.task_id, "state": session_state(s.state),
-        "agent_profile_id": s.agent_profile_id, "runtime": runtime(s.runtime),
+        "agent_profile_id": s.agent_profile_id, "runtime": runtime(s.runtime, &s.runtime_name),
         "worktree": {"id": w.id, "path": w.path, "branch": w.branch},
         "executor_id": s.executor_id, "agent_execution_id": s.agent_execution_id,
         "resume_token": s.resume_token, "error_message": s.error_message,
@@ -212,10 +217,10 @@ fn event_json(e: &pb::Event) -> Value {
     use pb::event::Payload;
     let payload = match &e.payload {
         Some(Payload::AgentctlStarting(p)) => json!({
-            "executor_id": p.executor_id, "runtime": runtime(p.runtime), "generation": p.generation,
+            "executor_id": p.executor_id, "runtime": runtime(p.runtime, &p.runtime_name), "generation": p.generation,
         }),
         Some(Payload::AgentctlReady(p)) => json!({
-            "executor_id": p.executor_id, "runtime": runtime(p.runtime),
+            "executor_id": p.executor_id, "runtime": runtime(p.runtime, &p.runtime_name),
             "supports_session_resume": p.supports_session_resume,
         }),
         Some(Payload::AgentctlError(p)) => json!({
@@ -326,7 +331,7 @@ impl Out {
                 "created session {} ({}, {})",
                 s.id,
                 session_state(s.state),
-                runtime(s.runtime)
+                runtime(s.runtime, &s.runtime_name)
             );
             if !s.error_message.is_empty() {
                 println!("  error: {}", s.error_message);
@@ -354,7 +359,7 @@ impl Out {
                 "{:<36}  {:<17}  {:<16}  {}",
                 s.id,
                 session_state(s.state),
-                runtime(s.runtime),
+                runtime(s.runtime, &s.runtime_name),
                 one_line(&s.error_message, 60)
             );
         }
@@ -366,7 +371,7 @@ impl Out {
                 "session_id": s.session_id, "task_id": s.task_id,
                 "state": session_state(s.state), "agent_profile_id": s.agent_profile_id,
                 "executor_status": executor_status(s.executor_status),
-                "agent_execution_id": s.agent_execution_id, "runtime": runtime(s.runtime),
+                "agent_execution_id": s.agent_execution_id, "runtime": runtime(s.runtime, &s.runtime_name),
                 "is_agent_running": s.is_agent_running, "is_resumable": s.is_resumable,
                 "needs_resume": s.needs_resume, "resume_reason": resume_reason(s.resume_reason),
                 "worktree_path": s.worktree_path, "worktree_branch": s.worktree_branch,
@@ -384,7 +389,7 @@ impl Out {
         println!("task              {}", s.task_id);
         println!("state             {}", session_state(s.state));
         println!("executor          {}", executor_status(s.executor_status));
-        println!("runtime           {}", runtime(s.runtime));
+        println!("runtime           {}", runtime(s.runtime, &s.runtime_name));
         println!("agent running     {}", s.is_agent_running);
         println!("resumable         {}", s.is_resumable);
         println!("needs resume      {}", s.needs_resume);
@@ -473,7 +478,7 @@ impl Out {
             Some(Payload::AgentctlReady(p)) => format!(
                 "executor {} ({}), resume {}",
                 p.executor_id,
-                runtime(p.runtime),
+                runtime(p.runtime, &p.runtime_name),
                 match p.supports_session_resume {
                     Some(true) => "supported",
                     Some(false) => "unsupported",

@@ -25,8 +25,8 @@ pub use recovery::{
     RecoveryOutcome, ResumePolicy, SurvivingAgent, UnexpectedObservation,
 };
 pub use states::{
-    ExecutorStatus, MessageKind, MessageRole, PermissionPolicy, Runtime, SessionState, TaskState,
-    UnknownValue,
+    ExecutorStatus, MessageKind, MessageRole, PermissionPolicy, Runtime, RuntimeName, SessionState,
+    TaskState, UnknownValue,
 };
 pub use status::{
     AgentProcessState, ExecutionView, ResumeReason, ResumeRefused, SessionStatus, check_resume,

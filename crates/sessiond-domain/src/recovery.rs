@@ -24,6 +24,7 @@
 //! | local_standalone | CheckWorktree (missing => executor_error) -> ProbeProcess if a pid is recorded (alive with pid + start time matching -> reattach: HealthCheck, and if that fails our agentctl is hung -> EndAgentctl -> LaunchAgentctl; gone or not ours -> LaunchAgentctl) -> HealthCheck |
 //! | local_docker     | FindContainer (running -> HealthCheck; stopped -> StartContainer -> HealthCheck; missing => executor_error; Docker down => retrying until the engine answers) |
 //! | remote           | HealthCheck (unreachable => retrying, or executor_error once the background window is over) |
+//! | custom (a registered name) | ProbeExecutor: the driver's `probe` (reattachable -> HealthCheck; needs start -> StartContainer -> HealthCheck; needs launch -> LaunchAgentctl -> HealthCheck; missing => executor_error; the driver cannot tell => executor_error; no driver registered => executor `error` `runtime_not_registered`, session unchanged, taken up again by the first startup with the driver) |
 //!
 //! then, for every runtime: healthy -> ProbeCapabilities -> MarkExecutorReady ->
 //! - agent found alive in agentctl => `reattached` (no resume needed, even for
@@ -34,6 +35,12 @@
 //! - policy `on_demand` => `executor_only`, session unchanged (status says `needs_resume`);
 //! - otherwise ResumeAgent => `resumed` (WAITING_FOR_INPUT) or `resume_failed`
 //!   (session ERROR, executor stays ready).
+//!
+//! A custom runtime's driver declares its recovery shape through its
+//! `probe` answers alone: an owned executor answers "reattachable", "needs
+//! start" or "needs launch"; one reached by URL that it cannot tell about
+//! fails the probe (executor_error, resumable). Pending turns and resumes
+//! follow the same rules as for the built-in runtimes.
 //!
 //! A session already COMPLETED or CANCELLED whose executor is still recorded as
 //! live gets StopExecutor => `stopped`.
@@ -137,6 +144,23 @@ pub enum Observation {
         /// The engine's (or the client's) error.
         reason: String,
     },
+    /// After [`Action::ProbeExecutor`]: the recorded agentctl runs and proved
+    /// its identity (the driver's `Probe::Reattachable`).
+    ExecutorReattachable,
+    /// After [`Action::ProbeExecutor`]: the executor exists but is stopped
+    /// (`Probe::NeedsStart`).
+    ExecutorNeedsStart,
+    /// After [`Action::ProbeExecutor`]: nothing usable runs; launch anew
+    /// (`Probe::NeedsLaunch`).
+    ExecutorNeedsLaunch,
+    /// After [`Action::ProbeExecutor`]: it cannot come back (`Probe::Missing`).
+    ExecutorMissing {
+        /// What is gone, as the driver said.
+        reason: String,
+    },
+    /// After [`Action::ProbeExecutor`]: no driver is registered for the
+    /// runtime (it was, when the executor was launched).
+    RuntimeNotRegistered,
     /// agentctl was spawned, or the container started.
     Launched,
     /// The remote host (or agentctl's address) did not answer. The startup
@@ -225,8 +249,15 @@ pub enum Action {
         /// The recorded container id, if any.
         container_id: Option<String>,
     },
+    /// Custom runtimes: ask the runtime's driver (`Executor::probe`) what
+    /// became of the recorded executor; it starts nothing. Expect
+    /// `ExecutorReattachable` / `ExecutorNeedsStart` / `ExecutorNeedsLaunch` /
+    /// `ExecutorMissing` / `RuntimeNotRegistered` / `ActionFailed` (the
+    /// driver could not tell).
+    ProbeExecutor,
     /// Persist the intent as for `LaunchAgentctl`, then start the stopped
-    /// container. Expect `Launched` / `ActionFailed`.
+    /// container (or a custom runtime's stopped executor, through its
+    /// driver's `start`). Expect `Launched` / `ActionFailed`.
     StartContainer {
         /// The new generation to write (one more than recorded).
         generation: i64,
@@ -329,6 +360,25 @@ pub enum RecoveryFailure {
     /// `container_missing`: the container was removed; nothing is left to resume into.
     #[error("the container of this session no longer exists; create a new session")]
     ContainerMissing,
+    /// `executor_missing`: a custom runtime's driver says the executor
+    /// cannot come back.
+    #[error("the executor of this session no longer exists ({reason}); create a new session")]
+    ExecutorMissing {
+        /// What is gone, as the driver said.
+        reason: String,
+    },
+    /// `runtime_not_registered`: no driver serves the executor's runtime in
+    /// this process (a custom runtime whose driver is not registered any
+    /// more). The session is left as it was: startup recovery takes the
+    /// executor up again once the driver is registered.
+    #[error(
+        "{runtime}: no executor driver is registered for this runtime; the session recovers when \
+         sessiond starts with one"
+    )]
+    RuntimeNotRegistered {
+        /// The runtime's name.
+        runtime: String,
+    },
     /// `launch_failed`: spawning agentctl or starting its container failed.
     #[error("could not start agentctl: {reason}; resume the session to try again")]
     LaunchFailed {
@@ -405,6 +455,8 @@ impl RecoveryFailure {
             RecoveryFailure::WorktreeMissing { .. } => "worktree_missing",
             RecoveryFailure::DockerUnavailable { .. } => "docker_unavailable",
             RecoveryFailure::ContainerMissing => "container_missing",
+            RecoveryFailure::ExecutorMissing { .. } => "executor_missing",
+            RecoveryFailure::RuntimeNotRegistered { .. } => "runtime_not_registered",
             RecoveryFailure::LaunchFailed { .. } => "launch_failed",
             RecoveryFailure::Unhealthy { .. } => "unhealthy",
             RecoveryFailure::Reconnecting { .. } => "reconnecting",
@@ -549,6 +601,7 @@ enum Phase {
     ProbingProcess,
     Launching,
     FindingContainer,
+    ProbingExecutor,
     StartingContainer,
     CheckingHealth,
     ProbingCapabilities,
@@ -567,6 +620,7 @@ impl Phase {
             Phase::ProbingProcess => "probing the agentctl process",
             Phase::Launching => "launching agentctl",
             Phase::FindingContainer => "finding the container",
+            Phase::ProbingExecutor => "probing the executor through its driver",
             Phase::StartingContainer => "starting the container",
             Phase::CheckingHealth => "checking agentctl health",
             Phase::ProbingCapabilities => "probing capabilities",
@@ -678,6 +732,7 @@ impl Recovery {
                 )
             }
             Runtime::Remote => self.go(Phase::CheckingHealth, Action::HealthCheck),
+            Runtime::Custom(_) => self.go(Phase::ProbingExecutor, Action::ProbeExecutor),
         }
     }
 
@@ -807,6 +862,27 @@ impl Recovery {
             }
             (P::FindingContainer, O::DockerUnavailable { reason }) => {
                 self.retrying(RecoveryFailure::DockerUnavailable { reason })
+            }
+
+            (P::ProbingExecutor, O::ExecutorReattachable) => {
+                self.go(P::CheckingHealth, Action::HealthCheck)
+            }
+            (P::ProbingExecutor, O::ExecutorNeedsStart) => {
+                self.generation += 1;
+                let event = self.starting_event();
+                let generation = self.generation;
+                self.go(
+                    P::StartingContainer,
+                    Action::StartContainer { generation, event },
+                )
+            }
+            (P::ProbingExecutor, O::ExecutorNeedsLaunch) => self.launch_agentctl(),
+            (P::ProbingExecutor, O::ExecutorMissing { reason }) => {
+                self.executor_failed(RecoveryFailure::ExecutorMissing { reason })
+            }
+            (P::ProbingExecutor, O::RuntimeNotRegistered) => self.driver_missing(),
+            (P::ProbingExecutor, O::ActionFailed { reason }) => {
+                self.executor_failed(RecoveryFailure::Unhealthy { reason })
             }
 
             (P::Launching | P::StartingContainer, O::Launched) => {
@@ -1056,6 +1132,32 @@ impl Recovery {
         self.retrying(RecoveryFailure::Reconnecting { url, reason })
     }
 
+    /// No driver serves the custom runtime in this process: executor `error`
+    /// with `runtime_not_registered`, the session left as it was (a pending
+    /// turn stays pending). Nothing retries in the background: startup
+    /// recovery takes the executor up again once a driver is registered for
+    /// its runtime, and resumes the session as it would have now.
+    fn driver_missing(&mut self) -> Action {
+        let failure = RecoveryFailure::RuntimeNotRegistered {
+            runtime: self.input.runtime.to_string(),
+        };
+        let events = vec![EventPayload::AgentctlError {
+            executor_id: self.input.executor_id,
+            error_message: failure.message(),
+        }];
+        self.done(RecoveryOutcome {
+            label: OutcomeLabel::ExecutorError,
+            executor_status: ExecutorStatus::Error,
+            executor_error: Some(failure),
+            generation: self.generation,
+            session_state: self.input.session_state,
+            session_error: None,
+            workspace_enabled: false,
+            retry_in_background: false,
+            events,
+        })
+    }
+
     /// The executor cannot be reached for now (remote host, Docker engine):
     /// executor `error` with the failure, session unchanged, and a retry in
     /// the background that runs recovery again once it answers.
@@ -1126,6 +1228,7 @@ mod tests {
             Action::LaunchAgentctl { .. } => "launch_agentctl",
             Action::FindContainer { .. } => "find_container",
             Action::StartContainer { .. } => "start_container",
+            Action::ProbeExecutor => "probe_executor",
             Action::HealthCheck => "health_check",
             Action::ProbeCapabilities => "probe_capabilities",
             Action::MarkExecutorReady { .. } => "mark_ready",
@@ -1894,10 +1997,213 @@ mod tests {
         );
     }
 
+    fn vm() -> Runtime {
+        Runtime::parse("vm").unwrap()
+    }
+
+    #[test]
+    fn custom_table() {
+        let custom = |state| input(vm(), state);
+        check(
+            "reattachable: the surviving agent is kept",
+            custom(S::Running),
+            vec![
+                O::ExecutorReattachable,
+                O::Healthy {
+                    agent: SurvivingAgent::Busy,
+                },
+                caps(true),
+                O::Applied,
+            ],
+            Expect {
+                actions: &[
+                    "probe_executor",
+                    "health_check",
+                    "probe_capabilities",
+                    "mark_ready",
+                    "done",
+                ],
+                label: L::Reattached,
+                executor: ExecutorStatus::Ready,
+                session: S::Running,
+                workspace: true,
+                events: &[],
+            },
+        );
+        let relaunch = &[
+            "probe_executor",
+            "launch_agentctl",
+            "health_check",
+            "probe_capabilities",
+            "mark_ready",
+            "resume_agent",
+            "done",
+        ];
+        check(
+            "needs launch: relaunched and resumed",
+            custom(S::WaitingForInput),
+            vec![
+                O::ExecutorNeedsLaunch,
+                O::Launched,
+                healthy(),
+                caps(true),
+                O::Applied,
+                O::ResumeSucceeded,
+            ],
+            Expect {
+                actions: relaunch,
+                label: L::Resumed,
+                executor: ExecutorStatus::Ready,
+                session: S::WaitingForInput,
+                workspace: true,
+                events: &[],
+            },
+        );
+        check(
+            "needs start: started and resumed",
+            custom(S::WaitingForInput),
+            vec![
+                O::ExecutorNeedsStart,
+                O::Launched,
+                healthy(),
+                caps(true),
+                O::Applied,
+                O::ResumeSucceeded,
+            ],
+            Expect {
+                actions: &[
+                    "probe_executor",
+                    "start_container",
+                    "health_check",
+                    "probe_capabilities",
+                    "mark_ready",
+                    "resume_agent",
+                    "done",
+                ],
+                label: L::Resumed,
+                executor: ExecutorStatus::Ready,
+                session: S::WaitingForInput,
+                workspace: true,
+                events: &[],
+            },
+        );
+        for (name, observation) in [
+            (
+                "missing",
+                O::ExecutorMissing {
+                    reason: "vm deleted".into(),
+                },
+            ),
+            (
+                "driver cannot tell",
+                O::ActionFailed {
+                    reason: "hypervisor down".into(),
+                },
+            ),
+            ("deadline", O::DeadlineExceeded),
+        ] {
+            check(
+                name,
+                custom(S::WaitingForInput),
+                vec![observation],
+                Expect {
+                    actions: &["probe_executor", "done"],
+                    label: L::ExecutorError,
+                    executor: ExecutorStatus::Error,
+                    session: S::Error,
+                    workspace: false,
+                    events: AGENTCTL_ERROR_AND_STATE,
+                },
+            );
+        }
+        for state in [S::Running, S::WaitingForInput, S::Error] {
+            check(
+                "driver not registered: session kept for when it is",
+                custom(state),
+                vec![O::RuntimeNotRegistered],
+                Expect {
+                    actions: &["probe_executor", "done"],
+                    label: L::ExecutorError,
+                    executor: ExecutorStatus::Error,
+                    session: state,
+                    workspace: false,
+                    events: &[EventKind::AgentctlError],
+                },
+            );
+        }
+        check(
+            "launch failed",
+            custom(S::WaitingForInput),
+            vec![
+                O::ExecutorNeedsLaunch,
+                O::ActionFailed {
+                    reason: "no capacity".into(),
+                },
+            ],
+            Expect {
+                actions: &["probe_executor", "launch_agentctl", "done"],
+                label: L::ExecutorError,
+                executor: ExecutorStatus::Error,
+                session: S::Error,
+                workspace: false,
+                events: AGENTCTL_ERROR_AND_STATE,
+            },
+        );
+    }
+
+    #[test]
+    fn custom_failures_say_what_to_do() {
+        let (actions, outcome) = run(
+            input(vm(), S::WaitingForInput),
+            vec![
+                O::ExecutorNeedsLaunch,
+                O::Launched,
+                healthy(),
+                caps(true),
+                O::Applied,
+                O::ResumeSucceeded,
+            ],
+        );
+        match &actions[1] {
+            Action::LaunchAgentctl { generation, event } => {
+                assert_eq!(*generation, 4);
+                assert!(
+                    matches!(event, EventPayload::AgentctlStarting { runtime, generation: 4, .. } if *runtime == vm())
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(outcome.generation, 4);
+        let (_, outcome) = run(
+            input(vm(), S::WaitingForInput),
+            vec![O::RuntimeNotRegistered],
+        );
+        assert_eq!(
+            outcome.error_message().as_deref(),
+            Some(
+                "runtime_not_registered: vm: no executor driver is registered for this runtime; \
+                 the session recovers when sessiond starts with one"
+            )
+        );
+        let (_, outcome) = run(
+            input(vm(), S::WaitingForInput),
+            vec![O::ExecutorMissing {
+                reason: "vm deleted".into(),
+            }],
+        );
+        assert_eq!(
+            outcome.error_message().as_deref(),
+            Some(
+                "executor_missing: the executor of this session no longer exists (vm deleted); \
+                 create a new session"
+            )
+        );
+    }
+
     #[test]
     fn ended_sessions_get_their_executor_stopped() {
         for state in [S::Completed, S::Cancelled] {
-            for &runtime in Runtime::ALL {
+            for runtime in Runtime::ALL.iter().copied().chain([vm()]) {
                 check(
                     "ended",
                     input(runtime, state),

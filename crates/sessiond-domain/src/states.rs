@@ -140,17 +140,159 @@ string_enum!(
     Stopped => "stopped",
 });
 
-string_enum!(
-    /// Where an executor runs.
-    Runtime, "runtime", {
+/// Where an executor runs: one of the three built-in runtimes, or a runtime
+/// a third party registered under a name of its own (an `Executor` driver
+/// whose `runtime()` is [`Runtime::Custom`]).
+///
+/// `Copy` like the other states: a custom name is held inline
+/// ([`RuntimeName`]), not on the heap.
+///
+/// ```
+/// use sessiond_domain::Runtime;
+///
+/// assert_eq!(Runtime::parse("local_docker"), Ok(Runtime::LocalDocker));
+/// let vm = Runtime::parse("vm").unwrap();
+/// assert!(!vm.is_built_in());
+/// assert_eq!(vm.as_str(), "vm");
+/// assert!(Runtime::parse("Not A Name").is_err());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Runtime {
     /// agentctl in a Docker container on this host, found again by
     /// container id or label.
-    LocalDocker => "local_docker",
+    LocalDocker,
     /// agentctl as a local process, found again by pid and its start time.
-    LocalStandalone => "local_standalone",
+    LocalStandalone,
     /// agentctl already running on another host, reached by its URL.
-    Remote => "remote",
-});
+    Remote,
+    /// A runtime registered by a third party under its own name (a VM, a
+    /// Kubernetes pod, ...). Recovery asks its driver (`Executor::probe`)
+    /// what became of an executor, then reattaches, starts or relaunches it.
+    Custom(RuntimeName),
+}
+
+/// What [`Runtime::parse`] and [`RuntimeName::new`] accept besides the
+/// built-in names.
+const RUNTIME_FORMS: &str = "local_docker local_standalone remote, or a registered runtime's name \
+     (1 to 40 characters of a-z, 0-9, '_' and '-')";
+
+impl Runtime {
+    /// The built-in runtimes, in declaration order (custom runtimes are
+    /// whatever drivers register).
+    pub const ALL: &'static [Runtime] = &[
+        Runtime::LocalDocker,
+        Runtime::LocalStandalone,
+        Runtime::Remote,
+    ];
+
+    /// The string form the store writes and the API shows (exact case): a
+    /// built-in name, or the custom runtime's name.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Runtime::LocalDocker => "local_docker",
+            Runtime::LocalStandalone => "local_standalone",
+            Runtime::Remote => "remote",
+            Runtime::Custom(name) => name.as_str(),
+        }
+    }
+
+    /// One of the three runtimes sessiond itself drives.
+    pub const fn is_built_in(&self) -> bool {
+        !matches!(self, Runtime::Custom(_))
+    }
+
+    /// The runtime named `value`: a built-in one for its exact name,
+    /// otherwise a custom one if `value` is a valid [`RuntimeName`]. Whether
+    /// a driver is registered for it is the caller's question.
+    ///
+    /// # Errors
+    ///
+    /// [`UnknownValue`], listing the accepted forms, for any other text.
+    pub fn parse(value: &str) -> Result<Self, UnknownValue> {
+        Ok(match value {
+            "local_docker" => Runtime::LocalDocker,
+            "local_standalone" => Runtime::LocalStandalone,
+            "remote" => Runtime::Remote,
+            _ => Runtime::Custom(RuntimeName::new(value)?),
+        })
+    }
+}
+
+impl fmt::Display for Runtime {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Runtime {
+    type Err = UnknownValue;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+    }
+}
+
+/// The name of a custom runtime: 1 to [`RuntimeName::MAX_LEN`] characters of
+/// `a-z`, `0-9`, `_` and `-`, and none of the built-in names. Held inline,
+/// so that [`Runtime`] stays `Copy`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RuntimeName {
+    // Zero-padded ASCII; `bytes` before `len` so that the order is the
+    // names' order.
+    bytes: [u8; RuntimeName::MAX_LEN],
+    len: u8,
+}
+
+impl RuntimeName {
+    /// The longest name, in bytes.
+    pub const MAX_LEN: usize = 40;
+
+    /// `value` as a custom runtime's name.
+    ///
+    /// # Errors
+    ///
+    /// [`UnknownValue`] when `value` is empty, longer than
+    /// [`Self::MAX_LEN`], has another character than `a-z 0-9 _ -`, or is a
+    /// built-in runtime's name.
+    pub fn new(value: &str) -> Result<Self, UnknownValue> {
+        let valid = !value.is_empty()
+            && value.len() <= Self::MAX_LEN
+            && value
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+            && !Runtime::ALL.iter().any(|r| r.as_str() == value);
+        if !valid {
+            return Err(UnknownValue {
+                kind: "runtime",
+                value: value.to_owned(),
+                expected: RUNTIME_FORMS,
+            });
+        }
+        let mut bytes = [0; Self::MAX_LEN];
+        bytes[..value.len()].copy_from_slice(value.as_bytes());
+        Ok(Self {
+            bytes,
+            len: value.len() as u8,
+        })
+    }
+
+    /// The name.
+    pub fn as_str(&self) -> &str {
+        // Only ASCII is ever stored (checked by `new`).
+        std::str::from_utf8(&self.bytes[..usize::from(self.len)]).unwrap_or_default()
+    }
+}
+
+impl fmt::Debug for RuntimeName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self.as_str(), f)
+    }
+}
+
+impl fmt::Display for RuntimeName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 string_enum!(
     /// Author of a message.
@@ -246,7 +388,33 @@ mod tests {
 
     #[test]
     fn unknown_value_lists_the_expected_ones() {
-        let err = Runtime::parse("k8s").unwrap_err();
-        assert!(err.to_string().contains("local_docker"));
+        let err = Runtime::parse("K8s").unwrap_err();
+        assert!(err.to_string().contains("local_docker"), "{err}");
+        assert!(err.to_string().contains("registered runtime"), "{err}");
+    }
+
+    #[test]
+    fn custom_runtime_names_are_checked() {
+        for ok in ["vm", "k8s-pod", "a", "wrapper_2", &"x".repeat(40)] {
+            let r = Runtime::parse(ok).unwrap();
+            assert_eq!(r, Runtime::Custom(RuntimeName::new(ok).unwrap()));
+            assert_eq!(r.as_str(), ok);
+            assert_eq!(r.to_string(), ok);
+            assert!(!r.is_built_in());
+        }
+        for bad in ["", "VM", "v m", "vm!", "é", &"x".repeat(41)] {
+            assert!(Runtime::parse(bad).is_err(), "{bad:?}");
+            assert!(RuntimeName::new(bad).is_err(), "{bad:?}");
+        }
+        // Built-in names are never custom.
+        for r in Runtime::ALL {
+            assert!(r.is_built_in());
+            assert!(RuntimeName::new(r.as_str()).is_err());
+        }
+        let (a, b) = (
+            RuntimeName::new("ab").unwrap(),
+            RuntimeName::new("abc").unwrap(),
+        );
+        assert!(a < b && format!("{a:?}") == "\"ab\"");
     }
 }

@@ -316,8 +316,9 @@ pub fn session_status(
 fn executor_gone(session: &Session) -> bool {
     session.state == SessionState::Error
         && session.error_message.as_deref().is_some_and(|m| {
-            m.split_once(':').map(|(code, _)| code)
-                == Some(crate::recovery::RecoveryFailure::ContainerMissing.code())
+            let code = m.split_once(':').map(|(code, _)| code);
+            code == Some(crate::recovery::RecoveryFailure::ContainerMissing.code())
+                || code == Some("executor_missing")
         })
 }
 

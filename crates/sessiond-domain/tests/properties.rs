@@ -17,7 +17,10 @@ fn session_state() -> impl Strategy<Value = SessionState> {
 }
 
 fn runtime() -> impl Strategy<Value = Runtime> {
-    proptest::sample::select(Runtime::ALL)
+    let mut all = Runtime::ALL.to_vec();
+    // A registered runtime of a third party's own name.
+    all.push(Runtime::parse("vm").expect("a valid runtime name"));
+    proptest::sample::select(all)
 }
 
 fn agent_process() -> impl Strategy<Value = AgentProcessState> {
@@ -249,6 +252,11 @@ fn every_observation() -> Vec<Observation> {
         O::ContainerStopped,
         O::ContainerMissing,
         O::DockerUnavailable { reason: failure() },
+        O::ExecutorReattachable,
+        O::ExecutorNeedsStart,
+        O::ExecutorNeedsLaunch,
+        O::ExecutorMissing { reason: failure() },
+        O::RuntimeNotRegistered,
         O::Launched,
         O::HostUnreachable {
             reason: failure(),
@@ -305,6 +313,13 @@ fn fitting(action: &Action) -> Vec<Observation> {
             O::ContainerStopped,
             O::ContainerMissing,
             O::DockerUnavailable { reason: failure() },
+        ],
+        Action::ProbeExecutor => vec![
+            O::ExecutorReattachable,
+            O::ExecutorNeedsStart,
+            O::ExecutorNeedsLaunch,
+            O::ExecutorMissing { reason: failure() },
+            O::RuntimeNotRegistered,
         ],
         Action::HealthCheck => vec![
             O::Healthy {

@@ -302,9 +302,12 @@ pub enum Probe {
 ///
 /// Third parties implement it for their own way of running agentctl and
 /// hand it to `sessiond_recovery::SessionManager::new` (or the server's
-/// builder) as the driver of one [`Runtime`], in place of the built-in one;
-/// the recovery step machine drives it the same way. The `custom_executor` example of `sessiond-server` is a complete
-/// driver; the smallest one wraps a built-in driver:
+/// builder) as the driver of one [`Runtime`]: a runtime of their own name
+/// ([`Runtime::Custom`]), or a built-in one whose driver it replaces. The
+/// recovery step machine drives it the same way as the built-in drivers,
+/// through [`Self::probe`]'s answers for a custom runtime. The
+/// `custom_executor` example of `sessiond-server` is a complete driver of a
+/// runtime named `wrapper`; the smallest one wraps a built-in driver:
 ///
 /// ```
 /// use std::sync::Arc;

@@ -120,6 +120,20 @@ impl SessionManager {
             )));
         }
         let profile = store.get_agent_profile(req.agent_profile_id).await?;
+        // A custom name nothing serves is the caller's mistake; a built-in
+        // runtime this server does not run (Docker disabled) stays
+        // UNAVAILABLE, as it always was.
+        if !req.runtime.is_built_in() && !self.inner.drivers.contains_key(&req.runtime) {
+            return Err(Error::InvalidArgument(format!(
+                "runtime {}: no executor driver is registered for it; registered runtimes: {}",
+                req.runtime,
+                self.runtimes()
+                    .iter()
+                    .map(Runtime::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
         self.driver(req.runtime)?;
         if req.worktree.path.is_empty() {
             return Err(Error::InvalidArgument("worktree path is empty".into()));

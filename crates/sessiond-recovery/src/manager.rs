@@ -158,7 +158,8 @@ pub(crate) struct Inner {
     /// Sessions whose update pump is parked (idle, no stream open): where
     /// the next pump continues from.
     parked: StdMutex<HashMap<SessionId, Parked>>,
-    /// Agent profiles read once by `recover_all` for its executors.
+    /// Agent profiles read once by `recover_all` for its executors (and by
+    /// the adoption loop for one burst of adoptions).
     pub(crate) recovery_profiles:
         StdMutex<HashMap<sessiond_domain::AgentProfileId, sessiond_domain::AgentProfile>>,
     locks: StdMutex<HashMap<SessionId, Arc<tokio::sync::Mutex<()>>>>,
@@ -191,9 +192,9 @@ pub(crate) struct Inner {
     /// Test hook: awaited before each heartbeat (see `gate_heartbeat`).
     pub(crate) heartbeat_gate: StdMutex<Option<crate::queue::PassGate>>,
     /// This replica's lease claims, one at a time (`replica.rs`): a call
-    /// never claims again what the adoption round just claimed.
+    /// never claims again what the adoption loop just claimed.
     pub(crate) claims: tokio::sync::Mutex<()>,
-    /// Sessions the adoption round claimed and has yet to recover
+    /// Sessions the adoption loop claimed and has yet to recover
     /// (`replica.rs`): a call on one joins (or starts) its recovery.
     pub(crate) adoptions: StdMutex<HashMap<SessionId, crate::replica::Adoption>>,
 }
@@ -329,6 +330,14 @@ impl SessionManager {
     /// The store the manager writes through.
     pub fn store(&self) -> &Store {
         &self.inner.store
+    }
+
+    /// The runtimes a driver is registered for (built-in and custom), in
+    /// order.
+    pub fn runtimes(&self) -> Vec<Runtime> {
+        let mut runtimes: Vec<Runtime> = self.inner.drivers.keys().copied().collect();
+        runtimes.sort();
+        runtimes
     }
 
     /// The configuration it was built with.

@@ -124,7 +124,8 @@ struct CauseLabels {
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct LaunchLabels {
-    runtime: &'static str,
+    // A built-in runtime's name or a registered one's.
+    runtime: String,
     /// `launch` (a new session) or `relaunch` (recovery or resume: generation > 1).
     kind: &'static str,
     outcome: &'static str,
@@ -239,7 +240,7 @@ impl Default for ManagerMetrics {
             for kind in ["launch", "relaunch"] {
                 for outcome in ["ok", "failed", "timeout"] {
                     drop(me.launches.get_or_create(&LaunchLabels {
-                        runtime: runtime.as_str(),
+                        runtime: runtime.to_string(),
                         kind,
                         outcome,
                     }));
@@ -362,7 +363,7 @@ impl ManagerMetrics {
     pub(crate) fn launch(&self, runtime: Runtime, generation: i64, outcome: &'static str) {
         self.launches
             .get_or_create(&LaunchLabels {
-                runtime: runtime.as_str(),
+                runtime: runtime.to_string(),
                 kind: if generation > 1 { "relaunch" } else { "launch" },
                 outcome,
             })

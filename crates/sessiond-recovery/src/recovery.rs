@@ -63,6 +63,8 @@ const RECONNECTING: &str = "reconnecting:";
 /// in the background until the engine answers (no window: an engine comes
 /// back when someone starts it).
 const DOCKER_UNAVAILABLE: &str = "docker_unavailable:";
+/// The prefix of [`RecoveryFailure::RuntimeNotRegistered`]'s message.
+const RUNTIME_NOT_REGISTERED: &str = "runtime_not_registered:";
 
 /// What startup recovery did.
 #[derive(Debug, Clone, Default)]
@@ -657,6 +659,37 @@ impl SessionManager {
                         Observation::ContainerMissing
                     }
                     Ok(Err(e)) => Observation::DockerUnavailable {
+                        reason: e.to_string(),
+                    },
+                }
+            }
+            Action::ProbeExecutor => {
+                // A custom runtime: its driver says what became of the
+                // executor; `probe` starts nothing, so the intent of a start
+                // or launch is written before it (StartContainer,
+                // LaunchAgentctl).
+                let Ok(driver) = self.driver(run.record.runtime) else {
+                    tracing::warn!(session = %run.session.id, executor_id = %run.record.id,
+                        runtime = %run.record.runtime,
+                        "recovery: no executor driver is registered for this runtime");
+                    return Ok(Observation::RuntimeNotRegistered);
+                };
+                if timed_out {
+                    return Ok(Observation::DeadlineExceeded);
+                }
+                let handle = ExecutorHandle::from_record(&run.record);
+                match tokio::time::timeout(remaining, driver.probe(&handle)).await {
+                    Err(_) => Observation::DeadlineExceeded,
+                    Ok(Ok(Probe::Reattachable { handle: found, .. })) => {
+                        if found != handle {
+                            self.persist_handle(run, &found).await?;
+                        }
+                        Observation::ExecutorReattachable
+                    }
+                    Ok(Ok(Probe::NeedsStart { .. })) => Observation::ExecutorNeedsStart,
+                    Ok(Ok(Probe::NeedsLaunch { .. })) => Observation::ExecutorNeedsLaunch,
+                    Ok(Ok(Probe::Missing { reason })) => Observation::ExecutorMissing { reason },
+                    Ok(Err(e)) => Observation::ActionFailed {
                         reason: e.to_string(),
                     },
                 }
@@ -1276,6 +1309,8 @@ pub(crate) fn retried_in_background(
                 drivers.contains_key(&Runtime::LocalDocker) && code(DOCKER_UNAVAILABLE)
             }
             Runtime::LocalStandalone => false,
+            // Parked while no driver served it: taken up again once one does.
+            Runtime::Custom(_) => drivers.contains_key(&r.runtime) && code(RUNTIME_NOT_REGISTERED),
         }
 }
 

@@ -12,8 +12,10 @@
 //!   row and renews all its leases in one transaction; a session whose
 //!   lease is no longer this replica's (it was paused past its TTL and
 //!   someone adopted it) is dropped at once: pump stopped, caches cleared.
-//! - One adoption task (same period) claims expired leases in bounded
-//!   batches and recovers them with bounded concurrency.
+//! - One adoption task claims expired leases (waking when the next lease of
+//!   another replica runs out, at most every third of the TTL or 1 s) and
+//!   recovers them with bounded concurrency, claiming the next ones while
+//!   the current ones recover (a pipeline; see `adoption_loop`).
 //! - A call on a session whose executor another replica holds (unexpired)
 //!   is refused with [`Error::NotOwner`] (UNAVAILABLE, naming the owner);
 //!   one whose lease is expired or free is claimed by the call and
@@ -21,21 +23,27 @@
 //! - With `exclusive` (SQLite, one process), none of this writes anything:
 //!   every session counts as owned.
 
-use std::{collections::HashSet, time::Duration};
+use std::{
+    collections::HashSet,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use chrono::Utc;
-use futures::{FutureExt, StreamExt};
+use futures::FutureExt;
 use sessiond_domain::{ExecutorRecord, ExecutorStatus, SessionId};
 use sessiond_store::{Changeset, Committed, EventWake, Fence, ReplicaInfo};
+use tokio::sync::{Semaphore, mpsc};
 
 use crate::{
     error::{Error, Result},
+    lifecycle::ms,
     manager::{SessionManager, lock},
     queue::SharedRecovery,
     recovery::Lane,
 };
 
-/// A session the adoption round claimed and has not recovered yet: its
+/// A session the adoption loop claimed and has not recovered yet: its
 /// record, and the recovery under way (`None`: not started, or failed and
 /// to be tried again).
 pub(crate) struct Adoption {
@@ -43,9 +51,61 @@ pub(crate) struct Adoption {
     recovery: Option<SharedRecovery>,
 }
 
-/// How many expired leases one adoption round claims at most (per
-/// transaction); rounds follow each other at once while they come back full.
+/// How many expired leases one claim of the adoption loop takes at most
+/// (per transaction); it also takes no more than its free slots.
 const ADOPTION_BATCH: u32 = 64;
+
+/// After a claim cut to its fair share, how long the adoption loop waits
+/// (unless one of its recoveries ends first) before it claims again: time
+/// for the other survivors, woken by the same lease expiry, to take their
+/// share, without leaving rows unclaimed for long if they do not.
+const SHARE_PAUSE: Duration = Duration::from_millis(20);
+
+/// One stretch of adoption (from its first claim until nothing is left in
+/// flight), summed up in one log line at its end.
+#[derive(Default)]
+struct Burst {
+    started: Option<Instant>,
+    claimed: usize,
+    recovered: usize,
+    failed: usize,
+}
+
+impl Burst {
+    fn claimed(&mut self, n: usize, at: Instant) {
+        self.started.get_or_insert(at);
+        self.claimed += n;
+    }
+
+    fn done(&mut self, ok: bool) {
+        if ok {
+            self.recovered += 1;
+        } else {
+            self.failed += 1;
+        }
+    }
+
+    fn active(&self) -> bool {
+        self.started.is_some()
+    }
+
+    /// Logs the burst that ends now, if any, and starts counting afresh;
+    /// whether there was one.
+    fn end(&mut self) -> bool {
+        let ended = std::mem::take(self);
+        let Some(started) = ended.started else {
+            return false;
+        };
+        tracing::info!(
+            claimed = ended.claimed,
+            recovered = ended.recovered,
+            failed = ended.failed,
+            took_ms = ms(started.elapsed()),
+            "adopted executors of a replica whose lease expired"
+        );
+        true
+    }
+}
 
 impl SessionManager {
     /// This replica's id.
@@ -289,8 +349,8 @@ impl SessionManager {
         if !held_elsewhere {
             let claims = self.inner.claims.lock().await;
             if self.owns(session) {
-                // The adoption round claimed it meanwhile: claiming it again
-                // would bump the version under the round's recovery.
+                // The adoption loop claimed it meanwhile: claiming it again
+                // would bump the version under the loop's recovery.
                 drop(claims);
                 return self.join_adoption(session).await;
             }
@@ -408,27 +468,13 @@ impl SessionManager {
             self.spawn_background(async move {
                 // The startup pass claims this replica's own executors first.
                 me.wait_first_recovery().await;
-                loop {
-                    match me.adopt_round().await {
-                        Ok(n) if n >= ADOPTION_BATCH as usize => continue,
-                        // A claim takes its fair share at most: a short
-                        // pause lets the other survivors take theirs, then
-                        // look again for what is left.
-                        Ok(n) if n > 0 => {
-                            tokio::time::sleep(every / 8).await;
-                            continue;
-                        }
-                        Ok(_) => {}
-                        Err(e) => tracing::warn!(error = %e, "adoption round failed"),
-                    }
-                    tokio::time::sleep(me.until_next_expiry(every).await).await;
-                }
+                me.adoption_loop(every).await;
             });
         }
         Ok(())
     }
 
-    /// How long the adoption loop sleeps after a round that found nothing:
+    /// How long the adoption loop sleeps after a claim that found nothing:
     /// until the next lease of another replica runs out (plus a little for
     /// the clocks), at most `every`. A dead replica's leases are thus
     /// claimed as soon as they expire instead of up to a period later;
@@ -454,8 +500,8 @@ impl SessionManager {
         }
     }
 
-    /// Starts the recovery of a session the adoption round claimed, or
-    /// hands out the one under way; `None` when the round is not adopting
+    /// Starts the recovery of a session the adoption loop claimed, or
+    /// hands out the one under way; `None` when the loop is not adopting
     /// it (any more).
     fn claim_adoption(&self, session: SessionId, lane: Lane) -> Option<SharedRecovery> {
         let mut adoptions = lock(&self.inner.adoptions);
@@ -482,11 +528,11 @@ impl SessionManager {
         Some(fut)
     }
 
-    /// A call on a session this replica owns: when the adoption round
+    /// A call on a session this replica owns: when the adoption loop
     /// claimed it and has not recovered it yet, recover it now (ahead of
-    /// the round) or wait for the recovery under way, as a call does during
+    /// the loop) or wait for the recovery under way, as a call does during
     /// startup recovery. A failed recovery is UNAVAILABLE: it is tried
-    /// again (by the next round or call), so the caller retries.
+    /// again (by the next look or call), so the caller retries.
     async fn join_adoption(&self, session: SessionId) -> Result<()> {
         if let Some(recovery) = self.claim_adoption(session, Lane::Call)
             && let Err(e) = recovery.await
@@ -542,32 +588,152 @@ impl SessionManager {
         }
     }
 
-    /// Claims up to one batch of expired leases and recovers what it got;
-    /// returns how many it claimed.
-    async fn adopt_round(&self) -> Result<usize> {
+    /// The adoption of expired leases, as a pipeline: up to
+    /// `recovery_concurrency` adoptions recover at once, and as soon as a
+    /// quarter of those slots is free the next claim tops them up while the
+    /// others still recover (claiming only after a whole batch finished
+    /// left the slots idle behind its slowest recovery). A claim takes at
+    /// most the free slots and its fair share (see
+    /// `sessiond_store::Store::claim_expired`), so every survivor keeps
+    /// claiming until the dead replica's rows are gone; after a claim cut
+    /// to its share the next waits for one of its recoveries to end or
+    /// [`SHARE_PAUSE`], so a survivor woken a moment later still gets its
+    /// part instead of the first taking half of what is left again and
+    /// again. No sleep while claimable rows remain. A claim that finds
+    /// nothing means nothing is claimable before the next lease of another
+    /// replica runs out: the loop looks again then (at most `every`), and
+    /// only then retries adoptions that failed.
+    async fn adoption_loop(&self, every: Duration) {
+        let concurrency = self.inner.config.recovery_concurrency.max(1);
+        let low_water = (concurrency / 4).max(1);
+        let slots = Arc::new(Semaphore::new(concurrency));
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel::<bool>();
+        // Nothing to claim before this moment (a claim came back empty).
+        let mut dry_until: Option<Instant> = None;
+        // The last claim was cut to its fair share: the next one waits a
+        // little (a recovery ending, or SHARE_PAUSE) so the other survivors
+        // take theirs.
+        let mut after_share: Option<Instant> = None;
+        let mut burst = Burst::default();
+        loop {
+            while let Ok(ok) = done_rx.try_recv() {
+                burst.done(ok);
+                after_share = None;
+            }
+            let free = slots.available_permits();
+            let idle = free == concurrency;
+            if idle && burst.end() {
+                lock(&self.inner.recovery_profiles).clear();
+            }
+            let now = Instant::now();
+            let may_claim = dry_until.is_none_or(|t| now >= t)
+                && after_share.is_none_or(|t| now >= t + SHARE_PAUSE);
+            if may_claim && (idle || free >= low_water) {
+                let asked = Instant::now();
+                let limit = free.clamp(1, ADOPTION_BATCH as usize);
+                after_share = None;
+                match self.claim_adoptions(limit, idle).await {
+                    Ok((claimed, sessions)) => {
+                        if claimed > 0 {
+                            if !burst.active() {
+                                self.preload_profiles().await;
+                            }
+                            burst.claimed(claimed, asked);
+                            tracing::info!(
+                                claimed,
+                                in_flight = concurrency - free,
+                                claim_ms = ms(asked.elapsed()),
+                                "claimed expired leases"
+                            );
+                        }
+                        for session in sessions {
+                            // Only this loop takes slots, and claimed at most
+                            // the free ones (retried adoptions may wait).
+                            let Ok(slot) = slots.clone().acquire_owned().await else {
+                                return;
+                            };
+                            let me = self.clone();
+                            let done = done_tx.clone();
+                            self.spawn_background(async move {
+                                let ok = me.adopt_one(session).await;
+                                drop(slot);
+                                let _ = done.send(ok);
+                            });
+                        }
+                        if claimed > 0 {
+                            dry_until = None;
+                            if claimed < limit {
+                                after_share = Some(Instant::now());
+                            }
+                            continue;
+                        }
+                        dry_until = Some(Instant::now() + self.until_next_expiry(every).await);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "adoption claim failed");
+                        dry_until = Some(Instant::now() + every);
+                    }
+                }
+            }
+            let until = match (dry_until, after_share) {
+                (Some(t), _) => t,
+                (None, Some(t)) => t + SHARE_PAUSE,
+                (None, None) => Instant::now() + every,
+            };
+            tokio::select! {
+                Some(ok) = done_rx.recv() => {
+                    burst.done(ok);
+                    after_share = None;
+                }
+                () = tokio::time::sleep_until(until.into()) => {}
+            }
+        }
+    }
+
+    /// Reads every agent profile once for the adoption burst that starts
+    /// (as the startup pass does), instead of once per adopted executor;
+    /// cleared when the burst ends. A profile edited meanwhile is seen by
+    /// the adoptions of the next burst (as with the startup pass).
+    async fn preload_profiles(&self) {
+        match self.inner.store.list_agent_profiles().await {
+            Ok(all) => {
+                *lock(&self.inner.recovery_profiles) = all.into_iter().map(|p| (p.id, p)).collect();
+            }
+            Err(e) => tracing::debug!(error = %e, "profiles not preloaded for adoption"),
+        }
+    }
+
+    /// Claims up to `limit` expired leases (one transaction, at most
+    /// [`ADOPTION_BATCH`]) and records them as owned and to adopt, before
+    /// any call can see either. With `retry`, adoptions whose recovery
+    /// failed earlier (often a write race with the replica that lost the
+    /// lease and has not noticed yet) are handed out again: a session owned
+    /// here and never recovered would otherwise stay stuck, its lease
+    /// renewed by every heartbeat. Returns how many leases it claimed and
+    /// the sessions to recover now.
+    async fn claim_adoptions(&self, limit: usize, retry: bool) -> Result<(usize, Vec<SessionId>)> {
         let r = &self.inner.config.replica;
+        let limit = u32::try_from(limit)
+            .unwrap_or(ADOPTION_BATCH)
+            .clamp(1, ADOPTION_BATCH);
         let claims = self.inner.claims.lock().await;
         let claimed = self
             .inner
             .store
-            .claim_expired(&r.id, Utc::now(), r.lease_ttl, ADOPTION_BATCH)
+            .claim_expired(&r.id, Utc::now(), r.lease_ttl, limit)
             .await?;
         let n = claimed.len();
-        let started = std::time::Instant::now();
         let mut sessions = Vec::with_capacity(n);
         {
-            // Owned and queued together, before any call can see either.
             let mut adoptions = lock(&self.inner.adoptions);
-            // Earlier adoptions whose recovery failed (often a write race
-            // with the replica that lost the lease and has not noticed yet)
-            // are tried again: a session owned here and never recovered
-            // would otherwise stay stuck, its lease renewed by every
-            // heartbeat.
-            adoptions
-                .retain(|_, a| !matches!(a.recovery.as_ref().and_then(|f| f.peek()), Some(Ok(_))));
-            for (session, a) in adoptions.iter() {
-                if a.recovery.as_ref().is_none_or(|f| f.peek().is_some()) {
-                    sessions.push(*session);
+            if retry {
+                adoptions.retain(|_, a| {
+                    !matches!(a.recovery.as_ref().and_then(|f| f.peek()), Some(Ok(_)))
+                });
+                for (session, a) in adoptions.iter() {
+                    if a.recovery.as_ref().is_none_or(|f| f.peek().is_some()) {
+                        sessions.push(*session);
+                    }
                 }
             }
             for c in claimed {
@@ -585,49 +751,34 @@ impl SessionManager {
             }
         }
         drop(claims);
-        if sessions.is_empty() {
-            return Ok(n);
-        }
-        let recovering = sessions.len();
-        let concurrency = self.inner.config.recovery_concurrency.max(1);
-        let failed = futures::stream::iter(sessions.clone())
-            .map(|session| {
-                let me = self.clone();
-                async move {
-                    let Some(recovery) = me.claim_adoption(session, Lane::Other) else {
-                        return 0;
-                    };
-                    let result = recovery.await;
-                    let mut adoptions = lock(&me.inner.adoptions);
-                    match result {
-                        Ok(label) => {
-                            adoptions.remove(&session);
-                            tracing::info!(%session, outcome = label.as_str(), "adopted");
-                            0
-                        }
-                        Err(e) => {
-                            // The next round (or a call) tries again.
-                            if let Some(a) = adoptions.get_mut(&session) {
-                                a.recovery = None;
-                            }
-                            tracing::error!(%session, error = %e,
-                                "adoption recovery failed; tried again on the next round");
-                            1
-                        }
-                    }
+        Ok((n, sessions))
+    }
+
+    /// Recovers one session the adoption loop claimed (or joins the
+    /// recovery a call started); whether it ended well. A failure is kept
+    /// to be tried again (by a later look or a call).
+    async fn adopt_one(&self, session: SessionId) -> bool {
+        let Some(recovery) = self.claim_adoption(session, Lane::Other) else {
+            // No longer adopting it (its lease went elsewhere meanwhile).
+            return true;
+        };
+        let result = recovery.await;
+        let mut adoptions = lock(&self.inner.adoptions);
+        match result {
+            Ok(label) => {
+                adoptions.remove(&session);
+                tracing::info!(%session, outcome = label.as_str(), "adopted");
+                true
+            }
+            Err(e) => {
+                if let Some(a) = adoptions.get_mut(&session) {
+                    a.recovery = None;
                 }
-            })
-            .buffer_unordered(concurrency)
-            .fold(0usize, |a, b| async move { a + b })
-            .await;
-        tracing::info!(
-            claimed = n,
-            recovered = recovering - failed,
-            failed,
-            took_ms = started.elapsed().as_millis() as u64,
-            "adopted executors of a replica whose lease expired"
-        );
-        Ok(n)
+                tracing::error!(%session, error = %e,
+                    "adoption recovery failed; tried again on the next look");
+                false
+            }
+        }
     }
 
     /// Hands the events other replicas commit to this replica's watchers:
@@ -687,7 +838,7 @@ impl SessionManager {
     }
 
     /// Graceful handoff: ends every lease of this replica now, so the others
-    /// adopt its executors on their next round instead of after the TTL.
+    /// adopt its executors on their next look instead of after the TTL.
     /// Call after the pumps stopped ([`SessionManager::shutdown`]).
     pub async fn release_leases(&self) -> Result<usize> {
         if self.exclusive() {

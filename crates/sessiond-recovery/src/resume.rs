@@ -40,7 +40,7 @@ enum Plan {
     Healthy,
     /// Docker: the container runs and its agentctl answers; adopt what the
     /// probe found (port, secret), same generation.
-    Reattach(ExecutorHandle),
+    Reattach(Box<ExecutorHandle>),
     /// Docker: the container exists but is stopped; start it.
     Start,
     /// A new agentctl: a process (standalone) or a container (docker).
@@ -239,16 +239,22 @@ impl SessionManager {
                 Runtime::LocalStandalone => Plan::Launch,
                 // Probe starts nothing: what it finds decides whether an
                 // intent is written and which side effect follows it.
-                Runtime::LocalDocker => {
+                Runtime::LocalDocker | Runtime::Custom(_) => {
                     match tokio::time::timeout(limit, driver.probe(&handle)).await {
-                        Ok(Ok(Probe::Reattachable { handle, .. })) => Plan::Reattach(handle),
+                        Ok(Ok(Probe::Reattachable { handle, .. })) => {
+                            Plan::Reattach(Box::new(handle))
+                        }
                         Ok(Ok(Probe::NeedsStart { .. })) => Plan::Start,
                         Ok(Ok(Probe::NeedsLaunch { .. })) => Plan::Launch,
                         Ok(Ok(Probe::Missing { .. }))
                         | Ok(Err(sessiond_executor::Error::ContainerMissing { .. })) => Plan::Gone,
                         Ok(Err(e)) => Plan::Unavailable(e.to_string()),
+                        Err(_) if record.runtime == Runtime::LocalDocker => Plan::Unavailable(
+                            format!("the Docker engine did not answer within {limit:?}"),
+                        ),
                         Err(_) => Plan::Unavailable(format!(
-                            "the Docker engine did not answer within {limit:?}"
+                            "the {} driver's probe did not answer within {limit:?}",
+                            record.runtime
                         )),
                     }
                 }
@@ -311,7 +317,7 @@ impl SessionManager {
                 }
                 // The container runs and answers (at another port, say):
                 // same generation, nothing was started.
-                (Plan::Reattach(found), _) => Some(found.clone()),
+                (Plan::Reattach(found), _) => Some((**found).clone()),
                 (Plan::Start, Some(generation)) => {
                     let current = ExecutorHandle::from_record(&record);
                     match tokio::time::timeout(limit * 2, driver.start(&current, generation)).await

@@ -634,7 +634,7 @@ impl pb::session_service_server::SessionService for Api {
         let req = request.into_inner();
         reply(async {
             let task = task_id(&req.task_id)?;
-            let runtime = convert::runtime_from(req.runtime)
+            let runtime = convert::runtime_from(req.runtime, &req.runtime_name)
                 .map_err(ApiError::InvalidArgument)?
                 .unwrap_or(self.settings.default_runtime);
             let w = req.worktree.unwrap_or_default();
@@ -652,6 +652,8 @@ impl pb::session_service_server::SessionService for Api {
                     "worktree.path: longer than {MAX_PATH_BYTES} bytes"
                 )));
             }
+            // Custom runtimes too: sessiond cannot know where a driver puts
+            // the worktree, so it holds them to the same roots.
             if runtime != Runtime::Remote {
                 check_worktree(&w.path, &self.settings.worktree_roots)?;
             }

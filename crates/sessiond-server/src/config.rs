@@ -92,7 +92,8 @@ pub struct ServeArgs {
     pub cors_allowed_origins: Option<Vec<String>>,
 
     /// Runtime of sessions that do not ask for one:
-    /// local_standalone | local_docker | remote.
+    /// local_standalone | local_docker | remote, or a runtime an embedding
+    /// service registers (the `sessiond` binary registers none).
     #[arg(long, env = "SESSIOND_DEFAULT_RUNTIME")]
     pub default_runtime: Option<String>,
 
@@ -414,7 +415,9 @@ impl Default for TracesSection {
 #[serde(deny_unknown_fields, default)]
 pub struct ExecutorsSection {
     /// Runtime of sessions that ask for none: `local_standalone` (default),
-    /// `local_docker` or `remote`. Env `SESSIOND_DEFAULT_RUNTIME`.
+    /// `local_docker`, `remote`, or the name of a runtime whose driver an
+    /// embedding service registers ([`crate::SessiondBuilder::executor`];
+    /// checked when it builds). Env `SESSIOND_DEFAULT_RUNTIME`.
     pub default_runtime: String,
     /// Limit of connecting to an agentctl (default `2s`).
     pub connect_timeout: String,

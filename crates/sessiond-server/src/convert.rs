@@ -52,18 +52,40 @@ pub fn runtime(r: Runtime) -> pb::Runtime {
         Runtime::LocalDocker => pb::Runtime::LocalDocker,
         Runtime::LocalStandalone => pb::Runtime::LocalStandalone,
         Runtime::Remote => pb::Runtime::Remote,
+        Runtime::Custom(_) => pb::Runtime::Custom,
     }
 }
 
-/// `None` for RUNTIME_UNSPECIFIED (the caller's default applies); `Err`
-/// for a number that names no runtime.
-pub fn runtime_from(value: i32) -> Result<Option<Runtime>, String> {
-    match pb::Runtime::try_from(value) {
-        Ok(pb::Runtime::Unspecified) => Ok(None),
-        Ok(pb::Runtime::LocalDocker) => Ok(Some(Runtime::LocalDocker)),
-        Ok(pb::Runtime::LocalStandalone) => Ok(Some(Runtime::LocalStandalone)),
-        Ok(pb::Runtime::Remote) => Ok(Some(Runtime::Remote)),
-        Err(_) => Err(format!("runtime: {value} is not a sessiond.v1.Runtime")),
+/// The runtime a request names by its enum `value` and its `name`
+/// (`runtime_name`): `None` when neither does (the caller's default
+/// applies); `Err` for a number that names no runtime, an invalid name,
+/// RUNTIME_CUSTOM without a name, or two that disagree. Whether a driver is
+/// registered for it is the manager's question.
+pub fn runtime_from(value: i32, name: &str) -> Result<Option<Runtime>, String> {
+    let by_value = match pb::Runtime::try_from(value) {
+        Ok(pb::Runtime::Unspecified) => None,
+        Ok(pb::Runtime::LocalDocker) => Some(Runtime::LocalDocker),
+        Ok(pb::Runtime::LocalStandalone) => Some(Runtime::LocalStandalone),
+        Ok(pb::Runtime::Remote) => Some(Runtime::Remote),
+        Ok(pb::Runtime::Custom) if name.is_empty() => {
+            return Err("runtime_name: RUNTIME_CUSTOM needs the runtime's name".into());
+        }
+        Ok(pb::Runtime::Custom) => None,
+        Err(_) => return Err(format!("runtime: {value} is not a sessiond.v1.Runtime")),
+    };
+    if name.is_empty() {
+        return Ok(by_value);
+    }
+    let by_name = Runtime::parse(name).map_err(|e| format!("runtime_name: {e}"))?;
+    match by_value {
+        Some(r) if r != by_name => Err(format!(
+            "runtime_name: {by_name:?} names another runtime than runtime {}",
+            runtime(r).as_str_name()
+        )),
+        _ if value == pb::Runtime::Custom as i32 && by_name.is_built_in() => Err(format!(
+            "runtime_name: {name} is a built-in runtime; use its own enum value, not RUNTIME_CUSTOM"
+        )),
+        _ => Ok(Some(by_name)),
     }
 }
 
@@ -126,6 +148,7 @@ pub fn session(s: &Session) -> pb::Session {
         state: session_state(s.state) as i32,
         agent_profile_id: s.agent_profile_id.to_string(),
         runtime: runtime(s.runtime) as i32,
+        runtime_name: s.runtime.to_string(),
         worktree: Some(worktree(&s.worktree)),
         executor_id: s.executor_id.map(|e| e.to_string()).unwrap_or_default(),
         agent_execution_id: s.agent_execution_id.clone().unwrap_or_default(),
@@ -351,6 +374,7 @@ pub fn status(s: &SessionStatus) -> pb::GetSessionStatusResponse {
             as i32,
         agent_execution_id: s.agent_execution_id.clone().unwrap_or_default(),
         runtime: runtime(s.runtime) as i32,
+        runtime_name: s.runtime.to_string(),
         is_agent_running: s.is_agent_running,
         is_resumable: s.is_resumable,
         needs_resume: s.needs_resume,
@@ -389,6 +413,7 @@ pub fn event(e: &Event) -> pb::Event {
         } => Payload::AgentctlStarting(pb::AgentctlStarting {
             executor_id: executor_id.to_string(),
             runtime: runtime(*r) as i32,
+            runtime_name: r.to_string(),
             generation: *generation,
         }),
         EventPayload::AgentctlReady {
@@ -398,6 +423,7 @@ pub fn event(e: &Event) -> pb::Event {
         } => Payload::AgentctlReady(pb::AgentctlReady {
             executor_id: executor_id.to_string(),
             runtime: runtime(*r) as i32,
+            runtime_name: r.to_string(),
             supports_session_resume: *supports_session_resume,
         }),
         EventPayload::AgentctlError {
@@ -510,7 +536,23 @@ mod tests {
                 runtime(*r).as_str_name(),
                 format!("RUNTIME_{}", r.as_str().to_uppercase())
             );
-            assert_eq!(runtime_from(runtime(*r) as i32), Ok(Some(*r)));
+            assert_eq!(runtime_from(runtime(*r) as i32, ""), Ok(Some(*r)));
+            assert_eq!(runtime_from(0, r.as_str()), Ok(Some(*r)));
+            assert_eq!(runtime_from(runtime(*r) as i32, r.as_str()), Ok(Some(*r)));
+            assert!(runtime_from(pb::Runtime::Custom as i32, r.as_str()).is_err());
+        }
+        let vm = Runtime::parse("vm").unwrap();
+        assert_eq!(runtime(vm), pb::Runtime::Custom);
+        assert_eq!(runtime_from(pb::Runtime::Custom as i32, "vm"), Ok(Some(vm)));
+        assert_eq!(runtime_from(0, "vm"), Ok(Some(vm)));
+        for (value, name) in [
+            (pb::Runtime::Custom as i32, ""),
+            (pb::Runtime::Remote as i32, "vm"),
+            (pb::Runtime::Remote as i32, "local_docker"),
+            (0, "Not a name"),
+        ] {
+            let err = runtime_from(value, name).unwrap_err();
+            assert!(err.starts_with("runtime_name: "), "{err}");
         }
         assert_eq!(
             resume_reason(ResumeReason::ExecutorGone),
@@ -524,7 +566,7 @@ mod tests {
                 );
             }
         }
-        assert_eq!(runtime_from(0), Ok(None));
-        assert!(runtime_from(99).is_err());
+        assert_eq!(runtime_from(0, ""), Ok(None));
+        assert!(runtime_from(99, "").is_err());
     }
 }

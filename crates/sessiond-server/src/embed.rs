@@ -53,6 +53,43 @@ pub struct Error(#[from] anyhow::Error);
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The runtimes drivers serve (the configuration's built-in ones plus the
+/// embedder's) must hold `executors.default_runtime`, and no runtime may
+/// have two embedder drivers.
+fn check_runtimes(config: &Config, executors: &[Arc<dyn Executor>]) -> anyhow::Result<()> {
+    use sessiond_domain::Runtime;
+    let mut runtimes = vec![Runtime::LocalStandalone, Runtime::Remote];
+    if config.executors.docker.is_some() {
+        runtimes.push(Runtime::LocalDocker);
+    }
+    let mut registered = std::collections::HashSet::new();
+    for driver in executors {
+        let runtime = driver.runtime();
+        if !registered.insert(runtime) {
+            anyhow::bail!(
+                "two executor drivers are registered for runtime {runtime}; register one driver \
+                 per runtime"
+            );
+        }
+        if !runtimes.contains(&runtime) {
+            runtimes.push(runtime);
+        }
+    }
+    let default = config.executors.default_runtime;
+    if !runtimes.contains(&default) {
+        runtimes.sort();
+        let names: Vec<String> = runtimes.iter().map(Runtime::to_string).collect();
+        anyhow::bail!(
+            "executors.default_runtime: no executor driver is registered for {default} (registered \
+             runtimes: {}); a custom runtime's driver is registered by the service that embeds \
+             sessiond (Sessiond::builder(config).executor(...)): the sessiond binary drives only \
+             the built-in runtimes",
+            names.join(", ")
+        );
+    }
+    Ok(())
+}
+
 /// Builds a [`Sessiond`]: see [`Sessiond::builder`].
 #[must_use = "a builder does nothing until `build` is awaited"]
 pub struct SessiondBuilder {
@@ -90,10 +127,13 @@ impl SessiondBuilder {
     }
 
     /// Registers an executor driver. It serves the runtime its
-    /// [`Executor::runtime`] names, in place of the built-in driver the
-    /// configuration would make for that runtime: sessions created with
-    /// that runtime are launched, recovered, resumed and stopped through
-    /// it by the same recovery step machine as the built-in drivers.
+    /// [`Executor::runtime`] names: a built-in one's name replaces the
+    /// driver the configuration would make for it; a custom name
+    /// (`Runtime::Custom`) adds a runtime that `CreateSession` accepts by
+    /// `runtime_name`. Sessions of that runtime are launched, recovered,
+    /// resumed and stopped through it by the same recovery step machine as
+    /// the built-in drivers. [`Self::build`] fails when two drivers are
+    /// registered for one runtime.
     pub fn executor(mut self, executor: Arc<dyn Executor>) -> Self {
         self.executors.push(executor);
         self
@@ -130,6 +170,10 @@ impl SessiondBuilder {
 
     async fn build_inner(self) -> anyhow::Result<Sessiond> {
         let config = self.config;
+        // Before anything is opened: a driver registered twice or a default
+        // runtime nothing drives is a mistake of the embedder's (or of the
+        // configuration of the binary, which registers no custom runtime).
+        check_runtimes(&config, &self.executors)?;
         // Before the store is opened: a second sessiond on the same SQLite
         // file (or data directory) stops here, having touched nothing.
         let instance_lock = crate::replica::lock_instance(&config)?;

@@ -86,7 +86,8 @@ struct StateLabels {
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ExecutorLabels {
-    runtime: &'static str,
+    // A built-in runtime's name or a registered one's.
+    runtime: String,
     status: &'static str,
 }
 
@@ -94,7 +95,7 @@ struct ExecutorLabels {
 #[derive(Debug, Default)]
 pub struct StoreCounts {
     pub sessions: Vec<(&'static str, i64)>,
-    pub executors: Vec<(&'static str, &'static str, i64)>,
+    pub executors: Vec<(String, &'static str, i64)>,
     pub permission_requests_pending: i64,
 }
 
@@ -523,7 +524,7 @@ mod tests {
                 async {
                     StoreCounts {
                         sessions: vec![("RUNNING", 2)],
-                        executors: vec![("local_standalone", "ready", 3)],
+                        executors: vec![("local_standalone".into(), "ready", 3)],
                         permission_requests_pending: 1,
                     }
                 }

@@ -523,19 +523,19 @@ pub(crate) fn snapshot_source(
                 }
                 Err(err) => tracing::warn!(%err, "metrics: cannot count sessions"),
             }
-            let mut executors: std::collections::BTreeMap<(&'static str, &'static str), i64> =
+            let mut executors: std::collections::BTreeMap<(String, &'static str), i64> =
                 Runtime::ALL
                     .iter()
                     .flat_map(|r| {
                         ExecutorStatus::ALL
                             .iter()
-                            .map(|s| ((r.as_str(), s.as_str()), 0))
+                            .map(|s| ((r.to_string(), s.as_str()), 0))
                     })
                     .collect();
             match store.count_executors_by_runtime_and_status().await {
                 Ok(counts) => {
                     for (runtime, status, n) in counts {
-                        executors.insert((runtime.as_str(), status.as_str()), n);
+                        executors.insert((runtime.to_string(), status.as_str()), n);
                     }
                 }
                 Err(err) => tracing::warn!(%err, "metrics: cannot count executors"),

@@ -360,7 +360,9 @@ impl Store {
     /// most its fair share: what is up for adoption divided by the live
     /// replicas (at least one), so the survivors of a crash split the work
     /// instead of the quickest taking all. Several replicas may run this at
-    /// once; the conditional update gives each executor to one of them.
+    /// once; the conditional update gives each executor to one of them
+    /// (on PostgreSQL they also skip each other's locked rows, so two
+    /// claims at the same moment both get their share).
     pub async fn claim_expired(
         &self,
         owner: &str,
@@ -387,12 +389,58 @@ impl Store {
             }
             let live = live_replicas(c, now)?.max(1);
             let share = (waiting + live - 1) / live;
+            let take = share.min(i64::from(limit.max(1)));
             // UUIDv7 ids: id order is creation order, and the lock order of
             // every multi-row writer here.
+            if let AnyConnection::Pg(pg) = c {
+                // Survivors claiming at the same moment take disjoint rows:
+                // rows another claim has locked are skipped, not waited for
+                // (waiting, the conditional update would then find them
+                // taken and this claim would come back empty while rows
+                // remain). The rows read are locked until the commit, so
+                // the update below takes exactly them, in one statement.
+                let ids: Vec<String> = up_for_adoption()
+                    .order(executors_running::id)
+                    .select(executors_running::id)
+                    .limit(take)
+                    .for_update()
+                    .skip_locked()
+                    .load(pg)?;
+                if ids.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let mut rows: Vec<ExecutorRow> = diesel::update(
+                    executors_running::table
+                        .filter(executors_running::id.eq_any(&ids))
+                        .filter(
+                            executors_running::owner_id
+                                .is_null()
+                                .or(executors_running::lease_expires_at.is_null())
+                                .or(executors_running::lease_expires_at.le(at)),
+                        ),
+                )
+                .set((
+                    executors_running::owner_id.eq(Some(&owner)),
+                    executors_running::lease_expires_at.eq(Some(expiry(now, ttl))),
+                    executors_running::lease_epoch.eq(executors_running::lease_epoch + 1),
+                    executors_running::version.eq(executors_running::version + 1),
+                ))
+                .returning(ExecutorRow::as_returning())
+                .get_results(pg)?;
+                rows.sort_unstable_by(|a, b| a.id.cmp(&b.id));
+                return rows
+                    .into_iter()
+                    .map(|row| {
+                        let record = row.into_domain()?;
+                        let epoch = record.lease_epoch;
+                        Ok(Claimed { record, epoch })
+                    })
+                    .collect();
+            }
             let ids: Vec<String> = up_for_adoption()
                 .order(executors_running::id)
                 .select(executors_running::id)
-                .limit(share.min(i64::from(limit.max(1))))
+                .limit(take)
                 .load(c)?;
             let mut out = Vec::with_capacity(ids.len());
             for id in ids {

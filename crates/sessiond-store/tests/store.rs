@@ -499,6 +499,54 @@ mod suite {
         assert!(err.is_not_found(), "{err}");
     }
 
+    /// A runtime of a third party's own name is stored and read back (the
+    /// `runtime` columns have no CHECK on the built-in names since the
+    /// custom-runtimes migration), in sessions, executors and events.
+    pub async fn custom_runtimes_round_trip(store: &Store) {
+        let vm = Runtime::parse("vm").unwrap();
+        let t = store.create_task(&task("custom")).await.unwrap();
+        let p = store
+            .upsert_agent_profile(&profile(&format!("demo-{}", TaskId::new())))
+            .await
+            .unwrap();
+        let mut new = session(&t, &p);
+        new.runtime = vm;
+        let (s, _) = store.create_session(&new, vec![]).await.unwrap();
+        assert_eq!(s.runtime, vm);
+        assert_eq!(store.get_session(s.id).await.unwrap().runtime, vm);
+        let mut rec = executor(&s, ExecutorStatus::Starting);
+        rec.runtime = vm;
+        store
+            .commit(Changeset::new().insert_executor(rec.clone()).event(
+                s.id,
+                EventPayload::AgentctlStarting {
+                    executor_id: rec.id,
+                    runtime: vm,
+                    generation: 1,
+                },
+            ))
+            .await
+            .unwrap();
+        assert_eq!(store.get_executor(rec.id).await.unwrap().runtime, vm);
+        let recoverable = store.load_recoverable_executors().await.unwrap();
+        assert!(
+            recoverable
+                .iter()
+                .any(|r| r.id == rec.id && r.runtime == vm)
+        );
+        let events = store.events_after(s.id, 0, 10).await.unwrap();
+        assert!(
+            events.iter().any(|e| matches!(e.payload,
+                EventPayload::AgentctlStarting { runtime, .. } if runtime == vm)),
+            "{events:?}"
+        );
+        let counts = store.count_executors_by_runtime_and_status().await.unwrap();
+        assert!(
+            counts.contains(&(vm, ExecutorStatus::Starting, 1)),
+            "{counts:?}"
+        );
+    }
+
     pub async fn executors_crud(store: &Store) {
         let (_, _, s) = seed(store).await;
         let rec = executor(&s, ExecutorStatus::Starting);
@@ -1701,8 +1749,9 @@ mod suite {
         seed(store).await;
         let reverted = store.revert_all_migrations().await.unwrap();
         // Every migration directory (init, profile container, profile auth +
-        // permission policy, message parts, permission timeout, replicas).
-        assert_eq!(reverted.len(), 6, "{reverted:?}");
+        // permission policy, message parts, permission timeout, replicas,
+        // custom runtimes).
+        assert_eq!(reverted.len(), 7, "{reverted:?}");
         let err = store.list_tasks(None, 10).await.unwrap_err();
         assert!(matches!(err, Error::Database(_)), "tables are gone: {err}");
         let applied = store.run_pending_migrations().await.unwrap();
@@ -1744,6 +1793,7 @@ macro_rules! store_tests {
             store_test!($backend, sessions_crud);
             store_test!($backend, session_created_with_its_intent_or_not_at_all);
             store_test!($backend, executors_crud);
+            store_test!($backend, custom_runtimes_round_trip);
             store_test!($backend, recoverable_executors_filter_by_status);
             store_test!($backend, changeset_is_all_or_nothing);
             store_test!($backend, sessions_with_a_metadata_key);
@@ -1846,4 +1896,120 @@ async fn postgres_events_wake_the_other_replicas() {
             break;
         }
     }
+}
+
+/// PostgreSQL: two survivors claiming a dead replica's expired leases at
+/// the same moment take disjoint rows, each its share. While one claim's
+/// transaction holds its rows (here a raw transaction holding the first
+/// four, as an in-flight claim does), the other skips them and takes its
+/// fair share of the rest at once, instead of queueing behind those locks
+/// and coming back empty (then idling while rows remained).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_concurrent_claims_skip_each_others_rows() {
+    use diesel::{Connection, RunQueryDsl};
+    use sessiond_store::ReplicaInfo;
+    let db = open::postgres().await;
+    let store = &db.store;
+    let Guard::Postgres(pg) = &db._guard else {
+        panic!("a postgres database")
+    };
+    let ttl = std::time::Duration::from_secs(30);
+    let now = Utc::now();
+    let dead_beat = now - Duration::seconds(60);
+    for (id, beat) in [("dead", dead_beat), ("alive-1", now), ("alive-2", now)] {
+        store
+            .register_replica(ReplicaInfo {
+                id: id.into(),
+                address: format!("{id}:50051"),
+                hostname: "h".into(),
+                pid: 1,
+                started_at: beat,
+                heartbeat_at: beat,
+                lease_ttl: ttl,
+                owned_executors: 0,
+            })
+            .await
+            .unwrap();
+    }
+    let (t, p, _) = seed(store).await;
+    let mut ids = Vec::new();
+    for _ in 0..10 {
+        let (s, _) = store
+            .create_session(&session(&t, &p), vec![])
+            .await
+            .unwrap();
+        let mut rec = executor(&s, ExecutorStatus::Ready);
+        rec.owner_id = Some("dead".into());
+        rec.lease_expires_at = Some(dead_beat + Duration::seconds(30));
+        ids.push(rec.id.to_string());
+        store
+            .commit(Changeset::new().insert_executor(rec))
+            .await
+            .unwrap();
+    }
+    ids.sort();
+
+    // Another claim in flight: the first four rows locked, uncommitted.
+    let url = pg.url().to_owned();
+    let (locked_tx, locked_rx) = std::sync::mpsc::channel::<()>();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        let mut c = diesel::PgConnection::establish(&url).unwrap();
+        c.transaction::<_, diesel::result::Error, _>(|c| {
+            diesel::sql_query("SELECT id FROM executors_running ORDER BY id LIMIT 4 FOR UPDATE")
+                .execute(c)?;
+            locked_tx.send(()).unwrap();
+            release_rx.recv().unwrap();
+            Ok(())
+        })
+        .unwrap();
+    });
+    locked_rx.recv().unwrap();
+    let second = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        store.claim_expired("alive-2", now, ttl, 64),
+    )
+    .await
+    .expect("a claim does not wait for rows another claim holds")
+    .unwrap();
+    let mut got: Vec<String> = second.iter().map(|c| c.record.id.to_string()).collect();
+    got.sort();
+    assert_eq!(
+        got,
+        ids[4..9],
+        "half of the 10 (rounded up), the first rows not locked by the other claim"
+    );
+    release_tx.send(()).unwrap();
+    holder.join().unwrap();
+
+    let first = store.claim_expired("alive-1", now, ttl, 64).await.unwrap();
+    let mut got1: Vec<String> = first.iter().map(|c| c.record.id.to_string()).collect();
+    got1.sort();
+    assert_eq!(
+        got1,
+        ids[..3],
+        "half of the 5 left (rounded up), none twice"
+    );
+    for c in second.iter().chain(&first) {
+        assert_eq!(c.epoch, c.record.lease_epoch, "the epoch the claim wrote");
+        assert!(c.epoch >= 1);
+    }
+    let owners: BTreeMap<String, usize> =
+        store
+            .list_executors()
+            .await
+            .unwrap()
+            .into_iter()
+            .fold(BTreeMap::new(), |mut m, r| {
+                *m.entry(r.owner_id.unwrap_or_default()).or_default() += 1;
+                m
+            });
+    assert_eq!(
+        owners,
+        BTreeMap::from([
+            ("alive-1".to_owned(), 3),
+            ("alive-2".to_owned(), 5),
+            ("dead".to_owned(), 2)
+        ])
+    );
 }

@@ -84,6 +84,7 @@ async fn kill_an_agentctl(w: &World, rng: &mut Rng) -> Option<&'static str> {
         sessiond_domain::Runtime::Remote => "remote",
         sessiond_domain::Runtime::LocalStandalone => "standalone",
         sessiond_domain::Runtime::LocalDocker => "docker",
+        sessiond_domain::Runtime::Custom(_) => panic!("the crash loop makes no custom runtime"),
     };
     w.kill_agentctl(s).await.then_some(name)
 }

@@ -513,6 +513,7 @@ impl World {
                     .unwrap();
             }
             Runtime::Remote => {}
+            Runtime::Custom(_) => panic!("the crash loop makes no custom runtime"),
         }
     }
 
@@ -534,6 +535,7 @@ impl World {
             },
             Runtime::Remote => self.restart_remote(&r.id.to_string()).await,
             Runtime::LocalDocker => false,
+            Runtime::Custom(_) => panic!("the crash loop makes no custom runtime"),
         }
     }
 
@@ -840,6 +842,7 @@ impl World {
                         ));
                     }
                 }
+                Runtime::Custom(_) => failures.push(format!("{who}: a custom runtime")),
             }
             if live && r.runtime != Runtime::LocalDocker {
                 for a in &agentctls {

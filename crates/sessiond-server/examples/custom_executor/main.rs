@@ -1,6 +1,6 @@
 //! Registers a third-party executor driver ([`wrapper::WrapperExecutor`]:
-//! agentctl started through a wrapper command) with an embedded sessiond,
-//! and runs one session on it.
+//! agentctl started through a wrapper command) with an embedded sessiond
+//! under a runtime of its own name, `wrapper`, and runs one session on it.
 //!
 //! ```text
 //! cargo build -p agentctl -p acp-demo-agent
@@ -9,10 +9,11 @@
 //!
 //! The wrapper defaults to `nice -n 5`; `systemd-run --user --scope` or
 //! `sudo -u agent` work the same where they are available. Sessions created
-//! with the `local_standalone` runtime now run through it: launched,
+//! with the runtime `wrapper` (`CreateSession.runtime_name = "wrapper"` over
+//! gRPC, `Runtime::parse("wrapper")` from Rust) run through it: launched,
 //! recovered after a restart, resumed and stopped by the same recovery step
 //! machine as the built-in drivers (the restart is exercised by the test
-//! `embedding::custom_executor_is_driven_like_the_built_in_ones`).
+//! `embedding::custom_runtime_is_driven_like_the_built_in_ones`).
 //! `cargo xtask ci` runs it.
 
 mod wrapper;
@@ -66,9 +67,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     ))?
     .validate_for_embedding()?;
 
-    // The registration: this driver serves `local_standalone` in place of
-    // the built-in one.
+    // The registration: this driver serves a runtime of its own name. A
+    // name is 1 to 40 characters of a-z, 0-9, '_' and '-', and not a
+    // built-in runtime's (which would replace that runtime's driver).
+    let runtime = Runtime::parse("wrapper")?;
     let driver = WrapperExecutor::new(WrapperConfig {
+        runtime,
         wrapper,
         agentctl,
         run_dir: dir.path().join("run"),
@@ -104,7 +108,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .create_session(NewSession {
             task_id: task.id,
             agent_profile_id: profile.id,
-            runtime: Runtime::LocalStandalone,
+            runtime,
             worktree: Worktree {
                 id: "wt".into(),
                 path: worktree.display().to_string(),
@@ -138,8 +142,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     #[allow(clippy::print_stdout)]
     {
         println!(
-            "agentctl pid {:?} via the wrapper; reply: {}",
-            record.pid, reply.content
+            "runtime {}: agentctl pid {:?} via the wrapper; reply: {}",
+            record.runtime, record.pid, reply.content
         );
     }
     manager.complete_session(task.id, session.id).await?;

@@ -4,14 +4,17 @@
 //!
 //! It implements [`Executor`] from the outside, with only the public API of
 //! `sessiond-executor`: launch, probe (reattach or relaunch), recover, stop,
-//! remove, client. The recovery step machine of `sessiond-recovery` drives
-//! it exactly as it drives the built-in drivers: it persists the intent
-//! (`starting`, generation + 1) before calling [`Executor::launch`], and
-//! after a backend restart calls [`Executor::probe`] and then launches
-//! anew when the probe says so.
+//! remove, client. It serves a runtime of its own name
+//! ([`WrapperConfig::runtime`], e.g. `wrapper`), which clients pick with
+//! `CreateSession.runtime_name`. The recovery step machine of
+//! `sessiond-recovery` drives it exactly as it drives the built-in drivers:
+//! it persists the intent (`starting`, generation + 1) before calling
+//! [`Executor::launch`], and after a backend restart calls
+//! [`Executor::probe`] and then reattaches, or launches anew when the probe
+//! says so.
 //!
 //! Shared by the `custom_executor` example and its integration test
-//! (`tests/custom_executor.rs`).
+//! (`tests/server/embedding.rs`).
 
 use std::{
     path::{Path, PathBuf},
@@ -30,6 +33,9 @@ use sessiond_executor::{
 /// Configuration of [`WrapperExecutor`].
 #[derive(Debug, Clone)]
 pub struct WrapperConfig {
+    /// The runtime it serves: a name of its own (`Runtime::Custom`), or a
+    /// built-in runtime whose driver it replaces.
+    pub runtime: Runtime,
     /// The wrapper and its arguments; agentctl and its arguments follow.
     pub wrapper: Vec<String>,
     /// The agentctl binary.
@@ -44,8 +50,8 @@ pub struct WrapperConfig {
     pub startup_timeout: Duration,
 }
 
-/// Runs agentctl through [`WrapperConfig::wrapper`]. It serves the
-/// `local_standalone` runtime slot in place of the built-in driver.
+/// Runs agentctl through [`WrapperConfig::wrapper`], for the runtime
+/// [`WrapperConfig::runtime`] names.
 #[derive(Debug, Clone)]
 pub struct WrapperExecutor {
     config: WrapperConfig,
@@ -184,7 +190,7 @@ impl WrapperExecutor {
             executor_id: id,
             session_id: spec.session_id,
             task_id: spec.task_id,
-            runtime: Runtime::LocalStandalone,
+            runtime: self.config.runtime,
             workspace_path: spec.workspace_path.clone(),
             generation: spec.generation,
             auth_secret: secret,
@@ -202,7 +208,7 @@ impl WrapperExecutor {
 #[async_trait]
 impl Executor for WrapperExecutor {
     fn runtime(&self) -> Runtime {
-        Runtime::LocalStandalone
+        self.config.runtime
     }
 
     async fn launch(&self, spec: &LaunchSpec) -> Result<ExecutorHandle> {

@@ -11,6 +11,50 @@ fn serving_without_a_token_must_be_asked_for() {
     assert!(stderr.contains("auth.tokens: no API token"), "{stderr}");
 }
 
+/// The binary registers only the built-in drivers: a custom default
+/// runtime is a valid name, but `serve` stops at startup saying that no
+/// driver serves it, before it listens or opens the store. An invalid name
+/// is a configuration error naming its key.
+#[test]
+fn a_custom_default_runtime_needs_an_embedder() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().display().to_string();
+    let (ok, stderr) = run_sessiond(
+        &[
+            "serve",
+            "--data-dir",
+            &data,
+            "--listen",
+            "127.0.0.1:0",
+            "--default-runtime",
+            "vm",
+        ],
+        &[("SESSIOND_API_TOKENS", TOKEN)],
+    );
+    assert!(!ok);
+    assert!(
+        stderr.contains("executors.default_runtime: no executor driver is registered for vm")
+            && stderr.contains("the sessiond binary drives only the built-in runtimes"),
+        "{stderr}"
+    );
+    assert!(
+        !dir.path().join("sessiond.sqlite3").exists(),
+        "store not opened"
+    );
+    let (ok, stderr) = run_sessiond(
+        &[
+            "serve",
+            "--data-dir",
+            &data,
+            "--default-runtime",
+            "Not A Name",
+        ],
+        &[("SESSIOND_API_TOKENS", TOKEN)],
+    );
+    assert!(!ok);
+    assert!(stderr.contains("executors.default_runtime:"), "{stderr}");
+}
+
 #[test]
 fn insecure_mode_refuses_a_non_loopback_address() {
     let dir = tempfile::tempdir().unwrap();
