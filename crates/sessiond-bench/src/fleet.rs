@@ -20,7 +20,6 @@ use sessiond_proto::agentctl::v1::{
     agent_ctl_service_server::{AgentCtlService, AgentCtlServiceServer},
 };
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
 
 /// The secret the fleet accepts for `executor_id`.
@@ -282,10 +281,13 @@ pub async fn serve(ports: usize) -> anyhow::Result<()> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         addrs.push(listener.local_addr()?);
         let svc = AgentCtlServiceServer::new(fleet.clone());
+        // Nagle off, as agentctl's listener (see its `tcp_incoming`).
         tasks.push(tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(svc)
-                .serve_with_incoming(TcpListenerStream::new(listener)),
+                .serve_with_incoming(
+                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                ),
         ));
     }
     {
@@ -318,7 +320,9 @@ pub async fn serve_echo() -> anyhow::Result<()> {
     }
     tonic::transport::Server::builder()
         .add_service(service)
-        .serve_with_incoming(TcpListenerStream::new(listener))
+        .serve_with_incoming(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+        )
         .await?;
     Ok(())
 }

@@ -97,8 +97,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Server::builder()
             .layer(ApiKeyLayer("s3cret"))
             .add_routes(sessiond.services().into_routes())
+            // Nagle off: a reply written in parts would otherwise wait for
+            // the client's delayed ACK (40 ms).
             .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
                 sessiond.stopped(),
             ),
     );

@@ -326,8 +326,10 @@ impl SessiondBuilder {
 ///     .add_service(services.reflection)
 ///     .add_service(services.session)
 ///     .add_service(services.workspace)
+///     // Nagle off: a reply written in parts would otherwise wait for
+///     // the client's delayed ACK (40 ms).
 ///     .serve_with_incoming_shutdown(
-///         tokio_stream::wrappers::TcpListenerStream::new(listener),
+///         tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
 ///         sessiond.stopped(),
 ///     );
 /// let server = tokio::spawn(server);

@@ -21,7 +21,6 @@ use sessiond_executor::{
 use sessiond_recovery::ManagerConfig;
 use sessiond_store::{Store, StoreOptions};
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 
 use crate::{
@@ -134,7 +133,7 @@ async fn serve_until(
         .add_service(services.session)
         .add_service(services.workspace);
     let server = tokio::spawn(
-        router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), sessiond.stopped()),
+        router.serve_with_incoming_shutdown(tcp_incoming(listener), sessiond.stopped()),
     );
 
     tracing::info!(
@@ -197,6 +196,13 @@ pub(crate) async fn open_store(config: &Config) -> anyhow::Result<Store> {
 /// Creates `dir` (and missing parents) readable by this user only, or
 /// tightens an existing one to 0700 with a warning: it holds the database
 /// with every agentctl's secret, logs and port files.
+/// Accepted connections with Nagle's algorithm off: with it on, a reply
+/// written in parts (HTTP/2 headers, then data and trailers) can wait for
+/// the client's delayed ACK, a 40 ms stall on a call that takes 1 ms.
+fn tcp_incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
 fn private_dir(dir: &std::path::Path, key: &str) -> anyhow::Result<()> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     if !dir.exists() {
@@ -616,7 +622,18 @@ fn agentctl_telemetry_env(config: &Config) -> Vec<(String, String)> {
 mod tests {
     use std::time::Duration;
 
-    use super::{liveness_interval, redact};
+    use super::{liveness_interval, redact, tcp_incoming};
+
+    #[tokio::test]
+    async fn accepted_connections_have_nagle_off() {
+        use tokio_stream::StreamExt as _;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let mut incoming = tcp_incoming(listener);
+        let _client = tokio::net::TcpStream::connect(address).await.unwrap();
+        let accepted = incoming.next().await.unwrap().unwrap();
+        assert!(accepted.nodelay().unwrap(), "TCP_NODELAY is not set");
+    }
 
     #[test]
     fn liveness_feeds_the_agentctl_idle_clock() {
