@@ -25,7 +25,7 @@ use tokio::sync::mpsc;
 
 use crate::{
     docker_support::{DockerKit, docker_driver, drivers_with},
-    remote::{RemoteHost, free_port},
+    remote::{RemoteHost, RemoteSpot},
     support::{Db, World, drivers_in, expected_reply, kill_tree, kill9},
 };
 
@@ -310,10 +310,11 @@ async fn kill9_then_restart(runtime: Runtime) {
     let mut host = None;
     let mut create = format!("create {runtime} {} {}", profile.id, wt.path);
     if runtime == Runtime::Remote {
-        let id = ExecutorId::new();
-        let secret = sessiond_executor::fresh_secret();
-        let port = free_port();
-        host = Some(RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await);
+        let spot = RemoteSpot::at(&wt.path);
+        host = Some(RemoteHost::start(&w, &spot).await);
+        let RemoteSpot {
+            id, port, secret, ..
+        } = &spot;
         create = format!("{create} {id} http://127.0.0.1:{port} {secret}");
     }
 

@@ -1,14 +1,15 @@
 use std::{
-    path::Path,
+    path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
 use sessiond_domain::{
-    ExecutorId, ExecutorStatus, OutcomeLabel, SessionId, SessionState, SessionStatus,
+    AgentProfile, ExecutorId, ExecutorStatus, OutcomeLabel, Session, SessionId, SessionState,
+    SessionStatus,
 };
 use sessiond_executor::process;
-use sessiond_recovery::{ErrorKind, ManagerConfig, RemoteAgentctl};
+use sessiond_recovery::{ErrorKind, ManagerConfig, RemoteAgentctl, SessionManager};
 
 use crate::support::{Db, World, bin, children_of, expected_reply, kill_tree};
 
@@ -17,28 +18,79 @@ pub struct RemoteHost {
     pub child: Child,
 }
 
-impl RemoteHost {
-    pub async fn start(
+/// Where a remote executor lives: its id, secret, loopback port and
+/// workspace, so its host's agentctl can be stopped and started again as
+/// the same one.
+pub struct RemoteSpot {
+    pub id: ExecutorId,
+    pub secret: String,
+    pub port: u16,
+    pub workspace: PathBuf,
+}
+
+impl RemoteSpot {
+    /// A new executor identity on a free port, working in `workspace`.
+    pub fn at(workspace: &str) -> Self {
+        Self {
+            id: ExecutorId::new(),
+            secret: sessiond_executor::fresh_secret(),
+            port: free_port(),
+            workspace: PathBuf::from(workspace),
+        }
+    }
+
+    /// What the backend is told about the executor.
+    pub fn agentctl(&self) -> RemoteAgentctl {
+        RemoteAgentctl {
+            executor_id: self.id,
+            url: format!("http://127.0.0.1:{}", self.port),
+            auth_secret: self.secret.clone(),
+        }
+    }
+
+    /// Creates a session named "remote" with `profile` on this executor,
+    /// whose host runs (`host`): waiting for input, its agent tracked.
+    pub async fn create(
+        &self,
         w: &World,
-        workspace: &Path,
-        id: ExecutorId,
-        secret: &str,
-        port: u16,
-    ) -> Self {
-        Self::start_with(w, workspace, id, secret, port, None, &[]).await
+        mgr: &SessionManager,
+        profile: &AgentProfile,
+        host: &RemoteHost,
+    ) -> Session {
+        let s = w
+            .create_with(mgr, "remote", profile, Some(self.agentctl()))
+            .await;
+        assert_eq!(
+            s.state,
+            SessionState::WaitingForInput,
+            "{:?}",
+            s.error_message
+        );
+        host.track_agent(w);
+        s
+    }
+}
+
+impl RemoteHost {
+    /// Starts the host's agentctl for `spot` (again, after a kill).
+    pub async fn start(w: &World, spot: &RemoteSpot) -> Self {
+        Self::start_with(w, spot, None, &[]).await
     }
 
     /// As [`RemoteHost::start`], with a turn journal (the host operator's
     /// `--journal`, kept across restarts) and extra environment.
     pub async fn start_with(
         w: &World,
-        workspace: &Path,
-        id: ExecutorId,
-        secret: &str,
-        port: u16,
+        spot: &RemoteSpot,
         journal: Option<&Path>,
         env: &[(&str, &str)],
     ) -> Self {
+        let RemoteSpot {
+            id,
+            secret,
+            port,
+            workspace,
+        } = spot;
         let port_file = w.path(&format!("remote-{port}.port"));
         let _ = std::fs::remove_file(&port_file);
         let mut cmd = Command::new(bin("agentctl"));
@@ -100,27 +152,10 @@ pub fn free_port() -> u16 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_host_back_after_restart_resumes_in_background() {
     let w = World::new(Db::Sqlite).await;
-    let id = ExecutorId::new();
-    let secret = sessiond_executor::fresh_secret();
-    let port = free_port();
-    let wt = w.worktree("remote");
-    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let spot = RemoteSpot::at(&w.worktree("remote").path);
+    let host = RemoteHost::start(&w, &spot).await;
     let mgr = w.manager();
-    let remote = RemoteAgentctl {
-        executor_id: id,
-        url: format!("http://127.0.0.1:{port}"),
-        auth_secret: secret.clone(),
-    };
-    let s = w
-        .create_with(&mgr, "remote", &w.profile, Some(remote))
-        .await;
-    assert_eq!(
-        s.state,
-        SessionState::WaitingForInput,
-        "{:?}",
-        s.error_message
-    );
-    host.track_agent(&w);
+    let s = spot.create(&w, &mgr, &w.profile, &host).await;
     let token = s.resume_token.clone().unwrap();
     w.prompt(&mgr, s.id, "one").await;
 
@@ -142,7 +177,7 @@ async fn remote_host_back_after_restart_resumes_in_background() {
     assert!(rec.error_message.unwrap().starts_with("reconnecting:"));
 
     // The host comes back: same executor id, secret and address.
-    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let host = RemoteHost::start(&w, &spot).await;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let st = w.status(&mgr, s.id).await;
@@ -174,25 +209,14 @@ async fn remote_host_back_after_restart_resumes_in_background() {
 async fn remote_window_counts_from_the_backend_start() {
     const WINDOW: Duration = Duration::from_secs(6);
     let w = World::new(Db::Sqlite).await;
-    let id = ExecutorId::new();
-    let secret = sessiond_executor::fresh_secret();
-    let port = free_port();
-    let wt = w.worktree("remote");
-    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let spot = RemoteSpot::at(&w.worktree("remote").path);
+    let host = RemoteHost::start(&w, &spot).await;
     let config = ManagerConfig {
         remote_retry_window: WINDOW,
         ..w.config()
     };
     let mgr = w.manager_with(config.clone());
-    let remote = RemoteAgentctl {
-        executor_id: id,
-        url: format!("http://127.0.0.1:{port}"),
-        auth_secret: secret.clone(),
-    };
-    let s = w
-        .create_with(&mgr, "remote", &w.profile, Some(remote))
-        .await;
-    host.track_agent(&w);
+    let s = spot.create(&w, &mgr, &w.profile, &host).await;
     let token = s.resume_token.clone().unwrap();
     w.prompt(&mgr, s.id, "one").await;
     mgr.shutdown();
@@ -220,7 +244,7 @@ async fn remote_window_counts_from_the_backend_start() {
             .starts_with("reconnecting:")
     );
 
-    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let host = RemoteHost::start(&w, &spot).await;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let st = w.status(&mgr, s.id).await;
@@ -252,30 +276,13 @@ async fn remote_window_counts_from_the_backend_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_blip_during_liveness_reconnects_by_itself() {
     let w = World::new(Db::Sqlite).await;
-    let id = ExecutorId::new();
-    let secret = sessiond_executor::fresh_secret();
-    let port = free_port();
-    let wt = w.worktree("remote");
-    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let spot = RemoteSpot::at(&w.worktree("remote").path);
+    let host = RemoteHost::start(&w, &spot).await;
     let mgr = w.manager_with(ManagerConfig {
         liveness_interval: Some(Duration::from_millis(200)),
         ..w.config()
     });
-    let remote = RemoteAgentctl {
-        executor_id: id,
-        url: format!("http://127.0.0.1:{port}"),
-        auth_secret: secret.clone(),
-    };
-    let s = w
-        .create_with(&mgr, "remote", &w.profile, Some(remote))
-        .await;
-    assert_eq!(
-        s.state,
-        SessionState::WaitingForInput,
-        "{:?}",
-        s.error_message
-    );
-    host.track_agent(&w);
+    let s = spot.create(&w, &mgr, &w.profile, &host).await;
     let token = s.resume_token.clone().unwrap();
     w.prompt(&mgr, s.id, "one").await;
     let agent = children_of(host.child.id());
@@ -302,7 +309,7 @@ async fn remote_blip_during_liveness_reconnects_by_itself() {
     assert!(
         st.error_message
             .as_deref()
-            .is_some_and(|m| m.starts_with("reconnecting:") && m.contains(&port.to_string())),
+            .is_some_and(|m| m.starts_with("reconnecting:") && m.contains(&spot.port.to_string())),
         "the status says it is reconnecting: {st:?}"
     );
 
@@ -377,22 +384,10 @@ async fn wait_back(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_explicit_resume_while_unreachable_keeps_reconnecting() {
     let w = World::new(Db::Sqlite).await;
-    let id = ExecutorId::new();
-    let secret = sessiond_executor::fresh_secret();
-    let port = free_port();
-    let wt = w.worktree("remote");
-    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let spot = RemoteSpot::at(&w.worktree("remote").path);
+    let host = RemoteHost::start(&w, &spot).await;
     let mgr = w.manager();
-    let remote = RemoteAgentctl {
-        executor_id: id,
-        url: format!("http://127.0.0.1:{port}"),
-        auth_secret: secret.clone(),
-    };
-    let s = w
-        .create_with(&mgr, "remote", &w.profile, Some(remote))
-        .await;
-    assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
-    host.track_agent(&w);
+    let s = spot.create(&w, &mgr, &w.profile, &host).await;
     let token = s.resume_token.clone().unwrap();
     w.prompt(&mgr, s.id, "one").await;
     mgr.shutdown();
@@ -433,7 +428,7 @@ async fn remote_explicit_resume_while_unreachable_keeps_reconnecting() {
     assert_ne!(stored.state, SessionState::Error, "{stored:?}");
 
     // The host comes back: resumed by the background reconnect.
-    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let host = RemoteHost::start(&w, &spot).await;
     let st = wait_back(&w, &mgr, s.id).await;
     assert_eq!(st.state, SessionState::WaitingForInput, "{st:?}");
     assert_eq!(st.error_message, None, "{st:?}");
@@ -455,20 +450,10 @@ async fn remote_explicit_resume_refused_by_the_agent_is_a_plain_failure() {
     let profile = w
         .demo_profile("refuses", &[("ACP_DEMO_FAIL_LOAD", "1")])
         .await;
-    let id = ExecutorId::new();
-    let secret = sessiond_executor::fresh_secret();
-    let port = free_port();
-    let wt = w.worktree("remote");
-    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let spot = RemoteSpot::at(&w.worktree("remote").path);
+    let host = RemoteHost::start(&w, &spot).await;
     let mgr = w.manager();
-    let remote = RemoteAgentctl {
-        executor_id: id,
-        url: format!("http://127.0.0.1:{port}"),
-        auth_secret: secret.clone(),
-    };
-    let s = w.create_with(&mgr, "remote", &profile, Some(remote)).await;
-    assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
-    host.track_agent(&w);
+    let s = spot.create(&w, &mgr, &profile, &host).await;
     w.prompt(&mgr, s.id, "one").await;
     mgr.shutdown();
     drop(mgr);
@@ -476,7 +461,7 @@ async fn remote_explicit_resume_refused_by_the_agent_is_a_plain_failure() {
     // every load); the backend restarts with resume on demand so the
     // explicit resume is the one that loads.
     host.kill().await;
-    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let host = RemoteHost::start(&w, &spot).await;
     let mgr = w.manager_with(sessiond_recovery::ManagerConfig {
         resume_policy: sessiond_domain::ResumePolicy::OnDemand,
         ..w.config()
@@ -519,20 +504,10 @@ async fn remote_host_gone_during_the_agents_resume_reconnects() {
     let profile = w
         .demo_profile("gated", &[("ACP_DEMO_START_GATE_FILE", gate_env.as_str())])
         .await;
-    let id = ExecutorId::new();
-    let secret = sessiond_executor::fresh_secret();
-    let port = free_port();
-    let wt = w.worktree("remote");
-    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let spot = RemoteSpot::at(&w.worktree("remote").path);
+    let host = RemoteHost::start(&w, &spot).await;
     let mgr = w.manager();
-    let remote = RemoteAgentctl {
-        executor_id: id,
-        url: format!("http://127.0.0.1:{port}"),
-        auth_secret: secret.clone(),
-    };
-    let s = w.create_with(&mgr, "remote", &profile, Some(remote)).await;
-    assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
-    host.track_agent(&w);
+    let s = spot.create(&w, &mgr, &profile, &host).await;
     let token = s.resume_token.clone().unwrap();
     w.prompt(&mgr, s.id, "one").await;
     mgr.shutdown();
@@ -541,7 +516,7 @@ async fn remote_host_gone_during_the_agents_resume_reconnects() {
     // finds it healthy with no agent and resumes one, which the gate holds.
     host.kill().await;
     std::fs::write(&gate, "").unwrap();
-    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let host = RemoteHost::start(&w, &spot).await;
     let host_pid = host.child.id();
 
     let mgr = w.manager();
@@ -574,7 +549,7 @@ async fn remote_host_gone_during_the_agents_resume_reconnects() {
 
     // Back, gate open: resumed by the background reconnect.
     std::fs::remove_file(&gate).unwrap();
-    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let host = RemoteHost::start(&w, &spot).await;
     let st = wait_back(&w, &mgr, s.id).await;
     assert_eq!(st.state, SessionState::WaitingForInput, "{st:?}");
     host.track_agent(&w);
@@ -596,25 +571,14 @@ async fn remote_host_gone_during_the_agents_resume_reconnects() {
 async fn remote_explicit_resume_while_unreachable_keeps_the_turn_until_the_window_closes() {
     const WINDOW: Duration = Duration::from_secs(3);
     let w = World::new(Db::Sqlite).await;
-    let id = ExecutorId::new();
-    let secret = sessiond_executor::fresh_secret();
-    let port = free_port();
-    let wt = w.worktree("remote");
-    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let spot = RemoteSpot::at(&w.worktree("remote").path);
+    let host = RemoteHost::start(&w, &spot).await;
     let config = ManagerConfig {
         remote_retry_window: WINDOW,
         ..w.config()
     };
     let mgr = w.manager_with(config.clone());
-    let remote = RemoteAgentctl {
-        executor_id: id,
-        url: format!("http://127.0.0.1:{port}"),
-        auth_secret: secret.clone(),
-    };
-    let s = w
-        .create_with(&mgr, "remote", &w.profile, Some(remote))
-        .await;
-    host.track_agent(&w);
+    let s = spot.create(&w, &mgr, &w.profile, &host).await;
     w.prompt(&mgr, s.id, "one").await;
     mgr.shutdown();
     drop(mgr);
@@ -668,7 +632,7 @@ async fn remote_explicit_resume_while_unreachable_keeps_the_turn_until_the_windo
         "{last:?}"
     );
 
-    let host = RemoteHost::start(&w, Path::new(&wt.path), id, &secret, port).await;
+    let host = RemoteHost::start(&w, &spot).await;
     let st = mgr.resume_session(w.task.id, s.id).await.unwrap();
     assert!(st.is_agent_running, "{st:?}");
     host.track_agent(&w);

@@ -35,16 +35,16 @@ use std::{
 
 use futures::StreamExt;
 use sessiond_domain::{
-    Event, EventPayload, ExecutorId, MessageRole, OutcomeLabel, Runtime, Session, SessionState,
+    Event, EventPayload, MessageRole, OutcomeLabel, Runtime, Session, SessionState,
 };
 use sessiond_proto::agentctl::v1::{self as pb, agent_update::Kind};
-use sessiond_recovery::{RemoteAgentctl, SessionManager};
+use sessiond_recovery::SessionManager;
 
 use crate::{
     common::local_drivers_with,
     docker_support::{CONTAINER_WORKSPACE, DockerKit, demo_profile_in_docker, docker_cli},
     pending::{commit_user_message, transcript, transcript_in},
-    remote::{RemoteHost, free_port},
+    remote::{RemoteHost, RemoteSpot},
     support::{Db, World, expected_reply, is_running},
 };
 
@@ -331,35 +331,16 @@ async fn remote_restart_at(point: Point) {
     let files = TurnFiles::in_dir(w.dir.path());
     let env = files.agent_env();
     let profile = w.demo_profile("turns", &as_refs(&env)).await;
-    let id = ExecutorId::new();
-    let secret = sessiond_executor::fresh_secret();
-    let port = free_port();
-    let wt = w.worktree("remote");
+    let spot = RemoteSpot::at(&w.worktree("remote").path);
     let journal = w.path("remote-agentctl.journal");
     let crash_at: Vec<_> = point
         .crash_hook()
         .map(|at| ("AGENTCTL_TEST_CRASH_AT", at))
         .into_iter()
         .collect();
-    let host = RemoteHost::start_with(
-        &w,
-        Path::new(&wt.path),
-        id,
-        &secret,
-        port,
-        Some(&journal),
-        &crash_at,
-    )
-    .await;
+    let host = RemoteHost::start_with(&w, &spot, Some(&journal), &crash_at).await;
     let mgr = w.manager();
-    let remote = RemoteAgentctl {
-        executor_id: id,
-        url: format!("http://127.0.0.1:{port}"),
-        auth_secret: secret.clone(),
-    };
-    let s = w.create_with(&mgr, "remote", &profile, Some(remote)).await;
-    assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
-    host.track_agent(&w);
+    let s = spot.create(&w, &mgr, &profile, &host).await;
     w.prompt(&mgr, s.id, "one").await;
     wait_until("the agent's grandchild", || {
         files.grandchild_pid().is_some()
@@ -393,16 +374,7 @@ async fn remote_restart_at(point: Point) {
     wait_agents_gone(&old_agents).await;
     let _ = std::fs::remove_file(&files.gate);
     let _ = std::fs::remove_file(&files.mid_gate);
-    let host = RemoteHost::start_with(
-        &w,
-        Path::new(&wt.path),
-        id,
-        &secret,
-        port,
-        Some(&journal),
-        &[],
-    )
-    .await;
+    let host = RemoteHost::start_with(&w, &spot, Some(&journal), &[]).await;
     // The new agentctl ended the old generation's whole tree before it
     // serves (the grandchild outlived the parent-death signal).
     wait_until("the old agent tree to end", || {
@@ -463,29 +435,11 @@ async fn remote_restart_while_the_backend_runs_ends_the_turn() {
     let files = TurnFiles::in_dir(w.dir.path());
     let env = files.agent_env();
     let profile = w.demo_profile("turns", &as_refs(&env)).await;
-    let id = ExecutorId::new();
-    let secret = sessiond_executor::fresh_secret();
-    let port = free_port();
-    let wt = w.worktree("remote");
+    let spot = RemoteSpot::at(&w.worktree("remote").path);
     let journal = w.path("remote-agentctl.journal");
-    let mut host = RemoteHost::start_with(
-        &w,
-        Path::new(&wt.path),
-        id,
-        &secret,
-        port,
-        Some(&journal),
-        &[],
-    )
-    .await;
+    let mut host = RemoteHost::start_with(&w, &spot, Some(&journal), &[]).await;
     let mgr = w.manager();
-    let remote = RemoteAgentctl {
-        executor_id: id,
-        url: format!("http://127.0.0.1:{port}"),
-        auth_secret: secret.clone(),
-    };
-    let s = w.create_with(&mgr, "remote", &profile, Some(remote)).await;
-    host.track_agent(&w);
+    let s = spot.create(&w, &mgr, &profile, &host).await;
     w.prompt(&mgr, s.id, "one").await;
 
     // Turn two, held by the agent after its first chunk.
@@ -499,16 +453,7 @@ async fn remote_restart_while_the_backend_runs_ends_the_turn() {
     let _ = host.child.wait();
     wait_agents_gone(&old_agents).await;
     let _ = std::fs::remove_file(&files.mid_gate);
-    let host = RemoteHost::start_with(
-        &w,
-        Path::new(&wt.path),
-        id,
-        &secret,
-        port,
-        Some(&journal),
-        &[],
-    )
-    .await;
+    let host = RemoteHost::start_with(&w, &spot, Some(&journal), &[]).await;
 
     // The backend ends the turn by itself.
     let deadline = Instant::now() + Duration::from_secs(60);
