@@ -578,22 +578,31 @@ impl SessionManager {
         task: TaskId,
         session_id: SessionId,
     ) -> Result<Option<AgentModes>> {
-        self.session_of_task(task, session_id).await?;
+        // GetSessionStatus asks right after the status, which checked the
+        // task from the snapshot: no store read then.
+        if self.snapshot_task(session_id) != Some(task) {
+            self.session_of_task(task, session_id).await?;
+        }
         let Some(execution) = self.execution(session_id).filter(|e| {
             e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
         }) else {
             return Ok(None);
         };
+        let execution_id = execution.record.execution_id();
+        let (cached, stamp) = self.cached_modes(session_id, &execution_id);
+        if let Some(modes) = cached {
+            return Ok(modes);
+        }
         let Ok(client) = self.client(&execution.record) else {
             return Ok(None);
         };
-        Ok(client
-            .raw()
-            .health(pb::HealthRequest {})
-            .await
-            .ok()
-            .and_then(|h| h.into_inner().modes)
-            .map(|m| agent_modes(&m)))
+        // Not kept when the agent did not answer: the next call asks again.
+        let Ok(health) = client.raw().health(pb::HealthRequest {}).await else {
+            return Ok(None);
+        };
+        let modes = health.into_inner().modes.map(|m| agent_modes(&m));
+        self.remember_modes(session_id, execution_id, stamp, modes.clone());
+        Ok(modes)
     }
 
     /// Switches the session's agent to session mode `mode_id` (ACP
@@ -636,6 +645,8 @@ impl SessionManager {
             return Err(self.agent_not_running(&session).await);
         };
         let client = self.client(&execution.record)?;
+        self.forget_modes(session_id);
+        let (_, stamp) = self.cached_modes(session_id, "");
         let modes = client
             .raw()
             .set_mode(pb::SetModeRequest {
@@ -647,7 +658,14 @@ impl SessionManager {
             .modes
             .unwrap_or_default();
         tracing::info!(session = %session_id, mode_id, "session mode set");
-        Ok(agent_modes(&modes))
+        let modes = agent_modes(&modes);
+        self.remember_modes(
+            session_id,
+            execution.record.execution_id(),
+            stamp,
+            Some(modes.clone()),
+        );
+        Ok(modes)
     }
 
     /// The error for a session whose agent does not run, with the hint that

@@ -90,6 +90,40 @@ impl StatusSnapshot {
     }
 }
 
+/// The session modes each running agent reported (GetSessionStatus shows
+/// them), so a status call does not ask agentctl every time. A value is
+/// good for the execution it was read from (`ExecutorRecord::execution_id`)
+/// and is dropped whenever what it reflects may have changed: the agent's
+/// state moved (`cache_update`), the session left the cache, the agent
+/// reported a mode change (the pump's `current_mode` part), or a mode was
+/// set (which keeps the agent's answer instead). Each drop stamps the
+/// session's slot (`removals` counts removed slots), so an answer read
+/// before a drop is not kept after it.
+#[derive(Default)]
+struct ModesCache {
+    next: u64,
+    removals: u64,
+    slots: HashMap<SessionId, ModesSlot>,
+}
+
+#[derive(Default)]
+struct ModesSlot {
+    stamp: u64,
+    value: Option<(String, Option<sessiond_domain::AgentModes>)>,
+}
+
+/// Where a [`ModesCache`] stood when an answer was asked for.
+pub(crate) type ModesStamp = (u64, u64);
+
+impl ModesCache {
+    fn stamp(&self, session: SessionId) -> ModesStamp {
+        (
+            self.removals,
+            self.slots.get(&session).map_or(0, |s| s.stamp),
+        )
+    }
+}
+
 /// Where a parked update pump stopped reading: the next pump of the session
 /// continues from `cursor` if the executor is still at `generation` and its
 /// agentctl still the process `instance` (empty: not known).
@@ -153,6 +187,8 @@ pub(crate) struct Inner {
     cache: StdMutex<HashMap<SessionId, Execution>>,
     /// Write-through snapshot of what GetSessionStatus reads (see [`StatusSnapshot`]).
     status: StdMutex<StatusSnapshot>,
+    /// The agents' session modes as last asked (see [`ModesCache`]).
+    modes: StdMutex<ModesCache>,
     /// Per session: the agentctl client and the (url, secret) it was made for.
     clients: StdMutex<HashMap<SessionId, (String, String, AgentctlClient)>>,
     /// Sessions whose update pump is parked (idle, no stream open): where
@@ -302,6 +338,7 @@ impl SessionManager {
                 metrics,
                 cache: StdMutex::default(),
                 status: StdMutex::default(),
+                modes: StdMutex::default(),
                 clients: StdMutex::default(),
                 parked: StdMutex::default(),
                 recovery_profiles: StdMutex::default(),
@@ -761,13 +798,70 @@ impl SessionManager {
         if let Some(e) = lock(&self.inner.cache).get_mut(&session) {
             f(e);
         }
+        self.forget_modes(session);
     }
 
     pub(crate) fn cache_remove(&self, session: SessionId) {
         lock(&self.inner.cache).remove(&session);
+        {
+            let mut modes = lock(&self.inner.modes);
+            modes.slots.remove(&session);
+            modes.removals += 1;
+        }
         lock(&self.inner.clients).remove(&session);
         lock(&self.inner.parked).remove(&session);
         self.snapshot_forget(session);
+    }
+
+    /// The modes cached for `session`'s agent in `execution`, with the
+    /// stamp to keep a fresh answer under (see [`ModesCache`]).
+    pub(crate) fn cached_modes(
+        &self,
+        session: SessionId,
+        execution: &str,
+    ) -> (Option<Option<sessiond_domain::AgentModes>>, ModesStamp) {
+        let cache = lock(&self.inner.modes);
+        let hit = cache
+            .slots
+            .get(&session)
+            .and_then(|s| s.value.as_ref())
+            .filter(|(e, _)| e == execution)
+            .map(|(_, m)| m.clone());
+        (hit, cache.stamp(session))
+    }
+
+    /// Keeps `modes`, read from `session`'s agent in `execution`, unless
+    /// they may have changed since `stamp`.
+    pub(crate) fn remember_modes(
+        &self,
+        session: SessionId,
+        execution: String,
+        stamp: ModesStamp,
+        modes: Option<sessiond_domain::AgentModes>,
+    ) {
+        let mut cache = lock(&self.inner.modes);
+        if cache.stamp(session) == stamp {
+            cache.slots.entry(session).or_default().value = Some((execution, modes));
+        }
+    }
+
+    /// `session`'s agent modes may have changed: ask it next time.
+    pub(crate) fn forget_modes(&self, session: SessionId) {
+        let mut cache = lock(&self.inner.modes);
+        cache.next += 1;
+        let stamp = cache.next;
+        *cache.slots.entry(session).or_default() = ModesSlot { stamp, value: None };
+    }
+
+    /// `session`'s task as the status snapshot has it (no store read).
+    pub(crate) fn snapshot_task(&self, session: SessionId) -> Option<TaskId> {
+        if !self.owns(session) {
+            return None;
+        }
+        lock(&self.inner.status)
+            .entries
+            .get(&session)
+            .map(|e| e.session.task_id)
     }
 
     /// Records that a startup recovery pass has finished.

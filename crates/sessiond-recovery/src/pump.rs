@@ -413,6 +413,9 @@ impl Pump {
             return Ok(());
         }
         let kind = MessageKind::parse(&a.kind).unwrap_or(MessageKind::Other);
+        if kind == MessageKind::CurrentMode {
+            self.mgr.forget_modes(self.session_id);
+        }
         if kind == MessageKind::Permission {
             return self.permission(id, a).await;
         }

@@ -266,3 +266,49 @@ async fn idle_agent_killed_is_noticed_and_resumed() {
     assert_eq!(reply, expected_reply(2, &token, "two"));
     w.finish(&mgr, &[s.id]).await;
 }
+
+/// GetSessionStatus shows the agent's session modes without asking
+/// agentctl on every call: asked once, then kept until they may have
+/// changed — a mode set through the manager (its answer kept), or a mode
+/// the agent switched to by itself (`current_mode_update`, seen by the
+/// update pump). Proved by stopping agentctl (SIGSTOP) between two calls:
+/// asked, it could not answer (no modes); kept, the second call has them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_modes_are_kept_until_they_change() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "modes").await;
+    let current =
+        |m: Option<sessiond_domain::AgentModes>| m.expect("the demo agent has modes").current;
+    let modes = mgr.session_modes(w.task.id, s.id).await.unwrap();
+    assert_eq!(current(modes), "default");
+
+    let agentctl = w
+        .record(s.id)
+        .await
+        .pid
+        .expect("a standalone agentctl has a pid");
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &agentctl.to_string()])
+            .status()
+            .is_ok_and(|st| st.success());
+        assert!(ok, "kill {sig} {agentctl}");
+    };
+    signal("-STOP");
+    let kept = mgr.session_modes(w.task.id, s.id).await.unwrap();
+    signal("-CONT");
+    assert_eq!(current(kept), "default", "answered from what was kept");
+
+    let set = mgr.set_session_mode(w.task.id, s.id, "plan").await.unwrap();
+    assert_eq!(set.current, "plan");
+    let modes = mgr.session_modes(w.task.id, s.id).await.unwrap();
+    assert_eq!(current(modes), "plan", "a mode set is shown at once");
+
+    // The agent switches by itself during a turn.
+    let reply = w.prompt(&mgr, s.id, "/mode default").await;
+    assert!(reply.contains("mode: default"), "{reply}");
+    let modes = mgr.session_modes(w.task.id, s.id).await.unwrap();
+    assert_eq!(current(modes), "default", "the agent's own switch is shown");
+    w.finish(&mgr, &[s.id]).await;
+}
