@@ -409,7 +409,7 @@ impl SessionManager {
         }
         let t = std::time::Instant::now();
         let early = self.precede_pass(session_id);
-        self.session_of_task(task, session_id).await?;
+        self.check_task(task, session_id).await?;
         let checked = t.elapsed();
         let _ahead = self.recover_ahead(session_id).await?;
         // `_ahead` (if the session needed recovering) now holds the pause.
@@ -455,7 +455,7 @@ impl SessionManager {
         message: Option<MessageId>,
     ) -> Result<(Message, MessageId)> {
         let early = self.precede_pass(session_id);
-        self.session_of_task(task, session_id).await?;
+        self.check_task(task, session_id).await?;
         let _ahead = self.recover_ahead(session_id).await?;
         drop(early);
         let _guard = self.lock_session(session_id).await;
@@ -578,11 +578,7 @@ impl SessionManager {
         task: TaskId,
         session_id: SessionId,
     ) -> Result<Option<AgentModes>> {
-        // GetSessionStatus asks right after the status, which checked the
-        // task from the snapshot: no store read then.
-        if self.snapshot_task(session_id) != Some(task) {
-            self.session_of_task(task, session_id).await?;
-        }
+        self.check_task(task, session_id).await?;
         let Some(execution) = self.execution(session_id).filter(|e| {
             e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
         }) else {
@@ -981,7 +977,7 @@ impl SessionManager {
     }
 }
 
-fn agent_modes(m: &pb::SessionModes) -> AgentModes {
+pub(crate) fn agent_modes(m: &pb::SessionModes) -> AgentModes {
     AgentModes {
         current: m.current_mode_id.clone(),
         available: m

@@ -853,15 +853,20 @@ impl SessionManager {
         *cache.slots.entry(session).or_default() = ModesSlot { stamp, value: None };
     }
 
-    /// `session`'s task as the status snapshot has it (no store read).
-    pub(crate) fn snapshot_task(&self, session: SessionId) -> Option<TaskId> {
-        if !self.owns(session) {
-            return None;
+    /// Checks that `session` exists and belongs to `task`, as
+    /// [`Self::session_of_task`] does, from the status snapshot when it
+    /// holds the session (a session's task never changes, and a removed
+    /// session leaves the snapshot): no store read on a call's hot path.
+    pub(crate) async fn check_task(&self, task: TaskId, session: SessionId) -> Result<()> {
+        let known = self.owns(session)
+            && lock(&self.inner.status)
+                .entries
+                .get(&session)
+                .is_some_and(|e| e.session.task_id == task);
+        if !known {
+            self.session_of_task(task, session).await?;
         }
-        lock(&self.inner.status)
-            .entries
-            .get(&session)
-            .map(|e| e.session.task_id)
+        Ok(())
     }
 
     /// Records that a startup recovery pass has finished.

@@ -1423,6 +1423,9 @@ impl SessionManager {
     /// else a client of its own that is dropped afterwards, so a parked
     /// session keeps no connection between checks.
     async fn liveness_health(&self, record: &ExecutorRecord) -> Result<pb::HealthResponse> {
+        // The answer carries the agent's modes: kept, so a change the agent
+        // made while no pump read shows within one check.
+        let (_, modes_stamp) = self.cached_modes(record.session_id, "");
         let client = match self.cached_agentctl(record) {
             Some(c) => c,
             None => self
@@ -1442,6 +1445,17 @@ impl SessionManager {
                 h.executor_id,
                 record.id
             )));
+        }
+        if matches!(
+            AgentState::try_from(h.agent_state),
+            Ok(AgentState::Ready | AgentState::Busy)
+        ) {
+            self.remember_modes(
+                record.session_id,
+                record.execution_id(),
+                modes_stamp,
+                h.modes.as_ref().map(crate::lifecycle::agent_modes),
+            );
         }
         Ok(h)
     }
