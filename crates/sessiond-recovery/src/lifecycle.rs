@@ -289,7 +289,7 @@ impl SessionManager {
                 .await
                 .ok()
                 .and_then(|c| probe_verdict(c.supports_session_resume));
-            let token = self.new_conversation(&client).await?;
+            let token = self.new_conversation(&client, &record).await?;
             Ok::<_, Error>((probe, token))
         }
         .await;

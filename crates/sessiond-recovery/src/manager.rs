@@ -92,11 +92,14 @@ impl StatusSnapshot {
 
 /// The session modes each running agent reported (GetSessionStatus shows
 /// them), so a status call does not ask agentctl every time. A value is
-/// good for the execution it was read from (`ExecutorRecord::execution_id`)
-/// and is dropped whenever what it reflects may have changed: the agent's
-/// state moved (`cache_update`), the session left the cache, the agent
-/// reported a mode change (the pump's `current_mode` part), or a mode was
-/// set (which keeps the agent's answer instead). Each drop stamps the
+/// good for the execution it was read from (`ExecutorRecord::execution_id`);
+/// it comes from the answer that opened the conversation (NewSession,
+/// ResumeSession), a mode set, a liveness Health, or a Health of its own
+/// when none of those is kept. It is dropped whenever what it reflects may
+/// have changed: the agent stopped or is starting (`cache_update`), the
+/// session left the cache, the agent reported a mode change (the pump's
+/// `current_mode` part), or a mode is being set (which keeps the agent's
+/// answer). Each drop stamps the
 /// session's slot (`removals` counts removed slots), so an answer read
 /// before a drop is not kept after it.
 #[derive(Default)]
@@ -795,10 +798,19 @@ impl SessionManager {
     }
 
     pub(crate) fn cache_update(&self, session: SessionId, f: impl FnOnce(&mut Execution)) {
-        if let Some(e) = lock(&self.inner.cache).get_mut(&session) {
-            f(e);
+        let running = match lock(&self.inner.cache).get_mut(&session) {
+            Some(e) => {
+                f(e);
+                e.agent == AgentProcessState::Running
+            }
+            None => false,
+        };
+        // An agent that stopped (or is starting again) takes its modes
+        // along; one now running keeps what its conversation's opening
+        // answered (`new_conversation`, `load_conversation`).
+        if !running {
+            self.forget_modes(session);
         }
-        self.forget_modes(session);
     }
 
     pub(crate) fn cache_remove(&self, session: SessionId) {

@@ -288,15 +288,27 @@ impl SessionManager {
         Ok(true)
     }
 
-    /// Opens a new ACP conversation; returns its resume token.
-    pub(crate) async fn new_conversation(&self, client: &AgentctlClient) -> Result<String> {
-        let token = client
+    /// Opens a new ACP conversation in `record`'s agent; returns its resume
+    /// token. The modes it answers are kept for GetSessionStatus.
+    pub(crate) async fn new_conversation(
+        &self,
+        client: &AgentctlClient,
+        record: &ExecutorRecord,
+    ) -> Result<String> {
+        let (_, stamp) = self.cached_modes(record.session_id, "");
+        let opened = client
             .raw()
             .new_session(pb::NewSessionRequest {})
             .await
             .map_err(|s| Error::agent("NewSession", &s))?
-            .into_inner()
-            .resume_token;
+            .into_inner();
+        self.remember_modes(
+            record.session_id,
+            record.execution_id(),
+            stamp,
+            opened.modes.as_ref().map(crate::lifecycle::agent_modes),
+        );
+        let token = opened.resume_token;
         if token.is_empty() {
             return Err(Error::Agent {
                 call: "NewSession",
@@ -307,16 +319,19 @@ impl SessionManager {
         Ok(token)
     }
 
-    /// Loads the conversation `token` into the running agent.
+    /// Loads the conversation `token` into `record`'s running agent. The
+    /// modes it answers are kept for GetSessionStatus.
     pub(crate) async fn load_conversation(
         &self,
         client: &AgentctlClient,
+        record: &ExecutorRecord,
         token: &str,
     ) -> Result<()> {
         self.inner
             .counters
             .resume_attempts
             .fetch_add(1, Ordering::Relaxed);
+        let (_, stamp) = self.cached_modes(record.session_id, "");
         let loaded = client
             .raw()
             .resume_session(pb::ResumeSessionRequest {
@@ -324,7 +339,17 @@ impl SessionManager {
             })
             .await;
         self.inner.metrics.resume(loaded.is_ok());
-        loaded.map_err(|s| Error::agent("ResumeSession", &s))?;
+        let loaded = loaded.map_err(|s| Error::agent("ResumeSession", &s))?;
+        self.remember_modes(
+            record.session_id,
+            record.execution_id(),
+            stamp,
+            loaded
+                .into_inner()
+                .modes
+                .as_ref()
+                .map(crate::lifecycle::agent_modes),
+        );
         Ok(())
     }
 
@@ -359,11 +384,11 @@ impl SessionManager {
         let client = self.client(record)?;
         self.ensure_agent_seen(&client, profile, record.runtime, seen)
             .await?;
-        match self.load_conversation(&client, token).await {
+        match self.load_conversation(&client, record, token).await {
             Ok(()) => Ok(Resumed::Loaded),
             Err(e) if no_turn_yet && load_refused(&e) => {
                 let reason = e.to_string();
-                match self.new_conversation(&client).await {
+                match self.new_conversation(&client, record).await {
                     Ok(token) => Ok(Resumed::Replaced { token, reason }),
                     Err(new) => Err(Error::Agent {
                         call: "NewSession",

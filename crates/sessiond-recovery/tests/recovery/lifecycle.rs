@@ -268,11 +268,12 @@ async fn idle_agent_killed_is_noticed_and_resumed() {
 }
 
 /// GetSessionStatus shows the agent's session modes without asking
-/// agentctl on every call: asked once, then kept until they may have
-/// changed — a mode set through the manager (its answer kept), or a mode
-/// the agent switched to by itself (`current_mode_update`, seen by the
-/// update pump). Proved by stopping agentctl (SIGSTOP) between two calls:
-/// asked, it could not answer (no modes); kept, the second call has them.
+/// agentctl on every call: the answer that opened the conversation is
+/// kept until the modes may have changed — a mode set through the manager
+/// (its answer kept), or a mode the agent switched to by itself
+/// (`current_mode_update`, seen by the update pump). Proved by stopping
+/// agentctl (SIGSTOP) before the first calls: asked, it could not answer
+/// (no modes); kept, the calls have them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_modes_are_kept_until_they_change() {
     let w = World::new(Db::Sqlite).await;
@@ -280,9 +281,6 @@ async fn session_modes_are_kept_until_they_change() {
     let s = w.create(&mgr, "modes").await;
     let current =
         |m: Option<sessiond_domain::AgentModes>| m.expect("the demo agent has modes").current;
-    let modes = mgr.session_modes(w.task.id, s.id).await.unwrap();
-    assert_eq!(current(modes), "default");
-
     let agentctl = w
         .record(s.id)
         .await
@@ -296,9 +294,11 @@ async fn session_modes_are_kept_until_they_change() {
         assert!(ok, "kill {sig} {agentctl}");
     };
     signal("-STOP");
-    let kept = mgr.session_modes(w.task.id, s.id).await.unwrap();
+    let first = mgr.session_modes(w.task.id, s.id).await;
+    let second = mgr.session_modes(w.task.id, s.id).await;
     signal("-CONT");
-    assert_eq!(current(kept), "default", "answered from what was kept");
+    assert_eq!(current(first.unwrap()), "default", "kept from NewSession");
+    assert_eq!(current(second.unwrap()), "default", "kept from NewSession");
 
     let set = mgr.set_session_mode(w.task.id, s.id, "plan").await.unwrap();
     assert_eq!(set.current, "plan");
