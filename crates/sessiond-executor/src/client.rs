@@ -278,7 +278,7 @@ fn inject_trace_context(metadata: &mut tonic::metadata::MetadataMap) {
 pub type RawClient = AgentCtlServiceClient<InterceptedService<Channel, BearerAuth>>;
 
 /// What `Health` says about an agentctl.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Health {
     /// The executor id agentctl was started with; compared with the record's
     /// by [`AgentctlClient::verify_identity`].
@@ -303,6 +303,9 @@ pub struct Health {
     pub journaled: bool,
     /// ... which this process created (it knows no earlier process's turns).
     pub journal_fresh: bool,
+    /// The session modes of the open conversation; `None` when the agent
+    /// offers none or no conversation is open.
+    pub modes: Option<pb::SessionModes>,
 }
 
 /// Whether a capability is available.
@@ -525,6 +528,7 @@ impl AgentctlClient {
             acp_session_id: resp.acp_session_id,
             journaled: resp.journaled,
             journal_fresh: resp.journal_fresh,
+            modes: resp.modes,
         })
     }
 

@@ -94,8 +94,8 @@ impl StatusSnapshot {
 /// them), so a status call does not ask agentctl every time. A value is
 /// good for the execution it was read from (`ExecutorRecord::execution_id`);
 /// it comes from the answer that opened the conversation (NewSession,
-/// ResumeSession), a mode set, a liveness Health, or a Health of its own
-/// when none of those is kept. It is dropped whenever what it reflects may
+/// ResumeSession), recovery's Health of a surviving agent, a mode set, a
+/// liveness Health, or a Health of its own when none of those is kept. It is dropped whenever what it reflects may
 /// have changed: the agent stopped or is starting (`cache_update`), the
 /// session left the cache, the agent reported a mode change (the pump's
 /// `current_mode` part), or a mode is being set (which keeps the agent's

@@ -723,6 +723,7 @@ impl SessionManager {
                 }
                 let driver = self.driver(run.record.runtime)?;
                 let id = run.record.id;
+                let (_, modes_stamp) = self.cached_modes(run.session.id, "");
                 let health = async {
                     self.agentctl(&run.record, &driver)?
                         .verify_identity(id)
@@ -750,6 +751,16 @@ impl SessionManager {
                             run.session.resume_token = Some(health.acp_session_id.clone());
                             run.record.resume_token = Some(health.acp_session_id.clone());
                             run.adopted_token = true;
+                        }
+                        if run.agent != SurvivingAgent::None {
+                            // A reattached agent's modes, for GetSessionStatus
+                            // (a resume keeps its load's answer instead).
+                            self.remember_modes(
+                                run.session.id,
+                                run.record.execution_id(),
+                                modes_stamp,
+                                health.modes.as_ref().map(crate::lifecycle::agent_modes),
+                            );
                         }
                         run.agent_state = Some(health.agent_state);
                         Observation::Healthy { agent: run.agent }

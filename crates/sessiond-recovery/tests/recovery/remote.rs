@@ -641,3 +641,48 @@ async fn remote_explicit_resume_while_unreachable_keeps_the_turn_until_the_windo
     host.kill().await;
     w.finish(&mgr, &[]).await;
 }
+
+/// GetSessionStatus after a restart does not ask agentctl for the agent's
+/// modes: recovery kept what answered it, whether it reattached the
+/// running agent (its Health) or launched it again and loaded the
+/// conversation (ResumeSession). agentctl is stopped (SIGSTOP) for the
+/// call, so asking it would answer no modes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn modes_are_kept_from_recovery() {
+    let w = World::new(Db::Sqlite).await;
+    let spot = RemoteSpot::at(&w.worktree("remote").path);
+    let mut host = RemoteHost::start(&w, &spot).await;
+    let mgr = w.manager();
+    let s = spot.create(&w, &mgr, &w.profile, &host).await;
+    let mut mgr = mgr;
+    for (round, host_restarts) in [(1, false), (2, true)] {
+        mgr.shutdown();
+        drop(mgr);
+        if host_restarts {
+            host.kill().await;
+            host = RemoteHost::start(&w, &spot).await;
+        }
+        mgr = w.manager();
+        let summary = mgr.recover_all().await.unwrap();
+        let expected = if host_restarts {
+            OutcomeLabel::Resumed
+        } else {
+            OutcomeLabel::Reattached
+        };
+        assert_eq!(summary.count(expected), 1, "round {round}: {summary:?}");
+        host.track_agent(&w);
+        signal(host.child.id(), "-STOP");
+        let modes = mgr.session_modes(w.task.id, s.id).await;
+        signal(host.child.id(), "-CONT");
+        let current = modes
+            .unwrap()
+            .unwrap_or_else(|| {
+                panic!("round {round}: asked agentctl instead of keeping recovery's answer")
+            })
+            .current;
+        assert_eq!(current, "default", "round {round}");
+    }
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    host.kill().await;
+    w.finish(&mgr, &[]).await;
+}
