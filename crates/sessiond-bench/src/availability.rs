@@ -93,6 +93,26 @@ async fn seeded_db(
     Ok((db, seeded))
 }
 
+/// One startup pass in process over a freshly seeded N-session store,
+/// with the recovery queue or without it.
+async fn pass_over_fresh_store(
+    dir: &Path,
+    fleet_urls: &[String],
+    n: usize,
+    queue: bool,
+) -> anyhow::Result<Duration> {
+    let (db, _) = seeded_db(dir, fleet_urls, n).await?;
+    let (took, _) = recovery::recover_with(
+        &db.url(),
+        recovery::remote_drivers(),
+        OutcomeLabel::Resumed,
+        n,
+        queue,
+    )
+    .await?;
+    Ok(took)
+}
+
 pub async fn measure(
     dir: &Path,
     bin_dir: &Path,
@@ -125,15 +145,7 @@ pub async fn measure(
     // which put a warm-up effect into the ratio.
     let (mut pass_queue, mut pass_plain) = (Vec::new(), Vec::new());
     {
-        let (db, _) = seeded_db(dir, fleet_urls, n).await?;
-        let (took, _) = recovery::recover_with(
-            &db.url(),
-            recovery::remote_drivers(),
-            OutcomeLabel::Resumed,
-            n,
-            false,
-        )
-        .await?;
+        let took = pass_over_fresh_store(dir, fleet_urls, n, false).await?;
         say(format!(
             "availability: warm-up pass over {n} (not counted): {}",
             ms(took)
@@ -141,15 +153,7 @@ pub async fn measure(
     }
     for round in 0..pairs * 2 {
         let queue = (round % 4 == 1) || (round % 4 == 2);
-        let (db, _) = seeded_db(dir, fleet_urls, n).await?;
-        let (took, _) = recovery::recover_with(
-            &db.url(),
-            recovery::remote_drivers(),
-            OutcomeLabel::Resumed,
-            n,
-            queue,
-        )
-        .await?;
+        let took = pass_over_fresh_store(dir, fleet_urls, n, queue).await?;
         say(format!(
             "availability: pass over {n} {} the queue: {}",
             if queue { "with" } else { "without" },
