@@ -60,15 +60,19 @@ impl ExecutionView {
 
 /// The error codes of an executor that is retried in the background rather
 /// than failed (see `RecoveryFailure::code`).
-const RETRIED_CODES: [&str; 2] = ["reconnecting:", "docker_unavailable:"];
+const RETRIED_CODES: [&str; 3] = ["reconnecting:", "docker_unavailable:", "recovering:"];
 
-/// The record's error when the executor is `error` but retried in the background.
+/// The record's error when the executor is retried in the background: `error`
+/// with a code of [`RETRIED_CODES`], or `ready` (workspace up) with
+/// `recovering:` while its agent's resume is retried.
 pub fn retrying_message(record: &ExecutorRecord) -> Option<String> {
     record
         .error_message
         .as_ref()
         .filter(|m| {
-            record.status == ExecutorStatus::Error && RETRIED_CODES.iter().any(|c| m.starts_with(c))
+            RETRIED_CODES.iter().any(|c| m.starts_with(c))
+                && (record.status == ExecutorStatus::Error
+                    || (record.status == ExecutorStatus::Ready && m.starts_with("recovering:")))
         })
         .cloned()
 }
