@@ -189,6 +189,18 @@ async fn wait_no_agent_tree(home: &Path) {
     }
 }
 
+/// Waits until the CLI's transcript of `token` holds `text`.
+async fn wait_transcript(home: &Path, token: &str, text: &str) {
+    let deadline = Instant::now() + WAIT;
+    while !claude::transcript(home, token).contains(text) {
+        assert!(
+            Instant::now() < deadline,
+            "the CLI's transcript of {token} never held {text:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn dirs() -> (tempfile::TempDir, PathBuf) {
     let base = tempfile::Builder::new()
         .prefix("agentctl-claude-")
@@ -287,6 +299,12 @@ async fn claude_acp_tool_turn_stop_relaunch_resume() {
         t2.reply,
         "claude-fake: you said \"how are you\" (2 user messages)"
     );
+
+    // The turn is in the CLI's transcript before the stop: the CLI writes
+    // it some 50-200 ms after it answered the turn, and a stop (or a crash)
+    // before that loses the turn from the conversation `session/load`
+    // reopens (or loses the whole conversation after a first turn).
+    wait_transcript(&home, &token, "(2 user messages)").await;
 
     // Stop: the agent and everything it started end (node and the CLI at
     // least, found by the HOME in their environment).

@@ -80,6 +80,30 @@ pub fn agent_env(fake: &FakeAnthropic, home: &Path) -> Vec<(String, String)> {
     .collect()
 }
 
+/// The CLI's own transcript of conversation `token` (the JSON lines under
+/// `HOME/.claude/projects/` that its `session/load` reads back); empty when
+/// there is none yet. The CLI writes a turn there some 50-200 ms after it
+/// answered it: a test that stops or kills the agent and then reopens the
+/// conversation waits for its turns to be there first.
+pub fn transcript(home: &Path, token: &str) -> String {
+    fn find(dir: &Path, name: &str) -> Option<PathBuf> {
+        for e in std::fs::read_dir(dir).ok()?.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                if let Some(f) = find(&p, name) {
+                    return Some(f);
+                }
+            } else if p.file_name().is_some_and(|n| n == name) {
+                return Some(p);
+            }
+        }
+        None
+    }
+    find(&home.join(".claude/projects"), &format!("{token}.jsonl"))
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .unwrap_or_default()
+}
+
 /// The fake Messages API on 127.0.0.1, a child process of the test; killed
 /// on drop. Its answers are in `tests/claude/fake_anthropic.mjs`.
 #[derive(Debug)]
