@@ -136,6 +136,7 @@ async fn claude_sessions_come_back_after_kill9_of_everything() {
 
     let started = Instant::now();
     let mut ids = Vec::new();
+    let mut tokens = Vec::new();
     for i in 0..n {
         let profile = claude_profile(&w, &fake, &i.to_string()).await;
         let s = w.create_with(&mgr, &format!("c{i}"), &profile, None).await;
@@ -146,8 +147,10 @@ async fn claude_sessions_come_back_after_kill9_of_everything() {
             s.error_message
         );
         ids.push(s.id);
+        tokens.push(s.resume_token.clone().expect("a resume token"));
     }
     let created = started.elapsed();
+    let mut replies = Vec::new();
     for (i, id) in ids.iter().enumerate() {
         let reply = prompt(&w, &mgr, *id, &format!("write notes.txt hello-{i}")).await;
         assert!(
@@ -158,8 +161,24 @@ async fn claude_sessions_come_back_after_kill9_of_everything() {
             std::fs::read_to_string(w.path(&format!("wt-c{i}/notes.txt"))).unwrap(),
             format!("hello-{i}")
         );
+        replies.push(reply);
     }
     let prompted = started.elapsed();
+    // Every turn is in its CLI's transcript before the crash: the CLI writes
+    // it some 50-200 ms after it answered, and a conversation killed before
+    // that is not there for `session/load` to reopen (the agent's loss,
+    // which no recovery can undo).
+    let deadline = Instant::now() + TURN_LIMIT;
+    for (i, (token, reply)) in tokens.iter().zip(&replies).enumerate() {
+        let home = w.path(&format!("home-{i}"));
+        while !claude::transcript(&home, token).contains(reply.as_str()) {
+            assert!(
+                Instant::now() < deadline,
+                "session {i}: the CLI's transcript never held its reply"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
     let tool_turns = fake
         .agent_turns()
         .iter()
