@@ -117,6 +117,7 @@ impl AgentCtlService for AgentCtl {
             journaled,
             journal_fresh,
             modes: self.agent.modes().map(|m| session_modes(&m)),
+            ..HealthResponse::default()
         }))
     }
 
@@ -132,6 +133,7 @@ impl AgentCtlService for AgentCtl {
             supports_workspace_only: Capability::Supported as i32,
             profile_claims_session_resume: status.profile_claim,
             agent_load_session: status.agent_load_session,
+            ..CapabilitiesResponse::default()
         }))
     }
 
@@ -196,6 +198,7 @@ impl AgentCtlService for AgentCtl {
         Ok(Response::new(ResumeSessionResponse {
             resume_token,
             modes: self.agent.modes().map(|m| session_modes(&m)),
+            ..ResumeSessionResponse::default()
         }))
     }
 
