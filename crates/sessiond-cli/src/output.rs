@@ -690,17 +690,6 @@ impl Out {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::printable;
-
-    #[test]
-    fn control_characters_are_shown_escaped() {
-        assert_eq!(printable("plain title"), "plain title");
-        assert_eq!(printable("a\u{1b}[31mred\0\n"), "a\\u{1b}[31mred\\u{0}\\n");
-    }
-}
-
 fn recovery_stage(stage: i32) -> &'static str {
     match pb::RecoveryStage::try_from(stage) {
         Ok(pb::RecoveryStage::Queued) => "queued",
@@ -721,7 +710,10 @@ fn agent_recovery_line(r: &pb::AgentRecovery) -> String {
         ),
         Ok(pb::RecoveryStage::Launching) => "launching the agent".to_owned(),
         Ok(pb::RecoveryStage::Resuming) if r.replayed > 0 => {
-            format!("resuming the conversation ({} updates replayed)", r.replayed)
+            format!(
+                "resuming the conversation ({} updates replayed)",
+                r.replayed
+            )
         }
         Ok(pb::RecoveryStage::Resuming) => "resuming the conversation".to_owned(),
         Ok(pb::RecoveryStage::WaitingToRetry) => {
@@ -734,4 +726,15 @@ fn agent_recovery_line(r: &pb::AgentRecovery) -> String {
         line.push_str(&format!("; last attempt: {}", one_line(&r.last_error, 120)));
     }
     line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::printable;
+
+    #[test]
+    fn control_characters_are_shown_escaped() {
+        assert_eq!(printable("plain title"), "plain title");
+        assert_eq!(printable("a\u{1b}[31mred\0\n"), "a\\u{1b}[31mred\\u{0}\\n");
+    }
 }

@@ -30,8 +30,7 @@ pub use states::{
 };
 pub use status::{
     AgentProcessState, AgentRecovery, ExecutionView, RecoveryStage, ResumeReason, ResumeRefused,
-    SessionStatus, check_resume,
-    retrying_message, session_status,
+    SessionStatus, check_resume, retrying_message, session_status,
 };
 pub use transitions::{
     ExecutorEvent, IllegalExecutorTransition, IllegalSessionTransition, IllegalTaskTransition,

@@ -2352,98 +2352,101 @@ mod tests {
         let standalone = |attempt, max| {
             input(Runtime::LocalStandalone, S::WaitingForInput).attempt(attempt, max)
         };
-        let cases: Vec<(
-            &str,
-            RecoveryInput,
-            Observation,
-            L,
-            ExecutorStatus,
-            S,
-            &str,
-            bool,
-        )> = vec![
-            (
+        struct Case {
+            name: &'static str,
+            input: RecoveryInput,
+            last: Observation,
+            label: L,
+            session: S,
+            code: &'static str,
+            retry: bool,
+        }
+        let exited = || O::ResumeInterrupted {
+            reason: "the agent exited".into(),
+        };
+        let case = |name, input, last, label, session, code, retry| Case {
+            name,
+            input,
+            last,
+            label,
+            session,
+            code,
+            retry,
+        };
+        let cases = vec![
+            case(
                 "silence, attempts left",
                 standalone(1, 3),
                 O::DeadlineExceeded,
                 L::Retrying,
-                ExecutorStatus::Ready,
                 S::WaitingForInput,
                 "recovering",
                 true,
             ),
-            (
+            case(
                 "interrupted, attempts left",
                 standalone(2, 3),
-                O::ResumeInterrupted {
-                    reason: "the agent exited".into(),
-                },
+                exited(),
                 L::Retrying,
-                ExecutorStatus::Ready,
                 S::WaitingForInput,
                 "recovering",
                 true,
             ),
-            (
+            case(
                 "silence, last attempt",
                 standalone(3, 3),
                 O::DeadlineExceeded,
                 L::ResumeFailed,
-                ExecutorStatus::Ready,
                 S::Error,
                 "attempts_exhausted",
                 false,
             ),
-            (
+            case(
                 "interrupted, last attempt",
                 standalone(3, 3),
-                O::ResumeInterrupted {
-                    reason: "the agent exited".into(),
-                },
+                exited(),
                 L::ResumeFailed,
-                ExecutorStatus::Ready,
                 S::Error,
                 "attempts_exhausted",
                 false,
             ),
-            (
+            case(
                 "silence, no retries configured",
                 standalone(1, 1),
                 O::DeadlineExceeded,
                 L::ResumeFailed,
-                ExecutorStatus::Ready,
                 S::Error,
                 "deadline_exceeded",
                 false,
             ),
-            (
+            case(
                 "a verdict is not retried",
                 standalone(1, 3),
                 O::ConversationLost {
                     reason: "not found".into(),
                 },
                 L::ResumeFailed,
-                ExecutorStatus::Ready,
                 S::Error,
                 "resume_failed",
                 false,
             ),
         ];
-        for (name, input, last, label, executor, session, code, retry) in cases {
+        for c in cases {
+            let name = c.name;
             let mut observations = resumed();
-            observations.push(last);
-            let (_, outcome) = run(input, observations);
-            assert_eq!(outcome.label, label, "{name}");
-            assert_eq!(outcome.executor_status, executor, "{name}");
-            assert_eq!(outcome.session_state, session, "{name}");
-            assert_eq!(outcome.retry_in_background, retry, "{name}");
+            observations.push(c.last);
+            let (_, outcome) = run(c.input, observations);
+            assert_eq!(outcome.label, c.label, "{name}");
+            assert_eq!(outcome.executor_status, ExecutorStatus::Ready, "{name}");
+            assert_eq!(outcome.session_state, c.session, "{name}");
+            assert_eq!(outcome.retry_in_background, c.retry, "{name}");
             assert!(outcome.workspace_enabled, "{name}: the workspace stays up");
             let message = outcome.error_message().unwrap_or_default();
             assert!(
-                message.starts_with(&format!("{code}:")),
+                message.starts_with(&format!("{}:", c.code)),
                 "{name}: {message}"
             );
-            if retry {
+            if c.retry {
                 assert!(outcome.events.is_empty(), "{name}: nothing to announce");
                 assert!(outcome.session_error.is_none(), "{name}");
             }

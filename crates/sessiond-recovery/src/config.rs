@@ -70,18 +70,12 @@ pub struct ManagerConfig {
 /// starts at `initial` and adapts to measured launch times (additive
 /// increase while launches stay near the fastest seen and the host is not
 /// overloaded, halved when one is slow or cut), within `1..=max`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct LaunchLimits {
     /// The starting limit; 0: the number of CPU cores of this host.
     pub initial: usize,
     /// The most it grows to; 0: four times `initial`.
     pub max: usize,
-}
-
-impl Default for LaunchLimits {
-    fn default() -> Self {
-        Self { initial: 0, max: 0 }
-    }
 }
 
 impl LaunchLimits {

@@ -278,7 +278,13 @@ fn release(shared: &Arc<Shared>, host: &str, ended: Ended) {
         Ended::Cut => h.limit = (h.limit / 2.0).max(1.0),
         Ended::Neutral => {}
     }
-    tracing::debug!(host, limit = h.limit, running = h.running, ?ended, "launch slot freed");
+    tracing::debug!(
+        host,
+        limit = h.limit,
+        running = h.running,
+        ?ended,
+        "launch slot freed"
+    );
     dispatch(shared, host, h);
 }
 
@@ -307,15 +313,18 @@ mod tests {
     #[tokio::test]
     async fn admits_up_to_the_limit_then_in_priority_order() {
         let s = LaunchScheduler::new(limits(2, 2));
-        let a = s.acquire("h".into(), SessionId::new(), Priority::Background).await;
-        let b = s.acquire("h".into(), SessionId::new(), Priority::Background).await;
+        let a = s
+            .acquire("h".into(), SessionId::new(), Priority::Background)
+            .await;
+        let b = s
+            .acquire("h".into(), SessionId::new(), Priority::Background)
+            .await;
         assert_eq!(s.load("h"), Some((2, 2)));
         let late = SessionId::new();
         let call = SessionId::new();
         let s2 = s.clone();
-        let background = tokio::spawn(async move {
-            s2.acquire("h".into(), late, Priority::Background).await
-        });
+        let background =
+            tokio::spawn(async move { s2.acquire("h".into(), late, Priority::Background).await });
         tokio::task::yield_now().await;
         while s.place(late).is_none() {
             tokio::task::yield_now().await;
@@ -329,7 +338,11 @@ mod tests {
         assert_eq!(s.place(late), Some((2, 2)));
         drop(a);
         let granted = first.await.expect("call granted");
-        assert_eq!(s.place(late), Some((1, 1)), "the background one still waits");
+        assert_eq!(
+            s.place(late),
+            Some((1, 1)),
+            "the background one still waits"
+        );
         drop(b);
         let granted2 = background.await.expect("background granted");
         drop((granted, granted2));
@@ -339,7 +352,9 @@ mod tests {
     #[tokio::test]
     async fn promote_moves_a_waiter_ahead() {
         let s = LaunchScheduler::new(limits(1, 1));
-        let held = s.acquire("h".into(), SessionId::new(), Priority::Background).await;
+        let held = s
+            .acquire("h".into(), SessionId::new(), Priority::Background)
+            .await;
         let (x, y) = (SessionId::new(), SessionId::new());
         for id in [x, y] {
             let waiter = s.clone();
@@ -361,7 +376,9 @@ mod tests {
     #[tokio::test]
     async fn a_dropped_waiter_frees_its_place() {
         let s = LaunchScheduler::new(limits(1, 1));
-        let held = s.acquire("h".into(), SessionId::new(), Priority::Background).await;
+        let held = s
+            .acquire("h".into(), SessionId::new(), Priority::Background)
+            .await;
         let gone = SessionId::new();
         let waiting = {
             let s = s.clone();
@@ -381,19 +398,25 @@ mod tests {
     async fn the_limit_grows_with_fast_launches_and_halves_on_a_cut() {
         let s = LaunchScheduler::new(limits(2, 8));
         for _ in 0..20 {
-            let p = s.acquire("remote-a".into(), SessionId::new(), Priority::Background).await;
+            let p = s
+                .acquire("remote-a".into(), SessionId::new(), Priority::Background)
+                .await;
             p.finish(Ended::Up(Duration::from_millis(100)));
         }
         let (grown, _) = s.load("remote-a").expect("host");
         assert!(grown > 2, "grew to {grown}");
         assert!(grown <= 8, "within the ceiling: {grown}");
-        let p = s.acquire("remote-a".into(), SessionId::new(), Priority::Background).await;
+        let p = s
+            .acquire("remote-a".into(), SessionId::new(), Priority::Background)
+            .await;
         p.finish(Ended::Cut);
         let (cut, _) = s.load("remote-a").expect("host");
         assert!(cut <= grown / 2 + 1 && cut >= 1, "{grown} -> {cut}");
         // A launch far slower than the fastest halves it too.
         let before = s.load("remote-a").expect("host").0;
-        let p = s.acquire("remote-a".into(), SessionId::new(), Priority::Background).await;
+        let p = s
+            .acquire("remote-a".into(), SessionId::new(), Priority::Background)
+            .await;
         p.finish(Ended::Up(Duration::from_secs(5)));
         let after = s.load("remote-a").expect("host").0;
         assert!(after <= before.max(2) / 2 + 1, "{before} -> {after}");

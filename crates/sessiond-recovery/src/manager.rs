@@ -163,7 +163,7 @@ pub(crate) enum OpOutcome {
     /// Startup or background recovery ended with this label.
     Recovery(OutcomeLabel),
     /// An explicit resume ended with this status.
-    Resume(SessionStatus),
+    Resume(Box<SessionStatus>),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -104,11 +104,15 @@ impl AgentRecoveries {
     ) -> Option<AgentRecovery> {
         let e = lock(&self.entries).get(&session).cloned()?;
         let to_u32 = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        let place = place.filter(|_| e.stage == RecoveryStage::Queued);
+        // Queued but in no queue: its slot was just granted.
+        let stage = match (e.stage, place) {
+            (RecoveryStage::Queued, None) => RecoveryStage::Launching,
+            (stage, _) => stage,
+        };
         Some(AgentRecovery {
-            stage: e.stage,
-            place: place
-                .filter(|_| e.stage == RecoveryStage::Queued)
-                .map(|(p, n)| (to_u32(p), to_u32(n))),
+            stage,
+            place: place.map(|(p, n)| (to_u32(p), to_u32(n))),
             attempt: e.attempt,
             max_attempts,
             last_error: e.last_error,
@@ -132,11 +136,21 @@ mod tests {
         assert!(p.view(s, 5, None).is_none());
         p.enter(s, RecoveryStage::Queued);
         let v = p.view(s, 5, Some((3, 7))).expect("entry");
-        assert_eq!((v.stage, v.place, v.attempt), (RecoveryStage::Queued, Some((3, 7)), 1));
+        assert_eq!(
+            (v.stage, v.place, v.attempt),
+            (RecoveryStage::Queued, Some((3, 7)), 1)
+        );
         p.enter(s, RecoveryStage::Resuming);
         p.replayed(s, 12);
         let v = p.view(s, 5, Some((1, 1))).expect("entry");
         assert_eq!((v.place, v.replayed), (None, 12), "no place once launched");
+        p.enter(s, RecoveryStage::Queued);
+        let v = p.view(s, 5, None).expect("entry");
+        assert_eq!(
+            v.stage,
+            RecoveryStage::Launching,
+            "granted: no longer queued"
+        );
         p.retry_after(s, 1, "silent".into(), Duration::from_secs(60));
         assert_eq!(p.attempt(s), 2);
         let v = p.view(s, 5, None).expect("entry");

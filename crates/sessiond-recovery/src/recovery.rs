@@ -94,11 +94,7 @@ struct PendingWorkspaces {
 
 impl PendingWorkspaces {
     fn one_back(&self) {
-        if self
-            .left
-            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel)
-            == 1
-        {
+        if self.left.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
             (self.all_back)();
         }
     }
@@ -317,7 +313,10 @@ impl SessionManager {
                         }
                         let session = record.session_id;
                         let ticket = match slots.acquire_owned().await {
-                            Ok(slot) => PassTicket { _slot: slot, pending },
+                            Ok(slot) => PassTicket {
+                                _slot: slot,
+                                pending,
+                            },
                             Err(_) => unreachable!("the pass's semaphore is never closed"),
                         };
                         // A call on the session may have claimed it already:
@@ -381,7 +380,8 @@ impl SessionManager {
                 .push((session, result.map_err(|e| e.to_string())));
         }
         summary.duration = started.elapsed();
-        summary.workspaces_back = crate::manager::lock(&workspaces_back).unwrap_or(summary.duration);
+        summary.workspaces_back =
+            crate::manager::lock(&workspaces_back).unwrap_or(summary.duration);
         let counts = summary
             .counts
             .iter()
@@ -927,10 +927,8 @@ impl SessionManager {
                 // on to the reattaches behind this one.
                 let ticket = crate::manager::lock(&self.inner.pass_slots).remove(&sid);
                 drop(ticket);
-                let agent_up = matches!(
-                    run.agent_state,
-                    Some(AgentState::Ready | AgentState::Busy)
-                );
+                let agent_up =
+                    matches!(run.agent_state, Some(AgentState::Ready | AgentState::Busy));
                 self.inner
                     .agent_recoveries
                     .enter(sid, RecoveryStage::Queued);
@@ -959,8 +957,7 @@ impl SessionManager {
                     run.agent_state.take(),
                     no_turn_yet,
                 );
-                let (observation, ended) = match self.until_silent(&run.record, attempt).await
-                {
+                let (observation, ended) = match self.until_silent(&run.record, attempt).await {
                     Ok(Ok(resumed)) => {
                         if let Resumed::Replaced { token, reason } = resumed {
                             tracing::info!(session = %sid, reason = %reason,
@@ -1207,9 +1204,8 @@ impl SessionManager {
             };
             if let Some(turn) = &turn {
                 let why = format!("agentctl stopped answering during the turn ({reason})");
-                change =
-                    crate::pump::interrupt_turn(self, &session, turn, &why, change, &mut next)
-                        .await?;
+                change = crate::pump::interrupt_turn(self, &session, turn, &why, change, &mut next)
+                    .await?;
                 self.inner
                     .metrics
                     .turn_ended(sid, crate::metrics::TurnOutcome::Interrupted);
@@ -1441,9 +1437,10 @@ impl SessionManager {
             .session_error
             .as_ref()
             .or(outcome.executor_error.as_ref());
-        self.inner
-            .metrics
-            .recovery_outcome(outcome.label.as_str(), reason.filter(|_| !back).map(|f| f.code()));
+        self.inner.metrics.recovery_outcome(
+            outcome.label.as_str(),
+            reason.filter(|_| !back).map(|f| f.code()),
+        );
         match reason {
             Some(RecoveryFailure::Recovering { reason, .. }) if outcome.retry_in_background => {
                 tracing::warn!(session = %sid, executor_id = %record.id, attempt,

@@ -91,7 +91,12 @@ impl SessionManager {
         let (kind, fut) = self.single_flight(
             session,
             OpKind::Resume,
-            async move { me.resume_attempt(session).await.map(OpOutcome::Resume) }.boxed(),
+            async move {
+                me.resume_attempt(session)
+                    .await
+                    .map(|s| OpOutcome::Resume(Box::new(s)))
+            }
+            .boxed(),
         );
         let out = fut.await;
         match self.joined_answer(task, session, kind, out).await {
@@ -111,7 +116,7 @@ impl SessionManager {
         out: Result<OpOutcome>,
     ) -> Option<Result<SessionStatus>> {
         match (kind, out) {
-            (_, Ok(OpOutcome::Resume(status))) => Some(Ok(status)),
+            (_, Ok(OpOutcome::Resume(status))) => Some(Ok(*status)),
             (OpKind::Resume, Err(e)) => Some(Err(e)),
             (_, Ok(OpOutcome::Recovery(label))) => match label {
                 OutcomeLabel::Resumed | OutcomeLabel::Reattached => {

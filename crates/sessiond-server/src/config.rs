@@ -1543,10 +1543,16 @@ impl FileConfig {
             p.add("recovery.max_attempts", "must be between 1 and 100");
         }
         if r.launch_concurrency > 1024 {
-            p.add("recovery.launch_concurrency", "must be between 0 (the core count) and 1024");
+            p.add(
+                "recovery.launch_concurrency",
+                "must be between 0 (the core count) and 1024",
+            );
         }
         if r.launch_concurrency_max > 4096 {
-            p.add("recovery.launch_concurrency_max", "must be between 0 and 4096");
+            p.add(
+                "recovery.launch_concurrency_max",
+                "must be between 0 and 4096",
+            );
         } else if r.launch_concurrency_max != 0 && r.launch_concurrency_max < r.launch_concurrency {
             p.add(
                 "recovery.launch_concurrency_max",
