@@ -101,8 +101,10 @@ impl Cut {
 
 /// Runs `work` (a call the agent must answer) to its end, unless the agent
 /// shows no sign of life ([`Signs`]: a line written, CPU time used) for
-/// `silence`, or `cap` passes. A tick late because agentctl itself was
-/// starved cuts nothing: only two equal readings a whole `silence` apart do.
+/// `silence`, or `cap` passes. Only equal readings a whole `silence` apart
+/// cut, and a reading that comes late (agentctl itself got no CPU for half
+/// the limit: a host paused or overloaded) starts the count again rather
+/// than blame the agent for time nobody watched.
 pub async fn until_silent<F: Future>(
     signs: &Signs,
     silence: Duration,
@@ -110,10 +112,13 @@ pub async fn until_silent<F: Future>(
     work: F,
 ) -> Result<F::Output, Cut> {
     let started = Instant::now();
-    let mut ticks = tokio::time::interval((silence / 4).clamp(MIN_TICK, MAX_TICK));
+    let tick = (silence / 4).clamp(MIN_TICK, MAX_TICK);
+    let late = (silence / 2).max(tick * 2);
+    let mut ticks = tokio::time::interval(tick);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last = signs.sample();
     let mut quiet_since = Instant::now();
+    let mut last_tick = Instant::now();
     tokio::pin!(work);
     loop {
         tokio::select! {
@@ -121,7 +126,9 @@ pub async fn until_silent<F: Future>(
             out = &mut work => return Ok(out),
             _ = ticks.tick() => {
                 let now = signs.sample();
-                if now != last {
+                let was_late = last_tick.elapsed() > late;
+                last_tick = Instant::now();
+                if now != last || was_late {
                     last = now;
                     quiet_since = Instant::now();
                 } else if quiet_since.elapsed() >= silence {
