@@ -147,7 +147,7 @@ impl AgentCtlService for Fleet {
             supports_workspace_only: pb::Capability::Supported as i32,
             profile_claims_session_resume: true,
             agent_load_session: Some(true),
-            agent_resume_session: Some(true),
+            agent_resume_session: Some(false),
         }))
     }
 
@@ -196,7 +196,7 @@ impl AgentCtlService for Fleet {
         Ok(Response::new(pb::ResumeSessionResponse {
             resume_token: token,
             modes: None,
-            method: pb::ResumeMethod::Resume as i32,
+            method: pb::ResumeMethod::Load as i32,
             replayed: 0,
         }))
     }

@@ -376,13 +376,21 @@ impl Out {
                 "needs_resume": s.needs_resume, "resume_reason": resume_reason(s.resume_reason),
                 "worktree_path": s.worktree_path, "worktree_branch": s.worktree_branch,
                 "error_message": s.error_message, "recovering": s.recovering,
+                "agent_recovery": s.agent_recovery.as_ref().map(|r| json!({
+                    "stage": recovery_stage(r.stage), "queue_position": r.queue_position,
+                    "queue_length": r.queue_length, "attempt": r.attempt,
+                    "max_attempts": r.max_attempts, "last_error": r.last_error,
+                    "retry_in_ms": r.retry_in_ms, "replayed": r.replayed,
+                })),
                 "modes": s.modes.as_ref().map(modes_json),
                 "pending_permissions": s.pending_permissions.iter().map(permission_json).collect::<Vec<_>>(),
             }));
             return;
         }
         println!("session           {}", s.session_id);
-        if s.recovering {
+        if let Some(r) = &s.agent_recovery {
+            println!("recovering        {}", agent_recovery_line(r));
+        } else if s.recovering {
             // The fields below are from before the restart until then.
             println!("recovering        true (the backend is recovering this session)");
         }
@@ -680,6 +688,44 @@ impl Out {
             print!("{diff}");
         }
     }
+}
+
+fn recovery_stage(stage: i32) -> &'static str {
+    match pb::RecoveryStage::try_from(stage) {
+        Ok(pb::RecoveryStage::Queued) => "queued",
+        Ok(pb::RecoveryStage::Launching) => "launching",
+        Ok(pb::RecoveryStage::Resuming) => "resuming",
+        Ok(pb::RecoveryStage::WaitingToRetry) => "waiting_to_retry",
+        _ => "unknown",
+    }
+}
+
+/// One line of where an agent's recovery stands, e.g. `queued, 3 of 12
+/// waiting for a launch slot (attempt 1 of 5)`.
+fn agent_recovery_line(r: &pb::AgentRecovery) -> String {
+    let mut line = match pb::RecoveryStage::try_from(r.stage) {
+        Ok(pb::RecoveryStage::Queued) => format!(
+            "queued, {} of {} waiting for a launch slot",
+            r.queue_position, r.queue_length
+        ),
+        Ok(pb::RecoveryStage::Launching) => "launching the agent".to_owned(),
+        Ok(pb::RecoveryStage::Resuming) if r.replayed > 0 => {
+            format!(
+                "resuming the conversation ({} updates replayed)",
+                r.replayed
+            )
+        }
+        Ok(pb::RecoveryStage::Resuming) => "resuming the conversation".to_owned(),
+        Ok(pb::RecoveryStage::WaitingToRetry) => {
+            format!("retrying in {:.1} s", r.retry_in_ms as f64 / 1000.0)
+        }
+        _ => "in progress".to_owned(),
+    };
+    line.push_str(&format!(" (attempt {} of {})", r.attempt, r.max_attempts));
+    if !r.last_error.is_empty() {
+        line.push_str(&format!("; last attempt: {}", one_line(&r.last_error, 120)));
+    }
+    line
 }
 
 #[cfg(test)]

@@ -29,8 +29,8 @@ pub use states::{
     TaskState, UnknownValue,
 };
 pub use status::{
-    AgentProcessState, ExecutionView, ResumeReason, ResumeRefused, SessionStatus, check_resume,
-    retrying_message, session_status,
+    AgentProcessState, AgentRecovery, ExecutionView, RecoveryStage, ResumeReason, ResumeRefused,
+    SessionStatus, check_resume, retrying_message, session_status,
 };
 pub use transitions::{
     ExecutorEvent, IllegalExecutorTransition, IllegalSessionTransition, IllegalTaskTransition,

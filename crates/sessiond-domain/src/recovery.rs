@@ -214,8 +214,18 @@ pub enum Observation {
         /// Why.
         reason: String,
     },
-    /// This executor's recovery deadline passed during the last action.
+    /// The last action was cut: nothing showed progress for the silence
+    /// limit (agentctl not answering, the agent neither writing nor using
+    /// CPU), or the attempt's overall cap passed.
     DeadlineExceeded,
+    /// After [`Action::ResumeAgent`]: the attempt broke off for a reason
+    /// that can pass by itself (the agent exited while starting or loading,
+    /// agentctl stopped answering); another attempt may succeed. As opposed
+    /// to [`Observation::ResumeFailed`], the agent's own verdict.
+    ResumeInterrupted {
+        /// What happened.
+        reason: String,
+    },
 }
 
 /// What the orchestrator should do next.
@@ -310,7 +320,9 @@ pub enum OutcomeLabel {
     ResumeFailed,
     /// The executor could not be recovered; executor and session are ERROR.
     ExecutorError,
-    /// The remote host is unreachable; reconnecting in the background.
+    /// Not back yet for a reason that can pass by itself (a remote host
+    /// unreachable, the Docker engine down, an agent cut for silence):
+    /// retried in the background.
     Retrying,
     /// The session had ended; its executor was stopped.
     Stopped,
@@ -445,6 +457,35 @@ pub enum RecoveryFailure {
         /// What recovery was doing then (e.g. `checking agentctl health`).
         during: &'static str,
     },
+    /// `recovering`: an attempt broke off for a reason that can pass by
+    /// itself; the next one runs in the background.
+    #[error(
+        "attempt {attempt} of {max_attempts} broke off while {during} ({reason}); the session \
+         recovers by itself, retrying in the background"
+    )]
+    Recovering {
+        /// The attempt that broke off (1-based).
+        attempt: u32,
+        /// How many are made before the session goes ERROR.
+        max_attempts: u32,
+        /// What recovery was doing then.
+        during: &'static str,
+        /// Why it broke off.
+        reason: String,
+    },
+    /// `attempts_exhausted`: every attempt broke off; the last one's reason.
+    #[error(
+        "{attempts} attempts broke off, the last while {during} ({reason}); resume the session to \
+         try again"
+    )]
+    AttemptsExhausted {
+        /// How many attempts were made.
+        attempts: u32,
+        /// What the last attempt was doing when it broke off.
+        during: &'static str,
+        /// Why it broke off.
+        reason: String,
+    },
 }
 
 impl RecoveryFailure {
@@ -468,6 +509,8 @@ impl RecoveryFailure {
             }
             RecoveryFailure::StopFailed { .. } => "stop_failed",
             RecoveryFailure::DeadlineExceeded { .. } => "deadline_exceeded",
+            RecoveryFailure::Recovering { .. } => "recovering",
+            RecoveryFailure::AttemptsExhausted { .. } => "attempts_exhausted",
         }
     }
 
@@ -545,6 +588,13 @@ pub struct RecoveryInput {
     pub session_state: SessionState,
     /// Whether agents are resumed now or only on request.
     pub policy: ResumePolicy,
+    /// Which attempt this is (1-based): an attempt that breaks off for a
+    /// reason that can pass by itself is retried in the background while
+    /// `attempt < max_attempts`.
+    pub attempt: u32,
+    /// How many attempts are made before a session goes ERROR for a reason
+    /// that could have passed by itself. 1: no retry.
+    pub max_attempts: u32,
 }
 
 impl RecoveryInput {
@@ -576,7 +626,16 @@ impl RecoveryInput {
                 .or_else(|| non_empty(&record.resume_token)),
             session_state: session.state,
             policy,
+            attempt: 1,
+            max_attempts: 1,
         }
+    }
+
+    /// The same input for attempt `attempt` of `max_attempts`.
+    pub fn attempt(mut self, attempt: u32, max_attempts: u32) -> Self {
+        self.attempt = attempt.max(1);
+        self.max_attempts = max_attempts.max(1);
+        self
     }
 }
 
@@ -655,6 +714,8 @@ impl Phase {
 ///     resume_token: Some("conv-1".into()),
 ///     session_state: SessionState::WaitingForInput,
 ///     policy: ResumePolicy::Startup,
+///     attempt: 1,
+///     max_attempts: 1,
 /// };
 /// let mut recovery = Recovery::new(input);
 /// assert_eq!(recovery.start(), Action::HealthCheck);
@@ -778,13 +839,10 @@ impl Recovery {
                     retry_in_background,
                 },
             ) => self.unreachable(reason, retry_in_background),
-            (P::Resuming, O::DeadlineExceeded) => self.ready_done(
-                OutcomeLabel::ResumeFailed,
-                SessionEvent::Failed,
-                Some(RecoveryFailure::DeadlineExceeded {
-                    during: P::Resuming.describe(),
-                }),
+            (P::Resuming, O::DeadlineExceeded) => self.resume_broke_off(
+                "no sign of life from the agent within the silence limit".to_owned(),
             ),
+            (P::Resuming, O::ResumeInterrupted { reason }) => self.resume_broke_off(reason),
 
             // Our own agentctl did not answer Health in time: it is hung.
             (P::CheckingHealth, O::DeadlineExceeded) if self.checking_recorded => {
@@ -792,9 +850,24 @@ impl Recovery {
                 self.go(P::EndingHung, Action::EndAgentctl)
             }
             (phase, O::DeadlineExceeded) => {
-                self.executor_failed(RecoveryFailure::DeadlineExceeded {
-                    during: phase.describe(),
-                })
+                if self.retries_left() {
+                    self.retrying(RecoveryFailure::Recovering {
+                        attempt: self.input.attempt,
+                        max_attempts: self.input.max_attempts,
+                        during: phase.describe(),
+                        reason: "no answer within the silence limit".to_owned(),
+                    })
+                } else if self.input.max_attempts > 1 {
+                    self.executor_failed(RecoveryFailure::AttemptsExhausted {
+                        attempts: self.input.attempt,
+                        during: phase.describe(),
+                        reason: "no answer within the silence limit".to_owned(),
+                    })
+                } else {
+                    self.executor_failed(RecoveryFailure::DeadlineExceeded {
+                        during: phase.describe(),
+                    })
+                }
             }
 
             (P::CheckingWorktree, O::WorktreeMissing) => {
@@ -889,7 +962,17 @@ impl Recovery {
                 self.go(P::CheckingHealth, Action::HealthCheck)
             }
             (P::Launching | P::StartingContainer, O::ActionFailed { reason }) => {
-                self.executor_failed(RecoveryFailure::LaunchFailed { reason })
+                if self.retries_left() {
+                    let during = self.phase.describe();
+                    self.retrying(RecoveryFailure::Recovering {
+                        attempt: self.input.attempt,
+                        max_attempts: self.input.max_attempts,
+                        during,
+                        reason,
+                    })
+                } else {
+                    self.executor_failed(RecoveryFailure::LaunchFailed { reason })
+                }
             }
 
             (P::CheckingHealth, O::Healthy { agent }) => {
@@ -933,6 +1016,52 @@ impl Recovery {
             (_, observation) => return Err(self.unexpected(observation)),
         };
         Ok(action)
+    }
+
+    /// Another attempt may follow this one.
+    fn retries_left(&self) -> bool {
+        self.input.attempt < self.input.max_attempts
+    }
+
+    /// The agent's resume broke off for a reason that can pass by itself:
+    /// the workspace stays up and the session as it was while attempts
+    /// remain (retried in the background); then the session goes ERROR
+    /// naming the attempts and the last reason.
+    fn resume_broke_off(&mut self, reason: String) -> Action {
+        let during = Phase::Resuming.describe();
+        if self.retries_left() {
+            let failure = RecoveryFailure::Recovering {
+                attempt: self.input.attempt,
+                max_attempts: self.input.max_attempts,
+                during,
+                reason,
+            };
+            return self.done(RecoveryOutcome {
+                label: OutcomeLabel::Retrying,
+                executor_status: ExecutorStatus::Ready,
+                executor_error: Some(failure),
+                generation: self.generation,
+                session_state: self.input.session_state,
+                session_error: None,
+                workspace_enabled: true,
+                retry_in_background: true,
+                events: Vec::new(),
+            });
+        }
+        let failure = if self.input.max_attempts > 1 {
+            RecoveryFailure::AttemptsExhausted {
+                attempts: self.input.attempt,
+                during,
+                reason,
+            }
+        } else {
+            RecoveryFailure::DeadlineExceeded { during }
+        };
+        self.ready_done(
+            OutcomeLabel::ResumeFailed,
+            SessionEvent::Failed,
+            Some(failure),
+        )
     }
 
     /// Resume is possible as far as anyone said: the record, the profile and
@@ -1218,6 +1347,8 @@ mod tests {
             resume_token: Some("tok".into()),
             session_state,
             policy: ResumePolicy::Startup,
+            attempt: 1,
+            max_attempts: 1,
         }
     }
 
@@ -2198,6 +2329,154 @@ mod tests {
                  create a new session"
             )
         );
+    }
+
+    /// A deadline bounds silence, not work: what can pass by itself (the
+    /// agent cut for silence, its resume interrupted, agentctl's launch
+    /// failing or silent) is retried while attempts remain, with the
+    /// workspace kept when it is up and the session as it was; the last
+    /// attempt's failure is ERROR naming the attempts. Verdicts (the agent
+    /// refusing the conversation) are ERROR at the first attempt.
+    #[test]
+    fn what_can_pass_by_itself_is_retried_until_attempts_run_out() {
+        let resumed = || {
+            vec![
+                O::WorktreeExists,
+                O::ProcessGone,
+                O::Launched,
+                healthy(),
+                caps(true),
+                O::Applied,
+            ]
+        };
+        let standalone = |attempt, max| {
+            input(Runtime::LocalStandalone, S::WaitingForInput).attempt(attempt, max)
+        };
+        struct Case {
+            name: &'static str,
+            input: RecoveryInput,
+            last: Observation,
+            label: L,
+            session: S,
+            code: &'static str,
+            retry: bool,
+        }
+        let exited = || O::ResumeInterrupted {
+            reason: "the agent exited".into(),
+        };
+        let case = |name, input, last, label, session, code, retry| Case {
+            name,
+            input,
+            last,
+            label,
+            session,
+            code,
+            retry,
+        };
+        let cases = vec![
+            case(
+                "silence, attempts left",
+                standalone(1, 3),
+                O::DeadlineExceeded,
+                L::Retrying,
+                S::WaitingForInput,
+                "recovering",
+                true,
+            ),
+            case(
+                "interrupted, attempts left",
+                standalone(2, 3),
+                exited(),
+                L::Retrying,
+                S::WaitingForInput,
+                "recovering",
+                true,
+            ),
+            case(
+                "silence, last attempt",
+                standalone(3, 3),
+                O::DeadlineExceeded,
+                L::ResumeFailed,
+                S::Error,
+                "attempts_exhausted",
+                false,
+            ),
+            case(
+                "interrupted, last attempt",
+                standalone(3, 3),
+                exited(),
+                L::ResumeFailed,
+                S::Error,
+                "attempts_exhausted",
+                false,
+            ),
+            case(
+                "silence, no retries configured",
+                standalone(1, 1),
+                O::DeadlineExceeded,
+                L::ResumeFailed,
+                S::Error,
+                "deadline_exceeded",
+                false,
+            ),
+            case(
+                "a verdict is not retried",
+                standalone(1, 3),
+                O::ConversationLost {
+                    reason: "not found".into(),
+                },
+                L::ResumeFailed,
+                S::Error,
+                "resume_failed",
+                false,
+            ),
+        ];
+        for c in cases {
+            let name = c.name;
+            let mut observations = resumed();
+            observations.push(c.last);
+            let (_, outcome) = run(c.input, observations);
+            assert_eq!(outcome.label, c.label, "{name}");
+            assert_eq!(outcome.executor_status, ExecutorStatus::Ready, "{name}");
+            assert_eq!(outcome.session_state, c.session, "{name}");
+            assert_eq!(outcome.retry_in_background, c.retry, "{name}");
+            assert!(outcome.workspace_enabled, "{name}: the workspace stays up");
+            let message = outcome.error_message().unwrap_or_default();
+            assert!(
+                message.starts_with(&format!("{}:", c.code)),
+                "{name}: {message}"
+            );
+            if c.retry {
+                assert!(outcome.events.is_empty(), "{name}: nothing to announce");
+                assert!(outcome.session_error.is_none(), "{name}");
+            }
+        }
+        // agentctl's own launch: a failed spawn or a silent start is retried
+        // too (executor `error` meanwhile, session unchanged).
+        for (name, last) in [
+            (
+                "spawn failed",
+                O::ActionFailed {
+                    reason: "EAGAIN".into(),
+                },
+            ),
+            ("silent start", O::DeadlineExceeded),
+        ] {
+            let (_, outcome) = run(
+                standalone(1, 2),
+                vec![O::WorktreeExists, O::ProcessGone, last.clone()],
+            );
+            assert_eq!(outcome.label, L::Retrying, "{name}");
+            assert_eq!(outcome.executor_status, ExecutorStatus::Error, "{name}");
+            assert_eq!(outcome.session_state, S::WaitingForInput, "{name}");
+            assert!(outcome.retry_in_background, "{name}");
+            let (_, outcome) = run(
+                standalone(2, 2),
+                vec![O::WorktreeExists, O::ProcessGone, last],
+            );
+            assert_eq!(outcome.session_state, S::Error, "{name}: last attempt");
+            assert!(!outcome.retry_in_background, "{name}: last attempt");
+        }
     }
 
     #[test]

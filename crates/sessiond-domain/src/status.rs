@@ -60,15 +60,19 @@ impl ExecutionView {
 
 /// The error codes of an executor that is retried in the background rather
 /// than failed (see `RecoveryFailure::code`).
-const RETRIED_CODES: [&str; 2] = ["reconnecting:", "docker_unavailable:"];
+const RETRIED_CODES: [&str; 3] = ["reconnecting:", "docker_unavailable:", "recovering:"];
 
-/// The record's error when the executor is `error` but retried in the background.
+/// The record's error when the executor is retried in the background: `error`
+/// with a code of [`RETRIED_CODES`], or `ready` (workspace up) with
+/// `recovering:` while its agent's resume is retried.
 pub fn retrying_message(record: &ExecutorRecord) -> Option<String> {
     record
         .error_message
         .as_ref()
         .filter(|m| {
-            record.status == ExecutorStatus::Error && RETRIED_CODES.iter().any(|c| m.starts_with(c))
+            RETRIED_CODES.iter().any(|c| m.starts_with(c))
+                && (record.status == ExecutorStatus::Error
+                    || (record.status == ExecutorStatus::Ready && m.starts_with("recovering:")))
         })
         .cloned()
 }
@@ -181,9 +185,75 @@ pub struct SessionStatus {
     /// above are what was recorded before the restart, not yet checked
     /// against the world (see [`SessionStatus::recovering`]).
     pub recovering: bool,
+    /// Recovery is bringing the session's agent back (waiting for a launch
+    /// slot, launching, resuming, or waiting to retry): where it stands.
+    /// The executor's status is real meanwhile (READY: the workspace is up).
+    pub agent_recovery: Option<AgentRecovery>,
+}
+
+/// Where the relaunch of a session's agent stands while recovery brings it
+/// back by itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentRecovery {
+    /// What it does now.
+    pub stage: RecoveryStage,
+    /// While it waits for a launch slot: its 1-based place among the
+    /// launches waiting on its host, and how many wait there.
+    pub place: Option<(u32, u32)>,
+    /// The attempt under way or next (1-based).
+    pub attempt: u32,
+    /// How many attempts are made before the session goes ERROR.
+    pub max_attempts: u32,
+    /// Why the previous attempt broke off.
+    pub last_error: Option<String>,
+    /// While it waits to retry: how long until the next attempt.
+    pub retry_in: Option<std::time::Duration>,
+    /// History updates the agent replayed so far (a `session/load`).
+    pub replayed: u64,
+}
+
+/// A stage of [`AgentRecovery`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RecoveryStage {
+    /// Waiting for a launch slot on its host.
+    Queued,
+    /// The agent process is starting (`initialize`).
+    Launching,
+    /// The agent reopens the conversation (`session/resume` or `session/load`).
+    Resuming,
+    /// An attempt broke off; the next one starts after a delay.
+    WaitingToRetry,
+}
+
+impl RecoveryStage {
+    /// Its stable name (`queued`, `launching`, `resuming`, `waiting_to_retry`).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            RecoveryStage::Queued => "queued",
+            RecoveryStage::Launching => "launching",
+            RecoveryStage::Resuming => "resuming",
+            RecoveryStage::WaitingToRetry => "waiting_to_retry",
+        }
+    }
 }
 
 impl SessionStatus {
+    /// The status of a session whose agent recovery is bringing back
+    /// ([`AgentRecovery`]): recovering, not running, no resume needed; the
+    /// executor's status stays as it is (READY: the workspace is up). An
+    /// ended session keeps its reason.
+    #[must_use]
+    pub fn agent_recovering(mut self, progress: AgentRecovery) -> Self {
+        self.recovering = true;
+        self.is_agent_running = false;
+        if self.resume_reason != ResumeReason::SessionEnded {
+            self.resume_reason = ResumeReason::None;
+            self.needs_resume = false;
+        }
+        self.agent_recovery = Some(progress);
+        self
+    }
+
     /// The status of a session that startup recovery has not finished with
     /// yet. Whether its agent (or agentctl) survived is not known, so it is
     /// shown as being started: not running, no resume needed (recovery
@@ -307,6 +377,7 @@ pub fn session_status(
             .clone()
             .or_else(|| execution.and_then(|view| view.retrying.clone())),
         recovering: false,
+        agent_recovery: None,
     }
 }
 

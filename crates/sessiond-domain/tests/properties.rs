@@ -209,9 +209,20 @@ fn recovery_case() -> impl Strategy<Value = RecoveryCase> {
         prop_oneof![Just(ResumePolicy::Startup), Just(ResumePolicy::OnDemand)],
         proptest::option::of(any::<u32>()),
         proptest::collection::vec((any::<u8>(), proptest::bool::weighted(0.15)), 40),
+        (1u32..4, 1u32..4),
     )
         .prop_map(
-            |(runtime, session_state, record, profile, token, policy, pid, choices)| RecoveryCase {
+            |(
+                runtime,
+                session_state,
+                record,
+                profile,
+                token,
+                policy,
+                pid,
+                choices,
+                (attempt, max),
+            )| RecoveryCase {
                 input: RecoveryInput {
                     executor_id: ExecutorId::new(),
                     runtime,
@@ -226,6 +237,8 @@ fn recovery_case() -> impl Strategy<Value = RecoveryCase> {
                     resume_token: token.filter(|t| !t.is_empty()),
                     session_state,
                     policy,
+                    attempt,
+                    max_attempts: max,
                 },
                 choices,
             },
@@ -287,6 +300,7 @@ fn every_observation() -> Vec<Observation> {
         O::ResumeSucceeded,
         O::ResumeFailed { reason: failure() },
         O::ConversationLost { reason: failure() },
+        O::ResumeInterrupted { reason: failure() },
         O::ExecutorStopped,
         O::ActionFailed { reason: failure() },
         O::DeadlineExceeded,
@@ -356,6 +370,7 @@ fn fitting(action: &Action) -> Vec<Observation> {
                 O::ResumeSucceeded,
                 O::ResumeFailed { reason: failure() },
                 O::ConversationLost { reason: failure() },
+                O::ResumeInterrupted { reason: failure() },
             ]
         }
         Action::StopExecutor | Action::EndAgentctl => vec![O::ExecutorStopped],
@@ -472,10 +487,20 @@ proptest! {
         if outcome.workspace_enabled {
             prop_assert!(events.iter().any(|e| e.kind() == EventKind::AgentctlReady));
         }
+        // Retried in the background: an unreachable host or engine, or an
+        // attempt that broke off with attempts left; the session is kept.
         prop_assert!(
             !outcome.retry_in_background
                 || matches!(input.runtime, Runtime::Remote | Runtime::LocalDocker)
+                || input.attempt < input.max_attempts
         );
+        if outcome.retry_in_background {
+            prop_assert_eq!(to, initial);
+        }
+        if input.attempt < input.max_attempts {
+            let gave_up = outcome.error_message().is_some_and(|m| m.starts_with("attempts_exhausted:"));
+            prop_assert!(!gave_up, "gave up with attempts left");
+        }
 
         match outcome.label {
             OutcomeLabel::Resumed => {

@@ -306,6 +306,24 @@ pub struct Health {
     /// The session modes of the open conversation; `None` when the agent
     /// offers none or no conversation is open.
     pub modes: Option<pb::SessionModes>,
+    /// The agent's signs of life, for telling slow work from silence.
+    pub progress: AgentProgress,
+}
+
+/// Signs of life of an agent process as agentctl counts them (`Health`).
+/// Two readings that differ mean the agent did something in between: wrote
+/// a line, used CPU, or replayed history. All zero from an agentctl too old
+/// to count them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct AgentProgress {
+    /// Lines the agent wrote since it was launched (ACP messages, log lines).
+    pub activity: u64,
+    /// CPU time its process tree used, in milliseconds (0: unknown).
+    pub cpu_ms: u64,
+    /// A ResumeSession is in progress.
+    pub resuming: bool,
+    /// History updates replayed so far by a `session/load` in progress.
+    pub replayed: u64,
 }
 
 /// Whether a capability is available.
@@ -529,6 +547,12 @@ impl AgentctlClient {
             journaled: resp.journaled,
             journal_fresh: resp.journal_fresh,
             modes: resp.modes,
+            progress: AgentProgress {
+                activity: resp.agent_activity,
+                cpu_ms: resp.agent_cpu_ms,
+                resuming: resp.resuming,
+                replayed: resp.replayed,
+            },
         })
     }
 

@@ -44,7 +44,7 @@ use async_trait::async_trait;
 use sessiond_domain::{ExecutorId, ExecutorRecord, Runtime, SessionId, TaskId};
 
 pub use client::{
-    AgentState, AgentctlClient, BearerAuth, Capabilities, ClientConfig, Health,
+    AgentProgress, AgentState, AgentctlClient, BearerAuth, Capabilities, ClientConfig, Health,
     INSTANCE_ID_METADATA, LEASE_EPOCH_METADATA, MAX_MESSAGE_BYTES, RawClient, STALE_EPOCH, Support,
     TlsConfig, default_deadline, with_deadline,
 };

@@ -13,10 +13,26 @@ pub struct ManagerConfig {
     pub resume_policy: ResumePolicy,
     /// How many executors startup recovery works on at once.
     pub recovery_concurrency: usize,
-    /// Each executor's recovery must finish within this; past it the executor
-    /// (or its agent) is reported as failed, so one hung agentctl cannot hold
-    /// the others.
+    /// The silence limit of recovery. Each step of an executor's recovery
+    /// (a call to agentctl or to the runtime's driver) that does not answer
+    /// within it is cut, so one hung agentctl cannot hold the others; an
+    /// agent's launch and resume are cut only when agentctl's `Health` has
+    /// shown no sign of life of the agent (a line written, CPU used, history
+    /// replayed) for this long. A cut attempt is retried (`max_attempts`).
     pub executor_deadline: Duration,
+    /// An agent's launch and resume are cut after this long even while the
+    /// agent shows signs of life (a load that never ends).
+    pub resume_cap: Duration,
+    /// Attempts at an executor's recovery before its session goes ERROR for
+    /// a cause that can pass by itself (silence, an agent that exited while
+    /// loading, agentctl failing to start). Verdicts (not resumable, the
+    /// conversation lost, the container gone) are ERROR at once. 1: no retry.
+    pub max_attempts: u32,
+    /// Delays between those attempts (with jitter).
+    pub retry_backoff: Backoff,
+    /// How many agent launches (a new agent process and its resume) run at
+    /// once per host; reattaches are not limited by it.
+    pub launches: LaunchLimits,
     /// How long an unreachable remote host keeps being retried in the
     /// background, counted from when it was last seen.
     pub remote_retry_window: Duration,
@@ -50,6 +66,38 @@ pub struct ManagerConfig {
     pub replica: ReplicaSettings,
 }
 
+/// Admission of agent launches per host (see `launches.rs`): the limit
+/// starts at `initial` and adapts to measured launch times (additive
+/// increase while launches stay near the fastest seen and the host is not
+/// overloaded, halved when one is slow or cut), within `1..=max`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LaunchLimits {
+    /// The starting limit; 0: the number of CPU cores of this host.
+    pub initial: usize,
+    /// The most it grows to; 0: four times `initial`.
+    pub max: usize,
+}
+
+impl LaunchLimits {
+    /// The starting limit, `initial` or the core count.
+    pub fn start(&self) -> usize {
+        if self.initial > 0 {
+            self.initial
+        } else {
+            std::thread::available_parallelism().map_or(2, usize::from)
+        }
+    }
+
+    /// The ceiling, `max` or four times the starting limit.
+    pub fn ceiling(&self) -> usize {
+        if self.max > 0 {
+            self.max.max(self.start())
+        } else {
+            self.start() * 4
+        }
+    }
+}
+
 /// Who this replica is and how it holds executors (see `replicas.rs`).
 #[derive(Debug, Clone)]
 pub struct ReplicaSettings {
@@ -81,6 +129,13 @@ impl Default for ManagerConfig {
             resume_policy: ResumePolicy::Startup,
             recovery_concurrency: 64,
             executor_deadline: Duration::from_secs(5),
+            resume_cap: Duration::from_secs(15 * 60),
+            max_attempts: 5,
+            retry_backoff: Backoff {
+                initial: Duration::from_secs(1),
+                max: Duration::from_secs(60),
+            },
+            launches: LaunchLimits::default(),
             remote_retry_window: Duration::from_secs(15 * 60),
             remote_backoff: Backoff::default(),
             agent_initialize_timeout: Duration::from_secs(30),

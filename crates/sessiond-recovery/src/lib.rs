@@ -38,11 +38,13 @@
 mod config;
 mod error;
 mod events;
+mod launches;
 mod lifecycle;
 mod manager;
 mod metrics;
 mod ops;
 mod permission;
+mod progress;
 mod pump;
 mod queue;
 mod recovery;
@@ -50,7 +52,7 @@ mod replica;
 mod resume;
 mod sweep;
 
-pub use config::{ManagerConfig, ReplicaSettings};
+pub use config::{LaunchLimits, ManagerConfig, ReplicaSettings};
 pub use error::{Error, ErrorKind, Result};
 pub use events::{EventBus, EventStream};
 pub use lifecycle::{EndReason, NewSession, RemoteAgentctl};

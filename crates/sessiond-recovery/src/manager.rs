@@ -163,7 +163,7 @@ pub(crate) enum OpOutcome {
     /// Startup or background recovery ended with this label.
     Recovery(OutcomeLabel),
     /// An explicit resume ended with this status.
-    Resume(SessionStatus),
+    Resume(Box<SessionStatus>),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -217,6 +217,18 @@ pub(crate) struct Inner {
     pub started_at: chrono::DateTime<chrono::Utc>,
     /// Becomes true when the first `recover_all` of this manager finished.
     first_recovery: tokio::sync::watch::Sender<bool>,
+    /// Becomes true when the first pass has every workspace back (each
+    /// executor reattached, relaunched up to its agent's launch, or failed):
+    /// the backend serves from then on while agents still relaunch.
+    workspaces_back: tokio::sync::watch::Sender<bool>,
+    /// Admission of agent launches per host (`launches.rs`).
+    pub(crate) launches: crate::launches::LaunchScheduler,
+    /// Where each session's agent recovery stands (`progress.rs`).
+    pub(crate) agent_recoveries: crate::progress::AgentRecoveries,
+    /// The pass's slots held by its recoveries, by session: a recovery
+    /// gives its slot back when it starts waiting for a launch, so the
+    /// pass's concurrency goes on to reattaches (`recovery.rs`).
+    pub(crate) pass_slots: StdMutex<HashMap<SessionId, crate::recovery::PassTicket>>,
     /// Startup recovery's queue (`queue.rs`).
     pub(crate) queue: StdMutex<crate::queue::RecoveryQueue>,
     pub(crate) queue_phase: tokio::sync::watch::Sender<crate::queue::Phase>,
@@ -327,6 +339,7 @@ impl SessionManager {
         let drivers = drivers.into_iter().map(|d| (d.runtime(), d)).collect();
         let metrics = Arc::new(crate::metrics::ManagerMetrics::default());
         let bus = EventBus::with_metrics(config.event_buffer, metrics.watch.clone());
+        let launches = crate::launches::LaunchScheduler::new(config.launches);
         if !config.replica.exclusive {
             // Other replicas' watchers are woken by what we commit.
             store.announce_events_as(&config.replica.id);
@@ -355,6 +368,10 @@ impl SessionManager {
                 liveness_started: std::sync::atomic::AtomicBool::new(false),
                 started_at: chrono::Utc::now(),
                 first_recovery: tokio::sync::watch::Sender::new(false),
+                workspaces_back: tokio::sync::watch::Sender::new(false),
+                launches,
+                agent_recoveries: crate::progress::AgentRecoveries::default(),
+                pass_slots: StdMutex::default(),
                 queue: StdMutex::default(),
                 queue_phase: tokio::sync::watch::Sender::new(crate::queue::Phase::Idle),
                 calls_recovering: tokio::sync::watch::Sender::new(0),
@@ -467,6 +484,16 @@ impl SessionManager {
         };
         let view = cached.or(snap.record);
         let status = sessiond_domain::session_status(s, view.as_ref(), snap.profile_claim);
+        if !elsewhere
+            && let Some(progress) = self.inner.agent_recoveries.view(
+                session,
+                self.inner.config.max_attempts,
+                self.inner.launches.place(session),
+            )
+            && !s.state.is_terminal()
+        {
+            return Ok(status.agent_recovering(progress));
+        }
         let recovering = if loading {
             self.recovering_while_loading(session, view.as_ref())
         } else {
@@ -883,7 +910,27 @@ impl SessionManager {
 
     /// Records that a startup recovery pass has finished.
     pub(crate) fn mark_first_recovery_done(&self) {
+        self.inner.workspaces_back.send_replace(true);
         self.inner.first_recovery.send_replace(true);
+    }
+
+    /// Records that the first pass has every workspace back.
+    pub(crate) fn mark_workspaces_back(&self) {
+        self.inner.workspaces_back.send_replace(true);
+    }
+
+    /// Whether the first startup recovery pass has every executor's
+    /// workspace back (reattached, relaunched up to the agent, or failed):
+    /// what health reports SERVING on. Agents may still be relaunching;
+    /// their sessions show `recovering` with their progress.
+    pub fn workspaces_recovered(&self) -> bool {
+        *self.inner.workspaces_back.borrow()
+    }
+
+    /// Waits until [`Self::workspaces_recovered`].
+    pub async fn wait_workspaces_recovered(&self) {
+        let mut rx = self.inner.workspaces_back.subscribe();
+        let _ = rx.wait_for(|done| *done).await;
     }
 
     /// Whether a startup recovery pass of this manager has finished.

@@ -131,6 +131,14 @@ struct LaunchLabels {
     outcome: &'static str,
 }
 
+/// An executor recovery's outcome (`OutcomeLabel`) and, when the session is
+/// not back, the failure's code (`RecoveryFailure::code`; `none` otherwise).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RecoveryLabels {
+    outcome: &'static str,
+    reason: &'static str,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ScopeLabels {
     scope: &'static str,
@@ -155,6 +163,7 @@ pub struct ManagerMetrics {
     resumes: Family<OutcomeLabels, Counter>,
     launches: Family<LaunchLabels, Counter>,
     reconnects: Family<OutcomeLabels, Counter>,
+    recoveries: Family<RecoveryLabels, Counter>,
     fenced: Family<ByLabels, Counter>,
     pub(crate) watch: WatchMetrics,
     clocks: Mutex<HashMap<SessionId, TurnClock>>,
@@ -197,6 +206,7 @@ impl Default for ManagerMetrics {
             resumes: Family::default(),
             launches: Family::default(),
             reconnects: Family::default(),
+            recoveries: Family::default(),
             fenced: Family::default(),
             watch: WatchMetrics::default(),
             clocks: Mutex::default(),
@@ -297,6 +307,13 @@ impl ManagerMetrics {
             self.reconnects.clone(),
         );
         registry.register(
+            "sessiond_recovery_outcomes",
+            "Executor recoveries (startup, background retries, reconnects), by outcome (resumed, \
+             reattached, retrying, resume_failed, ...) and, when the session is not back, the \
+             reason's code (recovering, attempts_exhausted, not_resumable, ...; none otherwise)",
+            self.recoveries.clone(),
+        );
+        registry.register(
             "sessiond_watch_streams",
             "WatchSession / WatchTask streams open, by scope",
             self.watch.streams.clone(),
@@ -306,6 +323,17 @@ impl ManagerMetrics {
             "Events committed to the outbox but not yet delivered, summed over open watch streams",
             self.watch.lag.clone(),
         );
+    }
+
+    /// An executor's recovery ended with `outcome`; `reason` is the
+    /// failure's code when the session is not back.
+    pub(crate) fn recovery_outcome(&self, outcome: &'static str, reason: Option<&'static str>) {
+        self.recoveries
+            .get_or_create(&RecoveryLabels {
+                outcome,
+                reason: reason.unwrap_or("none"),
+            })
+            .inc();
     }
 
     /// The Prompt of a turn was accepted by agentctl.

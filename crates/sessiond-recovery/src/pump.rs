@@ -41,9 +41,9 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use sessiond_domain::{
-    AgentProcessState, EventPayload, ExecutorEvent, ExecutorRecord, ExecutorStatus, Message,
-    MessageId, MessageKind, MessageRole, Runtime, Session, SessionEvent, SessionId, SessionState,
-    TaskEvent, TaskId,
+    AgentProcessState, EventPayload, ExecutorRecord, ExecutorStatus, Message, MessageId,
+    MessageKind, MessageRole, Runtime, Session, SessionEvent, SessionId, SessionState, TaskEvent,
+    TaskId,
 };
 use sessiond_executor::{AgentState, AgentctlClient};
 use sessiond_proto::agentctl::v1::{self as pb, agent_update::Kind};
@@ -51,7 +51,7 @@ use sessiond_store::Changeset;
 
 use crate::{
     error::Result,
-    manager::{SessionManager, executor_moved, lock, transition},
+    manager::{SessionManager, lock, transition},
     ops::agent_process,
 };
 
@@ -1251,9 +1251,11 @@ impl Pump {
         Ok(())
     }
 
-    /// agentctl stopped answering: executor `error`, a live session ERROR.
+    /// agentctl stopped answering: recovered in the background (see
+    /// `SessionManager::agentctl_lost_change`).
     async fn agentctl_lost(&mut self, reason: &str) {
         let mut reconnect = None;
+        let mut retried = None;
         let result: Result<()> = async {
             // What was streamed is kept, not completed: the turn ends
             // interrupted below (its end is unknown).
@@ -1281,34 +1283,9 @@ impl Pump {
                 reconnect = Some(record);
                 return Ok(());
             }
-            let message = self.mgr.lost_agentctl_message(&record, reason).await;
-            let mut failed = executor_moved(&record, ExecutorEvent::Failed)?;
-            failed.error_message = Some(message.clone());
-            let mut change = Changeset::new().update_executor(failed).event(
-                self.session_id,
-                EventPayload::AgentctlError {
-                    executor_id: record.id,
-                    error_message: message.clone(),
-                },
-            );
-            let session = self.mgr.inner.store.get_session(self.session_id).await?;
-            if !session.state.is_terminal() && session.state != SessionState::Error {
-                let (mut s, ev) = transition(&session, SessionEvent::Failed, Some(message))?;
-                if let Some(turn) = pending_turn(&session) {
-                    self.mgr
-                        .inner
-                        .metrics
-                        .turn_ended(self.session_id, crate::metrics::TurnOutcome::Interrupted);
-                    let why = format!("agentctl stopped answering during the turn ({reason})");
-                    change =
-                        interrupt_turn(&self.mgr, &session, &turn, &why, change, &mut s).await?;
-                }
-                change = change.update_session(s);
-                if let Some(ev) = ev {
-                    change = change.event(self.session_id, ev);
-                }
-            }
-            self.mgr.commit(change).await?;
+            let (change, retry) = self.mgr.agentctl_lost_change(&record, reason).await?;
+            let committed = self.mgr.commit(change).await?;
+            retried = retry.map(|failed| committed.executor.unwrap_or(failed));
             self.mgr
                 .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
             Ok(())
@@ -1321,6 +1298,9 @@ impl Pump {
         let _ = lock(&self.mgr.inner.pumps).remove(&self.session_id);
         if let Some(record) = reconnect {
             self.mgr.spawn_reconnect(record);
+        }
+        if let Some(record) = retried {
+            self.mgr.spawn_retry(record, 0, reason.to_owned());
         }
     }
 }

@@ -165,6 +165,8 @@ impl SessionManager {
         let mut ahead = None;
         if let Some(Claim::Started(fut) | Claim::Joined(fut)) = claim {
             ahead = Some(self.call_recovery_started());
+            // A caller waits on it now: its agent's launch goes first.
+            self.inner.launches.promote(session);
             if let Err(e) = fut.await {
                 tracing::debug!(%session, error = %e, "prioritised recovery failed");
             }

@@ -25,8 +25,8 @@ use futures::{FutureExt, StreamExt};
 use sessiond_domain::{
     Action, AgentProcessState, AgentProfile, EventPayload, ExecutorEvent, ExecutorId,
     ExecutorRecord, ExecutorStatus, Observation, OutcomeLabel, Recovery, RecoveryFailure,
-    RecoveryInput, RecoveryOutcome, Runtime, Session, SessionId, SessionState, SurvivingAgent,
-    TaskEvent,
+    RecoveryInput, RecoveryOutcome, RecoveryStage, Runtime, Session, SessionId, SessionState,
+    SurvivingAgent, TaskEvent,
 };
 use sessiond_executor::{AgentState, ExecutorHandle, Probe};
 use sessiond_proto::agentctl::v1 as pb;
@@ -34,6 +34,7 @@ use sessiond_store::{Changeset, Heartbeat, Store, Yield};
 
 use crate::{
     error::{Error, Result},
+    launches::{Ended, Priority, host_of},
     manager::{OpKind, OpOutcome, SessionManager, executor_moved},
     ops::{Resumed, load_refused, probe_verdict, surviving_agent},
     pump::{pending_turn, turn_in_flight},
@@ -66,6 +67,39 @@ const DOCKER_UNAVAILABLE: &str = "docker_unavailable:";
 /// The prefix of [`RecoveryFailure::RuntimeNotRegistered`]'s message.
 const RUNTIME_NOT_REGISTERED: &str = "runtime_not_registered:";
 
+/// The error code (message prefix) of an executor whose recovery broke off
+/// for a reason that can pass by itself, retried in the background.
+const RECOVERING: &str = "recovering:";
+
+/// A pass recovery's hold on the pass: one of its `concurrency` slots and
+/// its share of the workspaces not back yet. Dropped (both given back) when
+/// the recovery starts waiting for an agent launch, or when it ends.
+pub(crate) struct PassTicket {
+    _slot: tokio::sync::OwnedSemaphorePermit,
+    pending: Arc<PendingWorkspaces>,
+}
+
+impl Drop for PassTicket {
+    fn drop(&mut self) {
+        self.pending.one_back();
+    }
+}
+
+/// How many of the pass's executors do not have their workspace back yet;
+/// the last one back runs `all_back`.
+struct PendingWorkspaces {
+    left: std::sync::atomic::AtomicUsize,
+    all_back: Box<dyn Fn() + Send + Sync>,
+}
+
+impl PendingWorkspaces {
+    fn one_back(&self) {
+        if self.left.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            (self.all_back)();
+        }
+    }
+}
+
 /// What startup recovery did.
 #[derive(Debug, Clone, Default)]
 pub struct RecoverySummary {
@@ -76,6 +110,13 @@ pub struct RecoverySummary {
     /// Executors whose recovery failed on something other than the executor
     /// (the database, a bug); their records are unchanged.
     pub failed: usize,
+    /// Sessions the pass left without their agent back, each logged as a
+    /// WARN line with its reason: in ERROR (not resumable, no token, the
+    /// resume or the executor failed) or still retried in the background.
+    pub not_back: usize,
+    /// Time until every workspace was back (what SERVING waits for);
+    /// agents may have relaunched after it, until `duration`.
+    pub workspaces_back: Duration,
     /// Each session and how its recovery ended.
     pub outcomes: Vec<(SessionId, Result<OutcomeLabel, String>)>,
     /// Wall time of the pass.
@@ -218,11 +259,36 @@ impl SessionManager {
         let gate = self.pass_gate();
         let concurrency = self.inner.config.recovery_concurrency.max(1);
         let ramp_from = tokio::time::Instant::now();
+        // The pass's concurrency bounds reattaches and the steps up to an
+        // agent's launch; a recovery waiting for a launch slot (or running
+        // its launch) gives its pass slot back (see `PassTicket`).
+        let slots = Arc::new(tokio::sync::Semaphore::new(concurrency));
+        let workspaces_back = Arc::new(std::sync::Mutex::new(None::<Duration>));
+        let pending = Arc::new(PendingWorkspaces {
+            left: std::sync::atomic::AtomicUsize::new(total),
+            all_back: Box::new({
+                let me = self.clone();
+                let at = workspaces_back.clone();
+                move || {
+                    *crate::manager::lock(&at) = Some(started.elapsed());
+                    tracing::info!(
+                        took_ms = crate::lifecycle::ms(started.elapsed()),
+                        "startup recovery: every workspace is back; serving while agents relaunch"
+                    );
+                    me.mark_workspaces_back();
+                }
+            }),
+        });
+        if total == 0 {
+            self.mark_workspaces_back();
+        }
         let passed: Vec<(SessionId, PassResult)> = futures::stream::iter(records)
             .enumerate()
             .map(|(i, record)| {
                 let me = self.clone();
                 let gate = gate.clone();
+                let slots = slots.clone();
+                let pending = pending.clone();
                 // Only the first `concurrency` wait: later ones start when a
                 // slot frees, by which time the ramp is over.
                 let start_at = (i < concurrency).then(|| {
@@ -246,13 +312,27 @@ impl SessionManager {
                             gate().await;
                         }
                         let session = record.session_id;
+                        let ticket = match slots.acquire_owned().await {
+                            Ok(slot) => PassTicket {
+                                _slot: slot,
+                                pending,
+                            },
+                            Err(_) => unreachable!("the pass's semaphore is never closed"),
+                        };
                         // A call on the session may have claimed it already:
                         // its outcome is counted once the pass is through.
-                        let result = match queued.then(|| me.claim(session, Lane::Pass)).flatten() {
-                            Some(Claim::Joined(fut)) => return (session, PassResult::Claimed(fut)),
+                        let claim = queued.then(|| me.claim(session, Lane::Pass)).flatten();
+                        if let Some(Claim::Joined(fut)) = claim {
+                            drop(ticket);
+                            return (session, PassResult::Claimed(fut));
+                        }
+                        crate::manager::lock(&me.inner.pass_slots).insert(session, ticket);
+                        let result = match claim {
                             Some(Claim::Started(fut)) => fut.await,
-                            None => me.recover_shared(record).await,
+                            _ => me.recover_shared(record).await,
                         };
+                        let ticket = crate::manager::lock(&me.inner.pass_slots).remove(&session);
+                        drop(ticket);
                         let outcome = match &result {
                             Ok(label) => label.as_str(),
                             Err(_) => "failed",
@@ -263,7 +343,7 @@ impl SessionManager {
                     span,
                 )
             })
-            .buffer_unordered(concurrency)
+            .buffer_unordered(total.max(1))
             .collect()
             .await;
         let mut results = Vec::with_capacity(passed.len());
@@ -284,7 +364,12 @@ impl SessionManager {
         };
         for (session, result) in results {
             match result {
-                Ok(label) => *summary.counts.entry(label.as_str()).or_default() += 1,
+                Ok(label) => {
+                    *summary.counts.entry(label.as_str()).or_default() += 1;
+                    if !agent_back_or_left_alone(label) {
+                        summary.not_back += 1;
+                    }
+                }
                 Err(ref e) => {
                     summary.failed += 1;
                     tracing::error!(%session, error = %e, "recovery of session failed");
@@ -295,23 +380,40 @@ impl SessionManager {
                 .push((session, result.map_err(|e| e.to_string())));
         }
         summary.duration = started.elapsed();
+        summary.workspaces_back =
+            crate::manager::lock(&workspaces_back).unwrap_or(summary.duration);
         let counts = summary
             .counts
             .iter()
             .map(|(k, v)| format!("{k}={v}"))
             .collect::<Vec<_>>()
             .join(" ");
-        tracing::info!(
-            total = summary.total,
-            failed = summary.failed,
-            duration_ms = summary.duration.as_millis() as u64,
-            "startup recovery done: {}",
-            if counts.is_empty() {
-                "nothing to recover".to_owned()
-            } else {
-                counts
-            }
-        );
+        let summary_line = if counts.is_empty() {
+            "nothing to recover".to_owned()
+        } else {
+            counts
+        };
+        if summary.failed + summary.not_back > 0 {
+            // Each of them had its WARN line with the reason (`finish`).
+            tracing::warn!(
+                total = summary.total,
+                failed = summary.failed + summary.not_back,
+                not_back = summary.not_back,
+                errors = summary.failed,
+                workspaces_back_ms = summary.workspaces_back.as_millis() as u64,
+                duration_ms = summary.duration.as_millis() as u64,
+                "startup recovery done, {} session(s) not back: {summary_line}",
+                summary.failed + summary.not_back,
+            );
+        } else {
+            tracing::info!(
+                total = summary.total,
+                failed = 0,
+                workspaces_back_ms = summary.workspaces_back.as_millis() as u64,
+                duration_ms = summary.duration.as_millis() as u64,
+                "startup recovery done: {summary_line}"
+            );
+        }
         self.settle_stale_turns().await;
         self.mark_first_recovery_done();
         self.start_liveness_checks();
@@ -522,6 +624,10 @@ impl SessionManager {
             &session,
             profile.supports_session_resume,
             self.inner.config.resume_policy,
+        )
+        .attempt(
+            self.inner.agent_recoveries.attempt(session.id),
+            self.inner.config.max_attempts,
         );
         let retry = record.runtime == Runtime::Remote
             && window_open(
@@ -531,7 +637,7 @@ impl SessionManager {
                 self.inner.started_at,
             );
         let mut machine = Recovery::new(input);
-        let mut deadline = Instant::now() + self.inner.config.executor_deadline;
+        let mut deadline;
         let mut run = Run {
             started_as: record.status,
             record,
@@ -545,27 +651,35 @@ impl SessionManager {
             replaced: None,
         };
         let mut action = machine.start();
+        // A call waits on this recovery (its own, or a pass recovery it
+        // joined, which no longer yields): its agent's launch goes first.
+        let priority = || {
+            let joined = lane == Lane::Pass && yielding.as_ref().is_some_and(|y| !y.is_yielding());
+            if call || joined {
+                Priority::Call
+            } else {
+                Priority::Background
+            }
+        };
         loop {
             if pauses() {
-                // Paused while a call's recovery runs: that time is not
-                // this executor's.
-                deadline += self.yield_to_calls().await;
+                self.yield_to_calls().await;
             }
+            // A deadline bounds silence: each step has the whole limit to
+            // answer (an agent's launch and resume are watched for signs
+            // of life instead: `until_silent`).
+            deadline = Instant::now() + self.inner.config.executor_deadline;
             let observation = match action {
                 Action::Done(outcome) => {
                     let label = outcome.label;
-                    self.finish(run, outcome).await?;
+                    let attempt = machine.input().attempt;
+                    self.finish(run, outcome, attempt).await?;
                     return Ok(label);
                 }
-                Action::EndAgentctl => {
-                    let seen = self.perform(&mut run, Action::EndAgentctl, deadline, retry);
-                    let seen = seen.await?;
-                    // The hung agentctl used up this executor's time; the
-                    // relaunch gets a deadline of its own.
-                    deadline = Instant::now() + self.inner.config.executor_deadline;
-                    seen
+                action => {
+                    self.perform(&mut run, action, deadline, retry, priority())
+                        .await?
                 }
-                action => self.perform(&mut run, action, deadline, retry).await?,
             };
             if call {
                 tracing::debug!(
@@ -588,6 +702,7 @@ impl SessionManager {
         action: Action,
         deadline: Instant,
         retry_in_background: bool,
+        priority: Priority,
     ) -> Result<Observation> {
         let remaining = deadline.saturating_duration_since(Instant::now());
         let timed_out = remaining.is_zero();
@@ -807,10 +922,32 @@ impl SessionManager {
                 Observation::Applied
             }
             Action::ResumeAgent { resume_token } => {
-                if timed_out {
-                    return Ok(Observation::DeadlineExceeded);
-                }
                 let sid = run.session.id;
+                // Waiting for a launch is not the pass's work: its slot goes
+                // on to the reattaches behind this one.
+                let ticket = crate::manager::lock(&self.inner.pass_slots).remove(&sid);
+                drop(ticket);
+                let agent_up =
+                    matches!(run.agent_state, Some(AgentState::Ready | AgentState::Busy));
+                self.inner
+                    .agent_recoveries
+                    .enter(sid, RecoveryStage::Queued);
+                // A new agent process waits for a launch slot of its host;
+                // an agent that survived only reopens its conversation.
+                let permit = if agent_up {
+                    None
+                } else {
+                    Some(
+                        self.inner
+                            .launches
+                            .acquire(host_of(&run.record), sid, priority)
+                            .await,
+                    )
+                };
+                let began = Instant::now();
+                self.inner
+                    .agent_recoveries
+                    .enter(sid, RecoveryStage::Launching);
                 self.cache_update(sid, |e| e.agent = AgentProcessState::Starting);
                 let no_turn_yet = self.no_turn_yet(&run.session).await?;
                 let attempt = self.resume_agent_seen(
@@ -820,20 +957,21 @@ impl SessionManager {
                     run.agent_state.take(),
                     no_turn_yet,
                 );
-                match tokio::time::timeout(remaining, attempt).await {
-                    Ok(Ok(Resumed::Loaded)) => Observation::ResumeSucceeded,
-                    Ok(Ok(Resumed::Replaced { token, reason })) => {
-                        tracing::info!(session = %sid, reason = %reason,
-                            "recovery: the agent had not kept the unprompted conversation; a new one replaces it");
-                        run.session.resume_token = Some(token.clone());
-                        run.record.resume_token = Some(token.clone());
-                        run.adopted_token = true;
-                        run.replaced = Some(EventPayload::ConversationReplaced {
-                            previous_resume_token: resume_token,
-                            resume_token: token,
-                            reason,
-                        });
-                        Observation::ResumeSucceeded
+                let (observation, ended) = match self.until_silent(&run.record, attempt).await {
+                    Ok(Ok(resumed)) => {
+                        if let Resumed::Replaced { token, reason } = resumed {
+                            tracing::info!(session = %sid, reason = %reason,
+                                "recovery: the agent had not kept the unprompted conversation; a new one replaces it");
+                            run.session.resume_token = Some(token.clone());
+                            run.record.resume_token = Some(token.clone());
+                            run.adopted_token = true;
+                            run.replaced = Some(EventPayload::ConversationReplaced {
+                                previous_resume_token: resume_token,
+                                resume_token: token,
+                                reason,
+                            });
+                        }
+                        (Observation::ResumeSucceeded, Ended::Up(began.elapsed()))
                     }
                     Ok(Err(e)) => {
                         // The remote host went away after its Health: the
@@ -848,16 +986,17 @@ impl SessionManager {
                         self.stop_agent_quietly(&run.record).await;
                         self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
                         if load_refused(&e) {
-                            Observation::ConversationLost {
-                                reason: e.to_string(),
-                            }
+                            let reason = e.to_string();
+                            (Observation::ConversationLost { reason }, Ended::Neutral)
+                        } else if passes_by_itself(&e) {
+                            let reason = e.to_string();
+                            (Observation::ResumeInterrupted { reason }, Ended::Cut)
                         } else {
-                            Observation::ResumeFailed {
-                                reason: e.to_string(),
-                            }
+                            let reason = e.to_string();
+                            (Observation::ResumeFailed { reason }, Ended::Neutral)
                         }
                     }
-                    Err(_) => {
+                    Err(silence) => {
                         self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
                         if let Some(reason) = self.remote_host_gone(&run.record, None).await {
                             return Ok(Observation::HostUnreachable {
@@ -865,10 +1004,20 @@ impl SessionManager {
                                 retry_in_background,
                             });
                         }
+                        tracing::warn!(session = %sid, executor_id = %run.record.id,
+                            took_ms = crate::lifecycle::ms(began.elapsed()), %silence,
+                            "recovery: the agent's launch or resume was cut");
                         self.stop_agent_quietly(&run.record).await;
-                        Observation::DeadlineExceeded
+                        (
+                            Observation::ResumeInterrupted { reason: silence },
+                            Ended::Cut,
+                        )
                     }
+                };
+                if let Some(permit) = permit {
+                    permit.finish(ended);
                 }
+                observation
             }
             Action::StopExecutor => {
                 let driver = self.driver(run.record.runtime)?;
@@ -1002,6 +1151,82 @@ impl SessionManager {
         format!("agentctl stopped answering ({reason}); resume the session to try again")
     }
 
+    /// agentctl of `record` (a `ready` executor) stopped answering
+    /// (`reason`): what to commit, and the executor record to retry when it
+    /// can pass by itself. The caller holds the session lock.
+    ///
+    /// A condition that passes by itself must not end in ERROR: the
+    /// executor goes `error` with the `recovering` code and the session
+    /// keeps its state, a turn in flight ending interrupted (RUNNING goes
+    /// to WAITING_FOR_INPUT); the caller then spawns the retry, which runs
+    /// recovery (a stopped container is started, a dead agentctl
+    /// relaunched, the agent resumed). Only a container gone for good is
+    /// a verdict: executor `error` and the session ERROR, as before.
+    pub(crate) async fn agentctl_lost_change(
+        &self,
+        record: &ExecutorRecord,
+        reason: &str,
+    ) -> Result<(Changeset, Option<ExecutorRecord>)> {
+        let sid = record.session_id;
+        let verdict = self.lost_agentctl_message(record, reason).await;
+        let gone = verdict.starts_with(RecoveryFailure::ContainerMissing.code());
+        let message = if gone {
+            verdict
+        } else {
+            lost_agentctl_recovering(reason)
+        };
+        let mut failed = executor_moved(record, ExecutorEvent::Failed)?;
+        failed.error_message = Some(message.clone());
+        let mut change = Changeset::new().update_executor(failed.clone()).event(
+            sid,
+            EventPayload::AgentctlError {
+                executor_id: record.id,
+                error_message: message.clone(),
+            },
+        );
+        let session = self.inner.store.get_session(sid).await?;
+        if !session.state.is_terminal() && session.state != SessionState::Error {
+            let turn = pending_turn(&session);
+            let (mut next, event) = if gone {
+                crate::manager::transition(
+                    &session,
+                    sessiond_domain::SessionEvent::Failed,
+                    Some(message),
+                )?
+            } else if session.state == SessionState::Running && turn.is_some() {
+                crate::manager::transition(
+                    &session,
+                    sessiond_domain::SessionEvent::TurnEnded,
+                    None,
+                )?
+            } else {
+                (session.clone(), None)
+            };
+            if let Some(turn) = &turn {
+                let why = format!("agentctl stopped answering during the turn ({reason})");
+                change = crate::pump::interrupt_turn(self, &session, turn, &why, change, &mut next)
+                    .await?;
+                self.inner
+                    .metrics
+                    .turn_ended(sid, crate::metrics::TurnOutcome::Interrupted);
+            }
+            if turn.is_some() || event.is_some() {
+                change = change.update_session(next);
+            }
+            if let Some(event) = event {
+                change = change.event(sid, event);
+            }
+        }
+        if gone {
+            tracing::warn!(session = %sid, executor_id = %record.id, %reason,
+                "agentctl stopped answering and its container is gone: the session is ERROR");
+        } else {
+            tracing::warn!(session = %sid, executor_id = %record.id, %reason,
+                "agentctl stopped answering: recovering the session in the background");
+        }
+        Ok((change, (!gone).then_some(failed)))
+    }
+
     /// The launch intent: executor `starting` with the new generation and
     /// its `agentctl_starting` event, in one transaction, before any spawn.
     async fn write_intent(
@@ -1103,7 +1328,7 @@ impl SessionManager {
     /// turn's `TurnEnded` (or the pump settling the turn, which re-delivers
     /// a prompt that never reached the agent) moves it on. So the next user
     /// message can never be stored before the reply to this one.
-    async fn finish(&self, run: Run, mut outcome: RecoveryOutcome) -> Result<()> {
+    async fn finish(&self, run: Run, mut outcome: RecoveryOutcome, attempt: u32) -> Result<()> {
         let sid = run.session.id;
         let agent_back = matches!(
             outcome.label,
@@ -1207,8 +1432,38 @@ impl SessionManager {
                 }
             }
         }
-        if outcome.retry_in_background {
-            self.spawn_reconnect(record.clone());
+        let back = agent_back_or_left_alone(outcome.label);
+        let reason = outcome
+            .session_error
+            .as_ref()
+            .or(outcome.executor_error.as_ref());
+        self.inner.metrics.recovery_outcome(
+            outcome.label.as_str(),
+            reason.filter(|_| !back).map(|f| f.code()),
+        );
+        match reason {
+            Some(RecoveryFailure::Recovering { reason, .. }) if outcome.retry_in_background => {
+                tracing::warn!(session = %sid, executor_id = %record.id, attempt,
+                    max_attempts = self.inner.config.max_attempts, %reason,
+                    "recovery: the session is not back yet; retrying in the background");
+                self.spawn_retry(record.clone(), attempt, reason.clone());
+            }
+            _ if outcome.retry_in_background => {
+                tracing::warn!(session = %sid, executor_id = %record.id,
+                    reason = %outcome.error_message().unwrap_or_default(),
+                    "recovery: the executor is unreachable; retrying in the background");
+                self.inner.agent_recoveries.clear(sid);
+                self.spawn_reconnect(record.clone());
+            }
+            _ => {
+                if !back {
+                    tracing::warn!(session = %sid, executor_id = %record.id,
+                        label = %outcome.label,
+                        reason = %outcome.error_message().unwrap_or_default(),
+                        "recovery: the session's agent is not back");
+                }
+                self.inner.agent_recoveries.clear(sid);
+            }
         }
         if agent_back || (outcome.workspace_enabled && run.agent != SurvivingAgent::None) {
             let session = committed
@@ -1222,6 +1477,129 @@ impl SessionManager {
             }
         }
         Ok(())
+    }
+
+    /// Runs `work` (an agent's launch and resume) while watching agentctl's
+    /// `Health` of `record` for the agent's signs of life: a line written,
+    /// CPU used, history replayed, its state moving. `Err(why)` when none
+    /// showed (or agentctl did not answer) for the silence limit
+    /// (`executor_deadline`), or the attempt's cap (`resume_cap`) passed;
+    /// `work` is dropped then.
+    pub(crate) async fn until_silent<T>(
+        &self,
+        record: &ExecutorRecord,
+        work: impl std::future::Future<Output = T>,
+    ) -> std::result::Result<T, String> {
+        /// CPU time that counts as a sign of life between two readings: more
+        /// than an idle runtime's timers use in a silence limit.
+        const CPU_SIGN_MS: u64 = 50;
+        let silence = self.inner.config.executor_deadline;
+        let cap = self.inner.config.resume_cap;
+        let poll = (silence / 5).clamp(Duration::from_millis(100), Duration::from_secs(2));
+        let sid = record.session_id;
+        let client = self.client(record).ok();
+        tokio::pin!(work);
+        let began = Instant::now();
+        let mut last_sign = None;
+        let mut cpu_mark = 0u64;
+        let mut last_progress = Instant::now();
+        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + poll, poll);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                done = &mut work => return Ok(done),
+                _ = ticker.tick() => {}
+            }
+            let health = match &client {
+                Some(c) => tokio::time::timeout(poll.max(Duration::from_secs(1)), c.health())
+                    .await
+                    .ok()
+                    .and_then(|h| h.ok()),
+                None => None,
+            };
+            if let Some(h) = health {
+                let p = h.progress;
+                let sign = (p.activity, p.replayed, p.resuming, h.agent_state as i32);
+                if last_sign != Some(sign) || p.cpu_ms >= cpu_mark.saturating_add(CPU_SIGN_MS) {
+                    last_sign = Some(sign);
+                    cpu_mark = p.cpu_ms;
+                    last_progress = Instant::now();
+                }
+                let stage = if p.resuming {
+                    RecoveryStage::Resuming
+                } else {
+                    RecoveryStage::Launching
+                };
+                self.inner.agent_recoveries.enter(sid, stage);
+                self.inner.agent_recoveries.replayed(sid, p.replayed);
+            }
+            let quiet = last_progress.elapsed();
+            if quiet >= silence {
+                return Err(format!(
+                    "no sign of life from the agent for {} ms (agentctl's Health showed no line \
+                     written, no CPU used, nothing replayed)",
+                    quiet.as_millis()
+                ));
+            }
+            if began.elapsed() >= cap {
+                return Err(format!(
+                    "the agent was not up after {} s, the cap of one attempt",
+                    cap.as_secs()
+                ));
+            }
+        }
+    }
+
+    /// Runs the next attempt of an executor's recovery after a delay
+    /// (backoff with jitter), once attempt `attempt` broke off for `reason`:
+    /// the session shows it (`recovering`, waiting to retry) meanwhile. Does
+    /// nothing when the executor moved on in between (an explicit resume, a
+    /// stop) or another replica holds it now.
+    pub(crate) fn spawn_retry(&self, record: ExecutorRecord, attempt: u32, reason: String) {
+        let session = record.session_id;
+        if !crate::manager::lock(&self.inner.retrying).insert(session) {
+            return;
+        }
+        let delay = self
+            .inner
+            .config
+            .retry_backoff
+            .delay(attempt.saturating_sub(1));
+        self.inner
+            .agent_recoveries
+            .retry_after(session, attempt, reason, delay);
+        let me = self.clone();
+        self.spawn_background(async move {
+            tokio::time::sleep(delay).await;
+            crate::manager::lock(&me.inner.retrying).remove(&session);
+            let current = match me.inner.store.get_executor(record.id).await {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(%session, error = %e, "retry: cannot read the executor");
+                    me.inner.agent_recoveries.clear(session);
+                    return;
+                }
+            };
+            let still_ours = me.owns(session)
+                && current.generation == record.generation
+                && current
+                    .error_message
+                    .as_deref()
+                    .is_some_and(|m| m.starts_with(RECOVERING));
+            if !still_ours {
+                me.inner.agent_recoveries.clear(session);
+                return;
+            }
+            match me.recover_shared(current).await {
+                Ok(label) => {
+                    tracing::info!(%session, %label, attempt = attempt + 1, "retry: recovery ran");
+                }
+                Err(e) => {
+                    me.inner.agent_recoveries.clear(session);
+                    tracing::warn!(%session, error = %e, "retry: recovery failed");
+                }
+            }
+        });
     }
 
     /// Keeps trying an unreachable remote host in the background, with
@@ -1309,6 +1687,9 @@ pub(crate) fn retried_in_background(
     started_at: chrono::DateTime<Utc>,
 ) -> bool {
     let code = |c: &str| r.error_message.as_deref().is_some_and(|m| m.starts_with(c));
+    if r.status == ExecutorStatus::Error && code(RECOVERING) {
+        return drivers.contains_key(&r.runtime);
+    }
     r.status == ExecutorStatus::Error
         && match r.runtime {
             Runtime::Remote => {
@@ -1339,6 +1720,49 @@ pub(crate) fn remote_lost(record: &ExecutorRecord, reason: &str) -> Result<Chang
             error_message: failure.message(),
         },
     ))
+}
+
+/// The session's agent is back (resumed, reattached), or recovery was not
+/// to bring it back (the policy, an ended session): nothing to report.
+fn agent_back_or_left_alone(label: OutcomeLabel) -> bool {
+    matches!(
+        label,
+        OutcomeLabel::Resumed
+            | OutcomeLabel::Reattached
+            | OutcomeLabel::ExecutorOnly
+            | OutcomeLabel::Stopped
+    )
+}
+
+/// An agent's launch or resume failed in a way load or a passing fault can
+/// cause (the agent exited while starting, agentctl or the agent did not
+/// answer), as opposed to a verdict (the agent refused, authentication, a
+/// bad profile): another attempt may succeed.
+fn passes_by_itself(e: &Error) -> bool {
+    match e {
+        Error::Agent { code, message, .. } => {
+            matches!(
+                code,
+                tonic::Code::Unavailable
+                    | tonic::Code::DeadlineExceeded
+                    | tonic::Code::Unknown
+                    | tonic::Code::Cancelled
+                    | tonic::Code::Aborted
+                    | tonic::Code::ResourceExhausted
+                    | tonic::Code::Internal
+            ) && !message.contains("requires authentication")
+        }
+        other => other.is_transport(),
+    }
+}
+
+/// The executor's error while its lost agentctl is recovered in the
+/// background (code `recovering`).
+pub(crate) fn lost_agentctl_recovering(reason: &str) -> String {
+    format!(
+        "{RECOVERING} agentctl stopped answering ({reason}); the session recovers by itself, \
+         retrying in the background"
+    )
 }
 
 /// The background reconnect window of a remote executor is still open:
@@ -1574,43 +1998,15 @@ impl SessionManager {
             self.spawn_reconnect(current);
             return Ok(None);
         }
-        let message = self.lost_agentctl_message(&current, &reason).await;
-        next = executor_moved(&next, ExecutorEvent::Failed)?;
-        next.error_message = Some(message.clone());
-        let mut change = Changeset::new().update_executor(next).event(
-            record.session_id,
-            EventPayload::AgentctlError {
-                executor_id: record.id,
-                error_message: message.clone(),
-            },
-        );
-        let session = self.inner.store.get_session(record.session_id).await?;
-        if session.state.is_auto_resumable() {
-            let (mut s, ev) = crate::manager::transition(
-                &session,
-                sessiond_domain::SessionEvent::Failed,
-                Some(message),
-            )?;
-            // The pump stops below: a turn in flight ends interrupted now,
-            // as the pump's own `agentctl_lost` would have ended it.
-            if let Some(turn) = pending_turn(&session) {
-                let why = format!("agentctl stopped answering during the turn ({reason})");
-                change = crate::pump::interrupt_turn(self, &session, &turn, &why, change, &mut s)
-                    .await?;
-                self.inner
-                    .metrics
-                    .turn_ended(record.session_id, crate::metrics::TurnOutcome::Interrupted);
-            }
-            change = change.update_session(s);
-            if let Some(ev) = ev {
-                change = change.event(record.session_id, ev);
-            }
-        }
-        self.commit(change).await?;
+        let (change, retry) = self.agentctl_lost_change(&current, &reason).await?;
+        let committed = self.commit(change).await?;
         self.stop_pump(record.session_id);
         self.cache_update(record.session_id, |e| {
             e.agent = AgentProcessState::NotRunning
         });
+        if let Some(failed) = retry {
+            self.spawn_retry(committed.executor.unwrap_or(failed), 0, reason);
+        }
         Ok(None)
     }
 }

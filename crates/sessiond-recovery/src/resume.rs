@@ -91,7 +91,12 @@ impl SessionManager {
         let (kind, fut) = self.single_flight(
             session,
             OpKind::Resume,
-            async move { me.resume_attempt(session).await.map(OpOutcome::Resume) }.boxed(),
+            async move {
+                me.resume_attempt(session)
+                    .await
+                    .map(|s| OpOutcome::Resume(Box::new(s)))
+            }
+            .boxed(),
         );
         let out = fut.await;
         match self.joined_answer(task, session, kind, out).await {
@@ -111,7 +116,7 @@ impl SessionManager {
         out: Result<OpOutcome>,
     ) -> Option<Result<SessionStatus>> {
         match (kind, out) {
-            (_, Ok(OpOutcome::Resume(status))) => Some(Ok(status)),
+            (_, Ok(OpOutcome::Resume(status))) => Some(Ok(*status)),
             (OpKind::Resume, Err(e)) => Some(Err(e)),
             (_, Ok(OpOutcome::Recovery(label))) => match label {
                 OutcomeLabel::Resumed | OutcomeLabel::Reattached => {
@@ -450,17 +455,35 @@ impl SessionManager {
             e.probe = probe;
         });
 
-        // Agent.
-        let resumed = tokio::time::timeout(
-            limit + self.inner.config.agent_initialize_timeout,
-            self.resume_agent(&record, &profile, &token, no_turn_yet),
-        )
-        .await
-        .unwrap_or_else(|_| {
-            Err(Error::Unavailable(
-                "the agent did not resume in time".into(),
-            ))
+        // Agent: a launch slot of its host first (a caller waits: ahead of
+        // background launches), then the launch and resume, cut only when
+        // the agent stays silent (see `until_silent`).
+        self.inner
+            .agent_recoveries
+            .enter(session_id, sessiond_domain::RecoveryStage::Queued);
+        let permit = self
+            .inner
+            .launches
+            .acquire(
+                crate::launches::host_of(&record),
+                session_id,
+                crate::launches::Priority::Call,
+            )
+            .await;
+        let began = std::time::Instant::now();
+        let resumed = self
+            .until_silent(
+                &record,
+                self.resume_agent(&record, &profile, &token, no_turn_yet),
+            )
+            .await
+            .unwrap_or_else(|silence| Err(Error::Unavailable(silence)));
+        permit.finish(match &resumed {
+            Ok(_) => crate::launches::Ended::Up(began.elapsed()),
+            Err(_) => crate::launches::Ended::Neutral,
         });
+        // A user took over: any background retry of this session is moot.
+        self.inner.agent_recoveries.clear(session_id);
         match resumed {
             Ok(resumed) => {
                 let event = if pending {

@@ -132,9 +132,21 @@ pub struct ServeArgs {
     #[arg(long, env = "SESSIOND_RECOVERY_CONCURRENCY")]
     pub recovery_concurrency: Option<u32>,
 
-    /// Deadline of one executor's recovery, e.g. `5s`.
+    /// Silence limit of recovery, e.g. `5s`: a step that does not answer,
+    /// or an agent that shows no sign of life, for this long is cut (and
+    /// retried).
     #[arg(long, env = "SESSIOND_RECOVERY_EXECUTOR_DEADLINE")]
     pub recovery_executor_deadline: Option<String>,
+
+    /// Agent launches admitted at once per host at first (0: the core
+    /// count); adapts to measured launch times.
+    #[arg(long, env = "SESSIOND_RECOVERY_LAUNCH_CONCURRENCY")]
+    pub recovery_launch_concurrency: Option<u32>,
+
+    /// Attempts at bringing a session back before it goes ERROR for a
+    /// cause that can pass by itself.
+    #[arg(long, env = "SESSIOND_RECOVERY_MAX_ATTEMPTS")]
+    pub recovery_max_attempts: Option<u32>,
 
     /// PEM certificate (chain) to serve the API port with TLS (`tls.cert_file`).
     #[arg(long, env = "SESSIOND_TLS_CERT")]
@@ -508,8 +520,28 @@ pub struct RecoverySection {
     pub mode: String,
     /// Executors recovered at once (default 64).
     pub concurrency: u32,
-    /// Limit of one executor's recovery (default `5s`).
+    /// The silence limit (default `5s`): a recovery step (a call to agentctl
+    /// or the runtime) that does not answer for this long is cut; an agent's
+    /// launch and resume are cut only when the agent shows no sign of life
+    /// (a line written, CPU used, history replayed) for this long. A cut
+    /// attempt is retried.
     pub executor_deadline: String,
+    /// One agent launch and resume is cut after this long even while it
+    /// shows signs of life (default `15m`).
+    pub resume_cap: String,
+    /// Attempts at bringing a session back (its executor and agent) before
+    /// it goes ERROR for a cause that can pass by itself (default 5).
+    pub max_attempts: u32,
+    /// First delay before another attempt (default `1s`), doubling, with jitter.
+    pub retry_backoff_initial: String,
+    /// Longest delay between attempts (default `60s`).
+    pub retry_backoff_max: String,
+    /// Agent launches admitted at once per host at first (default 0: the
+    /// host's core count); adapts to measured launch times.
+    pub launch_concurrency: u32,
+    /// The most agent launches at once per host (default 0: four times
+    /// `launch_concurrency`).
+    pub launch_concurrency_max: u32,
     /// First retry delay of a remote host that did not answer (default `250ms`).
     pub remote_backoff_initial: String,
     /// Longest retry delay, doubling from the initial one (default `30s`).
@@ -668,6 +700,12 @@ impl Default for RecoverySection {
             mode: "startup".into(),
             concurrency: 64,
             executor_deadline: "5s".into(),
+            resume_cap: "15m".into(),
+            max_attempts: 5,
+            retry_backoff_initial: "1s".into(),
+            retry_backoff_max: "60s".into(),
+            launch_concurrency: 0,
+            launch_concurrency_max: 0,
             remote_backoff_initial: "250ms".into(),
             remote_backoff_max: "30s".into(),
             remote_backoff_window: "10m".into(),
@@ -826,8 +864,20 @@ pub struct RecoveryConfig {
     pub policy: ResumePolicy,
     /// `recovery.concurrency`.
     pub concurrency: usize,
-    /// `recovery.executor_deadline`.
+    /// `recovery.executor_deadline`: the silence limit.
     pub executor_deadline: Duration,
+    /// `recovery.resume_cap`.
+    pub resume_cap: Duration,
+    /// `recovery.max_attempts`.
+    pub max_attempts: u32,
+    /// `recovery.retry_backoff_initial`.
+    pub retry_backoff_initial: Duration,
+    /// `recovery.retry_backoff_max`.
+    pub retry_backoff_max: Duration,
+    /// `recovery.launch_concurrency` (0: the core count).
+    pub launch_concurrency: usize,
+    /// `recovery.launch_concurrency_max` (0: four times the start).
+    pub launch_concurrency_max: usize,
     /// `recovery.remote_backoff_initial`.
     pub remote_backoff_initial: Duration,
     /// `recovery.remote_backoff_max`.
@@ -929,6 +979,11 @@ impl ServeArgs {
             &mut f.recovery.executor_deadline,
             &self.recovery_executor_deadline,
         );
+        set(
+            &mut f.recovery.launch_concurrency,
+            &self.recovery_launch_concurrency,
+        );
+        set(&mut f.recovery.max_attempts, &self.recovery_max_attempts);
         if self.replica_id.is_some() {
             f.replica.id.clone_from(&self.replica_id);
         }
@@ -1484,11 +1539,39 @@ impl FileConfig {
         if r.concurrency == 0 || r.concurrency > 1024 {
             p.add("recovery.concurrency", "must be between 1 and 1024");
         }
+        if r.max_attempts == 0 || r.max_attempts > 100 {
+            p.add("recovery.max_attempts", "must be between 1 and 100");
+        }
+        if r.launch_concurrency > 1024 {
+            p.add(
+                "recovery.launch_concurrency",
+                "must be between 0 (the core count) and 1024",
+            );
+        }
+        if r.launch_concurrency_max > 4096 {
+            p.add(
+                "recovery.launch_concurrency_max",
+                "must be between 0 and 4096",
+            );
+        } else if r.launch_concurrency_max != 0 && r.launch_concurrency_max < r.launch_concurrency {
+            p.add(
+                "recovery.launch_concurrency_max",
+                "must not be less than recovery.launch_concurrency",
+            );
+        }
         let recovery = RecoveryConfig {
             policy,
             concurrency: r.concurrency.clamp(1, 1024) as usize,
             executor_deadline: p
                 .positive_duration("recovery.executor_deadline", &r.executor_deadline),
+            resume_cap: p.positive_duration("recovery.resume_cap", &r.resume_cap),
+            max_attempts: r.max_attempts.clamp(1, 100),
+            retry_backoff_initial: p
+                .positive_duration("recovery.retry_backoff_initial", &r.retry_backoff_initial),
+            retry_backoff_max: p
+                .positive_duration("recovery.retry_backoff_max", &r.retry_backoff_max),
+            launch_concurrency: r.launch_concurrency.min(1024) as usize,
+            launch_concurrency_max: r.launch_concurrency_max.min(4096) as usize,
             remote_backoff_initial: p
                 .positive_duration("recovery.remote_backoff_initial", &r.remote_backoff_initial),
             remote_backoff_max: p

@@ -385,6 +385,29 @@ pub fn status(s: &SessionStatus) -> pb::GetSessionStatusResponse {
         recovering: s.recovering,
         modes: None,
         pending_permissions: Vec::new(),
+        agent_recovery: s.agent_recovery.as_ref().map(agent_recovery),
+    }
+}
+
+fn agent_recovery(r: &sessiond_domain::AgentRecovery) -> pb::AgentRecovery {
+    use sessiond_domain::RecoveryStage as S;
+    let (queue_position, queue_length) = r.place.unwrap_or((0, 0));
+    pb::AgentRecovery {
+        stage: match r.stage {
+            S::Queued => pb::RecoveryStage::Queued,
+            S::Launching => pb::RecoveryStage::Launching,
+            S::Resuming => pb::RecoveryStage::Resuming,
+            S::WaitingToRetry => pb::RecoveryStage::WaitingToRetry,
+        } as i32,
+        queue_position,
+        queue_length,
+        attempt: r.attempt,
+        max_attempts: r.max_attempts,
+        last_error: r.last_error.clone().unwrap_or_default(),
+        retry_in_ms: r
+            .retry_in
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+        replayed: r.replayed,
     }
 }
 

@@ -517,14 +517,20 @@ impl Sessiond {
             let metrics = self.metrics.clone();
             let health = self.health.clone();
             tokio::spawn(async move {
-                first_recovery(&manager, &metrics).await;
-                for service in HEALTH_SERVICES {
-                    health
-                        .set_service_status(*service, ServingStatus::Serving)
-                        .await;
-                }
-                metrics.set_ready(true);
-                tracing::info!("serving");
+                // SERVING once every workspace is back; agents that relaunch
+                // go on behind it (their sessions say `recovering`).
+                let serving = async {
+                    manager.wait_workspaces_recovered().await;
+                    load_status_snapshot(&manager).await;
+                    for service in HEALTH_SERVICES {
+                        health
+                            .set_service_status(*service, ServingStatus::Serving)
+                            .await;
+                    }
+                    metrics.set_ready(true);
+                    tracing::info!("serving");
+                };
+                tokio::join!(first_recovery(&manager, &metrics), serving);
             })
         };
         if let Some(old) = self
@@ -538,9 +544,11 @@ impl Sessiond {
         Ok(())
     }
 
-    /// Whether the first recovery pass is done (health is SERVING).
+    /// Whether the first recovery pass has every workspace back (health is
+    /// SERVING); agents may still be relaunching, their sessions showing
+    /// `recovering` with their progress.
     pub fn is_ready(&self) -> bool {
-        self.manager.first_recovery_done()
+        self.manager.workspaces_recovered()
     }
 
     /// Begins the shutdown: health NOT_SERVING, watch streams end,
@@ -611,8 +619,11 @@ async fn first_recovery(manager: &SessionManager, metrics: &Metrics) {
             }
         }
     }
-    // GetSessionStatus from memory from the first call, not one store round
-    // trip per session the first time each is asked.
+}
+
+/// GetSessionStatus from memory from the first call, not one store round
+/// trip per session the first time each is asked.
+async fn load_status_snapshot(manager: &SessionManager) {
     let t = std::time::Instant::now();
     match manager.load_status_snapshot().await {
         Ok(n) => tracing::info!(

@@ -457,6 +457,16 @@ pub(crate) fn manager_config(
         resume_policy: r.policy,
         recovery_concurrency: r.concurrency,
         executor_deadline: r.executor_deadline,
+        resume_cap: r.resume_cap,
+        max_attempts: r.max_attempts,
+        retry_backoff: Backoff {
+            initial: r.retry_backoff_initial,
+            max: r.retry_backoff_max,
+        },
+        launches: sessiond_recovery::LaunchLimits {
+            initial: r.launch_concurrency,
+            max: r.launch_concurrency_max,
+        },
         remote_retry_window: r.remote_backoff_window,
         remote_backoff: Backoff {
             initial: r.remote_backoff_initial,

@@ -9,7 +9,7 @@ use sessiond_recovery::ManagerConfig;
 
 use crate::{
     docker_support::{DockerKit, docker_cli},
-    support::{Db, World, children_of, kill_tree, kill9},
+    support::{Db, World, children_of, expected_reply, kill_tree, kill9},
 };
 
 fn with_liveness(w: &World, every: Option<Duration>) -> ManagerConfig {
@@ -21,14 +21,17 @@ fn with_liveness(w: &World, every: Option<Duration>) -> ManagerConfig {
 
 /// A healthy executor gets `last_seen_at` refreshed by the liveness checks
 /// (which `recover_all` starts), with no event; when its agentctl dies while
-/// the backend runs, the executor goes `error` with a
-/// `session.agentctl_error` event and the live session goes ERROR.
+/// the backend runs, the executor goes `error` with the `recovering` code and
+/// a `session.agentctl_error` event, the session keeps its state, and the
+/// background retry brings it back by itself (a new agentctl, the agent
+/// resumed): a condition that passes by itself never ends in ERROR.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn liveness_refreshes_last_seen_and_flags_dead_agentctl() {
+async fn liveness_refreshes_last_seen_and_recovers_a_dead_agentctl() {
     let w = World::new(Db::Sqlite).await;
     let mgr = w.manager_with(with_liveness(&w, Some(Duration::from_millis(150))));
     mgr.recover_all().await.unwrap();
     let s = w.create(&mgr, "live").await;
+    let token = s.resume_token.clone().unwrap();
     let first = w.record(s.id).await.last_seen_at.unwrap();
     let seq_before = w.store.last_event_seq(s.id).await.unwrap();
 
@@ -51,28 +54,52 @@ async fn liveness_refreshes_last_seen_and_flags_dead_agentctl() {
         "a healthy check publishes nothing"
     );
 
-    kill_tree(w.record(s.id).await.pid.unwrap()).await;
+    let old = w.record(s.id).await;
+    kill_tree(old.pid.unwrap()).await;
+    // Noticed: executor `error` with the `recovering` code, an event, and
+    // the session as it was (never ERROR).
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let r = w.record(s.id).await;
-        if r.status == ExecutorStatus::Error {
-            let msg = r.error_message.unwrap();
-            assert!(msg.contains("agentctl stopped answering"), "{msg}");
+        if r.status == ExecutorStatus::Error || r.generation > old.generation {
             break;
         }
         assert!(Instant::now() < deadline, "dead agentctl never noticed");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let events = w.store.events_after(s.id, seq_before, 1000).await.unwrap();
+    let lost = events.iter().find_map(|e| match &e.payload {
+        EventPayload::AgentctlError { error_message, .. } => Some(error_message.clone()),
+        _ => None,
+    });
+    let lost = lost.unwrap_or_else(|| panic!("no agentctl_error event: {events:?}"));
     assert!(
-        events
-            .iter()
-            .any(|e| matches!(e.payload, EventPayload::AgentctlError { .. })),
-        "{events:?}"
+        lost.starts_with("recovering:") && lost.contains("agentctl stopped answering"),
+        "{lost}"
     );
-    let st = w.status(&mgr, s.id).await;
-    assert_eq!(st.state, SessionState::Error);
-    assert_eq!(st.executor_status, Some(ExecutorStatus::Error));
+    // Back by itself: a new agentctl, the agent running, the conversation
+    // the same one.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let st = w.status(&mgr, s.id).await;
+        assert_ne!(st.state, SessionState::Error, "{st:?}");
+        let r = w.record(s.id).await;
+        if st.is_agent_running && r.status == ExecutorStatus::Ready && r.generation > old.generation
+        {
+            assert_eq!(st.state, SessionState::WaitingForInput);
+            assert!(!st.recovering && st.agent_recovery.is_none(), "{st:?}");
+            assert!(r.error_message.is_none(), "{r:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never came back by itself: {st:?} {r:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    w.track(s.id).await;
+    let reply = w.prompt(&mgr, s.id, "still there?").await;
+    assert_eq!(reply, expected_reply(1, &token, "still there?"));
     w.finish(&mgr, &[s.id]).await;
 }
 

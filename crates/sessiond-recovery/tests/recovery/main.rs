@@ -16,6 +16,7 @@ mod crash;
 mod docker_down;
 mod docker_support;
 mod events;
+mod heavy;
 mod kill9;
 mod lifecycle;
 mod pending;

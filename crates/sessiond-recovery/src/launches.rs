@@ -1,0 +1,435 @@
+//! Admission of agent launches, per host: [`LaunchScheduler`].
+//!
+//! Starting an agent (a node runtime, `initialize`, loading a long history)
+//! costs seconds of CPU; a reattach costs one `Health`. Started all at once
+//! after a restart, real agents contend for a few cores and every one of
+//! them takes many times its own launch time. So launches wait for a slot of
+//! their host (the local machine for standalone and Docker executors, each
+//! remote host for its own), while reattaches never do.
+//!
+//! The number of slots adapts (AIMD, as TCP's window does): it starts at
+//! the host's core count ([`LaunchLimits::start`]); a launch that ends
+//! within twice the fastest launch seen recently, while the host is not
+//! overloaded (local load average under twice its cores), adds
+//! `1 / limit` (one slot per window of launches); a launch slower than
+//! four times the fastest, or cut for silence, halves it. The limit stays
+//! within `1..=LaunchLimits::ceiling`.
+//!
+//! Waiters are served by priority, then in arrival order: a launch a caller
+//! waits on (a call on the session, an explicit resume) goes before the
+//! pass's and the background retries' ([`LaunchScheduler::promote`] moves
+//! a waiting one up when a call joins it). Where a session waits in its
+//! host's queue is what its status shows.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use sessiond_domain::{ExecutorRecord, Runtime, SessionId};
+use tokio::sync::oneshot;
+
+use crate::{config::LaunchLimits, manager::lock};
+
+/// Who waits for a launch: lower goes first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) enum Priority {
+    /// A caller waits on this session (a call, an explicit resume).
+    Call = 0,
+    /// The startup pass, a background retry.
+    Background = 1,
+}
+
+/// How a launch ended, for the adaptation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ended {
+    /// The agent is up (launched and resumed) after this long.
+    Up(Duration),
+    /// It was cut for silence, or the agent failed in a way that load can
+    /// cause (it exited while starting).
+    Cut,
+    /// It failed for a reason of its own (a verdict): says nothing of load.
+    Neutral,
+}
+
+/// The host a launch runs on: the machine itself for local runtimes and
+/// custom ones, a remote host by its address.
+pub(crate) fn host_of(record: &ExecutorRecord) -> String {
+    host_key(record.runtime, record.agentctl_url.as_deref())
+}
+
+fn host_key(runtime: Runtime, agentctl_url: Option<&str>) -> String {
+    match runtime {
+        Runtime::Remote => {
+            let url = agentctl_url.unwrap_or_default();
+            let rest = url.split_once("://").map_or(url, |(_, r)| r);
+            let authority = rest.split('/').next().unwrap_or(rest);
+            // The port is agentctl's own: executors of one host differ by it.
+            match authority.rsplit_once(':') {
+                Some((host, port)) if port.chars().all(|c| c.is_ascii_digit()) => host.to_owned(),
+                _ => authority.to_owned(),
+            }
+        }
+        _ => "local".to_owned(),
+    }
+}
+
+struct Waiter {
+    session: SessionId,
+    grant: oneshot::Sender<LaunchPermit>,
+}
+
+struct Host {
+    /// The adaptive number of slots.
+    limit: f64,
+    running: usize,
+    /// By (priority, arrival).
+    waiting: BTreeMap<(Priority, u64), Waiter>,
+    /// The fastest launch seen recently (it drifts up slowly, so a host
+    /// that became slower for good is judged by its new pace).
+    fastest: Option<Duration>,
+}
+
+struct Shared {
+    limits: LaunchLimits,
+    hosts: Mutex<HashMap<String, Host>>,
+    next: Mutex<u64>,
+}
+
+/// Per-host admission of agent launches; see the module documentation.
+#[derive(Clone)]
+pub(crate) struct LaunchScheduler {
+    shared: Arc<Shared>,
+}
+
+/// A launch slot; dropping it frees the slot (as [`Ended::Neutral`]).
+pub(crate) struct LaunchPermit {
+    shared: Arc<Shared>,
+    host: String,
+    ended: Option<Ended>,
+    /// False for a grant nobody took: `dispatch` frees its slot itself.
+    armed: bool,
+}
+
+impl LaunchPermit {
+    /// Frees the slot, telling how the launch ended.
+    pub(crate) fn finish(mut self, ended: Ended) {
+        self.ended = Some(ended);
+    }
+}
+
+impl Drop for LaunchPermit {
+    fn drop(&mut self) {
+        if self.armed {
+            let ended = self.ended.take().unwrap_or(Ended::Neutral);
+            release(&self.shared, &self.host, ended);
+        }
+    }
+}
+
+/// Removes a waiter whose acquire was dropped before it was granted.
+struct Leave {
+    shared: Arc<Shared>,
+    host: String,
+    key: (Priority, u64),
+}
+
+impl Drop for Leave {
+    fn drop(&mut self) {
+        let mut hosts = lock(&self.shared.hosts);
+        if let Some(h) = hosts.get_mut(&self.host) {
+            h.waiting.remove(&self.key);
+        }
+    }
+}
+
+impl LaunchScheduler {
+    pub(crate) fn new(limits: LaunchLimits) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                limits,
+                hosts: Mutex::default(),
+                next: Mutex::new(0),
+            }),
+        }
+    }
+
+    /// Waits for a launch slot on `host` for `session`.
+    pub(crate) async fn acquire(
+        &self,
+        host: String,
+        session: SessionId,
+        priority: Priority,
+    ) -> LaunchPermit {
+        let seq = {
+            let mut next = lock(&self.shared.next);
+            *next += 1;
+            *next
+        };
+        let key = (priority, seq);
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut hosts = lock(&self.shared.hosts);
+            let start = self.shared.limits.start() as f64;
+            let h = hosts.entry(host.clone()).or_insert_with(|| Host {
+                limit: start,
+                running: 0,
+                waiting: BTreeMap::new(),
+                fastest: None,
+            });
+            h.waiting.insert(key, Waiter { session, grant: tx });
+            dispatch(&self.shared, &host, h);
+        }
+        let _leave = Leave {
+            shared: self.shared.clone(),
+            host,
+            key,
+        };
+        // The sender is only dropped by a grant (which sends) or by `Leave`
+        // (which is ours): a closed channel cannot happen while we wait.
+        match rx.await {
+            Ok(permit) => permit,
+            Err(_) => unreachable!("a waiter's grant is sent or it is still waiting"),
+        }
+    }
+
+    /// A caller now waits on `session`: its waiting launch (if any) goes
+    /// before the background ones.
+    pub(crate) fn promote(&self, session: SessionId) {
+        let mut hosts = lock(&self.shared.hosts);
+        for h in hosts.values_mut() {
+            let keys: Vec<_> = h
+                .waiting
+                .iter()
+                .filter(|(k, w)| w.session == session && k.0 != Priority::Call)
+                .map(|(k, _)| *k)
+                .collect();
+            for key in keys {
+                if let Some(w) = h.waiting.remove(&key) {
+                    h.waiting.insert((Priority::Call, key.1), w);
+                }
+            }
+        }
+    }
+
+    /// Where `session` waits for a launch: its 1-based place in its host's
+    /// queue, and how many wait there.
+    pub(crate) fn place(&self, session: SessionId) -> Option<(usize, usize)> {
+        let hosts = lock(&self.shared.hosts);
+        hosts.values().find_map(|h| {
+            h.waiting
+                .values()
+                .position(|w| w.session == session)
+                .map(|i| (i + 1, h.waiting.len()))
+        })
+    }
+
+    /// The current limit and launches running on `host`.
+    #[cfg(test)]
+    pub(crate) fn load(&self, host: &str) -> Option<(usize, usize)> {
+        lock(&self.shared.hosts)
+            .get(host)
+            .map(|h| (h.limit.floor() as usize, h.running))
+    }
+}
+
+/// Grants slots to the first waiters while the host has room; a waiter
+/// that left (its acquire was dropped) is skipped.
+fn dispatch(shared: &Arc<Shared>, host: &str, h: &mut Host) {
+    while (h.running as f64) < h.limit.floor().max(1.0) {
+        let Some((_, w)) = h.waiting.pop_first() else {
+            return;
+        };
+        h.running += 1;
+        let permit = LaunchPermit {
+            shared: shared.clone(),
+            host: host.to_owned(),
+            ended: None,
+            armed: true,
+        };
+        if let Err(mut permit) = w.grant.send(permit) {
+            // Gone meanwhile: the slot is free again, without adapting
+            // (`hosts` is locked here, so not through the permit's drop).
+            permit.armed = false;
+            h.running -= 1;
+        }
+    }
+}
+
+fn release(shared: &Arc<Shared>, host: &str, ended: Ended) {
+    let mut hosts = lock(&shared.hosts);
+    let Some(h) = hosts.get_mut(host) else {
+        return;
+    };
+    h.running = h.running.saturating_sub(1);
+    let ceiling = shared.limits.ceiling() as f64;
+    match ended {
+        Ended::Up(took) => {
+            let fastest = h.fastest.map_or(took, |f| took.min(f.mul_f64(1.02)));
+            h.fastest = Some(fastest);
+            let overloaded = host == "local" && host_overloaded();
+            if took > fastest.saturating_mul(4) {
+                h.limit = (h.limit / 2.0).max(1.0);
+            } else if took <= fastest.saturating_mul(2) && !overloaded {
+                h.limit = (h.limit + 1.0 / h.limit.max(1.0)).min(ceiling);
+            }
+        }
+        Ended::Cut => h.limit = (h.limit / 2.0).max(1.0),
+        Ended::Neutral => {}
+    }
+    tracing::debug!(
+        host,
+        limit = h.limit,
+        running = h.running,
+        ?ended,
+        "launch slot freed"
+    );
+    dispatch(shared, host, h);
+}
+
+/// The local load average over a minute exceeds twice the core count.
+fn host_overloaded() -> bool {
+    let Ok(text) = std::fs::read_to_string("/proc/loadavg") else {
+        return false;
+    };
+    let load: f64 = text
+        .split_whitespace()
+        .next()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    let cores = std::thread::available_parallelism().map_or(1, usize::from) as f64;
+    load > 2.0 * cores
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(initial: usize, max: usize) -> LaunchLimits {
+        LaunchLimits { initial, max }
+    }
+
+    #[tokio::test]
+    async fn admits_up_to_the_limit_then_in_priority_order() {
+        let s = LaunchScheduler::new(limits(2, 2));
+        let a = s
+            .acquire("h".into(), SessionId::new(), Priority::Background)
+            .await;
+        let b = s
+            .acquire("h".into(), SessionId::new(), Priority::Background)
+            .await;
+        assert_eq!(s.load("h"), Some((2, 2)));
+        let late = SessionId::new();
+        let call = SessionId::new();
+        let s2 = s.clone();
+        let background =
+            tokio::spawn(async move { s2.acquire("h".into(), late, Priority::Background).await });
+        tokio::task::yield_now().await;
+        while s.place(late).is_none() {
+            tokio::task::yield_now().await;
+        }
+        let s3 = s.clone();
+        let first = tokio::spawn(async move { s3.acquire("h".into(), call, Priority::Call).await });
+        while s.place(call).is_none() {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(s.place(call), Some((1, 2)), "a call goes first");
+        assert_eq!(s.place(late), Some((2, 2)));
+        drop(a);
+        let granted = first.await.expect("call granted");
+        assert_eq!(
+            s.place(late),
+            Some((1, 1)),
+            "the background one still waits"
+        );
+        drop(b);
+        let granted2 = background.await.expect("background granted");
+        drop((granted, granted2));
+        assert_eq!(s.load("h"), Some((2, 0)));
+    }
+
+    #[tokio::test]
+    async fn promote_moves_a_waiter_ahead() {
+        let s = LaunchScheduler::new(limits(1, 1));
+        let held = s
+            .acquire("h".into(), SessionId::new(), Priority::Background)
+            .await;
+        let (x, y) = (SessionId::new(), SessionId::new());
+        for id in [x, y] {
+            let waiter = s.clone();
+            tokio::spawn(async move {
+                let p = waiter.acquire("h".into(), id, Priority::Background).await;
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                drop(p);
+            });
+            while s.place(id).is_none() {
+                tokio::task::yield_now().await;
+            }
+        }
+        assert_eq!(s.place(y), Some((2, 2)));
+        s.promote(y);
+        assert_eq!(s.place(y), Some((1, 2)));
+        drop(held);
+    }
+
+    #[tokio::test]
+    async fn a_dropped_waiter_frees_its_place() {
+        let s = LaunchScheduler::new(limits(1, 1));
+        let held = s
+            .acquire("h".into(), SessionId::new(), Priority::Background)
+            .await;
+        let gone = SessionId::new();
+        let waiting = {
+            let s = s.clone();
+            tokio::spawn(async move { s.acquire("h".into(), gone, Priority::Background).await })
+        };
+        while s.place(gone).is_none() {
+            tokio::task::yield_now().await;
+        }
+        waiting.abort();
+        let _ = waiting.await;
+        assert_eq!(s.place(gone), None);
+        drop(held);
+        assert_eq!(s.load("h"), Some((1, 0)), "no slot leaked");
+    }
+
+    #[tokio::test]
+    async fn the_limit_grows_with_fast_launches_and_halves_on_a_cut() {
+        let s = LaunchScheduler::new(limits(2, 8));
+        for _ in 0..20 {
+            let p = s
+                .acquire("remote-a".into(), SessionId::new(), Priority::Background)
+                .await;
+            p.finish(Ended::Up(Duration::from_millis(100)));
+        }
+        let (grown, _) = s.load("remote-a").expect("host");
+        assert!(grown > 2, "grew to {grown}");
+        assert!(grown <= 8, "within the ceiling: {grown}");
+        let p = s
+            .acquire("remote-a".into(), SessionId::new(), Priority::Background)
+            .await;
+        p.finish(Ended::Cut);
+        let (cut, _) = s.load("remote-a").expect("host");
+        assert!(cut <= grown / 2 + 1 && cut >= 1, "{grown} -> {cut}");
+        // A launch far slower than the fastest halves it too.
+        let before = s.load("remote-a").expect("host").0;
+        let p = s
+            .acquire("remote-a".into(), SessionId::new(), Priority::Background)
+            .await;
+        p.finish(Ended::Up(Duration::from_secs(5)));
+        let after = s.load("remote-a").expect("host").0;
+        assert!(after <= before.max(2) / 2 + 1, "{before} -> {after}");
+        assert!(after >= 1);
+    }
+
+    #[test]
+    fn remote_hosts_are_keyed_by_host_not_port() {
+        let remote = |url| host_key(Runtime::Remote, Some(url));
+        assert_eq!(remote("https://10.0.0.7:7070"), "10.0.0.7");
+        assert_eq!(remote("https://10.0.0.7:7071"), "10.0.0.7");
+        assert_eq!(remote("http://[::1]:7071/"), "[::1]");
+        assert_eq!(host_key(Runtime::LocalStandalone, None), "local");
+        assert_eq!(host_key(Runtime::LocalDocker, None), "local");
+    }
+}
