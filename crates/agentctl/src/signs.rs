@@ -22,6 +22,12 @@ use crate::tree;
 /// stuck in a loop.
 pub const SETUP_CAP: Duration = Duration::from_secs(600);
 
+/// CPU time that counts as a sign of life since the last one: more than
+/// an idle runtime's timers (or a process polling a file) use in a silence
+/// limit, so an agent stuck waiting is not taken for one working. sessiond
+/// judges agentctl's Health the same way.
+pub const CPU_SIGN_MS: u64 = 50;
+
 /// How often [`until_silent`] looks for signs of life at most, and at
 /// least (a quarter of the silence limit, within these bounds).
 const MIN_TICK: Duration = Duration::from_millis(10);
@@ -68,10 +74,6 @@ impl Signs {
     pub fn last_cpu_ms(&self) -> u64 {
         self.cpu_ms.load(Ordering::Relaxed)
     }
-
-    fn sample(&self) -> (u64, u64) {
-        (self.lines(), self.sample_cpu_ms())
-    }
 }
 
 /// Why [`until_silent`] gave up.
@@ -100,9 +102,9 @@ impl Cut {
 }
 
 /// Runs `work` (a call the agent must answer) to its end, unless the agent
-/// shows no sign of life ([`Signs`]: a line written, CPU time used) for
-/// `silence`, or `cap` passes. Only equal readings a whole `silence` apart
-/// cut, and a reading that comes late (agentctl itself got no CPU for half
+/// shows no sign of life ([`Signs`]: a line written, or [`CPU_SIGN_MS`] of
+/// CPU time used since the last sign) for `silence`, or `cap` passes. A
+/// reading that comes late (agentctl itself got no CPU for half
 /// the limit: a host paused or overloaded) starts the count again rather
 /// than blame the agent for time nobody watched.
 pub async fn until_silent<F: Future>(
@@ -116,7 +118,8 @@ pub async fn until_silent<F: Future>(
     let late = (silence / 2).max(tick * 2);
     let mut ticks = tokio::time::interval(tick);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last = signs.sample();
+    let mut lines = signs.lines();
+    let mut cpu_mark = signs.sample_cpu_ms();
     let mut quiet_since = Instant::now();
     let mut last_tick = Instant::now();
     tokio::pin!(work);
@@ -125,11 +128,12 @@ pub async fn until_silent<F: Future>(
             biased;
             out = &mut work => return Ok(out),
             _ = ticks.tick() => {
-                let now = signs.sample();
+                let (now_lines, now_cpu) = (signs.lines(), signs.sample_cpu_ms());
                 let was_late = last_tick.elapsed() > late;
                 last_tick = Instant::now();
-                if now != last || was_late {
-                    last = now;
+                if now_lines != lines || now_cpu >= cpu_mark + CPU_SIGN_MS || was_late {
+                    lines = now_lines;
+                    cpu_mark = now_cpu;
                     quiet_since = Instant::now();
                 } else if quiet_since.elapsed() >= silence {
                     return Err(Cut::Silent(silence));
