@@ -20,6 +20,9 @@
 //! - `interop-venv`: only the virtualenv of the interop test's Python ACP
 //!   agent (`target/interop-venv`, from `tests/interop/requirements.txt`),
 //!   which `ci` and `soak` make too (its test is `#[ignore]`d, run by `ci`).
+//! - `claude-acp`: only the Claude Code ACP adapter the claude tests run
+//!   (`target/claude-acp`, `npm ci` of `tests/claude/package-lock.json`),
+//!   which `ci` and `soak` install too (its tests are `#[ignore]`d, run by `ci`).
 //! - `soak [--runs N]`: the test suites of `ci` N times (3) under CPU load
 //!   (a busy loop per core), reporting each run's failures: the flake check.
 //! - `packages`: only the library crates' API docs, their packages and
@@ -38,6 +41,7 @@ use anyhow::{Context, bail};
 
 mod apt;
 mod bench;
+mod claude_acp;
 #[cfg(test)]
 mod compose;
 mod docker;
@@ -63,6 +67,7 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Some("interop-venv") => interop::ensure_venv(&workspace_root()).map(|_| ()),
+        Some("claude-acp") => claude_acp::ensure_claude_acp(&workspace_root()).map(|_| ()),
         Some("packages") => {
             std::env::set_current_dir(workspace_root())?;
             library_docs_and_packages()
@@ -75,7 +80,7 @@ fn main() -> anyhow::Result<()> {
         }
         _ => {
             eprintln!(
-                "usage: cargo xtask ci | docker-image [--tar <file>] | docker-tests | interop-venv | soak [--runs N] | bench [--quick] | public-api | packages"
+                "usage: cargo xtask ci | docker-image [--tar <file>] | docker-tests | interop-venv | claude-acp | soak [--runs N] | bench [--quick] | public-api | packages"
             );
             bail!("unknown or missing command {:?}", args.first());
         }
@@ -88,6 +93,8 @@ fn ci() -> anyhow::Result<()> {
     ensure_system_packages()?;
     // The interop test's agent runs on the Python ACP SDK.
     interop::ensure_venv(&root)?;
+    // The claude tests run the Claude Code ACP adapter (node, from npm).
+    claude_acp::ensure_claude_acp(&root)?;
 
     step("fmt", cargo(&["fmt", "--all", "--", "--check"]))?;
     step(
@@ -287,6 +294,7 @@ fn soak(args: &[String]) -> anyhow::Result<()> {
     std::env::set_current_dir(&root)?;
     ensure_system_packages()?;
     interop::ensure_venv(&root)?;
+    claude_acp::ensure_claude_acp(&root)?;
     step(
         "build",
         cargo(&["build", "--workspace", "--bins", "--locked"]),

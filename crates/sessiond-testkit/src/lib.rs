@@ -2,5 +2,8 @@
 //!
 //! - [`postgres`]: a throwaway PostgreSQL cluster (or `DATABASE_URL`) and a
 //!   fresh database per test.
+//! - [`claude`]: the Claude Code ACP adapter run offline against a fake
+//!   Anthropic Messages API.
 
+pub mod claude;
 pub mod postgres;

@@ -168,3 +168,110 @@ async fn docker_down_at_start_recovers_when_the_engine_is_back() {
     w.finish(&mgr, &[d.id, local.id]).await;
     drop(relay);
 }
+
+/// The Docker engine restarts while the backend serves: its containers stop
+/// with it and for a while it does not answer. The session's agentctl stops
+/// answering; that passes by itself, so the session is never ERROR: the
+/// executor shows why it is recovering, and once the engine answers again
+/// the background retry starts the container and resumes the agent with no
+/// user call. (The engine is made unreachable through this test's relay and
+/// the container stopped through the real engine, as a restart of the
+/// shared test engine would do to every other Docker test running beside it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs Docker: run by cargo xtask ci"]
+async fn engine_restart_while_serving_recovers_by_itself() {
+    let w = World::new(Db::Sqlite).await;
+    let kit = DockerKit::new(&w).await;
+    let mut relay = EngineRelay::new(w.path("engine.sock"), &kit.env.host);
+    relay.open();
+    let mut config = DockerConfig::new(
+        format!("unix://{}", relay.path.display()),
+        kit.env.image.clone(),
+        w.dir.path().join("docker-run"),
+    );
+    config.client = ClientConfig {
+        connect_timeout: Duration::from_secs(1),
+        call_timeout: Duration::from_secs(5),
+        ..ClientConfig::default()
+    };
+    config.stop_grace = Duration::from_secs(2);
+    config.idle_timeout = Some(Duration::from_secs(300));
+    let relayed = DockerExecutor::new(config).unwrap();
+    let mut drivers = drivers_in(w.dir.path());
+    drivers.push(Arc::new(relayed));
+    let manager_config = sessiond_recovery::ManagerConfig {
+        liveness_interval: Some(Duration::from_millis(200)),
+        ..w.config()
+    };
+    let mgr = SessionManager::new(w.store.clone(), drivers, manager_config);
+    mgr.recover_all().await.unwrap();
+    let d = w
+        .create_rt(&mgr, "docker", &kit.profile, Runtime::LocalDocker, None)
+        .await;
+    let token = d.resume_token.clone().unwrap();
+    w.prompt(&mgr, d.id, "one").await;
+    let before = w.record(d.id).await;
+
+    // The engine goes away and its containers stop.
+    relay.close();
+    kit.driver
+        .stop(&ExecutorHandle::from_record(&before))
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let st = w.status(&mgr, d.id).await;
+        assert_ne!(st.state, SessionState::Error, "{st:?}");
+        let rec = w.record(d.id).await;
+        if rec.status == ExecutorStatus::Error {
+            let why = rec.error_message.clone().unwrap_or_default();
+            assert!(
+                why.starts_with("recovering:") || why.starts_with("docker_unavailable:"),
+                "{why}"
+            );
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the stopped container was never noticed: {rec:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A while without the engine: retried, never ERROR.
+    for _ in 0..20 {
+        let st = w.status(&mgr, d.id).await;
+        assert_ne!(st.state, SessionState::Error, "{st:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // The engine answers again: back by itself.
+    relay.open();
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let st = w.status(&mgr, d.id).await;
+        assert_ne!(st.state, SessionState::Error, "{st:?}");
+        if st.executor_status == Some(ExecutorStatus::Ready) && st.is_agent_running {
+            assert_eq!(st.state, SessionState::WaitingForInput);
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the Docker executor never came back: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let after = w.record(d.id).await;
+    assert!(
+        after.generation > before.generation,
+        "the container was started"
+    );
+    assert_eq!(
+        after.container_id, before.container_id,
+        "the same container"
+    );
+    w.track(d.id).await;
+    let reply = w.prompt(&mgr, d.id, "two").await;
+    assert_eq!(reply, expected_reply(2, &token, "two"));
+    w.finish(&mgr, &[d.id]).await;
+    drop(relay);
+}

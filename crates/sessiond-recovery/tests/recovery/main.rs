@@ -12,6 +12,7 @@ mod common;
 mod support;
 
 mod background;
+mod claude;
 mod crash;
 mod docker_down;
 mod docker_support;
