@@ -315,7 +315,10 @@ async fn resume_is_preferred_to_load_and_nothing_is_stored_twice() {
         assert_eq!(reopened.len(), 1, "{}: reopened once: {reopened:?}", s.id);
         let call = reopened[0];
         assert_eq!(call.method, *method, "{call:?}");
-        assert!(!old_pids.contains(&call.pid), "a new agent process: {call:?}");
+        assert!(
+            !old_pids.contains(&call.pid),
+            "a new agent process: {call:?}"
+        );
         match *method {
             "session/resume" => assert_eq!(call.replayed, Some(0), "{call:?}"),
             _ => assert!(call.replayed.is_some_and(|n| n > 0), "{call:?}"),
