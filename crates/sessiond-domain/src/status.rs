@@ -63,7 +63,7 @@ impl ExecutionView {
 const RETRIED_CODES: [&str; 3] = ["reconnecting:", "docker_unavailable:", "recovering:"];
 
 /// The record's error when the executor is retried in the background: `error`
-/// with a code of [`RETRIED_CODES`], or `ready` (workspace up) with
+/// with a code of `RETRIED_CODES`, or `ready` (workspace up) with
 /// `recovering:` while its agent's resume is retried.
 pub fn retrying_message(record: &ExecutorRecord) -> Option<String> {
     record
