@@ -1287,9 +1287,17 @@ impl AgentManager {
             grace
         };
         let _ = sys::kill_group(pid, sys::SIGTERM);
+        let started = std::time::Instant::now();
         let exited = tokio::time::timeout(grace, exit_rx.wait_for(Option::is_some))
             .await
             .is_ok();
+        // The rest of the group gets the rest of the grace too: an agent's
+        // leader (a node wrapper) often exits at once while the process
+        // doing the work (the Claude Code CLI) is still writing what the
+        // last turn said to its own transcript; killed then, it loses it.
+        while exited && started.elapsed() < grace && sys::kill_group(pid, 0).is_ok() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         // KILL whatever is left of the group, leader or not.
         let _ = sys::kill_group(pid, sys::SIGKILL);
         if !exited {
