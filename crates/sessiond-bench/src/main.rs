@@ -22,6 +22,12 @@
 //!   the lease TTL plus a single-replica recovery, and event latency across
 //!   replicas against the same replica.
 //!
+//! - A burst of heavy relaunches (`burst.rs`; `--burst N`, default 32, 0
+//!   skips; `--only-burst` runs just that): N standalone sessions whose
+//!   agents take seconds to start, `kill -9` of every agentctl and agent,
+//!   recovered by a fresh manager with the default settings, against the
+//!   parallelism the host sustains without sessiond's launch scheduler.
+//!
 //! Prints a table and writes it into `docs/PERFORMANCE.md` between the
 //! `<!-- bench:begin -->` / `<!-- bench:end -->` markers.
 //!
@@ -29,6 +35,7 @@
 //! `console-seed` seeds the store behind `web/perf/console.mjs`.
 
 mod availability;
+mod burst;
 mod console;
 mod events;
 mod fleet;
@@ -105,6 +112,10 @@ struct Opts {
     lease_ttl: Duration,
     /// Only the replicas measurements.
     only_replicas: bool,
+    /// Heavy standalone sessions of the burst measurement (0: skip it).
+    burst: usize,
+    /// Only the burst measurement.
+    only_burst: bool,
     out: Option<PathBuf>,
     bin_dir: PathBuf,
     command: String,
@@ -128,6 +139,8 @@ impl Opts {
             replicas_n: 1_000,
             lease_ttl: Duration::from_secs(3),
             only_replicas: false,
+            burst: 32,
+            only_burst: false,
             out: None,
             bin_dir: exe.parent().map(Path::to_path_buf).unwrap_or_default(),
             command: std::env::var("SESSIOND_BENCH_COMMAND")
@@ -145,7 +158,10 @@ impl Opts {
                     o.turns = 20;
                     o.idle_window = false;
                     o.availability_n = 1_000;
+                    o.burst = 8;
                 }
+                "--burst" => o.burst = val()?.replace('_', "").parse()?,
+                "--only-burst" => o.only_burst = true,
                 "--n" => o.availability_n = val()?.replace('_', "").parse()?,
                 "--pairs" => o.availability_pairs = val()?.parse::<usize>()?,
                 "--only-availability" => o.only_availability = true,
@@ -171,7 +187,7 @@ impl Opts {
                 "--bin-dir" => o.bin_dir = PathBuf::from(val()?),
                 other => anyhow::bail!(
                     "unknown argument {other:?}; usage: sessiond-bench [--quick] [--sizes 100,1000] \
-                     [--no-postgres] [--standalone N] [--rss-sessions N] [--load-secs S] [--no-idle] [--turns N] [--only-turns] [--n N] [--pairs P] [--only-availability] [--replicas N] [--lease-ttl S] [--only-replicas] [--out FILE] [--bin-dir DIR]"
+                     [--no-postgres] [--standalone N] [--rss-sessions N] [--load-secs S] [--no-idle] [--turns N] [--only-turns] [--n N] [--pairs P] [--only-availability] [--replicas N] [--lease-ttl S] [--only-replicas] [--burst N] [--only-burst] [--out FILE] [--bin-dir DIR]"
                 ),
             }
         }
@@ -308,15 +324,39 @@ async fn run_turns(opts: &Opts, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The burst of heavy relaunches (see `burst.rs`): printed, and written
+/// between its own markers.
+async fn run_burst(opts: &Opts, dir: &Path) -> anyhow::Result<()> {
+    let row = burst::measure(&opts.bin_dir, dir, opts.burst).await?;
+    say(burst::line(&row));
+    let text = burst::render(&row, &opts.command);
+    #[allow(clippy::print_stdout)]
+    {
+        println!("{text}");
+    }
+    if let Some(out) = &opts.out {
+        report::write_between(out, burst::BEGIN, burst::END, &text)?;
+        say(format!("wrote the burst section into {}", out.display()));
+    }
+    Ok(())
+}
+
 async fn run(opts: Opts) -> anyhow::Result<()> {
     let total = Instant::now();
     let dir = tempfile::Builder::new()
         .prefix("sessiond-bench-")
         .tempdir()?;
-    if opts.turns > 0 && !opts.only_availability && !opts.only_replicas {
+    let only = opts.only_turns || opts.only_availability || opts.only_replicas || opts.only_burst;
+    if opts.turns > 0 && (!only || opts.only_turns) {
         run_turns(&opts, dir.path()).await?;
     }
     if opts.only_turns {
+        return Ok(());
+    }
+    if opts.burst > 0 && (!only || opts.only_burst) {
+        run_burst(&opts, dir.path()).await?;
+    }
+    if opts.only_burst {
         return Ok(());
     }
     let exe = std::env::current_exe()?;
