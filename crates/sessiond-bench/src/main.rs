@@ -121,6 +121,41 @@ struct Opts {
     command: String,
 }
 
+const USAGE: &str = "\
+usage: sessiond-bench [OPTIONS]
+       (or `cargo xtask bench [OPTIONS]`, which builds the release binaries first
+        and writes docs/PERFORMANCE.md unless --out is given)
+
+Runs every measurement unless an --only-* option picks one; prints the
+figures and writes them between their markers in --out.
+
+options:
+  -h, --help             print this and exit
+  --quick                smaller sizes (N = 100 and 1,000, 10 standalone, 8 burst)
+  --sizes A,B,...        remote executors per startup-recovery row (100,1000,10000)
+  --no-postgres          leave out PostgreSQL (and the replicas measurements)
+  --standalone N         standalone executors reattached (100; 0 skips)
+  --rss-sessions N       sessions of the `sessiond serve` memory row (10000)
+  --load-secs S          GetSessionStatus load duration (5)
+  --no-idle              leave out the idle-CPU window (~50 s)
+  --turns N              turns on the turn path (50; 0 skips)
+  --only-turns           only the turn path
+  --n N                  sessions of the availability measurement (10000; 0 skips)
+  --pairs P              pass pairs with / without the recovery queue (2)
+  --only-availability    only the availability measurement
+  --replicas N           sessions adopted across replicas (1000; 0 skips)
+  --lease-ttl S          lease TTL of the replicas (3)
+  --only-replicas        only the replicas measurements (need PostgreSQL)
+  --burst N              heavy standalone sessions relaunched at once (32; 0 skips)
+  --only-burst           only the burst measurement
+  --out FILE             write the figures into FILE (a new file gets every
+                         section's markers); `-` writes no file
+  --bin-dir DIR          where sessiond, agentctl and acp-demo-agent are
+                         (beside this executable)
+
+environment: DATABASE_URL (PostgreSQL to use instead of a throwaway cluster),
+SESSIOND_BENCH_WRAP (a profiler to run `sessiond serve` under), RUST_LOG.";
+
 impl Opts {
     fn parse(args: &[String]) -> anyhow::Result<Opts> {
         let exe = std::env::current_exe()?;
@@ -160,6 +195,13 @@ impl Opts {
                     o.availability_n = 1_000;
                     o.burst = 8;
                 }
+                "--help" | "-h" => {
+                    #[allow(clippy::print_stdout)]
+                    {
+                        println!("{USAGE}");
+                    }
+                    std::process::exit(0);
+                }
                 "--burst" => o.burst = val()?.replace('_', "").parse()?,
                 "--only-burst" => o.only_burst = true,
                 "--n" => o.availability_n = val()?.replace('_', "").parse()?,
@@ -185,10 +227,7 @@ impl Opts {
                 "--load-secs" => o.load_secs = val()?.parse()?,
                 "--out" => o.out = Some(PathBuf::from(val()?)).filter(|p| p != Path::new("-")),
                 "--bin-dir" => o.bin_dir = PathBuf::from(val()?),
-                other => anyhow::bail!(
-                    "unknown argument {other:?}; usage: sessiond-bench [--quick] [--sizes 100,1000] \
-                     [--no-postgres] [--standalone N] [--rss-sessions N] [--load-secs S] [--no-idle] [--turns N] [--only-turns] [--n N] [--pairs P] [--only-availability] [--replicas N] [--lease-ttl S] [--only-replicas] [--burst N] [--only-burst] [--out FILE] [--bin-dir DIR]"
-                ),
+                other => anyhow::bail!("unknown argument {other:?}\n\n{USAGE}"),
             }
         }
         Ok(o)
