@@ -23,6 +23,12 @@ What it does, deterministically:
   `/mode ID` instead switches the agent's own mode (ACP
   `current_mode_update`, stored) without a tool call.
 - `session/set_mode`, `session/cancel`.
+- `--resume-only`: `initialize` advertises `sessionCapabilities.resume` and
+  `loadSession: false`; `session/resume` reopens a stored session without
+  replaying anything (answering the stored modes; unknown ids are -32002),
+  and `session/load` is refused as an unknown method. This SDK version
+  routes `session/resume` only with its unstable protocol switched on
+  (`run_agent(..., use_unstable_protocol=True)`), which this switch does.
 Every call is logged as one JSON line to `<state-dir>/calls.log` with the
 pid, so a test can tell which process did what.
 """
@@ -58,8 +64,11 @@ from acp.schema import (
     NewSessionResponse,
     PermissionOption,
     PromptResponse,
+    ResumeSessionResponse,
+    SessionCapabilities,
     SessionMode,
     SessionModeState,
+    SessionResumeCapabilities,
     SetSessionModeResponse,
     ToolCallLocation,
     ToolCallUpdate,
@@ -107,9 +116,10 @@ def modes(current: str) -> SessionModeState:
 
 
 class InteropAgent:
-    def __init__(self, store: Store, protocol_version: int) -> None:
+    def __init__(self, store: Store, protocol_version: int, resume_only: bool = False) -> None:
         self.store = store
         self.protocol_version = protocol_version
+        self.resume_only = resume_only
         self.conn: Client | None = None
         self.cancelled: set[str] = set()
 
@@ -118,9 +128,16 @@ class InteropAgent:
 
     async def initialize(self, protocol_version: int, client_capabilities=None, client_info=None, **kwargs: Any) -> InitializeResponse:
         self.store.log("initialize", protocol_version=protocol_version)
+        if self.resume_only:
+            capabilities = AgentCapabilities(
+                load_session=False,
+                session_capabilities=SessionCapabilities(resume=SessionResumeCapabilities()),
+            )
+        else:
+            capabilities = AgentCapabilities(load_session=True)
         return InitializeResponse(
             protocol_version=self.protocol_version,
-            agent_capabilities=AgentCapabilities(load_session=True),
+            agent_capabilities=capabilities,
             agent_info=Implementation(name="python-interop-agent", version="1"),
             auth_methods=[],
         )
@@ -135,6 +152,8 @@ class InteropAgent:
         return NewSessionResponse(session_id=session_id, modes=modes("default"))
 
     async def load_session(self, cwd: str, session_id: str, mcp_servers=None, **kwargs: Any) -> LoadSessionResponse:
+        if self.resume_only:
+            raise RequestError.method_not_found("session/load")
         state = self.store.load(session_id)
         if state is None:
             raise RequestError.resource_not_found(session_id)
@@ -149,6 +168,14 @@ class InteropAgent:
             await self.conn.session_update(session_id=session_id, update=update)
         self.store.log("session/load", session_id=session_id, replayed=len(state["history"]))
         return LoadSessionResponse(modes=modes(state["mode"]))
+
+    async def resume_session(self, cwd: str, session_id: str, mcp_servers=None, **kwargs: Any) -> ResumeSessionResponse:
+        if not self.resume_only:
+            raise RequestError.method_not_found("session/resume")
+        # Reopened as stored; nothing is replayed (that is session/load).
+        state = self.must_load(session_id)
+        self.store.log("session/resume", session_id=session_id, replayed=0)
+        return ResumeSessionResponse(modes=modes(state["mode"]))
 
     async def set_session_mode(self, session_id: str, mode_id: str, **kwargs: Any) -> SetSessionModeResponse:
         await self.switch_mode(session_id, mode_id)
@@ -248,8 +275,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--state-dir", required=True, type=Path)
     parser.add_argument("--protocol-version", type=int, default=PROTOCOL_VERSION)
+    parser.add_argument("--resume-only", action="store_true", help="offer session/resume, not session/load")
     args = parser.parse_args()
-    asyncio.run(run_agent(InteropAgent(Store(args.state_dir), args.protocol_version)))
+    agent = InteropAgent(Store(args.state_dir), args.protocol_version, args.resume_only)
+    asyncio.run(run_agent(agent, use_unstable_protocol=args.resume_only))
 
 
 if __name__ == "__main__":

@@ -354,7 +354,7 @@ test("an agent that cannot load sessions: not-resumable banner, then a new sessi
   }
 });
 
-test("while sessiond recovers its sessions: a banner, not errors; then the conversation continues", async () => {
+test("while sessiond brings an agent back: where it stands, not errors; then the conversation continues", async () => {
   const { dir, work, data } = scratch("recovering");
   // The agent waits at its start while this file exists: the restarted
   // backend's recovery of the session stays open until the test opens it.
@@ -375,19 +375,21 @@ test("while sessiond recovers its sessions: a banner, not errors; then the conve
     await message(page, "turn 1 of session");
 
     // kill -9 of sessiond and of the agentctls: recovery relaunches the
-    // agent, which holds at its start gate, so the backend is recovering.
+    // agent, which holds at its start gate. sessiond serves as soon as the
+    // workspace is back; the session says its agent is being brought back.
     b.expectNetworkErrors(true);
     await server.kill();
     server.killAgentctls();
     writeFileSync(gate, "");
     await server.start();
-    await visible(page, "[data-testid=banner-recovering]");
-    await b.screenshot("recovering-banner");
+    await visible(page, "[data-testid=agent-recovery]");
+    await b.screenshot("agent-recovery-banner");
     assert.equal(await page.locator("p.error, [data-testid=not-resumable]").count(), 0, "a banner, not errors");
     // Recovery resumes the agent by itself: no Resume call to action meanwhile.
     assert.equal(await page.locator("[data-testid=needs-resume]").count(), 0);
 
     rmSync(gate);
+    await hidden(page, "[data-testid=agent-recovery]");
     await hidden(page, "[data-testid=banner-recovering]");
     await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
     b.expectNetworkErrors(false);

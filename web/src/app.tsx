@@ -3,7 +3,7 @@ import { useCallback, useEffect, useMemo, useRef, useState } from "preact/hooks"
 import { Code, ConnectError } from "@connectrpc/connect";
 import { describe, follow, getToken, health, isUnauthenticated, reason, sessions, setToken, type WatchState } from "./api";
 import { HealthCheckResponse_ServingStatus as Serving } from "./gen/grpc/health/v1/health_pb";
-import type { GetSessionStatusResponse } from "./gen/sessiond/v1/session_service_pb";
+import { RecoveryStage, type AgentRecovery, type GetSessionStatusResponse } from "./gen/sessiond/v1/session_service_pb";
 import type { Event } from "./gen/sessiond/v1/events_pb";
 import {
   ExecutorStatus,
@@ -502,6 +502,26 @@ function NewSession(props: { taskId: string; profiles: AgentProfile[] }) {
   );
 }
 
+/** Where recovery stands in bringing a session's agent back, in words. */
+function recoveryText(r: AgentRecovery): string {
+  const attempt = r.maxAttempts > 1 ? ` (attempt ${r.attempt} of ${r.maxAttempts})` : "";
+  let what: string;
+  switch (r.stage) {
+    case RecoveryStage.QUEUED:
+      what = r.queueLength > 0 ? `Waiting to relaunch the agent: ${r.queuePosition} of ${r.queueLength} in line` : "Waiting to relaunch the agent";
+      break;
+    case RecoveryStage.RESUMING:
+      what = r.replayed > 0n ? `Reopening the conversation (${r.replayed} updates replayed)` : "Reopening the conversation";
+      break;
+    case RecoveryStage.WAITING_TO_RETRY:
+      what = `Trying again in ${Math.max(1, Math.round(Number(r.retryInMs) / 1000))} s`;
+      break;
+    default:
+      what = "Starting the agent";
+  }
+  return what + attempt;
+}
+
 function Spinner(props: { label: string }) {
   return (
     <span class="spinner-wrap" role="status" data-testid="spinner">
@@ -846,6 +866,12 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
         </p>
       )}
       <ErrorLine error={statusError} />
+      {s?.agentRecovery && !ended && (
+        <div class="banner info" role="status" data-testid="agent-recovery">
+          <Spinner label={recoveryText(s.agentRecovery) + "… the workspace is usable meanwhile."} />
+          {s.agentRecovery.lastError && <span class="muted"> Last attempt: {s.agentRecovery.lastError}</span>}
+        </div>
+      )}
       {/* While startup recovery runs it resumes the agent by itself. */}
       {s && s.needsResume && !resuming && props.backend !== "recovering" && (
         <div class="banner info" data-testid="needs-resume">

@@ -4,10 +4,23 @@
 //! streamed as at least three `agent_message_chunk` updates, and keeps each
 //! session's transcript in a state directory so `session/load` in a new
 //! process restores the conversation (replaying it as session updates, as ACP
-//! specifies). Switches (flags or `ACP_DEMO_*` environment variables) make it
-//! misbehave on purpose for tests: no `loadSession` capability, a slow start,
-//! a failing load, a crash after N prompts or in the middle of a turn, and a
-//! delay between chunks so a turn can be cancelled.
+//! specifies), and `session/resume` reopens it without replaying anything.
+//! Switches (flags or `ACP_DEMO_*` environment variables) make it
+//! misbehave on purpose for tests: no `loadSession` capability, no
+//! `sessionCapabilities.resume`, a slow start, a failing load, a crash after
+//! N prompts or in the middle of a turn, and a delay between chunks so a turn
+//! can be cancelled.
+//!
+//! A heavy mode behaves like a real agent (a Node runtime starting, a long
+//! history parsed): `--rss-mb` holds memory, `--busy-ms` computes before it
+//! reads stdin, `--startup-ms` sleeps before it reads stdin, and
+//! `--load-ms-per-message` makes `session/load` and `session/resume`
+//! compute for each stored message.
+//!
+//! Every `initialize`, `session/new`, `session/load` and `session/resume` is
+//! logged as one JSON line to `<state-dir>/calls.log` (`pid`, `method`,
+//! `session_id`, and `replayed`: the updates a load or resume replayed), so
+//! a test can tell what a process was sent.
 //!
 //! Prompts starting with a slash exercise client features:
 //! `/tool` reports a tool call, `/activity` one update of every kind a
@@ -30,9 +43,10 @@ use agent_client_protocol::v1::schema::{
     InitializeRequest, InitializeResponse, LoadSessionRequest, LoadSessionResponse,
     NewSessionRequest, NewSessionResponse, PermissionOption, PermissionOptionKind, PromptRequest,
     PromptResponse, ReadTextFileRequest, RequestPermissionOutcome, RequestPermissionRequest,
-    SessionMode, SessionModeState, SessionNotification, SessionUpdate, SetSessionModeRequest,
-    SetSessionModeResponse, StopReason, TextContent, ToolCall, ToolCallStatus, ToolCallUpdate,
-    ToolCallUpdateFields, WriteTextFileRequest,
+    ResumeSessionRequest, ResumeSessionResponse, SessionCapabilities, SessionMode,
+    SessionModeState, SessionNotification, SessionResumeCapabilities, SessionUpdate,
+    SetSessionModeRequest, SetSessionModeResponse, StopReason, TextContent, ToolCall,
+    ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields, WriteTextFileRequest,
 };
 use agent_client_protocol::{Client, Error, ErrorCode, Stdio};
 use clap::Parser;
@@ -44,17 +58,49 @@ struct Cli {
     /// Directory holding one transcript file per session.
     #[arg(long, env = "ACP_DEMO_STATE_DIR")]
     state_dir: Option<PathBuf>,
-    /// Advertise `loadSession: false` (and refuse `session/load`).
+    /// Advertise `loadSession: false` (and refuse `session/load`). Alone,
+    /// the agent can only resume (`session/resume`).
     #[arg(long, env = "ACP_DEMO_NO_LOAD_SESSION", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
     no_load_session: bool,
-    /// Wait this long before reading stdin (a slow start).
-    #[arg(long, env = "ACP_DEMO_START_DELAY_MS", default_value_t = 0)]
-    start_delay_ms: u64,
+    /// Do not advertise `sessionCapabilities.resume` (and refuse
+    /// `session/resume` as an unknown method). Alone, the agent can only
+    /// load (`session/load`).
+    #[arg(long, env = "ACP_DEMO_NO_RESUME_SESSION", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
+    no_resume_session: bool,
+    /// Advertise `sessionCapabilities.resume` but answer `session/resume`
+    /// with "method not found" anyway (a capability ahead of the code).
+    #[arg(long, env = "ACP_DEMO_REFUSE_RESUME", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
+    refuse_resume: bool,
+    /// Sleep this long before reading stdin (a slow start that does
+    /// nothing: no output, no CPU time). `ACP_DEMO_START_DELAY_MS` is read
+    /// too, as the older name.
+    #[arg(
+        long,
+        alias = "start-delay-ms",
+        env = "ACP_DEMO_STARTUP_MS",
+        default_value_t = 0
+    )]
+    startup_ms: u64,
+    /// Compute (spin) until this process has used this much CPU time,
+    /// before reading stdin (a slow start that works: a runtime starting).
+    /// One line on stderr when it starts and one when it is done, nothing
+    /// in between.
+    #[arg(long, env = "ACP_DEMO_BUSY_MS", default_value_t = 0)]
+    busy_ms: u64,
+    /// Allocate this many MiB at start, write every page, and hold them
+    /// until the process ends (a real agent's resident memory).
+    #[arg(long, env = "ACP_DEMO_RSS_MB", default_value_t = 0)]
+    rss_mb: u64,
+    /// `session/load` and `session/resume` compute (spin) this much CPU
+    /// time per stored history message (a prompt or a reply), as parsing a
+    /// long history does; a load sends each message after its share.
+    #[arg(long, env = "ACP_DEMO_LOAD_MS_PER_MESSAGE", default_value_t = 0)]
+    load_ms_per_message: u64,
     /// Before reading stdin, wait while this file exists (a gate a test
     /// holds closed to keep a backend's recovery of this agent open).
     #[arg(long, env = "ACP_DEMO_START_GATE_FILE")]
     start_gate_file: Option<PathBuf>,
-    /// Reject every `session/load`.
+    /// Reject every `session/load` and `session/resume`.
     #[arg(long, env = "ACP_DEMO_FAIL_LOAD", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
     fail_load: bool,
     /// Exit with status 43 right after answering the Nth prompt of this process.
@@ -138,6 +184,29 @@ fn mode_state(current: &str) -> SessionModeState {
 }
 
 impl Demo {
+    /// The mode and stored turns of session `id`, for `session/load` and
+    /// `session/resume`: none for a session of this process not stored yet
+    /// (`--lazy-persist`); -32002 for an unknown one; an error when loads
+    /// are configured to fail.
+    fn reopen(&self, id: &str) -> Result<(String, Vec<Turn>), Error> {
+        if self.cli.fail_load {
+            return Err(Error::new(
+                ErrorCode::INTERNAL_ERROR,
+                "acp-demo-agent is configured to fail session/load and session/resume",
+            ));
+        }
+        let mode = lock(&self.modes)
+            .get(id)
+            .cloned()
+            .unwrap_or_else(|| "default".to_owned());
+        if lock(&self.unsaved).contains_key(id) {
+            return Ok((mode, Vec::new()));
+        }
+        let turns = load_transcript(&self.state_dir, id)
+            .map_err(|msg| Error::new(ErrorCode::RESOURCE_NOT_FOUND, msg))?;
+        Ok((mode, turns))
+    }
+
     /// `Err(-32000)` while authentication is required and was not done.
     fn check_auth(&self) -> Result<(), Error> {
         if self.cli.require_auth && !*lock(&self.authenticated) {
@@ -155,12 +224,33 @@ struct Turn {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    if cli.startup_ms == 0
+        && let Some(ms) = std::env::var("ACP_DEMO_START_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+    {
+        cli.startup_ms = ms;
+    }
     let state_dir = cli
         .state_dir
         .clone()
         .unwrap_or_else(|| std::env::temp_dir().join("acp-demo-agent"));
     std::fs::create_dir_all(&state_dir)?;
+    // Held until the process ends.
+    let _ballast = hold_memory(cli.rss_mb);
+    if cli.busy_ms > 0 {
+        eprintln!(
+            "acp-demo-agent: starting, busy for {} ms of CPU time",
+            cli.busy_ms
+        );
+        let wall = std::time::Instant::now();
+        burn_cpu(cli.busy_ms);
+        eprintln!(
+            "acp-demo-agent: started after {} ms",
+            wall.elapsed().as_millis()
+        );
+    }
     if let Some(file) = &cli.grandchild_pid_file {
         // Not waited for: it lives as long as nothing kills it.
         let _child = std::process::Command::new("sh")
@@ -172,8 +262,8 @@ async fn main() -> anyhow::Result<()> {
             .stdout(std::process::Stdio::null())
             .spawn()?;
     }
-    if cli.start_delay_ms > 0 {
-        tokio::time::sleep(Duration::from_millis(cli.start_delay_ms)).await;
+    if cli.startup_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(cli.startup_ms)).await;
     }
     if let Some(gate) = &cli.start_gate_file {
         while gate.exists() {
@@ -198,6 +288,7 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
     let d_auth = demo.clone();
     let d_new = demo.clone();
     let d_load = demo.clone();
+    let d_resume = demo.clone();
     let d_prompt = demo.clone();
     let d_mode = demo.clone();
     let d_cancel = demo;
@@ -206,7 +297,13 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
         .name("acp-demo-agent")
         .on_receive_request(
             async move |init: InitializeRequest, responder, _cx| {
-                let caps = AgentCapabilities::new().load_session(!d_init.cli.no_load_session);
+                let mut caps = AgentCapabilities::new().load_session(!d_init.cli.no_load_session);
+                if !d_init.cli.no_resume_session {
+                    caps = caps.session_capabilities(
+                        SessionCapabilities::new().resume(SessionResumeCapabilities::new()),
+                    );
+                }
+                log_call(&d_init.state_dir, "initialize", None, None);
                 let auth_methods = if d_init.cli.require_auth {
                     vec![
                         AuthMethod::Agent(
@@ -251,6 +348,7 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
                     return responder.respond_with_error(e);
                 }
                 let id = uuid::Uuid::new_v4().to_string();
+                log_call(&d_new.state_dir, "session/new", Some(&id), None);
                 if d_new.cli.lazy_persist {
                     lock(&d_new.unsaved).insert(id.clone(), req.cwd.clone());
                     return responder
@@ -276,40 +374,52 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
                 if d_load.cli.no_load_session {
                     return responder.respond_with_error(Error::method_not_found());
                 }
-                if d_load.cli.fail_load {
-                    return responder.respond_with_error(Error::new(
-                        ErrorCode::INTERNAL_ERROR,
-                        "acp-demo-agent is configured to fail session/load",
-                    ));
+                let id = req.session_id.0.to_string();
+                let (mode, turns) = match d_load.reopen(&id) {
+                    Ok(found) => found,
+                    Err(e) => return responder.respond_with_error(e),
+                };
+                // Replay the conversation before answering, as ACP
+                // specifies, each message after its share of the work.
+                let mut replayed = 0;
+                for turn in &turns {
+                    for update in [
+                        SessionUpdate::UserMessageChunk(text_chunk(&turn.prompt)),
+                        SessionUpdate::AgentMessageChunk(text_chunk(&turn.reply)),
+                    ] {
+                        burn_cpu(d_load.cli.load_ms_per_message);
+                        cx.send_notification(SessionNotification::new(
+                            req.session_id.clone(),
+                            update,
+                        ))?;
+                        replayed += 1;
+                        // Let the message go out before the next one's work.
+                        tokio::task::yield_now().await;
+                    }
+                }
+                log_call(&d_load.state_dir, "session/load", Some(&id), Some(replayed));
+                responder.respond(LoadSessionResponse::new().modes(mode_state(&mode)))
+            },
+            agent_client_protocol::on_receive_request!(),
+        )
+        .on_receive_request(
+            async move |req: ResumeSessionRequest, responder, _cx| {
+                if let Err(e) = d_resume.check_auth() {
+                    return responder.respond_with_error(e);
+                }
+                if d_resume.cli.no_resume_session || d_resume.cli.refuse_resume {
+                    return responder.respond_with_error(Error::method_not_found());
                 }
                 let id = req.session_id.0.to_string();
-                let mode = lock(&d_load.modes)
-                    .get(&id)
-                    .cloned()
-                    .unwrap_or_else(|| "default".to_owned());
-                if lock(&d_load.unsaved).contains_key(&id) {
-                    // Known to this process, nothing to replay.
-                    return responder.respond(LoadSessionResponse::new().modes(mode_state(&mode)));
-                }
-                let turns = match load_transcript(&d_load.state_dir, &id) {
-                    Ok(t) => t,
-                    Err(msg) => {
-                        return responder
-                            .respond_with_error(Error::new(ErrorCode::RESOURCE_NOT_FOUND, msg));
-                    }
+                let (mode, turns) = match d_resume.reopen(&id) {
+                    Ok(found) => found,
+                    Err(e) => return responder.respond_with_error(e),
                 };
-                // Replay the conversation before answering, as ACP specifies.
-                for turn in &turns {
-                    cx.send_notification(SessionNotification::new(
-                        req.session_id.clone(),
-                        SessionUpdate::UserMessageChunk(text_chunk(&turn.prompt)),
-                    ))?;
-                    cx.send_notification(SessionNotification::new(
-                        req.session_id.clone(),
-                        SessionUpdate::AgentMessageChunk(text_chunk(&turn.reply)),
-                    ))?;
-                }
-                responder.respond(LoadSessionResponse::new().modes(mode_state(&mode)))
+                // The same work as a load (reading the history), nothing
+                // replayed.
+                burn_cpu(d_resume.cli.load_ms_per_message * 2 * turns.len() as u64);
+                log_call(&d_resume.state_dir, "session/resume", Some(&id), Some(0));
+                responder.respond(ResumeSessionResponse::new().modes(mode_state(&mode)))
             },
             agent_client_protocol::on_receive_request!(),
         )
@@ -358,6 +468,76 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
         )
         .connect_to(Stdio::new())
         .await
+}
+
+/// Appends one JSON line about a call to `<state-dir>/calls.log`. Best
+/// effort: a test that reads the log fails on a missing line.
+fn log_call(state_dir: &Path, method: &str, session_id: Option<&str>, replayed: Option<u64>) {
+    use std::io::Write;
+    let line = serde_json::json!({
+        "pid": std::process::id(),
+        "method": method,
+        "session_id": session_id,
+        "replayed": replayed,
+    });
+    let written = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(state_dir.join("calls.log"))
+        .and_then(|mut f| writeln!(f, "{line}"));
+    if let Err(e) = written {
+        eprintln!("acp-demo-agent: cannot log {method} to calls.log: {e}");
+    }
+}
+
+/// CPU time (user + system) this process has used, in milliseconds, from
+/// `/proc/self/stat` (clock ticks of 10 ms, Linux's USER_HZ); `None`
+/// where there is no such file.
+fn own_cpu_ms() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let rest = &text[text.rfind(')')? + 2..];
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    Some((f.get(11)? + f.get(12)?) * 10)
+}
+
+/// Spins until this process has used `ms` more milliseconds of CPU time
+/// (wall-clock time where `/proc` cannot tell): real work, however slowly
+/// a loaded machine lets it run.
+fn burn_cpu(ms: u64) {
+    if ms == 0 {
+        return;
+    }
+    let wall = std::time::Instant::now();
+    let start = own_cpu_ms();
+    let mut x = 0u64;
+    loop {
+        for i in 0..100_000u64 {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(i));
+        }
+        let done = match (start, own_cpu_ms()) {
+            (Some(a), Some(b)) => b.saturating_sub(a) >= ms,
+            _ => wall.elapsed() >= Duration::from_millis(ms),
+        };
+        if done {
+            return;
+        }
+    }
+}
+
+/// `mb` MiB, every page written so that it is resident.
+fn hold_memory(mb: u64) -> Vec<u8> {
+    let len = usize::try_from(mb.saturating_mul(1 << 20)).unwrap_or(usize::MAX);
+    let mut ballast = vec![0u8; len];
+    for page in ballast.chunks_mut(4096) {
+        page[0] = 1;
+    }
+    if mb > 0 {
+        eprintln!("acp-demo-agent: holding {mb} MiB");
+    }
+    std::hint::black_box(ballast)
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -23,9 +23,9 @@ use agent_client_protocol::v1::schema::{
     FileSystemCapabilities, Implementation, InitializeRequest, LoadSessionRequest,
     NewSessionRequest, PermissionOptionKind, PromptRequest, ReadTextFileRequest,
     ReadTextFileResponse, RequestPermissionOutcome, RequestPermissionRequest,
-    RequestPermissionResponse, SelectedPermissionOutcome, SessionId, SessionModeId,
-    SessionModeState, SessionNotification, SessionUpdate, SetSessionModeRequest, StopReason,
-    TextContent, WriteTextFileRequest, WriteTextFileResponse,
+    RequestPermissionResponse, ResumeSessionRequest, SelectedPermissionOutcome, SessionId,
+    SessionModeId, SessionModeState, SessionNotification, SessionUpdate, SetSessionModeRequest,
+    StopReason, TextContent, WriteTextFileRequest, WriteTextFileResponse,
 };
 use agent_client_protocol::{Agent, Client, ErrorCode, Lines};
 use sessiond_proto::agentctl::v1::{
@@ -39,17 +39,23 @@ use crate::activity::{self, Parts};
 use crate::error::{Error, Result};
 use crate::exec::explicit_env;
 use crate::journal::{AgentRecord, Journal, Loaded, Phase, TurnRecord};
+use crate::signs::{self, Signs};
 use crate::sys;
 use crate::tree;
 use crate::updates::UpdateLog;
 use crate::workspace::Workspace;
 
-/// Deadline for ACP `initialize` when the request gives none.
+/// How long the agent may show no sign of life (no output, no CPU time)
+/// before ACP `initialize` is given up, when the request gives no limit.
+/// A slow start that keeps computing or writing is waited for, up to
+/// [`signs::SETUP_CAP`].
 pub const DEFAULT_INITIALIZE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Grace period between TERM and KILL when the request gives none.
 pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(3);
-/// Deadline for `session/new` and `session/load`.
-const SESSION_SETUP_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long the agent may show no sign of life before `session/new`,
+/// `session/load`, `session/resume` or `session/set_mode` is given up (see
+/// [`signs::until_silent`]; at most [`signs::SETUP_CAP`] in all).
+const SESSION_SETUP_SILENCE: Duration = Duration::from_secs(120);
 /// How many started turns `Prompt` remembers for its idempotency by
 /// `turn_id` (the proto promises 256).
 pub const REMEMBERED_TURNS: usize = 256;
@@ -92,7 +98,9 @@ pub struct LaunchSpec {
     pub env: HashMap<String, String>,
     /// The profile's `supports_session_resume` claim.
     pub profile_supports_session_resume: bool,
-    /// Deadline for ACP `initialize` (and `authenticate`).
+    /// How long the agent may show no sign of life during ACP
+    /// `initialize` (and `authenticate`) before it is given up (zero: the
+    /// default).
     pub initialize_timeout: Duration,
     /// ACP auth method to `authenticate` with after `initialize`.
     pub auth_method: Option<String>,
@@ -141,6 +149,8 @@ pub struct Launched {
     pub version: String,
     /// `agentCapabilities.loadSession`.
     pub load_session: bool,
+    /// `agentCapabilities.sessionCapabilities.resume` is present.
+    pub resume_session: bool,
     /// `authMethods` the agent offered.
     pub auth_methods: Vec<OfferedAuth>,
     /// The method `authenticate` succeeded with, if one was called.
@@ -177,8 +187,38 @@ pub struct Status {
     pub profile_claim: bool,
     /// `loadSession` from the last successful `initialize`.
     pub agent_load_session: Option<bool>,
+    /// `sessionCapabilities.resume` from the last successful `initialize`.
+    pub agent_resume_session: Option<bool>,
     /// The ACP session the agent has open, if any.
     pub session: Option<String>,
+    /// Lines the last launched agent wrote (see [`Signs`]).
+    pub activity: u64,
+    /// CPU time of the last launched agent's tree, in milliseconds.
+    pub cpu_ms: u64,
+    /// A `resume_session` is in progress.
+    pub resuming: bool,
+    /// History updates dropped so far by the `resume_session` in progress.
+    pub replayed: u64,
+}
+
+/// How [`AgentManager::resume_session`] reopened the conversation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reopened {
+    /// ACP `session/resume`: nothing replayed.
+    Resume,
+    /// ACP `session/load`: the agent replayed the history.
+    Load,
+}
+
+/// What [`AgentManager::resume_session`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resumed {
+    /// The ACP session now open.
+    pub token: String,
+    /// The ACP call that reopened it.
+    pub method: Reopened,
+    /// History updates the agent replayed (dropped, not re-emitted).
+    pub replayed: u64,
 }
 
 #[derive(Debug)]
@@ -204,6 +244,9 @@ struct Slot {
     exit: Option<AgentExit>,
     profile_claim: bool,
     agent_load_session: Option<bool>,
+    agent_resume_session: Option<bool>,
+    /// Signs of life of the last launched agent.
+    signs: Option<Arc<Signs>>,
     /// What the current agent offered at `initialize`, for error messages.
     auth_methods: Vec<OfferedAuth>,
     /// The current agent's permission policy.
@@ -211,10 +254,11 @@ struct Slot {
     running: Option<Running>,
     session: Option<SessionId>,
     turn: Option<Turn>,
-    /// A `session/load` is in flight for this session: its replayed history
-    /// is dropped instead of being reported as new messages.
+    /// A `session/resume` or `session/load` is in flight for this session:
+    /// whatever it replays is dropped instead of being reported as new
+    /// messages.
     replaying: Option<SessionId>,
-    /// Updates dropped during the current `session/load`, for the log.
+    /// Updates dropped during the current (or last) resume.
     replayed: u64,
     /// Turns started by this process or (read from the journal) earlier
     /// agentctl processes of this executor, oldest first, at most
@@ -461,6 +505,8 @@ impl AgentManager {
                     exit: None,
                     profile_claim: false,
                     agent_load_session: None,
+                    agent_resume_session: None,
+                    signs: None,
                     auth_methods: Vec::new(),
                     policy,
                     running: None,
@@ -511,16 +557,44 @@ impl AgentManager {
         self
     }
 
-    /// Current state, for Health and Capabilities.
+    /// Current state, for Health and Capabilities. Reads the agent's CPU
+    /// time from `/proc` while it runs.
     pub fn status(&self) -> Status {
-        let slot = self.shared.slot();
-        Status {
-            state: slot.state,
-            exit: slot.exit,
-            profile_claim: slot.profile_claim,
-            agent_load_session: slot.agent_load_session,
-            session: slot.session.as_ref().map(|s| s.0.to_string()),
+        let (mut status, signs, alive) = {
+            let slot = self.shared.slot();
+            let resuming = slot.replaying.is_some();
+            let status = Status {
+                state: slot.state,
+                exit: slot.exit,
+                profile_claim: slot.profile_claim,
+                agent_load_session: slot.agent_load_session,
+                agent_resume_session: slot.agent_resume_session,
+                session: slot.session.as_ref().map(|s| s.0.to_string()),
+                activity: 0,
+                cpu_ms: 0,
+                resuming,
+                replayed: if resuming { slot.replayed } else { 0 },
+            };
+            (status, slot.signs.clone(), slot.running.is_some())
+        };
+        if let Some(signs) = signs {
+            status.activity = signs.lines();
+            status.cpu_ms = if alive {
+                signs.sample_cpu_ms()
+            } else {
+                signs.last_cpu_ms()
+            };
         }
+        status
+    }
+
+    /// Signs of life of the running agent (of the last launch when none runs).
+    fn signs(&self) -> Result<Arc<Signs>> {
+        self.shared
+            .slot()
+            .signs
+            .clone()
+            .ok_or_else(|| Error::FailedPrecondition("no agent was launched".into()))
     }
 
     /// Spawns the agent and runs ACP `initialize`.
@@ -591,6 +665,7 @@ impl AgentManager {
             let _ = sys::kill_group(pid, sys::SIGKILL);
             return Err(e);
         }
+        let signs = Arc::new(Signs::new(record));
 
         let (exit_tx, exit_rx) = watch::channel(None);
         let (close_tx, close_rx) = oneshot::channel::<()>();
@@ -600,6 +675,8 @@ impl AgentManager {
             slot.exit = None;
             slot.profile_claim = spec.profile_supports_session_resume;
             slot.agent_load_session = None;
+            slot.agent_resume_session = None;
+            slot.signs = Some(signs.clone());
             slot.auth_methods = Vec::new();
             slot.policy = spec.permission_policy.unwrap_or(self.shared.policy);
             slot.permission_timeout = if spec.permission_timeout.is_zero() {
@@ -623,10 +700,13 @@ impl AgentManager {
             slot.generation
         };
 
-        // Agent stderr goes to our log, line by line.
+        // Agent stderr goes to our log, line by line; each line is a sign
+        // of life.
+        let stderr_signs = signs.clone();
         tokio::spawn(async move {
             let mut lines = BufReader::new(stderr).lines();
             while let Ok(Some(line)) = lines.next_line().await {
+                stderr_signs.line();
                 tracing::info!(target: "agent_stderr", pid, "{line}");
             }
         });
@@ -647,14 +727,15 @@ impl AgentManager {
 
         let (conn_tx, conn_rx) = oneshot::channel();
         let shared = self.shared.clone();
+        let transport = lines_transport(stdin, stdout, signs.clone());
         tokio::spawn(async move {
-            let result = run_connection(shared, generation, stdin, stdout, conn_tx, close_rx).await;
+            let result = run_connection(shared, generation, transport, conn_tx, close_rx).await;
             if let Err(e) = result {
                 tracing::info!(pid, error = ?e, "ACP connection ended");
             }
         });
 
-        let timeout = if spec.initialize_timeout.is_zero() {
+        let silence = if spec.initialize_timeout.is_zero() {
             DEFAULT_INITIALIZE_TIMEOUT
         } else {
             spec.initialize_timeout
@@ -707,12 +788,9 @@ impl AgentManager {
         };
         let mut exit_wait = exit_rx.clone();
         let outcome = tokio::select! {
-            r = tokio::time::timeout(timeout, init) => match r {
+            r = signs::until_silent(&signs, silence, signs::SETUP_CAP, init) => match r {
                 Ok(r) => r,
-                Err(_) => Err(Error::DeadlineExceeded(format!(
-                    "the agent did not answer ACP initialize within {} ms",
-                    timeout.as_millis()
-                ))),
+                Err(cut) => Err(Error::DeadlineExceeded(cut.describe("ACP initialize"))),
             },
             exit = exit_wait.wait_for(Option::is_some) => {
                 let exit = exit.ok().and_then(|e| *e).unwrap_or_default();
@@ -725,6 +803,11 @@ impl AgentManager {
         match outcome {
             Ok((conn, resp, auth_methods, authenticated_with)) => {
                 let load_session = resp.agent_capabilities.load_session;
+                let resume_session = resp
+                    .agent_capabilities
+                    .session_capabilities
+                    .resume
+                    .is_some();
                 let (name, version) = resp
                     .agent_info
                     .map(|i| (i.name, i.version))
@@ -739,14 +822,16 @@ impl AgentManager {
                     r.conn = Some(conn);
                 }
                 slot.agent_load_session = Some(load_session);
+                slot.agent_resume_session = Some(resume_session);
                 slot.auth_methods = auth_methods.clone();
                 slot.set_state(&self.shared.updates, AgentState::Ready);
-                tracing::info!(pid, %name, %version, load_session, "agent initialized");
+                tracing::info!(pid, %name, %version, load_session, resume_session, activity = signs.lines(), cpu_ms = signs.sample_cpu_ms(), "agent initialized");
                 Ok(Launched {
                     pid,
                     name,
                     version,
                     load_session,
+                    resume_session,
                     auth_methods,
                     authenticated_with,
                 })
@@ -770,13 +855,16 @@ impl AgentManager {
             }
             slot.connection()?
         };
+        let signs = self.signs()?;
         let request = NewSessionRequest::new(self.shared.workspace.root().to_path_buf());
-        let resp = tokio::time::timeout(
-            SESSION_SETUP_TIMEOUT,
+        let resp = signs::until_silent(
+            &signs,
+            SESSION_SETUP_SILENCE,
+            signs::SETUP_CAP,
             conn.send_request(request).block_task(),
         )
         .await
-        .map_err(|_| Error::DeadlineExceeded("session/new was not answered in time".into()))?
+        .map_err(|cut| Error::DeadlineExceeded(cut.describe("ACP session/new")))?
         .map_err(|e| self.shared.acp_error("ACP session/new", &e))?;
         let id = resp.session_id;
         let mut slot = self.shared.slot();
@@ -785,22 +873,28 @@ impl AgentManager {
         Ok(id.0.to_string())
     }
 
-    /// ACP `session/load` with a token from `new_session`.
-    pub async fn resume_session(&self, token: &str) -> Result<String> {
+    /// Reopens the conversation `token` (from `new_session`): ACP
+    /// `session/resume` when the agent offers it (nothing replayed), else
+    /// `session/load`, also when the agent refuses `session/resume` as an
+    /// unknown method. Whatever the agent replays meanwhile is dropped, not
+    /// put on the update stream.
+    pub async fn resume_session(&self, token: &str) -> Result<Resumed> {
         let _op = self.shared.ops.lock().await;
         if token.is_empty() {
             return Err(Error::InvalidArgument("resume_token is empty".into()));
         }
         let session = SessionId::new(token);
-        let conn = {
+        let (conn, offers_resume, offers_load) = {
             let mut slot = self.shared.slot();
             let conn = slot.connection()?;
             if slot.state == AgentState::Busy {
                 return Err(Error::FailedPrecondition("a turn is in progress".into()));
             }
-            if slot.agent_load_session != Some(true) {
+            let offers_resume = slot.agent_resume_session == Some(true);
+            let offers_load = slot.agent_load_session == Some(true);
+            if !offers_resume && !offers_load {
                 return Err(Error::FailedPrecondition(
-                    "the agent does not support session resume (no ACP loadSession capability); start a new session".into(),
+                    "the agent does not support session resume (neither the ACP loadSession capability nor sessionCapabilities.resume); start a new session".into(),
                 ));
             }
             if !slot.profile_claim {
@@ -810,38 +904,71 @@ impl AgentManager {
             }
             slot.replaying = Some(session.clone());
             slot.replayed = 0;
-            conn
+            (conn, offers_resume, offers_load)
         };
-        let request =
-            LoadSessionRequest::new(session.clone(), self.shared.workspace.root().to_path_buf());
-        let result = tokio::time::timeout(
-            SESSION_SETUP_TIMEOUT,
-            conn.send_request(request).block_task(),
-        )
-        .await;
+        let signs = self.signs()?;
+        let cwd = self.shared.workspace.root().to_path_buf();
+        let reopen = async {
+            if offers_resume {
+                let request = ResumeSessionRequest::new(session.clone(), cwd.clone());
+                let answer = signs::until_silent(
+                    &signs,
+                    SESSION_SETUP_SILENCE,
+                    signs::SETUP_CAP,
+                    conn.send_request(request).block_task(),
+                )
+                .await
+                .map_err(|cut| Error::DeadlineExceeded(cut.describe("ACP session/resume")))?;
+                match answer {
+                    Ok(resp) => return Ok((Reopened::Resume, resp.modes)),
+                    Err(e) if e.code == ErrorCode::METHOD_NOT_FOUND && offers_load => {
+                        tracing::info!(session = %session, "the agent refused session/resume as an unknown method; loading instead");
+                    }
+                    Err(e) => {
+                        return Err(self.shared.acp_error(
+                            &format!("ACP session/resume of {token:?} was rejected"),
+                            &e,
+                        ));
+                    }
+                }
+            }
+            let request = LoadSessionRequest::new(session.clone(), cwd);
+            let resp = signs::until_silent(
+                &signs,
+                SESSION_SETUP_SILENCE,
+                signs::SETUP_CAP,
+                conn.send_request(request).block_task(),
+            )
+            .await
+            .map_err(|cut| Error::DeadlineExceeded(cut.describe("ACP session/load")))?
+            .map_err(|e| {
+                self.shared
+                    .acp_error(&format!("ACP session/load of {token:?} was rejected"), &e)
+            })?;
+            Ok((Reopened::Load, resp.modes))
+        };
+        let result = reopen.await;
         let mut slot = self.shared.slot();
         slot.replaying = None;
-        match result {
-            Ok(Ok(resp)) => {
-                tracing::info!(
-                    session = %session,
-                    replayed = slot.replayed,
-                    "session/load done; replayed history not re-emitted"
-                );
-                slot.session = Some(session);
-                slot.modes = resp.modes;
-                Ok(token.to_owned())
+        let (method, modes) = result?;
+        let replayed = slot.replayed;
+        match method {
+            Reopened::Resume => {
+                tracing::info!(session = %session, replayed, "session/resume done");
             }
-            Ok(Err(e)) => {
-                drop(slot);
-                Err(self
-                    .shared
-                    .acp_error(&format!("ACP session/load of {token:?} was rejected"), &e))
-            }
-            Err(_) => Err(Error::DeadlineExceeded(
-                "session/load was not answered in time".into(),
-            )),
+            Reopened::Load => tracing::info!(
+                session = %session,
+                replayed,
+                "session/load done; replayed history not re-emitted"
+            ),
         }
+        slot.session = Some(session);
+        slot.modes = modes;
+        Ok(Resumed {
+            token: token.to_owned(),
+            method,
+            replayed,
+        })
     }
 
     /// The session modes of the open conversation, if the agent has modes.
@@ -875,13 +1002,16 @@ impl AgentManager {
                 known.join(", ")
             )));
         }
-        tokio::time::timeout(
-            SESSION_SETUP_TIMEOUT,
+        let signs = self.signs()?;
+        signs::until_silent(
+            &signs,
+            SESSION_SETUP_SILENCE,
+            signs::SETUP_CAP,
             conn.send_request(SetSessionModeRequest::new(session, mode_id.to_owned()))
                 .block_task(),
         )
         .await
-        .map_err(|_| Error::DeadlineExceeded("session/set_mode was not answered in time".into()))?
+        .map_err(|cut| Error::DeadlineExceeded(cut.describe("ACP session/set_mode")))?
         .map_err(|e| self.shared.acp_error("ACP session/set_mode", &e))?;
         let mut slot = self.shared.slot();
         let mut modes = slot.modes.clone().unwrap_or(modes);
@@ -1434,28 +1564,38 @@ fn on_session_update(shared: &Shared, generation: u64, n: SessionNotification) {
     }
 }
 
+type Transport = Lines<
+    std::pin::Pin<Box<dyn futures::Sink<String, Error = std::io::Error> + Send>>,
+    std::pin::Pin<Box<dyn futures::Stream<Item = std::io::Result<String>> + Send>>,
+>;
+
+/// ACP over the agent's stdio, one JSON-RPC message per line; every line
+/// read is a sign of life.
 fn lines_transport(
     stdin: tokio::process::ChildStdin,
     stdout: tokio::process::ChildStdout,
-) -> Lines<
-    impl futures::Sink<String, Error = std::io::Error> + Send + 'static,
-    impl futures::Stream<Item = std::io::Result<String>> + Send + 'static,
-> {
-    let incoming =
-        futures::stream::unfold(BufReader::new(stdout).lines(), |mut lines| async move {
+    signs: Arc<Signs>,
+) -> Transport {
+    let incoming = futures::stream::unfold(
+        (BufReader::new(stdout).lines(), signs),
+        |(mut lines, signs)| async move {
             match lines.next_line().await {
-                Ok(Some(line)) => Some((Ok(line), lines)),
+                Ok(Some(line)) => {
+                    signs.line();
+                    Some((Ok(line), (lines, signs)))
+                }
                 Ok(None) => None,
-                Err(e) => Some((Err(e), lines)),
+                Err(e) => Some((Err(e), (lines, signs))),
             }
-        });
+        },
+    );
     let outgoing = futures::sink::unfold(stdin, |mut stdin, line: String| async move {
         stdin.write_all(line.as_bytes()).await?;
         stdin.write_all(b"\n").await?;
         stdin.flush().await?;
         Ok::<_, std::io::Error>(stdin)
     });
-    Lines::new(Box::pin(outgoing), Box::pin(incoming))
+    Lines::new(Box::pin(outgoing) as _, Box::pin(incoming) as _)
 }
 
 /// The ACP client: session updates to the stream, and answers to the agent's
@@ -1465,8 +1605,7 @@ fn lines_transport(
 async fn run_connection(
     shared: Arc<Shared>,
     generation: u64,
-    stdin: tokio::process::ChildStdin,
-    stdout: tokio::process::ChildStdout,
+    transport: Transport,
     conn_tx: oneshot::Sender<ConnectionTo<Agent>>,
     close: oneshot::Receiver<()>,
 ) -> std::result::Result<(), agent_client_protocol::Error> {
@@ -1544,7 +1683,7 @@ async fn run_connection(
             agent_client_protocol::on_receive_request!(),
         )
         .connect_with(
-            lines_transport(stdin, stdout),
+            transport,
             async move |cx: ConnectionTo<Agent>| {
                 let _ = conn_tx.send(cx);
                 let _ = close.await;

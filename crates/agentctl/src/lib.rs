@@ -21,6 +21,7 @@ pub mod fence;
 pub mod git;
 pub mod journal;
 pub mod service;
+pub mod signs;
 pub mod sys;
 pub mod tree;
 pub mod updates;

@@ -12,16 +12,17 @@ use sessiond_proto::agentctl::v1::{
     Capability, ExecRequest, ExecResponse, GitDiffRequest, GitDiffResponse, GitStatusRequest,
     GitStatusResponse, HealthRequest, HealthResponse, LaunchAgentRequest, LaunchAgentResponse,
     ListDirRequest, ListDirResponse, NewSessionRequest, NewSessionResponse, PromptRequest,
-    PromptResponse, ReadFileRequest, ReadFileResponse, ResumeSessionRequest, ResumeSessionResponse,
-    SessionMode, SessionModes, SetModeRequest, SetModeResponse, StopAgentRequest,
-    StopAgentResponse, StreamUpdatesRequest, TurnPhase, WriteFileRequest, WriteFileResponse,
+    PromptResponse, ReadFileRequest, ReadFileResponse, ResumeMethod, ResumeSessionRequest,
+    ResumeSessionResponse, SessionMode, SessionModes, SetModeRequest, SetModeResponse,
+    StopAgentRequest, StopAgentResponse, StreamUpdatesRequest, TurnPhase, WriteFileRequest,
+    WriteFileResponse,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
-use crate::agent::{AgentManager, LaunchSpec, PermissionPolicy};
+use crate::agent::{AgentManager, LaunchSpec, PermissionPolicy, Reopened};
 use crate::auth::{Activity, Authenticator};
 use crate::exec::{self, ExecSpec};
 use crate::git;
@@ -117,15 +118,21 @@ impl AgentCtlService for AgentCtl {
             journaled,
             journal_fresh,
             modes: self.agent.modes().map(|m| session_modes(&m)),
-            ..HealthResponse::default()
+            agent_activity: status.activity,
+            agent_cpu_ms: status.cpu_ms,
+            resuming: status.resuming,
+            replayed: status.replayed,
         }))
     }
 
     async fn capabilities(&self, _req: Request<CapabilitiesRequest>) -> Res<CapabilitiesResponse> {
         let status = self.agent.status();
+        // Resumable by ACP `session/load` or by `session/resume`.
+        let offered =
+            status.agent_load_session == Some(true) || status.agent_resume_session == Some(true);
         let resume = match status.agent_load_session {
             None => Capability::Unknown,
-            Some(true) if status.profile_claim => Capability::Supported,
+            Some(_) if status.profile_claim && offered => Capability::Supported,
             Some(_) => Capability::Unsupported,
         };
         Ok(Response::new(CapabilitiesResponse {
@@ -133,7 +140,7 @@ impl AgentCtlService for AgentCtl {
             supports_workspace_only: Capability::Supported as i32,
             profile_claims_session_resume: status.profile_claim,
             agent_load_session: status.agent_load_session,
-            ..CapabilitiesResponse::default()
+            agent_resume_session: status.agent_resume_session,
         }))
     }
 
@@ -194,11 +201,16 @@ impl AgentCtlService for AgentCtl {
     ) -> Res<ResumeSessionResponse> {
         let token = req.into_inner().resume_token;
         let agent = self.agent.clone();
-        let resume_token = to_completion(async move { agent.resume_session(&token).await }).await?;
+        let resumed = to_completion(async move { agent.resume_session(&token).await }).await?;
+        let method = match resumed.method {
+            Reopened::Resume => ResumeMethod::Resume,
+            Reopened::Load => ResumeMethod::Load,
+        };
         Ok(Response::new(ResumeSessionResponse {
-            resume_token,
+            resume_token: resumed.token,
             modes: self.agent.modes().map(|m| session_modes(&m)),
-            ..ResumeSessionResponse::default()
+            method: method as i32,
+            replayed: resumed.replayed,
         }))
     }
 

@@ -1,5 +1,5 @@
 //! The only place agentctl calls libc directly: signalling a process group,
-//! and tying the agent's life to agentctl's.
+//! tying the agent's life to agentctl's, and the clock tick of CPU times.
 #![allow(unsafe_code)]
 
 use std::io;
@@ -175,6 +175,17 @@ pub fn kill_self() -> ! {
         // flush): to the journal and the backend it is the same death.
         libc::_exit(137)
     }
+}
+
+/// Clock ticks per second, the unit of CPU times in `/proc/<pid>/stat`
+/// (`sysconf(_SC_CLK_TCK)`; 100 on Linux, also when sysconf fails).
+pub fn clock_ticks_per_sec() -> u64 {
+    static TICKS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        // SAFETY: sysconf takes an integer and reads no memory of ours.
+        let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        u64::try_from(t).ok().filter(|&t| t > 0).unwrap_or(100)
+    })
 }
 
 /// Sends `signal` to one process.

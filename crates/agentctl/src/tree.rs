@@ -64,3 +64,90 @@ pub fn end(a: &AgentRecord) -> usize {
     }
     found.len()
 }
+
+/// The fields of `/proc/<pid>/stat` after the command name (which is in
+/// parentheses and may contain anything): index 0 is field 3 (state).
+fn stat_fields(pid: u32) -> Option<Vec<u64>> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &text[text.rfind(')')? + 2..];
+    Some(
+        rest.split_whitespace()
+            .map(|f| f.parse().unwrap_or(0))
+            .collect(),
+    )
+}
+
+/// CPU time of `pid` in clock ticks: user + system of the process and of
+/// the children it reaped (`utime stime cutime cstime`, fields 14 to 17),
+/// so a tree's total does not drop when a child ends and is waited for.
+pub fn cpu_ticks(pid: u32) -> Option<u64> {
+    let f = stat_fields(pid)?;
+    Some(f.get(11..15)?.iter().sum())
+}
+
+/// `pid` and its live descendants, from the kernel's `children` lists
+/// (`/proc/<pid>/task/<tid>/children`); `None` when the kernel keeps none
+/// (built without `CONFIG_PROC_CHILDREN`) or `pid` is gone.
+pub fn descendants(pid: u32) -> Option<Vec<u32>> {
+    if !std::path::Path::new(&format!("/proc/{pid}/task/{pid}/children")).exists() {
+        return None;
+    }
+    let mut found = vec![pid];
+    let mut i = 0;
+    // Bounded: a process tree of an agent is small, and pid reuse between
+    // two reads must not make the walk loop.
+    while i < found.len() && found.len() < 4096 {
+        let p = found[i];
+        i += 1;
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else {
+            continue;
+        };
+        for task in tasks.flatten() {
+            let Ok(text) = std::fs::read_to_string(task.path().join("children")) else {
+                continue;
+            };
+            for child in text.split_whitespace().filter_map(|c| c.parse().ok()) {
+                if !found.contains(&child) {
+                    found.push(child);
+                }
+            }
+        }
+    }
+    Some(found)
+}
+
+/// CPU time the tree `a` has used, in milliseconds (see [`cpu_ticks`]):
+/// the leader and its descendants, or, where the kernel lists no children
+/// or the leader is gone, the processes carrying the tree's marker
+/// ([`members`]). 0 when nothing is found.
+pub fn cpu_ms(a: &AgentRecord) -> u64 {
+    let pids = descendants(a.pid).unwrap_or_else(|| members(a));
+    let ticks: u64 = pids.iter().filter_map(|&p| cpu_ticks(p)).sum();
+    ticks.saturating_mul(1000) / sys::clock_ticks_per_sec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_of_this_process_grows_while_it_computes() {
+        let me = std::process::id();
+        assert!(descendants(me).is_some_and(|d| d.first() == Some(&me)));
+        let record = AgentRecord {
+            instance: String::new(),
+            pid: me,
+            start_time: 0,
+            marker: String::new(),
+        };
+        let before = cpu_ms(&record);
+        // Spin until the kernel has charged at least two more ticks.
+        let mut x = 0u64;
+        while cpu_ms(&record) < before + 20 {
+            for i in 0..100_000u64 {
+                x = std::hint::black_box(x.wrapping_add(i));
+            }
+        }
+        assert!(cpu_ms(&record) >= before + 20);
+    }
+}

@@ -470,9 +470,10 @@ async fn launch_prompt_stop_relaunch_resume_continues_conversation() {
         .until(|u| matches!(u.kind, Some(Kind::AgentExited(_))))
         .await;
 
-    // A new agent process, the same conversation.
+    // A new agent process, the same conversation, reloaded by
+    // `session/load` (the agent offers no `session/resume`).
     let relaunched = c
-        .launch_agent(h.demo(true, &[]))
+        .launch_agent(h.demo(true, &[("ACP_DEMO_NO_RESUME_SESSION", "1")]))
         .await
         .expect("relaunch")
         .into_inner();
@@ -487,6 +488,8 @@ async fn launch_prompt_stop_relaunch_resume_continues_conversation() {
         .expect("resume")
         .into_inner();
     assert_eq!(resumed.resume_token, token);
+    assert_eq!(resumed.method(), ResumeMethod::Load);
+    assert_eq!(resumed.replayed, 4, "two turns, a prompt and a reply each");
     let resp = c
         .prompt(PromptRequest {
             text: "third".into(),
@@ -686,12 +689,19 @@ async fn agent_without_load_session_cannot_resume_but_workspace_works() {
     let h = Harness::new();
     let ctl = h.spawn(&[]).await;
     let mut c = ctl.client().await;
-    c.launch_agent(h.demo(true, &[("ACP_DEMO_NO_LOAD_SESSION", "1")]))
-        .await
-        .expect("launch");
+    c.launch_agent(h.demo(
+        true,
+        &[
+            ("ACP_DEMO_NO_LOAD_SESSION", "1"),
+            ("ACP_DEMO_NO_RESUME_SESSION", "1"),
+        ],
+    ))
+    .await
+    .expect("launch");
     let cp = caps(&mut c).await;
     assert_eq!(cp.supports_session_resume(), Capability::Unsupported);
     assert_eq!(cp.agent_load_session, Some(false));
+    assert_eq!(cp.agent_resume_session, Some(false));
     assert!(cp.profile_claims_session_resume);
     let err = c
         .resume_session(ResumeSessionRequest {
@@ -2646,4 +2656,473 @@ async fn older_lease_epochs_are_refused_across_an_agentctl_restart() {
         "3"
     );
     ctl.shutdown().await;
+}
+
+/// The calls the demo agent (or the Python agent) logged to its
+/// `calls.log`, of process `pid`: (method, replayed).
+fn calls_of(h: &Harness, pid: u32) -> Vec<(String, Option<u64>)> {
+    let path = h.base.path().join("state/calls.log");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("a JSON line"))
+        .filter(|v| v["pid"].as_u64() == Some(u64::from(pid)))
+        .map(|v| {
+            (
+                v["method"].as_str().unwrap_or_default().to_owned(),
+                v["replayed"].as_u64(),
+            )
+        })
+        .collect()
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// A heavy agent (it holds 64 MiB and computes for 1.5 s of CPU time
+/// before it reads stdin, as a Node runtime starting does) shows signs of
+/// life in Health while LaunchAgent waits for it, before it answered
+/// anything on ACP: its stderr lines count and its CPU time grows (never
+/// back). After the launch the counts include the busy time and the
+/// initialize answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_shows_a_heavy_launch_working() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let idle = health(&mut c).await;
+    assert_eq!((idle.agent_activity, idle.agent_cpu_ms), (0, 0));
+
+    let req = h.demo(
+        true,
+        &[("ACP_DEMO_BUSY_MS", "1500"), ("ACP_DEMO_RSS_MB", "64")],
+    );
+    let mut launcher = c.clone();
+    let started = Instant::now();
+    let launch = tokio::spawn(async move { launcher.launch_agent(req).await });
+    // (activity, cpu) of every Health answered while the agent was starting.
+    let mut starting = Vec::new();
+    while !launch.is_finished() {
+        let hl = health(&mut c).await;
+        if hl.agent_state() == AgentState::Starting {
+            starting.push((hl.agent_activity, hl.agent_cpu_ms));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let launched = launch.await.expect("join").expect("launch").into_inner();
+    let took = started.elapsed();
+    assert!(
+        starting.iter().any(|&(lines, _)| lines >= 1),
+        "no stderr line counted while starting: {starting:?}"
+    );
+    let cpu: Vec<u64> = starting.iter().map(|&(_, cpu)| cpu).collect();
+    assert!(
+        cpu.windows(2).any(|w| w[1] > w[0]),
+        "CPU time did not grow while starting: {starting:?}"
+    );
+    assert!(
+        cpu.windows(2).all(|w| w[1] >= w[0]),
+        "CPU time went back: {starting:?}"
+    );
+    // Three stderr lines (memory, busy, started) and the initialize answer;
+    // stderr is read on its own, so wait for the last line to be counted.
+    let deadline = Instant::now() + WAIT;
+    let after = loop {
+        let hl = health(&mut c).await;
+        if hl.agent_activity >= 4 {
+            break hl;
+        }
+        assert!(Instant::now() < deadline, "activity stays at {hl:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(after.agent_state(), AgentState::Ready);
+    assert!(
+        after.agent_cpu_ms >= 1500,
+        "the agent computed for 1.5 s: {after:?}"
+    );
+    assert!(!after.resuming);
+    let rss = rss_kib(launched.agent_pid);
+    assert!(rss >= 64 * 1024, "agent RSS {rss} KiB");
+    eprintln!(
+        "heavy launch: {} ms, {} Health samples while starting (last {:?}), then activity {} cpu {} ms rss {} MiB",
+        took.as_millis(),
+        starting.len(),
+        starting.last(),
+        after.agent_activity,
+        after.agent_cpu_ms,
+        rss / 1024
+    );
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+/// ResumeSession reopens a conversation by ACP `session/resume` when the
+/// agent offers it (nothing replayed), by `session/load` when it does not
+/// (the history replayed and dropped, Health saying so while it runs), and
+/// by `session/load` when the agent offers resume but refuses it as an
+/// unknown method. The agent's `calls.log` shows the call each process got.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_prefers_session_resume_and_loads_otherwise() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let mut stream = Stream::open(&mut c, 0).await;
+    c.launch_agent(h.demo(true, &[])).await.expect("launch");
+    let cp = caps(&mut c).await;
+    assert_eq!(cp.supports_session_resume(), Capability::Supported);
+    assert_eq!(cp.agent_load_session, Some(true));
+    assert_eq!(cp.agent_resume_session, Some(true));
+    let token = c
+        .new_session(NewSessionRequest {})
+        .await
+        .expect("new session")
+        .into_inner()
+        .resume_token;
+    prompt(&mut c, &mut stream, "one").await;
+    prompt(&mut c, &mut stream, "two").await;
+
+    // Offered: session/resume, nothing replayed.
+    let stop = StopAgentRequest { grace_ms: 2000 };
+    c.stop_agent(stop).await.expect("stop");
+    let pid = c
+        .launch_agent(h.demo(true, &[]))
+        .await
+        .expect("relaunch")
+        .into_inner()
+        .agent_pid;
+    let resumed = c
+        .resume_session(ResumeSessionRequest {
+            resume_token: token.clone(),
+        })
+        .await
+        .expect("resume")
+        .into_inner();
+    assert_eq!(resumed.method(), ResumeMethod::Resume);
+    assert_eq!(resumed.replayed, 0);
+    assert_eq!(
+        calls_of(&h, pid),
+        vec![
+            ("initialize".to_owned(), None),
+            ("session/resume".to_owned(), Some(0))
+        ]
+    );
+    let (reply, _) = prompt(&mut c, &mut stream, "three").await;
+    assert_eq!(
+        reply,
+        format!("turn 3 of session {token}: you said \"three\"")
+    );
+
+    // Not offered: session/load, each of the 6 messages after 150 ms of
+    // CPU time; Health shows the resume and the replay in progress.
+    c.stop_agent(stop).await.expect("stop");
+    let pid = c
+        .launch_agent(h.demo(
+            true,
+            &[
+                ("ACP_DEMO_NO_RESUME_SESSION", "1"),
+                ("ACP_DEMO_LOAD_MS_PER_MESSAGE", "150"),
+            ],
+        ))
+        .await
+        .expect("relaunch")
+        .into_inner()
+        .agent_pid;
+    let cp = caps(&mut c).await;
+    assert_eq!(cp.supports_session_resume(), Capability::Supported);
+    assert_eq!(cp.agent_resume_session, Some(false));
+    let mut resumer = c.clone();
+    let request = ResumeSessionRequest {
+        resume_token: token.clone(),
+    };
+    let resume = tokio::spawn(async move { resumer.resume_session(request).await });
+    let mut during = Vec::new();
+    while !resume.is_finished() {
+        let hl = health(&mut c).await;
+        during.push((hl.resuming, hl.replayed));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let resumed = resume.await.expect("join").expect("resume").into_inner();
+    assert_eq!(resumed.method(), ResumeMethod::Load);
+    assert_eq!(
+        resumed.replayed, 6,
+        "three turns, a prompt and a reply each"
+    );
+    assert_eq!(
+        calls_of(&h, pid),
+        vec![
+            ("initialize".to_owned(), None),
+            ("session/load".to_owned(), Some(6))
+        ]
+    );
+    assert!(
+        during.iter().any(|&(r, n)| r && (1..6).contains(&n)),
+        "no replay in progress seen in Health: {during:?}"
+    );
+    let after = health(&mut c).await;
+    assert_eq!((after.resuming, after.replayed), (false, 0));
+    let (reply, _) = prompt(&mut c, &mut stream, "four").await;
+    assert_eq!(
+        reply,
+        format!("turn 4 of session {token}: you said \"four\"")
+    );
+
+    // Offered but refused as an unknown method: session/load.
+    c.stop_agent(stop).await.expect("stop");
+    let pid = c
+        .launch_agent(h.demo(true, &[("ACP_DEMO_REFUSE_RESUME", "1")]))
+        .await
+        .expect("relaunch")
+        .into_inner()
+        .agent_pid;
+    assert_eq!(caps(&mut c).await.agent_resume_session, Some(true));
+    let resumed = c
+        .resume_session(ResumeSessionRequest {
+            resume_token: token.clone(),
+        })
+        .await
+        .expect("resume")
+        .into_inner();
+    assert_eq!(resumed.method(), ResumeMethod::Load);
+    assert_eq!(resumed.replayed, 8);
+    assert_eq!(
+        calls_of(&h, pid),
+        vec![
+            ("initialize".to_owned(), None),
+            ("session/load".to_owned(), Some(8))
+        ]
+    );
+    // Nothing replayed reached the stream: the next chunks are the turn's.
+    let resp = c
+        .prompt(PromptRequest {
+            text: "five".into(),
+            turn_id: "turn-5".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("prompt")
+        .into_inner();
+    for u in stream.until_turn_end("turn-5").await {
+        if let Some(Kind::MessageChunk(m)) = &u.kind {
+            assert_eq!(
+                m.message_id, resp.message_id,
+                "replayed history leaked: {u:?}"
+            );
+        }
+    }
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+/// An agent that offers `session/resume` and not `session/load` is
+/// resumable, and resumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_only_agent_is_resumable() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let mut stream = Stream::open(&mut c, 0).await;
+    let resume_only = [("ACP_DEMO_NO_LOAD_SESSION", "1")];
+    let launched = c
+        .launch_agent(h.demo(true, &resume_only))
+        .await
+        .expect("launch")
+        .into_inner();
+    assert!(!launched.agent_load_session);
+    let cp = caps(&mut c).await;
+    assert_eq!(cp.supports_session_resume(), Capability::Supported);
+    assert_eq!(cp.agent_load_session, Some(false));
+    assert_eq!(cp.agent_resume_session, Some(true));
+    let token = c
+        .new_session(NewSessionRequest {})
+        .await
+        .expect("new session")
+        .into_inner()
+        .resume_token;
+    prompt(&mut c, &mut stream, "before").await;
+    c.stop_agent(StopAgentRequest { grace_ms: 2000 })
+        .await
+        .expect("stop");
+
+    let pid = c
+        .launch_agent(h.demo(true, &resume_only))
+        .await
+        .expect("relaunch")
+        .into_inner()
+        .agent_pid;
+    let resumed = c
+        .resume_session(ResumeSessionRequest {
+            resume_token: token.clone(),
+        })
+        .await
+        .expect("resume")
+        .into_inner();
+    assert_eq!(resumed.method(), ResumeMethod::Resume);
+    assert_eq!(resumed.replayed, 0);
+    assert_eq!(health(&mut c).await.acp_session_id, token);
+    assert_eq!(
+        calls_of(&h, pid),
+        vec![
+            ("initialize".to_owned(), None),
+            ("session/resume".to_owned(), Some(0))
+        ]
+    );
+    let (reply, _) = prompt(&mut c, &mut stream, "after").await;
+    assert_eq!(
+        reply,
+        format!("turn 2 of session {token}: you said \"after\"")
+    );
+    // An unknown conversation is the agent's "not found".
+    let err = c
+        .resume_session(ResumeSessionRequest {
+            resume_token: "no-such-session".into(),
+        })
+        .await
+        .expect_err("unknown token");
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+/// The initialize limit bounds the agent's silence, not its work: an agent
+/// that computes for 3 s of CPU time before it reads stdin is waited for
+/// with a limit of 1 s, an agent that sleeps (no output, no CPU time) is
+/// cut after 1 s of that and stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn initialize_waits_while_the_agent_works_and_cuts_it_when_silent() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+
+    let mut req = h.demo(true, &[("ACP_DEMO_BUSY_MS", "3000")]);
+    req.initialize_timeout_ms = 1000;
+    let started = Instant::now();
+    c.launch_agent(req)
+        .await
+        .expect("a busy agent is waited for");
+    let took = started.elapsed();
+    // 3 s of CPU time on one thread take at least 3 s: longer than the limit.
+    assert!(took >= Duration::from_secs(3), "{took:?}");
+    let hl = health(&mut c).await;
+    assert_eq!(hl.agent_state(), AgentState::Ready);
+    assert!(hl.agent_cpu_ms >= 3000, "{hl:?}");
+    eprintln!(
+        "busy agent launched in {} ms with a 1000 ms silence limit (cpu {} ms)",
+        took.as_millis(),
+        hl.agent_cpu_ms
+    );
+    c.stop_agent(StopAgentRequest { grace_ms: 2000 })
+        .await
+        .expect("stop");
+
+    let mut req = h.demo(true, &[("ACP_DEMO_STARTUP_MS", "60000")]);
+    req.initialize_timeout_ms = 1000;
+    let started = Instant::now();
+    let err = c
+        .launch_agent(req)
+        .await
+        .expect_err("a silent agent is cut");
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
+    assert!(
+        err.message().contains("no sign of life for 1000 ms"),
+        "{}",
+        err.message()
+    );
+    eprintln!(
+        "silent agent cut after {} ms",
+        started.elapsed().as_millis()
+    );
+    assert_eq!(health(&mut c).await.agent_state(), AgentState::Exited);
+    let deadline = Instant::now() + WAIT;
+    while h.leftovers() != vec![ctl.pid] {
+        assert!(
+            Instant::now() < deadline,
+            "agent survived: {:?}",
+            h.leftovers()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+/// The interop agent on the Python ACP SDK with `--resume-only`
+/// (`sessionCapabilities.resume`, `loadSession: false`) is resumable and
+/// resumed by `session/resume` in a new process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the Python ACP SDK's virtualenv (cargo xtask interop-venv): run by cargo xtask ci"]
+async fn a_python_sdk_agent_offering_only_resume_is_resumed() {
+    let target = agentctl_exe()
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .to_path_buf();
+    let python = target.join("interop-venv/bin/python3");
+    assert!(
+        python.is_file(),
+        "{} not found: make the virtualenv with `cargo xtask interop-venv`",
+        python.display()
+    );
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/interop/python_agent.py");
+    assert!(script.is_file(), "{} not found", script.display());
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let req = LaunchAgentRequest {
+        command: python.to_string_lossy().into_owned(),
+        args: vec![
+            script.to_string_lossy().into_owned(),
+            "--state-dir".into(),
+            h.base.path().join("state").to_string_lossy().into_owned(),
+            "--resume-only".into(),
+        ],
+        profile_supports_session_resume: true,
+        initialize_timeout_ms: 20_000,
+        ..Default::default()
+    };
+    c.launch_agent(req.clone()).await.expect("launch");
+    let cp = caps(&mut c).await;
+    assert_eq!(cp.supports_session_resume(), Capability::Supported);
+    assert_eq!(cp.agent_load_session, Some(false));
+    assert_eq!(cp.agent_resume_session, Some(true));
+    let token = c
+        .new_session(NewSessionRequest {})
+        .await
+        .expect("new session")
+        .into_inner()
+        .resume_token;
+    c.stop_agent(StopAgentRequest { grace_ms: 2000 })
+        .await
+        .expect("stop");
+    let pid = c
+        .launch_agent(req)
+        .await
+        .expect("relaunch")
+        .into_inner()
+        .agent_pid;
+    let resumed = c
+        .resume_session(ResumeSessionRequest {
+            resume_token: token.clone(),
+        })
+        .await
+        .expect("resume")
+        .into_inner();
+    assert_eq!(resumed.method(), ResumeMethod::Resume);
+    assert_eq!(resumed.replayed, 0);
+    assert_eq!(health(&mut c).await.acp_session_id, token);
+    assert_eq!(
+        calls_of(&h, pid),
+        vec![
+            ("initialize".to_owned(), None),
+            ("session/resume".to_owned(), Some(0))
+        ]
+    );
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
 }

@@ -38,7 +38,9 @@ pub struct ManagerConfig {
     pub remote_retry_window: Duration,
     /// Delays between background reconnect attempts.
     pub remote_backoff: Backoff,
-    /// Deadline for the agent to answer ACP `initialize` on LaunchAgent.
+    /// agentctl's silence limit for the agent's ACP `initialize` on
+    /// LaunchAgent (`initialize_timeout_ms`): cut when the agent shows no
+    /// sign of life for this long, however long it works.
     pub agent_initialize_timeout: Duration,
     /// Between TERM and KILL when an agent is stopped.
     pub agent_stop_grace: Duration,

@@ -237,6 +237,12 @@ impl Default for ManagerMetrics {
         for outcome in ["resumed", "failed"] {
             drop(me.resumes.get_or_create(&OutcomeLabels { outcome }));
         }
+        for outcome in ["resumed", "reattached", "executor_only", "stopped"] {
+            drop(me.recoveries.get_or_create(&RecoveryLabels {
+                outcome,
+                reason: "none",
+            }));
+        }
         for outcome in ["reachable", "unreachable"] {
             drop(me.reconnects.get_or_create(&OutcomeLabels { outcome }));
         }

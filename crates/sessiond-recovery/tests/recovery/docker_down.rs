@@ -261,8 +261,14 @@ async fn engine_restart_while_serving_recovers_by_itself() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let after = w.record(d.id).await;
-    assert!(after.generation > before.generation, "the container was started");
-    assert_eq!(after.container_id, before.container_id, "the same container");
+    assert!(
+        after.generation > before.generation,
+        "the container was started"
+    );
+    assert_eq!(
+        after.container_id, before.container_id,
+        "the same container"
+    );
     w.track(d.id).await;
     let reply = w.prompt(&mgr, d.id, "two").await;
     assert_eq!(reply, expected_reply(2, &token, "two"));

@@ -241,3 +241,98 @@ async fn a_silent_agent_is_cut_retried_and_comes_back_or_fails_after_its_attempt
     std::fs::remove_file(&gate_b).unwrap();
     w.finish(&mgr, &[comes_back.id, gives_up.id]).await;
 }
+
+/// One line of the demo agent's `calls.log`.
+#[derive(Debug, serde::Deserialize)]
+struct Call {
+    pid: u32,
+    method: String,
+    session_id: Option<String>,
+    replayed: Option<u64>,
+}
+
+fn calls(w: &World) -> Vec<Call> {
+    std::fs::read_to_string(w.path("agent-state").join("calls.log"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// After `kill -9` of everything, each agent reopens its conversation the
+/// way it can: ACP `session/resume` when it offers it (nothing replayed,
+/// whether it also offers `session/load` or not), `session/load` otherwise
+/// (the history replayed by the agent and dropped by agentctl). Either way
+/// nothing stored is duplicated and the conversation goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_is_preferred_to_load_and_nothing_is_stored_twice() {
+    let w = World::new(Db::Sqlite).await;
+    let both = w.demo_profile("both", &[]).await;
+    let resume_only = w
+        .demo_profile("resume-only", &[("ACP_DEMO_NO_LOAD_SESSION", "1")])
+        .await;
+    let load_only = w
+        .demo_profile("load-only", &[("ACP_DEMO_NO_RESUME_SESSION", "1")])
+        .await;
+    let mgr = w.manager_with(defaults());
+    let mut sessions = Vec::new();
+    for (name, profile, method) in [
+        ("both", &both, "session/resume"),
+        ("resume-only", &resume_only, "session/resume"),
+        ("load-only", &load_only, "session/load"),
+    ] {
+        let s = w.create_with(&mgr, name, profile, None).await;
+        w.prompt(&mgr, s.id, "one").await;
+        w.prompt(&mgr, s.id, "two").await;
+        sessions.push((s, method));
+    }
+    let mut stored = Vec::new();
+    for (s, _) in &sessions {
+        stored.push(w.all_messages(s.id).await.len());
+    }
+    mgr.shutdown();
+    drop(mgr);
+    let mut old_pids = Vec::new();
+    for (s, _) in &sessions {
+        let r = w.record(s.id).await;
+        old_pids.push(r.pid.unwrap());
+        kill_tree(r.pid.unwrap()).await;
+    }
+
+    let mgr = w.manager_with(defaults());
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 3, "{summary:?}");
+    let log = calls(&w);
+    for (i, (s, method)) in sessions.iter().enumerate() {
+        let token = s.resume_token.clone().unwrap();
+        let reopened: Vec<&Call> = log
+            .iter()
+            .filter(|c| {
+                c.session_id.as_deref() == Some(token.as_str())
+                    && (c.method == "session/resume" || c.method == "session/load")
+            })
+            .collect();
+        assert_eq!(reopened.len(), 1, "{}: reopened once: {reopened:?}", s.id);
+        let call = reopened[0];
+        assert_eq!(call.method, *method, "{call:?}");
+        assert!(
+            !old_pids.contains(&call.pid),
+            "a new agent process: {call:?}"
+        );
+        match *method {
+            "session/resume" => assert_eq!(call.replayed, Some(0), "{call:?}"),
+            _ => assert!(call.replayed.is_some_and(|n| n > 0), "{call:?}"),
+        }
+        assert_eq!(
+            w.all_messages(s.id).await.len(),
+            stored[i],
+            "{}: nothing stored twice by reopening",
+            s.id
+        );
+        w.track(s.id).await;
+        let reply = w.prompt(&mgr, s.id, "three").await;
+        assert_eq!(reply, expected_reply(3, &token, "three"));
+    }
+    let ids: Vec<SessionId> = sessions.iter().map(|(s, _)| s.id).collect();
+    w.finish(&mgr, &ids).await;
+}

@@ -176,14 +176,21 @@ async fn deleted_worktree_is_error_without_launch() {
     w.finish(&mgr, &[s.id]).await;
 }
 
-/// An agent without loadSession (the probe lowers the profile's claim):
-/// after losing the agent, the session is ERROR not_resumable, while the
-/// workspace (exec, files) works through the relaunched agentctl.
+/// An agent without loadSession or session/resume (the probe lowers the
+/// profile's claim): after losing the agent, the session is ERROR
+/// not_resumable, while the workspace (exec, files) works through the
+/// relaunched agentctl.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_without_load_session_is_not_resumable_but_workspace_works() {
     let w = World::new(Db::Sqlite).await;
     let profile = w
-        .demo_profile("no-load", &[("ACP_DEMO_NO_LOAD_SESSION", "1")])
+        .demo_profile(
+            "no-load",
+            &[
+                ("ACP_DEMO_NO_LOAD_SESSION", "1"),
+                ("ACP_DEMO_NO_RESUME_SESSION", "1"),
+            ],
+        )
         .await;
     let mgr = w.manager();
     let s = w.create_with(&mgr, "nl", &profile, None).await;

@@ -548,3 +548,70 @@ impl CanonicalizeOrCreate for PathBuf {
         self.canonicalize().unwrap()
     }
 }
+
+/// An agent that offers ACP `session/resume` but not `session/load` (the
+/// Python SDK agent with `--resume-only`) is resumable: after `kill -9` of
+/// sessiond, agentctl and the agent, the restarted backend brings the
+/// session back by itself through `session/resume` in a new agent process,
+/// with nothing replayed, and the conversation goes on.
+#[tokio::test]
+#[ignore = "needs the Python ACP SDK's virtualenv: run by cargo xtask ci"]
+async fn python_sdk_agent_offering_only_session_resume_recovers_after_kill_9() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work").canonicalize_or_create();
+    let config = config(dir.path(), &[("pyresume", &["--resume-only"], "")]);
+    let mut server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "resume-only").await;
+    let s = create_session(&mut c, &task.id, &work, "pyresume").await;
+    assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
+    let first = calls(dir.path())
+        .into_iter()
+        .find(|c| c.method == "session/new")
+        .expect("the agent got session/new");
+    let reply = prompt(&mut c, &task.id, &s.id, "hello").await;
+    assert_eq!(reply, "turn 1: you said \"hello\" (tool: allowed)");
+    let before = list(&mut c, &task.id, &s.id).await;
+
+    server.kill();
+    for pid in agentctl_pids(&data) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while alive(first.pid) {
+        assert!(Instant::now() < deadline, "agent {} still alive", first.pid);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let server = start(&data, &["--config", &config]);
+    crate::restart::wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+    let now = get(&mut c, &task.id, &s.id).await;
+    assert_eq!(
+        now.state,
+        pb::SessionState::WaitingForInput as i32,
+        "{now:?}"
+    );
+    let log = calls(dir.path());
+    assert!(
+        !log.iter().any(|c| c.method == "session/load"),
+        "never loaded: {log:?}"
+    );
+    let resumed = log
+        .iter()
+        .find(|c| c.method == "session/resume" && c.session_id == s.resume_token)
+        .unwrap_or_else(|| panic!("the agent got session/resume: {log:?}"));
+    assert_ne!(resumed.pid, first.pid, "a new agent process resumed it");
+    assert!(resumed.replayed.unwrap_or(0) == 0, "{resumed:?}");
+    assert_eq!(
+        list(&mut c, &task.id, &s.id).await,
+        before,
+        "nothing stored twice"
+    );
+    let reply = prompt(&mut c, &task.id, &s.id, "again").await;
+    assert_eq!(reply, "turn 2: you said \"again\" (tool: allowed)");
+}

@@ -28,8 +28,61 @@ pub(crate) async fn wait_serving(server: &Server) {
             .unwrap()
             .status;
         if status == ServingStatus::Serving as i32 {
-            return;
+            break;
         }
+    }
+    wait_agents_back(server).await;
+}
+
+/// SERVING comes once every workspace is back; agents that relaunch follow
+/// behind it. Waits until no session says `recovering` any more (the tests
+/// that call [`wait_serving`] then look at agents), at most two minutes. A
+/// server this test client cannot list (another token) is left to the
+/// test's own checks.
+async fn wait_agents_back(server: &Server) {
+    let mut c = sessions(server).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    'poll: loop {
+        let Ok(tasks) = c
+            .list_tasks(pb::ListTasksRequest {
+                page_size: 1000,
+                page_token: String::new(),
+            })
+            .await
+        else {
+            return;
+        };
+        for task in tasks.into_inner().tasks {
+            let Ok(list) = c
+                .list_sessions(pb::ListSessionsRequest {
+                    task_id: task.id.clone(),
+                })
+                .await
+            else {
+                return;
+            };
+            for s in list.into_inner().sessions {
+                let Ok(st) = c
+                    .get_session_status(pb::GetSessionStatusRequest {
+                        task_id: task.id.clone(),
+                        session_id: s.id.clone(),
+                    })
+                    .await
+                else {
+                    continue;
+                };
+                if st.into_inner().recovering {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "session {} still recovering two minutes after SERVING",
+                        s.id
+                    );
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue 'poll;
+                }
+            }
+        }
+        return;
     }
 }
 
