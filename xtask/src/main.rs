@@ -731,8 +731,34 @@ fn step(name: &str, mut cmd: Command) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `cargo ARGS` in the environment of a plain `cargo` from a shell.
+///
+/// `cargo xtask` is `cargo run`, which gives this process the package
+/// variables of xtask itself (`CARGO_MANIFEST_DIR`, `CARGO_PKG_NAME`, ...).
+/// Inherited by a nested cargo, they are what it compares the
+/// `rerun-if-env-changed` of build scripts against: ring's names
+/// `CARGO_MANIFEST_DIR` and `CARGO_PKG_*`, so its build script ran again
+/// and ring, rustls, tonic and every crate above them were rebuilt after
+/// each switch between `cargo xtask ...` and a plain `cargo build`.
 fn cargo(args: &[&str]) -> Command {
-    command(&cargo_bin(), args)
+    let mut cmd = command(&cargo_bin(), args);
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(is_cargo_run_variable) {
+            cmd.env_remove(name);
+        }
+    }
+    cmd
+}
+
+/// The variables `cargo run` sets for the program it runs (beside `CARGO`,
+/// which names the same cargo, and the library path).
+fn is_cargo_run_variable(name: &str) -> bool {
+    name.starts_with("CARGO_PKG_")
+        || name.starts_with("CARGO_MANIFEST_")
+        || matches!(
+            name,
+            "CARGO_CRATE_NAME" | "CARGO_BIN_NAME" | "CARGO_PRIMARY_PACKAGE"
+        )
 }
 
 fn command(program: &str, args: &[&str]) -> Command {
@@ -755,6 +781,27 @@ fn workspace_root() -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::Counts;
+
+    /// A nested cargo sees none of xtask's own package variables (they
+    /// made it rebuild ring and everything above it; see `cargo`).
+    #[test]
+    fn nested_cargo_gets_no_package_variables() {
+        let cmd = super::cargo(&["build"]);
+        let removed: Vec<_> = cmd
+            .get_envs()
+            .filter(|(_, v)| v.is_none())
+            .map(|(k, _)| k.to_string_lossy().into_owned())
+            .collect();
+        // `cargo test` gives this test the same variables `cargo run` gives xtask.
+        for name in ["CARGO_MANIFEST_DIR", "CARGO_PKG_NAME", "CARGO_PKG_VERSION"] {
+            assert!(std::env::var_os(name).is_some(), "{name} not set by cargo");
+            assert!(
+                removed.iter().any(|r| r == name),
+                "{name} kept: {removed:?}"
+            );
+        }
+        assert!(!removed.iter().any(|r| r == "PATH" || r == "CARGO_HOME"));
+    }
 
     fn count(lines: &[&str]) -> (u64, u64) {
         let mut c = Counts::default();

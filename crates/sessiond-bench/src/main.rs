@@ -22,6 +22,12 @@
 //!   the lease TTL plus a single-replica recovery, and event latency across
 //!   replicas against the same replica.
 //!
+//! - A burst of heavy relaunches (`burst.rs`; `--burst N`, default 32, 0
+//!   skips; `--only-burst` runs just that): N standalone sessions whose
+//!   agents take seconds to start, `kill -9` of every agentctl and agent,
+//!   recovered by a fresh manager with the default settings, against the
+//!   parallelism the host sustains without sessiond's launch scheduler.
+//!
 //! Prints a table and writes it into `docs/PERFORMANCE.md` between the
 //! `<!-- bench:begin -->` / `<!-- bench:end -->` markers.
 //!
@@ -29,6 +35,7 @@
 //! `console-seed` seeds the store behind `web/perf/console.mjs`.
 
 mod availability;
+mod burst;
 mod console;
 mod events;
 mod fleet;
@@ -105,10 +112,49 @@ struct Opts {
     lease_ttl: Duration,
     /// Only the replicas measurements.
     only_replicas: bool,
+    /// Heavy standalone sessions of the burst measurement (0: skip it).
+    burst: usize,
+    /// Only the burst measurement.
+    only_burst: bool,
     out: Option<PathBuf>,
     bin_dir: PathBuf,
     command: String,
 }
+
+const USAGE: &str = "\
+usage: sessiond-bench [OPTIONS]
+       (or `cargo xtask bench [OPTIONS]`, which builds the release binaries first
+        and writes docs/PERFORMANCE.md unless --out is given)
+
+Runs every measurement unless an --only-* option picks one; prints the
+figures and writes them between their markers in --out.
+
+options:
+  -h, --help             print this and exit
+  --quick                smaller sizes (N = 100 and 1,000, 10 standalone, 8 burst)
+  --sizes A,B,...        remote executors per startup-recovery row (100,1000,10000)
+  --no-postgres          leave out PostgreSQL (and the replicas measurements)
+  --standalone N         standalone executors reattached (100; 0 skips)
+  --rss-sessions N       sessions of the `sessiond serve` memory row (10000)
+  --load-secs S          GetSessionStatus load duration (5)
+  --no-idle              leave out the idle-CPU window (~50 s)
+  --turns N              turns on the turn path (50; 0 skips)
+  --only-turns           only the turn path
+  --n N                  sessions of the availability measurement (10000; 0 skips)
+  --pairs P              pass pairs with / without the recovery queue (2)
+  --only-availability    only the availability measurement
+  --replicas N           sessions adopted across replicas (1000; 0 skips)
+  --lease-ttl S          lease TTL of the replicas (3)
+  --only-replicas        only the replicas measurements (need PostgreSQL)
+  --burst N              heavy standalone sessions relaunched at once (32; 0 skips)
+  --only-burst           only the burst measurement
+  --out FILE             write the figures into FILE (a new file gets every
+                         section's markers); `-` writes no file
+  --bin-dir DIR          where sessiond, agentctl and acp-demo-agent are
+                         (beside this executable)
+
+environment: DATABASE_URL (PostgreSQL to use instead of a throwaway cluster),
+SESSIOND_BENCH_WRAP (a profiler to run `sessiond serve` under), RUST_LOG.";
 
 impl Opts {
     fn parse(args: &[String]) -> anyhow::Result<Opts> {
@@ -128,6 +174,8 @@ impl Opts {
             replicas_n: 1_000,
             lease_ttl: Duration::from_secs(3),
             only_replicas: false,
+            burst: 32,
+            only_burst: false,
             out: None,
             bin_dir: exe.parent().map(Path::to_path_buf).unwrap_or_default(),
             command: std::env::var("SESSIOND_BENCH_COMMAND")
@@ -145,7 +193,17 @@ impl Opts {
                     o.turns = 20;
                     o.idle_window = false;
                     o.availability_n = 1_000;
+                    o.burst = 8;
                 }
+                "--help" | "-h" => {
+                    #[allow(clippy::print_stdout)]
+                    {
+                        println!("{USAGE}");
+                    }
+                    std::process::exit(0);
+                }
+                "--burst" => o.burst = val()?.replace('_', "").parse()?,
+                "--only-burst" => o.only_burst = true,
                 "--n" => o.availability_n = val()?.replace('_', "").parse()?,
                 "--pairs" => o.availability_pairs = val()?.parse::<usize>()?,
                 "--only-availability" => o.only_availability = true,
@@ -169,10 +227,7 @@ impl Opts {
                 "--load-secs" => o.load_secs = val()?.parse()?,
                 "--out" => o.out = Some(PathBuf::from(val()?)).filter(|p| p != Path::new("-")),
                 "--bin-dir" => o.bin_dir = PathBuf::from(val()?),
-                other => anyhow::bail!(
-                    "unknown argument {other:?}; usage: sessiond-bench [--quick] [--sizes 100,1000] \
-                     [--no-postgres] [--standalone N] [--rss-sessions N] [--load-secs S] [--no-idle] [--turns N] [--only-turns] [--n N] [--pairs P] [--only-availability] [--replicas N] [--lease-ttl S] [--only-replicas] [--out FILE] [--bin-dir DIR]"
-                ),
+                other => anyhow::bail!("unknown argument {other:?}\n\n{USAGE}"),
             }
         }
         Ok(o)
@@ -308,15 +363,39 @@ async fn run_turns(opts: &Opts, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The burst of heavy relaunches (see `burst.rs`): printed, and written
+/// between its own markers.
+async fn run_burst(opts: &Opts, dir: &Path) -> anyhow::Result<()> {
+    let row = burst::measure(&opts.bin_dir, dir, opts.burst).await?;
+    say(burst::line(&row));
+    let text = burst::render(&row, &opts.command);
+    #[allow(clippy::print_stdout)]
+    {
+        println!("{text}");
+    }
+    if let Some(out) = &opts.out {
+        report::write_between(out, burst::BEGIN, burst::END, &text)?;
+        say(format!("wrote the burst section into {}", out.display()));
+    }
+    Ok(())
+}
+
 async fn run(opts: Opts) -> anyhow::Result<()> {
     let total = Instant::now();
     let dir = tempfile::Builder::new()
         .prefix("sessiond-bench-")
         .tempdir()?;
-    if opts.turns > 0 && !opts.only_availability && !opts.only_replicas {
+    let only = opts.only_turns || opts.only_availability || opts.only_replicas || opts.only_burst;
+    if opts.turns > 0 && (!only || opts.only_turns) {
         run_turns(&opts, dir.path()).await?;
     }
     if opts.only_turns {
+        return Ok(());
+    }
+    if opts.burst > 0 && (!only || opts.only_burst) {
+        run_burst(&opts, dir.path()).await?;
+    }
+    if opts.only_burst {
         return Ok(());
     }
     let exe = std::env::current_exe()?;

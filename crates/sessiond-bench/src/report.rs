@@ -2,6 +2,8 @@
 
 use std::{fmt::Write as _, path::Path, time::Duration};
 
+use anyhow::Context as _;
+
 use crate::{events::Latency, load::Load, recovery::RecoveryRow, turn::TurnRow};
 
 pub const BEGIN: &str = "<!-- bench:begin -->";
@@ -378,11 +380,48 @@ pub fn write_into(path: &Path, text: &str) -> anyhow::Result<()> {
     write_between(path, BEGIN, END, text)
 }
 
-/// Replaces what stands between markers `begin` and `end` in `path`.
+/// Every section the bench writes: heading and markers, in the order of
+/// docs/PERFORMANCE.md.
+fn sections() -> [(&'static str, &'static str, &'static str); 5] {
+    [
+        ("Results", BEGIN, END),
+        ("The turn path", TURN_BEGIN, TURN_END),
+        (
+            "Availability while recovering",
+            crate::availability::BEGIN,
+            crate::availability::END,
+        ),
+        (
+            "Replicas on one PostgreSQL",
+            crate::replicas::BEGIN,
+            crate::replicas::END,
+        ),
+        (
+            "A burst of heavy relaunches",
+            crate::burst::BEGIN,
+            crate::burst::END,
+        ),
+    ]
+}
+
+/// A new output file: a heading and every section's markers, so that each
+/// section of the run finds its place.
+fn new_file() -> String {
+    let mut o = String::from("# Performance\n\nFigures of `cargo xtask bench`.\n");
+    for (heading, begin, end) in sections() {
+        let _ = write!(o, "\n## {heading}\n\n{begin}\n{end}\n");
+    }
+    o
+}
+
+/// Replaces what stands between markers `begin` and `end` in `path` (a
+/// file that does not exist yet is made with every section's markers).
 pub fn write_between(path: &Path, begin: &str, end: &str, text: &str) -> anyhow::Result<()> {
-    let old = std::fs::read_to_string(path).unwrap_or_else(|_| {
-        format!("# Performance\n\nFigures of `cargo xtask bench`.\n\n{begin}\n{end}\n")
-    });
+    let old = match std::fs::read_to_string(path) {
+        Ok(old) => old,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => new_file(),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
     let (Some(b), Some(e)) = (old.find(begin), old.find(end)) else {
         anyhow::bail!(
             "{} has no {begin} ... {end} markers; add them where the figures go",
@@ -395,4 +434,40 @@ pub fn write_between(path: &Path, begin: &str, end: &str, text: &str) -> anyhow:
     }
     std::fs::write(path, new)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{sections, write_between};
+
+    /// `--out NEW_FILE`: every section of one run lands in a file that did
+    /// not exist before, and a second run replaces them.
+    #[test]
+    fn a_new_file_takes_every_section() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("figures.md");
+        for round in 0..2 {
+            for (heading, begin, end) in sections() {
+                write_between(&path, begin, end, &format!("{heading} {round}\n")).unwrap();
+            }
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        for (heading, begin, end) in sections() {
+            let expected = format!("{begin}\n{heading} 1\n{end}");
+            assert_eq!(text.matches(&expected).count(), 1, "{text}");
+            assert!(!text.contains(&format!("{heading} 0")), "{text}");
+        }
+    }
+
+    /// An existing file without a section's markers is left alone.
+    #[test]
+    fn an_existing_file_needs_the_markers() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("figures.md");
+        std::fs::write(&path, "# Mine\n").unwrap();
+        let (_, begin, end) = sections()[4];
+        let err = write_between(&path, begin, end, "x\n").unwrap_err();
+        assert!(err.to_string().contains("markers"), "{err}");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "# Mine\n");
+    }
 }
