@@ -14,7 +14,10 @@ use sessiond_recovery::SessionManager;
 use tokio::{net::UnixListener, task::JoinHandle};
 
 use crate::{
-    docker_support::DockerKit,
+    docker_support::{
+        DockerEnv, DockerKit, demo_profile_in_docker, docker_driver, docker_env, drivers_with,
+    },
+    private_engine::PrivateEngine,
     support::{Db, World, drivers_in, expected_reply},
 };
 
@@ -169,55 +172,50 @@ async fn docker_down_at_start_recovers_when_the_engine_is_back() {
     drop(relay);
 }
 
-/// The Docker engine restarts while the backend serves: its containers stop
-/// with it and for a while it does not answer. The session's agentctl stops
-/// answering; that passes by itself, so the session is never ERROR: the
-/// executor shows why it is recovering, and once the engine answers again
-/// the background retry starts the container and resumes the agent with no
-/// user call. (The engine is made unreachable through this test's relay and
-/// the container stopped through the real engine, as a restart of the
-/// shared test engine would do to every other Docker test running beside it.)
+/// The Docker engine restarts while the backend serves: a dockerd of this
+/// test's own is stopped (TERM: it stops its containers, then exits) and
+/// started again. The session's agentctl stops answering; that passes by
+/// itself, so the session is never ERROR: the executor shows why it is
+/// recovering, and once the engine answers again the background retry starts
+/// the container and resumes the agent with no user call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs Docker: run by cargo xtask ci"]
 async fn engine_restart_while_serving_recovers_by_itself() {
     let w = World::new(Db::Sqlite).await;
-    let kit = DockerKit::new(&w).await;
-    let mut relay = EngineRelay::new(w.path("engine.sock"), &kit.env.host);
-    relay.open();
-    let mut config = DockerConfig::new(
-        format!("unix://{}", relay.path.display()),
-        kit.env.image.clone(),
-        w.dir.path().join("docker-run"),
-    );
-    config.client = ClientConfig {
-        connect_timeout: Duration::from_secs(1),
-        call_timeout: Duration::from_secs(5),
-        ..ClientConfig::default()
+    let shared = docker_env();
+    let mut engine = tokio::task::spawn_blocking(move || PrivateEngine::start(&shared))
+        .await
+        .unwrap();
+    let env = DockerEnv {
+        host: engine.host.clone(),
+        image: docker_env().image,
     };
-    config.stop_grace = Duration::from_secs(2);
-    config.idle_timeout = Some(Duration::from_secs(300));
-    let relayed = DockerExecutor::new(config).unwrap();
-    let mut drivers = drivers_in(w.dir.path());
-    drivers.push(Arc::new(relayed));
+    let driver = docker_driver(&env, w.dir.path()).await;
+    let profile = demo_profile_in_docker(&w, "demo-in-private-docker", &[]).await;
     let manager_config = sessiond_recovery::ManagerConfig {
         liveness_interval: Some(Duration::from_millis(200)),
         ..w.config()
     };
-    let mgr = SessionManager::new(w.store.clone(), drivers, manager_config);
+    let mgr = SessionManager::new(
+        w.store.clone(),
+        drivers_with(w.dir.path(), &driver),
+        manager_config,
+    );
     mgr.recover_all().await.unwrap();
     let d = w
-        .create_rt(&mgr, "docker", &kit.profile, Runtime::LocalDocker, None)
+        .create_rt(&mgr, "docker", &profile, Runtime::LocalDocker, None)
         .await;
     let token = d.resume_token.clone().unwrap();
     w.prompt(&mgr, d.id, "one").await;
     let before = w.record(d.id).await;
 
-    // The engine goes away and its containers stop.
-    relay.close();
-    kit.driver
-        .stop(&ExecutorHandle::from_record(&before))
-        .await
-        .unwrap();
+    // The engine stops, and its containers with it.
+    let mut engine = tokio::task::spawn_blocking(move || {
+        engine.stop_daemon();
+        engine
+    })
+    .await
+    .unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
         let st = w.status(&mgr, d.id).await;
@@ -233,7 +231,7 @@ async fn engine_restart_while_serving_recovers_by_itself() {
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "the stopped container was never noticed: {rec:?}"
+            "the stopped engine was never noticed: {rec:?}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -244,9 +242,14 @@ async fn engine_restart_while_serving_recovers_by_itself() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    // The engine answers again: back by itself.
-    relay.open();
-    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    // The engine starts again: back by itself.
+    let engine = tokio::task::spawn_blocking(move || {
+        engine.run_daemon();
+        engine
+    })
+    .await
+    .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
     loop {
         let st = w.status(&mgr, d.id).await;
         assert_ne!(st.state, SessionState::Error, "{st:?}");
@@ -273,5 +276,7 @@ async fn engine_restart_while_serving_recovers_by_itself() {
     let reply = w.prompt(&mgr, d.id, "two").await;
     assert_eq!(reply, expected_reply(2, &token, "two"));
     w.finish(&mgr, &[d.id]).await;
-    drop(relay);
+    tokio::task::spawn_blocking(move || drop(engine))
+        .await
+        .unwrap();
 }

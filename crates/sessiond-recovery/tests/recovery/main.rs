@@ -21,6 +21,7 @@ mod heavy;
 mod kill9;
 mod lifecycle;
 mod pending;
+mod private_engine;
 mod remote;
 mod restart;
 mod resume;
