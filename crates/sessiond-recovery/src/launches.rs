@@ -10,10 +10,13 @@
 //! The number of slots adapts (AIMD, as TCP's window does): it starts at
 //! the host's core count ([`LaunchLimits::start`]); a launch that ends
 //! within twice the fastest launch seen recently, while the host is not
-//! overloaded (local load average under twice its cores), adds
-//! `1 / limit` (one slot per window of launches); a launch slower than
-//! four times the fastest, or cut for silence, halves it. The limit stays
-//! within `1..=LaunchLimits::ceiling`.
+//! overloaded (local load average under twice its cores), adds one slot
+//! while the host is in slow start (the limit doubles per window of
+//! launches, so a host that carries many finds it within a few rounds) and
+//! `1 / limit` after (one slot per window); a launch slower than four times
+//! the fastest, or cut for silence, halves it. The first launch slower than
+//! twice the fastest ends slow start. The limit stays within
+//! `1..=LaunchLimits::ceiling`.
 //!
 //! Waiters are served by priority, then in arrival order: a launch a caller
 //! waits on (a call on the session, an explicit resume) goes before the
@@ -89,6 +92,8 @@ struct Host {
     /// The fastest launch seen recently (it drifts up slowly, so a host
     /// that became slower for good is judged by its new pace).
     fastest: Option<Duration>,
+    /// Until launches first slow down, each fast one adds a whole slot.
+    slow_start: bool,
 }
 
 struct Shared {
@@ -177,6 +182,7 @@ impl LaunchScheduler {
                 running: 0,
                 waiting: BTreeMap::new(),
                 fastest: None,
+                slow_start: true,
             });
             h.waiting.insert(key, Waiter { session, grant: tx });
             dispatch(&self.shared, &host, h);
@@ -270,12 +276,23 @@ fn release(shared: &Arc<Shared>, host: &str, ended: Ended) {
             h.fastest = Some(fastest);
             let overloaded = host == "local" && host_overloaded();
             if took > fastest.saturating_mul(4) {
+                h.slow_start = false;
                 h.limit = (h.limit / 2.0).max(1.0);
-            } else if took <= fastest.saturating_mul(2) && !overloaded {
-                h.limit = (h.limit + 1.0 / h.limit.max(1.0)).min(ceiling);
+            } else if took > fastest.saturating_mul(2) {
+                h.slow_start = false;
+            } else if !overloaded {
+                let step = if h.slow_start {
+                    1.0
+                } else {
+                    1.0 / h.limit.max(1.0)
+                };
+                h.limit = (h.limit + step).min(ceiling);
             }
         }
-        Ended::Cut => h.limit = (h.limit / 2.0).max(1.0),
+        Ended::Cut => {
+            h.slow_start = false;
+            h.limit = (h.limit / 2.0).max(1.0);
+        }
         Ended::Neutral => {}
     }
     tracing::debug!(
@@ -421,6 +438,34 @@ mod tests {
         let after = s.load("remote-a").expect("host").0;
         assert!(after <= before.max(2) / 2 + 1, "{before} -> {after}");
         assert!(after >= 1);
+    }
+
+    #[tokio::test]
+    async fn slow_start_doubles_per_window_until_launches_slow_down() {
+        let s = LaunchScheduler::new(limits(2, 64));
+        let launch = |took: Duration| {
+            let s = &s;
+            async move {
+                s.acquire("remote-b".into(), SessionId::new(), Priority::Background)
+                    .await
+                    .finish(Ended::Up(took));
+            }
+        };
+        let fast = Duration::from_millis(100);
+        // Two windows of fast launches: 2 -> 4 -> 8.
+        for _ in 0..6 {
+            launch(fast).await;
+        }
+        assert_eq!(s.load("remote-b").expect("host").0, 8);
+        // A launch at three times the fastest ends slow start without a cut.
+        launch(fast * 3).await;
+        assert_eq!(s.load("remote-b").expect("host").0, 8);
+        // From then on, a window of fast launches (a few more, as the
+        // window widens with each) adds one slot.
+        for _ in 0..10 {
+            launch(fast).await;
+        }
+        assert_eq!(s.load("remote-b").expect("host").0, 9);
     }
 
     #[test]
