@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 use crate::error::{Error, Result};
-use crate::sys;
+use crate::{sys, tree};
 
 /// Default timeout of a command (60 s).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -20,6 +20,9 @@ pub const MAX_OUTPUT: u64 = 16 << 20;
 
 /// Environment variables never passed to anything agentctl starts.
 pub const SCRUBBED_ENV: &[&str] = &["AGENTCTL_SECRET"];
+
+/// The environment variable marking every process of one `Exec` call.
+pub const MARKER_ENV: &str = "AGENTCTL_EXEC_MARKER";
 
 /// One command to run.
 #[derive(Debug, Clone)]
@@ -154,6 +157,11 @@ pub async fn run(spec: ExecSpec<'_>) -> Result<ExecOutput> {
         .stderr(Stdio::piped())
         .kill_on_drop(true);
     explicit_env(&mut cmd, spec.env);
+    // Inherited by everything the command starts, even what leaves its
+    // session (`setsid cmd &`) or closes its output: found and ended when
+    // the call ends.
+    let marker = uuid::Uuid::new_v4().simple().to_string();
+    cmd.env(MARKER_ENV, &marker);
     // Its own session (and so its own process group, id = its pid): no
     // controlling terminal, and one signal reaches everything it starts
     // that does not leave the group on purpose.
@@ -191,8 +199,18 @@ pub async fn run(spec: ExecSpec<'_>) -> Result<ExecOutput> {
         }
     };
     // The leader is gone or out of time: end the rest of its group so the
-    // pipes close and nothing it started lingers.
+    // pipes close, and whatever carries the call's marker, so nothing it
+    // started outlives the call.
     let _ = sys::kill_group(pgid, sys::SIGKILL);
+    let detached = tokio::task::spawn_blocking(move || tree::end_marked(MARKER_ENV, &marker))
+        .await
+        .unwrap_or(0);
+    if detached > 0 {
+        tracing::info!(
+            detached,
+            "killed processes the command left running outside its group"
+        );
+    }
     if timed_out {
         let _ = child.wait().await;
     }

@@ -97,6 +97,31 @@ struct Cli {
     #[arg(long, env = "AGENTCTL_LOG_JSON", value_parser = clap::builder::BoolishValueParser::new(),
           num_args = 0..=1, default_missing_value = "true", default_value = "false")]
     log_json: bool,
+    /// End every agent process tree recorded in --journal (with everything
+    /// its processes started, `setsid` included) and exit without serving:
+    /// how a backend stops an executor whose agentctl is dead. Prints how
+    /// many processes it ended.
+    #[arg(long, requires = "journal")]
+    reap: bool,
+}
+
+/// `--reap`: reads the journal without writing it (the next agentctl on it
+/// finds the trees gone and forgets them) and ends each recorded tree.
+fn reap(journal: &std::path::Path) -> anyhow::Result<()> {
+    let text = match std::fs::read(journal) {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", journal.display())),
+    };
+    let loaded = agentctl::journal::parse(&text, agentctl::agent::REMEMBERED_TURNS);
+    let ended: usize = loaded.agents.iter().map(tree::end).sum();
+    if ended > 0 {
+        tracing::warn!(ended, journal = %journal.display(), "reaped agent processes");
+    }
+    // The count is the output the backend reads (stdout, not the log).
+    use std::io::Write;
+    writeln!(std::io::stdout(), "{ended}").context("writing the count")?;
+    Ok(())
 }
 
 fn parse_ratio(s: &str) -> Result<f64, String> {
@@ -275,6 +300,9 @@ async fn main() -> anyhow::Result<()> {
         otlp_endpoint,
         sample_ratio: cli.trace_sample_ratio,
     })?;
+    if cli.reap {
+        return reap(cli.journal.as_deref().context("--reap needs --journal")?);
+    }
     let secret = load_secret(&cli)?;
     // Before any agent runs: the secret must not be readable through /proc.
     agentctl::sys::forbid_inspection().context("PR_SET_DUMPABLE")?;

@@ -29,12 +29,44 @@ pub fn stat(pid: u32) -> Option<(u64, u32)> {
     Some((start, sid))
 }
 
-fn has_marker(pid: u32, marker: &str) -> bool {
+/// `pid`'s environment holds `name=value`.
+fn has_marker(pid: u32, name: &str, value: &str) -> bool {
     let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
         return false;
     };
-    let want = format!("{MARKER_ENV}={marker}");
+    let want = format!("{name}={value}");
     env.split(|b| *b == 0).any(|kv| kv == want.as_bytes())
+}
+
+/// SIGKILLs every process whose environment holds `name=value` (a marker
+/// given to a process and inherited by all it starts, `setsid` or not),
+/// until none is left: a process may fork while the scan runs. Returns how
+/// many were killed.
+pub fn end_marked(name: &str, value: &str) -> usize {
+    let me = std::process::id();
+    let mut killed = 0;
+    // Bounded: each round kills what it finds, so only a fork racing the
+    // scan needs another.
+    for _ in 0..8 {
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return killed;
+        };
+        let found: Vec<u32> = dir
+            .flatten()
+            .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()))
+            .filter(|&pid| pid != me && pid > 1)
+            .filter(|&pid| stat(pid).is_some() && has_marker(pid, name, value))
+            .collect();
+        if found.is_empty() {
+            break;
+        }
+        for &pid in &found {
+            if sys::kill_pid(pid, sys::SIGKILL).is_ok() {
+                killed += 1;
+            }
+        }
+    }
+    killed
 }
 
 /// Live processes of the tree `a`.
@@ -51,7 +83,8 @@ pub fn members(a: &AgentRecord) -> Vec<u32> {
             let Some((_, sid)) = stat(pid) else {
                 return false;
             };
-            (!a.marker.is_empty() && has_marker(pid, &a.marker)) || (leader_alive && sid == a.pid)
+            (!a.marker.is_empty() && has_marker(pid, MARKER_ENV, &a.marker))
+                || (leader_alive && sid == a.pid)
         })
         .collect()
 }

@@ -3126,3 +3126,45 @@ async fn a_python_sdk_agent_offering_only_resume_is_resumed() {
     ctl.shutdown().await;
     h.assert_no_leftovers().await;
 }
+
+/// A command that detaches a process from its session (`setsid`, output
+/// closed, so neither the group kill nor the pipe holders reach it) and
+/// exits: nothing it started outlives the call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_leaves_nothing_running_even_what_left_its_session() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let out = c
+        .exec(ExecRequest {
+            command: "sh".into(),
+            args: vec![
+                "-c".into(),
+                // The pause gives the child time to detach before the shell exits.
+                "setsid sleep 42 >/dev/null 2>&1 </dev/null & echo $! > detached.pid; sleep 0.5; echo started"
+                    .into(),
+            ],
+            ..Default::default()
+        })
+        .await
+        .expect("exec")
+        .into_inner();
+    assert_eq!(out.exit_code, Some(0));
+    assert_eq!(out.stdout, b"started\n");
+    let pid: u32 = std::fs::read_to_string(h.ws().join("detached.pid"))
+        .expect("pid file")
+        .trim()
+        .parse()
+        .expect("pid");
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let state = stat
+        .rsplit(')')
+        .next()
+        .and_then(|r| r.split_whitespace().next());
+    assert!(
+        state.is_none() || state == Some("Z"),
+        "the detached sleep {pid} outlived the call: {stat}"
+    );
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}

@@ -178,6 +178,15 @@ pub enum Error {
         /// What failed.
         message: String,
     },
+
+    /// Ending the processes a dead agentctl's agent left failed.
+    #[error("could not end the processes of executor {executor_id}: {message}")]
+    Reap {
+        /// The executor.
+        executor_id: ExecutorId,
+        /// What failed.
+        message: String,
+    },
 }
 
 impl Error {

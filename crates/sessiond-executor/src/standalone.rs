@@ -275,6 +275,61 @@ impl StandaloneExecutor {
         Ok(handle)
     }
 
+    /// Runs `agentctl --reap` on the executor's journal: every agent process
+    /// tree an agentctl of this executor recorded, and all its processes
+    /// (found by the marker they inherit, `setsid` or not), is ended.
+    async fn reap(&self, handle: &ExecutorHandle) -> Result<()> {
+        let journal = self.journal_file(handle.executor_id);
+        if !journal.exists() {
+            return Ok(());
+        }
+        let mut cmd = tokio::process::Command::new(&self.config.agentctl_path);
+        cmd.arg("--reap")
+            .arg("--executor-id")
+            .arg(handle.executor_id.to_string())
+            .arg("--workspace")
+            .arg(&handle.workspace_path)
+            .arg("--journal")
+            .arg(&journal)
+            .env_clear()
+            .envs(self.config.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stderr(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true);
+        let spawn_err = |source| Error::Spawn {
+            path: self.config.agentctl_path.clone(),
+            source,
+        };
+        let out = tokio::time::timeout(self.config.startup_timeout, cmd.output())
+            .await
+            .map_err(|_| Error::Reap {
+                executor_id: handle.executor_id,
+                message: format!(
+                    "agentctl --reap on {} did not finish within {:?}",
+                    journal.display(),
+                    self.config.startup_timeout
+                ),
+            })?
+            .map_err(spawn_err)?;
+        if !out.status.success() {
+            return Err(Error::Reap {
+                executor_id: handle.executor_id,
+                message: format!(
+                    "agentctl --reap on {} failed ({}): {}",
+                    journal.display(),
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            });
+        }
+        let ended = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        if ended != "0" {
+            tracing::info!(executor_id = %handle.executor_id, ended, "ended processes of a dead agentctl's agent");
+        }
+        Ok(())
+    }
+
     /// The recorded agentctl, if that very process still runs.
     fn recorded_process(handle: &ExecutorHandle) -> Option<OwnedProcess> {
         OwnedProcess::open(handle.pid?, handle.pid_start_time?)
@@ -402,7 +457,10 @@ impl Executor for StandaloneExecutor {
         {
             proc.terminate(start_time, self.config.stop_grace).await?;
         }
-        Ok(())
+        // A live agentctl ended its agent's tree as it stopped; a dead one
+        // (kill -9, OOM) could not, and what the agent started (`setsid`
+        // included) still runs: end it through the journal's record.
+        self.reap(handle).await
     }
 
     async fn remove(&self, handle: &ExecutorHandle) -> Result<()> {

@@ -469,3 +469,62 @@ async fn a_launch_fences_older_owners_from_its_readiness_call() {
     f.driver.stop(&recovered.handle).await.expect("stop");
     assert_gone(pid_of(&recovered.handle)).await;
 }
+
+/// The agent starts a process that leaves its session (`setsid`), then
+/// agentctl is killed with `kill -9`: nothing of agentctl remains to end
+/// that process, yet stopping the executor ends it (through the journal's
+/// record of the agent's tree and the marker its processes inherit).
+#[tokio::test]
+async fn stop_after_agentctl_kill9_ends_what_the_agent_detached() {
+    let f = fixture();
+    let handle = f
+        .driver
+        .launch(&spec(f.workspace.path()))
+        .await
+        .expect("launch");
+    let pidfile = f.workspace.path().join("detached.pid");
+    let demo = agentctl_path().with_file_name("acp-demo-agent");
+    let script = format!(
+        "setsid sh -c 'echo $$ > {}; exec sleep 1000' </dev/null >/dev/null 2>&1 & exec {}",
+        pidfile.display(),
+        demo.display()
+    );
+    f.driver
+        .client(&handle)
+        .expect("client")
+        .launch_agent(pb::LaunchAgentRequest {
+            command: "/bin/sh".into(),
+            args: vec!["-c".into(), script],
+            ..Default::default()
+        })
+        .await
+        .expect("agent launched");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let detached: u32 = loop {
+        if let Some(pid) = std::fs::read_to_string(&pidfile)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+        {
+            break pid;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the detached process never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(is_running(detached));
+    let agentctl = pid_of(&handle);
+    OwnedProcess::open(agentctl, handle.pid_start_time.expect("start time"))
+        .expect("our process")
+        .signal(rustix::process::Signal::KILL)
+        .expect("kill -9");
+    assert_gone(agentctl).await;
+    assert!(
+        is_running(detached),
+        "the detached process outlives a killed agentctl (nothing else ends it)"
+    );
+
+    f.driver.stop(&handle).await.expect("stop");
+    assert_gone(detached).await;
+}
