@@ -31,6 +31,7 @@
 
 #![deny(missing_docs)]
 
+mod cgroup;
 mod client;
 pub mod docker;
 mod error;

@@ -36,7 +36,7 @@ use sessiond_domain::{ExecutorId, Runtime};
 
 use crate::{
     AgentctlClient, ClientConfig, Executor, ExecutorHandle, LaunchSpec, Probe, Recovered,
-    RecoveryAction,
+    RecoveryAction, cgroup,
     error::{Error, Result},
     fresh_secret,
     process::{self, OwnedProcess},
@@ -66,6 +66,10 @@ pub struct StandaloneConfig {
     /// backend's own, which holds its API tokens and database URL. The
     /// binary picks the variables (see `sessiond serve`).
     pub env: Vec<(String, String)>,
+    /// Each executor in a cgroup v2 of its own, killed whole on stop, where
+    /// the host allows it (see `cgroup`); without one (or with `false`),
+    /// the agent's tree is found by the marker its processes inherit.
+    pub cgroups: bool,
 }
 
 impl StandaloneConfig {
@@ -81,6 +85,7 @@ impl StandaloneConfig {
             stop_grace: Duration::from_secs(5),
             client: ClientConfig::default(),
             env: vec![("PATH".into(), "/usr/local/bin:/usr/bin:/bin".into())],
+            cgroups: true,
         }
     }
 }
@@ -123,6 +128,47 @@ impl StandaloneExecutor {
     /// executor (that is its point), removed with the executor.
     fn journal_file(&self, id: ExecutorId) -> PathBuf {
         self.config.run_dir.join(format!("{id}.journal"))
+    }
+
+    /// Where the executor's cgroup is recorded (its path, one line).
+    fn cgroup_record(&self, id: ExecutorId) -> PathBuf {
+        self.config.run_dir.join(format!("{id}.cgroup"))
+    }
+
+    /// The executor's cgroup, created and recorded before agentctl starts
+    /// (intent first: a backend killed right after the spawn still finds
+    /// it); `None` where the host allows none.
+    fn prepare_cgroup(&self, id: ExecutorId) -> Option<PathBuf> {
+        if !self.config.cgroups {
+            return None;
+        }
+        let group = cgroup::create(&cgroup::base()?, &id.to_string())?;
+        let record = self.cgroup_record(id);
+        if let Err(e) = std::fs::write(&record, group.display().to_string()) {
+            tracing::warn!(executor_id = %id, error = %e, path = %record.display(), "cannot record the executor's cgroup; running without one");
+            return None;
+        }
+        Some(group)
+    }
+
+    /// Kills and removes the executor's recorded cgroup, if it has one.
+    async fn kill_cgroup(&self, id: ExecutorId) -> Result<()> {
+        let record = self.cgroup_record(id);
+        let Ok(text) = std::fs::read_to_string(&record) else {
+            return Ok(());
+        };
+        let group = PathBuf::from(text.trim());
+        let limit = self.config.stop_grace + Duration::from_secs(5);
+        if !cgroup::kill(&group, limit).await {
+            return Err(Error::Reap {
+                executor_id: id,
+                message: format!(
+                    "processes are still in its cgroup {} after {limit:?}",
+                    group.display()
+                ),
+            });
+        }
+        remove_if_exists(&record)
     }
 
     fn log_file(&self, id: ExecutorId) -> Option<PathBuf> {
@@ -168,6 +214,7 @@ impl StandaloneExecutor {
         let secret_file = self.secret_file(id);
         write_secret_file(&secret_file, &secret)?;
         let (stdout, stderr) = self.output(id)?;
+        let group = self.prepare_cgroup(id);
 
         let mut cmd = tokio::process::Command::new(&self.config.agentctl_path);
         cmd.arg("--executor-id")
@@ -216,6 +263,14 @@ impl StandaloneExecutor {
         // From here on, leaving this function without the handle (an error,
         // or this future being dropped) ends the child.
         let mut guard = SpawnGuard(OwnedProcess::open(pid, start_time));
+        // Before it can start anything: agentctl starts no process until we
+        // call it, so everything it ever starts is born in the group.
+        if let Some(group) = &group
+            && let Err(e) = cgroup::enter(group, pid)
+        {
+            tracing::warn!(executor_id = %id, error = %e, group = %group.display(), "cannot move agentctl into its cgroup; running without one");
+            let _ = remove_if_exists(&self.cgroup_record(id));
+        }
 
         let deadline = started + self.config.startup_timeout;
         let mut last_error = String::from("no socket yet");
@@ -459,8 +514,10 @@ impl Executor for StandaloneExecutor {
         }
         // A live agentctl ended its agent's tree as it stopped; a dead one
         // (kill -9, OOM) could not, and what the agent started (`setsid`
-        // included) still runs: end it through the journal's record.
-        self.reap(handle).await
+        // included) still runs: end it through the journal's record, and
+        // the cgroup catches what even cleared its environment.
+        self.reap(handle).await?;
+        self.kill_cgroup(handle.executor_id).await
     }
 
     async fn remove(&self, handle: &ExecutorHandle) -> Result<()> {

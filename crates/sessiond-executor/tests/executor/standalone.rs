@@ -528,3 +528,78 @@ async fn stop_after_agentctl_kill9_ends_what_the_agent_detached() {
     f.driver.stop(&handle).await.expect("stop");
     assert_gone(detached).await;
 }
+
+/// Where the host allows a cgroup v2 per executor (this test requires it,
+/// as the CI machines do): agentctl runs in its own group, and a process
+/// that left its session AND cleared its environment (so no marker finds
+/// it) is still ended when the executor stops after agentctl's `kill -9`.
+#[tokio::test]
+async fn the_executor_cgroup_ends_even_a_process_that_cleared_its_environment() {
+    let f = fixture();
+    let handle = f
+        .driver
+        .launch(&spec(f.workspace.path()))
+        .await
+        .expect("launch");
+    let agentctl = pid_of(&handle);
+    let own_group = std::fs::read_to_string(format!("/proc/{agentctl}/cgroup")).unwrap_or_default();
+    let record = f.run.path().join(format!("{}.cgroup", handle.executor_id));
+    assert!(
+        record.is_file(),
+        "no cgroup v2 for the executor: this host has no writable cgroup2 mount \
+         (needed for this test; agentctl's cgroup: {own_group})"
+    );
+    let group = std::fs::read_to_string(&record).expect("record");
+    assert!(
+        own_group
+            .lines()
+            .any(|l| l.starts_with("0::")
+                && l.ends_with(&format!("/sessiond/{}", handle.executor_id))),
+        "agentctl is in the executor's group {group}: {own_group}"
+    );
+    let pidfile = f.workspace.path().join("escaped.pid");
+    let demo = agentctl_path().with_file_name("acp-demo-agent");
+    let script = format!(
+        "env -i setsid sh -c 'echo $$ > {}; exec sleep 1000' </dev/null >/dev/null 2>&1 & exec {}",
+        pidfile.display(),
+        demo.display()
+    );
+    f.driver
+        .client(&handle)
+        .expect("client")
+        .launch_agent(pb::LaunchAgentRequest {
+            command: "/bin/sh".into(),
+            args: vec!["-c".into(), script],
+            ..Default::default()
+        })
+        .await
+        .expect("agent launched");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let escaped: u32 = loop {
+        if let Some(pid) = std::fs::read_to_string(&pidfile)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+        {
+            break pid;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the escaping process never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    OwnedProcess::open(agentctl, handle.pid_start_time.expect("start time"))
+        .expect("our process")
+        .signal(rustix::process::Signal::KILL)
+        .expect("kill -9");
+    assert_gone(agentctl).await;
+    assert!(is_running(escaped), "nothing else ends it");
+
+    f.driver.stop(&handle).await.expect("stop");
+    assert_gone(escaped).await;
+    assert!(
+        !std::path::Path::new(group.trim()).exists(),
+        "the group {group} is removed"
+    );
+    assert!(!record.exists(), "and its record");
+}

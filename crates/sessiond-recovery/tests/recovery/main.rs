@@ -13,6 +13,7 @@ mod support;
 
 mod background;
 mod claude;
+mod containment;
 mod crash;
 mod docker_down;
 mod docker_support;

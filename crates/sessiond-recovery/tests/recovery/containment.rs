@@ -1,0 +1,125 @@
+//! Processes the agent starts are ours to the end: stopping a session
+//! whose agentctl was killed (`kill -9`) ends what its heavy agent left
+//! running, a `setsid` process and one that also cleared its environment
+//! included, in the same backend and in one started afresh.
+
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use sessiond_domain::{AgentProfile, AgentProfileId};
+
+use crate::common::{bin, is_running};
+use crate::support::{Db, World};
+
+/// A heavy demo agent whose command first starts two processes that leave
+/// its session: one keeping the environment (and so the tree's marker), one
+/// clearing it. Their pids land in `<dir>/escaped-{marked,bare}.pid`.
+async fn escaping_profile(w: &World) -> AgentProfile {
+    let dir = w.dir.path().display().to_string();
+    let script = format!(
+        "setsid sh -c 'echo $$ > {dir}/escaped-marked.pid; exec sleep 1000' </dev/null >/dev/null 2>&1 & \
+         env -i setsid sh -c 'echo $$ > {dir}/escaped-bare.pid; exec sleep 1000' </dev/null >/dev/null 2>&1 & \
+         exec {} --state-dir {dir}/agent-state",
+        bin("acp-demo-agent").display()
+    );
+    let now = Utc::now();
+    w.store
+        .upsert_agent_profile(&AgentProfile {
+            id: AgentProfileId::new(),
+            name: "escaping".into(),
+            command: "/bin/sh".into(),
+            args: vec!["-c".into(), script],
+            env: [
+                ("ACP_DEMO_STARTUP_MS", "1500"),
+                ("ACP_DEMO_BUSY_MS", "300"),
+                ("ACP_DEMO_RSS_MB", "16"),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
+            supports_session_resume: true,
+            container: None,
+            auth_method: None,
+            permission_policy: sessiond_domain::PermissionPolicy::Allow,
+            permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
+            created_at: now,
+            updated_at: now,
+        })
+        .await
+        .unwrap()
+}
+
+async fn escaped(w: &World) -> [u32; 2] {
+    let read = |name: &str| {
+        std::fs::read_to_string(w.path(name))
+            .ok()
+            .and_then(|t| t.trim().parse::<u32>().ok())
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let (Some(a), Some(b)) = (read("escaped-marked.pid"), read("escaped-bare.pid")) {
+            return [a, b];
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the agent's escaping processes never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn assert_all_gone(pids: &[u32]) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while pids.iter().any(|&p| is_running(p)) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let left: Vec<u32> = pids.iter().copied().filter(|&p| is_running(p)).collect();
+    assert!(
+        left.is_empty(),
+        "processes of the stopped session left: {left:?}"
+    );
+}
+
+fn kill9(pid: u32) {
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_after_agentctl_kill9_ends_everything_the_agent_started() {
+    let w = World::new(Db::Sqlite).await;
+    let profile = escaping_profile(&w).await;
+    let mgr = w.manager();
+    let s = w.create_with(&mgr, "contained", &profile, None).await;
+    w.prompt(&mgr, s.id, "one").await;
+    let pids = escaped(&w).await;
+    let agentctl = w.record(s.id).await.pid.unwrap();
+    kill9(agentctl);
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    assert_all_gone(&pids).await;
+    assert!(!is_running(agentctl));
+    w.finish(&mgr, &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_by_a_restarted_backend_ends_everything_the_agent_started() {
+    let w = World::new(Db::Sqlite).await;
+    let profile = escaping_profile(&w).await;
+    let mgr = w.manager();
+    let s = w.create_with(&mgr, "contained", &profile, None).await;
+    w.prompt(&mgr, s.id, "one").await;
+    let pids = escaped(&w).await;
+    // The backend goes away, then agentctl is killed: nothing runs that
+    // knows the agent's processes.
+    mgr.shutdown();
+    drop(mgr);
+    let agentctl = w.record(s.id).await.pid.unwrap();
+    kill9(agentctl);
+    let mgr = w.manager();
+    mgr.delete_session(w.task.id, s.id).await.unwrap();
+    assert_all_gone(&pids).await;
+    w.finish(&mgr, &[]).await;
+}
