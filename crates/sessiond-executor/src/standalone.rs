@@ -144,7 +144,18 @@ impl StandaloneExecutor {
         }
         let group = cgroup::create(&cgroup::base()?, &id.to_string())?;
         let record = self.cgroup_record(id);
-        if let Err(e) = std::fs::write(&record, group.display().to_string()) {
+        // Private like everything in the run directory.
+        let written = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&record)
+            .and_then(|mut f| {
+                use std::io::Write;
+                f.write_all(group.display().to_string().as_bytes())
+            });
+        if let Err(e) = written {
             tracing::warn!(executor_id = %id, error = %e, path = %record.display(), "cannot record the executor's cgroup; running without one");
             return None;
         }
