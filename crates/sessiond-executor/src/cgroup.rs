@@ -30,7 +30,36 @@ pub(crate) fn base() -> Option<PathBuf> {
     let own = own.lines().find_map(|l| l.strip_prefix("0::"))?;
     let base = mount.join(own.trim_start_matches('/')).join("sessiond");
     std::fs::create_dir_all(&base).ok()?;
+    prune(&base);
     Some(base)
+}
+
+/// An empty group older than any launch in progress: its agentctl exited
+/// (idle timeout, crash) and nobody stopped the executor.
+const ABANDONED_AFTER: Duration = Duration::from_secs(600);
+
+/// Removes the abandoned groups under `base`, so they do not pile up. An
+/// executor launched again later gets a new one; a stop finds none and
+/// has nothing to kill.
+fn prune(base: &Path) {
+    let Ok(entries) = std::fs::read_dir(base) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        let old = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > ABANDONED_AFTER);
+        let empty = std::fs::read_to_string(path.join("cgroup.events"))
+            .is_ok_and(|ev| ev.lines().any(|l| l == "populated 0"));
+        if old && empty {
+            // Fails harmlessly if a process entered it meanwhile.
+            let _ = remove_tree(&path);
+        }
+    }
 }
 
 /// Creates the executor's group under `base`; `None` when the host refuses.
