@@ -31,6 +31,9 @@
 //!   agents that cannot resume: nothing was lost);
 //! - session CREATED or ERROR => `executor_only` (never auto-resumed);
 //! - resume unsupported by record, profile or probe => `not_resumable`, session ERROR;
+//! - session STARTING with no resume token (its create died before the agent
+//!   gave one; nothing was said) and policy `startup` => OpenConversation
+//!   => `opened` (WAITING_FOR_INPUT with the new token);
 //! - no resume token => `missing_resume_token`, session ERROR;
 //! - policy `on_demand` => `executor_only`, session unchanged (status says `needs_resume`);
 //! - otherwise ResumeAgent => `resumed` (WAITING_FOR_INPUT) or `resume_failed`
@@ -292,6 +295,11 @@ pub enum Action {
         /// The agent's token of the conversation to load.
         resume_token: String,
     },
+    /// Launch the agent if none runs and open a new conversation: the
+    /// session's create died before the agent gave one (STARTING, no
+    /// token), so nothing was said yet and nothing can be lost. Expects
+    /// what `ResumeAgent` expects.
+    OpenConversation,
     /// The session has ended: stop whatever still runs for it (idempotent).
     /// Expect `ExecutorStopped` / `ActionFailed`.
     StopExecutor,
@@ -308,6 +316,9 @@ pub enum Action {
 pub enum OutcomeLabel {
     /// The agent was resumed from its token.
     Resumed,
+    /// The agent was started with the conversation its interrupted create
+    /// never got (nothing had been said).
+    Opened,
     /// agentctl and its agent had survived; reattached without a resume.
     Reattached,
     /// Workspace restored; the agent was not resumed (policy or session state).
@@ -329,10 +340,20 @@ pub enum OutcomeLabel {
 }
 
 impl OutcomeLabel {
+    /// The session's agent runs with its conversation after this outcome
+    /// (resumed, opened, or it had survived).
+    pub const fn agent_back(self) -> bool {
+        matches!(
+            self,
+            OutcomeLabel::Resumed | OutcomeLabel::Opened | OutcomeLabel::Reattached
+        )
+    }
+
     /// The label as logged and counted in metrics (e.g. `reattached`).
     pub const fn as_str(self) -> &'static str {
         match self {
             OutcomeLabel::Resumed => "resumed",
+            OutcomeLabel::Opened => "opened",
             OutcomeLabel::Reattached => "reattached",
             OutcomeLabel::ExecutorOnly => "executor_only",
             OutcomeLabel::NotResumable => "not_resumable",
@@ -744,6 +765,8 @@ pub struct Recovery {
     /// The health check under way is of the recorded agentctl, proven ours
     /// by pid and start time: if it fails, that process is hung.
     checking_recorded: bool,
+    /// The agent step opens the conversation a create never got.
+    opening: bool,
 }
 
 impl Recovery {
@@ -757,6 +780,7 @@ impl Recovery {
             probe: None,
             steps: 0,
             checking_recorded: false,
+            opening: false,
         }
     }
 
@@ -816,7 +840,12 @@ impl Recovery {
             }
 
             (P::Resuming, O::ResumeSucceeded) => {
-                self.ready_done(OutcomeLabel::Resumed, SessionEvent::Resumed, None)
+                let label = if self.opening {
+                    OutcomeLabel::Opened
+                } else {
+                    OutcomeLabel::Resumed
+                };
+                self.ready_done(label, SessionEvent::Resumed, None)
             }
             (P::Resuming, O::ResumeFailed { reason } | O::ActionFailed { reason }) => self
                 .ready_done(
@@ -1145,6 +1174,17 @@ impl Recovery {
         if !state.is_auto_resumable() {
             return self.ready_unchanged(OutcomeLabel::ExecutorOnly);
         }
+        // A create that died before the agent gave its conversation: nothing
+        // was said, so a new conversation loses nothing (and needs no
+        // resume support). The create's own caller is long gone; without
+        // this the session would be ERROR for a restart at the wrong moment.
+        if state == SessionState::Starting
+            && self.input.resume_token.is_none()
+            && self.input.policy == ResumePolicy::Startup
+        {
+            self.opening = true;
+            return self.go(Phase::Resuming, Action::OpenConversation);
+        }
         if !self.supports_resume() {
             return self.ready_done(
                 OutcomeLabel::NotResumable,
@@ -1364,6 +1404,7 @@ mod tests {
             Action::ProbeCapabilities => "probe_capabilities",
             Action::MarkExecutorReady { .. } => "mark_ready",
             Action::ResumeAgent { .. } => "resume_agent",
+            Action::OpenConversation => "open_conversation",
             Action::StopExecutor => "stop_executor",
             Action::EndAgentctl => "end_agentctl",
             Action::Done(_) => "done",
@@ -1897,6 +1938,43 @@ mod tests {
             RecoveryInput {
                 resume_token: None,
                 ..docker(S::WaitingForInput)
+            },
+            to_ready(O::ContainerRunning),
+            Expect {
+                label: L::MissingResumeToken,
+                ..not_resumable_expect()
+            },
+        );
+        check(
+            "a create that died before the agent's conversation: a new one, even not resumable",
+            RecoveryInput {
+                resume_token: None,
+                profile_supports_session_resume: false,
+                ..docker(S::Starting)
+            },
+            with(to_ready(O::ContainerRunning), O::ResumeSucceeded),
+            Expect {
+                actions: &[
+                    "find_container",
+                    "health_check",
+                    "probe_capabilities",
+                    "mark_ready",
+                    "open_conversation",
+                    "done",
+                ],
+                label: L::Opened,
+                executor: ExecutorStatus::Ready,
+                session: S::WaitingForInput,
+                workspace: true,
+                events: &[EventKind::StateChanged],
+            },
+        );
+        check(
+            "a create that died, on_demand policy: no token to resume",
+            RecoveryInput {
+                resume_token: None,
+                policy: ResumePolicy::OnDemand,
+                ..docker(S::Starting)
             },
             to_ready(O::ContainerRunning),
             Expect {

@@ -365,7 +365,7 @@ fn fitting(action: &Action) -> Vec<Observation> {
             O::CapabilitiesUnknown,
         ],
         Action::MarkExecutorReady { .. } => vec![O::Applied],
-        Action::ResumeAgent { .. } => {
+        Action::ResumeAgent { .. } | Action::OpenConversation => {
             vec![
                 O::ResumeSucceeded,
                 O::ResumeFailed { reason: failure() },
@@ -409,6 +409,12 @@ proptest! {
                     prop_assert_eq!(Some(resume_token), input.resume_token.as_ref());
                     prop_assert_eq!(input.policy, ResumePolicy::Startup);
                     prop_assert!(initial.is_auto_resumable(), "auto-resumed {}", initial);
+                }
+                Action::OpenConversation => {
+                    // Only for a create that never got its conversation.
+                    prop_assert_eq!(initial, SessionState::Starting);
+                    prop_assert!(input.resume_token.is_none());
+                    prop_assert_eq!(input.policy, ResumePolicy::Startup);
                 }
                 Action::LaunchAgentctl { event, .. }
                 | Action::StartContainer { event, .. }
@@ -505,6 +511,11 @@ proptest! {
         match outcome.label {
             OutcomeLabel::Resumed => {
                 prop_assert!(saw_resume_success);
+                prop_assert_eq!(to, SessionState::WaitingForInput);
+            }
+            OutcomeLabel::Opened => {
+                prop_assert!(saw_resume_success);
+                prop_assert_eq!(initial, SessionState::Starting);
                 prop_assert_eq!(to, SessionState::WaitingForInput);
             }
             OutcomeLabel::Reattached => prop_assert!(surviving != SurvivingAgent::None),

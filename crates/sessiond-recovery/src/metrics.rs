@@ -237,7 +237,13 @@ impl Default for ManagerMetrics {
         for outcome in ["resumed", "failed"] {
             drop(me.resumes.get_or_create(&OutcomeLabels { outcome }));
         }
-        for outcome in ["resumed", "reattached", "executor_only", "stopped"] {
+        for outcome in [
+            "resumed",
+            "opened",
+            "reattached",
+            "executor_only",
+            "stopped",
+        ] {
             drop(me.recoveries.get_or_create(&RecoveryLabels {
                 outcome,
                 reason: "none",

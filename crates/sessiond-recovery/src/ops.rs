@@ -403,6 +403,21 @@ impl SessionManager {
         }
     }
 
+    /// Starts the agent if none runs and opens the conversation a create
+    /// that died never got (recovery's `OpenConversation`).
+    pub(crate) async fn open_conversation_seen(
+        &self,
+        record: &ExecutorRecord,
+        profile: &AgentProfile,
+        seen: Option<AgentState>,
+    ) -> Result<Resumed> {
+        let client = self.client(record)?;
+        self.ensure_agent_seen(&client, profile, record.runtime, seen)
+            .await?;
+        let token = self.new_conversation(&client, record).await?;
+        Ok(Resumed::Opened { token })
+    }
+
     /// True when the session has no message yet: it was never prompted.
     pub(crate) async fn no_turn_yet(&self, session: &Session) -> Result<bool> {
         Ok(pending_turn(session).is_none()
@@ -433,6 +448,9 @@ pub(crate) enum Resumed {
     /// The agent could not load a conversation that had no turn yet; the new
     /// conversation `token` replaces it (`reason`: the agent's answer).
     Replaced { token: String, reason: String },
+    /// There was no conversation (a create died before the agent gave
+    /// one); `token` is the one opened now.
+    Opened { token: String },
 }
 
 /// The agent answered `session/load` with an error of its own (it does not

@@ -921,7 +921,12 @@ impl SessionManager {
                 self.mark_ready(run, event).await?;
                 Observation::Applied
             }
-            Action::ResumeAgent { resume_token } => {
+            Action::ResumeAgent { .. } | Action::OpenConversation => {
+                // `None`: open the conversation an interrupted create never got.
+                let resume_token = match action {
+                    Action::ResumeAgent { resume_token } => Some(resume_token),
+                    _ => None,
+                };
                 let sid = run.session.id;
                 // Waiting for a launch is not the pass's work: its slot goes
                 // on to the reattaches behind this one.
@@ -950,26 +955,48 @@ impl SessionManager {
                     .enter(sid, RecoveryStage::Launching);
                 self.cache_update(sid, |e| e.agent = AgentProcessState::Starting);
                 let no_turn_yet = self.no_turn_yet(&run.session).await?;
-                let attempt = self.resume_agent_seen(
-                    &run.record,
-                    &run.profile,
-                    &resume_token,
-                    run.agent_state.take(),
-                    no_turn_yet,
-                );
+                let seen = run.agent_state.take();
+                let attempt = async {
+                    match &resume_token {
+                        Some(token) => {
+                            self.resume_agent_seen(
+                                &run.record,
+                                &run.profile,
+                                token,
+                                seen,
+                                no_turn_yet,
+                            )
+                            .await
+                        }
+                        None => {
+                            self.open_conversation_seen(&run.record, &run.profile, seen)
+                                .await
+                        }
+                    }
+                };
                 let (observation, ended) = match self.until_silent(&run.record, attempt).await {
                     Ok(Ok(resumed)) => {
-                        if let Resumed::Replaced { token, reason } = resumed {
-                            tracing::info!(session = %sid, reason = %reason,
-                                "recovery: the agent had not kept the unprompted conversation; a new one replaces it");
-                            run.session.resume_token = Some(token.clone());
-                            run.record.resume_token = Some(token.clone());
-                            run.adopted_token = true;
-                            run.replaced = Some(EventPayload::ConversationReplaced {
-                                previous_resume_token: resume_token,
-                                resume_token: token,
-                                reason,
-                            });
+                        match resumed {
+                            Resumed::Loaded => {}
+                            Resumed::Replaced { token, reason } => {
+                                tracing::info!(session = %sid, reason = %reason,
+                                    "recovery: the agent had not kept the unprompted conversation; a new one replaces it");
+                                run.session.resume_token = Some(token.clone());
+                                run.record.resume_token = Some(token.clone());
+                                run.adopted_token = true;
+                                run.replaced = Some(EventPayload::ConversationReplaced {
+                                    previous_resume_token: resume_token.unwrap_or_default(),
+                                    resume_token: token,
+                                    reason,
+                                });
+                            }
+                            Resumed::Opened { token } => {
+                                tracing::info!(session = %sid,
+                                    "recovery: the session's create was interrupted before the agent's conversation; opened it");
+                                run.session.resume_token = Some(token.clone());
+                                run.record.resume_token = Some(token);
+                                run.adopted_token = true;
+                            }
                         }
                         (Observation::ResumeSucceeded, Ended::Up(began.elapsed()))
                     }
@@ -1330,10 +1357,7 @@ impl SessionManager {
     /// message can never be stored before the reply to this one.
     async fn finish(&self, run: Run, mut outcome: RecoveryOutcome, attempt: u32) -> Result<()> {
         let sid = run.session.id;
-        let agent_back = matches!(
-            outcome.label,
-            OutcomeLabel::Resumed | OutcomeLabel::Reattached
-        );
+        let agent_back = outcome.label.agent_back();
         let turn = turn_in_flight(&run.session);
         if agent_back && turn.is_some() {
             outcome.session_state = SessionState::Running;
@@ -1722,16 +1746,10 @@ pub(crate) fn remote_lost(record: &ExecutorRecord, reason: &str) -> Result<Chang
     ))
 }
 
-/// The session's agent is back (resumed, reattached), or recovery was not
+/// The session's agent is back (resumed, opened, reattached), or recovery was not
 /// to bring it back (the policy, an ended session): nothing to report.
 fn agent_back_or_left_alone(label: OutcomeLabel) -> bool {
-    matches!(
-        label,
-        OutcomeLabel::Resumed
-            | OutcomeLabel::Reattached
-            | OutcomeLabel::ExecutorOnly
-            | OutcomeLabel::Stopped
-    )
+    label.agent_back() || matches!(label, OutcomeLabel::ExecutorOnly | OutcomeLabel::Stopped)
 }
 
 /// An agent's launch or resume failed in a way load or a passing fault can

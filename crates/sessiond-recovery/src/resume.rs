@@ -119,9 +119,7 @@ impl SessionManager {
             (_, Ok(OpOutcome::Resume(status))) => Some(Ok(*status)),
             (OpKind::Resume, Err(e)) => Some(Err(e)),
             (_, Ok(OpOutcome::Recovery(label))) => match label {
-                OutcomeLabel::Resumed | OutcomeLabel::Reattached => {
-                    Some(self.session_status(task, session).await)
-                }
+                label if label.agent_back() => Some(self.session_status(task, session).await),
                 OutcomeLabel::ResumeFailed => {
                     let reason = match self.inner.store.get_session(session).await {
                         Ok(s) => s.error_message.unwrap_or_default(),

@@ -9,6 +9,8 @@
 //!   set it to replay a failing run's schedule).
 //! - `SESSIOND_CRASHLOOP_KEEP`: set, the world's directory (store,
 //!   children's logs, remote hosts' logs) is kept and its path printed.
+//! - `SESSIOND_CRASHLOOP_HEAVY`: set, the agents are heavy (1.5 s to
+//!   start, CPU to start and to load), as real ones are.
 //! - `SESSIOND_CRASHLOOP_RUNTIMES`: a comma list of `standalone`, `remote`,
 //!   `docker` to focus the 20 sessions on (default: all available).
 //!

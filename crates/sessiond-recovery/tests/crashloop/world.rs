@@ -1148,6 +1148,26 @@ impl Drop for World {
     }
 }
 
+/// The agents' switches. With `SESSIOND_CRASHLOOP_HEAVY` set, they also
+/// behave like real ones: 1.5 s to start, CPU spent starting and per
+/// stored message loaded, so kills land in the middle of slow launches.
+fn agent_env() -> BTreeMap<String, String> {
+    let mut env = BTreeMap::from([
+        ("ACP_DEMO_SIDE_EFFECT_FILE".into(), SIDE_EFFECT_FILE.into()),
+        ("ACP_DEMO_EXTRA_CHUNKS".into(), "3".into()),
+        ("ACP_DEMO_CHUNK_DELAY_MS".into(), "30".into()),
+    ]);
+    if std::env::var_os("SESSIOND_CRASHLOOP_HEAVY").is_some() {
+        env.extend([
+            ("ACP_DEMO_STARTUP_MS".into(), "1500".into()),
+            ("ACP_DEMO_BUSY_MS".into(), "300".into()),
+            ("ACP_DEMO_RSS_MB".into(), "16".into()),
+            ("ACP_DEMO_LOAD_MS_PER_MESSAGE".into(), "10".into()),
+        ]);
+    }
+    env
+}
+
 async fn profile(store: &Store, name: &str, command: String, state_dir: String) -> AgentProfile {
     let now = Utc::now();
     store
@@ -1159,11 +1179,7 @@ async fn profile(store: &Store, name: &str, command: String, state_dir: String) 
             // Every turn first makes a tool call with a side effect (one
             // line in the worktree, counted by the checks), then replies in
             // slow chunks, so kills land inside turns.
-            env: BTreeMap::from([
-                ("ACP_DEMO_SIDE_EFFECT_FILE".into(), SIDE_EFFECT_FILE.into()),
-                ("ACP_DEMO_EXTRA_CHUNKS".into(), "3".into()),
-                ("ACP_DEMO_CHUNK_DELAY_MS".into(), "30".into()),
-            ]),
+            env: agent_env(),
             supports_session_resume: true,
             container: None,
             auth_method: None,

@@ -336,3 +336,65 @@ async fn resume_is_preferred_to_load_and_nothing_is_stored_twice() {
     let ids: Vec<SessionId> = sessions.iter().map(|(s, _)| s.id).collect();
     w.finish(&mgr, &ids).await;
 }
+
+/// The backend dies while a create waits for a slow agent's conversation
+/// (agentctl up, the agent still starting, no resume token yet): nothing
+/// was said, so recovery opens the conversation by itself and the session
+/// comes up WAITING_FOR_INPUT (before: ERROR `missing_resume_token`, for a
+/// restart at the wrong moment).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_cut_by_a_crash_comes_up_by_itself() {
+    let w = World::new(Db::Sqlite).await;
+    let profile = w
+        .demo_profile("slow-start", &[("ACP_DEMO_STARTUP_MS", "3000")])
+        .await;
+    let mgr = w.manager_with(defaults());
+    let create = tokio::spawn({
+        let mgr = mgr.clone();
+        let req = sessiond_recovery::NewSession {
+            task_id: w.task.id,
+            agent_profile_id: profile.id,
+            runtime: sessiond_domain::Runtime::LocalStandalone,
+            worktree: w.worktree("cut"),
+            remote: None,
+            metadata: Default::default(),
+        };
+        async move { mgr.create_session(req).await }
+    });
+    // agentctl is up and recorded; the agent is still starting.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let session = loop {
+        let sessions = w.store.list_sessions(w.task.id).await.unwrap();
+        if let Some(s) = sessions.first()
+            && let Ok(Some(r)) = w.store.get_executor_for_session(s.id).await
+            && r.pid.is_some()
+            && r.status == ExecutorStatus::Ready
+        {
+            break s.clone();
+        }
+        assert!(Instant::now() < deadline, "agentctl never came up");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // The crash: the create's caller, the backend, agentctl and the agent.
+    create.abort();
+    mgr.shutdown();
+    drop(mgr);
+    kill_tree(w.record(session.id).await.pid.unwrap()).await;
+    let cut = w.store.get_session(session.id).await.unwrap();
+    assert_eq!(cut.state, SessionState::Starting, "{cut:?}");
+    assert!(cut.resume_token.is_none(), "{cut:?}");
+
+    let mgr = w.manager_with(defaults());
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Opened), 1, "{summary:?}");
+    assert_eq!((summary.failed, summary.not_back), (0, 0), "{summary:?}");
+    w.track(session.id).await;
+    let st = w.status(&mgr, session.id).await;
+    assert_eq!(st.state, SessionState::WaitingForInput, "{st:?}");
+    assert!(st.is_agent_running, "{st:?}");
+    let token = w.store.get_session(session.id).await.unwrap().resume_token;
+    let token = token.expect("the opened conversation is stored");
+    let reply = w.prompt(&mgr, session.id, "one").await;
+    assert_eq!(reply, expected_reply(1, &token, "one"));
+    w.finish(&mgr, &[session.id]).await;
+}
