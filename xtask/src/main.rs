@@ -3,8 +3,9 @@
 //! - `ci`: everything CI checks: formatting, clippy, build, every test (with a
 //!   throwaway PostgreSQL this command starts itself unless `DATABASE_URL` is
 //!   set). This is the README's test command and what `.ci/run` calls.
-//!   Then the crash tests (failpoints, a 45 s SIGKILL crash loop), which
-//!   only a build with sessiond-recovery's `failpoints` feature contains.
+//!   Then the crash tests (failpoints, a 45 s SIGKILL crash loop, and a 30 s
+//!   one with heavy agents), which only a build with sessiond-recovery's
+//!   `failpoints` feature contains.
 //!   The Docker tests (`#[ignore]`d, so a plain test run never counts them as
 //!   passed) run explicitly, against a dockerd it starts unless one runs
 //!   (installing `docker.io` when missing), with an image built offline.
@@ -197,6 +198,16 @@ fn test_suites(tally: &mut Tally, docker_host: &str, database_url: &str) -> anyh
         .env("SESSIOND_DOCKER_TESTS", "1")
         .env("DOCKER_HOST", docker_host);
     tally.run("crash tests", crash)?;
+    // The crash loop again with agents that start as slowly as real ones,
+    // so kills land in the middle of launches and creates.
+    let mut heavy = crash_tests("test");
+    heavy
+        .args(["crash_loop"])
+        .env("SESSIOND_CRASHLOOP_SECS", "30")
+        .env("SESSIOND_CRASHLOOP_HEAVY", "1")
+        .env("SESSIOND_DOCKER_TESTS", "1")
+        .env("DOCKER_HOST", docker_host);
+    tally.run("crash loop, heavy agents", heavy)?;
     tally.run(
         "doctest",
         cargo(&["test", "--workspace", "--doc", "--locked"]),

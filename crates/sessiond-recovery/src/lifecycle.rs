@@ -818,10 +818,18 @@ impl SessionManager {
                 // Another replica adopted the session: it settles this turn.
                 return Err(self.not_owner_now(session_id).await);
             }
+            let e = Error::agent("Prompt", &status);
+            if self.agentctl_gone(&status, &client).await {
+                // agentctl itself is gone (killed, its container stopped):
+                // that passes by itself, so the session is recovered in the
+                // background like any lost agentctl, never left in ERROR.
+                self.prompt_found_agentctl_gone(&record, &e.to_string())
+                    .await?;
+                return Err(e);
+            }
             self.inner
                 .metrics
                 .turn_ended(session_id, crate::metrics::TurnOutcome::Failed);
-            let e = Error::agent("Prompt", &status);
             let reason = format!(
                 "the agent did not accept the message: {e}; resume the session, then send it again"
             );
@@ -848,6 +856,58 @@ impl SessionManager {
         }
         tracing::info!(session = %session_id, turn_id = %stored.id, "message sent; the agent's turn started");
         Ok(stored)
+    }
+
+    /// A failed call's `status` came from agentctl being gone rather than
+    /// from an answer: a transport failure, and `Health` fails as well.
+    async fn agentctl_gone(
+        &self,
+        status: &tonic::Status,
+        client: &sessiond_executor::AgentctlClient,
+    ) -> bool {
+        if !matches!(
+            status.code(),
+            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+        ) {
+            return false;
+        }
+        let mut raw = client.raw();
+        let health = raw.health(pb::HealthRequest {});
+        !matches!(
+            tokio::time::timeout(self.inner.config.executor_deadline, health).await,
+            Ok(Ok(_))
+        )
+    }
+
+    /// The Prompt of a turn just started found agentctl gone. As when the
+    /// update pump loses it: a remote executor reconnects in the background
+    /// (the turn stays pending, settled at most once when the host is back);
+    /// a local one is recovered in the background, the turn ended
+    /// interrupted (whether agentctl took it is unknown, so it is not sent
+    /// again). The caller holds the session lock.
+    async fn prompt_found_agentctl_gone(
+        &self,
+        record: &ExecutorRecord,
+        reason: &str,
+    ) -> Result<()> {
+        let sid = record.session_id;
+        tracing::warn!(session = %sid, executor_id = %record.id, %reason,
+            "the message's Prompt found agentctl gone; recovering the session in the background");
+        self.stop_pump(sid);
+        if record.runtime == Runtime::Remote {
+            self.commit(crate::recovery::remote_lost(record, reason)?)
+                .await?;
+            self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
+            self.spawn_reconnect(record.clone());
+            return Ok(());
+        }
+        let (change, retry) = self.agentctl_lost_change(record, reason).await?;
+        let committed = self.commit(change).await?;
+        self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
+        if let Some(failed) = retry {
+            self.spawn_retry(committed.executor.unwrap_or(failed), 0, reason.to_owned());
+        }
+        Ok(())
     }
 
     /// Ends a session: COMPLETED or CANCELLED first (so a crash from here on

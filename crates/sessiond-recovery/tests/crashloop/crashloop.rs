@@ -247,6 +247,16 @@ async fn crash_loop_converges() {
     w.settle(Duration::from_secs(60)).await;
     let line = w.assert_converged(&mgr).await;
     println!("crash loop: {} sessions converged: {line}", sessions.len());
+    // Why each session that ended in ERROR did, for the run's reader.
+    for s in w.sessions().await {
+        if s.state == sessiond_domain::SessionState::Error {
+            println!(
+                "crash loop: session {} ERROR: {}",
+                s.id,
+                s.error_message.as_deref().unwrap_or("(no message)")
+            );
+        }
+    }
     let prompted = w.prompt_all(&mgr).await;
     w.assert_converged(&mgr).await;
     println!("crash loop: {prompted} conversations continued at the right turn");

@@ -3,7 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use sessiond_domain::{EventPayload, ExecutorId, ExecutorStatus, Runtime, SessionId, SessionState};
+use sessiond_domain::{
+    EventPayload, ExecutorId, ExecutorStatus, MessageRole, Runtime, SessionId, SessionState,
+};
 use sessiond_executor::Executor;
 use sessiond_recovery::ManagerConfig;
 
@@ -379,4 +381,71 @@ async fn orphan_sweep_waits_for_recovery_and_grace() {
         .remove(&sessiond_executor::ExecutorHandle::from_record(&r))
         .await
         .unwrap();
+}
+
+/// agentctl is killed while the backend runs and nothing notices (the
+/// session is idle: its pump parked, liveness off); the next message's
+/// Prompt finds it gone. The call fails UNAVAILABLE, but the session is
+/// never ERROR: it is recovered in the background (a heavy agent
+/// relaunched and resumed) and the message after it goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_finds_agentctl_gone_leaves_the_session_recovering_not_error() {
+    let w = World::new(Db::Sqlite).await;
+    let profile = w
+        .demo_profile(
+            "heavy",
+            &[("ACP_DEMO_STARTUP_MS", "1500"), ("ACP_DEMO_BUSY_MS", "300")],
+        )
+        .await;
+    let mgr = w.manager_with(ManagerConfig {
+        liveness_interval: None,
+        ..w.config()
+    });
+    let s = w.create_with(&mgr, "gone", &profile, None).await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    let old = w.record(s.id).await;
+    kill_tree(old.pid.unwrap()).await;
+
+    let err = mgr
+        .send_message(w.task.id, s.id, "lost")
+        .await
+        .expect_err("agentctl is gone");
+    assert_eq!(
+        err.kind(),
+        sessiond_recovery::ErrorKind::Unavailable,
+        "a retryable failure: {err}"
+    );
+    let st = w.status(&mgr, s.id).await;
+    assert_ne!(st.state, SessionState::Error, "{st:?}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let st = w.status(&mgr, s.id).await;
+        assert_ne!(st.state, SessionState::Error, "{st:?}");
+        if st.state == SessionState::WaitingForInput
+            && st.is_agent_running
+            && st.executor_status == Some(ExecutorStatus::Ready)
+            && !st.recovering
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never came back: {st:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        w.record(s.id).await.generation > old.generation,
+        "relaunched"
+    );
+    w.track(s.id).await;
+    // "lost" ended interrupted (not sent again); the conversation goes on.
+    let messages = w.store.list_messages(s.id, 0, 100).await.unwrap();
+    assert!(
+        messages
+            .iter()
+            .any(|m| m.role == MessageRole::System && m.content.contains("interrupted")),
+        "the cut turn says so: {messages:?}"
+    );
+    let reply = w.prompt(&mgr, s.id, "two").await;
+    assert_eq!(reply, expected_reply(2, &token, "two"));
+    w.finish(&mgr, &[s.id]).await;
 }
