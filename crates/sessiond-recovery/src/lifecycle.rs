@@ -860,7 +860,7 @@ impl SessionManager {
 
     /// A failed call's `status` came from agentctl being gone rather than
     /// from an answer: a transport failure, and `Health` fails as well.
-    async fn agentctl_gone(
+    pub(crate) async fn agentctl_gone(
         &self,
         status: &tonic::Status,
         client: &sessiond_executor::AgentctlClient,

@@ -1183,6 +1183,15 @@ impl Pump {
                 drop(guard);
                 self.end_interrupted(turn, status.message()).await
             }
+            // agentctl is gone, not refusing: the turn stays pending and
+            // this stream's failure recovers the session in the background
+            // (`agentctl_lost`), which settles the turn.
+            Err(status) if self.mgr.agentctl_gone(&status, &self.client).await => {
+                drop(guard);
+                tracing::info!(session = %self.session_id, turn, error = %status,
+                    "re-delivery found agentctl gone; left to the lost-agentctl recovery");
+                Ok(())
+            }
             Err(status) => {
                 let e = crate::error::Error::agent("Prompt", &status);
                 let reason = format!(
