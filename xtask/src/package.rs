@@ -40,7 +40,10 @@ pub fn check_tarballs(root: &Path, target: &Path) -> anyhow::Result<()> {
                 tarball.display()
             );
         }
-        let mut untar = command("tar", &["-xzf"]);
+        // `-m`: the files get the time of unpacking, not the fixed 2006
+        // stamp `cargo package` writes, so a reused target directory sees
+        // the sources as changed and never checks an older build.
+        let mut untar = command("tar", &["-xmzf"]);
         untar.arg(&tarball).arg("-C").arg(&dir);
         step(&format!("unpack {name}"), untar)?;
         members.push(((*krate).to_owned(), name));
