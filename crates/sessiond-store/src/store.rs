@@ -460,6 +460,7 @@ impl Store {
             let key = id.to_string();
             let session = task_sessions::table
                 .find(&key)
+                .filter(task_sessions::deleted_at.is_null())
                 .select(SessionRow::as_select())
                 .first(c)
                 .optional()?
@@ -532,11 +533,37 @@ impl Store {
         .await
     }
 
+    /// Marks a session deleted: from then on every read of it answers
+    /// [`Error::NotFound`] and it leaves [`Store::list_sessions`]; its row,
+    /// messages and events stay as history. The version is bumped, so a
+    /// writer still holding the session fails with [`Error::Conflict`].
+    /// [`Error::NotFound`] when it does not exist or is deleted already.
+    pub async fn mark_session_deleted(&self, id: SessionId) -> Result<()> {
+        self.write(move |c| {
+            let n = diesel::update(
+                task_sessions::table
+                    .find(id.to_string())
+                    .filter(task_sessions::deleted_at.is_null()),
+            )
+            .set((
+                task_sessions::deleted_at.eq(Some(Ts::new(conn::now()))),
+                task_sessions::version.eq(task_sessions::version + 1),
+            ))
+            .execute(c)?;
+            if n == 0 {
+                return Err(Error::not_found("session", id));
+            }
+            Ok(())
+        })
+        .await
+    }
+
     /// The sessions of a task, oldest first.
     pub async fn list_sessions(&self, task: TaskId) -> Result<Vec<Session>> {
         self.read(move |c| {
             task_sessions::table
                 .filter(task_sessions::task_id.eq(task.to_string()))
+                .filter(task_sessions::deleted_at.is_null())
                 .select(SessionRow::as_select())
                 .order((task_sessions::created_at, task_sessions::id))
                 .load(c)?
@@ -568,6 +595,7 @@ impl Store {
             );
             let rows = task_sessions::table
                 .filter(task_sessions::state.eq(state.as_str()))
+                .filter(task_sessions::deleted_at.is_null())
                 .filter(task_sessions::metadata.like(pattern).escape('\\'))
                 .select(SessionRow::as_select())
                 .order((task_sessions::created_at, task_sessions::id))
@@ -1214,6 +1242,7 @@ fn load_profile(c: &mut AnyConnection, by_name: bool, key: &str) -> Result<Agent
 fn load_session(c: &mut AnyConnection, id: SessionId) -> Result<Session> {
     task_sessions::table
         .find(id.to_string())
+        .filter(task_sessions::deleted_at.is_null())
         .select(SessionRow::as_select())
         .first(c)
         .optional()?

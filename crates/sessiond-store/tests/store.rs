@@ -1745,13 +1745,54 @@ mod suite {
         );
     }
 
+    /// A deleted session is not found by any read, leaves its task's list,
+    /// cannot be deleted twice, and a writer still holding it loses.
+    pub async fn deleted_sessions_are_not_found(store: &Store) {
+        let (t, p, s) = seed(store).await;
+        let (other, _) = store
+            .create_session(&session(&t, &p), vec![])
+            .await
+            .unwrap();
+        store.mark_session_deleted(s.id).await.unwrap();
+        assert!(store.get_session(s.id).await.unwrap_err().is_not_found());
+        assert!(
+            store
+                .session_status_inputs(s.id)
+                .await
+                .unwrap_err()
+                .is_not_found()
+        );
+        let listed: Vec<_> = store
+            .list_sessions(t.id)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|s| s.id)
+            .collect();
+        assert_eq!(listed, [other.id]);
+        assert!(
+            store
+                .mark_session_deleted(s.id)
+                .await
+                .unwrap_err()
+                .is_not_found()
+        );
+        let mut stale = s.clone();
+        stale.state = SessionState::Starting;
+        let err = store
+            .commit(Changeset::new().update_session(stale))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Conflict { .. }), "{err}");
+    }
+
     pub async fn migrations_round_trip(store: &Store) {
         seed(store).await;
         let reverted = store.revert_all_migrations().await.unwrap();
         // Every migration directory (init, profile container, profile auth +
         // permission policy, message parts, permission timeout, replicas,
-        // custom runtimes).
-        assert_eq!(reverted.len(), 7, "{reverted:?}");
+        // custom runtimes, deleted sessions).
+        assert_eq!(reverted.len(), 8, "{reverted:?}");
         let err = store.list_tasks(None, 10).await.unwrap_err();
         assert!(matches!(err, Error::Database(_)), "tables are gone: {err}");
         let applied = store.run_pending_migrations().await.unwrap();
@@ -1805,6 +1846,7 @@ macro_rules! store_tests {
             store_test!($backend, task_event_applies_the_machine_in_the_transaction);
             store_test!($backend, managed_reads_match_single_reads);
             store_test!($backend, migrations_round_trip);
+            store_test!($backend, deleted_sessions_are_not_found);
             store_test!($backend, leases_claim_renew_release_and_adopt);
             store_test!($backend, fenced_writes_fail_after_the_lease_moved);
             store_test!($backend, expired_leases_are_split_among_live_replicas);
