@@ -955,6 +955,27 @@ impl Store {
         .await
     }
 
+    /// A session's newest message of `kind` (highest seq), if any: the part
+    /// a session-wide update such as `AvailableCommands` replaces.
+    pub async fn latest_part(
+        &self,
+        session: SessionId,
+        kind: MessageKind,
+    ) -> Result<Option<Message>> {
+        self.read(move |c| {
+            session_messages::table
+                .filter(session_messages::session_id.eq(session.to_string()))
+                .filter(session_messages::kind.eq(kind.as_str()))
+                .order(session_messages::seq.desc())
+                .select(MessageRow::as_select())
+                .first(c)
+                .optional()?
+                .map(MessageRow::into_domain)
+                .transpose()
+        })
+        .await
+    }
+
     /// A session's activity parts of `kind` that are not complete yet (for
     /// `Permission`: the requests still waiting), in seq order.
     pub async fn open_parts(&self, session: SessionId, kind: MessageKind) -> Result<Vec<Message>> {
