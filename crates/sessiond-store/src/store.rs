@@ -140,6 +140,77 @@ pub struct Store {
     origin: Arc<std::sync::OnceLock<String>>,
     /// What the pool connects to (the event listener opens its own connection).
     pub(crate) target: Arc<str>,
+    /// Whether the database is known to be unreachable right now.
+    health: Arc<Health>,
+}
+
+/// While the database is known down, a checkout waits at most this long
+/// instead of the whole connect timeout: long enough for a connection the
+/// pool is opening as the database comes back, short enough that a caller
+/// hears UNAVAILABLE at once instead of after the timeout, every time.
+const DOWN_CHECKOUT: Duration = Duration::from_secs(1);
+
+/// The database is *down* from a failed connection attempt or a connection
+/// lost mid-call until a connection opens or a statement succeeds again.
+#[derive(Debug, Default)]
+struct Health {
+    down: std::sync::atomic::AtomicBool,
+}
+
+impl Health {
+    fn is_down(&self) -> bool {
+        self.down.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn set_down(&self, down: bool) {
+        self.down.store(down, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Learns from a call's outcome on `conn`; a lost connection is
+    /// discarded, not returned to the pool.
+    fn observe<T>(&self, result: &Result<T>, conn: &mut AnyConnection) {
+        match result {
+            Ok(_) => self.set_down(false),
+            Err(Error::ConnectionLost(_)) => {
+                self.set_down(true);
+                conn::discard(conn);
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// A pooled connection: within `timeout`, or [`DOWN_CHECKOUT`] while the
+    /// database is known down.
+    fn checkout(
+        &self,
+        pool: &Pool<Manager>,
+        timeout: Duration,
+    ) -> Result<diesel::r2d2::PooledConnection<Manager>> {
+        let wait = if self.is_down() {
+            timeout.min(DOWN_CHECKOUT)
+        } else {
+            timeout
+        };
+        Ok(pool.get_timeout(wait)?)
+    }
+}
+
+/// The pool's connection attempts tell [`Health`] how the database is.
+#[derive(Debug)]
+struct HealthHooks(Arc<Health>);
+
+impl diesel::r2d2::HandleError<diesel::r2d2::Error> for HealthHooks {
+    fn handle_error(&self, error: diesel::r2d2::Error) {
+        self.0.set_down(true);
+        tracing::warn!(%error, "cannot connect to the database");
+    }
+}
+
+impl diesel::r2d2::CustomizeConnection<AnyConnection, diesel::r2d2::Error> for HealthHooks {
+    fn on_acquire(&self, _conn: &mut AnyConnection) -> Result<(), diesel::r2d2::Error> {
+        self.0.set_down(false);
+        Ok(())
+    }
 }
 
 impl fmt::Debug for Store {
@@ -225,7 +296,10 @@ impl Store {
                 // the pool's connections, opened at once, only read the mode.
                 drop(manager.connect().map_err(|e| Error::Pool(Box::new(e)))?);
             }
+            let health = Arc::new(Health::default());
             let pool = Pool::builder()
+                .error_handler(Box::new(HealthHooks(health.clone())))
+                .connection_customizer(Box::new(HealthHooks(health.clone())))
                 .max_size(max)
                 .min_idle(Some(idle))
                 // No `SELECT 1` before every checkout: it doubled the cost
@@ -244,6 +318,7 @@ impl Store {
                 checkout_timeout: opts.connect_timeout,
                 origin: Arc::default(),
                 target: target.into(),
+                health,
             };
             if opts.migrate {
                 let mut conn = store.pool.get()?;
@@ -1100,6 +1175,7 @@ impl Store {
         let pool = self.pool.clone();
         let slots = self.slots.clone();
         let timeout = self.checkout_timeout;
+        let health = self.health.clone();
         let flag = lanes::current();
         blocking(move || {
             let asked = Instant::now();
@@ -1107,9 +1183,11 @@ impl Store {
             let _slot = slots
                 .take(flag.as_ref(), timeout)
                 .map_err(|()| Error::Pool(Box::new(TimedOut(timeout))))?;
-            let mut conn = pool.get()?;
+            let mut conn = health.checkout(&pool, timeout)?;
             waited("read", flag.as_ref(), asked);
-            f(&mut conn)
+            let result = f(&mut conn);
+            health.observe(&result, &mut conn);
+            result
         })
         .await
     }
@@ -1124,6 +1202,7 @@ impl Store {
         let writer = (self.backend == Backend::Sqlite).then(|| self.writer.clone());
         let slots = self.slots.clone();
         let timeout = self.checkout_timeout;
+        let health = self.health.clone();
         let flag = lanes::current();
         blocking(move || {
             let asked = Instant::now();
@@ -1144,9 +1223,11 @@ impl Store {
                     .take(flag.as_ref(), timeout)
                     .map_err(|()| Error::Pool(Box::new(TimedOut(timeout))))?
             };
-            let mut conn = pool.get()?;
+            let mut conn = health.checkout(&pool, timeout)?;
             waited("write", flag.as_ref(), asked);
-            write_transaction(&mut conn, f)
+            let result = write_transaction(&mut conn, f);
+            health.observe(&result, &mut conn);
+            result
         })
         .await
     }

@@ -2055,3 +2055,88 @@ async fn postgres_concurrent_claims_skip_each_others_rows() {
         ])
     );
 }
+
+/// PostgreSQL: the server terminating a connection the pool holds
+/// (`pg_terminate_backend` from another session, as an operator or a
+/// failover does) fails the next call on it as `ConnectionLost`, which is
+/// unavailable (retry), not a database error; the pool replaces the
+/// connection and the call after succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_terminated_connection_is_unavailable() {
+    let db = tokio::task::spawn_blocking(sessiond_testkit::postgres::test_database)
+        .await
+        .unwrap();
+    // One connection, so the next call meets the terminated one.
+    let store = Store::connect(db.url(), StoreOptions::default().max_connections(1))
+        .await
+        .unwrap();
+    store.list_tasks(None, 10).await.unwrap();
+    // The timeout argument makes it wait until the backend has exited.
+    let killed = sessiond_testkit::postgres::psql_command(
+        db.url(),
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) \
+         FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .unwrap();
+    assert_eq!(killed.trim(), "1", "the store's one connection");
+    let err = store.list_tasks(None, 10).await.unwrap_err();
+    assert!(matches!(err, Error::ConnectionLost(_)), "{err:?}");
+    assert!(err.is_unavailable());
+    assert!(
+        err.to_string().contains("terminating connection")
+            || err.to_string().contains("server closed the connection"),
+        "{err}"
+    );
+    store.list_tasks(None, 10).await.unwrap();
+}
+
+/// PostgreSQL shut down under a running store (fast shutdown: connections
+/// terminated, then connection refused): the call on the lost connection is
+/// `ConnectionLost`, and while the database stays down calls fail within
+/// about a second (`Pool`, unavailable) instead of waiting the whole connect
+/// timeout each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_down_fails_calls_fast() {
+    let cluster = tokio::task::spawn_blocking(sessiond_testkit::postgres::start_cluster)
+        .await
+        .unwrap();
+    let db = cluster.create_database();
+    let connect_timeout = std::time::Duration::from_secs(30);
+    let store = Store::connect(
+        db.url(),
+        StoreOptions::default()
+            .max_connections(2)
+            .connect_timeout(connect_timeout),
+    )
+    .await
+    .unwrap();
+    store.list_tasks(None, 10).await.unwrap();
+    // SIGINT is PostgreSQL's fast shutdown; wait until the postmaster is gone.
+    let pid = cluster.pid();
+    let sent = std::process::Command::new("kill")
+        .args(["-INT", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let proc = std::path::PathBuf::from(format!("/proc/{pid}"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while proc.exists() {
+        assert!(std::time::Instant::now() < deadline, "postgres still runs");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // The pool's (up to 2) terminated connections fail as lost, then no
+    // connection can be had: each call answers within the fail-fast bound,
+    // not the 30 s connect timeout.
+    let mut refused = 0;
+    for _ in 0..5 {
+        let asked = std::time::Instant::now();
+        let err = store.list_tasks(None, 10).await.unwrap_err();
+        let took = asked.elapsed();
+        assert!(err.is_unavailable(), "{err:?}");
+        assert!(took < connect_timeout / 3, "{took:?}: {err}");
+        if matches!(err, Error::Pool(_)) {
+            refused += 1;
+        }
+    }
+    assert!(refused >= 3, "{refused} of 5 calls found no connection");
+}
