@@ -927,3 +927,70 @@ async fn a_deleted_session_answers_not_found() {
         [kept.id.as_str()]
     );
 }
+
+/// Oversized string fields are refused by sessiond itself, naming the field
+/// and its limit, before anything reaches agentctl (where a 100 kB mode id
+/// failed as FAILED_PRECONDITION) or the database.
+#[tokio::test]
+async fn oversized_string_fields_are_invalid_argument_naming_field_and_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let server = start(&dir.path().join("data"), &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "bounds").await;
+    let s = create_session(&mut c, &task.id, &work, "").await;
+    let huge = "m".repeat(100_000);
+    let check = |what: &str, err: tonic::Status, field: &str, limit: &str| {
+        assert_eq!(err.code(), Code::InvalidArgument, "{what}: {err:?}");
+        assert!(
+            err.message().starts_with(&format!("{field}: 100000 bytes")),
+            "{what}: {}",
+            err.message()
+        );
+        assert!(err.message().contains(limit), "{what}: {}", err.message());
+    };
+    let err = c
+        .set_session_mode(pb::SetSessionModeRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            mode_id: huge.clone(),
+        })
+        .await
+        .unwrap_err();
+    check("SetSessionMode", err, "mode_id", "1024 bytes");
+    let err = c
+        .respond_to_permission(pb::RespondToPermissionRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            request_id: "r".into(),
+            option_id: huge.clone(),
+        })
+        .await
+        .unwrap_err();
+    check("RespondToPermission", err, "option_id", "1024 bytes");
+    let err = c
+        .create_session(pb::CreateSessionRequest {
+            task_id: task.id.clone(),
+            runtime: pb::Runtime::LocalStandalone as i32,
+            worktree: Some(pb::Worktree {
+                id: String::new(),
+                path: work.display().to_string(),
+                branch: huge.clone(),
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    check("CreateSession", err, "worktree.branch", "1024 bytes");
+    // The session is untouched and still takes a mode of a sane size.
+    let status = c
+        .get_session_status(pb::GetSessionStatusRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(status.is_agent_running);
+}
