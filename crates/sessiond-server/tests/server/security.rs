@@ -1425,3 +1425,55 @@ async fn the_public_port_serves_grpc_over_tls_and_offers_http2() {
     assert!(text.contains("ALPN protocol: h2"), "{text}");
     assert!(text.contains("Verify return code: 0 (ok)"), "{text}");
 }
+
+/// Waits until the server closes `stream` (EOF or reset); the outer bound
+/// only keeps a failing test from hanging.
+async fn closed_by_server(name: &str, mut stream: tokio::net::TcpStream) {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(std::time::Duration::from_secs(30), stream.read(&mut buf))
+        .await
+        .unwrap_or_else(|_| panic!("{name}: still open after 30 s"));
+    assert!(matches!(read, Ok(0) | Err(_)), "{name}: {read:?}");
+}
+
+/// Slowloris on the API port: a connection that never sends anything, or
+/// (with TLS) never finishes its ClientHello, is closed once
+/// `handshake_timeout` has passed, while real clients are served beside it.
+#[tokio::test]
+async fn connections_that_never_speak_are_closed() {
+    use std::time::{Duration, Instant};
+    use tokio::{io::AsyncWriteExt, net::TcpStream};
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let plain = start(&dir.path().join("plain"), &["--handshake-timeout", "1s"]);
+    let tls = start(
+        &dir.path().join("tls"),
+        &[
+            "--tls-cert",
+            &pki.path("server.pem"),
+            "--tls-key",
+            &pki.path("server.key"),
+            "--handshake-timeout",
+            "1s",
+        ],
+    );
+    let opened = Instant::now();
+    let plain_silent = TcpStream::connect(&plain.addr).await.unwrap();
+    let tls_silent = TcpStream::connect(&tls.addr).await.unwrap();
+    let mut tls_partial = TcpStream::connect(&tls.addr).await.unwrap();
+    // The first bytes of a TLS record header (handshake, TLS 1.0), no more.
+    tls_partial.write_all(&[0x16, 0x03, 0x01]).await.unwrap();
+    // A client that speaks is served meanwhile, and after the timeout.
+    let mut c = sessions(&plain).await;
+    create_task(&mut c, "served").await;
+    closed_by_server("plain, silent", plain_silent).await;
+    closed_by_server("tls, silent", tls_silent).await;
+    closed_by_server("tls, partial ClientHello", tls_partial).await;
+    assert!(
+        opened.elapsed() >= Duration::from_millis(900),
+        "closed before the timeout: {:?}",
+        opened.elapsed()
+    );
+    create_task(&mut c, "still served").await;
+}
