@@ -1074,6 +1074,40 @@ fn pem_pair(
     }
 }
 
+/// What the configuration exposes that an operator may not mean to: a
+/// metrics endpoint reachable from other hosts (it has no authentication),
+/// and a TLS private key other local users can read. Warnings, not errors:
+/// both have legitimate uses (a scraper on another host behind a firewall;
+/// a key shared with a group on purpose).
+fn exposure_warnings(
+    metrics_listen: Option<SocketAddr>,
+    tls: Option<&(PathBuf, PathBuf)>,
+) -> Vec<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut out = Vec::new();
+    if let Some(addr) = metrics_listen.filter(|a| !a.ip().is_loopback()) {
+        out.push(format!(
+            "metrics.listen {addr} is not a loopback address: /metrics, /livez and /readyz \
+             answer anyone who reaches it, without authentication (counts of sessions, \
+             executors, turns and calls); bind it to 127.0.0.1 or keep it behind a firewall \
+             that admits only the scraper"
+        ));
+    }
+    if let Some((_, key)) = tls
+        && let Ok(meta) = std::fs::metadata(key)
+    {
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            out.push(format!(
+                "tls.key_file {} has mode {mode:03o}: other local users can read the API's \
+                 private key; chmod 600 it (owned by the user sessiond runs as)",
+                key.display()
+            ));
+        }
+    }
+    out
+}
+
 /// Collects validation problems so the user sees all of them at once.
 #[derive(Default)]
 struct Problems(Vec<String>);
@@ -1656,6 +1690,7 @@ impl FileConfig {
         if !p.0.is_empty() {
             bail!("invalid configuration:\n  {}", p.0.join("\n  "));
         }
+        let warnings = exposure_warnings(metrics_listen, tls.as_ref());
         Ok(Config {
             data_dir,
             database_url,
@@ -1678,7 +1713,7 @@ impl FileConfig {
             replica,
             agents,
             default_agent: self.default_agent,
-            warnings: Vec::new(),
+            warnings,
         })
     }
 }

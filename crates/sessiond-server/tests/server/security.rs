@@ -1477,3 +1477,114 @@ async fn connections_that_never_speak_are_closed() {
     );
     create_task(&mut c, "still served").await;
 }
+
+/// Starts `sessiond serve` with exactly `args` (after `serve`), stderr to
+/// `log`; returns once it listens. Warnings of the start are logged before
+/// the listening line, so they are in `log` by then.
+fn start_logged(data_dir: &std::path::Path, args: &[&str], log: &std::path::Path) -> Server {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sessiond"))
+        .arg("serve")
+        .args(["--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(data_dir)
+        .args(args)
+        .env("SESSIOND_API_TOKENS", TOKEN)
+        .env_remove("SESSIOND_DATABASE_URL")
+        .env_remove("SESSIOND_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("sessiond listening on ")
+        .unwrap_or_else(|| panic!("{line:?}: {}", std::fs::read_to_string(log).unwrap()))
+        .to_owned();
+    Server {
+        child: Some(child),
+        addr,
+        metrics: None,
+        data_dir: data_dir.to_owned(),
+    }
+}
+
+/// A metrics endpoint reachable from other hosts (it has no authentication)
+/// and a TLS private key other local users can read start with a WARN
+/// naming the key and what to do; loopback metrics and a 0600 key do not.
+#[tokio::test]
+async fn exposed_metrics_and_a_readable_tls_key_draw_a_warning() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let key = pki.path("server.key");
+    let tls = ["--tls-cert", &pki.path("server.pem"), "--tls-key", &key];
+    let warned = |log: &std::path::Path| {
+        let text = std::fs::read_to_string(log).unwrap();
+        (
+            text.lines()
+                .any(|l| l.contains("WARN") && l.contains("metrics.listen 0.0.0.0:")),
+            text.lines()
+                .any(|l| l.contains("WARN") && l.contains("tls.key_file") && l.contains("644")),
+        )
+    };
+
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let log = dir.path().join("exposed.log");
+    let exposed = [&tls[..], &["--metrics-listen", "0.0.0.0:0"]].concat();
+    let server = start_logged(&dir.path().join("exposed"), &exposed, &log);
+    assert_eq!(
+        warned(&log),
+        (true, true),
+        "{}",
+        std::fs::read_to_string(&log).unwrap()
+    );
+    drop(server);
+
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let log = dir.path().join("private.log");
+    let private = [&tls[..], &["--metrics-listen", "127.0.0.1:0"]].concat();
+    let server = start_logged(&dir.path().join("private"), &private, &log);
+    assert_eq!(
+        warned(&log),
+        (false, false),
+        "{}",
+        std::fs::read_to_string(&log).unwrap()
+    );
+    drop(server);
+}
+
+/// Allow-lists that amount to "any host" are start errors naming the key,
+/// however they are spelled; `/0` and `*` already were.
+#[tokio::test]
+async fn allow_lists_that_allow_any_host_are_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    for (list, says) in [
+        ("0.0.0.0/1,128.0.0.0/1", "together allow every IPv4 address"),
+        ("*.com", "top-level domain"),
+        ("::ffff:0.0.0.0/96", "every IPv4 address"),
+    ] {
+        let (ok, stderr) = run_sessiond(
+            &[
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "off",
+                "--data-dir",
+                dir.path().join("data").to_str().unwrap(),
+                "--remote-allowed-hosts",
+                list,
+            ],
+            &[("SESSIOND_API_TOKENS", TOKEN)],
+        );
+        assert!(!ok, "{list}: started");
+        assert!(
+            stderr.contains("executors.remote.allowed_hosts") && stderr.contains(says),
+            "{list}: {stderr}"
+        );
+    }
+}
