@@ -287,7 +287,7 @@ impl Error {
                 _ => ErrorKind::FailedPrecondition,
             },
             Error::Store(e) => match &**e {
-                sessiond_store::Error::Pool(_) => ErrorKind::Unavailable,
+                e if e.is_unavailable() => ErrorKind::Unavailable,
                 sessiond_store::Error::Invalid(_) => ErrorKind::InvalidArgument,
                 _ => ErrorKind::Internal,
             },

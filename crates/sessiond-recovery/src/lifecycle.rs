@@ -991,10 +991,12 @@ impl SessionManager {
         Ok(())
     }
 
-    /// Deletes a session's runtime: ends the session (CANCELLED) if it has
-    /// not ended, removes the executor (container removed, files of the
-    /// driver removed; remote: agent stopped) and its record. The session
-    /// row, its messages and events stay as history.
+    /// Deletes a session: ends it (CANCELLED) if it has not ended, removes
+    /// the executor (container removed, files of the driver removed;
+    /// remote: agent stopped) and its record, then marks the session
+    /// deleted, after which every read and command on it is NOT_FOUND. The
+    /// session row, its messages and events stay in the store as history
+    /// (and in the task's event stream, which is gap-free by task seq).
     pub async fn delete_session(&self, task: TaskId, session_id: SessionId) -> Result<()> {
         self.session_of_task(task, session_id).await?;
         if let Err(e) = self
@@ -1030,6 +1032,9 @@ impl SessionManager {
                 None => deleted?,
             };
         }
+        // Last: a delete that failed above leaves the session readable, so
+        // the caller sees why and can delete again.
+        self.inner.store.mark_session_deleted(session_id).await?;
         // No executor row, no lease: later writes need no fence.
         self.forget_lease(session_id);
         self.cache_remove(session_id);

@@ -439,7 +439,28 @@ impl Pump {
                 .update_part(m.id, m.content.clone(), m.data.clone(), m.complete)
                 .event(self.session_id, EventPayload::MessageUpdated(m.clone()))
         };
-        let change = if self.parts.contains_key(&id) {
+        // The agent's command list describes the session, not a turn, and
+        // agents send it again on every `session/load`: the new list
+        // replaces the stored one (same message, `message.updated`) instead
+        // of adding one per load.
+        let replaced = if kind == MessageKind::AvailableCommands && !self.parts.contains_key(&id) {
+            self.mgr
+                .inner
+                .store
+                .latest_part(self.session_id, kind)
+                .await?
+                .filter(|stored| stored.id != id)
+        } else {
+            None
+        };
+        let change = if let Some(stored) = replaced {
+            update(&Message {
+                id: stored.id,
+                seq: stored.seq,
+                created_at: stored.created_at,
+                ..m
+            })
+        } else if self.parts.contains_key(&id) {
             update(&m)
         } else {
             let add = Changeset::new()

@@ -23,6 +23,7 @@ use sessiond_store::Store;
 use tonic::{Request, Response, Status};
 
 use crate::{
+    bounds::{Bounded, MAX_ARG_BYTES, MAX_PATH_BYTES, MAX_REMOTE_BYTES as MAX_REMOTE_FIELD_BYTES},
     convert,
     error::{ApiError, ApiResult},
     forward::{self, Failure, Origin, Owner, Peers},
@@ -79,7 +80,7 @@ impl std::fmt::Debug for Api {
 
 const DEFAULT_PAGE: i32 = 100;
 const MAX_PAGE: i32 = 1000;
-const MAX_TITLE_CHARS: usize = 1000;
+pub(crate) const MAX_TITLE_CHARS: usize = 1000;
 
 fn page_size(value: i32) -> ApiResult<u32> {
     match value {
@@ -91,17 +92,11 @@ fn page_size(value: i32) -> ApiResult<u32> {
     }
 }
 
-/// Longest worktree path accepted (Linux's PATH_MAX).
-const MAX_PATH_BYTES: usize = 4096;
 /// Longest path component (Linux's NAME_MAX).
 const MAX_NAME_BYTES: usize = 255;
-/// Longest single Exec argument (Linux's MAX_ARG_STRLEN, less its NUL).
-const MAX_ARG_BYTES: usize = 128 * 1024 - 1;
 /// Most Exec arguments, and their total size (well inside ARG_MAX).
 const MAX_ARGS: usize = 4096;
 const MAX_ARGS_TOTAL_BYTES: usize = 1024 * 1024;
-/// Longest remote agentctl URL or secret.
-const MAX_REMOTE_FIELD_BYTES: usize = 2048;
 
 /// A workspace path a client sends (relative to the workspace, or empty for
 /// its root): the sizes the kernel would refuse are INVALID_ARGUMENT here,
@@ -496,6 +491,8 @@ impl pb::session_service_server::SessionService for Api {
         request: Request<pb::CreateTaskRequest>,
     ) -> Result<Response<pb::CreateTaskResponse>, Status> {
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let title = req.title.trim();
@@ -539,6 +536,8 @@ impl pb::session_service_server::SessionService for Api {
         request: Request<pb::GetTaskRequest>,
     ) -> Result<Response<pb::GetTaskResponse>, Status> {
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let task = self.store.get_task(task_id(&req.task_id)?).await?;
@@ -555,6 +554,8 @@ impl pb::session_service_server::SessionService for Api {
         request: Request<pb::ListTasksRequest>,
     ) -> Result<Response<pb::ListTasksResponse>, Status> {
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let limit = page_size(req.page_size)?;
@@ -632,6 +633,8 @@ impl pb::session_service_server::SessionService for Api {
         request: Request<pb::CreateSessionRequest>,
     ) -> Result<Response<pb::CreateSessionResponse>, Status> {
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(async {
             let task = task_id(&req.task_id)?;
             let runtime = convert::runtime_from(req.runtime, &req.runtime_name)
@@ -733,6 +736,8 @@ impl pb::session_service_server::SessionService for Api {
         request: Request<pb::GetSessionRequest>,
     ) -> Result<Response<pb::GetSessionResponse>, Status> {
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
@@ -750,6 +755,8 @@ impl pb::session_service_server::SessionService for Api {
         request: Request<pb::ListSessionsRequest>,
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let task = task_id(&req.task_id)?;
@@ -768,6 +775,8 @@ impl pb::session_service_server::SessionService for Api {
         request: Request<pb::GetSessionStatusRequest>,
     ) -> Result<Response<pb::GetSessionStatusResponse>, Status> {
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
@@ -797,6 +806,8 @@ impl pb::session_service_server::SessionService for Api {
     ) -> Result<Response<pb::ResumeSessionResponse>, Status> {
         let origin = Origin::of(&request);
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
@@ -820,6 +831,8 @@ impl pb::session_service_server::SessionService for Api {
     ) -> Result<Response<pb::SendMessageResponse>, Status> {
         let origin = Origin::of(&request);
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
@@ -855,6 +868,8 @@ impl pb::session_service_server::SessionService for Api {
     ) -> Result<Response<pb::RetryTurnResponse>, Status> {
         let origin = Origin::of(&request);
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
@@ -883,6 +898,8 @@ impl pb::session_service_server::SessionService for Api {
     ) -> Result<Response<pb::CancelTurnResponse>, Status> {
         let origin = Origin::of(&request);
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
@@ -903,6 +920,8 @@ impl pb::session_service_server::SessionService for Api {
     ) -> Result<Response<pb::RespondToPermissionResponse>, Status> {
         let origin = Origin::of(&request);
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
@@ -928,6 +947,8 @@ impl pb::session_service_server::SessionService for Api {
     ) -> Result<Response<pb::SetSessionModeResponse>, Status> {
         let origin = Origin::of(&request);
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
@@ -952,6 +973,8 @@ impl pb::session_service_server::SessionService for Api {
         request: Request<pb::ListMessagesRequest>,
     ) -> Result<Response<pb::ListMessagesResponse>, Status> {
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
@@ -984,6 +1007,8 @@ impl pb::session_service_server::SessionService for Api {
     ) -> Result<Response<pb::StopSessionResponse>, Status> {
         let origin = Origin::of(&request);
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
@@ -1018,6 +1043,8 @@ impl pb::session_service_server::SessionService for Api {
     ) -> Result<Response<pb::DeleteSessionResponse>, Status> {
         let origin = Origin::of(&request);
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
@@ -1040,6 +1067,8 @@ impl pb::session_service_server::SessionService for Api {
     ) -> Result<Response<Self::WatchSessionStream>, Status> {
         let caller = caller(&request);
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let session = session_id(&req.session_id)?;
@@ -1062,6 +1091,8 @@ impl pb::session_service_server::SessionService for Api {
     ) -> Result<Response<Self::WatchTaskStream>, Status> {
         let caller = caller(&request);
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let task = task_id(&req.task_id)?;
@@ -1085,6 +1116,8 @@ impl pb::workspace_service_server::WorkspaceService for Api {
     ) -> Result<Response<pb::ExecResponse>, Status> {
         let origin = Origin::of(&request);
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 if req.command.is_empty() {
@@ -1167,6 +1200,8 @@ impl pb::workspace_service_server::WorkspaceService for Api {
     ) -> Result<Response<pb::ReadFileResponse>, Status> {
         let origin = Origin::of(&request);
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 check_path_field("path", &req.path)?;
@@ -1198,6 +1233,8 @@ impl pb::workspace_service_server::WorkspaceService for Api {
     ) -> Result<Response<pb::WriteFileResponse>, Status> {
         let origin = Origin::of(&request);
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 check_path_field("path", &req.path)?;
@@ -1232,6 +1269,8 @@ impl pb::workspace_service_server::WorkspaceService for Api {
     ) -> Result<Response<pb::ListDirResponse>, Status> {
         let origin = Origin::of(&request);
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 check_path_field("path", &req.path)?;
@@ -1270,6 +1309,8 @@ impl pb::workspace_service_server::WorkspaceService for Api {
     ) -> Result<Response<pb::GitStatusResponse>, Status> {
         let origin = Origin::of(&request);
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let client = match self.workspace_target(req.session.as_ref(), &origin).await? {
@@ -1302,6 +1343,8 @@ impl pb::workspace_service_server::WorkspaceService for Api {
     ) -> Result<Response<pb::GitDiffResponse>, Status> {
         let origin = Origin::of(&request);
         let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
         reply(
             async {
                 let client = match self.workspace_target(req.session.as_ref(), &origin).await? {

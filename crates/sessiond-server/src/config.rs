@@ -156,6 +156,11 @@ pub struct ServeArgs {
     #[arg(long, env = "SESSIOND_TLS_KEY")]
     pub tls_key: Option<PathBuf>,
 
+    /// Close an API connection that has not sent its first bytes, or not
+    /// finished its TLS handshake, within this (`handshake_timeout`, e.g. `10s`).
+    #[arg(long, env = "SESSIOND_HANDSHAKE_TIMEOUT")]
+    pub handshake_timeout: Option<String>,
+
     /// PEM CA that signed remote agentctls' certificates
     /// (`executors.remote.tls_ca_file`).
     #[arg(long, env = "SESSIOND_REMOTE_TLS_CA_FILE")]
@@ -224,6 +229,9 @@ pub struct FileConfig {
     /// `shutdown_grace`: time in-flight calls get to finish after SIGTERM
     /// (default `10s`).
     pub shutdown_grace: String,
+    /// `handshake_timeout`: an API connection that sends nothing, or does
+    /// not finish its TLS handshake, within this is closed (default `10s`).
+    pub handshake_timeout: String,
     /// `default_agent`: profile of sessions that name none (default `demo`).
     pub default_agent: String,
     /// `[auth]`.
@@ -617,6 +625,7 @@ impl Default for FileConfig {
             max_message_bytes: 1024 * 1024,
             log_json: false,
             shutdown_grace: "10s".into(),
+            handshake_timeout: "10s".into(),
             default_agent: DEMO_PROFILE.into(),
             auth: AuthSection::default(),
             cors: CorsSection::default(),
@@ -753,6 +762,9 @@ pub struct Config {
     pub limits: LimitsConfig,
     /// `(cert, key)` PEM files: the API port serves TLS.
     pub tls: Option<(PathBuf, PathBuf)>,
+    /// `handshake_timeout`: an API connection silent or mid-TLS-handshake
+    /// this long after it was accepted is closed.
+    pub handshake_timeout: Duration,
     /// `[replica]`.
     pub replica: ReplicaConfig,
     /// `[[agents]]`, the built-in `demo` profile included.
@@ -1009,6 +1021,9 @@ impl ServeArgs {
         if self.tls_key.is_some() {
             f.tls.key_file.clone_from(&self.tls_key);
         }
+        if let Some(t) = &self.handshake_timeout {
+            f.handshake_timeout.clone_from(t);
+        }
         if self.remote_tls_ca_file.is_some() {
             f.executors
                 .remote
@@ -1057,6 +1072,40 @@ fn pem_pair(
             None
         }
     }
+}
+
+/// What the configuration exposes that an operator may not mean to: a
+/// metrics endpoint reachable from other hosts (it has no authentication),
+/// and a TLS private key other local users can read. Warnings, not errors:
+/// both have legitimate uses (a scraper on another host behind a firewall;
+/// a key shared with a group on purpose).
+fn exposure_warnings(
+    metrics_listen: Option<SocketAddr>,
+    tls: Option<&(PathBuf, PathBuf)>,
+) -> Vec<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut out = Vec::new();
+    if let Some(addr) = metrics_listen.filter(|a| !a.ip().is_loopback()) {
+        out.push(format!(
+            "metrics.listen {addr} is not a loopback address: /metrics, /livez and /readyz \
+             answer anyone who reaches it, without authentication (counts of sessions, \
+             executors, turns and calls); bind it to 127.0.0.1 or keep it behind a firewall \
+             that admits only the scraper"
+        ));
+    }
+    if let Some((_, key)) = tls
+        && let Ok(meta) = std::fs::metadata(key)
+    {
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            out.push(format!(
+                "tls.key_file {} has mode {mode:03o}: other local users can read the API's \
+                 private key; chmod 600 it (owned by the user sessiond runs as)",
+                key.display()
+            ));
+        }
+    }
+    out
 }
 
 /// Collects validation problems so the user sees all of them at once.
@@ -1619,6 +1668,7 @@ impl FileConfig {
             ("tls.cert_file", &self.tls.cert_file),
             ("tls.key_file", &self.tls.key_file),
         );
+        let handshake_timeout = p.positive_duration("handshake_timeout", &self.handshake_timeout);
 
         let replica = replica_config(&self.replica, &mut p);
         let agents = agent_profiles(&self.agents, &data_dir, &mut p);
@@ -1640,6 +1690,7 @@ impl FileConfig {
         if !p.0.is_empty() {
             bail!("invalid configuration:\n  {}", p.0.join("\n  "));
         }
+        let warnings = exposure_warnings(metrics_listen, tls.as_ref());
         Ok(Config {
             data_dir,
             database_url,
@@ -1658,10 +1709,11 @@ impl FileConfig {
             recovery,
             limits,
             tls,
+            handshake_timeout,
             replica,
             agents,
             default_agent: self.default_agent,
-            warnings: Vec::new(),
+            warnings,
         })
     }
 }

@@ -226,13 +226,8 @@ impl SessiondBuilder {
         let mut reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(sessiond_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
-        for service in [
-            "sessiond.v1.SessionService",
-            "sessiond.v1.WorkspaceService",
-            "grpc.health.v1.Health",
-            "grpc.reflection.v1.ServerReflection",
-        ] {
-            reflection = reflection.with_service_name(service);
+        for service in crate::metrics::SERVED_SERVICES {
+            reflection = reflection.with_service_name(*service);
         }
         let reflection = ReflectionService(BoxCloneSyncService::new(
             reflection

@@ -13,6 +13,7 @@
 //! | a configured limit (live sessions, watch streams)   | RESOURCE_EXHAUSTED  |
 //! | Exec past its timeout (details: output so far)      | DEADLINE_EXCEEDED   |
 //! | executor/agent/database unreachable, no driver      | UNAVAILABLE         |
+//! | a database connection lost mid-call                 | (`database_unavailable`: `retry-after-ms`) |
 //! | session owned by another replica and not forwarded  | UNAVAILABLE         |
 //! | (`not_owner`), or its owner not answering           | (`retry-after-ms`)  |
 //! | (`ownership_moving`)                                |                     |
@@ -37,6 +38,22 @@ pub const OWNER_ADDRESS_METADATA: &str = "sessiond-owner-address";
 /// paths), and an unbounded `grpc-message` header would turn a client's
 /// mistake into a RESOURCE_EXHAUSTED on its side.
 pub const MAX_MESSAGE_BYTES: usize = 1024;
+
+/// When a call that failed for want of the database may be retried: about
+/// when the store next tries to connect (`sessiond-store`'s fail-fast
+/// checkout while the database is down).
+pub const DATABASE_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The store error behind `e` when it means the database is unreachable or
+/// the connection was lost mid-call (retryable), not a verdict on the call.
+fn database_unavailable(e: &ApiError) -> Option<&sessiond_store::Error> {
+    let store = match e {
+        ApiError::Store(x) => x,
+        ApiError::Recovery(sessiond_recovery::Error::Store(x)) => &**x,
+        _ => return None,
+    };
+    store.is_unavailable().then_some(store)
+}
 
 /// Cuts `message` to [`MAX_MESSAGE_BYTES`] on a character boundary, saying so.
 pub fn bounded(mut message: String) -> String {
@@ -145,7 +162,7 @@ fn store_code(e: &sessiond_store::Error) -> (Code, &'static str) {
         E::Conflict { .. } => (Code::Aborted, "conflict"),
         E::AlreadyExists { .. } => (Code::AlreadyExists, "already_exists"),
         E::Invalid(_) => (Code::InvalidArgument, "invalid_argument"),
-        E::Pool(_) => (Code::Unavailable, "database_unavailable"),
+        E::Pool(_) | E::ConnectionLost(_) => (Code::Unavailable, "database_unavailable"),
         E::LeaseLost { .. } => (Code::Unavailable, "lease_lost"),
         _ => (Code::Internal, "internal"),
     }
@@ -322,6 +339,14 @@ impl From<ApiError> for Status {
         if code == Code::Internal {
             tracing::error!(error = %message, "internal error");
         }
+        let unavailable_db = database_unavailable(&e);
+        let message = match unavailable_db {
+            Some(x) => format!(
+                "the database is unavailable ({x}); nothing was changed unless the call had                  completed: retry in {} ms",
+                DATABASE_RETRY_AFTER.as_millis()
+            ),
+            None => message,
+        };
         let mut status = match &e {
             ApiError::CommandTimedOut { output, .. } => Status::with_details(
                 code,
@@ -352,6 +377,13 @@ impl From<ApiError> for Status {
             } => Some((owner, address, *retry_after)),
             _ => None,
         };
+        if unavailable_db.is_some()
+            && let Ok(v) = DATABASE_RETRY_AFTER.as_millis().to_string().parse()
+        {
+            status
+                .metadata_mut()
+                .insert(crate::forward::RETRY_AFTER_MS, v);
+        }
         if let Some((owner, address, retry_after)) = moving {
             for (key, value) in [(OWNER_METADATA, owner), (OWNER_ADDRESS_METADATA, address)] {
                 if let Ok(v) = value.parse() {
@@ -389,6 +421,37 @@ mod tests {
         let s = Status::from(ApiError::invalid(format!("bad id {}", "é".repeat(100_000))));
         assert!(s.message().len() <= MAX_MESSAGE_BYTES + 20);
         assert!(s.message().ends_with("(truncated)"));
+    }
+
+    /// A lost connection or an unreachable database is UNAVAILABLE
+    /// `database_unavailable` with when to retry, however it reached the
+    /// API (the store directly, or through the manager).
+    #[test]
+    fn a_lost_database_is_unavailable_with_retry_advice() {
+        let lost = || {
+            sessiond_store::Error::ConnectionLost(Box::new(std::io::Error::other(
+                "terminating connection due to administrator command",
+            )))
+        };
+        let refused =
+            sessiond_store::Error::Pool(Box::new(std::io::Error::other("connection refused")));
+        for e in [
+            ApiError::Store(lost()),
+            ApiError::Store(refused),
+            ApiError::Recovery(sessiond_recovery::Error::Store(std::sync::Arc::new(lost()))),
+        ] {
+            let s = Status::from(e);
+            assert_eq!(s.code(), Code::Unavailable, "{s:?}");
+            assert_eq!(
+                s.metadata().get(ERROR_METADATA).unwrap(),
+                "database_unavailable"
+            );
+            assert_eq!(
+                s.metadata().get(crate::forward::RETRY_AFTER_MS).unwrap(),
+                "1000"
+            );
+            assert!(s.message().contains("retry in 1000 ms"), "{}", s.message());
+        }
     }
 
     #[test]

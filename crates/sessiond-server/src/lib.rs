@@ -26,6 +26,7 @@
 
 mod api;
 mod auth;
+mod bounds;
 pub mod config;
 mod console;
 mod convert;

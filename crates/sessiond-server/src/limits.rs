@@ -54,7 +54,21 @@ impl AllowedHosts {
                         format!("{e:?} allows every address; list the networks agentctls run in"),
                     ));
                 }
-                hosts.nets.push((ip.to_canonical(), bits));
+                // An IPv4-mapped IPv6 network (`::ffff:a.b.c.d/n`) is the
+                // IPv4 network it maps: addresses are compared canonical.
+                let (ip, bits) = match (ip, ip.to_canonical()) {
+                    (IpAddr::V6(_), v4 @ IpAddr::V4(_)) if bits >= 96 => (v4, bits - 96),
+                    (ip, _) => (ip, bits),
+                };
+                if bits == 0 {
+                    return Err((
+                        i,
+                        format!(
+                            "{e:?} allows every IPv4 address; list the networks agentctls run in"
+                        ),
+                    ));
+                }
+                hosts.nets.push((ip, bits));
             } else if let Ok(ip) = e.trim_matches(['[', ']']).parse::<IpAddr>() {
                 let bits = if ip.to_canonical().is_ipv4() { 32 } else { 128 };
                 hosts.nets.push((ip.to_canonical(), bits));
@@ -72,25 +86,68 @@ impl AllowedHosts {
                         format!("{e:?} is not a host name, `*.domain`, address or network"),
                     ));
                 }
+                // `*.com` is every name under a top-level domain: as good as
+                // `*` for SSRF. (Deeper public suffixes such as `*.co.uk`
+                // are not known here; see docs/SECURITY.md.)
+                if name.starts_with("*.") && !label.contains('.') {
+                    return Err((
+                        i,
+                        format!(
+                            "{e:?} allows every name under the top-level domain {label:?}; \
+                             list the hosts, or a domain of yours (`*.agents.example.com`)"
+                        ),
+                    ));
+                }
                 hosts.names.push(name);
             }
             hosts.listed.push(e.to_owned());
+        }
+        // Several networks may together be `/0`: `0.0.0.0/1` and
+        // `128.0.0.0/1` allow every IPv4 address as surely as `0.0.0.0/0`.
+        for (family, last) in [(Family::V4, u128::from(u32::MAX)), (Family::V6, u128::MAX)] {
+            let ranges: Vec<(u128, u128)> = hosts
+                .nets
+                .iter()
+                .filter_map(|(ip, bits)| range(*ip, *bits).filter(|(f, ..)| *f == family))
+                .map(|(_, start, end)| (start, end))
+                .collect();
+            if covers(ranges, last) {
+                let (index, _) = entries
+                    .iter()
+                    .enumerate()
+                    .rev()
+                    .find(|(_, e)| e.contains('/') || e.trim().parse::<IpAddr>().is_ok())
+                    .unwrap_or((entries.len().saturating_sub(1), &String::new()));
+                return Err((
+                    index,
+                    format!(
+                        "the networks listed ({}) together allow every {} address; list the \
+                         networks agentctls run in",
+                        hosts
+                            .nets
+                            .iter()
+                            .filter(|(ip, _)| ip.is_ipv4() == (family == Family::V4))
+                            .map(|(ip, bits)| format!("{ip}/{bits}"))
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        if family == Family::V4 { "IPv4" } else { "IPv6" },
+                    ),
+                ));
+            }
         }
         Ok(hosts)
     }
 
     fn allows_ip(&self, ip: IpAddr) -> bool {
         let ip = ip.to_canonical();
-        self.nets.iter().any(|(net, bits)| match (net, ip) {
-            (IpAddr::V4(n), IpAddr::V4(a)) => {
-                let mask = u32::MAX.checked_shl(32 - u32::from(*bits)).unwrap_or(0);
-                u32::from(*n) & mask == u32::from(a) & mask
+        self.nets.iter().any(|(net, bits)| {
+            match (
+                range(*net, *bits),
+                range(ip, if ip.is_ipv4() { 32 } else { 128 }),
+            ) {
+                (Some((f, start, end)), Some((g, a, _))) => f == g && start <= a && a <= end,
+                _ => false,
             }
-            (IpAddr::V6(n), IpAddr::V6(a)) => {
-                let mask = u128::MAX.checked_shl(128 - u32::from(*bits)).unwrap_or(0);
-                u128::from(*n) & mask == u128::from(a) & mask
-            }
-            _ => false,
         })
     }
 
@@ -135,6 +192,49 @@ impl AllowedHosts {
             ))
         }
     }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Family {
+    V4,
+    V6,
+}
+
+/// The first and last address of `ip/bits`, as numbers; `None` for a
+/// prefix longer than the family's.
+fn range(ip: IpAddr, bits: u8) -> Option<(Family, u128, u128)> {
+    match ip {
+        IpAddr::V4(a) => {
+            let host = u32::MAX.checked_shr(u32::from(bits)).unwrap_or(0);
+            (bits <= 32).then(|| {
+                let start = u32::from(a) & !host;
+                (Family::V4, u128::from(start), u128::from(start | host))
+            })
+        }
+        IpAddr::V6(a) => {
+            let host = u128::MAX.checked_shr(u32::from(bits)).unwrap_or(0);
+            (bits <= 128).then(|| {
+                let start = u128::from(a) & !host;
+                (Family::V6, start, start | host)
+            })
+        }
+    }
+}
+
+/// Whether the inclusive `ranges` together cover `0..=last`.
+fn covers(mut ranges: Vec<(u128, u128)>, last: u128) -> bool {
+    ranges.sort_unstable();
+    let mut next = 0u128;
+    for (start, end) in ranges {
+        if start > next {
+            return false;
+        }
+        if end >= last {
+            return true;
+        }
+        next = next.max(end + 1);
+    }
+    false
 }
 
 /// Who is calling: the index of the API token that authenticated the call
@@ -268,6 +368,48 @@ mod tests {
                 .unwrap_err()
                 .contains("off")
         );
+    }
+
+    /// Allow-lists that amount to "anywhere" are refused however they are
+    /// spelled: networks that together cover a family, an IPv4-mapped
+    /// `/96`, a wildcard of a top-level domain.
+    #[test]
+    fn lists_that_allow_everything_are_refused() {
+        for (list, index, says) in [
+            (&["0.0.0.0/1", "128.0.0.0/1"][..], 1, "every IPv4 address"),
+            (
+                &["10.0.0.0/8", "0.0.0.0/2", "64.0.0.0/2", "128.0.0.0/1"][..],
+                3,
+                "every IPv4",
+            ),
+            (&["::/1", "8000::/1"][..], 1, "every IPv6 address"),
+            (&["::ffff:0.0.0.0/96"][..], 0, "every IPv4 address"),
+            (
+                &["::ffff:0.0.0.0/97", "128.0.0.0/1"][..],
+                1,
+                "every IPv4 address",
+            ),
+            (&["*.com"][..], 0, "top-level domain"),
+            (&["localhost", "*.internal"][..], 1, "top-level domain"),
+        ] {
+            let entries: Vec<String> = list.iter().map(|e| (*e).to_owned()).collect();
+            let (i, message) = AllowedHosts::parse(&entries).unwrap_err();
+            assert_eq!(i, index, "{list:?}: {message}");
+            assert!(message.contains(says), "{list:?}: {message}");
+        }
+        // Close to everything, not everything: accepted and exact.
+        let h = hosts(&[
+            "0.0.0.0/1",
+            "128.0.0.0/2",
+            "*.example.com",
+            "::ffff:10.0.0.0/104",
+        ]);
+        assert!(h.check("http://127.255.255.255:1").is_ok());
+        assert!(h.check("http://191.255.255.255:1").is_ok());
+        assert!(h.check("http://192.0.0.1:1").is_err());
+        assert!(h.check("http://10.1.2.3:1").is_ok());
+        assert!(h.check("http://[::ffff:10.9.9.9]:1").is_ok());
+        assert!(h.check("https://a.example.com:1").is_ok());
     }
 
     #[test]

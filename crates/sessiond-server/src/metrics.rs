@@ -34,6 +34,7 @@
 //!   time (so it is right after a restart too).
 
 use std::{
+    collections::HashSet,
     convert::Infallible,
     future::Future,
     pin::Pin,
@@ -116,6 +117,50 @@ struct Inner {
     snapshot: Option<Box<dyn Fn() -> Snapshot + Send + Sync>>,
     /// `/readyz`: set with gRPC health's SERVING, cleared on shutdown.
     ready: AtomicBool,
+    /// The `method` labels there may be (see [`served_methods`]).
+    methods: HashSet<String>,
+}
+
+/// The `method` label of every call to a path the server does not serve.
+const UNKNOWN_METHOD: &str = "unknown";
+
+/// The services a sessiond server mounts (reflection lists exactly these).
+pub(crate) const SERVED_SERVICES: &[&str] = &[
+    "sessiond.v1.SessionService",
+    "sessiond.v1.WorkspaceService",
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1.ServerReflection",
+];
+
+/// `/package.Service/Method` of every method of [`SERVED_SERVICES`], from
+/// the descriptor sets compiled into the binary, so a method added to a
+/// proto is labelled by its path without a list to keep in step.
+fn served_methods() -> HashSet<String> {
+    use prost::Message as _;
+    let mut out = HashSet::new();
+    for set in [
+        sessiond_proto::FILE_DESCRIPTOR_SET,
+        tonic_health::pb::FILE_DESCRIPTOR_SET,
+        tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET,
+    ] {
+        // Compiled in: a set that does not decode is a build fault, which
+        // the unit test below catches; at run time it only costs labels.
+        let Ok(set) = prost_types::FileDescriptorSet::decode(set) else {
+            continue;
+        };
+        for file in set.file {
+            for service in &file.service {
+                let name = format!("{}.{}", file.package(), service.name());
+                if !SERVED_SERVICES.contains(&name.as_str()) {
+                    continue;
+                }
+                for method in &service.method {
+                    out.insert(format!("/{name}/{}", method.name()));
+                }
+            }
+        }
+    }
+    out
 }
 
 /// The registry and the server's own families; cheap to clone.
@@ -215,11 +260,20 @@ impl Metrics {
                 permissions_pending,
                 snapshot,
                 ready: AtomicBool::new(false),
+                methods: served_methods(),
             }),
         }
     }
 
+    /// `method` is the request's path: a method the server serves is its
+    /// own label, anything else `unknown`, so the label set stays closed
+    /// whatever paths callers (authenticated or not) send.
     pub fn observe_rpc(&self, method: &str, code: &'static str, elapsed: Duration) {
+        let method = if self.inner.methods.contains(method) {
+            method
+        } else {
+            UNKNOWN_METHOD
+        };
         self.inner
             .rpc
             .get_or_create(&RpcLabels {
@@ -517,6 +571,32 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
+
+    #[test]
+    fn every_served_service_has_its_methods_labelled() {
+        let methods = served_methods();
+        for service in SERVED_SERVICES {
+            assert!(
+                methods
+                    .iter()
+                    .any(|m| m.starts_with(&format!("/{service}/"))),
+                "{service}: {methods:?}"
+            );
+        }
+        for m in [
+            "/sessiond.v1.SessionService/CreateTask",
+            "/sessiond.v1.WorkspaceService/Exec",
+            "/grpc.health.v1.Health/Check",
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        ] {
+            assert!(methods.contains(m), "{m}");
+        }
+        // agentctl's protocol is in the same descriptor set but not served.
+        assert!(
+            !methods.iter().any(|m| m.contains("agentctl")),
+            "{methods:?}"
+        );
+    }
 
     fn metrics() -> Metrics {
         Metrics::new(

@@ -115,8 +115,14 @@ async fn serve_until(
             read("tls.cert_file", cert)?,
             read("tls.key_file", key)?,
         );
+        // A connection that never finishes its handshake (never sends a
+        // ClientHello, or stalls in it) is closed, not held open forever.
         builder = builder
-            .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+            .tls_config(
+                tonic::transport::ServerTlsConfig::new()
+                    .identity(identity)
+                    .timeout(config.handshake_timeout),
+            )
             .context("tls.cert_file / tls.key_file")?;
     }
     let services = sessiond.services();
@@ -132,9 +138,10 @@ async fn serve_until(
         .add_service(services.reflection)
         .add_service(services.session)
         .add_service(services.workspace);
-    let server = tokio::spawn(
-        router.serve_with_incoming_shutdown(tcp_incoming(listener), sessiond.stopped()),
-    );
+    let server = tokio::spawn(router.serve_with_incoming_shutdown(
+        first_bytes_within(tcp_incoming(listener), config.handshake_timeout),
+        sessiond.stopped(),
+    ));
 
     tracing::info!(
         %local_addr,
@@ -201,6 +208,106 @@ pub(crate) async fn open_store(config: &Config) -> anyhow::Result<Store> {
 /// the client's delayed ACK, a 40 ms stall on a call that takes 1 ms.
 fn tcp_incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
     tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
+/// Each accepted connection must send its first bytes within `limit`
+/// (`handshake_timeout`), or reading from it fails and it is closed. A
+/// client that connects and says nothing would otherwise hold its socket
+/// and task forever: hyper's HTTP/1 header timeout starts only once the
+/// protocol is known, HTTP/2 waits for its preface, and tonic's TLS
+/// handshake timeout covers only servers with TLS.
+fn first_bytes_within(
+    incoming: tonic::transport::server::TcpIncoming,
+    limit: std::time::Duration,
+) -> impl futures::Stream<Item = std::io::Result<FirstBytes>> {
+    use futures::StreamExt;
+    incoming.map(move |accepted| {
+        accepted.map(|stream| FirstBytes {
+            stream,
+            deadline: Some(Box::pin(tokio::time::sleep(limit))),
+        })
+    })
+}
+
+/// An accepted connection whose reads fail with `TimedOut` when its
+/// deadline passes before its first byte.
+struct FirstBytes {
+    stream: tokio::net::TcpStream,
+    /// Until the first byte arrives.
+    deadline: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl tokio::io::AsyncRead for FirstBytes {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::{future::Future, task::Poll};
+        let before = buf.filled().len();
+        match std::pin::Pin::new(&mut self.stream).poll_read(cx, buf) {
+            Poll::Ready(result) => {
+                if buf.filled().len() > before {
+                    self.deadline = None;
+                }
+                return Poll::Ready(result);
+            }
+            Poll::Pending => {}
+        }
+        if let Some(deadline) = self.deadline.as_mut()
+            && deadline.as_mut().poll(cx).is_ready()
+        {
+            return Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the client sent nothing within handshake_timeout",
+            )));
+        }
+        Poll::Pending
+    }
+}
+
+impl tokio::io::AsyncWrite for FirstBytes {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+impl tonic::transport::server::Connected for FirstBytes {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.stream.connect_info()
+    }
 }
 
 fn private_dir(dir: &std::path::Path, key: &str) -> anyhow::Result<()> {

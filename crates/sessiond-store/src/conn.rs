@@ -141,6 +141,23 @@ pub(crate) fn write_transaction<T>(
     }
 }
 
+/// Marks a connection whose socket is gone as broken, so the pool drops it
+/// when it comes back instead of handing it out again: diesel reports a
+/// PostgreSQL connection broken only for a transaction left open, so a dead
+/// connection that failed a plain read would otherwise circulate forever.
+pub(crate) fn discard(conn: &mut AnyConnection) {
+    match conn {
+        AnyConnection::Pg(c) => {
+            <AnsiTransactionManager as TransactionManager<PgConnection>>::transaction_manager_status_mut(c)
+                .set_in_error()
+        }
+        AnyConnection::Sqlite(c) => {
+            <AnsiTransactionManager as TransactionManager<SqliteConnection>>::transaction_manager_status_mut(c)
+                .set_in_error()
+        }
+    }
+}
+
 fn commit<C>(c: &mut C) -> diesel::QueryResult<()>
 where
     C: Connection<TransactionManager = AnsiTransactionManager>,
@@ -227,7 +244,48 @@ fn is_wal(c: &mut SqliteConnection) -> diesel::QueryResult<bool> {
 
 impl From<diesel::result::Error> for Error {
     fn from(e: diesel::result::Error) -> Self {
-        Error::Database(Box::new(e))
+        if connection_lost(&e) {
+            Error::ConnectionLost(Box::new(e))
+        } else {
+            Error::Database(Box::new(e))
+        }
+    }
+}
+
+/// Whether a statement failed because the connection is gone rather than
+/// because of the statement: libpq reporting the connection bad, SQLSTATE
+/// class 08 (connection exception), or the server ending the session
+/// (57P01 admin shutdown, 57P02 crash shutdown, 57P03 cannot connect now),
+/// which diesel reports as `Unknown` with the server's message; or the
+/// statement could not be sent at all. A rollback
+/// that could not run (`BrokenTransactionManager`) is the same loss seen
+/// one step later.
+fn connection_lost(e: &diesel::result::Error) -> bool {
+    use diesel::result::{DatabaseErrorKind, Error as D};
+    // The server's and libpq's wording of 57P01-57P03 and of a dropped socket.
+    const LOST: &[&str] = &[
+        "terminating connection",
+        "server closed the connection unexpectedly",
+        "the database system is shutting down",
+        "the database system is starting up",
+        "the database system is in recovery mode",
+        "no connection to the server",
+        "connection to server",
+        "could not receive data from server",
+        "could not send data to server",
+        "SSL connection has been closed unexpectedly",
+    ];
+    match e {
+        // libpq could not send the statement: the socket is gone.
+        D::DatabaseError(
+            DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand,
+            _,
+        ) => true,
+        D::DatabaseError(DatabaseErrorKind::Unknown, info) => {
+            LOST.iter().any(|m| info.message().contains(m))
+        }
+        D::BrokenTransactionManager => true,
+        _ => false,
     }
 }
 

@@ -92,6 +92,13 @@ pub enum Error {
     #[error("cannot get a database connection: {0}")]
     Pool(#[source] BoxError),
 
+    /// The connection was lost during the call (the server terminated it,
+    /// closed it, or is gone). Nothing of a write was committed unless its
+    /// COMMIT had been answered; the call may be retried once the database
+    /// is back.
+    #[error("the database connection was lost: {0}")]
+    ConnectionLost(#[source] BoxError),
+
     /// Applying the embedded migrations failed.
     #[error("migration failed: {0}")]
     Migration(#[source] BoxError),
@@ -120,6 +127,12 @@ impl Error {
     /// True for [`Error::NotFound`].
     pub fn is_not_found(&self) -> bool {
         matches!(self, Error::NotFound { .. })
+    }
+
+    /// True when the database could not be reached or the connection was
+    /// lost ([`Error::Pool`], [`Error::ConnectionLost`]): worth a retry.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, Error::Pool(_) | Error::ConnectionLost(_))
     }
 
     /// True for [`Error::LeaseLost`].

@@ -60,6 +60,7 @@ diesel::table! {
         last_message_seq -> BigInt,
         created_at -> UtcTimestamp,
         updated_at -> UtcTimestamp,
+        deleted_at -> Nullable<UtcTimestamp>,
     }
 }
 

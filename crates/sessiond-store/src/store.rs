@@ -140,6 +140,77 @@ pub struct Store {
     origin: Arc<std::sync::OnceLock<String>>,
     /// What the pool connects to (the event listener opens its own connection).
     pub(crate) target: Arc<str>,
+    /// Whether the database is known to be unreachable right now.
+    health: Arc<Health>,
+}
+
+/// While the database is known down, a checkout waits at most this long
+/// instead of the whole connect timeout: long enough for a connection the
+/// pool is opening as the database comes back, short enough that a caller
+/// hears UNAVAILABLE at once instead of after the timeout, every time.
+const DOWN_CHECKOUT: Duration = Duration::from_secs(1);
+
+/// The database is *down* from a failed connection attempt or a connection
+/// lost mid-call until a connection opens or a statement succeeds again.
+#[derive(Debug, Default)]
+struct Health {
+    down: std::sync::atomic::AtomicBool,
+}
+
+impl Health {
+    fn is_down(&self) -> bool {
+        self.down.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn set_down(&self, down: bool) {
+        self.down.store(down, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Learns from a call's outcome on `conn`; a lost connection is
+    /// discarded, not returned to the pool.
+    fn observe<T>(&self, result: &Result<T>, conn: &mut AnyConnection) {
+        match result {
+            Ok(_) => self.set_down(false),
+            Err(Error::ConnectionLost(_)) => {
+                self.set_down(true);
+                conn::discard(conn);
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// A pooled connection: within `timeout`, or [`DOWN_CHECKOUT`] while the
+    /// database is known down.
+    fn checkout(
+        &self,
+        pool: &Pool<Manager>,
+        timeout: Duration,
+    ) -> Result<diesel::r2d2::PooledConnection<Manager>> {
+        let wait = if self.is_down() {
+            timeout.min(DOWN_CHECKOUT)
+        } else {
+            timeout
+        };
+        Ok(pool.get_timeout(wait)?)
+    }
+}
+
+/// The pool's connection attempts tell [`Health`] how the database is.
+#[derive(Debug)]
+struct HealthHooks(Arc<Health>);
+
+impl diesel::r2d2::HandleError<diesel::r2d2::Error> for HealthHooks {
+    fn handle_error(&self, error: diesel::r2d2::Error) {
+        self.0.set_down(true);
+        tracing::warn!(%error, "cannot connect to the database");
+    }
+}
+
+impl diesel::r2d2::CustomizeConnection<AnyConnection, diesel::r2d2::Error> for HealthHooks {
+    fn on_acquire(&self, _conn: &mut AnyConnection) -> Result<(), diesel::r2d2::Error> {
+        self.0.set_down(false);
+        Ok(())
+    }
 }
 
 impl fmt::Debug for Store {
@@ -225,7 +296,10 @@ impl Store {
                 // the pool's connections, opened at once, only read the mode.
                 drop(manager.connect().map_err(|e| Error::Pool(Box::new(e)))?);
             }
+            let health = Arc::new(Health::default());
             let pool = Pool::builder()
+                .error_handler(Box::new(HealthHooks(health.clone())))
+                .connection_customizer(Box::new(HealthHooks(health.clone())))
                 .max_size(max)
                 .min_idle(Some(idle))
                 // No `SELECT 1` before every checkout: it doubled the cost
@@ -244,6 +318,7 @@ impl Store {
                 checkout_timeout: opts.connect_timeout,
                 origin: Arc::default(),
                 target: target.into(),
+                health,
             };
             if opts.migrate {
                 let mut conn = store.pool.get()?;
@@ -460,6 +535,7 @@ impl Store {
             let key = id.to_string();
             let session = task_sessions::table
                 .find(&key)
+                .filter(task_sessions::deleted_at.is_null())
                 .select(SessionRow::as_select())
                 .first(c)
                 .optional()?
@@ -532,11 +608,37 @@ impl Store {
         .await
     }
 
+    /// Marks a session deleted: from then on every read of it answers
+    /// [`Error::NotFound`] and it leaves [`Store::list_sessions`]; its row,
+    /// messages and events stay as history. The version is bumped, so a
+    /// writer still holding the session fails with [`Error::Conflict`].
+    /// [`Error::NotFound`] when it does not exist or is deleted already.
+    pub async fn mark_session_deleted(&self, id: SessionId) -> Result<()> {
+        self.write(move |c| {
+            let n = diesel::update(
+                task_sessions::table
+                    .find(id.to_string())
+                    .filter(task_sessions::deleted_at.is_null()),
+            )
+            .set((
+                task_sessions::deleted_at.eq(Some(Ts::new(conn::now()))),
+                task_sessions::version.eq(task_sessions::version + 1),
+            ))
+            .execute(c)?;
+            if n == 0 {
+                return Err(Error::not_found("session", id));
+            }
+            Ok(())
+        })
+        .await
+    }
+
     /// The sessions of a task, oldest first.
     pub async fn list_sessions(&self, task: TaskId) -> Result<Vec<Session>> {
         self.read(move |c| {
             task_sessions::table
                 .filter(task_sessions::task_id.eq(task.to_string()))
+                .filter(task_sessions::deleted_at.is_null())
                 .select(SessionRow::as_select())
                 .order((task_sessions::created_at, task_sessions::id))
                 .load(c)?
@@ -568,6 +670,7 @@ impl Store {
             );
             let rows = task_sessions::table
                 .filter(task_sessions::state.eq(state.as_str()))
+                .filter(task_sessions::deleted_at.is_null())
                 .filter(task_sessions::metadata.like(pattern).escape('\\'))
                 .select(SessionRow::as_select())
                 .order((task_sessions::created_at, task_sessions::id))
@@ -927,6 +1030,27 @@ impl Store {
         .await
     }
 
+    /// A session's newest message of `kind` (highest seq), if any: the part
+    /// a session-wide update such as `AvailableCommands` replaces.
+    pub async fn latest_part(
+        &self,
+        session: SessionId,
+        kind: MessageKind,
+    ) -> Result<Option<Message>> {
+        self.read(move |c| {
+            session_messages::table
+                .filter(session_messages::session_id.eq(session.to_string()))
+                .filter(session_messages::kind.eq(kind.as_str()))
+                .order(session_messages::seq.desc())
+                .select(MessageRow::as_select())
+                .first(c)
+                .optional()?
+                .map(MessageRow::into_domain)
+                .transpose()
+        })
+        .await
+    }
+
     /// A session's activity parts of `kind` that are not complete yet (for
     /// `Permission`: the requests still waiting), in seq order.
     pub async fn open_parts(&self, session: SessionId, kind: MessageKind) -> Result<Vec<Message>> {
@@ -1051,6 +1175,7 @@ impl Store {
         let pool = self.pool.clone();
         let slots = self.slots.clone();
         let timeout = self.checkout_timeout;
+        let health = self.health.clone();
         let flag = lanes::current();
         blocking(move || {
             let asked = Instant::now();
@@ -1058,9 +1183,11 @@ impl Store {
             let _slot = slots
                 .take(flag.as_ref(), timeout)
                 .map_err(|()| Error::Pool(Box::new(TimedOut(timeout))))?;
-            let mut conn = pool.get()?;
+            let mut conn = health.checkout(&pool, timeout)?;
             waited("read", flag.as_ref(), asked);
-            f(&mut conn)
+            let result = f(&mut conn);
+            health.observe(&result, &mut conn);
+            result
         })
         .await
     }
@@ -1075,6 +1202,7 @@ impl Store {
         let writer = (self.backend == Backend::Sqlite).then(|| self.writer.clone());
         let slots = self.slots.clone();
         let timeout = self.checkout_timeout;
+        let health = self.health.clone();
         let flag = lanes::current();
         blocking(move || {
             let asked = Instant::now();
@@ -1095,9 +1223,11 @@ impl Store {
                     .take(flag.as_ref(), timeout)
                     .map_err(|()| Error::Pool(Box::new(TimedOut(timeout))))?
             };
-            let mut conn = pool.get()?;
+            let mut conn = health.checkout(&pool, timeout)?;
             waited("write", flag.as_ref(), asked);
-            write_transaction(&mut conn, f)
+            let result = write_transaction(&mut conn, f);
+            health.observe(&result, &mut conn);
+            result
         })
         .await
     }
@@ -1214,6 +1344,7 @@ fn load_profile(c: &mut AnyConnection, by_name: bool, key: &str) -> Result<Agent
 fn load_session(c: &mut AnyConnection, id: SessionId) -> Result<Session> {
     task_sessions::table
         .find(id.to_string())
+        .filter(task_sessions::deleted_at.is_null())
         .select(SessionRow::as_select())
         .first(c)
         .optional()?

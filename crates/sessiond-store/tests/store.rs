@@ -1745,13 +1745,54 @@ mod suite {
         );
     }
 
+    /// A deleted session is not found by any read, leaves its task's list,
+    /// cannot be deleted twice, and a writer still holding it loses.
+    pub async fn deleted_sessions_are_not_found(store: &Store) {
+        let (t, p, s) = seed(store).await;
+        let (other, _) = store
+            .create_session(&session(&t, &p), vec![])
+            .await
+            .unwrap();
+        store.mark_session_deleted(s.id).await.unwrap();
+        assert!(store.get_session(s.id).await.unwrap_err().is_not_found());
+        assert!(
+            store
+                .session_status_inputs(s.id)
+                .await
+                .unwrap_err()
+                .is_not_found()
+        );
+        let listed: Vec<_> = store
+            .list_sessions(t.id)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|s| s.id)
+            .collect();
+        assert_eq!(listed, [other.id]);
+        assert!(
+            store
+                .mark_session_deleted(s.id)
+                .await
+                .unwrap_err()
+                .is_not_found()
+        );
+        let mut stale = s.clone();
+        stale.state = SessionState::Starting;
+        let err = store
+            .commit(Changeset::new().update_session(stale))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Conflict { .. }), "{err}");
+    }
+
     pub async fn migrations_round_trip(store: &Store) {
         seed(store).await;
         let reverted = store.revert_all_migrations().await.unwrap();
         // Every migration directory (init, profile container, profile auth +
         // permission policy, message parts, permission timeout, replicas,
-        // custom runtimes).
-        assert_eq!(reverted.len(), 7, "{reverted:?}");
+        // custom runtimes, deleted sessions).
+        assert_eq!(reverted.len(), 8, "{reverted:?}");
         let err = store.list_tasks(None, 10).await.unwrap_err();
         assert!(matches!(err, Error::Database(_)), "tables are gone: {err}");
         let applied = store.run_pending_migrations().await.unwrap();
@@ -1805,6 +1846,7 @@ macro_rules! store_tests {
             store_test!($backend, task_event_applies_the_machine_in_the_transaction);
             store_test!($backend, managed_reads_match_single_reads);
             store_test!($backend, migrations_round_trip);
+            store_test!($backend, deleted_sessions_are_not_found);
             store_test!($backend, leases_claim_renew_release_and_adopt);
             store_test!($backend, fenced_writes_fail_after_the_lease_moved);
             store_test!($backend, expired_leases_are_split_among_live_replicas);
@@ -2012,4 +2054,89 @@ async fn postgres_concurrent_claims_skip_each_others_rows() {
             ("dead".to_owned(), 2)
         ])
     );
+}
+
+/// PostgreSQL: the server terminating a connection the pool holds
+/// (`pg_terminate_backend` from another session, as an operator or a
+/// failover does) fails the next call on it as `ConnectionLost`, which is
+/// unavailable (retry), not a database error; the pool replaces the
+/// connection and the call after succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_terminated_connection_is_unavailable() {
+    let db = tokio::task::spawn_blocking(sessiond_testkit::postgres::test_database)
+        .await
+        .unwrap();
+    // One connection, so the next call meets the terminated one.
+    let store = Store::connect(db.url(), StoreOptions::default().max_connections(1))
+        .await
+        .unwrap();
+    store.list_tasks(None, 10).await.unwrap();
+    // The timeout argument makes it wait until the backend has exited.
+    let killed = sessiond_testkit::postgres::psql_command(
+        db.url(),
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) \
+         FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .unwrap();
+    assert_eq!(killed.trim(), "1", "the store's one connection");
+    let err = store.list_tasks(None, 10).await.unwrap_err();
+    assert!(matches!(err, Error::ConnectionLost(_)), "{err:?}");
+    assert!(err.is_unavailable());
+    assert!(
+        err.to_string().contains("terminating connection")
+            || err.to_string().contains("server closed the connection"),
+        "{err}"
+    );
+    store.list_tasks(None, 10).await.unwrap();
+}
+
+/// PostgreSQL shut down under a running store (fast shutdown: connections
+/// terminated, then connection refused): the call on the lost connection is
+/// `ConnectionLost`, and while the database stays down calls fail within
+/// about a second (`Pool`, unavailable) instead of waiting the whole connect
+/// timeout each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_down_fails_calls_fast() {
+    let cluster = tokio::task::spawn_blocking(sessiond_testkit::postgres::start_cluster)
+        .await
+        .unwrap();
+    let db = cluster.create_database();
+    let connect_timeout = std::time::Duration::from_secs(30);
+    let store = Store::connect(
+        db.url(),
+        StoreOptions::default()
+            .max_connections(2)
+            .connect_timeout(connect_timeout),
+    )
+    .await
+    .unwrap();
+    store.list_tasks(None, 10).await.unwrap();
+    // SIGINT is PostgreSQL's fast shutdown; wait until the postmaster is gone.
+    let pid = cluster.pid();
+    let sent = std::process::Command::new("kill")
+        .args(["-INT", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let proc = std::path::PathBuf::from(format!("/proc/{pid}"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while proc.exists() {
+        assert!(std::time::Instant::now() < deadline, "postgres still runs");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // The pool's (up to 2) terminated connections fail as lost, then no
+    // connection can be had: each call answers within the fail-fast bound,
+    // not the 30 s connect timeout.
+    let mut refused = 0;
+    for _ in 0..5 {
+        let asked = std::time::Instant::now();
+        let err = store.list_tasks(None, 10).await.unwrap_err();
+        let took = asked.elapsed();
+        assert!(err.is_unavailable(), "{err:?}");
+        assert!(took < connect_timeout / 3, "{took:?}: {err}");
+        if matches!(err, Error::Pool(_)) {
+            refused += 1;
+        }
+    }
+    assert!(refused >= 3, "{refused} of 5 calls found no connection");
 }

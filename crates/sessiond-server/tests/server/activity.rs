@@ -294,3 +294,69 @@ async fn every_update_kind_is_stored_streamed_and_replayed_after_a_restart() {
         other => panic!("{other:?}"),
     }
 }
+
+/// The agent's command list is the session's, not a turn's: a second
+/// `available_commands_update` (agents send one on every `session/load`)
+/// replaces the stored message (`message.updated`, same id and seq) instead
+/// of adding another.
+#[tokio::test]
+async fn available_commands_replace_the_stored_list() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let server = start(&dir.path().join("data"), &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "commands").await;
+    let s = create_session(&mut c, &task.id, &work, "").await;
+
+    let sent = send(&mut c, &task.id, &s.id, "/activity").await;
+    turn_events(&mut c, &s.id, sent.seq).await;
+    let first = of_kind(
+        &list(&mut c, &task.id, &s.id).await,
+        pb::MessageKind::AvailableCommands,
+    )
+    .into_iter()
+    .cloned()
+    .collect::<Vec<_>>();
+    assert_eq!(first.len(), 1, "{first:?}");
+
+    let sent = send(&mut c, &task.id, &s.id, "/activity").await;
+    let events = turn_events(&mut c, &s.id, sent.seq).await;
+    // The second turn's events: from its user message on.
+    let start = events
+        .iter()
+        .position(|e| {
+            matches!(
+                &e.payload,
+                Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
+                    if m.id == sent.id
+            )
+        })
+        .expect("the second turn's user message");
+    let events = &events[start..];
+    let stored = list(&mut c, &task.id, &s.id).await;
+    let now = of_kind(&stored, pb::MessageKind::AvailableCommands);
+    assert_eq!(now.len(), 1, "one command list per session: {now:?}");
+    assert_eq!(
+        (now[0].id.as_str(), now[0].seq),
+        (first[0].id.as_str(), first[0].seq)
+    );
+    assert!(
+        events.iter().any(|e| matches!(
+            &e.payload,
+            Some(pb::event::Payload::MessageUpdated(pb::MessageUpdated { message: Some(m) }))
+                if m.id == first[0].id
+        )),
+        "the second list is streamed as message.updated of the first"
+    );
+    assert!(
+        !events.iter().any(|e| matches!(
+            &e.payload,
+            Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
+                if m.kind == pb::MessageKind::AvailableCommands as i32
+        )),
+        "the second turn added a command list"
+    );
+    // The other parts of the second turn are new messages as before.
+    assert_eq!(of_kind(&stored, pb::MessageKind::ToolCall).len(), 2);
+}

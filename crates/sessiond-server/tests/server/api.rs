@@ -797,3 +797,200 @@ async fn unauthenticated_calls_are_refused_health_is_open() {
         .await
         .unwrap();
 }
+
+/// A deleted session is gone for every caller: reads and commands answer
+/// NOT_FOUND (`not_found`), it leaves ListSessions, and a second delete is
+/// NOT_FOUND too. The rows stay in the database as history, unread by the API.
+#[tokio::test]
+async fn a_deleted_session_answers_not_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let server = start(&dir.path().join("data"), &[]);
+    let mut c = sessions(&server).await;
+    let mut w = workspaces(&server).await;
+    let task = create_task(&mut c, "deleted").await;
+    let s = create_session(&mut c, &task.id, &work, "").await;
+    let kept = create_session(&mut c, &task.id, &work, "").await;
+    prompt(&mut c, &task.id, &s.id, "hello").await;
+
+    c.delete_session(pb::DeleteSessionRequest {
+        task_id: task.id.clone(),
+        session_id: s.id.clone(),
+    })
+    .await
+    .unwrap();
+
+    let not_found = |what: &str, r: Result<(), tonic::Status>| {
+        let e = r.expect_err(what);
+        assert_eq!(e.code(), Code::NotFound, "{what}: {e:?}");
+        assert_eq!(
+            e.metadata().get("sessiond-error").unwrap(),
+            "not_found",
+            "{what}"
+        );
+        assert!(e.message().contains(&s.id), "{what}: {}", e.message());
+    };
+    let (t, id) = (task.id.clone(), s.id.clone());
+    not_found(
+        "GetSession",
+        c.get_session(pb::GetSessionRequest {
+            task_id: t.clone(),
+            session_id: id.clone(),
+        })
+        .await
+        .map(drop),
+    );
+    not_found(
+        "GetSessionStatus",
+        c.get_session_status(pb::GetSessionStatusRequest {
+            task_id: t.clone(),
+            session_id: id.clone(),
+        })
+        .await
+        .map(drop),
+    );
+    not_found(
+        "ListMessages",
+        c.list_messages(pb::ListMessagesRequest {
+            task_id: t.clone(),
+            session_id: id.clone(),
+            ..Default::default()
+        })
+        .await
+        .map(drop),
+    );
+    not_found(
+        "WatchSession",
+        c.watch_session(pb::WatchSessionRequest {
+            session_id: id.clone(),
+            after_seq: 0,
+        })
+        .await
+        .map(drop),
+    );
+    not_found(
+        "SendMessage",
+        c.send_message(pb::SendMessageRequest {
+            task_id: t.clone(),
+            session_id: id.clone(),
+            content: "still there?".into(),
+        })
+        .await
+        .map(drop),
+    );
+    not_found(
+        "ResumeSession",
+        c.resume_session(pb::ResumeSessionRequest {
+            task_id: t.clone(),
+            session_id: id.clone(),
+        })
+        .await
+        .map(drop),
+    );
+    not_found(
+        "StopSession",
+        c.stop_session(pb::StopSessionRequest {
+            task_id: t.clone(),
+            session_id: id.clone(),
+            outcome: 0,
+        })
+        .await
+        .map(drop),
+    );
+    not_found(
+        "ListDir",
+        w.list_dir(pb::ListDirRequest {
+            session: sref(&t, &id),
+            path: String::new(),
+        })
+        .await
+        .map(drop),
+    );
+    not_found(
+        "DeleteSession again",
+        c.delete_session(pb::DeleteSessionRequest {
+            task_id: t.clone(),
+            session_id: id.clone(),
+        })
+        .await
+        .map(drop),
+    );
+    let listed = c
+        .list_sessions(pb::ListSessionsRequest { task_id: t.clone() })
+        .await
+        .unwrap()
+        .into_inner()
+        .sessions;
+    assert_eq!(
+        listed.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
+        [kept.id.as_str()]
+    );
+}
+
+/// Oversized string fields are refused by sessiond itself, naming the field
+/// and its limit, before anything reaches agentctl (where a 100 kB mode id
+/// failed as FAILED_PRECONDITION) or the database.
+#[tokio::test]
+async fn oversized_string_fields_are_invalid_argument_naming_field_and_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let server = start(&dir.path().join("data"), &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "bounds").await;
+    let s = create_session(&mut c, &task.id, &work, "").await;
+    let huge = "m".repeat(100_000);
+    let check = |what: &str, err: tonic::Status, field: &str, limit: &str| {
+        assert_eq!(err.code(), Code::InvalidArgument, "{what}: {err:?}");
+        assert!(
+            err.message().starts_with(&format!("{field}: 100000 bytes")),
+            "{what}: {}",
+            err.message()
+        );
+        assert!(err.message().contains(limit), "{what}: {}", err.message());
+    };
+    let err = c
+        .set_session_mode(pb::SetSessionModeRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            mode_id: huge.clone(),
+        })
+        .await
+        .unwrap_err();
+    check("SetSessionMode", err, "mode_id", "1024 bytes");
+    let err = c
+        .respond_to_permission(pb::RespondToPermissionRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            request_id: "r".into(),
+            option_id: huge.clone(),
+        })
+        .await
+        .unwrap_err();
+    check("RespondToPermission", err, "option_id", "1024 bytes");
+    let err = c
+        .create_session(pb::CreateSessionRequest {
+            task_id: task.id.clone(),
+            runtime: pb::Runtime::LocalStandalone as i32,
+            worktree: Some(pb::Worktree {
+                id: String::new(),
+                path: work.display().to_string(),
+                branch: huge.clone(),
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    check("CreateSession", err, "worktree.branch", "1024 bytes");
+    // The session is untouched and still takes a mode of a sane size.
+    let status = c
+        .get_session_status(pb::GetSessionStatusRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(status.is_agent_running);
+}

@@ -13,6 +13,7 @@ mod activity;
 mod agents;
 mod api;
 mod config;
+mod database;
 mod embedding;
 mod fencing;
 mod forwarding;

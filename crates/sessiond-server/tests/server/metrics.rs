@@ -343,3 +343,60 @@ async fn counters_move_with_turns_crashes_and_recovery() {
     );
     promtool_check_metrics(&text);
 }
+
+/// Method labels are a closed set: calls to paths the server does not serve
+/// (unauthenticated, UNAUTHENTICATED; authenticated, UNIMPLEMENTED) all land
+/// in one `method="unknown"` bucket, so callers cannot grow `/metrics`.
+#[tokio::test]
+async fn unknown_method_paths_share_one_label() {
+    use crate::web::{grpc_web_request_from, http1};
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&dir.path().join("data"), &[]);
+    let metrics = server.metrics.clone().unwrap();
+    let mut c = sessions(&server).await;
+    create_task(&mut c, "known").await;
+    let before = scrape(&metrics).await.len();
+    for i in 0..300 {
+        // Half unauthenticated, half with a valid token.
+        let token = (i % 2 == 1).then_some(TOKEN);
+        let path = format!("/made.up{i}.Service/Method{i}");
+        // Same origin as the console's calls: only the path is made up.
+        let origin = format!("http://{}", server.addr);
+        let (head, body) = grpc_web_request_from(&server.addr, &origin, &path, token, &[]);
+        let r = http1(&server.addr, &head, &body).await;
+        let expected = if token.is_some() { "12" } else { "16" };
+        assert_eq!(r.header("grpc-status"), Some(expected), "{path}");
+    }
+    let text = scrape(&metrics).await;
+    let methods: std::collections::BTreeSet<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("sessiond_rpc_duration_seconds_count"))
+        .filter_map(|l| l.split("method=\"").nth(1)?.split('"').next())
+        .collect();
+    assert_eq!(
+        methods.into_iter().collect::<Vec<_>>(),
+        ["/sessiond.v1.SessionService/CreateTask", "unknown"],
+        "{text}"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "sessiond_rpc_duration_seconds_count{method=\"unknown\",code=\"UNAUTHENTICATED\"}"
+        ),
+        150.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "sessiond_rpc_duration_seconds_count{method=\"unknown\",code=\"UNIMPLEMENTED\"}"
+        ),
+        150.0
+    );
+    // Two more series, not 300: the page stays the size it was, give or take.
+    assert!(
+        text.len() < before + 8 * 1024,
+        "{} -> {}",
+        before,
+        text.len()
+    );
+}

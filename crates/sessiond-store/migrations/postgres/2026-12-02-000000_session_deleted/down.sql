@@ -1,0 +1,1 @@
+ALTER TABLE task_sessions DROP COLUMN deleted_at;
