@@ -1,7 +1,8 @@
 //! A Docker engine for the tests, and the agentctl image, with no registry.
 //!
 //! [`Engine::ensure`] finds a running engine (`DOCKER_HOST`, else the default
-//! socket) or starts a private `dockerd` as DESIGN §7 says: no bridge network,
+//! socket) or starts a private `dockerd`: no bridge network (the machines allow
+//! loopback traffic only),
 //! no iptables/NAT rules, its own data root, exec root, pid file and socket
 //! under a directory of ours. The returned guard stops that dockerd (by its
 //! pid) and removes the directory when dropped. Installing `docker.io` is done
@@ -22,6 +23,7 @@ use std::{
 };
 
 use anyhow::{Context, bail};
+use sessiond_testkit::dockerd;
 
 /// The image the Docker executor tests (and `sessiond` by default) use.
 pub const IMAGE: &str = "sessiond-agentctl:dev";
@@ -59,14 +61,14 @@ impl Engine {
         if let Ok(host) = std::env::var("DOCKER_HOST")
             && !host.is_empty()
         {
-            if answers(&host) {
+            if dockerd::answers(&host) {
                 eprintln!("xtask: using the Docker engine at DOCKER_HOST={host}");
                 return Ok(Some(Self { host, owned: None }));
             }
             bail!("DOCKER_HOST={host} is set but no Docker engine answers there");
         }
         let default = format!("unix://{DEFAULT_SOCKET}");
-        if Path::new(DEFAULT_SOCKET).exists() && answers(&default) {
+        if Path::new(DEFAULT_SOCKET).exists() && dockerd::answers(&default) {
             eprintln!("xtask: using the running Docker engine at {default}");
             return Ok(Some(Self {
                 host: default,
@@ -93,25 +95,10 @@ impl Engine {
         let host = format!("unix://{}", socket.display());
         let log_path = dir.join("dockerd.log");
         let log = fs::File::create(&log_path).context("creating dockerd.log")?;
-        let mut cmd = Command::new(find_program("dockerd").context("dockerd not found")?);
-        cmd.args([
-            "--bridge=none",
-            "--iptables=false",
-            "--ip6tables=false",
-            "--ip-forward=false",
-            "--ip-masq=false",
-        ])
-        .arg("--data-root")
-        .arg(dir.join("data"))
-        .arg("--exec-root")
-        .arg(dir.join("exec"))
-        .arg("--pidfile")
-        .arg(dir.join("dockerd.pid"))
-        .arg("-H")
-        .arg(&host)
-        .stdin(Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log);
+        let mut cmd = dockerd::command(&dir, &host).context("dockerd not found")?;
+        cmd.stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
         eprintln!("xtask: starting {cmd:?}");
         let child = cmd.spawn().context("starting dockerd")?;
         let mut engine = Self {
@@ -122,7 +109,7 @@ impl Engine {
         let started = Instant::now();
         let deadline = started + Duration::from_secs(60);
         loop {
-            if socket.exists() && answers(&engine.host) {
+            if socket.exists() && dockerd::answers(&engine.host) {
                 eprintln!(
                     "xtask: dockerd (pid {}) ready at {} in {:.1}s",
                     engine.pid().unwrap_or_default(),
@@ -181,9 +168,7 @@ impl Engine {
         eprintln!("xtask: dockerd (pid {pid}) stopped");
         // dockerd leaves its default network namespace (and anything a killed
         // container had) mounted under the exec root.
-        for mount_point in mounts_under(&own.dir) {
-            let _ = Command::new("umount").arg("-l").arg(&mount_point).status();
-        }
+        dockerd::unmount_under(&own.dir);
         if let Err(e) = fs::remove_dir_all(&own.dir) {
             eprintln!("xtask: could not remove {}: {e}", own.dir.display());
         }
@@ -199,42 +184,8 @@ impl Drop for Engine {
     }
 }
 
-/// Mount points at or below `dir`, deepest first.
-fn mounts_under(dir: &Path) -> Vec<PathBuf> {
-    let text = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    let mut points: Vec<PathBuf> = text
-        .lines()
-        .filter_map(|line| line.split_whitespace().nth(1))
-        // /proc/self/mounts escapes spaces as \040; our paths have none.
-        .map(PathBuf::from)
-        .filter(|p| p.starts_with(dir))
-        .collect();
-    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-    points.dedup();
-    points
-}
-
-fn answers(host: &str) -> bool {
-    Command::new("docker")
-        .args(["-H", host, "version", "--format", "{{.Server.APIVersion}}"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-/// `program` on `PATH`, or in the sbin directories a non-login root shell
-/// may lack on its `PATH`.
-fn find_program(program: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/usr/bin", "/sbin"].map(PathBuf::from))
-        .map(|dir| dir.join(program))
-        .find(|p| p.is_file())
-}
-
 fn on_path(program: &str) -> bool {
-    find_program(program).is_some()
+    dockerd::find_program(program).is_some()
 }
 
 /// Installs Debian's `docker.io` (engine, containerd, runc, CLI) when

@@ -1,4 +1,5 @@
-//! Repository hygiene checks that guard the architecture (DESIGN §2).
+//! Repository hygiene checks that guard the architecture (the layering in
+//! docs/ARCHITECTURE.md, "Crates").
 
 use std::process::Command;
 

@@ -10,7 +10,8 @@ use crate::{
     states::{Runtime, SessionState},
 };
 
-/// The event kinds, with their wire names: the six of the seed, then the
+/// The event kinds, with their wire names: the six every session has
+/// (agentctl starting / ready / error, state and message changes), then the
 /// end of every turn, a conversation the agent had lost, replaced, and a
 /// permission request of policy `ask` asked and resolved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

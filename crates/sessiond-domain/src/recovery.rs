@@ -1,5 +1,6 @@
-//! The startup recovery decision for one executor (seed "Startup Flow"
-//! steps 2-6, DESIGN §4), as a step machine without IO.
+//! The startup recovery decision for one executor (find it, bring it back,
+//! mark it ready, then the agent: docs/ARCHITECTURE.md, "Decision table"),
+//! as a step machine without IO.
 //!
 //! The orchestrator owns the IO. It builds a [`Recovery`], calls
 //! [`Recovery::start`], performs the returned [`Action`], reports what it saw
@@ -62,7 +63,7 @@ use crate::{
 /// whose hung agentctl is ended and relaunched, then a resume).
 pub const MAX_STEPS: usize = 10;
 
-/// When agents are resumed (DESIGN §4).
+/// When agents are resumed: by the startup pass, or only when asked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum ResumePolicy {
     /// At backend start, sessions in STARTING, RUNNING or WAITING_FOR_INPUT.
@@ -536,7 +537,8 @@ impl RecoveryFailure {
     }
 
     /// The text stored as `error_message`: `"<code>: <what to do>"`, so the
-    /// seed's `error_message=not_resumable` stays recognisable by its prefix.
+    /// `error_message=not_resumable` clients look for stays recognisable by its
+    /// prefix.
     pub fn message(&self) -> String {
         format!("{}: {self}", self.code())
     }

@@ -1,5 +1,6 @@
 //! The states of tasks, sessions and executors, and the runtimes, with the
-//! exact string forms of the seed design (these are what the store writes).
+//! exact string forms the store writes and the API shows (fixed: clients
+//! and stored rows depend on them).
 
 use std::fmt;
 
@@ -124,7 +125,7 @@ string_enum!(
     ///
     /// Moves by [`ExecutorEvent`](crate::ExecutorEvent)s through
     /// [`ExecutorStatus::transition`]. The string forms are lower case, as
-    /// in the seed's `executors_running.status`.
+    /// in `executors_running.status`.
     ExecutorStatus, "executor status", {
     /// A (re)launch intent is written: agentctl is being spawned or has not
     /// answered `Health` yet.

@@ -1,4 +1,5 @@
-//! The seed's Session Status API (`task.session.status`) as a pure function.
+//! The Session Status API (`task.session.status`: is the agent running,
+//! can it resume, does it need to) as a pure function.
 
 use std::fmt;
 
@@ -95,7 +96,7 @@ pub enum ResumeReason {
     SessionEnded,
     /// The session's executor is gone for good (its container was removed):
     /// nothing is left to resume into; create a new session. Publicly it is
-    /// `not_resumable` (the seed's strings; not in [`ResumeReason::ALL`]),
+    /// `not_resumable` (the public strings; not in [`ResumeReason::ALL`]),
     /// with the session's `error_message` (code `container_missing`) saying why.
     ExecutorGone,
 }

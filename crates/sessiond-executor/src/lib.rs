@@ -14,7 +14,7 @@
 //!
 //! # Intent before side effect
 //!
-//! DESIGN §4: every launch writes its intent (`executors_running.status =
+//! Every launch writes its intent (`executors_running.status =
 //! starting`, generation + 1) before it spawns anything. Recovery therefore
 //! goes in two phases:
 //!

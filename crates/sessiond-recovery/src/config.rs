@@ -9,7 +9,7 @@ use sessiond_executor::Backoff;
 /// How sessions are run and recovered.
 #[derive(Debug, Clone)]
 pub struct ManagerConfig {
-    /// Auto-resume at startup, or only on an explicit resume (DESIGN §4).
+    /// Auto-resume at startup, or only on an explicit resume.
     pub resume_policy: ResumePolicy,
     /// How many executors startup recovery works on at once.
     pub recovery_concurrency: usize,

@@ -2,7 +2,7 @@
 //! attempt per session however many callers ask (single-flight, shared with
 //! a startup or background recovery of the same session).
 //!
-//! Executor resume and agent resume are separate (DESIGN §4): when agentctl
+//! Executor resume and agent resume are separate: when agentctl
 //! is healthy but the agent cannot be resumed, the session goes ERROR and the
 //! executor stays `ready`, so shell, files and git keep working. The executor
 //! goes `error` only when agentctl itself could not be brought back.

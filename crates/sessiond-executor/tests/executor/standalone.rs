@@ -482,37 +482,7 @@ async fn stop_after_agentctl_kill9_ends_what_the_agent_detached() {
         .launch(&spec(f.workspace.path()))
         .await
         .expect("launch");
-    let pidfile = f.workspace.path().join("detached.pid");
-    let demo = agentctl_path().with_file_name("acp-demo-agent");
-    let script = format!(
-        "setsid sh -c 'echo $$ > {}; exec sleep 1000' </dev/null >/dev/null 2>&1 & exec {}",
-        pidfile.display(),
-        demo.display()
-    );
-    f.driver
-        .client(&handle)
-        .expect("client")
-        .launch_agent(pb::LaunchAgentRequest {
-            command: "/bin/sh".into(),
-            args: vec!["-c".into(), script],
-            ..Default::default()
-        })
-        .await
-        .expect("agent launched");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let detached: u32 = loop {
-        if let Some(pid) = std::fs::read_to_string(&pidfile)
-            .ok()
-            .and_then(|t| t.trim().parse().ok())
-        {
-            break pid;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the detached process never started"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let detached = launch_agent_after(&f, &handle, "setsid", "detached.pid").await;
     assert!(is_running(detached));
     let agentctl = pid_of(&handle);
     OwnedProcess::open(agentctl, handle.pid_start_time.expect("start time"))
@@ -557,37 +527,7 @@ async fn the_executor_cgroup_ends_even_a_process_that_cleared_its_environment() 
                 && l.ends_with(&format!("/sessiond/{}", handle.executor_id))),
         "agentctl is in the executor's group {group}: {own_group}"
     );
-    let pidfile = f.workspace.path().join("escaped.pid");
-    let demo = agentctl_path().with_file_name("acp-demo-agent");
-    let script = format!(
-        "env -i setsid sh -c 'echo $$ > {}; exec sleep 1000' </dev/null >/dev/null 2>&1 & exec {}",
-        pidfile.display(),
-        demo.display()
-    );
-    f.driver
-        .client(&handle)
-        .expect("client")
-        .launch_agent(pb::LaunchAgentRequest {
-            command: "/bin/sh".into(),
-            args: vec!["-c".into(), script],
-            ..Default::default()
-        })
-        .await
-        .expect("agent launched");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let escaped: u32 = loop {
-        if let Some(pid) = std::fs::read_to_string(&pidfile)
-            .ok()
-            .and_then(|t| t.trim().parse().ok())
-        {
-            break pid;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the escaping process never started"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let escaped = launch_agent_after(&f, &handle, "env -i setsid", "escaped.pid").await;
     OwnedProcess::open(agentctl, handle.pid_start_time.expect("start time"))
         .expect("our process")
         .signal(rustix::process::Signal::KILL)
@@ -602,4 +542,46 @@ async fn the_executor_cgroup_ends_even_a_process_that_cleared_its_environment() 
         "the group {group} is removed"
     );
     assert!(!record.exists(), "and its record");
+}
+
+/// Launches the demo agent behind `/bin/sh -c`, which first starts
+/// `sleep 1000` through `detach` (e.g. `setsid`) with its output closed;
+/// returns that process's pid once it runs.
+async fn launch_agent_after(
+    f: &Fixture,
+    handle: &ExecutorHandle,
+    detach: &str,
+    pidfile: &str,
+) -> u32 {
+    let pidfile = f.workspace.path().join(pidfile);
+    let demo = agentctl_path().with_file_name("acp-demo-agent");
+    let script = format!(
+        "{detach} sh -c 'echo $$ > {}; exec sleep 1000' </dev/null >/dev/null 2>&1 & exec {}",
+        pidfile.display(),
+        demo.display()
+    );
+    f.driver
+        .client(handle)
+        .expect("client")
+        .launch_agent(pb::LaunchAgentRequest {
+            command: "/bin/sh".into(),
+            args: vec!["-c".into(), script],
+            ..Default::default()
+        })
+        .await
+        .expect("agent launched");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(pid) = std::fs::read_to_string(&pidfile)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+        {
+            return pid;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the detached process never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -351,8 +351,9 @@ impl World {
             .arg("--port-file")
             .arg(&port_file)
             .args(["--idle-timeout", "300s"])
-            // The host operator's journal, as DESIGN §9 expects of every
-            // agentctl: a restarted remote agentctl answers from it.
+            // The host operator's journal, as every agentctl should have
+            // (ARCHITECTURE, "Turn journal"): a restarted remote agentctl
+            // answers from it.
             .arg("--journal")
             .arg(self.path(&format!("remote-{id}.journal")))
             .env("AGENTCTL_SECRET", &spec.secret)

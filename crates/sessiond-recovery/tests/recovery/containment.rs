@@ -5,8 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use chrono::Utc;
-use sessiond_domain::{AgentProfile, AgentProfileId};
+use sessiond_domain::AgentProfile;
 
 use crate::common::{bin, is_running};
 use crate::support::{Db, World};
@@ -22,31 +21,14 @@ async fn escaping_profile(w: &World) -> AgentProfile {
          exec {} --state-dir {dir}/agent-state",
         bin("acp-demo-agent").display()
     );
-    let now = Utc::now();
-    w.store
-        .upsert_agent_profile(&AgentProfile {
-            id: AgentProfileId::new(),
-            name: "escaping".into(),
-            command: "/bin/sh".into(),
-            args: vec!["-c".into(), script],
-            env: [
-                ("ACP_DEMO_STARTUP_MS", "1500"),
-                ("ACP_DEMO_BUSY_MS", "300"),
-                ("ACP_DEMO_RSS_MB", "16"),
-            ]
-            .into_iter()
-            .map(|(k, v)| (k.to_owned(), v.to_owned()))
-            .collect(),
-            supports_session_resume: true,
-            container: None,
-            auth_method: None,
-            permission_policy: sessiond_domain::PermissionPolicy::Allow,
-            permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
-            created_at: now,
-            updated_at: now,
-        })
+    let args = ["-c".to_owned(), script];
+    let heavy = [
+        ("ACP_DEMO_STARTUP_MS", "1500"),
+        ("ACP_DEMO_BUSY_MS", "300"),
+        ("ACP_DEMO_RSS_MB", "16"),
+    ];
+    w.upsert_profile("escaping", "/bin/sh", &args, &heavy, true)
         .await
-        .unwrap()
 }
 
 async fn escaped(w: &World) -> [u32; 2] {

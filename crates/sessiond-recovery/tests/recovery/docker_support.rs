@@ -5,8 +5,7 @@
 
 use std::{path::Path, sync::Arc, time::Duration};
 
-use chrono::Utc;
-use sessiond_domain::{AgentProfile, AgentProfileId, SessionId, TaskId};
+use sessiond_domain::{AgentProfile, SessionId, TaskId};
 use sessiond_executor::{
     ClientConfig, Executor,
     docker::{DockerConfig, DockerExecutor, LABEL_SESSION_ID, LABEL_TASK_ID, LabelledContainer},
@@ -79,30 +78,12 @@ pub async fn docker_driver_with(
 /// The demo agent inside the image, its state in the mounted worktree (so a
 /// restarted container's agent can `session/load`), with `env`.
 pub async fn demo_profile_in_docker(w: &World, name: &str, env: &[(&str, &str)]) -> AgentProfile {
-    let now = Utc::now();
-    w.store
-        .upsert_agent_profile(&AgentProfile {
-            id: AgentProfileId::new(),
-            name: name.into(),
-            command: "/usr/local/bin/acp-demo-agent".into(),
-            args: vec![
-                "--state-dir".into(),
-                format!("{CONTAINER_WORKSPACE}/.agent-state"),
-            ],
-            env: env
-                .iter()
-                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                .collect(),
-            supports_session_resume: true,
-            container: None,
-            auth_method: None,
-            permission_policy: sessiond_domain::PermissionPolicy::Allow,
-            permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
-            created_at: now,
-            updated_at: now,
-        })
+    let args = [
+        "--state-dir".to_owned(),
+        format!("{CONTAINER_WORKSPACE}/.agent-state"),
+    ];
+    w.upsert_profile(name, "/usr/local/bin/acp-demo-agent", &args, env, true)
         .await
-        .unwrap()
 }
 
 /// Where the driver mounts the worktree (its default).

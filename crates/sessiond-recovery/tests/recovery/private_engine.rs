@@ -1,14 +1,16 @@
 //! A Docker engine of one test's own: a `dockerd` with its own data and exec
-//! roots (DESIGN §7's flags: no bridge, no iptables), which the test may stop
+//! roots and no bridge, iptables or NAT (loopback only), which the test may stop
 //! and start again without touching the engine every other Docker test
 //! shares. The agentctl image is copied into it from the shared engine.
 
 use std::{
     fs,
-    path::{Path, PathBuf},
+    path::PathBuf,
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
+
+use sessiond_testkit::dockerd;
 
 use crate::docker_support::DockerEnv;
 
@@ -59,22 +61,8 @@ impl PrivateEngine {
             .append(true)
             .open(self.dir.join("dockerd.log"))
             .unwrap();
-        let child = Command::new(program("dockerd"))
-            .args([
-                "--bridge=none",
-                "--iptables=false",
-                "--ip6tables=false",
-                "--ip-forward=false",
-                "--ip-masq=false",
-            ])
-            .arg("--data-root")
-            .arg(self.dir.join("data"))
-            .arg("--exec-root")
-            .arg(self.dir.join("exec"))
-            .arg("--pidfile")
-            .arg(self.dir.join("dockerd.pid"))
-            .arg("-H")
-            .arg(&self.host)
+        let child = dockerd::command(&self.dir, &self.host)
+            .expect("dockerd not found: install docker.io")
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -82,7 +70,7 @@ impl PrivateEngine {
             .unwrap_or_else(|e| panic!("starting dockerd (needs docker.io): {e}"));
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(120);
-        while !answers(&self.host) {
+        while !dockerd::answers(&self.host) {
             if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
                 panic!(
                     "the private dockerd exited ({status}):\n{}",
@@ -137,10 +125,7 @@ impl Drop for PrivateEngine {
                 .status();
         }
         self.stop_daemon();
-        // dockerd leaves its network namespace mounted under the exec root.
-        for point in mounts_under(&self.dir) {
-            let _ = Command::new("umount").arg("-l").arg(&point).status();
-        }
+        dockerd::unmount_under(&self.dir);
         let _ = fs::remove_dir_all(&self.dir);
     }
 }
@@ -170,38 +155,4 @@ fn docker(host: &str, args: &[&str], more: &[&std::ffi::OsStr]) {
         "docker {args:?} {more:?} at {host} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-fn answers(host: &str) -> bool {
-    Command::new("docker")
-        .args(["-H", host, "version", "--format", "{{.Server.APIVersion}}"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-/// `program` on PATH or in an sbin directory (a non-login root shell may
-/// lack them on its PATH).
-fn program(name: &str) -> PathBuf {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin", "/usr/bin"].map(PathBuf::from))
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| panic!("{name} not found: install docker.io"))
-}
-
-/// Mount points at or below `dir`, deepest first.
-fn mounts_under(dir: &Path) -> Vec<PathBuf> {
-    let text = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    let mut points: Vec<PathBuf> = text
-        .lines()
-        .filter_map(|line| line.split_whitespace().nth(1))
-        .map(PathBuf::from)
-        .filter(|p| p.starts_with(dir))
-        .collect();
-    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-    points.dedup();
-    points
 }

@@ -112,16 +112,31 @@ impl World {
         env: &[(&str, &str)],
         claims_resume: bool,
     ) -> AgentProfile {
+        let args = [
+            "--state-dir".to_owned(),
+            self.path("agent-state").display().to_string(),
+        ];
+        let command = bin("acp-demo-agent").display().to_string();
+        self.upsert_profile(name, &command, &args, env, claims_resume)
+            .await
+    }
+
+    /// Stores a profile running `command args` with `env` (policy allow).
+    pub async fn upsert_profile(
+        &self,
+        name: &str,
+        command: &str,
+        args: &[String],
+        env: &[(&str, &str)],
+        claims_resume: bool,
+    ) -> AgentProfile {
         let now = Utc::now();
         self.store
             .upsert_agent_profile(&AgentProfile {
                 id: AgentProfileId::new(),
                 name: name.into(),
-                command: bin("acp-demo-agent").display().to_string(),
-                args: vec![
-                    "--state-dir".into(),
-                    self.path("agent-state").display().to_string(),
-                ],
+                command: command.into(),
+                args: args.to_vec(),
                 env: env
                     .iter()
                     .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
