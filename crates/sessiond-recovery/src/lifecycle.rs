@@ -825,7 +825,11 @@ impl SessionManager {
                 // background like any lost agentctl, never left in ERROR.
                 self.prompt_found_agentctl_gone(&record, &e.to_string())
                     .await?;
-                return Err(e);
+                return Err(Error::Unavailable(format!(
+                    "the message did not reach the agent: its agentctl stopped answering ({e}); \
+                     the session recovers by itself: send the message again once it is back \
+                     (`sessionctl session status` shows when)"
+                )));
             }
             self.inner
                 .metrics

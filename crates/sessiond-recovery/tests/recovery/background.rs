@@ -416,6 +416,10 @@ async fn a_message_that_finds_agentctl_gone_leaves_the_session_recovering_not_er
         sessiond_recovery::ErrorKind::Unavailable,
         "a retryable failure: {err}"
     );
+    assert!(
+        err.to_string().contains("recovers by itself"),
+        "says what happens and what to do: {err}"
+    );
     let st = w.status(&mgr, s.id).await;
     assert_ne!(st.state, SessionState::Error, "{st:?}");
     let deadline = Instant::now() + Duration::from_secs(60);
