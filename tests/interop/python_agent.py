@@ -22,6 +22,15 @@ What it does, deterministically:
   load), plus ` (tool: allowed|rejected|cancelled)`.
   `/mode ID` instead switches the agent's own mode (ACP
   `current_mode_update`, stored) without a tool call.
+- Terminals (ACP `terminal/*`, the client's), each in a tool call of kind
+  `execute` whose content is the terminal, and no permission asked:
+  `/terminal CMD` runs `sh -c CMD` to its end (create, wait_for_exit,
+  output, release) and replies `exit CODE|signal SIG: OUTPUT`;
+  `/terminal-start CMD` only creates it (kept in memory, by session);
+  `/terminal-output`, `/terminal-wait`, `/terminal-kill` and
+  `/terminal-release` act on the last one started and reply what the
+  client answered (or `error: ...`).
+  `--terminal-output-limit N` passes `outputByteLimit` N.
 - `session/set_mode`, `session/cancel`.
 - `--resume-only`: `initialize` advertises `sessionCapabilities.resume` and
   `loadSession: false`; `session/resume` reopens a stored session without
@@ -50,6 +59,7 @@ from acp import (
     start_tool_call,
     text_block,
     tool_content,
+    tool_terminal_ref,
     update_agent_message_text,
     update_tool_call,
     update_user_message_text,
@@ -116,12 +126,15 @@ def modes(current: str) -> SessionModeState:
 
 
 class InteropAgent:
-    def __init__(self, store: Store, protocol_version: int, resume_only: bool = False) -> None:
+    def __init__(self, store: Store, protocol_version: int, resume_only: bool = False, terminal_output_limit: int | None = None) -> None:
         self.store = store
         self.protocol_version = protocol_version
         self.resume_only = resume_only
+        self.terminal_output_limit = terminal_output_limit
         self.conn: Client | None = None
         self.cancelled: set[str] = set()
+        # The last terminal started, by session (lives with this process).
+        self.terminals: dict[str, str] = {}
 
     def on_connect(self, conn: Client) -> None:
         self.conn = conn
@@ -216,6 +229,8 @@ class InteropAgent:
             state = self.must_load(session_id)
             state["history"] = history
             note = f"mode: {words[1]}"
+        elif words and words[0].startswith("/terminal"):
+            note = await self.terminal(session_id, turn, words[0], text[len(words[0]):].strip())
         else:
             note = await self.tool(session_id, turn, text, state["cwd"], history)
         if session_id in self.cancelled:
@@ -229,6 +244,55 @@ class InteropAgent:
         state["history"] = history
         self.store.save(session_id, state)
         return PromptResponse(stop_reason="end_turn")
+
+    async def terminal(self, session_id: str, turn: int, verb: str, command: str) -> str:
+        """The client's terminals; returns what it answered."""
+        try:
+            if verb in ("/terminal", "/terminal-start"):
+                created = await self.conn.create_terminal(
+                    session_id=session_id,
+                    command="sh",
+                    args=["-c", command],
+                    output_byte_limit=self.terminal_output_limit,
+                )
+                terminal_id = created.terminal_id
+                self.terminals[session_id] = terminal_id
+                await self.conn.session_update(
+                    session_id=session_id,
+                    update=start_tool_call(
+                        f"py-term-{turn}",
+                        f"run {command}",
+                        kind="execute",
+                        status="in_progress",
+                        content=[tool_terminal_ref(terminal_id)],
+                    ),
+                )
+                if verb == "/terminal-start":
+                    return f"terminal started {terminal_id}"
+                exited = await self.conn.wait_for_terminal_exit(session_id=session_id, terminal_id=terminal_id)
+                out = await self.conn.terminal_output(session_id=session_id, terminal_id=terminal_id)
+                await self.conn.release_terminal(session_id=session_id, terminal_id=terminal_id)
+                await self.conn.session_update(
+                    session_id=session_id,
+                    update=update_tool_call(f"py-term-{turn}", status="completed"),
+                )
+                return f"{describe_exit(exited)}: {out.output}"
+            terminal_id = self.terminals.get(session_id, "none")
+            if verb == "/terminal-output":
+                out = await self.conn.terminal_output(session_id=session_id, terminal_id=terminal_id)
+                ended = describe_exit(out.exit_status) if out.exit_status else "running"
+                return f"{ended}{' truncated' if out.truncated else ''}: {out.output}"
+            if verb == "/terminal-wait":
+                return describe_exit(await self.conn.wait_for_terminal_exit(session_id=session_id, terminal_id=terminal_id))
+            if verb == "/terminal-kill":
+                await self.conn.kill_terminal(session_id=session_id, terminal_id=terminal_id)
+                return "killed"
+            if verb == "/terminal-release":
+                await self.conn.release_terminal(session_id=session_id, terminal_id=terminal_id)
+                return "released"
+            return f"error: unknown terminal verb {verb}"
+        except RequestError as e:
+            return f"error: {e}"
 
     async def tool(self, session_id: str, turn: int, text: str, cwd: str, history: list[Any]) -> str:
         """A tool call that asks permission first; returns what happened."""
@@ -271,13 +335,20 @@ class InteropAgent:
         return note
 
 
+def describe_exit(status: Any) -> str:
+    if status.signal:
+        return f"signal {status.signal}"
+    return f"exit {status.exit_code}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--state-dir", required=True, type=Path)
     parser.add_argument("--protocol-version", type=int, default=PROTOCOL_VERSION)
     parser.add_argument("--resume-only", action="store_true", help="offer session/resume, not session/load")
+    parser.add_argument("--terminal-output-limit", type=int, default=None, help="outputByteLimit of the terminals it creates")
     args = parser.parse_args()
-    agent = InteropAgent(Store(args.state_dir), args.protocol_version, args.resume_only)
+    agent = InteropAgent(Store(args.state_dir), args.protocol_version, args.resume_only, args.terminal_output_limit)
     asyncio.run(run_agent(agent, use_unstable_protocol=args.resume_only))
 
 

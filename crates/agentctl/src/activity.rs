@@ -22,6 +22,8 @@ pub const AVAILABLE_COMMANDS: &str = "available_commands";
 pub const CURRENT_MODE: &str = "current_mode";
 pub const OTHER: &str = "other";
 pub const PERMISSION: &str = "permission";
+/// An ACP terminal the agent runs through agentctl (see `terminal`).
+pub const TERMINAL: &str = "terminal";
 
 /// A permission request of policy `ask`, pending (rev 1): the ACP request's
 /// tool call and options, `status: "pending"`, when it was asked and when

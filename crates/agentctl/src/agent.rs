@@ -20,12 +20,15 @@ use agent_client_protocol::schema::ProtocolVersion;
 use agent_client_protocol::v1::ConnectionTo;
 use agent_client_protocol::v1::schema::{
     AuthMethod, AuthenticateRequest, CancelNotification, ClientCapabilities, ContentBlock,
-    FileSystemCapabilities, Implementation, InitializeRequest, LoadSessionRequest,
+    CreateTerminalRequest, CreateTerminalResponse, FileSystemCapabilities, Implementation,
+    InitializeRequest, KillTerminalRequest, KillTerminalResponse, LoadSessionRequest,
     NewSessionRequest, PermissionOptionKind, PromptRequest, ReadTextFileRequest,
-    ReadTextFileResponse, RequestPermissionOutcome, RequestPermissionRequest,
-    RequestPermissionResponse, ResumeSessionRequest, SelectedPermissionOutcome, SessionId,
-    SessionModeId, SessionModeState, SessionNotification, SessionUpdate, SetSessionModeRequest,
-    StopReason, TextContent, WriteTextFileRequest, WriteTextFileResponse,
+    ReadTextFileResponse, ReleaseTerminalRequest, ReleaseTerminalResponse,
+    RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
+    ResumeSessionRequest, SelectedPermissionOutcome, SessionId, SessionModeId, SessionModeState,
+    SessionNotification, SessionUpdate, SetSessionModeRequest, StopReason, TerminalExitStatus,
+    TerminalOutputRequest, TerminalOutputResponse, TextContent, WaitForTerminalExitRequest,
+    WaitForTerminalExitResponse, WriteTextFileRequest, WriteTextFileResponse,
 };
 use agent_client_protocol::{Agent, Client, ErrorCode, Lines};
 use sessiond_proto::agentctl::v1::{
@@ -41,6 +44,7 @@ use crate::exec::explicit_env;
 use crate::journal::{AgentRecord, Journal, Loaded, Phase, TurnRecord};
 use crate::signs::{self, Signs};
 use crate::sys;
+use crate::terminal::{TerminalExit, TerminalSpec, Terminals};
 use crate::tree;
 use crate::updates::UpdateLog;
 use crate::workspace::Workspace;
@@ -284,6 +288,8 @@ struct Slot {
 struct Shared {
     workspace: Arc<Workspace>,
     updates: Arc<UpdateLog>,
+    /// The agent's ACP terminals.
+    terminals: Terminals,
     policy: PermissionPolicy,
     slot: Mutex<Slot>,
     ops: tokio::sync::Mutex<()>,
@@ -497,6 +503,7 @@ impl AgentManager {
         Self {
             shared: Arc::new(Shared {
                 workspace,
+                terminals: Terminals::new(updates.clone()),
                 updates,
                 policy,
                 slot: Mutex::new(Slot {
@@ -721,7 +728,11 @@ impl AgentManager {
                 }
             };
             tracing::info!(pid, exit = %describe_exit(&exit), "agent exited");
-            on_exit(&shared, generation, exit);
+            if on_exit(&shared, generation, exit) {
+                // Its terminals end with it (their processes were in its
+                // tree); the parts say they were released.
+                shared.terminals.release_all().await;
+            }
             let _ = exit_tx.send(Some(exit));
         });
 
@@ -750,7 +761,7 @@ impl AgentManager {
                         .fs(FileSystemCapabilities::new()
                             .read_text_file(true)
                             .write_text_file(true))
-                        .terminal(false),
+                        .terminal(true),
                 )
                 .client_info(Implementation::new("agentctl", env!("CARGO_PKG_VERSION")));
             let resp = conn
@@ -1258,8 +1269,18 @@ impl AgentManager {
         // ACP: a cancelled turn's pending permission requests are answered
         // `cancelled` (dropping them does).
         slot.asks.clear();
-        conn.send_notification(CancelNotification::new(session))
+        conn.send_notification(CancelNotification::new(session.clone()))
             .map_err(|e| acp_error("ACP session/cancel", &e))?;
+        drop(slot);
+        // What the cancelled turn runs in terminals ends with it; the agent
+        // may still read their output and release them.
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            let killed = shared.terminals.kill_session(&session.0).await;
+            if killed > 0 {
+                tracing::info!(killed, "killed the cancelled turn's terminals");
+            }
+        });
         Ok(true)
     }
 
@@ -1272,7 +1293,14 @@ impl AgentManager {
                 None => return slot.exit,
             }
         };
-        self.stop_pid(pid, exit_rx, grace).await
+        let exit = self.stop_pid(pid, exit_rx, grace).await;
+        self.shared.terminals.release_all().await;
+        exit
+    }
+
+    /// Terminals the agent holds (not released).
+    pub fn terminals(&self) -> usize {
+        self.shared.terminals.count()
     }
 
     async fn stop_pid(
@@ -1309,11 +1337,12 @@ impl AgentManager {
 }
 
 /// Records the agent's exit: state EXITED, the in-flight turn ended with an
-/// error, `AgentExited` on the stream.
-fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) {
+/// error, `AgentExited` on the stream. False when a later agent already
+/// replaced this one.
+fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) -> bool {
     let mut slot = shared.slot();
     if slot.generation != generation {
-        return;
+        return false;
     }
     let running = slot.running.take();
     slot.exit = Some(exit);
@@ -1356,6 +1385,7 @@ fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) {
         }
     }
     drop(running);
+    true
 }
 
 /// The first option of the first kind in `wanted`, or `cancelled`.
@@ -1607,8 +1637,8 @@ fn lines_transport(
 }
 
 /// The ACP client: session updates to the stream, and answers to the agent's
-/// requests (permission by policy; file system confined to the workspace;
-/// terminals are not offered, so the SDK answers them "method not found").
+/// requests (permission by policy; file system and terminals confined to
+/// the workspace).
 /// Runs until `close` fires or the connection fails.
 async fn run_connection(
     shared: Arc<Shared>,
@@ -1620,6 +1650,11 @@ async fn run_connection(
     let s_updates = shared.clone();
     let s_perm = shared.clone();
     let s_read = shared.clone();
+    let s_term = shared.clone();
+    let s_term_out = shared.clone();
+    let s_term_wait = shared.clone();
+    let s_term_kill = shared.clone();
+    let s_term_release = shared.clone();
     let s_write = shared;
     Client
         .v1()
@@ -1690,6 +1725,78 @@ async fn run_connection(
             },
             agent_client_protocol::on_receive_request!(),
         )
+        .on_receive_request(
+            async move |req: CreateTerminalRequest, responder, _cx| {
+                match create_terminal(&s_term, generation, req) {
+                    Ok(id) => responder.respond(CreateTerminalResponse::new(id)),
+                    Err(e) => responder.respond_with_error(fs_error(&e)),
+                }
+            },
+            agent_client_protocol::on_receive_request!(),
+        )
+        .on_receive_request(
+            async move |req: TerminalOutputRequest, responder, _cx| {
+                match s_term_out
+                    .terminals
+                    .output(&req.session_id.0, &req.terminal_id.0)
+                {
+                    Ok(o) => responder.respond(
+                        TerminalOutputResponse::new(o.output, o.truncated)
+                            .exit_status(o.exit.map(exit_status)),
+                    ),
+                    Err(e) => responder.respond_with_error(fs_error(&e)),
+                }
+            },
+            agent_client_protocol::on_receive_request!(),
+        )
+        .on_receive_request(
+            async move |req: WaitForTerminalExitRequest, responder, _cx| {
+                // Waited for on its own task: the connection keeps serving
+                // the agent (updates, other terminals) meanwhile.
+                let shared = s_term_wait.clone();
+                tokio::spawn(async move {
+                    let r = shared
+                        .terminals
+                        .wait_for_exit(&req.session_id.0, &req.terminal_id.0)
+                        .await;
+                    let sent = match r {
+                        Ok(e) => responder.respond(WaitForTerminalExitResponse::new(exit_status(e))),
+                        Err(e) => responder.respond_with_error(fs_error(&e)),
+                    };
+                    if let Err(e) = sent {
+                        tracing::debug!(error = %e, "could not answer terminal/wait_for_exit (agent gone)");
+                    }
+                });
+                Ok(())
+            },
+            agent_client_protocol::on_receive_request!(),
+        )
+        .on_receive_request(
+            async move |req: KillTerminalRequest, responder, _cx| {
+                match s_term_kill
+                    .terminals
+                    .kill(&req.session_id.0, &req.terminal_id.0)
+                    .await
+                {
+                    Ok(()) => responder.respond(KillTerminalResponse::new()),
+                    Err(e) => responder.respond_with_error(fs_error(&e)),
+                }
+            },
+            agent_client_protocol::on_receive_request!(),
+        )
+        .on_receive_request(
+            async move |req: ReleaseTerminalRequest, responder, _cx| {
+                match s_term_release
+                    .terminals
+                    .release(&req.session_id.0, &req.terminal_id.0)
+                    .await
+                {
+                    Ok(()) => responder.respond(ReleaseTerminalResponse::new()),
+                    Err(e) => responder.respond_with_error(fs_error(&e)),
+                }
+            },
+            agent_client_protocol::on_receive_request!(),
+        )
         .connect_with(
             transport,
             async move |cx: ConnectionTo<Agent>| {
@@ -1699,6 +1806,44 @@ async fn run_connection(
             },
         )
         .await
+}
+
+/// `terminal/create` of the current agent: the working directory confined
+/// to the workspace, the processes marked as the agent's.
+fn create_terminal(shared: &Shared, generation: u64, req: CreateTerminalRequest) -> Result<String> {
+    let (turn_id, agent_marker) = {
+        let slot = shared.slot();
+        if slot.generation != generation || slot.running.is_none() {
+            return Err(Error::Unavailable("the agent is gone".into()));
+        }
+        let turn = slot
+            .turn
+            .as_ref()
+            .filter(|t| t.session == req.session_id)
+            .map(|t| t.turn_id.clone())
+            .unwrap_or_default();
+        (turn, slot.marker.clone())
+    };
+    let cwd = match req.cwd.as_ref() {
+        Some(dir) => shared.workspace.resolve(&dir.to_string_lossy())?,
+        None => shared.workspace.root().to_path_buf(),
+    };
+    shared.terminals.create(TerminalSpec {
+        session_id: req.session_id.0.to_string(),
+        turn_id,
+        command: req.command,
+        args: req.args,
+        env: req.env.into_iter().map(|v| (v.name, v.value)).collect(),
+        cwd,
+        output_byte_limit: req.output_byte_limit,
+        agent_marker,
+    })
+}
+
+fn exit_status(e: TerminalExit) -> TerminalExitStatus {
+    TerminalExitStatus::new()
+        .exit_code(e.exit_code)
+        .signal(e.signal)
 }
 
 fn fs_error(e: &Error) -> agent_client_protocol::Error {

@@ -23,6 +23,7 @@ pub mod journal;
 pub mod service;
 pub mod signs;
 pub mod sys;
+pub mod terminal;
 pub mod tree;
 pub mod updates;
 pub mod workspace;

@@ -905,6 +905,8 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
                 let shows = match pb::MessageKind::try_from(m.kind) {
                     Ok(pb::MessageKind::Thought) => m.complete,
                     Ok(pb::MessageKind::Permission) => !m.complete,
+                    // Once, with its output and exit, not at every chunk.
+                    Ok(pb::MessageKind::Terminal) => m.complete,
                     _ => true,
                 };
                 let line = output::activity_line(&m);

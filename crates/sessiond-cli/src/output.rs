@@ -123,6 +123,7 @@ fn kind_name(k: i32) -> &'static str {
         Ok(pb::MessageKind::CurrentMode) => "current_mode",
         Ok(pb::MessageKind::Other) => "other",
         Ok(pb::MessageKind::Permission) => "permission",
+        Ok(pb::MessageKind::Terminal) => "terminal",
         _ => "text",
     }
 }
@@ -152,7 +153,23 @@ fn part_json(m: &pb::Message) -> Option<Value> {
         Part::CurrentMode(c) => json!({"mode_id": c.mode_id}),
         Part::Other(r) => json!({"update_kind": r.update_kind, "json": r.json}),
         Part::Permission(p) => permission_json(p),
+        Part::Terminal(t) => json!({
+            "terminal_id": t.terminal_id, "command": t.command, "args": t.args, "cwd": t.cwd,
+            "output": t.output, "truncated": t.truncated, "exit_code": t.exit_code,
+            "signal": t.signal, "exited": t.exited, "released": t.released,
+        }),
     })
+}
+
+/// How a terminal stands: `running`, `exit 0`, `signal SIGKILL`.
+fn terminal_state(t: &pb::TerminalPart) -> String {
+    match (t.exited, t.exit_code, t.signal.as_str()) {
+        (false, _, _) if t.released => "released".into(),
+        (false, _, _) => "running".into(),
+        (true, Some(code), _) => format!("exit {code}"),
+        (true, None, "") => "exited".into(),
+        (true, None, sig) => format!("signal {sig}"),
+    }
 }
 
 fn permission_json(p: &pb::PermissionRequest) -> Value {
@@ -178,6 +195,9 @@ fn permission_line(p: &pb::PermissionRequest) -> String {
     format!("{title}: {}", options.join(", "))
 }
 
+/// Output lines of a terminal an activity line shows.
+const TERMINAL_LINES: usize = 10;
+
 /// One line for an activity part, as `send` prints it while the turn
 /// streams and `messages` lists it: `[tool edit] write notes.txt: completed`.
 pub fn activity_line(m: &pb::Message) -> String {
@@ -202,6 +222,20 @@ pub fn activity_line(m: &pb::Message) -> String {
         Some(Part::AvailableCommands(_)) => format!("[commands] {}", m.content),
         Some(Part::CurrentMode(c)) => format!("[mode] {}", c.mode_id),
         Some(Part::Other(r)) => format!("[{}]", r.update_kind),
+        Some(Part::Terminal(t)) => {
+            // The command and how it ended, then the output's last lines.
+            let mut line = format!("[terminal] {}: {}", m.content, terminal_state(t));
+            let lines: Vec<&str> = t.output.lines().collect();
+            let shown = &lines[lines.len().saturating_sub(TERMINAL_LINES)..];
+            if shown.len() < lines.len() || t.truncated {
+                line.push_str("\n  ...");
+            }
+            for l in shown {
+                line.push_str("\n  ");
+                line.push_str(l);
+            }
+            line
+        }
         Some(Part::Permission(p)) => {
             let title = p.tool_call.as_ref().map_or("", |t| t.title.as_str());
             match p.option_id.as_str() {

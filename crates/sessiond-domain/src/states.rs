@@ -329,6 +329,10 @@ string_enum!(
     /// A permission request of policy `ask` (ACP
     /// `session/request_permission`): incomplete while it waits.
     Permission => "permission",
+    /// A command the agent runs in an ACP terminal through agentctl: the
+    /// command, the tail of its output, its exit; complete once it exited
+    /// or was released.
+    Terminal => "terminal",
 });
 
 string_enum!(

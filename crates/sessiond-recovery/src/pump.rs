@@ -1124,6 +1124,7 @@ impl Pump {
                             | MessageKind::Plan
                             | MessageKind::Thought
                             | MessageKind::Permission
+                            | MessageKind::Terminal
                     )
             })
         }) || self.pending.is_some();

@@ -187,6 +187,7 @@ fn message_kind(k: MessageKind) -> pb::MessageKind {
         MessageKind::CurrentMode => pb::MessageKind::CurrentMode,
         MessageKind::Other => pb::MessageKind::Other,
         MessageKind::Permission => pb::MessageKind::Permission,
+        MessageKind::Terminal => pb::MessageKind::Terminal,
     }
 }
 
@@ -264,7 +265,30 @@ mod parts {
                 json: u.to_string(),
             }),
             MessageKind::Permission => Part::Permission(permission_of(&u)),
+            MessageKind::Terminal => Part::Terminal(terminal_of(&u)),
         })
+    }
+
+    /// agentctl's JSON of a terminal (`terminalId`, `command`, `args`,
+    /// `cwd`, `output`, `truncated`, `exitStatus`, `released`).
+    fn terminal_of(u: &Value) -> pb::TerminalPart {
+        let exit = u.get("exitStatus").filter(|e| e.is_object());
+        pb::TerminalPart {
+            terminal_id: s(u, "terminalId"),
+            command: s(u, "command"),
+            args: list(u, "args")
+                .filter_map(|a| a.as_str().map(str::to_owned))
+                .collect(),
+            cwd: s(u, "cwd"),
+            output: s(u, "output"),
+            truncated: u.get("truncated").and_then(Value::as_bool).unwrap_or(false),
+            exit_code: exit
+                .and_then(|e| e.get("exitCode")?.as_u64())
+                .and_then(|c| u32::try_from(c).ok()),
+            signal: exit.map(|e| s(e, "signal")).unwrap_or_default(),
+            exited: exit.is_some(),
+            released: u.get("released").and_then(Value::as_bool).unwrap_or(false),
+        }
     }
 
     /// The request's id is its message's id; the rest is agentctl's JSON

@@ -615,3 +615,197 @@ async fn python_sdk_agent_offering_only_session_resume_recovers_after_kill_9() {
     let reply = prompt(&mut c, &task.id, &s.id, "again").await;
     assert_eq!(reply, "turn 2: you said \"again\" (tool: allowed)");
 }
+
+/// The terminal parts stored for a session, by terminal id.
+async fn terminals(c: &mut Sessions, task: &str, session: &str) -> Vec<pb::TerminalPart> {
+    list(c, task, session)
+        .await
+        .into_iter()
+        .filter_map(|m| match m.part {
+            Some(Part::Terminal(t)) => {
+                assert_eq!(m.kind, pb::MessageKind::Terminal as i32, "{}", m.id);
+                Some(t)
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// Reads a pid a terminal's command wrote to `path`, once it is there.
+async fn pid_file(path: &Path) -> u32 {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(pid) = std::fs::read_to_string(path)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+        {
+            return pid;
+        }
+        assert!(Instant::now() < deadline, "{} never written", path.display());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn assert_dead(pids: &[u32]) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+    assert!(left.is_empty(), "still running: {left:?}");
+}
+
+/// The `(NOTE)` of a Python agent reply: what the client answered.
+fn note(reply: &str) -> &str {
+    let start = reply.find("\" (").map_or(0, |i| i + 3);
+    reply[start..].strip_suffix(')').unwrap_or(&reply[start..])
+}
+
+/// ACP terminals with the Python agent: agentctl runs the agent's
+/// `terminal/*` calls (create, output, wait_for_exit, kill, release) in
+/// the worktree, bounded by the agent's output limit; each terminal is a
+/// stored part its tool call names; a terminal keeps running across kill -9
+/// of sessiond (it belongs to agentctl); kill ends what it started,
+/// `setsid` included; and after kill -9 of agentctl, stopping the session
+/// ends a terminal still running and its detached child.
+#[tokio::test]
+#[ignore = "needs the Python ACP SDK's virtualenv: run by cargo xtask ci"]
+async fn python_sdk_agent_terminals_run_in_the_worktree_and_end_with_the_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work").canonicalize_or_create();
+    let config = config(
+        dir.path(),
+        &[("pyterm", &["--terminal-output-limit", "4096"], "")],
+    );
+    let mut server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "terminals").await;
+    let s = create_session(&mut c, &task.id, &work, "pyterm").await;
+    assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
+
+    // Run to the end: both streams, the exit code, the worktree as cwd.
+    let reply = prompt(
+        &mut c,
+        &task.id,
+        &s.id,
+        "/terminal echo out; echo err >&2; pwd; exit 3",
+    )
+    .await;
+    let n = note(&reply);
+    assert!(n.starts_with("exit 3: "), "{reply}");
+    for want in ["out", "err", &work.display().to_string()] {
+        assert!(n.contains(want), "{want} in {reply}");
+    }
+    let parts = terminals(&mut c, &task.id, &s.id).await;
+    assert_eq!(parts.len(), 1, "{parts:#?}");
+    let first = &parts[0];
+    assert_eq!(
+        (first.command.as_str(), first.exit_code, first.exited, first.released),
+        ("sh", Some(3), true, true),
+        "{first:?}"
+    );
+    assert_eq!(first.cwd, work.display().to_string());
+    assert!(first.output.contains("out") && first.output.contains("err"), "{first:?}");
+    // Its tool call names it, so a viewer can show the output with it.
+    let msgs = list(&mut c, &task.id, &s.id).await;
+    let call = msgs
+        .iter()
+        .find(|m| m.kind == pb::MessageKind::ToolCall as i32)
+        .map(tool_call)
+        .expect("the terminal's tool call");
+    assert_eq!(
+        call.content
+            .iter()
+            .map(|c| c.content.clone())
+            .collect::<Vec<_>>(),
+        vec![Some(Content::TerminalId(first.terminal_id.clone()))]
+    );
+
+    // The agent's output limit: the oldest output goes first.
+    let reply = prompt(&mut c, &task.id, &s.id, "/terminal seq 1 3000").await;
+    let out = note(&reply).strip_prefix("exit 0: ").expect(&reply);
+    assert!(out.len() <= 4096, "{} bytes kept", out.len());
+    assert!(out.trim_end().ends_with("\n3000"), "{out}");
+    assert!(!out.starts_with("1\n2\n"), "the beginning was dropped");
+
+    // A terminal left running, with a child that left its session.
+    let reply = prompt(
+        &mut c,
+        &task.id,
+        &s.id,
+        "/terminal-start setsid sleep 1000 </dev/null >/dev/null 2>&1 & echo $! > bg.pid; echo $$ > fg.pid; echo started; exec sleep 1001",
+    )
+    .await;
+    assert!(note(&reply).starts_with("terminal started "), "{reply}");
+    let (fg, bg) = (
+        pid_file(&work.join("fg.pid")).await,
+        pid_file(&work.join("bg.pid")).await,
+    );
+    assert!(alive(fg) && alive(bg));
+
+    // kill -9 of sessiond: the terminal is agentctl's, it runs on, and the
+    // restarted sessiond reaches it through the same agent.
+    server.kill();
+    let server = start(&data, &["--config", &config]);
+    crate::restart::wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+    assert!(alive(fg) && alive(bg), "the terminal outlives sessiond");
+    let reply = prompt(&mut c, &task.id, &s.id, "/terminal-output").await;
+    assert_eq!(note(&reply), "running: started\n", "{reply}");
+
+    // kill ends everything it started; the exit is then known.
+    let reply = prompt(&mut c, &task.id, &s.id, "/terminal-kill").await;
+    assert_eq!(note(&reply), "killed", "{reply}");
+    assert_dead(&[fg, bg]).await;
+    let reply = prompt(&mut c, &task.id, &s.id, "/terminal-wait").await;
+    assert_eq!(note(&reply), "signal SIGKILL", "{reply}");
+    let reply = prompt(&mut c, &task.id, &s.id, "/terminal-release").await;
+    assert_eq!(note(&reply), "released", "{reply}");
+    let reply = prompt(&mut c, &task.id, &s.id, "/terminal-output").await;
+    assert!(note(&reply).starts_with("error: "), "{reply}");
+    let parts = terminals(&mut c, &task.id, &s.id).await;
+    let killed = parts.last().unwrap();
+    assert_eq!(
+        (killed.exited, killed.signal.as_str(), killed.released),
+        (true, "SIGKILL", true),
+        "{killed:?}"
+    );
+    assert!(killed.output.starts_with("started"), "{killed:?}");
+
+    // A terminal still running when agentctl is killed -9: stopping the
+    // session ends it and its detached child with the agent.
+    std::fs::remove_file(work.join("fg.pid")).unwrap();
+    std::fs::remove_file(work.join("bg.pid")).unwrap();
+    let reply = prompt(
+        &mut c,
+        &task.id,
+        &s.id,
+        "/terminal-start setsid sleep 1000 </dev/null >/dev/null 2>&1 & echo $! > bg.pid; echo $$ > fg.pid; exec sleep 1001",
+    )
+    .await;
+    assert!(note(&reply).starts_with("terminal started "), "{reply}");
+    let (fg, bg) = (
+        pid_file(&work.join("fg.pid")).await,
+        pid_file(&work.join("bg.pid")).await,
+    );
+    let agent = calls(dir.path())
+        .iter()
+        .rfind(|c| c.method == "session/prompt")
+        .unwrap()
+        .pid;
+    for pid in agentctl_pids(&data) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    c.stop_session(pb::StopSessionRequest {
+        task_id: task.id.clone(),
+        session_id: s.id.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert_dead(&[fg, bg, agent]).await;
+}
