@@ -196,6 +196,34 @@ test("cancel a running turn: the reply so far stays and the turn shows as cancel
   }
 });
 
+test("a command the agent runs in a terminal shows in its tool call card: command, output, exit", async () => {
+  const { work, data } = scratch("terminal");
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();
+  const b = await browser("terminal");
+  try {
+    const { page } = b;
+    await page.goto(server.url);
+    await createTaskAndSession(page, { title: "Terminal e2e", work });
+    // `/terminal CMD`: the demo agent runs `sh -c CMD` through agentctl's
+    // ACP terminal, in a tool call whose content is the terminal.
+    await send(page, "/terminal echo from-the-terminal; echo to-stderr >&2; exit 4");
+    await message(page, "terminal: exit 4");
+    const card = page.locator("[data-testid=messages] .msg", { hasText: "tool execute: run echo from-the-terminal" });
+    await card.locator("[data-testid=terminal-state]:has-text('exit 4')").waitFor({ timeout: T });
+    const output = await card.locator("[data-testid=terminal-output]").textContent();
+    assert.match(output, /from-the-terminal/);
+    assert.match(output, /to-stderr/);
+    assert.match(await card.locator(".terminal-head").textContent(), /^\$ sh -c echo from-the-terminal/);
+    // Shown once: inside its tool call, not again on its own.
+    assert.equal(await page.locator("[data-testid=terminal]").count(), 1);
+    await b.screenshot("terminal-in-tool-call");
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
 test("permission policy ask: a prompt with a button per option, kept over a reload and a restart, answered from the keyboard", async () => {
   const { dir, work, data } = scratch("permission");
   const config = join(dir, "sessiond.toml");

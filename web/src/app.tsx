@@ -16,6 +16,7 @@ import {
   type PermissionRequest,
   type Session,
   type Task,
+  type TerminalPart,
 } from "./gen/sessiond/v1/types_pb";
 import { executorLabel, executorTone, reasonLabel, roleLabel, runtimeName, stateLabel, stateTone } from "./labels";
 import { Workspace } from "./workspace";
@@ -550,6 +551,8 @@ function partText(m: Message): string {
       return "mode: " + p.value.modeId;
     case "other":
       return p.value.updateKind;
+    case "terminal":
+      return `terminal: ${m.content} (${terminalState(p.value)})`;
     case "permission": {
       const r = p.value;
       const chosen = r.options.find((o) => o.optionId === r.optionId);
@@ -559,6 +562,37 @@ function partText(m: Message): string {
     default:
       return m.content;
   }
+}
+
+// How a terminal stands: running, exit N, signal S, released.
+function terminalState(t: TerminalPart): string {
+  if (!t.exited) return t.released ? "released" : "running";
+  if (t.exitCode !== undefined) return `exit ${t.exitCode}`;
+  return t.signal ? `signal ${t.signal}` : "exited";
+}
+
+// A terminal's command and output, inside the tool call that runs it (or
+// alone when no tool call names it).
+function TerminalView(props: { terminal: TerminalPart }) {
+  const t = props.terminal;
+  return (
+    <div class="terminal" data-testid="terminal">
+      <div class="terminal-head">
+        {"$ "}
+        {[t.command, ...t.args].join(" ")}
+        <span class="terminal-state" data-testid="terminal-state">
+          {" · "}
+          {terminalState(t)}
+          {t.truncated ? " · earlier output dropped" : ""}
+        </span>
+      </div>
+      {t.output && (
+        <pre class="terminal-output" data-testid="terminal-output" tabIndex={0}>
+          {t.output}
+        </pre>
+      )}
+    </div>
+  );
 }
 
 // How a turn that did not end normally is marked on its user message.
@@ -571,14 +605,22 @@ const stopLabel: Record<string, string> = {
   max_turn_requests: "stopped: max turn requests",
 };
 
-type MessageProps = { message: Message; stop?: string };
+type MessageProps = { message: Message; stop?: string; terminals?: TerminalPart[] };
+
+function sameTerminals(a?: TerminalPart[], b?: TerminalPart[]): boolean {
+  return (a?.length ?? 0) === (b?.length ?? 0) && (a ?? []).every((t, i) => t === b?.[i]);
+}
 
 class MessageView extends Component<MessageProps> {
   shouldComponentUpdate(next: MessageProps) {
-    return next.message !== this.props.message || next.stop !== this.props.stop;
+    return (
+      next.message !== this.props.message ||
+      next.stop !== this.props.stop ||
+      !sameTerminals(next.terminals, this.props.terminals)
+    );
   }
   render() {
-    const { message: m, stop } = this.props;
+    const { message: m, stop, terminals } = this.props;
     const label = stop && stop !== "end_turn" ? (stopLabel[stop] ?? stop) : "";
     return (
       <li class={`msg role-${m.role}${m.complete || m.part.case ? "" : " streaming"}`} data-seq={String(m.seq)}>
@@ -592,6 +634,8 @@ class MessageView extends Component<MessageProps> {
           )}
         </span>
         <div class={m.part.case ? "text part" : "text"}>{partText(m)}</div>
+        {m.part.case === "terminal" && <TerminalView terminal={m.part.value} />}
+        {terminals?.map((t) => <TerminalView key={t.terminalId} terminal={t} />)}
       </li>
     );
   }
@@ -815,6 +859,26 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   };
 
   const s = status;
+  // Terminals shown inside the tool call that names them, by tool call
+  // message id; those are not shown again on their own.
+  const [toolTerminals, shownInToolCall] = useMemo(() => {
+    const byId = new Map<string, TerminalPart>();
+    for (const m of messages) if (m.part.case === "terminal") byId.set(m.part.value.terminalId, m.part.value);
+    const perTool = new Map<string, TerminalPart[]>();
+    const shown = new Set<string>();
+    for (const m of messages) {
+      if (m.part.case !== "toolCall") continue;
+      const ts = m.part.value.content.flatMap((c) => {
+        const t = c.content.case === "terminalId" ? byId.get(c.content.value) : undefined;
+        return t ? [t] : [];
+      });
+      if (ts.length) {
+        perTool.set(m.id, ts);
+        ts.forEach((t) => shown.add(t.terminalId));
+      }
+    }
+    return [perTool, shown] as const;
+  }, [messages]);
   const pendingPermissions = useMemo(() => {
     const all = new Map<string, PermissionRequest>();
     for (const r of status?.pendingPermissions ?? []) all.set(r.requestId, r);
@@ -912,9 +976,16 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
               stick.current = el.scrollHeight - el.scrollTop - el.clientHeight < 40;
             }}
           >
-            {messages.map((m) => (
-              <MessageView key={m.id} message={m} stop={m.role === MessageRole.USER ? stops.get(m.id) : undefined} />
-            ))}
+            {messages.map((m) =>
+              m.part.case === "terminal" && shownInToolCall.has(m.part.value.terminalId) ? null : (
+                <MessageView
+                  key={m.id}
+                  message={m}
+                  stop={m.role === MessageRole.USER ? stops.get(m.id) : undefined}
+                  terminals={m.part.case === "toolCall" ? toolTerminals.get(m.id) : undefined}
+                />
+              ),
+            )}
           </ol>
           <PermissionPrompts
             taskId={taskId}

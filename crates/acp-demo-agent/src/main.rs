@@ -27,7 +27,9 @@
 //! client shows (thought, plan, tool call and update with a diff, commands,
 //! mode, an untyped kind), `/permission` asks for permission, `/edit PATH
 //! TEXT` asks permission before a tool call that writes PATH, `/read PATH`
-//! and `/write PATH TEXT` use the client's file system, `/long` streams for
+//! and `/write PATH TEXT` use the client's file system, `/terminal CMD`
+//! runs `sh -c CMD` in a client terminal (ACP `terminal/*`) shown by a tool
+//! call, `/long` streams for
 //! a minute (to be cancelled), `/fail` fails the turn, `/mode ID` switches
 //! the agent's own mode (`current_mode_update`).
 
@@ -790,6 +792,7 @@ async fn slash_command(
                 Err(e) => format!("read failed: {}", e.message),
             }
         }
+        "/terminal" => terminal(cx, session, prompt.trim_start_matches("/terminal").trim()).await?,
         "/write" => {
             let path = words.next().unwrap_or_default();
             let content = words.next().unwrap_or_default();
@@ -805,6 +808,64 @@ async fn slash_command(
         _ => return Ok(None),
     };
     Ok(Some(out))
+}
+
+/// `/terminal CMD`: runs `sh -c CMD` in a client terminal shown by a tool
+/// call (kind execute), to its end; describes the exit and the output.
+async fn terminal(
+    cx: &ConnectionTo<Client>,
+    session: &agent_client_protocol::v1::schema::SessionId,
+    command: &str,
+) -> Result<String, Error> {
+    use agent_client_protocol::v1::schema::{
+        CreateTerminalRequest, ReleaseTerminalRequest, Terminal, TerminalOutputRequest,
+        ToolCallContent, ToolKind, WaitForTerminalExitRequest,
+    };
+    let created = match cx
+        .send_request(
+            CreateTerminalRequest::new(session.clone(), "sh")
+                .args(vec!["-c".into(), command.into()]),
+        )
+        .block_task()
+        .await
+    {
+        Ok(c) => c,
+        Err(e) => return Ok(format!("terminal failed: {}", e.message)),
+    };
+    let id = created.terminal_id;
+    cx.send_notification(SessionNotification::new(
+        session.clone(),
+        SessionUpdate::ToolCall(
+            ToolCall::new("demo-terminal-1", format!("run {command}"))
+                .kind(ToolKind::Execute)
+                .status(ToolCallStatus::InProgress)
+                .content(vec![ToolCallContent::Terminal(Terminal::new(id.clone()))]),
+        ),
+    ))?;
+    let exit = cx
+        .send_request(WaitForTerminalExitRequest::new(session.clone(), id.clone()))
+        .block_task()
+        .await?;
+    let out = cx
+        .send_request(TerminalOutputRequest::new(session.clone(), id.clone()))
+        .block_task()
+        .await?;
+    cx.send_request(ReleaseTerminalRequest::new(session.clone(), id))
+        .block_task()
+        .await?;
+    cx.send_notification(SessionNotification::new(
+        session.clone(),
+        SessionUpdate::ToolCallUpdate(ToolCallUpdate::new(
+            "demo-terminal-1",
+            ToolCallUpdateFields::new().status(ToolCallStatus::Completed),
+        )),
+    ))?;
+    let ended = match (exit.exit_status.exit_code, exit.exit_status.signal) {
+        (Some(code), _) => format!("exit {code}"),
+        (None, Some(sig)) => format!("signal {sig}"),
+        (None, None) => "exited".to_owned(),
+    };
+    Ok(format!("terminal: {ended}: {}", out.output.trim_end()))
 }
 
 /// `/activity`: one update of every kind a client shows besides the reply:

@@ -285,11 +285,11 @@ impl Terminals {
                 "{MAX_TERMINALS} terminals are open; release one first"
             )));
         }
-        let limit = spec
-            .output_byte_limit
-            .map_or(DEFAULT_OUTPUT_LIMIT, |l| {
-                usize::try_from(l).unwrap_or(usize::MAX).min(MAX_OUTPUT_LIMIT)
-            });
+        let limit = spec.output_byte_limit.map_or(DEFAULT_OUTPUT_LIMIT, |l| {
+            usize::try_from(l)
+                .unwrap_or(usize::MAX)
+                .min(MAX_OUTPUT_LIMIT)
+        });
         let marker = uuid::Uuid::new_v4().simple().to_string();
         let mut cmd = tokio::process::Command::new(&spec.command);
         cmd.args(&spec.args)

@@ -641,7 +641,11 @@ async fn pid_file(path: &Path) -> u32 {
         {
             return pid;
         }
-        assert!(Instant::now() < deadline, "{} never written", path.display());
+        assert!(
+            Instant::now() < deadline,
+            "{} never written",
+            path.display()
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -701,12 +705,20 @@ async fn python_sdk_agent_terminals_run_in_the_worktree_and_end_with_the_session
     assert_eq!(parts.len(), 1, "{parts:#?}");
     let first = &parts[0];
     assert_eq!(
-        (first.command.as_str(), first.exit_code, first.exited, first.released),
+        (
+            first.command.as_str(),
+            first.exit_code,
+            first.exited,
+            first.released
+        ),
         ("sh", Some(3), true, true),
         "{first:?}"
     );
     assert_eq!(first.cwd, work.display().to_string());
-    assert!(first.output.contains("out") && first.output.contains("err"), "{first:?}");
+    assert!(
+        first.output.contains("out") && first.output.contains("err"),
+        "{first:?}"
+    );
     // Its tool call names it, so a viewer can show the output with it.
     let msgs = list(&mut c, &task.id, &s.id).await;
     let call = msgs
