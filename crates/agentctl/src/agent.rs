@@ -298,6 +298,8 @@ struct Shared {
     journal_fresh: bool,
     /// Test hook: the crash point at which this process SIGKILLs itself.
     crash_at: Option<CrashHook>,
+    /// The backend's socket rung when the agent exits, and our executor id.
+    doorbell: Option<(std::path::PathBuf, String)>,
 }
 
 /// Test hook for deterministic crash tests: the point of a turn at which
@@ -532,9 +534,26 @@ impl AgentManager {
                 journal_fresh: journal.is_durable() && loaded.fresh,
                 journal,
                 crash_at,
+                doorbell: None,
             }),
         }
         .report_dead_permissions(loaded.permissions)
+    }
+
+    /// Rings `doorbell` (a Unix datagram socket of the backend) with
+    /// `executor_id` whenever the agent exits. Call before sharing.
+    #[must_use]
+    pub fn with_doorbell(
+        mut self,
+        doorbell: Option<std::path::PathBuf>,
+        executor_id: String,
+    ) -> Self {
+        match (Arc::get_mut(&mut self.shared), doorbell) {
+            (Some(shared), Some(path)) => shared.doorbell = Some((path, executor_id)),
+            (None, Some(_)) => tracing::warn!("doorbell set on a shared agent manager; ignored"),
+            _ => {}
+        }
+        self
     }
 
     /// Permission requests an earlier agentctl process journaled and never
@@ -1385,7 +1404,23 @@ fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) -> bool {
         }
     }
     drop(running);
+    ring(shared);
     true
+}
+
+/// Tells the backend the agent exited: one datagram, best effort (a backend
+/// that is down or slow finds it at its next liveness check).
+fn ring(shared: &Shared) {
+    let Some((path, executor_id)) = &shared.doorbell else {
+        return;
+    };
+    let sent = std::os::unix::net::UnixDatagram::unbound().and_then(|s| {
+        s.set_nonblocking(true)?;
+        s.send_to(executor_id.as_bytes(), path)
+    });
+    if let Err(e) = sent {
+        tracing::debug!(doorbell = %path.display(), error = %e, "could not ring the backend's doorbell");
+    }
 }
 
 /// The first option of the first kind in `wanted`, or `cancelled`.

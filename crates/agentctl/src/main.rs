@@ -103,6 +103,12 @@ struct Cli {
     /// many processes it ended.
     #[arg(long, requires = "journal")]
     reap: bool,
+    /// A Unix datagram socket of the backend's: when the agent exits,
+    /// agentctl sends it one datagram holding the executor id, so the
+    /// backend looks at once instead of at its next liveness check (an idle
+    /// session has no update stream open to report it).
+    #[arg(long, env = "AGENTCTL_DOORBELL")]
+    doorbell: Option<PathBuf>,
 }
 
 /// `--reap`: reads the journal without writing it (the next agentctl on it
@@ -360,7 +366,8 @@ async fn main() -> anyhow::Result<()> {
         journal,
         loaded,
         crash_at,
-    );
+    )
+    .with_doorbell(cli.doorbell.clone(), cli.executor_id.clone());
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let service = AgentCtl::new(
         cli.executor_id.clone(),

@@ -72,7 +72,19 @@ pub struct StandaloneConfig {
     pub cgroups: bool,
 }
 
+/// The backend's datagram socket in the run directory that every local
+/// agentctl rings (with its executor id) when its agent exits; see
+/// [`StandaloneConfig::doorbell_path`].
+pub const DOORBELL_FILE: &str = "doorbell.sock";
+
 impl StandaloneConfig {
+    /// Where agentctl rings when its agent exits: an idle session holds no
+    /// update stream, so this is how its agent's exit reaches the backend
+    /// at once. Nobody listening is fine (the liveness check finds it).
+    pub fn doorbell_path(&self) -> PathBuf {
+        self.run_dir.join(DOORBELL_FILE)
+    }
+
     /// A configuration with the defaults: no log files, no idle timeout,
     /// 10 s startup, 5 s stop grace, and an environment of only a plain `PATH`.
     pub fn new(agentctl_path: PathBuf, run_dir: PathBuf) -> Self {
@@ -239,6 +251,8 @@ impl StandaloneExecutor {
             .arg("--remove-secret-file")
             .arg("--journal")
             .arg(self.journal_file(id))
+            .arg("--doorbell")
+            .arg(self.config.doorbell_path())
             // Only what the config names: never sessiond's own environment
             // (the secret travels in the file above, not in the environment).
             .env_clear()

@@ -36,6 +36,7 @@
 #![deny(missing_docs)]
 
 mod config;
+mod doorbell;
 mod error;
 mod events;
 mod launches;

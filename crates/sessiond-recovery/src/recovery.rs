@@ -1922,7 +1922,7 @@ impl SessionManager {
     /// exit) is what the pump's `AgentExited` handling does: the session goes
     /// ERROR with what happened and what to do, and the agent counts as not
     /// running.
-    async fn check_liveness(
+    pub(crate) async fn check_liveness(
         &self,
         record: ExecutorRecord,
         agent_running: bool,

@@ -213,6 +213,15 @@ impl SessiondBuilder {
             // Waits for the first recovery pass and the grace period itself.
             manager.start_orphan_sweep(docker);
         }
+        // Local agentctls ring here when their agent exits.
+        let doorbell = config
+            .executors
+            .run_dir
+            .join(sessiond_executor::standalone::DOORBELL_FILE);
+        if let Err(e) = manager.listen_doorbell(&doorbell) {
+            tracing::warn!(path = %doorbell.display(), error = %e,
+                "no doorbell: an idle session's agent exit is seen at the next liveness check");
+        }
 
         let health = HealthReporter::new();
         for service in HEALTH_SERVICES {

@@ -176,6 +176,48 @@ async fn idle_session_is_parked_and_its_agent_exit_is_found_by_liveness() {
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// A session never prompted is idle from its creation (its pump parked, no
+/// stream open); when its agent dies, agentctl rings the backend's doorbell
+/// and the session goes ERROR at once, with the liveness checks off: the
+/// push is all there is. A resume brings it back and it answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_never_prompted_sessions_agent_exit_is_pushed_through_the_doorbell() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager_with(with_liveness(&w, None));
+    std::fs::create_dir_all(w.path("run")).unwrap();
+    mgr.listen_doorbell(
+        &w.path("run")
+            .join(sessiond_executor::standalone::DOORBELL_FILE),
+    )
+    .unwrap();
+    mgr.recover_all().await.unwrap();
+    let s = w.create(&mgr, "never-prompted").await;
+    assert!(mgr.is_parked(s.id), "a new idle session holds no stream");
+    let agentctl = w.record(s.id).await.pid.unwrap();
+    let agents = children_of(agentctl);
+    assert!(!agents.is_empty(), "no agent under agentctl {agentctl}");
+    for pid in agents {
+        kill9(pid);
+    }
+    w.wait_state(&mgr, s.id, SessionState::Error).await;
+    let st = w.status(&mgr, s.id).await;
+    let msg = st.error_message.clone().unwrap();
+    assert!(msg.contains("agent process exited"), "{msg}");
+    assert!(!st.is_agent_running);
+    assert_eq!(st.executor_status, Some(ExecutorStatus::Ready));
+
+    mgr.resume_session(w.task.id, s.id).await.unwrap();
+    w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
+        .await;
+    mgr.send_message(w.task.id, s.id, "after").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while w.messages(s.id).await.len() < 2 || !w.messages(s.id).await[1].complete {
+        assert!(Instant::now() < deadline, "no reply after the resume");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// With the checks off, nothing refreshes `last_seen_at`: the refresh above
 /// is the liveness check's doing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
