@@ -5,21 +5,25 @@
 //! and hands what the *other* replicas committed to its event bus. A
 //! notification only wakes: readers read the outbox after their last seq,
 //! so a lost notification delays an event, never loses or reorders it.
+//!
+//! The listener waits on libpq's socket itself (diesel's connection offers
+//! no way to block until a notification comes): a wake-up costs the
+//! notification's trip, not a polling interval.
 
 use std::time::Duration;
 
 use tokio::sync::mpsc::{self, Receiver, Sender, error::TrySendError};
 
-use diesel::{Connection, RunQueryDsl, connection::SimpleConnection, pg::PgConnection};
+use diesel::RunQueryDsl;
 use sessiond_domain::{Event, SessionId, TaskId};
 
-use crate::{Result, conn::AnyConnection, store::Store};
+use crate::{Result, conn::AnyConnection, pg_listen::Listener, store::Store};
 
 const CHANNEL: &str = "sessiond_events";
 
-/// How often the listener looks for notifications (libpq delivers them on
-/// the next read of the socket; diesel gives no way to wait on it).
-const POLL: Duration = Duration::from_millis(10);
+/// How long the listener waits on its socket before it looks whether
+/// anyone still listens.
+const WAIT: Duration = Duration::from_secs(1);
 
 /// What the listener hands out.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -97,19 +101,15 @@ fn listen(target: &str, me: &str, tx: &Sender<EventWake>) {
     let mut first = true;
     let mut backoff = Duration::from_millis(100);
     loop {
-        let conn = PgConnection::establish(target)
-            .map_err(|e| e.to_string())
-            .and_then(|mut c| {
-                c.batch_execute(&format!("LISTEN {CHANNEL}"))
-                    .map_err(|e| e.to_string())?;
-                Ok(c)
-            });
-        let mut conn = match conn {
+        let mut conn = match Listener::connect(target, CHANNEL) {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(error = %e, "event listener cannot connect; retrying");
                 std::thread::sleep(backoff);
                 backoff = (backoff * 2).min(Duration::from_secs(5));
+                if tx.is_closed() {
+                    return;
+                }
                 continue;
             }
         };
@@ -118,27 +118,26 @@ fn listen(target: &str, me: &str, tx: &Sender<EventWake>) {
             return;
         }
         first = false;
-        'poll: loop {
-            for n in conn.notifications_iter() {
-                match n {
-                    Ok(n) => {
-                        if let Some(wake) = parse(&n.payload, me)
+        loop {
+            match conn.wait(WAIT) {
+                Ok(payloads) => {
+                    for p in payloads {
+                        if let Some(wake) = parse(&p, me)
                             && !send(tx, wake)
                         {
                             return;
                         }
                     }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "event listener lost its connection; reconnecting");
-                        break 'poll;
-                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "event listener lost its connection; reconnecting");
+                    break;
                 }
             }
             // Also notices a receiver that went away while all was quiet.
             if tx.is_closed() {
                 return;
             }
-            std::thread::sleep(POLL);
         }
     }
 }

@@ -36,6 +36,7 @@ mod conn;
 mod error;
 mod events;
 mod lanes;
+mod pg_listen;
 mod replicas;
 mod rows;
 mod schema;
