@@ -105,3 +105,71 @@ async fn delete_by_a_restarted_backend_ends_everything_the_agent_started() {
     assert_all_gone(&pids).await;
     w.finish(&mgr, &[]).await;
 }
+
+/// The Docker runtime: the container is the kill domain. The agent's
+/// command first leaves a process behind (stopped, so it lives until
+/// killed: the image has no `sleep`); agentctl is killed -9 from the host;
+/// stopping the session leaves no process of the container on the host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs Docker: run by cargo xtask ci"]
+async fn docker_stop_after_agentctl_kill9_leaves_no_process_of_the_container() {
+    use crate::docker_support::{CONTAINER_WORKSPACE, DockerKit, docker_cli};
+    let w = World::new(Db::Sqlite).await;
+    let kit = DockerKit::new(&w).await;
+    let script = format!(
+        "sh -c 'echo $$ > {CONTAINER_WORKSPACE}/escaped.pid; kill -STOP $$' </dev/null >/dev/null 2>&1 & \
+         exec /usr/local/bin/acp-demo-agent --state-dir {CONTAINER_WORKSPACE}/.agent-state"
+    );
+    let profile = w
+        .upsert_profile(
+            "escaping-in-docker",
+            "/bin/sh",
+            &["-c".to_owned(), script],
+            &[],
+            true,
+        )
+        .await;
+    let mgr = kit.manager(&w);
+    let s = w
+        .create_rt(
+            &mgr,
+            "contained-docker",
+            &profile,
+            sessiond_domain::Runtime::LocalDocker,
+            None,
+        )
+        .await;
+    assert_eq!(
+        s.state,
+        sessiond_domain::SessionState::WaitingForInput,
+        "{:?}",
+        s.error_message
+    );
+    w.prompt(&mgr, s.id, "one").await;
+    let escaped = w.path("wt-contained-docker/escaped.pid");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !escaped.is_file() {
+        assert!(Instant::now() < deadline, "the escaping process never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let container = kit.one_running(s.id).await;
+    // Every process of the container, by its pid on the host.
+    let pids: Vec<u32> = docker_cli(&kit.env, &["top", &container.id, "-eo", "pid"])
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
+    assert!(pids.len() >= 3, "agentctl, the agent and the escaped process: {pids:?}");
+    let agentctl: u32 = docker_cli(&kit.env, &["inspect", "-f", "{{.State.Pid}}", &container.id])
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(pids.contains(&agentctl), "{agentctl} in {pids:?}");
+    kill9(agentctl);
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    assert_all_gone(&pids).await;
+    for c in kit.containers_of_session(s.id).await {
+        assert_ne!(c.state, "running", "{c:?}");
+    }
+    w.finish(&mgr, &[]).await;
+}
