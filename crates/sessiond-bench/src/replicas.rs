@@ -83,6 +83,14 @@ impl CrossLatency {
     pub fn ratio_p99(&self) -> f64 {
         self.cross_p99.as_secs_f64() / self.same_p99.as_secs_f64().max(1e-9)
     }
+
+    /// What a watcher waits for an event from the moment the owner commits
+    /// it (the commit, then delivery), on another replica / on the owner,
+    /// at p50: the figure an event's path across replicas is judged by.
+    pub fn ratio_p50_from_commit(&self) -> f64 {
+        (self.commit_p50 + self.cross_p50).as_secs_f64()
+            / (self.commit_p50 + self.same_p50).as_secs_f64().max(1e-9)
+    }
 }
 
 fn serve(
@@ -179,7 +187,19 @@ pub async fn adoption(
     let limit = Duration::from_secs(600);
     let (mut a, a_addr, a_log) = serve(bin_dir, &db, &dir, "bench-a", lease_ttl)?;
     crate::load::wait_serving(&a_addr, limit).await?;
-    let single_pass = pass_of(&a_log).context("replica A logged no startup recovery")?;
+    // SERVING comes once the workspaces are back; the pass's line may
+    // follow a moment later (its agents are resumed after).
+    let logged_by = Instant::now() + limit;
+    let single_pass = loop {
+        if let Some(pass) = pass_of(&a_log) {
+            break pass;
+        }
+        anyhow::ensure!(
+            Instant::now() < logged_by,
+            "replica A logged no startup recovery"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     say(format!(
         "replicas: A recovered {n} sessions alone in {}",
         ms(single_pass)
@@ -446,7 +466,13 @@ pub fn render(a: &Adoption, e: &CrossLatency, command: &str, build: &str) -> Str
     );
     let _ = writeln!(
         o,
-        "- event p99 across replicas / same replica: {:.2}x (reported, no target)",
+        "- event p50 across replicas / same replica, from the commit's start: {:.2}x (target <= 2x: {})",
+        e.ratio_p50_from_commit(),
+        crate::report::verdict(e.ratio_p50_from_commit() <= 2.0)
+    );
+    let _ = writeln!(
+        o,
+        "- event p99 across replicas / same replica, after the commit: {:.2}x (reported, no target)",
         e.ratio_p99()
     );
     o

@@ -27,7 +27,8 @@ impl Listener {
     }
 
     pub(crate) fn connect(target: &str, channel: &str) -> Result<Self, String> {
-        let info = CString::new(target).map_err(|_| "the database URL holds a NUL byte".to_owned())?;
+        let info =
+            CString::new(target).map_err(|_| "the database URL holds a NUL byte".to_owned())?;
         // SAFETY: `info` is a valid C string; a null result is handled and
         // any other result is owned by the returned Listener (freed on drop).
         let conn = unsafe { pq_sys::PQconnectdb(info.as_ptr()) };
@@ -120,4 +121,3 @@ impl Drop for Listener {
         unsafe { pq_sys::PQfinish(self.conn) };
     }
 }
-

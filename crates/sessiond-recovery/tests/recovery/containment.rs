@@ -149,7 +149,10 @@ async fn docker_stop_after_agentctl_kill9_leaves_no_process_of_the_container() {
     let escaped = w.path("wt-contained-docker/escaped.pid");
     let deadline = Instant::now() + Duration::from_secs(20);
     while !escaped.is_file() {
-        assert!(Instant::now() < deadline, "the escaping process never started");
+        assert!(
+            Instant::now() < deadline,
+            "the escaping process never started"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let container = kit.one_running(s.id).await;
@@ -159,11 +162,17 @@ async fn docker_stop_after_agentctl_kill9_leaves_no_process_of_the_container() {
         .skip(1)
         .filter_map(|l| l.trim().parse().ok())
         .collect();
-    assert!(pids.len() >= 3, "agentctl, the agent and the escaped process: {pids:?}");
-    let agentctl: u32 = docker_cli(&kit.env, &["inspect", "-f", "{{.State.Pid}}", &container.id])
-        .trim()
-        .parse()
-        .unwrap();
+    assert!(
+        pids.len() >= 3,
+        "agentctl, the agent and the escaped process: {pids:?}"
+    );
+    let agentctl: u32 = docker_cli(
+        &kit.env,
+        &["inspect", "-f", "{{.State.Pid}}", &container.id],
+    )
+    .trim()
+    .parse()
+    .unwrap();
     assert!(pids.contains(&agentctl), "{agentctl} in {pids:?}");
     kill9(agentctl);
     mgr.cancel_session(w.task.id, s.id).await.unwrap();

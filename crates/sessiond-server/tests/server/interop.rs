@@ -785,6 +785,29 @@ async fn python_sdk_agent_terminals_run_in_the_worktree_and_end_with_the_session
     );
     assert!(killed.output.starts_with("started"), "{killed:?}");
 
+    // Cancelling the turn kills what its terminal runs: the agent's wait
+    // ends with the signal.
+    let sent = c
+        .send_message(pb::SendMessageRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            content: "/terminal echo $$ > cancel.pid; exec sleep 1002".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .unwrap();
+    let running = pid_file(&work.join("cancel.pid")).await;
+    c.cancel_turn(pb::CancelTurnRequest {
+        task_id: task.id.clone(),
+        session_id: s.id.clone(),
+    })
+    .await
+    .unwrap();
+    assert_dead(&[running]).await;
+    turn_end(&mut c, &s.id, &sent.id).await;
+
     // A terminal still running when agentctl is killed -9: stopping the
     // session ends it and its detached child with the agent.
     std::fs::remove_file(work.join("fg.pid")).unwrap();
