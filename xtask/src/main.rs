@@ -14,6 +14,8 @@
 //!   checking that each package builds from its tarball alone.
 //!   Its last line is `N passed, N failed` over every test it ran.
 //! - `docker-image`: builds the `sessiond-agentctl:dev` image with no registry.
+//! - `house`: the layering of the crates and the docs' citations (see
+//!   `house.rs`; `ci` runs it).
 //! - `docker-tests`: only the Docker tests (executor driver with the
 //!   container boundary probe, recovery on the Docker runtime, sessionctl's
 //!   Docker session), with an engine as in `ci`. `ci` runs the same tests
@@ -46,6 +48,7 @@ mod claude_acp;
 #[cfg(test)]
 mod compose;
 mod docker;
+mod house;
 mod interop;
 mod package;
 mod public_api;
@@ -57,6 +60,7 @@ fn main() -> anyhow::Result<()> {
         Some("ci") => ci(),
         Some("docker-image") => docker_image(&args[1..]),
         Some("docker-tests") => docker_tests(),
+        Some("house") => house::check(&workspace_root()),
         Some("soak") => soak(&args[1..]),
         Some("public-api") => {
             let root = workspace_root();
@@ -81,7 +85,7 @@ fn main() -> anyhow::Result<()> {
         }
         _ => {
             eprintln!(
-                "usage: cargo xtask ci | docker-image [--tar <file>] | docker-tests | interop-venv | claude-acp | soak [--runs N] | bench [--quick] | public-api | packages"
+                "usage: cargo xtask ci | docker-image [--tar <file>] | docker-tests | house | interop-venv | claude-acp | soak [--runs N] | bench [--quick] | public-api | packages"
             );
             bail!("unknown or missing command {:?}", args.first());
         }
@@ -98,6 +102,8 @@ fn ci() -> anyhow::Result<()> {
     claude_acp::ensure_claude_acp(&root)?;
 
     step("fmt", cargo(&["fmt", "--all", "--", "--check"]))?;
+    eprintln!("xtask: ==> house: layering and citations");
+    house::check(&root)?;
     step(
         "clippy",
         cargo(&[
