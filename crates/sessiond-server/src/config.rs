@@ -161,6 +161,11 @@ pub struct ServeArgs {
     #[arg(long, env = "SESSIOND_HANDSHAKE_TIMEOUT")]
     pub handshake_timeout: Option<String>,
 
+    /// End a request whose body sends no data for this long
+    /// (`request_body_timeout`, e.g. `30s`).
+    #[arg(long, env = "SESSIOND_REQUEST_BODY_TIMEOUT")]
+    pub request_body_timeout: Option<String>,
+
     /// PEM CA that signed remote agentctls' certificates
     /// (`executors.remote.tls_ca_file`).
     #[arg(long, env = "SESSIOND_REMOTE_TLS_CA_FILE")]
@@ -232,6 +237,9 @@ pub struct FileConfig {
     /// `handshake_timeout`: an API connection that sends nothing, or does
     /// not finish its TLS handshake, within this is closed (default `10s`).
     pub handshake_timeout: String,
+    /// `request_body_timeout`: a request whose body stalls this long
+    /// between two pieces (or before the first) is ended (default `30s`).
+    pub request_body_timeout: String,
     /// `default_agent`: profile of sessions that name none (default `demo`).
     pub default_agent: String,
     /// `[auth]`.
@@ -626,6 +634,7 @@ impl Default for FileConfig {
             log_json: false,
             shutdown_grace: "10s".into(),
             handshake_timeout: "10s".into(),
+            request_body_timeout: "30s".into(),
             default_agent: DEMO_PROFILE.into(),
             auth: AuthSection::default(),
             cors: CorsSection::default(),
@@ -765,6 +774,9 @@ pub struct Config {
     /// `handshake_timeout`: an API connection silent or mid-TLS-handshake
     /// this long after it was accepted is closed.
     pub handshake_timeout: Duration,
+    /// `request_body_timeout`: a request body that sends nothing for this
+    /// long is ended.
+    pub request_body_timeout: Duration,
     /// `[replica]`.
     pub replica: ReplicaConfig,
     /// `[[agents]]`, the built-in `demo` profile included.
@@ -1023,6 +1035,9 @@ impl ServeArgs {
         }
         if let Some(t) = &self.handshake_timeout {
             f.handshake_timeout.clone_from(t);
+        }
+        if let Some(t) = &self.request_body_timeout {
+            f.request_body_timeout.clone_from(t);
         }
         if self.remote_tls_ca_file.is_some() {
             f.executors
@@ -1669,6 +1684,8 @@ impl FileConfig {
             ("tls.key_file", &self.tls.key_file),
         );
         let handshake_timeout = p.positive_duration("handshake_timeout", &self.handshake_timeout);
+        let request_body_timeout =
+            p.positive_duration("request_body_timeout", &self.request_body_timeout);
 
         let replica = replica_config(&self.replica, &mut p);
         let agents = agent_profiles(&self.agents, &data_dir, &mut p);
@@ -1710,6 +1727,7 @@ impl FileConfig {
             limits,
             tls,
             handshake_timeout,
+            request_body_timeout,
             replica,
             agents,
             default_agent: self.default_agent,

@@ -126,6 +126,7 @@ async fn serve_until(
             .context("tls.cert_file / tls.key_file")?;
     }
     let services = sessiond.services();
+    let request_body_timeout = config.request_body_timeout;
     let router = builder
         .accept_http1(true)
         .layer(crate::console::ConsoleLayer)
@@ -134,6 +135,18 @@ async fn serve_until(
         .layer(sessiond_telemetry::GrpcTraceLayer)
         .layer(RpcMetricsLayer::new(sessiond.metrics().clone()))
         .layer(AuthLayer::new(tokens, config.cors.allowed_origins.clone()))
+        // A request body that stalls (slowloris inside a request) is ended;
+        // responses (watch streams) are not bounded.
+        .layer(tower::util::MapRequestLayer::new(
+            move |req: http::Request<tonic::body::Body>| {
+                req.map(|body| {
+                    tonic::body::Body::new(tower_http::timeout::TimeoutBody::new(
+                        request_body_timeout,
+                        body,
+                    ))
+                })
+            },
+        ))
         .add_service(services.health)
         .add_service(services.reflection)
         .add_service(services.session)

@@ -1483,6 +1483,59 @@ async fn connections_that_never_speak_are_closed() {
     create_task(&mut c, "still served").await;
 }
 
+/// Slowloris inside a request: an authenticated gRPC-web call whose body
+/// stops after its first bytes is ended once `request_body_timeout` passes
+/// (the server answers and the connection does not stay held), while other
+/// calls are served beside it.
+#[tokio::test]
+async fn a_request_whose_body_stalls_is_ended() {
+    use std::time::{Duration, Instant};
+    use tokio::{
+        io::{AsyncReadExt, AsyncWriteExt},
+        net::TcpStream,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&dir.path().join("data"), &["--request-body-timeout", "1s"]);
+    let mut stalled = TcpStream::connect(&server.addr).await.unwrap();
+    let head = format!(
+        "POST /sessiond.v1.SessionService/CreateTask HTTP/1.1\r\nhost: {}\r\n\
+         content-type: application/grpc-web+proto\r\nx-grpc-web: 1\r\n\
+         authorization: Bearer {TOKEN}\r\ncontent-length: 100\r\n\r\n",
+        server.addr
+    );
+    stalled.write_all(head.as_bytes()).await.unwrap();
+    // The gRPC frame header says 95 bytes follow; 3 of them come.
+    stalled
+        .write_all(&[0, 0, 0, 0, 95, 10, 1, b'x'])
+        .await
+        .unwrap();
+    let sent = Instant::now();
+    let mut c = sessions(&server).await;
+    create_task(&mut c, "served beside it").await;
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(30), stalled.read(&mut buf))
+            .await
+            .expect("the stalled request is still held after 30 s")
+        {
+            Ok(0) | Err(_) => break,
+            Ok(n) => answer.extend_from_slice(&buf[..n]),
+        }
+    }
+    assert!(
+        sent.elapsed() >= Duration::from_millis(900),
+        "ended before the timeout: {:?}",
+        sent.elapsed()
+    );
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 "),
+        "{answer}"
+    );
+    create_task(&mut c, "still served").await;
+}
+
 /// Starts `sessiond serve` with exactly `args` (after `serve`), stderr to
 /// `log`; returns once it listens. Warnings of the start are logged before
 /// the listening line, so they are in `log` by then.
