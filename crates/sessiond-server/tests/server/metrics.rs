@@ -190,6 +190,18 @@ async fn wait_ready(metrics: &str) {
     panic!("/readyz never turned 200");
 }
 
+/// A scrape taken once the first startup-recovery pass has finished.
+async fn recovery_done(metrics: &str) -> String {
+    for _ in 0..1200 {
+        let text = scrape(metrics).await;
+        if sample(&text, "sessiond_recovery_done") == 1.0 {
+            return text;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("sessiond_recovery_done never turned 1");
+}
+
 async fn wait_state(c: &mut Sessions, task: &str, session: &str, state: pb::SessionState) {
     for _ in 0..600 {
         let s = c
@@ -322,7 +334,9 @@ async fn counters_move_with_turns_crashes_and_recovery() {
     let server = start(&data, &["--config", &config]);
     let metrics = server.metrics.clone().unwrap();
     wait_ready(&metrics).await;
-    let text = scrape(&metrics).await;
+    // SERVING comes once the workspaces are back; the pass's counters once
+    // its agents are resumed too.
+    let text = recovery_done(&metrics).await;
     assert!(
         sample(
             &text,
