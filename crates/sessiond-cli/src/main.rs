@@ -362,7 +362,20 @@ async fn channel(addr: &str) -> anyhow::Result<Channel> {
         .with_context(|| format!("cannot connect to sessiond at {addr}"))
 }
 
+/// Output into a pipe whose reader left (`sessionctl messages ... | head`)
+/// ends the process quietly, as for any Unix tool, instead of a panic in
+/// `println!`: Rust starts programs with SIGPIPE ignored.
+#[allow(unsafe_code)]
+fn default_sigpipe() {
+    // SAFETY: restoring a signal's default disposition at startup, before
+    // any thread exists; no handler runs our code.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() -> ExitCode {
+    default_sigpipe();
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -254,6 +254,37 @@ fn readme_quickstart_story() {
 /// cancelled (never after its timeout: 120 s given, each ends in well under
 /// 60 s); `send` and `resume` agree about what to do next; `session create`
 /// exits non-zero when the new session is ERROR.
+/// `sessionctl task list | head -1`: a reader that leaves early ends
+/// sessionctl quietly (SIGPIPE, as for any Unix tool), never with a panic
+/// on stderr. The pipe's read end is closed before sessionctl writes.
+#[test]
+fn output_into_a_closed_pipe_ends_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let env = Env::new();
+    let scratch = env.home.path().join("pipe");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let server = env.serve();
+    env.sessionctl(&["health", "--wait"], &scratch);
+    for i in 0..3 {
+        env.sessionctl(&["task", "create", &format!("task {i}"), "-q"], &scratch);
+    }
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let mut cmd = Command::new("sessionctl");
+    env.apply(&mut cmd);
+    let out = cmd
+        .args(["task", "list"])
+        .current_dir(&scratch)
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.signal(), Some(13), "{:?}: {stderr}", out.status);
+    terminate(server);
+}
+
 #[test]
 fn sessionctl_stops_at_once_on_failed_interrupted_and_cancelled_turns() {
     let mut env = Env::new();
