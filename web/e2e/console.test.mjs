@@ -196,6 +196,40 @@ test("cancel a running turn: the reply so far stays and the turn shows as cancel
   }
 });
 
+test("ten tabs over HTTP/1.1 (six connections per host) all load and all see a reply; closing the leading tab hands its streams on", async () => {
+  const { work, data } = scratch("tabs");
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();
+  const b = await browser("tabs");
+  try {
+    const { page, context } = b;
+    await page.goto(server.url);
+    await createTaskAndSession(page, { title: "Tabs e2e", work });
+    const url = page.url();
+    const tabs = [page];
+    for (let i = 1; i < 10; i++) {
+      const p = await context.newPage();
+      p.on("pageerror", (e) => b.errors.push(`tab ${i}: ${e.message}`));
+      await p.goto(url);
+      tabs.push(p);
+    }
+    for (const p of tabs) await p.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
+    // Each tab holding its own stream, the seventh would wait forever for a
+    // connection; they share one per session instead.
+    await send(tabs[9], "hello from the tenth tab");
+    for (const p of tabs) await message(p, 'you said "hello from the tenth tab"');
+    await b.screenshot("ten-tabs");
+    // The first tab leads (it asked first); closed, another takes over.
+    await tabs[0].close();
+    await send(tabs[5], "after the leader left");
+    for (const p of tabs.slice(1)) await message(p, 'you said "after the leader left"');
+    for (const p of tabs.slice(1)) assertNoGapNoDuplicate(await conversation(p));
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
 test("a command the agent runs in a terminal shows in its tool call card: command, output, exit", async () => {
   const { work, data } = scratch("terminal");
   const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();

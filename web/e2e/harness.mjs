@@ -145,6 +145,7 @@ export async function browser(name, { width = 1280, height = 800 } = {}) {
   let shot = 0;
   return {
     page,
+    context,
     errors,
     expectNetworkErrors(on) {
       allowNetworkErrors = on;

@@ -1,7 +1,7 @@
 import { Component } from "preact";
 import { useCallback, useEffect, useMemo, useRef, useState } from "preact/hooks";
 import { Code, ConnectError } from "@connectrpc/connect";
-import { describe, follow, getToken, health, isUnauthenticated, reason, sessions, setToken, type WatchState } from "./api";
+import { describe, getToken, health, isUnauthenticated, reason, sessions, setToken, type WatchState } from "./api";
 import { HealthCheckResponse_ServingStatus as Serving } from "./gen/grpc/health/v1/health_pb";
 import { RecoveryStage, type AgentRecovery, type GetSessionStatusResponse } from "./gen/sessiond/v1/session_service_pb";
 import type { Event } from "./gen/sessiond/v1/events_pb";
@@ -20,6 +20,7 @@ import {
 } from "./gen/sessiond/v1/types_pb";
 import { executorLabel, executorTone, reasonLabel, roleLabel, runtimeName, stateLabel, stateTone } from "./labels";
 import { Workspace } from "./workspace";
+import { followShared } from "./shared";
 import { PermissionPrompts } from "./permissions";
 
 // ------------------------------------------------------------------ routing
@@ -347,9 +348,8 @@ function TaskView(props: { taskId: string }) {
         .finally(() => (refetching = false));
     };
     refetch();
-    const stop = follow(
-      (after, signal) => sessions.watchTask({ taskId, afterTaskSeq: after }, { signal }),
-      (e) => e.taskSeq,
+    const stop = followShared(
+      `task:${taskId}`,
       (e) => {
         if (!loaded.current || refetching) {
           pending.current.push(e);
@@ -701,9 +701,8 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
       setAsked(new Map(askedAcc));
       setResolved(new Set(resolvedAcc));
     };
-    const stop = follow(
-      (after, signal) => sessions.watchSession({ sessionId, afterSeq: after }, { signal }),
-      (e) => e.seq,
+    const stop = followShared(
+      `session:${sessionId}`,
       (e) => {
         const p = e.payload;
         if (p.case === "messageAdded" || p.case === "messageUpdated") {
