@@ -63,19 +63,56 @@ pub fn embedded() -> bool {
     find("/").is_some()
 }
 
-fn respond(method: &Method, path: &str) -> Response<Body> {
+/// Whether `accept` (an `Accept-Encoding` value) takes `coding`: named
+/// (or `*`) without `q=0`.
+fn accepts(accept: &str, coding: &str) -> bool {
+    accept.split(',').any(|item| {
+        let mut parts = item.split(';').map(str::trim);
+        let name = parts.next().unwrap_or_default();
+        let refused = parts.any(|p| {
+            p.strip_prefix("q=")
+                .and_then(|q| q.trim().parse::<f32>().ok())
+                .is_some_and(|q| q <= 0.0)
+        });
+        (name.eq_ignore_ascii_case(coding) || name == "*") && !refused
+    })
+}
+
+/// The precompressed copy of `path` (built beside it: `.br`, `.gz`) the
+/// client accepts, best first.
+fn encoded(path: &str, accept: &str) -> Option<(&'static str, &'static [u8])> {
+    [("br", "br"), ("gzip", "gz")]
+        .into_iter()
+        .filter(|(coding, _)| accepts(accept, coding))
+        .find_map(|(coding, ext)| find(&format!("{path}.{ext}")).map(|(_, bytes)| (coding, bytes)))
+}
+
+fn respond(method: &Method, path: &str, accept: &str) -> Response<Body> {
     let mut builder = Response::builder()
         .header(header::CONTENT_SECURITY_POLICY, CSP)
         .header(header::X_CONTENT_TYPE_OPTIONS, "nosniff")
         .header(header::REFERRER_POLICY, "no-referrer")
         .header(header::X_FRAME_OPTIONS, "DENY");
     let (status, body, ctype, cache) = match find(path) {
-        Some((p, bytes)) => (
-            StatusCode::OK,
-            Bytes::from_static(bytes),
-            content_type(p),
-            cache_control(p),
-        ),
+        Some((p, bytes)) => {
+            let has_copies = encoded(p, "br, gzip").is_some();
+            let bytes = match encoded(p, accept) {
+                Some((coding, smaller)) => {
+                    builder = builder.header(header::CONTENT_ENCODING, coding);
+                    smaller
+                }
+                None => bytes,
+            };
+            if has_copies {
+                builder = builder.header(header::VARY, "accept-encoding");
+            }
+            (
+                StatusCode::OK,
+                Bytes::from_static(bytes),
+                content_type(p),
+                cache_control(p),
+            )
+        }
         None if !embedded() => (
             StatusCode::NOT_FOUND,
             Bytes::from_static(
@@ -140,7 +177,12 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let method = request.method().clone();
         if method == Method::GET || method == Method::HEAD {
-            let response = respond(&method, request.uri().path());
+            let accept = request
+                .headers()
+                .get(header::ACCEPT_ENCODING)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default();
+            let response = respond(&method, request.uri().path(), accept);
             return futures::future::ready(Ok(response)).boxed();
         }
         self.inner
@@ -152,7 +194,17 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::{cache_control, content_type};
+    use super::{accepts, cache_control, content_type};
+
+    #[test]
+    fn accepted_codings() {
+        assert!(accepts("gzip, deflate, br, zstd", "br"));
+        assert!(accepts("gzip;q=0.5", "gzip"));
+        assert!(!accepts("gzip;q=0, br", "gzip"));
+        assert!(accepts("*", "br"));
+        assert!(!accepts("identity", "gzip"));
+        assert!(!accepts("", "br"));
+    }
 
     #[test]
     fn types_and_caching_by_path() {

@@ -293,6 +293,55 @@ fn get(addr: &str, path: &str) -> String {
     format!("GET {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n")
 }
 
+/// The console's text files go out precompressed (brotli, else gzip) to a
+/// client that accepts it: the bytes built beside each file, with
+/// `content-encoding` and `vary`; a client that accepts neither gets the
+/// file as is.
+#[tokio::test]
+async fn console_assets_are_served_precompressed_to_clients_that_accept_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&dir.path().join("data"), &[]);
+    let console = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("console");
+    let html = std::fs::read_to_string(console.join("index.html")).unwrap();
+    let js = html
+        .split('"')
+        .find(|s| s.starts_with("/assets/") && s.ends_with(".js"))
+        .expect("the page names its script")
+        .to_owned();
+    let with = |path: &str, accept: &str| {
+        format!(
+            "GET {path} HTTP/1.1\r\nhost: {}\r\naccept-encoding: {accept}\r\nconnection: close\r\n\r\n",
+            server.addr
+        )
+    };
+    let on_disk = |rel: &str| std::fs::read(console.join(rel.trim_start_matches('/'))).unwrap();
+    for (accept, coding, ext) in [
+        ("gzip, deflate, br, zstd", Some("br"), ".br"),
+        ("gzip", Some("gzip"), ".gz"),
+        ("br;q=0, gzip;q=0.8", Some("gzip"), ".gz"),
+        ("identity", None, ""),
+    ] {
+        for path in [js.as_str(), "/index.html"] {
+            let r = http1(&server.addr, &with(path, accept), b"").await;
+            assert!(
+                r.status_line.starts_with("HTTP/1.1 200"),
+                "{path}: {}",
+                r.status_line
+            );
+            assert_eq!(r.header("content-encoding"), coding, "{path} with {accept}");
+            assert_eq!(r.header("vary"), Some("accept-encoding"), "{path}");
+            assert_eq!(
+                r.body,
+                on_disk(&format!("{path}{ext}")),
+                "{path} with {accept}"
+            );
+        }
+    }
+    let compressed = on_disk(&format!("{js}.br")).len();
+    let raw = on_disk(&js).len();
+    assert!(compressed * 3 < raw, "brotli {compressed} of {raw} bytes");
+}
+
 /// The console is served at `/` of the API port without a token, from the
 /// files embedded in the binary, with types, caching and a strict CSP; the
 /// API on the same port still needs its token.
