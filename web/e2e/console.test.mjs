@@ -230,6 +230,55 @@ test("ten tabs over HTTP/1.1 (six connections per host) all load and all see a r
   }
 });
 
+test("honest states: unknown and malformed ids are not-found pages; Send waits while a turn runs and while sessiond is down", async () => {
+  const { work, data } = scratch("honest");
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();
+  const b = await browser("honest");
+  try {
+    const { page } = b;
+    await page.goto(server.url);
+    await createTaskAndSession(page, { title: "Honest e2e", work });
+    const sessionUrl = page.url();
+    const taskUrl = sessionUrl.replace(/\/sessions\/[^/]+$/, "");
+
+    // A session id that does not exist, and a task id that is no id at all.
+    await page.goto(`${taskUrl}/sessions/01234567-89ab-7def-8123-456789abcdef`);
+    await visible(page, "[data-testid=not-found]:has-text('Session not found')");
+    assert.equal(await page.locator("[data-testid=reconnecting]").count(), 0);
+    await page.click("text=Back to the task");
+    await page.waitForURL(taskUrl, { timeout: T });
+    await page.goto(`${server.url}#/tasks/not-a-task-id`);
+    await visible(page, "[data-testid=not-found]:has-text('Task not found')");
+    await b.screenshot("not-found");
+
+    // While a turn runs, Send is off (Esc cancels); on again after it.
+    await page.goto(sessionUrl);
+    await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
+    await send(page, "/long story");
+    await visible(page, "[data-testid=cancel-turn]");
+    assert.equal(await page.locator(".composer button[type=submit]").isDisabled(), true);
+    await page.click("[data-testid=cancel-turn]");
+    await message(page, "the turn was cancelled on request");
+    await page.waitForFunction(() => !document.querySelector(".composer button[type=submit]").disabled, null, { timeout: T });
+
+    // sessiond down: Send is off and says why; back, it sends again.
+    b.expectNetworkErrors(true);
+    await server.kill();
+    await visible(page, "[data-testid=banner-unreachable]");
+    assert.equal(await page.locator(".composer button[type=submit]").isDisabled(), true);
+    assert.match(await page.getAttribute("textarea[name=message]", "placeholder"), /unreachable/);
+    await server.start();
+    await hidden(page, "[data-testid=banner-unreachable]");
+    b.expectNetworkErrors(false);
+    await send(page, "after the outage");
+    await message(page, 'you said "after the outage"');
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
 test("a command the agent runs in a terminal shows in its tool call card: command, output, exit", async () => {
   const { work, data } = scratch("terminal");
   const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();

@@ -50,7 +50,13 @@ export function isUnauthenticated(err: unknown): boolean {
   return err instanceof ConnectError && err.code === Code.Unauthenticated;
 }
 
-export type WatchState = "live" | "reconnecting" | "unauthenticated";
+/** `missing`: the task or session does not exist (or its id is malformed): nothing to wait for. */
+export type WatchState = "live" | "reconnecting" | "unauthenticated" | "missing";
+
+/** NOT_FOUND or INVALID_ARGUMENT: what was asked for does not exist; retrying cannot help. */
+export function isMissing(err: unknown): boolean {
+  return err instanceof ConnectError && (err.code === Code.NotFound || err.code === Code.InvalidArgument);
+}
 
 /**
  * Follows a watch stream forever: on any end (OK, UNAVAILABLE at shutdown,
@@ -93,6 +99,10 @@ export function follow(
         if (abort.signal.aborted) return;
         if (isUnauthenticated(err)) {
           onState("unauthenticated");
+          return;
+        }
+        if (isMissing(err)) {
+          onState("missing");
           return;
         }
       }

@@ -1,7 +1,7 @@
 import { Component } from "preact";
 import { useCallback, useEffect, useMemo, useRef, useState } from "preact/hooks";
 import { Code, ConnectError } from "@connectrpc/connect";
-import { describe, getToken, health, isUnauthenticated, reason, sessions, setToken, type WatchState } from "./api";
+import { describe, getToken, isMissing, health, isUnauthenticated, reason, sessions, setToken, type WatchState } from "./api";
 import { HealthCheckResponse_ServingStatus as Serving } from "./gen/grpc/health/v1/health_pb";
 import { RecoveryStage, type AgentRecovery, type GetSessionStatusResponse } from "./gen/sessiond/v1/session_service_pb";
 import type { Event } from "./gen/sessiond/v1/events_pb";
@@ -182,6 +182,17 @@ function SignIn(props: { onSubmit: (t: string) => void; onCancel?: () => void })
   );
 }
 
+/** What a route names does not exist: say so, with the way back. */
+function Missing(props: { what: string; error: string; back: string; backLabel: string }) {
+  return (
+    <section class="missing" data-testid="not-found">
+      <h1>{props.what} not found</h1>
+      <p class="muted">{props.error}</p>
+      <a href={props.back}>{props.backLabel}</a>
+    </section>
+  );
+}
+
 function ErrorLine(props: { error: string }) {
   return props.error ? (
     <p class="error" role="alert">
@@ -307,12 +318,16 @@ function TaskView(props: { taskId: string }) {
   const [rows, setRows] = useState<Map<string, SessionRow> | null>(null);
   const [watch, setWatch] = useState<WatchState>("live");
   const [error, setError] = useState("");
+  const [missing, setMissing] = useState("");
   const rowsRef = useRef(new Map<string, SessionRow>());
   const pending = useRef<Event[]>([]);
   const loaded = useRef(false);
 
   useEffect(() => {
-    sessions.getTask({ taskId }).then((r) => setTask(r.task ?? null)).catch(fail(setError));
+    sessions
+      .getTask({ taskId })
+      .then((r) => setTask(r.task ?? null))
+      .catch((err) => (isMissing(err) ? setMissing(describe(err)) : fail(setError)(err)));
     sessions.listAgentProfiles({}).then((r) => setProfiles(r.profiles)).catch(fail(setError));
     let refetching = false;
     let frame = 0;
@@ -373,6 +388,9 @@ function TaskView(props: { taskId: string }) {
   }, [taskId]);
 
   const profileName = useMemo(() => new Map(profiles.map((p) => [p.id, p.name])), [profiles]);
+  if (missing || watch === "missing") {
+    return <Missing what="Task" error={missing || `no task ${taskId}`} back="#/" backLabel="All tasks" />;
+  }
   const list = rows ? [...rows.values()].sort((a, b) => Number((b.session.createdAt?.seconds ?? 0n) - (a.session.createdAt?.seconds ?? 0n)) || (a.session.id < b.session.id ? 1 : -1)) : null;
 
   return (
@@ -645,6 +663,7 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   const { taskId, sessionId } = props;
   const [status, setStatus] = useState<GetSessionStatusResponse | null>(null);
   const [statusError, setStatusError] = useState("");
+  const [missing, setMissing] = useState("");
   const [messages, setMessages] = useState<Message[]>([]);
   // Stop reason of each ended turn, by the id of its user message.
   const [stops, setStops] = useState<ReadonlyMap<string, string>>(new Map());
@@ -675,6 +694,10 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
         if (authFailed(err)) return;
         // While sessiond restarts, the banner says so; not an error here.
         if (err instanceof ConnectError && err.code === Code.Unavailable) return;
+        if (isMissing(err)) {
+          setMissing(describe(err));
+          return;
+        }
         setStatusError(describe(err));
       });
   }, [taskId, sessionId]);
@@ -802,7 +825,7 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
 
   const send = async () => {
     const content = draft.trim();
-    if (!content) return;
+    if (!content || !canSend) return;
     setError("");
     try {
       await sessions.sendMessage({ taskId, sessionId, content });
@@ -896,13 +919,20 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   const failedResume = resumeError && resumeError.reason !== "" ? resumeError : null;
   const showNewSession = !!(notResumable || ended || (failedResume && !s?.isAgentRunning));
   const workspaceOnly = s && s.executorStatus === ExecutorStatus.READY && !s.isAgentRunning;
-  const canSend = s && s.isAgentRunning && (s.state === SessionState.WAITING_FOR_INPUT || s.state === SessionState.RUNNING);
   const turnRunning = !!s && s.isAgentRunning && s.state === SessionState.RUNNING;
+  const offline = props.backend === "unreachable";
+  // One turn at a time: Send waits for the running one to end (Esc cancels it).
+  const canSend = !!s && s.isAgentRunning && s.state === SessionState.WAITING_FOR_INPUT && !offline;
   // A cancel is done once the turn has ended (the session left RUNNING).
   useEffect(() => {
     if (!turnRunning) setCancelling(false);
   }, [turnRunning]);
 
+  if (missing || watch === "missing") {
+    return (
+      <Missing what="Session" error={missing || `no session ${sessionId} in this task`} back={`#/tasks/${taskId}`} backLabel="Back to the task" />
+    );
+  }
   return (
     <section class="session">
       <div class="session-head">
@@ -1013,7 +1043,15 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
               <textarea
                 name="message"
                 rows={2}
-                placeholder={canSend ? "Message the agent (Enter sends, Shift+Enter new line)" : "The agent is not running"}
+                placeholder={
+                  canSend
+                    ? "Message the agent (Enter sends, Shift+Enter new line)"
+                    : offline
+                      ? "sessiond is unreachable; sending resumes once it is back"
+                      : turnRunning
+                        ? "The agent is answering (Esc cancels the turn)"
+                        : "The agent is not running"
+                }
                 value={draft}
                 onInput={(e) => setDraft((e.target as HTMLTextAreaElement).value)}
                 onKeyDown={(e) => {
