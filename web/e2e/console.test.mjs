@@ -279,6 +279,59 @@ test("honest states: unknown and malformed ids are not-found pages; Send waits w
   }
 });
 
+test("access: focus moves to each page's heading, the conversation scrolls from the keyboard, muted text keeps 4.5:1, permission prompts are announced", async () => {
+  const { work, data } = scratch("access");
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();
+  const b = await browser("access", { width: 1280, height: 480 });
+  try {
+    const { page } = b;
+    await page.goto(server.url);
+    await createTaskAndSession(page, { title: "Access e2e", work });
+    await page.waitForFunction(() => document.activeElement?.tagName === "H1", null, { timeout: T });
+    assert.match(await page.evaluate(() => document.activeElement.textContent), /^Session /);
+    for (let i = 1; i <= 6; i++) {
+      await send(page, `line ${i} ` + "words ".repeat(40));
+      await message(page, `you said "line ${i} `);
+    }
+    const list = page.locator("[data-testid=messages]");
+    assert.equal(await list.getAttribute("tabindex"), "0");
+    await list.focus();
+    await page.keyboard.press("Home");
+    await page.waitForFunction(() => document.querySelector("[data-testid=messages]").scrollTop === 0, null, { timeout: T });
+    await page.keyboard.press("End");
+    await page.waitForFunction(() => document.querySelector("[data-testid=messages]").scrollTop > 0, null, { timeout: T });
+    // WCAG AA for the secondary text: the message labels and muted notes.
+    const ratios = await page.evaluate(() => {
+      const rgb = (c) => c.match(/[\d.]+/g).slice(0, 4).map(Number);
+      const lum = ([r, g, bl]) => {
+        const f = (v) => ((v /= 255) <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4);
+        return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(bl);
+      };
+      const background = (el) => {
+        for (let e = el; e; e = e.parentElement) {
+          const c = rgb(getComputedStyle(e).backgroundColor);
+          if (c.length < 4 || c[3] > 0) return c;
+        }
+        return [255, 255, 255];
+      };
+      return [...document.querySelectorAll(".msg .who, .muted")].map((el) => {
+        const [a, z] = [lum(rgb(getComputedStyle(el).color)), lum(background(el))].sort((x, y) => y - x);
+        return [el.className, (a + 0.05) / (z + 0.05)];
+      });
+    });
+    assert.ok(ratios.length > 0);
+    for (const [what, ratio] of ratios) assert.ok(ratio >= 4.5, `${what}: ${ratio.toFixed(2)}:1`);
+    assert.equal(await page.getAttribute("[data-testid=permissions-live]", "aria-live"), "assertive");
+    // Back to the task: focus on its heading.
+    await page.goto(page.url().replace(/\/sessions\/[^/]+$/, ""));
+    await page.waitForFunction(() => document.activeElement?.tagName === "H1" && document.activeElement.textContent === "Access e2e", null, { timeout: T });
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
 test("a command the agent runs in a terminal shows in its tool call card: command, output, exit", async () => {
   const { work, data } = scratch("terminal");
   const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();
@@ -328,6 +381,8 @@ test("permission policy ask: a prompt with a button per option, kept over a relo
     await visible(page, `${prompt} button[data-option=allow]`);
     await visible(page, `${prompt} button[data-option=reject]`);
     assert.match(await page.textContent(prompt), /demo permission/);
+    // Announced: the always-present live region says what is asked.
+    assert.equal(await page.textContent("[data-testid=permissions-live]"), "The agent asks permission: demo permission.");
     // The profile's timeout (default 5 min) rejects it unless answered; the prompt says when.
     assert.match(await page.textContent(`${prompt} [data-testid=permission-expires]`), /rejected by itself at \S/);
     await b.screenshot("permission-asked");

@@ -93,6 +93,18 @@ function useBackendHealth(): Backend {
 
 export function App() {
   const route = useRoute();
+  // A new page moves focus to its heading, so keyboard and screen reader
+  // users start there (as a page load would).
+  const where = JSON.stringify(route);
+  useEffect(() => {
+    const frame = requestAnimationFrame(() => {
+      const h1 = document.querySelector<HTMLElement>("main h1");
+      if (!h1) return;
+      h1.tabIndex = -1;
+      h1.focus({ preventScroll: true });
+    });
+    return () => cancelAnimationFrame(frame);
+  }, [where]);
   const [signIn, setSignIn] = useState<"none" | "needed">("none");
   const [generation, setGeneration] = useState(0);
   const backend = useBackendHealth();
@@ -1000,6 +1012,9 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
             ref={list}
             data-testid="messages"
             aria-live="polite"
+            aria-label="Conversation"
+            // Focusable, so the keyboard scrolls it (arrows, Page Up/Down, Home/End).
+            tabIndex={0}
             onScroll={(e) => {
               const el = e.currentTarget as HTMLElement;
               stick.current = el.scrollHeight - el.scrollTop - el.clientHeight < 40;

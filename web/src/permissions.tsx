@@ -16,7 +16,13 @@ export function PermissionPrompts(props: {
   onError: (err: unknown) => void;
 }) {
   const [busy, setBusy] = useState<string>("");
-  if (props.requests.length === 0) return null;
+  // Always in the page, so screen readers announce what appears in it.
+  const announced = (
+    <p class="sr" aria-live="assertive" data-testid="permissions-live">
+      {props.requests.map((r) => `The agent asks permission: ${r.toolCall?.title || "a tool call"}.`).join(" ")}
+    </p>
+  );
+  if (props.requests.length === 0) return announced;
   const answer = async (r: PermissionRequest, optionId: string) => {
     setBusy(r.requestId);
     try {
@@ -31,7 +37,9 @@ export function PermissionPrompts(props: {
     }
   };
   return (
-    <div class="permissions" data-testid="permissions">
+    <>
+    {announced}
+    <div class="permissions" data-testid="permissions" role="region" aria-label="Permission requests">
       {props.requests.map((r) => (
         <div key={r.requestId} class="banner info permission" role="group" aria-label="Permission request" data-request={r.requestId}>
           <span>
@@ -60,5 +68,6 @@ export function PermissionPrompts(props: {
         </div>
       ))}
     </div>
+    </>
   );
 }
