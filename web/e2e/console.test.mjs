@@ -431,6 +431,18 @@ test("permission policy ask: a prompt with a button per option, kept over a relo
     await hidden(page, "[data-testid=permissions]");
     await message(page, "permission: reject");
     await other.close();
+
+    // A prompt shows what it approves: `/edit` asks before writing a file,
+    // and the request carries the change.
+    writeFileSync(join(work, "notes.txt"), "keep\nold line\n");
+    await send(page, "/edit notes.txt keep\nnew line\n");
+    await visible(page, `${prompt} [data-testid=permission-diff]`);
+    const diff = await page.locator(`${prompt} [data-testid=permission-diff] div`).allTextContents();
+    assert.ok(diff.includes("+ new line"), JSON.stringify(diff));
+    assert.match(await page.textContent(`${prompt} figcaption`), /notes\.txt/);
+    await b.screenshot("permission-with-diff");
+    await page.click(`${prompt} button[data-option=allow]`);
+    await message(page, "edit: written");
     assert.deepEqual(b.errors, []);
   } finally {
     await b.close();

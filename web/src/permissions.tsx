@@ -1,6 +1,75 @@
 import { useState } from "preact/hooks";
 import { reason, sessions } from "./api";
-import type { PermissionRequest } from "./gen/sessiond/v1/types_pb";
+import type { FileDiff, PermissionRequest, ToolCallPart } from "./gen/sessiond/v1/types_pb";
+
+/** Lines of a change, each `[" " | "-" | "+", text]`: a longest-common-subsequence diff (plain old/new beyond 400 lines a side). */
+export function lineDiff(oldText: string | undefined, newText: string): [string, string][] {
+  const a = oldText === undefined ? [] : oldText.split("\n");
+  const b = newText.split("\n");
+  if (a.length > 400 || b.length > 400) return [...a.map((l): [string, string] => ["-", l]), ...b.map((l): [string, string] => ["+", l])];
+  // lcs[i][j]: common lines of a[i..] and b[j..].
+  const lcs = Array.from({ length: a.length + 1 }, () => new Array<number>(b.length + 1).fill(0));
+  for (let i = a.length - 1; i >= 0; i--)
+    for (let j = b.length - 1; j >= 0; j--) lcs[i][j] = a[i] === b[j] ? lcs[i + 1][j + 1] + 1 : Math.max(lcs[i + 1][j], lcs[i][j + 1]);
+  const out: [string, string][] = [];
+  let [i, j] = [0, 0];
+  while (i < a.length || j < b.length) {
+    if (i < a.length && j < b.length && a[i] === b[j]) out.push([" ", a[i++]]), j++;
+    else if (j < b.length && (i === a.length || lcs[i][j + 1] >= lcs[i + 1][j])) out.push(["+", b[j++]]);
+    else out.push(["-", a[i++]]);
+  }
+  return out;
+}
+
+function DiffView(props: { diff: FileDiff }) {
+  const d = props.diff;
+  return (
+    <figure class="viewer">
+      <figcaption>
+        {d.oldText === undefined ? "new file " : "change of "}
+        {d.path}
+      </figcaption>
+      <pre class="diff" data-testid="permission-diff" tabIndex={0}>
+        {lineDiff(d.oldText, d.newText).map(([sign, text], i) => (
+          <div key={i} class={sign === "+" ? "add" : sign === "-" ? "del" : ""}>
+            {sign} {text}
+          </div>
+        ))}
+      </pre>
+    </figure>
+  );
+}
+
+/** The command a tool call runs, from its raw input (`command`, as text or argv). */
+function commandOf(t: ToolCallPart | undefined): string {
+  if (!t?.rawInputJson) return "";
+  try {
+    const input = JSON.parse(t.rawInputJson);
+    const c = input?.command ?? input?.cmd;
+    return Array.isArray(c) ? c.join(" ") : typeof c === "string" ? c : "";
+  } catch {
+    return "";
+  }
+}
+
+/** What a permission request would approve: the command, the file changes. */
+function Approves(props: { toolCall?: ToolCallPart }) {
+  const command = commandOf(props.toolCall);
+  const diffs = (props.toolCall?.content ?? []).flatMap((c) => (c.content.case === "diff" ? [c.content.value] : []));
+  return (
+    <>
+      {command && (
+        <pre class="command" data-testid="permission-command">
+          {"$ "}
+          {command}
+        </pre>
+      )}
+      {diffs.map((d, i) => (
+        <DiffView key={i} diff={d} />
+      ))}
+    </>
+  );
+}
 
 /**
  * The agent's pending permission requests (profile policy `ask`), one
@@ -51,6 +120,7 @@ export function PermissionPrompts(props: {
               </span>
             )}
           </span>
+          <Approves toolCall={r.toolCall} />
           <span class="row">
             {r.options.map((o) => (
               <button
