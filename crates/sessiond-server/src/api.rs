@@ -595,6 +595,24 @@ impl pb::session_service_server::SessionService for Api {
         )
     }
 
+    async fn list_runtimes(
+        &self,
+        request: Request<pb::ListRuntimesRequest>,
+    ) -> Result<Response<pb::ListRuntimesResponse>, Status> {
+        request
+            .into_inner()
+            .check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
+        let runtimes = self.manager.runtimes();
+        Ok(Response::new(pb::ListRuntimesResponse {
+            runtimes: runtimes
+                .iter()
+                .map(|r| convert::runtime(*r) as i32)
+                .collect(),
+            runtime_names: runtimes.iter().map(ToString::to_string).collect(),
+        }))
+    }
+
     async fn list_replicas(
         &self,
         _request: Request<pb::ListReplicasRequest>,

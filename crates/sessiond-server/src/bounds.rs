@@ -93,6 +93,7 @@ bounded! { max_message_bytes =>
     GetTaskRequest { task_id: MAX_ID_BYTES };
     ListTasksRequest { page_token: MAX_ID_BYTES };
     ListAgentProfilesRequest {};
+    ListRuntimesRequest {};
     ListReplicasRequest {};
     CreateSessionRequest {
         task_id: MAX_ID_BYTES,
@@ -165,6 +166,7 @@ mod tests {
         GetTaskRequest,
         ListTasksRequest,
         ListAgentProfilesRequest,
+        ListRuntimesRequest,
         ListReplicasRequest,
         CreateSessionRequest,
         GetSessionRequest,

@@ -115,6 +115,24 @@ async fn task_rpcs_and_their_errors() {
     let demo = profiles.iter().find(|p| p.name == "demo").unwrap();
     assert!(demo.supports_session_resume);
     assert!(demo.command.ends_with("acp-demo-agent"), "{demo:?}");
+
+    // Docker is not configured here: only the runtimes it can use.
+    let runtimes = c
+        .list_runtimes(pb::ListRuntimesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        runtimes.runtime_names,
+        vec!["local_standalone".to_owned(), "remote".to_owned()]
+    );
+    assert_eq!(
+        runtimes.runtimes,
+        vec![
+            pb::Runtime::LocalStandalone as i32,
+            pb::Runtime::Remote as i32
+        ]
+    );
 }
 
 #[tokio::test]
