@@ -144,7 +144,7 @@ export function App() {
         ) : route.name === "tasks" ? (
           <TasksView />
         ) : route.name === "task" ? (
-          <TaskView taskId={route.taskId} />
+          <TaskView taskId={route.taskId} backend={backend} />
         ) : (
           <SessionView key={route.sessionId} taskId={route.taskId} sessionId={route.sessionId} backend={backend} />
         )}
@@ -323,7 +323,7 @@ function applyTaskEvent(rows: Map<string, SessionRow>, e: Event): boolean {
   return true;
 }
 
-function TaskView(props: { taskId: string }) {
+function TaskView(props: { taskId: string; backend: Backend }) {
   const { taskId } = props;
   const [task, setTask] = useState<Task | null>(null);
   const [profiles, setProfiles] = useState<AgentProfile[]>([]);
@@ -408,7 +408,7 @@ function TaskView(props: { taskId: string }) {
   return (
     <section>
       <h1>{task?.title ?? "Task"}</h1>
-      {watch === "reconnecting" && (
+      {watch === "reconnecting" && props.backend !== "unreachable" && (
         <p class="banner warn" role="status" data-testid="reconnecting">
           reconnecting…
         </p>
@@ -950,7 +950,11 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
       <div class="session-head">
         <h1>Session {sessionId.slice(0, 8)}</h1>
         {s && (
-          <span class="badges" data-testid="session-badges">
+          <span
+            class={offline ? "badges stale" : "badges"}
+            data-testid="session-badges"
+            title={offline ? "as last seen: sessiond is unreachable" : undefined}
+          >
             <Badge tone={stateTone(s.state)} testid="state">{stateLabel[s.state]}</Badge>
             <Badge tone={executorTone(s.executorStatus)} testid="executor">{executorLabel[s.executorStatus]}</Badge>
             {recovering && <Badge tone="warn" testid="recovering">recovering</Badge>}
@@ -965,7 +969,8 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
           </button>
         )}
       </div>
-      {watch === "reconnecting" && (
+      {/* One banner at a time: the page's own says when sessiond is unreachable. */}
+      {watch === "reconnecting" && !offline && (
         <p class="banner warn" role="status" data-testid="reconnecting">
           reconnecting…
         </p>
@@ -998,7 +1003,7 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
               ? `${failedResume.reason}: ${failedResume.message}`
               : ended
                 ? reasonLabel[ResumeReason.SESSION_ENDED]
-                : [s?.errorMessage, reasonLabel[s!.resumeReason]].filter(Boolean).join(" — ") || "The agent cannot be resumed."}
+                : s?.errorMessage || reasonLabel[s!.resumeReason] || "The agent cannot be resumed."}
           </span>
           <button type="button" onClick={startNew} disabled={starting}>
             {starting ? <Spinner label="Starting…" /> : "Start a new session"}
