@@ -348,6 +348,45 @@ test("access: focus moves to each page's heading, the conversation scrolls from 
   }
 });
 
+test("rich conversation: replies as Markdown (no HTML from text), thoughts folded, the plan as a checklist, session metadata not shown", async () => {
+  const { work, data } = scratch("rich");
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();
+  const b = await browser("rich");
+  try {
+    const { page } = b;
+    await page.goto(server.url);
+    await createTaskAndSession(page, { title: "Rich e2e", work });
+    // The demo agent echoes the prompt in its reply.
+    await send(page, "**bold** and `code` <img src=x onerror=window.__xss=1>");
+    await message(page, "and code");
+    const reply = page.locator("[data-testid=messages] .msg.role-2").last();
+    assert.equal(await reply.locator(".md strong").textContent(), "bold");
+    assert.equal(await reply.locator(".md code").textContent(), "code");
+    assert.equal(await page.locator("[data-testid=messages] img").count(), 0);
+    assert.match(await reply.textContent(), /<img src=x onerror=window.__xss=1>/);
+    assert.equal(await page.evaluate(() => window.__xss), undefined);
+
+    // `/activity`: a thought, a plan, a tool call, commands, a mode change
+    // and the agent's session metadata.
+    await send(page, "/activity");
+    await message(page, "activity: sent");
+    const thought = page.locator("[data-testid=thought]").last();
+    assert.equal(await thought.getAttribute("open"), null, "folded");
+    assert.equal(await thought.locator("summary").textContent(), "Thinking");
+    await thought.locator("summary").click();
+    assert.equal(await thought.locator("p").textContent(), "thinking about it");
+    const plan = page.locator("[data-testid=plan]").last();
+    assert.deepEqual(await plan.locator("li").evaluateAll((ls) => ls.map((l) => l.dataset.status)), ["completed", "in_progress"]);
+    assert.match(await plan.textContent(), /read the file.*edit the file/);
+    assert.equal(await page.locator("[data-testid=messages] .msg", { hasText: "session_info_update" }).count(), 0);
+    await b.screenshot("rich-conversation");
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
 test("a command the agent runs in a terminal shows in its tool call card: command, output, exit", async () => {
   const { work, data } = scratch("terminal");
   const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();

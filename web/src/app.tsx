@@ -7,6 +7,7 @@ import { RecoveryStage, type AgentRecovery, type GetSessionStatusResponse } from
 import type { Event } from "./gen/sessiond/v1/events_pb";
 import {
   ExecutorStatus,
+  MessageKind,
   MessageRole,
   ResumeReason,
   Runtime,
@@ -21,6 +22,7 @@ import {
 import { executorLabel, executorTone, reasonLabel, roleLabel, runtimeName, stateLabel, stateTone } from "./labels";
 import { Workspace } from "./workspace";
 import { followShared } from "./shared";
+import { Markdown } from "./markdown";
 import { PermissionPrompts } from "./permissions";
 
 // ------------------------------------------------------------------ routing
@@ -635,6 +637,43 @@ const stopLabel: Record<string, string> = {
   max_turn_requests: "stopped: max turn requests",
 };
 
+const planMark: Record<string, string> = { completed: "☑", in_progress: "◐", pending: "☐" };
+
+/** What a message shows: an agent's reply as Markdown, a thought folded
+ * away, the plan as a checklist, other parts as one line. */
+function MessageBody(props: { message: Message }) {
+  const m = props.message;
+  if (m.part.case === "plan") {
+    return (
+      <ul class="plan" data-testid="plan" aria-label="The agent's plan">
+        {m.part.value.entries.map((e, i) => (
+          <li key={i} class={`plan-${e.status}`} data-status={e.status}>
+            <span aria-hidden="true">{planMark[e.status] ?? "☐"} </span>
+            {e.content}
+            <span class="sr"> ({e.status.replace("_", " ")})</span>
+          </li>
+        ))}
+      </ul>
+    );
+  }
+  if (m.kind === MessageKind.THOUGHT) {
+    return (
+      <details class="thought" data-testid="thought">
+        <summary>Thinking{m.complete ? "" : "…"}</summary>
+        <p>{m.content}</p>
+      </details>
+    );
+  }
+  if (!m.part.case && m.role === MessageRole.AGENT) return <Markdown text={m.content} />;
+  return <>{partText(m)}</>;
+}
+
+/** Parts the conversation does not show: the agent's session metadata
+ * (`session_info_update`) describes the session, not the conversation. */
+function hidden(m: Message): boolean {
+  return m.part.case === "other" && m.part.value.updateKind === "session_info_update";
+}
+
 type MessageProps = { message: Message; stop?: string; terminals?: TerminalPart[] };
 
 function sameTerminals(a?: TerminalPart[], b?: TerminalPart[]): boolean {
@@ -663,7 +702,9 @@ class MessageView extends Component<MessageProps> {
             </span>
           )}
         </span>
-        <div class={m.part.case ? "text part" : "text"}>{partText(m)}</div>
+        <div class={m.part.case ? "text part" : "text"}>
+          <MessageBody message={m} />
+        </div>
         {m.part.case === "terminal" && <TerminalView terminal={m.part.value} />}
         {terminals?.map((t) => <TerminalView key={t.terminalId} terminal={t} />)}
       </li>
@@ -1026,7 +1067,7 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
             }}
           >
             {messages.map((m) =>
-              m.part.case === "terminal" && shownInToolCall.has(m.part.value.terminalId) ? null : (
+              hidden(m) || (m.part.case === "terminal" && shownInToolCall.has(m.part.value.terminalId)) ? null : (
                 <MessageView
                   key={m.id}
                   message={m}
