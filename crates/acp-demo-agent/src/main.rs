@@ -31,7 +31,8 @@
 //! runs `sh -c CMD` in a client terminal (ACP `terminal/*`) shown by a tool
 //! call, `/long` streams for
 //! a minute (to be cancelled), `/fail` fails the turn, `/mode ID` switches
-//! the agent's own mode (`current_mode_update`).
+//! the agent's own mode (`current_mode_update`), `/unparsed` sends a
+//! `session/update` no ACP schema parses (a tool call with a numeric id).
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -748,6 +749,18 @@ async fn slash_command(
         "/activity" => {
             activity(cx, session)?;
             "activity: sent".to_owned()
+        }
+        "/unparsed" => {
+            // A tool call whose id is a number: no ACP schema reads it, so
+            // a client must keep it raw rather than lose it.
+            cx.send_notification(agent_client_protocol::UntypedMessage::new(
+                "session/update",
+                serde_json::json!({
+                    "sessionId": session,
+                    "update": {"sessionUpdate": "tool_call", "toolCallId": 7, "title": "bad id"},
+                }),
+            )?)?;
+            "unparsed: sent".to_owned()
         }
         "/edit" => {
             let path = words.next().unwrap_or_default();

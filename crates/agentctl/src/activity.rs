@@ -24,6 +24,64 @@ pub const OTHER: &str = "other";
 pub const PERMISSION: &str = "permission";
 /// An ACP terminal the agent runs through agentctl (see `terminal`).
 pub const TERMINAL: &str = "terminal";
+/// A `session/update` our ACP schema could not parse, kept raw (bounded).
+pub const UNPARSED: &str = "unparsed";
+
+/// At most this much of an unparseable update's JSON is kept.
+pub const MAX_UNPARSED_JSON: usize = 16 * 1024;
+/// At most this much of a parse error's text is kept.
+const MAX_ERROR: usize = 1024;
+
+/// The longest prefix of `s` of at most `max` bytes that ends on a char
+/// boundary.
+pub fn clip(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// A notification of `method` whose params did not parse, as a complete
+/// part of the turn `turn_id` (empty between turns): `{"sessionUpdate",
+/// "method", "error", "json", "truncated"}`, `json` being the params as
+/// the agent sent them, cut at [`MAX_UNPARSED_JSON`] bytes. The text is the
+/// update's tag and the error, so a reader sees what was lost and why.
+pub fn unparsed(turn_id: &str, method: &str, params: &serde_json::Value, error: &str) -> Activity {
+    let tag = params
+        .pointer("/update/sessionUpdate")
+        .and_then(|t| t.as_str())
+        .map(|t| clip(t, 64).to_owned())
+        .unwrap_or_default();
+    let raw = params.to_string();
+    let kept = clip(&raw, MAX_UNPARSED_JSON);
+    let error = clip(error, MAX_ERROR);
+    let json = serde_json::json!({
+        "sessionUpdate": tag,
+        "method": method,
+        "error": error,
+        "json": kept,
+        "truncated": kept.len() < raw.len(),
+    });
+    let text = if tag.is_empty() {
+        format!("{method}: {error}")
+    } else {
+        format!("{tag}: {error}")
+    };
+    Activity {
+        complete: true,
+        ..activity(turn_id, &new_id(), UNPARSED, 1, text, json.to_string())
+    }
+}
+
+/// A parse error without where it happened (`at line 1 column 80`), so
+/// the same mistake repeated in many updates reads as one.
+pub fn error_shape(error: &str) -> &str {
+    error.split(" at line ").next().unwrap_or(error)
+}
 
 /// A permission request of policy `ask`, pending (rev 1): the ACP request's
 /// tool call and options, `status: "pending"`, when it was asked and when
@@ -350,6 +408,27 @@ mod tests {
 
     fn thought(t: &str) -> SessionUpdate {
         SessionUpdate::AgentThoughtChunk(ContentChunk::new(ContentBlock::Text(TextContent::new(t))))
+    }
+
+    #[test]
+    fn an_unparsed_update_is_kept_bounded_with_its_error() {
+        let params = serde_json::json!({
+            "sessionId": "s",
+            "update": {"sessionUpdate": "tool_call", "toolCallId": 5, "title": "x".repeat(40_000)},
+        });
+        let a = unparsed("t", "session/update", &params, "invalid type: integer `5`");
+        assert_eq!((a.kind.as_str(), a.rev, a.complete), (UNPARSED, 1, true));
+        assert_eq!(a.text, "tool_call: invalid type: integer `5`");
+        let v: serde_json::Value = serde_json::from_str(&a.json).unwrap();
+        assert_eq!(v["sessionUpdate"], "tool_call");
+        assert_eq!(v["method"], "session/update");
+        assert_eq!(v["truncated"], true);
+        assert_eq!(v["json"].as_str().unwrap().len(), MAX_UNPARSED_JSON);
+        assert_eq!(clip("héllo", 2), "h");
+        assert_eq!(
+            error_shape("invalid type: integer `5`, expected a string at line 1 column 9"),
+            "invalid type: integer `5`, expected a string"
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //! order matches the state order. `ops` serializes the slow lifecycle calls
 //! (launch, new session, resume).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -30,7 +30,7 @@ use agent_client_protocol::v1::schema::{
     TerminalOutputRequest, TerminalOutputResponse, TextContent, WaitForTerminalExitRequest,
     WaitForTerminalExitResponse, WriteTextFileRequest, WriteTextFileResponse,
 };
-use agent_client_protocol::{Agent, Client, ErrorCode, Lines};
+use agent_client_protocol::{Agent, Client, ErrorCode, Handled, Lines, UntypedMessage};
 use sessiond_proto::agentctl::v1::{
     AgentExit, AgentExited, AgentState, AgentStateChanged, MessageChunk, TurnEnded,
     agent_update::Kind,
@@ -63,6 +63,9 @@ const SESSION_SETUP_SILENCE: Duration = Duration::from_secs(120);
 /// How many started turns `Prompt` remembers for its idempotency by
 /// `turn_id` (the proto promises 256).
 pub const REMEMBERED_TURNS: usize = 256;
+/// Kinds of unparseable updates logged at most: an agent sending a new
+/// error in every update cannot flood the log.
+const MAX_UNPARSED_LOGGED: usize = 64;
 
 /// How agentctl answers an agent's `session/request_permission`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -282,6 +285,8 @@ struct Slot {
     /// `ask` permission requests waiting for an answer, by request id.
     /// Dropping one (agent exit, turn cancelled) answers it `cancelled`.
     asks: HashMap<String, Ask>,
+    /// Kinds of unparseable updates already logged (method and error).
+    unparsed_logged: HashSet<String>,
 }
 
 #[derive(Debug)]
@@ -529,6 +534,7 @@ impl AgentManager {
                     parts: Parts::default(),
                     permission_timeout: DEFAULT_PERMISSION_TIMEOUT,
                     asks: HashMap::new(),
+                    unparsed_logged: HashSet::new(),
                 }),
                 ops: tokio::sync::Mutex::new(()),
                 journal_fresh: journal.is_durable() && loaded.fresh,
@@ -1637,6 +1643,39 @@ fn on_session_update(shared: &Shared, generation: u64, n: SessionNotification) {
     }
 }
 
+/// A `session/update` our schema could not parse: kept as an `unparsed`
+/// part (of the turn it belongs to, or between turns) instead of being
+/// lost, and logged once per method and kind of error. Replayed history is
+/// dropped as parsed history is.
+fn on_unparsed_update(shared: &Shared, generation: u64, n: &UntypedMessage, error: &str) {
+    let mut slot = shared.slot();
+    if slot.generation != generation {
+        return;
+    }
+    let session = n.params.get("sessionId").and_then(|v| v.as_str());
+    let key = format!("{}: {}", n.method, activity::error_shape(error));
+    if slot.unparsed_logged.len() < MAX_UNPARSED_LOGGED && slot.unparsed_logged.insert(key) {
+        tracing::warn!(
+            method = %n.method,
+            error = activity::clip(error, 1024),
+            "an update of the agent did not parse; kept raw (logged once per kind of error)"
+        );
+    }
+    if session.is_some() && slot.replaying.as_ref().map(|s| &*s.0) == session {
+        slot.replayed += 1;
+        return;
+    }
+    let turn_id = slot
+        .turn
+        .as_ref()
+        .filter(|t| Some(&*t.session.0) == session)
+        .map(|t| t.turn_id.clone())
+        .unwrap_or_default();
+    shared.updates.push(Kind::Activity(activity::unparsed(
+        &turn_id, &n.method, &n.params, error,
+    )));
+}
+
 type Transport = Lines<
     std::pin::Pin<Box<dyn futures::Sink<String, Error = std::io::Error> + Send>>,
     std::pin::Pin<Box<dyn futures::Stream<Item = std::io::Result<String>> + Send>>,
@@ -1695,9 +1734,20 @@ async fn run_connection(
         .v1()
         .name("agentctl")
         .on_receive_notification(
-            async move |n: SessionNotification, _cx| {
-                on_session_update(&s_updates, generation, n);
-                Ok(())
+            // Parsed here rather than by the SDK, which would reject an
+            // update our schema cannot read and lose it.
+            async move |n: UntypedMessage, cx| {
+                if n.method != "session/update" {
+                    return Ok(Handled::No {
+                        message: (n, cx),
+                        retry: false,
+                    });
+                }
+                match serde_json::from_value::<SessionNotification>(n.params.clone()) {
+                    Ok(update) => on_session_update(&s_updates, generation, update),
+                    Err(e) => on_unparsed_update(&s_updates, generation, &n, &e.to_string()),
+                }
+                Ok(Handled::Yes)
             },
             agent_client_protocol::on_receive_notification!(),
         )

@@ -293,6 +293,21 @@ async fn claude_acp_tool_turn_stop_relaunch_resume() {
     assert_eq!(json["toolCallId"], tool_id.as_str(), "{json}");
     assert_eq!(json["status"], "completed", "{json}");
 
+    // Every update of the tool turn parsed: none rejected by the ACP
+    // layer (`Invalid params`), none kept raw.
+    assert!(
+        !t1.updates
+            .iter()
+            .any(|u| matches!(&u.kind, Some(Kind::Activity(a)) if a.kind == "unparsed")),
+        "{:?}",
+        t1.updates
+    );
+    let log = std::fs::read_to_string(base.path().join("agentctl.log")).unwrap();
+    assert!(
+        !log.contains("Invalid params") && !log.contains("did not parse"),
+        "{log}"
+    );
+
     let t2 = prompt(&mut c, &mut stream, "how are you").await;
     assert_eq!(t2.end.stop_reason, "end_turn");
     assert_eq!(

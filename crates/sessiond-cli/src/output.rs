@@ -124,6 +124,7 @@ fn kind_name(k: i32) -> &'static str {
         Ok(pb::MessageKind::Other) => "other",
         Ok(pb::MessageKind::Permission) => "permission",
         Ok(pb::MessageKind::Terminal) => "terminal",
+        Ok(pb::MessageKind::Unparsed) => "unparsed",
         _ => "text",
     }
 }
@@ -157,6 +158,10 @@ fn part_json(m: &pb::Message) -> Option<Value> {
             "terminal_id": t.terminal_id, "command": t.command, "args": t.args, "cwd": t.cwd,
             "output": t.output, "truncated": t.truncated, "exit_code": t.exit_code,
             "signal": t.signal, "exited": t.exited, "released": t.released,
+        }),
+        Part::Unparsed(u) => json!({
+            "update_kind": u.update_kind, "method": u.method, "error": u.error,
+            "json": u.json, "truncated": u.truncated,
         }),
     })
 }
@@ -222,6 +227,14 @@ pub fn activity_line(m: &pb::Message) -> String {
         Some(Part::AvailableCommands(_)) => format!("[commands] {}", m.content),
         Some(Part::CurrentMode(c)) => format!("[mode] {}", c.mode_id),
         Some(Part::Other(r)) => format!("[{}]", r.update_kind),
+        Some(Part::Unparsed(u)) => {
+            let what = if u.update_kind.is_empty() {
+                &u.method
+            } else {
+                &u.update_kind
+            };
+            format!("[unparsed {what}] {}", u.error)
+        }
         Some(Part::Terminal(t)) => {
             // The command and how it ended, then the output's last lines.
             let mut line = format!("[terminal] {}: {}", m.content, terminal_state(t));

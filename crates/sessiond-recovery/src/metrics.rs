@@ -165,6 +165,7 @@ pub struct ManagerMetrics {
     reconnects: Family<OutcomeLabels, Counter>,
     recoveries: Family<RecoveryLabels, Counter>,
     fenced: Family<ByLabels, Counter>,
+    unparsed: Counter,
     pub(crate) watch: WatchMetrics,
     clocks: Mutex<HashMap<SessionId, TurnClock>>,
 }
@@ -208,6 +209,7 @@ impl Default for ManagerMetrics {
             reconnects: Family::default(),
             recoveries: Family::default(),
             fenced: Family::default(),
+            unparsed: Counter::default(),
             watch: WatchMetrics::default(),
             clocks: Mutex::default(),
         };
@@ -326,6 +328,11 @@ impl ManagerMetrics {
             self.recoveries.clone(),
         );
         registry.register(
+            "sessiond_agent_updates_unparsed",
+            "Agent session updates agentctl could not parse, stored raw (kind unparsed)",
+            self.unparsed.clone(),
+        );
+        registry.register(
             "sessiond_watch_streams",
             "WatchSession / WatchTask streams open, by scope",
             self.watch.streams.clone(),
@@ -346,6 +353,12 @@ impl ManagerMetrics {
                 reason: reason.unwrap_or("none"),
             })
             .inc();
+    }
+
+    /// An update agentctl could not parse was stored (once per part: a
+    /// replay after a restart stores nothing and counts nothing).
+    pub(crate) fn unparsed_update(&self) {
+        self.unparsed.inc();
     }
 
     /// The Prompt of a turn was accepted by agentctl.

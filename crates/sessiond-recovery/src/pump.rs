@@ -470,6 +470,9 @@ impl Pump {
                 Ok(c) => {
                     self.mgr.inner.bus.publish(&c.events);
                     self.parts.insert(id, a.rev);
+                    if kind == MessageKind::Unparsed {
+                        self.mgr.inner.metrics.unparsed_update();
+                    }
                     return Ok(());
                 }
                 Err(sessiond_store::Error::AlreadyExists { .. }) => {
@@ -1125,6 +1128,7 @@ impl Pump {
                             | MessageKind::Thought
                             | MessageKind::Permission
                             | MessageKind::Terminal
+                            | MessageKind::Unparsed
                     )
             })
         }) || self.pending.is_some();

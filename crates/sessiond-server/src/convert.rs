@@ -188,6 +188,7 @@ fn message_kind(k: MessageKind) -> pb::MessageKind {
         MessageKind::Other => pb::MessageKind::Other,
         MessageKind::Permission => pb::MessageKind::Permission,
         MessageKind::Terminal => pb::MessageKind::Terminal,
+        MessageKind::Unparsed => pb::MessageKind::Unparsed,
     }
 }
 
@@ -266,6 +267,13 @@ mod parts {
             }),
             MessageKind::Permission => Part::Permission(permission_of(&u)),
             MessageKind::Terminal => Part::Terminal(terminal_of(&u)),
+            MessageKind::Unparsed => Part::Unparsed(pb::UnparsedPart {
+                update_kind: s(&u, "sessionUpdate"),
+                method: s(&u, "method"),
+                error: s(&u, "error"),
+                json: s(&u, "json"),
+                truncated: u.get("truncated").and_then(Value::as_bool).unwrap_or(false),
+            }),
         })
     }
 
