@@ -566,6 +566,57 @@ function Spinner(props: { label: string }) {
 
 // ----------------------------------------------------------------- session
 
+function parseJson(text: string): unknown {
+  try {
+    return text ? JSON.parse(text) : undefined;
+  } catch {
+    return text;
+  }
+}
+
+// A tool's raw output as text: a string, content blocks' texts, or an
+// output-like field (agents name it differently).
+function outputText(v: unknown): string | undefined {
+  if (typeof v === "string") return v;
+  if (Array.isArray(v)) {
+    const texts = v.flatMap((i) => (i && typeof i.text === "string" ? [i.text] : []));
+    return texts.length ? texts.join("\n") : undefined;
+  }
+  if (v && typeof v === "object") {
+    const o = v as Record<string, unknown>;
+    for (const k of ["formatted_output", "aggregated_output", "output", "stdout"]) {
+      if (typeof o[k] === "string") return (o[k] as string) + (k === "stdout" && typeof o.stderr === "string" ? o.stderr : "");
+    }
+    return outputText(o.content);
+  }
+  return undefined;
+}
+
+// What a tool call's raw input and output say it did: the command and its
+// cwd, the exit code, the output's last lines.
+function toolDetail(rawInput: string, rawOutput: string): string {
+  const lines: string[] = [];
+  const input = parseJson(rawInput) as Record<string, unknown> | undefined;
+  const command = input && typeof input === "object" ? input.command : undefined;
+  if (typeof command === "string" || Array.isArray(command)) {
+    const cwd = typeof input!.cwd === "string" ? `  (in ${input!.cwd})` : "";
+    lines.push(`$ ${Array.isArray(command) ? command.join(" ") : command}${cwd}`);
+  }
+  const output = parseJson(rawOutput);
+  if (output && typeof output === "object" && !Array.isArray(output)) {
+    const o = output as Record<string, unknown>;
+    const code = o.exit_code ?? o.exitCode;
+    if (typeof code === "number") lines.push(`exit ${code}`);
+  }
+  const text = outputText(output);
+  if (text) {
+    const all = text.split("\n");
+    if (all.length > 10) lines.push("...");
+    lines.push(...all.slice(-10));
+  }
+  return lines.length ? "\n" + lines.join("\n") : "";
+}
+
 // An activity part (tool call, plan, ...) as one readable line; the text
 // of a reply or a thought as is.
 function partText(m: Message): string {
@@ -573,8 +624,10 @@ function partText(m: Message): string {
   switch (p.case) {
     case "toolCall": {
       const diffs = p.value.content.flatMap((c) => (c.content.case === "diff" ? [c.content.value.path] : []));
-      return `tool ${p.value.toolKind}: ${p.value.title} (${p.value.status})${diffs.length ? ` diff ${diffs.join(", ")}` : ""}`;
+      return `tool ${p.value.toolKind}: ${p.value.title} (${p.value.status})${diffs.length ? ` diff ${diffs.join(", ")}` : ""}${toolDetail(p.value.rawInputJson, p.value.rawOutputJson)}`;
     }
+    case "unparsed":
+      return `unparsed ${p.value.updateKind || p.value.method}: ${p.value.error}`;
     case "plan":
       return "plan:\n" + p.value.entries.map((e) => `[${e.status}] ${e.content}`).join("\n");
     case "availableCommands":

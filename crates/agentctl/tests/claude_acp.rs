@@ -292,6 +292,14 @@ async fn claude_acp_tool_turn_stop_relaunch_resume() {
     let json: serde_json::Value = serde_json::from_str(&tool_call.json).unwrap();
     assert_eq!(json["toolCallId"], tool_id.as_str(), "{json}");
     assert_eq!(json["status"], "completed", "{json}");
+    // What the tool did is kept: the command it ran and what it gave back.
+    assert!(
+        json["rawInput"]["command"]
+            .as_str()
+            .is_some_and(|c| c.contains("notes.txt")),
+        "{json}"
+    );
+    assert!(!json["rawOutput"].is_null(), "{json}");
 
     // Every update of the tool turn parsed: none rejected by the ACP
     // layer (`Invalid params`), none kept raw.

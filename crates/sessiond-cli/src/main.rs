@@ -76,6 +76,8 @@ enum Command {
         #[command(flatten)]
         session: SessionRef,
         request_id: String,
+        /// An option's id, or a kind: `allow`, `allow-always`, `reject`,
+        /// `reject-always` (the agent's option of that kind).
         option_id: String,
     },
     /// Switch the agent's session mode (`session status` lists the modes).
@@ -808,7 +810,8 @@ async fn choose_option(answer: &AnswerArgs, req: &pb::PermissionRequest) -> anyh
     if !std::io::stdin().is_terminal() {
         bail!(
             "the agent asks permission ({title}; request {}; options: {offered}) and stdin is not a terminal to ask on; \
-             pass --approve or --deny, or answer with `sessionctl permission --task TASK SESSION {} OPTION_ID` \
+             pass --approve or --deny, or answer with `sessionctl permission --task TASK SESSION {} OPTION` \
+             (an option id, or allow / allow-always / reject) \
              (the request waits until the profile's permission timeout, then it is rejected)",
             req.request_id,
             req.request_id

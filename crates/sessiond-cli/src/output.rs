@@ -144,6 +144,7 @@ fn part_json(m: &pb::Message) -> Option<Value> {
                 None => Value::Null,
             }).collect::<Vec<_>>(),
             "locations": t.locations.iter().map(|l| json!({"path": l.path, "line": l.line})).collect::<Vec<_>>(),
+            "raw_input": raw_json(&t.raw_input_json), "raw_output": raw_json(&t.raw_output_json),
         }),
         Part::Plan(p) => json!({"entries": p.entries.iter().map(|e| json!({
             "content": e.content, "priority": e.priority, "status": e.status,
@@ -203,6 +204,97 @@ fn permission_line(p: &pb::PermissionRequest) -> String {
 /// Output lines of a terminal an activity line shows.
 const TERMINAL_LINES: usize = 10;
 
+/// A part's raw JSON text as JSON (null when empty, a string if it does
+/// not parse).
+fn raw_json(text: &str) -> Value {
+    if text.is_empty() {
+        return Value::Null;
+    }
+    serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.to_owned()))
+}
+
+/// Text of a tool's raw output: a string, content blocks' texts, or the
+/// first output-like field of an object (agents name them differently).
+fn output_text(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(items) => {
+            let texts: Vec<&str> = items
+                .iter()
+                .filter_map(|i| i.get("text").and_then(Value::as_str))
+                .collect();
+            (!texts.is_empty()).then(|| texts.join("\n"))
+        }
+        Value::Object(o) => {
+            for key in ["formatted_output", "aggregated_output", "output", "stdout"] {
+                if let Some(s) = o.get(key).and_then(Value::as_str) {
+                    let mut out = s.to_owned();
+                    if let Some(err) = o.get("stderr").and_then(Value::as_str)
+                        && key == "stdout"
+                        && !err.is_empty()
+                    {
+                        out.push_str(err);
+                    }
+                    return Some(out);
+                }
+            }
+            o.get("content").and_then(output_text)
+        }
+        _ => None,
+    }
+}
+
+/// What a tool call's raw input and output say it did, as lines: the
+/// command and where it ran, its exit code, the last lines of its output
+/// (other raw input as compact JSON).
+fn tool_detail(t: &pb::ToolCallPart) -> Vec<String> {
+    let mut lines = Vec::new();
+    let input = raw_json(&t.raw_input_json);
+    let command = match input.get("command") {
+        Some(Value::String(c)) => Some(c.clone()),
+        Some(Value::Array(parts)) => Some(
+            parts
+                .iter()
+                .map(|p| p.as_str().map_or_else(|| p.to_string(), str::to_owned))
+                .collect::<Vec<_>>()
+                .join(" "),
+        ),
+        _ => None,
+    };
+    match command {
+        Some(c) => {
+            let mut line = format!("$ {c}");
+            if let Some(cwd) = input.get("cwd").and_then(Value::as_str) {
+                line.push_str(&format!("  (in {cwd})"));
+            }
+            lines.push(line);
+        }
+        None if !input.is_null() && input != json!({}) => {
+            let text = input.to_string();
+            let cut: String = text.chars().take(200).collect();
+            let more = if cut.len() < text.len() { "..." } else { "" };
+            lines.push(format!("input {cut}{more}"));
+        }
+        None => {}
+    }
+    let output = raw_json(&t.raw_output_json);
+    let exit = ["exit_code", "exitCode"]
+        .iter()
+        .find_map(|k| output.get(*k)?.as_i64());
+    if let Some(code) = exit {
+        lines.push(format!("exit {code}"));
+    }
+    if let Some(text) = output_text(&output) {
+        let all: Vec<&str> = text.lines().collect();
+        let shown = &all[all.len().saturating_sub(TERMINAL_LINES)..];
+        if shown.len() < all.len() {
+            lines.push("...".into());
+        }
+        lines.extend(shown.iter().map(|l| (*l).to_owned()));
+    }
+    lines
+}
+
 /// One line for an activity part, as `send` prints it while the turn
 /// streams and `messages` lists it: `[tool edit] write notes.txt: completed`.
 pub fn activity_line(m: &pb::Message) -> String {
@@ -214,6 +306,11 @@ pub fn activity_line(m: &pb::Message) -> String {
                 if let Some(pb::tool_call_content::Content::Diff(d)) = &c.content {
                     line.push_str(&format!(" (diff {})", d.path));
                 }
+            }
+            // Tool output is the agent's; control characters shown escaped.
+            for l in tool_detail(t) {
+                line.push_str("\n  ");
+                line.push_str(&printable(&l));
             }
             line
         }
@@ -777,7 +874,35 @@ fn agent_recovery_line(r: &pb::AgentRecovery) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::printable;
+    use super::{pb, printable, tool_detail};
+
+    #[test]
+    fn a_tool_call_shows_its_command_exit_and_output() {
+        // Codex: the command as argv with its cwd; exit code and output.
+        let codex = pb::ToolCallPart {
+            raw_input_json: r#"{"command":["bash","-lc","ls"],"cwd":"/w"}"#.into(),
+            raw_output_json: r#"{"exit_code":2,"stdout":"a\nb\n","stderr":"oops\n"}"#.into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            tool_detail(&codex),
+            ["$ bash -lc ls  (in /w)", "exit 2", "a", "b", "oops"]
+        );
+        // Claude Code: a command string; the output as content blocks.
+        let claude = pb::ToolCallPart {
+            raw_input_json: r#"{"command":"printf hi","description":"say hi"}"#.into(),
+            raw_output_json: r#"[{"type":"text","text":"hi\u001b[0m"}]"#.into(),
+            ..Default::default()
+        };
+        assert_eq!(tool_detail(&claude), ["$ printf hi", "hi\u{1b}[0m"]);
+        // Other input as JSON; nothing at all when nothing was given.
+        let read = pb::ToolCallPart {
+            raw_input_json: r#"{"path":"a.txt"}"#.into(),
+            ..Default::default()
+        };
+        assert_eq!(tool_detail(&read), [r#"input {"path":"a.txt"}"#]);
+        assert!(tool_detail(&pb::ToolCallPart::default()).is_empty());
+    }
 
     #[test]
     fn control_characters_are_shown_escaped() {

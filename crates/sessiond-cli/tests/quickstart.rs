@@ -464,6 +464,44 @@ fn send_prints_tool_calls_and_plans_as_they_stream() {
         "{messages}"
     );
 
+    // A command's raw input and output (what Codex reports, and only
+    // there): the command and its cwd, the exit code, the output's end.
+    let ran = "[tool execute] run the tests: failed\n  $ sh -c make test  (in /demo/work)\n  \
+               exit 3\n  ...\n  test 1992 ok\n";
+    let mut cmd = Command::new("sessionctl");
+    env.apply(&mut cmd);
+    let out = cmd
+        .args(["send", &session, "/run"])
+        .current_dir(&scratch)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains(ran), "{stderr}");
+    assert!(
+        stderr.contains("test 2000 ok\n  FAILED: 2 tests\n"),
+        "{stderr}"
+    );
+    let messages = env.sessionctl(&["messages", &session], &scratch);
+    assert!(messages.contains(ran), "{messages}");
+    let json = env.sessionctl(&["messages", &session, "--json"], &scratch);
+    let tool = json
+        .lines()
+        .chain(std::iter::once(json.as_str()))
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .flat_map(|v| match v {
+            serde_json::Value::Array(a) => a,
+            v => vec![v],
+        })
+        .find(|m| m.to_string().contains("demo-run-1"))
+        .unwrap_or_else(|| panic!("the tool call in --json: {json}"));
+    let raw = tool.to_string();
+    assert!(
+        raw.contains("\"exit_code\":3") && raw.contains("bytes cut"),
+        "{raw}"
+    );
+    assert!(raw.len() < 16 * 1024, "stored bounded: {} bytes", raw.len());
+
     env.sessionctl(&["session", "stop", &session], &scratch);
     terminate(server);
     for pid in agentctls_under(env.home.path()) {
