@@ -14,6 +14,8 @@ import {
   SessionState,
   type AgentProfile,
   type Message,
+  type TurnUsage,
+  type UsageTotals,
   type PermissionRequest,
   type Session,
   type Task,
@@ -566,6 +568,28 @@ function Spinner(props: { label: string }) {
 
 // ----------------------------------------------------------------- session
 
+// Costs per currency: `0.5 USD + 3 credits`.
+function costsText(costs: { amount: number; currency: string }[]): string {
+  return costs.map((c) => `${Number(c.amount.toFixed(4))} ${c.currency}`).join(" + ");
+}
+
+// A session's totals in a badge: `3 turns · 450 tokens · 0.75 USD`.
+function usageText(u: UsageTotals): string {
+  const cost = u.costs.length ? ` · ${costsText(u.costs)}` : "";
+  return `${u.turns} turn${u.turns === 1n ? "" : "s"} · ${u.totalTokens} tokens${cost}`;
+}
+
+// One turn's usage under its prompt.
+function turnUsageText(u: TurnUsage): string {
+  const parts: string[] = [];
+  if (u.totalTokens !== undefined || u.inputTokens !== undefined) {
+    parts.push(`${u.totalTokens ?? (u.inputTokens ?? 0n) + (u.outputTokens ?? 0n)} tokens (${u.inputTokens ?? 0n} in, ${u.outputTokens ?? 0n} out)`);
+  }
+  if (u.contextUsed !== undefined && u.contextSize !== undefined) parts.push(`context ${u.contextUsed}/${u.contextSize}`);
+  if (u.cost) parts.push(`cost ${costsText([u.cost])}`);
+  return parts.join(", ");
+}
+
 function parseJson(text: string): unknown {
   try {
     return text ? JSON.parse(text) : undefined;
@@ -760,6 +784,11 @@ class MessageView extends Component<MessageProps> {
         </div>
         {m.part.case === "terminal" && <TerminalView terminal={m.part.value} />}
         {terminals?.map((t) => <TerminalView key={t.terminalId} terminal={t} />)}
+        {m.usage && (
+          <div class="muted turn-usage" data-testid="turn-usage">
+            {turnUsageText(m.usage)}
+          </div>
+        )}
       </li>
     );
   }
@@ -1055,6 +1084,11 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
             {workspaceOnly && <Badge tone="warn" testid="workspace-only">workspace only</Badge>}
             {profileName && <Badge tone="idle">{profileName}</Badge>}
             <Badge tone="idle">{runtimeName(s.runtime, s.runtimeName)}</Badge>
+            {s.usage && s.usage.turns > 0n && (
+              <Badge tone="idle" testid="usage">
+                {usageText(s.usage)}
+              </Badge>
+            )}
           </span>
         )}
         {s && !ended && (

@@ -125,6 +125,11 @@ struct Cli {
     /// empty; `demo-login` is offered but always fails.
     #[arg(long, env = "ACP_DEMO_REQUIRE_AUTH", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
     require_auth: bool,
+    /// Report usage as Claude Code does: a `usage_update` per turn (the
+    /// context, and the cost so far of this process: 0.25 USD a turn) and
+    /// the turn's tokens in the prompt's answer (100 in, 50 out).
+    #[arg(long, env = "ACP_DEMO_USAGE", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
+    usage: bool,
     /// A tool call with a side effect before the reply: every prompt first
     /// appends one line (the prompt) to this file (relative to the working
     /// directory, i.e. the worktree) and reports a tool call.
@@ -689,6 +694,17 @@ async fn run_turn(
         )
     })?;
     lock(&demo.unsaved).remove(&id);
+    if demo.cli.usage {
+        use agent_client_protocol::v1::schema::{Cost, Usage, UsageUpdate};
+        cx.send_notification(SessionNotification::new(
+            req.session_id.clone(),
+            SessionUpdate::UsageUpdate(
+                UsageUpdate::new(1000 * n as u64, 200_000)
+                    .cost(Cost::new(0.25 * f64::from(count), "USD")),
+            ),
+        ))?;
+        return Ok(PromptResponse::new(StopReason::EndTurn).usage(Usage::new(150, 100, 50)));
+    }
     Ok(PromptResponse::new(StopReason::EndTurn))
 }
 

@@ -47,6 +47,7 @@ use crate::sys;
 use crate::terminal::{TerminalExit, TerminalSpec, Terminals};
 use crate::tree;
 use crate::updates::UpdateLog;
+use crate::usage::UsageTrack;
 use crate::workspace::Workspace;
 
 /// How long the agent may show no sign of life (no output, no CPU time)
@@ -287,6 +288,8 @@ struct Slot {
     asks: HashMap<String, Ask>,
     /// Kinds of unparseable updates already logged (method and error).
     unparsed_logged: HashSet<String>,
+    /// What the current agent process reported it used and cost.
+    usage: UsageTrack,
 }
 
 #[derive(Debug)]
@@ -535,6 +538,7 @@ impl AgentManager {
                     permission_timeout: DEFAULT_PERMISSION_TIMEOUT,
                     asks: HashMap::new(),
                     unparsed_logged: HashSet::new(),
+                    usage: UsageTrack::default(),
                 }),
                 ops: tokio::sync::Mutex::new(()),
                 journal_fresh: journal.is_durable() && loaded.fresh,
@@ -705,6 +709,7 @@ impl AgentManager {
             let mut slot = self.shared.slot();
             slot.generation += 1;
             slot.exit = None;
+            slot.usage = UsageTrack::default();
             slot.profile_claim = spec.profile_supports_session_resume;
             slot.agent_load_session = None;
             slot.agent_resume_session = None;
@@ -1122,6 +1127,7 @@ impl AgentManager {
                 .journal
                 .accepted(&turn_id, &message_id, &instance)?;
             slot.parts = Parts::default();
+            slot.usage.turn_started();
             slot.turn = Some(Turn {
                 turn_id: turn_id.clone(),
                 message_id: message_id.clone(),
@@ -1170,7 +1176,7 @@ impl AgentManager {
                 None => return, // the agent exited meanwhile; the turn ended
                 Some(Err(e)) => {
                     tracing::error!(turn_id = %tid, error = %e, "could not record the turn as handed; not sending it");
-                    finish_turn(&shared, &tid, "error", &e.to_string());
+                    finish_turn(&shared, &tid, "error", &e.to_string(), None);
                     return;
                 }
                 Some(Ok(())) => {}
@@ -1189,7 +1195,7 @@ impl AgentManager {
                 Ok(resp) => {
                     let reason = stop_reason_name(resp.stop_reason);
                     tracing::Span::current().record("acp.stop_reason", reason.as_str());
-                    finish_turn(&shared, &tid, &reason, "");
+                    finish_turn(&shared, &tid, &reason, "", resp.usage.as_ref());
                 }
                 Err(e) => {
                     let err = shared.acp_error("ACP session/prompt", &e);
@@ -1209,7 +1215,7 @@ impl AgentManager {
                         }
                     }
                     tracing::Span::current().record("acp.stop_reason", "error");
-                    finish_turn(&shared, &tid, "error", &err.to_string());
+                    finish_turn(&shared, &tid, "error", &err.to_string(), None);
                 }
             }
         };
@@ -1379,6 +1385,7 @@ fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) -> bool {
         for a in slot.parts.close(&turn.turn_id) {
             shared.updates.push(Kind::Activity(a));
         }
+        let usage = slot.usage.turn_ended(None);
         let cursor = shared.updates.push(Kind::TurnEnded(TurnEnded {
             turn_id: turn.turn_id.clone(),
             stop_reason: "error".into(),
@@ -1386,6 +1393,7 @@ fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) -> bool {
                 "the agent exited during the turn ({})",
                 describe_exit(&exit)
             ),
+            usage,
         }));
         record_ended(shared, &mut slot, &turn.turn_id, cursor);
     }
@@ -1566,7 +1574,13 @@ fn record_ended(shared: &Shared, slot: &mut Slot, turn_id: &str, cursor: u64) {
 }
 
 /// Ends `turn_id` if it is still the turn in progress.
-fn finish_turn(shared: &Shared, turn_id: &str, stop_reason: &str, error: &str) {
+fn finish_turn(
+    shared: &Shared,
+    turn_id: &str,
+    stop_reason: &str,
+    error: &str,
+    tokens: Option<&agent_client_protocol::v1::schema::Usage>,
+) {
     let mut slot = shared.slot();
     if slot.turn.as_ref().is_none_or(|t| t.turn_id != turn_id) {
         return;
@@ -1576,10 +1590,12 @@ fn finish_turn(shared: &Shared, turn_id: &str, stop_reason: &str, error: &str) {
     for a in slot.parts.close(turn_id) {
         shared.updates.push(Kind::Activity(a));
     }
+    let usage = slot.usage.turn_ended(tokens);
     let cursor = shared.updates.push(Kind::TurnEnded(TurnEnded {
         turn_id: turn_id.to_owned(),
         stop_reason: stop_reason.to_owned(),
         error_message: error.to_owned(),
+        usage,
     }));
     record_ended(shared, &mut slot, turn_id, cursor);
     if slot.state == AgentState::Busy {
@@ -1606,12 +1622,17 @@ fn on_session_update(shared: &Shared, generation: u64, n: SessionNotification) {
     {
         modes.current_mode_id = u.current_mode_id.clone();
     }
-    let Some(turn) = slot
+    let turn = slot
         .turn
         .as_ref()
         .filter(|t| t.session == n.session_id)
-        .cloned()
-    else {
+        .cloned();
+    // Usage is the turn's (it comes with its end), not a part of its own.
+    if let SessionUpdate::UsageUpdate(u) = &n.update {
+        slot.usage.update(u, turn.is_some());
+        return;
+    }
+    let Some(turn) = turn else {
         // Between turns only what describes the session is kept (commands,
         // mode, untyped kinds); a stray chunk or tool call is not.
         match activity::outside_turn(n.update) {

@@ -26,4 +26,5 @@ pub mod sys;
 pub mod terminal;
 pub mod tree;
 pub mod updates;
+pub mod usage;
 pub mod workspace;

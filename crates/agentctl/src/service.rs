@@ -294,7 +294,7 @@ impl AgentCtlService for AgentCtl {
                 match read {
                     Read::Gap(gap) => {
                         last = gap.cursor;
-                        if tx.send(Ok(gap)).await.is_err() {
+                        if tx.send(Ok(*gap)).await.is_err() {
                             return;
                         }
                     }

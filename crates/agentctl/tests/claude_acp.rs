@@ -316,11 +316,31 @@ async fn claude_acp_tool_turn_stop_relaunch_resume() {
         "{log}"
     );
 
+    // The turn's usage, as the adapter reports it: the prompt answer's
+    // tokens, the context after the turn, its cost.
+    let usage = t1.end.usage.clone().expect("the tool turn's usage");
+    assert!(
+        usage.input_tokens.is_some() && usage.total_tokens.is_some(),
+        "{usage:?}"
+    );
+    assert!(usage.context_size.is_some_and(|s| s > 0), "{usage:?}");
+    assert!(
+        usage.cost_amount.is_some_and(|a| a > 0.0) && usage.cost_currency == "USD",
+        "{usage:?}"
+    );
+
     let t2 = prompt(&mut c, &mut stream, "how are you").await;
     assert_eq!(t2.end.stop_reason, "end_turn");
     assert_eq!(
         t2.reply,
         "claude-fake: you said \"how are you\" (2 user messages)"
+    );
+    // Its cost is its own, not the adapter's running total.
+    let second = t2.end.usage.clone().expect("the text turn's usage");
+    assert!(
+        second.cost_amount < second.session_cost_amount
+            && second.session_cost_amount > usage.session_cost_amount,
+        "{usage:?} then {second:?}"
     );
 
     // The turn is in the CLI's transcript before the stop: the CLI writes

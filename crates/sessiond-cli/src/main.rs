@@ -907,6 +907,14 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
             {
                 in_turn = true;
             }
+            // The turn's usage, stored on the user message as the turn ends.
+            Some(pb::event::Payload::MessageUpdated(pb::MessageUpdated { message: Some(m) }))
+                if m.id == user_id =>
+            {
+                if let Some(u) = m.usage.as_ref().filter(|_| !out.json) {
+                    eprintln!("{}", output::turn_usage_line(u));
+                }
+            }
             Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
             | Some(pb::event::Payload::MessageUpdated(pb::MessageUpdated { message: Some(m) }))
                 if m.role == pb::MessageRole::Agent as i32

@@ -73,10 +73,114 @@ pub fn printable(text: &str) -> String {
 }
 
 fn task_json(t: &pb::Task) -> Value {
-    json!({
+    let mut v = json!({
         "id": t.id, "title": t.title, "state": task_state(t.state),
         "created_at": ts(t.created_at.as_ref()), "updated_at": ts(t.updated_at.as_ref()),
+    });
+    if let Some(u) = &t.usage {
+        v["usage"] = usage_json(u);
+    }
+    v
+}
+
+fn usage_json(u: &pb::UsageTotals) -> Value {
+    json!({
+        "turns": u.turns, "input_tokens": u.input_tokens, "output_tokens": u.output_tokens,
+        "thought_tokens": u.thought_tokens, "cached_read_tokens": u.cached_read_tokens,
+        "cached_write_tokens": u.cached_write_tokens, "total_tokens": u.total_tokens,
+        "costs": u.costs.iter().map(|c| json!({"amount": c.amount, "currency": c.currency})).collect::<Vec<_>>(),
     })
+}
+
+fn turn_usage_json(u: &pb::TurnUsage) -> Value {
+    json!({
+        "input_tokens": u.input_tokens, "output_tokens": u.output_tokens,
+        "thought_tokens": u.thought_tokens, "cached_read_tokens": u.cached_read_tokens,
+        "cached_write_tokens": u.cached_write_tokens, "total_tokens": u.total_tokens,
+        "context_used": u.context_used, "context_size": u.context_size,
+        "cost": u.cost.as_ref().map(|c| json!({"amount": c.amount, "currency": c.currency})),
+    })
+}
+
+fn costs_text(costs: &[pb::Cost]) -> String {
+    costs
+        .iter()
+        .map(|c| format!("{} {}", trim_amount(c.amount), c.currency))
+        .collect::<Vec<_>>()
+        .join(" + ")
+}
+
+/// An amount with up to 4 decimals, trailing zeros dropped.
+fn trim_amount(a: f64) -> String {
+    let s = format!("{a:.4}");
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    if s.is_empty() {
+        "0".into()
+    } else {
+        s.to_owned()
+    }
+}
+
+/// `3 turns, 450 tokens (300 in, 150 out), cost 0.75 USD`.
+pub fn usage_line(u: &pb::UsageTotals) -> String {
+    if u.turns == 0 {
+        return "none reported".into();
+    }
+    let mut parts = vec![
+        format!("{} in", u.input_tokens),
+        format!("{} out", u.output_tokens),
+    ];
+    if u.thought_tokens > 0 {
+        parts.push(format!("{} thought", u.thought_tokens));
+    }
+    if u.cached_read_tokens + u.cached_write_tokens > 0 {
+        parts.push(format!(
+            "{} cache read, {} cache write",
+            u.cached_read_tokens, u.cached_write_tokens
+        ));
+    }
+    let mut line = format!(
+        "{} turn{}, {} tokens ({})",
+        u.turns,
+        if u.turns == 1 { "" } else { "s" },
+        u.total_tokens,
+        parts.join(", ")
+    );
+    if !u.costs.is_empty() {
+        line.push_str(&format!(", cost {}", costs_text(&u.costs)));
+    }
+    line
+}
+
+/// The short form for lists: `450 tok 0.75 USD`, `-` when none.
+fn usage_short(u: Option<&pb::UsageTotals>) -> String {
+    match u.filter(|u| u.turns > 0) {
+        None => "-".into(),
+        Some(u) if u.costs.is_empty() => format!("{} tok", u.total_tokens),
+        Some(u) => format!("{} tok {}", u.total_tokens, costs_text(&u.costs)),
+    }
+}
+
+/// `[usage] 150 tokens (100 in, 50 out), context 2000/200000, cost 0.25 USD`.
+pub fn turn_usage_line(u: &pb::TurnUsage) -> String {
+    let mut parts = Vec::new();
+    let tokens = u
+        .total_tokens
+        .unwrap_or(u.input_tokens.unwrap_or(0) + u.output_tokens.unwrap_or(0));
+    if u.total_tokens.is_some() || u.input_tokens.is_some() || u.output_tokens.is_some() {
+        parts.push(format!(
+            "{tokens} tokens ({} in, {} out)",
+            u.input_tokens.unwrap_or(0),
+            u.output_tokens.unwrap_or(0)
+        ));
+    }
+    if let (Some(used), Some(size)) = (u.context_used, u.context_size) {
+        parts.push(format!("context {used}/{size}"));
+    }
+    if let Some(c) = &u.cost {
+        parts.push(format!("cost {}", costs_text(std::slice::from_ref(c))));
+    }
+    format!("[usage] {}", parts.join(", "))
 }
 
 fn session_json(s: &pb::Session) -> Value {
@@ -89,6 +193,7 @@ fn session_json(s: &pb::Session) -> Value {
         "resume_token": s.resume_token, "error_message": s.error_message,
         "version": s.version,
         "created_at": ts(s.created_at.as_ref()), "updated_at": ts(s.updated_at.as_ref()),
+        "usage": s.usage.as_ref().map(usage_json),
     })
 }
 
@@ -101,6 +206,9 @@ pub fn message_json(m: &pb::Message) -> Value {
     });
     if let Some(part) = part_json(m) {
         v["part"] = part;
+    }
+    if let Some(u) = &m.usage {
+        v["usage"] = turn_usage_json(u);
     }
     v
 }
@@ -461,6 +569,10 @@ impl Out {
                 task_state(t.state),
                 printable(&t.title)
             );
+            // GetTask totals its sessions' usage (a list does not).
+            if let Some(u) = &t.usage {
+                println!("  usage: {}", usage_line(u));
+            }
         }
     }
 
@@ -497,13 +609,17 @@ impl Out {
             println!("no sessions");
             return;
         }
-        println!("{:<36}  {:<17}  {:<16}  ERROR", "ID", "STATE", "RUNTIME");
+        println!(
+            "{:<36}  {:<17}  {:<16}  {:<20}  ERROR",
+            "ID", "STATE", "RUNTIME", "USAGE"
+        );
         for s in sessions {
             println!(
-                "{:<36}  {:<17}  {:<16}  {}",
+                "{:<36}  {:<17}  {:<16}  {:<20}  {}",
                 s.id,
                 session_state(s.state),
                 runtime(s.runtime, &s.runtime_name),
+                usage_short(s.usage.as_ref()),
                 one_line(&s.error_message, 60)
             );
         }
@@ -528,6 +644,7 @@ impl Out {
                 })),
                 "modes": s.modes.as_ref().map(modes_json),
                 "pending_permissions": s.pending_permissions.iter().map(permission_json).collect::<Vec<_>>(),
+                "usage": s.usage.as_ref().map(usage_json),
             }));
             return;
         }
@@ -556,6 +673,9 @@ impl Out {
         }
         if let Some(m) = &s.modes {
             println!("modes             {}", modes_line(m));
+        }
+        if let Some(u) = &s.usage {
+            println!("usage             {}", usage_line(u));
         }
         for p in &s.pending_permissions {
             println!(
@@ -611,6 +731,9 @@ impl Out {
             let more = if m.complete { "" } else { " …" };
             if is_text(m) {
                 println!("[{}] {}: {}{more}", m.seq, role(m.role), m.content);
+                if let Some(u) = &m.usage {
+                    println!("    {}", turn_usage_line(u));
+                }
             } else {
                 println!("[{}] {}: {}{more}", m.seq, role(m.role), activity_line(m));
             }

@@ -13,6 +13,7 @@ pub mod recovery;
 pub mod states;
 pub mod status;
 pub mod transitions;
+pub mod usage;
 
 pub use entities::{
     AgentCommand, AgentMode, AgentModes, AgentProfile, ContainerAgent, DEFAULT_PERMISSION_TIMEOUT,
@@ -36,3 +37,4 @@ pub use transitions::{
     ExecutorEvent, IllegalExecutorTransition, IllegalSessionTransition, IllegalTaskTransition,
     IllegalTransition, SessionEvent, TaskEvent,
 };
+pub use usage::{Cost, TurnUsage, UsageTotals};

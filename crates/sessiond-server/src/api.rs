@@ -541,9 +541,14 @@ impl pb::session_service_server::SessionService for Api {
         reply(
             async {
                 let task = self.store.get_task(task_id(&req.task_id)?).await?;
-                Ok(pb::GetTaskResponse {
-                    task: Some(convert::task(&task)),
-                })
+                // The task's usage is its sessions' (each keeps its own).
+                let mut usage = sessiond_domain::UsageTotals::default();
+                for s in self.store.list_sessions(task.id).await? {
+                    usage.add(&sessiond_domain::UsageTotals::from_metadata(&s.metadata));
+                }
+                let mut out = convert::task(&task);
+                out.usage = Some(convert::usage_totals(&usage));
+                Ok(pb::GetTaskResponse { task: Some(out) })
             }
             .await,
         )

@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use sessiond_domain::{
     AgentModes, AgentProfile, Event, EventPayload, ExecutorStatus, Message, MessageKind,
     MessageRole, ResumeReason, Runtime, Session, SessionState, SessionStatus, Task, TaskState,
-    Worktree,
+    UsageTotals, Worktree,
 };
 use sessiond_proto::sessiond::v1 as pb;
 
@@ -117,6 +117,7 @@ pub fn task(t: &Task) -> pb::Task {
         state: task_state(t.state) as i32,
         created_at: Some(timestamp(t.created_at)),
         updated_at: Some(timestamp(t.updated_at)),
+        usage: None,
     }
 }
 
@@ -157,6 +158,7 @@ pub fn session(s: &Session) -> pb::Session {
         version: s.version,
         created_at: Some(timestamp(s.created_at)),
         updated_at: Some(timestamp(s.updated_at)),
+        usage: Some(usage_totals(&UsageTotals::from_metadata(&s.metadata))),
     }
 }
 
@@ -174,6 +176,10 @@ pub fn message(m: &Message) -> pb::Message {
         kind: message_kind(m.kind) as i32,
         part: parts::part(m.kind, &m.data),
         part_rev: parts::rev(&m.data),
+        usage: (m.role == sessiond_domain::MessageRole::User)
+            .then(|| sessiond_recovery::usage::of_message_data(&m.data))
+            .flatten()
+            .map(|u| turn_usage(&u)),
     }
 }
 
@@ -418,6 +424,44 @@ pub fn status(s: &SessionStatus) -> pb::GetSessionStatusResponse {
         modes: None,
         pending_permissions: Vec::new(),
         agent_recovery: s.agent_recovery.as_ref().map(agent_recovery),
+        usage: Some(usage_totals(&s.usage)),
+    }
+}
+
+pub fn usage_totals(u: &UsageTotals) -> pb::UsageTotals {
+    pb::UsageTotals {
+        turns: u.turns,
+        input_tokens: u.input_tokens,
+        output_tokens: u.output_tokens,
+        thought_tokens: u.thought_tokens,
+        cached_read_tokens: u.cached_read_tokens,
+        cached_write_tokens: u.cached_write_tokens,
+        total_tokens: u.total_tokens,
+        costs: u
+            .costs
+            .iter()
+            .map(|(currency, amount)| pb::Cost {
+                amount: *amount,
+                currency: currency.clone(),
+            })
+            .collect(),
+    }
+}
+
+fn turn_usage(u: &sessiond_domain::TurnUsage) -> pb::TurnUsage {
+    pb::TurnUsage {
+        input_tokens: u.input_tokens,
+        output_tokens: u.output_tokens,
+        thought_tokens: u.thought_tokens,
+        cached_read_tokens: u.cached_read_tokens,
+        cached_write_tokens: u.cached_write_tokens,
+        total_tokens: u.total_tokens,
+        context_used: u.context_used,
+        context_size: u.context_size,
+        cost: u.cost.as_ref().map(|c| pb::Cost {
+            amount: c.amount,
+            currency: c.currency.clone(),
+        }),
     }
 }
 
