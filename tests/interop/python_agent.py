@@ -38,6 +38,11 @@ What it does, deterministically:
   and `session/load` is refused as an unknown method. This SDK version
   routes `session/resume` only with its unstable protocol switched on
   (`run_agent(..., use_unstable_protocol=True)`), which this switch does.
+- `--close`: `initialize` also advertises `sessionCapabilities.close`;
+  `session/close` is logged (with whether a turn was in progress) and
+  forgets the session's in-memory state (its stored file stays, as a
+  closed conversation can be loaded again). Routed with the SDK's unstable
+  protocol, as `session/resume` is.
 Every call is logged as one JSON line to `<state-dir>/calls.log` with the
 pid, so a test can tell which process did what.
 """
@@ -68,6 +73,7 @@ from acp.helpers import update_current_mode
 from acp.interfaces import Client
 from acp.schema import (
     AgentCapabilities,
+    CloseSessionResponse,
     Implementation,
     InitializeResponse,
     LoadSessionResponse,
@@ -76,6 +82,7 @@ from acp.schema import (
     PromptResponse,
     ResumeSessionResponse,
     SessionCapabilities,
+    SessionCloseCapabilities,
     SessionMode,
     SessionModeState,
     SessionResumeCapabilities,
@@ -126,8 +133,9 @@ def modes(current: str) -> SessionModeState:
 
 
 class InteropAgent:
-    def __init__(self, store: Store, protocol_version: int, resume_only: bool = False, terminal_output_limit: int | None = None) -> None:
+    def __init__(self, store: Store, protocol_version: int, resume_only: bool = False, terminal_output_limit: int | None = None, close: bool = False) -> None:
         self.store = store
+        self.close = close
         self.protocol_version = protocol_version
         self.resume_only = resume_only
         self.terminal_output_limit = terminal_output_limit
@@ -141,13 +149,14 @@ class InteropAgent:
 
     async def initialize(self, protocol_version: int, client_capabilities=None, client_info=None, **kwargs: Any) -> InitializeResponse:
         self.store.log("initialize", protocol_version=protocol_version)
+        close = SessionCloseCapabilities() if self.close else None
         if self.resume_only:
             capabilities = AgentCapabilities(
                 load_session=False,
-                session_capabilities=SessionCapabilities(resume=SessionResumeCapabilities()),
+                session_capabilities=SessionCapabilities(resume=SessionResumeCapabilities(), close=close),
             )
         else:
-            capabilities = AgentCapabilities(load_session=True)
+            capabilities = AgentCapabilities(load_session=True, session_capabilities=SessionCapabilities(close=close))
         return InitializeResponse(
             protocol_version=self.protocol_version,
             agent_capabilities=capabilities,
@@ -189,6 +198,12 @@ class InteropAgent:
         state = self.must_load(session_id)
         self.store.log("session/resume", session_id=session_id, replayed=0)
         return ResumeSessionResponse(modes=modes(state["mode"]))
+
+    async def close_session(self, session_id: str, **kwargs: Any) -> CloseSessionResponse:
+        self.store.log("session/close", session_id=session_id, known=self.store.load(session_id) is not None)
+        self.cancelled.add(session_id)
+        self.terminals.pop(session_id, None)
+        return CloseSessionResponse()
 
     async def set_session_mode(self, session_id: str, mode_id: str, **kwargs: Any) -> SetSessionModeResponse:
         await self.switch_mode(session_id, mode_id)
@@ -347,9 +362,10 @@ def main() -> None:
     parser.add_argument("--protocol-version", type=int, default=PROTOCOL_VERSION)
     parser.add_argument("--resume-only", action="store_true", help="offer session/resume, not session/load")
     parser.add_argument("--terminal-output-limit", type=int, default=None, help="outputByteLimit of the terminals it creates")
+    parser.add_argument("--close", action="store_true", help="offer session/close")
     args = parser.parse_args()
-    agent = InteropAgent(Store(args.state_dir), args.protocol_version, args.resume_only, args.terminal_output_limit)
-    asyncio.run(run_agent(agent, use_unstable_protocol=args.resume_only))
+    agent = InteropAgent(Store(args.state_dir), args.protocol_version, args.resume_only, args.terminal_output_limit, args.close)
+    asyncio.run(run_agent(agent, use_unstable_protocol=args.resume_only or args.close))
 
 
 if __name__ == "__main__":

@@ -19,11 +19,11 @@ use std::time::Duration;
 use agent_client_protocol::schema::ProtocolVersion;
 use agent_client_protocol::v1::ConnectionTo;
 use agent_client_protocol::v1::schema::{
-    AuthMethod, AuthenticateRequest, CancelNotification, ClientCapabilities, ContentBlock,
-    CreateTerminalRequest, CreateTerminalResponse, FileSystemCapabilities, Implementation,
-    InitializeRequest, KillTerminalRequest, KillTerminalResponse, LoadSessionRequest,
-    NewSessionRequest, PermissionOptionKind, PromptRequest, ReadTextFileRequest,
-    ReadTextFileResponse, ReleaseTerminalRequest, ReleaseTerminalResponse,
+    AuthMethod, AuthenticateRequest, CancelNotification, ClientCapabilities, CloseSessionRequest,
+    ContentBlock, CreateTerminalRequest, CreateTerminalResponse, FileSystemCapabilities,
+    Implementation, InitializeRequest, KillTerminalRequest, KillTerminalResponse,
+    LoadSessionRequest, NewSessionRequest, PermissionOptionKind, PromptRequest,
+    ReadTextFileRequest, ReadTextFileResponse, ReleaseTerminalRequest, ReleaseTerminalResponse,
     RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
     ResumeSessionRequest, SelectedPermissionOutcome, SessionId, SessionModeId, SessionModeState,
     SessionNotification, SessionUpdate, SetSessionModeRequest, StopReason, TerminalExitStatus,
@@ -64,6 +64,9 @@ const SESSION_SETUP_SILENCE: Duration = Duration::from_secs(120);
 /// How many started turns `Prompt` remembers for its idempotency by
 /// `turn_id` (the proto promises 256).
 pub const REMEMBERED_TURNS: usize = 256;
+/// How long a stop waits for the agent's answer to `session/close` (at most
+/// the stop's grace) before it ends the process anyway.
+const CLOSE_LIMIT: Duration = Duration::from_secs(2);
 /// Kinds of unparseable updates logged at most: an agent sending a new
 /// error in every update cannot flood the log.
 const MAX_UNPARSED_LOGGED: usize = 64;
@@ -290,6 +293,8 @@ struct Slot {
     unparsed_logged: HashSet<String>,
     /// What the current agent process reported it used and cost.
     usage: UsageTrack,
+    /// The current agent offers `session/close` (`sessionCapabilities.close`).
+    agent_close_session: bool,
 }
 
 #[derive(Debug)]
@@ -539,6 +544,7 @@ impl AgentManager {
                     asks: HashMap::new(),
                     unparsed_logged: HashSet::new(),
                     usage: UsageTrack::default(),
+                    agent_close_session: false,
                 }),
                 ops: tokio::sync::Mutex::new(()),
                 journal_fresh: journal.is_durable() && loaded.fresh,
@@ -713,6 +719,7 @@ impl AgentManager {
             slot.profile_claim = spec.profile_supports_session_resume;
             slot.agent_load_session = None;
             slot.agent_resume_session = None;
+            slot.agent_close_session = false;
             slot.signs = Some(signs.clone());
             slot.auth_methods = Vec::new();
             slot.policy = spec.permission_policy.unwrap_or(self.shared.policy);
@@ -864,6 +871,8 @@ impl AgentManager {
                 }
                 slot.agent_load_session = Some(load_session);
                 slot.agent_resume_session = Some(resume_session);
+                slot.agent_close_session =
+                    resp.agent_capabilities.session_capabilities.close.is_some();
                 slot.auth_methods = auth_methods.clone();
                 slot.set_state(&self.shared.updates, AgentState::Ready);
                 tracing::info!(pid, %name, %version, load_session, resume_session, activity = signs.lines(), cpu_ms = signs.sample_cpu_ms(), "agent initialized");
@@ -1317,13 +1326,43 @@ impl AgentManager {
 
     /// Ends the agent's process group: TERM, then KILL after `grace`.
     pub async fn stop(&self, grace: Duration) -> Option<AgentExit> {
-        let (pid, exit_rx) = {
+        let (pid, exit_rx, close) = {
             let slot = self.shared.slot();
             match slot.running.as_ref() {
-                Some(r) => (r.pid, r.exit_rx.clone()),
+                Some(r) => {
+                    // An agent that offers `session/close` is told first, so
+                    // it can end the session's work and free what it holds.
+                    let close = match (&r.conn, &slot.session) {
+                        (Some(conn), Some(session)) if slot.agent_close_session => {
+                            Some((conn.clone(), session.clone()))
+                        }
+                        _ => None,
+                    };
+                    (r.pid, r.exit_rx.clone(), close)
+                }
                 None => return slot.exit,
             }
         };
+        if let Some((conn, session)) = close {
+            let limit = if grace.is_zero() {
+                DEFAULT_STOP_GRACE
+            } else {
+                grace
+            }
+            .min(CLOSE_LIMIT);
+            let sent = conn
+                .send_request(CloseSessionRequest::new(session.clone()))
+                .block_task();
+            match tokio::time::timeout(limit, sent).await {
+                Ok(Ok(_)) => tracing::info!(%session, "session closed (ACP session/close)"),
+                Ok(Err(e)) => {
+                    tracing::warn!(%session, error = %e, "session/close failed; stopping the agent anyway")
+                }
+                Err(_) => {
+                    tracing::warn!(%session, ?limit, "session/close unanswered; stopping the agent anyway")
+                }
+            }
+        }
         let exit = self.stop_pid(pid, exit_rx, grace).await;
         self.shared.terminals.release_all().await;
         exit

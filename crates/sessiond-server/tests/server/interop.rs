@@ -844,3 +844,89 @@ async fn python_sdk_agent_terminals_run_in_the_worktree_and_end_with_the_session
     .unwrap();
     assert_dead(&[fg, bg, agent]).await;
 }
+
+/// Stop and delete tell an agent that offers ACP `session/close` (the
+/// Python SDK agent with `--close`) to close the session before its process
+/// ends: its log has the close, for the session's own conversation, from
+/// the process that ran it, and that process is gone afterwards. An agent
+/// that does not offer it is not sent one.
+#[tokio::test]
+#[ignore = "needs the Python ACP SDK's virtualenv: run by cargo xtask ci"]
+async fn python_sdk_agent_gets_session_close_on_stop_and_delete() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work").canonicalize_or_create();
+    let config = config(
+        dir.path(),
+        &[("pyclose", &["--close"], ""), ("pyplain", &[], "")],
+    );
+    let server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "close").await;
+    let new_of = |token: &str| {
+        calls(dir.path())
+            .into_iter()
+            .find(|c| c.method == "session/new" && c.session_id == token)
+            .expect("the agent got session/new")
+    };
+    let closes = |token: &str| {
+        calls(dir.path())
+            .into_iter()
+            .filter(|c| c.method == "session/close" && c.session_id == token)
+            .collect::<Vec<_>>()
+    };
+    let wait_dead = |pid: u32| async move {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while alive(pid) {
+            assert!(Instant::now() < deadline, "agent {pid} still alive");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+
+    // Stop.
+    let stopped = create_session(&mut c, &task.id, &work, "pyclose").await;
+    let reply = prompt(&mut c, &task.id, &stopped.id, "hello").await;
+    assert_eq!(reply, "turn 1: you said \"hello\" (tool: allowed)");
+    let agent = new_of(&stopped.resume_token);
+    c.stop_session(pb::StopSessionRequest {
+        task_id: task.id.clone(),
+        session_id: stopped.id.clone(),
+        outcome: 0,
+    })
+    .await
+    .unwrap();
+    let closed = closes(&stopped.resume_token);
+    assert_eq!(closed.len(), 1, "{:?}", calls(dir.path()));
+    assert_eq!(
+        closed[0].pid, agent.pid,
+        "closed by the process that ran it"
+    );
+    wait_dead(agent.pid).await;
+
+    // Delete.
+    let deleted = create_session(&mut c, &task.id, &work, "pyclose").await;
+    let agent = new_of(&deleted.resume_token);
+    c.delete_session(pb::DeleteSessionRequest {
+        task_id: task.id.clone(),
+        session_id: deleted.id.clone(),
+    })
+    .await
+    .unwrap();
+    let closed = closes(&deleted.resume_token);
+    assert_eq!(closed.len(), 1, "{:?}", calls(dir.path()));
+    assert_eq!(closed[0].pid, agent.pid);
+    wait_dead(agent.pid).await;
+
+    // Not offered: not sent.
+    let plain = create_session(&mut c, &task.id, &work, "pyplain").await;
+    let agent = new_of(&plain.resume_token);
+    c.stop_session(pb::StopSessionRequest {
+        task_id: task.id.clone(),
+        session_id: plain.id.clone(),
+        outcome: 0,
+    })
+    .await
+    .unwrap();
+    wait_dead(agent.pid).await;
+    assert!(closes(&plain.resume_token).is_empty());
+}
