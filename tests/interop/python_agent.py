@@ -38,6 +38,13 @@ What it does, deterministically:
   and `session/load` is refused as an unknown method. This SDK version
   routes `session/resume` only with its unstable protocol switched on
   (`run_agent(..., use_unstable_protocol=True)`), which this switch does.
+- `--config`: sessions offer two config options, `model` (category
+  `model`: `small`, `large`) and `effort` (category `thought_level`: `low`,
+  `high`), in the session/new, load and resume answers; the values are
+  stored with the session, so a new process answers them as set;
+  `session/set_config_option` checks and stores one (-32602 otherwise) and
+  answers them all; the prompt `/config ID VALUE` makes the agent change
+  one itself (ACP `config_option_update`); replies end ` [model: M]`.
 - `--close`: `initialize` also advertises `sessionCapabilities.close`;
   `session/close` is logged (with whether a turn was in progress) and
   forgets the session's in-memory state (its stored file stays, as a
@@ -83,6 +90,10 @@ from acp.schema import (
     ResumeSessionResponse,
     SessionCapabilities,
     SessionCloseCapabilities,
+    SessionConfigOptionSelect,
+    SessionConfigSelectOption,
+    SetSessionConfigOptionResponse,
+    ConfigOptionUpdate,
     SessionMode,
     SessionModeState,
     SessionResumeCapabilities,
@@ -96,6 +107,12 @@ MODES = [
     SessionMode(id="plan", name="Plan", description="the same, and says so"),
 ]
 SIDE_EFFECT_FILE = "interop.txt"
+# --config: (id, name, category, values); the first value is the default.
+CONFIG_OPTIONS = [
+    ("model", "Model", "model", ["small", "large"]),
+    ("effort", "Reasoning effort", "thought_level", ["low", "high"]),
+]
+CONFIG_DEFAULTS = {c[0]: c[3][0] for c in CONFIG_OPTIONS}
 
 
 class Store:
@@ -133,8 +150,9 @@ def modes(current: str) -> SessionModeState:
 
 
 class InteropAgent:
-    def __init__(self, store: Store, protocol_version: int, resume_only: bool = False, terminal_output_limit: int | None = None, close: bool = False) -> None:
+    def __init__(self, store: Store, protocol_version: int, resume_only: bool = False, terminal_output_limit: int | None = None, close: bool = False, config: bool = False) -> None:
         self.store = store
+        self.config = config
         self.close = close
         self.protocol_version = protocol_version
         self.resume_only = resume_only
@@ -169,9 +187,9 @@ class InteropAgent:
 
     async def new_session(self, cwd: str, mcp_servers=None, **kwargs: Any) -> NewSessionResponse:
         session_id = uuid.uuid4().hex
-        self.store.save(session_id, {"cwd": cwd, "mode": "default", "history": []})
+        self.store.save(session_id, {"cwd": cwd, "mode": "default", "history": [], "config": dict(CONFIG_DEFAULTS)})
         self.store.log("session/new", session_id=session_id)
-        return NewSessionResponse(session_id=session_id, modes=modes("default"))
+        return NewSessionResponse(session_id=session_id, modes=modes("default"), config_options=self.config_options(session_id))
 
     async def load_session(self, cwd: str, session_id: str, mcp_servers=None, **kwargs: Any) -> LoadSessionResponse:
         if self.resume_only:
@@ -189,7 +207,7 @@ class InteropAgent:
                 update = start_tool_call(item["id"], item["title"], kind="edit", status=item["status"])
             await self.conn.session_update(session_id=session_id, update=update)
         self.store.log("session/load", session_id=session_id, replayed=len(state["history"]))
-        return LoadSessionResponse(modes=modes(state["mode"]))
+        return LoadSessionResponse(modes=modes(state["mode"]), config_options=self.config_options(session_id))
 
     async def resume_session(self, cwd: str, session_id: str, mcp_servers=None, **kwargs: Any) -> ResumeSessionResponse:
         if not self.resume_only:
@@ -197,13 +215,42 @@ class InteropAgent:
         # Reopened as stored; nothing is replayed (that is session/load).
         state = self.must_load(session_id)
         self.store.log("session/resume", session_id=session_id, replayed=0)
-        return ResumeSessionResponse(modes=modes(state["mode"]))
+        return ResumeSessionResponse(modes=modes(state["mode"]), config_options=self.config_options(session_id))
 
     async def close_session(self, session_id: str, **kwargs: Any) -> CloseSessionResponse:
         self.store.log("session/close", session_id=session_id, known=self.store.load(session_id) is not None)
         self.cancelled.add(session_id)
         self.terminals.pop(session_id, None)
         return CloseSessionResponse()
+
+    def config_options(self, session_id: str) -> list[SessionConfigOptionSelect] | None:
+        if not self.config:
+            return None
+        values = self.must_load(session_id).get("config", CONFIG_DEFAULTS)
+        return [
+            SessionConfigOptionSelect(
+                type="select",
+                id=config_id,
+                name=name,
+                category=category,
+                current_value=values.get(config_id, CONFIG_DEFAULTS[config_id]),
+                options=[SessionConfigSelectOption(value=v, name=v.capitalize()) for v in choices],
+            )
+            for config_id, name, category, choices in CONFIG_OPTIONS
+        ]
+
+    async def set_config_option(self, config_id: str, session_id: str, value: str | bool, **kwargs: Any) -> SetSessionConfigOptionResponse:
+        await self.change_config(session_id, config_id, value)
+        self.store.log("session/set_config_option", session_id=session_id, config_id=config_id, value=value)
+        return SetSessionConfigOptionResponse(config_options=self.config_options(session_id))
+
+    async def change_config(self, session_id: str, config_id: str, value: Any) -> None:
+        choices = {c[0]: c[3] for c in CONFIG_OPTIONS}
+        if not self.config or config_id not in choices or value not in choices[config_id]:
+            raise RequestError.invalid_params({"config_id": config_id, "value": value})
+        state = self.must_load(session_id)
+        state.setdefault("config", dict(CONFIG_DEFAULTS))[config_id] = value
+        self.store.save(session_id, state)
 
     async def set_session_mode(self, session_id: str, mode_id: str, **kwargs: Any) -> SetSessionModeResponse:
         await self.switch_mode(session_id, mode_id)
@@ -244,6 +291,16 @@ class InteropAgent:
             state = self.must_load(session_id)
             state["history"] = history
             note = f"mode: {words[1]}"
+        elif len(words) == 3 and words[0] == "/config":
+            # The agent changes an option itself (ACP `config_option_update`).
+            await self.change_config(session_id, words[1], words[2])
+            await self.conn.session_update(
+                session_id=session_id,
+                update=ConfigOptionUpdate(session_update="config_option_update", config_options=self.config_options(session_id)),
+            )
+            state = self.must_load(session_id)
+            state["history"] = history
+            note = f"config: {words[1]}={words[2]}"
         elif words and words[0].startswith("/terminal"):
             note = await self.terminal(session_id, turn, words[0], text[len(words[0]):].strip())
         else:
@@ -253,6 +310,8 @@ class InteropAgent:
         reply = [f"turn {turn}: ", f'you said "{text}"', f" ({note})"]
         if state["mode"] == "plan":
             reply.append(" [plan mode]")
+        if self.config:
+            reply.append(f" [model: {state.get('config', CONFIG_DEFAULTS)['model']}]")
         for chunk in reply:
             await self.conn.session_update(session_id=session_id, update=update_agent_message_text(chunk))
         history.append({"kind": "agent", "text": "".join(reply)})
@@ -363,8 +422,9 @@ def main() -> None:
     parser.add_argument("--resume-only", action="store_true", help="offer session/resume, not session/load")
     parser.add_argument("--terminal-output-limit", type=int, default=None, help="outputByteLimit of the terminals it creates")
     parser.add_argument("--close", action="store_true", help="offer session/close")
+    parser.add_argument("--config", action="store_true", help="offer config options (model, effort)")
     args = parser.parse_args()
-    agent = InteropAgent(Store(args.state_dir), args.protocol_version, args.resume_only, args.terminal_output_limit, args.close)
+    agent = InteropAgent(Store(args.state_dir), args.protocol_version, args.resume_only, args.terminal_output_limit, args.close, args.config)
     asyncio.run(run_agent(agent, use_unstable_protocol=args.resume_only or args.close))
 
 

@@ -1097,6 +1097,60 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
           </button>
         )}
       </div>
+      {s && !ended && (s.modes?.available.length || s.configOptions.length) ? (
+        <div class="session-config" data-testid="session-config">
+          {s.modes && s.modes.available.length > 0 && (
+            <label>
+              Mode
+              <select
+                data-testid="mode-select"
+                value={s.modes.currentModeId}
+                onChange={(e) => {
+                  const modeId = (e.target as HTMLSelectElement).value;
+                  sessions
+                    .setSessionMode({ taskId, sessionId, modeId })
+                    .then(refresh)
+                    .catch((err) => setStatusError(describe(err)));
+                }}
+              >
+                {s.modes.available.map((m) => (
+                  <option key={m.id} value={m.id} title={m.description}>
+                    {m.name || m.id}
+                  </option>
+                ))}
+              </select>
+            </label>
+          )}
+          {s.configOptions.map((o) => {
+            const set = (value: string) =>
+              sessions
+                .setSessionConfigOption({ taskId, sessionId, configId: o.id, value })
+                .then(refresh)
+                .catch((err) => setStatusError(describe(err)));
+            return (
+              <label key={o.id} title={o.description}>
+                {o.name || o.id}
+                {o.type === "boolean" ? (
+                  <input
+                    type="checkbox"
+                    data-testid={`config-${o.id}`}
+                    checked={o.currentValue === "true"}
+                    onChange={(e) => set(String((e.target as HTMLInputElement).checked))}
+                  />
+                ) : (
+                  <select data-testid={`config-${o.id}`} value={o.currentValue} onChange={(e) => set((e.target as HTMLSelectElement).value)}>
+                    {o.values.map((v) => (
+                      <option key={v.value} value={v.value} title={v.description}>
+                        {v.name || v.value}
+                      </option>
+                    ))}
+                  </select>
+                )}
+              </label>
+            );
+          })}
+        </div>
+      ) : null}
       {/* One banner at a time: the page's own says when sessiond is unreachable. */}
       {watch === "reconnecting" && !offline && (
         <p class="banner warn" role="status" data-testid="reconnecting">

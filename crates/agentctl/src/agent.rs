@@ -25,10 +25,11 @@ use agent_client_protocol::v1::schema::{
     LoadSessionRequest, NewSessionRequest, PermissionOptionKind, PromptRequest,
     ReadTextFileRequest, ReadTextFileResponse, ReleaseTerminalRequest, ReleaseTerminalResponse,
     RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
-    ResumeSessionRequest, SelectedPermissionOutcome, SessionId, SessionModeId, SessionModeState,
-    SessionNotification, SessionUpdate, SetSessionModeRequest, StopReason, TerminalExitStatus,
-    TerminalOutputRequest, TerminalOutputResponse, TextContent, WaitForTerminalExitRequest,
-    WaitForTerminalExitResponse, WriteTextFileRequest, WriteTextFileResponse,
+    ResumeSessionRequest, SelectedPermissionOutcome, SessionConfigOption, SessionId, SessionModeId,
+    SessionModeState, SessionNotification, SessionUpdate, SetSessionConfigOptionRequest,
+    SetSessionModeRequest, StopReason, TerminalExitStatus, TerminalOutputRequest,
+    TerminalOutputResponse, TextContent, WaitForTerminalExitRequest, WaitForTerminalExitResponse,
+    WriteTextFileRequest, WriteTextFileResponse,
 };
 use agent_client_protocol::{Agent, Client, ErrorCode, Handled, Lines, UntypedMessage};
 use sessiond_proto::agentctl::v1::{
@@ -295,6 +296,10 @@ struct Slot {
     usage: UsageTrack,
     /// The current agent offers `session/close` (`sessionCapabilities.close`).
     agent_close_session: bool,
+    /// The open conversation's ACP config options, as the agent last
+    /// described them (session/new, load, resume answers, its
+    /// `config_option_update`s, a set's answer).
+    config: Option<Vec<SessionConfigOption>>,
 }
 
 #[derive(Debug)]
@@ -545,6 +550,7 @@ impl AgentManager {
                     unparsed_logged: HashSet::new(),
                     usage: UsageTrack::default(),
                     agent_close_session: false,
+                    config: None,
                 }),
                 ops: tokio::sync::Mutex::new(()),
                 journal_fresh: journal.is_durable() && loaded.fresh,
@@ -731,6 +737,7 @@ impl AgentManager {
             slot.asks.clear();
             slot.session = None;
             slot.modes = None;
+            slot.config = None;
             slot.turn = None;
             slot.replaying = None;
             slot.marker = marker;
@@ -920,6 +927,7 @@ impl AgentManager {
         let mut slot = self.shared.slot();
         slot.session = Some(id.clone());
         slot.modes = resp.modes;
+        slot.config = resp.config_options;
         Ok(id.0.to_string())
     }
 
@@ -970,7 +978,9 @@ impl AgentManager {
                 .await
                 .map_err(|cut| Error::DeadlineExceeded(cut.describe("ACP session/resume")))?;
                 match answer {
-                    Ok(resp) => return Ok((Reopened::Resume, resp.modes)),
+                    Ok(resp) => {
+                        return Ok((Reopened::Resume, resp.modes, resp.config_options));
+                    }
                     Err(e) if e.code == ErrorCode::METHOD_NOT_FOUND && offers_load => {
                         tracing::info!(session = %session, "the agent refused session/resume as an unknown method; loading instead");
                     }
@@ -995,12 +1005,12 @@ impl AgentManager {
                 self.shared
                     .acp_error(&format!("ACP session/load of {token:?} was rejected"), &e)
             })?;
-            Ok((Reopened::Load, resp.modes))
+            Ok((Reopened::Load, resp.modes, resp.config_options))
         };
         let result = reopen.await;
         let mut slot = self.shared.slot();
         slot.replaying = None;
-        let (method, modes) = result?;
+        let (method, modes, config) = result?;
         let replayed = slot.replayed;
         match method {
             Reopened::Resume => {
@@ -1014,6 +1024,7 @@ impl AgentManager {
         }
         slot.session = Some(session);
         slot.modes = modes;
+        slot.config = config;
         Ok(Resumed {
             token: token.to_owned(),
             method,
@@ -1024,6 +1035,51 @@ impl AgentManager {
     /// The session modes of the open conversation, if the agent has modes.
     pub fn modes(&self) -> Option<SessionModeState> {
         self.shared.slot().modes.clone()
+    }
+
+    /// The open conversation's config options, if the agent has any.
+    pub fn config_options(&self) -> Option<Vec<SessionConfigOption>> {
+        self.shared.slot().config.clone()
+    }
+
+    /// ACP `session/set_config_option` of the open conversation, after
+    /// checking the option and the value; returns the options as the agent
+    /// answered (it may change others with it).
+    pub async fn set_config_option(
+        &self,
+        config_id: &str,
+        value: &str,
+    ) -> Result<Vec<SessionConfigOption>> {
+        let _op = self.shared.ops.lock().await;
+        let (conn, session, options) = {
+            let slot = self.shared.slot();
+            let conn = slot.connection()?;
+            let Some(session) = slot.session.clone() else {
+                return Err(Error::FailedPrecondition(
+                    "no conversation is open (NewSession or ResumeSession first)".into(),
+                ));
+            };
+            (conn, session, slot.config.clone().unwrap_or_default())
+        };
+        let acp_value = crate::config::value_for(&options, config_id, value)?;
+        let signs = self.signs()?;
+        let resp = signs::until_silent(
+            &signs,
+            SESSION_SETUP_SILENCE,
+            signs::SETUP_CAP,
+            conn.send_request(SetSessionConfigOptionRequest::new(
+                session,
+                config_id.to_owned(),
+                acp_value,
+            ))
+            .block_task(),
+        )
+        .await
+        .map_err(|cut| Error::DeadlineExceeded(cut.describe("ACP session/set_config_option")))?
+        .map_err(|e| self.shared.acp_error("ACP session/set_config_option", &e))?;
+        let mut slot = self.shared.slot();
+        slot.config = Some(resp.config_options.clone());
+        Ok(resp.config_options)
     }
 
     /// ACP `session/set_mode` of the open conversation; returns its modes
@@ -1420,6 +1476,7 @@ fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) -> bool {
     slot.replaying = None;
     slot.session = None;
     slot.modes = None;
+    slot.config = None;
     if let Some(turn) = slot.turn.take() {
         for a in slot.parts.close(&turn.turn_id) {
             shared.updates.push(Kind::Activity(a));
@@ -1652,6 +1709,13 @@ fn on_session_update(shared: &Shared, generation: u64, n: SessionNotification) {
     if slot.replaying.as_ref() == Some(&n.session_id) {
         slot.replayed += 1;
         return;
+    }
+    // Options the agent changed (often with a mode or a model) replace the
+    // ones it offered; the update also goes on as a part.
+    if let SessionUpdate::ConfigOptionUpdate(u) = &n.update
+        && slot.session.as_ref() == Some(&n.session_id)
+    {
+        slot.config = Some(u.config_options.clone());
     }
     // A mode the agent switched to by itself is the current one from now on
     // (Health reports it), in a turn or between turns.

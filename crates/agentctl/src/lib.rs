@@ -15,6 +15,7 @@
 pub mod activity;
 pub mod agent;
 pub mod auth;
+pub mod config;
 pub mod error;
 pub mod exec;
 pub mod fence;

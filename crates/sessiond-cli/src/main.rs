@@ -86,6 +86,16 @@ enum Command {
         session: SessionRef,
         mode_id: String,
     },
+    /// Set one of the agent's config options, e.g. its model (`session
+    /// status` lists them with the values each takes).
+    Config {
+        #[command(flatten)]
+        session: SessionRef,
+        /// The option's id (`model`, ...).
+        config_id: String,
+        /// One of the values it offers (`true` / `false` for a switch).
+        value: String,
+    },
     /// List a session's messages.
     Messages(MessagesArgs),
     /// Follow a session's (or a task's) events live; reconnects after a
@@ -455,6 +465,23 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .await?
                 .into_inner();
             out.modes(&session.session_id, &r.modes.unwrap_or_default());
+        }
+        Command::Config {
+            session,
+            config_id,
+            value,
+        } => {
+            let r = c
+                .sessions
+                .set_session_config_option(pb::SetSessionConfigOptionRequest {
+                    task_id: session.task.task,
+                    session_id: session.session_id.clone(),
+                    config_id,
+                    value,
+                })
+                .await?
+                .into_inner();
+            out.config_options(&session.session_id, &r.config_options);
         }
         Command::Messages(args) => messages(&mut c, &out, args).await?,
         Command::Watch(args) => watch(&mut c, &out, args).await?,

@@ -517,6 +517,26 @@ fn modes_json(m: &pb::SessionModes) -> Value {
     })
 }
 
+fn config_json(o: &pb::ConfigOption) -> Value {
+    json!({
+        "id": o.id, "name": o.name, "description": o.description, "category": o.category,
+        "type": o.r#type, "current_value": o.current_value,
+        "values": o.values.iter().map(|v| json!({
+            "value": v.value, "name": v.name, "description": v.description,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// `model = large (of small, large)`.
+fn config_line(o: &pb::ConfigOption) -> String {
+    let offered: Vec<&str> = if o.r#type == "boolean" {
+        vec!["true", "false"]
+    } else {
+        o.values.iter().map(|v| v.value.as_str()).collect()
+    };
+    format!("{} = {} (of {})", o.id, o.current_value, offered.join(", "))
+}
+
 /// `plan (of default, plan)`: the current mode first, then every mode.
 fn modes_line(m: &pb::SessionModes) -> String {
     let all: Vec<&str> = m.available.iter().map(|a| a.id.as_str()).collect();
@@ -643,6 +663,7 @@ impl Out {
                     "retry_in_ms": r.retry_in_ms, "replayed": r.replayed,
                 })),
                 "modes": s.modes.as_ref().map(modes_json),
+                "config_options": s.config_options.iter().map(config_json).collect::<Vec<_>>(),
                 "pending_permissions": s.pending_permissions.iter().map(permission_json).collect::<Vec<_>>(),
                 "usage": s.usage.as_ref().map(usage_json),
             }));
@@ -674,6 +695,9 @@ impl Out {
         if let Some(m) = &s.modes {
             println!("modes             {}", modes_line(m));
         }
+        for o in &s.config_options {
+            println!("config            {}", config_line(o));
+        }
         if let Some(u) = &s.usage {
             println!("usage             {}", usage_line(u));
         }
@@ -699,6 +723,19 @@ impl Out {
             self.print_json(json!({"session_id": session_id, "modes": modes_json(m)}));
         } else {
             println!("session {session_id} mode {}", modes_line(m));
+        }
+    }
+
+    pub fn config_options(&self, session_id: &str, options: &[pb::ConfigOption]) {
+        if self.json {
+            self.print_json(json!({
+                "session_id": session_id,
+                "config_options": options.iter().map(config_json).collect::<Vec<_>>(),
+            }));
+        } else {
+            for o in options {
+                println!("session {session_id} config {}", config_line(o));
+            }
         }
     }
 

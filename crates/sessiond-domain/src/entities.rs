@@ -278,6 +278,52 @@ pub struct AgentModes {
     pub current: String,
     /// The modes the agent offers, in its order.
     pub available: Vec<AgentMode>,
+    /// The session's configuration options (ACP config options: the model,
+    /// a reasoning effort, ...), with their current values. Carried with
+    /// the modes: both describe the open conversation and change together.
+    pub config_options: Vec<ConfigOption>,
+}
+
+/// One configuration option of an agent's session (ACP
+/// `SessionConfigOption`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ConfigOption {
+    /// The agent's id for it, used to set it (e.g. `model`).
+    pub id: String,
+    /// Its human-readable name.
+    pub name: String,
+    /// What it does (may be empty).
+    pub description: String,
+    /// `mode`, `model`, `thought_level`, ... (may be empty).
+    pub category: String,
+    /// `select` (one of `values`) or `boolean` (`true` / `false`).
+    pub kind: String,
+    /// The value in effect.
+    pub current: String,
+    /// For `select`: the values it takes.
+    pub values: Vec<ConfigValue>,
+}
+
+/// One value a `select` configuration option takes.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ConfigValue {
+    /// The id to set.
+    pub value: String,
+    /// Its human-readable name.
+    pub name: String,
+    /// What it means (may be empty).
+    pub description: String,
+}
+
+impl ConfigOption {
+    /// The values `set` may name: a select's value ids, a boolean's two.
+    pub fn offered(&self) -> Vec<&str> {
+        if self.kind == "boolean" {
+            vec!["true", "false"]
+        } else {
+            self.values.iter().map(|v| v.value.as_str()).collect()
+        }
+    }
 }
 
 /// One session mode an agent offers (ACP `SessionMode`).

@@ -16,8 +16,8 @@ pub mod transitions;
 pub mod usage;
 
 pub use entities::{
-    AgentCommand, AgentMode, AgentModes, AgentProfile, ContainerAgent, DEFAULT_PERMISSION_TIMEOUT,
-    ExecutorRecord, Message, Session, Task, Worktree,
+    AgentCommand, AgentMode, AgentModes, AgentProfile, ConfigOption, ConfigValue, ContainerAgent,
+    DEFAULT_PERMISSION_TIMEOUT, ExecutorRecord, Message, Session, Task, Worktree,
 };
 pub use events::{Event, EventKind, EventPayload};
 pub use ids::{AgentProfileId, ExecutorId, IdParseError, MessageId, SessionId, TaskId};

@@ -413,7 +413,11 @@ impl Pump {
             return Ok(());
         }
         let kind = MessageKind::parse(&a.kind).unwrap_or(MessageKind::Other);
-        if kind == MessageKind::CurrentMode {
+        // The mode or the config options changed: the next status asks
+        // agentctl again.
+        if kind == MessageKind::CurrentMode
+            || (kind == MessageKind::Other && a.text == "config_option_update")
+        {
             self.mgr.forget_modes(self.session_id);
         }
         if kind == MessageKind::Permission {

@@ -425,6 +425,7 @@ pub fn status(s: &SessionStatus) -> pb::GetSessionStatusResponse {
         pending_permissions: Vec::new(),
         agent_recovery: s.agent_recovery.as_ref().map(agent_recovery),
         usage: Some(usage_totals(&s.usage)),
+        config_options: Vec::new(),
     }
 }
 
@@ -500,6 +501,29 @@ pub fn modes(m: &AgentModes) -> pb::SessionModes {
             })
             .collect(),
     }
+}
+
+pub fn config_options(m: &AgentModes) -> Vec<pb::ConfigOption> {
+    m.config_options
+        .iter()
+        .map(|o| pb::ConfigOption {
+            id: o.id.clone(),
+            name: o.name.clone(),
+            description: o.description.clone(),
+            category: o.category.clone(),
+            r#type: o.kind.clone(),
+            current_value: o.current.clone(),
+            values: o
+                .values
+                .iter()
+                .map(|v| pb::ConfigValue {
+                    value: v.value.clone(),
+                    name: v.name.clone(),
+                    description: v.description.clone(),
+                })
+                .collect(),
+        })
+        .collect()
 }
 
 pub fn event(e: &Event) -> pb::Event {

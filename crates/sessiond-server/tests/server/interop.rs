@@ -930,3 +930,159 @@ async fn python_sdk_agent_gets_session_close_on_stop_and_delete() {
     wait_dead(agent.pid).await;
     assert!(closes(&plain.resume_token).is_empty());
 }
+
+/// `(id, current value, values)` of each config option GetSessionStatus
+/// lists.
+async fn config_of(
+    c: &mut Sessions,
+    task: &str,
+    session: &str,
+) -> Vec<(String, String, Vec<String>)> {
+    c.get_session_status(pb::GetSessionStatusRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .config_options
+    .into_iter()
+    .map(|o| {
+        (
+            o.id,
+            o.current_value,
+            o.values.into_iter().map(|v| v.value).collect(),
+        )
+    })
+    .collect()
+}
+
+fn owned(rows: &[(&str, &str, &[&str])]) -> Vec<(String, String, Vec<String>)> {
+    rows.iter()
+        .map(|(id, current, values)| {
+            (
+                (*id).to_owned(),
+                (*current).to_owned(),
+                values.iter().map(|v| (*v).to_owned()).collect(),
+            )
+        })
+        .collect()
+}
+
+/// Config options (the Python SDK agent with `--config`: `model` and
+/// `effort`): GetSessionStatus lists them with their values from the
+/// session/new answer; SetSessionConfigOption sets one (the agent gets
+/// `session/set_config_option`) and refuses an option or a value the agent
+/// does not offer, naming what it offers; a change the agent makes itself
+/// (`config_option_update`) shows; and after kill -9 of everything the
+/// conversation reloaded in a new agent process keeps them.
+#[tokio::test]
+#[ignore = "needs the Python ACP SDK's virtualenv: run by cargo xtask ci"]
+async fn python_sdk_agent_config_options_listed_set_and_kept_across_recovery() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work").canonicalize_or_create();
+    let config = config(dir.path(), &[("pyconfig", &["--config"], "")]);
+    let mut server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "config").await;
+    let s = create_session(&mut c, &task.id, &work, "pyconfig").await;
+    let models: &[&str] = &["small", "large"];
+    let efforts: &[&str] = &["low", "high"];
+    assert_eq!(
+        config_of(&mut c, &task.id, &s.id).await,
+        owned(&[("model", "small", models), ("effort", "low", efforts)])
+    );
+
+    let set = |config_id: &str, value: &str| pb::SetSessionConfigOptionRequest {
+        task_id: task.id.clone(),
+        session_id: s.id.clone(),
+        config_id: config_id.into(),
+        value: value.into(),
+    };
+    let answer = c
+        .set_session_config_option(set("model", "large"))
+        .await
+        .unwrap()
+        .into_inner();
+    let model = answer
+        .config_options
+        .iter()
+        .find(|o| o.id == "model")
+        .unwrap();
+    assert_eq!(
+        (
+            model.current_value.as_str(),
+            model.category.as_str(),
+            model.r#type.as_str()
+        ),
+        ("large", "model", "select")
+    );
+    assert!(
+        calls(dir.path())
+            .iter()
+            .any(|c| c.method == "session/set_config_option"),
+        "the agent was asked"
+    );
+    let err = c
+        .set_session_config_option(set("model", "huge"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("it offers small, large"), "{err:?}");
+    let err = c
+        .set_session_config_option(set("colour", "red"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message().contains("its options are model, effort"),
+        "{err:?}"
+    );
+    let reply = prompt(&mut c, &task.id, &s.id, "hello").await;
+    assert_eq!(
+        reply,
+        "turn 1: you said \"hello\" (tool: allowed) [model: large]"
+    );
+    // The agent changes one itself.
+    let reply = prompt(&mut c, &task.id, &s.id, "/config effort high").await;
+    assert!(reply.contains("(config: effort=high)"), "{reply}");
+    let expected = owned(&[("model", "large", models), ("effort", "high", efforts)]);
+    assert_eq!(config_of(&mut c, &task.id, &s.id).await, expected);
+
+    // kill -9 of everything: recovery reloads the conversation in a new
+    // agent process, which answers the values it kept.
+    let first = calls(dir.path())
+        .into_iter()
+        .find(|c| c.method == "session/new")
+        .unwrap();
+    server.kill();
+    for pid in agentctl_pids(&data) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while alive(first.pid) {
+        assert!(Instant::now() < deadline, "agent {} still alive", first.pid);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let server = start(&data, &["--config", &config]);
+    crate::restart::wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let now = get(&mut c, &task.id, &s.id).await;
+        if now.state == pb::SessionState::WaitingForInput as i32
+            && calls(dir.path())
+                .iter()
+                .any(|c| c.method == "session/load" && c.pid != first.pid)
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never reloaded: {now:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(config_of(&mut c, &task.id, &s.id).await, expected);
+}
