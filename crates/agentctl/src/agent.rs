@@ -120,6 +120,8 @@ pub struct LaunchSpec {
     pub permission_policy: Option<PermissionPolicy>,
     /// How long an `ask` request waits for an answer (zero: the default).
     pub permission_timeout: Duration,
+    /// Config option values set right after `session/new`, by option id.
+    pub config_defaults: std::collections::BTreeMap<String, String>,
 }
 
 /// An auth method the agent offered at `initialize`.
@@ -296,6 +298,8 @@ struct Slot {
     usage: UsageTrack,
     /// The current agent offers `session/close` (`sessionCapabilities.close`).
     agent_close_session: bool,
+    /// Config option values the profile sets on a new conversation.
+    config_defaults: std::collections::BTreeMap<String, String>,
     /// The open conversation's ACP config options, as the agent last
     /// described them (session/new, load, resume answers, its
     /// `config_option_update`s, a set's answer).
@@ -551,6 +555,7 @@ impl AgentManager {
                     usage: UsageTrack::default(),
                     agent_close_session: false,
                     config: None,
+                    config_defaults: Default::default(),
                 }),
                 ops: tokio::sync::Mutex::new(()),
                 journal_fresh: journal.is_durable() && loaded.fresh,
@@ -729,6 +734,7 @@ impl AgentManager {
             slot.signs = Some(signs.clone());
             slot.auth_methods = Vec::new();
             slot.policy = spec.permission_policy.unwrap_or(self.shared.policy);
+            slot.config_defaults = spec.config_defaults.clone();
             slot.permission_timeout = if spec.permission_timeout.is_zero() {
                 DEFAULT_PERMISSION_TIMEOUT
             } else {
@@ -924,10 +930,41 @@ impl AgentManager {
         .map_err(|cut| Error::DeadlineExceeded(cut.describe("ACP session/new")))?
         .map_err(|e| self.shared.acp_error("ACP session/new", &e))?;
         let id = resp.session_id;
-        let mut slot = self.shared.slot();
-        slot.session = Some(id.clone());
-        slot.modes = resp.modes;
-        slot.config = resp.config_options;
+        let defaults = {
+            let mut slot = self.shared.slot();
+            slot.session = Some(id.clone());
+            slot.modes = resp.modes;
+            slot.config = resp.config_options;
+            slot.config_defaults.clone()
+        };
+        // The profile's values, in a new conversation only. The ops lock
+        // is ours already: set them as `set_config_option` would.
+        for (config_id, value) in &defaults {
+            let options = self.shared.slot().config.clone().unwrap_or_default();
+            let acp_value =
+                crate::config::value_for(&options, config_id, value).map_err(|e| match e {
+                    Error::InvalidArgument(m) => Error::InvalidArgument(format!(
+                        "the profile's config default {config_id} = {value}: {m}"
+                    )),
+                    other => other,
+                })?;
+            let resp = signs::until_silent(
+                &signs,
+                SESSION_SETUP_SILENCE,
+                signs::SETUP_CAP,
+                conn.send_request(SetSessionConfigOptionRequest::new(
+                    id.clone(),
+                    config_id.clone(),
+                    acp_value,
+                ))
+                .block_task(),
+            )
+            .await
+            .map_err(|cut| Error::DeadlineExceeded(cut.describe("ACP session/set_config_option")))?
+            .map_err(|e| self.shared.acp_error("ACP session/set_config_option", &e))?;
+            self.shared.slot().config = Some(resp.config_options);
+            tracing::info!(session = %id, %config_id, %value, "config default set");
+        }
         Ok(id.0.to_string())
     }
 

@@ -167,6 +167,7 @@ impl AgentCtlService for AgentCtl {
                     auth_method: Some(r.auth_method).filter(|m| !m.is_empty()),
                     permission_policy,
                     permission_timeout: Duration::from_millis(r.permission_timeout_ms),
+                    config_defaults: r.config_defaults.into_iter().collect(),
                 })
                 .await
         })

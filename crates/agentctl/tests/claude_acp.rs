@@ -246,13 +246,27 @@ async fn claude_acp_tool_turn_stop_relaunch_resume() {
     assert_eq!(launched.agent_name, "@zed-industries/claude-agent-acp");
     assert!(launched.agent_load_session, "{launched:?}");
     let first_pid = launched.agent_pid;
-    let token = c
+    let opened = c
         .new_session(NewSessionRequest {})
         .await
         .unwrap()
-        .into_inner()
-        .resume_token;
+        .into_inner();
+    let token = opened.resume_token;
     assert!(!token.is_empty());
+    // Its config options, the model among them, with their values.
+    let options = opened.modes.map(|m| m.config_options).unwrap_or_default();
+    let model = options
+        .iter()
+        .find(|o| o.category == "model")
+        .unwrap_or_else(|| panic!("no model option: {options:?}"));
+    assert_eq!(
+        (model.id.as_str(), model.r#type.as_str()),
+        ("model", "select")
+    );
+    assert!(
+        model.values.iter().any(|v| v.value == model.current_value),
+        "{model:?}"
+    );
 
     // A tool turn: the fake answers with a Bash tool_use, the CLI asks
     // permission (allowed), runs it in the workspace, sends the result back,

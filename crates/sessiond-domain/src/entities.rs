@@ -61,6 +61,9 @@ pub struct AgentProfile {
     /// Policy `ask`: how long a request waits for an answer before it is
     /// rejected ([`DEFAULT_PERMISSION_TIMEOUT`] unless configured).
     pub permission_timeout: std::time::Duration,
+    /// Values of the agent's config options (ACP: its model, ...) set when
+    /// a session starts, by option id; each must be one the agent offers.
+    pub config_defaults: BTreeMap<String, String>,
     /// When the profile was created (UTC).
     pub created_at: DateTime<Utc>,
     /// When the profile was last changed (UTC).
@@ -356,6 +359,7 @@ mod tests {
             auth_method: None,
             permission_policy: PermissionPolicy::Allow,
             permission_timeout: DEFAULT_PERMISSION_TIMEOUT,
+            config_defaults: BTreeMap::new(),
             created_at: Utc::now(),
             updated_at: Utc::now(),
         }

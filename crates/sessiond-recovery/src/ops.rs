@@ -279,6 +279,7 @@ impl SessionManager {
             } as i32,
             permission_timeout_ms: u64::try_from(profile.permission_timeout.as_millis())
                 .unwrap_or(u64::MAX),
+            config_defaults: profile.config_defaults.clone().into_iter().collect(),
         };
         client
             .raw()

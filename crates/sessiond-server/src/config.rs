@@ -599,6 +599,11 @@ pub struct AgentSection {
     /// then it is rejected.
     #[serde(default)]
     pub permission_timeout: Option<String>,
+    /// Values of the agent's config options set when a session starts, by
+    /// option id (`config = { model = "..." }`); each must be one the agent
+    /// offers, or the session does not start.
+    #[serde(default)]
+    pub config: BTreeMap<String, String>,
     /// How the agent runs in a Docker container, when not as on the host.
     #[serde(default)]
     pub container: Option<ContainerSection>,
@@ -936,6 +941,8 @@ pub struct AgentConfig {
     pub permission_policy: PermissionPolicy,
     /// `permission_timeout`.
     pub permission_timeout: Duration,
+    /// `config`: default values of the agent's config options.
+    pub config_defaults: BTreeMap<String, String>,
 }
 
 impl ServeArgs {
@@ -1870,6 +1877,14 @@ fn agent_profiles(
             None => sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
             Some(v) => p.positive_duration(&format!("{key}.permission_timeout"), v),
         };
+        for (id, value) in &a.config {
+            if id.trim().is_empty() || value.trim().is_empty() {
+                p.add(
+                    &format!("{key}.config"),
+                    "option ids and values must not be empty",
+                );
+            }
+        }
         let profile = AgentConfig {
             name: a.name.clone(),
             command: a.command.clone(),
@@ -1885,6 +1900,7 @@ fn agent_profiles(
             auth_method: a.auth_method.clone().filter(|m| !m.trim().is_empty()),
             permission_policy,
             permission_timeout,
+            config_defaults: a.config.clone(),
         };
         match agents.iter_mut().find(|b| b.name == a.name) {
             Some(existing) => *existing = profile,
@@ -1928,6 +1944,7 @@ pub fn demo_profile(data_dir: &Path) -> AgentConfig {
         auth_method: None,
         permission_policy: PermissionPolicy::Allow,
         permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
+        config_defaults: BTreeMap::new(),
     }
 }
 
@@ -2234,6 +2251,7 @@ mod tests {
             command = "codex-acp"
             auth_method = "openai-api-key"
             permission_policy = "deny"
+            config = { model = "gpt-5-codex", reasoning_effort = "high" }
             [[agents]]
             name = "careful"
             command = "claude-code-acp"
@@ -2250,6 +2268,9 @@ mod tests {
         assert_eq!(c.agents[0].auth_method, None);
         assert_eq!(c.agents[2].permission_policy, PermissionPolicy::Ask);
         assert_eq!(c.agents[2].permission_timeout, Duration::from_secs(90));
+        assert_eq!(c.agents[1].config_defaults["model"], "gpt-5-codex");
+        assert_eq!(c.agents[1].config_defaults.len(), 2);
+        assert!(c.agents[2].config_defaults.is_empty());
         assert_eq!(
             c.agents[1].permission_timeout,
             sessiond_domain::DEFAULT_PERMISSION_TIMEOUT

@@ -393,6 +393,7 @@ pub(crate) async fn seed_profiles(store: &Store, config: &Config) -> anyhow::Res
                 auth_method: a.auth_method.clone(),
                 permission_policy: a.permission_policy,
                 permission_timeout: a.permission_timeout,
+                config_defaults: a.config_defaults.clone(),
                 created_at: now,
                 updated_at: now,
             })

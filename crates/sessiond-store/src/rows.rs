@@ -76,6 +76,8 @@ pub(crate) struct ProfileRow {
     pub auth_method: Option<String>,
     pub permission_policy: String,
     pub permission_timeout_ms: i64,
+    /// JSON object: config option id -> value.
+    pub config_defaults: String,
 }
 
 impl ProfileRow {
@@ -102,6 +104,7 @@ impl ProfileRow {
             permission_policy: p.permission_policy.as_str().to_owned(),
             permission_timeout_ms: i64::try_from(p.permission_timeout.as_millis())
                 .unwrap_or(i64::MAX),
+            config_defaults: json!(p.config_defaults).to_string(),
         }
     }
 
@@ -119,6 +122,10 @@ impl ProfileRow {
             other => return Err(corrupt(format!("args: {other} is not an array"))),
         };
         let env = string_map(parse_json(&self.env).map_err(corrupt)?).map_err(corrupt)?;
+        let config_defaults = string_map(parse_json(&self.config_defaults).map_err(corrupt)?)
+            .map_err(corrupt)?
+            .into_iter()
+            .collect();
         let container = match &self.container {
             None => None,
             Some(text) => {
@@ -144,6 +151,7 @@ impl ProfileRow {
                     ))
                 })?,
             ),
+            config_defaults,
             created_at: self.created_at.0,
             updated_at: self.updated_at.0,
         })

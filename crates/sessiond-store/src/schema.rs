@@ -35,6 +35,7 @@ diesel::table! {
         auth_method -> Nullable<Text>,
         permission_policy -> Text,
         permission_timeout_ms -> BigInt,
+        config_defaults -> Text,
     }
 }
 

@@ -146,6 +146,7 @@ impl World {
                 auth_method: None,
                 permission_policy: sessiond_domain::PermissionPolicy::Allow,
                 permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
+                config_defaults: Default::default(),
                 created_at: now,
                 updated_at: now,
             })
@@ -357,6 +358,7 @@ fn placeholder_profile() -> AgentProfile {
         auth_method: None,
         permission_policy: sessiond_domain::PermissionPolicy::Allow,
         permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
+        config_defaults: Default::default(),
         created_at: now,
         updated_at: now,
     }

@@ -1086,3 +1086,51 @@ async fn python_sdk_agent_config_options_listed_set_and_kept_across_recovery() {
     }
     assert_eq!(config_of(&mut c, &task.id, &s.id).await, expected);
 }
+
+/// A profile's `config` defaults are set when a session starts (the agent
+/// gets `session/set_config_option` right after `session/new`); a value the
+/// agent does not offer fails the create, naming the values it offers.
+#[tokio::test]
+#[ignore = "needs the Python ACP SDK's virtualenv: run by cargo xtask ci"]
+async fn python_sdk_agent_profile_config_defaults_apply_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work").canonicalize_or_create();
+    let config = config(
+        dir.path(),
+        &[
+            (
+                "pylarge",
+                &["--config"],
+                "config = { model = \"large\", effort = \"high\" }",
+            ),
+            ("pyhuge", &["--config"], "config = { model = \"huge\" }"),
+        ],
+    );
+    let server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "defaults").await;
+    let s = create_session(&mut c, &task.id, &work, "pylarge").await;
+    assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
+    let models: &[&str] = &["small", "large"];
+    let efforts: &[&str] = &["low", "high"];
+    assert_eq!(
+        config_of(&mut c, &task.id, &s.id).await,
+        owned(&[("model", "large", models), ("effort", "high", efforts)])
+    );
+    let sets = calls(dir.path())
+        .into_iter()
+        .filter(|c| c.method == "session/set_config_option" && c.session_id == s.resume_token)
+        .count();
+    assert_eq!(sets, 2);
+
+    // The create answers the session in ERROR with the reason, as for any
+    // agent that cannot start a conversation.
+    let bad = create_session(&mut c, &task.id, &work, "pyhuge").await;
+    assert_eq!(bad.state, pb::SessionState::Error as i32, "{bad:?}");
+    let message = bad.error_message;
+    assert!(
+        message.contains("model = huge") && message.contains("it offers small, large"),
+        "{message}"
+    );
+}
