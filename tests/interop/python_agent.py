@@ -45,6 +45,9 @@ What it does, deterministically:
   `session/set_config_option` checks and stores one (-32602 otherwise) and
   answers them all; the prompt `/config ID VALUE` makes the agent change
   one itself (ACP `config_option_update`); replies end ` [model: M]`.
+- MCP servers given on session/new, load and resume are logged with the
+  call (`mcp`: name, type, and the env or header values it got, so a test
+  sees what arrived); `--mcp-http` advertises `mcpCapabilities.http`.
 - `--close`: `initialize` also advertises `sessionCapabilities.close`;
   `session/close` is logged (with whether a turn was in progress) and
   forgets the session's in-memory state (its stored file stays, as a
@@ -80,6 +83,7 @@ from acp.helpers import update_current_mode
 from acp.interfaces import Client
 from acp.schema import (
     AgentCapabilities,
+    McpCapabilities,
     CloseSessionResponse,
     Implementation,
     InitializeResponse,
@@ -150,8 +154,9 @@ def modes(current: str) -> SessionModeState:
 
 
 class InteropAgent:
-    def __init__(self, store: Store, protocol_version: int, resume_only: bool = False, terminal_output_limit: int | None = None, close: bool = False, config: bool = False) -> None:
+    def __init__(self, store: Store, protocol_version: int, resume_only: bool = False, terminal_output_limit: int | None = None, close: bool = False, config: bool = False, mcp_http: bool = False) -> None:
         self.store = store
+        self.mcp_http = mcp_http
         self.config = config
         self.close = close
         self.protocol_version = protocol_version
@@ -175,6 +180,8 @@ class InteropAgent:
             )
         else:
             capabilities = AgentCapabilities(load_session=True, session_capabilities=SessionCapabilities(close=close))
+        if self.mcp_http:
+            capabilities.mcp_capabilities = McpCapabilities(http=True)
         return InitializeResponse(
             protocol_version=self.protocol_version,
             agent_capabilities=capabilities,
@@ -188,7 +195,7 @@ class InteropAgent:
     async def new_session(self, cwd: str, mcp_servers=None, **kwargs: Any) -> NewSessionResponse:
         session_id = uuid.uuid4().hex
         self.store.save(session_id, {"cwd": cwd, "mode": "default", "history": [], "config": dict(CONFIG_DEFAULTS)})
-        self.store.log("session/new", session_id=session_id)
+        self.store.log("session/new", session_id=session_id, mcp=mcp_log(mcp_servers))
         return NewSessionResponse(session_id=session_id, modes=modes("default"), config_options=self.config_options(session_id))
 
     async def load_session(self, cwd: str, session_id: str, mcp_servers=None, **kwargs: Any) -> LoadSessionResponse:
@@ -206,7 +213,7 @@ class InteropAgent:
             else:
                 update = start_tool_call(item["id"], item["title"], kind="edit", status=item["status"])
             await self.conn.session_update(session_id=session_id, update=update)
-        self.store.log("session/load", session_id=session_id, replayed=len(state["history"]))
+        self.store.log("session/load", session_id=session_id, replayed=len(state["history"]), mcp=mcp_log(mcp_servers))
         return LoadSessionResponse(modes=modes(state["mode"]), config_options=self.config_options(session_id))
 
     async def resume_session(self, cwd: str, session_id: str, mcp_servers=None, **kwargs: Any) -> ResumeSessionResponse:
@@ -214,7 +221,7 @@ class InteropAgent:
             raise RequestError.method_not_found("session/resume")
         # Reopened as stored; nothing is replayed (that is session/load).
         state = self.must_load(session_id)
-        self.store.log("session/resume", session_id=session_id, replayed=0)
+        self.store.log("session/resume", session_id=session_id, replayed=0, mcp=mcp_log(mcp_servers))
         return ResumeSessionResponse(modes=modes(state["mode"]), config_options=self.config_options(session_id))
 
     async def close_session(self, session_id: str, **kwargs: Any) -> CloseSessionResponse:
@@ -409,6 +416,20 @@ class InteropAgent:
         return note
 
 
+def mcp_log(servers: Any) -> list[dict[str, Any]]:
+    out = []
+    for s in servers or []:
+        entry = {"name": s.name, "type": getattr(s, "type", None) or "stdio"}
+        if getattr(s, "env", None) is not None:
+            entry["command"] = s.command
+            entry["values"] = {e.name: e.value for e in s.env}
+        else:
+            entry["url"] = s.url
+            entry["values"] = {h.name: h.value for h in s.headers}
+        out.append(entry)
+    return out
+
+
 def describe_exit(status: Any) -> str:
     if status.signal:
         return f"signal {status.signal}"
@@ -423,8 +444,9 @@ def main() -> None:
     parser.add_argument("--terminal-output-limit", type=int, default=None, help="outputByteLimit of the terminals it creates")
     parser.add_argument("--close", action="store_true", help="offer session/close")
     parser.add_argument("--config", action="store_true", help="offer config options (model, effort)")
+    parser.add_argument("--mcp-http", action="store_true", help="take MCP servers over http")
     args = parser.parse_args()
-    agent = InteropAgent(Store(args.state_dir), args.protocol_version, args.resume_only, args.terminal_output_limit, args.close, args.config)
+    agent = InteropAgent(Store(args.state_dir), args.protocol_version, args.resume_only, args.terminal_output_limit, args.close, args.config, args.mcp_http)
     asyncio.run(run_agent(agent, use_unstable_protocol=args.resume_only or args.close))
 
 

@@ -122,6 +122,8 @@ pub struct LaunchSpec {
     pub permission_timeout: Duration,
     /// Config option values set right after `session/new`, by option id.
     pub config_defaults: std::collections::BTreeMap<String, String>,
+    /// MCP servers given with every session/new, load and resume.
+    pub mcp_servers: crate::config::McpServers,
 }
 
 /// An auth method the agent offered at `initialize`.
@@ -300,6 +302,10 @@ struct Slot {
     agent_close_session: bool,
     /// Config option values the profile sets on a new conversation.
     config_defaults: std::collections::BTreeMap<String, String>,
+    /// MCP servers the profile gives the agent.
+    mcp_servers: crate::config::McpServers,
+    /// What MCP transports the current agent takes (its initialize answer).
+    mcp_caps: agent_client_protocol::v1::schema::McpCapabilities,
     /// The open conversation's ACP config options, as the agent last
     /// described them (session/new, load, resume answers, its
     /// `config_option_update`s, a set's answer).
@@ -556,6 +562,8 @@ impl AgentManager {
                     agent_close_session: false,
                     config: None,
                     config_defaults: Default::default(),
+                    mcp_servers: Default::default(),
+                    mcp_caps: Default::default(),
                 }),
                 ops: tokio::sync::Mutex::new(()),
                 journal_fresh: journal.is_durable() && loaded.fresh,
@@ -735,6 +743,7 @@ impl AgentManager {
             slot.auth_methods = Vec::new();
             slot.policy = spec.permission_policy.unwrap_or(self.shared.policy);
             slot.config_defaults = spec.config_defaults.clone();
+            slot.mcp_servers = spec.mcp_servers.clone();
             slot.permission_timeout = if spec.permission_timeout.is_zero() {
                 DEFAULT_PERMISSION_TIMEOUT
             } else {
@@ -886,6 +895,7 @@ impl AgentManager {
                 slot.agent_resume_session = Some(resume_session);
                 slot.agent_close_session =
                     resp.agent_capabilities.session_capabilities.close.is_some();
+                slot.mcp_caps = resp.agent_capabilities.mcp_capabilities.clone();
                 slot.auth_methods = auth_methods.clone();
                 slot.set_state(&self.shared.updates, AgentState::Ready);
                 tracing::info!(pid, %name, %version, load_session, resume_session, activity = signs.lines(), cpu_ms = signs.sample_cpu_ms(), "agent initialized");
@@ -919,7 +929,13 @@ impl AgentManager {
             slot.connection()?
         };
         let signs = self.signs()?;
-        let request = NewSessionRequest::new(self.shared.workspace.root().to_path_buf());
+        let mcp = {
+            let slot = self.shared.slot();
+            slot.mcp_servers.check(&slot.mcp_caps)?;
+            slot.mcp_servers.0.clone()
+        };
+        let request =
+            NewSessionRequest::new(self.shared.workspace.root().to_path_buf()).mcp_servers(mcp);
         let resp = signs::until_silent(
             &signs,
             SESSION_SETUP_SILENCE,
@@ -1003,9 +1019,15 @@ impl AgentManager {
         };
         let signs = self.signs()?;
         let cwd = self.shared.workspace.root().to_path_buf();
+        let mcp = {
+            let slot = self.shared.slot();
+            slot.mcp_servers.check(&slot.mcp_caps)?;
+            slot.mcp_servers.0.clone()
+        };
         let reopen = async {
             if offers_resume {
-                let request = ResumeSessionRequest::new(session.clone(), cwd.clone());
+                let request = ResumeSessionRequest::new(session.clone(), cwd.clone())
+                    .mcp_servers(mcp.clone());
                 let answer = signs::until_silent(
                     &signs,
                     SESSION_SETUP_SILENCE,
@@ -1029,7 +1051,7 @@ impl AgentManager {
                     }
                 }
             }
-            let request = LoadSessionRequest::new(session.clone(), cwd);
+            let request = LoadSessionRequest::new(session.clone(), cwd).mcp_servers(mcp);
             let resp = signs::until_silent(
                 &signs,
                 SESSION_SETUP_SILENCE,

@@ -150,3 +150,90 @@ mod tests {
         assert!(e.contains("its options are model, fast"), "{e}");
     }
 }
+
+/// The MCP servers a profile gives its agent, secrets resolved. Held in
+/// memory only; `Debug` names the servers, never their environment or
+/// headers.
+#[derive(Clone, Default)]
+pub struct McpServers(pub Vec<agent_client_protocol::v1::schema::McpServer>);
+
+impl std::fmt::Debug for McpServers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use agent_client_protocol::v1::schema::McpServer as M;
+        let names: Vec<&str> = self
+            .0
+            .iter()
+            .map(|s| match s {
+                M::Stdio(s) => s.name.as_str(),
+                M::Http(s) => s.name.as_str(),
+                M::Sse(s) => s.name.as_str(),
+                _ => "?",
+            })
+            .collect();
+        write!(f, "McpServers({names:?})")
+    }
+}
+
+impl McpServers {
+    /// From LaunchAgent's servers.
+    pub fn from_wire(servers: Vec<sessiond_proto::agentctl::v1::McpServer>) -> Result<Self> {
+        use agent_client_protocol::v1::schema::{
+            EnvVariable, HttpHeader, McpServer as M, McpServerHttp, McpServerSse, McpServerStdio,
+        };
+        let headers = |h: std::collections::HashMap<String, String>| {
+            let mut h: Vec<_> = h.into_iter().collect();
+            h.sort();
+            h.into_iter()
+                .map(|(k, v)| HttpHeader::new(k, v))
+                .collect::<Vec<_>>()
+        };
+        servers
+            .into_iter()
+            .map(|s| {
+                Ok(match s.r#type.as_str() {
+                    "stdio" | "" => {
+                        let mut env: Vec<_> = s.env.into_iter().collect();
+                        env.sort();
+                        M::Stdio(
+                            McpServerStdio::new(s.name, s.command).args(s.args).env(
+                                env.into_iter()
+                                    .map(|(k, v)| EnvVariable::new(k, v))
+                                    .collect(),
+                            ),
+                        )
+                    }
+                    "http" => {
+                        M::Http(McpServerHttp::new(s.name, s.url).headers(headers(s.headers)))
+                    }
+                    "sse" => M::Sse(McpServerSse::new(s.name, s.url).headers(headers(s.headers))),
+                    other => {
+                        return Err(Error::InvalidArgument(format!(
+                            "mcp_servers: {:?} has type {other:?}, not stdio, http or sse",
+                            s.name
+                        )));
+                    }
+                })
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(McpServers)
+    }
+
+    /// FAILED_PRECONDITION naming the first server the agent's MCP
+    /// capabilities cannot take.
+    pub fn check(&self, caps: &agent_client_protocol::v1::schema::McpCapabilities) -> Result<()> {
+        use agent_client_protocol::v1::schema::McpServer as M;
+        for s in &self.0 {
+            let (name, needs) = match s {
+                M::Http(s) if !caps.http => (&s.name, "http"),
+                M::Sse(s) if !caps.sse => (&s.name, "sse"),
+                _ => continue,
+            };
+            return Err(Error::FailedPrecondition(format!(
+                "the agent does not take MCP servers over {needs} (its mcpCapabilities.{needs} \
+                 is false), and the profile gives it {name:?}: remove that server from the \
+                 profile or use an agent that offers it"
+            )));
+        }
+        Ok(())
+    }
+}

@@ -168,6 +168,7 @@ impl AgentCtlService for AgentCtl {
                     permission_policy,
                     permission_timeout: Duration::from_millis(r.permission_timeout_ms),
                     config_defaults: r.config_defaults.into_iter().collect(),
+                    mcp_servers: crate::config::McpServers::from_wire(r.mcp_servers)?,
                 })
                 .await
         })

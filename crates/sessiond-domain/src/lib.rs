@@ -17,7 +17,8 @@ pub mod usage;
 
 pub use entities::{
     AgentCommand, AgentMode, AgentModes, AgentProfile, ConfigOption, ConfigValue, ContainerAgent,
-    DEFAULT_PERMISSION_TIMEOUT, ExecutorRecord, Message, Session, Task, Worktree,
+    DEFAULT_PERMISSION_TIMEOUT, ExecutorRecord, McpServer, McpTransport, Message, SecretValue,
+    Secrets, Session, Task, Worktree,
 };
 pub use events::{Event, EventKind, EventPayload};
 pub use ids::{AgentProfileId, ExecutorId, IdParseError, MessageId, SessionId, TaskId};

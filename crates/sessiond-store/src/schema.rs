@@ -36,6 +36,7 @@ diesel::table! {
         permission_policy -> Text,
         permission_timeout_ms -> BigInt,
         config_defaults -> Text,
+        mcp_servers -> Text,
     }
 }
 

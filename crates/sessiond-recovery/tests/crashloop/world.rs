@@ -1187,6 +1187,7 @@ async fn profile(store: &Store, name: &str, command: String, state_dir: String) 
             permission_policy: sessiond_domain::PermissionPolicy::Allow,
             permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
             config_defaults: Default::default(),
+            mcp_servers: Vec::new(),
             created_at: now,
             updated_at: now,
         })

@@ -58,6 +58,7 @@ async fn claude_profile(w: &World, fake: &FakeAnthropic, name: &str) -> AgentPro
             permission_policy: PermissionPolicy::Allow,
             permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
             config_defaults: Default::default(),
+            mcp_servers: Vec::new(),
             created_at: now,
             updated_at: now,
         })

@@ -147,6 +147,7 @@ impl World {
                 permission_policy: sessiond_domain::PermissionPolicy::Allow,
                 permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
                 config_defaults: Default::default(),
+                mcp_servers: Vec::new(),
                 created_at: now,
                 updated_at: now,
             })
@@ -359,6 +360,7 @@ fn placeholder_profile() -> AgentProfile {
         permission_policy: sessiond_domain::PermissionPolicy::Allow,
         permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
         config_defaults: Default::default(),
+        mcp_servers: Vec::new(),
         created_at: now,
         updated_at: now,
     }

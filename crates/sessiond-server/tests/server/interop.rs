@@ -1134,3 +1134,130 @@ async fn python_sdk_agent_profile_config_defaults_apply_at_start() {
         "{message}"
     );
 }
+
+/// Every byte under `dir` (the database and its WAL included).
+fn all_bytes(dir: &Path) -> Vec<u8> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(all_bytes(&path));
+        } else if let Ok(bytes) = std::fs::read(&path) {
+            out.extend(bytes);
+        }
+    }
+    out
+}
+
+fn contains(haystack: &[u8], needle: &str) -> bool {
+    haystack
+        .windows(needle.len())
+        .any(|w| w == needle.as_bytes())
+}
+
+/// A profile's MCP servers reach the agent on session/new and, after kill
+/// -9 of everything, on the session/load that reopens the conversation,
+/// their secrets read from sessiond's environment and from a file; the
+/// secrets are in neither the database nor the API nor sessiond's log. An
+/// http server given to an agent whose `mcpCapabilities` lack http fails
+/// the create, naming it.
+#[tokio::test]
+#[ignore = "needs the Python ACP SDK's virtualenv: run by cargo xtask ci"]
+async fn python_sdk_agent_gets_the_profiles_mcp_servers_with_their_secrets() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work").canonicalize_or_create();
+    let token = "tok-3f9a1c-secret";
+    let header = "Bearer hdr-77b2e0-secret";
+    let header_file = dir.path().join("docs-header");
+    std::fs::write(&header_file, format!("{header}\n")).unwrap();
+    let servers = format!(
+        "[[agents.mcp_servers]]\nname = \"tools\"\ncommand = \"mcp-tools\"\nargs = [\"--ro\"]\n\
+         env = {{ MODE = \"ro\", TOKEN = {{ env = \"SESSIOND_TEST_MCP_TOKEN\" }} }}\n\
+         [[agents.mcp_servers]]\nname = \"docs\"\ntype = \"http\"\nurl = \"https://mcp.example/docs\"\n\
+         headers = {{ Authorization = {{ file = \"{}\" }} }}\n",
+        header_file.display()
+    );
+    let config = config(
+        dir.path(),
+        &[
+            ("pymcp", &["--mcp-http"], &servers),
+            ("pynohttp", &[], &servers),
+        ],
+    );
+    let log = dir.path().join("sessiond.log");
+    let envs: &[(&str, &Path)] = &[("SESSIOND_TEST_MCP_TOKEN", Path::new(token))];
+    let mut server = start_env(&data, &["--config", &config], Some(TOKEN), Some(&log), envs);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "mcp").await;
+    let s = create_session(&mut c, &task.id, &work, "pymcp").await;
+    assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
+    let expected = serde_json::json!([
+        {"name": "tools", "type": "stdio", "command": "mcp-tools",
+         "values": {"MODE": "ro", "TOKEN": token}},
+        {"name": "docs", "type": "http", "url": "https://mcp.example/docs",
+         "values": {"Authorization": header}},
+    ]);
+    let logged = |method: &str| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(dir.path().join("py-state/calls.log"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|v| v["method"] == method && v["session_id"] == s.resume_token.as_str())
+            .collect()
+    };
+    assert_eq!(logged("session/new")[0]["mcp"], expected);
+
+    // No agent without http: the create says why.
+    let bad = create_session(&mut c, &task.id, &work, "pynohttp").await;
+    assert_eq!(bad.state, pb::SessionState::Error as i32, "{bad:?}");
+    assert!(
+        bad.error_message.contains("mcpCapabilities.http") && bad.error_message.contains("docs"),
+        "{}",
+        bad.error_message
+    );
+
+    // Recovery reopens the conversation with them.
+    let reply = prompt(&mut c, &task.id, &s.id, "hello").await;
+    assert!(reply.starts_with("turn 1"), "{reply}");
+    server.kill();
+    for pid in agentctl_pids(&data) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    let mut server = start_env(&data, &["--config", &config], Some(TOKEN), Some(&log), envs);
+    crate::restart::wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while logged("session/load").is_empty() {
+        assert!(Instant::now() < deadline, "never reloaded");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(logged("session/load")[0]["mcp"], expected);
+
+    // Never stored, shown or logged: the references only.
+    let profiles = format!(
+        "{:?}",
+        c.list_agent_profiles(pb::ListAgentProfilesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    );
+    server.kill();
+    let stored = all_bytes(&data);
+    assert!(
+        contains(&stored, "SESSIOND_TEST_MCP_TOKEN"),
+        "the reference is stored"
+    );
+    let log_text = std::fs::read_to_string(&log).unwrap();
+    for secret in [token, "hdr-77b2e0"] {
+        assert!(!contains(&stored, secret), "{secret} in the database");
+        assert!(
+            !profiles.contains(secret),
+            "{secret} in the API: {profiles}"
+        );
+        assert!(!log_text.contains(secret), "{secret} in sessiond's log");
+    }
+}
