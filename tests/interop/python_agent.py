@@ -38,6 +38,21 @@ What it does, deterministically:
   and `session/load` is refused as an unknown method. This SDK version
   routes `session/resume` only with its unstable protocol switched on
   (`run_agent(..., use_unstable_protocol=True)`), which this switch does.
+- `--config`: sessions offer two config options, `model` (category
+  `model`: `small`, `large`) and `effort` (category `thought_level`: `low`,
+  `high`), in the session/new, load and resume answers; the values are
+  stored with the session, so a new process answers them as set;
+  `session/set_config_option` checks and stores one (-32602 otherwise) and
+  answers them all; the prompt `/config ID VALUE` makes the agent change
+  one itself (ACP `config_option_update`); replies end ` [model: M]`.
+- MCP servers given on session/new, load and resume are logged with the
+  call (`mcp`: name, type, and the env or header values it got, so a test
+  sees what arrived); `--mcp-http` advertises `mcpCapabilities.http`.
+- `--close`: `initialize` also advertises `sessionCapabilities.close`;
+  `session/close` is logged (with whether a turn was in progress) and
+  forgets the session's in-memory state (its stored file stays, as a
+  closed conversation can be loaded again). Routed with the SDK's unstable
+  protocol, as `session/resume` is.
 Every call is logged as one JSON line to `<state-dir>/calls.log` with the
 pid, so a test can tell which process did what.
 """
@@ -68,6 +83,8 @@ from acp.helpers import update_current_mode
 from acp.interfaces import Client
 from acp.schema import (
     AgentCapabilities,
+    McpCapabilities,
+    CloseSessionResponse,
     Implementation,
     InitializeResponse,
     LoadSessionResponse,
@@ -76,6 +93,11 @@ from acp.schema import (
     PromptResponse,
     ResumeSessionResponse,
     SessionCapabilities,
+    SessionCloseCapabilities,
+    SessionConfigOptionSelect,
+    SessionConfigSelectOption,
+    SetSessionConfigOptionResponse,
+    ConfigOptionUpdate,
     SessionMode,
     SessionModeState,
     SessionResumeCapabilities,
@@ -89,6 +111,12 @@ MODES = [
     SessionMode(id="plan", name="Plan", description="the same, and says so"),
 ]
 SIDE_EFFECT_FILE = "interop.txt"
+# --config: (id, name, category, values); the first value is the default.
+CONFIG_OPTIONS = [
+    ("model", "Model", "model", ["small", "large"]),
+    ("effort", "Reasoning effort", "thought_level", ["low", "high"]),
+]
+CONFIG_DEFAULTS = {c[0]: c[3][0] for c in CONFIG_OPTIONS}
 
 
 class Store:
@@ -126,8 +154,11 @@ def modes(current: str) -> SessionModeState:
 
 
 class InteropAgent:
-    def __init__(self, store: Store, protocol_version: int, resume_only: bool = False, terminal_output_limit: int | None = None) -> None:
+    def __init__(self, store: Store, protocol_version: int, resume_only: bool = False, terminal_output_limit: int | None = None, close: bool = False, config: bool = False, mcp_http: bool = False) -> None:
         self.store = store
+        self.mcp_http = mcp_http
+        self.config = config
+        self.close = close
         self.protocol_version = protocol_version
         self.resume_only = resume_only
         self.terminal_output_limit = terminal_output_limit
@@ -141,13 +172,16 @@ class InteropAgent:
 
     async def initialize(self, protocol_version: int, client_capabilities=None, client_info=None, **kwargs: Any) -> InitializeResponse:
         self.store.log("initialize", protocol_version=protocol_version)
+        close = SessionCloseCapabilities() if self.close else None
         if self.resume_only:
             capabilities = AgentCapabilities(
                 load_session=False,
-                session_capabilities=SessionCapabilities(resume=SessionResumeCapabilities()),
+                session_capabilities=SessionCapabilities(resume=SessionResumeCapabilities(), close=close),
             )
         else:
-            capabilities = AgentCapabilities(load_session=True)
+            capabilities = AgentCapabilities(load_session=True, session_capabilities=SessionCapabilities(close=close))
+        if self.mcp_http:
+            capabilities.mcp_capabilities = McpCapabilities(http=True)
         return InitializeResponse(
             protocol_version=self.protocol_version,
             agent_capabilities=capabilities,
@@ -160,9 +194,9 @@ class InteropAgent:
 
     async def new_session(self, cwd: str, mcp_servers=None, **kwargs: Any) -> NewSessionResponse:
         session_id = uuid.uuid4().hex
-        self.store.save(session_id, {"cwd": cwd, "mode": "default", "history": []})
-        self.store.log("session/new", session_id=session_id)
-        return NewSessionResponse(session_id=session_id, modes=modes("default"))
+        self.store.save(session_id, {"cwd": cwd, "mode": "default", "history": [], "config": dict(CONFIG_DEFAULTS)})
+        self.store.log("session/new", session_id=session_id, mcp=mcp_log(mcp_servers))
+        return NewSessionResponse(session_id=session_id, modes=modes("default"), config_options=self.config_options(session_id))
 
     async def load_session(self, cwd: str, session_id: str, mcp_servers=None, **kwargs: Any) -> LoadSessionResponse:
         if self.resume_only:
@@ -179,16 +213,51 @@ class InteropAgent:
             else:
                 update = start_tool_call(item["id"], item["title"], kind="edit", status=item["status"])
             await self.conn.session_update(session_id=session_id, update=update)
-        self.store.log("session/load", session_id=session_id, replayed=len(state["history"]))
-        return LoadSessionResponse(modes=modes(state["mode"]))
+        self.store.log("session/load", session_id=session_id, replayed=len(state["history"]), mcp=mcp_log(mcp_servers))
+        return LoadSessionResponse(modes=modes(state["mode"]), config_options=self.config_options(session_id))
 
     async def resume_session(self, cwd: str, session_id: str, mcp_servers=None, **kwargs: Any) -> ResumeSessionResponse:
         if not self.resume_only:
             raise RequestError.method_not_found("session/resume")
         # Reopened as stored; nothing is replayed (that is session/load).
         state = self.must_load(session_id)
-        self.store.log("session/resume", session_id=session_id, replayed=0)
-        return ResumeSessionResponse(modes=modes(state["mode"]))
+        self.store.log("session/resume", session_id=session_id, replayed=0, mcp=mcp_log(mcp_servers))
+        return ResumeSessionResponse(modes=modes(state["mode"]), config_options=self.config_options(session_id))
+
+    async def close_session(self, session_id: str, **kwargs: Any) -> CloseSessionResponse:
+        self.store.log("session/close", session_id=session_id, known=self.store.load(session_id) is not None)
+        self.cancelled.add(session_id)
+        self.terminals.pop(session_id, None)
+        return CloseSessionResponse()
+
+    def config_options(self, session_id: str) -> list[SessionConfigOptionSelect] | None:
+        if not self.config:
+            return None
+        values = self.must_load(session_id).get("config", CONFIG_DEFAULTS)
+        return [
+            SessionConfigOptionSelect(
+                type="select",
+                id=config_id,
+                name=name,
+                category=category,
+                current_value=values.get(config_id, CONFIG_DEFAULTS[config_id]),
+                options=[SessionConfigSelectOption(value=v, name=v.capitalize()) for v in choices],
+            )
+            for config_id, name, category, choices in CONFIG_OPTIONS
+        ]
+
+    async def set_config_option(self, config_id: str, session_id: str, value: str | bool, **kwargs: Any) -> SetSessionConfigOptionResponse:
+        await self.change_config(session_id, config_id, value)
+        self.store.log("session/set_config_option", session_id=session_id, config_id=config_id, value=value)
+        return SetSessionConfigOptionResponse(config_options=self.config_options(session_id))
+
+    async def change_config(self, session_id: str, config_id: str, value: Any) -> None:
+        choices = {c[0]: c[3] for c in CONFIG_OPTIONS}
+        if not self.config or config_id not in choices or value not in choices[config_id]:
+            raise RequestError.invalid_params({"config_id": config_id, "value": value})
+        state = self.must_load(session_id)
+        state.setdefault("config", dict(CONFIG_DEFAULTS))[config_id] = value
+        self.store.save(session_id, state)
 
     async def set_session_mode(self, session_id: str, mode_id: str, **kwargs: Any) -> SetSessionModeResponse:
         await self.switch_mode(session_id, mode_id)
@@ -229,6 +298,16 @@ class InteropAgent:
             state = self.must_load(session_id)
             state["history"] = history
             note = f"mode: {words[1]}"
+        elif len(words) == 3 and words[0] == "/config":
+            # The agent changes an option itself (ACP `config_option_update`).
+            await self.change_config(session_id, words[1], words[2])
+            await self.conn.session_update(
+                session_id=session_id,
+                update=ConfigOptionUpdate(session_update="config_option_update", config_options=self.config_options(session_id)),
+            )
+            state = self.must_load(session_id)
+            state["history"] = history
+            note = f"config: {words[1]}={words[2]}"
         elif words and words[0].startswith("/terminal"):
             note = await self.terminal(session_id, turn, words[0], text[len(words[0]):].strip())
         else:
@@ -238,6 +317,8 @@ class InteropAgent:
         reply = [f"turn {turn}: ", f'you said "{text}"', f" ({note})"]
         if state["mode"] == "plan":
             reply.append(" [plan mode]")
+        if self.config:
+            reply.append(f" [model: {state.get('config', CONFIG_DEFAULTS)['model']}]")
         for chunk in reply:
             await self.conn.session_update(session_id=session_id, update=update_agent_message_text(chunk))
         history.append({"kind": "agent", "text": "".join(reply)})
@@ -335,6 +416,20 @@ class InteropAgent:
         return note
 
 
+def mcp_log(servers: Any) -> list[dict[str, Any]]:
+    out = []
+    for s in servers or []:
+        entry = {"name": s.name, "type": getattr(s, "type", None) or "stdio"}
+        if getattr(s, "env", None) is not None:
+            entry["command"] = s.command
+            entry["values"] = {e.name: e.value for e in s.env}
+        else:
+            entry["url"] = s.url
+            entry["values"] = {h.name: h.value for h in s.headers}
+        out.append(entry)
+    return out
+
+
 def describe_exit(status: Any) -> str:
     if status.signal:
         return f"signal {status.signal}"
@@ -347,9 +442,12 @@ def main() -> None:
     parser.add_argument("--protocol-version", type=int, default=PROTOCOL_VERSION)
     parser.add_argument("--resume-only", action="store_true", help="offer session/resume, not session/load")
     parser.add_argument("--terminal-output-limit", type=int, default=None, help="outputByteLimit of the terminals it creates")
+    parser.add_argument("--close", action="store_true", help="offer session/close")
+    parser.add_argument("--config", action="store_true", help="offer config options (model, effort)")
+    parser.add_argument("--mcp-http", action="store_true", help="take MCP servers over http")
     args = parser.parse_args()
-    agent = InteropAgent(Store(args.state_dir), args.protocol_version, args.resume_only, args.terminal_output_limit)
-    asyncio.run(run_agent(agent, use_unstable_protocol=args.resume_only))
+    agent = InteropAgent(Store(args.state_dir), args.protocol_version, args.resume_only, args.terminal_output_limit, args.close, args.config, args.mcp_http)
+    asyncio.run(run_agent(agent, use_unstable_protocol=args.resume_only or args.close))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import {
   SessionState,
   type AgentProfile,
   type Message,
+  type TurnUsage,
+  type UsageTotals,
   type PermissionRequest,
   type Session,
   type Task,
@@ -566,6 +568,79 @@ function Spinner(props: { label: string }) {
 
 // ----------------------------------------------------------------- session
 
+// Costs per currency: `0.5 USD + 3 credits`.
+function costsText(costs: { amount: number; currency: string }[]): string {
+  return costs.map((c) => `${Number(c.amount.toFixed(4))} ${c.currency}`).join(" + ");
+}
+
+// A session's totals in a badge: `3 turns · 450 tokens · 0.75 USD`.
+function usageText(u: UsageTotals): string {
+  const cost = u.costs.length ? ` · ${costsText(u.costs)}` : "";
+  return `${u.turns} turn${u.turns === 1n ? "" : "s"} · ${u.totalTokens} tokens${cost}`;
+}
+
+// One turn's usage under its prompt.
+function turnUsageText(u: TurnUsage): string {
+  const parts: string[] = [];
+  if (u.totalTokens !== undefined || u.inputTokens !== undefined) {
+    parts.push(`${u.totalTokens ?? (u.inputTokens ?? 0n) + (u.outputTokens ?? 0n)} tokens (${u.inputTokens ?? 0n} in, ${u.outputTokens ?? 0n} out)`);
+  }
+  if (u.contextUsed !== undefined && u.contextSize !== undefined) parts.push(`context ${u.contextUsed}/${u.contextSize}`);
+  if (u.cost) parts.push(`cost ${costsText([u.cost])}`);
+  return parts.join(", ");
+}
+
+function parseJson(text: string): unknown {
+  try {
+    return text ? JSON.parse(text) : undefined;
+  } catch {
+    return text;
+  }
+}
+
+// A tool's raw output as text: a string, content blocks' texts, or an
+// output-like field (agents name it differently).
+function outputText(v: unknown): string | undefined {
+  if (typeof v === "string") return v;
+  if (Array.isArray(v)) {
+    const texts = v.flatMap((i) => (i && typeof i.text === "string" ? [i.text] : []));
+    return texts.length ? texts.join("\n") : undefined;
+  }
+  if (v && typeof v === "object") {
+    const o = v as Record<string, unknown>;
+    for (const k of ["formatted_output", "aggregated_output", "output", "stdout"]) {
+      if (typeof o[k] === "string") return (o[k] as string) + (k === "stdout" && typeof o.stderr === "string" ? o.stderr : "");
+    }
+    return outputText(o.content);
+  }
+  return undefined;
+}
+
+// What a tool call's raw input and output say it did: the command and its
+// cwd, the exit code, the output's last lines.
+function toolDetail(rawInput: string, rawOutput: string): string {
+  const lines: string[] = [];
+  const input = parseJson(rawInput) as Record<string, unknown> | undefined;
+  const command = input && typeof input === "object" ? input.command : undefined;
+  if (typeof command === "string" || Array.isArray(command)) {
+    const cwd = typeof input!.cwd === "string" ? `  (in ${input!.cwd})` : "";
+    lines.push(`$ ${Array.isArray(command) ? command.join(" ") : command}${cwd}`);
+  }
+  const output = parseJson(rawOutput);
+  if (output && typeof output === "object" && !Array.isArray(output)) {
+    const o = output as Record<string, unknown>;
+    const code = o.exit_code ?? o.exitCode;
+    if (typeof code === "number") lines.push(`exit ${code}`);
+  }
+  const text = outputText(output);
+  if (text) {
+    const all = text.split("\n");
+    if (all.length > 10) lines.push("...");
+    lines.push(...all.slice(-10));
+  }
+  return lines.length ? "\n" + lines.join("\n") : "";
+}
+
 // An activity part (tool call, plan, ...) as one readable line; the text
 // of a reply or a thought as is.
 function partText(m: Message): string {
@@ -573,8 +648,10 @@ function partText(m: Message): string {
   switch (p.case) {
     case "toolCall": {
       const diffs = p.value.content.flatMap((c) => (c.content.case === "diff" ? [c.content.value.path] : []));
-      return `tool ${p.value.toolKind}: ${p.value.title} (${p.value.status})${diffs.length ? ` diff ${diffs.join(", ")}` : ""}`;
+      return `tool ${p.value.toolKind}: ${p.value.title} (${p.value.status})${diffs.length ? ` diff ${diffs.join(", ")}` : ""}${toolDetail(p.value.rawInputJson, p.value.rawOutputJson)}`;
     }
+    case "unparsed":
+      return `unparsed ${p.value.updateKind || p.value.method}: ${p.value.error}`;
     case "plan":
       return "plan:\n" + p.value.entries.map((e) => `[${e.status}] ${e.content}`).join("\n");
     case "availableCommands":
@@ -707,6 +784,11 @@ class MessageView extends Component<MessageProps> {
         </div>
         {m.part.case === "terminal" && <TerminalView terminal={m.part.value} />}
         {terminals?.map((t) => <TerminalView key={t.terminalId} terminal={t} />)}
+        {m.usage && (
+          <div class="muted turn-usage" data-testid="turn-usage">
+            {turnUsageText(m.usage)}
+          </div>
+        )}
       </li>
     );
   }
@@ -1002,6 +1084,11 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
             {workspaceOnly && <Badge tone="warn" testid="workspace-only">workspace only</Badge>}
             {profileName && <Badge tone="idle">{profileName}</Badge>}
             <Badge tone="idle">{runtimeName(s.runtime, s.runtimeName)}</Badge>
+            {s.usage && s.usage.turns > 0n && (
+              <Badge tone="idle" testid="usage">
+                {usageText(s.usage)}
+              </Badge>
+            )}
           </span>
         )}
         {s && !ended && (
@@ -1010,6 +1097,60 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
           </button>
         )}
       </div>
+      {s && !ended && (s.modes?.available.length || s.configOptions.length) ? (
+        <div class="session-config" data-testid="session-config">
+          {s.modes && s.modes.available.length > 0 && (
+            <label>
+              Mode
+              <select
+                data-testid="mode-select"
+                value={s.modes.currentModeId}
+                onChange={(e) => {
+                  const modeId = (e.target as HTMLSelectElement).value;
+                  sessions
+                    .setSessionMode({ taskId, sessionId, modeId })
+                    .then(refresh)
+                    .catch((err) => setStatusError(describe(err)));
+                }}
+              >
+                {s.modes.available.map((m) => (
+                  <option key={m.id} value={m.id} title={m.description}>
+                    {m.name || m.id}
+                  </option>
+                ))}
+              </select>
+            </label>
+          )}
+          {s.configOptions.map((o) => {
+            const set = (value: string) =>
+              sessions
+                .setSessionConfigOption({ taskId, sessionId, configId: o.id, value })
+                .then(refresh)
+                .catch((err) => setStatusError(describe(err)));
+            return (
+              <label key={o.id} title={o.description}>
+                {o.name || o.id}
+                {o.type === "boolean" ? (
+                  <input
+                    type="checkbox"
+                    data-testid={`config-${o.id}`}
+                    checked={o.currentValue === "true"}
+                    onChange={(e) => set(String((e.target as HTMLInputElement).checked))}
+                  />
+                ) : (
+                  <select data-testid={`config-${o.id}`} value={o.currentValue} onChange={(e) => set((e.target as HTMLSelectElement).value)}>
+                    {o.values.map((v) => (
+                      <option key={v.value} value={v.value} title={v.description}>
+                        {v.name || v.value}
+                      </option>
+                    ))}
+                  </select>
+                )}
+              </label>
+            );
+          })}
+        </div>
+      ) : null}
       {/* One banner at a time: the page's own says when sessiond is unreachable. */}
       {watch === "reconnecting" && !offline && (
         <p class="banner warn" role="status" data-testid="reconnecting">

@@ -26,12 +26,16 @@
 //! `/tool` reports a tool call, `/activity` one update of every kind a
 //! client shows (thought, plan, tool call and update with a diff, commands,
 //! mode, an untyped kind), `/permission` asks for permission, `/edit PATH
-//! TEXT` asks permission before a tool call that writes PATH, `/read PATH`
+//! TEXT` asks permission before a tool call that writes PATH (`/edit-codex`:
+//! the same with Codex's option ids, `approved` / `approved-for-session` /
+//! `abort`), `/run` reports a command with its raw input and output (as
+//! Codex does), `/read PATH`
 //! and `/write PATH TEXT` use the client's file system, `/terminal CMD`
 //! runs `sh -c CMD` in a client terminal (ACP `terminal/*`) shown by a tool
 //! call, `/long` streams for
 //! a minute (to be cancelled), `/fail` fails the turn, `/mode ID` switches
-//! the agent's own mode (`current_mode_update`).
+//! the agent's own mode (`current_mode_update`), `/unparsed` sends a
+//! `session/update` no ACP schema parses (a tool call with a numeric id).
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -121,6 +125,11 @@ struct Cli {
     /// empty; `demo-login` is offered but always fails.
     #[arg(long, env = "ACP_DEMO_REQUIRE_AUTH", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
     require_auth: bool,
+    /// Report usage as Claude Code does: a `usage_update` per turn (the
+    /// context, and the cost so far of this process: 0.25 USD a turn) and
+    /// the turn's tokens in the prompt's answer (100 in, 50 out).
+    #[arg(long, env = "ACP_DEMO_USAGE", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
+    usage: bool,
     /// A tool call with a side effect before the reply: every prompt first
     /// appends one line (the prompt) to this file (relative to the working
     /// directory, i.e. the worktree) and reports a tool call.
@@ -685,6 +694,17 @@ async fn run_turn(
         )
     })?;
     lock(&demo.unsaved).remove(&id);
+    if demo.cli.usage {
+        use agent_client_protocol::v1::schema::{Cost, Usage, UsageUpdate};
+        cx.send_notification(SessionNotification::new(
+            req.session_id.clone(),
+            SessionUpdate::UsageUpdate(
+                UsageUpdate::new(1000 * n as u64, 200_000)
+                    .cost(Cost::new(0.25 * f64::from(count), "USD")),
+            ),
+        ))?;
+        return Ok(PromptResponse::new(StopReason::EndTurn).usage(Usage::new(150, 100, 50)));
+    }
     Ok(PromptResponse::new(StopReason::EndTurn))
 }
 
@@ -749,10 +769,57 @@ async fn slash_command(
             activity(cx, session)?;
             "activity: sent".to_owned()
         }
+        "/run" => {
+            // A command as Codex reports one: only its raw input and
+            // output say what ran, where, how it ended and what it
+            // printed (here 2,000 lines, more than a client keeps).
+            use agent_client_protocol::v1::schema::ToolKind;
+            cx.send_notification(SessionNotification::new(
+                session.clone(),
+                SessionUpdate::ToolCall(
+                    ToolCall::new("demo-run-1", "run the tests")
+                        .kind(ToolKind::Execute)
+                        .status(ToolCallStatus::InProgress)
+                        .raw_input(serde_json::json!({
+                            "command": ["sh", "-c", "make test"],
+                            "cwd": "/demo/work",
+                        })),
+                ),
+            ))?;
+            let mut stdout: String = (1..=2000).map(|i| format!("test {i} ok\n")).collect();
+            stdout.push_str("FAILED: 2 tests\n");
+            cx.send_notification(SessionNotification::new(
+                session.clone(),
+                SessionUpdate::ToolCallUpdate(ToolCallUpdate::new(
+                    "demo-run-1",
+                    ToolCallUpdateFields::new()
+                        .status(ToolCallStatus::Failed)
+                        .raw_output(serde_json::json!({"exit_code": 3, "stdout": stdout})),
+                )),
+            ))?;
+            "run: exit 3".to_owned()
+        }
+        "/unparsed" => {
+            // A tool call whose id is a number: no ACP schema reads it, so
+            // a client must keep it raw rather than lose it.
+            cx.send_notification(agent_client_protocol::UntypedMessage::new(
+                "session/update",
+                serde_json::json!({
+                    "sessionId": session,
+                    "update": {"sessionUpdate": "tool_call", "toolCallId": 7, "title": "bad id"},
+                }),
+            )?)?;
+            "unparsed: sent".to_owned()
+        }
         "/edit" => {
             let path = words.next().unwrap_or_default();
             let content = words.next().unwrap_or_default();
-            edit_with_permission(cx, session, path, content).await?
+            edit_with_permission(cx, session, path, content, false).await?
+        }
+        "/edit-codex" => {
+            let path = words.next().unwrap_or_default();
+            let content = words.next().unwrap_or_default();
+            edit_with_permission(cx, session, path, content, true).await?
         }
         "/permission" => {
             let options = vec![
@@ -937,6 +1004,7 @@ async fn edit_with_permission(
     session: &agent_client_protocol::v1::schema::SessionId,
     path: &str,
     content: &str,
+    codex_ids: bool,
 ) -> Result<String, Error> {
     use agent_client_protocol::v1::schema::{Diff, ToolCallContent, ToolKind};
     let id = "demo-edit-permission";
@@ -950,10 +1018,24 @@ async fn edit_with_permission(
                 .content(diff.clone()),
         ),
     ))?;
-    let options = vec![
-        PermissionOption::new("allow", "Allow", PermissionOptionKind::AllowOnce),
-        PermissionOption::new("reject", "Reject", PermissionOptionKind::RejectOnce),
-    ];
+    // Codex names its options by what they do, not by their kind: a
+    // client must map "allow" onto them by kind.
+    let options = if codex_ids {
+        vec![
+            PermissionOption::new("approved", "Yes", PermissionOptionKind::AllowOnce),
+            PermissionOption::new(
+                "approved-for-session",
+                "Always",
+                PermissionOptionKind::AllowAlways,
+            ),
+            PermissionOption::new("abort", "No", PermissionOptionKind::RejectOnce),
+        ]
+    } else {
+        vec![
+            PermissionOption::new("allow", "Allow", PermissionOptionKind::AllowOnce),
+            PermissionOption::new("reject", "Reject", PermissionOptionKind::RejectOnce),
+        ]
+    };
     let answer = cx
         .send_request(RequestPermissionRequest::new(
             session.clone(),
@@ -968,7 +1050,8 @@ async fn edit_with_permission(
         .block_task()
         .await?;
     let allowed = matches!(&answer.outcome,
-        RequestPermissionOutcome::Selected(s) if s.option_id.0.as_ref() == "allow");
+        RequestPermissionOutcome::Selected(s)
+            if ["allow", "approved", "approved-for-session"].contains(&s.option_id.0.as_ref()));
     let (status, out) = if allowed {
         match cx
             .send_request(WriteTextFileRequest::new(session.clone(), path, content))

@@ -24,6 +24,120 @@ pub const OTHER: &str = "other";
 pub const PERMISSION: &str = "permission";
 /// An ACP terminal the agent runs through agentctl (see `terminal`).
 pub const TERMINAL: &str = "terminal";
+/// A `session/update` our ACP schema could not parse, kept raw (bounded).
+pub const UNPARSED: &str = "unparsed";
+
+/// At most this much of an unparseable update's JSON is kept.
+pub const MAX_UNPARSED_JSON: usize = 16 * 1024;
+/// At most this much of a parse error's text is kept.
+const MAX_ERROR: usize = 1024;
+
+/// The longest prefix of `s` of at most `max` bytes that ends on a char
+/// boundary.
+pub fn clip(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// Strings longer than this in a tool call's raw input or output keep
+/// their head and tail (a command's output: its end tells most).
+const RAW_STRING_MAX: usize = 8 * 1024;
+/// A raw input or output still larger than this is kept as its JSON text,
+/// cut, under `{"truncated": true, "json": ...}`.
+const RAW_MAX: usize = 32 * 1024;
+
+/// The longest suffix of `s` of at most `max` bytes that starts on a char
+/// boundary.
+fn clip_tail(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut start = s.len() - max;
+    while !s.is_char_boundary(start) {
+        start += 1;
+    }
+    &s[start..]
+}
+
+fn clip_strings(v: &mut serde_json::Value, max: usize) {
+    match v {
+        serde_json::Value::String(s) if s.len() > max => {
+            let head = clip(s, max / 4);
+            let tail = clip_tail(s, max - max / 4);
+            let cut = s.len() - head.len() - tail.len();
+            *s = format!("{head}\n[... {cut} bytes cut ...]\n{tail}");
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(|v| clip_strings(v, max)),
+        serde_json::Value::Object(o) => o.values_mut().for_each(|v| clip_strings(v, max)),
+        _ => {}
+    }
+}
+
+/// Bounds the `rawInput` and `rawOutput` of a tool call's JSON (what the
+/// agent says a tool was given and gave back: a command, its cwd, exit code
+/// and output), which agents send unbounded.
+pub fn bound_raw(call: &mut serde_json::Value) {
+    for key in ["rawInput", "rawOutput"] {
+        if let Some(v) = call.get_mut(key) {
+            clip_strings(v, RAW_STRING_MAX);
+            let text = v.to_string();
+            if text.len() > RAW_MAX {
+                *v = serde_json::json!({"truncated": true, "json": clip(&text, RAW_MAX)});
+            }
+        }
+    }
+}
+
+/// A tool call as ACP JSON, its raw input and output bounded.
+fn tool_json(call: &AcpToolCall) -> String {
+    let mut v = serde_json::to_value(call).unwrap_or_else(|_| serde_json::json!({}));
+    bound_raw(&mut v);
+    v.to_string()
+}
+
+/// A notification of `method` whose params did not parse, as a complete
+/// part of the turn `turn_id` (empty between turns): `{"sessionUpdate",
+/// "method", "error", "json", "truncated"}`, `json` being the params as
+/// the agent sent them, cut at [`MAX_UNPARSED_JSON`] bytes. The text is the
+/// update's tag and the error, so a reader sees what was lost and why.
+pub fn unparsed(turn_id: &str, method: &str, params: &serde_json::Value, error: &str) -> Activity {
+    let tag = params
+        .pointer("/update/sessionUpdate")
+        .and_then(|t| t.as_str())
+        .map(|t| clip(t, 64).to_owned())
+        .unwrap_or_default();
+    let raw = params.to_string();
+    let kept = clip(&raw, MAX_UNPARSED_JSON);
+    let error = clip(error, MAX_ERROR);
+    let json = serde_json::json!({
+        "sessionUpdate": tag,
+        "method": method,
+        "error": error,
+        "json": kept,
+        "truncated": kept.len() < raw.len(),
+    });
+    let text = if tag.is_empty() {
+        format!("{method}: {error}")
+    } else {
+        format!("{tag}: {error}")
+    };
+    Activity {
+        complete: true,
+        ..activity(turn_id, &new_id(), UNPARSED, 1, text, json.to_string())
+    }
+}
+
+/// A parse error without where it happened (`at line 1 column 80`), so
+/// the same mistake repeated in many updates reads as one.
+pub fn error_shape(error: &str) -> &str {
+    error.split(" at line ").next().unwrap_or(error)
+}
 
 /// A permission request of policy `ask`, pending (rev 1): the ACP request's
 /// tool call and options, `status: "pending"`, when it was asked and when
@@ -37,10 +151,12 @@ pub fn permission_requested(
     expires_at_ms: u64,
 ) -> Activity {
     let title = req.tool_call.fields.title.clone().unwrap_or_default();
+    let mut tool_call = serde_json::to_value(&req.tool_call).unwrap_or_default();
+    bound_raw(&mut tool_call);
     let json = serde_json::json!({
         "requestId": request_id,
         "turnId": turn_id,
-        "toolCall": req.tool_call,
+        "toolCall": tool_call,
         "options": req.options,
         "status": "pending",
         "requestedAtMs": requested_at_ms,
@@ -334,7 +450,7 @@ fn tool_activity(turn_id: &str, part: &ToolPart) -> Activity {
             TOOL_CALL,
             part.rev,
             part.call.title.clone(),
-            json!(&part.call),
+            tool_json(&part.call),
         )
     }
 }
@@ -350,6 +466,50 @@ mod tests {
 
     fn thought(t: &str) -> SessionUpdate {
         SessionUpdate::AgentThoughtChunk(ContentChunk::new(ContentBlock::Text(TextContent::new(t))))
+    }
+
+    #[test]
+    fn an_unparsed_update_is_kept_bounded_with_its_error() {
+        let params = serde_json::json!({
+            "sessionId": "s",
+            "update": {"sessionUpdate": "tool_call", "toolCallId": 5, "title": "x".repeat(40_000)},
+        });
+        let a = unparsed("t", "session/update", &params, "invalid type: integer `5`");
+        assert_eq!((a.kind.as_str(), a.rev, a.complete), (UNPARSED, 1, true));
+        assert_eq!(a.text, "tool_call: invalid type: integer `5`");
+        let v: serde_json::Value = serde_json::from_str(&a.json).unwrap();
+        assert_eq!(v["sessionUpdate"], "tool_call");
+        assert_eq!(v["method"], "session/update");
+        assert_eq!(v["truncated"], true);
+        assert_eq!(v["json"].as_str().unwrap().len(), MAX_UNPARSED_JSON);
+        assert_eq!(clip("héllo", 2), "h");
+        assert_eq!(
+            error_shape("invalid type: integer `5`, expected a string at line 1 column 9"),
+            "invalid type: integer `5`, expected a string"
+        );
+    }
+
+    #[test]
+    fn raw_input_and_output_are_bounded() {
+        let output = format!("{}END", "x".repeat(100_000));
+        let call = AcpToolCall::new("c1", "run")
+            .raw_input(serde_json::json!({"command": ["bash", "-lc", "ls"], "cwd": "/w"}))
+            .raw_output(serde_json::json!({"exit_code": 0, "stdout": output}));
+        let v: serde_json::Value = serde_json::from_str(&tool_json(&call)).unwrap();
+        assert_eq!(v["rawInput"]["command"][2], "ls", "small values kept");
+        assert_eq!(v["rawOutput"]["exit_code"], 0);
+        let out = v["rawOutput"]["stdout"].as_str().unwrap();
+        assert!(out.len() < RAW_STRING_MAX + 64, "{}", out.len());
+        assert!(
+            out.ends_with("END") && out.contains("bytes cut"),
+            "the tail kept"
+        );
+        // Many large strings: the whole is cut as text.
+        let many: Vec<String> = (0..20).map(|_| "y".repeat(9000)).collect();
+        let call = AcpToolCall::new("c2", "run").raw_output(serde_json::json!(many));
+        let v: serde_json::Value = serde_json::from_str(&tool_json(&call)).unwrap();
+        assert_eq!(v["rawOutput"]["truncated"], true);
+        assert_eq!(v["rawOutput"]["json"].as_str().unwrap().len(), RAW_MAX);
     }
 
     #[test]

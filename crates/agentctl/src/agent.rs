@@ -11,7 +11,7 @@
 //! order matches the state order. `ops` serializes the slow lifecycle calls
 //! (launch, new session, resume).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -19,18 +19,19 @@ use std::time::Duration;
 use agent_client_protocol::schema::ProtocolVersion;
 use agent_client_protocol::v1::ConnectionTo;
 use agent_client_protocol::v1::schema::{
-    AuthMethod, AuthenticateRequest, CancelNotification, ClientCapabilities, ContentBlock,
-    CreateTerminalRequest, CreateTerminalResponse, FileSystemCapabilities, Implementation,
-    InitializeRequest, KillTerminalRequest, KillTerminalResponse, LoadSessionRequest,
-    NewSessionRequest, PermissionOptionKind, PromptRequest, ReadTextFileRequest,
-    ReadTextFileResponse, ReleaseTerminalRequest, ReleaseTerminalResponse,
+    AuthMethod, AuthenticateRequest, CancelNotification, ClientCapabilities, CloseSessionRequest,
+    ContentBlock, CreateTerminalRequest, CreateTerminalResponse, FileSystemCapabilities,
+    Implementation, InitializeRequest, KillTerminalRequest, KillTerminalResponse,
+    LoadSessionRequest, NewSessionRequest, PermissionOptionKind, PromptRequest,
+    ReadTextFileRequest, ReadTextFileResponse, ReleaseTerminalRequest, ReleaseTerminalResponse,
     RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
-    ResumeSessionRequest, SelectedPermissionOutcome, SessionId, SessionModeId, SessionModeState,
-    SessionNotification, SessionUpdate, SetSessionModeRequest, StopReason, TerminalExitStatus,
-    TerminalOutputRequest, TerminalOutputResponse, TextContent, WaitForTerminalExitRequest,
-    WaitForTerminalExitResponse, WriteTextFileRequest, WriteTextFileResponse,
+    ResumeSessionRequest, SelectedPermissionOutcome, SessionConfigOption, SessionId, SessionModeId,
+    SessionModeState, SessionNotification, SessionUpdate, SetSessionConfigOptionRequest,
+    SetSessionModeRequest, StopReason, TerminalExitStatus, TerminalOutputRequest,
+    TerminalOutputResponse, TextContent, WaitForTerminalExitRequest, WaitForTerminalExitResponse,
+    WriteTextFileRequest, WriteTextFileResponse,
 };
-use agent_client_protocol::{Agent, Client, ErrorCode, Lines};
+use agent_client_protocol::{Agent, Client, ErrorCode, Handled, Lines, UntypedMessage};
 use sessiond_proto::agentctl::v1::{
     AgentExit, AgentExited, AgentState, AgentStateChanged, MessageChunk, TurnEnded,
     agent_update::Kind,
@@ -47,6 +48,7 @@ use crate::sys;
 use crate::terminal::{TerminalExit, TerminalSpec, Terminals};
 use crate::tree;
 use crate::updates::UpdateLog;
+use crate::usage::UsageTrack;
 use crate::workspace::Workspace;
 
 /// How long the agent may show no sign of life (no output, no CPU time)
@@ -63,6 +65,12 @@ const SESSION_SETUP_SILENCE: Duration = Duration::from_secs(120);
 /// How many started turns `Prompt` remembers for its idempotency by
 /// `turn_id` (the proto promises 256).
 pub const REMEMBERED_TURNS: usize = 256;
+/// How long a stop waits for the agent's answer to `session/close` (at most
+/// the stop's grace) before it ends the process anyway.
+const CLOSE_LIMIT: Duration = Duration::from_secs(2);
+/// Kinds of unparseable updates logged at most: an agent sending a new
+/// error in every update cannot flood the log.
+const MAX_UNPARSED_LOGGED: usize = 64;
 
 /// How agentctl answers an agent's `session/request_permission`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -112,6 +120,10 @@ pub struct LaunchSpec {
     pub permission_policy: Option<PermissionPolicy>,
     /// How long an `ask` request waits for an answer (zero: the default).
     pub permission_timeout: Duration,
+    /// Config option values set right after `session/new`, by option id.
+    pub config_defaults: std::collections::BTreeMap<String, String>,
+    /// MCP servers given with every session/new, load and resume.
+    pub mcp_servers: crate::config::McpServers,
 }
 
 /// An auth method the agent offered at `initialize`.
@@ -282,6 +294,22 @@ struct Slot {
     /// `ask` permission requests waiting for an answer, by request id.
     /// Dropping one (agent exit, turn cancelled) answers it `cancelled`.
     asks: HashMap<String, Ask>,
+    /// Kinds of unparseable updates already logged (method and error).
+    unparsed_logged: HashSet<String>,
+    /// What the current agent process reported it used and cost.
+    usage: UsageTrack,
+    /// The current agent offers `session/close` (`sessionCapabilities.close`).
+    agent_close_session: bool,
+    /// Config option values the profile sets on a new conversation.
+    config_defaults: std::collections::BTreeMap<String, String>,
+    /// MCP servers the profile gives the agent.
+    mcp_servers: crate::config::McpServers,
+    /// What MCP transports the current agent takes (its initialize answer).
+    mcp_caps: agent_client_protocol::v1::schema::McpCapabilities,
+    /// The open conversation's ACP config options, as the agent last
+    /// described them (session/new, load, resume answers, its
+    /// `config_option_update`s, a set's answer).
+    config: Option<Vec<SessionConfigOption>>,
 }
 
 #[derive(Debug)]
@@ -529,6 +557,13 @@ impl AgentManager {
                     parts: Parts::default(),
                     permission_timeout: DEFAULT_PERMISSION_TIMEOUT,
                     asks: HashMap::new(),
+                    unparsed_logged: HashSet::new(),
+                    usage: UsageTrack::default(),
+                    agent_close_session: false,
+                    config: None,
+                    config_defaults: Default::default(),
+                    mcp_servers: Default::default(),
+                    mcp_caps: Default::default(),
                 }),
                 ops: tokio::sync::Mutex::new(()),
                 journal_fresh: journal.is_durable() && loaded.fresh,
@@ -699,12 +734,16 @@ impl AgentManager {
             let mut slot = self.shared.slot();
             slot.generation += 1;
             slot.exit = None;
+            slot.usage = UsageTrack::default();
             slot.profile_claim = spec.profile_supports_session_resume;
             slot.agent_load_session = None;
             slot.agent_resume_session = None;
+            slot.agent_close_session = false;
             slot.signs = Some(signs.clone());
             slot.auth_methods = Vec::new();
             slot.policy = spec.permission_policy.unwrap_or(self.shared.policy);
+            slot.config_defaults = spec.config_defaults.clone();
+            slot.mcp_servers = spec.mcp_servers.clone();
             slot.permission_timeout = if spec.permission_timeout.is_zero() {
                 DEFAULT_PERMISSION_TIMEOUT
             } else {
@@ -713,6 +752,7 @@ impl AgentManager {
             slot.asks.clear();
             slot.session = None;
             slot.modes = None;
+            slot.config = None;
             slot.turn = None;
             slot.replaying = None;
             slot.marker = marker;
@@ -853,6 +893,9 @@ impl AgentManager {
                 }
                 slot.agent_load_session = Some(load_session);
                 slot.agent_resume_session = Some(resume_session);
+                slot.agent_close_session =
+                    resp.agent_capabilities.session_capabilities.close.is_some();
+                slot.mcp_caps = resp.agent_capabilities.mcp_capabilities.clone();
                 slot.auth_methods = auth_methods.clone();
                 slot.set_state(&self.shared.updates, AgentState::Ready);
                 tracing::info!(pid, %name, %version, load_session, resume_session, activity = signs.lines(), cpu_ms = signs.sample_cpu_ms(), "agent initialized");
@@ -886,7 +929,13 @@ impl AgentManager {
             slot.connection()?
         };
         let signs = self.signs()?;
-        let request = NewSessionRequest::new(self.shared.workspace.root().to_path_buf());
+        let mcp = {
+            let slot = self.shared.slot();
+            slot.mcp_servers.check(&slot.mcp_caps)?;
+            slot.mcp_servers.0.clone()
+        };
+        let request =
+            NewSessionRequest::new(self.shared.workspace.root().to_path_buf()).mcp_servers(mcp);
         let resp = signs::until_silent(
             &signs,
             SESSION_SETUP_SILENCE,
@@ -897,9 +946,41 @@ impl AgentManager {
         .map_err(|cut| Error::DeadlineExceeded(cut.describe("ACP session/new")))?
         .map_err(|e| self.shared.acp_error("ACP session/new", &e))?;
         let id = resp.session_id;
-        let mut slot = self.shared.slot();
-        slot.session = Some(id.clone());
-        slot.modes = resp.modes;
+        let defaults = {
+            let mut slot = self.shared.slot();
+            slot.session = Some(id.clone());
+            slot.modes = resp.modes;
+            slot.config = resp.config_options;
+            slot.config_defaults.clone()
+        };
+        // The profile's values, in a new conversation only. The ops lock
+        // is ours already: set them as `set_config_option` would.
+        for (config_id, value) in &defaults {
+            let options = self.shared.slot().config.clone().unwrap_or_default();
+            let acp_value =
+                crate::config::value_for(&options, config_id, value).map_err(|e| match e {
+                    Error::InvalidArgument(m) => Error::InvalidArgument(format!(
+                        "the profile's config default {config_id} = {value}: {m}"
+                    )),
+                    other => other,
+                })?;
+            let resp = signs::until_silent(
+                &signs,
+                SESSION_SETUP_SILENCE,
+                signs::SETUP_CAP,
+                conn.send_request(SetSessionConfigOptionRequest::new(
+                    id.clone(),
+                    config_id.clone(),
+                    acp_value,
+                ))
+                .block_task(),
+            )
+            .await
+            .map_err(|cut| Error::DeadlineExceeded(cut.describe("ACP session/set_config_option")))?
+            .map_err(|e| self.shared.acp_error("ACP session/set_config_option", &e))?;
+            self.shared.slot().config = Some(resp.config_options);
+            tracing::info!(session = %id, %config_id, %value, "config default set");
+        }
         Ok(id.0.to_string())
     }
 
@@ -938,9 +1019,15 @@ impl AgentManager {
         };
         let signs = self.signs()?;
         let cwd = self.shared.workspace.root().to_path_buf();
+        let mcp = {
+            let slot = self.shared.slot();
+            slot.mcp_servers.check(&slot.mcp_caps)?;
+            slot.mcp_servers.0.clone()
+        };
         let reopen = async {
             if offers_resume {
-                let request = ResumeSessionRequest::new(session.clone(), cwd.clone());
+                let request = ResumeSessionRequest::new(session.clone(), cwd.clone())
+                    .mcp_servers(mcp.clone());
                 let answer = signs::until_silent(
                     &signs,
                     SESSION_SETUP_SILENCE,
@@ -950,7 +1037,9 @@ impl AgentManager {
                 .await
                 .map_err(|cut| Error::DeadlineExceeded(cut.describe("ACP session/resume")))?;
                 match answer {
-                    Ok(resp) => return Ok((Reopened::Resume, resp.modes)),
+                    Ok(resp) => {
+                        return Ok((Reopened::Resume, resp.modes, resp.config_options));
+                    }
                     Err(e) if e.code == ErrorCode::METHOD_NOT_FOUND && offers_load => {
                         tracing::info!(session = %session, "the agent refused session/resume as an unknown method; loading instead");
                     }
@@ -962,7 +1051,7 @@ impl AgentManager {
                     }
                 }
             }
-            let request = LoadSessionRequest::new(session.clone(), cwd);
+            let request = LoadSessionRequest::new(session.clone(), cwd).mcp_servers(mcp);
             let resp = signs::until_silent(
                 &signs,
                 SESSION_SETUP_SILENCE,
@@ -975,12 +1064,12 @@ impl AgentManager {
                 self.shared
                     .acp_error(&format!("ACP session/load of {token:?} was rejected"), &e)
             })?;
-            Ok((Reopened::Load, resp.modes))
+            Ok((Reopened::Load, resp.modes, resp.config_options))
         };
         let result = reopen.await;
         let mut slot = self.shared.slot();
         slot.replaying = None;
-        let (method, modes) = result?;
+        let (method, modes, config) = result?;
         let replayed = slot.replayed;
         match method {
             Reopened::Resume => {
@@ -994,6 +1083,7 @@ impl AgentManager {
         }
         slot.session = Some(session);
         slot.modes = modes;
+        slot.config = config;
         Ok(Resumed {
             token: token.to_owned(),
             method,
@@ -1004,6 +1094,51 @@ impl AgentManager {
     /// The session modes of the open conversation, if the agent has modes.
     pub fn modes(&self) -> Option<SessionModeState> {
         self.shared.slot().modes.clone()
+    }
+
+    /// The open conversation's config options, if the agent has any.
+    pub fn config_options(&self) -> Option<Vec<SessionConfigOption>> {
+        self.shared.slot().config.clone()
+    }
+
+    /// ACP `session/set_config_option` of the open conversation, after
+    /// checking the option and the value; returns the options as the agent
+    /// answered (it may change others with it).
+    pub async fn set_config_option(
+        &self,
+        config_id: &str,
+        value: &str,
+    ) -> Result<Vec<SessionConfigOption>> {
+        let _op = self.shared.ops.lock().await;
+        let (conn, session, options) = {
+            let slot = self.shared.slot();
+            let conn = slot.connection()?;
+            let Some(session) = slot.session.clone() else {
+                return Err(Error::FailedPrecondition(
+                    "no conversation is open (NewSession or ResumeSession first)".into(),
+                ));
+            };
+            (conn, session, slot.config.clone().unwrap_or_default())
+        };
+        let acp_value = crate::config::value_for(&options, config_id, value)?;
+        let signs = self.signs()?;
+        let resp = signs::until_silent(
+            &signs,
+            SESSION_SETUP_SILENCE,
+            signs::SETUP_CAP,
+            conn.send_request(SetSessionConfigOptionRequest::new(
+                session,
+                config_id.to_owned(),
+                acp_value,
+            ))
+            .block_task(),
+        )
+        .await
+        .map_err(|cut| Error::DeadlineExceeded(cut.describe("ACP session/set_config_option")))?
+        .map_err(|e| self.shared.acp_error("ACP session/set_config_option", &e))?;
+        let mut slot = self.shared.slot();
+        slot.config = Some(resp.config_options.clone());
+        Ok(resp.config_options)
     }
 
     /// ACP `session/set_mode` of the open conversation; returns its modes
@@ -1116,6 +1251,7 @@ impl AgentManager {
                 .journal
                 .accepted(&turn_id, &message_id, &instance)?;
             slot.parts = Parts::default();
+            slot.usage.turn_started();
             slot.turn = Some(Turn {
                 turn_id: turn_id.clone(),
                 message_id: message_id.clone(),
@@ -1164,7 +1300,7 @@ impl AgentManager {
                 None => return, // the agent exited meanwhile; the turn ended
                 Some(Err(e)) => {
                     tracing::error!(turn_id = %tid, error = %e, "could not record the turn as handed; not sending it");
-                    finish_turn(&shared, &tid, "error", &e.to_string());
+                    finish_turn(&shared, &tid, "error", &e.to_string(), None);
                     return;
                 }
                 Some(Ok(())) => {}
@@ -1183,7 +1319,7 @@ impl AgentManager {
                 Ok(resp) => {
                     let reason = stop_reason_name(resp.stop_reason);
                     tracing::Span::current().record("acp.stop_reason", reason.as_str());
-                    finish_turn(&shared, &tid, &reason, "");
+                    finish_turn(&shared, &tid, &reason, "", resp.usage.as_ref());
                 }
                 Err(e) => {
                     let err = shared.acp_error("ACP session/prompt", &e);
@@ -1203,7 +1339,7 @@ impl AgentManager {
                         }
                     }
                     tracing::Span::current().record("acp.stop_reason", "error");
-                    finish_turn(&shared, &tid, "error", &err.to_string());
+                    finish_turn(&shared, &tid, "error", &err.to_string(), None);
                 }
             }
         };
@@ -1305,13 +1441,43 @@ impl AgentManager {
 
     /// Ends the agent's process group: TERM, then KILL after `grace`.
     pub async fn stop(&self, grace: Duration) -> Option<AgentExit> {
-        let (pid, exit_rx) = {
+        let (pid, exit_rx, close) = {
             let slot = self.shared.slot();
             match slot.running.as_ref() {
-                Some(r) => (r.pid, r.exit_rx.clone()),
+                Some(r) => {
+                    // An agent that offers `session/close` is told first, so
+                    // it can end the session's work and free what it holds.
+                    let close = match (&r.conn, &slot.session) {
+                        (Some(conn), Some(session)) if slot.agent_close_session => {
+                            Some((conn.clone(), session.clone()))
+                        }
+                        _ => None,
+                    };
+                    (r.pid, r.exit_rx.clone(), close)
+                }
                 None => return slot.exit,
             }
         };
+        if let Some((conn, session)) = close {
+            let limit = if grace.is_zero() {
+                DEFAULT_STOP_GRACE
+            } else {
+                grace
+            }
+            .min(CLOSE_LIMIT);
+            let sent = conn
+                .send_request(CloseSessionRequest::new(session.clone()))
+                .block_task();
+            match tokio::time::timeout(limit, sent).await {
+                Ok(Ok(_)) => tracing::info!(%session, "session closed (ACP session/close)"),
+                Ok(Err(e)) => {
+                    tracing::warn!(%session, error = %e, "session/close failed; stopping the agent anyway")
+                }
+                Err(_) => {
+                    tracing::warn!(%session, ?limit, "session/close unanswered; stopping the agent anyway")
+                }
+            }
+        }
         let exit = self.stop_pid(pid, exit_rx, grace).await;
         self.shared.terminals.release_all().await;
         exit
@@ -1369,10 +1535,12 @@ fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) -> bool {
     slot.replaying = None;
     slot.session = None;
     slot.modes = None;
+    slot.config = None;
     if let Some(turn) = slot.turn.take() {
         for a in slot.parts.close(&turn.turn_id) {
             shared.updates.push(Kind::Activity(a));
         }
+        let usage = slot.usage.turn_ended(None);
         let cursor = shared.updates.push(Kind::TurnEnded(TurnEnded {
             turn_id: turn.turn_id.clone(),
             stop_reason: "error".into(),
@@ -1380,6 +1548,7 @@ fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) -> bool {
                 "the agent exited during the turn ({})",
                 describe_exit(&exit)
             ),
+            usage,
         }));
         record_ended(shared, &mut slot, &turn.turn_id, cursor);
     }
@@ -1560,7 +1729,13 @@ fn record_ended(shared: &Shared, slot: &mut Slot, turn_id: &str, cursor: u64) {
 }
 
 /// Ends `turn_id` if it is still the turn in progress.
-fn finish_turn(shared: &Shared, turn_id: &str, stop_reason: &str, error: &str) {
+fn finish_turn(
+    shared: &Shared,
+    turn_id: &str,
+    stop_reason: &str,
+    error: &str,
+    tokens: Option<&agent_client_protocol::v1::schema::Usage>,
+) {
     let mut slot = shared.slot();
     if slot.turn.as_ref().is_none_or(|t| t.turn_id != turn_id) {
         return;
@@ -1570,10 +1745,12 @@ fn finish_turn(shared: &Shared, turn_id: &str, stop_reason: &str, error: &str) {
     for a in slot.parts.close(turn_id) {
         shared.updates.push(Kind::Activity(a));
     }
+    let usage = slot.usage.turn_ended(tokens);
     let cursor = shared.updates.push(Kind::TurnEnded(TurnEnded {
         turn_id: turn_id.to_owned(),
         stop_reason: stop_reason.to_owned(),
         error_message: error.to_owned(),
+        usage,
     }));
     record_ended(shared, &mut slot, turn_id, cursor);
     if slot.state == AgentState::Busy {
@@ -1592,6 +1769,13 @@ fn on_session_update(shared: &Shared, generation: u64, n: SessionNotification) {
         slot.replayed += 1;
         return;
     }
+    // Options the agent changed (often with a mode or a model) replace the
+    // ones it offered; the update also goes on as a part.
+    if let SessionUpdate::ConfigOptionUpdate(u) = &n.update
+        && slot.session.as_ref() == Some(&n.session_id)
+    {
+        slot.config = Some(u.config_options.clone());
+    }
     // A mode the agent switched to by itself is the current one from now on
     // (Health reports it), in a turn or between turns.
     if let SessionUpdate::CurrentModeUpdate(u) = &n.update
@@ -1600,12 +1784,17 @@ fn on_session_update(shared: &Shared, generation: u64, n: SessionNotification) {
     {
         modes.current_mode_id = u.current_mode_id.clone();
     }
-    let Some(turn) = slot
+    let turn = slot
         .turn
         .as_ref()
         .filter(|t| t.session == n.session_id)
-        .cloned()
-    else {
+        .cloned();
+    // Usage is the turn's (it comes with its end), not a part of its own.
+    if let SessionUpdate::UsageUpdate(u) = &n.update {
+        slot.usage.update(u, turn.is_some());
+        return;
+    }
+    let Some(turn) = turn else {
         // Between turns only what describes the session is kept (commands,
         // mode, untyped kinds); a stray chunk or tool call is not.
         match activity::outside_turn(n.update) {
@@ -1635,6 +1824,39 @@ fn on_session_update(shared: &Shared, generation: u64, n: SessionNotification) {
     for a in slot.parts.apply(&turn.turn_id, n.update) {
         shared.updates.push(Kind::Activity(a));
     }
+}
+
+/// A `session/update` our schema could not parse: kept as an `unparsed`
+/// part (of the turn it belongs to, or between turns) instead of being
+/// lost, and logged once per method and kind of error. Replayed history is
+/// dropped as parsed history is.
+fn on_unparsed_update(shared: &Shared, generation: u64, n: &UntypedMessage, error: &str) {
+    let mut slot = shared.slot();
+    if slot.generation != generation {
+        return;
+    }
+    let session = n.params.get("sessionId").and_then(|v| v.as_str());
+    let key = format!("{}: {}", n.method, activity::error_shape(error));
+    if slot.unparsed_logged.len() < MAX_UNPARSED_LOGGED && slot.unparsed_logged.insert(key) {
+        tracing::warn!(
+            method = %n.method,
+            error = activity::clip(error, 1024),
+            "an update of the agent did not parse; kept raw (logged once per kind of error)"
+        );
+    }
+    if session.is_some() && slot.replaying.as_ref().map(|s| &*s.0) == session {
+        slot.replayed += 1;
+        return;
+    }
+    let turn_id = slot
+        .turn
+        .as_ref()
+        .filter(|t| Some(&*t.session.0) == session)
+        .map(|t| t.turn_id.clone())
+        .unwrap_or_default();
+    shared.updates.push(Kind::Activity(activity::unparsed(
+        &turn_id, &n.method, &n.params, error,
+    )));
 }
 
 type Transport = Lines<
@@ -1695,9 +1917,20 @@ async fn run_connection(
         .v1()
         .name("agentctl")
         .on_receive_notification(
-            async move |n: SessionNotification, _cx| {
-                on_session_update(&s_updates, generation, n);
-                Ok(())
+            // Parsed here rather than by the SDK, which would reject an
+            // update our schema cannot read and lose it.
+            async move |n: UntypedMessage, cx| {
+                if n.method != "session/update" {
+                    return Ok(Handled::No {
+                        message: (n, cx),
+                        retry: false,
+                    });
+                }
+                match serde_json::from_value::<SessionNotification>(n.params.clone()) {
+                    Ok(update) => on_session_update(&s_updates, generation, update),
+                    Err(e) => on_unparsed_update(&s_updates, generation, &n, &e.to_string()),
+                }
+                Ok(Handled::Yes)
             },
             agent_client_protocol::on_receive_notification!(),
         )

@@ -15,6 +15,7 @@
 pub mod activity;
 pub mod agent;
 pub mod auth;
+pub mod config;
 pub mod error;
 pub mod exec;
 pub mod fence;
@@ -26,4 +27,5 @@ pub mod sys;
 pub mod terminal;
 pub mod tree;
 pub mod updates;
+pub mod usage;
 pub mod workspace;

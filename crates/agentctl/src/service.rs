@@ -13,9 +13,9 @@ use sessiond_proto::agentctl::v1::{
     GitStatusResponse, HealthRequest, HealthResponse, LaunchAgentRequest, LaunchAgentResponse,
     ListDirRequest, ListDirResponse, NewSessionRequest, NewSessionResponse, PromptRequest,
     PromptResponse, ReadFileRequest, ReadFileResponse, ResumeMethod, ResumeSessionRequest,
-    ResumeSessionResponse, SessionMode, SessionModes, SetModeRequest, SetModeResponse,
-    StopAgentRequest, StopAgentResponse, StreamUpdatesRequest, TurnPhase, WriteFileRequest,
-    WriteFileResponse,
+    ResumeSessionResponse, SessionMode, SessionModes, SetConfigOptionRequest,
+    SetConfigOptionResponse, SetModeRequest, SetModeResponse, StopAgentRequest, StopAgentResponse,
+    StreamUpdatesRequest, TurnPhase, WriteFileRequest, WriteFileResponse,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
@@ -117,7 +117,10 @@ impl AgentCtlService for AgentCtl {
             acp_session_id: status.session.unwrap_or_default(),
             journaled,
             journal_fresh,
-            modes: self.agent.modes().map(|m| session_modes(&m)),
+            modes: wire_modes(
+                self.agent.modes().as_ref(),
+                self.agent.config_options().as_deref(),
+            ),
             agent_activity: status.activity,
             agent_cpu_ms: status.cpu_ms,
             resuming: status.resuming,
@@ -164,6 +167,8 @@ impl AgentCtlService for AgentCtl {
                     auth_method: Some(r.auth_method).filter(|m| !m.is_empty()),
                     permission_policy,
                     permission_timeout: Duration::from_millis(r.permission_timeout_ms),
+                    config_defaults: r.config_defaults.into_iter().collect(),
+                    mcp_servers: crate::config::McpServers::from_wire(r.mcp_servers)?,
                 })
                 .await
         })
@@ -191,7 +196,10 @@ impl AgentCtlService for AgentCtl {
         let resume_token = to_completion(async move { agent.new_session().await }).await?;
         Ok(Response::new(NewSessionResponse {
             resume_token,
-            modes: self.agent.modes().map(|m| session_modes(&m)),
+            modes: wire_modes(
+                self.agent.modes().as_ref(),
+                self.agent.config_options().as_deref(),
+            ),
         }))
     }
 
@@ -208,7 +216,10 @@ impl AgentCtlService for AgentCtl {
         };
         Ok(Response::new(ResumeSessionResponse {
             resume_token: resumed.token,
-            modes: self.agent.modes().map(|m| session_modes(&m)),
+            modes: wire_modes(
+                self.agent.modes().as_ref(),
+                self.agent.config_options().as_deref(),
+            ),
             method: method as i32,
             replayed: resumed.replayed,
         }))
@@ -219,7 +230,21 @@ impl AgentCtlService for AgentCtl {
         let agent = self.agent.clone();
         let modes = to_completion(async move { agent.set_mode(&mode_id).await }).await?;
         Ok(Response::new(SetModeResponse {
-            modes: Some(session_modes(&modes)),
+            modes: wire_modes(Some(&modes), self.agent.config_options().as_deref()),
+        }))
+    }
+
+    async fn set_config_option(
+        &self,
+        req: Request<SetConfigOptionRequest>,
+    ) -> Res<SetConfigOptionResponse> {
+        let req = req.into_inner();
+        let agent = self.agent.clone();
+        let options =
+            to_completion(async move { agent.set_config_option(&req.config_id, &req.value).await })
+                .await?;
+        Ok(Response::new(SetConfigOptionResponse {
+            modes: wire_modes(self.agent.modes().as_ref(), Some(&options)),
         }))
     }
 
@@ -294,7 +319,7 @@ impl AgentCtlService for AgentCtl {
                 match read {
                     Read::Gap(gap) => {
                         last = gap.cursor;
-                        if tx.send(Ok(gap)).await.is_err() {
+                        if tx.send(Ok(*gap)).await.is_err() {
                             return;
                         }
                     }
@@ -402,12 +427,22 @@ async fn to_completion<T: Send + 'static>(
     })?
 }
 
-/// ACP session modes on the wire.
-fn session_modes(m: &agent_client_protocol::v1::schema::SessionModeState) -> SessionModes {
-    SessionModes {
-        current_mode_id: m.current_mode_id.0.to_string(),
-        available: m
-            .available_modes
+/// ACP session modes and config options on the wire; none when the agent
+/// has neither.
+fn wire_modes(
+    modes: Option<&agent_client_protocol::v1::schema::SessionModeState>,
+    config: Option<&[agent_client_protocol::v1::schema::SessionConfigOption]>,
+) -> Option<SessionModes> {
+    if modes.is_none() && config.is_none_or(<[_]>::is_empty) {
+        return None;
+    }
+    Some(SessionModes {
+        current_mode_id: modes
+            .map(|m| m.current_mode_id.0.to_string())
+            .unwrap_or_default(),
+        available: modes
+            .map(|m| &m.available_modes[..])
+            .unwrap_or_default()
             .iter()
             .map(|m| SessionMode {
                 id: m.id.0.to_string(),
@@ -415,5 +450,10 @@ fn session_modes(m: &agent_client_protocol::v1::schema::SessionModeState) -> Ses
                 description: m.description.clone().unwrap_or_default(),
             })
             .collect(),
-    }
+        config_options: config
+            .unwrap_or_default()
+            .iter()
+            .map(crate::config::wire)
+            .collect(),
+    })
 }

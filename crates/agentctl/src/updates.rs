@@ -15,7 +15,7 @@ pub enum Read {
     Updates(Vec<AgentUpdate>),
     /// The cursor asked for is not continuous with the buffer: updates were
     /// dropped, or the cursor comes from a different agentctl process.
-    Gap(AgentUpdate),
+    Gap(Box<AgentUpdate>),
 }
 
 /// A ring buffer of updates. Cursors start at 1 and grow by one per update.
@@ -107,7 +107,7 @@ impl UpdateLog {
         if !instance.is_empty() && instance != self.instance_id {
             let ring = self.ring();
             let oldest = ring.buf.front().map_or(ring.next, |u| u.cursor);
-            return Read::Gap(self.gap(after, oldest));
+            return Read::Gap(Box::new(self.gap(after, oldest)));
         }
         self.read_after(after, max)
     }
@@ -133,10 +133,10 @@ impl UpdateLog {
         let latest = ring.next - 1;
         let oldest = ring.buf.front().map_or(ring.next, |u| u.cursor);
         if after > latest {
-            return Read::Gap(self.gap(after, ring.next));
+            return Read::Gap(Box::new(self.gap(after, ring.next)));
         }
         if after + 1 < oldest {
-            return Read::Gap(self.gap(after, oldest));
+            return Read::Gap(Box::new(self.gap(after, oldest)));
         }
         let skip = usize::try_from((after + 1).saturating_sub(oldest)).unwrap_or(usize::MAX);
         Read::Updates(ring.buf.iter().skip(skip).take(max).cloned().collect())

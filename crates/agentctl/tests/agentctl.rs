@@ -3168,3 +3168,72 @@ async fn exec_leaves_nothing_running_even_what_left_its_session() {
     ctl.shutdown().await;
     h.assert_no_leftovers().await;
 }
+
+/// An update the agent sends that our ACP schema cannot parse (the demo
+/// agent's `/unparsed`: a tool call whose id is a number) is not lost: it
+/// reaches the stream as a complete `unparsed` part of the turn, with the
+/// parse error and the raw JSON, the turn goes on, and the log names the
+/// method and the error once however often it comes.
+#[tokio::test]
+async fn an_update_that_does_not_parse_is_kept_raw_and_logged_once() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let mut stream = Stream::open(&mut c, 0).await;
+    c.launch_agent(h.demo(true, &[])).await.expect("launch");
+    c.new_session(NewSessionRequest {}).await.expect("session");
+    let mut parts = Vec::new();
+    for _ in 0..2 {
+        let resp = c
+            .prompt(PromptRequest {
+                text: "/unparsed".into(),
+                ..Default::default()
+            })
+            .await
+            .expect("prompt")
+            .into_inner();
+        let updates = stream.until_turn_end(&resp.turn_id).await;
+        assert_eq!(turn_end(&updates).stop_reason, "end_turn");
+        let (reply, _) = reply_text(&updates, &resp.message_id);
+        assert!(reply.ends_with("unparsed: sent"), "{reply:?}");
+        let raw: Vec<Activity> = updates
+            .iter()
+            .filter_map(|u| match &u.kind {
+                Some(Kind::Activity(a)) if a.kind == "unparsed" => Some(a.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(raw.len(), 1, "{updates:?}");
+        assert_eq!(raw[0].turn_id, resp.turn_id);
+        assert!(raw[0].complete);
+        parts.push(raw[0].clone());
+    }
+    assert_ne!(parts[0].part_id, parts[1].part_id, "one part per update");
+    let v: serde_json::Value = serde_json::from_str(&parts[0].json).expect("json");
+    assert_eq!(v["method"], "session/update");
+    assert_eq!(v["sessionUpdate"], "tool_call");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("invalid type"),
+        "{v}"
+    );
+    let sent: serde_json::Value =
+        serde_json::from_str(v["json"].as_str().expect("raw json")).expect("the raw params");
+    assert_eq!(sent["update"]["toolCallId"], 7, "{v}");
+    assert!(
+        parts[0].text.starts_with("tool_call: invalid type"),
+        "{:?}",
+        parts[0].text
+    );
+    ctl.shutdown().await;
+    let log = std::fs::read_to_string(h.base.path().join("agentctl.log")).expect("log");
+    let warned = log
+        .lines()
+        .filter(|l| l.contains("did not parse") && l.contains("session/update"))
+        .count();
+    assert_eq!(warned, 1, "logged once:\n{log}");
+    assert!(!log.contains("Invalid params"), "{log}");
+    h.assert_no_leftovers().await;
+}

@@ -246,13 +246,27 @@ async fn claude_acp_tool_turn_stop_relaunch_resume() {
     assert_eq!(launched.agent_name, "@zed-industries/claude-agent-acp");
     assert!(launched.agent_load_session, "{launched:?}");
     let first_pid = launched.agent_pid;
-    let token = c
+    let opened = c
         .new_session(NewSessionRequest {})
         .await
         .unwrap()
-        .into_inner()
-        .resume_token;
+        .into_inner();
+    let token = opened.resume_token;
     assert!(!token.is_empty());
+    // Its config options, the model among them, with their values.
+    let options = opened.modes.map(|m| m.config_options).unwrap_or_default();
+    let model = options
+        .iter()
+        .find(|o| o.category == "model")
+        .unwrap_or_else(|| panic!("no model option: {options:?}"));
+    assert_eq!(
+        (model.id.as_str(), model.r#type.as_str()),
+        ("model", "select")
+    );
+    assert!(
+        model.values.iter().any(|v| v.value == model.current_value),
+        "{model:?}"
+    );
 
     // A tool turn: the fake answers with a Bash tool_use, the CLI asks
     // permission (allowed), runs it in the workspace, sends the result back,
@@ -292,12 +306,55 @@ async fn claude_acp_tool_turn_stop_relaunch_resume() {
     let json: serde_json::Value = serde_json::from_str(&tool_call.json).unwrap();
     assert_eq!(json["toolCallId"], tool_id.as_str(), "{json}");
     assert_eq!(json["status"], "completed", "{json}");
+    // What the tool did is kept: the command it ran and what it gave back.
+    assert!(
+        json["rawInput"]["command"]
+            .as_str()
+            .is_some_and(|c| c.contains("notes.txt")),
+        "{json}"
+    );
+    assert!(!json["rawOutput"].is_null(), "{json}");
+
+    // Every update of the tool turn parsed: none rejected by the ACP
+    // layer (`Invalid params`), none kept raw.
+    assert!(
+        !t1.updates
+            .iter()
+            .any(|u| matches!(&u.kind, Some(Kind::Activity(a)) if a.kind == "unparsed")),
+        "{:?}",
+        t1.updates
+    );
+    let log = std::fs::read_to_string(base.path().join("agentctl.log")).unwrap();
+    assert!(
+        !log.contains("Invalid params") && !log.contains("did not parse"),
+        "{log}"
+    );
+
+    // The turn's usage, as the adapter reports it: the prompt answer's
+    // tokens, the context after the turn, its cost.
+    let usage = t1.end.usage.clone().expect("the tool turn's usage");
+    assert!(
+        usage.input_tokens.is_some() && usage.total_tokens.is_some(),
+        "{usage:?}"
+    );
+    assert!(usage.context_size.is_some_and(|s| s > 0), "{usage:?}");
+    assert!(
+        usage.cost_amount.is_some_and(|a| a > 0.0) && usage.cost_currency == "USD",
+        "{usage:?}"
+    );
 
     let t2 = prompt(&mut c, &mut stream, "how are you").await;
     assert_eq!(t2.end.stop_reason, "end_turn");
     assert_eq!(
         t2.reply,
         "claude-fake: you said \"how are you\" (2 user messages)"
+    );
+    // Its cost is its own, not the adapter's running total.
+    let second = t2.end.usage.clone().expect("the text turn's usage");
+    assert!(
+        second.cost_amount < second.session_cost_amount
+            && second.session_cost_amount > usage.session_cost_amount,
+        "{usage:?} then {second:?}"
     );
 
     // The turn is in the CLI's transcript before the stop: the CLI writes

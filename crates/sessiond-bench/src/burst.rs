@@ -363,6 +363,8 @@ async fn world(bin_dir: &Path, dir: &Path, n: usize, reaper: &Reaper) -> anyhow:
             auth_method: None,
             permission_policy: PermissionPolicy::Allow,
             permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
+            config_defaults: Default::default(),
+            mcp_servers: Vec::new(),
             created_at: now,
             updated_at: now,
         })
@@ -585,6 +587,8 @@ async fn bare(
         permission_policy: pb::PermissionPolicy::Allow as i32,
         permission_timeout_ms: u64::try_from(w.profile.permission_timeout.as_millis())
             .unwrap_or(u64::MAX),
+        config_defaults: Default::default(),
+        mcp_servers: Vec::new(),
     };
     let mut work = Vec::new();
     for s in &w.sessions {

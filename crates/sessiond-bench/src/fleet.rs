@@ -228,6 +228,16 @@ impl AgentCtlService for Fleet {
         ))
     }
 
+    async fn set_config_option(
+        &self,
+        req: Request<pb::SetConfigOptionRequest>,
+    ) -> Res<pb::SetConfigOptionResponse> {
+        Self::identity(&req)?;
+        Err(Status::failed_precondition(
+            "the bench fleet stands in for recovery only; it has no config options",
+        ))
+    }
+
     async fn respond_permission(
         &self,
         req: Request<pb::RespondPermissionRequest>,

@@ -76,6 +76,8 @@ enum Command {
         #[command(flatten)]
         session: SessionRef,
         request_id: String,
+        /// An option's id, or a kind: `allow`, `allow-always`, `reject`,
+        /// `reject-always` (the agent's option of that kind).
         option_id: String,
     },
     /// Switch the agent's session mode (`session status` lists the modes).
@@ -83,6 +85,16 @@ enum Command {
         #[command(flatten)]
         session: SessionRef,
         mode_id: String,
+    },
+    /// Set one of the agent's config options, e.g. its model (`session
+    /// status` lists them with the values each takes).
+    Config {
+        #[command(flatten)]
+        session: SessionRef,
+        /// The option's id (`model`, ...).
+        config_id: String,
+        /// One of the values it offers (`true` / `false` for a switch).
+        value: String,
     },
     /// List a session's messages.
     Messages(MessagesArgs),
@@ -454,6 +466,23 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .into_inner();
             out.modes(&session.session_id, &r.modes.unwrap_or_default());
         }
+        Command::Config {
+            session,
+            config_id,
+            value,
+        } => {
+            let r = c
+                .sessions
+                .set_session_config_option(pb::SetSessionConfigOptionRequest {
+                    task_id: session.task.task,
+                    session_id: session.session_id.clone(),
+                    config_id,
+                    value,
+                })
+                .await?
+                .into_inner();
+            out.config_options(&session.session_id, &r.config_options);
+        }
         Command::Messages(args) => messages(&mut c, &out, args).await?,
         Command::Watch(args) => watch(&mut c, &out, args).await?,
         Command::Workspace(cmd) => return workspace(&mut c, &out, cmd).await,
@@ -808,7 +837,8 @@ async fn choose_option(answer: &AnswerArgs, req: &pb::PermissionRequest) -> anyh
     if !std::io::stdin().is_terminal() {
         bail!(
             "the agent asks permission ({title}; request {}; options: {offered}) and stdin is not a terminal to ask on; \
-             pass --approve or --deny, or answer with `sessionctl permission --task TASK SESSION {} OPTION_ID` \
+             pass --approve or --deny, or answer with `sessionctl permission --task TASK SESSION {} OPTION` \
+             (an option id, or allow / allow-always / reject) \
              (the request waits until the profile's permission timeout, then it is rejected)",
             req.request_id,
             req.request_id
@@ -903,6 +933,14 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
                 if m.id == user_id =>
             {
                 in_turn = true;
+            }
+            // The turn's usage, stored on the user message as the turn ends.
+            Some(pb::event::Payload::MessageUpdated(pb::MessageUpdated { message: Some(m) }))
+                if m.id == user_id =>
+            {
+                if let Some(u) = m.usage.as_ref().filter(|_| !out.json) {
+                    eprintln!("{}", output::turn_usage_line(u));
+                }
             }
             Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
             | Some(pb::event::Payload::MessageUpdated(pb::MessageUpdated { message: Some(m) }))

@@ -73,10 +73,114 @@ pub fn printable(text: &str) -> String {
 }
 
 fn task_json(t: &pb::Task) -> Value {
-    json!({
+    let mut v = json!({
         "id": t.id, "title": t.title, "state": task_state(t.state),
         "created_at": ts(t.created_at.as_ref()), "updated_at": ts(t.updated_at.as_ref()),
+    });
+    if let Some(u) = &t.usage {
+        v["usage"] = usage_json(u);
+    }
+    v
+}
+
+fn usage_json(u: &pb::UsageTotals) -> Value {
+    json!({
+        "turns": u.turns, "input_tokens": u.input_tokens, "output_tokens": u.output_tokens,
+        "thought_tokens": u.thought_tokens, "cached_read_tokens": u.cached_read_tokens,
+        "cached_write_tokens": u.cached_write_tokens, "total_tokens": u.total_tokens,
+        "costs": u.costs.iter().map(|c| json!({"amount": c.amount, "currency": c.currency})).collect::<Vec<_>>(),
     })
+}
+
+fn turn_usage_json(u: &pb::TurnUsage) -> Value {
+    json!({
+        "input_tokens": u.input_tokens, "output_tokens": u.output_tokens,
+        "thought_tokens": u.thought_tokens, "cached_read_tokens": u.cached_read_tokens,
+        "cached_write_tokens": u.cached_write_tokens, "total_tokens": u.total_tokens,
+        "context_used": u.context_used, "context_size": u.context_size,
+        "cost": u.cost.as_ref().map(|c| json!({"amount": c.amount, "currency": c.currency})),
+    })
+}
+
+fn costs_text(costs: &[pb::Cost]) -> String {
+    costs
+        .iter()
+        .map(|c| format!("{} {}", trim_amount(c.amount), c.currency))
+        .collect::<Vec<_>>()
+        .join(" + ")
+}
+
+/// An amount with up to 4 decimals, trailing zeros dropped.
+fn trim_amount(a: f64) -> String {
+    let s = format!("{a:.4}");
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    if s.is_empty() {
+        "0".into()
+    } else {
+        s.to_owned()
+    }
+}
+
+/// `3 turns, 450 tokens (300 in, 150 out), cost 0.75 USD`.
+pub fn usage_line(u: &pb::UsageTotals) -> String {
+    if u.turns == 0 {
+        return "none reported".into();
+    }
+    let mut parts = vec![
+        format!("{} in", u.input_tokens),
+        format!("{} out", u.output_tokens),
+    ];
+    if u.thought_tokens > 0 {
+        parts.push(format!("{} thought", u.thought_tokens));
+    }
+    if u.cached_read_tokens + u.cached_write_tokens > 0 {
+        parts.push(format!(
+            "{} cache read, {} cache write",
+            u.cached_read_tokens, u.cached_write_tokens
+        ));
+    }
+    let mut line = format!(
+        "{} turn{}, {} tokens ({})",
+        u.turns,
+        if u.turns == 1 { "" } else { "s" },
+        u.total_tokens,
+        parts.join(", ")
+    );
+    if !u.costs.is_empty() {
+        line.push_str(&format!(", cost {}", costs_text(&u.costs)));
+    }
+    line
+}
+
+/// The short form for lists: `450 tok 0.75 USD`, `-` when none.
+fn usage_short(u: Option<&pb::UsageTotals>) -> String {
+    match u.filter(|u| u.turns > 0) {
+        None => "-".into(),
+        Some(u) if u.costs.is_empty() => format!("{} tok", u.total_tokens),
+        Some(u) => format!("{} tok {}", u.total_tokens, costs_text(&u.costs)),
+    }
+}
+
+/// `[usage] 150 tokens (100 in, 50 out), context 2000/200000, cost 0.25 USD`.
+pub fn turn_usage_line(u: &pb::TurnUsage) -> String {
+    let mut parts = Vec::new();
+    let tokens = u
+        .total_tokens
+        .unwrap_or(u.input_tokens.unwrap_or(0) + u.output_tokens.unwrap_or(0));
+    if u.total_tokens.is_some() || u.input_tokens.is_some() || u.output_tokens.is_some() {
+        parts.push(format!(
+            "{tokens} tokens ({} in, {} out)",
+            u.input_tokens.unwrap_or(0),
+            u.output_tokens.unwrap_or(0)
+        ));
+    }
+    if let (Some(used), Some(size)) = (u.context_used, u.context_size) {
+        parts.push(format!("context {used}/{size}"));
+    }
+    if let Some(c) = &u.cost {
+        parts.push(format!("cost {}", costs_text(std::slice::from_ref(c))));
+    }
+    format!("[usage] {}", parts.join(", "))
 }
 
 fn session_json(s: &pb::Session) -> Value {
@@ -89,6 +193,7 @@ fn session_json(s: &pb::Session) -> Value {
         "resume_token": s.resume_token, "error_message": s.error_message,
         "version": s.version,
         "created_at": ts(s.created_at.as_ref()), "updated_at": ts(s.updated_at.as_ref()),
+        "usage": s.usage.as_ref().map(usage_json),
     })
 }
 
@@ -101,6 +206,9 @@ pub fn message_json(m: &pb::Message) -> Value {
     });
     if let Some(part) = part_json(m) {
         v["part"] = part;
+    }
+    if let Some(u) = &m.usage {
+        v["usage"] = turn_usage_json(u);
     }
     v
 }
@@ -124,6 +232,7 @@ fn kind_name(k: i32) -> &'static str {
         Ok(pb::MessageKind::Other) => "other",
         Ok(pb::MessageKind::Permission) => "permission",
         Ok(pb::MessageKind::Terminal) => "terminal",
+        Ok(pb::MessageKind::Unparsed) => "unparsed",
         _ => "text",
     }
 }
@@ -143,6 +252,7 @@ fn part_json(m: &pb::Message) -> Option<Value> {
                 None => Value::Null,
             }).collect::<Vec<_>>(),
             "locations": t.locations.iter().map(|l| json!({"path": l.path, "line": l.line})).collect::<Vec<_>>(),
+            "raw_input": raw_json(&t.raw_input_json), "raw_output": raw_json(&t.raw_output_json),
         }),
         Part::Plan(p) => json!({"entries": p.entries.iter().map(|e| json!({
             "content": e.content, "priority": e.priority, "status": e.status,
@@ -157,6 +267,10 @@ fn part_json(m: &pb::Message) -> Option<Value> {
             "terminal_id": t.terminal_id, "command": t.command, "args": t.args, "cwd": t.cwd,
             "output": t.output, "truncated": t.truncated, "exit_code": t.exit_code,
             "signal": t.signal, "exited": t.exited, "released": t.released,
+        }),
+        Part::Unparsed(u) => json!({
+            "update_kind": u.update_kind, "method": u.method, "error": u.error,
+            "json": u.json, "truncated": u.truncated,
         }),
     })
 }
@@ -198,6 +312,97 @@ fn permission_line(p: &pb::PermissionRequest) -> String {
 /// Output lines of a terminal an activity line shows.
 const TERMINAL_LINES: usize = 10;
 
+/// A part's raw JSON text as JSON (null when empty, a string if it does
+/// not parse).
+fn raw_json(text: &str) -> Value {
+    if text.is_empty() {
+        return Value::Null;
+    }
+    serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.to_owned()))
+}
+
+/// Text of a tool's raw output: a string, content blocks' texts, or the
+/// first output-like field of an object (agents name them differently).
+fn output_text(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(items) => {
+            let texts: Vec<&str> = items
+                .iter()
+                .filter_map(|i| i.get("text").and_then(Value::as_str))
+                .collect();
+            (!texts.is_empty()).then(|| texts.join("\n"))
+        }
+        Value::Object(o) => {
+            for key in ["formatted_output", "aggregated_output", "output", "stdout"] {
+                if let Some(s) = o.get(key).and_then(Value::as_str) {
+                    let mut out = s.to_owned();
+                    if let Some(err) = o.get("stderr").and_then(Value::as_str)
+                        && key == "stdout"
+                        && !err.is_empty()
+                    {
+                        out.push_str(err);
+                    }
+                    return Some(out);
+                }
+            }
+            o.get("content").and_then(output_text)
+        }
+        _ => None,
+    }
+}
+
+/// What a tool call's raw input and output say it did, as lines: the
+/// command and where it ran, its exit code, the last lines of its output
+/// (other raw input as compact JSON).
+fn tool_detail(t: &pb::ToolCallPart) -> Vec<String> {
+    let mut lines = Vec::new();
+    let input = raw_json(&t.raw_input_json);
+    let command = match input.get("command") {
+        Some(Value::String(c)) => Some(c.clone()),
+        Some(Value::Array(parts)) => Some(
+            parts
+                .iter()
+                .map(|p| p.as_str().map_or_else(|| p.to_string(), str::to_owned))
+                .collect::<Vec<_>>()
+                .join(" "),
+        ),
+        _ => None,
+    };
+    match command {
+        Some(c) => {
+            let mut line = format!("$ {c}");
+            if let Some(cwd) = input.get("cwd").and_then(Value::as_str) {
+                line.push_str(&format!("  (in {cwd})"));
+            }
+            lines.push(line);
+        }
+        None if !input.is_null() && input != json!({}) => {
+            let text = input.to_string();
+            let cut: String = text.chars().take(200).collect();
+            let more = if cut.len() < text.len() { "..." } else { "" };
+            lines.push(format!("input {cut}{more}"));
+        }
+        None => {}
+    }
+    let output = raw_json(&t.raw_output_json);
+    let exit = ["exit_code", "exitCode"]
+        .iter()
+        .find_map(|k| output.get(*k)?.as_i64());
+    if let Some(code) = exit {
+        lines.push(format!("exit {code}"));
+    }
+    if let Some(text) = output_text(&output) {
+        let all: Vec<&str> = text.lines().collect();
+        let shown = &all[all.len().saturating_sub(TERMINAL_LINES)..];
+        if shown.len() < all.len() {
+            lines.push("...".into());
+        }
+        lines.extend(shown.iter().map(|l| (*l).to_owned()));
+    }
+    lines
+}
+
 /// One line for an activity part, as `send` prints it while the turn
 /// streams and `messages` lists it: `[tool edit] write notes.txt: completed`.
 pub fn activity_line(m: &pb::Message) -> String {
@@ -209,6 +414,11 @@ pub fn activity_line(m: &pb::Message) -> String {
                 if let Some(pb::tool_call_content::Content::Diff(d)) = &c.content {
                     line.push_str(&format!(" (diff {})", d.path));
                 }
+            }
+            // Tool output is the agent's; control characters shown escaped.
+            for l in tool_detail(t) {
+                line.push_str("\n  ");
+                line.push_str(&printable(&l));
             }
             line
         }
@@ -222,6 +432,14 @@ pub fn activity_line(m: &pb::Message) -> String {
         Some(Part::AvailableCommands(_)) => format!("[commands] {}", m.content),
         Some(Part::CurrentMode(c)) => format!("[mode] {}", c.mode_id),
         Some(Part::Other(r)) => format!("[{}]", r.update_kind),
+        Some(Part::Unparsed(u)) => {
+            let what = if u.update_kind.is_empty() {
+                &u.method
+            } else {
+                &u.update_kind
+            };
+            format!("[unparsed {what}] {}", u.error)
+        }
         Some(Part::Terminal(t)) => {
             // The command and how it ended, then the output's last lines.
             let mut line = format!("[terminal] {}: {}", m.content, terminal_state(t));
@@ -299,6 +517,26 @@ fn modes_json(m: &pb::SessionModes) -> Value {
     })
 }
 
+fn config_json(o: &pb::ConfigOption) -> Value {
+    json!({
+        "id": o.id, "name": o.name, "description": o.description, "category": o.category,
+        "type": o.r#type, "current_value": o.current_value,
+        "values": o.values.iter().map(|v| json!({
+            "value": v.value, "name": v.name, "description": v.description,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// `model = large (of small, large)`.
+fn config_line(o: &pb::ConfigOption) -> String {
+    let offered: Vec<&str> = if o.r#type == "boolean" {
+        vec!["true", "false"]
+    } else {
+        o.values.iter().map(|v| v.value.as_str()).collect()
+    };
+    format!("{} = {} (of {})", o.id, o.current_value, offered.join(", "))
+}
+
 /// `plan (of default, plan)`: the current mode first, then every mode.
 fn modes_line(m: &pb::SessionModes) -> String {
     let all: Vec<&str> = m.available.iter().map(|a| a.id.as_str()).collect();
@@ -351,6 +589,10 @@ impl Out {
                 task_state(t.state),
                 printable(&t.title)
             );
+            // GetTask totals its sessions' usage (a list does not).
+            if let Some(u) = &t.usage {
+                println!("  usage: {}", usage_line(u));
+            }
         }
     }
 
@@ -387,13 +629,17 @@ impl Out {
             println!("no sessions");
             return;
         }
-        println!("{:<36}  {:<17}  {:<16}  ERROR", "ID", "STATE", "RUNTIME");
+        println!(
+            "{:<36}  {:<17}  {:<16}  {:<20}  ERROR",
+            "ID", "STATE", "RUNTIME", "USAGE"
+        );
         for s in sessions {
             println!(
-                "{:<36}  {:<17}  {:<16}  {}",
+                "{:<36}  {:<17}  {:<16}  {:<20}  {}",
                 s.id,
                 session_state(s.state),
                 runtime(s.runtime, &s.runtime_name),
+                usage_short(s.usage.as_ref()),
                 one_line(&s.error_message, 60)
             );
         }
@@ -417,7 +663,9 @@ impl Out {
                     "retry_in_ms": r.retry_in_ms, "replayed": r.replayed,
                 })),
                 "modes": s.modes.as_ref().map(modes_json),
+                "config_options": s.config_options.iter().map(config_json).collect::<Vec<_>>(),
                 "pending_permissions": s.pending_permissions.iter().map(permission_json).collect::<Vec<_>>(),
+                "usage": s.usage.as_ref().map(usage_json),
             }));
             return;
         }
@@ -447,6 +695,12 @@ impl Out {
         if let Some(m) = &s.modes {
             println!("modes             {}", modes_line(m));
         }
+        for o in &s.config_options {
+            println!("config            {}", config_line(o));
+        }
+        if let Some(u) = &s.usage {
+            println!("usage             {}", usage_line(u));
+        }
         for p in &s.pending_permissions {
             println!(
                 "permission        {} asks: {}",
@@ -469,6 +723,19 @@ impl Out {
             self.print_json(json!({"session_id": session_id, "modes": modes_json(m)}));
         } else {
             println!("session {session_id} mode {}", modes_line(m));
+        }
+    }
+
+    pub fn config_options(&self, session_id: &str, options: &[pb::ConfigOption]) {
+        if self.json {
+            self.print_json(json!({
+                "session_id": session_id,
+                "config_options": options.iter().map(config_json).collect::<Vec<_>>(),
+            }));
+        } else {
+            for o in options {
+                println!("session {session_id} config {}", config_line(o));
+            }
         }
     }
 
@@ -501,6 +768,9 @@ impl Out {
             let more = if m.complete { "" } else { " …" };
             if is_text(m) {
                 println!("[{}] {}: {}{more}", m.seq, role(m.role), m.content);
+                if let Some(u) = &m.usage {
+                    println!("    {}", turn_usage_line(u));
+                }
             } else {
                 println!("[{}] {}: {}{more}", m.seq, role(m.role), activity_line(m));
             }
@@ -764,7 +1034,35 @@ fn agent_recovery_line(r: &pb::AgentRecovery) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::printable;
+    use super::{pb, printable, tool_detail};
+
+    #[test]
+    fn a_tool_call_shows_its_command_exit_and_output() {
+        // Codex: the command as argv with its cwd; exit code and output.
+        let codex = pb::ToolCallPart {
+            raw_input_json: r#"{"command":["bash","-lc","ls"],"cwd":"/w"}"#.into(),
+            raw_output_json: r#"{"exit_code":2,"stdout":"a\nb\n","stderr":"oops\n"}"#.into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            tool_detail(&codex),
+            ["$ bash -lc ls  (in /w)", "exit 2", "a", "b", "oops"]
+        );
+        // Claude Code: a command string; the output as content blocks.
+        let claude = pb::ToolCallPart {
+            raw_input_json: r#"{"command":"printf hi","description":"say hi"}"#.into(),
+            raw_output_json: r#"[{"type":"text","text":"hi\u001b[0m"}]"#.into(),
+            ..Default::default()
+        };
+        assert_eq!(tool_detail(&claude), ["$ printf hi", "hi\u{1b}[0m"]);
+        // Other input as JSON; nothing at all when nothing was given.
+        let read = pb::ToolCallPart {
+            raw_input_json: r#"{"path":"a.txt"}"#.into(),
+            ..Default::default()
+        };
+        assert_eq!(tool_detail(&read), [r#"input {"path":"a.txt"}"#]);
+        assert!(tool_detail(&pb::ToolCallPart::default()).is_empty());
+    }
 
     #[test]
     fn control_characters_are_shown_escaped() {

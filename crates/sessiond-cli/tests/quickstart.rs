@@ -464,6 +464,44 @@ fn send_prints_tool_calls_and_plans_as_they_stream() {
         "{messages}"
     );
 
+    // A command's raw input and output (what Codex reports, and only
+    // there): the command and its cwd, the exit code, the output's end.
+    let ran = "[tool execute] run the tests: failed\n  $ sh -c make test  (in /demo/work)\n  \
+               exit 3\n  ...\n  test 1992 ok\n";
+    let mut cmd = Command::new("sessionctl");
+    env.apply(&mut cmd);
+    let out = cmd
+        .args(["send", &session, "/run"])
+        .current_dir(&scratch)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains(ran), "{stderr}");
+    assert!(
+        stderr.contains("test 2000 ok\n  FAILED: 2 tests\n"),
+        "{stderr}"
+    );
+    let messages = env.sessionctl(&["messages", &session], &scratch);
+    assert!(messages.contains(ran), "{messages}");
+    let json = env.sessionctl(&["messages", &session, "--json"], &scratch);
+    let tool = json
+        .lines()
+        .chain(std::iter::once(json.as_str()))
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .flat_map(|v| match v {
+            serde_json::Value::Array(a) => a,
+            v => vec![v],
+        })
+        .find(|m| m.to_string().contains("demo-run-1"))
+        .unwrap_or_else(|| panic!("the tool call in --json: {json}"));
+    let raw = tool.to_string();
+    assert!(
+        raw.contains("\"exit_code\":3") && raw.contains("bytes cut"),
+        "{raw}"
+    );
+    assert!(raw.len() < 16 * 1024, "stored bounded: {} bytes", raw.len());
+
     env.sessionctl(&["session", "stop", &session], &scratch);
     terminate(server);
     for pid in agentctls_under(env.home.path()) {
@@ -623,7 +661,10 @@ fn sessionctl_answers_permission_requests() {
     let request = line.split_whitespace().nth(1).unwrap().to_owned();
     assert!(stderr.contains(&request), "{stderr}");
     let (_, err, _) = env.sessionctl_fails(&["permission", &session, &request, "maybe"], &scratch);
-    assert!(err.contains("allow, reject"), "{err}");
+    assert!(
+        err.contains("the agent offered: allow (allow_once), reject (reject_once)"),
+        "{err}"
+    );
     let out = env.sessionctl(&["permission", &session, &request, "allow"], &scratch);
     assert!(
         out.contains(&format!("permission request {request} answered allow")),
@@ -803,4 +844,86 @@ fn docker_session_with_the_default_profile() {
         env.sessionctl(&["session", "delete", s], &scratch);
     }
     terminate(server);
+}
+
+/// Usage and cost through sessionctl: `send` prints the turn's usage once,
+/// after the reply (never `[usage_update]` lines in the middle of it),
+/// `session status`, `session list` and `task get` show the totals, and
+/// `messages` the turn's usage under its prompt.
+#[test]
+fn sessionctl_shows_usage_and_cost() {
+    let mut env = Env::new();
+    let scratch = env.home.path().join("usage");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let config = env.home.path().join("sessiond.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[agents]]\nname = \"metered\"\ncommand = \"{}\"\n\
+             env = {{ ACP_DEMO_STATE_DIR = \"{}\", ACP_DEMO_USAGE = \"1\" }}\n",
+            bin("acp-demo-agent").display(),
+            env.home.path().join("demo-state").display()
+        ),
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    let server = env.serve_with(&[("SESSIOND_CONFIG", &config)]);
+    env.sessionctl(&["health", "--wait"], &scratch);
+    let task = env
+        .sessionctl(&["task", "create", "usage", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    env.task = Some(task.clone());
+    let session = env
+        .sessionctl(&["session", "create", "--agent", "metered", "-q"], &scratch)
+        .trim()
+        .to_owned();
+
+    for text in ["one", "two"] {
+        let mut cmd = Command::new("sessionctl");
+        env.apply(&mut cmd);
+        let out = cmd
+            .args(["send", &session, text])
+            .current_dir(&scratch)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(out.status.success(), "{stdout}\n{stderr}");
+        assert!(!stdout.contains("usage") && !stderr.contains("usage_update"));
+        assert_eq!(
+            stderr
+                .matches("[usage] 150 tokens (100 in, 50 out), context ")
+                .count(),
+            1,
+            "{stderr}"
+        );
+        assert!(stderr.contains("/200000, cost 0.25 USD\n"), "{stderr}");
+    }
+    let status = env.sessionctl(&["session", "status", &session], &scratch);
+    assert!(
+        status.contains("usage             2 turns, 300 tokens (200 in, 100 out), cost 0.5 USD"),
+        "{status}"
+    );
+    let list = env.sessionctl(&["session", "list"], &scratch);
+    assert!(list.contains("300 tok 0.5 USD"), "{list}");
+    let got = env.sessionctl(&["task", "get", &task], &scratch);
+    assert!(
+        got.contains("usage: 2 turns, 300 tokens (200 in, 100 out), cost 0.5 USD"),
+        "{got}"
+    );
+    let messages = env.sessionctl(&["messages", &session], &scratch);
+    assert_eq!(
+        messages.matches("    [usage] 150 tokens").count(),
+        2,
+        "{messages}"
+    );
+
+    env.sessionctl(&["session", "stop", &session], &scratch);
+    terminate(server);
+    for pid in agentctls_under(env.home.path()) {
+        let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    }
 }

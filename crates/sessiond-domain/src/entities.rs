@@ -61,6 +61,13 @@ pub struct AgentProfile {
     /// Policy `ask`: how long a request waits for an answer before it is
     /// rejected ([`DEFAULT_PERMISSION_TIMEOUT`] unless configured).
     pub permission_timeout: std::time::Duration,
+    /// Values of the agent's config options (ACP: its model, ...) set when
+    /// a session starts, by option id; each must be one the agent offers.
+    pub config_defaults: BTreeMap<String, String>,
+    /// MCP servers handed to the agent with every conversation it opens or
+    /// reopens. Secret values are references (an environment variable or a
+    /// file of sessiond's), resolved when the agent is launched.
+    pub mcp_servers: Vec<McpServer>,
     /// When the profile was created (UTC).
     pub created_at: DateTime<Utc>,
     /// When the profile was last changed (UTC).
@@ -278,6 +285,141 @@ pub struct AgentModes {
     pub current: String,
     /// The modes the agent offers, in its order.
     pub available: Vec<AgentMode>,
+    /// The session's configuration options (ACP config options: the model,
+    /// a reasoning effort, ...), with their current values. Carried with
+    /// the modes: both describe the open conversation and change together.
+    pub config_options: Vec<ConfigOption>,
+}
+
+/// An MCP server a profile gives its agent (ACP `McpServer`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct McpServer {
+    /// Its name, as the agent shows it.
+    pub name: String,
+    /// How the agent reaches it.
+    pub transport: McpTransport,
+}
+
+/// An MCP server's transport.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum McpTransport {
+    /// A process the agent starts.
+    Stdio {
+        /// The program.
+        command: String,
+        /// Its arguments.
+        args: Vec<String>,
+        /// Its environment.
+        env: BTreeMap<String, SecretValue>,
+    },
+    /// Streamable HTTP (the agent must offer `mcpCapabilities.http`).
+    Http {
+        /// The endpoint.
+        url: String,
+        /// Headers sent with each request.
+        headers: BTreeMap<String, SecretValue>,
+    },
+    /// Server-sent events (the agent must offer `mcpCapabilities.sse`).
+    Sse {
+        /// The endpoint.
+        url: String,
+        /// Headers sent with each request.
+        headers: BTreeMap<String, SecretValue>,
+    },
+}
+
+impl McpTransport {
+    /// `stdio`, `http` or `sse`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            McpTransport::Stdio { .. } => "stdio",
+            McpTransport::Http { .. } => "http",
+            McpTransport::Sse { .. } => "sse",
+        }
+    }
+}
+
+/// A value of an MCP server's environment or headers: given as is (not a
+/// secret: stored with the profile), or read when the agent launches from
+/// sessiond's environment or a file, so the secret itself is never stored.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SecretValue {
+    /// The value itself.
+    Plain(String),
+    /// The value of this environment variable of sessiond.
+    Env(String),
+    /// The contents of this file (a final newline dropped).
+    File(String),
+}
+
+/// The values of secret references ([`SecretValue::Env`], `File`) that the
+/// binary read at startup, by reference. Never printed: `Debug` shows only
+/// how many there are.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Secrets(BTreeMap<SecretValue, String>);
+
+impl std::fmt::Debug for Secrets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Secrets({} values)", self.0.len())
+    }
+}
+
+impl Secrets {
+    /// Records the value of a reference.
+    pub fn insert(&mut self, reference: SecretValue, value: String) {
+        self.0.insert(reference, value);
+    }
+
+    /// The value `v` stands for: itself when plain, else what was read for
+    /// the reference (`None`: not read).
+    pub fn resolve<'a>(&'a self, v: &'a SecretValue) -> Option<&'a str> {
+        match v {
+            SecretValue::Plain(s) => Some(s),
+            other => self.0.get(other).map(String::as_str),
+        }
+    }
+}
+
+/// One configuration option of an agent's session (ACP
+/// `SessionConfigOption`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ConfigOption {
+    /// The agent's id for it, used to set it (e.g. `model`).
+    pub id: String,
+    /// Its human-readable name.
+    pub name: String,
+    /// What it does (may be empty).
+    pub description: String,
+    /// `mode`, `model`, `thought_level`, ... (may be empty).
+    pub category: String,
+    /// `select` (one of `values`) or `boolean` (`true` / `false`).
+    pub kind: String,
+    /// The value in effect.
+    pub current: String,
+    /// For `select`: the values it takes.
+    pub values: Vec<ConfigValue>,
+}
+
+/// One value a `select` configuration option takes.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ConfigValue {
+    /// The id to set.
+    pub value: String,
+    /// Its human-readable name.
+    pub name: String,
+    /// What it means (may be empty).
+    pub description: String,
+}
+
+impl ConfigOption {
+    /// The values `set` may name: a select's value ids, a boolean's two.
+    pub fn offered(&self) -> Vec<&str> {
+        if self.kind == "boolean" {
+            vec!["true", "false"]
+        } else {
+            self.values.iter().map(|v| v.value.as_str()).collect()
+        }
+    }
 }
 
 /// One session mode an agent offers (ACP `SessionMode`).
@@ -310,6 +452,8 @@ mod tests {
             auth_method: None,
             permission_policy: PermissionPolicy::Allow,
             permission_timeout: DEFAULT_PERMISSION_TIMEOUT,
+            config_defaults: BTreeMap::new(),
+            mcp_servers: Vec::new(),
             created_at: Utc::now(),
             updated_at: Utc::now(),
         }

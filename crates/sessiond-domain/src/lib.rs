@@ -13,10 +13,12 @@ pub mod recovery;
 pub mod states;
 pub mod status;
 pub mod transitions;
+pub mod usage;
 
 pub use entities::{
-    AgentCommand, AgentMode, AgentModes, AgentProfile, ContainerAgent, DEFAULT_PERMISSION_TIMEOUT,
-    ExecutorRecord, Message, Session, Task, Worktree,
+    AgentCommand, AgentMode, AgentModes, AgentProfile, ConfigOption, ConfigValue, ContainerAgent,
+    DEFAULT_PERMISSION_TIMEOUT, ExecutorRecord, McpServer, McpTransport, Message, SecretValue,
+    Secrets, Session, Task, Worktree,
 };
 pub use events::{Event, EventKind, EventPayload};
 pub use ids::{AgentProfileId, ExecutorId, IdParseError, MessageId, SessionId, TaskId};
@@ -36,3 +38,4 @@ pub use transitions::{
     ExecutorEvent, IllegalExecutorTransition, IllegalSessionTransition, IllegalTaskTransition,
     IllegalTransition, SessionEvent, TaskEvent,
 };
+pub use usage::{Cost, TurnUsage, UsageTotals};

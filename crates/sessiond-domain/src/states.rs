@@ -333,6 +333,9 @@ string_enum!(
     /// command, the tail of its output, its exit; complete once it exited
     /// or was released.
     Terminal => "terminal",
+    /// A `session/update` agentctl could not parse, kept raw (bounded) with
+    /// the parse error instead of being lost.
+    Unparsed => "unparsed",
 });
 
 string_enum!(

@@ -190,6 +190,8 @@ pub struct SessionStatus {
     /// slot, launching, resuming, or waiting to retry): where it stands.
     /// The executor's status is real meanwhile (READY: the workspace is up).
     pub agent_recovery: Option<AgentRecovery>,
+    /// What the session's turns used and cost (kept in its metadata).
+    pub usage: crate::UsageTotals,
 }
 
 /// Where the relaunch of a session's agent stands while recovery brings it
@@ -379,6 +381,7 @@ pub fn session_status(
             .or_else(|| execution.and_then(|view| view.retrying.clone())),
         recovering: false,
         agent_recovery: None,
+        usage: crate::UsageTotals::from_metadata(&session.metadata),
     }
 }
 

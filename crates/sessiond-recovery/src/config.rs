@@ -9,6 +9,9 @@ use sessiond_executor::Backoff;
 /// How sessions are run and recovered.
 #[derive(Debug, Clone)]
 pub struct ManagerConfig {
+    /// What the profiles' MCP secret references stand for, read by the
+    /// binary at startup; sent to agentctl at each launch, never stored.
+    pub mcp_secrets: sessiond_domain::Secrets,
     /// Auto-resume at startup, or only on an explicit resume.
     pub resume_policy: ResumePolicy,
     /// How many executors startup recovery works on at once.
@@ -150,6 +153,7 @@ impl Default for ManagerConfig {
             orphan_sweep_interval: Some(Duration::from_secs(15 * 60)),
             max_live_sessions: None,
             replica: ReplicaSettings::default(),
+            mcp_secrets: sessiond_domain::Secrets::default(),
         }
     }
 }

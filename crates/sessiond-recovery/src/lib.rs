@@ -52,6 +52,7 @@ mod recovery;
 mod replica;
 mod resume;
 mod sweep;
+pub mod usage;
 
 pub use config::{LaunchLimits, ManagerConfig, ReplicaSettings};
 pub use error::{Error, ErrorKind, Result};

@@ -4,9 +4,10 @@ use std::{collections::BTreeMap, path::Path};
 
 use chrono::Utc;
 use sessiond_domain::{
-    AgentMode, AgentModes, AgentProcessState, AgentProfileId, EventPayload, ExecutorEvent,
-    ExecutorId, ExecutorRecord, ExecutorStatus, Message, MessageId, MessageRole, Runtime, Session,
-    SessionEvent, SessionId, SessionState, TaskEvent, TaskId, Worktree, check_resume,
+    AgentMode, AgentModes, AgentProcessState, AgentProfileId, ConfigOption, ConfigValue,
+    EventPayload, ExecutorEvent, ExecutorId, ExecutorRecord, ExecutorStatus, Message, MessageId,
+    MessageRole, Runtime, Session, SessionEvent, SessionId, SessionState, TaskEvent, TaskId,
+    Worktree, check_resume,
 };
 use sessiond_executor::ExecutorHandle;
 use sessiond_proto::agentctl::v1 as pb;
@@ -664,6 +665,82 @@ impl SessionManager {
         Ok(modes)
     }
 
+    /// Sets config option `config_id` of the session's agent to `value`
+    /// (ACP `session/set_config_option`); returns the modes and options as
+    /// the agent answered. The agent must run, as for a mode. An option or
+    /// a value the agent does not offer is INVALID_ARGUMENT naming what it
+    /// offers.
+    pub async fn set_session_config_option(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        config_id: &str,
+        value: &str,
+    ) -> Result<AgentModes> {
+        if config_id.trim().is_empty() {
+            return Err(Error::InvalidArgument(
+                "config_id: must not be empty".into(),
+            ));
+        }
+        self.session_of_task(task, session_id).await?;
+        self.ensure_recovered(session_id).await?;
+        let session = self.inner.store.get_session(session_id).await?;
+        match session.state {
+            SessionState::WaitingForInput | SessionState::Running => {}
+            s if s.is_terminal() => {
+                return Err(Error::SessionEnded {
+                    session_id,
+                    state: s,
+                });
+            }
+            SessionState::Error => return Err(self.agent_not_running(&session).await),
+            s => {
+                return Err(Error::InvalidState {
+                    session_id,
+                    state: s,
+                    action: "set a config option",
+                    hint: "wait until the agent is ready",
+                });
+            }
+        }
+        let Some(execution) = self.execution(session_id).filter(|e| {
+            e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
+        }) else {
+            return Err(self.agent_not_running(&session).await);
+        };
+        // Checked here first, so the answer names what the agent offers
+        // without a round trip to it.
+        if let Some(modes) = self.session_modes(task, session_id).await? {
+            check_config_value(&modes, config_id, value)?;
+        }
+        let client = self.client(&execution.record)?;
+        self.forget_modes(session_id);
+        let (_, stamp) = self.cached_modes(session_id, "");
+        let modes = client
+            .raw()
+            .set_config_option(pb::SetConfigOptionRequest {
+                config_id: config_id.to_owned(),
+                value: value.to_owned(),
+            })
+            .await
+            .map_err(|s| match s.code() {
+                tonic::Code::InvalidArgument => Error::InvalidArgument(s.message().to_owned()),
+                _ => Error::agent("SetConfigOption", &s),
+            })?
+            .into_inner()
+            .modes
+            .unwrap_or_default();
+        tracing::info!(session = %session_id, config_id, value, "config option set");
+        let modes = agent_modes(&modes);
+        self.remember_modes(
+            session_id,
+            execution.record.execution_id(),
+            stamp,
+            Some(modes.clone()),
+        );
+        Ok(modes)
+    }
+
     /// The error for a session whose agent does not run, with the hint that
     /// `ResumeSession` agrees with: resume it, or why it cannot be resumed.
     async fn agent_not_running(&self, session: &Session) -> Error {
@@ -1046,6 +1123,31 @@ impl SessionManager {
     }
 }
 
+/// INVALID_ARGUMENT unless the agent offers option `config_id` with
+/// `value`, naming what it offers.
+pub(crate) fn check_config_value(modes: &AgentModes, config_id: &str, value: &str) -> Result<()> {
+    let Some(o) = modes.config_options.iter().find(|o| o.id == config_id) else {
+        let ids: Vec<&str> = modes.config_options.iter().map(|o| o.id.as_str()).collect();
+        return Err(Error::InvalidArgument(format!(
+            "config_id: the agent has no config option {config_id:?}; its options are {}",
+            if ids.is_empty() {
+                "none".to_owned()
+            } else {
+                ids.join(", ")
+            }
+        )));
+    };
+    let offered = o.offered();
+    if offered.contains(&value) {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "value: the agent does not offer {value:?} for config option {config_id}; it offers {}",
+            offered.join(", ")
+        )))
+    }
+}
+
 pub(crate) fn agent_modes(m: &pb::SessionModes) -> AgentModes {
     AgentModes {
         current: m.current_mode_id.clone(),
@@ -1056,6 +1158,27 @@ pub(crate) fn agent_modes(m: &pb::SessionModes) -> AgentModes {
                 id: m.id.clone(),
                 name: m.name.clone(),
                 description: m.description.clone(),
+            })
+            .collect(),
+        config_options: m
+            .config_options
+            .iter()
+            .map(|o| ConfigOption {
+                id: o.id.clone(),
+                name: o.name.clone(),
+                description: o.description.clone(),
+                category: o.category.clone(),
+                kind: o.r#type.clone(),
+                current: o.current_value.clone(),
+                values: o
+                    .values
+                    .iter()
+                    .map(|v| ConfigValue {
+                        value: v.value.clone(),
+                        name: v.name.clone(),
+                        description: v.description.clone(),
+                    })
+                    .collect(),
             })
             .collect(),
     }

@@ -118,6 +118,16 @@ struct ByLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CurrencyLabels {
+    currency: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CauseLabels {
     cause: &'static str,
 }
@@ -165,6 +175,9 @@ pub struct ManagerMetrics {
     reconnects: Family<OutcomeLabels, Counter>,
     recoveries: Family<RecoveryLabels, Counter>,
     fenced: Family<ByLabels, Counter>,
+    unparsed: Counter,
+    tokens: Family<KindLabels, Counter>,
+    cost: Family<CurrencyLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
     pub(crate) watch: WatchMetrics,
     clocks: Mutex<HashMap<SessionId, TurnClock>>,
 }
@@ -208,6 +221,9 @@ impl Default for ManagerMetrics {
             reconnects: Family::default(),
             recoveries: Family::default(),
             fenced: Family::default(),
+            unparsed: Counter::default(),
+            tokens: Family::default(),
+            cost: Family::default(),
             watch: WatchMetrics::default(),
             clocks: Mutex::default(),
         };
@@ -326,6 +342,22 @@ impl ManagerMetrics {
             self.recoveries.clone(),
         );
         registry.register(
+            "sessiond_agent_updates_unparsed",
+            "Agent session updates agentctl could not parse, stored raw (kind unparsed)",
+            self.unparsed.clone(),
+        );
+        registry.register(
+            "sessiond_agent_tokens",
+            "Tokens agents reported for their turns, by kind (input, output, thought, \
+             cached_read, cached_write)",
+            self.tokens.clone(),
+        );
+        registry.register(
+            "sessiond_agent_cost",
+            "What agents reported their turns cost, by currency (or unit, e.g. credits)",
+            self.cost.clone(),
+        );
+        registry.register(
             "sessiond_watch_streams",
             "WatchSession / WatchTask streams open, by scope",
             self.watch.streams.clone(),
@@ -346,6 +378,42 @@ impl ManagerMetrics {
                 reason: reason.unwrap_or("none"),
             })
             .inc();
+    }
+
+    /// An update agentctl could not parse was stored (once per part: a
+    /// replay after a restart stores nothing and counts nothing).
+    pub(crate) fn unparsed_update(&self) {
+        self.unparsed.inc();
+    }
+
+    /// A turn's usage was stored (once per turn: in the commit that ended it).
+    pub(crate) fn turn_usage(&self, u: &sessiond_domain::TurnUsage) {
+        for (kind, n) in [
+            ("input", u.input_tokens),
+            ("output", u.output_tokens),
+            ("thought", u.thought_tokens),
+            ("cached_read", u.cached_read_tokens),
+            ("cached_write", u.cached_write_tokens),
+        ] {
+            if let Some(n) = n {
+                self.tokens.get_or_create(&KindLabels { kind }).inc_by(n);
+            }
+        }
+        if let Some(c) = &u.cost {
+            // The currency comes from the agent: a short code, or `other`,
+            // so the number of series stays bounded.
+            let ok = !c.currency.is_empty()
+                && c.currency.len() <= 10
+                && c.currency.chars().all(|ch| ch.is_ascii_alphanumeric());
+            let currency = if ok {
+                c.currency.clone()
+            } else {
+                "other".into()
+            };
+            self.cost
+                .get_or_create(&CurrencyLabels { currency })
+                .inc_by(c.amount);
+        }
     }
 
     /// The Prompt of a turn was accepted by agentctl.

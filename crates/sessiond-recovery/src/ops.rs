@@ -265,6 +265,7 @@ impl SessionManager {
         // A container has its own file system: the profile may name another
         // command for it.
         let agent = profile.agent_command(runtime);
+        let mcp_servers = mcp_servers(profile, &self.inner.config.mcp_secrets)?;
         let request = pb::LaunchAgentRequest {
             command: agent.command,
             args: agent.args,
@@ -279,6 +280,8 @@ impl SessionManager {
             } as i32,
             permission_timeout_ms: u64::try_from(profile.permission_timeout.as_millis())
                 .unwrap_or(u64::MAX),
+            config_defaults: profile.config_defaults.clone().into_iter().collect(),
+            mcp_servers,
         };
         client
             .raw()
@@ -467,4 +470,61 @@ pub(crate) fn load_refused(e: &Error) -> bool {
             message,
         } if !message.contains("requires authentication")
     )
+}
+
+/// The profile's MCP servers with their secret references resolved, for
+/// LaunchAgent (agentctl holds them in memory only).
+fn mcp_servers(
+    profile: &sessiond_domain::AgentProfile,
+    secrets: &sessiond_domain::Secrets,
+) -> Result<Vec<pb::McpServer>> {
+    use sessiond_domain::{McpTransport, SecretValue};
+    let resolve = |server: &str, map: &std::collections::BTreeMap<String, SecretValue>| {
+        map.iter()
+            .map(|(k, v)| match secrets.resolve(v) {
+                Some(value) => Ok((k.clone(), value.to_owned())),
+                None => Err(Error::InvalidArgument(format!(
+                    "profile {:?}: MCP server {server:?} needs {k} from {}, which sessiond did \
+                     not read at startup; set it and restart sessiond",
+                    profile.name,
+                    match v {
+                        SecretValue::Env(var) => format!("the environment variable {var}"),
+                        SecretValue::File(path) => format!("the file {path}"),
+                        SecretValue::Plain(_) => "its value".into(),
+                    }
+                ))),
+            })
+            .collect::<Result<std::collections::HashMap<_, _>>>()
+    };
+    profile
+        .mcp_servers
+        .iter()
+        .map(|s| {
+            let (command, args, env, url, headers) = match &s.transport {
+                McpTransport::Stdio { command, args, env } => (
+                    command.clone(),
+                    args.clone(),
+                    resolve(&s.name, env)?,
+                    String::new(),
+                    Default::default(),
+                ),
+                McpTransport::Http { url, headers } | McpTransport::Sse { url, headers } => (
+                    String::new(),
+                    Vec::new(),
+                    Default::default(),
+                    url.clone(),
+                    resolve(&s.name, headers)?,
+                ),
+            };
+            Ok(pb::McpServer {
+                name: s.name.clone(),
+                r#type: s.transport.kind().to_owned(),
+                command,
+                args,
+                env,
+                url,
+                headers,
+            })
+        })
+        .collect()
 }

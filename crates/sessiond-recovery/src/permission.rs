@@ -171,19 +171,30 @@ impl SessionManager {
             });
         }
         let req = request_of(&m.data);
-        let options: Vec<String> = req
+        let options: Vec<(String, String)> = req
             .get("options")
             .and_then(Value::as_array)
             .into_iter()
             .flatten()
-            .filter_map(|o| o.get("optionId")?.as_str().map(str::to_owned))
+            .filter_map(|o| {
+                let id = o.get("optionId")?.as_str()?.to_owned();
+                let kind = o.get("kind").and_then(Value::as_str).unwrap_or_default();
+                Some((id, kind.to_owned()))
+            })
             .collect();
-        if !options.iter().any(|o| o == option_id) {
-            return Err(Error::InvalidArgument(format!(
-                "option_id {option_id:?} is not an option of permission request {request_id}; the agent offered: {}",
-                options.join(", ")
-            )));
-        }
+        let option_id = choose_option(&options, option_id).ok_or_else(|| {
+            let offered: Vec<String> = options
+                .iter()
+                .map(|(id, kind)| format!("{id} ({kind})"))
+                .collect();
+            Error::InvalidArgument(format!(
+                "option_id {option_id:?} is neither an option of permission request {request_id} \
+                 nor a kind it offers (allow, allow-always, reject, reject-always); the agent \
+                 offered: {}",
+                offered.join(", ")
+            ))
+        })?;
+        let option_id = option_id.as_str();
         let Some(execution) = self.execution(session_id).filter(|e| {
             e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
         }) else {
@@ -241,5 +252,73 @@ fn resolved_detail(m: &Message) -> String {
                 .unwrap_or("the turn ended")
         ),
         other => format!("it is {other}"),
+    }
+}
+
+/// The offered option an answer names: its id (exactly), or a kind —
+/// `allow` (allow once), `allow-always`, `reject` (reject once, else reject
+/// always: refusing more than asked is safe, allowing more is not),
+/// `reject-always`; `_` for `-` and ACP's own kind names (`allow_once`)
+/// too. `options` are (id, ACP kind) pairs.
+pub(crate) fn choose_option(options: &[(String, String)], answer: &str) -> Option<String> {
+    if let Some((id, _)) = options.iter().find(|(id, _)| id == answer) {
+        return Some(id.clone());
+    }
+    let kinds: &[&str] = match answer.to_ascii_lowercase().replace('-', "_").as_str() {
+        "allow" | "allow_once" => &["allow_once"],
+        "allow_always" => &["allow_always"],
+        "reject" => &["reject_once", "reject_always"],
+        "reject_once" => &["reject_once"],
+        "reject_always" => &["reject_always"],
+        _ => return None,
+    };
+    kinds.iter().find_map(|k| {
+        options
+            .iter()
+            .find(|(_, kind)| kind == k)
+            .map(|(id, _)| id.clone())
+    })
+}
+
+#[cfg(test)]
+mod kind_tests {
+    use super::choose_option;
+
+    fn offered(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn answers_by_id_or_by_kind() {
+        // Codex's ids name no kind.
+        let codex = offered(&[
+            ("approved", "allow_once"),
+            ("approved-for-session", "allow_always"),
+            ("abort", "reject_once"),
+        ]);
+        let pick = |a: &str| choose_option(&codex, a);
+        assert_eq!(pick("approved").as_deref(), Some("approved"));
+        assert_eq!(pick("allow").as_deref(), Some("approved"));
+        assert_eq!(
+            pick("allow-always").as_deref(),
+            Some("approved-for-session")
+        );
+        assert_eq!(
+            pick("ALLOW_ALWAYS").as_deref(),
+            Some("approved-for-session")
+        );
+        assert_eq!(pick("reject").as_deref(), Some("abort"));
+        assert_eq!(pick("reject-always"), None, "not offered");
+        assert_eq!(pick("yes"), None);
+        // An id that is also a kind word is the id.
+        let odd = offered(&[("reject", "allow_once"), ("no", "reject_once")]);
+        assert_eq!(choose_option(&odd, "reject").as_deref(), Some("reject"));
+        // Allowing never widens: no allow_once offered, `allow` is refused.
+        let always = offered(&[("a", "allow_always"), ("r", "reject_always")]);
+        assert_eq!(choose_option(&always, "allow"), None);
+        assert_eq!(choose_option(&always, "reject").as_deref(), Some("r"));
     }
 }

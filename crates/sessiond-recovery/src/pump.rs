@@ -43,7 +43,7 @@ use chrono::Utc;
 use sessiond_domain::{
     AgentProcessState, EventPayload, ExecutorRecord, ExecutorStatus, Message, MessageId,
     MessageKind, MessageRole, Runtime, Session, SessionEvent, SessionId, SessionState, TaskEvent,
-    TaskId,
+    TaskId, UsageTotals,
 };
 use sessiond_executor::{AgentState, AgentctlClient};
 use sessiond_proto::agentctl::v1::{self as pb, agent_update::Kind};
@@ -413,7 +413,11 @@ impl Pump {
             return Ok(());
         }
         let kind = MessageKind::parse(&a.kind).unwrap_or(MessageKind::Other);
-        if kind == MessageKind::CurrentMode {
+        // The mode or the config options changed: the next status asks
+        // agentctl again.
+        if kind == MessageKind::CurrentMode
+            || (kind == MessageKind::Other && a.text == "config_option_update")
+        {
             self.mgr.forget_modes(self.session_id);
         }
         if kind == MessageKind::Permission {
@@ -470,6 +474,9 @@ impl Pump {
                 Ok(c) => {
                     self.mgr.inner.bus.publish(&c.events);
                     self.parts.insert(id, a.rev);
+                    if kind == MessageKind::Unparsed {
+                        self.mgr.inner.metrics.unparsed_update();
+                    }
                     return Ok(());
                 }
                 Err(sessiond_store::Error::AlreadyExists { .. }) => {
@@ -741,6 +748,7 @@ impl Pump {
         };
         let mut next = session.clone();
         let mut task_event = None;
+        let mut counted = None;
         if session.state == SessionState::Running && ours {
             let outcome = if exited {
                 crate::metrics::TurnOutcome::Failed
@@ -763,6 +771,38 @@ impl Pump {
                 transition(&session, SessionEvent::TurnEnded, None)?
             };
             next = s;
+            // The turn's usage: on its user message and in the session's
+            // totals, in the commit that ends the turn, so a replay of its
+            // end (which finds the session no longer running) counts
+            // nothing again.
+            if let Some(u) = end.usage.as_ref().map(crate::usage::from_agentctl) {
+                let user = match current_turn.as_deref().map(MessageId::parse) {
+                    Some(Ok(id)) => {
+                        self.mgr
+                            .inner
+                            .store
+                            .get_message(self.session_id, id)
+                            .await?
+                    }
+                    _ => None,
+                };
+                if let Some(mut user) = user {
+                    user.data = crate::usage::with_usage(&user.data, &u);
+                    user.updated_at = Utc::now();
+                    change = change
+                        .update_part(
+                            user.id,
+                            user.content.clone(),
+                            user.data.clone(),
+                            user.complete,
+                        )
+                        .event(self.session_id, EventPayload::MessageUpdated(user));
+                }
+                let mut totals = UsageTotals::from_metadata(&next.metadata);
+                totals.add_turn(&u);
+                totals.write_metadata(&mut next.metadata);
+                counted = Some(u);
+            }
             if let Some(turn) = &died_in {
                 let why = if end.error_message.is_empty() {
                     "the agent exited during the turn"
@@ -836,6 +876,9 @@ impl Pump {
             change = change.task_event(self.task_id, ev);
         }
         self.mgr.commit(change).await?;
+        if let Some(u) = counted {
+            self.mgr.inner.metrics.turn_usage(&u);
+        }
         if exited {
             self.mgr
                 .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
@@ -1125,6 +1168,7 @@ impl Pump {
                             | MessageKind::Thought
                             | MessageKind::Permission
                             | MessageKind::Terminal
+                            | MessageKind::Unparsed
                     )
             })
         }) || self.pending.is_some();

@@ -541,9 +541,14 @@ impl pb::session_service_server::SessionService for Api {
         reply(
             async {
                 let task = self.store.get_task(task_id(&req.task_id)?).await?;
-                Ok(pb::GetTaskResponse {
-                    task: Some(convert::task(&task)),
-                })
+                // The task's usage is its sessions' (each keeps its own).
+                let mut usage = sessiond_domain::UsageTotals::default();
+                for s in self.store.list_sessions(task.id).await? {
+                    usage.add(&sessiond_domain::UsageTotals::from_metadata(&s.metadata));
+                }
+                let mut out = convert::task(&task);
+                out.usage = Some(convert::usage_totals(&usage));
+                Ok(pb::GetTaskResponse { task: Some(out) })
             }
             .await,
         )
@@ -801,7 +806,15 @@ impl pb::session_service_server::SessionService for Api {
                 let status = self.manager.session_status(task, session).await?;
                 let modes = self.manager.session_modes(task, session).await?;
                 let mut out = convert::status(&status);
-                out.modes = modes.as_ref().map(convert::modes);
+                out.config_options = modes
+                    .as_ref()
+                    .map(convert::config_options)
+                    .unwrap_or_default();
+                // An agent with config options but no modes has none to list.
+                out.modes = modes
+                    .as_ref()
+                    .filter(|m| !m.available.is_empty())
+                    .map(convert::modes);
                 // Only a turn in progress can wait on one.
                 if status.state == sessiond_domain::SessionState::Running {
                     out.pending_permissions = self
@@ -980,6 +993,33 @@ impl pb::session_service_server::SessionService for Api {
                     .await?;
                 Ok(pb::SetSessionModeResponse {
                     modes: Some(convert::modes(&modes)),
+                })
+            }
+            .await,
+        )
+    }
+
+    async fn set_session_config_option(
+        &self,
+        request: Request<pb::SetSessionConfigOptionRequest>,
+    ) -> Result<Response<pb::SetSessionConfigOptionResponse>, Status> {
+        let origin = Origin::of(&request);
+        let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
+        reply(
+            async {
+                let (task, session) = ids(&req.task_id, &req.session_id)?;
+                if let Some(o) = self.route(session, &origin).await? {
+                    let r = o.sessions().set_session_config_option(o.request(req)).await;
+                    return self.forwarded(&o, r).await;
+                }
+                let modes = self
+                    .manager
+                    .set_session_config_option(task, session, &req.config_id, &req.value)
+                    .await?;
+                Ok(pb::SetSessionConfigOptionResponse {
+                    config_options: convert::config_options(&modes),
                 })
             }
             .await,

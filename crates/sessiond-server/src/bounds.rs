@@ -111,6 +111,12 @@ bounded! { max_message_bytes =>
         session_id: MAX_ID_BYTES,
         mode_id: MAX_NAME_BYTES,
     };
+    SetSessionConfigOptionRequest {
+        task_id: MAX_ID_BYTES,
+        session_id: MAX_ID_BYTES,
+        config_id: MAX_NAME_BYTES,
+        value: MAX_NAME_BYTES,
+    };
     RespondToPermissionRequest {
         task_id: MAX_ID_BYTES,
         session_id: MAX_ID_BYTES,
@@ -173,6 +179,7 @@ mod tests {
         ListSessionsRequest,
         GetSessionStatusRequest,
         SetSessionModeRequest,
+        SetSessionConfigOptionRequest,
         RespondToPermissionRequest,
         ResumeSessionRequest,
         SendMessageRequest,

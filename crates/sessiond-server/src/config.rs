@@ -599,9 +599,63 @@ pub struct AgentSection {
     /// then it is rejected.
     #[serde(default)]
     pub permission_timeout: Option<String>,
+    /// Values of the agent's config options set when a session starts, by
+    /// option id (`config = { model = "..." }`); each must be one the agent
+    /// offers, or the session does not start.
+    #[serde(default)]
+    pub config: BTreeMap<String, String>,
+    /// `[[agents.mcp_servers]]`: MCP servers given to the agent.
+    #[serde(default)]
+    pub mcp_servers: Vec<McpSection>,
     /// How the agent runs in a Docker container, when not as on the host.
     #[serde(default)]
     pub container: Option<ContainerSection>,
+}
+
+/// `[[agents.mcp_servers]]`: one MCP server of a profile.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct McpSection {
+    /// Its name, as the agent shows it.
+    pub name: String,
+    /// `stdio` (default), `http` or `sse`.
+    #[serde(default, rename = "type")]
+    pub kind: Option<String>,
+    /// stdio: the program.
+    #[serde(default)]
+    pub command: Option<String>,
+    /// stdio: its arguments.
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// stdio: its environment; each value a string, `{ env = "VAR" }` or
+    /// `{ file = "PATH" }`.
+    #[serde(default)]
+    pub env: BTreeMap<String, SecretSection>,
+    /// http, sse: the endpoint.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// http, sse: headers; values as for `env`.
+    #[serde(default)]
+    pub headers: BTreeMap<String, SecretSection>,
+}
+
+/// A value of an MCP server's `env` or `headers`: as is (stored with the
+/// profile), or a secret read at startup from sessiond's environment or a
+/// file (only the reference is stored).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum SecretSection {
+    /// The value itself.
+    Plain(String),
+    /// `{ env = "VAR" }` or `{ file = "PATH" }`.
+    Ref {
+        /// An environment variable of sessiond.
+        #[serde(default)]
+        env: Option<String>,
+        /// A file.
+        #[serde(default)]
+        file: Option<String>,
+    },
 }
 
 /// `[agents.container]`: the agent inside an image.
@@ -783,6 +837,8 @@ pub struct Config {
     pub agents: Vec<AgentConfig>,
     /// `default_agent`: names one of `agents`.
     pub default_agent: String,
+    /// What the profiles' MCP secret references stand for, read at startup.
+    pub mcp_secrets: sessiond_domain::Secrets,
     /// Problems that do not stop the server, logged once logging is up.
     pub warnings: Vec<String>,
 }
@@ -936,6 +992,10 @@ pub struct AgentConfig {
     pub permission_policy: PermissionPolicy,
     /// `permission_timeout`.
     pub permission_timeout: Duration,
+    /// `config`: default values of the agent's config options.
+    pub config_defaults: BTreeMap<String, String>,
+    /// `[[agents.mcp_servers]]`, secrets as references.
+    pub mcp_servers: Vec<sessiond_domain::McpServer>,
 }
 
 impl ServeArgs {
@@ -1689,6 +1749,7 @@ impl FileConfig {
 
         let replica = replica_config(&self.replica, &mut p);
         let agents = agent_profiles(&self.agents, &data_dir, &mut p);
+        let mcp_secrets = read_mcp_secrets(&agents, &mut p);
         if !agents.iter().any(|a| a.name == self.default_agent) {
             p.add(
                 "default_agent",
@@ -1730,6 +1791,7 @@ impl FileConfig {
             request_body_timeout,
             replica,
             agents,
+            mcp_secrets,
             default_agent: self.default_agent,
             warnings,
         })
@@ -1820,6 +1882,145 @@ pub fn check_replica_id(id: &str) -> Result<(), String> {
 
 /// The built-in demo profile, then the file's profiles (one named `demo`
 /// replaces the built-in one).
+fn secret_of(key: &str, v: &SecretSection, p: &mut Problems) -> sessiond_domain::SecretValue {
+    use sessiond_domain::SecretValue;
+    match v {
+        SecretSection::Plain(s) => SecretValue::Plain(s.clone()),
+        SecretSection::Ref {
+            env: Some(var),
+            file: None,
+        } if !var.trim().is_empty() => SecretValue::Env(var.clone()),
+        SecretSection::Ref {
+            env: None,
+            file: Some(path),
+        } if !path.trim().is_empty() => SecretValue::File(path.clone()),
+        SecretSection::Ref { .. } => {
+            p.add(
+                key,
+                "give a string, or exactly one of { env = \"VAR\" } and { file = \"PATH\" }",
+            );
+            SecretValue::Plain(String::new())
+        }
+    }
+}
+
+fn mcp_servers(
+    profile: &str,
+    sections: &[McpSection],
+    p: &mut Problems,
+) -> Vec<sessiond_domain::McpServer> {
+    use sessiond_domain::{McpServer, McpTransport};
+    let mut out = Vec::new();
+    for (i, m) in sections.iter().enumerate() {
+        let key = format!("{profile}.mcp_servers[{i}]");
+        if m.name.trim().is_empty() {
+            p.add(&format!("{key}.name"), "must not be empty");
+        }
+        if sections[..i].iter().any(|o| o.name == m.name) {
+            p.add(
+                &format!("{key}.name"),
+                format!("{:?} is used by an earlier server", m.name),
+            );
+        }
+        let map = |field: &str, values: &BTreeMap<String, SecretSection>, p: &mut Problems| {
+            values
+                .iter()
+                .map(|(k, v)| (k.clone(), secret_of(&format!("{key}.{field}.{k}"), v, p)))
+                .collect::<BTreeMap<_, _>>()
+        };
+        let kind = m.kind.as_deref().unwrap_or("stdio");
+        let transport = match kind {
+            "stdio" => {
+                let command = m.command.clone().unwrap_or_default();
+                if command.trim().is_empty() {
+                    p.add(
+                        &format!("{key}.command"),
+                        "a stdio server needs its command",
+                    );
+                }
+                if m.url.is_some() || !m.headers.is_empty() {
+                    p.add(
+                        &format!("{key}.url"),
+                        "url and headers are for http and sse servers",
+                    );
+                }
+                McpTransport::Stdio {
+                    command,
+                    args: m.args.clone(),
+                    env: map("env", &m.env, p),
+                }
+            }
+            "http" | "sse" => {
+                let url = m.url.clone().unwrap_or_default();
+                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                    p.add(
+                        &format!("{key}.url"),
+                        format!("{url:?}: an http:// or https:// URL"),
+                    );
+                }
+                if m.command.is_some() || !m.args.is_empty() || !m.env.is_empty() {
+                    p.add(
+                        &format!("{key}.command"),
+                        "command, args and env are for stdio servers",
+                    );
+                }
+                let headers = map("headers", &m.headers, p);
+                if kind == "http" {
+                    McpTransport::Http { url, headers }
+                } else {
+                    McpTransport::Sse { url, headers }
+                }
+            }
+            other => {
+                p.add(
+                    &format!("{key}.type"),
+                    format!("{other:?}: stdio, http or sse"),
+                );
+                continue;
+            }
+        };
+        out.push(McpServer {
+            name: m.name.clone(),
+            transport,
+        });
+    }
+    out
+}
+
+/// Reads every secret the profiles' MCP servers name (sessiond's
+/// environment, files), so a missing one fails the start, naming it; the
+/// values stay in memory.
+fn read_mcp_secrets(agents: &[AgentConfig], p: &mut Problems) -> sessiond_domain::Secrets {
+    use sessiond_domain::{McpTransport, SecretValue};
+    let mut secrets = sessiond_domain::Secrets::default();
+    for (i, a) in agents.iter().enumerate() {
+        for s in &a.mcp_servers {
+            let values = match &s.transport {
+                McpTransport::Stdio { env, .. } => env,
+                McpTransport::Http { headers, .. } | McpTransport::Sse { headers, .. } => headers,
+            };
+            for (k, v) in values {
+                let key = format!("agent {:?} ({i}).mcp_servers {:?}.{k}", a.name, s.name);
+                match v {
+                    SecretValue::Plain(_) => {}
+                    SecretValue::Env(var) => match std::env::var(var) {
+                        Ok(value) => secrets.insert(v.clone(), value),
+                        Err(_) => p.add(&key, format!("the environment variable {var} is not set")),
+                    },
+                    SecretValue::File(path) => match std::fs::read_to_string(path) {
+                        Ok(text) => secrets.insert(
+                            v.clone(),
+                            text.strip_suffix('\n').unwrap_or(&text).to_owned(),
+                        ),
+                        Err(e) => p.add(&key, format!("cannot read {path}: {e}")),
+                    },
+                }
+            }
+        }
+    }
+    secrets
+}
+
 fn agent_profiles(
     sections: &[AgentSection],
     data_dir: &Path,
@@ -1870,6 +2071,14 @@ fn agent_profiles(
             None => sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
             Some(v) => p.positive_duration(&format!("{key}.permission_timeout"), v),
         };
+        for (id, value) in &a.config {
+            if id.trim().is_empty() || value.trim().is_empty() {
+                p.add(
+                    &format!("{key}.config"),
+                    "option ids and values must not be empty",
+                );
+            }
+        }
         let profile = AgentConfig {
             name: a.name.clone(),
             command: a.command.clone(),
@@ -1885,6 +2094,8 @@ fn agent_profiles(
             auth_method: a.auth_method.clone().filter(|m| !m.trim().is_empty()),
             permission_policy,
             permission_timeout,
+            config_defaults: a.config.clone(),
+            mcp_servers: mcp_servers(&key, &a.mcp_servers, p),
         };
         match agents.iter_mut().find(|b| b.name == a.name) {
             Some(existing) => *existing = profile,
@@ -1928,6 +2139,8 @@ pub fn demo_profile(data_dir: &Path) -> AgentConfig {
         auth_method: None,
         permission_policy: PermissionPolicy::Allow,
         permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
+        config_defaults: BTreeMap::new(),
+        mcp_servers: Vec::new(),
     }
 }
 
@@ -2225,6 +2438,59 @@ mod tests {
     }
 
     #[test]
+    fn mcp_servers_are_checked_and_their_secrets_read_at_start() {
+        let parse = |servers: &str| {
+            let text = format!("[[agents]]\nname = \"a\"\ncommand = \"a\"\n{servers}");
+            let mut f = FileConfig::parse(&text).unwrap();
+            f.data_dir = Some("/tmp/x".into());
+            f.auth.tokens = vec!["0123456789abcdef".into()];
+            f.validate()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("key");
+        std::fs::write(&file, "s3cret\n").unwrap();
+        let c = parse(&format!(
+            "[[agents.mcp_servers]]\nname = \"d\"\ntype = \"sse\"\nurl = \"http://127.0.0.1:1/sse\"\n\
+             headers = {{ X = {{ file = \"{}\" }}, Y = \"plain\" }}\n",
+            file.display()
+        ))
+        .unwrap();
+        let s = &c.agents[1].mcp_servers[0];
+        assert_eq!(s.transport.kind(), "sse");
+        let sessiond_domain::McpTransport::Sse { headers, .. } = &s.transport else {
+            unreachable!()
+        };
+        assert_eq!(c.mcp_secrets.resolve(&headers["X"]), Some("s3cret"));
+        assert_eq!(c.mcp_secrets.resolve(&headers["Y"]), Some("plain"));
+        assert!(!format!("{:?}", c.mcp_secrets).contains("s3cret"));
+        for (bad, key) in [
+            (
+                "[[agents.mcp_servers]]\nname = \"x\"\n",
+                "mcp_servers[0].command",
+            ),
+            (
+                "[[agents.mcp_servers]]\nname = \"x\"\ntype = \"ws\"\n",
+                "mcp_servers[0].type",
+            ),
+            (
+                "[[agents.mcp_servers]]\nname = \"x\"\ntype = \"http\"\nurl = \"ftp://h\"\n",
+                "mcp_servers[0].url",
+            ),
+            (
+                "[[agents.mcp_servers]]\nname = \"x\"\ncommand = \"c\"\nenv = { K = { env = \"A\", file = \"B\" } }\n",
+                "mcp_servers[0].env.K",
+            ),
+            (
+                "[[agents.mcp_servers]]\nname = \"x\"\ncommand = \"c\"\nenv = { K = { env = \"SESSIOND_SURELY_UNSET_VAR\" } }\n",
+                "SESSIOND_SURELY_UNSET_VAR is not set",
+            ),
+        ] {
+            let err = parse(bad).unwrap_err().to_string();
+            assert!(err.contains(key), "{bad}: {err}");
+        }
+    }
+
+    #[test]
     fn profiles_carry_auth_method_and_permission_policy() {
         let text = r#"
             [executors]
@@ -2234,6 +2500,7 @@ mod tests {
             command = "codex-acp"
             auth_method = "openai-api-key"
             permission_policy = "deny"
+            config = { model = "gpt-5-codex", reasoning_effort = "high" }
             [[agents]]
             name = "careful"
             command = "claude-code-acp"
@@ -2250,6 +2517,9 @@ mod tests {
         assert_eq!(c.agents[0].auth_method, None);
         assert_eq!(c.agents[2].permission_policy, PermissionPolicy::Ask);
         assert_eq!(c.agents[2].permission_timeout, Duration::from_secs(90));
+        assert_eq!(c.agents[1].config_defaults["model"], "gpt-5-codex");
+        assert_eq!(c.agents[1].config_defaults.len(), 2);
+        assert!(c.agents[2].config_defaults.is_empty());
         assert_eq!(
             c.agents[1].permission_timeout,
             sessiond_domain::DEFAULT_PERMISSION_TIMEOUT

@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use sessiond_domain::{
     AgentModes, AgentProfile, Event, EventPayload, ExecutorStatus, Message, MessageKind,
     MessageRole, ResumeReason, Runtime, Session, SessionState, SessionStatus, Task, TaskState,
-    Worktree,
+    UsageTotals, Worktree,
 };
 use sessiond_proto::sessiond::v1 as pb;
 
@@ -117,6 +117,7 @@ pub fn task(t: &Task) -> pb::Task {
         state: task_state(t.state) as i32,
         created_at: Some(timestamp(t.created_at)),
         updated_at: Some(timestamp(t.updated_at)),
+        usage: None,
     }
 }
 
@@ -157,6 +158,7 @@ pub fn session(s: &Session) -> pb::Session {
         version: s.version,
         created_at: Some(timestamp(s.created_at)),
         updated_at: Some(timestamp(s.updated_at)),
+        usage: Some(usage_totals(&UsageTotals::from_metadata(&s.metadata))),
     }
 }
 
@@ -174,6 +176,10 @@ pub fn message(m: &Message) -> pb::Message {
         kind: message_kind(m.kind) as i32,
         part: parts::part(m.kind, &m.data),
         part_rev: parts::rev(&m.data),
+        usage: (m.role == sessiond_domain::MessageRole::User)
+            .then(|| sessiond_recovery::usage::of_message_data(&m.data))
+            .flatten()
+            .map(|u| turn_usage(&u)),
     }
 }
 
@@ -188,6 +194,7 @@ fn message_kind(k: MessageKind) -> pb::MessageKind {
         MessageKind::Other => pb::MessageKind::Other,
         MessageKind::Permission => pb::MessageKind::Permission,
         MessageKind::Terminal => pb::MessageKind::Terminal,
+        MessageKind::Unparsed => pb::MessageKind::Unparsed,
     }
 }
 
@@ -266,6 +273,13 @@ mod parts {
             }),
             MessageKind::Permission => Part::Permission(permission_of(&u)),
             MessageKind::Terminal => Part::Terminal(terminal_of(&u)),
+            MessageKind::Unparsed => Part::Unparsed(pb::UnparsedPart {
+                update_kind: s(&u, "sessionUpdate"),
+                method: s(&u, "method"),
+                error: s(&u, "error"),
+                json: s(&u, "json"),
+                truncated: u.get("truncated").and_then(Value::as_bool).unwrap_or(false),
+            }),
         })
     }
 
@@ -410,6 +424,45 @@ pub fn status(s: &SessionStatus) -> pb::GetSessionStatusResponse {
         modes: None,
         pending_permissions: Vec::new(),
         agent_recovery: s.agent_recovery.as_ref().map(agent_recovery),
+        usage: Some(usage_totals(&s.usage)),
+        config_options: Vec::new(),
+    }
+}
+
+pub fn usage_totals(u: &UsageTotals) -> pb::UsageTotals {
+    pb::UsageTotals {
+        turns: u.turns,
+        input_tokens: u.input_tokens,
+        output_tokens: u.output_tokens,
+        thought_tokens: u.thought_tokens,
+        cached_read_tokens: u.cached_read_tokens,
+        cached_write_tokens: u.cached_write_tokens,
+        total_tokens: u.total_tokens,
+        costs: u
+            .costs
+            .iter()
+            .map(|(currency, amount)| pb::Cost {
+                amount: *amount,
+                currency: currency.clone(),
+            })
+            .collect(),
+    }
+}
+
+fn turn_usage(u: &sessiond_domain::TurnUsage) -> pb::TurnUsage {
+    pb::TurnUsage {
+        input_tokens: u.input_tokens,
+        output_tokens: u.output_tokens,
+        thought_tokens: u.thought_tokens,
+        cached_read_tokens: u.cached_read_tokens,
+        cached_write_tokens: u.cached_write_tokens,
+        total_tokens: u.total_tokens,
+        context_used: u.context_used,
+        context_size: u.context_size,
+        cost: u.cost.as_ref().map(|c| pb::Cost {
+            amount: c.amount,
+            currency: c.currency.clone(),
+        }),
     }
 }
 
@@ -448,6 +501,29 @@ pub fn modes(m: &AgentModes) -> pb::SessionModes {
             })
             .collect(),
     }
+}
+
+pub fn config_options(m: &AgentModes) -> Vec<pb::ConfigOption> {
+    m.config_options
+        .iter()
+        .map(|o| pb::ConfigOption {
+            id: o.id.clone(),
+            name: o.name.clone(),
+            description: o.description.clone(),
+            category: o.category.clone(),
+            r#type: o.kind.clone(),
+            current_value: o.current.clone(),
+            values: o
+                .values
+                .iter()
+                .map(|v| pb::ConfigValue {
+                    value: v.value.clone(),
+                    name: v.name.clone(),
+                    description: v.description.clone(),
+                })
+                .collect(),
+        })
+        .collect()
 }
 
 pub fn event(e: &Event) -> pb::Event {

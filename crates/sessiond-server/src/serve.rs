@@ -393,6 +393,8 @@ pub(crate) async fn seed_profiles(store: &Store, config: &Config) -> anyhow::Res
                 auth_method: a.auth_method.clone(),
                 permission_policy: a.permission_policy,
                 permission_timeout: a.permission_timeout,
+                config_defaults: a.config_defaults.clone(),
+                mcp_servers: a.mcp_servers.clone(),
                 created_at: now,
                 updated_at: now,
             })
@@ -596,6 +598,7 @@ pub(crate) fn manager_config(
         orphan_sweep_interval: Some(r.orphan_sweep_interval),
         liveness_interval: Some(liveness_interval(config.executors.idle_timeout)),
         max_live_sessions: Some(config.limits.max_live_sessions),
+        mcp_secrets: config.mcp_secrets.clone(),
         ..ManagerConfig::default()
     }
 }

@@ -7,8 +7,9 @@ use diesel::prelude::*;
 use serde_json::{Map, Value, json};
 use sessiond_domain::{
     AgentProfile, AgentProfileId, ContainerAgent, Event, EventKind, EventPayload, ExecutorId,
-    ExecutorRecord, ExecutorStatus, Message, MessageId, MessageKind, MessageRole, PermissionPolicy,
-    Runtime, Session, SessionId, SessionState, Task, TaskId, TaskState, Worktree,
+    ExecutorRecord, ExecutorStatus, McpServer, McpTransport, Message, MessageId, MessageKind,
+    MessageRole, PermissionPolicy, Runtime, SecretValue, Session, SessionId, SessionState, Task,
+    TaskId, TaskState, Worktree,
 };
 
 use crate::{
@@ -76,6 +77,10 @@ pub(crate) struct ProfileRow {
     pub auth_method: Option<String>,
     pub permission_policy: String,
     pub permission_timeout_ms: i64,
+    /// JSON object: config option id -> value.
+    pub config_defaults: String,
+    /// JSON array of MCP servers; secrets as references only.
+    pub mcp_servers: String,
 }
 
 impl ProfileRow {
@@ -102,6 +107,8 @@ impl ProfileRow {
             permission_policy: p.permission_policy.as_str().to_owned(),
             permission_timeout_ms: i64::try_from(p.permission_timeout.as_millis())
                 .unwrap_or(i64::MAX),
+            config_defaults: json!(p.config_defaults).to_string(),
+            mcp_servers: Value::Array(p.mcp_servers.iter().map(mcp_json).collect()).to_string(),
         }
     }
 
@@ -119,6 +126,10 @@ impl ProfileRow {
             other => return Err(corrupt(format!("args: {other} is not an array"))),
         };
         let env = string_map(parse_json(&self.env).map_err(corrupt)?).map_err(corrupt)?;
+        let config_defaults = string_map(parse_json(&self.config_defaults).map_err(corrupt)?)
+            .map_err(corrupt)?
+            .into_iter()
+            .collect();
         let container = match &self.container {
             None => None,
             Some(text) => {
@@ -144,6 +155,15 @@ impl ProfileRow {
                     ))
                 })?,
             ),
+            config_defaults,
+            mcp_servers: match parse_json(&self.mcp_servers).map_err(corrupt)? {
+                Value::Array(items) => items
+                    .iter()
+                    .map(mcp_server)
+                    .collect::<std::result::Result<Vec<_>, String>>()
+                    .map_err(corrupt)?,
+                other => return Err(corrupt(format!("mcp_servers: {other} is not an array"))),
+            },
             created_at: self.created_at.0,
             updated_at: self.updated_at.0,
         })
@@ -714,6 +734,86 @@ fn container_agent(v: Value) -> Result<ContainerAgent, String> {
         command,
         args,
         env,
+    })
+}
+
+fn secret_json(v: &SecretValue) -> Value {
+    match v {
+        SecretValue::Plain(s) => json!({ "plain": s }),
+        SecretValue::Env(s) => json!({ "env": s }),
+        SecretValue::File(s) => json!({ "file": s }),
+    }
+}
+
+fn secret(v: &Value) -> Result<SecretValue, String> {
+    let one = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_owned);
+    one("plain")
+        .map(SecretValue::Plain)
+        .or_else(|| one("env").map(SecretValue::Env))
+        .or_else(|| one("file").map(SecretValue::File))
+        .ok_or_else(|| format!("mcp value {v} is none of plain, env, file"))
+}
+
+fn secrets_json(m: &BTreeMap<String, SecretValue>) -> Value {
+    Value::Object(m.iter().map(|(k, v)| (k.clone(), secret_json(v))).collect())
+}
+
+fn secrets(v: Option<&Value>) -> Result<BTreeMap<String, SecretValue>, String> {
+    match v {
+        None => Ok(BTreeMap::new()),
+        Some(Value::Object(m)) => m.iter().map(|(k, v)| Ok((k.clone(), secret(v)?))).collect(),
+        Some(other) => Err(format!("mcp values {other} are not an object")),
+    }
+}
+
+/// An MCP server as stored: secret values as references, never resolved.
+fn mcp_json(s: &McpServer) -> Value {
+    match &s.transport {
+        McpTransport::Stdio { command, args, env } => json!({
+            "name": s.name, "type": "stdio", "command": command, "args": args,
+            "env": secrets_json(env),
+        }),
+        McpTransport::Http { url, headers } => json!({
+            "name": s.name, "type": "http", "url": url, "headers": secrets_json(headers),
+        }),
+        McpTransport::Sse { url, headers } => json!({
+            "name": s.name, "type": "sse", "url": url, "headers": secrets_json(headers),
+        }),
+    }
+}
+
+fn mcp_server(v: &Value) -> Result<McpServer, String> {
+    let s = |k: &str| {
+        v.get(k)
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .ok_or_else(|| format!("mcp server {v}: no {k}"))
+    };
+    let transport = match s("type")?.as_str() {
+        "stdio" => McpTransport::Stdio {
+            command: s("command")?,
+            args: v
+                .get("args")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(|a| a.as_str().map(str::to_owned))
+                .collect(),
+            env: secrets(v.get("env"))?,
+        },
+        "http" => McpTransport::Http {
+            url: s("url")?,
+            headers: secrets(v.get("headers"))?,
+        },
+        "sse" => McpTransport::Sse {
+            url: s("url")?,
+            headers: secrets(v.get("headers"))?,
+        },
+        other => return Err(format!("mcp server type {other:?}")),
+    };
+    Ok(McpServer {
+        name: s("name")?,
+        transport,
     })
 }
 

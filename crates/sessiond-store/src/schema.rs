@@ -35,6 +35,8 @@ diesel::table! {
         auth_method -> Nullable<Text>,
         permission_policy -> Text,
         permission_timeout_ms -> BigInt,
+        config_defaults -> Text,
+        mcp_servers -> Text,
     }
 }
 

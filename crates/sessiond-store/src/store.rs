@@ -1310,6 +1310,8 @@ fn upsert_profile(c: &mut AnyConnection, row: &ProfileRow) -> Result<AgentProfil
                     agent_profiles::auth_method.eq(&row.auth_method),
                     agent_profiles::permission_policy.eq(&row.permission_policy),
                     agent_profiles::permission_timeout_ms.eq(row.permission_timeout_ms),
+                    agent_profiles::config_defaults.eq(&row.config_defaults),
+                    agent_profiles::mcp_servers.eq(&row.mcp_servers),
                     agent_profiles::updated_at.eq(Ts::new(conn::now())),
                 ))
                 .execute(c)?;

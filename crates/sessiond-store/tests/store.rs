@@ -84,6 +84,8 @@ fn profile(name: &str) -> AgentProfile {
         auth_method: None,
         permission_policy: sessiond_domain::PermissionPolicy::Allow,
         permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
+        config_defaults: Default::default(),
+        mcp_servers: Vec::new(),
         created_at: now,
         updated_at: now,
     }
@@ -311,12 +313,44 @@ mod suite {
         again.command = "other-agent".into();
         again.supports_session_resume = false;
         again.args = vec![];
+        again.config_defaults = BTreeMap::from([("model".into(), "large".into())]);
+        again.mcp_servers = vec![
+            sessiond_domain::McpServer {
+                name: "files".into(),
+                transport: sessiond_domain::McpTransport::Stdio {
+                    command: "mcp-files".into(),
+                    args: vec!["--ro".into()],
+                    env: BTreeMap::from([
+                        (
+                            "MODE".into(),
+                            sessiond_domain::SecretValue::Plain("ro".into()),
+                        ),
+                        (
+                            "TOKEN".into(),
+                            sessiond_domain::SecretValue::Env("FILES_TOKEN".into()),
+                        ),
+                    ]),
+                },
+            },
+            sessiond_domain::McpServer {
+                name: "docs".into(),
+                transport: sessiond_domain::McpTransport::Http {
+                    url: "https://mcp.example/docs".into(),
+                    headers: BTreeMap::from([(
+                        "Authorization".into(),
+                        sessiond_domain::SecretValue::File("/run/secrets/docs".into()),
+                    )]),
+                },
+            },
+        ];
         let second = store.upsert_agent_profile(&again).await.unwrap();
         assert_eq!(second.id, first.id, "the existing id is kept");
         assert_eq!(second.created_at, first.created_at);
         assert_eq!(second.command, "other-agent");
         assert!(!second.supports_session_resume);
         assert!(second.args.is_empty());
+        assert_eq!(second.config_defaults["model"], "large");
+        assert_eq!(second.mcp_servers, again.mcp_servers);
 
         assert_eq!(store.get_agent_profile(first.id).await.unwrap(), second);
         assert_eq!(
@@ -1791,8 +1825,9 @@ mod suite {
         let reverted = store.revert_all_migrations().await.unwrap();
         // Every migration directory (init, profile container, profile auth +
         // permission policy, message parts, permission timeout, replicas,
-        // custom runtimes, deleted sessions).
-        assert_eq!(reverted.len(), 8, "{reverted:?}");
+        // custom runtimes, deleted sessions, profile config defaults, MCP
+        // servers).
+        assert_eq!(reverted.len(), 10, "{reverted:?}");
         let err = store.list_tasks(None, 10).await.unwrap_err();
         assert!(matches!(err, Error::Database(_)), "tables are gone: {err}");
         let applied = store.run_pending_migrations().await.unwrap();

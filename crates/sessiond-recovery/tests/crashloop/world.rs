@@ -1186,6 +1186,8 @@ async fn profile(store: &Store, name: &str, command: String, state_dir: String) 
             auth_method: None,
             permission_policy: sessiond_domain::PermissionPolicy::Allow,
             permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
+            config_defaults: Default::default(),
+            mcp_servers: Vec::new(),
             created_at: now,
             updated_at: now,
         })

@@ -57,6 +57,8 @@ async fn claude_profile(w: &World, fake: &FakeAnthropic, name: &str) -> AgentPro
             auth_method: None,
             permission_policy: PermissionPolicy::Allow,
             permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
+            config_defaults: Default::default(),
+            mcp_servers: Vec::new(),
             created_at: now,
             updated_at: now,
         })
@@ -275,6 +277,22 @@ async fn claude_sessions_come_back_after_kill9_of_everything() {
     }
     let resumed = started.elapsed();
     eprintln!("claude recovery, {n} sessions: a next turn on each by {resumed:?}");
+    // What GetSessionStatus lists of each recovered conversation: the
+    // adapter's config options, its model among them.
+    for id in &ids {
+        let modes = mgr
+            .session_modes(w.task.id, *id)
+            .await
+            .unwrap()
+            .expect("the adapter's modes and options");
+        assert!(
+            modes
+                .config_options
+                .iter()
+                .any(|o| o.category == "model" && !o.values.is_empty()),
+            "{modes:?}"
+        );
+    }
 
     w.finish(&mgr, &ids).await;
     let deadline = Instant::now() + Duration::from_secs(60);

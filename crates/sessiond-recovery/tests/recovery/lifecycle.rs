@@ -192,6 +192,8 @@ async fn broken_profile_is_error_with_message() {
             auth_method: None,
             permission_policy: sessiond_domain::PermissionPolicy::Allow,
             permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
+            config_defaults: Default::default(),
+            mcp_servers: Vec::new(),
             created_at: now,
             updated_at: now,
         })

@@ -146,6 +146,8 @@ impl World {
                 auth_method: None,
                 permission_policy: sessiond_domain::PermissionPolicy::Allow,
                 permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
+                config_defaults: Default::default(),
+                mcp_servers: Vec::new(),
                 created_at: now,
                 updated_at: now,
             })
@@ -357,6 +359,8 @@ fn placeholder_profile() -> AgentProfile {
         auth_method: None,
         permission_policy: sessiond_domain::PermissionPolicy::Allow,
         permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
+        config_defaults: Default::default(),
+        mcp_servers: Vec::new(),
         created_at: now,
         updated_at: now,
     }

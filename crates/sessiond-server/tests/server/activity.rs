@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use sessiond_proto::sessiond::v1::{self as pb, message::Part, tool_call_content::Content};
 
+use crate::metrics::http_get;
 use crate::support::*;
 
 /// The session's events from `after_seq` until the turn after user message
@@ -359,4 +360,65 @@ async fn available_commands_replace_the_stored_list() {
     );
     // The other parts of the second turn are new messages as before.
     assert_eq!(of_kind(&stored, pb::MessageKind::ToolCall).len(), 2);
+}
+
+/// The counter's value in a `/metrics` exposition.
+fn unparsed_counter(text: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix("sessiond_agent_updates_unparsed_total "))
+        .unwrap_or_else(|| panic!("no unparsed counter in:\n{text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// An update the agent sends that agentctl cannot parse (the demo agent's
+/// `/unparsed`) is stored as a part of kind UNPARSED with its method, tag,
+/// error and raw JSON, counted once in the metric, and still there after a
+/// kill -9 and restart of sessiond, whose replay counts nothing.
+#[tokio::test]
+async fn an_update_that_does_not_parse_is_stored_raw_and_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let mut server = start(&data, &[]);
+    let metrics = server.metrics.clone().unwrap();
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "unparsed").await;
+    let s = create_session(&mut c, &task.id, &work, "").await;
+
+    let sent = send(&mut c, &task.id, &s.id, "/unparsed").await;
+    turn_events(&mut c, &s.id, sent.seq).await;
+    let stored = list(&mut c, &task.id, &s.id).await;
+    let raw = of_kind(&stored, pb::MessageKind::Unparsed);
+    assert_eq!(raw.len(), 1, "{stored:?}");
+    assert!(raw[0].complete && raw[0].seq > sent.seq);
+    match &raw[0].part {
+        Some(Part::Unparsed(u)) => {
+            assert_eq!(
+                (u.method.as_str(), u.update_kind.as_str()),
+                ("session/update", "tool_call")
+            );
+            assert!(u.error.contains("invalid type"), "{u:?}");
+            assert!(!u.truncated);
+            let sent: serde_json::Value = serde_json::from_str(&u.json).unwrap();
+            assert_eq!(sent["update"]["toolCallId"], 7);
+        }
+        other => panic!("{other:?}"),
+    }
+    let reply = stored.last().unwrap();
+    assert!(reply.content.ends_with("unparsed: sent"), "{reply:?}");
+    assert_eq!(unparsed_counter(&http_get(&metrics, "/metrics").await.1), 1);
+
+    server.kill();
+    let server = start(&data, &[]);
+    let metrics = server.metrics.clone().unwrap();
+    let mut c = sessions(&server).await;
+    // A turn after the restart: the pump has read everything before it.
+    let sent = send(&mut c, &task.id, &s.id, "hello").await;
+    turn_events(&mut c, &s.id, sent.seq).await;
+    let after = list(&mut c, &task.id, &s.id).await;
+    assert_eq!(of_kind(&after, pb::MessageKind::Unparsed).len(), 1);
+    assert_eq!(unparsed_counter(&http_get(&metrics, "/metrics").await.1), 0);
 }

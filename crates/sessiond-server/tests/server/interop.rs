@@ -844,3 +844,420 @@ async fn python_sdk_agent_terminals_run_in_the_worktree_and_end_with_the_session
     .unwrap();
     assert_dead(&[fg, bg, agent]).await;
 }
+
+/// Stop and delete tell an agent that offers ACP `session/close` (the
+/// Python SDK agent with `--close`) to close the session before its process
+/// ends: its log has the close, for the session's own conversation, from
+/// the process that ran it, and that process is gone afterwards. An agent
+/// that does not offer it is not sent one.
+#[tokio::test]
+#[ignore = "needs the Python ACP SDK's virtualenv: run by cargo xtask ci"]
+async fn python_sdk_agent_gets_session_close_on_stop_and_delete() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work").canonicalize_or_create();
+    let config = config(
+        dir.path(),
+        &[("pyclose", &["--close"], ""), ("pyplain", &[], "")],
+    );
+    let server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "close").await;
+    let new_of = |token: &str| {
+        calls(dir.path())
+            .into_iter()
+            .find(|c| c.method == "session/new" && c.session_id == token)
+            .expect("the agent got session/new")
+    };
+    let closes = |token: &str| {
+        calls(dir.path())
+            .into_iter()
+            .filter(|c| c.method == "session/close" && c.session_id == token)
+            .collect::<Vec<_>>()
+    };
+    let wait_dead = |pid: u32| async move {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while alive(pid) {
+            assert!(Instant::now() < deadline, "agent {pid} still alive");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+
+    // Stop.
+    let stopped = create_session(&mut c, &task.id, &work, "pyclose").await;
+    let reply = prompt(&mut c, &task.id, &stopped.id, "hello").await;
+    assert_eq!(reply, "turn 1: you said \"hello\" (tool: allowed)");
+    let agent = new_of(&stopped.resume_token);
+    c.stop_session(pb::StopSessionRequest {
+        task_id: task.id.clone(),
+        session_id: stopped.id.clone(),
+        outcome: 0,
+    })
+    .await
+    .unwrap();
+    let closed = closes(&stopped.resume_token);
+    assert_eq!(closed.len(), 1, "{:?}", calls(dir.path()));
+    assert_eq!(
+        closed[0].pid, agent.pid,
+        "closed by the process that ran it"
+    );
+    wait_dead(agent.pid).await;
+
+    // Delete.
+    let deleted = create_session(&mut c, &task.id, &work, "pyclose").await;
+    let agent = new_of(&deleted.resume_token);
+    c.delete_session(pb::DeleteSessionRequest {
+        task_id: task.id.clone(),
+        session_id: deleted.id.clone(),
+    })
+    .await
+    .unwrap();
+    let closed = closes(&deleted.resume_token);
+    assert_eq!(closed.len(), 1, "{:?}", calls(dir.path()));
+    assert_eq!(closed[0].pid, agent.pid);
+    wait_dead(agent.pid).await;
+
+    // Not offered: not sent.
+    let plain = create_session(&mut c, &task.id, &work, "pyplain").await;
+    let agent = new_of(&plain.resume_token);
+    c.stop_session(pb::StopSessionRequest {
+        task_id: task.id.clone(),
+        session_id: plain.id.clone(),
+        outcome: 0,
+    })
+    .await
+    .unwrap();
+    wait_dead(agent.pid).await;
+    assert!(closes(&plain.resume_token).is_empty());
+}
+
+/// `(id, current value, values)` of each config option GetSessionStatus
+/// lists.
+async fn config_of(
+    c: &mut Sessions,
+    task: &str,
+    session: &str,
+) -> Vec<(String, String, Vec<String>)> {
+    c.get_session_status(pb::GetSessionStatusRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .config_options
+    .into_iter()
+    .map(|o| {
+        (
+            o.id,
+            o.current_value,
+            o.values.into_iter().map(|v| v.value).collect(),
+        )
+    })
+    .collect()
+}
+
+fn owned(rows: &[(&str, &str, &[&str])]) -> Vec<(String, String, Vec<String>)> {
+    rows.iter()
+        .map(|(id, current, values)| {
+            (
+                (*id).to_owned(),
+                (*current).to_owned(),
+                values.iter().map(|v| (*v).to_owned()).collect(),
+            )
+        })
+        .collect()
+}
+
+/// Config options (the Python SDK agent with `--config`: `model` and
+/// `effort`): GetSessionStatus lists them with their values from the
+/// session/new answer; SetSessionConfigOption sets one (the agent gets
+/// `session/set_config_option`) and refuses an option or a value the agent
+/// does not offer, naming what it offers; a change the agent makes itself
+/// (`config_option_update`) shows; and after kill -9 of everything the
+/// conversation reloaded in a new agent process keeps them.
+#[tokio::test]
+#[ignore = "needs the Python ACP SDK's virtualenv: run by cargo xtask ci"]
+async fn python_sdk_agent_config_options_listed_set_and_kept_across_recovery() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work").canonicalize_or_create();
+    let config = config(dir.path(), &[("pyconfig", &["--config"], "")]);
+    let mut server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "config").await;
+    let s = create_session(&mut c, &task.id, &work, "pyconfig").await;
+    let models: &[&str] = &["small", "large"];
+    let efforts: &[&str] = &["low", "high"];
+    assert_eq!(
+        config_of(&mut c, &task.id, &s.id).await,
+        owned(&[("model", "small", models), ("effort", "low", efforts)])
+    );
+
+    let set = |config_id: &str, value: &str| pb::SetSessionConfigOptionRequest {
+        task_id: task.id.clone(),
+        session_id: s.id.clone(),
+        config_id: config_id.into(),
+        value: value.into(),
+    };
+    let answer = c
+        .set_session_config_option(set("model", "large"))
+        .await
+        .unwrap()
+        .into_inner();
+    let model = answer
+        .config_options
+        .iter()
+        .find(|o| o.id == "model")
+        .unwrap();
+    assert_eq!(
+        (
+            model.current_value.as_str(),
+            model.category.as_str(),
+            model.r#type.as_str()
+        ),
+        ("large", "model", "select")
+    );
+    assert!(
+        calls(dir.path())
+            .iter()
+            .any(|c| c.method == "session/set_config_option"),
+        "the agent was asked"
+    );
+    let err = c
+        .set_session_config_option(set("model", "huge"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("it offers small, large"), "{err:?}");
+    let err = c
+        .set_session_config_option(set("colour", "red"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message().contains("its options are model, effort"),
+        "{err:?}"
+    );
+    let reply = prompt(&mut c, &task.id, &s.id, "hello").await;
+    assert_eq!(
+        reply,
+        "turn 1: you said \"hello\" (tool: allowed) [model: large]"
+    );
+    // The agent changes one itself.
+    let reply = prompt(&mut c, &task.id, &s.id, "/config effort high").await;
+    assert!(reply.contains("(config: effort=high)"), "{reply}");
+    let expected = owned(&[("model", "large", models), ("effort", "high", efforts)]);
+    assert_eq!(config_of(&mut c, &task.id, &s.id).await, expected);
+
+    // kill -9 of everything: recovery reloads the conversation in a new
+    // agent process, which answers the values it kept.
+    let first = calls(dir.path())
+        .into_iter()
+        .find(|c| c.method == "session/new")
+        .unwrap();
+    server.kill();
+    for pid in agentctl_pids(&data) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while alive(first.pid) {
+        assert!(Instant::now() < deadline, "agent {} still alive", first.pid);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let server = start(&data, &["--config", &config]);
+    crate::restart::wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let now = get(&mut c, &task.id, &s.id).await;
+        if now.state == pb::SessionState::WaitingForInput as i32
+            && calls(dir.path())
+                .iter()
+                .any(|c| c.method == "session/load" && c.pid != first.pid)
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never reloaded: {now:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(config_of(&mut c, &task.id, &s.id).await, expected);
+}
+
+/// A profile's `config` defaults are set when a session starts (the agent
+/// gets `session/set_config_option` right after `session/new`); a value the
+/// agent does not offer fails the create, naming the values it offers.
+#[tokio::test]
+#[ignore = "needs the Python ACP SDK's virtualenv: run by cargo xtask ci"]
+async fn python_sdk_agent_profile_config_defaults_apply_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work").canonicalize_or_create();
+    let config = config(
+        dir.path(),
+        &[
+            (
+                "pylarge",
+                &["--config"],
+                "config = { model = \"large\", effort = \"high\" }",
+            ),
+            ("pyhuge", &["--config"], "config = { model = \"huge\" }"),
+        ],
+    );
+    let server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "defaults").await;
+    let s = create_session(&mut c, &task.id, &work, "pylarge").await;
+    assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
+    let models: &[&str] = &["small", "large"];
+    let efforts: &[&str] = &["low", "high"];
+    assert_eq!(
+        config_of(&mut c, &task.id, &s.id).await,
+        owned(&[("model", "large", models), ("effort", "high", efforts)])
+    );
+    let sets = calls(dir.path())
+        .into_iter()
+        .filter(|c| c.method == "session/set_config_option" && c.session_id == s.resume_token)
+        .count();
+    assert_eq!(sets, 2);
+
+    // The create answers the session in ERROR with the reason, as for any
+    // agent that cannot start a conversation.
+    let bad = create_session(&mut c, &task.id, &work, "pyhuge").await;
+    assert_eq!(bad.state, pb::SessionState::Error as i32, "{bad:?}");
+    let message = bad.error_message;
+    assert!(
+        message.contains("model = huge") && message.contains("it offers small, large"),
+        "{message}"
+    );
+}
+
+/// Every byte under `dir` (the database and its WAL included).
+fn all_bytes(dir: &Path) -> Vec<u8> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(all_bytes(&path));
+        } else if let Ok(bytes) = std::fs::read(&path) {
+            out.extend(bytes);
+        }
+    }
+    out
+}
+
+fn contains(haystack: &[u8], needle: &str) -> bool {
+    haystack
+        .windows(needle.len())
+        .any(|w| w == needle.as_bytes())
+}
+
+/// A profile's MCP servers reach the agent on session/new and, after kill
+/// -9 of everything, on the session/load that reopens the conversation,
+/// their secrets read from sessiond's environment and from a file; the
+/// secrets are in neither the database nor the API nor sessiond's log. An
+/// http server given to an agent whose `mcpCapabilities` lack http fails
+/// the create, naming it.
+#[tokio::test]
+#[ignore = "needs the Python ACP SDK's virtualenv: run by cargo xtask ci"]
+async fn python_sdk_agent_gets_the_profiles_mcp_servers_with_their_secrets() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work").canonicalize_or_create();
+    let token = "tok-3f9a1c-secret";
+    let header = "Bearer hdr-77b2e0-secret";
+    let header_file = dir.path().join("docs-header");
+    std::fs::write(&header_file, format!("{header}\n")).unwrap();
+    let servers = format!(
+        "[[agents.mcp_servers]]\nname = \"tools\"\ncommand = \"mcp-tools\"\nargs = [\"--ro\"]\n\
+         env = {{ MODE = \"ro\", TOKEN = {{ env = \"SESSIOND_TEST_MCP_TOKEN\" }} }}\n\
+         [[agents.mcp_servers]]\nname = \"docs\"\ntype = \"http\"\nurl = \"https://mcp.example/docs\"\n\
+         headers = {{ Authorization = {{ file = \"{}\" }} }}\n",
+        header_file.display()
+    );
+    let config = config(
+        dir.path(),
+        &[
+            ("pymcp", &["--mcp-http"], &servers),
+            ("pynohttp", &[], &servers),
+        ],
+    );
+    let log = dir.path().join("sessiond.log");
+    let envs: &[(&str, &Path)] = &[("SESSIOND_TEST_MCP_TOKEN", Path::new(token))];
+    let mut server = start_env(&data, &["--config", &config], Some(TOKEN), Some(&log), envs);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "mcp").await;
+    let s = create_session(&mut c, &task.id, &work, "pymcp").await;
+    assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
+    let expected = serde_json::json!([
+        {"name": "tools", "type": "stdio", "command": "mcp-tools",
+         "values": {"MODE": "ro", "TOKEN": token}},
+        {"name": "docs", "type": "http", "url": "https://mcp.example/docs",
+         "values": {"Authorization": header}},
+    ]);
+    let logged = |method: &str| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(dir.path().join("py-state/calls.log"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|v| v["method"] == method && v["session_id"] == s.resume_token.as_str())
+            .collect()
+    };
+    assert_eq!(logged("session/new")[0]["mcp"], expected);
+
+    // No agent without http: the create says why.
+    let bad = create_session(&mut c, &task.id, &work, "pynohttp").await;
+    assert_eq!(bad.state, pb::SessionState::Error as i32, "{bad:?}");
+    assert!(
+        bad.error_message.contains("mcpCapabilities.http") && bad.error_message.contains("docs"),
+        "{}",
+        bad.error_message
+    );
+
+    // Recovery reopens the conversation with them.
+    let reply = prompt(&mut c, &task.id, &s.id, "hello").await;
+    assert!(reply.starts_with("turn 1"), "{reply}");
+    server.kill();
+    for pid in agentctl_pids(&data) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    let mut server = start_env(&data, &["--config", &config], Some(TOKEN), Some(&log), envs);
+    crate::restart::wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while logged("session/load").is_empty() {
+        assert!(Instant::now() < deadline, "never reloaded");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(logged("session/load")[0]["mcp"], expected);
+
+    // Never stored, shown or logged: the references only.
+    let profiles = format!(
+        "{:?}",
+        c.list_agent_profiles(pb::ListAgentProfilesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    );
+    server.kill();
+    let stored = all_bytes(&data);
+    assert!(
+        contains(&stored, "SESSIOND_TEST_MCP_TOKEN"),
+        "the reference is stored"
+    );
+    let log_text = std::fs::read_to_string(&log).unwrap();
+    for secret in [token, "hdr-77b2e0"] {
+        assert!(!contains(&stored, secret), "{secret} in the database");
+        assert!(
+            !profiles.contains(secret),
+            "{secret} in the API: {profiles}"
+        );
+        assert!(!log_text.contains(secret), "{secret} in sessiond's log");
+    }
+}

@@ -28,4 +28,5 @@ mod security;
 mod serve;
 mod support;
 mod traces;
+mod usage;
 mod web;

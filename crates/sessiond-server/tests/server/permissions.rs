@@ -202,7 +202,11 @@ async fn ask_answered_allow_runs_the_tool_and_reject_does_not() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
-    assert!(err.message().contains("allow, reject"), "{err:?}");
+    assert!(
+        err.message()
+            .contains("allow (allow_once), reject (reject_once)"),
+        "{err:?}"
+    );
     // A request of this session named under another task is not found.
     let other_task = create_task(&mut c, "other").await;
     let err = respond(&mut c, &other_task.id, &s.id, &req.request_id, "allow")
@@ -474,4 +478,55 @@ async fn agent_exit_while_a_request_waits_cancels_it() {
         1,
         "resolved once (sessiond's cancel and agentctl's are one)"
     );
+}
+
+/// Answers by kind: `allow`, `allow-always`, `reject` name the option of
+/// that kind the agent offered, whatever its id (the demo agent's
+/// `/edit-codex` offers Codex's `approved`, `approved-for-session`,
+/// `abort`); its ids still work; a kind it does not offer is
+/// INVALID_ARGUMENT listing what it offers.
+#[tokio::test]
+async fn answers_by_kind_map_onto_the_offered_option() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let config = config(dir.path(), None);
+    let server = start(&dir.path().join("data"), &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "kinds").await;
+    let s = create_session(&mut c, &task.id, &work, "asker").await;
+
+    for (answer, chosen, written) in [
+        ("allow", "approved", true),
+        ("allow-always", "approved-for-session", true),
+        ("reject", "abort", false),
+        ("approved", "approved", true),
+    ] {
+        let file = format!("{answer}.txt");
+        let sent = send(&mut c, &task.id, &s.id, &format!("/edit-codex {file} x")).await;
+        let req = requested(&mut c, &s.id, &sent.id).await;
+        if answer == "allow" {
+            let err = respond(&mut c, &task.id, &s.id, &req.request_id, "reject-always")
+                .await
+                .unwrap_err();
+            assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+            assert!(
+                err.message().contains(
+                    "approved (allow_once), approved-for-session (allow_always), abort (reject_once)"
+                ),
+                "{err:?}"
+            );
+        }
+        respond(&mut c, &task.id, &s.id, &req.request_id, answer)
+            .await
+            .unwrap();
+        let r = resolved(&mut c, &s.id, &req.request_id).await;
+        assert_eq!(
+            (r.outcome.as_str(), r.option_id.as_str()),
+            ("selected", chosen),
+            "{answer}"
+        );
+        turn_end(&mut c, &s.id, &sent.id).await;
+        assert_eq!(work.join(&file).exists(), written, "{answer}");
+    }
 }

@@ -1,0 +1,1 @@
+ALTER TABLE agent_profiles DROP COLUMN config_defaults;

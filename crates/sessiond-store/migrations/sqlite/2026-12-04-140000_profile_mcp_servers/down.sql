@@ -1,0 +1,1 @@
+ALTER TABLE agent_profiles DROP COLUMN mcp_servers;
