@@ -16,7 +16,7 @@ const GIT_MAX_OUTPUT: u64 = 32 << 20;
 /// workspace's `.git/config` is written by the agent (or through WriteFile),
 /// and a UI polling GitStatus must not run what it planted there. Command
 /// line `-c` wins over every config file.
-const INERT: &[&str] = &[
+pub(crate) const INERT: &[&str] = &[
     "core.fsmonitor=false",
     "core.hooksPath=/dev/null",
     "core.pager=cat",
