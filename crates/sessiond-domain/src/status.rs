@@ -462,6 +462,7 @@ pub(crate) mod tests {
                 id: "wt".into(),
                 path: "/work/wt".into(),
                 branch: "feature".into(),
+                ..Default::default()
             },
             resume_token: token.map(str::to_owned),
             metadata: BTreeMap::new(),

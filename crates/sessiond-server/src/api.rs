@@ -742,6 +742,7 @@ impl pb::session_service_server::SessionService for Api {
                         id: w.id,
                         path: w.path,
                         branch: w.branch,
+                        ..Default::default()
                     },
                     remote,
                     metadata: Default::default(),

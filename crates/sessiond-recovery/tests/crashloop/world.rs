@@ -271,6 +271,7 @@ impl World {
             id: name.into(),
             path: path.display().to_string(),
             branch: format!("sessiond/{name}"),
+            ..Default::default()
         }
     }
 
@@ -1218,6 +1219,7 @@ pub fn new_session(
             id: plan.name.clone(),
             path: path.display().to_string(),
             branch: format!("sessiond/{}", plan.name),
+            ..Default::default()
         },
         remote: plan.remote.as_ref().map(|r| RemoteAgentctl {
             executor_id: r.executor_id.parse().unwrap(),
