@@ -710,6 +710,17 @@ impl SessionManager {
             Action::CheckWorktree { path } => {
                 if Path::new(&path).is_dir() {
                     Observation::WorktreeExists
+                } else if run.session.worktree.is_managed() {
+                    // Ours: check it out again from its branch before the
+                    // agent is relaunched in it. Bounded by the driver, not
+                    // by the silence limit: a large checkout is work.
+                    let driver = self.driver(run.record.runtime)?;
+                    match self.restore_worktree(&driver, &run.session).await {
+                        Ok(()) => Observation::WorktreeExists,
+                        Err(e) => Observation::WorktreeUnrecoverable {
+                            reason: e.to_string(),
+                        },
+                    }
                 } else {
                     Observation::WorktreeMissing
                 }
