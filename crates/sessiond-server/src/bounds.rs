@@ -57,6 +57,8 @@ fn worktree(w: Option<&pb::Worktree>) -> ApiResult<()> {
         check("worktree.id", &w.id, MAX_NAME_BYTES, None)?;
         check("worktree.path", &w.path, MAX_PATH_BYTES, None)?;
         check("worktree.branch", &w.branch, MAX_NAME_BYTES, None)?;
+        check("worktree.repository", &w.repository, MAX_PATH_BYTES, None)?;
+        check("worktree.base", &w.base, MAX_NAME_BYTES, None)?;
     }
     Ok(())
 }
@@ -145,6 +147,7 @@ bounded! { max_message_bytes =>
     ReadFileRequest { path: MAX_PATH_BYTES } nested { session => session_ref };
     WriteFileRequest { path: MAX_PATH_BYTES } nested { session => session_ref };
     ListDirRequest { path: MAX_PATH_BYTES } nested { session => session_ref };
+    ListBranchCommitsRequest {} nested { session => session_ref };
     GitStatusRequest {} nested { session => session_ref };
     GitDiffRequest {} nested { session => session_ref };
 }

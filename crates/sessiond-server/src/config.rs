@@ -106,6 +106,16 @@ pub struct ServeArgs {
     #[arg(long, env = "SESSIOND_WORKTREE_ROOTS", value_delimiter = ',')]
     pub worktree_roots: Option<Vec<PathBuf>>,
 
+    /// Where standalone sessions created from a repository get their git
+    /// worktree (replace `executors.worktrees_dir`); inside a worktree root.
+    #[arg(long, env = "SESSIOND_WORKTREES_DIR")]
+    pub worktrees_dir: Option<PathBuf>,
+
+    /// First part of the branch of every worktree sessiond creates
+    /// (replace `executors.worktree_branch_prefix`). Default: `sessiond`.
+    #[arg(long, env = "SESSIOND_WORKTREE_BRANCH_PREFIX")]
+    pub worktree_branch_prefix: Option<String>,
+
     /// The agentctl binary for standalone executors.
     /// Default: next to the sessiond executable, then PATH.
     #[arg(long, env = "SESSIOND_AGENTCTL_PATH")]
@@ -456,6 +466,13 @@ pub struct ExecutorsSection {
     /// Local (standalone, Docker) worktrees must lie in one of these
     /// directories. Default: the serving user's home. `/` is refused.
     pub worktree_roots: Option<Vec<PathBuf>>,
+    /// Where a standalone session created from a repository gets its git
+    /// worktree (`<dir>/<short id>-<slug>`); inside `worktree_roots`.
+    /// Default: `<data_dir>/worktrees` when that is inside them.
+    pub worktrees_dir: Option<PathBuf>,
+    /// First part of the branch of every worktree sessiond creates
+    /// (`<prefix>/<short id>-<slug of the task title>`). Default `sessiond`.
+    pub worktree_branch_prefix: String,
     /// `[executors.standalone]`.
     pub standalone: StandaloneSection,
     /// `[executors.docker]`.
@@ -731,6 +748,8 @@ impl Default for ExecutorsSection {
             call_timeout: "5s".into(),
             idle_timeout: "0s".into(),
             worktree_roots: None,
+            worktrees_dir: None,
+            worktree_branch_prefix: "sessiond".into(),
             standalone: StandaloneSection::default(),
             docker: DockerSection::default(),
             remote: RemoteSection::default(),
@@ -894,6 +913,11 @@ pub struct ExecutorsConfig {
     pub idle_timeout: Option<Duration>,
     /// Absolute, normalised, never `/`.
     pub worktree_roots: Vec<PathBuf>,
+    /// `executors.worktrees_dir`, inside `worktree_roots`; `None`: the
+    /// default was outside them, so no runtime creates worktrees.
+    pub worktrees_dir: Option<PathBuf>,
+    /// `executors.worktree_branch_prefix`.
+    pub worktree_branch_prefix: String,
     /// `executors.standalone.agentctl_path`, resolved.
     pub agentctl_path: PathBuf,
     /// `executors.standalone.run_dir`, resolved.
@@ -1048,6 +1072,13 @@ impl ServeArgs {
         if self.worktree_roots.is_some() {
             f.executors.worktree_roots.clone_from(&self.worktree_roots);
         }
+        if self.worktrees_dir.is_some() {
+            f.executors.worktrees_dir.clone_from(&self.worktrees_dir);
+        }
+        set(
+            &mut f.executors.worktree_branch_prefix,
+            &self.worktree_branch_prefix,
+        );
         if self.agentctl_path.is_some() {
             f.executors
                 .standalone
@@ -1512,6 +1543,58 @@ impl FileConfig {
                 );
             }
         }
+        let normal = |d: &Path| {
+            d.is_absolute()
+                && d.components().all(|c| {
+                    matches!(
+                        c,
+                        std::path::Component::RootDir | std::path::Component::Normal(_)
+                    )
+                })
+        };
+        let worktrees_dir = match &e.worktrees_dir {
+            Some(dir) => {
+                if !normal(dir) {
+                    p.add(
+                        "executors.worktrees_dir",
+                        format!("{} is not an absolute, normalised path", dir.display()),
+                    );
+                } else if !worktree_roots.iter().any(|r| dir.starts_with(r)) {
+                    p.add(
+                        "executors.worktrees_dir",
+                        format!(
+                            "{} is outside executors.worktree_roots ({}); move it inside one, or add a root",
+                            dir.display(),
+                            worktree_roots
+                                .iter()
+                                .map(|r| r.display().to_string())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    );
+                }
+                Some(dir.clone())
+            }
+            None => Some(data_dir.join("worktrees"))
+                .filter(|d| normal(d) && worktree_roots.iter().any(|r| d.starts_with(r))),
+        };
+        let prefix = e.worktree_branch_prefix.trim_matches('/');
+        if prefix.is_empty()
+            || prefix.starts_with('-')
+            || prefix.contains("..")
+            || prefix.contains("//")
+            || prefix
+                .chars()
+                .any(|c| c.is_control() || c.is_whitespace() || "~^:?*[\\@{".contains(c))
+        {
+            p.add(
+                "executors.worktree_branch_prefix",
+                format!(
+                    "{:?} is not usable in a branch name (letters, digits, - _ . /)",
+                    e.worktree_branch_prefix
+                ),
+            );
+        }
         let docker = if e.docker.enabled {
             let d = &e.docker;
             p.non_empty("executors.docker.host", &d.host);
@@ -1627,6 +1710,8 @@ impl FileConfig {
             // fall back to agentctl's own default.
             idle_timeout: Some(idle),
             worktree_roots,
+            worktrees_dir,
+            worktree_branch_prefix: prefix.to_owned(),
             agentctl_path,
             run_dir: e
                 .standalone
