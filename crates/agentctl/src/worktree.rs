@@ -398,18 +398,24 @@ pub async fn state(spec: &Spec) -> Result<State> {
         ..State::default()
     };
     if state.path_exists {
-        let out = git_ok(
-            &spec.path,
-            &[
-                "status",
-                "--porcelain=v1",
-                "-z",
-                "--untracked-files=all",
-                "--ignore-submodules=none",
-            ],
-        )
-        .await?;
-        let parsed = crate::git::parse_status(&out);
+        let args = [
+            "status",
+            "--porcelain=v1",
+            "-z",
+            "--untracked-files=all",
+            "--ignore-submodules=none",
+        ];
+        let out = git(&spec.path, &args).await?;
+        if out.exit_code != Some(0) {
+            return Err(Error::FailedPrecondition(format!(
+                "git status in {} failed: {}",
+                spec.path.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        // Untrimmed: each record starts with its two-letter code, a space
+        // included (" M notes.txt").
+        let parsed = crate::git::parse_status(&String::from_utf8_lossy(&out.stdout));
         state.dirty_files = parsed.files.into_iter().map(|f| f.path).collect();
     }
     if let Some(tip) = branch_tip(&spec.repository, &spec.branch).await? {
