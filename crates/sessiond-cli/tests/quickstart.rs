@@ -299,22 +299,27 @@ fn readme_worktree_story() {
         status.contains(&format!("repository        {} (base main", repo.display())),
         "{status}"
     );
-    let worktree = env
-        .home
-        .path()
-        .join(format!(".local/share/sessiond/worktrees/{short}-try-worktrees"));
+    let worktree = env.home.path().join(format!(
+        ".local/share/sessiond/worktrees/{short}-try-worktrees"
+    ));
     assert!(worktree.is_dir(), "{status}");
 
     env.sessionctl(&["send", &session, "/edit notes.txt from the agent"], &repo);
     let diff = env.sessionctl(&["workspace", "git-diff", "--base", &session], &repo);
-    assert!(diff.contains("-original") && diff.contains("+from the agent"), "{diff}");
+    assert!(
+        diff.contains("-original") && diff.contains("+from the agent"),
+        "{diff}"
+    );
     assert_eq!(
         std::fs::read_to_string(repo.join("notes.txt")).unwrap(),
         "original\n",
         "the repository's own checkout is untouched"
     );
     let commits = env.sessionctl(&["workspace", "commits", &session], &repo);
-    assert!(commits.contains(&format!("no commits on {branch} since main")), "{commits}");
+    assert!(
+        commits.contains(&format!("no commits on {branch} since main")),
+        "{commits}"
+    );
 
     let (_, stderr, _) = env.sessionctl_fails(&["session", "delete", &session], &repo);
     assert!(

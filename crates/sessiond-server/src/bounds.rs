@@ -199,6 +199,7 @@ mod tests {
         ListDirRequest,
         GitStatusRequest,
         GitDiffRequest,
+        ListBranchCommitsRequest,
     ];
 
     /// Every string field of every request of the public services, and of
