@@ -6,7 +6,10 @@ use std::process::Command;
 
 use sessiond_proto::sessiond::v1 as pb;
 
-use crate::support::{TOKEN, create_task, prompt, run_sessiond, sessions, start, workspaces};
+use crate::restart::wait_serving;
+use crate::support::{
+    TOKEN, agentctl_pids, create_task, prompt, run_sessiond, sessions, start, workspaces,
+};
 
 fn git(dir: &Path, args: &[&str]) -> String {
     let out = Command::new("git")
@@ -342,5 +345,103 @@ fn a_worktrees_dir_outside_the_roots_is_a_configuration_error() {
             "executors.worktrees_dir: /var/tmp/elsewhere is outside executors.worktree_roots"
         ),
         "{stderr}"
+    );
+}
+
+/// kill -9 of sessiond and every agentctl, then one session's worktree
+/// directory removed and another's directory and branch: after the restart
+/// the first is checked out again from its branch and its conversation
+/// goes on; the second is ERROR naming its branch, and its workspace calls
+/// are refused saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_kill9_a_removed_worktree_comes_back_and_a_lost_branch_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = repository(dir.path());
+    let data = dir.path().join("data");
+    let mut server = start(&data, &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "Two attempts").await;
+    let mut made = Vec::new();
+    for _ in 0..2 {
+        let s = c
+            .create_session(from_repo(&task.id, &repo, "main"))
+            .await
+            .unwrap()
+            .into_inner()
+            .session
+            .unwrap();
+        assert_eq!(
+            s.state,
+            pb::SessionState::WaitingForInput as i32,
+            "{}",
+            s.error_message
+        );
+        prompt(&mut c, &task.id, &s.id, "hello").await;
+        made.push(s);
+    }
+    let (kept, lost) = (&made[0], &made[1]);
+    let kept_w = kept.worktree.clone().unwrap();
+    let lost_w = lost.worktree.clone().unwrap();
+    git(
+        Path::new(&kept_w.path),
+        &["commit", "-q", "--allow-empty", "-m", "kept work"],
+    );
+
+    server.kill();
+    for pid in agentctl_pids(&data) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    std::fs::remove_dir_all(&kept_w.path).unwrap();
+    std::fs::remove_dir_all(&lost_w.path).unwrap();
+    git(&repo, &["worktree", "prune"]);
+    git(&repo, &["branch", "-D", &lost_w.branch]);
+
+    let server = start(&data, &[]);
+    wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+    let mut ws = workspaces(&server).await;
+    let status = |id: &str| pb::GetSessionStatusRequest {
+        task_id: task.id.clone(),
+        session_id: id.to_owned(),
+    };
+
+    // Recreated from its branch (its commit there), and the agent resumed.
+    assert!(Path::new(&kept_w.path).is_dir());
+    assert_eq!(
+        git(Path::new(&kept_w.path), &["log", "-1", "--format=%s"]),
+        "kept work"
+    );
+    let reply = prompt(&mut c, &task.id, &kept.id, "again").await;
+    assert!(reply.contains("turn 2 of session"), "{reply}");
+
+    let st = c
+        .get_session_status(status(&lost.id))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.state, pb::SessionState::Error as i32);
+    assert!(
+        st.error_message.starts_with("worktree_branch_missing: ")
+            && st.error_message.contains(&lost_w.branch),
+        "{}",
+        st.error_message
+    );
+    let err = ws
+        .git_status(pb::GitStatusRequest {
+            session: Some(pb::SessionRef {
+                task_id: task.id.clone(),
+                session_id: lost.id.clone(),
+            }),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains(&lost_w.branch), "{}", err.message());
+    assert!(
+        !Path::new(&lost_w.path).exists(),
+        "nothing made up in its place"
     );
 }
