@@ -587,6 +587,11 @@ async fn create_after_worktree() {
     let s = w.store.get_session(crashed.id).await.unwrap();
     assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
     assert_eq!(s.worktree, crashed.worktree, "the same worktree, adopted");
+    assert_eq!(
+        s.metadata.get("worktree_created").map(String::as_str),
+        Some("true"),
+        "recorded now: a branch lost later is named, not made up from the base"
+    );
     let line = w.assert_converged(&mgr).await;
     let prompted = w.prompt_all(&mgr).await;
     assert_eq!(prompted, 1);
