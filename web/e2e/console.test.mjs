@@ -178,8 +178,10 @@ test("new-session form: an isolated worktree of a repository and base branch; th
     await page.waitForSelector("[data-testid=git-diff] .add:has-text('+edited in the worktree')", { timeout: T });
     await b.screenshot("diff-against-base");
 
-    // The next session of the task is offered the same repository.
+    // The next session of the task is offered the same repository; the
+    // list shows each session's branch.
     await page.click("nav a:text-is('Task')");
+    await page.waitForSelector("[data-testid=sessions] [data-testid=branch]:text-matches('sessiond/[0-9a-f]{8}-isolated-work')", { timeout: T });
     await page.waitForSelector(`datalist#repositories option[value='${work}']`, { state: "attached", timeout: T });
     assert.deepEqual(b.errors, []);
   } finally {

@@ -435,6 +435,11 @@ function TaskView(props: { taskId: string; backend: Backend }) {
                     <Badge tone={executorTone(executor)} testid="executor">{executorLabel[executor]}</Badge>
                     <Badge tone="idle">{profileName.get(s.agentProfileId) ?? "agent"}</Badge>
                     <Badge tone="idle">{runtimeName(s.runtime, s.runtimeName)}</Badge>
+                    {s.worktree?.repository && (
+                      <Badge tone="idle" testid="branch">
+                        {s.worktree.branch}
+                      </Badge>
+                    )}
                   </span>
                 </li>
               ))}
