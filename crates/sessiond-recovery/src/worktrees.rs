@@ -63,10 +63,18 @@ impl SessionManager {
         }
         let settings = &self.inner.config.worktrees;
         let dir = settings.dir(runtime).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "runtime {runtime} has no executors.worktrees_dir, so it cannot create worktrees; \
-                 configure one, or pass worktree.path of a directory you made"
-            ))
+            Error::InvalidArgument(if runtime == Runtime::LocalStandalone {
+                format!(
+                    "runtime {runtime} has no executors.worktrees_dir, so it cannot create \
+                     worktrees; configure one inside executors.worktree_roots, or pass \
+                     worktree.path of a directory you made"
+                )
+            } else {
+                format!(
+                    "runtime {runtime} does not create worktrees from a repository (only \
+                     local_standalone does); pass worktree.path of a directory on its host"
+                )
+            })
         })?;
         if w.branch.is_empty() {
             w.branch = branch_name(&settings.branch_prefix, session_id, task_title);
