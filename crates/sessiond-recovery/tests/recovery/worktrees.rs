@@ -371,3 +371,53 @@ async fn bad_input_creates_nothing() {
     bare.shutdown();
     w.finish(&mgr, &[]).await;
 }
+
+/// Sessions of one task created at once from one repository: each gets its
+/// own branch and directory, and git lists every one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_created_at_once_from_one_repository_each_get_their_own() {
+    let w = World::new(Db::Sqlite).await;
+    let repo = repository(&w);
+    let mgr = w.manager_with(config(&w));
+    let made = futures::future::join_all((0..4).map(|_| {
+        mgr.create_session(NewSession {
+            task_id: w.task.id,
+            agent_profile_id: w.profile.id,
+            runtime: Runtime::LocalStandalone,
+            worktree: from_repo(&repo, "main"),
+            remote: None,
+            metadata: BTreeMap::new(),
+        })
+    }))
+    .await;
+    let mut ids = Vec::new();
+    let mut branches = std::collections::BTreeSet::new();
+    for s in made {
+        let s = s.unwrap();
+        w.track(s.id).await;
+        assert_eq!(
+            s.state,
+            SessionState::WaitingForInput,
+            "{:?}",
+            s.error_message
+        );
+        assert_eq!(
+            git(
+                Path::new(&s.worktree.path),
+                &["symbolic-ref", "--short", "HEAD"]
+            ),
+            s.worktree.branch
+        );
+        branches.insert(s.worktree.branch.clone());
+        ids.push(s.id);
+    }
+    assert_eq!(branches.len(), 4);
+    let listed = git(&repo, &["worktree", "list", "--porcelain"]);
+    for b in &branches {
+        assert!(
+            listed.contains(&format!("branch refs/heads/{b}")),
+            "{listed}"
+        );
+    }
+    w.finish(&mgr, &ids).await;
+}
