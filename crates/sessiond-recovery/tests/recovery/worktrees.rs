@@ -148,9 +148,8 @@ async fn two_sessions_of_one_task_edit_the_same_file_apart() {
 /// Everything killed with SIGKILL, then the worktree directory removed:
 /// recovery checks it out again from the session's branch (committed work
 /// included) before it relaunches the agent, and the conversation goes on.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_removed_worktree_is_recreated_from_its_branch_after_kill9() {
-    let w = World::new(Db::Sqlite).await;
+async fn a_removed_worktree_is_recreated_from_its_branch_after_kill9(db: Db) {
+    let w = World::new(db).await;
     let repo = repository(&w);
     let mgr = w.manager_with(config(&w));
     let s = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
@@ -184,6 +183,16 @@ async fn a_removed_worktree_is_recreated_from_its_branch_after_kill9() {
     let reply = w.prompt(&mgr, s.id, "still there?").await;
     assert_eq!(reply, expected_reply(2, &token, "still there?"));
     w.finish(&mgr, &[s.id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_worktree_is_recreated_from_its_branch_after_kill9_sqlite() {
+    a_removed_worktree_is_recreated_from_its_branch_after_kill9(Db::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_worktree_is_recreated_from_its_branch_after_kill9_postgres() {
+    a_removed_worktree_is_recreated_from_its_branch_after_kill9(Db::Postgres).await;
 }
 
 /// Directory and branch both gone: the session goes ERROR naming the
