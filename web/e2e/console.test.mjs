@@ -138,7 +138,7 @@ test("chat streams live, survives SIGTERM and kill -9 of sessiond without gap or
 
 test("new-session form: an isolated worktree of a repository and base branch; the diff against the base", async () => {
   const { work, data } = scratch("worktree");
-  const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth"], env: { SESSIOND_REPOSITORIES: work } }).start();
   const b = await browser("worktree");
   try {
     const { page } = b;
@@ -150,6 +150,8 @@ test("new-session form: an isolated worktree of a repository and base branch; th
     // A worktree of a repository is what the form offers first.
     assert.equal(await page.isChecked("input[name=where][value=repository]"), true);
     assert.equal(await page.locator("input[name=worktree]").count(), 0, "no absolute path to type");
+    // The configured repository is offered.
+    await page.waitForSelector(`datalist#repositories option[value='${work}']`, { state: "attached", timeout: T });
     await page.fill("input[name=repository]", work);
     assert.equal(await page.inputValue("input[name=base]"), "main");
     await b.screenshot("new-session-repository");

@@ -468,6 +468,15 @@ function NewSession(props: { taskId: string; profiles: AgentProfile[]; repositor
   const [base, setBase] = useState("main");
   const [path, setPath] = useState("");
   const [branch, setBranch] = useState("");
+  // The server's configured repositories, then those the task used.
+  const [configured, setConfigured] = useState<string[]>([]);
+  useEffect(() => {
+    sessions
+      .listRepositories({})
+      .then((r) => setConfigured(r.repositories))
+      .catch(() => setConfigured([]));
+  }, []);
+  const offered = [...new Set([...configured, ...props.repositories])];
   const [remote, setRemote] = useState({ url: "", secret: "", executorId: "" });
   const [busy, setBusy] = useState(false);
   const [error, setError] = useState("");
@@ -540,7 +549,7 @@ function NewSession(props: { taskId: string; profiles: AgentProfile[]; repositor
             Repository (a git repository on the executor's host)
             <input name="repository" required list="repositories" placeholder="/home/me/project" value={repository} onInput={val(setRepository)} />
             <datalist id="repositories">
-              {props.repositories.map((r) => (
+              {offered.map((r) => (
                 <option key={r} value={r} />
               ))}
             </datalist>

@@ -45,6 +45,8 @@ pub struct ApiSettings {
     pub max_message_bytes: usize,
     /// Local worktrees must lie in one of these (absolute, normalised).
     pub worktree_roots: Vec<std::path::PathBuf>,
+    /// `executors.repositories`: offered to clients creating a session.
+    pub repositories: Vec<std::path::PathBuf>,
     /// Hosts a remote session's agentctl URL may name.
     pub remote_allowed_hosts: crate::limits::AllowedHosts,
     /// Open watch streams, globally and per token.
@@ -615,6 +617,20 @@ impl pb::session_service_server::SessionService for Api {
                 .map(|r| convert::runtime(*r) as i32)
                 .collect(),
             runtime_names: runtimes.iter().map(ToString::to_string).collect(),
+        }))
+    }
+
+    async fn list_repositories(
+        &self,
+        _request: Request<pb::ListRepositoriesRequest>,
+    ) -> Result<Response<pb::ListRepositoriesResponse>, Status> {
+        Ok(Response::new(pb::ListRepositoriesResponse {
+            repositories: self
+                .settings
+                .repositories
+                .iter()
+                .map(|r| r.display().to_string())
+                .collect(),
         }))
     }
 

@@ -96,6 +96,7 @@ bounded! { max_message_bytes =>
     ListTasksRequest { page_token: MAX_ID_BYTES };
     ListAgentProfilesRequest {};
     ListRuntimesRequest {};
+    ListRepositoriesRequest {};
     ListReplicasRequest {};
     CreateSessionRequest {
         task_id: MAX_ID_BYTES,
@@ -176,6 +177,7 @@ mod tests {
         ListTasksRequest,
         ListAgentProfilesRequest,
         ListRuntimesRequest,
+        ListRepositoriesRequest,
         ListReplicasRequest,
         CreateSessionRequest,
         GetSessionRequest,

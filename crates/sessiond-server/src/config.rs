@@ -106,6 +106,11 @@ pub struct ServeArgs {
     #[arg(long, env = "SESSIOND_WORKTREE_ROOTS", value_delimiter = ',')]
     pub worktree_roots: Option<Vec<PathBuf>>,
 
+    /// Repositories offered for new sessions, comma-separated (replace
+    /// `executors.repositories`); inside the worktree roots.
+    #[arg(long, env = "SESSIOND_REPOSITORIES", value_delimiter = ',')]
+    pub repositories: Option<Vec<PathBuf>>,
+
     /// Where standalone sessions created from a repository get their git
     /// worktree (replace `executors.worktrees_dir`); inside a worktree root.
     #[arg(long, env = "SESSIOND_WORKTREES_DIR")]
@@ -473,6 +478,9 @@ pub struct ExecutorsSection {
     /// First part of the branch of every worktree sessiond creates
     /// (`<prefix>/<short id>-<slug of the task title>`). Default `sessiond`.
     pub worktree_branch_prefix: String,
+    /// Git repositories offered to clients for new sessions (the console's
+    /// new-session form); inside `worktree_roots`. Others may be named too.
+    pub repositories: Vec<PathBuf>,
     /// `[executors.standalone]`.
     pub standalone: StandaloneSection,
     /// `[executors.docker]`.
@@ -750,6 +758,7 @@ impl Default for ExecutorsSection {
             worktree_roots: None,
             worktrees_dir: None,
             worktree_branch_prefix: "sessiond".into(),
+            repositories: Vec::new(),
             standalone: StandaloneSection::default(),
             docker: DockerSection::default(),
             remote: RemoteSection::default(),
@@ -918,6 +927,8 @@ pub struct ExecutorsConfig {
     pub worktrees_dir: Option<PathBuf>,
     /// `executors.worktree_branch_prefix`.
     pub worktree_branch_prefix: String,
+    /// `executors.repositories`, each inside `worktree_roots`.
+    pub repositories: Vec<PathBuf>,
     /// `executors.standalone.agentctl_path`, resolved.
     pub agentctl_path: PathBuf,
     /// `executors.standalone.run_dir`, resolved.
@@ -1074,6 +1085,9 @@ impl ServeArgs {
         }
         if self.worktrees_dir.is_some() {
             f.executors.worktrees_dir.clone_from(&self.worktrees_dir);
+        }
+        if let Some(r) = &self.repositories {
+            f.executors.repositories.clone_from(r);
         }
         set(
             &mut f.executors.worktree_branch_prefix,
@@ -1578,6 +1592,23 @@ impl FileConfig {
             None => Some(data_dir.join("worktrees"))
                 .filter(|d| normal(d) && worktree_roots.iter().any(|r| d.starts_with(r))),
         };
+        for (i, repo) in e.repositories.iter().enumerate() {
+            let key = format!("executors.repositories[{i}]");
+            if !normal(repo) {
+                p.add(
+                    &key,
+                    format!("{} is not an absolute, normalised path", repo.display()),
+                );
+            } else if !worktree_roots.iter().any(|r| repo.starts_with(r)) {
+                p.add(
+                    &key,
+                    format!(
+                        "{} is outside executors.worktree_roots; sessions could not be created from it",
+                        repo.display()
+                    ),
+                );
+            }
+        }
         let prefix = e.worktree_branch_prefix.trim_matches('/');
         if prefix.is_empty()
             || prefix.starts_with('-')
@@ -1712,6 +1743,7 @@ impl FileConfig {
             worktree_roots,
             worktrees_dir,
             worktree_branch_prefix: prefix.to_owned(),
+            repositories: e.repositories.clone(),
             agentctl_path,
             run_dir: e
                 .standalone

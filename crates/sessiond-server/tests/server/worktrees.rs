@@ -445,3 +445,48 @@ async fn after_kill9_a_removed_worktree_comes_back_and_a_lost_branch_is_named() 
         "nothing made up in its place"
     );
 }
+
+/// `executors.repositories` is what ListRepositories offers; one outside
+/// the worktree roots stops `serve`, naming the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn configured_repositories_are_listed_and_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = repository(dir.path());
+    let data = dir.path().join("data");
+    let (ok, stderr) = run_sessiond(
+        &[
+            "serve",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        &[
+            ("SESSIOND_API_TOKENS", TOKEN),
+            ("SESSIOND_WORKTREE_ROOTS", dir.path().to_str().unwrap()),
+            ("SESSIOND_REPOSITORIES", "/var/tmp/other"),
+        ],
+    );
+    assert!(!ok);
+    assert!(
+        stderr.contains(
+            "executors.repositories[0]: /var/tmp/other is outside executors.worktree_roots"
+        ),
+        "{stderr}"
+    );
+
+    let server = crate::support::start_env(
+        &data,
+        &[],
+        Some(TOKEN),
+        None,
+        &[("SESSIOND_REPOSITORIES", repo.as_path())],
+    );
+    let mut c = sessions(&server).await;
+    let listed = c
+        .list_repositories(pb::ListRepositoriesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed.repositories, [repo.display().to_string()]);
+}
