@@ -463,7 +463,8 @@ pub async fn remove(spec: &Spec, delete_branch: bool) -> Result<()> {
     if spec.path.symlink_metadata().is_ok() {
         if !is_ours(&spec.path, &common, &spec.branch).await? {
             return Err(Error::FailedPrecondition(format!(
-                "{} is not the worktree of branch {:?} any more; it was left alone",
+                "{} is not on branch {:?} any more (checked out elsewhere, or not this repository's worktree); \
+                 it was left alone: switch it back, or delete the session with keep_worktree",
                 spec.path.display(),
                 spec.branch
             )));
