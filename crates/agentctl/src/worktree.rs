@@ -84,8 +84,10 @@ pub struct Commit {
 }
 
 /// Runs git with settings that keep it from executing anything the
-/// repository configures (hooks, fsmonitor, filters named in config stay
-/// whatever the user set; only worktree and ref commands run here).
+/// repository configures: the agent can write the repository's config
+/// through its worktree, and these run as sessiond's user (a checkout runs
+/// hooks and filter drivers). Filters pass content through unchanged, as in
+/// the workspace's git calls.
 async fn git(cwd: &Path, args: &[&str]) -> Result<exec::ExecOutput> {
     let mut env = HashMap::new();
     env.insert("GIT_CONFIG_NOSYSTEM".to_owned(), "1".to_owned());
@@ -95,6 +97,14 @@ async fn git(cwd: &Path, args: &[&str]) -> Result<exec::ExecOutput> {
     for setting in crate::git::INERT {
         full.push("-c".into());
         full.push((*setting).into());
+    }
+    for name in filter_drivers(cwd, &env).await {
+        for key in ["clean", "smudge", "process"] {
+            full.push("-c".into());
+            full.push(format!("filter.{name}.{key}="));
+        }
+        full.push("-c".into());
+        full.push(format!("filter.{name}.required=false"));
     }
     full.extend(args.iter().map(|a| (*a).to_owned()));
     let out = exec::run(ExecSpec {
@@ -117,6 +127,47 @@ async fn git(cwd: &Path, args: &[&str]) -> Result<exec::ExecOutput> {
         )));
     }
     Ok(out)
+}
+
+/// The filter drivers the configuration seen from `cwd` names; none when
+/// `cwd` is no repository (or git fails: the call itself then says why).
+async fn filter_drivers(cwd: &Path, env: &HashMap<String, String>) -> Vec<String> {
+    let mut args: Vec<String> = Vec::new();
+    for setting in crate::git::INERT {
+        args.push("-c".into());
+        args.push((*setting).into());
+    }
+    args.extend(
+        [
+            "config",
+            "--null",
+            "--name-only",
+            "--get-regexp",
+            r"^filter\.",
+        ]
+        .map(String::from),
+    );
+    let Ok(out) = exec::run(ExecSpec {
+        command: "git",
+        args: &args,
+        cwd,
+        env,
+        timeout: GIT_TIMEOUT,
+        max_output: 1 << 20,
+    })
+    .await
+    else {
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .split('\0')
+        .filter_map(|key| {
+            let (name, _) = key.strip_prefix("filter.")?.rsplit_once('.')?;
+            Some(name.to_owned())
+        })
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect()
 }
 
 /// git that must succeed; its stdout, trimmed.
