@@ -70,15 +70,7 @@ fn checkouts_run_no_hook_or_filter_the_repository_names() {
         format!("#!/bin/sh\ntouch {}\n", hook_marker.display()),
     )
     .unwrap();
-    std::os::unix::fs::PermissionsExt::set_mode(
-        &mut std::fs::metadata(&hook).unwrap().permissions(),
-        0o755,
-    );
-    Command::new("chmod")
-        .arg("755")
-        .arg(&hook)
-        .status()
-        .unwrap();
+    std::fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
 
     let path = dir.path().join("wts/one");
     let made = worktree("create", &repo, "s/one", &path, &[]);
