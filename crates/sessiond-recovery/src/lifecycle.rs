@@ -256,6 +256,10 @@ impl SessionManager {
         // The worktree, now that its intent is stored: a crash from here on
         // leaves a session whose recovery finishes (or adopts) it.
         if managed {
+            // Test-only crash point: the intent is stored, git has made
+            // nothing yet (recovery makes the worktree from the base).
+            #[cfg(feature = "failpoints")]
+            fail::fail_point!("create-before-worktree");
             if let Err(e) = self.make_worktree(&session).await {
                 let reason = format!(
                     "could not create the worktree: {e}; delete this session and create a new one"

@@ -599,3 +599,53 @@ async fn create_after_worktree() {
     eprintln!("converged: {line}");
     w.cleanup(&mgr).await;
 }
+
+/// The backend dies after the session's intent is stored and before git
+/// made anything: the next start makes the worktree from the base (the
+/// branch never existed, so nothing is reported lost) and records it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_before_worktree() {
+    let fp = "create-before-worktree";
+    let w = World::new().await;
+    let plan = w.plan("standalone", Rt::Standalone).await;
+    let mut c = w.spawn_child(
+        "create-standalone",
+        Mode::Create {
+            plans: vec![plan],
+            messages: 1,
+        },
+        Some(&format!("{fp}=kill")),
+    );
+    let status = c.wait_exit(Duration::from_secs(90)).await;
+    c.assert_killed_by_failpoint(status, fp);
+    let crashed = w
+        .sessions()
+        .await
+        .into_iter()
+        .find(|s| s.worktree.id == "standalone")
+        .expect("the crashed backend stored the session");
+    assert_eq!(crashed.state, SessionState::Starting, "{crashed:?}");
+    assert!(!crashed.worktree.branch.is_empty() && !crashed.worktree.path.is_empty());
+    assert!(
+        !std::path::Path::new(&crashed.worktree.path).exists(),
+        "git made nothing"
+    );
+    assert!(crate::world::listed_worktrees(w.dir.path()).is_empty());
+
+    let mgr = w.manager().await;
+    let summary = mgr.recover_all().await.unwrap();
+    eprintln!("clean start: {:?}", summary.counts);
+    let s = w.store.get_session(crashed.id).await.unwrap();
+    assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
+    assert_eq!(s.worktree, crashed.worktree, "made where the intent said");
+    assert_eq!(
+        s.metadata.get("worktree_created").map(String::as_str),
+        Some("true"),
+        "{s:?}"
+    );
+    let line = w.assert_converged(&mgr).await;
+    assert_eq!(w.prompt_all(&mgr).await, 1);
+    w.assert_converged(&mgr).await;
+    eprintln!("converged: {line}");
+    w.cleanup(&mgr).await;
+}
