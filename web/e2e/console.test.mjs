@@ -45,6 +45,8 @@ async function createTaskAndSession(page, { title, work, profile }) {
     await page.waitForFunction((p) => [...document.querySelectorAll("select[name=profile] option")].some((o) => o.value === p), profile, { timeout: T });
     await page.selectOption("select[name=profile]", profile);
   }
+  // These sessions work in the scratch directory itself.
+  await page.check("input[name=where][value=directory]");
   await page.fill("input[name=worktree]", work);
   await page.click("text=Start session");
   await page.waitForURL(/#\/tasks\/[^/]+\/sessions\/[^/]+$/, { timeout: T });
@@ -127,6 +129,62 @@ test("chat streams live, survives SIGTERM and kill -9 of sessiond without gap or
     await page.click("button:has-text('Stop')");
     await page.waitForSelector("[data-testid=state]:has-text('cancelled')", { timeout: T });
     await b.screenshot("stopped");
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
+test("new-session form: an isolated worktree of a repository and base branch; the diff against the base", async () => {
+  const { work, data } = scratch("worktree");
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth"], env: { SESSIOND_REPOSITORIES: work } }).start();
+  const b = await browser("worktree");
+  try {
+    const { page } = b;
+    await page.goto(server.url);
+    await visible(page, "input[name=title]");
+    await page.fill("input[name=title]", "Isolated work");
+    await page.click("text=Create task");
+    await visible(page, "[data-testid=new-session]");
+    // A worktree of a repository is what the form offers first.
+    assert.equal(await page.isChecked("input[name=where][value=repository]"), true);
+    assert.equal(await page.locator("input[name=worktree]").count(), 0, "no absolute path to type");
+    // The configured repository is offered.
+    await page.waitForSelector(`datalist#repositories option[value='${work}']`, { state: "attached", timeout: T });
+    await page.fill("input[name=repository]", work);
+    assert.equal(await page.inputValue("input[name=base]"), "main");
+    await b.screenshot("new-session-repository");
+    await page.click("text=Start session");
+    await page.waitForURL(/#\/tasks\/[^/]+\/sessions\/[^/]+$/, { timeout: T });
+    await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
+
+    await send(page, "/edit README.md edited in the worktree");
+    await message(page, "edit: written");
+    assert.equal(readFileSync(join(work, "README.md"), "utf8"), "hello from the worktree\n", "the repository's checkout is untouched");
+
+    await page.click("role=tab[name='Git']");
+    await page.waitForSelector(".git strong:text-matches('branch sessiond/[0-9a-f]{8}-isolated-work')", { timeout: T });
+    await page.check("input[name=against-base]");
+    await page.waitForSelector("[data-testid=git-diff] .add:has-text('+edited in the worktree')", { timeout: T });
+    await page.waitForSelector("[data-testid=git-diff] .del:has-text('-hello from the worktree')", { timeout: T });
+    await page.waitForSelector("[data-testid=branch-commits]:has-text('no commits since main')", { timeout: T });
+    // Committed work is still "since the base", and listed as a commit.
+    await page.click("role=tab[name='Run']");
+    await page.fill("input[name=command]", "git -c user.name=e2e -c user.email=e2e@localhost commit -qam 'edit the readme' && echo committed");
+    await page.click(".run form button[type=submit]");
+    await page.waitForSelector("[data-testid=exec-result]:has-text('exit 0')", { timeout: T });
+    await page.click("role=tab[name='Git']");
+    await page.check("input[name=against-base]");
+    await page.waitForSelector("[data-testid=branch-commits]:has-text('edit the readme')", { timeout: T });
+    await page.waitForSelector("[data-testid=git-diff] .add:has-text('+edited in the worktree')", { timeout: T });
+    await b.screenshot("diff-against-base");
+
+    // The next session of the task is offered the same repository; the
+    // list shows each session's branch.
+    await page.click("nav a:text-is('Task')");
+    await page.waitForSelector("[data-testid=sessions] [data-testid=branch]:text-matches('sessiond/[0-9a-f]{8}-isolated-work')", { timeout: T });
+    await page.waitForSelector(`datalist#repositories option[value='${work}']`, { state: "attached", timeout: T });
     assert.deepEqual(b.errors, []);
   } finally {
     await b.close();

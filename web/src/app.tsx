@@ -435,23 +435,48 @@ function TaskView(props: { taskId: string; backend: Backend }) {
                     <Badge tone={executorTone(executor)} testid="executor">{executorLabel[executor]}</Badge>
                     <Badge tone="idle">{profileName.get(s.agentProfileId) ?? "agent"}</Badge>
                     <Badge tone="idle">{runtimeName(s.runtime, s.runtimeName)}</Badge>
+                    {s.worktree?.repository && (
+                      <Badge tone="idle" testid="branch">
+                        {s.worktree.branch}
+                      </Badge>
+                    )}
                   </span>
                 </li>
               ))}
             </ul>
           )}
         </div>
-        <NewSession taskId={taskId} profiles={profiles} />
+        <NewSession
+          taskId={taskId}
+          profiles={profiles}
+          repositories={[...new Set((list ?? []).map(({ session: s }) => s.worktree?.repository ?? "").filter(Boolean))]}
+        />
       </div>
     </section>
   );
 }
 
-function NewSession(props: { taskId: string; profiles: AgentProfile[] }) {
+/** Where a new session works: a worktree sessiond creates from a
+ * repository (isolated, on a branch of its own), or a directory the user made. */
+type Where = "repository" | "directory";
+
+function NewSession(props: { taskId: string; profiles: AgentProfile[]; repositories: string[] }) {
   const [profile, setProfile] = useState("");
   const [runtime, setRuntime] = useState<Runtime>(Runtime.UNSPECIFIED);
+  const [where, setWhere] = useState<Where>("repository");
+  const [repository, setRepository] = useState("");
+  const [base, setBase] = useState("main");
   const [path, setPath] = useState("");
   const [branch, setBranch] = useState("");
+  // The server's configured repositories, then those the task used.
+  const [configured, setConfigured] = useState<string[]>([]);
+  useEffect(() => {
+    sessions
+      .listRepositories({})
+      .then((r) => setConfigured(r.repositories))
+      .catch(() => setConfigured([]));
+  }, []);
+  const offered = [...new Set([...configured, ...props.repositories])];
   const [remote, setRemote] = useState({ url: "", secret: "", executorId: "" });
   const [busy, setBusy] = useState(false);
   const [error, setError] = useState("");
@@ -469,7 +494,10 @@ function NewSession(props: { taskId: string; profiles: AgentProfile[] }) {
             taskId: props.taskId,
             agentProfile: profile,
             runtime,
-            worktree: { path: path.trim(), branch: branch.trim() },
+            worktree:
+              where === "repository"
+                ? { repository: repository.trim(), base: base.trim(), branch: branch.trim() }
+                : { path: path.trim(), branch: branch.trim() },
             remoteUrl: remote.url,
             remoteSecret: remote.secret,
             remoteExecutorId: remote.executorId,
@@ -504,14 +532,49 @@ function NewSession(props: { taskId: string; profiles: AgentProfile[] }) {
           <option value={String(Runtime.REMOTE)}>remote host</option>
         </select>
       </label>
-      <label>
-        Worktree path (absolute, on the executor's host)
-        <input name="worktree" required placeholder="/home/me/project" value={path} onInput={val(setPath)} />
-      </label>
-      <label>
-        Branch (optional)
-        <input name="branch" value={branch} onInput={val(setBranch)} />
-      </label>
+      <fieldset class="where">
+        <legend>Works in</legend>
+        <label class="inline">
+          <input type="radio" name="where" value="repository" checked={where === "repository"} onChange={() => setWhere("repository")} />
+          a new worktree of a repository
+        </label>
+        <label class="inline">
+          <input type="radio" name="where" value="directory" checked={where === "directory"} onChange={() => setWhere("directory")} />
+          an existing directory
+        </label>
+      </fieldset>
+      {where === "repository" ? (
+        <>
+          <label>
+            Repository (a git repository on the executor's host)
+            <input name="repository" required list="repositories" placeholder="/home/me/project" value={repository} onInput={val(setRepository)} />
+            <datalist id="repositories">
+              {offered.map((r) => (
+                <option key={r} value={r} />
+              ))}
+            </datalist>
+          </label>
+          <label>
+            Base branch
+            <input name="base" required placeholder="main" value={base} onInput={val(setBase)} />
+          </label>
+          <label>
+            New branch (optional; default sessiond/&lt;id&gt;-&lt;task&gt;)
+            <input name="branch" value={branch} onInput={val(setBranch)} />
+          </label>
+        </>
+      ) : (
+        <>
+          <label>
+            Worktree path (absolute, on the executor's host)
+            <input name="worktree" required placeholder="/home/me/project" value={path} onInput={val(setPath)} />
+          </label>
+          <label>
+            Branch (optional)
+            <input name="branch" value={branch} onInput={val(setBranch)} />
+          </label>
+        </>
+      )}
       {runtime === Runtime.REMOTE && (
         <fieldset>
           <legend>Remote agentctl</legend>
@@ -948,7 +1011,11 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
         agentProfile: status.agentProfileId,
         runtime: status.runtime,
         runtimeName: status.runtimeName,
-        worktree: { path: status.worktreePath, branch: status.worktreeBranch },
+        // A worktree sessiond made is the old session's own: the new one
+        // gets a fresh worktree from the same repository and base.
+        worktree: status.worktreeRepository
+          ? { repository: status.worktreeRepository, base: status.worktreeBase }
+          : { path: status.worktreePath, branch: status.worktreeBranch },
       });
       location.hash = sessionHref(taskId, r.session!.id);
     } catch (err) {
@@ -1278,7 +1345,13 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
           </form>
           <ErrorLine error={error} />
         </div>
-        <Workspace taskId={taskId} sessionId={sessionId} ready={s?.executorStatus === ExecutorStatus.READY} />
+        <Workspace
+          taskId={taskId}
+          sessionId={sessionId}
+          ready={s?.executorStatus === ExecutorStatus.READY}
+          branch={s?.worktreeBranch ?? ""}
+          base={s?.worktreeBase ?? ""}
+        />
       </div>
     </section>
   );

@@ -1,7 +1,7 @@
 import { useEffect, useState } from "preact/hooks";
 import { describe, workspace } from "./api";
 import { authFailed } from "./app";
-import type { DirEntry, GitStatusResponse, ExecResponse } from "./gen/sessiond/v1/workspace_service_pb";
+import type { BranchCommit, DirEntry, GitStatusResponse, ExecResponse } from "./gen/sessiond/v1/workspace_service_pb";
 
 const text = new TextDecoder();
 
@@ -9,7 +9,7 @@ type Tab = "files" | "git" | "run";
 
 /** Shell, files and git of the session's worktree: usable whenever the
  * executor is ready, whether or not the agent runs. */
-export function Workspace(props: { taskId: string; sessionId: string; ready: boolean }) {
+export function Workspace(props: { taskId: string; sessionId: string; ready: boolean; branch: string; base: string }) {
   const [tab, setTab] = useState<Tab>("files");
   const session = { taskId: props.taskId, sessionId: props.sessionId };
   return (
@@ -33,7 +33,7 @@ export function Workspace(props: { taskId: string; sessionId: string; ready: boo
       ) : tab === "files" ? (
         <Files session={session} />
       ) : tab === "git" ? (
-        <Git session={session} />
+        <Git session={session} branch={props.branch} base={props.base} />
       ) : (
         <Run session={session} />
       )}
@@ -113,23 +113,42 @@ function Files(props: { session: Ref }) {
   );
 }
 
-function Git(props: { session: Ref }) {
+/** Git status and diff. For a worktree sessiond created (it has a base),
+ * the diff can also be everything the session changed since its base,
+ * with the branch's commits: what a reviewer looks at. */
+function Git(props: { session: Ref; branch: string; base: string }) {
   const [status, setStatus] = useState<GitStatusResponse | null>(null);
   const [diff, setDiff] = useState("");
+  const [againstBase, setAgainstBase] = useState(false);
+  const [commits, setCommits] = useState<BranchCommit[] | null>(null);
   const [error, setError, onError] = useError();
   const load = () => {
     setError("");
     workspace.gitStatus({ session: props.session }).then(setStatus).catch(onError);
     workspace
-      .gitDiff({ session: props.session })
+      .gitDiff({ session: props.session, againstBase })
       .then((r) => setDiff(r.diff))
       .catch(onError);
+    if (againstBase) {
+      workspace
+        .listBranchCommits({ session: props.session })
+        .then((r) => setCommits(r.commits))
+        .catch(onError);
+    } else {
+      setCommits(null);
+    }
   };
-  useEffect(load, []);
+  useEffect(load, [againstBase]);
   return (
     <div class="git">
       <div class="row">
         <strong>{status ? `branch ${status.branch || "(detached)"}` : ""}</strong>
+        {props.base && (
+          <label class="inline">
+            <input type="checkbox" name="against-base" checked={againstBase} onChange={(e) => setAgainstBase((e.target as HTMLInputElement).checked)} />
+            changes since {props.base}
+          </label>
+        )}
         <button type="button" class="secondary" onClick={load}>
           Refresh
         </button>
@@ -141,6 +160,16 @@ function Git(props: { session: Ref }) {
           {status.files.map((f) => (
             <li key={f.path}>
               <code>{f.code}</code> {f.path}
+            </li>
+          ))}
+        </ul>
+      )}
+      {commits && (
+        <ul class="list compact" data-testid="branch-commits">
+          {commits.length === 0 && <li class="muted">no commits since {props.base}</li>}
+          {commits.map((c) => (
+            <li key={c.sha}>
+              <code>{c.sha.slice(0, 10)}</code> {c.subject} <span class="muted">({c.author})</span>
             </li>
           ))}
         </ul>

@@ -18,6 +18,9 @@ pub enum Error {
     /// no `loadSession`, not a git repository, ...).
     #[error("failed precondition: {0}")]
     FailedPrecondition(String),
+    /// What the call would create exists already (a branch, a directory).
+    #[error("already exists: {0}")]
+    AlreadyExists(String),
     /// A size limit was exceeded.
     #[error("out of range: {0}")]
     OutOfRange(String),
@@ -44,6 +47,22 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// The message without the code's name in front (the code travels apart).
+    pub fn detail(&self) -> String {
+        match self {
+            Self::InvalidArgument(m)
+            | Self::PermissionDenied(m)
+            | Self::NotFound(m)
+            | Self::FailedPrecondition(m)
+            | Self::AlreadyExists(m)
+            | Self::OutOfRange(m)
+            | Self::DeadlineExceeded(m)
+            | Self::Unavailable(m)
+            | Self::Agent(m) => m.clone(),
+            Self::Io { .. } => self.to_string(),
+        }
+    }
+
     /// Wraps an IO error with what was being done, mapping the kinds that
     /// have a precise meaning.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
@@ -81,6 +100,7 @@ impl From<Error> for Status {
             Error::NotFound(_) => Code::NotFound,
             Error::FailedPrecondition(_) | Error::Agent(_) => Code::FailedPrecondition,
             Error::OutOfRange(_) => Code::OutOfRange,
+            Error::AlreadyExists(_) => Code::AlreadyExists,
             Error::DeadlineExceeded(_) => Code::DeadlineExceeded,
             Error::Unavailable(_) => Code::Unavailable,
             Error::Io { .. } => Code::Internal,

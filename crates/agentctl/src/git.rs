@@ -16,7 +16,7 @@ const GIT_MAX_OUTPUT: u64 = 32 << 20;
 /// workspace's `.git/config` is written by the agent (or through WriteFile),
 /// and a UI polling GitStatus must not run what it planted there. Command
 /// line `-c` wins over every config file.
-const INERT: &[&str] = &[
+pub(crate) const INERT: &[&str] = &[
     "core.fsmonitor=false",
     "core.hooksPath=/dev/null",
     "core.pager=cat",
@@ -196,6 +196,47 @@ pub async fn diff(ws: &Workspace, staged: bool, paths: &[String]) -> Result<Stri
     if staged {
         args.push("--cached".into());
     }
+    args.push("--".into());
+    for p in paths {
+        let resolved = ws.resolve(p)?;
+        let rel = ws.relative(&resolved);
+        args.push(if rel.as_os_str().is_empty() {
+            ".".to_owned()
+        } else {
+            rel.to_string_lossy().into_owned()
+        });
+    }
+    let out = git(ws, &args).await?;
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// `git diff` of the working tree against the commit where HEAD left
+/// `base`: what the worktree's branch changed, committed or not (untracked
+/// files are not in it, as in any `git diff`).
+pub async fn diff_against(ws: &Workspace, base: &str, paths: &[String]) -> Result<String> {
+    if base.starts_with('-') || base.contains(['\0', '\n']) {
+        return Err(Error::InvalidArgument(format!(
+            "base {base:?} is not a ref name"
+        )));
+    }
+    let spec = format!("{base}^{{commit}}");
+    let resolved = git(
+        ws,
+        &[
+            "rev-parse".into(),
+            "--verify".into(),
+            "--quiet".into(),
+            spec,
+        ],
+    )
+    .await
+    .map_err(|_| Error::InvalidArgument(format!("base {base:?} is not a ref of the repository")))?;
+    let base_commit = String::from_utf8_lossy(&resolved).trim().to_owned();
+    let fork = git(ws, &["merge-base".into(), base_commit, "HEAD".into()]).await?;
+    let mut args: Vec<String> = ["diff", "--no-color", "--no-ext-diff", "--no-textconv"]
+        .map(String::from)
+        .to_vec();
+    args.push(String::from_utf8_lossy(&fork).trim().to_owned());
     args.push("--".into());
     for p in paths {
         let resolved = ws.resolve(p)?;

@@ -29,3 +29,4 @@ pub mod tree;
 pub mod updates;
 pub mod usage;
 pub mod workspace;
+pub mod worktree;

@@ -130,6 +130,87 @@ fn reap(journal: &std::path::Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `agentctl worktree OP ...`: one worktree operation on this host (see
+/// `agentctl::worktree`), answered as one JSON object on stdout:
+/// `{"ok": ...}` or `{"error": {"code": "invalid_argument", "message": ...}}`.
+/// It runs before the session's agentctl can serve (its workspace is the
+/// worktree), which is why it is a command and not a call.
+#[derive(Debug, Parser)]
+#[command(name = "agentctl worktree")]
+struct WorktreeCli {
+    /// What to do.
+    #[arg(value_enum)]
+    op: WorktreeOp,
+    /// The repository (a directory holding `.git`, or a bare repository).
+    #[arg(long)]
+    repository: PathBuf,
+    /// The ref the branch starts from.
+    #[arg(long, default_value = "")]
+    base: String,
+    /// The session's branch.
+    #[arg(long)]
+    branch: String,
+    /// The worktree directory.
+    #[arg(long)]
+    path: PathBuf,
+    /// `restore`: the create was cut short, so a missing branch is created
+    /// from the base instead of being an error.
+    #[arg(long)]
+    never_created: bool,
+    /// `remove`: delete the branch too.
+    #[arg(long)]
+    delete_branch: bool,
+    /// `commits`: at most this many.
+    #[arg(long, default_value_t = 200)]
+    limit: u32,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum WorktreeOp {
+    Check,
+    Create,
+    Restore,
+    State,
+    Remove,
+    Commits,
+}
+
+async fn worktree_main() -> anyhow::Result<()> {
+    use agentctl::worktree;
+    use std::io::Write;
+    let cli = WorktreeCli::parse_from(std::env::args_os().skip(1));
+    let spec = worktree::Spec {
+        repository: cli.repository,
+        base: cli.base,
+        branch: cli.branch,
+        path: cli.path,
+    };
+    let answer = match cli.op {
+        WorktreeOp::Check => worktree::check(&spec).await.map(|()| serde_json::json!({})),
+        WorktreeOp::Create => worktree::create(&spec).await.map(|e| serde_json::json!(e)),
+        WorktreeOp::Restore => worktree::restore(&spec, cli.never_created)
+            .await
+            .map(|e| serde_json::json!(e)),
+        WorktreeOp::State => worktree::state(&spec).await.map(|s| serde_json::json!(s)),
+        WorktreeOp::Remove => worktree::remove(&spec, cli.delete_branch)
+            .await
+            .map(|()| serde_json::json!({})),
+        WorktreeOp::Commits => worktree::commits(&spec, cli.limit)
+            .await
+            .map(|c| serde_json::json!(c)),
+    };
+    let line = match answer {
+        Ok(value) => serde_json::json!({ "ok": value }),
+        Err(e) => {
+            let message = e.detail();
+            let code = tonic::Status::from(e).code();
+            serde_json::json!({ "error": { "code": i32::from(code), "message": message } })
+        }
+    };
+    writeln!(std::io::stdout(), "{line}").context("writing the answer")?;
+    Ok(())
+}
+
 fn parse_ratio(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
         Ok(r) if (0.0..=1.0).contains(&r) => Ok(r),
@@ -291,6 +372,9 @@ fn announce(addr: &str) {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    if std::env::args_os().nth(1).is_some_and(|a| a == "worktree") {
+        return worktree_main().await;
+    }
     let cli = Cli::parse();
     let otlp_endpoint = match cli.otlp_endpoint.as_deref() {
         Some(s) => parse_endpoint(s).map_err(anyhow::Error::msg)?,

@@ -407,7 +407,11 @@ impl AgentCtlService for AgentCtl {
 
     async fn git_diff(&self, req: Request<GitDiffRequest>) -> Res<GitDiffResponse> {
         let r = req.into_inner();
-        let diff = git::diff(&self.workspace, r.staged, &r.paths).await?;
+        let diff = if r.base.is_empty() {
+            git::diff(&self.workspace, r.staged, &r.paths).await?
+        } else {
+            git::diff_against(&self.workspace, &r.base, &r.paths).await?
+        };
         Ok(Response::new(GitDiffResponse { diff }))
     }
 }

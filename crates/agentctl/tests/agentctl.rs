@@ -881,7 +881,8 @@ async fn expect_unauthenticated(c: &mut Client, label: &str) {
         "GitDiff",
         c.git_diff(GitDiffRequest {
             staged: false,
-            paths: vec![]
+            paths: vec![],
+            ..Default::default()
         })
     );
 }
@@ -983,6 +984,7 @@ async fn paths_outside_the_workspace_are_refused() {
         .git_diff(GitDiffRequest {
             staged: false,
             paths: vec!["../outside".into()],
+            ..Default::default()
         })
         .await
         .expect_err("diff path");
@@ -1319,6 +1321,7 @@ async fn git_status_and_diff_in_a_fresh_repository() {
         .git_diff(GitDiffRequest {
             staged: false,
             paths: vec![],
+            ..Default::default()
         })
         .await
         .expect_err("non-git");
@@ -1362,6 +1365,7 @@ async fn git_status_and_diff_in_a_fresh_repository() {
         .git_diff(GitDiffRequest {
             staged: false,
             paths: vec![],
+            ..Default::default()
         })
         .await
         .expect("diff")
@@ -1373,6 +1377,7 @@ async fn git_status_and_diff_in_a_fresh_repository() {
         .git_diff(GitDiffRequest {
             staged: true,
             paths: vec![],
+            ..Default::default()
         })
         .await
         .expect("diff")
@@ -1384,6 +1389,7 @@ async fn git_status_and_diff_in_a_fresh_repository() {
         .git_diff(GitDiffRequest {
             staged: true,
             paths: vec!["tracked.txt".into()],
+            ..Default::default()
         })
         .await
         .expect("diff")

@@ -394,6 +394,7 @@ async fn world(bin_dir: &Path, dir: &Path, n: usize, reaper: &Reaper) -> anyhow:
                             id: format!("wt-{i}"),
                             path: path.display().to_string(),
                             branch: format!("sessiond/wt-{i}"),
+                            ..Default::default()
                         },
                         remote: None,
                         metadata: BTreeMap::new(),

@@ -111,6 +111,7 @@ async fn ended_session(
         id: format!("wt-{i}"),
         path: format!("/srv/work/wt-{i}"),
         branch: format!("sessiond/wt-{i}"),
+        ..Default::default()
     };
     let session = Session {
         id: SessionId::new(),

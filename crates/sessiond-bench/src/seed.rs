@@ -100,6 +100,7 @@ async fn one(
         id: format!("wt-{i}"),
         path: format!("/srv/remote/wt-{i}"),
         branch: format!("sessiond/wt-{i}"),
+        ..Default::default()
     };
     let session = Session {
         id: SessionId::new(),

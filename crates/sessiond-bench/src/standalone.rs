@@ -81,6 +81,7 @@ pub async fn create(
                             id: format!("wt-{i}"),
                             path: path.display().to_string(),
                             branch: format!("sessiond/wt-{i}"),
+                            ..Default::default()
                         },
                         remote: None,
                         metadata: BTreeMap::new(),

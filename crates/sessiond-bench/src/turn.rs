@@ -58,6 +58,7 @@ async fn session(
                 id: name.into(),
                 path: path.display().to_string(),
                 branch: format!("sessiond/{name}"),
+                ..Default::default()
             },
             remote: None,
             metadata: BTreeMap::new(),

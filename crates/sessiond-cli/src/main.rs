@@ -159,8 +159,19 @@ enum SessionCmd {
         #[arg(long)]
         runtime: Option<String>,
         /// Working tree for the agent (must exist on the executor's host).
-        #[arg(long, default_value = ".")]
+        #[arg(long, default_value = ".", conflicts_with = "repo")]
         worktree: String,
+        /// Create an isolated git worktree of this repository on a branch
+        /// of the session's own (`--repo` alone: the repository of the
+        /// current directory).
+        #[arg(long, num_args = 0..=1, default_missing_value = ".")]
+        repo: Option<String>,
+        /// With --repo: the branch, tag or commit to start from. Default:
+        /// the repository's current branch.
+        #[arg(long, requires = "repo")]
+        base: Option<String>,
+        /// The branch: with --repo, the new branch's name (default
+        /// `<prefix>/<short id>-<slug of the task title>`); without, a label.
         #[arg(long, default_value = "")]
         branch: String,
         /// agentctl URL for the remote runtime.
@@ -192,8 +203,22 @@ enum SessionCmd {
         #[arg(long)]
         completed: bool,
     },
-    /// Stop if needed and remove the session's executor.
-    Delete(SessionRef),
+    /// Stop if needed and remove the session's executor, and the worktree
+    /// sessiond created for it when nothing in it would be lost.
+    Delete {
+        #[command(flatten)]
+        session: SessionRef,
+        /// Remove the worktree even with uncommitted changes or commits only
+        /// its branch has (they are lost).
+        #[arg(long, conflicts_with = "keep_worktree")]
+        discard: bool,
+        /// Leave the worktree and its branch where they are.
+        #[arg(long)]
+        keep_worktree: bool,
+        /// Delete the branch even when it is not merged into the base.
+        #[arg(long)]
+        delete_branch: bool,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -305,7 +330,13 @@ enum WorkspaceCmd {
         session: SessionRef,
         #[arg(long)]
         staged: bool,
+        /// Everything the session changed since its base (committed or
+        /// not), for a worktree sessiond created.
+        #[arg(long, conflicts_with = "staged")]
+        base: bool,
     },
+    /// The commits of the session's branch since its base, newest first.
+    Commits(SessionRef),
 }
 
 #[derive(Debug, Clone)]
@@ -607,6 +638,43 @@ fn parse_runtime(value: &str) -> (pb::Runtime, String) {
     }
 }
 
+/// `--repo DIR` and `--base`: the repository's top directory and, without
+/// `--base`, its current branch, read here with git (the local runtimes run
+/// on this host). For a remote host both are passed as given.
+fn local_repository(
+    repo: &str,
+    base: Option<String>,
+    remote: bool,
+) -> anyhow::Result<(String, String)> {
+    if remote {
+        let base = base.context("--base is required with --repo for a remote session")?;
+        return Ok((repo.to_owned(), base));
+    }
+    let git = |args: &[&str]| -> anyhow::Result<String> {
+        let out = std::process::Command::new("git")
+            .arg("-C")
+            .arg(repo)
+            .args(args)
+            .output()
+            .context("running git (is it installed?)")?;
+        if !out.status.success() {
+            bail!(
+                "--repo {repo:?}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    };
+    let top = git(&["rev-parse", "--show-toplevel"])?;
+    let base = match base {
+        Some(b) => b,
+        None => git(&["symbolic-ref", "--quiet", "--short", "HEAD"]).map_err(|_| {
+            anyhow::anyhow!("--repo {repo:?} has no current branch (detached HEAD); pass --base")
+        })?,
+    };
+    Ok((top, base))
+}
+
 async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<()> {
     match cmd {
         SessionCmd::Create {
@@ -614,6 +682,8 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
             agent,
             runtime,
             worktree,
+            repo,
+            base,
             branch,
             remote_url,
             remote_secret,
@@ -624,7 +694,13 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
                 .map_or((pb::Runtime::Unspecified, String::new()), parse_runtime);
             // The server resolves paths on the executor's host; make the
             // default `.` mean this shell's directory.
-            let path = if remote_url.is_none() {
+            let (repository, base) = match repo {
+                Some(repo) => local_repository(&repo, base, remote_url.is_some())?,
+                None => (String::new(), String::new()),
+            };
+            let path = if !repository.is_empty() {
+                String::new()
+            } else if remote_url.is_none() {
                 std::path::absolute(&worktree)
                     .with_context(|| format!("--worktree {worktree:?}"))?
                     .display()
@@ -643,6 +719,8 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
                         id: String::new(),
                         path,
                         branch,
+                        repository,
+                        base,
                     }),
                     remote_url: remote_url.unwrap_or_default(),
                     remote_secret: remote_secret.unwrap_or_default(),
@@ -719,11 +797,19 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
                 .into_inner();
             out.sessions(r.session.as_slice());
         }
-        SessionCmd::Delete(s) => {
+        SessionCmd::Delete {
+            session: s,
+            discard,
+            keep_worktree,
+            delete_branch,
+        } => {
             c.sessions
                 .delete_session(pb::DeleteSessionRequest {
                     task_id: s.task.task,
                     session_id: s.session_id.clone(),
+                    discard_worktree: discard,
+                    keep_worktree,
+                    delete_branch,
                 })
                 .await?;
             out.deleted(&s.session_id);
@@ -1241,16 +1327,32 @@ async fn workspace(c: &mut Clients, out: &Out, cmd: WorkspaceCmd) -> anyhow::Res
                 .into_inner();
             out.git_status(&r);
         }
-        WorkspaceCmd::GitDiff { session, staged } => {
+        WorkspaceCmd::GitDiff {
+            session,
+            staged,
+            base,
+        } => {
             let r = c
                 .workspaces
                 .git_diff(pb::GitDiffRequest {
                     session: Some(session_ref(session)),
                     staged,
+                    against_base: base,
                 })
                 .await?
                 .into_inner();
             out.git_diff(&r.diff);
+        }
+        WorkspaceCmd::Commits(session) => {
+            let r = c
+                .workspaces
+                .list_branch_commits(pb::ListBranchCommitsRequest {
+                    session: Some(session_ref(session)),
+                    limit: 0,
+                })
+                .await?
+                .into_inner();
+            out.commits(&r);
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -188,7 +188,8 @@ fn session_json(s: &pb::Session) -> Value {
     json!({
         "id": s.id, "task_id": s.task_id, "state": session_state(s.state),
         "agent_profile_id": s.agent_profile_id, "runtime": runtime(s.runtime, &s.runtime_name),
-        "worktree": {"id": w.id, "path": w.path, "branch": w.branch},
+        "worktree": {"id": w.id, "path": w.path, "branch": w.branch,
+                     "repository": w.repository, "base": w.base},
         "executor_id": s.executor_id, "agent_execution_id": s.agent_execution_id,
         "resume_token": s.resume_token, "error_message": s.error_message,
         "version": s.version,
@@ -609,6 +610,12 @@ impl Out {
                 session_state(s.state),
                 runtime(s.runtime, &s.runtime_name)
             );
+            if let Some(w) = s.worktree.as_ref().filter(|w| !w.repository.is_empty()) {
+                println!(
+                    "  worktree {} on branch {} (from {} at {})",
+                    w.path, w.branch, w.repository, w.base
+                );
+            }
             if !s.error_message.is_empty() {
                 println!("  error: {}", s.error_message);
             }
@@ -655,6 +662,8 @@ impl Out {
                 "is_agent_running": s.is_agent_running, "is_resumable": s.is_resumable,
                 "needs_resume": s.needs_resume, "resume_reason": resume_reason(s.resume_reason),
                 "worktree_path": s.worktree_path, "worktree_branch": s.worktree_branch,
+                "worktree_id": s.worktree_id, "worktree_repository": s.worktree_repository,
+                "worktree_base": s.worktree_base,
                 "error_message": s.error_message, "recovering": s.recovering,
                 "agent_recovery": s.agent_recovery.as_ref().map(|r| json!({
                     "stage": recovery_stage(r.stage), "queue_position": r.queue_position,
@@ -689,6 +698,12 @@ impl Out {
             "worktree          {} {}",
             s.worktree_path, s.worktree_branch
         );
+        if !s.worktree_repository.is_empty() {
+            println!(
+                "repository        {} (base {}, worktree id {})",
+                s.worktree_repository, s.worktree_base, s.worktree_id
+            );
+        }
         if !s.error_message.is_empty() {
             println!("error             {}", s.error_message);
         }
@@ -982,6 +997,26 @@ impl Out {
         println!("## {}", r.branch);
         for f in &r.files {
             println!("{:>2} {}", f.code, f.path);
+        }
+    }
+
+    pub fn commits(&self, r: &pb::ListBranchCommitsResponse) {
+        if self.json {
+            self.print_json(json!({
+                "branch": r.branch, "base": r.base,
+                "commits": r.commits.iter().map(|c| json!({
+                    "sha": c.sha, "subject": c.subject, "author": c.author, "time": c.time,
+                })).collect::<Vec<_>>(),
+            }));
+            return;
+        }
+        if r.commits.is_empty() {
+            println!("no commits on {} since {}", r.branch, r.base);
+            return;
+        }
+        for c in &r.commits {
+            let short = c.sha.get(..12).unwrap_or(&c.sha);
+            println!("{short}  {}  ({})", c.subject, c.author);
         }
     }
 

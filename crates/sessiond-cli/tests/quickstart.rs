@@ -249,6 +249,95 @@ fn readme_quickstart_story() {
     }
 }
 
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(["-c", "user.name=t", "-c", "user.email=t@example.com"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// The README's worktree step: in a git repository, `session create --repo`
+/// makes the session an isolated worktree on a branch of its own; the
+/// agent's edit shows in `git-diff --base` and not in the repository;
+/// `session delete` keeps the work until told to discard it.
+#[test]
+fn readme_worktree_story() {
+    let mut env = Env::new();
+    let repo = env.home.path().join("src/myproject");
+    std::fs::create_dir_all(&repo).unwrap();
+    git(&repo, &["init", "-q", "-b", "main"]);
+    std::fs::write(repo.join("notes.txt"), "original\n").unwrap();
+    git(&repo, &["add", "notes.txt"]);
+    git(&repo, &["commit", "-q", "-m", "init"]);
+    let server = env.serve();
+    env.sessionctl(&["health", "--wait"], &repo);
+    let task = env
+        .sessionctl(&["task", "create", "Try worktrees", "-q"], &repo)
+        .trim()
+        .to_owned();
+    env.task = Some(task);
+
+    let session = env
+        .sessionctl(&["session", "create", "--repo", "-q"], &repo)
+        .trim()
+        .to_owned();
+    assert_eq!(session.len(), 36, "{session:?}");
+    let status = env.sessionctl(&["session", "status", &session], &repo);
+    let short = &session.replace('-', "")[24..];
+    let branch = format!("sessiond/{short}-try-worktrees");
+    assert!(status.contains(&branch), "{status}");
+    assert!(
+        status.contains(&format!("repository        {} (base main", repo.display())),
+        "{status}"
+    );
+    let worktree = env.home.path().join(format!(
+        ".local/share/sessiond/worktrees/{short}-try-worktrees"
+    ));
+    assert!(worktree.is_dir(), "{status}");
+
+    env.sessionctl(&["send", &session, "/edit notes.txt from the agent"], &repo);
+    let diff = env.sessionctl(&["workspace", "git-diff", "--base", &session], &repo);
+    assert!(
+        diff.contains("-original") && diff.contains("+from the agent"),
+        "{diff}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(repo.join("notes.txt")).unwrap(),
+        "original\n",
+        "the repository's own checkout is untouched"
+    );
+    let commits = env.sessionctl(&["workspace", "commits", &session], &repo);
+    assert!(
+        commits.contains(&format!("no commits on {branch} since main")),
+        "{commits}"
+    );
+
+    let (_, stderr, _) = env.sessionctl_fails(&["session", "delete", &session], &repo);
+    assert!(
+        stderr.contains("1 file(s) with uncommitted changes (notes.txt)"),
+        "{stderr}"
+    );
+    assert!(worktree.join("notes.txt").is_file(), "nothing lost");
+    env.sessionctl(&["session", "delete", "--discard", &session], &repo);
+    assert!(!worktree.exists());
+    // Merged into main (no commits of its own): the branch went too.
+    assert_eq!(git(&repo, &["branch", "--format=%(refname:short)"]), "main");
+
+    terminate(server);
+    for pid in agentctls_under(env.home.path()) {
+        let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    }
+}
+
 /// `send` ends at once, with a non-zero exit and the system message, when
 /// the turn fails, the agent crashes in the middle of it, or it is
 /// cancelled (never after its timeout: 120 s given, each ends in well under

@@ -135,9 +135,25 @@ pub struct Worktree {
     /// Absolute path of the directory, as the executor sees it; the agent's
     /// working directory.
     pub path: String,
-    /// The git branch checked out there (informational; sessiond does not
-    /// switch it).
+    /// The git branch checked out there (informational for a directory the
+    /// caller made; the session's own branch when sessiond made it).
     pub branch: String,
+    /// The repository sessiond created this worktree from (a path on the
+    /// executor's host); empty when the caller made the directory. When set,
+    /// sessiond owns the worktree: it recreates it from `branch` when the
+    /// directory goes missing and removes it only when nothing would be lost
+    /// (see [`crate::worktree`]).
+    pub repository: String,
+    /// The ref `branch` was created from (diffs and commit lists for review
+    /// are against it); empty when the caller made the directory.
+    pub base: String,
+}
+
+impl Worktree {
+    /// sessiond created this worktree (and so owns its directory and branch).
+    pub fn is_managed(&self) -> bool {
+        !self.repository.is_empty()
+    }
 }
 
 /// One conversation with one agent, inside one executor.

@@ -14,6 +14,7 @@ pub mod states;
 pub mod status;
 pub mod transitions;
 pub mod usage;
+pub mod worktree;
 
 pub use entities::{
     AgentCommand, AgentMode, AgentModes, AgentProfile, ConfigOption, ConfigValue, ContainerAgent,

@@ -128,6 +128,13 @@ pub enum Observation {
     WorktreeExists,
     /// After [`Action::CheckWorktree`]: the directory is gone.
     WorktreeMissing,
+    /// After [`Action::CheckWorktree`] of a worktree sessiond created: the
+    /// directory is gone and cannot be recreated, because its branch is
+    /// gone too (or git refused); `reason` names the branch.
+    WorktreeUnrecoverable {
+        /// What was tried and what to do, naming the branch.
+        reason: String,
+    },
     /// The recorded pid is alive; `identity_proven` when its start time matches
     /// the record too (otherwise the pid was reused and must not be touched).
     ProcessAlive {
@@ -383,6 +390,13 @@ pub enum RecoveryFailure {
         /// The missing directory.
         path: String,
     },
+    /// `worktree_branch_missing`: a worktree sessiond created is gone and
+    /// could not be recreated from its branch.
+    #[error("{reason}")]
+    WorktreeUnrecoverable {
+        /// What is gone, naming the branch, and what to do.
+        reason: String,
+    },
     /// `docker_unavailable`: the engine did not answer; retried in the background.
     #[error(
         "Docker is not available ({reason}); the session recovers by itself once the engine answers"
@@ -516,6 +530,7 @@ impl RecoveryFailure {
     pub const fn code(&self) -> &'static str {
         match self {
             RecoveryFailure::WorktreeMissing { .. } => "worktree_missing",
+            RecoveryFailure::WorktreeUnrecoverable { .. } => "worktree_branch_missing",
             RecoveryFailure::DockerUnavailable { .. } => "docker_unavailable",
             RecoveryFailure::ContainerMissing => "container_missing",
             RecoveryFailure::ExecutorMissing { .. } => "executor_missing",
@@ -904,6 +919,9 @@ impl Recovery {
             (P::CheckingWorktree, O::WorktreeMissing) => {
                 let path = self.input.worktree_path.clone();
                 self.executor_failed(RecoveryFailure::WorktreeMissing { path })
+            }
+            (P::CheckingWorktree, O::WorktreeUnrecoverable { reason }) => {
+                self.executor_failed(RecoveryFailure::WorktreeUnrecoverable { reason })
             }
             (P::CheckingWorktree, O::WorktreeExists) => match self.input.pid {
                 Some(pid) => {
@@ -1494,6 +1512,21 @@ mod tests {
             "worktree missing",
             standalone(S::WaitingForInput),
             vec![O::WorktreeMissing],
+            Expect {
+                actions: &["check_worktree", "done"],
+                label: L::ExecutorError,
+                executor: ExecutorStatus::Error,
+                session: S::Error,
+                workspace: false,
+                events: AGENTCTL_ERROR_AND_STATE,
+            },
+        );
+        check(
+            "worktree and its branch gone",
+            standalone(S::WaitingForInput),
+            vec![O::WorktreeUnrecoverable {
+                reason: "branch \"s/1\" no longer exists".into(),
+            }],
             Expect {
                 actions: &["check_worktree", "done"],
                 label: L::ExecutorError,

@@ -179,6 +179,14 @@ pub struct SessionStatus {
     pub worktree_path: String,
     /// The worktree's branch.
     pub worktree_branch: String,
+    /// The worktree's id.
+    pub worktree_id: String,
+    /// The repository sessiond created the worktree from; empty for a
+    /// directory the caller made.
+    pub worktree_repository: String,
+    /// The ref the worktree's branch started at; empty for a directory the
+    /// caller made.
+    pub worktree_base: String,
     /// The session's error, else the executor's while it is retried in the
     /// background (see [`ExecutionView::retrying`]).
     pub error_message: Option<String>,
@@ -375,6 +383,9 @@ pub fn session_status(
         resume_reason,
         worktree_path: session.worktree.path.clone(),
         worktree_branch: session.worktree.branch.clone(),
+        worktree_id: session.worktree.id.clone(),
+        worktree_repository: session.worktree.repository.clone(),
+        worktree_base: session.worktree.base.clone(),
         error_message: session
             .error_message
             .clone()
@@ -462,6 +473,7 @@ pub(crate) mod tests {
                 id: "wt".into(),
                 path: "/work/wt".into(),
                 branch: "feature".into(),
+                ..Default::default()
             },
             resume_token: token.map(str::to_owned),
             metadata: BTreeMap::new(),

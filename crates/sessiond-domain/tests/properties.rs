@@ -254,6 +254,7 @@ fn every_observation() -> Vec<Observation> {
     vec![
         O::WorktreeExists,
         O::WorktreeMissing,
+        O::WorktreeUnrecoverable { reason: failure() },
         O::ProcessAlive {
             identity_proven: true,
         },
@@ -311,7 +312,13 @@ fn every_observation() -> Vec<Observation> {
 fn fitting(action: &Action) -> Vec<Observation> {
     use Observation as O;
     let mut fit = match action {
-        Action::CheckWorktree { .. } => vec![O::WorktreeExists, O::WorktreeMissing],
+        Action::CheckWorktree { .. } => vec![
+            O::WorktreeExists,
+            O::WorktreeMissing,
+            O::WorktreeUnrecoverable {
+                reason: "branch gone".into(),
+            },
+        ],
         Action::ProbeProcess { .. } => vec![
             O::ProcessAlive {
                 identity_proven: true,

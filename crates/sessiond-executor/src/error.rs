@@ -179,6 +179,17 @@ pub enum Error {
         message: String,
     },
 
+    /// A worktree operation on the executor's host refused or failed (not
+    /// a git repository, unknown base, branch or directory taken, branch
+    /// gone, ...); `code` says which, `message` what to do.
+    #[error("{message}")]
+    Worktree {
+        /// INVALID_ARGUMENT, ALREADY_EXISTS, FAILED_PRECONDITION, ...
+        code: tonic::Code,
+        /// What went wrong, naming the repository, branch or directory.
+        message: String,
+    },
+
     /// Ending the processes a dead agentctl's agent left failed.
     #[error("could not end the processes of executor {executor_id}: {message}")]
     Reap {

@@ -38,6 +38,7 @@ mod error;
 pub mod process;
 pub mod remote;
 pub mod standalone;
+pub mod worktree;
 
 use std::{fmt, path::PathBuf, time::Duration};
 
@@ -50,6 +51,7 @@ pub use client::{
     TlsConfig, default_deadline, with_deadline,
 };
 pub use error::{Error, Result};
+pub use worktree::{BranchCommit, WorktreeAnswer, WorktreeOp, WorktreeTarget};
 
 /// What to launch: one agentctl for one executor, in one workspace.
 #[derive(Debug, Clone)]
@@ -430,6 +432,21 @@ pub trait Executor: Send + Sync + fmt::Debug {
     /// An authenticated client of the handle's agentctl, with per-call
     /// deadlines and a connect timeout. Does not connect yet.
     fn client(&self, handle: &ExecutorHandle) -> Result<AgentctlClient>;
+
+    /// Performs a worktree operation on the executor's host, through
+    /// agentctl there (see [`worktree`]). Drivers that cannot reach the
+    /// host's git refuse with FAILED_PRECONDITION: their sessions use a
+    /// directory the caller made.
+    async fn worktree(&self, target: &WorktreeTarget, op: WorktreeOp) -> Result<WorktreeAnswer> {
+        let _ = (target, op);
+        Err(Error::Worktree {
+            code: tonic::Code::FailedPrecondition,
+            message: format!(
+                "runtime {} does not create worktrees; pass worktree.path of a directory on its host",
+                self.runtime()
+            ),
+        })
+    }
 
     /// The image a launch asking for `requested` runs, for drivers that run
     /// images (`None` for the others): named in errors about the agent's

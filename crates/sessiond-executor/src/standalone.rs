@@ -556,6 +556,14 @@ impl Executor for StandaloneExecutor {
         remove_if_exists(&self.socket(handle.executor_id))
     }
 
+    async fn worktree(
+        &self,
+        target: &crate::WorktreeTarget,
+        op: crate::WorktreeOp,
+    ) -> Result<crate::WorktreeAnswer> {
+        crate::worktree::run_local(&self.config.agentctl_path, &self.config.env, target, op).await
+    }
+
     fn client(&self, handle: &ExecutorHandle) -> Result<AgentctlClient> {
         Ok(AgentctlClient::new(
             &handle.agentctl_url,

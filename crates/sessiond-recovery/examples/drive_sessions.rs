@@ -99,6 +99,7 @@ async fn main() -> Result<(), BoxError> {
                 id: "main".into(),
                 path: worktree.display().to_string(),
                 branch: "main".into(),
+                ..Default::default()
             },
             remote: None,
             metadata: BTreeMap::new(),

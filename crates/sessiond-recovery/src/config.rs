@@ -69,6 +69,40 @@ pub struct ManagerConfig {
     pub max_live_sessions: Option<usize>,
     /// This process as one replica of several on one database.
     pub replica: ReplicaSettings,
+    /// Where and how sessiond creates a worktree for a session that names a
+    /// repository instead of a directory.
+    pub worktrees: WorktreeSettings,
+}
+
+/// Worktrees sessiond creates from a repository.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorktreeSettings {
+    /// Per runtime, the directory on the executor's host new worktrees go
+    /// in (`<dir>/<short id>-<slug>`); a runtime without one cannot create
+    /// worktrees. The binary checks they lie inside the worktree roots.
+    pub dirs: Vec<(sessiond_domain::Runtime, std::path::PathBuf)>,
+    /// The first part of every branch sessiond creates
+    /// (`<prefix>/<short id>-<slug>`).
+    pub branch_prefix: String,
+}
+
+impl Default for WorktreeSettings {
+    fn default() -> Self {
+        Self {
+            dirs: Vec::new(),
+            branch_prefix: "sessiond".into(),
+        }
+    }
+}
+
+impl WorktreeSettings {
+    /// Where `runtime` creates worktrees, if it does.
+    pub fn dir(&self, runtime: sessiond_domain::Runtime) -> Option<&std::path::Path> {
+        self.dirs
+            .iter()
+            .find(|(r, _)| *r == runtime)
+            .map(|(_, d)| d.as_path())
+    }
 }
 
 /// Admission of agent launches per host (see `launches.rs`): the limit
@@ -154,6 +188,7 @@ impl Default for ManagerConfig {
             max_live_sessions: None,
             replica: ReplicaSettings::default(),
             mcp_secrets: sessiond_domain::Secrets::default(),
+            worktrees: WorktreeSettings::default(),
         }
     }
 }

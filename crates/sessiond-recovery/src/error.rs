@@ -80,6 +80,18 @@ pub enum Error {
         path: String,
     },
 
+    /// Deleting the session would remove a worktree holding work (files
+    /// with uncommitted changes, commits no other ref holds).
+    #[error("worktree {path} of session {session_id} was kept: {what}")]
+    WorktreeHasWork {
+        /// The session.
+        session_id: SessionId,
+        /// The worktree's directory.
+        path: String,
+        /// What would be lost, and how to go on.
+        what: String,
+    },
+
     /// The session is COMPLETED or CANCELLED.
     #[error("session {session_id} has ended ({state}); create a new session")]
     SessionEnded {
@@ -266,6 +278,7 @@ impl Error {
             | Error::NotResumable { .. }
             | Error::MissingResumeToken { .. }
             | Error::WorktreeMissing { .. }
+            | Error::WorktreeHasWork { .. }
             | Error::SessionEnded { .. }
             | Error::InvalidState { .. }
             | Error::AgentNotRunning { .. }
@@ -276,11 +289,19 @@ impl Error {
             Error::Unavailable(_) | Error::NotOwner { .. } => ErrorKind::Unavailable,
             Error::LimitReached { .. } => ErrorKind::ResourceExhausted,
             Error::Executor(e) if e.is_unavailable() => ErrorKind::Unavailable,
-            // Another replica owns the executor now: retry there.
-            Error::Executor(e) if matches!(**e, sessiond_executor::Error::StaleEpoch { .. }) => {
-                ErrorKind::Unavailable
-            }
-            Error::Executor(_) => ErrorKind::FailedPrecondition,
+            Error::Executor(e) => match &**e {
+                sessiond_executor::Error::Worktree {
+                    code: tonic::Code::InvalidArgument,
+                    ..
+                } => ErrorKind::InvalidArgument,
+                sessiond_executor::Error::Worktree {
+                    code: tonic::Code::Internal,
+                    ..
+                } => ErrorKind::Internal,
+                // Another replica owns the executor now: retry there.
+                sessiond_executor::Error::StaleEpoch { .. } => ErrorKind::Unavailable,
+                _ => ErrorKind::FailedPrecondition,
+            },
             Error::Agent { code, .. } => match code {
                 tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => ErrorKind::Unavailable,
                 tonic::Code::InvalidArgument => ErrorKind::InvalidArgument,

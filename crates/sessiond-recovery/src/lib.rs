@@ -53,8 +53,9 @@ mod replica;
 mod resume;
 mod sweep;
 pub mod usage;
+mod worktrees;
 
-pub use config::{LaunchLimits, ManagerConfig, ReplicaSettings};
+pub use config::{LaunchLimits, ManagerConfig, ReplicaSettings, WorktreeSettings};
 pub use error::{Error, ErrorKind, Result};
 pub use events::{EventBus, EventStream};
 pub use lifecycle::{EndReason, NewSession, RemoteAgentctl};

@@ -3,6 +3,7 @@
 use std::{collections::BTreeMap, path::Path};
 
 use chrono::Utc;
+use sessiond_domain::worktree::{Removal, RemovalRequest};
 use sessiond_domain::{
     AgentMode, AgentModes, AgentProcessState, AgentProfileId, ConfigOption, ConfigValue,
     EventPayload, ExecutorEvent, ExecutorId, ExecutorRecord, ExecutorStatus, Message, MessageId,
@@ -21,6 +22,7 @@ use crate::{
         CURSOR_KEY, INTERRUPTED_TURN_KEY, TURN_GENERATION_KEY, TURN_INSTANCE_KEY, TURN_KEY,
         cursor_value, stored_cursor,
     },
+    worktrees::WORKTREE_CREATED_KEY,
 };
 
 /// What [`SessionManager::create_session`] needs.
@@ -136,7 +138,15 @@ impl SessionManager {
             )));
         }
         self.driver(req.runtime)?;
-        if req.worktree.path.is_empty() {
+        let session_id = SessionId::new();
+        let mut req = req;
+        let managed = req.worktree.is_managed();
+        if managed {
+            // Before anything is stored: a repository, base, branch or
+            // directory that cannot work creates nothing.
+            self.plan_worktree(&mut req.worktree, req.runtime, session_id, &task.title)
+                .await?;
+        } else if req.worktree.path.is_empty() {
             return Err(Error::InvalidArgument("worktree path is empty".into()));
         }
         if req.runtime == Runtime::Remote && req.remote.is_none() {
@@ -144,8 +154,7 @@ impl SessionManager {
                 "a remote session needs the agentctl URL and secret of its host".into(),
             ));
         }
-        let session_id = SessionId::new();
-        if req.runtime != Runtime::Remote && !Path::new(&req.worktree.path).is_dir() {
+        if !managed && req.runtime != Runtime::Remote && !Path::new(&req.worktree.path).is_dir() {
             return Err(Error::WorktreeMissing {
                 session_id,
                 path: req.worktree.path.clone(),
@@ -243,6 +252,33 @@ impl SessionManager {
         let mut record = committed
             .executor
             .ok_or_else(|| Error::Internal("no executor".into()))?;
+
+        // The worktree, now that its intent is stored: a crash from here on
+        // leaves a session whose recovery finishes (or adopts) it.
+        if managed {
+            // Test-only crash point: the intent is stored, git has made
+            // nothing yet (recovery makes the worktree from the base).
+            #[cfg(feature = "failpoints")]
+            fail::fail_point!("create-before-worktree");
+            if let Err(e) = self.make_worktree(&session).await {
+                let reason = format!(
+                    "could not create the worktree: {e}; delete this session and create a new one"
+                );
+                return self.fail_create(session, record, reason, true).await;
+            }
+            // Test-only crash point: the worktree exists, the session does
+            // not say so yet (recovery adopts it).
+            #[cfg(feature = "failpoints")]
+            fail::fail_point!("create-after-worktree");
+            let mut made = session.clone();
+            made.metadata
+                .insert(WORKTREE_CREATED_KEY.into(), "true".into());
+            session = self
+                .commit(Changeset::new().update_session(made))
+                .await?
+                .session
+                .ok_or_else(|| Error::Internal("no session".into()))?;
+        }
 
         // agentctl.
         let limit = self.inner.config.executor_deadline * 4;
@@ -1079,7 +1115,30 @@ impl SessionManager {
     /// session row, its messages and events stay in the store as history
     /// (and in the task's event stream, which is gap-free by task seq).
     pub async fn delete_session(&self, task: TaskId, session_id: SessionId) -> Result<()> {
-        self.session_of_task(task, session_id).await?;
+        self.delete_session_with(task, session_id, RemovalRequest::default())
+            .await
+    }
+
+    /// [`Self::delete_session`], saying what to do with a worktree sessiond
+    /// created for the session: by default it is removed only when it holds
+    /// no uncommitted change and no commit that no other ref holds, and its
+    /// branch only when merged into the base; otherwise nothing is deleted
+    /// and the error names what would be lost. `asked.discard` removes it
+    /// anyway, `asked.keep` leaves worktree and branch alone,
+    /// `asked.delete_branch` deletes the branch even when not merged.
+    pub async fn delete_session_with(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        asked: RemovalRequest,
+    ) -> Result<()> {
+        let session = self.session_of_task(task, session_id).await?;
+        let managed = session.worktree.is_managed();
+        // Checked before the agent is stopped, so a refusal changes nothing;
+        // and again once it is stopped, as the agent may have written since.
+        if managed {
+            self.worktree_removal(&session, asked).await?;
+        }
         if let Err(e) = self
             .end_session(task, session_id, EndReason::Cancelled)
             .await
@@ -1112,6 +1171,14 @@ impl SessionManager {
                 Some(f) => self.fenced_result(f, deleted)?,
                 None => deleted?,
             };
+        }
+        if managed {
+            match self.worktree_removal(&session, asked).await? {
+                Removal::Remove { delete_branch } => {
+                    self.remove_worktree(&session, delete_branch).await?;
+                }
+                Removal::Keep | Removal::Refuse(_) => {}
+            }
         }
         // Last: a delete that failed above leaves the session readable, so
         // the caller sees why and can delete again.

@@ -296,6 +296,7 @@ pub(crate) struct Inner {
 ///             id: "main".into(),
 ///             path: "/home/me/repo".into(),
 ///             branch: "main".into(),
+///             ..Default::default()
 ///         },
 ///         remote: None,
 ///         metadata: BTreeMap::new(),

@@ -709,7 +709,33 @@ impl SessionManager {
         Ok(match action {
             Action::CheckWorktree { path } => {
                 if Path::new(&path).is_dir() {
+                    if run.session.worktree.is_managed() {
+                        // A create cut short after `git worktree add`:
+                        // made, recorded with the outcome.
+                        run.session
+                            .metadata
+                            .insert(crate::worktrees::WORKTREE_CREATED_KEY.into(), "true".into());
+                    }
                     Observation::WorktreeExists
+                } else if run.session.worktree.is_managed() {
+                    // Ours: check it out again from its branch before the
+                    // agent is relaunched in it. Bounded by the driver, not
+                    // by the silence limit: a large checkout is work.
+                    let driver = self.driver(run.record.runtime)?;
+                    match self.restore_worktree(&driver, &run.session).await {
+                        Ok(()) => {
+                            // Written with the outcome (a session whose
+                            // create was cut short leaves STARTING).
+                            run.session.metadata.insert(
+                                crate::worktrees::WORKTREE_CREATED_KEY.into(),
+                                "true".into(),
+                            );
+                            Observation::WorktreeExists
+                        }
+                        Err(e) => Observation::WorktreeUnrecoverable {
+                            reason: e.to_string(),
+                        },
+                    }
                 } else {
                     Observation::WorktreeMissing
                 }

@@ -158,6 +158,11 @@ impl SessionManager {
                 return Err(Error::MissingResumeToken { session_id: s.id });
             }
         };
+        if go && s.worktree.is_managed() && !Path::new(&s.worktree.path).is_dir() {
+            // Ours: recreated from its branch, or refused naming the branch.
+            let driver = self.driver(s.runtime)?;
+            self.restore_worktree(&driver, s).await?;
+        }
         if go && s.runtime != Runtime::Remote && !Path::new(&s.worktree.path).is_dir() {
             return Err(Error::WorktreeMissing {
                 session_id: s.id,

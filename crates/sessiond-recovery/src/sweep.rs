@@ -226,6 +226,7 @@ mod tests {
                 id: "w".into(),
                 path: "/w".into(),
                 branch: "b".into(),
+                ..Default::default()
             },
             last_seen_at: None,
             error_message: None,

@@ -45,6 +45,8 @@ pub struct ApiSettings {
     pub max_message_bytes: usize,
     /// Local worktrees must lie in one of these (absolute, normalised).
     pub worktree_roots: Vec<std::path::PathBuf>,
+    /// `executors.repositories`: offered to clients creating a session.
+    pub repositories: Vec<std::path::PathBuf>,
     /// Hosts a remote session's agentctl URL may name.
     pub remote_allowed_hosts: crate::limits::AllowedHosts,
     /// Open watch streams, globally and per token.
@@ -618,6 +620,20 @@ impl pb::session_service_server::SessionService for Api {
         }))
     }
 
+    async fn list_repositories(
+        &self,
+        _request: Request<pb::ListRepositoriesRequest>,
+    ) -> Result<Response<pb::ListRepositoriesResponse>, Status> {
+        Ok(Response::new(pb::ListRepositoriesResponse {
+            repositories: self
+                .settings
+                .repositories
+                .iter()
+                .map(|r| r.display().to_string())
+                .collect(),
+        }))
+    }
+
     async fn list_replicas(
         &self,
         _request: Request<pb::ListReplicasRequest>,
@@ -664,23 +680,46 @@ impl pb::session_service_server::SessionService for Api {
                 .map_err(ApiError::InvalidArgument)?
                 .unwrap_or(self.settings.default_runtime);
             let w = req.worktree.unwrap_or_default();
-            if w.path.trim().is_empty() {
+            let managed = !w.repository.is_empty();
+            if managed {
+                if !w.path.is_empty() {
+                    return Err(ApiError::invalid(
+                        "worktree.path: must be empty with worktree.repository (sessiond \
+                         creates the worktree under executors.worktrees_dir)",
+                    ));
+                }
+                if !Path::new(&w.repository).is_absolute() {
+                    return Err(ApiError::invalid(format!(
+                        "worktree.repository: {:?} is not an absolute path",
+                        w.repository
+                    )));
+                }
+                if runtime != Runtime::Remote {
+                    check_worktree(&w.repository, &self.settings.worktree_roots)
+                        .map_err(|e| match e {
+                            ApiError::InvalidArgument(m) => ApiError::InvalidArgument(
+                                m.replacen("worktree.path", "worktree.repository", 1),
+                            ),
+                            other => other,
+                        })?;
+                }
+            } else if w.path.trim().is_empty() {
                 return Err(ApiError::invalid("worktree.path: required"));
             }
-            if !Path::new(&w.path).is_absolute() {
+            if !managed && !Path::new(&w.path).is_absolute() {
                 return Err(ApiError::invalid(format!(
                     "worktree.path: {:?} is not an absolute path",
                     w.path
                 )));
             }
-            if w.path.len() > MAX_PATH_BYTES {
+            if !managed && w.path.len() > MAX_PATH_BYTES {
                 return Err(ApiError::invalid(format!(
                     "worktree.path: longer than {MAX_PATH_BYTES} bytes"
                 )));
             }
             // Custom runtimes too: sessiond cannot know where a driver puts
             // the worktree, so it holds them to the same roots.
-            if runtime != Runtime::Remote {
+            if !managed && runtime != Runtime::Remote {
                 check_worktree(&w.path, &self.settings.worktree_roots)?;
             }
             let remote = if runtime == Runtime::Remote {
@@ -742,6 +781,8 @@ impl pb::session_service_server::SessionService for Api {
                         id: w.id,
                         path: w.path,
                         branch: w.branch,
+                        repository: w.repository,
+                        base: w.base,
                     },
                     remote,
                     metadata: Default::default(),
@@ -1110,7 +1151,19 @@ impl pb::session_service_server::SessionService for Api {
                     let r = o.sessions().delete_session(o.request(req)).await;
                     return self.forwarded(&o, r).await;
                 }
-                self.manager.delete_session(task, session).await?;
+                let asked = sessiond_domain::worktree::RemovalRequest {
+                    discard: req.discard_worktree,
+                    keep: req.keep_worktree,
+                    delete_branch: req.delete_branch,
+                };
+                if asked.discard && asked.keep {
+                    return Err(ApiError::invalid(
+                        "discard_worktree and keep_worktree exclude each other",
+                    ));
+                }
+                self.manager
+                    .delete_session_with(task, session, asked)
+                    .await?;
                 Ok(pb::DeleteSessionResponse {})
             }
             .await,
@@ -1412,16 +1465,80 @@ impl pb::workspace_service_server::WorkspaceService for Api {
                         return self.forwarded(&o, r).await;
                     }
                 };
+                let base = if req.against_base {
+                    let r = req.session.as_ref().ok_or_else(|| ApiError::invalid("session: required"))?;
+                    let (task, session) = ids(&r.task_id, &r.session_id)?;
+                    let s = self.session_of(task, session).await?;
+                    if s.worktree.base.is_empty() {
+                        return Err(ApiError::Recovery(sessiond_recovery::Error::InvalidState {
+                            session_id: session,
+                            state: s.state,
+                            action: "diff against its base",
+                            hint: "its worktree is a directory the caller made, with no base \
+                                   recorded; against_base needs one sessiond created from a repository",
+                        }));
+                    }
+                    s.worktree.base
+                } else {
+                    String::new()
+                };
                 let r = agentctl(
                     client
                         .raw()
                         .git_diff(apb::GitDiffRequest {
                             staged: req.staged,
                             paths: Vec::new(),
+                            base,
                         })
                         .await,
                 )?;
                 Ok(pb::GitDiffResponse { diff: r.diff })
+            }
+            .await,
+        )
+    }
+
+    async fn list_branch_commits(
+        &self,
+        request: Request<pb::ListBranchCommitsRequest>,
+    ) -> Result<Response<pb::ListBranchCommitsResponse>, Status> {
+        let origin = Origin::of(&request);
+        let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
+        reply(
+            async {
+                let r = req
+                    .session
+                    .as_ref()
+                    .ok_or_else(|| ApiError::invalid("session: required"))?;
+                let (task, session) = ids(&r.task_id, &r.session_id)?;
+                if let Some(o) = self.route(session, &origin).await? {
+                    let r = o.workspace().list_branch_commits(o.request(req)).await;
+                    return self.forwarded(&o, r).await;
+                }
+                let limit = match req.limit {
+                    0 => 200,
+                    n if n > 1000 => {
+                        return Err(ApiError::invalid("limit: at most 1000"));
+                    }
+                    n => n,
+                };
+                let s = self.session_of(task, session).await?;
+                let commits = self.manager.branch_commits(task, session, limit).await?;
+                Ok(pb::ListBranchCommitsResponse {
+                    commits: commits
+                        .into_iter()
+                        .map(|c| pb::BranchCommit {
+                            sha: c.sha,
+                            subject: c.subject,
+                            author: c.author,
+                            time: c.time,
+                        })
+                        .collect(),
+                    branch: s.worktree.branch,
+                    base: s.worktree.base,
+                })
             }
             .await,
         )

@@ -57,6 +57,8 @@ fn worktree(w: Option<&pb::Worktree>) -> ApiResult<()> {
         check("worktree.id", &w.id, MAX_NAME_BYTES, None)?;
         check("worktree.path", &w.path, MAX_PATH_BYTES, None)?;
         check("worktree.branch", &w.branch, MAX_NAME_BYTES, None)?;
+        check("worktree.repository", &w.repository, MAX_PATH_BYTES, None)?;
+        check("worktree.base", &w.base, MAX_NAME_BYTES, None)?;
     }
     Ok(())
 }
@@ -94,6 +96,7 @@ bounded! { max_message_bytes =>
     ListTasksRequest { page_token: MAX_ID_BYTES };
     ListAgentProfilesRequest {};
     ListRuntimesRequest {};
+    ListRepositoriesRequest {};
     ListReplicasRequest {};
     CreateSessionRequest {
         task_id: MAX_ID_BYTES,
@@ -145,6 +148,7 @@ bounded! { max_message_bytes =>
     ReadFileRequest { path: MAX_PATH_BYTES } nested { session => session_ref };
     WriteFileRequest { path: MAX_PATH_BYTES } nested { session => session_ref };
     ListDirRequest { path: MAX_PATH_BYTES } nested { session => session_ref };
+    ListBranchCommitsRequest {} nested { session => session_ref };
     GitStatusRequest {} nested { session => session_ref };
     GitDiffRequest {} nested { session => session_ref };
 }
@@ -173,6 +177,7 @@ mod tests {
         ListTasksRequest,
         ListAgentProfilesRequest,
         ListRuntimesRequest,
+        ListRepositoriesRequest,
         ListReplicasRequest,
         CreateSessionRequest,
         GetSessionRequest,
@@ -196,6 +201,7 @@ mod tests {
         ListDirRequest,
         GitStatusRequest,
         GitDiffRequest,
+        ListBranchCommitsRequest,
     ];
 
     /// Every string field of every request of the public services, and of

@@ -106,6 +106,21 @@ pub struct ServeArgs {
     #[arg(long, env = "SESSIOND_WORKTREE_ROOTS", value_delimiter = ',')]
     pub worktree_roots: Option<Vec<PathBuf>>,
 
+    /// Repositories offered for new sessions, comma-separated (replace
+    /// `executors.repositories`); inside the worktree roots.
+    #[arg(long, env = "SESSIOND_REPOSITORIES", value_delimiter = ',')]
+    pub repositories: Option<Vec<PathBuf>>,
+
+    /// Where standalone sessions created from a repository get their git
+    /// worktree (replace `executors.worktrees_dir`); inside a worktree root.
+    #[arg(long, env = "SESSIOND_WORKTREES_DIR")]
+    pub worktrees_dir: Option<PathBuf>,
+
+    /// First part of the branch of every worktree sessiond creates
+    /// (replace `executors.worktree_branch_prefix`). Default: `sessiond`.
+    #[arg(long, env = "SESSIOND_WORKTREE_BRANCH_PREFIX")]
+    pub worktree_branch_prefix: Option<String>,
+
     /// The agentctl binary for standalone executors.
     /// Default: next to the sessiond executable, then PATH.
     #[arg(long, env = "SESSIOND_AGENTCTL_PATH")]
@@ -456,6 +471,16 @@ pub struct ExecutorsSection {
     /// Local (standalone, Docker) worktrees must lie in one of these
     /// directories. Default: the serving user's home. `/` is refused.
     pub worktree_roots: Option<Vec<PathBuf>>,
+    /// Where a standalone session created from a repository gets its git
+    /// worktree (`<dir>/<short id>-<slug>`); inside `worktree_roots`.
+    /// Default: `<data_dir>/worktrees` when that is inside them.
+    pub worktrees_dir: Option<PathBuf>,
+    /// First part of the branch of every worktree sessiond creates
+    /// (`<prefix>/<short id>-<slug of the task title>`). Default `sessiond`.
+    pub worktree_branch_prefix: String,
+    /// Git repositories offered to clients for new sessions (the console's
+    /// new-session form); inside `worktree_roots`. Others may be named too.
+    pub repositories: Vec<PathBuf>,
     /// `[executors.standalone]`.
     pub standalone: StandaloneSection,
     /// `[executors.docker]`.
@@ -731,6 +756,9 @@ impl Default for ExecutorsSection {
             call_timeout: "5s".into(),
             idle_timeout: "0s".into(),
             worktree_roots: None,
+            worktrees_dir: None,
+            worktree_branch_prefix: "sessiond".into(),
+            repositories: Vec::new(),
             standalone: StandaloneSection::default(),
             docker: DockerSection::default(),
             remote: RemoteSection::default(),
@@ -894,6 +922,13 @@ pub struct ExecutorsConfig {
     pub idle_timeout: Option<Duration>,
     /// Absolute, normalised, never `/`.
     pub worktree_roots: Vec<PathBuf>,
+    /// `executors.worktrees_dir`, inside `worktree_roots`; `None`: the
+    /// default was outside them, so no runtime creates worktrees.
+    pub worktrees_dir: Option<PathBuf>,
+    /// `executors.worktree_branch_prefix`.
+    pub worktree_branch_prefix: String,
+    /// `executors.repositories`, each inside `worktree_roots`.
+    pub repositories: Vec<PathBuf>,
     /// `executors.standalone.agentctl_path`, resolved.
     pub agentctl_path: PathBuf,
     /// `executors.standalone.run_dir`, resolved.
@@ -1048,6 +1083,16 @@ impl ServeArgs {
         if self.worktree_roots.is_some() {
             f.executors.worktree_roots.clone_from(&self.worktree_roots);
         }
+        if self.worktrees_dir.is_some() {
+            f.executors.worktrees_dir.clone_from(&self.worktrees_dir);
+        }
+        if let Some(r) = &self.repositories {
+            f.executors.repositories.clone_from(r);
+        }
+        set(
+            &mut f.executors.worktree_branch_prefix,
+            &self.worktree_branch_prefix,
+        );
         if self.agentctl_path.is_some() {
             f.executors
                 .standalone
@@ -1512,6 +1557,75 @@ impl FileConfig {
                 );
             }
         }
+        let normal = |d: &Path| {
+            d.is_absolute()
+                && d.components().all(|c| {
+                    matches!(
+                        c,
+                        std::path::Component::RootDir | std::path::Component::Normal(_)
+                    )
+                })
+        };
+        let worktrees_dir = match &e.worktrees_dir {
+            Some(dir) => {
+                if !normal(dir) {
+                    p.add(
+                        "executors.worktrees_dir",
+                        format!("{} is not an absolute, normalised path", dir.display()),
+                    );
+                } else if !worktree_roots.iter().any(|r| dir.starts_with(r)) {
+                    p.add(
+                        "executors.worktrees_dir",
+                        format!(
+                            "{} is outside executors.worktree_roots ({}); move it inside one, or add a root",
+                            dir.display(),
+                            worktree_roots
+                                .iter()
+                                .map(|r| r.display().to_string())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    );
+                }
+                Some(dir.clone())
+            }
+            None => Some(data_dir.join("worktrees"))
+                .filter(|d| normal(d) && worktree_roots.iter().any(|r| d.starts_with(r))),
+        };
+        for (i, repo) in e.repositories.iter().enumerate() {
+            let key = format!("executors.repositories[{i}]");
+            if !normal(repo) {
+                p.add(
+                    &key,
+                    format!("{} is not an absolute, normalised path", repo.display()),
+                );
+            } else if !worktree_roots.iter().any(|r| repo.starts_with(r)) {
+                p.add(
+                    &key,
+                    format!(
+                        "{} is outside executors.worktree_roots; sessions could not be created from it",
+                        repo.display()
+                    ),
+                );
+            }
+        }
+        let prefix = e.worktree_branch_prefix.trim_matches('/');
+        if prefix.is_empty()
+            || prefix.starts_with('-')
+            || prefix.contains("..")
+            || prefix.contains("//")
+            || prefix
+                .chars()
+                .any(|c| c.is_control() || c.is_whitespace() || "~^:?*[\\@{".contains(c))
+        {
+            p.add(
+                "executors.worktree_branch_prefix",
+                format!(
+                    "{:?} is not usable in a branch name (letters, digits, - _ . /)",
+                    e.worktree_branch_prefix
+                ),
+            );
+        }
         let docker = if e.docker.enabled {
             let d = &e.docker;
             p.non_empty("executors.docker.host", &d.host);
@@ -1627,6 +1741,9 @@ impl FileConfig {
             // fall back to agentctl's own default.
             idle_timeout: Some(idle),
             worktree_roots,
+            worktrees_dir,
+            worktree_branch_prefix: prefix.to_owned(),
+            repositories: e.repositories.clone(),
             agentctl_path,
             run_dir: e
                 .standalone

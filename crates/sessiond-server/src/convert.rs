@@ -139,6 +139,8 @@ pub fn worktree(w: &Worktree) -> pb::Worktree {
         id: w.id.clone(),
         path: w.path.clone(),
         branch: w.branch.clone(),
+        repository: w.repository.clone(),
+        base: w.base.clone(),
     }
 }
 
@@ -419,6 +421,9 @@ pub fn status(s: &SessionStatus) -> pb::GetSessionStatusResponse {
         resume_reason: resume_reason(s.resume_reason) as i32,
         worktree_path: s.worktree_path.clone(),
         worktree_branch: s.worktree_branch.clone(),
+        worktree_id: s.worktree_id.clone(),
+        worktree_repository: s.worktree_repository.clone(),
+        worktree_base: s.worktree_base.clone(),
         error_message: s.error_message.clone().unwrap_or_default(),
         recovering: s.recovering,
         modes: None,

@@ -255,6 +255,7 @@ impl SessiondBuilder {
                 default_agent: config.default_agent.clone(),
                 max_message_bytes: config.max_message_bytes,
                 worktree_roots: config.executors.worktree_roots.clone(),
+                repositories: config.executors.repositories.clone(),
                 remote_allowed_hosts: config.executors.remote_allowed_hosts.clone(),
                 watch_limits: crate::limits::WatchLimits::new(
                     config.limits.max_watch_streams,

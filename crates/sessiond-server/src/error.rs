@@ -169,6 +169,18 @@ fn store_code(e: &sessiond_store::Error) -> (Code, &'static str) {
 }
 
 fn executor_code(e: &sessiond_executor::Error) -> (Code, &'static str) {
+    if let sessiond_executor::Error::Worktree { code, .. } = e {
+        // agentctl's verdict on the repository, base, branch or directory.
+        return match code {
+            c @ (Code::InvalidArgument
+            | Code::AlreadyExists
+            | Code::FailedPrecondition
+            | Code::NotFound
+            | Code::DeadlineExceeded
+            | Code::PermissionDenied) => (*c, "worktree"),
+            _ => (Code::Internal, "worktree"),
+        };
+    }
     if matches!(e, sessiond_executor::Error::StaleEpoch { .. }) {
         // Another replica adopted the session: retry, it serves it now.
         return (Code::Unavailable, "stale_epoch");
@@ -188,6 +200,7 @@ fn recovery_code(e: &sessiond_recovery::Error) -> (Code, &'static str) {
         E::NotResumable { .. } => "not_resumable",
         E::MissingResumeToken { .. } => "missing_resume_token",
         E::WorktreeMissing { .. } => "worktree_missing",
+        E::WorktreeHasWork { .. } => "worktree_has_work",
         E::SessionEnded { .. } => "session_ended",
         E::InvalidState { .. } => "invalid_state",
         E::AgentNotRunning { .. } => "agent_not_running",

@@ -599,6 +599,15 @@ pub(crate) fn manager_config(
         liveness_interval: Some(liveness_interval(config.executors.idle_timeout)),
         max_live_sessions: Some(config.limits.max_live_sessions),
         mcp_secrets: config.mcp_secrets.clone(),
+        worktrees: sessiond_recovery::WorktreeSettings {
+            dirs: config
+                .executors
+                .worktrees_dir
+                .iter()
+                .map(|d| (Runtime::LocalStandalone, d.clone()))
+                .collect(),
+            branch_prefix: config.executors.worktree_branch_prefix.clone(),
+        },
         ..ManagerConfig::default()
     }
 }

@@ -105,6 +105,8 @@ fn session(task: &Task, profile: &AgentProfile) -> Session {
             id: "wt-1".into(),
             path: "/work/wt-1".into(),
             branch: "sessiond/wt-1".into(),
+            repository: "/work/repo".into(),
+            base: "main".into(),
         },
         resume_token: Some("acp-session-1".into()),
         metadata: BTreeMap::from([("note".into(), "ünïcode \"quoted\"".into())]),
@@ -1826,8 +1828,8 @@ mod suite {
         // Every migration directory (init, profile container, profile auth +
         // permission policy, message parts, permission timeout, replicas,
         // custom runtimes, deleted sessions, profile config defaults, MCP
-        // servers).
-        assert_eq!(reverted.len(), 10, "{reverted:?}");
+        // servers, worktree origin).
+        assert_eq!(reverted.len(), 11, "{reverted:?}");
         let err = store.list_tasks(None, 10).await.unwrap_err();
         assert!(matches!(err, Error::Database(_)), "tables are gone: {err}");
         let applied = store.run_pending_migrations().await.unwrap();

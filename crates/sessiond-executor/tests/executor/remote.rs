@@ -248,6 +248,7 @@ fn record(
             id: "w".into(),
             path: workspace.display().to_string(),
             branch: "main".into(),
+            ..Default::default()
         },
         last_seen_at: None,
         error_message: None,

@@ -21,7 +21,8 @@ use sessiond_recovery::SessionManager;
 use sessiond_store::{Store, StoreOptions};
 
 use crate::world::{
-    CHILD_ENV, ChildSpec, Mode, NAME_KEY, Plan, drivers, init_tracing, manager_config, new_session,
+    CHILD_ENV, ChildSpec, Mode, NAME_KEY, Plan, drivers, init_tracing, manager_config_in,
+    new_session,
 };
 
 fn say(line: &str) {
@@ -90,7 +91,7 @@ async fn child_backend() {
     let mgr = SessionManager::new(
         store.clone(),
         drivers(&spec.dir, spec.docker_host.as_deref()).await,
-        manager_config(),
+        manager_config_in(&spec.dir),
     );
     let child = Child {
         task: spec.task.parse().unwrap(),

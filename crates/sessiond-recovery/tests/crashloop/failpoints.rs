@@ -423,7 +423,7 @@ async fn remote_turn_cut_host_given_up(window: Duration) {
     assert!(w.stop_remote(&executor_id));
     let config = sessiond_recovery::ManagerConfig {
         remote_retry_window: window,
-        ..crate::world::manager_config()
+        ..crate::world::manager_config_in(w.dir.path())
     };
     let mgr = sessiond_recovery::SessionManager::new(
         w.store.clone(),
@@ -539,4 +539,113 @@ async fn resume_after_intent_of_a_running_remote_session() {
     let (prompted, interrupted) = restart_and_count(&w).await;
     assert_eq!(prompted, 1, "the conversation continues");
     assert_eq!(interrupted, 1, "the cut turn ends interrupted");
+}
+
+/// The backend dies right after `git worktree add`, before the session says
+/// its worktree was made: the next start adopts the directory on its
+/// branch (no second worktree, no orphan, nothing tripping a later create)
+/// and the session comes up in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_after_worktree() {
+    let fp = "create-after-worktree";
+    let w = World::new().await;
+    let plan = w.plan("standalone", Rt::Standalone).await;
+    let mut c = w.spawn_child(
+        "create-standalone",
+        Mode::Create {
+            plans: vec![plan],
+            messages: 1,
+        },
+        Some(&format!("{fp}=kill")),
+    );
+    let status = c.wait_exit(Duration::from_secs(90)).await;
+    c.assert_killed_by_failpoint(status, fp);
+    let crashed = w
+        .sessions()
+        .await
+        .into_iter()
+        .find(|s| s.worktree.id == "standalone")
+        .expect("the crashed backend stored the session");
+    assert_eq!(crashed.state, SessionState::Starting, "{crashed:?}");
+    assert!(
+        !crashed.metadata.contains_key("worktree_created"),
+        "the crash came before it was recorded: {crashed:?}"
+    );
+    let path = std::path::PathBuf::from(&crashed.worktree.path);
+    assert!(path.is_dir(), "git made the worktree: {crashed:?}");
+    assert_eq!(
+        crate::world::listed_worktrees(w.dir.path()),
+        [(
+            crashed.worktree.path.clone(),
+            crashed.worktree.branch.clone()
+        )]
+    );
+
+    let mgr = w.manager().await;
+    let summary = mgr.recover_all().await.unwrap();
+    eprintln!("clean start: {:?}", summary.counts);
+    let s = w.store.get_session(crashed.id).await.unwrap();
+    assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
+    assert_eq!(s.worktree, crashed.worktree, "the same worktree, adopted");
+    assert_eq!(
+        s.metadata.get("worktree_created").map(String::as_str),
+        Some("true"),
+        "recorded now: a branch lost later is named, not made up from the base"
+    );
+    let line = w.assert_converged(&mgr).await;
+    let prompted = w.prompt_all(&mgr).await;
+    assert_eq!(prompted, 1);
+    w.assert_converged(&mgr).await;
+    eprintln!("converged: {line}");
+    w.cleanup(&mgr).await;
+}
+
+/// The backend dies after the session's intent is stored and before git
+/// made anything: the next start makes the worktree from the base (the
+/// branch never existed, so nothing is reported lost) and records it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_before_worktree() {
+    let fp = "create-before-worktree";
+    let w = World::new().await;
+    let plan = w.plan("standalone", Rt::Standalone).await;
+    let mut c = w.spawn_child(
+        "create-standalone",
+        Mode::Create {
+            plans: vec![plan],
+            messages: 1,
+        },
+        Some(&format!("{fp}=kill")),
+    );
+    let status = c.wait_exit(Duration::from_secs(90)).await;
+    c.assert_killed_by_failpoint(status, fp);
+    let crashed = w
+        .sessions()
+        .await
+        .into_iter()
+        .find(|s| s.worktree.id == "standalone")
+        .expect("the crashed backend stored the session");
+    assert_eq!(crashed.state, SessionState::Starting, "{crashed:?}");
+    assert!(!crashed.worktree.branch.is_empty() && !crashed.worktree.path.is_empty());
+    assert!(
+        !std::path::Path::new(&crashed.worktree.path).exists(),
+        "git made nothing"
+    );
+    assert!(crate::world::listed_worktrees(w.dir.path()).is_empty());
+
+    let mgr = w.manager().await;
+    let summary = mgr.recover_all().await.unwrap();
+    eprintln!("clean start: {:?}", summary.counts);
+    let s = w.store.get_session(crashed.id).await.unwrap();
+    assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
+    assert_eq!(s.worktree, crashed.worktree, "made where the intent said");
+    assert_eq!(
+        s.metadata.get("worktree_created").map(String::as_str),
+        Some("true"),
+        "{s:?}"
+    );
+    let line = w.assert_converged(&mgr).await;
+    assert_eq!(w.prompt_all(&mgr).await, 1);
+    w.assert_converged(&mgr).await;
+    eprintln!("converged: {line}");
+    w.cleanup(&mgr).await;
 }

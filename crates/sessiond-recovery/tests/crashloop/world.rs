@@ -127,6 +127,66 @@ pub fn manager_config() -> ManagerConfig {
     }
 }
 
+/// [`manager_config`] for a world in `dir`: its standalone sessions get
+/// their worktree from the world's repository, under `<dir>/worktrees`.
+pub fn manager_config_in(dir: &Path) -> ManagerConfig {
+    ManagerConfig {
+        worktrees: sessiond_recovery::WorktreeSettings {
+            dirs: vec![(Runtime::LocalStandalone, dir.join("worktrees"))],
+            branch_prefix: "crash".into(),
+        },
+        ..manager_config()
+    }
+}
+
+/// The git repository of a world in `dir` that its standalone sessions
+/// are created from.
+pub fn repository(dir: &Path) -> PathBuf {
+    dir.join("repo")
+}
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(["-c", "user.name=crash", "-c", "user.email=crash@localhost"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+fn init_repository(dir: &Path) {
+    let repo = repository(dir);
+    std::fs::create_dir_all(&repo).unwrap();
+    git(&repo, &["init", "-q", "-b", "main"]);
+    std::fs::write(repo.join("README.md"), "crash test\n").unwrap();
+    git(&repo, &["add", "README.md"]);
+    git(&repo, &["commit", "-q", "-m", "init"]);
+}
+
+/// The worktrees git lists for the world's repository, its own checkout
+/// left out; and for each, the branch checked out.
+pub fn listed_worktrees(dir: &Path) -> Vec<(String, String)> {
+    let out = git(&repository(dir), &["worktree", "list", "--porcelain"]);
+    let main = repository(dir).display().to_string();
+    out.split("\n\n")
+        .filter_map(|block| {
+            let path = block.lines().find_map(|l| l.strip_prefix("worktree "))?;
+            let branch = block
+                .lines()
+                .find_map(|l| l.strip_prefix("branch refs/heads/"))
+                .unwrap_or("");
+            (path != main).then(|| (path.to_owned(), branch.to_owned()))
+        })
+        .collect()
+}
+
 /// The drivers of a world whose directory is `dir` (the parent's and the
 /// child's are the same).
 pub async fn drivers(dir: &Path, docker_host: Option<&str>) -> Vec<Arc<dyn Executor>> {
@@ -217,6 +277,7 @@ impl World {
             })
             .await
             .unwrap();
+        init_repository(dir.path());
         let state_dir = dir.path().join("agent-state").display().to_string();
         let local_profile = profile(
             &store,
@@ -271,6 +332,7 @@ impl World {
             id: name.into(),
             path: path.display().to_string(),
             branch: format!("sessiond/{name}"),
+            ..Default::default()
         }
     }
 
@@ -278,7 +340,7 @@ impl World {
         SessionManager::new(
             self.store.clone(),
             drivers(self.dir.path(), self.docker_host()).await,
-            manager_config(),
+            manager_config_in(self.dir.path()),
         )
     }
 
@@ -544,7 +606,19 @@ impl World {
     /// agentctls, every container labelled with the task, stray processes.
     pub async fn cleanup(&self, mgr: &SessionManager) {
         for s in self.sessions().await {
-            let _ = mgr.delete_session(self.task.id, s.id).await;
+            // The agents leave files in their worktrees (side effects the
+            // loop counts): the end of a test discards them.
+            let everything = sessiond_domain::worktree::RemovalRequest {
+                discard: true,
+                delete_branch: true,
+                ..Default::default()
+            };
+            if let Err(e) = mgr
+                .delete_session_with(self.task.id, s.id, everything)
+                .await
+            {
+                eprintln!("cleanup: deleting session {} failed: {e}", s.id);
+            }
         }
         mgr.shutdown();
         for mut r in std::mem::take(&mut *self.remotes.lock().unwrap()) {
@@ -1041,6 +1115,50 @@ impl World {
                 }
             }
         }
+        // Worktrees sessiond made: none lost (each session's directory is
+        // there, on its branch, and git lists it), none orphaned (git lists
+        // no worktree of the repository that no session owns).
+        let listed = listed_worktrees(self.dir.path());
+        let sessions = self.sessions().await;
+        for s in sessions.iter().filter(|s| s.worktree.is_managed()) {
+            let who = format!("session {} ({})", s.id, s.state);
+            let branch_gone = s
+                .error_message
+                .as_deref()
+                .is_some_and(|e| e.starts_with("worktree_branch_missing"));
+            if branch_gone {
+                failures.push(format!(
+                    "{who}: its branch went missing: {:?}",
+                    s.error_message
+                ));
+                continue;
+            }
+            let path = Path::new(&s.worktree.path);
+            if !path.is_dir() {
+                failures.push(format!("{who}: worktree {} is lost", s.worktree.path));
+            } else if git(path, &["symbolic-ref", "--short", "HEAD"]) != s.worktree.branch {
+                failures.push(format!(
+                    "{who}: worktree {} is not on {}",
+                    s.worktree.path, s.worktree.branch
+                ));
+            }
+            if !listed
+                .iter()
+                .any(|(p, b)| *p == s.worktree.path && *b == s.worktree.branch)
+            {
+                failures.push(format!(
+                    "{who}: git does not list worktree {}",
+                    s.worktree.path
+                ));
+            }
+        }
+        for (path, branch) in &listed {
+            if !sessions.iter().any(|s| s.worktree.path == *path) {
+                failures.push(format!(
+                    "orphaned worktree {path} on {branch}: no session owns it"
+                ));
+            }
+        }
         assert!(
             failures.is_empty(),
             "the world did not converge:\n  {}",
@@ -1203,10 +1321,27 @@ pub fn new_session(
     dir: &Path,
     plan: &Plan,
 ) -> NewSession {
-    let path = dir.join(format!("wt-{}", plan.name));
-    std::fs::create_dir_all(&path).unwrap();
-    // Docker containers run as the worktree's owner, never as root.
-    std::os::unix::fs::chown(&path, Some(1000), Some(1000)).unwrap();
+    // Standalone sessions come from the world's repository (sessiond makes
+    // their worktree); the others work in a directory made here.
+    let worktree = if plan.runtime == Rt::Standalone {
+        Worktree {
+            id: plan.name.clone(),
+            repository: repository(dir).display().to_string(),
+            base: "main".into(),
+            ..Default::default()
+        }
+    } else {
+        let path = dir.join(format!("wt-{}", plan.name));
+        std::fs::create_dir_all(&path).unwrap();
+        // Docker containers run as the worktree's owner, never as root.
+        std::os::unix::fs::chown(&path, Some(1000), Some(1000)).unwrap();
+        Worktree {
+            id: plan.name.clone(),
+            path: path.display().to_string(),
+            branch: format!("sessiond/{}", plan.name),
+            ..Default::default()
+        }
+    };
     NewSession {
         task_id: task,
         agent_profile_id: match plan.runtime {
@@ -1214,11 +1349,7 @@ pub fn new_session(
             _ => local,
         },
         runtime: plan.runtime.runtime(),
-        worktree: Worktree {
-            id: plan.name.clone(),
-            path: path.display().to_string(),
-            branch: format!("sessiond/{}", plan.name),
-        },
+        worktree,
         remote: plan.remote.as_ref().map(|r| RemoteAgentctl {
             executor_id: r.executor_id.parse().unwrap(),
             url: r.url.clone(),

@@ -46,6 +46,7 @@ async fn child_backend() {
                 id: "crash".into(),
                 path: worktree.into(),
                 branch: "crash".into(),
+                ..Default::default()
             },
             remote: None,
             metadata: Default::default(),

@@ -102,6 +102,7 @@ async fn backend_process() {
                             id: "kill9".into(),
                             path: (*worktree).into(),
                             branch: "kill9".into(),
+                            ..Default::default()
                         },
                         remote,
                         metadata: Default::default(),

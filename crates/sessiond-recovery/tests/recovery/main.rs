@@ -27,3 +27,4 @@ mod remote;
 mod restart;
 mod resume;
 mod turn_crash;
+mod worktrees;

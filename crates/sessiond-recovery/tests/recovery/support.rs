@@ -164,6 +164,7 @@ impl World {
             id: name.into(),
             path: path.display().to_string(),
             branch: format!("sessiond/{name}"),
+            ..Default::default()
         }
     }
 

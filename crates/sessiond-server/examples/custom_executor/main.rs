@@ -113,6 +113,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 id: "wt".into(),
                 path: worktree.display().to_string(),
                 branch: "main".into(),
+                ..Default::default()
             },
             remote: None,
             metadata: Default::default(),

@@ -353,6 +353,7 @@ async fn session_lifecycle_workspace_and_events() {
         .git_diff(pb::GitDiffRequest {
             session: sref(&task.id, &s.id),
             staged: false,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -422,6 +423,7 @@ async fn session_lifecycle_workspace_and_events() {
     c.delete_session(pb::DeleteSessionRequest {
         task_id: task.id.clone(),
         session_id: s.id.clone(),
+        ..Default::default()
     })
     .await
     .unwrap();
@@ -553,7 +555,8 @@ async fn malformed_unknown_and_foreign_ids() {
             code(
                 c.delete_session(pb::DeleteSessionRequest {
                     task_id: task_id.clone(),
-                    session_id: session_id.clone()
+                    session_id: session_id.clone(),
+                    ..Default::default()
                 })
                 .await
             ),
@@ -667,6 +670,7 @@ async fn malformed_unknown_and_foreign_ids() {
             id: String::new(),
             path: path.into(),
             branch: String::new(),
+            ..Default::default()
         }),
         ..Default::default()
     };
@@ -835,6 +839,7 @@ async fn a_deleted_session_answers_not_found() {
     c.delete_session(pb::DeleteSessionRequest {
         task_id: task.id.clone(),
         session_id: s.id.clone(),
+        ..Default::default()
     })
     .await
     .unwrap();
@@ -930,6 +935,7 @@ async fn a_deleted_session_answers_not_found() {
         c.delete_session(pb::DeleteSessionRequest {
             task_id: t.clone(),
             session_id: id.clone(),
+            ..Default::default()
         })
         .await
         .map(drop),
@@ -995,6 +1001,7 @@ async fn oversized_string_fields_are_invalid_argument_naming_field_and_limit() {
                 id: String::new(),
                 path: work.display().to_string(),
                 branch: huge.clone(),
+                ..Default::default()
             }),
             ..Default::default()
         })

@@ -216,6 +216,7 @@ fn on_wrapper(task: &str, worktree: &std::path::Path) -> pb::CreateSessionReques
             id: "wt".into(),
             path: worktree.display().to_string(),
             branch: "main".into(),
+            ..Default::default()
         }),
         ..Default::default()
     }

@@ -909,6 +909,7 @@ async fn python_sdk_agent_gets_session_close_on_stop_and_delete() {
     c.delete_session(pb::DeleteSessionRequest {
         task_id: task.id.clone(),
         session_id: deleted.id.clone(),
+        ..Default::default()
     })
     .await
     .unwrap();

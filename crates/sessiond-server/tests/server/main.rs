@@ -30,3 +30,4 @@ mod support;
 mod traces;
 mod usage;
 mod web;
+mod worktrees;

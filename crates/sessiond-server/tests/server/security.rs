@@ -549,6 +549,7 @@ async fn git_runs_nothing_the_repository_configures() {
         .git_diff(pb::GitDiffRequest {
             session: session_ref(&task.id, &s.id),
             staged: false,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -636,6 +637,7 @@ async fn worktrees_outside_the_roots_are_refused_and_nothing_is_stored() {
                     id: String::new(),
                     path: path.clone(),
                     branch: String::new(),
+                    ..Default::default()
                 }),
                 ..Default::default()
             })
@@ -663,6 +665,7 @@ fn remote_request(task: &str, url: &str) -> pb::CreateSessionRequest {
             id: String::new(),
             path: "/srv/work".into(),
             branch: String::new(),
+            ..Default::default()
         }),
         remote_url: url.into(),
         remote_secret: "remote-secret-0123456789".into(),
@@ -751,6 +754,7 @@ async fn live_sessions_are_capped_and_nothing_is_stored_past_the_cap() {
             id: String::new(),
             path: work.display().to_string(),
             branch: String::new(),
+            ..Default::default()
         }),
         ..Default::default()
     };
@@ -1233,6 +1237,7 @@ fn tls_remote_request(task: &str, remote: &RemoteAgentctl) -> pb::CreateSessionR
             id: String::new(),
             path: remote.workspace.display().to_string(),
             branch: String::new(),
+            ..Default::default()
         }),
         remote_url: remote.url.clone(),
         remote_secret: remote.secret.clone(),

@@ -289,6 +289,7 @@ pub async fn create_session(
             id: String::new(),
             path: worktree.display().to_string(),
             branch: String::new(),
+            ..Default::default()
         }),
         ..Default::default()
     })

@@ -1,0 +1,559 @@
+//! Git worktrees sessiond owns: created from a repository on this host,
+//! recreated from their branch when the directory went missing, inspected
+//! before removal so no work is lost, and removed.
+//!
+//! These run before a session's agentctl serves anything (its workspace is
+//! the worktree itself), so they are reached through the one-shot command
+//! `agentctl worktree ...` on the executor's host (see `main.rs`), which
+//! prints one JSON object. Every change is confined to the repository's
+//! `git worktree` list and the session's own branch.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::exec::{self, ExecSpec};
+
+const GIT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The worktree of one session.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    /// The repository it belongs to (its main working tree or a bare repository).
+    pub repository: PathBuf,
+    /// The ref it was branched from.
+    pub base: String,
+    /// The session's own branch (short name, without `refs/heads/`).
+    pub branch: String,
+    /// Where it is checked out.
+    pub path: PathBuf,
+}
+
+/// What [`create`] or [`restore`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// A new branch and directory.
+    Created,
+    /// The directory was there already, on the session's branch: kept.
+    Adopted,
+    /// The directory was missing; it was checked out again from the branch.
+    Recreated,
+}
+
+/// What was found and done.
+#[derive(Debug, Clone, Serialize)]
+pub struct Ensured {
+    /// What happened.
+    pub outcome: Outcome,
+    /// The commit checked out.
+    pub head: String,
+}
+
+/// What a worktree holds that its removal would lose.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct State {
+    /// The directory exists.
+    pub path_exists: bool,
+    /// The branch exists in the repository.
+    pub branch_exists: bool,
+    /// Files with uncommitted changes (untracked ones included, ignored ones not).
+    pub dirty_files: Vec<String>,
+    /// Commits of the branch no other branch, tag or remote ref holds.
+    pub unique_commits: u64,
+    /// The branch's tip is contained in the base.
+    pub merged: bool,
+    /// The branch's tip; empty when it does not exist.
+    pub head: String,
+}
+
+/// One commit of the branch since its base.
+#[derive(Debug, Clone, Serialize)]
+pub struct Commit {
+    /// Full hash.
+    pub sha: String,
+    /// First line of the message.
+    pub subject: String,
+    /// Author name.
+    pub author: String,
+    /// Author time, seconds since the epoch.
+    pub time: i64,
+}
+
+/// Runs git with settings that keep it from executing anything the
+/// repository configures: the agent can write the repository's config
+/// through its worktree, and these run as sessiond's user (a checkout runs
+/// hooks and filter drivers). Filters pass content through unchanged, as in
+/// the workspace's git calls.
+async fn git(cwd: &Path, args: &[&str]) -> Result<exec::ExecOutput> {
+    let mut env = HashMap::new();
+    env.insert("GIT_CONFIG_NOSYSTEM".to_owned(), "1".to_owned());
+    env.insert("GIT_TERMINAL_PROMPT".to_owned(), "0".to_owned());
+    env.insert("LC_ALL".to_owned(), "C".to_owned());
+    let mut full: Vec<String> = Vec::new();
+    for setting in crate::git::INERT {
+        full.push("-c".into());
+        full.push((*setting).into());
+    }
+    for name in filter_drivers(cwd, &env).await {
+        for key in ["clean", "smudge", "process"] {
+            full.push("-c".into());
+            full.push(format!("filter.{name}.{key}="));
+        }
+        full.push("-c".into());
+        full.push(format!("filter.{name}.required=false"));
+    }
+    full.extend(args.iter().map(|a| (*a).to_owned()));
+    let out = exec::run(ExecSpec {
+        command: "git",
+        args: &full,
+        cwd,
+        env: &env,
+        timeout: GIT_TIMEOUT,
+        max_output: 4 << 20,
+    })
+    .await
+    .map_err(|e| match e {
+        Error::NotFound(m) => Error::FailedPrecondition(format!("git is not installed: {m}")),
+        other => other,
+    })?;
+    if out.timed_out {
+        return Err(Error::DeadlineExceeded(format!(
+            "git {} took longer than {GIT_TIMEOUT:?}",
+            args.join(" ")
+        )));
+    }
+    Ok(out)
+}
+
+/// The filter drivers the configuration seen from `cwd` names; none when
+/// `cwd` is no repository (or git fails: the call itself then says why).
+async fn filter_drivers(cwd: &Path, env: &HashMap<String, String>) -> Vec<String> {
+    let mut args: Vec<String> = Vec::new();
+    for setting in crate::git::INERT {
+        args.push("-c".into());
+        args.push((*setting).into());
+    }
+    args.extend(
+        [
+            "config",
+            "--null",
+            "--name-only",
+            "--get-regexp",
+            r"^filter\.",
+        ]
+        .map(String::from),
+    );
+    let Ok(out) = exec::run(ExecSpec {
+        command: "git",
+        args: &args,
+        cwd,
+        env,
+        timeout: GIT_TIMEOUT,
+        max_output: 1 << 20,
+    })
+    .await
+    else {
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .split('\0')
+        .filter_map(|key| {
+            let (name, _) = key.strip_prefix("filter.")?.rsplit_once('.')?;
+            Some(name.to_owned())
+        })
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect()
+}
+
+/// git that must succeed; its stdout, trimmed.
+async fn git_ok(cwd: &Path, args: &[&str]) -> Result<String> {
+    let out = git(cwd, args).await?;
+    if out.exit_code != Some(0) {
+        return Err(Error::FailedPrecondition(format!(
+            "git {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+fn path_str(p: &Path) -> Result<&str> {
+    p.to_str()
+        .ok_or_else(|| Error::InvalidArgument(format!("{} is not valid UTF-8", p.display())))
+}
+
+/// The repository's common git directory, canonical; INVALID_ARGUMENT when
+/// `repository` is not a git repository.
+async fn common_dir(repository: &Path) -> Result<PathBuf> {
+    if !repository.is_dir() {
+        return Err(Error::InvalidArgument(format!(
+            "repository: {} is not a directory on the executor's host",
+            repository.display()
+        )));
+    }
+    let out = git(
+        repository,
+        &["rev-parse", "--path-format=absolute", "--git-common-dir"],
+    )
+    .await?;
+    if out.exit_code != Some(0) {
+        return Err(Error::InvalidArgument(format!(
+            "repository: {} is not a git repository (git init it, or name the directory that holds .git)",
+            repository.display()
+        )));
+    }
+    let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    std::fs::canonicalize(&dir).map_err(|e| Error::io(format!("resolving {}", dir.display()), e))
+}
+
+async fn branch_tip(repository: &Path, branch: &str) -> Result<Option<String>> {
+    let refname = format!("refs/heads/{branch}");
+    let out = git(repository, &["rev-parse", "--verify", "--quiet", &refname]).await?;
+    Ok((out.exit_code == Some(0)).then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned()))
+}
+
+async fn resolve_base(repository: &Path, base: &str) -> Result<String> {
+    if base.is_empty() || base.starts_with('-') {
+        return Err(Error::InvalidArgument(format!(
+            "base: {base:?} is not a ref name (a branch, tag or commit such as main)"
+        )));
+    }
+    let spec = format!("{base}^{{commit}}");
+    let out = git(repository, &["rev-parse", "--verify", "--quiet", &spec]).await?;
+    if out.exit_code != Some(0) {
+        return Err(Error::InvalidArgument(format!(
+            "base: {base:?} is not a branch, tag or commit of {} (fetch it, or name an existing one)",
+            repository.display()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+async fn check_branch_name(repository: &Path, branch: &str) -> Result<()> {
+    let out = git(repository, &["check-ref-format", "--branch", branch]).await?;
+    if out.exit_code != Some(0) || branch.starts_with('-') {
+        return Err(Error::InvalidArgument(format!(
+            "branch: {branch:?} is not a valid branch name"
+        )));
+    }
+    Ok(())
+}
+
+/// Whether `path` is a worktree of the repository (common dir `common`)
+/// with `branch` checked out.
+async fn is_ours(path: &Path, common: &Path, branch: &str) -> Result<bool> {
+    let out = git(
+        path,
+        &["rev-parse", "--path-format=absolute", "--git-common-dir"],
+    )
+    .await?;
+    if out.exit_code != Some(0) {
+        return Ok(false);
+    }
+    let theirs = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    if std::fs::canonicalize(&theirs).ok().as_deref() != Some(common) {
+        return Ok(false);
+    }
+    let top = git_ok(path, &["rev-parse", "--show-toplevel"]).await?;
+    if std::fs::canonicalize(&top).ok() != std::fs::canonicalize(path).ok() {
+        return Ok(false);
+    }
+    let head = git(path, &["symbolic-ref", "--quiet", "--short", "HEAD"]).await?;
+    Ok(head.exit_code == Some(0) && String::from_utf8_lossy(&head.stdout).trim() == branch)
+}
+
+/// One entry of `git worktree list --porcelain`.
+struct Listed {
+    path: PathBuf,
+    branch: Option<String>,
+    prunable: bool,
+}
+
+async fn list(repository: &Path) -> Result<Vec<Listed>> {
+    let out = git_ok(repository, &["worktree", "list", "--porcelain"]).await?;
+    let mut all = Vec::new();
+    for block in out.split("\n\n") {
+        let mut entry = Listed {
+            path: PathBuf::new(),
+            branch: None,
+            prunable: false,
+        };
+        for line in block.lines() {
+            if let Some(p) = line.strip_prefix("worktree ") {
+                entry.path = PathBuf::from(p);
+            } else if let Some(b) = line.strip_prefix("branch refs/heads/") {
+                entry.branch = Some(b.to_owned());
+            } else if line.starts_with("prunable") {
+                entry.prunable = true;
+            }
+        }
+        if !entry.path.as_os_str().is_empty() {
+            all.push(entry);
+        }
+    }
+    Ok(all)
+}
+
+/// Checks what [`create`] needs without changing anything: a repository,
+/// an existing base, a free branch name and a free directory.
+pub async fn check(spec: &Spec) -> Result<()> {
+    common_dir(&spec.repository).await?;
+    check_branch_name(&spec.repository, &spec.branch).await?;
+    resolve_base(&spec.repository, &spec.base).await?;
+    if branch_tip(&spec.repository, &spec.branch).await?.is_some() {
+        return Err(Error::AlreadyExists(format!(
+            "branch {:?} already exists in {}; pick another branch prefix or delete that branch",
+            spec.branch,
+            spec.repository.display()
+        )));
+    }
+    if spec.path.symlink_metadata().is_ok() {
+        return Err(Error::AlreadyExists(format!(
+            "worktree directory {} already exists; remove it or pick another worktrees_dir",
+            spec.path.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Creates the branch from the base and checks it out at the path
+/// (`git worktree add --no-track -b BRANCH PATH BASE`). A directory already
+/// there on the session's branch of this repository is adopted, so a create
+/// repeated after a crash finishes instead of failing.
+pub async fn create(spec: &Spec) -> Result<Ensured> {
+    let common = common_dir(&spec.repository).await?;
+    check_branch_name(&spec.repository, &spec.branch).await?;
+    if let Some(ensured) = adopt(spec, &common).await? {
+        return Ok(ensured);
+    }
+    resolve_base(&spec.repository, &spec.base).await?;
+    if branch_tip(&spec.repository, &spec.branch).await?.is_some() {
+        return Err(Error::AlreadyExists(format!(
+            "branch {:?} already exists in {}; pick another branch prefix or delete that branch",
+            spec.branch,
+            spec.repository.display()
+        )));
+    }
+    make_parent(&spec.path)?;
+    let path = path_str(&spec.path)?;
+    git_ok(
+        &spec.repository,
+        &[
+            "worktree",
+            "add",
+            "--no-track",
+            "-b",
+            &spec.branch,
+            path,
+            &spec.base,
+        ],
+    )
+    .await?;
+    let head = git_ok(&spec.path, &["rev-parse", "HEAD"]).await?;
+    Ok(Ensured {
+        outcome: Outcome::Created,
+        head,
+    })
+}
+
+/// Brings a session's worktree back: adopted when present, checked out
+/// again from its branch when the directory is missing. A missing branch is
+/// FAILED_PRECONDITION naming it, unless `never_created` (the create was cut
+/// short before the branch existed), when it is created from the base.
+pub async fn restore(spec: &Spec, never_created: bool) -> Result<Ensured> {
+    let common = common_dir(&spec.repository).await?;
+    if let Some(ensured) = adopt(spec, &common).await? {
+        return Ok(ensured);
+    }
+    if branch_tip(&spec.repository, &spec.branch).await?.is_none() {
+        if never_created {
+            return create(spec).await;
+        }
+        return Err(Error::FailedPrecondition(format!(
+            "branch {:?} no longer exists in {}, so worktree {} cannot be recreated; \
+             restore the branch (git branch {} <commit>) and resume, or delete the session",
+            spec.branch,
+            spec.repository.display(),
+            spec.path.display(),
+            spec.branch
+        )));
+    }
+    let mut registered_here = false;
+    for entry in list(&spec.repository).await? {
+        if entry.branch.as_deref() != Some(spec.branch.as_str()) {
+            continue;
+        }
+        if entry.path == spec.path {
+            registered_here = true;
+        } else if !entry.prunable {
+            return Err(Error::FailedPrecondition(format!(
+                "branch {:?} is checked out at {}; remove that worktree so the session's can be recreated",
+                spec.branch,
+                entry.path.display()
+            )));
+        }
+    }
+    make_parent(&spec.path)?;
+    let path = path_str(&spec.path)?;
+    if registered_here {
+        // Our own stale registration (the directory was deleted): clear it,
+        // and only it.
+        git_ok(&spec.repository, &["worktree", "remove", "--force", path]).await?;
+    }
+    git_ok(&spec.repository, &["worktree", "add", path, &spec.branch]).await?;
+    let head = git_ok(&spec.path, &["rev-parse", "HEAD"]).await?;
+    Ok(Ensured {
+        outcome: Outcome::Recreated,
+        head,
+    })
+}
+
+async fn adopt(spec: &Spec, common: &Path) -> Result<Option<Ensured>> {
+    if spec.path.symlink_metadata().is_err() {
+        return Ok(None);
+    }
+    if !is_ours(&spec.path, common, &spec.branch).await? {
+        return Err(Error::AlreadyExists(format!(
+            "{} exists and is not the worktree of branch {:?} of {}; remove it or pick another worktrees_dir",
+            spec.path.display(),
+            spec.branch,
+            spec.repository.display()
+        )));
+    }
+    let head = git_ok(&spec.path, &["rev-parse", "HEAD"]).await?;
+    Ok(Some(Ensured {
+        outcome: Outcome::Adopted,
+        head,
+    }))
+}
+
+fn make_parent(path: &Path) -> Result<()> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
+    }
+    Ok(())
+}
+
+/// What removing the worktree (and its branch) would lose.
+pub async fn state(spec: &Spec) -> Result<State> {
+    common_dir(&spec.repository).await?;
+    let mut state = State {
+        path_exists: spec.path.is_dir(),
+        ..State::default()
+    };
+    if state.path_exists {
+        let args = [
+            "status",
+            "--porcelain=v1",
+            "-z",
+            "--untracked-files=all",
+            "--ignore-submodules=none",
+        ];
+        let out = git(&spec.path, &args).await?;
+        if out.exit_code != Some(0) {
+            return Err(Error::FailedPrecondition(format!(
+                "git status in {} failed: {}",
+                spec.path.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        // Untrimmed: each record starts with its two-letter code, a space
+        // included (" M notes.txt").
+        let parsed = crate::git::parse_status(&String::from_utf8_lossy(&out.stdout));
+        state.dirty_files = parsed.files.into_iter().map(|f| f.path).collect();
+    }
+    if let Some(tip) = branch_tip(&spec.repository, &spec.branch).await? {
+        state.branch_exists = true;
+        state.head = tip;
+        let exclude = format!("--exclude={}", spec.branch);
+        let count = git_ok(
+            &spec.repository,
+            &[
+                "rev-list",
+                "--count",
+                &format!("refs/heads/{}", spec.branch),
+                "--not",
+                &exclude,
+                "--branches",
+                "--tags",
+                "--remotes",
+            ],
+        )
+        .await?;
+        state.unique_commits = count.parse().unwrap_or(u64::MAX);
+        let base = format!("{}^{{commit}}", spec.base);
+        let merged = git(
+            &spec.repository,
+            &[
+                "merge-base",
+                "--is-ancestor",
+                &format!("refs/heads/{}", spec.branch),
+                &base,
+            ],
+        )
+        .await?;
+        state.merged = merged.exit_code == Some(0);
+    }
+    Ok(state)
+}
+
+/// Removes the worktree (whatever it holds: the caller checked [`state`]
+/// or was told to discard) and, with `delete_branch`, the branch. Only this
+/// worktree's registration is pruned; a directory that is not this
+/// worktree is never touched.
+pub async fn remove(spec: &Spec, delete_branch: bool) -> Result<()> {
+    let common = common_dir(&spec.repository).await?;
+    let path = path_str(&spec.path)?;
+    if spec.path.symlink_metadata().is_ok() {
+        if !is_ours(&spec.path, &common, &spec.branch).await? {
+            return Err(Error::FailedPrecondition(format!(
+                "{} is not on branch {:?} any more (checked out elsewhere, or not this repository's worktree); \
+                 it was left alone: switch it back, or delete the session with keep_worktree",
+                spec.path.display(),
+                spec.branch
+            )));
+        }
+        git_ok(&spec.repository, &["worktree", "remove", "--force", path]).await?;
+    } else if list(&spec.repository)
+        .await?
+        .iter()
+        .any(|e| e.path == spec.path)
+    {
+        git_ok(&spec.repository, &["worktree", "remove", "--force", path]).await?;
+    }
+    if delete_branch && branch_tip(&spec.repository, &spec.branch).await?.is_some() {
+        git_ok(&spec.repository, &["branch", "-D", "--", &spec.branch]).await?;
+    }
+    Ok(())
+}
+
+/// The branch's commits since its base (`base..branch`), newest first.
+pub async fn commits(spec: &Spec, limit: u32) -> Result<Vec<Commit>> {
+    common_dir(&spec.repository).await?;
+    let range = format!("{}..refs/heads/{}", spec.base, spec.branch);
+    let max = format!("--max-count={}", limit.max(1));
+    let out = git_ok(
+        &spec.repository,
+        &["log", &max, "--format=%H%x1f%s%x1f%an%x1f%at%x1e", &range],
+    )
+    .await?;
+    Ok(out
+        .split('\x1e')
+        .filter_map(|rec| {
+            let mut f = rec.trim().split('\x1f');
+            Some(Commit {
+                sha: f.next().filter(|s| !s.is_empty())?.to_owned(),
+                subject: f.next()?.to_owned(),
+                author: f.next()?.to_owned(),
+                time: f.next()?.parse().ok()?,
+            })
+        })
+        .collect())
+}

@@ -1,0 +1,145 @@
+//! `agentctl worktree ...`, the one-shot command sessiond creates, restores,
+//! inspects and removes session worktrees with: real git, the real binary.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::Command;
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(["-c", "user.name=t", "-c", "user.email=t@example.com"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// Runs `agentctl worktree OP` and returns its one JSON answer.
+fn worktree(op: &str, repo: &Path, branch: &str, path: &Path, extra: &[&str]) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_agentctl"))
+        .args(["worktree", op])
+        .arg(format!("--repository={}", repo.display()))
+        .args(["--base=main", &format!("--branch={branch}")])
+        .arg(format!("--path={}", path.display()))
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// A repository whose config names a smudge filter and whose hooks
+/// directory has a post-checkout hook, each leaving a marker when run:
+/// neither runs when sessiond checks out a worktree (they could have been
+/// planted by an agent through its own worktree).
+#[test]
+fn checkouts_run_no_hook_or_filter_the_repository_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    std::fs::create_dir_all(&repo).unwrap();
+    git(&repo, &["init", "-q", "-b", "main"]);
+    std::fs::write(repo.join("a.txt"), "content\n").unwrap();
+    std::fs::write(repo.join(".gitattributes"), "*.txt filter=planted\n").unwrap();
+    git(&repo, &["add", "."]);
+    git(&repo, &["commit", "-q", "-m", "init"]);
+    let filter_marker = dir.path().join("filter-ran");
+    let hook_marker = dir.path().join("hook-ran");
+    git(
+        &repo,
+        &[
+            "config",
+            "filter.planted.smudge",
+            &format!("sh -c 'touch {}; cat'", filter_marker.display()),
+        ],
+    );
+    let hook = repo.join(".git/hooks/post-checkout");
+    std::fs::write(
+        &hook,
+        format!("#!/bin/sh\ntouch {}\n", hook_marker.display()),
+    )
+    .unwrap();
+    std::fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+
+    let path = dir.path().join("wts/one");
+    let made = worktree("create", &repo, "s/one", &path, &[]);
+    assert_eq!(made["ok"]["outcome"], "created", "{made}");
+    assert_eq!(
+        std::fs::read_to_string(path.join("a.txt")).unwrap(),
+        "content\n"
+    );
+    // Removed behind sessiond's back, then restored from the branch.
+    std::fs::remove_dir_all(&path).unwrap();
+    let back = worktree("restore", &repo, "s/one", &path, &[]);
+    assert_eq!(back["ok"]["outcome"], "recreated", "{back}");
+    assert!(!filter_marker.exists(), "the planted filter ran");
+    assert!(!hook_marker.exists(), "the planted hook ran");
+}
+
+/// What each operation answers, with the codes sessiond maps to statuses.
+#[test]
+fn answers_and_refusals() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    std::fs::create_dir_all(&repo).unwrap();
+    git(&repo, &["init", "-q", "-b", "main"]);
+    git(&repo, &["commit", "-q", "--allow-empty", "-m", "init"]);
+    let path = dir.path().join("wts/one");
+    assert_eq!(
+        worktree("check", &repo, "s/one", &path, &[])["ok"],
+        serde_json::json!({})
+    );
+    assert_eq!(
+        worktree("create", &repo, "s/one", &path, &[])["ok"]["outcome"],
+        "created"
+    );
+    // Created again (a create repeated after a crash): adopted.
+    assert_eq!(
+        worktree("create", &repo, "s/one", &path, &[])["ok"]["outcome"],
+        "adopted"
+    );
+
+    // A directory that is not the session's worktree: ALREADY_EXISTS (6).
+    let foreign = dir.path().join("wts/foreign");
+    std::fs::create_dir_all(&foreign).unwrap();
+    let refused = worktree("create", &repo, "s/two", &foreign, &[]);
+    assert_eq!(refused["error"]["code"], 6, "{refused}");
+    // The branch taken: ALREADY_EXISTS; no base: INVALID_ARGUMENT (3).
+    let taken = worktree("check", &repo, "s/one", &dir.path().join("wts/x"), &[]);
+    assert_eq!(taken["error"]["code"], 6, "{taken}");
+    let not_repo = worktree("check", dir.path(), "s/x", &dir.path().join("wts/y"), &[]);
+    assert_eq!(not_repo["error"]["code"], 3, "{not_repo}");
+
+    // State: a dirty file and a commit of its own.
+    std::fs::write(path.join("new.txt"), "x").unwrap();
+    git(&path, &["commit", "-q", "--allow-empty", "-m", "mine"]);
+    let st = worktree("state", &repo, "s/one", &path, &[]);
+    assert_eq!(
+        st["ok"]["dirty_files"],
+        serde_json::json!(["new.txt"]),
+        "{st}"
+    );
+    assert_eq!(st["ok"]["unique_commits"], 1, "{st}");
+    assert_eq!(st["ok"]["merged"], false, "{st}");
+    let commits = worktree("commits", &repo, "s/one", &path, &[]);
+    assert_eq!(commits["ok"][0]["subject"], "mine", "{commits}");
+
+    // Remove with the branch: the foreign directory stays untouched.
+    assert_eq!(
+        worktree("remove", &repo, "s/one", &path, &["--delete-branch"])["ok"],
+        serde_json::json!({})
+    );
+    assert!(!path.exists() && foreign.is_dir());
+    assert_eq!(git(&repo, &["branch", "--format=%(refname:short)"]), "main");
+}

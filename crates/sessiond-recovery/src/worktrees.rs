@@ -1,0 +1,198 @@
+//! Worktrees sessiond creates for sessions that name a repository: planned
+//! and checked before anything is stored, created after the session's
+//! intent is committed, brought back before an agent is relaunched in
+//! them, and removed with the session only when nothing would be lost.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use sessiond_domain::{
+    Runtime, Session, SessionId, Worktree,
+    worktree::{Removal, RemovalRequest, branch_name, removal, short_id, slug},
+};
+use sessiond_executor::{Executor, WorktreeAnswer, WorktreeOp, WorktreeTarget};
+
+use crate::{
+    error::{Error, Result},
+    manager::SessionManager,
+};
+
+/// Session metadata: `true` once the worktree's branch and directory were
+/// made. Until then a restore may create them from the base (the create was
+/// cut short); after, a missing branch is lost work and said so.
+pub(crate) const WORKTREE_CREATED_KEY: &str = "worktree_created";
+
+pub(crate) fn target(w: &Worktree) -> WorktreeTarget {
+    WorktreeTarget {
+        repository: w.repository.clone(),
+        base: w.base.clone(),
+        branch: w.branch.clone(),
+        path: w.path.clone(),
+    }
+}
+
+impl SessionManager {
+    /// Fills in the branch, directory and id of a worktree to create for a
+    /// new session and has agentctl check, changing nothing, that it can
+    /// be made: a repository, an existing base, a free branch and directory.
+    pub(crate) async fn plan_worktree(
+        &self,
+        w: &mut Worktree,
+        runtime: Runtime,
+        session_id: SessionId,
+        task_title: &str,
+    ) -> Result<()> {
+        if !w.path.is_empty() {
+            return Err(Error::InvalidArgument(
+                "worktree.path and repository exclude each other: name a repository \
+                 (sessiond creates the worktree) or the path of a directory you made"
+                    .into(),
+            ));
+        }
+        if w.base.trim().is_empty() {
+            return Err(Error::InvalidArgument(
+                "base: required with a repository (the branch, tag or commit to start from, such as main)"
+                    .into(),
+            ));
+        }
+        if !Path::new(&w.repository).is_absolute() {
+            return Err(Error::InvalidArgument(format!(
+                "repository: {:?} is not an absolute path on the executor's host",
+                w.repository
+            )));
+        }
+        let settings = &self.inner.config.worktrees;
+        let dir = settings.dir(runtime).ok_or_else(|| {
+            Error::InvalidArgument(if runtime == Runtime::LocalStandalone {
+                format!(
+                    "runtime {runtime} has no executors.worktrees_dir, so it cannot create \
+                     worktrees; configure one inside executors.worktree_roots, or pass \
+                     worktree.path of a directory you made"
+                )
+            } else {
+                format!(
+                    "runtime {runtime} does not create worktrees from a repository (only \
+                     local_standalone does); pass worktree.path of a directory on its host"
+                )
+            })
+        })?;
+        if w.branch.is_empty() {
+            w.branch = branch_name(&settings.branch_prefix, session_id, task_title);
+        }
+        w.path = dir
+            .join(format!("{}-{}", short_id(session_id), slug(task_title)))
+            .display()
+            .to_string();
+        if w.id.is_empty() {
+            w.id = short_id(session_id);
+        }
+        self.driver(runtime)?
+            .worktree(&target(w), WorktreeOp::Check)
+            .await?;
+        Ok(())
+    }
+
+    /// Makes the planned worktree (the session's intent is committed).
+    pub(crate) async fn make_worktree(&self, s: &Session) -> Result<()> {
+        self.driver(s.runtime)?
+            .worktree(&target(&s.worktree), WorktreeOp::Create)
+            .await?;
+        Ok(())
+    }
+
+    /// Brings back the directory of a session's worktree before an agent
+    /// is launched in it: adopted when present, recreated from its branch
+    /// when not. The error names the branch when it is gone.
+    pub(crate) async fn restore_worktree(
+        &self,
+        driver: &Arc<dyn Executor>,
+        s: &Session,
+    ) -> Result<()> {
+        let never_created = !s.metadata.contains_key(WORKTREE_CREATED_KEY);
+        let answer = driver
+            .worktree(&target(&s.worktree), WorktreeOp::Restore { never_created })
+            .await?;
+        if let WorktreeAnswer::Ensured { outcome, head } = answer {
+            tracing::info!(session = %s.id, branch = %s.worktree.branch, %outcome, %head,
+                "worktree restored");
+        }
+        Ok(())
+    }
+
+    /// Decides what a delete does with a session's worktree, from what
+    /// agentctl finds in it now. `Err` when removing it would lose work (or
+    /// it cannot be inspected) and the caller did not say discard or keep.
+    pub(crate) async fn worktree_removal(
+        &self,
+        s: &Session,
+        asked: RemovalRequest,
+    ) -> Result<Removal> {
+        if asked.keep {
+            return Ok(Removal::Keep);
+        }
+        let driver = self.driver(s.runtime)?;
+        let found = match driver
+            .worktree(&target(&s.worktree), WorktreeOp::State)
+            .await
+        {
+            Ok(WorktreeAnswer::State(found)) => found,
+            Ok(other) => {
+                return Err(Error::Internal(format!(
+                    "agentctl answered a worktree state with {other:?}"
+                )));
+            }
+            // The repository itself may be gone: nothing to inspect, and
+            // discarding was asked for.
+            Err(_) if asked.discard => {
+                return Ok(Removal::Remove {
+                    delete_branch: asked.delete_branch,
+                });
+            }
+            Err(e) => return Err(e.into()),
+        };
+        match removal(&s.worktree.branch, &found, asked) {
+            Removal::Refuse(what) => Err(Error::WorktreeHasWork {
+                session_id: s.id,
+                path: s.worktree.path.clone(),
+                what,
+            }),
+            decided => Ok(decided),
+        }
+    }
+
+    /// Removes a session's worktree as decided.
+    pub(crate) async fn remove_worktree(&self, s: &Session, delete_branch: bool) -> Result<()> {
+        self.driver(s.runtime)?
+            .worktree(&target(&s.worktree), WorktreeOp::Remove { delete_branch })
+            .await?;
+        Ok(())
+    }
+
+    /// The commits of a session's branch since its base, newest first.
+    pub async fn branch_commits(
+        &self,
+        task: sessiond_domain::TaskId,
+        session_id: SessionId,
+        limit: u32,
+    ) -> Result<Vec<sessiond_executor::BranchCommit>> {
+        let s = self.session_of_task(task, session_id).await?;
+        if !s.worktree.is_managed() {
+            return Err(Error::InvalidState {
+                session_id,
+                state: s.state,
+                action: "list its branch's commits",
+                hint: "its worktree is a directory the caller made, with no base recorded",
+            });
+        }
+        match self
+            .driver(s.runtime)?
+            .worktree(&target(&s.worktree), WorktreeOp::Commits { limit })
+            .await?
+        {
+            WorktreeAnswer::Commits(c) => Ok(c),
+            other => Err(Error::Internal(format!(
+                "agentctl answered a commit list with {other:?}"
+            ))),
+        }
+    }
+}

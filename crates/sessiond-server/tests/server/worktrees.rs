@@ -1,0 +1,492 @@
+//! Sessions created from a repository through the public API: the real
+//! `sessiond`, agentctl, git and the demo agent.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use sessiond_proto::sessiond::v1 as pb;
+
+use crate::restart::wait_serving;
+use crate::support::{
+    TOKEN, agentctl_pids, create_task, prompt, run_sessiond, sessions, start, workspaces,
+};
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(["-c", "user.name=t", "-c", "user.email=t@example.com"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+fn repository(dir: &Path) -> PathBuf {
+    let repo = dir.join("repo");
+    std::fs::create_dir_all(&repo).unwrap();
+    git(&repo, &["init", "-q", "-b", "main"]);
+    std::fs::write(repo.join("notes.txt"), "original\n").unwrap();
+    git(&repo, &["add", "notes.txt"]);
+    git(&repo, &["commit", "-q", "-m", "init"]);
+    repo
+}
+
+fn reason(s: &tonic::Status) -> String {
+    s.metadata()
+        .get("sessiond-error")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default()
+}
+
+fn from_repo(task: &str, repo: &Path, base: &str) -> pb::CreateSessionRequest {
+    pb::CreateSessionRequest {
+        task_id: task.into(),
+        runtime: pb::Runtime::LocalStandalone as i32,
+        worktree: Some(pb::Worktree {
+            repository: repo.display().to_string(),
+            base: base.into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Create from a repository, see it in the status, review it (diff against
+/// the base, the branch's commits), and delete it: refused while it holds
+/// work, then removed with its branch when told to discard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_from_a_repository_is_created_reviewed_and_deleted_without_losing_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = repository(dir.path());
+    let data = dir.path().join("data");
+    let server = start(&data, &[]);
+    let mut c = sessions(&server).await;
+    let mut ws = workspaces(&server).await;
+    let task = create_task(&mut c, "Fix the login page").await;
+
+    let s = c
+        .create_session(from_repo(&task.id, &repo, "main"))
+        .await
+        .unwrap()
+        .into_inner()
+        .session
+        .unwrap();
+    assert_eq!(
+        s.state,
+        pb::SessionState::WaitingForInput as i32,
+        "{}",
+        s.error_message
+    );
+    let w = s.worktree.clone().unwrap();
+    assert!(
+        w.branch.starts_with("sessiond/") && w.branch.ends_with("-fix-the-login-page"),
+        "{}",
+        w.branch
+    );
+    assert!(
+        Path::new(&w.path).starts_with(data.join("worktrees")),
+        "{}",
+        w.path
+    );
+    assert_eq!(
+        (w.repository.as_str(), w.base.as_str()),
+        (repo.to_str().unwrap(), "main")
+    );
+    let st = c
+        .get_session_status(pb::GetSessionStatusRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.worktree_branch, w.branch);
+    assert_eq!(st.worktree_repository, w.repository);
+    assert_eq!(st.worktree_base, "main");
+    assert_eq!(st.worktree_id, w.id);
+    assert_eq!(st.worktree_id.len(), 8, "the session's short id");
+
+    // The agent edits, the work is committed, and one more change waits.
+    prompt(
+        &mut c,
+        &task.id,
+        &s.id,
+        "/edit notes.txt edited by the agent",
+    )
+    .await;
+    let sref = Some(pb::SessionRef {
+        task_id: task.id.clone(),
+        session_id: s.id.clone(),
+    });
+    let committed = ws
+        .exec(pb::ExecRequest {
+            session: sref.clone(),
+            command: "git".into(),
+            args: [
+                "-c",
+                "user.name=t",
+                "-c",
+                "user.email=t@example.com",
+                "commit",
+                "-qam",
+                "agent edit",
+            ]
+            .map(String::from)
+            .to_vec(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        committed.exit_code,
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&committed.stderr)
+    );
+    ws.write_file(pb::WriteFileRequest {
+        session: sref.clone(),
+        path: "notes.txt".into(),
+        content: b"not committed yet".to_vec(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+
+    let plain = ws
+        .git_diff(pb::GitDiffRequest {
+            session: sref.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .diff;
+    assert!(
+        plain.contains("-edited by the agent") && !plain.contains("-original"),
+        "{plain}"
+    );
+    let against_base = ws
+        .git_diff(pb::GitDiffRequest {
+            session: sref.clone(),
+            against_base: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .diff;
+    assert!(
+        against_base.contains("-original") && against_base.contains("+not committed yet"),
+        "everything since the base, committed or not: {against_base}"
+    );
+    let commits = ws
+        .list_branch_commits(pb::ListBranchCommitsRequest {
+            session: sref.clone(),
+            limit: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (commits.branch.as_str(), commits.base.as_str()),
+        (w.branch.as_str(), "main")
+    );
+    let subjects: Vec<&str> = commits.commits.iter().map(|c| c.subject.as_str()).collect();
+    assert_eq!(subjects, ["agent edit"]);
+
+    // Deleting would lose the change and the commit: refused, nothing touched.
+    let err = c
+        .delete_session(pb::DeleteSessionRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert_eq!(reason(&err), "worktree_has_work");
+    assert!(
+        err.message()
+            .contains("1 file(s) with uncommitted changes (notes.txt)")
+            && err
+                .message()
+                .contains(&format!("1 commit(s) found only on branch {}", w.branch)),
+        "{}",
+        err.message()
+    );
+    assert_eq!(
+        std::fs::read_to_string(Path::new(&w.path).join("notes.txt")).unwrap(),
+        "not committed yet"
+    );
+    let st = c
+        .get_session_status(pb::GetSessionStatusRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.state, pb::SessionState::WaitingForInput as i32);
+
+    c.delete_session(pb::DeleteSessionRequest {
+        task_id: task.id.clone(),
+        session_id: s.id.clone(),
+        discard_worktree: true,
+        delete_branch: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert!(!Path::new(&w.path).exists());
+    let branches = git(&repo, &["branch", "--format=%(refname:short)"]);
+    assert_eq!(branches, "main");
+}
+
+/// Bad input: precise codes and messages, and nothing created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_repository_input_is_refused_precisely_and_creates_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = repository(dir.path());
+    git(&repo, &["branch", "taken"]);
+    let plain = dir.path().join("plain");
+    std::fs::create_dir_all(&plain).unwrap();
+    let data = dir.path().join("data");
+    let server = start(&data, &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "t").await;
+
+    let mut taken = from_repo(&task.id, &repo, "main");
+    taken.worktree.as_mut().unwrap().branch = "taken".into();
+    let mut both = from_repo(&task.id, &repo, "main");
+    both.worktree.as_mut().unwrap().path = plain.display().to_string();
+    let cases = [
+        (
+            from_repo(&task.id, &plain, "main"),
+            tonic::Code::InvalidArgument,
+            "is not a git repository",
+        ),
+        (
+            from_repo(&task.id, &repo, "nope"),
+            tonic::Code::InvalidArgument,
+            "base: \"nope\" is not a branch, tag or commit",
+        ),
+        (
+            from_repo(&task.id, &repo, ""),
+            tonic::Code::InvalidArgument,
+            "base: required",
+        ),
+        (
+            taken,
+            tonic::Code::AlreadyExists,
+            "branch \"taken\" already exists",
+        ),
+        (
+            both,
+            tonic::Code::InvalidArgument,
+            "worktree.path: must be empty with worktree.repository",
+        ),
+        (
+            from_repo(&task.id, Path::new("/usr/share"), "main"),
+            tonic::Code::InvalidArgument,
+            "worktree.repository: \"/usr/share\" is outside executors.worktree_roots",
+        ),
+    ];
+    for (req, code, says) in cases {
+        let err = c.create_session(req).await.unwrap_err();
+        assert_eq!(err.code(), code, "{err:?}");
+        assert!(err.message().contains(says), "{}", err.message());
+    }
+    let listed = c
+        .list_sessions(pb::ListSessionsRequest {
+            task_id: task.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(listed.sessions.is_empty(), "{listed:?}");
+    let made = std::fs::read_dir(data.join("worktrees")).map_or(0, |d| d.count());
+    assert_eq!(made, 0);
+    assert_eq!(
+        git(&repo, &["branch", "--format=%(refname:short)"]),
+        "main\ntaken"
+    );
+}
+
+/// A worktrees dir outside the worktree roots stops `serve` at startup,
+/// naming the key.
+#[test]
+fn a_worktrees_dir_outside_the_roots_is_a_configuration_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let (ok, stderr) = run_sessiond(
+        &[
+            "serve",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        &[
+            ("SESSIOND_API_TOKENS", TOKEN),
+            ("SESSIOND_WORKTREE_ROOTS", dir.path().to_str().unwrap()),
+            ("SESSIOND_WORKTREES_DIR", "/var/tmp/elsewhere"),
+        ],
+    );
+    assert!(!ok);
+    assert!(
+        stderr.contains(
+            "executors.worktrees_dir: /var/tmp/elsewhere is outside executors.worktree_roots"
+        ),
+        "{stderr}"
+    );
+}
+
+/// kill -9 of sessiond and every agentctl, then one session's worktree
+/// directory removed and another's directory and branch: after the restart
+/// the first is checked out again from its branch and its conversation
+/// goes on; the second is ERROR naming its branch, and its workspace calls
+/// are refused saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_kill9_a_removed_worktree_comes_back_and_a_lost_branch_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = repository(dir.path());
+    let data = dir.path().join("data");
+    let mut server = start(&data, &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "Two attempts").await;
+    let mut made = Vec::new();
+    for _ in 0..2 {
+        let s = c
+            .create_session(from_repo(&task.id, &repo, "main"))
+            .await
+            .unwrap()
+            .into_inner()
+            .session
+            .unwrap();
+        assert_eq!(
+            s.state,
+            pb::SessionState::WaitingForInput as i32,
+            "{}",
+            s.error_message
+        );
+        prompt(&mut c, &task.id, &s.id, "hello").await;
+        made.push(s);
+    }
+    let (kept, lost) = (&made[0], &made[1]);
+    let kept_w = kept.worktree.clone().unwrap();
+    let lost_w = lost.worktree.clone().unwrap();
+    git(
+        Path::new(&kept_w.path),
+        &["commit", "-q", "--allow-empty", "-m", "kept work"],
+    );
+
+    server.kill();
+    for pid in agentctl_pids(&data) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    std::fs::remove_dir_all(&kept_w.path).unwrap();
+    std::fs::remove_dir_all(&lost_w.path).unwrap();
+    git(&repo, &["worktree", "prune"]);
+    git(&repo, &["branch", "-D", &lost_w.branch]);
+
+    let server = start(&data, &[]);
+    wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+    let mut ws = workspaces(&server).await;
+    let status = |id: &str| pb::GetSessionStatusRequest {
+        task_id: task.id.clone(),
+        session_id: id.to_owned(),
+    };
+
+    // Recreated from its branch (its commit there), and the agent resumed.
+    assert!(Path::new(&kept_w.path).is_dir());
+    assert_eq!(
+        git(Path::new(&kept_w.path), &["log", "-1", "--format=%s"]),
+        "kept work"
+    );
+    let reply = prompt(&mut c, &task.id, &kept.id, "again").await;
+    assert!(reply.contains("turn 2 of session"), "{reply}");
+
+    let st = c
+        .get_session_status(status(&lost.id))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.state, pb::SessionState::Error as i32);
+    assert!(
+        st.error_message.starts_with("worktree_branch_missing: ")
+            && st.error_message.contains(&lost_w.branch),
+        "{}",
+        st.error_message
+    );
+    let err = ws
+        .git_status(pb::GitStatusRequest {
+            session: Some(pb::SessionRef {
+                task_id: task.id.clone(),
+                session_id: lost.id.clone(),
+            }),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains(&lost_w.branch), "{}", err.message());
+    assert!(
+        !Path::new(&lost_w.path).exists(),
+        "nothing made up in its place"
+    );
+}
+
+/// `executors.repositories` is what ListRepositories offers; one outside
+/// the worktree roots stops `serve`, naming the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn configured_repositories_are_listed_and_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = repository(dir.path());
+    let data = dir.path().join("data");
+    let (ok, stderr) = run_sessiond(
+        &[
+            "serve",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        &[
+            ("SESSIOND_API_TOKENS", TOKEN),
+            ("SESSIOND_WORKTREE_ROOTS", dir.path().to_str().unwrap()),
+            ("SESSIOND_REPOSITORIES", "/var/tmp/other"),
+        ],
+    );
+    assert!(!ok);
+    assert!(
+        stderr.contains(
+            "executors.repositories[0]: /var/tmp/other is outside executors.worktree_roots"
+        ),
+        "{stderr}"
+    );
+
+    let server = crate::support::start_env(
+        &data,
+        &[],
+        Some(TOKEN),
+        None,
+        &[("SESSIOND_REPOSITORIES", repo.as_path())],
+    );
+    let mut c = sessions(&server).await;
+    let listed = c
+        .list_repositories(pb::ListRepositoriesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed.repositories, [repo.display().to_string()]);
+}
