@@ -299,6 +299,14 @@ test("honest states: unknown and malformed ids are not-found pages; Send waits w
     const sessionUrl = page.url();
     const taskUrl = sessionUrl.replace(/\/sessions\/[^/]+$/, "");
 
+    // Docker is not configured here: the form does not offer it.
+    await page.goto(taskUrl);
+    await page.waitForFunction(() => document.querySelectorAll("[data-testid=new-session] select[name=runtime] option").length === 3, null, { timeout: T });
+    assert.deepEqual(
+      await page.$$eval("[data-testid=new-session] select[name=runtime] option", (os) => os.map((o) => o.textContent)),
+      ["server default", "local process", "remote host"],
+    );
+
     // A session id that does not exist, and a task id that is no id at all.
     await page.goto(`${taskUrl}/sessions/01234567-89ab-7def-8123-456789abcdef`);
     await visible(page, "[data-testid=not-found]:has-text('Session not found')");

@@ -477,6 +477,15 @@ function NewSession(props: { taskId: string; profiles: AgentProfile[]; repositor
       .catch(() => setConfigured([]));
   }, []);
   const offered = [...new Set([...configured, ...props.repositories])];
+  // Only the runtimes this server can use (Docker when configured).
+  const [runtimes, setRuntimes] = useState<Runtime[] | null>(null);
+  useEffect(() => {
+    sessions
+      .listRuntimes({})
+      .then((r) => setRuntimes(r.runtimes))
+      .catch(() => setRuntimes(null));
+  }, []);
+  const can = (r: Runtime) => runtimes === null || runtimes.includes(r);
   const [remote, setRemote] = useState({ url: "", secret: "", executorId: "" });
   const [busy, setBusy] = useState(false);
   const [error, setError] = useState("");
@@ -527,9 +536,9 @@ function NewSession(props: { taskId: string; profiles: AgentProfile[]; repositor
         Runtime
         <select name="runtime" value={String(runtime)} onChange={val((v) => setRuntime(Number(v)))}>
           <option value={String(Runtime.UNSPECIFIED)}>server default</option>
-          <option value={String(Runtime.LOCAL_STANDALONE)}>local process</option>
-          <option value={String(Runtime.LOCAL_DOCKER)}>docker</option>
-          <option value={String(Runtime.REMOTE)}>remote host</option>
+          {can(Runtime.LOCAL_STANDALONE) && <option value={String(Runtime.LOCAL_STANDALONE)}>local process</option>}
+          {can(Runtime.LOCAL_DOCKER) && <option value={String(Runtime.LOCAL_DOCKER)}>docker</option>}
+          {can(Runtime.REMOTE) && <option value={String(Runtime.REMOTE)}>remote host</option>}
         </select>
       </label>
       <fieldset class="where">
