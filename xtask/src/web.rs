@@ -15,7 +15,7 @@ use crate::{command, step};
 const CONSOLE_DIST: &str = "crates/sessiond-server/console";
 
 /// `npm ci` (exactly the lockfile), then `npm run build` (client code
-/// generated from `crates/sessiond-proto/proto`, type check, vite), then
+/// generated from `proto`, type check, vite), then
 /// [`CONSOLE_DIST`] must be what is committed: a fresh clone's `cargo build`
 /// embeds the committed files.
 pub fn build_and_check(root: &Path) -> anyhow::Result<()> {
