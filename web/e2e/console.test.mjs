@@ -453,6 +453,56 @@ test("rich conversation: replies as Markdown (no HTML from text), thoughts folde
   }
 });
 
+test("a task's sessions: age shown, found by search and state, deleted after a confirmation", async () => {
+  const { work, data } = scratch("list");
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();
+  const b = await browser("list");
+  try {
+    const { page } = b;
+    await page.goto(server.url);
+    await createTaskAndSession(page, { title: "List e2e", work });
+    const taskUrl = page.url().replace(/\/sessions\/[^/]+$/, "");
+    const ids = [page.url().split("/").pop()];
+    for (let i = 0; i < 2; i++) {
+      await page.goto(taskUrl);
+      await visible(page, "[data-testid=new-session]");
+      await page.check("input[name=where][value=directory]");
+      await page.fill("input[name=worktree]", work);
+      await page.click("text=Start session");
+      await page.waitForURL(/#\/tasks\/[^/]+\/sessions\/[^/]+$/, { timeout: T });
+      await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
+      ids.push(page.url().split("/").pop());
+    }
+    await page.goto(taskUrl);
+    const rows = "[data-testid=sessions] li";
+    await page.waitForFunction((sel) => document.querySelectorAll(sel).length === 3, rows, { timeout: T });
+    assert.deepEqual(await page.locator(`${rows} [data-testid=age]`).allTextContents(), ["just now", "just now", "just now"]);
+    // Search by (a piece of) an id; filter by state.
+    await page.fill("input[name=search]", ids[1].slice(-8));
+    assert.deepEqual(await page.locator(rows).evaluateAll((ls) => ls.map((l) => l.dataset.session)), [ids[1]]);
+    await page.fill("input[name=search]", "no such session");
+    await visible(page, "[data-testid=no-match]");
+    await page.fill("input[name=search]", "");
+    await page.selectOption("select[name=state-filter]", "7"); // ERROR
+    await visible(page, "[data-testid=no-match]");
+    await page.selectOption("select[name=state-filter]", "all");
+    // Delete asks first; "Keep" keeps it, "Delete for good" deletes it.
+    const row = page.locator(`${rows}[data-session="${ids[2]}"]`);
+    await row.locator("[data-testid=delete]").click();
+    await row.locator("text=Keep").click();
+    assert.equal(await page.locator(rows).count(), 3);
+    await row.locator("[data-testid=delete]").click();
+    await row.locator("[data-testid=confirm-delete]").click();
+    await page.waitForFunction((sel) => document.querySelectorAll(sel).length === 2, rows, { timeout: T });
+    await page.goto(`${taskUrl}/sessions/${ids[2]}`);
+    await visible(page, "[data-testid=not-found]:has-text('Session not found')");
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
 test("a command the agent runs in a terminal shows in its tool call card: command, output, exit", async () => {
   const { work, data } = scratch("terminal");
   const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();

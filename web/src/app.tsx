@@ -327,6 +327,22 @@ function applyTaskEvent(rows: Map<string, SessionRow>, e: Event): boolean {
   return true;
 }
 
+/** A session's short label: the random end of its id (its start is a
+ * timestamp, the same for sessions made the same minute). */
+function shortId(id: string): string {
+  return id.slice(-8);
+}
+
+/** How long ago, coarsely: `just now`, `5 min ago`, `3 h ago`, `2 d ago`. */
+function age(seconds: bigint | undefined): string {
+  if (seconds === undefined) return "";
+  const s = Math.max(0, Date.now() / 1000 - Number(seconds));
+  if (s < 60) return "just now";
+  if (s < 3600) return `${Math.floor(s / 60)} min ago`;
+  if (s < 86400) return `${Math.floor(s / 3600)} h ago`;
+  return `${Math.floor(s / 86400)} d ago`;
+}
+
 function TaskView(props: { taskId: string; backend: Backend }) {
   const { taskId } = props;
   const [task, setTask] = useState<Task | null>(null);
@@ -335,6 +351,9 @@ function TaskView(props: { taskId: string; backend: Backend }) {
   const [watch, setWatch] = useState<WatchState>("live");
   const [error, setError] = useState("");
   const [missing, setMissing] = useState("");
+  const [query, setQuery] = useState("");
+  const [stateFilter, setStateFilter] = useState("all");
+  const [confirming, setConfirming] = useState("");
   const rowsRef = useRef(new Map<string, SessionRow>());
   const pending = useRef<Event[]>([]);
   const loaded = useRef(false);
@@ -407,7 +426,28 @@ function TaskView(props: { taskId: string; backend: Backend }) {
   if (missing || watch === "missing") {
     return <Missing what="Task" error={missing || `no task ${taskId}`} back="#/" backLabel="All tasks" />;
   }
-  const list = rows ? [...rows.values()].sort((a, b) => Number((b.session.createdAt?.seconds ?? 0n) - (a.session.createdAt?.seconds ?? 0n)) || (a.session.id < b.session.id ? 1 : -1)) : null;
+  const all = rows ? [...rows.values()].sort((a, b) => Number((b.session.createdAt?.seconds ?? 0n) - (a.session.createdAt?.seconds ?? 0n)) || (a.session.id < b.session.id ? 1 : -1)) : null;
+  // Search (id, agent, branch, state) and a state filter.
+  const needle = query.trim().toLowerCase();
+  const list =
+    all?.filter(({ session: s }) => {
+      if (stateFilter !== "all" && String(s.state) !== stateFilter) return false;
+      if (!needle) return true;
+      const hay = [s.id, profileName.get(s.agentProfileId) ?? "", s.worktree?.branch ?? "", stateLabel[s.state]].join(" ").toLowerCase();
+      return hay.includes(needle);
+    }) ?? null;
+  const remove = async (id: string) => {
+    setError("");
+    try {
+      await sessions.deleteSession({ taskId, sessionId: id });
+      rowsRef.current.delete(id);
+      setRows(new Map(rowsRef.current));
+    } catch (err) {
+      fail(setError)(err);
+    } finally {
+      setConfirming("");
+    }
+  };
 
   return (
     <section>
@@ -421,15 +461,34 @@ function TaskView(props: { taskId: string; backend: Backend }) {
       <div class="split">
         <div>
           <h2>Sessions</h2>
+          {all !== null && all.length > 0 && (
+            <div class="row filters">
+              <label class="grow">
+                <span class="sr">Search sessions</span>
+                <input name="search" type="search" placeholder="Search: id, agent, branch, state" value={query} onInput={(e) => setQuery((e.target as HTMLInputElement).value)} />
+              </label>
+              <label>
+                <span class="sr">State</span>
+                <select name="state-filter" value={stateFilter} onChange={(e) => setStateFilter((e.target as HTMLSelectElement).value)}>
+                  <option value="all">every state</option>
+                  {[SessionState.STARTING, SessionState.RUNNING, SessionState.WAITING_FOR_INPUT, SessionState.ERROR, SessionState.COMPLETED, SessionState.CANCELLED].map((st) => (
+                    <option value={String(st)}>{stateLabel[st]}</option>
+                  ))}
+                </select>
+              </label>
+            </div>
+          )}
           {list === null ? (
             <p class="muted">Loading…</p>
-          ) : list.length === 0 ? (
+          ) : all?.length === 0 ? (
             <p class="muted">No sessions yet.</p>
+          ) : list.length === 0 ? (
+            <p class="muted" data-testid="no-match">No session matches.</p>
           ) : (
             <ul class="list sessions" data-testid="sessions">
               {list.map(({ session: s, executor }) => (
                 <li key={s.id} data-session={s.id}>
-                  <a href={sessionHref(taskId, s.id)}>{s.id.slice(0, 8)}</a>
+                  <a href={sessionHref(taskId, s.id)}>{shortId(s.id)}</a>
                   <span class="badges">
                     <Badge tone={stateTone(s.state)} testid="state">{stateLabel[s.state]}</Badge>
                     <Badge tone={executorTone(executor)} testid="executor">{executorLabel[executor]}</Badge>
@@ -440,7 +499,24 @@ function TaskView(props: { taskId: string; backend: Backend }) {
                         {s.worktree.branch}
                       </Badge>
                     )}
+                    <span class="muted" data-testid="age">
+                      {age(s.createdAt?.seconds)}
+                    </span>
                   </span>
+                  {confirming === s.id ? (
+                    <span class="row">
+                      <button type="button" class="danger" data-testid="confirm-delete" onClick={() => remove(s.id)}>
+                        Delete for good
+                      </button>
+                      <button type="button" class="secondary" onClick={() => setConfirming("")}>
+                        Keep
+                      </button>
+                    </span>
+                  ) : (
+                    <button type="button" class="link" data-testid="delete" onClick={() => setConfirming(s.id)} aria-label={`Delete session ${shortId(s.id)}`}>
+                      Delete
+                    </button>
+                  )}
                 </li>
               ))}
             </ul>
@@ -1147,7 +1223,7 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   return (
     <section class="session">
       <div class="session-head">
-        <h1>Session {sessionId.slice(0, 8)}</h1>
+        <h1>Session {shortId(sessionId)}</h1>
         {s && (
           <span
             class={offline ? "badges stale" : "badges"}
