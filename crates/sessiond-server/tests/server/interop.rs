@@ -100,6 +100,33 @@ fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
 }
 
+/// kill -9 of sessiond, its agentctls and so the agent (parent-death
+/// signal), until `agent` is gone; then sessiond again on the same data
+/// and config, once it serves. The killed server stays the caller's: its
+/// drop would end the new server's agentctls.
+async fn kill_all_and_restart(
+    server: &mut Server,
+    data: &Path,
+    config: &str,
+    agent: u32,
+) -> Server {
+    server.kill();
+    for pid in agentctl_pids(data) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while alive(agent) {
+        assert!(Instant::now() < deadline, "agent {agent} still alive");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let server = start(data, &["--config", config]);
+    crate::restart::wait_serving(&server).await;
+    server
+}
+
 async fn get(c: &mut Sessions, task: &str, session: &str) -> pb::Session {
     c.get_session(pb::GetSessionRequest {
         task_id: task.into(),
@@ -265,21 +292,7 @@ async fn python_sdk_agent_tool_call_permission_kill_9_and_session_load() {
 
     // kill -9 of sessiond, its agentctls and so the agent (parent-death
     // signal): only `session/load` in a new agent process can go on.
-    server.kill();
-    for pid in agentctl_pids(&data) {
-        Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status()
-            .unwrap();
-    }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while alive(first.pid) {
-        assert!(Instant::now() < deadline, "agent {} still alive", first.pid);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-
-    let server = start(&data, &["--config", &config]);
-    crate::restart::wait_serving(&server).await;
+    let server = kill_all_and_restart(&mut server, &data, &config, first.pid).await;
     let mut c = sessions(&server).await;
     let now = get(&mut c, &task.id, &s.id).await;
     assert_eq!(
@@ -490,20 +503,7 @@ async fn python_sdk_agent_permission_answered_through_respond_to_permission() {
         .find(|c| c.method == "session/new")
         .unwrap();
 
-    server.kill();
-    for pid in agentctl_pids(&data) {
-        Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status()
-            .unwrap();
-    }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while alive(first.pid) {
-        assert!(Instant::now() < deadline, "agent {} still alive", first.pid);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let server = start(&data, &["--config", &config]);
-    crate::restart::wait_serving(&server).await;
+    let server = kill_all_and_restart(&mut server, &data, &config, first.pid).await;
     let mut c = sessions(&server).await;
 
     let (_, reply) = prompt_and_answer(&mut c, &task.id, &s.id, "again", "reject").await;
@@ -574,21 +574,7 @@ async fn python_sdk_agent_offering_only_session_resume_recovers_after_kill_9() {
     assert_eq!(reply, "turn 1: you said \"hello\" (tool: allowed)");
     let before = list(&mut c, &task.id, &s.id).await;
 
-    server.kill();
-    for pid in agentctl_pids(&data) {
-        Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status()
-            .unwrap();
-    }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while alive(first.pid) {
-        assert!(Instant::now() < deadline, "agent {} still alive", first.pid);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-
-    let server = start(&data, &["--config", &config]);
-    crate::restart::wait_serving(&server).await;
+    let server = kill_all_and_restart(&mut server, &data, &config, first.pid).await;
     let mut c = sessions(&server).await;
     let now = get(&mut c, &task.id, &s.id).await;
     assert_eq!(
@@ -1057,20 +1043,7 @@ async fn python_sdk_agent_config_options_listed_set_and_kept_across_recovery() {
         .into_iter()
         .find(|c| c.method == "session/new")
         .unwrap();
-    server.kill();
-    for pid in agentctl_pids(&data) {
-        Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status()
-            .unwrap();
-    }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while alive(first.pid) {
-        assert!(Instant::now() < deadline, "agent {} still alive", first.pid);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let server = start(&data, &["--config", &config]);
-    crate::restart::wait_serving(&server).await;
+    let server = kill_all_and_restart(&mut server, &data, &config, first.pid).await;
     let mut c = sessions(&server).await;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
