@@ -59,6 +59,17 @@ pub fn is_same_running(pid: u32, start_time: u64) -> bool {
     stat(pid).is_some_and(|s| s.is_running() && s.start_time == start_time)
 }
 
+/// True when `pid`'s command line holds `args` one after the other (checked
+/// after opening a pidfd, so it is the same process that is then signalled).
+pub fn has_arguments(pid: u32, args: &[&str]) -> bool {
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let argv: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+    argv.windows(args.len())
+        .any(|w| w.iter().zip(args).all(|(a, b)| *a == b.as_bytes()))
+}
+
 /// A handle on the process `(pid, start_time)` that stays bound to it: `None`
 /// when that process no longer runs (whatever now holds the pid).
 pub struct OwnedProcess {

@@ -411,8 +411,17 @@ impl StandaloneExecutor {
     }
 
     /// The recorded agentctl, if that very process still runs.
+    /// The recorded agentctl, if it still runs: pid and start time match, and
+    /// its arguments name this executor. The start time counts in 10 ms
+    /// ticks, so two processes started in one tick share it; the executor id
+    /// tells them apart.
     fn recorded_process(handle: &ExecutorHandle) -> Option<OwnedProcess> {
-        OwnedProcess::open(handle.pid?, handle.pid_start_time?)
+        let proc = OwnedProcess::open(handle.pid?, handle.pid_start_time?)?;
+        process::has_arguments(
+            proc.pid(),
+            &["--executor-id", &handle.executor_id.to_string()],
+        )
+        .then_some(proc)
     }
 }
 

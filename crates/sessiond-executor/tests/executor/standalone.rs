@@ -365,6 +365,12 @@ async fn probe_ends_our_hung_agentctl_but_not_a_stranger() {
     let probe = f.driver.probe(&foreign).await.expect("probe");
     assert!(matches!(probe, Probe::NeedsLaunch { .. }), "{probe:?}");
     assert!(stranger.try_wait().expect("try_wait").is_none());
+    // Even one started in the same clock tick as our agentctl (start times
+    // count in 10 ms ticks): it is not agentctl for this executor.
+    foreign.pid_start_time = process::start_time(stranger.id());
+    let probe = f.driver.probe(&foreign).await.expect("probe");
+    assert!(matches!(probe, Probe::NeedsLaunch { .. }), "{probe:?}");
+    assert!(stranger.try_wait().expect("try_wait").is_none());
 
     // Ours, but hung (stopped): it accepts connections and never answers.
     let own = OwnedProcess::open(pid, start_time).expect("ours");
