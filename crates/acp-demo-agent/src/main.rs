@@ -495,7 +495,9 @@ fn log_call(state_dir: &Path, method: &str, session_id: Option<&str>, replayed: 
         .create(true)
         .append(true)
         .open(state_dir.join("calls.log"))
-        .and_then(|mut f| writeln!(f, "{line}"));
+        // One write of the whole line: `writeln!` may split it into several,
+        // and a test reading meanwhile would see half a line.
+        .and_then(|mut f| f.write_all(format!("{line}\n").as_bytes()));
     if let Err(e) = written {
         eprintln!("acp-demo-agent: cannot log {method} to calls.log: {e}");
     }
