@@ -491,7 +491,10 @@ impl SessionManager {
                 self.inner.config.max_attempts,
                 self.inner.launches.place(session),
             )
+            // An ERROR is committed a moment before the last attempt's
+            // progress is dropped: it ended the recovery already.
             && !s.state.is_terminal()
+            && s.state != sessiond_domain::SessionState::Error
         {
             return Ok(status.agent_recovering(progress));
         }

@@ -212,12 +212,14 @@ async fn a_silent_agent_is_cut_retried_and_comes_back_or_fails_after_its_attempt
         let back = w.status(&mgr, comes_back.id).await;
         let other = w.status(&mgr, gives_up.id).await;
         assert_ne!(back.state, SessionState::Error, "{back:?}");
-        // The ERROR is committed a moment before the attempt's progress is
-        // dropped from memory: settled once both are so.
+        // An ERROR ends the recovery: never shown together with progress.
+        assert!(
+            other.state != SessionState::Error || other.agent_recovery.is_none(),
+            "{other:?}"
+        );
         if back.is_agent_running
             && back.agent_recovery.is_none()
             && other.state == SessionState::Error
-            && other.agent_recovery.is_none()
         {
             let why = other.error_message.unwrap_or_default();
             assert!(
