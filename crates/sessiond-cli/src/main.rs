@@ -70,6 +70,13 @@ enum Command {
     Retry(RetryArgs),
     /// Cancel the session's turn in progress; the reply so far is kept.
     Cancel(SessionRef),
+    /// Take a queued message off the session's queue before it is sent
+    /// (`session status` lists the queue).
+    Unqueue {
+        #[command(flatten)]
+        session: SessionRef,
+        message_id: String,
+    },
     /// Answer a permission request of the agent (profile policy `ask`;
     /// `session status` lists the pending ones) with one of its options.
     Permission {
@@ -233,6 +240,9 @@ struct SendArgs {
     /// Give up waiting for the reply after this many seconds.
     #[arg(long, default_value_t = 300)]
     timeout_secs: u64,
+    /// Fail while a turn runs instead of queueing the message behind it.
+    #[arg(long)]
+    no_queue: bool,
     #[command(flatten)]
     answer: AnswerArgs,
 }
@@ -467,6 +477,23 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .await?
                 .into_inner();
             out.cancelled(&s.session_id, r.cancelled);
+        }
+        Command::Unqueue {
+            session,
+            message_id,
+        } => {
+            let r = c
+                .sessions
+                .cancel_queued_message(pb::CancelQueuedMessageRequest {
+                    task_id: session.task.task,
+                    session_id: session.session_id.clone(),
+                    message_id,
+                })
+                .await?
+                .into_inner();
+            if let Some(q) = r.cancelled {
+                out.unqueued(&q);
+            }
         }
         Command::Permission {
             session,
@@ -829,13 +856,18 @@ async fn send(c: &mut Clients, out: &Out, args: SendArgs) -> anyhow::Result<()> 
             task_id: task_id.clone(),
             session_id: session_id.clone(),
             content: args.text,
+            no_queue: args.no_queue,
         })
         .await?
         .into_inner();
+    if let Some(q) = &sent.queued {
+        out.queued(q);
+    }
     let turn = Turn {
         task_id,
         session_id,
         sent: sent.message,
+        queued: sent.queued,
         no_wait: args.no_wait,
         timeout_secs: args.timeout_secs,
         answer: args.answer,
@@ -863,6 +895,7 @@ async fn retry(c: &mut Clients, out: &Out, args: RetryArgs) -> anyhow::Result<()
         task_id,
         session_id,
         sent: sent.message,
+        queued: None,
         no_wait: args.no_wait,
         timeout_secs: args.timeout_secs,
         answer: args.answer,
@@ -876,6 +909,8 @@ struct Turn {
     session_id: String,
     /// The user message that started it.
     sent: Option<pb::Message>,
+    /// Or the queued message that starts it once delivered (same id).
+    queued: Option<pb::QueuedMessage>,
     no_wait: bool,
     timeout_secs: u64,
     answer: AnswerArgs,
@@ -971,6 +1006,7 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
         task_id,
         session_id,
         sent,
+        queued,
         no_wait,
         timeout_secs,
         answer,
@@ -981,8 +1017,13 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
         }
         return Ok(());
     }
-    let user_seq = sent.as_ref().map_or(0, |m| m.seq);
-    let user_id = sent.as_ref().map(|m| m.id.clone()).unwrap_or_default();
+    // A queued message's turn: nothing before its delivery is ours.
+    let mut user_seq = sent.as_ref().map_or(i64::MAX, |m| m.seq);
+    let user_id = sent
+        .as_ref()
+        .map(|m| m.id.clone())
+        .or_else(|| queued.as_ref().map(|q| q.id.clone()))
+        .unwrap_or_default();
     // Replays the session's events, then tails: everything after our own
     // message.added belongs to this turn.
     let mut events = c
@@ -1019,6 +1060,7 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
                 if m.id == user_id =>
             {
                 in_turn = true;
+                user_seq = m.seq;
             }
             // The turn's usage, stored on the user message as the turn ends.
             Some(pb::event::Payload::MessageUpdated(pb::MessageUpdated { message: Some(m) }))

@@ -501,12 +501,19 @@ fn event_json(e: &pb::Event) -> Value {
             "request_id": p.request_id, "outcome": p.outcome,
             "option_id": p.option_id, "reason": p.reason,
         }),
+        Some(Payload::QueueChanged(p)) => json!({
+            "queued": p.queued.iter().map(queued_json).collect::<Vec<_>>(),
+        }),
         None => Value::Null,
     };
     json!({
         "session_id": e.session_id, "task_id": e.task_id, "seq": e.seq, "task_seq": e.task_seq,
         "kind": e.kind, "created_at": ts(e.created_at.as_ref()), "payload": payload,
     })
+}
+
+fn queued_json(q: &pb::QueuedMessage) -> Value {
+    json!({"id": q.id, "content": q.content, "queued_at": ts(q.queued_at.as_ref())})
 }
 
 fn modes_json(m: &pb::SessionModes) -> Value {
@@ -675,6 +682,7 @@ impl Out {
                 "config_options": s.config_options.iter().map(config_json).collect::<Vec<_>>(),
                 "pending_permissions": s.pending_permissions.iter().map(permission_json).collect::<Vec<_>>(),
                 "usage": s.usage.as_ref().map(usage_json),
+                "queued_messages": s.queued_messages.iter().map(queued_json).collect::<Vec<_>>(),
             }));
             return;
         }
@@ -721,6 +729,35 @@ impl Out {
                 "permission        {} asks: {}",
                 p.request_id,
                 permission_line(p)
+            );
+        }
+        for q in &s.queued_messages {
+            println!("queued            {} {}", q.id, one_line(&q.content, 80));
+        }
+    }
+
+    /// A message SendMessage queued behind the running turn.
+    pub fn queued(&self, q: &pb::QueuedMessage) {
+        if self.json {
+            self.print_json(json!({"queued": queued_json(q)}));
+        } else {
+            eprintln!(
+                "a turn is running: message {} is queued and goes to the agent after it \
+                 (`sessionctl unqueue` takes it back)",
+                q.id
+            );
+        }
+    }
+
+    /// A queued message taken back.
+    pub fn unqueued(&self, q: &pb::QueuedMessage) {
+        if self.json {
+            self.print_json(json!({"cancelled": queued_json(q)}));
+        } else {
+            println!(
+                "message {} is off the queue: {}",
+                q.id,
+                one_line(&q.content, 80)
             );
         }
     }
@@ -859,6 +896,10 @@ impl Out {
                 }
                 s
             }
+            Some(Payload::QueueChanged(p)) => match p.queued.len() {
+                0 => "queue empty".to_owned(),
+                n => format!("{n} queued, next {}", p.queued[0].id),
+            },
             None => String::new(),
         };
         println!(

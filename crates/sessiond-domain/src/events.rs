@@ -37,6 +37,8 @@ pub enum EventKind {
     PermissionRequested,
     /// `session.permission.resolved`: a permission request stopped waiting.
     PermissionResolved,
+    /// `session.queue_changed`: a message was queued, delivered or cancelled.
+    QueueChanged,
 }
 
 impl EventKind {
@@ -52,6 +54,7 @@ impl EventKind {
         EventKind::ConversationReplaced,
         EventKind::PermissionRequested,
         EventKind::PermissionResolved,
+        EventKind::QueueChanged,
     ];
 
     /// The wire name, as stored and as clients filter on
@@ -68,6 +71,7 @@ impl EventKind {
             EventKind::ConversationReplaced => "session.conversation_replaced",
             EventKind::PermissionRequested => "session.permission.requested",
             EventKind::PermissionResolved => "session.permission.resolved",
+            EventKind::QueueChanged => "session.queue_changed",
         }
     }
 
@@ -171,6 +175,10 @@ pub enum EventPayload {
         /// Why (timeouts and cancels).
         reason: Option<String>,
     },
+    /// The session's queue of messages waiting for the running turn
+    /// changed (one queued, delivered or cancelled): the whole queue as it
+    /// is now, oldest first.
+    QueueChanged(Vec<crate::QueuedMessage>),
 }
 
 impl EventPayload {
@@ -187,6 +195,7 @@ impl EventPayload {
             EventPayload::ConversationReplaced { .. } => EventKind::ConversationReplaced,
             EventPayload::PermissionRequested(_) => EventKind::PermissionRequested,
             EventPayload::PermissionResolved { .. } => EventKind::PermissionResolved,
+            EventPayload::QueueChanged(_) => EventKind::QueueChanged,
         }
     }
 }

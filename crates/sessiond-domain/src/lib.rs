@@ -9,6 +9,7 @@
 pub mod entities;
 pub mod events;
 pub mod ids;
+pub mod queue;
 pub mod recovery;
 pub mod states;
 pub mod status;
@@ -23,6 +24,7 @@ pub use entities::{
 };
 pub use events::{Event, EventKind, EventPayload};
 pub use ids::{AgentProfileId, ExecutorId, IdParseError, MessageId, SessionId, TaskId};
+pub use queue::QueuedMessage;
 pub use recovery::{
     Action, MAX_STEPS, Observation, OutcomeLabel, Recovery, RecoveryFailure, RecoveryInput,
     RecoveryOutcome, ResumePolicy, SurvivingAgent, UnexpectedObservation,

@@ -200,6 +200,8 @@ pub struct SessionStatus {
     pub agent_recovery: Option<AgentRecovery>,
     /// What the session's turns used and cost (kept in its metadata).
     pub usage: crate::UsageTotals,
+    /// Messages waiting for the running turn to end, oldest first.
+    pub queued: Vec<crate::QueuedMessage>,
 }
 
 /// Where the relaunch of a session's agent stands while recovery brings it
@@ -393,6 +395,7 @@ pub fn session_status(
         recovering: false,
         agent_recovery: None,
         usage: crate::UsageTotals::from_metadata(&session.metadata),
+        queued: crate::queue::queued(&session.metadata),
     }
 }
 

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use sessiond_domain::{SessionId, SessionState, TaskId};
+use sessiond_domain::{MessageId, SessionId, SessionState, TaskId};
 
 /// `Result` with this crate's [`Error`] as the default error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -217,6 +217,18 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// The queued message was delivered already: its turn started.
+    #[error(
+        "message {message_id} of session {session_id} was delivered already: its turn started \
+         (cancel the turn with CancelTurn instead)"
+    )]
+    AlreadyDelivered {
+        /// The session.
+        session_id: SessionId,
+        /// The queued message (now the turn's user message).
+        message_id: MessageId,
+    },
+
     /// A configured limit is reached (`limit` is its configuration key).
     #[error("{what}: the limit of {max} ({limit}) is reached; {hint}")]
     LimitReached {
@@ -283,6 +295,7 @@ impl Error {
             | Error::InvalidState { .. }
             | Error::AgentNotRunning { .. }
             | Error::TurnNotInterrupted { .. }
+            | Error::AlreadyDelivered { .. }
             | Error::PermissionResolved { .. }
             | Error::ResumeFailed { .. } => ErrorKind::FailedPrecondition,
             Error::Conflict { .. } => ErrorKind::Aborted,

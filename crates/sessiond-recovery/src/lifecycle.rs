@@ -458,6 +458,15 @@ impl SessionManager {
             let session = self.inner.store.get_session(session_id).await?;
             self.check_can_start_turn(&session, "send a message")
                 .await?;
+            if crate::message_queue::queued_ahead(&session) {
+                return Err(Error::InvalidState {
+                    session_id,
+                    state: session.state,
+                    action: "send a message without queueing it",
+                    hint: "messages queued earlier wait to be delivered first; queue this one too, \
+                           or cancel them",
+                });
+            }
             self.start_turn(session, text).await
         }
         .await;
@@ -794,7 +803,11 @@ impl SessionManager {
     }
 
     /// A turn can start only on a session waiting for input.
-    async fn check_can_start_turn(&self, session: &Session, action: &'static str) -> Result<()> {
+    pub(crate) async fn check_can_start_turn(
+        &self,
+        session: &Session,
+        action: &'static str,
+    ) -> Result<()> {
         let session_id = session.id;
         match session.state {
             SessionState::WaitingForInput => {}
@@ -827,7 +840,19 @@ impl SessionManager {
 
     /// Stores user message `text`, session RUNNING, then the Prompt. The
     /// caller holds the session lock and checked the state.
-    async fn start_turn(&self, session: Session, text: &str) -> Result<Message> {
+    pub(crate) async fn start_turn(&self, session: Session, text: &str) -> Result<Message> {
+        self.start_turn_as(session, text, None).await
+    }
+
+    /// [`Self::start_turn`]; `from_queue`: the queued message this turn
+    /// delivers, taken off the queue in the commit that starts the turn
+    /// (its id becomes the user message's), so it is delivered once.
+    pub(crate) async fn start_turn_as(
+        &self,
+        session: Session,
+        text: &str,
+        from_queue: Option<MessageId>,
+    ) -> Result<Message> {
         let session_id = session.id;
         let execution = self.execution(session_id);
         let Some(execution) = execution.filter(|e| {
@@ -839,7 +864,7 @@ impl SessionManager {
 
         let now = Utc::now();
         let message = Message {
-            id: MessageId::new(),
+            id: from_queue.unwrap_or_default(),
             session_id,
             task_id: session.task_id,
             role: MessageRole::User,
@@ -875,7 +900,15 @@ impl SessionManager {
         }
         // A new turn: the interrupted one before it can no longer be retried.
         running.metadata.remove(INTERRUPTED_TURN_KEY);
-        let mut change = Changeset::new()
+        let mut change = Changeset::new();
+        if let Some(id) = from_queue {
+            sessiond_domain::queue::remove(&mut running.metadata, id);
+            change = change.event(
+                session_id,
+                EventPayload::QueueChanged(sessiond_domain::queue::queued(&running.metadata)),
+            );
+        }
+        let mut change = change
             .add_message(message.clone())
             .event(session_id, EventPayload::MessageAdded(message.clone()))
             .update_session(running);

@@ -795,6 +795,9 @@ impl SessionManager {
         }
         self.snapshot_committed(committed);
         self.inner.bus.publish(&committed.events);
+        if let Some(session) = &committed.session {
+            self.queue_after_commit(session);
+        }
     }
 
     /// Serializes state changes of one session within this manager.
@@ -829,13 +832,24 @@ impl SessionManager {
     }
 
     pub(crate) fn cache_update(&self, session: SessionId, f: impl FnOnce(&mut Execution)) {
-        let running = match lock(&self.inner.cache).get_mut(&session) {
+        let (was_running, running) = match lock(&self.inner.cache).get_mut(&session) {
             Some(e) => {
+                let was = e.agent == AgentProcessState::Running;
                 f(e);
-                e.agent == AgentProcessState::Running
+                (was, e.agent == AgentProcessState::Running)
             }
-            None => false,
+            None => (false, false),
         };
+        // The agent is back: messages queued while it was away can go.
+        if running && !was_running {
+            let queued = lock(&self.inner.status)
+                .entries
+                .get(&session)
+                .is_some_and(|e| !sessiond_domain::queue::is_empty(&e.session.metadata));
+            if queued {
+                self.kick_queue(session);
+            }
+        }
         // An agent that stopped (or is starting again) takes its modes
         // along; one now running keeps what its conversation's opening
         // answered (`new_conversation`, `load_conversation`).

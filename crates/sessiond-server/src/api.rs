@@ -18,7 +18,7 @@ use sessiond_domain::{
 };
 use sessiond_executor::{AgentctlClient, ClientConfig};
 use sessiond_proto::{agentctl::v1 as apb, sessiond::v1 as pb};
-use sessiond_recovery::{EndReason, NewSession, RemoteAgentctl, SessionManager};
+use sessiond_recovery::{EndReason, NewSession, RemoteAgentctl, Sent, SessionManager};
 use sessiond_store::Store;
 use tonic::{Request, Response, Status};
 
@@ -922,12 +922,59 @@ impl pb::session_service_server::SessionService for Api {
                     let r = o.sessions().send_message(o.request(req)).await;
                     return self.forwarded(&o, r).await;
                 }
-                let message = self
+                if req.no_queue {
+                    let message = self
+                        .manager
+                        .send_message(task, session, &req.content)
+                        .await?;
+                    return Ok(pb::SendMessageResponse {
+                        message: Some(convert::message(&message)),
+                        queued: None,
+                    });
+                }
+                Ok(
+                    match self
+                        .manager
+                        .send_or_queue(task, session, &req.content)
+                        .await?
+                    {
+                        Sent::Started(m) => pb::SendMessageResponse {
+                            message: Some(convert::message(&m)),
+                            queued: None,
+                        },
+                        Sent::Queued(q) => pb::SendMessageResponse {
+                            message: None,
+                            queued: Some(convert::queued_message(&q)),
+                        },
+                    },
+                )
+            }
+            .await,
+        )
+    }
+
+    async fn cancel_queued_message(
+        &self,
+        request: Request<pb::CancelQueuedMessageRequest>,
+    ) -> Result<Response<pb::CancelQueuedMessageResponse>, Status> {
+        let origin = Origin::of(&request);
+        let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
+        reply(
+            async {
+                let (task, session) = ids(&req.task_id, &req.session_id)?;
+                let message = MessageId::parse(&req.message_id)?;
+                if let Some(o) = self.route(session, &origin).await? {
+                    let r = o.sessions().cancel_queued_message(o.request(req)).await;
+                    return self.forwarded(&o, r).await;
+                }
+                let cancelled = self
                     .manager
-                    .send_message(task, session, &req.content)
+                    .cancel_queued_message(task, session, message)
                     .await?;
-                Ok(pb::SendMessageResponse {
-                    message: Some(convert::message(&message)),
+                Ok(pb::CancelQueuedMessageResponse {
+                    cancelled: Some(convert::queued_message(&cancelled)),
                 })
             }
             .await,

@@ -138,6 +138,11 @@ bounded! { max_message_bytes =>
         message_id: MAX_ID_BYTES,
     };
     CancelTurnRequest { task_id: MAX_ID_BYTES, session_id: MAX_ID_BYTES };
+    CancelQueuedMessageRequest {
+        task_id: MAX_ID_BYTES,
+        session_id: MAX_ID_BYTES,
+        message_id: MAX_ID_BYTES,
+    };
     ListMessagesRequest { task_id: MAX_ID_BYTES, session_id: MAX_ID_BYTES };
     StopSessionRequest { task_id: MAX_ID_BYTES, session_id: MAX_ID_BYTES };
     DeleteSessionRequest { task_id: MAX_ID_BYTES, session_id: MAX_ID_BYTES };
@@ -190,6 +195,7 @@ mod tests {
         SendMessageRequest,
         RetryTurnRequest,
         CancelTurnRequest,
+        CancelQueuedMessageRequest,
         ListMessagesRequest,
         StopSessionRequest,
         DeleteSessionRequest,

@@ -431,6 +431,15 @@ pub fn status(s: &SessionStatus) -> pb::GetSessionStatusResponse {
         agent_recovery: s.agent_recovery.as_ref().map(agent_recovery),
         usage: Some(usage_totals(&s.usage)),
         config_options: Vec::new(),
+        queued_messages: s.queued.iter().map(queued_message).collect(),
+    }
+}
+
+pub fn queued_message(q: &sessiond_domain::QueuedMessage) -> pb::QueuedMessage {
+    pb::QueuedMessage {
+        id: q.id.to_string(),
+        content: q.content.clone(),
+        queued_at: Some(timestamp(q.queued_at)),
     }
 }
 
@@ -609,6 +618,9 @@ pub fn event(e: &Event) -> pb::Event {
             outcome: outcome.clone(),
             option_id: option_id.clone().unwrap_or_default(),
             reason: reason.clone().unwrap_or_default(),
+        }),
+        EventPayload::QueueChanged(queued) => Payload::QueueChanged(pb::QueueChanged {
+            queued: queued.iter().map(queued_message).collect(),
         }),
     };
     pb::Event {

@@ -205,6 +205,7 @@ fn recovery_code(e: &sessiond_recovery::Error) -> (Code, &'static str) {
         E::InvalidState { .. } => "invalid_state",
         E::AgentNotRunning { .. } => "agent_not_running",
         E::TurnNotInterrupted { .. } => "turn_not_interrupted",
+        E::AlreadyDelivered { .. } => "already_delivered",
         E::PermissionNotFound { .. } => "permission_not_found",
         E::PermissionResolved { .. } => "permission_resolved",
         E::ResumeFailed { .. } => "resume_failed",

@@ -624,6 +624,13 @@ pub(crate) fn encode_payload(p: &EventPayload) -> Value {
             "option_id": option_id,
             "reason": reason,
         }),
+        EventPayload::QueueChanged(queued) => json!({
+            "queued": queued.iter().map(|q| json!({
+                "id": q.id.to_string(),
+                "content": q.content,
+                "queued_at": Ts::new(q.queued_at).0.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            })).collect::<Vec<_>>(),
+        }),
     }
 }
 
@@ -682,6 +689,20 @@ fn decode_payload(kind: EventKind, v: &Value) -> Result<EventPayload, String> {
             option_id: opt_string(v, "option_id")?,
             reason: opt_string(v, "reason")?,
         },
+        EventKind::QueueChanged => EventPayload::QueueChanged(
+            field(v, "queued")?
+                .as_array()
+                .ok_or("field \"queued\" is not an array")?
+                .iter()
+                .map(|q| {
+                    Ok(sessiond_domain::QueuedMessage {
+                        id: parse_field(q, "id", MessageId::parse)?,
+                        content: string(q, "content")?.to_owned(),
+                        queued_at: parse_field(q, "queued_at", parse_time)?,
+                    })
+                })
+                .collect::<Result<_, String>>()?,
+        ),
     })
 }
 
@@ -967,6 +988,12 @@ mod tests {
                 resume_token: "b".into(),
                 reason: "not found".into(),
             },
+            EventPayload::QueueChanged(Vec::new()),
+            EventPayload::QueueChanged(vec![sessiond_domain::QueuedMessage {
+                id: MessageId::new(),
+                content: "next \"one\"".into(),
+                queued_at: crate::conn::now(),
+            }]),
         ];
         for p in payloads {
             let text = encode_payload(&p).to_string();

@@ -21,6 +21,7 @@ mod interop;
 mod metrics;
 mod ops;
 mod permissions;
+mod queued;
 mod replica_crashloop;
 mod replicas;
 mod restart;

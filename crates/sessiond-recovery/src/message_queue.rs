@@ -1,0 +1,265 @@
+//! Messages sent while a turn runs: queued in the session's metadata
+//! (`sessiond_domain::queue`), delivered one turn at a time.
+//!
+//! Delivery is driven by what the session becomes, not by who ended the
+//! turn: every commit that leaves a session waiting for input with messages
+//! queued, and every moment its agent is seen running again, *kicks* the
+//! queue. A kick takes the session lock, reads the session, and starts the
+//! first queued message's turn only if the session still waits for input
+//! and its agent runs; taking the message off the queue is part of the
+//! commit that starts the turn. So concurrent kicks deliver it once, and a
+//! crash before that commit leaves it queued for the next kick (recovery
+//! commits the session, which kicks). A session that ended drops its queue
+//! with a system message saying what was not sent.
+
+use chrono::Utc;
+use sessiond_domain::{
+    EventPayload, Message, MessageId, MessageKind, MessageRole, QueuedMessage, Session, SessionId,
+    SessionState, TaskId,
+    queue::{self, MAX_QUEUED},
+};
+use sessiond_store::Changeset;
+
+use crate::{Error, Result, SessionManager};
+
+/// The text of all queued messages of a session, at most (1 MiB): the
+/// queue is kept in the session's row.
+pub const MAX_QUEUED_BYTES: usize = 1024 * 1024;
+
+/// What SendMessage did with a message.
+#[derive(Debug, Clone)]
+pub enum Sent {
+    /// Its turn started: the stored user message.
+    Started(Message),
+    /// A turn runs (or messages wait ahead of it): queued.
+    Queued(QueuedMessage),
+}
+
+impl SessionManager {
+    /// Sends `text` as [`SessionManager::send_message`] does when the
+    /// session waits for input; while a turn runs, or while messages already
+    /// wait, queues it instead (delivered in order, once, after the running
+    /// turn; kept across restarts). RESOURCE_EXHAUSTED when the queue is
+    /// full.
+    ///
+    /// # Errors
+    ///
+    /// As [`SessionManager::send_message`], and [`Error::LimitReached`] for a
+    /// full queue.
+    pub async fn send_or_queue(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        text: &str,
+    ) -> Result<Sent> {
+        if text.trim().is_empty() {
+            return Err(Error::InvalidArgument("the message is empty".into()));
+        }
+        let early = self.precede_pass(session_id);
+        self.check_task(task, session_id).await?;
+        let _ahead = self.recover_ahead(session_id).await?;
+        drop(early);
+        let guard = self.lock_session(session_id).await;
+        let sent = async {
+            let session = self.inner.store.get_session(session_id).await?;
+            if waits_behind_a_turn(&session) {
+                return self.enqueue(session, text).await.map(Sent::Queued);
+            }
+            self.check_can_start_turn(&session, "send a message")
+                .await?;
+            self.start_turn(session, text).await.map(Sent::Started)
+        }
+        .await;
+        drop(guard);
+        match sent {
+            Err(e) => Err(self.unless_lost(session_id, e).await),
+            ok => ok,
+        }
+    }
+
+    /// Takes queued message `id` off `session_id`'s queue.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotFound`] when it is not queued, [`Error::AlreadyDelivered`]
+    /// when its turn started already.
+    pub async fn cancel_queued_message(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        id: MessageId,
+    ) -> Result<QueuedMessage> {
+        self.check_task(task, session_id).await?;
+        let _guard = self.lock_session(session_id).await;
+        let session = self.inner.store.get_session(session_id).await?;
+        let mut next = session.clone();
+        let Some(cancelled) = queue::remove(&mut next.metadata, id) else {
+            if self
+                .inner
+                .store
+                .get_message(session_id, id)
+                .await?
+                .is_some()
+            {
+                return Err(Error::AlreadyDelivered {
+                    session_id,
+                    message_id: id,
+                });
+            }
+            return Err(Error::NotFound {
+                entity: "queued message",
+                id: format!("{id} (in session {session_id})"),
+            });
+        };
+        next.updated_at = Utc::now();
+        let queued = queue::queued(&next.metadata);
+        let change = Changeset::new()
+            .update_session(next)
+            .event(session_id, EventPayload::QueueChanged(queued));
+        if let Err(e) = self.commit(change).await {
+            return Err(self.unless_lost(session_id, e).await);
+        }
+        tracing::info!(session = %session_id, message = %id, "queued message cancelled");
+        Ok(cancelled)
+    }
+
+    /// Appends `text` to the session's queue. The caller holds the lock.
+    async fn enqueue(&self, session: Session, text: &str) -> Result<QueuedMessage> {
+        let session_id = session.id;
+        let waiting = queue::queued(&session.metadata);
+        if waiting.len() >= MAX_QUEUED {
+            return Err(Error::LimitReached {
+                limit: "queued messages per session",
+                max: MAX_QUEUED,
+                what: "queued messages",
+                hint: "wait for the running turn to end, or cancel a queued message",
+            });
+        }
+        if queue::queued_bytes(&session.metadata) + text.len() > MAX_QUEUED_BYTES {
+            return Err(Error::LimitReached {
+                limit: "bytes of queued text per session",
+                max: MAX_QUEUED_BYTES,
+                what: "queued text",
+                hint: "wait for the running turn to end, or cancel a queued message",
+            });
+        }
+        let entry = QueuedMessage {
+            id: MessageId::new(),
+            content: text.to_owned(),
+            queued_at: Utc::now(),
+        };
+        let mut next = session;
+        queue::enqueue(&mut next.metadata, &entry);
+        next.updated_at = entry.queued_at;
+        let queued = queue::queued(&next.metadata);
+        let place = queued.len();
+        let change = Changeset::new()
+            .update_session(next)
+            .event(session_id, EventPayload::QueueChanged(queued));
+        self.commit(change).await?;
+        tracing::info!(session = %session_id, message = %entry.id, place, "message queued behind the running turn");
+        Ok(entry)
+    }
+
+    /// After a commit: `session` may have a queued message to deliver now
+    /// (or a queue to drop, if it ended).
+    pub(crate) fn queue_after_commit(&self, session: &Session) {
+        if queue::is_empty(&session.metadata) {
+            return;
+        }
+        let deliverable = session.state == SessionState::WaitingForInput;
+        if deliverable || session.state.is_terminal() {
+            self.kick_queue(session.id);
+        }
+    }
+
+    /// Delivers the first queued message of `session_id` (or drops the queue
+    /// of an ended session) on a task of its own, if it can now.
+    pub(crate) fn kick_queue(&self, session_id: SessionId) {
+        let me = self.clone();
+        self.spawn_background(async move {
+            if let Err(e) = me.deliver_queued(session_id).await {
+                tracing::warn!(session = %session_id, error = %e, "queued message not delivered yet");
+            }
+        });
+    }
+
+    async fn deliver_queued(&self, session_id: SessionId) -> Result<()> {
+        if !self.owns(session_id) {
+            return Ok(());
+        }
+        let _guard = self.lock_session(session_id).await;
+        let session = match self.inner.store.get_session(session_id).await {
+            Ok(s) => s,
+            Err(sessiond_store::Error::NotFound { .. }) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        let Some(first) = queue::queued(&session.metadata).into_iter().next() else {
+            return Ok(());
+        };
+        if session.state.is_terminal() {
+            return self.drop_queue(session).await;
+        }
+        let agent_runs = self.execution(session_id).is_some_and(|e| {
+            e.record.status == sessiond_domain::ExecutorStatus::Ready
+                && e.agent == sessiond_domain::AgentProcessState::Running
+        });
+        if session.state != SessionState::WaitingForInput || !agent_runs {
+            // A later commit, or the agent seen running again, kicks again.
+            return Ok(());
+        }
+        tracing::info!(session = %session_id, message = %first.id, "delivering a queued message");
+        self.start_turn_as(session, &first.content, Some(first.id))
+            .await
+            .map(|_| ())
+    }
+
+    /// The session ended with messages queued: they are dropped, and a
+    /// system message says which were not sent.
+    async fn drop_queue(&self, session: Session) -> Result<()> {
+        let session_id = session.id;
+        let mut next = session;
+        let dropped = queue::clear(&mut next.metadata);
+        let now = Utc::now();
+        next.updated_at = now;
+        let note = Message {
+            id: MessageId::new(),
+            session_id,
+            task_id: next.task_id,
+            role: MessageRole::System,
+            content: format!(
+                "{} queued message(s) were not sent: the session ended ({})",
+                dropped.len(),
+                next.state
+            ),
+            kind: MessageKind::Text,
+            data: String::new(),
+            seq: 0,
+            complete: true,
+            created_at: now,
+            updated_at: now,
+        };
+        let change = Changeset::new()
+            .update_session(next)
+            .add_message(note.clone())
+            .event(session_id, EventPayload::QueueChanged(Vec::new()))
+            .event(session_id, EventPayload::MessageAdded(note));
+        self.commit(change).await?;
+        Ok(())
+    }
+}
+
+/// The session has a turn running, or messages waiting ahead: a new
+/// message goes to the back of the queue.
+fn waits_behind_a_turn(session: &Session) -> bool {
+    match session.state {
+        SessionState::Running => true,
+        SessionState::WaitingForInput => !queue::is_empty(&session.metadata),
+        _ => false,
+    }
+}
+
+/// Whether SendMessage without a queue must refuse because messages wait.
+pub(crate) fn queued_ahead(session: &Session) -> bool {
+    session.state == SessionState::WaitingForInput && !queue::is_empty(&session.metadata)
+}

@@ -1,0 +1,276 @@
+//! Messages sent while a turn runs are queued and delivered one turn at a
+//! time, in order, each once — also across `kill -9` of sessiond (real
+//! sessiond, agentctl and demo agent; the agent's side-effect file records
+//! every prompt it ran, a gate file holds its turn).
+
+use std::{path::Path, time::Duration};
+
+use sessiond_proto::sessiond::v1 as pb;
+use tonic::Code;
+
+use crate::{restart::wait_serving, support::*};
+
+/// A config with profile `gated`: the demo agent appends each prompt to
+/// `side` and then waits while `gate` exists.
+fn gated_config(root: &Path, side: &Path, gate: &Path) -> String {
+    let config = root.join("sessiond.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[agents]]\nname = \"gated\"\ncommand = \"{}\"\n\
+             env = {{ ACP_DEMO_STATE_DIR = \"{}\", ACP_DEMO_SIDE_EFFECT_FILE = \"{}\", \
+             ACP_DEMO_GATE_FILE = \"{}\" }}\n",
+            bin("acp-demo-agent").display(),
+            root.join("demo-state").display(),
+            side.display(),
+            gate.display(),
+        ),
+    )
+    .unwrap();
+    config.display().to_string()
+}
+
+fn lines(path: &Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+async fn until_lines(path: &Path, n: usize) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while lines(path).len() < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent ran {:?}, waiting for {n} prompts",
+            lines(path)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn send(task: &str, session: &str, text: &str) -> pb::SendMessageRequest {
+    pb::SendMessageRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+        content: text.into(),
+        no_queue: false,
+    }
+}
+
+async fn status(c: &mut Sessions, task: &str, session: &str) -> pb::GetSessionStatusResponse {
+    c.get_session_status(pb::GetSessionStatusRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+}
+
+fn cancel(task: &str, session: &str, id: &str) -> pb::CancelQueuedMessageRequest {
+    pb::CancelQueuedMessageRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+        message_id: id.into(),
+    }
+}
+
+fn reason(status: &tonic::Status) -> String {
+    status
+        .metadata()
+        .get("sessiond-error")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default()
+}
+
+/// The user messages of the session, in order: (id, content).
+async fn user_messages(c: &mut Sessions, task: &str, session: &str) -> Vec<(String, String)> {
+    c.list_messages(pb::ListMessagesRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .messages
+    .into_iter()
+    .filter(|m| m.role == pb::MessageRole::User as i32)
+    .map(|m| (m.id, m.content))
+    .collect()
+}
+
+#[tokio::test]
+async fn messages_sent_during_a_turn_are_queued_and_delivered_in_order_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (side, gate) = (root.join("side.txt"), root.join("gate"));
+    let config = gated_config(root, &side, &gate);
+    let server = start(&root.join("data"), &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let work = root.join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let task = create_task(&mut c, "queue").await;
+    let s = create_session(&mut c, &task.id, &work, "gated").await;
+
+    std::fs::write(&gate, "").unwrap();
+    let one = c
+        .send_message(send(&task.id, &s.id, "one"))
+        .await
+        .unwrap()
+        .into_inner();
+    let one = one.message.expect("a turn started at once");
+    until_lines(&side, 1).await;
+
+    // A turn runs: queued, in order, listed in the status.
+    let mut queued = Vec::new();
+    for text in ["two", "three", "four"] {
+        let r = c
+            .send_message(send(&task.id, &s.id, text))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(r.message.is_none(), "{r:?}");
+        let q = r.queued.expect("queued");
+        assert_eq!(q.content, text);
+        queued.push(q);
+    }
+    let st = status(&mut c, &task.id, &s.id).await;
+    let listed: Vec<&str> = st
+        .queued_messages
+        .iter()
+        .map(|q| q.content.as_str())
+        .collect();
+    assert_eq!(listed, ["two", "three", "four"]);
+
+    // Who asks not to queue is refused, and nothing is stored.
+    let mut refused = send(&task.id, &s.id, "never");
+    refused.no_queue = true;
+    let err = c.send_message(refused).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert_eq!(reason(&err), "invalid_state");
+
+    // "three" is taken back; taking it again finds nothing.
+    let taken = c
+        .cancel_queued_message(cancel(&task.id, &s.id, &queued[1].id))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(taken.cancelled.unwrap().content, "three");
+    let err = c
+        .cancel_queued_message(cancel(&task.id, &s.id, &queued[1].id))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+
+    // The gate opens: "one", then "two", then "four", one turn each.
+    std::fs::remove_file(&gate).unwrap();
+    turn_end(&mut c, &s.id, &queued[2].id).await;
+    assert_eq!(lines(&side), ["one", "two", "four"]);
+    let users = user_messages(&mut c, &task.id, &s.id).await;
+    assert_eq!(
+        users,
+        [
+            (one.id.clone(), "one".to_owned()),
+            (queued[0].id.clone(), "two".to_owned()),
+            (queued[2].id.clone(), "four".to_owned()),
+        ],
+        "each queued message became the user message of its turn, with its id"
+    );
+    assert!(
+        status(&mut c, &task.id, &s.id)
+            .await
+            .queued_messages
+            .is_empty()
+    );
+    let err = c
+        .cancel_queued_message(cancel(&task.id, &s.id, &queued[0].id))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert_eq!(reason(&err), "already_delivered");
+
+    // Watchers saw the queue change as it happened.
+    let events = replayed_events(&mut c, &s.id).await;
+    let sizes: Vec<usize> = events
+        .iter()
+        .filter_map(|e| match &e.payload {
+            Some(pb::event::Payload::QueueChanged(q)) => Some(q.queued.len()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        sizes,
+        [1, 2, 3, 2, 1, 0],
+        "queued ×3, cancelled, delivered ×2"
+    );
+}
+
+/// sessiond is killed while a turn runs with a message queued behind it;
+/// the turn ends while sessiond is down. The restarted sessiond delivers the
+/// queued message once; another `kill -9` after that delivers nothing again.
+#[tokio::test]
+async fn a_queued_message_survives_kill_9_of_sessiond_and_is_delivered_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (side, gate) = (root.join("side.txt"), root.join("gate"));
+    let config = gated_config(root, &side, &gate);
+    let data = root.join("data");
+    let mut server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let work = root.join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let task = create_task(&mut c, "queue across a crash").await;
+    let s = create_session(&mut c, &task.id, &work, "gated").await;
+
+    std::fs::write(&gate, "").unwrap();
+    c.send_message(send(&task.id, &s.id, "one"))
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .expect("started");
+    until_lines(&side, 1).await;
+    let two = c
+        .send_message(send(&task.id, &s.id, "two"))
+        .await
+        .unwrap()
+        .into_inner()
+        .queued
+        .expect("queued");
+
+    server.kill();
+    // agentctl and the agent live on: the turn ends while sessiond is down.
+    std::fs::remove_file(&gate).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        lines(&side),
+        ["one"],
+        "nothing delivers while sessiond is down"
+    );
+
+    let server = start(&data, &["--config", &config]);
+    wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+    turn_end(&mut c, &s.id, &two.id).await;
+    assert_eq!(lines(&side), ["one", "two"]);
+
+    // Again: nothing is queued any more, nothing runs twice.
+    drop(server);
+    let server = start(&data, &["--config", &config]);
+    wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+    let st = status(&mut c, &task.id, &s.id).await;
+    assert!(st.queued_messages.is_empty(), "{st:?}");
+    let ran = prompt(&mut c, &task.id, &s.id, "three").await;
+    assert!(ran.contains("three"), "{ran}");
+    assert_eq!(lines(&side), ["one", "two", "three"]);
+    let users: Vec<String> = user_messages(&mut c, &task.id, &s.id)
+        .await
+        .into_iter()
+        .map(|(_, text)| text)
+        .collect();
+    assert_eq!(users, ["one", "two", "three"]);
+}
