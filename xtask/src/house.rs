@@ -98,6 +98,11 @@ const OUTSIDE_DOCS: &[&str] = &[
     "DESIGN §",
     "seed §",
     "the seed's",
+    "seed \"",
+    "(seed:",
+    "seed Startup",
+    "seed Session",
+    "seed steps",
     "design card",
 ];
 
@@ -309,10 +314,13 @@ mod tests {
 
     #[test]
     fn citations_of_outside_documents_are_reported_with_their_line() {
-        let text = "ok\nsee DESIGN.md section 3\nthe RNG seed is printed\n";
+        let text = "ok\nsee DESIGN.md section 3\nthe RNG seed is printed\n(seed {seed}) seed: 42\n/// Startup recovery (seed \"Startup Flow\")\n";
         assert_eq!(
             citations_in("a.rs", text),
-            vec!["a.rs:2: cites \"DESIGN.md\", a document outside the repository (say it in our own words, or cite a file in the repository)".to_owned()]
+            vec![
+                "a.rs:2: cites \"DESIGN.md\", a document outside the repository (say it in our own words, or cite a file in the repository)".to_owned(),
+                "a.rs:5: cites \"seed \\\"\", a document outside the repository (say it in our own words, or cite a file in the repository)".to_owned(),
+            ]
         );
     }
 }

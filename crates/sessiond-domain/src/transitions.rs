@@ -114,7 +114,7 @@ event_enum!(
         /// An agent of the task started working (launch or a new message).
         WorkStarted => "work_started",
         /// An agent of the task waits for the user to look, e.g. after a
-        /// successful resume (seed: `task.state = REVIEW`).
+        /// successful resume (the task moves to REVIEW).
         ReadyForReview => "ready_for_review",
         /// The task's work is done.
         Completed => "completed",
