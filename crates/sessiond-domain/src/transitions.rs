@@ -191,8 +191,9 @@ impl SessionState {
         next.ok_or(IllegalTransition { from: self, event })
     }
 
-    /// States startup recovery resumes automatically (docs/decisions/0006-recovery-decision-table.md). ERROR is
-    /// resumed only on explicit request; CREATED never ran an agent.
+    /// States startup recovery resumes automatically
+    /// (docs/decisions/0006-recovery-decision-table.md). ERROR is resumed
+    /// only on explicit request; CREATED never ran an agent.
     pub const fn is_auto_resumable(self) -> bool {
         matches!(
             self,
