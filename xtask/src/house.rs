@@ -7,12 +7,25 @@
 //!   engine; the CLI and agentctl speak only the wire contracts; test
 //!   support never ships in a production crate.
 //! - **Self-contained docs.** What the code and docs cite is in the
-//!   repository: no path or name of a document kept outside it.
+//!   repository: no path or name of a document kept outside it; every
+//!   relative link of the markdown leads to a file (and heading) that
+//!   exists (`links.rs`).
+//! - **A codemap one reads in one sitting.** `docs/ARCHITECTURE.md` stays
+//!   under [`ARCHITECTURE_MAX_BYTES`]; decisions go to `docs/decisions/`.
+//! - **No import loop of more than two files** inside a crate, beyond the
+//!   ones `xtask/house-allow-loops.txt` lists and that may only shrink
+//!   (`loops.rs`).
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{Context, bail};
+
+mod links;
+mod loops;
+
+/// The codemap's budget: a newcomer reads it in about twenty minutes.
+pub const ARCHITECTURE_MAX_BYTES: usize = 35_000;
 
 /// Workspace crates each crate may use outside its tests (dev-dependencies
 /// are free). A crate missing here may use none.
@@ -85,13 +98,23 @@ const OUTSIDE_DOCS: &[&str] = &[
     "DESIGN §",
     "seed §",
     "the seed's",
+    "seed \"",
+    "(seed:",
+    "seed Startup",
+    "seed Session",
+    "seed steps",
     "design card",
 ];
 
-/// Checks the layering of `cargo metadata` and the docs' citations.
+/// Checks the layering of `cargo metadata`, the docs' citations and links,
+/// the codemap's size and the crates' import loops.
 pub fn check(root: &Path) -> anyhow::Result<()> {
     let mut problems = layering(root)?;
-    problems.extend(citations(root)?);
+    let files = tracked_files(root)?;
+    problems.extend(citations(root, &files));
+    problems.extend(markdown_links(root, &files));
+    problems.extend(architecture_size(root)?);
+    problems.extend(loops::check(root)?);
     if !problems.is_empty() {
         bail!("the house is out of shape:\n  {}", problems.join("\n  "));
     }
@@ -158,15 +181,59 @@ fn layering_of(meta: &serde_json::Value) -> Vec<String> {
     problems
 }
 
-fn citations(root: &Path) -> anyhow::Result<Vec<String>> {
+/// The files git tracks, relative to `root`.
+fn tracked_files(root: &Path) -> anyhow::Result<Vec<String>> {
     let out = std::process::Command::new("git")
         .args(["ls-files", "-z"])
         .current_dir(root)
         .output()
         .context("git ls-files")?;
-    let files = String::from_utf8_lossy(&out.stdout).into_owned();
+    if !out.status.success() {
+        bail!(
+            "git ls-files failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .split('\0')
+        .filter(|f| !f.is_empty())
+        .map(str::to_owned)
+        .collect())
+}
+
+fn markdown_links(root: &Path, files: &[String]) -> Vec<String> {
     let mut problems = Vec::new();
-    for file in files.split('\0').filter(|f| !f.is_empty()) {
+    for file in files.iter().filter(|f| links::checked(f)) {
+        let Ok(text) = std::fs::read_to_string(root.join(file)) else {
+            continue;
+        };
+        problems.extend(links::check_file(root, file, &text));
+    }
+    problems
+}
+
+fn architecture_size(root: &Path) -> anyhow::Result<Vec<String>> {
+    let path = root.join("docs/ARCHITECTURE.md");
+    let len = std::fs::metadata(&path)
+        .with_context(|| path.display().to_string())?
+        .len();
+    Ok(size_problem("docs/ARCHITECTURE.md", len as usize))
+}
+
+/// The codemap's size problem, if it is over budget.
+fn size_problem(file: &str, len: usize) -> Vec<String> {
+    if len <= ARCHITECTURE_MAX_BYTES {
+        return Vec::new();
+    }
+    vec![format!(
+        "{file} is {len} bytes, over its {ARCHITECTURE_MAX_BYTES}: keep it a codemap (where things are, invariants) and move rationale to docs/decisions/"
+    )]
+}
+
+fn citations(root: &Path, files: &[String]) -> Vec<String> {
+    let mut problems = Vec::new();
+    for file in files {
+        let file = file.as_str();
         let checked = [
             ".md", ".rs", ".toml", ".proto", ".ts", ".tsx", ".mjs", ".sql", ".yaml",
         ]
@@ -181,7 +248,7 @@ fn citations(root: &Path) -> anyhow::Result<Vec<String>> {
         };
         problems.extend(citations_in(file, &text));
     }
-    Ok(problems)
+    problems
 }
 
 /// Lines of `text` that cite a document outside the repository.
@@ -235,11 +302,25 @@ mod tests {
     }
 
     #[test]
+    fn the_codemap_over_its_budget_is_reported() {
+        assert!(size_problem("docs/ARCHITECTURE.md", ARCHITECTURE_MAX_BYTES).is_empty());
+        let problems = size_problem("docs/ARCHITECTURE.md", ARCHITECTURE_MAX_BYTES + 1);
+        assert_eq!(problems.len(), 1);
+        assert!(
+            problems[0].starts_with("docs/ARCHITECTURE.md is 35001 bytes, over its 35000"),
+            "{problems:#?}"
+        );
+    }
+
+    #[test]
     fn citations_of_outside_documents_are_reported_with_their_line() {
-        let text = "ok\nsee DESIGN.md section 3\nthe RNG seed is printed\n";
+        let text = "ok\nsee DESIGN.md section 3\nthe RNG seed is printed\n(seed {seed}) seed: 42\n/// Startup recovery (seed \"Startup Flow\")\n";
         assert_eq!(
             citations_in("a.rs", text),
-            vec!["a.rs:2: cites \"DESIGN.md\", a document outside the repository (say it in our own words, or cite a file in the repository)".to_owned()]
+            vec![
+                "a.rs:2: cites \"DESIGN.md\", a document outside the repository (say it in our own words, or cite a file in the repository)".to_owned(),
+                "a.rs:5: cites \"seed \\\"\", a document outside the repository (say it in our own words, or cite a file in the repository)".to_owned(),
+            ]
         );
     }
 }

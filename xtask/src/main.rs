@@ -14,8 +14,9 @@
 //!   checking that each package builds from its tarball alone.
 //!   Its last line is `N passed, N failed` over every test it ran.
 //! - `docker-image`: builds the `sessiond-agentctl:dev` image with no registry.
-//! - `house`: the layering of the crates and the docs' citations (see
-//!   `house.rs`; `ci` runs it).
+//! - `house`: the layering of the crates, the docs' citations and links,
+//!   the codemap's size and import loops inside crates (see `house.rs`;
+//!   `ci` runs it).
 //! - `docker-tests`: only the Docker tests (executor driver with the
 //!   container boundary probe, recovery on the Docker runtime, sessionctl's
 //!   Docker session), with an engine as in `ci`. `ci` runs the same tests
@@ -102,7 +103,7 @@ fn ci() -> anyhow::Result<()> {
     claude_acp::ensure_claude_acp(&root)?;
 
     step("fmt", cargo(&["fmt", "--all", "--", "--check"]))?;
-    eprintln!("xtask: ==> house: layering and citations");
+    eprintln!("xtask: ==> house: layering, citations, links, loops");
     house::check(&root)?;
     step(
         "clippy",

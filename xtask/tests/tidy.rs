@@ -1,5 +1,5 @@
 //! Repository hygiene checks that guard the architecture (the layering in
-//! docs/ARCHITECTURE.md, "Crates").
+//! docs/ARCHITECTURE.md, "Layers").
 
 use std::process::Command;
 

@@ -1,5 +1,5 @@
 //! The startup recovery decision for one executor (find it, bring it back,
-//! mark it ready, then the agent: docs/ARCHITECTURE.md, "Decision table"),
+//! mark it ready, then the agent: docs/decisions/0006-recovery-decision-table.md),
 //! as a step machine without IO.
 //!
 //! The orchestrator owns the IO. It builds a [`Recovery`], calls

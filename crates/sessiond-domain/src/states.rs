@@ -359,7 +359,7 @@ impl SessionState {
 }
 
 impl ExecutorStatus {
-    /// Recovery picks up executors in these statuses (seed Startup Flow step 1).
+    /// Recovery picks up executors in these statuses (the first step of startup recovery).
     pub const RECOVERABLE: &'static [ExecutorStatus] =
         &[ExecutorStatus::Starting, ExecutorStatus::Ready];
 }

@@ -27,7 +27,7 @@ pub enum AgentProcessState {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExecutionView {
     /// The session this execution belongs to. A view of another session of
-    /// the same task is ignored (seed: only `execution.SessionID == sessionID`).
+    /// the same task is ignored (a status is of one session only).
     pub session_id: SessionId,
     /// `"<executor id>/<generation>"` (see [`ExecutorRecord::execution_id`]).
     pub execution_id: String,
@@ -411,7 +411,7 @@ fn executor_gone(session: &Session) -> bool {
         })
 }
 
-/// Why an explicit `ResumeSession` is refused (seed Session Resumption Flow, step 1).
+/// Why an explicit `ResumeSession` is refused (its validation, before any attempt).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ResumeRefused {
     /// The session is COMPLETED or CANCELLED (the state it is in).

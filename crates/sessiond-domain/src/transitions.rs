@@ -114,7 +114,7 @@ event_enum!(
         /// An agent of the task started working (launch or a new message).
         WorkStarted => "work_started",
         /// An agent of the task waits for the user to look, e.g. after a
-        /// successful resume (seed: `task.state = REVIEW`).
+        /// successful resume (the task moves to REVIEW).
         ReadyForReview => "ready_for_review",
         /// The task's work is done.
         Completed => "completed",
@@ -191,8 +191,9 @@ impl SessionState {
         next.ok_or(IllegalTransition { from: self, event })
     }
 
-    /// States startup recovery resumes automatically (ARCHITECTURE, decision table). ERROR is
-    /// resumed only on explicit request; CREATED never ran an agent.
+    /// States startup recovery resumes automatically
+    /// (docs/decisions/0006-recovery-decision-table.md). ERROR is resumed
+    /// only on explicit request; CREATED never ran an agent.
     pub const fn is_auto_resumable(self) -> bool {
         matches!(
             self,

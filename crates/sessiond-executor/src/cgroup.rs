@@ -9,7 +9,7 @@
 //! there). Where the host does not allow it (no cgroup2 mount, no write
 //! access: a container, an undelegated systemd unit) the executor runs
 //! without one and is contained by its journal's marker instead
-//! (`agentctl --reap`); see ARCHITECTURE, "Processes are ours to the end".
+//! (`agentctl --reap`); see docs/decisions/0023-executor-identity-and-containment.md.
 
 use std::{
     path::{Path, PathBuf},

@@ -358,7 +358,7 @@ impl Support {
     }
 }
 
-/// What `Capabilities` says (seed: "Agentctl Capability Probe").
+/// What `Capabilities` says: the capability probe of an agentctl.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Capabilities {
     /// agentctl's verdict on resuming conversations: the profile's claim

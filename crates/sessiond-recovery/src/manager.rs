@@ -443,7 +443,7 @@ impl SessionManager {
     }
 
     /// Session state and its execution's status, for this session only
-    /// (seed "Session Status API").
+    /// (GetSessionStatus).
     ///
     /// Answered from memory: the session row and the profile's claim come
     /// from the status snapshot (loaded from the store on first use, in one

@@ -25,7 +25,7 @@
 //!   backend was down is stored and its `TurnEnded` moves the session to
 //!   WAITING_FOR_INPUT before anything else can happen. If no `TurnEnded` of
 //!   that turn came and the agent is idle, the turn is settled
-//!   ([`Pump::settle_pending`], table in docs/ARCHITECTURE.md): at most
+//!   ([`Pump::settle_pending`], table in docs/decisions/0007-at-most-once-turns.md): at most
 //!   once — delivered again only when agentctl's journal proves the prompt
 //!   never reached an agent, otherwise ended *interrupted* with a system
 //!   message.
@@ -1094,8 +1094,8 @@ impl Pump {
 
     /// The session is RUNNING turn `turn`, everything agentctl had when the
     /// pump started has been applied, and no `TurnEnded` of the turn came.
-    /// The decision table (docs/ARCHITECTURE.md, "A pending turn after a
-    /// restart"): at most once; delivered again only when agentctl's journal
+    /// The decision table (docs/decisions/0007-at-most-once-turns.md): at
+    /// most once; delivered again only when agentctl's journal
     /// proves the prompt never reached an agent; otherwise, when it is not
     /// known whether the agent ran it, the turn ends *interrupted* (the
     /// reply kept as stored, with a note; a system message says so).

@@ -1,4 +1,4 @@
-//! Startup recovery (seed "Startup Flow" steps 1-7): every executor in
+//! Startup recovery (docs/decisions/0006-recovery-decision-table.md): every executor in
 //! `starting`/`ready` is driven through the domain's [`Recovery`] step
 //! machine with the real drivers, under bounded concurrency and a deadline
 //! per executor; unreachable remote hosts are retried in the background.

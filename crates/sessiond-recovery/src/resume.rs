@@ -1,4 +1,4 @@
-//! Explicit resume (seed "Session Resumption Flow"): validate, then one
+//! Explicit resume (docs/decisions/0012-resuming-a-conversation.md): validate, then one
 //! attempt per session however many callers ask (single-flight, shared with
 //! a startup or background recovery of the same session).
 //!

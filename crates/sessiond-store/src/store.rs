@@ -793,7 +793,7 @@ impl Store {
     }
 
     /// The executors startup recovery must look at: status `starting` or
-    /// `ready` (seed Startup Flow step 1), oldest first.
+    /// `ready`, oldest first.
     pub async fn load_recoverable_executors(&self) -> Result<Vec<ExecutorRecord>> {
         self.read(|c| load_executors(c, Some(ExecutorStatus::RECOVERABLE)))
             .await

@@ -414,7 +414,7 @@ impl World {
             .arg(&port_file)
             .args(["--idle-timeout", "300s"])
             // The host operator's journal, as every agentctl should have
-            // (ARCHITECTURE, "Turn journal"): a restarted remote agentctl
+            // (docs/decisions/0007-at-most-once-turns.md): a restarted remote agentctl
             // answers from it.
             .arg("--journal")
             .arg(self.path(&format!("remote-{id}.journal")))
