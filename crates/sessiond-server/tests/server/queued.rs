@@ -13,13 +13,29 @@ use crate::{restart::wait_serving, support::*};
 /// A config with profile `gated`: the demo agent appends each prompt to
 /// `side` and then waits while `gate` exists.
 fn gated_config(root: &Path, side: &Path, gate: &Path) -> String {
+    config_with(root, side, gate, "")
+}
+
+/// [`gated_config`] with an agent that behaves like a real one: seconds to
+/// start (a runtime loading) and time per message to load its history.
+fn heavy_gated_config(root: &Path, side: &Path, gate: &Path) -> String {
+    config_with(
+        root,
+        side,
+        gate,
+        ", ACP_DEMO_STARTUP_MS = \"1500\", ACP_DEMO_RSS_MB = \"64\", \
+         ACP_DEMO_LOAD_MS_PER_MESSAGE = \"50\"",
+    )
+}
+
+fn config_with(root: &Path, side: &Path, gate: &Path, more_env: &str) -> String {
     let config = root.join("sessiond.toml");
     std::fs::write(
         &config,
         format!(
             "[[agents]]\nname = \"gated\"\ncommand = \"{}\"\n\
              env = {{ ACP_DEMO_STATE_DIR = \"{}\", ACP_DEMO_SIDE_EFFECT_FILE = \"{}\", \
-             ACP_DEMO_GATE_FILE = \"{}\" }}\n",
+             ACP_DEMO_GATE_FILE = \"{}\"{more_env} }}\n",
             bin("acp-demo-agent").display(),
             root.join("demo-state").display(),
             side.display(),
@@ -273,4 +289,63 @@ async fn a_queued_message_survives_kill_9_of_sessiond_and_is_delivered_once() {
         .map(|(_, text)| text)
         .collect();
     assert_eq!(users, ["one", "two", "three"]);
+}
+
+/// Everything is killed (sessiond, agentctl, the agent in the middle of
+/// turn one) with a message queued: after the restart, turn one ends
+/// interrupted (never sent again by itself), and the queued message is
+/// delivered once to the resumed agent — a heavy one, slow to start and to
+/// load its history.
+#[tokio::test]
+async fn a_queued_message_survives_kill_9_of_everything_and_is_delivered_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (side, gate) = (root.join("side.txt"), root.join("gate"));
+    let config = heavy_gated_config(root, &side, &gate);
+    let data = root.join("data");
+    let server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let work = root.join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let task = create_task(&mut c, "queue across kill -9 of everything").await;
+    let s = create_session(&mut c, &task.id, &work, "gated").await;
+
+    std::fs::write(&gate, "").unwrap();
+    let one = c
+        .send_message(send(&task.id, &s.id, "one"))
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .expect("started");
+    until_lines(&side, 1).await;
+    let two = c
+        .send_message(send(&task.id, &s.id, "two"))
+        .await
+        .unwrap()
+        .into_inner()
+        .queued
+        .expect("queued");
+
+    // sessiond and every agentctl of its data directory (with its agent).
+    drop(server);
+    std::fs::remove_file(&gate).unwrap();
+
+    let server = start(&data, &["--config", &config]);
+    wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+    let ended = turn_end(&mut c, &s.id, &one.id).await;
+    assert_eq!(ended.stop_reason, "interrupted", "{ended:?}");
+    turn_end(&mut c, &s.id, &two.id).await;
+    assert_eq!(
+        lines(&side),
+        ["one", "two"],
+        "turn one not re-sent, two once"
+    );
+    let users: Vec<String> = user_messages(&mut c, &task.id, &s.id)
+        .await
+        .into_iter()
+        .map(|(_, text)| text)
+        .collect();
+    assert_eq!(users, ["one", "two"]);
 }
