@@ -47,12 +47,13 @@ use agent_client_protocol::v1::schema::{
     AgentCapabilities, AuthMethod, AuthMethodAgent, AuthenticateRequest, AuthenticateResponse,
     CancelNotification, ContentBlock, ContentChunk, CurrentModeUpdate, Implementation,
     InitializeRequest, InitializeResponse, LoadSessionRequest, LoadSessionResponse,
-    NewSessionRequest, NewSessionResponse, PermissionOption, PermissionOptionKind, PromptRequest,
-    PromptResponse, ReadTextFileRequest, RequestPermissionOutcome, RequestPermissionRequest,
-    ResumeSessionRequest, ResumeSessionResponse, SessionCapabilities, SessionMode,
-    SessionModeState, SessionNotification, SessionResumeCapabilities, SessionUpdate,
-    SetSessionModeRequest, SetSessionModeResponse, StopReason, TextContent, ToolCall,
-    ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields, WriteTextFileRequest,
+    NewSessionRequest, NewSessionResponse, PermissionOption, PermissionOptionKind,
+    PromptCapabilities, PromptRequest, PromptResponse, ReadTextFileRequest,
+    RequestPermissionOutcome, RequestPermissionRequest, ResumeSessionRequest,
+    ResumeSessionResponse, SessionCapabilities, SessionMode, SessionModeState, SessionNotification,
+    SessionResumeCapabilities, SessionUpdate, SetSessionModeRequest, SetSessionModeResponse,
+    StopReason, TextContent, ToolCall, ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields,
+    WriteTextFileRequest,
 };
 use agent_client_protocol::{Client, Error, ErrorCode, Stdio};
 use clap::Parser;
@@ -64,6 +65,11 @@ struct Cli {
     /// Directory holding one transcript file per session.
     #[arg(long, env = "ACP_DEMO_STATE_DIR")]
     state_dir: Option<PathBuf>,
+    /// Take images and embedded resources in prompts (promptCapabilities
+    /// `image` and `embeddedContext`); each such block (and each resource
+    /// link) is logged to calls.log as method `prompt_block`.
+    #[arg(long, env = "ACP_DEMO_PROMPT_ATTACHMENTS", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
+    prompt_attachments: bool,
     /// Advertise `loadSession: false` (and refuse `session/load`). Alone,
     /// the agent can only resume (`session/resume`).
     #[arg(long, env = "ACP_DEMO_NO_LOAD_SESSION", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
@@ -309,6 +315,11 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
         .on_receive_request(
             async move |init: InitializeRequest, responder, _cx| {
                 let mut caps = AgentCapabilities::new().load_session(!d_init.cli.no_load_session);
+                if d_init.cli.prompt_attachments {
+                    caps = caps.prompt_capabilities(
+                        PromptCapabilities::new().image(true).embedded_context(true),
+                    );
+                }
                 if !d_init.cli.no_resume_session {
                     caps = caps.session_capabilities(
                         SessionCapabilities::new().resume(SessionResumeCapabilities::new()),
@@ -481,16 +492,47 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
         .await
 }
 
+/// A prompt block other than text, as logged: its type and what it holds
+/// (bytes as the base64 ACP carries them).
+fn block_summary(block: &ContentBlock) -> Option<serde_json::Value> {
+    use agent_client_protocol::v1::schema::EmbeddedResourceResource as R;
+    Some(match block {
+        ContentBlock::Image(i) => serde_json::json!({
+            "type": "image", "mime_type": i.mime_type, "data": i.data, "uri": i.uri,
+        }),
+        ContentBlock::ResourceLink(l) => serde_json::json!({
+            "type": "resource_link", "uri": l.uri, "name": l.name,
+        }),
+        ContentBlock::Resource(r) => match &r.resource {
+            R::TextResourceContents(t) => serde_json::json!({
+                "type": "resource", "uri": t.uri, "text": t.text,
+            }),
+            R::BlobResourceContents(b) => serde_json::json!({
+                "type": "resource", "uri": b.uri, "blob": b.blob,
+            }),
+            _ => serde_json::json!({"type": "resource"}),
+        },
+        _ => return None,
+    })
+}
+
 /// Appends one JSON line about a call to `<state-dir>/calls.log`. Best
 /// effort: a test that reads the log fails on a missing line.
 fn log_call(state_dir: &Path, method: &str, session_id: Option<&str>, replayed: Option<u64>) {
+    log_line(
+        state_dir,
+        &serde_json::json!({
+            "pid": std::process::id(),
+            "method": method,
+            "session_id": session_id,
+            "replayed": replayed,
+        }),
+    );
+}
+
+fn log_line(state_dir: &Path, line: &serde_json::Value) {
     use std::io::Write;
-    let line = serde_json::json!({
-        "pid": std::process::id(),
-        "method": method,
-        "session_id": session_id,
-        "replayed": replayed,
-    });
+    let method = line["method"].as_str().unwrap_or_default();
     let written = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -571,6 +613,19 @@ async fn run_turn(
     req: PromptRequest,
 ) -> Result<PromptResponse, Error> {
     let id = req.session_id.0.to_string();
+    for block in &req.prompt {
+        if let Some(logged) = block_summary(block) {
+            log_line(
+                &demo.state_dir,
+                &serde_json::json!({
+                    "pid": std::process::id(),
+                    "method": "prompt_block",
+                    "session_id": id,
+                    "block": logged,
+                }),
+            );
+        }
+    }
     let count = {
         let mut n = lock(&demo.prompts);
         *n += 1;

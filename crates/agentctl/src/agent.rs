@@ -22,7 +22,7 @@ use agent_client_protocol::v1::schema::{
     AuthMethod, AuthenticateRequest, CancelNotification, ClientCapabilities, CloseSessionRequest,
     ContentBlock, CreateTerminalRequest, CreateTerminalResponse, FileSystemCapabilities,
     Implementation, InitializeRequest, KillTerminalRequest, KillTerminalResponse,
-    LoadSessionRequest, NewSessionRequest, PermissionOptionKind, PromptRequest,
+    LoadSessionRequest, NewSessionRequest, PermissionOptionKind, PromptCapabilities, PromptRequest,
     ReadTextFileRequest, ReadTextFileResponse, ReleaseTerminalRequest, ReleaseTerminalResponse,
     RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
     ResumeSessionRequest, SelectedPermissionOutcome, SessionConfigOption, SessionId, SessionModeId,
@@ -205,6 +205,8 @@ pub struct Status {
     pub agent_load_session: Option<bool>,
     /// `sessionCapabilities.resume` from the last successful `initialize`.
     pub agent_resume_session: Option<bool>,
+    /// `promptCapabilities` from the last successful `initialize`.
+    pub prompt_caps: Option<PromptCapabilities>,
     /// The ACP session the agent has open, if any.
     pub session: Option<String>,
     /// Lines the last launched agent wrote (see [`Signs`]).
@@ -261,6 +263,8 @@ struct Slot {
     profile_claim: bool,
     agent_load_session: Option<bool>,
     agent_resume_session: Option<bool>,
+    /// What a prompt may carry besides text (the agent's `initialize`).
+    prompt_caps: Option<PromptCapabilities>,
     /// Signs of life of the last launched agent.
     signs: Option<Arc<Signs>>,
     /// What the current agent offered at `initialize`, for error messages.
@@ -543,6 +547,7 @@ impl AgentManager {
                     profile_claim: false,
                     agent_load_session: None,
                     agent_resume_session: None,
+                    prompt_caps: None,
                     signs: None,
                     auth_methods: Vec::new(),
                     policy,
@@ -630,6 +635,7 @@ impl AgentManager {
                 profile_claim: slot.profile_claim,
                 agent_load_session: slot.agent_load_session,
                 agent_resume_session: slot.agent_resume_session,
+                prompt_caps: slot.prompt_caps.clone(),
                 session: slot.session.as_ref().map(|s| s.0.to_string()),
                 activity: 0,
                 cpu_ms: 0,
@@ -738,6 +744,7 @@ impl AgentManager {
             slot.profile_claim = spec.profile_supports_session_resume;
             slot.agent_load_session = None;
             slot.agent_resume_session = None;
+            slot.prompt_caps = None;
             slot.agent_close_session = false;
             slot.signs = Some(signs.clone());
             slot.auth_methods = Vec::new();
@@ -893,6 +900,7 @@ impl AgentManager {
                 }
                 slot.agent_load_session = Some(load_session);
                 slot.agent_resume_session = Some(resume_session);
+                slot.prompt_caps = Some(resp.agent_capabilities.prompt_capabilities.clone());
                 slot.agent_close_session =
                     resp.agent_capabilities.session_capabilities.close.is_some();
                 slot.mcp_caps = resp.agent_capabilities.mcp_capabilities.clone();
@@ -1196,6 +1204,7 @@ impl AgentManager {
     pub fn prompt(
         &self,
         text: String,
+        blocks: Vec<ContentBlock>,
         turn_id: String,
         only_if_journaled: bool,
     ) -> Result<Prompted> {
@@ -1213,7 +1222,7 @@ impl AgentManager {
                     .into(),
             ));
         }
-        if text.is_empty() {
+        if text.is_empty() && blocks.is_empty() {
             return Err(Error::InvalidArgument("prompt text is empty".into()));
         }
         let turn_id = if turn_id.is_empty() {
@@ -1240,6 +1249,7 @@ impl AgentManager {
                     "no session; call NewSession or ResumeSession first".into(),
                 ));
             };
+            crate::prompt::check_capabilities(&blocks, slot.prompt_caps.as_ref())?;
             let (exit_rx, pid) = slot
                 .running
                 .as_ref()
@@ -1312,9 +1322,13 @@ impl AgentManager {
             sessiond_telemetry::inject_current(|k, v| {
                 meta.insert(k.to_owned(), serde_json::Value::String(v));
             });
+            let content = (!text.is_empty())
+                .then(|| ContentBlock::Text(TextContent::new(text)))
+                .into_iter()
+                .chain(blocks)
+                .collect();
             let request =
-                PromptRequest::new(session, vec![ContentBlock::Text(TextContent::new(text))])
-                    .meta((!meta.is_empty()).then_some(meta));
+                PromptRequest::new(session, content).meta((!meta.is_empty()).then_some(meta));
             match conn.send_request(request).block_task().await {
                 Ok(resp) => {
                     let reason = stop_reason_name(resp.stop_reason);

@@ -21,6 +21,7 @@ pub mod exec;
 pub mod fence;
 pub mod git;
 pub mod journal;
+pub mod prompt;
 pub mod service;
 pub mod signs;
 pub mod sys;

@@ -144,6 +144,11 @@ impl AgentCtlService for AgentCtl {
             profile_claims_session_resume: status.profile_claim,
             agent_load_session: status.agent_load_session,
             agent_resume_session: status.agent_resume_session,
+            prompt: status.prompt_caps.map(|c| pb::PromptCapabilities {
+                image: c.image,
+                audio: c.audio,
+                embedded_context: c.embedded_context,
+            }),
         }))
     }
 
@@ -250,7 +255,10 @@ impl AgentCtlService for AgentCtl {
 
     async fn prompt(&self, req: Request<PromptRequest>) -> Res<PromptResponse> {
         let r = req.into_inner();
-        let p = self.agent.prompt(r.text, r.turn_id, r.only_if_journaled)?;
+        let blocks = crate::prompt::from_proto(r.blocks)?;
+        let p = self
+            .agent
+            .prompt(r.text, blocks, r.turn_id, r.only_if_journaled)?;
         let phase = match p.phase {
             Phase::Accepted => TurnPhase::Accepted,
             Phase::Handed => TurnPhase::Handed,

@@ -2168,6 +2168,7 @@ fn turn_prompt(text: &str, turn: &str, only_if_journaled: bool) -> PromptRequest
         text: text.into(),
         turn_id: turn.into(),
         only_if_journaled,
+        blocks: Vec::new(),
     }
 }
 

@@ -240,7 +240,7 @@ pub async fn measure(
             task_id: target.task.to_string(),
             session_id: target.session.to_string(),
             content: "hello".into(),
-            no_queue: false,
+            ..Default::default()
         })
         .await
         .context("SendMessage on a session being recovered")?;

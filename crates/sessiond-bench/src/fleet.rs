@@ -148,6 +148,7 @@ impl AgentCtlService for Fleet {
             profile_claims_session_resume: true,
             agent_load_session: Some(true),
             agent_resume_session: Some(false),
+            prompt: None,
         }))
     }
 

@@ -9,7 +9,7 @@
 
 mod output;
 
-use std::{io::Write, process::ExitCode, time::Duration};
+use std::{io::Write, path::PathBuf, process::ExitCode, time::Duration};
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
@@ -243,6 +243,17 @@ struct SendArgs {
     /// Fail while a turn runs instead of queueing the message behind it.
     #[arg(long)]
     no_queue: bool,
+    /// Send this image file (PNG, JPEG, GIF or WebP, read here) with the
+    /// text; repeatable. A message with attachments is never queued.
+    #[arg(long = "image", value_name = "FILE")]
+    images: Vec<PathBuf>,
+    /// Embed this file of the session's worktree (relative to its root)
+    /// in the prompt; repeatable.
+    #[arg(long = "attach", value_name = "PATH")]
+    files: Vec<String>,
+    /// Send a link the agent may follow; repeatable.
+    #[arg(long = "link", value_name = "URI")]
+    links: Vec<String>,
     #[command(flatten)]
     answer: AnswerArgs,
 }
@@ -850,6 +861,29 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
 async fn send(c: &mut Clients, out: &Out, args: SendArgs) -> anyhow::Result<()> {
     let task_id = args.session.task.task;
     let session_id = args.session.session_id;
+    let mut attachments = Vec::new();
+    for path in &args.images {
+        let data = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        attachments.push(pb::Attachment {
+            kind: Some(pb::attachment::Kind::Image(pb::ImageAttachment {
+                data,
+                ..Default::default()
+            })),
+        });
+    }
+    for path in args.files {
+        attachments.push(pb::Attachment {
+            kind: Some(pb::attachment::Kind::File(pb::FileAttachment { path })),
+        });
+    }
+    for uri in args.links {
+        attachments.push(pb::Attachment {
+            kind: Some(pb::attachment::Kind::Link(pb::LinkAttachment {
+                uri,
+                ..Default::default()
+            })),
+        });
+    }
     let sent = c
         .sessions
         .send_message(pb::SendMessageRequest {
@@ -857,6 +891,7 @@ async fn send(c: &mut Clients, out: &Out, args: SendArgs) -> anyhow::Result<()> 
             session_id: session_id.clone(),
             content: args.text,
             no_queue: args.no_queue,
+            attachments,
         })
         .await?
         .into_inner();

@@ -370,6 +370,9 @@ pub struct Capabilities {
     pub profile_claims_session_resume: bool,
     /// The agent's ACP `loadSession` capability; `None` before `initialize`.
     pub agent_load_session: Option<bool>,
+    /// What the agent's prompts may carry besides text (ACP
+    /// `promptCapabilities`); `None` before `initialize`.
+    pub prompt: Option<pb::PromptCapabilities>,
 }
 
 /// An authenticated, deadline-bound client of one agentctl.
@@ -589,6 +592,7 @@ impl AgentctlClient {
             supports_workspace_only: Support::from_proto(resp.supports_workspace_only),
             profile_claims_session_resume: resp.profile_claims_session_resume,
             agent_load_session: resp.agent_load_session,
+            prompt: resp.prompt,
         })
     }
 

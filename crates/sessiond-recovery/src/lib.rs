@@ -35,6 +35,7 @@
 
 #![deny(missing_docs)]
 
+pub mod attachments;
 mod config;
 mod doorbell;
 mod error;
@@ -56,6 +57,7 @@ mod sweep;
 pub mod usage;
 mod worktrees;
 
+pub use attachments::Attachment;
 pub use config::{LaunchLimits, ManagerConfig, ReplicaSettings, WorktreeSettings};
 pub use error::{Error, ErrorKind, Result};
 pub use events::{EventBus, EventStream};

@@ -441,7 +441,27 @@ impl SessionManager {
         session_id: SessionId,
         text: &str,
     ) -> Result<Message> {
-        if text.trim().is_empty() {
+        self.send_message_with(task, session_id, text, Vec::new())
+            .await
+    }
+
+    /// [`Self::send_message`] with attachments after the text (images,
+    /// links, worktree files): read and checked (types, sizes, the agent's
+    /// `promptCapabilities`) before anything is stored; `text` may then be
+    /// empty. Never queued.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::send_message`]; [`Error::InvalidArgument`] naming the
+    /// attachment and what is wrong with it.
+    pub async fn send_message_with(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        text: &str,
+        attachments: Vec<crate::Attachment>,
+    ) -> Result<Message> {
+        if text.trim().is_empty() && attachments.is_empty() {
             return Err(Error::InvalidArgument("the message is empty".into()));
         }
         let t = std::time::Instant::now();
@@ -467,7 +487,7 @@ impl SessionManager {
                            or cancel them",
                 });
             }
-            self.start_turn(session, text).await
+            self.start_turn_as(session, text, None, attachments).await
         }
         .await;
         // Where a slow call spent its time (availability while recovering).
@@ -841,7 +861,7 @@ impl SessionManager {
     /// Stores user message `text`, session RUNNING, then the Prompt. The
     /// caller holds the session lock and checked the state.
     pub(crate) async fn start_turn(&self, session: Session, text: &str) -> Result<Message> {
-        self.start_turn_as(session, text, None).await
+        self.start_turn_as(session, text, None, Vec::new()).await
     }
 
     /// [`Self::start_turn`]; `from_queue`: the queued message this turn
@@ -852,6 +872,7 @@ impl SessionManager {
         session: Session,
         text: &str,
         from_queue: Option<MessageId>,
+        attachments: Vec<crate::Attachment>,
     ) -> Result<Message> {
         let session_id = session.id;
         let execution = self.execution(session_id);
@@ -861,6 +882,13 @@ impl SessionManager {
             return Err(self.agent_not_running(&session).await);
         };
         let record = execution.record;
+        // Read and checked before anything is stored.
+        let attachments = if attachments.is_empty() {
+            attachments
+        } else {
+            crate::attachments::resolve(&self.client(&record)?, attachments).await?
+        };
+        let blocks = crate::attachments::blocks(&attachments, &session.worktree.path);
 
         let now = Utc::now();
         let message = Message {
@@ -870,7 +898,12 @@ impl SessionManager {
             role: MessageRole::User,
             content: text.to_owned(),
             kind: sessiond_domain::MessageKind::Text,
-            data: String::new(),
+            data: if attachments.is_empty() {
+                String::new()
+            } else {
+                serde_json::json!({"attachments": crate::attachments::to_json(&attachments)})
+                    .to_string()
+            },
             seq: 0,
             complete: true,
             created_at: now,
@@ -954,6 +987,7 @@ impl SessionManager {
             client.raw().prompt(pb::PromptRequest {
                 text: text.to_owned(),
                 turn_id: turn_id.clone(),
+                blocks,
                 ..Default::default()
             }),
             span,

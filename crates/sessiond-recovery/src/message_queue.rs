@@ -209,7 +209,7 @@ impl SessionManager {
             return Ok(());
         }
         tracing::info!(session = %session_id, message = %first.id, "delivering a queued message");
-        self.start_turn_as(session, &first.content, Some(first.id))
+        self.start_turn_as(session, &first.content, Some(first.id), Vec::new())
             .await
             .map(|_| ())
     }

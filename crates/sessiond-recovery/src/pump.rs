@@ -1210,6 +1210,7 @@ impl Pump {
                 text: user.content.clone(),
                 turn_id: turn.to_owned(),
                 only_if_journaled: true,
+                blocks: crate::attachments::stored_blocks(&user.data, &session.worktree.path),
             })
             .await;
         match prompted {

@@ -915,12 +915,24 @@ impl pb::session_service_server::SessionService for Api {
                         req.content.len()
                     )));
                 }
-                if req.content.trim().is_empty() {
+                let attachments =
+                    convert::attachments_in(&req.attachments).map_err(ApiError::invalid)?;
+                if req.content.trim().is_empty() && attachments.is_empty() {
                     return Err(ApiError::invalid("content: required"));
                 }
                 if let Some(o) = self.route(session, &origin).await? {
                     let r = o.sessions().send_message(o.request(req)).await;
                     return self.forwarded(&o, r).await;
+                }
+                if !attachments.is_empty() {
+                    let message = self
+                        .manager
+                        .send_message_with(task, session, &req.content, attachments)
+                        .await?;
+                    return Ok(pb::SendMessageResponse {
+                        message: Some(convert::message(&message)),
+                        queued: None,
+                    });
                 }
                 if req.no_queue {
                     let message = self

@@ -66,6 +66,27 @@ fn worktree(w: Option<&pb::Worktree>) -> ApiResult<()> {
 /// `bounded! { max_message_bytes => Request { field: max, ... }; ... }`; a field may
 /// name its setting (`; "key"`), `each` bounds every element of a repeated
 /// field, and `nested { field => checker }` checks a nested message's fields.
+fn attachments(list: &[pb::Attachment]) -> ApiResult<()> {
+    use pb::attachment::Kind;
+    for (i, a) in list.iter().enumerate() {
+        let f = |name: &str| format!("attachments[{i}].{name}");
+        match &a.kind {
+            Some(Kind::Image(img)) => {
+                check(&f("mime_type"), &img.mime_type, MAX_NAME_BYTES, None)?;
+                check(&f("path"), &img.path, MAX_PATH_BYTES, None)?;
+            }
+            Some(Kind::Link(l)) => {
+                check(&f("uri"), &l.uri, MAX_PATH_BYTES, None)?;
+                check(&f("name"), &l.name, MAX_NAME_BYTES, None)?;
+                check(&f("mime_type"), &l.mime_type, MAX_NAME_BYTES, None)?;
+            }
+            Some(Kind::File(file)) => check(&f("path"), &file.path, MAX_PATH_BYTES, None)?,
+            None => {}
+        }
+    }
+    Ok(())
+}
+
 macro_rules! bounded {
     ($s:ident => $(
         $ty:ident {
@@ -131,7 +152,7 @@ bounded! { max_message_bytes =>
         task_id: MAX_ID_BYTES,
         session_id: MAX_ID_BYTES,
         content: max_message_bytes; "max_message_bytes",
-    };
+    } nested { attachments => attachments };
     RetryTurnRequest {
         task_id: MAX_ID_BYTES,
         session_id: MAX_ID_BYTES,

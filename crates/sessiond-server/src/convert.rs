@@ -182,7 +182,82 @@ pub fn message(m: &Message) -> pb::Message {
             .then(|| sessiond_recovery::usage::of_message_data(&m.data))
             .flatten()
             .map(|u| turn_usage(&u)),
+        attachments: if m.role == sessiond_domain::MessageRole::User {
+            sessiond_recovery::attachments::of_message_data(&m.data)
+                .iter()
+                .map(attachment)
+                .collect()
+        } else {
+            Vec::new()
+        },
     }
+}
+
+pub fn attachment(a: &sessiond_recovery::Attachment) -> pb::Attachment {
+    use pb::attachment::Kind;
+    use sessiond_recovery::Attachment as A;
+    pb::Attachment {
+        kind: Some(match a {
+            A::Image {
+                mime_type,
+                data,
+                path,
+            } => Kind::Image(pb::ImageAttachment {
+                mime_type: mime_type.clone(),
+                data: data.clone(),
+                path: path.clone().unwrap_or_default(),
+            }),
+            A::Link {
+                uri,
+                name,
+                mime_type,
+            } => Kind::Link(pb::LinkAttachment {
+                uri: uri.clone(),
+                name: name.clone(),
+                mime_type: mime_type.clone().unwrap_or_default(),
+            }),
+            A::File { path, .. } => Kind::File(pb::FileAttachment { path: path.clone() }),
+        }),
+    }
+}
+
+/// The API's attachments as the engine takes them; INVALID_ARGUMENT for an
+/// empty one.
+pub fn attachments_in(
+    list: &[pb::Attachment],
+) -> Result<Vec<sessiond_recovery::Attachment>, String> {
+    use pb::attachment::Kind;
+    use sessiond_recovery::Attachment as A;
+    list.iter()
+        .enumerate()
+        .map(|(i, a)| match &a.kind {
+            Some(Kind::Image(img)) => match (img.data.is_empty(), img.path.is_empty()) {
+                (false, true) => Ok(A::Image {
+                    mime_type: img.mime_type.clone(),
+                    data: img.data.clone(),
+                    path: None,
+                }),
+                (true, false) => Ok(A::Image {
+                    mime_type: img.mime_type.clone(),
+                    data: Vec::new(),
+                    path: Some(img.path.clone()),
+                }),
+                _ => Err(format!(
+                    "attachments[{i}]: an image needs either its bytes (data) or a worktree path, not both"
+                )),
+            },
+            Some(Kind::Link(l)) => Ok(A::Link {
+                uri: l.uri.clone(),
+                name: l.name.clone(),
+                mime_type: (!l.mime_type.is_empty()).then(|| l.mime_type.clone()),
+            }),
+            Some(Kind::File(f)) => Ok(A::File {
+                path: f.path.clone(),
+                contents: Vec::new(),
+            }),
+            None => Err(format!("attachments[{i}]: empty attachment")),
+        })
+        .collect()
 }
 
 fn message_kind(k: MessageKind) -> pb::MessageKind {

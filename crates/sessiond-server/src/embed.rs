@@ -269,16 +269,25 @@ impl SessiondBuilder {
                 peers: crate::forward::Peers::new(
                     replica_id.clone(),
                     serve::forward_policy(&config),
-                    MAX_WORKSPACE_MESSAGE.max(config.max_message_bytes + 64 * 1024),
+                    MAX_WORKSPACE_MESSAGE.max(
+                        config.max_message_bytes
+                            + sessiond_recovery::attachments::MAX_ATTACHMENT_BYTES
+                            + 64 * 1024,
+                    ),
                 )
                 .with_tls(serve::peer_tls(&config)?),
             },
             stop_rx.clone(),
         );
-        // Decode a little more than the content limit so an oversized message
-        // is answered INVALID_ARGUMENT naming the limit, not RESOURCE_EXHAUSTED.
-        let session = SessionServiceServer::new(api.clone())
-            .max_decoding_message_size((config.max_message_bytes + 64 * 1024).max(4 * 1024 * 1024));
+        // Decode a little more than the content and attachment limits so an
+        // oversized message is answered INVALID_ARGUMENT naming the limit,
+        // not RESOURCE_EXHAUSTED.
+        let session = SessionServiceServer::new(api.clone()).max_decoding_message_size(
+            (config.max_message_bytes
+                + sessiond_recovery::attachments::MAX_ATTACHMENT_BYTES
+                + 64 * 1024)
+                .max(4 * 1024 * 1024),
+        );
         let workspace =
             WorkspaceServiceServer::new(api).max_decoding_message_size(MAX_WORKSPACE_MESSAGE);
 

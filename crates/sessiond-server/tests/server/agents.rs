@@ -249,7 +249,7 @@ async fn never_prompted_session_gets_a_new_conversation_after_kill_9() {
             task_id: task.id.clone(),
             session_id: lost.id.clone(),
             content: "again".into(),
-            no_queue: false,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -300,7 +300,7 @@ async fn cancel_turn_keeps_the_reply_so_far() {
             task_id: task.id.clone(),
             session_id: s.id.clone(),
             content: "/long".into(),
-            no_queue: false,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -382,7 +382,7 @@ async fn failed_turn_ends_with_its_reason_at_once() {
             task_id: task.id.clone(),
             session_id: s.id.clone(),
             content: "/fail".into(),
-            no_queue: false,
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -414,7 +414,7 @@ async fn session_lifecycle_workspace_and_events() {
                 task_id: task.id.clone(),
                 session_id: s.id.clone(),
                 content: "too late".into(),
-                no_queue: false,
+                ..Default::default()
             })
             .await
         ),
@@ -522,7 +522,7 @@ async fn malformed_unknown_and_foreign_ids() {
                     task_id: task_id.clone(),
                     session_id: session_id.clone(),
                     content: "hi".into(),
-                    no_queue: false,
+                    ..Default::default()
                 })
                 .await
             ),
@@ -733,7 +733,7 @@ async fn oversized_and_empty_messages_are_invalid_argument() {
             task_id: task.id.clone(),
             session_id: s.id.clone(),
             content: "x".repeat(1001),
-            no_queue: false,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -745,7 +745,7 @@ async fn oversized_and_empty_messages_are_invalid_argument() {
             task_id: task.id.clone(),
             session_id: s.id.clone(),
             content: "y".repeat(3 * 1024 * 1024),
-            no_queue: false,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -756,7 +756,7 @@ async fn oversized_and_empty_messages_are_invalid_argument() {
                 task_id: task.id.clone(),
                 session_id: s.id.clone(),
                 content: "  ".into(),
-                no_queue: false,
+                ..Default::default()
             })
             .await
         ),
@@ -903,7 +903,7 @@ async fn a_deleted_session_answers_not_found() {
             task_id: t.clone(),
             session_id: id.clone(),
             content: "still there?".into(),
-            no_queue: false,
+            ..Default::default()
         })
         .await
         .map(drop),

@@ -190,7 +190,7 @@ async fn a_replica_resumed_after_sigstop_past_its_lease_is_fenced_off() {
             task_id: task.id.clone(),
             session_id: s.id.clone(),
             content: "stale".into(),
-            no_queue: false,
+            ..Default::default()
         })
         .await
         .unwrap_err();

@@ -69,7 +69,7 @@ fn send_request(task: &str, session: &str, text: &str) -> pb::SendMessageRequest
         task_id: task.into(),
         session_id: session.into(),
         content: text.into(),
-        no_queue: false,
+        ..Default::default()
     }
 }
 

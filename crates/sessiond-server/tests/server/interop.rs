@@ -427,7 +427,7 @@ async fn prompt_and_answer(
             task_id: task.into(),
             session_id: session.into(),
             content: text.into(),
-            no_queue: false,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -779,7 +779,7 @@ async fn python_sdk_agent_terminals_run_in_the_worktree_and_end_with_the_session
             task_id: task.id.clone(),
             session_id: s.id.clone(),
             content: "/terminal echo $$ > cancel.pid; exec sleep 1002".into(),
-            no_queue: false,
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -12,6 +12,7 @@
 mod activity;
 mod agents;
 mod api;
+mod attachments;
 mod config;
 mod database;
 mod embedding;

@@ -304,7 +304,7 @@ async fn counters_move_with_turns_crashes_and_recovery() {
         task_id: task.id.clone(),
         session_id: bad.id.clone(),
         content: "crash now".into(),
-        no_queue: false,
+        ..Default::default()
     })
     .await
     .unwrap();

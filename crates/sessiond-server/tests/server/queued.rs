@@ -71,7 +71,7 @@ fn send(task: &str, session: &str, text: &str) -> pb::SendMessageRequest {
         task_id: task.into(),
         session_id: session.into(),
         content: text.into(),
-        no_queue: false,
+        ..Default::default()
     }
 }
 

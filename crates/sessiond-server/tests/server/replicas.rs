@@ -189,7 +189,7 @@ pub(crate) async fn send(
         task_id: task.into(),
         session_id: session.into(),
         content: text.into(),
-        no_queue: false,
+        ..Default::default()
     })
     .await
     .map(|_| ())
@@ -323,7 +323,7 @@ async fn three_replicas_adopt_the_sessions_of_one_killed_with_sigkill() {
         task_id: task.id.clone(),
         session_id: s_a.clone(),
         content: "wrong replica".into(),
-        no_queue: false,
+        ..Default::default()
     });
     hop.metadata_mut()
         .insert("sessiond-forwarded-by", "replica-c".parse().unwrap());

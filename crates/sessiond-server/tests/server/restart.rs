@@ -521,7 +521,7 @@ async fn an_interrupted_turn_is_retried_only_on_request() {
             task_id: task.id.clone(),
             session_id: s.id.clone(),
             content: "two".into(),
-            no_queue: false,
+            ..Default::default()
         })
         .await
         .unwrap()

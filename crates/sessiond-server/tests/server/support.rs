@@ -308,7 +308,7 @@ pub async fn prompt(c: &mut Sessions, task: &str, session: &str, text: &str) -> 
             task_id: task.into(),
             session_id: session.into(),
             content: text.into(),
-            no_queue: false,
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -150,7 +150,7 @@ async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
         task_id: task.id.clone(),
         session_id: session.id.clone(),
         content: "hello".into(),
-        no_queue: false,
+        ..Default::default()
     });
     request.metadata_mut().insert(
         "traceparent",

@@ -81,7 +81,7 @@ async fn send(c: &mut Sessions, task: &str, session: &str, text: &str) -> pb::Me
         task_id: task.into(),
         session_id: session.into(),
         content: text.into(),
-        no_queue: false,
+        ..Default::default()
     })
     .await
     .unwrap()
