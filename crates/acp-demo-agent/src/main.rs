@@ -33,7 +33,8 @@
 //! and `/write PATH TEXT` use the client's file system, `/terminal CMD`
 //! runs `sh -c CMD` in a client terminal (ACP `terminal/*`) shown by a tool
 //! call, `/long` streams for
-//! a minute (to be cancelled), `/fail` fails the turn, `/mode ID` switches
+//! a minute (to be cancelled), `/fail` fails the turn, `/ask [FIELD...]` asks the user to fill a form
+//! (ACP `elicitation/create`) and replies with the answer, `/mode ID` switches
 //! the agent's own mode (`current_mode_update`), `/unparsed` sends a
 //! `session/update` no ACP schema parses (a tool call with a numeric id).
 
@@ -45,8 +46,9 @@ use std::time::Duration;
 use agent_client_protocol::v1::ConnectionTo;
 use agent_client_protocol::v1::schema::{
     AgentCapabilities, AuthMethod, AuthMethodAgent, AuthenticateRequest, AuthenticateResponse,
-    CancelNotification, ContentBlock, ContentChunk, CurrentModeUpdate, Implementation,
-    InitializeRequest, InitializeResponse, LoadSessionRequest, LoadSessionResponse,
+    CancelNotification, ContentBlock, ContentChunk, CreateElicitationRequest, CurrentModeUpdate,
+    ElicitationAction, ElicitationFormMode, ElicitationSchema, ElicitationSessionScope,
+    Implementation, InitializeRequest, InitializeResponse, LoadSessionRequest, LoadSessionResponse,
     NewSessionRequest, NewSessionResponse, PermissionOption, PermissionOptionKind,
     PromptCapabilities, PromptRequest, PromptResponse, ReadTextFileRequest,
     RequestPermissionOutcome, RequestPermissionRequest, ResumeSessionRequest,
@@ -897,6 +899,34 @@ async fn slash_command(
             match answer.outcome {
                 RequestPermissionOutcome::Selected(s) => format!("permission: {}", s.option_id.0),
                 _ => "permission: cancelled".to_owned(),
+            }
+        }
+        "/ask" => {
+            // An ACP elicitation: a form with the fields named after /ask
+            // (required strings; `name` when none), answered as the reply.
+            let mut schema = ElicitationSchema::new();
+            let fields: Vec<&str> = words.by_ref().collect();
+            for f in if fields.is_empty() {
+                vec!["name"]
+            } else {
+                fields
+            } {
+                schema = schema.string(f, true);
+            }
+            let answer = cx
+                .send_request(CreateElicitationRequest::new(
+                    ElicitationFormMode::new(ElicitationSessionScope::new(session.clone()), schema),
+                    "The demo agent asks",
+                ))
+                .block_task()
+                .await?;
+            match answer.action {
+                ElicitationAction::Accept(a) => format!(
+                    "answer: accept {}",
+                    serde_json::to_string(&a.content).unwrap_or_default()
+                ),
+                ElicitationAction::Decline => "answer: decline".to_owned(),
+                _ => "answer: cancel".to_owned(),
             }
         }
         "/fail" => {

@@ -197,6 +197,41 @@ pub fn permission_part(turn_id: &str, request_id: &str, json: String) -> Activit
     activity(turn_id, request_id, PERMISSION, 1, title, json)
 }
 
+/// An ACP `elicitation/create` (a question to the user: a form, or a URL
+/// to visit) as a `permission` part (rev 1, pending) whose options are
+/// `accept`, `decline` and `cancel`, with the request under `elicitation`
+/// (`mode`, `message`, and `requestedSchema` or `url`).
+pub fn elicitation_requested(
+    turn_id: &str,
+    request_id: &str,
+    req: &agent_client_protocol::v1::schema::CreateElicitationRequest,
+    requested_at_ms: u64,
+    expires_at_ms: u64,
+) -> Activity {
+    let mut elicitation = serde_json::to_value(req).unwrap_or_default();
+    clip_strings(&mut elicitation, RAW_STRING_MAX);
+    let option =
+        |id: &str, name: &str| serde_json::json!({"optionId": id, "name": name, "kind": id});
+    let json = serde_json::json!({
+        "requestId": request_id,
+        "turnId": turn_id,
+        "toolCall": {"toolCallId": request_id, "title": req.message},
+        "options": [option("accept", "Submit"), option("decline", "Decline"), option("cancel", "Cancel")],
+        "elicitation": elicitation,
+        "status": "pending",
+        "requestedAtMs": requested_at_ms,
+        "expiresAtMs": expires_at_ms,
+    });
+    activity(
+        turn_id,
+        request_id,
+        PERMISSION,
+        1,
+        req.message.clone(),
+        json.to_string(),
+    )
+}
+
 #[derive(Debug)]
 struct ToolPart {
     id: String,

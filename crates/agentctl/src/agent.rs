@@ -20,7 +20,9 @@ use agent_client_protocol::schema::ProtocolVersion;
 use agent_client_protocol::v1::ConnectionTo;
 use agent_client_protocol::v1::schema::{
     AuthMethod, AuthenticateRequest, CancelNotification, ClientCapabilities, CloseSessionRequest,
-    ContentBlock, CreateTerminalRequest, CreateTerminalResponse, FileSystemCapabilities,
+    ContentBlock, CreateElicitationRequest, CreateElicitationResponse, CreateTerminalRequest,
+    CreateTerminalResponse, ElicitationAcceptAction, ElicitationAction, ElicitationCapabilities,
+    ElicitationFormCapabilities, ElicitationUrlCapabilities, FileSystemCapabilities,
     Implementation, InitializeRequest, KillTerminalRequest, KillTerminalResponse,
     LoadSessionRequest, NewSessionRequest, PermissionOptionKind, PromptCapabilities, PromptRequest,
     ReadTextFileRequest, ReadTextFileResponse, ReleaseTerminalRequest, ReleaseTerminalResponse,
@@ -91,12 +93,23 @@ pub enum PermissionPolicy {
 /// timeout; then it is answered with a reject option.
 pub const DEFAULT_PERMISSION_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// A permission request waiting for the backend's answer.
+/// A permission request (or an elicitation) waiting for the backend's answer.
 #[derive(Debug)]
 struct Ask {
-    /// The agent's option ids.
+    /// The agent's option ids (`accept`, `decline`, `cancel` for an
+    /// elicitation).
     options: Vec<String>,
-    answer: oneshot::Sender<String>,
+    /// For an elicitation: the properties its form requires.
+    required: Option<Vec<String>>,
+    answer: oneshot::Sender<Reply>,
+}
+
+/// The backend's answer to an [`Ask`].
+#[derive(Debug)]
+struct Reply {
+    option_id: String,
+    /// An accepted elicitation's values.
+    content: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 /// What to launch.
@@ -827,7 +840,12 @@ impl AgentManager {
                         .fs(FileSystemCapabilities::new()
                             .read_text_file(true)
                             .write_text_file(true))
-                        .terminal(true),
+                        .terminal(true)
+                        .elicitation(
+                            ElicitationCapabilities::new()
+                                .form(ElicitationFormCapabilities::new())
+                                .url(ElicitationUrlCapabilities::new()),
+                        ),
                 )
                 .client_info(Implementation::new("agentctl", env!("CARGO_PKG_VERSION")));
             let resp = conn
@@ -1407,8 +1425,15 @@ impl AgentManager {
         sys::kill_self();
     }
 
-    /// Answers a pending `ask` permission request with one of its options.
-    pub fn respond_permission(&self, request_id: &str, option_id: &str) -> Result<()> {
+    /// Answers a pending `ask` permission request with one of its options;
+    /// an elicitation with `accept` (and the form's values as a JSON
+    /// object in `content_json`), `decline` or `cancel`.
+    pub fn respond_permission(
+        &self,
+        request_id: &str,
+        option_id: &str,
+        content_json: &str,
+    ) -> Result<()> {
         let mut slot = self.shared.slot();
         let Some(ask) = slot.asks.get(request_id) else {
             return Err(Error::NotFound(format!(
@@ -1421,10 +1446,20 @@ impl AgentManager {
                 ask.options.join(", ")
             )));
         }
+        let content = match &ask.required {
+            Some(required) if option_id == "accept" => Some(
+                crate::elicit::form_values(content_json, required)
+                    .map_err(|e| Error::InvalidArgument(format!("content_json: {e}")))?,
+            ),
+            _ => None,
+        };
         let Some(ask) = slot.asks.remove(request_id) else {
             return Ok(());
         };
-        let _ = ask.answer.send(option_id.to_owned());
+        let _ = ask.answer.send(Reply {
+            option_id: option_id.to_owned(),
+            content,
+        });
         Ok(())
     }
 
@@ -1681,6 +1716,7 @@ async fn ask(
                     .iter()
                     .map(|o| o.option_id.0.to_string())
                     .collect(),
+                required: None,
                 answer: tx,
             },
         );
@@ -1693,8 +1729,8 @@ async fn ask(
         "permission request waits for the backend's answer"
     );
     let (outcome, status, reason) = match tokio::time::timeout(timeout, rx).await {
-        Ok(Ok(option)) => (
-            RequestPermissionOutcome::Selected(SelectedPermissionOutcome::new(option)),
+        Ok(Ok(reply)) => (
+            RequestPermissionOutcome::Selected(SelectedPermissionOutcome::new(reply.option_id)),
             "selected",
             String::new(),
         ),
@@ -1729,6 +1765,103 @@ async fn ask(
     drop(slot);
     tracing::info!(request_id, status, "permission request answered");
     outcome
+}
+
+/// An ACP `elicitation/create`, asked of the user whatever the permission
+/// policy (a form cannot be filled by a policy): journaled, a `permission`
+/// part with options `accept` / `decline` / `cancel` on the stream, then
+/// the backend's answer (`RespondPermission`, an accepted form's values in
+/// `content_json`), at most the permission timeout (then `cancel`). One
+/// dropped unanswered (turn cancelled, agent exited) is `cancel`.
+async fn ask_elicitation(
+    shared: &Shared,
+    generation: u64,
+    req: &CreateElicitationRequest,
+) -> CreateElicitationResponse {
+    let request_id = uuid::Uuid::now_v7().to_string();
+    let instance = shared.updates.instance_id().to_owned();
+    let (tx, rx) = oneshot::channel();
+    let (timeout, mut part) = {
+        let mut slot = shared.slot();
+        if slot.generation != generation {
+            return CreateElicitationResponse::new(ElicitationAction::Cancel);
+        }
+        let turn_id = slot
+            .turn
+            .as_ref()
+            .map(|t| t.turn_id.clone())
+            .unwrap_or_default();
+        let now = std::time::SystemTime::now();
+        let timeout = slot.permission_timeout;
+        let part = activity::elicitation_requested(
+            &turn_id,
+            &request_id,
+            req,
+            unix_ms(now),
+            unix_ms(now + timeout),
+        );
+        // Journal before the backend can know of it, as a permission request.
+        let record = crate::journal::PermissionRecord {
+            instance: instance.clone(),
+            turn_id,
+            request_id: request_id.clone(),
+            part: part.json.clone(),
+        };
+        if let Err(e) = shared.journal.permission(&record) {
+            tracing::warn!(request_id, error = %e, "could not journal the elicitation; cancelling it");
+            return CreateElicitationResponse::new(ElicitationAction::Cancel);
+        }
+        slot.asks.insert(
+            request_id.clone(),
+            Ask {
+                options: vec!["accept".into(), "decline".into(), "cancel".into()],
+                required: Some(crate::elicit::required(req)),
+                answer: tx,
+            },
+        );
+        shared.updates.push(Kind::Activity(part.clone()));
+        (timeout, part)
+    };
+    tracing::info!(
+        request_id,
+        ?timeout,
+        "elicitation waits for the user's answer"
+    );
+    let (action, status, option, reason) = match tokio::time::timeout(timeout, rx).await {
+        Ok(Ok(reply)) => {
+            let action = match reply.option_id.as_str() {
+                "accept" => ElicitationAction::Accept(
+                    ElicitationAcceptAction::new()
+                        .content(reply.content.map(crate::elicit::to_acp)),
+                ),
+                "decline" => ElicitationAction::Decline,
+                _ => ElicitationAction::Cancel,
+            };
+            (action, "selected", Some(reply.option_id), String::new())
+        }
+        Ok(Err(_)) => (
+            ElicitationAction::Cancel,
+            "cancelled",
+            None,
+            "the turn was cancelled or the agent exited while the question waited".to_owned(),
+        ),
+        Err(_) => (
+            ElicitationAction::Cancel,
+            "timed_out",
+            Some("cancel".to_owned()),
+            format!("no answer within {}s", timeout.as_secs_f64()),
+        ),
+    };
+    let mut slot = shared.slot();
+    slot.asks.remove(&request_id);
+    activity::permission_resolved(&mut part, status, option.as_deref(), &reason);
+    shared.updates.push(Kind::Activity(part));
+    if let Err(e) = shared.journal.permission_resolved(&request_id, &instance) {
+        tracing::warn!(request_id, error = %e, "could not journal the elicitation's end");
+    }
+    drop(slot);
+    tracing::info!(request_id, status, "elicitation answered");
+    CreateElicitationResponse::new(action)
 }
 
 /// Marks `turn_id` ended at `cursor`, in memory and in the journal. A failed
@@ -1920,6 +2053,7 @@ async fn run_connection(
 ) -> std::result::Result<(), agent_client_protocol::Error> {
     let s_updates = shared.clone();
     let s_perm = shared.clone();
+    let s_elicit = shared.clone();
     let s_read = shared.clone();
     let s_term = shared.clone();
     let s_term_out = shared.clone();
@@ -1974,6 +2108,20 @@ async fn run_connection(
                     }
                 };
                 responder.respond(RequestPermissionResponse::new(pick(&req, wanted)))
+            },
+            agent_client_protocol::on_receive_request!(),
+        )
+        .on_receive_request(
+            async move |req: CreateElicitationRequest, responder, _cx| {
+                // Answered from its own task, as a permission request.
+                let shared = s_elicit.clone();
+                tokio::spawn(async move {
+                    let answer = ask_elicitation(&shared, generation, &req).await;
+                    if let Err(e) = responder.respond(answer) {
+                        tracing::debug!(error = %e, "could not answer the elicitation (agent gone)");
+                    }
+                });
+                Ok(())
             },
             agent_client_protocol::on_receive_request!(),
         )

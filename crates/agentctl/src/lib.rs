@@ -16,6 +16,7 @@ pub mod activity;
 pub mod agent;
 pub mod auth;
 pub mod config;
+pub mod elicit;
 pub mod error;
 pub mod exec;
 pub mod fence;

@@ -285,7 +285,8 @@ impl AgentCtlService for AgentCtl {
         req: Request<pb::RespondPermissionRequest>,
     ) -> Res<pb::RespondPermissionResponse> {
         let r = req.into_inner();
-        self.agent.respond_permission(&r.request_id, &r.option_id)?;
+        self.agent
+            .respond_permission(&r.request_id, &r.option_id, &r.content_json)?;
         Ok(Response::new(pb::RespondPermissionResponse {}))
     }
 

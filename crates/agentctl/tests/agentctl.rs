@@ -2409,6 +2409,7 @@ async fn ask_policy_waits_for_an_answer_times_out_and_is_journaled() {
         .respond_permission(RespondPermissionRequest {
             request_id: "nope".into(),
             option_id: "allow".into(),
+            content_json: String::new(),
         })
         .await
         .unwrap_err();
@@ -2417,6 +2418,7 @@ async fn ask_policy_waits_for_an_answer_times_out_and_is_journaled() {
         .respond_permission(RespondPermissionRequest {
             request_id: request.clone(),
             option_id: "sometimes".into(),
+            content_json: String::new(),
         })
         .await
         .unwrap_err();
@@ -2425,6 +2427,7 @@ async fn ask_policy_waits_for_an_answer_times_out_and_is_journaled() {
     c.respond_permission(RespondPermissionRequest {
         request_id: request.clone(),
         option_id: "allow".into(),
+        content_json: String::new(),
     })
     .await
     .expect("answer");
@@ -2444,6 +2447,7 @@ async fn ask_policy_waits_for_an_answer_times_out_and_is_journaled() {
         .respond_permission(RespondPermissionRequest {
             request_id: request.clone(),
             option_id: "allow".into(),
+            content_json: String::new(),
         })
         .await
         .unwrap_err();

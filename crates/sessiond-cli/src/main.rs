@@ -84,8 +84,13 @@ enum Command {
         session: SessionRef,
         request_id: String,
         /// An option's id, or a kind: `allow`, `allow-always`, `reject`,
-        /// `reject-always` (the agent's option of that kind).
+        /// `reject-always` (the agent's option of that kind). A question
+        /// (elicitation) takes `accept`, `decline` or `cancel`.
         option_id: String,
+        /// A question answered `accept`: the form's values as a JSON object,
+        /// e.g. '{"name": "Ada"}'.
+        #[arg(long, value_name = "JSON")]
+        values: Option<String>,
     },
     /// Switch the agent's session mode (`session status` lists the modes).
     Mode {
@@ -510,6 +515,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             session,
             request_id,
             option_id,
+            values,
         } => {
             let r = c
                 .sessions
@@ -518,6 +524,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     session_id: session.session_id.clone(),
                     request_id,
                     option_id: option_id.clone(),
+                    content_json: values.unwrap_or_default(),
                 })
                 .await?
                 .into_inner();
@@ -1159,7 +1166,20 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
             Some(pb::event::Payload::PermissionRequested(pb::PermissionRequested {
                 request: Some(req),
             })) if in_turn && req.status == "pending" => {
-                let option_id = choose_option(&answer, &req).await?;
+                if let Some(q) = req.elicitation.as_ref().filter(|_| !answer.deny) {
+                    // A question is answered by a person: said, and waited for.
+                    eprintln!(
+                        "[question] {} — answer with `sessionctl permission {session_id} {} accept \
+                         --values JSON` (form {}{}), or decline / cancel",
+                        q.message, req.request_id, q.requested_schema_json, q.url
+                    );
+                    continue;
+                }
+                let option_id = if req.elicitation.is_some() {
+                    "decline".to_owned()
+                } else {
+                    choose_option(&answer, &req).await?
+                };
                 let answered = c
                     .sessions
                     .respond_to_permission(pb::RespondToPermissionRequest {
@@ -1167,6 +1187,7 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
                         session_id: session_id.clone(),
                         request_id: req.request_id.clone(),
                         option_id: option_id.clone(),
+                        content_json: String::new(),
                     })
                     .await;
                 match answered {

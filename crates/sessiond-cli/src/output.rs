@@ -301,6 +301,16 @@ fn permission_json(p: &pb::PermissionRequest) -> Value {
 
 /// `write notes.txt: allow (allow_once), reject (reject_once)`.
 fn permission_line(p: &pb::PermissionRequest) -> String {
+    if let Some(e) = &p.elicitation {
+        let what = match e.mode.as_str() {
+            "url" => format!("visit {}", e.url),
+            _ => format!("fill the form {}", e.requested_schema_json),
+        };
+        return format!(
+            "{} ({what}; answer accept --values JSON, decline or cancel)",
+            e.message
+        );
+    }
     let title = p.tool_call.as_ref().map_or("", |t| t.title.as_str());
     let options: Vec<String> = p
         .options

@@ -141,6 +141,22 @@ impl SessionManager {
         request_id: &str,
         option_id: &str,
     ) -> Result<Message> {
+        self.respond_with_values(task, session_id, request_id, option_id, "")
+            .await
+    }
+
+    /// [`Self::respond_to_permission`] with the values of a form: an
+    /// elicitation (the agent's question to the user) answered `accept`
+    /// carries them as a JSON object (agentctl checks them against the
+    /// form's required properties).
+    pub async fn respond_with_values(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        request_id: &str,
+        option_id: &str,
+        content_json: &str,
+    ) -> Result<Message> {
         self.session_of_task(task, session_id).await?;
         let not_found = || Error::PermissionNotFound {
             session_id,
@@ -209,6 +225,7 @@ impl SessionManager {
             .respond_permission(pb::RespondPermissionRequest {
                 request_id: request_id.to_owned(),
                 option_id: option_id.to_owned(),
+                content_json: content_json.to_owned(),
             })
             .await;
         match answered {

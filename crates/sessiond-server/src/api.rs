@@ -1062,7 +1062,13 @@ impl pb::session_service_server::SessionService for Api {
                 }
                 let m = self
                     .manager
-                    .respond_to_permission(task, session, &req.request_id, &req.option_id)
+                    .respond_with_values(
+                        task,
+                        session,
+                        &req.request_id,
+                        &req.option_id,
+                        &req.content_json,
+                    )
                     .await?;
                 Ok(pb::RespondToPermissionResponse {
                     request: Some(convert::permission_request(&m)),

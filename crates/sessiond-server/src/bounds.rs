@@ -146,6 +146,7 @@ bounded! { max_message_bytes =>
         session_id: MAX_ID_BYTES,
         request_id: MAX_NAME_BYTES,
         option_id: MAX_NAME_BYTES,
+        content_json: max_message_bytes; "max_message_bytes",
     };
     ResumeSessionRequest { task_id: MAX_ID_BYTES, session_id: MAX_ID_BYTES };
     SendMessageRequest {

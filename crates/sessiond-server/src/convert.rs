@@ -420,6 +420,12 @@ mod parts {
             option_id: s(u, "optionId"),
             requested_at: ms_timestamp(u, "requestedAtMs"),
             expires_at: ms_timestamp(u, "expiresAtMs"),
+            elicitation: u.get("elicitation").map(|e| pb::Elicitation {
+                mode: s(e, "mode"),
+                message: s(e, "message"),
+                requested_schema_json: json_text(e.get("requestedSchema")),
+                url: s(e, "url"),
+            }),
         }
     }
 

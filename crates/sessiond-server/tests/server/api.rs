@@ -995,6 +995,7 @@ async fn oversized_string_fields_are_invalid_argument_naming_field_and_limit() {
             session_id: s.id.clone(),
             request_id: "r".into(),
             option_id: huge.clone(),
+            content_json: String::new(),
         })
         .await
         .unwrap_err();

@@ -188,6 +188,7 @@ async fn commands_sent_to_a_non_owner_replica_run_once_on_the_owner() {
             session_id: s.id.clone(),
             request_id: asked.request_id.clone(),
             option_id: "allow".into(),
+            content_json: String::new(),
         })
         .await
         .unwrap()
@@ -210,6 +211,7 @@ async fn commands_sent_to_a_non_owner_replica_run_once_on_the_owner() {
             session_id: s.id.clone(),
             request_id: asked.request_id.clone(),
             option_id: "allow".into(),
+            content_json: String::new(),
         })
         .await
         .unwrap_err();

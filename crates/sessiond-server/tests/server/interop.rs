@@ -440,6 +440,7 @@ async fn prompt_and_answer(
         session_id: session.into(),
         request_id: asked.request_id.clone(),
         option_id: option.into(),
+        content_json: String::new(),
     })
     .await
     .unwrap();

@@ -84,6 +84,7 @@ async fn respond(
         session_id: session.into(),
         request_id: request.into(),
         option_id: option.into(),
+        content_json: String::new(),
     })
     .await
     .map(tonic::Response::into_inner)
@@ -530,4 +531,181 @@ async fn answers_by_kind_map_onto_the_offered_option() {
         turn_end(&mut c, &s.id, &sent.id).await;
         assert_eq!(work.join(&file).exists(), written, "{answer}");
     }
+}
+
+async fn answer_form(
+    c: &mut Sessions,
+    task: &str,
+    session: &str,
+    request: &str,
+    option: &str,
+    values: &str,
+) -> Result<pb::RespondToPermissionResponse, tonic::Status> {
+    c.respond_to_permission(pb::RespondToPermissionRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+        request_id: request.into(),
+        option_id: option.into(),
+        content_json: values.into(),
+    })
+    .await
+    .map(tonic::Response::into_inner)
+}
+
+/// The agent asks the user a question (ACP `elicitation/create`, the demo
+/// agent's `/ask FIELD...`): it is a pending request with its form, answered
+/// with the form's values (checked: required fields, value types), or
+/// declined; the agent gets exactly the answer.
+#[tokio::test]
+async fn an_elicitation_is_asked_answered_with_its_form_or_declined() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let config = config(dir.path(), None);
+    let server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "questions").await;
+    let s = create_session(&mut c, &task.id, &work, "asker").await;
+
+    let sent = send(&mut c, &task.id, &s.id, "/ask name city").await;
+    let req = requested(&mut c, &s.id, &sent.id).await;
+    let q = req.elicitation.clone().expect("an elicitation");
+    assert_eq!(q.mode, "form");
+    assert_eq!(q.message, "The demo agent asks");
+    let schema: serde_json::Value = serde_json::from_str(&q.requested_schema_json).unwrap();
+    assert_eq!(schema["required"], serde_json::json!(["name", "city"]));
+    let options: Vec<&str> = req.options.iter().map(|o| o.option_id.as_str()).collect();
+    assert_eq!(options, ["accept", "decline", "cancel"]);
+    let listed = pending(&mut c, &task.id, &s.id).await;
+    assert_eq!(listed.len(), 1);
+    assert!(listed[0].elicitation.is_some());
+
+    // Values that do not fill the form are refused; the question still waits.
+    for (values, says) in [
+        (r#"{"name":"Ada"}"#, "\"city\""),
+        (r#"{"name":"Ada","city":{"x":1}}"#, "\"city\""),
+        ("not json", "content_json"),
+        ("[]", "object"),
+    ] {
+        let err = answer_form(&mut c, &task.id, &s.id, &req.request_id, "accept", values)
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{values}: {err:?}");
+        assert!(err.message().contains(says), "{values}: {}", err.message());
+    }
+    assert_eq!(pending(&mut c, &task.id, &s.id).await.len(), 1);
+
+    answer_form(
+        &mut c,
+        &task.id,
+        &s.id,
+        &req.request_id,
+        "accept",
+        r#"{"name":"Ada","city":"Paris"}"#,
+    )
+    .await
+    .unwrap();
+    let end = turn_end(&mut c, &s.id, &sent.id).await;
+    assert_eq!(end.stop_reason, "end_turn", "{end:?}");
+    let msgs = messages(&mut c, &task.id, &s.id).await;
+    let reply = replies(&msgs, &sent).join("");
+    assert!(
+        reply.contains(r#"answer: accept {"city":"Paris","name":"Ada"}"#),
+        "{reply}"
+    );
+    let r = resolved(&mut c, &s.id, &req.request_id).await;
+    assert_eq!(
+        (r.outcome.as_str(), r.option_id.as_str()),
+        ("selected", "accept")
+    );
+
+    let sent = send(&mut c, &task.id, &s.id, "/ask").await;
+    let req = requested(&mut c, &s.id, &sent.id).await;
+    answer_form(&mut c, &task.id, &s.id, &req.request_id, "decline", "")
+        .await
+        .unwrap();
+    turn_end(&mut c, &s.id, &sent.id).await;
+    let msgs = messages(&mut c, &task.id, &s.id).await;
+    assert!(
+        replies(&msgs, &sent).join("").contains("answer: decline"),
+        "{msgs:?}"
+    );
+}
+
+/// A question pending across `kill -9` of sessiond is listed again and
+/// answered once; one pending when agentctl dies is cancelled.
+#[tokio::test]
+async fn a_pending_elicitation_survives_kill_9_of_sessiond_and_dies_with_agentctl() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let config = config(dir.path(), None);
+    let mut server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "question across a crash").await;
+    let s = create_session(&mut c, &task.id, &work, "asker").await;
+
+    let sent = send(&mut c, &task.id, &s.id, "/ask name").await;
+    let req = requested(&mut c, &s.id, &sent.id).await;
+    server.kill();
+    // The old value's drop would end the agentctls under `data`.
+    std::mem::forget(std::mem::replace(
+        &mut server,
+        start(&data, &["--config", &config]),
+    ));
+    crate::restart::wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+    let listed = pending(&mut c, &task.id, &s.id).await;
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].request_id, req.request_id);
+    assert!(listed[0].elicitation.is_some());
+    answer_form(
+        &mut c,
+        &task.id,
+        &s.id,
+        &req.request_id,
+        "accept",
+        r#"{"name":"Bo"}"#,
+    )
+    .await
+    .unwrap();
+    turn_end(&mut c, &s.id, &sent.id).await;
+    let err = answer_form(
+        &mut c,
+        &task.id,
+        &s.id,
+        &req.request_id,
+        "accept",
+        r#"{"name":"X"}"#,
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(
+        err.code(),
+        Code::FailedPrecondition,
+        "answered once: {err:?}"
+    );
+    let msgs = messages(&mut c, &task.id, &s.id).await;
+    let reply = replies(&msgs, &sent);
+    assert_eq!(reply.len(), 1, "{reply:?}");
+    assert!(
+        reply[0].contains(r#"answer: accept {"name":"Bo"}"#),
+        "{reply:?}"
+    );
+
+    // agentctl dies while a question waits: cancelled, the turn interrupted.
+    let sent = send(&mut c, &task.id, &s.id, "/ask name").await;
+    let req = requested(&mut c, &s.id, &sent.id).await;
+    for pid in agentctl_pids(&data) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    let r = resolved(&mut c, &s.id, &req.request_id).await;
+    assert_eq!(r.outcome, "cancelled", "{r:?}");
+    let end = turn_end(&mut c, &s.id, &sent.id).await;
+    assert_eq!(end.stop_reason, "interrupted", "{end:?}");
 }
