@@ -122,6 +122,7 @@ async fn ended_session(
         runtime: Runtime::LocalStandalone,
         executor_id: None,
         worktree,
+        title: String::new(),
         resume_token: Some(format!("conv-{executor_id}")),
         metadata: BTreeMap::new(),
         error_message: None,

@@ -148,6 +148,11 @@ bounded! { max_message_bytes =>
         option_id: MAX_NAME_BYTES,
     };
     ResumeSessionRequest { task_id: MAX_ID_BYTES, session_id: MAX_ID_BYTES };
+    SetSessionTitleRequest {
+        task_id: MAX_ID_BYTES,
+        session_id: MAX_ID_BYTES,
+        title: MAX_TITLE_BYTES,
+    };
     SendMessageRequest {
         task_id: MAX_ID_BYTES,
         session_id: MAX_ID_BYTES,
@@ -213,6 +218,7 @@ mod tests {
         SetSessionConfigOptionRequest,
         RespondToPermissionRequest,
         ResumeSessionRequest,
+        SetSessionTitleRequest,
         SendMessageRequest,
         RetryTurnRequest,
         CancelTurnRequest,
