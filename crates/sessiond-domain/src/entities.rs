@@ -514,7 +514,10 @@ pub struct AgentMode {
 mod tests {
     #[test]
     fn a_title_is_the_first_printable_line_cut_with_an_ellipsis() {
-        assert_eq!(prompt_title("\n  \n  fix   the\tbuild \nthen more"), "fix the build");
+        assert_eq!(
+            prompt_title("\n  \n  fix   the\tbuild \nthen more"),
+            "fix the build"
+        );
         assert_eq!(prompt_title("a\u{1b}[31mred"), "a [31mred");
         assert_eq!(prompt_title(" \n\t"), "");
         let long = "word ".repeat(40);
@@ -522,7 +525,12 @@ mod tests {
         assert_eq!(t.chars().count(), 80, "{t}");
         assert!(t.ends_with("word…") || t.ends_with('…'), "{t}");
         assert!(!t.contains(" …"), "{t}");
-        assert_eq!(title_from_text("é".repeat(300).as_str(), 200).chars().count(), 200);
+        assert_eq!(
+            title_from_text("é".repeat(300).as_str(), 200)
+                .chars()
+                .count(),
+            200
+        );
     }
 
     use super::*;

@@ -41,9 +41,9 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use sessiond_domain::{
-    AgentProcessState, EventPayload, ExecutorRecord, ExecutorStatus, Message, MessageId,
-    MessageKind, MessageRole, Runtime, Session, SessionEvent, SessionId, SessionState, TaskEvent,
-    TaskId, TitleSource, UsageTotals, MAX_SESSION_TITLE_CHARS, title_from_text,
+    AgentProcessState, EventPayload, ExecutorRecord, ExecutorStatus, MAX_SESSION_TITLE_CHARS,
+    Message, MessageId, MessageKind, MessageRole, Runtime, Session, SessionEvent, SessionId,
+    SessionState, TaskEvent, TaskId, TitleSource, UsageTotals, title_from_text,
 };
 use sessiond_executor::{AgentState, AgentctlClient};
 use sessiond_proto::agentctl::v1::{self as pb, agent_update::Kind};

@@ -246,7 +246,11 @@ pub(crate) fn write_title(
         TitleSource::User => &["", "prompt", "agent", "user"],
     };
     // A user who clears the title hands naming back to the prompt and agent.
-    let stored_source = if title.is_empty() { "" } else { source.as_str() };
+    let stored_source = if title.is_empty() {
+        ""
+    } else {
+        source.as_str()
+    };
     Ok(diesel::update(
         task_sessions::table
             .find(session.to_string())

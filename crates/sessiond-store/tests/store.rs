@@ -226,7 +226,12 @@ mod suite {
             .unwrap();
         assert_eq!(store.get_session(s.id).await.unwrap().title, "the agent's");
         assert!(set("mine", TitleSource::User).await.unwrap().1);
-        assert!(!set("the agent's again", TitleSource::Agent).await.unwrap().1);
+        assert!(
+            !set("the agent's again", TitleSource::Agent)
+                .await
+                .unwrap()
+                .1
+        );
         assert!(!set("a prompt", TitleSource::Prompt).await.unwrap().1);
         // A session update from a holder of the old copy keeps the title.
         let mut held = s.clone();
@@ -239,7 +244,10 @@ mod suite {
         assert!(set("", TitleSource::User).await.unwrap().1);
         assert!(set("named again", TitleSource::Prompt).await.unwrap().1);
         assert_eq!(store.get_session(s.id).await.unwrap().title, "named again");
-        assert_eq!(store.list_sessions(s.task_id).await.unwrap()[0].title, "named again");
+        assert_eq!(
+            store.list_sessions(s.task_id).await.unwrap()[0].title,
+            "named again"
+        );
         // Unknown and deleted sessions are not found.
         let err = store
             .set_session_title(SessionId::new(), "x".into(), TitleSource::User)
