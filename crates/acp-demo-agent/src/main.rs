@@ -1054,7 +1054,8 @@ fn activity(
 }
 
 /// `/edit PATH TEXT`: a tool call that asks permission first (as coding
-/// agents do before changing files); writes PATH through the client only
+/// agents do before changing files), carrying the change as a diff (the
+/// file's old text when it exists); writes PATH through the client only
 /// when an allow option was chosen.
 async fn edit_with_permission(
     cx: &ConnectionTo<Client>,
