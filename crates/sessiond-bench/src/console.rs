@@ -99,7 +99,15 @@ async fn task(store: &Store, title: &str) -> anyhow::Result<TaskId> {
 }
 
 const VERBS: [&str; 5] = ["fix", "refactor", "document", "test", "speed up"];
-const NOUNS: [&str; 7] = ["billing", "search", "login", "export", "cache", "parser", "scheduler"];
+const NOUNS: [&str; 7] = [
+    "billing",
+    "search",
+    "login",
+    "export",
+    "cache",
+    "parser",
+    "scheduler",
+];
 
 /// A session that ran and was stopped, with the events that left.
 async fn ended_session(
@@ -126,7 +134,11 @@ async fn ended_session(
         executor_id: None,
         worktree,
         // Titled as people title them, so a search has something to find.
-        title: format!("{} the {} module (#{i})", VERBS[i % VERBS.len()], NOUNS[i % NOUNS.len()]),
+        title: format!(
+            "{} the {} module (#{i})",
+            VERBS[i % VERBS.len()],
+            NOUNS[i % NOUNS.len()]
+        ),
         resume_token: Some(format!("conv-{executor_id}")),
         metadata: BTreeMap::new(),
         error_message: None,
