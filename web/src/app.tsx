@@ -20,12 +20,14 @@ import {
   type Session,
   type Task,
   type TerminalPart,
+  type ToolCallPart,
+  type AvailableCommand,
 } from "./gen/sessiond/v1/types_pb";
 import { executorLabel, executorTone, reasonLabel, roleLabel, runtimeName, stateLabel, stateTone } from "./labels";
 import { Workspace } from "./workspace";
 import { followShared } from "./shared";
 import { Markdown } from "./markdown";
-import { PermissionPrompts } from "./permissions";
+import { DiffView, PermissionPrompts } from "./permissions";
 
 // ------------------------------------------------------------------ routing
 
@@ -302,6 +304,19 @@ function TasksView() {
 
 type SessionRow = { session: Session; executor: ExecutorStatus };
 
+/** Whether a task event changes what the list shows of its session beyond
+ * state and executor: its title (the first prompt, the agent's
+ * `session_info_update`) or its cost (a turn's end). */
+function renames(rows: Map<string, SessionRow>, e: Event): boolean {
+  const p = e.payload;
+  if (p.case === "turnEnded") return true;
+  if (p.case !== "messageAdded" && p.case !== "messageUpdated") return false;
+  const m = p.value.message;
+  if (!m) return false;
+  if (m.role === MessageRole.USER) return !rows.get(e.sessionId)?.session.title;
+  return m.part.case === "other" && m.part.value.updateKind === "session_info_update";
+}
+
 function applyTaskEvent(rows: Map<string, SessionRow>, e: Event): boolean {
   const row = rows.get(e.sessionId);
   if (!row) return false;
@@ -366,6 +381,10 @@ function TaskView(props: { taskId: string; backend: Backend }) {
     sessions.listAgentProfiles({}).then((r) => setProfiles(r.profiles)).catch(fail(setError));
     let refetching = false;
     let frame = 0;
+    let renameTimer = 0;
+    // When the list was last asked for (server clock as the events carry
+    // it): replayed events older than the list are in it already.
+    let listedAt = 0;
     const publish = () => {
       frame = 0;
       setRows(new Map(rowsRef.current));
@@ -379,6 +398,7 @@ function TaskView(props: { taskId: string; backend: Backend }) {
     const refetch = () => {
       if (refetching) return;
       refetching = true;
+      listedAt = Date.now() / 1000 - 2;
       sessions
         .listSessions({ taskId })
         .then((r) => {
@@ -408,6 +428,11 @@ function TaskView(props: { taskId: string; backend: Backend }) {
         if (!applyTaskEvent(rowsRef.current, e)) {
           pending.current.push(e);
           refetch();
+        } else if (renames(rowsRef.current, e) && Number(e.createdAt?.seconds ?? 0n) >= listedAt) {
+          // Titles and costs come with the list: ask again, once per burst.
+          clearTimeout(renameTimer);
+          const again = () => (refetching ? (renameTimer = window.setTimeout(again, 300)) : refetch());
+          renameTimer = window.setTimeout(again, 300);
         }
         schedule();
       },
@@ -419,6 +444,7 @@ function TaskView(props: { taskId: string; backend: Backend }) {
     return () => {
       stop();
       cancelAnimationFrame(frame);
+      clearTimeout(renameTimer);
     };
   }, [taskId]);
 
@@ -433,7 +459,7 @@ function TaskView(props: { taskId: string; backend: Backend }) {
     all?.filter(({ session: s }) => {
       if (stateFilter !== "all" && String(s.state) !== stateFilter) return false;
       if (!needle) return true;
-      const hay = [s.id, profileName.get(s.agentProfileId) ?? "", s.worktree?.branch ?? "", stateLabel[s.state]].join(" ").toLowerCase();
+      const hay = [s.title, s.id, profileName.get(s.agentProfileId) ?? "", s.worktree?.branch ?? "", stateLabel[s.state]].join(" ").toLowerCase();
       return hay.includes(needle);
     }) ?? null;
   const remove = async (id: string) => {
@@ -465,7 +491,7 @@ function TaskView(props: { taskId: string; backend: Backend }) {
             <div class="row filters">
               <label class="grow">
                 <span class="sr">Search sessions</span>
-                <input name="search" type="search" placeholder="Search: id, agent, branch, state" value={query} onInput={(e) => setQuery((e.target as HTMLInputElement).value)} />
+                <input name="search" type="search" placeholder="Search: title, id, agent, branch, state" value={query} onInput={(e) => setQuery((e.target as HTMLInputElement).value)} />
               </label>
               <label>
                 <span class="sr">State</span>
@@ -488,7 +514,9 @@ function TaskView(props: { taskId: string; backend: Backend }) {
             <ul class="list sessions" data-testid="sessions">
               {list.map(({ session: s, executor }) => (
                 <li key={s.id} data-session={s.id}>
-                  <a href={sessionHref(taskId, s.id)}>{shortId(s.id)}</a>
+                  <a href={sessionHref(taskId, s.id)} data-testid="session-link">
+                    <span data-testid="title">{s.title || "Untitled session"}</span> <span class="muted mono">{shortId(s.id)}</span>
+                  </a>
                   <span class="badges">
                     <Badge tone={stateTone(s.state)} testid="state">{stateLabel[s.state]}</Badge>
                     <Badge tone={executorTone(executor)} testid="executor">{executorLabel[executor]}</Badge>
@@ -497,6 +525,11 @@ function TaskView(props: { taskId: string; backend: Backend }) {
                     {s.worktree?.repository && (
                       <Badge tone="idle" testid="branch">
                         {s.worktree.branch}
+                      </Badge>
+                    )}
+                    {s.usage && s.usage.costs.length > 0 && (
+                      <Badge tone="idle" testid="cost">
+                        {costsText(s.usage.costs)}
                       </Badge>
                     )}
                     <span class="muted" data-testid="age">
@@ -513,7 +546,7 @@ function TaskView(props: { taskId: string; backend: Backend }) {
                       </button>
                     </span>
                   ) : (
-                    <button type="button" class="link" data-testid="delete" onClick={() => setConfirming(s.id)} aria-label={`Delete session ${shortId(s.id)}`}>
+                    <button type="button" class="link" data-testid="delete" onClick={() => setConfirming(s.id)} aria-label={`Delete session ${s.title || shortId(s.id)}`}>
                       Delete
                     </button>
                   )}
@@ -794,10 +827,6 @@ function toolDetail(rawInput: string, rawOutput: string): string {
 function partText(m: Message): string {
   const p = m.part;
   switch (p.case) {
-    case "toolCall": {
-      const diffs = p.value.content.flatMap((c) => (c.content.case === "diff" ? [c.content.value.path] : []));
-      return `tool ${p.value.toolKind}: ${p.value.title} (${p.value.status})${diffs.length ? ` diff ${diffs.join(", ")}` : ""}${toolDetail(p.value.rawInputJson, p.value.rawOutputJson)}`;
-    }
     case "unparsed":
       return `unparsed ${p.value.updateKind || p.value.method}: ${p.value.error}`;
     case "plan":
@@ -864,10 +893,42 @@ const stopLabel: Record<string, string> = {
 
 const planMark: Record<string, string> = { completed: "☑", in_progress: "◐", pending: "☐" };
 
+/** A tool call as a card: what it does and how it stands, the files it
+ * touches, its text output, each file change as a diff, and what its raw
+ * input and output say it ran. */
+function ToolCard(props: { tool: ToolCallPart }) {
+  const t = props.tool;
+  const texts = t.content.flatMap((c) => (c.content.case === "text" ? [c.content.value] : []));
+  const diffs = t.content.flatMap((c) => (c.content.case === "diff" ? [c.content.value] : []));
+  const detail = toolDetail(t.rawInputJson, t.rawOutputJson).trim();
+  return (
+    <div class={`tool tool-${t.status}`} data-testid="tool-call" data-status={t.status} data-kind={t.toolKind}>
+      <div class="tool-head">
+        tool {t.toolKind || "other"}: <strong>{t.title}</strong> <span class="tool-status">({t.status.replace("_", " ")})</span>
+      </div>
+      {t.locations.length > 0 && (
+        <div class="muted tool-where">
+          {t.locations.map((l) => (l.line !== undefined ? `${l.path}:${l.line}` : l.path)).join(", ")}
+        </div>
+      )}
+      {texts.map((x, i) => (
+        <div key={i} class="tool-text">
+          {x}
+        </div>
+      ))}
+      {diffs.map((d, i) => (
+        <DiffView key={i} diff={d} testid="tool-diff" />
+      ))}
+      {detail && <pre class="command">{detail}</pre>}
+    </div>
+  );
+}
+
 /** What a message shows: an agent's reply as Markdown, a thought folded
- * away, the plan as a checklist, other parts as one line. */
+ * away, the plan as a checklist, a tool call as a card, other parts as one line. */
 function MessageBody(props: { message: Message }) {
   const m = props.message;
+  if (m.part.case === "toolCall") return <ToolCard tool={m.part.value} />;
   if (m.part.case === "plan") {
     return (
       <ul class="plan" data-testid="plan" aria-label="The agent's plan">
@@ -963,8 +1024,27 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   const [starting, setStarting] = useState(false);
   const [retrying, setRetrying] = useState(false);
   const [profileName, setProfileName] = useState("");
+  // The session's title (null until read) and, while renaming, the draft.
+  const [title, setTitle] = useState<string | null>(null);
+  const [renaming, setRenaming] = useState<string | null>(null);
+  const [titleError, setTitleError] = useState("");
+  const titleRef = useRef("");
+  // Slash-command completion: the highlighted match; closed by Escape
+  // until the draft changes.
+  const [pick, setPick] = useState(0);
+  const [slashClosed, setSlashClosed] = useState(false);
   const list = useRef<HTMLOListElement>(null);
   const stick = useRef(true);
+
+  const loadTitle = useCallback(() => {
+    sessions
+      .getSession({ taskId, sessionId })
+      .then((r) => {
+        titleRef.current = r.session?.title ?? "";
+        setTitle(titleRef.current);
+      })
+      .catch(() => {});
+  }, [taskId, sessionId]);
 
   const refresh = useCallback(() => {
     sessions
@@ -993,6 +1073,8 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
 
   useEffect(() => {
     refresh();
+    loadTitle();
+    let titleTimer = 0;
     const byId = new Map<string, number>();
     let acc: Message[] = [];
     const stopAcc = new Map<string, string>();
@@ -1019,6 +1101,11 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
             acc.push(m);
           } else acc[at] = m;
           if (!frame) frame = requestAnimationFrame(publish);
+          // The first prompt or the agent names the session: read its title.
+          if ((m.role === MessageRole.USER && !titleRef.current) || (m.part.case === "other" && m.part.value.updateKind === "session_info_update")) {
+            clearTimeout(titleTimer);
+            titleTimer = window.setTimeout(loadTitle, 200);
+          }
         } else {
           if (p.case === "turnEnded") {
             stopAcc.set(p.value.turnId, p.value.stopReason);
@@ -1048,9 +1135,10 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
     return () => {
       stop();
       cancelAnimationFrame(frame);
+      clearTimeout(titleTimer);
       clearTimeout(statusTimer);
     };
-  }, [sessionId, refresh]);
+  }, [sessionId, refresh, loadTitle]);
 
   // Right after a restart the session may not be recovered yet; a recovery
   // that finds everything as it was emits no event, so ask again.
@@ -1167,6 +1255,55 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
     }
   };
 
+  // The agent's slash commands (its latest list), offered while the draft
+  // is `/` and a command name being typed.
+  const commands = useMemo(() => {
+    for (let i = messages.length - 1; i >= 0; i--) {
+      const p = messages[i].part;
+      if (p.case === "availableCommands") return p.value.commands;
+    }
+    return [] as AvailableCommand[];
+  }, [messages]);
+  const typed = /^\/(\S*)$/.exec(draft)?.[1];
+  const matches = typed === undefined ? [] : commands.filter((c) => c.name.startsWith(typed));
+  const exact = typed !== undefined && commands.some((c) => c.name === typed);
+  const showSlash = matches.length > 0 && !slashClosed && !(exact && matches.length === 1);
+  const picked = matches.length ? matches[pick % matches.length] : undefined;
+  const complete = (c: AvailableCommand) => {
+    setDraft(`/${c.name} `);
+    setPick(0);
+  };
+
+  // The agent's finished writes (tool calls that edit, delete or move, or
+  // carry a diff) refresh the Files tree, once per burst.
+  const writes = useMemo(
+    () =>
+      messages.filter((m) => {
+        if (m.part.case !== "toolCall" || m.part.value.status !== "completed") return false;
+        const t = m.part.value;
+        return ["edit", "delete", "move"].includes(t.toolKind) || t.content.some((c) => c.content.case === "diff");
+      }).length,
+    [messages],
+  );
+  const [filesKey, setFilesKey] = useState(0);
+  useEffect(() => {
+    if (!writes) return;
+    const t = window.setTimeout(() => setFilesKey(writes), 300);
+    return () => clearTimeout(t);
+  }, [writes]);
+
+  const rename = async (next: string) => {
+    setTitleError("");
+    try {
+      const r = await sessions.setSessionTitle({ taskId, sessionId, title: next });
+      titleRef.current = r.session?.title ?? "";
+      setTitle(titleRef.current);
+      setRenaming(null);
+    } catch (err) {
+      if (!authFailed(err)) setTitleError(describe(err));
+    }
+  };
+
   const s = status;
   // Terminals shown inside the tool call that names them, by tool call
   // message id; those are not shown again on their own.
@@ -1223,7 +1360,13 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   return (
     <section class="session">
       <div class="session-head">
-        <h1>Session {shortId(sessionId)}</h1>
+        <h1 data-testid="session-title">{title || `Session ${shortId(sessionId)}`}</h1>
+        {title && <span class="muted mono">{shortId(sessionId)}</span>}
+        {renaming === null && (
+          <button type="button" class="link" data-testid="rename" onClick={() => setRenaming(title ?? "")}>
+            Rename
+          </button>
+        )}
         {s && (
           <span
             class={offline ? "badges stale" : "badges"}
@@ -1249,6 +1392,45 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
           </button>
         )}
       </div>
+      {renaming !== null && (
+        <form
+          class="row rename"
+          data-testid="rename-form"
+          onSubmit={(e) => {
+            e.preventDefault();
+            rename(renaming);
+          }}
+        >
+          <label class="grow">
+            <span class="sr">Session title</span>
+            <input
+              name="session-title"
+              value={renaming}
+              placeholder="A title for this session"
+              autoFocus
+              onInput={(e) => setRenaming((e.target as HTMLInputElement).value)}
+              onKeyDown={(e) => {
+                if (e.key === "Escape") {
+                  setRenaming(null);
+                  setTitleError("");
+                }
+              }}
+            />
+          </label>
+          <button type="submit">Save</button>
+          <button
+            type="button"
+            class="secondary"
+            onClick={() => {
+              setRenaming(null);
+              setTitleError("");
+            }}
+          >
+            Cancel
+          </button>
+        </form>
+      )}
+      <ErrorLine error={titleError} />
       {s && !ended && (s.modes?.available.length || s.configOptions.length) ? (
         <div class="session-config" data-testid="session-config">
           {s.modes && s.modes.available.length > 0 && (
@@ -1392,11 +1574,32 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
               send();
             }}
           >
+            {showSlash && (
+              <ul class="slash" role="listbox" id="slash-commands" data-testid="slash-commands" aria-label="The agent's commands">
+                {matches.map((c) => (
+                  <li
+                    key={c.name}
+                    id={`slash-${c.name}`}
+                    role="option"
+                    aria-selected={c === picked}
+                    onMouseDown={(e) => {
+                      e.preventDefault();
+                      complete(c);
+                    }}
+                  >
+                    <code>/{c.name}</code> <span class="muted">{c.description}{c.inputHint ? ` (${c.inputHint})` : ""}</span>
+                  </li>
+                ))}
+              </ul>
+            )}
             <label class="grow">
               <span class="sr">Message</span>
               <textarea
                 name="message"
                 rows={2}
+                aria-autocomplete="list"
+                aria-controls={showSlash ? "slash-commands" : undefined}
+                aria-activedescendant={showSlash && picked ? `slash-${picked.name}` : undefined}
                 placeholder={
                   canSend
                     ? "Message the agent (Enter sends, Shift+Enter new line)"
@@ -1407,9 +1610,21 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
                         : "The agent is not running"
                 }
                 value={draft}
-                onInput={(e) => setDraft((e.target as HTMLTextAreaElement).value)}
+                onInput={(e) => {
+                  setDraft((e.target as HTMLTextAreaElement).value);
+                  setSlashClosed(false);
+                }}
                 onKeyDown={(e) => {
-                  if (e.key === "Enter" && !e.shiftKey) {
+                  if (showSlash && picked && (e.key === "Tab" || (e.key === "Enter" && !e.shiftKey && !exact))) {
+                    e.preventDefault();
+                    complete(picked);
+                  } else if (showSlash && (e.key === "ArrowDown" || e.key === "ArrowUp")) {
+                    e.preventDefault();
+                    setPick((i) => (i + (e.key === "ArrowDown" ? 1 : matches.length - 1)) % matches.length);
+                  } else if (showSlash && e.key === "Escape") {
+                    e.preventDefault();
+                    setSlashClosed(true);
+                  } else if (e.key === "Enter" && !e.shiftKey) {
                     e.preventDefault();
                     send();
                   } else if (e.key === "Escape" && turnRunning && !cancelling) {
@@ -1436,6 +1651,7 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
           ready={s?.executorStatus === ExecutorStatus.READY}
           branch={s?.worktreeBranch ?? ""}
           base={s?.worktreeBase ?? ""}
+          refresh={filesKey}
         />
       </div>
     </section>

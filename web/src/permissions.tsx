@@ -15,26 +15,62 @@ export function lineDiff(oldText: string | undefined, newText: string): [string,
   let [i, j] = [0, 0];
   while (i < a.length || j < b.length) {
     if (i < a.length && j < b.length && a[i] === b[j]) out.push([" ", a[i++]]), j++;
-    else if (j < b.length && (i === a.length || lcs[i][j + 1] >= lcs[i + 1][j])) out.push(["+", b[j++]]);
-    else out.push(["-", a[i++]]);
+    // Removals before additions, as unified diffs show them.
+    else if (i < a.length && (j === b.length || lcs[i + 1][j] >= lcs[i][j + 1])) out.push(["-", a[i++]]);
+    else out.push(["+", b[j++]]);
   }
   return out;
 }
 
-function DiffView(props: { diff: FileDiff }) {
+/** Unchanged lines kept around each change; longer runs fold into one line. */
+const CONTEXT = 3;
+
+/** A diff's rows: changed lines with CONTEXT lines around them, each longer
+ * unchanged run as a count. */
+function foldDiff(lines: [string, string][]): ([string, string] | number)[] {
+  const near = lines.map(() => false);
+  lines.forEach(([sign], i) => {
+    if (sign === " ") return;
+    for (let j = Math.max(0, i - CONTEXT); j <= Math.min(lines.length - 1, i + CONTEXT); j++) near[j] = true;
+  });
+  const out: ([string, string] | number)[] = [];
+  for (let i = 0; i < lines.length; i++) {
+    if (near[i]) out.push(lines[i]);
+    else if (typeof out[out.length - 1] === "number") (out[out.length - 1] as number)++;
+    else out.push(1);
+  }
+  return out;
+}
+
+/** A file change as a unified diff, from its old and new text. Text only:
+ * nothing in a file becomes markup. */
+export function DiffView(props: { diff: FileDiff; testid?: string }) {
   const d = props.diff;
+  const rows = foldDiff(lineDiff(d.oldText, d.newText));
+  const added = rows.filter((r) => typeof r !== "number" && r[0] === "+").length;
+  const removed = rows.filter((r) => typeof r !== "number" && r[0] === "-").length;
   return (
     <figure class="viewer">
       <figcaption>
         {d.oldText === undefined ? "new file " : "change of "}
         {d.path}
+        <span class="muted">
+          {" "}
+          +{added} −{removed}
+        </span>
       </figcaption>
-      <pre class="diff" data-testid="permission-diff" tabIndex={0}>
-        {lineDiff(d.oldText, d.newText).map(([sign, text], i) => (
-          <div key={i} class={sign === "+" ? "add" : sign === "-" ? "del" : ""}>
-            {sign} {text}
-          </div>
-        ))}
+      <pre class="diff" data-testid={props.testid ?? "permission-diff"} tabIndex={0}>
+        {rows.map((r, i) =>
+          typeof r === "number" ? (
+            <div key={i} class="fold">
+              ⋯ {r} unchanged line{r === 1 ? "" : "s"}
+            </div>
+          ) : (
+            <div key={i} class={r[0] === "+" ? "add" : r[0] === "-" ? "del" : ""}>
+              {r[0]} {r[1]}
+            </div>
+          ),
+        )}
       </pre>
     </figure>
   );

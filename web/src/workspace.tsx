@@ -9,7 +9,7 @@ type Tab = "files" | "git" | "run";
 
 /** Shell, files and git of the session's worktree: usable whenever the
  * executor is ready, whether or not the agent runs. */
-export function Workspace(props: { taskId: string; sessionId: string; ready: boolean; branch: string; base: string }) {
+export function Workspace(props: { taskId: string; sessionId: string; ready: boolean; branch: string; base: string; refresh: number }) {
   const [tab, setTab] = useState<Tab>("files");
   const session = { taskId: props.taskId, sessionId: props.sessionId };
   return (
@@ -31,7 +31,7 @@ export function Workspace(props: { taskId: string; sessionId: string; ready: boo
       {!props.ready ? (
         <p class="muted">The workspace is available once the executor is ready.</p>
       ) : tab === "files" ? (
-        <Files session={session} />
+        <Files session={session} refresh={props.refresh} />
       ) : tab === "git" ? (
         <Git session={session} branch={props.branch} base={props.base} />
       ) : (
@@ -48,7 +48,8 @@ function useError(): [string, (s: string) => void, (err: unknown) => void] {
   return [error, setError, (err) => !authFailed(err) && setError(describe(err))];
 }
 
-function Dir(props: { session: Ref; path: string; onOpen: (p: string) => void }) {
+/** A directory's entries; read again when `refresh` changes (the agent wrote). */
+function Dir(props: { session: Ref; path: string; onOpen: (p: string) => void; refresh: number }) {
   const [entries, setEntries] = useState<DirEntry[] | null>(null);
   const [open, setOpen] = useState<Record<string, boolean>>({});
   const [error, , onError] = useError();
@@ -61,7 +62,7 @@ function Dir(props: { session: Ref; path: string; onOpen: (p: string) => void })
         ),
       )
       .catch(onError);
-  }, [props.path]);
+  }, [props.path, props.refresh]);
   if (error) return <p class="error">{error}</p>;
   if (!entries) return <p class="muted">Loading…</p>;
   return (
@@ -75,7 +76,7 @@ function Dir(props: { session: Ref; path: string; onOpen: (p: string) => void })
                 <button type="button" class="link" aria-expanded={!!open[e.name]} onClick={() => setOpen({ ...open, [e.name]: !open[e.name] })}>
                   {open[e.name] ? "▾" : "▸"} {e.name}/
                 </button>
-                {open[e.name] && <Dir session={props.session} path={p} onOpen={props.onOpen} />}
+                {open[e.name] && <Dir session={props.session} path={p} onOpen={props.onOpen} refresh={props.refresh} />}
               </>
             ) : (
               <button type="button" class="link file" onClick={() => props.onOpen(p)}>
@@ -89,7 +90,7 @@ function Dir(props: { session: Ref; path: string; onOpen: (p: string) => void })
   );
 }
 
-function Files(props: { session: Ref }) {
+function Files(props: { session: Ref; refresh: number }) {
   const [file, setFile] = useState<{ path: string; content: string } | null>(null);
   const [error, setError, onError] = useError();
   const openFile = (path: string) => {
@@ -99,9 +100,13 @@ function Files(props: { session: Ref }) {
       .then((r) => setFile({ path, content: text.decode(r.content) }))
       .catch(onError);
   };
+  // The open file too may have changed.
+  useEffect(() => {
+    if (props.refresh && file) openFile(file.path);
+  }, [props.refresh]);
   return (
-    <div class="files">
-      <Dir session={props.session} path="" onOpen={openFile} />
+    <div class="files" data-refresh={props.refresh}>
+      <Dir session={props.session} path="" onOpen={openFile} refresh={props.refresh} />
       {error && <p class="error">{error}</p>}
       {file && (
         <figure class="viewer" data-testid="file-viewer">

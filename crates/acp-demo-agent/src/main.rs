@@ -1084,7 +1084,8 @@ fn activity(
 }
 
 /// `/edit PATH TEXT`: a tool call that asks permission first (as coding
-/// agents do before changing files); writes PATH through the client only
+/// agents do before changing files), carrying the change as a diff (the
+/// file's old text when it exists); writes PATH through the client only
 /// when an allow option was chosen.
 async fn edit_with_permission(
     cx: &ConnectionTo<Client>,
@@ -1095,7 +1096,14 @@ async fn edit_with_permission(
 ) -> Result<String, Error> {
     use agent_client_protocol::v1::schema::{Diff, ToolCallContent, ToolKind};
     let id = "demo-edit-permission";
-    let diff = vec![ToolCallContent::Diff(Diff::new(path, content))];
+    // The text before the change, read as coding agents read it (from
+    // the working directory, the worktree): absent for a new file.
+    let diff = Diff::new(path, content);
+    let diff = match std::fs::read_to_string(path) {
+        Ok(old) => diff.old_text(old),
+        Err(_) => diff,
+    };
+    let diff = vec![ToolCallContent::Diff(diff)];
     cx.send_notification(SessionNotification::new(
         session.clone(),
         SessionUpdate::ToolCall(

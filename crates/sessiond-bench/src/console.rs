@@ -98,6 +98,17 @@ async fn task(store: &Store, title: &str) -> anyhow::Result<TaskId> {
         .id)
 }
 
+const VERBS: [&str; 5] = ["fix", "refactor", "document", "test", "speed up"];
+const NOUNS: [&str; 7] = [
+    "billing",
+    "search",
+    "login",
+    "export",
+    "cache",
+    "parser",
+    "scheduler",
+];
+
 /// A session that ran and was stopped, with the events that left.
 async fn ended_session(
     store: &Store,
@@ -122,6 +133,12 @@ async fn ended_session(
         runtime: Runtime::LocalStandalone,
         executor_id: None,
         worktree,
+        // Titled as people title them, so a search has something to find.
+        title: format!(
+            "{} the {} module (#{i})",
+            VERBS[i % VERBS.len()],
+            NOUNS[i % NOUNS.len()]
+        ),
         resume_token: Some(format!("conv-{executor_id}")),
         metadata: BTreeMap::new(),
         error_message: None,

@@ -111,6 +111,7 @@ async fn one(
         runtime: Runtime::Remote,
         executor_id: Some(executor_id),
         worktree: worktree.clone(),
+        title: String::new(),
         resume_token: Some(token.clone()),
         metadata: BTreeMap::new(),
         error_message: None,

@@ -92,6 +92,13 @@ enum Command {
         #[arg(long, value_name = "JSON")]
         values: Option<String>,
     },
+    /// Rename a session (an empty title clears it: the next prompt or
+    /// the agent names it again).
+    Title {
+        #[command(flatten)]
+        session: SessionRef,
+        title: String,
+    },
     /// Switch the agent's session mode (`session status` lists the modes).
     Mode {
         #[command(flatten)]
@@ -529,6 +536,18 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .await?
                 .into_inner();
             out.permission_answered(&r.request.unwrap_or_default(), &option_id);
+        }
+        Command::Title { session, title } => {
+            let r = c
+                .sessions
+                .set_session_title(pb::SetSessionTitleRequest {
+                    task_id: session.task.task,
+                    session_id: session.session_id.clone(),
+                    title,
+                })
+                .await?
+                .into_inner();
+            out.titled(r.session.as_ref());
         }
         Command::Mode { session, mode_id } => {
             let r = c

@@ -194,7 +194,7 @@ fn session_json(s: &pb::Session) -> Value {
         "resume_token": s.resume_token, "error_message": s.error_message,
         "version": s.version,
         "created_at": ts(s.created_at.as_ref()), "updated_at": ts(s.updated_at.as_ref()),
-        "usage": s.usage.as_ref().map(usage_json),
+        "usage": s.usage.as_ref().map(usage_json), "title": s.title,
     })
 }
 
@@ -654,16 +654,17 @@ impl Out {
             return;
         }
         println!(
-            "{:<36}  {:<17}  {:<16}  {:<20}  ERROR",
-            "ID", "STATE", "RUNTIME", "USAGE"
+            "{:<36}  {:<17}  {:<16}  {:<20}  {:<30}  ERROR",
+            "ID", "STATE", "RUNTIME", "USAGE", "TITLE"
         );
         for s in sessions {
             println!(
-                "{:<36}  {:<17}  {:<16}  {:<20}  {}",
+                "{:<36}  {:<17}  {:<16}  {:<20}  {:<30}  {}",
                 s.id,
                 session_state(s.state),
                 runtime(s.runtime, &s.runtime_name),
                 usage_short(s.usage.as_ref()),
+                one_line(&s.title, 30),
                 one_line(&s.error_message, 60)
             );
         }
@@ -777,6 +778,17 @@ impl Out {
             self.print_json(json!({"request": permission_json(p), "answered": option_id}));
         } else {
             println!("permission request {} answered {option_id}", p.request_id);
+        }
+    }
+
+    pub fn titled(&self, s: Option<&pb::Session>) {
+        let Some(s) = s else { return };
+        if self.json {
+            self.print_json(session_json(s));
+        } else if s.title.is_empty() {
+            println!("session {} has no title", s.id);
+        } else {
+            println!("session {} titled {:?}", s.id, s.title);
         }
     }
 

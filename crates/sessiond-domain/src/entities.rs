@@ -175,6 +175,10 @@ pub struct Session {
     pub executor_id: Option<ExecutorId>,
     /// The directory its agent works in.
     pub worktree: Worktree,
+    /// What people call it (one line; empty until the first prompt, the
+    /// agent or a user names it). Written only through the store's title
+    /// writes (see [`TitleSource`]), never by a session update.
+    pub title: String,
     /// The agent's token for resuming this conversation (stored in `metadata`).
     pub resume_token: Option<String>,
     /// Other metadata, free-form.
@@ -189,6 +193,63 @@ pub struct Session {
     pub created_at: DateTime<Utc>,
     /// When the session was last written (UTC).
     pub updated_at: DateTime<Utc>,
+}
+
+/// Who named a session. A title is replaced only by one of the same or a
+/// stronger source: the user's beats the agent's, which beats the one taken
+/// from the first prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum TitleSource {
+    /// The first prompt's text.
+    Prompt,
+    /// The agent's `session_info_update`.
+    Agent,
+    /// A person (SetSessionTitle).
+    User,
+}
+
+impl TitleSource {
+    /// As stored.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TitleSource::Prompt => "prompt",
+            TitleSource::Agent => "agent",
+            TitleSource::User => "user",
+        }
+    }
+}
+
+/// Longest session title, in characters.
+pub const MAX_SESSION_TITLE_CHARS: usize = 200;
+/// Longest title taken from a prompt, in characters (an ellipsis marks the cut).
+const PROMPT_TITLE_CHARS: usize = 80;
+
+/// A title from free text (a prompt, an agent's title): its first non-blank
+/// line, control characters dropped, whitespace collapsed, cut at `max`
+/// characters with an ellipsis. Empty when the text has no printable line.
+pub fn title_from_text(text: &str, max: usize) -> String {
+    let line = text
+        .lines()
+        .map(|l| {
+            l.split(|c: char| c.is_whitespace() || c.is_control())
+                .filter(|w| !w.is_empty())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .find(|l| !l.is_empty())
+        .unwrap_or_default();
+    if line.chars().count() <= max {
+        return line;
+    }
+    let mut cut: String = line.chars().take(max.saturating_sub(1)).collect();
+    cut.truncate(cut.trim_end().len());
+    cut.push('…');
+    cut
+}
+
+/// The title a first prompt gives its session.
+pub fn prompt_title(prompt: &str) -> String {
+    title_from_text(prompt, PROMPT_TITLE_CHARS)
 }
 
 /// A row of `executors_running`: what the backend needs to find, trust and
@@ -451,6 +512,27 @@ pub struct AgentMode {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_title_is_the_first_printable_line_cut_with_an_ellipsis() {
+        assert_eq!(
+            prompt_title("\n  \n  fix   the\tbuild \nthen more"),
+            "fix the build"
+        );
+        assert_eq!(prompt_title("a\u{1b}[31mred"), "a [31mred");
+        assert_eq!(prompt_title(" \n\t"), "");
+        let long = "word ".repeat(40);
+        let t = prompt_title(&long);
+        assert_eq!(t.chars().count(), 80, "{t}");
+        assert!(t.ends_with("word…") || t.ends_with('…'), "{t}");
+        assert!(!t.contains(" …"), "{t}");
+        assert_eq!(
+            title_from_text("é".repeat(300).as_str(), 200)
+                .chars()
+                .count(),
+            200
+        );
+    }
+
     use super::*;
 
     fn profile(container: Option<ContainerAgent>) -> AgentProfile {

@@ -19,8 +19,9 @@ pub mod worktree;
 
 pub use entities::{
     AgentCommand, AgentMode, AgentModes, AgentProfile, ConfigOption, ConfigValue, ContainerAgent,
-    DEFAULT_PERMISSION_TIMEOUT, ExecutorRecord, McpServer, McpTransport, Message, SecretValue,
-    Secrets, Session, Task, Worktree,
+    DEFAULT_PERMISSION_TIMEOUT, ExecutorRecord, MAX_SESSION_TITLE_CHARS, McpServer, McpTransport,
+    Message, SecretValue, Secrets, Session, Task, TitleSource, Worktree, prompt_title,
+    title_from_text,
 };
 pub use events::{Event, EventKind, EventPayload};
 pub use ids::{AgentProfileId, ExecutorId, IdParseError, MessageId, SessionId, TaskId};

@@ -318,6 +318,7 @@ impl SessionStatus {
 ///     runtime: Runtime::LocalStandalone,
 ///     executor_id: None,
 ///     worktree: Worktree::default(),
+///     title: String::new(),
 ///     resume_token: Some("conv-1".into()),
 ///     metadata: BTreeMap::new(),
 ///     error_message: None,
@@ -478,6 +479,7 @@ pub(crate) mod tests {
                 branch: "feature".into(),
                 ..Default::default()
             },
+            title: String::new(),
             resume_token: token.map(str::to_owned),
             metadata: BTreeMap::new(),
             error_message: None,

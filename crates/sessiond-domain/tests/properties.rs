@@ -53,6 +53,7 @@ fn session(state: SessionState, resume_token: Option<String>) -> Session {
         runtime: Runtime::LocalStandalone,
         executor_id: None,
         worktree: Worktree::default(),
+        title: String::new(),
         resume_token,
         metadata: BTreeMap::new(),
         error_message: None,

@@ -175,6 +175,7 @@ impl SessionManager {
             runtime: req.runtime,
             executor_id: Some(executor_id),
             worktree: req.worktree.clone(),
+            title: String::new(),
             resume_token: None,
             metadata: req.metadata.clone(),
             error_message: None,
@@ -945,6 +946,11 @@ impl SessionManager {
             .add_message(message.clone())
             .event(session_id, EventPayload::MessageAdded(message.clone()))
             .update_session(running);
+        // The first prompt names an unnamed session, in the same commit.
+        let title = sessiond_domain::prompt_title(text);
+        if session.title.is_empty() && !title.is_empty() {
+            change = change.set_title(session_id, title, sessiond_domain::TitleSource::Prompt);
+        }
         if let Some(ev) = ev {
             change = change.event(session_id, ev);
         }

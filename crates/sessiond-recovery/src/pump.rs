@@ -41,9 +41,9 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use sessiond_domain::{
-    AgentProcessState, EventPayload, ExecutorRecord, ExecutorStatus, Message, MessageId,
-    MessageKind, MessageRole, Runtime, Session, SessionEvent, SessionId, SessionState, TaskEvent,
-    TaskId, UsageTotals,
+    AgentProcessState, EventPayload, ExecutorRecord, ExecutorStatus, MAX_SESSION_TITLE_CHARS,
+    Message, MessageId, MessageKind, MessageRole, Runtime, Session, SessionEvent, SessionId,
+    SessionState, TaskEvent, TaskId, TitleSource, UsageTotals, title_from_text,
 };
 use sessiond_executor::{AgentState, AgentctlClient};
 use sessiond_proto::agentctl::v1::{self as pb, agent_update::Kind};
@@ -100,6 +100,17 @@ pub(crate) fn part_data(rev: u64, json: &str) -> String {
     let update = serde_json::from_str::<serde_json::Value>(json)
         .unwrap_or_else(|_| serde_json::Value::String(json.to_owned()));
     serde_json::json!({ "rev": rev, "update": update }).to_string()
+}
+
+/// The title an ACP `session_info_update` gives, made one line; `None`
+/// for another update or one without a (printable) title.
+fn agent_title(json: &str) -> Option<String> {
+    let v = serde_json::from_str::<serde_json::Value>(json).ok()?;
+    if v.get("sessionUpdate")?.as_str()? != "session_info_update" {
+        return None;
+    }
+    let title = title_from_text(v.get("title")?.as_str()?, MAX_SESSION_TITLE_CHARS);
+    (!title.is_empty()).then_some(title)
 }
 
 /// The rev of a stored part (0 when it has none).
@@ -423,6 +434,15 @@ impl Pump {
         if kind == MessageKind::Permission {
             return self.permission(id, a).await;
         }
+        // The agent names the session: its title, unless the user named it
+        // (written with the part, so a replay writes the same again).
+        let title = (kind == MessageKind::Other)
+            .then(|| agent_title(&a.json))
+            .flatten();
+        let titled = |c: Changeset| match &title {
+            Some(t) => c.set_title(self.session_id, t.clone(), TitleSource::Agent),
+            None => c,
+        };
         let data = part_data(a.rev, &a.json);
         let now = Utc::now();
         let m = Message {
@@ -439,7 +459,7 @@ impl Pump {
             updated_at: now,
         };
         let update = |m: &Message| {
-            Changeset::new()
+            titled(Changeset::new())
                 .update_part(m.id, m.content.clone(), m.data.clone(), m.complete)
                 .event(self.session_id, EventPayload::MessageUpdated(m.clone()))
         };
@@ -467,7 +487,7 @@ impl Pump {
         } else if self.parts.contains_key(&id) {
             update(&m)
         } else {
-            let add = Changeset::new()
+            let add = titled(Changeset::new())
                 .add_message(m.clone())
                 .event(self.session_id, EventPayload::MessageAdded(m.clone()));
             match self.mgr.store_commit(add).await {

@@ -1105,6 +1105,48 @@ impl pb::session_service_server::SessionService for Api {
         )
     }
 
+    async fn set_session_title(
+        &self,
+        request: Request<pb::SetSessionTitleRequest>,
+    ) -> Result<Response<pb::SetSessionTitleResponse>, Status> {
+        let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
+        reply(
+            async {
+                let (task, session) = ids(&req.task_id, &req.session_id)?;
+                let title = req.title.trim();
+                let max = sessiond_domain::MAX_SESSION_TITLE_CHARS;
+                if title.chars().count() > max {
+                    return Err(ApiError::invalid(format!(
+                        "title: longer than {max} characters"
+                    )));
+                }
+                if let Some(c) = title.chars().find(|c| c.is_control()) {
+                    return Err(ApiError::invalid(format!(
+                        "title: contains the control character {c:?}; titles are one line of \
+                         printable text"
+                    )));
+                }
+                self.session_of(task, session).await?;
+                // Not routed to the owner: the title is a column no session
+                // update writes, so any replica may set it.
+                let (s, _) = self
+                    .store
+                    .set_session_title(
+                        session,
+                        title.to_owned(),
+                        sessiond_domain::TitleSource::User,
+                    )
+                    .await?;
+                Ok(pb::SetSessionTitleResponse {
+                    session: Some(convert::session(&s)),
+                })
+            }
+            .await,
+        )
+    }
+
     async fn set_session_config_option(
         &self,
         request: Request<pb::SetSessionConfigOptionRequest>,

@@ -149,6 +149,11 @@ bounded! { max_message_bytes =>
         content_json: max_message_bytes; "max_message_bytes",
     };
     ResumeSessionRequest { task_id: MAX_ID_BYTES, session_id: MAX_ID_BYTES };
+    SetSessionTitleRequest {
+        task_id: MAX_ID_BYTES,
+        session_id: MAX_ID_BYTES,
+        title: MAX_TITLE_BYTES,
+    };
     SendMessageRequest {
         task_id: MAX_ID_BYTES,
         session_id: MAX_ID_BYTES,
@@ -214,6 +219,7 @@ mod tests {
         SetSessionConfigOptionRequest,
         RespondToPermissionRequest,
         ResumeSessionRequest,
+        SetSessionTitleRequest,
         SendMessageRequest,
         RetryTurnRequest,
         CancelTurnRequest,

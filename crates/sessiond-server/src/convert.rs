@@ -161,6 +161,7 @@ pub fn session(s: &Session) -> pb::Session {
         created_at: Some(timestamp(s.created_at)),
         updated_at: Some(timestamp(s.updated_at)),
         usage: Some(usage_totals(&UsageTotals::from_metadata(&s.metadata))),
+        title: s.title.clone(),
     }
 }
 

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use diesel::prelude::*;
 use sessiond_domain::{
     Event, EventPayload, ExecutorId, ExecutorRecord, Message, MessageId, Session, SessionId,
-    TaskEvent, TaskId, TaskState,
+    TaskEvent, TaskId, TaskState, TitleSource,
 };
 
 use crate::{
@@ -35,6 +35,7 @@ pub struct Changeset {
     pub(crate) message_updates: Vec<MessageUpdate>,
     pub(crate) events: Vec<(SessionId, EventPayload)>,
     pub(crate) fence: Option<Fence>,
+    pub(crate) title: Option<(SessionId, String, TitleSource)>,
 }
 
 /// A fencing token: the lease a replica holds on a session's executor, as
@@ -180,6 +181,14 @@ impl Changeset {
         self
     }
 
+    /// Names the session, unless a stronger source named it already (see
+    /// [`TitleSource`]); written with the rest, so a prompt and the title it
+    /// gives are stored together.
+    pub fn set_title(mut self, session: SessionId, title: String, source: TitleSource) -> Self {
+        self.title = Some((session, title, source));
+        self
+    }
+
     /// Makes the write depend on the lease: it commits only if the
     /// session's executor row still names `fence.owner` at `fence.epoch`
     /// (checked, and the row locked, in the same transaction, so a claim by
@@ -204,6 +213,7 @@ impl Changeset {
             })
             .or(self.new_messages.first().map(|m| m.session_id))
             .or(self.events.first().map(|(s, _)| *s))
+            .or(self.title.as_ref().map(|(s, _, _)| *s))
     }
 
     /// Whether the changeset writes nothing.
@@ -214,7 +224,44 @@ impl Changeset {
             && self.new_messages.is_empty()
             && self.message_updates.is_empty()
             && self.events.is_empty()
+            && self.title.is_none()
     }
+}
+
+/// Sets a session's title when no stronger source set it (the sources a
+/// title may replace are listed in the WHERE clause, so the check and the
+/// write are one statement). Neither the version nor `updated_at` moves: a
+/// title is not a state change, and a writer holding the session must not
+/// lose its update to a rename. Returns the rows written (0: a stronger
+/// title stands, or the session is gone).
+pub(crate) fn write_title(
+    conn: &mut AnyConnection,
+    session: SessionId,
+    title: &str,
+    source: TitleSource,
+) -> Result<usize> {
+    let replaceable: &[&str] = match source {
+        TitleSource::Prompt => &[""],
+        TitleSource::Agent => &["", "prompt", "agent"],
+        TitleSource::User => &["", "prompt", "agent", "user"],
+    };
+    // A user who clears the title hands naming back to the prompt and agent.
+    let stored_source = if title.is_empty() {
+        ""
+    } else {
+        source.as_str()
+    };
+    Ok(diesel::update(
+        task_sessions::table
+            .find(session.to_string())
+            .filter(task_sessions::deleted_at.is_null())
+            .filter(task_sessions::title_source.eq_any(replaceable)),
+    )
+    .set((
+        task_sessions::title.eq(title),
+        task_sessions::title_source.eq(stored_source),
+    ))
+    .execute(conn)?)
 }
 
 /// Per session: how many event and message seqs this changeset needs.
@@ -383,6 +430,12 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
                 },
             );
         }
+    }
+
+    // The title's session row is one of those above, or the only row
+    // this changeset touches: the lock order holds.
+    if let Some((sid, title, source)) = &change.title {
+        write_title(conn, *sid, title, *source)?;
     }
 
     // 3. The fence (locks the executor row; after the task and session

@@ -9,7 +9,7 @@ use sessiond_domain::{
     AgentProfile, AgentProfileId, ContainerAgent, Event, EventKind, EventPayload, ExecutorId,
     ExecutorRecord, ExecutorStatus, McpServer, McpTransport, Message, MessageId, MessageKind,
     MessageRole, PermissionPolicy, Runtime, SecretValue, Session, SessionId, SessionState, Task,
-    TaskId, TaskState, Worktree,
+    TaskId, TaskState, TitleSource, Worktree,
 };
 
 use crate::{
@@ -192,6 +192,8 @@ pub(crate) struct SessionRow {
     pub version: i64,
     pub created_at: Ts,
     pub updated_at: Ts,
+    pub title: String,
+    pub title_source: String,
 }
 
 /// The columns a session update may change (not its id, task or creation).
@@ -247,6 +249,13 @@ impl SessionRow {
             version: s.version,
             created_at: Ts::new(s.created_at),
             updated_at: Ts::new(s.updated_at),
+            // A title given at creation is the creator's choice.
+            title: s.title.clone(),
+            title_source: if s.title.is_empty() {
+                String::new()
+            } else {
+                TitleSource::User.as_str().to_owned()
+            },
         }
     }
 
@@ -277,6 +286,7 @@ impl SessionRow {
                 repository: self.worktree_repository,
                 base: self.worktree_base,
             },
+            title: self.title,
             resume_token,
             metadata,
             error_message: self.error_message,

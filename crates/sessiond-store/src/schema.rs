@@ -65,6 +65,8 @@ diesel::table! {
         created_at -> UtcTimestamp,
         updated_at -> UtcTimestamp,
         deleted_at -> Nullable<UtcTimestamp>,
+        title -> Text,
+        title_source -> Text,
     }
 }
 

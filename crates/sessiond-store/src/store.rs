@@ -17,6 +17,7 @@ use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 use sessiond_domain::{
     AgentProfile, AgentProfileId, Event, EventPayload, ExecutorId, ExecutorRecord, ExecutorStatus,
     Message, MessageId, MessageKind, Runtime, Session, SessionId, SessionState, Task, TaskId,
+    TitleSource,
 };
 
 use crate::{
@@ -604,6 +605,32 @@ impl Store {
                 }
             }
             Ok(out)
+        })
+        .await
+    }
+
+    /// Names a session, unless a stronger source named it already (see
+    /// [`TitleSource`]; a [`TitleSource::User`] title always is written, and
+    /// an empty one hands naming back to the prompt and the agent). Returns
+    /// the session as stored, and whether the title was written.
+    /// [`Error::NotFound`] when it does not exist or is deleted.
+    pub async fn set_session_title(
+        &self,
+        id: SessionId,
+        title: String,
+        source: TitleSource,
+    ) -> Result<(Session, bool)> {
+        self.write(move |c| {
+            let written = crate::changeset::write_title(c, id, &title, source)? > 0;
+            let session = task_sessions::table
+                .find(id.to_string())
+                .filter(task_sessions::deleted_at.is_null())
+                .select(SessionRow::as_select())
+                .first(c)
+                .optional()?
+                .ok_or_else(|| Error::not_found("session", id))?
+                .into_domain()?;
+            Ok((session, written))
         })
         .await
     }

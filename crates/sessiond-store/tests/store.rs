@@ -10,7 +10,7 @@ use chrono::{Duration, Utc};
 use sessiond_domain::{
     AgentProfile, AgentProfileId, EventKind, EventPayload, ExecutorId, ExecutorRecord,
     ExecutorStatus, Message, MessageId, MessageKind, MessageRole, Runtime, Session, SessionId,
-    SessionState, Task, TaskEvent, TaskId, TaskState, Worktree,
+    SessionState, Task, TaskEvent, TaskId, TaskState, TitleSource, Worktree,
 };
 use sessiond_store::{Backend, Changeset, Error, Heartbeat, Store, StoreOptions};
 
@@ -108,6 +108,7 @@ fn session(task: &Task, profile: &AgentProfile) -> Session {
             repository: "/work/repo".into(),
             base: "main".into(),
         },
+        title: String::new(),
         resume_token: Some("acp-session-1".into()),
         metadata: BTreeMap::from([("note".into(), "ünïcode \"quoted\"".into())]),
         error_message: None,
@@ -203,6 +204,60 @@ fn assert_gap_free(seqs: impl IntoIterator<Item = i64>, n: usize, what: &str) {
 
 mod suite {
     use super::*;
+
+    /// Titles: the prompt's names an unnamed session only, the agent's
+    /// replaces the prompt's, the user's replaces any and is replaced by
+    /// none but the user's; an empty user title hands naming back. A title
+    /// write moves no version (a holder of the session still updates it),
+    /// and no session update writes the title.
+    pub async fn session_titles_by_source(store: &Store) {
+        let (_, _, s) = seed(store).await;
+        let set = |title: &str, source| store.set_session_title(s.id, title.to_owned(), source);
+        assert_eq!(store.get_session(s.id).await.unwrap().title, "");
+        let (after, written) = set("from the prompt", TitleSource::Prompt).await.unwrap();
+        assert!(written);
+        assert_eq!(after.title, "from the prompt");
+        assert_eq!(after.version, s.version, "a title is not a state change");
+        assert!(!set("a later prompt", TitleSource::Prompt).await.unwrap().1);
+        // In a changeset, with the rest of the write.
+        store
+            .commit(Changeset::new().set_title(s.id, "the agent's".into(), TitleSource::Agent))
+            .await
+            .unwrap();
+        assert_eq!(store.get_session(s.id).await.unwrap().title, "the agent's");
+        assert!(set("mine", TitleSource::User).await.unwrap().1);
+        assert!(
+            !set("the agent's again", TitleSource::Agent)
+                .await
+                .unwrap()
+                .1
+        );
+        assert!(!set("a prompt", TitleSource::Prompt).await.unwrap().1);
+        // A session update from a holder of the old copy keeps the title.
+        let mut held = s.clone();
+        held.state = SessionState::Starting;
+        let c = store
+            .commit(Changeset::new().update_session(held))
+            .await
+            .unwrap();
+        assert_eq!(c.session.unwrap().title, "mine");
+        assert!(set("", TitleSource::User).await.unwrap().1);
+        assert!(set("named again", TitleSource::Prompt).await.unwrap().1);
+        assert_eq!(store.get_session(s.id).await.unwrap().title, "named again");
+        assert_eq!(
+            store.list_sessions(s.task_id).await.unwrap()[0].title,
+            "named again"
+        );
+        // Unknown and deleted sessions are not found.
+        let err = store
+            .set_session_title(SessionId::new(), "x".into(), TitleSource::User)
+            .await
+            .unwrap_err();
+        assert!(err.is_not_found(), "{err}");
+        store.mark_session_deleted(s.id).await.unwrap();
+        let err = set("x", TitleSource::User).await.unwrap_err();
+        assert!(err.is_not_found(), "{err}");
+    }
 
     /// A session created with its intent is stored with it or not at all.
     pub async fn session_created_with_its_intent_or_not_at_all(store: &Store) {
@@ -1828,8 +1883,8 @@ mod suite {
         // Every migration directory (init, profile container, profile auth +
         // permission policy, message parts, permission timeout, replicas,
         // custom runtimes, deleted sessions, profile config defaults, MCP
-        // servers, worktree origin).
-        assert_eq!(reverted.len(), 11, "{reverted:?}");
+        // servers, worktree origin, session title).
+        assert_eq!(reverted.len(), 12, "{reverted:?}");
         let err = store.list_tasks(None, 10).await.unwrap_err();
         assert!(matches!(err, Error::Database(_)), "tables are gone: {err}");
         let applied = store.run_pending_migrations().await.unwrap();
@@ -1869,6 +1924,7 @@ macro_rules! store_tests {
             store_test!($backend, profiles_upsert_by_name);
             store_test!($backend, profiles_upsert_concurrently);
             store_test!($backend, sessions_crud);
+            store_test!($backend, session_titles_by_source);
             store_test!($backend, session_created_with_its_intent_or_not_at_all);
             store_test!($backend, executors_crud);
             store_test!($backend, custom_runtimes_round_trip);

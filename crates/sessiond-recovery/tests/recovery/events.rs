@@ -148,6 +148,7 @@ async fn thousand_events_with_reconnects(db: Db) {
         runtime: sessiond_domain::Runtime::LocalStandalone,
         executor_id: None,
         worktree: w.worktree("events"),
+        title: String::new(),
         resume_token: None,
         metadata: Default::default(),
         error_message: None,

@@ -26,6 +26,7 @@ async fn stored_session(
         runtime: Runtime::LocalStandalone,
         executor_id: None,
         worktree: w.worktree(worktree),
+        title: String::new(),
         resume_token: token.map(str::to_owned),
         metadata: BTreeMap::new(),
         error_message: None,

@@ -29,6 +29,7 @@ mod restart;
 mod security;
 mod serve;
 mod support;
+mod titles;
 mod traces;
 mod usage;
 mod web;
