@@ -288,7 +288,7 @@ test("ten tabs over HTTP/1.1 (six connections per host) all load and all see a r
   }
 });
 
-test("honest states: unknown and malformed ids are not-found pages; Send waits while a turn runs and while sessiond is down", async () => {
+test("honest states: unknown and malformed ids are not-found pages; Send queues while a turn runs and waits while sessiond is down", async () => {
   const { work, data } = scratch("honest");
   const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();
   const b = await browser("honest");
@@ -317,15 +317,26 @@ test("honest states: unknown and malformed ids are not-found pages; Send waits w
     await visible(page, "[data-testid=not-found]:has-text('Task not found')");
     await b.screenshot("not-found");
 
-    // While a turn runs, Send is off (Esc cancels); on again after it.
+    // While a turn runs, Send queues (Esc cancels the turn): the queue is
+    // shown, a queued message can be taken back, and the rest goes to the
+    // agent after the turn, in order.
     await page.goto(sessionUrl);
     await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
     await send(page, "/long story");
     await visible(page, "[data-testid=cancel-turn]");
-    assert.equal(await page.locator(".composer button[type=submit]").isDisabled(), true);
+    await page.waitForFunction(() => document.querySelector("[data-testid=send]").textContent.trim() === "Queue", null, { timeout: T });
+    assert.match(await page.getAttribute("textarea[name=message]", "placeholder"), /queues/);
+    await send(page, "queued first");
+    await send(page, "queued then taken back");
+    await page.waitForFunction(() => document.querySelectorAll("[data-testid=queued] li").length === 2, null, { timeout: T });
+    await page.click("[data-testid=queued] li:has-text('taken back') button");
+    await page.waitForFunction(() => document.querySelectorAll("[data-testid=queued] li").length === 1, null, { timeout: T });
     await page.click("[data-testid=cancel-turn]");
     await message(page, "the turn was cancelled on request");
-    await page.waitForFunction(() => !document.querySelector(".composer button[type=submit]").disabled, null, { timeout: T });
+    await message(page, 'you said "queued first"');
+    await hidden(page, "[data-testid=queued]");
+    await page.waitForFunction(() => document.querySelector("[data-testid=send]").textContent.trim() === "Send", null, { timeout: T });
+    assert.equal((await conversation(page)).filter(([, , t]) => t.includes("taken back")).length, 0);
 
     // sessiond down: Send is off and says why; back, it sends again.
     b.expectNetworkErrors(true);
@@ -524,6 +535,34 @@ test("a command the agent runs in a terminal shows in its tool call card: comman
     // Shown once: inside its tool call, not again on its own.
     assert.equal(await page.locator("[data-testid=terminal]").count(), 1);
     await b.screenshot("terminal-in-tool-call");
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
+test("a question the agent asks (ACP elicitation): its form, filled and submitted; the agent gets the values", async () => {
+  const { work, data } = scratch("question");
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();
+  const b = await browser("question");
+  try {
+    const { page } = b;
+    await page.goto(server.url);
+    await createTaskAndSession(page, { title: "Question e2e", work });
+    await send(page, "/ask name city");
+    await visible(page, "[data-testid=question]");
+    assert.match(await page.textContent("[data-testid=question]"), /The demo agent asks/);
+    await page.fill("[data-testid=question] input[name=name]", "Ada");
+    await page.fill("[data-testid=question] input[name=city]", "Paris");
+    await b.screenshot("question");
+    await page.click("[data-testid=question] button[data-option=accept]");
+    await message(page, 'answer: accept {"city":"Paris","name":"Ada"}');
+    await hidden(page, "[data-testid=question]");
+    await send(page, "/ask name");
+    await visible(page, "[data-testid=question]");
+    await page.click("[data-testid=question] button[data-option=decline]");
+    await message(page, "answer: decline");
     assert.deepEqual(b.errors, []);
   } finally {
     await b.close();

@@ -1200,12 +1200,22 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
 
   const send = async () => {
     const content = draft.trim();
-    if (!content || !canSend) return;
+    if (!content || !(canSend || canQueue)) return;
     setError("");
     try {
+      // While a turn runs, sessiond queues it behind the turn.
       await sessions.sendMessage({ taskId, sessionId, content });
       setDraft("");
       stick.current = true;
+    } catch (err) {
+      fail(setError)(err);
+    }
+  };
+
+  const unqueue = async (messageId: string) => {
+    setError("");
+    try {
+      await sessions.cancelQueuedMessage({ taskId, sessionId, messageId });
     } catch (err) {
       fail(setError)(err);
     }
@@ -1346,7 +1356,9 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   const turnRunning = !!s && s.isAgentRunning && s.state === SessionState.RUNNING;
   const offline = props.backend === "unreachable";
   // One turn at a time: Send waits for the running one to end (Esc cancels it).
-  const canSend = !!s && s.isAgentRunning && s.state === SessionState.WAITING_FOR_INPUT && !offline;
+  const canSend = !!s && s.isAgentRunning && s.state === SessionState.WAITING_FOR_INPUT && !offline && s.queuedMessages.length === 0;
+  // A message sent while the agent works waits in the session's queue.
+  const canQueue = !!s && !offline && (s.state === SessionState.RUNNING || (s.state === SessionState.WAITING_FOR_INPUT && s.queuedMessages.length > 0));
   // A cancel is done once the turn has ended (the session left RUNNING).
   useEffect(() => {
     if (!turnRunning) setCancelling(false);
@@ -1567,6 +1579,21 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
               </button>
             </div>
           )}
+          {s && s.queuedMessages.length > 0 && (
+            <div class="queued" data-testid="queued" role="region" aria-label="Queued messages">
+              <span class="muted">Queued, sent one turn at a time after the running turn:</span>
+              <ol>
+                {s.queuedMessages.map((q) => (
+                  <li key={q.id} data-queued={q.id}>
+                    <span class="grow">{q.content}</span>
+                    <button type="button" class="secondary" onClick={() => unqueue(q.id)} aria-label={`Remove the queued message: ${q.content}`}>
+                      Remove
+                    </button>
+                  </li>
+                ))}
+              </ol>
+            </div>
+          )}
           <form
             class="composer"
             onSubmit={(e) => {
@@ -1605,8 +1632,8 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
                     ? "Message the agent (Enter sends, Shift+Enter new line)"
                     : offline
                       ? "sessiond is unreachable; sending resumes once it is back"
-                      : turnRunning
-                        ? "The agent is answering (Esc cancels the turn)"
+                      : canQueue
+                        ? "The agent is answering: Enter queues your message for after it (Esc cancels the turn)"
                         : "The agent is not running"
                 }
                 value={draft}
@@ -1639,8 +1666,8 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
                 {cancelling ? "Cancelling…" : "Cancel turn"}
               </button>
             )}
-            <button type="submit" disabled={!canSend}>
-              Send
+            <button type="submit" disabled={!(canSend || canQueue)} data-testid="send">
+              {canSend || !canQueue ? "Send" : "Queue"}
             </button>
           </form>
           <ErrorLine error={error} />

@@ -128,10 +128,10 @@ export function PermissionPrompts(props: {
     </p>
   );
   if (props.requests.length === 0) return announced;
-  const answer = async (r: PermissionRequest, optionId: string) => {
+  const answer = async (r: PermissionRequest, optionId: string, contentJson = "") => {
     setBusy(r.requestId);
     try {
-      await sessions.respondToPermission({ taskId: props.taskId, sessionId: props.sessionId, requestId: r.requestId, optionId });
+      await sessions.respondToPermission({ taskId: props.taskId, sessionId: props.sessionId, requestId: r.requestId, optionId, contentJson });
     } catch (err) {
       // Answered, timed out or cancelled meanwhile: the prompt is stale.
       const why = reason(err);
@@ -145,7 +145,10 @@ export function PermissionPrompts(props: {
     <>
     {announced}
     <div class="permissions" data-testid="permissions" role="region" aria-label="Permission requests">
-      {props.requests.map((r) => (
+      {props.requests.map((r) =>
+        r.elicitation ? (
+          <Question key={r.requestId} request={r} busy={busy === r.requestId} answer={answer} />
+        ) : (
         <div key={r.requestId} class="banner info permission" role="group" aria-label="Permission request" data-request={r.requestId}>
           <span>
             The agent asks permission: <strong>{r.toolCall?.title || "a tool call"}</strong>
@@ -172,8 +175,105 @@ export function PermissionPrompts(props: {
             ))}
           </span>
         </div>
-      ))}
+        ),
+      )}
     </div>
     </>
+  );
+}
+
+/** One field of an elicitation's form, as its JSON Schema describes it. */
+type Field = { name: string; label: string; type: string; options: string[]; required: boolean };
+
+function fieldsOf(schemaJson: string): Field[] {
+  let schema: { properties?: Record<string, Record<string, unknown>>; required?: string[] } = {};
+  try {
+    schema = JSON.parse(schemaJson || "{}");
+  } catch {
+    return [];
+  }
+  const required = new Set(schema.required ?? []);
+  return Object.entries(schema.properties ?? {}).map(([name, p]) => ({
+    name,
+    label: typeof p.title === "string" ? p.title : name,
+    type: typeof p.type === "string" ? p.type : "string",
+    options: Array.isArray(p.enum) ? p.enum.map(String) : [],
+    required: required.has(name),
+  }));
+}
+
+/**
+ * A question the agent asks (ACP elicitation): its form, answered with the
+ * values (Submit), or declined, or cancelled; a URL question links its page.
+ */
+function Question(props: {
+  request: PermissionRequest;
+  busy: boolean;
+  answer: (r: PermissionRequest, optionId: string, contentJson?: string) => void;
+}) {
+  const r = props.request;
+  const q = r.elicitation!;
+  const fields = fieldsOf(q.requestedSchemaJson);
+  const [values, setValues] = useState<Record<string, string | boolean>>({});
+  const submit = (e: Event) => {
+    e.preventDefault();
+    const content: Record<string, unknown> = {};
+    for (const f of fields) {
+      const v = values[f.name];
+      if (v === undefined || v === "") continue;
+      content[f.name] = f.type === "number" || f.type === "integer" ? Number(v) : v;
+    }
+    props.answer(r, "accept", JSON.stringify(content));
+  };
+  return (
+    <form class="banner info permission question" aria-label="The agent asks" data-request={r.requestId} data-testid="question" onSubmit={submit}>
+      <span>
+        The agent asks: <strong>{q.message}</strong>
+      </span>
+      {q.mode === "url" && q.url && (
+        <a href={q.url} target="_blank" rel="noopener noreferrer">
+          {q.url}
+        </a>
+      )}
+      {fields.map((f) => (
+        <label key={f.name} class="row">
+          <span>
+            {f.label}
+            {f.required ? " *" : ""}
+          </span>
+          {f.type === "boolean" ? (
+            <input type="checkbox" name={f.name} checked={!!values[f.name]} onChange={(e) => setValues({ ...values, [f.name]: (e.target as HTMLInputElement).checked })} />
+          ) : f.options.length > 0 ? (
+            <select name={f.name} required={f.required} value={String(values[f.name] ?? "")} onChange={(e) => setValues({ ...values, [f.name]: (e.target as HTMLSelectElement).value })}>
+              <option value="" />
+              {f.options.map((o) => (
+                <option key={o} value={o}>
+                  {o}
+                </option>
+              ))}
+            </select>
+          ) : (
+            <input
+              type={(f.type === "number" || f.type === "integer" ? "number" : "text") as "text"}
+              name={f.name}
+              required={f.required}
+              value={String(values[f.name] ?? "")}
+              onInput={(e) => setValues({ ...values, [f.name]: (e.target as HTMLInputElement).value })}
+            />
+          )}
+        </label>
+      ))}
+      <span class="row">
+        <button type="submit" data-option="accept" disabled={props.busy}>
+          Submit
+        </button>
+        <button type="button" class="secondary" data-option="decline" disabled={props.busy} onClick={() => props.answer(r, "decline")}>
+          Decline
+        </button>
+        <button type="button" class="secondary" data-option="cancel" disabled={props.busy} onClick={() => props.answer(r, "cancel")}>
+          Cancel
+        </button>
+      </span>
+    </form>
   );
 }
