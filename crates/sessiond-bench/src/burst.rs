@@ -398,6 +398,7 @@ async fn world(bin_dir: &Path, dir: &Path, n: usize, reaper: &Reaper) -> anyhow:
                         },
                         remote: None,
                         metadata: BTreeMap::new(),
+                        mcp_servers: Vec::new(),
                     })
                     .await?;
                 anyhow::ensure!(

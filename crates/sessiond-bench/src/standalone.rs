@@ -85,6 +85,7 @@ pub async fn create(
                         },
                         remote: None,
                         metadata: BTreeMap::new(),
+                        mcp_servers: Vec::new(),
                     })
                     .await?;
                 anyhow::ensure!(

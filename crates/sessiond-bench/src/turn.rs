@@ -62,6 +62,7 @@ async fn session(
             },
             remote: None,
             metadata: BTreeMap::new(),
+            mcp_servers: Vec::new(),
         })
         .await?;
     anyhow::ensure!(

@@ -163,6 +163,8 @@ struct SessionRef {
     session_id: String,
 }
 
+// Parsed once per run: the size of its largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum SessionCmd {
     /// Launch an executor and an agent; returns once the agent waits for input.
@@ -202,6 +204,11 @@ enum SessionCmd {
         /// Executor id the remote agentctl was started with.
         #[arg(long)]
         remote_executor_id: Option<String>,
+        /// An MCP server for this session's agent besides its profile's:
+        /// `NAME=COMMAND ARG...` (stdio) or `NAME=http(s)://URL` (http);
+        /// repeatable. Values needing secrets go in a profile instead.
+        #[arg(long = "mcp", value_name = "NAME=SERVER")]
+        mcp: Vec<String>,
     },
     /// List the task's sessions with their state and runtime.
     List {
@@ -752,7 +759,35 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
             remote_url,
             remote_secret,
             remote_executor_id,
+            mcp,
         } => {
+            let mcp_servers = mcp
+                .iter()
+                .map(|m| {
+                    let (name, server) = m
+                        .split_once('=')
+                        .with_context(|| format!("--mcp {m:?}: NAME=COMMAND ARG... or NAME=URL"))?;
+                    Ok(
+                        if server.starts_with("http://") || server.starts_with("https://") {
+                            pb::McpServerSpec {
+                                name: name.to_owned(),
+                                r#type: "http".into(),
+                                url: server.to_owned(),
+                                ..Default::default()
+                            }
+                        } else {
+                            let mut words = server.split_whitespace().map(str::to_owned);
+                            pb::McpServerSpec {
+                                name: name.to_owned(),
+                                r#type: "stdio".into(),
+                                command: words.next().unwrap_or_default(),
+                                args: words.collect(),
+                                ..Default::default()
+                            }
+                        },
+                    )
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
             let (runtime, runtime_name) = runtime
                 .as_deref()
                 .map_or((pb::Runtime::Unspecified, String::new()), parse_runtime);
@@ -789,6 +824,7 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
                     remote_url: remote_url.unwrap_or_default(),
                     remote_secret: remote_secret.unwrap_or_default(),
                     remote_executor_id: remote_executor_id.unwrap_or_default(),
+                    mcp_servers,
                 })
                 .await?
                 .into_inner();

@@ -103,6 +103,7 @@ async fn main() -> Result<(), BoxError> {
             },
             remote: None,
             metadata: BTreeMap::new(),
+            mcp_servers: Vec::new(),
         })
         .await?;
     say(format!(

@@ -53,6 +53,7 @@ mod queue;
 mod recovery;
 mod replica;
 mod resume;
+mod session_mcp;
 mod sweep;
 pub mod usage;
 mod worktrees;

@@ -41,6 +41,12 @@ pub struct NewSession {
     pub remote: Option<RemoteAgentctl>,
     /// Free-form metadata stored with the session.
     pub metadata: BTreeMap<String, String>,
+    /// MCP servers this session's agent gets besides its profile's (on
+    /// every launch: new, load, resume). Their values may be plain (stored
+    /// as given: not for secrets) or references to secrets the
+    /// configuration names (read at startup); references are stored, never
+    /// the values.
+    pub mcp_servers: Vec<sessiond_domain::McpServer>,
 }
 
 /// An agentctl another host runs for a new remote session: it was started
@@ -123,6 +129,10 @@ impl SessionManager {
             )));
         }
         let profile = store.get_agent_profile(req.agent_profile_id).await?;
+        crate::session_mcp::check(&profile, &req.mcp_servers, &self.inner.config.mcp_secrets)?;
+        // The agent gets the session's own servers after the profile's.
+        let mut profile = profile;
+        profile.mcp_servers.extend(req.mcp_servers.iter().cloned());
         // A custom name nothing serves is the caller's mistake; a built-in
         // runtime this server does not run (Docker disabled) stays
         // UNAVAILABLE, as it always was.
@@ -177,7 +187,16 @@ impl SessionManager {
             worktree: req.worktree.clone(),
             title: String::new(),
             resume_token: None,
-            metadata: req.metadata.clone(),
+            metadata: {
+                let mut m = req.metadata.clone();
+                if !req.mcp_servers.is_empty() {
+                    m.insert(
+                        crate::session_mcp::KEY.to_owned(),
+                        crate::session_mcp::to_metadata(&req.mcp_servers),
+                    );
+                }
+                m
+            },
             error_message: None,
             version: 1,
             created_at: now,

@@ -300,6 +300,7 @@ pub(crate) struct Inner {
 ///         },
 ///         remote: None,
 ///         metadata: BTreeMap::new(),
+///         mcp_servers: Vec::new(),
 ///     })
 ///     .await?;
 /// let mut events = manager.watch_session(session.id, 0).await?;

@@ -612,6 +612,7 @@ impl SessionManager {
             Some(p) => p,
             None => store.get_agent_profile(session.agent_profile_id).await?,
         };
+        let profile = crate::session_mcp::with_session_servers(profile, &session.metadata);
         if call {
             tracing::debug!(
                 session_id = %record.session_id,

@@ -184,7 +184,10 @@ impl SessionManager {
         // pending: it ends interrupted before the resume, never carried
         // into the resumed session.
         let session = self.settle_stale_turn(session).await?;
-        let profile = store.get_agent_profile(session.agent_profile_id).await?;
+        let profile = crate::session_mcp::with_session_servers(
+            store.get_agent_profile(session.agent_profile_id).await?,
+            &session.metadata,
+        );
         let Some(mut record) = store.get_executor_for_session(session_id).await? else {
             return Err(Error::InvalidState {
                 session_id,

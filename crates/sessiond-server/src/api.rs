@@ -771,6 +771,7 @@ impl pb::session_service_server::SessionService for Api {
             // Unknown task before unknown profile: the task is the parent.
             self.store.get_task(task).await?;
             let agent_profile_id = self.profile_id(&req.agent_profile).await?;
+            let mcp_servers = convert::mcp_servers_in(&req.mcp_servers).map_err(ApiError::invalid)?;
             let session = self
                 .manager
                 .create_session(NewSession {
@@ -786,6 +787,7 @@ impl pb::session_service_server::SessionService for Api {
                     },
                     remote,
                     metadata: Default::default(),
+                    mcp_servers,
                 })
                 .await?;
             Ok(pb::CreateSessionResponse {

@@ -66,6 +66,38 @@ fn worktree(w: Option<&pb::Worktree>) -> ApiResult<()> {
 /// `bounded! { max_message_bytes => Request { field: max, ... }; ... }`; a field may
 /// name its setting (`; "key"`), `each` bounds every element of a repeated
 /// field, and `nested { field => checker }` checks a nested message's fields.
+fn mcp_servers(list: &[pb::McpServerSpec]) -> ApiResult<()> {
+    use pb::secret_ref::Source;
+    for (i, m) in list.iter().enumerate() {
+        let f = |name: &str| format!("mcp_servers[{i}].{name}");
+        check(&f("name"), &m.name, MAX_NAME_BYTES, None)?;
+        check(&f("type"), &m.r#type, MAX_NAME_BYTES, None)?;
+        check(&f("command"), &m.command, MAX_PATH_BYTES, None)?;
+        check(&f("url"), &m.url, MAX_REMOTE_BYTES, None)?;
+        for a in &m.args {
+            check(&f("args"), a, MAX_ARG_BYTES, None)?;
+        }
+        for (field, map) in [("env", &m.env), ("headers", &m.headers)] {
+            for (k, v) in map {
+                check(&f(field), k, MAX_NAME_BYTES, None)?;
+                match &v.source {
+                    Some(Source::Value(x)) => {
+                        check(&format!("{}.value", f(field)), x, MAX_ARG_BYTES, None)?
+                    }
+                    Some(Source::Env(x)) => {
+                        check(&format!("{}.env", f(field)), x, MAX_NAME_BYTES, None)?
+                    }
+                    Some(Source::File(x)) => {
+                        check(&format!("{}.file", f(field)), x, MAX_PATH_BYTES, None)?
+                    }
+                    None => {}
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn attachments(list: &[pb::Attachment]) -> ApiResult<()> {
     use pb::attachment::Kind;
     for (i, a) in list.iter().enumerate() {
@@ -126,7 +158,7 @@ bounded! { max_message_bytes =>
         remote_secret: MAX_REMOTE_BYTES,
         remote_executor_id: MAX_ID_BYTES,
         runtime_name: MAX_NAME_BYTES,
-    } nested { worktree => worktree };
+    } nested { worktree => worktree, mcp_servers => mcp_servers };
     GetSessionRequest { task_id: MAX_ID_BYTES, session_id: MAX_ID_BYTES };
     ListSessionsRequest { task_id: MAX_ID_BYTES };
     GetSessionStatusRequest { task_id: MAX_ID_BYTES, session_id: MAX_ID_BYTES };
@@ -299,7 +331,14 @@ mod tests {
                                     prost::encoding::string::encode(inner_tag, &huge, &mut body);
                                     let mut buf = Vec::new();
                                     prost::encoding::bytes::encode(tag, &body, &mut buf);
-                                    cases.push((format!("{}.{}", field.name(), inner.name()), buf));
+                                    let repeated = field.label()
+                                        == prost_types::field_descriptor_proto::Label::Repeated;
+                                    let outer = if repeated {
+                                        format!("{}[0]", field.name())
+                                    } else {
+                                        field.name().to_owned()
+                                    };
+                                    cases.push((format!("{outer}.{}", inner.name()), buf));
                                 }
                             }
                             _ => {}

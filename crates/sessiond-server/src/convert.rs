@@ -731,6 +731,60 @@ pub fn replica(r: &sessiond_store::ReplicaInfo, now: DateTime<Utc>) -> pb::Repli
     }
 }
 
+/// CreateSession's MCP servers as the engine takes them.
+pub fn mcp_servers_in(
+    list: &[pb::McpServerSpec],
+) -> Result<Vec<sessiond_domain::McpServer>, String> {
+    use pb::secret_ref::Source;
+    use sessiond_domain::{McpServer, McpTransport, SecretValue};
+    let values = |i: usize, field: &str, m: &std::collections::HashMap<String, pb::SecretRef>| {
+        m.iter()
+            .map(|(k, v)| {
+                let v = match &v.source {
+                    Some(Source::Value(x)) => SecretValue::Plain(x.clone()),
+                    Some(Source::Env(x)) => SecretValue::Env(x.clone()),
+                    Some(Source::File(x)) => SecretValue::File(x.clone()),
+                    None => {
+                        return Err(format!(
+                            "mcp_servers[{i}].{field}[{k:?}]: give a value, an env or a file"
+                        ));
+                    }
+                };
+                Ok((k.clone(), v))
+            })
+            .collect::<Result<std::collections::BTreeMap<_, _>, String>>()
+    };
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let transport = match m.r#type.as_str() {
+                "stdio" | "" => McpTransport::Stdio {
+                    command: m.command.clone(),
+                    args: m.args.clone(),
+                    env: values(i, "env", &m.env)?,
+                },
+                "http" => McpTransport::Http {
+                    url: m.url.clone(),
+                    headers: values(i, "headers", &m.headers)?,
+                },
+                "sse" => McpTransport::Sse {
+                    url: m.url.clone(),
+                    headers: values(i, "headers", &m.headers)?,
+                },
+                other => {
+                    return Err(format!(
+                        "mcp_servers[{i}].type: {other:?} is not stdio, http or sse"
+                    ));
+                }
+            };
+            Ok(McpServer {
+                name: m.name.clone(),
+                transport,
+            })
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

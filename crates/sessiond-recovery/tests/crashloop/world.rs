@@ -1356,6 +1356,8 @@ pub fn new_session(
             auth_secret: r.secret.clone(),
         }),
         metadata: BTreeMap::from([(NAME_KEY.to_owned(), plan.name.clone())]),
+        mcp_servers: Vec::new(),
+        mcp_servers: Vec::new(),
     }
 }
 

@@ -50,6 +50,7 @@ async fn child_backend() {
             },
             remote: None,
             metadata: Default::default(),
+            mcp_servers: Vec::new(),
         })
         .await
         .unwrap();

@@ -362,6 +362,7 @@ async fn a_create_cut_by_a_crash_comes_up_by_itself() {
             worktree: w.worktree("cut"),
             remote: None,
             metadata: Default::default(),
+            mcp_servers: Vec::new(),
         };
         async move { mgr.create_session(req).await }
     });

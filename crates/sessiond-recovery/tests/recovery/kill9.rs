@@ -106,6 +106,7 @@ async fn backend_process() {
                         },
                         remote,
                         metadata: Default::default(),
+                        mcp_servers: Vec::new(),
                     })
                     .await
                     .unwrap();

@@ -236,6 +236,7 @@ impl World {
                 worktree: self.worktree(name),
                 remote,
                 metadata: BTreeMap::new(),
+                mcp_servers: Vec::new(),
             })
             .await
             .unwrap();

@@ -71,6 +71,7 @@ async fn create(
             worktree,
             remote: None,
             metadata: BTreeMap::new(),
+            mcp_servers: Vec::new(),
         })
         .await?;
     w.track(s.id).await;
@@ -396,6 +397,7 @@ async fn sessions_created_at_once_from_one_repository_each_get_their_own() {
             worktree: from_repo(&repo, "main"),
             remote: None,
             metadata: BTreeMap::new(),
+            mcp_servers: Vec::new(),
         })
     }))
     .await;

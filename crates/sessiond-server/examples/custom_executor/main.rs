@@ -117,6 +117,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             },
             remote: None,
             metadata: Default::default(),
+            mcp_servers: Vec::new(),
         })
         .await?;
     manager.send_message(task.id, session.id, "hello").await?;

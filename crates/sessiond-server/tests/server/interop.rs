@@ -1238,3 +1238,111 @@ async fn python_sdk_agent_gets_the_profiles_mcp_servers_with_their_secrets() {
         assert!(!log_text.contains(secret), "{secret} in sessiond's log");
     }
 }
+
+/// CreateSession adds MCP servers for one session: after the profile's,
+/// on session/new and (after kill -9 of everything) on session/load, a
+/// reference resolved from what the configuration names, never stored in
+/// clear; a reference the configuration does not name, or a name the
+/// profile has, is INVALID_ARGUMENT and creates nothing.
+#[tokio::test]
+#[ignore = "needs the Python ACP SDK's virtualenv: run by cargo xtask ci"]
+async fn python_sdk_agent_gets_a_sessions_own_mcp_servers() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work").canonicalize_or_create();
+    let token = "tok-5d1e7b-secret";
+    let servers = "[[agents.mcp_servers]]\nname = \"tools\"\ncommand = \"mcp-tools\"\n\
+         env = { TOKEN = { env = \"SESSIOND_TEST_MCP_TOKEN\" } }\n";
+    let config = config(dir.path(), &[("pymcp", &["--mcp-http"], servers)]);
+    let envs: &[(&str, &Path)] = &[("SESSIOND_TEST_MCP_TOKEN", Path::new(token))];
+    let mut server = start_env(&data, &["--config", &config], Some(TOKEN), None, envs);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "session mcp").await;
+    let value = |v: pb::secret_ref::Source| pb::SecretRef { source: Some(v) };
+    let extra = |name: &str, env: Vec<(&str, pb::secret_ref::Source)>| pb::McpServerSpec {
+        name: name.into(),
+        r#type: "stdio".into(),
+        command: "mcp-extra".into(),
+        args: vec!["-v".into()],
+        env: env
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), value(v)))
+            .collect(),
+        ..Default::default()
+    };
+    let create = |servers: Vec<pb::McpServerSpec>| pb::CreateSessionRequest {
+        task_id: task.id.clone(),
+        agent_profile: "pymcp".into(),
+        runtime: pb::Runtime::LocalStandalone as i32,
+        worktree: Some(pb::Worktree {
+            path: work.display().to_string(),
+            ..Default::default()
+        }),
+        mcp_servers: servers,
+        ..Default::default()
+    };
+    use pb::secret_ref::Source;
+    for (servers, says) in [
+        (
+            vec![extra("extra", vec![("HOME", Source::Env("HOME".into()))])],
+            "not a secret the configuration names",
+        ),
+        (vec![extra("tools", vec![])], "the name is taken"),
+    ] {
+        let err = c.create_session(create(servers)).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+        assert!(err.message().contains(says), "{says}: {}", err.message());
+    }
+    let s = c
+        .create_session(create(vec![extra(
+            "extra",
+            vec![
+                ("PLAIN", Source::Value("p".into())),
+                ("TOKEN", Source::Env("SESSIOND_TEST_MCP_TOKEN".into())),
+            ],
+        )]))
+        .await
+        .unwrap()
+        .into_inner()
+        .session
+        .unwrap();
+    assert_eq!(s.state, pb::SessionState::WaitingForInput as i32, "{s:?}");
+    let expected = serde_json::json!([
+        {"name": "tools", "type": "stdio", "command": "mcp-tools", "values": {"TOKEN": token}},
+        {"name": "extra", "type": "stdio", "command": "mcp-extra", "values": {"PLAIN": "p", "TOKEN": token}},
+    ]);
+    let logged = |method: &str| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(dir.path().join("py-state/calls.log"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|v| v["method"] == method && v["session_id"] == s.resume_token.as_str())
+            .collect()
+    };
+    assert_eq!(logged("session/new")[0]["mcp"], expected);
+    let reply = prompt(&mut c, &task.id, &s.id, "hello").await;
+    assert!(reply.starts_with("turn 1"), "{reply}");
+
+    server.kill();
+    for pid in agentctl_pids(&data) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    server = start_env(&data, &["--config", &config], Some(TOKEN), None, envs);
+    crate::restart::wait_serving(&server).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while logged("session/load").is_empty() {
+        assert!(Instant::now() < deadline, "never reloaded");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(logged("session/load")[0]["mcp"], expected);
+    server.kill();
+    let stored = all_bytes(&data);
+    assert!(
+        contains(&stored, "mcp-extra"),
+        "the session's servers are stored"
+    );
+    assert!(!contains(&stored, token), "the secret is not stored");
+}
