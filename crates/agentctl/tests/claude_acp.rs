@@ -167,6 +167,52 @@ fn launch_request(fake: &FakeAnthropic, home: &Path) -> LaunchAgentRequest {
         profile_supports_session_resume: true,
         initialize_timeout_ms: WAIT.as_millis() as u64,
         permission_policy: PermissionPolicy::Allow as i32,
+        mcp_servers: vec![mcp_probe(home)],
+        ..Default::default()
+    }
+}
+
+/// A stdio MCP server that records how it was started (its arguments and
+/// the value of `PROBE_TOKEN`) in `<home>/mcp-probe.log`, answers
+/// `initialize` and lists no tools: proof of what the agent was given.
+fn mcp_probe(home: &Path) -> McpServer {
+    let script = home.join("mcp-probe.py");
+    std::fs::write(
+        &script,
+        r#"import json, os, sys
+with open(os.environ["PROBE_LOG"], "a") as f:
+    f.write(json.dumps({"argv": sys.argv[1:], "token": os.environ.get("PROBE_TOKEN")}) + "\n")
+for line in sys.stdin:
+    msg = json.loads(line)
+    if "id" not in msg:
+        continue
+    method = msg.get("method")
+    if method == "initialize":
+        result = {"protocolVersion": msg["params"].get("protocolVersion", "2024-11-05"),
+                  "capabilities": {"tools": {}}, "serverInfo": {"name": "probe", "version": "1"}}
+    elif method == "tools/list":
+        result = {"tools": []}
+    else:
+        result = {}
+    sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result}) + "\n")
+    sys.stdout.flush()
+"#,
+    )
+    .unwrap();
+    McpServer {
+        name: "probe".into(),
+        r#type: "stdio".into(),
+        command: "python3".into(),
+        args: vec![script.display().to_string(), "--from-profile".into()],
+        env: [
+            (
+                "PROBE_LOG".to_owned(),
+                home.join("mcp-probe.log").display().to_string(),
+            ),
+            ("PROBE_TOKEN".to_owned(), "t0ken".to_owned()),
+        ]
+        .into_iter()
+        .collect(),
         ..Default::default()
     }
 }
@@ -314,6 +360,23 @@ async fn claude_acp_tool_turn_stop_relaunch_resume() {
         "{json}"
     );
     assert!(!json["rawOutput"].is_null(), "{json}");
+
+    // The MCP server the launch named was started by the agent with what
+    // it was given.
+    // The CLI connects its MCP servers beside the session's start.
+    let deadline = Instant::now() + WAIT;
+    while !home.join("mcp-probe.log").exists() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let probe = std::fs::read_to_string(home.join("mcp-probe.log")).unwrap_or_default();
+    let first: serde_json::Value = serde_json::from_str(probe.lines().next().unwrap_or("null"))
+        .unwrap_or_else(|e| panic!("mcp-probe.log {probe:?}: {e}"));
+    assert_eq!(
+        first["argv"],
+        serde_json::json!(["--from-profile"]),
+        "{probe}"
+    );
+    assert_eq!(first["token"], "t0ken", "{probe}");
 
     // Every update of the tool turn parsed: none rejected by the ACP
     // layer (`Invalid params`), none kept raw.
