@@ -955,9 +955,10 @@ function MessageBody(props: { message: Message }) {
 }
 
 /** Parts the conversation does not show: the agent's session metadata
- * (`session_info_update`) describes the session, not the conversation. */
+ * (`session_info_update`) and its config options (`config_option_update`,
+ * shown by the selectors) describe the session, not the conversation. */
 function hidden(m: Message): boolean {
-  return m.part.case === "other" && m.part.value.updateKind === "session_info_update";
+  return m.part.case === "other" && (m.part.value.updateKind === "session_info_update" || m.part.value.updateKind === "config_option_update");
 }
 
 type MessageProps = { message: Message; stop?: string; terminals?: TerminalPart[] };
