@@ -1357,7 +1357,6 @@ pub fn new_session(
         }),
         metadata: BTreeMap::from([(NAME_KEY.to_owned(), plan.name.clone())]),
         mcp_servers: Vec::new(),
-        mcp_servers: Vec::new(),
     }
 }
 
