@@ -80,8 +80,10 @@ fn parse(payload: &str, me: &str) -> Option<EventWake> {
 impl Store {
     /// PostgreSQL: listens for the events other replicas commit (all but
     /// `me`'s) on a connection of its own, on a thread that ends when the
-    /// receiver is dropped. Reconnects after a failure, then sends
-    /// [`EventWake::Resync`]. `None` on SQLite.
+    /// receiver is dropped. Returns once the `LISTEN` is in place (waiting
+    /// at most 10 s; a listener that needed longer sends
+    /// [`EventWake::Resync`] once it is, as after any reconnect), so no
+    /// commit after the call goes unnoticed. `None` on SQLite.
     pub fn listen_events(&self, me: &str) -> Option<Receiver<EventWake>> {
         if self.backend() != crate::Backend::Postgres {
             return None;
@@ -89,15 +91,22 @@ impl Store {
         let (tx, rx) = mpsc::channel(4096);
         let target = self.target.to_string();
         let me = me.to_owned();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("sessiond-listen".into())
-            .spawn(move || listen(&target, &me, &tx))
+            .spawn(move || listen(&target, &me, &tx, &ready_tx))
             .ok()?;
+        if ready_rx.recv_timeout(LISTEN_READY).is_err() {
+            tracing::warn!("the event listener is not listening yet; it resyncs once it is");
+        }
         Some(rx)
     }
 }
 
-fn listen(target: &str, me: &str, tx: &Sender<EventWake>) {
+/// How long [`Store::listen_events`] waits for its `LISTEN`.
+pub(crate) const LISTEN_READY: Duration = Duration::from_secs(10);
+
+fn listen(target: &str, me: &str, tx: &Sender<EventWake>, ready: &std::sync::mpsc::Sender<()>) {
     let mut first = true;
     let mut backoff = Duration::from_millis(100);
     loop {
@@ -114,7 +123,10 @@ fn listen(target: &str, me: &str, tx: &Sender<EventWake>) {
             }
         };
         backoff = Duration::from_millis(100);
-        if !first && !send(tx, EventWake::Resync) {
+        // The caller gave up waiting for the first LISTEN (its receiver of
+        // `ready` is gone): what was committed meanwhile is read again.
+        let caller_waited = first && ready.send(()).is_ok();
+        if !caller_waited && !send(tx, EventWake::Resync) {
             return;
         }
         first = false;
