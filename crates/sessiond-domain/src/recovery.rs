@@ -23,7 +23,7 @@
 //! | runtime          | probe                                                                 |
 //! |------------------|-----------------------------------------------------------------------|
 //! | local_standalone | CheckWorktree (missing => executor_error) -> ProbeProcess if a pid is recorded (alive with pid + start time matching -> reattach: HealthCheck, and if that fails our agentctl is hung -> EndAgentctl -> LaunchAgentctl; gone or not ours -> LaunchAgentctl) -> HealthCheck |
-//! | local_docker     | FindContainer (running -> HealthCheck; stopped -> StartContainer -> HealthCheck; missing => executor_error; Docker down => retrying until the engine answers) |
+//! | local_docker     | CheckWorktree first when sessiond created the worktree (restored from its branch; unrecoverable => executor_error) -> FindContainer (running -> HealthCheck; stopped -> StartContainer -> HealthCheck; missing => executor_error; Docker down => retrying until the engine answers) |
 //! | remote           | HealthCheck (unreachable => retrying, or executor_error once the background window is over) |
 //! | custom (a registered name) | ProbeExecutor: the driver's `probe` (reattachable -> HealthCheck; needs start -> StartContainer -> HealthCheck; needs launch -> LaunchAgentctl -> HealthCheck; missing => executor_error; the driver cannot tell => executor_error; no driver registered => executor `error` `runtime_not_registered`, session unchanged, taken up again by the first startup with the driver) |
 //!
@@ -616,6 +616,9 @@ pub struct RecoveryInput {
     pub pid_start_time: Option<u64>,
     /// The worktree's directory (the record's workspace path if it has none).
     pub worktree_path: String,
+    /// sessiond created the worktree: a Docker recovery first brings its
+    /// directory back (from its branch), before the container starts.
+    pub worktree_managed: bool,
     /// `executors_running.supports_session_resume`.
     pub record_supports_session_resume: bool,
     /// The agent profile's claim.
@@ -658,6 +661,7 @@ impl RecoveryInput {
             pid: record.pid,
             pid_start_time: record.pid_start_time,
             worktree_path,
+            worktree_managed: session.worktree.is_managed(),
             record_supports_session_resume: record.supports_session_resume,
             profile_supports_session_resume,
             resume_token: non_empty(&session.resume_token)
@@ -747,6 +751,7 @@ impl Phase {
 ///     pid: None,
 ///     pid_start_time: None,
 ///     worktree_path: "/work/repo".into(),
+///     worktree_managed: false,
 ///     record_supports_session_resume: true,
 ///     profile_supports_session_resume: true,
 ///     resume_token: Some("conv-1".into()),
@@ -826,16 +831,22 @@ impl Recovery {
                 let path = self.input.worktree_path.clone();
                 self.go(Phase::CheckingWorktree, Action::CheckWorktree { path })
             }
-            Runtime::LocalDocker => {
-                let container_id = self.input.container_id.clone();
-                self.go(
-                    Phase::FindingContainer,
-                    Action::FindContainer { container_id },
-                )
+            Runtime::LocalDocker if self.input.worktree_managed => {
+                let path = self.input.worktree_path.clone();
+                self.go(Phase::CheckingWorktree, Action::CheckWorktree { path })
             }
+            Runtime::LocalDocker => self.find_container(),
             Runtime::Remote => self.go(Phase::CheckingHealth, Action::HealthCheck),
             Runtime::Custom(_) => self.go(Phase::ProbingExecutor, Action::ProbeExecutor),
         }
+    }
+
+    fn find_container(&mut self) -> Action {
+        let container_id = self.input.container_id.clone();
+        self.go(
+            Phase::FindingContainer,
+            Action::FindContainer { container_id },
+        )
     }
 
     /// The next action after `observation`.
@@ -922,6 +933,11 @@ impl Recovery {
             }
             (P::CheckingWorktree, O::WorktreeUnrecoverable { reason }) => {
                 self.executor_failed(RecoveryFailure::WorktreeUnrecoverable { reason })
+            }
+            (P::CheckingWorktree, O::WorktreeExists)
+                if self.input.runtime == Runtime::LocalDocker =>
+            {
+                self.find_container()
             }
             (P::CheckingWorktree, O::WorktreeExists) => match self.input.pid {
                 Some(pid) => {
@@ -1402,6 +1418,7 @@ mod tests {
             pid: Some(4242),
             pid_start_time: Some(99),
             worktree_path: "/work/wt/feature".into(),
+            worktree_managed: false,
             record_supports_session_resume: true,
             profile_supports_session_resume: true,
             resume_token: Some("tok".into()),
@@ -1903,6 +1920,55 @@ mod tests {
                 session: S::WaitingForInput,
                 workspace: true,
                 events: &[EventKind::StateChanged],
+            },
+        );
+        let managed = |state| RecoveryInput {
+            worktree_managed: true,
+            ..docker(state)
+        };
+        check(
+            "a worktree sessiond made: brought back before the container starts",
+            managed(S::Running),
+            vec![
+                O::WorktreeExists,
+                O::ContainerStopped,
+                O::Launched,
+                healthy(),
+                caps(true),
+                O::Applied,
+                O::ResumeSucceeded,
+            ],
+            Expect {
+                actions: &[
+                    "check_worktree",
+                    "find_container",
+                    "start_container",
+                    "health_check",
+                    "probe_capabilities",
+                    "mark_ready",
+                    "resume_agent",
+                    "done",
+                ],
+                label: L::Resumed,
+                executor: ExecutorStatus::Ready,
+                session: S::WaitingForInput,
+                workspace: true,
+                events: &[EventKind::StateChanged],
+            },
+        );
+        check(
+            "a worktree sessiond made, its branch gone: no container is looked for",
+            managed(S::WaitingForInput),
+            vec![O::WorktreeUnrecoverable {
+                reason: "branch \"s/1\" no longer exists".into(),
+            }],
+            Expect {
+                actions: &["check_worktree", "done"],
+                label: L::ExecutorError,
+                executor: ExecutorStatus::Error,
+                session: S::Error,
+                workspace: false,
+                events: AGENTCTL_ERROR_AND_STATE,
             },
         );
         check(

@@ -210,7 +210,7 @@ fn recovery_case() -> impl Strategy<Value = RecoveryCase> {
         prop_oneof![Just(ResumePolicy::Startup), Just(ResumePolicy::OnDemand)],
         proptest::option::of(any::<u32>()),
         proptest::collection::vec((any::<u8>(), proptest::bool::weighted(0.15)), 40),
-        (1u32..4, 1u32..4),
+        (1u32..4, 1u32..4, any::<bool>()),
     )
         .prop_map(
             |(
@@ -222,7 +222,7 @@ fn recovery_case() -> impl Strategy<Value = RecoveryCase> {
                 policy,
                 pid,
                 choices,
-                (attempt, max),
+                (attempt, max, managed),
             )| RecoveryCase {
                 input: RecoveryInput {
                     executor_id: ExecutorId::new(),
@@ -233,6 +233,7 @@ fn recovery_case() -> impl Strategy<Value = RecoveryCase> {
                     pid,
                     pid_start_time: pid.map(u64::from),
                     worktree_path: "/w".into(),
+                    worktree_managed: managed,
                     record_supports_session_resume: record,
                     profile_supports_session_resume: profile,
                     resume_token: token.filter(|t| !t.is_empty()),

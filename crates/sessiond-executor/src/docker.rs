@@ -21,6 +21,16 @@
 //! runs; agentctl is also non-dumpable, so the agent (same user, no
 //! capabilities) can read neither the file nor agentctl's memory.
 //!
+//! **Worktrees sessiond creates** ([`LaunchSpec::repository`]) are made on
+//! this host by `agentctl worktree` (as the container's user when the
+//! driver runs as root), and mounted at their own path, not at
+//! `container_workspace`, together with the repository's git directory at
+//! its own path: a linked worktree's `.git` file and the repository's
+//! record of it name each other by absolute host path, so git inside the
+//! container works only where those paths hold. The repository's `config`
+//! and `hooks` are mounted read-only over it: the agent commits through the
+//! shared object store, but cannot plant what the user's own git would run.
+//!
 //! **Launch** creates the container; when the name is taken (a concurrent
 //! launch, or a crash between create and persist) it adopts the existing
 //! container instead, so one executor never gets two containers. It then
@@ -59,7 +69,7 @@ use sessiond_domain::{ExecutorId, Runtime};
 
 use crate::{
     AgentctlClient, ClientConfig, Executor, ExecutorHandle, Health, LaunchSpec, Probe, Recovered,
-    RecoveryAction,
+    RecoveryAction, WorktreeAnswer, WorktreeOp, WorktreeTarget,
     error::{Error, Result},
     fresh_secret,
     standalone::{absolute, remove_if_exists, socket_url, write_secret_file},
@@ -136,6 +146,12 @@ pub struct DockerConfig {
     /// More environment for agentctl in the container (its trace export
     /// settings), beside `HOME`; never its secret.
     pub env: Vec<(String, String)>,
+    /// agentctl on this host, which makes and inspects the worktrees
+    /// sessiond creates for Docker sessions (`agentctl worktree`); `None`:
+    /// Docker sessions name a directory they were given.
+    pub host_agentctl: Option<PathBuf>,
+    /// The environment of `host_agentctl` (`PATH`, to find git).
+    pub host_env: Vec<(String, String)>,
 }
 
 impl DockerConfig {
@@ -163,6 +179,8 @@ impl DockerConfig {
             api_timeout: Duration::from_secs(30),
             client: ClientConfig::default(),
             env: Vec::new(),
+            host_agentctl: None,
+            host_env: vec![("PATH".into(), "/usr/local/bin:/usr/bin:/bin".into())],
         }
     }
 }
@@ -475,15 +493,28 @@ impl DockerExecutor {
         chown_to(&path, ids)
     }
 
-    fn create_body(&self, spec: &LaunchSpec, user: String) -> ContainerCreateBody {
+    /// `git_binds`: the repository's git directory of a worktree sessiond
+    /// created, which is then mounted at its own path (see the module
+    /// documentation); empty for a directory the caller made.
+    fn create_body(
+        &self,
+        spec: &LaunchSpec,
+        user: String,
+        git_binds: Vec<String>,
+    ) -> ContainerCreateBody {
         let id = spec.executor_id;
         let c = &self.config;
+        let workspace = if git_binds.is_empty() {
+            c.container_workspace.clone()
+        } else {
+            spec.workspace_path.display().to_string()
+        };
         let mut cmd = vec![
             c.agentctl_path.clone(),
             "--executor-id".into(),
             id.to_string(),
             "--workspace".into(),
-            c.container_workspace.clone(),
+            workspace.clone(),
             "--listen".into(),
             format!("unix:{CONTAINER_RUN_DIR}/{SOCKET_NAME}"),
             "--secret-file".into(),
@@ -504,14 +535,11 @@ impl DockerExecutor {
             (LABEL_SESSION_ID.to_owned(), spec.session_id.to_string()),
             (LABEL_TASK_ID.to_owned(), spec.task_id.to_string()),
         ]);
-        let binds = vec![
-            format!(
-                "{}:{}",
-                spec.workspace_path.display(),
-                c.container_workspace
-            ),
+        let mut binds = vec![
+            format!("{}:{workspace}", spec.workspace_path.display()),
             format!("{}:{CONTAINER_RUN_DIR}", self.run_dir(id).display()),
         ];
+        binds.extend(git_binds);
         let tmpfs = HashMap::from([(
             "/tmp".to_owned(),
             format!("rw,nosuid,nodev,mode=1777,size={}", c.tmp_size_bytes),
@@ -526,7 +554,7 @@ impl DockerExecutor {
                     .collect(),
             ),
             labels: Some(labels),
-            working_dir: Some(c.container_workspace.clone()),
+            working_dir: Some(workspace),
             user: Some(user),
             host_config: Some(HostConfig {
                 network_mode: Some(c.network_mode.clone()),
@@ -751,6 +779,10 @@ impl Executor for DockerExecutor {
         spec.require_workspace()?;
         self.url(id)?;
         let (user, ids) = self.user_for(id, &spec.workspace_path)?;
+        let git_binds = match &spec.repository {
+            Some(repository) => git_dir_binds(id, &spec.workspace_path, repository)?,
+            None => Vec::new(),
+        };
         self.prepare_run_dir(id, ids)?;
         let name = container_name(id);
         let secret = self.executor_secret(id)?;
@@ -761,7 +793,7 @@ impl Executor for DockerExecutor {
         let container_id = match self
             .engine()
             .await?
-            .create_container(Some(options), self.create_body(spec, user))
+            .create_container(Some(options), self.create_body(spec, user, git_binds))
             .await
         {
             Ok(created) => {
@@ -956,6 +988,110 @@ impl Executor for DockerExecutor {
     fn image(&self, requested: Option<&str>) -> Option<String> {
         Some(requested.unwrap_or(&self.config.image).to_owned())
     }
+
+    /// On this host, through `host_agentctl`; as the container's user when
+    /// the driver runs as root, so the worktree and what git writes into
+    /// the repository belong to the user the agent runs as.
+    async fn worktree(&self, target: &WorktreeTarget, op: WorktreeOp) -> Result<WorktreeAnswer> {
+        let Some(agentctl) = &self.config.host_agentctl else {
+            return Err(Error::Worktree {
+                code: tonic::Code::FailedPrecondition,
+                message: "the Docker driver has no agentctl on this host to create worktrees \
+                          with; pass worktree.path of a directory you made"
+                    .into(),
+            });
+        };
+        let as_user = if rustix::process::geteuid().is_root() {
+            let ids = self
+                .config
+                .user
+                .as_deref()
+                .and_then(parse_ids)
+                .filter(|(uid, _)| *uid != 0);
+            if ids.is_none() {
+                return Err(Error::Worktree {
+                    code: tonic::Code::FailedPrecondition,
+                    message: "sessiond runs as root, so a Docker session's worktree is made as \
+                              the user its container runs as: set executors.docker.user to a \
+                              non-root uid:gid (who may write the repository)"
+                        .into(),
+                });
+            }
+            ids
+        } else {
+            None
+        };
+        crate::worktree::run_local(agentctl, &self.config.host_env, target, op, as_user).await
+    }
+}
+
+/// The binds that make a linked worktree's git work inside its container:
+/// the repository's git directory (which the worktree's `.git` file names
+/// through `<git dir>/worktrees/<name>`) at its own path, its `config` and
+/// `hooks` read-only. The git directory must lie inside `repository`.
+fn git_dir_binds(
+    executor_id: ExecutorId,
+    workspace: &Path,
+    repository: &Path,
+) -> Result<Vec<String>> {
+    let not_linked = |why: String| {
+        Error::Config(format!(
+            "executor {executor_id}: {} is not a linked worktree of {}: {why}",
+            workspace.display(),
+            repository.display()
+        ))
+    };
+    let dot_git = workspace.join(".git");
+    let text = std::fs::read_to_string(&dot_git)
+        .map_err(|e| not_linked(format!("reading {}: {e}", dot_git.display())))?;
+    let gitdir = text
+        .trim()
+        .strip_prefix("gitdir:")
+        .map(|g| PathBuf::from(g.trim()))
+        .filter(|g| g.is_absolute())
+        .ok_or_else(|| not_linked(format!("{} names no absolute gitdir", dot_git.display())))?;
+    let commondir = gitdir.join("commondir");
+    let common = std::fs::read_to_string(&commondir)
+        .map_err(|e| not_linked(format!("reading {}: {e}", commondir.display())))?;
+    let common = normalise(&gitdir.join(common.trim()));
+    let inside = match (
+        std::fs::canonicalize(&common),
+        std::fs::canonicalize(repository),
+    ) {
+        (Ok(c), Ok(r)) => c.starts_with(r),
+        _ => false,
+    };
+    if !inside {
+        return Err(not_linked(format!(
+            "its git directory {} is not inside the repository",
+            common.display()
+        )));
+    }
+    let c = common.display();
+    let mut binds = vec![format!("{c}:{c}")];
+    for part in ["config", "hooks"] {
+        let p = common.join(part);
+        if p.exists() {
+            binds.push(format!("{0}:{0}:ro", p.display()));
+        }
+    }
+    Ok(binds)
+}
+
+/// `path` with `.` and `..` applied lexically (git joins `commondir`, `../..`,
+/// to the worktree's git directory).
+fn normalise(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for c in path.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                out.pop();
+            }
+            std::path::Component::CurDir => {}
+            other => out.push(other),
+        }
+    }
+    out
 }
 
 fn found(info: ContainerInspectResponse) -> Found {

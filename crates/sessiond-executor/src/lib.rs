@@ -79,6 +79,10 @@ pub struct LaunchSpec {
     /// new agentctl fences older owners off from its first call (`None`: an
     /// exclusive store, nothing to fence).
     pub lease_epoch: Option<i64>,
+    /// The repository of a worktree sessiond created in `workspace_path`;
+    /// the Docker driver mounts its git directory too (`None`: a directory
+    /// the caller made).
+    pub repository: Option<PathBuf>,
 }
 
 impl LaunchSpec {
@@ -228,6 +232,7 @@ impl ExecutorHandle {
             remote: None,
             image: None,
             lease_epoch: self.lease_epoch,
+            repository: None,
         }
     }
 }

@@ -570,7 +570,14 @@ impl Executor for StandaloneExecutor {
         target: &crate::WorktreeTarget,
         op: crate::WorktreeOp,
     ) -> Result<crate::WorktreeAnswer> {
-        crate::worktree::run_local(&self.config.agentctl_path, &self.config.env, target, op).await
+        crate::worktree::run_local(
+            &self.config.agentctl_path,
+            &self.config.env,
+            target,
+            op,
+            None,
+        )
+        .await
     }
 
     fn client(&self, handle: &ExecutorHandle) -> Result<AgentctlClient> {

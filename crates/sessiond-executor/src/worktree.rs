@@ -86,18 +86,23 @@ pub enum WorktreeAnswer {
 
 const WORKTREE_TIMEOUT: Duration = Duration::from_secs(180);
 
-/// Runs `agentctl worktree OP` on this host and reads its one JSON answer.
+/// Runs `agentctl worktree OP` on this host and reads its one JSON answer;
+/// as `as_user` (`uid`, `gid`) when given, which needs root.
 pub async fn run_local(
     agentctl: &Path,
     env: &[(String, String)],
     target: &WorktreeTarget,
     op: WorktreeOp,
+    as_user: Option<(u32, u32)>,
 ) -> Result<WorktreeAnswer> {
     let mut cmd = tokio::process::Command::new(agentctl);
     cmd.arg("worktree");
     cmd.args(args(target, op));
     cmd.env_clear();
     cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    if let Some((uid, gid)) = as_user {
+        cmd.uid(uid).gid(gid).current_dir("/");
+    }
     cmd.stdin(std::process::Stdio::null());
     cmd.kill_on_drop(true);
     let out = tokio::time::timeout(WORKTREE_TIMEOUT, cmd.output())

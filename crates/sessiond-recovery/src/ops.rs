@@ -166,6 +166,10 @@ impl SessionManager {
             // Every call of the launch carries this replica's lease epoch,
             // the readiness check included.
             lease_epoch: self.fence(record.session_id).map(|f| f.epoch),
+            repository: record
+                .worktree
+                .is_managed()
+                .then(|| PathBuf::from(&record.worktree.repository)),
         };
         self.inner
             .counters

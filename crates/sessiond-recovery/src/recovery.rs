@@ -724,7 +724,17 @@ impl SessionManager {
                     // by the silence limit: a large checkout is work.
                     let driver = self.driver(run.record.runtime)?;
                     match self.restore_worktree(&driver, &run.session).await {
-                        Ok(()) => {
+                        Ok(anew) => {
+                            // A container still running has the removed
+                            // directory mounted, not the new one: stopped,
+                            // it is started again on the new one.
+                            if anew && run.record.runtime == Runtime::LocalDocker {
+                                let handle = ExecutorHandle::from_record(&run.record);
+                                if let Err(e) = driver.stop(&handle).await {
+                                    tracing::warn!(executor_id = %run.record.id, error = %e,
+                                        "could not stop the container of a recreated worktree");
+                                }
+                            }
                             // Written with the outcome (a session whose
                             // create was cut short leaves STARTING).
                             run.session.metadata.insert(

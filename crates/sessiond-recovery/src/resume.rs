@@ -161,7 +161,14 @@ impl SessionManager {
         if go && s.worktree.is_managed() && !Path::new(&s.worktree.path).is_dir() {
             // Ours: recreated from its branch, or refused naming the branch.
             let driver = self.driver(s.runtime)?;
-            self.restore_worktree(&driver, s).await?;
+            let anew = self.restore_worktree(&driver, s).await?;
+            if anew
+                && s.runtime == Runtime::LocalDocker
+                && let Some(record) = self.inner.store.get_executor_for_session(s.id).await?
+            {
+                // Its container has the removed directory mounted.
+                driver.stop(&ExecutorHandle::from_record(&record)).await?;
+            }
         }
         if go && s.runtime != Runtime::Remote && !Path::new(&s.worktree.path).is_dir() {
             return Err(Error::WorktreeMissing {

@@ -71,8 +71,9 @@ impl SessionManager {
                 )
             } else {
                 format!(
-                    "runtime {runtime} does not create worktrees from a repository (only \
-                     local_standalone does); pass worktree.path of a directory on its host"
+                    "runtime {runtime} has no worktrees directory, so it cannot create \
+                     worktrees; configure one (executors.docker.worktrees_dir for \
+                     local_docker), or pass worktree.path of a directory on its host"
                 )
             })
         })?;
@@ -102,21 +103,25 @@ impl SessionManager {
 
     /// Brings back the directory of a session's worktree before an agent
     /// is launched in it: adopted when present, recreated from its branch
-    /// when not. The error names the branch when it is gone.
+    /// when not. The error names the branch when it is gone. True when it
+    /// was checked out anew.
     pub(crate) async fn restore_worktree(
         &self,
         driver: &Arc<dyn Executor>,
         s: &Session,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let never_created = !s.metadata.contains_key(WORKTREE_CREATED_KEY);
         let answer = driver
             .worktree(&target(&s.worktree), WorktreeOp::Restore { never_created })
             .await?;
-        if let WorktreeAnswer::Ensured { outcome, head } = answer {
-            tracing::info!(session = %s.id, branch = %s.worktree.branch, %outcome, %head,
-                "worktree restored");
+        match answer {
+            WorktreeAnswer::Ensured { outcome, head } => {
+                tracing::info!(session = %s.id, branch = %s.worktree.branch, %outcome, %head,
+                    "worktree restored");
+                Ok(outcome != "adopted")
+            }
+            _ => Ok(false),
         }
-        Ok(())
     }
 
     /// Decides what a delete does with a session's worktree, from what

@@ -472,8 +472,10 @@ pub struct ExecutorsSection {
     /// directories. Default: the serving user's home. `/` is refused.
     pub worktree_roots: Option<Vec<PathBuf>>,
     /// Where a standalone session created from a repository gets its git
-    /// worktree (`<dir>/<short id>-<slug>`); inside `worktree_roots`.
-    /// Default: `<data_dir>/worktrees` when that is inside them.
+    /// worktree (`<dir>/<short id>-<slug>`), and a Docker one unless
+    /// `executors.docker.worktrees_dir` says otherwise; inside
+    /// `worktree_roots`. Default: `<data_dir>/worktrees` when that is
+    /// inside them.
     pub worktrees_dir: Option<PathBuf>,
     /// First part of the branch of every worktree sessiond creates
     /// (`<prefix>/<short id>-<slug of the task title>`). Default `sessiond`.
@@ -531,6 +533,11 @@ pub struct DockerSection {
     pub pids_limit: Option<i64>,
     /// How long a new container's agentctl may take to answer (default `15s`).
     pub startup_timeout: String,
+    /// Where a Docker session created from a repository gets its git
+    /// worktree, on this host (mounted into its container with the
+    /// repository's git directory); inside `worktree_roots`. Default:
+    /// `executors.worktrees_dir`.
+    pub worktrees_dir: Option<PathBuf>,
 }
 
 /// `[executors.remote]`: agentctls someone else runs, reached by URL.
@@ -790,6 +797,7 @@ impl Default for DockerSection {
             cpus: None,
             pids_limit: Some(1024),
             startup_timeout: "15s".into(),
+            worktrees_dir: None,
         }
     }
 }
@@ -970,6 +978,10 @@ pub struct DockerConfig {
     pub pids_limit: Option<i64>,
     /// `startup_timeout`.
     pub startup_timeout: Duration,
+    /// `worktrees_dir`, else `executors.worktrees_dir`: where Docker
+    /// sessions created from a repository get their worktree (on this
+    /// host, mounted into the container).
+    pub worktrees_dir: Option<PathBuf>,
 }
 
 /// Validated `[recovery]`.
@@ -1566,16 +1578,15 @@ impl FileConfig {
                     )
                 })
         };
-        let worktrees_dir = match &e.worktrees_dir {
-            Some(dir) => {
-                if !normal(dir) {
-                    p.add(
-                        "executors.worktrees_dir",
-                        format!("{} is not an absolute, normalised path", dir.display()),
-                    );
-                } else if !worktree_roots.iter().any(|r| dir.starts_with(r)) {
-                    p.add(
-                        "executors.worktrees_dir",
+        let check_worktrees_dir = |p: &mut Problems, key: &str, dir: &Path| {
+            if !normal(dir) {
+                p.add(
+                    key,
+                    format!("{} is not an absolute, normalised path", dir.display()),
+                );
+            } else if !worktree_roots.iter().any(|r| dir.starts_with(r)) {
+                p.add(
+                        key,
                         format!(
                             "{} is outside executors.worktree_roots ({}); move it inside one, or add a root",
                             dir.display(),
@@ -1586,7 +1597,11 @@ impl FileConfig {
                                 .join(", ")
                         ),
                     );
-                }
+            }
+        };
+        let worktrees_dir = match &e.worktrees_dir {
+            Some(dir) => {
+                check_worktrees_dir(&mut p, "executors.worktrees_dir", dir);
                 Some(dir.clone())
             }
             None => Some(data_dir.join("worktrees"))
@@ -1681,7 +1696,11 @@ impl FileConfig {
             {
                 p.add("executors.docker.pids_limit", "must be at least 1");
             }
+            if let Some(dir) = &d.worktrees_dir {
+                check_worktrees_dir(&mut p, "executors.docker.worktrees_dir", dir);
+            }
             Some(DockerConfig {
+                worktrees_dir: d.worktrees_dir.clone().or_else(|| worktrees_dir.clone()),
                 host: d.host.clone(),
                 image: d.image.clone(),
                 agentctl_path: d.agentctl_path.clone(),

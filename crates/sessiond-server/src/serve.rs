@@ -509,6 +509,7 @@ pub(crate) async fn drivers(
              until agentctl is installed there (or set SESSIOND_AGENTCTL_PATH)"
         );
     }
+    let standalone_env = standalone.env.clone();
     let mut drivers: Vec<Arc<dyn Executor>> = vec![
         Arc::new(StandaloneExecutor::new(standalone)),
         Arc::new(RemoteExecutor::new(RemoteConfig {
@@ -540,6 +541,10 @@ pub(crate) async fn drivers(
         dc.startup_timeout = d.startup_timeout;
         dc.client = client;
         dc.env = agentctl_telemetry_env(config);
+        // Worktrees of Docker sessions are made on this host, by the same
+        // agentctl standalone sessions use.
+        dc.host_agentctl = Some(e.agentctl_path.clone());
+        dc.host_env.clone_from(&standalone_env);
         // A bad address is a configuration error; an engine that does not
         // answer is not: the backend starts and recovers everything else,
         // and Docker executors go to error (`docker_unavailable`) until the
@@ -605,6 +610,14 @@ pub(crate) fn manager_config(
                 .worktrees_dir
                 .iter()
                 .map(|d| (Runtime::LocalStandalone, d.clone()))
+                .chain(
+                    config
+                        .executors
+                        .docker
+                        .iter()
+                        .filter_map(|d| d.worktrees_dir.clone())
+                        .map(|d| (Runtime::LocalDocker, d)),
+                )
                 .collect(),
             branch_prefix: config.executors.worktree_branch_prefix.clone(),
         },

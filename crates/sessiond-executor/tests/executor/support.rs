@@ -33,6 +33,7 @@ pub fn spec(workspace: &Path) -> LaunchSpec {
         remote: None,
         image: None,
         lease_epoch: None,
+        repository: None,
     }
 }
 

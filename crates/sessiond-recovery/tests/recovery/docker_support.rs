@@ -42,6 +42,11 @@ pub async fn docker_driver_with(
     dir: &Path,
     agentctl_env: &[(&str, &str)],
 ) -> Arc<DockerExecutor> {
+    docker_driver_from(env, docker_config(env, dir, agentctl_env)).await
+}
+
+/// The test drivers' configuration (see [`docker_driver_with`]).
+pub fn docker_config(env: &DockerEnv, dir: &Path, agentctl_env: &[(&str, &str)]) -> DockerConfig {
     let mut config = DockerConfig::new(env.host.clone(), env.image.clone(), dir.join("docker-run"));
     config.env = agentctl_env
         .iter()
@@ -54,6 +59,11 @@ pub async fn docker_driver_with(
     };
     config.stop_grace = Duration::from_secs(2);
     config.idle_timeout = Some(Duration::from_secs(300));
+    config
+}
+
+/// A driver of `config`. Panics when the engine or the image is unusable.
+pub async fn docker_driver_from(env: &DockerEnv, config: DockerConfig) -> Arc<DockerExecutor> {
     let driver = DockerExecutor::connect(config).await.unwrap_or_else(|e| {
         panic!(
             "no usable Docker engine at {} ({e}): set DOCKER_HOST to a running dockerd, \

@@ -17,6 +17,7 @@ mod containment;
 mod crash;
 mod docker_down;
 mod docker_support;
+mod docker_worktrees;
 mod events;
 mod heavy;
 mod kill9;
