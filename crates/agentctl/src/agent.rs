@@ -51,7 +51,7 @@ use crate::terminal::{TerminalExit, TerminalSpec, Terminals};
 use crate::tree;
 use crate::updates::UpdateLog;
 use crate::usage::UsageTrack;
-use crate::workspace::Workspace;
+use crate::workspace::WorkspaceSlot;
 
 /// How long the agent may show no sign of life (no output, no CPU time)
 /// before ACP `initialize` is given up, when the request gives no limit.
@@ -331,7 +331,7 @@ struct Slot {
 
 #[derive(Debug)]
 struct Shared {
-    workspace: Arc<Workspace>,
+    workspace: Arc<WorkspaceSlot>,
     updates: Arc<UpdateLog>,
     /// The agent's ACP terminals.
     terminals: Terminals,
@@ -520,7 +520,7 @@ fn acp_error(what: &str, e: &agent_client_protocol::Error) -> Error {
 impl AgentManager {
     /// A manager with no agent and no journal.
     pub fn new(
-        workspace: Arc<Workspace>,
+        workspace: Arc<WorkspaceSlot>,
         updates: Arc<UpdateLog>,
         policy: PermissionPolicy,
     ) -> Self {
@@ -540,7 +540,7 @@ impl AgentManager {
     /// (`after-accepted`: recorded, Prompt not answered; `after-handed`:
     /// recorded as handed, the agent not yet sent it).
     pub fn with_journal(
-        workspace: Arc<Workspace>,
+        workspace: Arc<WorkspaceSlot>,
         updates: Arc<UpdateLog>,
         policy: PermissionPolicy,
         journal: Journal,
@@ -708,7 +708,7 @@ impl AgentManager {
         }
         let mut cmd = tokio::process::Command::new(&spec.command);
         cmd.args(&spec.args)
-            .current_dir(self.shared.workspace.root())
+            .current_dir(self.shared.workspace.get()?.root())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -960,8 +960,8 @@ impl AgentManager {
             slot.mcp_servers.check(&slot.mcp_caps)?;
             slot.mcp_servers.0.clone()
         };
-        let request =
-            NewSessionRequest::new(self.shared.workspace.root().to_path_buf()).mcp_servers(mcp);
+        let request = NewSessionRequest::new(self.shared.workspace.get()?.root().to_path_buf())
+            .mcp_servers(mcp);
         let resp = signs::until_silent(
             &signs,
             SESSION_SETUP_SILENCE,
@@ -1044,7 +1044,7 @@ impl AgentManager {
             (conn, offers_resume, offers_load)
         };
         let signs = self.signs()?;
-        let cwd = self.shared.workspace.root().to_path_buf();
+        let cwd = self.shared.workspace.get()?.root().to_path_buf();
         let mcp = {
             let slot = self.shared.slot();
             slot.mcp_servers.check(&slot.mcp_caps)?;
@@ -2128,7 +2128,7 @@ async fn run_connection(
         .on_receive_request(
             async move |req: ReadTextFileRequest, responder, _cx| {
                 let path = req.path.to_string_lossy().into_owned();
-                let result = s_read.workspace.read_file(&path, 0).and_then(|bytes| {
+                let result = s_read.workspace.get().and_then(|ws| ws.read_file(&path, 0)).and_then(|bytes| {
                     String::from_utf8(bytes)
                         .map_err(|_| Error::InvalidArgument(format!("{path} is not UTF-8 text")))
                 });
@@ -2147,7 +2147,8 @@ async fn run_connection(
                 let path = req.path.to_string_lossy().into_owned();
                 match s_write
                     .workspace
-                    .write_file(&path, req.content.as_bytes(), true)
+                    .get()
+                    .and_then(|ws| ws.write_file(&path, req.content.as_bytes(), true))
                 {
                     Ok(_) => responder.respond(WriteTextFileResponse::new()),
                     Err(e) => responder.respond_with_error(fs_error(&e)),
@@ -2254,9 +2255,10 @@ fn create_terminal(shared: &Shared, generation: u64, req: CreateTerminalRequest)
             .unwrap_or_default();
         (turn, slot.marker.clone())
     };
+    let ws = shared.workspace.get()?;
     let cwd = match req.cwd.as_ref() {
-        Some(dir) => shared.workspace.resolve(&dir.to_string_lossy())?,
-        None => shared.workspace.root().to_path_buf(),
+        Some(dir) => ws.resolve(&dir.to_string_lossy())?,
+        None => ws.root().to_path_buf(),
     };
     shared.terminals.create(TerminalSpec {
         session_id: req.session_id.0.to_string(),

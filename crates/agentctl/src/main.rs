@@ -13,7 +13,7 @@ use agentctl::journal::Journal;
 use agentctl::service::AgentCtl;
 use agentctl::tree;
 use agentctl::updates::UpdateLog;
-use agentctl::workspace::Workspace;
+use agentctl::workspace::{Workspace, WorkspaceSlot};
 use anyhow::{Context, bail};
 use clap::Parser;
 use tokio::sync::watch;
@@ -32,8 +32,14 @@ struct Cli {
     #[arg(long)]
     executor_id: String,
     /// Workspace root; every file, exec and git call is confined to it.
+    /// Without it (`--worktree-root` only), the workspace is the worktree
+    /// sessiond has this agentctl create or restore (a remote host's).
+    #[arg(long, required_unless_present = "worktree_root")]
+    workspace: Option<PathBuf>,
+    /// A directory repositories and the worktrees made from them may lie
+    /// in (repeatable): enables the `Worktree` call, confined to these.
     #[arg(long)]
-    workspace: PathBuf,
+    worktree_root: Vec<PathBuf>,
     /// Where to listen: `unix:<path>` for a Unix-domain socket (local
     /// executors: no network needed, socket mode 0600), or `host:port` for
     /// TCP (remote executors; port 0 picks a free port).
@@ -185,20 +191,15 @@ async fn worktree_main() -> anyhow::Result<()> {
         branch: cli.branch,
         path: cli.path,
     };
-    let answer = match cli.op {
-        WorktreeOp::Check => worktree::check(&spec).await.map(|()| serde_json::json!({})),
-        WorktreeOp::Create => worktree::create(&spec).await.map(|e| serde_json::json!(e)),
-        WorktreeOp::Restore => worktree::restore(&spec, cli.never_created)
-            .await
-            .map(|e| serde_json::json!(e)),
-        WorktreeOp::State => worktree::state(&spec).await.map(|s| serde_json::json!(s)),
-        WorktreeOp::Remove => worktree::remove(&spec, cli.delete_branch)
-            .await
-            .map(|()| serde_json::json!({})),
-        WorktreeOp::Commits => worktree::commits(&spec, cli.limit)
-            .await
-            .map(|c| serde_json::json!(c)),
+    let op = match cli.op {
+        WorktreeOp::Check => "check",
+        WorktreeOp::Create => "create",
+        WorktreeOp::Restore => "restore",
+        WorktreeOp::State => "state",
+        WorktreeOp::Remove => "remove",
+        WorktreeOp::Commits => "commits",
     };
+    let answer = worktree::run(op, &spec, cli.never_created, cli.delete_branch, cli.limit).await;
     let line = match answer {
         Ok(value) => serde_json::json!({ "ok": value }),
         Err(e) => {
@@ -410,7 +411,10 @@ async fn main() -> anyhow::Result<()> {
         Some(path) => EpochFence::open(path)?,
         None => EpochFence::in_memory(),
     });
-    let workspace = Arc::new(Workspace::open(&cli.workspace)?);
+    let workspace = Arc::new(match &cli.workspace {
+        Some(root) => WorkspaceSlot::fixed(Workspace::open(root)?),
+        None => WorkspaceSlot::unbound(),
+    });
     let updates = Arc::new(UpdateLog::new(cli.update_buffer));
     let activity = Arc::new(Activity::default());
     let (journal, loaded) = match &cli.journal {
@@ -460,7 +464,8 @@ async fn main() -> anyhow::Result<()> {
         updates,
         activity.clone(),
         shutdown_rx.clone(),
-    );
+    )
+    .with_worktree_roots(cli.worktree_root.clone());
 
     let tls = server_tls(&cli)?;
     let incoming = match &cli.listen {
@@ -484,7 +489,8 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(
         listen = ?cli.listen,
         executor_id = %cli.executor_id,
-        workspace = %workspace.root().display(),
+        workspace = ?workspace.root(),
+        worktree_roots = ?cli.worktree_root,
         idle_timeout = ?cli.idle_timeout,
         "agentctl serving"
     );

@@ -1,5 +1,6 @@
 //! The `AgentCtlService` gRPC implementation.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,7 +16,8 @@ use sessiond_proto::agentctl::v1::{
     PromptResponse, ReadFileRequest, ReadFileResponse, ResumeMethod, ResumeSessionRequest,
     ResumeSessionResponse, SessionMode, SessionModes, SetConfigOptionRequest,
     SetConfigOptionResponse, SetModeRequest, SetModeResponse, StopAgentRequest, StopAgentResponse,
-    StreamUpdatesRequest, TurnPhase, WriteFileRequest, WriteFileResponse,
+    StreamUpdatesRequest, TurnPhase, WorktreeRequest, WorktreeResponse, WriteFileRequest,
+    WriteFileResponse,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
@@ -28,7 +30,7 @@ use crate::exec::{self, ExecSpec};
 use crate::git;
 use crate::journal::Phase;
 use crate::updates::{Read, UpdateLog};
-use crate::workspace::Workspace;
+use crate::workspace::{Workspace, WorkspaceSlot};
 
 /// Updates sent per read of the log while replaying.
 const REPLAY_BATCH: usize = 256;
@@ -60,7 +62,9 @@ pub fn server(
 pub struct AgentCtl {
     executor_id: String,
     started: Instant,
-    workspace: Arc<Workspace>,
+    workspace: Arc<WorkspaceSlot>,
+    /// `--worktree-root`: where the `Worktree` call may work (none: refused).
+    worktree_roots: Vec<PathBuf>,
     agent: AgentManager,
     updates: Arc<UpdateLog>,
     activity: Arc<Activity>,
@@ -71,7 +75,7 @@ impl AgentCtl {
     /// Wires the service. `shutdown` turning true ends open update streams.
     pub fn new(
         executor_id: String,
-        workspace: Arc<Workspace>,
+        workspace: Arc<WorkspaceSlot>,
         agent: AgentManager,
         updates: Arc<UpdateLog>,
         activity: Arc<Activity>,
@@ -81,11 +85,72 @@ impl AgentCtl {
             executor_id,
             started: Instant::now(),
             workspace,
+            worktree_roots: Vec::new(),
             agent,
             updates,
             activity,
             shutdown,
         }
+    }
+
+    /// Enables the `Worktree` call within `roots`.
+    #[must_use]
+    pub fn with_worktree_roots(mut self, roots: Vec<PathBuf>) -> Self {
+        self.worktree_roots = roots;
+        self
+    }
+
+    /// `path` (absolute, normalised) inside a worktree root (`strictly`:
+    /// not the root itself), or why not.
+    fn inside_roots(&self, what: &str, path: &str, strictly: bool) -> Result<PathBuf, Status> {
+        let p = PathBuf::from(path);
+        let normal = p.is_absolute()
+            && p.components().all(|c| {
+                matches!(
+                    c,
+                    std::path::Component::RootDir | std::path::Component::Normal(_)
+                )
+            });
+        if !normal {
+            return Err(Status::invalid_argument(format!(
+                "{what}: {path:?} is not an absolute, normalised path"
+            )));
+        }
+        // Symlinks resolved as far as the path exists, so none leads out.
+        let mut real = PathBuf::new();
+        let mut rest = Vec::new();
+        let mut probe = p.as_path();
+        loop {
+            if let Ok(r) = std::fs::canonicalize(probe) {
+                real = r;
+                break;
+            }
+            match (probe.parent(), probe.file_name()) {
+                (Some(parent), Some(name)) => {
+                    rest.push(name.to_owned());
+                    probe = parent;
+                }
+                _ => break,
+            }
+        }
+        for name in rest.into_iter().rev() {
+            real.push(name);
+        }
+        let inside = self.worktree_roots.iter().any(|root| {
+            std::fs::canonicalize(root)
+                .is_ok_and(|r| real.starts_with(&r) && !(strictly && real == r))
+        });
+        if !inside {
+            return Err(Status::invalid_argument(format!(
+                "{what}: {path} is outside this agentctl's worktree roots ({})",
+                self.worktree_roots
+                    .iter()
+                    .map(|r| r.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        Ok(p)
     }
 }
 
@@ -355,7 +420,7 @@ impl AgentCtlService for AgentCtl {
 
     async fn exec(&self, req: Request<ExecRequest>) -> Res<ExecResponse> {
         let r = req.into_inner();
-        let ws = self.workspace.clone();
+        let ws = self.workspace.get()?;
         let cwd_arg = r.cwd.clone();
         let cwd = blocking(move || ws.resolve(&cwd_arg)).await?;
         let timeout = if r.timeout_ms == 0 {
@@ -390,14 +455,14 @@ impl AgentCtlService for AgentCtl {
 
     async fn read_file(&self, req: Request<ReadFileRequest>) -> Res<ReadFileResponse> {
         let r = req.into_inner();
-        let ws = self.workspace.clone();
+        let ws = self.workspace.get()?;
         let content = blocking(move || ws.read_file(&r.path, r.max_bytes)).await?;
         Ok(Response::new(ReadFileResponse { content }))
     }
 
     async fn write_file(&self, req: Request<WriteFileRequest>) -> Res<WriteFileResponse> {
         let r = req.into_inner();
-        let ws = self.workspace.clone();
+        let ws = self.workspace.get()?;
         let bytes_written =
             blocking(move || ws.write_file(&r.path, &r.content, r.create_parents)).await?;
         Ok(Response::new(WriteFileResponse { bytes_written }))
@@ -405,23 +470,64 @@ impl AgentCtlService for AgentCtl {
 
     async fn list_dir(&self, req: Request<ListDirRequest>) -> Res<ListDirResponse> {
         let path = req.into_inner().path;
-        let ws = self.workspace.clone();
+        let ws = self.workspace.get()?;
         let entries = blocking(move || ws.list_dir(&path)).await?;
         Ok(Response::new(ListDirResponse { entries }))
     }
 
     async fn git_status(&self, _req: Request<GitStatusRequest>) -> Res<GitStatusResponse> {
-        Ok(Response::new(git::status(&self.workspace).await?))
+        Ok(Response::new(git::status(&*self.workspace.get()?).await?))
     }
 
     async fn git_diff(&self, req: Request<GitDiffRequest>) -> Res<GitDiffResponse> {
         let r = req.into_inner();
+        let ws = self.workspace.get()?;
         let diff = if r.base.is_empty() {
-            git::diff(&self.workspace, r.staged, &r.paths).await?
+            git::diff(&ws, r.staged, &r.paths).await?
         } else {
-            git::diff_against(&self.workspace, &r.base, &r.paths).await?
+            git::diff_against(&ws, &r.base, &r.paths).await?
         };
         Ok(Response::new(GitDiffResponse { diff }))
+    }
+
+    async fn worktree(&self, req: Request<WorktreeRequest>) -> Res<WorktreeResponse> {
+        let r = req.into_inner();
+        if self.worktree_roots.is_empty() {
+            return Err(Status::failed_precondition(
+                "this agentctl makes no worktrees: it was started without --worktree-root",
+            ));
+        }
+        let repository = self.inside_roots("repository", &r.repository, false)?;
+        let path = self.inside_roots("path", &r.path, true)?;
+        // One agentctl serves one session, so one worktree.
+        if let Some(bound) = self.workspace.root()
+            && std::fs::canonicalize(&path).ok().as_ref() != Some(&bound)
+            && bound != path
+        {
+            return Err(Status::failed_precondition(format!(
+                "this agentctl serves the worktree {}, not {}; start one agentctl per session",
+                bound.display(),
+                path.display()
+            )));
+        }
+        let spec = crate::worktree::Spec {
+            repository,
+            base: r.base,
+            branch: r.branch,
+            path: path.clone(),
+        };
+        let limit = if r.limit == 0 { 200 } else { r.limit };
+        let answer =
+            crate::worktree::run(&r.op, &spec, r.never_created, r.delete_branch, limit).await?;
+        match r.op.as_str() {
+            // Opened anew: a recreated directory is not the one held before.
+            "create" | "restore" => self.workspace.bind(Workspace::open(&path)?),
+            "remove" => self.workspace.unbind(),
+            _ => {}
+        }
+        Ok(Response::new(WorktreeResponse {
+            json: answer.to_string(),
+        }))
     }
 }
 

@@ -292,6 +292,66 @@ impl Workspace {
     }
 }
 
+/// The workspace an agentctl serves: fixed when it starts (`--workspace`),
+/// or, for an agentctl started with `--worktree-root` only, the worktree
+/// sessiond has it create (the `Worktree` call), bound by that call, opened
+/// again by a restore (a recreated directory is a new one) and unbound by
+/// its removal. Calls that need it meanwhile fail FAILED_PRECONDITION.
+#[derive(Debug, Default)]
+pub struct WorkspaceSlot(std::sync::RwLock<Option<Arc<Workspace>>>);
+
+impl WorkspaceSlot {
+    /// Serving `ws` from the start.
+    pub fn fixed(ws: Workspace) -> Self {
+        Self(std::sync::RwLock::new(Some(Arc::new(ws))))
+    }
+
+    /// No workspace until a worktree is bound.
+    pub fn unbound() -> Self {
+        Self::default()
+    }
+
+    /// The workspace, or FAILED_PRECONDITION when none is bound.
+    pub fn get(&self) -> Result<Arc<Workspace>> {
+        self.0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+            .ok_or_else(|| {
+                Error::FailedPrecondition(
+                    "no workspace yet: this agentctl serves the worktree sessiond has it \
+                     create or restore (Worktree), and none is bound"
+                        .into(),
+                )
+            })
+    }
+
+    /// The bound workspace's root, if any.
+    pub fn root(&self) -> Option<PathBuf> {
+        self.0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .map(|w| w.root().to_path_buf())
+    }
+
+    /// Serves `ws` from now on.
+    pub fn bind(&self, ws: Workspace) {
+        *self
+            .0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Arc::new(ws));
+    }
+
+    /// Serves none.
+    pub fn unbind(&self) {
+        *self
+            .0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

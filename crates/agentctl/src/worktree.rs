@@ -557,3 +557,29 @@ pub async fn commits(spec: &Spec, limit: u32) -> Result<Vec<Commit>> {
         })
         .collect())
 }
+
+/// Runs operation `op` (`check`, `create`, ...) and answers what
+/// `agentctl worktree OP` prints under `ok`.
+pub async fn run(
+    op: &str,
+    spec: &Spec,
+    never_created: bool,
+    delete_branch: bool,
+    limit: u32,
+) -> Result<serde_json::Value> {
+    Ok(match op {
+        "check" => check(spec).await.map(|()| serde_json::json!({}))?,
+        "create" => serde_json::json!(create(spec).await?),
+        "restore" => serde_json::json!(restore(spec, never_created).await?),
+        "state" => serde_json::json!(state(spec).await?),
+        "remove" => remove(spec, delete_branch)
+            .await
+            .map(|()| serde_json::json!({}))?,
+        "commits" => serde_json::json!(commits(spec, limit).await?),
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "op: {other:?} is not check, create, restore, state, remove or commits"
+            )));
+        }
+    })
+}

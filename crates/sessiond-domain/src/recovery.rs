@@ -24,7 +24,7 @@
 //! |------------------|-----------------------------------------------------------------------|
 //! | local_standalone | CheckWorktree (missing => executor_error) -> ProbeProcess if a pid is recorded (alive with pid + start time matching -> reattach: HealthCheck, and if that fails our agentctl is hung -> EndAgentctl -> LaunchAgentctl; gone or not ours -> LaunchAgentctl) -> HealthCheck |
 //! | local_docker     | CheckWorktree first when sessiond created the worktree (restored from its branch; unrecoverable => executor_error) -> FindContainer (running -> HealthCheck; stopped -> StartContainer -> HealthCheck; missing => executor_error; Docker down => retrying until the engine answers) |
-//! | remote           | HealthCheck (unreachable => retrying, or executor_error once the background window is over) |
+//! | remote           | HealthCheck (unreachable => retrying, or executor_error once the background window is over) -> CheckWorktree when sessiond created the worktree (the host's agentctl restores it and serves it; unrecoverable => executor_error) |
 //! | custom (a registered name) | ProbeExecutor: the driver's `probe` (reattachable -> HealthCheck; needs start -> StartContainer -> HealthCheck; needs launch -> LaunchAgentctl -> HealthCheck; missing => executor_error; the driver cannot tell => executor_error; no driver registered => executor `error` `runtime_not_registered`, session unchanged, taken up again by the first startup with the driver) |
 //!
 //! then, for every runtime: healthy -> ProbeCapabilities -> MarkExecutorReady ->
@@ -939,6 +939,9 @@ impl Recovery {
             {
                 self.find_container()
             }
+            (P::CheckingWorktree, O::WorktreeExists) if self.input.runtime == Runtime::Remote => {
+                self.go(P::ProbingCapabilities, Action::ProbeCapabilities)
+            }
             (P::CheckingWorktree, O::WorktreeExists) => match self.input.pid {
                 Some(pid) => {
                     let pid_start_time = self.input.pid_start_time;
@@ -1040,6 +1043,16 @@ impl Recovery {
                 }
             }
 
+            (P::CheckingHealth, O::Healthy { agent })
+                if self.input.runtime == Runtime::Remote && self.input.worktree_managed =>
+            {
+                // Its host's agentctl restores the worktree (and serves it)
+                // before anything runs in it.
+                self.checking_recorded = false;
+                self.agent = agent;
+                let path = self.input.worktree_path.clone();
+                self.go(P::CheckingWorktree, Action::CheckWorktree { path })
+            }
             (P::CheckingHealth, O::Healthy { agent }) => {
                 self.checking_recorded = false;
                 self.agent = agent;
@@ -2207,6 +2220,54 @@ mod tests {
                 session: S::WaitingForInput,
                 workspace: true,
                 events: &[],
+            },
+        );
+        let managed = |state| RecoveryInput {
+            worktree_managed: true,
+            ..remote(state)
+        };
+        check(
+            "a worktree sessiond made: the host's agentctl restores it first",
+            managed(S::WaitingForInput),
+            vec![
+                healthy(),
+                O::WorktreeExists,
+                caps(true),
+                O::Applied,
+                O::ResumeSucceeded,
+            ],
+            Expect {
+                actions: &[
+                    "health_check",
+                    "check_worktree",
+                    "probe_capabilities",
+                    "mark_ready",
+                    "resume_agent",
+                    "done",
+                ],
+                label: L::Resumed,
+                executor: ExecutorStatus::Ready,
+                session: S::WaitingForInput,
+                workspace: true,
+                events: &[],
+            },
+        );
+        check(
+            "a worktree sessiond made, its branch gone on the host",
+            managed(S::WaitingForInput),
+            vec![
+                healthy(),
+                O::WorktreeUnrecoverable {
+                    reason: "branch \"s/1\" no longer exists".into(),
+                },
+            ],
+            Expect {
+                actions: &["health_check", "check_worktree", "done"],
+                label: L::ExecutorError,
+                executor: ExecutorStatus::Error,
+                session: S::Error,
+                workspace: false,
+                events: AGENTCTL_ERROR_AND_STATE,
             },
         );
         check(

@@ -750,6 +750,29 @@ impl AgentctlClient {
         .await
     }
 
+    /// `Worktree`: one worktree operation on agentctl's host, under
+    /// `deadline` (a checkout is work); its JSON answer. A refusal is
+    /// [`Error::Worktree`] with agentctl's code and message.
+    pub async fn worktree(
+        &self,
+        request: pb::WorktreeRequest,
+        deadline: Duration,
+    ) -> Result<String> {
+        let resp = self
+            .unary("Worktree", deadline, request, |mut c, r| async move {
+                c.worktree(r).await
+            })
+            .await
+            .map_err(|e| match e {
+                Error::Rpc { status, .. } => Error::Worktree {
+                    code: status.code(),
+                    message: status.message().to_owned(),
+                },
+                other => other,
+            })?;
+        Ok(resp.json)
+    }
+
     /// `GitDiff`; returns the diff text.
     pub async fn git_diff(&self, request: pb::GitDiffRequest) -> Result<String> {
         let deadline = budget::GIT + self.call_timeout;

@@ -100,7 +100,7 @@ impl LaunchSpec {
 }
 
 /// An agentctl that some other host runs.
-#[derive(Clone)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct RemoteTarget {
     /// agentctl's address, `http://host:port` or `https://host:port`.
     pub url: String,

@@ -14,9 +14,11 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use sessiond_domain::{ExecutorId, Runtime};
 
+use sessiond_proto::agentctl::v1 as pb;
+
 use crate::{
     AgentctlClient, Backoff, ClientConfig, Executor, ExecutorHandle, Health, LaunchSpec, Probe,
-    Recovered, RecoveryAction,
+    Recovered, RecoveryAction, WorktreeAnswer, WorktreeOp, WorktreeTarget,
     error::{Error, Result},
 };
 
@@ -171,6 +173,55 @@ impl Executor for RemoteExecutor {
             &self.config.client,
         )?
         .with_lease_epoch(handle.lease_epoch))
+    }
+
+    /// Through the host's agentctl (its `Worktree` call), which confines it
+    /// to the worktree roots it was started with and serves the worktree
+    /// it makes as its workspace.
+    async fn worktree(&self, target: &WorktreeTarget, op: WorktreeOp) -> Result<WorktreeAnswer> {
+        let Some((remote, epoch)) = &target.agentctl else {
+            return Err(Error::Config(
+                "a remote worktree operation needs the host's agentctl (WorktreeTarget::agentctl)"
+                    .into(),
+            ));
+        };
+        let client = AgentctlClient::new(&remote.url, &remote.auth_secret, &self.config.client)?
+            .with_lease_epoch(*epoch);
+        let request = pb::WorktreeRequest {
+            op: crate::worktree::op_name(op).into(),
+            repository: target.repository.clone(),
+            base: target.base.clone(),
+            branch: target.branch.clone(),
+            path: target.path.clone(),
+            never_created: matches!(
+                op,
+                WorktreeOp::Restore {
+                    never_created: true
+                }
+            ),
+            delete_branch: matches!(
+                op,
+                WorktreeOp::Remove {
+                    delete_branch: true
+                }
+            ),
+            limit: match op {
+                WorktreeOp::Commits { limit } => limit,
+                _ => 0,
+            },
+        };
+        let json = client
+            .worktree(request, crate::worktree::WORKTREE_TIMEOUT)
+            .await?;
+        serde_json::from_str::<serde_json::Value>(&json)
+            .ok()
+            .and_then(|ok| crate::worktree::parse_ok(&ok, op))
+            .unwrap_or_else(|| {
+                Err(Error::Worktree {
+                    code: tonic::Code::Internal,
+                    message: format!("agentctl at {} answered Worktree with {json:?}", remote.url),
+                })
+            })
     }
 }
 

@@ -20,6 +20,9 @@ pub struct WorktreeTarget {
     pub branch: String,
     /// Its directory.
     pub path: String,
+    /// Remote executors: the agentctl on the host that makes it (its
+    /// `Worktree` call), with the owner's lease epoch.
+    pub agentctl: Option<(crate::RemoteTarget, Option<i64>)>,
 }
 
 /// One worktree operation.
@@ -84,7 +87,7 @@ pub enum WorktreeAnswer {
     Commits(Vec<BranchCommit>),
 }
 
-const WORKTREE_TIMEOUT: Duration = Duration::from_secs(180);
+pub(crate) const WORKTREE_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// Runs `agentctl worktree OP` on this host and reads its one JSON answer;
 /// as `as_user` (`uid`, `gid`) when given, which needs root.
@@ -131,15 +134,7 @@ pub async fn run_local(
 /// The command-line arguments after `agentctl worktree`.
 pub fn args(target: &WorktreeTarget, op: WorktreeOp) -> Vec<String> {
     let mut a = vec![
-        match op {
-            WorktreeOp::Check => "check",
-            WorktreeOp::Create => "create",
-            WorktreeOp::Restore { .. } => "restore",
-            WorktreeOp::State => "state",
-            WorktreeOp::Remove { .. } => "remove",
-            WorktreeOp::Commits { .. } => "commits",
-        }
-        .to_owned(),
+        op_name(op).to_owned(),
         format!("--repository={}", target.repository),
         format!("--base={}", target.base),
         format!("--branch={}", target.branch),
@@ -158,6 +153,18 @@ pub fn args(target: &WorktreeTarget, op: WorktreeOp) -> Vec<String> {
     a
 }
 
+/// The operation's name, as the command and the `Worktree` call take it.
+pub fn op_name(op: WorktreeOp) -> &'static str {
+    match op {
+        WorktreeOp::Check => "check",
+        WorktreeOp::Create => "create",
+        WorktreeOp::Restore { .. } => "restore",
+        WorktreeOp::State => "state",
+        WorktreeOp::Remove { .. } => "remove",
+        WorktreeOp::Commits { .. } => "commits",
+    }
+}
+
 /// Reads agentctl's answer: `{"ok": ...}` or `{"error": {"code", "message"}}`.
 pub fn parse(stdout: &[u8], op: WorktreeOp) -> Option<Result<WorktreeAnswer>> {
     let line = std::str::from_utf8(stdout).ok()?.lines().last()?;
@@ -167,7 +174,11 @@ pub fn parse(stdout: &[u8], op: WorktreeOp) -> Option<Result<WorktreeAnswer>> {
         let message = e.get("message")?.as_str()?.to_owned();
         return Some(Err(Error::Worktree { code, message }));
     }
-    let ok = v.get("ok")?;
+    parse_ok(v.get("ok")?, op)
+}
+
+/// Reads the `ok` value of an answer (what the `Worktree` call returns).
+pub fn parse_ok(ok: &serde_json::Value, op: WorktreeOp) -> Option<Result<WorktreeAnswer>> {
     let s = |k: &str| ok.get(k).and_then(|x| x.as_str()).unwrap_or("").to_owned();
     Some(Ok(match op {
         WorktreeOp::Check | WorktreeOp::Remove { .. } => WorktreeAnswer::Done,

@@ -154,8 +154,19 @@ impl SessionManager {
         if managed {
             // Before anything is stored: a repository, base, branch or
             // directory that cannot work creates nothing.
-            self.plan_worktree(&mut req.worktree, req.runtime, session_id, &task.title)
-                .await?;
+            if req.runtime == Runtime::Remote && req.remote.is_none() {
+                return Err(Error::InvalidArgument(
+                    "a remote session needs the agentctl URL and secret of its host".into(),
+                ));
+            }
+            self.plan_worktree(
+                &mut req.worktree,
+                req.runtime,
+                session_id,
+                &task.title,
+                req.remote.as_ref(),
+            )
+            .await?;
         } else if req.worktree.path.is_empty() {
             return Err(Error::InvalidArgument("worktree path is empty".into()));
         }
@@ -1225,11 +1236,16 @@ impl SessionManager {
         asked: RemovalRequest,
     ) -> Result<()> {
         let session = self.session_of_task(task, session_id).await?;
-        let managed = session.worktree.is_managed();
+        // Taken now: a remote host's agentctl is named by the executor
+        // record, which goes before the worktree does.
+        let managed = match session.worktree.is_managed() {
+            true => Some(self.worktree_target(&session).await?),
+            false => None,
+        };
         // Checked before the agent is stopped, so a refusal changes nothing;
         // and again once it is stopped, as the agent may have written since.
-        if managed {
-            self.worktree_removal(&session, asked).await?;
+        if let Some(t) = &managed {
+            self.worktree_removal(&session, t, asked).await?;
         }
         if let Err(e) = self
             .end_session(task, session_id, EndReason::Cancelled)
@@ -1264,10 +1280,10 @@ impl SessionManager {
                 None => deleted?,
             };
         }
-        if managed {
-            match self.worktree_removal(&session, asked).await? {
+        if let Some(t) = &managed {
+            match self.worktree_removal(&session, t, asked).await? {
                 Removal::Remove { delete_branch } => {
-                    self.remove_worktree(&session, delete_branch).await?;
+                    self.remove_worktree(&session, t, delete_branch).await?;
                 }
                 Removal::Keep | Removal::Refuse(_) => {}
             }

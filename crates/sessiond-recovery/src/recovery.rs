@@ -709,7 +709,10 @@ impl SessionManager {
         let timed_out = remaining.is_zero();
         Ok(match action {
             Action::CheckWorktree { path } => {
-                if Path::new(&path).is_dir() {
+                // A remote host's directory is not ours to look at: its
+                // agentctl adopts or recreates it, and serves it again.
+                let here = run.record.runtime != Runtime::Remote;
+                if here && Path::new(&path).is_dir() {
                     if run.session.worktree.is_managed() {
                         // A create cut short after `git worktree add`:
                         // made, recorded with the outcome.

@@ -158,7 +158,12 @@ impl SessionManager {
                 return Err(Error::MissingResumeToken { session_id: s.id });
             }
         };
-        if go && s.worktree.is_managed() && !Path::new(&s.worktree.path).is_dir() {
+        // A remote host's agentctl restarted serves no worktree until told
+        // (and its directory is not ours to look at): always restored.
+        if go
+            && s.worktree.is_managed()
+            && (s.runtime == Runtime::Remote || !Path::new(&s.worktree.path).is_dir())
+        {
             // Ours: recreated from its branch, or refused naming the branch.
             let driver = self.driver(s.runtime)?;
             let anew = self.restore_worktree(&driver, s).await?;

@@ -10,10 +10,11 @@ use sessiond_domain::{
     Runtime, Session, SessionId, Worktree,
     worktree::{Removal, RemovalRequest, branch_name, removal, short_id, slug},
 };
-use sessiond_executor::{Executor, WorktreeAnswer, WorktreeOp, WorktreeTarget};
+use sessiond_executor::{Executor, RemoteTarget, WorktreeAnswer, WorktreeOp, WorktreeTarget};
 
 use crate::{
     error::{Error, Result},
+    lifecycle::RemoteAgentctl,
     manager::SessionManager,
 };
 
@@ -22,16 +23,49 @@ use crate::{
 /// cut short); after, a missing branch is lost work and said so.
 pub(crate) const WORKTREE_CREATED_KEY: &str = "worktree_created";
 
-pub(crate) fn target(w: &Worktree) -> WorktreeTarget {
+/// `agentctl`: a remote session's host agentctl, which makes its worktree.
+pub(crate) fn target(
+    w: &Worktree,
+    agentctl: Option<(RemoteTarget, Option<i64>)>,
+) -> WorktreeTarget {
     WorktreeTarget {
         repository: w.repository.clone(),
         base: w.base.clone(),
         branch: w.branch.clone(),
         path: w.path.clone(),
+        agentctl,
     }
 }
 
 impl SessionManager {
+    /// The worktree of `s` as its driver takes it: for a remote session,
+    /// with the host's agentctl its executor record names.
+    pub(crate) async fn worktree_target(&self, s: &Session) -> Result<WorktreeTarget> {
+        let agentctl = if s.runtime == Runtime::Remote {
+            let record = self
+                .inner
+                .store
+                .get_executor_for_session(s.id)
+                .await?
+                .ok_or_else(|| {
+                    Error::Internal(format!(
+                        "remote session {} has no executor record naming its host",
+                        s.id
+                    ))
+                })?;
+            Some((
+                RemoteTarget {
+                    url: record.agentctl_url.clone().unwrap_or_default(),
+                    auth_secret: record.auth_secret.clone(),
+                },
+                Some(record.lease_epoch),
+            ))
+        } else {
+            None
+        };
+        Ok(target(&s.worktree, agentctl))
+    }
+
     /// Fills in the branch, directory and id of a worktree to create for a
     /// new session and has agentctl check, changing nothing, that it can
     /// be made: a repository, an existing base, a free branch and directory.
@@ -41,6 +75,7 @@ impl SessionManager {
         runtime: Runtime,
         session_id: SessionId,
         task_title: &str,
+        remote: Option<&RemoteAgentctl>,
     ) -> Result<()> {
         if !w.path.is_empty() {
             return Err(Error::InvalidArgument(
@@ -69,6 +104,12 @@ impl SessionManager {
                      worktrees; configure one inside executors.worktree_roots, or pass \
                      worktree.path of a directory you made"
                 )
+            } else if runtime == Runtime::Remote {
+                format!(
+                    "runtime {runtime} has no executors.remote.worktrees_dir (the directory \
+                     on remote hosts their agentctls make worktrees in), so it cannot create \
+                     worktrees; configure one, or pass worktree.path of a directory on the host"
+                )
             } else {
                 format!(
                     "runtime {runtime} has no worktrees directory, so it cannot create \
@@ -87,8 +128,17 @@ impl SessionManager {
         if w.id.is_empty() {
             w.id = short_id(session_id);
         }
+        let agentctl = remote.map(|r| {
+            (
+                RemoteTarget {
+                    url: r.url.clone(),
+                    auth_secret: r.auth_secret.clone(),
+                },
+                None,
+            )
+        });
         self.driver(runtime)?
-            .worktree(&target(w), WorktreeOp::Check)
+            .worktree(&target(w, agentctl), WorktreeOp::Check)
             .await?;
         Ok(())
     }
@@ -96,7 +146,7 @@ impl SessionManager {
     /// Makes the planned worktree (the session's intent is committed).
     pub(crate) async fn make_worktree(&self, s: &Session) -> Result<()> {
         self.driver(s.runtime)?
-            .worktree(&target(&s.worktree), WorktreeOp::Create)
+            .worktree(&self.worktree_target(s).await?, WorktreeOp::Create)
             .await?;
         Ok(())
     }
@@ -112,7 +162,10 @@ impl SessionManager {
     ) -> Result<bool> {
         let never_created = !s.metadata.contains_key(WORKTREE_CREATED_KEY);
         let answer = driver
-            .worktree(&target(&s.worktree), WorktreeOp::Restore { never_created })
+            .worktree(
+                &self.worktree_target(s).await?,
+                WorktreeOp::Restore { never_created },
+            )
             .await?;
         match answer {
             WorktreeAnswer::Ensured { outcome, head } => {
@@ -130,16 +183,14 @@ impl SessionManager {
     pub(crate) async fn worktree_removal(
         &self,
         s: &Session,
+        t: &WorktreeTarget,
         asked: RemovalRequest,
     ) -> Result<Removal> {
         if asked.keep {
             return Ok(Removal::Keep);
         }
         let driver = self.driver(s.runtime)?;
-        let found = match driver
-            .worktree(&target(&s.worktree), WorktreeOp::State)
-            .await
-        {
+        let found = match driver.worktree(t, WorktreeOp::State).await {
             Ok(WorktreeAnswer::State(found)) => found,
             Ok(other) => {
                 return Err(Error::Internal(format!(
@@ -166,9 +217,14 @@ impl SessionManager {
     }
 
     /// Removes a session's worktree as decided.
-    pub(crate) async fn remove_worktree(&self, s: &Session, delete_branch: bool) -> Result<()> {
+    pub(crate) async fn remove_worktree(
+        &self,
+        s: &Session,
+        t: &WorktreeTarget,
+        delete_branch: bool,
+    ) -> Result<()> {
         self.driver(s.runtime)?
-            .worktree(&target(&s.worktree), WorktreeOp::Remove { delete_branch })
+            .worktree(t, WorktreeOp::Remove { delete_branch })
             .await?;
         Ok(())
     }
@@ -191,7 +247,10 @@ impl SessionManager {
         }
         match self
             .driver(s.runtime)?
-            .worktree(&target(&s.worktree), WorktreeOp::Commits { limit })
+            .worktree(
+                &self.worktree_target(&s).await?,
+                WorktreeOp::Commits { limit },
+            )
             .await?
         {
             WorktreeAnswer::Commits(c) => Ok(c),

@@ -556,6 +556,11 @@ pub struct RemoteSection {
     /// Hosts remote agentctl URLs may name: host names, `*.domain`,
     /// addresses and networks (`10.0.0.0/8`). Default: loopback only.
     pub allowed_hosts: Option<Vec<String>>,
+    /// The directory on remote hosts where a remote session created from a
+    /// repository gets its worktree, made by the host's agentctl (started
+    /// with `--worktree-root` holding it and the repository). Unset: remote
+    /// sessions name a directory.
+    pub worktrees_dir: Option<PathBuf>,
 }
 
 /// `[recovery]`: what a restart does with the sessions it finds.
@@ -955,6 +960,8 @@ pub struct ExecutorsConfig {
     pub remote_tls_client_identity: Option<(PathBuf, PathBuf)>,
     /// `executors.remote.allowed_hosts`.
     pub remote_allowed_hosts: crate::limits::AllowedHosts,
+    /// `executors.remote.worktrees_dir` (a path on remote hosts).
+    pub remote_worktrees_dir: Option<PathBuf>,
 }
 
 /// Validated `[executors.docker]` (present only when enabled).
@@ -1752,6 +1759,15 @@ impl FileConfig {
                 p.add(&format!("executors.remote.allowed_hosts[{i}]"), why);
                 crate::limits::AllowedHosts::default()
             });
+        // On the remote hosts: their agentctls confine it to their roots.
+        if let Some(dir) = &e.remote.worktrees_dir
+            && !normal(dir)
+        {
+            p.add(
+                "executors.remote.worktrees_dir",
+                format!("{} is not an absolute, normalised path", dir.display()),
+            );
+        }
         let executors = ExecutorsConfig {
             default_runtime,
             connect_timeout: p.positive_duration("executors.connect_timeout", &e.connect_timeout),
@@ -1783,6 +1799,7 @@ impl FileConfig {
             remote_tls_domain_name: e.remote.tls_domain_name.clone(),
             remote_tls_client_identity,
             remote_allowed_hosts,
+            remote_worktrees_dir: e.remote.worktrees_dir.clone(),
         };
 
         let r = &self.recovery;

@@ -618,6 +618,13 @@ pub(crate) fn manager_config(
                         .filter_map(|d| d.worktrees_dir.clone())
                         .map(|d| (Runtime::LocalDocker, d)),
                 )
+                .chain(
+                    config
+                        .executors
+                        .remote_worktrees_dir
+                        .iter()
+                        .map(|d| (Runtime::Remote, d.clone())),
+                )
                 .collect(),
             branch_prefix: config.executors.worktree_branch_prefix.clone(),
         },

@@ -25,6 +25,7 @@ mod lifecycle;
 mod pending;
 mod private_engine;
 mod remote;
+mod remote_worktrees;
 mod restart;
 mod resume;
 mod turn_crash;
