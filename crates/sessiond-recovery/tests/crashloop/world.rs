@@ -127,20 +127,24 @@ pub fn manager_config() -> ManagerConfig {
     }
 }
 
-/// [`manager_config`] for a world in `dir`: its standalone sessions get
-/// their worktree from the world's repository, under `<dir>/worktrees`.
+/// [`manager_config`] for a world in `dir`: its standalone and remote
+/// sessions get their worktree from the world's repository, under
+/// `<dir>/worktrees` (a remote one made by its host's agentctl).
 pub fn manager_config_in(dir: &Path) -> ManagerConfig {
     ManagerConfig {
         worktrees: sessiond_recovery::WorktreeSettings {
-            dirs: vec![(Runtime::LocalStandalone, dir.join("worktrees"))],
+            dirs: vec![
+                (Runtime::LocalStandalone, dir.join("worktrees")),
+                (Runtime::Remote, dir.join("worktrees")),
+            ],
             branch_prefix: "crash".into(),
         },
         ..manager_config()
     }
 }
 
-/// The git repository of a world in `dir` that its standalone sessions
-/// are created from.
+/// The git repository of a world in `dir` that its standalone and remote
+/// sessions are created from.
 pub fn repository(dir: &Path) -> PathBuf {
     dir.join("repo")
 }
@@ -237,9 +241,9 @@ pub async fn docker_from_env(dir: &Path) -> Option<(String, DockerExecutor)> {
 pub struct RemoteHost {
     pub spec: RemoteSpec,
     pub child: std::process::Child,
-    /// What a restart needs: the same port, workspace and journal.
+    /// What a restart needs: the same port, worktree root and journal.
     port: u16,
-    workspace: PathBuf,
+    root: PathBuf,
 }
 
 pub struct World {
@@ -323,19 +327,6 @@ impl World {
         self.docker.as_ref().map(|(h, _)| h.as_str())
     }
 
-    pub fn worktree(&self, name: &str) -> Worktree {
-        let path = self.path(&format!("wt-{name}"));
-        std::fs::create_dir_all(&path).unwrap();
-        // Docker containers run as the worktree's owner, never as root.
-        std::os::unix::fs::chown(&path, Some(1000), Some(1000)).unwrap();
-        Worktree {
-            id: name.into(),
-            path: path.display().to_string(),
-            branch: format!("sessiond/{name}"),
-            ..Default::default()
-        }
-    }
-
     pub async fn manager(&self) -> SessionManager {
         SessionManager::new(
             self.store.clone(),
@@ -346,9 +337,10 @@ impl World {
 
     /// A plan for a session named `name` on `rt`; for remote, starts its agentctl.
     pub async fn plan(&self, name: &str, rt: Rt) -> Plan {
-        let wt = self.worktree(name);
         let remote = match rt {
-            Rt::Remote => Some(self.start_remote(Path::new(&wt.path)).await),
+            // Its host's agentctl makes the session's worktree under the
+            // world's directory, where the repository is.
+            Rt::Remote => Some(self.start_remote(self.dir.path()).await),
             _ => None,
         };
         Plan {
@@ -367,7 +359,7 @@ impl World {
         v
     }
 
-    async fn start_remote(&self, workspace: &Path) -> RemoteSpec {
+    async fn start_remote(&self, root: &Path) -> RemoteSpec {
         let id = ExecutorId::new();
         let secret = sessiond_executor::fresh_secret();
         let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -380,23 +372,19 @@ impl World {
             url: format!("http://127.0.0.1:{port}"),
             secret,
         };
-        let child = self.spawn_remote(&spec, port, workspace).await;
+        let child = self.spawn_remote(&spec, port, root).await;
         self.remotes.lock().unwrap().push(RemoteHost {
             spec: spec.clone(),
             child,
             port,
-            workspace: workspace.to_owned(),
+            root: root.to_owned(),
         });
         spec
     }
 
-    /// Starts the host's agentctl for `spec` and waits for its port file.
-    async fn spawn_remote(
-        &self,
-        spec: &RemoteSpec,
-        port: u16,
-        workspace: &Path,
-    ) -> std::process::Child {
+    /// Starts the host's agentctl for `spec`, as its operator would: no
+    /// workspace, worktrees under `root`; waits for its port file.
+    async fn spawn_remote(&self, spec: &RemoteSpec, port: u16, root: &Path) -> std::process::Child {
         let id = &spec.executor_id;
         let port_file = self.path(&format!("remote-{id}.port"));
         let _ = std::fs::remove_file(&port_file);
@@ -408,8 +396,8 @@ impl World {
         let child = Command::new(bin("agentctl"))
             .args(["--executor-id", id])
             .args(["--listen", &format!("127.0.0.1:{port}")])
-            .arg("--workspace")
-            .arg(workspace)
+            .arg("--worktree-root")
+            .arg(root)
             .arg("--port-file")
             .arg(&port_file)
             .args(["--idle-timeout", "300s"])
@@ -469,7 +457,7 @@ impl World {
             let Some(r) = remotes.iter().find(|r| r.spec.executor_id == executor_id) else {
                 return false;
             };
-            (r.spec.clone(), r.port, r.workspace.clone())
+            (r.spec.clone(), r.port, r.root.clone())
         };
         let child = self.spawn_remote(&found.0, found.1, &found.2).await;
         let mut remotes = self.remotes.lock().unwrap();
@@ -1321,9 +1309,10 @@ pub fn new_session(
     dir: &Path,
     plan: &Plan,
 ) -> NewSession {
-    // Standalone sessions come from the world's repository (sessiond makes
-    // their worktree); the others work in a directory made here.
-    let worktree = if plan.runtime == Rt::Standalone {
+    // Standalone and remote sessions come from the world's repository
+    // (sessiond makes their worktree); Docker ones work in a directory
+    // made here.
+    let worktree = if plan.runtime != Rt::Docker {
         Worktree {
             id: plan.name.clone(),
             repository: repository(dir).display().to_string(),

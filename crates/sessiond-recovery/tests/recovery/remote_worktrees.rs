@@ -17,7 +17,7 @@ use sessiond_executor::process;
 use sessiond_recovery::{ManagerConfig, NewSession, SessionManager, WorktreeSettings};
 
 use crate::remote::{RemoteHost, RemoteSpot};
-use crate::support::{Db, World, bin, expected_reply, kill_tree};
+use crate::support::{Db, World, bin, expected_reply};
 
 fn git(dir: &Path, args: &[&str]) -> String {
     let out = Command::new("git")

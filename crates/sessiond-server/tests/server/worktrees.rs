@@ -348,6 +348,50 @@ fn a_worktrees_dir_outside_the_roots_is_a_configuration_error() {
     );
 }
 
+/// The Docker and remote worktrees dirs are checked too: Docker's inside
+/// the roots (it is on this host), remote's an absolute path (on the hosts,
+/// whose agentctls confine it). Each problem names its key.
+#[test]
+fn docker_and_remote_worktrees_dirs_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let config = dir.path().join("sessiond.toml");
+    std::fs::write(
+        &config,
+        "[executors.docker]\nenabled = true\nworktrees_dir = \"/var/tmp/elsewhere\"\n\
+         [executors.remote]\nworktrees_dir = \"srv/worktrees\"\n",
+    )
+    .unwrap();
+    let (ok, stderr) = run_sessiond(
+        &[
+            "serve",
+            "--config",
+            config.to_str().unwrap(),
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        &[
+            ("SESSIOND_API_TOKENS", TOKEN),
+            ("SESSIOND_WORKTREE_ROOTS", dir.path().to_str().unwrap()),
+        ],
+    );
+    assert!(!ok);
+    assert!(
+        stderr.contains(
+            "executors.docker.worktrees_dir: /var/tmp/elsewhere is outside executors.worktree_roots"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(
+            "executors.remote.worktrees_dir: srv/worktrees is not an absolute, normalised path"
+        ),
+        "{stderr}"
+    );
+}
+
 /// kill -9 of sessiond and every agentctl, then one session's worktree
 /// directory removed and another's directory and branch: after the restart
 /// the first is checked out again from its branch and its conversation
