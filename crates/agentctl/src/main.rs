@@ -153,12 +153,12 @@ struct WorktreeCli {
     /// The ref the branch starts from.
     #[arg(long, default_value = "")]
     base: String,
-    /// The session's branch.
-    #[arg(long)]
+    /// The session's branch (not for `branches`).
+    #[arg(long, default_value = "")]
     branch: String,
-    /// The worktree directory.
-    #[arg(long)]
-    path: PathBuf,
+    /// The worktree directory (not for `branches`).
+    #[arg(long, default_value = "")]
+    path: String,
     /// `restore`: the create was cut short, so a missing branch is created
     /// from the base instead of being an error.
     #[arg(long)]
@@ -179,6 +179,7 @@ enum WorktreeOp {
     State,
     Remove,
     Commits,
+    Branches,
 }
 
 async fn worktree_main() -> anyhow::Result<()> {
@@ -189,7 +190,7 @@ async fn worktree_main() -> anyhow::Result<()> {
         repository: cli.repository,
         base: cli.base,
         branch: cli.branch,
-        path: cli.path,
+        path: PathBuf::from(cli.path),
     };
     let op = match cli.op {
         WorktreeOp::Check => "check",
@@ -198,6 +199,7 @@ async fn worktree_main() -> anyhow::Result<()> {
         WorktreeOp::State => "state",
         WorktreeOp::Remove => "remove",
         WorktreeOp::Commits => "commits",
+        WorktreeOp::Branches => "branches",
     };
     let answer = worktree::run(op, &spec, cli.never_created, cli.delete_branch, cli.limit).await;
     let line = match answer {

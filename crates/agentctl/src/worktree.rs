@@ -558,6 +558,39 @@ pub async fn commits(spec: &Spec, limit: u32) -> Result<Vec<Commit>> {
         .collect())
 }
 
+/// The repository's branches, and the one its own checkout is on.
+#[derive(Debug, Clone, Serialize)]
+pub struct Branches {
+    /// Local branch names, sorted.
+    pub names: Vec<String>,
+    /// The branch HEAD names; empty when detached.
+    pub current: String,
+}
+
+/// The repository's local branches (what a new worktree can start from).
+pub async fn branches(repository: &Path) -> Result<Branches> {
+    common_dir(repository).await?;
+    let out = git_ok(
+        repository,
+        &["for-each-ref", "--format=%(refname:short)", "refs/heads/"],
+    )
+    .await?;
+    let mut names: Vec<String> = out
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(str::to_owned)
+        .collect();
+    names.sort();
+    let current = git(repository, &["symbolic-ref", "--quiet", "--short", "HEAD"])
+        .await
+        .ok()
+        .filter(|o| o.exit_code == Some(0))
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default();
+    Ok(Branches { names, current })
+}
+
 /// Runs operation `op` (`check`, `create`, ...) and answers what
 /// `agentctl worktree OP` prints under `ok`.
 pub async fn run(
@@ -576,9 +609,10 @@ pub async fn run(
             .await
             .map(|()| serde_json::json!({}))?,
         "commits" => serde_json::json!(commits(spec, limit).await?),
+        "branches" => serde_json::json!(branches(&spec.repository).await?),
         other => {
             return Err(Error::InvalidArgument(format!(
-                "op: {other:?} is not check, create, restore, state, remove or commits"
+                "op: {other:?} is not check, create, restore, state, remove, commits or branches"
             )));
         }
     })

@@ -53,6 +53,8 @@ pub enum WorktreeOp {
         /// At most this many.
         limit: u32,
     },
+    /// The repository's local branches (only `repository` is read).
+    Branches,
 }
 
 /// One commit of a session's branch.
@@ -85,6 +87,14 @@ pub enum WorktreeAnswer {
     State(WorktreeContents),
     /// Commits.
     Commits(Vec<BranchCommit>),
+    /// Branches: their names, sorted, and the one the repository's own
+    /// checkout is on (empty when detached).
+    Branches {
+        /// Local branch names.
+        names: Vec<String>,
+        /// HEAD's branch.
+        current: String,
+    },
 }
 
 pub(crate) const WORKTREE_TIMEOUT: Duration = Duration::from_secs(180);
@@ -162,6 +172,7 @@ pub fn op_name(op: WorktreeOp) -> &'static str {
         WorktreeOp::State => "state",
         WorktreeOp::Remove { .. } => "remove",
         WorktreeOp::Commits { .. } => "commits",
+        WorktreeOp::Branches => "branches",
     }
 }
 
@@ -198,6 +209,15 @@ pub fn parse_ok(ok: &serde_json::Value, op: WorktreeOp) -> Option<Result<Worktre
             unique_commits: ok.get("unique_commits")?.as_u64()?,
             merged: ok.get("merged")?.as_bool()?,
         }),
+        WorktreeOp::Branches => WorktreeAnswer::Branches {
+            names: ok
+                .get("names")?
+                .as_array()?
+                .iter()
+                .filter_map(|n| n.as_str().map(str::to_owned))
+                .collect(),
+            current: s("current"),
+        },
         WorktreeOp::Commits { .. } => WorktreeAnswer::Commits(
             ok.as_array()?
                 .iter()

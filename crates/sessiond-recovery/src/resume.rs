@@ -158,11 +158,11 @@ impl SessionManager {
                 return Err(Error::MissingResumeToken { session_id: s.id });
             }
         };
-        // A remote host's agentctl restarted serves no worktree until told
-        // (and its directory is not ours to look at): always restored.
+        // A remote host's is restored once its agentctl answers (below).
         if go
             && s.worktree.is_managed()
-            && (s.runtime == Runtime::Remote || !Path::new(&s.worktree.path).is_dir())
+            && s.runtime != Runtime::Remote
+            && !Path::new(&s.worktree.path).is_dir()
         {
             // Ours: recreated from its branch, or refused naming the branch.
             let driver = self.driver(s.runtime)?;
@@ -376,6 +376,11 @@ impl SessionManager {
                     return Err(Error::Internal("a relaunch without its intent".into()));
                 }
             };
+            // A remote host's agentctl restarted serves no worktree until
+            // it restores it (its directory is not ours to look at).
+            if record.runtime == Runtime::Remote && session.worktree.is_managed() {
+                self.restore_worktree(&driver, &session).await?;
+            }
             if let Some(handle) = handle {
                 let mut r = record.clone();
                 handle.apply_to(&mut r);

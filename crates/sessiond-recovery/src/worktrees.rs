@@ -259,4 +259,39 @@ impl SessionManager {
             ))),
         }
     }
+
+    /// The local branches of `repository` on `runtime`'s host (what a new
+    /// session's worktree can start from), and the one its checkout is on.
+    /// Remote hosts are reached through a session's agentctl, so they have
+    /// no list before a session exists.
+    pub async fn repository_branches(
+        &self,
+        runtime: Runtime,
+        repository: &str,
+    ) -> Result<(Vec<String>, String)> {
+        if runtime == Runtime::Remote {
+            return Err(Error::InvalidArgument(
+                "runtime remote: a remote host's branches are not listed before a session \
+                 exists there; type the base"
+                    .into(),
+            ));
+        }
+        let t = WorktreeTarget {
+            repository: repository.to_owned(),
+            base: String::new(),
+            branch: String::new(),
+            path: String::new(),
+            agentctl: None,
+        };
+        match self
+            .driver(runtime)?
+            .worktree(&t, WorktreeOp::Branches)
+            .await?
+        {
+            WorktreeAnswer::Branches { names, current } => Ok((names, current)),
+            other => Err(Error::Internal(format!(
+                "agentctl answered a branch list with {other:?}"
+            ))),
+        }
+    }
 }

@@ -634,6 +634,46 @@ impl pb::session_service_server::SessionService for Api {
         }))
     }
 
+    async fn list_repository_branches(
+        &self,
+        request: Request<pb::ListRepositoryBranchesRequest>,
+    ) -> Result<Response<pb::ListRepositoryBranchesResponse>, Status> {
+        let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
+        reply(
+            async {
+                let runtime = convert::runtime_from(req.runtime, "")
+                    .map_err(ApiError::InvalidArgument)?
+                    .unwrap_or(self.settings.default_runtime);
+                if !Path::new(&req.repository).is_absolute() {
+                    return Err(ApiError::invalid(format!(
+                        "repository: {:?} is not an absolute path",
+                        req.repository
+                    )));
+                }
+                if runtime != Runtime::Remote {
+                    check_worktree(&req.repository, &self.settings.worktree_roots).map_err(
+                        |e| match e {
+                            ApiError::InvalidArgument(m) => ApiError::InvalidArgument(m.replacen(
+                                "worktree.path",
+                                "repository",
+                                1,
+                            )),
+                            other => other,
+                        },
+                    )?;
+                }
+                let (branches, current) = self
+                    .manager
+                    .repository_branches(runtime, &req.repository)
+                    .await?;
+                Ok(pb::ListRepositoryBranchesResponse { branches, current })
+            }
+            .await,
+        )
+    }
+
     async fn list_replicas(
         &self,
         _request: Request<pb::ListReplicasRequest>,

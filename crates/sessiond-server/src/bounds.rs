@@ -150,6 +150,7 @@ bounded! { max_message_bytes =>
     ListAgentProfilesRequest {};
     ListRuntimesRequest {};
     ListRepositoriesRequest {};
+    ListRepositoryBranchesRequest { repository: MAX_PATH_BYTES };
     ListReplicasRequest {};
     CreateSessionRequest {
         task_id: MAX_ID_BYTES,
@@ -242,6 +243,7 @@ mod tests {
         ListAgentProfilesRequest,
         ListRuntimesRequest,
         ListRepositoriesRequest,
+        ListRepositoryBranchesRequest,
         ListReplicasRequest,
         CreateSessionRequest,
         GetSessionRequest,

@@ -533,4 +533,55 @@ async fn configured_repositories_are_listed_and_checked() {
         .unwrap()
         .into_inner();
     assert_eq!(listed.repositories, [repo.display().to_string()]);
+
+    // Its branches, offered as bases; bad repositories are refused precisely.
+    git(&repo, &["branch", "feature/x"]);
+    let branches = c
+        .list_repository_branches(pb::ListRepositoryBranchesRequest {
+            repository: repo.display().to_string(),
+            runtime: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(branches.branches, ["feature/x", "main"]);
+    assert_eq!(branches.current, "main");
+    let plain = dir.path().join("plain");
+    std::fs::create_dir_all(&plain).unwrap();
+    for (repository, runtime, code, says) in [
+        (
+            "/var/tmp/other".to_owned(),
+            0,
+            tonic::Code::InvalidArgument,
+            "repository: \"/var/tmp/other\" is outside executors.worktree_roots",
+        ),
+        (
+            "relative".to_owned(),
+            0,
+            tonic::Code::InvalidArgument,
+            "repository: \"relative\" is not an absolute path",
+        ),
+        (
+            plain.display().to_string(),
+            0,
+            tonic::Code::InvalidArgument,
+            "is not a git repository",
+        ),
+        (
+            repo.display().to_string(),
+            pb::Runtime::Remote as i32,
+            tonic::Code::InvalidArgument,
+            "a remote host's branches are not listed",
+        ),
+    ] {
+        let err = c
+            .list_repository_branches(pb::ListRepositoryBranchesRequest {
+                repository,
+                runtime,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), code, "{err:?}");
+        assert!(err.message().contains(says), "{}", err.message());
+    }
 }
