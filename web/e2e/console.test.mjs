@@ -3,6 +3,7 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { existsSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { execFileSync } from "node:child_process";
 import { join } from "node:path";
 import { Sessiond, bin, browser, scratch } from "./harness.mjs";
 
@@ -152,8 +153,12 @@ test("new-session form: an isolated worktree of a repository and base branch; th
     assert.equal(await page.locator("input[name=worktree]").count(), 0, "no absolute path to type");
     // The configured repository is offered.
     await page.waitForSelector(`datalist#repositories option[value='${work}']`, { state: "attached", timeout: T });
+    // Its branches are offered as the base, the checkout's own first.
+    execFileSync("git", ["branch", "feature/other"], { cwd: work });
     await page.fill("input[name=repository]", work);
-    assert.equal(await page.inputValue("input[name=base]"), "main");
+    await page.waitForSelector("select[name=base] option:text-is('feature/other')", { state: "attached", timeout: T });
+    assert.deepEqual(await page.locator("select[name=base] option").allTextContents(), ["feature/other", "main"]);
+    assert.equal(await page.inputValue("select[name=base]"), "main");
     await b.screenshot("new-session-repository");
     await page.click("text=Start session");
     await page.waitForURL(/#\/tasks\/[^/]+\/sessions\/[^/]+$/, { timeout: T });

@@ -586,6 +586,31 @@ function NewSession(props: { taskId: string; profiles: AgentProfile[]; repositor
       .catch(() => setConfigured([]));
   }, []);
   const offered = [...new Set([...configured, ...props.repositories])];
+  // The chosen repository's branches, offered as the base (typed when the
+  // server cannot list them: a remote host's, or no repository yet).
+  const [branches, setBranches] = useState<string[]>([]);
+  useEffect(() => {
+    const repo = repository.trim();
+    if (where !== "repository" || !repo.startsWith("/")) {
+      setBranches([]);
+      return;
+    }
+    let live = true;
+    const t = setTimeout(() => {
+      sessions
+        .listRepositoryBranches({ repository: repo, runtime })
+        .then((r) => {
+          if (!live) return;
+          setBranches(r.branches);
+          setBase((b) => (r.branches.includes(b) ? b : r.current || r.branches[0] || b));
+        })
+        .catch(() => live && setBranches([]));
+    }, 250);
+    return () => {
+      live = false;
+      clearTimeout(t);
+    };
+  }, [repository, runtime, where]);
   // Only the runtimes this server can use (Docker when configured).
   const [runtimes, setRuntimes] = useState<Runtime[] | null>(null);
   useEffect(() => {
@@ -674,7 +699,17 @@ function NewSession(props: { taskId: string; profiles: AgentProfile[]; repositor
           </label>
           <label>
             Base branch
-            <input name="base" required placeholder="main" value={base} onInput={val(setBase)} />
+            {branches.length > 0 ? (
+              <select name="base" value={base} onChange={val(setBase)}>
+                {branches.map((b) => (
+                  <option key={b} value={b}>
+                    {b}
+                  </option>
+                ))}
+              </select>
+            ) : (
+              <input name="base" required placeholder="main" value={base} onInput={val(setBase)} />
+            )}
           </label>
           <label>
             New branch (optional; default sessiond/&lt;id&gt;-&lt;task&gt;)

@@ -283,6 +283,9 @@ impl AgentCtlService for Fleet {
     async fn git_diff(&self, _req: Request<pb::GitDiffRequest>) -> Res<pb::GitDiffResponse> {
         Err(no_workspace())
     }
+    async fn worktree(&self, _req: Request<pb::WorktreeRequest>) -> Res<pb::WorktreeResponse> {
+        Err(no_workspace())
+    }
 }
 
 /// Serves the fleet on `ports` loopback listeners (port 0 each); prints one
