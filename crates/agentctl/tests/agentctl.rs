@@ -104,13 +104,24 @@ impl Harness {
     }
 
     async fn spawn_env(&self, extra: &[&str], env: &[(&str, &str)]) -> Ctl {
+        let ws = self.ws();
+        self.spawn_at(&["--workspace".as_ref(), ws.as_os_str()], extra, env)
+            .await
+    }
+
+    /// `place`: `--workspace DIR`, or `--worktree-root DIR` (a remote host's).
+    async fn spawn_at(
+        &self,
+        place: &[&std::ffi::OsStr],
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Ctl {
         let port_file = self.base.path().join("agentctl.port");
         let log = std::fs::File::create(self.base.path().join("agentctl.log")).expect("log");
         let mut child = tokio::process::Command::new(agentctl_exe())
             .arg("--executor-id")
             .arg("exec-test")
-            .arg("--workspace")
-            .arg(self.ws())
+            .args(place)
             .arg("--listen")
             .arg("127.0.0.1:0")
             .arg("--port-file")
@@ -3247,4 +3258,100 @@ async fn an_update_that_does_not_parse_is_kept_raw_and_logged_once() {
     assert_eq!(warned, 1, "logged once:\n{log}");
     assert!(!log.contains("Invalid params"), "{log}");
     h.assert_no_leftovers().await;
+}
+
+fn git_in(dir: &Path, args: &[&str]) {
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(["-c", "user.name=t", "-c", "user.email=t@example.com"])
+        .args(args)
+        .output()
+        .expect("git");
+    assert!(out.status.success(), "git {args:?}: {out:?}");
+}
+
+/// A remote host's agentctl started with `--worktree-root` and no
+/// workspace: workspace calls wait for a worktree; `Worktree` works only
+/// inside its roots (a symlink out of one included) and for one worktree;
+/// create binds it, remove unbinds it.
+#[tokio::test]
+async fn worktree_call_binds_one_worktree_inside_the_roots() {
+    let h = Harness::new();
+    let root = h.base.path().join("root");
+    let repo = root.join("repo");
+    std::fs::create_dir_all(&repo).expect("mkdir");
+    git_in(&repo, &["init", "-q", "-b", "main"]);
+    std::fs::write(repo.join("a.txt"), "a\n").expect("write");
+    git_in(&repo, &["add", "."]);
+    git_in(&repo, &["commit", "-q", "-m", "init"]);
+    std::os::unix::fs::symlink(h.outside(), root.join("out")).expect("symlink");
+    let ctl = h
+        .spawn_at(&["--worktree-root".as_ref(), root.as_os_str()], &[], &[])
+        .await;
+    let mut c = ctl.client().await;
+    let req = |op: &str, path: &Path| WorktreeRequest {
+        op: op.into(),
+        repository: repo.display().to_string(),
+        base: "main".into(),
+        branch: "s/one".into(),
+        path: path.display().to_string(),
+        ..Default::default()
+    };
+
+    let err = c.git_status(GitStatusRequest {}).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains("no workspace yet"),
+        "{}",
+        err.message()
+    );
+    for (path, says) in [
+        (
+            root.join("out/wt"),
+            "outside this agentctl's worktree roots",
+        ),
+        (
+            h.outside().join("wt"),
+            "outside this agentctl's worktree roots",
+        ),
+        (root.clone(), "outside this agentctl's worktree roots"),
+        (root.join("a/../wt"), "is not an absolute, normalised path"),
+    ] {
+        let err = c.worktree(req("create", &path)).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{path:?}: {err:?}");
+        assert!(err.message().contains(says), "{}", err.message());
+    }
+    assert_eq!(std::fs::read_dir(h.outside()).expect("ls").count(), 1);
+
+    let wt = root.join("wt/one");
+    std::fs::create_dir_all(root.join("wt")).expect("mkdir");
+    let made = c
+        .worktree(req("create", &wt))
+        .await
+        .expect("create")
+        .into_inner();
+    let v: serde_json::Value = serde_json::from_str(&made.json).expect("json");
+    assert_eq!(v["outcome"], "created", "{v}");
+    let st = c
+        .git_status(GitStatusRequest {})
+        .await
+        .expect("status")
+        .into_inner();
+    assert_eq!(st.branch, "s/one");
+    let err = c
+        .worktree(req("create", &root.join("wt/two")))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains("serves the worktree"),
+        "{}",
+        err.message()
+    );
+
+    c.worktree(req("remove", &wt)).await.expect("remove");
+    assert!(!wt.exists());
+    let err = c.git_status(GitStatusRequest {}).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
 }
