@@ -132,6 +132,7 @@ async fn create(w: &World, mgr: &SessionManager, profile: &AgentProfile, repo: &
             worktree: from_repo(repo),
             remote: None,
             metadata: BTreeMap::new(),
+            mcp_servers: Vec::new(),
         })
         .await
         .unwrap();

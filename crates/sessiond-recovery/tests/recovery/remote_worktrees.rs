@@ -106,6 +106,7 @@ async fn create(
             },
             remote: Some(spot.agentctl()),
             metadata: BTreeMap::new(),
+            mcp_servers: Vec::new(),
         })
         .await?;
     assert_eq!(
