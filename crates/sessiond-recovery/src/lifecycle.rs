@@ -492,6 +492,26 @@ impl SessionManager {
         text: &str,
         attachments: Vec<crate::Attachment>,
     ) -> Result<Message> {
+        match self
+            .send(task, session_id, text, attachments, false)
+            .await?
+        {
+            crate::Sent::Started(m) => Ok(m),
+            crate::Sent::Queued(_) => Err(Error::Internal("queued without being asked to".into())),
+        }
+    }
+
+    /// The one path of SendMessage: `queue` puts the message behind a
+    /// running turn (or behind messages already waiting) instead of
+    /// refusing it. A message with attachments is never queued.
+    pub(crate) async fn send(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        text: &str,
+        attachments: Vec<crate::Attachment>,
+        queue: bool,
+    ) -> Result<crate::Sent> {
         if text.trim().is_empty() && attachments.is_empty() {
             return Err(Error::InvalidArgument("the message is empty".into()));
         }
@@ -507,6 +527,12 @@ impl SessionManager {
         let locked = t.elapsed();
         let sent = async {
             let session = self.inner.store.get_session(session_id).await?;
+            if queue
+                && attachments.is_empty()
+                && crate::message_queue::waits_behind_a_turn(&session)
+            {
+                return self.enqueue(session, text).await.map(crate::Sent::Queued);
+            }
             self.check_can_start_turn(&session, "send a message")
                 .await?;
             if crate::message_queue::queued_ahead(&session) {
@@ -518,7 +544,9 @@ impl SessionManager {
                            or cancel them",
                 });
             }
-            self.start_turn_as(session, text, None, attachments).await
+            self.start_turn_as(session, text, None, attachments)
+                .await
+                .map(crate::Sent::Started)
         }
         .await;
         // Where a slow call spent its time (availability while recovering).

@@ -52,29 +52,7 @@ impl SessionManager {
         session_id: SessionId,
         text: &str,
     ) -> Result<Sent> {
-        if text.trim().is_empty() {
-            return Err(Error::InvalidArgument("the message is empty".into()));
-        }
-        let early = self.precede_pass(session_id);
-        self.check_task(task, session_id).await?;
-        let _ahead = self.recover_ahead(session_id).await?;
-        drop(early);
-        let guard = self.lock_session(session_id).await;
-        let sent = async {
-            let session = self.inner.store.get_session(session_id).await?;
-            if waits_behind_a_turn(&session) {
-                return self.enqueue(session, text).await.map(Sent::Queued);
-            }
-            self.check_can_start_turn(&session, "send a message")
-                .await?;
-            self.start_turn(session, text).await.map(Sent::Started)
-        }
-        .await;
-        drop(guard);
-        match sent {
-            Err(e) => Err(self.unless_lost(session_id, e).await),
-            ok => ok,
-        }
+        self.send(task, session_id, text, Vec::new(), true).await
     }
 
     /// Takes queued message `id` off `session_id`'s queue.
@@ -124,7 +102,7 @@ impl SessionManager {
     }
 
     /// Appends `text` to the session's queue. The caller holds the lock.
-    async fn enqueue(&self, session: Session, text: &str) -> Result<QueuedMessage> {
+    pub(crate) async fn enqueue(&self, session: Session, text: &str) -> Result<QueuedMessage> {
         let session_id = session.id;
         let waiting = queue::queued(&session.metadata);
         if waiting.len() >= MAX_QUEUED {
@@ -251,7 +229,7 @@ impl SessionManager {
 
 /// The session has a turn running, or messages waiting ahead: a new
 /// message goes to the back of the queue.
-fn waits_behind_a_turn(session: &Session) -> bool {
+pub(crate) fn waits_behind_a_turn(session: &Session) -> bool {
     match session.state {
         SessionState::Running => true,
         SessionState::WaitingForInput => !queue::is_empty(&session.metadata),
