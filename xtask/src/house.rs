@@ -3,7 +3,7 @@
 //! - **Layering.** Each crate may depend (outside its tests) only on the
 //!   workspace crates below it: domain at the bottom (no IO, no async
 //!   runtime, no serialization or database derives), store and executor on
-//!   it, the engine (`sessiond-recovery`) on those, the server on the
+//!   it, the engine (`sessiond-engine`) on those, the server on the
 //!   engine; the CLI and agentctl speak only the wire contracts; test
 //!   support never ships in a production crate.
 //! - **Self-contained docs.** What the code and docs cite is in the
@@ -38,7 +38,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("sessiond-store", &["sessiond-domain"]),
     ("sessiond-executor", &["sessiond-domain", "sessiond-proto"]),
     (
-        "sessiond-recovery",
+        "sessiond-engine",
         &[
             "sessiond-domain",
             "sessiond-proto",
@@ -53,7 +53,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "sessiond-proto",
             "sessiond-store",
             "sessiond-executor",
-            "sessiond-recovery",
+            "sessiond-engine",
             "sessiond-telemetry",
         ],
     ),
@@ -67,7 +67,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "sessiond-proto",
             "sessiond-store",
             "sessiond-executor",
-            "sessiond-recovery",
+            "sessiond-engine",
             "sessiond-testkit",
         ],
     ),
@@ -280,8 +280,8 @@ mod tests {
     fn a_crate_using_a_layer_above_it_is_reported_and_tests_are_free() {
         let meta = serde_json::json!({"packages": [
             package("sessiond-domain", &[("tokio", None)]),
-            package("sessiond-store", &[("sessiond-domain", None), ("sessiond-recovery", None), ("sessiond-testkit", Some("dev"))]),
-            package("sessiond-recovery", &[("sessiond-store", None)]),
+            package("sessiond-store", &[("sessiond-domain", None), ("sessiond-engine", None), ("sessiond-testkit", Some("dev"))]),
+            package("sessiond-engine", &[("sessiond-store", None)]),
             package("sessiond-testkit", &[]),
             package("newcomer", &[]),
         ]});
@@ -292,7 +292,7 @@ mod tests {
             "{problems:#?}"
         );
         assert!(
-            problems[1].contains("crate sessiond-store depends on sessiond-recovery"),
+            problems[1].contains("crate sessiond-store depends on sessiond-engine"),
             "{problems:#?}"
         );
         assert!(

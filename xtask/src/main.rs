@@ -4,7 +4,7 @@
 //!   throwaway PostgreSQL this command starts itself unless `DATABASE_URL` is
 //!   set). This is the README's test command and what `.ci/run` calls.
 //!   Then the crash tests (failpoints, a 45 s SIGKILL crash loop, and a 30 s
-//!   one with heavy agents), which only a build with sessiond-recovery's
+//!   one with heavy agents), which only a build with sessiond-engine's
 //!   `failpoints` feature contains.
 //!   The Docker tests (`#[ignore]`d, so a plain test run never counts them as
 //!   passed) run explicitly, against a dockerd it starts unless one runs
@@ -197,7 +197,7 @@ fn test_suites(tally: &mut Tally, docker_host: &str, database_url: &str) -> anyh
         .env("DOCKER_HOST", docker_host);
     tally.run("test", test)?;
     // The crash tests live in a test binary that exists only with
-    // sessiond-recovery's `failpoints` feature, which no build above enables.
+    // sessiond-engine's `failpoints` feature, which no build above enables.
     step("crash tests clippy", crash_tests("clippy"))?;
     let mut crash = crash_tests("test");
     crash
@@ -227,7 +227,7 @@ fn test_suites(tally: &mut Tally, docker_host: &str, database_url: &str) -> anyh
 const EXAMPLES: &[(&str, &str)] = &[
     ("sessiond-server", "embed_tonic"),
     ("sessiond-server", "custom_executor"),
-    ("sessiond-recovery", "drive_sessions"),
+    ("sessiond-engine", "drive_sessions"),
 ];
 
 fn examples() -> anyhow::Result<()> {
@@ -250,7 +250,7 @@ const LIBRARY_CRATES: &[&str] = &[
     "sessiond-proto",
     "sessiond-store",
     "sessiond-executor",
-    "sessiond-recovery",
+    "sessiond-engine",
     "sessiond-telemetry",
     "sessiond-server",
 ];
@@ -573,14 +573,14 @@ impl Counts {
     }
 }
 
-/// `cargo <sub>` of sessiond-recovery's `crashloop` test binary with the
+/// `cargo <sub>` of sessiond-engine's `crashloop` test binary with the
 /// `failpoints` feature: a crash at each failpoint, and the SIGKILL crash loop
 /// (`SESSIOND_CRASHLOOP_SECS` long; a short smoke run when unset).
 fn crash_tests(sub: &str) -> Command {
     let mut cmd = cargo(&[
         sub,
         "-p",
-        "sessiond-recovery",
+        "sessiond-engine",
         "--features",
         "failpoints",
         "--locked",
@@ -673,7 +673,7 @@ fn docker_tests() -> anyhow::Result<()> {
     let mut test = cargo(&[
         "test",
         "-p",
-        "sessiond-recovery",
+        "sessiond-engine",
         "--locked",
         "--test",
         "recovery",
@@ -870,10 +870,10 @@ mod tests {
     fn names_failed_tests_once() {
         let mut c = Counts::default();
         for l in [
-            "        FAIL [   1.716s] (1/6) sessiond-recovery::recovery turn_crash::a",
-            "        PASS [   0.822s] (2/6) sessiond-recovery::recovery turn_crash::b",
+            "        FAIL [   1.716s] (1/6) sessiond-engine::recovery turn_crash::a",
+            "        PASS [   0.822s] (2/6) sessiond-engine::recovery turn_crash::b",
             "     TIMEOUT [  60.001s] sessiond-server::server security::c",
-            "        FAIL [   1.716s] sessiond-recovery::recovery turn_crash::a",
+            "        FAIL [   1.716s] sessiond-engine::recovery turn_crash::a",
             "test turn_crash::a ... FAILED",
             "test crash::d ... FAILED",
             "test crash::e ... ok",
@@ -883,7 +883,7 @@ mod tests {
         assert_eq!(
             c.failed_tests,
             [
-                "sessiond-recovery::recovery turn_crash::a",
+                "sessiond-engine::recovery turn_crash::a",
                 "sessiond-server::server security::c",
                 "crash::d"
             ]

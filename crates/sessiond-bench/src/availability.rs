@@ -182,7 +182,7 @@ pub async fn measure(
     .arg("--data-dir")
     .arg(&data)
     // SESSIOND_BENCH_SERVE_LOG: another filter for the serve's log (e.g.
-    // `info,sessiond_recovery=debug,sessiond_store=debug` to see what a
+    // `info,sessiond_engine=debug,sessiond_store=debug` to see what a
     // slow call waited on), the log kept as availability-sessiond.log in
     // the current directory.
     .env(

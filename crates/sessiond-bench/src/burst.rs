@@ -30,12 +30,12 @@ use sessiond_domain::{
     AgentProfile, AgentProfileId, OutcomeLabel, PermissionPolicy, Runtime, SessionId, SessionState,
     Task, TaskId, TaskState, Worktree,
 };
+use sessiond_engine::{ManagerConfig, NewSession, SessionManager};
 use sessiond_executor::{
     ExecutorHandle,
     process::{self, OwnedProcess},
 };
 use sessiond_proto::agentctl::v1 as pb;
-use sessiond_recovery::{ManagerConfig, NewSession, SessionManager};
 use sessiond_store::Store;
 
 use crate::{
@@ -311,7 +311,7 @@ async fn pass(
     bin_dir: &Path,
     w: &World,
     reaper: &Reaper,
-) -> anyhow::Result<(sessiond_recovery::RecoverySummary, (Duration, usize))> {
+) -> anyhow::Result<(sessiond_engine::RecoverySummary, (Duration, usize))> {
     let store = open(&w.url).await?;
     let manager = SessionManager::new(store, drivers(bin_dir, &w.dir), pass_config());
     let started = Instant::now();

@@ -10,7 +10,7 @@ use std::{
 
 use futures::StreamExt;
 use sessiond_domain::{EventPayload, SessionState};
-use sessiond_recovery::SessionManager;
+use sessiond_engine::SessionManager;
 use sessiond_store::Changeset;
 
 use crate::{load::quantile, seed::Seeded};

@@ -56,7 +56,7 @@ use std::{
 
 use anyhow::Context;
 use sessiond_domain::OutcomeLabel;
-use sessiond_recovery::SessionManager;
+use sessiond_engine::SessionManager;
 
 use crate::{recovery::RecoveryRow, report::Report};
 

@@ -8,11 +8,11 @@ use std::{
 use chrono::Utc;
 use futures::StreamExt;
 use sessiond_domain::OutcomeLabel;
+use sessiond_engine::{ManagerConfig, SessionManager};
 use sessiond_executor::{
     AgentctlClient, Backoff, ClientConfig, Executor,
     remote::{RemoteConfig, RemoteExecutor},
 };
-use sessiond_recovery::{ManagerConfig, SessionManager};
 use sessiond_store::{Changeset, Store, StoreOptions};
 
 /// One recovery figure and its baseline.

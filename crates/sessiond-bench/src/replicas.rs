@@ -31,7 +31,7 @@ use anyhow::Context;
 use chrono::Utc;
 use futures::StreamExt;
 use sessiond_domain::{EventPayload, SessionState};
-use sessiond_recovery::SessionManager;
+use sessiond_engine::SessionManager;
 use sessiond_store::{Changeset, ReplicaInfo};
 
 use crate::{

@@ -7,11 +7,11 @@ use futures::{StreamExt, TryStreamExt};
 use sessiond_domain::{
     AgentProfile, AgentProfileId, Runtime, SessionId, Task, TaskId, TaskState, Worktree,
 };
+use sessiond_engine::{NewSession, SessionManager};
 use sessiond_executor::{
     Executor,
     standalone::{StandaloneConfig, StandaloneExecutor},
 };
-use sessiond_recovery::{NewSession, SessionManager};
 use sessiond_store::Store;
 
 use crate::recovery::{client_config, manager_config, remote_driver};

@@ -18,9 +18,9 @@ use sessiond_domain::{
     AgentProfile, AgentProfileId, EventPayload, MessageRole, Runtime, SessionId, SessionState,
     Task, TaskId, TaskState, Worktree,
 };
+use sessiond_engine::{NewSession, SessionManager};
 use sessiond_executor::ExecutorHandle;
 use sessiond_proto::agentctl::v1::{self as pb, agent_update::Kind};
-use sessiond_recovery::{NewSession, SessionManager};
 use sessiond_store::Store;
 
 use crate::{load::quantile, recovery::manager_config, standalone::drivers};

@@ -309,7 +309,7 @@ pub enum Probe {
 /// [`Runtime`]. Every method is bounded in time by the driver's configuration.
 ///
 /// Third parties implement it for their own way of running agentctl and
-/// hand it to `sessiond_recovery::SessionManager::new` (or the server's
+/// hand it to `sessiond_engine::SessionManager::new` (or the server's
 /// builder) as the driver of one [`Runtime`]: a runtime of their own name
 /// ([`Runtime::Custom`]), or a built-in one whose driver it replaces. The
 /// recovery step machine drives it the same way as the built-in drivers,

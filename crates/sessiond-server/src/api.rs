@@ -16,9 +16,9 @@ use sessiond_domain::{
     AgentProfileId, ExecutorId, ExecutorRecord, ExecutorStatus, MessageId, Runtime, Session,
     SessionId, Task, TaskId, TaskState, Worktree,
 };
+use sessiond_engine::{EndReason, NewSession, RemoteAgentctl, Sent, SessionManager};
 use sessiond_executor::{AgentctlClient, ClientConfig};
 use sessiond_proto::{agentctl::v1 as apb, sessiond::v1 as pb};
-use sessiond_recovery::{EndReason, NewSession, RemoteAgentctl, Sent, SessionManager};
 use sessiond_store::Store;
 use tonic::{Request, Response, Status};
 
@@ -292,7 +292,7 @@ impl Api {
     /// `permit` holds the stream's watch slot until the stream is dropped.
     fn stream(
         &self,
-        events: sessiond_recovery::EventStream,
+        events: sessiond_engine::EventStream,
         permit: crate::limits::WatchPermit,
     ) -> EventStream {
         let mut stop = self.stop.clone();
@@ -338,13 +338,13 @@ impl Api {
         }
         match self.manager.ensure_recovered(session).await {
             Ok(()) => Ok(None),
-            Err(sessiond_recovery::Error::NotOwner {
+            Err(sessiond_engine::Error::NotOwner {
                 session_id,
                 owner,
                 address,
                 ttl_secs,
             }) => {
-                let error = sessiond_recovery::Error::NotOwner {
+                let error = sessiond_engine::Error::NotOwner {
                     session_id,
                     owner: owner.clone(),
                     address: address.clone(),
@@ -380,7 +380,7 @@ impl Api {
             Failure::Untrusted(s) => {
                 tracing::warn!(session = %owner.session, owner = %owner.replica, address = %owner.address, error = %forward::error_chain(&s), "the owner's TLS certificate is not trusted (replica.peer_tls_ca_file); call not forwarded");
                 Err(ApiError::NotOwner {
-                    error: sessiond_recovery::Error::NotOwner {
+                    error: sessiond_engine::Error::NotOwner {
                         session_id: owner.session,
                         owner: owner.replica.clone(),
                         address: owner.address.clone(),
@@ -1619,7 +1619,7 @@ impl pb::workspace_service_server::WorkspaceService for Api {
                     let (task, session) = ids(&r.task_id, &r.session_id)?;
                     let s = self.session_of(task, session).await?;
                     if s.worktree.base.is_empty() {
-                        return Err(ApiError::Recovery(sessiond_recovery::Error::InvalidState {
+                        return Err(ApiError::Recovery(sessiond_engine::Error::InvalidState {
                             session_id: session,
                             state: s.state,
                             action: "diff against its base",

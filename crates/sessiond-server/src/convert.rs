@@ -180,11 +180,11 @@ pub fn message(m: &Message) -> pb::Message {
         part: parts::part(m.kind, &m.data),
         part_rev: parts::rev(&m.data),
         usage: (m.role == sessiond_domain::MessageRole::User)
-            .then(|| sessiond_recovery::usage::of_message_data(&m.data))
+            .then(|| sessiond_engine::usage::of_message_data(&m.data))
             .flatten()
             .map(|u| turn_usage(&u)),
         attachments: if m.role == sessiond_domain::MessageRole::User {
-            sessiond_recovery::attachments::of_message_data(&m.data)
+            sessiond_engine::attachments::of_message_data(&m.data)
                 .iter()
                 .map(attachment)
                 .collect()
@@ -194,9 +194,9 @@ pub fn message(m: &Message) -> pb::Message {
     }
 }
 
-pub fn attachment(a: &sessiond_recovery::Attachment) -> pb::Attachment {
+pub fn attachment(a: &sessiond_engine::Attachment) -> pb::Attachment {
     use pb::attachment::Kind;
-    use sessiond_recovery::Attachment as A;
+    use sessiond_engine::Attachment as A;
     pb::Attachment {
         kind: Some(match a {
             A::Image {
@@ -224,11 +224,9 @@ pub fn attachment(a: &sessiond_recovery::Attachment) -> pb::Attachment {
 
 /// The API's attachments as the engine takes them; INVALID_ARGUMENT for an
 /// empty one.
-pub fn attachments_in(
-    list: &[pb::Attachment],
-) -> Result<Vec<sessiond_recovery::Attachment>, String> {
+pub fn attachments_in(list: &[pb::Attachment]) -> Result<Vec<sessiond_engine::Attachment>, String> {
     use pb::attachment::Kind;
-    use sessiond_recovery::Attachment as A;
+    use sessiond_engine::Attachment as A;
     list.iter()
         .enumerate()
         .map(|(i, a)| match &a.kind {

@@ -11,11 +11,11 @@ use std::{
 
 use anyhow::Context;
 use chrono::Utc;
+use sessiond_engine::{PassGate, SessionManager};
 use sessiond_executor::{Backoff, ClientConfig, Executor};
 use sessiond_proto::sessiond::v1::{
     session_service_server::SessionServiceServer, workspace_service_server::WorkspaceServiceServer,
 };
-use sessiond_recovery::{PassGate, SessionManager};
 use sessiond_store::Store;
 use tonic::{body::Body, server::NamedService};
 use tonic_health::{
@@ -271,7 +271,7 @@ impl SessiondBuilder {
                     serve::forward_policy(&config),
                     MAX_WORKSPACE_MESSAGE.max(
                         config.max_message_bytes
-                            + sessiond_recovery::attachments::MAX_ATTACHMENT_BYTES
+                            + sessiond_engine::attachments::MAX_ATTACHMENT_BYTES
                             + 64 * 1024,
                     ),
                 )
@@ -284,7 +284,7 @@ impl SessiondBuilder {
         // not RESOURCE_EXHAUSTED.
         let session = SessionServiceServer::new(api.clone()).max_decoding_message_size(
             (config.max_message_bytes
-                + sessiond_recovery::attachments::MAX_ATTACHMENT_BYTES
+                + sessiond_engine::attachments::MAX_ATTACHMENT_BYTES
                 + 64 * 1024)
                 .max(4 * 1024 * 1024),
         );

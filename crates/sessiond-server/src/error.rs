@@ -49,7 +49,7 @@ pub const DATABASE_RETRY_AFTER: std::time::Duration = std::time::Duration::from_
 fn database_unavailable(e: &ApiError) -> Option<&sessiond_store::Error> {
     let store = match e {
         ApiError::Store(x) => x,
-        ApiError::Recovery(sessiond_recovery::Error::Store(x)) => &**x,
+        ApiError::Recovery(sessiond_engine::Error::Store(x)) => &**x,
         _ => return None,
     };
     store.is_unavailable().then_some(store)
@@ -81,7 +81,7 @@ pub enum ApiError {
         status: Option<ExecutorStatus>,
         detail: Option<String>,
     },
-    Recovery(sessiond_recovery::Error),
+    Recovery(sessiond_engine::Error),
     Store(sessiond_store::Error),
     Executor(sessiond_executor::Error),
     /// agentctl answered a proxied workspace call with this status.
@@ -89,7 +89,7 @@ pub enum ApiError {
     /// Another replica owns the session and this one does not forward the
     /// call (hop guard, or forwarding off); `note` says why.
     NotOwner {
-        error: sessiond_recovery::Error,
+        error: sessiond_engine::Error,
         retry_after: std::time::Duration,
         note: Option<String>,
     },
@@ -137,8 +137,8 @@ impl From<IdParseError> for ApiError {
     }
 }
 
-impl From<sessiond_recovery::Error> for ApiError {
-    fn from(e: sessiond_recovery::Error) -> Self {
+impl From<sessiond_engine::Error> for ApiError {
+    fn from(e: sessiond_engine::Error) -> Self {
         ApiError::Recovery(e)
     }
 }
@@ -192,8 +192,8 @@ fn executor_code(e: &sessiond_executor::Error) -> (Code, &'static str) {
     }
 }
 
-fn recovery_code(e: &sessiond_recovery::Error) -> (Code, &'static str) {
-    use sessiond_recovery::{Error as E, ErrorKind as K};
+fn recovery_code(e: &sessiond_engine::Error) -> (Code, &'static str) {
+    use sessiond_engine::{Error as E, ErrorKind as K};
     let reason = match e {
         E::NotFound { .. } => "not_found",
         E::WrongTask { .. } => "not_found",
@@ -315,7 +315,7 @@ impl From<ApiError> for Status {
             ApiError::Recovery(x) => {
                 let (c, r) = recovery_code(x);
                 let m = match x {
-                    sessiond_recovery::Error::WrongTask {
+                    sessiond_engine::Error::WrongTask {
                         session_id,
                         requested,
                         ..
@@ -375,11 +375,11 @@ impl From<ApiError> for Status {
         // Where to send the call instead (a client or balancer may retry
         // there), and when a retry may find the session served.
         let moving = match &e {
-            ApiError::Recovery(sessiond_recovery::Error::NotOwner { owner, address, .. }) => {
+            ApiError::Recovery(sessiond_engine::Error::NotOwner { owner, address, .. }) => {
                 Some((owner, address, crate::forward::RETRY_SOON))
             }
             ApiError::NotOwner {
-                error: sessiond_recovery::Error::NotOwner { owner, address, .. },
+                error: sessiond_engine::Error::NotOwner { owner, address, .. },
                 retry_after,
                 ..
             }
@@ -452,7 +452,7 @@ mod tests {
         for e in [
             ApiError::Store(lost()),
             ApiError::Store(refused),
-            ApiError::Recovery(sessiond_recovery::Error::Store(std::sync::Arc::new(lost()))),
+            ApiError::Recovery(sessiond_engine::Error::Store(std::sync::Arc::new(lost()))),
         ] {
             let s = Status::from(e);
             assert_eq!(s.code(), Code::Unavailable, "{s:?}");
@@ -472,7 +472,7 @@ mod tests {
     fn mapping_table() {
         let sid = SessionId::new();
         let tid = TaskId::new();
-        use sessiond_recovery::Error as R;
+        use sessiond_engine::Error as R;
         assert_eq!(
             code(SessionId::parse("x").unwrap_err().into()).0,
             Code::InvalidArgument

@@ -319,7 +319,7 @@ impl Peers {
         replica: String,
         address: String,
         origin: &Origin,
-        not_owner: sessiond_recovery::Error,
+        not_owner: sessiond_engine::Error,
     ) -> Result<Owner, ApiError> {
         if let Some(from) = origin.forwarded_by() {
             tracing::info!(%session, %from, owner = %replica, "forwarded call for a session this replica does not own; not forwarded again");
@@ -482,7 +482,7 @@ mod tests {
         let origin = Origin::of(&incoming);
         assert_eq!(origin.forwarded_by(), None);
         let peers = Peers::new("replica-b".into(), Policy::Forward, 1 << 20);
-        let not_owner = || sessiond_recovery::Error::NotOwner {
+        let not_owner = || sessiond_engine::Error::NotOwner {
             session_id: SessionId::new(),
             owner: "replica-a".into(),
             address: "127.0.0.1:1".into(),

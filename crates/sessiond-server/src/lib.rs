@@ -12,10 +12,10 @@
 //!   uses (TOML + `SESSIOND_*` + flags).
 //!
 //! To drive sessions from Rust without gRPC, [`Sessiond::manager`] (or
-//! `sessiond-recovery` alone) is the session manager the services call.
+//! `sessiond-engine` alone) is the session manager the services call.
 //!
 //! Which crate for what: this one for the services and `serve`;
-//! `sessiond-recovery` (`SessionManager`) to drive sessions without gRPC;
+//! `sessiond-engine` (`SessionManager`) to drive sessions without gRPC;
 //! `sessiond-executor` (the `Executor` trait) for a runtime of your own,
 //! registered with [`SessiondBuilder::executor`]; `sessiond-store` for the
 //! database; `sessiond-domain` for ids, entities, states and events;

@@ -108,7 +108,7 @@ fn init_telemetry(config: &Config) -> anyhow::Result<sessiond_telemetry::Telemet
 /// recovery pass waits while that file exists before it takes up each
 /// executor (calls on sessions still recover theirs), so a test can look at
 /// the API in the middle of a pass without guessing a time.
-fn test_recovery_gate() -> Option<sessiond_recovery::PassGate> {
+fn test_recovery_gate() -> Option<sessiond_engine::PassGate> {
     let path = std::env::var_os("SESSIOND_TEST_RECOVERY_GATE").filter(|p| !p.is_empty())?;
     let path = std::path::PathBuf::from(path);
     tracing::warn!(gate = %path.display(), "SESSIOND_TEST_RECOVERY_GATE: the recovery pass waits while this file exists");
@@ -125,7 +125,7 @@ fn test_recovery_gate() -> Option<sessiond_recovery::PassGate> {
 /// Test hook: with `SESSIOND_TEST_HEARTBEAT_GATE=<file>`, each replica
 /// heartbeat waits while that file exists (a fencing test holds a resumed
 /// replica before its first heartbeat, without guessing a time).
-fn test_file_gate(var: &str) -> Option<sessiond_recovery::PassGate> {
+fn test_file_gate(var: &str) -> Option<sessiond_engine::PassGate> {
     let path = std::env::var_os(var).filter(|p| !p.is_empty())?;
     let path = std::path::PathBuf::from(path);
     tracing::warn!(gate = %path.display(), "{var}: waits while this file exists");

@@ -6,7 +6,7 @@
 //! set is a closed struct, never a session id), an OpenMetrics text encoder
 //! that Prometheus and `promtool` parse, and no global registry: the one
 //! registry is built here and families from other crates
-//! (`sessiond_recovery::ManagerMetrics`) register into it. The `prometheus`
+//! (`sessiond_engine::ManagerMetrics`) register into it. The `prometheus`
 //! crate was the alternative; it keeps a process-global default registry and
 //! a protobuf dependency we do not need.
 //!

@@ -12,13 +12,13 @@ use anyhow::Context;
 use chrono::Utc;
 use http::{HeaderName, HeaderValue};
 use sessiond_domain::{AgentProfile, AgentProfileId, Runtime};
+use sessiond_engine::ManagerConfig;
 use sessiond_executor::{
     Backoff, ClientConfig, Executor, TlsConfig,
     docker::{DockerExecutor, ResourceLimits},
     remote::{RemoteConfig, RemoteExecutor},
     standalone::{StandaloneConfig, StandaloneExecutor},
 };
-use sessiond_recovery::ManagerConfig;
 use sessiond_store::{Store, StoreOptions};
 use tokio::net::TcpListener;
 use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
@@ -575,7 +575,7 @@ pub(crate) fn manager_config(
 ) -> ManagerConfig {
     let r = &config.recovery;
     ManagerConfig {
-        replica: sessiond_recovery::ReplicaSettings {
+        replica: sessiond_engine::ReplicaSettings {
             id: replica_id,
             lease_ttl: config.replica.lease_ttl,
             // SQLite is locked to this process (`replica::lock_instance`).
@@ -590,7 +590,7 @@ pub(crate) fn manager_config(
             initial: r.retry_backoff_initial,
             max: r.retry_backoff_max,
         },
-        launches: sessiond_recovery::LaunchLimits {
+        launches: sessiond_engine::LaunchLimits {
             initial: r.launch_concurrency,
             max: r.launch_concurrency_max,
         },
@@ -604,7 +604,7 @@ pub(crate) fn manager_config(
         liveness_interval: Some(liveness_interval(config.executors.idle_timeout)),
         max_live_sessions: Some(config.limits.max_live_sessions),
         mcp_secrets: config.mcp_secrets.clone(),
-        worktrees: sessiond_recovery::WorktreeSettings {
+        worktrees: sessiond_engine::WorktreeSettings {
             dirs: config
                 .executors
                 .worktrees_dir

@@ -23,7 +23,7 @@ use std::{sync::Arc, time::Duration};
 use sessiond_domain::{
     MessageKind, MessageRole, Runtime, SessionState, Task, TaskId, TaskState, Worktree,
 };
-use sessiond_recovery::NewSession;
+use sessiond_engine::NewSession;
 use sessiond_server::{Sessiond, config::FileConfig};
 use wrapper::{WrapperConfig, WrapperExecutor};
 

@@ -7,7 +7,7 @@
 //! remove, client. It serves a runtime of its own name
 //! ([`WrapperConfig::runtime`], e.g. `wrapper`), which clients pick with
 //! `CreateSession.runtime_name`. The recovery step machine of
-//! `sessiond-recovery` drives it exactly as it drives the built-in drivers:
+//! `sessiond-engine` drives it exactly as it drives the built-in drivers:
 //! it persists the intent (`starting`, generation + 1) before calling
 //! [`Executor::launch`], and after a backend restart calls
 //! [`Executor::probe`] and then reattaches, or launches anew when the probe

@@ -1,0 +1,1084 @@
+//! [`SessionManager`]: the state every flow shares, and the small helpers
+//! they are built from (per-session locks, single-flight operations, the
+//! executors cache, commit-then-publish).
+
+use std::{
+    collections::{HashMap, HashSet, hash_map::Entry},
+    fmt,
+    sync::{
+        Arc, Mutex as StdMutex, MutexGuard,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use futures::{
+    FutureExt,
+    future::{BoxFuture, Shared},
+};
+use sessiond_domain::{
+    AgentProcessState, EventPayload, ExecutionView, ExecutorEvent, ExecutorRecord, OutcomeLabel,
+    Runtime, Session, SessionEvent, SessionId, SessionStatus, TaskId,
+};
+use sessiond_executor::{AgentctlClient, Executor, ExecutorHandle};
+use sessiond_store::{Changeset, Committed, Store};
+use tokio::{sync::OwnedMutexGuard, task::AbortHandle};
+
+use crate::{
+    config::ManagerConfig,
+    error::{Error, Result},
+    events::{self, EventBus, EventStream},
+};
+
+/// What the in-memory executors cache knows of one session's execution.
+#[derive(Debug, Clone)]
+pub struct Execution {
+    /// The executor record as last written by this manager.
+    pub record: ExecutorRecord,
+    /// The agent process as last seen (Health, the update stream, or our own calls).
+    pub agent: AgentProcessState,
+    /// The capability probe's answer, once the agent answered `initialize`.
+    pub probe: Option<bool>,
+}
+
+impl Execution {
+    /// What [`sessiond_domain::session_status`] needs of it; the probe's
+    /// answer, when known, stands for the record's resume flag.
+    pub fn view(&self) -> ExecutionView {
+        ExecutionView {
+            session_id: self.record.session_id,
+            execution_id: self.record.execution_id(),
+            executor_status: self.record.status,
+            agent: self.agent,
+            supports_session_resume: self.probe.or(Some(self.record.supports_session_resume)),
+            retrying: sessiond_domain::retrying_message(&self.record),
+        }
+    }
+}
+
+/// What `GetSessionStatus` reads of one session, kept in memory.
+#[derive(Debug, Clone)]
+struct StatusEntry {
+    /// The session row as last committed (or loaded).
+    session: Arc<Session>,
+    /// The agent profile's `supports_session_resume` (profiles are written
+    /// at startup, before the manager serves).
+    profile_claim: bool,
+    /// The executor record as loaded or last committed; the executors cache
+    /// wins over it when it knows the session.
+    record: Option<ExecutionView>,
+}
+
+/// The status snapshot: entries are created only by a load from the store
+/// and replaced by commits; `generation` moves whenever a commit or removal
+/// could make an in-flight load stale, and such a load is then not kept.
+#[derive(Debug, Default)]
+struct StatusSnapshot {
+    generation: u64,
+    entries: HashMap<SessionId, StatusEntry>,
+    /// While [`SessionManager::load_status_snapshot`] reads: the sessions a
+    /// commit or removal touched meanwhile, whose rows it must not keep.
+    priming: Option<HashSet<SessionId>>,
+}
+
+impl StatusSnapshot {
+    /// A commit or removal of `session` that an in-flight load may predate.
+    fn missed(&mut self, session: SessionId) {
+        self.generation += 1;
+        if let Some(touched) = &mut self.priming {
+            touched.insert(session);
+        }
+    }
+}
+
+/// The session modes each running agent reported (GetSessionStatus shows
+/// them), so a status call does not ask agentctl every time. A value is
+/// good for the execution it was read from (`ExecutorRecord::execution_id`);
+/// it comes from the answer that opened the conversation (NewSession,
+/// ResumeSession), recovery's Health of a surviving agent, a mode set, a
+/// liveness Health, or a Health of its own when none of those is kept. It is dropped whenever what it reflects may
+/// have changed: the agent stopped or is starting (`cache_update`), the
+/// session left the cache, the agent reported a mode change (the pump's
+/// `current_mode` part), or a mode is being set (which keeps the agent's
+/// answer). Each drop stamps the
+/// session's slot (`removals` counts removed slots), so an answer read
+/// before a drop is not kept after it.
+#[derive(Default)]
+struct ModesCache {
+    next: u64,
+    removals: u64,
+    slots: HashMap<SessionId, ModesSlot>,
+}
+
+#[derive(Default)]
+struct ModesSlot {
+    stamp: u64,
+    value: Option<(String, Option<sessiond_domain::AgentModes>)>,
+}
+
+/// Where a [`ModesCache`] stood when an answer was asked for.
+pub(crate) type ModesStamp = (u64, u64);
+
+impl ModesCache {
+    fn stamp(&self, session: SessionId) -> ModesStamp {
+        (
+            self.removals,
+            self.slots.get(&session).map_or(0, |s| s.stamp),
+        )
+    }
+}
+
+/// Where a parked update pump stopped reading: the next pump of the session
+/// continues from `cursor` if the executor is still at `generation` and its
+/// agentctl still the process `instance` (empty: not known).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Parked {
+    pub generation: i64,
+    pub cursor: u64,
+    pub instance: String,
+}
+
+/// Counters of what this manager started, for tests and metrics.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub agentctl_launches: AtomicU64,
+    pub agent_launches: AtomicU64,
+    pub resume_attempts: AtomicU64,
+}
+
+/// A snapshot of [`SessionManager::stats`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Stats {
+    /// agentctl processes launched (or containers started, remote connects).
+    pub agentctl_launches: u64,
+    /// LaunchAgent calls made.
+    pub agent_launches: u64,
+    /// Agent resume attempts (ResumeSession calls), startup and explicit.
+    pub resume_attempts: u64,
+}
+
+/// The result of one exclusive operation on a session, shared by everyone
+/// who joined it.
+#[derive(Debug, Clone)]
+pub(crate) enum OpOutcome {
+    /// Startup or background recovery ended with this label.
+    Recovery(OutcomeLabel),
+    /// An explicit resume ended with this status.
+    Resume(Box<SessionStatus>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OpKind {
+    Recovery,
+    Resume,
+}
+
+type SharedOp = Shared<BoxFuture<'static, Result<OpOutcome>>>;
+
+struct Inflight {
+    id: u64,
+    kind: OpKind,
+    fut: SharedOp,
+}
+
+pub(crate) struct Inner {
+    pub store: Store,
+    pub drivers: HashMap<Runtime, Arc<dyn Executor>>,
+    pub config: ManagerConfig,
+    pub bus: EventBus,
+    pub counters: Counters,
+    pub metrics: Arc<crate::metrics::ManagerMetrics>,
+    cache: StdMutex<HashMap<SessionId, Execution>>,
+    /// Write-through snapshot of what GetSessionStatus reads (see [`StatusSnapshot`]).
+    status: StdMutex<StatusSnapshot>,
+    /// The agents' session modes as last asked (see [`ModesCache`]).
+    modes: StdMutex<ModesCache>,
+    /// Per session: the agentctl client and the (url, secret) it was made for.
+    clients: StdMutex<HashMap<SessionId, (String, String, AgentctlClient)>>,
+    /// Sessions whose update pump is parked (idle, no stream open): where
+    /// the next pump continues from.
+    parked: StdMutex<HashMap<SessionId, Parked>>,
+    /// Agent profiles read once by `recover_all` for its executors (and by
+    /// the adoption loop for one burst of adoptions).
+    pub(crate) recovery_profiles:
+        StdMutex<HashMap<sessiond_domain::AgentProfileId, sessiond_domain::AgentProfile>>,
+    locks: StdMutex<HashMap<SessionId, Arc<tokio::sync::Mutex<()>>>>,
+    /// Held by a create from counting live sessions to committing its
+    /// intent, so concurrent creates cannot all slip under the limit.
+    pub(crate) create_gate: tokio::sync::Mutex<()>,
+    inflight: StdMutex<HashMap<SessionId, Inflight>>,
+    pub pumps: StdMutex<HashMap<SessionId, AbortHandle>>,
+    background: StdMutex<Vec<AbortHandle>>,
+    pub retrying: StdMutex<HashSet<SessionId>>,
+    next_op: AtomicU64,
+    pub liveness_started: std::sync::atomic::AtomicBool,
+    /// When this manager (the backend) started: a remote host's reconnect
+    /// window is never counted from before it, so an outage of the backend
+    /// longer than the window does not use the window up.
+    pub started_at: chrono::DateTime<chrono::Utc>,
+    /// Becomes true when the first `recover_all` of this manager finished.
+    first_recovery: tokio::sync::watch::Sender<bool>,
+    /// Becomes true when the first pass has every workspace back (each
+    /// executor reattached, relaunched up to its agent's launch, or failed):
+    /// the backend serves from then on while agents still relaunch.
+    workspaces_back: tokio::sync::watch::Sender<bool>,
+    /// Admission of agent launches per host (`launches.rs`).
+    pub(crate) launches: crate::launches::LaunchScheduler,
+    /// Where each session's agent recovery stands (`progress.rs`).
+    pub(crate) agent_recoveries: crate::progress::AgentRecoveries,
+    /// The pass's slots held by its recoveries, by session: a recovery
+    /// gives its slot back when it starts waiting for a launch, so the
+    /// pass's concurrency goes on to reattaches (`recovery.rs`).
+    pub(crate) pass_slots: StdMutex<HashMap<SessionId, crate::recovery::PassTicket>>,
+    /// Startup recovery's queue (`queue.rs`).
+    pub(crate) queue: StdMutex<crate::queue::RecoveryQueue>,
+    pub(crate) queue_phase: tokio::sync::watch::Sender<crate::queue::Phase>,
+    /// How many calls' recoveries run now (the pass yields to them).
+    pub(crate) calls_recovering: tokio::sync::watch::Sender<usize>,
+    /// Sessions whose executor this replica holds the lease of (`replica.rs`).
+    pub(crate) owned: StdMutex<HashSet<SessionId>>,
+    /// The newest lease epoch this replica claimed per session; kept after
+    /// the lease is lost, so a late write still carries the old epoch and
+    /// is refused instead of going out unfenced (`replica.rs`).
+    pub(crate) epochs: StdMutex<HashMap<SessionId, i64>>,
+    /// Test hook: awaited before each heartbeat (see `gate_heartbeat`).
+    pub(crate) heartbeat_gate: StdMutex<Option<crate::queue::PassGate>>,
+    /// This replica's lease claims, one at a time (`replica.rs`): a call
+    /// never claims again what the adoption loop just claimed.
+    pub(crate) claims: tokio::sync::Mutex<()>,
+    /// Sessions the adoption loop claimed and has yet to recover
+    /// (`replica.rs`): a call on one joins (or starts) its recovery.
+    pub(crate) adoptions: StdMutex<HashMap<SessionId, crate::replica::Adoption>>,
+}
+
+/// Runs sessions: create, message, stop; recovers them at startup; resumes
+/// them on request; answers their status; publishes their events.
+///
+/// Cheap to clone: all clones share one state. Background work (update
+/// pumps, remote reconnects, liveness checks) runs on tokio tasks that
+/// [`SessionManager::shutdown`] aborts, leaving executors running, as a
+/// backend that stops must.
+///
+/// Driving a session from Rust (the `drive_sessions` example of this crate
+/// is the full, tested version, restart included):
+///
+/// ```no_run
+/// use std::{collections::BTreeMap, sync::Arc};
+///
+/// use futures::StreamExt;
+/// use sessiond_domain::{AgentProfileId, Runtime, TaskId, Worktree};
+/// use sessiond_executor::{
+///     Executor,
+///     standalone::{StandaloneConfig, StandaloneExecutor},
+/// };
+/// use sessiond_engine::{ManagerConfig, NewSession, SessionManager};
+/// use sessiond_store::{Store, StoreOptions};
+///
+/// # async fn run(task_id: TaskId, profile_id: AgentProfileId)
+/// #     -> Result<(), Box<dyn std::error::Error>> {
+/// let store = Store::connect("sqlite:///var/lib/sessiond/sessiond.db", StoreOptions::default()).await?;
+/// let driver = StandaloneExecutor::new(StandaloneConfig::new(
+///     "/usr/local/bin/agentctl".into(),
+///     "/run/sessiond".into(),
+/// ));
+/// let drivers: Vec<Arc<dyn Executor>> = vec![Arc::new(driver)];
+/// let manager = SessionManager::new(store, drivers, ManagerConfig::default());
+///
+/// // After a restart: reattach to, or resume, what ran before.
+/// let summary = manager.recover_all().await?;
+/// println!("recovered: {:?}", summary.counts);
+///
+/// let session = manager
+///     .create_session(NewSession {
+///         task_id,
+///         agent_profile_id: profile_id,
+///         runtime: Runtime::LocalStandalone,
+///         worktree: Worktree {
+///             id: "main".into(),
+///             path: "/home/me/repo".into(),
+///             branch: "main".into(),
+///             ..Default::default()
+///         },
+///         remote: None,
+///         metadata: BTreeMap::new(),
+///         mcp_servers: Vec::new(),
+///     })
+///     .await?;
+/// let mut events = manager.watch_session(session.id, 0).await?;
+/// manager.send_message(task_id, session.id, "hello").await?;
+/// while let Some(event) = events.next().await {
+///     let event = event?;
+///     println!("{} {:?}", event.seq, event.payload);
+/// }
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct SessionManager {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl fmt::Debug for SessionManager {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SessionManager")
+            .field("store", &self.inner.store)
+            .field("runtimes", &self.inner.drivers.keys().collect::<Vec<_>>())
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) fn lock<T>(m: &StdMutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl SessionManager {
+    /// A manager over `store` with one driver per runtime it should serve.
+    pub fn new(
+        store: Store,
+        drivers: impl IntoIterator<Item = Arc<dyn Executor>>,
+        config: ManagerConfig,
+    ) -> Self {
+        let drivers = drivers.into_iter().map(|d| (d.runtime(), d)).collect();
+        let metrics = Arc::new(crate::metrics::ManagerMetrics::default());
+        let bus = EventBus::with_metrics(config.event_buffer, metrics.watch.clone());
+        let launches = crate::launches::LaunchScheduler::new(config.launches);
+        if !config.replica.exclusive {
+            // Other replicas' watchers are woken by what we commit.
+            store.announce_events_as(&config.replica.id);
+        }
+        Self {
+            inner: Arc::new(Inner {
+                store,
+                drivers,
+                bus,
+                config,
+                counters: Counters::default(),
+                metrics,
+                cache: StdMutex::default(),
+                status: StdMutex::default(),
+                modes: StdMutex::default(),
+                clients: StdMutex::default(),
+                parked: StdMutex::default(),
+                recovery_profiles: StdMutex::default(),
+                locks: StdMutex::default(),
+                create_gate: tokio::sync::Mutex::default(),
+                inflight: StdMutex::default(),
+                pumps: StdMutex::default(),
+                background: StdMutex::default(),
+                retrying: StdMutex::default(),
+                next_op: AtomicU64::new(1),
+                liveness_started: std::sync::atomic::AtomicBool::new(false),
+                started_at: chrono::Utc::now(),
+                first_recovery: tokio::sync::watch::Sender::new(false),
+                workspaces_back: tokio::sync::watch::Sender::new(false),
+                launches,
+                agent_recoveries: crate::progress::AgentRecoveries::default(),
+                pass_slots: StdMutex::default(),
+                queue: StdMutex::default(),
+                queue_phase: tokio::sync::watch::Sender::new(crate::queue::Phase::Idle),
+                calls_recovering: tokio::sync::watch::Sender::new(0),
+                owned: StdMutex::default(),
+                epochs: StdMutex::default(),
+                heartbeat_gate: StdMutex::default(),
+                claims: tokio::sync::Mutex::new(()),
+                adoptions: StdMutex::default(),
+            }),
+        }
+    }
+
+    /// The store the manager writes through.
+    pub fn store(&self) -> &Store {
+        &self.inner.store
+    }
+
+    /// The runtimes a driver is registered for (built-in and custom), in
+    /// order.
+    pub fn runtimes(&self) -> Vec<Runtime> {
+        let mut runtimes: Vec<Runtime> = self.inner.drivers.keys().copied().collect();
+        runtimes.sort();
+        runtimes
+    }
+
+    /// The configuration it was built with.
+    pub fn config(&self) -> &ManagerConfig {
+        &self.inner.config
+    }
+
+    /// The operator's metric families (turns, agent exits, launches,
+    /// resumes, reconnects, watch streams); the server registers them.
+    pub fn metrics(&self) -> &crate::metrics::ManagerMetrics {
+        &self.inner.metrics
+    }
+
+    /// The publisher; `publish` only what was committed.
+    pub fn events(&self) -> &EventBus {
+        &self.inner.bus
+    }
+
+    /// Counters since this manager was built (for tests and benches).
+    pub fn stats(&self) -> Stats {
+        let c = &self.inner.counters;
+        Stats {
+            agentctl_launches: c.agentctl_launches.load(Ordering::Relaxed),
+            agent_launches: c.agent_launches.load(Ordering::Relaxed),
+            resume_attempts: c.resume_attempts.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The executors cache entry of a session, if any.
+    pub fn execution(&self, session: SessionId) -> Option<Execution> {
+        lock(&self.inner.cache).get(&session).cloned()
+    }
+
+    /// Stops all background work of this manager (update pumps, reconnects,
+    /// liveness checks, operations in flight) and leaves every executor and
+    /// agent running: what a backend shutting down (or crashing) does.
+    pub fn shutdown(&self) {
+        for (_, h) in lock(&self.inner.pumps).drain() {
+            h.abort();
+        }
+        for h in lock(&self.inner.background).drain(..) {
+            h.abort();
+        }
+        lock(&self.inner.inflight).clear();
+    }
+
+    /// Session state and its execution's status, for this session only
+    /// (GetSessionStatus).
+    ///
+    /// Answered from memory: the session row and the profile's claim come
+    /// from the status snapshot (loaded from the store on first use, in one
+    /// round trip, then replaced by every `SessionManager::commit`), the
+    /// execution from the executors cache, or, for a session this manager
+    /// never wrote, from the record loaded with the snapshot.
+    pub async fn session_status(&self, task: TaskId, session: SessionId) -> Result<SessionStatus> {
+        // While an exclusive store's pass loads its executors, answer at
+        // once from the records (a live executor is about to be recovered)
+        // instead of waiting for the load of all of them.
+        let loading = self.answers_while_loading();
+        if !loading {
+            self.queue_filled().await;
+        }
+        // Another replica's session changes under us: read what it committed.
+        let elsewhere = !self.owns(session);
+        let cached = if elsewhere {
+            None
+        } else {
+            lock(&self.inner.status).entries.get(&session).cloned()
+        };
+        let snap = match cached {
+            Some(e) => e,
+            None if elsewhere => self.read_status_inputs(session).await?,
+            None => self.load_status_inputs(session).await?,
+        };
+        let s = &snap.session;
+        if s.task_id != task {
+            return Err(Error::WrongTask {
+                session_id: session,
+                requested: task,
+                actual: s.task_id,
+            });
+        }
+        let cached = if elsewhere {
+            None
+        } else {
+            lock(&self.inner.cache).get(&session).map(Execution::view)
+        };
+        let view = cached.or(snap.record);
+        let status = sessiond_domain::session_status(s, view.as_ref(), snap.profile_claim);
+        if !elsewhere
+            && let Some(progress) = self.inner.agent_recoveries.view(
+                session,
+                self.inner.config.max_attempts,
+                self.inner.launches.place(session),
+            )
+            // An ERROR is committed a moment before the last attempt's
+            // progress is dropped: it ended the recovery already.
+            && !s.state.is_terminal()
+            && s.state != sessiond_domain::SessionState::Error
+        {
+            return Ok(status.agent_recovering(progress));
+        }
+        let recovering = if loading {
+            self.recovering_while_loading(session, view.as_ref())
+        } else {
+            self.is_recovering(session)
+        };
+        Ok(if recovering {
+            status.recovering()
+        } else {
+            status
+        })
+    }
+
+    /// A session's status inputs as stored now, not kept (a session another
+    /// replica owns). Whether its agent runs is not stored: it is taken as
+    /// running while a live lease holder keeps the executor ready and the
+    /// session live, since that owner moves the session to ERROR when its
+    /// agent exits (pump, liveness check). Exact only on the owner.
+    async fn read_status_inputs(&self, session: SessionId) -> Result<StatusEntry> {
+        let (s, profile_claim, record) = self.inner.store.session_status_inputs(session).await?;
+        let record = record.map(|r| {
+            let mut view = ExecutionView::from_record(&r);
+            let held =
+                r.owner_id.is_some() && r.lease_expires_at.is_some_and(|t| t > chrono::Utc::now());
+            if held
+                && r.status == sessiond_domain::ExecutorStatus::Ready
+                && matches!(
+                    s.state,
+                    sessiond_domain::SessionState::Running
+                        | sessiond_domain::SessionState::WaitingForInput
+                )
+            {
+                view.agent = AgentProcessState::Running;
+            }
+            view
+        });
+        Ok(StatusEntry {
+            session: Arc::new(s),
+            profile_claim,
+            record,
+        })
+    }
+
+    /// Reads a session's status inputs from the store and keeps them in the
+    /// snapshot, unless a commit or removal of any session happened while
+    /// reading (then what was read is answered once and not kept).
+    async fn load_status_inputs(&self, session: SessionId) -> Result<StatusEntry> {
+        let generation = lock(&self.inner.status).generation;
+        let (s, profile_claim, record) = self.inner.store.session_status_inputs(session).await?;
+        let entry = StatusEntry {
+            session: Arc::new(s),
+            profile_claim,
+            record: record.map(|r| ExecutionView::from_record(&r)),
+        };
+        let mut snap = lock(&self.inner.status);
+        if snap.generation == generation {
+            return Ok(snap.entries.entry(session).or_insert(entry).clone());
+        }
+        Ok(entry)
+    }
+
+    /// Keeps the status snapshot current after a commit (called before the
+    /// commit returns, so a status read after it never sees older state).
+    fn snapshot_committed(&self, committed: &Committed) {
+        if committed.session.is_none() && committed.executor.is_none() {
+            return;
+        }
+        let mut snap = lock(&self.inner.status);
+        // A session not in the snapshot: a load racing with this commit
+        // must not keep what it read before it.
+        if let Some(s) = &committed.session {
+            match snap.entries.get_mut(&s.id) {
+                Some(e) if s.version >= e.session.version => e.session = Arc::new(s.clone()),
+                Some(_) => {}
+                None => snap.missed(s.id),
+            }
+        }
+        if let Some(r) = &committed.executor {
+            match snap.entries.get_mut(&r.session_id) {
+                Some(e) => e.record = Some(ExecutionView::from_record(r)),
+                None => snap.missed(r.session_id),
+            }
+        }
+    }
+
+    /// Drops a session from the status snapshot (its record was removed).
+    fn snapshot_forget(&self, session: SessionId) {
+        let mut snap = lock(&self.inner.status);
+        snap.entries.remove(&session);
+        snap.missed(session);
+    }
+
+    /// Loads the status snapshot of every session with a live (not
+    /// `stopped`) executor record in one store call, so GetSessionStatus answers them from memory from
+    /// the first call (`sessiond serve` runs it after startup recovery,
+    /// before reporting SERVING). A session committed or removed while this
+    /// reads is left to load on its first call; an entry already present is
+    /// kept (it is at least as new). Returns how many entries it added.
+    pub async fn load_status_snapshot(&self) -> Result<usize> {
+        {
+            let mut snap = lock(&self.inner.status);
+            if snap.priming.is_some() {
+                return Ok(0); // another load is running; it fills the same entries
+            }
+            snap.priming = Some(HashSet::new());
+        }
+        let read = self.inner.store.managed_session_status_inputs().await;
+        let mut snap = lock(&self.inner.status);
+        let touched = snap.priming.take().unwrap_or_default();
+        let mut added = 0;
+        for (session, profile_claim, record) in read? {
+            if touched.contains(&session.id) {
+                continue;
+            }
+            if let Entry::Vacant(v) = snap.entries.entry(session.id) {
+                v.insert(StatusEntry {
+                    session: Arc::new(session),
+                    profile_claim,
+                    record: record.as_ref().map(ExecutionView::from_record),
+                });
+                added += 1;
+            }
+        }
+        Ok(added)
+    }
+
+    pub(crate) async fn status_of(&self, s: &Session) -> Result<SessionStatus> {
+        let profile = self
+            .inner
+            .store
+            .get_agent_profile(s.agent_profile_id)
+            .await?;
+        let view = match self.execution(s.id) {
+            Some(e) => Some(e.view()),
+            None => self
+                .inner
+                .store
+                .get_executor_for_session(s.id)
+                .await?
+                .map(|r| ExecutionView::from_record(&r)),
+        };
+        Ok(sessiond_domain::session_status(
+            s,
+            view.as_ref(),
+            profile.supports_session_resume,
+        ))
+    }
+
+    /// The session's events after `after_seq` from the outbox, then live
+    /// ones; no gap, no duplicate. Fails at once if the session does not exist.
+    pub async fn watch_session(&self, session: SessionId, after_seq: i64) -> Result<EventStream> {
+        self.inner.store.get_session(session).await?;
+        Ok(events::watch_session(
+            self.inner.store.clone(),
+            &self.inner.bus,
+            session,
+            after_seq,
+            self.inner.config.replay_page,
+        ))
+    }
+
+    /// Events of every session of the task after `after_task_seq`, then live.
+    pub async fn watch_task(&self, task: TaskId, after_task_seq: i64) -> Result<EventStream> {
+        self.inner.store.get_task(task).await?;
+        Ok(events::watch_task(
+            self.inner.store.clone(),
+            &self.inner.bus,
+            task,
+            after_task_seq,
+            self.inner.config.replay_page,
+        ))
+    }
+
+    // ------------------------------------------------------------ helpers
+
+    pub(crate) async fn session_of_task(
+        &self,
+        task: TaskId,
+        session: SessionId,
+    ) -> Result<Session> {
+        let s = self.inner.store.get_session(session).await?;
+        if s.task_id != task {
+            return Err(Error::WrongTask {
+                session_id: session,
+                requested: task,
+                actual: s.task_id,
+            });
+        }
+        Ok(s)
+    }
+
+    pub(crate) fn driver(&self, runtime: Runtime) -> Result<Arc<dyn Executor>> {
+        self.inner.drivers.get(&runtime).cloned().ok_or_else(|| {
+            Error::Unavailable(format!(
+                "no executor driver is configured for runtime {runtime}"
+            ))
+        })
+    }
+
+    pub(crate) fn client(&self, record: &ExecutorRecord) -> Result<AgentctlClient> {
+        let driver = self.driver(record.runtime)?;
+        Ok(self.agentctl(record, &driver)?)
+    }
+
+    /// The client of the record's agentctl, made once per address and
+    /// secret and then reused (health, capabilities, resume, update pump),
+    /// so a session's calls share one HTTP/2 connection instead of opening
+    /// one each.
+    pub(crate) fn agentctl(
+        &self,
+        record: &ExecutorRecord,
+        driver: &Arc<dyn Executor>,
+    ) -> sessiond_executor::Result<AgentctlClient> {
+        let url = record.agentctl_url.as_deref().unwrap_or_default();
+        if let Some((u, secret, c)) = lock(&self.inner.clients).get(&record.session_id)
+            && u == url
+            && *secret == record.auth_secret
+        {
+            // A claim since the client was made: calls carry the new epoch.
+            c.raise_lease_epoch(record.lease_epoch);
+            return Ok(c.clone());
+        }
+        let client = driver.client(&ExecutorHandle::from_record(record))?;
+        lock(&self.inner.clients).insert(
+            record.session_id,
+            (url.to_owned(), record.auth_secret.clone(), client.clone()),
+        );
+        Ok(client)
+    }
+
+    /// The cached client of the record's agentctl, if one is cached for the
+    /// same address and secret (never creates or caches one).
+    pub(crate) fn cached_agentctl(&self, record: &ExecutorRecord) -> Option<AgentctlClient> {
+        let url = record.agentctl_url.as_deref().unwrap_or_default();
+        lock(&self.inner.clients)
+            .get(&record.session_id)
+            .filter(|(u, secret, _)| u == url && *secret == record.auth_secret)
+            .map(|(_, _, c)| c.clone())
+    }
+
+    /// Drops the session's cached agentctl client: once no call in flight
+    /// holds a clone, its HTTP/2 connection closes. The next call that needs
+    /// one makes a new client (and connection).
+    pub(crate) fn evict_client(&self, session: SessionId) {
+        lock(&self.inner.clients).remove(&session);
+    }
+
+    /// Records where a parked pump stopped (see [`Parked`]).
+    pub(crate) fn set_parked(&self, session: SessionId, parked: Parked) {
+        lock(&self.inner.parked).insert(session, parked);
+    }
+
+    /// The agentctl instance a parked session's cursor belongs to.
+    pub(crate) fn parked_instance(&self, session: SessionId) -> Option<String> {
+        lock(&self.inner.parked)
+            .get(&session)
+            .map(|p| p.instance.clone())
+    }
+
+    /// Takes the parked position of a session, if any.
+    pub(crate) fn take_parked(&self, session: SessionId) -> Option<Parked> {
+        lock(&self.inner.parked).remove(&session)
+    }
+
+    /// Whether the session's updates are parked (no pump, no stream open).
+    pub fn is_parked(&self, session: SessionId) -> bool {
+        lock(&self.inner.parked).contains_key(&session)
+    }
+
+    /// Removes the pump entry of `session` if it is the calling task's own
+    /// (a newer pump that replaced it stays).
+    pub(crate) fn remove_own_pump(&self, session: SessionId) {
+        let me = tokio::task::try_id();
+        let mut pumps = lock(&self.inner.pumps);
+        if me.is_some() && pumps.get(&session).map(AbortHandle::id) == me {
+            pumps.remove(&session);
+        }
+    }
+
+    /// Commits (fenced by this replica's lease, see
+    /// [`SessionManager::store_commit`]) and then publishes what was committed.
+    pub(crate) async fn commit(&self, change: Changeset) -> Result<Committed> {
+        let committed = self
+            .store_commit(change)
+            .await
+            .map_err(|e| self.lease_error(e))?;
+        self.after_commit(&committed);
+        Ok(committed)
+    }
+
+    /// What every commit of this manager is followed by: the cache and the
+    /// status snapshot take the stored rows, watchers get the events.
+    pub(crate) fn after_commit(&self, committed: &Committed) {
+        if let Some(record) = &committed.executor {
+            self.cache_record(record);
+        }
+        self.snapshot_committed(committed);
+        self.inner.bus.publish(&committed.events);
+        if let Some(session) = &committed.session {
+            self.queue_after_commit(session);
+        }
+    }
+
+    /// Serializes state changes of one session within this manager.
+    pub(crate) async fn lock_session(&self, session: SessionId) -> OwnedMutexGuard<()> {
+        let m = lock(&self.inner.locks)
+            .entry(session)
+            .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(())))
+            .clone();
+        m.lock_owned().await
+    }
+
+    /// Keeps the cache's record current (the agent and probe are kept).
+    pub(crate) fn cache_record(&self, record: &ExecutorRecord) {
+        let mut cache = lock(&self.inner.cache);
+        match cache.get_mut(&record.session_id) {
+            Some(e) => e.record = record.clone(),
+            None => {
+                cache.insert(
+                    record.session_id,
+                    Execution {
+                        record: record.clone(),
+                        agent: AgentProcessState::NotRunning,
+                        probe: None,
+                    },
+                );
+            }
+        }
+    }
+
+    pub(crate) fn cache_view(&self) -> &StdMutex<HashMap<SessionId, Execution>> {
+        &self.inner.cache
+    }
+
+    pub(crate) fn cache_update(&self, session: SessionId, f: impl FnOnce(&mut Execution)) {
+        let (was_running, running) = match lock(&self.inner.cache).get_mut(&session) {
+            Some(e) => {
+                let was = e.agent == AgentProcessState::Running;
+                f(e);
+                (was, e.agent == AgentProcessState::Running)
+            }
+            None => (false, false),
+        };
+        // The agent is back: messages queued while it was away can go.
+        if running && !was_running {
+            let queued = lock(&self.inner.status)
+                .entries
+                .get(&session)
+                .is_some_and(|e| !sessiond_domain::queue::is_empty(&e.session.metadata));
+            if queued {
+                self.kick_queue(session);
+            }
+        }
+        // An agent that stopped (or is starting again) takes its modes
+        // along; one now running keeps what its conversation's opening
+        // answered (`new_conversation`, `load_conversation`).
+        if !running {
+            self.forget_modes(session);
+        }
+    }
+
+    pub(crate) fn cache_remove(&self, session: SessionId) {
+        lock(&self.inner.cache).remove(&session);
+        {
+            let mut modes = lock(&self.inner.modes);
+            modes.slots.remove(&session);
+            modes.removals += 1;
+        }
+        lock(&self.inner.clients).remove(&session);
+        lock(&self.inner.parked).remove(&session);
+        self.snapshot_forget(session);
+    }
+
+    /// The modes cached for `session`'s agent in `execution`, with the
+    /// stamp to keep a fresh answer under (see [`ModesCache`]).
+    pub(crate) fn cached_modes(
+        &self,
+        session: SessionId,
+        execution: &str,
+    ) -> (Option<Option<sessiond_domain::AgentModes>>, ModesStamp) {
+        let cache = lock(&self.inner.modes);
+        let hit = cache
+            .slots
+            .get(&session)
+            .and_then(|s| s.value.as_ref())
+            .filter(|(e, _)| e == execution)
+            .map(|(_, m)| m.clone());
+        (hit, cache.stamp(session))
+    }
+
+    /// Keeps `modes`, read from `session`'s agent in `execution`, unless
+    /// they may have changed since `stamp`.
+    pub(crate) fn remember_modes(
+        &self,
+        session: SessionId,
+        execution: String,
+        stamp: ModesStamp,
+        modes: Option<sessiond_domain::AgentModes>,
+    ) {
+        let mut cache = lock(&self.inner.modes);
+        if cache.stamp(session) == stamp {
+            cache.slots.entry(session).or_default().value = Some((execution, modes));
+        }
+    }
+
+    /// `session`'s agent modes may have changed: ask it next time.
+    pub(crate) fn forget_modes(&self, session: SessionId) {
+        let mut cache = lock(&self.inner.modes);
+        cache.next += 1;
+        let stamp = cache.next;
+        *cache.slots.entry(session).or_default() = ModesSlot { stamp, value: None };
+    }
+
+    /// Checks that `session` exists and belongs to `task`, as
+    /// [`Self::session_of_task`] does, from the status snapshot when it
+    /// holds the session (a session's task never changes, and a removed
+    /// session leaves the snapshot): no store read on a call's hot path.
+    pub(crate) async fn check_task(&self, task: TaskId, session: SessionId) -> Result<()> {
+        let known = self.owns(session)
+            && lock(&self.inner.status)
+                .entries
+                .get(&session)
+                .is_some_and(|e| e.session.task_id == task);
+        if !known {
+            self.session_of_task(task, session).await?;
+        }
+        Ok(())
+    }
+
+    /// Records that a startup recovery pass has finished.
+    pub(crate) fn mark_first_recovery_done(&self) {
+        self.inner.workspaces_back.send_replace(true);
+        self.inner.first_recovery.send_replace(true);
+    }
+
+    /// Records that the first pass has every workspace back.
+    pub(crate) fn mark_workspaces_back(&self) {
+        self.inner.workspaces_back.send_replace(true);
+    }
+
+    /// Whether the first startup recovery pass has every executor's
+    /// workspace back (reattached, relaunched up to the agent, or failed):
+    /// what health reports SERVING on. Agents may still be relaunching;
+    /// their sessions show `recovering` with their progress.
+    pub fn workspaces_recovered(&self) -> bool {
+        *self.inner.workspaces_back.borrow()
+    }
+
+    /// Waits until [`Self::workspaces_recovered`].
+    pub async fn wait_workspaces_recovered(&self) {
+        let mut rx = self.inner.workspaces_back.subscribe();
+        let _ = rx.wait_for(|done| *done).await;
+    }
+
+    /// Whether a startup recovery pass of this manager has finished.
+    pub fn first_recovery_done(&self) -> bool {
+        *self.inner.first_recovery.borrow()
+    }
+
+    /// Waits until a startup recovery pass of this manager has finished.
+    pub(crate) async fn wait_first_recovery(&self) {
+        let mut rx = self.inner.first_recovery.subscribe();
+        let _ = rx.wait_for(|done| *done).await;
+    }
+
+    /// Registers a background task so `shutdown` can end it.
+    pub(crate) fn spawn_background<F>(&self, fut: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let h = tokio::spawn(fut);
+        let mut bg = lock(&self.inner.background);
+        bg.retain(|h| !h.is_finished());
+        bg.push(h.abort_handle());
+        h
+    }
+
+    pub(crate) fn set_pump(&self, session: SessionId, handle: AbortHandle) {
+        if let Some(old) = lock(&self.inner.pumps).insert(session, handle) {
+            old.abort();
+        }
+    }
+
+    pub(crate) fn stop_pump(&self, session: SessionId) {
+        if let Some(old) = lock(&self.inner.pumps).remove(&session) {
+            old.abort();
+        }
+    }
+
+    /// The operation in flight for `session`, if any.
+    pub(crate) fn inflight(&self, session: SessionId) -> Option<(OpKind, SharedOp)> {
+        lock(&self.inner.inflight)
+            .get(&session)
+            .map(|op| (op.kind, op.fut.clone()))
+    }
+
+    /// Runs `op` as the one exclusive operation of `session`, or joins the
+    /// one already in flight. The operation runs on its own task, so a caller
+    /// that goes away does not cut it short. Returns the shared outcome and
+    /// the kind of the operation that was joined or started.
+    pub(crate) fn single_flight(
+        &self,
+        session: SessionId,
+        kind: OpKind,
+        op: BoxFuture<'static, Result<OpOutcome>>,
+    ) -> (OpKind, SharedOp) {
+        let mut map = lock(&self.inner.inflight);
+        if let Some(existing) = map.get(&session) {
+            return (existing.kind, existing.fut.clone());
+        }
+        let id = self.inner.next_op.fetch_add(1, Ordering::Relaxed);
+        let me = self.clone();
+        // In the first caller's span: the operation belongs to its trace.
+        let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
+            let out = op.await;
+            let mut map = lock(&me.inner.inflight);
+            if map.get(&session).is_some_and(|o| o.id == id) {
+                map.remove(&session);
+            }
+            out
+        }));
+        lock(&self.inner.background).push(task.abort_handle());
+        let fut: SharedOp = async move {
+            task.await
+                .map_err(|e| Error::Internal(format!("session operation ended: {e}")))?
+        }
+        .boxed()
+        .shared();
+        map.insert(
+            session,
+            Inflight {
+                id,
+                kind,
+                fut: fut.clone(),
+            },
+        );
+        (kind, fut)
+    }
+}
+
+/// An executor event applied through the domain's state machine, which every
+/// executor status change goes through: an illegal move (a stopped executor
+/// turning ready or failed) is refused instead of written.
+pub(crate) fn executor_moved(
+    record: &ExecutorRecord,
+    event: ExecutorEvent,
+) -> Result<ExecutorRecord> {
+    let status = record
+        .status
+        .transition(event)
+        .map_err(|e| Error::Internal(format!("executor {}: {e}", record.id)))?;
+    let mut next = record.clone();
+    next.status = status;
+    Ok(next)
+}
+
+/// A session event applied: the new session and, if the state changed, its
+/// `state_changed` payload. The error is kept only on ERROR.
+pub(crate) fn transition(
+    session: &Session,
+    event: SessionEvent,
+    error: Option<String>,
+) -> Result<(Session, Option<EventPayload>)> {
+    let to = session
+        .state
+        .transition(event)
+        .map_err(|e| Error::InvalidState {
+            session_id: session.id,
+            state: e.from,
+            action: e.event.as_str(),
+            hint: "look at the session's status first",
+        })?;
+    let mut next = session.clone();
+    let error = error.filter(|_| to == sessiond_domain::SessionState::Error);
+    next.state = to;
+    next.error_message = error.clone();
+    let changed = (to != session.state).then_some(EventPayload::StateChanged {
+        from: session.state,
+        to,
+        error_message: error,
+    });
+    Ok((next, changed))
+}

@@ -1,0 +1,405 @@
+//! Recovery with agents that behave like real ones: seconds to start, CPU
+//! while they do, on a host kept busy. A deadline bounds silence, not
+//! work; launches are admitted at the rate the host carries; what can pass
+//! by itself is retried, never ERROR.
+
+use std::{
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use sessiond_domain::{ExecutorStatus, OutcomeLabel, RecoveryStage, SessionId, SessionState};
+use sessiond_engine::ManagerConfig;
+
+use crate::support::{Db, World, expected_reply, kill_tree};
+
+/// How many heavy sessions the burst test recovers (16 in CI; more with
+/// `SESSIOND_HEAVY_SESSIONS`).
+fn heavy_sessions() -> usize {
+    std::env::var("SESSIOND_HEAVY_SESSIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16)
+}
+
+/// The demo agent's heavy mode: it sleeps, then burns CPU, before it
+/// answers `initialize` (≥ 2 s to relaunch on an idle machine), and its
+/// `session/load` takes longer the longer the history is.
+const HEAVY: &[(&str, &str)] = &[
+    ("ACP_DEMO_STARTUP_MS", "1500"),
+    ("ACP_DEMO_BUSY_MS", "600"),
+    ("ACP_DEMO_LOAD_MS_PER_MESSAGE", "20"),
+];
+
+/// Busy loops, one per core we want to take, ended by pid on drop.
+struct Load(Vec<Child>);
+
+impl Load {
+    fn start(n: usize) -> Load {
+        Load(
+            (0..n)
+                .map(|_| {
+                    Command::new("sh")
+                        .args(["-c", "while :; do :; done"])
+                        .stdin(Stdio::null())
+                        .spawn()
+                        .expect("a busy loop")
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The default recovery settings (the 5 s silence limit, retries, the
+/// launch scheduler from the core count), with the test world's stop grace.
+fn defaults() -> ManagerConfig {
+    ManagerConfig {
+        agent_stop_grace: Duration::from_secs(2),
+        ..ManagerConfig::default()
+    }
+}
+
+/// Heavy agents (each ≥ 2 s to relaunch) on a machine kept busy by two busy
+/// loops: after `kill -9` of everything, every session comes back by
+/// itself (no call), none is ERROR, the workspaces are back (and the
+/// manager serving) before the agents are, and each conversation goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heavy_agents_come_back_by_themselves_on_a_busy_host() {
+    let n = heavy_sessions();
+    let w = World::new(Db::Sqlite).await;
+    let profile = w.demo_profile("heavy", HEAVY).await;
+    let mgr = w.manager_with(defaults());
+    let names: Vec<String> = (0..n).map(|i| format!("h{i}")).collect();
+    let created = futures::future::join_all(
+        names
+            .iter()
+            .map(|name| w.create_with(&mgr, name, &profile, None)),
+    )
+    .await;
+    let ids: Vec<SessionId> = created.iter().map(|s| s.id).collect();
+    futures::future::join_all(ids.iter().map(|id| w.prompt(&mgr, *id, "one"))).await;
+    mgr.shutdown();
+    drop(mgr);
+    for id in &ids {
+        kill_tree(w.record(*id).await.pid.unwrap()).await;
+    }
+
+    let load = Load::start(2);
+    let mgr = w.manager_with(defaults());
+    let started = Instant::now();
+    let pass = tokio::spawn({
+        let mgr = mgr.clone();
+        async move { mgr.recover_all().await }
+    });
+    // Serving once every workspace is back, while agents still relaunch:
+    // their sessions say where they stand, their workspaces are usable.
+    mgr.wait_workspaces_recovered().await;
+    let serving_after = started.elapsed();
+    let mut relaunching = 0;
+    for id in &ids {
+        let st = w.status(&mgr, *id).await;
+        assert_ne!(st.state, SessionState::Error, "{st:?}");
+        if let Some(r) = &st.agent_recovery {
+            relaunching += 1;
+            assert!(st.recovering && !st.needs_resume, "{st:?}");
+            assert_eq!(st.executor_status, Some(ExecutorStatus::Ready), "{st:?}");
+            if r.stage == RecoveryStage::Queued {
+                let (place, of) = r.place.expect("a queued launch has a place");
+                assert!(place >= 1 && place <= of, "{r:?}");
+            }
+        }
+    }
+    assert!(
+        relaunching > 0,
+        "serving came after every agent was back ({serving_after:?}): nothing was relaunching"
+    );
+    let summary = pass.await.unwrap().unwrap();
+    let took = started.elapsed();
+    drop(load);
+    eprintln!(
+        "{n} heavy agents on a busy host: serving after {serving_after:?} ({relaunching} still \
+         relaunching then), all back after {took:?}; counts {:?}",
+        summary.counts
+    );
+    assert_eq!(summary.count(OutcomeLabel::Resumed), n, "{summary:?}");
+    assert_eq!((summary.failed, summary.not_back), (0, 0), "{summary:?}");
+    for (i, id) in ids.iter().enumerate() {
+        w.track(*id).await;
+        let st = w.status(&mgr, *id).await;
+        assert_eq!(st.state, SessionState::WaitingForInput, "{st:?}");
+        assert!(st.is_agent_running && !st.recovering, "{st:?}");
+        assert!(st.agent_recovery.is_none(), "{st:?}");
+        let token = created[i].resume_token.clone().unwrap();
+        let reply = w.prompt(&mgr, *id, "two").await;
+        assert_eq!(reply, expected_reply(2, &token, "two"));
+    }
+    w.finish(&mgr, &ids).await;
+}
+
+/// An agent that says nothing and uses no CPU (held before `initialize`
+/// by its start gate) is cut after the silence limit, and the attempt is
+/// retried in the background, the status saying so, the session never
+/// ERROR meanwhile; once the gate opens, the next attempt brings it back.
+/// A gate that never opens ends, after `max_attempts`, in ERROR
+/// `attempts_exhausted` naming why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_agent_is_cut_retried_and_comes_back_or_fails_after_its_attempts() {
+    let w = World::new(Db::Sqlite).await;
+    let (gate_a, gate_b) = (w.path("gate-a"), w.path("gate-b"));
+    let (text_a, text_b) = (gate_a.display().to_string(), gate_b.display().to_string());
+    let profile_a = w
+        .demo_profile("gated-a", &[("ACP_DEMO_START_GATE_FILE", text_a.as_str())])
+        .await;
+    let profile_b = w
+        .demo_profile("gated-b", &[("ACP_DEMO_START_GATE_FILE", text_b.as_str())])
+        .await;
+    let config = ManagerConfig {
+        executor_deadline: Duration::from_millis(1500),
+        max_attempts: 3,
+        retry_backoff: sessiond_executor::Backoff {
+            initial: Duration::from_millis(300),
+            max: Duration::from_millis(600),
+        },
+        ..defaults()
+    };
+    let mgr = w.manager_with(config.clone());
+    let comes_back = w.create_with(&mgr, "back", &profile_a, None).await;
+    let gives_up = w.create_with(&mgr, "gives-up", &profile_b, None).await;
+    let token = comes_back.resume_token.clone().unwrap();
+    w.prompt(&mgr, comes_back.id, "one").await;
+    w.prompt(&mgr, gives_up.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    for s in [&comes_back, &gives_up] {
+        kill_tree(w.record(s.id).await.pid.unwrap()).await;
+    }
+
+    std::fs::write(&gate_a, b"closed").unwrap();
+    std::fs::write(&gate_b, b"closed").unwrap();
+    let mgr = w.manager_with(config);
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Retrying), 2, "{summary:?}");
+    assert_eq!(summary.not_back, 2, "{summary:?}");
+    // Between attempts: recovering, with why the last attempt broke off;
+    // the workspace up and the session as it was.
+    let st = w.status(&mgr, comes_back.id).await;
+    assert_eq!(st.state, SessionState::WaitingForInput, "{st:?}");
+    assert_eq!(st.executor_status, Some(ExecutorStatus::Ready), "{st:?}");
+    assert!(st.recovering && !st.needs_resume, "{st:?}");
+    let r = st.agent_recovery.clone().expect("recovering");
+    assert!(r.attempt >= 2 && r.max_attempts == 3, "{r:?}");
+    assert!(
+        r.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("no sign of life")),
+        "{r:?}"
+    );
+
+    // The gate of one opens while it is retried: it comes back by itself.
+    // The other's never does: ERROR after its third attempt, naming why.
+    std::fs::remove_file(&gate_a).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let back = w.status(&mgr, comes_back.id).await;
+        let other = w.status(&mgr, gives_up.id).await;
+        assert_ne!(back.state, SessionState::Error, "{back:?}");
+        // An ERROR ends the recovery: never shown together with progress.
+        assert!(
+            other.state != SessionState::Error || other.agent_recovery.is_none(),
+            "{other:?}"
+        );
+        if back.is_agent_running
+            && back.agent_recovery.is_none()
+            && other.state == SessionState::Error
+        {
+            let why = other.error_message.unwrap_or_default();
+            assert!(
+                why.starts_with("attempts_exhausted:") && why.contains("3 attempts"),
+                "{why}"
+            );
+            assert_eq!(
+                other.executor_status,
+                Some(ExecutorStatus::Ready),
+                "workspace kept"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not settled: {back:?} / {other:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    w.track(comes_back.id).await;
+    let reply = w.prompt(&mgr, comes_back.id, "two").await;
+    assert_eq!(reply, expected_reply(2, &token, "two"));
+    std::fs::remove_file(&gate_b).unwrap();
+    w.finish(&mgr, &[comes_back.id, gives_up.id]).await;
+}
+
+/// One line of the demo agent's `calls.log`.
+#[derive(Debug, serde::Deserialize)]
+struct Call {
+    pid: u32,
+    method: String,
+    session_id: Option<String>,
+    replayed: Option<u64>,
+}
+
+fn calls(w: &World) -> Vec<Call> {
+    std::fs::read_to_string(w.path("agent-state").join("calls.log"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// After `kill -9` of everything, each agent reopens its conversation the
+/// way it can: ACP `session/resume` when it offers it (nothing replayed,
+/// whether it also offers `session/load` or not), `session/load` otherwise
+/// (the history replayed by the agent and dropped by agentctl). Either way
+/// nothing stored is duplicated and the conversation goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_is_preferred_to_load_and_nothing_is_stored_twice() {
+    let w = World::new(Db::Sqlite).await;
+    let both = w.demo_profile("both", &[]).await;
+    let resume_only = w
+        .demo_profile("resume-only", &[("ACP_DEMO_NO_LOAD_SESSION", "1")])
+        .await;
+    let load_only = w
+        .demo_profile("load-only", &[("ACP_DEMO_NO_RESUME_SESSION", "1")])
+        .await;
+    let mgr = w.manager_with(defaults());
+    let mut sessions = Vec::new();
+    for (name, profile, method) in [
+        ("both", &both, "session/resume"),
+        ("resume-only", &resume_only, "session/resume"),
+        ("load-only", &load_only, "session/load"),
+    ] {
+        let s = w.create_with(&mgr, name, profile, None).await;
+        w.prompt(&mgr, s.id, "one").await;
+        w.prompt(&mgr, s.id, "two").await;
+        sessions.push((s, method));
+    }
+    let mut stored = Vec::new();
+    for (s, _) in &sessions {
+        stored.push(w.all_messages(s.id).await.len());
+    }
+    mgr.shutdown();
+    drop(mgr);
+    let mut old_pids = Vec::new();
+    for (s, _) in &sessions {
+        let r = w.record(s.id).await;
+        old_pids.push(r.pid.unwrap());
+        kill_tree(r.pid.unwrap()).await;
+    }
+
+    let mgr = w.manager_with(defaults());
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 3, "{summary:?}");
+    let log = calls(&w);
+    for (i, (s, method)) in sessions.iter().enumerate() {
+        let token = s.resume_token.clone().unwrap();
+        let reopened: Vec<&Call> = log
+            .iter()
+            .filter(|c| {
+                c.session_id.as_deref() == Some(token.as_str())
+                    && (c.method == "session/resume" || c.method == "session/load")
+            })
+            .collect();
+        assert_eq!(reopened.len(), 1, "{}: reopened once: {reopened:?}", s.id);
+        let call = reopened[0];
+        assert_eq!(call.method, *method, "{call:?}");
+        assert!(
+            !old_pids.contains(&call.pid),
+            "a new agent process: {call:?}"
+        );
+        match *method {
+            "session/resume" => assert_eq!(call.replayed, Some(0), "{call:?}"),
+            _ => assert!(call.replayed.is_some_and(|n| n > 0), "{call:?}"),
+        }
+        assert_eq!(
+            w.all_messages(s.id).await.len(),
+            stored[i],
+            "{}: nothing stored twice by reopening",
+            s.id
+        );
+        w.track(s.id).await;
+        let reply = w.prompt(&mgr, s.id, "three").await;
+        assert_eq!(reply, expected_reply(3, &token, "three"));
+    }
+    let ids: Vec<SessionId> = sessions.iter().map(|(s, _)| s.id).collect();
+    w.finish(&mgr, &ids).await;
+}
+
+/// The backend dies while a create waits for a slow agent's conversation
+/// (agentctl up, the agent still starting, no resume token yet): nothing
+/// was said, so recovery opens the conversation by itself and the session
+/// comes up WAITING_FOR_INPUT (before: ERROR `missing_resume_token`, for a
+/// restart at the wrong moment).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_cut_by_a_crash_comes_up_by_itself() {
+    let w = World::new(Db::Sqlite).await;
+    let profile = w
+        .demo_profile("slow-start", &[("ACP_DEMO_STARTUP_MS", "3000")])
+        .await;
+    let mgr = w.manager_with(defaults());
+    let create = tokio::spawn({
+        let mgr = mgr.clone();
+        let req = sessiond_engine::NewSession {
+            task_id: w.task.id,
+            agent_profile_id: profile.id,
+            runtime: sessiond_domain::Runtime::LocalStandalone,
+            worktree: w.worktree("cut"),
+            remote: None,
+            metadata: Default::default(),
+            mcp_servers: Vec::new(),
+        };
+        async move { mgr.create_session(req).await }
+    });
+    // agentctl is up and recorded; the agent is still starting.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let session = loop {
+        let sessions = w.store.list_sessions(w.task.id).await.unwrap();
+        if let Some(s) = sessions.first()
+            && let Ok(Some(r)) = w.store.get_executor_for_session(s.id).await
+            && r.pid.is_some()
+            && r.status == ExecutorStatus::Ready
+        {
+            break s.clone();
+        }
+        assert!(Instant::now() < deadline, "agentctl never came up");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // The crash: the create's caller, the backend, agentctl and the agent.
+    create.abort();
+    mgr.shutdown();
+    drop(mgr);
+    kill_tree(w.record(session.id).await.pid.unwrap()).await;
+    let cut = w.store.get_session(session.id).await.unwrap();
+    assert_eq!(cut.state, SessionState::Starting, "{cut:?}");
+    assert!(cut.resume_token.is_none(), "{cut:?}");
+
+    let mgr = w.manager_with(defaults());
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Opened), 1, "{summary:?}");
+    assert_eq!((summary.failed, summary.not_back), (0, 0), "{summary:?}");
+    w.track(session.id).await;
+    let st = w.status(&mgr, session.id).await;
+    assert_eq!(st.state, SessionState::WaitingForInput, "{st:?}");
+    assert!(st.is_agent_running, "{st:?}");
+    let token = w.store.get_session(session.id).await.unwrap().resume_token;
+    let token = token.expect("the opened conversation is stored");
+    let reply = w.prompt(&mgr, session.id, "one").await;
+    assert_eq!(reply, expected_reply(1, &token, "one"));
+    w.finish(&mgr, &[session.id]).await;
+}

@@ -1,0 +1,32 @@
+//! sessiond-engine as users live it: real agentctl processes, the real
+//! acp-demo-agent, SQLite and a real PostgreSQL. A backend restart is a
+//! `shutdown()` of the manager (its tasks end, executors keep running) and a
+//! new manager on the same store.
+//!
+//! Needs `cargo build -p agentctl -p acp-demo-agent` first.
+
+#![allow(clippy::unwrap_used)]
+
+#[path = "../common/mod.rs"]
+mod common;
+mod support;
+
+mod background;
+mod claude;
+mod containment;
+mod crash;
+mod docker_down;
+mod docker_support;
+mod docker_worktrees;
+mod events;
+mod heavy;
+mod kill9;
+mod lifecycle;
+mod pending;
+mod private_engine;
+mod remote;
+mod remote_worktrees;
+mod restart;
+mod resume;
+mod turn_crash;
+mod worktrees;

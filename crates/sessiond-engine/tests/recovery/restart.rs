@@ -1,0 +1,383 @@
+use std::time::{Duration, Instant};
+
+use sessiond_domain::{ExecutorStatus, OutcomeLabel, SessionState, TaskState};
+use sessiond_proto::agentctl::v1 as pb;
+
+use crate::support::{Db, World, expected_reply, is_running, kill_tree};
+
+/// Restart with agentctl alive: reattached (same pid, nothing launched), no
+/// new event, the conversation continues with the next turn.
+async fn restart_reattaches(db: Db) {
+    let w = World::new(db).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "a").await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    w.prompt(&mgr, s.id, "two").await;
+    let before = w.record(s.id).await;
+    let events_before = w.store.last_event_seq(s.id).await.unwrap();
+    mgr.shutdown();
+    drop(mgr);
+
+    let mgr = w.manager();
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.total, 1);
+    assert_eq!(summary.count(OutcomeLabel::Reattached), 1, "{summary:?}");
+    assert_eq!(mgr.stats().agentctl_launches, 0);
+    assert_eq!(mgr.stats().agent_launches, 0);
+    let after = w.record(s.id).await;
+    assert_eq!(after.pid, before.pid, "same agentctl process");
+    assert_eq!(after.generation, before.generation);
+    assert!(
+        after.last_seen_at > before.last_seen_at,
+        "the reattach stored a fresh last_seen_at"
+    );
+    assert!(is_running(after.pid.unwrap()));
+    // What `sessiond serve` does before SERVING: the session's status inputs
+    // come from one batched read, then from memory (and commits).
+    assert_eq!(mgr.load_status_snapshot().await.unwrap(), 1);
+    assert_eq!(
+        mgr.load_status_snapshot().await.unwrap(),
+        0,
+        "entries present are kept"
+    );
+    assert_eq!(
+        w.store.last_event_seq(s.id).await.unwrap(),
+        events_before,
+        "a restart that changes nothing publishes nothing"
+    );
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::WaitingForInput);
+    assert_eq!(st.executor_status, Some(ExecutorStatus::Ready));
+    assert!(st.is_agent_running);
+    assert_eq!(
+        w.store.get_task(w.task.id).await.unwrap().state,
+        TaskState::Review
+    );
+
+    let reply = w.prompt(&mgr, s.id, "three").await;
+    assert_eq!(reply, expected_reply(3, &token, "three"));
+    w.finish(&mgr, &[s.id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_reattaches_sqlite() {
+    restart_reattaches(Db::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_reattaches_postgres() {
+    restart_reattaches(Db::Postgres).await;
+}
+
+/// agentctl (and its agent) killed while the backend is down: a new
+/// agentctl (generation + 1), the agent resumed from its token via
+/// session/load; the conversation continues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_agentctl_is_relaunched_and_resumed() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "a").await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    w.prompt(&mgr, s.id, "two").await;
+    mgr.shutdown();
+    drop(mgr);
+    let old = w.record(s.id).await;
+    kill_tree(old.pid.unwrap()).await;
+
+    let mgr = w.manager();
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
+    assert_eq!(mgr.stats().agentctl_launches, 1);
+    assert_eq!(mgr.stats().agent_launches, 1);
+    let new = w.record(s.id).await;
+    w.track(s.id).await;
+    assert_eq!(new.generation, old.generation + 1);
+    assert_ne!(new.pid, old.pid);
+    assert_eq!(new.status, ExecutorStatus::Ready);
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::WaitingForInput);
+    assert!(st.is_agent_running);
+
+    let reply = w.prompt(&mgr, s.id, "three").await;
+    assert_eq!(reply, expected_reply(3, &token, "three"));
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// Our own agentctl hung while the backend was down (SIGSTOPped: alive,
+/// pid and start time as recorded, no answer to Health): recovery ends it
+/// and launches a new one (generation + 1), the agent is resumed from its
+/// token and the conversation continues; the hung process is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hung_agentctl_is_ended_and_relaunched() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "hung").await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    let old = w.record(s.id).await;
+    let pid = old.pid.unwrap();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid as i32).unwrap(),
+        rustix::process::Signal::STOP,
+    )
+    .unwrap();
+
+    let mgr = w.manager();
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
+    assert!(!is_running(pid), "the hung agentctl {pid} was ended");
+    assert_eq!(mgr.stats().agentctl_launches, 1);
+    let new = w.record(s.id).await;
+    w.track(s.id).await;
+    assert_eq!(new.generation, old.generation + 1);
+    assert_ne!(new.pid, old.pid);
+    assert_eq!(new.status, ExecutorStatus::Ready);
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::WaitingForInput);
+    assert!(st.is_agent_running);
+    let reply = w.prompt(&mgr, s.id, "two").await;
+    assert_eq!(reply, expected_reply(2, &token, "two"));
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// Worktree deleted while down: executor error, session ERROR with the
+/// reason, and no agentctl launched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_worktree_is_error_without_launch() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "gone").await;
+    mgr.shutdown();
+    drop(mgr);
+    let old = w.record(s.id).await;
+    kill_tree(old.pid.unwrap()).await;
+    std::fs::remove_dir_all(&s.worktree.path).unwrap();
+
+    let mgr = w.manager();
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::ExecutorError), 1, "{summary:?}");
+    assert_eq!(mgr.stats().agentctl_launches, 0, "nothing launched");
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::Error);
+    assert_eq!(st.executor_status, Some(ExecutorStatus::Error));
+    let msg = st.error_message.unwrap();
+    assert!(msg.starts_with("worktree_missing:"), "{msg}");
+    assert!(msg.contains(&s.worktree.path), "{msg}");
+    // An explicit resume says why it cannot.
+    let err = mgr.resume_session(w.task.id, s.id).await.unwrap_err();
+    assert!(
+        matches!(err, sessiond_engine::Error::WorktreeMissing { .. }),
+        "{err}"
+    );
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// An agent without loadSession or session/resume (the probe lowers the
+/// profile's claim): after losing the agent, the session is ERROR
+/// not_resumable, while the workspace (exec, files) works through the
+/// relaunched agentctl.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_without_load_session_is_not_resumable_but_workspace_works() {
+    let w = World::new(Db::Sqlite).await;
+    let profile = w
+        .demo_profile(
+            "no-load",
+            &[
+                ("ACP_DEMO_NO_LOAD_SESSION", "1"),
+                ("ACP_DEMO_NO_RESUME_SESSION", "1"),
+            ],
+        )
+        .await;
+    let mgr = w.manager();
+    let s = w.create_with(&mgr, "nl", &profile, None).await;
+    assert_eq!(s.state, SessionState::WaitingForInput);
+    assert!(
+        !w.record(s.id).await.supports_session_resume,
+        "probe lowered the claim"
+    );
+    let st = w.status(&mgr, s.id).await;
+    assert!(!st.is_resumable);
+    mgr.shutdown();
+    drop(mgr);
+    kill_tree(w.record(s.id).await.pid.unwrap()).await;
+
+    let mgr = w.manager();
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::NotResumable), 1, "{summary:?}");
+    assert_eq!(mgr.stats().agent_launches, 0);
+    w.track(s.id).await;
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::Error);
+    assert_eq!(st.resume_reason.as_str(), "not_resumable");
+    assert!(st.error_message.unwrap().starts_with("not_resumable:"));
+    assert_eq!(st.executor_status, Some(ExecutorStatus::Ready));
+    workspace_works(&w, &mgr, s.id).await;
+    let err = mgr.resume_session(w.task.id, s.id).await.unwrap_err();
+    assert!(
+        matches!(err, sessiond_engine::Error::NotResumable { .. }),
+        "{err}"
+    );
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// The agent rejects the token (failing session/load): session ERROR with
+/// the reason, executor ready, workspace usable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejected_token_is_error_but_workspace_usable() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "rej").await;
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    kill_tree(w.record(s.id).await.pid.unwrap()).await;
+    // While down, the agent starts failing every session/load.
+    w.demo_profile("demo", &[("ACP_DEMO_FAIL_LOAD", "1")]).await;
+
+    let mgr = w.manager();
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::ResumeFailed), 1, "{summary:?}");
+    w.track(s.id).await;
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::Error);
+    let msg = st.error_message.unwrap();
+    assert!(msg.starts_with("resume_failed:"), "{msg}");
+    assert!(msg.contains("fail session/load"), "{msg}");
+    assert_eq!(st.executor_status, Some(ExecutorStatus::Ready));
+    assert!(!st.is_agent_running);
+    workspace_works(&w, &mgr, s.id).await;
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// Writes, reads and runs a command through the session's agentctl.
+async fn workspace_works(
+    w: &World,
+    mgr: &sessiond_engine::SessionManager,
+    s: sessiond_domain::SessionId,
+) {
+    let exec = mgr.execution(s).expect("execution cached");
+    let mut raw = w.agentctl(&exec.record).raw();
+    raw.write_file(pb::WriteFileRequest {
+        path: "note.txt".into(),
+        content: b"still here".to_vec(),
+        create_parents: false,
+    })
+    .await
+    .unwrap();
+    let read = raw
+        .read_file(pb::ReadFileRequest {
+            path: "note.txt".into(),
+            max_bytes: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(read.content, b"still here");
+    let out = raw
+        .exec(pb::ExecRequest {
+            command: "cat".into(),
+            args: vec!["note.txt".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(out.exit_code, Some(0));
+    assert_eq!(out.stdout, b"still here");
+}
+
+/// Recovery of several sessions at once (bounded concurrency): prints the
+/// time it took for both paths (reattach, relaunch + resume).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_of_many_sessions() {
+    const N: usize = 6;
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let mut ids = Vec::new();
+    for i in 0..N {
+        ids.push(w.create(&mgr, &format!("m{i}")).await.id);
+    }
+    mgr.shutdown();
+    drop(mgr);
+
+    let mgr = w.manager();
+    let started = Instant::now();
+    let summary = mgr.recover_all().await.unwrap();
+    eprintln!(
+        "recovery of {N} live sessions (reattach): {:?}",
+        started.elapsed()
+    );
+    assert_eq!(summary.count(OutcomeLabel::Reattached), N, "{summary:?}");
+    mgr.shutdown();
+    drop(mgr);
+
+    for id in &ids {
+        kill_tree(w.record(*id).await.pid.unwrap()).await;
+    }
+    let mgr = w.manager();
+    let started = Instant::now();
+    let summary = mgr.recover_all().await.unwrap();
+    eprintln!(
+        "recovery of {N} lost sessions (relaunch + resume): {:?}",
+        started.elapsed()
+    );
+    assert_eq!(summary.count(OutcomeLabel::Resumed), N, "{summary:?}");
+    for id in &ids {
+        w.track(*id).await;
+        assert!(w.status(&mgr, *id).await.is_agent_running);
+    }
+    w.finish(&mgr, &ids).await;
+}
+
+/// A backend killed between LaunchAgent and ResumeSession leaves agentctl
+/// with an idle agent that has no conversation open (Health: READY, no ACP
+/// session). Recovery must resume it on that agent (no second agent), not
+/// reattach to it: a reattached session-less agent fails the next Prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_without_open_session_is_resumed_not_reattached() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "a").await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    let record = w.record(s.id).await;
+    mgr.shutdown();
+    drop(mgr);
+
+    // What the dead backend's half-done resume left: a fresh agent, no session.
+    let client = w.agentctl(&record);
+    client.stop_agent(Duration::from_secs(2)).await.unwrap();
+    client
+        .raw()
+        .launch_agent(pb::LaunchAgentRequest {
+            command: w.profile.command.clone(),
+            args: w.profile.args.clone(),
+            env: w.profile.env.clone().into_iter().collect(),
+            profile_supports_session_resume: true,
+            initialize_timeout_ms: 10_000,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let h = client.health().await.unwrap();
+    assert_eq!(h.agent_state, sessiond_executor::AgentState::Ready);
+    assert!(h.acp_session_id.is_empty(), "no conversation open: {h:?}");
+
+    let mgr = w.manager();
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
+    assert_eq!(mgr.stats().agentctl_launches, 0);
+    assert_eq!(mgr.stats().agent_launches, 0, "the running agent is reused");
+    let h = client.health().await.unwrap();
+    assert_eq!(
+        h.acp_session_id, token,
+        "the session's conversation is open"
+    );
+    let reply = w.prompt(&mgr, s.id, "two").await;
+    assert_eq!(reply, expected_reply(2, &token, "two"));
+    w.finish(&mgr, &[s.id]).await;
+}

@@ -1,0 +1,496 @@
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use chrono::Utc;
+use futures::StreamExt;
+use sessiond_domain::{
+    AgentProfile, AgentProfileId, Event, ExecutorRecord, Message, MessageRole, Runtime, Session,
+    SessionId, SessionState, SessionStatus, Task, TaskId, TaskState, Worktree,
+};
+use sessiond_engine::{ManagerConfig, NewSession, RemoteAgentctl, SessionManager};
+use sessiond_executor::{Backoff, Executor, process};
+use sessiond_store::{Store, StoreOptions};
+
+pub use crate::common::{bin, children_of, is_running, kill9};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Db {
+    Sqlite,
+    Postgres,
+}
+
+#[allow(dead_code)] // held for Drop
+enum DbGuard {
+    None,
+    Postgres(sessiond_testkit::postgres::TestDatabase),
+}
+
+/// Everything one test owns: a store, directories, a task, profiles, and
+/// the processes it must leave behind none of.
+pub struct World {
+    pub store: Store,
+    pub dir: tempfile::TempDir,
+    pub task: Task,
+    pub profile: AgentProfile,
+    pub procs: Procs,
+    _db: DbGuard,
+}
+
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "sessiond_engine=info".into()),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+impl World {
+    pub async fn new(db: Db) -> World {
+        init_tracing();
+        let dir = tempfile::tempdir().unwrap();
+        let (store, guard) = match db {
+            Db::Sqlite => {
+                let url = format!("sqlite://{}", dir.path().join("sessiond.db").display());
+                (
+                    Store::connect(&url, StoreOptions::default()).await.unwrap(),
+                    DbGuard::None,
+                )
+            }
+            Db::Postgres => {
+                let tdb = tokio::task::spawn_blocking(sessiond_testkit::postgres::test_database)
+                    .await
+                    .unwrap();
+                (
+                    Store::connect(tdb.url(), StoreOptions::default())
+                        .await
+                        .unwrap(),
+                    DbGuard::Postgres(tdb),
+                )
+            }
+        };
+        let now = Utc::now();
+        let task = store
+            .create_task(&Task {
+                id: TaskId::new(),
+                title: "recovery test".into(),
+                state: TaskState::Todo,
+                created_at: now,
+                updated_at: now,
+            })
+            .await
+            .unwrap();
+        let mut w = World {
+            store,
+            task,
+            profile: placeholder_profile(),
+            procs: Procs::default(),
+            dir,
+            _db: guard,
+        };
+        w.profile = w.demo_profile("demo", &[]).await;
+        w
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    /// A demo-agent profile with `ACP_DEMO_*` switches.
+    pub async fn demo_profile(&self, name: &str, env: &[(&str, &str)]) -> AgentProfile {
+        self.profile_with(name, env, true).await
+    }
+
+    pub async fn profile_with(
+        &self,
+        name: &str,
+        env: &[(&str, &str)],
+        claims_resume: bool,
+    ) -> AgentProfile {
+        let args = [
+            "--state-dir".to_owned(),
+            self.path("agent-state").display().to_string(),
+        ];
+        let command = bin("acp-demo-agent").display().to_string();
+        self.upsert_profile(name, &command, &args, env, claims_resume)
+            .await
+    }
+
+    /// Stores a profile running `command args` with `env` (policy allow).
+    pub async fn upsert_profile(
+        &self,
+        name: &str,
+        command: &str,
+        args: &[String],
+        env: &[(&str, &str)],
+        claims_resume: bool,
+    ) -> AgentProfile {
+        let now = Utc::now();
+        self.store
+            .upsert_agent_profile(&AgentProfile {
+                id: AgentProfileId::new(),
+                name: name.into(),
+                command: command.into(),
+                args: args.to_vec(),
+                env: env
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+                supports_session_resume: claims_resume,
+                container: None,
+                auth_method: None,
+                permission_policy: sessiond_domain::PermissionPolicy::Allow,
+                permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
+                config_defaults: Default::default(),
+                mcp_servers: Vec::new(),
+                created_at: now,
+                updated_at: now,
+            })
+            .await
+            .unwrap()
+    }
+
+    pub fn worktree(&self, name: &str) -> Worktree {
+        let path = self.path(&format!("wt-{name}"));
+        std::fs::create_dir_all(&path).unwrap();
+        // Docker containers run as the worktree's owner, never as root.
+        std::os::unix::fs::chown(&path, Some(1000), Some(1000)).unwrap();
+        Worktree {
+            id: name.into(),
+            path: path.display().to_string(),
+            branch: format!("sessiond/{name}"),
+            ..Default::default()
+        }
+    }
+
+    pub fn config(&self) -> ManagerConfig {
+        ManagerConfig {
+            executor_deadline: Duration::from_secs(10),
+            remote_retry_window: Duration::from_secs(120),
+            remote_backoff: Backoff {
+                initial: Duration::from_millis(100),
+                max: Duration::from_millis(800),
+            },
+            agent_initialize_timeout: Duration::from_secs(10),
+            agent_stop_grace: Duration::from_secs(2),
+            ..ManagerConfig::default()
+        }
+    }
+
+    pub fn drivers(&self) -> Vec<Arc<dyn Executor>> {
+        drivers_in(self.dir.path())
+    }
+}
+
+/// The drivers of a world whose directory is `dir` (also for a child backend).
+pub fn drivers_in(dir: &Path) -> Vec<Arc<dyn Executor>> {
+    crate::common::local_drivers(dir)
+}
+
+impl World {
+    pub fn manager(&self) -> SessionManager {
+        self.manager_with(self.config())
+    }
+
+    pub fn manager_with(&self, config: ManagerConfig) -> SessionManager {
+        SessionManager::new(self.store.clone(), self.drivers(), config)
+    }
+
+    pub async fn create(&self, mgr: &SessionManager, name: &str) -> Session {
+        self.create_with(mgr, name, &self.profile, None).await
+    }
+
+    pub async fn create_with(
+        &self,
+        mgr: &SessionManager,
+        name: &str,
+        profile: &AgentProfile,
+        remote: Option<RemoteAgentctl>,
+    ) -> Session {
+        let runtime = if remote.is_some() {
+            Runtime::Remote
+        } else {
+            Runtime::LocalStandalone
+        };
+        self.create_rt(mgr, name, profile, runtime, remote).await
+    }
+
+    pub async fn create_rt(
+        &self,
+        mgr: &SessionManager,
+        name: &str,
+        profile: &AgentProfile,
+        runtime: Runtime,
+        remote: Option<RemoteAgentctl>,
+    ) -> Session {
+        let s = mgr
+            .create_session(NewSession {
+                task_id: self.task.id,
+                agent_profile_id: profile.id,
+                runtime,
+                worktree: self.worktree(name),
+                remote,
+                metadata: BTreeMap::new(),
+                mcp_servers: Vec::new(),
+            })
+            .await
+            .unwrap();
+        self.track(s.id).await;
+        s
+    }
+
+    /// A client of the record's agentctl, made by its runtime's driver.
+    pub fn agentctl(&self, record: &ExecutorRecord) -> sessiond_executor::AgentctlClient {
+        self.drivers()
+            .iter()
+            .find(|d| d.runtime() == record.runtime)
+            .unwrap()
+            .client(&sessiond_executor::ExecutorHandle::from_record(record))
+            .unwrap()
+    }
+
+    pub async fn record(&self, session: SessionId) -> ExecutorRecord {
+        self.store
+            .get_executor_for_session(session)
+            .await
+            .unwrap()
+            .unwrap()
+    }
+
+    /// Remembers the session's agentctl and its agent, to check at the end.
+    pub async fn track(&self, session: SessionId) {
+        if let Some(r) = self.store.get_executor_for_session(session).await.unwrap()
+            && let (Some(pid), Some(st)) = (r.pid, r.pid_start_time)
+        {
+            self.procs.add(pid, st);
+            for child in children_of(pid) {
+                if let Some(cst) = process::start_time(child) {
+                    self.procs.add(child, cst);
+                }
+            }
+        }
+    }
+
+    /// Sends a message and waits for the turn to end; returns the reply.
+    pub async fn prompt(&self, mgr: &SessionManager, session: SessionId, text: &str) -> String {
+        let before = self.messages(session).await.len();
+        mgr.send_message(self.task.id, session, text).await.unwrap();
+        self.wait_state(mgr, session, SessionState::WaitingForInput)
+            .await;
+        let msgs = self.messages(session).await;
+        assert_eq!(msgs.len(), before + 2, "one user and one agent message");
+        let reply = msgs.last().unwrap();
+        assert_eq!(reply.role, MessageRole::Agent);
+        assert!(reply.complete, "reply complete after the turn");
+        reply.content.clone()
+    }
+
+    /// The conversation's text (user messages, replies, system notes),
+    /// without the agent's activity parts.
+    pub async fn messages(&self, session: SessionId) -> Vec<Message> {
+        let mut all = self.all_messages(session).await;
+        all.retain(|m| m.kind == sessiond_domain::MessageKind::Text);
+        all
+    }
+
+    /// Every stored message, activity parts included.
+    pub async fn all_messages(&self, session: SessionId) -> Vec<Message> {
+        self.store.list_messages(session, 0, 10_000).await.unwrap()
+    }
+
+    pub async fn status(&self, mgr: &SessionManager, session: SessionId) -> SessionStatus {
+        mgr.session_status(self.task.id, session).await.unwrap()
+    }
+
+    pub async fn wait_state(&self, mgr: &SessionManager, session: SessionId, state: SessionState) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let st = self.status(mgr, session).await;
+            if st.state == state {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "session {session} stayed {} ({:?}), expected {state}",
+                st.state,
+                st.error_message
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub async fn events(&self, session: SessionId) -> Vec<Event> {
+        self.store.events_after(session, 0, 100_000).await.unwrap()
+    }
+
+    /// Ends the sessions, stops the manager and asserts that no process this
+    /// test started is left.
+    pub async fn finish(self, mgr: &SessionManager, sessions: &[SessionId]) {
+        for s in sessions {
+            let _ = mgr.cancel_session(self.task.id, *s).await;
+        }
+        mgr.shutdown();
+        self.procs.assert_all_gone().await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.strays().is_empty() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let strays = self.strays();
+        assert!(
+            strays.is_empty(),
+            "untracked processes of this test left: {strays:?}"
+        );
+    }
+}
+
+fn placeholder_profile() -> AgentProfile {
+    let now = Utc::now();
+    AgentProfile {
+        id: AgentProfileId::new(),
+        name: String::new(),
+        command: String::new(),
+        args: Vec::new(),
+        env: BTreeMap::new(),
+        supports_session_resume: false,
+        container: None,
+        auth_method: None,
+        permission_policy: sessiond_domain::PermissionPolicy::Allow,
+        permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
+        config_defaults: Default::default(),
+        mcp_servers: Vec::new(),
+        created_at: now,
+        updated_at: now,
+    }
+}
+
+impl Drop for World {
+    /// A failed test may not have tracked everything it started: end every
+    /// agentctl and agent whose command line names this world's directory.
+    fn drop(&mut self) {
+        for pid in self.strays() {
+            kill9(pid);
+        }
+    }
+}
+
+impl World {
+    /// Running agentctl and agent processes whose command line names this
+    /// world's directory (so: started for this test).
+    pub fn strays(&self) -> Vec<u32> {
+        let marker = self.dir.path().display().to_string();
+        let mut out = Vec::new();
+        for e in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                continue;
+            };
+            let text = String::from_utf8_lossy(&cmdline);
+            if (text.contains("agentctl") || text.contains("acp-demo-agent"))
+                && text.contains(&marker)
+                && is_running(pid)
+            {
+                out.push(pid);
+            }
+        }
+        out
+    }
+}
+
+/// Processes a test started (pid, start time); killed on drop if still running.
+#[derive(Default, Clone)]
+pub struct Procs(Arc<Mutex<Vec<(u32, u64)>>>);
+
+impl Procs {
+    pub fn add(&self, pid: u32, start_time: u64) {
+        let mut v = self.0.lock().unwrap();
+        if !v.contains(&(pid, start_time)) {
+            v.push((pid, start_time));
+        }
+    }
+
+    pub fn running(&self) -> Vec<u32> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(p, st)| process::is_same_running(*p, *st))
+            .map(|(p, _)| *p)
+            .collect()
+    }
+
+    pub async fn assert_all_gone(&self) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !self.running().is_empty() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let left = self.running();
+        assert!(left.is_empty(), "processes left running: {left:?}");
+    }
+}
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        if Arc::strong_count(&self.0) > 1 {
+            return;
+        }
+        for pid in self.running() {
+            kill9(pid);
+        }
+    }
+}
+
+/// Kills an agentctl and its agent as a crash of the machine would, and
+/// waits until they are gone.
+pub async fn kill_tree(pid: u32) {
+    let kids = children_of(pid);
+    kill9(pid);
+    for k in &kids {
+        kill9(*k);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while (is_running(pid) || kids.iter().any(|k| is_running(*k))) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!is_running(pid), "agentctl {pid} survived kill -9");
+}
+
+/// Collects events from a watch stream until `done` holds for the last one
+/// (or the time is up).
+pub async fn collect_until(
+    stream: &mut sessiond_engine::EventStream,
+    mut done: impl FnMut(&Event) -> bool,
+) -> Vec<Event> {
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let next = tokio::time::timeout(remaining, stream.next())
+            .await
+            .expect("watch stream stalled")
+            .expect("watch stream ended")
+            .unwrap();
+        let stop = done(&next);
+        out.push(std::sync::Arc::unwrap_or_clone(next));
+        if stop {
+            return out;
+        }
+    }
+}
+
+/// Asserts seqs are consecutive from `first`.
+pub fn assert_consecutive(events: &[Event], first: i64) {
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e.seq, first + i as i64, "event {i} of {events:?}");
+    }
+}
+
+pub fn expected_reply(n: usize, token: &str, text: &str) -> String {
+    format!("turn {n} of session {token}: you said \"{text}\"")
+}

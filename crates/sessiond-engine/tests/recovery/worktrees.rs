@@ -1,0 +1,434 @@
+//! Worktrees sessiond creates from a repository, with real git, real
+//! agentctl and the demo agent: isolated per session, recreated from their
+//! branch after a crash, never removed with work in them.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use sessiond_domain::{
+    OutcomeLabel, Runtime, Session, SessionState, Worktree, worktree::RemovalRequest,
+};
+use sessiond_engine::{ManagerConfig, NewSession, SessionManager, WorktreeSettings};
+
+use crate::support::{Db, World, expected_reply, kill_tree};
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(["-c", "user.name=t", "-c", "user.email=t@example.com"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// A repository with one commit on `main` holding `notes.txt`.
+fn repository(w: &World) -> PathBuf {
+    let repo = w.path("repo");
+    std::fs::create_dir_all(&repo).unwrap();
+    git(&repo, &["init", "-q", "-b", "main"]);
+    std::fs::write(repo.join("notes.txt"), "original\n").unwrap();
+    git(&repo, &["add", "notes.txt"]);
+    git(&repo, &["commit", "-q", "-m", "init"]);
+    repo
+}
+
+fn config(w: &World) -> ManagerConfig {
+    ManagerConfig {
+        worktrees: WorktreeSettings {
+            dirs: vec![(Runtime::LocalStandalone, w.path("worktrees"))],
+            branch_prefix: "sessiond".into(),
+        },
+        ..w.config()
+    }
+}
+
+fn from_repo(repo: &Path, base: &str) -> Worktree {
+    Worktree {
+        repository: repo.display().to_string(),
+        base: base.into(),
+        ..Worktree::default()
+    }
+}
+
+async fn create(
+    w: &World,
+    mgr: &SessionManager,
+    worktree: Worktree,
+) -> Result<Session, sessiond_engine::Error> {
+    let s = mgr
+        .create_session(NewSession {
+            task_id: w.task.id,
+            agent_profile_id: w.profile.id,
+            runtime: Runtime::LocalStandalone,
+            worktree,
+            remote: None,
+            metadata: BTreeMap::new(),
+            mcp_servers: Vec::new(),
+        })
+        .await?;
+    w.track(s.id).await;
+    Ok(s)
+}
+
+fn branch_exists(repo: &Path, branch: &str) -> bool {
+    Command::new("git")
+        .arg("-C")
+        .arg(repo)
+        .args(["rev-parse", "--verify", "--quiet"])
+        .arg(format!("refs/heads/{branch}"))
+        .output()
+        .unwrap()
+        .status
+        .success()
+}
+
+/// Two sessions of one task on one repository each get a worktree on a
+/// branch of their own; the same file edited by both agents differs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_sessions_of_one_task_edit_the_same_file_apart() {
+    let w = World::new(Db::Sqlite).await;
+    let repo = repository(&w);
+    let mgr = w.manager_with(config(&w));
+    let a = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
+    let b = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
+    for s in [&a, &b] {
+        assert_eq!(
+            s.state,
+            SessionState::WaitingForInput,
+            "{:?}",
+            s.error_message
+        );
+        assert!(
+            s.worktree.branch.starts_with("sessiond/")
+                && s.worktree.branch.ends_with("-recovery-test"),
+            "{}",
+            s.worktree.branch
+        );
+        assert!(
+            s.worktree
+                .path
+                .starts_with(&w.path("worktrees").display().to_string())
+        );
+        assert_eq!(s.worktree.base, "main");
+        let path = Path::new(&s.worktree.path);
+        assert_eq!(
+            git(path, &["symbolic-ref", "--short", "HEAD"]),
+            s.worktree.branch
+        );
+        // Stored with the session and its executor.
+        let stored = w.store.get_session(s.id).await.unwrap();
+        assert_eq!(stored.worktree, s.worktree);
+        assert_eq!(w.record(s.id).await.worktree, s.worktree);
+    }
+    assert_ne!(a.worktree.branch, b.worktree.branch);
+    assert_ne!(a.worktree.path, b.worktree.path);
+
+    w.prompt(&mgr, a.id, "/edit notes.txt from a").await;
+    w.prompt(&mgr, b.id, "/edit notes.txt from b").await;
+    let read = |s: &Session| {
+        std::fs::read_to_string(Path::new(&s.worktree.path).join("notes.txt")).unwrap()
+    };
+    assert_eq!(read(&a), "from a");
+    assert_eq!(read(&b), "from b");
+    assert_eq!(
+        std::fs::read_to_string(repo.join("notes.txt")).unwrap(),
+        "original\n",
+        "the repository's own working tree is untouched"
+    );
+    w.finish(&mgr, &[a.id, b.id]).await;
+}
+
+/// Everything killed with SIGKILL, then the worktree directory removed:
+/// recovery checks it out again from the session's branch (committed work
+/// included) before it relaunches the agent, and the conversation goes on.
+async fn a_removed_worktree_is_recreated_from_its_branch_after_kill9(db: Db) {
+    let w = World::new(db).await;
+    let repo = repository(&w);
+    let mgr = w.manager_with(config(&w));
+    let s = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
+    let token = s.resume_token.clone().unwrap();
+    let path = PathBuf::from(&s.worktree.path);
+    w.prompt(&mgr, s.id, "/edit notes.txt committed work").await;
+    git(&path, &["commit", "-q", "-am", "work"]);
+    let head = git(&path, &["rev-parse", "HEAD"]);
+
+    mgr.shutdown();
+    drop(mgr);
+    kill_tree(w.record(s.id).await.pid.unwrap()).await;
+    std::fs::remove_dir_all(&path).unwrap();
+
+    let mgr = w.manager_with(config(&w));
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
+    w.track(s.id).await;
+    assert!(path.is_dir(), "recreated");
+    assert_eq!(
+        git(&path, &["symbolic-ref", "--short", "HEAD"]),
+        s.worktree.branch
+    );
+    assert_eq!(git(&path, &["rev-parse", "HEAD"]), head);
+    assert_eq!(
+        std::fs::read_to_string(path.join("notes.txt")).unwrap(),
+        "committed work"
+    );
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::WaitingForInput);
+    let reply = w.prompt(&mgr, s.id, "still there?").await;
+    assert_eq!(reply, expected_reply(2, &token, "still there?"));
+    w.finish(&mgr, &[s.id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_worktree_is_recreated_from_its_branch_after_kill9_sqlite() {
+    a_removed_worktree_is_recreated_from_its_branch_after_kill9(Db::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_worktree_is_recreated_from_its_branch_after_kill9_postgres() {
+    a_removed_worktree_is_recreated_from_its_branch_after_kill9(Db::Postgres).await;
+}
+
+/// Directory and branch both gone: the session goes ERROR naming the
+/// branch; nothing is made up from the base in its place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worktree_whose_branch_is_gone_is_an_error_naming_it() {
+    let w = World::new(Db::Sqlite).await;
+    let repo = repository(&w);
+    let mgr = w.manager_with(config(&w));
+    let s = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
+    mgr.shutdown();
+    drop(mgr);
+    kill_tree(w.record(s.id).await.pid.unwrap()).await;
+    std::fs::remove_dir_all(&s.worktree.path).unwrap();
+    git(&repo, &["worktree", "prune"]);
+    git(&repo, &["branch", "-D", &s.worktree.branch]);
+
+    let mgr = w.manager_with(config(&w));
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::ExecutorError), 1, "{summary:?}");
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::Error);
+    let why = st.error_message.unwrap_or_default();
+    assert!(
+        why.starts_with("worktree_branch_missing: ") && why.contains(&s.worktree.branch),
+        "{why}"
+    );
+    assert!(!Path::new(&s.worktree.path).exists(), "nothing made up");
+    assert!(!branch_exists(&repo, &s.worktree.branch));
+    // An explicit resume says the same.
+    let err = mgr.resume_session(w.task.id, s.id).await.unwrap_err();
+    assert!(err.to_string().contains(&s.worktree.branch), "{err}");
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// Delete never loses work: uncommitted files, then commits only the
+/// branch holds, refuse it (naming them) and leave everything in place;
+/// discard removes the worktree but keeps the unmerged branch; a clean,
+/// merged worktree goes with its branch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_keeps_work_and_removes_a_clean_worktree() {
+    let w = World::new(Db::Sqlite).await;
+    let repo = repository(&w);
+    let mgr = w.manager_with(config(&w));
+    let s = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
+    let path = PathBuf::from(&s.worktree.path);
+    std::fs::write(path.join("draft.txt"), "unsaved").unwrap();
+
+    let err = mgr.delete_session(w.task.id, s.id).await.unwrap_err();
+    assert_eq!(err.kind(), sessiond_engine::ErrorKind::FailedPrecondition);
+    let m = err.to_string();
+    assert!(
+        m.contains("1 file(s) with uncommitted changes (draft.txt)"),
+        "{m}"
+    );
+    assert!(m.contains("discard") && m.contains("keep_worktree"), "{m}");
+    assert_eq!(
+        std::fs::read_to_string(path.join("draft.txt")).unwrap(),
+        "unsaved"
+    );
+    let still = w.status(&mgr, s.id).await;
+    assert_eq!(
+        still.state,
+        SessionState::WaitingForInput,
+        "refused before anything was stopped"
+    );
+
+    git(&path, &["add", "draft.txt"]);
+    git(&path, &["commit", "-q", "-m", "draft"]);
+    let m = mgr
+        .delete_session(w.task.id, s.id)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        m.contains(&format!(
+            "1 commit(s) found only on branch {}",
+            s.worktree.branch
+        )),
+        "{m}"
+    );
+    assert!(path.is_dir());
+
+    mgr.delete_session_with(
+        w.task.id,
+        s.id,
+        RemovalRequest {
+            discard: true,
+            ..RemovalRequest::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert!(!path.exists(), "worktree removed");
+    assert!(
+        branch_exists(&repo, &s.worktree.branch),
+        "the unmerged branch stays: it was not asked to go"
+    );
+    let listed = git(&repo, &["worktree", "list", "--porcelain"]);
+    assert!(!listed.contains(&s.worktree.path), "{listed}");
+
+    let clean = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
+    mgr.delete_session(w.task.id, clean.id).await.unwrap();
+    assert!(!Path::new(&clean.worktree.path).exists());
+    assert!(
+        !branch_exists(&repo, &clean.worktree.branch),
+        "merged: removed"
+    );
+
+    let kept = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
+    std::fs::write(Path::new(&kept.worktree.path).join("x"), "x").unwrap();
+    mgr.delete_session_with(
+        w.task.id,
+        kept.id,
+        RemovalRequest {
+            keep: true,
+            ..RemovalRequest::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert!(
+        Path::new(&kept.worktree.path).join("x").is_file(),
+        "kept as asked"
+    );
+    assert!(branch_exists(&repo, &kept.worktree.branch));
+    w.finish(&mgr, &[]).await;
+}
+
+/// Bad input is refused precisely and creates nothing: no session, no
+/// directory, no branch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_creates_nothing() {
+    use sessiond_engine::ErrorKind as K;
+    let w = World::new(Db::Sqlite).await;
+    let repo = repository(&w);
+    let mgr = w.manager_with(config(&w));
+    let plain = w.path("plain");
+    std::fs::create_dir_all(&plain).unwrap();
+    git(&repo, &["branch", "taken"]);
+
+    let cases = [
+        (
+            from_repo(&plain, "main"),
+            K::InvalidArgument,
+            "is not a git repository",
+        ),
+        (
+            from_repo(&repo, "nope"),
+            K::InvalidArgument,
+            "base: \"nope\" is not a branch",
+        ),
+        (from_repo(&repo, ""), K::InvalidArgument, "base: required"),
+        (
+            Worktree {
+                branch: "taken".into(),
+                ..from_repo(&repo, "main")
+            },
+            K::FailedPrecondition,
+            "branch \"taken\" already exists",
+        ),
+    ];
+    for (worktree, kind, says) in cases {
+        let err = create(&w, &mgr, worktree).await.unwrap_err();
+        assert_eq!(err.kind(), kind, "{err}");
+        assert!(err.to_string().contains(says), "{err}");
+    }
+    // A runtime without a worktrees dir cannot create one.
+    let bare = w.manager();
+    let err = create(&w, &bare, from_repo(&repo, "main"))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("executors.worktrees_dir"), "{err}");
+
+    assert!(w.store.list_sessions(w.task.id).await.unwrap().is_empty());
+    assert!(
+        !w.path("worktrees").exists()
+            || std::fs::read_dir(w.path("worktrees"))
+                .unwrap()
+                .next()
+                .is_none()
+    );
+    let branches = git(&repo, &["branch", "--format=%(refname:short)"]);
+    assert_eq!(branches.lines().collect::<Vec<_>>(), ["main", "taken"]);
+    bare.shutdown();
+    w.finish(&mgr, &[]).await;
+}
+
+/// Sessions of one task created at once from one repository: each gets its
+/// own branch and directory, and git lists every one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_created_at_once_from_one_repository_each_get_their_own() {
+    let w = World::new(Db::Sqlite).await;
+    let repo = repository(&w);
+    let mgr = w.manager_with(config(&w));
+    let made = futures::future::join_all((0..4).map(|_| {
+        mgr.create_session(NewSession {
+            task_id: w.task.id,
+            agent_profile_id: w.profile.id,
+            runtime: Runtime::LocalStandalone,
+            worktree: from_repo(&repo, "main"),
+            remote: None,
+            metadata: BTreeMap::new(),
+            mcp_servers: Vec::new(),
+        })
+    }))
+    .await;
+    let mut ids = Vec::new();
+    let mut branches = std::collections::BTreeSet::new();
+    for s in made {
+        let s = s.unwrap();
+        w.track(s.id).await;
+        assert_eq!(
+            s.state,
+            SessionState::WaitingForInput,
+            "{:?}",
+            s.error_message
+        );
+        assert_eq!(
+            git(
+                Path::new(&s.worktree.path),
+                &["symbolic-ref", "--short", "HEAD"]
+            ),
+            s.worktree.branch
+        );
+        branches.insert(s.worktree.branch.clone());
+        ids.push(s.id);
+    }
+    assert_eq!(branches.len(), 4);
+    let listed = git(&repo, &["worktree", "list", "--porcelain"]);
+    for b in &branches {
+        assert!(
+            listed.contains(&format!("branch refs/heads/{b}")),
+            "{listed}"
+        );
+    }
+    w.finish(&mgr, &ids).await;
+}
