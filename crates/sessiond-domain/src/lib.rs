@@ -14,6 +14,7 @@ pub mod recovery;
 pub mod states;
 pub mod status;
 pub mod transitions;
+pub mod turn;
 pub mod usage;
 pub mod worktree;
 

@@ -11,10 +11,10 @@
 //! or environment: [`ManagerConfig`] is passed in.
 //!
 //! Entry point: [`SessionManager`].
-//! - Lifecycle (`lifecycle.rs`): [`SessionManager::create_session`],
+//! - Lifecycle (`lifecycle.rs`) and turns (`turn/`): [`SessionManager::create_session`],
 //!   [`SessionManager::send_message`], [`SessionManager::end_session`],
 //!   [`SessionManager::delete_session`]. The agent's streamed reply is stored
-//!   by a per-session update pump (`pump.rs`).
+//!   by a per-session update pump (`turn/pump.rs`).
 //! - Startup recovery (`recovery.rs`): [`SessionManager::recover_all`], then
 //!   background reconnects of remote hosts. While a pass runs, a call on a
 //!   session it has not reached recovers that session first (`queue.rs`,
@@ -43,18 +43,18 @@ mod events;
 mod launches;
 mod lifecycle;
 mod manager;
-mod message_queue;
 mod metrics;
+mod modes;
 mod ops;
 mod permission;
 mod progress;
-mod pump;
 mod queue;
 mod recovery;
 mod replica;
 mod resume;
 mod session_mcp;
 mod sweep;
+mod turn;
 pub mod usage;
 mod worktrees;
 
@@ -64,8 +64,8 @@ pub use error::{Error, ErrorKind, Result};
 pub use events::{EventBus, EventStream};
 pub use lifecycle::{EndReason, NewSession, RemoteAgentctl};
 pub use manager::{Execution, SessionManager, Stats};
-pub use message_queue::{MAX_QUEUED_BYTES, Sent};
 pub use metrics::{ExitCause, ManagerMetrics, TurnOutcome};
 pub use queue::PassGate;
 pub use recovery::RecoverySummary;
 pub use sweep::SweepReport;
+pub use turn::queued::{MAX_QUEUED_BYTES, Sent};

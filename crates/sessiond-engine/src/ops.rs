@@ -23,7 +23,7 @@ use sessiond_proto::agentctl::v1 as pb;
 use crate::{
     error::{Error, Result},
     manager::SessionManager,
-    pump::pending_turn,
+    turn::pending_turn,
 };
 
 /// What agentctl's `Health` says about its agent, for the recovery machine.
@@ -313,7 +313,7 @@ impl SessionManager {
             record.session_id,
             record.execution_id(),
             stamp,
-            opened.modes.as_ref().map(crate::lifecycle::agent_modes),
+            opened.modes.as_ref().map(agent_modes),
         );
         let token = opened.resume_token;
         if token.is_empty() {
@@ -351,11 +351,7 @@ impl SessionManager {
             record.session_id,
             record.execution_id(),
             stamp,
-            loaded
-                .into_inner()
-                .modes
-                .as_ref()
-                .map(crate::lifecycle::agent_modes),
+            loaded.into_inner().modes.as_ref().map(agent_modes),
         );
         Ok(())
     }
@@ -531,4 +527,40 @@ fn mcp_servers(
             })
         })
         .collect()
+}
+
+pub(crate) fn agent_modes(m: &pb::SessionModes) -> sessiond_domain::AgentModes {
+    sessiond_domain::AgentModes {
+        current: m.current_mode_id.clone(),
+        available: m
+            .available
+            .iter()
+            .map(|m| sessiond_domain::AgentMode {
+                id: m.id.clone(),
+                name: m.name.clone(),
+                description: m.description.clone(),
+            })
+            .collect(),
+        config_options: m
+            .config_options
+            .iter()
+            .map(|o| sessiond_domain::ConfigOption {
+                id: o.id.clone(),
+                name: o.name.clone(),
+                description: o.description.clone(),
+                category: o.category.clone(),
+                kind: o.r#type.clone(),
+                current: o.current_value.clone(),
+                values: o
+                    .values
+                    .iter()
+                    .map(|v| sessiond_domain::ConfigValue {
+                        value: v.value.clone(),
+                        name: v.name.clone(),
+                        description: v.description.clone(),
+                    })
+                    .collect(),
+            })
+            .collect(),
+    }
 }

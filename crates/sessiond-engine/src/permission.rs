@@ -98,7 +98,7 @@ pub(crate) async fn cancel_open(
             o.insert("reason".into(), reason.into());
         }
         let mut done = m.clone();
-        done.data = crate::pump::part_data(rev + 1, &req.to_string());
+        done.data = crate::turn::part_data(rev + 1, &req.to_string());
         done.complete = true;
         done.updated_at = now;
         change = change

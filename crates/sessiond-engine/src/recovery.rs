@@ -37,8 +37,8 @@ use crate::{
     launches::{Ended, Priority, host_of},
     manager::{OpKind, OpOutcome, SessionManager, executor_moved},
     ops::{Resumed, load_refused, probe_verdict, surviving_agent},
-    pump::{pending_turn, turn_in_flight},
     queue::{Claim, SharedRecovery},
+    turn::{pending_turn, turn_in_flight},
 };
 
 /// How many executors the liveness check asks at once.
@@ -430,7 +430,7 @@ impl SessionManager {
         let stale = match self
             .inner
             .store
-            .list_sessions_with_metadata_key(SessionState::Error, crate::pump::TURN_KEY.to_owned())
+            .list_sessions_with_metadata_key(SessionState::Error, crate::turn::TURN_KEY.to_owned())
             .await
         {
             Ok(s) => s,
@@ -463,7 +463,7 @@ impl SessionManager {
     /// session without such a turn is returned unchanged, and the commit
     /// clears it. The caller holds the session lock.
     pub(crate) async fn settle_stale_turn(&self, session: Session) -> Result<Session> {
-        let Some(turn) = session.metadata.get(crate::pump::TURN_KEY).cloned() else {
+        let Some(turn) = session.metadata.get(crate::turn::TURN_KEY).cloned() else {
             return Ok(session);
         };
         if session.state != SessionState::Error
@@ -482,7 +482,7 @@ impl SessionManager {
         );
         let mut next = session.clone();
         let change =
-            crate::pump::interrupt_turn(self, &session, &turn, &why, Changeset::new(), &mut next)
+            crate::turn::interrupt_turn(self, &session, &turn, &why, Changeset::new(), &mut next)
                 .await?;
         let committed = self.commit(change.update_session(next)).await?;
         self.inner
@@ -914,7 +914,7 @@ impl SessionManager {
                                 run.session.id,
                                 run.record.execution_id(),
                                 modes_stamp,
-                                health.modes.as_ref().map(crate::lifecycle::agent_modes),
+                                health.modes.as_ref().map(crate::ops::agent_modes),
                             );
                         }
                         run.agent_state = Some(health.agent_state);
@@ -1271,7 +1271,7 @@ impl SessionManager {
             };
             if let Some(turn) = &turn {
                 let why = format!("agentctl stopped answering during the turn ({reason})");
-                change = crate::pump::interrupt_turn(self, &session, turn, &why, change, &mut next)
+                change = crate::turn::interrupt_turn(self, &session, turn, &why, change, &mut next)
                     .await?;
                 self.inner
                     .metrics
@@ -1438,7 +1438,7 @@ impl SessionManager {
                 (None, None) => format!("recovery ended {}", outcome.label),
             };
             change =
-                crate::pump::interrupt_turn(self, &run.session, &turn, &why, change, &mut next)
+                crate::turn::interrupt_turn(self, &run.session, &turn, &why, change, &mut next)
                     .await?;
             settled = Some((turn, next.metadata));
         }
@@ -1947,7 +1947,7 @@ impl SessionManager {
                 record.session_id,
                 record.execution_id(),
                 modes_stamp,
-                h.modes.as_ref().map(crate::lifecycle::agent_modes),
+                h.modes.as_ref().map(crate::ops::agent_modes),
             );
         }
         Ok(h)
@@ -2031,7 +2031,7 @@ impl SessionManager {
                         sessiond_domain::SessionEvent::Failed,
                         Some(reason),
                     )?;
-                    s.metadata.remove(crate::pump::TURN_KEY);
+                    s.metadata.remove(crate::turn::TURN_KEY);
                     change = change.update_session(s);
                     if let Some(ev) = ev {
                         change = change.event(record.session_id, ev);

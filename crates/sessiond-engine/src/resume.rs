@@ -28,7 +28,7 @@ use crate::{
     error::{Error, Result},
     manager::{OpKind, OpOutcome, SessionManager, executor_moved, transition},
     ops::{Resumed, load_refused, probe_verdict, recorded_process_alive},
-    pump::turn_in_flight,
+    turn::turn_in_flight,
 };
 
 /// How an explicit resume brings agentctl back, decided before anything is
@@ -648,7 +648,7 @@ impl SessionManager {
     /// The session was RUNNING `turn` when the resume began and now goes
     /// ERROR without its agent: no pump will settle that turn, so it ends
     /// interrupted in the same commit as the failure (see
-    /// `pump::interrupt_turn`). Nothing to add without a pending turn.
+    /// `turn::interrupt_turn`). Nothing to add without a pending turn.
     async fn interrupt_pending(
         &self,
         session: &Session,
@@ -660,7 +660,7 @@ impl SessionManager {
             return Ok(Changeset::new());
         };
         let change =
-            crate::pump::interrupt_turn(self, session, turn, why, Changeset::new(), next).await?;
+            crate::turn::interrupt_turn(self, session, turn, why, Changeset::new(), next).await?;
         self.inner
             .metrics
             .turn_ended(session.id, crate::metrics::TurnOutcome::Interrupted);

@@ -41,24 +41,23 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use sessiond_domain::{
-    AgentProcessState, EventPayload, ExecutorRecord, ExecutorStatus, MAX_SESSION_TITLE_CHARS,
-    Message, MessageId, MessageKind, MessageRole, Runtime, Session, SessionEvent, SessionId,
-    SessionState, TaskEvent, TaskId, TitleSource, UsageTotals, title_from_text,
+    AgentProcessState, EventPayload, ExecutorRecord, ExecutorStatus, Message, MessageId,
+    MessageKind, MessageRole, Runtime, Session, SessionEvent, SessionId, SessionState, TaskEvent,
+    TaskId, TitleSource, UsageTotals,
 };
 use sessiond_executor::{AgentState, AgentctlClient};
 use sessiond_proto::agentctl::v1::{self as pb, agent_update::Kind};
 use sessiond_store::Changeset;
 
+use super::{
+    CURSOR_KEY, TURN_CANCELLED, TURN_GENERATION_KEY, TURN_INSTANCE_KEY, TURN_KEY, agent_title,
+    cursor_value, interrupt_turn, part_data, pending_turn, stored_cursor, stored_part_rev,
+};
 use crate::{
     error::Result,
     manager::{SessionManager, lock, transition},
     ops::agent_process,
 };
-
-/// Session metadata key of the update cursor.
-pub(crate) const CURSOR_KEY: &str = "agentctl_cursor";
-/// Session metadata key of the turn in progress (the user message id).
-pub(crate) const TURN_KEY: &str = "turn_id";
 
 /// A pump with nothing to do (no reply streaming, no pending turn) checks
 /// after this long without an update whether it can park.
@@ -67,88 +66,9 @@ const PARK_AFTER: Duration = Duration::from_millis(250);
 /// How many reconnects in a row may fail before agentctl counts as lost.
 const MAX_STREAM_FAILURES: u32 = 5;
 
-/// Appended to a partial reply that a settled turn completes: the prompt had
-/// reached the agent, which stopped before it finished, and it is not asked
-/// again.
-pub(crate) const INTERRUPTED_NOTE: &str = "\n\n[sessiond: this reply was interrupted (the agent stopped before it finished) and the message was not sent again]";
-
-/// Session metadata key of the executor generation a turn was sent to.
-pub(crate) const TURN_GENERATION_KEY: &str = "turn_generation";
-
-/// Session metadata key of the agentctl instance last known alive before a
-/// turn's Prompt (see [`SessionManager::send_message`]).
-pub(crate) const TURN_INSTANCE_KEY: &str = "turn_instance";
-
-/// Session metadata key of the last turn (user message id) if it ended
-/// interrupted: the one turn `retry_turn` may run again. Removed when the
-/// next turn starts.
-pub(crate) const INTERRUPTED_TURN_KEY: &str = "interrupted_turn";
-
-/// The system message after a turn cancelled on request (CancelTurn).
-pub(crate) const TURN_CANCELLED: &str =
-    "the turn was cancelled on request; the reply so far is kept as it was when the agent stopped";
-
-/// Written to the conversation when a turn ends without a whole reply and
-/// the prompt may have reached the agent: it is not sent again
-/// automatically (at most once); the user decides.
-pub(crate) const TURN_INTERRUPTED: &str = "the turn was interrupted: the agent may have started working on this message (it may have run tools or changed files) but its reply did not arrive whole, so sessiond did not send it again. Send it again, or retry it, if it should run again.";
-
-/// The stored state of an activity part (`Message::data`):
-/// `{"rev": n, "update": <the part as ACP JSON>}`. JSON that does not parse
-/// is kept as a string, never dropped.
-pub(crate) fn part_data(rev: u64, json: &str) -> String {
-    let update = serde_json::from_str::<serde_json::Value>(json)
-        .unwrap_or_else(|_| serde_json::Value::String(json.to_owned()));
-    serde_json::json!({ "rev": rev, "update": update }).to_string()
-}
-
-/// The title an ACP `session_info_update` gives, made one line; `None`
-/// for another update or one without a (printable) title.
-fn agent_title(json: &str) -> Option<String> {
-    let v = serde_json::from_str::<serde_json::Value>(json).ok()?;
-    if v.get("sessionUpdate")?.as_str()? != "session_info_update" {
-        return None;
-    }
-    let title = title_from_text(v.get("title")?.as_str()?, MAX_SESSION_TITLE_CHARS);
-    (!title.is_empty()).then_some(title)
-}
-
-/// The rev of a stored part (0 when it has none).
-fn stored_part_rev(data: &str) -> u64 {
-    serde_json::from_str::<serde_json::Value>(data)
-        .ok()
-        .and_then(|v| v.get("rev")?.as_u64())
-        .unwrap_or(0)
-}
-
-/// `<generation>:<cursor>@<instance>`: a cursor means something only to the
-/// agentctl process (instance) that numbered it.
-pub(crate) fn cursor_value(generation: i64, cursor: u64, instance: &str) -> String {
-    if instance.is_empty() {
-        format!("{generation}:{cursor}")
-    } else {
-        format!("{generation}:{cursor}@{instance}")
-    }
-}
-
-/// The stored cursor and its agentctl instance if it belongs to
-/// `generation`, else `(0, "")`.
-pub(crate) fn stored_cursor(session: &Session, generation: i64) -> (u64, String) {
-    session
-        .metadata
-        .get(CURSOR_KEY)
-        .and_then(|v| v.split_once(':'))
-        .filter(|(g, _)| g.parse::<i64>().ok() == Some(generation))
-        .and_then(|(_, rest)| {
-            let (c, instance) = rest.split_once('@').unwrap_or((rest, ""));
-            Some((c.parse().ok()?, instance.to_owned()))
-        })
-        .unwrap_or_default()
-}
-
 /// The agent message being streamed.
 #[derive(Debug)]
-struct Pending {
+pub(super) struct Pending {
     id: MessageId,
     content: String,
     stored: bool,
@@ -162,26 +82,26 @@ struct Pending {
     frozen: bool,
 }
 
-struct Pump {
-    mgr: SessionManager,
-    session_id: SessionId,
-    task_id: TaskId,
-    generation: i64,
-    client: AgentctlClient,
-    cursor: u64,
-    pending: Option<Pending>,
+pub(super) struct Pump {
+    pub(super) mgr: SessionManager,
+    pub(super) session_id: SessionId,
+    pub(super) task_id: TaskId,
+    pub(super) generation: i64,
+    pub(super) client: AgentctlClient,
+    pub(super) cursor: u64,
+    pub(super) pending: Option<Pending>,
     /// Activity parts this pump has stored, with the rev stored.
-    parts: HashMap<MessageId, u64>,
+    pub(super) parts: HashMap<MessageId, u64>,
     /// The session's pending turn (user message id) to settle once caught up.
-    settle: Option<String>,
+    pub(super) settle: Option<String>,
     /// agentctl's latest cursor when this pump started (for `settle`).
-    target: Option<u64>,
+    pub(super) target: Option<u64>,
     /// The agentctl instance `cursor` belongs to (empty: not known).
-    instance: String,
+    pub(super) instance: String,
     /// The instance was checked against agentctl's before the first open.
-    instance_checked: bool,
+    pub(super) instance_checked: bool,
     /// When the last update came (or the stream opened).
-    last_activity: Instant,
+    pub(super) last_activity: Instant,
 }
 
 impl SessionManager {
@@ -263,28 +183,8 @@ impl SessionManager {
     }
 }
 
-/// The turn a session was running when recovery or a resume takes it up:
-/// [`pending_turn`], or the turn of a STARTING session (an explicit resume
-/// of a RUNNING session commits STARTING with the turn kept, then brings
-/// the agent back; a crash in between leaves it so).
-pub(crate) fn turn_in_flight(session: &Session) -> Option<String> {
-    matches!(
-        session.state,
-        SessionState::Running | SessionState::Starting
-    )
-    .then(|| session.metadata.get(TURN_KEY).cloned())
-    .flatten()
-}
-
-/// The turn a RUNNING session waits for (its user message id), if any.
-pub(crate) fn pending_turn(session: &Session) -> Option<String> {
-    (session.state == SessionState::Running)
-        .then(|| session.metadata.get(TURN_KEY).cloned())
-        .flatten()
-}
-
 impl Pump {
-    async fn run(mut self) {
+    pub(super) async fn run(mut self) {
         let mut failures = 0u32;
         loop {
             if self.settle.is_some() && self.target.is_none() {
@@ -380,7 +280,7 @@ impl Pump {
         }
     }
 
-    async fn handle(&mut self, update: pb::AgentUpdate) -> Result<()> {
+    pub(super) async fn handle(&mut self, update: pb::AgentUpdate) -> Result<()> {
         let cursor = update.cursor;
         match update.kind {
             Some(Kind::MessageChunk(chunk)) => {
@@ -418,7 +318,7 @@ impl Pump {
     /// message per part: added the first time, replaced by each higher rev.
     /// A replay (after a restart) meets revs already stored and writes
     /// nothing, so a part never moves backwards.
-    async fn activity(&mut self, a: pb::Activity) -> Result<()> {
+    pub(super) async fn activity(&mut self, a: pb::Activity) -> Result<()> {
         let id = Self::message_id(&a.part_id);
         if self.parts.get(&id).is_some_and(|r| *r >= a.rev) {
             return Ok(());
@@ -531,7 +431,7 @@ impl Pump {
     /// against the store first: a request sessiond resolved itself
     /// ([`crate::permission::cancel_open`]) or a replayed rev is not
     /// written again.
-    async fn permission(&mut self, id: MessageId, a: pb::Activity) -> Result<()> {
+    pub(super) async fn permission(&mut self, id: MessageId, a: pb::Activity) -> Result<()> {
         // Under the session lock, like every turn end that may cancel the
         // request: one of the two resolves it, never both.
         let _guard = self.mgr.lock_session(self.session_id).await;
@@ -579,13 +479,13 @@ impl Pump {
         Ok(())
     }
 
-    fn message_id(raw: &str) -> MessageId {
+    pub(super) fn message_id(raw: &str) -> MessageId {
         uuid::Uuid::try_parse(raw)
             .map(MessageId::from_uuid)
             .unwrap_or_else(|_| MessageId::new())
     }
 
-    async fn chunk(&mut self, raw_id: &str, text: &str) -> Result<()> {
+    pub(super) async fn chunk(&mut self, raw_id: &str, text: &str) -> Result<()> {
         self.mgr.inner.metrics.chunk(self.session_id);
         let id = Self::message_id(raw_id);
         match &mut self.pending {
@@ -621,7 +521,12 @@ impl Pump {
     }
 
     /// The pending message as a changeset (added the first time, else updated).
-    fn message_change(&self, p: &Pending, complete: bool, change: Changeset) -> Changeset {
+    pub(super) fn message_change(
+        &self,
+        p: &Pending,
+        complete: bool,
+        change: Changeset,
+    ) -> Changeset {
         let now = Utc::now();
         let content = if p.content.len() >= p.floor.len() {
             p.content.clone()
@@ -653,7 +558,7 @@ impl Pump {
     }
 
     /// Writes the pending message; `complete` ends it.
-    async fn flush(&mut self, complete: bool) -> Result<()> {
+    pub(super) async fn flush(&mut self, complete: bool) -> Result<()> {
         let Some(p) = self.pending.as_ref() else {
             return Ok(());
         };
@@ -729,7 +634,7 @@ impl Pump {
     }
 
     /// Ends the pending message inside `change` (for a write that also changes state).
-    async fn complete_pending_into(&mut self, change: Changeset) -> Result<Changeset> {
+    pub(super) async fn complete_pending_into(&mut self, change: Changeset) -> Result<Changeset> {
         let Some(p) = self.pending.as_ref() else {
             return Ok(change);
         };
@@ -748,7 +653,7 @@ impl Pump {
         Ok(self.message_change(&stored, true, change))
     }
 
-    async fn turn_ended(&mut self, end: &pb::TurnEnded) -> Result<()> {
+    pub(super) async fn turn_ended(&mut self, end: &pb::TurnEnded) -> Result<()> {
         let exited = end.stop_reason == "error" && self.agent_gone().await;
         let _guard = self.mgr.lock_session(self.session_id).await;
         let session = self.mgr.inner.store.get_session(self.session_id).await?;
@@ -907,7 +812,7 @@ impl Pump {
     }
 
     /// True when agentctl reports no running agent right now.
-    async fn agent_gone(&self) -> bool {
+    pub(super) async fn agent_gone(&self) -> bool {
         match self.client.health().await {
             Ok(h) => !matches!(
                 h.agent_state,
@@ -917,7 +822,7 @@ impl Pump {
         }
     }
 
-    async fn agent_exited(&mut self, exit: Option<&pb::AgentExit>) -> Result<()> {
+    pub(super) async fn agent_exited(&mut self, exit: Option<&pb::AgentExit>) -> Result<()> {
         // A replayed exit of an agent that has been replaced since changes nothing.
         if !self.agent_gone().await {
             return Ok(());
@@ -986,13 +891,13 @@ impl Pump {
     /// them. What was streamed of the reply is kept (stored, not completed);
     /// the session's turn, if one is pending, goes through the decision
     /// table ([`Pump::settle_pending`]) instead of being ended as if whole.
-    async fn gap(&mut self) -> Result<()> {
+    pub(super) async fn gap(&mut self) -> Result<()> {
         tracing::warn!(session = %self.session_id, cursor = self.cursor, "agent updates were lost (gap); settling the pending turn");
         self.resettle().await
     }
 
     /// agentctl is another process than the one our cursor belonged to.
-    async fn instance_restarted(&mut self) {
+    pub(super) async fn instance_restarted(&mut self) {
         tracing::warn!(session = %self.session_id, instance = %self.instance,
             "agentctl restarted (new instance); settling the pending turn from its journal");
         if let Err(e) = self.resettle().await {
@@ -1002,7 +907,7 @@ impl Pump {
 
     /// Keeps what was streamed, and settles the session's turn (if any)
     /// once caught up with agentctl as it is now.
-    async fn resettle(&mut self) -> Result<()> {
+    pub(super) async fn resettle(&mut self) -> Result<()> {
         if self.pending.is_some() {
             self.flush(false).await?;
         }
@@ -1019,7 +924,7 @@ impl Pump {
     /// agentctl is another process than the one the cursor belongs to (it
     /// restarted while the session was idle; cursors began at 1 again), read
     /// everything it still buffers (from 0) instead.
-    async fn check_instance(&mut self) {
+    pub(super) async fn check_instance(&mut self) {
         self.instance_checked = true;
         if self.instance.is_empty() || self.cursor == 0 {
             return;
@@ -1044,7 +949,7 @@ impl Pump {
     /// a pump when there is none). Parking records the cursor and instance,
     /// removes this pump and evicts the session's agentctl client; the
     /// caller then returns, dropping the stream, so the connection closes.
-    async fn try_park(&mut self) -> bool {
+    pub(super) async fn try_park(&mut self) -> bool {
         if self.pending.is_some() || self.settle.is_some() {
             return false;
         }
@@ -1090,7 +995,7 @@ impl Pump {
     /// agentctl's newest cursor now: what this pump must have read to have
     /// caught up. 0 (nothing to wait for) from an agentctl too old to say;
     /// `None` when it does not answer (asked again at the next reconnect).
-    async fn latest_cursor(&self) -> Option<u64> {
+    pub(super) async fn latest_cursor(&self) -> Option<u64> {
         let limit = self.mgr.inner.config.executor_deadline;
         match tokio::time::timeout(limit, self.client.raw().health(pb::HealthRequest {})).await {
             Ok(Ok(h)) => Some(h.into_inner().latest_cursor),
@@ -1098,258 +1003,9 @@ impl Pump {
         }
     }
 
-    /// Settles the pending turn once the pump has caught up.
-    async fn try_settle(&mut self) {
-        let caught_up = self.target.is_some_and(|t| self.cursor >= t);
-        if !caught_up {
-            return;
-        }
-        let Some(turn) = self.settle.take() else {
-            return;
-        };
-        if let Err(e) = self.settle_pending(&turn).await {
-            tracing::warn!(session = %self.session_id, %turn, error = %e, "could not settle the pending turn");
-        }
-    }
-
-    /// The session is RUNNING turn `turn`, everything agentctl had when the
-    /// pump started has been applied, and no `TurnEnded` of the turn came.
-    /// The decision table (docs/decisions/0007-at-most-once-turns.md): at
-    /// most once; delivered again only when agentctl's journal
-    /// proves the prompt never reached an agent; otherwise, when it is not
-    /// known whether the agent ran it, the turn ends *interrupted* (the
-    /// reply kept as stored, with a note; a system message says so).
-    ///
-    /// - agentctl not answering, its agent not idle, or updates not all read
-    ///   yet (its `latest_cursor` is past ours): wait (a `TurnEnded` may
-    ///   still come; this runs again).
-    /// - agentctl runs no agent (a remote host restarted its agentctl while
-    ///   we ran): as the agent's exit, interrupted and the session ERROR.
-    /// - a reply stored for the turn, or agentctl keeps no journal, or its
-    ///   journal is fresh while the turn went to another agentctl
-    ///   generation: interrupted.
-    /// - else Prompt again with the same `turn_id` and `only_if_journaled`:
-    ///   - not known to the journal: delivered now (exactly once);
-    ///   - accepted by this agentctl process: its `TurnEnded` is on the
-    ///     stream ahead of us, wait; or it was lost in a gap: interrupted;
-    ///   - handed to an agent by an earlier process: interrupted;
-    ///   - refused for lack of a journal: interrupted.
-    async fn settle_pending(&mut self, turn: &str) -> Result<()> {
-        let guard = self.mgr.lock_session(self.session_id).await;
-        let store = &self.mgr.inner.store;
-        let session = store.get_session(self.session_id).await?;
-        if pending_turn(&session).as_deref() != Some(turn) {
-            return Ok(()); // its TurnEnded came, or the session moved on
-        }
-        let limit = self.mgr.inner.config.executor_deadline;
-        let Ok(Ok(h)) =
-            tokio::time::timeout(limit, self.client.raw().health(pb::HealthRequest {})).await
-        else {
-            return Ok(()); // agentctl not answering: the stream handling decides
-        };
-        let h = h.into_inner();
-        let state = AgentState::try_from(h.agent_state).unwrap_or(AgentState::Unspecified);
-        if matches!(state, AgentState::None | AgentState::Exited) {
-            // No agent in this agentctl (a remote host restarted its
-            // agentctl while we ran): nothing will end the turn, and the
-            // agent counts as running until told. As an agent exit: the
-            // session ERROR (resume it), the turn interrupted.
-            drop(guard);
-            tracing::warn!(session = %self.session_id, turn, ?state,
-                "pending turn: agentctl runs no agent; ending the turn as the agent's exit");
-            return self.agent_exited(h.agent_exit.as_ref()).await;
-        }
-        if state != AgentState::Ready {
-            tracing::debug!(session = %self.session_id, turn, ?state, "pending turn: agent not idle, waiting for its TurnEnded");
-            return Ok(());
-        }
-        if h.instance_id == self.instance && h.latest_cursor > self.cursor {
-            // The turn may have ended after we last looked: read on first.
-            self.settle = Some(turn.to_owned());
-            self.target = Some(h.latest_cursor);
-            return Ok(());
-        }
-        let msgs = store.list_messages(self.session_id, 0, u32::MAX).await?;
-        let user = msgs
-            .iter()
-            .find(|m| m.role == MessageRole::User && m.id.to_string() == turn)
-            .cloned();
-        // Any part of the turn's work counts (a tool call proves the prompt
-        // reached the agent); session-wide parts (commands, mode) do not.
-        let answered = user.as_ref().is_some_and(|u| {
-            msgs.iter().any(|m| {
-                m.role == MessageRole::Agent
-                    && m.seq > u.seq
-                    && matches!(
-                        m.kind,
-                        MessageKind::Text
-                            | MessageKind::ToolCall
-                            | MessageKind::Plan
-                            | MessageKind::Thought
-                            | MessageKind::Permission
-                            | MessageKind::Terminal
-                            | MessageKind::Unparsed
-                    )
-            })
-        }) || self.pending.is_some();
-        let Some(user) = user.filter(|_| !answered) else {
-            drop(guard);
-            return self
-                .end_interrupted(turn, "a partial reply was stored and its end was lost")
-                .await;
-        };
-        let same_generation = session
-            .metadata
-            .get(TURN_GENERATION_KEY)
-            .is_none_or(|g| g.parse::<i64>().ok() == Some(self.generation));
-        let remote = self
-            .mgr
-            .inner
-            .store
-            .get_executor_for_session(self.session_id)
-            .await?
-            .is_some_and(|r| r.runtime == sessiond_domain::Runtime::Remote);
-        // The agentctl process known alive before the Prompt answers now:
-        // it held the address all along, so any Prompt of the turn went to
-        // it and its journal (fresh or not) covers the turn.
-        let same_instance = !h.instance_id.is_empty()
-            && session.metadata.get(TURN_INSTANCE_KEY) == Some(&h.instance_id);
-        if !h.journaled || (h.journal_fresh && !same_instance && (!same_generation || remote)) {
-            drop(guard);
-            let why = if h.journaled {
-                "agentctl was relaunched with a new journal, so it cannot tell whether the agent got the message"
-            } else {
-                "agentctl keeps no turn journal, so it cannot tell whether the agent got the message"
-            };
-            return self.end_interrupted(turn, why).await;
-        }
-        let prompted = self
-            .client
-            .raw()
-            .prompt(pb::PromptRequest {
-                text: user.content.clone(),
-                turn_id: turn.to_owned(),
-                only_if_journaled: true,
-                blocks: crate::attachments::stored_blocks(&user.data, &session.worktree.path),
-            })
-            .await;
-        match prompted {
-            Ok(r) => {
-                let r = r.into_inner();
-                if !r.already_accepted {
-                    tracing::info!(session = %self.session_id, turn,
-                        "pending turn had not reached an agent (agentctl's journal); delivered it once");
-                    return Ok(());
-                }
-                if r.accepted_by_instance == h.instance_id {
-                    if r.turn_ended && r.end_cursor <= self.cursor {
-                        drop(guard);
-                        return self
-                            .end_interrupted(
-                                turn,
-                                "its end was lost with agentctl's dropped updates",
-                            )
-                            .await;
-                    }
-                    // Its TurnEnded is ahead on this live stream (an
-                    // agentctl restart or a gap settles again).
-                    tracing::info!(session = %self.session_id, turn, ended = r.turn_ended,
-                        "pending turn is agentctl's current one; waiting for its TurnEnded");
-                    return Ok(());
-                }
-                drop(guard);
-                self.end_interrupted(
-                    turn,
-                    "an earlier agentctl process handed it to the agent, which may have run it",
-                )
-                .await
-            }
-            // A superseded lease: the new owner settles the turn.
-            Err(status) if self.mgr.agentctl_refused(self.session_id, &status) => Ok(()),
-            Err(status) if status.code() == tonic::Code::FailedPrecondition => {
-                drop(guard);
-                self.end_interrupted(turn, status.message()).await
-            }
-            // agentctl is gone, not refusing: the turn stays pending and
-            // this stream's failure recovers the session in the background
-            // (`agentctl_lost`), which settles the turn.
-            Err(status) if self.mgr.agentctl_gone(&status, &self.client).await => {
-                drop(guard);
-                tracing::info!(session = %self.session_id, turn, error = %status,
-                    "re-delivery found agentctl gone; left to the lost-agentctl recovery");
-                Ok(())
-            }
-            Err(status) => {
-                let e = crate::error::Error::agent("Prompt", &status);
-                let reason = format!(
-                    "the agent did not accept the message: {e}; resume the session, then send it again"
-                );
-                let (mut failed, ev) = transition(&session, SessionEvent::Failed, Some(reason))?;
-                let why = format!("the agent did not accept the message: {e}");
-                let mut change = interrupt_turn(
-                    &self.mgr,
-                    &session,
-                    turn,
-                    &why,
-                    Changeset::new(),
-                    &mut failed,
-                )
-                .await?
-                .update_session(failed);
-                if let Some(ev) = ev {
-                    change = change.event(self.session_id, ev);
-                }
-                self.mgr.commit(change).await?;
-                self.mgr
-                    .inner
-                    .metrics
-                    .turn_ended(self.session_id, crate::metrics::TurnOutcome::Failed);
-                Ok(())
-            }
-        }
-    }
-
-    /// Ends turn `turn` *interrupted*: what is stored of its reply is kept
-    /// and completed with [`INTERRUPTED_NOTE`], a system message saying so
-    /// is added (with its `message.added` event), and the session waits for
-    /// input. One commit; each message changed once.
-    async fn end_interrupted(&mut self, turn: &str, why: &str) -> Result<()> {
-        if self.pending.is_some() {
-            self.flush(false).await?;
-        }
-        self.pending = None;
-        let _guard = self.mgr.lock_session(self.session_id).await;
-        let store = &self.mgr.inner.store;
-        let session = store.get_session(self.session_id).await?;
-        if pending_turn(&session).as_deref() != Some(turn) {
-            return Ok(());
-        }
-        let (mut next, ev) = transition(&session, SessionEvent::TurnEnded, None)?;
-        let mut change =
-            interrupt_turn(&self.mgr, &session, turn, why, Changeset::new(), &mut next).await?;
-        next.metadata.insert(
-            CURSOR_KEY.into(),
-            cursor_value(self.generation, self.cursor, &self.instance),
-        );
-        if let Some(ev) = ev {
-            change = change.event(self.session_id, ev);
-        }
-        change = change
-            .update_session(next)
-            .task_event(self.task_id, TaskEvent::ReadyForReview);
-        self.mgr.commit(change).await?;
-        self.mgr
-            .inner
-            .metrics
-            .turn_ended(self.session_id, crate::metrics::TurnOutcome::Interrupted);
-        tracing::warn!(session = %self.session_id, turn, why,
-            "pending turn ended interrupted; not sent again (at most once)");
-        Ok(())
-    }
-
     /// agentctl stopped answering: recovered in the background (see
     /// `SessionManager::agentctl_lost_change`).
-    async fn agentctl_lost(&mut self, reason: &str) {
+    pub(super) async fn agentctl_lost(&mut self, reason: &str) {
         let mut reconnect = None;
         let mut retried = None;
         let result: Result<()> = async {
@@ -1399,89 +1055,6 @@ impl Pump {
             self.mgr.spawn_retry(record, 0, reason.to_owned());
         }
     }
-}
-
-/// What ends turn `turn` of `session` *interrupted*, added to `change`: the
-/// stored, unfinished part of its reply completed with [`INTERRUPTED_NOTE`]
-/// (kept, never shortened), a system message saying the turn was
-/// interrupted and why (with its `message.added`), and in `next`'s metadata
-/// the turn cleared and recorded as the one `retry_turn` may run again. The
-/// caller holds the session lock, has flushed (not completed) the reply it
-/// was streaming, and adds the state change after this.
-pub(crate) async fn interrupt_turn(
-    mgr: &SessionManager,
-    session: &Session,
-    turn: &str,
-    why: &str,
-    mut change: Changeset,
-    next: &mut Session,
-) -> Result<Changeset> {
-    let msgs = mgr
-        .inner
-        .store
-        .list_messages(session.id, 0, u32::MAX)
-        .await?;
-    let user_seq = msgs
-        .iter()
-        .find(|m| m.role == MessageRole::User && m.id.to_string() == turn)
-        .map(|m| m.seq);
-    let now = Utc::now();
-    if let Some(seq) = user_seq {
-        for r in msgs.iter().filter(|m| {
-            m.role == MessageRole::Agent
-                && m.kind == MessageKind::Text
-                && m.seq > seq
-                && !m.complete
-        }) {
-            let mut m = r.clone();
-            m.content = format!("{}{INTERRUPTED_NOTE}", r.content);
-            m.complete = true;
-            m.updated_at = now;
-            change = change
-                .update_message(r.id, m.content.clone(), true)
-                .event(session.id, EventPayload::MessageUpdated(m));
-        }
-    }
-    // Requests the agent waited on die with the turn.
-    change = crate::permission::cancel_open(
-        mgr,
-        session.id,
-        change,
-        &format!("the turn was interrupted: {why}"),
-    )
-    .await?;
-    let note = Message {
-        id: MessageId::new(),
-        session_id: session.id,
-        task_id: session.task_id,
-        role: MessageRole::System,
-        content: format!("{TURN_INTERRUPTED} ({why})"),
-        kind: MessageKind::Text,
-        data: String::new(),
-        seq: 0,
-        complete: true,
-        created_at: now,
-        updated_at: now,
-    };
-    change = change
-        .add_message(note.clone())
-        .event(session.id, EventPayload::MessageAdded(note))
-        .event(
-            session.id,
-            EventPayload::TurnEnded {
-                turn_id: turn.to_owned(),
-                stop_reason: "interrupted".into(),
-                error_message: Some(why.to_owned()),
-            },
-        );
-    next.metadata.remove(TURN_KEY);
-    next.metadata.remove(TURN_GENERATION_KEY);
-    next.metadata.remove(TURN_INSTANCE_KEY);
-    if user_seq.is_some() {
-        next.metadata
-            .insert(INTERRUPTED_TURN_KEY.into(), turn.to_owned());
-    }
-    Ok(change)
 }
 
 async fn sleep_until(at: Option<Instant>) {

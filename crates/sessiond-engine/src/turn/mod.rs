@@ -1,0 +1,212 @@
+//! A turn: one user message and the agent's reply to it, at most once.
+//!
+//! - `start.rs`: SendMessage, RetryTurn and CancelTurn. The turn's intent
+//!   (user message, session RUNNING, its id and the agentctl generation and
+//!   instance it goes to) is committed before the Prompt.
+//! - `pump.rs`: the per-session update pump storing the agent's reply.
+//! - `settle.rs`: a turn left RUNNING by a restart, settled once the pump has
+//!   caught up; what to do is [`sessiond_domain::turn::settle`]'s decision.
+//! - `queued.rs`: messages sent while a turn runs, delivered in order.
+//!
+//! The session-metadata keys below are the turn's durable record.
+
+mod pump;
+pub(crate) mod queued;
+mod settle;
+mod start;
+
+use chrono::Utc;
+use sessiond_domain::{
+    EventPayload, MAX_SESSION_TITLE_CHARS, Message, MessageId, MessageKind, MessageRole, Session,
+    SessionState, title_from_text,
+};
+use sessiond_store::Changeset;
+
+use crate::{error::Result, manager::SessionManager};
+
+/// Session metadata key of the update cursor.
+pub(crate) const CURSOR_KEY: &str = "agentctl_cursor";
+/// Session metadata key of the turn in progress (the user message id).
+pub(crate) const TURN_KEY: &str = "turn_id";
+
+/// Appended to a partial reply that a settled turn completes: the prompt had
+/// reached the agent, which stopped before it finished, and it is not asked
+/// again.
+pub(crate) const INTERRUPTED_NOTE: &str = "\n\n[sessiond: this reply was interrupted (the agent stopped before it finished) and the message was not sent again]";
+
+/// Session metadata key of the executor generation a turn was sent to.
+pub(crate) const TURN_GENERATION_KEY: &str = "turn_generation";
+
+/// Session metadata key of the agentctl instance last known alive before a
+/// turn's Prompt (see [`SessionManager::send_message`]).
+pub(crate) const TURN_INSTANCE_KEY: &str = "turn_instance";
+
+/// Session metadata key of the last turn (user message id) if it ended
+/// interrupted: the one turn `retry_turn` may run again. Removed when the
+/// next turn starts.
+pub(crate) const INTERRUPTED_TURN_KEY: &str = "interrupted_turn";
+
+/// The system message after a turn cancelled on request (CancelTurn).
+pub(crate) const TURN_CANCELLED: &str =
+    "the turn was cancelled on request; the reply so far is kept as it was when the agent stopped";
+
+/// Written to the conversation when a turn ends without a whole reply and
+/// the prompt may have reached the agent: it is not sent again
+/// automatically (at most once); the user decides.
+pub(crate) const TURN_INTERRUPTED: &str = "the turn was interrupted: the agent may have started working on this message (it may have run tools or changed files) but its reply did not arrive whole, so sessiond did not send it again. Send it again, or retry it, if it should run again.";
+
+/// The stored state of an activity part (`Message::data`):
+/// `{"rev": n, "update": <the part as ACP JSON>}`. JSON that does not parse
+/// is kept as a string, never dropped.
+pub(crate) fn part_data(rev: u64, json: &str) -> String {
+    let update = serde_json::from_str::<serde_json::Value>(json)
+        .unwrap_or_else(|_| serde_json::Value::String(json.to_owned()));
+    serde_json::json!({ "rev": rev, "update": update }).to_string()
+}
+
+/// The title an ACP `session_info_update` gives, made one line; `None`
+/// for another update or one without a (printable) title.
+fn agent_title(json: &str) -> Option<String> {
+    let v = serde_json::from_str::<serde_json::Value>(json).ok()?;
+    if v.get("sessionUpdate")?.as_str()? != "session_info_update" {
+        return None;
+    }
+    let title = title_from_text(v.get("title")?.as_str()?, MAX_SESSION_TITLE_CHARS);
+    (!title.is_empty()).then_some(title)
+}
+
+/// The rev of a stored part (0 when it has none).
+fn stored_part_rev(data: &str) -> u64 {
+    serde_json::from_str::<serde_json::Value>(data)
+        .ok()
+        .and_then(|v| v.get("rev")?.as_u64())
+        .unwrap_or(0)
+}
+
+/// `<generation>:<cursor>@<instance>`: a cursor means something only to the
+/// agentctl process (instance) that numbered it.
+pub(crate) fn cursor_value(generation: i64, cursor: u64, instance: &str) -> String {
+    if instance.is_empty() {
+        format!("{generation}:{cursor}")
+    } else {
+        format!("{generation}:{cursor}@{instance}")
+    }
+}
+
+/// The stored cursor and its agentctl instance if it belongs to
+/// `generation`, else `(0, "")`.
+pub(crate) fn stored_cursor(session: &Session, generation: i64) -> (u64, String) {
+    session
+        .metadata
+        .get(CURSOR_KEY)
+        .and_then(|v| v.split_once(':'))
+        .filter(|(g, _)| g.parse::<i64>().ok() == Some(generation))
+        .and_then(|(_, rest)| {
+            let (c, instance) = rest.split_once('@').unwrap_or((rest, ""));
+            Some((c.parse().ok()?, instance.to_owned()))
+        })
+        .unwrap_or_default()
+}
+
+/// The turn a session was running when recovery or a resume takes it up:
+/// [`pending_turn`], or the turn of a STARTING session (an explicit resume
+/// of a RUNNING session commits STARTING with the turn kept, then brings
+/// the agent back; a crash in between leaves it so).
+pub(crate) fn turn_in_flight(session: &Session) -> Option<String> {
+    matches!(
+        session.state,
+        SessionState::Running | SessionState::Starting
+    )
+    .then(|| session.metadata.get(TURN_KEY).cloned())
+    .flatten()
+}
+
+/// The turn a RUNNING session waits for (its user message id), if any.
+pub(crate) fn pending_turn(session: &Session) -> Option<String> {
+    (session.state == SessionState::Running)
+        .then(|| session.metadata.get(TURN_KEY).cloned())
+        .flatten()
+}
+
+/// What ends turn `turn` of `session` *interrupted*, added to `change`: the
+/// stored, unfinished part of its reply completed with [`INTERRUPTED_NOTE`]
+/// (kept, never shortened), a system message saying the turn was
+/// interrupted and why (with its `message.added`), and in `next`'s metadata
+/// the turn cleared and recorded as the one `retry_turn` may run again. The
+/// caller holds the session lock, has flushed (not completed) the reply it
+/// was streaming, and adds the state change after this.
+pub(crate) async fn interrupt_turn(
+    mgr: &SessionManager,
+    session: &Session,
+    turn: &str,
+    why: &str,
+    mut change: Changeset,
+    next: &mut Session,
+) -> Result<Changeset> {
+    let msgs = mgr
+        .inner
+        .store
+        .list_messages(session.id, 0, u32::MAX)
+        .await?;
+    let user_seq = msgs
+        .iter()
+        .find(|m| m.role == MessageRole::User && m.id.to_string() == turn)
+        .map(|m| m.seq);
+    let now = Utc::now();
+    if let Some(seq) = user_seq {
+        for r in msgs.iter().filter(|m| {
+            m.role == MessageRole::Agent
+                && m.kind == MessageKind::Text
+                && m.seq > seq
+                && !m.complete
+        }) {
+            let mut m = r.clone();
+            m.content = format!("{}{INTERRUPTED_NOTE}", r.content);
+            m.complete = true;
+            m.updated_at = now;
+            change = change
+                .update_message(r.id, m.content.clone(), true)
+                .event(session.id, EventPayload::MessageUpdated(m));
+        }
+    }
+    // Requests the agent waited on die with the turn.
+    change = crate::permission::cancel_open(
+        mgr,
+        session.id,
+        change,
+        &format!("the turn was interrupted: {why}"),
+    )
+    .await?;
+    let note = Message {
+        id: MessageId::new(),
+        session_id: session.id,
+        task_id: session.task_id,
+        role: MessageRole::System,
+        content: format!("{TURN_INTERRUPTED} ({why})"),
+        kind: MessageKind::Text,
+        data: String::new(),
+        seq: 0,
+        complete: true,
+        created_at: now,
+        updated_at: now,
+    };
+    change = change
+        .add_message(note.clone())
+        .event(session.id, EventPayload::MessageAdded(note))
+        .event(
+            session.id,
+            EventPayload::TurnEnded {
+                turn_id: turn.to_owned(),
+                stop_reason: "interrupted".into(),
+                error_message: Some(why.to_owned()),
+            },
+        );
+    next.metadata.remove(TURN_KEY);
+    next.metadata.remove(TURN_GENERATION_KEY);
+    next.metadata.remove(TURN_INSTANCE_KEY);
+    if user_seq.is_some() {
+        next.metadata
+            .insert(INTERRUPTED_TURN_KEY.into(), turn.to_owned());
+    }
+    Ok(change)
+}

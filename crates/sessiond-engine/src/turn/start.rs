@@ -1,0 +1,546 @@
+//! Starting a turn (SendMessage, RetryTurn) and cancelling one: the turn's
+//! intent is committed before the Prompt goes out.
+
+use chrono::Utc;
+use sessiond_domain::{
+    AgentProcessState, EventPayload, ExecutorRecord, ExecutorStatus, Message, MessageId,
+    MessageRole, Runtime, Session, SessionEvent, SessionId, SessionState, TaskEvent, TaskId,
+    check_resume,
+};
+use sessiond_proto::agentctl::v1 as pb;
+use sessiond_store::Changeset;
+
+use super::{
+    INTERRUPTED_TURN_KEY, TURN_GENERATION_KEY, TURN_INSTANCE_KEY, TURN_KEY, stored_cursor,
+};
+use crate::{
+    error::{Error, Result},
+    lifecycle::ms,
+    manager::{SessionManager, transition},
+};
+
+impl SessionManager {
+    /// Sends a user message: persists it (`message.added`), session RUNNING,
+    /// then prompts the agent. The reply is persisted by the session's update
+    /// pump as one agent message; the session returns to WAITING_FOR_INPUT
+    /// when the turn ends.
+    pub async fn send_message(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        text: &str,
+    ) -> Result<Message> {
+        self.send_message_with(task, session_id, text, Vec::new())
+            .await
+    }
+
+    /// [`Self::send_message`] with attachments after the text (images,
+    /// links, worktree files): read and checked (types, sizes, the agent's
+    /// `promptCapabilities`) before anything is stored; `text` may then be
+    /// empty. Never queued.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::send_message`]; [`Error::InvalidArgument`] naming the
+    /// attachment and what is wrong with it.
+    pub async fn send_message_with(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        text: &str,
+        attachments: Vec<crate::Attachment>,
+    ) -> Result<Message> {
+        match self
+            .send(task, session_id, text, attachments, false)
+            .await?
+        {
+            crate::Sent::Started(m) => Ok(m),
+            crate::Sent::Queued(_) => Err(Error::Internal("queued without being asked to".into())),
+        }
+    }
+
+    /// The one path of SendMessage: `queue` puts the message behind a
+    /// running turn (or behind messages already waiting) instead of
+    /// refusing it. A message with attachments is never queued.
+    pub(crate) async fn send(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        text: &str,
+        attachments: Vec<crate::Attachment>,
+        queue: bool,
+    ) -> Result<crate::Sent> {
+        if text.trim().is_empty() && attachments.is_empty() {
+            return Err(Error::InvalidArgument("the message is empty".into()));
+        }
+        let t = std::time::Instant::now();
+        let early = self.precede_pass(session_id);
+        self.check_task(task, session_id).await?;
+        let checked = t.elapsed();
+        let _ahead = self.recover_ahead(session_id).await?;
+        // `_ahead` (if the session needed recovering) now holds the pause.
+        drop(early);
+        let recovered = t.elapsed();
+        let _guard = self.lock_session(session_id).await;
+        let locked = t.elapsed();
+        let sent = async {
+            let session = self.inner.store.get_session(session_id).await?;
+            if queue && attachments.is_empty() && crate::turn::queued::waits_behind_a_turn(&session)
+            {
+                return self.enqueue(session, text).await.map(crate::Sent::Queued);
+            }
+            self.check_can_start_turn(&session, "send a message")
+                .await?;
+            if crate::turn::queued::queued_ahead(&session) {
+                return Err(Error::InvalidState {
+                    session_id,
+                    state: session.state,
+                    action: "send a message without queueing it",
+                    hint: "messages queued earlier wait to be delivered first; queue this one too, \
+                           or cancel them",
+                });
+            }
+            self.start_turn_as(session, text, None, attachments)
+                .await
+                .map(crate::Sent::Started)
+        }
+        .await;
+        // Where a slow call spent its time (availability while recovering).
+        tracing::debug!(
+            %session_id,
+            checked_ms = ms(checked),
+            recovered_ms = ms(recovered),
+            locked_ms = ms(locked),
+            done_ms = ms(t.elapsed()),
+            "send_message timing"
+        );
+        match sent {
+            // Lost the lease while the call ran: the new owner is named.
+            Err(e) => Err(self.unless_lost(session_id, e).await),
+            ok => ok,
+        }
+    }
+
+    /// Runs again a turn that ended *interrupted* (a crash left it unknown
+    /// whether the agent ran it, so it was not sent again automatically):
+    /// the user asks for it explicitly. A new user message with the same
+    /// content is stored and prompted as [`SessionManager::send_message`]
+    /// does; the interrupted turn stays in the conversation as it ended.
+    /// `message`: the interrupted turn's user message (`None`: the session's
+    /// last turn). Only the last turn can be retried, once: a turn sent
+    /// after it (a retry included) makes it not retryable.
+    pub async fn retry_turn(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        message: Option<MessageId>,
+    ) -> Result<(Message, MessageId)> {
+        let early = self.precede_pass(session_id);
+        self.check_task(task, session_id).await?;
+        let _ahead = self.recover_ahead(session_id).await?;
+        drop(early);
+        let _guard = self.lock_session(session_id).await;
+        let session = self.inner.store.get_session(session_id).await?;
+        if let Err(e) = self.check_can_start_turn(&session, "retry a turn").await {
+            return Err(self.unless_lost(session_id, e).await);
+        }
+        let interrupted = session.metadata.get(INTERRUPTED_TURN_KEY).cloned();
+        let msgs = self
+            .inner
+            .store
+            .list_messages(session_id, 0, u32::MAX)
+            .await?;
+        let original = match (message, interrupted) {
+            (Some(m), interrupted) => {
+                let Some(found) = msgs.iter().find(|x| x.id == m) else {
+                    return Err(Error::NotFound {
+                        entity: "message",
+                        id: format!("{m} (in session {session_id})"),
+                    });
+                };
+                if found.role != MessageRole::User {
+                    return Err(Error::InvalidArgument(format!(
+                        "message_id: message {m} is a {} message; name the user message of the interrupted turn",
+                        found.role
+                    )));
+                }
+                if interrupted.as_deref() != Some(m.to_string().as_str()) {
+                    return Err(Error::TurnNotInterrupted {
+                        session_id,
+                        detail: match interrupted {
+                            Some(_) => format!(
+                                "message {m} is not the session's interrupted turn (only the last turn can be retried)"
+                            ),
+                            None => format!(
+                                "the turn of message {m} did not end interrupted, or a later message was sent"
+                            ),
+                        },
+                    });
+                }
+                found.clone()
+            }
+            (None, Some(turn)) => msgs
+                .iter()
+                .find(|x| x.role == MessageRole::User && x.id.to_string() == turn)
+                .cloned()
+                .ok_or_else(|| {
+                    Error::Internal(format!(
+                        "interrupted turn {turn} has no stored user message"
+                    ))
+                })?,
+            (None, None) => {
+                return Err(Error::TurnNotInterrupted {
+                    session_id,
+                    detail: "its last turn did not end interrupted".into(),
+                });
+            }
+        };
+        let message = self.start_turn(session, &original.content).await?;
+        tracing::info!(session = %session_id, retried = %original.id, turn = %message.id,
+            "interrupted turn retried on the user's request");
+        Ok((message, original.id))
+    }
+
+    /// Cancels the session's turn in progress: ACP `session/cancel` through
+    /// agentctl. The turn ends on the update stream like any other, with
+    /// stop reason `cancelled`: the reply so far is kept (completed), a
+    /// system message says the turn was cancelled, and `turn_ended` is
+    /// published. Returns false when agentctl had no turn in progress any
+    /// more (it ended just before). The session lock is not held: the
+    /// update pump takes it to end the turn.
+    pub async fn cancel_turn(&self, task: TaskId, session_id: SessionId) -> Result<bool> {
+        self.session_of_task(task, session_id).await?;
+        self.ensure_recovered(session_id).await?;
+        let session = self.inner.store.get_session(session_id).await?;
+        match session.state {
+            SessionState::Running => {}
+            s if s.is_terminal() => {
+                return Err(Error::SessionEnded {
+                    session_id,
+                    state: s,
+                });
+            }
+            s => {
+                return Err(Error::InvalidState {
+                    session_id,
+                    state: s,
+                    action: "cancel a turn",
+                    hint: "no turn is in progress",
+                });
+            }
+        }
+        let Some(execution) = self.execution(session_id).filter(|e| {
+            e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
+        }) else {
+            return Err(Error::AgentNotRunning {
+                session_id,
+                hint: "its turn ends as soon as the agent is resumed or found gone".into(),
+            });
+        };
+        let client = self.client(&execution.record)?;
+        let answer = client
+            .raw()
+            .cancel(pb::CancelRequest {})
+            .await
+            .map_err(|s| {
+                self.agentctl_refused(session_id, &s);
+                Error::agent("Cancel", &s)
+            })?
+            .into_inner();
+        tracing::info!(session = %session_id, cancelled = answer.cancelled, "turn cancel requested");
+        Ok(answer.cancelled)
+    }
+
+    /// The error for a session whose agent does not run, with the hint that
+    /// `ResumeSession` agrees with: resume it, or why it cannot be resumed.
+    pub(crate) async fn agent_not_running(&self, session: &Session) -> Error {
+        let session_id = session.id;
+        let why = session
+            .error_message
+            .as_deref()
+            .map(|m| format!(" ({m})"))
+            .unwrap_or_default();
+        let hint = match self.status_of(session).await.map(|s| check_resume(&s)) {
+            Ok(Err(refused)) => format!("it cannot be resumed{why}: {refused}"),
+            _ => format!("resume the session first{why}"),
+        };
+        Error::AgentNotRunning { session_id, hint }
+    }
+
+    /// A turn can start only on a session waiting for input.
+    pub(crate) async fn check_can_start_turn(
+        &self,
+        session: &Session,
+        action: &'static str,
+    ) -> Result<()> {
+        let session_id = session.id;
+        match session.state {
+            SessionState::WaitingForInput => {}
+            s if s.is_terminal() => {
+                return Err(Error::SessionEnded {
+                    session_id,
+                    state: s,
+                });
+            }
+            SessionState::Running => {
+                return Err(Error::InvalidState {
+                    session_id,
+                    state: session.state,
+                    action,
+                    hint: "the agent is still working on the previous message; wait for its reply",
+                });
+            }
+            SessionState::Error => return Err(self.agent_not_running(session).await),
+            s => {
+                return Err(Error::InvalidState {
+                    session_id,
+                    state: s,
+                    action,
+                    hint: "wait until the agent is ready",
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Stores user message `text`, session RUNNING, then the Prompt. The
+    /// caller holds the session lock and checked the state.
+    pub(crate) async fn start_turn(&self, session: Session, text: &str) -> Result<Message> {
+        self.start_turn_as(session, text, None, Vec::new()).await
+    }
+
+    /// [`Self::start_turn`]; `from_queue`: the queued message this turn
+    /// delivers, taken off the queue in the commit that starts the turn
+    /// (its id becomes the user message's), so it is delivered once.
+    pub(crate) async fn start_turn_as(
+        &self,
+        session: Session,
+        text: &str,
+        from_queue: Option<MessageId>,
+        attachments: Vec<crate::Attachment>,
+    ) -> Result<Message> {
+        let session_id = session.id;
+        let execution = self.execution(session_id);
+        let Some(execution) = execution.filter(|e| {
+            e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
+        }) else {
+            return Err(self.agent_not_running(&session).await);
+        };
+        let record = execution.record;
+        // Read and checked before anything is stored.
+        let attachments = if attachments.is_empty() {
+            attachments
+        } else {
+            crate::attachments::resolve(&self.client(&record)?, attachments).await?
+        };
+        let blocks = crate::attachments::blocks(&attachments, &session.worktree.path);
+
+        let now = Utc::now();
+        let message = Message {
+            id: from_queue.unwrap_or_default(),
+            session_id,
+            task_id: session.task_id,
+            role: MessageRole::User,
+            content: text.to_owned(),
+            kind: sessiond_domain::MessageKind::Text,
+            data: if attachments.is_empty() {
+                String::new()
+            } else {
+                serde_json::json!({"attachments": crate::attachments::to_json(&attachments)})
+                    .to_string()
+            },
+            seq: 0,
+            complete: true,
+            created_at: now,
+            updated_at: now,
+        };
+        let turn_id = message.id.to_string();
+        let (mut running, ev) = transition(&session, SessionEvent::TurnStarted, None)?;
+        running.metadata.insert(TURN_KEY.into(), turn_id.clone());
+        // Which agentctl generation got the Prompt: after a relaunch, only
+        // the journal can tell whether it reached an agent.
+        running
+            .metadata
+            .insert(TURN_GENERATION_KEY.into(), record.generation.to_string());
+        // The agentctl process last known alive before the Prompt (a parked
+        // pump's, else the stored cursor's): if that process still answers
+        // after a crash, any Prompt of this turn went to it (one process
+        // holds the address), so its journal alone tells whether the turn
+        // reached an agent, even a journal it created (fresh).
+        let instance = self
+            .parked_instance(session_id)
+            .filter(|i| !i.is_empty())
+            .unwrap_or_else(|| stored_cursor(&session, record.generation).1);
+        if instance.is_empty() {
+            running.metadata.remove(TURN_INSTANCE_KEY);
+        } else {
+            running.metadata.insert(TURN_INSTANCE_KEY.into(), instance);
+        }
+        // A new turn: the interrupted one before it can no longer be retried.
+        running.metadata.remove(INTERRUPTED_TURN_KEY);
+        let mut change = Changeset::new();
+        if let Some(id) = from_queue {
+            sessiond_domain::queue::remove(&mut running.metadata, id);
+            change = change.event(
+                session_id,
+                EventPayload::QueueChanged(sessiond_domain::queue::queued(&running.metadata)),
+            );
+        }
+        let mut change = change
+            .add_message(message.clone())
+            .event(session_id, EventPayload::MessageAdded(message.clone()))
+            .update_session(running);
+        // The first prompt names an unnamed session, in the same commit.
+        let title = sessiond_domain::prompt_title(text);
+        if session.title.is_empty() && !title.is_empty() {
+            change = change.set_title(session_id, title, sessiond_domain::TitleSource::Prompt);
+        }
+        if let Some(ev) = ev {
+            change = change.event(session_id, ev);
+        }
+        change = change.task_event(session.task_id, TaskEvent::WorkStarted);
+        let committed = self.commit(change).await?;
+        tracing::debug!(%session_id, "turn start committed; prompting");
+        let stored = committed
+            .messages
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::Internal("no message".into()))?;
+        let running = committed
+            .session
+            .ok_or_else(|| Error::Internal("no session".into()))?;
+        if !self.has_pump(session_id) {
+            // From the state before this turn: the turn is prompted just
+            // below, the pump has no pending turn to settle.
+            self.start_pump(&session, &record);
+        }
+        // Test-only crash point: the user message and the RUNNING state are
+        // committed, the Prompt has not been sent (recovery re-delivers it).
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("prompt-after-commit");
+
+        let client = self.client(&record)?;
+        // Timed from just before the Prompt: its first chunk can beat the reply.
+        self.inner.metrics.turn_started(session_id);
+        // The client side of agentctl's Prompt span; its trace context
+        // travels in the call's metadata.
+        let span = tracing::info_span!(
+            "agentctl_prompt",
+            otel.name = "agentctl.v1.AgentCtlService/Prompt",
+            otel.kind = "client",
+            rpc.system = "grpc",
+            rpc.service = "agentctl.v1.AgentCtlService",
+            rpc.method = "Prompt",
+            turn_id = %turn_id,
+        );
+        let prompted = tracing::Instrument::instrument(
+            client.raw().prompt(pb::PromptRequest {
+                text: text.to_owned(),
+                turn_id: turn_id.clone(),
+                blocks,
+                ..Default::default()
+            }),
+            span,
+        )
+        .await;
+        if let Err(status) = prompted {
+            if self.agentctl_refused(session_id, &status) {
+                // Another replica adopted the session: it settles this turn.
+                return Err(self.not_owner_now(session_id).await);
+            }
+            let e = Error::agent("Prompt", &status);
+            if self.agentctl_gone(&status, &client).await {
+                // agentctl itself is gone (killed, its container stopped):
+                // that passes by itself, so the session is recovered in the
+                // background like any lost agentctl, never left in ERROR.
+                self.prompt_found_agentctl_gone(&record, &e.to_string())
+                    .await?;
+                return Err(Error::Unavailable(format!(
+                    "the message did not reach the agent: its agentctl stopped answering ({e}); \
+                     the session recovers by itself: send the message again once it is back \
+                     (`sessionctl session status` shows when)"
+                )));
+            }
+            self.inner
+                .metrics
+                .turn_ended(session_id, crate::metrics::TurnOutcome::Failed);
+            let reason = format!(
+                "the agent did not accept the message: {e}; resume the session, then send it again"
+            );
+            // Never silent: the conversation says the turn did not run
+            // through (a transport error leaves it unknown whether agentctl
+            // took it, so it is not sent again; the user may retry).
+            let (mut failed, ev) = transition(&running, SessionEvent::Failed, Some(reason))?;
+            let why = format!("the agent did not accept the message: {e}");
+            let mut change = crate::turn::interrupt_turn(
+                self,
+                &running,
+                &turn_id,
+                &why,
+                Changeset::new(),
+                &mut failed,
+            )
+            .await?
+            .update_session(failed);
+            if let Some(ev) = ev {
+                change = change.event(session_id, ev);
+            }
+            self.commit(change).await?;
+            return Err(e);
+        }
+        tracing::info!(session = %session_id, turn_id = %stored.id, "message sent; the agent's turn started");
+        Ok(stored)
+    }
+
+    /// A failed call's `status` came from agentctl being gone rather than
+    /// from an answer: a transport failure, and `Health` fails as well.
+    pub(crate) async fn agentctl_gone(
+        &self,
+        status: &tonic::Status,
+        client: &sessiond_executor::AgentctlClient,
+    ) -> bool {
+        if !matches!(
+            status.code(),
+            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+        ) {
+            return false;
+        }
+        let mut raw = client.raw();
+        let health = raw.health(pb::HealthRequest {});
+        !matches!(
+            tokio::time::timeout(self.inner.config.executor_deadline, health).await,
+            Ok(Ok(_))
+        )
+    }
+
+    /// The Prompt of a turn just started found agentctl gone. As when the
+    /// update pump loses it: a remote executor reconnects in the background
+    /// (the turn stays pending, settled at most once when the host is back);
+    /// a local one is recovered in the background, the turn ended
+    /// interrupted (whether agentctl took it is unknown, so it is not sent
+    /// again). The caller holds the session lock.
+    async fn prompt_found_agentctl_gone(
+        &self,
+        record: &ExecutorRecord,
+        reason: &str,
+    ) -> Result<()> {
+        let sid = record.session_id;
+        tracing::warn!(session = %sid, executor_id = %record.id, %reason,
+            "the message's Prompt found agentctl gone; recovering the session in the background");
+        self.stop_pump(sid);
+        if record.runtime == Runtime::Remote {
+            self.commit(crate::recovery::remote_lost(record, reason)?)
+                .await?;
+            self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
+            self.spawn_reconnect(record.clone());
+            return Ok(());
+        }
+        let (change, retry) = self.agentctl_lost_change(record, reason).await?;
+        let committed = self.commit(change).await?;
+        self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
+        if let Some(failed) = retry {
+            self.spawn_retry(committed.executor.unwrap_or(failed), 0, reason.to_owned());
+        }
+        Ok(())
+    }
+}
