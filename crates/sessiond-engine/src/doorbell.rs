@@ -53,10 +53,14 @@ impl SessionManager {
                 else {
                     continue;
                 };
-                let found = lock(me.cache_view())
-                    .values()
-                    .find(|e| e.record.id == id)
-                    .map(|e| (e.record.clone(), e.agent == AgentProcessState::Running));
+                let found = me
+                    .inner
+                    .sessions
+                    .executions(|e| {
+                        (e.record.id == id)
+                            .then(|| (e.record.clone(), e.agent == AgentProcessState::Running))
+                    })
+                    .pop();
                 let Some((record, agent_running)) = found else {
                     continue;
                 };

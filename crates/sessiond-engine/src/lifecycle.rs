@@ -496,7 +496,7 @@ impl SessionManager {
                 .session
                 .ok_or_else(|| Error::Internal("no session".into()))?
         };
-        self.stop_pump(session_id);
+        self.inner.sessions.stop_pump(session_id);
         if let Some(record) = self
             .inner
             .store

@@ -1,9 +1,9 @@
 //! [`SessionManager`]: the state every flow shares, and the small helpers
-//! they are built from (per-session locks, single-flight operations, the
-//! executors cache, commit-then-publish).
+//! they are built from (single-flight operations, commit-then-publish).
+//! What it keeps per session is the per-session record (`sessions.rs`).
 
 use std::{
-    collections::{HashMap, HashSet, hash_map::Entry},
+    collections::{HashMap, HashSet},
     fmt,
     sync::{
         Arc, Mutex as StdMutex, MutexGuard,
@@ -11,13 +11,10 @@ use std::{
     },
 };
 
-use futures::{
-    FutureExt,
-    future::{BoxFuture, Shared},
-};
+use futures::{FutureExt, future::BoxFuture};
 use sessiond_domain::{
-    AgentProcessState, EventPayload, ExecutionView, ExecutorEvent, ExecutorRecord, OutcomeLabel,
-    Runtime, Session, SessionEvent, SessionId, SessionStatus, TaskId,
+    AgentProcessState, EventPayload, ExecutionView, ExecutorEvent, ExecutorRecord, Runtime,
+    Session, SessionEvent, SessionId, SessionStatus, TaskId,
 };
 use sessiond_executor::{AgentctlClient, Executor, ExecutorHandle};
 use sessiond_store::{Changeset, Committed, Store};
@@ -27,115 +24,8 @@ use crate::{
     config::ManagerConfig,
     error::{Error, Result},
     events::{self, EventBus, EventStream},
+    sessions::{Execution, OpKind, OpOutcome, Sessions, SharedOp, StatusEntry},
 };
-
-/// What the in-memory executors cache knows of one session's execution.
-#[derive(Debug, Clone)]
-pub struct Execution {
-    /// The executor record as last written by this manager.
-    pub record: ExecutorRecord,
-    /// The agent process as last seen (Health, the update stream, or our own calls).
-    pub agent: AgentProcessState,
-    /// The capability probe's answer, once the agent answered `initialize`.
-    pub probe: Option<bool>,
-}
-
-impl Execution {
-    /// What [`sessiond_domain::session_status`] needs of it; the probe's
-    /// answer, when known, stands for the record's resume flag.
-    pub fn view(&self) -> ExecutionView {
-        ExecutionView {
-            session_id: self.record.session_id,
-            execution_id: self.record.execution_id(),
-            executor_status: self.record.status,
-            agent: self.agent,
-            supports_session_resume: self.probe.or(Some(self.record.supports_session_resume)),
-            retrying: sessiond_domain::retrying_message(&self.record),
-        }
-    }
-}
-
-/// What `GetSessionStatus` reads of one session, kept in memory.
-#[derive(Debug, Clone)]
-struct StatusEntry {
-    /// The session row as last committed (or loaded).
-    session: Arc<Session>,
-    /// The agent profile's `supports_session_resume` (profiles are written
-    /// at startup, before the manager serves).
-    profile_claim: bool,
-    /// The executor record as loaded or last committed; the executors cache
-    /// wins over it when it knows the session.
-    record: Option<ExecutionView>,
-}
-
-/// The status snapshot: entries are created only by a load from the store
-/// and replaced by commits; `generation` moves whenever a commit or removal
-/// could make an in-flight load stale, and such a load is then not kept.
-#[derive(Debug, Default)]
-struct StatusSnapshot {
-    generation: u64,
-    entries: HashMap<SessionId, StatusEntry>,
-    /// While [`SessionManager::load_status_snapshot`] reads: the sessions a
-    /// commit or removal touched meanwhile, whose rows it must not keep.
-    priming: Option<HashSet<SessionId>>,
-}
-
-impl StatusSnapshot {
-    /// A commit or removal of `session` that an in-flight load may predate.
-    fn missed(&mut self, session: SessionId) {
-        self.generation += 1;
-        if let Some(touched) = &mut self.priming {
-            touched.insert(session);
-        }
-    }
-}
-
-/// The session modes each running agent reported (GetSessionStatus shows
-/// them), so a status call does not ask agentctl every time. A value is
-/// good for the execution it was read from (`ExecutorRecord::execution_id`);
-/// it comes from the answer that opened the conversation (NewSession,
-/// ResumeSession), recovery's Health of a surviving agent, a mode set, a
-/// liveness Health, or a Health of its own when none of those is kept. It is dropped whenever what it reflects may
-/// have changed: the agent stopped or is starting (`cache_update`), the
-/// session left the cache, the agent reported a mode change (the pump's
-/// `current_mode` part), or a mode is being set (which keeps the agent's
-/// answer). Each drop stamps the
-/// session's slot (`removals` counts removed slots), so an answer read
-/// before a drop is not kept after it.
-#[derive(Default)]
-struct ModesCache {
-    next: u64,
-    removals: u64,
-    slots: HashMap<SessionId, ModesSlot>,
-}
-
-#[derive(Default)]
-struct ModesSlot {
-    stamp: u64,
-    value: Option<(String, Option<sessiond_domain::AgentModes>)>,
-}
-
-/// Where a [`ModesCache`] stood when an answer was asked for.
-pub(crate) type ModesStamp = (u64, u64);
-
-impl ModesCache {
-    fn stamp(&self, session: SessionId) -> ModesStamp {
-        (
-            self.removals,
-            self.slots.get(&session).map_or(0, |s| s.stamp),
-        )
-    }
-}
-
-/// Where a parked update pump stopped reading: the next pump of the session
-/// continues from `cursor` if the executor is still at `generation` and its
-/// agentctl still the process `instance` (empty: not known).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Parked {
-    pub generation: i64,
-    pub cursor: u64,
-    pub instance: String,
-}
 
 /// Counters of what this manager started, for tests and metrics.
 #[derive(Debug, Default)]
@@ -156,30 +46,6 @@ pub struct Stats {
     pub resume_attempts: u64,
 }
 
-/// The result of one exclusive operation on a session, shared by everyone
-/// who joined it.
-#[derive(Debug, Clone)]
-pub(crate) enum OpOutcome {
-    /// Startup or background recovery ended with this label.
-    Recovery(OutcomeLabel),
-    /// An explicit resume ended with this status.
-    Resume(Box<SessionStatus>),
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum OpKind {
-    Recovery,
-    Resume,
-}
-
-type SharedOp = Shared<BoxFuture<'static, Result<OpOutcome>>>;
-
-struct Inflight {
-    id: u64,
-    kind: OpKind,
-    fut: SharedOp,
-}
-
 pub(crate) struct Inner {
     pub store: Store,
     pub drivers: HashMap<Runtime, Arc<dyn Executor>>,
@@ -187,28 +53,16 @@ pub(crate) struct Inner {
     pub bus: EventBus,
     pub counters: Counters,
     pub metrics: Arc<crate::metrics::ManagerMetrics>,
-    cache: StdMutex<HashMap<SessionId, Execution>>,
-    /// Write-through snapshot of what GetSessionStatus reads (see [`StatusSnapshot`]).
-    status: StdMutex<StatusSnapshot>,
-    /// The agents' session modes as last asked (see [`ModesCache`]).
-    modes: StdMutex<ModesCache>,
-    /// Per session: the agentctl client and the (url, secret) it was made for.
-    clients: StdMutex<HashMap<SessionId, (String, String, AgentctlClient)>>,
-    /// Sessions whose update pump is parked (idle, no stream open): where
-    /// the next pump continues from.
-    parked: StdMutex<HashMap<SessionId, Parked>>,
+    /// The per-session records (`sessions.rs`).
+    pub(crate) sessions: Sessions,
     /// Agent profiles read once by `recover_all` for its executors (and by
     /// the adoption loop for one burst of adoptions).
     pub(crate) recovery_profiles:
         StdMutex<HashMap<sessiond_domain::AgentProfileId, sessiond_domain::AgentProfile>>,
-    locks: StdMutex<HashMap<SessionId, Arc<tokio::sync::Mutex<()>>>>,
     /// Held by a create from counting live sessions to committing its
     /// intent, so concurrent creates cannot all slip under the limit.
     pub(crate) create_gate: tokio::sync::Mutex<()>,
-    inflight: StdMutex<HashMap<SessionId, Inflight>>,
-    pub pumps: StdMutex<HashMap<SessionId, AbortHandle>>,
     background: StdMutex<Vec<AbortHandle>>,
-    pub retrying: StdMutex<HashSet<SessionId>>,
     next_op: AtomicU64,
     pub liveness_started: std::sync::atomic::AtomicBool,
     /// When this manager (the backend) started: a remote host's reconnect
@@ -354,18 +208,10 @@ impl SessionManager {
                 config,
                 counters: Counters::default(),
                 metrics,
-                cache: StdMutex::default(),
-                status: StdMutex::default(),
-                modes: StdMutex::default(),
-                clients: StdMutex::default(),
-                parked: StdMutex::default(),
+                sessions: Sessions::default(),
                 recovery_profiles: StdMutex::default(),
-                locks: StdMutex::default(),
                 create_gate: tokio::sync::Mutex::default(),
-                inflight: StdMutex::default(),
-                pumps: StdMutex::default(),
                 background: StdMutex::default(),
-                retrying: StdMutex::default(),
                 next_op: AtomicU64::new(1),
                 liveness_started: std::sync::atomic::AtomicBool::new(false),
                 started_at: chrono::Utc::now(),
@@ -427,20 +273,17 @@ impl SessionManager {
 
     /// The executors cache entry of a session, if any.
     pub fn execution(&self, session: SessionId) -> Option<Execution> {
-        lock(&self.inner.cache).get(&session).cloned()
+        self.inner.sessions.execution(session)
     }
 
     /// Stops all background work of this manager (update pumps, reconnects,
     /// liveness checks, operations in flight) and leaves every executor and
     /// agent running: what a backend shutting down (or crashing) does.
     pub fn shutdown(&self) {
-        for (_, h) in lock(&self.inner.pumps).drain() {
-            h.abort();
-        }
+        self.inner.sessions.shutdown();
         for h in lock(&self.inner.background).drain(..) {
             h.abort();
         }
-        lock(&self.inner.inflight).clear();
     }
 
     /// Session state and its execution's status, for this session only
@@ -461,10 +304,10 @@ impl SessionManager {
         }
         // Another replica's session changes under us: read what it committed.
         let elsewhere = !self.owns(session);
-        let cached = if elsewhere {
-            None
+        let (cached, cached_view) = if elsewhere {
+            (None, None)
         } else {
-            lock(&self.inner.status).entries.get(&session).cloned()
+            self.inner.sessions.status_and_view(session)
         };
         let snap = match cached {
             Some(e) => e,
@@ -479,12 +322,7 @@ impl SessionManager {
                 actual: s.task_id,
             });
         }
-        let cached = if elsewhere {
-            None
-        } else {
-            lock(&self.inner.cache).get(&session).map(Execution::view)
-        };
-        let view = cached.or(snap.record);
+        let view = cached_view.or(snap.record);
         let status = sessiond_domain::session_status(s, view.as_ref(), snap.profile_claim);
         if !elsewhere
             && let Some(progress) = self.inner.agent_recoveries.view(
@@ -545,49 +383,10 @@ impl SessionManager {
     /// snapshot, unless a commit or removal of any session happened while
     /// reading (then what was read is answered once and not kept).
     async fn load_status_inputs(&self, session: SessionId) -> Result<StatusEntry> {
-        let generation = lock(&self.inner.status).generation;
+        let generation = self.inner.sessions.status_generation();
         let (s, profile_claim, record) = self.inner.store.session_status_inputs(session).await?;
-        let entry = StatusEntry {
-            session: Arc::new(s),
-            profile_claim,
-            record: record.map(|r| ExecutionView::from_record(&r)),
-        };
-        let mut snap = lock(&self.inner.status);
-        if snap.generation == generation {
-            return Ok(snap.entries.entry(session).or_insert(entry).clone());
-        }
-        Ok(entry)
-    }
-
-    /// Keeps the status snapshot current after a commit (called before the
-    /// commit returns, so a status read after it never sees older state).
-    fn snapshot_committed(&self, committed: &Committed) {
-        if committed.session.is_none() && committed.executor.is_none() {
-            return;
-        }
-        let mut snap = lock(&self.inner.status);
-        // A session not in the snapshot: a load racing with this commit
-        // must not keep what it read before it.
-        if let Some(s) = &committed.session {
-            match snap.entries.get_mut(&s.id) {
-                Some(e) if s.version >= e.session.version => e.session = Arc::new(s.clone()),
-                Some(_) => {}
-                None => snap.missed(s.id),
-            }
-        }
-        if let Some(r) = &committed.executor {
-            match snap.entries.get_mut(&r.session_id) {
-                Some(e) => e.record = Some(ExecutionView::from_record(r)),
-                None => snap.missed(r.session_id),
-            }
-        }
-    }
-
-    /// Drops a session from the status snapshot (its record was removed).
-    fn snapshot_forget(&self, session: SessionId) {
-        let mut snap = lock(&self.inner.status);
-        snap.entries.remove(&session);
-        snap.missed(session);
+        let (_, entry) = crate::sessions::status_entry(s, profile_claim, record.as_ref());
+        Ok(self.inner.sessions.keep_loaded(session, generation, entry))
     }
 
     /// Loads the status snapshot of every session with a live (not
@@ -597,30 +396,17 @@ impl SessionManager {
     /// reads is left to load on its first call; an entry already present is
     /// kept (it is at least as new). Returns how many entries it added.
     pub async fn load_status_snapshot(&self) -> Result<usize> {
-        {
-            let mut snap = lock(&self.inner.status);
-            if snap.priming.is_some() {
-                return Ok(0); // another load is running; it fills the same entries
-            }
-            snap.priming = Some(HashSet::new());
+        if !self.inner.sessions.begin_status_load() {
+            return Ok(0); // another load is running; it fills the same entries
         }
         let read = self.inner.store.managed_session_status_inputs().await;
-        let mut snap = lock(&self.inner.status);
-        let touched = snap.priming.take().unwrap_or_default();
-        let mut added = 0;
-        for (session, profile_claim, record) in read? {
-            if touched.contains(&session.id) {
-                continue;
-            }
-            if let Entry::Vacant(v) = snap.entries.entry(session.id) {
-                v.insert(StatusEntry {
-                    session: Arc::new(session),
-                    profile_claim,
-                    record: record.as_ref().map(ExecutionView::from_record),
-                });
-                added += 1;
-            }
-        }
+        let entries = read.as_ref().ok().map(|rows| {
+            rows.iter()
+                .map(|(s, claim, r)| crate::sessions::status_entry(s.clone(), *claim, r.as_ref()))
+                .collect()
+        });
+        let added = self.inner.sessions.end_status_load(entries);
+        read?;
         Ok(added)
     }
 
@@ -712,19 +498,14 @@ impl SessionManager {
         driver: &Arc<dyn Executor>,
     ) -> sessiond_executor::Result<AgentctlClient> {
         let url = record.agentctl_url.as_deref().unwrap_or_default();
-        if let Some((u, secret, c)) = lock(&self.inner.clients).get(&record.session_id)
-            && u == url
-            && *secret == record.auth_secret
-        {
+        let sessions = &self.inner.sessions;
+        if let Some(c) = sessions.client(record.session_id, url, &record.auth_secret) {
             // A claim since the client was made: calls carry the new epoch.
             c.raise_lease_epoch(record.lease_epoch);
-            return Ok(c.clone());
+            return Ok(c);
         }
         let client = driver.client(&ExecutorHandle::from_record(record))?;
-        lock(&self.inner.clients).insert(
-            record.session_id,
-            (url.to_owned(), record.auth_secret.clone(), client.clone()),
-        );
+        sessions.keep_client(record.session_id, url, &record.auth_secret, client.clone());
         Ok(client)
     }
 
@@ -732,49 +513,14 @@ impl SessionManager {
     /// same address and secret (never creates or caches one).
     pub(crate) fn cached_agentctl(&self, record: &ExecutorRecord) -> Option<AgentctlClient> {
         let url = record.agentctl_url.as_deref().unwrap_or_default();
-        lock(&self.inner.clients)
-            .get(&record.session_id)
-            .filter(|(u, secret, _)| u == url && *secret == record.auth_secret)
-            .map(|(_, _, c)| c.clone())
-    }
-
-    /// Drops the session's cached agentctl client: once no call in flight
-    /// holds a clone, its HTTP/2 connection closes. The next call that needs
-    /// one makes a new client (and connection).
-    pub(crate) fn evict_client(&self, session: SessionId) {
-        lock(&self.inner.clients).remove(&session);
-    }
-
-    /// Records where a parked pump stopped (see [`Parked`]).
-    pub(crate) fn set_parked(&self, session: SessionId, parked: Parked) {
-        lock(&self.inner.parked).insert(session, parked);
-    }
-
-    /// The agentctl instance a parked session's cursor belongs to.
-    pub(crate) fn parked_instance(&self, session: SessionId) -> Option<String> {
-        lock(&self.inner.parked)
-            .get(&session)
-            .map(|p| p.instance.clone())
-    }
-
-    /// Takes the parked position of a session, if any.
-    pub(crate) fn take_parked(&self, session: SessionId) -> Option<Parked> {
-        lock(&self.inner.parked).remove(&session)
+        self.inner
+            .sessions
+            .client(record.session_id, url, &record.auth_secret)
     }
 
     /// Whether the session's updates are parked (no pump, no stream open).
     pub fn is_parked(&self, session: SessionId) -> bool {
-        lock(&self.inner.parked).contains_key(&session)
-    }
-
-    /// Removes the pump entry of `session` if it is the calling task's own
-    /// (a newer pump that replaced it stays).
-    pub(crate) fn remove_own_pump(&self, session: SessionId) {
-        let me = tokio::task::try_id();
-        let mut pumps = lock(&self.inner.pumps);
-        if me.is_some() && pumps.get(&session).map(AbortHandle::id) == me {
-            pumps.remove(&session);
-        }
+        self.inner.sessions.is_parked(session)
     }
 
     /// Commits (fenced by this replica's lease, see
@@ -792,9 +538,9 @@ impl SessionManager {
     /// status snapshot take the stored rows, watchers get the events.
     pub(crate) fn after_commit(&self, committed: &Committed) {
         if let Some(record) = &committed.executor {
-            self.cache_record(record);
+            self.inner.sessions.cache_record(record);
         }
-        self.snapshot_committed(committed);
+        self.inner.sessions.status_committed(committed);
         self.inner.bus.publish(&committed.events);
         if let Some(session) = &committed.session {
             self.queue_after_commit(session);
@@ -803,112 +549,25 @@ impl SessionManager {
 
     /// Serializes state changes of one session within this manager.
     pub(crate) async fn lock_session(&self, session: SessionId) -> OwnedMutexGuard<()> {
-        let m = lock(&self.inner.locks)
-            .entry(session)
-            .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(())))
-            .clone();
-        m.lock_owned().await
-    }
-
-    /// Keeps the cache's record current (the agent and probe are kept).
-    pub(crate) fn cache_record(&self, record: &ExecutorRecord) {
-        let mut cache = lock(&self.inner.cache);
-        match cache.get_mut(&record.session_id) {
-            Some(e) => e.record = record.clone(),
-            None => {
-                cache.insert(
-                    record.session_id,
-                    Execution {
-                        record: record.clone(),
-                        agent: AgentProcessState::NotRunning,
-                        probe: None,
-                    },
-                );
-            }
-        }
-    }
-
-    pub(crate) fn cache_view(&self) -> &StdMutex<HashMap<SessionId, Execution>> {
-        &self.inner.cache
+        self.inner.sessions.lock_of(session).lock_owned().await
     }
 
     pub(crate) fn cache_update(&self, session: SessionId, f: impl FnOnce(&mut Execution)) {
-        let (was_running, running) = match lock(&self.inner.cache).get_mut(&session) {
-            Some(e) => {
-                let was = e.agent == AgentProcessState::Running;
-                f(e);
-                (was, e.agent == AgentProcessState::Running)
-            }
-            None => (false, false),
-        };
+        let (was_running, running, queued) = self.inner.sessions.update_execution(session, f);
         // The agent is back: messages queued while it was away can go.
-        if running && !was_running {
-            let queued = lock(&self.inner.status)
-                .entries
-                .get(&session)
-                .is_some_and(|e| !sessiond_domain::queue::is_empty(&e.session.metadata));
-            if queued {
-                self.kick_queue(session);
-            }
+        if running && !was_running && queued {
+            self.kick_queue(session);
         }
         // An agent that stopped (or is starting again) takes its modes
         // along; one now running keeps what its conversation's opening
         // answered (`new_conversation`, `load_conversation`).
         if !running {
-            self.forget_modes(session);
+            self.inner.sessions.forget_modes(session);
         }
     }
 
     pub(crate) fn cache_remove(&self, session: SessionId) {
-        lock(&self.inner.cache).remove(&session);
-        {
-            let mut modes = lock(&self.inner.modes);
-            modes.slots.remove(&session);
-            modes.removals += 1;
-        }
-        lock(&self.inner.clients).remove(&session);
-        lock(&self.inner.parked).remove(&session);
-        self.snapshot_forget(session);
-    }
-
-    /// The modes cached for `session`'s agent in `execution`, with the
-    /// stamp to keep a fresh answer under (see [`ModesCache`]).
-    pub(crate) fn cached_modes(
-        &self,
-        session: SessionId,
-        execution: &str,
-    ) -> (Option<Option<sessiond_domain::AgentModes>>, ModesStamp) {
-        let cache = lock(&self.inner.modes);
-        let hit = cache
-            .slots
-            .get(&session)
-            .and_then(|s| s.value.as_ref())
-            .filter(|(e, _)| e == execution)
-            .map(|(_, m)| m.clone());
-        (hit, cache.stamp(session))
-    }
-
-    /// Keeps `modes`, read from `session`'s agent in `execution`, unless
-    /// they may have changed since `stamp`.
-    pub(crate) fn remember_modes(
-        &self,
-        session: SessionId,
-        execution: String,
-        stamp: ModesStamp,
-        modes: Option<sessiond_domain::AgentModes>,
-    ) {
-        let mut cache = lock(&self.inner.modes);
-        if cache.stamp(session) == stamp {
-            cache.slots.entry(session).or_default().value = Some((execution, modes));
-        }
-    }
-
-    /// `session`'s agent modes may have changed: ask it next time.
-    pub(crate) fn forget_modes(&self, session: SessionId) {
-        let mut cache = lock(&self.inner.modes);
-        cache.next += 1;
-        let stamp = cache.next;
-        *cache.slots.entry(session).or_default() = ModesSlot { stamp, value: None };
+        self.inner.sessions.remove_execution(session);
     }
 
     /// Checks that `session` exists and belongs to `task`, as
@@ -917,9 +576,10 @@ impl SessionManager {
     /// session leaves the snapshot): no store read on a call's hot path.
     pub(crate) async fn check_task(&self, task: TaskId, session: SessionId) -> Result<()> {
         let known = self.owns(session)
-            && lock(&self.inner.status)
-                .entries
-                .get(&session)
+            && self
+                .inner
+                .sessions
+                .status(session)
                 .is_some_and(|e| e.session.task_id == task);
         if !known {
             self.session_of_task(task, session).await?;
@@ -976,25 +636,6 @@ impl SessionManager {
         h
     }
 
-    pub(crate) fn set_pump(&self, session: SessionId, handle: AbortHandle) {
-        if let Some(old) = lock(&self.inner.pumps).insert(session, handle) {
-            old.abort();
-        }
-    }
-
-    pub(crate) fn stop_pump(&self, session: SessionId) {
-        if let Some(old) = lock(&self.inner.pumps).remove(&session) {
-            old.abort();
-        }
-    }
-
-    /// The operation in flight for `session`, if any.
-    pub(crate) fn inflight(&self, session: SessionId) -> Option<(OpKind, SharedOp)> {
-        lock(&self.inner.inflight)
-            .get(&session)
-            .map(|op| (op.kind, op.fut.clone()))
-    }
-
     /// Runs `op` as the one exclusive operation of `session`, or joins the
     /// one already in flight. The operation runs on its own task, so a caller
     /// that goes away does not cut it short. Returns the shared outcome and
@@ -1005,37 +646,23 @@ impl SessionManager {
         kind: OpKind,
         op: BoxFuture<'static, Result<OpOutcome>>,
     ) -> (OpKind, SharedOp) {
-        let mut map = lock(&self.inner.inflight);
-        if let Some(existing) = map.get(&session) {
-            return (existing.kind, existing.fut.clone());
-        }
         let id = self.inner.next_op.fetch_add(1, Ordering::Relaxed);
-        let me = self.clone();
-        // In the first caller's span: the operation belongs to its trace.
-        let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
-            let out = op.await;
-            let mut map = lock(&me.inner.inflight);
-            if map.get(&session).is_some_and(|o| o.id == id) {
-                map.remove(&session);
+        self.inner.sessions.join_or_start(session, id, kind, || {
+            let me = self.clone();
+            // In the first caller's span: the operation belongs to its trace.
+            let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
+                let out = op.await;
+                me.inner.sessions.end_op(session, id);
+                out
+            }));
+            lock(&self.inner.background).push(task.abort_handle());
+            async move {
+                task.await
+                    .map_err(|e| Error::Internal(format!("session operation ended: {e}")))?
             }
-            out
-        }));
-        lock(&self.inner.background).push(task.abort_handle());
-        let fut: SharedOp = async move {
-            task.await
-                .map_err(|e| Error::Internal(format!("session operation ended: {e}")))?
-        }
-        .boxed()
-        .shared();
-        map.insert(
-            session,
-            Inflight {
-                id,
-                kind,
-                fut: fut.clone(),
-            },
-        );
-        (kind, fut)
+            .boxed()
+            .shared()
+        })
     }
 }
 

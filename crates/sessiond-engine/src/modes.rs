@@ -28,7 +28,7 @@ impl SessionManager {
             return Ok(None);
         };
         let execution_id = execution.record.execution_id();
-        let (cached, stamp) = self.cached_modes(session_id, &execution_id);
+        let (cached, stamp) = self.inner.sessions.cached_modes(session_id, &execution_id);
         if let Some(modes) = cached {
             return Ok(modes);
         }
@@ -40,7 +40,9 @@ impl SessionManager {
             return Ok(None);
         };
         let modes = health.into_inner().modes.map(|m| agent_modes(&m));
-        self.remember_modes(session_id, execution_id, stamp, modes.clone());
+        self.inner
+            .sessions
+            .remember_modes(session_id, execution_id, stamp, modes.clone());
         Ok(modes)
     }
 
@@ -84,8 +86,8 @@ impl SessionManager {
             return Err(self.agent_not_running(&session).await);
         };
         let client = self.client(&execution.record)?;
-        self.forget_modes(session_id);
-        let (_, stamp) = self.cached_modes(session_id, "");
+        self.inner.sessions.forget_modes(session_id);
+        let (_, stamp) = self.inner.sessions.cached_modes(session_id, "");
         let modes = client
             .raw()
             .set_mode(pb::SetModeRequest {
@@ -98,7 +100,7 @@ impl SessionManager {
             .unwrap_or_default();
         tracing::info!(session = %session_id, mode_id, "session mode set");
         let modes = agent_modes(&modes);
-        self.remember_modes(
+        self.inner.sessions.remember_modes(
             session_id,
             execution.record.execution_id(),
             stamp,
@@ -156,8 +158,8 @@ impl SessionManager {
             check_config_value(&modes, config_id, value)?;
         }
         let client = self.client(&execution.record)?;
-        self.forget_modes(session_id);
-        let (_, stamp) = self.cached_modes(session_id, "");
+        self.inner.sessions.forget_modes(session_id);
+        let (_, stamp) = self.inner.sessions.cached_modes(session_id, "");
         let modes = client
             .raw()
             .set_config_option(pb::SetConfigOptionRequest {
@@ -174,7 +176,7 @@ impl SessionManager {
             .unwrap_or_default();
         tracing::info!(session = %session_id, config_id, value, "config option set");
         let modes = agent_modes(&modes);
-        self.remember_modes(
+        self.inner.sessions.remember_modes(
             session_id,
             execution.record.execution_id(),
             stamp,

@@ -302,14 +302,14 @@ impl SessionManager {
         client: &AgentctlClient,
         record: &ExecutorRecord,
     ) -> Result<String> {
-        let (_, stamp) = self.cached_modes(record.session_id, "");
+        let (_, stamp) = self.inner.sessions.cached_modes(record.session_id, "");
         let opened = client
             .raw()
             .new_session(pb::NewSessionRequest {})
             .await
             .map_err(|s| Error::agent("NewSession", &s))?
             .into_inner();
-        self.remember_modes(
+        self.inner.sessions.remember_modes(
             record.session_id,
             record.execution_id(),
             stamp,
@@ -338,7 +338,7 @@ impl SessionManager {
             .counters
             .resume_attempts
             .fetch_add(1, Ordering::Relaxed);
-        let (_, stamp) = self.cached_modes(record.session_id, "");
+        let (_, stamp) = self.inner.sessions.cached_modes(record.session_id, "");
         let loaded = client
             .raw()
             .resume_session(pb::ResumeSessionRequest {
@@ -347,7 +347,7 @@ impl SessionManager {
             .await;
         self.inner.metrics.resume(loaded.is_ok());
         let loaded = loaded.map_err(|s| Error::agent("ResumeSession", &s))?;
-        self.remember_modes(
+        self.inner.sessions.remember_modes(
             record.session_id,
             record.execution_id(),
             stamp,

@@ -35,9 +35,10 @@ use sessiond_store::{Changeset, Heartbeat, Store, Yield};
 use crate::{
     error::{Error, Result},
     launches::{Ended, Priority, host_of},
-    manager::{OpKind, OpOutcome, SessionManager, executor_moved},
+    manager::{SessionManager, executor_moved},
     ops::{Resumed, load_refused, probe_verdict, surviving_agent},
     queue::{Claim, SharedRecovery},
+    sessions::{OpKind, OpOutcome},
     turn::{pending_turn, turn_in_flight},
 };
 
@@ -878,7 +879,7 @@ impl SessionManager {
                 }
                 let driver = self.driver(run.record.runtime)?;
                 let id = run.record.id;
-                let (_, modes_stamp) = self.cached_modes(run.session.id, "");
+                let (_, modes_stamp) = self.inner.sessions.cached_modes(run.session.id, "");
                 let health = async {
                     self.agentctl(&run.record, &driver)?
                         .verify_identity(id)
@@ -910,7 +911,7 @@ impl SessionManager {
                         if run.agent != SurvivingAgent::None {
                             // A reattached agent's modes, for GetSessionStatus
                             // (a resume keeps its load's answer instead).
-                            self.remember_modes(
+                            self.inner.sessions.remember_modes(
                                 run.session.id,
                                 run.record.execution_id(),
                                 modes_stamp,
@@ -1355,7 +1356,7 @@ impl SessionManager {
             // Already `ready` as stored: nothing to write before the next
             // step (a crash here finds the same row); the fresh
             // `last_seen_at` goes with the outcome, one commit instead of two.
-            self.cache_record(&record);
+            self.inner.sessions.cache_record(&record);
             run.record = record;
             run.seen_unsaved = true;
         } else {
@@ -1488,7 +1489,7 @@ impl SessionManager {
         match outcome.executor_status {
             ExecutorStatus::Stopped => self.cache_remove(sid),
             _ => {
-                self.cache_record(&record);
+                self.inner.sessions.cache_record(&record);
                 if agent_back {
                     self.cache_update(sid, |e| e.agent = AgentProcessState::Running);
                 } else if outcome.label != OutcomeLabel::ExecutorOnly {
@@ -1621,7 +1622,7 @@ impl SessionManager {
     /// stop) or another replica holds it now.
     pub(crate) fn spawn_retry(&self, record: ExecutorRecord, attempt: u32, reason: String) {
         let session = record.session_id;
-        if !crate::manager::lock(&self.inner.retrying).insert(session) {
+        if !self.inner.sessions.start_retrying(session) {
             return;
         }
         let delay = self
@@ -1635,7 +1636,7 @@ impl SessionManager {
         let me = self.clone();
         self.spawn_background(async move {
             tokio::time::sleep(delay).await;
-            crate::manager::lock(&me.inner.retrying).remove(&session);
+            me.inner.sessions.stop_retrying(session);
             let current = match me.inner.store.get_executor(record.id).await {
                 Ok(r) => r,
                 Err(e) => {
@@ -1673,7 +1674,7 @@ impl SessionManager {
     /// the engine answers, with no window.
     pub(crate) fn spawn_reconnect(&self, record: ExecutorRecord) {
         let session = record.session_id;
-        if !crate::manager::lock(&self.inner.retrying).insert(session) {
+        if !self.inner.sessions.start_retrying(session) {
             return;
         }
         let me = self.clone();
@@ -1717,7 +1718,7 @@ impl SessionManager {
                     tracing::debug!(%session, attempt, "executor still unreachable");
                     continue;
                 }
-                crate::manager::lock(&me.inner.retrying).remove(&session);
+                me.inner.sessions.stop_retrying(session);
                 // A `retrying` outcome starts a fresh reconnect loop itself.
                 match me.recover_shared(current).await {
                     Ok(label) => {
@@ -1730,7 +1731,7 @@ impl SessionManager {
                     }
                 }
             }
-            crate::manager::lock(&me.inner.retrying).remove(&session);
+            me.inner.sessions.stop_retrying(session);
         });
     }
 }
@@ -1862,11 +1863,10 @@ impl SessionManager {
         self.spawn_background(async move {
             loop {
                 tokio::time::sleep(every).await;
-                let ready: Vec<(ExecutorRecord, bool)> = crate::manager::lock(me.cache_view())
-                    .values()
-                    .filter(|e| e.record.status == ExecutorStatus::Ready)
-                    .map(|e| (e.record.clone(), e.agent == AgentProcessState::Running))
-                    .collect();
+                let ready: Vec<(ExecutorRecord, bool)> = me.inner.sessions.executions(|e| {
+                    (e.record.status == ExecutorStatus::Ready)
+                        .then(|| (e.record.clone(), e.agent == AgentProcessState::Running))
+                });
                 let seen: Vec<Heartbeat> = futures::stream::iter(ready)
                     .map(|(record, agent_running)| {
                         let me = me.clone();
@@ -1918,7 +1918,7 @@ impl SessionManager {
     async fn liveness_health(&self, record: &ExecutorRecord) -> Result<pb::HealthResponse> {
         // The answer carries the agent's modes: kept, so a change the agent
         // made while no pump read shows within one check.
-        let (_, modes_stamp) = self.cached_modes(record.session_id, "");
+        let (_, modes_stamp) = self.inner.sessions.cached_modes(record.session_id, "");
         let client = match self.cached_agentctl(record) {
             Some(c) => c,
             None => self
@@ -1943,7 +1943,7 @@ impl SessionManager {
             AgentState::try_from(h.agent_state),
             Ok(AgentState::Ready | AgentState::Busy)
         ) {
-            self.remember_modes(
+            self.inner.sessions.remember_modes(
                 record.session_id,
                 record.execution_id(),
                 modes_stamp,
@@ -1999,7 +1999,7 @@ impl SessionManager {
             let mut exited = None;
             if agent_running
                 && health.as_ref().is_ok_and(|h| h.as_ref().is_ok_and(gone))
-                && !self.has_pump(record.session_id)
+                && !self.inner.sessions.has_pump(record.session_id)
                 && self
                     .execution(record.session_id)
                     .is_some_and(|e| e.agent == AgentProcessState::Running)
@@ -2049,7 +2049,7 @@ impl SessionManager {
         };
         if record.runtime == Runtime::Remote {
             self.commit(remote_lost(&current, &reason)?).await?;
-            self.stop_pump(record.session_id);
+            self.inner.sessions.stop_pump(record.session_id);
             self.cache_update(record.session_id, |e| {
                 e.agent = AgentProcessState::NotRunning
             });
@@ -2058,7 +2058,7 @@ impl SessionManager {
         }
         let (change, retry) = self.agentctl_lost_change(&current, &reason).await?;
         let committed = self.commit(change).await?;
-        self.stop_pump(record.session_id);
+        self.inner.sessions.stop_pump(record.session_id);
         self.cache_update(record.session_id, |e| {
             e.agent = AgentProcessState::NotRunning
         });

@@ -442,7 +442,7 @@ impl SessionManager {
     fn relinquish(&self, session: SessionId) {
         lock(&self.inner.owned).remove(&session);
         lock(&self.inner.adoptions).remove(&session);
-        self.stop_pump(session);
+        self.inner.sessions.stop_pump(session);
         self.cache_remove(session);
         tracing::warn!(%session, "lease lost to another replica; no longer acting on this session");
     }

@@ -26,8 +26,9 @@ use sessiond_store::Changeset;
 
 use crate::{
     error::{Error, Result},
-    manager::{OpKind, OpOutcome, SessionManager, executor_moved, transition},
+    manager::{SessionManager, executor_moved, transition},
     ops::{Resumed, load_refused, probe_verdict, recorded_process_alive},
+    sessions::{OpKind, OpOutcome},
     turn::turn_in_flight,
 };
 
@@ -67,7 +68,7 @@ impl SessionManager {
         // Not recovered yet since the restart: recovery first (it may well
         // resume the agent itself), then decide.
         self.ensure_recovered(session).await?;
-        if let Some((kind, fut)) = self.inflight(session) {
+        if let Some((kind, fut)) = self.inner.sessions.inflight(session) {
             let out = fut.await;
             if let Some(answer) = self.joined_answer(task, session, kind, out).await {
                 return answer;
@@ -79,7 +80,7 @@ impl SessionManager {
             // after the check above, its outcome is the answer every caller
             // shares; otherwise read the session again, as that attempt
             // (if any) left it.
-            if let Some((kind, fut)) = self.inflight(session) {
+            if let Some((kind, fut)) = self.inner.sessions.inflight(session) {
                 let out = fut.await;
                 if let Some(answer) = self.joined_answer(task, session, kind, out).await {
                     return answer;
@@ -630,8 +631,8 @@ impl SessionManager {
         };
         let committed = self.commit(change).await?;
         let record = committed.executor.unwrap_or(current);
-        self.stop_pump(session.id);
-        self.cache_record(&record);
+        self.inner.sessions.stop_pump(session.id);
+        self.inner.sessions.cache_record(&record);
         self.cache_update(session.id, |e| e.agent = AgentProcessState::NotRunning);
         self.spawn_reconnect(record.clone());
         tracing::warn!(session = %session.id, executor_id = %record.id, reason,

@@ -124,7 +124,7 @@ impl SessionManager {
         };
         // Re-check under the lock every state change of the session takes.
         let _guard = self.lock_session(session_id).await;
-        if self.inflight(session_id).is_some() {
+        if self.inner.sessions.inflight(session_id).is_some() {
             return Ok(false);
         }
         let Verdict::Orphan(why) = self.decide(c, executor_id, session_id).await? else {

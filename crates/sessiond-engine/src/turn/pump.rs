@@ -55,7 +55,7 @@ use super::{
 };
 use crate::{
     error::Result,
-    manager::{SessionManager, lock, transition},
+    manager::{SessionManager, transition},
     ops::agent_process,
 };
 
@@ -116,7 +116,7 @@ impl SessionManager {
         };
         // A parked pump of this generation read further than the stored cursor.
         let (stored, stored_instance) = stored_cursor(session, record.generation);
-        let (cursor, instance) = match self.take_parked(session.id) {
+        let (cursor, instance) = match self.inner.sessions.take_parked(session.id) {
             Some(p)
                 if p.generation == record.generation
                     && (p.cursor >= stored || p.instance != stored_instance) =>
@@ -141,7 +141,9 @@ impl SessionManager {
             last_activity: Instant::now(),
         };
         let handle = tokio::spawn(pump.run());
-        self.set_pump(session.id, handle.abort_handle());
+        self.inner
+            .sessions
+            .set_pump(session.id, handle.abort_handle());
     }
 
     /// After the agent was (re)attached: a session with work for the pump
@@ -157,29 +159,23 @@ impl SessionManager {
             self.start_pump(session, record);
             return;
         }
-        self.stop_pump(session.id);
+        self.inner.sessions.stop_pump(session.id);
         let (stored, instance) = stored_cursor(session, record.generation);
-        let parked = match self.take_parked(session.id) {
+        let parked = match self.inner.sessions.take_parked(session.id) {
             Some(p)
                 if p.generation == record.generation
                     && (p.cursor >= stored || p.instance != instance) =>
             {
                 p
             }
-            _ => crate::manager::Parked {
+            _ => crate::sessions::Parked {
                 generation: record.generation,
                 cursor: stored,
                 instance,
             },
         };
-        self.set_parked(session.id, parked);
-        self.evict_client(session.id);
-    }
-
-    pub(crate) fn has_pump(&self, session: SessionId) -> bool {
-        crate::manager::lock(&self.inner.pumps)
-            .get(&session)
-            .is_some_and(|h| !h.is_finished())
+        self.inner.sessions.set_parked(session.id, parked);
+        self.inner.sessions.evict_client(session.id);
     }
 }
 
@@ -329,7 +325,7 @@ impl Pump {
         if kind == MessageKind::CurrentMode
             || (kind == MessageKind::Other && a.text == "config_option_update")
         {
-            self.mgr.forget_modes(self.session_id);
+            self.mgr.inner.sessions.forget_modes(self.session_id);
         }
         if kind == MessageKind::Permission {
             return self.permission(id, a).await;
@@ -978,16 +974,16 @@ impl Pump {
         if !h.instance_id.is_empty() {
             self.instance = h.instance_id;
         }
-        self.mgr.set_parked(
+        self.mgr.inner.sessions.set_parked(
             self.session_id,
-            crate::manager::Parked {
+            crate::sessions::Parked {
                 generation: self.generation,
                 cursor: self.cursor,
                 instance: std::mem::take(&mut self.instance),
             },
         );
-        self.mgr.remove_own_pump(self.session_id);
-        self.mgr.evict_client(self.session_id);
+        self.mgr.inner.sessions.remove_own_pump(self.session_id);
+        self.mgr.inner.sessions.evict_client(self.session_id);
         tracing::debug!(session = %self.session_id, cursor = self.cursor, "update pump parked (session idle)");
         true
     }
@@ -1047,7 +1043,7 @@ impl Pump {
             tracing::warn!(session = %self.session_id, error = %e, "could not record lost agentctl");
         }
         // This pump ends; forget it.
-        let _ = lock(&self.mgr.inner.pumps).remove(&self.session_id);
+        self.mgr.inner.sessions.forget_pump(self.session_id);
         if let Some(record) = reconnect {
             self.mgr.spawn_reconnect(record);
         }

@@ -368,6 +368,8 @@ impl SessionManager {
         // holds the address), so its journal alone tells whether the turn
         // reached an agent, even a journal it created (fresh).
         let instance = self
+            .inner
+            .sessions
             .parked_instance(session_id)
             .filter(|i| !i.is_empty())
             .unwrap_or_else(|| stored_cursor(&session, record.generation).1);
@@ -409,7 +411,7 @@ impl SessionManager {
         let running = committed
             .session
             .ok_or_else(|| Error::Internal("no session".into()))?;
-        if !self.has_pump(session_id) {
+        if !self.inner.sessions.has_pump(session_id) {
             // From the state before this turn: the turn is prompted just
             // below, the pump has no pending turn to settle.
             self.start_pump(&session, &record);
@@ -527,7 +529,7 @@ impl SessionManager {
         let sid = record.session_id;
         tracing::warn!(session = %sid, executor_id = %record.id, %reason,
             "the message's Prompt found agentctl gone; recovering the session in the background");
-        self.stop_pump(sid);
+        self.inner.sessions.stop_pump(sid);
         if record.runtime == Runtime::Remote {
             self.commit(crate::recovery::remote_lost(record, reason)?)
                 .await?;
