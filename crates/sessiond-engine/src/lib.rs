@@ -41,6 +41,7 @@ mod doorbell;
 mod error;
 mod events;
 mod launches;
+mod lease;
 mod lifecycle;
 mod manager;
 mod metrics;

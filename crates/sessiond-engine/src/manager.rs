@@ -3,7 +3,7 @@
 //! What it keeps per session is the per-session record (`sessions.rs`).
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::HashMap,
     fmt,
     sync::{
         Arc, Mutex as StdMutex, MutexGuard,
@@ -88,12 +88,8 @@ pub(crate) struct Inner {
     pub(crate) queue_phase: tokio::sync::watch::Sender<crate::queue::Phase>,
     /// How many calls' recoveries run now (the pass yields to them).
     pub(crate) calls_recovering: tokio::sync::watch::Sender<usize>,
-    /// Sessions whose executor this replica holds the lease of (`replica.rs`).
-    pub(crate) owned: StdMutex<HashSet<SessionId>>,
-    /// The newest lease epoch this replica claimed per session; kept after
-    /// the lease is lost, so a late write still carries the old epoch and
-    /// is refused instead of going out unfenced (`replica.rs`).
-    pub(crate) epochs: StdMutex<HashMap<SessionId, i64>>,
+    /// This replica's leases and fencing tokens (`lease.rs`).
+    pub(crate) leases: crate::lease::Leases,
     /// Test hook: awaited before each heartbeat (see `gate_heartbeat`).
     pub(crate) heartbeat_gate: StdMutex<Option<crate::queue::PassGate>>,
     /// This replica's lease claims, one at a time (`replica.rs`): a call
@@ -196,6 +192,7 @@ impl SessionManager {
         let metrics = Arc::new(crate::metrics::ManagerMetrics::default());
         let bus = EventBus::with_metrics(config.event_buffer, metrics.watch.clone());
         let launches = crate::launches::LaunchScheduler::new(config.launches);
+        let leases = crate::lease::Leases::new(config.replica.exclusive, config.replica.id.clone());
         if !config.replica.exclusive {
             // Other replicas' watchers are woken by what we commit.
             store.announce_events_as(&config.replica.id);
@@ -223,8 +220,7 @@ impl SessionManager {
                 queue: StdMutex::default(),
                 queue_phase: tokio::sync::watch::Sender::new(crate::queue::Phase::Idle),
                 calls_recovering: tokio::sync::watch::Sender::new(0),
-                owned: StdMutex::default(),
-                epochs: StdMutex::default(),
+                leases,
                 heartbeat_gate: StdMutex::default(),
                 claims: tokio::sync::Mutex::new(()),
                 adoptions: StdMutex::default(),

@@ -120,30 +120,23 @@ impl SessionManager {
     /// Whether this replica holds the lease of `session`'s executor (always
     /// with an exclusive store).
     pub fn owns(&self, session: SessionId) -> bool {
-        self.exclusive() || lock(&self.inner.owned).contains(&session)
+        self.inner.leases.owns(session)
     }
 
     /// Sessions this replica holds leases on now (empty with an exclusive store).
     pub fn owned_sessions(&self) -> HashSet<SessionId> {
-        lock(&self.inner.owned).clone()
+        self.inner.leases.owned()
     }
 
     /// Records that this replica holds `session`'s lease at `epoch` (a
     /// claim, or the lease a create inserted).
     pub(crate) fn mark_owned(&self, session: SessionId, epoch: i64) {
-        if !self.exclusive() {
-            lock(&self.inner.epochs)
-                .entry(session)
-                .and_modify(|e| *e = (*e).max(epoch))
-                .or_insert(epoch);
-            lock(&self.inner.owned).insert(session);
-        }
+        self.inner.leases.claimed(session, epoch);
     }
 
     /// Forgets `session`'s lease after its executor row was deleted.
     pub(crate) fn forget_lease(&self, session: SessionId) {
-        lock(&self.inner.epochs).remove(&session);
-        lock(&self.inner.owned).remove(&session);
+        self.inner.leases.forget(session);
     }
 
     /// The fencing token of this replica's writes and agentctl calls on
@@ -151,15 +144,7 @@ impl SessionManager {
     /// lease was lost (then it is refused). `None` with an exclusive store
     /// or for a session this replica never held.
     pub(crate) fn fence(&self, session: SessionId) -> Option<Fence> {
-        if self.exclusive() {
-            return None;
-        }
-        let epoch = *lock(&self.inner.epochs).get(&session)?;
-        Some(Fence {
-            session,
-            owner: self.replica_id().to_owned(),
-            epoch,
-        })
+        self.inner.leases.fence(session)
     }
 
     /// Every write of the session path: fenced by the lease this replica
@@ -266,8 +251,7 @@ impl SessionManager {
     pub(crate) fn lease_lost(&self, session: SessionId, epoch: i64, by: &'static str, why: &str) {
         self.inner.metrics.fenced(by);
         tracing::warn!(%session, epoch, by, reason = why, "fenced: lease epoch superseded, action refused");
-        let current = lock(&self.inner.epochs).get(&session).copied();
-        if current == Some(epoch) && lock(&self.inner.owned).contains(&session) {
+        if self.inner.leases.holds_at(session, epoch) {
             self.relinquish(session);
         }
     }
@@ -440,7 +424,7 @@ impl SessionManager {
     /// Drops everything this replica keeps for `session` after its lease
     /// went to another replica: no pump, no connection, no cached state.
     fn relinquish(&self, session: SessionId) {
-        lock(&self.inner.owned).remove(&session);
+        self.inner.leases.lost(session);
         lock(&self.inner.adoptions).remove(&session);
         self.inner.sessions.stop_pump(session);
         self.cache_remove(session);
@@ -849,7 +833,7 @@ impl SessionManager {
             .store
             .release_leases(self.replica_id(), Utc::now())
             .await?;
-        lock(&self.inner.owned).clear();
+        self.inner.leases.released_all();
         Ok(n)
     }
 }
