@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use sessiond_domain::{AgentProcessState, ExecutorId};
 
-use crate::manager::{SessionManager, lock};
+use crate::{manager::SessionManager, sync::lock};
 
 /// The largest datagram read: an executor id is a UUID.
 const MAX_DATAGRAM: usize = 128;

@@ -33,7 +33,7 @@ use std::{
 use sessiond_domain::{ExecutorRecord, Runtime, SessionId};
 use tokio::sync::oneshot;
 
-use crate::{config::LaunchLimits, manager::lock};
+use crate::{config::LaunchLimits, sync::lock};
 
 /// Who waits for a launch: lower goes first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

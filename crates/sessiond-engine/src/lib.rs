@@ -56,6 +56,7 @@ mod resume;
 mod session_mcp;
 mod sessions;
 mod sweep;
+mod sync;
 mod turn;
 pub mod usage;
 mod worktrees;

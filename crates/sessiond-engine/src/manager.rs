@@ -6,7 +6,7 @@ use std::{
     collections::HashMap,
     fmt,
     sync::{
-        Arc, Mutex as StdMutex, MutexGuard,
+        Arc, Mutex as StdMutex,
         atomic::{AtomicU64, Ordering},
     },
 };
@@ -25,6 +25,7 @@ use crate::{
     error::{Error, Result},
     events::{self, EventBus, EventStream},
     sessions::{Execution, OpKind, OpOutcome, Sessions, SharedOp, StatusEntry},
+    sync::lock,
 };
 
 /// Counters of what this manager started, for tests and metrics.
@@ -175,10 +176,6 @@ impl fmt::Debug for SessionManager {
             .field("config", &self.inner.config)
             .finish_non_exhaustive()
     }
-}
-
-pub(crate) fn lock<T>(m: &StdMutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl SessionManager {

@@ -16,7 +16,7 @@ use std::{
 
 use sessiond_domain::{AgentRecovery, RecoveryStage, SessionId};
 
-use crate::manager::lock;
+use crate::sync::lock;
 
 #[derive(Debug, Clone)]
 struct Entry {

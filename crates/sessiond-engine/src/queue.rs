@@ -45,8 +45,9 @@ use sessiond_store::Yield;
 
 use crate::{
     error::{Error, Result},
-    manager::{SessionManager, lock},
+    manager::SessionManager,
     recovery::Lane,
+    sync::lock,
 };
 
 /// The shared outcome of one claimed recovery.

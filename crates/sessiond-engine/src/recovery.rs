@@ -246,7 +246,7 @@ impl SessionManager {
         // instead of once per executor.
         match store.list_agent_profiles().await {
             Ok(all) => {
-                *crate::manager::lock(&self.inner.recovery_profiles) =
+                *crate::sync::lock(&self.inner.recovery_profiles) =
                     all.into_iter().map(|p| (p.id, p)).collect();
             }
             Err(e) => tracing::debug!(error = %e, "profiles not preloaded"),
@@ -271,7 +271,7 @@ impl SessionManager {
                 let me = self.clone();
                 let at = workspaces_back.clone();
                 move || {
-                    *crate::manager::lock(&at) = Some(started.elapsed());
+                    *crate::sync::lock(&at) = Some(started.elapsed());
                     tracing::info!(
                         took_ms = crate::lifecycle::ms(started.elapsed()),
                         "startup recovery: every workspace is back; serving while agents relaunch"
@@ -327,12 +327,12 @@ impl SessionManager {
                             drop(ticket);
                             return (session, PassResult::Claimed(fut));
                         }
-                        crate::manager::lock(&me.inner.pass_slots).insert(session, ticket);
+                        crate::sync::lock(&me.inner.pass_slots).insert(session, ticket);
                         let result = match claim {
                             Some(Claim::Started(fut)) => fut.await,
                             _ => me.recover_shared(record).await,
                         };
-                        let ticket = crate::manager::lock(&me.inner.pass_slots).remove(&session);
+                        let ticket = crate::sync::lock(&me.inner.pass_slots).remove(&session);
                         drop(ticket);
                         let outcome = match &result {
                             Ok(label) => label.as_str(),
@@ -357,7 +357,7 @@ impl SessionManager {
                 },
             ));
         }
-        crate::manager::lock(&self.inner.recovery_profiles).clear();
+        crate::sync::lock(&self.inner.recovery_profiles).clear();
 
         let mut summary = RecoverySummary {
             total,
@@ -381,8 +381,7 @@ impl SessionManager {
                 .push((session, result.map_err(|e| e.to_string())));
         }
         summary.duration = started.elapsed();
-        summary.workspaces_back =
-            crate::manager::lock(&workspaces_back).unwrap_or(summary.duration);
+        summary.workspaces_back = crate::sync::lock(&workspaces_back).unwrap_or(summary.duration);
         let counts = summary
             .counts
             .iter()
@@ -606,7 +605,7 @@ impl SessionManager {
         // Only the lease holder recovers (its lease may have gone to another
         // replica since this recovery was queued).
         self.ensure_owner(&record)?;
-        let preloaded = crate::manager::lock(&self.inner.recovery_profiles)
+        let preloaded = crate::sync::lock(&self.inner.recovery_profiles)
             .get(&session.agent_profile_id)
             .cloned();
         let profile = match preloaded {
@@ -971,7 +970,7 @@ impl SessionManager {
                 let sid = run.session.id;
                 // Waiting for a launch is not the pass's work: its slot goes
                 // on to the reattaches behind this one.
-                let ticket = crate::manager::lock(&self.inner.pass_slots).remove(&sid);
+                let ticket = crate::sync::lock(&self.inner.pass_slots).remove(&sid);
                 drop(ticket);
                 let agent_up =
                     matches!(run.agent_state, Some(AgentState::Ready | AgentState::Busy));

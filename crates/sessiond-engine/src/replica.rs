@@ -38,9 +38,10 @@ use tokio::sync::{Semaphore, mpsc};
 use crate::{
     error::{Error, Result},
     lifecycle::ms,
-    manager::{SessionManager, lock},
+    manager::SessionManager,
     queue::SharedRecovery,
     recovery::Lane,
+    sync::lock,
 };
 
 /// A session the adoption loop claimed and has not recovered yet: its
