@@ -59,17 +59,6 @@ pub(crate) fn probe_verdict(support: Support) -> Option<bool> {
     }
 }
 
-/// Whether the recorded local agentctl process still runs and is the one we
-/// started (pid and start time both match). `None` when no pid is recorded.
-pub(crate) fn recorded_process_alive(record: &ExecutorRecord) -> Option<bool> {
-    let pid = record.pid?;
-    Some(
-        record
-            .pid_start_time
-            .is_some_and(|st| process::is_same_running(pid, st)),
-    )
-}
-
 /// Local agentctl processes started for `executor_id` (found by their
 /// `--executor-id` argument): positive evidence that they belong to this
 /// executor, even when their pid was never recorded (a crash between spawn
@@ -354,19 +343,6 @@ impl SessionManager {
             loaded.into_inner().modes.as_ref().map(agent_modes),
         );
         Ok(())
-    }
-
-    /// Launches the agent if needed, then loads the conversation.
-    /// `no_turn_yet`: see [`Self::resume_agent_seen`].
-    pub(crate) async fn resume_agent(
-        &self,
-        record: &ExecutorRecord,
-        profile: &AgentProfile,
-        token: &str,
-        no_turn_yet: bool,
-    ) -> Result<Resumed> {
-        self.resume_agent_seen(record, profile, token, None, no_turn_yet)
-            .await
     }
 
     /// [`Self::resume_agent`] with the agent state a `Health` just saw (see

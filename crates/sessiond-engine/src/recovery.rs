@@ -149,6 +149,9 @@ impl RecoverySummary {
 pub(crate) enum Lane {
     Pass,
     Call,
+    /// An explicit resume: a call whose agent is resumed whatever the
+    /// resume policy says, in one attempt (the caller gets the answer).
+    Resume,
     Other,
 }
 
@@ -577,13 +580,14 @@ impl SessionManager {
         }
     }
 
-    async fn recover_one(
+    pub(crate) async fn recover_one(
         &self,
         record: ExecutorRecord,
         lane: Lane,
         yielding: Option<Yield>,
     ) -> Result<OutcomeLabel> {
-        let _ahead = (lane == Lane::Call).then(|| self.call_recovery_started());
+        let call = matches!(lane, Lane::Call | Lane::Resume);
+        let _ahead = call.then(|| self.call_recovery_started());
         // A pass recovery a call joined (promoted) no longer pauses for calls.
         let pauses = || lane == Lane::Pass && yielding.as_ref().is_none_or(Yield::is_yielding);
         if pauses() {
@@ -591,7 +595,6 @@ impl SessionManager {
         }
         let began = Instant::now();
         let _guard = self.lock_session(record.session_id).await;
-        let call = lane == Lane::Call;
         if call {
             tracing::debug!(
                 session_id = %record.session_id,
@@ -620,16 +623,25 @@ impl SessionManager {
                 "call's recovery: records read"
             );
         }
-        let input = RecoveryInput::new(
-            &record,
-            &session,
-            profile.supports_session_resume,
-            self.inner.config.resume_policy,
-        )
-        .attempt(
-            self.inner.agent_recoveries.attempt(session.id),
-            self.inner.config.max_attempts,
-        );
+        let input = if lane == Lane::Resume {
+            RecoveryInput::new(
+                &record,
+                &session,
+                profile.supports_session_resume,
+                sessiond_domain::ResumePolicy::Startup,
+            )
+        } else {
+            RecoveryInput::new(
+                &record,
+                &session,
+                profile.supports_session_resume,
+                self.inner.config.resume_policy,
+            )
+            .attempt(
+                self.inner.agent_recoveries.attempt(session.id),
+                self.inner.config.max_attempts,
+            )
+        };
         let retry = record.runtime == Runtime::Remote
             && window_open(
                 &record,
