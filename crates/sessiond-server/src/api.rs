@@ -26,7 +26,7 @@ use crate::{
     bounds::{Bounded, MAX_ARG_BYTES, MAX_PATH_BYTES, MAX_REMOTE_BYTES as MAX_REMOTE_FIELD_BYTES},
     convert,
     error::{ApiError, ApiResult},
-    forward::{self, Failure, Origin, Owner, Peers},
+    forward::{self, Failure, Forward, Origin, Owner, Peers, WorkspaceCall},
 };
 
 /// Longest Exec timeout a client may ask for (24 h).
@@ -358,6 +358,47 @@ impl Api {
                 Ok(Some(o))
             }
             Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Runs `here` when this replica serves `session` (see [`Self::route`]);
+    /// else sends `req` on to its owner, whose answer is the answer.
+    async fn here_or_forward<R, F, Fut>(
+        &self,
+        session: SessionId,
+        origin: &Origin,
+        req: R,
+        here: F,
+    ) -> ApiResult<R::Reply>
+    where
+        R: Forward,
+        F: FnOnce(R) -> Fut,
+        Fut: Future<Output = ApiResult<R::Reply>>,
+    {
+        match self.route(session, origin).await? {
+            None => here(req).await,
+            Some(o) => {
+                let r = req.send(&o).await;
+                self.forwarded(&o, r).await
+            }
+        }
+    }
+
+    /// Runs `here` with a client of the session's agentctl when this
+    /// replica serves the session (see [`Self::workspace_target`]); else
+    /// sends `req` on to its owner, whose answer is the answer.
+    async fn in_workspace<R, F, Fut>(&self, origin: &Origin, req: R, here: F) -> ApiResult<R::Reply>
+    where
+        R: WorkspaceCall,
+        F: FnOnce(R, AgentctlClient) -> Fut,
+        Fut: Future<Output = ApiResult<R::Reply>>,
+    {
+        match self.workspace_target(req.session(), origin).await? {
+            Target::Here(client) => here(req, client).await,
+            Target::Owner(o) => {
+                let r = req.send(&o).await;
+                self.forwarded(&o, r).await
+            }
         }
     }
 
@@ -925,15 +966,14 @@ impl pb::session_service_server::SessionService for Api {
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
-                if let Some(o) = self.route(session, &origin).await? {
-                    let r = o.sessions().resume_session(o.request(req)).await;
-                    return self.forwarded(&o, r).await;
-                }
-                self.manager.resume_session(task, session).await?;
-                let s = self.session_of(task, session).await?;
-                Ok(pb::ResumeSessionResponse {
-                    session: Some(convert::session(&s)),
+                self.here_or_forward(session, &origin, req, |_| async move {
+                    self.manager.resume_session(task, session).await?;
+                    let s = self.session_of(task, session).await?;
+                    Ok(pb::ResumeSessionResponse {
+                        session: Some(convert::session(&s)),
+                    })
                 })
+                .await
             }
             .await,
         )
@@ -962,46 +1002,45 @@ impl pb::session_service_server::SessionService for Api {
                 if req.content.trim().is_empty() && attachments.is_empty() {
                     return Err(ApiError::invalid("content: required"));
                 }
-                if let Some(o) = self.route(session, &origin).await? {
-                    let r = o.sessions().send_message(o.request(req)).await;
-                    return self.forwarded(&o, r).await;
-                }
-                if !attachments.is_empty() {
-                    let message = self
-                        .manager
-                        .send_message_with(task, session, &req.content, attachments)
-                        .await?;
-                    return Ok(pb::SendMessageResponse {
-                        message: Some(convert::message(&message)),
-                        queued: None,
-                    });
-                }
-                if req.no_queue {
-                    let message = self
-                        .manager
-                        .send_message(task, session, &req.content)
-                        .await?;
-                    return Ok(pb::SendMessageResponse {
-                        message: Some(convert::message(&message)),
-                        queued: None,
-                    });
-                }
-                Ok(
-                    match self
-                        .manager
-                        .send_or_queue(task, session, &req.content)
-                        .await?
-                    {
-                        Sent::Started(m) => pb::SendMessageResponse {
-                            message: Some(convert::message(&m)),
+                self.here_or_forward(session, &origin, req, |req| async move {
+                    if !attachments.is_empty() {
+                        let message = self
+                            .manager
+                            .send_message_with(task, session, &req.content, attachments)
+                            .await?;
+                        return Ok(pb::SendMessageResponse {
+                            message: Some(convert::message(&message)),
                             queued: None,
+                        });
+                    }
+                    if req.no_queue {
+                        let message = self
+                            .manager
+                            .send_message(task, session, &req.content)
+                            .await?;
+                        return Ok(pb::SendMessageResponse {
+                            message: Some(convert::message(&message)),
+                            queued: None,
+                        });
+                    }
+                    Ok(
+                        match self
+                            .manager
+                            .send_or_queue(task, session, &req.content)
+                            .await?
+                        {
+                            Sent::Started(m) => pb::SendMessageResponse {
+                                message: Some(convert::message(&m)),
+                                queued: None,
+                            },
+                            Sent::Queued(q) => pb::SendMessageResponse {
+                                message: None,
+                                queued: Some(convert::queued_message(&q)),
+                            },
                         },
-                        Sent::Queued(q) => pb::SendMessageResponse {
-                            message: None,
-                            queued: Some(convert::queued_message(&q)),
-                        },
-                    },
-                )
+                    )
+                })
+                .await
             }
             .await,
         )
@@ -1019,17 +1058,16 @@ impl pb::session_service_server::SessionService for Api {
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
                 let message = MessageId::parse(&req.message_id)?;
-                if let Some(o) = self.route(session, &origin).await? {
-                    let r = o.sessions().cancel_queued_message(o.request(req)).await;
-                    return self.forwarded(&o, r).await;
-                }
-                let cancelled = self
-                    .manager
-                    .cancel_queued_message(task, session, message)
-                    .await?;
-                Ok(pb::CancelQueuedMessageResponse {
-                    cancelled: Some(convert::queued_message(&cancelled)),
+                self.here_or_forward(session, &origin, req, |_| async move {
+                    let cancelled = self
+                        .manager
+                        .cancel_queued_message(task, session, message)
+                        .await?;
+                    Ok(pb::CancelQueuedMessageResponse {
+                        cancelled: Some(convert::queued_message(&cancelled)),
+                    })
                 })
+                .await
             }
             .await,
         )
@@ -1046,20 +1084,20 @@ impl pb::session_service_server::SessionService for Api {
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
-                if let Some(o) = self.route(session, &origin).await? {
-                    let r = o.sessions().retry_turn(o.request(req)).await;
-                    return self.forwarded(&o, r).await;
-                }
-                let message = if req.message_id.is_empty() {
-                    None
-                } else {
-                    Some(MessageId::parse(&req.message_id)?)
-                };
-                let (message, retried) = self.manager.retry_turn(task, session, message).await?;
-                Ok(pb::RetryTurnResponse {
-                    message: Some(convert::message(&message)),
-                    retried_message_id: retried.to_string(),
+                self.here_or_forward(session, &origin, req, |req| async move {
+                    let message = if req.message_id.is_empty() {
+                        None
+                    } else {
+                        Some(MessageId::parse(&req.message_id)?)
+                    };
+                    let (message, retried) =
+                        self.manager.retry_turn(task, session, message).await?;
+                    Ok(pb::RetryTurnResponse {
+                        message: Some(convert::message(&message)),
+                        retried_message_id: retried.to_string(),
+                    })
                 })
+                .await
             }
             .await,
         )
@@ -1076,12 +1114,11 @@ impl pb::session_service_server::SessionService for Api {
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
-                if let Some(o) = self.route(session, &origin).await? {
-                    let r = o.sessions().cancel_turn(o.request(req)).await;
-                    return self.forwarded(&o, r).await;
-                }
-                let cancelled = self.manager.cancel_turn(task, session).await?;
-                Ok(pb::CancelTurnResponse { cancelled })
+                self.here_or_forward(session, &origin, req, |_| async move {
+                    let cancelled = self.manager.cancel_turn(task, session).await?;
+                    Ok(pb::CancelTurnResponse { cancelled })
+                })
+                .await
             }
             .await,
         )
@@ -1098,23 +1135,22 @@ impl pb::session_service_server::SessionService for Api {
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
-                if let Some(o) = self.route(session, &origin).await? {
-                    let r = o.sessions().respond_to_permission(o.request(req)).await;
-                    return self.forwarded(&o, r).await;
-                }
-                let m = self
-                    .manager
-                    .respond_with_values(
-                        task,
-                        session,
-                        &req.request_id,
-                        &req.option_id,
-                        &req.content_json,
-                    )
-                    .await?;
-                Ok(pb::RespondToPermissionResponse {
-                    request: Some(convert::permission_request(&m)),
+                self.here_or_forward(session, &origin, req, |req| async move {
+                    let m = self
+                        .manager
+                        .respond_with_values(
+                            task,
+                            session,
+                            &req.request_id,
+                            &req.option_id,
+                            &req.content_json,
+                        )
+                        .await?;
+                    Ok(pb::RespondToPermissionResponse {
+                        request: Some(convert::permission_request(&m)),
+                    })
                 })
+                .await
             }
             .await,
         )
@@ -1131,17 +1167,16 @@ impl pb::session_service_server::SessionService for Api {
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
-                if let Some(o) = self.route(session, &origin).await? {
-                    let r = o.sessions().set_session_mode(o.request(req)).await;
-                    return self.forwarded(&o, r).await;
-                }
-                let modes = self
-                    .manager
-                    .set_session_mode(task, session, &req.mode_id)
-                    .await?;
-                Ok(pb::SetSessionModeResponse {
-                    modes: Some(convert::modes(&modes)),
+                self.here_or_forward(session, &origin, req, |req| async move {
+                    let modes = self
+                        .manager
+                        .set_session_mode(task, session, &req.mode_id)
+                        .await?;
+                    Ok(pb::SetSessionModeResponse {
+                        modes: Some(convert::modes(&modes)),
+                    })
                 })
+                .await
             }
             .await,
         )
@@ -1200,17 +1235,16 @@ impl pb::session_service_server::SessionService for Api {
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
-                if let Some(o) = self.route(session, &origin).await? {
-                    let r = o.sessions().set_session_config_option(o.request(req)).await;
-                    return self.forwarded(&o, r).await;
-                }
-                let modes = self
-                    .manager
-                    .set_session_config_option(task, session, &req.config_id, &req.value)
-                    .await?;
-                Ok(pb::SetSessionConfigOptionResponse {
-                    config_options: convert::config_options(&modes),
+                self.here_or_forward(session, &origin, req, |req| async move {
+                    let modes = self
+                        .manager
+                        .set_session_config_option(task, session, &req.config_id, &req.value)
+                        .await?;
+                    Ok(pb::SetSessionConfigOptionResponse {
+                        config_options: convert::config_options(&modes),
+                    })
                 })
+                .await
             }
             .await,
         )
@@ -1272,14 +1306,13 @@ impl pb::session_service_server::SessionService for Api {
                         )));
                     }
                 };
-                if let Some(o) = self.route(session, &origin).await? {
-                    let r = o.sessions().stop_session(o.request(req)).await;
-                    return self.forwarded(&o, r).await;
-                }
-                let s = self.manager.end_session(task, session, reason).await?;
-                Ok(pb::StopSessionResponse {
-                    session: Some(convert::session(&s)),
+                self.here_or_forward(session, &origin, req, |_| async move {
+                    let s = self.manager.end_session(task, session, reason).await?;
+                    Ok(pb::StopSessionResponse {
+                        session: Some(convert::session(&s)),
+                    })
                 })
+                .await
             }
             .await,
         )
@@ -1296,24 +1329,23 @@ impl pb::session_service_server::SessionService for Api {
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
-                if let Some(o) = self.route(session, &origin).await? {
-                    let r = o.sessions().delete_session(o.request(req)).await;
-                    return self.forwarded(&o, r).await;
-                }
-                let asked = sessiond_domain::worktree::RemovalRequest {
-                    discard: req.discard_worktree,
-                    keep: req.keep_worktree,
-                    delete_branch: req.delete_branch,
-                };
-                if asked.discard && asked.keep {
-                    return Err(ApiError::invalid(
-                        "discard_worktree and keep_worktree exclude each other",
-                    ));
-                }
-                self.manager
-                    .delete_session_with(task, session, asked)
-                    .await?;
-                Ok(pb::DeleteSessionResponse {})
+                self.here_or_forward(session, &origin, req, |req| async move {
+                    let asked = sessiond_domain::worktree::RemovalRequest {
+                        discard: req.discard_worktree,
+                        keep: req.keep_worktree,
+                        delete_branch: req.delete_branch,
+                    };
+                    if asked.discard && asked.keep {
+                        return Err(ApiError::invalid(
+                            "discard_worktree and keep_worktree exclude each other",
+                        ));
+                    }
+                    self.manager
+                        .delete_session_with(task, session, asked)
+                        .await?;
+                    Ok(pb::DeleteSessionResponse {})
+                })
+                .await
             }
             .await,
         )
@@ -1397,58 +1429,54 @@ impl pb::workspace_service_server::WorkspaceService for Api {
                         req.max_output_bytes
                     )));
                 }
-                let client = match self.workspace_target(req.session.as_ref(), &origin).await? {
-                    Target::Here(c) => c,
-                    Target::Owner(o) => {
-                        let r = o.workspace().exec(o.request(req)).await;
-                        return self.forwarded(&o, r).await;
-                    }
-                };
-                let timeout_ms = if req.timeout_ms == 0 {
-                    60_000
-                } else {
-                    req.timeout_ms
-                };
-                let command = req.command.clone();
-                let mut call = Request::new(apb::ExecRequest {
-                    command: req.command,
-                    args: req.args,
-                    cwd: req.cwd,
-                    env: Default::default(),
-                    timeout_ms,
-                    max_output_bytes: req.max_output_bytes,
-                });
-                // The command's own limit, plus time to collect its output.
-                call.set_timeout(Duration::from_millis(timeout_ms) + Duration::from_secs(10));
-                let r = agentctl(client.raw().exec(call).await)?;
-                let response = pb::ExecResponse {
-                    exit_code: r.exit_code,
-                    stdout: r.stdout,
-                    stderr: r.stderr,
-                    timed_out: r.timed_out,
-                    stdout_truncated: r.stdout_truncated,
-                    stderr_truncated: r.stderr_truncated,
-                };
-                if response.timed_out {
-                    // Details travel in a trailer: keep them well inside
-                    // header limits.
-                    let mut partial = response;
-                    for (buf, cut) in [
-                        (&mut partial.stdout, &mut partial.stdout_truncated),
-                        (&mut partial.stderr, &mut partial.stderr_truncated),
-                    ] {
-                        if buf.len() > TIMED_OUT_OUTPUT {
-                            buf.truncate(TIMED_OUT_OUTPUT);
-                            *cut = true;
-                        }
-                    }
-                    return Err(ApiError::CommandTimedOut {
-                        command,
+                self.in_workspace(&origin, req, |req, client| async move {
+                    let timeout_ms = if req.timeout_ms == 0 {
+                        60_000
+                    } else {
+                        req.timeout_ms
+                    };
+                    let command = req.command.clone();
+                    let mut call = Request::new(apb::ExecRequest {
+                        command: req.command,
+                        args: req.args,
+                        cwd: req.cwd,
+                        env: Default::default(),
                         timeout_ms,
-                        output: prost::Message::encode_to_vec(&partial),
+                        max_output_bytes: req.max_output_bytes,
                     });
-                }
-                Ok(response)
+                    // The command's own limit, plus time to collect its output.
+                    call.set_timeout(Duration::from_millis(timeout_ms) + Duration::from_secs(10));
+                    let r = agentctl(client.raw().exec(call).await)?;
+                    let response = pb::ExecResponse {
+                        exit_code: r.exit_code,
+                        stdout: r.stdout,
+                        stderr: r.stderr,
+                        timed_out: r.timed_out,
+                        stdout_truncated: r.stdout_truncated,
+                        stderr_truncated: r.stderr_truncated,
+                    };
+                    if response.timed_out {
+                        // Details travel in a trailer: keep them well inside
+                        // header limits.
+                        let mut partial = response;
+                        for (buf, cut) in [
+                            (&mut partial.stdout, &mut partial.stdout_truncated),
+                            (&mut partial.stderr, &mut partial.stderr_truncated),
+                        ] {
+                            if buf.len() > TIMED_OUT_OUTPUT {
+                                buf.truncate(TIMED_OUT_OUTPUT);
+                                *cut = true;
+                            }
+                        }
+                        return Err(ApiError::CommandTimedOut {
+                            command,
+                            timeout_ms,
+                            output: prost::Message::encode_to_vec(&partial),
+                        });
+                    }
+                    Ok(response)
+                })
+                .await
             }
             .await,
         )
@@ -1465,23 +1493,19 @@ impl pb::workspace_service_server::WorkspaceService for Api {
         reply(
             async {
                 check_path_field("path", &req.path)?;
-                let client = match self.workspace_target(req.session.as_ref(), &origin).await? {
-                    Target::Here(c) => c,
-                    Target::Owner(o) => {
-                        let r = o.workspace().read_file(o.request(req)).await;
-                        return self.forwarded(&o, r).await;
-                    }
-                };
-                let r = agentctl(
-                    client
-                        .raw()
-                        .read_file(apb::ReadFileRequest {
-                            path: req.path,
-                            max_bytes: 0,
-                        })
-                        .await,
-                )?;
-                Ok(pb::ReadFileResponse { content: r.content })
+                self.in_workspace(&origin, req, |req, client| async move {
+                    let r = agentctl(
+                        client
+                            .raw()
+                            .read_file(apb::ReadFileRequest {
+                                path: req.path,
+                                max_bytes: 0,
+                            })
+                            .await,
+                    )?;
+                    Ok(pb::ReadFileResponse { content: r.content })
+                })
+                .await
             }
             .await,
         )
@@ -1498,26 +1522,22 @@ impl pb::workspace_service_server::WorkspaceService for Api {
         reply(
             async {
                 check_path_field("path", &req.path)?;
-                let client = match self.workspace_target(req.session.as_ref(), &origin).await? {
-                    Target::Here(c) => c,
-                    Target::Owner(o) => {
-                        let r = o.workspace().write_file(o.request(req)).await;
-                        return self.forwarded(&o, r).await;
-                    }
-                };
-                let r = agentctl(
-                    client
-                        .raw()
-                        .write_file(apb::WriteFileRequest {
-                            path: req.path,
-                            content: req.content,
-                            create_parents: req.create_parents,
-                        })
-                        .await,
-                )?;
-                Ok(pb::WriteFileResponse {
-                    bytes_written: r.bytes_written,
+                self.in_workspace(&origin, req, |req, client| async move {
+                    let r = agentctl(
+                        client
+                            .raw()
+                            .write_file(apb::WriteFileRequest {
+                                path: req.path,
+                                content: req.content,
+                                create_parents: req.create_parents,
+                            })
+                            .await,
+                    )?;
+                    Ok(pb::WriteFileResponse {
+                        bytes_written: r.bytes_written,
+                    })
                 })
+                .await
             }
             .await,
         )
@@ -1534,30 +1554,26 @@ impl pb::workspace_service_server::WorkspaceService for Api {
         reply(
             async {
                 check_path_field("path", &req.path)?;
-                let client = match self.workspace_target(req.session.as_ref(), &origin).await? {
-                    Target::Here(c) => c,
-                    Target::Owner(o) => {
-                        let r = o.workspace().list_dir(o.request(req)).await;
-                        return self.forwarded(&o, r).await;
-                    }
-                };
-                let r = agentctl(
-                    client
-                        .raw()
-                        .list_dir(apb::ListDirRequest { path: req.path })
-                        .await,
-                )?;
-                Ok(pb::ListDirResponse {
-                    entries: r
-                        .entries
-                        .into_iter()
-                        .map(|e| pb::DirEntry {
-                            is_dir: e.kind == apb::EntryKind::Dir as i32,
-                            name: e.name,
-                            size: e.size,
-                        })
-                        .collect(),
+                self.in_workspace(&origin, req, |req, client| async move {
+                    let r = agentctl(
+                        client
+                            .raw()
+                            .list_dir(apb::ListDirRequest { path: req.path })
+                            .await,
+                    )?;
+                    Ok(pb::ListDirResponse {
+                        entries: r
+                            .entries
+                            .into_iter()
+                            .map(|e| pb::DirEntry {
+                                is_dir: e.kind == apb::EntryKind::Dir as i32,
+                                name: e.name,
+                                size: e.size,
+                            })
+                            .collect(),
+                    })
                 })
+                .await
             }
             .await,
         )
@@ -1573,25 +1589,21 @@ impl pb::workspace_service_server::WorkspaceService for Api {
             .map_err(Status::from)?;
         reply(
             async {
-                let client = match self.workspace_target(req.session.as_ref(), &origin).await? {
-                    Target::Here(c) => c,
-                    Target::Owner(o) => {
-                        let r = o.workspace().git_status(o.request(req)).await;
-                        return self.forwarded(&o, r).await;
-                    }
-                };
-                let r = agentctl(client.raw().git_status(apb::GitStatusRequest {}).await)?;
-                Ok(pb::GitStatusResponse {
-                    branch: r.branch,
-                    files: r
-                        .files
-                        .into_iter()
-                        .map(|f| pb::GitFileStatus {
-                            path: f.path,
-                            code: f.code,
-                        })
-                        .collect(),
+                self.in_workspace(&origin, req, |_, client| async move {
+                    let r = agentctl(client.raw().git_status(apb::GitStatusRequest {}).await)?;
+                    Ok(pb::GitStatusResponse {
+                        branch: r.branch,
+                        files: r
+                            .files
+                            .into_iter()
+                            .map(|f| pb::GitFileStatus {
+                                path: f.path,
+                                code: f.code,
+                            })
+                            .collect(),
+                    })
                 })
+                .await
             }
             .await,
         )
@@ -1607,13 +1619,7 @@ impl pb::workspace_service_server::WorkspaceService for Api {
             .map_err(Status::from)?;
         reply(
             async {
-                let client = match self.workspace_target(req.session.as_ref(), &origin).await? {
-                    Target::Here(c) => c,
-                    Target::Owner(o) => {
-                        let r = o.workspace().git_diff(o.request(req)).await;
-                        return self.forwarded(&o, r).await;
-                    }
-                };
+                self.in_workspace(&origin, req, |req, client| async move {
                 let base = if req.against_base {
                     let r = req.session.as_ref().ok_or_else(|| ApiError::invalid("session: required"))?;
                     let (task, session) = ids(&r.task_id, &r.session_id)?;
@@ -1642,6 +1648,8 @@ impl pb::workspace_service_server::WorkspaceService for Api {
                         .await,
                 )?;
                 Ok(pb::GitDiffResponse { diff: r.diff })
+                })
+                .await
             }
             .await,
         )
@@ -1662,32 +1670,31 @@ impl pb::workspace_service_server::WorkspaceService for Api {
                     .as_ref()
                     .ok_or_else(|| ApiError::invalid("session: required"))?;
                 let (task, session) = ids(&r.task_id, &r.session_id)?;
-                if let Some(o) = self.route(session, &origin).await? {
-                    let r = o.workspace().list_branch_commits(o.request(req)).await;
-                    return self.forwarded(&o, r).await;
-                }
-                let limit = match req.limit {
-                    0 => 200,
-                    n if n > 1000 => {
-                        return Err(ApiError::invalid("limit: at most 1000"));
-                    }
-                    n => n,
-                };
-                let s = self.session_of(task, session).await?;
-                let commits = self.manager.branch_commits(task, session, limit).await?;
-                Ok(pb::ListBranchCommitsResponse {
-                    commits: commits
-                        .into_iter()
-                        .map(|c| pb::BranchCommit {
-                            sha: c.sha,
-                            subject: c.subject,
-                            author: c.author,
-                            time: c.time,
-                        })
-                        .collect(),
-                    branch: s.worktree.branch,
-                    base: s.worktree.base,
+                self.here_or_forward(session, &origin, req, |req| async move {
+                    let limit = match req.limit {
+                        0 => 200,
+                        n if n > 1000 => {
+                            return Err(ApiError::invalid("limit: at most 1000"));
+                        }
+                        n => n,
+                    };
+                    let s = self.session_of(task, session).await?;
+                    let commits = self.manager.branch_commits(task, session, limit).await?;
+                    Ok(pb::ListBranchCommitsResponse {
+                        commits: commits
+                            .into_iter()
+                            .map(|c| pb::BranchCommit {
+                                sha: c.sha,
+                                subject: c.subject,
+                                author: c.author,
+                                time: c.time,
+                            })
+                            .collect(),
+                        branch: s.worktree.branch,
+                        base: s.worktree.base,
+                    })
                 })
+                .await
             }
             .await,
         )

@@ -47,12 +47,14 @@ use std::{
     time::{Duration, Instant},
 };
 
+use futures::future::BoxFuture;
 use sessiond_domain::SessionId;
 use sessiond_proto::sessiond::v1::{
-    session_service_client::SessionServiceClient, workspace_service_client::WorkspaceServiceClient,
+    self as pb, session_service_client::SessionServiceClient,
+    workspace_service_client::WorkspaceServiceClient,
 };
 use tonic::{
-    Request, Status,
+    Request, Response, Status,
     metadata::{AsciiMetadataValue, MetadataMap},
     transport::{Channel, ClientTlsConfig, Endpoint},
 };
@@ -225,6 +227,79 @@ impl Owner {
         self.origin.deadline.is_some_and(|d| d <= Instant::now())
     }
 }
+
+/// A call that can be sent on to the replica owning its session: which
+/// service method carries it there. One impl per forwarded RPC, so the
+/// handlers share one route-or-forward path (`Api::here_or_forward`).
+pub trait Forward: Sized + Send + 'static {
+    /// What the owner answers.
+    type Reply;
+    /// Sends `self` to `owner` as its own request (credentials, hop
+    /// marker, deadline: [`Owner::request`]).
+    fn send(self, owner: &Owner) -> BoxFuture<'static, Result<Response<Self::Reply>, Status>>;
+}
+
+/// A workspace call: the session it acts on travels in the request.
+pub trait WorkspaceCall: Forward {
+    fn session(&self) -> Option<&pb::SessionRef>;
+}
+
+macro_rules! forward {
+    ($client:ident: $($method:ident($req:ident) -> $reply:ident;)*) => {$(
+        impl Forward for pb::$req {
+            type Reply = pb::$reply;
+            fn send(
+                self,
+                owner: &Owner,
+            ) -> BoxFuture<'static, Result<Response<pb::$reply>, Status>> {
+                let mut client = owner.$client();
+                let request = owner.request(self);
+                Box::pin(async move { client.$method(request).await })
+            }
+        }
+    )*};
+}
+
+forward!(sessions:
+    resume_session(ResumeSessionRequest) -> ResumeSessionResponse;
+    send_message(SendMessageRequest) -> SendMessageResponse;
+    cancel_queued_message(CancelQueuedMessageRequest) -> CancelQueuedMessageResponse;
+    retry_turn(RetryTurnRequest) -> RetryTurnResponse;
+    cancel_turn(CancelTurnRequest) -> CancelTurnResponse;
+    respond_to_permission(RespondToPermissionRequest) -> RespondToPermissionResponse;
+    set_session_mode(SetSessionModeRequest) -> SetSessionModeResponse;
+    set_session_config_option(SetSessionConfigOptionRequest) -> SetSessionConfigOptionResponse;
+    stop_session(StopSessionRequest) -> StopSessionResponse;
+    delete_session(DeleteSessionRequest) -> DeleteSessionResponse;
+);
+forward!(workspace:
+    exec(ExecRequest) -> ExecResponse;
+    read_file(ReadFileRequest) -> ReadFileResponse;
+    write_file(WriteFileRequest) -> WriteFileResponse;
+    list_dir(ListDirRequest) -> ListDirResponse;
+    git_status(GitStatusRequest) -> GitStatusResponse;
+    git_diff(GitDiffRequest) -> GitDiffResponse;
+    list_branch_commits(ListBranchCommitsRequest) -> ListBranchCommitsResponse;
+);
+
+macro_rules! workspace_call {
+    ($($req:ident),*) => {$(
+        impl WorkspaceCall for pb::$req {
+            fn session(&self) -> Option<&pb::SessionRef> {
+                self.session.as_ref()
+            }
+        }
+    )*};
+}
+
+workspace_call!(
+    ExecRequest,
+    ReadFileRequest,
+    WriteFileRequest,
+    ListDirRequest,
+    GitStatusRequest,
+    GitDiffRequest
+);
 
 /// How the owner's failure is to be answered.
 #[derive(Debug)]
