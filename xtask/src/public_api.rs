@@ -55,10 +55,16 @@ fn collect(dir: &Path, files: &mut Vec<PathBuf>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The `pub` declaration lines of one file, normalised, up to its test module.
+/// Marks an item that exists only in builds with the `test-hooks` feature
+/// (off by default): not part of the public API.
+const TEST_HOOK: &str = "#[cfg(feature = \"test-hooks\")]";
+
+/// The `pub` declaration lines of one file, normalised, up to its test
+/// module, without those under [`TEST_HOOK`].
 fn public_lines(text: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut lines = text.lines().peekable();
+    let mut test_hook = false;
     while let Some(line) = lines.next() {
         let t = line.trim();
         if t == "#[cfg(test)]"
@@ -68,7 +74,16 @@ fn public_lines(text: &str) -> Vec<String> {
         {
             break;
         }
-        if !t.starts_with("pub ") {
+        if t == TEST_HOOK {
+            test_hook = true;
+            continue;
+        }
+        // The marker covers the item it is on (other attributes may sit
+        // between them).
+        if t.starts_with("#[") || t.starts_with("//") {
+            continue;
+        }
+        if std::mem::take(&mut test_hook) || !t.starts_with("pub ") {
             continue;
         }
         let mut decl = t.split_whitespace().collect::<Vec<_>>().join(" ");
@@ -122,5 +137,12 @@ mod tests {
                 "pub async fn f(a: u32) -> u32"
             ]
         );
+    }
+
+    #[test]
+    fn listing_skips_test_hooks() {
+        let text = "#[cfg(feature = \"test-hooks\")]\n#[must_use]\npub fn gate() {}\npub fn kept() {}\n\
+                    #[cfg(feature = \"test-hooks\")]\nfn private() {}\npub fn also_kept() {}\n";
+        assert_eq!(public_lines(text), vec!["pub fn kept()", "pub fn also_kept()"]);
     }
 }

@@ -68,6 +68,7 @@ pub use events::{EventBus, EventStream};
 pub use lifecycle::{EndReason, NewSession, RemoteAgentctl};
 pub use manager::{SessionManager, Stats};
 pub use metrics::{ExitCause, ManagerMetrics, TurnOutcome};
+#[cfg(feature = "test-hooks")]
 pub use queue::PassGate;
 pub use recovery::RecoverySummary;
 pub use sessions::Execution;

@@ -107,6 +107,7 @@ impl SessionManager {
     /// Holds the recovery pass before it claims each executor until `gate`
     /// resolves; calls on sessions still claim theirs. For tests that must
     /// observe the API while a pass is under way at a known point.
+    #[cfg(feature = "test-hooks")]
     pub fn gate_recovery_pass(&self, gate: PassGate) {
         lock(&self.inner.queue).gate = Some(gate);
     }

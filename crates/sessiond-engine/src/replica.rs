@@ -535,6 +535,7 @@ impl SessionManager {
     /// replica's belief that it still owns its sessions (as after a pause,
     /// before its first heartbeat) and prove its writes and agentctl calls
     /// are fenced, without guessing how long that moment lasts.
+    #[cfg(feature = "test-hooks")]
     pub fn gate_heartbeat(&self, gate: crate::queue::PassGate) {
         *lock(&self.inner.heartbeat_gate) = Some(gate);
     }

@@ -11,7 +11,9 @@ use std::{
 
 use anyhow::Context;
 use chrono::Utc;
-use sessiond_engine::{PassGate, SessionManager};
+#[cfg(feature = "test-hooks")]
+use sessiond_engine::PassGate;
+use sessiond_engine::SessionManager;
 use sessiond_executor::{Backoff, ClientConfig, Executor};
 use sessiond_proto::sessiond::v1::{
     session_service_server::SessionServiceServer, workspace_service_server::WorkspaceServiceServer,
@@ -97,7 +99,9 @@ pub struct SessiondBuilder {
     store: Option<Store>,
     executors: Vec<Arc<dyn Executor>>,
     agentctl_env: Option<Vec<(String, String)>>,
+    #[cfg(feature = "test-hooks")]
     recovery_gate: Option<PassGate>,
+    #[cfg(feature = "test-hooks")]
     heartbeat_gate: Option<PassGate>,
 }
 
@@ -147,14 +151,18 @@ impl SessiondBuilder {
     }
 
     /// Makes the startup recovery pass await `gate` before it takes up each
-    /// executor (calls on a session still recover theirs): a test hook.
+    /// executor (calls on a session still recover theirs): a test hook
+    /// (feature `test-hooks`).
+    #[cfg(feature = "test-hooks")]
     pub fn recovery_gate(mut self, gate: PassGate) -> Self {
         self.recovery_gate = Some(gate);
         self
     }
 
-    /// Makes each replica heartbeat await `gate` first: a test hook (a
-    /// fencing test holds a resumed replica before its first heartbeat).
+    /// Makes each replica heartbeat await `gate` first: a test hook
+    /// (feature `test-hooks`; a fencing test holds a resumed replica before
+    /// its first heartbeat).
+    #[cfg(feature = "test-hooks")]
     pub fn heartbeat_gate(mut self, gate: PassGate) -> Self {
         self.heartbeat_gate = Some(gate);
         self
@@ -203,11 +211,14 @@ impl SessiondBuilder {
         // Calls answer from the moment we listen; one on a session the first
         // pass has not reached yet recovers that session first.
         manager.expect_startup_recovery();
-        if let Some(gate) = self.recovery_gate {
-            manager.gate_recovery_pass(gate);
-        }
-        if let Some(gate) = self.heartbeat_gate {
-            manager.gate_heartbeat(gate);
+        #[cfg(feature = "test-hooks")]
+        {
+            if let Some(gate) = self.recovery_gate {
+                manager.gate_recovery_pass(gate);
+            }
+            if let Some(gate) = self.heartbeat_gate {
+                manager.gate_heartbeat(gate);
+            }
         }
         if let Some(docker) = docker {
             // Waits for the first recovery pass and the grace period itself.
@@ -445,7 +456,9 @@ impl Sessiond {
             store: None,
             executors: Vec::new(),
             agentctl_env: None,
+            #[cfg(feature = "test-hooks")]
             recovery_gate: None,
+            #[cfg(feature = "test-hooks")]
             heartbeat_gate: None,
         }
     }

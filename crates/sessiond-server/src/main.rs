@@ -2,8 +2,6 @@
 //! across its own restarts. This binary stays thin: it reads configuration
 //! (file, environment, flags) and hands it to the `sessiond_server` library.
 
-use std::{sync::Arc, time::Duration};
-
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use sessiond_server::config::{Config, ServeArgs};
@@ -51,14 +49,10 @@ fn main() -> anyhow::Result<()> {
             }
             runtime()?.block_on(async {
                 let _telemetry = init_telemetry(&config)?;
-                let mut builder = sessiond_server::Sessiond::builder(config)
+                let builder = sessiond_server::Sessiond::builder(config)
                     .agentctl_env(sessiond_server::inherited_agentctl_env());
-                if let Some(gate) = test_recovery_gate() {
-                    builder = builder.recovery_gate(gate);
-                }
-                if let Some(gate) = test_file_gate("SESSIOND_TEST_HEARTBEAT_GATE") {
-                    builder = builder.heartbeat_gate(gate);
-                }
+                #[cfg(feature = "test-hooks")]
+                let builder = test_hooks::apply(builder);
                 builder.serve().await?;
                 Ok(())
             })
@@ -104,37 +98,42 @@ fn init_telemetry(config: &Config) -> anyhow::Result<sessiond_telemetry::Telemet
     Ok(telemetry)
 }
 
-/// Test hook: with `SESSIOND_TEST_RECOVERY_GATE=<file>`, the startup
-/// recovery pass waits while that file exists before it takes up each
-/// executor (calls on sessions still recover theirs), so a test can look at
-/// the API in the middle of a pass without guessing a time.
-fn test_recovery_gate() -> Option<sessiond_engine::PassGate> {
-    let path = std::env::var_os("SESSIOND_TEST_RECOVERY_GATE").filter(|p| !p.is_empty())?;
-    let path = std::path::PathBuf::from(path);
-    tracing::warn!(gate = %path.display(), "SESSIOND_TEST_RECOVERY_GATE: the recovery pass waits while this file exists");
-    Some(Arc::new(move || {
-        let path = path.clone();
-        Box::pin(async move {
-            while path.exists() {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-    }))
-}
+/// Gates the tests of this binary set by environment; only in a build with
+/// the `test-hooks` feature (the crate's own tests turn it on).
+#[cfg(feature = "test-hooks")]
+mod test_hooks {
+    use std::{sync::Arc, time::Duration};
 
-/// Test hook: with `SESSIOND_TEST_HEARTBEAT_GATE=<file>`, each replica
-/// heartbeat waits while that file exists (a fencing test holds a resumed
-/// replica before its first heartbeat, without guessing a time).
-fn test_file_gate(var: &str) -> Option<sessiond_engine::PassGate> {
-    let path = std::env::var_os(var).filter(|p| !p.is_empty())?;
-    let path = std::path::PathBuf::from(path);
-    tracing::warn!(gate = %path.display(), "{var}: waits while this file exists");
-    Some(Arc::new(move || {
-        let path = path.clone();
-        Box::pin(async move {
-            while path.exists() {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-    }))
+    use sessiond_server::SessiondBuilder;
+
+    /// `SESSIOND_TEST_RECOVERY_GATE=<file>`: the startup recovery pass waits
+    /// while that file exists before it takes up each executor (calls on
+    /// sessions still recover theirs), so a test can look at the API in the
+    /// middle of a pass without guessing a time.
+    /// `SESSIOND_TEST_HEARTBEAT_GATE=<file>`: each replica heartbeat waits
+    /// while that file exists (a fencing test holds a resumed replica before
+    /// its first heartbeat, without guessing a time).
+    pub fn apply(mut builder: SessiondBuilder) -> SessiondBuilder {
+        if let Some(gate) = file_gate("SESSIOND_TEST_RECOVERY_GATE") {
+            builder = builder.recovery_gate(gate);
+        }
+        if let Some(gate) = file_gate("SESSIOND_TEST_HEARTBEAT_GATE") {
+            builder = builder.heartbeat_gate(gate);
+        }
+        builder
+    }
+
+    fn file_gate(var: &str) -> Option<sessiond_engine::PassGate> {
+        let path = std::env::var_os(var).filter(|p| !p.is_empty())?;
+        let path = std::path::PathBuf::from(path);
+        tracing::warn!(gate = %path.display(), "{var}: waits while this file exists");
+        Some(Arc::new(move || {
+            let path = path.clone();
+            Box::pin(async move {
+                while path.exists() {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+        }))
+    }
 }
