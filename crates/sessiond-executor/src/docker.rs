@@ -768,6 +768,40 @@ impl DockerExecutor {
     }
 }
 
+impl DockerExecutor {
+    /// Brings the executor of a stored handle back in one call: `probe`,
+    /// then `start` or `launch` with generation + 1 as the probe says.
+    /// Writes no intent: the session manager, which records one, uses the
+    /// two phases itself; this is for a driver used on its own.
+    pub async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered> {
+        match self.probe(handle).await? {
+            Probe::Reattachable { handle, health } => Ok(Recovered {
+                handle,
+                action: RecoveryAction::Reattached,
+                health,
+            }),
+            Probe::NeedsStart { .. } | Probe::NeedsLaunch { .. } => {
+                let (handle, health) = self.start_found(handle, handle.generation + 1).await?;
+                Ok(Recovered {
+                    handle,
+                    action: RecoveryAction::Restarted,
+                    health,
+                })
+            }
+            Probe::Missing { .. } if !handle.workspace_path.is_dir() => {
+                Err(Error::WorkspaceMissing {
+                    executor_id: handle.executor_id,
+                    path: handle.workspace_path.clone(),
+                })
+            }
+            Probe::Missing { .. } => Err(Error::ContainerMissing {
+                executor_id: handle.executor_id,
+                container_id: handle.container_id.clone(),
+            }),
+        }
+    }
+}
+
 #[async_trait]
 impl Executor for DockerExecutor {
     fn runtime(&self) -> Runtime {
@@ -885,34 +919,6 @@ impl Executor for DockerExecutor {
 
     async fn start(&self, handle: &ExecutorHandle, generation: i64) -> Result<ExecutorHandle> {
         Ok(self.start_found(handle, generation).await?.0)
-    }
-
-    async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered> {
-        match self.probe(handle).await? {
-            Probe::Reattachable { handle, health } => Ok(Recovered {
-                handle,
-                action: RecoveryAction::Reattached,
-                health,
-            }),
-            Probe::NeedsStart { .. } | Probe::NeedsLaunch { .. } => {
-                let (handle, health) = self.start_found(handle, handle.generation + 1).await?;
-                Ok(Recovered {
-                    handle,
-                    action: RecoveryAction::Restarted,
-                    health,
-                })
-            }
-            Probe::Missing { .. } if !handle.workspace_path.is_dir() => {
-                Err(Error::WorkspaceMissing {
-                    executor_id: handle.executor_id,
-                    path: handle.workspace_path.clone(),
-                })
-            }
-            Probe::Missing { .. } => Err(Error::ContainerMissing {
-                executor_id: handle.executor_id,
-                container_id: handle.container_id.clone(),
-            }),
-        }
     }
 
     async fn stop(&self, handle: &ExecutorHandle) -> Result<()> {

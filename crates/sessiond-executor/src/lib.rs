@@ -26,8 +26,9 @@
 //!    [`Probe::NeedsStart`] (a stopped Docker container) it persists the
 //!    intent, then calls [`Executor::start`]`(&handle, handle.generation + 1)`.
 //!
-//! [`Executor::recover`] does both phases in one call, for callers that keep
-//! no intent record (tests, tools).
+//! Each built-in driver also has an inherent `recover` doing both phases in
+//! one call, for callers that keep no intent record (tools, the drivers'
+//! own tests).
 
 #![deny(missing_docs)]
 
@@ -237,7 +238,8 @@ impl ExecutorHandle {
     }
 }
 
-/// How [`Executor::recover`] got the executor back.
+/// How a driver's one-call `recover` (e.g. `StandaloneExecutor::recover`)
+/// got the executor back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecoveryAction {
     /// The recorded agentctl was running and proved its identity: nothing was
@@ -323,7 +325,7 @@ pub enum Probe {
 /// use async_trait::async_trait;
 /// use sessiond_domain::Runtime;
 /// use sessiond_executor::{
-///     AgentctlClient, Executor, ExecutorHandle, LaunchSpec, Probe, Recovered, Result,
+///     AgentctlClient, Executor, ExecutorHandle, LaunchSpec, Probe, Result,
 ///     standalone::{StandaloneConfig, StandaloneExecutor},
 /// };
 ///
@@ -346,9 +348,6 @@ pub enum Probe {
 ///     // Without this, the default refuses `Probe::NeedsStart`.
 ///     async fn start(&self, handle: &ExecutorHandle, generation: i64) -> Result<ExecutorHandle> {
 ///         self.0.start(handle, generation).await
-///     }
-///     async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered> {
-///         self.0.recover(handle).await
 ///     }
 ///     async fn stop(&self, handle: &ExecutorHandle) -> Result<()> {
 ///         self.0.stop(handle).await
@@ -407,12 +406,6 @@ pub trait Executor: Send + Sync + fmt::Debug {
             handle.executor_id
         )))
     }
-
-    /// Brings the executor of a stored handle back in one call: [`Self::probe`],
-    /// then [`Self::start`] or [`Self::launch`] with generation + 1 as the probe
-    /// says (see each driver's module documentation). Writes no intent: a
-    /// caller that records one uses the two phases itself.
-    async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered>;
 
     /// `Health` of the handle's agentctl, checked against its executor id.
     async fn health(&self, handle: &ExecutorHandle) -> Result<Health> {

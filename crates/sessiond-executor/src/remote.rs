@@ -107,6 +107,23 @@ impl RemoteExecutor {
     }
 }
 
+impl RemoteExecutor {
+    /// Brings the executor of a stored handle back in one call: `probe`,
+    /// then `start` or `launch` with generation + 1 as the probe says.
+    /// Writes no intent: the session manager, which records one, uses the
+    /// two phases itself; this is for a driver used on its own.
+    pub async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered> {
+        let health = self
+            .wait_ready(&self.client(handle)?, handle.executor_id)
+            .await?;
+        Ok(Recovered {
+            handle: handle.clone(),
+            action: RecoveryAction::Reattached,
+            health,
+        })
+    }
+}
+
 #[async_trait]
 impl Executor for RemoteExecutor {
     fn runtime(&self) -> Runtime {
@@ -141,17 +158,6 @@ impl Executor for RemoteExecutor {
             .await?;
         Ok(Probe::Reattachable {
             handle: handle.clone(),
-            health,
-        })
-    }
-
-    async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered> {
-        let health = self
-            .wait_ready(&self.client(handle)?, handle.executor_id)
-            .await?;
-        Ok(Recovered {
-            handle: handle.clone(),
-            action: RecoveryAction::Reattached,
             health,
         })
     }

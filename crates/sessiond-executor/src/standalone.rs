@@ -452,6 +452,35 @@ impl Drop for SpawnGuard {
     }
 }
 
+impl StandaloneExecutor {
+    /// Brings the executor of a stored handle back in one call: `probe`,
+    /// then `start` or `launch` with generation + 1 as the probe says.
+    /// Writes no intent: the session manager, which records one, uses the
+    /// two phases itself; this is for a driver used on its own.
+    pub async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered> {
+        match self.probe(handle).await? {
+            Probe::Reattachable { handle, health } => Ok(Recovered {
+                handle,
+                action: RecoveryAction::Reattached,
+                health,
+            }),
+            Probe::Missing { .. } => Err(Error::WorkspaceMissing {
+                executor_id: handle.executor_id,
+                path: handle.workspace_path.clone(),
+            }),
+            Probe::NeedsLaunch { .. } | Probe::NeedsStart { .. } => {
+                let new = self.spawn(&handle.relaunch_spec()).await?;
+                let health = self.health(&new).await?;
+                Ok(Recovered {
+                    handle: new,
+                    action: RecoveryAction::Relaunched,
+                    health,
+                })
+            }
+        }
+    }
+}
+
 #[async_trait]
 impl Executor for StandaloneExecutor {
     fn runtime(&self) -> Runtime {
@@ -515,29 +544,6 @@ impl Executor for StandaloneExecutor {
         };
         tracing::info!(executor_id = %id, %reason, "agentctl needs a launch");
         Ok(Probe::NeedsLaunch { reason })
-    }
-
-    async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered> {
-        match self.probe(handle).await? {
-            Probe::Reattachable { handle, health } => Ok(Recovered {
-                handle,
-                action: RecoveryAction::Reattached,
-                health,
-            }),
-            Probe::Missing { .. } => Err(Error::WorkspaceMissing {
-                executor_id: handle.executor_id,
-                path: handle.workspace_path.clone(),
-            }),
-            Probe::NeedsLaunch { .. } | Probe::NeedsStart { .. } => {
-                let new = self.spawn(&handle.relaunch_spec()).await?;
-                let health = self.health(&new).await?;
-                Ok(Recovered {
-                    handle: new,
-                    action: RecoveryAction::Relaunched,
-                    health,
-                })
-            }
-        }
     }
 
     async fn stop(&self, handle: &ExecutorHandle) -> Result<()> {

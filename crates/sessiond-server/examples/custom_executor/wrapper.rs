@@ -3,7 +3,7 @@
 //! agent`, ... anything that ends by exec'ing the command it is given).
 //!
 //! It implements [`Executor`] from the outside, with only the public API of
-//! `sessiond-executor`: launch, probe (reattach or relaunch), recover, stop,
+//! `sessiond-executor`: launch, probe (reattach or relaunch), stop,
 //! remove, client. It serves a runtime of its own name
 //! ([`WrapperConfig::runtime`], e.g. `wrapper`), which clients pick with
 //! `CreateSession.runtime_name`. The recovery step machine of
@@ -25,8 +25,8 @@ use std::{
 use async_trait::async_trait;
 use sessiond_domain::{ExecutorId, Runtime};
 use sessiond_executor::{
-    AgentctlClient, ClientConfig, Error, Executor, ExecutorHandle, LaunchSpec, Probe, Recovered,
-    RecoveryAction, Result, fresh_secret,
+    AgentctlClient, ClientConfig, Error, Executor, ExecutorHandle, LaunchSpec, Probe, Result,
+    fresh_secret,
     process::{self, OwnedProcess},
 };
 
@@ -257,29 +257,6 @@ impl Executor for WrapperExecutor {
         Ok(Probe::NeedsLaunch {
             reason: "the recorded agentctl is gone".into(),
         })
-    }
-
-    async fn recover(&self, handle: &ExecutorHandle) -> Result<Recovered> {
-        match self.probe(handle).await? {
-            Probe::Reattachable { handle, health } => Ok(Recovered {
-                handle,
-                action: RecoveryAction::Reattached,
-                health,
-            }),
-            Probe::Missing { .. } => Err(Error::WorkspaceMissing {
-                executor_id: handle.executor_id,
-                path: handle.workspace_path.clone(),
-            }),
-            Probe::NeedsLaunch { .. } | Probe::NeedsStart { .. } => {
-                let new = self.spawn(&handle.relaunch_spec()).await?;
-                let health = self.health(&new).await?;
-                Ok(Recovered {
-                    handle: new,
-                    action: RecoveryAction::Relaunched,
-                    health,
-                })
-            }
-        }
     }
 
     async fn stop(&self, handle: &ExecutorHandle) -> Result<()> {
