@@ -694,6 +694,16 @@ impl AgentctlClient {
     /// margin, so agentctl's own timeout (which reports `timed_out`) fires first.
     pub async fn exec(&self, request: pb::ExecRequest) -> Result<pb::ExecResponse> {
         let deadline = or_default(request.timeout_ms, budget::EXEC) + self.call_timeout;
+        self.exec_within(request, deadline).await
+    }
+
+    /// `Exec` under `deadline` (it should exceed the request's own timeout,
+    /// so that agentctl reports `timed_out` with the output so far).
+    pub async fn exec_within(
+        &self,
+        request: pb::ExecRequest,
+        deadline: Duration,
+    ) -> Result<pb::ExecResponse> {
         self.unary("Exec", deadline, request, |mut c, r| async move {
             c.exec(r).await
         })

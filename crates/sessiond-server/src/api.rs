@@ -523,8 +523,14 @@ enum Target {
     Owner(Owner),
 }
 
-fn agentctl<T>(result: Result<Response<T>, Status>) -> ApiResult<T> {
-    result.map(Response::into_inner).map_err(ApiError::Agentctl)
+/// A workspace call's failure: agentctl's own answer keeps its status (a
+/// missing file, a path outside the workspace: the caller's to fix); not
+/// reaching agentctl, or it refusing this replica, is the executor's.
+fn agentctl(e: sessiond_executor::Error) -> ApiError {
+    match e {
+        sessiond_executor::Error::Rpc { status, .. } => ApiError::Agentctl(*status),
+        other => ApiError::Executor(other),
+    }
 }
 
 #[tonic::async_trait]
@@ -1436,17 +1442,17 @@ impl pb::workspace_service_server::WorkspaceService for Api {
                         req.timeout_ms
                     };
                     let command = req.command.clone();
-                    let mut call = Request::new(apb::ExecRequest {
+                    let call = apb::ExecRequest {
                         command: req.command,
                         args: req.args,
                         cwd: req.cwd,
                         env: Default::default(),
                         timeout_ms,
                         max_output_bytes: req.max_output_bytes,
-                    });
+                    };
                     // The command's own limit, plus time to collect its output.
-                    call.set_timeout(Duration::from_millis(timeout_ms) + Duration::from_secs(10));
-                    let r = agentctl(client.raw().exec(call).await)?;
+                    let deadline = Duration::from_millis(timeout_ms) + Duration::from_secs(10);
+                    let r = client.exec_within(call, deadline).await.map_err(agentctl)?;
                     let response = pb::ExecResponse {
                         exit_code: r.exit_code,
                         stdout: r.stdout,
@@ -1494,16 +1500,14 @@ impl pb::workspace_service_server::WorkspaceService for Api {
             async {
                 check_path_field("path", &req.path)?;
                 self.in_workspace(&origin, req, |req, client| async move {
-                    let r = agentctl(
-                        client
-                            .raw()
-                            .read_file(apb::ReadFileRequest {
-                                path: req.path,
-                                max_bytes: 0,
-                            })
-                            .await,
-                    )?;
-                    Ok(pb::ReadFileResponse { content: r.content })
+                    let content = client
+                        .read_file(apb::ReadFileRequest {
+                            path: req.path,
+                            max_bytes: 0,
+                        })
+                        .await
+                        .map_err(agentctl)?;
+                    Ok(pb::ReadFileResponse { content })
                 })
                 .await
             }
@@ -1523,19 +1527,15 @@ impl pb::workspace_service_server::WorkspaceService for Api {
             async {
                 check_path_field("path", &req.path)?;
                 self.in_workspace(&origin, req, |req, client| async move {
-                    let r = agentctl(
-                        client
-                            .raw()
-                            .write_file(apb::WriteFileRequest {
-                                path: req.path,
-                                content: req.content,
-                                create_parents: req.create_parents,
-                            })
-                            .await,
-                    )?;
-                    Ok(pb::WriteFileResponse {
-                        bytes_written: r.bytes_written,
-                    })
+                    let bytes_written = client
+                        .write_file(apb::WriteFileRequest {
+                            path: req.path,
+                            content: req.content,
+                            create_parents: req.create_parents,
+                        })
+                        .await
+                        .map_err(agentctl)?;
+                    Ok(pb::WriteFileResponse { bytes_written })
                 })
                 .await
             }
@@ -1555,15 +1555,9 @@ impl pb::workspace_service_server::WorkspaceService for Api {
             async {
                 check_path_field("path", &req.path)?;
                 self.in_workspace(&origin, req, |req, client| async move {
-                    let r = agentctl(
-                        client
-                            .raw()
-                            .list_dir(apb::ListDirRequest { path: req.path })
-                            .await,
-                    )?;
+                    let entries = client.list_dir(&req.path).await.map_err(agentctl)?;
                     Ok(pb::ListDirResponse {
-                        entries: r
-                            .entries
+                        entries: entries
                             .into_iter()
                             .map(|e| pb::DirEntry {
                                 is_dir: e.kind == apb::EntryKind::Dir as i32,
@@ -1590,7 +1584,7 @@ impl pb::workspace_service_server::WorkspaceService for Api {
         reply(
             async {
                 self.in_workspace(&origin, req, |_, client| async move {
-                    let r = agentctl(client.raw().git_status(apb::GitStatusRequest {}).await)?;
+                    let r = client.git_status().await.map_err(agentctl)?;
                     Ok(pb::GitStatusResponse {
                         branch: r.branch,
                         files: r
@@ -1637,17 +1631,15 @@ impl pb::workspace_service_server::WorkspaceService for Api {
                 } else {
                     String::new()
                 };
-                let r = agentctl(
-                    client
-                        .raw()
-                        .git_diff(apb::GitDiffRequest {
-                            staged: req.staged,
-                            paths: Vec::new(),
-                            base,
-                        })
-                        .await,
-                )?;
-                Ok(pb::GitDiffResponse { diff: r.diff })
+                let diff = client
+                    .git_diff(apb::GitDiffRequest {
+                        staged: req.staged,
+                        paths: Vec::new(),
+                        base,
+                    })
+                    .await
+                    .map_err(agentctl)?;
+                Ok(pb::GitDiffResponse { diff })
                 })
                 .await
             }
