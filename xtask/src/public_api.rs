@@ -143,6 +143,9 @@ mod tests {
     fn listing_skips_test_hooks() {
         let text = "#[cfg(feature = \"test-hooks\")]\n#[must_use]\npub fn gate() {}\npub fn kept() {}\n\
                     #[cfg(feature = \"test-hooks\")]\nfn private() {}\npub fn also_kept() {}\n";
-        assert_eq!(public_lines(text), vec!["pub fn kept()", "pub fn also_kept()"]);
+        assert_eq!(
+            public_lines(text),
+            vec!["pub fn kept()", "pub fn also_kept()"]
+        );
     }
 }

@@ -623,13 +623,8 @@ async fn bare(
                     launched.add(pid, st);
                 }
                 let client = driver.client(&handle)?;
-                client.raw().launch_agent(request).await?;
-                client
-                    .raw()
-                    .resume_session(pb::ResumeSessionRequest {
-                        resume_token: token,
-                    })
-                    .await?;
+                client.launch_agent(request).await?;
+                client.resume_session(&token).await?;
                 Ok(t.elapsed())
             }
         })

@@ -156,11 +156,7 @@ async fn rounds(
         .find(|d| d.runtime() == Runtime::LocalStandalone)
         .ok_or_else(|| anyhow::anyhow!("no standalone driver"))?;
     let client = driver.client(&ExecutorHandle::from_record(&record))?;
-    let health = client
-        .raw()
-        .health(pb::HealthRequest {})
-        .await?
-        .into_inner();
+    let health = client.health().await?;
     let mut updates = client
         .stream_updates(health.latest_cursor, &health.instance_id)
         .await?;
@@ -209,7 +205,6 @@ async fn rounds(
                 let turn_id = TaskId::new().to_string();
                 let t = Instant::now();
                 client
-                    .raw()
                     .prompt(pb::PromptRequest {
                         text: text.clone(),
                         turn_id: turn_id.clone(),

@@ -313,6 +313,10 @@ pub struct Health {
     pub modes: Option<pb::SessionModes>,
     /// The agent's signs of life, for telling slow work from silence.
     pub progress: AgentProgress,
+    /// The newest update cursor agentctl has (0 from an agentctl too old to
+    /// say): what a reader of [`AgentctlClient::stream_updates`] must have
+    /// read to have caught up.
+    pub latest_cursor: u64,
 }
 
 /// Signs of life of an agent process as agentctl counts them (`Health`).
@@ -561,6 +565,7 @@ impl AgentctlClient {
                 resuming: resp.resuming,
                 replayed: resp.replayed,
             },
+            latest_cursor: resp.latest_cursor,
         })
     }
 
@@ -624,46 +629,94 @@ impl AgentctlClient {
         }
     }
 
-    /// `LaunchAgent`; the deadline is the request's initialize timeout (30 s
-    /// when 0) plus the margin.
+    /// `LaunchAgent`. The request's initialize timeout bounds the agent's
+    /// silence, not its work: the deadline is agentctl's cap on a launch
+    /// (ten minutes) plus the margin.
     pub async fn launch_agent(
         &self,
         request: pb::LaunchAgentRequest,
     ) -> Result<pb::LaunchAgentResponse> {
-        let deadline =
-            or_default(request.initialize_timeout_ms, budget::INITIALIZE) + self.call_timeout;
+        let deadline = budget::INITIALIZE + self.call_timeout;
         self.unary("LaunchAgent", deadline, request, |mut c, r| async move {
             c.launch_agent(r).await
         })
         .await
     }
 
-    /// `NewSession`; returns the resume token.
-    pub async fn new_session(&self) -> Result<String> {
+    /// `NewSession`: the new conversation's resume token and modes.
+    pub async fn new_session(&self) -> Result<pb::NewSessionResponse> {
         let deadline = budget::SESSION_SETUP + self.call_timeout;
-        let resp = self
-            .unary(
-                "NewSession",
-                deadline,
-                pb::NewSessionRequest {},
-                |mut c, r| async move { c.new_session(r).await },
-            )
-            .await?;
-        Ok(resp.resume_token)
+        self.unary(
+            "NewSession",
+            deadline,
+            pb::NewSessionRequest {},
+            |mut c, r| async move { c.new_session(r).await },
+        )
+        .await
     }
 
-    /// `ResumeSession` (ACP `session/load`, which replays the conversation).
-    pub async fn resume_session(&self, resume_token: &str) -> Result<String> {
+    /// `ResumeSession` (ACP `session/load`, which replays the conversation):
+    /// its resume token and modes.
+    pub async fn resume_session(&self, resume_token: &str) -> Result<pb::ResumeSessionResponse> {
         let deadline = budget::SESSION_SETUP + self.call_timeout;
         let request = pb::ResumeSessionRequest {
             resume_token: resume_token.to_owned(),
         };
+        self.unary("ResumeSession", deadline, request, |mut c, r| async move {
+            c.resume_session(r).await
+        })
+        .await
+    }
+
+    /// `SetMode` (ACP `session/set_mode`): the modes with `mode_id` current.
+    pub async fn set_mode(&self, mode_id: &str) -> Result<Option<pb::SessionModes>> {
+        let request = pb::SetModeRequest {
+            mode_id: mode_id.to_owned(),
+        };
         let resp = self
-            .unary("ResumeSession", deadline, request, |mut c, r| async move {
-                c.resume_session(r).await
-            })
+            .unary(
+                "SetMode",
+                self.call_timeout,
+                request,
+                |mut c, r| async move { c.set_mode(r).await },
+            )
             .await?;
-        Ok(resp.resume_token)
+        Ok(resp.modes)
+    }
+
+    /// `SetConfigOption` (ACP `session/set_config_option`): the modes and
+    /// options as the agent answered.
+    pub async fn set_config_option(
+        &self,
+        config_id: &str,
+        value: &str,
+    ) -> Result<Option<pb::SessionModes>> {
+        let request = pb::SetConfigOptionRequest {
+            config_id: config_id.to_owned(),
+            value: value.to_owned(),
+        };
+        let resp = self
+            .unary(
+                "SetConfigOption",
+                self.call_timeout,
+                request,
+                |mut c, r| async move { c.set_config_option(r).await },
+            )
+            .await?;
+        Ok(resp.modes)
+    }
+
+    /// `RespondPermission`: the user's answer to a permission request the
+    /// agent waits on.
+    pub async fn respond_permission(&self, request: pb::RespondPermissionRequest) -> Result<()> {
+        self.unary(
+            "RespondPermission",
+            self.call_timeout,
+            request,
+            |mut c, r| async move { c.respond_permission(r).await },
+        )
+        .await
+        .map(|_| ())
     }
 
     /// `Prompt`: returns once the turn started, under the short deadline.

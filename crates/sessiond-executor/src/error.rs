@@ -200,7 +200,69 @@ pub enum Error {
     },
 }
 
+/// What a failed agentctl call means to its caller ([`Error::failure`]):
+/// callers decide on this, never on gRPC codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Failure {
+    /// No answer came: agentctl unreachable, too slow, the connection cut,
+    /// or it said it is unavailable. It may be gone; it may pass by itself.
+    NoAnswer,
+    /// agentctl fenced this replica off: another one holds a newer lease.
+    StaleEpoch,
+    /// agentctl refused the executor's secret.
+    Unauthenticated,
+    /// agentctl or its agent refused the request's content.
+    InvalidArgument,
+    /// What the call names is not there (a conversation, a permission
+    /// request the agent no longer waits on).
+    NotFound,
+    /// Refused in the present state of agentctl or its agent; the answer
+    /// says what to change.
+    FailedPrecondition,
+    /// Failed in a way that another attempt need not repeat (aborted, out
+    /// of resources, an internal error of agentctl or its agent).
+    Transient,
+    /// Any other failure (a TLS or configuration mistake, a refusal of
+    /// another kind).
+    Other,
+}
+
 impl Error {
+    /// What this failure means to the caller of an agentctl call.
+    pub fn failure(&self) -> Failure {
+        use tonic::Code;
+        match self {
+            Error::Unreachable { .. } | Error::Timeout { .. } | Error::NotReady { .. } => {
+                Failure::NoAnswer
+            }
+            Error::StaleEpoch { .. } => Failure::StaleEpoch,
+            Error::Unauthenticated { .. } => Failure::Unauthenticated,
+            Error::Rpc { status, .. } => match status.code() {
+                Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Cancelled => {
+                    Failure::NoAnswer
+                }
+                Code::Unauthenticated => Failure::Unauthenticated,
+                Code::InvalidArgument => Failure::InvalidArgument,
+                Code::NotFound => Failure::NotFound,
+                Code::FailedPrecondition => Failure::FailedPrecondition,
+                Code::Aborted | Code::ResourceExhausted | Code::Internal => Failure::Transient,
+                _ => Failure::Other,
+            },
+            _ => Failure::Other,
+        }
+    }
+
+    /// What agentctl (or its agent) said, without this client's framing:
+    /// the status message of an answer, the whole error otherwise.
+    pub fn answer(&self) -> String {
+        match self {
+            Error::Rpc { status, .. } => status.message().to_owned(),
+            Error::StaleEpoch { message, .. } => message.clone(),
+            other => other.to_string(),
+        }
+    }
+
     /// True when the failure may go away by itself (host down, agentctl
     /// starting or hung, engine busy): a caller may retry later. False for
     /// failures that need someone to act (bad config, wrong identity, missing

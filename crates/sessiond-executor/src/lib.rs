@@ -51,7 +51,7 @@ pub use client::{
     INSTANCE_ID_METADATA, LEASE_EPOCH_METADATA, MAX_MESSAGE_BYTES, RawClient, STALE_EPOCH, Support,
     TlsConfig, default_deadline, with_deadline,
 };
-pub use error::{Error, Result};
+pub use error::{Error, Failure, Result};
 pub use worktree::{BranchCommit, WorktreeAnswer, WorktreeOp, WorktreeTarget};
 
 /// What to launch: one agentctl for one executor, in one workspace.

@@ -203,7 +203,6 @@ async fn docker_sessions_of_one_task_edit_the_same_file_apart() {
     let out = driver
         .client(&ha)
         .unwrap()
-        .raw()
         .exec(sessiond_proto::agentctl::v1::ExecRequest {
             command: "git".into(),
             args: [
@@ -220,8 +219,7 @@ async fn docker_sessions_of_one_task_edit_the_same_file_apart() {
             ..Default::default()
         })
         .await
-        .unwrap()
-        .into_inner();
+        .unwrap();
     assert_eq!(
         out.exit_code,
         Some(0),

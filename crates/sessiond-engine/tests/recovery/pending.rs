@@ -441,15 +441,13 @@ async fn interrupt_second_turn(
     let record = w.record(s.id).await;
     let p = w
         .agentctl(&record)
-        .raw()
         .prompt(sessiond_proto::agentctl::v1::PromptRequest {
             text: "two".into(),
             turn_id: m.id.to_string(),
             ..Default::default()
         })
         .await
-        .expect("prompt")
-        .into_inner();
+        .expect("prompt");
     assert!(!p.already_accepted);
     wait_transcript(w, &s, 2).await;
     kill_tree(record.pid.unwrap()).await;

@@ -260,32 +260,31 @@ async fn workspace_works(
     s: sessiond_domain::SessionId,
 ) {
     let exec = mgr.execution(s).expect("execution cached");
-    let mut raw = w.agentctl(&exec.record).raw();
-    raw.write_file(pb::WriteFileRequest {
-        path: "note.txt".into(),
-        content: b"still here".to_vec(),
-        create_parents: false,
-    })
-    .await
-    .unwrap();
-    let read = raw
+    let client = w.agentctl(&exec.record);
+    client
+        .write_file(pb::WriteFileRequest {
+            path: "note.txt".into(),
+            content: b"still here".to_vec(),
+            create_parents: false,
+        })
+        .await
+        .unwrap();
+    let read = client
         .read_file(pb::ReadFileRequest {
             path: "note.txt".into(),
             max_bytes: 0,
         })
         .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(read.content, b"still here");
-    let out = raw
+        .unwrap();
+    assert_eq!(read, b"still here");
+    let out = client
         .exec(pb::ExecRequest {
             command: "cat".into(),
             args: vec!["note.txt".into()],
             ..Default::default()
         })
         .await
-        .unwrap()
-        .into_inner();
+        .unwrap();
     assert_eq!(out.exit_code, Some(0));
     assert_eq!(out.stdout, b"still here");
 }
@@ -352,7 +351,6 @@ async fn agent_without_open_session_is_resumed_not_reattached() {
     let client = w.agentctl(&record);
     client.stop_agent(Duration::from_secs(2)).await.unwrap();
     client
-        .raw()
         .launch_agent(pb::LaunchAgentRequest {
             command: w.profile.command.clone(),
             args: w.profile.args.clone(),

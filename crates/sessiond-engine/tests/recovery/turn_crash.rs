@@ -244,13 +244,13 @@ async fn send_turn_two(
     transcript: impl Fn() -> Vec<(String, String)>,
 ) {
     let prompt = || {
-        let mut raw = client.raw();
+        let client = client.clone();
         let request = pb::PromptRequest {
             text: "two".into(),
             turn_id: two.id.to_string(),
             ..Default::default()
         };
-        async move { raw.prompt(request).await }
+        async move { client.prompt(request).await }
     };
     match point {
         Point::BeforePrompt => {}
