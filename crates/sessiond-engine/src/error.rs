@@ -161,12 +161,13 @@ pub enum Error {
 
     /// agentctl answered an agent call (LaunchAgent, NewSession, ResumeSession,
     /// Prompt, ...) with an error.
-    #[error("agent call {call} failed ({code:?}): {message}")]
+    #[error("agent call {call} failed ({failure:?}): {message}")]
     Agent {
         /// The agentctl RPC.
         call: &'static str,
-        /// agentctl's status code; decides the [`ErrorKind`].
-        code: tonic::Code,
+        /// What the failure means (from the agentctl client); decides the
+        /// [`ErrorKind`].
+        failure: sessiond_executor::Failure,
         /// agentctl's message.
         message: String,
     },
@@ -315,9 +316,9 @@ impl Error {
                 sessiond_executor::Error::StaleEpoch { .. } => ErrorKind::Unavailable,
                 _ => ErrorKind::FailedPrecondition,
             },
-            Error::Agent { code, .. } => match code {
-                tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => ErrorKind::Unavailable,
-                tonic::Code::InvalidArgument => ErrorKind::InvalidArgument,
+            Error::Agent { failure, .. } => match failure {
+                sessiond_executor::Failure::NoAnswer => ErrorKind::Unavailable,
+                sessiond_executor::Failure::InvalidArgument => ErrorKind::InvalidArgument,
                 _ => ErrorKind::FailedPrecondition,
             },
             Error::Store(e) => match &**e {
@@ -335,22 +336,18 @@ impl Error {
         match self {
             Error::Unavailable(_) => true,
             Error::Executor(e) => e.is_unavailable(),
-            Error::Agent { code, .. } => matches!(
-                code,
-                tonic::Code::Unavailable
-                    | tonic::Code::DeadlineExceeded
-                    | tonic::Code::Unknown
-                    | tonic::Code::Cancelled
-            ),
+            Error::Agent { failure, .. } => *failure == sessiond_executor::Failure::NoAnswer,
             _ => false,
         }
     }
 
-    pub(crate) fn agent(call: &'static str, status: &tonic::Status) -> Error {
+    /// An agent call (`call`) that failed: what it means, and agentctl's
+    /// own words.
+    pub(crate) fn agent(call: &'static str, e: &sessiond_executor::Error) -> Error {
         Error::Agent {
             call,
-            code: status.code(),
-            message: status.message().to_owned(),
+            failure: e.failure(),
+            message: e.answer(),
         }
     }
 }

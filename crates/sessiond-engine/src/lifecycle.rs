@@ -375,7 +375,7 @@ impl SessionManager {
                 let precondition = matches!(
                     &e,
                     Error::Agent {
-                        code: tonic::Code::FailedPrecondition,
+                        failure: sessiond_executor::Failure::FailedPrecondition,
                         ..
                     }
                 );

@@ -4,7 +4,7 @@
 use sessiond_domain::{
     AgentModes, AgentProcessState, ExecutorStatus, SessionId, SessionState, TaskId,
 };
-use sessiond_proto::agentctl::v1 as pb;
+use sessiond_executor::Failure;
 
 use crate::{
     error::{Error, Result},
@@ -36,10 +36,10 @@ impl SessionManager {
             return Ok(None);
         };
         // Not kept when the agent did not answer: the next call asks again.
-        let Ok(health) = client.raw().health(pb::HealthRequest {}).await else {
+        let Ok(health) = client.health().await else {
             return Ok(None);
         };
-        let modes = health.into_inner().modes.map(|m| agent_modes(&m));
+        let modes = health.modes.map(|m| agent_modes(&m));
         self.inner
             .sessions
             .remember_modes(session_id, execution_id, stamp, modes.clone());
@@ -89,14 +89,9 @@ impl SessionManager {
         self.inner.sessions.forget_modes(session_id);
         let (_, stamp) = self.inner.sessions.cached_modes(session_id, "");
         let modes = client
-            .raw()
-            .set_mode(pb::SetModeRequest {
-                mode_id: mode_id.to_owned(),
-            })
+            .set_mode(mode_id)
             .await
-            .map_err(|s| Error::agent("SetMode", &s))?
-            .into_inner()
-            .modes
+            .map_err(|e| Error::agent("SetMode", &e))?
             .unwrap_or_default();
         tracing::info!(session = %session_id, mode_id, "session mode set");
         let modes = agent_modes(&modes);
@@ -161,18 +156,12 @@ impl SessionManager {
         self.inner.sessions.forget_modes(session_id);
         let (_, stamp) = self.inner.sessions.cached_modes(session_id, "");
         let modes = client
-            .raw()
-            .set_config_option(pb::SetConfigOptionRequest {
-                config_id: config_id.to_owned(),
-                value: value.to_owned(),
-            })
+            .set_config_option(config_id, value)
             .await
-            .map_err(|s| match s.code() {
-                tonic::Code::InvalidArgument => Error::InvalidArgument(s.message().to_owned()),
-                _ => Error::agent("SetConfigOption", &s),
+            .map_err(|e| match e.failure() {
+                Failure::InvalidArgument => Error::InvalidArgument(e.answer()),
+                _ => Error::agent("SetConfigOption", &e),
             })?
-            .into_inner()
-            .modes
             .unwrap_or_default();
         tracing::info!(session = %session_id, config_id, value, "config option set");
         let modes = agent_modes(&modes);

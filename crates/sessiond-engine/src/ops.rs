@@ -277,10 +277,9 @@ impl SessionManager {
             mcp_servers,
         };
         client
-            .raw()
             .launch_agent(request)
             .await
-            .map_err(|s| Error::agent("LaunchAgent", &s))?;
+            .map_err(|e| Error::agent("LaunchAgent", &e))?;
         Ok(true)
     }
 
@@ -293,11 +292,9 @@ impl SessionManager {
     ) -> Result<String> {
         let (_, stamp) = self.inner.sessions.cached_modes(record.session_id, "");
         let opened = client
-            .raw()
-            .new_session(pb::NewSessionRequest {})
+            .new_session()
             .await
-            .map_err(|s| Error::agent("NewSession", &s))?
-            .into_inner();
+            .map_err(|e| Error::agent("NewSession", &e))?;
         self.inner.sessions.remember_modes(
             record.session_id,
             record.execution_id(),
@@ -308,7 +305,7 @@ impl SessionManager {
         if token.is_empty() {
             return Err(Error::Agent {
                 call: "NewSession",
-                code: tonic::Code::Internal,
+                failure: sessiond_executor::Failure::Transient,
                 message: "the agent returned an empty session id".into(),
             });
         }
@@ -328,19 +325,14 @@ impl SessionManager {
             .resume_attempts
             .fetch_add(1, Ordering::Relaxed);
         let (_, stamp) = self.inner.sessions.cached_modes(record.session_id, "");
-        let loaded = client
-            .raw()
-            .resume_session(pb::ResumeSessionRequest {
-                resume_token: token.to_owned(),
-            })
-            .await;
+        let loaded = client.resume_session(token).await;
         self.inner.metrics.resume(loaded.is_ok());
-        let loaded = loaded.map_err(|s| Error::agent("ResumeSession", &s))?;
+        let loaded = loaded.map_err(|e| Error::agent("ResumeSession", &e))?;
         self.inner.sessions.remember_modes(
             record.session_id,
             record.execution_id(),
             stamp,
-            loaded.into_inner().modes.as_ref().map(agent_modes),
+            loaded.modes.as_ref().map(agent_modes),
         );
         Ok(())
     }
@@ -371,7 +363,7 @@ impl SessionManager {
                     Ok(token) => Ok(Resumed::Replaced { token, reason }),
                     Err(new) => Err(Error::Agent {
                         call: "NewSession",
-                        code: tonic::Code::FailedPrecondition,
+                        failure: sessiond_executor::Failure::FailedPrecondition,
                         message: format!(
                             "the agent could not load the conversation ({reason}) nor open a new one ({new})"
                         ),
@@ -440,9 +432,9 @@ pub(crate) fn load_refused(e: &Error) -> bool {
         e,
         Error::Agent {
             call: "ResumeSession",
-            code: tonic::Code::NotFound
-                | tonic::Code::FailedPrecondition
-                | tonic::Code::InvalidArgument,
+            failure: sessiond_executor::Failure::NotFound
+                | sessiond_executor::Failure::FailedPrecondition
+                | sessiond_executor::Failure::InvalidArgument,
             message,
         } if !message.contains("requires authentication")
     )

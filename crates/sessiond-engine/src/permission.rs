@@ -19,6 +19,7 @@ use sessiond_domain::{
     AgentProcessState, EventPayload, ExecutorStatus, Message, MessageId, MessageKind, SessionId,
     TaskId,
 };
+use sessiond_executor::Failure;
 use sessiond_proto::agentctl::v1 as pb;
 use sessiond_store::Changeset;
 
@@ -221,7 +222,6 @@ impl SessionManager {
         };
         let client = self.client(&execution.record)?;
         let answered = client
-            .raw()
             .respond_permission(pb::RespondPermissionRequest {
                 request_id: request_id.to_owned(),
                 option_id: option_id.to_owned(),
@@ -236,17 +236,17 @@ impl SessionManager {
             // agentctl no longer waits: timed out or cancelled a moment
             // ago (its resolution is on its way through the update
             // stream), or it is another agentctl process now.
-            Err(s) if s.code() == tonic::Code::NotFound => Err(Error::PermissionResolved {
+            Err(e) if e.failure() == Failure::NotFound => Err(Error::PermissionResolved {
                 request_id: request_id.to_owned(),
                 detail: format!(
                     "the agent no longer waits for it ({}); watch for session.permission.resolved",
-                    s.message()
+                    e.answer()
                 ),
             }),
-            Err(s) if s.code() == tonic::Code::InvalidArgument => {
-                Err(Error::InvalidArgument(s.message().to_owned()))
+            Err(e) if e.failure() == Failure::InvalidArgument => {
+                Err(Error::InvalidArgument(e.answer()))
             }
-            Err(s) => Err(Error::agent("RespondPermission", &s)),
+            Err(e) => Err(Error::agent("RespondPermission", &e)),
         }
     }
 }

@@ -28,7 +28,7 @@ use sessiond_domain::{
     RecoveryInput, RecoveryOutcome, RecoveryStage, Runtime, Session, SessionId, SessionState,
     SurvivingAgent, TaskEvent,
 };
-use sessiond_executor::{AgentState, ExecutorHandle, Probe};
+use sessiond_executor::{AgentState, ExecutorHandle, Health, Probe};
 use sessiond_proto::agentctl::v1 as pb;
 use sessiond_store::{Changeset, Heartbeat, Store, Yield};
 
@@ -1810,16 +1810,12 @@ fn agent_back_or_left_alone(label: OutcomeLabel) -> bool {
 /// bad profile): another attempt may succeed.
 fn passes_by_itself(e: &Error) -> bool {
     match e {
-        Error::Agent { code, message, .. } => {
+        Error::Agent {
+            failure, message, ..
+        } => {
             matches!(
-                code,
-                tonic::Code::Unavailable
-                    | tonic::Code::DeadlineExceeded
-                    | tonic::Code::Unknown
-                    | tonic::Code::Cancelled
-                    | tonic::Code::Aborted
-                    | tonic::Code::ResourceExhausted
-                    | tonic::Code::Internal
+                failure,
+                sessiond_executor::Failure::NoAnswer | sessiond_executor::Failure::Transient
             ) && !message.contains("requires authentication")
         }
         other => other.is_transport(),
@@ -1926,7 +1922,7 @@ impl SessionManager {
     /// exit. Uses the session's cached client when one is open (a pump runs),
     /// else a client of its own that is dropped afterwards, so a parked
     /// session keeps no connection between checks.
-    async fn liveness_health(&self, record: &ExecutorRecord) -> Result<pb::HealthResponse> {
+    async fn liveness_health(&self, record: &ExecutorRecord) -> Result<Health> {
         // The answer carries the agent's modes: kept, so a change the agent
         // made while no pump read shows within one check.
         let (_, modes_stamp) = self.inner.sessions.cached_modes(record.session_id, "");
@@ -1937,11 +1933,9 @@ impl SessionManager {
                 .client(&ExecutorHandle::from_record(record))?,
         };
         let h = client
-            .raw()
-            .health(pb::HealthRequest {})
+            .health()
             .await
-            .map_err(|s| Error::agent("Health", &s))?
-            .into_inner();
+            .map_err(|e| Error::agent("Health", &e))?;
         if h.executor_id != record.id.to_string() {
             return Err(Error::Unavailable(format!(
                 "the agentctl at {} is executor {:?}, not {}",
@@ -1950,10 +1944,7 @@ impl SessionManager {
                 record.id
             )));
         }
-        if matches!(
-            AgentState::try_from(h.agent_state),
-            Ok(AgentState::Ready | AgentState::Busy)
-        ) {
+        if matches!(h.agent_state, AgentState::Ready | AgentState::Busy) {
             self.inner.sessions.remember_modes(
                 record.session_id,
                 record.execution_id(),
@@ -1980,12 +1971,7 @@ impl SessionManager {
     ) -> Result<Option<(ExecutorId, i64)>> {
         let limit = self.inner.config.executor_deadline;
         let health = tokio::time::timeout(limit, self.liveness_health(&record)).await;
-        let gone = |h: &pb::HealthResponse| {
-            matches!(
-                AgentState::try_from(h.agent_state),
-                Ok(AgentState::Exited | AgentState::None)
-            )
-        };
+        let gone = |h: &Health| matches!(h.agent_state, AgentState::Exited | AgentState::None);
         // The common case: it answered and its agent is as the cache knows
         // it. The heartbeat's write checks status and generation itself.
         if let Ok(Ok(h)) = &health

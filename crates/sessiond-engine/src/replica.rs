@@ -207,20 +207,9 @@ impl SessionManager {
         }
     }
 
-    /// Whether `status` (of an agentctl call on `session`) is agentctl
+    /// Whether `error` (of an agentctl call on `session`) is agentctl
     /// refusing a superseded lease epoch; if so the session is dropped
     /// here as after a refused write.
-    pub(crate) fn agentctl_refused(&self, session: SessionId, status: &tonic::Status) -> bool {
-        if status.code() != tonic::Code::FailedPrecondition
-            || !status.message().starts_with(sessiond_executor::STALE_EPOCH)
-        {
-            return false;
-        }
-        self.fenced_by_agentctl(session, status.message());
-        true
-    }
-
-    /// [`Self::agentctl_refused`] for a typed client's error.
     pub(crate) fn executor_refused(
         &self,
         session: SessionId,

@@ -317,6 +317,8 @@ pub struct Health {
     /// say): what a reader of [`AgentctlClient::stream_updates`] must have
     /// read to have caught up.
     pub latest_cursor: u64,
+    /// How the agent process ended, when it did.
+    pub agent_exit: Option<pb::AgentExit>,
 }
 
 /// Signs of life of an agent process as agentctl counts them (`Health`).
@@ -566,6 +568,7 @@ impl AgentctlClient {
                 replayed: resp.replayed,
             },
             latest_cursor: resp.latest_cursor,
+            agent_exit: resp.agent_exit,
         })
     }
 

@@ -959,16 +959,14 @@ impl Pump {
             _ => return false,
         };
         let limit = self.mgr.inner.config.executor_deadline;
-        let health =
-            tokio::time::timeout(limit, self.client.raw().health(pb::HealthRequest {})).await;
+        let health = tokio::time::timeout(limit, self.client.health()).await;
         let Ok(Ok(h)) = health else {
             return false; // not answering: the stream handling decides
         };
-        let h = h.into_inner();
         if h.latest_cursor > self.cursor {
             return false; // updates still to read
         }
-        if needs_idle_agent && AgentState::try_from(h.agent_state) != Ok(AgentState::Ready) {
+        if needs_idle_agent && h.agent_state != AgentState::Ready {
             return false;
         }
         if !h.instance_id.is_empty() {
@@ -993,8 +991,8 @@ impl Pump {
     /// `None` when it does not answer (asked again at the next reconnect).
     pub(super) async fn latest_cursor(&self) -> Option<u64> {
         let limit = self.mgr.inner.config.executor_deadline;
-        match tokio::time::timeout(limit, self.client.raw().health(pb::HealthRequest {})).await {
-            Ok(Ok(h)) => Some(h.into_inner().latest_cursor),
+        match tokio::time::timeout(limit, self.client.health()).await {
+            Ok(Ok(h)) => Some(h.latest_cursor),
             _ => None,
         }
     }

@@ -63,13 +63,10 @@ impl Pump {
             return Ok(()); // its TurnEnded came, or the session moved on
         }
         let limit = self.mgr.inner.config.executor_deadline;
-        let Ok(Ok(h)) =
-            tokio::time::timeout(limit, self.client.raw().health(pb::HealthRequest {})).await
-        else {
+        let Ok(Ok(h)) = tokio::time::timeout(limit, self.client.health()).await else {
             return Ok(()); // agentctl not answering: the stream handling decides
         };
-        let h = h.into_inner();
-        let state = AgentState::try_from(h.agent_state).unwrap_or(AgentState::Unspecified);
+        let state = h.agent_state;
         let agent = match state {
             AgentState::None | AgentState::Exited => AgentNow::NoAgent,
             AgentState::Ready => AgentNow::Idle,
@@ -163,7 +160,6 @@ impl Pump {
         };
         let prompted = self
             .client
-            .raw()
             .prompt(pb::PromptRequest {
                 text: user.content.clone(),
                 turn_id: turn.to_owned(),
@@ -173,7 +169,6 @@ impl Pump {
             .await;
         match prompted {
             Ok(r) => {
-                let r = r.into_inner();
                 let answer = Redelivery {
                     already_accepted: r.already_accepted,
                     by_this_process: r.accepted_by_instance == h.instance_id,
@@ -200,22 +195,22 @@ impl Pump {
                 }
             }
             // A superseded lease: the new owner settles the turn.
-            Err(status) if self.mgr.agentctl_refused(self.session_id, &status) => Ok(()),
-            Err(status) if status.code() == tonic::Code::FailedPrecondition => {
+            Err(e) if self.mgr.executor_refused(self.session_id, &e) => Ok(()),
+            Err(e) if e.failure() == sessiond_executor::Failure::FailedPrecondition => {
                 drop(guard);
-                self.end_interrupted(turn, status.message()).await
+                self.end_interrupted(turn, &e.answer()).await
             }
             // agentctl is gone, not refusing: the turn stays pending and
             // this stream's failure recovers the session in the background
             // (`agentctl_lost`), which settles the turn.
-            Err(status) if self.mgr.agentctl_gone(&status, &self.client).await => {
+            Err(e) if self.mgr.agentctl_gone(&e, &self.client).await => {
                 drop(guard);
-                tracing::info!(session = %self.session_id, turn, error = %status,
+                tracing::info!(session = %self.session_id, turn, error = %e,
                     "re-delivery found agentctl gone; left to the lost-agentctl recovery");
                 Ok(())
             }
-            Err(status) => {
-                let e = crate::error::Error::agent("Prompt", &status);
+            Err(e) => {
+                let e = crate::error::Error::agent("Prompt", &e);
                 let reason = format!(
                     "the agent did not accept the message: {e}; resume the session, then send it again"
                 );

@@ -238,17 +238,12 @@ impl SessionManager {
             });
         };
         let client = self.client(&execution.record)?;
-        let answer = client
-            .raw()
-            .cancel(pb::CancelRequest {})
-            .await
-            .map_err(|s| {
-                self.agentctl_refused(session_id, &s);
-                Error::agent("Cancel", &s)
-            })?
-            .into_inner();
-        tracing::info!(session = %session_id, cancelled = answer.cancelled, "turn cancel requested");
-        Ok(answer.cancelled)
+        let cancelled = client.cancel().await.map_err(|e| {
+            self.executor_refused(session_id, &e);
+            Error::agent("Cancel", &e)
+        })?;
+        tracing::info!(session = %session_id, cancelled, "turn cancel requested");
+        Ok(cancelled)
     }
 
     /// The error for a session whose agent does not run, with the hint that
@@ -436,7 +431,7 @@ impl SessionManager {
             turn_id = %turn_id,
         );
         let prompted = tracing::Instrument::instrument(
-            client.raw().prompt(pb::PromptRequest {
+            client.prompt(pb::PromptRequest {
                 text: text.to_owned(),
                 turn_id: turn_id.clone(),
                 blocks,
@@ -445,13 +440,13 @@ impl SessionManager {
             span,
         )
         .await;
-        if let Err(status) = prompted {
-            if self.agentctl_refused(session_id, &status) {
+        if let Err(failed) = prompted {
+            if self.executor_refused(session_id, &failed) {
                 // Another replica adopted the session: it settles this turn.
                 return Err(self.not_owner_now(session_id).await);
             }
-            let e = Error::agent("Prompt", &status);
-            if self.agentctl_gone(&status, &client).await {
+            let e = Error::agent("Prompt", &failed);
+            if self.agentctl_gone(&failed, &client).await {
                 // agentctl itself is gone (killed, its container stopped):
                 // that passes by itself, so the session is recovered in the
                 // background like any lost agentctl, never left in ERROR.
@@ -494,23 +489,18 @@ impl SessionManager {
         Ok(stored)
     }
 
-    /// A failed call's `status` came from agentctl being gone rather than
-    /// from an answer: a transport failure, and `Health` fails as well.
+    /// A failed call came from agentctl being gone rather than from an
+    /// answer: no answer came, and `Health` fails as well.
     pub(crate) async fn agentctl_gone(
         &self,
-        status: &tonic::Status,
+        failed: &sessiond_executor::Error,
         client: &sessiond_executor::AgentctlClient,
     ) -> bool {
-        if !matches!(
-            status.code(),
-            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
-        ) {
+        if failed.failure() != sessiond_executor::Failure::NoAnswer {
             return false;
         }
-        let mut raw = client.raw();
-        let health = raw.health(pb::HealthRequest {});
         !matches!(
-            tokio::time::timeout(self.inner.config.executor_deadline, health).await,
+            tokio::time::timeout(self.inner.config.executor_deadline, client.health()).await,
             Ok(Ok(_))
         )
     }
