@@ -15,6 +15,9 @@
 //! - **No import loop of more than two files** inside a crate, beyond the
 //!   ones `xtask/house-allow-loops.txt` lists and that may only shrink
 //!   (`loops.rs`).
+//! - **Typed agentctl calls.** Only `sessiond-executor` uses the generated
+//!   agentctl client (`AgentctlClient::raw`); every other crate calls the
+//!   typed methods, which choose the deadline and say what a failure means.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -115,6 +118,7 @@ pub fn check(root: &Path) -> anyhow::Result<()> {
     problems.extend(markdown_links(root, &files));
     problems.extend(architecture_size(root)?);
     problems.extend(loops::check(root)?);
+    problems.extend(raw_agentctl_calls(root, &files));
     if !problems.is_empty() {
         bail!("the house is out of shape:\n  {}", problems.join("\n  "));
     }
@@ -251,6 +255,39 @@ fn citations(root: &Path, files: &[String]) -> Vec<String> {
     problems
 }
 
+/// Where the generated agentctl client may be used: the crate that wraps it.
+const RAW_CLIENT_HOME: &str = "crates/sessiond-executor/";
+
+fn raw_agentctl_calls(root: &Path, files: &[String]) -> Vec<String> {
+    let mut problems = Vec::new();
+    for file in files {
+        // This file names the call it looks for.
+        if !file.ends_with(".rs") || file.starts_with(RAW_CLIENT_HOME) || file == "xtask/src/house.rs"
+        {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(root.join(file)) else {
+            continue;
+        };
+        problems.extend(raw_calls_in(file, &text));
+    }
+    problems
+}
+
+/// Lines of `text` that call the generated agentctl client.
+fn raw_calls_in(file: &str, text: &str) -> Vec<String> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, line)| line.contains(".raw()"))
+        .map(|(i, _)| {
+            format!(
+                "{file}:{}: calls AgentctlClient::raw outside {RAW_CLIENT_HOME}: use (or add) a typed method of AgentctlClient",
+                i + 1
+            )
+        })
+        .collect()
+}
+
 /// Lines of `text` that cite a document outside the repository.
 fn citations_in(file: &str, text: &str) -> Vec<String> {
     text.lines()
@@ -298,6 +335,15 @@ mod tests {
         assert!(
             problems[2].contains("crate newcomer has no place"),
             "{problems:#?}"
+        );
+    }
+
+    #[test]
+    fn raw_agentctl_calls_are_reported_with_their_line() {
+        let text = "let h = client.health().await?;\nlet r = client\n    .raw()\n    .prompt(p);\n";
+        assert_eq!(
+            raw_calls_in("crates/sessiond-engine/src/x.rs", text),
+            vec!["crates/sessiond-engine/src/x.rs:3: calls AgentctlClient::raw outside crates/sessiond-executor/: use (or add) a typed method of AgentctlClient".to_owned()]
         );
     }
 

@@ -98,7 +98,7 @@ pub fn default_deadline(method: &str, call_timeout: Duration) -> Option<Duration
 }
 
 /// `request` with `deadline`: sent to agentctl as `grpc-timeout` and enforced
-/// by this side's channel. For [`AgentctlClient::raw`] callers that need a
+/// by this side's channel. For callers of the generated client that need a
 /// longer (or shorter) deadline than [`default_deadline`].
 pub fn with_deadline<T>(message: T, deadline: Duration) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
@@ -383,9 +383,9 @@ pub struct Capabilities {
 
 /// An authenticated, deadline-bound client of one agentctl.
 ///
-/// Cheap to clone; connects lazily and reconnects by itself. [`Self::raw`]
-/// gives every RPC of the contract; [`Self::health`] and
-/// [`Self::capabilities`] are the calls the drivers need, with errors mapped.
+/// Cheap to clone; connects lazily and reconnects by itself. One typed
+/// method per agentctl RPC, each with its deadline; a failure says what it
+/// means through [`Error::failure`].
 ///
 /// Every typed call fails with [`Error::Timeout`] when its deadline passes,
 /// [`Error::Unreachable`] or [`Error::Tls`] when no connection can be made,
@@ -530,7 +530,10 @@ impl AgentctlClient {
     /// limits of [`MAX_MESSAGE_BYTES`]. A request without a deadline gets
     /// [`default_deadline`] of its method; pass a longer (or shorter) one
     /// with [`with_deadline`]. The typed methods below choose the deadline
-    /// from the request itself and map errors; prefer them.
+    /// from the request itself and map errors: every caller outside this
+    /// crate uses those (`cargo xtask house` checks it); this is for this
+    /// crate's own tests of the wire.
+    #[doc(hidden)]
     pub fn raw(&self) -> RawClient {
         self.inner.clone()
     }

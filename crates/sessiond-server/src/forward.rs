@@ -231,7 +231,7 @@ impl Owner {
 /// A call that can be sent on to the replica owning its session: which
 /// service method carries it there. One impl per forwarded RPC, so the
 /// handlers share one route-or-forward path (`Api::here_or_forward`).
-pub trait Forward: Sized + Send + 'static {
+pub(crate) trait Forward: Sized + Send + 'static {
     /// What the owner answers.
     type Reply;
     /// Sends `self` to `owner` as its own request (credentials, hop
@@ -240,7 +240,7 @@ pub trait Forward: Sized + Send + 'static {
 }
 
 /// A workspace call: the session it acts on travels in the request.
-pub trait WorkspaceCall: Forward {
+pub(crate) trait WorkspaceCall: Forward {
     fn session(&self) -> Option<&pb::SessionRef>;
 }
 

@@ -113,7 +113,7 @@ mod test_hooks {
     /// `SESSIOND_TEST_HEARTBEAT_GATE=<file>`: each replica heartbeat waits
     /// while that file exists (a fencing test holds a resumed replica before
     /// its first heartbeat, without guessing a time).
-    pub fn apply(mut builder: SessiondBuilder) -> SessiondBuilder {
+    pub(crate) fn apply(mut builder: SessiondBuilder) -> SessiondBuilder {
         if let Some(gate) = file_gate("SESSIOND_TEST_RECOVERY_GATE") {
             builder = builder.recovery_gate(gate);
         }
