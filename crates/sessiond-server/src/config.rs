@@ -1358,115 +1358,9 @@ impl FileConfig {
         }
         let shutdown_grace = p.duration("shutdown_grace", &self.shutdown_grace);
 
-        let mut tokens: Vec<String> = self
-            .auth
-            .tokens
-            .iter()
-            .map(|t| t.trim().to_owned())
-            .collect();
-        if let Some(path) = &self.auth.tokens_file {
-            match std::fs::read_to_string(path) {
-                Ok(text) => tokens.extend(
-                    text.lines()
-                        .map(str::trim)
-                        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-                        .map(str::to_owned),
-                ),
-                Err(e) => p.add(
-                    "auth.tokens_file",
-                    format!("cannot read {}: {e}", path.display()),
-                ),
-            }
-        }
-        tokens.retain(|t| !t.is_empty());
-        for (i, token) in tokens.iter().enumerate() {
-            if token.len() < 16 {
-                p.add(
-                    &format!("auth.tokens[{i}]"),
-                    "must be at least 16 characters",
-                );
-            }
-            if !token.bytes().all(|b| b.is_ascii_graphic()) {
-                p.add(
-                    &format!("auth.tokens[{i}]"),
-                    "must be printable ASCII without spaces",
-                );
-            }
-        }
-        let auth = if self.auth.insecure_no_auth {
-            if !tokens.is_empty() {
-                p.add(
-                    "auth.insecure_no_auth",
-                    format!(
-                        "conflicts with auth.tokens ({} configured, from auth.tokens, \
-                         auth.tokens_file, --api-tokens or SESSIOND_API_TOKENS): \
-                         remove the tokens to serve without authentication, or drop \
-                         insecure_no_auth",
-                        tokens.len()
-                    ),
-                );
-            }
-            if let Some(addr) = listen
-                && !addr.ip().is_loopback()
-            {
-                p.add(
-                    "auth.insecure_no_auth",
-                    format!(
-                        "refuses to serve without authentication on the non-loopback \
-                         address {addr}; configure auth.tokens or listen on 127.0.0.1"
-                    ),
-                );
-            }
-            AuthConfig::Disabled
-        } else {
-            if tokens.is_empty() && serves_api {
-                p.add(
-                    "auth.tokens",
-                    "no API token configured: set SESSIOND_API_TOKENS (or auth.tokens), \
-                     or pass --insecure-no-auth to serve on loopback without authentication",
-                );
-            }
-            AuthConfig::Tokens(tokens)
-        };
+        let auth = auth_config(&self.auth, listen, serves_api, &mut p);
 
-        let mut origins = Vec::new();
-        let mut any_origin = false;
-        for (i, origin) in self.cors.allowed_origins.iter().enumerate() {
-            let origin = origin.trim();
-            if origin == "*" {
-                any_origin = true;
-            } else if http::HeaderValue::from_str(origin).is_err()
-                || !(origin.starts_with("http://") || origin.starts_with("https://"))
-                || origin.trim_end_matches('/') != origin
-            {
-                p.add(
-                    &format!("cors.allowed_origins[{i}]"),
-                    format!(
-                        "{origin:?} is not an origin such as https://app.example.com \
-                         (scheme and host, no path)"
-                    ),
-                );
-            } else {
-                origins.push(origin.to_owned());
-            }
-        }
-        if any_origin && self.auth.insecure_no_auth {
-            p.add(
-                "cors.allowed_origins",
-                "\"*\" is refused together with auth.insecure_no_auth: any web page the \
-                 user visits could drive the API; list the origins of your web console",
-            );
-        }
-        let cors = CorsConfig {
-            allowed_origins: if any_origin {
-                AllowedOrigins::Any
-            } else if origins.is_empty() {
-                AllowedOrigins::None
-            } else {
-                AllowedOrigins::List(origins)
-            },
-            max_age: p.duration("cors.max_age", &self.cors.max_age),
-        };
+        let cors = cors_config(&self.cors, self.auth.insecure_no_auth, &mut p);
 
         let metrics_listen = match self.metrics.listen.trim() {
             "" | "off" | "none" | "disabled" => None,
@@ -1480,416 +1374,13 @@ impl FileConfig {
             p.add("metrics.idle_timeout", "must be longer than 0s");
         }
 
-        let otlp_endpoint = match self.traces.otlp_endpoint.trim() {
-            "" | "off" | "none" | "disabled" => None,
-            url if url.starts_with("http://")
-                && url.len() > "http://".len()
-                && http::Uri::try_from(url).is_ok() =>
-            {
-                Some(url.to_owned())
-            }
-            url if url.starts_with("https://") => {
-                p.add(
-                    "traces.otlp_endpoint",
-                    format!(
-                        "{url:?}: TLS to the collector is not built in; export to a collector \
-                         (or agent) on a trusted network with http://host:4317"
-                    ),
-                );
-                None
-            }
-            url => {
-                p.add(
-                    "traces.otlp_endpoint",
-                    format!(
-                        "{url:?} is not an OTLP/gRPC address such as http://127.0.0.1:4317 \
-                         (or off)"
-                    ),
-                );
-                None
-            }
-        };
-        let trace_sample_ratio = self.traces.sample_ratio;
-        if !(0.0..=1.0).contains(&trace_sample_ratio) {
-            p.add(
-                "traces.sample_ratio",
-                format!("{trace_sample_ratio} is not a fraction between 0 and 1"),
-            );
-        }
+        let (otlp_endpoint, trace_sample_ratio) = traces_config(&self.traces, &mut p);
 
-        let e = &self.executors;
-        let default_runtime = match Runtime::parse(e.default_runtime.trim()) {
-            Ok(r) => r,
-            Err(err) => {
-                p.add("executors.default_runtime", err);
-                Runtime::LocalStandalone
-            }
-        };
-        if default_runtime == Runtime::LocalDocker && !e.docker.enabled {
-            p.add(
-                "executors.default_runtime",
-                "is local_docker but executors.docker.enabled is false",
-            );
-        }
-        let agentctl_path = match &e.standalone.agentctl_path {
-            Some(path) if path.as_os_str().is_empty() => {
-                p.add("executors.standalone.agentctl_path", "must not be empty");
-                PathBuf::new()
-            }
-            Some(path) => path.clone(),
-            None => sessiond_executor::standalone::default_agentctl_path()
-                .unwrap_or_else(|| PathBuf::from("agentctl")),
-        };
-        let idle = p.duration("executors.idle_timeout", &e.idle_timeout);
-        let worktree_roots = match &e.worktree_roots {
-            Some(roots) => roots.clone(),
-            None => match std::env::var_os("HOME").filter(|h| !h.is_empty()) {
-                Some(home) => vec![PathBuf::from(home)],
-                None => {
-                    p.add(
-                        "executors.worktree_roots",
-                        "cannot default to the home directory (HOME is not set); \
-                         set SESSIOND_WORKTREE_ROOTS",
-                    );
-                    Vec::new()
-                }
-            },
-        };
-        for (i, root) in worktree_roots.iter().enumerate() {
-            let key = format!("executors.worktree_roots[{i}]");
-            if !root.is_absolute() {
-                p.add(&key, format!("{} is not an absolute path", root.display()));
-            } else if root.parent().is_none() {
-                p.add(
-                    &key,
-                    "\"/\" is refused: it would let sessions use any directory, /etc included",
-                );
-            } else if root.components().any(|c| {
-                !matches!(
-                    c,
-                    std::path::Component::RootDir | std::path::Component::Normal(_)
-                )
-            }) {
-                p.add(
-                    &key,
-                    format!("{} is not normalised (no . or ..)", root.display()),
-                );
-            }
-        }
-        let normal = |d: &Path| {
-            d.is_absolute()
-                && d.components().all(|c| {
-                    matches!(
-                        c,
-                        std::path::Component::RootDir | std::path::Component::Normal(_)
-                    )
-                })
-        };
-        let check_worktrees_dir = |p: &mut Problems, key: &str, dir: &Path| {
-            if !normal(dir) {
-                p.add(
-                    key,
-                    format!("{} is not an absolute, normalised path", dir.display()),
-                );
-            } else if !worktree_roots.iter().any(|r| dir.starts_with(r)) {
-                p.add(
-                        key,
-                        format!(
-                            "{} is outside executors.worktree_roots ({}); move it inside one, or add a root",
-                            dir.display(),
-                            worktree_roots
-                                .iter()
-                                .map(|r| r.display().to_string())
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        ),
-                    );
-            }
-        };
-        let worktrees_dir = match &e.worktrees_dir {
-            Some(dir) => {
-                check_worktrees_dir(&mut p, "executors.worktrees_dir", dir);
-                Some(dir.clone())
-            }
-            None => Some(data_dir.join("worktrees"))
-                .filter(|d| normal(d) && worktree_roots.iter().any(|r| d.starts_with(r))),
-        };
-        for (i, repo) in e.repositories.iter().enumerate() {
-            let key = format!("executors.repositories[{i}]");
-            if !normal(repo) {
-                p.add(
-                    &key,
-                    format!("{} is not an absolute, normalised path", repo.display()),
-                );
-            } else if !worktree_roots.iter().any(|r| repo.starts_with(r)) {
-                p.add(
-                    &key,
-                    format!(
-                        "{} is outside executors.worktree_roots; sessions could not be created from it",
-                        repo.display()
-                    ),
-                );
-            }
-        }
-        let prefix = e.worktree_branch_prefix.trim_matches('/');
-        if prefix.is_empty()
-            || prefix.starts_with('-')
-            || prefix.contains("..")
-            || prefix.contains("//")
-            || prefix
-                .chars()
-                .any(|c| c.is_control() || c.is_whitespace() || "~^:?*[\\@{".contains(c))
-        {
-            p.add(
-                "executors.worktree_branch_prefix",
-                format!(
-                    "{:?} is not usable in a branch name (letters, digits, - _ . /)",
-                    e.worktree_branch_prefix
-                ),
-            );
-        }
-        let docker = if e.docker.enabled {
-            let d = &e.docker;
-            p.non_empty("executors.docker.host", &d.host);
-            if !d.host.trim().is_empty()
-                && !["unix://", "tcp://", "http://"]
-                    .iter()
-                    .any(|s| d.host.starts_with(s))
-            {
-                p.add(
-                    "executors.docker.host",
-                    "must start with unix://, tcp:// or http://",
-                );
-            }
-            p.non_empty("executors.docker.image", &d.image);
-            p.non_empty("executors.docker.agentctl_path", &d.agentctl_path);
-            p.non_empty("executors.docker.network_mode", &d.network_mode);
-            let mode = d.network_mode.trim();
-            if mode == "host" || mode.starts_with("container:") {
-                p.add(
-                    "executors.docker.network_mode",
-                    format!(
-                        "{mode:?} would put agent containers in another network namespace (the host's \
-                         sees every session's and sessiond's loopback traffic); use \"none\" (agentctl \
-                         needs no network), \"bridge\" or a user-defined network"
-                    ),
-                );
-            }
-            if let Some(user) = &d.user {
-                let name = user.split(':').next().unwrap_or_default().trim();
-                if name == "0" || name == "root" {
-                    p.add(
-                        "executors.docker.user",
-                        "containers never run as root; give a non-root uid:gid, or leave it unset \
-                         to run as the worktree's owner",
-                    );
-                }
-            }
-            if let Some(m) = d.memory_bytes
-                && m < 4 * 1024 * 1024
-            {
-                p.add(
-                    "executors.docker.memory_bytes",
-                    "must be at least 4194304 (4 MiB)",
-                );
-            }
-            if let Some(c) = d.cpus
-                && !(c > 0.0 && c.is_finite())
-            {
-                p.add("executors.docker.cpus", "must be greater than zero");
-            }
-            if let Some(n) = d.pids_limit
-                && n < 1
-            {
-                p.add("executors.docker.pids_limit", "must be at least 1");
-            }
-            if let Some(dir) = &d.worktrees_dir {
-                check_worktrees_dir(&mut p, "executors.docker.worktrees_dir", dir);
-            }
-            Some(DockerConfig {
-                worktrees_dir: d.worktrees_dir.clone().or_else(|| worktrees_dir.clone()),
-                host: d.host.clone(),
-                image: d.image.clone(),
-                agentctl_path: d.agentctl_path.clone(),
-                network_mode: d.network_mode.clone(),
-                user: d.user.clone().filter(|u| !u.is_empty()),
-                memory_bytes: d.memory_bytes,
-                nano_cpus: d.cpus.map(|c| (c * 1e9) as i64),
-                pids_limit: d.pids_limit,
-                startup_timeout: p
-                    .positive_duration("executors.docker.startup_timeout", &d.startup_timeout),
-            })
-        } else {
-            None
-        };
-        if let Some(ca) = &e.remote.tls_ca_file
-            && !ca.is_file()
-        {
-            p.add(
-                "executors.remote.tls_ca_file",
-                format!("{} is not a readable file", ca.display()),
-            );
-        }
-        let remote_tls_client_identity = pem_pair(
-            &mut p,
-            (
-                "executors.remote.tls_client_cert_file",
-                &e.remote.tls_client_cert_file,
-            ),
-            (
-                "executors.remote.tls_client_key_file",
-                &e.remote.tls_client_key_file,
-            ),
-        );
-        if remote_tls_client_identity.is_some() && e.remote.tls_ca_file.is_none() {
-            p.add(
-                "executors.remote.tls_client_cert_file",
-                "needs executors.remote.tls_ca_file (client certificates are sent over https only)",
-            );
-        }
-        let allowed_hosts: Vec<String> = match &e.remote.allowed_hosts {
-            Some(list) => list.clone(),
-            None => crate::limits::DEFAULT_ALLOWED_HOSTS
-                .iter()
-                .map(|h| (*h).to_owned())
-                .collect(),
-        };
-        let remote_allowed_hosts = crate::limits::AllowedHosts::parse(&allowed_hosts)
-            .unwrap_or_else(|(i, why)| {
-                p.add(&format!("executors.remote.allowed_hosts[{i}]"), why);
-                crate::limits::AllowedHosts::default()
-            });
-        // On the remote hosts: their agentctls confine it to their roots.
-        if let Some(dir) = &e.remote.worktrees_dir
-            && !normal(dir)
-        {
-            p.add(
-                "executors.remote.worktrees_dir",
-                format!("{} is not an absolute, normalised path", dir.display()),
-            );
-        }
-        let executors = ExecutorsConfig {
-            default_runtime,
-            connect_timeout: p.positive_duration("executors.connect_timeout", &e.connect_timeout),
-            call_timeout: p.positive_duration("executors.call_timeout", &e.call_timeout),
-            // Passed to agentctl as is: `0s` must reach it as "never", not
-            // fall back to agentctl's own default.
-            idle_timeout: Some(idle),
-            worktree_roots,
-            worktrees_dir,
-            worktree_branch_prefix: prefix.to_owned(),
-            repositories: e.repositories.clone(),
-            agentctl_path,
-            run_dir: e
-                .standalone
-                .run_dir
-                .clone()
-                .unwrap_or_else(|| data_dir.join("run")),
-            log_dir: e
-                .standalone
-                .log_dir
-                .clone()
-                .unwrap_or_else(|| data_dir.join("logs")),
-            standalone_startup_timeout: p.positive_duration(
-                "executors.standalone.startup_timeout",
-                &e.standalone.startup_timeout,
-            ),
-            docker,
-            remote_tls_ca_file: e.remote.tls_ca_file.clone(),
-            remote_tls_domain_name: e.remote.tls_domain_name.clone(),
-            remote_tls_client_identity,
-            remote_allowed_hosts,
-            remote_worktrees_dir: e.remote.worktrees_dir.clone(),
-        };
+        let executors = executors_config(&self.executors, &data_dir, &mut p);
 
-        let r = &self.recovery;
-        let policy = match ResumePolicy::parse(r.mode.trim()) {
-            Ok(policy) => policy,
-            Err(_) => {
-                p.add(
-                    "recovery.mode",
-                    format!("{:?} is not one of: startup, on_demand", r.mode),
-                );
-                ResumePolicy::Startup
-            }
-        };
-        if r.concurrency == 0 || r.concurrency > 1024 {
-            p.add("recovery.concurrency", "must be between 1 and 1024");
-        }
-        if r.max_attempts == 0 || r.max_attempts > 100 {
-            p.add("recovery.max_attempts", "must be between 1 and 100");
-        }
-        if r.launch_concurrency > 1024 {
-            p.add(
-                "recovery.launch_concurrency",
-                "must be between 0 (the core count) and 1024",
-            );
-        }
-        if r.launch_concurrency_max > 4096 {
-            p.add(
-                "recovery.launch_concurrency_max",
-                "must be between 0 and 4096",
-            );
-        } else if r.launch_concurrency_max != 0 && r.launch_concurrency_max < r.launch_concurrency {
-            p.add(
-                "recovery.launch_concurrency_max",
-                "must not be less than recovery.launch_concurrency",
-            );
-        }
-        let recovery = RecoveryConfig {
-            policy,
-            concurrency: r.concurrency.clamp(1, 1024) as usize,
-            executor_deadline: p
-                .positive_duration("recovery.executor_deadline", &r.executor_deadline),
-            resume_cap: p.positive_duration("recovery.resume_cap", &r.resume_cap),
-            max_attempts: r.max_attempts.clamp(1, 100),
-            retry_backoff_initial: p
-                .positive_duration("recovery.retry_backoff_initial", &r.retry_backoff_initial),
-            retry_backoff_max: p
-                .positive_duration("recovery.retry_backoff_max", &r.retry_backoff_max),
-            launch_concurrency: r.launch_concurrency.min(1024) as usize,
-            launch_concurrency_max: r.launch_concurrency_max.min(4096) as usize,
-            remote_backoff_initial: p
-                .positive_duration("recovery.remote_backoff_initial", &r.remote_backoff_initial),
-            remote_backoff_max: p
-                .positive_duration("recovery.remote_backoff_max", &r.remote_backoff_max),
-            remote_backoff_window: p
-                .duration("recovery.remote_backoff_window", &r.remote_backoff_window),
-            orphan_sweep_grace: p.duration("recovery.orphan_sweep_grace", &r.orphan_sweep_grace),
-            orphan_sweep_interval: p
-                .positive_duration("recovery.orphan_sweep_interval", &r.orphan_sweep_interval),
-        };
-        if recovery.remote_backoff_max < recovery.remote_backoff_initial {
-            p.add(
-                "recovery.remote_backoff_max",
-                "must not be less than recovery.remote_backoff_initial",
-            );
-        }
+        let recovery = recovery_config(&self.recovery, &mut p);
 
-        let l = &self.limits;
-        for (key, value) in [
-            ("limits.max_live_sessions", l.max_live_sessions),
-            ("limits.max_watch_streams", l.max_watch_streams),
-            (
-                "limits.max_watch_streams_per_token",
-                l.max_watch_streams_per_token,
-            ),
-        ] {
-            if value == 0 {
-                p.add(key, "must be at least 1");
-            }
-        }
-        if l.max_watch_streams_per_token > l.max_watch_streams {
-            p.add(
-                "limits.max_watch_streams_per_token",
-                "must not be more than limits.max_watch_streams",
-            );
-        }
-        let limits = LimitsConfig {
-            max_live_sessions: l.max_live_sessions as usize,
-            max_watch_streams: l.max_watch_streams as usize,
-            max_watch_streams_per_token: l.max_watch_streams_per_token as usize,
-        };
+        let limits = limits_config(&self.limits, &mut p);
 
         let tls = pem_pair(
             &mut p,
@@ -1948,6 +1439,545 @@ impl FileConfig {
             default_agent: self.default_agent,
             warnings,
         })
+    }
+}
+
+/// The `auth` section: tokens from the file, the environment and flags,
+/// or none on loopback only.
+fn auth_config(
+    a: &AuthSection,
+    listen: Option<SocketAddr>,
+    serves_api: bool,
+    p: &mut Problems,
+) -> AuthConfig {
+    let mut tokens: Vec<String> = a.tokens.iter().map(|t| t.trim().to_owned()).collect();
+    if let Some(path) = &a.tokens_file {
+        match std::fs::read_to_string(path) {
+            Ok(text) => tokens.extend(
+                text.lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                    .map(str::to_owned),
+            ),
+            Err(e) => p.add(
+                "auth.tokens_file",
+                format!("cannot read {}: {e}", path.display()),
+            ),
+        }
+    }
+    tokens.retain(|t| !t.is_empty());
+    for (i, token) in tokens.iter().enumerate() {
+        if token.len() < 16 {
+            p.add(
+                &format!("auth.tokens[{i}]"),
+                "must be at least 16 characters",
+            );
+        }
+        if !token.bytes().all(|b| b.is_ascii_graphic()) {
+            p.add(
+                &format!("auth.tokens[{i}]"),
+                "must be printable ASCII without spaces",
+            );
+        }
+    }
+    if a.insecure_no_auth {
+        if !tokens.is_empty() {
+            p.add(
+                "auth.insecure_no_auth",
+                format!(
+                    "conflicts with auth.tokens ({} configured, from auth.tokens, \
+                     auth.tokens_file, --api-tokens or SESSIOND_API_TOKENS): \
+                     remove the tokens to serve without authentication, or drop \
+                     insecure_no_auth",
+                    tokens.len()
+                ),
+            );
+        }
+        if let Some(addr) = listen
+            && !addr.ip().is_loopback()
+        {
+            p.add(
+                "auth.insecure_no_auth",
+                format!(
+                    "refuses to serve without authentication on the non-loopback \
+                     address {addr}; configure auth.tokens or listen on 127.0.0.1"
+                ),
+            );
+        }
+        AuthConfig::Disabled
+    } else {
+        if tokens.is_empty() && serves_api {
+            p.add(
+                "auth.tokens",
+                "no API token configured: set SESSIOND_API_TOKENS (or auth.tokens), \
+                 or pass --insecure-no-auth to serve on loopback without authentication",
+            );
+        }
+        AuthConfig::Tokens(tokens)
+    }
+}
+
+/// The `cors` section.
+fn cors_config(c: &CorsSection, insecure_no_auth: bool, p: &mut Problems) -> CorsConfig {
+    let mut origins = Vec::new();
+    let mut any_origin = false;
+    for (i, origin) in c.allowed_origins.iter().enumerate() {
+        let origin = origin.trim();
+        if origin == "*" {
+            any_origin = true;
+        } else if http::HeaderValue::from_str(origin).is_err()
+            || !(origin.starts_with("http://") || origin.starts_with("https://"))
+            || origin.trim_end_matches('/') != origin
+        {
+            p.add(
+                &format!("cors.allowed_origins[{i}]"),
+                format!(
+                    "{origin:?} is not an origin such as https://app.example.com \
+                     (scheme and host, no path)"
+                ),
+            );
+        } else {
+            origins.push(origin.to_owned());
+        }
+    }
+    if any_origin && insecure_no_auth {
+        p.add(
+            "cors.allowed_origins",
+            "\"*\" is refused together with auth.insecure_no_auth: any web page the \
+             user visits could drive the API; list the origins of your web console",
+        );
+    }
+    CorsConfig {
+        allowed_origins: if any_origin {
+            AllowedOrigins::Any
+        } else if origins.is_empty() {
+            AllowedOrigins::None
+        } else {
+            AllowedOrigins::List(origins)
+        },
+        max_age: p.duration("cors.max_age", &c.max_age),
+    }
+}
+
+/// The `traces` section: the OTLP endpoint (none when off) and the
+/// sample ratio.
+fn traces_config(t: &TracesSection, p: &mut Problems) -> (Option<String>, f64) {
+    let otlp_endpoint = match t.otlp_endpoint.trim() {
+        "" | "off" | "none" | "disabled" => None,
+        url if url.starts_with("http://")
+            && url.len() > "http://".len()
+            && http::Uri::try_from(url).is_ok() =>
+        {
+            Some(url.to_owned())
+        }
+        url if url.starts_with("https://") => {
+            p.add(
+                "traces.otlp_endpoint",
+                format!(
+                    "{url:?}: TLS to the collector is not built in; export to a collector \
+                     (or agent) on a trusted network with http://host:4317"
+                ),
+            );
+            None
+        }
+        url => {
+            p.add(
+                "traces.otlp_endpoint",
+                format!(
+                    "{url:?} is not an OTLP/gRPC address such as http://127.0.0.1:4317 \
+                     (or off)"
+                ),
+            );
+            None
+        }
+    };
+    let trace_sample_ratio = t.sample_ratio;
+    if !(0.0..=1.0).contains(&trace_sample_ratio) {
+        p.add(
+            "traces.sample_ratio",
+            format!("{trace_sample_ratio} is not a fraction between 0 and 1"),
+        );
+    }
+    (otlp_endpoint, trace_sample_ratio)
+}
+
+/// The `executors` section: runtimes, worktree roots and directories,
+/// Docker and remote hosts.
+fn executors_config(e: &ExecutorsSection, data_dir: &Path, p: &mut Problems) -> ExecutorsConfig {
+    let default_runtime = match Runtime::parse(e.default_runtime.trim()) {
+        Ok(r) => r,
+        Err(err) => {
+            p.add("executors.default_runtime", err);
+            Runtime::LocalStandalone
+        }
+    };
+    if default_runtime == Runtime::LocalDocker && !e.docker.enabled {
+        p.add(
+            "executors.default_runtime",
+            "is local_docker but executors.docker.enabled is false",
+        );
+    }
+    let agentctl_path = match &e.standalone.agentctl_path {
+        Some(path) if path.as_os_str().is_empty() => {
+            p.add("executors.standalone.agentctl_path", "must not be empty");
+            PathBuf::new()
+        }
+        Some(path) => path.clone(),
+        None => sessiond_executor::standalone::default_agentctl_path()
+            .unwrap_or_else(|| PathBuf::from("agentctl")),
+    };
+    let idle = p.duration("executors.idle_timeout", &e.idle_timeout);
+    let worktree_roots = match &e.worktree_roots {
+        Some(roots) => roots.clone(),
+        None => match std::env::var_os("HOME").filter(|h| !h.is_empty()) {
+            Some(home) => vec![PathBuf::from(home)],
+            None => {
+                p.add(
+                    "executors.worktree_roots",
+                    "cannot default to the home directory (HOME is not set); \
+                     set SESSIOND_WORKTREE_ROOTS",
+                );
+                Vec::new()
+            }
+        },
+    };
+    for (i, root) in worktree_roots.iter().enumerate() {
+        let key = format!("executors.worktree_roots[{i}]");
+        if !root.is_absolute() {
+            p.add(&key, format!("{} is not an absolute path", root.display()));
+        } else if root.parent().is_none() {
+            p.add(
+                &key,
+                "\"/\" is refused: it would let sessions use any directory, /etc included",
+            );
+        } else if root.components().any(|c| {
+            !matches!(
+                c,
+                std::path::Component::RootDir | std::path::Component::Normal(_)
+            )
+        }) {
+            p.add(
+                &key,
+                format!("{} is not normalised (no . or ..)", root.display()),
+            );
+        }
+    }
+    let normal = |d: &Path| {
+        d.is_absolute()
+            && d.components().all(|c| {
+                matches!(
+                    c,
+                    std::path::Component::RootDir | std::path::Component::Normal(_)
+                )
+            })
+    };
+    let check_worktrees_dir = |p: &mut Problems, key: &str, dir: &Path| {
+        if !normal(dir) {
+            p.add(
+                key,
+                format!("{} is not an absolute, normalised path", dir.display()),
+            );
+        } else if !worktree_roots.iter().any(|r| dir.starts_with(r)) {
+            p.add(
+                    key,
+                    format!(
+                        "{} is outside executors.worktree_roots ({}); move it inside one, or add a root",
+                        dir.display(),
+                        worktree_roots
+                            .iter()
+                            .map(|r| r.display().to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                );
+        }
+    };
+    let worktrees_dir = match &e.worktrees_dir {
+        Some(dir) => {
+            check_worktrees_dir(p, "executors.worktrees_dir", dir);
+            Some(dir.clone())
+        }
+        None => Some(data_dir.join("worktrees"))
+            .filter(|d| normal(d) && worktree_roots.iter().any(|r| d.starts_with(r))),
+    };
+    for (i, repo) in e.repositories.iter().enumerate() {
+        let key = format!("executors.repositories[{i}]");
+        if !normal(repo) {
+            p.add(
+                &key,
+                format!("{} is not an absolute, normalised path", repo.display()),
+            );
+        } else if !worktree_roots.iter().any(|r| repo.starts_with(r)) {
+            p.add(
+                &key,
+                format!(
+                    "{} is outside executors.worktree_roots; sessions could not be created from it",
+                    repo.display()
+                ),
+            );
+        }
+    }
+    let prefix = e.worktree_branch_prefix.trim_matches('/');
+    if prefix.is_empty()
+        || prefix.starts_with('-')
+        || prefix.contains("..")
+        || prefix.contains("//")
+        || prefix
+            .chars()
+            .any(|c| c.is_control() || c.is_whitespace() || "~^:?*[\\@{".contains(c))
+    {
+        p.add(
+            "executors.worktree_branch_prefix",
+            format!(
+                "{:?} is not usable in a branch name (letters, digits, - _ . /)",
+                e.worktree_branch_prefix
+            ),
+        );
+    }
+    let docker = if e.docker.enabled {
+        let d = &e.docker;
+        p.non_empty("executors.docker.host", &d.host);
+        if !d.host.trim().is_empty()
+            && !["unix://", "tcp://", "http://"]
+                .iter()
+                .any(|s| d.host.starts_with(s))
+        {
+            p.add(
+                "executors.docker.host",
+                "must start with unix://, tcp:// or http://",
+            );
+        }
+        p.non_empty("executors.docker.image", &d.image);
+        p.non_empty("executors.docker.agentctl_path", &d.agentctl_path);
+        p.non_empty("executors.docker.network_mode", &d.network_mode);
+        let mode = d.network_mode.trim();
+        if mode == "host" || mode.starts_with("container:") {
+            p.add(
+                "executors.docker.network_mode",
+                format!(
+                    "{mode:?} would put agent containers in another network namespace (the host's \
+                     sees every session's and sessiond's loopback traffic); use \"none\" (agentctl \
+                     needs no network), \"bridge\" or a user-defined network"
+                ),
+            );
+        }
+        if let Some(user) = &d.user {
+            let name = user.split(':').next().unwrap_or_default().trim();
+            if name == "0" || name == "root" {
+                p.add(
+                    "executors.docker.user",
+                    "containers never run as root; give a non-root uid:gid, or leave it unset \
+                     to run as the worktree's owner",
+                );
+            }
+        }
+        if let Some(m) = d.memory_bytes
+            && m < 4 * 1024 * 1024
+        {
+            p.add(
+                "executors.docker.memory_bytes",
+                "must be at least 4194304 (4 MiB)",
+            );
+        }
+        if let Some(c) = d.cpus
+            && !(c > 0.0 && c.is_finite())
+        {
+            p.add("executors.docker.cpus", "must be greater than zero");
+        }
+        if let Some(n) = d.pids_limit
+            && n < 1
+        {
+            p.add("executors.docker.pids_limit", "must be at least 1");
+        }
+        if let Some(dir) = &d.worktrees_dir {
+            check_worktrees_dir(p, "executors.docker.worktrees_dir", dir);
+        }
+        Some(DockerConfig {
+            worktrees_dir: d.worktrees_dir.clone().or_else(|| worktrees_dir.clone()),
+            host: d.host.clone(),
+            image: d.image.clone(),
+            agentctl_path: d.agentctl_path.clone(),
+            network_mode: d.network_mode.clone(),
+            user: d.user.clone().filter(|u| !u.is_empty()),
+            memory_bytes: d.memory_bytes,
+            nano_cpus: d.cpus.map(|c| (c * 1e9) as i64),
+            pids_limit: d.pids_limit,
+            startup_timeout: p
+                .positive_duration("executors.docker.startup_timeout", &d.startup_timeout),
+        })
+    } else {
+        None
+    };
+    if let Some(ca) = &e.remote.tls_ca_file
+        && !ca.is_file()
+    {
+        p.add(
+            "executors.remote.tls_ca_file",
+            format!("{} is not a readable file", ca.display()),
+        );
+    }
+    let remote_tls_client_identity = pem_pair(
+        p,
+        (
+            "executors.remote.tls_client_cert_file",
+            &e.remote.tls_client_cert_file,
+        ),
+        (
+            "executors.remote.tls_client_key_file",
+            &e.remote.tls_client_key_file,
+        ),
+    );
+    if remote_tls_client_identity.is_some() && e.remote.tls_ca_file.is_none() {
+        p.add(
+            "executors.remote.tls_client_cert_file",
+            "needs executors.remote.tls_ca_file (client certificates are sent over https only)",
+        );
+    }
+    let allowed_hosts: Vec<String> = match &e.remote.allowed_hosts {
+        Some(list) => list.clone(),
+        None => crate::limits::DEFAULT_ALLOWED_HOSTS
+            .iter()
+            .map(|h| (*h).to_owned())
+            .collect(),
+    };
+    let remote_allowed_hosts =
+        crate::limits::AllowedHosts::parse(&allowed_hosts).unwrap_or_else(|(i, why)| {
+            p.add(&format!("executors.remote.allowed_hosts[{i}]"), why);
+            crate::limits::AllowedHosts::default()
+        });
+    // On the remote hosts: their agentctls confine it to their roots.
+    if let Some(dir) = &e.remote.worktrees_dir
+        && !normal(dir)
+    {
+        p.add(
+            "executors.remote.worktrees_dir",
+            format!("{} is not an absolute, normalised path", dir.display()),
+        );
+    }
+    ExecutorsConfig {
+        default_runtime,
+        connect_timeout: p.positive_duration("executors.connect_timeout", &e.connect_timeout),
+        call_timeout: p.positive_duration("executors.call_timeout", &e.call_timeout),
+        // Passed to agentctl as is: `0s` must reach it as "never", not
+        // fall back to agentctl's own default.
+        idle_timeout: Some(idle),
+        worktree_roots,
+        worktrees_dir,
+        worktree_branch_prefix: prefix.to_owned(),
+        repositories: e.repositories.clone(),
+        agentctl_path,
+        run_dir: e
+            .standalone
+            .run_dir
+            .clone()
+            .unwrap_or_else(|| data_dir.join("run")),
+        log_dir: e
+            .standalone
+            .log_dir
+            .clone()
+            .unwrap_or_else(|| data_dir.join("logs")),
+        standalone_startup_timeout: p.positive_duration(
+            "executors.standalone.startup_timeout",
+            &e.standalone.startup_timeout,
+        ),
+        docker,
+        remote_tls_ca_file: e.remote.tls_ca_file.clone(),
+        remote_tls_domain_name: e.remote.tls_domain_name.clone(),
+        remote_tls_client_identity,
+        remote_allowed_hosts,
+        remote_worktrees_dir: e.remote.worktrees_dir.clone(),
+    }
+}
+
+/// The `recovery` section.
+fn recovery_config(r: &RecoverySection, p: &mut Problems) -> RecoveryConfig {
+    let policy = match ResumePolicy::parse(r.mode.trim()) {
+        Ok(policy) => policy,
+        Err(_) => {
+            p.add(
+                "recovery.mode",
+                format!("{:?} is not one of: startup, on_demand", r.mode),
+            );
+            ResumePolicy::Startup
+        }
+    };
+    if r.concurrency == 0 || r.concurrency > 1024 {
+        p.add("recovery.concurrency", "must be between 1 and 1024");
+    }
+    if r.max_attempts == 0 || r.max_attempts > 100 {
+        p.add("recovery.max_attempts", "must be between 1 and 100");
+    }
+    if r.launch_concurrency > 1024 {
+        p.add(
+            "recovery.launch_concurrency",
+            "must be between 0 (the core count) and 1024",
+        );
+    }
+    if r.launch_concurrency_max > 4096 {
+        p.add(
+            "recovery.launch_concurrency_max",
+            "must be between 0 and 4096",
+        );
+    } else if r.launch_concurrency_max != 0 && r.launch_concurrency_max < r.launch_concurrency {
+        p.add(
+            "recovery.launch_concurrency_max",
+            "must not be less than recovery.launch_concurrency",
+        );
+    }
+    let recovery = RecoveryConfig {
+        policy,
+        concurrency: r.concurrency.clamp(1, 1024) as usize,
+        executor_deadline: p.positive_duration("recovery.executor_deadline", &r.executor_deadline),
+        resume_cap: p.positive_duration("recovery.resume_cap", &r.resume_cap),
+        max_attempts: r.max_attempts.clamp(1, 100),
+        retry_backoff_initial: p
+            .positive_duration("recovery.retry_backoff_initial", &r.retry_backoff_initial),
+        retry_backoff_max: p.positive_duration("recovery.retry_backoff_max", &r.retry_backoff_max),
+        launch_concurrency: r.launch_concurrency.min(1024) as usize,
+        launch_concurrency_max: r.launch_concurrency_max.min(4096) as usize,
+        remote_backoff_initial: p
+            .positive_duration("recovery.remote_backoff_initial", &r.remote_backoff_initial),
+        remote_backoff_max: p
+            .positive_duration("recovery.remote_backoff_max", &r.remote_backoff_max),
+        remote_backoff_window: p
+            .duration("recovery.remote_backoff_window", &r.remote_backoff_window),
+        orphan_sweep_grace: p.duration("recovery.orphan_sweep_grace", &r.orphan_sweep_grace),
+        orphan_sweep_interval: p
+            .positive_duration("recovery.orphan_sweep_interval", &r.orphan_sweep_interval),
+    };
+    if recovery.remote_backoff_max < recovery.remote_backoff_initial {
+        p.add(
+            "recovery.remote_backoff_max",
+            "must not be less than recovery.remote_backoff_initial",
+        );
+    }
+    recovery
+}
+
+/// The `limits` section.
+fn limits_config(l: &LimitsSection, p: &mut Problems) -> LimitsConfig {
+    for (key, value) in [
+        ("limits.max_live_sessions", l.max_live_sessions),
+        ("limits.max_watch_streams", l.max_watch_streams),
+        (
+            "limits.max_watch_streams_per_token",
+            l.max_watch_streams_per_token,
+        ),
+    ] {
+        if value == 0 {
+            p.add(key, "must be at least 1");
+        }
+    }
+    if l.max_watch_streams_per_token > l.max_watch_streams {
+        p.add(
+            "limits.max_watch_streams_per_token",
+            "must not be more than limits.max_watch_streams",
+        );
+    }
+    LimitsConfig {
+        max_live_sessions: l.max_live_sessions as usize,
+        max_watch_streams: l.max_watch_streams as usize,
+        max_watch_streams_per_token: l.max_watch_streams_per_token as usize,
     }
 }
 
