@@ -262,7 +262,9 @@ fn raw_agentctl_calls(root: &Path, files: &[String]) -> Vec<String> {
     let mut problems = Vec::new();
     for file in files {
         // This file names the call it looks for.
-        if !file.ends_with(".rs") || file.starts_with(RAW_CLIENT_HOME) || file == "xtask/src/house.rs"
+        if !file.ends_with(".rs")
+            || file.starts_with(RAW_CLIENT_HOME)
+            || file == "xtask/src/house.rs"
         {
             continue;
         }
