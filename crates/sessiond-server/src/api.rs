@@ -527,8 +527,15 @@ enum Target {
 /// missing file, a path outside the workspace: the caller's to fix); not
 /// reaching agentctl, or it refusing this replica, is the executor's.
 fn agentctl(e: sessiond_executor::Error) -> ApiError {
+    use sessiond_executor::Error as E;
     match e {
-        sessiond_executor::Error::Rpc { status, .. } => ApiError::Agentctl(*status),
+        E::Rpc { status, .. } => ApiError::Agentctl(*status),
+        // The call's own deadline ran out on our side: DEADLINE_EXCEEDED,
+        // as when agentctl says so.
+        E::Timeout { .. } => ApiError::Agentctl(Status::deadline_exceeded(e.to_string())),
+        // agentctl refused the secret we hold for it: our problem, not the
+        // caller's.
+        E::Unauthenticated { .. } => ApiError::Agentctl(Status::unauthenticated(e.to_string())),
         other => ApiError::Executor(other),
     }
 }
