@@ -309,6 +309,56 @@ async fn docker_removed_worktree_is_recreated_from_its_branch_after_kill9() {
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// Directory and branch both gone while everything was down: recovery
+/// puts the session in ERROR naming the branch without starting its
+/// container, nothing is made up from the base, and an explicit resume
+/// says the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs Docker: run by cargo xtask ci"]
+async fn docker_worktree_whose_branch_is_gone_is_an_error_naming_it() {
+    let w = World::new(Db::Sqlite).await;
+    let repo = repository(&w);
+    let (kit, driver, profile) = kit(&w).await;
+    let mgr = manager(&w, &kit, &driver);
+    let s = create(&w, &mgr, &profile, &repo).await;
+    mgr.shutdown();
+    drop(mgr);
+    let container = kit.one_running(s.id).await;
+    docker_cli(&kit.env, &["kill", "--signal", "KILL", &container.id]);
+    std::fs::remove_dir_all(&s.worktree.path).unwrap();
+    git(&repo, &["worktree", "prune"]);
+    git(&repo, &["branch", "-D", &s.worktree.branch]);
+
+    let mgr = manager(&w, &kit, &driver);
+    let summary = mgr.recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::ExecutorError), 1, "{summary:?}");
+    let branch_missing = |st: &sessiond_domain::SessionStatus| {
+        st.state == SessionState::Error
+            && st.error_message.as_deref().is_some_and(|why| {
+                why.starts_with("worktree_branch_missing: ") && why.contains(&s.worktree.branch)
+            })
+    };
+    let st = w.status(&mgr, s.id).await;
+    assert!(branch_missing(&st), "{st:?}");
+    assert!(!Path::new(&s.worktree.path).exists(), "nothing made up");
+    assert!(!branch_exists(&repo, &s.worktree.branch));
+    assert!(
+        kit.containers_of_session(s.id)
+            .await
+            .iter()
+            .all(|c| c.state != "running"),
+        "no container started on a worktree that is not there"
+    );
+
+    let err = mgr.resume_session(w.task.id, s.id).await.unwrap_err();
+    assert!(err.to_string().contains(&s.worktree.branch), "{err}");
+    let st = w.status(&mgr, s.id).await;
+    assert!(branch_missing(&st), "{st:?}");
+    assert!(!Path::new(&s.worktree.path).exists(), "nothing made up");
+    assert!(!branch_exists(&repo, &s.worktree.branch));
+    w.finish(&mgr, &[]).await;
+}
+
 /// Delete never loses work in a Docker session's worktree: uncommitted
 /// files refuse it with the container left running; discard removes the
 /// worktree and its container but keeps the unmerged branch; a clean,
@@ -365,5 +415,28 @@ async fn docker_delete_keeps_work_and_removes_a_clean_worktree() {
     );
     let listed = git(&repo, &["worktree", "list", "--porcelain"]);
     assert!(!listed.contains(&clean.worktree.path), "{listed}");
+
+    // An unmerged branch goes only when asked.
+    let asked = create(&w, &mgr, &profile, &repo).await;
+    let path = PathBuf::from(&asked.worktree.path);
+    w.prompt(&mgr, asked.id, "/edit notes.txt unmerged").await;
+    git(&path, &["commit", "-q", "-am", "unmerged"]);
+    mgr.delete_session_with(
+        w.task.id,
+        asked.id,
+        RemovalRequest {
+            discard: true,
+            delete_branch: true,
+            ..RemovalRequest::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert!(!path.exists(), "worktree removed");
+    assert!(kit.containers_of_session(asked.id).await.is_empty());
+    assert!(
+        !branch_exists(&repo, &asked.worktree.branch),
+        "unmerged, removed as asked"
+    );
     w.finish(&mgr, &[]).await;
 }

@@ -280,6 +280,20 @@ async fn remote_worktree_whose_branch_is_gone_is_an_error_naming_it() {
     );
     assert!(!Path::new(&s.worktree.path).exists(), "nothing made up");
     assert!(!branch_exists(&repo, &s.worktree.branch));
+    // An explicit resume reaches the host's agentctl, which cannot bring
+    // the worktree back: the same verdict, naming the branch, not a launch
+    // failure.
+    let err = mgr.resume_session(w.task.id, s.id).await.unwrap_err();
+    assert!(err.to_string().contains(&s.worktree.branch), "{err}");
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::Error);
+    let why = st.error_message.unwrap_or_default();
+    assert!(
+        why.starts_with("worktree_branch_missing: ") && why.contains(&s.worktree.branch),
+        "{why}"
+    );
+    assert!(!Path::new(&s.worktree.path).exists(), "nothing made up");
+    assert!(!branch_exists(&repo, &s.worktree.branch));
     host.kill().await;
     w.finish(&mgr, &[]).await;
 }
@@ -345,6 +359,32 @@ async fn remote_delete_keeps_work_and_removes_a_clean_worktree() {
     );
     let listed = git(&repo, &["worktree", "list", "--porcelain"]);
     assert!(!listed.contains(&clean.worktree.path), "{listed}");
+    host.kill().await;
+
+    // An unmerged branch goes only when asked.
+    let spot = RemoteSpot::at("");
+    let host = start_host(&w, &spot, &root).await;
+    let asked = create(&w, &mgr, &spot, &repo).await.unwrap();
+    host.track_agent(&w);
+    let path = PathBuf::from(&asked.worktree.path);
+    std::fs::write(path.join("notes.txt"), "unmerged\n").unwrap();
+    git(&path, &["commit", "-q", "-am", "unmerged"]);
+    mgr.delete_session_with(
+        w.task.id,
+        asked.id,
+        RemovalRequest {
+            discard: true,
+            delete_branch: true,
+            ..RemovalRequest::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert!(!path.exists(), "worktree removed");
+    assert!(
+        !branch_exists(&repo, &asked.worktree.branch),
+        "unmerged, removed as asked"
+    );
     host.kill().await;
     w.finish(&mgr, &[]).await;
 }

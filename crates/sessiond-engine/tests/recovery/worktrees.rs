@@ -226,6 +226,15 @@ async fn a_worktree_whose_branch_is_gone_is_an_error_naming_it() {
     // An explicit resume says the same.
     let err = mgr.resume_session(w.task.id, s.id).await.unwrap_err();
     assert!(err.to_string().contains(&s.worktree.branch), "{err}");
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::Error);
+    assert!(
+        st.error_message
+            .as_deref()
+            .is_some_and(|why| why.starts_with("worktree_branch_missing: ")),
+        "{:?}",
+        st.error_message
+    );
     w.finish(&mgr, &[s.id]).await;
 }
 
@@ -320,6 +329,28 @@ async fn delete_keeps_work_and_removes_a_clean_worktree() {
         "kept as asked"
     );
     assert!(branch_exists(&repo, &kept.worktree.branch));
+
+    // An unmerged branch goes only when asked.
+    let asked = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
+    let path = PathBuf::from(&asked.worktree.path);
+    std::fs::write(path.join("notes.txt"), "unmerged\n").unwrap();
+    git(&path, &["commit", "-q", "-am", "unmerged"]);
+    mgr.delete_session_with(
+        w.task.id,
+        asked.id,
+        RemovalRequest {
+            discard: true,
+            delete_branch: true,
+            ..RemovalRequest::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert!(!path.exists(), "worktree removed");
+    assert!(
+        !branch_exists(&repo, &asked.worktree.branch),
+        "unmerged, removed as asked"
+    );
     w.finish(&mgr, &[]).await;
 }
 
