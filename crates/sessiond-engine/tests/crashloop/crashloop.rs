@@ -1,4 +1,5 @@
-//! The crash loop: 20 sessions across the runtimes, a child backend that
+//! The crash loop: 20 sessions across the runtimes, each in a worktree
+//! sessiond makes from a repository, a child backend that
 //! recovers, creates the missing sessions and keeps every session busy
 //! (prompts, resumes of ERROR sessions), SIGKILLed at random intervals, then
 //! a clean start and the checks against the world.
@@ -256,6 +257,24 @@ async fn crash_loop_converges() {
                 s.error_message.as_deref().unwrap_or("(no message)")
             );
         }
+    }
+    // Every runtime of the run really ran agents: ERROR is a verdict the
+    // loop allows a session, not a whole runtime.
+    let after = w.sessions().await;
+    for rt in &runtimes {
+        let (live, all) =
+            after
+                .iter()
+                .filter(|s| s.runtime == rt.runtime())
+                .fold((0, 0), |(live, all), s| {
+                    let up = s.state == sessiond_domain::SessionState::WaitingForInput;
+                    (live + usize::from(up), all + 1)
+                });
+        println!("crash loop: {rt:?}: {live} of {all} sessions waiting for input");
+        assert!(
+            all == 0 || live > 0,
+            "no {rt:?} session is waiting for input after the clean start (seed {seed})"
+        );
     }
     let prompted = w.prompt_all(&mgr).await;
     w.assert_converged(&mgr).await;

@@ -17,7 +17,9 @@
 //! The world checks (`world.rs`) look at the world itself: the process table
 //! (exactly one agentctl per live executor, pid + start time as recorded),
 //! containers by label, the demo agent's transcripts against the stored
-//! messages, and gap-free event seqs.
+//! messages, gap-free event seqs, and the worktrees (every session's is
+//! made from a repository, Docker's from one of the container user's):
+//! none lost, none orphaned.
 //!
 //! Runtimes: standalone and remote (agentctls this test starts on loopback)
 //! always; Docker when `SESSIOND_DOCKER_TESTS=1` (then an engine at

@@ -23,7 +23,7 @@ use sessiond_domain::{
 use sessiond_engine::{ManagerConfig, NewSession, RemoteAgentctl, SessionManager};
 use sessiond_executor::{
     Backoff, Executor,
-    docker::{DockerConfig, DockerExecutor, LABEL_SESSION_ID, LABEL_TASK_ID},
+    docker::{CONTAINER_HOME, DockerConfig, DockerExecutor, LABEL_SESSION_ID, LABEL_TASK_ID},
     process,
 };
 use sessiond_store::{Store, StoreOptions};
@@ -129,13 +129,16 @@ pub fn manager_config() -> ManagerConfig {
 
 /// [`manager_config`] for a world in `dir`: its standalone and remote
 /// sessions get their worktree from the world's repository, under
-/// `<dir>/worktrees` (a remote one made by its host's agentctl).
+/// `<dir>/worktrees` (a remote one made by its host's agentctl), its
+/// Docker sessions from the agent user's repository, under
+/// `<dir>/worktrees-docker`.
 pub fn manager_config_in(dir: &Path) -> ManagerConfig {
     ManagerConfig {
         worktrees: sessiond_engine::WorktreeSettings {
             dirs: vec![
                 (Runtime::LocalStandalone, dir.join("worktrees")),
                 (Runtime::Remote, dir.join("worktrees")),
+                (Runtime::LocalDocker, docker_worktrees(dir)),
             ],
             branch_prefix: "crash".into(),
         },
@@ -149,11 +152,29 @@ pub fn repository(dir: &Path) -> PathBuf {
     dir.join("repo")
 }
 
+/// The user Docker containers run as; the Docker sessions' repository and
+/// worktrees are its (git in the container refuses a repository of root's).
+const AGENT_UID: u32 = 1000;
+
+/// The repository of the world in `dir` that its Docker sessions are
+/// created from, owned by [`AGENT_UID`].
+pub fn docker_repository(dir: &Path) -> PathBuf {
+    dir.join("repo-docker")
+}
+
+/// Where the Docker sessions' worktrees go, owned by [`AGENT_UID`].
+fn docker_worktrees(dir: &Path) -> PathBuf {
+    dir.join("worktrees-docker")
+}
+
+/// Runs as root on repositories and worktrees of the agent's user too:
+/// `safe.directory` lets it read them (it changes nothing in them).
 fn git(dir: &Path, args: &[&str]) -> String {
     let out = std::process::Command::new("git")
         .arg("-C")
         .arg(dir)
         .args(["-c", "user.name=crash", "-c", "user.email=crash@localhost"])
+        .args(["-c", "safe.directory=*"])
         .args(args)
         .output()
         .unwrap();
@@ -165,20 +186,55 @@ fn git(dir: &Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
-fn init_repository(dir: &Path) {
-    let repo = repository(dir);
-    std::fs::create_dir_all(&repo).unwrap();
-    git(&repo, &["init", "-q", "-b", "main"]);
-    std::fs::write(repo.join("README.md"), "crash test\n").unwrap();
-    git(&repo, &["add", "README.md"]);
-    git(&repo, &["commit", "-q", "-m", "init"]);
+/// git's exit code (`None`: killed), for questions it answers with it.
+fn git_status(dir: &Path, args: &[&str]) -> Option<i32> {
+    Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(["-c", "safe.directory=*"])
+        .args(args)
+        .status()
+        .unwrap()
+        .code()
 }
 
-/// The worktrees git lists for the world's repository, its own checkout
-/// left out; and for each, the branch checked out.
+fn init_repository(repo: &Path) {
+    std::fs::create_dir_all(repo).unwrap();
+    git(repo, &["init", "-q", "-b", "main"]);
+    std::fs::write(repo.join("README.md"), "crash test\n").unwrap();
+    git(repo, &["add", "README.md"]);
+    git(repo, &["commit", "-q", "-m", "init"]);
+}
+
+/// The Docker sessions' repository and worktrees directory, the agent
+/// user's; the world's directory opened for that user to pass through
+/// (the host agentctl that makes their worktrees runs as it).
+fn init_docker_repository(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).unwrap();
+    init_repository(&docker_repository(dir));
+    std::fs::create_dir_all(docker_worktrees(dir)).unwrap();
+    for path in [docker_repository(dir), docker_worktrees(dir)] {
+        let status = Command::new("chown")
+            .args(["-R", &format!("{AGENT_UID}:{AGENT_UID}")])
+            .arg(&path)
+            .status()
+            .unwrap();
+        assert!(status.success(), "chown {}", path.display());
+    }
+}
+
+/// The worktrees git lists for the world's (standalone and remote)
+/// repository, its own checkout left out; and for each, the branch
+/// checked out.
 pub fn listed_worktrees(dir: &Path) -> Vec<(String, String)> {
-    let out = git(&repository(dir), &["worktree", "list", "--porcelain"]);
-    let main = repository(dir).display().to_string();
+    listed_worktrees_of(&repository(dir))
+}
+
+/// [`listed_worktrees`] of repository `repo`.
+pub fn listed_worktrees_of(repo: &Path) -> Vec<(String, String)> {
+    let out = git(repo, &["worktree", "list", "--porcelain"]);
+    let main = repo.display().to_string();
     out.split("\n\n")
         .filter_map(|block| {
             let path = block.lines().find_map(|l| l.strip_prefix("worktree "))?;
@@ -203,6 +259,10 @@ pub async fn drivers(dir: &Path, docker_host: Option<&str>) -> Vec<Arc<dyn Execu
 
 async fn docker_driver(host: &str, dir: &Path) -> DockerExecutor {
     let mut dc = DockerConfig::new(host, IMAGE, dir.join("docker-run"));
+    // The tests run as root: the worktrees are made by this host's
+    // agentctl as the user the containers run as.
+    dc.user = Some(format!("{AGENT_UID}:{AGENT_UID}"));
+    dc.host_agentctl = Some(bin("agentctl"));
     dc.idle_timeout = Some(Duration::from_secs(300));
     dc.stop_grace = Duration::from_secs(2);
     dc.startup_timeout = Duration::from_secs(20);
@@ -281,7 +341,7 @@ impl World {
             })
             .await
             .unwrap();
-        init_repository(dir.path());
+        init_repository(&repository(dir.path()));
         let state_dir = dir.path().join("agent-state").display().to_string();
         let local_profile = profile(
             &store,
@@ -291,13 +351,19 @@ impl World {
         )
         .await;
         let docker = docker_from_env(dir.path()).await;
+        if docker.is_some() {
+            init_docker_repository(dir.path());
+        }
         let docker_profile = match docker {
             Some(_) => Some(
+                // Its state in its HOME, the executor's run directory: the
+                // worktree is mounted at its own path, and holds only
+                // what the agent writes there on purpose.
                 profile(
                     &store,
                     "demo-docker",
                     "/usr/local/bin/acp-demo-agent".into(),
-                    "/workspace/.acp-state".into(),
+                    format!("{CONTAINER_HOME}/.agent-state"),
                 )
                 .await,
             ),
@@ -697,8 +763,12 @@ impl World {
     /// Where the demo agent keeps the transcript of conversation `token`.
     fn transcript_path(&self, s: &Session, token: &str) -> PathBuf {
         match s.runtime {
-            Runtime::LocalDocker => Path::new(&s.worktree.path)
-                .join(".acp-state")
+            // The container's HOME is `home` in the executor's run
+            // directory on this host.
+            Runtime::LocalDocker => self
+                .path("docker-run")
+                .join(s.executor_id.map(|e| e.to_string()).unwrap_or_default())
+                .join("home/.agent-state")
                 .join(format!("{token}.json")),
             _ => self.path("agent-state").join(format!("{token}.json")),
         }
@@ -1103,13 +1173,26 @@ impl World {
                 }
             }
         }
-        // Worktrees sessiond made: none lost (each session's directory is
-        // there, on its branch, and git lists it), none orphaned (git lists
-        // no worktree of the repository that no session owns).
-        let listed = listed_worktrees(self.dir.path());
+        // Worktrees sessiond made, on every runtime: none lost (each
+        // session's directory is there, on its branch, which exists, and
+        // git lists it), none orphaned (no worktree git lists and no
+        // directory under a worktrees root that no session records).
+        let mut repos = vec![repository(self.dir.path())];
+        if self.has_docker() {
+            repos.push(docker_repository(self.dir.path()));
+        }
+        let listed: Vec<(String, String)> =
+            repos.iter().flat_map(|r| listed_worktrees_of(r)).collect();
         let sessions = self.sessions().await;
-        for s in sessions.iter().filter(|s| s.worktree.is_managed()) {
-            let who = format!("session {} ({})", s.id, s.state);
+        for s in sessions.iter() {
+            let who = format!("session {} ({}, {})", s.id, s.runtime, s.state);
+            if !s.worktree.is_managed() {
+                failures.push(format!(
+                    "{who}: not created from a repository: {:?}",
+                    s.worktree
+                ));
+                continue;
+            }
             let branch_gone = s
                 .error_message
                 .as_deref()
@@ -1120,6 +1203,14 @@ impl World {
                     s.error_message
                 ));
                 continue;
+            }
+            let repo = Path::new(&s.worktree.repository);
+            let branch_ref = format!("refs/heads/{}", s.worktree.branch);
+            if git_status(repo, &["show-ref", "--verify", "--quiet", &branch_ref]) != Some(0) {
+                failures.push(format!(
+                    "{who}: branch {} is gone from {}",
+                    s.worktree.branch, s.worktree.repository
+                ));
             }
             let path = Path::new(&s.worktree.path);
             if !path.is_dir() {
@@ -1145,6 +1236,20 @@ impl World {
                 failures.push(format!(
                     "orphaned worktree {path} on {branch}: no session owns it"
                 ));
+            }
+        }
+        let mut roots = vec![self.path("worktrees")];
+        if self.has_docker() {
+            roots.push(docker_worktrees(self.dir.path()));
+        }
+        for root in roots {
+            for entry in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+                let path = entry.path().display().to_string();
+                if !sessions.iter().any(|s| s.worktree.path == path) {
+                    failures.push(format!(
+                        "orphaned directory {path} in a worktrees root: no session records it"
+                    ));
+                }
             }
         }
         assert!(
@@ -1309,27 +1414,17 @@ pub fn new_session(
     dir: &Path,
     plan: &Plan,
 ) -> NewSession {
-    // Standalone and remote sessions come from the world's repository
-    // (sessiond makes their worktree); Docker ones work in a directory
-    // made here.
-    let worktree = if plan.runtime != Rt::Docker {
-        Worktree {
-            id: plan.name.clone(),
-            repository: repository(dir).display().to_string(),
-            base: "main".into(),
-            ..Default::default()
-        }
-    } else {
-        let path = dir.join(format!("wt-{}", plan.name));
-        std::fs::create_dir_all(&path).unwrap();
-        // Docker containers run as the worktree's owner, never as root.
-        std::os::unix::fs::chown(&path, Some(1000), Some(1000)).unwrap();
-        Worktree {
-            id: plan.name.clone(),
-            path: path.display().to_string(),
-            branch: format!("sessiond/{}", plan.name),
-            ..Default::default()
-        }
+    // Every session comes from a repository (sessiond makes its
+    // worktree): Docker ones from the agent user's.
+    let repo = match plan.runtime {
+        Rt::Docker => docker_repository(dir),
+        Rt::Standalone | Rt::Remote => repository(dir),
+    };
+    let worktree = Worktree {
+        id: plan.name.clone(),
+        repository: repo.display().to_string(),
+        base: "main".into(),
+        ..Default::default()
     };
     NewSession {
         task_id: task,
