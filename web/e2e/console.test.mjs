@@ -3,7 +3,8 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { existsSync, readFileSync, rmSync, writeFileSync } from "node:fs";
-import { execFileSync } from "node:child_process";
+import { execFileSync, spawn } from "node:child_process";
+import { randomUUID } from "node:crypto";
 import { join } from "node:path";
 import { Sessiond, bin, browser, scratch } from "./harness.mjs";
 
@@ -192,6 +193,54 @@ test("new-session form: an isolated worktree of a repository and base branch; th
     await page.waitForSelector(`datalist#repositories option[value='${work}']`, { state: "attached", timeout: T });
     assert.deepEqual(b.errors, []);
   } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
+test("new-session form on a remote host: its repository's branches, listed by the host's agentctl", async () => {
+  const { dir, work, data } = scratch("remote-branches");
+  execFileSync("git", ["branch", "feature/remote"], { cwd: work });
+  // The "remote host": an agentctl as its operator starts it, no workspace,
+  // repositories and worktrees allowed under its directory.
+  const executorId = randomUUID();
+  const secret = "remote-secret";
+  const portFile = join(dir, "agentctl.port");
+  const host = spawn(bin("agentctl"), ["--executor-id", executorId, "--listen", "127.0.0.1:0", "--worktree-root", dir, "--port-file", portFile, "--idle-timeout", "120s"], {
+    env: { PATH: process.env.PATH, AGENTCTL_SECRET: secret, AGENTCTL_LOG: "warn" },
+    stdio: "ignore",
+  });
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();
+  const b = await browser("remote-branches");
+  try {
+    for (let i = 0; !existsSync(portFile); i++) {
+      assert.ok(i < 200, "the host's agentctl wrote no port file");
+      await new Promise((r) => setTimeout(r, 50));
+    }
+    const url = `http://127.0.0.1:${readFileSync(portFile, "utf8").trim()}`;
+    const { page } = b;
+    await page.goto(server.url);
+    await visible(page, "input[name=title]");
+    await page.fill("input[name=title]", "Remote work");
+    await page.click("text=Create task");
+    await visible(page, "[data-testid=new-session]");
+    await page.selectOption("select[name=runtime]", { label: "remote host" });
+    await page.fill("input[name=repository]", work);
+    // Until the host's agentctl is named the base is typed.
+    await visible(page, "input[name=base]");
+    await page.fill("input[name=remote-url]", url);
+    await page.fill("input[name=remote-secret]", "not the secret");
+    await page.fill("input[name=remote-executor]", executorId);
+    await page.waitForTimeout(1000);
+    assert.equal(await page.locator("select[name=base]").count(), 0, "a refused agentctl lists nothing");
+    await page.fill("input[name=remote-secret]", secret);
+    await page.waitForSelector("select[name=base] option:text-is('feature/remote')", { state: "attached", timeout: T });
+    assert.deepEqual(await page.locator("select[name=base] option").allTextContents(), ["feature/remote", "main"]);
+    assert.equal(await page.inputValue("select[name=base]"), "main");
+    await b.screenshot("remote-branches");
+    assert.deepEqual(b.errors, []);
+  } finally {
+    host.kill("SIGKILL");
     await b.close();
     await server.stop();
   }

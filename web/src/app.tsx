@@ -586,19 +586,26 @@ function NewSession(props: { taskId: string; profiles: AgentProfile[]; repositor
       .catch(() => setConfigured([]));
   }, []);
   const offered = [...new Set([...configured, ...props.repositories])];
+  const [remote, setRemote] = useState({ url: "", secret: "", executorId: "" });
   // The chosen repository's branches, offered as the base (typed when the
-  // server cannot list them: a remote host's, or no repository yet).
+  // server cannot list them: no repository yet, or a remote host whose
+  // agentctl is not named yet).
   const [branches, setBranches] = useState<string[]>([]);
   useEffect(() => {
     const repo = repository.trim();
-    if (where !== "repository" || !repo.startsWith("/")) {
+    const remoteNamed = remote.url !== "" && remote.secret !== "" && remote.executorId !== "";
+    if (where !== "repository" || !repo.startsWith("/") || (runtime === Runtime.REMOTE && !remoteNamed)) {
       setBranches([]);
       return;
     }
     let live = true;
     const t = setTimeout(() => {
       sessions
-        .listRepositoryBranches({ repository: repo, runtime })
+        .listRepositoryBranches({
+          repository: repo,
+          runtime,
+          ...(runtime === Runtime.REMOTE ? { remoteUrl: remote.url, remoteSecret: remote.secret, remoteExecutorId: remote.executorId } : {}),
+        })
         .then((r) => {
           if (!live) return;
           setBranches(r.branches);
@@ -610,7 +617,7 @@ function NewSession(props: { taskId: string; profiles: AgentProfile[]; repositor
       live = false;
       clearTimeout(t);
     };
-  }, [repository, runtime, where]);
+  }, [repository, runtime, where, remote]);
   // Only the runtimes this server can use (Docker when configured).
   const [runtimes, setRuntimes] = useState<Runtime[] | null>(null);
   useEffect(() => {
@@ -620,7 +627,6 @@ function NewSession(props: { taskId: string; profiles: AgentProfile[]; repositor
       .catch(() => setRuntimes(null));
   }, []);
   const can = (r: Runtime) => runtimes === null || runtimes.includes(r);
-  const [remote, setRemote] = useState({ url: "", secret: "", executorId: "" });
   const [busy, setBusy] = useState(false);
   const [error, setError] = useState("");
   const val = (f: (v: string) => void) => (e: any) => f((e.target as HTMLInputElement).value);

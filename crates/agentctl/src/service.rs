@@ -498,6 +498,14 @@ impl AgentCtlService for AgentCtl {
             ));
         }
         let repository = self.inside_roots("repository", &r.repository, false)?;
+        if r.op == "branches" {
+            // Reads the repository only: what a new session on this host
+            // can start from, asked before (or beside) the one it serves.
+            let answer = crate::worktree::branches(&repository).await?;
+            return Ok(Response::new(WorktreeResponse {
+                json: serde_json::json!(answer).to_string(),
+            }));
+        }
         let path = self.inside_roots("path", &r.path, true)?;
         // One agentctl serves one session, so one worktree.
         if let Some(bound) = self.workspace.root()

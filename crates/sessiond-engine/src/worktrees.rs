@@ -262,26 +262,37 @@ impl SessionManager {
 
     /// The local branches of `repository` on `runtime`'s host (what a new
     /// session's worktree can start from), and the one its checkout is on.
-    /// Remote hosts are reached through a session's agentctl, so they have
-    /// no list before a session exists.
+    /// A remote host's are listed by its agentctl, `remote`, which the
+    /// caller names as for a session it creates there.
     pub async fn repository_branches(
         &self,
         runtime: Runtime,
         repository: &str,
+        remote: Option<&RemoteAgentctl>,
     ) -> Result<(Vec<String>, String)> {
-        if runtime == Runtime::Remote {
-            return Err(Error::InvalidArgument(
-                "runtime remote: a remote host's branches are not listed before a session \
-                 exists there; type the base"
-                    .into(),
-            ));
-        }
+        let agentctl = match (runtime, remote) {
+            (Runtime::Remote, None) => {
+                return Err(Error::InvalidArgument(
+                    "runtime remote: name the host's agentctl (its URL, secret and executor id) \
+                     to list its repository's branches"
+                        .into(),
+                ));
+            }
+            (Runtime::Remote, Some(r)) => Some((
+                RemoteTarget {
+                    url: r.url.clone(),
+                    auth_secret: r.auth_secret.clone(),
+                },
+                None,
+            )),
+            _ => None,
+        };
         let t = WorktreeTarget {
             repository: repository.to_owned(),
             base: String::new(),
             branch: String::new(),
             path: String::new(),
-            agentctl: None,
+            agentctl,
         };
         match self
             .driver(runtime)?

@@ -515,6 +515,59 @@ impl Api {
         clients.insert(key, client.clone());
         Ok(Target::Here(client))
     }
+
+    /// The remote host's agentctl a request names (`remote_url`,
+    /// `remote_secret`, `remote_executor_id`): required and checked for
+    /// [`Runtime::Remote`] before anything is dialled, refused for others.
+    fn remote_agentctl(
+        &self,
+        runtime: Runtime,
+        url: &str,
+        secret: &str,
+        executor_id: &str,
+    ) -> Result<Option<RemoteAgentctl>, ApiError> {
+        if runtime != Runtime::Remote {
+            if !url.is_empty() {
+                return Err(ApiError::invalid(format!(
+                    "remote_url: only for RUNTIME_REMOTE, not {runtime}"
+                )));
+            }
+            return Ok(None);
+        }
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            return Err(ApiError::invalid(
+                "remote_url: a remote session needs the http(s):// URL of its agentctl",
+            ));
+        }
+        for (field, value) in [("remote_url", url), ("remote_secret", secret)] {
+            if value.len() > MAX_REMOTE_FIELD_BYTES {
+                return Err(ApiError::invalid(format!(
+                    "{field}: longer than {MAX_REMOTE_FIELD_BYTES} bytes"
+                )));
+            }
+        }
+        // Before anything is stored or dialled: a caller must not make
+        // sessiond connect wherever it likes (SSRF).
+        self.settings
+            .remote_allowed_hosts
+            .check(url)
+            .map_err(ApiError::InvalidArgument)?;
+        if secret.is_empty() {
+            return Err(ApiError::invalid(
+                "remote_secret: a remote session needs the secret its agentctl was started with",
+            ));
+        }
+        let executor_id = ExecutorId::parse(executor_id).map_err(|_| {
+            ApiError::invalid(
+                "remote_executor_id: a remote session needs the executor id (a UUID) its agentctl was started with",
+            )
+        })?;
+        Ok(Some(RemoteAgentctl {
+            executor_id,
+            url: url.to_owned(),
+            auth_secret: secret.to_owned(),
+        }))
+    }
 }
 
 /// Where a workspace call goes.
@@ -706,6 +759,12 @@ impl pb::session_service_server::SessionService for Api {
                         req.repository
                     )));
                 }
+                let remote = self.remote_agentctl(
+                    runtime,
+                    &req.remote_url,
+                    &req.remote_secret,
+                    &req.remote_executor_id,
+                )?;
                 if runtime != Runtime::Remote {
                     check_worktree(&req.repository, &self.settings.worktree_roots).map_err(
                         |e| match e {
@@ -720,7 +779,7 @@ impl pb::session_service_server::SessionService for Api {
                 }
                 let (branches, current) = self
                     .manager
-                    .repository_branches(runtime, &req.repository)
+                    .repository_branches(runtime, &req.repository, remote.as_ref())
                     .await?;
                 Ok(pb::ListRepositoryBranchesResponse { branches, current })
             }
@@ -768,127 +827,91 @@ impl pb::session_service_server::SessionService for Api {
         let req = request.into_inner();
         req.check_bounds(self.settings.max_message_bytes)
             .map_err(Status::from)?;
-        reply(async {
-            let task = task_id(&req.task_id)?;
-            let runtime = convert::runtime_from(req.runtime, &req.runtime_name)
-                .map_err(ApiError::InvalidArgument)?
-                .unwrap_or(self.settings.default_runtime);
-            let w = req.worktree.unwrap_or_default();
-            let managed = !w.repository.is_empty();
-            if managed {
-                if !w.path.is_empty() {
-                    return Err(ApiError::invalid(
-                        "worktree.path: must be empty with worktree.repository (sessiond \
+        reply(
+            async {
+                let task = task_id(&req.task_id)?;
+                let runtime = convert::runtime_from(req.runtime, &req.runtime_name)
+                    .map_err(ApiError::InvalidArgument)?
+                    .unwrap_or(self.settings.default_runtime);
+                let w = req.worktree.unwrap_or_default();
+                let managed = !w.repository.is_empty();
+                if managed {
+                    if !w.path.is_empty() {
+                        return Err(ApiError::invalid(
+                            "worktree.path: must be empty with worktree.repository (sessiond \
                          creates the worktree under executors.worktrees_dir)",
-                    ));
-                }
-                if !Path::new(&w.repository).is_absolute() {
-                    return Err(ApiError::invalid(format!(
-                        "worktree.repository: {:?} is not an absolute path",
-                        w.repository
-                    )));
-                }
-                if runtime != Runtime::Remote {
-                    check_worktree(&w.repository, &self.settings.worktree_roots)
-                        .map_err(|e| match e {
-                            ApiError::InvalidArgument(m) => ApiError::InvalidArgument(
-                                m.replacen("worktree.path", "worktree.repository", 1),
-                            ),
-                            other => other,
-                        })?;
-                }
-            } else if w.path.trim().is_empty() {
-                return Err(ApiError::invalid("worktree.path: required"));
-            }
-            if !managed && !Path::new(&w.path).is_absolute() {
-                return Err(ApiError::invalid(format!(
-                    "worktree.path: {:?} is not an absolute path",
-                    w.path
-                )));
-            }
-            if !managed && w.path.len() > MAX_PATH_BYTES {
-                return Err(ApiError::invalid(format!(
-                    "worktree.path: longer than {MAX_PATH_BYTES} bytes"
-                )));
-            }
-            // Custom runtimes too: sessiond cannot know where a driver puts
-            // the worktree, so it holds them to the same roots.
-            if !managed && runtime != Runtime::Remote {
-                check_worktree(&w.path, &self.settings.worktree_roots)?;
-            }
-            let remote = if runtime == Runtime::Remote {
-                if !(req.remote_url.starts_with("http://") || req.remote_url.starts_with("https://"))
-                {
-                    return Err(ApiError::invalid(
-                        "remote_url: a remote session needs the http(s):// URL of its agentctl",
-                    ));
-                }
-                for (field, value) in [
-                    ("remote_url", &req.remote_url),
-                    ("remote_secret", &req.remote_secret),
-                ] {
-                    if value.len() > MAX_REMOTE_FIELD_BYTES {
+                        ));
+                    }
+                    if !Path::new(&w.repository).is_absolute() {
                         return Err(ApiError::invalid(format!(
-                            "{field}: longer than {MAX_REMOTE_FIELD_BYTES} bytes"
+                            "worktree.repository: {:?} is not an absolute path",
+                            w.repository
                         )));
                     }
+                    if runtime != Runtime::Remote {
+                        check_worktree(&w.repository, &self.settings.worktree_roots).map_err(
+                            |e| match e {
+                                ApiError::InvalidArgument(m) => ApiError::InvalidArgument(
+                                    m.replacen("worktree.path", "worktree.repository", 1),
+                                ),
+                                other => other,
+                            },
+                        )?;
+                    }
+                } else if w.path.trim().is_empty() {
+                    return Err(ApiError::invalid("worktree.path: required"));
                 }
-                // Before anything is stored or dialled: a caller must not
-                // make sessiond connect wherever it likes (SSRF).
-                self.settings
-                    .remote_allowed_hosts
-                    .check(&req.remote_url)
-                    .map_err(ApiError::InvalidArgument)?;
-                if req.remote_secret.is_empty() {
-                    return Err(ApiError::invalid(
-                        "remote_secret: a remote session needs the secret its agentctl was started with",
-                    ));
-                }
-                let executor_id = ExecutorId::parse(&req.remote_executor_id).map_err(|_| {
-                    ApiError::invalid(
-                        "remote_executor_id: a remote session needs the executor id (a UUID) its agentctl was started with",
-                    )
-                })?;
-                Some(RemoteAgentctl {
-                    executor_id,
-                    url: req.remote_url.clone(),
-                    auth_secret: req.remote_secret.clone(),
-                })
-            } else {
-                if !req.remote_url.is_empty() {
+                if !managed && !Path::new(&w.path).is_absolute() {
                     return Err(ApiError::invalid(format!(
-                        "remote_url: only for RUNTIME_REMOTE, not {runtime}"
+                        "worktree.path: {:?} is not an absolute path",
+                        w.path
                     )));
                 }
-                None
-            };
-            // Unknown task before unknown profile: the task is the parent.
-            self.store.get_task(task).await?;
-            let agent_profile_id = self.profile_id(&req.agent_profile).await?;
-            let mcp_servers = convert::mcp_servers_in(&req.mcp_servers).map_err(ApiError::invalid)?;
-            let session = self
-                .manager
-                .create_session(NewSession {
-                    task_id: task,
-                    agent_profile_id,
+                if !managed && w.path.len() > MAX_PATH_BYTES {
+                    return Err(ApiError::invalid(format!(
+                        "worktree.path: longer than {MAX_PATH_BYTES} bytes"
+                    )));
+                }
+                // Custom runtimes too: sessiond cannot know where a driver puts
+                // the worktree, so it holds them to the same roots.
+                if !managed && runtime != Runtime::Remote {
+                    check_worktree(&w.path, &self.settings.worktree_roots)?;
+                }
+                let remote = self.remote_agentctl(
                     runtime,
-                    worktree: Worktree {
-                        id: w.id,
-                        path: w.path,
-                        branch: w.branch,
-                        repository: w.repository,
-                        base: w.base,
-                    },
-                    remote,
-                    metadata: Default::default(),
-                    mcp_servers,
+                    &req.remote_url,
+                    &req.remote_secret,
+                    &req.remote_executor_id,
+                )?;
+                // Unknown task before unknown profile: the task is the parent.
+                self.store.get_task(task).await?;
+                let agent_profile_id = self.profile_id(&req.agent_profile).await?;
+                let mcp_servers =
+                    convert::mcp_servers_in(&req.mcp_servers).map_err(ApiError::invalid)?;
+                let session = self
+                    .manager
+                    .create_session(NewSession {
+                        task_id: task,
+                        agent_profile_id,
+                        runtime,
+                        worktree: Worktree {
+                            id: w.id,
+                            path: w.path,
+                            branch: w.branch,
+                            repository: w.repository,
+                            base: w.base,
+                        },
+                        remote,
+                        metadata: Default::default(),
+                        mcp_servers,
+                    })
+                    .await?;
+                Ok(pb::CreateSessionResponse {
+                    session: Some(convert::session(&session)),
                 })
-                .await?;
-            Ok(pb::CreateSessionResponse {
-                session: Some(convert::session(&session)),
-            })
-        }
-        .await)
+            }
+            .await,
+        )
     }
 
     async fn get_session(

@@ -150,7 +150,12 @@ bounded! { max_message_bytes =>
     ListAgentProfilesRequest {};
     ListRuntimesRequest {};
     ListRepositoriesRequest {};
-    ListRepositoryBranchesRequest { repository: MAX_PATH_BYTES };
+    ListRepositoryBranchesRequest {
+        repository: MAX_PATH_BYTES,
+        remote_url: MAX_REMOTE_BYTES,
+        remote_secret: MAX_REMOTE_BYTES,
+        remote_executor_id: MAX_ID_BYTES,
+    };
     ListReplicasRequest {};
     CreateSessionRequest {
         task_id: MAX_ID_BYTES,

@@ -540,6 +540,7 @@ async fn configured_repositories_are_listed_and_checked() {
         .list_repository_branches(pb::ListRepositoryBranchesRequest {
             repository: repo.display().to_string(),
             runtime: 0,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -571,17 +572,88 @@ async fn configured_repositories_are_listed_and_checked() {
             repo.display().to_string(),
             pb::Runtime::Remote as i32,
             tonic::Code::InvalidArgument,
-            "a remote host's branches are not listed",
+            "remote_url: a remote session needs the http(s):// URL of its agentctl",
         ),
     ] {
         let err = c
             .list_repository_branches(pb::ListRepositoryBranchesRequest {
                 repository,
                 runtime,
+                ..Default::default()
             })
             .await
             .unwrap_err();
         assert_eq!(err.code(), code, "{err:?}");
         assert!(err.message().contains(says), "{}", err.message());
     }
+
+    // A remote host's, listed by its agentctl (started by its operator with
+    // the repository inside its worktree roots), named as for a create.
+    let host_dir = dir.path().join("host");
+    let host_repo = repository(&host_dir);
+    git(&host_repo, &["branch", "feature/remote"]);
+    let executor_id = uuid::Uuid::new_v4().to_string();
+    let port_file = dir.path().join("host.port");
+    let mut host = Command::new(crate::support::bin("agentctl"))
+        .args(["--executor-id", &executor_id, "--listen", "127.0.0.1:0"])
+        .arg("--worktree-root")
+        .arg(&host_dir)
+        .arg("--port-file")
+        .arg(&port_file)
+        .args(["--idle-timeout", "120s"])
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("AGENTCTL_SECRET", "host-secret")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !port_file.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "agentctl wrote no port file"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let url = format!(
+        "http://127.0.0.1:{}",
+        std::fs::read_to_string(&port_file).unwrap().trim()
+    );
+    let remote = |repository: &Path, secret: &str| pb::ListRepositoryBranchesRequest {
+        repository: repository.display().to_string(),
+        runtime: pb::Runtime::Remote as i32,
+        remote_url: url.clone(),
+        remote_secret: secret.into(),
+        remote_executor_id: executor_id.clone(),
+    };
+    let listed = c
+        .list_repository_branches(remote(&host_repo, "host-secret"))
+        .await;
+    let wrong_secret = c
+        .list_repository_branches(remote(&host_repo, "not-the-secret"))
+        .await;
+    let outside = c
+        .list_repository_branches(remote(&repo, "host-secret"))
+        .await;
+    let _ = host.kill();
+    let _ = host.wait();
+    let listed = listed.unwrap().into_inner();
+    assert_eq!(listed.branches, ["feature/remote", "main"]);
+    assert_eq!(listed.current, "main");
+    let err = wrong_secret.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert!(
+        err.message().contains("rejected the executor secret"),
+        "{}",
+        err.message()
+    );
+    let err = outside.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message()
+            .contains("outside this agentctl's worktree roots"),
+        "{}",
+        err.message()
+    );
 }
