@@ -934,6 +934,15 @@ impl Recovery {
             (P::CheckingWorktree, O::WorktreeUnrecoverable { reason }) => {
                 self.executor_failed(RecoveryFailure::WorktreeUnrecoverable { reason })
             }
+            // A remote host's agentctl went away between its Health and the
+            // worktree's restore: the host's failure, not a lost branch.
+            (
+                P::CheckingWorktree,
+                O::HostUnreachable {
+                    reason,
+                    retry_in_background,
+                },
+            ) => self.unreachable(reason, retry_in_background),
             (P::CheckingWorktree, O::WorktreeExists)
                 if self.input.runtime == Runtime::LocalDocker =>
             {
@@ -2259,6 +2268,44 @@ mod tests {
                 healthy(),
                 O::WorktreeUnrecoverable {
                     reason: "branch \"s/1\" no longer exists".into(),
+                },
+            ],
+            Expect {
+                actions: &["health_check", "check_worktree", "done"],
+                label: L::ExecutorError,
+                executor: ExecutorStatus::Error,
+                session: S::Error,
+                workspace: false,
+                events: AGENTCTL_ERROR_AND_STATE,
+            },
+        );
+        check(
+            "host gone during the worktree's restore, inside the window: retry, no branch verdict",
+            managed(S::Running),
+            vec![
+                healthy(),
+                O::HostUnreachable {
+                    reason: "broken pipe".into(),
+                    retry_in_background: true,
+                },
+            ],
+            Expect {
+                actions: &["health_check", "check_worktree", "done"],
+                label: L::Retrying,
+                executor: ExecutorStatus::Error,
+                session: S::Running,
+                workspace: false,
+                events: &[EventKind::AgentctlError],
+            },
+        );
+        check(
+            "host gone during the worktree's restore, after the window",
+            managed(S::WaitingForInput),
+            vec![
+                healthy(),
+                O::HostUnreachable {
+                    reason: "broken pipe".into(),
+                    retry_in_background: false,
                 },
             ],
             Expect {

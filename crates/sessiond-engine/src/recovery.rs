@@ -758,6 +758,17 @@ impl SessionManager {
                             );
                             Observation::WorktreeExists
                         }
+                        // A remote host that stopped answering says
+                        // nothing about the branch.
+                        Err(e)
+                            if run.record.runtime == Runtime::Remote
+                                && e.kind() == crate::ErrorKind::Unavailable =>
+                        {
+                            Observation::HostUnreachable {
+                                reason: e.to_string(),
+                                retry_in_background,
+                            }
+                        }
                         Err(e) => Observation::WorktreeUnrecoverable {
                             reason: e.to_string(),
                         },
