@@ -225,20 +225,29 @@ impl SessionManager {
         let _closed = scopeguard(|| self.close_queue());
         let store = &self.inner.store;
         let mut records = self.load_recoverable().await?;
+        // Failed executors come back when their failure passes by itself
+        // (a remote host, the Docker engine), or when an explicit resume's
+        // intent (session STARTING) was cut off: that resume is finished.
+        let resuming: std::collections::HashSet<SessionId> = store
+            .list_session_ids_in_state(SessionState::Starting)
+            .await?
+            .into_iter()
+            .collect();
         let remote = self.inner.drivers.contains_key(&Runtime::Remote);
         let docker = self.inner.drivers.contains_key(&Runtime::LocalDocker);
-        if remote || docker {
+        if remote || docker || !resuming.is_empty() {
             let failed = store
                 .list_executors_with_status(vec![ExecutorStatus::Error])
                 .await?;
             records.extend(failed.into_iter().filter(|r| {
                 r.status == ExecutorStatus::Error
-                    && retried_in_background(
-                        r,
-                        &self.inner.drivers,
-                        &self.inner.config,
-                        self.inner.started_at,
-                    )
+                    && (resuming.contains(&r.session_id)
+                        || retried_in_background(
+                            r,
+                            &self.inner.drivers,
+                            &self.inner.config,
+                            self.inner.started_at,
+                        ))
             }));
         }
         // With other replicas: only what this one could claim (its own from

@@ -676,6 +676,23 @@ impl Store {
         .await
     }
 
+    /// The ids of the sessions in `state` (not deleted). Startup recovery
+    /// asks for STARTING ones: a resume cut off after its intent left them
+    /// so, whatever their executor's status.
+    pub async fn list_session_ids_in_state(&self, state: SessionState) -> Result<Vec<SessionId>> {
+        self.read(move |c| {
+            let ids: Vec<String> = task_sessions::table
+                .filter(task_sessions::state.eq(state.as_str()))
+                .filter(task_sessions::deleted_at.is_null())
+                .select(task_sessions::id)
+                .load(c)?;
+            ids.iter()
+                .map(|s| SessionId::parse(s).map_err(|e| Error::corrupt("session", s, e)))
+                .collect()
+        })
+        .await
+    }
+
     /// The sessions in `state` whose metadata holds `key`, oldest first
     /// (startup recovery's look for turns left pending in ERROR sessions,
     /// without reading every session of a large store).

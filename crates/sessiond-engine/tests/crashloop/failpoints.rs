@@ -34,7 +34,7 @@ async fn sessions_before_crash(w: &World, messages: usize) -> Vec<Session> {
         c.kill9();
         panic!("the setup backend created no sessions\n{}", c.log_tail());
     }
-    c.kill9();
+    let _ = c.kill9();
     let sessions = w.sessions().await;
     for s in &sessions {
         assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
@@ -648,4 +648,64 @@ async fn create_before_worktree() {
     w.assert_converged(&mgr).await;
     eprintln!("converged: {line}");
     w.cleanup(&mgr).await;
+}
+
+/// An explicit resume of a session whose executor failed for good (here a
+/// remote host found unreachable after its window closed, so nothing
+/// retries it in the background) dies right after its intent: the session
+/// is STARTING, its executor still `error`. The next start must finish that
+/// resume (the host is back: the conversation continues), never leave the
+/// session STARTING because its executor's failure alone would not be
+/// taken up again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_after_intent_of_a_failed_executor() {
+    let w = World::new().await;
+    let plan = w.plan(name(Rt::Remote), Rt::Remote).await;
+    let executor_id = plan.remote.as_ref().unwrap().executor_id.clone();
+    let mut c = w.spawn_child(
+        "create",
+        Mode::Create {
+            plans: vec![plan],
+            messages: 1,
+        },
+        None,
+    );
+    assert!(
+        c.wait_for("CREATED", Duration::from_secs(120)).await,
+        "the session was created: {:?}",
+        c.lines()
+    );
+    let _ = c.kill9();
+    assert!(w.stop_remote(&executor_id));
+    // Failed for good, as a recovery past the host's window leaves it.
+    let s = w.sessions().await.pop().expect("the session");
+    let mut r = w.record(s.id).await.expect("its executor");
+    r.status = ExecutorStatus::Error;
+    r.error_message = Some(
+        sessiond_domain::RecoveryFailure::HostUnreachable {
+            url: r.agentctl_url.clone().unwrap_or_default(),
+            reason: "the test says so".into(),
+        }
+        .message(),
+    );
+    w.store
+        .commit(sessiond_store::Changeset::new().update_executor(r))
+        .await
+        .unwrap();
+    assert!(w.start_remote_again(&executor_id).await);
+    let mut c = w.spawn_child("resume", Mode::Resume, Some("resume-after-intent=kill"));
+    let status = c.wait_exit(Duration::from_secs(120)).await;
+    c.assert_killed_by_failpoint(status, "resume-after-intent");
+    let s = w.sessions().await.pop().expect("the session");
+    assert_eq!(s.state, SessionState::Starting, "{s:?}");
+    assert_eq!(
+        w.record(s.id).await.map(|r| r.status),
+        Some(ExecutorStatus::Error),
+        "the intent touches only the session"
+    );
+    let (prompted, _) = restart_and_count(&w).await;
+    assert_eq!(
+        prompted, 1,
+        "the resume was finished: the conversation continues"
+    );
 }
