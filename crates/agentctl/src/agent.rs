@@ -1117,6 +1117,11 @@ impl AgentManager {
         })
     }
 
+    /// Process id of the agent running now, if one runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.shared.slot().running.as_ref().map(|r| r.pid)
+    }
+
     /// The session modes of the open conversation, if the agent has modes.
     pub fn modes(&self) -> Option<SessionModeState> {
         self.shared.slot().modes.clone()

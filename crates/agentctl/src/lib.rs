@@ -5,7 +5,8 @@
 //! ([`auth`]), refuses calls of a sessiond replica whose lease was
 //! superseded ([`fence`]), owns at most one agent process and speaks ACP to it
 //! ([`agent`]), keeps a bounded, cursor-addressed log of agent updates
-//! ([`updates`]) and offers shell, file and git access confined to the
+//! ([`updates`]), answers a recovering backend in one round trip
+//! ([`recover`]) and offers shell, file and git access confined to the
 //! workspace root ([`workspace`], [`exec`], [`git`]).
 //!
 //! Trust boundary: whoever holds the secret controls the agent and the
@@ -23,6 +24,7 @@ pub mod fence;
 pub mod git;
 pub mod journal;
 pub mod prompt;
+pub mod recover;
 pub mod service;
 pub mod signs;
 pub mod sys;

@@ -467,7 +467,9 @@ async fn main() -> anyhow::Result<()> {
         activity.clone(),
         shutdown_rx.clone(),
     )
-    .with_worktree_roots(cli.worktree_root.clone());
+    .with_worktree_roots(cli.worktree_root.clone())
+    // Test hook: answer `Recover` as an agentctl older than the call does.
+    .without_recover(std::env::var_os("AGENTCTL_TEST_WITHOUT_RECOVER").is_some());
 
     let tls = server_tls(&cli)?;
     let incoming = match &cli.listen {

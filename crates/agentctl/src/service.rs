@@ -9,12 +9,12 @@ use sessiond_proto::agentctl::v1::agent_ctl_service_server::{
     AgentCtlService, AgentCtlServiceServer,
 };
 use sessiond_proto::agentctl::v1::{
-    AgentUpdate, CancelRequest, CancelResponse, CapabilitiesRequest, CapabilitiesResponse,
-    Capability, ExecRequest, ExecResponse, GitDiffRequest, GitDiffResponse, GitStatusRequest,
-    GitStatusResponse, HealthRequest, HealthResponse, LaunchAgentRequest, LaunchAgentResponse,
-    ListDirRequest, ListDirResponse, NewSessionRequest, NewSessionResponse, PromptRequest,
-    PromptResponse, ReadFileRequest, ReadFileResponse, ResumeMethod, ResumeSessionRequest,
-    ResumeSessionResponse, SessionMode, SessionModes, SetConfigOptionRequest,
+    AgentState, AgentUpdate, CancelRequest, CancelResponse, CapabilitiesRequest,
+    CapabilitiesResponse, Capability, ExecRequest, ExecResponse, GitDiffRequest, GitDiffResponse,
+    GitStatusRequest, GitStatusResponse, HealthRequest, HealthResponse, LaunchAgentRequest,
+    LaunchAgentResponse, ListDirRequest, ListDirResponse, NewSessionRequest, NewSessionResponse,
+    PromptRequest, PromptResponse, ReadFileRequest, ReadFileResponse, ResumeMethod,
+    ResumeSessionRequest, ResumeSessionResponse, SessionMode, SessionModes, SetConfigOptionRequest,
     SetConfigOptionResponse, SetModeRequest, SetModeResponse, StopAgentRequest, StopAgentResponse,
     StreamUpdatesRequest, TurnPhase, WorktreeRequest, WorktreeResponse, WriteFileRequest,
     WriteFileResponse,
@@ -29,6 +29,7 @@ use crate::auth::{Activity, Authenticator};
 use crate::exec::{self, ExecSpec};
 use crate::git;
 use crate::journal::Phase;
+use crate::recover::{self, Recoveries};
 use crate::updates::{Read, UpdateLog};
 use crate::workspace::{Workspace, WorkspaceSlot};
 
@@ -69,6 +70,9 @@ pub struct AgentCtl {
     updates: Arc<UpdateLog>,
     activity: Arc<Activity>,
     shutdown: watch::Receiver<bool>,
+    recoveries: Arc<Recoveries>,
+    /// Answer `Recover` UNIMPLEMENTED (a test hook).
+    without_recover: bool,
 }
 
 impl AgentCtl {
@@ -90,7 +94,17 @@ impl AgentCtl {
             updates,
             activity,
             shutdown,
+            recoveries: Arc::default(),
+            without_recover: false,
         }
+    }
+
+    /// With `yes`, `Recover` answers UNIMPLEMENTED, as an agentctl older
+    /// than the call does (for tests of a backend's fallback).
+    #[must_use]
+    pub fn without_recover(mut self, yes: bool) -> Self {
+        self.without_recover = yes;
+        self
     }
 
     /// Enables the `Worktree` call within `roots`.
@@ -154,23 +168,12 @@ impl AgentCtl {
     }
 }
 
-type Res<T> = Result<Response<T>, Status>;
-
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> crate::error::Result<T> + Send + 'static,
-) -> Result<T, Status> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Status::internal(format!("worker failed: {e}")))?
-        .map_err(Status::from)
-}
-
-#[tonic::async_trait]
-impl AgentCtlService for AgentCtl {
-    async fn health(&self, _req: Request<HealthRequest>) -> Res<HealthResponse> {
+impl AgentCtl {
+    /// What `Health` answers now.
+    fn health_now(&self) -> HealthResponse {
         let status = self.agent.status();
         let (journaled, journal_fresh) = self.agent.journaled();
-        Ok(Response::new(HealthResponse {
+        HealthResponse {
             executor_id: self.executor_id.clone(),
             agentctl_version: env!("CARGO_PKG_VERSION").to_owned(),
             agent_state: status.state as i32,
@@ -190,10 +193,11 @@ impl AgentCtlService for AgentCtl {
             agent_cpu_ms: status.cpu_ms,
             resuming: status.resuming,
             replayed: status.replayed,
-        }))
+        }
     }
 
-    async fn capabilities(&self, _req: Request<CapabilitiesRequest>) -> Res<CapabilitiesResponse> {
+    /// What `Capabilities` answers now.
+    fn capabilities_now(&self) -> CapabilitiesResponse {
         let status = self.agent.status();
         // Resumable by ACP `session/load` or by `session/resume`.
         let offered =
@@ -203,7 +207,7 @@ impl AgentCtlService for AgentCtl {
             Some(_) if status.profile_claim && offered => Capability::Supported,
             Some(_) => Capability::Unsupported,
         };
-        Ok(Response::new(CapabilitiesResponse {
+        CapabilitiesResponse {
             supports_session_resume: resume as i32,
             supports_workspace_only: Capability::Supported as i32,
             profile_claims_session_resume: status.profile_claim,
@@ -214,51 +218,176 @@ impl AgentCtlService for AgentCtl {
                 audio: c.audio,
                 embedded_context: c.embedded_context,
             }),
-        }))
+        }
     }
 
-    async fn launch_agent(&self, req: Request<LaunchAgentRequest>) -> Res<LaunchAgentResponse> {
-        let r = req.into_inner();
-        let permission_policy = match r.permission_policy() {
-            pb::PermissionPolicy::Allow => Some(PermissionPolicy::AllowOnce),
-            pb::PermissionPolicy::Deny => Some(PermissionPolicy::Reject),
-            pb::PermissionPolicy::Ask => Some(PermissionPolicy::Ask),
-            pb::PermissionPolicy::Unspecified => None,
+    /// `Recover`, after the identity check: one call at a time.
+    async fn recover_now(&self, r: pb::RecoverRequest) -> Result<pb::RecoverResponse, Status> {
+        let mut memory = self.recoveries.begin(r.generation).await?;
+        let health = self.health_now();
+        let capabilities = self.capabilities_now();
+        let agent = match r.launch {
+            Some(launch) if !r.resume_token.is_empty() => match health.agent_state() {
+                AgentState::None | AgentState::Exited => {
+                    self.launch_and_resume(&mut memory, r.generation, launch, r.resume_token)
+                        .await
+                }
+                // Someone else's to deal with (a starting agent, or one that
+                // runs): the caller decides from `health`. The same call
+                // repeated finds the agent it launched here.
+                _ => self
+                    .agent
+                    .pid()
+                    .and_then(|pid| memory.duplicate(r.generation, &r.resume_token, pid))
+                    .filter(|_| health.acp_session_id == r.resume_token)
+                    .unwrap_or_else(|| recover::nothing(pb::RecoverOutcome::Skipped)),
+            },
+            _ => recover::nothing(pb::RecoverOutcome::NotAsked),
         };
-        let agent = self.agent.clone();
-        let launched = to_completion(async move {
-            agent
-                .launch(LaunchSpec {
-                    command: r.command,
-                    args: r.args,
-                    env: r.env,
-                    profile_supports_session_resume: r.profile_supports_session_resume,
-                    initialize_timeout: Duration::from_millis(r.initialize_timeout_ms),
-                    auth_method: Some(r.auth_method).filter(|m| !m.is_empty()),
-                    permission_policy,
-                    permission_timeout: Duration::from_millis(r.permission_timeout_ms),
-                    config_defaults: r.config_defaults.into_iter().collect(),
-                    mcp_servers: crate::config::McpServers::from_wire(r.mcp_servers)?,
-                })
-                .await
+        Ok(pb::RecoverResponse {
+            health: Some(health),
+            capabilities: Some(capabilities),
+            agent: Some(agent),
         })
-        .await?;
-        Ok(Response::new(LaunchAgentResponse {
-            agent_pid: launched.pid,
-            agent_name: launched.name,
-            agent_version: launched.version,
-            agent_load_session: launched.load_session,
-            auth_methods: launched
-                .auth_methods
-                .into_iter()
-                .map(|m| pb::AuthMethod {
-                    id: m.id,
-                    name: m.name,
-                    description: m.description,
-                })
-                .collect(),
-            authenticated_with: launched.authenticated_with.unwrap_or_default(),
-        }))
+    }
+
+    /// The agent part of `Recover`: launch, then reopen `token`.
+    async fn launch_and_resume(
+        &self,
+        memory: &mut recover::Memory,
+        generation: i64,
+        launch: LaunchAgentRequest,
+        token: String,
+    ) -> pb::RecoverAgent {
+        let spec = match launch_spec(launch) {
+            Ok(spec) => spec,
+            Err(e) => return recover::failed("LaunchAgent", &Status::from(e), None),
+        };
+        let launched = match self.agent.launch(spec).await {
+            Ok(l) => wire_launched(l),
+            Err(e) => return recover::failed("LaunchAgent", &Status::from(e), None),
+        };
+        let resumed = match self.agent.resume_session(&token).await {
+            Ok(r) => self.wire_resumed(r),
+            Err(e) => {
+                return recover::failed("ResumeSession", &Status::from(e), Some(launched));
+            }
+        };
+        memory.remember(generation, token, &launched, &resumed);
+        pb::RecoverAgent {
+            outcome: pb::RecoverOutcome::Done as i32,
+            launched: Some(launched),
+            resumed: Some(resumed),
+            ..Default::default()
+        }
+    }
+
+    fn wire_resumed(&self, resumed: crate::agent::Resumed) -> ResumeSessionResponse {
+        let method = match resumed.method {
+            Reopened::Resume => ResumeMethod::Resume,
+            Reopened::Load => ResumeMethod::Load,
+        };
+        ResumeSessionResponse {
+            resume_token: resumed.token,
+            modes: wire_modes(
+                self.agent.modes().as_ref(),
+                self.agent.config_options().as_deref(),
+            ),
+            method: method as i32,
+            replayed: resumed.replayed,
+        }
+    }
+}
+
+/// What LaunchAgent asks, as the agent manager takes it.
+fn launch_spec(r: LaunchAgentRequest) -> crate::error::Result<LaunchSpec> {
+    let permission_policy = match r.permission_policy() {
+        pb::PermissionPolicy::Allow => Some(PermissionPolicy::AllowOnce),
+        pb::PermissionPolicy::Deny => Some(PermissionPolicy::Reject),
+        pb::PermissionPolicy::Ask => Some(PermissionPolicy::Ask),
+        pb::PermissionPolicy::Unspecified => None,
+    };
+    Ok(LaunchSpec {
+        command: r.command,
+        args: r.args,
+        env: r.env,
+        profile_supports_session_resume: r.profile_supports_session_resume,
+        initialize_timeout: Duration::from_millis(r.initialize_timeout_ms),
+        auth_method: Some(r.auth_method).filter(|m| !m.is_empty()),
+        permission_policy,
+        permission_timeout: Duration::from_millis(r.permission_timeout_ms),
+        config_defaults: r.config_defaults.into_iter().collect(),
+        mcp_servers: crate::config::McpServers::from_wire(r.mcp_servers)?,
+    })
+}
+
+/// A launched agent on the wire.
+fn wire_launched(launched: crate::agent::Launched) -> LaunchAgentResponse {
+    LaunchAgentResponse {
+        agent_pid: launched.pid,
+        agent_name: launched.name,
+        agent_version: launched.version,
+        agent_load_session: launched.load_session,
+        auth_methods: launched
+            .auth_methods
+            .into_iter()
+            .map(|m| pb::AuthMethod {
+                id: m.id,
+                name: m.name,
+                description: m.description,
+            })
+            .collect(),
+        authenticated_with: launched.authenticated_with.unwrap_or_default(),
+    }
+}
+
+type Res<T> = Result<Response<T>, Status>;
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> crate::error::Result<T> + Send + 'static,
+) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Status::internal(format!("worker failed: {e}")))?
+        .map_err(Status::from)
+}
+
+#[tonic::async_trait]
+impl AgentCtlService for AgentCtl {
+    async fn health(&self, _req: Request<HealthRequest>) -> Res<HealthResponse> {
+        Ok(Response::new(self.health_now()))
+    }
+
+    async fn capabilities(&self, _req: Request<CapabilitiesRequest>) -> Res<CapabilitiesResponse> {
+        Ok(Response::new(self.capabilities_now()))
+    }
+
+    async fn recover(&self, req: Request<pb::RecoverRequest>) -> Res<pb::RecoverResponse> {
+        if self.without_recover {
+            return Err(Status::unimplemented("Recover is not served (test hook)"));
+        }
+        let r = req.into_inner();
+        if !r.executor_id.is_empty() && r.executor_id != self.executor_id {
+            return Err(Status::failed_precondition(format!(
+                "{}: this agentctl serves executor {}; the call is for executor {}",
+                recover::WRONG_EXECUTOR,
+                self.executor_id,
+                r.executor_id
+            )));
+        }
+        let me = self.clone();
+        // Run to the end even if the caller goes away, as LaunchAgent and
+        // ResumeSession do: the next call finds what this one did.
+        tokio::spawn(async move { me.recover_now(r).await })
+            .await
+            .map_err(|e| Status::unavailable(format!("recovery ended abnormally: {e}")))?
+            .map(Response::new)
+    }
+    async fn launch_agent(&self, req: Request<LaunchAgentRequest>) -> Res<LaunchAgentResponse> {
+        let spec = launch_spec(req.into_inner())?;
+        let agent = self.agent.clone();
+        let launched = to_completion(async move { agent.launch(spec).await }).await?;
+        Ok(Response::new(wire_launched(launched)))
     }
 
     async fn new_session(&self, _req: Request<NewSessionRequest>) -> Res<NewSessionResponse> {
@@ -280,19 +409,7 @@ impl AgentCtlService for AgentCtl {
         let token = req.into_inner().resume_token;
         let agent = self.agent.clone();
         let resumed = to_completion(async move { agent.resume_session(&token).await }).await?;
-        let method = match resumed.method {
-            Reopened::Resume => ResumeMethod::Resume,
-            Reopened::Load => ResumeMethod::Load,
-        };
-        Ok(Response::new(ResumeSessionResponse {
-            resume_token: resumed.token,
-            modes: wire_modes(
-                self.agent.modes().as_ref(),
-                self.agent.config_options().as_deref(),
-            ),
-            method: method as i32,
-            replayed: resumed.replayed,
-        }))
+        Ok(Response::new(self.wire_resumed(resumed)))
     }
 
     async fn set_mode(&self, req: Request<SetModeRequest>) -> Res<SetModeResponse> {

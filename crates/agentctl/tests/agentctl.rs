@@ -3355,3 +3355,234 @@ async fn worktree_call_binds_one_worktree_inside_the_roots() {
     let err = c.git_status(GitStatusRequest {}).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition);
 }
+
+/// The `initialize` lines of every agent process in `calls.log`: one per
+/// agent launched.
+fn launches(h: &Harness) -> usize {
+    let path = h.base.path().join("state/calls.log");
+    std::fs::read_to_string(&path)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("\"initialize\""))
+        .count()
+}
+
+fn recover_request(h: &Harness, generation: i64, token: &str) -> RecoverRequest {
+    RecoverRequest {
+        executor_id: "exec-test".into(),
+        generation,
+        launch: Some(h.demo(true, &[])),
+        resume_token: token.into(),
+    }
+}
+
+/// A conversation with one turn, its agent stopped (as after a crash of
+/// the agent or a restart of the host's agent): the state recovery finds.
+async fn stopped_conversation(h: &Harness, c: &mut Client) -> String {
+    let mut stream = Stream::open(c, 0).await;
+    c.launch_agent(h.demo(true, &[])).await.expect("launch");
+    let token = c
+        .new_session(NewSessionRequest {})
+        .await
+        .expect("new session")
+        .into_inner()
+        .resume_token;
+    prompt(c, &mut stream, "one").await;
+    c.stop_agent(StopAgentRequest { grace_ms: 2000 })
+        .await
+        .expect("stop");
+    token
+}
+
+/// Recover with a launch and a token, no agent running: the health and
+/// capabilities as the call arrived, the agent launched and the
+/// conversation reopened (`session/resume`), all in one call. The same
+/// call again (a backend that crashed after sending it) launches nothing
+/// and reopens nothing: it answers the first call's result as DUPLICATE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recover_launches_and_resumes_once() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let token = stopped_conversation(&h, &mut c).await;
+    assert_eq!(launches(&h), 1);
+
+    let first = c
+        .recover(recover_request(&h, 3, &token))
+        .await
+        .expect("recover")
+        .into_inner();
+    let arrived = first.health.expect("health");
+    assert_eq!(arrived.executor_id, "exec-test");
+    assert_eq!(
+        arrived.agent_state(),
+        AgentState::Exited,
+        "as the call arrived"
+    );
+    assert!(first.capabilities.is_some());
+    let agent = first.agent.expect("agent part");
+    assert_eq!(agent.outcome(), RecoverOutcome::Done, "{agent:?}");
+    let pid = agent.launched.as_ref().expect("launched").agent_pid;
+    let resumed = agent.resumed.clone().expect("resumed");
+    assert_eq!(resumed.resume_token, token);
+    assert_eq!(resumed.method(), ResumeMethod::Resume);
+    assert_eq!(
+        calls_of(&h, pid),
+        vec![
+            ("initialize".to_owned(), None),
+            ("session/resume".to_owned(), Some(0))
+        ]
+    );
+    let now = health(&mut c).await;
+    assert_eq!(now.agent_state(), AgentState::Ready);
+    assert_eq!(now.acp_session_id, token);
+
+    let again = c
+        .recover(recover_request(&h, 3, &token))
+        .await
+        .expect("recover again")
+        .into_inner();
+    let arrived = again.health.expect("health");
+    assert_eq!(arrived.agent_state(), AgentState::Ready);
+    let dup = again.agent.expect("agent part");
+    assert_eq!(dup.outcome(), RecoverOutcome::Duplicate, "{dup:?}");
+    assert_eq!(dup.launched.expect("launched").agent_pid, pid);
+    assert_eq!(dup.resumed, Some(resumed));
+    assert_eq!(launches(&h), 2, "one launch for the two calls");
+    assert_eq!(calls_of(&h, pid).len(), 2, "nothing reopened twice");
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+/// Two Recover calls at once (two replicas, or a retry racing the first)
+/// run one after the other: one agent, one reopening.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_recovers_start_one_agent() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let token = stopped_conversation(&h, &mut c).await;
+    let (mut a, mut b) = (c.clone(), c.clone());
+    let (ra, rb) = (
+        recover_request(&h, 1, &token),
+        recover_request(&h, 1, &token),
+    );
+    let (x, y) = tokio::join!(a.recover(ra), b.recover(rb));
+    let mut outcomes = [x, y].map(|r| {
+        r.expect("recover")
+            .into_inner()
+            .agent
+            .expect("agent")
+            .outcome()
+    });
+    outcomes.sort_by_key(|o| *o as i32);
+    assert_eq!(outcomes, [RecoverOutcome::Done, RecoverOutcome::Duplicate]);
+    assert_eq!(
+        launches(&h),
+        2,
+        "the first conversation's agent and one more"
+    );
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+/// An agent already running (or starting) is left alone: no launch, no
+/// reopening, the outcome SKIPPED; a call without launch is NOT_ASKED and
+/// answers health and capabilities only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recover_leaves_a_running_agent_alone() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    c.launch_agent(h.demo(true, &[])).await.expect("launch");
+    let token = c
+        .new_session(NewSessionRequest {})
+        .await
+        .expect("new session")
+        .into_inner()
+        .resume_token;
+    for asked in [token.as_str(), "another-conversation"] {
+        let r = c
+            .recover(recover_request(&h, 1, asked))
+            .await
+            .expect("recover")
+            .into_inner();
+        assert_eq!(r.health.expect("health").agent_state(), AgentState::Ready);
+        assert_eq!(
+            r.agent.expect("agent").outcome(),
+            RecoverOutcome::Skipped,
+            "{asked}"
+        );
+    }
+    let only_health = c
+        .recover(RecoverRequest {
+            executor_id: "exec-test".into(),
+            generation: 1,
+            ..Default::default()
+        })
+        .await
+        .expect("recover")
+        .into_inner();
+    assert_eq!(
+        only_health.agent.expect("agent").outcome(),
+        RecoverOutcome::NotAsked
+    );
+    assert_eq!(
+        only_health
+            .capabilities
+            .expect("caps")
+            .supports_session_resume(),
+        Capability::Supported
+    );
+    assert_eq!(launches(&h), 1, "no second agent");
+    let now = health(&mut c).await;
+    assert_eq!(now.acp_session_id, token, "nothing reopened");
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
+/// Refused before anything happens: an older lease epoch (another replica
+/// owns the executor now), an older generation (the executor was
+/// relaunched since), another executor's id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recover_refuses_stale_epochs_generations_and_other_executors() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let token = stopped_conversation(&h, &mut c).await;
+    c.health(epoch(HealthRequest {}, 2))
+        .await
+        .expect("epoch 2 seen");
+    let err = c
+        .recover(epoch(recover_request(&h, 1, &token), 1))
+        .await
+        .expect_err("stale epoch");
+    assert_stale(&err, 1, 2);
+
+    c.recover(RecoverRequest {
+        executor_id: "exec-test".into(),
+        generation: 5,
+        ..Default::default()
+    })
+    .await
+    .expect("generation 5");
+    let err = c
+        .recover(recover_request(&h, 4, &token))
+        .await
+        .expect_err("stale generation");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().starts_with("stale_generation"), "{err:?}");
+
+    let mut other = recover_request(&h, 5, &token);
+    other.executor_id = "exec-other".into();
+    let err = c.recover(other).await.expect_err("another executor");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(
+        err.message().starts_with("wrong_executor") && err.message().contains("exec-other"),
+        "{err:?}"
+    );
+    assert_eq!(launches(&h), 1, "none of them launched an agent");
+    assert_eq!(health(&mut c).await.agent_state(), AgentState::Exited);
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}

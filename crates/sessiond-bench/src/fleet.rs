@@ -2,8 +2,8 @@
 //! executors. The bearer secret names the executor (`fleet.<executor id>`),
 //! so `Health` proves the identity the backend expects without any protocol
 //! change. Calls answer at once and deterministically: no agent runs until
-//! `LaunchAgent`, after which the agent is idle; `ResumeSession` accepts any
-//! token; `Prompt` is accepted (by a launched agent) and never answered;
+//! `LaunchAgent` (or a `Recover` that asks for it), after which the agent is
+//! idle; `ResumeSession` accepts any token; `Prompt` is accepted (by a launched agent) and never answered;
 //! `StreamUpdates` stays open and sends nothing.
 
 use std::{
@@ -109,27 +109,60 @@ impl Fleet {
     }
 }
 
+impl Fleet {
+    fn health_of(&self, id: String) -> pb::HealthResponse {
+        let state = if self.agent_running(&id) {
+            pb::AgentState::Ready
+        } else {
+            pb::AgentState::None
+        };
+        pb::HealthResponse {
+            acp_session_id: self.session_of(&id),
+            executor_id: id,
+            agentctl_version: "fleet".into(),
+            agent_state: state as i32,
+            uptime_ms: self.started.elapsed().as_millis() as u64,
+            pid: std::process::id(),
+            instance_id: "fleet".into(),
+            ..Default::default()
+        }
+    }
+
+    fn capabilities_of(&self, id: &str) -> pb::CapabilitiesResponse {
+        let resume = if self.agent_running(id) {
+            pb::Capability::Supported
+        } else {
+            pb::Capability::Unknown
+        };
+        pb::CapabilitiesResponse {
+            supports_session_resume: resume as i32,
+            supports_workspace_only: pb::Capability::Supported as i32,
+            profile_claims_session_resume: true,
+            agent_load_session: Some(true),
+            agent_resume_session: Some(false),
+            prompt: None,
+        }
+    }
+}
+
+fn launched() -> pb::LaunchAgentResponse {
+    pb::LaunchAgentResponse {
+        agent_pid: std::process::id(),
+        agent_name: "fleet-agent".into(),
+        agent_version: "1".into(),
+        agent_load_session: true,
+        auth_methods: Vec::new(),
+        authenticated_with: String::new(),
+    }
+}
+
 type UpdateStream = Pin<Box<dyn Stream<Item = Result<pb::AgentUpdate, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl AgentCtlService for Fleet {
     async fn health(&self, req: Request<pb::HealthRequest>) -> Res<pb::HealthResponse> {
         let id = Self::identity(&req)?;
-        let state = if self.agent_running(&id) {
-            pb::AgentState::Ready
-        } else {
-            pb::AgentState::None
-        };
-        Ok(Response::new(pb::HealthResponse {
-            executor_id: id.clone(),
-            agentctl_version: "fleet".into(),
-            agent_state: state as i32,
-            uptime_ms: self.started.elapsed().as_millis() as u64,
-            pid: std::process::id(),
-            instance_id: "fleet".into(),
-            acp_session_id: self.session_of(&id),
-            ..Default::default()
-        }))
+        Ok(Response::new(self.health_of(id)))
     }
 
     async fn capabilities(
@@ -137,18 +170,45 @@ impl AgentCtlService for Fleet {
         req: Request<pb::CapabilitiesRequest>,
     ) -> Res<pb::CapabilitiesResponse> {
         let id = Self::identity(&req)?;
-        let resume = if self.agent_running(&id) {
-            pb::Capability::Supported
+        Ok(Response::new(self.capabilities_of(&id)))
+    }
+
+    /// As agentctl: health and capabilities as the call arrives, then the
+    /// agent launched and the conversation opened when asked and none runs.
+    async fn recover(&self, req: Request<pb::RecoverRequest>) -> Res<pb::RecoverResponse> {
+        let id = Self::identity(&req)?;
+        let r = req.into_inner();
+        if !r.executor_id.is_empty() && r.executor_id != id {
+            return Err(Status::failed_precondition(format!(
+                "wrong_executor: this agentctl serves executor {id}; the call is for executor {}",
+                r.executor_id
+            )));
+        }
+        let capabilities = self.capabilities_of(&id);
+        let health = self.health_of(id.clone());
+        let outcome = if r.launch.is_none() || r.resume_token.is_empty() {
+            pb::RecoverOutcome::NotAsked
+        } else if self.agent_running(&id) {
+            pb::RecoverOutcome::Skipped
         } else {
-            pb::Capability::Unknown
+            self.open_session(id, r.resume_token.clone());
+            pb::RecoverOutcome::Done
         };
-        Ok(Response::new(pb::CapabilitiesResponse {
-            supports_session_resume: resume as i32,
-            supports_workspace_only: pb::Capability::Supported as i32,
-            profile_claims_session_resume: true,
-            agent_load_session: Some(true),
-            agent_resume_session: Some(false),
-            prompt: None,
+        let done = outcome == pb::RecoverOutcome::Done;
+        Ok(Response::new(pb::RecoverResponse {
+            health: Some(health),
+            capabilities: Some(capabilities),
+            agent: Some(pb::RecoverAgent {
+                outcome: outcome as i32,
+                launched: done.then(launched),
+                resumed: done.then_some(pb::ResumeSessionResponse {
+                    resume_token: r.resume_token,
+                    modes: None,
+                    method: pb::ResumeMethod::Load as i32,
+                    replayed: 0,
+                }),
+                ..Default::default()
+            }),
         }))
     }
 
@@ -158,14 +218,7 @@ impl AgentCtlService for Fleet {
     ) -> Res<pb::LaunchAgentResponse> {
         let id = Self::identity(&req)?;
         self.set_agent(id, true);
-        Ok(Response::new(pb::LaunchAgentResponse {
-            agent_pid: std::process::id(),
-            agent_name: "fleet-agent".into(),
-            agent_version: "1".into(),
-            agent_load_session: true,
-            auth_methods: Vec::new(),
-            authenticated_with: String::new(),
-        }))
+        Ok(Response::new(launched()))
     }
 
     async fn new_session(

@@ -806,6 +806,36 @@ impl Recovery {
         }
     }
 
+    /// The conversation this recovery resumes next if the pending
+    /// [`Action::HealthCheck`] finds agentctl healthy with no agent and the
+    /// capability probe answers nothing new: what a caller may ask agentctl
+    /// to do in the health check's own exchange, before the machine has
+    /// seen the answer. Asks a copy of the machine, so the decision stays
+    /// this machine's. `None` when the pending action is no health check,
+    /// or such an answer leads anywhere but a resume (a worktree to check,
+    /// a policy or a claim that rules the resume out).
+    pub fn resume_after_health(&self) -> Option<String> {
+        if self.phase != Phase::CheckingHealth {
+            return None;
+        }
+        let mut ahead = self.clone();
+        let mut action = ahead
+            .observe(Observation::Healthy {
+                agent: SurvivingAgent::None,
+            })
+            .ok()?;
+        loop {
+            action = match action {
+                Action::ProbeCapabilities => {
+                    ahead.observe(Observation::CapabilitiesUnknown).ok()?
+                }
+                Action::MarkExecutorReady { .. } => ahead.observe(Observation::Applied).ok()?,
+                Action::ResumeAgent { resume_token } => return Some(resume_token),
+                _ => return None,
+            };
+        }
+    }
+
     /// What the decision is based on.
     pub fn input(&self) -> &RecoveryInput {
         &self.input
@@ -1533,6 +1563,69 @@ mod tests {
 
     const AGENTCTL_ERROR_AND_STATE: &[EventKind] =
         &[EventKind::AgentctlError, EventKind::StateChanged];
+
+    /// The resume a health check may carry: only a pending health check
+    /// whose "no agent" answer leads to `ResumeAgent`, with the token the
+    /// machine then asks for; never when the machine would go elsewhere.
+    #[test]
+    fn resume_after_health_is_what_the_machine_would_do() {
+        let mut m = Recovery::new(input(Runtime::Remote, S::WaitingForInput));
+        assert_eq!(m.resume_after_health(), None, "not started");
+        assert_eq!(m.start(), Action::HealthCheck);
+        assert_eq!(m.resume_after_health(), Some("tok".to_owned()));
+        // Asking changed nothing: the machine goes on as if never asked.
+        assert_eq!(
+            m.observe(healthy()).expect("healthy"),
+            Action::ProbeCapabilities
+        );
+        assert_eq!(m.resume_after_health(), None, "no health check pending");
+
+        let mut managed = input(Runtime::Remote, S::WaitingForInput);
+        managed.worktree_managed = true;
+        let mut m = Recovery::new(managed);
+        m.start();
+        assert_eq!(
+            m.resume_after_health(),
+            None,
+            "a worktree check comes first"
+        );
+
+        let mut on_demand = input(Runtime::Remote, S::WaitingForInput);
+        on_demand.policy = ResumePolicy::OnDemand;
+        let mut m = Recovery::new(on_demand);
+        m.start();
+        assert_eq!(
+            m.resume_after_health(),
+            None,
+            "on demand: no resume at startup"
+        );
+
+        let mut no_claim = input(Runtime::Remote, S::WaitingForInput);
+        no_claim.profile_supports_session_resume = false;
+        let mut m = Recovery::new(no_claim);
+        m.start();
+        assert_eq!(m.resume_after_health(), None, "the profile cannot resume");
+
+        // A standalone agentctl that survived, proven ours by pid.
+        let mut m = Recovery::new(input(Runtime::LocalStandalone, S::WaitingForInput));
+        m.start();
+        m.observe(O::WorktreeExists).expect("worktree");
+        m.observe(O::ProcessAlive {
+            identity_proven: true,
+        })
+        .expect("alive");
+        assert_eq!(m.resume_after_health(), Some("tok".to_owned()));
+        // A freshly launched one.
+        let mut m = Recovery::new(input(Runtime::LocalStandalone, S::Running));
+        m.start();
+        m.observe(O::WorktreeExists).expect("worktree");
+        m.observe(O::ProcessGone).expect("gone");
+        assert_eq!(
+            m.observe(O::Launched).expect("launched"),
+            Action::HealthCheck
+        );
+        assert_eq!(m.resume_after_health(), Some("tok".to_owned()));
+    }
 
     #[test]
     fn standalone_table() {

@@ -200,6 +200,32 @@ impl LaunchScheduler {
         }
     }
 
+    /// A launch slot on `host` now, if one is free and nobody waits for
+    /// one (it never goes before a waiter); `None` otherwise. For a launch
+    /// that rides on a call made anyway (recovery's `Recover`), which
+    /// without a slot goes without the launch rather than wait.
+    pub(crate) fn try_acquire(&self, host: String) -> Option<LaunchPermit> {
+        let mut hosts = lock(&self.shared.hosts);
+        let start = self.shared.limits.start() as f64;
+        let h = hosts.entry(host.clone()).or_insert_with(|| Host {
+            limit: start,
+            running: 0,
+            waiting: BTreeMap::new(),
+            fastest: None,
+            slow_start: true,
+        });
+        if !h.waiting.is_empty() || (h.running as f64) >= h.limit.floor().max(1.0) {
+            return None;
+        }
+        h.running += 1;
+        Some(LaunchPermit {
+            shared: self.shared.clone(),
+            host,
+            ended: None,
+            armed: true,
+        })
+    }
+
     /// A caller now waits on `session`: its waiting launch (if any) goes
     /// before the background ones.
     pub(crate) fn promote(&self, session: SessionId) {
@@ -364,6 +390,33 @@ mod tests {
         let granted2 = background.await.expect("background granted");
         drop((granted, granted2));
         assert_eq!(s.load("h"), Some((2, 0)));
+    }
+
+    /// `try_acquire` takes a free slot only, never one a waiter is owed.
+    #[tokio::test]
+    async fn try_acquire_takes_only_a_free_slot_nobody_waits_for() {
+        let s = LaunchScheduler::new(limits(1, 1));
+        let first = s.try_acquire("h".into()).expect("a free slot");
+        assert!(
+            s.try_acquire("h".into()).is_none(),
+            "the only slot is taken"
+        );
+        let waiter = SessionId::new();
+        let s2 = s.clone();
+        let waiting =
+            tokio::spawn(async move { s2.acquire("h".into(), waiter, Priority::Background).await });
+        while s.place(waiter).is_none() {
+            tokio::task::yield_now().await;
+        }
+        first.finish(Ended::Neutral);
+        let granted = waiting.await.expect("the waiter got the slot");
+        assert!(s.try_acquire("h".into()).is_none(), "the waiter holds it");
+        drop(granted);
+        assert!(s.try_acquire("other".into()).is_some(), "hosts are apart");
+        let again = s.try_acquire("h".into()).expect("free again");
+        assert_eq!(s.load("h"), Some((1, 1)));
+        drop(again);
+        assert_eq!(s.load("h"), Some((1, 0)));
     }
 
     #[tokio::test]

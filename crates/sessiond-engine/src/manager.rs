@@ -34,6 +34,7 @@ pub(crate) struct Counters {
     pub agentctl_launches: AtomicU64,
     pub agent_launches: AtomicU64,
     pub resume_attempts: AtomicU64,
+    pub resumed_by_recover: AtomicU64,
 }
 
 /// A snapshot of [`SessionManager::stats`].
@@ -45,6 +46,9 @@ pub struct Stats {
     pub agent_launches: u64,
     /// Agent resume attempts (ResumeSession calls), startup and explicit.
     pub resume_attempts: u64,
+    /// Of those, the ones made by one agentctl `Recover` (the agent's
+    /// launch and resume in one exchange, within recovery).
+    pub resumed_by_recover: u64,
 }
 
 pub(crate) struct Inner {
@@ -84,6 +88,8 @@ pub(crate) struct Inner {
     /// gives its slot back when it starts waiting for a launch, so the
     /// pass's concurrency goes on to reattaches (`recovery.rs`).
     pub(crate) pass_slots: StdMutex<HashMap<SessionId, crate::recovery::PassTicket>>,
+    /// The startup pass's outcome writer while the pass runs.
+    pub(crate) pass_outcomes: StdMutex<Option<crate::recovery::Outcomes>>,
     /// Startup recovery's queue (`queue.rs`).
     pub(crate) queue: StdMutex<crate::queue::RecoveryQueue>,
     pub(crate) queue_phase: tokio::sync::watch::Sender<crate::queue::Phase>,
@@ -214,6 +220,7 @@ impl SessionManager {
                 launches,
                 agent_recoveries: crate::progress::AgentRecoveries::default(),
                 pass_slots: StdMutex::default(),
+                pass_outcomes: StdMutex::default(),
                 queue: StdMutex::default(),
                 queue_phase: tokio::sync::watch::Sender::new(crate::queue::Phase::Idle),
                 calls_recovering: tokio::sync::watch::Sender::new(0),
@@ -261,6 +268,7 @@ impl SessionManager {
             agentctl_launches: c.agentctl_launches.load(Ordering::Relaxed),
             agent_launches: c.agent_launches.load(Ordering::Relaxed),
             resume_attempts: c.resume_attempts.load(Ordering::Relaxed),
+            resumed_by_recover: c.resumed_by_recover.load(Ordering::Relaxed),
         }
     }
 

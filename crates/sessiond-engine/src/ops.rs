@@ -253,13 +253,27 @@ impl SessionManager {
             .counters
             .agent_launches
             .fetch_add(1, Ordering::Relaxed);
+        let request = self.launch_request(profile, runtime)?;
+        client
+            .launch_agent(request)
+            .await
+            .map_err(|e| Error::agent("LaunchAgent", &e))?;
+        Ok(true)
+    }
+
+    /// The `LaunchAgent` request of `profile`'s agent on `runtime`.
+    pub(crate) fn launch_request(
+        &self,
+        profile: &AgentProfile,
+        runtime: Runtime,
+    ) -> Result<pb::LaunchAgentRequest> {
         let timeout_ms =
             u64::try_from(self.inner.config.agent_initialize_timeout.as_millis()).unwrap_or(0);
         // A container has its own file system: the profile may name another
         // command for it.
         let agent = profile.agent_command(runtime);
         let mcp_servers = mcp_servers(profile, &self.inner.config.mcp_secrets)?;
-        let request = pb::LaunchAgentRequest {
+        Ok(pb::LaunchAgentRequest {
             command: agent.command,
             args: agent.args,
             env: agent.env.into_iter().collect(),
@@ -275,12 +289,7 @@ impl SessionManager {
                 .unwrap_or(u64::MAX),
             config_defaults: profile.config_defaults.clone().into_iter().collect(),
             mcp_servers,
-        };
-        client
-            .launch_agent(request)
-            .await
-            .map_err(|e| Error::agent("LaunchAgent", &e))?;
-        Ok(true)
+        })
     }
 
     /// Opens a new ACP conversation in `record`'s agent; returns its resume

@@ -42,6 +42,11 @@ use crate::{
     turn::{pending_turn, turn_in_flight},
 };
 
+mod ahead;
+mod batch;
+
+pub(crate) use batch::Outcomes;
+
 /// How many executors the liveness check asks at once.
 const LIVENESS_CONCURRENCY: usize = 16;
 
@@ -198,6 +203,10 @@ struct Run {
     /// and a new one replaced it (the token is in `session` and `record`
     /// with `adopted_token`): this event goes with the outcome.
     replaced: Option<EventPayload>,
+    /// What the health check's `Recover` answered for later steps.
+    ahead: ahead::Ahead,
+    /// The pass's outcome writer, for a pass recovery no caller waits on.
+    outcomes: Option<Outcomes>,
 }
 
 impl SessionManager {
@@ -223,6 +232,10 @@ impl SessionManager {
         // waits once the pass ends, however it ends.
         self.expect_startup_recovery();
         let _closed = scopeguard(|| self.close_queue());
+        *crate::sync::lock(&self.inner.pass_outcomes) = Some(Outcomes::start(self));
+        let _written = scopeguard(|| {
+            crate::sync::lock(&self.inner.pass_outcomes).take();
+        });
         let store = &self.inner.store;
         let mut records = self.load_recoverable().await?;
         // Failed executors come back when their failure passes by itself
@@ -671,6 +684,8 @@ impl SessionManager {
             seen_unsaved: false,
             adopted_token: false,
             replaced: None,
+            ahead: ahead::Ahead::default(),
+            outcomes: None,
         };
         let mut action = machine.start();
         // A call waits on this recovery (its own, or a pass recovery it
@@ -691,10 +706,17 @@ impl SessionManager {
             // answer (an agent's launch and resume are watched for signs
             // of life instead: `until_silent`).
             deadline = Instant::now() + self.inner.config.executor_deadline;
+            if action == Action::HealthCheck {
+                run.ahead.intent = machine.resume_after_health();
+            }
             let observation = match action {
                 Action::Done(outcome) => {
                     let label = outcome.label;
                     let attempt = machine.input().attempt;
+                    self.drop_unused_agent(&mut run).await;
+                    if pauses() {
+                        run.outcomes = crate::sync::lock(&self.inner.pass_outcomes).clone();
+                    }
                     self.finish(run, outcome, attempt).await?;
                     return Ok(label);
                 }
@@ -911,13 +933,21 @@ impl SessionManager {
                 let driver = self.driver(run.record.runtime)?;
                 let id = run.record.id;
                 let (_, modes_stamp) = self.inner.sessions.cached_modes(run.session.id, "");
-                let health = async {
-                    self.agentctl(&run.record, &driver)?
-                        .verify_identity(id)
-                        .await
+                let checked = match self.health_ahead(run, &driver, remaining).await {
+                    Some(checked) => checked,
+                    None => {
+                        let health = async {
+                            self.agentctl(&run.record, &driver)?
+                                .verify_identity(id)
+                                .await
+                        };
+                        tokio::time::timeout(remaining, health)
+                            .await
+                            .map_err(|_| ())
+                    }
                 };
-                match tokio::time::timeout(remaining, health).await {
-                    Err(_) => Observation::DeadlineExceeded,
+                match checked {
+                    Err(()) => Observation::DeadlineExceeded,
                     Ok(Ok(health)) => {
                         // Test-only crash point: agentctl proved it is alive
                         // and ours (a reattach), nothing of it is written yet.
@@ -972,7 +1002,13 @@ impl SessionManager {
                     return Ok(Observation::DeadlineExceeded);
                 }
                 let driver = self.driver(run.record.runtime)?;
-                let caps = async { self.agentctl(&run.record, &driver)?.capabilities().await };
+                let seen = run.ahead.caps.take();
+                let caps = async {
+                    match seen {
+                        Some(caps) => Ok(caps),
+                        None => self.agentctl(&run.record, &driver)?.capabilities().await,
+                    }
+                };
                 match tokio::time::timeout(remaining, caps).await {
                     Ok(Ok(caps)) => match probe_verdict(caps.supports_session_resume) {
                         Some(v) => {
@@ -1004,49 +1040,78 @@ impl SessionManager {
                 // on to the reattaches behind this one.
                 let ticket = crate::sync::lock(&self.inner.pass_slots).remove(&sid);
                 drop(ticket);
+                let mut ahead = run
+                    .ahead
+                    .agent
+                    .take()
+                    .filter(|a| a.serves(resume_token.as_deref()));
                 let agent_up =
                     matches!(run.agent_state, Some(AgentState::Ready | AgentState::Busy));
-                self.inner
-                    .agent_recoveries
-                    .enter(sid, RecoveryStage::Queued);
-                // A new agent process waits for a launch slot of its host;
-                // an agent that survived only reopens its conversation.
-                let permit = if agent_up {
-                    None
-                } else {
-                    Some(
+                let (permit, began) = match ahead.as_mut() {
+                    Some(a) => a.take_permit(),
+                    None => {
                         self.inner
-                            .launches
-                            .acquire(host_of(&run.record), sid, priority)
-                            .await,
-                    )
+                            .agent_recoveries
+                            .enter(sid, RecoveryStage::Queued);
+                        // A new agent process waits for a launch slot of its
+                        // host; an agent that survived only reopens its
+                        // conversation.
+                        let permit = if agent_up {
+                            None
+                        } else {
+                            Some(
+                                self.inner
+                                    .launches
+                                    .acquire(host_of(&run.record), sid, priority)
+                                    .await,
+                            )
+                        };
+                        (permit, Instant::now())
+                    }
                 };
-                let began = Instant::now();
                 self.inner
                     .agent_recoveries
                     .enter(sid, RecoveryStage::Launching);
                 self.cache_update(sid, |e| e.agent = AgentProcessState::Starting);
-                let no_turn_yet = self.no_turn_yet(&run.session).await?;
-                let seen = run.agent_state.take();
-                let attempt = async {
-                    match &resume_token {
-                        Some(token) => {
-                            self.resume_agent_seen(
-                                &run.record,
-                                &run.profile,
-                                token,
-                                seen,
-                                no_turn_yet,
-                            )
-                            .await
+                let mut seen = run.agent_state.take();
+                let attempted = match ahead {
+                    Some(a) => Some(self.resumed_ahead(run, a).await?),
+                    None => match (&resume_token, agent_up) {
+                        (Some(token), false) => {
+                            let one = self.resume_in_one_call(run, token).await;
+                            // Not done by it: the agent's state is asked anew.
+                            seen = seen.filter(|_| one.is_some());
+                            one
                         }
-                        None => {
-                            self.open_conversation_seen(&run.record, &run.profile, seen)
-                                .await
-                        }
+                        _ => None,
+                    },
+                };
+                let attempted = match attempted {
+                    Some(result) => result,
+                    None => {
+                        let no_turn_yet = self.no_turn_yet(&run.session).await?;
+                        let attempt = async {
+                            match &resume_token {
+                                Some(token) => {
+                                    self.resume_agent_seen(
+                                        &run.record,
+                                        &run.profile,
+                                        token,
+                                        seen,
+                                        no_turn_yet,
+                                    )
+                                    .await
+                                }
+                                None => {
+                                    self.open_conversation_seen(&run.record, &run.profile, seen)
+                                        .await
+                                }
+                            }
+                        };
+                        self.until_silent(&run.record, attempt).await
                     }
                 };
-                let (observation, ended) = match self.until_silent(&run.record, attempt).await {
+                let (observation, ended) = match attempted {
                     Ok(Ok(resumed)) => {
                         match resumed {
                             Resumed::Loaded => {}
@@ -1500,7 +1565,10 @@ impl SessionManager {
         if agent_back && outcome.session_state != SessionState::Running {
             change = change.task_event(run.session.task_id, TaskEvent::ReadyForReview);
         }
-        let committed = self.commit(change).await?;
+        let committed = match &run.outcomes {
+            Some(outcomes) => outcomes.commit(self, change).await?,
+            None => self.commit(change).await?,
+        };
         let record = committed.executor.unwrap_or(record);
         tracing::debug!(session = %sid, executor_id = %record.id, label = %outcome.label,
             started_as = %run.started_as, "executor recovered");

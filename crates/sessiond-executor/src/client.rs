@@ -381,6 +381,54 @@ pub struct Capabilities {
     pub prompt: Option<pb::PromptCapabilities>,
 }
 
+impl Capabilities {
+    fn from_proto(resp: pb::CapabilitiesResponse) -> Self {
+        Capabilities {
+            supports_session_resume: Support::from_proto(resp.supports_session_resume),
+            supports_workspace_only: Support::from_proto(resp.supports_workspace_only),
+            profile_claims_session_resume: resp.profile_claims_session_resume,
+            agent_load_session: resp.agent_load_session,
+            prompt: resp.prompt,
+        }
+    }
+}
+
+/// What `Recover` answers ([`AgentctlClient::recover`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecoverAnswer {
+    /// `Health` as the call arrived, before the agent part; its executor id
+    /// is the expected one.
+    pub health: Health,
+    /// `Capabilities` as the call arrived.
+    pub capabilities: Capabilities,
+    /// What the agent part did (`outcome`), with LaunchAgent's and
+    /// ResumeSession's answers, or the call that failed and its status.
+    pub agent: pb::RecoverAgent,
+}
+
+impl RecoverAnswer {
+    /// When the agent part failed: see [`agent_part_failure`].
+    pub fn agent_failure(&self) -> Option<(&str, crate::error::Failure, &str)> {
+        agent_part_failure(&self.agent)
+    }
+}
+
+/// When a `Recover`'s agent part failed (outcome FAILED): the call that
+/// failed (`LaunchAgent` or `ResumeSession`), what that means, and
+/// agentctl's message.
+pub fn agent_part_failure(agent: &pb::RecoverAgent) -> Option<(&str, crate::error::Failure, &str)> {
+    (agent.outcome() == pb::RecoverOutcome::Failed).then(|| {
+        (
+            agent.failed_call.as_str(),
+            crate::error::Failure::of_code(tonic::Code::from(agent.code)),
+            agent.message.as_str(),
+        )
+    })
+}
+
+/// How agentctl's refusal of a `Recover` for another executor begins.
+pub const WRONG_EXECUTOR: &str = "wrong_executor";
+
 /// An authenticated, deadline-bound client of one agentctl.
 ///
 /// Cheap to clone; connects lazily and reconnects by itself. One typed
@@ -553,7 +601,74 @@ impl AgentctlClient {
                 |mut c, r| async move { c.health(r).await },
             )
             .await?;
-        Ok(Health {
+        Ok(Health::from_proto(resp))
+    }
+
+    /// `Recover` (see the proto): [`Health`] and [`Capabilities`] as the
+    /// call arrived and, when `request` carries `launch` and a
+    /// `resume_token`, the agent launched and its conversation reopened,
+    /// in one exchange. `request.executor_id` is set to `expected`, so
+    /// agentctl acts only if it is that executor's; the answer's id is
+    /// checked too ([`Error::IdentityMismatch`] either way). The deadline
+    /// is the short one, plus LaunchAgent's and ResumeSession's when the
+    /// request asks for the agent. An agentctl without the call answers
+    /// [`Error::Rpc`] with UNIMPLEMENTED ([`Error::is_unimplemented`]).
+    pub async fn recover(
+        &self,
+        expected: ExecutorId,
+        mut request: pb::RecoverRequest,
+    ) -> Result<RecoverAnswer> {
+        request.executor_id = expected.to_string();
+        let deadline = match &request.launch {
+            Some(l) if !request.resume_token.is_empty() => {
+                or_default(l.initialize_timeout_ms, budget::INITIALIZE)
+                    + budget::SESSION_SETUP
+                    + self.call_timeout
+            }
+            _ => self.call_timeout,
+        };
+        let resp = match self
+            .unary("Recover", deadline, request, |mut c, r| async move {
+                c.recover(r).await
+            })
+            .await
+        {
+            Err(Error::Rpc { status, .. })
+                if status.code() == tonic::Code::FailedPrecondition
+                    && status.message().starts_with(WRONG_EXECUTOR) =>
+            {
+                return Err(Error::IdentityMismatch {
+                    url: self.url.clone(),
+                    expected,
+                    actual: status
+                        .message()
+                        .split_once("serves executor ")
+                        .and_then(|(_, rest)| rest.split(';').next())
+                        .unwrap_or_default()
+                        .to_owned(),
+                });
+            }
+            other => other?,
+        };
+        let health = Health::from_proto(resp.health.unwrap_or_default());
+        if health.executor_id != expected.to_string() {
+            return Err(Error::IdentityMismatch {
+                url: self.url.clone(),
+                expected,
+                actual: health.executor_id,
+            });
+        }
+        Ok(RecoverAnswer {
+            health,
+            capabilities: Capabilities::from_proto(resp.capabilities.unwrap_or_default()),
+            agent: resp.agent.unwrap_or_default(),
+        })
+    }
+}
+
+impl Health {
+    fn from_proto(resp: pb::HealthResponse) -> Self {
+        Health {
             executor_id: resp.executor_id,
             agentctl_version: resp.agentctl_version,
             agent_state: AgentState::try_from(resp.agent_state).unwrap_or(AgentState::Unspecified),
@@ -572,9 +687,11 @@ impl AgentctlClient {
             },
             latest_cursor: resp.latest_cursor,
             agent_exit: resp.agent_exit,
-        })
+        }
     }
+}
 
+impl AgentctlClient {
     /// `Health`, then a check that the answer comes from `expected`'s agentctl.
     pub async fn verify_identity(&self, expected: ExecutorId) -> Result<Health> {
         let health = self.health().await?;
@@ -598,13 +715,7 @@ impl AgentctlClient {
                 |mut c, r| async move { c.capabilities(r).await },
             )
             .await?;
-        Ok(Capabilities {
-            supports_session_resume: Support::from_proto(resp.supports_session_resume),
-            supports_workspace_only: Support::from_proto(resp.supports_workspace_only),
-            profile_claims_session_resume: resp.profile_claims_session_resume,
-            agent_load_session: resp.agent_load_session,
-            prompt: resp.prompt,
-        })
+        Ok(Capabilities::from_proto(resp))
     }
 
     /// `StopAgent`; an agentctl with no agent running counts as stopped. The

@@ -228,27 +228,34 @@ pub enum Failure {
     Other,
 }
 
+impl Failure {
+    /// What an answer with gRPC status `code` means.
+    pub(crate) fn of_code(code: tonic::Code) -> Self {
+        use tonic::Code;
+        match code {
+            Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Cancelled => {
+                Failure::NoAnswer
+            }
+            Code::Unauthenticated => Failure::Unauthenticated,
+            Code::InvalidArgument => Failure::InvalidArgument,
+            Code::NotFound => Failure::NotFound,
+            Code::FailedPrecondition => Failure::FailedPrecondition,
+            Code::Aborted | Code::ResourceExhausted | Code::Internal => Failure::Transient,
+            _ => Failure::Other,
+        }
+    }
+}
+
 impl Error {
     /// What this failure means to the caller of an agentctl call.
     pub fn failure(&self) -> Failure {
-        use tonic::Code;
         match self {
             Error::Unreachable { .. } | Error::Timeout { .. } | Error::NotReady { .. } => {
                 Failure::NoAnswer
             }
             Error::StaleEpoch { .. } => Failure::StaleEpoch,
             Error::Unauthenticated { .. } => Failure::Unauthenticated,
-            Error::Rpc { status, .. } => match status.code() {
-                Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Cancelled => {
-                    Failure::NoAnswer
-                }
-                Code::Unauthenticated => Failure::Unauthenticated,
-                Code::InvalidArgument => Failure::InvalidArgument,
-                Code::NotFound => Failure::NotFound,
-                Code::FailedPrecondition => Failure::FailedPrecondition,
-                Code::Aborted | Code::ResourceExhausted | Code::Internal => Failure::Transient,
-                _ => Failure::Other,
-            },
+            Error::Rpc { status, .. } => Failure::of_code(status.code()),
             _ => Failure::Other,
         }
     }
@@ -261,6 +268,11 @@ impl Error {
             Error::StaleEpoch { message, .. } => message.clone(),
             other => other.to_string(),
         }
+    }
+
+    /// True when agentctl does not know the call (an older agentctl).
+    pub fn is_unimplemented(&self) -> bool {
+        matches!(self, Error::Rpc { status, .. } if status.code() == tonic::Code::Unimplemented)
     }
 
     /// True when the failure may go away by itself (host down, agentctl

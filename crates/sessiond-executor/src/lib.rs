@@ -48,8 +48,9 @@ use sessiond_domain::{ExecutorId, ExecutorRecord, Runtime, SessionId, TaskId};
 
 pub use client::{
     AgentProgress, AgentState, AgentctlClient, BearerAuth, Capabilities, ClientConfig, Health,
-    INSTANCE_ID_METADATA, LEASE_EPOCH_METADATA, MAX_MESSAGE_BYTES, RawClient, STALE_EPOCH, Support,
-    TlsConfig, default_deadline, with_deadline,
+    INSTANCE_ID_METADATA, LEASE_EPOCH_METADATA, MAX_MESSAGE_BYTES, RawClient, RecoverAnswer,
+    STALE_EPOCH, Support, TlsConfig, WRONG_EXECUTOR, agent_part_failure, default_deadline,
+    with_deadline,
 };
 pub use error::{Error, Failure, Result};
 pub use worktree::{BranchCommit, WorktreeAnswer, WorktreeOp, WorktreeTarget};

@@ -686,3 +686,54 @@ async fn modes_are_kept_from_recovery() {
     host.kill().await;
     w.finish(&mgr, &[]).await;
 }
+
+/// A remote host restarted while the backend was down (its agent gone):
+/// recovery launches the agent and reopens the conversation inside the
+/// health check's exchange (one `Recover`); from an agentctl without that
+/// call (an older one: UNIMPLEMENTED) it makes one call per step. Either
+/// way the agent is launched once and gets one `session/resume`, and the
+/// conversation goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_resume_in_one_round_trip_and_from_an_older_agentctl() {
+    let w = World::new(Db::Sqlite).await;
+    let spot = RemoteSpot::at(&w.worktree("remote").path);
+    let mut host = RemoteHost::start(&w, &spot).await;
+    let mgr = w.manager();
+    let s = spot.create(&w, &mgr, &w.profile, &host).await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    let mut mgr = mgr;
+    let older: &[(&str, &str)] = &[("AGENTCTL_TEST_WITHOUT_RECOVER", "1")];
+    for (turn, env, by_recover) in [(2, &[][..], 1), (3, older, 0)] {
+        mgr.shutdown();
+        drop(mgr);
+        host.kill().await;
+        host = RemoteHost::start_with(&w, &spot, None, env).await;
+        mgr = w.manager();
+        let summary = mgr.recover_all().await.unwrap();
+        assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
+        host.track_agent(&w);
+        let stats = mgr.stats();
+        assert_eq!(
+            (stats.agent_launches, stats.resume_attempts),
+            (1, 1),
+            "turn {turn}"
+        );
+        assert_eq!(stats.resumed_by_recover, by_recover, "turn {turn}");
+        let agent = crate::support::agent_calls(&w);
+        let last = agent.last().expect("the agent's calls");
+        assert_eq!(last.0.as_str(), "session/resume", "turn {turn}: {agent:?}");
+        let pid = last.1;
+        let of_it: Vec<_> = agent
+            .iter()
+            .filter(|c| c.1 == pid)
+            .map(|c| c.0.as_str())
+            .collect();
+        assert_eq!(of_it, ["initialize", "session/resume"], "turn {turn}");
+        let reply = w.prompt(&mgr, s.id, &format!("turn {turn}")).await;
+        assert_eq!(reply, expected_reply(turn, &token, &format!("turn {turn}")));
+    }
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    host.kill().await;
+    w.finish(&mgr, &[]).await;
+}

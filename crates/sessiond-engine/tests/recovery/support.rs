@@ -494,3 +494,18 @@ pub fn assert_consecutive(events: &[Event], first: i64) {
 pub fn expected_reply(n: usize, token: &str, text: &str) -> String {
     format!("turn {n} of session {token}: you said \"{text}\"")
 }
+
+/// The demo agent's `calls.log` of this world: (method, pid) in order.
+pub fn agent_calls(w: &World) -> Vec<(String, u64)> {
+    std::fs::read_to_string(w.path("agent-state").join("calls.log"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (
+                v["method"].as_str().unwrap_or_default().to_owned(),
+                v["pid"].as_u64().unwrap_or_default(),
+            )
+        })
+        .collect()
+}

@@ -1,0 +1,99 @@
+//! The startup pass's outcome commits, written together (group commit):
+//! while one batch is written, the outcomes that arrive meanwhile queue and
+//! go in the next, each in its own savepoint (`Store::commit_batch`), so N
+//! executors cost about N / batch transactions instead of N, and an
+//! outcome that finds the queue empty is written at once. A recovery a
+//! caller waits on commits on its own, never behind a batch.
+
+use sessiond_store::{Changeset, Committed, Store, Yield};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::{error::Result, manager::SessionManager};
+
+/// Outcomes in one transaction at most (the pass's concurrency is 64):
+/// bounds how long another writer waits behind one batch.
+const MOST: usize = 64;
+
+type Item = (Changeset, oneshot::Sender<Result<Committed>>);
+
+/// The pass's outcome writer; cloned into each recovery of the pass.
+#[derive(Clone)]
+pub(crate) struct Outcomes {
+    tx: mpsc::UnboundedSender<Item>,
+}
+
+impl Outcomes {
+    /// Starts the writer; it ends once every clone is dropped and the
+    /// queue is written.
+    pub(crate) fn start(manager: &SessionManager) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(writer(manager.clone(), rx));
+        Self { tx }
+    }
+
+    /// Writes `change` in the next batch, as `SessionManager::commit` would
+    /// on its own (fenced, then the cache, snapshot and watchers updated).
+    pub(crate) async fn commit(&self, me: &SessionManager, change: Changeset) -> Result<Committed> {
+        let (reply, answer) = oneshot::channel();
+        if let Err(mpsc::error::SendError((change, _))) = self.tx.send((change, reply)) {
+            return me.commit(change).await;
+        }
+        answer.await.unwrap_or_else(|_| {
+            Err(crate::error::Error::Internal(
+                "the pass's outcome writer ended before writing an outcome".into(),
+            ))
+        })
+    }
+}
+
+async fn writer(me: SessionManager, mut rx: mpsc::UnboundedReceiver<Item>) {
+    // The pass's writes give way to everyone else's, as its recoveries' do.
+    let flag = Yield::new();
+    let mut items = Vec::with_capacity(MOST);
+    while rx.recv_many(&mut items, MOST).await > 0 {
+        let (changes, replies): (Vec<_>, Vec<_>) = items.drain(..).unzip();
+        let fences: Vec<_> = changes
+            .iter()
+            .map(|c| c.subject().and_then(|s| me.fence(s)))
+            .collect();
+        let fenced = changes
+            .iter()
+            .zip(&fences)
+            .map(|(c, f)| match f {
+                Some(f) => c.clone().fenced(f.clone()),
+                None => c.clone(),
+            })
+            .collect();
+        let written = Store::yielding(flag.clone(), me.inner.store.commit_batch(fenced)).await;
+        match written {
+            Ok(results) => {
+                for ((result, fence), reply) in results.into_iter().zip(fences).zip(replies) {
+                    let result = match result {
+                        Ok(done) => {
+                            me.after_commit(&done);
+                            Ok(done)
+                        }
+                        Err(e) => {
+                            if let Some(f) = &fence
+                                && e.is_lease_lost()
+                            {
+                                me.lease_lost(f.session, f.epoch, "store", &e.to_string());
+                            }
+                            Err(me.lease_error(e))
+                        }
+                    };
+                    let _ = reply.send(result);
+                }
+            }
+            // The transaction itself failed (nothing of it is written):
+            // each outcome on its own, as without a batch.
+            Err(e) => {
+                tracing::debug!(error = %e, outcomes = changes.len(),
+                    "a batch of recovery outcomes failed; writing them one by one");
+                for (change, reply) in changes.into_iter().zip(replies) {
+                    let _ = reply.send(me.commit(change).await);
+                }
+            }
+        }
+    }
+}
