@@ -468,8 +468,12 @@ async fn main() -> anyhow::Result<()> {
         shutdown_rx.clone(),
     )
     .with_worktree_roots(cli.worktree_root.clone())
-    // Test hook: answer `Recover` as an agentctl older than the call does.
-    .without_recover(std::env::var_os("AGENTCTL_TEST_WITHOUT_RECOVER").is_some());
+    // Test hook: answer `Recover` as an agentctl older than the call does,
+    // so the backend's fallback to one call per step is tested against a
+    // real process. Debug builds only: a release agentctl always serves it.
+    .without_recover(
+        cfg!(debug_assertions) && std::env::var_os("AGENTCTL_TEST_WITHOUT_RECOVER").is_some(),
+    );
 
     let tls = server_tls(&cli)?;
     let incoming = match &cli.listen {

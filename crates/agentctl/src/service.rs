@@ -364,7 +364,11 @@ impl AgentCtlService for AgentCtl {
 
     async fn recover(&self, req: Request<pb::RecoverRequest>) -> Res<pb::RecoverResponse> {
         if self.without_recover {
-            return Err(Status::unimplemented("Recover is not served (test hook)"));
+            // What an agentctl built before `Recover` existed answers (tonic's
+            // generated server, for a method it does not know).
+            return Err(Status::unimplemented(
+                "Recover is not served: this agentctl emulates an older one (test hook)",
+            ));
         }
         let r = req.into_inner();
         if !r.executor_id.is_empty() && r.executor_id != self.executor_id {
