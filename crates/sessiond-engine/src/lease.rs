@@ -117,6 +117,14 @@ impl Leases {
     }
 }
 
+/// A session the adoption loop claimed and has not recovered yet: its
+/// record, and the recovery under way (`None`: not started, or failed and
+/// to be tried again).
+pub(crate) struct Adoption {
+    pub(crate) record: sessiond_domain::ExecutorRecord,
+    pub(crate) recovery: Option<crate::pass::SharedRecovery>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

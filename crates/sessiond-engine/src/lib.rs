@@ -36,6 +36,7 @@
 #![deny(missing_docs)]
 
 pub mod attachments;
+mod changes;
 mod config;
 mod doorbell;
 mod error;
@@ -47,6 +48,7 @@ mod manager;
 mod metrics;
 mod modes;
 mod ops;
+mod pass;
 mod permission;
 mod progress;
 mod queue;
@@ -69,7 +71,7 @@ pub use lifecycle::{EndReason, NewSession, RemoteAgentctl};
 pub use manager::{SessionManager, Stats};
 pub use metrics::{ExitCause, ManagerMetrics, TurnOutcome};
 #[cfg(feature = "test-hooks")]
-pub use queue::PassGate;
+pub use pass::PassGate;
 pub use recovery::RecoverySummary;
 pub use sessions::Execution;
 pub use sweep::SweepReport;

@@ -13,8 +13,9 @@ use sessiond_executor::ExecutorHandle;
 use sessiond_store::Changeset;
 
 use crate::{
+    changes::{executor_moved, transition},
     error::{Error, Result},
-    manager::{SessionManager, executor_moved, transition},
+    manager::SessionManager,
     ops::probe_verdict,
     turn::{CURSOR_KEY, cursor_value},
     worktrees::WORKTREE_CREATED_KEY,
@@ -623,9 +624,4 @@ impl SessionManager {
         self.cache_remove(session_id);
         Ok(())
     }
-}
-
-/// Milliseconds, for timing fields of debug events.
-pub(crate) fn ms(d: std::time::Duration) -> f64 {
-    d.as_secs_f64() * 1e3
 }

@@ -13,8 +13,8 @@ use std::{
 
 use futures::{FutureExt, future::BoxFuture};
 use sessiond_domain::{
-    AgentProcessState, EventPayload, ExecutionView, ExecutorEvent, ExecutorRecord, Runtime,
-    Session, SessionEvent, SessionId, SessionStatus, TaskId,
+    AgentProcessState, ExecutionView, ExecutorRecord, Runtime, Session, SessionId, SessionStatus,
+    TaskId,
 };
 use sessiond_executor::{AgentctlClient, Executor, ExecutorHandle};
 use sessiond_store::{Changeset, Committed, Store};
@@ -87,24 +87,24 @@ pub(crate) struct Inner {
     /// The pass's slots held by its recoveries, by session: a recovery
     /// gives its slot back when it starts waiting for a launch, so the
     /// pass's concurrency goes on to reattaches (`recovery.rs`).
-    pub(crate) pass_slots: StdMutex<HashMap<SessionId, crate::recovery::PassTicket>>,
+    pub(crate) pass_slots: StdMutex<HashMap<SessionId, crate::pass::PassTicket>>,
     /// The startup pass's outcome writer while the pass runs.
-    pub(crate) pass_outcomes: StdMutex<Option<crate::recovery::Outcomes>>,
+    pub(crate) pass_outcomes: StdMutex<Option<crate::pass::Outcomes>>,
     /// Startup recovery's queue (`queue.rs`).
-    pub(crate) queue: StdMutex<crate::queue::RecoveryQueue>,
-    pub(crate) queue_phase: tokio::sync::watch::Sender<crate::queue::Phase>,
+    pub(crate) queue: StdMutex<crate::pass::RecoveryQueue>,
+    pub(crate) queue_phase: tokio::sync::watch::Sender<crate::pass::Phase>,
     /// How many calls' recoveries run now (the pass yields to them).
     pub(crate) calls_recovering: tokio::sync::watch::Sender<usize>,
     /// This replica's leases and fencing tokens (`lease.rs`).
     pub(crate) leases: crate::lease::Leases,
     /// Test hook: awaited before each heartbeat (see `gate_heartbeat`).
-    pub(crate) heartbeat_gate: StdMutex<Option<crate::queue::PassGate>>,
+    pub(crate) heartbeat_gate: StdMutex<Option<crate::pass::PassGate>>,
     /// This replica's lease claims, one at a time (`replica.rs`): a call
     /// never claims again what the adoption loop just claimed.
     pub(crate) claims: tokio::sync::Mutex<()>,
     /// Sessions the adoption loop claimed and has yet to recover
     /// (`replica.rs`): a call on one joins (or starts) its recovery.
-    pub(crate) adoptions: StdMutex<HashMap<SessionId, crate::replica::Adoption>>,
+    pub(crate) adoptions: StdMutex<HashMap<SessionId, crate::lease::Adoption>>,
 }
 
 /// Runs sessions: create, message, stop; recovers them at startup; resumes
@@ -222,7 +222,7 @@ impl SessionManager {
                 pass_slots: StdMutex::default(),
                 pass_outcomes: StdMutex::default(),
                 queue: StdMutex::default(),
-                queue_phase: tokio::sync::watch::Sender::new(crate::queue::Phase::Idle),
+                queue_phase: tokio::sync::watch::Sender::new(crate::pass::Phase::Idle),
                 calls_recovering: tokio::sync::watch::Sender::new(0),
                 leases,
                 heartbeat_gate: StdMutex::default(),
@@ -665,48 +665,4 @@ impl SessionManager {
             .shared()
         })
     }
-}
-
-/// An executor event applied through the domain's state machine, which every
-/// executor status change goes through: an illegal move (a stopped executor
-/// turning ready or failed) is refused instead of written.
-pub(crate) fn executor_moved(
-    record: &ExecutorRecord,
-    event: ExecutorEvent,
-) -> Result<ExecutorRecord> {
-    let status = record
-        .status
-        .transition(event)
-        .map_err(|e| Error::Internal(format!("executor {}: {e}", record.id)))?;
-    let mut next = record.clone();
-    next.status = status;
-    Ok(next)
-}
-
-/// A session event applied: the new session and, if the state changed, its
-/// `state_changed` payload. The error is kept only on ERROR.
-pub(crate) fn transition(
-    session: &Session,
-    event: SessionEvent,
-    error: Option<String>,
-) -> Result<(Session, Option<EventPayload>)> {
-    let to = session
-        .state
-        .transition(event)
-        .map_err(|e| Error::InvalidState {
-            session_id: session.id,
-            state: e.from,
-            action: e.event.as_str(),
-            hint: "look at the session's status first",
-        })?;
-    let mut next = session.clone();
-    let error = error.filter(|_| to == sessiond_domain::SessionState::Error);
-    next.state = to;
-    next.error_message = error.clone();
-    let changed = (to != session.state).then_some(EventPayload::StateChanged {
-        from: session.state,
-        to,
-        error_message: error,
-    });
-    Ok((next, changed))
 }

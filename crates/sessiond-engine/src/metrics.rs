@@ -562,3 +562,8 @@ mod tests {
         );
     }
 }
+
+/// Milliseconds, for timing fields of debug events.
+pub(crate) fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}

@@ -12,7 +12,7 @@ use std::{
 
 use sessiond_domain::{
     AgentProcessState, AgentProfile, ExecutorId, ExecutorRecord, PermissionPolicy, Runtime,
-    Session, SurvivingAgent,
+    SurvivingAgent,
 };
 use sessiond_executor::{
     AgentState, AgentctlClient, ExecutorHandle, Health, LaunchSpec, RemoteTarget, Support,
@@ -23,7 +23,6 @@ use sessiond_proto::agentctl::v1 as pb;
 use crate::{
     error::{Error, Result},
     manager::SessionManager,
-    turn::pending_turn,
 };
 
 /// What agentctl's `Health` says about its agent, for the recovery machine.
@@ -396,17 +395,6 @@ impl SessionManager {
             .await?;
         let token = self.new_conversation(&client, record).await?;
         Ok(Resumed::Opened { token })
-    }
-
-    /// True when the session has no message yet: it was never prompted.
-    pub(crate) async fn no_turn_yet(&self, session: &Session) -> Result<bool> {
-        Ok(pending_turn(session).is_none()
-            && self
-                .inner
-                .store
-                .list_messages(session.id, 0, 1)
-                .await?
-                .is_empty())
     }
 
     /// Stops the agent, best effort (after a failed resume, so no agent runs

@@ -34,64 +34,16 @@
 //! filled, joins it. With other replicas the pass first claims leases, so
 //! status and calls wait for the queue there.
 
-use std::{collections::HashMap, sync::Arc};
-
-use futures::{
-    FutureExt,
-    future::{BoxFuture, Shared},
-};
-use sessiond_domain::{ExecutorRecord, ExecutorStatus, OutcomeLabel, SessionId};
+use futures::FutureExt;
+use sessiond_domain::{ExecutorRecord, ExecutorStatus, SessionId};
 use sessiond_store::Yield;
 
 use crate::{
     error::{Error, Result},
     manager::SessionManager,
-    recovery::Lane,
+    pass::{Claim, Lane, PassGate, Phase, Queued, SharedRecovery},
     sync::lock,
 };
-
-/// The shared outcome of one claimed recovery.
-pub(crate) type SharedRecovery = Shared<BoxFuture<'static, Result<OutcomeLabel>>>;
-
-/// A future the pass awaits before it claims each executor (a test hook:
-/// holds the pass open at a known point; calls still claim).
-pub type PassGate = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
-
-pub(crate) enum Queued {
-    /// Not claimed yet: the record the pass loaded.
-    Waiting(Box<ExecutorRecord>),
-    /// Being recovered (or recovered) in this pass; the pass's own claims
-    /// carry the flag that makes their store calls give way to calls'.
-    Claimed(SharedRecovery, Option<Yield>),
-}
-
-/// Where the queue stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Phase {
-    /// No pass announced or running: nothing waits for the queue.
-    Idle,
-    /// A pass is announced or loading its executors: wait for `Filled`.
-    Loading,
-    /// The pass's executors are in the queue.
-    Filled,
-}
-
-#[derive(Default)]
-pub(crate) struct RecoveryQueue {
-    pub entries: HashMap<SessionId, Queued>,
-    pub gate: Option<PassGate>,
-    /// Off: the pass recovers in its own order and calls are not
-    /// prioritised (the benchmark's baseline).
-    pub off: bool,
-}
-
-/// What a claim found.
-pub(crate) enum Claim {
-    /// This caller started the recovery.
-    Started(SharedRecovery),
-    /// Someone else had: join its outcome.
-    Joined(SharedRecovery),
-}
 
 impl SessionManager {
     /// Announces that a startup recovery pass is about to run: from now

@@ -33,19 +33,18 @@ use sessiond_proto::agentctl::v1 as pb;
 use sessiond_store::{Changeset, Heartbeat, Store, Yield};
 
 use crate::{
+    changes::executor_moved,
     error::{Error, Result},
     launches::{Ended, Priority, host_of},
-    manager::{SessionManager, executor_moved},
+    manager::SessionManager,
     ops::{Resumed, load_refused, probe_verdict, surviving_agent},
-    queue::{Claim, SharedRecovery},
+    pass::{Claim, Lane, Outcomes, PassTicket, PendingWorkspaces, SharedRecovery},
     sessions::{OpKind, OpOutcome},
     turn::{pending_turn, turn_in_flight},
 };
 
 mod ahead;
 mod batch;
-
-pub(crate) use batch::Outcomes;
 
 /// How many executors the liveness check asks at once.
 const LIVENESS_CONCURRENCY: usize = 16;
@@ -76,35 +75,6 @@ const RUNTIME_NOT_REGISTERED: &str = "runtime_not_registered:";
 /// The error code (message prefix) of an executor whose recovery broke off
 /// for a reason that can pass by itself, retried in the background.
 const RECOVERING: &str = "recovering:";
-
-/// A pass recovery's hold on the pass: one of its `concurrency` slots and
-/// its share of the workspaces not back yet. Dropped (both given back) when
-/// the recovery starts waiting for an agent launch, or when it ends.
-pub(crate) struct PassTicket {
-    _slot: tokio::sync::OwnedSemaphorePermit,
-    pending: Arc<PendingWorkspaces>,
-}
-
-impl Drop for PassTicket {
-    fn drop(&mut self) {
-        self.pending.one_back();
-    }
-}
-
-/// How many of the pass's executors do not have their workspace back yet;
-/// the last one back runs `all_back`.
-struct PendingWorkspaces {
-    left: std::sync::atomic::AtomicUsize,
-    all_back: Box<dyn Fn() + Send + Sync>,
-}
-
-impl PendingWorkspaces {
-    fn one_back(&self) {
-        if self.left.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
-            (self.all_back)();
-        }
-    }
-}
 
 /// What startup recovery did.
 #[derive(Debug, Clone, Default)]
@@ -143,21 +113,6 @@ impl RecoverySummary {
             .find(|(s, _)| *s == session)
             .map(|(_, o)| o)
     }
-}
-
-/// Who runs a recovery. The machine has few cores and one database writer:
-/// while a call waits for its session's recovery, the pass's recoveries
-/// stop between steps (`Pass` yields to `Call`), so the call's one
-/// recovery does not queue behind the pass's `concurrency` others at every
-/// lock and connection. Background reconnects are `Other` and never wait.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Lane {
-    Pass,
-    Call,
-    /// An explicit resume: a call whose agent is resumed whatever the
-    /// resume policy says, in one attempt (the caller gets the answer).
-    Resume,
-    Other,
 }
 
 /// One executor of the pass: recovered by the pass, or by a call that
@@ -232,7 +187,7 @@ impl SessionManager {
         // waits once the pass ends, however it ends.
         self.expect_startup_recovery();
         let _closed = scopeguard(|| self.close_queue());
-        *crate::sync::lock(&self.inner.pass_outcomes) = Some(Outcomes::start(self));
+        *crate::sync::lock(&self.inner.pass_outcomes) = Some(batch::start(self));
         let _written = scopeguard(|| {
             crate::sync::lock(&self.inner.pass_outcomes).take();
         });
@@ -279,7 +234,7 @@ impl SessionManager {
         let queued = self.fill_queue(&records);
         tracing::debug!(
             executors = total,
-            took_ms = crate::lifecycle::ms(started.elapsed()),
+            took_ms = crate::metrics::ms(started.elapsed()),
             "recovery queue filled"
         );
         let gate = self.pass_gate();
@@ -298,7 +253,7 @@ impl SessionManager {
                 move || {
                     *crate::sync::lock(&at) = Some(started.elapsed());
                     tracing::info!(
-                        took_ms = crate::lifecycle::ms(started.elapsed()),
+                        took_ms = crate::metrics::ms(started.elapsed()),
                         "startup recovery: every workspace is back; serving while agents relaunch"
                     );
                     me.mark_workspaces_back();
@@ -540,7 +495,7 @@ impl SessionManager {
             if !full {
                 tracing::debug!(
                     loaded = records.len(),
-                    read_ms = crate::lifecycle::ms(read),
+                    read_ms = crate::metrics::ms(read),
                     "recovery load: last page read"
                 );
                 return Ok(records);
@@ -548,8 +503,8 @@ impl SessionManager {
             let paused = self.yield_to_calls().await;
             tracing::debug!(
                 loaded = records.len(),
-                read_ms = crate::lifecycle::ms(read),
-                paused_ms = crate::lifecycle::ms(paused),
+                read_ms = crate::metrics::ms(read),
+                paused_ms = crate::metrics::ms(paused),
                 "recovery load: page read"
             );
         }
@@ -620,7 +575,7 @@ impl SessionManager {
         if call {
             tracing::debug!(
                 session_id = %record.session_id,
-                at_ms = crate::lifecycle::ms(began.elapsed()),
+                at_ms = crate::metrics::ms(began.elapsed()),
                 "call's recovery: session locked"
             );
         }
@@ -641,7 +596,7 @@ impl SessionManager {
         if call {
             tracing::debug!(
                 session_id = %record.session_id,
-                at_ms = crate::lifecycle::ms(began.elapsed()),
+                at_ms = crate::metrics::ms(began.elapsed()),
                 "call's recovery: records read"
             );
         }
@@ -728,7 +683,7 @@ impl SessionManager {
             if call {
                 tracing::debug!(
                     session_id = %run.record.session_id,
-                    at_ms = crate::lifecycle::ms(began.elapsed()),
+                    at_ms = crate::metrics::ms(began.elapsed()),
                     ?observation,
                     "call's recovery: step done"
                 );
@@ -1089,7 +1044,8 @@ impl SessionManager {
                 let attempted = match attempted {
                     Some(result) => result,
                     None => {
-                        let no_turn_yet = self.no_turn_yet(&run.session).await?;
+                        let no_turn_yet =
+                            crate::turn::no_turn_yet(&self.inner.store, &run.session).await?;
                         let attempt = async {
                             match &resume_token {
                                 Some(token) => {
@@ -1169,7 +1125,7 @@ impl SessionManager {
                             });
                         }
                         tracing::warn!(session = %sid, executor_id = %run.record.id,
-                            took_ms = crate::lifecycle::ms(began.elapsed()), %silence,
+                            took_ms = crate::metrics::ms(began.elapsed()), %silence,
                             "recovery: the agent's launch or resume was cut");
                         self.stop_agent_quietly(&run.record).await;
                         (
@@ -1352,13 +1308,13 @@ impl SessionManager {
         if !session.state.is_terminal() && session.state != SessionState::Error {
             let turn = pending_turn(&session);
             let (mut next, event) = if gone {
-                crate::manager::transition(
+                crate::changes::transition(
                     &session,
                     sessiond_domain::SessionEvent::Failed,
                     Some(message),
                 )?
             } else if session.state == SessionState::Running && turn.is_some() {
-                crate::manager::transition(
+                crate::changes::transition(
                     &session,
                     sessiond_domain::SessionEvent::TurnEnded,
                     None,
@@ -1566,7 +1522,7 @@ impl SessionManager {
             change = change.task_event(run.session.task_id, TaskEvent::ReadyForReview);
         }
         let committed = match &run.outcomes {
-            Some(outcomes) => outcomes.commit(self, change).await?,
+            Some(outcomes) => batch::commit(outcomes, self, change).await?,
             None => self.commit(change).await?,
         };
         let record = committed.executor.unwrap_or(record);
@@ -1870,22 +1826,6 @@ pub(crate) fn retried_in_background(
         }
 }
 
-pub(crate) fn remote_lost(record: &ExecutorRecord, reason: &str) -> Result<Changeset> {
-    let failure = RecoveryFailure::Reconnecting {
-        url: record.agentctl_url.clone().unwrap_or_default(),
-        reason: reason.to_owned(),
-    };
-    let mut lost = executor_moved(record, ExecutorEvent::Failed)?;
-    lost.error_message = Some(failure.message());
-    Ok(Changeset::new().update_executor(lost).event(
-        record.session_id,
-        EventPayload::AgentctlError {
-            executor_id: record.id,
-            error_message: failure.message(),
-        },
-    ))
-}
-
 /// The session's agent is back (resumed, opened, reattached), or recovery was not
 /// to bring it back (the policy, an ended session): nothing to report.
 fn agent_back_or_left_alone(label: OutcomeLabel) -> bool {
@@ -2111,7 +2051,7 @@ impl SessionManager {
                     };
                     let reason =
                         format!("the agent process exited ({how}); resume the session to continue");
-                    let (mut s, ev) = crate::manager::transition(
+                    let (mut s, ev) = crate::changes::transition(
                         &session,
                         sessiond_domain::SessionEvent::Failed,
                         Some(reason),
@@ -2133,7 +2073,8 @@ impl SessionManager {
             return Ok(None);
         };
         if record.runtime == Runtime::Remote {
-            self.commit(remote_lost(&current, &reason)?).await?;
+            self.commit(crate::changes::remote_lost(&current, &reason)?)
+                .await?;
             self.inner.sessions.stop_pump(record.session_id);
             self.cache_update(record.session_id, |e| {
                 e.agent = AgentProcessState::NotRunning

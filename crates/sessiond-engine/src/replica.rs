@@ -37,20 +37,12 @@ use tokio::sync::{Semaphore, mpsc};
 
 use crate::{
     error::{Error, Result},
-    lifecycle::ms,
     manager::SessionManager,
-    queue::SharedRecovery,
-    recovery::Lane,
+    metrics::ms,
+    pass::Lane,
+    pass::SharedRecovery,
     sync::lock,
 };
-
-/// A session the adoption loop claimed and has not recovered yet: its
-/// record, and the recovery under way (`None`: not started, or failed and
-/// to be tried again).
-pub(crate) struct Adoption {
-    record: ExecutorRecord,
-    recovery: Option<SharedRecovery>,
-}
 
 /// How many expired leases one claim of the adoption loop takes at most
 /// (per transaction); it also takes no more than its free slots.
@@ -525,7 +517,7 @@ impl SessionManager {
     /// before its first heartbeat) and prove its writes and agentctl calls
     /// are fenced, without guessing how long that moment lasts.
     #[cfg(feature = "test-hooks")]
-    pub fn gate_heartbeat(&self, gate: crate::queue::PassGate) {
+    pub fn gate_heartbeat(&self, gate: crate::pass::PassGate) {
         *lock(&self.inner.heartbeat_gate) = Some(gate);
     }
 
@@ -717,7 +709,7 @@ impl SessionManager {
                     sessions.push(c.record.session_id);
                     adoptions.insert(
                         c.record.session_id,
-                        Adoption {
+                        crate::lease::Adoption {
                             record: c.record,
                             recovery: None,
                         },

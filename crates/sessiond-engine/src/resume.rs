@@ -24,8 +24,9 @@ use sessiond_executor::ExecutorHandle;
 use sessiond_store::Changeset;
 
 use crate::{
+    changes::transition,
     error::{Error, Result},
-    manager::{SessionManager, transition},
+    manager::SessionManager,
     sessions::{OpKind, OpOutcome},
 };
 
@@ -203,7 +204,7 @@ impl SessionManager {
         drop(guard);
 
         let label = self
-            .recover_one(record, crate::recovery::Lane::Resume, None)
+            .recover_one(record, crate::pass::Lane::Resume, None)
             .await?;
         // A user took over: any background retry of this session is moot.
         if label != OutcomeLabel::Retrying {

@@ -239,7 +239,9 @@ impl SessionManager {
                     message: message.to_owned(),
                 };
                 // (Read only then: a store read per executor otherwise.)
-                if load_refused(&e) && self.no_turn_yet(&run.session).await? {
+                if load_refused(&e)
+                    && crate::turn::no_turn_yet(&self.inner.store, &run.session).await?
+                {
                     let reason = e.to_string();
                     match self.client(&run.record) {
                         Ok(client) => match self.new_conversation(&client, &run.record).await {

@@ -8,45 +8,43 @@
 use sessiond_store::{Changeset, Committed, Store, Yield};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::{error::Result, manager::SessionManager};
+use crate::{
+    error::Result,
+    manager::SessionManager,
+    pass::{OutcomeCommit, Outcomes},
+};
 
 /// Outcomes in one transaction at most (the pass's concurrency is 64):
 /// bounds how long another writer waits behind one batch.
 const MOST: usize = 64;
 
-type Item = (Changeset, oneshot::Sender<Result<Committed>>);
-
-/// The pass's outcome writer; cloned into each recovery of the pass.
-#[derive(Clone)]
-pub(crate) struct Outcomes {
-    tx: mpsc::UnboundedSender<Item>,
+/// Starts the pass's outcome writer; it ends once every clone of the
+/// handle is dropped and the queue is written.
+pub(crate) fn start(manager: &SessionManager) -> Outcomes {
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(writer(manager.clone(), rx));
+    Outcomes { tx }
 }
 
-impl Outcomes {
-    /// Starts the writer; it ends once every clone is dropped and the
-    /// queue is written.
-    pub(crate) fn start(manager: &SessionManager) -> Self {
-        let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(writer(manager.clone(), rx));
-        Self { tx }
+/// Writes `change` in the next batch, as `SessionManager::commit` would on
+/// its own (fenced, then the cache, snapshot and watchers updated).
+pub(crate) async fn commit(
+    outcomes: &Outcomes,
+    me: &SessionManager,
+    change: Changeset,
+) -> Result<Committed> {
+    let (reply, answer) = oneshot::channel();
+    if let Err(mpsc::error::SendError((change, _))) = outcomes.tx.send((change, reply)) {
+        return me.commit(change).await;
     }
-
-    /// Writes `change` in the next batch, as `SessionManager::commit` would
-    /// on its own (fenced, then the cache, snapshot and watchers updated).
-    pub(crate) async fn commit(&self, me: &SessionManager, change: Changeset) -> Result<Committed> {
-        let (reply, answer) = oneshot::channel();
-        if let Err(mpsc::error::SendError((change, _))) = self.tx.send((change, reply)) {
-            return me.commit(change).await;
-        }
-        answer.await.unwrap_or_else(|_| {
-            Err(crate::error::Error::Internal(
-                "the pass's outcome writer ended before writing an outcome".into(),
-            ))
-        })
-    }
+    answer.await.unwrap_or_else(|_| {
+        Err(crate::error::Error::Internal(
+            "the pass's outcome writer ended before writing an outcome".into(),
+        ))
+    })
 }
 
-async fn writer(me: SessionManager, mut rx: mpsc::UnboundedReceiver<Item>) {
+async fn writer(me: SessionManager, mut rx: mpsc::UnboundedReceiver<OutcomeCommit>) {
     // The pass's writes give way to everyone else's, as its recoveries' do.
     let flag = Yield::new();
     let mut items = Vec::with_capacity(MOST);

@@ -128,6 +128,11 @@ pub(crate) fn pending_turn(session: &Session) -> Option<String> {
         .flatten()
 }
 
+/// True when the session has no message yet: it was never prompted.
+pub(crate) async fn no_turn_yet(store: &sessiond_store::Store, session: &Session) -> Result<bool> {
+    Ok(pending_turn(session).is_none() && store.list_messages(session.id, 0, 1).await?.is_empty())
+}
+
 /// What ends turn `turn` of `session` *interrupted*, added to `change`: the
 /// stored, unfinished part of its reply completed with [`INTERRUPTED_NOTE`]
 /// (kept, never shortened), a system message saying the turn was

@@ -53,11 +53,7 @@ use super::{
     CURSOR_KEY, TURN_CANCELLED, TURN_GENERATION_KEY, TURN_INSTANCE_KEY, TURN_KEY, agent_title,
     cursor_value, interrupt_turn, part_data, pending_turn, stored_cursor, stored_part_rev,
 };
-use crate::{
-    error::Result,
-    manager::{SessionManager, transition},
-    ops::agent_process,
-};
+use crate::{changes::transition, error::Result, manager::SessionManager, ops::agent_process};
 
 /// A pump with nothing to do (no reply streaming, no pending turn) checks
 /// after this long without an update whether it can park.
@@ -1022,7 +1018,7 @@ impl Pump {
             }
             if record.runtime == Runtime::Remote {
                 self.mgr
-                    .commit(crate::recovery::remote_lost(&record, reason)?)
+                    .commit(crate::changes::remote_lost(&record, reason)?)
                     .await?;
                 self.mgr
                     .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);

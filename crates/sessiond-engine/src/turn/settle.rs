@@ -14,8 +14,8 @@ use super::{
     pump::Pump,
 };
 use crate::{
+    changes::transition,
     error::{Error, Result},
-    manager::transition,
 };
 
 impl Pump {

@@ -14,9 +14,10 @@ use super::{
     INTERRUPTED_TURN_KEY, TURN_GENERATION_KEY, TURN_INSTANCE_KEY, TURN_KEY, stored_cursor,
 };
 use crate::{
+    changes::transition,
     error::{Error, Result},
-    lifecycle::ms,
-    manager::{SessionManager, transition},
+    manager::SessionManager,
+    metrics::ms,
 };
 
 impl SessionManager {
@@ -521,7 +522,7 @@ impl SessionManager {
             "the message's Prompt found agentctl gone; recovering the session in the background");
         self.inner.sessions.stop_pump(sid);
         if record.runtime == Runtime::Remote {
-            self.commit(crate::recovery::remote_lost(record, reason)?)
+            self.commit(crate::changes::remote_lost(record, reason)?)
                 .await?;
             self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
             self.spawn_reconnect(record.clone());

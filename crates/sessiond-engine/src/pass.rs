@@ -1,0 +1,111 @@
+//! The startup recovery pass's shared state, kept by the manager: the
+//! queue of executors the pass loaded (each waiting, or claimed with its
+//! shared outcome), who runs a recovery (its lane), the pass's slots and
+//! its count of workspaces not back yet, and its outcome writer's handle.
+//! The pass itself is `recovery.rs`; the queue's rules are `queue.rs`.
+
+use std::{collections::HashMap, sync::Arc};
+
+use futures::future::{BoxFuture, Shared};
+use sessiond_domain::{ExecutorRecord, OutcomeLabel, SessionId};
+use sessiond_store::{Changeset, Committed, Yield};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::error::Result;
+
+/// The shared outcome of one claimed recovery.
+pub(crate) type SharedRecovery = Shared<BoxFuture<'static, Result<OutcomeLabel>>>;
+
+/// A future the pass awaits before it claims each executor (a test hook:
+/// holds the pass open at a known point; calls still claim).
+pub type PassGate = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
+
+pub(crate) enum Queued {
+    /// Not claimed yet: the record the pass loaded.
+    Waiting(Box<ExecutorRecord>),
+    /// Being recovered (or recovered) in this pass; the pass's own claims
+    /// carry the flag that makes their store calls give way to calls'.
+    Claimed(SharedRecovery, Option<Yield>),
+}
+
+/// Where the queue stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// No pass announced or running: nothing waits for the queue.
+    Idle,
+    /// A pass is announced or loading its executors: wait for `Filled`.
+    Loading,
+    /// The pass's executors are in the queue.
+    Filled,
+}
+
+#[derive(Default)]
+pub(crate) struct RecoveryQueue {
+    pub entries: HashMap<SessionId, Queued>,
+    pub gate: Option<PassGate>,
+    /// Off: the pass recovers in its own order and calls are not
+    /// prioritised (the benchmark's baseline).
+    pub off: bool,
+}
+
+/// What a claim found.
+pub(crate) enum Claim {
+    /// This caller started the recovery.
+    Started(SharedRecovery),
+    /// Someone else had: join its outcome.
+    Joined(SharedRecovery),
+}
+
+/// Who runs a recovery. The machine has few cores and one database writer:
+/// while a call waits for its session's recovery, the pass's recoveries
+/// stop between steps (`Pass` yields to `Call`), so the call's one
+/// recovery does not queue behind the pass's `concurrency` others at every
+/// lock and connection. Background reconnects are `Other` and never wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lane {
+    Pass,
+    Call,
+    /// An explicit resume: a call whose agent is resumed whatever the
+    /// resume policy says, in one attempt (the caller gets the answer).
+    Resume,
+    Other,
+}
+
+/// A pass recovery's hold on the pass: one of its `concurrency` slots and
+/// its share of the workspaces not back yet. Dropped (both given back) when
+/// the recovery starts waiting for an agent launch, or when it ends.
+pub(crate) struct PassTicket {
+    pub(crate) _slot: tokio::sync::OwnedSemaphorePermit,
+    pub(crate) pending: Arc<PendingWorkspaces>,
+}
+
+impl Drop for PassTicket {
+    fn drop(&mut self) {
+        self.pending.one_back();
+    }
+}
+
+/// How many of the pass's executors do not have their workspace back yet;
+/// the last one back runs `all_back`.
+pub(crate) struct PendingWorkspaces {
+    pub(crate) left: std::sync::atomic::AtomicUsize,
+    pub(crate) all_back: Box<dyn Fn() + Send + Sync>,
+}
+
+impl PendingWorkspaces {
+    fn one_back(&self) {
+        if self.left.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            (self.all_back)();
+        }
+    }
+}
+
+/// One outcome commit for the pass's writer, and where its result goes.
+pub(crate) type OutcomeCommit = (Changeset, oneshot::Sender<Result<Committed>>);
+
+/// The pass's outcome writer (`recovery/batch.rs`); cloned into each
+/// recovery of the pass.
+#[derive(Clone)]
+pub(crate) struct Outcomes {
+    pub(crate) tx: mpsc::UnboundedSender<OutcomeCommit>,
+}
