@@ -501,6 +501,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Milliseconds, for timing fields of debug events.
+pub(crate) fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -561,9 +566,4 @@ mod tests {
             "{text}"
         );
     }
-}
-
-/// Milliseconds, for timing fields of debug events.
-pub(crate) fn ms(d: std::time::Duration) -> f64 {
-    d.as_secs_f64() * 1e3
 }
