@@ -273,7 +273,8 @@ async fn replica(url: &str, id: &str) -> anyhow::Result<SessionManager> {
     config.replica.lease_ttl = Duration::from_secs(15);
     let manager = SessionManager::new(store, recovery::remote_drivers(), config);
     manager
-        .start_replica(ReplicaInfo {
+        .replica()
+        .start(ReplicaInfo {
             id: id.into(),
             address: "127.0.0.1:1".into(),
             hostname: "bench".into(),

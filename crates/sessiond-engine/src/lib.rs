@@ -73,6 +73,7 @@ pub use metrics::{ExitCause, ManagerMetrics, TurnOutcome};
 #[cfg(feature = "test-hooks")]
 pub use pass::PassGate;
 pub use recovery::RecoverySummary;
+pub use replica::Replica;
 pub use sessions::Execution;
 pub use sweep::SweepReport;
 pub use turn::queued::{MAX_QUEUED_BYTES, Sent};

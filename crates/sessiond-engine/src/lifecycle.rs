@@ -247,7 +247,7 @@ impl SessionManager {
             updated_at: now,
         };
         let mut record = record;
-        self.new_lease(&mut record);
+        crate::replica::Fencing(self).new_lease(&mut record);
         let (mut starting, ev) = transition(&created, SessionEvent::LaunchRequested, None)?;
         starting.agent_execution_id = Some(record.execution_id());
         let mut change = Changeset::new()
@@ -267,7 +267,7 @@ impl SessionManager {
         change = change.task_event(req.task_id, TaskEvent::WorkStarted);
         let committed = store.create_session_with(&created, change).await?;
         // After the commit: a heartbeat never sees it owned before the row exists.
-        self.mark_owned(
+        crate::replica::Fencing(self).mark_owned(
             session_id,
             committed.executor.as_ref().map_or(0, |e| e.lease_epoch),
         );
@@ -309,7 +309,10 @@ impl SessionManager {
 
         // agentctl.
         let limit = self.inner.config.executor_deadline * 4;
-        let handle = match self.launch_agentctl(&record, &profile, 1, limit).await {
+        let handle = match crate::ops::Agents(self)
+            .launch_agentctl(&record, &profile, 1, limit)
+            .await
+        {
             Some(Ok(h)) => h,
             failed => {
                 let reason = match failed {
@@ -347,13 +350,17 @@ impl SessionManager {
         let client = self.client(&record)?;
         self.cache_update(session_id, |e| e.agent = AgentProcessState::Starting);
         let opened = async {
-            self.ensure_agent(&client, &profile, req.runtime).await?;
+            crate::ops::Agents(self)
+                .ensure_agent(&client, &profile, req.runtime)
+                .await?;
             let probe = client
                 .capabilities()
                 .await
                 .ok()
                 .and_then(|c| probe_verdict(c.supports_session_resume));
-            let token = self.new_conversation(&client, &record).await?;
+            let token = crate::ops::Agents(self)
+                .new_conversation(&client, &record)
+                .await?;
             Ok::<_, Error>((probe, token))
         }
         .await;
@@ -364,7 +371,7 @@ impl SessionManager {
         let (probe, token) = match opened {
             Ok(v) => v,
             Err(e) => {
-                self.stop_agent_quietly(&record).await;
+                crate::ops::Agents(self).stop_agent_quietly(&record).await;
                 let agent = profile.agent_command(req.runtime);
                 let image = self
                     .driver(req.runtime)
@@ -527,7 +534,7 @@ impl SessionManager {
         let driver = self.driver(record.runtime)?;
         let handle = ExecutorHandle::from_record(&record);
         if !record.auth_secret.is_empty() {
-            self.stop_agent_quietly(&record).await;
+            crate::ops::Agents(self).stop_agent_quietly(&record).await;
         }
         if let Err(e) = driver.stop(&handle).await {
             tracing::warn!(executor_id = %record.id, error = %e, "could not stop executor; recovery will retry");
@@ -591,10 +598,10 @@ impl SessionManager {
             // Fenced twice: before the removal (a replica resumed after a
             // pause does not remove what another one adopted) and with the
             // delete itself.
-            let fence = self.fence(session_id);
+            let fence = crate::replica::Fencing(self).fence(session_id);
             if let Some(f) = &fence {
                 let checked = self.inner.store.check_lease(f.clone()).await;
-                self.fenced_result(f, checked)?;
+                crate::replica::Fencing(self).fenced_result(f, checked)?;
             }
             let driver = self.driver(record.runtime)?;
             driver.remove(&ExecutorHandle::from_record(&record)).await?;
@@ -604,7 +611,7 @@ impl SessionManager {
                 .delete_executor(record.id, fence.clone())
                 .await;
             match &fence {
-                Some(f) => self.fenced_result(f, deleted)?,
+                Some(f) => crate::replica::Fencing(self).fenced_result(f, deleted)?,
                 None => deleted?,
             };
         }
@@ -620,7 +627,7 @@ impl SessionManager {
         // the caller sees why and can delete again.
         self.inner.store.mark_session_deleted(session_id).await?;
         // No executor row, no lease: later writes need no fence.
-        self.forget_lease(session_id);
+        crate::replica::Fencing(self).forget_lease(session_id);
         self.cache_remove(session_id);
         Ok(())
     }

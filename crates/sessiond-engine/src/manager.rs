@@ -304,7 +304,7 @@ impl SessionManager {
             self.queue_filled().await;
         }
         // Another replica's session changes under us: read what it committed.
-        let elsewhere = !self.owns(session);
+        let elsewhere = !crate::replica::Fencing(self).owns(session);
         let (cached, cached_view) = if elsewhere {
             (None, None)
         } else {
@@ -519,6 +519,11 @@ impl SessionManager {
             .client(record.session_id, url, &record.auth_secret)
     }
 
+    /// This replica: its id, leases, start and handoff.
+    pub fn replica(&self) -> crate::replica::Replica<'_> {
+        crate::replica::Replica(self)
+    }
+
     /// Whether the session's updates are parked (no pump, no stream open).
     pub fn is_parked(&self, session: SessionId) -> bool {
         self.inner.sessions.is_parked(session)
@@ -527,10 +532,10 @@ impl SessionManager {
     /// Commits (fenced by this replica's lease, see
     /// [`SessionManager::store_commit`]) and then publishes what was committed.
     pub(crate) async fn commit(&self, change: Changeset) -> Result<Committed> {
-        let committed = self
+        let committed = crate::replica::Fencing(self)
             .store_commit(change)
             .await
-            .map_err(|e| self.lease_error(e))?;
+            .map_err(|e| crate::replica::Fencing(self).lease_error(e))?;
         self.after_commit(&committed);
         Ok(committed)
     }
@@ -576,7 +581,7 @@ impl SessionManager {
     /// holds the session (a session's task never changes, and a removed
     /// session leaves the snapshot): no store read on a call's hot path.
     pub(crate) async fn check_task(&self, task: TaskId, session: SessionId) -> Result<()> {
-        let known = self.owns(session)
+        let known = crate::replica::Fencing(self).owns(session)
             && self
                 .inner
                 .sessions

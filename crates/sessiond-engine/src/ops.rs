@@ -20,10 +20,7 @@ use sessiond_executor::{
 };
 use sessiond_proto::agentctl::v1 as pb;
 
-use crate::{
-    error::{Error, Result},
-    manager::SessionManager,
-};
+use crate::error::{Error, Result};
 
 /// What agentctl's `Health` says about its agent, for the recovery machine.
 /// An idle agent survives only with the session's conversation open (the
@@ -98,7 +95,142 @@ pub(crate) fn agentctl_processes_of(executor_id: ExecutorId) -> Vec<(u32, u64)> 
     found
 }
 
-impl SessionManager {
+/// How a resume got the agent's conversation back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Resumed {
+    /// `session/load` of the stored resume token.
+    Loaded,
+    /// The agent could not load a conversation that had no turn yet; the new
+    /// conversation `token` replaces it (`reason`: the agent's answer).
+    Replaced { token: String, reason: String },
+    /// There was no conversation (a create died before the agent gave
+    /// one); `token` is the one opened now.
+    Opened { token: String },
+}
+
+/// The agent answered `session/load` with an error of its own (it does not
+/// have the conversation, or rejects it), as opposed to not answering
+/// (another try may work) or requiring authentication (a profile fix).
+pub(crate) fn load_refused(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Agent {
+            call: "ResumeSession",
+            failure: sessiond_executor::Failure::NotFound
+                | sessiond_executor::Failure::FailedPrecondition
+                | sessiond_executor::Failure::InvalidArgument,
+            message,
+        } if !message.contains("requires authentication")
+    )
+}
+
+/// The profile's MCP servers with their secret references resolved, for
+/// LaunchAgent (agentctl holds them in memory only).
+fn mcp_servers(
+    profile: &sessiond_domain::AgentProfile,
+    secrets: &sessiond_domain::Secrets,
+) -> Result<Vec<pb::McpServer>> {
+    use sessiond_domain::{McpTransport, SecretValue};
+    let resolve = |server: &str, map: &std::collections::BTreeMap<String, SecretValue>| {
+        map.iter()
+            .map(|(k, v)| match secrets.resolve(v) {
+                Some(value) => Ok((k.clone(), value.to_owned())),
+                None => Err(Error::InvalidArgument(format!(
+                    "profile {:?}: MCP server {server:?} needs {k} from {}, which sessiond did \
+                     not read at startup; set it and restart sessiond",
+                    profile.name,
+                    match v {
+                        SecretValue::Env(var) => format!("the environment variable {var}"),
+                        SecretValue::File(path) => format!("the file {path}"),
+                        SecretValue::Plain(_) => "its value".into(),
+                    }
+                ))),
+            })
+            .collect::<Result<std::collections::HashMap<_, _>>>()
+    };
+    profile
+        .mcp_servers
+        .iter()
+        .map(|s| {
+            let (command, args, env, url, headers) = match &s.transport {
+                McpTransport::Stdio { command, args, env } => (
+                    command.clone(),
+                    args.clone(),
+                    resolve(&s.name, env)?,
+                    String::new(),
+                    Default::default(),
+                ),
+                McpTransport::Http { url, headers } | McpTransport::Sse { url, headers } => (
+                    String::new(),
+                    Vec::new(),
+                    Default::default(),
+                    url.clone(),
+                    resolve(&s.name, headers)?,
+                ),
+            };
+            Ok(pb::McpServer {
+                name: s.name.clone(),
+                r#type: s.transport.kind().to_owned(),
+                command,
+                args,
+                env,
+                url,
+                headers,
+            })
+        })
+        .collect()
+}
+
+pub(crate) fn agent_modes(m: &pb::SessionModes) -> sessiond_domain::AgentModes {
+    sessiond_domain::AgentModes {
+        current: m.current_mode_id.clone(),
+        available: m
+            .available
+            .iter()
+            .map(|m| sessiond_domain::AgentMode {
+                id: m.id.clone(),
+                name: m.name.clone(),
+                description: m.description.clone(),
+            })
+            .collect(),
+        config_options: m
+            .config_options
+            .iter()
+            .map(|o| sessiond_domain::ConfigOption {
+                id: o.id.clone(),
+                name: o.name.clone(),
+                description: o.description.clone(),
+                category: o.category.clone(),
+                kind: o.r#type.clone(),
+                current: o.current_value.clone(),
+                values: o
+                    .values
+                    .iter()
+                    .map(|v| sessiond_domain::ConfigValue {
+                        value: v.value.clone(),
+                        name: v.name.clone(),
+                        description: v.description.clone(),
+                    })
+                    .collect(),
+            })
+            .collect(),
+    }
+}
+
+/// The agent and its agentctl on the executor's host: starting them,
+/// opening, loading or resuming the conversation, stopping them, and the
+/// clients that talk to agentctl.
+pub(crate) struct Agents<'m>(pub(crate) &'m crate::manager::SessionManager);
+
+impl std::ops::Deref for Agents<'_> {
+    type Target = crate::manager::SessionManager;
+
+    fn deref(&self) -> &Self::Target {
+        self.0
+    }
+}
+
+impl Agents<'_> {
     /// Ends every local agentctl of this executor (used right before a new
     /// generation is spawned, so one executor never has two).
     pub(crate) async fn end_stray_agentctls(&self, record: &ExecutorRecord) {
@@ -153,7 +285,9 @@ impl SessionManager {
             image: profile.container_image().map(str::to_owned),
             // Every call of the launch carries this replica's lease epoch,
             // the readiness check included.
-            lease_epoch: self.fence(record.session_id).map(|f| f.epoch),
+            lease_epoch: crate::replica::Fencing(self)
+                .fence(record.session_id)
+                .map(|f| f.epoch),
             repository: record
                 .worktree
                 .is_managed()
@@ -405,127 +539,5 @@ impl SessionManager {
         {
             tracing::debug!(executor_id = %record.id, error = %e, "StopAgent failed");
         }
-    }
-}
-
-/// How a resume got the agent's conversation back.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Resumed {
-    /// `session/load` of the stored resume token.
-    Loaded,
-    /// The agent could not load a conversation that had no turn yet; the new
-    /// conversation `token` replaces it (`reason`: the agent's answer).
-    Replaced { token: String, reason: String },
-    /// There was no conversation (a create died before the agent gave
-    /// one); `token` is the one opened now.
-    Opened { token: String },
-}
-
-/// The agent answered `session/load` with an error of its own (it does not
-/// have the conversation, or rejects it), as opposed to not answering
-/// (another try may work) or requiring authentication (a profile fix).
-pub(crate) fn load_refused(e: &Error) -> bool {
-    matches!(
-        e,
-        Error::Agent {
-            call: "ResumeSession",
-            failure: sessiond_executor::Failure::NotFound
-                | sessiond_executor::Failure::FailedPrecondition
-                | sessiond_executor::Failure::InvalidArgument,
-            message,
-        } if !message.contains("requires authentication")
-    )
-}
-
-/// The profile's MCP servers with their secret references resolved, for
-/// LaunchAgent (agentctl holds them in memory only).
-fn mcp_servers(
-    profile: &sessiond_domain::AgentProfile,
-    secrets: &sessiond_domain::Secrets,
-) -> Result<Vec<pb::McpServer>> {
-    use sessiond_domain::{McpTransport, SecretValue};
-    let resolve = |server: &str, map: &std::collections::BTreeMap<String, SecretValue>| {
-        map.iter()
-            .map(|(k, v)| match secrets.resolve(v) {
-                Some(value) => Ok((k.clone(), value.to_owned())),
-                None => Err(Error::InvalidArgument(format!(
-                    "profile {:?}: MCP server {server:?} needs {k} from {}, which sessiond did \
-                     not read at startup; set it and restart sessiond",
-                    profile.name,
-                    match v {
-                        SecretValue::Env(var) => format!("the environment variable {var}"),
-                        SecretValue::File(path) => format!("the file {path}"),
-                        SecretValue::Plain(_) => "its value".into(),
-                    }
-                ))),
-            })
-            .collect::<Result<std::collections::HashMap<_, _>>>()
-    };
-    profile
-        .mcp_servers
-        .iter()
-        .map(|s| {
-            let (command, args, env, url, headers) = match &s.transport {
-                McpTransport::Stdio { command, args, env } => (
-                    command.clone(),
-                    args.clone(),
-                    resolve(&s.name, env)?,
-                    String::new(),
-                    Default::default(),
-                ),
-                McpTransport::Http { url, headers } | McpTransport::Sse { url, headers } => (
-                    String::new(),
-                    Vec::new(),
-                    Default::default(),
-                    url.clone(),
-                    resolve(&s.name, headers)?,
-                ),
-            };
-            Ok(pb::McpServer {
-                name: s.name.clone(),
-                r#type: s.transport.kind().to_owned(),
-                command,
-                args,
-                env,
-                url,
-                headers,
-            })
-        })
-        .collect()
-}
-
-pub(crate) fn agent_modes(m: &pb::SessionModes) -> sessiond_domain::AgentModes {
-    sessiond_domain::AgentModes {
-        current: m.current_mode_id.clone(),
-        available: m
-            .available
-            .iter()
-            .map(|m| sessiond_domain::AgentMode {
-                id: m.id.clone(),
-                name: m.name.clone(),
-                description: m.description.clone(),
-            })
-            .collect(),
-        config_options: m
-            .config_options
-            .iter()
-            .map(|o| sessiond_domain::ConfigOption {
-                id: o.id.clone(),
-                name: o.name.clone(),
-                description: o.description.clone(),
-                category: o.category.clone(),
-                kind: o.r#type.clone(),
-                current: o.current_value.clone(),
-                values: o
-                    .values
-                    .iter()
-                    .map(|v| sessiond_domain::ConfigValue {
-                        value: v.value.clone(),
-                        name: v.name.clone(),
-                        description: v.description.clone(),
-                    })
-                    .collect(),
-            })
-            .collect(),
     }
 }

@@ -125,7 +125,7 @@ impl SessionManager {
                 tracing::debug!(%session, error = %e, "prioritised recovery failed");
             }
         }
-        self.ensure_owned(session).await?;
+        crate::replica::Fencing(self).ensure_owned(session).await?;
         Ok(ahead)
     }
 
@@ -134,7 +134,9 @@ impl SessionManager {
     /// pass will recover), claim it for this call; the pass, once its queue
     /// is filled, joins this recovery instead of running its own.
     async fn claim_while_loading(&self, session: SessionId) -> Result<Option<Claim>> {
-        if !self.exclusive() || *self.inner.queue_phase.borrow() != Phase::Loading {
+        if !crate::replica::Fencing(self).exclusive()
+            || *self.inner.queue_phase.borrow() != Phase::Loading
+        {
             return Ok(None);
         }
         let Some(record) = self.inner.store.get_executor_for_session(session).await? else {
@@ -187,7 +189,8 @@ impl SessionManager {
     /// Whether status may answer without waiting for the queue: an
     /// exclusive store's pass is loading (see `recovering_while_loading`).
     pub(crate) fn answers_while_loading(&self) -> bool {
-        self.exclusive() && *self.inner.queue_phase.borrow() == Phase::Loading
+        crate::replica::Fencing(self).exclusive()
+            && *self.inner.queue_phase.borrow() == Phase::Loading
     }
 
     /// Claims `session`'s queue entry: starts its recovery if it is still

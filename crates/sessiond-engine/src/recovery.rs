@@ -220,7 +220,7 @@ impl SessionManager {
         }
         // With other replicas: only what this one could claim (its own from
         // before a restart, free or expired leases); the rest is theirs.
-        let records = self.claim_records(records).await?;
+        let records = crate::replica::Fencing(self).claim_records(records).await?;
         let total = records.len();
         // Profiles are written before the manager serves: read them all once
         // instead of once per executor.
@@ -421,7 +421,7 @@ impl SessionManager {
         };
         for session in stale {
             let id = session.id;
-            if !self.owns(id) {
+            if !crate::replica::Fencing(self).owns(id) {
                 continue;
             }
             let _guard = self.lock_session(id).await;
@@ -584,7 +584,7 @@ impl SessionManager {
         let (record, session) = store.get_executor_and_session(record.id).await?;
         // Only the lease holder recovers (its lease may have gone to another
         // replica since this recovery was queued).
-        self.ensure_owner(&record)?;
+        crate::replica::Fencing(self).ensure_owner(&record)?;
         let preloaded = crate::sync::lock(&self.inner.recovery_profiles)
             .get(&session.agent_profile_id)
             .cloned();
@@ -781,7 +781,7 @@ impl SessionManager {
                 if timed_out {
                     return Ok(Observation::DeadlineExceeded);
                 }
-                match self
+                match crate::ops::Agents(self)
                     .launch_agentctl(&run.record, &run.profile, generation, remaining)
                     .await
                 {
@@ -940,8 +940,12 @@ impl SessionManager {
                     // Not hung: agentctl serves a newer owner. Never
                     // "end the hung agentctl" here: that would kill the
                     // new owner's. This replica stops acting on it.
-                    Ok(Err(e)) if self.executor_refused(run.session.id, &e) => {
-                        return Err(self.not_owner_now(run.session.id).await);
+                    Ok(Err(e))
+                        if crate::replica::Fencing(self).executor_refused(run.session.id, &e) =>
+                    {
+                        return Err(crate::replica::Fencing(self)
+                            .not_owner_now(run.session.id)
+                            .await);
                     }
                     Ok(Err(e)) if e.is_unavailable() => Observation::HostUnreachable {
                         reason: e.to_string(),
@@ -1049,17 +1053,19 @@ impl SessionManager {
                         let attempt = async {
                             match &resume_token {
                                 Some(token) => {
-                                    self.resume_agent_seen(
-                                        &run.record,
-                                        &run.profile,
-                                        token,
-                                        seen,
-                                        no_turn_yet,
-                                    )
-                                    .await
+                                    crate::ops::Agents(self)
+                                        .resume_agent_seen(
+                                            &run.record,
+                                            &run.profile,
+                                            token,
+                                            seen,
+                                            no_turn_yet,
+                                        )
+                                        .await
                                 }
                                 None => {
-                                    self.open_conversation_seen(&run.record, &run.profile, seen)
+                                    crate::ops::Agents(self)
+                                        .open_conversation_seen(&run.record, &run.profile, seen)
                                         .await
                                 }
                             }
@@ -1103,7 +1109,9 @@ impl SessionManager {
                                 retry_in_background,
                             });
                         }
-                        self.stop_agent_quietly(&run.record).await;
+                        crate::ops::Agents(self)
+                            .stop_agent_quietly(&run.record)
+                            .await;
                         self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
                         if load_refused(&e) {
                             let reason = e.to_string();
@@ -1127,7 +1135,9 @@ impl SessionManager {
                         tracing::warn!(session = %sid, executor_id = %run.record.id,
                             took_ms = crate::metrics::ms(began.elapsed()), %silence,
                             "recovery: the agent's launch or resume was cut");
-                        self.stop_agent_quietly(&run.record).await;
+                        crate::ops::Agents(self)
+                            .stop_agent_quietly(&run.record)
+                            .await;
                         (
                             Observation::ResumeInterrupted { reason: silence },
                             Ended::Cut,
@@ -1539,7 +1549,7 @@ impl SessionManager {
         if outcome.executor_status == ExecutorStatus::Error {
             // Nothing of ours may keep running for an executor in error
             // (e.g. a live agentctl whose worktree was deleted).
-            self.end_stray_agentctls(&record).await;
+            crate::ops::Agents(self).end_stray_agentctls(&record).await;
         }
         match outcome.executor_status {
             ExecutorStatus::Stopped => self.cache_remove(sid),
@@ -1700,7 +1710,7 @@ impl SessionManager {
                     return;
                 }
             };
-            let still_ours = me.owns(session)
+            let still_ours = crate::replica::Fencing(&me).owns(session)
                 && current.generation == record.generation
                 && current
                     .error_message
@@ -1740,7 +1750,7 @@ impl SessionManager {
             loop {
                 tokio::time::sleep(backoff.delay(attempt)).await;
                 attempt = attempt.saturating_add(1);
-                if !me.owns(session) {
+                if !crate::replica::Fencing(&me).owns(session) {
                     break; // another replica holds it now
                 }
                 let current = match me.inner.store.get_executor(record.id).await {
@@ -1920,7 +1930,7 @@ impl SessionManager {
                             Some(Heartbeat {
                                 executor: seen.0,
                                 generation: seen.1,
-                                fence: me.fence(session),
+                                fence: crate::replica::Fencing(&me).fence(session),
                             })
                         }
                     })
@@ -1934,7 +1944,7 @@ impl SessionManager {
                     match me.inner.store.touch_executors(chunk.to_vec(), Utc::now()).await {
                         Ok(touched) => {
                             for (fence, e) in touched.lost {
-                                me.lease_lost(fence.session, fence.epoch, "store", &e.to_string());
+                                crate::replica::Fencing(&me).lease_lost(fence.session, fence.epoch, "store", &e.to_string());
                             }
                         }
                         Err(e) => {

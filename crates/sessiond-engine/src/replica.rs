@@ -100,25 +100,86 @@ impl Burst {
     }
 }
 
-impl SessionManager {
+fn chrono_ttl(ttl: Duration) -> chrono::Duration {
+    chrono::Duration::from_std(ttl).unwrap_or(chrono::Duration::days(1))
+}
+
+/// This replica among the backends that share one store
+/// ([`SessionManager::replica`]): its id, the sessions it holds leases on,
+/// its start (heartbeat and adoption of what other replicas lose) and its
+/// graceful handoff.
+#[derive(Clone, Copy)]
+pub struct Replica<'m>(pub(crate) &'m SessionManager);
+
+impl std::fmt::Debug for Replica<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Replica").field(&self.id()).finish()
+    }
+}
+
+impl Replica<'_> {
     /// This replica's id.
-    pub fn replica_id(&self) -> &str {
-        &self.inner.config.replica.id
+    pub fn id(&self) -> &str {
+        &self.0.inner.config.replica.id
     }
 
+    /// Whether this replica holds the lease of `session`'s executor (always
+    /// with an exclusive store).
+    pub fn owns(&self, session: SessionId) -> bool {
+        Fencing(self.0).owns(session)
+    }
+
+    /// Sessions this replica holds leases on now (empty with an exclusive store).
+    pub fn owned_sessions(&self) -> HashSet<SessionId> {
+        Adoptions(self.0).owned_sessions()
+    }
+
+    /// Registers this replica and starts its heartbeat (lease renewal) and,
+    /// unless the store is exclusive, the adoption of expired leases.
+    /// Returns once the replica row is written.
+    pub async fn start(&self, info: ReplicaInfo) -> Result<()> {
+        Adoptions(self.0).start_replica(info).await
+    }
+
+    /// Graceful handoff: ends every lease of this replica now, so the others
+    /// adopt its executors on their next look instead of after the TTL.
+    /// Call after the pumps stopped ([`SessionManager::shutdown`]).
+    pub async fn release_leases(&self) -> Result<usize> {
+        Adoptions(self.0).release_leases().await
+    }
+
+    /// Test hook: each heartbeat first awaits `gate`, so a test can hold a
+    /// replica's belief that it still owns its sessions (as after a pause,
+    /// before its first heartbeat) and prove its writes and agentctl calls
+    /// are fenced, without guessing how long that moment lasts.
+    #[cfg(feature = "test-hooks")]
+    pub fn gate_heartbeat(&self, gate: crate::pass::PassGate) {
+        Adoptions(self.0).gate_heartbeat(gate)
+    }
+}
+
+/// This replica's side of a session's lease: whether it owns the session,
+/// the fencing token its writes and agentctl calls carry, claiming records,
+/// and what a write or call refused as fenced means (the lease is lost).
+pub(crate) struct Fencing<'m>(pub(crate) &'m crate::manager::SessionManager);
+
+impl std::ops::Deref for Fencing<'_> {
+    type Target = crate::manager::SessionManager;
+
+    fn deref(&self) -> &Self::Target {
+        self.0
+    }
+}
+
+impl Fencing<'_> {
     pub(crate) fn exclusive(&self) -> bool {
         self.inner.config.replica.exclusive
     }
 
     /// Whether this replica holds the lease of `session`'s executor (always
     /// with an exclusive store).
-    pub fn owns(&self, session: SessionId) -> bool {
+    pub(crate) fn owns(&self, session: SessionId) -> bool {
         self.inner.leases.owns(session)
-    }
-
-    /// Sessions this replica holds leases on now (empty with an exclusive store).
-    pub fn owned_sessions(&self) -> HashSet<SessionId> {
-        self.inner.leases.owned()
     }
 
     /// Records that this replica holds `session`'s lease at `epoch` (a
@@ -234,7 +295,7 @@ impl SessionManager {
         self.inner.metrics.fenced(by);
         tracing::warn!(%session, epoch, by, reason = why, "fenced: lease epoch superseded, action refused");
         if self.inner.leases.holds_at(session, epoch) {
-            self.relinquish(session);
+            crate::replica::Adoptions(self).relinquish(session);
         }
     }
 
@@ -303,13 +364,13 @@ impl SessionManager {
     /// [`Error::NotOwner`]. A session without an executor needs no owner.
     pub(crate) async fn ensure_owned(&self, session: SessionId) -> Result<()> {
         if self.owns(session) {
-            return self.join_adoption(session).await;
+            return crate::replica::Adoptions(self).join_adoption(session).await;
         }
         let store = &self.inner.store;
         let Some(record) = store.get_executor_for_session(session).await? else {
             return Ok(());
         };
-        let me = self.replica_id().to_owned();
+        let me = crate::replica::Adoptions(self).replica_id().to_owned();
         let held_elsewhere = record.owner_id.as_deref().is_some_and(|o| o != me)
             && record.lease_expires_at.is_some_and(|t| t > Utc::now());
         if !held_elsewhere {
@@ -318,13 +379,13 @@ impl SessionManager {
                 // The adoption loop claimed it meanwhile: claiming it again
                 // would bump the version under the loop's recovery.
                 drop(claims);
-                return self.join_adoption(session).await;
+                return crate::replica::Adoptions(self).join_adoption(session).await;
             }
             let claimed = self.claim_records(vec![record.clone()]).await?;
             drop(claims);
             if let Some(record) = claimed.into_iter().next() {
                 tracing::info!(%session, executor_id = %record.id, "executor adopted by a call");
-                if self.adoptable(&record) {
+                if crate::replica::Adoptions(self).adoptable(&record) {
                     self.recover_shared_in(record, Lane::Call).await?;
                 }
                 return Ok(());
@@ -386,6 +447,31 @@ impl SessionManager {
             .map(|r| r.address);
         self.not_owner(&record, address)
     }
+}
+
+/// Sessions other replicas lost: the adoption loop that claims their
+/// expired leases and recovers them, this replica's heartbeat, and the
+/// relay of other replicas' events to local watchers.
+pub(crate) struct Adoptions<'m>(pub(crate) &'m crate::manager::SessionManager);
+
+impl std::ops::Deref for Adoptions<'_> {
+    type Target = crate::manager::SessionManager;
+
+    fn deref(&self) -> &Self::Target {
+        self.0
+    }
+}
+
+impl Adoptions<'_> {
+    /// This replica's id.
+    pub(crate) fn replica_id(&self) -> &str {
+        &self.inner.config.replica.id
+    }
+
+    /// Sessions this replica holds leases on now (empty with an exclusive store).
+    pub(crate) fn owned_sessions(&self) -> HashSet<SessionId> {
+        self.inner.leases.owned()
+    }
 
     /// Whether recovery runs on a claimed executor (what startup recovery
     /// would load: `starting` / `ready`, or `error` while retried in the
@@ -416,25 +502,25 @@ impl SessionManager {
     /// Registers this replica and starts its heartbeat (lease renewal) and,
     /// unless the store is exclusive, the adoption of expired leases.
     /// Returns once the replica row is written.
-    pub async fn start_replica(&self, info: ReplicaInfo) -> Result<()> {
+    pub(crate) async fn start_replica(&self, info: ReplicaInfo) -> Result<()> {
         self.inner.store.register_replica(info.clone()).await?;
         let ttl = self.inner.config.replica.lease_ttl;
         let every = (ttl / 3).max(Duration::from_millis(50));
-        let me = self.clone();
+        let me = self.0.clone();
         self.spawn_background(async move {
             loop {
                 tokio::time::sleep(every).await;
-                me.heartbeat(&info).await;
+                Adoptions(&me).heartbeat(&info).await;
             }
         });
-        if !self.exclusive() {
+        if !crate::replica::Fencing(self).exclusive() {
             self.start_event_relay();
-            let me = self.clone();
+            let me = self.0.clone();
             let every = every.min(Duration::from_secs(1));
             self.spawn_background(async move {
                 // The startup pass claims this replica's own executors first.
                 me.wait_first_recovery().await;
-                me.adoption_loop(every).await;
+                Adoptions(&me).adoption_loop(every).await;
             });
         }
         Ok(())
@@ -479,7 +565,7 @@ impl SessionManager {
             return Some(f.clone());
         }
         let record = entry.record.clone();
-        let me = self.clone();
+        let me = self.0.clone();
         // On a task of its own, so a caller that goes away does not cut it short.
         let task = self.spawn_background(tracing::Instrument::in_current_span(async move {
             me.recover_shared_in(record, lane).await
@@ -517,7 +603,7 @@ impl SessionManager {
     /// before its first heartbeat) and prove its writes and agentctl calls
     /// are fenced, without guessing how long that moment lasts.
     #[cfg(feature = "test-hooks")]
-    pub fn gate_heartbeat(&self, gate: crate::pass::PassGate) {
+    pub(crate) fn gate_heartbeat(&self, gate: crate::pass::PassGate) {
         *lock(&self.inner.heartbeat_gate) = Some(gate);
     }
 
@@ -619,10 +705,10 @@ impl SessionManager {
                             let Ok(slot) = slots.clone().acquire_owned().await else {
                                 return;
                             };
-                            let me = self.clone();
+                            let me = self.0.clone();
                             let done = done_tx.clone();
                             self.spawn_background(async move {
-                                let ok = me.adopt_one(session).await;
+                                let ok = Adoptions(&me).adopt_one(session).await;
                                 drop(slot);
                                 let _ = done.send(ok);
                             });
@@ -704,7 +790,7 @@ impl SessionManager {
                 }
             }
             for c in claimed {
-                self.mark_owned(c.record.session_id, c.epoch);
+                crate::replica::Fencing(self).mark_owned(c.record.session_id, c.epoch);
                 if self.adoptable(&c.record) {
                     sessions.push(c.record.session_id);
                     adoptions.insert(
@@ -759,10 +845,10 @@ impl SessionManager {
         let Some(mut wakes) = self.inner.store.listen_events(self.replica_id()) else {
             return;
         };
-        let me = self.clone();
+        let me = self.0.clone();
         self.spawn_background(async move {
             while let Some(wake) = wakes.recv().await {
-                if let Err(e) = me.relay(wake).await {
+                if let Err(e) = Adoptions(&me).relay(wake).await {
                     tracing::debug!(error = %e, "event from another replica not relayed");
                 }
             }
@@ -807,8 +893,8 @@ impl SessionManager {
     /// Graceful handoff: ends every lease of this replica now, so the others
     /// adopt its executors on their next look instead of after the TTL.
     /// Call after the pumps stopped ([`SessionManager::shutdown`]).
-    pub async fn release_leases(&self) -> Result<usize> {
-        if self.exclusive() {
+    pub(crate) async fn release_leases(&self) -> Result<usize> {
+        if crate::replica::Fencing(self).exclusive() {
             return Ok(0);
         }
         let n = self
@@ -819,8 +905,4 @@ impl SessionManager {
         self.inner.leases.released_all();
         Ok(n)
     }
-}
-
-fn chrono_ttl(ttl: Duration) -> chrono::Duration {
-    chrono::Duration::from_std(ttl).unwrap_or(chrono::Duration::days(1))
 }

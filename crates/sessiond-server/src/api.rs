@@ -333,7 +333,7 @@ impl Api {
     async fn route(&self, session: SessionId, origin: &Origin) -> ApiResult<Option<Owner>> {
         // Already ours: the call's own recovery step (which may pause the
         // startup pass for it) does the rest.
-        if self.manager.owns(session) {
+        if self.manager.replica().owns(session) {
             return Ok(None);
         }
         match self.manager.ensure_recovered(session).await {
@@ -794,7 +794,7 @@ impl pb::session_service_server::SessionService for Api {
         reply(
             async {
                 let now = chrono::Utc::now();
-                let me = self.manager.replica_id().to_owned();
+                let me = self.manager.replica().id().to_owned();
                 let mut replicas = self.store.list_replicas(now).await?;
                 // One process on its own store holds no leases: it owns
                 // every live executor.

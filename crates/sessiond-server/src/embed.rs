@@ -217,7 +217,7 @@ impl SessiondBuilder {
                 manager.gate_recovery_pass(gate);
             }
             if let Some(gate) = self.heartbeat_gate {
-                manager.gate_heartbeat(gate);
+                manager.replica().gate_heartbeat(gate);
             }
         }
         if let Some(docker) = docker {
@@ -520,7 +520,8 @@ impl Sessiond {
             .replica
             .advertised(address, self.config.tls.is_some());
         self.manager
-            .start_replica(sessiond_store::ReplicaInfo {
+            .replica()
+            .start(sessiond_store::ReplicaInfo {
                 id: self.replica_id.clone(),
                 address: advertised.clone(),
                 hostname: crate::replica::hostname(),
@@ -606,7 +607,7 @@ impl Sessiond {
     pub async fn release(self) {
         // After the calls ended, so nothing of ours acts on an executor
         // another replica took.
-        match self.manager.release_leases().await {
+        match self.manager.replica().release_leases().await {
             Ok(0) => {}
             Ok(n) => tracing::info!(executors = n, "leases released for the other replicas"),
             Err(e) => tracing::warn!(error = %e, "leases not released; others adopt after the TTL"),

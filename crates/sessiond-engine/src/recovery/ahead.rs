@@ -112,7 +112,8 @@ impl SessionManager {
         // would hold up the workspace's return (the resume step waits).
         let mut permit = None;
         if let Some(token) = &intent
-            && let Ok(launch) = self.launch_request(&run.profile, run.record.runtime)
+            && let Ok(launch) =
+                crate::ops::Agents(self).launch_request(&run.profile, run.record.runtime)
             && let Some(p) = self.inner.launches.try_acquire(host_of(&run.record))
         {
             request.launch = Some(launch);
@@ -244,7 +245,10 @@ impl SessionManager {
                 {
                     let reason = e.to_string();
                     match self.client(&run.record) {
-                        Ok(client) => match self.new_conversation(&client, &run.record).await {
+                        Ok(client) => match crate::ops::Agents(self)
+                            .new_conversation(&client, &run.record)
+                            .await
+                        {
                             Ok(token) => Ok(Resumed::Replaced { token, reason }),
                             Err(new) => Err(Error::Agent {
                                 call: "NewSession",
@@ -283,7 +287,9 @@ impl SessionManager {
             return None;
         }
         let client = self.client(&run.record).ok()?;
-        let launch = self.launch_request(&run.profile, run.record.runtime).ok()?;
+        let launch = crate::ops::Agents(self)
+            .launch_request(&run.profile, run.record.runtime)
+            .ok()?;
         let request = pb::RecoverRequest {
             generation: run.record.generation,
             launch: Some(launch),
@@ -333,7 +339,9 @@ impl SessionManager {
         if launched {
             tracing::info!(session = %run.session.id, executor_id = %run.record.id,
                 "recovery: stopping the agent the health check launched, which the outcome does not use");
-            self.stop_agent_quietly(&run.record).await;
+            crate::ops::Agents(self)
+                .stop_agent_quietly(&run.record)
+                .await;
             self.cache_update(run.session.id, |e| e.agent = AgentProcessState::NotRunning);
         }
     }

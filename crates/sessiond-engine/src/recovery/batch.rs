@@ -52,7 +52,10 @@ async fn writer(me: SessionManager, mut rx: mpsc::UnboundedReceiver<OutcomeCommi
         let (changes, replies): (Vec<_>, Vec<_>) = items.drain(..).unzip();
         let fences: Vec<_> = changes
             .iter()
-            .map(|c| c.subject().and_then(|s| me.fence(s)))
+            .map(|c| {
+                c.subject()
+                    .and_then(|s| crate::replica::Fencing(&me).fence(s))
+            })
             .collect();
         let fenced = changes
             .iter()
@@ -75,9 +78,14 @@ async fn writer(me: SessionManager, mut rx: mpsc::UnboundedReceiver<OutcomeCommi
                             if let Some(f) = &fence
                                 && e.is_lease_lost()
                             {
-                                me.lease_lost(f.session, f.epoch, "store", &e.to_string());
+                                crate::replica::Fencing(&me).lease_lost(
+                                    f.session,
+                                    f.epoch,
+                                    "store",
+                                    &e.to_string(),
+                                );
                             }
-                            Err(me.lease_error(e))
+                            Err(crate::replica::Fencing(&me).lease_error(e))
                         }
                     };
                     let _ = reply.send(result);

@@ -199,7 +199,8 @@ impl Pump {
                     r
                 }
                 Err(status) => {
-                    if self.mgr.executor_refused(self.session_id, &status) {
+                    if crate::replica::Fencing(&self.mgr).executor_refused(self.session_id, &status)
+                    {
                         return;
                     }
                     failures += 1;
@@ -382,7 +383,7 @@ impl Pump {
             let add = titled(Changeset::new())
                 .add_message(m.clone())
                 .event(self.session_id, EventPayload::MessageAdded(m.clone()));
-            match self.mgr.store_commit(add).await {
+            match crate::replica::Fencing(&self.mgr).store_commit(add).await {
                 Ok(c) => {
                     self.mgr.inner.bus.publish(&c.events);
                     self.parts.insert(id, a.rev);
@@ -411,7 +412,9 @@ impl Pump {
                 Err(e) => return Err(e.into()),
             }
         };
-        let c = self.mgr.store_commit(change).await?;
+        let c = crate::replica::Fencing(&self.mgr)
+            .store_commit(change)
+            .await?;
         self.mgr.inner.bus.publish(&c.events);
         self.parts.insert(id, a.rev);
         Ok(())
@@ -571,7 +574,10 @@ impl Pump {
             return Ok(());
         }
         let change = self.message_change(p, complete, Changeset::new());
-        match self.mgr.store_commit(change).await {
+        match crate::replica::Fencing(&self.mgr)
+            .store_commit(change)
+            .await
+        {
             Ok(c) => self.mgr.inner.bus.publish(&c.events),
             Err(sessiond_store::Error::AlreadyExists { .. }) if !p.stored => {
                 // Replayed after a restart: the message exists. The replay
@@ -607,7 +613,9 @@ impl Pump {
                 }
                 if complete || again.content.len() > again.floor.len() {
                     let change = self.message_change(&again, complete, Changeset::new());
-                    let c = self.mgr.store_commit(change).await?;
+                    let c = crate::replica::Fencing(&self.mgr)
+                        .store_commit(change)
+                        .await?;
                     self.mgr.inner.bus.publish(&c.events);
                 }
                 again.dirty = false;

@@ -95,7 +95,9 @@ impl SessionManager {
             .update_session(next)
             .event(session_id, EventPayload::QueueChanged(queued));
         if let Err(e) = self.commit(change).await {
-            return Err(self.unless_lost(session_id, e).await);
+            return Err(crate::replica::Fencing(self)
+                .unless_lost(session_id, e)
+                .await);
         }
         tracing::info!(session = %session_id, message = %id, "queued message cancelled");
         Ok(cancelled)
@@ -163,7 +165,7 @@ impl SessionManager {
     }
 
     async fn deliver_queued(&self, session_id: SessionId) -> Result<()> {
-        if !self.owns(session_id) {
+        if !crate::replica::Fencing(self).owns(session_id) {
             return Ok(());
         }
         let _guard = self.lock_session(session_id).await;

@@ -195,7 +195,9 @@ impl Pump {
                 }
             }
             // A superseded lease: the new owner settles the turn.
-            Err(e) if self.mgr.executor_refused(self.session_id, &e) => Ok(()),
+            Err(e) if crate::replica::Fencing(&self.mgr).executor_refused(self.session_id, &e) => {
+                Ok(())
+            }
             Err(e) if e.failure() == sessiond_executor::Failure::FailedPrecondition => {
                 drop(guard);
                 self.end_interrupted(turn, &e.answer()).await
