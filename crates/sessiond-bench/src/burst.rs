@@ -317,9 +317,9 @@ async fn pass(
     let started = Instant::now();
     let run = tokio::spawn({
         let manager = manager.clone();
-        async move { manager.recover_all().await }
+        async move { manager.recovery().recover_all().await }
     });
-    manager.wait_workspaces_recovered().await;
+    manager.recovery().wait_workspaces_recovered().await;
     let serving_seen = started.elapsed();
     let summary = run.await??;
     let mut errors = 0;

@@ -189,9 +189,9 @@ pub async fn recover_with(
 ) -> anyhow::Result<(Duration, String)> {
     let store = open(url).await?;
     let manager = SessionManager::new(store, drivers, manager_config());
-    manager.set_recovery_priority(priority);
+    manager.recovery().set_recovery_priority(priority);
     let t = Instant::now();
-    let summary = manager.recover_all().await?;
+    let summary = manager.recovery().recover_all().await?;
     let took = t.elapsed();
     manager.shutdown();
     let outcomes = summary

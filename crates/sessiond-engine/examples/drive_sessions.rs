@@ -136,7 +136,7 @@ async fn main() -> Result<(), BoxError> {
     say(format!("backend restarted; agentctl {pid} killed"));
 
     let manager = SessionManager::new(store.clone(), drivers(), config);
-    let summary = manager.recover_all().await?;
+    let summary = manager.recovery().recover_all().await?;
     say(format!("startup recovery: {:?}", summary.counts));
     let status = manager.session_status(task.id, session.id).await?;
     assert!(status.needs_resume, "after the restart: {status:?}");

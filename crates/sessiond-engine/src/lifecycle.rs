@@ -15,6 +15,7 @@ use sessiond_store::Changeset;
 use crate::{
     changes::{executor_moved, transition},
     error::{Error, Result},
+    flows::RecoverFirst,
     manager::SessionManager,
     ops::probe_verdict,
     turn::{CURSOR_KEY, cursor_value},
@@ -247,7 +248,7 @@ impl SessionManager {
             updated_at: now,
         };
         let mut record = record;
-        crate::replica::Fencing(self).new_lease(&mut record);
+        crate::lease::Fencing(self).new_lease(&mut record);
         let (mut starting, ev) = transition(&created, SessionEvent::LaunchRequested, None)?;
         starting.agent_execution_id = Some(record.execution_id());
         let mut change = Changeset::new()
@@ -267,7 +268,7 @@ impl SessionManager {
         change = change.task_event(req.task_id, TaskEvent::WorkStarted);
         let committed = store.create_session_with(&created, change).await?;
         // After the commit: a heartbeat never sees it owned before the row exists.
-        crate::replica::Fencing(self).mark_owned(
+        crate::lease::Fencing(self).mark_owned(
             session_id,
             committed.executor.as_ref().map_or(0, |e| e.lease_epoch),
         );
@@ -598,10 +599,10 @@ impl SessionManager {
             // Fenced twice: before the removal (a replica resumed after a
             // pause does not remove what another one adopted) and with the
             // delete itself.
-            let fence = crate::replica::Fencing(self).fence(session_id);
+            let fence = crate::lease::Fencing(self).fence(session_id);
             if let Some(f) = &fence {
                 let checked = self.inner.store.check_lease(f.clone()).await;
-                crate::replica::Fencing(self).fenced_result(f, checked)?;
+                crate::lease::Fencing(self).fenced_result(f, checked)?;
             }
             let driver = self.driver(record.runtime)?;
             driver.remove(&ExecutorHandle::from_record(&record)).await?;
@@ -611,7 +612,7 @@ impl SessionManager {
                 .delete_executor(record.id, fence.clone())
                 .await;
             match &fence {
-                Some(f) => crate::replica::Fencing(self).fenced_result(f, deleted)?,
+                Some(f) => crate::lease::Fencing(self).fenced_result(f, deleted)?,
                 None => deleted?,
             };
         }
@@ -627,7 +628,7 @@ impl SessionManager {
         // the caller sees why and can delete again.
         self.inner.store.mark_session_deleted(session_id).await?;
         // No executor row, no lease: later writes need no fence.
-        crate::replica::Fencing(self).forget_lease(session_id);
+        crate::lease::Fencing(self).forget_lease(session_id);
         self.cache_remove(session_id);
         Ok(())
     }

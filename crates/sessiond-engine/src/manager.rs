@@ -12,10 +12,7 @@ use std::{
 };
 
 use futures::{FutureExt, future::BoxFuture};
-use sessiond_domain::{
-    AgentProcessState, ExecutionView, ExecutorRecord, Runtime, Session, SessionId, SessionStatus,
-    TaskId,
-};
+use sessiond_domain::{ExecutorRecord, Runtime, Session, SessionId, TaskId};
 use sessiond_executor::{AgentctlClient, Executor, ExecutorHandle};
 use sessiond_store::{Changeset, Committed, Store};
 use tokio::{sync::OwnedMutexGuard, task::AbortHandle};
@@ -24,7 +21,7 @@ use crate::{
     config::ManagerConfig,
     error::{Error, Result},
     events::{self, EventBus, EventStream},
-    sessions::{Execution, OpKind, OpOutcome, Sessions, SharedOp, StatusEntry},
+    sessions::{Execution, OpKind, OpOutcome, Sessions, SharedOp},
     sync::lock,
 };
 
@@ -75,11 +72,11 @@ pub(crate) struct Inner {
     /// longer than the window does not use the window up.
     pub started_at: chrono::DateTime<chrono::Utc>,
     /// Becomes true when the first `recover_all` of this manager finished.
-    first_recovery: tokio::sync::watch::Sender<bool>,
+    pub(crate) first_recovery: tokio::sync::watch::Sender<bool>,
     /// Becomes true when the first pass has every workspace back (each
     /// executor reattached, relaunched up to its agent's launch, or failed):
     /// the backend serves from then on while agents still relaunch.
-    workspaces_back: tokio::sync::watch::Sender<bool>,
+    pub(crate) workspaces_back: tokio::sync::watch::Sender<bool>,
     /// Admission of agent launches per host (`launches.rs`).
     pub(crate) launches: crate::launches::LaunchScheduler,
     /// Where each session's agent recovery stands (`progress.rs`).
@@ -141,7 +138,7 @@ pub(crate) struct Inner {
 /// let manager = SessionManager::new(store, drivers, ManagerConfig::default());
 ///
 /// // After a restart: reattach to, or resume, what ran before.
-/// let summary = manager.recover_all().await?;
+/// let summary = manager.recovery().recover_all().await?;
 /// println!("recovered: {:?}", summary.counts);
 ///
 /// let session = manager
@@ -287,152 +284,6 @@ impl SessionManager {
         }
     }
 
-    /// Session state and its execution's status, for this session only
-    /// (GetSessionStatus).
-    ///
-    /// Answered from memory: the session row and the profile's claim come
-    /// from the status snapshot (loaded from the store on first use, in one
-    /// round trip, then replaced by every `SessionManager::commit`), the
-    /// execution from the executors cache, or, for a session this manager
-    /// never wrote, from the record loaded with the snapshot.
-    pub async fn session_status(&self, task: TaskId, session: SessionId) -> Result<SessionStatus> {
-        // While an exclusive store's pass loads its executors, answer at
-        // once from the records (a live executor is about to be recovered)
-        // instead of waiting for the load of all of them.
-        let loading = self.answers_while_loading();
-        if !loading {
-            self.queue_filled().await;
-        }
-        // Another replica's session changes under us: read what it committed.
-        let elsewhere = !crate::replica::Fencing(self).owns(session);
-        let (cached, cached_view) = if elsewhere {
-            (None, None)
-        } else {
-            self.inner.sessions.status_and_view(session)
-        };
-        let snap = match cached {
-            Some(e) => e,
-            None if elsewhere => self.read_status_inputs(session).await?,
-            None => self.load_status_inputs(session).await?,
-        };
-        let s = &snap.session;
-        if s.task_id != task {
-            return Err(Error::WrongTask {
-                session_id: session,
-                requested: task,
-                actual: s.task_id,
-            });
-        }
-        let view = cached_view.or(snap.record);
-        let status = sessiond_domain::session_status(s, view.as_ref(), snap.profile_claim);
-        if !elsewhere
-            && let Some(progress) = self.inner.agent_recoveries.view(
-                session,
-                self.inner.config.max_attempts,
-                self.inner.launches.place(session),
-            )
-            // An ERROR is committed a moment before the last attempt's
-            // progress is dropped: it ended the recovery already.
-            && !s.state.is_terminal()
-            && s.state != sessiond_domain::SessionState::Error
-        {
-            return Ok(status.agent_recovering(progress));
-        }
-        let recovering = if loading {
-            self.recovering_while_loading(session, view.as_ref())
-        } else {
-            self.is_recovering(session)
-        };
-        Ok(if recovering {
-            status.recovering()
-        } else {
-            status
-        })
-    }
-
-    /// A session's status inputs as stored now, not kept (a session another
-    /// replica owns). Whether its agent runs is not stored: it is taken as
-    /// running while a live lease holder keeps the executor ready and the
-    /// session live, since that owner moves the session to ERROR when its
-    /// agent exits (pump, liveness check). Exact only on the owner.
-    async fn read_status_inputs(&self, session: SessionId) -> Result<StatusEntry> {
-        let (s, profile_claim, record) = self.inner.store.session_status_inputs(session).await?;
-        let record = record.map(|r| {
-            let mut view = ExecutionView::from_record(&r);
-            let held =
-                r.owner_id.is_some() && r.lease_expires_at.is_some_and(|t| t > chrono::Utc::now());
-            if held
-                && r.status == sessiond_domain::ExecutorStatus::Ready
-                && matches!(
-                    s.state,
-                    sessiond_domain::SessionState::Running
-                        | sessiond_domain::SessionState::WaitingForInput
-                )
-            {
-                view.agent = AgentProcessState::Running;
-            }
-            view
-        });
-        Ok(StatusEntry {
-            session: Arc::new(s),
-            profile_claim,
-            record,
-        })
-    }
-
-    /// Reads a session's status inputs from the store and keeps them in the
-    /// snapshot, unless a commit or removal of any session happened while
-    /// reading (then what was read is answered once and not kept).
-    async fn load_status_inputs(&self, session: SessionId) -> Result<StatusEntry> {
-        let generation = self.inner.sessions.status_generation();
-        let (s, profile_claim, record) = self.inner.store.session_status_inputs(session).await?;
-        let (_, entry) = crate::sessions::status_entry(s, profile_claim, record.as_ref());
-        Ok(self.inner.sessions.keep_loaded(session, generation, entry))
-    }
-
-    /// Loads the status snapshot of every session with a live (not
-    /// `stopped`) executor record in one store call, so GetSessionStatus answers them from memory from
-    /// the first call (`sessiond serve` runs it after startup recovery,
-    /// before reporting SERVING). A session committed or removed while this
-    /// reads is left to load on its first call; an entry already present is
-    /// kept (it is at least as new). Returns how many entries it added.
-    pub async fn load_status_snapshot(&self) -> Result<usize> {
-        if !self.inner.sessions.begin_status_load() {
-            return Ok(0); // another load is running; it fills the same entries
-        }
-        let read = self.inner.store.managed_session_status_inputs().await;
-        let entries = read.as_ref().ok().map(|rows| {
-            rows.iter()
-                .map(|(s, claim, r)| crate::sessions::status_entry(s.clone(), *claim, r.as_ref()))
-                .collect()
-        });
-        let added = self.inner.sessions.end_status_load(entries);
-        read?;
-        Ok(added)
-    }
-
-    pub(crate) async fn status_of(&self, s: &Session) -> Result<SessionStatus> {
-        let profile = self
-            .inner
-            .store
-            .get_agent_profile(s.agent_profile_id)
-            .await?;
-        let view = match self.execution(s.id) {
-            Some(e) => Some(e.view()),
-            None => self
-                .inner
-                .store
-                .get_executor_for_session(s.id)
-                .await?
-                .map(|r| ExecutionView::from_record(&r)),
-        };
-        Ok(sessiond_domain::session_status(
-            s,
-            view.as_ref(),
-            profile.supports_session_resume,
-        ))
-    }
-
     /// The session's events after `after_seq` from the outbox, then live
     /// ones; no gap, no duplicate. Fails at once if the session does not exist.
     pub async fn watch_session(&self, session: SessionId, after_seq: i64) -> Result<EventStream> {
@@ -519,11 +370,6 @@ impl SessionManager {
             .client(record.session_id, url, &record.auth_secret)
     }
 
-    /// This replica: its id, leases, start and handoff.
-    pub fn replica(&self) -> crate::replica::Replica<'_> {
-        crate::replica::Replica(self)
-    }
-
     /// Whether the session's updates are parked (no pump, no stream open).
     pub fn is_parked(&self, session: SessionId) -> bool {
         self.inner.sessions.is_parked(session)
@@ -532,10 +378,10 @@ impl SessionManager {
     /// Commits (fenced by this replica's lease, see
     /// [`SessionManager::store_commit`]) and then publishes what was committed.
     pub(crate) async fn commit(&self, change: Changeset) -> Result<Committed> {
-        let committed = crate::replica::Fencing(self)
+        let committed = crate::lease::Fencing(self)
             .store_commit(change)
             .await
-            .map_err(|e| crate::replica::Fencing(self).lease_error(e))?;
+            .map_err(|e| crate::lease::Fencing(self).lease_error(e))?;
         self.after_commit(&committed);
         Ok(committed)
     }
@@ -581,7 +427,7 @@ impl SessionManager {
     /// holds the session (a session's task never changes, and a removed
     /// session leaves the snapshot): no store read on a call's hot path.
     pub(crate) async fn check_task(&self, task: TaskId, session: SessionId) -> Result<()> {
-        let known = crate::replica::Fencing(self).owns(session)
+        let known = crate::lease::Fencing(self).owns(session)
             && self
                 .inner
                 .sessions
@@ -591,42 +437,6 @@ impl SessionManager {
             self.session_of_task(task, session).await?;
         }
         Ok(())
-    }
-
-    /// Records that a startup recovery pass has finished.
-    pub(crate) fn mark_first_recovery_done(&self) {
-        self.inner.workspaces_back.send_replace(true);
-        self.inner.first_recovery.send_replace(true);
-    }
-
-    /// Records that the first pass has every workspace back.
-    pub(crate) fn mark_workspaces_back(&self) {
-        self.inner.workspaces_back.send_replace(true);
-    }
-
-    /// Whether the first startup recovery pass has every executor's
-    /// workspace back (reattached, relaunched up to the agent, or failed):
-    /// what health reports SERVING on. Agents may still be relaunching;
-    /// their sessions show `recovering` with their progress.
-    pub fn workspaces_recovered(&self) -> bool {
-        *self.inner.workspaces_back.borrow()
-    }
-
-    /// Waits until [`Self::workspaces_recovered`].
-    pub async fn wait_workspaces_recovered(&self) {
-        let mut rx = self.inner.workspaces_back.subscribe();
-        let _ = rx.wait_for(|done| *done).await;
-    }
-
-    /// Whether a startup recovery pass of this manager has finished.
-    pub fn first_recovery_done(&self) -> bool {
-        *self.inner.first_recovery.borrow()
-    }
-
-    /// Waits until a startup recovery pass of this manager has finished.
-    pub(crate) async fn wait_first_recovery(&self) {
-        let mut rx = self.inner.first_recovery.subscribe();
-        let _ = rx.wait_for(|done| *done).await;
     }
 
     /// Registers a background task so `shutdown` can end it.

@@ -8,6 +8,7 @@ use sessiond_executor::Failure;
 
 use crate::{
     error::{Error, Result},
+    flows::RecoverFirst,
     manager::SessionManager,
     ops::agent_modes,
 };

@@ -285,7 +285,7 @@ impl Agents<'_> {
             image: profile.container_image().map(str::to_owned),
             // Every call of the launch carries this replica's lease epoch,
             // the readiness check included.
-            lease_epoch: crate::replica::Fencing(self)
+            lease_epoch: crate::lease::Fencing(self)
                 .fence(record.session_id)
                 .map(|f| f.epoch),
             repository: record

@@ -109,3 +109,13 @@ pub(crate) type OutcomeCommit = (Changeset, oneshot::Sender<Result<Committed>>);
 pub(crate) struct Outcomes {
     pub(crate) tx: mpsc::UnboundedSender<OutcomeCommit>,
 }
+
+/// A call's precedence over the pass: while one is held, the pass's
+/// recoveries pause between steps; dropping it ends the precedence.
+pub(crate) struct CallRecovery(pub(crate) tokio::sync::watch::Sender<usize>);
+
+impl Drop for CallRecovery {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}

@@ -25,6 +25,7 @@ use sessiond_store::Changeset;
 
 use crate::{
     error::{Error, Result},
+    flows::RecoverFirst,
     manager::SessionManager,
 };
 

@@ -23,14 +23,13 @@ use std::{
 use chrono::Utc;
 use futures::{FutureExt, StreamExt};
 use sessiond_domain::{
-    Action, AgentProcessState, AgentProfile, EventPayload, ExecutorEvent, ExecutorId,
-    ExecutorRecord, ExecutorStatus, Observation, OutcomeLabel, Recovery, RecoveryFailure,
-    RecoveryInput, RecoveryOutcome, RecoveryStage, Runtime, Session, SessionId, SessionState,
-    SurvivingAgent, TaskEvent,
+    Action, AgentProcessState, AgentProfile, EventPayload, ExecutorEvent, ExecutorRecord,
+    ExecutorStatus, Observation, OutcomeLabel, Recovery, RecoveryFailure, RecoveryInput,
+    RecoveryOutcome, RecoveryStage, Runtime, Session, SessionId, SessionState, SurvivingAgent,
+    TaskEvent,
 };
-use sessiond_executor::{AgentState, ExecutorHandle, Health, Probe};
-use sessiond_proto::agentctl::v1 as pb;
-use sessiond_store::{Changeset, Heartbeat, Store, Yield};
+use sessiond_executor::{AgentState, ExecutorHandle, Probe};
+use sessiond_store::{Changeset, Store, Yield};
 
 use crate::{
     changes::executor_moved,
@@ -38,16 +37,20 @@ use crate::{
     launches::{Ended, Priority, host_of},
     manager::SessionManager,
     ops::{Resumed, load_refused, probe_verdict, surviving_agent},
-    pass::{Claim, Lane, Outcomes, PassTicket, PendingWorkspaces, SharedRecovery},
+    pass::{CallRecovery, Claim, Lane, Outcomes, PassTicket, PendingWorkspaces, SharedRecovery},
+    recovery::queue::Queue,
     sessions::{OpKind, OpOutcome},
     turn::{pending_turn, turn_in_flight},
 };
 
 mod ahead;
-mod batch;
+mod doorbell;
+mod sweep;
 
-/// How many executors the liveness check asks at once.
-const LIVENESS_CONCURRENCY: usize = 16;
+pub use sweep::SweepReport;
+mod batch;
+pub(crate) mod liveness;
+pub(crate) mod queue;
 
 /// Executors the pass reads at once (see `load_recoverable`).
 const LOAD_PAGE: u32 = 1_000;
@@ -164,10 +167,304 @@ struct Run {
     outcomes: Option<Outcomes>,
 }
 
+/// A remote host stopped answering while the backend runs (a network blip,
+/// the host restarting): the executor goes `error` with the `reconnecting:`
+/// code and the session keeps its state — the status shows the reconnect —
+/// and the background reconnect ([`SessionManager::spawn_reconnect`]) runs
+/// recovery when the host answers again, which reattaches or resumes without
+/// a user call. The caller then spawns that reconnect.
+/// Whether an executor in `error` is still retried in the background (a
+/// remote host reconnecting inside its window, a Docker engine that did not
+/// answer), so recovery takes it up like a live one.
+pub(crate) fn retried_in_background(
+    r: &ExecutorRecord,
+    drivers: &std::collections::HashMap<Runtime, Arc<dyn sessiond_executor::Executor>>,
+    config: &crate::ManagerConfig,
+    started_at: chrono::DateTime<Utc>,
+) -> bool {
+    let code = |c: &str| r.error_message.as_deref().is_some_and(|m| m.starts_with(c));
+    if r.status == ExecutorStatus::Error && code(RECOVERING) {
+        return drivers.contains_key(&r.runtime);
+    }
+    r.status == ExecutorStatus::Error
+        && match r.runtime {
+            Runtime::Remote => {
+                drivers.contains_key(&Runtime::Remote)
+                    && code(RECONNECTING)
+                    && window_open(r, config.remote_retry_window, Utc::now(), started_at)
+            }
+            Runtime::LocalDocker => {
+                drivers.contains_key(&Runtime::LocalDocker) && code(DOCKER_UNAVAILABLE)
+            }
+            Runtime::LocalStandalone => false,
+            // Parked while no driver served it: taken up again once one does.
+            Runtime::Custom(_) => drivers.contains_key(&r.runtime) && code(RUNTIME_NOT_REGISTERED),
+        }
+}
+
+/// The session's agent is back (resumed, opened, reattached), or recovery was not
+/// to bring it back (the policy, an ended session): nothing to report.
+fn agent_back_or_left_alone(label: OutcomeLabel) -> bool {
+    label.agent_back() || matches!(label, OutcomeLabel::ExecutorOnly | OutcomeLabel::Stopped)
+}
+
+/// An agent's launch or resume failed in a way load or a passing fault can
+/// cause (the agent exited while starting, agentctl or the agent did not
+/// answer), as opposed to a verdict (the agent refused, authentication, a
+/// bad profile): another attempt may succeed.
+fn passes_by_itself(e: &Error) -> bool {
+    match e {
+        Error::Agent {
+            failure, message, ..
+        } => {
+            matches!(
+                failure,
+                sessiond_executor::Failure::NoAnswer | sessiond_executor::Failure::Transient
+            ) && !message.contains("requires authentication")
+        }
+        other => other.is_transport(),
+    }
+}
+
+/// The executor's error while its lost agentctl is recovered in the
+/// background (code `recovering`).
+pub(crate) fn lost_agentctl_recovering(reason: &str) -> String {
+    format!(
+        "{RECOVERING} agentctl stopped answering ({reason}); the session recovers by itself, \
+         retrying in the background"
+    )
+}
+
+/// The background reconnect window of a remote executor is still open:
+/// counted from its last sign of life, but never from before the backend
+/// started (its own outage must not use the window up).
+pub(crate) fn window_open(
+    record: &ExecutorRecord,
+    window: Duration,
+    now: chrono::DateTime<Utc>,
+    backend_started: chrono::DateTime<Utc>,
+) -> bool {
+    let since = record
+        .last_seen_at
+        .unwrap_or(record.updated_at)
+        .max(backend_started);
+    let window = chrono::Duration::from_std(window).unwrap_or(chrono::Duration::MAX);
+    since + window > now
+}
+
 impl SessionManager {
+    /// Recovery: the startup pass, a call's recovery of its session ahead
+    /// of the pass, liveness checks, the doorbell and the orphan sweep.
+    pub fn recovery(&self) -> RecoveryControl<'_> {
+        RecoveryControl(self)
+    }
+}
+
+impl crate::flows::RecoverFirst for SessionManager {
+    async fn ensure_recovered(&self, session: SessionId) -> Result<()> {
+        Queue(self).ensure_recovered(session).await
+    }
+
+    async fn recover_ahead(&self, session: SessionId) -> Result<Option<CallRecovery>> {
+        Queue(self).recover_ahead(session).await
+    }
+
+    fn precede_pass(&self, session: SessionId) -> Option<CallRecovery> {
+        Queue(self).precede_pass(session)
+    }
+
+    fn spawn_retry(&self, record: ExecutorRecord, attempt: u32, reason: String) {
+        ExecutorRecovery(self).spawn_retry(record, attempt, reason)
+    }
+
+    fn spawn_reconnect(&self, record: ExecutorRecord) {
+        ExecutorRecovery(self).spawn_reconnect(record)
+    }
+
+    async fn agentctl_lost_change(
+        &self,
+        record: &ExecutorRecord,
+        reason: &str,
+    ) -> Result<(Changeset, Option<ExecutorRecord>)> {
+        ExecutorRecovery(self)
+            .agentctl_lost_change(record, reason)
+            .await
+    }
+}
+
+/// Recovery of a manager's sessions ([`SessionManager::recovery`]): the
+/// startup pass and its queue, liveness checks of ready executors, the
+/// doorbell agents ring when they exit, and the orphan-container sweep.
+#[derive(Clone, Copy)]
+pub struct RecoveryControl<'m>(&'m SessionManager);
+
+impl std::fmt::Debug for RecoveryControl<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecoveryControl")
+            .field("first_recovery_done", &self.first_recovery_done())
+            .finish()
+    }
+}
+
+impl RecoveryControl<'_> {
     /// Recovers every executor that was live when the backend stopped. Meant
     /// to run before the server reports SERVING. Logs one summary line.
     pub async fn recover_all(&self) -> Result<RecoverySummary> {
+        Pass(self.0).recover_all().await
+    }
+
+    /// Announces that a startup recovery pass is about to run: from now
+    /// until its queue is filled, status and calls on sessions wait for it
+    /// (`sessiond serve` calls this before it starts serving, so that no
+    /// call slips in before the pass has loaded what it will recover).
+    pub fn expect_startup_recovery(&self) {
+        Queue(self.0).expect_startup_recovery()
+    }
+
+    /// Holds the recovery pass before it claims each executor until `gate`
+    /// resolves; calls on sessions still claim theirs. For tests that must
+    /// observe the API while a pass is under way at a known point.
+    #[cfg(feature = "test-hooks")]
+    pub fn gate_recovery_pass(&self, gate: crate::pass::PassGate) {
+        Queue(self.0).gate_recovery_pass(gate)
+    }
+
+    /// Whether calls jump the recovery queue (on by default). Off, a pass
+    /// recovers strictly in its own order and a call on a session not yet
+    /// recovered is answered from what is recorded: only the benchmark
+    /// turns it off, to measure what the queue costs.
+    pub fn set_recovery_priority(&self, on: bool) {
+        Queue(self.0).set_recovery_priority(on)
+    }
+
+    /// Whether startup recovery has yet to finish with `session`.
+    pub fn is_recovering(&self, session: SessionId) -> bool {
+        Queue(self.0).is_recovering(session)
+    }
+
+    /// A call on `session` is about to act on it: if startup recovery has
+    /// not finished with it, recover it now (ahead of the pass) or join the
+    /// recovery under way, and wait for that one session only. Whatever the
+    /// recovery decided is then in the store and the caches; a recovery that
+    /// failed leaves the records as they were, and the caller's own checks
+    /// answer.
+    ///
+    /// With other replicas, the session's executor must then be this
+    /// replica's: one whose lease is free or expired is claimed and
+    /// recovered here; one another replica holds is [`Error::NotOwner`].
+    pub async fn ensure_recovered(&self, session: SessionId) -> Result<()> {
+        Queue(self.0).ensure_recovered(session).await
+    }
+
+    /// Whether the first startup recovery pass has every executor's
+    /// workspace back (reattached, relaunched up to the agent, or failed):
+    /// what health reports SERVING on. Agents may still be relaunching;
+    /// their sessions show `recovering` with their progress.
+    pub fn workspaces_recovered(&self) -> bool {
+        Pass(self.0).workspaces_recovered()
+    }
+
+    /// Waits until [`Self::workspaces_recovered`].
+    pub async fn wait_workspaces_recovered(&self) {
+        Pass(self.0).wait_workspaces_recovered().await
+    }
+
+    /// Whether a startup recovery pass of this manager has finished.
+    pub fn first_recovery_done(&self) -> bool {
+        Pass(self.0).first_recovery_done()
+    }
+
+    /// Starts the periodic liveness check of ready executors (every
+    /// `liveness_interval`, if set): a healthy one gets `last_seen_at`
+    /// updated (no event); one that stops answering goes `error` with a
+    /// `session.agentctl_error` event, and a live session goes ERROR.
+    /// `recover_all` calls it once recovery is done; calling it again is a
+    /// no-op.
+    pub fn start_liveness_checks(&self) {
+        crate::recovery::liveness::Liveness(self.0).start_liveness_checks()
+    }
+
+    /// Listens on the datagram socket `path` (replacing a stale one, mode
+    /// 0600) and checks an executor at once each time its agentctl rings.
+    /// Runs until the manager shuts down.
+    pub fn listen_doorbell(&self, path: &Path) -> std::io::Result<()> {
+        crate::recovery::doorbell::Doorbell(self.0).listen_doorbell(path)
+    }
+
+    /// One pass of the orphan sweep over the containers of `docker`'s
+    /// engine. Refuses to run (returns an empty report) until the first
+    /// startup recovery pass of this manager has finished.
+    pub async fn sweep_orphan_containers(
+        &self,
+        docker: &sessiond_executor::docker::DockerExecutor,
+    ) -> Result<crate::SweepReport> {
+        crate::recovery::sweep::Sweep(self.0)
+            .sweep_orphan_containers(docker)
+            .await
+    }
+
+    /// Runs the orphan sweep in the background: first
+    /// [`ManagerConfig::orphan_sweep_grace`](crate::ManagerConfig) after the
+    /// first startup recovery pass has finished, then every
+    /// `orphan_sweep_interval` (if set). [`SessionManager::shutdown`] ends it.
+    pub fn start_orphan_sweep(&self, docker: Arc<sessiond_executor::docker::DockerExecutor>) {
+        crate::recovery::sweep::Sweep(self.0).start_orphan_sweep(docker)
+    }
+}
+
+/// The startup recovery pass: loads every live executor, settles turns a
+/// restart left running, and recovers each executor once (through the
+/// queue, so a call may claim one first).
+pub(crate) struct Pass<'m>(pub(crate) &'m crate::manager::SessionManager);
+
+impl std::ops::Deref for Pass<'_> {
+    type Target = crate::manager::SessionManager;
+
+    fn deref(&self) -> &Self::Target {
+        self.0
+    }
+}
+
+impl Pass<'_> {
+    /// Records that a startup recovery pass has finished.
+    pub(crate) fn mark_first_recovery_done(&self) {
+        self.inner.workspaces_back.send_replace(true);
+        self.inner.first_recovery.send_replace(true);
+    }
+
+    /// Records that the first pass has every workspace back.
+    pub(crate) fn mark_workspaces_back(&self) {
+        self.inner.workspaces_back.send_replace(true);
+    }
+
+    /// Whether the first startup recovery pass has every executor's
+    /// workspace back (reattached, relaunched up to the agent, or failed):
+    /// what health reports SERVING on. Agents may still be relaunching;
+    /// their sessions show `recovering` with their progress.
+    pub(crate) fn workspaces_recovered(&self) -> bool {
+        *self.inner.workspaces_back.borrow()
+    }
+
+    /// Waits until [`Self::workspaces_recovered`].
+    pub(crate) async fn wait_workspaces_recovered(&self) {
+        let mut rx = self.inner.workspaces_back.subscribe();
+        let _ = rx.wait_for(|done| *done).await;
+    }
+
+    /// Whether a startup recovery pass of this manager has finished.
+    pub(crate) fn first_recovery_done(&self) -> bool {
+        *self.inner.first_recovery.borrow()
+    }
+
+    /// Waits until a startup recovery pass of this manager has finished.
+    pub(crate) async fn wait_first_recovery(&self) {
+        let mut rx = self.inner.first_recovery.subscribe();
+        let _ = rx.wait_for(|done| *done).await;
+    }
+
+    /// Recovers every executor that was live when the backend stopped. Meant
+    /// to run before the server reports SERVING. Logs one summary line.
+    pub(crate) async fn recover_all(&self) -> Result<RecoverySummary> {
         // One trace per pass, one child span per executor.
         let span = tracing::info_span!(
             "startup_recovery",
@@ -185,8 +482,8 @@ impl SessionManager {
         let started = Instant::now();
         // Calls wait for the queue from here until it is filled, and nothing
         // waits once the pass ends, however it ends.
-        self.expect_startup_recovery();
-        let _closed = scopeguard(|| self.close_queue());
+        crate::recovery::queue::Queue(self).expect_startup_recovery();
+        let _closed = scopeguard(|| crate::recovery::queue::Queue(self).close_queue());
         *crate::sync::lock(&self.inner.pass_outcomes) = Some(batch::start(self));
         let _written = scopeguard(|| {
             crate::sync::lock(&self.inner.pass_outcomes).take();
@@ -220,7 +517,7 @@ impl SessionManager {
         }
         // With other replicas: only what this one could claim (its own from
         // before a restart, free or expired leases); the rest is theirs.
-        let records = crate::replica::Fencing(self).claim_records(records).await?;
+        let records = crate::lease::Fencing(self).claim_records(records).await?;
         let total = records.len();
         // Profiles are written before the manager serves: read them all once
         // instead of once per executor.
@@ -231,13 +528,13 @@ impl SessionManager {
             }
             Err(e) => tracing::debug!(error = %e, "profiles not preloaded"),
         }
-        let queued = self.fill_queue(&records);
+        let queued = crate::recovery::queue::Queue(self).fill_queue(&records);
         tracing::debug!(
             executors = total,
             took_ms = crate::metrics::ms(started.elapsed()),
             "recovery queue filled"
         );
-        let gate = self.pass_gate();
+        let gate = crate::recovery::queue::Queue(self).pass_gate();
         let concurrency = self.inner.config.recovery_concurrency.max(1);
         let ramp_from = tokio::time::Instant::now();
         // The pass's concurrency bounds reattaches and the steps up to an
@@ -248,7 +545,7 @@ impl SessionManager {
         let pending = Arc::new(PendingWorkspaces {
             left: std::sync::atomic::AtomicUsize::new(total),
             all_back: Box::new({
-                let me = self.clone();
+                let me = self.0.clone();
                 let at = workspaces_back.clone();
                 move || {
                     *crate::sync::lock(&at) = Some(started.elapsed());
@@ -256,7 +553,7 @@ impl SessionManager {
                         took_ms = crate::metrics::ms(started.elapsed()),
                         "startup recovery: every workspace is back; serving while agents relaunch"
                     );
-                    me.mark_workspaces_back();
+                    Pass(&me).mark_workspaces_back();
                 }
             }),
         });
@@ -266,7 +563,7 @@ impl SessionManager {
         let passed: Vec<(SessionId, PassResult)> = futures::stream::iter(records)
             .enumerate()
             .map(|(i, record)| {
-                let me = self.clone();
+                let me = self.0.clone();
                 let gate = gate.clone();
                 let slots = slots.clone();
                 let pending = pending.clone();
@@ -302,7 +599,9 @@ impl SessionManager {
                         };
                         // A call on the session may have claimed it already:
                         // its outcome is counted once the pass is through.
-                        let claim = queued.then(|| me.claim(session, Lane::Pass)).flatten();
+                        let claim = queued
+                            .then(|| crate::recovery::queue::Queue(&me).claim(session, Lane::Pass))
+                            .flatten();
                         if let Some(Claim::Joined(fut)) = claim {
                             drop(ticket);
                             return (session, PassResult::Claimed(fut));
@@ -310,7 +609,7 @@ impl SessionManager {
                         crate::sync::lock(&me.inner.pass_slots).insert(session, ticket);
                         let result = match claim {
                             Some(Claim::Started(fut)) => fut.await,
-                            _ => me.recover_shared(record).await,
+                            _ => Pass(&me).recover_shared(record).await,
                         };
                         let ticket = crate::sync::lock(&me.inner.pass_slots).remove(&session);
                         drop(ticket);
@@ -396,7 +695,7 @@ impl SessionManager {
         }
         self.settle_stale_turns().await;
         self.mark_first_recovery_done();
-        self.start_liveness_checks();
+        crate::recovery::liveness::Liveness(self).start_liveness_checks();
         Ok(summary)
     }
 
@@ -421,7 +720,7 @@ impl SessionManager {
         };
         for session in stale {
             let id = session.id;
-            if !crate::replica::Fencing(self).owns(id) {
+            if !crate::lease::Fencing(self).owns(id) {
                 continue;
             }
             let _guard = self.lock_session(id).await;
@@ -500,7 +799,7 @@ impl SessionManager {
                 );
                 return Ok(records);
             }
-            let paused = self.yield_to_calls().await;
+            let paused = crate::recovery::queue::Queue(self).yield_to_calls().await;
             tracing::debug!(
                 loaded = records.len(),
                 read_ms = crate::metrics::ms(read),
@@ -535,10 +834,11 @@ impl SessionManager {
         lane: Lane,
         yielding: Option<Yield>,
     ) -> Result<OutcomeLabel> {
-        let me = self.clone();
+        let me = self.0.clone();
         let session = record.session_id;
         let op = async move {
-            let run = me.recover_one(record, lane, yielding.clone());
+            let recovery = ExecutorRecovery(&me);
+            let run = recovery.recover_one(record, lane, yielding.clone());
             match yielding {
                 Some(flag) => Store::yielding(flag, run).await,
                 None => run.await,
@@ -556,7 +856,22 @@ impl SessionManager {
             }),
         }
     }
+}
 
+/// One executor's recovery, driven through the domain's step machine: its
+/// intent, each step's call, its outcome commit; and its retries and
+/// reconnects in the background.
+pub(crate) struct ExecutorRecovery<'m>(pub(crate) &'m crate::manager::SessionManager);
+
+impl std::ops::Deref for ExecutorRecovery<'_> {
+    type Target = crate::manager::SessionManager;
+
+    fn deref(&self) -> &Self::Target {
+        self.0
+    }
+}
+
+impl ExecutorRecovery<'_> {
     pub(crate) async fn recover_one(
         &self,
         record: ExecutorRecord,
@@ -564,11 +879,11 @@ impl SessionManager {
         yielding: Option<Yield>,
     ) -> Result<OutcomeLabel> {
         let call = matches!(lane, Lane::Call | Lane::Resume);
-        let _ahead = call.then(|| self.call_recovery_started());
+        let _ahead = call.then(|| crate::recovery::queue::Queue(self).call_recovery_started());
         // A pass recovery a call joined (promoted) no longer pauses for calls.
         let pauses = || lane == Lane::Pass && yielding.as_ref().is_none_or(Yield::is_yielding);
         if pauses() {
-            self.yield_to_calls().await;
+            crate::recovery::queue::Queue(self).yield_to_calls().await;
         }
         let began = Instant::now();
         let _guard = self.lock_session(record.session_id).await;
@@ -584,7 +899,7 @@ impl SessionManager {
         let (record, session) = store.get_executor_and_session(record.id).await?;
         // Only the lease holder recovers (its lease may have gone to another
         // replica since this recovery was queued).
-        crate::replica::Fencing(self).ensure_owner(&record)?;
+        crate::lease::Fencing(self).ensure_owner(&record)?;
         let preloaded = crate::sync::lock(&self.inner.recovery_profiles)
             .get(&session.agent_profile_id)
             .cloned();
@@ -655,7 +970,7 @@ impl SessionManager {
         };
         loop {
             if pauses() {
-                self.yield_to_calls().await;
+                crate::recovery::queue::Queue(self).yield_to_calls().await;
             }
             // A deadline bounds silence: each step has the whole limit to
             // answer (an agent's launch and resume are watched for signs
@@ -668,7 +983,9 @@ impl SessionManager {
                 Action::Done(outcome) => {
                     let label = outcome.label;
                     let attempt = machine.input().attempt;
-                    self.drop_unused_agent(&mut run).await;
+                    crate::recovery::ExecutorRecovery(self)
+                        .drop_unused_agent(&mut run)
+                        .await;
                     if pauses() {
                         run.outcomes = crate::sync::lock(&self.inner.pass_outcomes).clone();
                     }
@@ -888,7 +1205,10 @@ impl SessionManager {
                 let driver = self.driver(run.record.runtime)?;
                 let id = run.record.id;
                 let (_, modes_stamp) = self.inner.sessions.cached_modes(run.session.id, "");
-                let checked = match self.health_ahead(run, &driver, remaining).await {
+                let checked = match crate::recovery::ExecutorRecovery(self)
+                    .health_ahead(run, &driver, remaining)
+                    .await
+                {
                     Some(checked) => checked,
                     None => {
                         let health = async {
@@ -941,9 +1261,9 @@ impl SessionManager {
                     // "end the hung agentctl" here: that would kill the
                     // new owner's. This replica stops acting on it.
                     Ok(Err(e))
-                        if crate::replica::Fencing(self).executor_refused(run.session.id, &e) =>
+                        if crate::lease::Fencing(self).executor_refused(run.session.id, &e) =>
                     {
-                        return Err(crate::replica::Fencing(self)
+                        return Err(crate::lease::Fencing(self)
                             .not_owner_now(run.session.id)
                             .await);
                     }
@@ -1034,10 +1354,16 @@ impl SessionManager {
                 self.cache_update(sid, |e| e.agent = AgentProcessState::Starting);
                 let mut seen = run.agent_state.take();
                 let attempted = match ahead {
-                    Some(a) => Some(self.resumed_ahead(run, a).await?),
+                    Some(a) => Some(
+                        crate::recovery::ExecutorRecovery(self)
+                            .resumed_ahead(run, a)
+                            .await?,
+                    ),
                     None => match (&resume_token, agent_up) {
                         (Some(token), false) => {
-                            let one = self.resume_in_one_call(run, token).await;
+                            let one = crate::recovery::ExecutorRecovery(self)
+                                .resume_in_one_call(run, token)
+                                .await;
                             // Not done by it: the agent's state is asked anew.
                             seen = seen.filter(|_| one.is_some());
                             one
@@ -1698,7 +2024,7 @@ impl SessionManager {
         self.inner
             .agent_recoveries
             .retry_after(session, attempt, reason, delay);
-        let me = self.clone();
+        let me = self.0.clone();
         self.spawn_background(async move {
             tokio::time::sleep(delay).await;
             me.inner.sessions.stop_retrying(session);
@@ -1710,7 +2036,7 @@ impl SessionManager {
                     return;
                 }
             };
-            let still_ours = crate::replica::Fencing(&me).owns(session)
+            let still_ours = crate::lease::Fencing(&me).owns(session)
                 && current.generation == record.generation
                 && current
                     .error_message
@@ -1720,7 +2046,7 @@ impl SessionManager {
                 me.inner.agent_recoveries.clear(session);
                 return;
             }
-            match me.recover_shared(current).await {
+            match crate::recovery::Pass(&me).recover_shared(current).await {
                 Ok(label) => {
                     tracing::info!(%session, %label, attempt = attempt + 1, "retry: recovery ran");
                 }
@@ -1742,7 +2068,7 @@ impl SessionManager {
         if !self.inner.sessions.start_retrying(session) {
             return;
         }
-        let me = self.clone();
+        let me = self.0.clone();
         self.spawn_background(async move {
             let backoff = me.inner.config.remote_backoff;
             let window = me.inner.config.remote_retry_window;
@@ -1750,7 +2076,7 @@ impl SessionManager {
             loop {
                 tokio::time::sleep(backoff.delay(attempt)).await;
                 attempt = attempt.saturating_add(1);
-                if !crate::replica::Fencing(&me).owns(session) {
+                if !crate::lease::Fencing(&me).owns(session) {
                     break; // another replica holds it now
                 }
                 let current = match me.inner.store.get_executor(record.id).await {
@@ -1785,7 +2111,7 @@ impl SessionManager {
                 }
                 me.inner.sessions.stop_retrying(session);
                 // A `retrying` outcome starts a fresh reconnect loop itself.
-                match me.recover_shared(current).await {
+                match crate::recovery::Pass(&me).recover_shared(current).await {
                     Ok(label) => {
                         tracing::info!(%session, %label, attempts = attempt, "background reconnect: recovery ran");
                         return;
@@ -1798,309 +2124,5 @@ impl SessionManager {
             }
             me.inner.sessions.stop_retrying(session);
         });
-    }
-}
-
-/// A remote host stopped answering while the backend runs (a network blip,
-/// the host restarting): the executor goes `error` with the `reconnecting:`
-/// code and the session keeps its state — the status shows the reconnect —
-/// and the background reconnect ([`SessionManager::spawn_reconnect`]) runs
-/// recovery when the host answers again, which reattaches or resumes without
-/// a user call. The caller then spawns that reconnect.
-/// Whether an executor in `error` is still retried in the background (a
-/// remote host reconnecting inside its window, a Docker engine that did not
-/// answer), so recovery takes it up like a live one.
-pub(crate) fn retried_in_background(
-    r: &ExecutorRecord,
-    drivers: &std::collections::HashMap<Runtime, Arc<dyn sessiond_executor::Executor>>,
-    config: &crate::ManagerConfig,
-    started_at: chrono::DateTime<Utc>,
-) -> bool {
-    let code = |c: &str| r.error_message.as_deref().is_some_and(|m| m.starts_with(c));
-    if r.status == ExecutorStatus::Error && code(RECOVERING) {
-        return drivers.contains_key(&r.runtime);
-    }
-    r.status == ExecutorStatus::Error
-        && match r.runtime {
-            Runtime::Remote => {
-                drivers.contains_key(&Runtime::Remote)
-                    && code(RECONNECTING)
-                    && window_open(r, config.remote_retry_window, Utc::now(), started_at)
-            }
-            Runtime::LocalDocker => {
-                drivers.contains_key(&Runtime::LocalDocker) && code(DOCKER_UNAVAILABLE)
-            }
-            Runtime::LocalStandalone => false,
-            // Parked while no driver served it: taken up again once one does.
-            Runtime::Custom(_) => drivers.contains_key(&r.runtime) && code(RUNTIME_NOT_REGISTERED),
-        }
-}
-
-/// The session's agent is back (resumed, opened, reattached), or recovery was not
-/// to bring it back (the policy, an ended session): nothing to report.
-fn agent_back_or_left_alone(label: OutcomeLabel) -> bool {
-    label.agent_back() || matches!(label, OutcomeLabel::ExecutorOnly | OutcomeLabel::Stopped)
-}
-
-/// An agent's launch or resume failed in a way load or a passing fault can
-/// cause (the agent exited while starting, agentctl or the agent did not
-/// answer), as opposed to a verdict (the agent refused, authentication, a
-/// bad profile): another attempt may succeed.
-fn passes_by_itself(e: &Error) -> bool {
-    match e {
-        Error::Agent {
-            failure, message, ..
-        } => {
-            matches!(
-                failure,
-                sessiond_executor::Failure::NoAnswer | sessiond_executor::Failure::Transient
-            ) && !message.contains("requires authentication")
-        }
-        other => other.is_transport(),
-    }
-}
-
-/// The executor's error while its lost agentctl is recovered in the
-/// background (code `recovering`).
-pub(crate) fn lost_agentctl_recovering(reason: &str) -> String {
-    format!(
-        "{RECOVERING} agentctl stopped answering ({reason}); the session recovers by itself, \
-         retrying in the background"
-    )
-}
-
-/// The background reconnect window of a remote executor is still open:
-/// counted from its last sign of life, but never from before the backend
-/// started (its own outage must not use the window up).
-pub(crate) fn window_open(
-    record: &ExecutorRecord,
-    window: Duration,
-    now: chrono::DateTime<Utc>,
-    backend_started: chrono::DateTime<Utc>,
-) -> bool {
-    let since = record
-        .last_seen_at
-        .unwrap_or(record.updated_at)
-        .max(backend_started);
-    let window = chrono::Duration::from_std(window).unwrap_or(chrono::Duration::MAX);
-    since + window > now
-}
-
-impl SessionManager {
-    /// Starts the periodic liveness check of ready executors (every
-    /// `liveness_interval`, if set): a healthy one gets `last_seen_at`
-    /// updated (no event); one that stops answering goes `error` with a
-    /// `session.agentctl_error` event, and a live session goes ERROR.
-    /// `recover_all` calls it once recovery is done; calling it again is a
-    /// no-op.
-    pub fn start_liveness_checks(&self) {
-        let Some(every) = self.inner.config.liveness_interval else {
-            return;
-        };
-        if self
-            .inner
-            .liveness_started
-            .swap(true, std::sync::atomic::Ordering::SeqCst)
-        {
-            return;
-        }
-        let me = self.clone();
-        self.spawn_background(async move {
-            loop {
-                tokio::time::sleep(every).await;
-                let ready: Vec<(ExecutorRecord, bool)> = me.inner.sessions.executions(|e| {
-                    (e.record.status == ExecutorStatus::Ready)
-                        .then(|| (e.record.clone(), e.agent == AgentProcessState::Running))
-                });
-                let seen: Vec<Heartbeat> = futures::stream::iter(ready)
-                    .map(|(record, agent_running)| {
-                        let me = me.clone();
-                        async move {
-                            let session = record.session_id;
-                            let seen = me
-                                .check_liveness(record, agent_running)
-                                .await
-                                .unwrap_or_else(|e| {
-                                    tracing::debug!(error = %e, "liveness check could not be recorded");
-                                    None
-                                })?;
-                            // Fenced like every other write of the owner: a
-                            // replica resumed after a pause does not mark
-                            // seen what another one adopted meanwhile.
-                            Some(Heartbeat {
-                                executor: seen.0,
-                                generation: seen.1,
-                                fence: crate::replica::Fencing(&me).fence(session),
-                            })
-                        }
-                    })
-                    .buffer_unordered(LIVENESS_CONCURRENCY)
-                    .filter_map(futures::future::ready)
-                    .collect()
-                    .await;
-                // The healthy ones' heartbeats, a few transactions for the
-                // whole round instead of one commit per executor.
-                for chunk in seen.chunks(500) {
-                    match me.inner.store.touch_executors(chunk.to_vec(), Utc::now()).await {
-                        Ok(touched) => {
-                            for (fence, e) in touched.lost {
-                                crate::replica::Fencing(&me).lease_lost(fence.session, fence.epoch, "store", &e.to_string());
-                            }
-                        }
-                        Err(e) => {
-                            tracing::debug!(error = %e, "liveness heartbeats could not be recorded");
-                        }
-                    }
-                }
-            }
-        });
-    }
-
-    /// `Health` of the record's agentctl, identity checked, with the agent's
-    /// exit. Uses the session's cached client when one is open (a pump runs),
-    /// else a client of its own that is dropped afterwards, so a parked
-    /// session keeps no connection between checks.
-    async fn liveness_health(&self, record: &ExecutorRecord) -> Result<Health> {
-        // The answer carries the agent's modes: kept, so a change the agent
-        // made while no pump read shows within one check.
-        let (_, modes_stamp) = self.inner.sessions.cached_modes(record.session_id, "");
-        let client = match self.cached_agentctl(record) {
-            Some(c) => c,
-            None => self
-                .driver(record.runtime)?
-                .client(&ExecutorHandle::from_record(record))?,
-        };
-        let h = client
-            .health()
-            .await
-            .map_err(|e| Error::agent("Health", &e))?;
-        if h.executor_id != record.id.to_string() {
-            return Err(Error::Unavailable(format!(
-                "the agentctl at {} is executor {:?}, not {}",
-                client.url(),
-                h.executor_id,
-                record.id
-            )));
-        }
-        if matches!(h.agent_state, AgentState::Ready | AgentState::Busy) {
-            self.inner.sessions.remember_modes(
-                record.session_id,
-                record.execution_id(),
-                modes_stamp,
-                h.modes.as_ref().map(crate::ops::agent_modes),
-            );
-        }
-        Ok(h)
-    }
-
-    /// One liveness check. agentctl answering refreshes `last_seen_at`
-    /// (returned as a heartbeat for the round's batched write when nothing
-    /// else is to be done); not answering puts the executor in `error` (and a
-    /// live session in ERROR). agentctl answering that its agent exited (or
-    /// that it has none) while the cache knew the agent running and no
-    /// update pump runs (a parked, idle session: no stream would report the
-    /// exit) is what the pump's `AgentExited` handling does: the session goes
-    /// ERROR with what happened and what to do, and the agent counts as not
-    /// running.
-    pub(crate) async fn check_liveness(
-        &self,
-        record: ExecutorRecord,
-        agent_running: bool,
-    ) -> Result<Option<(ExecutorId, i64)>> {
-        let limit = self.inner.config.executor_deadline;
-        let health = tokio::time::timeout(limit, self.liveness_health(&record)).await;
-        let gone = |h: &Health| matches!(h.agent_state, AgentState::Exited | AgentState::None);
-        // The common case: it answered and its agent is as the cache knows
-        // it. The heartbeat's write checks status and generation itself.
-        if let Ok(Ok(h)) = &health
-            && !(agent_running && gone(h))
-        {
-            return Ok(Some((record.id, record.generation)));
-        }
-        let _guard = self.lock_session(record.session_id).await;
-        let current = self.inner.store.get_executor(record.id).await?;
-        if current.status != ExecutorStatus::Ready || current.generation != record.generation {
-            return Ok(None);
-        }
-        let failure = match &health {
-            Ok(Ok(_)) => None,
-            Ok(Err(e)) => Some(e.to_string()),
-            Err(_) => Some("Health did not answer in time".to_owned()),
-        };
-        let mut next = current.clone();
-        let Some(reason) = failure else {
-            next.last_seen_at = Some(Utc::now());
-            let mut change = Changeset::new().update_executor(next);
-            let mut exited = None;
-            if agent_running
-                && health.as_ref().is_ok_and(|h| h.as_ref().is_ok_and(gone))
-                && !self.inner.sessions.has_pump(record.session_id)
-                && self
-                    .execution(record.session_id)
-                    .is_some_and(|e| e.agent == AgentProcessState::Running)
-            {
-                // Confirmed under the lock (nothing can launch an agent meanwhile).
-                if let Ok(Ok(h)) = tokio::time::timeout(limit, self.liveness_health(&record)).await
-                    && gone(&h)
-                {
-                    exited = Some(h.agent_exit.unwrap_or_default());
-                }
-            }
-            if let Some(exit) = &exited {
-                let session = self.inner.store.get_session(record.session_id).await?;
-                if matches!(
-                    session.state,
-                    SessionState::Starting | SessionState::Running | SessionState::WaitingForInput
-                ) {
-                    let how = match exit {
-                        pb::AgentExit { code: Some(c), .. } => format!("exit code {c}"),
-                        pb::AgentExit {
-                            signal: Some(s), ..
-                        } => format!("signal {s}"),
-                        _ => "unknown status".into(),
-                    };
-                    let reason =
-                        format!("the agent process exited ({how}); resume the session to continue");
-                    let (mut s, ev) = crate::changes::transition(
-                        &session,
-                        sessiond_domain::SessionEvent::Failed,
-                        Some(reason),
-                    )?;
-                    s.metadata.remove(crate::turn::TURN_KEY);
-                    change = change.update_session(s);
-                    if let Some(ev) = ev {
-                        change = change.event(record.session_id, ev);
-                    }
-                }
-                tracing::info!(session = %record.session_id, "liveness: the idle session's agent exited");
-            }
-            self.commit(change).await?;
-            if exited.is_some() {
-                self.cache_update(record.session_id, |e| {
-                    e.agent = AgentProcessState::NotRunning
-                });
-            }
-            return Ok(None);
-        };
-        if record.runtime == Runtime::Remote {
-            self.commit(crate::changes::remote_lost(&current, &reason)?)
-                .await?;
-            self.inner.sessions.stop_pump(record.session_id);
-            self.cache_update(record.session_id, |e| {
-                e.agent = AgentProcessState::NotRunning
-            });
-            self.spawn_reconnect(current);
-            return Ok(None);
-        }
-        let (change, retry) = self.agentctl_lost_change(&current, &reason).await?;
-        let committed = self.commit(change).await?;
-        self.inner.sessions.stop_pump(record.session_id);
-        self.cache_update(record.session_id, |e| {
-            e.agent = AgentProcessState::NotRunning
-        });
-        if let Some(failed) = retry {
-            self.spawn_retry(committed.executor.unwrap_or(failed), 0, reason);
-        }
-        Ok(None)
     }
 }

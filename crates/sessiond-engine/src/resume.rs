@@ -26,6 +26,7 @@ use sessiond_store::Changeset;
 use crate::{
     changes::transition,
     error::{Error, Result},
+    flows::RecoverFirst,
     manager::SessionManager,
     sessions::{OpKind, OpOutcome},
 };
@@ -174,7 +175,9 @@ impl SessionManager {
         // An ERROR session may still name a turn an older version left
         // pending: it ends interrupted before the resume, never carried
         // into the resumed session.
-        let session = self.settle_stale_turn(session).await?;
+        let session = crate::recovery::Pass(self)
+            .settle_stale_turn(session)
+            .await?;
         let Some(record) = store.get_executor_for_session(session_id).await? else {
             return Err(Error::InvalidState {
                 session_id,
@@ -203,7 +206,7 @@ impl SessionManager {
         fail::fail_point!("resume-after-intent");
         drop(guard);
 
-        let label = self
+        let label = crate::recovery::ExecutorRecovery(self)
             .recover_one(record, crate::pass::Lane::Resume, None)
             .await?;
         // A user took over: any background retry of this session is moot.
@@ -253,7 +256,8 @@ impl SessionManager {
             {
                 if let Some(record) = &record {
                     let driver = self.driver(record.runtime)?;
-                    self.remove_gone_executor(&driver, &ExecutorHandle::from_record(record))
+                    crate::recovery::ExecutorRecovery(self)
+                        .remove_gone_executor(&driver, &ExecutorHandle::from_record(record))
                         .await;
                 }
                 Err(Error::NotResumable {

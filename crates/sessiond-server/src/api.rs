@@ -336,7 +336,7 @@ impl Api {
         if self.manager.replica().owns(session) {
             return Ok(None);
         }
-        match self.manager.ensure_recovered(session).await {
+        match self.manager.recovery().ensure_recovered(session).await {
             Ok(()) => Ok(None),
             Err(sessiond_engine::Error::NotOwner {
                 session_id,
@@ -483,7 +483,7 @@ impl Api {
         if let Some(owner) = self.route(session, origin).await? {
             return Ok(Target::Owner(owner));
         }
-        self.manager.ensure_recovered(session).await?;
+        self.manager.recovery().ensure_recovered(session).await?;
         let record: Option<ExecutorRecord> = match self.manager.execution(session) {
             Some(e) => Some(e.record),
             None => self.store.get_executor_for_session(session).await?,

@@ -210,11 +210,11 @@ impl SessiondBuilder {
         );
         // Calls answer from the moment we listen; one on a session the first
         // pass has not reached yet recovers that session first.
-        manager.expect_startup_recovery();
+        manager.recovery().expect_startup_recovery();
         #[cfg(feature = "test-hooks")]
         {
             if let Some(gate) = self.recovery_gate {
-                manager.gate_recovery_pass(gate);
+                manager.recovery().gate_recovery_pass(gate);
             }
             if let Some(gate) = self.heartbeat_gate {
                 manager.replica().gate_heartbeat(gate);
@@ -222,14 +222,14 @@ impl SessiondBuilder {
         }
         if let Some(docker) = docker {
             // Waits for the first recovery pass and the grace period itself.
-            manager.start_orphan_sweep(docker);
+            manager.recovery().start_orphan_sweep(docker);
         }
         // Local agentctls ring here when their agent exits.
         let doorbell = config
             .executors
             .run_dir
             .join(sessiond_executor::standalone::DOORBELL_FILE);
-        if let Err(e) = manager.listen_doorbell(&doorbell) {
+        if let Err(e) = manager.recovery().listen_doorbell(&doorbell) {
             tracing::warn!(path = %doorbell.display(), error = %e,
                 "no doorbell: an idle session's agent exit is seen at the next liveness check");
         }
@@ -548,7 +548,7 @@ impl Sessiond {
                 // SERVING once every workspace is back; agents that relaunch
                 // go on behind it (their sessions say `recovering`).
                 let serving = async {
-                    manager.wait_workspaces_recovered().await;
+                    manager.recovery().wait_workspaces_recovered().await;
                     load_status_snapshot(&manager).await;
                     for service in HEALTH_SERVICES {
                         health
@@ -576,7 +576,7 @@ impl Sessiond {
     /// SERVING); agents may still be relaunching, their sessions showing
     /// `recovering` with their progress.
     pub fn is_ready(&self) -> bool {
-        self.manager.workspaces_recovered()
+        self.manager.recovery().workspaces_recovered()
     }
 
     /// Begins the shutdown: health NOT_SERVING, watch streams end,
@@ -626,7 +626,7 @@ impl Sessiond {
 async fn first_recovery(manager: &SessionManager, metrics: &Metrics) {
     let mut attempt = 0;
     loop {
-        match manager.recover_all().await {
+        match manager.recovery().recover_all().await {
             Ok(summary) => {
                 let counts: Vec<(String, u64)> = summary
                     .counts

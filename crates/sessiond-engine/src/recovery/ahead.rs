@@ -21,11 +21,11 @@ use sessiond_domain::{AgentProcessState, RecoveryStage, SurvivingAgent};
 use sessiond_executor::{Capabilities, Executor, Health};
 use sessiond_proto::agentctl::v1 as pb;
 
+use super::ExecutorRecovery;
 use super::Run;
 use crate::{
     error::{Error, Result},
     launches::{Ended, LaunchPermit, host_of},
-    manager::SessionManager,
     ops::{Resumed, load_refused, surviving_agent},
 };
 
@@ -86,7 +86,7 @@ impl AgentAhead {
 /// The health check's answer: `Err(())` when it did not come in time.
 pub(super) type Checked = std::result::Result<sessiond_executor::Result<Health>, ()>;
 
-impl SessionManager {
+impl ExecutorRecovery<'_> {
     /// The health check of `run` as one `Recover`; `None` when this
     /// agentctl does not know the call (the caller asks `Health` instead).
     pub(super) async fn health_ahead(
@@ -126,7 +126,10 @@ impl SessionManager {
             self.inner
                 .agent_recoveries
                 .enter(sid, RecoveryStage::Launching);
-            match self.until_silent(&run.record, call).await {
+            match crate::recovery::ExecutorRecovery(self)
+                .until_silent(&run.record, call)
+                .await
+            {
                 Ok(a) => (a, Some(p)),
                 Err(silence) => {
                     // agentctl may be fine and only the agent silent: a
@@ -297,7 +300,10 @@ impl SessionManager {
             ..Default::default()
         };
         let call = client.recover(run.record.id, request);
-        let answer = match self.until_silent(&run.record, call).await {
+        let answer = match crate::recovery::ExecutorRecovery(self)
+            .until_silent(&run.record, call)
+            .await
+        {
             Err(silence) => return Some(Err(silence)),
             Ok(Err(e)) if e.is_unimplemented() => {
                 run.ahead.unsupported = true;

@@ -54,7 +54,7 @@ async fn writer(me: SessionManager, mut rx: mpsc::UnboundedReceiver<OutcomeCommi
             .iter()
             .map(|c| {
                 c.subject()
-                    .and_then(|s| crate::replica::Fencing(&me).fence(s))
+                    .and_then(|s| crate::lease::Fencing(&me).fence(s))
             })
             .collect();
         let fenced = changes
@@ -78,14 +78,14 @@ async fn writer(me: SessionManager, mut rx: mpsc::UnboundedReceiver<OutcomeCommi
                             if let Some(f) = &fence
                                 && e.is_lease_lost()
                             {
-                                crate::replica::Fencing(&me).lease_lost(
+                                crate::lease::Fencing(&me).lease_lost(
                                     f.session,
                                     f.epoch,
                                     "store",
                                     &e.to_string(),
                                 );
                             }
-                            Err(crate::replica::Fencing(&me).lease_error(e))
+                            Err(crate::lease::Fencing(&me).lease_error(e))
                         }
                     };
                     let _ = reply.send(result);

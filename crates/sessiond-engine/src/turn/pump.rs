@@ -53,7 +53,10 @@ use super::{
     CURSOR_KEY, TURN_CANCELLED, TURN_GENERATION_KEY, TURN_INSTANCE_KEY, TURN_KEY, agent_title,
     cursor_value, interrupt_turn, part_data, pending_turn, stored_cursor, stored_part_rev,
 };
-use crate::{changes::transition, error::Result, manager::SessionManager, ops::agent_process};
+use crate::{
+    changes::transition, error::Result, flows::RecoverFirst, manager::SessionManager,
+    ops::agent_process,
+};
 
 /// A pump with nothing to do (no reply streaming, no pending turn) checks
 /// after this long without an update whether it can park.
@@ -199,8 +202,7 @@ impl Pump {
                     r
                 }
                 Err(status) => {
-                    if crate::replica::Fencing(&self.mgr).executor_refused(self.session_id, &status)
-                    {
+                    if crate::lease::Fencing(&self.mgr).executor_refused(self.session_id, &status) {
                         return;
                     }
                     failures += 1;
@@ -383,7 +385,7 @@ impl Pump {
             let add = titled(Changeset::new())
                 .add_message(m.clone())
                 .event(self.session_id, EventPayload::MessageAdded(m.clone()));
-            match crate::replica::Fencing(&self.mgr).store_commit(add).await {
+            match crate::lease::Fencing(&self.mgr).store_commit(add).await {
                 Ok(c) => {
                     self.mgr.inner.bus.publish(&c.events);
                     self.parts.insert(id, a.rev);
@@ -412,7 +414,7 @@ impl Pump {
                 Err(e) => return Err(e.into()),
             }
         };
-        let c = crate::replica::Fencing(&self.mgr)
+        let c = crate::lease::Fencing(&self.mgr)
             .store_commit(change)
             .await?;
         self.mgr.inner.bus.publish(&c.events);
@@ -574,10 +576,7 @@ impl Pump {
             return Ok(());
         }
         let change = self.message_change(p, complete, Changeset::new());
-        match crate::replica::Fencing(&self.mgr)
-            .store_commit(change)
-            .await
-        {
+        match crate::lease::Fencing(&self.mgr).store_commit(change).await {
             Ok(c) => self.mgr.inner.bus.publish(&c.events),
             Err(sessiond_store::Error::AlreadyExists { .. }) if !p.stored => {
                 // Replayed after a restart: the message exists. The replay
@@ -613,7 +612,7 @@ impl Pump {
                 }
                 if complete || again.content.len() > again.floor.len() {
                     let change = self.message_change(&again, complete, Changeset::new());
-                    let c = crate::replica::Fencing(&self.mgr)
+                    let c = crate::lease::Fencing(&self.mgr)
                         .store_commit(change)
                         .await?;
                     self.mgr.inner.bus.publish(&c.events);

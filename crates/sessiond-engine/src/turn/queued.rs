@@ -95,9 +95,7 @@ impl SessionManager {
             .update_session(next)
             .event(session_id, EventPayload::QueueChanged(queued));
         if let Err(e) = self.commit(change).await {
-            return Err(crate::replica::Fencing(self)
-                .unless_lost(session_id, e)
-                .await);
+            return Err(crate::lease::Fencing(self).unless_lost(session_id, e).await);
         }
         tracing::info!(session = %session_id, message = %id, "queued message cancelled");
         Ok(cancelled)
@@ -165,7 +163,7 @@ impl SessionManager {
     }
 
     async fn deliver_queued(&self, session_id: SessionId) -> Result<()> {
-        if !crate::replica::Fencing(self).owns(session_id) {
+        if !crate::lease::Fencing(self).owns(session_id) {
             return Ok(());
         }
         let _guard = self.lock_session(session_id).await;

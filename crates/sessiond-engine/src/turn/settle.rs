@@ -195,7 +195,7 @@ impl Pump {
                 }
             }
             // A superseded lease: the new owner settles the turn.
-            Err(e) if crate::replica::Fencing(&self.mgr).executor_refused(self.session_id, &e) => {
+            Err(e) if crate::lease::Fencing(&self.mgr).executor_refused(self.session_id, &e) => {
                 Ok(())
             }
             Err(e) if e.failure() == sessiond_executor::Failure::FailedPrecondition => {

@@ -16,6 +16,7 @@ use super::{
 use crate::{
     changes::transition,
     error::{Error, Result},
+    flows::RecoverFirst,
     manager::SessionManager,
     metrics::ms,
 };
@@ -117,9 +118,7 @@ impl SessionManager {
         );
         match sent {
             // Lost the lease while the call ran: the new owner is named.
-            Err(e) => Err(crate::replica::Fencing(self)
-                .unless_lost(session_id, e)
-                .await),
+            Err(e) => Err(crate::lease::Fencing(self).unless_lost(session_id, e).await),
             ok => ok,
         }
     }
@@ -145,9 +144,7 @@ impl SessionManager {
         let _guard = self.lock_session(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         if let Err(e) = self.check_can_start_turn(&session, "retry a turn").await {
-            return Err(crate::replica::Fencing(self)
-                .unless_lost(session_id, e)
-                .await);
+            return Err(crate::lease::Fencing(self).unless_lost(session_id, e).await);
         }
         let interrupted = session.metadata.get(INTERRUPTED_TURN_KEY).cloned();
         let msgs = self
@@ -244,7 +241,7 @@ impl SessionManager {
         };
         let client = self.client(&execution.record)?;
         let cancelled = client.cancel().await.map_err(|e| {
-            crate::replica::Fencing(self).executor_refused(session_id, &e);
+            crate::lease::Fencing(self).executor_refused(session_id, &e);
             Error::agent("Cancel", &e)
         })?;
         tracing::info!(session = %session_id, cancelled, "turn cancel requested");
@@ -446,11 +443,9 @@ impl SessionManager {
         )
         .await;
         if let Err(failed) = prompted {
-            if crate::replica::Fencing(self).executor_refused(session_id, &failed) {
+            if crate::lease::Fencing(self).executor_refused(session_id, &failed) {
                 // Another replica adopted the session: it settles this turn.
-                return Err(crate::replica::Fencing(self)
-                    .not_owner_now(session_id)
-                    .await);
+                return Err(crate::lease::Fencing(self).not_owner_now(session_id).await);
             }
             let e = Error::agent("Prompt", &failed);
             if self.agentctl_gone(&failed, &client).await {

@@ -103,7 +103,7 @@ async fn child_backend() {
     };
     match child.spec.mode.clone() {
         Mode::Create { plans, messages } => {
-            child.mgr.recover_all().await.unwrap();
+            child.mgr.recovery().recover_all().await.unwrap();
             install_failpoints();
             for plan in &plans {
                 child.create(plan).await;
@@ -118,28 +118,32 @@ async fn child_backend() {
         }
         Mode::Recover => {
             say("RECOVERING");
-            let summary = child.mgr.recover_all().await.unwrap();
+            let summary = child.mgr.recovery().recover_all().await.unwrap();
             say(&format!("RECOVERED {:?}", summary.counts));
         }
         Mode::RecoverPrioritised => {
             child
                 .mgr
+                .recovery()
                 .gate_recovery_pass(std::sync::Arc::new(|| Box::pin(std::future::pending())));
             // As `sessiond serve` does: announce the pass before it runs, so
             // a call waits for its queue instead of racing its lease claims.
-            child.mgr.expect_startup_recovery();
+            child.mgr.recovery().expect_startup_recovery();
             let pass = child.mgr.clone();
-            tokio::spawn(async move { pass.recover_all().await });
+            tokio::spawn(async move { pass.recovery().recover_all().await });
             let sessions = child.store.list_sessions(child.task).await.unwrap();
             say("PRIORITISING");
             for s in &sessions {
-                child.mgr.ensure_recovered(s.id).await.unwrap();
-                assert!(!child.mgr.is_recovering(s.id), "{s:?} still recovering");
+                child.mgr.recovery().ensure_recovered(s.id).await.unwrap();
+                assert!(
+                    !child.mgr.recovery().is_recovering(s.id),
+                    "{s:?} still recovering"
+                );
             }
             say("PRIORITISED");
         }
         Mode::Resume => {
-            let summary = child.mgr.recover_all().await.unwrap();
+            let summary = child.mgr.recovery().recover_all().await.unwrap();
             say(&format!("RECOVERED {:?}", summary.counts));
             for s in child.store.list_sessions(child.task).await.unwrap() {
                 let st = child.mgr.session_status(child.task, s.id).await.unwrap();
@@ -153,7 +157,7 @@ async fn child_backend() {
         }
         Mode::Loop { plans } => {
             say("RECOVERING");
-            let summary = child.mgr.recover_all().await.unwrap();
+            let summary = child.mgr.recovery().recover_all().await.unwrap();
             say(&format!("RECOVERED {:?}", summary.counts));
             child.work(&plans).await;
         }

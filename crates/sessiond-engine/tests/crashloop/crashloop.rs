@@ -228,7 +228,7 @@ async fn crash_loop_converges() {
     // The clean start.
     let mgr = w.manager().await;
     let t = Instant::now();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     println!(
         "crash loop: clean start recovered {} executors in {:.1} s: {:?}, {} failed",
         summary.total,

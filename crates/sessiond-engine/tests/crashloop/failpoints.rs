@@ -51,7 +51,7 @@ async fn restart_and_check(w: &World) -> usize {
 /// [`restart_and_check`], also returning how many turns ended interrupted.
 async fn restart_and_count(w: &World) -> (usize, usize) {
     let mgr = w.manager().await;
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     eprintln!("clean start: {:?}", summary.counts);
     for s in w.sessions().await {
         assert_ne!(s.state, SessionState::Starting, "left STARTING: {s:?}");
@@ -107,7 +107,7 @@ async fn crash_in_create(fp: &str) {
         }
     }
     let mgr_check = w.manager().await;
-    let summary = mgr_check.recover_all().await.unwrap();
+    let summary = mgr_check.recovery().recover_all().await.unwrap();
     eprintln!("clean start: {:?}", summary.counts);
     // The agent never opened a conversation: nothing was said, so recovery
     // opens one and the session comes up (never STARTING, never ERROR for
@@ -349,7 +349,7 @@ async fn create_after_conversation() {
         assert_eq!(crashed.resume_token, None, "{crashed:?}");
     }
     let mgr = w.manager().await;
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     eprintln!("clean start: {:?}", summary.counts);
     for s in w.sessions().await {
         assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
@@ -430,7 +430,7 @@ async fn remote_turn_cut_host_given_up(window: Duration) {
         crate::world::drivers(w.dir.path(), w.docker_host()).await,
         config,
     );
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     eprintln!("clean start, host down: {:?}", summary.counts);
     if window.is_zero() {
         assert_eq!(summary.count(OutcomeLabel::ExecutorError), 1, "{summary:?}");
@@ -582,7 +582,7 @@ async fn create_after_worktree() {
     );
 
     let mgr = w.manager().await;
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     eprintln!("clean start: {:?}", summary.counts);
     let s = w.store.get_session(crashed.id).await.unwrap();
     assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
@@ -633,7 +633,7 @@ async fn create_before_worktree() {
     assert!(crate::world::listed_worktrees(w.dir.path()).is_empty());
 
     let mgr = w.manager().await;
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     eprintln!("clean start: {:?}", summary.counts);
     let s = w.store.get_session(crashed.id).await.unwrap();
     assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");

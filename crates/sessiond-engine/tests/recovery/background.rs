@@ -31,7 +31,7 @@ fn with_liveness(w: &World, every: Option<Duration>) -> ManagerConfig {
 async fn liveness_refreshes_last_seen_and_recovers_a_dead_agentctl() {
     let w = World::new(Db::Sqlite).await;
     let mgr = w.manager_with(with_liveness(&w, Some(Duration::from_millis(150))));
-    mgr.recover_all().await.unwrap();
+    mgr.recovery().recover_all().await.unwrap();
     let s = w.create(&mgr, "live").await;
     let token = s.resume_token.clone().unwrap();
     let first = w.record(s.id).await.last_seen_at.unwrap();
@@ -115,7 +115,7 @@ async fn liveness_refreshes_last_seen_and_recovers_a_dead_agentctl() {
 async fn idle_session_is_parked_and_its_agent_exit_is_found_by_liveness() {
     let w = World::new(Db::Sqlite).await;
     let mgr = w.manager_with(with_liveness(&w, Some(Duration::from_millis(150))));
-    mgr.recover_all().await.unwrap();
+    mgr.recovery().recover_all().await.unwrap();
     let s = w.create(&mgr, "idle").await;
     assert!(mgr.is_parked(s.id), "a new idle session holds no stream");
     mgr.send_message(w.task.id, s.id, "hello").await.unwrap();
@@ -185,12 +185,13 @@ async fn a_never_prompted_sessions_agent_exit_is_pushed_through_the_doorbell() {
     let w = World::new(Db::Sqlite).await;
     let mgr = w.manager_with(with_liveness(&w, None));
     std::fs::create_dir_all(w.path("run")).unwrap();
-    mgr.listen_doorbell(
-        &w.path("run")
-            .join(sessiond_executor::standalone::DOORBELL_FILE),
-    )
-    .unwrap();
-    mgr.recover_all().await.unwrap();
+    mgr.recovery()
+        .listen_doorbell(
+            &w.path("run")
+                .join(sessiond_executor::standalone::DOORBELL_FILE),
+        )
+        .unwrap();
+    mgr.recovery().recover_all().await.unwrap();
     let s = w.create(&mgr, "never-prompted").await;
     assert!(mgr.is_parked(s.id), "a new idle session holds no stream");
     let agentctl = w.record(s.id).await.pid.unwrap();
@@ -224,7 +225,7 @@ async fn a_never_prompted_sessions_agent_exit_is_pushed_through_the_doorbell() {
 async fn liveness_off_leaves_last_seen_alone() {
     let w = World::new(Db::Sqlite).await;
     let mgr = w.manager_with(with_liveness(&w, None));
-    mgr.recover_all().await.unwrap();
+    mgr.recovery().recover_all().await.unwrap();
     let s = w.create(&mgr, "off").await;
     let first = w.record(s.id).await.last_seen_at;
     tokio::time::sleep(Duration::from_millis(600)).await;
@@ -316,15 +317,23 @@ async fn orphan_sweep_removes_only_proven_orphans() {
     // Kept: no labels of ours at all.
     let unlabelled = create(&format!("sweep-unlabelled-{tag}"), vec![]);
 
-    let report = mgr.sweep_orphan_containers(&kit.driver).await.unwrap();
+    let report = mgr
+        .recovery()
+        .sweep_orphan_containers(&kit.driver)
+        .await
+        .unwrap();
     assert_eq!(
         report.examined, 0,
         "no sweep before the first recovery pass"
     );
     assert!(report.removed.is_empty());
 
-    mgr.recover_all().await.unwrap();
-    let report = mgr.sweep_orphan_containers(&kit.driver).await.unwrap();
+    mgr.recovery().recover_all().await.unwrap();
+    let report = mgr
+        .recovery()
+        .sweep_orphan_containers(&kit.driver)
+        .await
+        .unwrap();
     let mut removed = report.removed.clone();
     removed.sort();
     let mut expected = vec![no_record.clone(), superseded.clone()];
@@ -397,10 +406,10 @@ async fn orphan_sweep_waits_for_recovery_and_grace() {
     );
     let exists =
         || docker_cli(&kit.env, &["ps", "-a", "-q", "--no-trunc"]).contains(orphan.as_str());
-    mgr.start_orphan_sweep(kit.driver.clone());
+    mgr.recovery().start_orphan_sweep(kit.driver.clone());
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(exists(), "swept before the first recovery pass");
-    mgr.recover_all().await.unwrap();
+    mgr.recovery().recover_all().await.unwrap();
     let recovered_at = Instant::now();
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert!(

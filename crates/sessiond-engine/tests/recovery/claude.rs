@@ -212,7 +212,7 @@ async fn claude_sessions_come_back_after_kill9_of_everything() {
     // The restart: what `sessiond serve` does before SERVING, nothing more.
     let mgr = w.manager_with(ManagerConfig::default());
     let restarted = Instant::now();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     let pass = restarted.elapsed();
     // Settled: each session is back (waiting, its agent running on a ready
     // executor) or has a verdict (ERROR, or ended). Anything else (STARTING,

@@ -35,7 +35,7 @@ async fn child_backend() {
         drivers_in(std::path::Path::new(dir)),
         sessiond_engine::ManagerConfig::default(),
     );
-    mgr.recover_all().await.unwrap();
+    mgr.recovery().recover_all().await.unwrap();
     let task = task.parse().unwrap();
     let s = mgr
         .create_session(NewSession {
@@ -127,7 +127,7 @@ async fn backend_killed_with_sigkill() {
 
     let before = w.record(sid).await;
     let mgr = w.manager();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Reattached), 1, "{summary:?}");
     let after = w.record(sid).await;
     assert_eq!(after.pid, before.pid);

@@ -121,7 +121,7 @@ async fn docker_down_at_start_recovers_when_the_engine_is_back() {
     let mut drivers = drivers_in(w.dir.path());
     drivers.push(Arc::new(lazy));
     let mgr = SessionManager::new(w.store.clone(), drivers, w.config());
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Retrying), 1, "{summary:?}");
     assert_eq!(summary.count(OutcomeLabel::Reattached), 1, "{summary:?}");
     let st = w.status(&mgr, d.id).await;
@@ -201,7 +201,7 @@ async fn engine_restart_while_serving_recovers_by_itself() {
         drivers_with(w.dir.path(), &driver),
         manager_config,
     );
-    mgr.recover_all().await.unwrap();
+    mgr.recovery().recover_all().await.unwrap();
     let d = w
         .create_rt(&mgr, "docker", &profile, Runtime::LocalDocker, None)
         .await;

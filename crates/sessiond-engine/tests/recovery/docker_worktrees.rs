@@ -280,7 +280,7 @@ async fn docker_removed_worktree_is_recreated_from_its_branch_after_kill9() {
     std::fs::remove_dir_all(&path).unwrap();
 
     let mgr = manager(&w, &kit, &driver);
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
     assert!(path.is_dir(), "recreated");
     assert_eq!(git(&path, &["rev-parse", "HEAD"]), head);
@@ -330,7 +330,7 @@ async fn docker_worktree_whose_branch_is_gone_is_an_error_naming_it() {
     git(&repo, &["branch", "-D", &s.worktree.branch]);
 
     let mgr = manager(&w, &kit, &driver);
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::ExecutorError), 1, "{summary:?}");
     let branch_missing = |st: &sessiond_domain::SessionStatus| {
         st.state == SessionState::Error

@@ -33,7 +33,7 @@ async fn watch_replays_then_tails(db: Db) {
     mgr.shutdown();
     drop(mgr);
     let mgr = w.manager();
-    mgr.recover_all().await.unwrap();
+    mgr.recovery().recover_all().await.unwrap();
 
     // Reconnect with the cursor: replay 4.., then the next turn live.
     let mut again = mgr.watch_session(s.id, cursor).await.unwrap();

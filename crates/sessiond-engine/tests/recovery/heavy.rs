@@ -98,11 +98,11 @@ async fn heavy_agents_come_back_by_themselves_on_a_busy_host() {
     let started = Instant::now();
     let pass = tokio::spawn({
         let mgr = mgr.clone();
-        async move { mgr.recover_all().await }
+        async move { mgr.recovery().recover_all().await }
     });
     // Serving once every workspace is back, while agents still relaunch:
     // their sessions say where they stand, their workspaces are usable.
-    mgr.wait_workspaces_recovered().await;
+    mgr.recovery().wait_workspaces_recovered().await;
     let serving_after = started.elapsed();
     let mut relaunching = 0;
     for id in &ids {
@@ -186,7 +186,7 @@ async fn a_silent_agent_is_cut_retried_and_comes_back_or_fails_after_its_attempt
     std::fs::write(&gate_a, b"closed").unwrap();
     std::fs::write(&gate_b, b"closed").unwrap();
     let mgr = w.manager_with(config);
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Retrying), 2, "{summary:?}");
     assert_eq!(summary.not_back, 2, "{summary:?}");
     // Between attempts: recovering, with why the last attempt broke off;
@@ -304,7 +304,7 @@ async fn resume_is_preferred_to_load_and_nothing_is_stored_twice() {
     }
 
     let mgr = w.manager_with(defaults());
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Resumed), 3, "{summary:?}");
     let log = calls(&w);
     for (i, (s, method)) in sessions.iter().enumerate() {
@@ -390,7 +390,7 @@ async fn a_create_cut_by_a_crash_comes_up_by_itself() {
     assert!(cut.resume_token.is_none(), "{cut:?}");
 
     let mgr = w.manager_with(defaults());
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Opened), 1, "{summary:?}");
     assert_eq!((summary.failed, summary.not_back), (0, 0), "{summary:?}");
     w.track(session.id).await;

@@ -80,7 +80,7 @@ async fn backend_process() {
         let words: Vec<&str> = line.split(' ').collect();
         match words.as_slice() {
             ["recover"] => {
-                let s = mgr.recover_all().await.unwrap();
+                let s = mgr.recovery().recover_all().await.unwrap();
                 say(&format!("RECOVERED {}", s.total));
             }
             ["create", runtime, profile, worktree, remote @ ..] => {
@@ -351,7 +351,7 @@ async fn kill9_then_restart(runtime: Runtime) {
         None => w.manager(),
     };
     let mut stream = mgr.watch_session(sid, last).await.unwrap();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Reattached), 1, "{summary:?}");
     let after = w.record(sid).await;
     assert_eq!(after.status, ExecutorStatus::Ready);
@@ -461,7 +461,7 @@ async fn docker_fault_while_down(remove: bool) {
     }
 
     let mgr = kit.manager(&w);
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     let st = w.status(&mgr, sid).await;
     if remove {
         assert_eq!(summary.count(OutcomeLabel::ExecutorError), 1, "{summary:?}");
@@ -544,7 +544,7 @@ async fn docker_stopped_container_is_started_by_itself() {
         drivers_with(w.dir.path(), &kit.driver),
         config,
     );
-    mgr.recover_all().await.unwrap();
+    mgr.recovery().recover_all().await.unwrap();
     let s = w
         .create_rt(&mgr, "resume", &kit.profile, Runtime::LocalDocker, None)
         .await;
@@ -599,7 +599,7 @@ async fn docker_explicit_resume_of_a_removed_container_is_refused_and_cleaned_up
         drivers_with(w.dir.path(), &kit.driver),
         config,
     );
-    mgr.recover_all().await.unwrap();
+    mgr.recovery().recover_all().await.unwrap();
     let s = w
         .create_rt(&mgr, "gone", &kit.profile, Runtime::LocalDocker, None)
         .await;
@@ -797,7 +797,7 @@ async fn kill9_during_recovery(runtime: Runtime) {
 
     // Without crashes.
     let mgr = manager(&w);
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(
         summary.count(OutcomeLabel::Resumed),
         SESSIONS,
@@ -844,7 +844,7 @@ async fn kill9_during_recovery(runtime: Runtime) {
     );
 
     let mgr = manager(&w);
-    mgr.recover_all().await.unwrap();
+    mgr.recovery().recover_all().await.unwrap();
     assert_eq!(snapshot(&w, &mgr, &ids).await, expected);
     for id in &ids {
         w.track(*id).await;

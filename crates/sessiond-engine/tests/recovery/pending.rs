@@ -161,7 +161,7 @@ async fn reply_given_while_down_is_stored_before_the_next_message(db: Db) {
     let seq_before = w.store.last_event_seq(s.id).await.unwrap();
 
     let mgr = w.manager();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Reattached), 1, "{summary:?}");
     // Send as soon as the session takes a message.
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -256,7 +256,7 @@ async fn undelivered_message_is_delivered_after_a_reattach() {
     commit_user_message(&w, &s, "two").await;
 
     let mgr = w.manager();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Reattached), 1, "{summary:?}");
     assert_reply_before_waiting(&w, &mgr, &s, 2, "two").await;
     assert_eq!(
@@ -271,7 +271,7 @@ async fn undelivered_message_is_delivered_after_a_reattach() {
     mgr.shutdown();
     drop(mgr);
     let mgr = w.manager();
-    mgr.recover_all().await.unwrap();
+    mgr.recovery().recover_all().await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(transcript(&w, &s).len(), 2);
     let reply = w.prompt(&mgr, s.id, "three").await;
@@ -294,7 +294,7 @@ async fn undelivered_message_is_delivered_after_a_relaunch() {
     kill_tree(w.record(s.id).await.pid.unwrap()).await;
 
     let mgr = w.manager();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
     w.track(s.id).await;
     assert_reply_before_waiting(&w, &mgr, &s, 2, "two").await;
@@ -319,7 +319,7 @@ async fn explicit_resume_delivers_the_pending_message() {
     let mut config = w.config();
     config.resume_policy = ResumePolicy::OnDemand;
     let mgr = w.manager_with(config);
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::ExecutorOnly), 1, "{summary:?}");
     w.track(s.id).await;
     assert_eq!(w.status(&mgr, s.id).await.state, SessionState::Running);
@@ -372,7 +372,7 @@ async fn partial_reply_is_completed_not_asked_again() {
     kill_tree(w.record(s.id).await.pid.unwrap()).await;
 
     let mgr = w.manager();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
     w.track(s.id).await;
     w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
@@ -453,7 +453,7 @@ async fn interrupt_second_turn(
     kill_tree(record.pid.unwrap()).await;
 
     let mgr = w.manager();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
     w.track(s.id).await;
     w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
@@ -609,7 +609,7 @@ async fn stale_turn_in_an_error_session_is_settled_at_startup() {
     assert_eq!(stale.metadata.get("turn_id"), Some(&two.id.to_string()));
 
     let mgr = w.manager();
-    mgr.recover_all().await.unwrap();
+    mgr.recovery().recover_all().await.unwrap();
     let after = w.store.get_session(s.id).await.unwrap();
     assert_eq!(after.state, SessionState::Error, "{after:?}");
     assert!(
@@ -659,7 +659,7 @@ async fn stale_turn_in_an_error_session_is_settled_at_startup() {
     mgr.shutdown();
     drop(mgr);
     let mgr = w.manager();
-    mgr.recover_all().await.unwrap();
+    mgr.recovery().recover_all().await.unwrap();
     assert_eq!(w.store.last_event_seq(s.id).await.unwrap(), seq);
     assert_eq!(w.messages(s.id).await.len(), count);
 

@@ -164,7 +164,7 @@ async fn remote_host_back_after_restart_resumes_in_background() {
     host.kill().await;
 
     let mgr = w.manager();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Retrying), 1, "{summary:?}");
     let st = w.status(&mgr, s.id).await;
     assert_eq!(st.executor_status, Some(ExecutorStatus::Error));
@@ -228,7 +228,7 @@ async fn remote_window_counts_from_the_backend_start() {
     assert!(chrono::Utc::now() - last_seen > chrono::Duration::from_std(WINDOW).unwrap());
 
     let mgr = w.manager_with(config);
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Retrying), 1, "{summary:?}");
     let st = w.status(&mgr, s.id).await;
     assert_eq!(
@@ -395,7 +395,7 @@ async fn remote_explicit_resume_while_unreachable_keeps_reconnecting() {
     host.kill().await;
 
     let mgr = w.manager();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Retrying), 1, "{summary:?}");
 
     let err = mgr
@@ -466,7 +466,7 @@ async fn remote_explicit_resume_refused_by_the_agent_is_a_plain_failure() {
         resume_policy: sessiond_domain::ResumePolicy::OnDemand,
         ..w.config()
     });
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::ExecutorOnly), 1, "{summary:?}");
     let err = mgr
         .resume_session(w.task.id, s.id)
@@ -522,7 +522,7 @@ async fn remote_host_gone_during_the_agents_resume_reconnects() {
     let mgr = w.manager();
     let pass = tokio::spawn({
         let mgr = mgr.clone();
-        async move { mgr.recover_all().await }
+        async move { mgr.recovery().recover_all().await }
     });
     wait_for("the resume to launch the agent on the host", || {
         !children_of(host_pid).is_empty()
@@ -587,7 +587,7 @@ async fn remote_explicit_resume_while_unreachable_keeps_the_turn_until_the_windo
     let two = crate::pending::commit_user_message(&w, &s, "two").await;
 
     let mgr = w.manager_with(config);
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Retrying), 1, "{summary:?}");
     let err = mgr
         .resume_session(w.task.id, s.id)
@@ -663,7 +663,7 @@ async fn modes_are_kept_from_recovery() {
             host = RemoteHost::start(&w, &spot).await;
         }
         mgr = w.manager();
-        let summary = mgr.recover_all().await.unwrap();
+        let summary = mgr.recovery().recover_all().await.unwrap();
         let expected = if host_restarts {
             OutcomeLabel::Resumed
         } else {
@@ -710,7 +710,7 @@ async fn remote_resume_in_one_round_trip_and_from_an_older_agentctl() {
         host.kill().await;
         host = RemoteHost::start_with(&w, &spot, None, env).await;
         mgr = w.manager();
-        let summary = mgr.recover_all().await.unwrap();
+        let summary = mgr.recovery().recover_all().await.unwrap();
         assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
         host.track_agent(&w);
         let stats = mgr.stats();

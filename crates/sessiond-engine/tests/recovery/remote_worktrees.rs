@@ -227,7 +227,7 @@ async fn remote_removed_worktree_is_recreated_from_its_branch_after_kill9() {
     let host = start_host(&w, &spot, &root).await;
 
     let mgr = manager(&w, &root);
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
     host.track_agent(&w);
     assert!(path.is_dir(), "recreated");
@@ -269,7 +269,7 @@ async fn remote_worktree_whose_branch_is_gone_is_an_error_naming_it() {
     let host = start_host(&w, &spot, &root).await;
 
     let mgr = manager(&w, &root);
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::ExecutorError), 1, "{summary:?}");
     let st = w.status(&mgr, s.id).await;
     assert_eq!(st.state, SessionState::Error);

@@ -20,7 +20,7 @@ async fn restart_reattaches(db: Db) {
     drop(mgr);
 
     let mgr = w.manager();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.total, 1);
     assert_eq!(summary.count(OutcomeLabel::Reattached), 1, "{summary:?}");
     assert_eq!(mgr.stats().agentctl_launches, 0);
@@ -87,7 +87,7 @@ async fn killed_agentctl_is_relaunched_and_resumed() {
     kill_tree(old.pid.unwrap()).await;
 
     let mgr = w.manager();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
     assert_eq!(mgr.stats().agentctl_launches, 1);
     assert_eq!(mgr.stats().agent_launches, 1);
@@ -127,7 +127,7 @@ async fn hung_agentctl_is_ended_and_relaunched() {
     .unwrap();
 
     let mgr = w.manager();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
     assert!(!is_running(pid), "the hung agentctl {pid} was ended");
     assert_eq!(mgr.stats().agentctl_launches, 1);
@@ -158,7 +158,7 @@ async fn deleted_worktree_is_error_without_launch() {
     std::fs::remove_dir_all(&s.worktree.path).unwrap();
 
     let mgr = w.manager();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::ExecutorError), 1, "{summary:?}");
     assert_eq!(mgr.stats().agentctl_launches, 0, "nothing launched");
     let st = w.status(&mgr, s.id).await;
@@ -206,7 +206,7 @@ async fn agent_without_load_session_is_not_resumable_but_workspace_works() {
     kill_tree(w.record(s.id).await.pid.unwrap()).await;
 
     let mgr = w.manager();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::NotResumable), 1, "{summary:?}");
     assert_eq!(mgr.stats().agent_launches, 0);
     w.track(s.id).await;
@@ -239,7 +239,7 @@ async fn rejected_token_is_error_but_workspace_usable() {
     w.demo_profile("demo", &[("ACP_DEMO_FAIL_LOAD", "1")]).await;
 
     let mgr = w.manager();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::ResumeFailed), 1, "{summary:?}");
     w.track(s.id).await;
     let st = w.status(&mgr, s.id).await;
@@ -305,7 +305,7 @@ async fn recovery_of_many_sessions() {
 
     let mgr = w.manager();
     let started = Instant::now();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     eprintln!(
         "recovery of {N} live sessions (reattach): {:?}",
         started.elapsed()
@@ -319,7 +319,7 @@ async fn recovery_of_many_sessions() {
     }
     let mgr = w.manager();
     let started = Instant::now();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     eprintln!(
         "recovery of {N} lost sessions (relaunch + resume): {:?}",
         started.elapsed()
@@ -366,7 +366,7 @@ async fn agent_without_open_session_is_resumed_not_reattached() {
     assert!(h.acp_session_id.is_empty(), "no conversation open: {h:?}");
 
     let mgr = w.manager();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
     assert_eq!(mgr.stats().agentctl_launches, 0);
     assert_eq!(mgr.stats().agent_launches, 0, "the running agent is reused");

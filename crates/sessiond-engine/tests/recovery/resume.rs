@@ -119,7 +119,7 @@ async fn concurrent_resumes_share_one_attempt() {
 
     // on_demand: startup restores the workspace only.
     let mgr = w.manager_with(on_demand(&w));
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::ExecutorOnly), 1, "{summary:?}");
     w.track(s.id).await;
     let st = w.status(&mgr, s.id).await;
@@ -166,7 +166,7 @@ async fn resume_racing_startup_recovery_joins_it() {
     let mgr = w.manager();
     let recovering = {
         let mgr = mgr.clone();
-        tokio::spawn(async move { mgr.recover_all().await })
+        tokio::spawn(async move { mgr.recovery().recover_all().await })
     };
     // Let recovery take the session first.
     tokio::time::sleep(std::time::Duration::from_millis(30)).await;

@@ -383,7 +383,7 @@ async fn remote_restart_at(point: Point) {
     .await;
 
     let mgr = w.manager();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
     host.track_agent(&w);
     assert_turn_two_ended(point, &w, &mgr, &s, &files.side, || transcript(&w, &s)).await;
@@ -622,7 +622,7 @@ async fn local_restart_at(rt: Local, point: Point) {
     let _ = std::fs::remove_file(&files.mid_gate);
 
     let mgr = manager();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
     let after = w.record(s.id).await;
     assert_eq!(after.generation, before.generation + 1, "relaunched once");
@@ -769,7 +769,7 @@ async fn replay_after_restart_never_shrinks_a_stored_reply() {
     let mgr = w.manager();
     let after = w.store.last_event_seq(s.id).await.unwrap();
     let mut watch = mgr.watch_session(s.id, after).await.unwrap();
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Reattached), 1, "{summary:?}");
     w.track(s.id).await;
     w.wait_state(&mgr, s.id, SessionState::WaitingForInput)

@@ -166,7 +166,7 @@ async fn a_removed_worktree_is_recreated_from_its_branch_after_kill9(db: Db) {
     std::fs::remove_dir_all(&path).unwrap();
 
     let mgr = w.manager_with(config(&w));
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
     w.track(s.id).await;
     assert!(path.is_dir(), "recreated");
@@ -212,7 +212,7 @@ async fn a_worktree_whose_branch_is_gone_is_an_error_naming_it() {
     git(&repo, &["branch", "-D", &s.worktree.branch]);
 
     let mgr = w.manager_with(config(&w));
-    let summary = mgr.recover_all().await.unwrap();
+    let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::ExecutorError), 1, "{summary:?}");
     let st = w.status(&mgr, s.id).await;
     assert_eq!(st.state, SessionState::Error);

@@ -14,16 +14,27 @@ use std::sync::{Arc, Mutex};
 
 use sessiond_domain::{AgentProcessState, ExecutorId};
 
-use crate::{manager::SessionManager, sync::lock};
+use crate::sync::lock;
 
 /// The largest datagram read: an executor id is a UUID.
 const MAX_DATAGRAM: usize = 128;
 
-impl SessionManager {
+/// The doorbell's listener.
+pub(crate) struct Doorbell<'m>(pub(crate) &'m crate::manager::SessionManager);
+
+impl std::ops::Deref for Doorbell<'_> {
+    type Target = crate::manager::SessionManager;
+
+    fn deref(&self) -> &Self::Target {
+        self.0
+    }
+}
+
+impl Doorbell<'_> {
     /// Listens on the datagram socket `path` (replacing a stale one, mode
     /// 0600) and checks an executor at once each time its agentctl rings.
     /// Runs until the manager shuts down.
-    pub fn listen_doorbell(&self, path: &Path) -> std::io::Result<()> {
+    pub(crate) fn listen_doorbell(&self, path: &Path) -> std::io::Result<()> {
         match std::fs::remove_file(path) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -34,7 +45,7 @@ impl SessionManager {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
         }
-        let me = self.clone();
+        let me = self.0.clone();
         // One check per executor at a time: a burst of rings is one check.
         let checking: Arc<Mutex<HashSet<ExecutorId>>> = Arc::default();
         self.spawn_background(async move {
@@ -70,7 +81,7 @@ impl SessionManager {
                 let (me, checking) = (me.clone(), checking.clone());
                 tokio::spawn(async move {
                     tracing::debug!(executor = %id, "doorbell: agentctl says its agent exited");
-                    if let Err(e) = me.check_liveness(record, agent_running).await {
+                    if let Err(e) = crate::recovery::liveness::Liveness(&me).check_liveness(record, agent_running).await {
                         tracing::debug!(executor = %id, error = %e, "doorbell check could not be recorded");
                     }
                     lock(&checking).remove(&id);

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use sessiond_domain::{ExecutorId, ExecutorRecord, ExecutorStatus, SessionId};
 use sessiond_executor::docker::{DockerExecutor, LabelledContainer};
 
-use crate::{error::Result, manager::SessionManager};
+use crate::error::Result;
 
 /// What one sweep pass did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -77,13 +77,27 @@ fn verdict(
     }
 }
 
-impl SessionManager {
+/// The orphan-container sweep.
+pub(crate) struct Sweep<'m>(pub(crate) &'m crate::manager::SessionManager);
+
+impl std::ops::Deref for Sweep<'_> {
+    type Target = crate::manager::SessionManager;
+
+    fn deref(&self) -> &Self::Target {
+        self.0
+    }
+}
+
+impl Sweep<'_> {
     /// One pass of the orphan sweep over the containers of `docker`'s
     /// engine. Refuses to run (returns an empty report) until the first
     /// startup recovery pass of this manager has finished.
-    pub async fn sweep_orphan_containers(&self, docker: &DockerExecutor) -> Result<SweepReport> {
+    pub(crate) async fn sweep_orphan_containers(
+        &self,
+        docker: &DockerExecutor,
+    ) -> Result<SweepReport> {
         let mut report = SweepReport::default();
-        if !self.first_recovery_done() {
+        if !crate::recovery::Pass(self).first_recovery_done() {
             tracing::debug!("orphan sweep skipped: startup recovery has not finished");
             return Ok(report);
         }
@@ -166,15 +180,15 @@ impl SessionManager {
     /// [`ManagerConfig::orphan_sweep_grace`](crate::ManagerConfig) after the
     /// first startup recovery pass has finished, then every
     /// `orphan_sweep_interval` (if set). [`SessionManager::shutdown`] ends it.
-    pub fn start_orphan_sweep(&self, docker: Arc<DockerExecutor>) {
+    pub(crate) fn start_orphan_sweep(&self, docker: Arc<DockerExecutor>) {
         let grace = self.inner.config.orphan_sweep_grace;
         let interval = self.inner.config.orphan_sweep_interval;
-        let me = self.clone();
+        let me = self.0.clone();
         self.spawn_background(async move {
-            me.wait_first_recovery().await;
+            crate::recovery::Pass(&me).wait_first_recovery().await;
             tokio::time::sleep(grace).await;
             loop {
-                if let Err(e) = me.sweep_orphan_containers(&docker).await {
+                if let Err(e) = Sweep(&me).sweep_orphan_containers(&docker).await {
                     tracing::warn!(error = %e, "orphan sweep failed");
                 }
                 match interval {

@@ -40,17 +40,32 @@ use sessiond_store::Yield;
 
 use crate::{
     error::{Error, Result},
-    manager::SessionManager,
-    pass::{Claim, Lane, PassGate, Phase, Queued, SharedRecovery},
+    flows::Ownership,
+    pass::{CallRecovery, Claim, Lane, PassGate, Phase, Queued, SharedRecovery},
     sync::lock,
 };
 
-impl SessionManager {
+/// The longest the pass's recoveries pause at once for calls.
+pub(crate) const MAX_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Startup recovery's queue: claims of its executors by the pass or by a
+/// call, the pass's gate and pauses, and what status says meanwhile.
+pub(crate) struct Queue<'m>(pub(crate) &'m crate::manager::SessionManager);
+
+impl std::ops::Deref for Queue<'_> {
+    type Target = crate::manager::SessionManager;
+
+    fn deref(&self) -> &Self::Target {
+        self.0
+    }
+}
+
+impl Queue<'_> {
     /// Announces that a startup recovery pass is about to run: from now
     /// until its queue is filled, status and calls on sessions wait for it
     /// (`sessiond serve` calls this before it starts serving, so that no
     /// call slips in before the pass has loaded what it will recover).
-    pub fn expect_startup_recovery(&self) {
+    pub(crate) fn expect_startup_recovery(&self) {
         if !lock(&self.inner.queue).off {
             self.inner.queue_phase.send_replace(Phase::Loading);
         }
@@ -60,7 +75,7 @@ impl SessionManager {
     /// resolves; calls on sessions still claim theirs. For tests that must
     /// observe the API while a pass is under way at a known point.
     #[cfg(feature = "test-hooks")]
-    pub fn gate_recovery_pass(&self, gate: PassGate) {
+    pub(crate) fn gate_recovery_pass(&self, gate: PassGate) {
         lock(&self.inner.queue).gate = Some(gate);
     }
 
@@ -68,12 +83,12 @@ impl SessionManager {
     /// recovers strictly in its own order and a call on a session not yet
     /// recovered is answered from what is recorded: only the benchmark
     /// turns it off, to measure what the queue costs.
-    pub fn set_recovery_priority(&self, on: bool) {
+    pub(crate) fn set_recovery_priority(&self, on: bool) {
         lock(&self.inner.queue).off = !on;
     }
 
     /// Whether startup recovery has yet to finish with `session`.
-    pub fn is_recovering(&self, session: SessionId) -> bool {
+    pub(crate) fn is_recovering(&self, session: SessionId) -> bool {
         match lock(&self.inner.queue).entries.get(&session) {
             Some(Queued::Waiting(_)) => true,
             Some(Queued::Claimed(f, _)) => f.peek().is_none(),
@@ -97,7 +112,7 @@ impl SessionManager {
     /// With other replicas, the session's executor must then be this
     /// replica's: one whose lease is free or expired is claimed and
     /// recovered here; one another replica holds is [`Error::NotOwner`].
-    pub async fn ensure_recovered(&self, session: SessionId) -> Result<()> {
+    pub(crate) async fn ensure_recovered(&self, session: SessionId) -> Result<()> {
         self.recover_ahead(session).await.map(drop)
     }
 
@@ -125,7 +140,7 @@ impl SessionManager {
                 tracing::debug!(%session, error = %e, "prioritised recovery failed");
             }
         }
-        crate::replica::Fencing(self).ensure_owned(session).await?;
+        self.ensure_owned(session).await?;
         Ok(ahead)
     }
 
@@ -134,7 +149,7 @@ impl SessionManager {
     /// pass will recover), claim it for this call; the pass, once its queue
     /// is filled, joins this recovery instead of running its own.
     async fn claim_while_loading(&self, session: SessionId) -> Result<Option<Claim>> {
-        if !crate::replica::Fencing(self).exclusive()
+        if !crate::lease::Fencing(self).exclusive()
             || *self.inner.queue_phase.borrow() != Phase::Loading
         {
             return Ok(None);
@@ -189,7 +204,7 @@ impl SessionManager {
     /// Whether status may answer without waiting for the queue: an
     /// exclusive store's pass is loading (see `recovering_while_loading`).
     pub(crate) fn answers_while_loading(&self) -> bool {
-        crate::replica::Fencing(self).exclusive()
+        crate::lease::Fencing(self).exclusive()
             && *self.inner.queue_phase.borrow() == Phase::Loading
     }
 
@@ -228,11 +243,13 @@ impl SessionManager {
         record: ExecutorRecord,
         lane: Lane,
     ) -> (SharedRecovery, Option<Yield>) {
-        let me = self.clone();
+        let me = self.0.clone();
         let flag = (lane == Lane::Pass).then(Yield::new);
         let yielding = flag.clone();
         let task = self.spawn_background(tracing::Instrument::in_current_span(async move {
-            me.recover_shared_with(record, lane, yielding).await
+            crate::recovery::Pass(&me)
+                .recover_shared_with(record, lane, yielding)
+                .await
         }));
         let fut: SharedRecovery = async move {
             task.await
@@ -299,7 +316,7 @@ impl SessionManager {
     /// the returned guard is dropped.
     pub(crate) fn call_recovery_started(&self) -> CallRecovery {
         self.inner.calls_recovering.send_modify(|n| *n += 1);
-        CallRecovery(self.clone())
+        CallRecovery(self.inner.calls_recovering.clone())
     }
 
     /// Waits while a call's recovery runs; returns how long it waited.
@@ -313,20 +330,5 @@ impl SessionManager {
         // slows the pass down to one step per pause, never stops it.
         let _ = tokio::time::timeout(MAX_PAUSE, rx.wait_for(|n| *n == 0)).await;
         t.elapsed()
-    }
-}
-
-/// The longest the pass's recoveries pause at once for calls.
-pub(crate) const MAX_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// Ends a call's precedence over the pass when dropped.
-pub(crate) struct CallRecovery(SessionManager);
-
-impl Drop for CallRecovery {
-    fn drop(&mut self) {
-        self.0
-            .inner
-            .calls_recovering
-            .send_modify(|n| *n = n.saturating_sub(1));
     }
 }

@@ -1,0 +1,57 @@
+//! What a module asks of a module above it, as traits on
+//! `SessionManager` that the answering module implements: the asking
+//! module depends on this file, not on the one above, so the engine's
+//! modules stay in layers with no import loop. A call on a session first
+//! has it recovered (`recovery`); a lost agentctl is handed to recovery's
+//! background retries; recovery makes sure this replica owns what it
+//! recovers (`replica`).
+
+use std::future::Future;
+
+use sessiond_domain::{ExecutorRecord, SessionId};
+use sessiond_store::Changeset;
+
+use crate::{error::Result, pass::CallRecovery};
+
+/// Recovery's side of a call (implemented in `recovery`).
+pub(crate) trait RecoverFirst {
+    /// If startup recovery has not finished with `session`, recover it now
+    /// (ahead of the pass) or join the recovery under way; see
+    /// `RecoveryControl::ensure_recovered`.
+    fn ensure_recovered(&self, session: SessionId) -> impl Future<Output = Result<()>> + Send;
+
+    /// As [`Self::ensure_recovered`], keeping the pass paused (between its
+    /// steps) while the returned hold lives, so the call's own writes do not
+    /// compete with it.
+    fn recover_ahead(
+        &self,
+        session: SessionId,
+    ) -> impl Future<Output = Result<Option<CallRecovery>>> + Send;
+
+    /// Pauses the pass while the call on `session` runs, if the pass may
+    /// still take that session.
+    fn precede_pass(&self, session: SessionId) -> Option<CallRecovery>;
+
+    /// Retries a lost agentctl in the background (`attempt` so far).
+    fn spawn_retry(&self, record: ExecutorRecord, attempt: u32, reason: String);
+
+    /// Reconnects a remote host that stopped answering, in the background.
+    fn spawn_reconnect(&self, record: ExecutorRecord);
+
+    /// What a lost agentctl of `record` changes (its executor, the session,
+    /// a turn in flight), and the record to retry in the background if the
+    /// loss may pass.
+    fn agentctl_lost_change(
+        &self,
+        record: &ExecutorRecord,
+        reason: &str,
+    ) -> impl Future<Output = Result<(Changeset, Option<ExecutorRecord>)>> + Send;
+}
+
+/// This replica's side of a session's lease (implemented in `replica`).
+pub(crate) trait Ownership {
+    /// With other replicas, makes `session`'s executor this replica's (a
+    /// free or expired lease is claimed, an adoption under way joined), or
+    /// answers `Error::NotOwner`.
+    fn ensure_owned(&self, session: SessionId) -> impl Future<Output = Result<()>> + Send;
+}

@@ -1,0 +1,164 @@
+//! A session's status (GetSessionStatus), answered from memory: the
+//! per-session record's status snapshot and executions cache, filled from
+//! the store once and replaced by every commit; while startup recovery has
+//! not finished with a session, its status says so.
+
+use std::sync::Arc;
+
+use sessiond_domain::{
+    AgentProcessState, ExecutionView, Session, SessionId, SessionStatus, TaskId,
+};
+
+use crate::{
+    error::{Error, Result},
+    manager::SessionManager,
+    sessions::StatusEntry,
+};
+
+impl SessionManager {
+    /// Session state and its execution's status, for this session only
+    /// (GetSessionStatus).
+    ///
+    /// Answered from memory: the session row and the profile's claim come
+    /// from the status snapshot (loaded from the store on first use, in one
+    /// round trip, then replaced by every `SessionManager::commit`), the
+    /// execution from the executors cache, or, for a session this manager
+    /// never wrote, from the record loaded with the snapshot.
+    pub async fn session_status(&self, task: TaskId, session: SessionId) -> Result<SessionStatus> {
+        // While an exclusive store's pass loads its executors, answer at
+        // once from the records (a live executor is about to be recovered)
+        // instead of waiting for the load of all of them.
+        let loading = crate::recovery::queue::Queue(self).answers_while_loading();
+        if !loading {
+            crate::recovery::queue::Queue(self).queue_filled().await;
+        }
+        // Another replica's session changes under us: read what it committed.
+        let elsewhere = !crate::lease::Fencing(self).owns(session);
+        let (cached, cached_view) = if elsewhere {
+            (None, None)
+        } else {
+            self.inner.sessions.status_and_view(session)
+        };
+        let snap = match cached {
+            Some(e) => e,
+            None if elsewhere => self.read_status_inputs(session).await?,
+            None => self.load_status_inputs(session).await?,
+        };
+        let s = &snap.session;
+        if s.task_id != task {
+            return Err(Error::WrongTask {
+                session_id: session,
+                requested: task,
+                actual: s.task_id,
+            });
+        }
+        let view = cached_view.or(snap.record);
+        let status = sessiond_domain::session_status(s, view.as_ref(), snap.profile_claim);
+        if !elsewhere
+            && let Some(progress) = self.inner.agent_recoveries.view(
+                session,
+                self.inner.config.max_attempts,
+                self.inner.launches.place(session),
+            )
+            // An ERROR is committed a moment before the last attempt's
+            // progress is dropped: it ended the recovery already.
+            && !s.state.is_terminal()
+            && s.state != sessiond_domain::SessionState::Error
+        {
+            return Ok(status.agent_recovering(progress));
+        }
+        let recovering = if loading {
+            crate::recovery::queue::Queue(self).recovering_while_loading(session, view.as_ref())
+        } else {
+            crate::recovery::queue::Queue(self).is_recovering(session)
+        };
+        Ok(if recovering {
+            status.recovering()
+        } else {
+            status
+        })
+    }
+
+    /// A session's status inputs as stored now, not kept (a session another
+    /// replica owns). Whether its agent runs is not stored: it is taken as
+    /// running while a live lease holder keeps the executor ready and the
+    /// session live, since that owner moves the session to ERROR when its
+    /// agent exits (pump, liveness check). Exact only on the owner.
+    async fn read_status_inputs(&self, session: SessionId) -> Result<StatusEntry> {
+        let (s, profile_claim, record) = self.inner.store.session_status_inputs(session).await?;
+        let record = record.map(|r| {
+            let mut view = ExecutionView::from_record(&r);
+            let held =
+                r.owner_id.is_some() && r.lease_expires_at.is_some_and(|t| t > chrono::Utc::now());
+            if held
+                && r.status == sessiond_domain::ExecutorStatus::Ready
+                && matches!(
+                    s.state,
+                    sessiond_domain::SessionState::Running
+                        | sessiond_domain::SessionState::WaitingForInput
+                )
+            {
+                view.agent = AgentProcessState::Running;
+            }
+            view
+        });
+        Ok(StatusEntry {
+            session: Arc::new(s),
+            profile_claim,
+            record,
+        })
+    }
+
+    /// Reads a session's status inputs from the store and keeps them in the
+    /// snapshot, unless a commit or removal of any session happened while
+    /// reading (then what was read is answered once and not kept).
+    async fn load_status_inputs(&self, session: SessionId) -> Result<StatusEntry> {
+        let generation = self.inner.sessions.status_generation();
+        let (s, profile_claim, record) = self.inner.store.session_status_inputs(session).await?;
+        let (_, entry) = crate::sessions::status_entry(s, profile_claim, record.as_ref());
+        Ok(self.inner.sessions.keep_loaded(session, generation, entry))
+    }
+
+    /// Loads the status snapshot of every session with a live (not
+    /// `stopped`) executor record in one store call, so GetSessionStatus answers them from memory from
+    /// the first call (`sessiond serve` runs it after startup recovery,
+    /// before reporting SERVING). A session committed or removed while this
+    /// reads is left to load on its first call; an entry already present is
+    /// kept (it is at least as new). Returns how many entries it added.
+    pub async fn load_status_snapshot(&self) -> Result<usize> {
+        if !self.inner.sessions.begin_status_load() {
+            return Ok(0); // another load is running; it fills the same entries
+        }
+        let read = self.inner.store.managed_session_status_inputs().await;
+        let entries = read.as_ref().ok().map(|rows| {
+            rows.iter()
+                .map(|(s, claim, r)| crate::sessions::status_entry(s.clone(), *claim, r.as_ref()))
+                .collect()
+        });
+        let added = self.inner.sessions.end_status_load(entries);
+        read?;
+        Ok(added)
+    }
+
+    pub(crate) async fn status_of(&self, s: &Session) -> Result<SessionStatus> {
+        let profile = self
+            .inner
+            .store
+            .get_agent_profile(s.agent_profile_id)
+            .await?;
+        let view = match self.execution(s.id) {
+            Some(e) => Some(e.view()),
+            None => self
+                .inner
+                .store
+                .get_executor_for_session(s.id)
+                .await?
+                .map(|r| ExecutionView::from_record(&r)),
+        };
+        Ok(sessiond_domain::session_status(
+            s,
+            view.as_ref(),
+            profile.supports_session_resume,
+        ))
+    }
+}
