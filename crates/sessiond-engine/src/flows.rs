@@ -8,7 +8,7 @@
 
 use std::future::Future;
 
-use sessiond_domain::{ExecutorRecord, SessionId};
+use sessiond_domain::{ExecutorRecord, Session, SessionId};
 use sessiond_store::Changeset;
 
 use crate::{error::Result, pass::CallRecovery};
@@ -54,4 +54,15 @@ pub(crate) trait Ownership {
     /// free or expired lease is claimed, an adoption under way joined), or
     /// answers `Error::NotOwner`.
     fn ensure_owned(&self, session: SessionId) -> impl Future<Output = Result<()>> + Send;
+}
+
+/// Queued messages' side of a commit (implemented in `turn`).
+pub(crate) trait QueuedMessages {
+    /// After a commit: `session` may have a queued message to deliver now
+    /// (or a queue to drop, if it ended).
+    fn queue_after_commit(&self, session: &Session);
+
+    /// Delivers the first queued message of `session_id` (or drops the
+    /// queue of an ended session) on a task of its own, if it can now.
+    fn kick_queue(&self, session_id: SessionId);
 }

@@ -276,7 +276,7 @@ impl Fencing<'_> {
         self.inner.metrics.fenced(by);
         tracing::warn!(%session, epoch, by, reason = why, "fenced: lease epoch superseded, action refused");
         if self.inner.leases.holds_at(session, epoch) {
-            crate::lease::Fencing(self).relinquish(session);
+            self.relinquish(session);
         }
     }
 
@@ -388,7 +388,7 @@ impl Fencing<'_> {
         self.inner.leases.lost(session);
         lock(&self.inner.adoptions).remove(&session);
         self.inner.sessions.stop_pump(session);
-        self.cache_remove(session);
+        self.inner.sessions.remove_execution(session);
         tracing::warn!(%session, "lease lost to another replica; no longer acting on this session");
     }
 }

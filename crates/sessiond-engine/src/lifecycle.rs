@@ -78,36 +78,6 @@ pub enum EndReason {
 }
 
 impl SessionManager {
-    /// With `max_live_sessions` set: refuses when that many executors are
-    /// already `starting` or `ready`, else holds the create gate until the
-    /// caller's intent is committed (which counts it).
-    async fn admit_live_session(&self) -> Result<Option<tokio::sync::MutexGuard<'_, ()>>> {
-        let Some(max) = self.inner.config.max_live_sessions else {
-            return Ok(None);
-        };
-        let gate = self.inner.create_gate.lock().await;
-        let live: i64 = self
-            .inner
-            .store
-            .count_executors_by_runtime_and_status()
-            .await?
-            .into_iter()
-            .filter(|(_, status, _)| {
-                matches!(status, ExecutorStatus::Starting | ExecutorStatus::Ready)
-            })
-            .map(|(_, _, n)| n)
-            .sum();
-        if usize::try_from(live).unwrap_or(usize::MAX) >= max {
-            return Err(Error::LimitReached {
-                limit: "limits.max_live_sessions",
-                max,
-                what: "live sessions",
-                hint: "stop or delete a session, or raise the limit",
-            });
-        }
-        Ok(Some(gate))
-    }
-
     /// Creates a session and starts its agent: intent first (session
     /// STARTING, executor `starting` generation 1, events), then agentctl,
     /// capability probe, LaunchAgent, NewSession (its id is the
@@ -144,7 +114,7 @@ impl SessionManager {
                     .join(", ")
             )));
         }
-        self.driver(req.runtime)?;
+        crate::ops::Agents(self).driver(req.runtime)?;
         let session_id = SessionId::new();
         let mut req = req;
         let managed = req.worktree.is_managed();
@@ -156,14 +126,15 @@ impl SessionManager {
                     "a remote session needs the agentctl URL and secret of its host".into(),
                 ));
             }
-            self.plan_worktree(
-                &mut req.worktree,
-                req.runtime,
-                session_id,
-                &task.title,
-                req.remote.as_ref(),
-            )
-            .await?;
+            crate::worktrees::Worktrees(self)
+                .plan_worktree(
+                    &mut req.worktree,
+                    req.runtime,
+                    session_id,
+                    &task.title,
+                    req.remote.as_ref(),
+                )
+                .await?;
         } else if req.worktree.path.is_empty() {
             return Err(Error::InvalidArgument("worktree path is empty".into()));
         }
@@ -210,8 +181,10 @@ impl SessionManager {
             created_at: now,
             updated_at: now,
         };
-        let _guard = self.lock_session(session_id).await;
-        let gate = self.admit_live_session().await?;
+        let _guard = self.inner.sessions.lock(session_id).await;
+        let gate = crate::lifecycle::Lifecycle(self)
+            .admit_live_session()
+            .await?;
 
         // The session and its intent, in one transaction before anything is
         // spawned: no crash leaves a CREATED session that recovery, which
@@ -288,11 +261,16 @@ impl SessionManager {
             // nothing yet (recovery makes the worktree from the base).
             #[cfg(feature = "failpoints")]
             fail::fail_point!("create-before-worktree");
-            if let Err(e) = self.make_worktree(&session).await {
+            if let Err(e) = crate::worktrees::Worktrees(self)
+                .make_worktree(&session)
+                .await
+            {
                 let reason = format!(
                     "could not create the worktree: {e}; delete this session and create a new one"
                 );
-                return self.fail_create(session, record, reason, true).await;
+                return crate::lifecycle::Lifecycle(self)
+                    .fail_create(session, record, reason, true)
+                    .await;
             }
             // Test-only crash point: the worktree exists, the session does
             // not say so yet (recovery adopts it).
@@ -324,7 +302,9 @@ impl SessionManager {
                         "agentctl did not start within {limit:?}; check the executor and create a new session"
                     ),
                 };
-                return self.fail_create(session, record, reason, true).await;
+                return crate::lifecycle::Lifecycle(self)
+                    .fail_create(session, record, reason, true)
+                    .await;
             }
         };
         let mut ready = executor_moved(&record, ExecutorEvent::Healthy)?;
@@ -348,7 +328,7 @@ impl SessionManager {
             .ok_or_else(|| Error::Internal("no executor".into()))?;
 
         // Agent and conversation.
-        let client = self.client(&record)?;
+        let client = crate::ops::Agents(self).client(&record)?;
         self.cache_update(session_id, |e| e.agent = AgentProcessState::Starting);
         let opened = async {
             crate::ops::Agents(self)
@@ -374,7 +354,7 @@ impl SessionManager {
             Err(e) => {
                 crate::ops::Agents(self).stop_agent_quietly(&record).await;
                 let agent = profile.agent_command(req.runtime);
-                let image = self
+                let image = crate::ops::Agents(self)
                     .driver(req.runtime)
                     .ok()
                     .and_then(|d| d.image(profile.container_image()));
@@ -407,7 +387,9 @@ impl SessionManager {
                         profile.name, agent.command
                     ),
                 };
-                return self.fail_create(session, record, reason, false).await;
+                return crate::lifecycle::Lifecycle(self)
+                    .fail_create(session, record, reason, false)
+                    .await;
             }
         };
         let (mut waiting, ev) = transition(&session, SessionEvent::AgentReady, None)?;
@@ -431,39 +413,8 @@ impl SessionManager {
             e.agent = AgentProcessState::Running;
             e.probe = probe;
         });
-        self.attach_updates(&session, &record);
+        crate::turn::Turns(self).attach_updates(&session, &record);
         Ok(session)
-    }
-
-    async fn fail_create(
-        &self,
-        session: Session,
-        record: ExecutorRecord,
-        reason: String,
-        executor_failed: bool,
-    ) -> Result<Session> {
-        tracing::warn!(session = %session.id, %reason, "session could not start");
-        let (failed, ev) = transition(&session, SessionEvent::Failed, Some(reason.clone()))?;
-        let mut change = Changeset::new().update_session(failed);
-        if executor_failed {
-            let mut r = executor_moved(&record, ExecutorEvent::Failed)?;
-            r.error_message = Some(reason.clone());
-            change = change.update_executor(r).event(
-                session.id,
-                EventPayload::AgentctlError {
-                    executor_id: record.id,
-                    error_message: reason,
-                },
-            );
-        }
-        if let Some(ev) = ev {
-            change = change.event(session.id, ev);
-        }
-        let committed = self.commit(change).await?;
-        self.cache_update(session.id, |e| e.agent = AgentProcessState::NotRunning);
-        committed
-            .session
-            .ok_or_else(|| Error::Internal("no session".into()))
     }
 
     /// Ends a session: COMPLETED or CANCELLED first (so a crash from here on
@@ -478,7 +429,7 @@ impl SessionManager {
     ) -> Result<Session> {
         self.session_of_task(task, session_id).await?;
         self.ensure_recovered(session_id).await?;
-        let _guard = self.lock_session(session_id).await;
+        let _guard = self.inner.sessions.lock(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         let session = if session.state.is_terminal() {
             session
@@ -513,9 +464,11 @@ impl SessionManager {
             .await?
             && record.status != ExecutorStatus::Stopped
         {
-            self.stop_executor(record).await?;
+            crate::lifecycle::Lifecycle(self)
+                .stop_executor(record)
+                .await?;
         }
-        self.cache_remove(session_id);
+        self.inner.sessions.remove_execution(session_id);
         Ok(session)
     }
 
@@ -527,24 +480,6 @@ impl SessionManager {
     /// Cancels a session (CANCELLED).
     pub async fn cancel_session(&self, task: TaskId, session: SessionId) -> Result<Session> {
         self.end_session(task, session, EndReason::Cancelled).await
-    }
-
-    /// Stops the agent and the executor and records `stopped`. A failure
-    /// leaves the record as it was, so the next recovery stops it.
-    async fn stop_executor(&self, record: ExecutorRecord) -> Result<()> {
-        let driver = self.driver(record.runtime)?;
-        let handle = ExecutorHandle::from_record(&record);
-        if !record.auth_secret.is_empty() {
-            crate::ops::Agents(self).stop_agent_quietly(&record).await;
-        }
-        if let Err(e) = driver.stop(&handle).await {
-            tracing::warn!(executor_id = %record.id, error = %e, "could not stop executor; recovery will retry");
-            return Err(e.into());
-        }
-        let stopped = executor_moved(&record, ExecutorEvent::Stopped)?;
-        self.commit(Changeset::new().update_executor(stopped))
-            .await?;
-        Ok(())
     }
 
     /// Deletes a session: ends it (CANCELLED) if it has not ended, removes
@@ -575,13 +510,19 @@ impl SessionManager {
         // Taken now: a remote host's agentctl is named by the executor
         // record, which goes before the worktree does.
         let managed = match session.worktree.is_managed() {
-            true => Some(self.worktree_target(&session).await?),
+            true => Some(
+                crate::worktrees::Worktrees(self)
+                    .worktree_target(&session)
+                    .await?,
+            ),
             false => None,
         };
         // Checked before the agent is stopped, so a refusal changes nothing;
         // and again once it is stopped, as the agent may have written since.
         if let Some(t) = &managed {
-            self.worktree_removal(&session, t, asked).await?;
+            crate::worktrees::Worktrees(self)
+                .worktree_removal(&session, t, asked)
+                .await?;
         }
         if let Err(e) = self
             .end_session(task, session_id, EndReason::Cancelled)
@@ -589,7 +530,7 @@ impl SessionManager {
         {
             tracing::warn!(session = %session_id, error = %e, "ending the session before delete failed; removing anyway");
         }
-        let _guard = self.lock_session(session_id).await;
+        let _guard = self.inner.sessions.lock(session_id).await;
         if let Some(record) = self
             .inner
             .store
@@ -604,7 +545,7 @@ impl SessionManager {
                 let checked = self.inner.store.check_lease(f.clone()).await;
                 crate::lease::Fencing(self).fenced_result(f, checked)?;
             }
-            let driver = self.driver(record.runtime)?;
+            let driver = crate::ops::Agents(self).driver(record.runtime)?;
             driver.remove(&ExecutorHandle::from_record(&record)).await?;
             let deleted = self
                 .inner
@@ -617,9 +558,14 @@ impl SessionManager {
             };
         }
         if let Some(t) = &managed {
-            match self.worktree_removal(&session, t, asked).await? {
+            match crate::worktrees::Worktrees(self)
+                .worktree_removal(&session, t, asked)
+                .await?
+            {
                 Removal::Remove { delete_branch } => {
-                    self.remove_worktree(&session, t, delete_branch).await?;
+                    crate::worktrees::Worktrees(self)
+                        .remove_worktree(&session, t, delete_branch)
+                        .await?;
                 }
                 Removal::Keep | Removal::Refuse(_) => {}
             }
@@ -629,7 +575,99 @@ impl SessionManager {
         self.inner.store.mark_session_deleted(session_id).await?;
         // No executor row, no lease: later writes need no fence.
         crate::lease::Fencing(self).forget_lease(session_id);
-        self.cache_remove(session_id);
+        self.inner.sessions.remove_execution(session_id);
+        Ok(())
+    }
+}
+
+/// The steps of creating and ending a session that its public calls share.
+pub(crate) struct Lifecycle<'m>(pub(crate) &'m crate::manager::SessionManager);
+
+impl std::ops::Deref for Lifecycle<'_> {
+    type Target = crate::manager::SessionManager;
+
+    fn deref(&self) -> &Self::Target {
+        self.0
+    }
+}
+
+impl<'m> Lifecycle<'m> {
+    /// With `max_live_sessions` set: refuses when that many executors are
+    /// already `starting` or `ready`, else holds the create gate until the
+    /// caller's intent is committed (which counts it).
+    async fn admit_live_session(&self) -> Result<Option<tokio::sync::MutexGuard<'m, ()>>> {
+        let Some(max) = self.inner.config.max_live_sessions else {
+            return Ok(None);
+        };
+        let gate = self.0.inner.create_gate.lock().await;
+        let live: i64 = self
+            .inner
+            .store
+            .count_executors_by_runtime_and_status()
+            .await?
+            .into_iter()
+            .filter(|(_, status, _)| {
+                matches!(status, ExecutorStatus::Starting | ExecutorStatus::Ready)
+            })
+            .map(|(_, _, n)| n)
+            .sum();
+        if usize::try_from(live).unwrap_or(usize::MAX) >= max {
+            return Err(Error::LimitReached {
+                limit: "limits.max_live_sessions",
+                max,
+                what: "live sessions",
+                hint: "stop or delete a session, or raise the limit",
+            });
+        }
+        Ok(Some(gate))
+    }
+
+    async fn fail_create(
+        &self,
+        session: Session,
+        record: ExecutorRecord,
+        reason: String,
+        executor_failed: bool,
+    ) -> Result<Session> {
+        tracing::warn!(session = %session.id, %reason, "session could not start");
+        let (failed, ev) = transition(&session, SessionEvent::Failed, Some(reason.clone()))?;
+        let mut change = Changeset::new().update_session(failed);
+        if executor_failed {
+            let mut r = executor_moved(&record, ExecutorEvent::Failed)?;
+            r.error_message = Some(reason.clone());
+            change = change.update_executor(r).event(
+                session.id,
+                EventPayload::AgentctlError {
+                    executor_id: record.id,
+                    error_message: reason,
+                },
+            );
+        }
+        if let Some(ev) = ev {
+            change = change.event(session.id, ev);
+        }
+        let committed = self.commit(change).await?;
+        self.cache_update(session.id, |e| e.agent = AgentProcessState::NotRunning);
+        committed
+            .session
+            .ok_or_else(|| Error::Internal("no session".into()))
+    }
+
+    /// Stops the agent and the executor and records `stopped`. A failure
+    /// leaves the record as it was, so the next recovery stops it.
+    async fn stop_executor(&self, record: ExecutorRecord) -> Result<()> {
+        let driver = crate::ops::Agents(self).driver(record.runtime)?;
+        let handle = ExecutorHandle::from_record(&record);
+        if !record.auth_secret.is_empty() {
+            crate::ops::Agents(self).stop_agent_quietly(&record).await;
+        }
+        if let Err(e) = driver.stop(&handle).await {
+            tracing::warn!(executor_id = %record.id, error = %e, "could not stop executor; recovery will retry");
+            return Err(e.into());
+        }
+        let stopped = executor_moved(&record, ExecutorEvent::Stopped)?;
+        self.commit(Changeset::new().update_executor(stopped))
+            .await?;
         Ok(())
     }
 }

@@ -12,15 +12,16 @@ use std::{
 };
 
 use futures::{FutureExt, future::BoxFuture};
-use sessiond_domain::{ExecutorRecord, Runtime, Session, SessionId, TaskId};
-use sessiond_executor::{AgentctlClient, Executor, ExecutorHandle};
+use sessiond_domain::{Runtime, Session, SessionId, TaskId};
+use sessiond_executor::Executor;
 use sessiond_store::{Changeset, Committed, Store};
-use tokio::{sync::OwnedMutexGuard, task::AbortHandle};
+use tokio::task::AbortHandle;
 
 use crate::{
     config::ManagerConfig,
     error::{Error, Result},
     events::{self, EventBus, EventStream},
+    flows::QueuedMessages,
     sessions::{Execution, OpKind, OpOutcome, Sessions, SharedOp},
     sync::lock,
 };
@@ -327,49 +328,6 @@ impl SessionManager {
         Ok(s)
     }
 
-    pub(crate) fn driver(&self, runtime: Runtime) -> Result<Arc<dyn Executor>> {
-        self.inner.drivers.get(&runtime).cloned().ok_or_else(|| {
-            Error::Unavailable(format!(
-                "no executor driver is configured for runtime {runtime}"
-            ))
-        })
-    }
-
-    pub(crate) fn client(&self, record: &ExecutorRecord) -> Result<AgentctlClient> {
-        let driver = self.driver(record.runtime)?;
-        Ok(self.agentctl(record, &driver)?)
-    }
-
-    /// The client of the record's agentctl, made once per address and
-    /// secret and then reused (health, capabilities, resume, update pump),
-    /// so a session's calls share one HTTP/2 connection instead of opening
-    /// one each.
-    pub(crate) fn agentctl(
-        &self,
-        record: &ExecutorRecord,
-        driver: &Arc<dyn Executor>,
-    ) -> sessiond_executor::Result<AgentctlClient> {
-        let url = record.agentctl_url.as_deref().unwrap_or_default();
-        let sessions = &self.inner.sessions;
-        if let Some(c) = sessions.client(record.session_id, url, &record.auth_secret) {
-            // A claim since the client was made: calls carry the new epoch.
-            c.raise_lease_epoch(record.lease_epoch);
-            return Ok(c);
-        }
-        let client = driver.client(&ExecutorHandle::from_record(record))?;
-        sessions.keep_client(record.session_id, url, &record.auth_secret, client.clone());
-        Ok(client)
-    }
-
-    /// The cached client of the record's agentctl, if one is cached for the
-    /// same address and secret (never creates or caches one).
-    pub(crate) fn cached_agentctl(&self, record: &ExecutorRecord) -> Option<AgentctlClient> {
-        let url = record.agentctl_url.as_deref().unwrap_or_default();
-        self.inner
-            .sessions
-            .client(record.session_id, url, &record.auth_secret)
-    }
-
     /// Whether the session's updates are parked (no pump, no stream open).
     pub fn is_parked(&self, session: SessionId) -> bool {
         self.inner.sessions.is_parked(session)
@@ -399,11 +357,6 @@ impl SessionManager {
         }
     }
 
-    /// Serializes state changes of one session within this manager.
-    pub(crate) async fn lock_session(&self, session: SessionId) -> OwnedMutexGuard<()> {
-        self.inner.sessions.lock_of(session).lock_owned().await
-    }
-
     pub(crate) fn cache_update(&self, session: SessionId, f: impl FnOnce(&mut Execution)) {
         let (was_running, running, queued) = self.inner.sessions.update_execution(session, f);
         // The agent is back: messages queued while it was away can go.
@@ -416,10 +369,6 @@ impl SessionManager {
         if !running {
             self.inner.sessions.forget_modes(session);
         }
-    }
-
-    pub(crate) fn cache_remove(&self, session: SessionId) {
-        self.inner.sessions.remove_execution(session);
     }
 
     /// Checks that `session` exists and belongs to `task`, as
@@ -480,4 +429,32 @@ impl SessionManager {
             .shared()
         })
     }
+}
+
+/// A session's status from its record, the executions cache (else the
+/// store) and its profile's resume claim: what explicit resume and a
+/// refused turn answer with.
+pub(crate) async fn status_of(
+    manager: &SessionManager,
+    s: &Session,
+) -> Result<sessiond_domain::SessionStatus> {
+    let profile = manager
+        .inner
+        .store
+        .get_agent_profile(s.agent_profile_id)
+        .await?;
+    let view = match manager.execution(s.id) {
+        Some(e) => Some(e.view()),
+        None => manager
+            .inner
+            .store
+            .get_executor_for_session(s.id)
+            .await?
+            .map(|r| sessiond_domain::ExecutionView::from_record(&r)),
+    };
+    Ok(sessiond_domain::session_status(
+        s,
+        view.as_ref(),
+        profile.supports_session_resume,
+    ))
 }

@@ -33,7 +33,7 @@ impl SessionManager {
         if let Some(modes) = cached {
             return Ok(modes);
         }
-        let Ok(client) = self.client(&execution.record) else {
+        let Ok(client) = crate::ops::Agents(self).client(&execution.record) else {
             return Ok(None);
         };
         // Not kept when the agent did not answer: the next call asks again.
@@ -71,7 +71,9 @@ impl SessionManager {
                     state: s,
                 });
             }
-            SessionState::Error => return Err(self.agent_not_running(&session).await),
+            SessionState::Error => {
+                return Err(crate::turn::Turns(self).agent_not_running(&session).await);
+            }
             s => {
                 return Err(Error::InvalidState {
                     session_id,
@@ -84,9 +86,9 @@ impl SessionManager {
         let Some(execution) = self.execution(session_id).filter(|e| {
             e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
         }) else {
-            return Err(self.agent_not_running(&session).await);
+            return Err(crate::turn::Turns(self).agent_not_running(&session).await);
         };
-        let client = self.client(&execution.record)?;
+        let client = crate::ops::Agents(self).client(&execution.record)?;
         self.inner.sessions.forget_modes(session_id);
         let (_, stamp) = self.inner.sessions.cached_modes(session_id, "");
         let modes = client
@@ -133,7 +135,9 @@ impl SessionManager {
                     state: s,
                 });
             }
-            SessionState::Error => return Err(self.agent_not_running(&session).await),
+            SessionState::Error => {
+                return Err(crate::turn::Turns(self).agent_not_running(&session).await);
+            }
             s => {
                 return Err(Error::InvalidState {
                     session_id,
@@ -146,14 +150,14 @@ impl SessionManager {
         let Some(execution) = self.execution(session_id).filter(|e| {
             e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
         }) else {
-            return Err(self.agent_not_running(&session).await);
+            return Err(crate::turn::Turns(self).agent_not_running(&session).await);
         };
         // Checked here first, so the answer names what the agent offers
         // without a round trip to it.
         if let Some(modes) = self.session_modes(task, session_id).await? {
             check_config_value(&modes, config_id, value)?;
         }
-        let client = self.client(&execution.record)?;
+        let client = crate::ops::Agents(self).client(&execution.record)?;
         self.inner.sessions.forget_modes(session_id);
         let (_, stamp) = self.inner.sessions.cached_modes(session_id, "");
         let modes = client

@@ -6,7 +6,7 @@
 
 use std::{
     path::PathBuf,
-    sync::atomic::Ordering,
+    sync::{Arc, atomic::Ordering},
     time::{Duration, Instant},
 };
 
@@ -15,7 +15,8 @@ use sessiond_domain::{
     SurvivingAgent,
 };
 use sessiond_executor::{
-    AgentState, AgentctlClient, ExecutorHandle, Health, LaunchSpec, RemoteTarget, Support,
+    AgentState, AgentctlClient, Executor, ExecutorHandle, Health, LaunchSpec, RemoteTarget,
+    Support,
     process::{self, OwnedProcess},
 };
 use sessiond_proto::agentctl::v1 as pb;
@@ -539,5 +540,50 @@ impl Agents<'_> {
         {
             tracing::debug!(executor_id = %record.id, error = %e, "StopAgent failed");
         }
+    }
+}
+
+impl Agents<'_> {
+    pub(crate) fn driver(&self, runtime: Runtime) -> Result<Arc<dyn Executor>> {
+        self.inner.drivers.get(&runtime).cloned().ok_or_else(|| {
+            Error::Unavailable(format!(
+                "no executor driver is configured for runtime {runtime}"
+            ))
+        })
+    }
+
+    pub(crate) fn client(&self, record: &ExecutorRecord) -> Result<AgentctlClient> {
+        let driver = self.driver(record.runtime)?;
+        Ok(self.agentctl(record, &driver)?)
+    }
+
+    /// The client of the record's agentctl, made once per address and
+    /// secret and then reused (health, capabilities, resume, update pump),
+    /// so a session's calls share one HTTP/2 connection instead of opening
+    /// one each.
+    pub(crate) fn agentctl(
+        &self,
+        record: &ExecutorRecord,
+        driver: &Arc<dyn Executor>,
+    ) -> sessiond_executor::Result<AgentctlClient> {
+        let url = record.agentctl_url.as_deref().unwrap_or_default();
+        let sessions = &self.inner.sessions;
+        if let Some(c) = sessions.client(record.session_id, url, &record.auth_secret) {
+            // A claim since the client was made: calls carry the new epoch.
+            c.raise_lease_epoch(record.lease_epoch);
+            return Ok(c);
+        }
+        let client = driver.client(&ExecutorHandle::from_record(record))?;
+        sessions.keep_client(record.session_id, url, &record.auth_secret, client.clone());
+        Ok(client)
+    }
+
+    /// The cached client of the record's agentctl, if one is cached for the
+    /// same address and secret (never creates or caches one).
+    pub(crate) fn cached_agentctl(&self, record: &ExecutorRecord) -> Option<AgentctlClient> {
+        let url = record.agentctl_url.as_deref().unwrap_or_default();
+        self.inner
+            .sessions
+            .client(record.session_id, url, &record.auth_secret)
     }
 }

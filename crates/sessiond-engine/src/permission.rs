@@ -221,7 +221,7 @@ impl SessionManager {
                 hint: "its permission requests are cancelled when the agent is found gone".into(),
             });
         };
-        let client = self.client(&execution.record)?;
+        let client = crate::ops::Agents(self).client(&execution.record)?;
         let answered = client
             .respond_permission(pb::RespondPermissionRequest {
                 request_id: request_id.to_owned(),

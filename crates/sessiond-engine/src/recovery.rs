@@ -723,7 +723,7 @@ impl Pass<'_> {
             if !crate::lease::Fencing(self).owns(id) {
                 continue;
             }
-            let _guard = self.lock_session(id).await;
+            let _guard = self.inner.sessions.lock(id).await;
             let settled = match self.inner.store.get_session(id).await {
                 Ok(s) => self.settle_stale_turn(s).await.map(|_| ()),
                 Err(e) => Err(e.into()),
@@ -886,7 +886,7 @@ impl ExecutorRecovery<'_> {
             crate::recovery::queue::Queue(self).yield_to_calls().await;
         }
         let began = Instant::now();
-        let _guard = self.lock_session(record.session_id).await;
+        let _guard = self.inner.sessions.lock(record.session_id).await;
         if call {
             tracing::debug!(
                 session_id = %record.session_id,
@@ -1040,8 +1040,11 @@ impl ExecutorRecovery<'_> {
                     // Ours: check it out again from its branch before the
                     // agent is relaunched in it. Bounded by the driver, not
                     // by the silence limit: a large checkout is work.
-                    let driver = self.driver(run.record.runtime)?;
-                    match self.restore_worktree(&driver, &run.session).await {
+                    let driver = crate::ops::Agents(self).driver(run.record.runtime)?;
+                    match crate::worktrees::Worktrees(self)
+                        .restore_worktree(&driver, &run.session)
+                        .await
+                    {
                         Ok(anew) => {
                             // A container still running has the removed
                             // directory mounted, not the new one: stopped,
@@ -1118,7 +1121,7 @@ impl ExecutorRecovery<'_> {
                 }
                 // `probe` starts nothing, so the intent of a start is written
                 // before `start` (Action::StartContainer).
-                let driver = self.driver(run.record.runtime)?;
+                let driver = crate::ops::Agents(self).driver(run.record.runtime)?;
                 let handle = ExecutorHandle::from_record(&run.record);
                 match tokio::time::timeout(remaining, driver.probe(&handle)).await {
                     Err(_) => Observation::DeadlineExceeded,
@@ -1149,7 +1152,7 @@ impl ExecutorRecovery<'_> {
                 // executor; `probe` starts nothing, so the intent of a start
                 // or launch is written before it (StartContainer,
                 // LaunchAgentctl).
-                let Ok(driver) = self.driver(run.record.runtime) else {
+                let Ok(driver) = crate::ops::Agents(self).driver(run.record.runtime) else {
                     tracing::warn!(session = %run.session.id, executor_id = %run.record.id,
                         runtime = %run.record.runtime,
                         "recovery: no executor driver is registered for this runtime");
@@ -1183,7 +1186,7 @@ impl ExecutorRecovery<'_> {
                 if timed_out {
                     return Ok(Observation::DeadlineExceeded);
                 }
-                let driver = self.driver(run.record.runtime)?;
+                let driver = crate::ops::Agents(self).driver(run.record.runtime)?;
                 let handle = ExecutorHandle::from_record(&run.record);
                 match tokio::time::timeout(remaining, driver.start(&handle, generation)).await {
                     Err(_) => Observation::DeadlineExceeded,
@@ -1202,7 +1205,7 @@ impl ExecutorRecovery<'_> {
                 if timed_out {
                     return Ok(Observation::DeadlineExceeded);
                 }
-                let driver = self.driver(run.record.runtime)?;
+                let driver = crate::ops::Agents(self).driver(run.record.runtime)?;
                 let id = run.record.id;
                 let (_, modes_stamp) = self.inner.sessions.cached_modes(run.session.id, "");
                 let checked = match crate::recovery::ExecutorRecovery(self)
@@ -1212,7 +1215,8 @@ impl ExecutorRecovery<'_> {
                     Some(checked) => checked,
                     None => {
                         let health = async {
-                            self.agentctl(&run.record, &driver)?
+                            crate::ops::Agents(self)
+                                .agentctl(&run.record, &driver)?
                                 .verify_identity(id)
                                 .await
                         };
@@ -1280,12 +1284,17 @@ impl ExecutorRecovery<'_> {
                 if timed_out {
                     return Ok(Observation::DeadlineExceeded);
                 }
-                let driver = self.driver(run.record.runtime)?;
+                let driver = crate::ops::Agents(self).driver(run.record.runtime)?;
                 let seen = run.ahead.caps.take();
                 let caps = async {
                     match seen {
                         Some(caps) => Ok(caps),
-                        None => self.agentctl(&run.record, &driver)?.capabilities().await,
+                        None => {
+                            crate::ops::Agents(self)
+                                .agentctl(&run.record, &driver)?
+                                .capabilities()
+                                .await
+                        }
                     }
                 };
                 match tokio::time::timeout(remaining, caps).await {
@@ -1476,7 +1485,7 @@ impl ExecutorRecovery<'_> {
                 observation
             }
             Action::StopExecutor => {
-                let driver = self.driver(run.record.runtime)?;
+                let driver = crate::ops::Agents(self).driver(run.record.runtime)?;
                 let handle = ExecutorHandle::from_record(&run.record);
                 let limit = remaining.max(Duration::from_secs(1));
                 if let Ok(client) = driver.client(&handle) {
@@ -1503,7 +1512,7 @@ impl ExecutorRecovery<'_> {
                 // SIGSTOPped one); the launch that follows leaves exactly one.
                 tracing::warn!(session = %run.session.id, executor_id = %run.record.id,
                     pid = ?run.record.pid, "recovery: our agentctl is hung, ending it to relaunch");
-                let driver = self.driver(run.record.runtime)?;
+                let driver = crate::ops::Agents(self).driver(run.record.runtime)?;
                 let handle = ExecutorHandle::from_record(&run.record);
                 let limit =
                     remaining.max(Duration::from_secs(1)) + self.inner.config.agent_stop_grace;
@@ -1537,7 +1546,7 @@ impl ExecutorRecovery<'_> {
         if record.runtime != Runtime::Remote || !failure.is_none_or(Error::is_transport) {
             return None;
         }
-        let driver = self.driver(record.runtime).ok()?;
+        let driver = crate::ops::Agents(self).driver(record.runtime).ok()?;
         let handle = ExecutorHandle::from_record(record);
         let limit = self
             .inner
@@ -1589,7 +1598,7 @@ impl ExecutorRecovery<'_> {
     ) -> String {
         if record.runtime == Runtime::LocalDocker
             && Path::new(&record.workspace_path).is_dir()
-            && let Ok(driver) = self.driver(record.runtime)
+            && let Ok(driver) = crate::ops::Agents(self).driver(record.runtime)
         {
             let handle = ExecutorHandle::from_record(record);
             let limit = self.inner.config.executor_deadline;
@@ -1878,7 +1887,7 @@ impl ExecutorRecovery<'_> {
             crate::ops::Agents(self).end_stray_agentctls(&record).await;
         }
         match outcome.executor_status {
-            ExecutorStatus::Stopped => self.cache_remove(sid),
+            ExecutorStatus::Stopped => self.inner.sessions.remove_execution(sid),
             _ => {
                 self.inner.sessions.cache_record(&record);
                 if agent_back {
@@ -1927,9 +1936,9 @@ impl ExecutorRecovery<'_> {
                 .filter(|s| s.id == sid)
                 .unwrap_or(run.session);
             if run.agent == SurvivingAgent::Busy {
-                self.start_pump(&session, &record);
+                crate::turn::Turns(self).start_pump(&session, &record);
             } else {
-                self.attach_updates(&session, &record);
+                crate::turn::Turns(self).attach_updates(&session, &record);
             }
         }
         Ok(())
@@ -1953,7 +1962,7 @@ impl ExecutorRecovery<'_> {
         let cap = self.inner.config.resume_cap;
         let poll = (silence / 5).clamp(Duration::from_millis(100), Duration::from_secs(2));
         let sid = record.session_id;
-        let client = self.client(record).ok();
+        let client = crate::ops::Agents(self).client(record).ok();
         tokio::pin!(work);
         let began = Instant::now();
         let mut last_sign = None;
@@ -2094,7 +2103,7 @@ impl ExecutorRecovery<'_> {
                 let open =
                     docker || window_open(&current, window, Utc::now(), me.inner.started_at);
                 let handle = ExecutorHandle::from_record(&current);
-                let answers = match me.driver(current.runtime) {
+                let answers = match crate::ops::Agents(&me).driver(current.runtime) {
                     // Any answer of the engine about the container will do:
                     // recovery then starts it, or fails it as missing.
                     Ok(d) if docker => matches!(

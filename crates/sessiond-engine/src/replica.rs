@@ -613,7 +613,7 @@ impl Adoptions<'_> {
     /// [`Error::NotOwner`]. A session without an executor needs no owner.
     pub(crate) async fn ensure_owned(&self, session: SessionId) -> Result<()> {
         if Fencing(self).owns(session) {
-            return crate::replica::Adoptions(self).join_adoption(session).await;
+            return self.join_adoption(session).await;
         }
         let store = &self.inner.store;
         let Some(record) = store.get_executor_for_session(session).await? else {
@@ -628,13 +628,13 @@ impl Adoptions<'_> {
                 // The adoption loop claimed it meanwhile: claiming it again
                 // would bump the version under the loop's recovery.
                 drop(claims);
-                return crate::replica::Adoptions(self).join_adoption(session).await;
+                return self.join_adoption(session).await;
             }
             let claimed = Fencing(self).claim_records(vec![record.clone()]).await?;
             drop(claims);
             if let Some(record) = claimed.into_iter().next() {
                 tracing::info!(%session, executor_id = %record.id, "executor adopted by a call");
-                if crate::replica::Adoptions(self).adoptable(&record) {
+                if self.adoptable(&record) {
                     crate::recovery::Pass(self)
                         .recover_shared_in(record, Lane::Call)
                         .await?;

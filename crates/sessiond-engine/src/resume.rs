@@ -49,19 +49,25 @@ impl SessionManager {
         self.ensure_recovered(session).await?;
         if let Some((kind, fut)) = self.inner.sessions.inflight(session) {
             let out = fut.await;
-            if let Some(answer) = self.joined_answer(task, session, kind, out).await {
+            if let Some(answer) = crate::resume::Resume(self)
+                .joined_answer(task, session, kind, out)
+                .await
+            {
                 return answer;
             }
         }
         let s = self.inner.store.get_session(s.id).await?;
-        if !self.validate_resume(&s).await? {
+        if !crate::resume::Resume(self).validate_resume(&s).await? {
             // The agent is running or being started. If an attempt began
             // after the check above, its outcome is the answer every caller
             // shares; otherwise read the session again, as that attempt
             // (if any) left it.
             if let Some((kind, fut)) = self.inner.sessions.inflight(session) {
                 let out = fut.await;
-                if let Some(answer) = self.joined_answer(task, session, kind, out).await {
+                if let Some(answer) = crate::resume::Resume(self)
+                    .joined_answer(task, session, kind, out)
+                    .await
+                {
                     return answer;
                 }
             }
@@ -72,19 +78,37 @@ impl SessionManager {
             session,
             OpKind::Resume,
             async move {
-                me.resume_attempt(session)
+                crate::resume::Resume(&me)
+                    .resume_attempt(session)
                     .await
                     .map(|s| OpOutcome::Resume(Box::new(s)))
             }
             .boxed(),
         );
         let out = fut.await;
-        match self.joined_answer(task, session, kind, out).await {
+        match crate::resume::Resume(self)
+            .joined_answer(task, session, kind, out)
+            .await
+        {
             Some(answer) => answer,
             None => self.session_status(task, session).await,
         }
     }
+}
 
+/// An explicit resume (ResumeSession): validated, its intent committed,
+/// then driven through the same recovery as startup's.
+pub(crate) struct Resume<'m>(pub(crate) &'m crate::manager::SessionManager);
+
+impl std::ops::Deref for Resume<'_> {
+    type Target = crate::manager::SessionManager;
+
+    fn deref(&self) -> &Self::Target {
+        self.0
+    }
+}
+
+impl Resume<'_> {
     /// What a caller who joined an operation answers: the resume's outcome,
     /// or a recovery's when that recovery tried the agent. `None`: the
     /// recovery did not try the agent, decide anew.
@@ -119,7 +143,7 @@ impl SessionManager {
     /// True when a resume should run; false when the agent already runs (or
     /// is being started). Errors name what makes the session unresumable.
     async fn validate_resume(&self, s: &Session) -> Result<bool> {
-        let status = self.status_of(s).await?;
+        let status = crate::manager::status_of(self, s).await?;
         let go = match check_resume(&status) {
             Ok(go) => go,
             Err(ResumeRefused::SessionEnded(state)) => {
@@ -145,8 +169,10 @@ impl SessionManager {
             && !Path::new(&s.worktree.path).is_dir()
         {
             // Ours: recreated from its branch, or refused naming the branch.
-            let driver = self.driver(s.runtime)?;
-            let anew = self.restore_worktree(&driver, s).await?;
+            let driver = crate::ops::Agents(self).driver(s.runtime)?;
+            let anew = crate::worktrees::Worktrees(self)
+                .restore_worktree(&driver, s)
+                .await?;
             if anew
                 && s.runtime == Runtime::LocalDocker
                 && let Some(record) = self.inner.store.get_executor_for_session(s.id).await?
@@ -166,11 +192,11 @@ impl SessionManager {
 
     /// The one resume attempt of a session.
     async fn resume_attempt(&self, session_id: SessionId) -> Result<SessionStatus> {
-        let guard = self.lock_session(session_id).await;
+        let guard = self.inner.sessions.lock(session_id).await;
         let store = &self.inner.store;
         let session = store.get_session(session_id).await?;
         if !self.validate_resume(&session).await? {
-            return self.status_of(&session).await;
+            return crate::manager::status_of(self, &session).await;
         }
         // An ERROR session may still name a turn an older version left
         // pending: it ends interrupted before the resume, never carried
@@ -227,7 +253,7 @@ impl SessionManager {
             OutcomeLabel::Resumed
             | OutcomeLabel::Opened
             | OutcomeLabel::Reattached
-            | OutcomeLabel::ExecutorOnly => self.status_of(&session).await,
+            | OutcomeLabel::ExecutorOnly => crate::manager::status_of(self, &session).await,
             OutcomeLabel::Retrying => {
                 let remote = record
                     .as_ref()
@@ -255,7 +281,7 @@ impl SessionManager {
                     .is_some_and(|m| m.starts_with(RecoveryFailure::ContainerMissing.code())) =>
             {
                 if let Some(record) = &record {
-                    let driver = self.driver(record.runtime)?;
+                    let driver = crate::ops::Agents(self).driver(record.runtime)?;
                     crate::recovery::ExecutorRecovery(self)
                         .remove_gone_executor(&driver, &ExecutorHandle::from_record(record))
                         .await;

@@ -506,6 +506,11 @@ impl Sessions {
     // ------------------------------------------------------ locks, operations
 
     /// The session's state-change lock.
+    /// Locks `session`'s state changes within this manager (one at a time).
+    pub async fn lock(&self, session: SessionId) -> tokio::sync::OwnedMutexGuard<()> {
+        self.lock_of(session).lock_owned().await
+    }
+
     pub fn lock_of(&self, session: SessionId) -> Arc<tokio::sync::Mutex<()>> {
         self.table()
             .record(session)

@@ -5,9 +5,7 @@
 
 use std::sync::Arc;
 
-use sessiond_domain::{
-    AgentProcessState, ExecutionView, Session, SessionId, SessionStatus, TaskId,
-};
+use sessiond_domain::{AgentProcessState, ExecutionView, SessionId, SessionStatus, TaskId};
 
 use crate::{
     error::{Error, Result},
@@ -41,8 +39,16 @@ impl SessionManager {
         };
         let snap = match cached {
             Some(e) => e,
-            None if elsewhere => self.read_status_inputs(session).await?,
-            None => self.load_status_inputs(session).await?,
+            None if elsewhere => {
+                crate::status::Status(self)
+                    .read_status_inputs(session)
+                    .await?
+            }
+            None => {
+                crate::status::Status(self)
+                    .load_status_inputs(session)
+                    .await?
+            }
         };
         let s = &snap.session;
         if s.task_id != task {
@@ -79,6 +85,41 @@ impl SessionManager {
         })
     }
 
+    /// Loads the status snapshot of every session with a live (not
+    /// `stopped`) executor record in one store call, so GetSessionStatus answers them from memory from
+    /// the first call (`sessiond serve` runs it after startup recovery,
+    /// before reporting SERVING). A session committed or removed while this
+    /// reads is left to load on its first call; an entry already present is
+    /// kept (it is at least as new). Returns how many entries it added.
+    pub async fn load_status_snapshot(&self) -> Result<usize> {
+        if !self.inner.sessions.begin_status_load() {
+            return Ok(0); // another load is running; it fills the same entries
+        }
+        let read = self.inner.store.managed_session_status_inputs().await;
+        let entries = read.as_ref().ok().map(|rows| {
+            rows.iter()
+                .map(|(s, claim, r)| crate::sessions::status_entry(s.clone(), *claim, r.as_ref()))
+                .collect()
+        });
+        let added = self.inner.sessions.end_status_load(entries);
+        read?;
+        Ok(added)
+    }
+}
+
+/// How a session's status is read: from the snapshot, or from the store
+/// once.
+pub(crate) struct Status<'m>(pub(crate) &'m crate::manager::SessionManager);
+
+impl std::ops::Deref for Status<'_> {
+    type Target = crate::manager::SessionManager;
+
+    fn deref(&self) -> &Self::Target {
+        self.0
+    }
+}
+
+impl Status<'_> {
     /// A session's status inputs as stored now, not kept (a session another
     /// replica owns). Whether its agent runs is not stored: it is taken as
     /// running while a live lease holder keeps the executor ready and the
@@ -117,48 +158,5 @@ impl SessionManager {
         let (s, profile_claim, record) = self.inner.store.session_status_inputs(session).await?;
         let (_, entry) = crate::sessions::status_entry(s, profile_claim, record.as_ref());
         Ok(self.inner.sessions.keep_loaded(session, generation, entry))
-    }
-
-    /// Loads the status snapshot of every session with a live (not
-    /// `stopped`) executor record in one store call, so GetSessionStatus answers them from memory from
-    /// the first call (`sessiond serve` runs it after startup recovery,
-    /// before reporting SERVING). A session committed or removed while this
-    /// reads is left to load on its first call; an entry already present is
-    /// kept (it is at least as new). Returns how many entries it added.
-    pub async fn load_status_snapshot(&self) -> Result<usize> {
-        if !self.inner.sessions.begin_status_load() {
-            return Ok(0); // another load is running; it fills the same entries
-        }
-        let read = self.inner.store.managed_session_status_inputs().await;
-        let entries = read.as_ref().ok().map(|rows| {
-            rows.iter()
-                .map(|(s, claim, r)| crate::sessions::status_entry(s.clone(), *claim, r.as_ref()))
-                .collect()
-        });
-        let added = self.inner.sessions.end_status_load(entries);
-        read?;
-        Ok(added)
-    }
-
-    pub(crate) async fn status_of(&self, s: &Session) -> Result<SessionStatus> {
-        let profile = self
-            .inner
-            .store
-            .get_agent_profile(s.agent_profile_id)
-            .await?;
-        let view = match self.execution(s.id) {
-            Some(e) => Some(e.view()),
-            None => self
-                .inner
-                .store
-                .get_executor_for_session(s.id)
-                .await?
-                .map(|r| ExecutionView::from_record(&r)),
-        };
-        Ok(sessiond_domain::session_status(
-            s,
-            view.as_ref(),
-            profile.supports_session_resume,
-        ))
     }
 }

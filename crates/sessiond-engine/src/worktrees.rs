@@ -38,6 +38,100 @@ pub(crate) fn target(
 }
 
 impl SessionManager {
+    /// The commits of a session's branch since its base, newest first.
+    pub async fn branch_commits(
+        &self,
+        task: sessiond_domain::TaskId,
+        session_id: SessionId,
+        limit: u32,
+    ) -> Result<Vec<sessiond_executor::BranchCommit>> {
+        let s = self.session_of_task(task, session_id).await?;
+        if !s.worktree.is_managed() {
+            return Err(Error::InvalidState {
+                session_id,
+                state: s.state,
+                action: "list its branch's commits",
+                hint: "its worktree is a directory the caller made, with no base recorded",
+            });
+        }
+        match crate::ops::Agents(self)
+            .driver(s.runtime)?
+            .worktree(
+                &crate::worktrees::Worktrees(self)
+                    .worktree_target(&s)
+                    .await?,
+                WorktreeOp::Commits { limit },
+            )
+            .await?
+        {
+            WorktreeAnswer::Commits(c) => Ok(c),
+            other => Err(Error::Internal(format!(
+                "agentctl answered a commit list with {other:?}"
+            ))),
+        }
+    }
+
+    /// The local branches of `repository` on `runtime`'s host (what a new
+    /// session's worktree can start from), and the one its checkout is on.
+    /// A remote host's are listed by its agentctl, `remote`, which the
+    /// caller names as for a session it creates there.
+    pub async fn repository_branches(
+        &self,
+        runtime: Runtime,
+        repository: &str,
+        remote: Option<&RemoteAgentctl>,
+    ) -> Result<(Vec<String>, String)> {
+        let agentctl = match (runtime, remote) {
+            (Runtime::Remote, None) => {
+                return Err(Error::InvalidArgument(
+                    "runtime remote: name the host's agentctl (its URL, secret and executor id) \
+                     to list its repository's branches"
+                        .into(),
+                ));
+            }
+            (Runtime::Remote, Some(r)) => Some((
+                RemoteTarget {
+                    url: r.url.clone(),
+                    auth_secret: r.auth_secret.clone(),
+                },
+                None,
+            )),
+            _ => None,
+        };
+        let t = WorktreeTarget {
+            repository: repository.to_owned(),
+            base: String::new(),
+            branch: String::new(),
+            path: String::new(),
+            agentctl,
+        };
+        match crate::ops::Agents(self)
+            .driver(runtime)?
+            .worktree(&t, WorktreeOp::Branches)
+            .await?
+        {
+            WorktreeAnswer::Branches { names, current } => Ok((names, current)),
+            other => Err(Error::Internal(format!(
+                "agentctl answered a branch list with {other:?}"
+            ))),
+        }
+    }
+}
+
+/// A session's git worktree on its executor's host: planned and created
+/// with the session, restored from its branch by recovery, removed only
+/// when nothing would be lost.
+pub(crate) struct Worktrees<'m>(pub(crate) &'m crate::manager::SessionManager);
+
+impl std::ops::Deref for Worktrees<'_> {
+    type Target = crate::manager::SessionManager;
+
+    fn deref(&self) -> &Self::Target {
+        self.0
+    }
+}
+
+impl Worktrees<'_> {
     /// The worktree of `s` as its driver takes it: for a remote session,
     /// with the host's agentctl its executor record names.
     pub(crate) async fn worktree_target(&self, s: &Session) -> Result<WorktreeTarget> {
@@ -137,7 +231,8 @@ impl SessionManager {
                 None,
             )
         });
-        self.driver(runtime)?
+        crate::ops::Agents(self)
+            .driver(runtime)?
             .worktree(&target(w, agentctl), WorktreeOp::Check)
             .await?;
         Ok(())
@@ -145,7 +240,8 @@ impl SessionManager {
 
     /// Makes the planned worktree (the session's intent is committed).
     pub(crate) async fn make_worktree(&self, s: &Session) -> Result<()> {
-        self.driver(s.runtime)?
+        crate::ops::Agents(self)
+            .driver(s.runtime)?
             .worktree(&self.worktree_target(s).await?, WorktreeOp::Create)
             .await?;
         Ok(())
@@ -189,7 +285,7 @@ impl SessionManager {
         if asked.keep {
             return Ok(Removal::Keep);
         }
-        let driver = self.driver(s.runtime)?;
+        let driver = crate::ops::Agents(self).driver(s.runtime)?;
         let found = match driver.worktree(t, WorktreeOp::State).await {
             Ok(WorktreeAnswer::State(found)) => found,
             Ok(other) => {
@@ -223,86 +319,10 @@ impl SessionManager {
         t: &WorktreeTarget,
         delete_branch: bool,
     ) -> Result<()> {
-        self.driver(s.runtime)?
+        crate::ops::Agents(self)
+            .driver(s.runtime)?
             .worktree(t, WorktreeOp::Remove { delete_branch })
             .await?;
         Ok(())
-    }
-
-    /// The commits of a session's branch since its base, newest first.
-    pub async fn branch_commits(
-        &self,
-        task: sessiond_domain::TaskId,
-        session_id: SessionId,
-        limit: u32,
-    ) -> Result<Vec<sessiond_executor::BranchCommit>> {
-        let s = self.session_of_task(task, session_id).await?;
-        if !s.worktree.is_managed() {
-            return Err(Error::InvalidState {
-                session_id,
-                state: s.state,
-                action: "list its branch's commits",
-                hint: "its worktree is a directory the caller made, with no base recorded",
-            });
-        }
-        match self
-            .driver(s.runtime)?
-            .worktree(
-                &self.worktree_target(&s).await?,
-                WorktreeOp::Commits { limit },
-            )
-            .await?
-        {
-            WorktreeAnswer::Commits(c) => Ok(c),
-            other => Err(Error::Internal(format!(
-                "agentctl answered a commit list with {other:?}"
-            ))),
-        }
-    }
-
-    /// The local branches of `repository` on `runtime`'s host (what a new
-    /// session's worktree can start from), and the one its checkout is on.
-    /// A remote host's are listed by its agentctl, `remote`, which the
-    /// caller names as for a session it creates there.
-    pub async fn repository_branches(
-        &self,
-        runtime: Runtime,
-        repository: &str,
-        remote: Option<&RemoteAgentctl>,
-    ) -> Result<(Vec<String>, String)> {
-        let agentctl = match (runtime, remote) {
-            (Runtime::Remote, None) => {
-                return Err(Error::InvalidArgument(
-                    "runtime remote: name the host's agentctl (its URL, secret and executor id) \
-                     to list its repository's branches"
-                        .into(),
-                ));
-            }
-            (Runtime::Remote, Some(r)) => Some((
-                RemoteTarget {
-                    url: r.url.clone(),
-                    auth_secret: r.auth_secret.clone(),
-                },
-                None,
-            )),
-            _ => None,
-        };
-        let t = WorktreeTarget {
-            repository: repository.to_owned(),
-            base: String::new(),
-            branch: String::new(),
-            path: String::new(),
-            agentctl,
-        };
-        match self
-            .driver(runtime)?
-            .worktree(&t, WorktreeOp::Branches)
-            .await?
-        {
-            WorktreeAnswer::Branches { names, current } => Ok((names, current)),
-            other => Err(Error::Internal(format!(
-                "agentctl answered a branch list with {other:?}"
-            ))),
-        }
     }
 }

@@ -99,7 +99,7 @@ impl ExecutorRecovery<'_> {
         if run.ahead.unsupported {
             return None;
         }
-        let client = match self.agentctl(&run.record, driver) {
+        let client = match crate::ops::Agents(self).agentctl(&run.record, driver) {
             Ok(c) => c,
             Err(e) => return Some(Ok(Err(e))),
         };
@@ -247,7 +247,7 @@ impl ExecutorRecovery<'_> {
                     && crate::turn::no_turn_yet(&self.inner.store, &run.session).await?
                 {
                     let reason = e.to_string();
-                    match self.client(&run.record) {
+                    match crate::ops::Agents(self).client(&run.record) {
                         Ok(client) => match crate::ops::Agents(self)
                             .new_conversation(&client, &run.record)
                             .await
@@ -289,7 +289,7 @@ impl ExecutorRecovery<'_> {
         if run.ahead.unsupported {
             return None;
         }
-        let client = self.client(&run.record).ok()?;
+        let client = crate::ops::Agents(self).client(&run.record).ok()?;
         let launch = crate::ops::Agents(self)
             .launch_request(&run.profile, run.record.runtime)
             .ok()?;

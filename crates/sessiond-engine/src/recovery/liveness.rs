@@ -106,9 +106,9 @@ impl Liveness<'_> {
         // The answer carries the agent's modes: kept, so a change the agent
         // made while no pump read shows within one check.
         let (_, modes_stamp) = self.inner.sessions.cached_modes(record.session_id, "");
-        let client = match self.cached_agentctl(record) {
+        let client = match crate::ops::Agents(self).cached_agentctl(record) {
             Some(c) => c,
-            None => self
+            None => crate::ops::Agents(self)
                 .driver(record.runtime)?
                 .client(&ExecutorHandle::from_record(record))?,
         };
@@ -159,7 +159,7 @@ impl Liveness<'_> {
         {
             return Ok(Some((record.id, record.generation)));
         }
-        let _guard = self.lock_session(record.session_id).await;
+        let _guard = self.inner.sessions.lock(record.session_id).await;
         let current = self.inner.store.get_executor(record.id).await?;
         if current.status != ExecutorStatus::Ready || current.generation != record.generation {
             return Ok(None);

@@ -137,7 +137,7 @@ impl Sweep<'_> {
             return Ok(false);
         };
         // Re-check under the lock every state change of the session takes.
-        let _guard = self.lock_session(session_id).await;
+        let _guard = self.inner.sessions.lock(session_id).await;
         if self.inner.sessions.inflight(session_id).is_some() {
             return Ok(false);
         }

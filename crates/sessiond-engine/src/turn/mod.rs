@@ -15,6 +15,8 @@ pub(crate) mod queued;
 mod settle;
 mod start;
 
+pub(crate) use start::Turns;
+
 use chrono::Utc;
 use sessiond_domain::{
     EventPayload, MAX_SESSION_TITLE_CHARS, Message, MessageId, MessageKind, MessageRole, Session,

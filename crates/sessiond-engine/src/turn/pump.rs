@@ -50,8 +50,9 @@ use sessiond_proto::agentctl::v1::{self as pb, agent_update::Kind};
 use sessiond_store::Changeset;
 
 use super::{
-    CURSOR_KEY, TURN_CANCELLED, TURN_GENERATION_KEY, TURN_INSTANCE_KEY, TURN_KEY, agent_title,
-    cursor_value, interrupt_turn, part_data, pending_turn, stored_cursor, stored_part_rev,
+    CURSOR_KEY, TURN_CANCELLED, TURN_GENERATION_KEY, TURN_INSTANCE_KEY, TURN_KEY, Turns,
+    agent_title, cursor_value, interrupt_turn, part_data, pending_turn, stored_cursor,
+    stored_part_rev,
 };
 use crate::{
     changes::transition, error::Result, flows::RecoverFirst, manager::SessionManager,
@@ -101,81 +102,6 @@ pub(super) struct Pump {
     pub(super) instance_checked: bool,
     /// When the last update came (or the stream opened).
     pub(super) last_activity: Instant,
-}
-
-impl SessionManager {
-    /// Starts (or restarts) the update pump of a session from its stored cursor.
-    pub(crate) fn start_pump(&self, session: &Session, record: &ExecutorRecord) {
-        let client = match self.client(record) {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(session = %session.id, error = %e, "no update pump: no client");
-                return;
-            }
-        };
-        // A parked pump of this generation read further than the stored cursor.
-        let (stored, stored_instance) = stored_cursor(session, record.generation);
-        let (cursor, instance) = match self.inner.sessions.take_parked(session.id) {
-            Some(p)
-                if p.generation == record.generation
-                    && (p.cursor >= stored || p.instance != stored_instance) =>
-            {
-                (p.cursor, p.instance)
-            }
-            _ => (stored, stored_instance),
-        };
-        let pump = Pump {
-            mgr: self.clone(),
-            session_id: session.id,
-            task_id: session.task_id,
-            generation: record.generation,
-            client,
-            cursor,
-            pending: None,
-            parts: HashMap::new(),
-            settle: pending_turn(session),
-            target: None,
-            instance,
-            instance_checked: false,
-            last_activity: Instant::now(),
-        };
-        let handle = tokio::spawn(pump.run());
-        self.inner
-            .sessions
-            .set_pump(session.id, handle.abort_handle());
-    }
-
-    /// After the agent was (re)attached: a session with work for the pump
-    /// (a turn RUNNING or pending, or any state but WAITING_FOR_INPUT) gets
-    /// its pump; an idle one (WAITING_FOR_INPUT, no pending turn) is parked
-    /// at its stored cursor instead, with no update stream and its agentctl
-    /// client evicted, so no HTTP/2 connection stays open for it. The next
-    /// `send_message` starts the pump from there (replaying what agentctl
-    /// buffered meanwhile, which is idempotent); an agent exit while parked
-    /// is found by the liveness check.
-    pub(crate) fn attach_updates(&self, session: &Session, record: &ExecutorRecord) {
-        if session.state != SessionState::WaitingForInput || pending_turn(session).is_some() {
-            self.start_pump(session, record);
-            return;
-        }
-        self.inner.sessions.stop_pump(session.id);
-        let (stored, instance) = stored_cursor(session, record.generation);
-        let parked = match self.inner.sessions.take_parked(session.id) {
-            Some(p)
-                if p.generation == record.generation
-                    && (p.cursor >= stored || p.instance != instance) =>
-            {
-                p
-            }
-            _ => crate::sessions::Parked {
-                generation: record.generation,
-                cursor: stored,
-                instance,
-            },
-        };
-        self.inner.sessions.set_parked(session.id, parked);
-        self.inner.sessions.evict_client(session.id);
-    }
 }
 
 impl Pump {
@@ -431,7 +357,7 @@ impl Pump {
     pub(super) async fn permission(&mut self, id: MessageId, a: pb::Activity) -> Result<()> {
         // Under the session lock, like every turn end that may cancel the
         // request: one of the two resolves it, never both.
-        let _guard = self.mgr.lock_session(self.session_id).await;
+        let _guard = self.mgr.inner.sessions.lock(self.session_id).await;
         let stored = self
             .mgr
             .inner
@@ -654,7 +580,7 @@ impl Pump {
 
     pub(super) async fn turn_ended(&mut self, end: &pb::TurnEnded) -> Result<()> {
         let exited = end.stop_reason == "error" && self.agent_gone().await;
-        let _guard = self.mgr.lock_session(self.session_id).await;
+        let _guard = self.mgr.inner.sessions.lock(self.session_id).await;
         let session = self.mgr.inner.store.get_session(self.session_id).await?;
         let current_turn = session.metadata.get(TURN_KEY).cloned();
         let ours = current_turn.as_deref().is_none_or(|t| t == end.turn_id);
@@ -835,7 +761,7 @@ impl Pump {
                 exit.and_then(|e| e.code),
                 exit.and_then(|e| e.signal),
             ));
-        let _guard = self.mgr.lock_session(self.session_id).await;
+        let _guard = self.mgr.inner.sessions.lock(self.session_id).await;
         let session = self.mgr.inner.store.get_session(self.session_id).await?;
         // Its TurnEnded did not come first: the turn died with the agent,
         // its reply unfinished (kept as streamed, marked interrupted).
@@ -952,7 +878,7 @@ impl Pump {
         if self.pending.is_some() || self.settle.is_some() {
             return false;
         }
-        let _guard = self.mgr.lock_session(self.session_id).await;
+        let _guard = self.mgr.inner.sessions.lock(self.session_id).await;
         let Ok(session) = self.mgr.inner.store.get_session(self.session_id).await else {
             return false;
         };
@@ -1010,7 +936,7 @@ impl Pump {
             // interrupted below (its end is unknown).
             let _ = self.flush(false).await;
             self.pending = None;
-            let _guard = self.mgr.lock_session(self.session_id).await;
+            let _guard = self.mgr.inner.sessions.lock(self.session_id).await;
             let Some(record) = self
                 .mgr
                 .inner
@@ -1058,5 +984,80 @@ async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at.into()).await,
         None => std::future::pending().await,
+    }
+}
+
+impl Turns<'_> {
+    /// Starts (or restarts) the update pump of a session from its stored cursor.
+    pub(crate) fn start_pump(&self, session: &Session, record: &ExecutorRecord) {
+        let client = match crate::ops::Agents(self).client(record) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(session = %session.id, error = %e, "no update pump: no client");
+                return;
+            }
+        };
+        // A parked pump of this generation read further than the stored cursor.
+        let (stored, stored_instance) = stored_cursor(session, record.generation);
+        let (cursor, instance) = match self.inner.sessions.take_parked(session.id) {
+            Some(p)
+                if p.generation == record.generation
+                    && (p.cursor >= stored || p.instance != stored_instance) =>
+            {
+                (p.cursor, p.instance)
+            }
+            _ => (stored, stored_instance),
+        };
+        let pump = Pump {
+            mgr: self.0.clone(),
+            session_id: session.id,
+            task_id: session.task_id,
+            generation: record.generation,
+            client,
+            cursor,
+            pending: None,
+            parts: HashMap::new(),
+            settle: pending_turn(session),
+            target: None,
+            instance,
+            instance_checked: false,
+            last_activity: Instant::now(),
+        };
+        let handle = tokio::spawn(pump.run());
+        self.inner
+            .sessions
+            .set_pump(session.id, handle.abort_handle());
+    }
+
+    /// After the agent was (re)attached: a session with work for the pump
+    /// (a turn RUNNING or pending, or any state but WAITING_FOR_INPUT) gets
+    /// its pump; an idle one (WAITING_FOR_INPUT, no pending turn) is parked
+    /// at its stored cursor instead, with no update stream and its agentctl
+    /// client evicted, so no HTTP/2 connection stays open for it. The next
+    /// `send_message` starts the pump from there (replaying what agentctl
+    /// buffered meanwhile, which is idempotent); an agent exit while parked
+    /// is found by the liveness check.
+    pub(crate) fn attach_updates(&self, session: &Session, record: &ExecutorRecord) {
+        if session.state != SessionState::WaitingForInput || pending_turn(session).is_some() {
+            self.start_pump(session, record);
+            return;
+        }
+        self.inner.sessions.stop_pump(session.id);
+        let (stored, instance) = stored_cursor(session, record.generation);
+        let parked = match self.inner.sessions.take_parked(session.id) {
+            Some(p)
+                if p.generation == record.generation
+                    && (p.cursor >= stored || p.instance != instance) =>
+            {
+                p
+            }
+            _ => crate::sessions::Parked {
+                generation: record.generation,
+                cursor: stored,
+                instance,
+            },
+        };
+        self.inner.sessions.set_parked(session.id, parked);
+        self.inner.sessions.evict_client(session.id);
     }
 }

@@ -20,6 +20,7 @@ use sessiond_domain::{
 };
 use sessiond_store::Changeset;
 
+use super::Turns;
 use crate::{Error, Result, SessionManager};
 
 /// The text of all queued messages of a session, at most (1 MiB): the
@@ -52,7 +53,9 @@ impl SessionManager {
         session_id: SessionId,
         text: &str,
     ) -> Result<Sent> {
-        self.send(task, session_id, text, Vec::new(), true).await
+        crate::turn::Turns(self)
+            .send(task, session_id, text, Vec::new(), true)
+            .await
     }
 
     /// Takes queued message `id` off `session_id`'s queue.
@@ -68,7 +71,7 @@ impl SessionManager {
         id: MessageId,
     ) -> Result<QueuedMessage> {
         self.check_task(task, session_id).await?;
-        let _guard = self.lock_session(session_id).await;
+        let _guard = self.inner.sessions.lock(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         let mut next = session.clone();
         let Some(cancelled) = queue::remove(&mut next.metadata, id) else {
@@ -100,7 +103,24 @@ impl SessionManager {
         tracing::info!(session = %session_id, message = %id, "queued message cancelled");
         Ok(cancelled)
     }
+}
 
+/// The session has a turn running, or messages waiting ahead: a new
+/// message goes to the back of the queue.
+pub(crate) fn waits_behind_a_turn(session: &Session) -> bool {
+    match session.state {
+        SessionState::Running => true,
+        SessionState::WaitingForInput => !queue::is_empty(&session.metadata),
+        _ => false,
+    }
+}
+
+/// Whether SendMessage without a queue must refuse because messages wait.
+pub(crate) fn queued_ahead(session: &Session) -> bool {
+    session.state == SessionState::WaitingForInput && !queue::is_empty(&session.metadata)
+}
+
+impl Turns<'_> {
     /// Appends `text` to the session's queue. The caller holds the lock.
     pub(crate) async fn enqueue(&self, session: Session, text: &str) -> Result<QueuedMessage> {
         let session_id = session.id;
@@ -139,34 +159,11 @@ impl SessionManager {
         Ok(entry)
     }
 
-    /// After a commit: `session` may have a queued message to deliver now
-    /// (or a queue to drop, if it ended).
-    pub(crate) fn queue_after_commit(&self, session: &Session) {
-        if queue::is_empty(&session.metadata) {
-            return;
-        }
-        let deliverable = session.state == SessionState::WaitingForInput;
-        if deliverable || session.state.is_terminal() {
-            self.kick_queue(session.id);
-        }
-    }
-
-    /// Delivers the first queued message of `session_id` (or drops the queue
-    /// of an ended session) on a task of its own, if it can now.
-    pub(crate) fn kick_queue(&self, session_id: SessionId) {
-        let me = self.clone();
-        self.spawn_background(async move {
-            if let Err(e) = me.deliver_queued(session_id).await {
-                tracing::warn!(session = %session_id, error = %e, "queued message not delivered yet");
-            }
-        });
-    }
-
     async fn deliver_queued(&self, session_id: SessionId) -> Result<()> {
         if !crate::lease::Fencing(self).owns(session_id) {
             return Ok(());
         }
-        let _guard = self.lock_session(session_id).await;
+        let _guard = self.inner.sessions.lock(session_id).await;
         let session = match self.inner.store.get_session(session_id).await {
             Ok(s) => s,
             Err(sessiond_store::Error::NotFound { .. }) => return Ok(()),
@@ -227,17 +224,23 @@ impl SessionManager {
     }
 }
 
-/// The session has a turn running, or messages waiting ahead: a new
-/// message goes to the back of the queue.
-pub(crate) fn waits_behind_a_turn(session: &Session) -> bool {
-    match session.state {
-        SessionState::Running => true,
-        SessionState::WaitingForInput => !queue::is_empty(&session.metadata),
-        _ => false,
+impl crate::flows::QueuedMessages for SessionManager {
+    fn queue_after_commit(&self, session: &Session) {
+        if queue::is_empty(&session.metadata) {
+            return;
+        }
+        let deliverable = session.state == SessionState::WaitingForInput;
+        if deliverable || session.state.is_terminal() {
+            self.kick_queue(session.id);
+        }
     }
-}
 
-/// Whether SendMessage without a queue must refuse because messages wait.
-pub(crate) fn queued_ahead(session: &Session) -> bool {
-    session.state == SessionState::WaitingForInput && !queue::is_empty(&session.metadata)
+    fn kick_queue(&self, session_id: SessionId) {
+        let me = self.clone();
+        self.spawn_background(async move {
+            if let Err(e) = crate::turn::Turns(&me).deliver_queued(session_id).await {
+                tracing::warn!(session = %session_id, error = %e, "queued message not delivered yet");
+            }
+        });
+    }
 }

@@ -56,7 +56,7 @@ impl Pump {
     ///   - handed to an agent by an earlier process: interrupted;
     ///   - refused for lack of a journal: interrupted.
     pub(super) async fn settle_pending(&mut self, turn: &str) -> Result<()> {
-        let guard = self.mgr.lock_session(self.session_id).await;
+        let guard = self.mgr.inner.sessions.lock(self.session_id).await;
         let store = &self.mgr.inner.store;
         let session = store.get_session(self.session_id).await?;
         if pending_turn(&session).as_deref() != Some(turn) {
@@ -205,7 +205,11 @@ impl Pump {
             // agentctl is gone, not refusing: the turn stays pending and
             // this stream's failure recovers the session in the background
             // (`agentctl_lost`), which settles the turn.
-            Err(e) if self.mgr.agentctl_gone(&e, &self.client).await => {
+            Err(e)
+                if crate::turn::Turns(&self.mgr)
+                    .agentctl_gone(&e, &self.client)
+                    .await =>
+            {
                 drop(guard);
                 tracing::info!(session = %self.session_id, turn, error = %e,
                     "re-delivery found agentctl gone; left to the lost-agentctl recovery");
@@ -250,7 +254,7 @@ impl Pump {
             self.flush(false).await?;
         }
         self.pending = None;
-        let _guard = self.mgr.lock_session(self.session_id).await;
+        let _guard = self.mgr.inner.sessions.lock(self.session_id).await;
         let store = &self.mgr.inner.store;
         let session = store.get_session(self.session_id).await?;
         if pending_turn(&session).as_deref() != Some(turn) {

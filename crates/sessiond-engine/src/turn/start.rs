@@ -52,74 +52,12 @@ impl SessionManager {
         text: &str,
         attachments: Vec<crate::Attachment>,
     ) -> Result<Message> {
-        match self
+        match crate::turn::Turns(self)
             .send(task, session_id, text, attachments, false)
             .await?
         {
             crate::Sent::Started(m) => Ok(m),
             crate::Sent::Queued(_) => Err(Error::Internal("queued without being asked to".into())),
-        }
-    }
-
-    /// The one path of SendMessage: `queue` puts the message behind a
-    /// running turn (or behind messages already waiting) instead of
-    /// refusing it. A message with attachments is never queued.
-    pub(crate) async fn send(
-        &self,
-        task: TaskId,
-        session_id: SessionId,
-        text: &str,
-        attachments: Vec<crate::Attachment>,
-        queue: bool,
-    ) -> Result<crate::Sent> {
-        if text.trim().is_empty() && attachments.is_empty() {
-            return Err(Error::InvalidArgument("the message is empty".into()));
-        }
-        let t = std::time::Instant::now();
-        let early = self.precede_pass(session_id);
-        self.check_task(task, session_id).await?;
-        let checked = t.elapsed();
-        let _ahead = self.recover_ahead(session_id).await?;
-        // `_ahead` (if the session needed recovering) now holds the pause.
-        drop(early);
-        let recovered = t.elapsed();
-        let _guard = self.lock_session(session_id).await;
-        let locked = t.elapsed();
-        let sent = async {
-            let session = self.inner.store.get_session(session_id).await?;
-            if queue && attachments.is_empty() && crate::turn::queued::waits_behind_a_turn(&session)
-            {
-                return self.enqueue(session, text).await.map(crate::Sent::Queued);
-            }
-            self.check_can_start_turn(&session, "send a message")
-                .await?;
-            if crate::turn::queued::queued_ahead(&session) {
-                return Err(Error::InvalidState {
-                    session_id,
-                    state: session.state,
-                    action: "send a message without queueing it",
-                    hint: "messages queued earlier wait to be delivered first; queue this one too, \
-                           or cancel them",
-                });
-            }
-            self.start_turn_as(session, text, None, attachments)
-                .await
-                .map(crate::Sent::Started)
-        }
-        .await;
-        // Where a slow call spent its time (availability while recovering).
-        tracing::debug!(
-            %session_id,
-            checked_ms = ms(checked),
-            recovered_ms = ms(recovered),
-            locked_ms = ms(locked),
-            done_ms = ms(t.elapsed()),
-            "send_message timing"
-        );
-        match sent {
-            // Lost the lease while the call ran: the new owner is named.
-            Err(e) => Err(crate::lease::Fencing(self).unless_lost(session_id, e).await),
-            ok => ok,
         }
     }
 
@@ -141,9 +79,12 @@ impl SessionManager {
         self.check_task(task, session_id).await?;
         let _ahead = self.recover_ahead(session_id).await?;
         drop(early);
-        let _guard = self.lock_session(session_id).await;
+        let _guard = self.inner.sessions.lock(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
-        if let Err(e) = self.check_can_start_turn(&session, "retry a turn").await {
+        if let Err(e) = crate::turn::Turns(self)
+            .check_can_start_turn(&session, "retry a turn")
+            .await
+        {
             return Err(crate::lease::Fencing(self).unless_lost(session_id, e).await);
         }
         let interrupted = session.metadata.get(INTERRUPTED_TURN_KEY).cloned();
@@ -197,7 +138,9 @@ impl SessionManager {
                 });
             }
         };
-        let message = self.start_turn(session, &original.content).await?;
+        let message = crate::turn::Turns(self)
+            .start_turn(session, &original.content)
+            .await?;
         tracing::info!(session = %session_id, retried = %original.id, turn = %message.id,
             "interrupted turn retried on the user's request");
         Ok((message, original.id))
@@ -239,13 +182,89 @@ impl SessionManager {
                 hint: "its turn ends as soon as the agent is resumed or found gone".into(),
             });
         };
-        let client = self.client(&execution.record)?;
+        let client = crate::ops::Agents(self).client(&execution.record)?;
         let cancelled = client.cancel().await.map_err(|e| {
             crate::lease::Fencing(self).executor_refused(session_id, &e);
             Error::agent("Cancel", &e)
         })?;
         tracing::info!(session = %session_id, cancelled, "turn cancel requested");
         Ok(cancelled)
+    }
+}
+
+/// Turns: starting one (its intent committed before the Prompt), the
+/// update pump that stores the agent's reply, and queued messages.
+pub(crate) struct Turns<'m>(pub(crate) &'m crate::manager::SessionManager);
+
+impl std::ops::Deref for Turns<'_> {
+    type Target = crate::manager::SessionManager;
+
+    fn deref(&self) -> &Self::Target {
+        self.0
+    }
+}
+
+impl Turns<'_> {
+    /// The one path of SendMessage: `queue` puts the message behind a
+    /// running turn (or behind messages already waiting) instead of
+    /// refusing it. A message with attachments is never queued.
+    pub(crate) async fn send(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        text: &str,
+        attachments: Vec<crate::Attachment>,
+        queue: bool,
+    ) -> Result<crate::Sent> {
+        if text.trim().is_empty() && attachments.is_empty() {
+            return Err(Error::InvalidArgument("the message is empty".into()));
+        }
+        let t = std::time::Instant::now();
+        let early = self.precede_pass(session_id);
+        self.check_task(task, session_id).await?;
+        let checked = t.elapsed();
+        let _ahead = self.recover_ahead(session_id).await?;
+        // `_ahead` (if the session needed recovering) now holds the pause.
+        drop(early);
+        let recovered = t.elapsed();
+        let _guard = self.inner.sessions.lock(session_id).await;
+        let locked = t.elapsed();
+        let sent = async {
+            let session = self.inner.store.get_session(session_id).await?;
+            if queue && attachments.is_empty() && crate::turn::queued::waits_behind_a_turn(&session)
+            {
+                return self.enqueue(session, text).await.map(crate::Sent::Queued);
+            }
+            self.check_can_start_turn(&session, "send a message")
+                .await?;
+            if crate::turn::queued::queued_ahead(&session) {
+                return Err(Error::InvalidState {
+                    session_id,
+                    state: session.state,
+                    action: "send a message without queueing it",
+                    hint: "messages queued earlier wait to be delivered first; queue this one too, \
+                           or cancel them",
+                });
+            }
+            self.start_turn_as(session, text, None, attachments)
+                .await
+                .map(crate::Sent::Started)
+        }
+        .await;
+        // Where a slow call spent its time (availability while recovering).
+        tracing::debug!(
+            %session_id,
+            checked_ms = ms(checked),
+            recovered_ms = ms(recovered),
+            locked_ms = ms(locked),
+            done_ms = ms(t.elapsed()),
+            "send_message timing"
+        );
+        match sent {
+            // Lost the lease while the call ran: the new owner is named.
+            Err(e) => Err(crate::lease::Fencing(self).unless_lost(session_id, e).await),
+            ok => ok,
+        }
     }
 
     /// The error for a session whose agent does not run, with the hint that
@@ -257,7 +276,10 @@ impl SessionManager {
             .as_deref()
             .map(|m| format!(" ({m})"))
             .unwrap_or_default();
-        let hint = match self.status_of(session).await.map(|s| check_resume(&s)) {
+        let hint = match crate::manager::status_of(self, session)
+            .await
+            .map(|s| check_resume(&s))
+        {
             Ok(Err(refused)) => format!("it cannot be resumed{why}: {refused}"),
             _ => format!("resume the session first{why}"),
         };
@@ -328,7 +350,8 @@ impl SessionManager {
         let attachments = if attachments.is_empty() {
             attachments
         } else {
-            crate::attachments::resolve(&self.client(&record)?, attachments).await?
+            crate::attachments::resolve(&crate::ops::Agents(self).client(&record)?, attachments)
+                .await?
         };
         let blocks = crate::attachments::blocks(&attachments, &session.worktree.path);
 
@@ -418,7 +441,7 @@ impl SessionManager {
         #[cfg(feature = "failpoints")]
         fail::fail_point!("prompt-after-commit");
 
-        let client = self.client(&record)?;
+        let client = crate::ops::Agents(self).client(&record)?;
         // Timed from just before the Prompt: its first chunk can beat the reply.
         self.inner.metrics.turn_started(session_id);
         // The client side of agentctl's Prompt span; its trace context
