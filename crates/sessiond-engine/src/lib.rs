@@ -10,23 +10,26 @@
 //! [`sessiond_executor::Executor`] drivers. It reads no configuration files
 //! or environment: [`ManagerConfig`] is passed in.
 //!
-//! Entry point: [`SessionManager`].
+//! Entry point: [`SessionManager`], the facade; each concept has its own
+//! type and file inside (`docs/ARCHITECTURE.md` lists them in their layers).
 //! - Lifecycle (`lifecycle.rs`) and turns (`turn/`): [`SessionManager::create_session`],
 //!   [`SessionManager::send_message`], [`SessionManager::end_session`],
 //!   [`SessionManager::delete_session`]. The agent's streamed reply is stored
 //!   by a per-session update pump (`turn/pump.rs`).
-//! - Startup recovery (`recovery.rs`): [`SessionManager::recover_all`], then
-//!   background reconnects of remote hosts. While a pass runs, a call on a
-//!   session it has not reached recovers that session first (`queue.rs`,
-//!   [`SessionManager::ensure_recovered`]).
-//! - Explicit resume (`resume.rs`): [`SessionManager::resume_session`],
-//!   single-flight per session.
-//! - Background work (`recovery.rs`, `sweep.rs`): remote reconnects,
-//!   [`SessionManager::start_liveness_checks`] (started by `recover_all`),
-//!   and the orphan-container sweep [`SessionManager::start_orphan_sweep`],
+//! - Recovery (`recovery.rs`, `recovery/`), through [`SessionManager::recovery`]:
+//!   [`RecoveryControl::recover_all`], then background reconnects of remote
+//!   hosts. While a pass runs, a call on a session it has not reached
+//!   recovers that session first (`recovery/queue.rs`,
+//!   [`RecoveryControl::ensure_recovered`]). Liveness checks
+//!   ([`RecoveryControl::start_liveness_checks`], started by `recover_all`)
+//!   and the orphan-container sweep ([`RecoveryControl::start_orphan_sweep`]),
 //!   which acts only after the first recovery pass plus a grace period and
 //!   only on positive evidence that no record tracks a container.
-//! - Status and events (`manager.rs`, `events.rs`):
+//! - Explicit resume (`resume.rs`): [`SessionManager::resume_session`],
+//!   single-flight per session.
+//! - Replicas sharing one store (`lease.rs`, `replica.rs`), through
+//!   [`SessionManager::replica`].
+//! - Status and events (`status.rs`, `events.rs`):
 //!   [`SessionManager::session_status`], [`SessionManager::watch_session`],
 //!   [`SessionManager::watch_task`].
 //!
