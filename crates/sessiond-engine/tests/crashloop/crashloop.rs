@@ -42,7 +42,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::world::{Mode, Rt, World};
+use crate::world::{Mode, Rt, World, fail};
 
 const SESSIONS: usize = 20;
 
@@ -225,6 +225,15 @@ async fn crash_loop_converges() {
         "no kill landed during recovery; seed {seed}"
     );
 
+    // Uncaptured, so that a live log's tail has it beside the checks' output.
+    {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "crash loop: {rounds} backends killed (seed {seed}); the clean start and the checks follow"
+        );
+    }
+
     // The clean start.
     let mgr = w.manager().await;
     let t = Instant::now();
@@ -236,14 +245,31 @@ async fn crash_loop_converges() {
         summary.counts,
         summary.failed
     );
-    assert_eq!(summary.failed, 0, "{summary:?}");
+    if summary.failed > 0 {
+        let failed: Vec<String> = summary
+            .outcomes
+            .iter()
+            .filter_map(|(id, r)| r.as_ref().err().map(|e| format!("session {id}: {e}")))
+            .collect();
+        fail(&crate::world::summary(
+            &format!("the clean start failed to recover (seed {seed})"),
+            &failed,
+            &w.states_line().await,
+        ));
+    }
     let sessions = w.sessions().await;
+    let mut starting = Vec::new();
     for s in &sessions {
-        assert_ne!(
-            s.state,
-            sessiond_domain::SessionState::Starting,
-            "left STARTING after the clean start: {s:?}"
-        );
+        if s.state == sessiond_domain::SessionState::Starting {
+            starting.push(w.who(s).await);
+        }
+    }
+    if !starting.is_empty() {
+        fail(&crate::world::summary(
+            &format!("sessions left STARTING after the clean start (seed {seed})"),
+            &starting,
+            &w.states_line().await,
+        ));
     }
     w.settle(Duration::from_secs(60)).await;
     let line = w.assert_converged(&mgr).await;
@@ -274,20 +300,23 @@ async fn crash_loop_converges() {
         );
         for s in of_rt {
             let why = s.error_message.as_deref().unwrap_or_default();
-            assert!(
-                !why.contains("could not start"),
-                "{rt:?} session {} ERROR: {why} (seed {seed})",
-                s.id
-            );
+            if why.contains("could not start") {
+                fail(&format!(
+                    "an agent could not start on {rt:?} (seed {seed}): {}",
+                    w.who(s).await
+                ));
+            }
         }
     }
     let prompted = w.prompt_all(&mgr).await;
     w.assert_converged(&mgr).await;
     println!("crash loop: {prompted} conversations continued at the right turn");
-    assert!(
-        sessions.len() == SESSIONS,
-        "only {} of {SESSIONS} sessions were created in {secs} s (seed {seed})",
-        sessions.len()
-    );
+    if sessions.len() != SESSIONS {
+        fail(&format!(
+            "only {} of {SESSIONS} sessions were created in {secs} s (seed {seed}); {}",
+            sessions.len(),
+            w.states_line().await
+        ));
+    }
     w.cleanup(&mgr).await;
 }

@@ -689,7 +689,25 @@ impl World {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let strays = self.strays();
-        assert!(strays.is_empty(), "processes of this test left: {strays:?}");
+        if !strays.is_empty() {
+            let cmdlines = proc_cmdlines();
+            let left: Vec<String> = strays
+                .iter()
+                .map(|p| {
+                    let cmd = cmdlines
+                        .iter()
+                        .find(|(q, _)| q == p)
+                        .map(|(_, c)| c.as_str())
+                        .unwrap_or("?");
+                    format!("pid {p}: {}", clip(cmd, 200))
+                })
+                .collect();
+            fail(&summary(
+                "processes of this test left after the sessions were deleted",
+                &left,
+                "",
+            ));
+        }
     }
 
     async fn remove_containers(&self) {
@@ -836,22 +854,78 @@ impl World {
     pub async fn settle(&self, within: Duration) {
         let deadline = Instant::now() + within;
         loop {
-            let busy: Vec<(SessionId, SessionState)> = self
+            let busy: Vec<Session> = self
                 .sessions()
                 .await
                 .into_iter()
                 .filter(|s| matches!(s.state, SessionState::Running | SessionState::Starting))
-                .map(|s| (s.id, s.state))
                 .collect();
             if busy.is_empty() {
                 return;
             }
-            assert!(
-                Instant::now() < deadline,
-                "sessions did not settle within {within:?}: {busy:?}"
-            );
+            if Instant::now() >= deadline {
+                let mut stuck = Vec::new();
+                for s in &busy {
+                    stuck.push(self.who(s).await);
+                }
+                fail(&summary(
+                    &format!("sessions did not settle within {within:?}"),
+                    &stuck,
+                    &self.states_line().await,
+                ));
+            }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// A session for a failure message: its plan's name, id, runtime,
+    /// state (with why, for ERROR), and its executor's status.
+    pub async fn who(&self, s: &Session) -> String {
+        let name = s.metadata.get(NAME_KEY).map(String::as_str).unwrap_or("?");
+        let executor = match self.record(s.id).await {
+            Some(r) => format!(
+                "executor {} gen {}{}",
+                r.status,
+                r.generation,
+                r.error_message
+                    .as_deref()
+                    .map(|e| format!(" ({})", clip(e, 80)))
+                    .unwrap_or_default()
+            ),
+            None => "no executor record".to_owned(),
+        };
+        let why = match (s.state, s.error_message.as_deref()) {
+            (SessionState::Error, Some(e)) => format!(" ({})", clip(e, 80)),
+            _ => String::new(),
+        };
+        format!("{name} {} {} {}{why}, {executor}", s.id, s.runtime, s.state)
+    }
+
+    /// One line: how many sessions are in each state, and which are not
+    /// waiting for input.
+    pub async fn states_line(&self) -> String {
+        let sessions = self.sessions().await;
+        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+        for s in &sessions {
+            *counts.entry(s.state.to_string()).or_default() += 1;
+        }
+        let others: Vec<String> = sessions
+            .iter()
+            .filter(|s| s.state != SessionState::WaitingForInput)
+            .map(|s| {
+                format!(
+                    "{} {} {}",
+                    s.metadata.get(NAME_KEY).map(String::as_str).unwrap_or("?"),
+                    s.id,
+                    s.state
+                )
+            })
+            .collect();
+        format!(
+            "{} sessions, states {counts:?}; not waiting: [{}]",
+            sessions.len(),
+            others.join(", ")
+        )
     }
 
     /// The convergence checks, against the world, all strict: among them,
@@ -1252,11 +1326,15 @@ impl World {
                 }
             }
         }
-        assert!(
-            failures.is_empty(),
-            "the world did not converge:\n  {}",
-            failures.join("\n  ")
-        );
+        if !failures.is_empty() {
+            // In full on stdout (shown with the failed test), then short.
+            println!("the world did not converge:\n  {}", failures.join("\n  "));
+            fail(&summary(
+                "the world did not converge",
+                &failures,
+                &self.states_line().await,
+            ));
+        }
         Converged {
             line: format!(
                 "states {states:?}, {turns_total} agent turns matched, {side_effects} tool-call side effects (none repeated), {undelivered} stored user messages never reached the agent, {interrupted} ended interrupted (not re-sent; {lost_ends} of them after the agent finished, the end lost with its agentctl), {out_of_order} replies stored after a later user message"
@@ -1279,7 +1357,14 @@ impl World {
             }
             let before = self.transcript(&s).len();
             let text = format!("after the crashes {}", s.id);
-            mgr.send_message(self.task.id, s.id, &text).await.unwrap();
+            if let Err(e) = mgr.send_message(self.task.id, s.id, &text).await {
+                let now = self.store.get_session(s.id).await.unwrap();
+                fail(&format!(
+                    "a prompt after the crashes was refused: {e}\n  {}\n  {}",
+                    self.who(&now).await,
+                    self.states_line().await
+                ));
+            }
             self.settle(Duration::from_secs(30)).await;
             let mut msgs = self.store.list_messages(s.id, 0, 100_000).await.unwrap();
             // The conversation's text; the side effect's tool call parts
@@ -1287,16 +1372,20 @@ impl World {
             msgs.retain(|m| m.kind == sessiond_domain::MessageKind::Text);
             let last = msgs.last().unwrap();
             let token = s.resume_token.clone().unwrap();
-            assert_eq!(
-                last.content,
-                format!(
-                    "turn {} of session {token}: you said \"{text}\"{REPLY_TAIL}",
-                    before + 1
-                ),
-                "session {} ({})",
-                s.id,
-                s.runtime
+            let expected = format!(
+                "turn {} of session {token}: you said \"{text}\"{REPLY_TAIL}",
+                before + 1
             );
+            if last.content != expected {
+                let now = self.store.get_session(s.id).await.unwrap();
+                fail(&format!(
+                    "the conversation did not continue at the right turn: the last message is {:?} (seq {}, {}), expected {expected:?}\n  {}",
+                    clip(&last.content, 200),
+                    last.seq,
+                    last.role,
+                    self.who(&now).await
+                ));
+            }
             n += 1;
         }
         n
@@ -1552,7 +1641,50 @@ impl ChildBackend {
     }
 }
 
-/// (pid, command line with spaces) of every process.
+/// Fails the test with `summary`, which must be short: a CI log shows only
+/// the tail of a run. libtest prints a failed test's captured output (and
+/// its panic message) only after the whole binary ends, behind the other
+/// tests' output, so the summary is also written straight to the process's
+/// stderr, uncaptured, where it lands right before the `... FAILED` line.
+pub fn fail(summary: &str) -> ! {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "CRASH TEST FAILED: {summary}");
+    panic!("{summary}");
+}
+
+/// `text` cut to `most` characters, marked when cut.
+pub fn clip(text: &str, most: usize) -> String {
+    match text.char_indices().nth(most) {
+        Some((at, _)) => format!("{}...", &text[..at]),
+        None => text.to_owned(),
+    }
+}
+
+/// At most this many violations go into a failure's summary (the rest
+/// are counted, and listed in full on the test's stdout before it).
+const SUMMARY_VIOLATIONS: usize = 12;
+
+/// The short failure summary of `violations`: how many, the first few
+/// (each clipped), then `context` (e.g. the states of the sessions).
+pub fn summary(title: &str, violations: &[String], context: &str) -> String {
+    let mut out = format!("{title}: {} violation(s)", violations.len());
+    for v in violations.iter().take(SUMMARY_VIOLATIONS) {
+        out.push_str("\n  - ");
+        out.push_str(&clip(v, 300));
+    }
+    if violations.len() > SUMMARY_VIOLATIONS {
+        out.push_str(&format!(
+            "\n  ... and {} more (listed in full above)",
+            violations.len() - SUMMARY_VIOLATIONS
+        ));
+    }
+    if !context.is_empty() {
+        out.push_str("\n  ");
+        out.push_str(context);
+    }
+    out
+}
+
 /// What [`World::converged`] found.
 pub struct Converged {
     pub line: String,
@@ -1560,6 +1692,7 @@ pub struct Converged {
     pub interrupted: usize,
 }
 
+/// (pid, command line with spaces) of every process.
 pub fn proc_cmdlines() -> Vec<(u32, String)> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
