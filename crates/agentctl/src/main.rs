@@ -201,7 +201,23 @@ async fn worktree_main() -> anyhow::Result<()> {
         WorktreeOp::Commits => "commits",
         WorktreeOp::Branches => "branches",
     };
-    let answer = worktree::run(op, &spec, cli.never_created, cli.delete_branch, cli.limit).await;
+    // On stderr, which the caller shows only when the command fails: a
+    // wait that ends in a failure tells what it waited for.
+    let waiting = || {
+        eprintln!(
+            "agentctl worktree: waiting for another operation on {} to finish",
+            spec.path.display()
+        );
+    };
+    let answer = worktree::run(
+        op,
+        &spec,
+        cli.never_created,
+        cli.delete_branch,
+        cli.limit,
+        &waiting,
+    )
+    .await;
     let line = match answer {
         Ok(value) => serde_json::json!({ "ok": value }),
         Err(e) => {

@@ -646,8 +646,19 @@ impl AgentCtlService for AgentCtl {
             path: path.clone(),
         };
         let limit = if r.limit == 0 { 200 } else { r.limit };
-        let answer =
-            crate::worktree::run(&r.op, &spec, r.never_created, r.delete_branch, limit).await?;
+        let waiting = || {
+            tracing::info!(path = %path.display(),
+                "worktree: waiting for another operation on it to finish");
+        };
+        let answer = crate::worktree::run(
+            &r.op,
+            &spec,
+            r.never_created,
+            r.delete_branch,
+            limit,
+            &waiting,
+        )
+        .await?;
         match r.op.as_str() {
             // Opened anew: a recreated directory is not the one held before.
             "create" | "restore" => self.workspace.bind(Workspace::open(&path)?),

@@ -117,6 +117,10 @@ async fn git(cwd: &Path, args: &[&str]) -> Result<exec::ExecOutput> {
     })
     .await
     .map_err(|e| match e {
+        // A working directory that is gone fails the start the same way.
+        Error::NotFound(m) if !cwd.is_dir() => {
+            Error::FailedPrecondition(format!("{} does not exist (any more): {m}", cwd.display()))
+        }
         Error::NotFound(m) => Error::FailedPrecondition(format!("git is not installed: {m}")),
         other => other,
     })?;
@@ -591,15 +595,82 @@ pub async fn branches(repository: &Path) -> Result<Branches> {
     Ok(Branches { names, current })
 }
 
+/// Held while a create, restore or remove changes the worktree at one
+/// path. An operation whose caller died (a sessiond killed in the middle of
+/// a create) goes on with its git; the next caller's operation on the same
+/// worktree (the restarted sessiond's recovery) waits for it instead of
+/// racing it: seeing its half-made directory as someone else's, or having
+/// the directory removed under its feet by git's cleanup. An advisory lock
+/// (`flock`) on a file in the repository's git directory, one per worktree
+/// path, released when its holder ends, however it ends.
+#[derive(Debug)]
+pub struct PathLock {
+    _file: std::fs::File,
+}
+
+/// How often a waiting operation tries the lock again.
+const LOCK_POLL: Duration = Duration::from_millis(20);
+
+/// Takes the lock of `spec`'s worktree, waiting for an operation on it in
+/// flight; `waiting` is called once if it has to wait.
+pub async fn lock(spec: &Spec, waiting: &(dyn Fn() + Sync)) -> Result<PathLock> {
+    let common = common_dir(&spec.repository).await?;
+    let dir = common.join("sessiond-worktree-locks");
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    let path = std::path::absolute(&spec.path).unwrap_or_else(|_| spec.path.clone());
+    let file = dir.join(format!(
+        "{:016x}.lock",
+        fnv1a(path.as_os_str().as_encoded_bytes())
+    ));
+    let handle = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&file)
+        .map_err(|e| Error::io(format!("opening {}", file.display()), e))?;
+    let mut told = false;
+    loop {
+        match handle.try_lock() {
+            Ok(()) => return Ok(PathLock { _file: handle }),
+            Err(std::fs::TryLockError::WouldBlock) => {
+                if !told {
+                    waiting();
+                    told = true;
+                }
+                tokio::time::sleep(LOCK_POLL).await;
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(Error::io(format!("locking {}", file.display()), e));
+            }
+        }
+    }
+}
+
+/// FNV-1a, 64 bits: a lock file's name from its worktree's path, the same
+/// in every agentctl version.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
 /// Runs operation `op` (`check`, `create`, ...) and answers what
-/// `agentctl worktree OP` prints under `ok`.
+/// `agentctl worktree OP` prints under `ok`. The operations that change the
+/// worktree hold its [`PathLock`]; `waiting` is called when one has to wait
+/// for another operation on the same worktree first.
 pub async fn run(
     op: &str,
     spec: &Spec,
     never_created: bool,
     delete_branch: bool,
     limit: u32,
+    waiting: &(dyn Fn() + Sync),
 ) -> Result<serde_json::Value> {
+    let _held = match op {
+        "create" | "restore" | "remove" => Some(lock(spec, waiting).await?),
+        _ => None,
+    };
     Ok(match op {
         "check" => check(spec).await.map(|()| serde_json::json!({}))?,
         "create" => serde_json::json!(create(spec).await?),

@@ -143,3 +143,70 @@ fn answers_and_refusals() {
     assert!(!path.exists() && foreign.is_dir());
     assert_eq!(git(&repo, &["branch", "--format=%(refname:short)"]), "main");
 }
+
+/// A create whose caller died goes on (its git runs to the end); the next
+/// operation on the same worktree, a restore by the restarted caller, waits
+/// for it instead of taking its half-made directory for someone else's.
+#[test]
+fn an_operation_waits_for_one_in_flight_on_the_same_worktree() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    std::fs::create_dir_all(&repo).unwrap();
+    git(&repo, &["init", "-q", "-b", "main"]);
+    git(&repo, &["commit", "-q", "--allow-empty", "-m", "init"]);
+    let path = dir.path().join("wts/one");
+    let spec = agentctl::worktree::Spec {
+        repository: repo.clone(),
+        base: "main".into(),
+        branch: "s/one".into(),
+        path: path.clone(),
+    };
+    // The create in flight: it holds the worktree's lock, and git has made
+    // the directory but not checked anything out yet.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let in_flight = rt
+        .block_on(agentctl::worktree::lock(&spec, &|| {}))
+        .unwrap();
+    std::fs::create_dir_all(&path).unwrap();
+
+    let mut restore = Command::new(env!("CARGO_BIN_EXE_agentctl"))
+        .args(["worktree", "restore", "--never-created"])
+        .arg(format!("--repository={}", repo.display()))
+        .args(["--base=main", "--branch=s/one"])
+        .arg(format!("--path={}", path.display()))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Its first word on stderr: it waits (without the lock it answers at
+    // once, ALREADY_EXISTS, and says nothing there).
+    let mut stderr = std::io::BufReader::new(restore.stderr.take().unwrap());
+    let mut line = String::new();
+    stderr.read_line(&mut line).unwrap();
+    if !line.contains("waiting for another operation") {
+        let out = restore.wait_with_output().unwrap();
+        panic!(
+            "the restore did not wait for the create in flight: stderr {line:?}, answer {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    // The create finishes, and its holder ends.
+    git(
+        &repo,
+        &[
+            "worktree",
+            "add",
+            "--no-track",
+            "-b",
+            "s/one",
+            path.to_str().unwrap(),
+            "main",
+        ],
+    );
+    drop(in_flight);
+    let out = restore.wait_with_output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(answer["ok"]["outcome"], "adopted", "{answer}");
+}

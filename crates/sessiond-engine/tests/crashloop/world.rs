@@ -170,6 +170,11 @@ fn docker_worktrees(dir: &Path) -> PathBuf {
 /// Runs as root on repositories and worktrees of the agent's user too:
 /// `safe.directory` lets it read them (it changes nothing in them).
 fn git(dir: &Path, args: &[&str]) -> String {
+    try_git(dir, args).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`git`], with its failure as a message (for a check to report).
+fn try_git(dir: &Path, args: &[&str]) -> Result<String, String> {
     let out = std::process::Command::new("git")
         .arg("-C")
         .arg(dir)
@@ -178,12 +183,14 @@ fn git(dir: &Path, args: &[&str]) -> String {
         .args(args)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "git {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    if !out.status.success() {
+        return Err(format!(
+            "git {args:?} in {}: {}",
+            dir.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
 /// git's exit code (`None`: killed), for questions it answers with it.
@@ -1259,7 +1266,13 @@ impl World {
             repos.iter().flat_map(|r| listed_worktrees_of(r)).collect();
         let sessions = self.sessions().await;
         for s in sessions.iter() {
-            let who = format!("session {} ({}, {})", s.id, s.runtime, s.state);
+            let who = format!(
+                "session {} ({}, {}, {})",
+                s.metadata.get(NAME_KEY).map(String::as_str).unwrap_or("?"),
+                s.id,
+                s.runtime,
+                s.state
+            );
             if !s.worktree.is_managed() {
                 failures.push(format!(
                     "{who}: not created from a repository: {:?}",
@@ -1289,11 +1302,18 @@ impl World {
             let path = Path::new(&s.worktree.path);
             if !path.is_dir() {
                 failures.push(format!("{who}: worktree {} is lost", s.worktree.path));
-            } else if git(path, &["symbolic-ref", "--short", "HEAD"]) != s.worktree.branch {
-                failures.push(format!(
-                    "{who}: worktree {} is not on {}",
-                    s.worktree.path, s.worktree.branch
-                ));
+            } else {
+                match try_git(path, &["symbolic-ref", "--short", "HEAD"]) {
+                    Ok(head) if head == s.worktree.branch => {}
+                    Ok(head) => failures.push(format!(
+                        "{who}: worktree {} is on {head:?}, not on {}",
+                        s.worktree.path, s.worktree.branch
+                    )),
+                    Err(e) => failures.push(format!(
+                        "{who}: worktree {} is no checkout of {}: {e}",
+                        s.worktree.path, s.worktree.branch
+                    )),
+                }
             }
             if !listed
                 .iter()
