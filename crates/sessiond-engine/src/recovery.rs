@@ -1027,16 +1027,18 @@ impl ExecutorRecovery<'_> {
                 // A remote host's directory is not ours to look at: its
                 // agentctl adopts or recreates it, and serves it again.
                 let here = run.record.runtime != Runtime::Remote;
-                if here && Path::new(&path).is_dir() {
-                    if run.session.worktree.is_managed() {
-                        // A create cut short after `git worktree add`:
-                        // made, recorded with the outcome.
-                        run.session
-                            .metadata
-                            .insert(crate::worktrees::WORKTREE_CREATED_KEY.into(), "true".into());
-                    }
+                let managed = run.session.worktree.is_managed();
+                // A create cut short may have left its `agentctl worktree`
+                // running (it outlives a killed sessiond): the directory it
+                // makes is whole only once the restore below adopted it,
+                // which waits for that operation.
+                let made = run
+                    .session
+                    .metadata
+                    .contains_key(crate::worktrees::WORKTREE_CREATED_KEY);
+                if here && (made || !managed) && Path::new(&path).is_dir() {
                     Observation::WorktreeExists
-                } else if run.session.worktree.is_managed() {
+                } else if managed {
                     // Ours: check it out again from its branch before the
                     // agent is relaunched in it. Bounded by the driver, not
                     // by the silence limit: a large checkout is work.
