@@ -16,10 +16,14 @@ use crate::{
     changes::{executor_moved, transition},
     error::{Error, Result},
     flows::RecoverFirst,
+    lease::Fencing,
     manager::SessionManager,
+    ops::Agents,
     ops::probe_verdict,
+    turn::Turns,
     turn::{CURSOR_KEY, cursor_value},
     worktrees::WORKTREE_CREATED_KEY,
+    worktrees::Worktrees,
 };
 
 /// What [`SessionManager::create_session`] needs.
@@ -114,7 +118,7 @@ impl SessionManager {
                     .join(", ")
             )));
         }
-        crate::ops::Agents(self).driver(req.runtime)?;
+        Agents(self).driver(req.runtime)?;
         let session_id = SessionId::new();
         let mut req = req;
         let managed = req.worktree.is_managed();
@@ -126,7 +130,7 @@ impl SessionManager {
                     "a remote session needs the agentctl URL and secret of its host".into(),
                 ));
             }
-            crate::worktrees::Worktrees(self)
+            Worktrees(self)
                 .plan_worktree(
                     &mut req.worktree,
                     req.runtime,
@@ -182,9 +186,7 @@ impl SessionManager {
             updated_at: now,
         };
         let _guard = self.inner.sessions.lock(session_id).await;
-        let gate = crate::lifecycle::Lifecycle(self)
-            .admit_live_session()
-            .await?;
+        let gate = Lifecycle(self).admit_live_session().await?;
 
         // The session and its intent, in one transaction before anything is
         // spawned: no crash leaves a CREATED session that recovery, which
@@ -221,7 +223,7 @@ impl SessionManager {
             updated_at: now,
         };
         let mut record = record;
-        crate::lease::Fencing(self).new_lease(&mut record);
+        Fencing(self).new_lease(&mut record);
         let (mut starting, ev) = transition(&created, SessionEvent::LaunchRequested, None)?;
         starting.agent_execution_id = Some(record.execution_id());
         let mut change = Changeset::new()
@@ -241,7 +243,7 @@ impl SessionManager {
         change = change.task_event(req.task_id, TaskEvent::WorkStarted);
         let committed = store.create_session_with(&created, change).await?;
         // After the commit: a heartbeat never sees it owned before the row exists.
-        crate::lease::Fencing(self).mark_owned(
+        Fencing(self).mark_owned(
             session_id,
             committed.executor.as_ref().map_or(0, |e| e.lease_epoch),
         );
@@ -261,14 +263,11 @@ impl SessionManager {
             // nothing yet (recovery makes the worktree from the base).
             #[cfg(feature = "failpoints")]
             fail::fail_point!("create-before-worktree");
-            if let Err(e) = crate::worktrees::Worktrees(self)
-                .make_worktree(&session)
-                .await
-            {
+            if let Err(e) = Worktrees(self).make_worktree(&session).await {
                 let reason = format!(
                     "could not create the worktree: {e}; delete this session and create a new one"
                 );
-                return crate::lifecycle::Lifecycle(self)
+                return Lifecycle(self)
                     .fail_create(session, record, reason, true)
                     .await;
             }
@@ -288,7 +287,7 @@ impl SessionManager {
 
         // agentctl.
         let limit = self.inner.config.executor_deadline * 4;
-        let handle = match crate::ops::Agents(self)
+        let handle = match Agents(self)
             .launch_agentctl(&record, &profile, 1, limit)
             .await
         {
@@ -302,7 +301,7 @@ impl SessionManager {
                         "agentctl did not start within {limit:?}; check the executor and create a new session"
                     ),
                 };
-                return crate::lifecycle::Lifecycle(self)
+                return Lifecycle(self)
                     .fail_create(session, record, reason, true)
                     .await;
             }
@@ -328,10 +327,10 @@ impl SessionManager {
             .ok_or_else(|| Error::Internal("no executor".into()))?;
 
         // Agent and conversation.
-        let client = crate::ops::Agents(self).client(&record)?;
+        let client = Agents(self).client(&record)?;
         self.cache_update(session_id, |e| e.agent = AgentProcessState::Starting);
         let opened = async {
-            crate::ops::Agents(self)
+            Agents(self)
                 .ensure_agent(&client, &profile, req.runtime)
                 .await?;
             let probe = client
@@ -339,9 +338,7 @@ impl SessionManager {
                 .await
                 .ok()
                 .and_then(|c| probe_verdict(c.supports_session_resume));
-            let token = crate::ops::Agents(self)
-                .new_conversation(&client, &record)
-                .await?;
+            let token = Agents(self).new_conversation(&client, &record).await?;
             Ok::<_, Error>((probe, token))
         }
         .await;
@@ -352,9 +349,9 @@ impl SessionManager {
         let (probe, token) = match opened {
             Ok(v) => v,
             Err(e) => {
-                crate::ops::Agents(self).stop_agent_quietly(&record).await;
+                Agents(self).stop_agent_quietly(&record).await;
                 let agent = profile.agent_command(req.runtime);
-                let image = crate::ops::Agents(self)
+                let image = Agents(self)
                     .driver(req.runtime)
                     .ok()
                     .and_then(|d| d.image(profile.container_image()));
@@ -387,7 +384,7 @@ impl SessionManager {
                         profile.name, agent.command
                     ),
                 };
-                return crate::lifecycle::Lifecycle(self)
+                return Lifecycle(self)
                     .fail_create(session, record, reason, false)
                     .await;
             }
@@ -413,7 +410,7 @@ impl SessionManager {
             e.agent = AgentProcessState::Running;
             e.probe = probe;
         });
-        crate::turn::Turns(self).attach_updates(&session, &record);
+        Turns(self).attach_updates(&session, &record);
         Ok(session)
     }
 
@@ -464,9 +461,7 @@ impl SessionManager {
             .await?
             && record.status != ExecutorStatus::Stopped
         {
-            crate::lifecycle::Lifecycle(self)
-                .stop_executor(record)
-                .await?;
+            Lifecycle(self).stop_executor(record).await?;
         }
         self.inner.sessions.remove_execution(session_id);
         Ok(session)
@@ -510,19 +505,13 @@ impl SessionManager {
         // Taken now: a remote host's agentctl is named by the executor
         // record, which goes before the worktree does.
         let managed = match session.worktree.is_managed() {
-            true => Some(
-                crate::worktrees::Worktrees(self)
-                    .worktree_target(&session)
-                    .await?,
-            ),
+            true => Some(Worktrees(self).worktree_target(&session).await?),
             false => None,
         };
         // Checked before the agent is stopped, so a refusal changes nothing;
         // and again once it is stopped, as the agent may have written since.
         if let Some(t) = &managed {
-            crate::worktrees::Worktrees(self)
-                .worktree_removal(&session, t, asked)
-                .await?;
+            Worktrees(self).worktree_removal(&session, t, asked).await?;
         }
         if let Err(e) = self
             .end_session(task, session_id, EndReason::Cancelled)
@@ -540,12 +529,12 @@ impl SessionManager {
             // Fenced twice: before the removal (a replica resumed after a
             // pause does not remove what another one adopted) and with the
             // delete itself.
-            let fence = crate::lease::Fencing(self).fence(session_id);
+            let fence = Fencing(self).fence(session_id);
             if let Some(f) = &fence {
                 let checked = self.inner.store.check_lease(f.clone()).await;
-                crate::lease::Fencing(self).fenced_result(f, checked)?;
+                Fencing(self).fenced_result(f, checked)?;
             }
-            let driver = crate::ops::Agents(self).driver(record.runtime)?;
+            let driver = Agents(self).driver(record.runtime)?;
             driver.remove(&ExecutorHandle::from_record(&record)).await?;
             let deleted = self
                 .inner
@@ -553,17 +542,14 @@ impl SessionManager {
                 .delete_executor(record.id, fence.clone())
                 .await;
             match &fence {
-                Some(f) => crate::lease::Fencing(self).fenced_result(f, deleted)?,
+                Some(f) => Fencing(self).fenced_result(f, deleted)?,
                 None => deleted?,
             };
         }
         if let Some(t) = &managed {
-            match crate::worktrees::Worktrees(self)
-                .worktree_removal(&session, t, asked)
-                .await?
-            {
+            match Worktrees(self).worktree_removal(&session, t, asked).await? {
                 Removal::Remove { delete_branch } => {
-                    crate::worktrees::Worktrees(self)
+                    Worktrees(self)
                         .remove_worktree(&session, t, delete_branch)
                         .await?;
                 }
@@ -574,7 +560,7 @@ impl SessionManager {
         // the caller sees why and can delete again.
         self.inner.store.mark_session_deleted(session_id).await?;
         // No executor row, no lease: later writes need no fence.
-        crate::lease::Fencing(self).forget_lease(session_id);
+        Fencing(self).forget_lease(session_id);
         self.inner.sessions.remove_execution(session_id);
         Ok(())
     }
@@ -656,10 +642,10 @@ impl<'m> Lifecycle<'m> {
     /// Stops the agent and the executor and records `stopped`. A failure
     /// leaves the record as it was, so the next recovery stops it.
     async fn stop_executor(&self, record: ExecutorRecord) -> Result<()> {
-        let driver = crate::ops::Agents(self).driver(record.runtime)?;
+        let driver = Agents(self).driver(record.runtime)?;
         let handle = ExecutorHandle::from_record(&record);
         if !record.auth_secret.is_empty() {
-            crate::ops::Agents(self).stop_agent_quietly(&record).await;
+            Agents(self).stop_agent_quietly(&record).await;
         }
         if let Err(e) = driver.stop(&handle).await {
             tracing::warn!(executor_id = %record.id, error = %e, "could not stop executor; recovery will retry");

@@ -22,6 +22,7 @@ use crate::{
     error::{Error, Result},
     events::{self, EventBus, EventStream},
     flows::QueuedMessages,
+    lease::Fencing,
     sessions::{Execution, OpKind, OpOutcome, Sessions, SharedOp},
     sync::lock,
 };
@@ -336,10 +337,10 @@ impl SessionManager {
     /// Commits (fenced by this replica's lease, see
     /// [`SessionManager::store_commit`]) and then publishes what was committed.
     pub(crate) async fn commit(&self, change: Changeset) -> Result<Committed> {
-        let committed = crate::lease::Fencing(self)
+        let committed = Fencing(self)
             .store_commit(change)
             .await
-            .map_err(|e| crate::lease::Fencing(self).lease_error(e))?;
+            .map_err(|e| Fencing(self).lease_error(e))?;
         self.after_commit(&committed);
         Ok(committed)
     }
@@ -376,7 +377,7 @@ impl SessionManager {
     /// holds the session (a session's task never changes, and a removed
     /// session leaves the snapshot): no store read on a call's hot path.
     pub(crate) async fn check_task(&self, task: TaskId, session: SessionId) -> Result<()> {
-        let known = crate::lease::Fencing(self).owns(session)
+        let known = Fencing(self).owns(session)
             && self
                 .inner
                 .sessions

@@ -10,7 +10,9 @@ use crate::{
     error::{Error, Result},
     flows::RecoverFirst,
     manager::SessionManager,
+    ops::Agents,
     ops::agent_modes,
+    turn::Turns,
 };
 
 impl SessionManager {
@@ -33,7 +35,7 @@ impl SessionManager {
         if let Some(modes) = cached {
             return Ok(modes);
         }
-        let Ok(client) = crate::ops::Agents(self).client(&execution.record) else {
+        let Ok(client) = Agents(self).client(&execution.record) else {
             return Ok(None);
         };
         // Not kept when the agent did not answer: the next call asks again.
@@ -72,7 +74,7 @@ impl SessionManager {
                 });
             }
             SessionState::Error => {
-                return Err(crate::turn::Turns(self).agent_not_running(&session).await);
+                return Err(Turns(self).agent_not_running(&session).await);
             }
             s => {
                 return Err(Error::InvalidState {
@@ -86,9 +88,9 @@ impl SessionManager {
         let Some(execution) = self.execution(session_id).filter(|e| {
             e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
         }) else {
-            return Err(crate::turn::Turns(self).agent_not_running(&session).await);
+            return Err(Turns(self).agent_not_running(&session).await);
         };
-        let client = crate::ops::Agents(self).client(&execution.record)?;
+        let client = Agents(self).client(&execution.record)?;
         self.inner.sessions.forget_modes(session_id);
         let (_, stamp) = self.inner.sessions.cached_modes(session_id, "");
         let modes = client
@@ -136,7 +138,7 @@ impl SessionManager {
                 });
             }
             SessionState::Error => {
-                return Err(crate::turn::Turns(self).agent_not_running(&session).await);
+                return Err(Turns(self).agent_not_running(&session).await);
             }
             s => {
                 return Err(Error::InvalidState {
@@ -150,14 +152,14 @@ impl SessionManager {
         let Some(execution) = self.execution(session_id).filter(|e| {
             e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
         }) else {
-            return Err(crate::turn::Turns(self).agent_not_running(&session).await);
+            return Err(Turns(self).agent_not_running(&session).await);
         };
         // Checked here first, so the answer names what the agent offers
         // without a round trip to it.
         if let Some(modes) = self.session_modes(task, session_id).await? {
             check_config_value(&modes, config_id, value)?;
         }
-        let client = crate::ops::Agents(self).client(&execution.record)?;
+        let client = Agents(self).client(&execution.record)?;
         self.inner.sessions.forget_modes(session_id);
         let (_, stamp) = self.inner.sessions.cached_modes(session_id, "");
         let modes = client

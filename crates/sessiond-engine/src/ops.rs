@@ -22,6 +22,7 @@ use sessiond_executor::{
 use sessiond_proto::agentctl::v1 as pb;
 
 use crate::error::{Error, Result};
+use crate::lease::Fencing;
 
 /// What agentctl's `Health` says about its agent, for the recovery machine.
 /// An idle agent survives only with the session's conversation open (the
@@ -286,9 +287,7 @@ impl Agents<'_> {
             image: profile.container_image().map(str::to_owned),
             // Every call of the launch carries this replica's lease epoch,
             // the readiness check included.
-            lease_epoch: crate::lease::Fencing(self)
-                .fence(record.session_id)
-                .map(|f| f.epoch),
+            lease_epoch: Fencing(self).fence(record.session_id).map(|f| f.epoch),
             repository: record
                 .worktree
                 .is_managed()

@@ -27,6 +27,7 @@ use crate::{
     error::{Error, Result},
     flows::RecoverFirst,
     manager::SessionManager,
+    ops::Agents,
 };
 
 /// The request's state inside a stored part (`{"rev", "update": {...}}`).
@@ -221,7 +222,7 @@ impl SessionManager {
                 hint: "its permission requests are cancelled when the agent is found gone".into(),
             });
         };
-        let client = crate::ops::Agents(self).client(&execution.record)?;
+        let client = Agents(self).client(&execution.record)?;
         let answered = client
             .respond_permission(pb::RespondPermissionRequest {
                 request_id: request_id.to_owned(),

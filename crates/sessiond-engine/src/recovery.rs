@@ -35,12 +35,19 @@ use crate::{
     changes::executor_moved,
     error::{Error, Result},
     launches::{Ended, Priority, host_of},
+    lease::Fencing,
     manager::SessionManager,
+    ops::Agents,
     ops::{Resumed, load_refused, probe_verdict, surviving_agent},
     pass::{CallRecovery, Claim, Lane, Outcomes, PassTicket, PendingWorkspaces, SharedRecovery},
+    recovery::doorbell::Doorbell,
+    recovery::liveness::Liveness,
     recovery::queue::Queue,
+    recovery::sweep::Sweep,
     sessions::{OpKind, OpOutcome},
+    turn::Turns,
     turn::{pending_turn, turn_in_flight},
+    worktrees::Worktrees,
 };
 
 mod ahead;
@@ -381,14 +388,14 @@ impl RecoveryControl<'_> {
     /// `recover_all` calls it once recovery is done; calling it again is a
     /// no-op.
     pub fn start_liveness_checks(&self) {
-        crate::recovery::liveness::Liveness(self.0).start_liveness_checks()
+        Liveness(self.0).start_liveness_checks()
     }
 
     /// Listens on the datagram socket `path` (replacing a stale one, mode
     /// 0600) and checks an executor at once each time its agentctl rings.
     /// Runs until the manager shuts down.
     pub fn listen_doorbell(&self, path: &Path) -> std::io::Result<()> {
-        crate::recovery::doorbell::Doorbell(self.0).listen_doorbell(path)
+        Doorbell(self.0).listen_doorbell(path)
     }
 
     /// One pass of the orphan sweep over the containers of `docker`'s
@@ -398,9 +405,7 @@ impl RecoveryControl<'_> {
         &self,
         docker: &sessiond_executor::docker::DockerExecutor,
     ) -> Result<crate::SweepReport> {
-        crate::recovery::sweep::Sweep(self.0)
-            .sweep_orphan_containers(docker)
-            .await
+        Sweep(self.0).sweep_orphan_containers(docker).await
     }
 
     /// Runs the orphan sweep in the background: first
@@ -408,7 +413,7 @@ impl RecoveryControl<'_> {
     /// first startup recovery pass has finished, then every
     /// `orphan_sweep_interval` (if set). [`SessionManager::shutdown`] ends it.
     pub fn start_orphan_sweep(&self, docker: Arc<sessiond_executor::docker::DockerExecutor>) {
-        crate::recovery::sweep::Sweep(self.0).start_orphan_sweep(docker)
+        Sweep(self.0).start_orphan_sweep(docker)
     }
 }
 
@@ -482,8 +487,8 @@ impl Pass<'_> {
         let started = Instant::now();
         // Calls wait for the queue from here until it is filled, and nothing
         // waits once the pass ends, however it ends.
-        crate::recovery::queue::Queue(self).expect_startup_recovery();
-        let _closed = scopeguard(|| crate::recovery::queue::Queue(self).close_queue());
+        Queue(self).expect_startup_recovery();
+        let _closed = scopeguard(|| Queue(self).close_queue());
         *crate::sync::lock(&self.inner.pass_outcomes) = Some(batch::start(self));
         let _written = scopeguard(|| {
             crate::sync::lock(&self.inner.pass_outcomes).take();
@@ -517,7 +522,7 @@ impl Pass<'_> {
         }
         // With other replicas: only what this one could claim (its own from
         // before a restart, free or expired leases); the rest is theirs.
-        let records = crate::lease::Fencing(self).claim_records(records).await?;
+        let records = Fencing(self).claim_records(records).await?;
         let total = records.len();
         // Profiles are written before the manager serves: read them all once
         // instead of once per executor.
@@ -528,13 +533,13 @@ impl Pass<'_> {
             }
             Err(e) => tracing::debug!(error = %e, "profiles not preloaded"),
         }
-        let queued = crate::recovery::queue::Queue(self).fill_queue(&records);
+        let queued = Queue(self).fill_queue(&records);
         tracing::debug!(
             executors = total,
             took_ms = crate::metrics::ms(started.elapsed()),
             "recovery queue filled"
         );
-        let gate = crate::recovery::queue::Queue(self).pass_gate();
+        let gate = Queue(self).pass_gate();
         let concurrency = self.inner.config.recovery_concurrency.max(1);
         let ramp_from = tokio::time::Instant::now();
         // The pass's concurrency bounds reattaches and the steps up to an
@@ -600,7 +605,7 @@ impl Pass<'_> {
                         // A call on the session may have claimed it already:
                         // its outcome is counted once the pass is through.
                         let claim = queued
-                            .then(|| crate::recovery::queue::Queue(&me).claim(session, Lane::Pass))
+                            .then(|| Queue(&me).claim(session, Lane::Pass))
                             .flatten();
                         if let Some(Claim::Joined(fut)) = claim {
                             drop(ticket);
@@ -695,7 +700,7 @@ impl Pass<'_> {
         }
         self.settle_stale_turns().await;
         self.mark_first_recovery_done();
-        crate::recovery::liveness::Liveness(self).start_liveness_checks();
+        Liveness(self).start_liveness_checks();
         Ok(summary)
     }
 
@@ -720,7 +725,7 @@ impl Pass<'_> {
         };
         for session in stale {
             let id = session.id;
-            if !crate::lease::Fencing(self).owns(id) {
+            if !Fencing(self).owns(id) {
                 continue;
             }
             let _guard = self.inner.sessions.lock(id).await;
@@ -799,7 +804,7 @@ impl Pass<'_> {
                 );
                 return Ok(records);
             }
-            let paused = crate::recovery::queue::Queue(self).yield_to_calls().await;
+            let paused = Queue(self).yield_to_calls().await;
             tracing::debug!(
                 loaded = records.len(),
                 read_ms = crate::metrics::ms(read),
@@ -879,11 +884,11 @@ impl ExecutorRecovery<'_> {
         yielding: Option<Yield>,
     ) -> Result<OutcomeLabel> {
         let call = matches!(lane, Lane::Call | Lane::Resume);
-        let _ahead = call.then(|| crate::recovery::queue::Queue(self).call_recovery_started());
+        let _ahead = call.then(|| Queue(self).call_recovery_started());
         // A pass recovery a call joined (promoted) no longer pauses for calls.
         let pauses = || lane == Lane::Pass && yielding.as_ref().is_none_or(Yield::is_yielding);
         if pauses() {
-            crate::recovery::queue::Queue(self).yield_to_calls().await;
+            Queue(self).yield_to_calls().await;
         }
         let began = Instant::now();
         let _guard = self.inner.sessions.lock(record.session_id).await;
@@ -899,7 +904,7 @@ impl ExecutorRecovery<'_> {
         let (record, session) = store.get_executor_and_session(record.id).await?;
         // Only the lease holder recovers (its lease may have gone to another
         // replica since this recovery was queued).
-        crate::lease::Fencing(self).ensure_owner(&record)?;
+        Fencing(self).ensure_owner(&record)?;
         let preloaded = crate::sync::lock(&self.inner.recovery_profiles)
             .get(&session.agent_profile_id)
             .cloned();
@@ -970,7 +975,7 @@ impl ExecutorRecovery<'_> {
         };
         loop {
             if pauses() {
-                crate::recovery::queue::Queue(self).yield_to_calls().await;
+                Queue(self).yield_to_calls().await;
             }
             // A deadline bounds silence: each step has the whole limit to
             // answer (an agent's launch and resume are watched for signs
@@ -983,9 +988,7 @@ impl ExecutorRecovery<'_> {
                 Action::Done(outcome) => {
                     let label = outcome.label;
                     let attempt = machine.input().attempt;
-                    crate::recovery::ExecutorRecovery(self)
-                        .drop_unused_agent(&mut run)
-                        .await;
+                    ExecutorRecovery(self).drop_unused_agent(&mut run).await;
                     if pauses() {
                         run.outcomes = crate::sync::lock(&self.inner.pass_outcomes).clone();
                     }
@@ -1042,8 +1045,8 @@ impl ExecutorRecovery<'_> {
                     // Ours: check it out again from its branch before the
                     // agent is relaunched in it. Bounded by the driver, not
                     // by the silence limit: a large checkout is work.
-                    let driver = crate::ops::Agents(self).driver(run.record.runtime)?;
-                    match crate::worktrees::Worktrees(self)
+                    let driver = Agents(self).driver(run.record.runtime)?;
+                    match Worktrees(self)
                         .restore_worktree(&driver, &run.session)
                         .await
                     {
@@ -1103,7 +1106,7 @@ impl ExecutorRecovery<'_> {
                 if timed_out {
                     return Ok(Observation::DeadlineExceeded);
                 }
-                match crate::ops::Agents(self)
+                match Agents(self)
                     .launch_agentctl(&run.record, &run.profile, generation, remaining)
                     .await
                 {
@@ -1123,7 +1126,7 @@ impl ExecutorRecovery<'_> {
                 }
                 // `probe` starts nothing, so the intent of a start is written
                 // before `start` (Action::StartContainer).
-                let driver = crate::ops::Agents(self).driver(run.record.runtime)?;
+                let driver = Agents(self).driver(run.record.runtime)?;
                 let handle = ExecutorHandle::from_record(&run.record);
                 match tokio::time::timeout(remaining, driver.probe(&handle)).await {
                     Err(_) => Observation::DeadlineExceeded,
@@ -1154,7 +1157,7 @@ impl ExecutorRecovery<'_> {
                 // executor; `probe` starts nothing, so the intent of a start
                 // or launch is written before it (StartContainer,
                 // LaunchAgentctl).
-                let Ok(driver) = crate::ops::Agents(self).driver(run.record.runtime) else {
+                let Ok(driver) = Agents(self).driver(run.record.runtime) else {
                     tracing::warn!(session = %run.session.id, executor_id = %run.record.id,
                         runtime = %run.record.runtime,
                         "recovery: no executor driver is registered for this runtime");
@@ -1188,7 +1191,7 @@ impl ExecutorRecovery<'_> {
                 if timed_out {
                     return Ok(Observation::DeadlineExceeded);
                 }
-                let driver = crate::ops::Agents(self).driver(run.record.runtime)?;
+                let driver = Agents(self).driver(run.record.runtime)?;
                 let handle = ExecutorHandle::from_record(&run.record);
                 match tokio::time::timeout(remaining, driver.start(&handle, generation)).await {
                     Err(_) => Observation::DeadlineExceeded,
@@ -1207,17 +1210,17 @@ impl ExecutorRecovery<'_> {
                 if timed_out {
                     return Ok(Observation::DeadlineExceeded);
                 }
-                let driver = crate::ops::Agents(self).driver(run.record.runtime)?;
+                let driver = Agents(self).driver(run.record.runtime)?;
                 let id = run.record.id;
                 let (_, modes_stamp) = self.inner.sessions.cached_modes(run.session.id, "");
-                let checked = match crate::recovery::ExecutorRecovery(self)
+                let checked = match ExecutorRecovery(self)
                     .health_ahead(run, &driver, remaining)
                     .await
                 {
                     Some(checked) => checked,
                     None => {
                         let health = async {
-                            crate::ops::Agents(self)
+                            Agents(self)
                                 .agentctl(&run.record, &driver)?
                                 .verify_identity(id)
                                 .await
@@ -1266,12 +1269,8 @@ impl ExecutorRecovery<'_> {
                     // Not hung: agentctl serves a newer owner. Never
                     // "end the hung agentctl" here: that would kill the
                     // new owner's. This replica stops acting on it.
-                    Ok(Err(e))
-                        if crate::lease::Fencing(self).executor_refused(run.session.id, &e) =>
-                    {
-                        return Err(crate::lease::Fencing(self)
-                            .not_owner_now(run.session.id)
-                            .await);
+                    Ok(Err(e)) if Fencing(self).executor_refused(run.session.id, &e) => {
+                        return Err(Fencing(self).not_owner_now(run.session.id).await);
                     }
                     Ok(Err(e)) if e.is_unavailable() => Observation::HostUnreachable {
                         reason: e.to_string(),
@@ -1286,13 +1285,13 @@ impl ExecutorRecovery<'_> {
                 if timed_out {
                     return Ok(Observation::DeadlineExceeded);
                 }
-                let driver = crate::ops::Agents(self).driver(run.record.runtime)?;
+                let driver = Agents(self).driver(run.record.runtime)?;
                 let seen = run.ahead.caps.take();
                 let caps = async {
                     match seen {
                         Some(caps) => Ok(caps),
                         None => {
-                            crate::ops::Agents(self)
+                            Agents(self)
                                 .agentctl(&run.record, &driver)?
                                 .capabilities()
                                 .await
@@ -1365,16 +1364,10 @@ impl ExecutorRecovery<'_> {
                 self.cache_update(sid, |e| e.agent = AgentProcessState::Starting);
                 let mut seen = run.agent_state.take();
                 let attempted = match ahead {
-                    Some(a) => Some(
-                        crate::recovery::ExecutorRecovery(self)
-                            .resumed_ahead(run, a)
-                            .await?,
-                    ),
+                    Some(a) => Some(ExecutorRecovery(self).resumed_ahead(run, a).await?),
                     None => match (&resume_token, agent_up) {
                         (Some(token), false) => {
-                            let one = crate::recovery::ExecutorRecovery(self)
-                                .resume_in_one_call(run, token)
-                                .await;
+                            let one = ExecutorRecovery(self).resume_in_one_call(run, token).await;
                             // Not done by it: the agent's state is asked anew.
                             seen = seen.filter(|_| one.is_some());
                             one
@@ -1390,7 +1383,7 @@ impl ExecutorRecovery<'_> {
                         let attempt = async {
                             match &resume_token {
                                 Some(token) => {
-                                    crate::ops::Agents(self)
+                                    Agents(self)
                                         .resume_agent_seen(
                                             &run.record,
                                             &run.profile,
@@ -1401,7 +1394,7 @@ impl ExecutorRecovery<'_> {
                                         .await
                                 }
                                 None => {
-                                    crate::ops::Agents(self)
+                                    Agents(self)
                                         .open_conversation_seen(&run.record, &run.profile, seen)
                                         .await
                                 }
@@ -1446,9 +1439,7 @@ impl ExecutorRecovery<'_> {
                                 retry_in_background,
                             });
                         }
-                        crate::ops::Agents(self)
-                            .stop_agent_quietly(&run.record)
-                            .await;
+                        Agents(self).stop_agent_quietly(&run.record).await;
                         self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
                         if load_refused(&e) {
                             let reason = e.to_string();
@@ -1472,9 +1463,7 @@ impl ExecutorRecovery<'_> {
                         tracing::warn!(session = %sid, executor_id = %run.record.id,
                             took_ms = crate::metrics::ms(began.elapsed()), %silence,
                             "recovery: the agent's launch or resume was cut");
-                        crate::ops::Agents(self)
-                            .stop_agent_quietly(&run.record)
-                            .await;
+                        Agents(self).stop_agent_quietly(&run.record).await;
                         (
                             Observation::ResumeInterrupted { reason: silence },
                             Ended::Cut,
@@ -1487,7 +1476,7 @@ impl ExecutorRecovery<'_> {
                 observation
             }
             Action::StopExecutor => {
-                let driver = crate::ops::Agents(self).driver(run.record.runtime)?;
+                let driver = Agents(self).driver(run.record.runtime)?;
                 let handle = ExecutorHandle::from_record(&run.record);
                 let limit = remaining.max(Duration::from_secs(1));
                 if let Ok(client) = driver.client(&handle) {
@@ -1514,7 +1503,7 @@ impl ExecutorRecovery<'_> {
                 // SIGSTOPped one); the launch that follows leaves exactly one.
                 tracing::warn!(session = %run.session.id, executor_id = %run.record.id,
                     pid = ?run.record.pid, "recovery: our agentctl is hung, ending it to relaunch");
-                let driver = crate::ops::Agents(self).driver(run.record.runtime)?;
+                let driver = Agents(self).driver(run.record.runtime)?;
                 let handle = ExecutorHandle::from_record(&run.record);
                 let limit =
                     remaining.max(Duration::from_secs(1)) + self.inner.config.agent_stop_grace;
@@ -1548,7 +1537,7 @@ impl ExecutorRecovery<'_> {
         if record.runtime != Runtime::Remote || !failure.is_none_or(Error::is_transport) {
             return None;
         }
-        let driver = crate::ops::Agents(self).driver(record.runtime).ok()?;
+        let driver = Agents(self).driver(record.runtime).ok()?;
         let handle = ExecutorHandle::from_record(record);
         let limit = self
             .inner
@@ -1600,7 +1589,7 @@ impl ExecutorRecovery<'_> {
     ) -> String {
         if record.runtime == Runtime::LocalDocker
             && Path::new(&record.workspace_path).is_dir()
-            && let Ok(driver) = crate::ops::Agents(self).driver(record.runtime)
+            && let Ok(driver) = Agents(self).driver(record.runtime)
         {
             let handle = ExecutorHandle::from_record(record);
             let limit = self.inner.config.executor_deadline;
@@ -1886,7 +1875,7 @@ impl ExecutorRecovery<'_> {
         if outcome.executor_status == ExecutorStatus::Error {
             // Nothing of ours may keep running for an executor in error
             // (e.g. a live agentctl whose worktree was deleted).
-            crate::ops::Agents(self).end_stray_agentctls(&record).await;
+            Agents(self).end_stray_agentctls(&record).await;
         }
         match outcome.executor_status {
             ExecutorStatus::Stopped => self.inner.sessions.remove_execution(sid),
@@ -1938,9 +1927,9 @@ impl ExecutorRecovery<'_> {
                 .filter(|s| s.id == sid)
                 .unwrap_or(run.session);
             if run.agent == SurvivingAgent::Busy {
-                crate::turn::Turns(self).start_pump(&session, &record);
+                Turns(self).start_pump(&session, &record);
             } else {
-                crate::turn::Turns(self).attach_updates(&session, &record);
+                Turns(self).attach_updates(&session, &record);
             }
         }
         Ok(())
@@ -1964,7 +1953,7 @@ impl ExecutorRecovery<'_> {
         let cap = self.inner.config.resume_cap;
         let poll = (silence / 5).clamp(Duration::from_millis(100), Duration::from_secs(2));
         let sid = record.session_id;
-        let client = crate::ops::Agents(self).client(record).ok();
+        let client = Agents(self).client(record).ok();
         tokio::pin!(work);
         let began = Instant::now();
         let mut last_sign = None;
@@ -2047,7 +2036,7 @@ impl ExecutorRecovery<'_> {
                     return;
                 }
             };
-            let still_ours = crate::lease::Fencing(&me).owns(session)
+            let still_ours = Fencing(&me).owns(session)
                 && current.generation == record.generation
                 && current
                     .error_message
@@ -2057,7 +2046,7 @@ impl ExecutorRecovery<'_> {
                 me.inner.agent_recoveries.clear(session);
                 return;
             }
-            match crate::recovery::Pass(&me).recover_shared(current).await {
+            match Pass(&me).recover_shared(current).await {
                 Ok(label) => {
                     tracing::info!(%session, %label, attempt = attempt + 1, "retry: recovery ran");
                 }
@@ -2087,7 +2076,7 @@ impl ExecutorRecovery<'_> {
             loop {
                 tokio::time::sleep(backoff.delay(attempt)).await;
                 attempt = attempt.saturating_add(1);
-                if !crate::lease::Fencing(&me).owns(session) {
+                if !Fencing(&me).owns(session) {
                     break; // another replica holds it now
                 }
                 let current = match me.inner.store.get_executor(record.id).await {
@@ -2105,7 +2094,7 @@ impl ExecutorRecovery<'_> {
                 let open =
                     docker || window_open(&current, window, Utc::now(), me.inner.started_at);
                 let handle = ExecutorHandle::from_record(&current);
-                let answers = match crate::ops::Agents(&me).driver(current.runtime) {
+                let answers = match Agents(&me).driver(current.runtime) {
                     // Any answer of the engine about the container will do:
                     // recovery then starts it, or fails it as missing.
                     Ok(d) if docker => matches!(
@@ -2122,7 +2111,7 @@ impl ExecutorRecovery<'_> {
                 }
                 me.inner.sessions.stop_retrying(session);
                 // A `retrying` outcome starts a fresh reconnect loop itself.
-                match crate::recovery::Pass(&me).recover_shared(current).await {
+                match Pass(&me).recover_shared(current).await {
                     Ok(label) => {
                         tracing::info!(%session, %label, attempts = attempt, "background reconnect: recovery ran");
                         return;

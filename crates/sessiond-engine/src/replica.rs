@@ -42,6 +42,7 @@ use crate::{
     metrics::ms,
     pass::Lane,
     pass::SharedRecovery,
+    recovery::Pass,
     sync::lock,
 };
 
@@ -211,13 +212,13 @@ impl Adoptions<'_> {
                 Adoptions(&me).heartbeat(&info).await;
             }
         });
-        if !crate::lease::Fencing(self).exclusive() {
+        if !Fencing(self).exclusive() {
             self.start_event_relay();
             let me = self.0.clone();
             let every = every.min(Duration::from_secs(1));
             self.spawn_background(async move {
                 // The startup pass claims this replica's own executors first.
-                crate::recovery::Pass(&me).wait_first_recovery().await;
+                Pass(&me).wait_first_recovery().await;
                 Adoptions(&me).adoption_loop(every).await;
             });
         }
@@ -266,9 +267,7 @@ impl Adoptions<'_> {
         let me = self.0.clone();
         // On a task of its own, so a caller that goes away does not cut it short.
         let task = self.spawn_background(tracing::Instrument::in_current_span(async move {
-            crate::recovery::Pass(&me)
-                .recover_shared_in(record, lane)
-                .await
+            Pass(&me).recover_shared_in(record, lane).await
         }));
         let fut: SharedRecovery = async move {
             task.await
@@ -490,7 +489,7 @@ impl Adoptions<'_> {
                 }
             }
             for c in claimed {
-                crate::lease::Fencing(self).mark_owned(c.record.session_id, c.epoch);
+                Fencing(self).mark_owned(c.record.session_id, c.epoch);
                 if self.adoptable(&c.record) {
                     sessions.push(c.record.session_id);
                     adoptions.insert(
@@ -594,7 +593,7 @@ impl Adoptions<'_> {
     /// adopt its executors on their next look instead of after the TTL.
     /// Call after the pumps stopped ([`SessionManager::shutdown`]).
     pub(crate) async fn release_leases(&self) -> Result<usize> {
-        if crate::lease::Fencing(self).exclusive() {
+        if Fencing(self).exclusive() {
             return Ok(0);
         }
         let n = self
@@ -619,7 +618,7 @@ impl Adoptions<'_> {
         let Some(record) = store.get_executor_for_session(session).await? else {
             return Ok(());
         };
-        let me = crate::lease::Fencing(self).replica_id().to_owned();
+        let me = Fencing(self).replica_id().to_owned();
         let held_elsewhere = record.owner_id.as_deref().is_some_and(|o| o != me)
             && record.lease_expires_at.is_some_and(|t| t > Utc::now());
         if !held_elsewhere {
@@ -635,9 +634,7 @@ impl Adoptions<'_> {
             if let Some(record) = claimed.into_iter().next() {
                 tracing::info!(%session, executor_id = %record.id, "executor adopted by a call");
                 if self.adoptable(&record) {
-                    crate::recovery::Pass(self)
-                        .recover_shared_in(record, Lane::Call)
-                        .await?;
+                    Pass(self).recover_shared_in(record, Lane::Call).await?;
                 }
                 return Ok(());
             }

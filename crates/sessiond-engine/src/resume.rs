@@ -28,7 +28,11 @@ use crate::{
     error::{Error, Result},
     flows::RecoverFirst,
     manager::SessionManager,
+    ops::Agents,
+    recovery::ExecutorRecovery,
+    recovery::Pass,
     sessions::{OpKind, OpOutcome},
+    worktrees::Worktrees,
 };
 
 impl SessionManager {
@@ -49,25 +53,19 @@ impl SessionManager {
         self.ensure_recovered(session).await?;
         if let Some((kind, fut)) = self.inner.sessions.inflight(session) {
             let out = fut.await;
-            if let Some(answer) = crate::resume::Resume(self)
-                .joined_answer(task, session, kind, out)
-                .await
-            {
+            if let Some(answer) = Resume(self).joined_answer(task, session, kind, out).await {
                 return answer;
             }
         }
         let s = self.inner.store.get_session(s.id).await?;
-        if !crate::resume::Resume(self).validate_resume(&s).await? {
+        if !Resume(self).validate_resume(&s).await? {
             // The agent is running or being started. If an attempt began
             // after the check above, its outcome is the answer every caller
             // shares; otherwise read the session again, as that attempt
             // (if any) left it.
             if let Some((kind, fut)) = self.inner.sessions.inflight(session) {
                 let out = fut.await;
-                if let Some(answer) = crate::resume::Resume(self)
-                    .joined_answer(task, session, kind, out)
-                    .await
-                {
+                if let Some(answer) = Resume(self).joined_answer(task, session, kind, out).await {
                     return answer;
                 }
             }
@@ -78,7 +76,7 @@ impl SessionManager {
             session,
             OpKind::Resume,
             async move {
-                crate::resume::Resume(&me)
+                Resume(&me)
                     .resume_attempt(session)
                     .await
                     .map(|s| OpOutcome::Resume(Box::new(s)))
@@ -86,10 +84,7 @@ impl SessionManager {
             .boxed(),
         );
         let out = fut.await;
-        match crate::resume::Resume(self)
-            .joined_answer(task, session, kind, out)
-            .await
-        {
+        match Resume(self).joined_answer(task, session, kind, out).await {
             Some(answer) => answer,
             None => self.session_status(task, session).await,
         }
@@ -169,10 +164,8 @@ impl Resume<'_> {
             && !Path::new(&s.worktree.path).is_dir()
         {
             // Ours: recreated from its branch, or refused naming the branch.
-            let driver = crate::ops::Agents(self).driver(s.runtime)?;
-            let anew = crate::worktrees::Worktrees(self)
-                .restore_worktree(&driver, s)
-                .await?;
+            let driver = Agents(self).driver(s.runtime)?;
+            let anew = Worktrees(self).restore_worktree(&driver, s).await?;
             if anew
                 && s.runtime == Runtime::LocalDocker
                 && let Some(record) = self.inner.store.get_executor_for_session(s.id).await?
@@ -201,9 +194,7 @@ impl Resume<'_> {
         // An ERROR session may still name a turn an older version left
         // pending: it ends interrupted before the resume, never carried
         // into the resumed session.
-        let session = crate::recovery::Pass(self)
-            .settle_stale_turn(session)
-            .await?;
+        let session = Pass(self).settle_stale_turn(session).await?;
         let Some(record) = store.get_executor_for_session(session_id).await? else {
             return Err(Error::InvalidState {
                 session_id,
@@ -232,7 +223,7 @@ impl Resume<'_> {
         fail::fail_point!("resume-after-intent");
         drop(guard);
 
-        let label = crate::recovery::ExecutorRecovery(self)
+        let label = ExecutorRecovery(self)
             .recover_one(record, crate::pass::Lane::Resume, None)
             .await?;
         // A user took over: any background retry of this session is moot.
@@ -281,8 +272,8 @@ impl Resume<'_> {
                     .is_some_and(|m| m.starts_with(RecoveryFailure::ContainerMissing.code())) =>
             {
                 if let Some(record) = &record {
-                    let driver = crate::ops::Agents(self).driver(record.runtime)?;
-                    crate::recovery::ExecutorRecovery(self)
+                    let driver = Agents(self).driver(record.runtime)?;
+                    ExecutorRecovery(self)
                         .remove_gone_executor(&driver, &ExecutorHandle::from_record(record))
                         .await;
                 }

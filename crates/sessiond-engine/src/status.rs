@@ -9,7 +9,9 @@ use sessiond_domain::{AgentProcessState, ExecutionView, SessionId, SessionStatus
 
 use crate::{
     error::{Error, Result},
+    lease::Fencing,
     manager::SessionManager,
+    recovery::queue::Queue,
     sessions::StatusEntry,
 };
 
@@ -26,12 +28,12 @@ impl SessionManager {
         // While an exclusive store's pass loads its executors, answer at
         // once from the records (a live executor is about to be recovered)
         // instead of waiting for the load of all of them.
-        let loading = crate::recovery::queue::Queue(self).answers_while_loading();
+        let loading = Queue(self).answers_while_loading();
         if !loading {
-            crate::recovery::queue::Queue(self).queue_filled().await;
+            Queue(self).queue_filled().await;
         }
         // Another replica's session changes under us: read what it committed.
-        let elsewhere = !crate::lease::Fencing(self).owns(session);
+        let elsewhere = !Fencing(self).owns(session);
         let (cached, cached_view) = if elsewhere {
             (None, None)
         } else {
@@ -39,16 +41,8 @@ impl SessionManager {
         };
         let snap = match cached {
             Some(e) => e,
-            None if elsewhere => {
-                crate::status::Status(self)
-                    .read_status_inputs(session)
-                    .await?
-            }
-            None => {
-                crate::status::Status(self)
-                    .load_status_inputs(session)
-                    .await?
-            }
+            None if elsewhere => Status(self).read_status_inputs(session).await?,
+            None => Status(self).load_status_inputs(session).await?,
         };
         let s = &snap.session;
         if s.task_id != task {
@@ -74,9 +68,9 @@ impl SessionManager {
             return Ok(status.agent_recovering(progress));
         }
         let recovering = if loading {
-            crate::recovery::queue::Queue(self).recovering_while_loading(session, view.as_ref())
+            Queue(self).recovering_while_loading(session, view.as_ref())
         } else {
-            crate::recovery::queue::Queue(self).is_recovering(session)
+            Queue(self).is_recovering(session)
         };
         Ok(if recovering {
             status.recovering()

@@ -16,6 +16,7 @@ use crate::{
     error::{Error, Result},
     lifecycle::RemoteAgentctl,
     manager::SessionManager,
+    ops::Agents,
 };
 
 /// Session metadata: `true` once the worktree's branch and directory were
@@ -54,12 +55,10 @@ impl SessionManager {
                 hint: "its worktree is a directory the caller made, with no base recorded",
             });
         }
-        match crate::ops::Agents(self)
+        match Agents(self)
             .driver(s.runtime)?
             .worktree(
-                &crate::worktrees::Worktrees(self)
-                    .worktree_target(&s)
-                    .await?,
+                &Worktrees(self).worktree_target(&s).await?,
                 WorktreeOp::Commits { limit },
             )
             .await?
@@ -105,7 +104,7 @@ impl SessionManager {
             path: String::new(),
             agentctl,
         };
-        match crate::ops::Agents(self)
+        match Agents(self)
             .driver(runtime)?
             .worktree(&t, WorktreeOp::Branches)
             .await?
@@ -231,7 +230,7 @@ impl Worktrees<'_> {
                 None,
             )
         });
-        crate::ops::Agents(self)
+        Agents(self)
             .driver(runtime)?
             .worktree(&target(w, agentctl), WorktreeOp::Check)
             .await?;
@@ -240,7 +239,7 @@ impl Worktrees<'_> {
 
     /// Makes the planned worktree (the session's intent is committed).
     pub(crate) async fn make_worktree(&self, s: &Session) -> Result<()> {
-        crate::ops::Agents(self)
+        Agents(self)
             .driver(s.runtime)?
             .worktree(&self.worktree_target(s).await?, WorktreeOp::Create)
             .await?;
@@ -285,7 +284,7 @@ impl Worktrees<'_> {
         if asked.keep {
             return Ok(Removal::Keep);
         }
-        let driver = crate::ops::Agents(self).driver(s.runtime)?;
+        let driver = Agents(self).driver(s.runtime)?;
         let found = match driver.worktree(t, WorktreeOp::State).await {
             Ok(WorktreeAnswer::State(found)) => found,
             Ok(other) => {
@@ -319,7 +318,7 @@ impl Worktrees<'_> {
         t: &WorktreeTarget,
         delete_branch: bool,
     ) -> Result<()> {
-        crate::ops::Agents(self)
+        Agents(self)
             .driver(s.runtime)?
             .worktree(t, WorktreeOp::Remove { delete_branch })
             .await?;

@@ -26,6 +26,7 @@ use super::Run;
 use crate::{
     error::{Error, Result},
     launches::{Ended, LaunchPermit, host_of},
+    ops::Agents,
     ops::{Resumed, load_refused, surviving_agent},
 };
 
@@ -99,7 +100,7 @@ impl ExecutorRecovery<'_> {
         if run.ahead.unsupported {
             return None;
         }
-        let client = match crate::ops::Agents(self).agentctl(&run.record, driver) {
+        let client = match Agents(self).agentctl(&run.record, driver) {
             Ok(c) => c,
             Err(e) => return Some(Ok(Err(e))),
         };
@@ -112,8 +113,7 @@ impl ExecutorRecovery<'_> {
         // would hold up the workspace's return (the resume step waits).
         let mut permit = None;
         if let Some(token) = &intent
-            && let Ok(launch) =
-                crate::ops::Agents(self).launch_request(&run.profile, run.record.runtime)
+            && let Ok(launch) = Agents(self).launch_request(&run.profile, run.record.runtime)
             && let Some(p) = self.inner.launches.try_acquire(host_of(&run.record))
         {
             request.launch = Some(launch);
@@ -126,10 +126,7 @@ impl ExecutorRecovery<'_> {
             self.inner
                 .agent_recoveries
                 .enter(sid, RecoveryStage::Launching);
-            match crate::recovery::ExecutorRecovery(self)
-                .until_silent(&run.record, call)
-                .await
-            {
+            match ExecutorRecovery(self).until_silent(&run.record, call).await {
                 Ok(a) => (a, Some(p)),
                 Err(silence) => {
                     // agentctl may be fine and only the agent silent: a
@@ -247,20 +244,19 @@ impl ExecutorRecovery<'_> {
                     && crate::turn::no_turn_yet(&self.inner.store, &run.session).await?
                 {
                     let reason = e.to_string();
-                    match crate::ops::Agents(self).client(&run.record) {
-                        Ok(client) => match crate::ops::Agents(self)
-                            .new_conversation(&client, &run.record)
-                            .await
-                        {
-                            Ok(token) => Ok(Resumed::Replaced { token, reason }),
-                            Err(new) => Err(Error::Agent {
-                                call: "NewSession",
-                                failure: sessiond_executor::Failure::FailedPrecondition,
-                                message: format!(
-                                    "the agent could not load the conversation ({reason}) nor open a new one ({new})"
-                                ),
-                            }),
-                        },
+                    match Agents(self).client(&run.record) {
+                        Ok(client) => {
+                            match Agents(self).new_conversation(&client, &run.record).await {
+                                Ok(token) => Ok(Resumed::Replaced { token, reason }),
+                                Err(new) => Err(Error::Agent {
+                                    call: "NewSession",
+                                    failure: sessiond_executor::Failure::FailedPrecondition,
+                                    message: format!(
+                                        "the agent could not load the conversation ({reason}) nor open a new one ({new})"
+                                    ),
+                                }),
+                            }
+                        }
                         Err(e) => Err(e),
                     }
                 } else {
@@ -289,8 +285,8 @@ impl ExecutorRecovery<'_> {
         if run.ahead.unsupported {
             return None;
         }
-        let client = crate::ops::Agents(self).client(&run.record).ok()?;
-        let launch = crate::ops::Agents(self)
+        let client = Agents(self).client(&run.record).ok()?;
+        let launch = Agents(self)
             .launch_request(&run.profile, run.record.runtime)
             .ok()?;
         let request = pb::RecoverRequest {
@@ -300,10 +296,7 @@ impl ExecutorRecovery<'_> {
             ..Default::default()
         };
         let call = client.recover(run.record.id, request);
-        let answer = match crate::recovery::ExecutorRecovery(self)
-            .until_silent(&run.record, call)
-            .await
-        {
+        let answer = match ExecutorRecovery(self).until_silent(&run.record, call).await {
             Err(silence) => return Some(Err(silence)),
             Ok(Err(e)) if e.is_unimplemented() => {
                 run.ahead.unsupported = true;
@@ -345,9 +338,7 @@ impl ExecutorRecovery<'_> {
         if launched {
             tracing::info!(session = %run.session.id, executor_id = %run.record.id,
                 "recovery: stopping the agent the health check launched, which the outcome does not use");
-            crate::ops::Agents(self)
-                .stop_agent_quietly(&run.record)
-                .await;
+            Agents(self).stop_agent_quietly(&run.record).await;
             self.cache_update(run.session.id, |e| e.agent = AgentProcessState::NotRunning);
         }
     }

@@ -10,6 +10,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::{
     error::Result,
+    lease::Fencing,
     manager::SessionManager,
     pass::{OutcomeCommit, Outcomes},
 };
@@ -52,10 +53,7 @@ async fn writer(me: SessionManager, mut rx: mpsc::UnboundedReceiver<OutcomeCommi
         let (changes, replies): (Vec<_>, Vec<_>) = items.drain(..).unzip();
         let fences: Vec<_> = changes
             .iter()
-            .map(|c| {
-                c.subject()
-                    .and_then(|s| crate::lease::Fencing(&me).fence(s))
-            })
+            .map(|c| c.subject().and_then(|s| Fencing(&me).fence(s)))
             .collect();
         let fenced = changes
             .iter()
@@ -78,14 +76,14 @@ async fn writer(me: SessionManager, mut rx: mpsc::UnboundedReceiver<OutcomeCommi
                             if let Some(f) = &fence
                                 && e.is_lease_lost()
                             {
-                                crate::lease::Fencing(&me).lease_lost(
+                                Fencing(&me).lease_lost(
                                     f.session,
                                     f.epoch,
                                     "store",
                                     &e.to_string(),
                                 );
                             }
-                            Err(crate::lease::Fencing(&me).lease_error(e))
+                            Err(Fencing(&me).lease_error(e))
                         }
                     };
                     let _ = reply.send(result);

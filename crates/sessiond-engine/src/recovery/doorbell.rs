@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use sessiond_domain::{AgentProcessState, ExecutorId};
 
+use crate::recovery::liveness::Liveness;
 use crate::sync::lock;
 
 /// The largest datagram read: an executor id is a UUID.
@@ -81,7 +82,7 @@ impl Doorbell<'_> {
                 let (me, checking) = (me.clone(), checking.clone());
                 tokio::spawn(async move {
                     tracing::debug!(executor = %id, "doorbell: agentctl says its agent exited");
-                    if let Err(e) = crate::recovery::liveness::Liveness(&me).check_liveness(record, agent_running).await {
+                    if let Err(e) = Liveness(&me).check_liveness(record, agent_running).await {
                         tracing::debug!(executor = %id, error = %e, "doorbell check could not be recorded");
                     }
                     lock(&checking).remove(&id);

@@ -14,6 +14,9 @@ use sessiond_proto::agentctl::v1 as pb;
 use sessiond_store::{Changeset, Heartbeat};
 
 use crate::error::{Error, Result};
+use crate::lease::Fencing;
+use crate::ops::Agents;
+use crate::recovery::ExecutorRecovery;
 
 /// How many executors the liveness check asks at once.
 const LIVENESS_CONCURRENCY: usize = 16;
@@ -72,7 +75,7 @@ impl Liveness<'_> {
                             Some(Heartbeat {
                                 executor: seen.0,
                                 generation: seen.1,
-                                fence: crate::lease::Fencing(&me).fence(session),
+                                fence: Fencing(&me).fence(session),
                             })
                         }
                     })
@@ -86,7 +89,7 @@ impl Liveness<'_> {
                     match me.inner.store.touch_executors(chunk.to_vec(), Utc::now()).await {
                         Ok(touched) => {
                             for (fence, e) in touched.lost {
-                                crate::lease::Fencing(&me).lease_lost(fence.session, fence.epoch, "store", &e.to_string());
+                                Fencing(&me).lease_lost(fence.session, fence.epoch, "store", &e.to_string());
                             }
                         }
                         Err(e) => {
@@ -106,9 +109,9 @@ impl Liveness<'_> {
         // The answer carries the agent's modes: kept, so a change the agent
         // made while no pump read shows within one check.
         let (_, modes_stamp) = self.inner.sessions.cached_modes(record.session_id, "");
-        let client = match crate::ops::Agents(self).cached_agentctl(record) {
+        let client = match Agents(self).cached_agentctl(record) {
             Some(c) => c,
-            None => crate::ops::Agents(self)
+            None => Agents(self)
                 .driver(record.runtime)?
                 .client(&ExecutorHandle::from_record(record))?,
         };
@@ -231,10 +234,10 @@ impl Liveness<'_> {
             self.cache_update(record.session_id, |e| {
                 e.agent = AgentProcessState::NotRunning
             });
-            crate::recovery::ExecutorRecovery(self).spawn_reconnect(current);
+            ExecutorRecovery(self).spawn_reconnect(current);
             return Ok(None);
         }
-        let (change, retry) = crate::recovery::ExecutorRecovery(self)
+        let (change, retry) = ExecutorRecovery(self)
             .agentctl_lost_change(&current, &reason)
             .await?;
         let committed = self.commit(change).await?;
@@ -243,11 +246,7 @@ impl Liveness<'_> {
             e.agent = AgentProcessState::NotRunning
         });
         if let Some(failed) = retry {
-            crate::recovery::ExecutorRecovery(self).spawn_retry(
-                committed.executor.unwrap_or(failed),
-                0,
-                reason,
-            );
+            ExecutorRecovery(self).spawn_retry(committed.executor.unwrap_or(failed), 0, reason);
         }
         Ok(None)
     }

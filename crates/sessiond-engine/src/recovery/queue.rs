@@ -41,7 +41,9 @@ use sessiond_store::Yield;
 use crate::{
     error::{Error, Result},
     flows::Ownership,
+    lease::Fencing,
     pass::{CallRecovery, Claim, Lane, PassGate, Phase, Queued, SharedRecovery},
+    recovery::Pass,
     sync::lock,
 };
 
@@ -149,9 +151,7 @@ impl Queue<'_> {
     /// pass will recover), claim it for this call; the pass, once its queue
     /// is filled, joins this recovery instead of running its own.
     async fn claim_while_loading(&self, session: SessionId) -> Result<Option<Claim>> {
-        if !crate::lease::Fencing(self).exclusive()
-            || *self.inner.queue_phase.borrow() != Phase::Loading
-        {
+        if !Fencing(self).exclusive() || *self.inner.queue_phase.borrow() != Phase::Loading {
             return Ok(None);
         }
         let Some(record) = self.inner.store.get_executor_for_session(session).await? else {
@@ -204,8 +204,7 @@ impl Queue<'_> {
     /// Whether status may answer without waiting for the queue: an
     /// exclusive store's pass is loading (see `recovering_while_loading`).
     pub(crate) fn answers_while_loading(&self) -> bool {
-        crate::lease::Fencing(self).exclusive()
-            && *self.inner.queue_phase.borrow() == Phase::Loading
+        Fencing(self).exclusive() && *self.inner.queue_phase.borrow() == Phase::Loading
     }
 
     /// Claims `session`'s queue entry: starts its recovery if it is still
@@ -247,9 +246,7 @@ impl Queue<'_> {
         let flag = (lane == Lane::Pass).then(Yield::new);
         let yielding = flag.clone();
         let task = self.spawn_background(tracing::Instrument::in_current_span(async move {
-            crate::recovery::Pass(&me)
-                .recover_shared_with(record, lane, yielding)
-                .await
+            Pass(&me).recover_shared_with(record, lane, yielding).await
         }));
         let fut: SharedRecovery = async move {
             task.await

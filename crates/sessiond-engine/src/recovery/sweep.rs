@@ -29,6 +29,7 @@ use sessiond_domain::{ExecutorId, ExecutorRecord, ExecutorStatus, SessionId};
 use sessiond_executor::docker::{DockerExecutor, LabelledContainer};
 
 use crate::error::Result;
+use crate::recovery::Pass;
 
 /// What one sweep pass did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -97,7 +98,7 @@ impl Sweep<'_> {
         docker: &DockerExecutor,
     ) -> Result<SweepReport> {
         let mut report = SweepReport::default();
-        if !crate::recovery::Pass(self).first_recovery_done() {
+        if !Pass(self).first_recovery_done() {
             tracing::debug!("orphan sweep skipped: startup recovery has not finished");
             return Ok(report);
         }
@@ -185,7 +186,7 @@ impl Sweep<'_> {
         let interval = self.inner.config.orphan_sweep_interval;
         let me = self.0.clone();
         self.spawn_background(async move {
-            crate::recovery::Pass(&me).wait_first_recovery().await;
+            Pass(&me).wait_first_recovery().await;
             tokio::time::sleep(grace).await;
             loop {
                 if let Err(e) = Sweep(&me).sweep_orphan_containers(&docker).await {

@@ -55,8 +55,8 @@ use super::{
     stored_part_rev,
 };
 use crate::{
-    changes::transition, error::Result, flows::RecoverFirst, manager::SessionManager,
-    ops::agent_process,
+    changes::transition, error::Result, flows::RecoverFirst, lease::Fencing,
+    manager::SessionManager, ops::Agents, ops::agent_process,
 };
 
 /// A pump with nothing to do (no reply streaming, no pending turn) checks
@@ -128,7 +128,7 @@ impl Pump {
                     r
                 }
                 Err(status) => {
-                    if crate::lease::Fencing(&self.mgr).executor_refused(self.session_id, &status) {
+                    if Fencing(&self.mgr).executor_refused(self.session_id, &status) {
                         return;
                     }
                     failures += 1;
@@ -311,7 +311,7 @@ impl Pump {
             let add = titled(Changeset::new())
                 .add_message(m.clone())
                 .event(self.session_id, EventPayload::MessageAdded(m.clone()));
-            match crate::lease::Fencing(&self.mgr).store_commit(add).await {
+            match Fencing(&self.mgr).store_commit(add).await {
                 Ok(c) => {
                     self.mgr.inner.bus.publish(&c.events);
                     self.parts.insert(id, a.rev);
@@ -340,9 +340,7 @@ impl Pump {
                 Err(e) => return Err(e.into()),
             }
         };
-        let c = crate::lease::Fencing(&self.mgr)
-            .store_commit(change)
-            .await?;
+        let c = Fencing(&self.mgr).store_commit(change).await?;
         self.mgr.inner.bus.publish(&c.events);
         self.parts.insert(id, a.rev);
         Ok(())
@@ -502,7 +500,7 @@ impl Pump {
             return Ok(());
         }
         let change = self.message_change(p, complete, Changeset::new());
-        match crate::lease::Fencing(&self.mgr).store_commit(change).await {
+        match Fencing(&self.mgr).store_commit(change).await {
             Ok(c) => self.mgr.inner.bus.publish(&c.events),
             Err(sessiond_store::Error::AlreadyExists { .. }) if !p.stored => {
                 // Replayed after a restart: the message exists. The replay
@@ -538,9 +536,7 @@ impl Pump {
                 }
                 if complete || again.content.len() > again.floor.len() {
                     let change = self.message_change(&again, complete, Changeset::new());
-                    let c = crate::lease::Fencing(&self.mgr)
-                        .store_commit(change)
-                        .await?;
+                    let c = Fencing(&self.mgr).store_commit(change).await?;
                     self.mgr.inner.bus.publish(&c.events);
                 }
                 again.dirty = false;
@@ -990,7 +986,7 @@ async fn sleep_until(at: Option<Instant>) {
 impl Turns<'_> {
     /// Starts (or restarts) the update pump of a session from its stored cursor.
     pub(crate) fn start_pump(&self, session: &Session, record: &ExecutorRecord) {
-        let client = match crate::ops::Agents(self).client(record) {
+        let client = match Agents(self).client(record) {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(session = %session.id, error = %e, "no update pump: no client");

@@ -21,6 +21,7 @@ use sessiond_domain::{
 use sessiond_store::Changeset;
 
 use super::Turns;
+use crate::lease::Fencing;
 use crate::{Error, Result, SessionManager};
 
 /// The text of all queued messages of a session, at most (1 MiB): the
@@ -53,7 +54,7 @@ impl SessionManager {
         session_id: SessionId,
         text: &str,
     ) -> Result<Sent> {
-        crate::turn::Turns(self)
+        Turns(self)
             .send(task, session_id, text, Vec::new(), true)
             .await
     }
@@ -98,7 +99,7 @@ impl SessionManager {
             .update_session(next)
             .event(session_id, EventPayload::QueueChanged(queued));
         if let Err(e) = self.commit(change).await {
-            return Err(crate::lease::Fencing(self).unless_lost(session_id, e).await);
+            return Err(Fencing(self).unless_lost(session_id, e).await);
         }
         tracing::info!(session = %session_id, message = %id, "queued message cancelled");
         Ok(cancelled)
@@ -160,7 +161,7 @@ impl Turns<'_> {
     }
 
     async fn deliver_queued(&self, session_id: SessionId) -> Result<()> {
-        if !crate::lease::Fencing(self).owns(session_id) {
+        if !Fencing(self).owns(session_id) {
             return Ok(());
         }
         let _guard = self.inner.sessions.lock(session_id).await;
@@ -238,7 +239,7 @@ impl crate::flows::QueuedMessages for SessionManager {
     fn kick_queue(&self, session_id: SessionId) {
         let me = self.clone();
         self.spawn_background(async move {
-            if let Err(e) = crate::turn::Turns(&me).deliver_queued(session_id).await {
+            if let Err(e) = Turns(&me).deliver_queued(session_id).await {
                 tracing::warn!(session = %session_id, error = %e, "queued message not delivered yet");
             }
         });

@@ -16,6 +16,8 @@ use super::{
 use crate::{
     changes::transition,
     error::{Error, Result},
+    lease::Fencing,
+    turn::Turns,
 };
 
 impl Pump {
@@ -195,9 +197,7 @@ impl Pump {
                 }
             }
             // A superseded lease: the new owner settles the turn.
-            Err(e) if crate::lease::Fencing(&self.mgr).executor_refused(self.session_id, &e) => {
-                Ok(())
-            }
+            Err(e) if Fencing(&self.mgr).executor_refused(self.session_id, &e) => Ok(()),
             Err(e) if e.failure() == sessiond_executor::Failure::FailedPrecondition => {
                 drop(guard);
                 self.end_interrupted(turn, &e.answer()).await
@@ -205,11 +205,7 @@ impl Pump {
             // agentctl is gone, not refusing: the turn stays pending and
             // this stream's failure recovers the session in the background
             // (`agentctl_lost`), which settles the turn.
-            Err(e)
-                if crate::turn::Turns(&self.mgr)
-                    .agentctl_gone(&e, &self.client)
-                    .await =>
-            {
+            Err(e) if Turns(&self.mgr).agentctl_gone(&e, &self.client).await => {
                 drop(guard);
                 tracing::info!(session = %self.session_id, turn, error = %e,
                     "re-delivery found agentctl gone; left to the lost-agentctl recovery");

@@ -17,8 +17,10 @@ use crate::{
     changes::transition,
     error::{Error, Result},
     flows::RecoverFirst,
+    lease::Fencing,
     manager::SessionManager,
     metrics::ms,
+    ops::Agents,
 };
 
 impl SessionManager {
@@ -52,7 +54,7 @@ impl SessionManager {
         text: &str,
         attachments: Vec<crate::Attachment>,
     ) -> Result<Message> {
-        match crate::turn::Turns(self)
+        match Turns(self)
             .send(task, session_id, text, attachments, false)
             .await?
         {
@@ -81,11 +83,11 @@ impl SessionManager {
         drop(early);
         let _guard = self.inner.sessions.lock(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
-        if let Err(e) = crate::turn::Turns(self)
+        if let Err(e) = Turns(self)
             .check_can_start_turn(&session, "retry a turn")
             .await
         {
-            return Err(crate::lease::Fencing(self).unless_lost(session_id, e).await);
+            return Err(Fencing(self).unless_lost(session_id, e).await);
         }
         let interrupted = session.metadata.get(INTERRUPTED_TURN_KEY).cloned();
         let msgs = self
@@ -138,9 +140,7 @@ impl SessionManager {
                 });
             }
         };
-        let message = crate::turn::Turns(self)
-            .start_turn(session, &original.content)
-            .await?;
+        let message = Turns(self).start_turn(session, &original.content).await?;
         tracing::info!(session = %session_id, retried = %original.id, turn = %message.id,
             "interrupted turn retried on the user's request");
         Ok((message, original.id))
@@ -182,9 +182,9 @@ impl SessionManager {
                 hint: "its turn ends as soon as the agent is resumed or found gone".into(),
             });
         };
-        let client = crate::ops::Agents(self).client(&execution.record)?;
+        let client = Agents(self).client(&execution.record)?;
         let cancelled = client.cancel().await.map_err(|e| {
-            crate::lease::Fencing(self).executor_refused(session_id, &e);
+            Fencing(self).executor_refused(session_id, &e);
             Error::agent("Cancel", &e)
         })?;
         tracing::info!(session = %session_id, cancelled, "turn cancel requested");
@@ -262,7 +262,7 @@ impl Turns<'_> {
         );
         match sent {
             // Lost the lease while the call ran: the new owner is named.
-            Err(e) => Err(crate::lease::Fencing(self).unless_lost(session_id, e).await),
+            Err(e) => Err(Fencing(self).unless_lost(session_id, e).await),
             ok => ok,
         }
     }
@@ -350,8 +350,7 @@ impl Turns<'_> {
         let attachments = if attachments.is_empty() {
             attachments
         } else {
-            crate::attachments::resolve(&crate::ops::Agents(self).client(&record)?, attachments)
-                .await?
+            crate::attachments::resolve(&Agents(self).client(&record)?, attachments).await?
         };
         let blocks = crate::attachments::blocks(&attachments, &session.worktree.path);
 
@@ -441,7 +440,7 @@ impl Turns<'_> {
         #[cfg(feature = "failpoints")]
         fail::fail_point!("prompt-after-commit");
 
-        let client = crate::ops::Agents(self).client(&record)?;
+        let client = Agents(self).client(&record)?;
         // Timed from just before the Prompt: its first chunk can beat the reply.
         self.inner.metrics.turn_started(session_id);
         // The client side of agentctl's Prompt span; its trace context
@@ -466,9 +465,9 @@ impl Turns<'_> {
         )
         .await;
         if let Err(failed) = prompted {
-            if crate::lease::Fencing(self).executor_refused(session_id, &failed) {
+            if Fencing(self).executor_refused(session_id, &failed) {
                 // Another replica adopted the session: it settles this turn.
-                return Err(crate::lease::Fencing(self).not_owner_now(session_id).await);
+                return Err(Fencing(self).not_owner_now(session_id).await);
             }
             let e = Error::agent("Prompt", &failed);
             if self.agentctl_gone(&failed, &client).await {
