@@ -203,7 +203,7 @@ impl Report {
         let _ = writeln!(o);
         let _ = writeln!(
             o,
-            "### Startup recovery (`SessionManager::recover_all` on a fresh manager)"
+            "### Startup recovery (`RecoveryControl::recover_all` on a fresh manager)"
         );
         let _ = writeln!(o);
         let _ = writeln!(

@@ -185,7 +185,7 @@ impl Fencing<'_> {
     /// Every write of the session path: fenced by the lease this replica
     /// holds on the changeset's session (checked in the write's
     /// transaction). On [`sessiond_store::Error::LeaseLost`] the session is
-    /// dropped here (see [`SessionManager::lease_lost`]) and the error
+    /// dropped here (see [`Fencing::lease_lost`]) and the error
     /// returned: the caller stops, it never retries as if nothing happened.
     pub(crate) async fn store_commit(
         &self,

@@ -335,7 +335,7 @@ impl SessionManager {
     }
 
     /// Commits (fenced by this replica's lease, see
-    /// [`SessionManager::store_commit`]) and then publishes what was committed.
+    /// [`Fencing::store_commit`](crate::lease::Fencing::store_commit)) and then publishes what was committed.
     pub(crate) async fn commit(&self, change: Changeset) -> Result<Committed> {
         let committed = Fencing(self)
             .store_commit(change)

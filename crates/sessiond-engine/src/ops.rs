@@ -479,7 +479,7 @@ impl Agents<'_> {
         Ok(())
     }
 
-    /// [`Self::resume_agent`] with the agent state a `Health` just saw (see
+    /// Resumes the agent with the agent state a `Health` just saw (see
     /// [`Self::ensure_agent_seen`]).
     ///
     /// `no_turn_yet`: the session was never prompted. Agents such as

@@ -6,7 +6,7 @@
 //! Decision on remote executors that are `error` while reconnecting: the
 //! domain marks them `error` (with the `reconnecting:` code) and the store's
 //! `load_recoverable_executors` only returns `starting`/`ready`. A restart
-//! during the reconnect window must not forget them, so [`SessionManager::recover_all`]
+//! during the reconnect window must not forget them, so [`RecoveryControl::recover_all`]
 //! also loads remote executors in `error` whose message carries the
 //! `reconnecting` code and whose window is still open. The window is counted
 //! from the later of the host's last sign of life (`last_seen_at`, else the
@@ -177,7 +177,7 @@ struct Run {
 /// A remote host stopped answering while the backend runs (a network blip,
 /// the host restarting): the executor goes `error` with the `reconnecting:`
 /// code and the session keeps its state — the status shows the reconnect —
-/// and the background reconnect ([`SessionManager::spawn_reconnect`]) runs
+/// and the background reconnect ([`ExecutorRecovery::spawn_reconnect`]) runs
 /// recovery when the host answers again, which reattaches or resumes without
 /// a user call. The caller then spawns that reconnect.
 /// Whether an executor in `error` is still retried in the background (a

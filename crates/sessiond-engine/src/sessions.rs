@@ -111,7 +111,7 @@ pub(crate) type ModesStamp = (u64, u64);
 struct SessionRecord {
     /// The executors cache entry.
     execution: Option<Execution>,
-    /// The status snapshot entry (see [`Sessions::load_status`]).
+    /// The status snapshot entry (see [`Sessions::begin_status_load`]).
     status: Option<StatusEntry>,
     /// The agent's session modes, so a status call does not ask agentctl
     /// every time. Dropped whenever what it reflects may have changed (the

@@ -4,7 +4,7 @@
 //!
 //! `recover_all` puts every executor it loaded in the queue (`Waiting`)
 //! before it recovers any. Whoever comes first — the pass, in its order, or
-//! a call on the session ([`SessionManager::ensure_recovered`]) — *claims*
+//! a call on the session ([`RecoveryControl::ensure_recovered`](crate::RecoveryControl::ensure_recovered)) — *claims*
 //! the entry: the recovery starts on a task of its own (the same
 //! `recover_shared` the pass runs: per-session single-flight, intent before
 //! side effect), and the entry holds its shared outcome (`Claimed`), which
@@ -24,8 +24,8 @@
 //! own writes and `Prompt` do not compete with the pass either.
 //!
 //! While a session is in the queue and its recovery has not ended,
-//! [`SessionManager::session_status`] says `recovering`. Between the moment
-//! a backend announces a pass ([`SessionManager::expect_startup_recovery`],
+//! [`SessionManager::session_status`](crate::SessionManager::session_status) says `recovering`. Between the moment
+//! a backend announces a pass ([`RecoveryControl::expect_startup_recovery`](crate::RecoveryControl::expect_startup_recovery),
 //! before it serves) and the moment the queue is filled, nothing waits on an
 //! exclusive store (SQLite, where the pass takes every live executor):
 //! status answers from the records (a `starting` / `ready` executor is one

@@ -20,8 +20,8 @@
 //!   re-read, right before the container is removed, and skipped while an
 //!   operation (recovery, resume) on that session is in flight.
 //!
-//! See [`SessionManager::sweep_orphan_containers`] (one pass) and
-//! [`SessionManager::start_orphan_sweep`] (the background schedule).
+//! See [`RecoveryControl::sweep_orphan_containers`](crate::RecoveryControl::sweep_orphan_containers) (one pass) and
+//! [`RecoveryControl::start_orphan_sweep`](crate::RecoveryControl::start_orphan_sweep) (the background schedule).
 
 use std::sync::Arc;
 
@@ -180,7 +180,7 @@ impl Sweep<'_> {
     /// Runs the orphan sweep in the background: first
     /// [`ManagerConfig::orphan_sweep_grace`](crate::ManagerConfig) after the
     /// first startup recovery pass has finished, then every
-    /// `orphan_sweep_interval` (if set). [`SessionManager::shutdown`] ends it.
+    /// `orphan_sweep_interval` (if set). [`SessionManager::shutdown`](crate::SessionManager::shutdown) ends it.
     pub(crate) fn start_orphan_sweep(&self, docker: Arc<DockerExecutor>) {
         let grace = self.inner.config.orphan_sweep_grace;
         let interval = self.inner.config.orphan_sweep_interval;

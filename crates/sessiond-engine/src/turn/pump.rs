@@ -32,7 +32,7 @@
 
 //! - Parking: the pump runs only while it has work. An idle session
 //!   (WAITING_FOR_INPUT, nothing pending, caught up with agentctl) holds no
-//!   stream and no connection; see [`SessionManager::attach_updates`] and
+//!   stream and no connection; see [`Turns::attach_updates`] and
 //!   `Pump::try_park`. The next `send_message` starts a pump from the parked
 //!   cursor; an agent exit while parked is found by the liveness check.
 
@@ -923,7 +923,7 @@ impl Pump {
     }
 
     /// agentctl stopped answering: recovered in the background (see
-    /// `SessionManager::agentctl_lost_change`).
+    /// `RecoverFirst::agentctl_lost_change`).
     pub(super) async fn agentctl_lost(&mut self, reason: &str) {
         let mut reconnect = None;
         let mut retried = None;

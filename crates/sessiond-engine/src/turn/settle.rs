@@ -242,7 +242,7 @@ impl Pump {
     }
 
     /// Ends turn `turn` *interrupted*: what is stored of its reply is kept
-    /// and completed with [`INTERRUPTED_NOTE`], a system message saying so
+    /// and completed with [`INTERRUPTED_NOTE`](super::INTERRUPTED_NOTE), a system message saying so
     /// is added (with its `message.added` event), and the session waits for
     /// input. One commit; each message changed once.
     pub(super) async fn end_interrupted(&mut self, turn: &str, why: &str) -> Result<()> {
