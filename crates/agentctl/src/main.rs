@@ -483,13 +483,12 @@ async fn main() -> anyhow::Result<()> {
         activity.clone(),
         shutdown_rx.clone(),
     )
-    .with_worktree_roots(cli.worktree_root.clone())
-    // Test hook: answer `Recover` as an agentctl older than the call does,
-    // so the backend's fallback to one call per step is tested against a
-    // real process. Debug builds only: a release agentctl always serves it.
-    .without_recover(
-        cfg!(debug_assertions) && std::env::var_os("AGENTCTL_TEST_WITHOUT_RECOVER").is_some(),
-    );
+    .with_worktree_roots(cli.worktree_root.clone());
+    // Test hook: serve no `Recover`, as an agentctl older than the call, so
+    // the backend's fallback to one call per step is tested against a real
+    // process. Debug builds only: a release agentctl always serves it.
+    let without_recover =
+        cfg!(debug_assertions) && std::env::var_os("AGENTCTL_TEST_WITHOUT_RECOVER").is_some();
 
     let tls = server_tls(&cli)?;
     let incoming = match &cli.listen {
@@ -568,7 +567,7 @@ async fn main() -> anyhow::Result<()> {
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
         .layer(sessiond_telemetry::GrpcTraceLayer)
-        .add_service(agentctl::service::server(service, auth));
+        .add_service(agentctl::service::server(service, auth, without_recover));
     let server = async move {
         match incoming {
             Incoming::Tcp(s) => router.serve_with_incoming_shutdown(s, shutdown).await,

@@ -48,14 +48,68 @@ pub const INSTANCE_ID_METADATA: &str = "agentctl-instance-id";
 
 /// The gRPC service as agentctl serves it: authenticated, with the message
 /// size limits of [`MAX_MESSAGE_BYTES`].
-pub fn server(
-    service: AgentCtl,
-    auth: Authenticator,
-) -> InterceptedService<AgentCtlServiceServer<AgentCtl>, Authenticator> {
+pub fn server(service: AgentCtl, auth: Authenticator, without_recover: bool) -> Served {
     let server = AgentCtlServiceServer::new(service)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    InterceptedService::new(server, auth)
+    Served {
+        inner: InterceptedService::new(server, auth),
+        without_recover,
+    }
+}
+
+/// The gRPC path of `Recover`.
+const RECOVER_PATH: &str = "/agentctl.v1.AgentCtlService/Recover";
+
+/// The service as served. With `without_recover` (a test hook of debug
+/// builds) it does not know `Recover`, as an agentctl built before the
+/// method existed: the call reaches the generated server under a path it
+/// has no route for, and tonic answers UNIMPLEMENTED as it would there.
+#[derive(Clone)]
+pub struct Served {
+    inner: Inner,
+    without_recover: bool,
+}
+
+type Inner = InterceptedService<AgentCtlServiceServer<AgentCtl>, Authenticator>;
+type HttpRequest<B> = tonic::codegen::http::Request<B>;
+
+impl std::fmt::Debug for Served {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Served")
+            .field("without_recover", &self.without_recover)
+            .finish_non_exhaustive()
+    }
+}
+
+impl tonic::server::NamedService for Served {
+    const NAME: &'static str =
+        <AgentCtlServiceServer<AgentCtl> as tonic::server::NamedService>::NAME;
+}
+
+impl<B> tonic::codegen::Service<HttpRequest<B>> for Served
+where
+    Inner: tonic::codegen::Service<HttpRequest<B>>,
+{
+    type Response = <Inner as tonic::codegen::Service<HttpRequest<B>>>::Response;
+    type Error = <Inner as tonic::codegen::Service<HttpRequest<B>>>::Error;
+    type Future = <Inner as tonic::codegen::Service<HttpRequest<B>>>::Future;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: HttpRequest<B>) -> Self::Future {
+        if self.without_recover && req.uri().path() == RECOVER_PATH {
+            *req.uri_mut() = tonic::codegen::http::Uri::from_static(
+                "/agentctl.v1.AgentCtlService/NotKnownToThisAgentctl",
+            );
+        }
+        self.inner.call(req)
+    }
 }
 
 /// One agentctl: identity, workspace, agent and update log.
@@ -71,8 +125,6 @@ pub struct AgentCtl {
     activity: Arc<Activity>,
     shutdown: watch::Receiver<bool>,
     recoveries: Arc<Recoveries>,
-    /// Answer `Recover` UNIMPLEMENTED (a test hook).
-    without_recover: bool,
 }
 
 impl AgentCtl {
@@ -95,16 +147,7 @@ impl AgentCtl {
             activity,
             shutdown,
             recoveries: Arc::default(),
-            without_recover: false,
         }
-    }
-
-    /// With `yes`, `Recover` answers UNIMPLEMENTED, as an agentctl older
-    /// than the call does (for tests of a backend's fallback).
-    #[must_use]
-    pub fn without_recover(mut self, yes: bool) -> Self {
-        self.without_recover = yes;
-        self
     }
 
     /// Enables the `Worktree` call within `roots`.
@@ -363,13 +406,6 @@ impl AgentCtlService for AgentCtl {
     }
 
     async fn recover(&self, req: Request<pb::RecoverRequest>) -> Res<pb::RecoverResponse> {
-        if self.without_recover {
-            // What an agentctl built before `Recover` existed answers (tonic's
-            // generated server, for a method it does not know).
-            return Err(Status::unimplemented(
-                "Recover is not served: this agentctl emulates an older one (test hook)",
-            ));
-        }
         let r = req.into_inner();
         if !r.executor_id.is_empty() && r.executor_id != self.executor_id {
             return Err(Status::failed_precondition(format!(
