@@ -303,7 +303,7 @@ async fn a_queued_message_survives_kill_9_of_everything_and_is_delivered_once() 
     let (side, gate) = (root.join("side.txt"), root.join("gate"));
     let config = heavy_gated_config(root, &side, &gate);
     let data = root.join("data");
-    let server = start(&data, &["--config", &config]);
+    let mut server = start(&data, &["--config", &config]);
     let mut c = sessions(&server).await;
     let work = root.join("work");
     std::fs::create_dir_all(&work).unwrap();
@@ -328,6 +328,7 @@ async fn a_queued_message_survives_kill_9_of_everything_and_is_delivered_once() 
         .expect("queued");
 
     // sessiond and every agentctl of its data directory (with its agent).
+    server.kill_everything();
     drop(server);
     std::fs::remove_file(&gate).unwrap();
 

@@ -65,6 +65,34 @@ impl Server {
         }
     }
 
+    /// `kill -9` of sessiond, every agentctl of its data directory and
+    /// everything they started, returning once none of them runs code any
+    /// more. A test that opens a gate afterwards knows no agent passes it:
+    /// an agent's own `PR_SET_PDEATHSIG` fires only when the agentctl thread
+    /// that spawned it exits, which can come after agentctl's main thread
+    /// already shows as a zombie.
+    pub fn kill_everything(&mut self) {
+        self.kill();
+        let agentctls = agentctl_pids(&self.data_dir);
+        let mut doomed = agentctls.clone();
+        for pid in &agentctls {
+            doomed.extend(descendants(*pid));
+        }
+        for pid in &doomed {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while let Some(pid) = doomed.iter().find(|pid| runs(**pid)) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "process {pid} outlived kill -9"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// SIGTERM, then wait for a clean exit.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
         let mut child = self.child.take().unwrap();
@@ -74,6 +102,48 @@ impl Server {
             .unwrap();
         child.wait().unwrap()
     }
+}
+
+/// Every descendant of `pid`. A process's children are listed per thread
+/// (`/proc/PID/task/TID/children`): agentctl spawns its agent from a tokio
+/// worker thread, so the main thread's list alone misses it.
+pub fn descendants(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    let mut todo = vec![pid];
+    while let Some(parent) = todo.pop() {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{parent}/task")) else {
+            continue;
+        };
+        for task in tasks.flatten() {
+            let children =
+                std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            for child in children
+                .split_whitespace()
+                .filter_map(|c| c.parse::<u32>().ok())
+            {
+                if !found.contains(&child) {
+                    found.push(child);
+                    todo.push(child);
+                }
+            }
+        }
+    }
+    found
+}
+
+/// Whether `pid` can still run code: it exists and none of its threads has
+/// ended yet (a thread group shows its leader as a zombie while the other
+/// threads are still exiting, so every thread is looked at).
+fn runs(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().any(|task| {
+        std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+            let state = stat.rsplit(')').next().unwrap_or("").trim_start();
+            !(state.starts_with('Z') || state.starts_with('X'))
+        })
+    })
 }
 
 /// Pids of agentctl processes whose command line mentions `data_dir`.
