@@ -16,7 +16,9 @@
 //! `1 / limit` after (one slot per window); a launch slower than four times
 //! the fastest, or cut for silence, halves it. The first launch slower than
 //! twice the fastest ends slow start. The limit stays within
-//! `1..=LaunchLimits::ceiling`.
+//! `1..=LaunchLimits::ceiling`, except while launches are cheap (up within
+//! [`CHEAP_LAUNCH`], which no real agent is): they always count as fast and
+//! the limit grows past the ceiling, since there is no load to protect.
 //!
 //! Waiters are served by priority, then in arrival order: a launch a caller
 //! waits on (a call on the session, an explicit resume) goes before the
@@ -34,6 +36,16 @@ use sessiond_domain::{ExecutorRecord, Runtime, SessionId};
 use tokio::sync::oneshot;
 
 use crate::{config::LaunchLimits, sync::lock};
+
+/// A launch (agent started and resumed) up within this long is cheap: no
+/// real agent's runtime loads a host's CPU and answers this fast (they take
+/// hundreds of milliseconds to seconds), so the limit does not hold such
+/// launches back.
+const CHEAP_LAUNCH: Duration = Duration::from_millis(50);
+
+/// The most slots a host whose launches are cheap grows to (the pass's own
+/// concurrency bounds it before that by default).
+const CHEAP_CEILING: f64 = 256.0;
 
 /// Who waits for a launch: lower goes first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -301,10 +313,18 @@ fn release(shared: &Arc<Shared>, host: &str, ended: Ended) {
             let fastest = h.fastest.map_or(took, |f| took.min(f.mul_f64(1.02)));
             h.fastest = Some(fastest);
             let overloaded = host == "local" && host_overloaded();
-            if took > fastest.saturating_mul(4) {
+            // A launch up this fast loaded nothing worth protecting: it
+            // neither ends slow start nor halves the limit, whatever its
+            // ratio to the fastest (at a millisecond, queueing alone varies
+            // it four times), and the limit may grow past the ceiling.
+            let cheap = took <= CHEAP_LAUNCH;
+            if !cheap {
+                h.limit = h.limit.min(ceiling);
+            }
+            if took > fastest.saturating_mul(4) && !cheap {
                 h.slow_start = false;
                 h.limit = (h.limit / 2.0).max(1.0);
-            } else if took > fastest.saturating_mul(2) {
+            } else if took > fastest.saturating_mul(2) && !cheap {
                 h.slow_start = false;
             } else if !overloaded {
                 let step = if h.slow_start {
@@ -312,7 +332,12 @@ fn release(shared: &Arc<Shared>, host: &str, ended: Ended) {
                 } else {
                     1.0 / h.limit.max(1.0)
                 };
-                h.limit = (h.limit + step).min(ceiling);
+                let most = if cheap {
+                    ceiling.max(CHEAP_CEILING)
+                } else {
+                    ceiling
+                };
+                h.limit = (h.limit + step).min(most);
             }
         }
         Ended::Cut => {
@@ -519,6 +544,31 @@ mod tests {
             launch(fast).await;
         }
         assert_eq!(s.load("remote-b").expect("host").0, 9);
+    }
+
+    /// Launches of a millisecond or two vary several times from queueing
+    /// alone: they neither end slow start nor cut the limit, which grows
+    /// past the ceiling; the first real (slow) launch brings it back under.
+    #[tokio::test]
+    async fn cheap_launches_are_not_held_back() {
+        let s = LaunchScheduler::new(limits(2, 8));
+        let launch = |took: Duration| {
+            let s = &s;
+            async move {
+                s.acquire("fleet".into(), SessionId::new(), Priority::Background)
+                    .await
+                    .finish(Ended::Up(took));
+            }
+        };
+        launch(Duration::from_micros(250)).await;
+        for i in 0..40 {
+            launch(Duration::from_micros(if i % 2 == 0 { 1_500 } else { 900 })).await;
+        }
+        let (grown, _) = s.load("fleet").expect("host");
+        assert_eq!(grown, 43, "one slot per cheap launch, past the ceiling of 8");
+        launch(Duration::from_secs(2)).await;
+        let (cut, _) = s.load("fleet").expect("host");
+        assert_eq!(cut, 4, "a slow launch: back under the ceiling, then halved");
     }
 
     #[test]

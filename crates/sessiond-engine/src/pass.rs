@@ -77,11 +77,50 @@ pub(crate) enum Lane {
 pub(crate) struct PassTicket {
     pub(crate) _slot: tokio::sync::OwnedSemaphorePermit,
     pub(crate) pending: Arc<PendingWorkspaces>,
+    pub(crate) ramp: Arc<Ramp>,
 }
 
 impl Drop for PassTicket {
     fn drop(&mut self) {
         self.pending.one_back();
+        self.ramp.one_done();
+    }
+}
+
+/// The pass's slow start: it begins with a few slots, and each recovery
+/// that gives its slot back adds one more until the pass's concurrency is
+/// reached (the count doubles per round, as TCP's slow start does). Fast
+/// recoveries open the pass within a few milliseconds; slow ones (a
+/// loaded host, a call arriving right after the restart) keep the burst of
+/// new agentctl connections small while it matters, at no cost in time.
+pub(crate) struct Ramp {
+    slots: Arc<tokio::sync::Semaphore>,
+    /// Slots still to add before the pass runs at its concurrency.
+    left: std::sync::atomic::AtomicUsize,
+}
+
+impl Ramp {
+    /// The pass's slots, `first` of them open now, `concurrency` in the end.
+    pub(crate) fn new(first: usize, concurrency: usize) -> Arc<Self> {
+        let first = first.clamp(1, concurrency.max(1));
+        Arc::new(Self {
+            slots: Arc::new(tokio::sync::Semaphore::new(first)),
+            left: std::sync::atomic::AtomicUsize::new(concurrency.max(1) - first),
+        })
+    }
+
+    pub(crate) fn slots(&self) -> Arc<tokio::sync::Semaphore> {
+        self.slots.clone()
+    }
+
+    fn one_done(&self) {
+        use std::sync::atomic::Ordering;
+        let took = self
+            .left
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        if took.is_ok() {
+            self.slots.add_permits(1);
+        }
     }
 }
 

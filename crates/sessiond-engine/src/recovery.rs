@@ -39,7 +39,9 @@ use crate::{
     manager::SessionManager,
     ops::Agents,
     ops::{Resumed, load_refused, probe_verdict, surviving_agent},
-    pass::{CallRecovery, Claim, Lane, Outcomes, PassTicket, PendingWorkspaces, SharedRecovery},
+    pass::{
+        CallRecovery, Claim, Lane, Outcomes, PassTicket, PendingWorkspaces, Ramp, SharedRecovery,
+    },
     recovery::doorbell::Doorbell,
     recovery::liveness::Liveness,
     recovery::queue::Queue,
@@ -62,14 +64,11 @@ pub(crate) mod queue;
 /// Executors the pass reads at once (see `load_recoverable`).
 const LOAD_PAGE: u32 = 1_000;
 
-/// The pass's slow start: its first recoveries begin [`RAMP_STEP`] at a
-/// time, [`RAMP_INTERVAL`] apart, up to its concurrency. Started all at once,
+/// The recoveries the pass starts with (see [`Ramp`]). Started all at once,
 /// `concurrency` recoveries open that many agentctl connections in the
 /// same instant, and a call arriving then (users come back right after a
-/// restart) waits behind that burst; staggered over a few tens of ms it
-/// costs the pass nothing measurable (18 s at 10,000 executors).
-const RAMP_STEP: usize = 8;
-const RAMP_INTERVAL: Duration = Duration::from_millis(8);
+/// restart) waits behind that burst.
+const RAMP_FIRST: usize = 8;
 
 /// The error code (message prefix) of an executor whose remote host is being
 /// reconnected in the background.
@@ -541,11 +540,11 @@ impl Pass<'_> {
         );
         let gate = Queue(self).pass_gate();
         let concurrency = self.inner.config.recovery_concurrency.max(1);
-        let ramp_from = tokio::time::Instant::now();
         // The pass's concurrency bounds reattaches and the steps up to an
         // agent's launch; a recovery waiting for a launch slot (or running
         // its launch) gives its pass slot back (see `PassTicket`).
-        let slots = Arc::new(tokio::sync::Semaphore::new(concurrency));
+        let ramp = Ramp::new(RAMP_FIRST, concurrency);
+        let slots = ramp.slots();
         let workspaces_back = Arc::new(std::sync::Mutex::new(None::<Duration>));
         let pending = Arc::new(PendingWorkspaces {
             left: std::sync::atomic::AtomicUsize::new(total),
@@ -566,18 +565,12 @@ impl Pass<'_> {
             self.mark_workspaces_back();
         }
         let passed: Vec<(SessionId, PassResult)> = futures::stream::iter(records)
-            .enumerate()
-            .map(|(i, record)| {
+            .map(|record| {
                 let me = self.0.clone();
                 let gate = gate.clone();
                 let slots = slots.clone();
+                let ramp = ramp.clone();
                 let pending = pending.clone();
-                // Only the first `concurrency` wait: later ones start when a
-                // slot frees, by which time the ramp is over.
-                let start_at = (i < concurrency).then(|| {
-                    let steps = u32::try_from(i / RAMP_STEP).unwrap_or(u32::MAX);
-                    ramp_from + RAMP_INTERVAL.saturating_mul(steps)
-                });
                 let span = tracing::info_span!(
                     "recover_executor",
                     executor_id = %record.id,
@@ -588,9 +581,6 @@ impl Pass<'_> {
                 );
                 tracing::Instrument::instrument(
                     async move {
-                        if let Some(at) = start_at {
-                            tokio::time::sleep_until(at).await;
-                        }
                         if let Some(gate) = gate {
                             gate().await;
                         }
@@ -599,6 +589,7 @@ impl Pass<'_> {
                             Ok(slot) => PassTicket {
                                 _slot: slot,
                                 pending,
+                                ramp,
                             },
                             Err(_) => unreachable!("the pass's semaphore is never closed"),
                         };
