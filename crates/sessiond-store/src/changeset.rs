@@ -292,7 +292,7 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
         let sid: Option<String> = session_messages::table
             .find(u.id.to_string())
             .select(session_messages::session_id)
-            .first(conn)
+            .get_result(conn)
             .optional()?;
         let sid = sid.ok_or_else(|| Error::not_found("message", u.id))?;
         let sid = SessionId::parse(&sid).map_err(|e| Error::corrupt("message", u.id, e))?;
@@ -340,8 +340,11 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
         let state = match change.task_state {
             Some((st, TaskChange::To(state))) if st == t => Some(state),
             Some((st, TaskChange::Event(event))) if st == t => {
-                let stored: Option<String> =
-                    target.clone().select(tasks::state).first(conn).optional()?;
+                let stored: Option<String> = target
+                    .clone()
+                    .select(tasks::state)
+                    .get_result(conn)
+                    .optional()?;
                 let stored = stored.ok_or_else(|| Error::not_found("task", t))?;
                 let stored = TaskState::parse(&stored).map_err(|e| Error::corrupt("task", t, e))?;
                 stored.transition(event).ok().filter(|next| *next != stored)
@@ -364,7 +367,7 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
             return Err(Error::not_found("task", t));
         }
         if k > 0 {
-            let last: i64 = target.select(tasks::last_event_seq).first(conn)?;
+            let last: i64 = target.select(tasks::last_event_seq).get_result(conn)?;
             next_task_seq.insert(t, last - k + 1);
         }
     }
@@ -395,7 +398,7 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
                 if written == 0 {
                     let actual: Option<i64> = target
                         .select(task_sessions::version)
-                        .first(conn)
+                        .get_result(conn)
                         .optional()?;
                     return Err(match actual {
                         None => Error::not_found("session", sid),
@@ -421,7 +424,7 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
                     task_sessions::last_event_seq,
                     task_sessions::last_message_seq,
                 ))
-                .first(conn)?;
+                .get_result(conn)?;
             next_seq.insert(
                 sid,
                 Need {
@@ -489,7 +492,7 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
                     executors_running::lease_expires_at,
                     executors_running::lease_epoch,
                 ))
-                .first(conn)
+                .get_result(conn)
                 .optional()?;
             let Some((session_id, task_id, created_at, owner_id, lease_expires_at, lease_epoch)) =
                 current
@@ -510,7 +513,7 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
             .set(&row)
             .execute(conn)?;
             if written == 0 {
-                let actual: i64 = target.select(executors_running::version).first(conn)?;
+                let actual: i64 = target.select(executors_running::version).get_result(conn)?;
                 return Err(Error::Conflict {
                     entity: "executor",
                     id: record.id.to_string(),
@@ -553,7 +556,7 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
                 .set(session_messages::data.eq(data))
                 .execute(conn)?;
         }
-        let row: MessageRow = target.select(MessageRow::as_select()).first(conn)?;
+        let row: MessageRow = target.select(MessageRow::as_select()).get_result(conn)?;
         messages.push(row.into_domain()?);
     }
 
@@ -599,7 +602,7 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
             task_sessions::table
                 .find(s.id.to_string())
                 .select(SessionRow::as_select())
-                .first(conn)?
+                .get_result(conn)?
                 .into_domain()?,
         ),
         None => None,
@@ -641,7 +644,7 @@ pub(crate) fn check_fence(
     let current: Option<(Option<String>, i64)> = executors_running::table
         .filter(executors_running::session_id.eq(&session))
         .select((executors_running::owner_id, executors_running::lease_epoch))
-        .first(conn)
+        .get_result(conn)
         .optional()?;
     let creating =
         matches!(executor, Some(ExecutorWrite::Insert(r)) if r.session_id == fence.session);
@@ -663,7 +666,7 @@ pub(crate) fn session_task(conn: &mut AnyConnection, sid: SessionId) -> Result<T
     let task: Option<String> = task_sessions::table
         .find(sid.to_string())
         .select(task_sessions::task_id)
-        .first(conn)
+        .get_result(conn)
         .optional()?;
     let task = task.ok_or_else(|| Error::not_found("session", sid))?;
     TaskId::parse(&task).map_err(|e| Error::corrupt("session", sid, e))
@@ -673,7 +676,7 @@ pub(crate) fn load_executor(conn: &mut AnyConnection, id: ExecutorId) -> Result<
     executors_running::table
         .find(id.to_string())
         .select(ExecutorRow::as_select())
-        .first(conn)
+        .get_result(conn)
         .optional()?
         .ok_or_else(|| Error::not_found("executor", id))?
         .into_domain()

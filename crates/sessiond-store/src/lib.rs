@@ -28,6 +28,12 @@
 //!   `task_seq` (per task) and message `seq` are unique and gap-free.
 //! - Optimistic concurrency: session and executor updates carry the version
 //!   the writer read; a stale one gets [`Error::Conflict`].
+//! - Lookups by a unique key end in `get_result`, never `first`: `first`
+//!   adds `LIMIT ?`, and SQLite re-prepares (parses and plans anew) a
+//!   statement whose `LIMIT` is a bound parameter each time it is bound, so
+//!   diesel's statement cache never served those reads (a third of all
+//!   statements re-prepared before this). `first` stays only where the order
+//!   picks the row.
 //! - Event payloads are JSON text (`serde_json`, in this crate only) beside a
 //!   `kind` column holding `EventKind::as_str()`.
 

@@ -135,7 +135,7 @@ fn claim_one(
     let epoch = executors_running::table
         .find(id)
         .select(executors_running::lease_epoch)
-        .first(c)?;
+        .get_result(c)?;
     Ok(Some(epoch))
 }
 
@@ -169,7 +169,7 @@ fn load_claimed(c: &mut AnyConnection, id: &str, epoch: i64) -> Result<Claimed> 
     let record = executors_running::table
         .find(id)
         .select(ExecutorRow::as_select())
-        .first(c)?
+        .get_result(c)?
         .into_domain()?;
     Ok(Claimed { record, epoch })
 }

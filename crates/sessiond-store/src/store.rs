@@ -394,7 +394,7 @@ impl Store {
             tasks::table
                 .find(id.to_string())
                 .select(TaskRow::as_select())
-                .first(c)
+                .get_result(c)
                 .optional()?
                 .ok_or_else(|| Error::not_found("task", id))?
                 .into_domain()
@@ -538,7 +538,7 @@ impl Store {
                 .find(&key)
                 .filter(task_sessions::deleted_at.is_null())
                 .select(SessionRow::as_select())
-                .first(c)
+                .get_result(c)
                 .optional()?
                 .ok_or_else(|| Error::not_found("session", id))?
                 .into_domain()?;
@@ -546,13 +546,13 @@ impl Store {
             let claim: bool = agent_profiles::table
                 .find(profile.to_string())
                 .select(agent_profiles::supports_session_resume)
-                .first(c)
+                .get_result(c)
                 .optional()?
                 .ok_or_else(|| Error::not_found("agent profile", profile))?;
             let record = executors_running::table
                 .filter(executors_running::session_id.eq(&key))
                 .select(ExecutorRow::as_select())
-                .first(c)
+                .get_result(c)
                 .optional()?
                 .map(ExecutorRow::into_domain)
                 .transpose()?;
@@ -626,7 +626,7 @@ impl Store {
                 .find(id.to_string())
                 .filter(task_sessions::deleted_at.is_null())
                 .select(SessionRow::as_select())
-                .first(c)
+                .get_result(c)
                 .optional()?
                 .ok_or_else(|| Error::not_found("session", id))?
                 .into_domain()?;
@@ -813,7 +813,7 @@ impl Store {
             executors_running::table
                 .filter(executors_running::session_id.eq(session.to_string()))
                 .select(ExecutorRow::as_select())
-                .first(c)
+                .get_result(c)
                 .optional()?
                 .map(ExecutorRow::into_domain)
                 .transpose()
@@ -929,7 +929,7 @@ impl Store {
                 let current: Option<(Option<String>, i64)> = executors_running::table
                     .find(h.executor.to_string())
                     .select((executors_running::owner_id, executors_running::lease_epoch))
-                    .first(c)
+                    .get_result(c)
                     .optional()?;
                 if let Some((owner, epoch)) = current
                     && (owner.as_deref() != Some(fence.owner.as_str()) || epoch != fence.epoch)
@@ -1066,7 +1066,7 @@ impl Store {
                 .filter(session_messages::session_id.eq(session.to_string()))
                 .filter(session_messages::id.eq(id.to_string()))
                 .select(MessageRow::as_select())
-                .first(c)
+                .get_result(c)
                 .optional()?
                 .map(MessageRow::into_domain)
                 .transpose()
@@ -1178,7 +1178,7 @@ impl Store {
             task_sessions::table
                 .find(session.to_string())
                 .select(task_sessions::last_event_seq)
-                .first(c)
+                .get_result(c)
                 .optional()?
                 .ok_or_else(|| Error::not_found("session", session))
         })
@@ -1191,7 +1191,7 @@ impl Store {
             tasks::table
                 .find(task.to_string())
                 .select(tasks::last_event_seq)
-                .first(c)
+                .get_result(c)
                 .optional()?
                 .ok_or_else(|| Error::not_found("task", task))
         })
@@ -1340,7 +1340,7 @@ fn upsert_profile(c: &mut AnyConnection, row: &ProfileRow) -> Result<AgentProfil
     let existing: Option<String> = agent_profiles::table
         .filter(agent_profiles::name.eq(&row.name))
         .select(agent_profiles::id)
-        .first(c)
+        .get_result(c)
         .optional()?;
     let id = match existing {
         Some(id) => {
@@ -1381,7 +1381,7 @@ fn load_profile(c: &mut AnyConnection, by_name: bool, key: &str) -> Result<Agent
     } else {
         q.filter(agent_profiles::id.eq(key))
     };
-    q.first(c)
+    q.get_result(c)
         .optional()?
         .ok_or_else(|| Error::not_found("agent profile", key))?
         .into_domain()
@@ -1392,7 +1392,7 @@ fn load_session(c: &mut AnyConnection, id: SessionId) -> Result<Session> {
         .find(id.to_string())
         .filter(task_sessions::deleted_at.is_null())
         .select(SessionRow::as_select())
-        .first(c)
+        .get_result(c)
         .optional()?
         .ok_or_else(|| Error::not_found("session", id))?
         .into_domain()
