@@ -38,6 +38,10 @@ impl TurnRow {
     pub fn ratio(&self) -> f64 {
         self.sessiond_p50.as_secs_f64() / self.direct_p50.as_secs_f64().max(1e-9)
     }
+
+    pub fn ratio_p99(&self) -> f64 {
+        self.sessiond_p99.as_secs_f64() / self.direct_p99.as_secs_f64().max(1e-9)
+    }
 }
 
 async fn session(
