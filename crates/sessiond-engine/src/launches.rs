@@ -565,7 +565,10 @@ mod tests {
             launch(Duration::from_micros(if i % 2 == 0 { 1_500 } else { 900 })).await;
         }
         let (grown, _) = s.load("fleet").expect("host");
-        assert_eq!(grown, 43, "one slot per cheap launch, past the ceiling of 8");
+        assert_eq!(
+            grown, 43,
+            "one slot per cheap launch, past the ceiling of 8"
+        );
         launch(Duration::from_secs(2)).await;
         let (cut, _) = s.load("fleet").expect("host");
         assert_eq!(cut, 4, "a slow launch: back under the ceiling, then halved");
