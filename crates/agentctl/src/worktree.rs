@@ -187,6 +187,19 @@ async fn git_ok(cwd: &Path, args: &[&str]) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
+/// `git worktree ARGS` in `repository`, one at a time per repository.
+/// git does not guard its worktree list against itself: an `add` reads
+/// every other worktree's admin directory, and fails ("failed to read
+/// .git/worktrees/NAME/commondir") on one another `add` is making at that
+/// moment, as two sessions created from one repository at once would do.
+async fn worktree_git(repository: &Path, args: &[&str]) -> Result<String> {
+    let common = common_dir(repository).await?;
+    let _held = hold(&locks_dir(&common)?.join("repository.lock"), &|| {}).await?;
+    let mut full = vec!["worktree"];
+    full.extend_from_slice(args);
+    git_ok(repository, &full).await
+}
+
 fn path_str(p: &Path) -> Result<&str> {
     p.to_str()
         .ok_or_else(|| Error::InvalidArgument(format!("{} is not valid UTF-8", p.display())))
@@ -280,7 +293,7 @@ struct Listed {
 }
 
 async fn list(repository: &Path) -> Result<Vec<Listed>> {
-    let out = git_ok(repository, &["worktree", "list", "--porcelain"]).await?;
+    let out = worktree_git(repository, &["list", "--porcelain"]).await?;
     let mut all = Vec::new();
     for block in out.split("\n\n") {
         let mut entry = Listed {
@@ -346,17 +359,9 @@ pub async fn create(spec: &Spec) -> Result<Ensured> {
     }
     make_parent(&spec.path)?;
     let path = path_str(&spec.path)?;
-    git_ok(
+    worktree_git(
         &spec.repository,
-        &[
-            "worktree",
-            "add",
-            "--no-track",
-            "-b",
-            &spec.branch,
-            path,
-            &spec.base,
-        ],
+        &["add", "--no-track", "-b", &spec.branch, path, &spec.base],
     )
     .await?;
     let head = git_ok(&spec.path, &["rev-parse", "HEAD"]).await?;
@@ -408,9 +413,9 @@ pub async fn restore(spec: &Spec, never_created: bool) -> Result<Ensured> {
     if registered_here {
         // Our own stale registration (the directory was deleted): clear it,
         // and only it.
-        git_ok(&spec.repository, &["worktree", "remove", "--force", path]).await?;
+        worktree_git(&spec.repository, &["remove", "--force", path]).await?;
     }
-    git_ok(&spec.repository, &["worktree", "add", path, &spec.branch]).await?;
+    worktree_git(&spec.repository, &["add", path, &spec.branch]).await?;
     let head = git_ok(&spec.path, &["rev-parse", "HEAD"]).await?;
     Ok(Ensured {
         outcome: Outcome::Recreated,
@@ -524,13 +529,13 @@ pub async fn remove(spec: &Spec, delete_branch: bool) -> Result<()> {
                 spec.branch
             )));
         }
-        git_ok(&spec.repository, &["worktree", "remove", "--force", path]).await?;
+        worktree_git(&spec.repository, &["remove", "--force", path]).await?;
     } else if list(&spec.repository)
         .await?
         .iter()
         .any(|e| e.path == spec.path)
     {
-        git_ok(&spec.repository, &["worktree", "remove", "--force", path]).await?;
+        worktree_git(&spec.repository, &["remove", "--force", path]).await?;
     }
     if delete_branch && branch_tip(&spec.repository, &spec.branch).await?.is_some() {
         git_ok(&spec.repository, &["branch", "-D", "--", &spec.branch]).await?;
@@ -615,19 +620,30 @@ const LOCK_POLL: Duration = Duration::from_millis(20);
 /// flight; `waiting` is called once if it has to wait.
 pub async fn lock(spec: &Spec, waiting: &(dyn Fn() + Sync)) -> Result<PathLock> {
     let common = common_dir(&spec.repository).await?;
-    let dir = common.join("sessiond-worktree-locks");
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
     let path = std::path::absolute(&spec.path).unwrap_or_else(|_| spec.path.clone());
-    let file = dir.join(format!(
+    let file = locks_dir(&common)?.join(format!(
         "{:016x}.lock",
         fnv1a(path.as_os_str().as_encoded_bytes())
     ));
+    hold(&file, waiting).await
+}
+
+/// The directory of sessiond's lock files in a repository's git directory.
+fn locks_dir(common: &Path) -> Result<PathBuf> {
+    let dir = common.join("sessiond-worktree-locks");
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    Ok(dir)
+}
+
+/// Takes the `flock` of `file`, waiting while another process holds it;
+/// `waiting` is called once if it has to wait.
+async fn hold(file: &Path, waiting: &(dyn Fn() + Sync)) -> Result<PathLock> {
     let handle = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
-        .open(&file)
+        .open(file)
         .map_err(|e| Error::io(format!("opening {}", file.display()), e))?;
     let mut told = false;
     loop {

@@ -210,3 +210,51 @@ fn an_operation_waits_for_one_in_flight_on_the_same_worktree() {
     let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(answer["ok"]["outcome"], "adopted", "{answer}");
 }
+
+/// Sessions created from one repository at once: every create succeeds.
+/// git's own `worktree add` reads the other worktrees' admin directories
+/// and fails on one another `add` is making at that moment ("failed to read
+/// .git/worktrees/NAME/commondir"; about half of 30 concurrent plain
+/// `git worktree add`s fail so), so agentctl runs them one at a time per
+/// repository.
+#[test]
+fn creates_from_one_repository_at_once_all_succeed() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    std::fs::create_dir_all(&repo).unwrap();
+    git(&repo, &["init", "-q", "-b", "main"]);
+    git(&repo, &["commit", "-q", "--allow-empty", "-m", "init"]);
+    let creates: Vec<_> = (0..24)
+        .map(|i| {
+            Command::new(env!("CARGO_BIN_EXE_agentctl"))
+                .args(["worktree", "create"])
+                .arg(format!("--repository={}", repo.display()))
+                .arg("--base=main")
+                .arg(format!("--branch=s/{i}"))
+                .arg(format!(
+                    "--path={}",
+                    dir.path().join(format!("wts/{i}")).display()
+                ))
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (i, create) in creates.into_iter().enumerate() {
+        let out = create.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "create {i} failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(answer["ok"]["outcome"], "created", "{answer}");
+    }
+    let listed = git(&repo, &["worktree", "list", "--porcelain"]);
+    assert_eq!(
+        listed.matches("branch refs/heads/s/").count(),
+        24,
+        "{listed}"
+    );
+}

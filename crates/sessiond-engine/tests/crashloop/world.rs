@@ -920,8 +920,13 @@ impl World {
             .iter()
             .filter(|s| s.state != SessionState::WaitingForInput)
             .map(|s| {
+                let why = s
+                    .error_message
+                    .as_deref()
+                    .map(|e| format!(" ({})", clip(e, 160)))
+                    .unwrap_or_default();
                 format!(
-                    "{} {} {}",
+                    "{} {} {}{why}",
                     s.metadata.get(NAME_KEY).map(String::as_str).unwrap_or("?"),
                     s.id,
                     s.state
