@@ -22,6 +22,17 @@ fn git(dir: &Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
+/// A temporary directory holding `repo`, a repository with one commit on
+/// `main`.
+fn repository() -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    std::fs::create_dir_all(&repo).unwrap();
+    git(&repo, &["init", "-q", "-b", "main"]);
+    git(&repo, &["commit", "-q", "--allow-empty", "-m", "init"]);
+    (dir, repo)
+}
+
 /// Runs `agentctl worktree OP` and returns its one JSON answer.
 fn worktree(op: &str, repo: &Path, branch: &str, path: &Path, extra: &[&str]) -> serde_json::Value {
     let out = Command::new(env!("CARGO_BIN_EXE_agentctl"))
@@ -90,11 +101,7 @@ fn checkouts_run_no_hook_or_filter_the_repository_names() {
 /// What each operation answers, with the codes sessiond maps to statuses.
 #[test]
 fn answers_and_refusals() {
-    let dir = tempfile::tempdir().unwrap();
-    let repo = dir.path().join("repo");
-    std::fs::create_dir_all(&repo).unwrap();
-    git(&repo, &["init", "-q", "-b", "main"]);
-    git(&repo, &["commit", "-q", "--allow-empty", "-m", "init"]);
+    let (dir, repo) = repository();
     let path = dir.path().join("wts/one");
     assert_eq!(
         worktree("check", &repo, "s/one", &path, &[])["ok"],
@@ -150,11 +157,7 @@ fn answers_and_refusals() {
 #[test]
 fn an_operation_waits_for_one_in_flight_on_the_same_worktree() {
     use std::io::BufRead;
-    let dir = tempfile::tempdir().unwrap();
-    let repo = dir.path().join("repo");
-    std::fs::create_dir_all(&repo).unwrap();
-    git(&repo, &["init", "-q", "-b", "main"]);
-    git(&repo, &["commit", "-q", "--allow-empty", "-m", "init"]);
+    let (dir, repo) = repository();
     let path = dir.path().join("wts/one");
     let spec = agentctl::worktree::Spec {
         repository: repo.clone(),
@@ -219,11 +222,7 @@ fn an_operation_waits_for_one_in_flight_on_the_same_worktree() {
 /// repository.
 #[test]
 fn creates_from_one_repository_at_once_all_succeed() {
-    let dir = tempfile::tempdir().unwrap();
-    let repo = dir.path().join("repo");
-    std::fs::create_dir_all(&repo).unwrap();
-    git(&repo, &["init", "-q", "-b", "main"]);
-    git(&repo, &["commit", "-q", "--allow-empty", "-m", "init"]);
+    let (dir, repo) = repository();
     let creates: Vec<_> = (0..24)
         .map(|i| {
             Command::new(env!("CARGO_BIN_EXE_agentctl"))

@@ -378,6 +378,13 @@ mod tests {
         LaunchLimits { initial, max }
     }
 
+    /// One launch on `host` that is up after `took`.
+    async fn launch_up(s: &LaunchScheduler, host: &str, took: Duration) {
+        s.acquire(host.into(), SessionId::new(), Priority::Background)
+            .await
+            .finish(Ended::Up(took));
+    }
+
     #[tokio::test]
     async fn admits_up_to_the_limit_then_in_priority_order() {
         let s = LaunchScheduler::new(limits(2, 2));
@@ -521,14 +528,7 @@ mod tests {
     #[tokio::test]
     async fn slow_start_doubles_per_window_until_launches_slow_down() {
         let s = LaunchScheduler::new(limits(2, 64));
-        let launch = |took: Duration| {
-            let s = &s;
-            async move {
-                s.acquire("remote-b".into(), SessionId::new(), Priority::Background)
-                    .await
-                    .finish(Ended::Up(took));
-            }
-        };
+        let launch = |took: Duration| launch_up(&s, "remote-b", took);
         let fast = Duration::from_millis(100);
         // Two windows of fast launches: 2 -> 4 -> 8.
         for _ in 0..6 {
@@ -552,14 +552,7 @@ mod tests {
     #[tokio::test]
     async fn cheap_launches_are_not_held_back() {
         let s = LaunchScheduler::new(limits(2, 8));
-        let launch = |took: Duration| {
-            let s = &s;
-            async move {
-                s.acquire("fleet".into(), SessionId::new(), Priority::Background)
-                    .await
-                    .finish(Ended::Up(took));
-            }
-        };
+        let launch = |took: Duration| launch_up(&s, "fleet", took);
         launch(Duration::from_micros(250)).await;
         for i in 0..40 {
             launch(Duration::from_micros(if i % 2 == 0 { 1_500 } else { 900 })).await;

@@ -500,19 +500,30 @@ impl Agents<'_> {
         match self.load_conversation(&client, record, token).await {
             Ok(()) => Ok(Resumed::Loaded),
             Err(e) if no_turn_yet && load_refused(&e) => {
-                let reason = e.to_string();
-                match self.new_conversation(&client, record).await {
-                    Ok(token) => Ok(Resumed::Replaced { token, reason }),
-                    Err(new) => Err(Error::Agent {
-                        call: "NewSession",
-                        failure: sessiond_executor::Failure::FailedPrecondition,
-                        message: format!(
-                            "the agent could not load the conversation ({reason}) nor open a new one ({new})"
-                        ),
-                    }),
-                }
+                self.replace_conversation(&client, record, e.to_string())
+                    .await
             }
             Err(e) => Err(e),
+        }
+    }
+
+    /// A conversation never prompted whose load the agent refused
+    /// (`reason`): a new one replaces it, as nothing is lost.
+    pub(crate) async fn replace_conversation(
+        &self,
+        client: &AgentctlClient,
+        record: &ExecutorRecord,
+        reason: String,
+    ) -> Result<Resumed> {
+        match self.new_conversation(client, record).await {
+            Ok(token) => Ok(Resumed::Replaced { token, reason }),
+            Err(new) => Err(Error::Agent {
+                call: "NewSession",
+                failure: sessiond_executor::Failure::FailedPrecondition,
+                message: format!(
+                    "the agent could not load the conversation ({reason}) nor open a new one ({new})"
+                ),
+            }),
         }
     }
 

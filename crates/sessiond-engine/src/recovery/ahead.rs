@@ -202,74 +202,64 @@ impl ExecutorRecovery<'_> {
         let (_, stamp) = self.inner.sessions.cached_modes(run.session.id, "");
         let counters = &self.inner.counters;
         let relaxed = std::sync::atomic::Ordering::Relaxed;
-        let result = match a.outcome() {
-            pb::RecoverOutcome::Done | pb::RecoverOutcome::Duplicate => {
-                counters.agent_launches.fetch_add(1, relaxed);
-                counters.resume_attempts.fetch_add(1, relaxed);
-                counters.resumed_by_recover.fetch_add(1, relaxed);
-                self.inner.metrics.resume(true);
-                self.inner.sessions.remember_modes(
-                    run.session.id,
-                    run.record.execution_id(),
-                    stamp,
-                    a.resumed
-                        .as_ref()
-                        .and_then(|r| r.modes.as_ref())
-                        .map(crate::ops::agent_modes),
-                );
-                Ok(Resumed::Loaded)
-            }
-            pb::RecoverOutcome::Failed => {
-                counters.agent_launches.fetch_add(1, relaxed);
-                let call = if a.failed_call == "ResumeSession" {
+        let result =
+            match a.outcome() {
+                pb::RecoverOutcome::Done | pb::RecoverOutcome::Duplicate => {
+                    counters.agent_launches.fetch_add(1, relaxed);
                     counters.resume_attempts.fetch_add(1, relaxed);
                     counters.resumed_by_recover.fetch_add(1, relaxed);
-                    self.inner.metrics.resume(false);
-                    "ResumeSession"
-                } else {
-                    "LaunchAgent"
-                };
-                let (_, failure, message) = sessiond_executor::agent_part_failure(a).unwrap_or((
-                    "",
-                    sessiond_executor::Failure::Other,
-                    "",
-                ));
-                let e = Error::Agent {
-                    call,
-                    failure,
-                    message: message.to_owned(),
-                };
-                // (Read only then: a store read per executor otherwise.)
-                if load_refused(&e)
-                    && crate::turn::no_turn_yet(&self.inner.store, &run.session).await?
-                {
-                    let reason = e.to_string();
-                    match Agents(self).client(&run.record) {
-                        Ok(client) => {
-                            match Agents(self).new_conversation(&client, &run.record).await {
-                                Ok(token) => Ok(Resumed::Replaced { token, reason }),
-                                Err(new) => Err(Error::Agent {
-                                    call: "NewSession",
-                                    failure: sessiond_executor::Failure::FailedPrecondition,
-                                    message: format!(
-                                        "the agent could not load the conversation ({reason}) nor open a new one ({new})"
-                                    ),
-                                }),
-                            }
-                        }
-                        Err(e) => Err(e),
-                    }
-                } else {
-                    Err(e)
+                    self.inner.metrics.resume(true);
+                    self.inner.sessions.remember_modes(
+                        run.session.id,
+                        run.record.execution_id(),
+                        stamp,
+                        a.resumed
+                            .as_ref()
+                            .and_then(|r| r.modes.as_ref())
+                            .map(crate::ops::agent_modes),
+                    );
+                    Ok(Resumed::Loaded)
                 }
-            }
-            // Not one that serves the step (see `serves`).
-            _ => {
-                return Err(Error::Internal(
-                    "an agent part that did nothing was taken for a resume".into(),
-                ));
-            }
-        };
+                pb::RecoverOutcome::Failed => {
+                    counters.agent_launches.fetch_add(1, relaxed);
+                    let call = if a.failed_call == "ResumeSession" {
+                        counters.resume_attempts.fetch_add(1, relaxed);
+                        counters.resumed_by_recover.fetch_add(1, relaxed);
+                        self.inner.metrics.resume(false);
+                        "ResumeSession"
+                    } else {
+                        "LaunchAgent"
+                    };
+                    let (_, failure, message) = sessiond_executor::agent_part_failure(a)
+                        .unwrap_or(("", sessiond_executor::Failure::Other, ""));
+                    let e = Error::Agent {
+                        call,
+                        failure,
+                        message: message.to_owned(),
+                    };
+                    // (Read only then: a store read per executor otherwise.)
+                    if load_refused(&e)
+                        && crate::turn::no_turn_yet(&self.inner.store, &run.session).await?
+                    {
+                        match Agents(self).client(&run.record) {
+                            Ok(client) => {
+                                Agents(self)
+                                    .replace_conversation(&client, &run.record, e.to_string())
+                                    .await
+                            }
+                            Err(e) => Err(e),
+                        }
+                    } else {
+                        Err(e)
+                    }
+                }
+                // Not one that serves the step (see `serves`).
+                _ => {
+                    return Err(Error::Internal(
+                        "an agent part that did nothing was taken for a resume".into(),
+                    ));
+                }
+            };
         Ok(Ok(result))
     }
 
