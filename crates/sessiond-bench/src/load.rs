@@ -20,6 +20,20 @@ pub struct Load {
     pub p99: Duration,
 }
 
+impl Load {
+    /// Two runs of the same load as one: calls and errors added, the rate
+    /// and the quantiles averaged.
+    pub fn mean(&self, other: &Load) -> Load {
+        Load {
+            calls: self.calls + other.calls,
+            errors: self.errors + other.errors,
+            per_sec: (self.per_sec + other.per_sec) / 2.0,
+            p50: (self.p50 + other.p50) / 2,
+            p99: (self.p99 + other.p99) / 2,
+        }
+    }
+}
+
 pub fn quantile(sorted: &[Duration], q: f64) -> Duration {
     if sorted.is_empty() {
         return Duration::ZERO;
@@ -71,14 +85,21 @@ pub async fn status(
     clients: usize,
     duration: Duration,
 ) -> anyhow::Result<Load> {
-    let sessions: std::sync::Arc<[Seeded]> = sessions.into();
+    // The requests made once: a client holds its ids as text already.
+    let requests: std::sync::Arc<[GetSessionStatusRequest]> = sessions
+        .iter()
+        .map(|s| GetSessionStatusRequest {
+            task_id: s.task.to_string(),
+            session_id: s.session.to_string(),
+        })
+        .collect();
     let mut channels = Vec::new();
     for _ in 0..clients {
         channels.push(channel(addr).await?);
     }
     run(clients, duration, move |i| {
         let mut client = SessionServiceClient::new(channels[i].clone());
-        let sessions = sessions.clone();
+        let requests = requests.clone();
         async move {
             let mut lat = Vec::with_capacity(100_000);
             let mut errors = 0;
@@ -86,14 +107,9 @@ pub async fn status(
             let end = Instant::now() + duration;
             while Instant::now() < end {
                 k = k.wrapping_add(1);
-                let s = sessions[k % sessions.len()];
+                let request = requests[k % requests.len()].clone();
                 let t = Instant::now();
-                let r = client
-                    .get_session_status(GetSessionStatusRequest {
-                        task_id: s.task.to_string(),
-                        session_id: s.session.to_string(),
-                    })
-                    .await;
+                let r = client.get_session_status(request).await;
                 match r {
                     Ok(_) => lat.push(t.elapsed()),
                     Err(_) => errors += 1,

@@ -555,6 +555,10 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
     let clients = 32;
     let duration = Duration::from_secs(opts.load_secs);
     if let Some((db, seeded)) = &rss_db {
+        // The yardstick runs before sessiond starts and after it stops; the
+        // mean of both stands beside the status load between them, so a
+        // drift of the shared machine's load moves both sides alike.
+        let echo_before = measure_echo(&exe, clients, duration).await?;
         let data = dir.path().join("sessiond-data");
         // SESSIOND_BENCH_WRAP (e.g. `heaptrack -o /tmp/h`): run the server
         // under a profiler; its figures then describe the profiled run.
@@ -627,11 +631,7 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         };
         drop(server);
 
-        let mut echo_cmd = Command::new(&exe);
-        echo_cmd.arg("echo");
-        let (echo_child, echo_addrs) = spawn_with_addrs(echo_cmd, "echo listening on", 1)?;
-        let echo = load::echo(&echo_addrs[0], clients, duration).await?;
-        drop(echo_child);
+        let echo = echo_before.mean(&measure_echo(&exe, clients, duration).await?);
         report.rss = Some(report::Rss {
             sessions: seeded.len(),
             serving_after: ready,
@@ -754,6 +754,21 @@ async fn run_replicas(
         say(format!("wrote the replicas section into {}", out.display()));
     }
     Ok(())
+}
+
+/// The bare tonic yardstick (`sessiond-bench echo`, a child process)
+/// under the status load's clients.
+async fn measure_echo(
+    exe: &std::path::Path,
+    clients: usize,
+    duration: Duration,
+) -> anyhow::Result<load::Load> {
+    let mut cmd = Command::new(exe);
+    cmd.arg("echo");
+    let (child, addrs) = spawn_with_addrs(cmd, "echo listening on", 1)?;
+    let echo = load::echo(&addrs[0], clients, duration).await;
+    drop(child);
+    echo
 }
 
 /// `sessiond serve`'s liveness interval with the default configuration

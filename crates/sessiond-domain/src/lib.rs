@@ -36,8 +36,9 @@ pub use states::{
     TaskState, UnknownValue,
 };
 pub use status::{
-    AgentProcessState, AgentRecovery, ExecutionView, RecoveryStage, ResumeReason, ResumeRefused,
-    SessionStatus, check_resume, retrying_message, session_status,
+    AgentProcessState, AgentRecovery, ExecutionView, MetadataStatus, RecoveryStage, ResumeReason,
+    ResumeRefused, SessionStatus, check_resume, retrying_message, session_status,
+    session_status_with,
 };
 pub use transitions::{
     ExecutorEvent, IllegalExecutorTransition, IllegalSessionTransition, IllegalTaskTransition,

@@ -341,6 +341,44 @@ pub fn session_status(
     execution: Option<&ExecutionView>,
     profile_supports_resume: bool,
 ) -> SessionStatus {
+    session_status_with(
+        session,
+        execution,
+        profile_supports_resume,
+        MetadataStatus::of(session),
+    )
+}
+
+/// What a status shows of a session's metadata (its usage totals and
+/// queued messages), parsed from it: a caller answering many status reads
+/// of one committed session version keeps it beside the session instead of
+/// parsing the metadata at every read.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MetadataStatus {
+    /// What the session's turns used and cost.
+    pub usage: crate::UsageTotals,
+    /// Messages waiting for the running turn to end, oldest first.
+    pub queued: Vec<crate::QueuedMessage>,
+}
+
+impl MetadataStatus {
+    /// Parsed from `session`'s metadata.
+    pub fn of(session: &Session) -> Self {
+        Self {
+            usage: crate::UsageTotals::from_metadata(&session.metadata),
+            queued: crate::queue::queued(&session.metadata),
+        }
+    }
+}
+
+/// [`session_status`] with the metadata's part already parsed (`metadata`
+/// must be [`MetadataStatus::of`] this `session`).
+pub fn session_status_with(
+    session: &Session,
+    execution: Option<&ExecutionView>,
+    profile_supports_resume: bool,
+    metadata: MetadataStatus,
+) -> SessionStatus {
     let execution = execution.filter(|view| view.session_id == session.id);
     let agent = execution.map_or(AgentProcessState::NotRunning, |view| view.agent);
     let agent_denies_resume =
@@ -395,8 +433,8 @@ pub fn session_status(
             .or_else(|| execution.and_then(|view| view.retrying.clone())),
         recovering: false,
         agent_recovery: None,
-        usage: crate::UsageTotals::from_metadata(&session.metadata),
-        queued: crate::queue::queued(&session.metadata),
+        usage: metadata.usage,
+        queued: metadata.queued,
     }
 }
 

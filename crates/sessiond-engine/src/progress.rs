@@ -94,17 +94,22 @@ impl AgentRecoveries {
         lock(&self.entries).remove(&session);
     }
 
-    /// What status shows of `session`'s agent recovery; `place` is where it
+    /// What status shows of `session`'s agent recovery; `place` tells where it
     /// waits for a launch slot, if it does.
     pub(crate) fn view(
         &self,
         session: SessionId,
         max_attempts: u32,
-        place: Option<(usize, usize)>,
+        place: impl FnOnce() -> Option<(usize, usize)>,
     ) -> Option<AgentRecovery> {
         let e = lock(&self.entries).get(&session).cloned()?;
         let to_u32 = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
-        let place = place.filter(|_| e.stage == RecoveryStage::Queued);
+        // Asked only of a queued recovery (it scans the launch queues).
+        let place = if e.stage == RecoveryStage::Queued {
+            place()
+        } else {
+            None
+        };
         // Queued but in no queue: its slot was just granted.
         let stage = match (e.stage, place) {
             (RecoveryStage::Queued, None) => RecoveryStage::Launching,
@@ -133,19 +138,19 @@ mod tests {
         let p = AgentRecoveries::default();
         let s = SessionId::new();
         assert_eq!(p.attempt(s), 1);
-        assert!(p.view(s, 5, None).is_none());
+        assert!(p.view(s, 5, || None).is_none());
         p.enter(s, RecoveryStage::Queued);
-        let v = p.view(s, 5, Some((3, 7))).expect("entry");
+        let v = p.view(s, 5, || Some((3, 7))).expect("entry");
         assert_eq!(
             (v.stage, v.place, v.attempt),
             (RecoveryStage::Queued, Some((3, 7)), 1)
         );
         p.enter(s, RecoveryStage::Resuming);
         p.replayed(s, 12);
-        let v = p.view(s, 5, Some((1, 1))).expect("entry");
+        let v = p.view(s, 5, || Some((1, 1))).expect("entry");
         assert_eq!((v.place, v.replayed), (None, 12), "no place once launched");
         p.enter(s, RecoveryStage::Queued);
-        let v = p.view(s, 5, None).expect("entry");
+        let v = p.view(s, 5, || None).expect("entry");
         assert_eq!(
             v.stage,
             RecoveryStage::Launching,
@@ -153,15 +158,15 @@ mod tests {
         );
         p.retry_after(s, 1, "silent".into(), Duration::from_secs(60));
         assert_eq!(p.attempt(s), 2);
-        let v = p.view(s, 5, None).expect("entry");
+        let v = p.view(s, 5, || None).expect("entry");
         assert_eq!(v.stage, RecoveryStage::WaitingToRetry);
         assert_eq!(v.last_error.as_deref(), Some("silent"));
         assert!(v.retry_in.is_some_and(|d| d > Duration::from_secs(50)));
         p.enter(s, RecoveryStage::Queued);
         assert_eq!(p.attempt(s), 2, "the attempt stays until cleared");
-        assert!(p.view(s, 5, None).expect("entry").retry_in.is_none());
+        assert!(p.view(s, 5, || None).expect("entry").retry_in.is_none());
         p.clear(s);
         assert_eq!(p.attempt(s), 1);
-        assert!(p.view(s, 5, None).is_none());
+        assert!(p.view(s, 5, || None).is_none());
     }
 }

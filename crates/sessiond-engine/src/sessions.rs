@@ -12,7 +12,8 @@ use std::{
 
 use futures::future::{BoxFuture, Shared};
 use sessiond_domain::{
-    AgentModes, AgentProcessState, ExecutionView, ExecutorRecord, Session, SessionId,
+    AgentModes, AgentProcessState, ExecutionView, ExecutorRecord, MetadataStatus, Session,
+    SessionId,
 };
 use sessiond_executor::AgentctlClient;
 use sessiond_store::Committed;
@@ -51,12 +52,35 @@ impl Execution {
 pub(crate) struct StatusEntry {
     /// The session row as last committed (or loaded).
     pub session: Arc<Session>,
+    /// Its metadata's part of a status, parsed once per version instead of
+    /// at every status read.
+    pub metadata: MetadataStatus,
     /// The agent profile's `supports_session_resume` (profiles are written
     /// at startup, before the manager serves).
     pub profile_claim: bool,
     /// The executor record as loaded or last committed; the executors cache
     /// wins over it when it knows the session.
     pub record: Option<ExecutionView>,
+}
+
+/// [`Sessions::status_read`]'s answer.
+#[derive(Debug, Default)]
+pub(crate) struct StatusRead {
+    pub entry: Option<StatusEntry>,
+    pub view: Option<ExecutionView>,
+    pub modes: CachedModes,
+}
+
+/// A session's agent modes as the cache knows them.
+#[derive(Debug, Default)]
+pub(crate) enum CachedModes {
+    /// No agent runs on a ready executor: it has no modes to show.
+    #[default]
+    NoAgent,
+    /// Its agent runs; these are its modes (`None`: it has none).
+    Known(Option<AgentModes>),
+    /// Its agent runs and its modes are not cached: ask it.
+    Ask,
 }
 
 /// Where a parked update pump stopped reading: the next pump of the session
@@ -264,15 +288,33 @@ impl Sessions {
             .and_then(|r| r.status.clone())
     }
 
-    /// The status entry and the cached execution's view, in one look.
-    pub fn status_and_view(
-        &self,
-        session: SessionId,
-    ) -> (Option<StatusEntry>, Option<ExecutionView>) {
+    /// What a status read needs of one session, in one look: the status
+    /// entry, the cached execution's view, and the agent's modes as cached
+    /// for that execution.
+    pub fn status_read(&self, session: SessionId) -> StatusRead {
         let t = self.table();
-        match t.records.get(&session) {
-            Some(r) => (r.status.clone(), r.execution.as_ref().map(Execution::view)),
-            None => (None, None),
+        let Some(r) = t.records.get(&session) else {
+            return StatusRead::default();
+        };
+        let view = r.execution.as_ref().map(Execution::view);
+        let modes = match (&r.execution, &view) {
+            (Some(e), Some(v))
+                if e.record.status == sessiond_domain::ExecutorStatus::Ready
+                    && e.agent == AgentProcessState::Running =>
+            {
+                match r.modes.value.as_ref() {
+                    Some((execution, modes)) if *execution == v.execution_id => {
+                        CachedModes::Known(modes.clone())
+                    }
+                    _ => CachedModes::Ask,
+                }
+            }
+            _ => CachedModes::NoAgent,
+        };
+        StatusRead {
+            entry: r.status.clone(),
+            view,
+            modes,
         }
     }
 
@@ -302,12 +344,20 @@ impl Sessions {
         if committed.session.is_none() && committed.executor.is_none() {
             return;
         }
+        // Parsed and copied before the lock, which every status read takes.
+        let session = committed
+            .session
+            .as_ref()
+            .map(|s| (Arc::new(s.clone()), MetadataStatus::of(s)));
         let mut t = self.table();
         // A session not in the snapshot: a load racing with this commit
         // must not keep what it read before it.
-        if let Some(s) = &committed.session {
+        if let Some((s, metadata)) = session {
             match t.records.get_mut(&s.id).and_then(|r| r.status.as_mut()) {
-                Some(e) if s.version >= e.session.version => e.session = Arc::new(s.clone()),
+                Some(e) if s.version >= e.session.version => {
+                    e.metadata = metadata;
+                    e.session = s;
+                }
                 Some(_) => {}
                 None => t.status_missed(s.id),
             }
@@ -594,6 +644,7 @@ pub(crate) fn status_entry(
     (
         session.id,
         StatusEntry {
+            metadata: MetadataStatus::of(&session),
             session: Arc::new(session),
             profile_claim,
             record: record.map(ExecutionView::from_record),

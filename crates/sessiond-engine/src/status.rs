@@ -5,14 +5,16 @@
 
 use std::sync::Arc;
 
-use sessiond_domain::{AgentProcessState, ExecutionView, SessionId, SessionStatus, TaskId};
+use sessiond_domain::{
+    AgentModes, AgentProcessState, ExecutionView, SessionId, SessionStatus, TaskId,
+};
 
 use crate::{
     error::{Error, Result},
     lease::Fencing,
     manager::SessionManager,
     recovery::queue::Queue,
-    sessions::StatusEntry,
+    sessions::{CachedModes, StatusEntry, StatusRead},
 };
 
 impl SessionManager {
@@ -25,58 +27,25 @@ impl SessionManager {
     /// execution from the executors cache, or, for a session this manager
     /// never wrote, from the record loaded with the snapshot.
     pub async fn session_status(&self, task: TaskId, session: SessionId) -> Result<SessionStatus> {
-        // While an exclusive store's pass loads its executors, answer at
-        // once from the records (a live executor is about to be recovered)
-        // instead of waiting for the load of all of them.
-        let loading = Queue(self).answers_while_loading();
-        if !loading {
-            Queue(self).queue_filled().await;
-        }
-        // Another replica's session changes under us: read what it committed.
-        let elsewhere = !Fencing(self).owns(session);
-        let (cached, cached_view) = if elsewhere {
-            (None, None)
-        } else {
-            self.inner.sessions.status_and_view(session)
+        Ok(Status(self).read(task, session).await?.0)
+    }
+
+    /// [`Self::session_status`] and [`Self::session_modes`] in one read
+    /// (GetSessionStatus): a running agent's modes come from the cache the
+    /// status was read from, with no second lookup; an agent whose modes
+    /// are not cached is asked, as `session_modes` asks it.
+    pub async fn session_status_and_modes(
+        &self,
+        task: TaskId,
+        session: SessionId,
+    ) -> Result<(SessionStatus, Option<AgentModes>)> {
+        let (status, modes) = Status(self).read(task, session).await?;
+        let modes = match modes {
+            CachedModes::Known(modes) => modes,
+            CachedModes::NoAgent => None,
+            CachedModes::Ask => self.session_modes(task, session).await?,
         };
-        let snap = match cached {
-            Some(e) => e,
-            None if elsewhere => Status(self).read_status_inputs(session).await?,
-            None => Status(self).load_status_inputs(session).await?,
-        };
-        let s = &snap.session;
-        if s.task_id != task {
-            return Err(Error::WrongTask {
-                session_id: session,
-                requested: task,
-                actual: s.task_id,
-            });
-        }
-        let view = cached_view.or(snap.record);
-        let status = sessiond_domain::session_status(s, view.as_ref(), snap.profile_claim);
-        if !elsewhere
-            && let Some(progress) = self.inner.agent_recoveries.view(
-                session,
-                self.inner.config.max_attempts,
-                self.inner.launches.place(session),
-            )
-            // An ERROR is committed a moment before the last attempt's
-            // progress is dropped: it ended the recovery already.
-            && !s.state.is_terminal()
-            && s.state != sessiond_domain::SessionState::Error
-        {
-            return Ok(status.agent_recovering(progress));
-        }
-        let recovering = if loading {
-            Queue(self).recovering_while_loading(session, view.as_ref())
-        } else {
-            Queue(self).is_recovering(session)
-        };
-        Ok(if recovering {
-            status.recovering()
-        } else {
-            status
-        })
+        Ok((status, modes))
     }
 
     /// Loads the status snapshot of every session with a live (not
@@ -114,6 +83,72 @@ impl std::ops::Deref for Status<'_> {
 }
 
 impl Status<'_> {
+    /// A session's status, and its agent's modes as far as the cache
+    /// knows them.
+    async fn read(&self, task: TaskId, session: SessionId) -> Result<(SessionStatus, CachedModes)> {
+        // While an exclusive store's pass loads its executors, answer at
+        // once from the records (a live executor is about to be recovered)
+        // instead of waiting for the load of all of them.
+        let loading = Queue(self).answers_while_loading();
+        if !loading {
+            Queue(self).queue_filled().await;
+        }
+        // Another replica's session changes under us: read what it committed.
+        let elsewhere = !Fencing(self).owns(session);
+        let read = if elsewhere {
+            StatusRead {
+                modes: CachedModes::Ask,
+                ..StatusRead::default()
+            }
+        } else {
+            self.inner.sessions.status_read(session)
+        };
+        let snap = match read.entry {
+            Some(e) => e,
+            None if elsewhere => Status(self).read_status_inputs(session).await?,
+            None => Status(self).load_status_inputs(session).await?,
+        };
+        let s = &snap.session;
+        if s.task_id != task {
+            return Err(Error::WrongTask {
+                session_id: session,
+                requested: task,
+                actual: s.task_id,
+            });
+        }
+        let view = read.view.or(snap.record);
+        let status = sessiond_domain::session_status_with(
+            s,
+            view.as_ref(),
+            snap.profile_claim,
+            snap.metadata,
+        );
+        if !elsewhere
+            && let Some(progress) = self.inner.agent_recoveries.view(
+                session,
+                self.inner.config.max_attempts,
+                || self.inner.launches.place(session),
+            )
+            // An ERROR is committed a moment before the last attempt's
+            // progress is dropped: it ended the recovery already.
+            && !s.state.is_terminal()
+            && s.state != sessiond_domain::SessionState::Error
+        {
+            return Ok((status.agent_recovering(progress), read.modes));
+        }
+        let recovering = if loading {
+            Queue(self).recovering_while_loading(session, view.as_ref())
+        } else {
+            Queue(self).is_recovering(session)
+        };
+        let status = if recovering {
+            status.recovering()
+        } else {
+            status
+        };
+        Ok((status, read.modes))
+    }
+
     /// A session's status inputs as stored now, not kept (a session another
     /// replica owns). Whether its agent runs is not stored: it is taken as
     /// running while a live lease holder keeps the executor ready and the
@@ -138,6 +173,7 @@ impl Status<'_> {
             view
         });
         Ok(StatusEntry {
+            metadata: sessiond_domain::MetadataStatus::of(&s),
             session: Arc::new(s),
             profile_claim,
             record,

@@ -963,9 +963,9 @@ impl pb::session_service_server::SessionService for Api {
         reply(
             async {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
-                let status = self.manager.session_status(task, session).await?;
-                let modes = self.manager.session_modes(task, session).await?;
-                let mut out = convert::status(&status);
+                let (status, modes) = self.manager.session_status_and_modes(task, session).await?;
+                let running = status.state == sessiond_domain::SessionState::Running;
+                let mut out = convert::status(status);
                 out.config_options = modes
                     .as_ref()
                     .map(convert::config_options)
@@ -976,7 +976,7 @@ impl pb::session_service_server::SessionService for Api {
                     .filter(|m| !m.available.is_empty())
                     .map(convert::modes);
                 // Only a turn in progress can wait on one.
-                if status.state == sessiond_domain::SessionState::Running {
+                if running {
                     out.pending_permissions = self
                         .manager
                         .pending_permissions(session)

@@ -482,7 +482,7 @@ mod parts {
     }
 }
 
-pub fn status(s: &SessionStatus) -> pb::GetSessionStatusResponse {
+pub fn status(s: SessionStatus) -> pb::GetSessionStatusResponse {
     pb::GetSessionStatusResponse {
         session_id: s.session_id.to_string(),
         task_id: s.task_id.to_string(),
@@ -492,19 +492,19 @@ pub fn status(s: &SessionStatus) -> pb::GetSessionStatusResponse {
             .executor_status
             .map_or(pb::ExecutorStatus::Unspecified, executor_status)
             as i32,
-        agent_execution_id: s.agent_execution_id.clone().unwrap_or_default(),
+        agent_execution_id: s.agent_execution_id.unwrap_or_default(),
         runtime: runtime(s.runtime) as i32,
         runtime_name: s.runtime.to_string(),
         is_agent_running: s.is_agent_running,
         is_resumable: s.is_resumable,
         needs_resume: s.needs_resume,
         resume_reason: resume_reason(s.resume_reason) as i32,
-        worktree_path: s.worktree_path.clone(),
-        worktree_branch: s.worktree_branch.clone(),
-        worktree_id: s.worktree_id.clone(),
-        worktree_repository: s.worktree_repository.clone(),
-        worktree_base: s.worktree_base.clone(),
-        error_message: s.error_message.clone().unwrap_or_default(),
+        worktree_path: s.worktree_path,
+        worktree_branch: s.worktree_branch,
+        worktree_id: s.worktree_id,
+        worktree_repository: s.worktree_repository,
+        worktree_base: s.worktree_base,
+        error_message: s.error_message.unwrap_or_default(),
         recovering: s.recovering,
         modes: None,
         pending_permissions: Vec::new(),

@@ -30,6 +30,7 @@ mod bounds;
 pub mod config;
 mod console;
 mod convert;
+mod cors;
 mod embed;
 mod error;
 mod forward;

@@ -130,7 +130,7 @@ async fn serve_until(
     let router = builder
         .accept_http1(true)
         .layer(crate::console::ConsoleLayer)
-        .layer(cors_layer(&config.cors))
+        .layer(crate::cors::BrowserCorsLayer(cors_layer(&config.cors)))
         .layer(tonic_web::GrpcWebLayer::new())
         .layer(sessiond_telemetry::GrpcTraceLayer)
         .layer(RpcMetricsLayer::new(sessiond.metrics().clone()))

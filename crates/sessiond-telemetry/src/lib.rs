@@ -36,7 +36,7 @@ use tracing::{Event, Instrument, Subscriber, instrument::Instrumented};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::{
     EnvFilter, Layer as _,
-    filter::LevelFilter,
+    filter::{FilterExt as _, LevelFilter},
     fmt::{FmtContext, FormatEvent, FormatFields, format::Writer},
     layer::SubscriberExt,
     registry::LookupSpan,
@@ -148,13 +148,34 @@ pub fn init(settings: Settings) -> Result<Telemetry, Error> {
     let tracer = provider.tracer(settings.service_name);
     // Spans at INFO and above whatever the log filter says: a quieter log
     // must not cut traces apart.
-    let otel = tracing_opentelemetry::layer()
-        .with_tracer(tracer)
-        .with_filter(LevelFilter::INFO);
+    let otel = tracing_opentelemetry::layer().with_tracer(tracer);
+    let otel = if exporting {
+        otel
+    } else {
+        // Nothing is recorded, only ids are handed on: the attributes and
+        // timings a recorded span carries are not gathered (per call, they
+        // were a tenth of a GetSessionStatus's CPU with the fields below).
+        otel.with_tracked_inactivity(false)
+            .with_threads(false)
+            .with_location(false)
+            .with_target(false)
+            .with_context_activation(false)
+    };
+    let otel = otel.with_filter(LevelFilter::INFO);
     let filter = EnvFilter::try_new(&settings.log_filter).map_err(|e| Error::Filter {
         filter: settings.log_filter.clone(),
         message: e.to_string(),
     })?;
+    // Each call's server span is part of the log lines' context only at
+    // DEBUG: formatting its fields for every call is work the default
+    // level's lines rarely use (a JSON line inside a call still carries its
+    // trace and span ids: `WithTraceIds`).
+    let with_call_spans = filter
+        .max_level_hint()
+        .is_none_or(|level| level >= LevelFilter::DEBUG);
+    let filter = filter.and(tracing_subscriber::filter::filter_fn(move |meta| {
+        with_call_spans || !is_call_span(meta)
+    }));
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let logs = if settings.log_json {
         // JSON fields too: the JSON event format parses the spans' fields.
@@ -198,8 +219,10 @@ where
     ) -> std::fmt::Result {
         let mut line = String::new();
         self.0.format_event(ctx, Writer::new(&mut line), event)?;
-        // The span's id only; its extensions are locked again below.
-        let current = ctx.lookup_current().map(|s| s.id());
+        // The span's id only; its extensions are locked again below. The
+        // dispatcher's current span, not this layer's: a call's server span
+        // is not in the log lines' context at INFO (see `init`).
+        let current = tracing::Span::current().id();
         let ids = current
             .and_then(|id| {
                 tracing::dispatcher::get_default(|d| {
@@ -270,6 +293,11 @@ pub fn server_span(path: &str, parent: opentelemetry::Context) -> tracing::Span 
         let _ = span.set_parent(parent);
     }
     span
+}
+
+/// The span [`server_span`] opens.
+fn is_call_span(meta: &tracing::Metadata<'_>) -> bool {
+    meta.is_span() && meta.name() == "grpc" && meta.target() == module_path!()
 }
 
 /// Health checks: gRPC health and agentctl's `Health`, which sessiond's
