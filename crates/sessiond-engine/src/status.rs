@@ -43,7 +43,9 @@ impl SessionManager {
         let modes = match modes {
             CachedModes::Known(modes) => modes,
             CachedModes::NoAgent => None,
-            CachedModes::Ask => self.session_modes(task, session).await?,
+            // Boxed, as the store reads below: the rare slow paths would
+            // otherwise size every status call's future (moved per poll).
+            CachedModes::Ask => Box::pin(self.session_modes(task, session)).await?,
         };
         Ok((status, modes))
     }
@@ -105,8 +107,8 @@ impl Status<'_> {
         };
         let snap = match read.entry {
             Some(e) => e,
-            None if elsewhere => Status(self).read_status_inputs(session).await?,
-            None => Status(self).load_status_inputs(session).await?,
+            None if elsewhere => Box::pin(Status(self).read_status_inputs(session)).await?,
+            None => Box::pin(Status(self).load_status_inputs(session)).await?,
         };
         let s = &snap.session;
         if s.task_id != task {

@@ -977,9 +977,7 @@ impl pb::session_service_server::SessionService for Api {
                     .map(convert::modes);
                 // Only a turn in progress can wait on one.
                 if running {
-                    out.pending_permissions = self
-                        .manager
-                        .pending_permissions(session)
+                    out.pending_permissions = Box::pin(self.manager.pending_permissions(session))
                         .await?
                         .iter()
                         .map(convert::permission_request)

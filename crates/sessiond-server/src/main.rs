@@ -47,6 +47,7 @@ fn main() -> anyhow::Result<()> {
                         .to_owned(),
                 );
             }
+            fewer_malloc_arenas();
             runtime()?.block_on(async {
                 let _telemetry = init_telemetry(&config)?;
                 let builder = sessiond_server::Sessiond::builder(config)
@@ -70,6 +71,25 @@ fn main() -> anyhow::Result<()> {
         }
     }
 }
+
+/// At most two malloc arenas, unless `MALLOC_ARENA_MAX` says otherwise:
+/// glibc gives threads that allocate at once arenas of their own (up to 8
+/// per core), which left a 10,000-session server ~20 MiB larger at its peak
+/// (the bench: 152 -> 131 MiB) for no throughput.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+fn fewer_malloc_arenas() {
+    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+        // SAFETY: sets one allocator parameter, before the runtime starts
+        // any thread; mallopt has no other effect.
+        unsafe {
+            libc::mallopt(libc::M_ARENA_MAX, 2);
+        }
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn fewer_malloc_arenas() {}
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()

@@ -173,6 +173,10 @@ pub fn init(settings: Settings) -> Result<Telemetry, Error> {
     let with_call_spans = filter
         .max_level_hint()
         .is_none_or(|level| level >= LevelFilter::DEBUG);
+    CALL_SPAN_FIELDS.store(
+        exporting || with_call_spans,
+        std::sync::atomic::Ordering::Relaxed,
+    );
     let filter = filter.and(tracing_subscriber::filter::filter_fn(move |meta| {
         with_call_spans || !is_call_span(meta)
     }));
@@ -276,24 +280,35 @@ pub fn inject_current(set: impl FnMut(&str, String)) {
 }
 
 /// A server span for the gRPC call to `path` (`/pkg.Service/Method`), the
-/// child of `parent` when that carries a valid remote span.
+/// child of `parent` when that carries a valid remote span; with the RPC's
+/// attributes when anyone reads them (`CALL_SPAN_FIELDS`).
 pub fn server_span(path: &str, parent: opentelemetry::Context) -> tracing::Span {
     let full = path.trim_start_matches('/');
     let (service, method) = full.split_once('/').unwrap_or(("", full));
-    let span = tracing::info_span!(
-        "grpc",
-        otel.name = full,
-        otel.kind = "server",
-        rpc.system = "grpc",
-        rpc.service = service,
-        rpc.method = method,
-    );
+    let span = if CALL_SPAN_FIELDS.load(std::sync::atomic::Ordering::Relaxed) {
+        tracing::info_span!(
+            "grpc",
+            otel.name = full,
+            otel.kind = "server",
+            rpc.system = "grpc",
+            rpc.service = service,
+            rpc.method = method,
+        )
+    } else {
+        tracing::info_span!("grpc")
+    };
     if parent.span().span_context().is_valid() {
         // Only fails without the OpenTelemetry layer (nothing to parent).
         let _ = span.set_parent(parent);
     }
     span
 }
+
+/// Whether [`server_span`] records the call's fields: only when spans are
+/// exported or log lines show them (see [`init`]); otherwise the span only
+/// carries the trace's ids, and recording five fields per call is a cost
+/// nobody reads.
+static CALL_SPAN_FIELDS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
 /// The span [`server_span`] opens.
 fn is_call_span(meta: &tracing::Metadata<'_>) -> bool {
