@@ -562,14 +562,19 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         let data = dir.path().join("sessiond-data");
         // SESSIOND_BENCH_WRAP (e.g. `heaptrack -o /tmp/h`): run the server
         // under a profiler; its figures then describe the profiled run.
-        let mut cmd = match std::env::var("SESSIOND_BENCH_WRAP") {
-            Ok(w) if !w.trim().is_empty() => {
+        let wrapped = std::env::var("SESSIOND_BENCH_WRAP")
+            .ok()
+            .filter(|w| !w.trim().is_empty());
+        let mut cmd = match &wrapped {
+            Some(w) => {
                 let mut words = w.split_whitespace();
                 let mut c = Command::new(words.next().unwrap_or_default());
                 c.args(words).arg(opts.bin_dir.join("sessiond"));
+                // Its own process group, ended as one (`stop_wrapped`).
+                std::os::unix::process::CommandExt::process_group(&mut c, 0);
                 c
             }
-            _ => Command::new(opts.bin_dir.join("sessiond")),
+            None => Command::new(opts.bin_dir.join("sessiond")),
         };
         cmd.args([
             "serve",
@@ -584,7 +589,7 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         .env("RUST_LOG", "warn")
         .stderr(std::fs::File::create(dir.path().join("sessiond.log"))?);
         let t = Instant::now();
-        let (server, addrs) = spawn_with_addrs(cmd, "sessiond listening on", 1)?;
+        let (mut server, addrs) = spawn_with_addrs(cmd, "sessiond listening on", 1)?;
         let addr = addrs[0].clone();
         let ready = load::wait_serving(&addr, Duration::from_secs(300)).await?;
         let after_recovery = proc_status(server.pid())?;
@@ -629,6 +634,9 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         } else {
             None
         };
+        if wrapped.is_some() {
+            stop_wrapped(&mut server);
+        }
         drop(server);
 
         let echo = echo_before.mean(&measure_echo(&exe, clients, duration).await?);
@@ -754,6 +762,25 @@ async fn run_replicas(
         say(format!("wrote the replicas section into {}", out.display()));
     }
     Ok(())
+}
+
+/// Ends a wrapped `sessiond serve` and its wrapper: SIGINT to the group
+/// (sessiond shuts down, a profiler writes its data), SIGKILL to the group
+/// after 10 s. Killing the wrapper alone left sessiond running.
+fn stop_wrapped(server: &mut ChildGuard) {
+    let group = format!("-{}", server.pid());
+    let signal = |name: &str| {
+        let _ = Command::new("kill")
+            .args([name, "--", &group])
+            .stderr(Stdio::null())
+            .status();
+    };
+    signal("-INT");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline && matches!(server.0.try_wait(), Ok(None)) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    signal("-KILL");
 }
 
 /// The bare tonic yardstick (`sessiond-bench echo`, a child process)
