@@ -268,6 +268,13 @@ struct Turn {
     session: SessionId,
 }
 
+/// A turn [`AgentManager::hold_prompt`] journaled and keeps back.
+#[derive(Debug, Clone)]
+struct Held {
+    turn_id: String,
+    message_id: String,
+}
+
 #[derive(Debug)]
 struct Slot {
     generation: u64,
@@ -287,6 +294,11 @@ struct Slot {
     running: Option<Running>,
     session: Option<SessionId>,
     turn: Option<Turn>,
+    /// A turn journaled as accepted by [`AgentManager::hold_prompt`] and
+    /// not handed to any agent: the Prompt of the same turn id starts it
+    /// without journaling it again. Replaced by the next turn held or
+    /// prompted (its journal line then stays `accepted`: never handed).
+    held: Option<Held>,
     /// A `session/resume` or `session/load` is in flight for this session:
     /// whatever it replays is dropped instead of being reported as new
     /// messages.
@@ -567,6 +579,7 @@ impl AgentManager {
                     running: None,
                     session: None,
                     turn: None,
+                    held: None,
                     replaying: None,
                     replayed: 0,
                     turns: loaded.turns,
@@ -1216,14 +1229,94 @@ impl AgentManager {
         Ok(modes)
     }
 
+    /// Journals turn `turn_id` as accepted (fsync) and keeps it back: the
+    /// agent is sent nothing until [`Self::prompt`] is called with the same
+    /// turn id, which then starts it without journaling it again. A backend
+    /// calls this while its own record of the turn is being committed, so
+    /// the journal's fsync is not on its turn's critical path; if the
+    /// backend never prompts the turn (it crashed before its commit), the
+    /// turn reaches no agent, and the journal says so.
+    ///
+    /// Checked as a Prompt is (a turn in progress, no conversation, the
+    /// blocks the agent takes); a known turn id holds nothing and answers
+    /// as [`Self::prompt`] would. Needs the journal (FAILED_PRECONDITION
+    /// without one: there is nothing to gain).
+    pub fn hold_prompt(
+        &self,
+        text: &str,
+        blocks: &[ContentBlock],
+        turn_id: String,
+    ) -> Result<Prompted> {
+        if turn_id.is_empty() {
+            return Err(Error::InvalidArgument(
+                "turn_id: a held turn needs the id its Prompt will name".into(),
+            ));
+        }
+        if !self.shared.journal.is_durable() {
+            return Err(Error::FailedPrecondition(
+                "this agentctl keeps no turn journal (--journal): there is nothing to hold".into(),
+            ));
+        }
+        if text.is_empty() && blocks.is_empty() {
+            return Err(Error::InvalidArgument("prompt text is empty".into()));
+        }
+        let instance = self.shared.updates.instance_id().to_owned();
+        let mut slot = self.shared.slot();
+        if let Some(p) = slot.known_turn(&turn_id, &instance) {
+            return Ok(p);
+        }
+        if let Some(h) = slot.held.as_ref().filter(|h| h.turn_id == turn_id) {
+            return Ok(Prompted {
+                turn_id,
+                message_id: h.message_id.clone(),
+                already_accepted: false,
+                turn_ended: false,
+                accepted_by: instance,
+                phase: Phase::Accepted,
+                end_cursor: 0,
+            });
+        }
+        slot.connection()?;
+        if slot.state == AgentState::Busy {
+            return Err(Error::FailedPrecondition(
+                "a turn is already in progress; wait for TurnEnded or Cancel".into(),
+            ));
+        }
+        if slot.session.is_none() {
+            return Err(Error::FailedPrecondition(
+                "no session; call NewSession or ResumeSession first".into(),
+            ));
+        }
+        crate::prompt::check_capabilities(blocks, slot.prompt_caps.as_ref())?;
+        let message_id = uuid::Uuid::now_v7().to_string();
+        // Under the slot lock, as every accepted line: the journal's order
+        // is the turns' order.
+        self.shared
+            .journal
+            .accepted(&turn_id, &message_id, &instance)?;
+        slot.held = Some(Held {
+            turn_id: turn_id.clone(),
+            message_id: message_id.clone(),
+        });
+        Ok(Prompted {
+            turn_id,
+            message_id,
+            already_accepted: false,
+            turn_ended: false,
+            accepted_by: instance,
+            phase: Phase::Accepted,
+            end_cursor: 0,
+        })
+    }
+
     /// Starts one turn in the background. Idempotent by `turn_id`: a turn id
     /// this process already started (in progress or among the last
     /// [`REMEMBERED_TURNS`]) starts nothing and answers as the first call did.
     ///
     /// The turn is recorded in the journal (fsync) as accepted before this
-    /// returns and as handed before the agent is sent it. With
-    /// `only_if_journaled` and no journal, nothing starts
-    /// (FAILED_PRECONDITION).
+    /// returns (already done for a turn [`Self::hold_prompt`] kept back) and
+    /// as handed before the agent is sent it. With `only_if_journaled` and
+    /// no journal, nothing starts (FAILED_PRECONDITION).
     pub fn prompt(
         &self,
         text: String,
@@ -1253,8 +1346,7 @@ impl AgentManager {
         } else {
             turn_id
         };
-        let message_id = uuid::Uuid::now_v7().to_string();
-        let (conn, session, exit_rx, pid) = {
+        let (conn, session, exit_rx, pid, message_id) = {
             let mut slot = self.shared.slot();
             // Checked again under this lock: a concurrent duplicate may
             // have started the turn since the check above.
@@ -1279,10 +1371,18 @@ impl AgentManager {
                 .map(|r| (r.exit_rx.clone(), r.pid))
                 .ok_or_else(|| Error::FailedPrecondition("no agent is running".into()))?;
             // Durable before anything else happens (under the slot lock, so
-            // the journal's order is the turns' order; no turn runs now).
-            self.shared
-                .journal
-                .accepted(&turn_id, &message_id, &instance)?;
+            // the journal's order is the turns' order; no turn runs now),
+            // unless this turn was held: its accepted line is written.
+            let message_id = match slot.held.take() {
+                Some(h) if h.turn_id == turn_id => h.message_id,
+                _ => {
+                    let message_id = uuid::Uuid::now_v7().to_string();
+                    self.shared
+                        .journal
+                        .accepted(&turn_id, &message_id, &instance)?;
+                    message_id
+                }
+            };
             slot.parts = Parts::default();
             slot.usage.turn_started();
             slot.turn = Some(Turn {
@@ -1302,7 +1402,7 @@ impl AgentManager {
                 slot.turns.pop_front();
             }
             slot.set_state(&self.shared.updates, AgentState::Busy);
-            (conn, session, exit_rx, pid)
+            (conn, session, exit_rx, pid, message_id)
         };
         self.crash_point("after-accepted", &text);
         let shared = self.shared.clone();

@@ -395,6 +395,24 @@ async fn blocking<T: Send + 'static>(
         .map_err(Status::from)
 }
 
+/// Prompt's and HoldPrompt's answer.
+fn prompted(p: crate::agent::Prompted) -> PromptResponse {
+    let phase = match p.phase {
+        Phase::Accepted => TurnPhase::Accepted,
+        Phase::Handed => TurnPhase::Handed,
+        Phase::Ended => TurnPhase::Ended,
+    };
+    PromptResponse {
+        turn_id: p.turn_id,
+        message_id: p.message_id,
+        already_accepted: p.already_accepted,
+        turn_ended: p.turn_ended,
+        accepted_by_instance: p.accepted_by,
+        phase: phase as i32,
+        end_cursor: p.end_cursor,
+    }
+}
+
 #[tonic::async_trait]
 impl AgentCtlService for AgentCtl {
     async fn health(&self, _req: Request<HealthRequest>) -> Res<HealthResponse> {
@@ -481,20 +499,14 @@ impl AgentCtlService for AgentCtl {
         let p = self
             .agent
             .prompt(r.text, blocks, r.turn_id, r.only_if_journaled)?;
-        let phase = match p.phase {
-            Phase::Accepted => TurnPhase::Accepted,
-            Phase::Handed => TurnPhase::Handed,
-            Phase::Ended => TurnPhase::Ended,
-        };
-        Ok(Response::new(PromptResponse {
-            turn_id: p.turn_id,
-            message_id: p.message_id,
-            already_accepted: p.already_accepted,
-            turn_ended: p.turn_ended,
-            accepted_by_instance: p.accepted_by,
-            phase: phase as i32,
-            end_cursor: p.end_cursor,
-        }))
+        Ok(Response::new(prompted(p)))
+    }
+
+    async fn hold_prompt(&self, req: Request<PromptRequest>) -> Res<PromptResponse> {
+        let r = req.into_inner();
+        let blocks = crate::prompt::from_proto(r.blocks)?;
+        let p = self.agent.hold_prompt(&r.text, &blocks, r.turn_id)?;
+        Ok(Response::new(prompted(p)))
     }
 
     async fn cancel(&self, _req: Request<CancelRequest>) -> Res<CancelResponse> {

@@ -2346,6 +2346,172 @@ async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
     h.assert_no_leftovers().await;
 }
 
+/// The journal lines of `kind` ("accepted", "handed") for `turn`.
+fn journal_lines(journal: &Path, kind: &str, turn: &str) -> usize {
+    lines_of(journal)
+        .iter()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["k"] == kind && v["turn"] == turn)
+        .count()
+}
+
+/// `HoldPrompt` (the backend's turn-start commit overlapping agentctl's
+/// journal write), with an agent whose tool call appends each prompt to a
+/// worktree file:
+///
+/// - a held turn is journaled accepted, leaves the agent idle and reaches
+///   it only when a Prompt names it, which writes no second accepted line
+///   and answers with the held message id; holding it again changes nothing;
+/// - a held turn no Prompt names is replaced by the next turn and reaches no
+///   agent; a Prompt naming it later starts it as a new turn;
+/// - a held turn outlives `kill -9` of agentctl as "accepted, never handed":
+///   the relaunched agentctl delivers it once when prompted;
+/// - without a journal, or without a turn id, nothing is held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_turn_reaches_the_agent_only_when_prompted() {
+    let h = Harness::new();
+    let journal = h.base.path().join("exec.journal");
+    let journal_arg = journal.to_string_lossy().into_owned();
+    let side = h.ws().join("side-effects.txt");
+    let side_s = side.to_string_lossy().into_owned();
+    let agent_env = [("ACP_DEMO_SIDE_EFFECT_FILE", side_s.as_str())];
+
+    let ctl = h.spawn(&["--journal", &journal_arg]).await;
+    let mut c = ctl.client().await;
+    c.launch_agent(h.demo(true, &agent_env))
+        .await
+        .expect("launch");
+    let token = c
+        .new_session(NewSessionRequest {})
+        .await
+        .expect("session")
+        .into_inner()
+        .resume_token;
+    let mut stream = Stream::open(&mut c, 0).await;
+
+    // 1. Held: journaled, nothing handed, the agent idle.
+    let held = c
+        .hold_prompt(turn_prompt("one", "t1", false))
+        .await
+        .expect("hold")
+        .into_inner();
+    assert!(!held.already_accepted, "{held:?}");
+    assert_eq!(held.phase, TurnPhase::Accepted as i32);
+    assert_eq!(journal_lines(&journal, "accepted", "t1"), 1);
+    let again = c
+        .hold_prompt(turn_prompt("one", "t1", false))
+        .await
+        .expect("hold again")
+        .into_inner();
+    assert_eq!(
+        again.message_id, held.message_id,
+        "holding again holds the same turn"
+    );
+    assert_eq!(health(&mut c).await.agent_state, AgentState::Ready as i32);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(lines_of(&side).is_empty(), "a held turn reaches no agent");
+    assert_eq!(journal_lines(&journal, "handed", "t1"), 0);
+
+    // 2. Prompted: started from the journal line already written.
+    let started = c
+        .prompt(turn_prompt("one", "t1", true))
+        .await
+        .expect("prompt")
+        .into_inner();
+    assert!(!started.already_accepted, "{started:?}");
+    assert_eq!(started.message_id, held.message_id);
+    let updates = stream.until_turn_end("t1").await;
+    assert_eq!(turn_end(&updates).stop_reason, "end_turn");
+    assert_eq!(lines_of(&side), ["one"]);
+    assert_eq!(
+        journal_lines(&journal, "accepted", "t1"),
+        1,
+        "not journaled twice"
+    );
+    assert_eq!(journal_lines(&journal, "handed", "t1"), 1);
+    let late = c
+        .hold_prompt(turn_prompt("one", "t1", false))
+        .await
+        .expect("hold a started turn")
+        .into_inner();
+    assert!(
+        late.already_accepted,
+        "a started turn holds nothing: {late:?}"
+    );
+
+    // 3. Replaced by the next turn; a late Prompt starts it as a new turn.
+    c.hold_prompt(turn_prompt("two", "t2", false))
+        .await
+        .expect("hold t2");
+    c.prompt(turn_prompt("three", "t3", true))
+        .await
+        .expect("prompt t3");
+    stream.until_turn_end("t3").await;
+    assert_eq!(
+        lines_of(&side),
+        ["one", "three"],
+        "the replaced turn never ran"
+    );
+    c.prompt(turn_prompt("two", "t2", true))
+        .await
+        .expect("prompt t2");
+    stream.until_turn_end("t2").await;
+    assert_eq!(lines_of(&side), ["one", "three", "two"]);
+    assert_eq!(journal_lines(&journal, "accepted", "t2"), 2);
+    drop(stream);
+
+    // 4. Held, then kill -9: accepted and never handed, so delivered once.
+    c.hold_prompt(turn_prompt("four", "t4", false))
+        .await
+        .expect("hold t4");
+    let mut ctl = ctl;
+    ctl.signal("-KILL");
+    ctl.wait_exit().await;
+    let ctl = h.spawn(&["--journal", &journal_arg]).await;
+    let mut c = ctl.client().await;
+    c.launch_agent(h.demo(true, &agent_env))
+        .await
+        .expect("launch");
+    c.resume_session(ResumeSessionRequest {
+        resume_token: token.clone(),
+    })
+    .await
+    .expect("resume");
+    let delivered = c
+        .prompt(turn_prompt("four", "t4", true))
+        .await
+        .expect("prompt t4")
+        .into_inner();
+    assert!(!delivered.already_accepted, "{delivered:?}");
+    wait_lines(&side, 4).await;
+    assert_eq!(lines_of(&side), ["one", "three", "two", "four"]);
+    let refused = c
+        .hold_prompt(turn_prompt("five", "", false))
+        .await
+        .expect_err("no turn id");
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    ctl.shutdown().await;
+
+    // 5. No journal: nothing to hold.
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    c.launch_agent(h.demo(true, &agent_env))
+        .await
+        .expect("launch");
+    c.resume_session(ResumeSessionRequest {
+        resume_token: token,
+    })
+    .await
+    .expect("resume");
+    let refused = c
+        .hold_prompt(turn_prompt("six", "t6", false))
+        .await
+        .expect_err("no journal");
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
 /// The `permission` activity parts of `updates` (rev, parsed JSON).
 fn permission_parts(updates: &[AgentUpdate]) -> Vec<(u64, serde_json::Value)> {
     updates

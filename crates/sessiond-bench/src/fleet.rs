@@ -257,6 +257,12 @@ impl AgentCtlService for Fleet {
 
     /// Accepted and never answered (the update stream stays silent): what
     /// the availability bench times is sessiond answering SendMessage.
+    async fn hold_prompt(&self, _req: Request<pb::PromptRequest>) -> Res<pb::PromptResponse> {
+        Err(Status::failed_precondition(
+            "the bench fleet keeps no turn journal: there is nothing to hold",
+        ))
+    }
+
     async fn prompt(&self, req: Request<pb::PromptRequest>) -> Res<pb::PromptResponse> {
         let id = Self::identity(&req)?;
         if !self.agent_running(&id) {

@@ -138,7 +138,7 @@ options:
   --rss-sessions N       sessions of the `sessiond serve` memory row (10000)
   --load-secs S          GetSessionStatus load duration (5)
   --no-idle              leave out the idle-CPU window (~50 s)
-  --turns N              turns on the turn path (50; 0 skips)
+  --turns N              turns on the turn path, per store (50; 0 skips)
   --only-turns           only the turn path
   --n N                  sessions of the availability measurement (10000; 0 skips)
   --pairs P              pass pairs with / without the recovery queue (2)
@@ -342,16 +342,29 @@ fn say(msg: impl AsRef<str>) {
     eprintln!("bench: {}", msg.as_ref());
 }
 
-/// The turn path (see `turn.rs`): printed, and written between its own
-/// markers.
+/// The turn path (see `turn.rs`) on SQLite and, unless `--no-postgres`,
+/// on PostgreSQL: printed, and written between its own markers.
 async fn run_turns(opts: &Opts, dir: &Path) -> anyhow::Result<()> {
-    let db = new_db("sqlite", dir, None)?;
-    let store = recovery::open(&db.url()).await?;
-    let tdir = dir.join("turns");
-    std::fs::create_dir_all(&tdir)?;
-    let row = turn::measure(&store, &opts.bin_dir, &tdir, opts.turns).await?;
-    say(report::turn_line(&row));
-    let text = report::render_turn(&row, &opts.command);
+    let mut rows = Vec::new();
+    let (pg_url, _cluster) = if opts.postgres {
+        let (url, cluster) = postgres().await?;
+        (Some(url), cluster)
+    } else {
+        (None, None)
+    };
+    for backend in ["sqlite", "postgres"] {
+        if backend == "postgres" && pg_url.is_none() {
+            continue;
+        }
+        let db = new_db(backend, dir, pg_url.as_deref())?;
+        let store = recovery::open(&db.url()).await?;
+        let tdir = dir.join(format!("turns-{backend}"));
+        std::fs::create_dir_all(&tdir)?;
+        let row = turn::measure(&store, &opts.bin_dir, &tdir, opts.turns).await?;
+        say(report::turn_line(backend, &row));
+        rows.push((backend, row));
+    }
+    let text = report::render_turn(&rows, &opts.command);
     #[allow(clippy::print_stdout)]
     {
         println!("{text}");

@@ -106,9 +106,9 @@ pub fn status_line(s: &StatusRow) -> String {
     )
 }
 
-pub fn turn_line(t: &TurnRow) -> String {
+pub fn turn_line(backend: &str, t: &TurnRow) -> String {
     format!(
-        "turn path, {} turns: SendMessage -> first chunk at a watcher p50 {} p99 {} vs Prompt -> first chunk straight from agentctl p50 {} p99 {} = {:.2}x at p50",
+        "turn path ({backend}), {} turns: SendMessage -> first chunk at a watcher p50 {} p99 {} vs Prompt -> first chunk straight from agentctl p50 {} p99 {} = {:.2}x at p50",
         t.turns,
         ms(t.sessiond_p50),
         ms(t.sessiond_p99),
@@ -118,8 +118,9 @@ pub fn turn_line(t: &TurnRow) -> String {
     )
 }
 
-/// The turn-path section (between [`TURN_BEGIN`] and [`TURN_END`]).
-pub fn render_turn(t: &TurnRow, command: &str) -> String {
+/// The turn-path section (between [`TURN_BEGIN`] and [`TURN_END`]): one
+/// pair of rows per store backend.
+pub fn render_turn(rows: &[(&str, TurnRow)], command: &str) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
@@ -130,25 +131,32 @@ pub fn render_turn(t: &TurnRow, command: &str) -> String {
     let _ = writeln!(o);
     let _ = writeln!(
         o,
-        "| path | turns | p50 | p99 |\n|---|---:|---:|---:|\n\
-         | `SendMessage` -> first agent chunk at a `watch_session` subscriber (journaled turn) | {} | {} | {} |\n\
-         | the same prompt straight to agentctl: `Prompt` -> first chunk on `StreamUpdates` | {} | {} | {} |",
-        t.turns,
-        ms(t.sessiond_p50),
-        ms(t.sessiond_p99),
-        t.turns,
-        ms(t.direct_p50),
-        ms(t.direct_p99)
+        "| store | path | turns | p50 | p99 |\n|---|---|---:|---:|---:|"
     );
+    for (backend, t) in rows {
+        let _ = writeln!(
+            o,
+            "| {backend} | `SendMessage` -> first agent chunk at a `watch_session` subscriber (journaled turn) | {} | {} | {} |\n\
+             | {backend} | the same prompt straight to agentctl: `Prompt` -> first chunk on `StreamUpdates` | {} | {} | {} |",
+            t.turns,
+            ms(t.sessiond_p50),
+            ms(t.sessiond_p99),
+            t.turns,
+            ms(t.direct_p50),
+            ms(t.direct_p99)
+        );
+    }
     let _ = writeln!(o);
-    let _ = writeln!(
-        o,
-        "- Ratio at p50: {:.2}x (target <= {TURN_P50}x: {}); at p99: {:.2}x (target <= {TURN_P99}x: {})",
-        t.ratio(),
-        verdict(t.ratio() <= TURN_P50),
-        t.ratio_p99(),
-        verdict(t.ratio_p99() <= TURN_P99)
-    );
+    for (backend, t) in rows {
+        let _ = writeln!(
+            o,
+            "- {backend}: ratio at p50 {:.2}x (target <= {TURN_P50}x: {}); at p99 {:.2}x (target <= {TURN_P99}x: {})",
+            t.ratio(),
+            verdict(t.ratio() <= TURN_P50),
+            t.ratio_p99(),
+            verdict(t.ratio_p99() <= TURN_P99)
+        );
+    }
     o
 }
 

@@ -478,6 +478,18 @@ impl Sessions {
         self.table().record(session).parked = Some(parked);
     }
 
+    /// The session row as this manager last committed or loaded it (the
+    /// status snapshot), if the snapshot holds it. It may be older than the
+    /// store (another writer, another replica): a write based on it is
+    /// version-checked.
+    pub fn committed_session(&self, session: SessionId) -> Option<Arc<Session>> {
+        self.table()
+            .records
+            .get(&session)
+            .and_then(|r| r.status.as_ref())
+            .map(|e| e.session.clone())
+    }
+
     /// The agentctl instance a parked session's cursor belongs to.
     pub fn parked_instance(&self, session: SessionId) -> Option<String> {
         self.table()

@@ -847,6 +847,19 @@ impl AgentctlClient {
         .await
     }
 
+    /// `HoldPrompt`: journals the turn and keeps it back until
+    /// [`Self::prompt`] names it (see the proto). An agentctl built before
+    /// the method answers UNIMPLEMENTED and holds nothing.
+    pub async fn hold_prompt(&self, request: pb::PromptRequest) -> Result<pb::PromptResponse> {
+        self.unary(
+            "HoldPrompt",
+            self.call_timeout,
+            request,
+            |mut c, r| async move { c.hold_prompt(r).await },
+        )
+        .await
+    }
+
     /// `Cancel`; false when no turn was in progress.
     pub async fn cancel(&self) -> Result<bool> {
         let resp = self

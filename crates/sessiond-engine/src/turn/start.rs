@@ -229,7 +229,28 @@ impl Turns<'_> {
         let recovered = t.elapsed();
         let _guard = self.inner.sessions.lock(session_id).await;
         let locked = t.elapsed();
+        // The status snapshot holds the session as last committed: a plain
+        // message to a session waiting for input starts its turn from it,
+        // with no store read. A copy older than the store fails the turn
+        // start's version check (nothing written, nothing prompted) and the
+        // session is read again.
+        let snapshot = attachments
+            .is_empty()
+            .then(|| self.inner.sessions.committed_session(session_id))
+            .flatten()
+            .filter(|s| {
+                s.state == SessionState::WaitingForInput && !crate::turn::queued::queued_ahead(s)
+            });
         let sent = async {
+            if let Some(s) = snapshot {
+                let started = self
+                    .start_turn_from(Session::clone(&s), text, None, Vec::new(), true)
+                    .await?;
+                if let Some(m) = started {
+                    return Ok(crate::Sent::Started(m));
+                }
+                tracing::debug!(%session_id, "the status snapshot was older than the store; reading the session");
+            }
             let session = self.inner.store.get_session(session_id).await?;
             if queue && attachments.is_empty() && crate::turn::queued::waits_behind_a_turn(&session)
             {
@@ -338,6 +359,27 @@ impl Turns<'_> {
         from_queue: Option<MessageId>,
         attachments: Vec<crate::Attachment>,
     ) -> Result<Message> {
+        self.start_turn_from(session, text, from_queue, attachments, false)
+            .await?
+            .ok_or_else(|| Error::Internal("a turn start from the store found it stale".into()))
+    }
+
+    /// [`Self::start_turn_as`]. `snapshot`: `session` is the status
+    /// snapshot's copy; if the store has a newer version, nothing is
+    /// written or prompted and the answer is `None` (read it, try again).
+    ///
+    /// The turn is held at agentctl (`HoldPrompt`: journaled, not handed to
+    /// the agent) while its intent commits, and prompted once the commit is
+    /// done: the agent sees it only after both, as before, but the journal's
+    /// fsync no longer follows the commit.
+    async fn start_turn_from(
+        &self,
+        session: Session,
+        text: &str,
+        from_queue: Option<MessageId>,
+        attachments: Vec<crate::Attachment>,
+        snapshot: bool,
+    ) -> Result<Option<Message>> {
         let session_id = session.id;
         let execution = self.execution(session_id);
         let Some(execution) = execution.filter(|e| {
@@ -420,7 +462,24 @@ impl Turns<'_> {
             change = change.event(session_id, ev);
         }
         change = change.task_event(session.task_id, TaskEvent::WorkStarted);
-        let committed = self.commit(change).await?;
+        let client = Agents(self).client(&record)?;
+        let request = pb::PromptRequest {
+            text: text.to_owned(),
+            turn_id: turn_id.clone(),
+            blocks,
+            ..Default::default()
+        };
+        // Attachments' bytes are not sent twice: such a turn is journaled by
+        // its Prompt.
+        if request.blocks.is_empty() {
+            self.hold_prompt(&client, request.clone());
+        }
+        let committed = match self.commit(change).await {
+            Err(Error::Conflict {
+                entity: "session", ..
+            }) if snapshot => return Ok(None),
+            committed => committed?,
+        };
         tracing::debug!(%session_id, "turn start committed; prompting");
         let stored = committed
             .messages
@@ -440,7 +499,6 @@ impl Turns<'_> {
         #[cfg(feature = "failpoints")]
         fail::fail_point!("prompt-after-commit");
 
-        let client = Agents(self).client(&record)?;
         // Timed from just before the Prompt: its first chunk can beat the reply.
         self.inner.metrics.turn_started(session_id);
         // The client side of agentctl's Prompt span; its trace context
@@ -454,16 +512,7 @@ impl Turns<'_> {
             rpc.method = "Prompt",
             turn_id = %turn_id,
         );
-        let prompted = tracing::Instrument::instrument(
-            client.prompt(pb::PromptRequest {
-                text: text.to_owned(),
-                turn_id: turn_id.clone(),
-                blocks,
-                ..Default::default()
-            }),
-            span,
-        )
-        .await;
+        let prompted = tracing::Instrument::instrument(client.prompt(request), span).await;
         if let Err(failed) = prompted {
             if Fencing(self).executor_refused(session_id, &failed) {
                 // Another replica adopted the session: it settles this turn.
@@ -510,7 +559,26 @@ impl Turns<'_> {
             return Err(e);
         }
         tracing::info!(session = %session_id, turn_id = %stored.id, "message sent; the agent's turn started");
-        Ok(stored)
+        Ok(Some(stored))
+    }
+
+    /// Sends `HoldPrompt` in the background: agentctl journals the turn
+    /// while its intent commits here, and the Prompt that follows the commit
+    /// finds it journaled. Only an optimization: the Prompt carries the
+    /// whole turn either way, and a hold that fails, arrives late (then it
+    /// finds the turn started and holds nothing) or is never followed by a
+    /// Prompt (the commit failed) hands nothing to the agent.
+    fn hold_prompt(&self, client: &sessiond_executor::AgentctlClient, request: pb::PromptRequest) {
+        let client = client.clone();
+        let span = tracing::debug_span!("agentctl_hold_prompt", turn_id = %request.turn_id);
+        tokio::spawn(tracing::Instrument::instrument(
+            async move {
+                if let Err(e) = client.hold_prompt(request).await {
+                    tracing::debug!(error = %e, "HoldPrompt refused; the Prompt journals the turn itself");
+                }
+            },
+            span,
+        ));
     }
 
     /// A failed call came from agentctl being gone rather than from an

@@ -70,6 +70,48 @@ async fn restart_reattaches_postgres() {
     restart_reattaches(Db::Postgres).await;
 }
 
+/// A turn starts from the status snapshot's copy of the session (no store
+/// read) when it has one; a copy older than the store (a write this manager
+/// did not make) fails the turn start's version check, and the turn starts
+/// from the stored session instead: sent once, the other write kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_from_a_stale_status_snapshot_reads_the_session_again() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "a").await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    // In the snapshot (a status read keeps it), then changed behind it.
+    w.status(&mgr, s.id).await;
+    let mut stored = w.store.get_session(s.id).await.unwrap();
+    stored
+        .metadata
+        .insert("written_elsewhere".into(), "kept".into());
+    w.store
+        .commit(sessiond_store::Changeset::new().update_session(stored))
+        .await
+        .unwrap();
+
+    let reply = w.prompt(&mgr, s.id, "two").await;
+    assert_eq!(reply, expected_reply(2, &token, "two"));
+    let after = w.store.get_session(s.id).await.unwrap();
+    assert_eq!(
+        after.metadata.get("written_elsewhere").map(String::as_str),
+        Some("kept")
+    );
+    let users = w
+        .messages(s.id)
+        .await
+        .into_iter()
+        .filter(|m| m.role == sessiond_domain::MessageRole::User && m.content == "two")
+        .count();
+    assert_eq!(users, 1, "the turn was stored once");
+    // From the snapshot again (it holds what the turn committed).
+    let reply = w.prompt(&mgr, s.id, "three").await;
+    assert_eq!(reply, expected_reply(3, &token, "three"));
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// agentctl (and its agent) killed while the backend is down: a new
 /// agentctl (generation + 1), the agent resumed from its token via
 /// session/load; the conversation continues.

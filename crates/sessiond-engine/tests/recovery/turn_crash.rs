@@ -491,6 +491,107 @@ async fn remote_restart_while_the_backend_runs_ends_the_turn() {
     w.finish(&mgr, &[]).await;
 }
 
+/// sessiond dies with turn two held at the remote host's agentctl
+/// (`HoldPrompt`: journaled, not handed), which keeps running: before the
+/// turn's commit (`committed` false: no one will ever prompt it) or after
+/// it, before the Prompt. The restarted backend delivers a committed held
+/// turn exactly once (its Prompt starts the held turn, journaled once);
+/// an uncommitted one never reaches the agent, and the conversation goes on.
+async fn remote_backend_restart_with_a_held_turn(committed: bool) {
+    let w = World::new(Db::Sqlite).await;
+    let files = TurnFiles::in_dir(w.dir.path());
+    let env = files.agent_env();
+    let profile = w.demo_profile("turns", &as_refs(&env)).await;
+    let spot = RemoteSpot::at(&w.worktree("remote").path);
+    let journal = w.path("remote-agentctl.journal");
+    let host = RemoteHost::start_with(&w, &spot, Some(&journal), &[]).await;
+    let mgr = w.manager();
+    let s = spot.create(&w, &mgr, &profile, &host).await;
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+
+    let client = w.agentctl(&w.record(s.id).await);
+    let turn_id = if committed {
+        let two = commit_user_message(&w, &s, "two").await;
+        // As the turn start records it: the agentctl process known alive
+        // before the Prompt, whose journal then covers the turn.
+        let instance = client.health().await.unwrap().instance_id;
+        let mut running = w.store.get_session(s.id).await.unwrap();
+        running.metadata.insert("turn_instance".into(), instance);
+        w.store
+            .commit(sessiond_store::Changeset::new().update_session(running))
+            .await
+            .unwrap();
+        two.id.to_string()
+    } else {
+        sessiond_domain::MessageId::new().to_string()
+    };
+    let held = client
+        .hold_prompt(pb::PromptRequest {
+            text: "two".into(),
+            turn_id: turn_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(!held.already_accepted, "{held:?}");
+    let journal_lines = |kind: &str| {
+        lines(&journal)
+            .iter()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["k"] == kind && v["turn"] == turn_id.as_str())
+            .count()
+    };
+    assert_eq!(journal_lines("accepted"), 1);
+
+    let mgr = w.manager();
+    mgr.recovery().recover_all().await.unwrap();
+    if committed {
+        assert_turn_two_ended(Point::BeforePrompt, &w, &mgr, &s, &files.side, || {
+            transcript(&w, &s)
+        })
+        .await;
+        assert_eq!(
+            journal_lines("accepted"),
+            1,
+            "the held line served the Prompt"
+        );
+        assert_eq!(journal_lines("handed"), 1);
+    } else {
+        w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
+            .await;
+        w.prompt(&mgr, s.id, "three").await;
+        let side = lines(&files.side);
+        assert!(
+            !side.iter().any(|l| l == "two"),
+            "a held turn never committed ran: {side:?}"
+        );
+        assert_eq!(side.iter().filter(|l| *l == "three").count(), 1);
+        assert_eq!(journal_lines("handed"), 0);
+        let agent_turns = transcript(&w, &s);
+        assert!(
+            agent_turns.iter().all(|(p, _)| p != "two"),
+            "{agent_turns:?}"
+        );
+        assert_conversation_whole(&agent_turns, &w.messages(s.id).await);
+        assert_events_sound(&w.events(s.id).await);
+    }
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    host.kill().await;
+    w.finish(&mgr, &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_backend_restart_delivers_a_committed_held_turn_once() {
+    remote_backend_restart_with_a_held_turn(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_backend_restart_never_runs_an_uncommitted_held_turn() {
+    remote_backend_restart_with_a_held_turn(false).await;
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Local {
     Standalone,
