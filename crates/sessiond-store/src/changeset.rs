@@ -351,29 +351,34 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
             }
             _ => None,
         };
-        let n = match state {
+        // The counter as advanced comes back with the update: one statement.
+        let last: Option<i64> = match state {
             Some(state) => diesel::update(target.clone())
                 .set((
                     tasks::state.eq(state.as_str()),
                     tasks::updated_at.eq(now),
                     tasks::last_event_seq.eq(tasks::last_event_seq + k),
                 ))
-                .execute(conn)?,
+                .returning(tasks::last_event_seq)
+                .get_result(conn)
+                .optional()?,
             _ => diesel::update(target.clone())
                 .set(tasks::last_event_seq.eq(tasks::last_event_seq + k))
-                .execute(conn)?,
+                .returning(tasks::last_event_seq)
+                .get_result(conn)
+                .optional()?,
         };
-        if n == 0 {
+        let Some(last) = last else {
             return Err(Error::not_found("task", t));
-        }
+        };
         if k > 0 {
-            let last: i64 = target.select(tasks::last_event_seq).get_result(conn)?;
             next_task_seq.insert(t, last - k + 1);
         }
     }
 
     // 2. Session rows, in id order: the versioned update and the counters.
     let mut next_seq: HashMap<SessionId, Need> = HashMap::new();
+    let mut written_session: Option<SessionRow> = None;
     let mut session_ids: BTreeSet<SessionId> = need.keys().copied().collect();
     if let Some(s) = &change.session {
         session_ids.insert(s.id);
@@ -385,17 +390,25 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
             task_sessions::last_event_seq.eq(task_sessions::last_event_seq + n.events),
             task_sessions::last_message_seq.eq(task_sessions::last_message_seq + n.messages),
         );
-        match change.session.as_ref().filter(|s| s.id == sid) {
+        let seqs = (
+            task_sessions::last_event_seq,
+            task_sessions::last_message_seq,
+        );
+        // The counters as advanced come back with the update: one statement.
+        let advanced: (i64, i64) = match change.session.as_ref().filter(|s| s.id == sid) {
             Some(s) => {
-                let written =
+                // The row as written comes back too: the caller's copy.
+                let written: Option<(SessionRow, i64, i64)> =
                     diesel::update(target.clone().filter(task_sessions::version.eq(s.version)))
                         .set((
                             SessionChanges::from_domain(s, now),
                             task_sessions::version.eq(task_sessions::version + 1),
                             counters,
                         ))
-                        .execute(conn)?;
-                if written == 0 {
+                        .returning((session_columns(), seqs.0, seqs.1))
+                        .get_result(conn)
+                        .optional()?;
+                let Some((row, events, messages)) = written else {
                     let actual: Option<i64> = target
                         .select(task_sessions::version)
                         .get_result(conn)
@@ -409,22 +422,21 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
                             actual_version,
                         },
                     });
-                }
+                };
+                written_session = Some(row);
+                (events, messages)
             }
             None => {
-                let written = diesel::update(target.clone()).set(counters).execute(conn)?;
-                if written == 0 {
-                    return Err(Error::not_found("session", sid));
-                }
+                let written: Option<(i64, i64)> = diesel::update(target.clone())
+                    .set(counters)
+                    .returning(seqs)
+                    .get_result(conn)
+                    .optional()?;
+                written.ok_or_else(|| Error::not_found("session", sid))?
             }
-        }
+        };
         if n.events + n.messages > 0 {
-            let (last_event, last_message): (i64, i64) = target
-                .select((
-                    task_sessions::last_event_seq,
-                    task_sessions::last_message_seq,
-                ))
-                .get_result(conn)?;
+            let (last_event, last_message) = advanced;
             next_seq.insert(
                 sid,
                 Need {
@@ -597,15 +609,20 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
     }
 
     // 6. Read back what the caller will hold.
-    let session = match &change.session {
-        Some(s) => Some(
-            task_sessions::table
-                .find(s.id.to_string())
-                .select(SessionRow::as_select())
-                .get_result(conn)?
-                .into_domain()?,
-        ),
-        None => None,
+    // The updated row, unless this changeset also wrote its title after it.
+    let session = match (&change.session, written_session) {
+        (Some(s), written) => {
+            let titled = change.title.as_ref().is_some_and(|(t, _, _)| *t == s.id);
+            let row = match written {
+                Some(row) if !titled => row,
+                _ => task_sessions::table
+                    .find(s.id.to_string())
+                    .select(SessionRow::as_select())
+                    .get_result(conn)?,
+            };
+            Some(row.into_domain()?)
+        }
+        (None, _) => None,
     };
     let executor = match executor {
         Some(id) => Some(load_executor(conn, id)?),
@@ -617,6 +634,57 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
         messages,
         events,
     })
+}
+
+/// [`SessionRow`]'s columns, in its field order.
+type SessionColumns = (
+    task_sessions::id,
+    task_sessions::task_id,
+    task_sessions::state,
+    task_sessions::agent_profile_id,
+    task_sessions::agent_execution_id,
+    task_sessions::runtime,
+    task_sessions::executor_id,
+    task_sessions::worktree_id,
+    task_sessions::worktree_path,
+    task_sessions::worktree_branch,
+    task_sessions::worktree_repository,
+    task_sessions::worktree_base,
+    task_sessions::metadata,
+    task_sessions::error_message,
+    task_sessions::version,
+    task_sessions::created_at,
+    task_sessions::updated_at,
+    task_sessions::title,
+    task_sessions::title_source,
+);
+
+/// [`SessionRow`]'s columns in its field order, for a `RETURNING` clause
+/// (diesel's `as_returning` does not reach through our multi-backend
+/// connection).
+fn session_columns() -> SessionColumns {
+    use task_sessions as t;
+    (
+        t::id,
+        t::task_id,
+        t::state,
+        t::agent_profile_id,
+        t::agent_execution_id,
+        t::runtime,
+        t::executor_id,
+        t::worktree_id,
+        t::worktree_path,
+        t::worktree_branch,
+        t::worktree_repository,
+        t::worktree_base,
+        t::metadata,
+        t::error_message,
+        t::version,
+        t::created_at,
+        t::updated_at,
+        t::title,
+        t::title_source,
+    )
 }
 
 /// The lease check of [`Changeset::fenced`]. A no-op `UPDATE` filtered on

@@ -259,6 +259,62 @@ mod suite {
         assert!(err.is_not_found(), "{err}");
     }
 
+    /// The session a commit hands back (the row its update returned) is the
+    /// stored row, field by field: every text column holds a different
+    /// value, so two columns read in each other's place would show.
+    pub async fn a_committed_session_is_the_stored_row(store: &Store) {
+        let t = store.create_task(&task("returned")).await.unwrap();
+        let p = store
+            .upsert_agent_profile(&profile(&format!("demo-{}", TaskId::new())))
+            .await
+            .unwrap();
+        let (created, _) = store
+            .create_session(&session(&t, &p), Vec::new())
+            .await
+            .unwrap();
+        store
+            .set_session_title(created.id, "a title".into(), TitleSource::User)
+            .await
+            .unwrap();
+        let mut changed = store.get_session(created.id).await.unwrap();
+        changed.state = SessionState::Error;
+        changed.agent_execution_id = Some("execution-x".into());
+        changed.runtime = Runtime::Remote;
+        changed.executor_id = Some(ExecutorId::new());
+        changed.worktree = Worktree {
+            id: "wt-id".into(),
+            path: "/wt/path".into(),
+            branch: "wt-branch".into(),
+            repository: "/wt/repository".into(),
+            base: "wt-base".into(),
+        };
+        changed.resume_token = Some("token-x".into());
+        changed.metadata.insert("k".into(), "v".into());
+        changed.error_message = Some("an error".into());
+        let committed = store
+            .commit(Changeset::new().update_session(changed).event(
+                created.id,
+                state_changed(SessionState::Created, SessionState::Error),
+            ))
+            .await
+            .unwrap();
+        let stored = store.get_session(created.id).await.unwrap();
+        assert_eq!(committed.session, Some(stored.clone()));
+        assert_eq!(stored.title, "a title");
+        assert_eq!(stored.worktree.branch, "wt-branch");
+        assert_eq!(stored.error_message.as_deref(), Some("an error"));
+        // With its title written in the same changeset: the title is there.
+        let committed = store
+            .commit(Changeset::new().update_session(stored).set_title(
+                created.id,
+                "renamed".into(),
+                TitleSource::User,
+            ))
+            .await
+            .unwrap();
+        assert_eq!(committed.session.unwrap().title, "renamed");
+    }
+
     /// A session created with its intent is stored with it or not at all.
     pub async fn session_created_with_its_intent_or_not_at_all(store: &Store) {
         let t = store.create_task(&task("atomic")).await.unwrap();
@@ -1926,6 +1982,7 @@ macro_rules! store_tests {
             store_test!($backend, sessions_crud);
             store_test!($backend, session_titles_by_source);
             store_test!($backend, session_created_with_its_intent_or_not_at_all);
+            store_test!($backend, a_committed_session_is_the_stored_row);
             store_test!($backend, executors_crud);
             store_test!($backend, custom_runtimes_round_trip);
             store_test!($backend, recoverable_executors_filter_by_status);
