@@ -282,7 +282,11 @@ struct Need {
 /// created_at, and the lease (owner, expiry, epoch).
 type KeptColumns = (String, String, Ts, Option<String>, Option<Ts>, i64);
 
-pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Committed> {
+pub(crate) fn apply(
+    conn: &mut AnyConnection,
+    change: Changeset,
+    tasks: &SessionTasks,
+) -> Result<Committed> {
     let now = Ts::new(crate::conn::now());
 
     // Which task each involved session belongs to (immutable, read unlocked).
@@ -307,7 +311,15 @@ pub(crate) fn apply(conn: &mut AnyConnection, change: Changeset) -> Result<Commi
         .chain(update_targets.iter().map(|(_, s)| *s))
         .collect::<BTreeSet<_>>();
     for sid in involved {
-        task_of.insert(sid, session_task(conn, sid)?);
+        let task = match tasks.get(sid) {
+            Some(task) => task,
+            None => {
+                let task = session_task(conn, sid)?;
+                tasks.insert(sid, task);
+                task
+            }
+        };
+        task_of.insert(sid, task);
     }
     for m in &change.new_messages {
         if m.task_id != task_of[&m.session_id] {
@@ -728,6 +740,39 @@ pub(crate) fn check_fence(
         current_owner,
         current_epoch,
     })
+}
+
+/// Which task each session belongs to, as commits have read it: a
+/// session's task never changes, so a commit reads it once per session
+/// instead of once per commit. A session whose row a rolled-back
+/// transaction had inserted may stay here: a later commit naming it
+/// updates its row (or one of its messages, which cannot exist), which
+/// reports it missing. Bounded: full, it starts over.
+#[derive(Debug, Default)]
+pub(crate) struct SessionTasks(std::sync::Mutex<HashMap<SessionId, TaskId>>);
+
+/// Sessions [`SessionTasks`] remembers at most (about 3 MiB).
+const SESSION_TASKS_MAX: usize = 65_536;
+
+impl SessionTasks {
+    fn get(&self, session: SessionId) -> Option<TaskId> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&session)
+            .copied()
+    }
+
+    fn insert(&self, session: SessionId, task: TaskId) {
+        let mut map = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if map.len() >= SESSION_TASKS_MAX {
+            map.clear();
+        }
+        map.insert(session, task);
+    }
 }
 
 pub(crate) fn session_task(conn: &mut AnyConnection, sid: SessionId) -> Result<TaskId> {

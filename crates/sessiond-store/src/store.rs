@@ -143,6 +143,8 @@ pub struct Store {
     pub(crate) target: Arc<str>,
     /// Whether the database is known to be unreachable right now.
     health: Arc<Health>,
+    /// Which task each session belongs to, as commits read it.
+    tasks: Arc<changeset::SessionTasks>,
 }
 
 /// While the database is known down, a checkout waits at most this long
@@ -320,6 +322,7 @@ impl Store {
                 origin: Arc::default(),
                 target: target.into(),
                 health,
+                tasks: Arc::default(),
             };
             if opts.migrate {
                 let mut conn = store.pool.get()?;
@@ -507,13 +510,14 @@ impl Store {
         row.version = 1;
         let (sid, task, profile) = (session.id, session.task_id, session.agent_profile_id);
         let origin = self.origin.clone();
+        let tasks = self.tasks.clone();
         self.write(move |c| {
             check_session_parents(c, task, profile)?;
             diesel::insert_into(task_sessions::table)
                 .values(&row)
                 .execute(c)
                 .map_err(|e| on_unique(e, "session", |_| sid.to_string()))?;
-            let committed = changeset::apply(c, then)?;
+            let committed = changeset::apply(c, then, &tasks)?;
             crate::events::notify(c, origin.get().map(String::as_str), &committed.events)?;
             Ok((row.into_domain()?, committed))
         })
@@ -987,8 +991,9 @@ impl Store {
             return Ok(Committed::default());
         }
         let origin = self.origin.clone();
+        let tasks = self.tasks.clone();
         self.write(move |c| {
-            let done = changeset::apply(c, change)?;
+            let done = changeset::apply(c, change, &tasks)?;
             crate::events::notify(c, origin.get().map(String::as_str), &done.events)?;
             Ok(done)
         })
@@ -1006,6 +1011,7 @@ impl Store {
             return Ok(Vec::new());
         }
         let origin = self.origin.clone();
+        let tasks = self.tasks.clone();
         self.write(move |c| {
             let mut out = Vec::with_capacity(changes.len());
             for change in changes {
@@ -1014,7 +1020,7 @@ impl Store {
                     continue;
                 }
                 c.batch_execute("SAVEPOINT batch_item")?;
-                match changeset::apply(c, change).and_then(|done| {
+                match changeset::apply(c, change, &tasks).and_then(|done| {
                     crate::events::notify(c, origin.get().map(String::as_str), &done.events)?;
                     Ok(done)
                 }) {
