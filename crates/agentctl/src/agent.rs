@@ -468,6 +468,26 @@ impl Slot {
         )
     }
 
+    /// Whether a turn with `blocks` can start now (a running agent, no
+    /// turn in progress, an open conversation taking such blocks): its
+    /// connection and conversation, else FAILED_PRECONDITION or
+    /// INVALID_ARGUMENT saying why. Prompt's and HoldPrompt's check.
+    fn ready_for_turn(&self, blocks: &[ContentBlock]) -> Result<(ConnectionTo<Agent>, SessionId)> {
+        let conn = self.connection()?;
+        if self.state == AgentState::Busy {
+            return Err(Error::FailedPrecondition(
+                "a turn is already in progress; wait for TurnEnded or Cancel".into(),
+            ));
+        }
+        let Some(session) = self.session.clone() else {
+            return Err(Error::FailedPrecondition(
+                "no session; call NewSession or ResumeSession first".into(),
+            ));
+        };
+        crate::prompt::check_capabilities(blocks, self.prompt_caps.as_ref())?;
+        Ok((conn, session))
+    }
+
     /// The connection of a running, initialized agent.
     fn connection(&self) -> Result<ConnectionTo<Agent>> {
         match (&self.state, &self.running) {
@@ -1276,18 +1296,7 @@ impl AgentManager {
                 end_cursor: 0,
             });
         }
-        slot.connection()?;
-        if slot.state == AgentState::Busy {
-            return Err(Error::FailedPrecondition(
-                "a turn is already in progress; wait for TurnEnded or Cancel".into(),
-            ));
-        }
-        if slot.session.is_none() {
-            return Err(Error::FailedPrecondition(
-                "no session; call NewSession or ResumeSession first".into(),
-            ));
-        }
-        crate::prompt::check_capabilities(blocks, slot.prompt_caps.as_ref())?;
+        slot.ready_for_turn(blocks)?;
         let message_id = uuid::Uuid::now_v7().to_string();
         // Under the slot lock, as every accepted line: the journal's order
         // is the turns' order.
@@ -1353,18 +1362,7 @@ impl AgentManager {
             if let Some(p) = slot.known_turn(&turn_id, &instance) {
                 return Ok(p);
             }
-            let conn = slot.connection()?;
-            if slot.state == AgentState::Busy {
-                return Err(Error::FailedPrecondition(
-                    "a turn is already in progress; wait for TurnEnded or Cancel".into(),
-                ));
-            }
-            let Some(session) = slot.session.clone() else {
-                return Err(Error::FailedPrecondition(
-                    "no session; call NewSession or ResumeSession first".into(),
-                ));
-            };
-            crate::prompt::check_capabilities(&blocks, slot.prompt_caps.as_ref())?;
+            let (conn, session) = slot.ready_for_turn(&blocks)?;
             let (exit_rx, pid) = slot
                 .running
                 .as_ref()

@@ -2174,6 +2174,16 @@ async fn wait_lines(path: &Path, n: usize) {
     }
 }
 
+/// Launches the demo agent with `env` and resumes conversation `token`.
+async fn launch_and_resume(c: &mut Client, h: &Harness, env: &[(&str, &str)], token: &str) {
+    c.launch_agent(h.demo(true, env)).await.expect("launch");
+    c.resume_session(ResumeSessionRequest {
+        resume_token: token.to_owned(),
+    })
+    .await
+    .expect("resume");
+}
+
 fn turn_prompt(text: &str, turn: &str, only_if_journaled: bool) -> PromptRequest {
     PromptRequest {
         text: text.into(),
@@ -2259,14 +2269,7 @@ async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
     let second = health(&mut c).await;
     assert!(second.journaled && !second.journal_fresh, "{second:?}");
     assert_ne!(second.instance_id, first.instance_id);
-    c.launch_agent(h.demo(true, &agent_env[..1]))
-        .await
-        .expect("launch");
-    c.resume_session(ResumeSessionRequest {
-        resume_token: token.clone(),
-    })
-    .await
-    .expect("resume");
+    launch_and_resume(&mut c, &h, &agent_env[..1], &token).await;
     let again = c
         .prompt(turn_prompt("one", "t1", true))
         .await
@@ -2292,14 +2295,7 @@ async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
         )
         .await;
     let mut c = ctl.client().await;
-    c.launch_agent(h.demo(true, &agent_env[..1]))
-        .await
-        .expect("launch");
-    c.resume_session(ResumeSessionRequest {
-        resume_token: token.clone(),
-    })
-    .await
-    .expect("resume");
+    launch_and_resume(&mut c, &h, &agent_env[..1], &token).await;
     let lost = c.prompt(turn_prompt("three", "t3", true)).await;
     assert!(lost.is_err(), "agentctl died before answering: {lost:?}");
     let mut ctl = ctl;
@@ -2307,14 +2303,7 @@ async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
     assert_eq!(lines_of(&side).len(), 2, "the agent never got it");
     let ctl = h.spawn(&["--journal", &journal_arg]).await;
     let mut c = ctl.client().await;
-    c.launch_agent(h.demo(true, &agent_env[..1]))
-        .await
-        .expect("launch");
-    c.resume_session(ResumeSessionRequest {
-        resume_token: token.clone(),
-    })
-    .await
-    .expect("resume");
+    launch_and_resume(&mut c, &h, &agent_env[..1], &token).await;
     let delivered = c
         .prompt(turn_prompt("three", "t3", true))
         .await
@@ -2328,14 +2317,7 @@ async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
     let ctl = h.spawn(&[]).await;
     let mut c = ctl.client().await;
     assert!(!health(&mut c).await.journaled);
-    c.launch_agent(h.demo(true, &agent_env[..1]))
-        .await
-        .expect("launch");
-    c.resume_session(ResumeSessionRequest {
-        resume_token: token.clone(),
-    })
-    .await
-    .expect("resume");
+    launch_and_resume(&mut c, &h, &agent_env[..1], &token).await;
     let refused = c
         .prompt(turn_prompt("four", "t4", true))
         .await
@@ -2469,14 +2451,7 @@ async fn a_held_turn_reaches_the_agent_only_when_prompted() {
     ctl.wait_exit().await;
     let ctl = h.spawn(&["--journal", &journal_arg]).await;
     let mut c = ctl.client().await;
-    c.launch_agent(h.demo(true, &agent_env))
-        .await
-        .expect("launch");
-    c.resume_session(ResumeSessionRequest {
-        resume_token: token.clone(),
-    })
-    .await
-    .expect("resume");
+    launch_and_resume(&mut c, &h, &agent_env, &token).await;
     let delivered = c
         .prompt(turn_prompt("four", "t4", true))
         .await
@@ -2495,14 +2470,7 @@ async fn a_held_turn_reaches_the_agent_only_when_prompted() {
     // 5. No journal: nothing to hold.
     let ctl = h.spawn(&[]).await;
     let mut c = ctl.client().await;
-    c.launch_agent(h.demo(true, &agent_env))
-        .await
-        .expect("launch");
-    c.resume_session(ResumeSessionRequest {
-        resume_token: token,
-    })
-    .await
-    .expect("resume");
+    launch_and_resume(&mut c, &h, &agent_env, &token).await;
     let refused = c
         .hold_prompt(turn_prompt("six", "t6", false))
         .await

@@ -326,13 +326,26 @@ async fn assert_turn_two_ended(
     assert_events_sound(&w.events(s.id).await);
 }
 
-async fn remote_restart_at(point: Point) {
+/// The remote runtime's turn world: the demo agent steered by the turn
+/// files, a host workspace, and where the host's agentctl keeps its journal.
+async fn remote_turns() -> (
+    World,
+    TurnFiles,
+    sessiond_domain::AgentProfile,
+    RemoteSpot,
+    PathBuf,
+) {
     let w = World::new(Db::Sqlite).await;
     let files = TurnFiles::in_dir(w.dir.path());
     let env = files.agent_env();
     let profile = w.demo_profile("turns", &as_refs(&env)).await;
     let spot = RemoteSpot::at(&w.worktree("remote").path);
     let journal = w.path("remote-agentctl.journal");
+    (w, files, profile, spot, journal)
+}
+
+async fn remote_restart_at(point: Point) {
+    let (w, files, profile, spot, journal) = remote_turns().await;
     let crash_at: Vec<_> = point
         .crash_hook()
         .map(|at| ("AGENTCTL_TEST_CRASH_AT", at))
@@ -431,12 +444,7 @@ async fn remote_restart_after_the_agent_finished_is_interrupted() {
 /// with an agent counted as running. A resume, and the conversation goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_restart_while_the_backend_runs_ends_the_turn() {
-    let w = World::new(Db::Sqlite).await;
-    let files = TurnFiles::in_dir(w.dir.path());
-    let env = files.agent_env();
-    let profile = w.demo_profile("turns", &as_refs(&env)).await;
-    let spot = RemoteSpot::at(&w.worktree("remote").path);
-    let journal = w.path("remote-agentctl.journal");
+    let (w, files, profile, spot, journal) = remote_turns().await;
     let mut host = RemoteHost::start_with(&w, &spot, Some(&journal), &[]).await;
     let mgr = w.manager();
     let s = spot.create(&w, &mgr, &profile, &host).await;
@@ -498,12 +506,7 @@ async fn remote_restart_while_the_backend_runs_ends_the_turn() {
 /// turn exactly once (its Prompt starts the held turn, journaled once);
 /// an uncommitted one never reaches the agent, and the conversation goes on.
 async fn remote_backend_restart_with_a_held_turn(committed: bool) {
-    let w = World::new(Db::Sqlite).await;
-    let files = TurnFiles::in_dir(w.dir.path());
-    let env = files.agent_env();
-    let profile = w.demo_profile("turns", &as_refs(&env)).await;
-    let spot = RemoteSpot::at(&w.worktree("remote").path);
-    let journal = w.path("remote-agentctl.journal");
+    let (w, files, profile, spot, journal) = remote_turns().await;
     let host = RemoteHost::start_with(&w, &spot, Some(&journal), &[]).await;
     let mgr = w.manager();
     let s = spot.create(&w, &mgr, &profile, &host).await;
