@@ -109,6 +109,8 @@ struct Host {
 }
 
 struct Shared {
+    /// Resolved once: the core count behind a 0 is read from the cgroup
+    /// files, too costly for every launch.
     limits: LaunchLimits,
     hosts: Mutex<HashMap<String, Host>>,
     next: Mutex<u64>,
@@ -165,7 +167,10 @@ impl LaunchScheduler {
     pub(crate) fn new(limits: LaunchLimits) -> Self {
         Self {
             shared: Arc::new(Shared {
-                limits,
+                limits: LaunchLimits {
+                    initial: limits.start(),
+                    max: limits.ceiling(),
+                },
                 hosts: Mutex::default(),
                 next: Mutex::new(0),
             }),
@@ -366,7 +371,9 @@ fn host_overloaded() -> bool {
         .next()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0.0);
-    let cores = std::thread::available_parallelism().map_or(1, usize::from) as f64;
+    static CORES: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    let cores =
+        *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, usize::from) as f64);
     load > 2.0 * cores
 }
 

@@ -983,12 +983,14 @@ impl ExecutorRecovery<'_> {
                     if pauses() {
                         run.outcomes = crate::sync::lock(&self.inner.pass_outcomes).clone();
                     }
-                    self.finish(run, outcome, attempt).await?;
+                    Box::pin(self.finish(run, outcome, attempt)).await?;
                     return Ok(label);
                 }
+                // Boxed, as the large steps inside it are: a recovery's
+                // future stays a few KiB instead of tens, which every move
+                // of it would copy.
                 action => {
-                    self.perform(&mut run, action, deadline, retry, priority())
-                        .await?
+                    Box::pin(self.perform(&mut run, action, deadline, retry, priority())).await?
                 }
             };
             if call {
@@ -1204,10 +1206,7 @@ impl ExecutorRecovery<'_> {
                 let driver = Agents(self).driver(run.record.runtime)?;
                 let id = run.record.id;
                 let (_, modes_stamp) = self.inner.sessions.cached_modes(run.session.id, "");
-                let checked = match ExecutorRecovery(self)
-                    .health_ahead(run, &driver, remaining)
-                    .await
-                {
+                let checked = match Box::pin(self.health_ahead(run, &driver, remaining)).await {
                     Some(checked) => checked,
                     None => {
                         let health = async {
@@ -1391,7 +1390,7 @@ impl ExecutorRecovery<'_> {
                                 }
                             }
                         };
-                        self.until_silent(&run.record, attempt).await
+                        Box::pin(self.until_silent(&run.record, attempt)).await
                     }
                 };
                 let (observation, ended) = match attempted {

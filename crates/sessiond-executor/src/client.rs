@@ -1017,7 +1017,9 @@ impl AgentctlClient {
         Fut: Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
     {
         let fut = f(self.raw(), with_deadline(message, deadline));
-        self.call(name, deadline, fut).await
+        // Boxed: a tonic call's future is kilobytes, and every future
+        // awaiting this one would carry it inline.
+        self.call(name, deadline, Box::pin(fut)).await
     }
 
     /// Runs one call under `deadline` (tonic enforces the `grpc-timeout` too;

@@ -10,9 +10,9 @@ use sessiond_domain::{
 
 use crate::{
     Error, Result,
-    conn::{AnyConnection, Ts},
+    conn::{AnyConnection, KeepPrepared, Ts, native},
     error::on_unique,
-    rows::{EventRow, ExecutorRow, MessageRow, SessionChanges, SessionRow},
+    rows::{EventRow, ExecutorChanges, ExecutorRow, MessageRow, SessionChanges, SessionRow},
     schema::{executors_running, session_events, session_messages, task_sessions, tasks},
 };
 
@@ -251,17 +251,18 @@ pub(crate) fn write_title(
     } else {
         source.as_str()
     };
-    Ok(diesel::update(
-        task_sessions::table
-            .find(session.to_string())
-            .filter(task_sessions::deleted_at.is_null())
-            .filter(task_sessions::title_source.eq_any(replaceable)),
-    )
-    .set((
+    let target = task_sessions::table
+        .find(session.to_string())
+        .filter(task_sessions::deleted_at.is_null())
+        .filter(task_sessions::title_source.eq_any(replaceable));
+    let set = (
         task_sessions::title.eq(title),
         task_sessions::title_source.eq(stored_source),
-    ))
-    .execute(conn)?)
+    );
+    Ok(native!(conn, |c| diesel::update(target)
+        .set(set)
+        .prepared()
+        .execute(c))?)
 }
 
 /// Per session: how many event and message seqs this changeset needs.
@@ -276,12 +277,9 @@ struct Need {
 /// Lock order (Postgres): task rows in id order, then session rows in id
 /// order, then the rest; every writer follows it, so writers queue instead of
 /// deadlocking. Each counter is advanced with `UPDATE .. SET c = c + n` (which
-/// takes the row lock until commit) and then read back, so seqs are gap-free:
-/// a rolled-back transaction gives its numbers back.
-/// What an executor update keeps from the stored row: session, task,
-/// created_at, and the lease (owner, expiry, epoch).
-type KeptColumns = (String, String, Ts, Option<String>, Option<Ts>, i64);
-
+/// takes the row lock until commit) and returns its new value, so seqs are
+/// gap-free: a rolled-back transaction gives its numbers back. Every write
+/// is a [`Prepared`](crate::conn::Prepared) statement.
 pub(crate) fn apply(
     conn: &mut AnyConnection,
     change: Changeset,
@@ -293,11 +291,11 @@ pub(crate) fn apply(
     let mut task_of: BTreeMap<SessionId, TaskId> = BTreeMap::new();
     let mut update_targets: Vec<(MessageUpdate, SessionId)> = Vec::new();
     for u in &change.message_updates {
-        let sid: Option<String> = session_messages::table
-            .find(u.id.to_string())
+        let target = session_messages::table.find(u.id.to_string());
+        let sid: Option<String> = native!(conn, |c| target
             .select(session_messages::session_id)
-            .get_result(conn)
-            .optional()?;
+            .get_result(c))
+        .optional()?;
         let sid = sid.ok_or_else(|| Error::not_found("message", u.id))?;
         let sid = SessionId::parse(&sid).map_err(|e| Error::corrupt("message", u.id, e))?;
         update_targets.push((u.clone(), sid));
@@ -352,11 +350,9 @@ pub(crate) fn apply(
         let state = match change.task_state {
             Some((st, TaskChange::To(state))) if st == t => Some(state),
             Some((st, TaskChange::Event(event))) if st == t => {
-                let stored: Option<String> = target
-                    .clone()
-                    .select(tasks::state)
-                    .get_result(conn)
-                    .optional()?;
+                let stored: Option<String> =
+                    native!(conn, |c| target.clone().select(tasks::state).get_result(c))
+                        .optional()?;
                 let stored = stored.ok_or_else(|| Error::not_found("task", t))?;
                 let stored = TaskState::parse(&stored).map_err(|e| Error::corrupt("task", t, e))?;
                 stored.transition(event).ok().filter(|next| *next != stored)
@@ -365,20 +361,28 @@ pub(crate) fn apply(
         };
         // The counter as advanced comes back with the update: one statement.
         let last: Option<i64> = match state {
-            Some(state) => diesel::update(target.clone())
-                .set((
+            Some(state) => {
+                let set = (
                     tasks::state.eq(state.as_str()),
                     tasks::updated_at.eq(now),
                     tasks::last_event_seq.eq(tasks::last_event_seq + k),
-                ))
-                .returning(tasks::last_event_seq)
-                .get_result(conn)
-                .optional()?,
-            _ => diesel::update(target.clone())
+                );
+                native!(conn, |c| diesel::update(target.clone())
+                    .set(set)
+                    .returning(tasks::last_event_seq)
+                    .prepared()
+                    .get_result(c))
+                .optional()?
+            }
+            // An event that leaves the task as it is, with no task events:
+            // nothing to write (the read above found the task).
+            None if k == 0 => continue,
+            None => native!(conn, |c| diesel::update(target.clone())
                 .set(tasks::last_event_seq.eq(tasks::last_event_seq + k))
                 .returning(tasks::last_event_seq)
-                .get_result(conn)
-                .optional()?,
+                .prepared()
+                .get_result(c))
+            .optional()?,
         };
         let Some(last) = last else {
             return Err(Error::not_found("task", t));
@@ -410,21 +414,24 @@ pub(crate) fn apply(
         let advanced: (i64, i64) = match change.session.as_ref().filter(|s| s.id == sid) {
             Some(s) => {
                 // The row as written comes back too: the caller's copy.
+                let versioned = target.clone().filter(task_sessions::version.eq(s.version));
+                let set = (
+                    SessionChanges::from_domain(s, now),
+                    task_sessions::version.eq(task_sessions::version + 1),
+                    counters,
+                );
                 let written: Option<(SessionRow, i64, i64)> =
-                    diesel::update(target.clone().filter(task_sessions::version.eq(s.version)))
-                        .set((
-                            SessionChanges::from_domain(s, now),
-                            task_sessions::version.eq(task_sessions::version + 1),
-                            counters,
-                        ))
+                    native!(conn, |c| diesel::update(versioned)
+                        .set(set)
                         .returning((session_columns(), seqs.0, seqs.1))
-                        .get_result(conn)
-                        .optional()?;
+                        .prepared()
+                        .get_result(c))
+                    .optional()?;
                 let Some((row, events, messages)) = written else {
-                    let actual: Option<i64> = target
+                    let actual: Option<i64> = native!(conn, |c| target
                         .select(task_sessions::version)
-                        .get_result(conn)
-                        .optional()?;
+                        .get_result(c))
+                    .optional()?;
                     return Err(match actual {
                         None => Error::not_found("session", sid),
                         Some(actual_version) => Error::Conflict {
@@ -439,11 +446,12 @@ pub(crate) fn apply(
                 (events, messages)
             }
             None => {
-                let written: Option<(i64, i64)> = diesel::update(target.clone())
+                let written: Option<(i64, i64)> = native!(conn, |c| diesel::update(target)
                     .set(counters)
                     .returning(seqs)
-                    .get_result(conn)
-                    .optional()?;
+                    .prepared()
+                    .get_result(c))
+                .optional()?;
                 written.ok_or_else(|| Error::not_found("session", sid))?
             }
         };
@@ -482,19 +490,20 @@ pub(crate) fn apply(
                 )));
             }
             let row = ExecutorRow::from_domain(&record)?;
-            diesel::insert_into(executors_running::table)
+            native!(conn, |c| diesel::insert_into(executors_running::table)
                 .values(&row)
-                .execute(conn)
-                .map_err(|e| {
-                    on_unique(e, "executor", |detail| {
-                        if detail.contains("session_id") {
-                            format!("for session {}", record.session_id)
-                        } else {
-                            record.id.to_string()
-                        }
-                    })
-                })?;
-            Some(record.id)
+                .prepared()
+                .execute(c))
+            .map_err(|e| {
+                on_unique(e, "executor", |detail| {
+                    if detail.contains("session_id") {
+                        format!("for session {}", record.session_id)
+                    } else {
+                        record.id.to_string()
+                    }
+                })
+            })?;
+            Some(ExecutorOut::Inserted(record.id))
         }
         Some(ExecutorWrite::Update(record)) => {
             let mut row = ExecutorRow::from_domain(&record)?;
@@ -502,50 +511,34 @@ pub(crate) fn apply(
             row.version = expected + 1;
             row.updated_at = now;
             let target = executors_running::table.find(record.id.to_string());
-            // id, session, task and created_at never change. The lease
-            // (owner, expiry) is only written by the lease operations
-            // (`replicas.rs`): a writer holding an older copy must not put
-            // an expired lease or a former owner back.
-            let current: Option<KeptColumns> = target
+            // The row as written comes back: the caller's copy, with the
+            // columns this update leaves alone (see `ExecutorChanges`).
+            let versioned = target
                 .clone()
-                .select((
-                    executors_running::session_id,
-                    executors_running::task_id,
-                    executors_running::created_at,
-                    executors_running::owner_id,
-                    executors_running::lease_expires_at,
-                    executors_running::lease_epoch,
-                ))
-                .get_result(conn)
+                .filter(executors_running::version.eq(expected));
+            let set = ExecutorChanges::from(row);
+            let written: Option<ExecutorRow> = native!(conn, |c| diesel::update(versioned)
+                .set(set)
+                .returning(executor_columns())
+                .prepared()
+                .get_result(c))
+            .optional()?;
+            let Some(written) = written else {
+                let actual: Option<i64> = native!(conn, |c| target
+                    .select(executors_running::version)
+                    .get_result(c))
                 .optional()?;
-            let Some((session_id, task_id, created_at, owner_id, lease_expires_at, lease_epoch)) =
-                current
-            else {
-                return Err(Error::not_found("executor", record.id));
-            };
-            row.session_id = session_id;
-            row.task_id = task_id;
-            row.created_at = created_at;
-            row.owner_id = owner_id;
-            row.lease_expires_at = lease_expires_at;
-            row.lease_epoch = lease_epoch;
-            let written = diesel::update(
-                target
-                    .clone()
-                    .filter(executors_running::version.eq(expected)),
-            )
-            .set(&row)
-            .execute(conn)?;
-            if written == 0 {
-                let actual: i64 = target.select(executors_running::version).get_result(conn)?;
-                return Err(Error::Conflict {
-                    entity: "executor",
-                    id: record.id.to_string(),
-                    expected_version: expected,
-                    actual_version: actual,
+                return Err(match actual {
+                    None => Error::not_found("executor", record.id),
+                    Some(actual_version) => Error::Conflict {
+                        entity: "executor",
+                        id: record.id.to_string(),
+                        expected_version: expected,
+                        actual_version,
+                    },
                 });
-            }
-            Some(record.id)
+            };
+            Some(ExecutorOut::Written(Box::new(written)))
         }
     };
 
@@ -560,27 +553,28 @@ pub(crate) fn apply(
         *next += 1;
         m.created_at = crate::conn::truncate(m.created_at);
         m.updated_at = crate::conn::truncate(m.updated_at);
-        diesel::insert_into(session_messages::table)
-            .values(MessageRow::from_domain(&m))
-            .execute(conn)
-            .map_err(|e| on_unique(e, "message", |_| m.id.to_string()))?;
+        let row = MessageRow::from_domain(&m);
+        native!(conn, |c| diesel::insert_into(session_messages::table)
+            .values(&row)
+            .prepared()
+            .execute(c))
+        .map_err(|e| on_unique(e, "message", |_| m.id.to_string()))?;
         messages.push(m);
     }
     for (u, _) in &update_targets {
         let target = session_messages::table.find(u.id.to_string());
-        diesel::update(target.clone())
-            .set((
-                session_messages::content.eq(&u.content),
-                session_messages::complete.eq(u.complete),
-                session_messages::updated_at.eq(now),
-            ))
-            .execute(conn)?;
-        if let Some(data) = &u.data {
-            diesel::update(target.clone())
-                .set(session_messages::data.eq(data))
-                .execute(conn)?;
-        }
-        let row: MessageRow = target.select(MessageRow::as_select()).get_result(conn)?;
+        // `data` only when given; the row as written comes back.
+        let set = (
+            session_messages::content.eq(&u.content),
+            session_messages::complete.eq(u.complete),
+            session_messages::updated_at.eq(now),
+            u.data.as_ref().map(|d| session_messages::data.eq(d)),
+        );
+        let row: MessageRow = native!(conn, |c| diesel::update(target)
+            .set(set)
+            .returning(message_columns())
+            .prepared()
+            .get_result(c))?;
         messages.push(row.into_domain()?);
     }
 
@@ -614,9 +608,11 @@ pub(crate) fn apply(
         };
         *seq += 1;
         *task_seq += 1;
-        diesel::insert_into(session_events::table)
-            .values(EventRow::from_domain(&event))
-            .execute(conn)?;
+        let row = EventRow::from_domain(&event);
+        native!(conn, |c| diesel::insert_into(session_events::table)
+            .values(&row)
+            .prepared()
+            .execute(c))?;
         events.push(event);
     }
 
@@ -627,17 +623,20 @@ pub(crate) fn apply(
             let titled = change.title.as_ref().is_some_and(|(t, _, _)| *t == s.id);
             let row = match written {
                 Some(row) if !titled => row,
-                _ => task_sessions::table
-                    .find(s.id.to_string())
-                    .select(SessionRow::as_select())
-                    .get_result(conn)?,
+                _ => {
+                    let target = task_sessions::table.find(s.id.to_string());
+                    native!(conn, |c| target
+                        .select(SessionRow::as_select())
+                        .get_result(c))?
+                }
             };
             Some(row.into_domain()?)
         }
         (None, _) => None,
     };
     let executor = match executor {
-        Some(id) => Some(load_executor(conn, id)?),
+        Some(ExecutorOut::Inserted(id)) => Some(load_executor(conn, id)?),
+        Some(ExecutorOut::Written(row)) => Some(row.into_domain()?),
         None => None,
     };
     Ok(Committed {
@@ -646,6 +645,117 @@ pub(crate) fn apply(
         messages,
         events,
     })
+}
+
+/// What the executor write left to read back.
+enum ExecutorOut {
+    Inserted(ExecutorId),
+    /// The row an update returned.
+    Written(Box<ExecutorRow>),
+}
+
+/// [`MessageRow`]'s columns, in its field order.
+type MessageColumns = (
+    session_messages::id,
+    session_messages::session_id,
+    session_messages::task_id,
+    session_messages::role,
+    session_messages::content,
+    session_messages::seq,
+    session_messages::complete,
+    session_messages::created_at,
+    session_messages::updated_at,
+    session_messages::kind,
+    session_messages::data,
+);
+
+/// [`MessageRow`]'s columns in its field order, for a `RETURNING` clause
+/// (as [`session_columns`]).
+fn message_columns() -> MessageColumns {
+    use session_messages as m;
+    (
+        m::id,
+        m::session_id,
+        m::task_id,
+        m::role,
+        m::content,
+        m::seq,
+        m::complete,
+        m::created_at,
+        m::updated_at,
+        m::kind,
+        m::data,
+    )
+}
+
+/// [`ExecutorRow`]'s columns, in its field order.
+type ExecutorColumns = (
+    executors_running::id,
+    executors_running::session_id,
+    executors_running::task_id,
+    executors_running::runtime,
+    executors_running::status,
+    executors_running::agentctl_url,
+    executors_running::agentctl_port,
+    executors_running::container_id,
+    executors_running::pid,
+    executors_running::pid_start_time,
+    executors_running::auth_secret,
+    executors_running::generation,
+    executors_running::supports_session_resume,
+    executors_running::supports_workspace_only,
+    executors_running::resume_token,
+    executors_running::workspace_path,
+    executors_running::worktree_id,
+    executors_running::worktree_path,
+    executors_running::worktree_branch,
+    executors_running::worktree_repository,
+    executors_running::worktree_base,
+    executors_running::last_seen_at,
+    executors_running::error_message,
+    executors_running::owner_id,
+    executors_running::lease_expires_at,
+    executors_running::lease_epoch,
+    executors_running::version,
+    executors_running::created_at,
+    executors_running::updated_at,
+);
+
+/// [`ExecutorRow`]'s columns in its field order, for a `RETURNING` clause
+/// (as [`session_columns`]).
+fn executor_columns() -> ExecutorColumns {
+    use executors_running as e;
+    (
+        e::id,
+        e::session_id,
+        e::task_id,
+        e::runtime,
+        e::status,
+        e::agentctl_url,
+        e::agentctl_port,
+        e::container_id,
+        e::pid,
+        e::pid_start_time,
+        e::auth_secret,
+        e::generation,
+        e::supports_session_resume,
+        e::supports_workspace_only,
+        e::resume_token,
+        e::workspace_path,
+        e::worktree_id,
+        e::worktree_path,
+        e::worktree_branch,
+        e::worktree_repository,
+        e::worktree_base,
+        e::last_seen_at,
+        e::error_message,
+        e::owner_id,
+        e::lease_expires_at,
+        e::lease_epoch,
+        e::version,
+        e::created_at,
+        e::updated_at,
+    )
 }
 
 /// [`SessionRow`]'s columns, in its field order.
@@ -710,14 +820,14 @@ pub(crate) fn check_fence(
     executor: &Option<ExecutorWrite>,
 ) -> Result<()> {
     let session = fence.session.to_string();
-    let n = diesel::update(
-        executors_running::table
-            .filter(executors_running::session_id.eq(&session))
-            .filter(executors_running::owner_id.eq(&fence.owner))
-            .filter(executors_running::lease_epoch.eq(fence.epoch)),
-    )
-    .set(executors_running::lease_epoch.eq(executors_running::lease_epoch))
-    .execute(conn)?;
+    let held = executors_running::table
+        .filter(executors_running::session_id.eq(&session))
+        .filter(executors_running::owner_id.eq(&fence.owner))
+        .filter(executors_running::lease_epoch.eq(fence.epoch));
+    let n = native!(conn, |c| diesel::update(held)
+        .set(executors_running::lease_epoch.eq(executors_running::lease_epoch))
+        .prepared()
+        .execute(c))?;
     if n > 0 {
         return Ok(());
     }
@@ -776,21 +886,22 @@ impl SessionTasks {
 }
 
 pub(crate) fn session_task(conn: &mut AnyConnection, sid: SessionId) -> Result<TaskId> {
-    let task: Option<String> = task_sessions::table
-        .find(sid.to_string())
+    let target = task_sessions::table.find(sid.to_string());
+    let task: Option<String> = native!(conn, |c| target
         .select(task_sessions::task_id)
-        .get_result(conn)
-        .optional()?;
+        .get_result(c))
+    .optional()?;
     let task = task.ok_or_else(|| Error::not_found("session", sid))?;
     TaskId::parse(&task).map_err(|e| Error::corrupt("session", sid, e))
 }
 
 pub(crate) fn load_executor(conn: &mut AnyConnection, id: ExecutorId) -> Result<ExecutorRecord> {
-    executors_running::table
-        .find(id.to_string())
+    let id_text = id.to_string();
+    crate::conn::native!(conn, |c| executors_running::table
+        .find(&id_text)
         .select(ExecutorRow::as_select())
-        .get_result(conn)
-        .optional()?
-        .ok_or_else(|| Error::not_found("executor", id))?
-        .into_domain()
+        .get_result(c))
+    .optional()?
+    .ok_or_else(|| Error::not_found("executor", id))?
+    .into_domain()
 }

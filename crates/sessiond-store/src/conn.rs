@@ -28,6 +28,25 @@ pub enum AnyConnection {
     Sqlite(SqliteConnection),
 }
 
+/// Runs `$body` on the backend's own connection, bound to `$c`.
+///
+/// Through [`AnyConnection`], diesel serializes a statement's SQL on every
+/// execution, several times (to look it up in the statement cache, to bind
+/// its parameters): for a row of twenty-odd columns that costs more than
+/// SQLite running it. On the backend's own connection a statement with a
+/// static query id is built once, when it is first prepared. So the hot
+/// statements (every commit's, the recovery's reads) go through here; the
+/// body is compiled once per backend.
+macro_rules! native {
+    ($conn:expr, |$c:ident| $body:expr) => {
+        match $conn {
+            $crate::conn::AnyConnection::Pg($c) => $body,
+            $crate::conn::AnyConnection::Sqlite($c) => $body,
+        }
+    };
+}
+pub(crate) use native;
+
 /// A point in time, UTC, microsecond precision. `TIMESTAMPTZ` on Postgres;
 /// on SQLite fixed-width RFC 3339 text (`2026-01-02T03:04:05.123456Z`), which
 /// sorts like the time it denotes.
@@ -294,3 +313,53 @@ impl From<r2d2::PoolError> for Error {
         Error::Pool(Box::new(e))
     }
 }
+
+/// A statement kept prepared by the connection's statement cache, keyed by
+/// its SQL text.
+///
+/// diesel prepares every `UPDATE`, and every `INSERT` with a nullable
+/// column, afresh on each execution (their SQL may vary with the values),
+/// which on SQLite means parsing and compiling it every time: most of a
+/// commit's own cost. Keyed by the SQL text and its bind types instead of
+/// the query's type, each distinct text is prepared once and reused, and
+/// a statement whose text varies only gets an entry per variant.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Prepared<Q>(pub(crate) Q);
+
+/// `.prepared()` on a statement: see [`Prepared`].
+pub(crate) trait KeepPrepared: Sized {
+    fn prepared(self) -> Prepared<Self> {
+        Prepared(self)
+    }
+}
+
+impl<Q> KeepPrepared for Q {}
+
+impl<Q> diesel::query_builder::QueryId for Prepared<Q> {
+    type QueryId = ();
+    // No static id: the cache key is the SQL text (see the type's doc).
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl<Q: diesel::query_builder::Query> diesel::query_builder::Query for Prepared<Q> {
+    type SqlType = Q::SqlType;
+}
+
+impl<Q, DB> diesel::query_builder::QueryFragment<DB> for Prepared<Q>
+where
+    DB: DieselBackend,
+    Q: diesel::query_builder::QueryFragment<DB>,
+{
+    fn walk_ast<'b>(
+        &'b self,
+        pass: diesel::query_builder::AstPass<'_, 'b, DB>,
+    ) -> diesel::QueryResult<()> {
+        self.0.walk_ast(pass)
+    }
+
+    fn is_safe_to_cache_prepared(&self, _backend: &DB) -> diesel::QueryResult<bool> {
+        Ok(true)
+    }
+}
+
+impl<Q, Conn> diesel::RunQueryDsl<Conn> for Prepared<Q> {}

@@ -1394,14 +1394,15 @@ fn load_profile(c: &mut AnyConnection, by_name: bool, key: &str) -> Result<Agent
 }
 
 fn load_session(c: &mut AnyConnection, id: SessionId) -> Result<Session> {
-    task_sessions::table
-        .find(id.to_string())
+    let id_text = id.to_string();
+    crate::conn::native!(c, |c| task_sessions::table
+        .find(&id_text)
         .filter(task_sessions::deleted_at.is_null())
         .select(SessionRow::as_select())
-        .get_result(c)
-        .optional()?
-        .ok_or_else(|| Error::not_found("session", id))?
-        .into_domain()
+        .get_result(c))
+    .optional()?
+    .ok_or_else(|| Error::not_found("session", id))?
+    .into_domain()
 }
 
 fn load_executors(
