@@ -30,15 +30,51 @@ pub struct Execution {
     pub agent: AgentProcessState,
     /// The capability probe's answer, once the agent answered `initialize`.
     pub probe: Option<bool>,
+    /// `record.execution_id()` and the generation it was formatted for:
+    /// every status read needs it, formatting it each time costs more
+    /// than the rest of the read.
+    formatted_id: (sessiond_domain::ExecutorId, i64, String),
 }
 
 impl Execution {
+    fn new(record: ExecutorRecord) -> Execution {
+        let formatted_id = (record.id, record.generation, record.execution_id());
+        Execution {
+            record,
+            agent: AgentProcessState::NotRunning,
+            probe: None,
+            formatted_id,
+        }
+    }
+
+    /// [`ExecutorRecord::execution_id`] of the record.
+    pub fn execution_id(&self) -> String {
+        let (id, generation, formatted) = &self.formatted_id;
+        if *id == self.record.id && *generation == self.record.generation {
+            formatted.clone()
+        } else {
+            self.record.execution_id()
+        }
+    }
+
+    /// Formats the execution id again if the record moved on.
+    fn keep_id(&mut self) {
+        let (id, generation, _) = &self.formatted_id;
+        if *id != self.record.id || *generation != self.record.generation {
+            self.formatted_id = (
+                self.record.id,
+                self.record.generation,
+                self.record.execution_id(),
+            );
+        }
+    }
+
     /// What [`sessiond_domain::session_status`] needs of it; the probe's
     /// answer, when known, stands for the record's resume flag.
     pub fn view(&self) -> ExecutionView {
         ExecutionView {
             session_id: self.record.session_id,
-            execution_id: self.record.execution_id(),
+            execution_id: self.execution_id(),
             executor_status: self.record.status,
             agent: self.agent,
             supports_session_resume: self.probe.or(Some(self.record.supports_session_resume)),
@@ -227,14 +263,11 @@ impl Sessions {
         let mut t = self.table();
         let r = t.record(record.session_id);
         match &mut r.execution {
-            Some(e) => e.record = record.clone(),
-            None => {
-                r.execution = Some(Execution {
-                    record: record.clone(),
-                    agent: AgentProcessState::NotRunning,
-                    probe: None,
-                })
+            Some(e) => {
+                e.record = record.clone();
+                e.keep_id();
             }
+            None => r.execution = Some(Execution::new(record.clone())),
         }
     }
 
@@ -255,6 +288,7 @@ impl Sessions {
         };
         let was = e.agent == AgentProcessState::Running;
         f(e);
+        e.keep_id();
         let now = e.agent == AgentProcessState::Running;
         let queued = r
             .status
