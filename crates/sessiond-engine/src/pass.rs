@@ -7,7 +7,7 @@
 use std::{collections::HashMap, sync::Arc};
 
 use futures::future::{BoxFuture, Shared};
-use sessiond_domain::{ExecutorRecord, OutcomeLabel, SessionId};
+use sessiond_domain::{ExecutorId, ExecutorRecord, OutcomeLabel, Session, SessionId};
 use sessiond_store::{Changeset, Committed, Yield};
 use tokio::sync::{mpsc, oneshot};
 
@@ -142,11 +142,18 @@ impl PendingWorkspaces {
 /// One outcome commit for the pass's writer, and where its result goes.
 pub(crate) type OutcomeCommit = (Changeset, oneshot::Sender<Result<Committed>>);
 
-/// The pass's outcome writer (`recovery/batch.rs`); cloned into each
-/// recovery of the pass.
+/// One re-read for the pass's reader, and where its answer goes.
+pub(crate) type RecordRead = (
+    ExecutorId,
+    oneshot::Sender<Result<(ExecutorRecord, Session)>>,
+);
+
+/// The pass's outcome writer and record reader (`recovery/batch.rs`);
+/// cloned into each recovery of the pass.
 #[derive(Clone)]
 pub(crate) struct Outcomes {
     pub(crate) tx: mpsc::UnboundedSender<OutcomeCommit>,
+    pub(crate) reads: mpsc::UnboundedSender<RecordRead>,
 }
 
 /// A call's precedence over the pass: while one is held, the pass's

@@ -891,8 +891,15 @@ impl ExecutorRecovery<'_> {
             );
         }
         let store = &self.inner.store;
-        // Re-read under the lock: the caller's copy may be stale.
-        let (record, session) = store.get_executor_and_session(record.id).await?;
+        // Re-read under the lock: the caller's copy may be stale. The
+        // pass's own recoveries read in groups.
+        let grouped = pauses()
+            .then(|| crate::sync::lock(&self.inner.pass_outcomes).clone())
+            .flatten();
+        let (record, session) = match &grouped {
+            Some(outcomes) => batch::read(outcomes, self, record.id).await?,
+            None => store.get_executor_and_session(record.id).await?,
+        };
         // Only the lease holder recovers (its lease may have gone to another
         // replica since this recovery was queued).
         Fencing(self).ensure_owner(&record)?;

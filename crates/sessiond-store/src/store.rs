@@ -808,6 +808,65 @@ impl Store {
         .await
     }
 
+    /// [`Self::get_executor_and_session`] of several executors in one
+    /// blocking call and two statements: each id's answer, in the order
+    /// asked (the recovery pass's re-reads, grouped).
+    pub async fn get_executors_and_sessions(
+        &self,
+        ids: Vec<ExecutorId>,
+    ) -> Result<Vec<Result<(ExecutorRecord, Session)>>> {
+        use crate::conn::{KeepPrepared, native};
+        self.read(move |c| {
+            let wanted: Vec<String> = ids.iter().map(ExecutorId::to_string).collect();
+            let rows: Vec<ExecutorRow> = native!(c, |c| executors_running::table
+                .filter(executors_running::id.eq_any(&wanted))
+                .select(ExecutorRow::as_select())
+                .prepared()
+                .load(c))?;
+            let records: HashMap<String, Result<ExecutorRecord>> = rows
+                .into_iter()
+                .map(|row| (row.id.clone(), row.into_domain()))
+                .collect();
+            let session_ids: Vec<String> = records
+                .values()
+                .filter_map(|r| r.as_ref().ok().map(|r| r.session_id.to_string()))
+                .collect();
+            let rows: Vec<SessionRow> = native!(c, |c| task_sessions::table
+                .filter(task_sessions::id.eq_any(&session_ids))
+                .filter(task_sessions::deleted_at.is_null())
+                .select(SessionRow::as_select())
+                .prepared()
+                .load(c))?;
+            let sessions: HashMap<String, Result<Session>> = rows
+                .into_iter()
+                .map(|row| (row.id.clone(), row.into_domain()))
+                .collect();
+            // A row that does not convert fails only its own id's answer.
+            let reason = |e: &Error| match e {
+                Error::Corrupt { reason, .. } => reason.clone(),
+                other => other.to_string(),
+            };
+            Ok(ids
+                .into_iter()
+                .zip(&wanted)
+                .map(|(id, key)| {
+                    let record = match records.get(key) {
+                        None => return Err(Error::not_found("executor", id)),
+                        Some(Err(e)) => return Err(Error::corrupt("executor", id, reason(e))),
+                        Some(Ok(r)) => r.clone(),
+                    };
+                    let sid = record.session_id;
+                    match sessions.get(&sid.to_string()) {
+                        None => Err(Error::not_found("session", sid)),
+                        Some(Err(e)) => Err(Error::corrupt("session", sid, reason(e))),
+                        Some(Ok(s)) => Ok((record, s.clone())),
+                    }
+                })
+                .collect())
+        })
+        .await
+    }
+
     /// The executor record of a session, if it has one.
     pub async fn get_executor_for_session(
         &self,

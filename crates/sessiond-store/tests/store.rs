@@ -788,6 +788,100 @@ mod suite {
         assert!(err.is_not_found(), "{err}");
     }
 
+    /// The recovery pass's grouped re-read answers each id as the single
+    /// read does, in the order asked: a missing executor or a deleted
+    /// session fails only its own answer. And an executor update leaves
+    /// the lease columns as stored, whatever the writer's copy says.
+    pub async fn grouped_rereads_match_single_reads(store: &Store) {
+        let (t, p, first) = seed(store).await;
+        let mut sessions = vec![first];
+        for _ in 0..2 {
+            let (s, _) = store
+                .create_session(&session(&t, &p), vec![])
+                .await
+                .unwrap();
+            sessions.push(s);
+        }
+        let mut ids = Vec::new();
+        for s in &sessions {
+            let rec = executor(s, ExecutorStatus::Ready);
+            ids.push(rec.id);
+            store
+                .commit(Changeset::new().insert_executor(rec))
+                .await
+                .unwrap();
+        }
+        // A writer whose copy names another owner and lease.
+        let mut stale = store.get_executor(ids[0]).await.unwrap();
+        let lease = (
+            stale.owner_id.clone(),
+            stale.lease_expires_at.map(|t| t.timestamp_micros()),
+            stale.lease_epoch,
+        );
+        stale.owner_id = Some("replica-z".into());
+        stale.lease_epoch += 7;
+        stale.lease_expires_at = None;
+        stale.error_message = Some("written".into());
+        let written = store
+            .commit(Changeset::new().update_executor(stale))
+            .await
+            .unwrap()
+            .executor
+            .unwrap();
+        assert_eq!(written, store.get_executor(ids[0]).await.unwrap());
+        assert_eq!(written.error_message.as_deref(), Some("written"));
+        assert_eq!(
+            (
+                written.owner_id.clone(),
+                written.lease_expires_at.map(|t| t.timestamp_micros()),
+                written.lease_epoch
+            ),
+            lease
+        );
+
+        store.mark_session_deleted(sessions[2].id).await.unwrap();
+        let missing = ExecutorId::new();
+        let asked = vec![ids[1], missing, ids[0], ids[2]];
+        let answers = store
+            .get_executors_and_sessions(asked.clone())
+            .await
+            .unwrap();
+        assert_eq!(answers.len(), asked.len());
+        for (id, answer) in asked.iter().zip(&answers) {
+            let single = store.get_executor_and_session(*id).await;
+            match (answer, single) {
+                (Ok(grouped), Ok(single)) => assert_eq!(grouped, &single),
+                (Err(grouped), Err(single)) => {
+                    assert!(grouped.is_not_found(), "{grouped}");
+                    assert_eq!(grouped.to_string(), single.to_string());
+                }
+                (grouped, single) => panic!("{id}: grouped {grouped:?}, single {single:?}"),
+            }
+        }
+        assert!(answers[0].is_ok() && answers[2].is_ok());
+        assert!(
+            answers[1]
+                .as_ref()
+                .unwrap_err()
+                .to_string()
+                .contains("executor")
+        );
+        assert!(
+            answers[3]
+                .as_ref()
+                .unwrap_err()
+                .to_string()
+                .contains("session")
+        );
+        assert!(
+            store
+                .get_executors_and_sessions(Vec::new())
+                .await
+                .unwrap()
+                .is_empty()
+        );
+    }
+
     pub async fn recoverable_executors_filter_by_status(store: &Store) {
         let t = store.create_task(&task("t")).await.unwrap();
         let p = store.upsert_agent_profile(&profile("demo")).await.unwrap();
@@ -1984,6 +2078,7 @@ macro_rules! store_tests {
             store_test!($backend, session_created_with_its_intent_or_not_at_all);
             store_test!($backend, a_committed_session_is_the_stored_row);
             store_test!($backend, executors_crud);
+            store_test!($backend, grouped_rereads_match_single_reads);
             store_test!($backend, custom_runtimes_round_trip);
             store_test!($backend, recoverable_executors_filter_by_status);
             store_test!($backend, changeset_is_all_or_nothing);

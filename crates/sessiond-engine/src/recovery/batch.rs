@@ -4,7 +4,12 @@
 //! executors cost about N / batch transactions instead of N, and an
 //! outcome that finds the queue empty is written at once. A recovery a
 //! caller waits on commits on its own, never behind a batch.
+//!
+//! Its re-reads under the session lock are grouped the same way: each
+//! recovery asks once it holds its lock, and the reads that arrive while
+//! one group is read go in the next (one blocking call, two statements).
 
+use sessiond_domain::{ExecutorId, ExecutorRecord, Session};
 use sessiond_store::{Changeset, Committed, Store, Yield};
 use tokio::sync::{mpsc, oneshot};
 
@@ -12,7 +17,7 @@ use crate::{
     error::Result,
     lease::Fencing,
     manager::SessionManager,
-    pass::{OutcomeCommit, Outcomes},
+    pass::{OutcomeCommit, Outcomes, RecordRead},
 };
 
 /// Outcomes in one transaction at most (the pass's concurrency is 64):
@@ -24,7 +29,58 @@ const MOST: usize = 64;
 pub(crate) fn start(manager: &SessionManager) -> Outcomes {
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(writer(manager.clone(), rx));
-    Outcomes { tx }
+    let (reads, asked) = mpsc::unbounded_channel();
+    tokio::spawn(reader(manager.clone(), asked));
+    Outcomes { tx, reads }
+}
+
+/// The executor record and its session as stored now, read in the next
+/// group (as `Store::get_executor_and_session` would on its own).
+pub(crate) async fn read(
+    outcomes: &Outcomes,
+    me: &SessionManager,
+    id: ExecutorId,
+) -> Result<(ExecutorRecord, Session)> {
+    let (reply, answer) = oneshot::channel();
+    if outcomes.reads.send((id, reply)).is_err() {
+        return Ok(me.inner.store.get_executor_and_session(id).await?);
+    }
+    answer.await.unwrap_or_else(|_| {
+        Err(crate::error::Error::Internal(
+            "the pass's record reader ended before answering".into(),
+        ))
+    })
+}
+
+async fn reader(me: SessionManager, mut rx: mpsc::UnboundedReceiver<RecordRead>) {
+    let flag = Yield::new();
+    let mut items = Vec::with_capacity(MOST);
+    while rx.recv_many(&mut items, MOST).await > 0 {
+        let (ids, replies): (Vec<_>, Vec<_>) = items.drain(..).unzip();
+        let read = Store::yielding(
+            flag.clone(),
+            me.inner.store.get_executors_and_sessions(ids.clone()),
+        )
+        .await;
+        match read {
+            Ok(answers) => {
+                for (answer, reply) in answers.into_iter().zip(replies) {
+                    let _ = reply.send(answer.map_err(Into::into));
+                }
+            }
+            // The read itself failed: each on its own, as without a group.
+            Err(e) => {
+                tracing::debug!(error = %e, reads = ids.len(),
+                    "a group of recovery re-reads failed; reading them one by one");
+                for (id, reply) in ids.into_iter().zip(replies) {
+                    let answer =
+                        Store::yielding(flag.clone(), me.inner.store.get_executor_and_session(id))
+                            .await;
+                    let _ = reply.send(answer.map_err(Into::into));
+                }
+            }
+        }
+    }
 }
 
 /// Writes `change` in the next batch, as `SessionManager::commit` would on
