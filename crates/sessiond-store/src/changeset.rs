@@ -265,6 +265,10 @@ pub(crate) fn write_title(
         .execute(c))?)
 }
 
+/// Events written by one `INSERT` at most on PostgreSQL (seven binds
+/// each: far below its limit on a statement's parameters).
+const EVENTS_PER_INSERT: usize = 256;
+
 /// Per session: how many event and message seqs this changeset needs.
 #[derive(Debug, Default, Clone, Copy)]
 struct Need {
@@ -608,12 +612,30 @@ pub(crate) fn apply(
         };
         *seq += 1;
         *task_seq += 1;
-        let row = EventRow::from_domain(&event);
-        native!(conn, |c| diesel::insert_into(session_events::table)
-            .values(&row)
-            .prepared()
-            .execute(c))?;
         events.push(event);
+    }
+    match conn {
+        // One multi-row `INSERT` for the changeset's events (a turn's start
+        // or end has several): each would be a round trip.
+        AnyConnection::Pg(c) => {
+            for group in events.chunks(EVENTS_PER_INSERT) {
+                let rows: Vec<EventRow> = group.iter().map(EventRow::from_domain).collect();
+                diesel::insert_into(session_events::table)
+                    .values(&rows)
+                    .prepared()
+                    .execute(c)?;
+            }
+        }
+        // No round trips here, and diesel prepares a multi-row `INSERT`
+        // afresh each time: one kept-prepared `INSERT` per event is less.
+        AnyConnection::Sqlite(c) => {
+            for event in &events {
+                diesel::insert_into(session_events::table)
+                    .values(EventRow::from_domain(event))
+                    .prepared()
+                    .execute(c)?;
+            }
+        }
     }
 
     // 6. Read back what the caller will hold.
