@@ -380,6 +380,17 @@ async fn prompt(client: &mut Client, stream: &mut Stream, text: &str) -> (String
     (reply, end)
 }
 
+/// Launches the agent and opens a conversation: its resume token.
+async fn launch_and_open(client: &mut Client, launch: LaunchAgentRequest) -> String {
+    client.launch_agent(launch).await.expect("launch");
+    client
+        .new_session(NewSessionRequest {})
+        .await
+        .expect("session")
+        .into_inner()
+        .resume_token
+}
+
 async fn health(client: &mut Client) -> HealthResponse {
     client
         .health(HealthRequest {})
@@ -554,15 +565,7 @@ async fn prompt_is_idempotent_by_turn_id() {
     let mut c = ctl.client().await;
     let mut stream = Stream::open(&mut c, 0).await;
     // Slow chunks, so the duplicate arrives while the turn runs.
-    c.launch_agent(h.demo(true, &[("ACP_DEMO_CHUNK_DELAY_MS", "300")]))
-        .await
-        .expect("launch");
-    let token = c
-        .new_session(NewSessionRequest {})
-        .await
-        .expect("session")
-        .into_inner()
-        .resume_token;
+    let token = launch_and_open(&mut c, h.demo(true, &[("ACP_DEMO_CHUNK_DELAY_MS", "300")])).await;
     let req = || PromptRequest {
         text: "only once".into(),
         turn_id: "turn-a".into(),
@@ -2229,15 +2232,7 @@ async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
     let mut c = ctl.client().await;
     let first = health(&mut c).await;
     assert!(first.journaled && first.journal_fresh, "{first:?}");
-    c.launch_agent(h.demo(true, &agent_env))
-        .await
-        .expect("launch");
-    let token = c
-        .new_session(NewSessionRequest {})
-        .await
-        .expect("session")
-        .into_inner()
-        .resume_token;
+    let token = launch_and_open(&mut c, h.demo(true, &agent_env)).await;
     std::fs::write(&gate, "").unwrap();
     let p = c
         .prompt(turn_prompt("one", "t1", true))
@@ -2360,15 +2355,7 @@ async fn a_held_turn_reaches_the_agent_only_when_prompted() {
 
     let ctl = h.spawn(&["--journal", &journal_arg]).await;
     let mut c = ctl.client().await;
-    c.launch_agent(h.demo(true, &agent_env))
-        .await
-        .expect("launch");
-    let token = c
-        .new_session(NewSessionRequest {})
-        .await
-        .expect("session")
-        .into_inner()
-        .resume_token;
+    let token = launch_and_open(&mut c, h.demo(true, &agent_env)).await;
     let mut stream = Stream::open(&mut c, 0).await;
 
     // 1. Held: journaled, nothing handed, the agent idle.
@@ -2513,15 +2500,7 @@ async fn ask_policy_waits_for_an_answer_times_out_and_is_journaled() {
     let journal_arg = journal.to_string_lossy().into_owned();
     let ctl = h.spawn(&["--journal", &journal_arg]).await;
     let mut c = ctl.client().await;
-    c.launch_agent(ask_launch(&h, 60_000))
-        .await
-        .expect("launch");
-    let token = c
-        .new_session(NewSessionRequest {})
-        .await
-        .expect("session")
-        .into_inner()
-        .resume_token;
+    let token = launch_and_open(&mut c, ask_launch(&h, 60_000)).await;
     let mut stream = Stream::open(&mut c, 0).await;
 
     // Asked: pending, with the tool call, the options and its deadline.

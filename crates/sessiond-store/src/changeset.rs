@@ -12,7 +12,7 @@ use crate::{
     Error, Result,
     conn::{AnyConnection, KeepPrepared, Ts, native},
     error::on_unique,
-    rows::{EventRow, ExecutorChanges, ExecutorRow, MessageRow, SessionChanges, SessionRow},
+    rows::{EventRow, ExecutorRow, MessageRow, SessionChanges, SessionRow},
     schema::{executors_running, session_events, session_messages, task_sessions, tasks},
 };
 
@@ -516,13 +516,12 @@ pub(crate) fn apply(
             row.updated_at = now;
             let target = executors_running::table.find(record.id.to_string());
             // The row as written comes back: the caller's copy, with the
-            // columns this update leaves alone (see `ExecutorChanges`).
+            // columns this update leaves alone (see `ExecutorRow`).
             let versioned = target
                 .clone()
                 .filter(executors_running::version.eq(expected));
-            let set = ExecutorChanges::from(row);
             let written: Option<ExecutorRow> = native!(conn, |c| diesel::update(versioned)
-                .set(set)
+                .set(&row)
                 .returning(executor_columns())
                 .prepared()
                 .get_result(c))

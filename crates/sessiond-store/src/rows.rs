@@ -320,11 +320,17 @@ impl SessionChanges {
 
 // ---------------------------------------------------------------- executors
 
+/// As a changeset (an update), it writes neither what never changes (id,
+/// session, task, creation) nor the lease (owner, expiry, epoch), which only
+/// the lease operations write (`replicas.rs`): a writer holding an older
+/// copy must not put an expired lease or a former owner back.
 #[derive(Debug, Queryable, Selectable, Insertable, AsChangeset)]
 #[diesel(table_name = executors_running, treat_none_as_null = true)]
 pub(crate) struct ExecutorRow {
     pub id: String,
+    #[diesel(skip_update)]
     pub session_id: String,
+    #[diesel(skip_update)]
     pub task_id: String,
     pub runtime: String,
     pub status: String,
@@ -346,72 +352,16 @@ pub(crate) struct ExecutorRow {
     pub worktree_base: String,
     pub last_seen_at: Option<Ts>,
     pub error_message: Option<String>,
+    #[diesel(skip_update)]
     pub owner_id: Option<String>,
+    #[diesel(skip_update)]
     pub lease_expires_at: Option<Ts>,
+    #[diesel(skip_update)]
     pub lease_epoch: i64,
     pub version: i64,
+    #[diesel(skip_update)]
     pub created_at: Ts,
     pub updated_at: Ts,
-}
-
-/// The columns an executor update may change: not its id, session, task
-/// or creation, and not its lease (owner, expiry, epoch), which only the
-/// lease operations write (`replicas.rs`): a writer holding an older copy
-/// must not put an expired lease or a former owner back.
-#[derive(Debug, AsChangeset)]
-#[diesel(table_name = executors_running, treat_none_as_null = true)]
-pub(crate) struct ExecutorChanges {
-    pub runtime: String,
-    pub status: String,
-    pub agentctl_url: Option<String>,
-    pub agentctl_port: Option<i32>,
-    pub container_id: Option<String>,
-    pub pid: Option<i64>,
-    pub pid_start_time: Option<i64>,
-    pub auth_secret: String,
-    pub generation: i64,
-    pub supports_session_resume: bool,
-    pub supports_workspace_only: bool,
-    pub resume_token: Option<String>,
-    pub workspace_path: String,
-    pub worktree_id: String,
-    pub worktree_path: String,
-    pub worktree_branch: String,
-    pub worktree_repository: String,
-    pub worktree_base: String,
-    pub last_seen_at: Option<Ts>,
-    pub error_message: Option<String>,
-    pub version: i64,
-    pub updated_at: Ts,
-}
-
-impl From<ExecutorRow> for ExecutorChanges {
-    fn from(r: ExecutorRow) -> ExecutorChanges {
-        ExecutorChanges {
-            runtime: r.runtime,
-            status: r.status,
-            agentctl_url: r.agentctl_url,
-            agentctl_port: r.agentctl_port,
-            container_id: r.container_id,
-            pid: r.pid,
-            pid_start_time: r.pid_start_time,
-            auth_secret: r.auth_secret,
-            generation: r.generation,
-            supports_session_resume: r.supports_session_resume,
-            supports_workspace_only: r.supports_workspace_only,
-            resume_token: r.resume_token,
-            workspace_path: r.workspace_path,
-            worktree_id: r.worktree_id,
-            worktree_path: r.worktree_path,
-            worktree_branch: r.worktree_branch,
-            worktree_repository: r.worktree_repository,
-            worktree_base: r.worktree_base,
-            last_seen_at: r.last_seen_at,
-            error_message: r.error_message,
-            version: r.version,
-            updated_at: r.updated_at,
-        }
-    }
 }
 
 impl ExecutorRow {
