@@ -72,7 +72,7 @@ test("chat streams live, survives SIGTERM and kill -9 of sessiond without gap or
     await b.screenshot("first-reply");
 
     // SIGTERM: the page says it is reconnecting, then carries on.
-    b.expectNetworkErrors(true);
+    await b.expectNetworkErrors(true);
     await server.terminate();
     await visible(page, "[data-testid=reconnecting]");
     await b.screenshot("reconnecting-after-sigterm");
@@ -88,7 +88,7 @@ test("chat streams live, survives SIGTERM and kill -9 of sessiond without gap or
     await visible(page, "[data-testid=reconnecting]");
     await server.start();
     await hidden(page, "[data-testid=reconnecting]");
-    b.expectNetworkErrors(false);
+    await b.expectNetworkErrors(false);
     await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
     await send(page, "third");
     await message(page, 'turn 3 of session');
@@ -393,7 +393,7 @@ test("honest states: unknown and malformed ids are not-found pages; Send queues 
     assert.equal((await conversation(page)).filter(([, , t]) => t.includes("taken back")).length, 0);
 
     // sessiond down: Send is off and says why; back, it sends again.
-    b.expectNetworkErrors(true);
+    await b.expectNetworkErrors(true);
     await server.kill();
     await visible(page, "[data-testid=banner-unreachable]");
     // One banner, and the badges say they are as last seen.
@@ -403,7 +403,7 @@ test("honest states: unknown and malformed ids are not-found pages; Send queues 
     assert.match(await page.getAttribute("textarea[name=message]", "placeholder"), /unreachable/);
     await server.start();
     await hidden(page, "[data-testid=banner-unreachable]");
-    b.expectNetworkErrors(false);
+    await b.expectNetworkErrors(false);
     await send(page, "after the outage");
     await message(page, 'you said "after the outage"');
     assert.deepEqual(b.errors, []);
@@ -655,12 +655,12 @@ test("permission policy ask: a prompt with a button per option, kept over a relo
     await page.reload();
     await visible(page, `${prompt} button[data-option=allow]`);
     // ... and after sessiond restarts while agentctl holds the request.
-    b.expectNetworkErrors(true);
+    await b.expectNetworkErrors(true);
     await server.terminate();
     await visible(page, "[data-testid=reconnecting]");
     await server.start();
     await hidden(page, "[data-testid=reconnecting]");
-    b.expectNetworkErrors(false);
+    await b.expectNetworkErrors(false);
     await page.reload();
     await visible(page, `${prompt} button[data-option=allow]`);
     assert.equal(await page.locator(prompt).count(), 1, "one prompt for one request");
@@ -726,12 +726,12 @@ test("on_demand: after kill -9 of everything, Resume → spinner → the convers
     await message(page, "turn 1 of session");
     const url = page.url();
 
-    b.expectNetworkErrors(true);
+    await b.expectNetworkErrors(true);
     await server.kill();
     assert.ok(server.killAgentctls().length >= 1, "an agentctl ran for the session");
     await server.start();
     await page.goto(url);
-    b.expectNetworkErrors(false);
+    await b.expectNetworkErrors(false);
     await visible(page, "[data-testid=needs-resume] button:has-text('Resume')");
     await visible(page, "[data-testid=workspace-only]");
     await b.screenshot("needs-resume");
@@ -769,12 +769,12 @@ test("an agent that cannot load sessions: not-resumable banner, then a new sessi
     await message(page, "turn 1 of session");
     const url = page.url();
 
-    b.expectNetworkErrors(true);
+    await b.expectNetworkErrors(true);
     await server.kill();
     server.killAgentctls();
     await server.start();
     await page.goto(url);
-    b.expectNetworkErrors(false);
+    await b.expectNetworkErrors(false);
     await visible(page, "[data-testid=not-resumable]");
     assert.match(await page.textContent("[data-testid=not-resumable]"), /not_resumable|cannot resume/);
     await visible(page, "[data-testid=workspace-only]");
@@ -819,7 +819,7 @@ test("while sessiond brings an agent back: where it stands, not errors; then the
     // kill -9 of sessiond and of the agentctls: recovery relaunches the
     // agent, which holds at its start gate. sessiond serves as soon as the
     // workspace is back; the session says its agent is being brought back.
-    b.expectNetworkErrors(true);
+    await b.expectNetworkErrors(true);
     await server.kill();
     server.killAgentctls();
     writeFileSync(gate, "");
@@ -834,7 +834,7 @@ test("while sessiond brings an agent back: where it stands, not errors; then the
     await hidden(page, "[data-testid=agent-recovery]");
     await hidden(page, "[data-testid=banner-recovering]");
     await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
-    b.expectNetworkErrors(false);
+    await b.expectNetworkErrors(false);
     await send(page, "after the restart");
     await message(page, "turn 2 of session");
     assertNoGapNoDuplicate(await conversation(page));
@@ -906,7 +906,7 @@ test("a turn interrupted by a crash is not re-run by itself; Retry runs it again
       await new Promise((r) => setTimeout(r, 20));
     }
     const url = page.url();
-    b.expectNetworkErrors(true);
+    await b.expectNetworkErrors(true);
     await server.kill();
     assert.ok(server.killAgentctls().length >= 1, "an agentctl ran for the session");
     rmSync(gate);
@@ -914,7 +914,7 @@ test("a turn interrupted by a crash is not re-run by itself; Retry runs it again
     await page.goto(url);
     // Refused fetches of the page before the restart may be reported late.
     await visible(page, "[data-testid=interrupted] button:has-text('Retry it')");
-    b.expectNetworkErrors(false);
+    await b.expectNetworkErrors(false);
     await message(page, "the turn was interrupted");
     assert.deepEqual(lines(), ["edit the file"], "not run again by itself");
     await b.screenshot("interrupted");

@@ -133,12 +133,14 @@ export async function browser(name, { width = 1280, height = 800 } = {}) {
   const page = context.pages()[0] ?? (await context.newPage());
   const errors = [];
   // Fetches refused while sessiond is down are expected in restart tests;
-  // Chromium reports them as console errors of their own.
+  // Chromium reports them as console errors of their own. Which code it
+  // reports depends on where the connection was when the process died
+  // (refused, reset, closed, or ENOTCONN for a socket still connecting).
   let allowNetworkErrors = false;
   page.on("console", (m) => {
     if (m.type() !== "error") return;
     const text = m.text();
-    if (allowNetworkErrors && /net::ERR_(CONNECTION_REFUSED|CONNECTION_RESET|EMPTY_RESPONSE|INCOMPLETE_CHUNKED_ENCODING)/.test(text)) return;
+    if (allowNetworkErrors && /net::ERR_(CONNECTION_REFUSED|CONNECTION_RESET|CONNECTION_CLOSED|CONNECTION_ABORTED|SOCKET_NOT_CONNECTED|EMPTY_RESPONSE|INCOMPLETE_CHUNKED_ENCODING)/.test(text)) return;
     errors.push(text);
   });
   page.on("pageerror", (e) => errors.push(`pageerror: ${e.message}`));
@@ -147,7 +149,11 @@ export async function browser(name, { width = 1280, height = 800 } = {}) {
     page,
     context,
     errors,
-    expectNetworkErrors(on) {
+    /** Turning it off first takes a round trip through the page, so the
+     * console messages of requests that failed while it was on arrive
+     * (CDP delivers events in order) before the errors count again. */
+    async expectNetworkErrors(on) {
+      if (!on) await page.evaluate(() => null);
       allowNetworkErrors = on;
     },
     async screenshot(step) {
