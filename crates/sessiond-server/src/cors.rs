@@ -5,7 +5,10 @@
 //! `access-control-expose-headers` encoded by sessiond and decoded by the
 //! client: a tenth of a GetSessionStatus's cost under load).
 
-use std::task::{Context, Poll};
+use std::{
+    sync::Arc,
+    task::{Context, Poll},
+};
 
 use futures::future::Either;
 use tower::{Layer, Service};
@@ -20,7 +23,7 @@ impl<S> Layer<S> for BrowserCorsLayer {
 
     fn layer(&self, inner: S) -> Self::Service {
         BrowserCors {
-            cors: self.0.clone(),
+            cors: Arc::new(self.0.clone()),
             inner,
         }
     }
@@ -29,7 +32,9 @@ impl<S> Layer<S> for BrowserCorsLayer {
 /// `inner`, behind CORS for requests that carry an `Origin`.
 #[derive(Debug, Clone)]
 pub(crate) struct BrowserCors<S> {
-    cors: CorsLayer,
+    /// Shared: the server clones its service stack for every call, and a
+    /// `CorsLayer`'s clone copies its header lists.
+    cors: Arc<CorsLayer>,
     inner: S,
 }
 
