@@ -218,11 +218,15 @@ impl ManageConnection for Manager {
             Backend::Sqlite => {
                 let mut c = SqliteConnection::establish(&self.target)
                     .map_err(r2d2::Error::ConnectionError)?;
+                // Checkpoints run on a thread of their own (`checkpoint.rs`);
+                // a commit checkpoints only past the backstop.
                 let pragmas = format!(
                     "PRAGMA busy_timeout = {};
                      PRAGMA synchronous = NORMAL;
-                     PRAGMA foreign_keys = ON;",
-                    self.busy_timeout.as_millis()
+                     PRAGMA foreign_keys = ON;
+                     PRAGMA wal_autocheckpoint = {};",
+                    self.busy_timeout.as_millis(),
+                    crate::checkpoint::BACKSTOP_PAGES
                 );
                 c.batch_execute(&pragmas).map_err(r2d2::Error::QueryError)?;
                 // WAL is a property of the file, and switching to it takes

@@ -21,7 +21,8 @@
 //!   startup recovery's pass, lets other writers go first and leaves two
 //!   pool connections free, `lanes.rs`); Postgres runs READ COMMITTED and
 //!   relies on row locks taken by `UPDATE`, in a fixed order (tasks, then
-//!   sessions, by id).
+//!   sessions, by id). A SQLite file's WAL is checkpointed beside the
+//!   commits, not inside them (`checkpoint.rs`).
 //! - Seqs: `tasks.last_event_seq` and `task_sessions.last_event_seq` /
 //!   `last_message_seq` are counters advanced inside the writing transaction
 //!   (`UPDATE .. SET c = c + n`, then read back), so event `seq` (per session),
@@ -38,6 +39,7 @@
 //!   `kind` column holding `EventKind::as_str()`.
 
 mod changeset;
+mod checkpoint;
 mod conn;
 mod error;
 mod events;

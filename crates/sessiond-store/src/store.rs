@@ -23,6 +23,7 @@ use sessiond_domain::{
 use crate::{
     Error, Result,
     changeset::{self, Changeset, Committed, Fence},
+    checkpoint::Checkpointer,
     conn::{self, AnyConnection, Manager, Ts, write_transaction},
     error::on_unique,
     lanes::{self, Yield},
@@ -145,6 +146,8 @@ pub struct Store {
     health: Arc<Health>,
     /// Which task each session belongs to, as commits read it.
     tasks: Arc<changeset::SessionTasks>,
+    /// A SQLite file's WAL checkpoints, run beside the commits.
+    checkpointer: Option<Arc<Checkpointer>>,
 }
 
 /// While the database is known down, a checkout waits at most this long
@@ -299,6 +302,14 @@ impl Store {
                 // the pool's connections, opened at once, only read the mode.
                 drop(manager.connect().map_err(|e| Error::Pool(Box::new(e)))?);
             }
+            let checkpointer = if backend == Backend::Sqlite && !is_memory(&target) {
+                let started = Checkpointer::start(&target).map_err(|e| {
+                    Error::Invalid(format!("cannot start the SQLite checkpoint thread: {e}"))
+                })?;
+                Some(Arc::new(started))
+            } else {
+                None
+            };
             let health = Arc::new(Health::default());
             let pool = Pool::builder()
                 .error_handler(Box::new(HealthHooks(health.clone())))
@@ -323,6 +334,7 @@ impl Store {
                 target: target.into(),
                 health,
                 tasks: Arc::default(),
+                checkpointer,
             };
             if opts.migrate {
                 let mut conn = store.pool.get()?;
@@ -1312,6 +1324,7 @@ impl Store {
         let slots = self.slots.clone();
         let timeout = self.checkout_timeout;
         let health = self.health.clone();
+        let checkpointer = self.checkpointer.clone();
         let flag = lanes::current();
         blocking(move || {
             let asked = Instant::now();
@@ -1336,6 +1349,9 @@ impl Store {
             waited("write", flag.as_ref(), asked);
             let result = write_transaction(&mut conn, f);
             health.observe(&result, &mut conn);
+            if let (Ok(_), Some(checkpointer)) = (&result, &checkpointer) {
+                checkpointer.committed();
+            }
             result
         })
         .await

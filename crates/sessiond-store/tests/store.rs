@@ -2102,6 +2102,48 @@ macro_rules! store_tests {
 store_tests!(sqlite);
 store_tests!(postgres);
 
+/// SQLite: commits are checkpointed by the store's own thread, not by the
+/// commit that fills the WAL (the pool's automatic checkpoint is only a
+/// backstop, far above what these commits write): the pages reach the
+/// main database file while the commits leave them in the WAL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_commits_are_checkpointed_beside_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sessiond.db");
+    let store = Store::connect(
+        &format!("sqlite://{}", path.display()),
+        StoreOptions::default(),
+    )
+    .await
+    .unwrap();
+    let (_, _, s) = seed(&store).await;
+    let main_file = || std::fs::metadata(&path).unwrap().len();
+    let before = main_file();
+    // 2 MiB of messages, one commit each: well below the backstop (10,000
+    // pages, ~40 MiB), so no commit checkpoints by itself.
+    let content = "x".repeat(8 * 1024);
+    for _ in 0..256 {
+        store
+            .commit(Changeset::new().add_message(message(&s, MessageRole::User, &content)))
+            .await
+            .unwrap();
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while main_file() < before + 2 * 1024 * 1024 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the database file did not grow past {before} + 2 MiB within 30 s (now {} bytes): no checkpoint ran",
+            main_file()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        store.list_messages(s.id, 0, 1000).await.unwrap().len(),
+        256,
+        "every message is still read"
+    );
+}
+
 /// PostgreSQL: an event committed by one replica wakes the listener of
 /// another (after the commit, naming the event), never its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
