@@ -259,10 +259,13 @@ pub(crate) fn write_title(
         task_sessions::title.eq(title),
         task_sessions::title_source.eq(stored_source),
     );
-    Ok(native!(conn, |c| diesel::update(target)
+    // `RETURNING`: an `execute` would not keep it prepared (see `Prepared`).
+    let written: Vec<String> = native!(conn, |c| diesel::update(target)
         .set(set)
+        .returning(task_sessions::id)
         .prepared()
-        .execute(c))?)
+        .load(c))?;
+    Ok(written.len())
 }
 
 /// Events written by one `INSERT` at most on PostgreSQL (seven binds
@@ -496,8 +499,9 @@ pub(crate) fn apply(
             let row = ExecutorRow::from_domain(&record)?;
             native!(conn, |c| diesel::insert_into(executors_running::table)
                 .values(&row)
+                .returning(executors_running::id)
                 .prepared()
-                .execute(c))
+                .get_result::<String>(c))
             .map_err(|e| {
                 on_unique(e, "executor", |detail| {
                     if detail.contains("session_id") {
@@ -559,8 +563,9 @@ pub(crate) fn apply(
         let row = MessageRow::from_domain(&m);
         native!(conn, |c| diesel::insert_into(session_messages::table)
             .values(&row)
+            .returning(session_messages::seq)
             .prepared()
-            .execute(c))
+            .get_result::<i64>(c))
         .map_err(|e| on_unique(e, "message", |_| m.id.to_string()))?;
         messages.push(m);
     }
@@ -621,8 +626,9 @@ pub(crate) fn apply(
                 let rows: Vec<EventRow> = group.iter().map(EventRow::from_domain).collect();
                 diesel::insert_into(session_events::table)
                     .values(&rows)
+                    .returning(session_events::seq)
                     .prepared()
-                    .execute(c)?;
+                    .load::<i64>(c)?;
             }
         }
         // No round trips here, and diesel prepares a multi-row `INSERT`
@@ -631,8 +637,9 @@ pub(crate) fn apply(
             for event in &events {
                 diesel::insert_into(session_events::table)
                     .values(EventRow::from_domain(event))
+                    .returning(session_events::seq)
                     .prepared()
-                    .execute(c)?;
+                    .get_result::<i64>(c)?;
             }
         }
     }
@@ -845,11 +852,12 @@ pub(crate) fn check_fence(
         .filter(executors_running::session_id.eq(&session))
         .filter(executors_running::owner_id.eq(&fence.owner))
         .filter(executors_running::lease_epoch.eq(fence.epoch));
-    let n = native!(conn, |c| diesel::update(held)
+    let held: Vec<String> = native!(conn, |c| diesel::update(held)
         .set(executors_running::lease_epoch.eq(executors_running::lease_epoch))
+        .returning(executors_running::id)
         .prepared()
-        .execute(c))?;
-    if n > 0 {
+        .load(c))?;
+    if !held.is_empty() {
         return Ok(());
     }
     let current: Option<(Option<String>, i64)> = executors_running::table

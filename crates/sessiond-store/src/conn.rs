@@ -327,6 +327,11 @@ impl From<r2d2::PoolError> for Error {
 /// commit's own cost. Keyed by the SQL text and its bind types instead of
 /// the query's type, each distinct text is prepared once and reused, and
 /// a statement whose text varies only gets an entry per variant.
+///
+/// Only through a load (`get_result`, `load`): diesel's `execute` looks at
+/// the statement through a reference, whose cache check walks the inner
+/// statement and never reaches this wrapper's answer. A statement that
+/// returns nothing gets a `RETURNING` of its key instead.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Prepared<Q>(pub(crate) Q);
 

@@ -2102,6 +2102,108 @@ macro_rules! store_tests {
 store_tests!(sqlite);
 store_tests!(postgres);
 
+/// Every statement a commit runs for a session is kept prepared: the
+/// connection's statement cache takes it the first time it runs (diesel's
+/// `CacheQuery` event), so it is never parsed and planned again. A turn's
+/// commits were found running their `INSERT`s unprepared (`Prepared`
+/// through `execute`). Both backends, one after the other: the recorder is
+/// process-wide, and it keeps only statements naming this test's session
+/// or task.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_statement_of_a_commit_is_kept_prepared() {
+    use diesel::connection::{Instrumentation, InstrumentationEvent};
+    use std::sync::Mutex;
+
+    /// SQL the caches took, and every statement run (SQL and binds).
+    static CACHED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    static RUN: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    struct Recorder;
+    impl Instrumentation for Recorder {
+        fn on_connection_event(&mut self, event: InstrumentationEvent<'_>) {
+            match event {
+                InstrumentationEvent::CacheQuery { sql, .. } => {
+                    CACHED.lock().unwrap().push(sql.to_owned())
+                }
+                InstrumentationEvent::StartQuery { query, .. } => {
+                    RUN.lock().unwrap().push(query.to_string())
+                }
+                _ => {}
+            }
+        }
+    }
+    diesel::connection::set_default_instrumentation(|| Some(Box::new(Recorder))).unwrap();
+
+    for db in [open::sqlite().await, open::postgres().await] {
+        let store = &db.store;
+        let (t, _, s) = seed(store).await;
+        let mut s = s;
+        // A turn's shapes, each twice: the second run of each must find
+        // its statements cached by the first.
+        for round in 0..2 {
+            let asked = message(&s, MessageRole::User, &format!("turn {round}"));
+            let reply = message(&s, MessageRole::Agent, "");
+            let mut next = s.clone();
+            next.state = SessionState::Running;
+            let committed = store
+                .commit(
+                    Changeset::new()
+                        .update_session(next)
+                        .add_message(asked)
+                        .add_message(reply.clone())
+                        .event(s.id, state_changed(s.state, SessionState::Running))
+                        .task_event(t.id, TaskEvent::WorkStarted),
+                )
+                .await
+                .unwrap();
+            s = committed.session.unwrap();
+            let mut next = s.clone();
+            next.state = SessionState::WaitingForInput;
+            let committed = store
+                .commit(
+                    Changeset::new()
+                        .update_session(next)
+                        .update_message(reply.id, "done", true)
+                        .event(
+                            s.id,
+                            state_changed(SessionState::Running, SessionState::WaitingForInput),
+                        )
+                        .event(
+                            s.id,
+                            state_changed(SessionState::Running, SessionState::WaitingForInput),
+                        ),
+                )
+                .await
+                .unwrap();
+            s = committed.session.unwrap();
+            store
+                .set_session_title(s.id, format!("title {round}"), TitleSource::User)
+                .await
+                .unwrap();
+        }
+        let cached = CACHED.lock().unwrap().clone();
+        let ours: Vec<String> = RUN
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|q| q.contains(&s.id.to_string()) || q.contains(&t.id.to_string()))
+            .filter(|q| {
+                !q.starts_with("INSERT INTO \"tasks\"")
+                    && !q.starts_with("INSERT INTO \"task_sessions\"")
+            })
+            .cloned()
+            .collect();
+        assert!(ours.len() > 20, "the recorder saw the commits: {ours:#?}");
+        for q in &ours {
+            let sql = q.split(" -- binds:").next().unwrap_or(q);
+            assert!(
+                cached.iter().any(|c| c == sql),
+                "{:?}: not kept prepared: {sql}",
+                store.backend()
+            );
+        }
+    }
+}
+
 /// SQLite: commits are checkpointed by the store's own thread, not by the
 /// commit that fills the WAL (the pool's automatic checkpoint is only a
 /// backstop, far above what these commits write): the pages reach the
