@@ -631,8 +631,8 @@ pub(crate) fn apply(
                     .load::<i64>(c)?;
             }
         }
-        // No round trips here, and diesel prepares a multi-row `INSERT`
-        // afresh each time: one kept-prepared `INSERT` per event is less.
+        // No round trips to save in process: one kept-prepared `INSERT`
+        // per event, whose text never varies with the event count.
         AnyConnection::Sqlite(c) => {
             for event in &events {
                 diesel::insert_into(session_events::table)

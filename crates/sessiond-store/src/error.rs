@@ -103,7 +103,8 @@ pub enum Error {
     #[error("migration failed: {0}")]
     Migration(#[source] BoxError),
 
-    /// The blocking task running the query panicked or was cancelled.
+    /// The blocking task running the query panicked or was cancelled, or a
+    /// worker thread of the store (SQLite's checkpoints) could not start.
     #[error("database worker task failed: {0}")]
     Blocking(String),
 }

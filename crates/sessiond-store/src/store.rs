@@ -304,7 +304,7 @@ impl Store {
             }
             let checkpointer = if backend == Backend::Sqlite && !is_memory(&target) {
                 let started = Checkpointer::start(&target).map_err(|e| {
-                    Error::Invalid(format!("cannot start the SQLite checkpoint thread: {e}"))
+                    Error::Blocking(format!("cannot start the SQLite checkpoint thread: {e}"))
                 })?;
                 Some(Arc::new(started))
             } else {

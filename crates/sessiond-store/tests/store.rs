@@ -811,34 +811,6 @@ mod suite {
                 .await
                 .unwrap();
         }
-        // A writer whose copy names another owner and lease.
-        let mut stale = store.get_executor(ids[0]).await.unwrap();
-        let lease = (
-            stale.owner_id.clone(),
-            stale.lease_expires_at.map(|t| t.timestamp_micros()),
-            stale.lease_epoch,
-        );
-        stale.owner_id = Some("replica-z".into());
-        stale.lease_epoch += 7;
-        stale.lease_expires_at = None;
-        stale.error_message = Some("written".into());
-        let written = store
-            .commit(Changeset::new().update_executor(stale))
-            .await
-            .unwrap()
-            .executor
-            .unwrap();
-        assert_eq!(written, store.get_executor(ids[0]).await.unwrap());
-        assert_eq!(written.error_message.as_deref(), Some("written"));
-        assert_eq!(
-            (
-                written.owner_id.clone(),
-                written.lease_expires_at.map(|t| t.timestamp_micros()),
-                written.lease_epoch
-            ),
-            lease
-        );
-
         store.mark_session_deleted(sessions[2].id).await.unwrap();
         let missing = ExecutorId::new();
         let asked = vec![ids[1], missing, ids[0], ids[2]];
@@ -1613,9 +1585,17 @@ mod suite {
             .await
             .unwrap_err();
         assert!(matches!(err, Error::Conflict { .. }), "{err}");
+        // The lease columns are not in an executor update's `SET`: the
+        // row as written, returned to the writer, keeps the stored lease.
         let mut current = got[0].record.clone();
+        let lease = (
+            current.owner_id.clone(),
+            current.lease_expires_at.map(|t| t.timestamp_micros()),
+            current.lease_epoch,
+        );
         current.owner_id = None;
         current.lease_expires_at = None;
+        current.lease_epoch += 7;
         current.error_message = Some("x".into());
         let written = store
             .commit(Changeset::new().update_executor(current))
@@ -1623,8 +1603,17 @@ mod suite {
             .unwrap()
             .executor
             .unwrap();
+        assert_eq!(written, store.get_executor(written.id).await.unwrap());
+        assert_eq!(written.error_message.as_deref(), Some("x"));
         assert_eq!(written.owner_id.as_deref(), Some("replica-a"));
-        assert!(written.lease_expires_at.is_some());
+        assert_eq!(
+            (
+                written.owner_id.clone(),
+                written.lease_expires_at.map(|t| t.timestamp_micros()),
+                written.lease_epoch
+            ),
+            lease
+        );
 
         // Renewal keeps it A's; the listing counts it for A.
         let owned = store

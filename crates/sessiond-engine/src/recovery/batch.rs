@@ -45,11 +45,14 @@ pub(crate) async fn read(
     if outcomes.reads.send((id, reply)).is_err() {
         return Ok(me.inner.store.get_executor_and_session(id).await?);
     }
-    answer.await.unwrap_or_else(|_| {
-        Err(crate::error::Error::Internal(
-            "the pass's record reader ended before answering".into(),
-        ))
-    })
+    answered(answer, "the pass's record reader ended before answering").await
+}
+
+/// What the reader or the writer sent back; `ended` when it is gone first.
+async fn answered<T>(answer: oneshot::Receiver<Result<T>>, ended: &str) -> Result<T> {
+    answer
+        .await
+        .unwrap_or_else(|_| Err(crate::error::Error::Internal(ended.into())))
 }
 
 async fn reader(me: SessionManager, mut rx: mpsc::UnboundedReceiver<RecordRead>) {
@@ -94,11 +97,11 @@ pub(crate) async fn commit(
     if let Err(mpsc::error::SendError((change, _))) = outcomes.tx.send((change, reply)) {
         return me.commit(change).await;
     }
-    answer.await.unwrap_or_else(|_| {
-        Err(crate::error::Error::Internal(
-            "the pass's outcome writer ended before writing an outcome".into(),
-        ))
-    })
+    answered(
+        answer,
+        "the pass's outcome writer ended before writing an outcome",
+    )
+    .await
 }
 
 async fn writer(me: SessionManager, mut rx: mpsc::UnboundedReceiver<OutcomeCommit>) {
