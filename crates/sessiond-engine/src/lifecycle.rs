@@ -248,6 +248,15 @@ impl SessionManager {
             committed.executor.as_ref().map_or(0, |e| e.lease_epoch),
         );
         drop(gate);
+        if let Some(s) = &committed.session {
+            self.inner
+                .sessions
+                .status_created(crate::sessions::status_entry(
+                    s.clone(),
+                    profile.supports_session_resume,
+                    committed.executor.as_ref(),
+                ));
+        }
         self.after_commit(&committed);
         let mut session = committed
             .session

@@ -372,6 +372,15 @@ impl Sessions {
         t.record(session).status.get_or_insert(entry).clone()
     }
 
+    /// Keeps the status entry of a session just created (its first
+    /// commit: the session, its executor's intent, its profile's claim), so
+    /// its first calls answer from memory as a loaded session's do. An
+    /// entry already there is at least as new and stays.
+    pub fn status_created(&self, (session, entry): (SessionId, StatusEntry)) {
+        let mut t = self.table();
+        t.record(session).status.get_or_insert(entry);
+    }
+
     /// Keeps the status snapshot current after a commit (called before the
     /// commit returns, so a status read after it never sees older state).
     pub fn status_committed(&self, committed: &Committed) {

@@ -70,6 +70,30 @@ async fn restart_reattaches_postgres() {
     restart_reattaches(Db::Postgres).await;
 }
 
+/// A session is in the status snapshot from its creation on, as one loaded
+/// at startup is: its status (and its first turn) come from memory, with
+/// no store read. Seen here through a write the manager did not make: the
+/// status answered is what the manager committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_created_session_answers_its_status_from_memory() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "a").await;
+    let mut stored = w.store.get_session(s.id).await.unwrap();
+    stored.error_message = Some("written behind the manager".into());
+    w.store
+        .commit(sessiond_store::Changeset::new().update_session(stored))
+        .await
+        .unwrap();
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::WaitingForInput);
+    assert_eq!(
+        st.error_message, None,
+        "answered from the snapshot kept since the creation, not read from the store"
+    );
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// A turn starts from the status snapshot's copy of the session (no store
 /// read) when it has one; a copy older than the store (a write this manager
 /// did not make) fails the turn start's version check, and the turn starts
@@ -81,8 +105,7 @@ async fn a_turn_from_a_stale_status_snapshot_reads_the_session_again() {
     let s = w.create(&mgr, "a").await;
     let token = s.resume_token.clone().unwrap();
     w.prompt(&mgr, s.id, "one").await;
-    // In the snapshot (a status read keeps it), then changed behind it.
-    w.status(&mgr, s.id).await;
+    // In the snapshot (since its creation), then changed behind it.
     let mut stored = w.store.get_session(s.id).await.unwrap();
     stored
         .metadata
