@@ -355,20 +355,23 @@ pub(crate) fn apply(
         let k = task_events.get(&t).copied().unwrap_or(0);
         let target = tasks::table.find(t.to_string());
         let state = match change.task_state {
-            Some((st, TaskChange::To(state))) if st == t => Some(state),
+            Some((st, TaskChange::To(state))) if st == t => StateWrite::Set(state),
+            // With events to number, the counter's update applies the event
+            // too, so the stored state is not read first (a round trip).
             Some((st, TaskChange::Event(event))) if st == t => {
-                let stored: Option<String> =
-                    native!(conn, |c| target.clone().select(tasks::state).get_result(c))
-                        .optional()?;
-                let stored = stored.ok_or_else(|| Error::not_found("task", t))?;
-                let stored = TaskState::parse(&stored).map_err(|e| Error::corrupt("task", t, e))?;
-                stored.transition(event).ok().filter(|next| *next != stored)
+                match (k > 0).then(|| moves(event)).flatten() {
+                    Some(write) => write,
+                    None => match read_transition(conn, t, event)? {
+                        Some(state) => StateWrite::Set(state),
+                        None => StateWrite::Keep,
+                    },
+                }
             }
-            _ => None,
+            _ => StateWrite::Keep,
         };
         // The counter as advanced comes back with the update: one statement.
         let last: Option<i64> = match state {
-            Some(state) => {
+            StateWrite::Set(state) => {
                 let set = (
                     tasks::state.eq(state.as_str()),
                     tasks::updated_at.eq(now),
@@ -381,10 +384,31 @@ pub(crate) fn apply(
                     .get_result(c))
                 .optional()?
             }
+            StateWrite::Moving { from, to } => {
+                let moving = tasks::state.eq_any(from);
+                let set = (
+                    tasks::state.eq(diesel::dsl::case_when::<_, _, diesel::sql_types::Text>(
+                        moving.clone(),
+                        to.as_str(),
+                    )
+                    .otherwise(tasks::state)),
+                    tasks::updated_at.eq(
+                        diesel::dsl::case_when::<_, _, crate::conn::UtcTimestamp>(moving, now)
+                            .otherwise(tasks::updated_at),
+                    ),
+                    tasks::last_event_seq.eq(tasks::last_event_seq + k),
+                );
+                native!(conn, |c| diesel::update(target.clone())
+                    .set(set.clone())
+                    .returning(tasks::last_event_seq)
+                    .prepared()
+                    .get_result(c))
+                .optional()?
+            }
             // An event that leaves the task as it is, with no task events:
             // nothing to write (the read above found the task).
-            None if k == 0 => continue,
-            None => native!(conn, |c| diesel::update(target.clone())
+            StateWrite::Keep if k == 0 => continue,
+            StateWrite::Keep => native!(conn, |c| diesel::update(target.clone())
                 .set(tasks::last_event_seq.eq(tasks::last_event_seq + k))
                 .returning(tasks::last_event_seq)
                 .prepared()
@@ -673,6 +697,56 @@ pub(crate) fn apply(
         messages,
         events,
     })
+}
+
+/// How a changeset's task state is written with the task's counter.
+enum StateWrite {
+    /// As it is.
+    Keep,
+    /// To this state.
+    Set(TaskState),
+    /// To `to` from any of `from` (as stored), else as it is.
+    Moving {
+        from: Vec<&'static str>,
+        to: TaskState,
+    },
+}
+
+/// The write that applies `event` to whatever state a task has stored:
+/// the states it moves out of, to the one state they all move to (`Keep`
+/// if it moves none); `None` when they move to different states (then the
+/// state is read first).
+fn moves(event: TaskEvent) -> Option<StateWrite> {
+    let mut to = None;
+    let mut from = Vec::new();
+    for s in TaskState::ALL {
+        if let Some(next) = s.transition(event).ok().filter(|n| n != s) {
+            if to.is_some_and(|t| t != next) {
+                return None;
+            }
+            to = Some(next);
+            from.push(s.as_str());
+        }
+    }
+    Some(match to {
+        Some(to) => StateWrite::Moving { from, to },
+        None => StateWrite::Keep,
+    })
+}
+
+/// The state `event` moves task `t` to from its stored state, `None` if
+/// it leaves it as it is.
+fn read_transition(
+    conn: &mut AnyConnection,
+    t: TaskId,
+    event: TaskEvent,
+) -> Result<Option<TaskState>> {
+    let target = tasks::table.find(t.to_string());
+    let stored: Option<String> =
+        native!(conn, |c| target.select(tasks::state).get_result(c)).optional()?;
+    let stored = stored.ok_or_else(|| Error::not_found("task", t))?;
+    let stored = TaskState::parse(&stored).map_err(|e| Error::corrupt("task", t, e))?;
+    Ok(stored.transition(event).ok().filter(|next| *next != stored))
 }
 
 /// What the executor write left to read back.

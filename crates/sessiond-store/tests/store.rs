@@ -1433,6 +1433,48 @@ mod suite {
             .unwrap();
         assert_eq!(state(store).await, TaskState::Review);
 
+        // With events to number, the event rides on the counter's update
+        // (the stored state is not read first): the same machine.
+        let with_events = |event| {
+            Changeset::new()
+                .event(
+                    s.id,
+                    state_changed(SessionState::Starting, SessionState::WaitingForInput),
+                )
+                .task_event(t.id, event)
+        };
+        store
+            .commit(with_events(TaskEvent::WorkStarted))
+            .await
+            .unwrap();
+        assert_eq!(state(store).await, TaskState::InProgress);
+        let moved_at = store.get_task(t.id).await.unwrap().updated_at;
+        let c = store
+            .commit(with_events(TaskEvent::WorkStarted))
+            .await
+            .unwrap();
+        assert_eq!(c.events.len(), 1);
+        let unmoved = store.get_task(t.id).await.unwrap();
+        assert_eq!(unmoved.state, TaskState::InProgress);
+        assert_eq!(
+            unmoved.updated_at, moved_at,
+            "a task left as it is keeps its time"
+        );
+        store
+            .commit(with_events(TaskEvent::Completed))
+            .await
+            .unwrap();
+        assert_eq!(state(store).await, TaskState::Completed);
+        store
+            .commit(with_events(TaskEvent::WorkStarted))
+            .await
+            .unwrap();
+        assert_eq!(
+            state(store).await,
+            TaskState::Completed,
+            "an ended task stays ended"
+        );
+
         let before = store.last_event_seq(s.id).await.unwrap();
         let err = store
             .commit(
