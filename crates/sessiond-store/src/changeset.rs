@@ -10,7 +10,7 @@ use sessiond_domain::{
 
 use crate::{
     Error, Result,
-    conn::{AnyConnection, KeepPrepared, Ts, native},
+    conn::{AnyConnection, KeepPrepared, Ts, With, native},
     error::on_unique,
     rows::{EventRow, ExecutorRow, MessageRow, SessionChanges, SessionRow},
     schema::{executors_running, session_events, session_messages, task_sessions, tasks},
@@ -574,6 +574,12 @@ pub(crate) fn apply(
     };
 
     // 4. Messages.
+    // PostgreSQL: a changeset's one new message goes in with its events, in
+    // one statement (a turn's start, a reply's first chunk): one round trip.
+    let message_with_events = matches!(conn, AnyConnection::Pg(_))
+        && change.new_messages.len() == 1
+        && update_targets.is_empty()
+        && (1..=EVENTS_PER_INSERT).contains(&change.events.len());
     let mut messages = Vec::with_capacity(change.new_messages.len() + update_targets.len());
     for mut m in change.new_messages {
         let next = next_seq.get_mut(&m.session_id).map(|n| &mut n.messages);
@@ -584,13 +590,15 @@ pub(crate) fn apply(
         *next += 1;
         m.created_at = crate::conn::truncate(m.created_at);
         m.updated_at = crate::conn::truncate(m.updated_at);
-        let row = MessageRow::from_domain(&m);
-        native!(conn, |c| diesel::insert_into(session_messages::table)
-            .values(&row)
-            .returning(session_messages::seq)
-            .prepared()
-            .get_result::<i64>(c))
-        .map_err(|e| on_unique(e, "message", |_| m.id.to_string()))?;
+        if !message_with_events {
+            let row = MessageRow::from_domain(&m);
+            native!(conn, |c| diesel::insert_into(session_messages::table)
+                .values(&row)
+                .returning(session_messages::seq)
+                .prepared()
+                .get_result::<i64>(c))
+            .map_err(|e| on_unique(e, "message", |_| m.id.to_string()))?;
+        }
         messages.push(m);
     }
     for (u, _) in &update_targets {
@@ -646,13 +654,33 @@ pub(crate) fn apply(
         // One multi-row `INSERT` for the changeset's events (a turn's start
         // or end has several): each would be a round trip.
         AnyConnection::Pg(c) => {
+            let mut message = message_with_events.then(|| MessageRow::from_domain(&messages[0]));
             for group in events.chunks(EVENTS_PER_INSERT) {
                 let rows: Vec<EventRow> = group.iter().map(EventRow::from_domain).collect();
-                diesel::insert_into(session_events::table)
+                let insert_events = diesel::insert_into(session_events::table)
                     .values(&rows)
-                    .returning(session_events::seq)
+                    .returning(session_events::seq);
+                match message.take() {
+                    None => insert_events.prepared().load::<i64>(c).map(drop)?,
+                    Some(row) => With {
+                        name: "added_message",
+                        first: diesel::insert_into(session_messages::table)
+                            .values(&row)
+                            .returning(session_messages::seq),
+                        then: insert_events,
+                    }
                     .prepared()
-                    .load::<i64>(c)?;
+                    .load::<i64>(c)
+                    .map(drop)
+                    .map_err(|e| match &e {
+                        diesel::result::Error::DatabaseError(_, info)
+                            if info.table_name() == Some("session_messages") =>
+                        {
+                            on_unique(e, "message", |_| row.id.clone())
+                        }
+                        _ => Error::from(e),
+                    })?,
+                }
             }
         }
         // No round trips to save in process: one kept-prepared `INSERT`

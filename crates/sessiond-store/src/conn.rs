@@ -372,3 +372,44 @@ where
 }
 
 impl<Q, Conn> diesel::RunQueryDsl<Conn> for Prepared<Q> {}
+
+/// `WITH <name> AS (<first>) <then>`: two PostgreSQL statements in one
+/// round trip. PostgreSQL runs a data-modifying `WITH` once and to its end
+/// whether or not the main statement reads it, in the same transaction and
+/// snapshot; `then` answers. For statements whose values do not depend on
+/// each other's results.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct With<A, B> {
+    pub(crate) name: &'static str,
+    pub(crate) first: A,
+    pub(crate) then: B,
+}
+
+impl<A, B> diesel::query_builder::QueryId for With<A, B> {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl<A, B: diesel::query_builder::Query> diesel::query_builder::Query for With<A, B> {
+    type SqlType = B::SqlType;
+}
+
+impl<A, B> diesel::query_builder::QueryFragment<diesel::pg::Pg> for With<A, B>
+where
+    A: diesel::query_builder::QueryFragment<diesel::pg::Pg>,
+    B: diesel::query_builder::QueryFragment<diesel::pg::Pg>,
+{
+    fn walk_ast<'b>(
+        &'b self,
+        mut out: diesel::query_builder::AstPass<'_, 'b, diesel::pg::Pg>,
+    ) -> diesel::QueryResult<()> {
+        out.push_sql("WITH ");
+        out.push_identifier(self.name)?;
+        out.push_sql(" AS (");
+        self.first.walk_ast(out.reborrow())?;
+        out.push_sql(") ");
+        self.then.walk_ast(out.reborrow())
+    }
+}
+
+impl<A, B, Conn> diesel::RunQueryDsl<Conn> for With<A, B> {}

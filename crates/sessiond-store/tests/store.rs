@@ -1047,6 +1047,35 @@ mod suite {
         assert_eq!((ok.events[0].seq, ok.events[0].task_seq), (1, 1));
     }
 
+    /// A message added again under its id (with its event: on PostgreSQL
+    /// one statement inserts both) is ALREADY_EXISTS for the message, and
+    /// the commit writes nothing: no event, no counter advanced.
+    pub async fn a_message_added_twice_is_refused_whole(store: &Store) {
+        let (t, _, s) = seed(store).await;
+        let m = message(&s, MessageRole::User, "once");
+        let add = |m: &Message| {
+            Changeset::new()
+                .add_message(m.clone())
+                .event(s.id, EventPayload::MessageAdded(m.clone()))
+        };
+        store.commit(add(&m)).await.unwrap();
+        let events = store.last_event_seq(s.id).await.unwrap();
+        let task_events = store.last_task_event_seq(t.id).await.unwrap();
+        let err = store.commit(add(&m)).await.unwrap_err();
+        assert!(
+            matches!(err, Error::AlreadyExists { entity: "message", ref id } if *id == m.id.to_string()),
+            "{err}"
+        );
+        assert_eq!(store.last_event_seq(s.id).await.unwrap(), events);
+        assert_eq!(store.last_task_event_seq(t.id).await.unwrap(), task_events);
+        assert_eq!(store.list_messages(s.id, 0, 100).await.unwrap().len(), 1);
+        // The numbers the refused commit would have used go to the next one.
+        let next = message(&s, MessageRole::User, "twice");
+        let c = store.commit(add(&next)).await.unwrap();
+        assert_eq!(c.events[0].seq, events + 1);
+        assert_eq!(c.messages[0].seq, 2);
+    }
+
     async fn assert_nothing_written(store: &Store, t: &Task, s: &Session) {
         assert_eq!(store.get_session(s.id).await.unwrap(), *s);
         assert_eq!(store.get_task(t.id).await.unwrap(), *t);
@@ -2113,6 +2142,7 @@ macro_rules! store_tests {
             store_test!($backend, custom_runtimes_round_trip);
             store_test!($backend, recoverable_executors_filter_by_status);
             store_test!($backend, changeset_is_all_or_nothing);
+            store_test!($backend, a_message_added_twice_is_refused_whole);
             store_test!($backend, sessions_with_a_metadata_key);
             store_test!($backend, two_writers_same_version_one_wins);
             store_test!($backend, concurrent_appenders_get_gap_free_seqs);
