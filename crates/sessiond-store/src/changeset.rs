@@ -351,9 +351,34 @@ pub(crate) fn apply(
     if let Some((t, _)) = &change.task_state {
         task_ids.insert(*t);
     }
+    let mut session_ids: BTreeSet<SessionId> = need.keys().copied().collect();
+    if let Some(s) = &change.session {
+        session_ids.insert(s.id);
+    }
+    // PostgreSQL: the one task's update goes in with the first session's,
+    // in one statement (see `counted_task` below), its row still locked
+    // first: one round trip less.
+    let merge_task =
+        matches!(conn, AnyConnection::Pg(_)) && task_ids.len() == 1 && !session_ids.is_empty();
+    let mut kept_task: Option<KeptTaskUpdate> = None;
     for t in task_ids {
         let k = task_events.get(&t).copied().unwrap_or(0);
         let target = tasks::table.find(t.to_string());
+        // Runs a task update, or keeps it for the session's.
+        macro_rules! task_update {
+            ($stmt:expr) => {{
+                let stmt = $stmt;
+                if merge_task {
+                    kept_task = Some(KeptTaskUpdate {
+                        task: t,
+                        events: k,
+                        update: Box::new(stmt),
+                    });
+                    continue;
+                }
+                native!(conn, |c| stmt.prepared().get_result(c)).optional()?
+            }};
+        }
         let state = match change.task_state {
             Some((st, TaskChange::To(state))) if st == t => StateWrite::Set(state),
             // With events to number, the counter's update applies the event
@@ -377,12 +402,11 @@ pub(crate) fn apply(
                     tasks::updated_at.eq(now),
                     tasks::last_event_seq.eq(tasks::last_event_seq + k),
                 );
-                native!(conn, |c| diesel::update(target.clone())
-                    .set(set)
-                    .returning(tasks::last_event_seq)
-                    .prepared()
-                    .get_result(c))
-                .optional()?
+                task_update!(
+                    diesel::update(target.clone())
+                        .set(set)
+                        .returning(tasks::last_event_seq)
+                )
             }
             StateWrite::Moving { from, to } => {
                 let moving = tasks::state.eq_any(from);
@@ -398,39 +422,29 @@ pub(crate) fn apply(
                     ),
                     tasks::last_event_seq.eq(tasks::last_event_seq + k),
                 );
-                native!(conn, |c| diesel::update(target.clone())
-                    .set(set.clone())
-                    .returning(tasks::last_event_seq)
-                    .prepared()
-                    .get_result(c))
-                .optional()?
+                task_update!(
+                    diesel::update(target.clone())
+                        .set(set)
+                        .returning(tasks::last_event_seq)
+                )
             }
             // An event that leaves the task as it is, with no task events:
             // nothing to write (the read above found the task).
             StateWrite::Keep if k == 0 => continue,
-            StateWrite::Keep => native!(conn, |c| diesel::update(target.clone())
-                .set(tasks::last_event_seq.eq(tasks::last_event_seq + k))
-                .returning(tasks::last_event_seq)
-                .prepared()
-                .get_result(c))
-            .optional()?,
+            StateWrite::Keep => task_update!(
+                diesel::update(target.clone())
+                    .set(tasks::last_event_seq.eq(tasks::last_event_seq + k))
+                    .returning(tasks::last_event_seq)
+            ),
         };
-        let Some(last) = last else {
-            return Err(Error::not_found("task", t));
-        };
-        if k > 0 {
-            next_task_seq.insert(t, last - k + 1);
-        }
+        number_task_events(t, k, last, &mut next_task_seq)?;
     }
 
     // 2. Session rows, in id order: the versioned update and the counters.
     let mut next_seq: HashMap<SessionId, Need> = HashMap::new();
     let mut written_session: Option<SessionRow> = None;
-    let mut session_ids: BTreeSet<SessionId> = need.keys().copied().collect();
-    if let Some(s) = &change.session {
-        session_ids.insert(s.id);
-    }
     for sid in session_ids {
+        let with_task = kept_task.take();
         let n = need.get(&sid).copied().unwrap_or_default();
         let target = task_sessions::table.find(sid.to_string());
         let counters = (
@@ -451,14 +465,43 @@ pub(crate) fn apply(
                     task_sessions::version.eq(task_sessions::version + 1),
                     counters,
                 );
-                let written: Option<(SessionRow, i64, i64)> =
-                    native!(conn, |c| diesel::update(versioned)
-                        .set(set)
-                        .returning((session_columns(), seqs.0, seqs.1))
-                        .prepared()
-                        .get_result(c))
-                    .optional()?;
-                let Some((row, events, messages)) = written else {
+                let written: Option<(SessionRow, i64, i64, Option<i64>)> =
+                    match (with_task, &mut *conn) {
+                        (Some(task), AnyConnection::Pg(c)) => {
+                            let counted = (task.task, task.events);
+                            let written: Option<(SessionRow, i64, i64, Option<i64>)> = With {
+                                name: "counted_task",
+                                first: task.update,
+                                then: diesel::update(versioned)
+                                    .filter(counted_task_written())
+                                    .set(set)
+                                    .returning((
+                                        session_columns(),
+                                        seqs.0,
+                                        seqs.1,
+                                        counted_task_seq(),
+                                    )),
+                            }
+                            .prepared()
+                            .get_result(c)
+                            .optional()?;
+                            task_counted(
+                                c,
+                                counted,
+                                written.as_ref().map(|w| w.3),
+                                &mut next_task_seq,
+                            )?;
+                            written
+                        }
+                        (_, conn) => native!(conn, |c| diesel::update(versioned)
+                            .set(set)
+                            .returning((session_columns(), seqs.0, seqs.1))
+                            .prepared()
+                            .get_result(c))
+                        .optional()?
+                        .map(|(row, events, messages)| (row, events, messages, None)),
+                    };
+                let Some((row, events, messages, _)) = written else {
                     let actual: Option<i64> = native!(conn, |c| target
                         .select(task_sessions::version)
                         .get_result(c))
@@ -477,12 +520,30 @@ pub(crate) fn apply(
                 (events, messages)
             }
             None => {
-                let written: Option<(i64, i64)> = native!(conn, |c| diesel::update(target)
-                    .set(counters)
-                    .returning(seqs)
-                    .prepared()
-                    .get_result(c))
-                .optional()?;
+                let written: Option<(i64, i64)> = match (with_task, &mut *conn) {
+                    (Some(task), AnyConnection::Pg(c)) => {
+                        let counted = (task.task, task.events);
+                        let written = With {
+                            name: "counted_task",
+                            first: task.update,
+                            then: diesel::update(target)
+                                .filter(counted_task_written())
+                                .set(counters)
+                                .returning((seqs.0, seqs.1, counted_task_seq())),
+                        }
+                        .prepared()
+                        .get_result::<(i64, i64, Option<i64>)>(c)
+                        .optional()?;
+                        task_counted(c, counted, written.map(|w| w.2), &mut next_task_seq)?;
+                        written.map(|(events, messages, _)| (events, messages))
+                    }
+                    (_, conn) => native!(conn, |c| diesel::update(target)
+                        .set(counters)
+                        .returning(seqs)
+                        .prepared()
+                        .get_result(c))
+                    .optional()?,
+                };
                 written.ok_or_else(|| Error::not_found("session", sid))?
             }
         };
@@ -725,6 +786,69 @@ pub(crate) fn apply(
         messages,
         events,
     })
+}
+
+/// Where a task's events are numbered from, given its counter as advanced
+/// by `events` (`None`: the task was not found).
+fn number_task_events(
+    task: TaskId,
+    events: i64,
+    last: Option<i64>,
+    next_task_seq: &mut HashMap<TaskId, i64>,
+) -> Result<()> {
+    let Some(last) = last else {
+        return Err(Error::not_found("task", task));
+    };
+    if events > 0 {
+        next_task_seq.insert(task, last - events + 1);
+    }
+    Ok(())
+}
+
+/// A task's update kept to run as `counted_task` with a session's update
+/// (PostgreSQL): the session's row is written only if the task's was,
+/// which `WHERE EXISTS` also makes PostgreSQL run first (the lock order).
+struct KeptTaskUpdate {
+    task: TaskId,
+    events: i64,
+    update: Box<dyn diesel::query_builder::QueryFragment<diesel::pg::Pg> + Send>,
+}
+
+/// After a statement with a kept task update: the task's counter as it
+/// returned it, or, if the statement wrote nothing, whether that was for
+/// want of the task.
+fn task_counted(
+    c: &mut diesel::PgConnection,
+    (task, events): (TaskId, i64),
+    returned: Option<Option<i64>>,
+    next_task_seq: &mut HashMap<TaskId, i64>,
+) -> Result<()> {
+    match returned {
+        Some(last) => number_task_events(task, events, last, next_task_seq),
+        None => {
+            let found: Option<String> = tasks::table
+                .find(task.to_string())
+                .select(tasks::id)
+                .get_result(c)
+                .optional()?;
+            match found {
+                None => Err(Error::not_found("task", task)),
+                // The session's own failure, told by the caller.
+                Some(_) => Ok(()),
+            }
+        }
+    }
+}
+
+/// The session update's condition that the task's was written.
+fn counted_task_written() -> diesel::expression::SqlLiteral<diesel::sql_types::Bool> {
+    diesel::dsl::sql("EXISTS (SELECT 1 FROM counted_task)")
+}
+
+/// The task's counter as `counted_task` advanced it, in a `RETURNING`.
+fn counted_task_seq()
+-> diesel::expression::SqlLiteral<diesel::sql_types::Nullable<diesel::sql_types::BigInt>> {
+    diesel::dsl::sql("(SELECT last_event_seq FROM counted_task)")
 }
 
 /// How a changeset's task state is written with the task's counter.

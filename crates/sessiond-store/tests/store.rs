@@ -1518,6 +1518,25 @@ mod suite {
             .unwrap_err();
         assert!(err.is_not_found(), "{err}");
         assert_eq!(store.last_event_seq(s.id).await.unwrap(), before);
+
+        // The only task named is missing (on PostgreSQL its update goes in
+        // with the session's): NOT_FOUND for the task, the session unwritten.
+        let stored = store.get_session(s.id).await.unwrap();
+        let mut next = stored.clone();
+        next.title = "never written".into();
+        let err = store
+            .commit(
+                Changeset::new()
+                    .update_session(next)
+                    .set_task_state(TaskId::new(), TaskState::InProgress),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::NotFound { entity: "task", .. }),
+            "{err}"
+        );
+        assert_eq!(store.get_session(s.id).await.unwrap(), stored);
     }
 
     /// The batched reads recovery and the status snapshot use agree with the
@@ -2253,7 +2272,7 @@ async fn every_statement_of_a_commit_is_kept_prepared() {
             })
             .cloned()
             .collect();
-        assert!(ours.len() > 20, "the recorder saw the commits: {ours:#?}");
+        assert!(ours.len() > 10, "the recorder saw the commits: {ours:#?}");
         for q in &ours {
             let sql = q.split(" -- binds:").next().unwrap_or(q);
             assert!(
