@@ -286,7 +286,11 @@ struct Need {
 /// deadlocking. Each counter is advanced with `UPDATE .. SET c = c + n` (which
 /// takes the row lock until commit) and returns its new value, so seqs are
 /// gap-free: a rolled-back transaction gives its numbers back. Every write
-/// is a [`Prepared`](crate::conn::Prepared) statement.
+/// is a [`Prepared`](crate::conn::Prepared) statement. On PostgreSQL, where
+/// each statement is a round trip, the common commit (one task, a session,
+/// a new message, its events) is two: the task's and the session's
+/// updates, then the message's and the events' inserts (see
+/// [`With`](crate::conn::With)).
 pub(crate) fn apply(
     conn: &mut AnyConnection,
     change: Changeset,
