@@ -286,6 +286,30 @@ impl SessionManager {
         }
     }
 
+    /// Names a session ([`Store::set_session_title`]: any replica may, the
+    /// title being a column no session update writes) and keeps this
+    /// manager's status snapshot of it current: a turn started from the
+    /// snapshot names an untitled session by its prompt, so it must see a
+    /// title cleared here. Returns the session as stored, and whether the
+    /// title was written.
+    pub async fn set_session_title(
+        &self,
+        session: SessionId,
+        title: String,
+        source: sessiond_domain::TitleSource,
+    ) -> Result<(Session, bool)> {
+        let (stored, written) = self
+            .inner
+            .store
+            .set_session_title(session, title, source)
+            .await?;
+        self.inner.sessions.status_committed(&Committed {
+            session: Some(stored.clone()),
+            ..Committed::default()
+        });
+        Ok((stored, written))
+    }
+
     /// The session's events after `after_seq` from the outbox, then live
     /// ones; no gap, no duplicate. Fails at once if the session does not exist.
     pub async fn watch_session(&self, session: SessionId, after_seq: i64) -> Result<EventStream> {

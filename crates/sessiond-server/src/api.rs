@@ -1243,7 +1243,7 @@ impl pb::session_service_server::SessionService for Api {
                 // Not routed to the owner: the title is a column no session
                 // update writes, so any replica may set it.
                 let (s, _) = self
-                    .store
+                    .manager
                     .set_session_title(
                         session,
                         title.to_owned(),
