@@ -2236,6 +2236,17 @@ async fn every_statement_of_a_commit_is_kept_prepared() {
                 .await
                 .unwrap();
             s = committed.session.unwrap();
+            // A reply's first chunk: one message with its event (on
+            // PostgreSQL one statement inserts both).
+            let chunk = message(&s, MessageRole::Agent, "first chunk");
+            store
+                .commit(
+                    Changeset::new()
+                        .add_message(chunk.clone())
+                        .event(s.id, EventPayload::MessageAdded(chunk)),
+                )
+                .await
+                .unwrap();
             let mut next = s.clone();
             next.state = SessionState::WaitingForInput;
             let committed = store
