@@ -1851,7 +1851,14 @@ impl ExecutorRecovery<'_> {
         for event in outcome.events.iter().cloned() {
             change = change.event(sid, event);
         }
-        if agent_back && outcome.session_state != SessionState::Running {
+        // Only a recovery that itself brings the session to input (a start or
+        // a turn it ended, an error resumed) has work to hand over for
+        // review; a session that was waiting already leaves its task as the
+        // user or its last turn left it, so a restart changes nothing there.
+        if agent_back
+            && outcome.session_state != SessionState::Running
+            && outcome.session_state != run.session.state
+        {
             change = change.task_event(run.session.task_id, TaskEvent::ReadyForReview);
         }
         let committed = match &run.outcomes {

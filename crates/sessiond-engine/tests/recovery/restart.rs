@@ -94,6 +94,70 @@ async fn a_created_session_answers_its_status_from_memory() {
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// A restart hands nothing over for review that was not handed over
+/// before: a session created and never prompted waits for input with its
+/// task in progress, and its agent's relaunch and resume after a restart
+/// leave the task there (no task write), as a reattach does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_leaves_a_waiting_sessions_task_as_it_was() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "a").await;
+    let task_before = w.store.get_task(w.task.id).await.unwrap();
+    assert_eq!(task_before.state, TaskState::InProgress);
+    mgr.shutdown();
+    drop(mgr);
+    kill_tree(w.record(s.id).await.pid.unwrap()).await;
+
+    let mgr = w.manager();
+    let summary = mgr.recovery().recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
+    w.track(s.id).await;
+    assert_eq!(
+        w.status(&mgr, s.id).await.state,
+        SessionState::WaitingForInput
+    );
+    let task_after = w.store.get_task(w.task.id).await.unwrap();
+    assert_eq!(task_after.state, TaskState::InProgress);
+    assert_eq!(task_after.updated_at, task_before.updated_at, "not written");
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// ... while a recovery that brings a session to input itself (here one
+/// left STARTING by a crash) hands its task over for review.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_that_brings_a_session_to_input_moves_its_task_to_review() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "a").await;
+    mgr.shutdown();
+    drop(mgr);
+    let mut stored = w.store.get_session(s.id).await.unwrap();
+    stored.state = SessionState::Starting;
+    w.store
+        .commit(sessiond_store::Changeset::new().update_session(stored))
+        .await
+        .unwrap();
+    assert_eq!(
+        w.store.get_task(w.task.id).await.unwrap().state,
+        TaskState::InProgress
+    );
+
+    let mgr = w.manager();
+    let summary = mgr.recovery().recover_all().await.unwrap();
+    assert_eq!(summary.failed, 0, "{summary:?}");
+    w.track(s.id).await;
+    assert_eq!(
+        w.status(&mgr, s.id).await.state,
+        SessionState::WaitingForInput
+    );
+    assert_eq!(
+        w.store.get_task(w.task.id).await.unwrap().state,
+        TaskState::Review
+    );
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// A turn starts from the status snapshot's copy of the session (no store
 /// read) when it has one; a copy older than the store (a write this manager
 /// did not make) fails the turn start's version check, and the turn starts
