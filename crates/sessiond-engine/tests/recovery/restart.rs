@@ -79,12 +79,10 @@ async fn a_created_session_answers_its_status_from_memory() {
     let w = World::new(Db::Sqlite).await;
     let mgr = w.manager();
     let s = w.create(&mgr, "a").await;
-    let mut stored = w.store.get_session(s.id).await.unwrap();
-    stored.error_message = Some("written behind the manager".into());
-    w.store
-        .commit(sessiond_store::Changeset::new().update_session(stored))
-        .await
-        .unwrap();
+    w.write_session(s.id, |stored| {
+        stored.error_message = Some("written behind the manager".into());
+    })
+    .await;
     let st = w.status(&mgr, s.id).await;
     assert_eq!(st.state, SessionState::WaitingForInput);
     assert_eq!(
@@ -132,12 +130,8 @@ async fn a_restart_that_brings_a_session_to_input_moves_its_task_to_review() {
     let s = w.create(&mgr, "a").await;
     mgr.shutdown();
     drop(mgr);
-    let mut stored = w.store.get_session(s.id).await.unwrap();
-    stored.state = SessionState::Starting;
-    w.store
-        .commit(sessiond_store::Changeset::new().update_session(stored))
-        .await
-        .unwrap();
+    w.write_session(s.id, |stored| stored.state = SessionState::Starting)
+        .await;
     assert_eq!(
         w.store.get_task(w.task.id).await.unwrap().state,
         TaskState::InProgress
@@ -170,14 +164,12 @@ async fn a_turn_from_a_stale_status_snapshot_reads_the_session_again() {
     let token = s.resume_token.clone().unwrap();
     w.prompt(&mgr, s.id, "one").await;
     // In the snapshot (since its creation), then changed behind it.
-    let mut stored = w.store.get_session(s.id).await.unwrap();
-    stored
-        .metadata
-        .insert("written_elsewhere".into(), "kept".into());
-    w.store
-        .commit(sessiond_store::Changeset::new().update_session(stored))
-        .await
-        .unwrap();
+    w.write_session(s.id, |stored| {
+        stored
+            .metadata
+            .insert("written_elsewhere".into(), "kept".into());
+    })
+    .await;
 
     let reply = w.prompt(&mgr, s.id, "two").await;
     assert_eq!(reply, expected_reply(2, &token, "two"));

@@ -254,6 +254,17 @@ impl World {
             .unwrap()
     }
 
+    /// Changes the stored session behind every manager's back (as another
+    /// writer, or a crash between two writes, would leave it).
+    pub async fn write_session(&self, session: SessionId, change: impl FnOnce(&mut Session)) {
+        let mut stored = self.store.get_session(session).await.unwrap();
+        change(&mut stored);
+        self.store
+            .commit(sessiond_store::Changeset::new().update_session(stored))
+            .await
+            .unwrap();
+    }
+
     pub async fn record(&self, session: SessionId) -> ExecutorRecord {
         self.store
             .get_executor_for_session(session)

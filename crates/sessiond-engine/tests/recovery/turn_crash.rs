@@ -520,12 +520,10 @@ async fn remote_backend_restart_with_a_held_turn(committed: bool) {
         // As the turn start records it: the agentctl process known alive
         // before the Prompt, whose journal then covers the turn.
         let instance = client.health().await.unwrap().instance_id;
-        let mut running = w.store.get_session(s.id).await.unwrap();
-        running.metadata.insert("turn_instance".into(), instance);
-        w.store
-            .commit(sessiond_store::Changeset::new().update_session(running))
-            .await
-            .unwrap();
+        w.write_session(s.id, |running| {
+            running.metadata.insert("turn_instance".into(), instance);
+        })
+        .await;
         two.id.to_string()
     } else {
         sessiond_domain::MessageId::new().to_string()
