@@ -18,9 +18,18 @@ pub struct Load {
     pub per_sec: f64,
     pub p50: Duration,
     pub p99: Duration,
+    /// CPU the server process used over the load (user + system; zero
+    /// until the caller measures it): what a call costs the server, which
+    /// the shared machine's scheduling moves less than the rate.
+    pub server_cpu: Duration,
 }
 
 impl Load {
+    /// The server's CPU per answered call.
+    pub fn cpu_per_call(&self) -> Duration {
+        self.server_cpu / u32::try_from(self.calls.max(1)).unwrap_or(u32::MAX)
+    }
+
     /// Two runs of the same load as one: calls and errors added, the rate
     /// and the quantiles averaged.
     pub fn mean(&self, other: &Load) -> Load {
@@ -30,6 +39,7 @@ impl Load {
             per_sec: (self.per_sec + other.per_sec) / 2.0,
             p50: (self.p50 + other.p50) / 2,
             p99: (self.p99 + other.p99) / 2,
+            server_cpu: self.server_cpu + other.server_cpu,
         }
     }
 }
@@ -75,6 +85,7 @@ where
         per_sec: lat.len() as f64 / elapsed.as_secs_f64(),
         p50: quantile(&lat, 0.50),
         p99: quantile(&lat, 0.99),
+        server_cpu: Duration::ZERO,
     })
 }
 

@@ -623,7 +623,9 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
             t.elapsed().as_secs_f64(),
             after_recovery.0 / 1024
         ));
-        let status = load::status(&addr, seeded, clients, duration).await?;
+        let cpu_before = proc_cpu(server.pid())?;
+        let mut status = load::status(&addr, seeded, clients, duration).await?;
+        status.server_cpu = proc_cpu(server.pid())?.saturating_sub(cpu_before);
         let after_load = proc_status(server.pid())?;
         // Idle cost: the window runs past the first liveness round (one
         // `Health` per executor, `LIVENESS_INTERVAL` after SERVING) and the
@@ -808,9 +810,11 @@ async fn measure_echo(
     let mut cmd = Command::new(exe);
     cmd.arg("echo");
     let (child, addrs) = spawn_with_addrs(cmd, "echo listening on", 1)?;
-    let echo = load::echo(&addrs[0], clients, duration).await;
+    let cpu_before = proc_cpu(child.pid())?;
+    let mut echo = load::echo(&addrs[0], clients, duration).await?;
+    echo.server_cpu = proc_cpu(child.pid())?.saturating_sub(cpu_before);
     drop(child);
-    echo
+    Ok(echo)
 }
 
 /// `sessiond serve`'s liveness interval with the default configuration

@@ -95,14 +95,17 @@ pub fn recovery_line(r: &RecoveryRow) -> String {
 
 pub fn status_line(s: &StatusRow) -> String {
     format!(
-        "GetSessionStatus {:.0}/s p50 {} p99 {} vs echo {:.0}/s p50 {} p99 {} = {:.2}x",
+        "GetSessionStatus {:.0}/s p50 {} p99 {} vs echo {:.0}/s p50 {} p99 {} = {:.2}x; \
+         server CPU per call {:.1} vs {:.1} µs",
         s.status.per_sec,
         ms(s.status.p50),
         ms(s.status.p99),
         s.echo.per_sec,
         ms(s.echo.p50),
         ms(s.echo.p99),
-        s.status.per_sec / s.echo.per_sec.max(1e-9)
+        s.status.per_sec / s.echo.per_sec.max(1e-9),
+        s.status.cpu_per_call().as_secs_f64() * 1e6,
+        s.echo.cpu_per_call().as_secs_f64() * 1e6
     )
 }
 
@@ -261,8 +264,11 @@ impl Report {
                 s.duration.as_secs()
             );
             let _ = writeln!(o);
-            let _ = writeln!(o, "| server | calls | calls/s | p50 | p99 | errors |");
-            let _ = writeln!(o, "|---|---:|---:|---:|---:|---:|");
+            let _ = writeln!(
+                o,
+                "| server | calls | calls/s | p50 | p99 | errors | server CPU per call |"
+            );
+            let _ = writeln!(o, "|---|---:|---:|---:|---:|---:|---:|");
             for (name, l) in [
                 (
                     "`sessiond serve` GetSessionStatus (10k sessions)",
@@ -272,12 +278,13 @@ impl Report {
             ] {
                 let _ = writeln!(
                     o,
-                    "| {name} | {} | {:.0} | {} | {} | {} |",
+                    "| {name} | {} | {:.0} | {} | {} | {} | {:.1} µs |",
                     l.calls,
                     l.per_sec,
                     ms(l.p50),
                     ms(l.p99),
-                    l.errors
+                    l.errors,
+                    l.cpu_per_call().as_secs_f64() * 1e6
                 );
             }
             let _ = writeln!(

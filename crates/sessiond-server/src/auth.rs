@@ -115,22 +115,22 @@ fn quoted(value: &[u8]) -> String {
 /// without authentication, a request addressed to a name that is not
 /// loopback (a DNS-rebinding page reaches 127.0.0.1 under its own name).
 fn refuse_browser<B>(policy: &Policy, request: &http::Request<B>) -> Option<String> {
-    let host = request
+    let host: Option<&[u8]> = request
         .uri()
         .authority()
-        .map(|a| a.as_str().as_bytes().to_vec())
+        .map(|a| a.as_str().as_bytes())
         .or_else(|| {
             request
                 .headers()
                 .get(http::header::HOST)
-                .map(|h| h.as_bytes().to_vec())
+                .map(http::HeaderValue::as_bytes)
         });
     if let Some(origin) = request.headers().get(http::header::ORIGIN) {
         // The console served by this server calls back to its own origin.
         // That is no cross-origin call; a DNS-rebinding page that looks
         // same-origin is still refused by the loopback-host rule below
         // (without auth) or has no token (with auth).
-        let same_origin = host.as_deref().is_some_and(|h| {
+        let same_origin = host.is_some_and(|h| {
             let o = origin.as_bytes();
             [&b"http://"[..], &b"https://"[..]].iter().any(|scheme| {
                 o.len() == scheme.len() + h.len() && o.starts_with(scheme) && o.ends_with(h)
@@ -154,12 +154,12 @@ fn refuse_browser<B>(policy: &Policy, request: &http::Request<B>) -> Option<Stri
     }
     if policy.tokens.is_none()
         && let Some(host) = host
-        && !is_loopback_host(&host)
+        && !is_loopback_host(host)
     {
         return Some(format!(
             "host {} refused: without authentication (insecure_no_auth) only \
                  localhost or a loopback address may be used",
-            quoted(&host)
+            quoted(host)
         ));
     }
     None
@@ -177,8 +177,15 @@ pub fn is_loopback_host(host: &[u8]) -> bool {
         },
         None => host.rsplit_once(':').map_or(host, |(name, _)| name),
     };
-    let name = name.trim_end_matches('.').to_ascii_lowercase();
-    if name == "localhost" || name.ends_with(".localhost") {
+    let name = name.trim_end_matches('.');
+    // Case-insensitive, without a lowered copy (this runs on every call).
+    let tail = name
+        .len()
+        .checked_sub(".localhost".len())
+        .and_then(|i| name.get(i..));
+    if name.eq_ignore_ascii_case("localhost")
+        || tail.is_some_and(|t| t.eq_ignore_ascii_case(".localhost"))
+    {
         return true;
     }
     name.parse::<std::net::IpAddr>()
@@ -334,6 +341,7 @@ mod tests {
             "localhost:50051",
             "LOCALHOST.",
             "app.localhost:1",
+            "App.LocalHost:1",
             "127.0.0.1",
             "127.1.2.3:80",
             "[::1]",
@@ -345,6 +353,9 @@ mod tests {
             "evil.example",
             "evil.example:50051",
             "localhost.evil.example",
+            "evillocalhost",
+            "évillocalhost",
+            "é",
             "10.0.0.1:1",
             "[::2]:1",
             "[::1]x",

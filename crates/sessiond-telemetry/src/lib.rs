@@ -14,7 +14,8 @@
 //!   parent is the W3C `traceparent` of the call's metadata, so a client's
 //!   trace continues through sessiond and from there through agentctl (the
 //!   agentctl client injects the current span's context into its calls:
-//!   `sessiond_executor::client`).
+//!   `sessiond_executor::client`). When nobody reads spans (no export, log
+//!   filter above DEBUG) only calls that bring a `traceparent` get one.
 //!
 //! The propagator is OpenTelemetry's global text-map propagator (W3C trace
 //! context), set by [`init`]: that is where the OpenTelemetry API looks for
@@ -173,7 +174,7 @@ pub fn init(settings: Settings) -> Result<Telemetry, Error> {
     let with_call_spans = filter
         .max_level_hint()
         .is_none_or(|level| level >= LevelFilter::DEBUG);
-    CALL_SPAN_FIELDS.store(
+    CALL_SPANS_READ.store(
         exporting || with_call_spans,
         std::sync::atomic::Ordering::Relaxed,
     );
@@ -281,11 +282,11 @@ pub fn inject_current(set: impl FnMut(&str, String)) {
 
 /// A server span for the gRPC call to `path` (`/pkg.Service/Method`), the
 /// child of `parent` when that carries a valid remote span; with the RPC's
-/// attributes when anyone reads them (`CALL_SPAN_FIELDS`).
+/// attributes when anyone reads them (`CALL_SPANS_READ`).
 pub fn server_span(path: &str, parent: opentelemetry::Context) -> tracing::Span {
     let full = path.trim_start_matches('/');
     let (service, method) = full.split_once('/').unwrap_or(("", full));
-    let span = if CALL_SPAN_FIELDS.load(std::sync::atomic::Ordering::Relaxed) {
+    let span = if CALL_SPANS_READ.load(std::sync::atomic::Ordering::Relaxed) {
         tracing::info_span!(
             "grpc",
             otel.name = full,
@@ -304,11 +305,23 @@ pub fn server_span(path: &str, parent: opentelemetry::Context) -> tracing::Span 
     span
 }
 
-/// Whether [`server_span`] records the call's fields: only when spans are
-/// exported or log lines show them (see [`init`]); otherwise the span only
-/// carries the trace's ids, and recording five fields per call is a cost
-/// nobody reads.
-static CALL_SPAN_FIELDS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+/// Whether anyone reads the call spans: spans are exported or log lines
+/// show them (see [`init`]). Then every call gets its span, with the call's
+/// fields. Otherwise a span would only carry trace ids, so only a call that
+/// continues a caller's trace gets one (its logs and the calls it makes
+/// keep that trace id), without fields: per call, opening and closing a
+/// span of a trace nobody has was ~5% of a GetSessionStatus's CPU.
+/// `true` until [`init`] says otherwise (an embedder's own subscriber may
+/// export).
+static CALL_SPANS_READ: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether [`GrpcTrace`] opens a span for a call to `path` with `headers`.
+fn wants_call_span(path: &str, headers: &http::HeaderMap, spans_read: bool) -> bool {
+    !is_probe(path) && (spans_read || headers.contains_key(TRACEPARENT))
+}
+
+/// The W3C trace context header a caller continues its trace with.
+const TRACEPARENT: &str = "traceparent";
 
 /// The span [`server_span`] opens.
 fn is_call_span(meta: &tracing::Metadata<'_>) -> bool {
@@ -322,7 +335,9 @@ fn is_probe(path: &str) -> bool {
     path.starts_with("/grpc.health.v1.Health/") || path.ends_with("/Health")
 }
 
-/// Opens a [`server_span`] around every gRPC call but health checks.
+/// Opens a [`server_span`] around every gRPC call but health checks; when
+/// nobody reads spans, only around calls that continue a caller's trace
+/// (see `CALL_SPANS_READ`).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GrpcTraceLayer;
 
@@ -356,10 +371,11 @@ where
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         let path = request.uri().path();
-        let span = if is_probe(path) {
-            tracing::Span::none()
-        } else {
+        let spans_read = CALL_SPANS_READ.load(std::sync::atomic::Ordering::Relaxed);
+        let span = if wants_call_span(path, request.headers(), spans_read) {
             server_span(path, extract(request.headers()))
+        } else {
+            tracing::Span::none()
         };
         let future = span.in_scope(|| self.inner.call(request));
         future.instrument(span)
@@ -394,5 +410,29 @@ mod tests {
                 .span_context()
                 .is_valid()
         );
+    }
+
+    #[test]
+    fn a_call_gets_a_span_when_spans_are_read_or_it_continues_a_trace() {
+        let method = "/sessiond.v1.SessionService/GetSessionStatus";
+        let none = http::HeaderMap::new();
+        let mut traced = http::HeaderMap::new();
+        traced.insert(
+            "traceparent",
+            http::HeaderValue::from_static(
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            ),
+        );
+        assert!(wants_call_span(method, &none, true));
+        assert!(wants_call_span(method, &traced, true));
+        assert!(wants_call_span(method, &traced, false));
+        assert!(!wants_call_span(method, &none, false));
+        // Health checks never get one.
+        for probe in [
+            "/grpc.health.v1.Health/Check",
+            "/agentctl.v1.AgentCtlService/Health",
+        ] {
+            assert!(!wants_call_span(probe, &traced, true));
+        }
     }
 }

@@ -198,9 +198,6 @@ pub fn start_env(
     envs: &[(&str, &Path)],
 ) -> Server {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_sessiond"));
-    for (k, v) in envs {
-        cmd.env(k, v);
-    }
     match token {
         Some(t) => cmd.env("SESSIOND_API_TOKENS", t),
         None => cmd.env_remove("SESSIOND_API_TOKENS"),
@@ -227,6 +224,10 @@ pub fn start_env(
     .env_remove("SESSIOND_CONFIG")
     .env("SESSIOND_LOG", "info,sessiond=debug")
     .stdout(Stdio::piped());
+    // The caller's variables win over the defaults above.
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
     let mut child = cmd.spawn().expect("spawn sessiond");
     let stdout = child.stdout.take().expect("stdout");
     let mut reader = BufReader::new(stdout);

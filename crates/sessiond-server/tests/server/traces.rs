@@ -333,3 +333,101 @@ async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
     );
     drop(server);
 }
+
+/// Lines of `path` once it has `n` lines that contain `needle`.
+async fn lines_with(path: &std::path::Path, needle: &str, n: usize) -> Vec<String> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let lines: Vec<String> = text
+            .lines()
+            .filter(|l| l.contains(needle))
+            .map(str::to_owned)
+            .collect();
+        if lines.len() >= n {
+            return lines;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} has {} of {n} lines with {needle:?}:\n{text}",
+            path.display(),
+            lines.len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Without an OTLP endpoint (and logs at INFO) nobody reads spans, so a
+/// call's span only carries a caller's trace: a SendMessage with a
+/// `traceparent` still logs that trace id and hands the trace on to
+/// agentctl and the agent; one without opens no call span, so its log line
+/// carries no trace id (nothing to lead to).
+#[tokio::test]
+async fn without_an_exporter_a_call_keeps_only_a_callers_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let log = dir.path().join("sessiond.log");
+    let traceparents = dir.path().join("traceparents.txt");
+    let config = dir.path().join("sessiond.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[agents]]\nname = \"traced\"\ncommand = \"{}\"\n\
+             env = {{ ACP_DEMO_STATE_DIR = \"{}\", ACP_DEMO_TRACEPARENT_FILE = \"{}\" }}\n",
+            bin("acp-demo-agent").display(),
+            dir.path().join("agent-state").display(),
+            traceparents.display()
+        ),
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    let server = start_env(
+        &data,
+        &["--config", &config, "--log-json"],
+        Some(TOKEN),
+        Some(&log),
+        &[("SESSIOND_LOG", std::path::Path::new("info"))],
+    );
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "traced").await;
+    let session = create_session(&mut c, &task.id, &work, "traced").await;
+    let send = |traceparent: Option<String>| {
+        let mut request = tonic::Request::new(pb::SendMessageRequest {
+            task_id: task.id.clone(),
+            session_id: session.id.clone(),
+            content: "hello".into(),
+            ..Default::default()
+        });
+        if let Some(tp) = traceparent {
+            request
+                .metadata_mut()
+                .insert("traceparent", tp.parse().unwrap());
+        }
+        request
+    };
+
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let sent = c
+        .send_message(send(Some(format!("00-{trace}-00f067aa0ba902b7-01"))))
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .expect("the turn started at once");
+    let started = lines_with(&log, "the agent's turn started", 1).await;
+    let json: serde_json::Value = serde_json::from_str(&started[0]).unwrap();
+    assert_eq!(json["trace_id"], trace, "{}", started[0]);
+    // agentctl's turn continued it, and handed it to the agent.
+    let handed = lines_with(&traceparents, "00-", 1).await;
+    assert!(handed[0].starts_with(&format!("00-{trace}-")), "{handed:?}");
+    turn_end(&mut c, &session.id, &sent.id).await;
+
+    c.send_message(send(None)).await.unwrap();
+    let started = lines_with(&log, "the agent's turn started", 2).await;
+    let json: serde_json::Value = serde_json::from_str(&started[1]).unwrap();
+    assert!(json.get("trace_id").is_none(), "{}", started[1]);
+    assert!(json.get("span_id").is_none(), "{}", started[1]);
+    drop(server);
+}
