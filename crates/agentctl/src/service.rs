@@ -214,7 +214,12 @@ impl AgentCtl {
 impl AgentCtl {
     /// What `Health` answers now.
     fn health_now(&self) -> HealthResponse {
-        let status = self.agent.status();
+        self.health_of(self.agent.status())
+    }
+
+    /// `Health`'s answer for `status` (read once per call: reading it walks
+    /// the agent's process tree in `/proc`).
+    fn health_of(&self, status: crate::agent::Status) -> HealthResponse {
         let (journaled, journal_fresh) = self.agent.journaled();
         HealthResponse {
             executor_id: self.executor_id.clone(),
@@ -241,7 +246,11 @@ impl AgentCtl {
 
     /// What `Capabilities` answers now.
     fn capabilities_now(&self) -> CapabilitiesResponse {
-        let status = self.agent.status();
+        Self::capabilities_of(&self.agent.status())
+    }
+
+    /// `Capabilities`' answer for `status`.
+    fn capabilities_of(status: &crate::agent::Status) -> CapabilitiesResponse {
         // Resumable by ACP `session/load` or by `session/resume`.
         let offered =
             status.agent_load_session == Some(true) || status.agent_resume_session == Some(true);
@@ -256,7 +265,7 @@ impl AgentCtl {
             profile_claims_session_resume: status.profile_claim,
             agent_load_session: status.agent_load_session,
             agent_resume_session: status.agent_resume_session,
-            prompt: status.prompt_caps.map(|c| pb::PromptCapabilities {
+            prompt: status.prompt_caps.as_ref().map(|c| pb::PromptCapabilities {
                 image: c.image,
                 audio: c.audio,
                 embedded_context: c.embedded_context,
@@ -267,8 +276,9 @@ impl AgentCtl {
     /// `Recover`, after the identity check: one call at a time.
     async fn recover_now(&self, r: pb::RecoverRequest) -> Result<pb::RecoverResponse, Status> {
         let mut memory = self.recoveries.begin(r.generation).await?;
-        let health = self.health_now();
-        let capabilities = self.capabilities_now();
+        let status = self.agent.status();
+        let capabilities = Self::capabilities_of(&status);
+        let health = self.health_of(status);
         let agent = match r.launch {
             Some(launch) if !r.resume_token.is_empty() => match health.agent_state() {
                 AgentState::None | AgentState::Exited => {
