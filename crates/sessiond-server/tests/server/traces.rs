@@ -94,26 +94,21 @@ fn find<'a>(
         .map(|(_, span)| span)
 }
 
-/// One SendMessage with a client `traceparent`: the collector receives
-/// sessiond's server span (child of the client's span), sessiond's client
-/// span for agentctl's Prompt (its child), agentctl's server span for that
-/// Prompt (a child across the process boundary) and agentctl's span of the
-/// agent's turn (its child, with the ACP stop reason), all in the client's
-/// trace; and the JSON log lines of sessiond (inside the call) and of
-/// agentctl (inside the turn) carry that trace id and their span's id; the
-/// agent receives the turn span's context in ACP's `_meta.traceparent`.
-/// Then, after a kill -9 of sessiond, startup recovery is one trace with a
-/// span for the session's executor.
-#[tokio::test]
-async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
-    let (collector_addr, collector) = start_collector().await;
+/// A test's directories and a config whose `traced` agent (the demo
+/// agent) writes down the traceparent each prompt brings it.
+struct Traced {
+    dir: tempfile::TempDir,
+    data: std::path::PathBuf,
+    work: std::path::PathBuf,
+    log: std::path::PathBuf,
+    traceparents: std::path::PathBuf,
+    config: String,
+}
+
+fn traced() -> Traced {
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
     let work = dir.path().join("work");
     std::fs::create_dir_all(&work).unwrap();
-    let log = dir.path().join("sessiond.log");
-    let endpoint = format!("http://{collector_addr}");
-    // The demo agent writes down the traceparent each prompt brings it.
     let traceparents = dir.path().join("traceparents.txt");
     let config = dir.path().join("sessiond.toml");
     std::fs::write(
@@ -127,7 +122,38 @@ async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
         ),
     )
     .unwrap();
-    let config = config.display().to_string();
+    Traced {
+        data: dir.path().join("data"),
+        log: dir.path().join("sessiond.log"),
+        config: config.display().to_string(),
+        work,
+        traceparents,
+        dir,
+    }
+}
+
+/// One SendMessage with a client `traceparent`: the collector receives
+/// sessiond's server span (child of the client's span), sessiond's client
+/// span for agentctl's Prompt (its child), agentctl's server span for that
+/// Prompt (a child across the process boundary) and agentctl's span of the
+/// agent's turn (its child, with the ACP stop reason), all in the client's
+/// trace; and the JSON log lines of sessiond (inside the call) and of
+/// agentctl (inside the turn) carry that trace id and their span's id; the
+/// agent receives the turn span's context in ACP's `_meta.traceparent`.
+/// Then, after a kill -9 of sessiond, startup recovery is one trace with a
+/// span for the session's executor.
+#[tokio::test]
+async fn one_send_message_is_one_trace_across_sessiond_and_agentctl() {
+    let (collector_addr, collector) = start_collector().await;
+    let Traced {
+        dir: _dir,
+        data,
+        work,
+        log,
+        traceparents,
+        config,
+    } = traced();
+    let endpoint = format!("http://{collector_addr}");
     let server = start_with(
         &data,
         &[
@@ -364,25 +390,14 @@ async fn lines_with(path: &std::path::Path, needle: &str, n: usize) -> Vec<Strin
 /// carries no trace id (nothing to lead to).
 #[tokio::test]
 async fn without_an_exporter_a_call_keeps_only_a_callers_trace() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let work = dir.path().join("work");
-    std::fs::create_dir_all(&work).unwrap();
-    let log = dir.path().join("sessiond.log");
-    let traceparents = dir.path().join("traceparents.txt");
-    let config = dir.path().join("sessiond.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[[agents]]\nname = \"traced\"\ncommand = \"{}\"\n\
-             env = {{ ACP_DEMO_STATE_DIR = \"{}\", ACP_DEMO_TRACEPARENT_FILE = \"{}\" }}\n",
-            bin("acp-demo-agent").display(),
-            dir.path().join("agent-state").display(),
-            traceparents.display()
-        ),
-    )
-    .unwrap();
-    let config = config.display().to_string();
+    let Traced {
+        dir: _dir,
+        data,
+        work,
+        log,
+        traceparents,
+        config,
+    } = traced();
     let server = start_env(
         &data,
         &["--config", &config, "--log-json"],
