@@ -131,6 +131,16 @@ enum PassResult {
     Claimed(SharedRecovery),
 }
 
+/// Aborts its task when dropped: a spawned pass ends with the call that
+/// awaits it.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Runs `f` when dropped.
 struct Guard<F: FnMut()>(F);
 
@@ -475,8 +485,22 @@ impl Pass<'_> {
             executors = tracing::field::Empty,
             failed = tracing::field::Empty,
         );
-        let summary =
-            tracing::Instrument::instrument(self.recover_all_inner(), span.clone()).await?;
+        // Run as a task of the runtime, not inside the caller's future: the
+        // pass wakes its driver once per executor (a pass slot freed, an
+        // outcome in), and a caller that is the runtime's `block_on` thread
+        // (`sessiond serve`, the bench) would be a third thread woken on
+        // every one of them, beside the workers that run the recoveries.
+        let me = self.0.clone();
+        let pass = tokio::spawn(tracing::Instrument::instrument(
+            async move { Pass(&me).recover_all_inner().await },
+            span.clone(),
+        ));
+        let mut pass = AbortOnDrop(pass);
+        let summary = match (&mut pass.0).await {
+            Ok(summary) => summary?,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => return Err(crate::error::Error::Internal(format!("recovery pass: {e}"))),
+        };
         span.record("executors", summary.total);
         span.record("failed", summary.failed);
         Ok(summary)
