@@ -830,8 +830,9 @@ impl Store {
         use crate::conn::{KeepPrepared, native};
         self.read(move |c| {
             let wanted: Vec<String> = ids.iter().map(ExecutorId::to_string).collect();
+            let asked = few_lengths(wanted.clone());
             let rows: Vec<ExecutorRow> = native!(c, |c| executors_running::table
-                .filter(executors_running::id.eq_any(&wanted))
+                .filter(executors_running::id.eq_any(&asked))
                 .select(ExecutorRow::as_select())
                 .prepared()
                 .load(c))?;
@@ -839,10 +840,12 @@ impl Store {
                 .into_iter()
                 .map(|row| (row.id.clone(), row.into_domain()))
                 .collect();
-            let session_ids: Vec<String> = records
-                .values()
-                .filter_map(|r| r.as_ref().ok().map(|r| r.session_id.to_string()))
-                .collect();
+            let session_ids: Vec<String> = few_lengths(
+                records
+                    .values()
+                    .filter_map(|r| r.as_ref().ok().map(|r| r.session_id.to_string()))
+                    .collect(),
+            );
             let rows: Vec<SessionRow> = native!(c, |c| task_sessions::table
                 .filter(task_sessions::id.eq_any(&session_ids))
                 .filter(task_sessions::deleted_at.is_null())
@@ -1084,6 +1087,36 @@ impl Store {
         let origin = self.origin.clone();
         let tasks = self.tasks.clone();
         self.write(move |c| {
+            // Nearly every batch writes whole: one savepoint for the lot
+            // instead of two statements per changeset. One that fails rolls
+            // the lot back, and the batch is written again below, each
+            // changeset in its own savepoint.
+            c.batch_execute("SAVEPOINT batch_whole")?;
+            let whole = changes
+                .iter()
+                .filter(|change| !change.is_empty())
+                .map(|change| {
+                    let done = changeset::apply(c, change.clone(), &tasks)?;
+                    crate::events::notify(c, origin.get().map(String::as_str), &done.events)?;
+                    Ok(done)
+                })
+                .collect::<Result<Vec<_>>>();
+            if let Ok(done) = whole {
+                c.batch_execute("RELEASE SAVEPOINT batch_whole")?;
+                // One `done` per changeset that was not empty, in order.
+                let mut done = done.into_iter();
+                return Ok(changes
+                    .iter()
+                    .map(|change| {
+                        if change.is_empty() {
+                            Ok(Committed::default())
+                        } else {
+                            Ok(done.next().unwrap_or_default())
+                        }
+                    })
+                    .collect());
+            }
+            c.batch_execute("ROLLBACK TO SAVEPOINT batch_whole; RELEASE SAVEPOINT batch_whole")?;
             let mut out = Vec::with_capacity(changes.len());
             for change in changes {
                 if change.is_empty() {
@@ -1370,6 +1403,24 @@ fn waited(kind: &'static str, flag: Option<&Yield>, asked: Instant) {
             "store call waited for its turn or a connection"
         );
     }
+}
+
+/// `ids` lengthened (its last id repeated) to one of a few lengths. SQLite
+/// binds `IN` lists one parameter per id, so each length is a statement of
+/// its own, prepared (parsed and planned) the first time each pooled
+/// connection meets it: the recovery pass's grouped re-reads, whose groups
+/// come in every size up to 64, prepared most of theirs anew. A repeated id
+/// matches the same row once.
+fn few_lengths(mut ids: Vec<String>) -> Vec<String> {
+    let len = match ids.len() {
+        0 => return ids,
+        1..=8 => 8,
+        9..=64 => 64,
+        n => n.next_multiple_of(64),
+    };
+    let last = ids[ids.len() - 1].clone();
+    ids.resize(len, last);
+    ids
 }
 
 /// No pool slot for yielding work within the checkout timeout.

@@ -694,6 +694,89 @@ mod suite {
         );
     }
 
+    /// `commit_batch` writes each changeset or reports it alone: one that
+    /// fails (here a stale executor version) leaves nothing of itself and
+    /// costs the others nothing, in any position of the batch.
+    pub async fn a_batch_writes_each_changeset_or_reports_it_alone(store: &Store) {
+        let mut executors = Vec::new();
+        for _ in 0..3 {
+            let (_, _, s) = seed(store).await;
+            let rec = executor(&s, ExecutorStatus::Starting);
+            let stored = store
+                .commit(Changeset::new().insert_executor(rec))
+                .await
+                .unwrap()
+                .executor
+                .unwrap();
+            executors.push((s, stored));
+        }
+        let ready = |rec: &ExecutorRecord, generation: i64| {
+            let mut next = rec.clone();
+            next.status = ExecutorStatus::Ready;
+            next.generation = generation;
+            Changeset::new().update_executor(next).event(
+                rec.session_id,
+                state_changed(SessionState::Starting, SessionState::WaitingForInput),
+            )
+        };
+        for stale_at in 0..3 {
+            let generation = 10 + stale_at as i64;
+            let mut batch = vec![Changeset::new()];
+            for (i, (_, rec)) in executors.iter().enumerate() {
+                let mut rec = rec.clone();
+                if i == stale_at {
+                    rec.version += 100;
+                }
+                batch.push(ready(&rec, generation));
+            }
+            let before: Vec<i64> = {
+                let mut seqs = Vec::new();
+                for (s, _) in &executors {
+                    seqs.push(store.last_event_seq(s.id).await.unwrap());
+                }
+                seqs
+            };
+            let results = store.commit_batch(batch).await.unwrap();
+            assert_eq!(results.len(), 4);
+            assert!(results[0].as_ref().unwrap().events.is_empty());
+            for (i, (s, rec)) in executors.iter_mut().enumerate() {
+                let stored = store.get_executor(rec.id).await.unwrap();
+                let seq = store.last_event_seq(s.id).await.unwrap();
+                match &results[i + 1] {
+                    Err(e) => {
+                        assert_eq!(i, stale_at, "changeset {i} failed: {e}");
+                        assert!(matches!(e, Error::Conflict { .. }), "{e}");
+                        assert_eq!(&stored, rec, "the failed changeset wrote nothing");
+                        assert_eq!(seq, before[i], "nor its event");
+                    }
+                    Ok(done) => {
+                        assert_ne!(i, stale_at, "the stale changeset was written");
+                        let written = done.executor.clone().unwrap();
+                        assert_eq!(written.generation, generation);
+                        assert_eq!(written, stored);
+                        assert_eq!(done.events.len(), 1);
+                        assert_eq!(done.events[0].seq, before[i] + 1);
+                        assert_eq!(seq, before[i] + 1);
+                        *rec = written;
+                    }
+                }
+            }
+        }
+        // All of them current: every one written.
+        let batch = executors.iter().map(|(_, rec)| ready(rec, 20)).collect();
+        let results = store.commit_batch(batch).await.unwrap();
+        for ((s, rec), result) in executors.iter().zip(results) {
+            let done = result.unwrap();
+            assert_eq!(done.executor.unwrap().generation, 20);
+            assert_eq!(store.get_executor(rec.id).await.unwrap().generation, 20);
+            assert_eq!(
+                store.last_event_seq(s.id).await.unwrap(),
+                done.events[0].seq,
+                "its event is stored"
+            );
+        }
+    }
+
     pub async fn executors_crud(store: &Store) {
         let (_, _, s) = seed(store).await;
         let rec = executor(&s, ExecutorStatus::Starting);
@@ -2157,6 +2240,7 @@ macro_rules! store_tests {
             store_test!($backend, session_created_with_its_intent_or_not_at_all);
             store_test!($backend, a_committed_session_is_the_stored_row);
             store_test!($backend, executors_crud);
+            store_test!($backend, a_batch_writes_each_changeset_or_reports_it_alone);
             store_test!($backend, grouped_rereads_match_single_reads);
             store_test!($backend, custom_runtimes_round_trip);
             store_test!($backend, recoverable_executors_filter_by_status);
