@@ -79,11 +79,12 @@ async fn session(
 }
 
 pub async fn measure(
-    store: &Store,
-    bin_dir: &Path,
-    dir: &Path,
+    store: Store,
+    bin_dir: std::path::PathBuf,
+    dir: std::path::PathBuf,
     turns: usize,
 ) -> anyhow::Result<TurnRow> {
+    let (store, bin_dir, dir) = (&store, bin_dir.as_path(), dir.as_path());
     let now = Utc::now();
     let profile = store
         .upsert_agent_profile(&AgentProfile {
