@@ -1075,11 +1075,11 @@ impl Store {
     }
 
     /// Writes many independent [`Changeset`]s in one transaction: one
-    /// commit (one WAL sync, one round of lock traffic) for the lot. Each
-    /// changeset runs in its own savepoint, so one that fails (a stale
-    /// version, a missing row) is rolled back alone and reported in its slot
-    /// while the others are written. Events get their seqs as with
-    /// [`Store::commit`].
+    /// commit (one WAL sync, one round of lock traffic) for the lot. One
+    /// that fails (a stale version, a missing row) is rolled back alone and
+    /// reported in its slot while the others are written (the lot is tried
+    /// under one savepoint, then, after a failure, each changeset under its
+    /// own). Events get their seqs as with [`Store::commit`].
     pub async fn commit_batch(&self, changes: Vec<Changeset>) -> Result<Vec<Result<Committed>>> {
         if changes.is_empty() {
             return Ok(Vec::new());

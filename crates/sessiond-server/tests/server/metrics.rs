@@ -309,7 +309,18 @@ async fn counters_move_with_turns_crashes_and_recovery() {
     .await
     .unwrap();
     wait_state(&mut c, &task.id, &bad.id, pb::SessionState::Error).await;
-    let text = scrape(&metrics).await;
+    // The session can show ERROR before the exit is counted: agentctl's
+    // `TurnEnded` (stop reason `error`, the agent gone) ends the turn and
+    // fails the session, and its `AgentExited` update, which the exit
+    // counter follows, comes after it on the stream.
+    let mut text = scrape(&metrics).await;
+    for _ in 0..100 {
+        if sample(&text, "sessiond_agent_exits_total{cause=\"exit_nonzero\"}") >= 1.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        text = scrape(&metrics).await;
+    }
     assert_eq!(
         sample(&text, "sessiond_turns_total{outcome=\"failed\"}"),
         1.0,
