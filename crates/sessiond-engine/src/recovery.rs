@@ -856,12 +856,16 @@ impl Pass<'_> {
     ) -> Result<OutcomeLabel> {
         let me = self.0.clone();
         let session = record.session_id;
+        // Each arm builds the recovery inside its await: a `run` local
+        // would stay in this future beside the copy the arm awaits.
         let op = async move {
             let recovery = ExecutorRecovery(&me);
-            let run = recovery.recover_one(record, lane, yielding.clone());
             match yielding {
-                Some(flag) => Store::yielding(flag, run).await,
-                None => run.await,
+                Some(flag) => {
+                    let flagged = Some(flag.clone());
+                    Store::yielding(flag, recovery.recover_one(record, lane, flagged)).await
+                }
+                None => recovery.recover_one(record, lane, None).await,
             }
             .map(OpOutcome::Recovery)
         };

@@ -28,8 +28,10 @@ use crate::{
 #[derive(Debug, Clone, Default)]
 #[must_use]
 pub struct Changeset {
-    pub(crate) session: Option<Session>,
-    pub(crate) executor: Option<ExecutorWrite>,
+    // Boxed: a changeset travels by value through every layer of a
+    // commit's futures, and each holds its own copy.
+    pub(crate) session: Option<Box<Session>>,
+    pub(crate) executor: Option<Box<ExecutorWrite>>,
     pub(crate) task_state: Option<(TaskId, TaskChange)>,
     pub(crate) new_messages: Vec<Message>,
     pub(crate) message_updates: Vec<MessageUpdate>,
@@ -103,20 +105,20 @@ impl Changeset {
     /// Updates the session, expecting its stored version to be
     /// `session.version`. Its task, id and `created_at` are not changed.
     pub fn update_session(mut self, session: Session) -> Self {
-        self.session = Some(session);
+        self.session = Some(Box::new(session));
         self
     }
 
     /// Inserts a new executor record.
     pub fn insert_executor(mut self, record: ExecutorRecord) -> Self {
-        self.executor = Some(ExecutorWrite::Insert(record));
+        self.executor = Some(Box::new(ExecutorWrite::Insert(record)));
         self
     }
 
     /// Updates an executor record, expecting its stored version to be
     /// `record.version`.
     pub fn update_executor(mut self, record: ExecutorRecord) -> Self {
-        self.executor = Some(ExecutorWrite::Update(record));
+        self.executor = Some(Box::new(ExecutorWrite::Update(record)));
         self
     }
 
@@ -207,7 +209,7 @@ impl Changeset {
         self.session
             .as_ref()
             .map(|s| s.id)
-            .or(match &self.executor {
+            .or(match self.executor.as_deref() {
                 Some(ExecutorWrite::Insert(r) | ExecutorWrite::Update(r)) => Some(r.session_id),
                 None => None,
             })
@@ -572,9 +574,9 @@ pub(crate) fn apply(
     // 3. The fence (locks the executor row; after the task and session
     //    rows, like every writer of executors), then the executor record.
     if let Some(fence) = &change.fence {
-        check_fence(conn, fence, &change.executor)?;
+        check_fence(conn, fence, change.executor.as_deref())?;
     }
-    let executor = match change.executor {
+    let executor = match change.executor.map(|e| *e) {
         None => None,
         Some(ExecutorWrite::Insert(mut record)) => {
             record.version = 1;
@@ -1075,7 +1077,7 @@ fn session_columns() -> SessionColumns {
 pub(crate) fn check_fence(
     conn: &mut AnyConnection,
     fence: &Fence,
-    executor: &Option<ExecutorWrite>,
+    executor: Option<&ExecutorWrite>,
 ) -> Result<()> {
     let session = fence.session.to_string();
     let held = executors_running::table

@@ -60,9 +60,13 @@ tokio::task_local! {
     static YIELD: Yield;
 }
 
-/// Runs `fut` with its store calls yielding while `flag` says so.
-pub(crate) async fn scope<F: std::future::Future>(flag: Yield, fut: F) -> F::Output {
-    YIELD.scope(flag, fut).await
+/// Runs `fut` with its store calls yielding while `flag` says so. Not an
+/// `async fn`: that would hold `fut` twice (its argument and the scope).
+pub(crate) fn scope<F: std::future::Future>(
+    flag: Yield,
+    fut: F,
+) -> tokio::task::futures::TaskLocalFuture<Yield, F> {
+    YIELD.scope(flag, fut)
 }
 
 /// The calling task's flag, if it runs inside [`scope`] (read before the

@@ -1031,7 +1031,7 @@ impl Store {
     /// if not): for an action outside the database that only the owner may
     /// take (removing an executor), checked just before it.
     pub async fn check_lease(&self, fence: Fence) -> Result<()> {
-        self.write(move |c| changeset::check_fence(c, &fence, &None))
+        self.write(move |c| changeset::check_fence(c, &fence, None))
             .await
     }
 
@@ -1049,7 +1049,7 @@ impl Store {
                 if exists == 0 {
                     return Ok(false);
                 }
-                changeset::check_fence(c, f, &None)?;
+                changeset::check_fence(c, f, None)?;
             }
             let n = diesel::delete(executors_running::table.find(id.to_string())).execute(c)?;
             Ok(n > 0)
@@ -1315,9 +1315,13 @@ impl Store {
     /// writer waits, and at most all but two of the pool's connections are
     /// held by such work (see `lanes.rs`). Startup recovery's pass runs in
     /// it, so a call that recovers one session ahead of the pass does not
-    /// queue behind the pass's writes.
-    pub async fn yielding<F: std::future::Future>(flag: Yield, fut: F) -> F::Output {
-        lanes::scope(flag, fut).await
+    /// queue behind the pass's writes. (The future it returns holds `fut`
+    /// once; an `async fn` would hold it twice.)
+    pub fn yielding<F: std::future::Future>(
+        flag: Yield,
+        fut: F,
+    ) -> impl std::future::Future<Output = F::Output> {
+        lanes::scope(flag, fut)
     }
 
     /// Runs `f` on a pooled connection on the blocking thread pool.
