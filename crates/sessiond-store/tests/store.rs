@@ -188,6 +188,11 @@ async fn seed(store: &Store) -> (Task, AgentProfile, Session) {
     (t, p, s)
 }
 
+/// Commits `change` and returns the executor record it wrote.
+async fn committed_executor(store: &Store, change: Changeset) -> ExecutorRecord {
+    store.commit(change).await.unwrap().executor.unwrap()
+}
+
 fn assert_gap_free(seqs: impl IntoIterator<Item = i64>, n: usize, what: &str) {
     let seqs: Vec<i64> = seqs.into_iter().collect();
     let unique: BTreeSet<i64> = seqs.iter().copied().collect();
@@ -702,12 +707,7 @@ mod suite {
         for _ in 0..3 {
             let (_, _, s) = seed(store).await;
             let rec = executor(&s, ExecutorStatus::Starting);
-            let stored = store
-                .commit(Changeset::new().insert_executor(rec))
-                .await
-                .unwrap()
-                .executor
-                .unwrap();
+            let stored = committed_executor(store, Changeset::new().insert_executor(rec)).await;
             executors.push((s, stored));
         }
         let ready = |rec: &ExecutorRecord, generation: i64| {
@@ -830,12 +830,8 @@ mod suite {
         ready.pid = None;
         ready.pid_start_time = None;
         ready.container_id = Some("c0ffee".into());
-        let updated = store
-            .commit(Changeset::new().update_executor(ready.clone()))
-            .await
-            .unwrap()
-            .executor
-            .unwrap();
+        let updated =
+            committed_executor(store, Changeset::new().update_executor(ready.clone())).await;
         assert_eq!(updated.version, 2);
         assert_eq!(updated.status, ExecutorStatus::Ready);
         assert_eq!(updated.pid, None);
@@ -946,12 +942,11 @@ mod suite {
                 .create_session(&session(&t, &p), vec![])
                 .await
                 .unwrap();
-            let rec = store
-                .commit(Changeset::new().insert_executor(executor(&s, *status)))
-                .await
-                .unwrap()
-                .executor
-                .unwrap();
+            let rec = committed_executor(
+                store,
+                Changeset::new().insert_executor(executor(&s, *status)),
+            )
+            .await;
             if ExecutorStatus::RECOVERABLE.contains(status) {
                 wanted.push(rec.id);
             }
@@ -1092,12 +1087,11 @@ mod suite {
         assert_nothing_written(store, &t, &s).await;
 
         // A constraint fails after everything else was written.
-        let first = store
-            .commit(Changeset::new().insert_executor(executor(&s, ExecutorStatus::Starting)))
-            .await
-            .unwrap()
-            .executor
-            .unwrap();
+        let first = committed_executor(
+            store,
+            Changeset::new().insert_executor(executor(&s, ExecutorStatus::Starting)),
+        )
+        .await;
         let err = store
             .commit(
                 Changeset::new()
@@ -1639,12 +1633,11 @@ mod suite {
             .commit(Changeset::new().insert_executor(executor(&ended, ExecutorStatus::Stopped)))
             .await
             .unwrap();
-        let rec = store
-            .commit(Changeset::new().insert_executor(executor(&s, ExecutorStatus::Ready)))
-            .await
-            .unwrap()
-            .executor
-            .unwrap();
+        let rec = committed_executor(
+            store,
+            Changeset::new().insert_executor(executor(&s, ExecutorStatus::Ready)),
+        )
+        .await;
         let (r, got) = store.get_executor_and_session(rec.id).await.unwrap();
         assert_eq!(r, rec);
         let rec = r;
@@ -1770,12 +1763,7 @@ mod suite {
         current.lease_expires_at = None;
         current.lease_epoch += 7;
         current.error_message = Some("x".into());
-        let written = store
-            .commit(Changeset::new().update_executor(current))
-            .await
-            .unwrap()
-            .executor
-            .unwrap();
+        let written = committed_executor(store, Changeset::new().update_executor(current)).await;
         assert_eq!(written, store.get_executor(written.id).await.unwrap());
         assert_eq!(written.error_message.as_deref(), Some("x"));
         assert_eq!(written.owner_id.as_deref(), Some("replica-a"));
