@@ -38,6 +38,8 @@ async function send(page, text) {
   await page.waitForFunction(() => !document.querySelector(".composer button[type=submit]").disabled, null, { timeout: T });
   await page.fill("textarea[name=message]", text);
   await page.keyboard.press("Enter");
+  // Taken: sessiond accepted it (a user sees the box empty before typing on).
+  await page.waitForFunction(() => document.querySelector("textarea[name=message]").value === "", null, { timeout: T });
 }
 async function createTaskAndSession(page, { title, work, profile }) {
   await page.fill("input[name=title]", title);

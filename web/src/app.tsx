@@ -1241,13 +1241,15 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   };
 
   const send = async () => {
-    const content = draft.trim();
+    const typed = draft;
+    const content = typed.trim();
     if (!content || !(canSend || canQueue)) return;
     setError("");
     try {
       // While a turn runs, sessiond queues it behind the turn.
       await sessions.sendMessage({ taskId, sessionId, content });
-      setDraft("");
+      // Clear only what was sent: the next message may already be typed.
+      setDraft((d) => (d === typed ? "" : d));
       stick.current = true;
     } catch (err) {
       fail(setError)(err);
