@@ -1249,11 +1249,11 @@ impl AgentManager {
         Ok(modes)
     }
 
-    /// Journals turn `turn_id` as accepted (fsync) and keeps it back: the
+    /// Journals turn `turn_id` as accepted and keeps it back: the
     /// agent is sent nothing until [`Self::prompt`] is called with the same
     /// turn id, which then starts it without journaling it again. A backend
     /// calls this while its own record of the turn is being committed, so
-    /// the journal's fsync is not on its turn's critical path; if the
+    /// the journal's write is not on its turn's critical path; if the
     /// backend never prompts the turn (it crashed before its commit), the
     /// turn reaches no agent, and the journal says so.
     ///
@@ -1322,10 +1322,11 @@ impl AgentManager {
     /// this process already started (in progress or among the last
     /// [`REMEMBERED_TURNS`]) starts nothing and answers as the first call did.
     ///
-    /// The turn is recorded in the journal (fsync) as accepted before this
-    /// returns (already done for a turn [`Self::hold_prompt`] kept back) and
-    /// as handed before the agent is sent it. With `only_if_journaled` and
-    /// no journal, nothing starts (FAILED_PRECONDITION).
+    /// The turn is recorded in the journal as accepted before this returns
+    /// (already done for a turn [`Self::hold_prompt`] kept back) and as
+    /// handed (fsync, making both lines durable) before the agent is sent
+    /// it. With `only_if_journaled` and no journal, nothing starts
+    /// (FAILED_PRECONDITION).
     pub fn prompt(
         &self,
         text: String,

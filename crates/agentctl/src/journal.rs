@@ -4,10 +4,15 @@
 //! automatically) or provably did not (then it may be delivered now).
 //!
 //! One file of JSON lines in the executor's run directory, appended and
-//! `fsync`ed before the step it records takes effect:
+//! `fsync`ed before the step it records takes effect (`accepted` excepted,
+//! see below):
 //!
 //! - `{"k":"start","instance":I}`: an agentctl process began using the file;
-//! - `{"k":"accepted","turn":T,"message":M,"instance":I}`: before Prompt returns;
+//! - `{"k":"accepted","turn":T,"message":M,"instance":I}`: before Prompt
+//!   returns, written but not `fsync`ed: a turn only accepted by a process
+//!   now dead reached no agent, exactly as an unknown one, so losing the
+//!   line to a power cut changes no answer; the `handed` line's `fsync`,
+//!   always before the agent sees the turn, makes it durable with it;
 //! - `{"k":"handed","turn":T,"instance":I}`: before the prompt is written to
 //!   the agent's stdin;
 //! - `{"k":"ended","turn":T,"instance":I,"cursor":C}`: after its `TurnEnded`
@@ -302,6 +307,12 @@ impl Journal {
     }
 
     fn append(&self, v: &Value) -> Result<()> {
+        self.write(v, true)
+    }
+
+    /// Appends `v`, then `fsync`s the file when `durable` (which makes every
+    /// line written before it durable too).
+    fn write(&self, v: &Value, durable: bool) -> Result<()> {
         let Some(file) = &self.file else {
             return Ok(());
         };
@@ -311,16 +322,20 @@ impl Journal {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         f.write_all(line.as_bytes())
-            .and_then(|()| f.sync_data())
+            .and_then(|()| if durable { f.sync_data() } else { Ok(()) })
             .map_err(|e| {
                 let path = self.path.as_deref().unwrap_or(Path::new("?"));
                 io(format!("writing journal {}", path.display()), e)
             })
     }
 
-    /// Records `turn` accepted by `instance`.
+    /// Records `turn` accepted by `instance`; not `fsync`ed (see the module
+    /// docs): [`Self::handed`] makes it durable before the agent sees it.
     pub fn accepted(&self, turn: &str, message: &str, instance: &str) -> Result<()> {
-        self.append(&json!({"k":"accepted","turn":turn,"message":message,"instance":instance}))
+        self.write(
+            &json!({"k":"accepted","turn":turn,"message":message,"instance":instance}),
+            false,
+        )
     }
 
     /// Records `turn` handed to the agent.
