@@ -286,12 +286,13 @@ impl SessionManager {
         }
     }
 
-    /// Names a session ([`Store::set_session_title`]: any replica may, the
-    /// title being a column no session update writes) and keeps this
-    /// manager's status snapshot of it current: a turn started from the
-    /// snapshot names an untitled session by its prompt, so it must see a
-    /// title cleared here. Returns the session as stored, and whether the
-    /// title was written.
+    /// Names a session ([`Store::set_session_title`]: the title is a column
+    /// no session update writes) and keeps this manager's status snapshot
+    /// of it current: a turn started from the snapshot names an untitled
+    /// session by its prompt, so it must see a title cleared here. Only the
+    /// owner's snapshot is kept, so `sessiond serve` calls this on the
+    /// session's owner (SetSessionTitle is forwarded like any command).
+    /// Returns the session as stored, and whether the title was written.
     pub async fn set_session_title(
         &self,
         session: SessionId,

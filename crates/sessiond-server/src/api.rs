@@ -1220,6 +1220,7 @@ impl pb::session_service_server::SessionService for Api {
         &self,
         request: Request<pb::SetSessionTitleRequest>,
     ) -> Result<Response<pb::SetSessionTitleResponse>, Status> {
+        let origin = Origin::of(&request);
         let req = request.into_inner();
         req.check_bounds(self.settings.max_message_bytes)
             .map_err(Status::from)?;
@@ -1240,19 +1241,19 @@ impl pb::session_service_server::SessionService for Api {
                     )));
                 }
                 self.session_of(task, session).await?;
-                // Not routed to the owner: the title is a column no session
-                // update writes, so any replica may set it.
-                let (s, _) = self
-                    .manager
-                    .set_session_title(
-                        session,
-                        title.to_owned(),
-                        sessiond_domain::TitleSource::User,
-                    )
-                    .await?;
-                Ok(pb::SetSessionTitleResponse {
-                    session: Some(convert::session(&s)),
+                let title = title.to_owned();
+                // Written on the owner, whose status snapshot (and the next
+                // turn's naming by its prompt) must see it at once.
+                self.here_or_forward(session, &origin, req, |_| async move {
+                    let (s, _) = self
+                        .manager
+                        .set_session_title(session, title, sessiond_domain::TitleSource::User)
+                        .await?;
+                    Ok(pb::SetSessionTitleResponse {
+                        session: Some(convert::session(&s)),
+                    })
                 })
+                .await
             }
             .await,
         )

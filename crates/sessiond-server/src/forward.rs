@@ -271,6 +271,7 @@ forward!(sessions:
     set_session_config_option(SetSessionConfigOptionRequest) -> SetSessionConfigOptionResponse;
     stop_session(StopSessionRequest) -> StopSessionResponse;
     delete_session(DeleteSessionRequest) -> DeleteSessionResponse;
+    set_session_title(SetSessionTitleRequest) -> SetSessionTitleResponse;
 );
 forward!(workspace:
     exec(ExecRequest) -> ExecResponse;

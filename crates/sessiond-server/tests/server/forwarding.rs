@@ -165,6 +165,47 @@ async fn commands_sent_to_a_non_owner_replica_run_once_on_the_owner() {
     );
     assert_eq!(owner(&store, &s.id).await.as_deref(), Some("replica-a"));
 
+    // The title cleared on B is written on A: A's next turn, started from
+    // its own snapshot of the session, names the session by its prompt.
+    let title = |c: &mut Sessions| {
+        let mut c = c.clone();
+        let (task, session) = (task.id.clone(), s.id.clone());
+        async move {
+            c.get_session(pb::GetSessionRequest {
+                task_id: task,
+                session_id: session,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .session
+            .unwrap()
+            .title
+        }
+    };
+    assert_eq!(title(&mut cb).await, "hello from b");
+    let cleared = cb
+        .set_session_title(pb::SetSessionTitleRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            title: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(cleared.session.unwrap().title, "");
+    assert_eq!(
+        rpc_count(&a, "/sessiond.v1.SessionService/SetSessionTitle", "OK").await,
+        1,
+        "A wrote the forwarded title"
+    );
+    assert!(
+        prompt(&mut ca, &task.id, &s.id, "named again")
+            .await
+            .contains("turn 2")
+    );
+    assert_eq!(title(&mut cb).await, "named again");
+
     // A permission asked by the agent, answered on B: forwarded to A, the
     // tool runs once.
     let sent = cb
@@ -291,14 +332,18 @@ async fn commands_sent_to_a_non_owner_replica_run_once_on_the_owner() {
     assert!(metadata(&err, "retry-after-ms").parse::<u64>().unwrap() > 0);
 
     // The world: the same single agentctl; the transcript holds exactly the
-    // two turns sent through B; A ran each SendMessage once.
+    // two turns sent through B and the one through A; A ran each
+    // SendMessage once.
     assert_eq!(world(root), agentctls);
     let (users, agents) = transcript(&mut ca, &task.id, &s.id).await;
-    assert_eq!(users, ["hello from b", "/edit notes.txt hello"]);
-    assert_eq!(agents.len(), 2, "{agents:?}");
+    assert_eq!(
+        users,
+        ["hello from b", "named again", "/edit notes.txt hello"]
+    );
+    assert_eq!(agents.len(), 3, "{agents:?}");
     assert_eq!(
         rpc_count(&a, "/sessiond.v1.SessionService/SendMessage", "OK").await,
-        2
+        3
     );
     drop(b);
     drop(a);
