@@ -45,21 +45,28 @@ pub enum EventWake {
 }
 
 /// Sends one notification per event in the caller's transaction (Postgres,
-/// with an origin only).
+/// with an origin only), all in one statement: one round trip per commit,
+/// not per event.
 pub(crate) fn notify(c: &mut AnyConnection, origin: Option<&str>, events: &[Event]) -> Result<()> {
     let (Some(origin), AnyConnection::Pg(pg)) = (origin, c) else {
         return Ok(());
     };
-    for e in events {
-        let payload = format!(
-            "{origin} {} {} {} {}",
-            e.session_id, e.seq, e.task_id, e.task_seq
-        );
-        diesel::sql_query("SELECT pg_notify($1, $2)")
-            .bind::<diesel::sql_types::Text, _>(CHANNEL)
-            .bind::<diesel::sql_types::Text, _>(payload)
-            .execute(pg)?;
+    if events.is_empty() {
+        return Ok(());
     }
+    let payloads: Vec<String> = events
+        .iter()
+        .map(|e| {
+            format!(
+                "{origin} {} {} {} {}",
+                e.session_id, e.seq, e.task_id, e.task_seq
+            )
+        })
+        .collect();
+    diesel::sql_query("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p")
+        .bind::<diesel::sql_types::Text, _>(CHANNEL)
+        .bind::<diesel::sql_types::Array<diesel::sql_types::Text>, _>(payloads)
+        .execute(pg)?;
     Ok(())
 }
 

@@ -2490,6 +2490,29 @@ async fn postgres_events_wake_the_other_replicas() {
             break;
         }
     }
+    // One commit of several events (their notifications sent in one
+    // statement) wakes A once for each.
+    let several = b
+        .commit(
+            Changeset::new()
+                .event(s.id, EventPayload::QueueChanged(Vec::new()))
+                .event(s.id, EventPayload::QueueChanged(Vec::new()))
+                .event(s.id, EventPayload::QueueChanged(Vec::new())),
+        )
+        .await
+        .unwrap();
+    let mut want: std::collections::BTreeSet<i64> =
+        several.events.iter().map(|e| e.seq).collect();
+    assert_eq!(want.len(), 3);
+    while !want.is_empty() {
+        let wake = tokio::time::timeout(std::time::Duration::from_secs(30), wakes.recv())
+            .await
+            .expect("a wake within 30 s")
+            .unwrap();
+        if let EventWake::Committed { seq, .. } = wake {
+            want.remove(&seq);
+        }
+    }
 }
 
 /// PostgreSQL: two survivors claiming a dead replica's expired leases at
