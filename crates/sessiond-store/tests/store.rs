@@ -2501,8 +2501,7 @@ async fn postgres_events_wake_the_other_replicas() {
         )
         .await
         .unwrap();
-    let mut want: std::collections::BTreeSet<i64> =
-        several.events.iter().map(|e| e.seq).collect();
+    let mut want: std::collections::BTreeSet<i64> = several.events.iter().map(|e| e.seq).collect();
     assert_eq!(want.len(), 3);
     while !want.is_empty() {
         let wake = tokio::time::timeout(std::time::Duration::from_secs(30), wakes.recv())
