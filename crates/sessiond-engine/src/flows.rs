@@ -39,13 +39,27 @@ pub(crate) trait RecoverFirst {
     fn spawn_reconnect(&self, record: ExecutorRecord);
 
     /// What a lost agentctl of `record` changes (its executor, the session,
-    /// a turn in flight), and the record to retry in the background if the
-    /// loss may pass.
+    /// a turn in flight as `turn` says), and the record to retry in the
+    /// background if the loss may pass.
     fn agentctl_lost_change(
         &self,
         record: &ExecutorRecord,
         reason: &str,
+        turn: TurnInFlight,
     ) -> impl Future<Output = Result<(Changeset, Option<ExecutorRecord>)>> + Send;
+}
+
+/// What a lost agentctl does to the session's turn in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TurnInFlight {
+    /// Ends it interrupted: the agent may have been working on it.
+    Interrupt,
+    /// Keeps it pending (the session RUNNING) for the recovery that brings
+    /// agentctl back to settle by its journal (decision 0007): the turn's
+    /// own Prompt found agentctl gone, so it is delivered once if it never
+    /// reached an agent. A loss that is a verdict (the container gone for
+    /// good) still ends it interrupted.
+    Settle,
 }
 
 /// This replica's side of a session's lease (implemented in `replica`).

@@ -34,6 +34,7 @@ use sessiond_store::{Changeset, Store, Yield};
 use crate::{
     changes::executor_moved,
     error::{Error, Result},
+    flows::TurnInFlight,
     launches::{Ended, Priority, host_of},
     lease::Fencing,
     manager::SessionManager,
@@ -301,9 +302,10 @@ impl crate::flows::RecoverFirst for SessionManager {
         &self,
         record: &ExecutorRecord,
         reason: &str,
+        turn: TurnInFlight,
     ) -> Result<(Changeset, Option<ExecutorRecord>)> {
         ExecutorRecovery(self)
-            .agentctl_lost_change(record, reason)
+            .agentctl_lost_change(record, reason, turn)
             .await
     }
 }
@@ -1639,18 +1641,21 @@ impl ExecutorRecovery<'_> {
     /// A condition that passes by itself must not end in ERROR: the
     /// executor goes `error` with the `recovering` code and the session
     /// keeps its state, a turn in flight ending interrupted (RUNNING goes
-    /// to WAITING_FOR_INPUT); the caller then spawns the retry, which runs
-    /// recovery (a stopped container is started, a dead agentctl
-    /// relaunched, the agent resumed). Only a container gone for good is
-    /// a verdict: executor `error` and the session ERROR, as before.
+    /// to WAITING_FOR_INPUT) or, with [`TurnInFlight::Settle`], kept
+    /// pending; the caller then spawns the retry, which runs recovery (a
+    /// stopped container is started, a dead agentctl relaunched, the agent
+    /// resumed, a kept turn settled). Only a container gone for good is a
+    /// verdict: executor `error` and the session ERROR, as before.
     pub(crate) async fn agentctl_lost_change(
         &self,
         record: &ExecutorRecord,
         reason: &str,
+        turn_in_flight: TurnInFlight,
     ) -> Result<(Changeset, Option<ExecutorRecord>)> {
         let sid = record.session_id;
         let verdict = self.lost_agentctl_message(record, reason).await;
         let gone = verdict.starts_with(RecoveryFailure::ContainerMissing.code());
+        let keep_turn = turn_in_flight == TurnInFlight::Settle && !gone;
         let message = if gone {
             verdict
         } else {
@@ -1667,7 +1672,7 @@ impl ExecutorRecovery<'_> {
         );
         let session = self.inner.store.get_session(sid).await?;
         if !session.state.is_terminal() && session.state != SessionState::Error {
-            let turn = pending_turn(&session);
+            let turn = pending_turn(&session).filter(|_| !keep_turn);
             let (mut next, event) = if gone {
                 crate::changes::transition(
                     &session,

@@ -14,6 +14,7 @@ use sessiond_proto::agentctl::v1 as pb;
 use sessiond_store::{Changeset, Heartbeat};
 
 use crate::error::{Error, Result};
+use crate::flows::TurnInFlight;
 use crate::lease::Fencing;
 use crate::ops::Agents;
 use crate::recovery::ExecutorRecovery;
@@ -238,7 +239,7 @@ impl Liveness<'_> {
             return Ok(None);
         }
         let (change, retry) = ExecutorRecovery(self)
-            .agentctl_lost_change(&current, &reason)
+            .agentctl_lost_change(&current, &reason, TurnInFlight::Interrupt)
             .await?;
         let committed = self.commit(change).await?;
         self.inner.sessions.stop_pump(record.session_id);

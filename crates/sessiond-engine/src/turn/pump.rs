@@ -954,7 +954,10 @@ impl Pump {
                 reconnect = Some(record);
                 return Ok(());
             }
-            let (change, retry) = self.mgr.agentctl_lost_change(&record, reason).await?;
+            let (change, retry) = self
+                .mgr
+                .agentctl_lost_change(&record, reason, crate::flows::TurnInFlight::Interrupt)
+                .await?;
             let committed = self.mgr.commit(change).await?;
             retried = retry.map(|failed| committed.executor.unwrap_or(failed));
             self.mgr

@@ -523,12 +523,21 @@ impl Turns<'_> {
                 // agentctl itself is gone (killed, its container stopped):
                 // that passes by itself, so the session is recovered in the
                 // background like any lost agentctl, never left in ERROR.
-                self.prompt_found_agentctl_gone(&record, &e.to_string())
-                    .await?;
+                // The turn stays pending: the recovery settles it by the
+                // journal, delivering it once if it reached no agent, so
+                // the message is not to be sent again.
+                if self
+                    .prompt_found_agentctl_gone(&record, &e.to_string())
+                    .await?
+                {
+                    tracing::warn!(session = %session_id, turn_id = %stored.id,
+                        "message stored; its turn is delivered once agentctl is back");
+                    return Ok(Some(stored));
+                }
                 return Err(Error::Unavailable(format!(
-                    "the message did not reach the agent: its agentctl stopped answering ({e}); \
-                     the session recovers by itself: send the message again once it is back \
-                     (`sessionctl session status` shows when)"
+                    "the message did not reach the agent: its agentctl stopped answering ({e}) \
+                     and cannot come back; the turn ended interrupted (see the session's \
+                     error)"
                 )));
             }
             self.inner
@@ -597,34 +606,40 @@ impl Turns<'_> {
         )
     }
 
-    /// The Prompt of a turn just started found agentctl gone. As when the
-    /// update pump loses it: a remote executor reconnects in the background
-    /// (the turn stays pending, settled at most once when the host is back);
-    /// a local one is recovered in the background, the turn ended
-    /// interrupted (whether agentctl took it is unknown, so it is not sent
-    /// again). The caller holds the session lock.
+    /// The Prompt of a turn just started found agentctl gone: a remote
+    /// executor reconnects in the background, a local one is recovered in
+    /// the background, and either way the turn stays pending, settled by
+    /// agentctl's journal once it is back (delivered once if it reached no
+    /// agent, else interrupted; decision 0007). True when the turn is kept;
+    /// false when the loss is a verdict (the container gone for good: the
+    /// session ERROR, the turn interrupted). The caller holds the session
+    /// lock.
     async fn prompt_found_agentctl_gone(
         &self,
         record: &ExecutorRecord,
         reason: &str,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let sid = record.session_id;
         tracing::warn!(session = %sid, executor_id = %record.id, %reason,
             "the message's Prompt found agentctl gone; recovering the session in the background");
         self.inner.sessions.stop_pump(sid);
         if record.runtime == Runtime::Remote {
+            // The session is left as it is: the turn stays pending.
             self.commit(crate::changes::remote_lost(record, reason)?)
                 .await?;
             self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
             self.spawn_reconnect(record.clone());
-            return Ok(());
+            return Ok(true);
         }
-        let (change, retry) = self.agentctl_lost_change(record, reason).await?;
+        let (change, retry) = self
+            .agentctl_lost_change(record, reason, crate::flows::TurnInFlight::Settle)
+            .await?;
         let committed = self.commit(change).await?;
         self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
+        let kept = retry.is_some();
         if let Some(failed) = retry {
             self.spawn_retry(committed.executor.unwrap_or(failed), 0, reason.to_owned());
         }
-        Ok(())
+        Ok(kept)
     }
 }

@@ -642,6 +642,79 @@ async fn remote_explicit_resume_while_unreachable_keeps_the_turn_until_the_windo
     w.finish(&mgr, &[]).await;
 }
 
+/// A remote host's agentctl dies while the backend runs and nothing
+/// notices (liveness off, the pump parked); the next message's Prompt finds
+/// it gone. The message is stored and the call answers with it, the turn
+/// pending; once the host is back (agentctl again, same address and
+/// journal: without one the turn would end interrupted) the reconnect recovers the session and the turn, which reached
+/// no agent, is delivered, exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_message_that_finds_the_host_gone_is_delivered_once_it_is_back() {
+    let w = World::new(Db::Sqlite).await;
+    let spot = RemoteSpot::at(&w.worktree("remote").path);
+    let journal = w.path("remote-agentctl.journal");
+    let host = RemoteHost::start_with(&w, &spot, Some(&journal), &[]).await;
+    let mgr = w.manager_with(ManagerConfig {
+        liveness_interval: None,
+        ..w.config()
+    });
+    let s = spot.create(&w, &mgr, &w.profile, &host).await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !mgr.is_parked(s.id) {
+        assert!(Instant::now() < deadline, "the pump never parked");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    host.kill().await;
+
+    let sent = mgr
+        .send_message(w.task.id, s.id, "lost")
+        .await
+        .expect("stored, delivered once the host is back");
+    let stored = w.store.get_session(s.id).await.unwrap();
+    assert_eq!(stored.state, SessionState::Running, "{stored:?}");
+    assert_eq!(
+        stored.metadata.get("turn_id"),
+        Some(&sent.id.to_string()),
+        "the turn stays pending: {stored:?}"
+    );
+
+    let host = RemoteHost::start_with(&w, &spot, Some(&journal), &[]).await;
+    let want = expected_reply(2, &token, "lost");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let msgs = w.messages(s.id).await;
+        let st = w.status(&mgr, s.id).await;
+        if st.state == SessionState::WaitingForInput
+            && msgs
+                .iter()
+                .any(|m| m.role == sessiond_domain::MessageRole::Agent && m.content == want)
+        {
+            assert!(
+                !msgs
+                    .iter()
+                    .any(|m| m.role == sessiond_domain::MessageRole::System),
+                "nothing interrupted: {msgs:?}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never delivered: {st:?} {msgs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    host.track_agent(&w);
+    assert_eq!(
+        w.prompt(&mgr, s.id, "two").await,
+        expected_reply(3, &token, "two")
+    );
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    host.kill().await;
+    w.finish(&mgr, &[]).await;
+}
+
 /// GetSessionStatus after a restart does not ask agentctl for the agent's
 /// modes: recovery kept what answered it, whether it reattached the
 /// running agent (its Health) or launched it again and loaded the
