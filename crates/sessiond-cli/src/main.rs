@@ -1187,7 +1187,7 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
                 };
                 let line = output::activity_line(&m);
                 if !out.json && shows && shown.get(&m.id) != Some(&line) {
-                    eprintln!("{line}");
+                    eprintln!("{}", output::text(&line));
                     shown.insert(m.id.clone(), line);
                 }
             }
@@ -1206,7 +1206,9 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
                         None => 0,
                     };
                     if m.content.len() > done {
-                        let _ = stdout.write_all(&m.content.as_bytes()[done..]);
+                        // The agent's text, never its terminal controls.
+                        let new = String::from_utf8_lossy(&m.content.as_bytes()[done..]);
+                        let _ = stdout.write_all(output::text(&new).as_bytes());
                         let _ = stdout.flush();
                     }
                     printing = Some((m.id.clone(), m.content.len().max(done)));
@@ -1216,7 +1218,7 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
             Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
                 if in_turn && m.role == pb::MessageRole::System as i32 =>
             {
-                note = Some(m.content);
+                note = Some(output::text(&m.content));
             }
             Some(pb::event::Payload::PermissionRequested(pb::PermissionRequested {
                 request: Some(req),
@@ -1226,7 +1228,10 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
                     eprintln!(
                         "[question] {} — answer with `sessionctl permission {session_id} {} accept \
                          --values JSON` (form {}{}), or decline / cancel",
-                        q.message, req.request_id, q.requested_schema_json, q.url
+                        output::text(&q.message),
+                        req.request_id,
+                        output::printable(&q.requested_schema_json),
+                        output::printable(&q.url)
                     );
                     continue;
                 }

@@ -56,14 +56,33 @@ fn resume_reason(v: i32) -> String {
 }
 
 /// A server-provided string made safe for a terminal: control characters
-/// (escape sequences, NUL, newlines) are shown escaped, never interpreted.
+/// (escape sequences, NUL, newlines) and bidirectional overrides are shown
+/// escaped, never interpreted.
 pub fn printable(text: &str) -> String {
-    if !text.chars().any(char::is_control) {
+    escaped(text, |_| false)
+}
+
+/// Text an agent or a user wrote (a reply, a message, an error), made safe
+/// for a terminal as [`printable`], keeping its lines and tabs: an agent's
+/// reply cannot move the cursor, retitle the window, reach the clipboard
+/// or hide a line.
+pub fn text(text: &str) -> String {
+    escaped(text, |c| c == '\n' || c == '\t')
+}
+
+/// Whether `c` reorders text on display (Unicode bidirectional controls).
+fn is_bidi_control(c: char) -> bool {
+    matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+fn escaped(text: &str, keep: impl Fn(char) -> bool) -> String {
+    let unsafe_char = |c: char| (c.is_control() || is_bidi_control(c)) && !keep(c);
+    if !text.chars().any(unsafe_char) {
         return text.to_owned();
     }
     text.chars()
         .map(|c| {
-            if c.is_control() {
+            if unsafe_char(c) {
                 c.escape_default().to_string()
             } else {
                 c.to_string()
@@ -841,12 +860,17 @@ impl Out {
         for m in messages {
             let more = if m.complete { "" } else { " …" };
             if is_text(m) {
-                println!("[{}] {}: {}{more}", m.seq, role(m.role), m.content);
+                println!("[{}] {}: {}{more}", m.seq, role(m.role), text(&m.content));
                 if let Some(u) = &m.usage {
                     println!("    {}", turn_usage_line(u));
                 }
             } else {
-                println!("[{}] {}: {}{more}", m.seq, role(m.role), activity_line(m));
+                println!(
+                    "[{}] {}: {}{more}",
+                    m.seq,
+                    role(m.role),
+                    text(&activity_line(m))
+                );
             }
         }
     }
@@ -929,7 +953,7 @@ impl Out {
             e.seq,
             &e.session_id.get(..8).unwrap_or(&e.session_id),
             e.kind,
-            detail
+            printable(&detail)
         );
         let _ = std::io::stdout().flush();
     }
@@ -1132,7 +1156,7 @@ fn agent_recovery_line(r: &pb::AgentRecovery) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{pb, printable, tool_detail};
+    use super::{pb, printable, text, tool_detail};
 
     #[test]
     fn a_tool_call_shows_its_command_exit_and_output() {
@@ -1166,5 +1190,11 @@ mod tests {
     fn control_characters_are_shown_escaped() {
         assert_eq!(printable("plain title"), "plain title");
         assert_eq!(printable("a\u{1b}[31mred\0\n"), "a\\u{1b}[31mred\\u{0}\\n");
+        assert_eq!(printable("a\u{202e}b"), "a\\u{202e}b");
+        // A reply keeps its lines and tabs, nothing else.
+        assert_eq!(
+            text("line\tone\nesc \u{1b}[31mred\u{7} cr\r\u{2066}"),
+            "line\tone\nesc \\u{1b}[31mred\\u{7} cr\\r\\u{2066}"
+        );
     }
 }
