@@ -21,7 +21,7 @@ use crate::{
     ops::Agents,
     ops::probe_verdict,
     turn::Turns,
-    turn::{CURSOR_KEY, cursor_value},
+    turn::{CURSOR_KEY, Cut, cursor_value, cut_turn, pending_turn},
     worktrees::WORKTREE_CREATED_KEY,
     worktrees::Worktrees,
 };
@@ -436,6 +436,9 @@ impl SessionManager {
         self.session_of_task(task, session_id).await?;
         self.ensure_recovered(session_id).await?;
         let _guard = self.inner.sessions.lock(session_id).await;
+        // First: a reply the pump streams is not written after the turn's
+        // end below.
+        self.inner.sessions.stop_pump(session_id);
         let session = self.inner.store.get_session(session_id).await?;
         let session = if session.state.is_terminal() {
             session
@@ -444,25 +447,55 @@ impl SessionManager {
                 EndReason::Completed => SessionEvent::Completed,
                 EndReason::Cancelled => SessionEvent::Cancelled,
             };
-            let (ended, ev) = transition(&session, event, None)?;
-            // The agent is stopped: a request it waits on is never answered.
-            let mut change = crate::permission::cancel_open(
-                self,
-                session_id,
-                Changeset::new(),
-                "the session was stopped",
-            )
-            .await?
-            .update_session(ended);
+            let (mut ended, ev) = transition(&session, event, None)?;
+            // The agent is stopped: a turn it runs ends with the session
+            // (its reply so far kept, `turn_ended` cancelled), and a request
+            // it waits on is never answered.
+            let change = match pending_turn(&session) {
+                Some(turn) => {
+                    self.inner
+                        .metrics
+                        .turn_ended(session_id, crate::metrics::TurnOutcome::Cancelled);
+                    cut_turn(
+                        self,
+                        &session,
+                        &turn,
+                        Cut::Stopped,
+                        Changeset::new(),
+                        &mut ended,
+                    )
+                    .await?
+                }
+                None => {
+                    crate::permission::cancel_open(
+                        self,
+                        session_id,
+                        Changeset::new(),
+                        "the session was stopped",
+                    )
+                    .await?
+                }
+            };
+            let mut change = change.update_session(ended);
             if let Some(ev) = ev {
                 change = change.event(session_id, ev);
             }
-            self.commit(change)
-                .await?
-                .session
-                .ok_or_else(|| Error::Internal("no session".into()))?
+            match self.commit(change).await {
+                Ok(c) => c
+                    .session
+                    .ok_or_else(|| Error::Internal("no session".into()))?,
+                Err(e) => {
+                    // Nothing ended: the session's pump goes on.
+                    if let Ok(Some(record)) =
+                        self.inner.store.get_executor_for_session(session_id).await
+                        && record.status == ExecutorStatus::Ready
+                    {
+                        Turns(self).start_pump(&session, &record);
+                    }
+                    return Err(e);
+                }
+            }
         };
-        self.inner.sessions.stop_pump(session_id);
         if let Some(record) = self
             .inner
             .store

@@ -50,7 +50,18 @@ pub(crate) const HEALTH_SERVICES: &[&str] = &[
 /// whole chain of causes).
 #[derive(Debug, thiserror::Error)]
 #[error("{0:#}")]
-pub struct Error(#[from] anyhow::Error);
+pub struct Error(anyhow::Error);
+
+impl From<anyhow::Error> for Error {
+    fn from(e: anyhow::Error) -> Self {
+        // One of ours that passed through anyhow comes back as itself: a
+        // nested one would print its chain twice.
+        match e.downcast::<Error>() {
+            Ok(ours) => ours,
+            Err(e) => Error(e),
+        }
+    }
+}
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -15,7 +15,7 @@
 use std::{
     fs::{File, OpenOptions},
     io::{Read, Seek, Write},
-    os::unix::fs::OpenOptionsExt,
+    os::unix::fs::{DirBuilderExt, OpenOptionsExt},
     path::{Path, PathBuf},
 };
 
@@ -64,7 +64,11 @@ pub fn lock_instance(config: &Config) -> anyhow::Result<Option<InstanceLock>> {
 
 fn lock_file(path: &Path, refused: impl Fn(String) -> String) -> anyhow::Result<InstanceLock> {
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent)
+        // Private from the start: the data directory is usually this one.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(parent)
             .with_context(|| format!("cannot create {}", parent.display()))?;
     }
     let mut file = OpenOptions::new()

@@ -137,16 +137,48 @@ pub(crate) async fn no_turn_yet(store: &sessiond_store::Store, session: &Session
 
 /// What ends turn `turn` of `session` *interrupted*, added to `change`: the
 /// stored, unfinished part of its reply completed with [`INTERRUPTED_NOTE`]
-/// (kept, never shortened), a system message saying the turn was
-/// interrupted and why (with its `message.added`), and in `next`'s metadata
-/// the turn cleared and recorded as the one `retry_turn` may run again. The
-/// caller holds the session lock, has flushed (not completed) the reply it
-/// was streaming, and adds the state change after this.
+/// (kept, never shortened), its open activity closed (a tool call still
+/// pending or in progress as `failed`), a system message saying the turn
+/// was interrupted and why (with its `message.added`), and in `next`'s
+/// metadata the turn cleared and recorded as the one `retry_turn` may run
+/// again. The caller holds the session lock, has flushed (not completed)
+/// the reply it was streaming, and adds the state change after this.
 pub(crate) async fn interrupt_turn(
     mgr: &SessionManager,
     session: &Session,
     turn: &str,
     why: &str,
+    change: Changeset,
+    next: &mut Session,
+) -> Result<Changeset> {
+    cut_turn(mgr, session, turn, Cut::Interrupted(why), change, next).await
+}
+
+/// How a turn is cut short by sessiond (not by the agent's own end).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Cut<'a> {
+    /// It may have reached the agent and its reply did not arrive whole
+    /// (`why`): `interrupted`, the user may retry it.
+    Interrupted(&'a str),
+    /// The user stopped the session during the turn: `cancelled`.
+    Stopped,
+}
+
+/// Appended to a partial reply whose session was stopped during its turn.
+pub(crate) const STOPPED_NOTE: &str =
+    "\n\n[sessiond: the session was stopped before this reply finished]";
+
+/// The system message after a turn the session's stop cut short.
+pub(crate) const TURN_STOPPED: &str =
+    "the turn ended: the session was stopped before the agent finished; the reply so far is kept";
+
+/// [`interrupt_turn`], or the end of a turn whose session was stopped
+/// (`cancelled`, not kept for `retry_turn`).
+pub(crate) async fn cut_turn(
+    mgr: &SessionManager,
+    session: &Session,
+    turn: &str,
+    cut: Cut<'_>,
     mut change: Changeset,
     next: &mut Session,
 ) -> Result<Changeset> {
@@ -163,33 +195,50 @@ pub(crate) async fn interrupt_turn(
     if let Some(seq) = user_seq {
         for r in msgs.iter().filter(|m| {
             m.role == MessageRole::Agent
-                && m.kind == MessageKind::Text
                 && m.seq > seq
                 && !m.complete
+                // Requests are ended below, with their own state.
+                && m.kind != MessageKind::Permission
         }) {
             let mut m = r.clone();
-            m.content = format!("{}{INTERRUPTED_NOTE}", r.content);
             m.complete = true;
             m.updated_at = now;
-            change = change
-                .update_message(r.id, m.content.clone(), true)
-                .event(session.id, EventPayload::MessageUpdated(m));
+            if m.kind == MessageKind::Text {
+                let note = match cut {
+                    Cut::Interrupted(_) => INTERRUPTED_NOTE,
+                    Cut::Stopped => STOPPED_NOTE,
+                };
+                m.content = format!("{}{note}", r.content);
+                change = change.update_message(r.id, m.content.clone(), true);
+            } else {
+                if m.kind == MessageKind::ToolCall {
+                    m.data = failed_tool_call(&r.data);
+                }
+                change = change.update_part(r.id, m.content.clone(), m.data.clone(), true);
+            }
+            change = change.event(session.id, EventPayload::MessageUpdated(m));
         }
     }
+    let (note, stop_reason, error) = match cut {
+        Cut::Interrupted(why) => (
+            format!("{TURN_INTERRUPTED} ({why})"),
+            "interrupted",
+            Some(why.to_owned()),
+        ),
+        Cut::Stopped => (TURN_STOPPED.to_owned(), "cancelled", None),
+    };
     // Requests the agent waited on die with the turn.
-    change = crate::permission::cancel_open(
-        mgr,
-        session.id,
-        change,
-        &format!("the turn was interrupted: {why}"),
-    )
-    .await?;
+    let request_reason = match cut {
+        Cut::Interrupted(why) => format!("the turn was interrupted: {why}"),
+        Cut::Stopped => "the session was stopped".to_owned(),
+    };
+    change = crate::permission::cancel_open(mgr, session.id, change, &request_reason).await?;
     let note = Message {
         id: MessageId::new(),
         session_id: session.id,
         task_id: session.task_id,
         role: MessageRole::System,
-        content: format!("{TURN_INTERRUPTED} ({why})"),
+        content: note,
         kind: MessageKind::Text,
         data: String::new(),
         seq: 0,
@@ -204,16 +253,61 @@ pub(crate) async fn interrupt_turn(
             session.id,
             EventPayload::TurnEnded {
                 turn_id: turn.to_owned(),
-                stop_reason: "interrupted".into(),
-                error_message: Some(why.to_owned()),
+                stop_reason: stop_reason.into(),
+                error_message: error,
             },
         );
     next.metadata.remove(TURN_KEY);
     next.metadata.remove(TURN_GENERATION_KEY);
     next.metadata.remove(TURN_INSTANCE_KEY);
-    if user_seq.is_some() {
+    if user_seq.is_some() && matches!(cut, Cut::Interrupted(_)) {
         next.metadata
             .insert(INTERRUPTED_TURN_KEY.into(), turn.to_owned());
     }
     Ok(change)
+}
+
+/// A tool call's stored state (`{"rev", "update"}`) closed with its turn:
+/// still pending (ACP's default when the status is left out) or in
+/// progress, it is `failed`, since it will not finish; else it is kept.
+fn failed_tool_call(data: &str) -> String {
+    let Ok(mut v) = serde_json::from_str::<serde_json::Value>(data) else {
+        return data.to_owned();
+    };
+    if let Some(update) = v.get_mut("update").and_then(|u| u.as_object_mut())
+        && matches!(
+            update.get("status").and_then(|s| s.as_str()),
+            None | Some("pending" | "in_progress")
+        )
+    {
+        update.insert("status".into(), serde_json::Value::String("failed".into()));
+        return v.to_string();
+    }
+    data.to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::failed_tool_call;
+
+    fn status(data: &str) -> Option<String> {
+        let v: serde_json::Value = serde_json::from_str(data).unwrap();
+        v["update"]["status"].as_str().map(str::to_owned)
+    }
+
+    #[test]
+    fn a_cut_turn_fails_its_unfinished_tool_calls_and_keeps_finished_ones() {
+        let pending = r#"{"rev":2,"update":{"toolCallId":"t","title":"write"}}"#;
+        assert_eq!(
+            status(&failed_tool_call(pending)).as_deref(),
+            Some("failed")
+        );
+        let running = r#"{"rev":3,"update":{"toolCallId":"t","status":"in_progress"}}"#;
+        let failed = failed_tool_call(running);
+        assert_eq!(status(&failed).as_deref(), Some("failed"));
+        assert!(failed.contains(r#""rev":3"#), "{failed}");
+        let done = r#"{"rev":4,"update":{"toolCallId":"t","status":"completed"}}"#;
+        assert_eq!(failed_tool_call(done), done);
+        assert_eq!(failed_tool_call("not json"), "not json");
+    }
 }

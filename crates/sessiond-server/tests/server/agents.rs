@@ -588,3 +588,95 @@ async fn idle_timeout_is_passed_to_agentctl() {
         assert_eq!(idle_arg(&data), expected, "{toml:?}");
     }
 }
+
+/// StopSession while a turn runs ends the turn with the session: the reply
+/// so far is kept and complete (with a note), a system message says the
+/// session was stopped, `session.turn_ended` comes with `cancelled`, so a
+/// client waiting for the turn's end stops waiting; nothing stays pending.
+#[tokio::test]
+async fn stopping_a_session_mid_turn_ends_its_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let server = start(&data, &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "stop mid-turn").await;
+    let s = create_session(&mut c, &task.id, &work, "").await;
+    let sent = c
+        .send_message(pb::SendMessageRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            content: "/long story".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .unwrap();
+    // The reply has begun.
+    wait_for(&mut c, &s.id, |e| match &e.payload {
+        Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
+            if m.role == pb::MessageRole::Agent as i32
+                && m.kind == pb::MessageKind::Text as i32
+                && m.seq > sent.seq =>
+        {
+            Some(())
+        }
+        _ => None,
+    })
+    .await;
+    let stopped = c
+        .stop_session(pb::StopSessionRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .session
+        .unwrap();
+    assert_eq!(
+        stopped.state,
+        pb::SessionState::Cancelled as i32,
+        "{stopped:?}"
+    );
+    let end = turn_end(&mut c, &s.id, &sent.id).await;
+    assert_eq!(end.stop_reason, "cancelled", "{end:?}");
+
+    let msgs = c
+        .list_messages(pb::ListMessagesRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            page_size: 1000,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .messages;
+    let reply = msgs
+        .iter()
+        .find(|m| m.role == pb::MessageRole::Agent as i32 && m.seq > sent.seq)
+        .expect("the reply so far is kept");
+    assert!(reply.complete, "{reply:?}");
+    assert!(
+        reply.content.contains("the session was stopped"),
+        "{reply:?}"
+    );
+    let last = msgs.last().unwrap();
+    assert_eq!(last.role, pb::MessageRole::System as i32, "{msgs:?}");
+    assert!(last.content.contains("the session was stopped"), "{last:?}");
+    // The turn is over: a retry has nothing to retry.
+    let err = c
+        .retry_turn(pb::RetryTurnRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+}

@@ -185,15 +185,19 @@ async fn a_replica_resumed_after_sigstop_past_its_lease_is_fenced_off() {
     // `epoch_a`) is refused in its transaction, or was already refused on
     // A's update pump, which dropped the session; either way the answer
     // names B, and the message is not stored or prompted.
-    let err = ca
-        .send_message(pb::SendMessageRequest {
-            task_id: task.id.clone(),
-            session_id: s.id.clone(),
-            content: "stale".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap_err();
+    // Marked as forwarded already, so that A answers itself: a replica
+    // that knows it lost the session would otherwise (rightly) forward the
+    // call to B, which would run it.
+    let mut stale = tonic::Request::new(pb::SendMessageRequest {
+        task_id: task.id.clone(),
+        session_id: s.id.clone(),
+        content: "stale".into(),
+        ..Default::default()
+    });
+    stale
+        .metadata_mut()
+        .insert("sessiond-forwarded-by", "replica-c".parse().unwrap());
+    let err = ca.send_message(stale).await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
     let md = err.metadata();
     assert_eq!(

@@ -429,6 +429,23 @@ async fn agentctl_killed_while_a_request_waits_cancels_it() {
         Some(pb::message::Part::Permission(p)) => assert_eq!(p.status, "cancelled"),
         other => panic!("{other:?}"),
     }
+    // The tool call that waited on the answer ends with its turn: failed,
+    // not pending for ever.
+    let calls: Vec<_> = msgs
+        .iter()
+        .filter_map(|m| match &m.part {
+            Some(pb::message::Part::ToolCall(t)) if m.seq > sent.seq => Some((m.complete, t)),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        !calls.is_empty(),
+        "the agent reported its tool call: {msgs:?}"
+    );
+    for (complete, t) in calls {
+        assert!(complete, "{t:?}");
+        assert_eq!(t.status, "failed", "{t:?}");
+    }
 }
 
 /// Pids of the demo agents whose environment names `dir` (their state dir).
