@@ -99,8 +99,8 @@ struct Ask {
     /// The agent's option ids (`accept`, `decline`, `cancel` for an
     /// elicitation).
     options: Vec<String>,
-    /// For an elicitation: the properties its form requires.
-    required: Option<Vec<String>>,
+    /// For an elicitation: its form, which an answer's values must fit.
+    form: Option<crate::elicit::Form>,
     answer: oneshot::Sender<Reply>,
 }
 
@@ -1550,9 +1550,9 @@ impl AgentManager {
                 ask.options.join(", ")
             )));
         }
-        let content = match &ask.required {
-            Some(required) if option_id == "accept" => Some(
-                crate::elicit::form_values(content_json, required)
+        let content = match &ask.form {
+            Some(form) if option_id == "accept" => Some(
+                crate::elicit::form_values(content_json, form)
                     .map_err(|e| Error::InvalidArgument(format!("content_json: {e}")))?,
             ),
             _ => None,
@@ -1820,7 +1820,7 @@ async fn ask(
                     .iter()
                     .map(|o| o.option_id.0.to_string())
                     .collect(),
-                required: None,
+                form: None,
                 answer: tx,
             },
         );
@@ -1919,7 +1919,7 @@ async fn ask_elicitation(
             request_id.clone(),
             Ask {
                 options: vec!["accept".into(), "decline".into(), "cancel".into()],
-                required: Some(crate::elicit::required(req)),
+                form: Some(crate::elicit::form(req)),
                 answer: tx,
             },
         );

@@ -246,7 +246,10 @@ impl SessionManager {
                 ),
             }),
             Err(e) if e.failure() == Failure::InvalidArgument => {
-                Err(Error::InvalidArgument(e.answer()))
+                // agentctl's message names its code already; ours adds it.
+                let answer = e.answer();
+                let answer = answer.strip_prefix("invalid argument: ").unwrap_or(&answer);
+                Err(Error::InvalidArgument(answer.to_owned()))
             }
             Err(e) => Err(Error::agent("RespondPermission", &e)),
         }

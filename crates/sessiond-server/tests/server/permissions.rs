@@ -604,12 +604,21 @@ async fn an_elicitation_is_asked_answered_with_its_form_or_declined() {
         (r#"{"name":"Ada","city":{"x":1}}"#, "\"city\""),
         ("not json", "content_json"),
         ("[]", "object"),
+        // The schema's types, and only its fields.
+        (r#"{"name":true,"city":"x"}"#, "wants a string"),
+        (r#"{"name":"Ada","city":"x","age":3}"#, "no field \"age\""),
     ] {
         let err = answer_form(&mut c, &task.id, &s.id, &req.request_id, "accept", values)
             .await
             .unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument, "{values}: {err:?}");
         assert!(err.message().contains(says), "{values}: {}", err.message());
+        assert_eq!(
+            err.message().matches("invalid argument").count(),
+            1,
+            "{values}: {}",
+            err.message()
+        );
     }
     assert_eq!(pending(&mut c, &task.id, &s.id).await.len(), 1);
 
