@@ -460,6 +460,7 @@ fn default_sigpipe() {
 fn main() -> ExitCode {
     default_sigpipe();
     let cli = Cli::parse();
+    let no_token = cli.token.as_deref().is_none_or(str::is_empty);
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -474,7 +475,15 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             match e.downcast_ref::<tonic::Status>() {
-                Some(status) => eprintln!("error: {} ({:?})", status.message(), status.code()),
+                Some(status) => {
+                    eprintln!("error: {} ({:?})", status.message(), status.code());
+                    if status.code() == tonic::Code::Unauthenticated && no_token {
+                        eprintln!(
+                            "hint: this sessiond wants an API token: pass --token or set \
+                             SESSIOND_TOKEN (one of the server's SESSIOND_API_TOKENS)"
+                        );
+                    }
+                }
                 None => eprintln!("error: {e:#}"),
             }
             ExitCode::FAILURE

@@ -199,6 +199,24 @@ fn readme_quickstart_story() {
         reply.contains("turn 1") && reply.contains("you said \"hello\""),
         "{reply}"
     );
+    // A reply's terminal controls are shown, not obeyed; its lines stay.
+    let reply = env.sessionctl(&["send", &session, "bell\u{7} \u{1b}[31mred"], &scratch);
+    assert!(reply.contains("bell\\u{7} \\u{1b}[31mred"), "{reply:?}");
+    assert!(!reply.contains('\u{1b}'), "{reply:?}");
+
+    // Without a token: the server's refusal, and where the token goes.
+    let mut anonymous = Command::new("sessionctl");
+    env.apply(&mut anonymous);
+    let refused = anonymous
+        .env_remove("SESSIOND_TOKEN")
+        .args(["session", "list"])
+        .current_dir(&scratch)
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("Unauthenticated"), "{stderr}");
+    assert!(stderr.contains("SESSIOND_TOKEN"), "{stderr}");
 
     // 4. Kill the server; the agent keeps running.
     terminate(server);
@@ -217,11 +235,12 @@ fn readme_quickstart_story() {
 
     // 6. The conversation continues where it was.
     let reply = env.sessionctl(&["send", &session, "are you still there?"], &scratch);
-    assert!(reply.contains("turn 2"), "{reply}");
+    assert!(reply.contains("turn 3"), "{reply}");
     let messages = env.sessionctl(&["messages", &session], &scratch);
-    assert_eq!(messages.lines().count(), 4, "{messages}");
+    assert_eq!(messages.lines().count(), 6, "{messages}");
     assert!(messages.contains("[1] user: hello"), "{messages}");
-    assert!(messages.contains("[4] agent: turn 2"), "{messages}");
+    assert!(!messages.contains('\u{1b}'), "{messages:?}");
+    assert!(messages.contains("[6] agent: turn 3"), "{messages}");
 
     // --json output of the same data.
     let json = env.sessionctl(&["--json", "session", "list"], &scratch);
@@ -751,7 +770,7 @@ fn sessionctl_answers_permission_requests() {
     assert!(stderr.contains(&request), "{stderr}");
     let (_, err, _) = env.sessionctl_fails(&["permission", &session, &request, "maybe"], &scratch);
     assert!(
-        err.contains("the agent offered: allow (allow_once), reject (reject_once)"),
+        err.contains("it offers: allow (allow_once), reject (reject_once)"),
         "{err}"
     );
     let out = env.sessionctl(&["permission", &session, &request, "allow"], &scratch);

@@ -207,9 +207,9 @@ impl SessionManager {
                 .map(|(id, kind)| format!("{id} ({kind})"))
                 .collect();
             Error::InvalidArgument(format!(
-                "option_id {option_id:?} is neither an option of permission request {request_id} \
-                 nor a kind it offers (allow, allow-always, reject, reject-always); the agent \
-                 offered: {}",
+                "option_id {option_id:?} is not offered by permission request {request_id}: \
+                 answer with one of its option ids, or with the kind of one (allow, \
+                 allow-always, reject or reject-always, as the agent offers them); it offers: {}",
                 offered.join(", ")
             ))
         })?;
