@@ -524,7 +524,10 @@ where
         let started = Instant::now();
         self.inner
             .call(request)
-            .map(move |result| {
+            .map(move |mut result| {
+                if let Ok(response) = &mut result {
+                    undecodable_is_invalid_argument(response.headers_mut());
+                }
                 let code = match &result {
                     // Errors travel in the headers of a trailers-only response;
                     // successful calls put grpc-status 0 in the trailers.
@@ -540,6 +543,24 @@ where
                 result
             })
             .boxed()
+    }
+}
+
+/// A request body that is not the method's message (tonic answers
+/// INTERNAL "failed to decode Protobuf message") is the caller's mistake:
+/// INVALID_ARGUMENT, as for any other bad input. Decoding fails before the
+/// method runs, so the answer is trailers-only: the status is in the headers.
+fn undecodable_is_invalid_argument(headers: &mut http::HeaderMap) {
+    let internal = headers
+        .get("grpc-status")
+        .is_some_and(|v| v.as_bytes() == b"13");
+    let undecodable = headers.get("grpc-message").is_some_and(|m| {
+        let m = m.as_bytes();
+        m.starts_with(b"failed%20to%20decode%20Protobuf%20message")
+            || m.starts_with(b"failed to decode Protobuf message")
+    });
+    if internal && undecodable {
+        headers.insert("grpc-status", http::HeaderValue::from_static("3"));
     }
 }
 

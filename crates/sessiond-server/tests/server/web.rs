@@ -450,3 +450,106 @@ async fn console_is_served_at_root_with_types_caching_and_csp() {
     let r = http1(&server.addr, &head, &body).await;
     assert_eq!(r.header("grpc-status"), Some("7"), "{:?}", r.headers);
 }
+
+/// A body that is not the method's message (a varint cut short), over
+/// gRPC-web and over gRPC: INVALID_ARGUMENT, the caller's mistake, not
+/// INTERNAL.
+#[tokio::test]
+async fn an_undecodable_request_is_invalid_argument() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(
+        &dir.path().join("data"),
+        &["--cors-allowed-origins", "http://app.example"],
+    );
+    // Field 1 (a string), its length a varint that never ends.
+    let garbage = [0x0a, 0xff, 0xff, 0xff];
+    let (head, body) = grpc_web_request(
+        &server.addr,
+        "/sessiond.v1.SessionService/GetTask",
+        Some(TOKEN),
+        &garbage,
+    );
+    let r = http1(&server.addr, &head, &body).await;
+    let in_headers = r.header("grpc-status").map(str::to_owned);
+    let in_trailers = frames(&r.body)
+        .into_iter()
+        .find(|(flag, _)| *flag == 0x80)
+        .map(|(_, t)| String::from_utf8_lossy(&t).to_lowercase());
+    assert!(
+        in_headers.as_deref() == Some("3")
+            || in_trailers
+                .as_deref()
+                .is_some_and(|t| t.contains("grpc-status:3")),
+        "{:?} {in_trailers:?}",
+        r.headers
+    );
+
+    // The same over gRPC (HTTP/2), through a codec that sends raw bytes.
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let mut request = tonic::Request::new(garbage.to_vec());
+    request
+        .metadata_mut()
+        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+    let err = grpc
+        .unary(
+            request,
+            tonic::codegen::http::uri::PathAndQuery::from_static(
+                "/sessiond.v1.SessionService/GetTask",
+            ),
+            RawCodec,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+}
+
+/// Sends and receives message bytes as they are.
+#[derive(Debug, Clone, Copy, Default)]
+struct RawCodec;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = RawCodec;
+    type Decoder = RawCodec;
+    fn encoder(&mut self) -> Self::Encoder {
+        RawCodec
+    }
+    fn decoder(&mut self) -> Self::Decoder {
+        RawCodec
+    }
+}
+
+impl tonic::codec::Encoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(
+        &mut self,
+        item: Vec<u8>,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), Self::Error> {
+        use bytes::BufMut;
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<Vec<u8>>, Self::Error> {
+        use bytes::Buf;
+        let mut out = vec![0; src.remaining()];
+        src.copy_to_slice(&mut out);
+        Ok(Some(out))
+    }
+}
