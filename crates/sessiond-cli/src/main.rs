@@ -1131,15 +1131,11 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
         .or_else(|| queued.as_ref().map(|q| q.id.clone()))
         .unwrap_or_default();
     // Replays the session's events, then tails: everything after our own
-    // message.added belongs to this turn.
-    let mut events = c
-        .sessions
-        .watch_session(pb::WatchSessionRequest {
-            session_id: session_id.clone(),
-            after_seq: 0,
-        })
-        .await?
-        .into_inner();
+    // message.added belongs to this turn. A lost stream (sessiond
+    // restarting) is opened again after the last event seen.
+    let mut cursor = 0i64;
+    let mut attempt = 0u32;
+    let mut events = watch_after(c, &session_id, cursor, &mut attempt).await?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout_secs);
     // The reply may be several agent messages (text around tool calls):
     // each is printed as it grows.
@@ -1158,8 +1154,24 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
                      it goes on (`sessionctl cancel` cancels it, `sessionctl messages` shows it)"
                 )
             })?;
-        let Some(event) = next.transpose()? else {
-            bail!("the server closed the event stream before the turn ended");
+        let event = match next {
+            Some(Ok(event)) => {
+                attempt = 0;
+                cursor = event.seq;
+                event
+            }
+            Some(Err(status)) if retryable(&status) => {
+                reconnect_after(c, &mut attempt, &status).await;
+                events = rewatch(c, &session_id, cursor, &mut attempt, deadline).await?;
+                continue;
+            }
+            Some(Err(status)) => return Err(status.into()),
+            None => {
+                let ended = tonic::Status::unavailable("the event stream ended");
+                reconnect_after(c, &mut attempt, &ended).await;
+                events = rewatch(c, &session_id, cursor, &mut attempt, deadline).await?;
+                continue;
+            }
         };
         match event.payload {
             Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
@@ -1397,6 +1409,49 @@ async fn watch(c: &mut Clients, out: &Out, args: WatchArgs) -> anyhow::Result<()
                     break;
                 }
             }
+        }
+    }
+}
+
+/// [`watch_after`] until `deadline`: a turn followed through a restart of
+/// sessiond, for as long as the caller waits for it.
+async fn rewatch(
+    c: &mut Clients,
+    session_id: &str,
+    cursor: i64,
+    attempt: &mut u32,
+    deadline: tokio::time::Instant,
+) -> anyhow::Result<tonic::Streaming<pb::Event>> {
+    tokio::time::timeout_at(deadline, watch_after(c, session_id, cursor, attempt))
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!(
+                "timed out waiting for sessiond to answer again; the turn may go on \
+                 (`sessionctl watch --session {session_id}` follows it)"
+            )
+        })?
+}
+
+/// The session's events after `cursor`, opened again (with backoff) while
+/// sessiond cannot answer.
+async fn watch_after(
+    c: &mut Clients,
+    session_id: &str,
+    cursor: i64,
+    attempt: &mut u32,
+) -> anyhow::Result<tonic::Streaming<pb::Event>> {
+    loop {
+        let opened = c
+            .sessions
+            .watch_session(pb::WatchSessionRequest {
+                session_id: session_id.to_owned(),
+                after_seq: cursor,
+            })
+            .await;
+        match opened {
+            Ok(stream) => return Ok(stream.into_inner()),
+            Err(status) if retryable(&status) => reconnect_after(c, attempt, &status).await,
+            Err(status) => return Err(status.into()),
         }
     }
 }

@@ -682,6 +682,102 @@ fn watch_resumes_from_the_last_seq_after_the_server_restarts() {
     }
 }
 
+/// `send` follows its turn through a restart of sessiond: the reply keeps
+/// streaming to stdout once sessiond is back (from where it was, nothing
+/// twice), and the turn's end still ends the command.
+#[test]
+fn send_follows_its_turn_through_a_restart() {
+    let mut env = Env::new();
+    let scratch = env.home.path().join("s");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let server = env.serve();
+    env.sessionctl(&["health", "--wait"], &scratch);
+    let task = env
+        .sessionctl(&["task", "create", "follow", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    env.task = Some(task);
+    let session = env
+        .sessionctl(&["session", "create", "-q"], &scratch)
+        .trim()
+        .to_owned();
+
+    // A reply that streams for a minute, followed by `send`.
+    let mut cmd = Command::new("sessionctl");
+    env.apply(&mut cmd);
+    let mut send = cmd
+        .args(["send", &session, "/long story"])
+        .current_dir(&scratch)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let shown = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+    let reader = {
+        let shown = shown.clone();
+        let mut stdout = send.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            loop {
+                match std::io::Read::read(&mut stdout, &mut buf) {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => shown.lock().unwrap().extend_from_slice(&buf[..n]),
+                }
+            }
+        })
+    };
+    let grown_past = |n: usize| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let len = shown.lock().unwrap().len();
+            if len > n {
+                return len;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the reply stopped at {len} bytes"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let before = grown_past(0);
+    terminate(server);
+    let server = env.serve();
+    env.sessionctl(&["health", "--wait"], &scratch);
+    // More of the reply arrives through the new stream, then the turn ends.
+    let after_restart = shown.lock().unwrap().len();
+    grown_past(after_restart.max(before));
+    env.sessionctl(&["cancel", &session], &scratch);
+    let status = send.wait().unwrap();
+    reader.join().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(send.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success(), "a cancelled turn is an error: {stderr}");
+    assert!(stderr.contains("reconnecting"), "{stderr}");
+    assert!(stderr.contains("cancelled"), "{stderr}");
+    // What was printed is the stored reply's beginning: nothing twice.
+    let printed = String::from_utf8(shown.lock().unwrap().clone()).unwrap();
+    let stored = env.sessionctl(&["--json", "messages", &session], &scratch);
+    let v: serde_json::Value = serde_json::from_str(&stored).unwrap();
+    let reply = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["role"] == "AGENT" || m["role"] == "agent")
+        .map(|m| m["content"].as_str().unwrap().to_owned())
+        .unwrap_or_else(|| panic!("{stored}"));
+    assert!(
+        reply.starts_with(printed.trim_end()),
+        "printed {printed:?}\nstored {reply:?}"
+    );
+
+    env.sessionctl(&["session", "stop", &session], &scratch);
+    terminate(server);
+    for pid in agentctls_under(env.home.path()) {
+        let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    }
+}
+
 /// A profile with permission policy `ask`: `send --approve` allows the
 /// agent's tool call (the file is written), `send --deny` rejects it (not
 /// written, the reply says so), `send` with no terminal and no flag stops
