@@ -31,6 +31,8 @@ struct Entry {
 #[derive(Default)]
 pub(crate) struct AgentRecoveries {
     entries: Mutex<HashMap<SessionId, Entry>>,
+    /// Woken each time a recovery is done with a session.
+    done: tokio::sync::Notify,
 }
 
 impl AgentRecoveries {
@@ -92,6 +94,25 @@ impl AgentRecoveries {
     /// good, or a user took over).
     pub(crate) fn clear(&self, session: SessionId) {
         lock(&self.entries).remove(&session);
+        self.done.notify_waiters();
+    }
+
+    /// Waits until no recovery is under way for `session`, at most `limit`;
+    /// true when none is (any more).
+    pub(crate) async fn wait_done(&self, session: SessionId, limit: Duration) -> bool {
+        let until = tokio::time::Instant::now() + limit;
+        loop {
+            // Registered before the look, so a `clear` in between wakes it.
+            let done = self.done.notified();
+            tokio::pin!(done);
+            done.as_mut().enable();
+            if !lock(&self.entries).contains_key(&session) {
+                return true;
+            }
+            if tokio::time::timeout_at(until, done).await.is_err() {
+                return false;
+            }
+        }
     }
 
     /// What status shows of `session`'s agent recovery; `place` tells where it

@@ -81,6 +81,7 @@ impl SessionManager {
         self.check_task(task, session_id).await?;
         let _ahead = self.recover_ahead(session_id).await?;
         drop(early);
+        Turns(self).wait_agent_recovery(session_id).await;
         let _guard = self.inner.sessions.lock(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         if let Err(e) = Turns(self)
@@ -192,6 +193,11 @@ impl SessionManager {
     }
 }
 
+/// How long a message or a retry waits for a background recovery of the
+/// session's agent (a heavy agent takes seconds to start and load its
+/// history).
+const RECOVERY_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Turns: starting one (its intent committed before the Prompt), the
 /// update pump that stores the agent's reply, and queued messages.
 pub(crate) struct Turns<'m>(pub(crate) &'m crate::manager::SessionManager);
@@ -226,6 +232,7 @@ impl Turns<'_> {
         let _ahead = self.recover_ahead(session_id).await?;
         // `_ahead` (if the session needed recovering) now holds the pause.
         drop(early);
+        self.wait_agent_recovery(session_id).await;
         let recovered = t.elapsed();
         let _guard = self.inner.sessions.lock(session_id).await;
         let locked = t.elapsed();
@@ -285,6 +292,23 @@ impl Turns<'_> {
             // Lost the lease while the call ran: the new owner is named.
             Err(e) => Err(Fencing(self).unless_lost(session_id, e).await),
             ok => ok,
+        }
+    }
+
+    /// A background recovery is bringing the session's agent back (agentctl
+    /// lost, a turn just ended interrupted): a message or a retry waits for
+    /// it, at most [`RECOVERY_WAIT`], instead of finding no agent. Taken
+    /// before the session lock, which the recovery needs.
+    pub(crate) async fn wait_agent_recovery(&self, session_id: SessionId) {
+        let agent_runs = self.execution(session_id).is_some_and(|e| {
+            e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
+        });
+        if agent_runs {
+            return;
+        }
+        let recoveries = &self.inner.agent_recoveries;
+        if !recoveries.wait_done(session_id, RECOVERY_WAIT).await {
+            tracing::debug!(session = %session_id, "the agent's recovery goes on; answering from what is known");
         }
     }
 

@@ -508,3 +508,65 @@ async fn a_message_that_finds_agentctl_gone_is_delivered_once_it_is_back() {
     assert_eq!(reply, expected_reply(3, &token, "two"));
     w.finish(&mgr, &[s.id]).await;
 }
+
+/// agentctl dies mid-turn: the turn ends interrupted and the session is
+/// recovered in the background (a heavy agent, seconds to start). A retry
+/// sent at once, while that recovery runs, waits for it and runs the turn
+/// again, instead of finding no agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_right_after_an_interrupted_turn_waits_for_the_recovery() {
+    let w = World::new(Db::Sqlite).await;
+    let profile = w
+        .demo_profile(
+            "heavy",
+            &[("ACP_DEMO_STARTUP_MS", "1500"), ("ACP_DEMO_BUSY_MS", "300")],
+        )
+        .await;
+    let mgr = w.manager_with(ManagerConfig {
+        liveness_interval: None,
+        ..w.config()
+    });
+    let s = w.create_with(&mgr, "retry at once", &profile, None).await;
+    let long = mgr
+        .send_message(w.task.id, s.id, "/long story")
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !w
+        .messages(s.id)
+        .await
+        .iter()
+        .any(|m| m.role == MessageRole::Agent && m.seq > long.seq)
+    {
+        assert!(Instant::now() < deadline, "the reply never began");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let old = w.record(s.id).await;
+    kill_tree(old.pid.unwrap()).await;
+    // The turn ends interrupted; the agent is not back yet.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !w
+        .messages(s.id)
+        .await
+        .iter()
+        .any(|m| m.role == MessageRole::System && m.content.contains("interrupted"))
+    {
+        assert!(Instant::now() < deadline, "the turn never ended");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (retried, original) = mgr
+        .retry_turn(w.task.id, s.id, None)
+        .await
+        .expect("the retry waits for the agent's recovery");
+    assert_eq!(original, long.id);
+    assert_eq!(retried.content, "/long story");
+    assert!(
+        w.record(s.id).await.generation > old.generation,
+        "relaunched"
+    );
+    mgr.cancel_turn(w.task.id, s.id).await.unwrap();
+    w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
+        .await;
+    w.track(s.id).await;
+    w.finish(&mgr, &[s.id]).await;
+}
