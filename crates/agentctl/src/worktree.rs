@@ -346,11 +346,27 @@ pub async fn check(spec: &Spec) -> Result<()> {
 pub async fn create(spec: &Spec) -> Result<Ensured> {
     let common = common_dir(&spec.repository).await?;
     check_branch_name(&spec.repository, &spec.branch).await?;
+    let cut_short = spec.path.symlink_metadata().is_ok()
+        && settle_unfinished_add(spec, &common).await? == Unfinished::Cleared;
     if let Some(ensured) = adopt(spec, &common).await? {
         return Ok(ensured);
     }
     resolve_base(&spec.repository, &spec.base).await?;
     if branch_tip(&spec.repository, &spec.branch).await?.is_some() {
+        if cut_short {
+            // The add cut short had made the branch already: check it out.
+            make_parent(&spec.path)?;
+            worktree_git(
+                &spec.repository,
+                &["add", path_str(&spec.path)?, &spec.branch],
+            )
+            .await?;
+            let head = git_ok(&spec.path, &["rev-parse", "HEAD"]).await?;
+            return Ok(Ensured {
+                outcome: Outcome::Created,
+                head,
+            });
+        }
         return Err(Error::AlreadyExists(format!(
             "branch {:?} already exists in {}; pick another branch prefix or delete that branch",
             spec.branch,
@@ -427,6 +443,9 @@ async fn adopt(spec: &Spec, common: &Path) -> Result<Option<Ensured>> {
     if spec.path.symlink_metadata().is_err() {
         return Ok(None);
     }
+    if settle_unfinished_add(spec, common).await? == Unfinished::Cleared {
+        return Ok(None);
+    }
     if !is_ours(&spec.path, common, &spec.branch).await? {
         return Err(Error::AlreadyExists(format!(
             "{} exists and is not the worktree of branch {:?} of {}; remove it or pick another worktrees_dir",
@@ -440,6 +459,76 @@ async fn adopt(spec: &Spec, common: &Path) -> Result<Option<Ensured>> {
         outcome: Outcome::Adopted,
         head,
     }))
+}
+
+/// What [`settle_unfinished_add`] found.
+#[derive(Debug, PartialEq, Eq)]
+enum Unfinished {
+    /// No `git worktree add` of this path is unfinished (any more).
+    None,
+    /// One was killed before it finished: its directory and git's entry
+    /// for it are gone now, so the path is free.
+    Cleared,
+}
+
+/// A `git worktree add` of `spec`'s path that has not finished: git marks
+/// its entry `locked` "initializing" until the checkout is whole. One still
+/// running (its agentctl killed, its git in a session of its own carrying
+/// on) is waited for; one whose git is gone left a half-made directory,
+/// which is removed with the entry, so the operation starts again instead
+/// of taking it for someone else's, or for a whole checkout.
+async fn settle_unfinished_add(spec: &Spec, common: &Path) -> Result<Unfinished> {
+    let deadline = tokio::time::Instant::now() + GIT_TIMEOUT;
+    loop {
+        let Some(entry) = unfinished_entry(spec, common) else {
+            return Ok(Unfinished::None);
+        };
+        if !git_add_running(&spec.path) || tokio::time::Instant::now() >= deadline {
+            tracing::warn!(path = %spec.path.display(), "a git worktree add of this path was cut short; removing what it left and starting again");
+            for dir in [&spec.path, &entry] {
+                if let Err(e) = std::fs::remove_dir_all(dir)
+                    && e.kind() != std::io::ErrorKind::NotFound
+                {
+                    return Err(Error::io(format!("removing {}", dir.display()), e));
+                }
+            }
+            return Ok(Unfinished::Cleared);
+        }
+        tokio::time::sleep(LOCK_POLL).await;
+    }
+}
+
+/// git's entry (`<common>/worktrees/<id>`) of an add of `spec`'s path that
+/// has not finished.
+fn unfinished_entry(spec: &Spec, common: &Path) -> Option<PathBuf> {
+    let ours = std::fs::canonicalize(&spec.path).ok()?.join(".git");
+    std::fs::read_dir(common.join("worktrees"))
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .find(|entry| {
+            let read = |name: &str| std::fs::read_to_string(entry.join(name)).unwrap_or_default();
+            read("locked").trim() == "initializing" && Path::new(read("gitdir").trim()) == ours
+        })
+}
+
+/// Whether a `git worktree add` naming `path` runs on this host.
+fn git_add_running(path: &Path) -> bool {
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    let wanted = path.as_os_str().as_encoded_bytes();
+    procs.flatten().any(|p| {
+        let Ok(cmdline) = std::fs::read(p.path().join("cmdline")) else {
+            return false;
+        };
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        args.first().is_some_and(|a| a.ends_with(b"git"))
+            && args
+                .windows(2)
+                .any(|w| w == [&b"worktree"[..], &b"add"[..]])
+            && args.contains(&wanted)
+    })
 }
 
 fn make_parent(path: &Path) -> Result<()> {

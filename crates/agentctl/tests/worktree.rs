@@ -257,3 +257,48 @@ fn creates_from_one_repository_at_once_all_succeed() {
         "{listed}"
     );
 }
+
+/// Leaves the worktree at `path` of `repo` as a `git worktree add` killed
+/// mid-checkout does: git's entry still `locked` "initializing", a file
+/// not checked out yet.
+fn cut_short(repo: &Path, path: &Path) {
+    for entry in std::fs::read_dir(repo.join(".git/worktrees")).unwrap() {
+        std::fs::write(entry.unwrap().path().join("locked"), "initializing").unwrap();
+    }
+    std::fs::remove_file(path.join("a.txt")).unwrap();
+}
+
+/// A `git worktree add` killed before it finished left a half-made
+/// directory: restore and create remove it with git's entry and check the
+/// branch out again, whole, instead of refusing the directory as someone
+/// else's or adopting a partial checkout.
+#[test]
+fn an_add_cut_short_is_removed_and_made_again() {
+    let (dir, repo) = repository();
+    std::fs::write(repo.join("a.txt"), "a").unwrap();
+    git(&repo, &["add", "a.txt"]);
+    git(&repo, &["commit", "-q", "-m", "a"]);
+    let path = dir.path().join("wts/cut");
+    assert_eq!(
+        worktree("create", &repo, "s/cut", &path, &[])["ok"]["outcome"],
+        "created"
+    );
+
+    cut_short(&repo, &path);
+    let restored = worktree("restore", &repo, "s/cut", &path, &[]);
+    assert_eq!(restored["ok"]["outcome"], "recreated", "{restored}");
+    assert_eq!(std::fs::read_to_string(path.join("a.txt")).unwrap(), "a");
+
+    // A create repeated after the cut: the branch the add made is checked out.
+    cut_short(&repo, &path);
+    let created = worktree("create", &repo, "s/cut", &path, &[]);
+    assert_eq!(created["ok"]["outcome"], "created", "{created}");
+    assert_eq!(std::fs::read_to_string(path.join("a.txt")).unwrap(), "a");
+    let listed = git(&repo, &["worktree", "list", "--porcelain"]);
+    assert_eq!(
+        listed.matches("branch refs/heads/s/cut").count(),
+        1,
+        "{listed}"
+    );
+    assert!(!listed.contains("locked"), "{listed}");
+}
