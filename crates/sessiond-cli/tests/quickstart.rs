@@ -78,6 +78,27 @@ impl Env {
 
     /// `SESSIOND_API_TOKENS=$SESSIOND_TOKEN sessiond serve &`, until its
     /// listening line.
+    /// A server started in a fresh home, a task titled `title` (the
+    /// default one of later calls) and a demo-agent session working in
+    /// `<home>/<dir>`: (env, that directory, the server, the session id).
+    fn with_session(dir: &str, title: &str) -> (Self, PathBuf, Child, String) {
+        let mut env = Env::new();
+        let scratch = env.home.path().join(dir);
+        std::fs::create_dir_all(&scratch).unwrap();
+        let server = env.serve();
+        env.sessionctl(&["health", "--wait"], &scratch);
+        let task = env
+            .sessionctl(&["task", "create", title, "-q"], &scratch)
+            .trim()
+            .to_owned();
+        env.task = Some(task);
+        let session = env
+            .sessionctl(&["session", "create", "-q"], &scratch)
+            .trim()
+            .to_owned();
+        (env, scratch, server, session)
+    }
+
     fn serve(&self) -> Child {
         self.serve_with(&[])
     }
@@ -522,20 +543,7 @@ fn sessionctl_stops_at_once_on_failed_interrupted_and_cancelled_turns() {
 /// `messages` lists the same parts.
 #[test]
 fn send_prints_tool_calls_and_plans_as_they_stream() {
-    let mut env = Env::new();
-    let scratch = env.home.path().join("activity");
-    std::fs::create_dir_all(&scratch).unwrap();
-    let server = env.serve();
-    env.sessionctl(&["health", "--wait"], &scratch);
-    let task = env
-        .sessionctl(&["task", "create", "activity", "-q"], &scratch)
-        .trim()
-        .to_owned();
-    env.task = Some(task);
-    let session = env
-        .sessionctl(&["session", "create", "-q"], &scratch)
-        .trim()
-        .to_owned();
+    let (env, scratch, server, session) = Env::with_session("activity", "activity");
 
     let mut cmd = Command::new("sessionctl");
     env.apply(&mut cmd);
@@ -619,20 +627,7 @@ fn send_prints_tool_calls_and_plans_as_they_stream() {
 
 #[test]
 fn watch_resumes_from_the_last_seq_after_the_server_restarts() {
-    let mut env = Env::new();
-    let scratch = env.home.path().join("w");
-    std::fs::create_dir_all(&scratch).unwrap();
-    let server = env.serve();
-    env.sessionctl(&["health", "--wait"], &scratch);
-    let task = env
-        .sessionctl(&["task", "create", "watch", "-q"], &scratch)
-        .trim()
-        .to_owned();
-    env.task = Some(task);
-    let session = env
-        .sessionctl(&["session", "create", "-q"], &scratch)
-        .trim()
-        .to_owned();
+    let (env, scratch, server, session) = Env::with_session("w", "watch");
     env.sessionctl(&["send", &session, "one"], &scratch);
 
     // A watcher that outlives a server restart.
@@ -687,20 +682,7 @@ fn watch_resumes_from_the_last_seq_after_the_server_restarts() {
 /// twice), and the turn's end still ends the command.
 #[test]
 fn send_follows_its_turn_through_a_restart() {
-    let mut env = Env::new();
-    let scratch = env.home.path().join("s");
-    std::fs::create_dir_all(&scratch).unwrap();
-    let server = env.serve();
-    env.sessionctl(&["health", "--wait"], &scratch);
-    let task = env
-        .sessionctl(&["task", "create", "follow", "-q"], &scratch)
-        .trim()
-        .to_owned();
-    env.task = Some(task);
-    let session = env
-        .sessionctl(&["session", "create", "-q"], &scratch)
-        .trim()
-        .to_owned();
+    let (env, scratch, server, session) = Env::with_session("s", "follow");
 
     // A reply that streams for a minute, followed by `send`.
     let mut cmd = Command::new("sessionctl");

@@ -443,25 +443,10 @@ async fn orphan_sweep_waits_for_recovery_and_grace() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_that_finds_agentctl_gone_is_delivered_once_it_is_back() {
     let w = World::new(Db::Sqlite).await;
-    let profile = w
-        .demo_profile(
-            "heavy",
-            &[("ACP_DEMO_STARTUP_MS", "1500"), ("ACP_DEMO_BUSY_MS", "300")],
-        )
-        .await;
-    let mgr = w.manager_with(ManagerConfig {
-        liveness_interval: None,
-        ..w.config()
-    });
-    let s = w.create_with(&mgr, "gone", &profile, None).await;
+    let (mgr, s) = w.heavy_session("gone").await;
     let token = s.resume_token.clone().unwrap();
     w.prompt(&mgr, s.id, "one").await;
-    // Parked: no stream sees agentctl go.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !mgr.is_parked(s.id) {
-        assert!(Instant::now() < deadline, "the pump never parked");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    w.wait_parked(&mgr, s.id).await;
     let old = w.record(s.id).await;
     kill_tree(old.pid.unwrap()).await;
 
@@ -516,17 +501,7 @@ async fn a_message_that_finds_agentctl_gone_is_delivered_once_it_is_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_right_after_an_interrupted_turn_waits_for_the_recovery() {
     let w = World::new(Db::Sqlite).await;
-    let profile = w
-        .demo_profile(
-            "heavy",
-            &[("ACP_DEMO_STARTUP_MS", "1500"), ("ACP_DEMO_BUSY_MS", "300")],
-        )
-        .await;
-    let mgr = w.manager_with(ManagerConfig {
-        liveness_interval: None,
-        ..w.config()
-    });
-    let s = w.create_with(&mgr, "retry at once", &profile, None).await;
+    let (mgr, s) = w.heavy_session("retry at once").await;
     let long = mgr
         .send_message(w.task.id, s.id, "/long story")
         .await

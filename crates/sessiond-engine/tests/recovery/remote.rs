@@ -661,11 +661,7 @@ async fn remote_message_that_finds_the_host_gone_is_delivered_once_it_is_back() 
     let s = spot.create(&w, &mgr, &w.profile, &host).await;
     let token = s.resume_token.clone().unwrap();
     w.prompt(&mgr, s.id, "one").await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !mgr.is_parked(s.id) {
-        assert!(Instant::now() < deadline, "the pump never parked");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    w.wait_parked(&mgr, s.id).await;
     host.kill().await;
 
     let sent = mgr

@@ -335,6 +335,34 @@ impl World {
         }
     }
 
+    /// Waits until the session's update pump is parked (it holds no
+    /// stream, so nothing sees its agentctl go).
+    pub async fn wait_parked(&self, mgr: &SessionManager, session: SessionId) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !mgr.is_parked(session) {
+            assert!(Instant::now() < deadline, "the pump never parked");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// A manager with no liveness check (only a call finds a lost agentctl)
+    /// and a session of a heavy demo agent (1.5 s to start, 300 ms busy per
+    /// prompt) named `name`.
+    pub async fn heavy_session(&self, name: &str) -> (SessionManager, Session) {
+        let profile = self
+            .demo_profile(
+                "heavy",
+                &[("ACP_DEMO_STARTUP_MS", "1500"), ("ACP_DEMO_BUSY_MS", "300")],
+            )
+            .await;
+        let mgr = self.manager_with(ManagerConfig {
+            liveness_interval: None,
+            ..self.config()
+        });
+        let s = self.create_with(&mgr, name, &profile, None).await;
+        (mgr, s)
+    }
+
     pub async fn events(&self, session: SessionId) -> Vec<Event> {
         self.store.events_after(session, 0, 100_000).await.unwrap()
     }

@@ -59,20 +59,6 @@ async fn list(c: &mut Sessions, task: &str, session: &str) -> Vec<pb::Message> {
     .messages
 }
 
-async fn send(c: &mut Sessions, task: &str, session: &str, text: &str) -> pb::Message {
-    c.send_message(pb::SendMessageRequest {
-        task_id: task.into(),
-        session_id: session.into(),
-        content: text.into(),
-        ..Default::default()
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .message
-    .unwrap()
-}
-
 fn of_kind(msgs: &[pb::Message], kind: pb::MessageKind) -> Vec<&pb::Message> {
     msgs.iter().filter(|m| m.kind == kind as i32).collect()
 }

@@ -32,18 +32,6 @@ fn config(dir: &Path, profiles: &[(&str, &[&str], &str, &str)]) -> String {
     path.display().to_string()
 }
 
-async fn get(c: &mut Sessions, task: &str, session: &str) -> pb::Session {
-    c.get_session(pb::GetSessionRequest {
-        task_id: task.into(),
-        session_id: session.into(),
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .session
-    .unwrap()
-}
-
 fn kill_agentctls(data: &Path) {
     for pid in agentctl_pids(data) {
         Command::new("kill")
@@ -377,18 +365,7 @@ async fn failed_turn_ends_with_its_reason_at_once() {
     let mut c = sessions(&server).await;
     let task = create_task(&mut c, "fail").await;
     let s = create_session(&mut c, &task.id, &work, "").await;
-    let sent = c
-        .send_message(pb::SendMessageRequest {
-            task_id: task.id.clone(),
-            session_id: s.id.clone(),
-            content: "/fail".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .message
-        .unwrap();
+    let sent = send(&mut c, &task.id, &s.id, "/fail").await;
     let end = turn_end(&mut c, &s.id, &sent.id).await;
     assert_eq!(end.stop_reason, "error", "{end:?}");
     assert!(end.error_message.contains("fails on purpose"), "{end:?}");
@@ -603,18 +580,7 @@ async fn stopping_a_session_mid_turn_ends_its_turn() {
     let mut c = sessions(&server).await;
     let task = create_task(&mut c, "stop mid-turn").await;
     let s = create_session(&mut c, &task.id, &work, "").await;
-    let sent = c
-        .send_message(pb::SendMessageRequest {
-            task_id: task.id.clone(),
-            session_id: s.id.clone(),
-            content: "/long story".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .message
-        .unwrap();
+    let sent = send(&mut c, &task.id, &s.id, "/long story").await;
     // The reply has begun.
     wait_for(&mut c, &s.id, |e| match &e.payload {
         Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
@@ -646,17 +612,7 @@ async fn stopping_a_session_mid_turn_ends_its_turn() {
     let end = turn_end(&mut c, &s.id, &sent.id).await;
     assert_eq!(end.stop_reason, "cancelled", "{end:?}");
 
-    let msgs = c
-        .list_messages(pb::ListMessagesRequest {
-            task_id: task.id.clone(),
-            session_id: s.id.clone(),
-            page_size: 1000,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .messages;
+    let msgs = messages(&mut c, &task.id, &s.id).await;
     let reply = msgs
         .iter()
         .find(|m| m.role == pb::MessageRole::Agent as i32 && m.seq > sent.seq)

@@ -73,19 +73,6 @@ fn send_request(task: &str, session: &str, text: &str) -> pb::SendMessageRequest
     }
 }
 
-async fn messages(c: &mut Sessions, task: &str, session: &str) -> Vec<pb::Message> {
-    c.list_messages(pb::ListMessagesRequest {
-        task_id: task.into(),
-        session_id: session.into(),
-        page_size: 1000,
-        ..Default::default()
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .messages
-}
-
 /// (user messages, complete agent text replies) of the transcript.
 async fn transcript(c: &mut Sessions, task: &str, session: &str) -> (Vec<String>, Vec<String>) {
     let msgs = messages(c, task, session).await;
@@ -167,23 +154,7 @@ async fn commands_sent_to_a_non_owner_replica_run_once_on_the_owner() {
 
     // The title cleared on B is written on A: A's next turn, started from
     // its own snapshot of the session, names the session by its prompt.
-    let title = |c: &mut Sessions| {
-        let mut c = c.clone();
-        let (task, session) = (task.id.clone(), s.id.clone());
-        async move {
-            c.get_session(pb::GetSessionRequest {
-                task_id: task,
-                session_id: session,
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .session
-            .unwrap()
-            .title
-        }
-    };
-    assert_eq!(title(&mut cb).await, "hello from b");
+    assert_eq!(title(&mut cb, &task.id, &s.id).await, "hello from b");
     let cleared = cb
         .set_session_title(pb::SetSessionTitleRequest {
             task_id: task.id.clone(),
@@ -204,7 +175,7 @@ async fn commands_sent_to_a_non_owner_replica_run_once_on_the_owner() {
             .await
             .contains("turn 2")
     );
-    assert_eq!(title(&mut cb).await, "named again");
+    assert_eq!(title(&mut cb, &task.id, &s.id).await, "named again");
 
     // A permission asked by the agent, answered on B: forwarded to A, the
     // tool runs once.

@@ -127,18 +127,6 @@ async fn kill_all_and_restart(
     server
 }
 
-async fn get(c: &mut Sessions, task: &str, session: &str) -> pb::Session {
-    c.get_session(pb::GetSessionRequest {
-        task_id: task.into(),
-        session_id: session.into(),
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .session
-    .unwrap()
-}
-
 async fn list(c: &mut Sessions, task: &str, session: &str) -> Vec<pb::Message> {
     c.list_messages(pb::ListMessagesRequest {
         task_id: task.into(),
@@ -422,18 +410,7 @@ async fn prompt_and_answer(
     text: &str,
     option: &str,
 ) -> (pb::PermissionRequest, String) {
-    let sent = c
-        .send_message(pb::SendMessageRequest {
-            task_id: task.into(),
-            session_id: session.into(),
-            content: text.into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .message
-        .unwrap();
+    let sent = send(c, task, session, text).await;
     let asked = permission_requested(c, session, &sent.id).await;
     c.respond_to_permission(pb::RespondToPermissionRequest {
         task_id: task.into(),

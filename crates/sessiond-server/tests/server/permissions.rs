@@ -33,20 +33,6 @@ fn config(dir: &Path, timeout: Option<&str>) -> String {
     path.display().to_string()
 }
 
-async fn send(c: &mut Sessions, task: &str, session: &str, text: &str) -> pb::Message {
-    c.send_message(pb::SendMessageRequest {
-        task_id: task.into(),
-        session_id: session.into(),
-        content: text.into(),
-        ..Default::default()
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .message
-    .unwrap()
-}
-
 /// The `permission.requested` of turn `turn` (the user message id).
 async fn requested(c: &mut Sessions, session: &str, turn: &str) -> pb::PermissionRequest {
     wait_for(c, session, |e| match &e.payload {
@@ -99,19 +85,6 @@ async fn pending(c: &mut Sessions, task: &str, session: &str) -> Vec<pb::Permiss
     .unwrap()
     .into_inner()
     .pending_permissions
-}
-
-async fn messages(c: &mut Sessions, task: &str, session: &str) -> Vec<pb::Message> {
-    c.list_messages(pb::ListMessagesRequest {
-        task_id: task.into(),
-        session_id: session.into(),
-        page_size: 1000,
-        ..Default::default()
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .messages
 }
 
 /// The agent's text replies after user message `after`.

@@ -371,21 +371,58 @@ pub async fn create_session(
     .unwrap()
 }
 
+/// Sends `text` to a session waiting for input: the user message its turn
+/// started with.
+pub async fn send(c: &mut Sessions, task: &str, session: &str, text: &str) -> pb::Message {
+    c.send_message(pb::SendMessageRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+        content: text.into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .message
+    .unwrap()
+}
+
+/// The session as stored (GetSession).
+pub async fn get(c: &mut Sessions, task: &str, session: &str) -> pb::Session {
+    c.get_session(pb::GetSessionRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .session
+    .unwrap()
+}
+
+/// The session's title as stored.
+pub async fn title(c: &mut Sessions, task: &str, session: &str) -> String {
+    get(c, task, session).await.title
+}
+
+/// The session's messages, oldest first (up to 1,000).
+pub async fn messages(c: &mut Sessions, task: &str, session: &str) -> Vec<pb::Message> {
+    c.list_messages(pb::ListMessagesRequest {
+        task_id: task.into(),
+        session_id: session.into(),
+        page_size: 1000,
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .messages
+}
+
 /// Sends `text` and waits (through WatchSession) for the agent's complete
 /// reply; returns its content.
 pub async fn prompt(c: &mut Sessions, task: &str, session: &str, text: &str) -> String {
-    let sent = c
-        .send_message(pb::SendMessageRequest {
-            task_id: task.into(),
-            session_id: session.into(),
-            content: text.into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .message
-        .unwrap();
+    let sent = send(c, task, session, text).await;
     let mut stream = c
         .watch_session(pb::WatchSessionRequest {
             session_id: session.into(),

@@ -6,19 +6,6 @@ use sessiond_proto::sessiond::v1 as pb;
 
 use crate::support::*;
 
-async fn title(c: &mut Sessions, task: &str, session: &str) -> String {
-    c.get_session(pb::GetSessionRequest {
-        task_id: task.into(),
-        session_id: session.into(),
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .session
-    .unwrap()
-    .title
-}
-
 async fn set(
     c: &mut Sessions,
     task: &str,

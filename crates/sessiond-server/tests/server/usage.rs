@@ -76,20 +76,6 @@ async fn wait_state(c: &mut Sessions, task: &str, session: &str, state: pb::Sess
     panic!("session {session} never reached {state:?}");
 }
 
-async fn send(c: &mut Sessions, task: &str, session: &str, text: &str) -> pb::Message {
-    c.send_message(pb::SendMessageRequest {
-        task_id: task.into(),
-        session_id: session.into(),
-        content: text.into(),
-        ..Default::default()
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .message
-    .unwrap()
-}
-
 async fn user_message(c: &mut Sessions, task: &str, session: &str, id: &str) -> pb::Message {
     c.list_messages(pb::ListMessagesRequest {
         task_id: task.into(),
