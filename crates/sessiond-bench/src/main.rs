@@ -228,7 +228,8 @@ impl Opts {
                 "--rss-sessions" => o.rss_sessions = val()?.parse()?,
                 "--load-secs" => o.load_secs = val()?.parse()?,
                 "--out" => o.out = Some(PathBuf::from(val()?)).filter(|p| p != Path::new("-")),
-                "--bin-dir" => o.bin_dir = PathBuf::from(val()?),
+                // Absolute: agentctl starts in a session's directory.
+                "--bin-dir" => o.bin_dir = std::path::absolute(val()?)?,
                 other => anyhow::bail!("unknown argument {other:?}\n\n{USAGE}"),
             }
         }

@@ -105,9 +105,14 @@ impl Env {
 
     /// [`Env::serve`] with more environment (e.g. the Docker executor's).
     fn serve_with(&self, extra: &[(&str, &str)]) -> Child {
+        self.serve_in(&std::env::current_dir().unwrap(), extra)
+    }
+
+    /// [`Env::serve_with`], started in `cwd`.
+    fn serve_in(&self, cwd: &Path, extra: &[(&str, &str)]) -> Child {
         let mut cmd = Command::new("sessiond");
         self.apply(&mut cmd);
-        cmd.envs(extra.iter().copied());
+        cmd.current_dir(cwd).envs(extra.iter().copied());
         cmd.arg("serve")
             .env("SESSIOND_API_TOKENS", &self.token)
             .stdout(Stdio::piped());
@@ -383,6 +388,26 @@ fn readme_worktree_story() {
 /// cancelled (never after its timeout: 120 s given, each ends in well under
 /// 60 s); `send` and `resume` agree about what to do next; `session create`
 /// exits non-zero when the new session is ERROR.
+/// `sessiond serve --data-dir data`: a relative data directory is the
+/// server's working directory's, though agentctl runs in the session's
+/// directory (it once looked for its run files there and exited).
+#[test]
+fn a_relative_data_dir_is_taken_from_where_the_server_started() {
+    let mut env = Env::new();
+    let scratch = env.home.path().join("project");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let server = env.serve_in(env.home.path(), &[("SESSIOND_DATA_DIR", "state")]);
+    env.sessionctl(&["health", "--wait"], &scratch);
+    let task = env.sessionctl(&["task", "create", "relative", "-q"], &scratch);
+    env.task = Some(task.trim().to_owned());
+    let session = env.sessionctl(&["session", "create", "-q"], &scratch);
+    let reply = env.sessionctl(&["send", session.trim(), "hello"], &scratch);
+    assert!(reply.contains("you said \"hello\""), "{reply}");
+    assert!(env.home.path().join("state/sessiond.sqlite3").is_file());
+    assert!(!scratch.join("state").exists());
+    terminate(server);
+}
+
 /// `sessionctl task list | head -1`: a reader that leaves early ends
 /// sessionctl quietly (SIGPIPE, as for any Unix tool), never with a panic
 /// on stderr. The pipe's read end is closed before sessionctl writes.

@@ -1266,6 +1266,32 @@ impl Problems {
         }
     }
 
+    /// `path` made absolute against this process's working directory:
+    /// agentctl runs in a session's worktree, where a relative run
+    /// directory or program path would name something else.
+    fn absolute(&mut self, key: &str, path: PathBuf) -> PathBuf {
+        if path.is_absolute() || path.as_os_str().is_empty() {
+            return path;
+        }
+        match std::path::absolute(&path) {
+            // `..` taken lexically, as the shell's `cd` does.
+            Ok(absolute) => absolute.components().fold(PathBuf::new(), |mut out, c| {
+                match c {
+                    std::path::Component::ParentDir => {
+                        out.pop();
+                    }
+                    std::path::Component::CurDir => {}
+                    other => out.push(other),
+                }
+                out
+            }),
+            Err(e) => {
+                self.add(key, format!("cannot resolve {}: {e}", path.display()));
+                path
+            }
+        }
+    }
+
     fn positive_duration(&mut self, key: &str, value: &str) -> Duration {
         let d = self.duration(key, value);
         if d.is_zero() && parse_duration(value).is_ok() {
@@ -1341,6 +1367,7 @@ impl FileConfig {
                 PathBuf::new()
             }),
         };
+        let data_dir = p.absolute("data_dir", data_dir);
         let database_url = match self.database_url {
             Some(url) if url.trim().is_empty() => {
                 p.add(
@@ -1622,6 +1649,10 @@ fn executors_config(e: &ExecutorsSection, data_dir: &Path, p: &mut Problems) -> 
             p.add("executors.standalone.agentctl_path", "must not be empty");
             PathBuf::new()
         }
+        // A bare name is looked up on PATH; anything else is a path.
+        Some(path) if path.components().count() > 1 => {
+            p.absolute("executors.standalone.agentctl_path", path.clone())
+        }
         Some(path) => path.clone(),
         None => sessiond_executor::standalone::default_agentctl_path()
             .unwrap_or_else(|| PathBuf::from("agentctl")),
@@ -1866,16 +1897,14 @@ fn executors_config(e: &ExecutorsSection, data_dir: &Path, p: &mut Problems) -> 
         worktree_branch_prefix: prefix.to_owned(),
         repositories: e.repositories.clone(),
         agentctl_path,
-        run_dir: e
-            .standalone
-            .run_dir
-            .clone()
-            .unwrap_or_else(|| data_dir.join("run")),
-        log_dir: e
-            .standalone
-            .log_dir
-            .clone()
-            .unwrap_or_else(|| data_dir.join("logs")),
+        run_dir: match &e.standalone.run_dir {
+            Some(dir) => p.absolute("executors.standalone.run_dir", dir.clone()),
+            None => data_dir.join("run"),
+        },
+        log_dir: match &e.standalone.log_dir {
+            Some(dir) => p.absolute("executors.standalone.log_dir", dir.clone()),
+            None => data_dir.join("logs"),
+        },
         standalone_startup_timeout: p.positive_duration(
             "executors.standalone.startup_timeout",
             &e.standalone.startup_timeout,
@@ -2428,6 +2457,29 @@ mod tests {
         let c = with_tokens().validate().unwrap();
         assert_eq!(c.replica.advertised("1.2.3.4:5", false), "1.2.3.4:5");
         assert_eq!(c.replica.advertised("1.2.3.4:5", true), "https://1.2.3.4:5");
+    }
+
+    #[test]
+    fn relative_paths_are_taken_from_the_working_directory() {
+        let cwd = std::env::current_dir().unwrap();
+        let mut f = with_tokens();
+        f.data_dir = Some("data/../state".into());
+        f.executors.standalone.agentctl_path = Some("./bin/agentctl".into());
+        f.executors.standalone.log_dir = Some("logs".into());
+        let c = f.validate().unwrap();
+        assert_eq!(c.data_dir, cwd.join("state"));
+        assert_eq!(
+            c.database_url,
+            cwd.join("state/sessiond.sqlite3").display().to_string()
+        );
+        assert_eq!(c.executors.run_dir, cwd.join("state/run"));
+        assert_eq!(c.executors.log_dir, cwd.join("logs"));
+        assert_eq!(c.executors.agentctl_path, cwd.join("bin/agentctl"));
+        // A bare name stays a PATH lookup.
+        let mut f = with_tokens();
+        f.executors.standalone.agentctl_path = Some("agentctl".into());
+        let c = f.validate().unwrap();
+        assert_eq!(c.executors.agentctl_path, PathBuf::from("agentctl"));
     }
 
     #[test]
