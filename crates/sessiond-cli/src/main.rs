@@ -484,7 +484,7 @@ fn main() -> ExitCode {
                         );
                     }
                 }
-                None => eprintln!("error: {e:#}"),
+                None => eprintln!("error: {}", error_text(&e)),
             }
             ExitCode::FAILURE
         }
@@ -1478,8 +1478,24 @@ async fn reconnect_after(c: &mut Clients, attempt: &mut u32, why: &tonic::Status
     );
     tokio::time::sleep(delay).await;
     if let Err(e) = c.reconnect().await {
-        eprintln!("sessionctl: {e:#}");
+        eprintln!("sessionctl: {}", error_text(&e));
     }
+}
+
+/// An error and its causes, `: `-separated, each said once (a transport
+/// error's text already holds its cause's).
+fn error_text(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+    }
+    out
 }
 
 fn session_ref(s: SessionRef) -> pb::SessionRef {

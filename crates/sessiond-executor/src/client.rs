@@ -1138,8 +1138,12 @@ fn error_chain(status: &tonic::Status) -> String {
     let mut text = status.message().to_owned();
     let mut source = std::error::Error::source(status);
     while let Some(err) = source {
-        text.push_str(": ");
-        text.push_str(&err.to_string());
+        // Said once: hyper's "tcp connect error" already holds its cause.
+        let cause = err.to_string();
+        if !text.contains(&cause) {
+            text.push_str(": ");
+            text.push_str(&cause);
+        }
         source = err.source();
     }
     text
@@ -1148,6 +1152,25 @@ fn error_chain(status: &tonic::Status) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_chain_says_each_cause_once() {
+        #[derive(Debug)]
+        struct Connect(std::io::Error);
+        impl std::fmt::Display for Connect {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "tcp connect error: {}", self.0)
+            }
+        }
+        impl std::error::Error for Connect {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let status = tonic::Status::from_error(Box::new(Connect(refused)));
+        assert_eq!(error_chain(&status), "tcp connect error: refused");
+    }
 
     /// A throwaway self-signed CA (no key kept), to build a TLS endpoint.
     const TEST_CA: &str = "-----BEGIN CERTIFICATE-----\nMIIBjTCCATOgAwIBAgIUeXAUr90IFS0F1942O0TNt5pb9hAwCgYIKoZIzj0EAwIw\nGzEZMBcGA1UEAwwQc2Vzc2lvbmQtdGVzdC1jYTAgFw0yNjExMjkwODQxNDVaGA8y\nMTI2MTEwNTA4NDE0NVowGzEZMBcGA1UEAwwQc2Vzc2lvbmQtdGVzdC1jYTBZMBMG\nByqGSM49AgEGCCqGSM49AwEHA0IABPFE1gf8GKH15qrHxY5jrkUbQuf3Djz0sS0M\nDuTBm0NIzactjhnRXL0yJ6n8CUEKfcWXv9wpTQPRRYmwyHS1/S6jUzBRMB0GA1Ud\nDgQWBBRyQndZ3lr/ro+6tWUsdzTnUEaV9zAfBgNVHSMEGDAWgBRyQndZ3lr/ro+6\ntWUsdzTnUEaV9zAPBgNVHRMBAf8EBTADAQH/MAoGCCqGSM49BAMCA0gAMEUCID/W\nPYsDSFG0SUMsAIxJoh0K34CapoKaRmptVXf2uZGEAiEA3XbvF0cHzOrdIMlwF+5W\nARVsYYTDcvmRvm4gEVLES3Y=\n-----END CERTIFICATE-----\n";

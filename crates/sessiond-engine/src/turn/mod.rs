@@ -170,7 +170,7 @@ pub(crate) const STOPPED_NOTE: &str =
 
 /// The system message after a turn the session's stop cut short.
 pub(crate) const TURN_STOPPED: &str =
-    "the turn ended: the session was stopped before the agent finished; the reply so far is kept";
+    "the session was stopped before the agent finished this turn; the reply so far is kept";
 
 /// [`interrupt_turn`], or the end of a turn whose session was stopped
 /// (`cancelled`, not kept for `retry_turn`).
