@@ -34,7 +34,9 @@
 //! runs `sh -c CMD` in a client terminal (ACP `terminal/*`) shown by a tool
 //! call, `/long` streams for
 //! a minute (to be cancelled), `/fail` fails the turn, `/ask [FIELD...]` asks the user to fill a form
-//! (ACP `elicitation/create`) and replies with the answer, `/mode ID` switches
+//! (ACP `elicitation/create`) and replies with the answer, `/ask-url URL`
+//! sends the user to a page (an elicitation of mode url), `/big N` replies
+//! with one chunk of N bytes, `/mode ID` switches
 //! the agent's own mode (`current_mode_update`), `/unparsed` sends a
 //! `session/update` no ACP schema parses (a tool call with a numeric id).
 
@@ -48,9 +50,9 @@ use agent_client_protocol::v1::schema::{
     AgentCapabilities, AuthMethod, AuthMethodAgent, AuthenticateRequest, AuthenticateResponse,
     CancelNotification, ContentBlock, ContentChunk, CreateElicitationRequest, CurrentModeUpdate,
     ElicitationAction, ElicitationFormMode, ElicitationSchema, ElicitationSessionScope,
-    Implementation, InitializeRequest, InitializeResponse, LoadSessionRequest, LoadSessionResponse,
-    NewSessionRequest, NewSessionResponse, PermissionOption, PermissionOptionKind,
-    PromptCapabilities, PromptRequest, PromptResponse, ReadTextFileRequest,
+    ElicitationUrlMode, Implementation, InitializeRequest, InitializeResponse, LoadSessionRequest,
+    LoadSessionResponse, NewSessionRequest, NewSessionResponse, PermissionOption,
+    PermissionOptionKind, PromptCapabilities, PromptRequest, PromptResponse, ReadTextFileRequest,
     RequestPermissionOutcome, RequestPermissionRequest, ResumeSessionRequest,
     ResumeSessionResponse, SessionCapabilities, SessionMode, SessionModeState, SessionNotification,
     SessionResumeCapabilities, SessionUpdate, SetSessionModeRequest, SetSessionModeResponse,
@@ -928,6 +930,31 @@ async fn slash_command(
                 ElicitationAction::Decline => "answer: decline".to_owned(),
                 _ => "answer: cancel".to_owned(),
             }
+        }
+        "/ask-url" => {
+            // An ACP elicitation of mode url: the user is sent to a page.
+            let url = words.next().unwrap_or_default();
+            let answer = cx
+                .send_request(CreateElicitationRequest::new(
+                    ElicitationUrlMode::new(
+                        ElicitationSessionScope::new(session.clone()),
+                        "demo-url",
+                        url,
+                    ),
+                    "The demo agent sends you to a page",
+                ))
+                .block_task()
+                .await?;
+            match answer.action {
+                ElicitationAction::Accept(_) => "answer: accept".to_owned(),
+                ElicitationAction::Decline => "answer: decline".to_owned(),
+                _ => "answer: cancel".to_owned(),
+            }
+        }
+        "/big" => {
+            // One reply chunk of N bytes (an agent pasting a huge file).
+            let n: usize = words.next().and_then(|w| w.parse().ok()).unwrap_or(0);
+            "x".repeat(n.min(256 << 20))
         }
         "/fail" => {
             return Err(Error::new(

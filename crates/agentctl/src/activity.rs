@@ -45,6 +45,41 @@ pub fn clip(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
+/// `s` in pieces of at most `max` bytes (`max` >= 4), each ending on a
+/// char boundary; none when `s` is empty.
+pub fn pieces(s: &str, max: usize) -> impl Iterator<Item = &str> {
+    let mut rest = s;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let head = clip(rest, max.max(4));
+        rest = &rest[head.len()..];
+        Some(head)
+    })
+}
+
+/// At most this much of a part's text, and of its JSON, goes into one
+/// update: the backend reads updates of up to 64 MiB, and one it cannot
+/// read would be sent again and again.
+pub const MAX_PART_BYTES: usize = 8 << 20;
+
+/// `a` with its text and JSON cut to [`MAX_PART_BYTES`] (a thought streamed
+/// for ever, a tool call carrying a huge file), saying so.
+pub fn bounded(mut a: Activity) -> Activity {
+    if a.text.len() > MAX_PART_BYTES {
+        let total = a.text.len();
+        a.text = format!(
+            "{}\n[agentctl: cut at {MAX_PART_BYTES} of {total} bytes]",
+            clip(&a.text, MAX_PART_BYTES)
+        );
+    }
+    if a.json.len() > MAX_PART_BYTES {
+        a.json = serde_json::json!({"truncated": true, "bytes": a.json.len()}).to_string();
+    }
+    a
+}
+
 /// Strings longer than this in a tool call's raw input or output keep
 /// their head and tail (a command's output: its end tells most).
 const RAW_STRING_MAX: usize = 8 * 1024;
@@ -498,6 +533,40 @@ mod tests {
     };
 
     use super::*;
+
+    #[test]
+    fn text_goes_in_pieces_that_keep_every_char() {
+        let text = "héllo wörld".repeat(3);
+        let parts: Vec<&str> = pieces(&text, 5).collect();
+        assert!(
+            parts.iter().all(|p| p.len() <= 5 && !p.is_empty()),
+            "{parts:?}"
+        );
+        assert_eq!(parts.concat(), text);
+        assert_eq!(pieces("", 5).count(), 0);
+    }
+
+    #[test]
+    fn a_part_too_big_for_one_update_is_cut_and_says_so() {
+        let a = bounded(Activity {
+            text: "t".repeat(MAX_PART_BYTES + 10),
+            json: format!("{{\"x\":\"{}\"}}", "j".repeat(MAX_PART_BYTES)),
+            ..Activity::default()
+        });
+        assert!(a.text.len() < MAX_PART_BYTES + 100, "{}", a.text.len());
+        assert!(a.text.ends_with(&format!(
+            "cut at {MAX_PART_BYTES} of {} bytes]",
+            MAX_PART_BYTES + 10
+        )));
+        let json: serde_json::Value = serde_json::from_str(&a.json).unwrap();
+        assert_eq!(json["truncated"], true);
+        let small = Activity {
+            text: "t".into(),
+            json: "{}".into(),
+            ..Activity::default()
+        };
+        assert_eq!(bounded(small.clone()), small);
+    }
 
     fn thought(t: &str) -> SessionUpdate {
         SessionUpdate::AgentThoughtChunk(ContentChunk::new(ContentBlock::Text(TextContent::new(t))))

@@ -74,6 +74,9 @@ const CLOSE_LIMIT: Duration = Duration::from_secs(2);
 /// error in every update cannot flood the log.
 const MAX_UNPARSED_LOGGED: usize = 64;
 
+/// The largest piece of the agent's reply text one update carries.
+const MAX_CHUNK_BYTES: usize = 1 << 20;
+
 /// How agentctl answers an agent's `session/request_permission`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum PermissionPolicy {
@@ -2064,11 +2067,15 @@ fn on_session_update(shared: &Shared, generation: u64, n: SessionNotification) {
             for a in slot.parts.apply(&turn.turn_id, n.update.clone()) {
                 shared.updates.push(Kind::Activity(a));
             }
-            shared.updates.push(Kind::MessageChunk(MessageChunk {
-                turn_id: turn.turn_id.clone(),
-                message_id: turn.message_id.clone(),
-                text: t.text.clone(),
-            }));
+            // A huge chunk goes as several (the backend reads updates of
+            // up to 64 MiB; one it cannot read would be sent for ever).
+            for piece in activity::pieces(&t.text, MAX_CHUNK_BYTES) {
+                shared.updates.push(Kind::MessageChunk(MessageChunk {
+                    turn_id: turn.turn_id.clone(),
+                    message_id: turn.message_id.clone(),
+                    text: piece.to_owned(),
+                }));
+            }
         }
         return;
     }

@@ -71,6 +71,10 @@ impl UpdateLog {
 
     /// Appends one update and wakes every reader; returns its cursor.
     pub fn push(&self, kind: Kind) -> u64 {
+        let kind = match kind {
+            Kind::Activity(a) => Kind::Activity(crate::activity::bounded(a)),
+            other => other,
+        };
         let cursor = {
             let mut ring = self.ring();
             let cursor = ring.next;

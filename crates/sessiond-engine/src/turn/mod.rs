@@ -289,6 +289,28 @@ fn failed_tool_call(data: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::failed_tool_call;
+    use super::pump::{MAX_REPLY_BYTES, REPLY_CUT_NOTE, append_capped};
+
+    #[test]
+    fn a_reply_is_cut_at_its_limit_on_a_char_boundary_and_says_so() {
+        let mut reply = String::new();
+        let piece = "é".repeat(1 << 19); // 1 MiB
+        let mut grew = 0;
+        while append_capped(&mut reply, &piece) {
+            grew += 1;
+            assert!(grew < 64, "never cut");
+        }
+        assert!(reply.len() <= MAX_REPLY_BYTES, "{}", reply.len());
+        assert!(reply.ends_with(REPLY_CUT_NOTE));
+        assert!(reply.len() > MAX_REPLY_BYTES - REPLY_CUT_NOTE.len() - 2);
+        // Cut once: later text changes nothing.
+        let cut = reply.clone();
+        assert!(!append_capped(&mut reply, "more"));
+        assert_eq!(reply, cut);
+        let mut small = "a".to_owned();
+        assert!(append_capped(&mut small, "b"));
+        assert_eq!(small, "ab");
+    }
 
     fn status(data: &str) -> Option<String> {
         let v: serde_json::Value = serde_json::from_str(data).unwrap();

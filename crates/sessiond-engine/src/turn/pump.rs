@@ -412,7 +412,9 @@ impl Pump {
         match &mut self.pending {
             Some(p) if p.id == id && p.frozen => {}
             Some(p) if p.id == id => {
-                p.content.push_str(text);
+                if !append_capped(&mut p.content, text) {
+                    return Ok(());
+                }
                 p.dirty = true;
                 if p.last_flush.elapsed() >= self.mgr.inner.config.message_flush_interval {
                     self.flush(false).await?;
@@ -422,9 +424,11 @@ impl Pump {
                 if self.pending.is_some() {
                     self.flush(true).await?;
                 }
+                let mut content = String::new();
+                append_capped(&mut content, text);
                 self.pending = Some(Pending {
                     id,
-                    content: text.to_owned(),
+                    content,
                     stored: false,
                     dirty: true,
                     last_flush: Instant::now(),
@@ -977,6 +981,36 @@ impl Pump {
             self.mgr.spawn_retry(record, 0, reason.to_owned());
         }
     }
+}
+
+/// The longest reply text stored: a message travels whole in its events
+/// (and to clients that read messages of up to 64 MiB), so an agent that
+/// says more has the rest dropped, and the reply says where.
+pub(crate) const MAX_REPLY_BYTES: usize = 32 << 20;
+
+/// Appended where a reply was cut at [`MAX_REPLY_BYTES`].
+pub(crate) const REPLY_CUT_NOTE: &str =
+    "\n\n[sessiond: the reply was cut here, at 32 MiB; the agent's further text is not kept]";
+
+/// Appends `text` to a reply, or what fits of it and [`REPLY_CUT_NOTE`];
+/// false when nothing changed (the reply was cut already). Deterministic,
+/// so a replay after a restart cuts at the same place.
+pub(crate) fn append_capped(content: &mut String, text: &str) -> bool {
+    let room = MAX_REPLY_BYTES - REPLY_CUT_NOTE.len();
+    if content.len() > room {
+        return false;
+    }
+    if content.len() + text.len() <= room {
+        content.push_str(text);
+        return true;
+    }
+    let mut end = room - content.len();
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    content.push_str(&text[..end]);
+    content.push_str(REPLY_CUT_NOTE);
+    true
 }
 
 async fn sleep_until(at: Option<Instant>) {

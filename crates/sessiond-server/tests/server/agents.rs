@@ -636,3 +636,41 @@ async fn stopping_a_session_mid_turn_ends_its_turn() {
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
 }
+
+/// An agent that says more than one update can carry (a 70 MB chunk; the
+/// link to agentctl reads updates of up to 64 MiB) once left the turn
+/// RUNNING for good while agentctl sent the update again and again. Now
+/// agentctl sends it in pieces, sessiond keeps the first 32 MiB of the
+/// reply and says where it was cut, and the session goes on.
+#[tokio::test]
+async fn a_reply_bigger_than_an_update_is_kept_cut_and_the_session_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let server = start(&data, &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "a huge reply").await;
+    let s = create_session(&mut c, &task.id, &work, "").await;
+    let sent = send(&mut c, &task.id, &s.id, "/big 70000000").await;
+    let end = turn_end(&mut c, &s.id, &sent.id).await;
+    assert_eq!(end.stop_reason, "end_turn", "{end:?}");
+    let msgs = messages(&mut c, &task.id, &s.id).await;
+    let reply = msgs
+        .iter()
+        .find(|m| m.role == pb::MessageRole::Agent as i32 && m.seq > sent.seq)
+        .expect("the reply is stored");
+    assert!(reply.complete);
+    assert!(reply.content.len() <= 32 << 20, "{}", reply.content.len());
+    assert!(reply.content.len() > 30 << 20, "{}", reply.content.len());
+    assert!(
+        reply
+            .content
+            .ends_with("the agent's further text is not kept]"),
+        "{}",
+        &reply.content[reply.content.len() - 200..]
+    );
+    // The session is not stuck behind it.
+    let next = prompt(&mut c, &task.id, &s.id, "and now?").await;
+    assert!(next.contains("you said \"and now?\""), "{next}");
+}
