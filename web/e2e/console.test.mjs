@@ -619,6 +619,18 @@ test("a question the agent asks (ACP elicitation): its form, filled and submitte
     await visible(page, "[data-testid=question]");
     await page.click("[data-testid=question] button[data-option=decline]");
     await message(page, "answer: decline");
+    // A page to visit: linked only when it is a web address.
+    await send(page, "/ask-url javascript:alert(document.domain)");
+    await visible(page, "[data-testid=question] [data-testid=unlinked-url]");
+    assert.equal(await page.locator("[data-testid=question] a").count(), 0);
+    assert.match(await page.textContent("[data-testid=unlinked-url]"), /javascript:alert\(document\.domain\)/);
+    await page.click("[data-testid=question] button[data-option=decline]");
+    await hidden(page, "[data-testid=question]");
+    await send(page, "/ask-url https://example.com/login");
+    await visible(page, "[data-testid=question] a");
+    assert.equal(await page.getAttribute("[data-testid=question] a", "href"), "https://example.com/login");
+    await page.click("[data-testid=question] button[data-option=decline]");
+    await hidden(page, "[data-testid=question]");
     assert.deepEqual(b.errors, []);
   } finally {
     await b.close();

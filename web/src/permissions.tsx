@@ -231,9 +231,17 @@ function Question(props: {
         The agent asks: <strong>{q.message}</strong>
       </span>
       {q.mode === "url" && q.url && (
-        <a href={q.url} target="_blank" rel="noopener noreferrer">
-          {q.url}
-        </a>
+        // Only a web page is a link: an agent's `javascript:` (or any other
+        // scheme) URL would run in this tab, which holds the API token.
+        /^https?:\/\//i.test(q.url) ? (
+          <a href={q.url} target="_blank" rel="noopener noreferrer">
+            {q.url}
+          </a>
+        ) : (
+          <span data-testid="unlinked-url">
+            <code>{q.url}</code> (not a web address: not linked)
+          </span>
+        )
       )}
       {fields.map((f) => (
         <label key={f.name} class="row">
