@@ -126,6 +126,24 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 /// processes are dead.
 const DRAIN: Duration = Duration::from_millis(200);
 
+/// Ends a command's process group and everything carrying its marker when
+/// dropped armed (the call's future was dropped before it did so itself).
+struct Ender {
+    pgid: u32,
+    marker: Option<String>,
+}
+
+impl Drop for Ender {
+    fn drop(&mut self) {
+        let Some(marker) = self.marker.take() else {
+            return;
+        };
+        let _ = sys::kill_group(self.pgid, sys::SIGKILL);
+        // A scan of /proc: off the dropping (async) thread.
+        std::thread::spawn(move || tree::end_marked(MARKER_ENV, &marker));
+    }
+}
+
 pub async fn run(spec: ExecSpec<'_>) -> Result<ExecOutput> {
     if spec.command.is_empty() {
         return Err(Error::InvalidArgument("command is empty".into()));
@@ -170,6 +188,12 @@ pub async fn run(spec: ExecSpec<'_>) -> Result<ExecOutput> {
         .spawn()
         .map_err(|e| Error::io(format!("starting `{}`", spec.command), e))?;
     let pgid = child.id().unwrap_or(0);
+    // A call dropped half-way (its caller went away) ends what it started
+    // too, not only the leader `kill_on_drop` reaches.
+    let mut ender = Ender {
+        pgid,
+        marker: Some(marker.clone()),
+    };
     let out = child.stdout.take();
     let err = child.stderr.take();
     // The pipes' identities, to find processes that escaped the group
@@ -201,6 +225,7 @@ pub async fn run(spec: ExecSpec<'_>) -> Result<ExecOutput> {
     // The leader is gone or out of time: end the rest of its group so the
     // pipes close, and whatever carries the call's marker, so nothing it
     // started outlives the call.
+    ender.marker = None;
     let _ = sys::kill_group(pgid, sys::SIGKILL);
     let detached = tokio::task::spawn_blocking(move || tree::end_marked(MARKER_ENV, &marker))
         .await

@@ -3304,6 +3304,54 @@ async fn exec_leaves_nothing_running_even_what_left_its_session() {
     h.assert_no_leftovers().await;
 }
 
+/// An Exec whose caller goes away (the call cancelled, the backend killed)
+/// ends everything the command started, not only the command: the shell's
+/// `sleep` once kept running on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exec_its_caller_dropped_leaves_nothing_running() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let call = tokio::spawn(async move {
+        c.exec(ExecRequest {
+            command: "sh".into(),
+            args: vec![
+                "-c".into(),
+                "echo $$ > sh.pid; sleep 31 & echo $! > sleep.pid; wait; echo done > done.txt"
+                    .into(),
+            ],
+            ..Default::default()
+        })
+        .await
+    });
+    let pid_of = |name: &str| -> Option<u32> {
+        std::fs::read_to_string(h.ws().join(name))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let sleep = loop {
+        if let Some(pid) = pid_of("sleep.pid") {
+            break pid;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the command did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(alive(sleep));
+    call.abort();
+    let _ = call.await;
+    wait_dead(sleep).await;
+    if let Some(sh) = pid_of("sh.pid") {
+        wait_dead(sh).await;
+    }
+    assert!(!h.ws().join("done.txt").exists());
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
 /// An update the agent sends that our ACP schema cannot parse (the demo
 /// agent's `/unparsed`: a tool call whose id is a number) is not lost: it
 /// reaches the stream as a complete `unparsed` part of the turn, with the
