@@ -553,6 +553,7 @@ impl SessionManager {
         // Checked before the agent is stopped, so a refusal changes nothing;
         // and again once it is stopped, as the agent may have written since.
         if let Some(t) = &managed {
+            Worktrees(self).refuse_if_shared(&session, asked).await?;
             Worktrees(self).worktree_removal(&session, t, asked).await?;
         }
         if let Err(e) = self

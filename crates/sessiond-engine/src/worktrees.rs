@@ -275,6 +275,40 @@ impl Worktrees<'_> {
     /// Decides what a delete does with a session's worktree, from what
     /// agentctl finds in it now. `Err` when removing it would lose work (or
     /// it cannot be inspected) and the caller did not say discard or keep.
+    /// Refuses to remove `s`'s worktree while another session that has not
+    /// ended works in it (created with `worktree.path` inside it): deleting
+    /// one session must not pull the directory from under another, whatever
+    /// `discard` says. `keep` removes nothing, so it is always allowed.
+    pub(crate) async fn refuse_if_shared(&self, s: &Session, asked: RemovalRequest) -> Result<()> {
+        if asked.keep || s.worktree.path.is_empty() {
+            return Ok(());
+        }
+        let others: Vec<String> = self
+            .inner
+            .store
+            .list_sessions_in_directory(s.worktree.path.clone())
+            .await?
+            .into_iter()
+            .filter(|o| o.id != s.id && !o.state.is_terminal())
+            .map(|o| format!("{} ({})", o.id, o.state))
+            .collect();
+        if others.is_empty() {
+            return Ok(());
+        }
+        Err(Error::WorktreeHasWork {
+            session_id: s.id,
+            path: s.worktree.path.clone(),
+            what: format!(
+                "session{} {} still work{} in it; stop or delete {} first, or delete this \
+                 session with keep_worktree (--keep-worktree) to leave the directory",
+                if others.len() == 1 { "" } else { "s" },
+                others.join(", "),
+                if others.len() == 1 { "s" } else { "" },
+                if others.len() == 1 { "it" } else { "them" },
+            ),
+        })
+    }
+
     pub(crate) async fn worktree_removal(
         &self,
         s: &Session,

@@ -692,6 +692,41 @@ impl Store {
         .await
     }
 
+    /// The sessions (not deleted) working in directory `path` or below it:
+    /// a worktree is not removed from under another session. Read rarely
+    /// (a delete), so a scan of the sessions is fine.
+    pub async fn list_sessions_in_directory(&self, path: String) -> Result<Vec<Session>> {
+        self.read(move |c| {
+            let below = format!(
+                "{}/%",
+                path.trim_end_matches('/')
+                    .replace('\\', "\\\\")
+                    .replace('%', "\\%")
+                    .replace('_', "\\_")
+            );
+            task_sessions::table
+                .filter(task_sessions::deleted_at.is_null())
+                .filter(
+                    task_sessions::worktree_path
+                        .eq(path.clone())
+                        .or(task_sessions::worktree_path.like(below).escape('\\')),
+                )
+                .select(SessionRow::as_select())
+                .order((task_sessions::created_at, task_sessions::id))
+                .load(c)?
+                .into_iter()
+                .map(SessionRow::into_domain)
+                // Exactly: SQLite's LIKE ignores ASCII case.
+                .filter(|s: &Result<Session>| {
+                    s.as_ref().map_or(true, |s| {
+                        Path::new(&s.worktree.path).starts_with(Path::new(&path))
+                    })
+                })
+                .collect()
+        })
+        .await
+    }
+
     /// The ids of the sessions in `state` (not deleted). Startup recovery
     /// asks for STARTING ones: a resume cut off after its intent left them
     /// so, whatever their executor's status.

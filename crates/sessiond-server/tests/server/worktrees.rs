@@ -250,6 +250,68 @@ async fn a_session_from_a_repository_is_created_reviewed_and_deleted_without_los
 }
 
 /// Bad input: precise codes and messages, and nothing created.
+/// A session created to work in another session's worktree (its
+/// `worktree.path`): deleting the worktree's own session is refused while
+/// the other one runs (even with discard), names it, and removes nothing;
+/// keep_worktree or stopping the other one first lets it go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worktree_another_session_works_in_is_not_removed_from_under_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = repository(dir.path());
+    let data = dir.path().join("data");
+    let server = start(&data, &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "shared worktree").await;
+    let owner = c
+        .create_session(from_repo(&task.id, &repo, "main"))
+        .await
+        .unwrap()
+        .into_inner()
+        .session
+        .unwrap();
+    let path = owner.worktree.clone().unwrap().path;
+    let guest = c
+        .create_session(pb::CreateSessionRequest {
+            task_id: task.id.clone(),
+            runtime: pb::Runtime::LocalStandalone as i32,
+            worktree: Some(pb::Worktree {
+                path: path.clone(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .session
+        .unwrap();
+    assert_eq!(guest.state, pb::SessionState::WaitingForInput as i32);
+    let delete = |discard_worktree| pb::DeleteSessionRequest {
+        task_id: task.id.clone(),
+        session_id: owner.id.clone(),
+        discard_worktree,
+        ..Default::default()
+    };
+    for discard in [false, true] {
+        let err = c.delete_session(delete(discard)).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+        assert_eq!(reason(&err), "worktree_has_work");
+        assert!(err.message().contains(&guest.id), "{}", err.message());
+        assert!(err.message().contains("keep_worktree"), "{}", err.message());
+    }
+    assert!(Path::new(&path).join("notes.txt").is_file());
+    prompt(&mut c, &task.id, &guest.id, "still here").await;
+    c.stop_session(pb::StopSessionRequest {
+        task_id: task.id.clone(),
+        session_id: guest.id.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    c.delete_session(delete(false)).await.unwrap();
+    assert!(!Path::new(&path).exists());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_repository_input_is_refused_precisely_and_creates_nothing() {
     let dir = tempfile::tempdir().unwrap();
