@@ -1379,7 +1379,22 @@ impl Recovery {
     /// it was, so it resumes without a state change when the host answers.
     fn unreachable(&mut self, reason: String, retry_in_background: bool) -> Action {
         let url = self.input.agentctl_url.clone().unwrap_or_default();
-        if !(retry_in_background && self.input.runtime == Runtime::Remote) {
+        if self.input.runtime != Runtime::Remote {
+            // An agentctl of ours that stopped answering mid-attempt (killed
+            // while it started or resumed): the next attempt launches
+            // another, as after a launch that failed.
+            if self.retries_left() {
+                let during = self.phase.describe();
+                return self.retrying(RecoveryFailure::Recovering {
+                    attempt: self.input.attempt,
+                    max_attempts: self.input.max_attempts,
+                    during,
+                    reason,
+                });
+            }
+            return self.executor_failed(RecoveryFailure::Unhealthy { reason });
+        }
+        if !retry_in_background {
             return self.executor_failed(if self.input.runtime == Runtime::Remote {
                 RecoveryFailure::HostUnreachable { url, reason }
             } else {
@@ -2857,6 +2872,29 @@ mod tests {
             assert_eq!(outcome.session_state, S::Error, "{name}: last attempt");
             assert!(!outcome.retry_in_background, "{name}: last attempt");
         }
+        // The agentctl just launched is killed before it answers Health:
+        // the next attempt launches another (it was once ERROR at once).
+        let killed = || {
+            vec![
+                O::WorktreeExists,
+                O::ProcessGone,
+                O::Launched,
+                O::HostUnreachable {
+                    reason: "stream closed because of a broken pipe".into(),
+                    retry_in_background: false,
+                },
+            ]
+        };
+        let (_, outcome) = run(standalone(1, 2), killed());
+        assert_eq!(outcome.label, L::Retrying);
+        assert_eq!(outcome.session_state, S::WaitingForInput);
+        assert!(outcome.retry_in_background);
+        let message = outcome.error_message().unwrap_or_default();
+        assert!(message.starts_with("recovering:"), "{message}");
+        assert!(message.contains("broken pipe"), "{message}");
+        let (_, outcome) = run(standalone(2, 2), killed());
+        assert_eq!(outcome.session_state, S::Error, "last attempt");
+        assert!(!outcome.retry_in_background, "last attempt");
     }
 
     #[test]
