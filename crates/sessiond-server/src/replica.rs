@@ -62,6 +62,10 @@ pub fn lock_instance(config: &Config) -> anyhow::Result<Option<InstanceLock>> {
     .map(Some)
 }
 
+/// How long a start waits for a lock held by another process before it
+/// names the holder and gives up.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 fn lock_file(path: &Path, refused: impl Fn(String) -> String) -> anyhow::Result<InstanceLock> {
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         // Private from the start: the data directory is usually this one.
@@ -79,7 +83,17 @@ fn lock_file(path: &Path, refused: impl Fn(String) -> String) -> anyhow::Result<
         .mode(0o600)
         .open(path)
         .with_context(|| format!("cannot open the lock file {}", path.display()))?;
-    match file.try_lock() {
+    // A holder killed a moment ago keeps the lock until the kernel has torn
+    // it down: a restart right after `kill -9` waits for that, briefly.
+    let deadline = std::time::Instant::now() + LOCK_WAIT;
+    let mut locked = file.try_lock();
+    while matches!(locked, Err(std::fs::TryLockError::WouldBlock))
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        locked = file.try_lock();
+    }
+    match locked {
         Ok(()) => {}
         Err(std::fs::TryLockError::WouldBlock) => {
             let mut pid = String::new();

@@ -511,6 +511,25 @@ async fn sigterm_hands_sessions_over_without_waiting_for_the_ttl() {
     drop(b);
 }
 
+/// A start right after `kill -9` of the last sessiond finds its lock still
+/// held while the kernel tears the killed process down: it waits for it
+/// (briefly) instead of refusing. Here a lock held for 0.5 s stands for it.
+#[tokio::test]
+async fn a_start_waits_for_the_lock_of_a_sessiond_still_dying() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let lock = std::fs::File::create(data.join("sessiond.sqlite3.lock")).unwrap();
+    lock.lock().unwrap();
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        drop(lock);
+    });
+    let server = start(&data, &[]);
+    wait_serving(&server).await;
+    release.join().unwrap();
+}
+
 #[tokio::test]
 async fn a_second_sessiond_on_one_sqlite_database_is_refused() {
     let dir = tempfile::tempdir().unwrap();
