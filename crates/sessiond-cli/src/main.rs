@@ -718,8 +718,9 @@ fn parse_runtime(value: &str) -> (pb::Runtime, String) {
     }
 }
 
-/// `--repo DIR` and `--base`: the repository's top directory and, without
-/// `--base`, its current branch, read here with git (the local runtimes run
+/// `--repo DIR` and `--base`: the repository's top directory (the main one
+/// when DIR is in a linked worktree) and, without `--base`, the branch
+/// checked out in DIR, read here with git (the local runtimes run
 /// on this host). For a remote host both are passed as given.
 fn local_repository(
     repo: &str,
@@ -746,6 +747,14 @@ fn local_repository(
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
     };
     let top = git(&["rev-parse", "--show-toplevel"])?;
+    // From inside a linked worktree (another session's, say): its main
+    // repository, which outlives the worktree, not the worktree itself.
+    let common = git(&["rev-parse", "--path-format=absolute", "--git-common-dir"])?;
+    let common = std::path::Path::new(&common);
+    let top = match (common.file_name(), common.parent()) {
+        (Some(name), Some(main)) if name == ".git" => main.display().to_string(),
+        _ => top,
+    };
     let base = match base {
         Some(b) => b,
         None => git(&["symbolic-ref", "--quiet", "--short", "HEAD"]).map_err(|_| {

@@ -349,6 +349,22 @@ fn readme_worktree_story() {
     ));
     assert!(worktree.is_dir(), "{status}");
 
+    // `--repo` from inside that worktree names the main repository (which
+    // outlives the worktree), the worktree's branch as the base.
+    let nested = env
+        .sessionctl(&["session", "create", "--repo", "-q"], &worktree)
+        .trim()
+        .to_owned();
+    let status = env.sessionctl(&["session", "status", &nested], &repo);
+    assert!(
+        status.contains(&format!(
+            "repository        {} (base {branch}",
+            repo.display()
+        )),
+        "{status}"
+    );
+    env.sessionctl(&["session", "delete", &nested], &repo);
+
     env.sessionctl(&["send", &session, "/edit notes.txt from the agent"], &repo);
     let diff = env.sessionctl(&["workspace", "git-diff", "--base", &session], &repo);
     assert!(
@@ -383,11 +399,6 @@ fn readme_worktree_story() {
     }
 }
 
-/// `send` ends at once, with a non-zero exit and the system message, when
-/// the turn fails, the agent crashes in the middle of it, or it is
-/// cancelled (never after its timeout: 120 s given, each ends in well under
-/// 60 s); `send` and `resume` agree about what to do next; `session create`
-/// exits non-zero when the new session is ERROR.
 /// `sessiond serve --data-dir data`: a relative data directory is the
 /// server's working directory's, though agentctl runs in the session's
 /// directory (it once looked for its run files there and exited).
@@ -439,6 +450,11 @@ fn output_into_a_closed_pipe_ends_quietly() {
     terminate(server);
 }
 
+/// `send` ends at once, with a non-zero exit and the system message, when
+/// the turn fails, the agent crashes in the middle of it, or it is
+/// cancelled (never after its timeout: 120 s given, each ends in well under
+/// 60 s); `send` and `resume` agree about what to do next; `session create`
+/// exits non-zero when the new session is ERROR.
 #[test]
 fn sessionctl_stops_at_once_on_failed_interrupted_and_cancelled_turns() {
     let mut env = Env::new();
