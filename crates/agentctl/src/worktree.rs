@@ -325,7 +325,7 @@ pub async fn check(spec: &Spec) -> Result<()> {
     resolve_base(&spec.repository, &spec.base).await?;
     if branch_tip(&spec.repository, &spec.branch).await?.is_some() {
         return Err(Error::AlreadyExists(format!(
-            "branch {:?} already exists in {}; pick another branch prefix or delete that branch",
+            "branch {:?} already exists in {}; name another branch (or, for a generated name, another branch prefix) or delete that one",
             spec.branch,
             spec.repository.display()
         )));
@@ -368,7 +368,7 @@ pub async fn create(spec: &Spec) -> Result<Ensured> {
             });
         }
         return Err(Error::AlreadyExists(format!(
-            "branch {:?} already exists in {}; pick another branch prefix or delete that branch",
+            "branch {:?} already exists in {}; name another branch (or, for a generated name, another branch prefix) or delete that one",
             spec.branch,
             spec.repository.display()
         )));

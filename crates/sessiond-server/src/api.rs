@@ -877,6 +877,25 @@ impl pb::session_service_server::SessionService for Api {
                 if !managed && runtime != Runtime::Remote {
                     check_worktree(&w.path, &self.settings.worktree_roots)?;
                 }
+                // On this host: said now, not as a missing worktree of a
+                // session that is never stored.
+                if !managed && matches!(runtime, Runtime::LocalStandalone | Runtime::LocalDocker) {
+                    match std::fs::metadata(&w.path) {
+                        Ok(m) if m.is_dir() => {}
+                        Ok(_) => {
+                            return Err(ApiError::invalid(format!(
+                                "worktree.path: {:?} is not a directory",
+                                w.path
+                            )));
+                        }
+                        Err(e) => {
+                            return Err(ApiError::invalid(format!(
+                                "worktree.path: {:?}: {e}; create the directory first",
+                                w.path
+                            )));
+                        }
+                    }
+                }
                 let remote = self.remote_agentctl(
                     runtime,
                     &req.remote_url,

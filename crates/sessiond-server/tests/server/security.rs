@@ -622,7 +622,15 @@ async fn worktrees_outside_the_roots_are_refused_and_nothing_is_stored() {
     std::os::unix::fs::symlink("/etc", &escape).unwrap();
     let up = format!("{}/../../etc", dir.path().display());
     let long = format!("{}/{}", tmp.display(), "x".repeat(5000));
+    let file = dir.path().join("work/notes.txt");
+    std::fs::write(&file, "a file").unwrap();
+    let missing = dir.path().join("work/missing").display().to_string();
     for (path, expect) in [
+        (
+            missing,
+            "No such file or directory (os error 2); create the directory first",
+        ),
+        (file.display().to_string(), "is not a directory"),
         ("/".to_owned(), "outside executors.worktree_roots"),
         ("/etc".to_owned(), "outside executors.worktree_roots"),
         (up, "not normalised"),
