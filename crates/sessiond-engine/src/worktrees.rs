@@ -333,6 +333,20 @@ impl Worktrees<'_> {
                     delete_branch: asked.delete_branch,
                 });
             }
+            // agentctl answered, but git cannot read the worktree (a
+            // removal cut short leaves a directory that is no worktree any
+            // more): say how to go on.
+            Err(e) if !e.is_unavailable() => {
+                return Err(Error::WorktreeHasWork {
+                    session_id: s.id,
+                    path: s.worktree.path.clone(),
+                    what: format!(
+                        "its state cannot be read ({e}); if an earlier delete was cut short, \
+                         delete again with discard_worktree (--discard) to remove what is left \
+                         of it, or with keep_worktree (--keep-worktree) to leave the directory"
+                    ),
+                });
+            }
             Err(e) => return Err(e.into()),
         };
         match removal(&s.worktree.branch, &found, asked) {

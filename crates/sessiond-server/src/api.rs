@@ -883,13 +883,13 @@ impl pb::session_service_server::SessionService for Api {
                     match std::fs::metadata(&w.path) {
                         Ok(m) if m.is_dir() => {}
                         Ok(_) => {
-                            return Err(ApiError::invalid(format!(
+                            return Err(ApiError::WorktreeMissing(format!(
                                 "worktree.path: {:?} is not a directory",
                                 w.path
                             )));
                         }
                         Err(e) => {
-                            return Err(ApiError::invalid(format!(
+                            return Err(ApiError::WorktreeMissing(format!(
                                 "worktree.path: {:?}: {e}; create the directory first",
                                 w.path
                             )));

@@ -73,6 +73,9 @@ pub fn bounded(mut message: String) -> String {
 pub enum ApiError {
     InvalidArgument(String),
     NotFound(String),
+    /// A create names a directory on this host that is missing or not a
+    /// directory (`worktree_missing`).
+    WorktreeMissing(String),
     /// A configured limit is reached; the message names its key.
     LimitReached(String),
     /// A workspace call on a session whose executor is not ready.
@@ -297,6 +300,9 @@ impl From<ApiError> for Status {
             ),
             ApiError::InvalidArgument(m) => (Code::InvalidArgument, "invalid_argument", m.clone()),
             ApiError::NotFound(m) => (Code::NotFound, "not_found", m.clone()),
+            ApiError::WorktreeMissing(m) => {
+                (Code::FailedPrecondition, "worktree_missing", m.clone())
+            }
             ApiError::LimitReached(m) => (Code::ResourceExhausted, "limit_reached", m.clone()),
             ApiError::ExecutorNotReady {
                 session_id,

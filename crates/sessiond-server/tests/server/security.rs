@@ -631,6 +631,28 @@ async fn worktrees_outside_the_roots_are_refused_and_nothing_is_stored() {
             "No such file or directory (os error 2); create the directory first",
         ),
         (file.display().to_string(), "is not a directory"),
+    ] {
+        let err = c
+            .create_session(pb::CreateSessionRequest {
+                task_id: task.id.clone(),
+                runtime: pb::Runtime::LocalStandalone as i32,
+                worktree: Some(pb::Worktree {
+                    path: path.clone(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::FailedPrecondition, "{path}: {err}");
+        assert!(err.message().contains(expect), "{path}: {}", err.message());
+        assert!(
+            !err.message().contains("session"),
+            "{path}: {}",
+            err.message()
+        );
+    }
+    for (path, expect) in [
         ("/".to_owned(), "outside executors.worktree_roots"),
         ("/etc".to_owned(), "outside executors.worktree_roots"),
         (up, "not normalised"),

@@ -312,6 +312,51 @@ async fn a_worktree_another_session_works_in_is_not_removed_from_under_it() {
     assert!(!Path::new(&path).exists());
 }
 
+/// A worktree git can no longer read (a removal cut short took its `.git`
+/// file): a plain delete says how to go on instead of a bare git error, and
+/// a delete that keeps the directory goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_removed_worktree_gets_an_error_that_says_how_to_go_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = repository(dir.path());
+    let data = dir.path().join("data");
+    let server = start(&data, &[]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "half removed").await;
+    let s = c
+        .create_session(from_repo(&task.id, &repo, "main"))
+        .await
+        .unwrap()
+        .into_inner()
+        .session
+        .unwrap();
+    let path = PathBuf::from(s.worktree.clone().unwrap().path);
+    std::fs::remove_file(path.join(".git")).unwrap();
+    let delete = |discard_worktree| pb::DeleteSessionRequest {
+        task_id: task.id.clone(),
+        session_id: s.id.clone(),
+        discard_worktree,
+        ..Default::default()
+    };
+    let err = c.delete_session(delete(false)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert_eq!(reason(&err), "worktree_has_work");
+    assert!(err.message().contains("--discard"), "{}", err.message());
+    assert!(
+        err.message().contains("--keep-worktree"),
+        "{}",
+        err.message()
+    );
+    assert!(path.join("notes.txt").is_file(), "nothing removed");
+    c.delete_session(pb::DeleteSessionRequest {
+        keep_worktree: true,
+        ..delete(false)
+    })
+    .await
+    .unwrap();
+    assert!(path.join("notes.txt").is_file(), "kept as asked");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_repository_input_is_refused_precisely_and_creates_nothing() {
     let dir = tempfile::tempdir().unwrap();
