@@ -230,8 +230,8 @@ impl McpServers {
             };
             return Err(Error::FailedPrecondition(format!(
                 "the agent does not take MCP servers over {needs} (its mcpCapabilities.{needs} \
-                 is false), and the profile gives it {name:?}: remove that server from the \
-                 profile or use an agent that offers it"
+                 is false), and the session's MCP servers (its profile's, or its create \
+                 request's) include {name:?}: remove that server or use an agent that offers it"
             )));
         }
         Ok(())

@@ -17,11 +17,20 @@ pub(crate) const KEY: &str = "mcp_servers";
 
 /// Checks servers given for one session: names unique and not the
 /// profile's, a stdio command or an http/sse URL, references resolvable.
+/// The most MCP servers one create may add to its profile's.
+const MAX_SESSION_MCP_SERVERS: usize = 32;
+
 pub(crate) fn check(
     profile: &AgentProfile,
     servers: &[McpServer],
     secrets: &Secrets,
 ) -> Result<()> {
+    if servers.len() > MAX_SESSION_MCP_SERVERS {
+        return Err(Error::InvalidArgument(format!(
+            "mcp_servers: {} given, at most {MAX_SESSION_MCP_SERVERS}",
+            servers.len()
+        )));
+    }
     let mut names = std::collections::BTreeSet::new();
     for (i, s) in servers.iter().enumerate() {
         let bad = |what: String| {
@@ -30,6 +39,15 @@ pub(crate) fn check(
         if s.name.trim().is_empty() {
             return Err(bad("name: required".into()));
         }
+        // The agent shows it and names the server's tools after it.
+        if s.name.len() > 64
+            || !s
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        {
+            return Err(bad("name: up to 64 letters, digits, '-', '_' or '.'".into()));
+        }
         if !names.insert(s.name.as_str()) || profile.mcp_servers.iter().any(|p| p.name == s.name) {
             return Err(bad(format!(
                 "the name is taken (by another server of the request or of profile {:?})",
@@ -37,9 +55,23 @@ pub(crate) fn check(
             )));
         }
         let values = match &s.transport {
-            McpTransport::Stdio { command, env, .. } => {
+            McpTransport::Stdio { command, args, env } => {
                 if command.trim().is_empty() {
                     return Err(bad("command: required for a stdio server".into()));
+                }
+                if command.contains("://") {
+                    return Err(bad(format!(
+                        "command {command:?} looks like a URL: an http(s) server is given as \
+                         type http or sse with url"
+                    )));
+                }
+                if command.contains('\0') || args.iter().any(|a| a.contains('\0')) {
+                    return Err(bad("command and args must not contain NUL bytes".into()));
+                }
+                if let Some(k) = env.keys().find(|k| k.is_empty() || k.contains(['=', '\0'])) {
+                    return Err(bad(format!(
+                        "env: {k:?} is not a variable name (empty, or holds '=' or NUL)"
+                    )));
                 }
                 env
             }

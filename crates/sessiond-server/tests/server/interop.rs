@@ -1265,6 +1265,29 @@ async fn python_sdk_agent_gets_a_sessions_own_mcp_servers() {
             "not a secret the configuration names",
         ),
         (vec![extra("tools", vec![])], "the name is taken"),
+        (vec![extra("bad name", vec![])], "name: up to 64 letters"),
+        (
+            vec![pb::McpServerSpec {
+                command: "ftp://x".into(),
+                ..extra("url", vec![])
+            }],
+            "looks like a URL",
+        ),
+        (
+            vec![extra("eq", vec![("A=B", Source::Value("v".into()))])],
+            "is not a variable name",
+        ),
+        (
+            vec![pb::McpServerSpec {
+                command: "mcp\0x".into(),
+                ..extra("nul", vec![])
+            }],
+            "NUL",
+        ),
+        (
+            (0..33).map(|i| extra(&format!("s{i}"), vec![])).collect(),
+            "33 given, at most 32",
+        ),
     ] {
         let err = c.create_session(create(servers)).await.unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
