@@ -1059,7 +1059,7 @@ fn git_dir_binds(
     let commondir = gitdir.join("commondir");
     let common = std::fs::read_to_string(&commondir)
         .map_err(|e| not_linked(format!("reading {}: {e}", commondir.display())))?;
-    let common = normalise(&gitdir.join(common.trim()));
+    let common = crate::worktree::normalise(&gitdir.join(common.trim()));
     let inside = match (
         std::fs::canonicalize(&common),
         std::fs::canonicalize(repository),
@@ -1082,22 +1082,6 @@ fn git_dir_binds(
         }
     }
     Ok(binds)
-}
-
-/// `path` with `.` and `..` applied lexically (git joins `commondir`, `../..`,
-/// to the worktree's git directory).
-fn normalise(path: &Path) -> PathBuf {
-    let mut out = PathBuf::new();
-    for c in path.components() {
-        match c {
-            std::path::Component::ParentDir => {
-                out.pop();
-            }
-            std::path::Component::CurDir => {}
-            other => out.push(other),
-        }
-    }
-    out
 }
 
 fn found(info: ContainerInspectResponse) -> Found {

@@ -3,7 +3,10 @@
 //! agentctl serves the worktree as its workspace, so it cannot be the one
 //! to create it.
 
-use std::{path::Path, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use sessiond_domain::worktree::WorktreeContents;
 
@@ -139,6 +142,23 @@ pub async fn run_local(
             String::from_utf8_lossy(&out.stderr).trim()
         ),
     })?
+}
+
+/// `path` with `.` and `..` applied lexically, as the shell's `cd` does
+/// (git joins `commondir`, `../..`, to a worktree's git directory; a
+/// configured `--data-dir ../data` is taken so too).
+pub fn normalise(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for c in path.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                out.pop();
+            }
+            std::path::Component::CurDir => {}
+            other => out.push(other),
+        }
+    }
+    out
 }
 
 /// The command-line arguments after `agentctl worktree`.

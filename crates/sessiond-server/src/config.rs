@@ -1274,17 +1274,7 @@ impl Problems {
             return path;
         }
         match std::path::absolute(&path) {
-            // `..` taken lexically, as the shell's `cd` does.
-            Ok(absolute) => absolute.components().fold(PathBuf::new(), |mut out, c| {
-                match c {
-                    std::path::Component::ParentDir => {
-                        out.pop();
-                    }
-                    std::path::Component::CurDir => {}
-                    other => out.push(other),
-                }
-                out
-            }),
+            Ok(absolute) => sessiond_executor::worktree::normalise(&absolute),
             Err(e) => {
                 self.add(key, format!("cannot resolve {}: {e}", path.display()));
                 path
