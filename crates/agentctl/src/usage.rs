@@ -25,13 +25,17 @@ pub struct UsageTrack {
     reported: bool,
 }
 
+/// A session's cost above this is no cost but a broken report (kept out
+/// of totals, where it would drown every real one).
+const MAX_COST: f64 = 1e9;
+
 impl UsageTrack {
     /// A `usage_update`, in a turn or between turns (after a load, agents
     /// tell the cost so far: the next turn counts from there).
     pub fn update(&mut self, u: &UsageUpdate, in_turn: bool) {
         if let Some(c) = &u.cost
             && c.amount.is_finite()
-            && c.amount >= 0.0
+            && (0.0..=MAX_COST).contains(&c.amount)
         {
             self.cost = Some((c.amount, clip_currency(&c.currency)));
         }
@@ -94,6 +98,15 @@ mod tests {
 
     fn update(used: u64, cost: f64) -> UsageUpdate {
         UsageUpdate::new(used, 1000).cost(Cost::new(cost, "USD"))
+    }
+
+    #[test]
+    fn an_absurd_cost_is_not_taken() {
+        let mut t = UsageTrack::default();
+        t.update(&update(10, 0.5), true);
+        t.update(&update(10, 1e300), true);
+        t.update(&update(10, -1.0), true);
+        assert_eq!(t.turn_ended(None).unwrap().session_cost_amount, Some(0.5));
     }
 
     #[test]
