@@ -1052,6 +1052,40 @@ mod suite {
         assert_eq!(found, want);
     }
 
+    /// The sessions working in a directory or below it: exactly (not a
+    /// sibling with the same prefix, not another case, `_` and `%` no
+    /// wildcards), deleted ones left out.
+    pub async fn sessions_in_a_directory(store: &Store) {
+        let t = store.create_task(&task("dirs")).await.unwrap();
+        let p = store.upsert_agent_profile(&profile("dirs")).await.unwrap();
+        let mut ids = std::collections::HashMap::new();
+        for path in [
+            "/w/a_b",
+            "/w/a_b/sub",
+            "/w/a_bc",
+            "/w/axb",
+            "/w/A_B",
+            "/w/a_b/gone",
+        ] {
+            let mut s = session(&t, &p);
+            s.worktree.path = path.into();
+            let (s, _) = store.create_session(&s, vec![]).await.unwrap();
+            ids.insert(path, s.id);
+        }
+        store
+            .mark_session_deleted(ids["/w/a_b/gone"])
+            .await
+            .unwrap();
+        let found: Vec<SessionId> = store
+            .list_sessions_in_directory("/w/a_b".into())
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|s| s.id)
+            .collect();
+        assert_eq!(found, vec![ids["/w/a_b"], ids["/w/a_b/sub"]]);
+    }
+
     pub async fn changeset_is_all_or_nothing(store: &Store) {
         let (t, _, s) = seed(store).await;
         let m = message(&s, MessageRole::User, "hello");
@@ -2235,6 +2269,7 @@ macro_rules! store_tests {
             store_test!($backend, changeset_is_all_or_nothing);
             store_test!($backend, a_message_added_twice_is_refused_whole);
             store_test!($backend, sessions_with_a_metadata_key);
+            store_test!($backend, sessions_in_a_directory);
             store_test!($backend, two_writers_same_version_one_wins);
             store_test!($backend, concurrent_appenders_get_gap_free_seqs);
             store_test!($backend, messages_append_and_update);
