@@ -342,8 +342,9 @@ impl Worktrees<'_> {
                     path: s.worktree.path.clone(),
                     what: format!(
                         "its state cannot be read ({e}); if an earlier delete was cut short, \
-                         delete again with discard_worktree (--discard) to remove what is left \
-                         of it, or with keep_worktree (--keep-worktree) to leave the directory"
+                         delete again with keep_worktree (--keep-worktree), then remove what is \
+                         left of the directory by hand (`git worktree prune` in the repository \
+                         drops git's entry; its branch stays)"
                     ),
                 });
             }

@@ -84,6 +84,9 @@ const DEFAULT_PAGE: i32 = 100;
 const MAX_PAGE: i32 = 1000;
 pub(crate) const MAX_TITLE_CHARS: usize = 1000;
 
+/// The most message text (content and data) one ListMessages page holds.
+const MAX_PAGE_BYTES: usize = 40 << 20;
+
 fn page_size(value: i32) -> ApiResult<u32> {
     match value {
         0 => Ok(DEFAULT_PAGE as u32),
@@ -1319,15 +1322,29 @@ impl pb::session_service_server::SessionService for Api {
                 }
                 let limit = page_size(req.page_size)?;
                 self.session_of(task, session).await?;
-                let messages = self
+                let mut messages = self
                     .store
                     .list_messages(session, req.after_seq, limit)
                     .await?;
-                let next_after_seq = if messages.len() == limit as usize {
+                let mut next_after_seq = if messages.len() == limit as usize {
                     messages.last().map_or(0, |m| m.seq)
                 } else {
                     0
                 };
+                // A page stays well under what clients read (64 MiB): a
+                // reply can hold 32 MiB, so two would not fit. At least one
+                // message per page, so a listing always moves on.
+                let mut bytes = 0;
+                if let Some(cut) = messages.iter().position(|m| {
+                    bytes += m.content.len() + m.data.len();
+                    bytes > MAX_PAGE_BYTES
+                }) {
+                    let keep = cut.max(1);
+                    if keep < messages.len() {
+                        messages.truncate(keep);
+                        next_after_seq = messages.last().map_or(0, |m| m.seq);
+                    }
+                }
                 Ok(pb::ListMessagesResponse {
                     messages: messages.iter().map(convert::message).collect(),
                     next_after_seq,

@@ -673,4 +673,36 @@ async fn a_reply_bigger_than_an_update_is_kept_cut_and_the_session_goes_on() {
     // The session is not stuck behind it.
     let next = prompt(&mut c, &task.id, &s.id, "and now?").await;
     assert!(next.contains("you said \"and now?\""), "{next}");
+    // Two cut replies (32 MiB each) do not fit one ListMessages answer that
+    // clients can read: the pages hold them apart.
+    let sent = send(&mut c, &task.id, &s.id, "/big 40000000").await;
+    turn_end(&mut c, &s.id, &sent.id).await;
+    let (mut after_seq, mut pages, mut all) = (0, 0, Vec::new());
+    loop {
+        let page = c
+            .list_messages(pb::ListMessagesRequest {
+                task_id: task.id.clone(),
+                session_id: s.id.clone(),
+                after_seq,
+                page_size: 1000,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        pages += 1;
+        let bytes: usize = page.messages.iter().map(|m| m.content.len()).sum();
+        assert!(bytes <= 48 << 20, "a page of {bytes} bytes");
+        all.extend(page.messages);
+        if page.next_after_seq == 0 {
+            break;
+        }
+        after_seq = page.next_after_seq;
+    }
+    assert!(pages >= 2, "{pages} page(s)");
+    let seqs: Vec<i64> = all.iter().map(|m| m.seq).collect();
+    assert_eq!(
+        seqs,
+        (1..=6).collect::<Vec<_>>(),
+        "every message once, in order"
+    );
 }

@@ -341,12 +341,20 @@ async fn a_half_removed_worktree_gets_an_error_that_says_how_to_go_on() {
     let err = c.delete_session(delete(false)).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
     assert_eq!(reason(&err), "worktree_has_work");
-    assert!(err.message().contains("--discard"), "{}", err.message());
     assert!(
         err.message().contains("--keep-worktree"),
         "{}",
         err.message()
     );
+    assert!(
+        err.message().contains("git worktree prune"),
+        "{}",
+        err.message()
+    );
+    // Discard cannot prove the directory is still this worktree: refused.
+    let err = c.delete_session(delete(true)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("keep_worktree"), "{}", err.message());
     assert!(path.join("notes.txt").is_file(), "nothing removed");
     c.delete_session(pb::DeleteSessionRequest {
         keep_worktree: true,
