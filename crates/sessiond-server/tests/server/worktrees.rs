@@ -8,7 +8,7 @@ use sessiond_proto::sessiond::v1 as pb;
 
 use crate::restart::wait_serving;
 use crate::support::{
-    TOKEN, agentctl_pids, create_task, prompt, run_sessiond, sessions, start, workspaces,
+    Sessions, TOKEN, agentctl_pids, create_task, prompt, run_sessiond, sessions, start, workspaces,
 };
 
 fn git(dir: &Path, args: &[&str]) -> String {
@@ -57,6 +57,16 @@ fn from_repo(task: &str, repo: &Path, base: &str) -> pb::CreateSessionRequest {
     }
 }
 
+/// The session `req` creates (the call must succeed).
+async fn created(c: &mut Sessions, req: pb::CreateSessionRequest) -> pb::Session {
+    c.create_session(req)
+        .await
+        .unwrap()
+        .into_inner()
+        .session
+        .unwrap()
+}
+
 /// Create from a repository, see it in the status, review it (diff against
 /// the base, the branch's commits), and delete it: refused while it holds
 /// work, then removed with its branch when told to discard.
@@ -70,13 +80,7 @@ async fn a_session_from_a_repository_is_created_reviewed_and_deleted_without_los
     let mut ws = workspaces(&server).await;
     let task = create_task(&mut c, "Fix the login page").await;
 
-    let s = c
-        .create_session(from_repo(&task.id, &repo, "main"))
-        .await
-        .unwrap()
-        .into_inner()
-        .session
-        .unwrap();
+    let s = created(&mut c, from_repo(&task.id, &repo, "main")).await;
     assert_eq!(
         s.state,
         pb::SessionState::WaitingForInput as i32,
@@ -262,16 +266,11 @@ async fn a_worktree_another_session_works_in_is_not_removed_from_under_it() {
     let server = start(&data, &[]);
     let mut c = sessions(&server).await;
     let task = create_task(&mut c, "shared worktree").await;
-    let owner = c
-        .create_session(from_repo(&task.id, &repo, "main"))
-        .await
-        .unwrap()
-        .into_inner()
-        .session
-        .unwrap();
+    let owner = created(&mut c, from_repo(&task.id, &repo, "main")).await;
     let path = owner.worktree.clone().unwrap().path;
-    let guest = c
-        .create_session(pb::CreateSessionRequest {
+    let guest = created(
+        &mut c,
+        pb::CreateSessionRequest {
             task_id: task.id.clone(),
             runtime: pb::Runtime::LocalStandalone as i32,
             worktree: Some(pb::Worktree {
@@ -279,12 +278,9 @@ async fn a_worktree_another_session_works_in_is_not_removed_from_under_it() {
                 ..Default::default()
             }),
             ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .session
-        .unwrap();
+        },
+    )
+    .await;
     assert_eq!(guest.state, pb::SessionState::WaitingForInput as i32);
     let delete = |discard_worktree| pb::DeleteSessionRequest {
         task_id: task.id.clone(),
@@ -323,13 +319,7 @@ async fn a_half_removed_worktree_gets_an_error_that_says_how_to_go_on() {
     let server = start(&data, &[]);
     let mut c = sessions(&server).await;
     let task = create_task(&mut c, "half removed").await;
-    let s = c
-        .create_session(from_repo(&task.id, &repo, "main"))
-        .await
-        .unwrap()
-        .into_inner()
-        .session
-        .unwrap();
+    let s = created(&mut c, from_repo(&task.id, &repo, "main")).await;
     let path = PathBuf::from(s.worktree.clone().unwrap().path);
     std::fs::remove_file(path.join(".git")).unwrap();
     let delete = |discard_worktree| pb::DeleteSessionRequest {
@@ -522,13 +512,7 @@ async fn after_kill9_a_removed_worktree_comes_back_and_a_lost_branch_is_named() 
     let task = create_task(&mut c, "Two attempts").await;
     let mut made = Vec::new();
     for _ in 0..2 {
-        let s = c
-            .create_session(from_repo(&task.id, &repo, "main"))
-            .await
-            .unwrap()
-            .into_inner()
-            .session
-            .unwrap();
+        let s = created(&mut c, from_repo(&task.id, &repo, "main")).await;
         assert_eq!(
             s.state,
             pb::SessionState::WaitingForInput as i32,
