@@ -417,6 +417,9 @@ fn a_relative_data_dir_is_taken_from_where_the_server_started() {
     assert!(env.home.path().join("state/sessiond.sqlite3").is_file());
     assert!(!scratch.join("state").exists());
     terminate(server);
+    for pid in agentctls_under(env.home.path()) {
+        let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    }
 }
 
 /// `sessionctl task list | head -1`: a reader that leaves early ends
