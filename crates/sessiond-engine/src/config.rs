@@ -33,6 +33,11 @@ pub struct ManagerConfig {
     pub max_attempts: u32,
     /// Delays between those attempts (with jitter).
     pub retry_backoff: Backoff,
+    /// Restarts of an agent that exited by itself while its agentctl
+    /// lives (its conversation resumed, under the `startup` resume policy)
+    /// within ten minutes, per session; the exit after them leaves the
+    /// session ERROR. 0: an exit always does.
+    pub agent_restarts: u32,
     /// How many agent launches (a new agent process and its resume) run at
     /// once per host; reattaches are not limited by it.
     pub launches: LaunchLimits,
@@ -174,6 +179,7 @@ impl Default for ManagerConfig {
                 initial: Duration::from_secs(1),
                 max: Duration::from_secs(60),
             },
+            agent_restarts: 3,
             launches: LaunchLimits::default(),
             remote_retry_window: Duration::from_secs(15 * 60),
             remote_backoff: Backoff::default(),

@@ -2,8 +2,8 @@
 //! `SessionManager` that the answering module implements: the asking
 //! module depends on this file, not on the one above, so the engine's
 //! modules stay in layers with no import loop. A call on a session first
-//! has it recovered (`recovery`); a lost agentctl is handed to recovery's
-//! background retries; recovery makes sure this replica owns what it
+//! has it recovered (`recovery`); a lost agentctl, and an agent that
+//! exited, are handed to recovery's background retries; recovery makes sure this replica owns what it
 //! recovers (`replica`).
 
 use std::future::Future;
@@ -11,7 +11,7 @@ use std::future::Future;
 use sessiond_domain::{ExecutorRecord, Session, SessionId};
 use sessiond_store::Changeset;
 
-use crate::{error::Result, pass::CallRecovery};
+use crate::{error::Result, pass::CallRecovery, restarts::AfterExit};
 
 /// Recovery's side of a call (implemented in `recovery`).
 pub(crate) trait RecoverFirst {
@@ -37,6 +37,10 @@ pub(crate) trait RecoverFirst {
 
     /// Reconnects a remote host that stopped answering, in the background.
     fn spawn_reconnect(&self, record: ExecutorRecord);
+
+    /// Restarts the agent of `session` in the background, when its exit's
+    /// commit (`committed`) decided so (`restarts::after_agent_exit`).
+    fn spawn_agent_restart(&self, session: SessionId, decision: AfterExit, committed: bool);
 
     /// What a lost agentctl of `record` changes (its executor, the session,
     /// a turn in flight as `turn` says), and the record to retry in the

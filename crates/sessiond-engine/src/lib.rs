@@ -56,6 +56,7 @@ mod permission;
 mod progress;
 mod recovery;
 mod replica;
+mod restarts;
 mod resume;
 mod session_mcp;
 mod sessions;

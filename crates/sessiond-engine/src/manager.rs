@@ -83,6 +83,8 @@ pub(crate) struct Inner {
     pub(crate) launches: crate::launches::LaunchScheduler,
     /// Where each session's agent recovery stands (`progress.rs`).
     pub(crate) agent_recoveries: crate::progress::AgentRecoveries,
+    /// Restarts of agents that exited by themselves (`restarts.rs`).
+    pub(crate) agent_restarts: crate::restarts::AgentRestarts,
     /// The pass's slots held by its recoveries, by session: a recovery
     /// gives its slot back when it starts waiting for a launch, so the
     /// pass's concurrency goes on to reattaches (`recovery.rs`).
@@ -218,6 +220,7 @@ impl SessionManager {
                 workspaces_back: tokio::sync::watch::Sender::new(false),
                 launches,
                 agent_recoveries: crate::progress::AgentRecoveries::default(),
+                agent_restarts: crate::restarts::AgentRestarts::default(),
                 pass_slots: StdMutex::default(),
                 pass_outcomes: StdMutex::default(),
                 queue: StdMutex::default(),

@@ -176,6 +176,7 @@ pub struct ManagerMetrics {
     recoveries: Family<RecoveryLabels, Counter>,
     fenced: Family<ByLabels, Counter>,
     unparsed: Counter,
+    agent_restarts: Counter,
     tokens: Family<KindLabels, Counter>,
     cost: Family<CurrencyLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
     pub(crate) watch: WatchMetrics,
@@ -222,6 +223,7 @@ impl Default for ManagerMetrics {
             recoveries: Family::default(),
             fenced: Family::default(),
             unparsed: Counter::default(),
+            agent_restarts: Counter::default(),
             tokens: Family::default(),
             cost: Family::default(),
             watch: WatchMetrics::default(),
@@ -347,6 +349,11 @@ impl ManagerMetrics {
             self.unparsed.clone(),
         );
         registry.register(
+            "sessiond_agent_restarts",
+            "Agents that exited by themselves and were started again with their conversation resumed",
+            self.agent_restarts.clone(),
+        );
+        registry.register(
             "sessiond_agent_tokens",
             "Tokens agents reported for their turns, by kind (input, output, thought, \
              cached_read, cached_write)",
@@ -384,6 +391,10 @@ impl ManagerMetrics {
     /// replay after a restart stores nothing and counts nothing).
     pub(crate) fn unparsed_update(&self) {
         self.unparsed.inc();
+    }
+
+    pub(crate) fn agent_restarted(&self) {
+        self.agent_restarts.inc();
     }
 
     /// A turn's usage was stored (once per turn: in the commit that ended it).

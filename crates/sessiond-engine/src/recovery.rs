@@ -47,6 +47,7 @@ use crate::{
     recovery::liveness::Liveness,
     recovery::queue::Queue,
     recovery::sweep::Sweep,
+    restarts::AfterExit,
     sessions::{OpKind, OpOutcome},
     turn::Turns,
     turn::{pending_turn, turn_in_flight},
@@ -296,6 +297,10 @@ impl crate::flows::RecoverFirst for SessionManager {
 
     fn spawn_reconnect(&self, record: ExecutorRecord) {
         ExecutorRecovery(self).spawn_reconnect(record)
+    }
+
+    fn spawn_agent_restart(&self, session: SessionId, decision: AfterExit, committed: bool) {
+        ExecutorRecovery(self).spawn_agent_restart(session, decision, committed)
     }
 
     async fn agentctl_lost_change(
@@ -2090,6 +2095,54 @@ impl ExecutorRecovery<'_> {
                 Err(e) => {
                     me.inner.agent_recoveries.clear(session);
                     tracing::warn!(%session, error = %e, "retry: recovery failed");
+                }
+            }
+        });
+    }
+
+    /// Runs the restart `restarts::after_agent_exit` decided, once its
+    /// commit is in (`committed`; a commit that failed decided nothing):
+    /// the session's recovery, in the background, after a delay that grows
+    /// with the restarts of the window (none for the first).
+    pub(crate) fn spawn_agent_restart(
+        &self,
+        session: SessionId,
+        decision: AfterExit,
+        committed: bool,
+    ) {
+        let AfterExit::Restart(n) = decision else {
+            return;
+        };
+        if !committed {
+            self.inner.agent_restarts.finished(session);
+            return;
+        }
+        self.inner.metrics.agent_restarted();
+        let delay = match n {
+            0 | 1 => Duration::ZERO,
+            n => self.inner.config.retry_backoff.delay(n - 2),
+        };
+        let me = self.0.clone();
+        self.spawn_background(async move {
+            tokio::time::sleep(delay).await;
+            let outcome = async {
+                if !Fencing(&me).owns(session) {
+                    return Ok(None); // another replica holds it now
+                }
+                let Some(record) = me.inner.store.get_executor_for_session(session).await? else {
+                    return Ok(None);
+                };
+                Pass(&me).recover_shared(record).await.map(Some)
+            }
+            .await;
+            me.inner.agent_restarts.finished(session);
+            match outcome {
+                Ok(Some(label)) => {
+                    tracing::info!(%session, %label, restart = n, "agent restart: recovery ran");
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(%session, error = %e, "agent restart: recovery failed");
                 }
             }
         });

@@ -589,6 +589,10 @@ pub struct RecoverySection {
     pub retry_backoff_initial: String,
     /// Longest delay between attempts (default `60s`).
     pub retry_backoff_max: String,
+    /// Restarts of an agent that exits by itself while its agentctl lives
+    /// (its conversation resumed), per session within ten minutes, under
+    /// `mode = "startup"` (default 3; 0: an exit leaves the session ERROR).
+    pub agent_restarts: u32,
     /// Agent launches admitted at once per host at first (default 0: the
     /// host's core count); adapts to measured launch times.
     pub launch_concurrency: u32,
@@ -817,6 +821,7 @@ impl Default for RecoverySection {
             max_attempts: 5,
             retry_backoff_initial: "1s".into(),
             retry_backoff_max: "60s".into(),
+            agent_restarts: 3,
             launch_concurrency: 0,
             launch_concurrency_max: 0,
             remote_backoff_initial: "250ms".into(),
@@ -1008,6 +1013,8 @@ pub struct RecoveryConfig {
     pub retry_backoff_initial: Duration,
     /// `recovery.retry_backoff_max`.
     pub retry_backoff_max: Duration,
+    /// `recovery.agent_restarts`.
+    pub agent_restarts: u32,
     /// `recovery.launch_concurrency` (0: the core count).
     pub launch_concurrency: usize,
     /// `recovery.launch_concurrency_max` (0: four times the start).
@@ -1926,6 +1933,9 @@ fn recovery_config(r: &RecoverySection, p: &mut Problems) -> RecoveryConfig {
     if r.max_attempts == 0 || r.max_attempts > 100 {
         p.add("recovery.max_attempts", "must be between 1 and 100");
     }
+    if r.agent_restarts > 100 {
+        p.add("recovery.agent_restarts", "must be between 0 and 100");
+    }
     if r.launch_concurrency > 1024 {
         p.add(
             "recovery.launch_concurrency",
@@ -1952,6 +1962,7 @@ fn recovery_config(r: &RecoverySection, p: &mut Problems) -> RecoveryConfig {
         retry_backoff_initial: p
             .positive_duration("recovery.retry_backoff_initial", &r.retry_backoff_initial),
         retry_backoff_max: p.positive_duration("recovery.retry_backoff_max", &r.retry_backoff_max),
+        agent_restarts: r.agent_restarts.min(100),
         launch_concurrency: r.launch_concurrency.min(1024) as usize,
         launch_concurrency_max: r.launch_concurrency_max.min(4096) as usize,
         remote_backoff_initial: p
@@ -2565,6 +2576,7 @@ mod tests {
             [recovery]
             mode = "sometimes"
             executor_deadline = "5 parsecs"
+            agent_restarts = 1000
         "#;
         let mut f = FileConfig::parse(text).unwrap();
         f.data_dir = Some("/tmp/x".into());
@@ -2580,6 +2592,10 @@ mod tests {
         );
         assert!(err.contains("recovery.mode:"), "{err}");
         assert!(err.contains("recovery.executor_deadline:"), "{err}");
+        assert!(
+            err.contains("recovery.agent_restarts: must be between 0 and 100"),
+            "{err}"
+        );
     }
 
     #[test]

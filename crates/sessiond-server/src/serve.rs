@@ -590,6 +590,7 @@ pub(crate) fn manager_config(
             initial: r.retry_backoff_initial,
             max: r.retry_backoff_max,
         },
+        agent_restarts: r.agent_restarts,
         launches: sessiond_engine::LaunchLimits {
             initial: r.launch_concurrency,
             max: r.launch_concurrency_max,

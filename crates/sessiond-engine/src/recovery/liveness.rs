@@ -10,7 +10,6 @@ use sessiond_domain::{
     AgentProcessState, ExecutorId, ExecutorRecord, ExecutorStatus, Runtime, SessionState,
 };
 use sessiond_executor::{AgentState, ExecutorHandle, Health};
-use sessiond_proto::agentctl::v1 as pb;
 use sessiond_store::{Changeset, Heartbeat};
 
 use crate::error::{Error, Result};
@@ -18,6 +17,7 @@ use crate::flows::TurnInFlight;
 use crate::lease::Fencing;
 use crate::ops::Agents;
 use crate::recovery::ExecutorRecovery;
+use crate::restarts::{AfterExit, after_agent_exit, exit_how};
 
 /// How many executors the liveness check asks at once.
 const LIVENESS_CONCURRENCY: usize = 16;
@@ -192,35 +192,42 @@ impl Liveness<'_> {
                     exited = Some(h.agent_exit.unwrap_or_default());
                 }
             }
+            let mut restart = AfterExit::Error { exhausted: false };
             if let Some(exit) = &exited {
                 let session = self.inner.store.get_session(record.session_id).await?;
-                if matches!(
-                    session.state,
-                    SessionState::Starting | SessionState::Running | SessionState::WaitingForInput
-                ) {
-                    let how = match exit {
-                        pb::AgentExit { code: Some(c), .. } => format!("exit code {c}"),
-                        pb::AgentExit {
-                            signal: Some(s), ..
-                        } => format!("signal {s}"),
-                        _ => "unknown status".into(),
-                    };
-                    let reason =
-                        format!("the agent process exited ({how}); resume the session to continue");
-                    let (mut s, ev) = crate::changes::transition(
+                let restarting = session.state == SessionState::Starting
+                    && self.inner.agent_restarts.pending(session.id);
+                if !restarting
+                    && matches!(
+                        session.state,
+                        SessionState::Starting
+                            | SessionState::Running
+                            | SessionState::WaitingForInput
+                    )
+                {
+                    let what = format!("the agent process exited ({})", exit_how(Some(exit)));
+                    let (mut s, events, decided) = after_agent_exit(
+                        &self.inner.config,
+                        &self.inner.agent_restarts,
                         &session,
-                        sessiond_domain::SessionEvent::Failed,
-                        Some(reason),
+                        &what,
                     )?;
+                    restart = decided;
                     s.metadata.remove(crate::turn::TURN_KEY);
                     change = change.update_session(s);
-                    if let Some(ev) = ev {
+                    for ev in events {
                         change = change.event(record.session_id, ev);
                     }
                 }
                 tracing::info!(session = %record.session_id, "liveness: the idle session's agent exited");
             }
-            self.commit(change).await?;
+            let committed = self.commit(change).await;
+            ExecutorRecovery(self).spawn_agent_restart(
+                record.session_id,
+                restart,
+                committed.is_ok(),
+            );
+            committed?;
             if exited.is_some() {
                 self.cache_update(record.session_id, |e| {
                     e.agent = AgentProcessState::NotRunning

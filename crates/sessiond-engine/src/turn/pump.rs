@@ -55,8 +55,14 @@ use super::{
     stored_part_rev,
 };
 use crate::{
-    changes::transition, error::Result, flows::RecoverFirst, lease::Fencing,
-    manager::SessionManager, ops::Agents, ops::agent_process,
+    changes::transition,
+    error::Result,
+    flows::RecoverFirst,
+    lease::Fencing,
+    manager::SessionManager,
+    ops::Agents,
+    ops::agent_process,
+    restarts::{AfterExit, after_agent_exit, exit_how},
 };
 
 /// A pump with nothing to do (no reply streaming, no pending turn) checks
@@ -599,6 +605,7 @@ impl Pump {
         let mut next = session.clone();
         let mut task_event = None;
         let mut counted = None;
+        let mut restart = AfterExit::Error { exhausted: false };
         if session.state == SessionState::Running && ours {
             let outcome = if exited {
                 crate::metrics::TurnOutcome::Failed
@@ -606,19 +613,24 @@ impl Pump {
                 crate::metrics::TurnOutcome::from_stop_reason(&end.stop_reason)
             };
             self.mgr.inner.metrics.turn_ended(self.session_id, outcome);
-            let (s, ev) = if exited {
-                let reason = format!(
-                    "{}; resume the session to continue",
-                    if end.error_message.is_empty() {
-                        "the agent exited during the turn"
-                    } else {
-                        end.error_message.as_str()
-                    }
-                );
-                transition(&session, SessionEvent::Failed, Some(reason))?
+            let (s, events) = if exited {
+                let what = if end.error_message.is_empty() {
+                    "the agent exited during the turn"
+                } else {
+                    end.error_message.as_str()
+                };
+                let (s, events, decided) = after_agent_exit(
+                    &self.mgr.inner.config,
+                    &self.mgr.inner.agent_restarts,
+                    &session,
+                    what,
+                )?;
+                restart = decided;
+                (s, events)
             } else {
                 task_event = Some(TaskEvent::ReadyForReview);
-                transition(&session, SessionEvent::TurnEnded, None)?
+                let (s, ev) = transition(&session, SessionEvent::TurnEnded, None)?;
+                (s, ev.into_iter().collect())
             };
             next = s;
             // The turn's usage: on its user message and in the session's
@@ -661,7 +673,7 @@ impl Pump {
                 };
                 change = interrupt_turn(&self.mgr, &session, turn, why, change, &mut next).await?;
             }
-            if let Some(ev) = ev {
+            for ev in events {
                 change = change.event(self.session_id, ev);
             }
             let note = match end.stop_reason.as_str() {
@@ -725,7 +737,10 @@ impl Pump {
         if let Some(ev) = task_event {
             change = change.task_event(self.task_id, ev);
         }
-        self.mgr.commit(change).await?;
+        let committed = self.mgr.commit(change).await;
+        self.mgr
+            .spawn_agent_restart(self.session_id, restart, committed.is_ok());
+        committed?;
         if let Some(u) = counted {
             self.mgr.inner.metrics.turn_usage(&u);
         }
@@ -748,21 +763,36 @@ impl Pump {
     }
 
     pub(super) async fn agent_exited(&mut self, exit: Option<&pb::AgentExit>) -> Result<()> {
+        let gone = self.agent_gone().await;
+        if self.mgr.inner.agent_restarts.count_exit(
+            self.session_id,
+            &self.instance,
+            self.cursor,
+            gone,
+        ) {
+            self.mgr
+                .inner
+                .metrics
+                .agent_exited(crate::metrics::ExitCause::of(
+                    exit.and_then(|e| e.code),
+                    exit.and_then(|e| e.signal),
+                ));
+        }
         // A replayed exit of an agent that has been replaced since changes nothing.
-        if !self.agent_gone().await {
+        if !gone {
             return Ok(());
         }
         self.mgr
             .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
-        self.mgr
-            .inner
-            .metrics
-            .agent_exited(crate::metrics::ExitCause::of(
-                exit.and_then(|e| e.code),
-                exit.and_then(|e| e.signal),
-            ));
         let _guard = self.mgr.inner.sessions.lock(self.session_id).await;
         let session = self.mgr.inner.store.get_session(self.session_id).await?;
+        if session.state == SessionState::Starting
+            && self.mgr.inner.agent_restarts.pending(self.session_id)
+        {
+            // This agent's exit was handled (its TurnEnded): the restart
+            // decided then brings the next one.
+            return Ok(());
+        }
         // Its TurnEnded did not come first: the turn died with the agent,
         // its reply unfinished (kept as streamed, marked interrupted).
         let turn = pending_turn(&session);
@@ -780,27 +810,26 @@ impl Pump {
                 .metrics
                 .turn_ended(self.session_id, crate::metrics::TurnOutcome::Failed);
         }
+        let mut restart = AfterExit::Error { exhausted: false };
         if matches!(
             session.state,
             SessionState::Starting | SessionState::Running | SessionState::WaitingForInput
         ) {
-            let how = match exit {
-                Some(pb::AgentExit { code: Some(c), .. }) => format!("exit code {c}"),
-                Some(pb::AgentExit {
-                    signal: Some(s), ..
-                }) => format!("signal {s}"),
-                _ => "unknown status".into(),
-            };
-            let reason =
-                format!("the agent process exited ({how}); resume the session to continue");
-            let (s, ev) = transition(&session, SessionEvent::Failed, Some(reason))?;
+            let how = exit_how(exit);
+            let (s, events, decided) = after_agent_exit(
+                &self.mgr.inner.config,
+                &self.mgr.inner.agent_restarts,
+                &session,
+                &format!("the agent process exited ({how})"),
+            )?;
             next = s;
+            restart = decided;
             next.metadata.remove(TURN_KEY);
             if let Some(turn) = &turn {
                 let why = format!("the agent process exited ({how}) during the turn");
                 change = interrupt_turn(&self.mgr, &session, turn, &why, change, &mut next).await?;
             }
-            if let Some(ev) = ev {
+            for ev in events {
                 change = change.event(self.session_id, ev);
             }
         }
@@ -808,7 +837,10 @@ impl Pump {
             CURSOR_KEY.into(),
             cursor_value(self.generation, self.cursor, &self.instance),
         );
-        self.mgr.commit(change.update_session(next)).await?;
+        let committed = self.mgr.commit(change.update_session(next)).await;
+        self.mgr
+            .spawn_agent_restart(self.session_id, restart, committed.is_ok());
+        committed?;
         Ok(())
     }
 

@@ -8,10 +8,12 @@ use std::{
     time::{Duration, Instant},
 };
 
-use sessiond_domain::{ExecutorStatus, OutcomeLabel, RecoveryStage, SessionId, SessionState};
+use sessiond_domain::{
+    EventPayload, ExecutorStatus, MessageRole, OutcomeLabel, RecoveryStage, SessionId, SessionState,
+};
 use sessiond_engine::ManagerConfig;
 
-use crate::support::{Db, World, expected_reply, kill_tree};
+use crate::support::{Db, World, children_of, expected_reply, kill_tree, kill9};
 
 /// How many heavy sessions the burst test recovers (16 in CI; more with
 /// `SESSIOND_HEAVY_SESSIONS`).
@@ -402,4 +404,74 @@ async fn a_create_cut_by_a_crash_comes_up_by_itself() {
     let reply = w.prompt(&mgr, session.id, "one").await;
     assert_eq!(reply, expected_reply(1, &token, "one"));
     w.finish(&mgr, &[session.id]).await;
+}
+
+/// A heavy agent (≥ 2 s to start, its history loaded at a cost per
+/// message) killed with SIGKILL in the middle of a streaming reply, its
+/// agentctl alive: the turn ends interrupted (the reply so far kept and
+/// marked, the turn kept for a retry), and sessiond starts a new agent
+/// under the same agentctl and resumes the conversation with no call,
+/// the session never left in ERROR; the next message is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heavy_agent_killed_mid_reply_is_restarted_by_itself() {
+    let w = World::new(Db::Sqlite).await;
+    let profile = w.demo_profile("heavy", HEAVY).await;
+    let mgr = w.manager_with(defaults());
+    let s = w.create_with(&mgr, "killed", &profile, None).await;
+    w.prompt(&mgr, s.id, "one").await;
+    let seq_before = w.store.last_event_seq(s.id).await.unwrap();
+    mgr.send_message(w.task.id, s.id, "/long").await.unwrap();
+    // Killed once its reply is streaming (stored, not complete).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let msgs = w.messages(s.id).await;
+        if msgs.len() == 4 && msgs[3].role == MessageRole::Agent && !msgs[3].content.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the long reply never streamed: {msgs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let agentctl = w.record(s.id).await.pid.unwrap();
+    let agents = children_of(agentctl);
+    assert!(!agents.is_empty(), "no agent under agentctl {agentctl}");
+    for pid in &agents {
+        kill9(*pid);
+    }
+    let st = w.wait_agent_back(&mgr, s.id, seq_before).await;
+    assert_eq!(st.executor_status, Some(ExecutorStatus::Ready), "{st:?}");
+    assert_eq!(w.record(s.id).await.pid, Some(agentctl), "agentctl kept");
+    let msgs = w.messages(s.id).await;
+    assert_eq!(msgs.len(), 5, "{msgs:?}");
+    assert!(
+        msgs[3].complete && msgs[3].content.contains("interrupted"),
+        "{:?}",
+        msgs[3]
+    );
+    assert_eq!(msgs[4].role, MessageRole::System, "{:?}", msgs[4]);
+    assert!(
+        msgs[4].content.starts_with("the turn was interrupted"),
+        "{:?}",
+        msgs[4]
+    );
+    let stored = w.store.get_session(s.id).await.unwrap();
+    assert_eq!(
+        stored.metadata.get("interrupted_turn"),
+        Some(&msgs[2].id.to_string()),
+        "the cut turn is kept for a retry"
+    );
+    let events = w.events(s.id).await;
+    assert!(
+        !events.iter().any(|e| matches!(
+            &e.payload,
+            EventPayload::StateChanged { from: SessionState::Error, to, .. } if *to != SessionState::Starting
+        )),
+        "ERROR only on the way to STARTING: {events:?}"
+    );
+    w.track(s.id).await;
+    let reply = w.prompt(&mgr, s.id, "three").await;
+    assert!(reply.contains("three"), "{reply}");
+    w.finish(&mgr, &[s.id]).await;
 }

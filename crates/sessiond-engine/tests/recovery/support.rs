@@ -8,8 +8,8 @@ use std::{
 use chrono::Utc;
 use futures::StreamExt;
 use sessiond_domain::{
-    AgentProfile, AgentProfileId, Event, ExecutorRecord, Message, MessageRole, Runtime, Session,
-    SessionId, SessionState, SessionStatus, Task, TaskId, TaskState, Worktree,
+    AgentProfile, AgentProfileId, Event, EventPayload, ExecutorRecord, Message, MessageRole,
+    Runtime, Session, SessionId, SessionState, SessionStatus, Task, TaskId, TaskState, Worktree,
 };
 use sessiond_engine::{ManagerConfig, NewSession, RemoteAgentctl, SessionManager};
 use sessiond_executor::{Backoff, Executor, process};
@@ -332,6 +332,52 @@ impl World {
                 st.error_message
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits until sessiond restarted the session's agent by itself after
+    /// it exited (events after `after`: ERROR saying the agent exited and
+    /// is restarted, then STARTING) and the agent is back, the session
+    /// WAITING_FOR_INPUT; returns its status.
+    pub async fn wait_agent_back(
+        &self,
+        mgr: &SessionManager,
+        session: SessionId,
+        after: i64,
+    ) -> SessionStatus {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let st = self.status(mgr, session).await;
+            let events = self
+                .store
+                .events_after(session, after, 10_000)
+                .await
+                .unwrap();
+            let changes: Vec<_> = events
+                .iter()
+                .filter_map(|e| match &e.payload {
+                    EventPayload::StateChanged {
+                        to, error_message, ..
+                    } => Some((*to, error_message.clone())),
+                    _ => None,
+                })
+                .collect();
+            let restarted = changes.windows(2).any(|w| {
+                w[0].0 == SessionState::Error
+                    && w[0]
+                        .1
+                        .as_deref()
+                        .is_some_and(|m| m.contains("exit") && m.contains("sessiond restarts it"))
+                    && w[1].0 == SessionState::Starting
+            });
+            if restarted && st.state == SessionState::WaitingForInput && st.is_agent_running {
+                return st;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the agent was not restarted by itself: {st:?}, state changes {changes:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 

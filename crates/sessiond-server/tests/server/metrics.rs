@@ -224,7 +224,7 @@ async fn wait_state(c: &mut Sessions, task: &str, session: &str, state: pb::Sess
 
 /// Real work moves the operator's counters: a completed turn (timed, first
 /// chunk timed), a turn whose agent crashes mid-way (failed turn, agent exit
-/// by exit code), a watch stream, then sessiond and the session's agentctl
+/// by exit code, the agent restarted), a watch stream, then sessiond and the session's agentctl
 /// SIGKILLed and startup recovery relaunching agentctl and resuming the
 /// conversation. The last scrape passes `promtool check metrics`.
 #[tokio::test]
@@ -308,19 +308,26 @@ async fn counters_move_with_turns_crashes_and_recovery() {
     })
     .await
     .unwrap();
-    wait_state(&mut c, &task.id, &bad.id, pb::SessionState::Error).await;
-    // The session can show ERROR before the exit is counted: agentctl's
-    // `TurnEnded` (stop reason `error`, the agent gone) ends the turn and
-    // fails the session, and its `AgentExited` update, which the exit
-    // counter follows, comes after it on the stream.
+    // agentctl's `TurnEnded` (stop reason `error`, the agent gone) ends
+    // the turn and restarts the agent; its `AgentExited` update, which the
+    // exit counter follows, comes after it on the stream, and is counted
+    // even when the new agent already runs.
     let mut text = scrape(&metrics).await;
-    for _ in 0..100 {
-        if sample(&text, "sessiond_agent_exits_total{cause=\"exit_nonzero\"}") >= 1.0 {
+    for _ in 0..200 {
+        if sample(&text, "sessiond_agent_exits_total{cause=\"exit_nonzero\"}") >= 1.0
+            && sample(&text, "sessiond_agent_restarts_total") >= 1.0
+        {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
         text = scrape(&metrics).await;
     }
+    assert_eq!(
+        sample(&text, "sessiond_agent_restarts_total"),
+        1.0,
+        "{text}"
+    );
+    wait_state(&mut c, &task.id, &bad.id, pb::SessionState::WaitingForInput).await;
     assert_eq!(
         sample(&text, "sessiond_turns_total{outcome=\"failed\"}"),
         1.0,

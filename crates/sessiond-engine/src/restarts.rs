@@ -1,0 +1,253 @@
+//! An agent that exits by itself (a crash, an out-of-memory kill) while
+//! its agentctl lives is started again and its conversation resumed, as a
+//! restart of the backend would: the user clicks nothing. Bounded, so an
+//! agent that keeps dying does not run for ever: at most
+//! `ManagerConfig::agent_restarts` restarts of a session's agent within
+//! [`RESTART_WINDOW`]; the exit after them leaves the session ERROR ("resume
+//! the session to continue"), as every exit did before.
+//!
+//! The restart's intent is the session STARTING, committed with the exit
+//! (a turn cut by it ended interrupted in the same commit): a backend
+//! killed before the restart ran finds a STARTING session and its startup
+//! recovery resumes it. The restart itself is the session's recovery
+//! (`Pass::recover_shared`, spawned by recovery's
+//! `ExecutorRecovery::spawn_agent_restart`), so a launch that fails is
+//! retried as any recovery's is, and an explicit resume meanwhile joins
+//! it. The counts live in memory: a restarted backend starts them afresh.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    sync::Mutex,
+    time::{Duration, Instant},
+};
+
+use sessiond_domain::{EventPayload, ResumePolicy, Session, SessionEvent, SessionId, SessionState};
+
+use sessiond_proto::agentctl::v1 as pb;
+
+use crate::{changes::transition, config::ManagerConfig, error::Result, sync::lock};
+
+/// How an agent ended, as its session's error says it: "exit code 1",
+/// "signal 9".
+pub(crate) fn exit_how(exit: Option<&pb::AgentExit>) -> String {
+    match exit {
+        Some(pb::AgentExit { code: Some(c), .. }) => format!("exit code {c}"),
+        Some(pb::AgentExit {
+            signal: Some(s), ..
+        }) => format!("signal {s}"),
+        _ => "unknown status".into(),
+    }
+}
+
+/// The window the restart limit counts exits in.
+pub(crate) const RESTART_WINDOW: Duration = Duration::from_secs(10 * 60);
+
+/// What an agent's exit does to its session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AfterExit {
+    /// Restarted: this is restart `n` of the window.
+    Restart(u32),
+    /// ERROR; `exhausted` when the window's restarts were used up.
+    Error { exhausted: bool },
+}
+
+#[derive(Default)]
+struct Entry {
+    /// When each restart of the window was decided.
+    at: VecDeque<Instant>,
+    /// A restart was decided and has not finished.
+    pending: bool,
+    /// A restart was decided for an exit the exit counter has not seen
+    /// (its `AgentExited` update may come after the new agent started).
+    uncounted: bool,
+    /// agentctl's instance and cursor of the last `AgentExited` seen.
+    last_exit: Option<(String, u64)>,
+}
+
+/// The restarts of agents that exited by themselves, per session.
+#[derive(Default)]
+pub(crate) struct AgentRestarts(Mutex<HashMap<SessionId, Entry>>);
+
+impl AgentRestarts {
+    /// Decides a restart of `session`'s agent at `now`, at most `limit` in
+    /// [`RESTART_WINDOW`], and counts it.
+    pub(crate) fn admit(&self, session: SessionId, limit: u32, now: Instant) -> AfterExit {
+        if limit == 0 {
+            return AfterExit::Error { exhausted: false };
+        }
+        let mut all = lock(&self.0);
+        let e = all.entry(session).or_default();
+        while e
+            .at
+            .front()
+            .is_some_and(|t| now.saturating_duration_since(*t) >= RESTART_WINDOW)
+        {
+            e.at.pop_front();
+        }
+        if e.at.len() >= limit as usize {
+            return AfterExit::Error { exhausted: true };
+        }
+        e.at.push_back(now);
+        e.pending = true;
+        e.uncounted = true;
+        AfterExit::Restart(u32::try_from(e.at.len()).unwrap_or(u32::MAX))
+    }
+
+    /// True while a restart of `session`'s agent was decided and has not
+    /// finished: an exit seen meanwhile is that agent's, already handled.
+    pub(crate) fn pending(&self, session: SessionId) -> bool {
+        lock(&self.0).get(&session).is_some_and(|e| e.pending)
+    }
+
+    /// Whether the `AgentExited` update at `cursor` of agentctl `instance`
+    /// is an exit to count: seen for the first time, and of an agent that
+    /// is gone (`gone`) or whose exit decided a restart (the new agent may
+    /// already run when the update is read). A replayed update counts once.
+    pub(crate) fn count_exit(
+        &self,
+        session: SessionId,
+        instance: &str,
+        cursor: u64,
+        gone: bool,
+    ) -> bool {
+        let mut all = lock(&self.0);
+        let e = all.entry(session).or_default();
+        let first = match &e.last_exit {
+            Some((i, c)) => i != instance || cursor > *c,
+            None => true,
+        };
+        if first {
+            e.last_exit = Some((instance.to_owned(), cursor));
+        }
+        let restarted = std::mem::take(&mut e.uncounted);
+        first && (gone || restarted)
+    }
+
+    /// The restart of `session`'s agent finished (or was not committed).
+    pub(crate) fn finished(&self, session: SessionId) {
+        if let Some(e) = lock(&self.0).get_mut(&session) {
+            e.pending = false;
+        }
+    }
+}
+
+/// The session after its agent exited (`what`: "the agent process exited
+/// (exit code 1)"), with the events to commit with it, and whether its
+/// agent is to be restarted (then `RecoverFirst::spawn_agent_restart` once
+/// committed).
+///
+/// A RUNNING or WAITING_FOR_INPUT session with a resume token, under the
+/// `startup` resume policy, within its restarts: ERROR with `what` and
+/// then STARTING (both `state_changed` events, so the exit stays on
+/// record). Otherwise ERROR: "resume the session to continue".
+pub(crate) fn after_agent_exit(
+    config: &ManagerConfig,
+    restarts: &AgentRestarts,
+    session: &Session,
+    what: &str,
+) -> Result<(Session, Vec<EventPayload>, AfterExit)> {
+    let decision = if config.resume_policy == ResumePolicy::Startup
+        && session.resume_token.is_some()
+        && matches!(
+            session.state,
+            SessionState::Running | SessionState::WaitingForInput
+        ) {
+        restarts.admit(session.id, config.agent_restarts, Instant::now())
+    } else {
+        AfterExit::Error { exhausted: false }
+    };
+    match decision {
+        AfterExit::Restart(n) => {
+            let why = format!(
+                "{what}; sessiond restarts it and resumes the conversation (restart {n} of \
+                 at most {} in {} minutes)",
+                config.agent_restarts,
+                RESTART_WINDOW.as_secs() / 60
+            );
+            let (failed, first) = transition(session, SessionEvent::Failed, Some(why))?;
+            let (starting, second) = transition(&failed, SessionEvent::ResumeRequested, None)?;
+            Ok((
+                starting,
+                first.into_iter().chain(second).collect(),
+                decision,
+            ))
+        }
+        AfterExit::Error { exhausted } => {
+            let why = if exhausted {
+                format!(
+                    "{what}, after {} restarts in {} minutes; sessiond does not restart it \
+                     again by itself: resume the session to continue",
+                    config.agent_restarts,
+                    RESTART_WINDOW.as_secs() / 60
+                )
+            } else {
+                format!("{what}; resume the session to continue")
+            };
+            let (failed, ev) = transition(session, SessionEvent::Failed, Some(why))?;
+            Ok((failed, ev.into_iter().collect(), decision))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restarts_are_counted_in_their_window() {
+        let r = AgentRestarts::default();
+        let s = SessionId::new();
+        let t0 = Instant::now();
+        assert_eq!(r.admit(s, 2, t0), AfterExit::Restart(1));
+        assert!(r.pending(s));
+        r.finished(s);
+        assert!(!r.pending(s));
+        assert_eq!(
+            r.admit(s, 2, t0 + Duration::from_secs(60)),
+            AfterExit::Restart(2)
+        );
+        r.finished(s);
+        assert_eq!(
+            r.admit(s, 2, t0 + Duration::from_secs(120)),
+            AfterExit::Error { exhausted: true }
+        );
+        assert!(!r.pending(s), "an exhausted exit starts nothing");
+        // The first restart leaves the window: one more is allowed.
+        assert_eq!(r.admit(s, 2, t0 + RESTART_WINDOW), AfterExit::Restart(2));
+        // Other sessions count apart.
+        assert_eq!(r.admit(SessionId::new(), 2, t0), AfterExit::Restart(1));
+    }
+
+    #[test]
+    fn an_exit_is_counted_once_even_after_its_restart() {
+        let r = AgentRestarts::default();
+        let s = SessionId::new();
+        assert!(r.count_exit(s, "a", 5, true));
+        assert!(!r.count_exit(s, "a", 5, true), "a replay");
+        assert!(
+            !r.count_exit(s, "a", 7, false),
+            "an agent running, no restart"
+        );
+        assert_eq!(r.admit(s, 3, Instant::now()), AfterExit::Restart(1));
+        assert!(
+            r.count_exit(s, "a", 9, false),
+            "the new agent already runs, but this exit decided its restart"
+        );
+        assert!(!r.count_exit(s, "a", 9, false));
+        assert!(
+            r.count_exit(s, "b", 1, true),
+            "another agentctl counts anew"
+        );
+    }
+
+    #[test]
+    fn no_restarts_when_the_limit_is_zero() {
+        let r = AgentRestarts::default();
+        let s = SessionId::new();
+        assert_eq!(
+            r.admit(s, 0, Instant::now()),
+            AfterExit::Error { exhausted: false }
+        );
+        assert!(!r.pending(s));
+    }
+}
