@@ -129,6 +129,11 @@ struct Cli {
     /// Delay between reply chunks (a slow turn, for cancel tests).
     #[arg(long, env = "ACP_DEMO_CHUNK_DELAY_MS", default_value_t = 0)]
     chunk_delay_ms: u64,
+    /// Ignore `session/cancel` (an agent stuck in a tool that never looks
+    /// at it): a turn goes on until it ends by itself or the agent is
+    /// stopped.
+    #[arg(long, env = "ACP_DEMO_IGNORE_CANCEL", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
+    ignore_cancel: bool,
     /// Require ACP `authenticate` before any session call (answered with
     /// -32000 "Authentication required" until then), as codex-acp does. The
     /// method `demo-token` succeeds when `ACP_DEMO_TOKEN` is set and not
@@ -487,7 +492,9 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
         )
         .on_receive_notification(
             async move |n: CancelNotification, _cx| {
-                lock(&d_cancel.cancelled).insert(n.session_id.0.to_string());
+                if !d_cancel.cli.ignore_cancel {
+                    lock(&d_cancel.cancelled).insert(n.session_id.0.to_string());
+                }
                 Ok(())
             },
             agent_client_protocol::on_receive_notification!(),

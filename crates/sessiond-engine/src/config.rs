@@ -52,6 +52,11 @@ pub struct ManagerConfig {
     pub agent_initialize_timeout: Duration,
     /// Between TERM and KILL when an agent is stopped.
     pub agent_stop_grace: Duration,
+    /// How long a cancelled turn may go on: an agent that has not ended
+    /// the turn this long after `CancelTurn` (it ignores `session/cancel`)
+    /// is stopped, the turn ends interrupted, and the agent is restarted
+    /// with its conversation (`agent_restarts`).
+    pub cancel_grace: Duration,
     /// A streamed agent reply is written at most this often while it grows.
     pub message_flush_interval: Duration,
     /// Capacity of the live event channel; a slower subscriber re-reads the
@@ -185,6 +190,7 @@ impl Default for ManagerConfig {
             remote_backoff: Backoff::default(),
             agent_initialize_timeout: Duration::from_secs(30),
             agent_stop_grace: Duration::from_secs(3),
+            cancel_grace: Duration::from_secs(15),
             message_flush_interval: Duration::from_millis(50),
             event_buffer: 1024,
             replay_page: 500,

@@ -62,6 +62,9 @@ struct Entry {
     uncounted: bool,
     /// agentctl's instance and cursor of the last `AgentExited` seen.
     last_exit: Option<(String, u64)>,
+    /// sessiond stopped the agent because it went on with a turn past
+    /// its cancel's grace: its exit says so.
+    stopped_after_cancel: Option<Duration>,
 }
 
 /// The restarts of agents that exited by themselves, per session.
@@ -123,12 +126,38 @@ impl AgentRestarts {
         first && (gone || restarted)
     }
 
+    /// sessiond stops `session`'s agent because it did not end its turn
+    /// within `grace` of the cancel.
+    pub(crate) fn stopping_after_cancel(&self, session: SessionId, grace: Duration) {
+        lock(&self.0)
+            .entry(session)
+            .or_default()
+            .stopped_after_cancel = Some(grace);
+    }
+
+    /// The grace of the cancel after which sessiond stopped `session`'s
+    /// agent, once (see [`stopped_after_cancel`]).
+    pub(crate) fn take_cancel_stop(&self, session: SessionId) -> Option<Duration> {
+        lock(&self.0)
+            .get_mut(&session)
+            .and_then(|e| e.stopped_after_cancel.take())
+    }
+
     /// The restart of `session`'s agent finished (or was not committed).
     pub(crate) fn finished(&self, session: SessionId) {
         if let Some(e) = lock(&self.0).get_mut(&session) {
             e.pending = false;
         }
     }
+}
+
+/// Why an agent sessiond stopped after a cancel it ignored for `grace`
+/// is gone, as the session and its turn say it.
+pub(crate) fn stopped_after_cancel(grace: Duration) -> String {
+    format!(
+        "the agent did not end the turn within {}s of its cancel, so sessiond stopped it",
+        grace.as_secs_f64()
+    )
 }
 
 /// The session after its agent exited (`what`: "the agent process exited

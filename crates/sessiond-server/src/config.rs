@@ -593,6 +593,9 @@ pub struct RecoverySection {
     /// (its conversation resumed), per session within ten minutes, under
     /// `mode = "startup"` (default 3; 0: an exit leaves the session ERROR).
     pub agent_restarts: u32,
+    /// How long a cancelled turn may go on before its agent, which ignores
+    /// the cancel, is stopped and restarted (default `15s`).
+    pub cancel_grace: String,
     /// Agent launches admitted at once per host at first (default 0: the
     /// host's core count); adapts to measured launch times.
     pub launch_concurrency: u32,
@@ -822,6 +825,7 @@ impl Default for RecoverySection {
             retry_backoff_initial: "1s".into(),
             retry_backoff_max: "60s".into(),
             agent_restarts: 3,
+            cancel_grace: "15s".into(),
             launch_concurrency: 0,
             launch_concurrency_max: 0,
             remote_backoff_initial: "250ms".into(),
@@ -1015,6 +1019,8 @@ pub struct RecoveryConfig {
     pub retry_backoff_max: Duration,
     /// `recovery.agent_restarts`.
     pub agent_restarts: u32,
+    /// `recovery.cancel_grace`.
+    pub cancel_grace: Duration,
     /// `recovery.launch_concurrency` (0: the core count).
     pub launch_concurrency: usize,
     /// `recovery.launch_concurrency_max` (0: four times the start).
@@ -1963,6 +1969,7 @@ fn recovery_config(r: &RecoverySection, p: &mut Problems) -> RecoveryConfig {
             .positive_duration("recovery.retry_backoff_initial", &r.retry_backoff_initial),
         retry_backoff_max: p.positive_duration("recovery.retry_backoff_max", &r.retry_backoff_max),
         agent_restarts: r.agent_restarts.min(100),
+        cancel_grace: p.positive_duration("recovery.cancel_grace", &r.cancel_grace),
         launch_concurrency: r.launch_concurrency.min(1024) as usize,
         launch_concurrency_max: r.launch_concurrency_max.min(4096) as usize,
         remote_backoff_initial: p

@@ -591,6 +591,7 @@ pub(crate) fn manager_config(
             max: r.retry_backoff_max,
         },
         agent_restarts: r.agent_restarts,
+        cancel_grace: r.cancel_grace,
         launches: sessiond_engine::LaunchLimits {
             initial: r.launch_concurrency,
             max: r.launch_concurrency_max,

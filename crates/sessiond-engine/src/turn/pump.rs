@@ -62,7 +62,7 @@ use crate::{
     manager::SessionManager,
     ops::Agents,
     ops::agent_process,
-    restarts::{AfterExit, after_agent_exit, exit_how},
+    restarts::{AfterExit, after_agent_exit, exit_how, stopped_after_cancel},
 };
 
 /// A pump with nothing to do (no reply streaming, no pending turn) checks
@@ -606,6 +606,18 @@ impl Pump {
         let mut task_event = None;
         let mut counted = None;
         let mut restart = AfterExit::Error { exhausted: false };
+        // What the agent's exit was, if the turn died with it.
+        let exit_what = match self
+            .mgr
+            .inner
+            .agent_restarts
+            .take_cancel_stop(self.session_id)
+            .filter(|_| exited)
+        {
+            Some(grace) => stopped_after_cancel(grace),
+            None if end.error_message.is_empty() => "the agent exited during the turn".to_owned(),
+            None => end.error_message.clone(),
+        };
         if session.state == SessionState::Running && ours {
             let outcome = if exited {
                 crate::metrics::TurnOutcome::Failed
@@ -614,16 +626,11 @@ impl Pump {
             };
             self.mgr.inner.metrics.turn_ended(self.session_id, outcome);
             let (s, events) = if exited {
-                let what = if end.error_message.is_empty() {
-                    "the agent exited during the turn"
-                } else {
-                    end.error_message.as_str()
-                };
                 let (s, events, decided) = after_agent_exit(
                     &self.mgr.inner.config,
                     &self.mgr.inner.agent_restarts,
                     &session,
-                    what,
+                    &exit_what,
                 )?;
                 restart = decided;
                 (s, events)
@@ -666,12 +673,8 @@ impl Pump {
                 counted = Some(u);
             }
             if let Some(turn) = &died_in {
-                let why = if end.error_message.is_empty() {
-                    "the agent exited during the turn"
-                } else {
-                    end.error_message.as_str()
-                };
-                change = interrupt_turn(&self.mgr, &session, turn, why, change, &mut next).await?;
+                change = interrupt_turn(&self.mgr, &session, turn, &exit_what, change, &mut next)
+                    .await?;
             }
             for ev in events {
                 change = change.event(self.session_id, ev);
@@ -816,17 +819,31 @@ impl Pump {
             SessionState::Starting | SessionState::Running | SessionState::WaitingForInput
         ) {
             let how = exit_how(exit);
+            let (what, why) = match self
+                .mgr
+                .inner
+                .agent_restarts
+                .take_cancel_stop(self.session_id)
+            {
+                Some(grace) => {
+                    let what = format!("{} ({how})", stopped_after_cancel(grace));
+                    (what.clone(), what)
+                }
+                None => (
+                    format!("the agent process exited ({how})"),
+                    format!("the agent process exited ({how}) during the turn"),
+                ),
+            };
             let (s, events, decided) = after_agent_exit(
                 &self.mgr.inner.config,
                 &self.mgr.inner.agent_restarts,
                 &session,
-                &format!("the agent process exited ({how})"),
+                &what,
             )?;
             next = s;
             restart = decided;
             next.metadata.remove(TURN_KEY);
             if let Some(turn) = &turn {
-                let why = format!("the agent process exited ({how}) during the turn");
                 change = interrupt_turn(&self.mgr, &session, turn, &why, change, &mut next).await?;
             }
             for ev in events {

@@ -189,7 +189,54 @@ impl SessionManager {
             Error::agent("Cancel", &e)
         })?;
         tracing::info!(session = %session_id, cancelled, "turn cancel requested");
+        if let Some(turn) = session.metadata.get(TURN_KEY).filter(|_| cancelled) {
+            self.stop_if_cancel_ignored(session_id, turn.clone(), execution.record);
+        }
         Ok(cancelled)
+    }
+
+    /// An agent may ignore `session/cancel` (stuck in a tool that never
+    /// looks): if `turn` still runs `cancel_grace` after its cancel, the
+    /// agent is stopped. Its exit then ends the turn interrupted, saying
+    /// why, and restarts it with its conversation, as any exit does
+    /// (decision 0037). One watch per cancel; a turn that ended, or an
+    /// agent replaced meanwhile, is left alone.
+    fn stop_if_cancel_ignored(&self, session_id: SessionId, turn: String, record: ExecutorRecord) {
+        let grace = self.inner.config.cancel_grace;
+        let me = self.clone();
+        self.spawn_background(async move {
+            tokio::time::sleep(grace).await;
+            let still = async {
+                let _guard = me.inner.sessions.lock(session_id).await;
+                let s = me.inner.store.get_session(session_id).await.ok()?;
+                let current = me.inner.store.get_executor_for_session(session_id).await.ok()??;
+                let same = s.state == SessionState::Running
+                    && s.metadata.get(TURN_KEY) == Some(&turn)
+                    && current.generation == record.generation
+                    && current.status == ExecutorStatus::Ready
+                    && Fencing(&me).owns(session_id);
+                if same {
+                    me.inner.agent_restarts.stopping_after_cancel(session_id, grace);
+                }
+                same.then_some(current)
+            }
+            .await;
+            let Some(current) = still else {
+                return;
+            };
+            tracing::warn!(session = %session_id, %turn, ?grace,
+                "the agent ignored the turn's cancel; stopping it");
+            let stopped = match Agents(&me).client(&current) {
+                Ok(client) => client.stop_agent(me.inner.config.agent_stop_grace).await,
+                Err(e) => {
+                    tracing::warn!(session = %session_id, error = %e, "cannot stop the agent");
+                    return;
+                }
+            };
+            if let Err(e) = stopped {
+                tracing::warn!(session = %session_id, error = %e, "could not stop the agent after its ignored cancel");
+            }
+        });
     }
 }
 

@@ -475,3 +475,65 @@ async fn a_heavy_agent_killed_mid_reply_is_restarted_by_itself() {
     assert!(reply.contains("three"), "{reply}");
     w.finish(&mgr, &[s.id]).await;
 }
+
+/// A heavy agent that ignores `session/cancel` (as one stuck in a tool
+/// does) keeps its turn going after CancelTurn; once `cancel_grace` has
+/// passed, sessiond stops it: the turn ends interrupted saying why, and the
+/// agent is restarted with its conversation, so the session never stays
+/// RUNNING for good and the next message is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heavy_agent_that_ignores_cancel_is_stopped_after_the_grace_and_restarted() {
+    let w = World::new(Db::Sqlite).await;
+    let mut env = HEAVY.to_vec();
+    env.push(("ACP_DEMO_IGNORE_CANCEL", "1"));
+    let profile = w.demo_profile("deaf", &env).await;
+    let mgr = w.manager_with(ManagerConfig {
+        cancel_grace: Duration::from_secs(1),
+        ..defaults()
+    });
+    let s = w.create_with(&mgr, "deaf", &profile, None).await;
+    let seq_before = w.store.last_event_seq(s.id).await.unwrap();
+    mgr.send_message(w.task.id, s.id, "/long").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !w
+        .messages(s.id)
+        .await
+        .get(1)
+        .is_some_and(|m| m.role == MessageRole::Agent && !m.content.is_empty())
+    {
+        assert!(Instant::now() < deadline, "the long reply never streamed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(mgr.cancel_turn(w.task.id, s.id).await.unwrap());
+    let st = w.wait_agent_back(&mgr, s.id, seq_before).await;
+    assert!(st.error_message.is_none(), "{st:?}");
+    let msgs = w.messages(s.id).await;
+    assert_eq!(msgs.len(), 3, "{msgs:?}");
+    assert!(
+        msgs[1].complete && msgs[1].content.contains("interrupted"),
+        "{:?}",
+        msgs[1]
+    );
+    assert!(
+        msgs[2].content.starts_with("the turn was interrupted")
+            && msgs[2]
+                .content
+                .contains("did not end the turn within 1s of its cancel"),
+        "{:?}",
+        msgs[2]
+    );
+    let ended: Vec<_> = w
+        .events(s.id)
+        .await
+        .into_iter()
+        .filter_map(|e| match e.payload {
+            EventPayload::TurnEnded { stop_reason, .. } => Some(stop_reason),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ended, ["interrupted"], "one end for the turn");
+    w.track(s.id).await;
+    let reply = w.prompt(&mgr, s.id, "after").await;
+    assert!(reply.contains("after"), "{reply}");
+    w.finish(&mgr, &[s.id]).await;
+}

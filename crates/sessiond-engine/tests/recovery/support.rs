@@ -336,8 +336,8 @@ impl World {
     }
 
     /// Waits until sessiond restarted the session's agent by itself after
-    /// it exited (events after `after`: ERROR saying the agent exited and
-    /// is restarted, then STARTING) and the agent is back, the session
+    /// it exited (events after `after`: ERROR saying why the agent is gone
+    /// and that it is restarted, then STARTING) and the agent is back, the session
     /// WAITING_FOR_INPUT; returns its status.
     pub async fn wait_agent_back(
         &self,
@@ -367,7 +367,7 @@ impl World {
                     && w[0]
                         .1
                         .as_deref()
-                        .is_some_and(|m| m.contains("exit") && m.contains("sessiond restarts it"))
+                        .is_some_and(|m| m.contains("sessiond restarts it"))
                     && w[1].0 == SessionState::Starting
             });
             if restarted && st.state == SessionState::WaitingForInput && st.is_agent_running {
