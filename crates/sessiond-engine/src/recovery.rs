@@ -2117,6 +2117,10 @@ impl ExecutorRecovery<'_> {
             self.inner.agent_restarts.finished(session);
             return;
         }
+        // Test-only crash point: the restart's intent (the session
+        // STARTING) is committed, the restart has not run.
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("agent-restart-after-intent");
         self.inner.metrics.agent_restarted();
         let delay = match n {
             0 | 1 => Duration::ZERO,

@@ -117,6 +117,18 @@ async fn child_backend() {
             say("CREATED");
         }
         Mode::Recover => {
+            // As `sessiond serve` does: an idle agent's exit is pushed.
+            child
+                .mgr
+                .recovery()
+                .listen_doorbell(
+                    &child
+                        .spec
+                        .dir
+                        .join("run")
+                        .join(sessiond_executor::standalone::DOORBELL_FILE),
+                )
+                .unwrap();
             say("RECOVERING");
             let summary = child.mgr.recovery().recover_all().await.unwrap();
             say(&format!("RECOVERED {:?}", summary.counts));

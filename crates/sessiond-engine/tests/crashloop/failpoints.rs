@@ -709,3 +709,41 @@ async fn resume_after_intent_of_a_failed_executor() {
         "the resume was finished: the conversation continues"
     );
 }
+
+/// An idle agent exits by itself (agentctl alive): its exit's commit holds
+/// the restart's intent (ERROR, then STARTING) before the restart runs. A
+/// backend killed right there leaves the session STARTING, and the next
+/// start resumes it: the agent is back and the conversation goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_restart_after_intent() {
+    let w = World::new().await;
+    let sessions = sessions_before_crash(&w, 1).await;
+    let mut c = w.spawn_child(
+        "restart",
+        Mode::Recover,
+        Some("agent-restart-after-intent=kill"),
+    );
+    if !c.wait_for("RECOVERED", Duration::from_secs(120)).await {
+        c.kill9();
+        panic!("the backend did not recover\n{}", c.log_tail());
+    }
+    let s = sessions
+        .iter()
+        .find(|s| s.runtime == Runtime::LocalStandalone)
+        .unwrap();
+    let agentctl = w.record(s.id).await.unwrap().pid.unwrap();
+    let agents = crate::world::children_of(agentctl);
+    assert!(!agents.is_empty(), "no agent under agentctl {agentctl}");
+    for pid in agents {
+        crate::world::kill9(pid);
+    }
+    let status = c.wait_exit(Duration::from_secs(60)).await;
+    c.assert_killed_by_failpoint(status, "agent-restart-after-intent");
+    let stored = w.store.get_session(s.id).await.unwrap();
+    assert_eq!(stored.state, SessionState::Starting, "{stored:?}");
+    assert_eq!(
+        restart_and_check(&w).await,
+        sessions.len(),
+        "every conversation continues, the restarted one included"
+    );
+}
