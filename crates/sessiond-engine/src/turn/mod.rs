@@ -57,6 +57,15 @@ pub(crate) const TURN_CANCELLED: &str =
 /// automatically (at most once); the user decides.
 pub(crate) const TURN_INTERRUPTED: &str = "the turn was interrupted: the agent may have started working on this message (it may have run tools or changed files) but its reply did not arrive whole, so sessiond did not send it again. Send it again, or retry it, if it should run again.";
 
+/// Appended to [`TURN_INTERRUPTED`] when one message is queued behind the
+/// turn: the queue is held until the user decides (`queued.rs`).
+pub(crate) const QUEUE_HELD_ONE: &str = " The queued message waits until you retry this turn, or send a \
+     new message to go on without it.";
+
+/// The same for several queued messages (after "The N queued messages").
+pub(crate) const QUEUE_HELD_MANY: &str =
+    "wait until you retry this turn, or send a new message to go on without it.";
+
 /// The stored state of an activity part (`Message::data`):
 /// `{"rev": n, "update": <the part as ACP JSON>}`. JSON that does not parse
 /// is kept as a string, never dropped.
@@ -219,9 +228,17 @@ pub(crate) async fn cut_turn(
             change = change.event(session.id, EventPayload::MessageUpdated(m));
         }
     }
+    let held = sessiond_domain::queue::queued(&session.metadata).len();
     let (note, stop_reason, error) = match cut {
         Cut::Interrupted(why) => (
-            format!("{TURN_INTERRUPTED} ({why})"),
+            format!(
+                "{TURN_INTERRUPTED} ({why}){}",
+                match held {
+                    0 => String::new(),
+                    1 => QUEUE_HELD_ONE.to_owned(),
+                    n => format!(" The {n} queued messages {QUEUE_HELD_MANY}"),
+                }
+            ),
             "interrupted",
             Some(why.to_owned()),
         ),

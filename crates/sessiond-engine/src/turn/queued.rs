@@ -10,7 +10,9 @@
 //! commit that starts the turn. So concurrent kicks deliver it once, and a
 //! crash before that commit leaves it queued for the next kick (recovery
 //! commits the session, which kicks). A session that ended drops its queue
-//! with a system message saying what was not sent.
+//! with a system message saying what was not sent. The queue is held
+//! while the last turn is interrupted (it may have run, or not): a retry of
+//! it, or a new message, lets it go on.
 
 use chrono::Utc;
 use sessiond_domain::{
@@ -20,7 +22,7 @@ use sessiond_domain::{
 };
 use sessiond_store::Changeset;
 
-use super::Turns;
+use super::{INTERRUPTED_TURN_KEY, Turns};
 use crate::lease::Fencing;
 use crate::{Error, Result, SessionManager};
 
@@ -148,6 +150,11 @@ impl Turns<'_> {
             queued_at: Utc::now(),
         };
         let mut next = session;
+        if next.state == SessionState::WaitingForInput {
+            // A new message while the queue is held behind an interrupted
+            // turn: the user goes on without retrying it.
+            next.metadata.remove(INTERRUPTED_TURN_KEY);
+        }
         queue::enqueue(&mut next.metadata, &entry);
         next.updated_at = entry.queued_at;
         let queued = queue::queued(&next.metadata);
@@ -182,6 +189,12 @@ impl Turns<'_> {
         });
         if session.state != SessionState::WaitingForInput || !agent_runs {
             // A later commit, or the agent seen running again, kicks again.
+            return Ok(());
+        }
+        if session.metadata.contains_key(INTERRUPTED_TURN_KEY) {
+            // The last turn ended interrupted: the user decides whether it
+            // runs again before what was queued behind it. A retry, or a
+            // new message (which gives the retry up), lets the queue go on.
             return Ok(());
         }
         tracing::info!(session = %session_id, message = %first.id, "delivering a queued message");

@@ -411,7 +411,9 @@ async fn a_create_cut_by_a_crash_comes_up_by_itself() {
 /// agentctl alive: the turn ends interrupted (the reply so far kept and
 /// marked, the turn kept for a retry), and sessiond starts a new agent
 /// under the same agentctl and resumes the conversation with no call,
-/// the session never left in ERROR; the next message is answered.
+/// the session never left in ERROR. A message queued behind the cut turn
+/// is held (the user decides whether the turn runs again first); a new
+/// message gives the retry up and both are delivered, in order, once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_heavy_agent_killed_mid_reply_is_restarted_by_itself() {
     let w = World::new(Db::Sqlite).await;
@@ -434,6 +436,10 @@ async fn a_heavy_agent_killed_mid_reply_is_restarted_by_itself() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let two = match mgr.send_or_queue(w.task.id, s.id, "two").await.unwrap() {
+        sessiond_engine::Sent::Queued(q) => q,
+        other => panic!("not queued behind the running turn: {other:?}"),
+    };
     let agentctl = w.record(s.id).await.pid.unwrap();
     let agents = children_of(agentctl);
     assert!(!agents.is_empty(), "no agent under agentctl {agentctl}");
@@ -441,6 +447,11 @@ async fn a_heavy_agent_killed_mid_reply_is_restarted_by_itself() {
         kill9(*pid);
     }
     let st = w.wait_agent_back(&mgr, s.id, seq_before).await;
+    assert_eq!(
+        st.queued.iter().map(|q| q.id).collect::<Vec<_>>(),
+        [two.id],
+        "the queued message is held behind the interrupted turn"
+    );
     assert_eq!(st.executor_status, Some(ExecutorStatus::Ready), "{st:?}");
     assert_eq!(w.record(s.id).await.pid, Some(agentctl), "agentctl kept");
     let msgs = w.messages(s.id).await;
@@ -452,7 +463,10 @@ async fn a_heavy_agent_killed_mid_reply_is_restarted_by_itself() {
     );
     assert_eq!(msgs[4].role, MessageRole::System, "{:?}", msgs[4]);
     assert!(
-        msgs[4].content.starts_with("the turn was interrupted"),
+        msgs[4].content.starts_with("the turn was interrupted")
+            && msgs[4]
+                .content
+                .contains("The queued message waits until you retry"),
         "{:?}",
         msgs[4]
     );
@@ -471,8 +485,35 @@ async fn a_heavy_agent_killed_mid_reply_is_restarted_by_itself() {
         "ERROR only on the way to STARTING: {events:?}"
     );
     w.track(s.id).await;
-    let reply = w.prompt(&mgr, s.id, "three").await;
-    assert!(reply.contains("three"), "{reply}");
+    // Still held while nobody decides.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(w.messages(s.id).await.len(), 5);
+    // A new message goes on without the retry: two, then three.
+    assert!(matches!(
+        mgr.send_or_queue(w.task.id, s.id, "three").await.unwrap(),
+        sessiond_engine::Sent::Queued(_)
+    ));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let msgs = w.messages(s.id).await;
+        let st = w.status(&mgr, s.id).await;
+        if msgs.len() == 9 && st.state == SessionState::WaitingForInput && msgs[8].complete {
+            let users: Vec<&str> = msgs
+                .iter()
+                .filter(|m| m.role == MessageRole::User)
+                .map(|m| m.content.as_str())
+                .collect();
+            assert_eq!(users, ["one", "/long", "two", "three"], "{msgs:?}");
+            assert!(msgs[6].content.contains("\"two\""), "{:?}", msgs[6]);
+            assert!(msgs[8].content.contains("\"three\""), "{:?}", msgs[8]);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "two and three not answered: {msgs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     w.finish(&mgr, &[s.id]).await;
 }
 

@@ -293,9 +293,10 @@ async fn a_queued_message_survives_kill_9_of_sessiond_and_is_delivered_once() {
 
 /// Everything is killed (sessiond, agentctl, the agent in the middle of
 /// turn one) with a message queued: after the restart, turn one ends
-/// interrupted (never sent again by itself), and the queued message is
-/// delivered once to the resumed agent — a heavy one, slow to start and to
-/// load its history.
+/// interrupted (never sent again by itself), and the queued message is held
+/// behind it, the user deciding: once turn one is retried, the queued
+/// message is delivered once to the resumed agent — a heavy one, slow to
+/// start and to load its history.
 #[tokio::test]
 async fn a_queued_message_survives_kill_9_of_everything_and_is_delivered_once() {
     let dir = tempfile::tempdir().unwrap();
@@ -337,16 +338,40 @@ async fn a_queued_message_survives_kill_9_of_everything_and_is_delivered_once() 
     let mut c = sessions(&server).await;
     let ended = turn_end(&mut c, &s.id, &one.id).await;
     assert_eq!(ended.stop_reason, "interrupted", "{ended:?}");
+    // Held: the agent is back, the queue waits for the user's decision.
+    for _ in 0..600 {
+        let st = status(&mut c, &task.id, &s.id).await;
+        if st.is_agent_running && st.state == pb::SessionState::WaitingForInput as i32 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let st = status(&mut c, &task.id, &s.id).await;
+    assert_eq!(st.queued_messages.len(), 1, "{st:?}");
+    assert_eq!(lines(&side), ["one"], "turn one not re-sent, two held");
+    let retried = c
+        .retry_turn(pb::RetryTurnRequest {
+            task_id: task.id.clone(),
+            session_id: s.id.clone(),
+            message_id: one.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .unwrap();
+    turn_end(&mut c, &s.id, &retried.id).await;
     turn_end(&mut c, &s.id, &two.id).await;
     assert_eq!(
         lines(&side),
-        ["one", "two"],
-        "turn one not re-sent, two once"
+        ["one", "one", "two"],
+        "turn one again on request only, then two once"
     );
     let users: Vec<String> = user_messages(&mut c, &task.id, &s.id)
         .await
         .into_iter()
         .map(|(_, text)| text)
         .collect();
-    assert_eq!(users, ["one", "two"]);
+    assert_eq!(users, ["one", "one", "two"]);
 }
