@@ -1625,7 +1625,11 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
           )}
           {s && s.queuedMessages.length > 0 && (
             <div class="queued" data-testid="queued" role="region" aria-label="Queued messages">
-              <span class="muted">Queued, sent one turn at a time after the running turn:</span>
+              <span class="muted">
+                {s.queueHeld
+                  ? "Queued, held because the last turn was interrupted: Retry it first, or send a new message to go on without it:"
+                  : "Queued, sent one turn at a time after the running turn:"}
+              </span>
               <ol>
                 {s.queuedMessages.map((q) => (
                   <li key={q.id} data-queued={q.id}>

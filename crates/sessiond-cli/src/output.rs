@@ -713,6 +713,7 @@ impl Out {
                 "pending_permissions": s.pending_permissions.iter().map(permission_json).collect::<Vec<_>>(),
                 "usage": s.usage.as_ref().map(usage_json),
                 "queued_messages": s.queued_messages.iter().map(queued_json).collect::<Vec<_>>(),
+                "queue_held": s.queue_held,
             }));
             return;
         }
@@ -763,6 +764,12 @@ impl Out {
         }
         for q in &s.queued_messages {
             println!("queued            {} {}", q.id, one_line(&q.content, 80));
+        }
+        if s.queue_held {
+            println!(
+                "queue             held: the last turn was interrupted; `sessionctl retry` runs it \
+                 again first, a new message goes on without it"
+            );
         }
     }
 

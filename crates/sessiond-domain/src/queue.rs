@@ -20,6 +20,17 @@ pub const QUEUE_PREFIX: &str = "queued_message:";
 /// At most this many messages wait in one session's queue.
 pub const MAX_QUEUED: usize = 16;
 
+/// Metadata key of the session's last turn when it ended interrupted (its
+/// user message id), kept for a retry until another turn starts.
+pub const INTERRUPTED_TURN_KEY: &str = "interrupted_turn";
+
+/// True when messages wait and the queue is held: the last turn ended
+/// interrupted, and the user decides (a retry of it, or a new message)
+/// before what was queued behind it goes on.
+pub fn is_held(metadata: &BTreeMap<String, String>) -> bool {
+    metadata.contains_key(INTERRUPTED_TURN_KEY) && !is_empty(metadata)
+}
+
 /// A message waiting for the session's running turn to end.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QueuedMessage {

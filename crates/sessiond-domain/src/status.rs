@@ -202,6 +202,9 @@ pub struct SessionStatus {
     pub usage: crate::UsageTotals,
     /// Messages waiting for the running turn to end, oldest first.
     pub queued: Vec<crate::QueuedMessage>,
+    /// The queue waits for the user: the last turn ended interrupted, and
+    /// a retry of it or a new message lets the queue go on.
+    pub queue_held: bool,
 }
 
 /// Where the relaunch of a session's agent stands while recovery brings it
@@ -359,6 +362,8 @@ pub struct MetadataStatus {
     pub usage: crate::UsageTotals,
     /// Messages waiting for the running turn to end, oldest first.
     pub queued: Vec<crate::QueuedMessage>,
+    /// The queue is held behind an interrupted turn.
+    pub queue_held: bool,
 }
 
 impl MetadataStatus {
@@ -367,6 +372,7 @@ impl MetadataStatus {
         Self {
             usage: crate::UsageTotals::from_metadata(&session.metadata),
             queued: crate::queue::queued(&session.metadata),
+            queue_held: crate::queue::is_held(&session.metadata),
         }
     }
 }
@@ -435,6 +441,7 @@ pub fn session_status_with(
         agent_recovery: None,
         usage: metadata.usage,
         queued: metadata.queued,
+        queue_held: metadata.queue_held,
     }
 }
 

@@ -512,6 +512,7 @@ pub fn status(s: SessionStatus) -> pb::GetSessionStatusResponse {
         usage: Some(usage_totals(&s.usage)),
         config_options: Vec::new(),
         queued_messages: s.queued.iter().map(queued_message).collect(),
+        queue_held: s.queue_held,
     }
 }
 

@@ -46,7 +46,7 @@ pub(crate) const TURN_INSTANCE_KEY: &str = "turn_instance";
 /// Session metadata key of the last turn (user message id) if it ended
 /// interrupted: the one turn `retry_turn` may run again. Removed when the
 /// next turn starts.
-pub(crate) const INTERRUPTED_TURN_KEY: &str = "interrupted_turn";
+pub(crate) const INTERRUPTED_TURN_KEY: &str = sessiond_domain::queue::INTERRUPTED_TURN_KEY;
 
 /// The system message after a turn cancelled on request (CancelTurn).
 pub(crate) const TURN_CANCELLED: &str =

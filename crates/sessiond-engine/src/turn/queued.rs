@@ -191,7 +191,7 @@ impl Turns<'_> {
             // A later commit, or the agent seen running again, kicks again.
             return Ok(());
         }
-        if session.metadata.contains_key(INTERRUPTED_TURN_KEY) {
+        if queue::is_held(&session.metadata) {
             // The last turn ended interrupted: the user decides whether it
             // runs again before what was queued behind it. A retry, or a
             // new message (which gives the retry up), lets the queue go on.

@@ -452,6 +452,7 @@ async fn a_heavy_agent_killed_mid_reply_is_restarted_by_itself() {
         [two.id],
         "the queued message is held behind the interrupted turn"
     );
+    assert!(st.queue_held, "{st:?}");
     assert_eq!(st.executor_status, Some(ExecutorStatus::Ready), "{st:?}");
     assert_eq!(w.record(s.id).await.pid, Some(agentctl), "agentctl kept");
     let msgs = w.messages(s.id).await;
@@ -504,6 +505,7 @@ async fn a_heavy_agent_killed_mid_reply_is_restarted_by_itself() {
                 .map(|m| m.content.as_str())
                 .collect();
             assert_eq!(users, ["one", "/long", "two", "three"], "{msgs:?}");
+            assert!(!st.queue_held && st.queued.is_empty(), "{st:?}");
             assert!(msgs[6].content.contains("\"two\""), "{:?}", msgs[6]);
             assert!(msgs[8].content.contains("\"three\""), "{:?}", msgs[8]);
             break;

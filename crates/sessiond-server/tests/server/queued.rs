@@ -349,6 +349,7 @@ async fn a_queued_message_survives_kill_9_of_everything_and_is_delivered_once() 
     tokio::time::sleep(Duration::from_millis(500)).await;
     let st = status(&mut c, &task.id, &s.id).await;
     assert_eq!(st.queued_messages.len(), 1, "{st:?}");
+    assert!(st.queue_held, "{st:?}");
     assert_eq!(lines(&side), ["one"], "turn one not re-sent, two held");
     let retried = c
         .retry_turn(pb::RetryTurnRequest {
