@@ -417,6 +417,17 @@ impl SessionManager {
         Ok(())
     }
 
+    /// True when an agent exit seen on STARTING `session` belongs to the
+    /// work bringing its agent up (a restart decided by an earlier exit, a
+    /// recovery launching or waiting to retry, an explicit resume): that
+    /// work decides, with its own retries, not the exit.
+    pub(crate) fn exit_belongs_to_recovery(&self, session: &Session) -> bool {
+        session.state == sessiond_domain::SessionState::Starting
+            && (self.inner.agent_restarts.pending(session.id)
+                || self.inner.agent_recoveries.under_way(session.id)
+                || self.inner.sessions.inflight(session.id).is_some())
+    }
+
     /// Registers a background task so `shutdown` can end it.
     pub(crate) fn spawn_background<F>(&self, fut: F) -> tokio::task::JoinHandle<F::Output>
     where

@@ -97,6 +97,12 @@ impl AgentRecoveries {
         self.done.notify_waiters();
     }
 
+    /// True while a recovery of `session`'s agent is under way (launching,
+    /// resuming, queued for a slot, or waiting to retry).
+    pub(crate) fn under_way(&self, session: SessionId) -> bool {
+        lock(&self.entries).contains_key(&session)
+    }
+
     /// Waits until no recovery is under way for `session`, at most `limit`;
     /// true when none is (any more).
     pub(crate) async fn wait_done(&self, session: SessionId, limit: Duration) -> bool {

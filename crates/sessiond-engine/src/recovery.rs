@@ -2126,6 +2126,19 @@ impl ExecutorRecovery<'_> {
             0 | 1 => Duration::ZERO,
             n => self.inner.config.retry_backoff.delay(n - 2),
         };
+        if !delay.is_zero() {
+            // The status says so meanwhile (`recovering`, waiting to retry),
+            // and a message or a retry waits for it.
+            self.inner.agent_recoveries.retry_after(
+                session,
+                0,
+                format!(
+                    "the agent exited; restart {n} of {}",
+                    self.inner.config.agent_restarts
+                ),
+                delay,
+            );
+        }
         let me = self.0.clone();
         self.spawn_background(async move {
             tokio::time::sleep(delay).await;
@@ -2139,6 +2152,9 @@ impl ExecutorRecovery<'_> {
                 Pass(&me).recover_shared(record).await.map(Some)
             }
             .await;
+            if !matches!(outcome, Ok(Some(_))) {
+                me.inner.agent_recoveries.clear(session);
+            }
             me.inner.agent_restarts.finished(session);
             match outcome {
                 Ok(Some(label)) => {

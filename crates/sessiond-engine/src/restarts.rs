@@ -143,6 +143,13 @@ impl AgentRestarts {
             .and_then(|e| e.stopped_after_cancel.take())
     }
 
+    /// The exit of `session`'s agent was counted where it was found (a
+    /// liveness check, the doorbell): its `AgentExited` update is not
+    /// counted again on account of the restart it decided.
+    pub(crate) fn exit_counted(&self, session: SessionId) {
+        lock(&self.0).entry(session).or_default().uncounted = false;
+    }
+
     /// The restart of `session`'s agent finished (or was not committed).
     pub(crate) fn finished(&self, session: SessionId) {
         if let Some(e) = lock(&self.0).get_mut(&session) {

@@ -1969,7 +1969,16 @@ fn recovery_config(r: &RecoverySection, p: &mut Problems) -> RecoveryConfig {
             .positive_duration("recovery.retry_backoff_initial", &r.retry_backoff_initial),
         retry_backoff_max: p.positive_duration("recovery.retry_backoff_max", &r.retry_backoff_max),
         agent_restarts: r.agent_restarts.min(100),
-        cancel_grace: p.positive_duration("recovery.cancel_grace", &r.cancel_grace),
+        cancel_grace: {
+            let grace = p.positive_duration("recovery.cancel_grace", &r.cancel_grace);
+            if grace < Duration::from_secs(1) && !grace.is_zero() {
+                p.add(
+                    "recovery.cancel_grace",
+                    "must be at least 1s: an agent needs time to end a cancelled turn",
+                );
+            }
+            grace
+        },
         launch_concurrency: r.launch_concurrency.min(1024) as usize,
         launch_concurrency_max: r.launch_concurrency_max.min(4096) as usize,
         remote_backoff_initial: p
@@ -2584,6 +2593,7 @@ mod tests {
             mode = "sometimes"
             executor_deadline = "5 parsecs"
             agent_restarts = 1000
+            cancel_grace = "1ms"
         "#;
         let mut f = FileConfig::parse(text).unwrap();
         f.data_dir = Some("/tmp/x".into());
@@ -2601,6 +2611,10 @@ mod tests {
         assert!(err.contains("recovery.executor_deadline:"), "{err}");
         assert!(
             err.contains("recovery.agent_restarts: must be between 0 and 100"),
+            "{err}"
+        );
+        assert!(
+            err.contains("recovery.cancel_grace: must be at least 1s"),
             "{err}"
         );
     }

@@ -2,7 +2,8 @@
 //! asked for its `Health`; a healthy one gets `last_seen_at` refreshed, one
 //! that stops answering is lost (its session goes ERROR, or a remote host is
 //! reconnected in the background). The doorbell (`doorbell.rs`) asks one
-//! executor at once when its agent exits.
+//! executor at once when its agent exits; a watch of this host's agentctl
+//! processes asks one at once when it dies while its session is idle.
 
 use chrono::Utc;
 use futures::StreamExt;
@@ -21,6 +22,11 @@ use crate::restarts::{AfterExit, after_agent_exit, exit_how};
 
 /// How many executors the liveness check asks at once.
 const LIVENESS_CONCURRENCY: usize = 16;
+
+/// How often the agentctl processes of this host's idle sessions are
+/// looked at (`/proc`): a dead one is checked at once instead of at the
+/// next liveness round.
+const PID_WATCH_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The periodic liveness check of ready executors, and the check of one.
 pub(crate) struct Liveness<'m>(pub(crate) &'m crate::manager::SessionManager);
@@ -51,6 +57,7 @@ impl Liveness<'_> {
         {
             return;
         }
+        self.watch_local_agentctls();
         let me = self.0.clone();
         self.spawn_background(async move {
             loop {
@@ -96,6 +103,42 @@ impl Liveness<'_> {
                         Err(e) => {
                             tracing::debug!(error = %e, "liveness heartbeats could not be recorded");
                         }
+                    }
+                }
+            }
+        });
+    }
+
+    /// An idle session's local agentctl that dies says nothing: no update
+    /// stream is open to break (a session with a pump finds out from its
+    /// stream), and its agent, which would ring the doorbell, dies with it.
+    /// Every [`PID_WATCH_EVERY`], the recorded agentctl process (pid and
+    /// start time) of each ready standalone executor without a pump is
+    /// looked up in `/proc`; one that is gone is checked at once
+    /// ([`Liveness::check_liveness`]: agentctl lost, recovered in the
+    /// background), so the status does not say `ready` for up to a whole
+    /// liveness interval.
+    fn watch_local_agentctls(&self) {
+        let me = self.0.clone();
+        self.spawn_background(async move {
+            loop {
+                tokio::time::sleep(PID_WATCH_EVERY).await;
+                let gone: Vec<(ExecutorRecord, bool)> = me.inner.sessions.executions(|e| {
+                    let r = &e.record;
+                    let dead = r.runtime == Runtime::LocalStandalone
+                        && r.status == ExecutorStatus::Ready
+                        && matches!((r.pid, r.pid_start_time), (Some(pid), Some(st))
+                            if !sessiond_executor::process::is_same_running(pid, st));
+                    dead.then(|| (r.clone(), e.agent == AgentProcessState::Running))
+                });
+                for (record, agent_running) in gone {
+                    if me.inner.sessions.has_pump(record.session_id) {
+                        continue; // its update stream reports the loss
+                    }
+                    tracing::info!(session = %record.session_id, executor = %record.id,
+                        pid = ?record.pid, "an idle session's agentctl process is gone; checking it now");
+                    if let Err(e) = Liveness(&me).check_liveness(record, agent_running).await {
+                        tracing::debug!(error = %e, "agentctl check could not be recorded");
                     }
                 }
             }
@@ -195,9 +238,7 @@ impl Liveness<'_> {
             let mut restart = AfterExit::Error { exhausted: false };
             if let Some(exit) = &exited {
                 let session = self.inner.store.get_session(record.session_id).await?;
-                let restarting = session.state == SessionState::Starting
-                    && self.inner.agent_restarts.pending(session.id);
-                if !restarting
+                if !self.exit_belongs_to_recovery(&session)
                     && matches!(
                         session.state,
                         SessionState::Starting
@@ -205,6 +246,9 @@ impl Liveness<'_> {
                             | SessionState::WaitingForInput
                     )
                 {
+                    self.inner
+                        .metrics
+                        .agent_exited(crate::metrics::ExitCause::of(exit.code, exit.signal));
                     let what = format!("the agent process exited ({})", exit_how(Some(exit)));
                     let (mut s, events, decided) = after_agent_exit(
                         &self.inner.config,
@@ -213,6 +257,9 @@ impl Liveness<'_> {
                         &what,
                     )?;
                     restart = decided;
+                    // Counted here: its `AgentExited` update, read later by
+                    // a pump, is not counted again.
+                    self.inner.agent_restarts.exit_counted(session.id);
                     s.metadata.remove(crate::turn::TURN_KEY);
                     change = change.update_session(s);
                     for ev in events {

@@ -789,11 +789,9 @@ impl Pump {
             .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
         let _guard = self.mgr.inner.sessions.lock(self.session_id).await;
         let session = self.mgr.inner.store.get_session(self.session_id).await?;
-        if session.state == SessionState::Starting
-            && self.mgr.inner.agent_restarts.pending(self.session_id)
-        {
-            // This agent's exit was handled (its TurnEnded): the restart
-            // decided then brings the next one.
+        if self.mgr.exit_belongs_to_recovery(&session) {
+            // Handled already (its TurnEnded decided a restart), or an agent
+            // dying while it is brought up: the recovery retries it.
             return Ok(());
         }
         // Its TurnEnded did not come first: the turn died with the agent,

@@ -544,3 +544,43 @@ async fn a_retry_right_after_an_interrupted_turn_waits_for_the_recovery() {
     w.track(s.id).await;
     w.finish(&mgr, &[s.id]).await;
 }
+
+/// An idle session's agentctl killed with SIGKILL (its agent dies with
+/// it): no update stream is open and no agent is left to ring the
+/// doorbell, so the watch of this host's agentctl processes finds it at
+/// once (the liveness round is an hour away here), and the session
+/// recovers by itself: a new agentctl, the agent resumed, the conversation
+/// going on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_sessions_killed_agentctl_is_found_at_once_and_recovered() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager_with(with_liveness(&w, Some(Duration::from_secs(3600))));
+    mgr.recovery().recover_all().await.unwrap();
+    let s = w.create(&mgr, "idle").await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    w.wait_parked(&mgr, s.id).await;
+    let old = w.record(s.id).await;
+    kill9(old.pid.unwrap());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = w.record(s.id).await;
+        let st = w.status(&mgr, s.id).await;
+        if r.pid != old.pid
+            && r.status == ExecutorStatus::Ready
+            && st.state == SessionState::WaitingForInput
+            && st.is_agent_running
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the killed agentctl was not found and recovered: {r:?} {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    w.track(s.id).await;
+    let reply = w.prompt(&mgr, s.id, "two").await;
+    assert_eq!(reply, expected_reply(2, &token, "two"));
+    w.finish(&mgr, &[s.id]).await;
+}

@@ -580,3 +580,61 @@ async fn a_heavy_agent_that_ignores_cancel_is_stopped_after_the_grace_and_restar
     assert!(reply.contains("after"), "{reply}");
     w.finish(&mgr, &[s.id]).await;
 }
+
+/// The agent sessiond restarts after an exit dies again while it starts
+/// (a heavy one, seconds to start): that is the restart's launch failing,
+/// which recovery retries like any launch, so the session comes back by
+/// itself; it never goes ERROR for the second death.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_dies_again_while_restarting_is_retried() {
+    let w = World::new(Db::Sqlite).await;
+    let profile = w.demo_profile("heavy", HEAVY).await;
+    let mgr = w.manager_with(ManagerConfig {
+        retry_backoff: sessiond_executor::Backoff {
+            initial: Duration::from_millis(200),
+            max: Duration::from_secs(1),
+        },
+        ..defaults()
+    });
+    let s = w.create_with(&mgr, "twice", &profile, None).await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    let seq_before = w.store.last_event_seq(s.id).await.unwrap();
+    let agentctl = w.record(s.id).await.pid.unwrap();
+    let first = children_of(agentctl);
+    assert_eq!(first.len(), 1, "one agent under agentctl {agentctl}");
+    kill9(first[0]);
+    // The restarted agent, killed while it starts (it sleeps 1.5 s first).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let second = loop {
+        if let Some(p) = children_of(agentctl).into_iter().find(|p| *p != first[0]) {
+            break p;
+        }
+        assert!(Instant::now() < deadline, "no restarted agent appeared");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    kill9(second);
+    let st = w.wait_agent_back(&mgr, s.id, seq_before).await;
+    assert!(st.error_message.is_none(), "{st:?}");
+    let errors = w
+        .store
+        .events_after(s.id, seq_before, 10_000)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|e| {
+            matches!(
+                e.payload,
+                EventPayload::StateChanged {
+                    to: SessionState::Error,
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(errors, 1, "ERROR only on the way to the restart");
+    w.track(s.id).await;
+    let reply = w.prompt(&mgr, s.id, "two").await;
+    assert_eq!(reply, expected_reply(2, &token, "two"));
+    w.finish(&mgr, &[s.id]).await;
+}

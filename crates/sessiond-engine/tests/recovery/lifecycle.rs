@@ -1,3 +1,5 @@
+use std::time::{Duration, Instant};
+
 use sessiond_domain::{
     EventKind, EventPayload, ExecutorStatus, MessageRole, SessionState, TaskState,
 };
@@ -318,5 +320,53 @@ async fn session_modes_are_kept_until_they_change() {
     assert!(reply.contains("mode: default"), "{reply}");
     let modes = mgr.session_modes(w.task.id, s.id).await.unwrap();
     assert_eq!(current(modes), "default", "the agent's own switch is shown");
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// The second restart of an agent within the window waits the retry
+/// backoff first; meanwhile the status says the session recovers by
+/// itself (waiting to retry), not that it needs a resume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_waiting_its_backoff_shows_as_recovering() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager_with(ManagerConfig {
+        retry_backoff: sessiond_executor::Backoff {
+            initial: Duration::from_secs(3),
+            max: Duration::from_secs(3),
+        },
+        ..w.config()
+    });
+    std::fs::create_dir_all(w.path("run")).unwrap();
+    mgr.recovery()
+        .listen_doorbell(
+            &w.path("run")
+                .join(sessiond_executor::standalone::DOORBELL_FILE),
+        )
+        .unwrap();
+    mgr.recovery().recover_all().await.unwrap();
+    let s = w.create(&mgr, "backoff").await;
+    let agentctl = w.record(s.id).await.pid.unwrap();
+    let seq = w.store.last_event_seq(s.id).await.unwrap();
+    kill9(demo_agents_under(agentctl)[0]);
+    w.wait_agent_back(&mgr, s.id, seq).await;
+    let seq = w.store.last_event_seq(s.id).await.unwrap();
+    kill9(demo_agents_under(agentctl)[0]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let waiting = loop {
+        let st = w.status(&mgr, s.id).await;
+        if st.state == SessionState::Starting {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "no second restart: {st:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert!(waiting.recovering && !waiting.needs_resume, "{waiting:?}");
+    assert_eq!(
+        waiting.agent_recovery.as_ref().map(|r| r.stage),
+        Some(sessiond_domain::RecoveryStage::WaitingToRetry),
+        "{waiting:?}"
+    );
+    w.wait_agent_back(&mgr, s.id, seq).await;
+    w.track(s.id).await;
     w.finish(&mgr, &[s.id]).await;
 }

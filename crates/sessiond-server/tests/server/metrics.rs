@@ -328,6 +328,34 @@ async fn counters_move_with_turns_crashes_and_recovery() {
         "{text}"
     );
     wait_state(&mut c, &task.id, &bad.id, pb::SessionState::WaitingForInput).await;
+    // The restarted agent killed while idle: the exit the doorbell reports
+    // is counted once, and restarted.
+    let agents = crate::permissions::demo_agents_under(&dir.path().join("crashy-state"));
+    assert_eq!(agents.len(), 1, "{agents:?}");
+    Command::new("kill")
+        .args(["-KILL", &agents[0].to_string()])
+        .status()
+        .unwrap();
+    for _ in 0..200 {
+        text = scrape(&metrics).await;
+        if sample(&text, "sessiond_agent_restarts_total") >= 2.0
+            && sample(&text, "sessiond_agent_exits_total{cause=\"signal\"}") >= 1.0
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        sample(&text, "sessiond_agent_exits_total{cause=\"signal\"}"),
+        1.0,
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "sessiond_agent_restarts_total"),
+        2.0,
+        "{text}"
+    );
+    wait_state(&mut c, &task.id, &bad.id, pb::SessionState::WaitingForInput).await;
     assert_eq!(
         sample(&text, "sessiond_turns_total{outcome=\"failed\"}"),
         1.0,

@@ -422,7 +422,7 @@ async fn agentctl_killed_while_a_request_waits_cancels_it() {
 }
 
 /// Pids of the demo agents whose environment names `dir` (their state dir).
-fn demo_agents_under(dir: &Path) -> Vec<u32> {
+pub(crate) fn demo_agents_under(dir: &Path) -> Vec<u32> {
     let needle = dir.display().to_string();
     std::fs::read_dir("/proc")
         .unwrap()
