@@ -188,14 +188,7 @@ async fn idle_session_is_parked_and_its_agent_exit_is_found_by_liveness() {
 async fn a_never_prompted_sessions_agent_exit_is_pushed_through_the_doorbell() {
     let w = World::new(Db::Sqlite).await;
     let mgr = w.manager_with(with_liveness(&w, None));
-    std::fs::create_dir_all(w.path("run")).unwrap();
-    mgr.recovery()
-        .listen_doorbell(
-            &w.path("run")
-                .join(sessiond_executor::standalone::DOORBELL_FILE),
-        )
-        .unwrap();
-    mgr.recovery().recover_all().await.unwrap();
+    w.listen_and_recover(&mgr).await;
     let s = w.create(&mgr, "never-prompted").await;
     assert!(mgr.is_parked(s.id), "a new idle session holds no stream");
     let seq_before = w.store.last_event_seq(s.id).await.unwrap();

@@ -336,14 +336,7 @@ async fn a_restart_waiting_its_backoff_shows_as_recovering() {
         },
         ..w.config()
     });
-    std::fs::create_dir_all(w.path("run")).unwrap();
-    mgr.recovery()
-        .listen_doorbell(
-            &w.path("run")
-                .join(sessiond_executor::standalone::DOORBELL_FILE),
-        )
-        .unwrap();
-    mgr.recovery().recover_all().await.unwrap();
+    w.listen_and_recover(&mgr).await;
     let s = w.create(&mgr, "backoff").await;
     let agentctl = w.record(s.id).await.pid.unwrap();
     let seq = w.store.last_event_seq(s.id).await.unwrap();

@@ -335,6 +335,21 @@ impl World {
         }
     }
 
+    /// Has `mgr` listen on the doorbell of this world's agentctls (as
+    /// `sessiond serve` does), then run its startup recovery (which starts
+    /// the liveness checks, if configured).
+    pub async fn listen_and_recover(&self, mgr: &SessionManager) {
+        std::fs::create_dir_all(self.path("run")).unwrap();
+        mgr.recovery()
+            .listen_doorbell(
+                &self
+                    .path("run")
+                    .join(sessiond_executor::standalone::DOORBELL_FILE),
+            )
+            .unwrap();
+        mgr.recovery().recover_all().await.unwrap();
+    }
+
     /// Waits until sessiond restarted the session's agent by itself after
     /// it exited (events after `after`: ERROR saying why the agent is gone
     /// and that it is restarted, then STARTING) and the agent is back, the session
