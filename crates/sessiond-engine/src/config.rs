@@ -54,8 +54,8 @@ pub struct ManagerConfig {
     pub agent_stop_grace: Duration,
     /// How long a cancelled turn may go on: an agent that has not ended
     /// the turn this long after `CancelTurn` (it ignores `session/cancel`)
-    /// is stopped, the turn ends interrupted, and the agent is restarted
-    /// with its conversation (`agent_restarts`).
+    /// is stopped, the turn ends cancelled, saying so, and the agent is
+    /// restarted with its conversation (`agent_restarts`).
     pub cancel_grace: Duration,
     /// A streamed agent reply is written at most this often while it grows.
     pub message_flush_interval: Duration,

@@ -171,7 +171,15 @@ pub(crate) enum Cut<'a> {
     Interrupted(&'a str),
     /// The user stopped the session during the turn: `cancelled`.
     Stopped,
+    /// The user cancelled the turn, the agent went on, and sessiond
+    /// stopped it (`why`): `cancelled`, as a cancel the agent honours.
+    CancelEnforced(&'a str),
 }
+
+/// Appended to a partial reply whose agent sessiond stopped after it
+/// ignored the turn's cancel.
+pub(crate) const CANCEL_ENFORCED_NOTE: &str =
+    "\n\n[sessiond: the turn was cancelled; the agent did not stop, so sessiond stopped it]";
 
 /// Appended to a partial reply whose session was stopped during its turn.
 pub(crate) const STOPPED_NOTE: &str =
@@ -216,6 +224,7 @@ pub(crate) async fn cut_turn(
                 let note = match cut {
                     Cut::Interrupted(_) => INTERRUPTED_NOTE,
                     Cut::Stopped => STOPPED_NOTE,
+                    Cut::CancelEnforced(_) => CANCEL_ENFORCED_NOTE,
                 };
                 m.content = format!("{}{note}", r.content);
                 change = change.update_message(r.id, m.content.clone(), true);
@@ -243,11 +252,17 @@ pub(crate) async fn cut_turn(
             Some(why.to_owned()),
         ),
         Cut::Stopped => (TURN_STOPPED.to_owned(), "cancelled", None),
+        Cut::CancelEnforced(why) => (
+            format!("{TURN_CANCELLED} ({why})"),
+            "cancelled",
+            Some(why.to_owned()),
+        ),
     };
     // Requests the agent waited on die with the turn.
     let request_reason = match cut {
         Cut::Interrupted(why) => format!("the turn was interrupted: {why}"),
         Cut::Stopped => "the session was stopped".to_owned(),
+        Cut::CancelEnforced(_) => "the turn was cancelled".to_owned(),
     };
     change = crate::permission::cancel_open(mgr, session.id, change, &request_reason).await?;
     let note = Message {

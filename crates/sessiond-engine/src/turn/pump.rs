@@ -50,9 +50,8 @@ use sessiond_proto::agentctl::v1::{self as pb, agent_update::Kind};
 use sessiond_store::Changeset;
 
 use super::{
-    CURSOR_KEY, TURN_CANCELLED, TURN_GENERATION_KEY, TURN_INSTANCE_KEY, TURN_KEY, Turns,
-    agent_title, cursor_value, interrupt_turn, part_data, pending_turn, stored_cursor,
-    stored_part_rev,
+    CURSOR_KEY, Cut, TURN_CANCELLED, TURN_GENERATION_KEY, TURN_INSTANCE_KEY, TURN_KEY, Turns,
+    agent_title, cursor_value, cut_turn, part_data, pending_turn, stored_cursor, stored_part_rev,
 };
 use crate::{
     changes::transition,
@@ -607,19 +606,21 @@ impl Pump {
         let mut counted = None;
         let mut restart = AfterExit::Error { exhausted: false };
         // What the agent's exit was, if the turn died with it.
-        let exit_what = match self
+        let cancel_stop = self
             .mgr
             .inner
             .agent_restarts
             .take_cancel_stop(self.session_id)
-            .filter(|_| exited)
-        {
+            .filter(|_| exited);
+        let exit_what = match cancel_stop {
             Some(grace) => stopped_after_cancel(grace),
             None if end.error_message.is_empty() => "the agent exited during the turn".to_owned(),
             None => end.error_message.clone(),
         };
         if session.state == SessionState::Running && ours {
-            let outcome = if exited {
+            let outcome = if exited && cancel_stop.is_some() {
+                crate::metrics::TurnOutcome::Cancelled
+            } else if exited {
                 crate::metrics::TurnOutcome::Failed
             } else {
                 crate::metrics::TurnOutcome::from_stop_reason(&end.stop_reason)
@@ -673,8 +674,11 @@ impl Pump {
                 counted = Some(u);
             }
             if let Some(turn) = &died_in {
-                change = interrupt_turn(&self.mgr, &session, turn, &exit_what, change, &mut next)
-                    .await?;
+                let cut = match cancel_stop {
+                    Some(_) => Cut::CancelEnforced(&exit_what),
+                    None => Cut::Interrupted(&exit_what),
+                };
+                change = cut_turn(&self.mgr, &session, turn, cut, change, &mut next).await?;
             }
             for ev in events {
                 change = change.event(self.session_id, ev);
@@ -817,12 +821,12 @@ impl Pump {
             SessionState::Starting | SessionState::Running | SessionState::WaitingForInput
         ) {
             let how = exit_how(exit);
-            let (what, why) = match self
+            let cancel_stop = self
                 .mgr
                 .inner
                 .agent_restarts
-                .take_cancel_stop(self.session_id)
-            {
+                .take_cancel_stop(self.session_id);
+            let (what, why) = match cancel_stop {
                 Some(grace) => {
                     let what = format!("{} ({how})", stopped_after_cancel(grace));
                     (what.clone(), what)
@@ -842,7 +846,11 @@ impl Pump {
             restart = decided;
             next.metadata.remove(TURN_KEY);
             if let Some(turn) = &turn {
-                change = interrupt_turn(&self.mgr, &session, turn, &why, change, &mut next).await?;
+                let cut = match cancel_stop {
+                    Some(_) => Cut::CancelEnforced(&why),
+                    None => Cut::Interrupted(&why),
+                };
+                change = cut_turn(&self.mgr, &session, turn, cut, change, &mut next).await?;
             }
             for ev in events {
                 change = change.event(self.session_id, ev);

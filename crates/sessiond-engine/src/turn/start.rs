@@ -197,9 +197,9 @@ impl SessionManager {
 
     /// An agent may ignore `session/cancel` (stuck in a tool that never
     /// looks): if `turn` still runs `cancel_grace` after its cancel, the
-    /// agent is stopped. Its exit then ends the turn interrupted, saying
-    /// why, and restarts it with its conversation, as any exit does
-    /// (decision 0037). One watch per cancel; a turn that ended, or an
+    /// agent is stopped. Its exit then ends the turn cancelled, saying
+    /// sessiond stopped it, and restarts it with its conversation, as any
+    /// exit does (decision 0037). One watch per cancel; a turn that ended, or an
     /// agent replaced meanwhile, is left alone.
     fn stop_if_cancel_ignored(&self, session_id: SessionId, turn: String, record: ExecutorRecord) {
         let grace = self.inner.config.cancel_grace;

@@ -521,9 +521,10 @@ async fn a_heavy_agent_killed_mid_reply_is_restarted_by_itself() {
 
 /// A heavy agent that ignores `session/cancel` (as one stuck in a tool
 /// does) keeps its turn going after CancelTurn; once `cancel_grace` has
-/// passed, sessiond stops it: the turn ends interrupted saying why, and the
-/// agent is restarted with its conversation, so the session never stays
-/// RUNNING for good and the next message is answered.
+/// passed, sessiond stops it: the turn ends cancelled, as asked, saying
+/// sessiond stopped the agent, and the agent is restarted with its
+/// conversation, so the session never stays RUNNING for good and the next
+/// message is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_heavy_agent_that_ignores_cancel_is_stopped_after_the_grace_and_restarted() {
     let w = World::new(Db::Sqlite).await;
@@ -553,17 +554,27 @@ async fn a_heavy_agent_that_ignores_cancel_is_stopped_after_the_grace_and_restar
     let msgs = w.messages(s.id).await;
     assert_eq!(msgs.len(), 3, "{msgs:?}");
     assert!(
-        msgs[1].complete && msgs[1].content.contains("interrupted"),
+        msgs[1].complete
+            && msgs[1]
+                .content
+                .contains("the turn was cancelled; the agent did not stop"),
         "{:?}",
         msgs[1]
     );
     assert!(
-        msgs[2].content.starts_with("the turn was interrupted")
+        msgs[2]
+            .content
+            .starts_with("the turn was cancelled on request")
             && msgs[2]
                 .content
                 .contains("did not end the turn within 1s of its cancel"),
         "{:?}",
         msgs[2]
+    );
+    let stored = w.store.get_session(s.id).await.unwrap();
+    assert!(
+        !stored.metadata.contains_key("interrupted_turn"),
+        "a cancelled turn is not offered for a retry"
     );
     let ended: Vec<_> = w
         .events(s.id)
@@ -574,7 +585,11 @@ async fn a_heavy_agent_that_ignores_cancel_is_stopped_after_the_grace_and_restar
             _ => None,
         })
         .collect();
-    assert_eq!(ended, ["interrupted"], "one end for the turn");
+    assert_eq!(
+        ended,
+        ["cancelled"],
+        "one end for the turn, as the user asked"
+    );
     w.track(s.id).await;
     let reply = w.prompt(&mgr, s.id, "after").await;
     assert!(reply.contains("after"), "{reply}");
