@@ -180,6 +180,20 @@ async fn scrape(metrics: &str) -> String {
     text
 }
 
+/// A scrape once every `series` is at least its value (at most 20 s;
+/// then the last scrape, for the caller's assertions to show).
+async fn scrape_until(metrics: &str, series: &[(&str, f64)]) -> String {
+    let mut text = scrape(metrics).await;
+    for _ in 0..200 {
+        if series.iter().all(|(name, min)| sample(&text, name) >= *min) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        text = scrape(metrics).await;
+    }
+    text
+}
+
 async fn wait_ready(metrics: &str) {
     for _ in 0..1200 {
         if http_get(metrics, "/readyz").await.0.contains(" 200") {
@@ -312,16 +326,14 @@ async fn counters_move_with_turns_crashes_and_recovery() {
     // the turn and restarts the agent; its `AgentExited` update, which the
     // exit counter follows, comes after it on the stream, and is counted
     // even when the new agent already runs.
-    let mut text = scrape(&metrics).await;
-    for _ in 0..200 {
-        if sample(&text, "sessiond_agent_exits_total{cause=\"exit_nonzero\"}") >= 1.0
-            && sample(&text, "sessiond_agent_restarts_total") >= 1.0
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        text = scrape(&metrics).await;
-    }
+    let text = scrape_until(
+        &metrics,
+        &[
+            ("sessiond_agent_exits_total{cause=\"exit_nonzero\"}", 1.0),
+            ("sessiond_agent_restarts_total", 1.0),
+        ],
+    )
+    .await;
     assert_eq!(
         sample(&text, "sessiond_agent_restarts_total"),
         1.0,
@@ -336,15 +348,14 @@ async fn counters_move_with_turns_crashes_and_recovery() {
         .args(["-KILL", &agents[0].to_string()])
         .status()
         .unwrap();
-    for _ in 0..200 {
-        text = scrape(&metrics).await;
-        if sample(&text, "sessiond_agent_restarts_total") >= 2.0
-            && sample(&text, "sessiond_agent_exits_total{cause=\"signal\"}") >= 1.0
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let text = scrape_until(
+        &metrics,
+        &[
+            ("sessiond_agent_restarts_total", 2.0),
+            ("sessiond_agent_exits_total{cause=\"signal\"}", 1.0),
+        ],
+    )
+    .await;
     assert_eq!(
         sample(&text, "sessiond_agent_exits_total{cause=\"signal\"}"),
         1.0,

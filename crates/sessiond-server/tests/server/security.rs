@@ -633,15 +633,7 @@ async fn worktrees_outside_the_roots_are_refused_and_nothing_is_stored() {
         (file.display().to_string(), "is not a directory"),
     ] {
         let err = c
-            .create_session(pb::CreateSessionRequest {
-                task_id: task.id.clone(),
-                runtime: pb::Runtime::LocalStandalone as i32,
-                worktree: Some(pb::Worktree {
-                    path: path.clone(),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            })
+            .create_session(in_directory(&task.id, &path))
             .await
             .unwrap_err();
         assert_eq!(err.code(), Code::FailedPrecondition, "{path}: {err}");

@@ -353,22 +353,28 @@ pub async fn create_session(
     profile: &str,
 ) -> pb::Session {
     c.create_session(pb::CreateSessionRequest {
-        task_id: task.into(),
         agent_profile: profile.into(),
-        runtime: pb::Runtime::LocalStandalone as i32,
-        worktree: Some(pb::Worktree {
-            id: String::new(),
-            path: worktree.display().to_string(),
-            branch: String::new(),
-            ..Default::default()
-        }),
-        ..Default::default()
+        ..in_directory(task, &worktree.display().to_string())
     })
     .await
     .unwrap()
     .into_inner()
     .session
     .unwrap()
+}
+
+/// A CreateSession of a local standalone session of the default profile
+/// working in the existing directory `path`.
+pub fn in_directory(task: &str, path: &str) -> pb::CreateSessionRequest {
+    pb::CreateSessionRequest {
+        task_id: task.into(),
+        runtime: pb::Runtime::LocalStandalone as i32,
+        worktree: Some(pb::Worktree {
+            path: path.into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
 }
 
 /// Sends `text` to a session waiting for input: the user message its turn

@@ -8,7 +8,8 @@ use sessiond_proto::sessiond::v1 as pb;
 
 use crate::restart::wait_serving;
 use crate::support::{
-    Sessions, TOKEN, agentctl_pids, create_task, prompt, run_sessiond, sessions, start, workspaces,
+    Sessions, TOKEN, agentctl_pids, create_task, in_directory, prompt, run_sessiond, sessions,
+    start, workspaces,
 };
 
 fn git(dir: &Path, args: &[&str]) -> String {
@@ -268,19 +269,7 @@ async fn a_worktree_another_session_works_in_is_not_removed_from_under_it() {
     let task = create_task(&mut c, "shared worktree").await;
     let owner = created(&mut c, from_repo(&task.id, &repo, "main")).await;
     let path = owner.worktree.clone().unwrap().path;
-    let guest = created(
-        &mut c,
-        pb::CreateSessionRequest {
-            task_id: task.id.clone(),
-            runtime: pb::Runtime::LocalStandalone as i32,
-            worktree: Some(pb::Worktree {
-                path: path.clone(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        },
-    )
-    .await;
+    let guest = created(&mut c, in_directory(&task.id, &path)).await;
     assert_eq!(guest.state, pb::SessionState::WaitingForInput as i32);
     let delete = |discard_worktree| pb::DeleteSessionRequest {
         task_id: task.id.clone(),
