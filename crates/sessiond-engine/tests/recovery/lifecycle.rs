@@ -237,8 +237,17 @@ async fn broken_profile_is_error_with_message() {
 /// that sessiond restarts it) followed by STARTING. An explicit resume
 /// while it runs joins it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn idle_agent_killed_is_restarted_and_resumed_by_itself() {
-    let w = World::new(Db::Sqlite).await;
+async fn idle_agent_killed_is_restarted_and_resumed_by_itself_sqlite() {
+    idle_agent_killed_is_restarted_and_resumed_by_itself(Db::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_agent_killed_is_restarted_and_resumed_by_itself_postgres() {
+    idle_agent_killed_is_restarted_and_resumed_by_itself(Db::Postgres).await;
+}
+
+async fn idle_agent_killed_is_restarted_and_resumed_by_itself(db: Db) {
+    let w = World::new(db).await;
     let mgr = w.manager();
     let s = w.create(&mgr, "idle").await;
     let token = s.resume_token.clone().unwrap();
