@@ -25,7 +25,8 @@
 //! Prompts starting with a slash exercise client features:
 //! `/tool` reports a tool call, `/activity` one update of every kind a
 //! client shows (thought, plan, tool call and update with a diff, commands,
-//! mode, an untyped kind), `/permission` asks for permission, `/edit PATH
+//! mode, an untyped kind), `/permission` asks for permission (`/permission-none`: with no option
+//! to choose), `/edit PATH
 //! TEXT` asks permission before a tool call that writes PATH (`/edit-codex`:
 //! the same with Codex's option ids, `approved` / `approved-for-session` /
 //! `abort`), `/run` reports a command with its raw input and output (as
@@ -889,11 +890,17 @@ async fn slash_command(
             let content = words.next().unwrap_or_default();
             edit_with_permission(cx, session, path, content, true).await?
         }
-        "/permission" => {
-            let options = vec![
-                PermissionOption::new("allow", "Allow", PermissionOptionKind::AllowOnce),
-                PermissionOption::new("reject", "Reject", PermissionOptionKind::RejectOnce),
-            ];
+        "/permission" | "/permission-none" => {
+            // `/permission-none` offers nothing to choose (a malformed
+            // request some agents send): the reply says what the client did.
+            let options = if cmd == "/permission" {
+                vec![
+                    PermissionOption::new("allow", "Allow", PermissionOptionKind::AllowOnce),
+                    PermissionOption::new("reject", "Reject", PermissionOptionKind::RejectOnce),
+                ]
+            } else {
+                Vec::new()
+            };
             let answer = cx
                 .send_request(RequestPermissionRequest::new(
                     session.clone(),
@@ -904,10 +911,15 @@ async fn slash_command(
                     options,
                 ))
                 .block_task()
-                .await?;
-            match answer.outcome {
-                RequestPermissionOutcome::Selected(s) => format!("permission: {}", s.option_id.0),
-                _ => "permission: cancelled".to_owned(),
+                .await;
+            match answer {
+                Ok(answer) => match answer.outcome {
+                    RequestPermissionOutcome::Selected(s) => {
+                        format!("permission: {}", s.option_id.0)
+                    }
+                    _ => "permission: cancelled".to_owned(),
+                },
+                Err(e) => format!("permission: refused: {}", e.message),
             }
         }
         "/ask" => {

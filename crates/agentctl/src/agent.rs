@@ -2195,6 +2195,18 @@ async fn run_connection(
         )
         .on_receive_request(
             async move |req: RequestPermissionRequest, responder, _cx| {
+                // Nothing to choose: no user or policy could ever answer it,
+                // so the agent hears so at once instead of waiting out the
+                // permission timeout (or reading "cancelled", which ACP
+                // keeps for a cancelled turn).
+                if req.options.is_empty() {
+                    tracing::warn!(tool_call = %req.tool_call.tool_call_id.0,
+                        "refused a permission request that offers no options");
+                    return responder.respond_with_error(agent_client_protocol::Error::new(
+                        ErrorCode::INVALID_PARAMS,
+                        "session/request_permission must offer at least one option; this one offers none, so nothing can be chosen",
+                    ));
+                }
                 let policy = s_perm.slot().policy;
                 let wanted: &[PermissionOptionKind] = match policy {
                     PermissionPolicy::AllowOnce => &[

@@ -2487,6 +2487,40 @@ fn ask_launch(h: &Harness, timeout_ms: u64) -> LaunchAgentRequest {
     req
 }
 
+/// A permission request that offers no options is refused at once with
+/// INVALID_PARAMS under every policy: it never reaches the stream (no user
+/// could answer it) and never waits out the permission timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permission_request_without_options_is_refused_at_once() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    // An hour of timeout: a request that waited would fail the test.
+    launch_and_open(&mut c, ask_launch(&h, 3_600_000)).await;
+    let mut stream = Stream::open(&mut c, 0).await;
+    let resp = c
+        .prompt(turn_prompt("/permission-none", "t1", false))
+        .await
+        .expect("prompt")
+        .into_inner();
+    let updates = stream.until_turn_end(&resp.turn_id).await;
+    let (reply, _) = reply_text(&updates, &resp.message_id);
+    assert!(
+        reply.contains("permission: refused: ") && reply.contains("at least one option"),
+        "{reply}"
+    );
+    assert!(permission_parts(&updates).is_empty(), "{updates:?}");
+    // The same under a policy that answers by itself.
+    c.stop_agent(StopAgentRequest { grace_ms: 0 })
+        .await
+        .expect("stop");
+    launch_and_open(&mut c, h.demo(true, &[])).await;
+    let (reply, _) = prompt(&mut c, &mut stream, "/permission-none").await;
+    assert!(reply.contains("permission: refused: "), "{reply}");
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
 /// Policy ASK: the request goes on the stream (journaled first) and waits
 /// for RespondPermission (unknown request NOT_FOUND, foreign option
 /// INVALID_ARGUMENT); an allowed edit is written; an unanswered one times
