@@ -641,6 +641,15 @@ impl AgentCtlService for AgentCtl {
 
     async fn write_file(&self, req: Request<WriteFileRequest>) -> Res<WriteFileResponse> {
         let r = req.into_inner();
+        // What ReadFile can return, so a file written here can be read back.
+        let max = crate::workspace::DEFAULT_MAX_READ;
+        if r.content.len() as u64 > max {
+            return Err(crate::error::Error::InvalidArgument(format!(
+                "content is {} bytes; WriteFile writes at most {max} bytes (16 MiB, the most ReadFile returns): write a bigger file with Exec",
+                r.content.len()
+            ))
+            .into());
+        }
         let ws = self.workspace.get()?;
         let bytes_written =
             blocking(move || ws.write_file(&r.path, &r.content, r.create_parents)).await?;

@@ -743,6 +743,18 @@ async fn agent_without_load_session_cannot_resume_but_workspace_works() {
         .expect("read")
         .into_inner();
     assert_eq!(read.content, b"hi");
+    // Past what ReadFile returns: refused, the file left as it was.
+    let err = c
+        .write_file(WriteFileRequest {
+            path: "notes.txt".into(),
+            content: vec![b'x'; (16 << 20) + 1],
+            create_parents: false,
+        })
+        .await
+        .expect_err("a write ReadFile could not read back");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("at most 16777216 bytes"), "{err:?}");
+    assert_eq!(std::fs::read(h.ws().join("notes.txt")).expect("kept"), b"hi");
     let out = c
         .exec(ExecRequest {
             command: "cat".into(),
