@@ -92,6 +92,19 @@ pub enum Error {
         what: String,
     },
 
+    /// A create asks for a built-in runtime this server does not run
+    /// (Docker not enabled): retrying cannot help, the configuration must
+    /// change.
+    #[error("runtime {runtime} is not enabled on this server{how}; enabled runtimes: {enabled}")]
+    RuntimeNotEnabled {
+        /// The runtime asked for.
+        runtime: sessiond_domain::Runtime,
+        /// How to enable it, when the engine knows (`local_docker`).
+        how: &'static str,
+        /// The runtimes this server runs, comma-separated.
+        enabled: String,
+    },
+
     /// The session is COMPLETED or CANCELLED.
     #[error("session {session_id} has ended ({state}); create a new session")]
     SessionEnded {
@@ -292,6 +305,7 @@ impl Error {
             | Error::MissingResumeToken { .. }
             | Error::WorktreeMissing { .. }
             | Error::WorktreeHasWork { .. }
+            | Error::RuntimeNotEnabled { .. }
             | Error::SessionEnded { .. }
             | Error::InvalidState { .. }
             | Error::AgentNotRunning { .. }

@@ -105,18 +105,30 @@ impl SessionManager {
         let mut profile = profile;
         profile.mcp_servers.extend(req.mcp_servers.iter().cloned());
         // A custom name nothing serves is the caller's mistake; a built-in
-        // runtime this server does not run (Docker disabled) stays
-        // UNAVAILABLE, as it always was.
-        if !req.runtime.is_built_in() && !self.inner.drivers.contains_key(&req.runtime) {
-            return Err(Error::InvalidArgument(format!(
-                "runtime {}: no executor driver is registered for it; registered runtimes: {}",
-                req.runtime,
-                self.runtimes()
-                    .iter()
-                    .map(Runtime::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )));
+        // runtime this server does not run (Docker disabled) is its
+        // configuration's: FAILED_PRECONDITION, which no retry passes.
+        if !self.inner.drivers.contains_key(&req.runtime) {
+            let enabled = self
+                .runtimes()
+                .iter()
+                .map(Runtime::to_string)
+                .collect::<Vec<_>>()
+                .join(", ");
+            if !req.runtime.is_built_in() {
+                return Err(Error::InvalidArgument(format!(
+                    "runtime {}: no executor driver is registered for it; registered runtimes: {enabled}",
+                    req.runtime,
+                )));
+            }
+            return Err(Error::RuntimeNotEnabled {
+                runtime: req.runtime,
+                how: if req.runtime == Runtime::LocalDocker {
+                    " (start sessiond with --docker-enabled, or set executors.docker.enabled = true)"
+                } else {
+                    ""
+                },
+                enabled,
+            });
         }
         Agents(self).driver(req.runtime)?;
         let session_id = SessionId::new();

@@ -204,6 +204,7 @@ fn recovery_code(e: &sessiond_engine::Error) -> (Code, &'static str) {
         E::MissingResumeToken { .. } => "missing_resume_token",
         E::WorktreeMissing { .. } => "worktree_missing",
         E::WorktreeHasWork { .. } => "worktree_has_work",
+        E::RuntimeNotEnabled { .. } => "runtime_not_enabled",
         E::SessionEnded { .. } => "session_ended",
         E::InvalidState { .. } => "invalid_state",
         E::AgentNotRunning { .. } => "agent_not_running",

@@ -709,13 +709,17 @@ async fn malformed_unknown_and_foreign_ids() {
         code(c.create_session(mk(t, "", &missing, 0)).await),
         Code::FailedPrecondition
     );
-    // Docker is not enabled in this server.
-    assert_eq!(
-        code(
-            c.create_session(mk(t, "", &wt, pb::Runtime::LocalDocker as i32))
-                .await
-        ),
-        Code::Unavailable
+    // Docker is not enabled in this server: its configuration, not a
+    // passing outage, so nothing a retry could pass.
+    let err = c
+        .create_session(mk(t, "", &wt, pb::Runtime::LocalDocker as i32))
+        .await
+        .expect_err("docker is not enabled");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(
+        err.message().contains("runtime local_docker is not enabled on this server")
+            && err.message().contains("--docker-enabled"),
+        "{err:?}"
     );
 }
 
