@@ -282,9 +282,11 @@ impl Resume<'_> {
                     reason: ResumeRefused::ExecutorGone.to_string(),
                 })
             }
+            // The stored error is `not_resumable: <this text>`: the code
+            // once, in the status's reason, not again inside the message.
             OutcomeLabel::NotResumable => Err(Error::NotResumable {
                 session_id,
-                reason: reason(),
+                reason: ResumeRefused::NotResumable.to_string(),
             }),
             OutcomeLabel::MissingResumeToken => Err(Error::MissingResumeToken { session_id }),
             OutcomeLabel::Stopped => Err(Error::SessionEnded {

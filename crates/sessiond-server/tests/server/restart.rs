@@ -268,8 +268,11 @@ async fn non_resumable_session_after_restart_keeps_its_workspace() {
         err.metadata().get("sessiond-error").unwrap(),
         "not_resumable"
     );
+    // What to do, said once; the code is in the metadata, not the text.
     assert!(
-        err.message().contains("cannot be resumed"),
+        err.message().contains("cannot be resumed")
+            && err.message().matches("create a new session").count() == 1
+            && !err.message().contains("not_resumable"),
         "{}",
         err.message()
     );
