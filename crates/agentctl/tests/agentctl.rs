@@ -754,7 +754,10 @@ async fn agent_without_load_session_cannot_resume_but_workspace_works() {
         .expect_err("a write ReadFile could not read back");
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
     assert!(err.message().contains("at most 16777216 bytes"), "{err:?}");
-    assert_eq!(std::fs::read(h.ws().join("notes.txt")).expect("kept"), b"hi");
+    assert_eq!(
+        std::fs::read(h.ws().join("notes.txt")).expect("kept"),
+        b"hi"
+    );
     let out = c
         .exec(ExecRequest {
             command: "cat".into(),

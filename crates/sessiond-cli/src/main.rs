@@ -461,6 +461,7 @@ fn main() -> ExitCode {
     default_sigpipe();
     let cli = Cli::parse();
     let no_token = cli.token.as_deref().is_none_or(str::is_empty);
+    let addr = cli.addr.clone();
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -475,6 +476,15 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             match e.downcast_ref::<tonic::Status>() {
+                Some(status) if lost_mid_call(status) => {
+                    eprintln!(
+                        "error: the connection to sessiond at {addr} was lost during the call \
+                         ({}); sessiond may have stopped or restarted, so whether the call took \
+                         effect is unknown: check (e.g. `sessionctl session status`) before \
+                         repeating it",
+                        error_text(&anyhow::Error::msg(source_chain(status)))
+                    );
+                }
                 Some(status) => {
                     eprintln!("error: {} ({:?})", status.message(), status.code());
                     if status.code() == tonic::Code::Unauthenticated && no_token {
@@ -1463,6 +1473,32 @@ async fn watch_after(
             Err(status) => return Err(status.into()),
         }
     }
+}
+
+/// A call whose connection broke after it was sent (tonic reports the
+/// transport's failure as the status, with the cause as its source): no
+/// answer from sessiond, so the outcome is unknown.
+fn lost_mid_call(status: &tonic::Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::Unknown | tonic::Code::Unavailable | tonic::Code::Cancelled
+    ) && std::error::Error::source(status).is_some()
+        && status.metadata().is_empty()
+}
+
+/// The status's message and its sources, `: `-separated.
+fn source_chain(status: &tonic::Status) -> String {
+    let mut text = status.message().to_owned();
+    let mut cause = std::error::Error::source(status);
+    while let Some(e) = cause {
+        let t = e.to_string();
+        if !text.contains(&t) {
+            text.push_str(": ");
+            text.push_str(&t);
+        }
+        cause = e.source();
+    }
+    text
 }
 
 fn retryable(status: &tonic::Status) -> bool {

@@ -81,7 +81,7 @@ impl Env {
     /// A server started in a fresh home, a task titled `title` (the
     /// default one of later calls) and a demo-agent session working in
     /// `<home>/<dir>`: (env, that directory, the server, the session id).
-    fn with_session(dir: &str, title: &str) -> (Self, PathBuf, Child, String) {
+    fn with_session(dir: &str, title: &str) -> (Self, PathBuf, Served, String) {
         let mut env = Env::new();
         let scratch = env.home.path().join(dir);
         std::fs::create_dir_all(&scratch).unwrap();
@@ -99,17 +99,17 @@ impl Env {
         (env, scratch, server, session)
     }
 
-    fn serve(&self) -> Child {
+    fn serve(&self) -> Served {
         self.serve_with(&[])
     }
 
     /// [`Env::serve`] with more environment (e.g. the Docker executor's).
-    fn serve_with(&self, extra: &[(&str, &str)]) -> Child {
+    fn serve_with(&self, extra: &[(&str, &str)]) -> Served {
         self.serve_in(&std::env::current_dir().unwrap(), extra)
     }
 
     /// [`Env::serve_with`], started in `cwd`.
-    fn serve_in(&self, cwd: &Path, extra: &[(&str, &str)]) -> Child {
+    fn serve_in(&self, cwd: &Path, extra: &[(&str, &str)]) -> Served {
         let mut cmd = Command::new("sessiond");
         self.apply(&mut cmd);
         cmd.current_dir(cwd).envs(extra.iter().copied());
@@ -122,7 +122,7 @@ impl Env {
             .read_line(&mut line)
             .unwrap();
         assert_eq!(line.trim(), format!("sessiond listening on {}", self.addr));
-        child
+        Served(Some(child))
     }
 
     fn sessionctl(&self, args: &[&str], cwd: &Path) -> String {
@@ -174,7 +174,46 @@ fn uuid_like() -> String {
     format!("{:032x}", nanos ^ (u128::from(std::process::id()) << 64))
 }
 
-fn terminate(mut child: Child) {
+/// A `sessiond serve` child, killed when dropped still running (a test
+/// that panics must not leave its server behind).
+struct Served(Option<Child>);
+
+impl std::ops::Deref for Served {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        self.0.as_ref().expect("served")
+    }
+}
+
+impl std::ops::DerefMut for Served {
+    fn deref_mut(&mut self) -> &mut Child {
+        self.0.as_mut().expect("served")
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.0 {
+            if child.try_wait().ok().flatten().is_none() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
+/// Every agentctl a test started lives under its home: ended with the
+/// test, whether it passed or panicked.
+impl Drop for Env {
+    fn drop(&mut self) {
+        for pid in agentctls_under(self.home.path()) {
+            let _ = Command::new("kill").args(["-KILL", &pid]).status();
+        }
+    }
+}
+
+fn terminate(mut served: Served) {
+    let mut child = served.0.take().expect("served");
     Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -720,6 +759,45 @@ fn watch_resumes_from_the_last_seq_after_the_server_restarts() {
     for pid in agentctls_under(env.home.path()) {
         let _ = Command::new("kill").args(["-KILL", &pid]).status();
     }
+}
+
+/// A call cut off by sessiond's death says what happened and that its
+/// outcome is unknown, not a bare "transport error (Unknown)".
+#[test]
+fn a_call_cut_off_by_a_dying_server_says_its_outcome_is_unknown() {
+    let (env, scratch, mut server, session) = Env::with_session("x", "cut");
+    let marker = scratch.join("exec-started");
+    let script = format!("touch {}; sleep 60", marker.display());
+    let mut cmd = Command::new("sessionctl");
+    env.apply(&mut cmd);
+    let exec = cmd
+        .args(["workspace", "exec", &session, "--", "sh", "-c", &script])
+        .current_dir(&scratch)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !marker.exists() {
+        assert!(Instant::now() < deadline, "the exec never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    server.kill().unwrap();
+    server.wait().unwrap();
+    let out = exec.wait_with_output().unwrap();
+    for pid in agentctls_under(env.home.path()) {
+        let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "the connection to sessiond at {} was lost during the call",
+            env.addr
+        )) && stderr.contains("whether the call took effect is unknown"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("(Unknown)"), "{stderr}");
 }
 
 /// `send` follows its turn through a restart of sessiond: the reply keeps

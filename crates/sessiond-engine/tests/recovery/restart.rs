@@ -343,7 +343,11 @@ async fn agent_without_load_session_is_not_resumable_but_workspace_works() {
         "{err}"
     );
     assert!(!err.to_string().contains("not_resumable:"), "{err}");
-    assert_eq!(err.to_string().matches("create a new session").count(), 1, "{err}");
+    assert_eq!(
+        err.to_string().matches("create a new session").count(),
+        1,
+        "{err}"
+    );
     w.finish(&mgr, &[s.id]).await;
 }
 

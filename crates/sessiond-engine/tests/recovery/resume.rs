@@ -80,7 +80,11 @@ async fn resume_validation_errors() {
     let nr = stored_session(&w, no_resume.id, SessionState::Error, Some("t"), "v3").await;
     let e = mgr.resume_session(task, nr.id).await.unwrap_err();
     assert!(matches!(e, Error::NotResumable { .. }), "{e}");
-    assert_eq!(e.to_string().matches("create a new session").count(), 1, "{e}");
+    assert_eq!(
+        e.to_string().matches("create a new session").count(),
+        1,
+        "{e}"
+    );
 
     let tokenless = stored_session(&w, w.profile.id, SessionState::Error, None, "v4").await;
     let e = mgr.resume_session(task, tokenless.id).await.unwrap_err();

@@ -717,7 +717,8 @@ async fn malformed_unknown_and_foreign_ids() {
         .expect_err("docker is not enabled");
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
     assert!(
-        err.message().contains("runtime local_docker is not enabled on this server")
+        err.message()
+            .contains("runtime local_docker is not enabled on this server")
             && err.message().contains("--docker-enabled"),
         "{err:?}"
     );
