@@ -105,13 +105,35 @@ pub fn forbid_inspection() -> io::Result<()> {
 /// Runs the child `cmd` spawns as the leader of a new session (and process
 /// group), so its whole tree can be told apart from agentctl's: every
 /// descendant that does not call `setsid` itself keeps that session id.
+///
+/// The child also starts with every signal at its default action and none
+/// blocked, as a service manager starts a service: a signal ignored by
+/// whoever started sessiond (`nohup` ignores SIGHUP, a background job of a
+/// shell SIGINT and SIGQUIT) would otherwise stay ignored through `exec`,
+/// and the agent's and the commands' own `kill -HUP` would do nothing.
 pub fn new_session(cmd: &mut tokio::process::Command) {
-    // SAFETY: `setsid` is an async-signal-safe system call; on failure only
-    // `errno` is read. Nothing of the parent's memory is touched.
+    // SAFETY: `setsid`, `sigprocmask` and `sigaction` are async-signal-safe
+    // system calls; the sigset and the sigaction are the child's own stack
+    // values; on failure only `errno` is read. Nothing of the parent's
+    // memory is touched.
     unsafe {
         cmd.pre_exec(|| {
             if libc::setsid() < 0 {
                 return Err(io::Error::last_os_error());
+            }
+            let mut none: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut none);
+            if libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut()) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let mut default: libc::sigaction = std::mem::zeroed();
+            default.sa_sigaction = libc::SIG_DFL;
+            // SIGKILL and SIGSTOP refuse (and need no) reset; the real-time
+            // signals are reset too.
+            for sig in 1..=64 {
+                if sig != libc::SIGKILL && sig != libc::SIGSTOP {
+                    libc::sigaction(sig, &default, std::ptr::null_mut());
+                }
             }
             Ok(())
         });

@@ -72,6 +72,9 @@ fn demo_agent_exe() -> PathBuf {
 /// (the demo agent's transcripts) and `outside/` (must stay untouched).
 struct Harness {
     base: tempfile::TempDir,
+    /// Signals agentctl starts with ignored (`trap '' SIGS` of a shell
+    /// that execs it), as `nohup` or a shell's background job leave them.
+    ignored_signals: Option<&'static str>,
 }
 
 impl Harness {
@@ -84,7 +87,10 @@ impl Harness {
             std::fs::create_dir_all(base.path().join(d)).expect("mkdir");
         }
         std::fs::write(base.path().join("outside/secret.txt"), "top secret").expect("write");
-        Self { base }
+        Self {
+            base,
+            ignored_signals: None,
+        }
     }
 
     fn ws(&self) -> PathBuf {
@@ -118,7 +124,17 @@ impl Harness {
     ) -> Ctl {
         let port_file = self.base.path().join("agentctl.port");
         let log = std::fs::File::create(self.base.path().join("agentctl.log")).expect("log");
-        let mut child = tokio::process::Command::new(agentctl_exe())
+        let mut cmd = match self.ignored_signals {
+            Some(sigs) => {
+                let mut sh = tokio::process::Command::new("sh");
+                sh.arg("-c")
+                    .arg(format!("trap '' {sigs}; exec \"$0\" \"$@\""))
+                    .arg(agentctl_exe());
+                sh
+            }
+            None => tokio::process::Command::new(agentctl_exe()),
+        };
+        let mut child = cmd
             .arg("--executor-id")
             .arg("exec-test")
             .args(place)
@@ -3314,6 +3330,45 @@ async fn a_python_sdk_agent_offering_only_resume_is_resumed() {
 /// A command that detaches a process from its session (`setsid`, output
 /// closed, so neither the group kill nor the pipe holders reach it) and
 /// exits: nothing it started outlives the call.
+/// Signals ignored by whoever started agentctl (as `nohup` and a shell's
+/// background job leave them) are not passed on to what Exec runs: its
+/// command starts with every signal at its default action.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_commands_start_with_default_signal_actions() {
+    let mut h = Harness::new();
+    h.ignored_signals = Some("HUP QUIT");
+    let ctl = h.spawn(&[]).await;
+    let ignored_of = |status: &str| {
+        let line = status
+            .lines()
+            .find(|l| l.starts_with("SigIgn:"))
+            .expect("SigIgn line");
+        u64::from_str_radix(line["SigIgn:".len()..].trim(), 16).expect("hex mask")
+    };
+    let bit = |sig: i32| 1u64 << (sig - 1);
+    let agentctl_status =
+        std::fs::read_to_string(format!("/proc/{}/status", ctl.pid)).expect("agentctl status");
+    assert_ne!(
+        ignored_of(&agentctl_status) & bit(libc::SIGHUP),
+        0,
+        "the test must start agentctl with SIGHUP ignored"
+    );
+    let mut c = ctl.client().await;
+    let out = c
+        .exec(ExecRequest {
+            command: "cat".into(),
+            args: vec!["/proc/self/status".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("exec")
+        .into_inner();
+    let ignored = ignored_of(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(ignored & (bit(libc::SIGHUP) | bit(libc::SIGQUIT)), 0, "{ignored:x}");
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_leaves_nothing_running_even_what_left_its_session() {
     let h = Harness::new();
