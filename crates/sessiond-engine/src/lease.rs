@@ -389,6 +389,7 @@ impl Fencing<'_> {
         lock(&self.inner.adoptions).remove(&session);
         self.inner.sessions.stop_pump(session);
         self.inner.sessions.remove_execution(session);
+        self.inner.agent_restarts.forget(session);
         tracing::warn!(%session, "lease lost to another replica; no longer acting on this session");
     }
 }

@@ -518,6 +518,7 @@ impl SessionManager {
             Lifecycle(self).stop_executor(record).await?;
         }
         self.inner.sessions.remove_execution(session_id);
+        self.inner.agent_restarts.forget(session_id);
         Ok(session)
     }
 
@@ -617,6 +618,7 @@ impl SessionManager {
         // No executor row, no lease: later writes need no fence.
         Fencing(self).forget_lease(session_id);
         self.inner.sessions.remove_execution(session_id);
+        self.inner.agent_restarts.forget(session_id);
         Ok(())
     }
 }

@@ -150,6 +150,12 @@ impl AgentRestarts {
         lock(&self.0).entry(session).or_default().uncounted = false;
     }
 
+    /// `session` ended, was deleted or went to another replica: nothing of
+    /// it is kept (so the map holds only sessions this process runs).
+    pub(crate) fn forget(&self, session: SessionId) {
+        lock(&self.0).remove(&session);
+    }
+
     /// The restart of `session`'s agent finished (or was not committed).
     pub(crate) fn finished(&self, session: SessionId) {
         if let Some(e) = lock(&self.0).get_mut(&session) {
@@ -251,7 +257,12 @@ mod tests {
         // The first restart leaves the window: one more is allowed.
         assert_eq!(r.admit(s, 2, t0 + RESTART_WINDOW), AfterExit::Restart(2));
         // Other sessions count apart.
-        assert_eq!(r.admit(SessionId::new(), 2, t0), AfterExit::Restart(1));
+        let other = SessionId::new();
+        assert_eq!(r.admit(other, 2, t0), AfterExit::Restart(1));
+        // A forgotten session keeps nothing.
+        r.forget(other);
+        assert!(!r.pending(other));
+        assert!(!lock(&r.0).contains_key(&other));
     }
 
     #[test]
