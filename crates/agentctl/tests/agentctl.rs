@@ -3364,7 +3364,11 @@ async fn exec_commands_start_with_default_signal_actions() {
         .expect("exec")
         .into_inner();
     let ignored = ignored_of(&String::from_utf8_lossy(&out.stdout));
-    assert_eq!(ignored & (bit(libc::SIGHUP) | bit(libc::SIGQUIT)), 0, "{ignored:x}");
+    assert_eq!(
+        ignored & (bit(libc::SIGHUP) | bit(libc::SIGQUIT)),
+        0,
+        "{ignored:x}"
+    );
     ctl.shutdown().await;
     h.assert_no_leftovers().await;
 }

@@ -193,11 +193,11 @@ impl std::ops::DerefMut for Served {
 
 impl Drop for Served {
     fn drop(&mut self) {
-        if let Some(child) = &mut self.0 {
-            if child.try_wait().ok().flatten().is_none() {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
+        if let Some(child) = &mut self.0
+            && child.try_wait().ok().flatten().is_none()
+        {
+            let _ = child.kill();
+            let _ = child.wait();
         }
     }
 }

@@ -97,8 +97,8 @@ pub enum Error {
     /// change.
     #[error("runtime {runtime} is not enabled on this server{how}; enabled runtimes: {enabled}")]
     RuntimeNotEnabled {
-        /// The runtime asked for.
-        runtime: sessiond_domain::Runtime,
+        /// The runtime asked for, by name.
+        runtime: String,
         /// How to enable it, when the engine knows (`local_docker`).
         how: &'static str,
         /// The runtimes this server runs, comma-separated.

@@ -121,7 +121,7 @@ impl SessionManager {
                 )));
             }
             return Err(Error::RuntimeNotEnabled {
-                runtime: req.runtime,
+                runtime: req.runtime.to_string(),
                 how: if req.runtime == Runtime::LocalDocker {
                     " (start sessiond with --docker-enabled, or set executors.docker.enabled = true)"
                 } else {

@@ -1323,6 +1323,38 @@ impl Problems {
     }
 }
 
+/// The dotted key whose `key = value` line holds byte `at` of `text` (or,
+/// inside a value spread over lines, the nearest such line above it),
+/// under the last `[table]` or `[[array]]` header before it.
+fn key_at(text: &str, at: usize) -> Option<String> {
+    let before = text.get(..at)?;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let line_end = text[line_start..]
+        .find('\n')
+        .map_or(text.len(), |i| line_start + i);
+    let lines = text[..line_end].lines().rev();
+    let mut key = None;
+    for line in lines {
+        let line = line.trim();
+        if let Some(header) = line.strip_prefix('[') {
+            let table = header.trim_start_matches('[').split(']').next()?.trim();
+            return key.map(|k: String| format!("{table}.{k}"));
+        }
+        if key.is_none()
+            && let Some((k, _)) = line.split_once('=')
+        {
+            let k = k.trim().replace('"', "");
+            if !k.is_empty()
+                && k.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "_-. ".contains(c))
+            {
+                key = Some(k.replace(' ', ""));
+            }
+        }
+    }
+    key
+}
+
 impl FileConfig {
     /// Reads and parses a TOML file ([`FileConfig::parse`]); errors name the file.
     pub fn read(path: &Path) -> anyhow::Result<Self> {
@@ -1334,7 +1366,14 @@ impl FileConfig {
     /// Parses TOML text; every missing key takes its default, an unknown
     /// key is an error naming it.
     pub fn parse(text: &str) -> anyhow::Result<Self> {
-        toml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))
+        toml::from_str(text).map_err(|e| {
+            // toml shows the line; a value of the wrong type is also named
+            // by its dotted key, as `validate`'s errors are.
+            match e.span().and_then(|at| key_at(text, at.start)) {
+                Some(key) => anyhow::anyhow!("{key}: {e}"),
+                None => anyhow::anyhow!("{e}"),
+            }
+        })
     }
 
     /// Checks every key and resolves defaults that depend on the machine
@@ -2617,6 +2656,26 @@ mod tests {
             err.contains("recovery.cancel_grace: must be at least 1s"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn values_of_the_wrong_type_are_named_by_their_key() {
+        for (text, key) in [
+            (
+                "[recovery]\nagent_restarts = -1\n",
+                "recovery.agent_restarts: ",
+            ),
+            ("listen = 5\n", "listen: "),
+            ("[auth]\ntokens = [\n  \"a\",\n  7,\n]\n", "auth.tokens: "),
+            (
+                "[recovery]\nmode = \"x\"\n[[agents]]\nname = 3\n",
+                "agents.name: ",
+            ),
+        ] {
+            let err = FileConfig::parse(text).unwrap_err().to_string();
+            assert!(err.starts_with(key), "{text:?}: {err}");
+            assert!(err.contains("line"), "{err}");
+        }
     }
 
     #[test]
