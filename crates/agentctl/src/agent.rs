@@ -1705,6 +1705,7 @@ fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) -> bool {
                 describe_exit(&exit)
             ),
             usage,
+            agent_exited: true,
         }));
         record_ended(shared, &mut slot, &turn.turn_id, cursor);
     }
@@ -2005,6 +2006,7 @@ fn finish_turn(
         stop_reason: stop_reason.to_owned(),
         error_message: error.to_owned(),
         usage,
+        agent_exited: false,
     }));
     record_ended(shared, &mut slot, turn_id, cursor);
     if slot.state == AgentState::Busy {

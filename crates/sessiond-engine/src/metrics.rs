@@ -44,9 +44,11 @@ pub enum TurnOutcome {
     Completed,
     /// A client cancelled it.
     Cancelled,
-    /// The agent reported an error, exited mid-turn, or refused the prompt.
+    /// The agent reported an error, or refused the prompt.
     Failed,
-    /// The backend lost it to a crash; settled after recovery.
+    /// Cut short, its reply kept and marked, for `RetryTurn`: the backend
+    /// lost it to a crash (settled after recovery), or the agent exited
+    /// under it.
     Interrupted,
 }
 

@@ -150,6 +150,13 @@ impl AgentRestarts {
         lock(&self.0).entry(session).or_default().uncounted = false;
     }
 
+    /// The agent of `session` exited while nobody watched (sessiond was
+    /// down) and was replaced since: its `AgentExited` update, read with
+    /// an agent running, is still an exit to count.
+    pub(crate) fn exit_to_count(&self, session: SessionId) {
+        lock(&self.0).entry(session).or_default().uncounted = true;
+    }
+
     /// `session` ended, was deleted or went to another replica: nothing of
     /// it is kept (so the map holds only sessions this process runs).
     pub(crate) fn forget(&self, session: SessionId) {

@@ -584,7 +584,19 @@ impl Pump {
     }
 
     pub(super) async fn turn_ended(&mut self, end: &pb::TurnEnded) -> Result<()> {
-        let exited = end.stop_reason == "error" && self.agent_gone().await;
+        let running_now = if end.stop_reason == "error" {
+            self.agent_running().await
+        } else {
+            None
+        };
+        // The agent that ran the turn exited under it: agentctl says so (an
+        // agentctl older than `agent_exited` only by none running now).
+        let exited = end.stop_reason == "error" && (end.agent_exited || running_now == Some(false));
+        // ... and another one runs already: the agent died while sessiond
+        // was down, and recovery relaunched it before this update was read.
+        // The turn is still cut (interrupted, the queue held); nothing is
+        // restarted again.
+        let replaced = exited && running_now == Some(true);
         let _guard = self.mgr.inner.sessions.lock(self.session_id).await;
         let session = self.mgr.inner.store.get_session(self.session_id).await?;
         let current_turn = session.metadata.get(TURN_KEY).cloned();
@@ -620,13 +632,20 @@ impl Pump {
         if session.state == SessionState::Running && ours {
             let outcome = if exited && cancel_stop.is_some() {
                 crate::metrics::TurnOutcome::Cancelled
+            } else if died_in.is_some() {
+                crate::metrics::TurnOutcome::Interrupted
             } else if exited {
                 crate::metrics::TurnOutcome::Failed
             } else {
                 crate::metrics::TurnOutcome::from_stop_reason(&end.stop_reason)
             };
             self.mgr.inner.metrics.turn_ended(self.session_id, outcome);
-            let (s, events) = if exited {
+            if replaced {
+                // Counted when its `AgentExited` update, next on the
+                // stream, is read (it finds an agent running).
+                self.mgr.inner.agent_restarts.exit_to_count(self.session_id);
+            }
+            let (s, events) = if exited && !replaced {
                 let (s, events, decided) = after_agent_exit(
                     &self.mgr.inner.config,
                     &self.mgr.inner.agent_restarts,
@@ -751,7 +770,7 @@ impl Pump {
         if let Some(u) = counted {
             self.mgr.inner.metrics.turn_usage(&u);
         }
-        if exited {
+        if exited && !replaced {
             self.mgr
                 .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
         }
@@ -760,12 +779,18 @@ impl Pump {
 
     /// True when agentctl reports no running agent right now.
     pub(super) async fn agent_gone(&self) -> bool {
+        self.agent_running().await == Some(false)
+    }
+
+    /// Whether agentctl runs an agent right now (starting included);
+    /// `None` when it did not answer.
+    pub(super) async fn agent_running(&self) -> Option<bool> {
         match self.client.health().await {
-            Ok(h) => !matches!(
+            Ok(h) => Some(matches!(
                 h.agent_state,
                 AgentState::Ready | AgentState::Busy | AgentState::Starting
-            ),
-            Err(_) => false,
+            )),
+            Err(_) => None,
         }
     }
 
@@ -809,12 +834,6 @@ impl Pump {
             self.complete_pending_into(Changeset::new()).await?
         };
         let mut next = session.clone();
-        if session.state == SessionState::Running {
-            self.mgr
-                .inner
-                .metrics
-                .turn_ended(self.session_id, crate::metrics::TurnOutcome::Failed);
-        }
         let mut restart = AfterExit::Error { exhausted: false };
         if matches!(
             session.state,
@@ -826,6 +845,13 @@ impl Pump {
                 .inner
                 .agent_restarts
                 .take_cancel_stop(self.session_id);
+            if session.state == SessionState::Running {
+                let outcome = match cancel_stop {
+                    Some(_) => crate::metrics::TurnOutcome::Cancelled,
+                    None => crate::metrics::TurnOutcome::Interrupted,
+                };
+                self.mgr.inner.metrics.turn_ended(self.session_id, outcome);
+            }
             let (what, why) = match cancel_stop {
                 Some(grace) => {
                     let what = format!("{} ({how})", stopped_after_cancel(grace));

@@ -519,6 +519,107 @@ async fn a_heavy_agent_killed_mid_reply_is_restarted_by_itself() {
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// A heavy agent killed mid-reply while sessiond is down (helper-21's
+/// first defect): after the restart, recovery finds agentctl alive and the
+/// agent gone, and relaunches it; agentctl's `TurnEnded` for the killed
+/// turn, read after that, still ends it *interrupted* as it would have
+/// with sessiond up (reply kept and marked, retryable, the queue behind it
+/// held), never "failed" with the queue sent on, and the exit is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heavy_agent_killed_mid_reply_while_sessiond_is_down_ends_interrupted() {
+    let w = World::new(Db::Sqlite).await;
+    let profile = w.demo_profile("heavy", HEAVY).await;
+    let mgr = w.manager_with(defaults());
+    let s = w.create_with(&mgr, "down", &profile, None).await;
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.send_message(w.task.id, s.id, "/long").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let msgs = w.messages(s.id).await;
+        if msgs.len() == 4 && msgs[3].role == MessageRole::Agent && !msgs[3].content.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the long reply never streamed: {msgs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let two = match mgr.send_or_queue(w.task.id, s.id, "two").await.unwrap() {
+        sessiond_engine::Sent::Queued(q) => q,
+        other => panic!("not queued behind the running turn: {other:?}"),
+    };
+    // sessiond goes away (agentctl stays), then the agent is killed.
+    mgr.shutdown();
+    drop(mgr);
+    let agentctl = w.record(s.id).await.pid.unwrap();
+    let agents = children_of(agentctl);
+    assert!(!agents.is_empty(), "no agent under agentctl {agentctl}");
+    for pid in &agents {
+        kill9(*pid);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !children_of(agentctl).is_empty() {
+        assert!(Instant::now() < deadline, "agentctl never reaped its agent");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let mgr = w.manager_with(defaults());
+    mgr.recovery().recover_all().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let st = loop {
+        let st = w.status(&mgr, s.id).await;
+        if st.state == SessionState::WaitingForInput && st.is_agent_running && st.queue_held {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never back with the queue held: {st:?} {:?}",
+            w.messages(s.id).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        st.queued.iter().map(|q| q.id).collect::<Vec<_>>(),
+        [two.id],
+        "{st:?}"
+    );
+    assert_eq!(w.record(s.id).await.pid, Some(agentctl), "agentctl kept");
+    let msgs = w.messages(s.id).await;
+    assert_eq!(msgs.len(), 5, "{msgs:?}");
+    assert!(
+        msgs[3].complete && msgs[3].content.contains("interrupted"),
+        "{:?}",
+        msgs[3]
+    );
+    assert!(
+        msgs[4].role == MessageRole::System
+            && msgs[4].content.starts_with("the turn was interrupted")
+            && msgs[4].content.contains("exited")
+            && !msgs[4].content.contains("failed"),
+        "{:?}",
+        msgs[4]
+    );
+    let mut registry = prometheus_client::registry::Registry::default();
+    mgr.metrics().register(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(
+        text.contains("sessiond_turns_total{outcome=\"interrupted\"} 1\n")
+            && !text.contains("sessiond_turns_total{outcome=\"failed\"} 1\n"),
+        "{text}"
+    );
+    // The retry runs /long again (then the held queue): allowed.
+    w.track(s.id).await;
+    let (retried, _) = mgr
+        .retry_turn(w.task.id, s.id, Some(msgs[2].id))
+        .await
+        .unwrap();
+    assert_eq!(retried.content, "/long", "{retried:?}");
+    mgr.cancel_turn(w.task.id, s.id).await.unwrap();
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// A heavy agent that ignores `session/cancel` (as one stuck in a tool
 /// does) keeps its turn going after CancelTurn; once `cancel_grace` has
 /// passed, sessiond stops it: the turn ends cancelled, as asked, saying

@@ -367,9 +367,16 @@ async fn counters_move_with_turns_crashes_and_recovery() {
         "{text}"
     );
     wait_state(&mut c, &task.id, &bad.id, pb::SessionState::WaitingForInput).await;
+    // Cut by the exit: interrupted (its reply kept, retryable), as the
+    // session shows it, not failed.
+    assert_eq!(
+        sample(&text, "sessiond_turns_total{outcome=\"interrupted\"}"),
+        1.0,
+        "{text}"
+    );
     assert_eq!(
         sample(&text, "sessiond_turns_total{outcome=\"failed\"}"),
-        1.0,
+        0.0,
         "{text}"
     );
     assert_eq!(
