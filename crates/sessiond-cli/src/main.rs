@@ -1000,6 +1000,47 @@ async fn send(c: &mut Clients, out: &Out, args: SendArgs) -> anyhow::Result<()> 
     follow_turn(c, out, turn).await
 }
 
+/// A queued message `id` left the queue: Ok when it was delivered (its
+/// user message is stored after `after_seq`), else the error saying it
+/// will not be sent, with the session's note on why when there is one.
+async fn not_sent_unless_delivered(
+    c: &mut Clients,
+    task_id: &str,
+    session_id: &str,
+    id: &str,
+    mut after_seq: i64,
+) -> anyhow::Result<()> {
+    let mut why = None;
+    loop {
+        let page = c
+            .sessions
+            .list_messages(pb::ListMessagesRequest {
+                task_id: task_id.to_owned(),
+                session_id: session_id.to_owned(),
+                after_seq,
+                page_size: 1000,
+            })
+            .await?
+            .into_inner();
+        for m in &page.messages {
+            if m.id == id {
+                return Ok(());
+            }
+            if m.role == pb::MessageRole::System as i32 && m.content.contains("not sent") {
+                why = Some(output::text(&m.content));
+            }
+        }
+        if page.next_after_seq == 0 {
+            break;
+        }
+        after_seq = page.next_after_seq;
+    }
+    match why {
+        Some(why) => bail!("your queued message {id} was not sent: {why}"),
+        None => bail!("your queued message {id} was not sent: it was taken off the queue"),
+    }
+}
+
 /// Retries the interrupted turn, then prints its reply as `send` does.
 async fn retry(c: &mut Clients, out: &Out, args: RetryArgs) -> anyhow::Result<()> {
     let session_id = args.session.session_id;
@@ -1164,6 +1205,10 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
     let mut reply: Option<pb::Message> = None;
     let mut note: Option<String> = None;
     let mut in_turn = false;
+    // A queued message: seen in the queue (its enqueue replayed), and the
+    // seq of the last message seen, from which its delivery is looked up.
+    let mut in_queue = false;
+    let mut last_message_seq = 0i64;
     let end = loop {
         let next = tokio::time::timeout_at(deadline, events.next())
             .await
@@ -1192,12 +1237,36 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
                 continue;
             }
         };
+        if let Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) })) =
+            &event.payload
+        {
+            last_message_seq = last_message_seq.max(m.seq);
+        }
         match event.payload {
             Some(pb::event::Payload::MessageAdded(pb::MessageAdded { message: Some(m) }))
                 if m.id == user_id =>
             {
                 in_turn = true;
                 user_seq = m.seq;
+            }
+            Some(pb::event::Payload::QueueChanged(q)) if queued.is_some() && !in_turn => {
+                let queued_now = q.queued.iter().any(|m| m.id == user_id);
+                if in_queue && !queued_now {
+                    // Delivered (its message is added in the same commit)
+                    // or gone unsent: the stored messages tell which.
+                    not_sent_unless_delivered(c, &task_id, &session_id, &user_id, last_message_seq)
+                        .await?;
+                }
+                in_queue = queued_now;
+            }
+            Some(pb::event::Payload::TurnEnded(t))
+                if in_queue && !in_turn && t.stop_reason == "interrupted" =>
+            {
+                bail!(
+                    "the turn before your queued message {user_id} ended interrupted, so the queue \
+                     waits for you: the message is sent once that turn is retried (`sessionctl retry`) \
+                     or a new message is sent; `sessionctl unqueue` withdraws it"
+                );
             }
             // The turn's usage, stored on the user message as the turn ends.
             Some(pb::event::Payload::MessageUpdated(pb::MessageUpdated { message: Some(m) }))

@@ -761,6 +761,95 @@ fn watch_resumes_from_the_last_seq_after_the_server_restarts() {
     }
 }
 
+/// A `send` waiting behind the running turn ends as soon as its queued
+/// message will not be sent: taken off the queue (`unqueue`), or dropped
+/// as the session is stopped, saying so; never waits out its timeout
+/// (helper-21 #2).
+#[test]
+fn a_waiting_send_whose_queued_message_will_not_be_sent_ends_saying_so() {
+    let (env, scratch, server, session) = Env::with_session("q", "queue");
+    env.sessionctl(&["send", "--no-wait", &session, "/long story"], &scratch);
+    let waiting_send_to = |session: &str, text: &str| {
+        let mut cmd = Command::new("sessionctl");
+        env.apply(&mut cmd);
+        let mut child = cmd
+            .args(["--json", "send", "--timeout-secs", "90", session, text])
+            .current_dir(&scratch)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&line).expect(&line);
+        let id = v["queued"]["id"].as_str().expect("queued").to_owned();
+        (child, id)
+    };
+    let waiting_send = |text: &str| waiting_send_to(&session, text);
+    let ended = |child: Child| {
+        let out = child.wait_with_output().unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+
+    let (child, id) = waiting_send("first");
+    env.sessionctl(&["unqueue", &session, &id], &scratch);
+    let stderr = ended(child);
+    assert!(
+        stderr.contains(&format!("your queued message {id} was not sent"))
+            && stderr.contains("taken off the queue"),
+        "{stderr}"
+    );
+
+    let (child, id) = waiting_send("second");
+    env.sessionctl(&["session", "stop", &session], &scratch);
+    let stderr = ended(child);
+    assert!(
+        stderr.contains(&format!("your queued message {id} was not sent"))
+            && stderr.contains("the session ended"),
+        "{stderr}"
+    );
+
+    // Held behind a turn its agent's death interrupted: said at once too.
+    let session = env
+        .sessionctl(&["session", "create", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    env.sessionctl(&["send", "--no-wait", &session, "/long story"], &scratch);
+    let (child, id) = waiting_send_to(&session, "third");
+    let agentctls = agentctls_under(env.home.path());
+    assert_eq!(agentctls.len(), 1, "{agentctls:?}");
+    // Its agent: a child of whichever of agentctl's threads spawned it.
+    let mut agents = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{}/task", agentctls[0])).unwrap() {
+        let children = std::fs::read_to_string(task.unwrap().path().join("children"));
+        agents.extend(
+            children
+                .unwrap_or_default()
+                .split_whitespace()
+                .map(str::to_owned),
+        );
+    }
+    assert!(
+        !agents.is_empty(),
+        "no agent under agentctl {}",
+        agentctls[0]
+    );
+    for pid in &agents {
+        Command::new("kill").args(["-KILL", pid]).status().unwrap();
+    }
+    let stderr = ended(child);
+    assert!(
+        stderr.contains(&format!(
+            "before your queued message {id} ended interrupted"
+        )) && stderr.contains("sessionctl retry"),
+        "{stderr}"
+    );
+    terminate(server);
+}
+
 /// A call cut off by sessiond's death says what happened and that its
 /// outcome is unknown, not a bare "transport error (Unknown)".
 #[test]
