@@ -1055,6 +1055,19 @@ impl AgentctlClient {
                     message: status.message().to_owned(),
                 }
             }
+            // agentctl's own answer (e.g. an agent silent at its start):
+            // its words, not this call's deadline, which did not pass.
+            tonic::Code::DeadlineExceeded
+                if !status.message().is_empty()
+                    && !is_timeout(&status)
+                    && std::error::Error::source(&status).is_none() =>
+            {
+                Error::Rpc {
+                    url,
+                    call,
+                    status: Box::new(status),
+                }
+            }
             tonic::Code::DeadlineExceeded => Error::Timeout {
                 url,
                 call,

@@ -192,6 +192,60 @@ async fn agent_exit_mid_turn_is_interrupted_and_restarted_within_its_limit() {
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// An agent silent at its start (no output, no CPU) fails its create after the silence limit with agentctl's
+/// own words, not as a call that "did not answer within" a deadline that
+/// never passed (helper-21 #3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_whose_agent_stays_silent_says_so() {
+    let w = World::new(Db::Sqlite).await;
+    // Says nothing, uses no CPU.
+    let now = chrono::Utc::now();
+    let profile = w
+        .store
+        .upsert_agent_profile(&sessiond_domain::AgentProfile {
+            id: sessiond_domain::AgentProfileId::new(),
+            name: "silent".into(),
+            command: "sleep".into(),
+            args: vec!["600".into()],
+            env: Default::default(),
+            supports_session_resume: true,
+            container: None,
+            auth_method: None,
+            permission_policy: sessiond_domain::PermissionPolicy::Allow,
+            permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
+            config_defaults: Default::default(),
+            mcp_servers: Vec::new(),
+            created_at: now,
+            updated_at: now,
+        })
+        .await
+        .unwrap();
+    let mgr = w.manager_with(ManagerConfig {
+        agent_initialize_timeout: Duration::from_millis(1500),
+        ..w.config()
+    });
+    let s = mgr
+        .create_session(sessiond_engine::NewSession {
+            task_id: w.task.id,
+            agent_profile_id: profile.id,
+            runtime: sessiond_domain::Runtime::LocalStandalone,
+            worktree: w.worktree("silent"),
+            remote: None,
+            metadata: Default::default(),
+            mcp_servers: Vec::new(),
+        })
+        .await
+        .unwrap();
+    w.track(s.id).await;
+    assert_eq!(s.state, SessionState::Error, "{s:?}");
+    let msg = s.error_message.clone().unwrap_or_default();
+    assert!(
+        msg.contains("no sign of life") && !msg.contains("did not answer LaunchAgent within"),
+        "{msg}"
+    );
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// A profile whose command does not exist: the session is ERROR with an
 /// actionable message; the executor (workspace) is still usable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
