@@ -782,10 +782,12 @@ impl Store {
         .await
     }
 
-    /// How many sessions are in each state (states with none are absent).
+    /// How many sessions are in each state (states with none are absent);
+    /// deleted sessions are not counted.
     pub async fn count_sessions_by_state(&self) -> Result<Vec<(SessionState, i64)>> {
         self.read(|c| {
             let rows: Vec<(String, i64)> = task_sessions::table
+                .filter(task_sessions::deleted_at.is_null())
                 .group_by(task_sessions::state)
                 .select((task_sessions::state, diesel::dsl::count_star()))
                 .load(c)?;

@@ -1015,6 +1015,14 @@ mod suite {
             1,
             "every session was created in one state: {by_state:?}"
         );
+        // A deleted session is no longer counted.
+        store
+            .mark_session_deleted(failed[0].session_id)
+            .await
+            .unwrap();
+        let by_state = store.count_sessions_by_state().await.unwrap();
+        let after: i64 = by_state.iter().map(|(_, n)| n).sum();
+        assert_eq!(after, total - 1, "{by_state:?}");
     }
 
     /// Sessions in a state whose metadata holds a key: the key itself, not
