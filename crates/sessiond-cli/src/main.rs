@@ -1480,7 +1480,7 @@ async fn watch(c: &mut Clients, out: &Out, args: WatchArgs) -> anyhow::Result<()
                     } else {
                         event.seq
                     };
-                    out.event(&event);
+                    out.event(&event, args.task.is_some());
                     seen += 1;
                     if args.count.is_some_and(|n| seen >= n) {
                         return Ok(());

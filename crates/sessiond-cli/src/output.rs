@@ -882,7 +882,9 @@ impl Out {
         }
     }
 
-    pub fn event(&self, e: &pb::Event) {
+    /// One event; `by_task`: numbered by its `task_seq`, the cursor a
+    /// task's watch resumes from (`--after-seq`).
+    pub fn event(&self, e: &pb::Event, by_task: bool) {
         use pb::event::Payload;
         if self.json {
             self.print_json(event_json(e));
@@ -955,10 +957,16 @@ impl Out {
             },
             None => String::new(),
         };
+        // The id's last characters: its random part (a UUIDv7 begins with
+        // its time, the same for sessions created in the same minute).
+        let label = e
+            .session_id
+            .get(e.session_id.len().saturating_sub(8)..)
+            .unwrap_or(&e.session_id);
         println!(
             "{:>5}  {}  {:<28} {}",
-            e.seq,
-            &e.session_id.get(..8).unwrap_or(&e.session_id),
+            if by_task { e.task_seq } else { e.seq },
+            label,
             e.kind,
             printable(&detail)
         );

@@ -761,6 +761,66 @@ fn watch_resumes_from_the_last_seq_after_the_server_restarts() {
     }
 }
 
+/// `watch --task` numbers its lines by `task_seq`, the cursor its
+/// `--after-seq` takes, and labels sessions by their ids' random tail
+/// (helper-21 #6).
+#[test]
+fn a_task_watch_numbers_lines_by_the_cursor_it_resumes_from() {
+    let (env, scratch, server, first) = Env::with_session("t", "task-watch");
+    env.sessionctl(&["send", &first, "one"], &scratch);
+    let second = env
+        .sessionctl(&["session", "create", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    env.sessionctl(&["send", &second, "two"], &scratch);
+    let task = env.task.clone().unwrap();
+    // Lines of `watch --task` up to the first of `until`'s session.
+    let lines_until = |extra: &[&str], until: &str| {
+        let mut cmd = Command::new("sessionctl");
+        env.apply(&mut cmd);
+        let mut child = cmd
+            .args(["watch", "--task", &task])
+            .args(extra)
+            .current_dir(&scratch)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut got = Vec::new();
+        for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+            let line = line.unwrap();
+            let label = line.split_whitespace().nth(1).unwrap().to_owned();
+            got.push((
+                line.split_whitespace()
+                    .next()
+                    .unwrap()
+                    .parse::<i64>()
+                    .unwrap(),
+                label,
+            ));
+            if got.last().unwrap().1 == until[until.len() - 8..] {
+                break;
+            }
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        got
+    };
+    let lines = lines_until(&[], &second);
+    let numbers: Vec<i64> = lines.iter().map(|(n, _)| *n).collect();
+    assert_eq!(
+        numbers,
+        (1..=lines.len() as i64).collect::<Vec<_>>(),
+        "{lines:?}"
+    );
+    assert_eq!(lines[0].1, first[first.len() - 8..], "{lines:?}");
+    // Resuming from the last line of the first session: the second's next.
+    let from = (lines.len() - 1).to_string();
+    let after = lines_until(&["--after-seq", &from], &second);
+    assert_eq!(after, lines[lines.len() - 1..], "{after:?}");
+    terminate(server);
+}
+
 /// A `send` waiting behind the running turn ends as soon as its queued
 /// message will not be sent: taken off the queue (`unqueue`), or dropped
 /// as the session is stopped, saying so; never waits out its timeout
