@@ -251,7 +251,8 @@ enum SessionCmd {
 struct SendArgs {
     #[command(flatten)]
     session: SessionRef,
-    /// The prompt.
+    /// The prompt; `-` reads it from standard input (a prompt longer than
+    /// a command line can hold).
     text: String,
     /// Return once the message is stored instead of waiting for the reply.
     #[arg(long)]
@@ -948,7 +949,13 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
 
 /// Sends the prompt, then follows the session's events and prints the
 /// agent's reply as it streams, until the turn ends.
-async fn send(c: &mut Clients, out: &Out, args: SendArgs) -> anyhow::Result<()> {
+async fn send(c: &mut Clients, out: &Out, mut args: SendArgs) -> anyhow::Result<()> {
+    if args.text == "-" {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
+            .context("reading the prompt from standard input")?;
+        args.text = text;
+    }
     let task_id = args.session.task.task;
     let session_id = args.session.session_id;
     let mut attachments = Vec::new();

@@ -761,6 +761,38 @@ fn watch_resumes_from_the_last_seq_after_the_server_restarts() {
     }
 }
 
+/// `send S -` reads the prompt from stdin: one longer than a command line
+/// can carry (helper-21 #11) reaches the agent whole.
+#[test]
+fn send_reads_a_long_prompt_from_stdin() {
+    let (env, scratch, server, session) = Env::with_session("i", "stdin");
+    let prompt = format!("{}END", "x".repeat(300 * 1024));
+    let mut cmd = Command::new("sessionctl");
+    env.apply(&mut cmd);
+    let mut child = cmd
+        .args(["send", &session, "-"])
+        .current_dir(&scratch)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), prompt.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("xxxxEND\""),
+        "{}",
+        &stdout[..stdout.len().min(200)]
+    );
+    terminate(server);
+}
+
 /// `watch --task` numbers its lines by `task_seq`, the cursor its
 /// `--after-seq` takes, and labels sessions by their ids' random tail
 /// (helper-21 #6).
