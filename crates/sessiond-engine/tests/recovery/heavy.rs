@@ -424,22 +424,7 @@ async fn a_heavy_agent_killed_mid_reply_is_restarted_by_itself() {
     let seq_before = w.store.last_event_seq(s.id).await.unwrap();
     mgr.send_message(w.task.id, s.id, "/long").await.unwrap();
     // Killed once its reply is streaming (stored, not complete).
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let msgs = w.messages(s.id).await;
-        if msgs.len() == 4 && msgs[3].role == MessageRole::Agent && !msgs[3].content.is_empty() {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the long reply never streamed: {msgs:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let two = match mgr.send_or_queue(w.task.id, s.id, "two").await.unwrap() {
-        sessiond_engine::Sent::Queued(q) => q,
-        other => panic!("not queued behind the running turn: {other:?}"),
-    };
+    let two = streaming_then_queued(&w, &mgr, s.id).await;
     let agentctl = w.record(s.id).await.pid.unwrap();
     let agents = children_of(agentctl);
     assert!(!agents.is_empty(), "no agent under agentctl {agentctl}");
@@ -519,6 +504,31 @@ async fn a_heavy_agent_killed_mid_reply_is_restarted_by_itself() {
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// Waits until the session's `/long` reply (its fourth message) streams,
+/// then queues "two" behind it.
+async fn streaming_then_queued(
+    w: &World,
+    mgr: &sessiond_engine::SessionManager,
+    s: SessionId,
+) -> sessiond_domain::QueuedMessage {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let msgs = w.messages(s).await;
+        if msgs.len() == 4 && msgs[3].role == MessageRole::Agent && !msgs[3].content.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the long reply never streamed: {msgs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    match mgr.send_or_queue(w.task.id, s, "two").await.unwrap() {
+        sessiond_engine::Sent::Queued(q) => q,
+        other => panic!("not queued behind the running turn: {other:?}"),
+    }
+}
+
 /// A heavy agent killed mid-reply while sessiond is down (helper-21's
 /// first defect): after the restart, recovery finds agentctl alive and the
 /// agent gone, and relaunches it; agentctl's `TurnEnded` for the killed
@@ -533,22 +543,7 @@ async fn a_heavy_agent_killed_mid_reply_while_sessiond_is_down_ends_interrupted(
     let s = w.create_with(&mgr, "down", &profile, None).await;
     w.prompt(&mgr, s.id, "one").await;
     mgr.send_message(w.task.id, s.id, "/long").await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let msgs = w.messages(s.id).await;
-        if msgs.len() == 4 && msgs[3].role == MessageRole::Agent && !msgs[3].content.is_empty() {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the long reply never streamed: {msgs:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let two = match mgr.send_or_queue(w.task.id, s.id, "two").await.unwrap() {
-        sessiond_engine::Sent::Queued(q) => q,
-        other => panic!("not queued behind the running turn: {other:?}"),
-    };
+    let two = streaming_then_queued(&w, &mgr, s.id).await;
     // sessiond goes away (agentctl stays), then the agent is killed.
     mgr.shutdown();
     drop(mgr);

@@ -199,27 +199,9 @@ async fn agent_exit_mid_turn_is_interrupted_and_restarted_within_its_limit() {
 async fn a_create_whose_agent_stays_silent_says_so() {
     let w = World::new(Db::Sqlite).await;
     // Says nothing, uses no CPU.
-    let now = chrono::Utc::now();
     let profile = w
-        .store
-        .upsert_agent_profile(&sessiond_domain::AgentProfile {
-            id: sessiond_domain::AgentProfileId::new(),
-            name: "silent".into(),
-            command: "sleep".into(),
-            args: vec!["600".into()],
-            env: Default::default(),
-            supports_session_resume: true,
-            container: None,
-            auth_method: None,
-            permission_policy: sessiond_domain::PermissionPolicy::Allow,
-            permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
-            config_defaults: Default::default(),
-            mcp_servers: Vec::new(),
-            created_at: now,
-            updated_at: now,
-        })
-        .await
-        .unwrap();
+        .upsert_profile("silent", "sleep", &["600".into()], &[], true)
+        .await;
     let mgr = w.manager_with(ManagerConfig {
         agent_initialize_timeout: Duration::from_millis(1500),
         ..w.config()
@@ -251,27 +233,9 @@ async fn a_create_whose_agent_stays_silent_says_so() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broken_profile_is_error_with_message() {
     let w = World::new(Db::Sqlite).await;
-    let now = chrono::Utc::now();
     let broken = w
-        .store
-        .upsert_agent_profile(&sessiond_domain::AgentProfile {
-            id: sessiond_domain::AgentProfileId::new(),
-            name: "broken".into(),
-            command: "/nonexistent/agent".into(),
-            args: vec![],
-            env: Default::default(),
-            supports_session_resume: true,
-            container: None,
-            auth_method: None,
-            permission_policy: sessiond_domain::PermissionPolicy::Allow,
-            permission_timeout: sessiond_domain::DEFAULT_PERMISSION_TIMEOUT,
-            config_defaults: Default::default(),
-            mcp_servers: Vec::new(),
-            created_at: now,
-            updated_at: now,
-        })
-        .await
-        .unwrap();
+        .upsert_profile("broken", "/nonexistent/agent", &[], &[], true)
+        .await;
     let mgr = w.manager();
     let s = w.create_with(&mgr, "broken", &broken, None).await;
     assert_eq!(s.state, SessionState::Error);
