@@ -120,6 +120,12 @@ impl EventBus {
         }
     }
 
+    /// Ends the live channel of a deleted session: its watchers hand out
+    /// what they hold, then end with NOT_FOUND instead of waiting for good.
+    pub fn close_session(&self, session: SessionId) {
+        lock(&self.channels.sessions).remove(&session);
+    }
+
     fn subscribe(&self, scope: Scope) -> broadcast::Receiver<Arc<Event>> {
         let c = &self.channels;
         match scope {
@@ -306,8 +312,17 @@ impl Watcher {
                     }
                 }
                 Err(broadcast::error::RecvError::Lagged(_)) => self.catch_up = true,
-                // The manager is gone (backend shutting down): end the stream.
-                Err(broadcast::error::RecvError::Closed) => self.done = true,
+                // The session was deleted (`close_session`): said, so a
+                // client does not wait on it; else the manager is gone
+                // (backend shutting down): the stream ends.
+                Err(broadcast::error::RecvError::Closed) => {
+                    self.done = true;
+                    if let Scope::Session(id) = self.scope
+                        && let Err(e) = self.store.get_session(id).await
+                    {
+                        return Some(Err(e.into()));
+                    }
+                }
             }
         }
     }

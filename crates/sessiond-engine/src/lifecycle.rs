@@ -615,6 +615,7 @@ impl SessionManager {
         // Last: a delete that failed above leaves the session readable, so
         // the caller sees why and can delete again.
         self.inner.store.mark_session_deleted(session_id).await?;
+        self.inner.bus.close_session(session_id);
         // No executor row, no lease: later writes need no fence.
         Fencing(self).forget_lease(session_id);
         self.inner.sessions.remove_execution(session_id);

@@ -126,6 +126,39 @@ async fn two_sessions_of_one_task_stay_independent() {
     w.finish(&mgr, &[b.id]).await;
 }
 
+/// A watch of a session that is then deleted hands out what was
+/// committed, then ends with NOT_FOUND instead of staying open silently
+/// (helper-21 #7).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_of_a_deleted_session_ends_saying_so() {
+    use futures::StreamExt as _;
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "gone").await;
+    w.prompt(&mgr, s.id, "one").await;
+    let mut watch = mgr.watch_session(s.id, 0).await.unwrap();
+    mgr.delete_session(w.task.id, s.id).await.unwrap();
+    let last = w.store.last_event_seq(s.id).await.unwrap_or_default();
+    let mut seqs = Vec::new();
+    let end = loop {
+        // Bounds a failure (a stream left open) only.
+        let next = tokio::time::timeout(std::time::Duration::from_secs(60), watch.next())
+            .await
+            .expect("the watch stayed open after the delete");
+        match next {
+            Some(Ok(e)) => seqs.push(e.seq),
+            Some(Err(e)) => break e,
+            None => panic!("ended without saying why, after {seqs:?}"),
+        }
+    };
+    assert_eq!(end.kind(), sessiond_engine::ErrorKind::NotFound, "{end}");
+    assert!(seqs.len() as i64 >= last.min(1), "{seqs:?}");
+    assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>());
+    assert!(watch.next().await.is_none());
+    assert_eq!(mgr.events().watched(), (0, 0));
+    w.finish(&mgr, &[]).await;
+}
+
 /// 1,000 events committed while a subscriber disconnects and reconnects at
 /// random points with its last seq (and lags behind a tiny live buffer): it
 /// sees seq 1..=1000 exactly once, in order.

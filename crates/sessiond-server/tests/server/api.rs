@@ -440,8 +440,9 @@ async fn session_lifecycle_workspace_and_events() {
         "{text}"
     );
     assert!(text.contains("code=\"FAILED_PRECONDITION\""), "{text}");
+    // The stopped session was deleted: no longer counted.
     assert!(
-        text.contains("sessiond_sessions{state=\"CANCELLED\"} 1"),
+        !text.contains("sessiond_sessions{state=\"CANCELLED\"} 1"),
         "{text}"
     );
     assert!(text.contains("sessiond_recovery_done 1"), "{text}");
