@@ -30,6 +30,9 @@ use crate::{error::Result, manager::SessionManager};
 pub(crate) const CURSOR_KEY: &str = "agentctl_cursor";
 /// Session metadata key of the turn in progress (the user message id).
 pub(crate) const TURN_KEY: &str = "turn_id";
+/// Session metadata key of the turn a client cancelled (its id): a
+/// restarted backend sends the cancel again and keeps its grace.
+pub(crate) const CANCEL_KEY: &str = "cancel_requested";
 
 /// Appended to a partial reply that a settled turn completes: the prompt had
 /// reached the agent, which stopped before it finished, and it is not asked

@@ -1111,6 +1111,23 @@ impl Turns<'_> {
                 return;
             }
         };
+        // A turn cancelled before this backend (re)started: the agent
+        // (maybe a new one) hears the cancel again, and the grace runs
+        // again from here.
+        let cancelled = session.metadata.get(super::CANCEL_KEY);
+        if let Some(turn) = cancelled.filter(|t| {
+            session.state == SessionState::Running && session.metadata.get(TURN_KEY) == Some(*t)
+        }) {
+            let (me, turn, record, cancel) =
+                (self.0.clone(), turn.clone(), record.clone(), client.clone());
+            let session_id = session.id;
+            self.spawn_background(async move {
+                if let Err(e) = cancel.cancel().await {
+                    tracing::warn!(session = %session_id, error = %e, "could not send the stored cancel again");
+                }
+                me.stop_if_cancel_ignored(session_id, turn, record);
+            });
+        }
         // A parked pump of this generation read further than the stored cursor.
         let (stored, stored_instance) = stored_cursor(session, record.generation);
         let (cursor, instance) = match self.inner.sessions.take_parked(session.id) {

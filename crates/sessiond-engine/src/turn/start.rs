@@ -190,9 +190,33 @@ impl SessionManager {
         })?;
         tracing::info!(session = %session_id, cancelled, "turn cancel requested");
         if let Some(turn) = session.metadata.get(TURN_KEY).filter(|_| cancelled) {
+            self.remember_cancel(session_id, turn).await;
             self.stop_if_cancel_ignored(session_id, turn.clone(), execution.record);
         }
         Ok(cancelled)
+    }
+
+    /// Stores that `turn` was cancelled, so a backend restarted before it
+    /// ends sends the cancel again and still stops an agent that ignores
+    /// it (`Turns::start_pump`). Best effort: the cancel itself was sent.
+    async fn remember_cancel(&self, session_id: SessionId, turn: &str) {
+        let _guard = self.inner.sessions.lock(session_id).await;
+        let stored = async {
+            let mut s = self.inner.store.get_session(session_id).await?;
+            if s.state != SessionState::Running
+                || s.metadata.get(TURN_KEY).map(String::as_str) != Some(turn)
+            {
+                return Ok(());
+            }
+            s.metadata.insert(super::CANCEL_KEY.into(), turn.to_owned());
+            self.commit(Changeset::new().update_session(s))
+                .await
+                .map(drop)
+        }
+        .await;
+        if let Err(e) = stored {
+            tracing::warn!(session = %session_id, error = %e, "could not store the turn's cancel");
+        }
     }
 
     /// An agent may ignore `session/cancel` (stuck in a tool that never
@@ -201,7 +225,12 @@ impl SessionManager {
     /// sessiond stopped it, and restarts it with its conversation, as any
     /// exit does (decision 0037). One watch per cancel; a turn that ended, or an
     /// agent replaced meanwhile, is left alone.
-    fn stop_if_cancel_ignored(&self, session_id: SessionId, turn: String, record: ExecutorRecord) {
+    pub(super) fn stop_if_cancel_ignored(
+        &self,
+        session_id: SessionId,
+        turn: String,
+        record: ExecutorRecord,
+    ) {
         let grace = self.inner.config.cancel_grace;
         let me = self.clone();
         self.spawn_background(async move {
@@ -512,6 +541,7 @@ impl Turns<'_> {
         }
         // A new turn: the interrupted one before it can no longer be retried.
         running.metadata.remove(INTERRUPTED_TURN_KEY);
+        running.metadata.remove(super::CANCEL_KEY);
         let mut change = Changeset::new();
         if let Some(id) = from_queue {
             sessiond_domain::queue::remove(&mut running.metadata, id);

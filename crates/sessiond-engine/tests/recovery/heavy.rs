@@ -692,6 +692,79 @@ async fn a_heavy_agent_that_ignores_cancel_is_stopped_after_the_grace_and_restar
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// A cancel the agent ignores survives a restart of the backend
+/// (helper-22's A): the new backend sends it again and, the grace passed,
+/// stops the agent; the turn ends cancelled, as asked, instead of running
+/// on and ending as if complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ignored_cancel_is_still_enforced_after_a_backend_restart() {
+    let w = World::new(Db::Sqlite).await;
+    let mut env = HEAVY.to_vec();
+    env.push(("ACP_DEMO_IGNORE_CANCEL", "1"));
+    let profile = w.demo_profile("deaf", &env).await;
+    // The first backend's grace never passes before it goes away.
+    let mgr = w.manager_with(ManagerConfig {
+        cancel_grace: Duration::from_secs(3600),
+        ..defaults()
+    });
+    let s = w.create_with(&mgr, "deaf-restart", &profile, None).await;
+    mgr.send_message(w.task.id, s.id, "/long").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !w
+        .messages(s.id)
+        .await
+        .get(1)
+        .is_some_and(|m| m.role == MessageRole::Agent && !m.content.is_empty())
+    {
+        assert!(Instant::now() < deadline, "the long reply never streamed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(mgr.cancel_turn(w.task.id, s.id).await.unwrap());
+    mgr.shutdown();
+    drop(mgr);
+
+    let mgr = w.manager_with(ManagerConfig {
+        cancel_grace: Duration::from_secs(1),
+        ..defaults()
+    });
+    mgr.recovery().recover_all().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let ended = loop {
+        let ended: Vec<String> = w
+            .events(s.id)
+            .await
+            .into_iter()
+            .filter_map(|e| match e.payload {
+                EventPayload::TurnEnded { stop_reason, .. } => Some(stop_reason),
+                _ => None,
+            })
+            .collect();
+        if !ended.is_empty() {
+            break ended;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the cancelled turn never ended: {:?}",
+            w.messages(s.id).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(ended, ["cancelled"], "{:?}", w.messages(s.id).await);
+    let msgs = w.messages(s.id).await;
+    assert!(
+        msgs.iter().any(|m| m.role == MessageRole::System
+            && m.content
+                .contains("did not end the turn within 1s of its cancel")),
+        "{msgs:?}"
+    );
+    w.track(s.id).await;
+    w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
+        .await;
+    let reply = w.prompt(&mgr, s.id, "after").await;
+    assert!(reply.contains("after"), "{reply}");
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// The agent sessiond restarts after an exit dies again while it starts
 /// (a heavy one, seconds to start): that is the restart's launch failing,
 /// which recovery retries like any launch, so the session comes back by
