@@ -13,7 +13,9 @@
 //! (`Pass::recover_shared`, spawned by recovery's
 //! `ExecutorRecovery::spawn_agent_restart`), so a launch that fails is
 //! retried as any recovery's is, and an explicit resume meanwhile joins
-//! it. The counts live in memory: a restarted backend starts them afresh.
+//! it. The restarts of the window are also stored with the session
+//! ([`RESTARTS_KEY`], written in the exit's commit), so a restarted backend
+//! keeps counting where the last one stopped.
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -65,6 +67,8 @@ struct Entry {
     /// sessiond stopped the agent because it went on with a turn past
     /// its cancel's grace: its exit says so.
     stopped_after_cancel: Option<Duration>,
+    /// `at` holds the restarts the session's record stored.
+    seeded: bool,
 }
 
 /// The restarts of agents that exited by themselves, per session.
@@ -74,12 +78,34 @@ pub(crate) struct AgentRestarts(Mutex<HashMap<SessionId, Entry>>);
 impl AgentRestarts {
     /// Decides a restart of `session`'s agent at `now`, at most `limit` in
     /// [`RESTART_WINDOW`], and counts it.
-    pub(crate) fn admit(&self, session: SessionId, limit: u32, now: Instant) -> AfterExit {
+    /// `stored`: how long ago each restart the session's record holds
+    /// was, which a process that has not counted this session yet starts
+    /// from.
+    pub(crate) fn admit(
+        &self,
+        session: SessionId,
+        limit: u32,
+        now: Instant,
+        stored: &[Duration],
+    ) -> AfterExit {
         if limit == 0 {
             return AfterExit::Error { exhausted: false };
         }
         let mut all = lock(&self.0);
         let e = all.entry(session).or_default();
+        if !e.seeded {
+            // The first restart this process decides for the session
+            // (its entry may exist already, for an exit's count).
+            e.seeded = true;
+            let mut at: Vec<Instant> = stored
+                .iter()
+                .filter(|ago| **ago < RESTART_WINDOW)
+                .filter_map(|ago| now.checked_sub(*ago))
+                .chain(e.at.iter().copied())
+                .collect();
+            at.sort();
+            e.at = at.into();
+        }
         while e
             .at
             .front()
@@ -94,6 +120,15 @@ impl AgentRestarts {
         e.pending = true;
         e.uncounted = true;
         AfterExit::Restart(u32::try_from(e.at.len()).unwrap_or(u32::MAX))
+    }
+
+    /// How long before `now` each restart of `session`'s window was.
+    pub(crate) fn recent(&self, session: SessionId, now: Instant) -> Vec<Duration> {
+        lock(&self.0).get(&session).map_or_else(Vec::new, |e| {
+            e.at.iter()
+                .map(|t| now.saturating_duration_since(*t))
+                .collect()
+        })
     }
 
     /// True while a restart of `session`'s agent was decided and has not
@@ -171,6 +206,28 @@ impl AgentRestarts {
     }
 }
 
+/// Session metadata key of its agent's restarts in the window: their
+/// wall-clock times (unix ms), comma-separated.
+pub(crate) const RESTARTS_KEY: &str = "agent_restarts_at";
+
+/// How long before `now_ms` each restart a session's `metadata` holds was
+/// (unreadable entries and times in the future are left out).
+fn stored_restarts(
+    metadata: &std::collections::BTreeMap<String, String>,
+    now_ms: i64,
+) -> Vec<Duration> {
+    metadata
+        .get(RESTARTS_KEY)
+        .map(|v| {
+            v.split(',')
+                .filter_map(|t| t.trim().parse::<i64>().ok())
+                .filter_map(|t| u64::try_from(now_ms - t).ok())
+                .map(Duration::from_millis)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Why an agent sessiond stopped after a cancel it ignored for `grace`
 /// is gone, as the session and its turn say it.
 pub(crate) fn stopped_after_cancel(grace: Duration) -> String {
@@ -195,13 +252,15 @@ pub(crate) fn after_agent_exit(
     session: &Session,
     what: &str,
 ) -> Result<(Session, Vec<EventPayload>, AfterExit)> {
+    let (now, now_ms) = (Instant::now(), chrono::Utc::now().timestamp_millis());
     let decision = if config.resume_policy == ResumePolicy::Startup
         && session.resume_token.is_some()
         && matches!(
             session.state,
             SessionState::Running | SessionState::WaitingForInput
         ) {
-        restarts.admit(session.id, config.agent_restarts, Instant::now())
+        let stored = stored_restarts(&session.metadata, now_ms);
+        restarts.admit(session.id, config.agent_restarts, now, &stored)
     } else {
         AfterExit::Error { exhausted: false }
     };
@@ -214,7 +273,15 @@ pub(crate) fn after_agent_exit(
                 RESTART_WINDOW.as_secs() / 60
             );
             let (failed, first) = transition(session, SessionEvent::Failed, Some(why))?;
-            let (starting, second) = transition(&failed, SessionEvent::ResumeRequested, None)?;
+            let (mut starting, second) = transition(&failed, SessionEvent::ResumeRequested, None)?;
+            let at: Vec<String> = restarts
+                .recent(session.id, now)
+                .iter()
+                .map(|ago| {
+                    (now_ms - i64::try_from(ago.as_millis()).unwrap_or(i64::MAX)).to_string()
+                })
+                .collect();
+            starting.metadata.insert(RESTARTS_KEY.into(), at.join(","));
             Ok((
                 starting,
                 first.into_iter().chain(second).collect(),
@@ -247,29 +314,61 @@ mod tests {
         let r = AgentRestarts::default();
         let s = SessionId::new();
         let t0 = Instant::now();
-        assert_eq!(r.admit(s, 2, t0), AfterExit::Restart(1));
+        assert_eq!(r.admit(s, 2, t0, &[]), AfterExit::Restart(1));
         assert!(r.pending(s));
         r.finished(s);
         assert!(!r.pending(s));
         assert_eq!(
-            r.admit(s, 2, t0 + Duration::from_secs(60)),
+            r.admit(s, 2, t0 + Duration::from_secs(60), &[]),
             AfterExit::Restart(2)
         );
         r.finished(s);
         assert_eq!(
-            r.admit(s, 2, t0 + Duration::from_secs(120)),
+            r.admit(s, 2, t0 + Duration::from_secs(120), &[]),
             AfterExit::Error { exhausted: true }
         );
         assert!(!r.pending(s), "an exhausted exit starts nothing");
         // The first restart leaves the window: one more is allowed.
-        assert_eq!(r.admit(s, 2, t0 + RESTART_WINDOW), AfterExit::Restart(2));
+        assert_eq!(
+            r.admit(s, 2, t0 + RESTART_WINDOW, &[]),
+            AfterExit::Restart(2)
+        );
         // Other sessions count apart.
         let other = SessionId::new();
-        assert_eq!(r.admit(other, 2, t0), AfterExit::Restart(1));
+        assert_eq!(r.admit(other, 2, t0, &[]), AfterExit::Restart(1));
         // A forgotten session keeps nothing.
         r.forget(other);
         assert!(!r.pending(other));
         assert!(!lock(&r.0).contains_key(&other));
+    }
+
+    #[test]
+    fn a_new_process_counts_from_the_restarts_the_session_stored() {
+        let r = AgentRestarts::default();
+        let s = SessionId::new();
+        let now = Instant::now();
+        let minute = Duration::from_secs(60);
+        // Two restarts in the window, one older than it.
+        let stored = [minute, 2 * minute, RESTART_WINDOW + minute];
+        assert_eq!(r.admit(s, 3, now, &stored), AfterExit::Restart(3));
+        assert_eq!(r.recent(s, now).len(), 3);
+        r.finished(s);
+        assert_eq!(
+            r.admit(s, 3, now, &[]),
+            AfterExit::Error { exhausted: true },
+            "counted in memory from then on"
+        );
+        // Stored as wall-clock times and read back.
+        let metadata = [(
+            RESTARTS_KEY.to_owned(),
+            "1000, 61000,junk,999999999".to_owned(),
+        )]
+        .into_iter()
+        .collect();
+        assert_eq!(
+            stored_restarts(&metadata, 121_000),
+            [Duration::from_secs(120), Duration::from_secs(60)]
+        );
     }
 
     #[test]
@@ -282,7 +381,7 @@ mod tests {
             !r.count_exit(s, "a", 7, false),
             "an agent running, no restart"
         );
-        assert_eq!(r.admit(s, 3, Instant::now()), AfterExit::Restart(1));
+        assert_eq!(r.admit(s, 3, Instant::now(), &[]), AfterExit::Restart(1));
         assert!(
             r.count_exit(s, "a", 9, false),
             "the new agent already runs, but this exit decided its restart"
@@ -299,7 +398,7 @@ mod tests {
         let r = AgentRestarts::default();
         let s = SessionId::new();
         assert_eq!(
-            r.admit(s, 0, Instant::now()),
+            r.admit(s, 0, Instant::now(), &[]),
             AfterExit::Error { exhausted: false }
         );
         assert!(!r.pending(s));

@@ -192,6 +192,47 @@ async fn agent_exit_mid_turn_is_interrupted_and_restarted_within_its_limit() {
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// The restart limit holds across a restart of the backend (helper-22's
+/// B): the restarts of the window are stored with the session, so a new
+/// process does not start counting afresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_restart_limit_holds_across_a_backend_restart() {
+    let w = World::new(Db::Sqlite).await;
+    let crashing = w
+        .demo_profile("crash", &[("ACP_DEMO_CRASH_MID_TURN", "1")])
+        .await;
+    let config = ManagerConfig {
+        agent_restarts: 1,
+        ..w.config()
+    };
+    let mgr = w.manager_with(config.clone());
+    let s = w.create_with(&mgr, "limit", &crashing, None).await;
+    let seq_before = w.store.last_event_seq(s.id).await.unwrap();
+    mgr.send_message(w.task.id, s.id, "boom").await.unwrap();
+    w.wait_agent_back(&mgr, s.id, seq_before).await;
+    let stored = w.store.get_session(s.id).await.unwrap();
+    assert!(
+        stored.metadata.contains_key("agent_restarts_at"),
+        "{:?}",
+        stored.metadata
+    );
+    mgr.shutdown();
+    drop(mgr);
+
+    let mgr = w.manager_with(config);
+    mgr.recovery().recover_all().await.unwrap();
+    w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
+        .await;
+    mgr.send_message(w.task.id, s.id, "boom again")
+        .await
+        .unwrap();
+    w.wait_state(&mgr, s.id, SessionState::Error).await;
+    let msg = w.status(&mgr, s.id).await.error_message.unwrap_or_default();
+    assert!(msg.contains("after 1 restarts"), "{msg}");
+    w.track(s.id).await;
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// An agent silent at its start (no output, no CPU) fails its create after the silence limit with agentctl's
 /// own words, not as a call that "did not answer within" a deadline that
 /// never passed (helper-21 #3).
