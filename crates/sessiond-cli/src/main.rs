@@ -483,7 +483,7 @@ fn main() -> ExitCode {
                          ({}); sessiond may have stopped or restarted, so whether the call took \
                          effect is unknown: check (e.g. `sessionctl session status`) before \
                          repeating it",
-                        error_text(&anyhow::Error::msg(source_chain(status)))
+                        source_chain(status)
                     );
                 }
                 Some(status) => {

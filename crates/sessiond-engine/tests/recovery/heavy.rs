@@ -504,6 +504,26 @@ async fn a_heavy_agent_killed_mid_reply_is_restarted_by_itself() {
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// Waits until the session's message `index` is an agent reply that has
+/// begun to stream (stored, with text).
+async fn wait_reply_streaming(w: &World, s: SessionId, index: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let msgs = w.messages(s).await;
+        if msgs
+            .get(index)
+            .is_some_and(|m| m.role == MessageRole::Agent && !m.content.is_empty())
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "reply {index} never streamed: {msgs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Waits until the session's `/long` reply (its fourth message) streams,
 /// then queues "two" behind it.
 async fn streaming_then_queued(
@@ -511,18 +531,7 @@ async fn streaming_then_queued(
     mgr: &sessiond_engine::SessionManager,
     s: SessionId,
 ) -> sessiond_domain::QueuedMessage {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let msgs = w.messages(s).await;
-        if msgs.len() == 4 && msgs[3].role == MessageRole::Agent && !msgs[3].content.is_empty() {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the long reply never streamed: {msgs:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_reply_streaming(w, s, 3).await;
     match mgr.send_or_queue(w.task.id, s, "two").await.unwrap() {
         sessiond_engine::Sent::Queued(q) => q,
         other => panic!("not queued behind the running turn: {other:?}"),
@@ -615,6 +624,13 @@ async fn a_heavy_agent_killed_mid_reply_while_sessiond_is_down_ends_interrupted(
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// The heavy demo agent, deaf to `session/cancel`.
+async fn deaf_profile(w: &World) -> sessiond_domain::AgentProfile {
+    let mut env = HEAVY.to_vec();
+    env.push(("ACP_DEMO_IGNORE_CANCEL", "1"));
+    w.demo_profile("deaf", &env).await
+}
+
 /// A heavy agent that ignores `session/cancel` (as one stuck in a tool
 /// does) keeps its turn going after CancelTurn; once `cancel_grace` has
 /// passed, sessiond stops it: the turn ends cancelled, as asked, saying
@@ -624,9 +640,7 @@ async fn a_heavy_agent_killed_mid_reply_while_sessiond_is_down_ends_interrupted(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_heavy_agent_that_ignores_cancel_is_stopped_after_the_grace_and_restarted() {
     let w = World::new(Db::Sqlite).await;
-    let mut env = HEAVY.to_vec();
-    env.push(("ACP_DEMO_IGNORE_CANCEL", "1"));
-    let profile = w.demo_profile("deaf", &env).await;
+    let profile = deaf_profile(&w).await;
     let mgr = w.manager_with(ManagerConfig {
         cancel_grace: Duration::from_secs(1),
         ..defaults()
@@ -634,16 +648,7 @@ async fn a_heavy_agent_that_ignores_cancel_is_stopped_after_the_grace_and_restar
     let s = w.create_with(&mgr, "deaf", &profile, None).await;
     let seq_before = w.store.last_event_seq(s.id).await.unwrap();
     mgr.send_message(w.task.id, s.id, "/long").await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !w
-        .messages(s.id)
-        .await
-        .get(1)
-        .is_some_and(|m| m.role == MessageRole::Agent && !m.content.is_empty())
-    {
-        assert!(Instant::now() < deadline, "the long reply never streamed");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_reply_streaming(&w, s.id, 1).await;
     assert!(mgr.cancel_turn(w.task.id, s.id).await.unwrap());
     let st = w.wait_agent_back(&mgr, s.id, seq_before).await;
     assert!(st.error_message.is_none(), "{st:?}");
@@ -699,9 +704,7 @@ async fn a_heavy_agent_that_ignores_cancel_is_stopped_after_the_grace_and_restar
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ignored_cancel_is_still_enforced_after_a_backend_restart() {
     let w = World::new(Db::Sqlite).await;
-    let mut env = HEAVY.to_vec();
-    env.push(("ACP_DEMO_IGNORE_CANCEL", "1"));
-    let profile = w.demo_profile("deaf", &env).await;
+    let profile = deaf_profile(&w).await;
     // The first backend's grace never passes before it goes away.
     let mgr = w.manager_with(ManagerConfig {
         cancel_grace: Duration::from_secs(3600),
@@ -709,16 +712,7 @@ async fn an_ignored_cancel_is_still_enforced_after_a_backend_restart() {
     });
     let s = w.create_with(&mgr, "deaf-restart", &profile, None).await;
     mgr.send_message(w.task.id, s.id, "/long").await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !w
-        .messages(s.id)
-        .await
-        .get(1)
-        .is_some_and(|m| m.role == MessageRole::Agent && !m.content.is_empty())
-    {
-        assert!(Instant::now() < deadline, "the long reply never streamed");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_reply_streaming(&w, s.id, 1).await;
     assert!(mgr.cancel_turn(w.task.id, s.id).await.unwrap());
     mgr.shutdown();
     drop(mgr);
