@@ -144,6 +144,20 @@ impl Env {
 }
 
 impl Env {
+    /// Starts `sessionctl args` in `cwd` with its stdio piped, for a test
+    /// that feeds it, reads it while it runs, or kills it.
+    fn spawn_sessionctl(&self, args: &[&str], cwd: &Path) -> Child {
+        let mut cmd = Command::new("sessionctl");
+        self.apply(&mut cmd);
+        cmd.args(args)
+            .current_dir(cwd)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
     /// Runs `sessionctl args` expecting it to fail; returns its stdout,
     /// stderr and how long it took.
     fn sessionctl_fails(&self, args: &[&str], cwd: &Path) -> (String, String, Duration) {
@@ -767,16 +781,7 @@ fn watch_resumes_from_the_last_seq_after_the_server_restarts() {
 fn send_reads_a_long_prompt_from_stdin() {
     let (env, scratch, server, session) = Env::with_session("i", "stdin");
     let prompt = format!("{}END", "x".repeat(300 * 1024));
-    let mut cmd = Command::new("sessionctl");
-    env.apply(&mut cmd);
-    let mut child = cmd
-        .args(["send", &session, "-"])
-        .current_dir(&scratch)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = env.spawn_sessionctl(&["send", &session, "-"], &scratch);
     std::io::Write::write_all(&mut child.stdin.take().unwrap(), prompt.as_bytes()).unwrap();
     let out = child.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -808,16 +813,8 @@ fn a_task_watch_numbers_lines_by_the_cursor_it_resumes_from() {
     let task = env.task.clone().unwrap();
     // Lines of `watch --task` up to the first of `until`'s session.
     let lines_until = |extra: &[&str], until: &str| {
-        let mut cmd = Command::new("sessionctl");
-        env.apply(&mut cmd);
-        let mut child = cmd
-            .args(["watch", "--task", &task])
-            .args(extra)
-            .current_dir(&scratch)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
+        let args = [&["watch", "--task", task.as_str()][..], extra].concat();
+        let mut child = env.spawn_sessionctl(&args, &scratch);
         let mut got = Vec::new();
         for line in BufReader::new(child.stdout.take().unwrap()).lines() {
             let line = line.unwrap();
@@ -862,15 +859,10 @@ fn a_waiting_send_whose_queued_message_will_not_be_sent_ends_saying_so() {
     let (env, scratch, server, session) = Env::with_session("q", "queue");
     env.sessionctl(&["send", "--no-wait", &session, "/long story"], &scratch);
     let waiting_send_to = |session: &str, text: &str| {
-        let mut cmd = Command::new("sessionctl");
-        env.apply(&mut cmd);
-        let mut child = cmd
-            .args(["--json", "send", "--timeout-secs", "90", session, text])
-            .current_dir(&scratch)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = env.spawn_sessionctl(
+            &["--json", "send", "--timeout-secs", "90", session, text],
+            &scratch,
+        );
         let mut line = String::new();
         BufReader::new(child.stdout.as_mut().unwrap())
             .read_line(&mut line)
@@ -949,15 +941,10 @@ fn a_call_cut_off_by_a_dying_server_says_its_outcome_is_unknown() {
     let (env, scratch, mut server, session) = Env::with_session("x", "cut");
     let marker = scratch.join("exec-started");
     let script = format!("touch {}; sleep 60", marker.display());
-    let mut cmd = Command::new("sessionctl");
-    env.apply(&mut cmd);
-    let exec = cmd
-        .args(["workspace", "exec", &session, "--", "sh", "-c", &script])
-        .current_dir(&scratch)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let exec = env.spawn_sessionctl(
+        &["workspace", "exec", &session, "--", "sh", "-c", &script],
+        &scratch,
+    );
     let deadline = Instant::now() + Duration::from_secs(60);
     while !marker.exists() {
         assert!(Instant::now() < deadline, "the exec never started");
