@@ -35,7 +35,7 @@ use agent_client_protocol::v1::schema::{
 };
 use agent_client_protocol::{Agent, Client, ErrorCode, Handled, Lines, UntypedMessage};
 use sessiond_proto::agentctl::v1::{
-    AgentExit, AgentExited, AgentState, AgentStateChanged, MessageChunk, TurnEnded,
+    AgentExit, AgentExited, AgentState, AgentStateChanged, MessageChunk, TurnEnded, TurnStarted,
     agent_update::Kind,
 };
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -627,6 +627,7 @@ impl AgentManager {
             }),
         }
         .report_dead_permissions(loaded.permissions)
+        .report_orphan_turn()
     }
 
     /// Rings `doorbell` (a Unix datagram socket of the backend) with
@@ -670,6 +671,50 @@ impl AgentManager {
             }
         }
         self
+    }
+
+    /// The newest turn an earlier agentctl process handed to its agent and
+    /// never saw end: that process died, and its agent with it. The backend
+    /// may never have recorded the turn (it stores a turn while the Prompt
+    /// runs), so it is put on this process's stream as `TurnStarted` with
+    /// `earlier_instance`, from the journal's text; a backend that has the
+    /// turn ignores it. Only the newest: turns run one at a time, so an
+    /// older unended one was settled before the next was accepted.
+    fn report_orphan_turn(self) -> Self {
+        let instance = self.shared.updates.instance_id().to_owned();
+        let orphan = {
+            let mut slot = self.shared.slot();
+            slot.turns
+                .back_mut()
+                .filter(|t| {
+                    t.instance != instance && t.phase == Phase::Handed && !t.text.is_empty()
+                })
+                .map(|t| (t.turn_id.clone(), std::mem::take(&mut t.text)))
+        };
+        // Texts are for this report only.
+        for t in &mut self.shared.slot().turns {
+            t.text = String::new();
+        }
+        if let Some((turn_id, text)) = orphan {
+            tracing::info!(%turn_id, "a turn an earlier agentctl process handed to its agent never ended; reported");
+            self.shared.updates.push(Kind::TurnStarted(TurnStarted {
+                turn_id,
+                text,
+                blocks: 0,
+                earlier_instance: true,
+            }));
+        }
+        self
+    }
+
+    /// The newest turn this process or its journal knows (empty: none).
+    pub fn last_turn_id(&self) -> String {
+        self.shared
+            .slot()
+            .turns
+            .back()
+            .map(|t| t.turn_id.clone())
+            .unwrap_or_default()
     }
 
     /// Current state, for Health and Capabilities. Reads the agent's CPU
@@ -1305,7 +1350,7 @@ impl AgentManager {
         // is the turns' order.
         self.shared
             .journal
-            .accepted(&turn_id, &message_id, &instance)?;
+            .accepted(&turn_id, &message_id, &instance, text)?;
         slot.held = Some(Held {
             turn_id: turn_id.clone(),
             message_id: message_id.clone(),
@@ -1381,10 +1426,18 @@ impl AgentManager {
                     let message_id = uuid::Uuid::now_v7().to_string();
                     self.shared
                         .journal
-                        .accepted(&turn_id, &message_id, &instance)?;
+                        .accepted(&turn_id, &message_id, &instance, &text)?;
                     message_id
                 }
             };
+            // Ahead of everything the turn produces, under the slot lock: a
+            // backend with no record of the turn records it from here.
+            self.shared.updates.push(Kind::TurnStarted(TurnStarted {
+                turn_id: turn_id.clone(),
+                text: text.clone(),
+                blocks: u32::try_from(blocks.len()).unwrap_or(u32::MAX),
+                earlier_instance: false,
+            }));
             slot.parts = Parts::default();
             slot.usage.turn_started();
             slot.turn = Some(Turn {
@@ -1399,6 +1452,7 @@ impl AgentManager {
                 instance: instance.clone(),
                 phase: Phase::Accepted,
                 end_cursor: 0,
+                text: String::new(),
             });
             while slot.turns.len() > REMEMBERED_TURNS {
                 slot.turns.pop_front();

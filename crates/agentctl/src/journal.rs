@@ -8,8 +8,10 @@
 //! see below):
 //!
 //! - `{"k":"start","instance":I}`: an agentctl process began using the file;
-//! - `{"k":"accepted","turn":T,"message":M,"instance":I}`: before Prompt
-//!   returns, written but not `fsync`ed: a turn only accepted by a process
+//! - `{"k":"accepted","turn":T,"message":M,"instance":I,"text":X}`: before
+//!   Prompt returns, with the turn's text (so a later process can report a
+//!   turn its dead predecessor ran; compaction keeps it only for turns that
+//!   never ended), written but not `fsync`ed: a turn only accepted by a process
 //!   now dead reached no agent, exactly as an unknown one, so losing the
 //!   line to a power cut changes no answer; the `handed` line's `fsync`,
 //!   always before the agent sees the turn, makes it durable with it;
@@ -68,6 +70,9 @@ pub struct TurnRecord {
     pub phase: Phase,
     /// With [`Phase::Ended`]: the cursor of its `TurnEnded`.
     pub end_cursor: u64,
+    /// The turn's text, as read from the journal for a turn that never
+    /// ended (empty otherwise, and for turns of this process).
+    pub text: String,
 }
 
 /// An agent process tree some agentctl started.
@@ -151,6 +156,7 @@ pub fn parse(text: &str, keep: usize) -> Loaded {
                     instance: instance.to_owned(),
                     phase: Phase::Accepted,
                     end_cursor: 0,
+                    text: s(&v, "text"),
                 });
                 while loaded.turns.len() > keep {
                     loaded.turns.pop_front();
@@ -170,6 +176,7 @@ pub fn parse(text: &str, keep: usize) -> Loaded {
                     } else {
                         t.phase = Phase::Ended;
                         t.end_cursor = n(&v, "cursor");
+                        t.text = String::new();
                     }
                 }
             }
@@ -206,10 +213,12 @@ fn render(loaded: &Loaded) -> String {
         out.push('\n');
     }
     for t in &loaded.turns {
-        out.push_str(
-            &json!({"k":"accepted","turn":t.turn_id,"message":t.message_id,"instance":t.instance})
-                .to_string(),
-        );
+        let mut accepted =
+            json!({"k":"accepted","turn":t.turn_id,"message":t.message_id,"instance":t.instance});
+        if !t.text.is_empty() && t.phase != Phase::Ended {
+            accepted["text"] = Value::String(t.text.clone());
+        }
+        out.push_str(&accepted.to_string());
         out.push('\n');
         if t.phase != Phase::Accepted {
             out.push_str(&json!({"k":"handed","turn":t.turn_id,"instance":t.instance}).to_string());
@@ -329,11 +338,12 @@ impl Journal {
             })
     }
 
-    /// Records `turn` accepted by `instance`; not `fsync`ed (see the module
-    /// docs): [`Self::handed`] makes it durable before the agent sees it.
-    pub fn accepted(&self, turn: &str, message: &str, instance: &str) -> Result<()> {
+    /// Records `turn` (its `text`) accepted by `instance`; not `fsync`ed
+    /// (see the module docs): [`Self::handed`] makes it durable before the
+    /// agent sees it.
+    pub fn accepted(&self, turn: &str, message: &str, instance: &str, text: &str) -> Result<()> {
         self.write(
-            &json!({"k":"accepted","turn":turn,"message":message,"instance":instance}),
+            &json!({"k":"accepted","turn":turn,"message":message,"instance":instance,"text":text}),
             false,
         )
     }
@@ -375,12 +385,12 @@ mod tests {
         let (j, loaded) = Journal::open(&path, "i1", 3, |_| true).unwrap();
         assert!(loaded.turns.is_empty());
         assert!(loaded.fresh);
-        j.accepted("t1", "m1", "i1").unwrap();
+        j.accepted("t1", "m1", "i1", "one").unwrap();
         j.handed("t1", "i1").unwrap();
         j.ended("t1", "i1", 7).unwrap();
-        j.accepted("t2", "m2", "i1").unwrap();
+        j.accepted("t2", "m2", "i1", "two\n\"quoted\"").unwrap();
         j.handed("t2", "i1").unwrap();
-        j.accepted("t3", "m3", "i1").unwrap();
+        j.accepted("t3", "m3", "i1", "").unwrap();
         j.agent(&AgentRecord {
             instance: "i1".into(),
             pid: 42,
@@ -409,10 +419,13 @@ mod tests {
                 ("t3", Phase::Accepted, 0)
             ]
         );
+        // A turn's text is kept while it has not ended.
+        let texts: Vec<_> = loaded.turns.iter().map(|t| t.text.as_str()).collect();
+        assert_eq!(texts, ["", "two\n\"quoted\"", ""]);
         assert_eq!(loaded.agents.len(), 1);
         // t3 never reached an agent: the new instance takes it over.
-        j.accepted("t3", "m3b", "i2").unwrap();
-        j.accepted("t4", "m4", "i2").unwrap();
+        j.accepted("t3", "m3b", "i2", "").unwrap();
+        j.accepted("t4", "m4", "i2", "").unwrap();
         drop(j);
         let (_j, loaded) = Journal::open(&path, "i3", 3, |_| false).unwrap();
         let kept: Vec<_> = loaded
@@ -421,6 +434,7 @@ mod tests {
             .map(|t| (t.turn_id.as_str(), t.instance.as_str()))
             .collect();
         assert_eq!(kept, [("t2", "i1"), ("t3", "i2"), ("t4", "i2")]);
+        assert_eq!(loaded.turns[0].text, "two\n\"quoted\"", "through the compaction");
         assert!(loaded.agents.is_empty(), "filtered by still_alive");
     }
 

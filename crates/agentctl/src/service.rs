@@ -241,6 +241,7 @@ impl AgentCtl {
             agent_cpu_ms: status.cpu_ms,
             resuming: status.resuming,
             replayed: status.replayed,
+            last_turn_id: self.agent.last_turn_id(),
         }
     }
 

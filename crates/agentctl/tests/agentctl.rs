@@ -388,6 +388,21 @@ async fn prompt(client: &mut Client, stream: &mut Stream, text: &str) -> (String
         .expect("prompt")
         .into_inner();
     let updates = stream.until_turn_end(&resp.turn_id).await;
+    // The turn is on the stream, with its text, ahead of its reply.
+    let started = updates
+        .iter()
+        .position(|u| matches!(&u.kind, Some(Kind::TurnStarted(t)) if t.turn_id == resp.turn_id))
+        .unwrap_or_else(|| panic!("no TurnStarted: {updates:?}"));
+    let Some(Kind::TurnStarted(t)) = &updates[started].kind else {
+        unreachable!()
+    };
+    assert_eq!((t.text.as_str(), t.earlier_instance), (text, false), "{t:?}");
+    assert!(
+        updates[..started]
+            .iter()
+            .all(|u| !matches!(&u.kind, Some(Kind::MessageChunk(c)) if c.turn_id == resp.turn_id)),
+        "a chunk before its TurnStarted: {updates:?}"
+    );
     let (reply, chunks) = reply_text(&updates, &resp.message_id);
     let end = turn_end(&updates);
     if end.stop_reason == "end_turn" {
@@ -2295,6 +2310,20 @@ async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
     let second = health(&mut c).await;
     assert!(second.journaled && !second.journal_fresh, "{second:?}");
     assert_ne!(second.instance_id, first.instance_id);
+    assert_eq!(second.last_turn_id, "t1", "known from the journal");
+    // The turn the dead process handed to its agent is reported, with its
+    // text, for a backend that never recorded it.
+    let first_update = Stream::open(&mut c, 0).await.next().await;
+    match first_update.kind {
+        Some(Kind::TurnStarted(t)) => {
+            assert_eq!(
+                (t.turn_id.as_str(), t.text.as_str(), t.earlier_instance),
+                ("t1", "one", true),
+                "{t:?}"
+            );
+        }
+        other => panic!("expected the orphan turn first: {other:?}"),
+    }
     launch_and_resume(&mut c, &h, &agent_env[..1], &token).await;
     let again = c
         .prompt(turn_prompt("one", "t1", true))
@@ -2337,6 +2366,17 @@ async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
         .into_inner();
     assert!(!delivered.already_accepted, "{delivered:?}");
     wait_lines(&side, 3).await;
+    // Only accepted by the dead process: it reached no agent and is not
+    // reported as an earlier process's turn; it starts now, once.
+    let seen = Stream::open(&mut c, 0).await.until_turn_end("t3").await;
+    let starts: Vec<(String, bool)> = seen
+        .iter()
+        .filter_map(|u| match &u.kind {
+            Some(Kind::TurnStarted(t)) => Some((t.turn_id.clone(), t.earlier_instance)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(starts, [("t3".to_owned(), false)], "{seen:?}");
     ctl.shutdown().await;
 
     // 4. No journal: a re-send that needs one starts nothing.

@@ -183,6 +183,10 @@ struct Run {
     ahead: ahead::Ahead,
     /// The pass's outcome writer, for a pass recovery no caller waits on.
     outcomes: Option<Outcomes>,
+    /// agentctl's newest turn is not the session's newest: a turn the
+    /// store never recorded (the backend died between its Prompt and its
+    /// commit) is on agentctl's stream, so the pump reads it before parking.
+    unrecorded_turn: bool,
 }
 
 /// A remote host stopped answering while the backend runs (a network blip,
@@ -994,6 +998,7 @@ impl ExecutorRecovery<'_> {
             replaced: None,
             ahead: ahead::Ahead::default(),
             outcomes: None,
+            unrecorded_turn: false,
         };
         let mut action = machine.start();
         // A call waits on this recovery (its own, or a pass recovery it
@@ -1270,6 +1275,9 @@ impl ExecutorRecovery<'_> {
                         #[cfg(feature = "failpoints")]
                         fail::fail_point!("recovery-after-reattach");
                         run.agent = surviving_agent(&health, run.session.resume_token.as_deref());
+                        run.unrecorded_turn = !health.last_turn_id.is_empty()
+                            && run.session.metadata.get(crate::turn::LAST_TURN_KEY)
+                                != Some(&health.last_turn_id);
                         if run.agent != SurvivingAgent::None
                             && run.session.resume_token.is_none()
                             && !health.acp_session_id.is_empty()
@@ -1968,7 +1976,7 @@ impl ExecutorRecovery<'_> {
                 .session
                 .filter(|s| s.id == sid)
                 .unwrap_or(run.session);
-            if run.agent == SurvivingAgent::Busy {
+            if run.agent == SurvivingAgent::Busy || run.unrecorded_turn {
                 Turns(self).start_pump(&session, &record);
             } else {
                 Turns(self).attach_updates(&session, &record);

@@ -319,6 +319,9 @@ pub struct Health {
     pub latest_cursor: u64,
     /// How the agent process ended, when it did.
     pub agent_exit: Option<pb::AgentExit>,
+    /// The newest turn agentctl (or its journal) knows; empty: none, or an
+    /// agentctl too old to say.
+    pub last_turn_id: String,
 }
 
 /// Signs of life of an agent process as agentctl counts them (`Health`).
@@ -686,6 +689,7 @@ impl Health {
                 replayed: resp.replayed,
             },
             latest_cursor: resp.latest_cursor,
+            last_turn_id: resp.last_turn_id,
             agent_exit: resp.agent_exit,
         }
     }

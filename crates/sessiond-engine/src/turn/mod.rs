@@ -7,9 +7,13 @@
 //! - `settle.rs`: a turn left RUNNING by a restart, settled once the pump has
 //!   caught up; what to do is [`sessiond_domain::turn::settle`]'s decision.
 //! - `queued.rs`: messages sent while a turn runs, delivered in order.
+//! - `adopt.rs`: a turn agentctl started that the store never recorded
+//!   (the backend died between the Prompt and its commit), recorded from
+//!   agentctl's `TurnStarted`.
 //!
 //! The session-metadata keys below are the turn's durable record.
 
+mod adopt;
 mod pump;
 pub(crate) mod queued;
 mod settle;
@@ -30,6 +34,10 @@ use crate::{error::Result, manager::SessionManager};
 pub(crate) const CURSOR_KEY: &str = "agentctl_cursor";
 /// Session metadata key of the turn in progress (the user message id).
 pub(crate) const TURN_KEY: &str = "turn_id";
+/// Session metadata key of the newest turn the session started (kept after
+/// it ends): agentctl naming another as its newest (`last_turn_id`) has a
+/// turn the store never recorded, read from its stream before parking.
+pub(crate) const LAST_TURN_KEY: &str = "last_turn";
 /// Session metadata key of the turn a client cancelled (its id): a
 /// restarted backend sends the cancel again and keeps its grace.
 pub(crate) const CANCEL_KEY: &str = "cancel_requested";

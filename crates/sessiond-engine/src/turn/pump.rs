@@ -188,8 +188,12 @@ impl Pump {
                             self.instance_restarted().await;
                             continue;
                         }
+                        let turn_start = matches!(update.kind, Some(Kind::TurnStarted(_)));
                         if let Err(e) = self.handle(update).await {
                             tracing::warn!(session = %self.session_id, error = %e, "could not apply agent update");
+                            if turn_start {
+                                break;
+                            }
                         }
                         self.try_settle().await;
                     }
@@ -234,6 +238,12 @@ impl Pump {
             Some(Kind::Activity(a)) => {
                 self.cursor = cursor;
                 self.activity(a).await?;
+            }
+            Some(Kind::TurnStarted(started)) => {
+                // Read again (the stream reopened before it) until it is
+                // recorded: what follows belongs to it.
+                self.turn_started(&started).await?;
+                self.cursor = cursor;
             }
             Some(Kind::ToolCall(_)) | None => self.cursor = cursor,
         }

@@ -11,7 +11,8 @@ use sessiond_proto::agentctl::v1 as pb;
 use sessiond_store::Changeset;
 
 use super::{
-    INTERRUPTED_TURN_KEY, TURN_GENERATION_KEY, TURN_INSTANCE_KEY, TURN_KEY, stored_cursor,
+    INTERRUPTED_TURN_KEY, LAST_TURN_KEY, TURN_GENERATION_KEY, TURN_INSTANCE_KEY, TURN_KEY,
+    stored_cursor,
 };
 use crate::{
     changes::transition,
@@ -516,13 +517,6 @@ impl Turns<'_> {
             updated_at: now,
         };
         let turn_id = message.id.to_string();
-        let (mut running, ev) = transition(&session, SessionEvent::TurnStarted, None)?;
-        running.metadata.insert(TURN_KEY.into(), turn_id.clone());
-        // Which agentctl generation got the Prompt: after a relaunch, only
-        // the journal can tell whether it reached an agent.
-        running
-            .metadata
-            .insert(TURN_GENERATION_KEY.into(), record.generation.to_string());
         // The agentctl process last known alive before the Prompt (a parked
         // pump's, else the stored cursor's): if that process still answers
         // after a crash, any Prompt of this turn went to it (one process
@@ -534,35 +528,7 @@ impl Turns<'_> {
             .parked_instance(session_id)
             .filter(|i| !i.is_empty())
             .unwrap_or_else(|| stored_cursor(&session, record.generation).1);
-        if instance.is_empty() {
-            running.metadata.remove(TURN_INSTANCE_KEY);
-        } else {
-            running.metadata.insert(TURN_INSTANCE_KEY.into(), instance);
-        }
-        // A new turn: the interrupted one before it can no longer be retried.
-        running.metadata.remove(INTERRUPTED_TURN_KEY);
-        running.metadata.remove(super::CANCEL_KEY);
-        let mut change = Changeset::new();
-        if let Some(id) = from_queue {
-            sessiond_domain::queue::remove(&mut running.metadata, id);
-            change = change.event(
-                session_id,
-                EventPayload::QueueChanged(sessiond_domain::queue::queued(&running.metadata)),
-            );
-        }
-        let mut change = change
-            .add_message(message.clone())
-            .event(session_id, EventPayload::MessageAdded(message.clone()))
-            .update_session(running);
-        // The first prompt names an unnamed session, in the same commit.
-        let title = sessiond_domain::prompt_title(text);
-        if session.title.is_empty() && !title.is_empty() {
-            change = change.set_title(session_id, title, sessiond_domain::TitleSource::Prompt);
-        }
-        if let Some(ev) = ev {
-            change = change.event(session_id, ev);
-        }
-        change = change.task_event(session.task_id, TaskEvent::WorkStarted);
+        let change = turn_start_change(&session, &message, record.generation, instance.clone())?;
         let client = Agents(self).client(&record)?;
         let request = pb::PromptRequest {
             text: text.to_owned(),
@@ -570,38 +536,17 @@ impl Turns<'_> {
             blocks,
             ..Default::default()
         };
-        // Attachments' bytes are not sent twice: such a turn is journaled by
-        // its Prompt.
-        if request.blocks.is_empty() {
-            self.hold_prompt(&client, request.clone());
-        }
-        let committed = match self.commit(change).await {
-            Err(Error::Conflict {
-                entity: "session", ..
-            }) if snapshot => return Ok(None),
-            committed => committed?,
-        };
-        tracing::debug!(%session_id, "turn start committed; prompting");
-        let stored = committed
-            .messages
-            .into_iter()
-            .next()
-            .ok_or_else(|| Error::Internal("no message".into()))?;
-        let running = committed
-            .session
-            .ok_or_else(|| Error::Internal("no session".into()))?;
-        if !self.inner.sessions.has_pump(session_id) {
-            // From the state before this turn: the turn is prompted just
-            // below, the pump has no pending turn to settle.
+        // A text turn's Prompt goes out while its intent commits: agentctl
+        // journals the turn before its agent sees it and puts it on its
+        // stream (`TurnStarted`), from which the pump records a turn whose
+        // commit never happened (a crash, a failed commit). A turn with
+        // attachments is committed first: the stream does not carry them.
+        let pipelined = request.blocks.is_empty();
+        if pipelined && !self.inner.sessions.has_pump(session_id) {
+            // From the state before this turn: the pump has no pending
+            // turn to settle, and reads this one's `TurnStarted`.
             self.start_pump(&session, &record);
         }
-        // Test-only crash point: the user message and the RUNNING state are
-        // committed, the Prompt has not been sent (recovery re-delivers it).
-        #[cfg(feature = "failpoints")]
-        fail::fail_point!("prompt-after-commit");
-
-        // Timed from just before the Prompt: its first chunk can beat the reply.
-        self.inner.metrics.turn_started(session_id);
         // The client side of agentctl's Prompt span; its trace context
         // travels in the call's metadata.
         let span = tracing::info_span!(
@@ -613,7 +558,54 @@ impl Turns<'_> {
             rpc.method = "Prompt",
             turn_id = %turn_id,
         );
-        let prompted = tracing::Instrument::instrument(client.prompt(request), span).await;
+        let prompt = tracing::Instrument::instrument(client.prompt(request), span);
+        let (committed, prompted) = if pipelined {
+            // Timed from just before the Prompt: its first chunk can beat the reply.
+            self.inner.metrics.turn_started(session_id);
+            let (committed, prompted) = pipeline(self.commit(change), prompt).await;
+            match (committed, prompted) {
+                (Ok(c), p) => (c, p),
+                (Err(e), Err(_)) => {
+                    // Nothing reached the agent, or its stream tells.
+                    return match e {
+                        Error::Conflict {
+                            entity: "session", ..
+                        } if snapshot => Ok(None),
+                        e => Err(e),
+                    };
+                }
+                (Err(e), Ok(_)) => {
+                    let stored = self
+                        .record_prompted_turn(session_id, &message, record.generation, instance, e)
+                        .await?;
+                    tracing::info!(session = %session_id, turn_id = %stored.id,
+                        "message sent; the agent's turn started");
+                    return Ok(Some(stored));
+                }
+            }
+        } else {
+            let committed = self.commit(change).await?;
+            if !self.inner.sessions.has_pump(session_id) {
+                // From the state before this turn: the turn is prompted just
+                // below, the pump has no pending turn to settle.
+                self.start_pump(&session, &record);
+            }
+            // Test-only crash point: the user message and the RUNNING state
+            // are committed, the Prompt has not been sent (recovery
+            // re-delivers it).
+            #[cfg(feature = "failpoints")]
+            fail::fail_point!("prompt-after-commit");
+            self.inner.metrics.turn_started(session_id);
+            (committed, prompt.await)
+        };
+        let stored = committed
+            .messages
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::Internal("no message".into()))?;
+        let running = committed
+            .session
+            .ok_or_else(|| Error::Internal("no session".into()))?;
         if let Err(failed) = prompted {
             if Fencing(self).executor_refused(session_id, &failed) {
                 // Another replica adopted the session: it settles this turn.
@@ -672,23 +664,46 @@ impl Turns<'_> {
         Ok(Some(stored))
     }
 
-    /// Sends `HoldPrompt` in the background: agentctl journals the turn
-    /// while its intent commits here, and the Prompt that follows the commit
-    /// finds it journaled. Only an optimization: the Prompt carries the
-    /// whole turn either way, and a hold that fails, arrives late (then it
-    /// finds the turn started and holds nothing) or is never followed by a
-    /// Prompt (the commit failed) hands nothing to the agent.
-    fn hold_prompt(&self, client: &sessiond_executor::AgentctlClient, request: pb::PromptRequest) {
-        let client = client.clone();
-        let span = tracing::debug_span!("agentctl_hold_prompt", turn_id = %request.turn_id);
-        tokio::spawn(tracing::Instrument::instrument(
-            async move {
-                if let Err(e) = client.hold_prompt(request).await {
-                    tracing::debug!(error = %e, "HoldPrompt refused; the Prompt journals the turn itself");
-                }
-            },
-            span,
-        ));
+    /// A pipelined turn's commit failed (`failed`) but agentctl took its
+    /// Prompt: the agent runs a turn the store does not have. A stale
+    /// status snapshot (a version conflict) is read again and the turn
+    /// committed on it; any other failure is reported, and the pump records
+    /// the turn from agentctl's stream (`TurnStarted`) once the store takes
+    /// it. The caller holds the session lock.
+    async fn record_prompted_turn(
+        &self,
+        session_id: SessionId,
+        message: &Message,
+        generation: i64,
+        instance: String,
+        failed: Error,
+    ) -> Result<Message> {
+        let again = async {
+            if !matches!(failed, Error::Conflict { .. }) {
+                return Err(failed);
+            }
+            let fresh = self.inner.store.get_session(session_id).await?;
+            if fresh.state != SessionState::WaitingForInput {
+                return Err(failed);
+            }
+            let change = turn_start_change(&fresh, message, generation, instance)?;
+            let committed = self.commit(change).await?;
+            committed
+                .messages
+                .into_iter()
+                .next()
+                .ok_or_else(|| Error::Internal("no message".into()))
+        }
+        .await;
+        again.map_err(|e| {
+            tracing::warn!(session = %session_id, turn_id = %message.id, error = %e,
+                "the agent took the message but storing it failed; the update pump records it");
+            Error::Unavailable(format!(
+                "the message reached the agent, but storing it failed ({e}); sessiond records it \
+                 from agentctl's stream as soon as the store takes it: read the session's \
+                 messages before sending it again"
+            ))
+        })
     }
 
     /// A failed call came from agentctl being gone rather than from an
@@ -743,4 +758,85 @@ impl Turns<'_> {
         }
         Ok(kept)
     }
+}
+
+/// The commit that starts turn `message` (a user message, its id the turn
+/// id) on `session`, which waits for input: the message with its
+/// `message.added`, the session RUNNING with the turn's durable record
+/// (its id, the agentctl generation and `instance` it goes to), the queued
+/// copy of the message taken off the queue if it was queued (delivered
+/// once), the session named by its first prompt, and the task's
+/// `work_started`. Shared by a turn sessiond starts and one it learns
+/// about from agentctl's stream.
+pub(crate) fn turn_start_change(
+    session: &Session,
+    message: &Message,
+    generation: i64,
+    instance: String,
+) -> Result<Changeset> {
+    let session_id = session.id;
+    let turn_id = message.id.to_string();
+    let (mut running, ev) = transition(session, SessionEvent::TurnStarted, None)?;
+    running.metadata.insert(TURN_KEY.into(), turn_id.clone());
+    running.metadata.insert(LAST_TURN_KEY.into(), turn_id);
+    // Which agentctl generation got the Prompt: after a relaunch, only
+    // the journal can tell whether it reached an agent.
+    running
+        .metadata
+        .insert(TURN_GENERATION_KEY.into(), generation.to_string());
+    if instance.is_empty() {
+        running.metadata.remove(TURN_INSTANCE_KEY);
+    } else {
+        running.metadata.insert(TURN_INSTANCE_KEY.into(), instance);
+    }
+    // A new turn: the interrupted one before it can no longer be retried.
+    running.metadata.remove(INTERRUPTED_TURN_KEY);
+    running.metadata.remove(super::CANCEL_KEY);
+    let mut change = Changeset::new();
+    if sessiond_domain::queue::remove(&mut running.metadata, message.id).is_some() {
+        change = change.event(
+            session_id,
+            EventPayload::QueueChanged(sessiond_domain::queue::queued(&running.metadata)),
+        );
+    }
+    let mut change = change
+        .add_message(message.clone())
+        .event(session_id, EventPayload::MessageAdded(message.clone()))
+        .update_session(running);
+    // The first prompt names an unnamed session, in the same commit.
+    let title = sessiond_domain::prompt_title(&message.content);
+    if session.title.is_empty() && !title.is_empty() {
+        change = change.set_title(session_id, title, sessiond_domain::TitleSource::Prompt);
+    }
+    if let Some(ev) = ev {
+        change = change.event(session_id, ev);
+    }
+    Ok(change.task_event(session.task_id, TaskEvent::WorkStarted))
+}
+
+/// Runs a pipelined turn's commit and Prompt together. With failpoints, a
+/// crash test can put them in order: `prompt-after-commit` commits first
+/// (a crash there leaves the turn stored and never sent), and
+/// `prompt-before-commit` prompts first (a crash there leaves a turn that
+/// runs with no record).
+async fn pipeline<C, P>(commit: C, prompt: P) -> (C::Output, P::Output)
+where
+    C: std::future::Future,
+    P: std::future::Future,
+{
+    #[cfg(feature = "failpoints")]
+    {
+        let armed = |name: &str| fail::list().iter().any(|(n, _)| n == name);
+        if armed("prompt-after-commit") {
+            let committed = commit.await;
+            fail::fail_point!("prompt-after-commit");
+            return (committed, prompt.await);
+        }
+        if armed("prompt-before-commit") {
+            let prompted = prompt.await;
+            fail::fail_point!("prompt-before-commit");
+            return (commit.await, prompted);
+        }
+    }
+    tokio::join!(commit, prompt)
 }
