@@ -673,35 +673,39 @@ impl AgentManager {
         self
     }
 
-    /// The newest turn an earlier agentctl process handed to its agent and
-    /// never saw end: that process died, and its agent with it. The backend
-    /// may never have recorded the turn (it stores a turn while the Prompt
-    /// runs), so it is put on this process's stream as `TurnStarted` with
-    /// `earlier_instance`, from the journal's text; a backend that has the
-    /// turn ignores it. Only the newest: turns run one at a time, so an
-    /// older unended one was settled before the next was accepted.
+    /// The last turn of an earlier agentctl process, if it handed it to its
+    /// agent: that process died, and its agent with it, so whatever the
+    /// turn did that the backend had not read (its end, or all of it) is
+    /// gone. The backend may never have recorded the turn at all (it stores
+    /// a turn while the Prompt runs), so it is put on this process's stream
+    /// as `TurnStarted` with `earlier_instance`, from the journal's text; a
+    /// backend that has the turn ignores it. Only the last: turns run one
+    /// at a time, and each is recorded before the next is sent.
     fn report_orphan_turn(self) -> Self {
         let instance = self.shared.updates.instance_id().to_owned();
         let orphan = {
             let mut slot = self.shared.slot();
-            slot.turns
+            let orphan = slot
+                .turns
                 .back_mut()
                 .filter(|t| {
-                    t.instance != instance && t.phase == Phase::Handed && !t.text.is_empty()
+                    t.instance != instance && t.phase != Phase::Accepted && !t.text.is_empty()
                 })
-                .map(|t| (t.turn_id.clone(), std::mem::take(&mut t.text)))
+                .map(|t| (t.turn_id.clone(), std::mem::take(&mut t.text), t.phase));
+            // Texts are for this report only.
+            for t in &mut slot.turns {
+                t.text = String::new();
+            }
+            orphan
         };
-        // Texts are for this report only.
-        for t in &mut self.shared.slot().turns {
-            t.text = String::new();
-        }
-        if let Some((turn_id, text)) = orphan {
-            tracing::info!(%turn_id, "a turn an earlier agentctl process handed to its agent never ended; reported");
+        if let Some((turn_id, text, phase)) = orphan {
+            tracing::info!(%turn_id, ?phase, "the last turn of an earlier agentctl process; reported");
             self.shared.updates.push(Kind::TurnStarted(TurnStarted {
                 turn_id,
                 text,
                 blocks: 0,
                 earlier_instance: true,
+                ended: phase == Phase::Ended,
             }));
         }
         self
@@ -1437,6 +1441,7 @@ impl AgentManager {
                 text: text.clone(),
                 blocks: u32::try_from(blocks.len()).unwrap_or(u32::MAX),
                 earlier_instance: false,
+                ended: false,
             }));
             slot.parts = Parts::default();
             slot.usage.turn_started();

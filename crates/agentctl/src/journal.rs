@@ -9,9 +9,9 @@
 //!
 //! - `{"k":"start","instance":I}`: an agentctl process began using the file;
 //! - `{"k":"accepted","turn":T,"message":M,"instance":I,"text":X}`: before
-//!   Prompt returns, with the turn's text (so a later process can report a
-//!   turn its dead predecessor ran; compaction keeps it only for turns that
-//!   never ended), written but not `fsync`ed: a turn only accepted by a process
+//!   Prompt returns, with the turn's text (so a later process can report
+//!   the last turn its dead predecessor ran; compaction keeps it for the
+//!   newest turn and turns that never ended), written but not `fsync`ed: a turn only accepted by a process
 //!   now dead reached no agent, exactly as an unknown one, so losing the
 //!   line to a power cut changes no answer; the `handed` line's `fsync`,
 //!   always before the agent sees the turn, makes it durable with it;
@@ -70,8 +70,9 @@ pub struct TurnRecord {
     pub phase: Phase,
     /// With [`Phase::Ended`]: the cursor of its `TurnEnded`.
     pub end_cursor: u64,
-    /// The turn's text, as read from the journal for a turn that never
-    /// ended (empty otherwise, and for turns of this process).
+    /// The turn's text, as read from the journal for the newest turn and
+    /// for turns that never ended (empty otherwise, and for turns of this
+    /// process).
     pub text: String,
 }
 
@@ -176,7 +177,6 @@ pub fn parse(text: &str, keep: usize) -> Loaded {
                     } else {
                         t.phase = Phase::Ended;
                         t.end_cursor = n(&v, "cursor");
-                        t.text = String::new();
                     }
                 }
             }
@@ -199,6 +199,13 @@ pub fn parse(text: &str, keep: usize) -> Loaded {
             _ => {}
         }
     }
+    // Texts are kept for the newest turn and for turns that never ended.
+    let newest = loaded.turns.len().saturating_sub(1);
+    for (i, t) in loaded.turns.iter_mut().enumerate() {
+        if t.phase == Phase::Ended && i != newest {
+            t.text = String::new();
+        }
+    }
     loaded
 }
 
@@ -215,7 +222,7 @@ fn render(loaded: &Loaded) -> String {
     for t in &loaded.turns {
         let mut accepted =
             json!({"k":"accepted","turn":t.turn_id,"message":t.message_id,"instance":t.instance});
-        if !t.text.is_empty() && t.phase != Phase::Ended {
+        if !t.text.is_empty() {
             accepted["text"] = Value::String(t.text.clone());
         }
         out.push_str(&accepted.to_string());

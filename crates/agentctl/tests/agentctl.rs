@@ -2317,8 +2317,8 @@ async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
     match first_update.kind {
         Some(Kind::TurnStarted(t)) => {
             assert_eq!(
-                (t.turn_id.as_str(), t.text.as_str(), t.earlier_instance),
-                ("t1", "one", true),
+                (t.turn_id.as_str(), t.text.as_str(), t.earlier_instance, t.ended),
+                ("t1", "one", true, false),
                 "{t:?}"
             );
         }

@@ -183,10 +183,10 @@ struct Run {
     ahead: ahead::Ahead,
     /// The pass's outcome writer, for a pass recovery no caller waits on.
     outcomes: Option<Outcomes>,
-    /// agentctl's newest turn is not the session's newest: a turn the
-    /// store never recorded (the backend died between its Prompt and its
-    /// commit) is on agentctl's stream, so the pump reads it before parking.
-    unrecorded_turn: bool,
+    /// agentctl's newest turn (and the agentctl instance) when it is not
+    /// the session's newest: a turn the store never recorded (the backend
+    /// died between its Prompt and its commit) is on agentctl's stream.
+    unrecorded_turn: Option<(String, String)>,
 }
 
 /// A remote host stopped answering while the backend runs (a network blip,
@@ -998,7 +998,7 @@ impl ExecutorRecovery<'_> {
             replaced: None,
             ahead: ahead::Ahead::default(),
             outcomes: None,
-            unrecorded_turn: false,
+            unrecorded_turn: None,
         };
         let mut action = machine.start();
         // A call waits on this recovery (its own, or a pass recovery it
@@ -1275,9 +1275,10 @@ impl ExecutorRecovery<'_> {
                         #[cfg(feature = "failpoints")]
                         fail::fail_point!("recovery-after-reattach");
                         run.agent = surviving_agent(&health, run.session.resume_token.as_deref());
-                        run.unrecorded_turn = !health.last_turn_id.is_empty()
+                        run.unrecorded_turn = (!health.last_turn_id.is_empty()
                             && run.session.metadata.get(crate::turn::LAST_TURN_KEY)
-                                != Some(&health.last_turn_id);
+                                != Some(&health.last_turn_id))
+                        .then(|| (health.last_turn_id.clone(), health.instance_id.clone()));
                         if run.agent != SurvivingAgent::None
                             && run.session.resume_token.is_none()
                             && !health.acp_session_id.is_empty()
@@ -1827,9 +1828,31 @@ impl ExecutorRecovery<'_> {
     /// turn's `TurnEnded` (or the pump settling the turn, which re-delivers
     /// a prompt that never reached the agent) moves it on. So the next user
     /// message can never be stored before the reply to this one.
-    async fn finish(&self, run: Run, mut outcome: RecoveryOutcome, attempt: u32) -> Result<()> {
+    async fn finish(&self, mut run: Run, mut outcome: RecoveryOutcome, attempt: u32) -> Result<()> {
         let sid = run.session.id;
         let agent_back = outcome.label.agent_back();
+        let unrecorded = run
+            .unrecorded_turn
+            .take()
+            .filter(|_| agent_back && run.session.state == SessionState::WaitingForInput);
+        let runs_unrecorded = unrecorded.is_some();
+        if let Some((turn, instance)) = unrecorded {
+            // agentctl has a turn the store never recorded (the backend died
+            // between its Prompt and its commit): the session is RUNNING it
+            // from here, so no message is sent before it, and the pump
+            // records its user message from agentctl's stream and settles it
+            // as any pending turn.
+            tracing::warn!(session = %sid, %turn,
+                "recovery: agentctl has a turn the store never recorded; the session runs it");
+            let m = &mut run.session.metadata;
+            m.insert(crate::turn::TURN_KEY.into(), turn);
+            m.insert(
+                crate::turn::TURN_GENERATION_KEY.into(),
+                outcome.generation.to_string(),
+            );
+            m.insert(crate::turn::TURN_INSTANCE_KEY.into(), instance);
+            m.remove(crate::turn::INTERRUPTED_TURN_KEY);
+        }
         let turn = turn_in_flight(&run.session);
         if agent_back && turn.is_some() {
             outcome.session_state = SessionState::Running;
@@ -1846,6 +1869,18 @@ impl ExecutorRecovery<'_> {
                     error_message: None,
                 });
             }
+        }
+        if runs_unrecorded {
+            outcome.session_state = SessionState::Running;
+            outcome.session_error = None;
+            outcome
+                .events
+                .retain(|e| !matches!(e, EventPayload::StateChanged { .. }));
+            outcome.events.push(EventPayload::StateChanged {
+                from: run.session.state,
+                to: SessionState::Running,
+                error_message: None,
+            });
         }
         let mut record = executor_moved(
             &run.record,
@@ -1976,7 +2011,7 @@ impl ExecutorRecovery<'_> {
                 .session
                 .filter(|s| s.id == sid)
                 .unwrap_or(run.session);
-            if run.agent == SurvivingAgent::Busy || run.unrecorded_turn {
+            if run.agent == SurvivingAgent::Busy {
                 Turns(self).start_pump(&session, &record);
             } else {
                 Turns(self).attach_updates(&session, &record);

@@ -6,7 +6,8 @@
 //! produces, and the pump records the turn from it, as the send would have:
 //! the user message (its id the turn id), the session RUNNING. A turn an
 //! earlier agentctl process handed to its agent (both died since) is
-//! recorded and ended *interrupted* at once: nothing runs it now.
+//! recorded and ended *interrupted* at once: nothing runs it now, and its
+//! reply went with that process.
 
 use chrono::Utc;
 use sessiond_domain::{Message, MessageId, MessageKind, MessageRole, SessionState};
@@ -21,9 +22,7 @@ impl Pump {
         let store = &self.mgr.inner.store;
         let session = store.get_session(self.session_id).await?;
         // The usual case: the send that started the turn committed it.
-        if session.metadata.get(TURN_KEY) == Some(&started.turn_id)
-            || session.metadata.get(LAST_TURN_KEY) == Some(&started.turn_id)
-        {
+        if session.metadata.get(LAST_TURN_KEY) == Some(&started.turn_id) {
             return Ok(());
         }
         let Ok(id) = uuid::Uuid::try_parse(&started.turn_id).map(MessageId::from_uuid) else {
@@ -34,7 +33,11 @@ impl Pump {
         if store.get_message(self.session_id, id).await?.is_some() {
             return Ok(());
         }
-        if session.state != SessionState::WaitingForInput {
+        // Recovery found the turn on agentctl and runs the session with it
+        // (`turn_id` alone, not `last_turn`).
+        let marked = session.state == SessionState::Running
+            && session.metadata.get(TURN_KEY) == Some(&started.turn_id);
+        if session.state != SessionState::WaitingForInput && !marked {
             tracing::warn!(session = %self.session_id, turn_id = %started.turn_id,
                 state = %session.state,
                 "agentctl started a turn the store does not have, on a session that cannot take one; not recorded");
@@ -65,13 +68,14 @@ impl Pump {
         drop(guard);
         if started.earlier_instance {
             tracing::warn!(session = %self.session_id, turn_id = %started.turn_id,
-                "recorded a turn an earlier agentctl process handed to its agent; it died with it");
-            return self
-                .end_interrupted(
-                    &started.turn_id,
-                    "agentctl and its agent stopped while the agent ran it",
-                )
-                .await;
+                ended = started.ended,
+                "recorded a turn an earlier agentctl process handed to its agent; its reply was lost with it");
+            let why = if started.ended {
+                "the agent answered, but its reply was lost with its agentctl before sessiond stored it"
+            } else {
+                "agentctl and its agent stopped while the agent ran it"
+            };
+            return self.end_interrupted(&started.turn_id, why).await;
         }
         tracing::warn!(session = %self.session_id, turn_id = %started.turn_id,
             "recorded a turn agentctl started that the store did not have");

@@ -761,7 +761,9 @@ impl Turns<'_> {
 }
 
 /// The commit that starts turn `message` (a user message, its id the turn
-/// id) on `session`, which waits for input: the message with its
+/// id) on `session`, which waits for input (or is RUNNING this very turn,
+/// as recovery left a turn it found only on agentctl: no state change
+/// then): the message with its
 /// `message.added`, the session RUNNING with the turn's durable record
 /// (its id, the agentctl generation and `instance` it goes to), the queued
 /// copy of the message taken off the queue if it was queued (delivered
@@ -776,7 +778,13 @@ pub(crate) fn turn_start_change(
 ) -> Result<Changeset> {
     let session_id = session.id;
     let turn_id = message.id.to_string();
-    let (mut running, ev) = transition(session, SessionEvent::TurnStarted, None)?;
+    let runs_it = session.state == SessionState::Running
+        && session.metadata.get(TURN_KEY) == Some(&turn_id);
+    let (mut running, ev) = if runs_it {
+        (session.clone(), None)
+    } else {
+        transition(session, SessionEvent::TurnStarted, None)?
+    };
     running.metadata.insert(TURN_KEY.into(), turn_id.clone());
     running.metadata.insert(LAST_TURN_KEY.into(), turn_id);
     // Which agentctl generation got the Prompt: after a relaunch, only

@@ -318,6 +318,85 @@ async fn prompt_after_commit_remote() {
     crash_between_commit_and_prompt(false, Rt::Remote).await;
 }
 
+/// The backend dies after agentctl took a message's Prompt and before the
+/// turn's commit (the two run together); `kill_executors`: agentctls are
+/// killed too while it is down. The agent got the message (agentctl
+/// journaled it first), the store did not: after the restart the turn is
+/// recorded from agentctl's stream (`TurnStarted`) once, with its reply
+/// when agentctl lived, or ended interrupted when its agentctl died with
+/// the turn's end; the converged check finds every turn the agent ran
+/// stored once, and nothing run twice.
+async fn crash_between_prompt_and_commit(kill_executors: bool, rt: Rt) {
+    let w = World::new().await;
+    let mut plans = Vec::new();
+    for rt in w.runtimes() {
+        plans.push(w.plan(name(rt), rt).await);
+    }
+    let k = w.runtimes().iter().position(|r| *r == rt).unwrap();
+    let mut c = w.spawn_child(
+        "send",
+        Mode::Create { plans, messages: 2 },
+        Some(&format!("prompt-before-commit=kill@{}", 2 * k + 2)),
+    );
+    let status = c.wait_exit(Duration::from_secs(120)).await;
+    c.assert_killed_by_failpoint(status, "prompt-before-commit");
+    let sessions = w.sessions().await;
+    assert_eq!(sessions.len(), w.runtimes().len());
+    let p = sessions
+        .iter()
+        .find(|s| s.runtime == rt.runtime())
+        .expect("the crashed session");
+    assert_eq!(p.state, SessionState::WaitingForInput, "nothing stored: {p:?}");
+    let mut msgs = w.store.list_messages(p.id, 0, 1000).await.unwrap();
+    msgs.retain(|m| m.kind == sessiond_domain::MessageKind::Text);
+    assert_eq!(msgs.len(), 2, "message 1 and its reply only: {msgs:?}");
+    if kill_executors {
+        // Once the agent has the message (agentctl handed it over).
+        let got_it = async {
+            while w.transcript(p).len() < 2 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), got_it)
+            .await
+            .expect("the agent got message 2");
+        for s in &sessions {
+            w.kill_executor(s).await;
+        }
+    }
+    let (prompted, interrupted) = restart_and_count(&w).await;
+    assert_eq!(
+        prompted,
+        sessions.len(),
+        "every conversation continues after the clean start"
+    );
+    let mut msgs = w.store.list_messages(p.id, 0, 1000).await.unwrap();
+    msgs.retain(|m| m.kind == sessiond_domain::MessageKind::Text);
+    let users = msgs
+        .iter()
+        .filter(|m| m.role == sessiond_domain::MessageRole::User)
+        .count();
+    assert_eq!(users, 3, "message 2 recorded once, then the new one: {msgs:?}");
+    if !kill_executors {
+        assert_eq!(interrupted, 0, "agentctl kept the whole turn: {msgs:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_before_commit() {
+    crash_between_prompt_and_commit(false, Rt::Standalone).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_before_commit_executors_killed() {
+    crash_between_prompt_and_commit(true, Rt::Standalone).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_before_commit_remote() {
+    crash_between_prompt_and_commit(false, Rt::Remote).await;
+}
+
 /// The agent opened the conversation (agentctl holds its id), the backend
 /// died before storing it as the session's resume token: the next recovery
 /// adopts agentctl's conversation as the token, so the session is not left
