@@ -25,7 +25,7 @@ use futures::{FutureExt, StreamExt};
 use sessiond_domain::{
     Action, AgentProcessState, AgentProfile, EventPayload, ExecutorEvent, ExecutorRecord,
     ExecutorStatus, Observation, OutcomeLabel, Recovery, RecoveryFailure, RecoveryInput,
-    RecoveryOutcome, RecoveryStage, Runtime, Session, SessionId, SessionState, SurvivingAgent,
+    MessageId, RecoveryOutcome, RecoveryStage, Runtime, Session, SessionId, SessionState, SurvivingAgent,
     TaskEvent,
 };
 use sessiond_executor::{AgentState, ExecutorHandle, Probe};
@@ -1831,10 +1831,27 @@ impl ExecutorRecovery<'_> {
     async fn finish(&self, mut run: Run, mut outcome: RecoveryOutcome, attempt: u32) -> Result<()> {
         let sid = run.session.id;
         let agent_back = outcome.label.agent_back();
-        let unrecorded = run
+        let mut unrecorded = run
             .unrecorded_turn
             .take()
             .filter(|_| agent_back && run.session.state == SessionState::WaitingForInput);
+        if let Some((turn, _)) = &unrecorded {
+            // `last_turn` is only the newest turn this version started; a
+            // turn stored otherwise (re-delivered, an older version) is
+            // found by its message.
+            let stored = match uuid::Uuid::try_parse(turn) {
+                Ok(id) => self
+                    .inner
+                    .store
+                    .get_message(sid, MessageId::from_uuid(id))
+                    .await?
+                    .is_some(),
+                Err(_) => true, // not a turn sessiond started
+            };
+            if stored {
+                unrecorded = None;
+            }
+        }
         let runs_unrecorded = unrecorded.is_some();
         if let Some((turn, instance)) = unrecorded {
             // agentctl has a turn the store never recorded (the backend died
