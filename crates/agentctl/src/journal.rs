@@ -441,7 +441,10 @@ mod tests {
             .map(|t| (t.turn_id.as_str(), t.instance.as_str()))
             .collect();
         assert_eq!(kept, [("t2", "i1"), ("t3", "i2"), ("t4", "i2")]);
-        assert_eq!(loaded.turns[0].text, "two\n\"quoted\"", "through the compaction");
+        assert_eq!(
+            loaded.turns[0].text, "two\n\"quoted\"",
+            "through the compaction"
+        );
         assert!(loaded.agents.is_empty(), "filtered by still_alive");
     }
 

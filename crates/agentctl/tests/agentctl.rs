@@ -396,7 +396,11 @@ async fn prompt(client: &mut Client, stream: &mut Stream, text: &str) -> (String
     let Some(Kind::TurnStarted(t)) = &updates[started].kind else {
         unreachable!()
     };
-    assert_eq!((t.text.as_str(), t.earlier_instance), (text, false), "{t:?}");
+    assert_eq!(
+        (t.text.as_str(), t.earlier_instance),
+        (text, false),
+        "{t:?}"
+    );
     assert!(
         updates[..started]
             .iter()
@@ -2317,7 +2321,12 @@ async fn turn_journal_survives_agentctl_kill9_and_old_trees_are_ended() {
     match first_update.kind {
         Some(Kind::TurnStarted(t)) => {
             assert_eq!(
-                (t.turn_id.as_str(), t.text.as_str(), t.earlier_instance, t.ended),
+                (
+                    t.turn_id.as_str(),
+                    t.text.as_str(),
+                    t.earlier_instance,
+                    t.ended
+                ),
                 ("t1", "one", true, false),
                 "{t:?}"
             );

@@ -24,8 +24,8 @@ use chrono::Utc;
 use futures::{FutureExt, StreamExt};
 use sessiond_domain::{
     Action, AgentProcessState, AgentProfile, EventPayload, ExecutorEvent, ExecutorRecord,
-    ExecutorStatus, Observation, OutcomeLabel, Recovery, RecoveryFailure, RecoveryInput,
-    MessageId, RecoveryOutcome, RecoveryStage, Runtime, Session, SessionId, SessionState, SurvivingAgent,
+    ExecutorStatus, MessageId, Observation, OutcomeLabel, Recovery, RecoveryFailure, RecoveryInput,
+    RecoveryOutcome, RecoveryStage, Runtime, Session, SessionId, SessionState, SurvivingAgent,
     TaskEvent,
 };
 use sessiond_executor::{AgentState, ExecutorHandle, Probe};

@@ -18,11 +18,24 @@ use crate::error::Result;
 
 impl Pump {
     pub(super) async fn turn_started(&mut self, started: &pb::TurnStarted) -> Result<()> {
+        // The usual case, on the turn's path to its first chunk: the send
+        // that started the turn committed it, as the status snapshot shows
+        // (no lock, no store read).
+        let known =
+            |s: &sessiond_domain::Session| s.metadata.get(LAST_TURN_KEY) == Some(&started.turn_id);
+        if self
+            .mgr
+            .inner
+            .sessions
+            .committed_session(self.session_id)
+            .is_some_and(|s| known(&s))
+        {
+            return Ok(());
+        }
         let guard = self.mgr.inner.sessions.lock(self.session_id).await;
         let store = &self.mgr.inner.store;
         let session = store.get_session(self.session_id).await?;
-        // The usual case: the send that started the turn committed it.
-        if session.metadata.get(LAST_TURN_KEY) == Some(&started.turn_id) {
+        if known(&session) {
             return Ok(());
         }
         let Ok(id) = uuid::Uuid::try_parse(&started.turn_id).map(MessageId::from_uuid) else {

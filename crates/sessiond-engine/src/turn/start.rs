@@ -778,8 +778,8 @@ pub(crate) fn turn_start_change(
 ) -> Result<Changeset> {
     let session_id = session.id;
     let turn_id = message.id.to_string();
-    let runs_it = session.state == SessionState::Running
-        && session.metadata.get(TURN_KEY) == Some(&turn_id);
+    let runs_it =
+        session.state == SessionState::Running && session.metadata.get(TURN_KEY) == Some(&turn_id);
     let (mut running, ev) = if runs_it {
         (session.clone(), None)
     } else {

@@ -346,7 +346,11 @@ async fn crash_between_prompt_and_commit(kill_executors: bool, rt: Rt) {
         .iter()
         .find(|s| s.runtime == rt.runtime())
         .expect("the crashed session");
-    assert_eq!(p.state, SessionState::WaitingForInput, "nothing stored: {p:?}");
+    assert_eq!(
+        p.state,
+        SessionState::WaitingForInput,
+        "nothing stored: {p:?}"
+    );
     let mut msgs = w.store.list_messages(p.id, 0, 1000).await.unwrap();
     msgs.retain(|m| m.kind == sessiond_domain::MessageKind::Text);
     assert_eq!(msgs.len(), 2, "message 1 and its reply only: {msgs:?}");
@@ -376,7 +380,10 @@ async fn crash_between_prompt_and_commit(kill_executors: bool, rt: Rt) {
         .iter()
         .filter(|m| m.role == sessiond_domain::MessageRole::User)
         .count();
-    assert_eq!(users, 3, "message 2 recorded once, then the new one: {msgs:?}");
+    assert_eq!(
+        users, 3,
+        "message 2 recorded once, then the new one: {msgs:?}"
+    );
     if !kill_executors {
         assert_eq!(interrupted, 0, "agentctl kept the whole turn: {msgs:?}");
     }
