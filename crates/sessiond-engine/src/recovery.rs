@@ -2033,6 +2033,15 @@ impl ExecutorRecovery<'_> {
             } else {
                 Turns(self).attach_updates(&session, &record);
             }
+            // Messages queued behind a turn that ended just before the
+            // backend died (its end committed, the delivery not yet made):
+            // nothing else kicks an idle session's queue after a restart.
+            if agent_back
+                && session.state == SessionState::WaitingForInput
+                && !sessiond_domain::queue::is_empty(&session.metadata)
+            {
+                crate::flows::QueuedMessages::kick_queue(self.0, sid);
+            }
         }
         Ok(())
     }

@@ -300,7 +300,8 @@ pub(crate) async fn cut_turn(
                 error_message: error,
             },
         );
-    next.metadata.remove(TURN_KEY);
+    end_turn_record(&mut next.metadata);
+    next.metadata.insert(LAST_TURN_KEY.into(), turn.to_owned());
     next.metadata.remove(TURN_GENERATION_KEY);
     next.metadata.remove(TURN_INSTANCE_KEY);
     if user_seq.is_some() && matches!(cut, Cut::Interrupted(_)) {
@@ -308,6 +309,15 @@ pub(crate) async fn cut_turn(
             .insert(INTERRUPTED_TURN_KEY.into(), turn.to_owned());
     }
     Ok(change)
+}
+
+/// The session's turn is over: it is no longer in progress, and it stays
+/// the session's newest (a turn recovery found only on agentctl included,
+/// so the next recovery does not take it up again).
+pub(crate) fn end_turn_record(metadata: &mut std::collections::BTreeMap<String, String>) {
+    if let Some(turn) = metadata.remove(TURN_KEY) {
+        metadata.insert(LAST_TURN_KEY.into(), turn);
+    }
 }
 
 /// A tool call's stored state (`{"rev", "update"}`) closed with its turn:

@@ -750,7 +750,7 @@ impl Pump {
                     },
                 );
             }
-            next.metadata.remove(TURN_KEY);
+            super::end_turn_record(&mut next.metadata);
             next.metadata.remove(TURN_GENERATION_KEY);
             next.metadata.remove(TURN_INSTANCE_KEY);
             if died_in.is_none() {
@@ -880,7 +880,7 @@ impl Pump {
             )?;
             next = s;
             restart = decided;
-            next.metadata.remove(TURN_KEY);
+            super::end_turn_record(&mut next.metadata);
             if let Some(turn) = &turn {
                 let cut = match cancel_stop {
                     Some(_) => Cut::CancelEnforced(&why),

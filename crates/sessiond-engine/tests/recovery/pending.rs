@@ -280,6 +280,54 @@ async fn undelivered_message_is_delivered_after_a_reattach() {
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// A message queued behind a turn whose end was committed just before the
+/// backend died, the delivery not yet made: the session is idle with a
+/// queue nothing held. The restarted backend delivers it by itself, once
+/// (an outside campaign found it waiting for the user's next message).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_queued_behind_an_ended_turn_is_delivered_after_a_restart() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "a").await;
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    let mut idle = w.store.get_session(s.id).await.unwrap();
+    assert_eq!(idle.state, SessionState::WaitingForInput);
+    sessiond_domain::queue::enqueue(
+        &mut idle.metadata,
+        &sessiond_domain::queue::QueuedMessage {
+            id: MessageId::new(),
+            content: "two".into(),
+            queued_at: Utc::now(),
+        },
+    );
+    w.store
+        .commit(Changeset::new().update_session(idle))
+        .await
+        .unwrap();
+
+    let mgr = w.manager();
+    mgr.recovery().recover_all().await.unwrap();
+    wait_transcript(&w, &s, 2).await;
+    assert_reply_before_waiting(&w, &mgr, &s, 2, "two").await;
+    let after = w.store.get_session(s.id).await.unwrap();
+    assert!(
+        sessiond_domain::queue::is_empty(&after.metadata),
+        "{:?}",
+        after.metadata
+    );
+    assert_eq!(
+        transcript(&w, &s)
+            .iter()
+            .map(|(p, _)| p.as_str())
+            .collect::<Vec<_>>(),
+        ["one", "two"],
+        "delivered once"
+    );
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// The same, with agentctl and agent killed while the backend was down: the
 /// new agentctl (session/load) gets the message, once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
