@@ -779,8 +779,8 @@ impl Out {
             self.print_json(json!({"queued": queued_json(q)}));
         } else {
             eprintln!(
-                "a turn is running: message {} is queued and goes to the agent after it \
-                 (`sessionctl unqueue` takes it back)",
+                "message {} is queued: it goes to the agent after the turn running now and \
+                 the messages queued before it (`sessionctl unqueue` takes it back)",
                 q.id
             );
         }
