@@ -242,12 +242,10 @@ async fn recovery_after_ready_after_reattach() {
     crash_in_recovery("recovery-after-ready", false).await;
 }
 
-/// The backend dies after committing a user message (session RUNNING) and
-/// before its Prompt; `kill_executors`: agentctls are killed too (containers
-/// stopped) while it is down. After the restart the message is delivered
-/// and answered exactly once: the reattached agentctl, or the relaunched one
-/// with the conversation loaded, gets the Prompt with the same turn id.
-async fn crash_between_commit_and_prompt(kill_executors: bool, rt: Rt) {
+/// One session per runtime, each sent two messages by a child backend
+/// that SIGKILLs itself at failpoint `fp` on the second message of the
+/// `rt` session. Returns the world and its sessions as the crash left them.
+async fn crash_at_second_message(fp: &str, rt: Rt) -> (World, Vec<Session>) {
     let w = World::new().await;
     let mut plans = Vec::new();
     for rt in w.runtimes() {
@@ -259,12 +257,22 @@ async fn crash_between_commit_and_prompt(kill_executors: bool, rt: Rt) {
     let mut c = w.spawn_child(
         "send",
         Mode::Create { plans, messages: 2 },
-        Some(&format!("prompt-after-commit=kill@{}", 2 * k + 2)),
+        Some(&format!("{fp}=kill@{}", 2 * k + 2)),
     );
     let status = c.wait_exit(Duration::from_secs(120)).await;
-    c.assert_killed_by_failpoint(status, "prompt-after-commit");
+    c.assert_killed_by_failpoint(status, fp);
     let sessions = w.sessions().await;
     assert_eq!(sessions.len(), w.runtimes().len());
+    (w, sessions)
+}
+
+/// The backend dies after committing a user message (session RUNNING) and
+/// before its Prompt; `kill_executors`: agentctls are killed too (containers
+/// stopped) while it is down. After the restart the message is delivered
+/// and answered exactly once: the reattached agentctl, or the relaunched one
+/// with the conversation loaded, gets the Prompt with the same turn id.
+async fn crash_between_commit_and_prompt(kill_executors: bool, rt: Rt) {
+    let (w, sessions) = crash_at_second_message("prompt-after-commit", rt).await;
     let pending: Vec<&Session> = sessions
         .iter()
         .filter(|s| s.state == SessionState::Running)
@@ -327,21 +335,7 @@ async fn prompt_after_commit_remote() {
 /// the turn's end; the converged check finds every turn the agent ran
 /// stored once, and nothing run twice.
 async fn crash_between_prompt_and_commit(kill_executors: bool, rt: Rt) {
-    let w = World::new().await;
-    let mut plans = Vec::new();
-    for rt in w.runtimes() {
-        plans.push(w.plan(name(rt), rt).await);
-    }
-    let k = w.runtimes().iter().position(|r| *r == rt).unwrap();
-    let mut c = w.spawn_child(
-        "send",
-        Mode::Create { plans, messages: 2 },
-        Some(&format!("prompt-before-commit=kill@{}", 2 * k + 2)),
-    );
-    let status = c.wait_exit(Duration::from_secs(120)).await;
-    c.assert_killed_by_failpoint(status, "prompt-before-commit");
-    let sessions = w.sessions().await;
-    assert_eq!(sessions.len(), w.runtimes().len());
+    let (w, sessions) = crash_at_second_message("prompt-before-commit", rt).await;
     let p = sessions
         .iter()
         .find(|s| s.runtime == rt.runtime())
