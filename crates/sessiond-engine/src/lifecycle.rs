@@ -460,6 +460,12 @@ impl SessionManager {
                 EndReason::Cancelled => SessionEvent::Cancelled,
             };
             let (mut ended, ev) = transition(&session, event, None)?;
+            // The state change first, as every turn's end has it: watchers
+            // see the session end, then the turn it cut.
+            let first = match ev {
+                Some(ev) => Changeset::new().event(session_id, ev),
+                None => Changeset::new(),
+            };
             // The agent is stopped: a turn it runs ends with the session
             // (its reply so far kept, `turn_ended` cancelled), and a request
             // it waits on is never answered.
@@ -468,30 +474,19 @@ impl SessionManager {
                     self.inner
                         .metrics
                         .turn_ended(session_id, crate::metrics::TurnOutcome::Cancelled);
-                    cut_turn(
-                        self,
-                        &session,
-                        &turn,
-                        Cut::Stopped,
-                        Changeset::new(),
-                        &mut ended,
-                    )
-                    .await?
+                    cut_turn(self, &session, &turn, Cut::Stopped, first, &mut ended).await?
                 }
                 None => {
                     crate::permission::cancel_open(
                         self,
                         session_id,
-                        Changeset::new(),
+                        first,
                         "the session was stopped",
                     )
                     .await?
                 }
             };
-            let mut change = change.update_session(ended);
-            if let Some(ev) = ev {
-                change = change.event(session_id, ev);
-            }
+            let change = change.update_session(ended);
             match self.commit(change).await {
                 Ok(c) => c
                     .session

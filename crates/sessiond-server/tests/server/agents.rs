@@ -611,6 +611,22 @@ async fn stopping_a_session_mid_turn_ends_its_turn() {
     );
     let end = turn_end(&mut c, &s.id, &sent.id).await;
     assert_eq!(end.stop_reason, "cancelled", "{end:?}");
+    // The session's end comes before the end of the turn it cut, as at
+    // every turn's end.
+    let events = replayed_events(&mut c, &s.id).await;
+    let position = |f: &dyn Fn(&pb::event::Payload) -> bool| {
+        events
+            .iter()
+            .position(|e| e.payload.as_ref().is_some_and(f))
+            .unwrap_or_else(|| panic!("missing event: {events:?}"))
+    };
+    let cancelled = position(&|p| {
+        matches!(p, pb::event::Payload::StateChanged(c)
+            if c.to == pb::SessionState::Cancelled as i32)
+    });
+    let turn_ended =
+        position(&|p| matches!(p, pb::event::Payload::TurnEnded(t) if t.turn_id == sent.id));
+    assert!(cancelled < turn_ended, "{events:?}");
 
     let msgs = messages(&mut c, &task.id, &s.id).await;
     let reply = msgs
