@@ -284,9 +284,8 @@ async fn undelivered_message_is_delivered_after_a_reattach() {
 /// backend died, the delivery not yet made: the session is idle with a
 /// queue nothing held. The restarted backend delivers it by itself, once
 /// (an outside campaign found it waiting for the user's next message).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_message_queued_behind_an_ended_turn_is_delivered_after_a_restart() {
-    let w = World::new(Db::Sqlite).await;
+async fn queued_behind_an_ended_turn_then_restart(db: Db) {
+    let w = World::new(db).await;
     let mgr = w.manager();
     let s = w.create(&mgr, "a").await;
     w.prompt(&mgr, s.id, "one").await;
@@ -326,6 +325,16 @@ async fn a_message_queued_behind_an_ended_turn_is_delivered_after_a_restart() {
         "delivered once"
     );
     w.finish(&mgr, &[s.id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_queued_behind_an_ended_turn_is_delivered_after_a_restart() {
+    queued_behind_an_ended_turn_then_restart(Db::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_queued_behind_an_ended_turn_is_delivered_after_a_restart_postgres() {
+    queued_behind_an_ended_turn_then_restart(Db::Postgres).await;
 }
 
 /// The same, with agentctl and agent killed while the backend was down: the
