@@ -1126,7 +1126,7 @@ pub(crate) struct SessionTasks(std::sync::Mutex<HashMap<SessionId, TaskId>>);
 const SESSION_TASKS_MAX: usize = 65_536;
 
 impl SessionTasks {
-    fn get(&self, session: SessionId) -> Option<TaskId> {
+    pub(crate) fn get(&self, session: SessionId) -> Option<TaskId> {
         self.0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -1134,7 +1134,7 @@ impl SessionTasks {
             .copied()
     }
 
-    fn insert(&self, session: SessionId, task: TaskId) {
+    pub(crate) fn insert(&self, session: SessionId, task: TaskId) {
         let mut map = self
             .0
             .lock()

@@ -22,7 +22,9 @@
 //!   pool connections free, `lanes.rs`); Postgres runs READ COMMITTED and
 //!   relies on row locks taken by `UPDATE`, in a fixed order (tasks, then
 //!   sessions, by id). A SQLite file's WAL is checkpointed beside the
-//!   commits, not inside them (`checkpoint.rs`).
+//!   commits, not inside them (`checkpoint.rs`). On Postgres a reply's
+//!   first chunk (one message and its event) is one statement in
+//!   autocommit instead of a transaction of four round trips (`append.rs`).
 //! - Seqs: `tasks.last_event_seq` and `task_sessions.last_event_seq` /
 //!   `last_message_seq` are counters advanced inside the writing transaction
 //!   (`UPDATE .. SET c = c + n`, then read back), so event `seq` (per session),
@@ -38,6 +40,7 @@
 //! - Event payloads are JSON text (`serde_json`, in this crate only) beside a
 //!   `kind` column holding `EventKind::as_str()`.
 
+mod append;
 mod changeset;
 mod checkpoint;
 mod conn;

@@ -21,7 +21,7 @@ use sessiond_domain::{
 };
 
 use crate::{
-    Error, Result,
+    Error, Result, append,
     changeset::{self, Changeset, Committed, Fence},
     checkpoint::Checkpointer,
     conn::{self, AnyConnection, Manager, Ts, write_transaction},
@@ -1103,6 +1103,16 @@ impl Store {
         }
         let origin = self.origin.clone();
         let tasks = self.tasks.clone();
+        // A reply's first chunk, on PostgreSQL: one statement, no
+        // transaction around it (`append.rs`). Not when a NOTIFY must go
+        // with it (replicas), which takes a statement of its own.
+        if self.backend == Backend::Postgres && origin.get().is_none() && append::alone(&change) {
+            return self
+                .write_as(Transaction::Statement, move |c| {
+                    append::append_alone(c, change, &tasks)
+                })
+                .await;
+        }
         self.write(move |c| {
             let done = changeset::apply(c, change, &tasks)?;
             crate::events::notify(c, origin.get().map(String::as_str), &done.events)?;
@@ -1393,6 +1403,16 @@ impl Store {
         T: Send + 'static,
         F: FnOnce(&mut AnyConnection) -> Result<T> + Send + 'static,
     {
+        self.write_as(Transaction::Begun, f).await
+    }
+
+    /// Like `write`; `Transaction::Statement` runs `f`, which writes in
+    /// one statement, without a transaction of its own around it.
+    async fn write_as<T, F>(&self, transaction: Transaction, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut AnyConnection) -> Result<T> + Send + 'static,
+    {
         let pool = self.pool.clone();
         let writer = (self.backend == Backend::Sqlite).then(|| self.writer.clone());
         let slots = self.slots.clone();
@@ -1421,7 +1441,10 @@ impl Store {
             };
             let mut conn = health.checkout(&pool, timeout)?;
             waited("write", flag.as_ref(), asked);
-            let result = write_transaction(&mut conn, f);
+            let result = match transaction {
+                Transaction::Begun => write_transaction(&mut conn, f),
+                Transaction::Statement => f(&mut conn),
+            };
             health.observe(&result, &mut conn);
             if let (Ok(_), Some(checkpointer)) = (&result, &checkpointer) {
                 checkpointer.committed();
@@ -1462,6 +1485,14 @@ fn few_lengths(mut ids: Vec<String>) -> Vec<String> {
     let last = ids[ids.len() - 1].clone();
     ids.resize(len, last);
     ids
+}
+
+/// How a write runs: in a transaction the store begins and commits, or
+/// as one statement, which PostgreSQL and SQLite run all-or-nothing.
+#[derive(Debug, Clone, Copy)]
+enum Transaction {
+    Begun,
+    Statement,
 }
 
 /// No pool slot for yielding work within the checkout timeout.

@@ -1327,6 +1327,84 @@ mod suite {
         );
     }
 
+    /// A reply's first chunk (one message and its `MessageAdded`, written
+    /// in one statement on PostgreSQL) from many writers at once, beside
+    /// turn starts on the same rows: every seq gap-free, and what each
+    /// commit returned (the message's seq in its event's payload too) is
+    /// what was stored.
+    pub async fn lone_messages_from_many_writers_are_numbered_like_any_commit(store: &Store) {
+        const WRITERS: usize = 6;
+        const COMMITS: usize = 10;
+        let (t, p, s) = seed(store).await;
+        let (other, _) = store
+            .create_session(&session(&t, &p), vec![])
+            .await
+            .unwrap();
+        let mut handles = Vec::new();
+        for w in 0..WRITERS {
+            let store = store.clone();
+            let on = if w % 2 == 0 { s.clone() } else { other.clone() };
+            handles.push(tokio::spawn(async move {
+                let mut returned = Vec::new();
+                for i in 0..COMMITS {
+                    let chunk = message(&on, MessageRole::Agent, &format!("\"seq\":1 {w}/{i}"));
+                    let mut change = Changeset::new()
+                        .add_message(chunk.clone())
+                        .event(on.id, EventPayload::MessageAdded(chunk));
+                    if i % 3 == 0 {
+                        // A turn start's shape: the task's row too, and two events.
+                        change = change
+                            .event(
+                                on.id,
+                                state_changed(SessionState::WaitingForInput, SessionState::Running),
+                            )
+                            .task_event(on.task_id, TaskEvent::WorkStarted);
+                    }
+                    let done = store.commit(change).await.unwrap();
+                    returned.extend(done.events);
+                    assert_eq!(done.messages.len(), 1);
+                }
+                returned
+            }));
+        }
+        let mut returned = Vec::new();
+        for h in handles {
+            returned.extend(h.await.unwrap());
+        }
+        let per_writer = COMMITS + COMMITS.div_ceil(3);
+        let mut stored = Vec::new();
+        for sid in [s.id, other.id] {
+            let events = store.events_after(sid, 0, 10_000).await.unwrap();
+            assert_gap_free(
+                events.iter().map(|e| e.seq),
+                WRITERS / 2 * per_writer,
+                "seq",
+            );
+            let messages = store.list_messages(sid, 0, 10_000).await.unwrap();
+            assert_gap_free(
+                messages.iter().map(|m| m.seq),
+                WRITERS / 2 * COMMITS,
+                "message seq",
+            );
+            for e in &events {
+                if let EventPayload::MessageAdded(m) = &e.payload {
+                    let kept = messages.iter().find(|k| k.id == m.id).unwrap();
+                    assert_eq!(m, kept, "the event's message is the stored one");
+                }
+            }
+            stored.extend(events);
+        }
+        assert_gap_free(
+            stored.iter().map(|e| e.task_seq),
+            WRITERS * per_writer,
+            "task_seq",
+        );
+        let key = |e: &sessiond_domain::Event| (e.session_id, e.seq);
+        stored.sort_by_key(key);
+        returned.sort_by_key(key);
+        assert_eq!(returned, stored);
+    }
+
     /// An activity part keeps its kind and state through a commit, an
     /// update, a read and the event log.
     pub async fn activity_parts_round_trip(store: &Store) {
@@ -2280,6 +2358,10 @@ macro_rules! store_tests {
             store_test!($backend, sessions_in_a_directory);
             store_test!($backend, two_writers_same_version_one_wins);
             store_test!($backend, concurrent_appenders_get_gap_free_seqs);
+            store_test!(
+                $backend,
+                lone_messages_from_many_writers_are_numbered_like_any_commit
+            );
             store_test!($backend, messages_append_and_update);
             store_test!($backend, activity_parts_round_trip);
             store_test!($backend, events_after_and_task_events_after);
@@ -2399,6 +2481,13 @@ async fn every_statement_of_a_commit_is_kept_prepared() {
             .cloned()
             .collect();
         assert!(ours.len() > 10, "the recorder saw the commits: {ours:#?}");
+        if store.backend() == sessiond_store::Backend::Postgres {
+            // The first chunk's commit went as its one statement.
+            assert!(
+                ours.iter().any(|q| q.contains("added_event AS (INSERT")),
+                "no one-statement append: {ours:#?}"
+            );
+        }
         for q in &ours {
             let sql = q.split(" -- binds:").next().unwrap_or(q);
             assert!(
