@@ -23,16 +23,24 @@ impl Pump {
         // (no lock, no store read).
         let known =
             |s: &sessiond_domain::Session| s.metadata.get(LAST_TURN_KEY) == Some(&started.turn_id);
-        if self
-            .mgr
-            .inner
-            .sessions
-            .committed_session(self.session_id)
-            .is_some_and(|s| known(&s))
-        {
+        let in_snapshot = || {
+            self.mgr
+                .inner
+                .sessions
+                .committed_session(self.session_id)
+                .is_some_and(|s| known(&s))
+        };
+        if in_snapshot() {
             return Ok(());
         }
         let guard = self.mgr.inner.sessions.lock(self.session_id).await;
+        // The send holds the lock while the turn commits (its `TurnStarted`
+        // can come first, the commit runs beside the Prompt): once it has
+        // the lock, the snapshot has the turn, with no store read on the
+        // way to the first chunk.
+        if in_snapshot() {
+            return Ok(());
+        }
         let store = &self.mgr.inner.store;
         let session = store.get_session(self.session_id).await?;
         if known(&session) {
