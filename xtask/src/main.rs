@@ -202,9 +202,20 @@ fn test_suites(tally: &mut Tally, docker_host: &str, database_url: &str) -> anyh
     let mut crash = crash_tests("test");
     crash
         .env("SESSIOND_CRASHLOOP_SECS", "45")
+        .env("DATABASE_URL", database_url)
         .env("SESSIOND_DOCKER_TESTS", "1")
         .env("DOCKER_HOST", docker_host);
     tally.run("crash tests", crash)?;
+    // Every crash test again with the world's store on PostgreSQL, whose
+    // statements (a turn's, a first chunk's) differ from SQLite's.
+    let mut on_postgres = crash_tests("test");
+    on_postgres
+        .env("SESSIOND_CRASHLOOP_STORE", "postgres")
+        .env("SESSIOND_CRASHLOOP_SECS", "30")
+        .env("DATABASE_URL", database_url)
+        .env("SESSIOND_DOCKER_TESTS", "1")
+        .env("DOCKER_HOST", docker_host);
+    tally.run("crash tests, PostgreSQL", on_postgres)?;
     // The crash loop again with agents that start as slowly as real ones,
     // so kills land in the middle of launches and creates.
     let mut heavy = crash_tests("test");

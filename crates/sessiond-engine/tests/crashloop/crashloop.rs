@@ -17,6 +17,9 @@
 //!   start, CPU to start and to load), as real ones are.
 //! - `SESSIOND_CRASHLOOP_RUNTIMES`: a comma list of `standalone`, `remote`,
 //!   `docker` to focus the 20 sessions on (default: all available).
+//! - `SESSIOND_CRASHLOOP_STORE`: `postgres` keeps the world's records on
+//!   PostgreSQL (`DATABASE_URL`'s server, else a throwaway cluster) instead
+//!   of a SQLite file; it applies to every crash test of this binary.
 //!
 //! Each backend lives 1.5-7.5 s (uniform, seeded). Every third backend (the 2nd, 5th, ...) is
 //! instead killed 0-150 ms after it printed `RECOVERING`, so kills land in

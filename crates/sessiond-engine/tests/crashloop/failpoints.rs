@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use sessiond_domain::{ExecutorStatus, OutcomeLabel, Runtime, Session, SessionState};
 
-use crate::world::{Mode, Rt, World};
+use crate::world::{Db, Mode, Rt, World};
 
 fn name(rt: Rt) -> &'static str {
     match rt {
@@ -245,8 +245,8 @@ async fn recovery_after_ready_after_reattach() {
 /// One session per runtime, each sent two messages by a child backend
 /// that SIGKILLs itself at failpoint `fp` on the second message of the
 /// `rt` session. Returns the world and its sessions as the crash left them.
-async fn crash_at_second_message(fp: &str, rt: Rt) -> (World, Vec<Session>) {
-    let w = World::new().await;
+async fn crash_at_second_message(fp: &str, rt: Rt, db: Db) -> (World, Vec<Session>) {
+    let w = World::on(db).await;
     let mut plans = Vec::new();
     for rt in w.runtimes() {
         plans.push(w.plan(name(rt), rt).await);
@@ -272,7 +272,7 @@ async fn crash_at_second_message(fp: &str, rt: Rt) -> (World, Vec<Session>) {
 /// and answered exactly once: the reattached agentctl, or the relaunched one
 /// with the conversation loaded, gets the Prompt with the same turn id.
 async fn crash_between_commit_and_prompt(kill_executors: bool, rt: Rt) {
-    let (w, sessions) = crash_at_second_message("prompt-after-commit", rt).await;
+    let (w, sessions) = crash_at_second_message("prompt-after-commit", rt, Db::from_env()).await;
     let pending: Vec<&Session> = sessions
         .iter()
         .filter(|s| s.state == SessionState::Running)
@@ -334,8 +334,8 @@ async fn prompt_after_commit_remote() {
 /// when agentctl lived, or ended interrupted when its agentctl died with
 /// the turn's end; the converged check finds every turn the agent ran
 /// stored once, and nothing run twice.
-async fn crash_between_prompt_and_commit(kill_executors: bool, rt: Rt) {
-    let (w, sessions) = crash_at_second_message("prompt-before-commit", rt).await;
+async fn crash_between_prompt_and_commit(kill_executors: bool, rt: Rt, db: Db) {
+    let (w, sessions) = crash_at_second_message("prompt-before-commit", rt, db).await;
     let p = sessions
         .iter()
         .find(|s| s.runtime == rt.runtime())
@@ -385,17 +385,30 @@ async fn crash_between_prompt_and_commit(kill_executors: bool, rt: Rt) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_before_commit() {
-    crash_between_prompt_and_commit(false, Rt::Standalone).await;
+    crash_between_prompt_and_commit(false, Rt::Standalone, Db::from_env()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_before_commit_executors_killed() {
-    crash_between_prompt_and_commit(true, Rt::Standalone).await;
+    crash_between_prompt_and_commit(true, Rt::Standalone, Db::from_env()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_before_commit_remote() {
-    crash_between_prompt_and_commit(false, Rt::Remote).await;
+    crash_between_prompt_and_commit(false, Rt::Remote, Db::from_env()).await;
+}
+
+/// The same on PostgreSQL, whatever `SESSIOND_CRASHLOOP_STORE` says: the
+/// turn's commit and the reply's first chunk (one statement there) are
+/// other statements than on SQLite.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_before_commit_postgres() {
+    crash_between_prompt_and_commit(false, Rt::Standalone, Db::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_before_commit_executors_killed_postgres() {
+    crash_between_prompt_and_commit(true, Rt::Standalone, Db::Postgres).await;
 }
 
 /// The agent opened the conversation (agentctl holds its id), the backend

@@ -322,10 +322,40 @@ pub struct World {
     pub docker_profile: Option<AgentProfile>,
     pub docker: Option<(String, DockerExecutor)>,
     pub remotes: Mutex<Vec<RemoteHost>>,
+    /// The world's database when its store is PostgreSQL; dropped last.
+    _postgres: Option<sessiond_testkit::postgres::TestDatabase>,
+}
+
+/// Which store a world keeps its records in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Db {
+    /// A file in the world's directory.
+    Sqlite,
+    /// A database of its own on PostgreSQL (`DATABASE_URL`'s server, else
+    /// a throwaway cluster of this test process).
+    Postgres,
+}
+
+impl Db {
+    /// `SESSIOND_CRASHLOOP_STORE` (`sqlite`, the default, or `postgres`).
+    pub fn from_env() -> Db {
+        match std::env::var("SESSIOND_CRASHLOOP_STORE").as_deref() {
+            Err(_) | Ok("sqlite") => Db::Sqlite,
+            Ok("postgres") => Db::Postgres,
+            Ok(other) => {
+                panic!("SESSIOND_CRASHLOOP_STORE: {other:?} is neither sqlite nor postgres")
+            }
+        }
+    }
 }
 
 impl World {
+    /// A world on the store `SESSIOND_CRASHLOOP_STORE` names.
     pub async fn new() -> World {
+        World::on(Db::from_env()).await
+    }
+
+    pub async fn on(db: Db) -> World {
         init_tracing();
         let mut dir = tempfile::tempdir().unwrap();
         if std::env::var_os("SESSIOND_CRASHLOOP_KEEP").is_some() {
@@ -333,7 +363,23 @@ impl World {
             dir.disable_cleanup(true);
             eprintln!("crash test: world kept at {}", dir.path().display());
         }
-        let db_url = format!("sqlite://{}", dir.path().join("sessiond.db").display());
+        let (db_url, postgres) = match db {
+            Db::Sqlite => (
+                format!("sqlite://{}", dir.path().join("sessiond.db").display()),
+                None,
+            ),
+            Db::Postgres => {
+                let database =
+                    tokio::task::spawn_blocking(sessiond_testkit::postgres::test_database)
+                        .await
+                        .unwrap();
+                eprintln!(
+                    "crash test: store on PostgreSQL, database {}",
+                    database.name()
+                );
+                (database.url().to_owned(), Some(database))
+            }
+        };
         let store = Store::connect(&db_url, StoreOptions::default())
             .await
             .unwrap();
@@ -385,6 +431,7 @@ impl World {
             docker_profile,
             docker,
             remotes: Mutex::new(Vec::new()),
+            _postgres: postgres,
         }
     }
 
