@@ -118,10 +118,10 @@ pub async fn measure(
         .await?;
     // The direct session's agentctl is made by a manager that then stops,
     // so no pump of this process reads its updates but the bench's own.
-    let maker = SessionManager::new(store.clone(), drivers(bin_dir, dir), manager_config());
+    let maker = as_served(store, bin_dir, dir, "turn-bench-maker").await?;
     let direct_session = session(&maker, task.id, profile.id, dir, "direct").await?;
     maker.shutdown();
-    let manager = SessionManager::new(store.clone(), drivers(bin_dir, dir), manager_config());
+    let manager = as_served(store, bin_dir, dir, "turn-bench").await?;
     let measured = session(&manager, task.id, profile.id, dir, "sessiond").await?;
     let result = rounds(
         store,
@@ -139,6 +139,41 @@ pub async fn measure(
     }
     manager.shutdown();
     result
+}
+
+/// A manager as `sessiond serve` runs one on this store: on PostgreSQL a
+/// replica (leases, fenced commits, a `NOTIFY` with each), on SQLite the
+/// only process.
+async fn as_served(
+    store: &Store,
+    bin_dir: &Path,
+    dir: &Path,
+    id: &str,
+) -> anyhow::Result<SessionManager> {
+    let mut config = manager_config();
+    let replica = store.backend() == sessiond_store::Backend::Postgres;
+    if replica {
+        config.replica.id = id.into();
+        config.replica.exclusive = false;
+    }
+    let manager = SessionManager::new(store.clone(), drivers(bin_dir, dir), config);
+    if replica {
+        let now = Utc::now();
+        manager
+            .replica()
+            .start(sessiond_store::ReplicaInfo {
+                id: id.into(),
+                address: "127.0.0.1:1".into(),
+                hostname: "bench".into(),
+                pid: i64::from(std::process::id()),
+                started_at: now,
+                heartbeat_at: now,
+                lease_ttl: manager.config().replica.lease_ttl,
+                owned_executors: 0,
+            })
+            .await?;
+    }
+    Ok(manager)
 }
 
 #[allow(clippy::too_many_arguments)]

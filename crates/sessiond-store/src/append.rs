@@ -8,17 +8,18 @@
 //! are data-modifying `WITH`s of one statement, which PostgreSQL runs
 //! all-or-nothing as its own transaction: one round trip. What it writes is
 //! what `apply` writes: the same rows, gap-free seqs from the same counters,
-//! the same lock order (the task's row, then the session's).
+//! the same lock order (the task's row, then the session's, then a fence's
+//! executor row), and with replicas the same `NOTIFY`.
 
 use diesel::RunQueryDsl;
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
-use diesel::sql_types::{BigInt, Bool, Text};
+use diesel::sql_types::{BigInt, Bool, Integer, Text};
 use sessiond_domain::{Event, EventPayload};
 
 use crate::{
     Error, Result,
-    changeset::{Changeset, Committed, SessionTasks, session_task},
+    changeset::{Changeset, Committed, Fence, SessionTasks, session_task},
     conn::{AnyConnection, KeepPrepared, Ts, UtcTimestamp},
     error::on_unique,
     rows::{EventRow, MessageRow},
@@ -44,19 +45,26 @@ pub(crate) fn alone(change: &Changeset) -> bool {
         && change.executor.is_none()
         && change.task_state.is_none()
         && change.message_updates.is_empty()
-        && change.fence.is_none()
         && change.title.is_none()
+        && change.fence.as_ref().is_none_or(|f| f.session == *sid)
         && *sid == m.session_id
         && added.id == m.id
 }
 
+/// Marks a failed fence's error: the statement casts it to a number when
+/// the fence's row is not the writer's (see [`AppendAlone`]).
+const LEASE_LOST: &str = "sessiond_lease_lost";
+
 /// Writes a changeset [`alone`] accepted, on PostgreSQL, outside any
-/// transaction (the statement is one).
+/// transaction (the statement is one); with `origin`, announced as this
+/// replica's by a `NOTIFY` (as `events::notify` does).
 pub(crate) fn append_alone(
     conn: &mut AnyConnection,
     change: Changeset,
     tasks: &SessionTasks,
+    origin: Option<&str>,
 ) -> Result<Committed> {
+    let fence = change.fence.clone();
     let Some(mut m) = change.new_messages.into_iter().next() else {
         return Err(Error::Invalid("no message to append".into()));
     };
@@ -114,24 +122,39 @@ pub(crate) fn append_alone(
         head,
         tail,
         at: &now,
+        fence: fence.as_ref(),
+        origin,
     };
-    let written: Option<(i64, i64, i64)> =
-        statement
-            .prepared()
-            .get_result(c)
-            .map(Some)
-            .or_else(|e| match e {
-                diesel::result::Error::NotFound => Ok(None),
-                diesel::result::Error::DatabaseError(_, ref info)
-                    if info.table_name() == Some("session_messages") =>
-                {
-                    Err(on_unique(e, "message", |_| row.id.clone()))
-                }
-                e => Err(Error::from(e)),
-            })?;
+    let written: Option<(i64, i64, i64, i32, i64)> = match statement.prepared().get_result(c) {
+        Ok(written) => Some(written),
+        Err(diesel::result::Error::NotFound) => None,
+        Err(e) => {
+            let info = match &e {
+                diesel::result::Error::DatabaseError(_, info) => Some(info),
+                _ => None,
+            };
+            if info.is_some_and(|i| i.table_name() == Some("session_messages")) {
+                return Err(on_unique(e, "message", |_| row.id.clone()));
+            }
+            let lost = info.is_some_and(|i| i.message().contains(LEASE_LOST));
+            if let Some(fence) = fence.as_ref().filter(|_| lost) {
+                // Nothing was written; the fence's own check says whose
+                // the executor is now.
+                crate::changeset::check_fence(conn, fence, None)?;
+                return Err(Error::LeaseLost {
+                    session_id: fence.session.to_string(),
+                    owner: fence.owner.clone(),
+                    epoch: fence.epoch,
+                    current_owner: "-".into(),
+                    current_epoch: 0,
+                });
+            }
+            return Err(Error::from(e));
+        }
+    };
     // No row: the task or the session is gone. Neither is ever deleted, and
     // the session was just found under this task.
-    let Some((event_seq, message_seq, task_seq)) = written else {
+    let Some((event_seq, message_seq, task_seq, _, _)) = written else {
         return Err(Error::not_found("session", sid));
     };
     m.seq = message_seq;
@@ -152,9 +175,13 @@ pub(crate) fn append_alone(
 }
 
 /// The statement: the task's counter, then (its row locked first, as every
-/// writer does) the session's, then the message and its event numbered by
-/// them. Answers the session's event and message seqs and the task's
-/// event seq as advanced; no row when the task or session is missing.
+/// writer does) the session's, then the fence's executor row, then the
+/// message and its event numbered by them, and the `NOTIFY`. Answers the
+/// session's event and message seqs and the task's event seq as advanced
+/// (and two columns that only make the fence and the notification run);
+/// no row when the task or session is missing. A fence that does not
+/// hold fails the statement (a text that is no number, cast to one), so
+/// nothing of it is kept, the counters' advance included.
 struct AppendAlone<'a> {
     task: &'a str,
     row: &'a MessageRow,
@@ -162,6 +189,8 @@ struct AppendAlone<'a> {
     head: &'a str,
     tail: &'a str,
     at: &'a Ts,
+    fence: Option<&'a Fence>,
+    origin: Option<&'a str>,
 }
 
 impl QueryId for AppendAlone<'_> {
@@ -170,7 +199,7 @@ impl QueryId for AppendAlone<'_> {
 }
 
 impl Query for AppendAlone<'_> {
-    type SqlType = (BigInt, BigInt, BigInt);
+    type SqlType = (BigInt, BigInt, BigInt, Integer, BigInt);
 }
 
 impl<Conn> RunQueryDsl<Conn> for AppendAlone<'_> {}
@@ -234,11 +263,47 @@ impl QueryFragment<Pg> for AppendAlone<'_> {
         out.push_bind_param::<Text, _>(self.tail)?;
         out.push_sql(", ");
         out.push_bind_param::<UtcTimestamp, _>(self.at)?;
-        out.push_sql(
-            " FROM counted_session s, counted_task t RETURNING seq) \
-             SELECT s.last_event_seq, s.last_message_seq, t.last_event_seq \
-             FROM counted_session s, counted_task t",
-        );
+        out.push_sql(" FROM counted_session s, counted_task t RETURNING seq)");
+        if let Some(fence) = self.fence {
+            // After the session's row: a one-time filter, as above.
+            out.push_sql(
+                ", fenced AS (UPDATE executors_running SET lease_epoch = lease_epoch \
+                 WHERE session_id = ",
+            );
+            out.push_bind_param::<Text, _>(&r.session_id)?;
+            out.push_sql(" AND owner_id = ");
+            out.push_bind_param::<Text, _>(&fence.owner)?;
+            out.push_sql(" AND lease_epoch = ");
+            out.push_bind_param::<BigInt, _>(&fence.epoch)?;
+            out.push_sql(" AND EXISTS (SELECT 1 FROM counted_session) RETURNING id)");
+        }
+        if let Some(origin) = self.origin {
+            out.push_sql(", notified AS (SELECT pg_notify(");
+            out.push_bind_param::<Text, _>(crate::events::CHANNEL)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, _>(origin)?;
+            out.push_sql(" || ' ' || ");
+            out.push_bind_param::<Text, _>(&r.session_id)?;
+            out.push_sql(" || ' ' || s.last_event_seq::text || ' ' || ");
+            out.push_bind_param::<Text, _>(self.task)?;
+            out.push_sql(
+                " || ' ' || t.last_event_seq::text) FROM counted_session s, counted_task t)",
+            );
+        }
+        out.push_sql(" SELECT s.last_event_seq, s.last_message_seq, t.last_event_seq, ");
+        if self.fence.is_some() {
+            out.push_sql("CAST(CASE WHEN EXISTS (SELECT 1 FROM fenced) THEN '1' ELSE ");
+            out.push_bind_param::<Text, _>(LEASE_LOST)?;
+            out.push_sql(" END AS integer), ");
+        } else {
+            out.push_sql("1, ");
+        }
+        if self.origin.is_some() {
+            out.push_sql("(SELECT count(*) FROM notified)");
+        } else {
+            out.push_sql("0::bigint");
+        }
+        out.push_sql(" FROM counted_session s, counted_task t");
         Ok(())
     }
 }

@@ -19,7 +19,7 @@ use sessiond_domain::{Event, SessionId, TaskId};
 
 use crate::{Result, conn::AnyConnection, pg_listen::Listener, store::Store};
 
-const CHANNEL: &str = "sessiond_events";
+pub(crate) const CHANNEL: &str = "sessiond_events";
 
 /// How long the listener waits on its socket before it looks whether
 /// anyone still listens.

@@ -1104,12 +1104,11 @@ impl Store {
         let origin = self.origin.clone();
         let tasks = self.tasks.clone();
         // A reply's first chunk, on PostgreSQL: one statement, no
-        // transaction around it (`append.rs`). Not when a NOTIFY must go
-        // with it (replicas), which takes a statement of its own.
-        if self.backend == Backend::Postgres && origin.get().is_none() && append::alone(&change) {
+        // transaction around it (`append.rs`).
+        if self.backend == Backend::Postgres && append::alone(&change) {
             return self
                 .write_as(Transaction::Statement, move |c| {
-                    append::append_alone(c, change, &tasks)
+                    append::append_alone(c, change, &tasks, origin.get().map(String::as_str))
                 })
                 .await;
         }

@@ -2041,6 +2041,22 @@ mod suite {
             other => panic!("expected LeaseLost, got {other}"),
         }
         assert!(err.is_lease_lost());
+        // A reply's first chunk alone (one statement on PostgreSQL) is
+        // refused the same way, nothing of it kept.
+        let chunk = message(&s, MessageRole::Agent, "a's reply");
+        let err = store
+            .commit(
+                Changeset::new()
+                    .add_message(chunk.clone())
+                    .event(s.id, EventPayload::MessageAdded(chunk))
+                    .fenced(fence("replica-a", 0)),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::LeaseLost { current_owner, current_epoch: 1, .. } if current_owner == "replica-b"),
+            "{err}"
+        );
         assert_eq!(store.last_event_seq(s.id).await.unwrap(), before_events);
         assert_eq!(store.last_task_event_seq(t.id).await.unwrap(), before_task);
         let msgs = store.list_messages(s.id, 0, 10).await.unwrap();
@@ -2635,6 +2651,17 @@ async fn postgres_events_wake_the_other_replicas() {
         .unwrap();
     let mut want: std::collections::BTreeSet<i64> = several.events.iter().map(|e| e.seq).collect();
     assert_eq!(want.len(), 3);
+    // A reply's first chunk (one statement, its NOTIFY in it) wakes A too.
+    let chunk = message(&s, MessageRole::Agent, "first chunk");
+    let alone = b
+        .commit(
+            Changeset::new()
+                .add_message(chunk.clone())
+                .event(s.id, EventPayload::MessageAdded(chunk)),
+        )
+        .await
+        .unwrap();
+    want.insert(alone.events[0].seq);
     while !want.is_empty() {
         let wake = tokio::time::timeout(std::time::Duration::from_secs(30), wakes.recv())
             .await
