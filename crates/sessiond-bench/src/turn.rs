@@ -4,7 +4,9 @@
 //! `watch_session` subscriber, against the same prompt sent straight to an
 //! agentctl (its Prompt, the first chunk on its own `StreamUpdates`) in the
 //! same run. Both agentctls are real processes with the demo agent, each
-//! with its journal; rounds alternate which goes first.
+//! with its journal; rounds alternate which goes first. On PostgreSQL the
+//! manager runs as `sessiond serve` runs it there: a replica, whose commits
+//! are fenced and announce their events with a `NOTIFY`.
 
 use std::{
     collections::BTreeMap,
