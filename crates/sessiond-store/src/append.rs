@@ -56,13 +56,13 @@ pub(crate) fn alone(change: &Changeset) -> bool {
 const LEASE_LOST: &str = "sessiond_lease_lost";
 
 /// Writes a changeset [`alone`] accepted, on PostgreSQL, outside any
-/// transaction (the statement is one); with `origin`, announced as this
-/// replica's by a `NOTIFY` (as `events::notify` does).
+/// transaction (the statement is one); with `notify` (a channel and this
+/// replica's name), announced by a `NOTIFY` as `events::notify` does.
 pub(crate) fn append_alone(
     conn: &mut AnyConnection,
     change: Changeset,
     tasks: &SessionTasks,
-    origin: Option<&str>,
+    notify: Option<(&str, &str)>,
 ) -> Result<Committed> {
     let fence = change.fence.clone();
     let Some(mut m) = change.new_messages.into_iter().next() else {
@@ -123,7 +123,7 @@ pub(crate) fn append_alone(
         tail,
         at: &now,
         fence: fence.as_ref(),
-        origin,
+        notify,
     };
     let written: Option<(i64, i64, i64, i32, i64)> = match statement.prepared().get_result(c) {
         Ok(written) => Some(written),
@@ -190,7 +190,8 @@ struct AppendAlone<'a> {
     tail: &'a str,
     at: &'a Ts,
     fence: Option<&'a Fence>,
-    origin: Option<&'a str>,
+    /// The channel, and the replica the event is from.
+    notify: Option<(&'a str, &'a str)>,
 }
 
 impl QueryId for AppendAlone<'_> {
@@ -277,9 +278,9 @@ impl QueryFragment<Pg> for AppendAlone<'_> {
             out.push_bind_param::<BigInt, _>(&fence.epoch)?;
             out.push_sql(" AND EXISTS (SELECT 1 FROM counted_session) RETURNING id)");
         }
-        if let Some(origin) = self.origin {
+        if let Some((channel, origin)) = self.notify {
             out.push_sql(", notified AS (SELECT pg_notify(");
-            out.push_bind_param::<Text, _>(crate::events::CHANNEL)?;
+            out.push_bind_param::<Text, _>(channel)?;
             out.push_sql(", ");
             out.push_bind_param::<Text, _>(origin)?;
             out.push_sql(" || ' ' || ");
@@ -298,7 +299,7 @@ impl QueryFragment<Pg> for AppendAlone<'_> {
         } else {
             out.push_sql("1, ");
         }
-        if self.origin.is_some() {
+        if self.notify.is_some() {
             out.push_sql("(SELECT count(*) FROM notified)");
         } else {
             out.push_sql("0::bigint");

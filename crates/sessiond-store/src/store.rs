@@ -1108,7 +1108,8 @@ impl Store {
         if self.backend == Backend::Postgres && append::alone(&change) {
             return self
                 .write_as(Transaction::Statement, move |c| {
-                    append::append_alone(c, change, &tasks, origin.get().map(String::as_str))
+                    let notify = origin.get().map(|o| (crate::events::CHANNEL, o.as_str()));
+                    append::append_alone(c, change, &tasks, notify)
                 })
                 .await;
         }
