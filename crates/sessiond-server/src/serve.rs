@@ -208,9 +208,16 @@ pub(crate) async fn open_store(config: &Config) -> anyhow::Result<Store> {
         }
         tighten_files(&config.data_dir);
     }
-    Store::connect(&config.database_url, StoreOptions::default())
-        .await
-        .with_context(|| format!("database_url: cannot open {}", redact(&config.database_url)))
+    // A replica stopped inside a transaction (SIGSTOP, a frozen VM) must
+    // let go of its row locks before its leases expire, or the others
+    // cannot adopt its sessions, nor write for their tasks.
+    let idle = std::time::Duration::from_secs(5).min(config.replica.lease_ttl / 2);
+    Store::connect(
+        &config.database_url,
+        StoreOptions::default().idle_in_transaction_timeout(idle),
+    )
+    .await
+    .with_context(|| format!("database_url: cannot open {}", redact(&config.database_url)))
 }
 
 /// Creates `dir` (and missing parents) readable by this user only, or

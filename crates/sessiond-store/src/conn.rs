@@ -198,6 +198,7 @@ pub(crate) struct Manager {
     pub(crate) backend: Backend,
     pub(crate) target: String,
     pub(crate) busy_timeout: Duration,
+    pub(crate) idle_in_transaction_timeout: Duration,
 }
 
 impl ManageConnection for Manager {
@@ -211,8 +212,11 @@ impl ManageConnection for Manager {
                     PgConnection::establish(&self.target).map_err(r2d2::Error::ConnectionError)?;
                 // Only for what the server renders as text (logs, psql);
                 // the store reads and writes timestamps in binary UTC.
-                c.batch_execute("SET TIME ZONE 'UTC'")
-                    .map_err(r2d2::Error::QueryError)?;
+                c.batch_execute(&format!(
+                    "SET TIME ZONE 'UTC'; SET idle_in_transaction_session_timeout = {}",
+                    self.idle_in_transaction_timeout.as_millis().max(1)
+                ))
+                .map_err(r2d2::Error::QueryError)?;
                 Ok(AnyConnection::Pg(c))
             }
             Backend::Sqlite => {
@@ -413,3 +417,41 @@ where
 }
 
 impl<A, B, Conn> diesel::RunQueryDsl<Conn> for With<A, B> {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A transaction whose process stopped (SIGSTOP, a frozen VM) is ended
+    /// by PostgreSQL after `idle_in_transaction_timeout`: the row it
+    /// locked is free for another writer, and the stopped connection is
+    /// found lost when it wakes.
+    #[test]
+    fn postgres_ends_a_transaction_left_idle_and_frees_its_rows() {
+        let db = sessiond_testkit::postgres::test_database();
+        let manager = Manager {
+            backend: Backend::Postgres,
+            target: db.url().to_owned(),
+            busy_timeout: Duration::from_secs(1),
+            idle_in_transaction_timeout: Duration::from_millis(300),
+        };
+        let (Ok(AnyConnection::Pg(mut stopped)), Ok(AnyConnection::Pg(mut other))) =
+            (manager.connect(), manager.connect())
+        else {
+            panic!("two PostgreSQL connections");
+        };
+        other
+            .batch_execute("CREATE TABLE held (id int PRIMARY KEY); INSERT INTO held VALUES (1)")
+            .unwrap();
+        stopped
+            .batch_execute("BEGIN; UPDATE held SET id = 1 WHERE id = 1")
+            .unwrap();
+        // The other writer waits for the row (at most 20 s, then it
+        // fails), and gets it once the server ended the idle transaction.
+        other
+            .batch_execute("SET lock_timeout = '20s'; UPDATE held SET id = 1 WHERE id = 1")
+            .expect("the row is free once the idle transaction is ended");
+        let woke = stopped.batch_execute("SELECT 1").unwrap_err();
+        assert!(connection_lost(&woke), "{woke:?}");
+    }
+}

@@ -83,6 +83,15 @@ pub struct StoreOptions {
     pub busy_timeout: Duration,
     /// Apply pending migrations at connect.
     pub migrate: bool,
+    /// PostgreSQL: how long the server keeps a transaction of this store
+    /// open while it waits for the next statement, then ends the
+    /// connection (`idle_in_transaction_session_timeout`). The store's
+    /// transactions go from statement to statement without waiting, so
+    /// only a stopped process (SIGSTOP, a frozen VM, a half-open
+    /// connection) reaches it: its row locks, the task's event counter
+    /// among them, would otherwise hold every other writer of that task,
+    /// on every replica, for as long as the stop lasts.
+    pub idle_in_transaction_timeout: Duration,
 }
 
 impl Default for StoreOptions {
@@ -92,6 +101,7 @@ impl Default for StoreOptions {
             connect_timeout: Duration::from_secs(10),
             busy_timeout: Duration::from_secs(10),
             migrate: true,
+            idle_in_transaction_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -118,6 +128,13 @@ impl StoreOptions {
     /// Whether `connect` applies pending migrations (default yes).
     pub fn migrate(mut self, yes: bool) -> Self {
         self.migrate = yes;
+        self
+    }
+
+    /// PostgreSQL: see [`StoreOptions::idle_in_transaction_timeout`]
+    /// (default 5 s; at least 1 ms).
+    pub fn idle_in_transaction_timeout(mut self, d: Duration) -> Self {
+        self.idle_in_transaction_timeout = d.max(Duration::from_millis(1));
         self
     }
 }
@@ -287,6 +304,7 @@ impl Store {
                 backend,
                 target: target.clone(),
                 busy_timeout: opts.busy_timeout,
+                idle_in_transaction_timeout: opts.idle_in_transaction_timeout,
             };
             // A file-backed SQLite keeps a few connections open: opening
             // one (WAL, pragmas) while a call waits for it cost a call

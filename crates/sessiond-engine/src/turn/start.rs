@@ -678,13 +678,21 @@ impl Turns<'_> {
         instance: String,
         failed: Error,
     ) -> Result<Message> {
+        let stored = || async {
+            // Recorded meanwhile from agentctl's stream (by the replica
+            // that took the session over, say).
+            self.inner.store.get_message(session_id, message.id).await
+        };
         let again = async {
+            if let Some(m) = stored().await? {
+                return Ok(m);
+            }
             if !matches!(failed, Error::Conflict { .. }) {
                 return Err(failed);
             }
             let fresh = self.inner.store.get_session(session_id).await?;
             if fresh.state != SessionState::WaitingForInput {
-                return Err(failed);
+                return stored().await?.ok_or(failed);
             }
             let change = turn_start_change(&fresh, message, generation, instance)?;
             let committed = self.commit(change).await?;
@@ -698,10 +706,21 @@ impl Turns<'_> {
         again.map_err(|e| {
             tracing::warn!(session = %session_id, turn_id = %message.id, error = %e,
                 "the agent took the message but storing it failed; the update pump records it");
+            // Not the conflict's own advice ("retry"): sending it again
+            // would run it twice.
+            let why = match e {
+                Error::Conflict { .. } => {
+                    "the session changed meanwhile: another replica took it over, or its \
+                     update pump wrote first"
+                        .to_owned()
+                }
+                e => e.to_string(),
+            };
             Error::Unavailable(format!(
-                "the message reached the agent, but storing it failed ({e}); sessiond records it \
-                 from agentctl's stream as soon as the store takes it: read the session's \
-                 messages before sending it again"
+                "the message reached the agent, but storing it failed ({why}); sessiond records \
+                 it (message {}) from agentctl's stream as soon as the store takes it: read the \
+                 session's messages before sending it again",
+                message.id
             ))
         })
     }
