@@ -19,7 +19,7 @@ use sessiond_domain::{Event, EventPayload};
 
 use crate::{
     Error, Result,
-    changeset::{Changeset, Committed, Fence, SessionTasks, session_task},
+    changeset::{Changeset, Committed, Fence, SessionTasks},
     conn::{AnyConnection, KeepPrepared, Ts, UtcTimestamp},
     error::on_unique,
     rows::{EventRow, MessageRow},
@@ -69,14 +69,7 @@ pub(crate) fn append_alone(
         return Err(Error::Invalid("no message to append".into()));
     };
     let sid = m.session_id;
-    let task = match tasks.get(sid) {
-        Some(task) => task,
-        None => {
-            let task = session_task(conn, sid)?;
-            tasks.insert(sid, task);
-            task
-        }
-    };
+    let task = tasks.task_of(conn, sid)?;
     if m.task_id != task {
         return Err(Error::Invalid(format!(
             "message {} names task {} but session {sid} belongs to task {task}",

@@ -322,15 +322,7 @@ pub(crate) fn apply(
         .chain(update_targets.iter().map(|(_, s)| *s))
         .collect::<BTreeSet<_>>();
     for sid in involved {
-        let task = match tasks.get(sid) {
-            Some(task) => task,
-            None => {
-                let task = session_task(conn, sid)?;
-                tasks.insert(sid, task);
-                task
-            }
-        };
-        task_of.insert(sid, task);
+        task_of.insert(sid, tasks.task_of(conn, sid)?);
     }
     for m in &change.new_messages {
         if m.task_id != task_of[&m.session_id] {
@@ -1126,7 +1118,17 @@ pub(crate) struct SessionTasks(std::sync::Mutex<HashMap<SessionId, TaskId>>);
 const SESSION_TASKS_MAX: usize = 65_536;
 
 impl SessionTasks {
-    pub(crate) fn get(&self, session: SessionId) -> Option<TaskId> {
+    /// The session's task, read from the store the first time.
+    pub(crate) fn task_of(&self, conn: &mut AnyConnection, session: SessionId) -> Result<TaskId> {
+        if let Some(task) = self.get(session) {
+            return Ok(task);
+        }
+        let task = session_task(conn, session)?;
+        self.insert(session, task);
+        Ok(task)
+    }
+
+    fn get(&self, session: SessionId) -> Option<TaskId> {
         self.0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -1134,7 +1136,7 @@ impl SessionTasks {
             .copied()
     }
 
-    pub(crate) fn insert(&self, session: SessionId, task: TaskId) {
+    fn insert(&self, session: SessionId, task: TaskId) {
         let mut map = self
             .0
             .lock()
