@@ -1148,7 +1148,7 @@ impl SessionTasks {
     }
 }
 
-pub(crate) fn session_task(conn: &mut AnyConnection, sid: SessionId) -> Result<TaskId> {
+fn session_task(conn: &mut AnyConnection, sid: SessionId) -> Result<TaskId> {
     let target = task_sessions::table.find(sid.to_string());
     let task: Option<String> = native!(conn, |c| target
         .select(task_sessions::task_id)
