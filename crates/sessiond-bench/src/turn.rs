@@ -136,10 +136,18 @@ pub async fn measure(
         turns,
     )
     .await;
-    for s in [measured, direct_session] {
-        let _ = manager.cancel_session(task.id, s).await;
-    }
+    let _ = manager.cancel_session(task.id, measured).await;
     manager.shutdown();
+    // The direct session's agentctl: its manager is gone (on PostgreSQL
+    // another replica owns it), so it is stopped through its driver.
+    if let Some(record) = store.get_executor_for_session(direct_session).await? {
+        let standalone = drivers(bin_dir, dir)
+            .into_iter()
+            .find(|d| d.runtime() == Runtime::LocalStandalone);
+        if let Some(driver) = standalone {
+            driver.stop(&ExecutorHandle::from_record(&record)).await?;
+        }
+    }
     result
 }
 
