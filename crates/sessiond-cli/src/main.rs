@@ -263,6 +263,11 @@ struct SendArgs {
     /// Fail while a turn runs instead of queueing the message behind it.
     #[arg(long)]
     no_queue: bool,
+    /// An idempotency key: the same command run again with the same key
+    /// (after a lost answer or UNAVAILABLE) answers with the first send's
+    /// message instead of sending it twice.
+    #[arg(long, value_name = "KEY")]
+    request_id: Option<String>,
     /// Send this image file (PNG, JPEG, GIF or WebP, read here) with the
     /// text; repeatable. A message with attachments is never queued.
     #[arg(long = "image", value_name = "FILE")]
@@ -989,6 +994,7 @@ async fn send(c: &mut Clients, out: &Out, mut args: SendArgs) -> anyhow::Result<
             content: args.text,
             no_queue: args.no_queue,
             attachments,
+            request_id: args.request_id.unwrap_or_default(),
         })
         .await?
         .into_inner();

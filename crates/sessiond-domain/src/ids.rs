@@ -101,6 +101,18 @@ typed_id!(/// Identifies an agent profile.
 typed_id!(/// Identifies a message of a session.
     MessageId, "message");
 
+impl MessageId {
+    /// The id of the user message a client's idempotency key names in
+    /// `session` (SendMessage's `request_id`): the same key gives the same
+    /// id, so a retried send finds its first attempt's message, and its
+    /// turn (the turn's id is the message's), instead of making another.
+    /// A name-based UUID (v5) in the session's namespace: the same key in
+    /// two sessions names two messages.
+    pub fn for_request(session: SessionId, request_id: &str) -> Self {
+        Self(Uuid::new_v5(session.as_uuid(), request_id.as_bytes()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -109,6 +121,16 @@ mod tests {
     fn round_trips_through_text() {
         let id = SessionId::new();
         assert_eq!(SessionId::parse(&id.to_string()), Ok(id));
+    }
+
+    #[test]
+    fn a_request_id_names_one_message_per_session() {
+        let (a, b) = (SessionId::new(), SessionId::new());
+        let id = MessageId::for_request(a, "req-1");
+        assert_eq!(id, MessageId::for_request(a, "req-1"));
+        assert_ne!(id, MessageId::for_request(a, "req-2"));
+        assert_ne!(id, MessageId::for_request(b, "req-1"));
+        assert_eq!(id.as_uuid().get_version_num(), 5);
     }
 
     #[test]

@@ -79,4 +79,4 @@ pub use recovery::SweepReport;
 pub use recovery::{RecoveryControl, RecoverySummary};
 pub use replica::Replica;
 pub use sessions::Execution;
-pub use turn::queued::{MAX_QUEUED_BYTES, Sent};
+pub use turn::queued::{MAX_QUEUED_BYTES, Outgoing, Sent};

@@ -16,7 +16,7 @@ use sessiond_domain::{
     AgentProfileId, ExecutorId, ExecutorRecord, ExecutorStatus, MessageId, Runtime, Session,
     SessionId, Task, TaskId, TaskState, Worktree,
 };
-use sessiond_engine::{EndReason, NewSession, RemoteAgentctl, Sent, SessionManager};
+use sessiond_engine::{EndReason, NewSession, Outgoing, RemoteAgentctl, Sent, SessionManager};
 use sessiond_executor::{AgentctlClient, ClientConfig};
 use sessiond_proto::{agentctl::v1 as apb, sessiond::v1 as pb};
 use sessiond_store::Store;
@@ -1059,30 +1059,16 @@ impl pb::session_service_server::SessionService for Api {
                     return Err(ApiError::invalid("content: required"));
                 }
                 self.here_or_forward(session, &origin, req, |req| async move {
-                    if !attachments.is_empty() {
-                        let message = self
-                            .manager
-                            .send_message_with(task, session, &req.content, attachments)
-                            .await?;
-                        return Ok(pb::SendMessageResponse {
-                            message: Some(convert::message(&message)),
-                            queued: None,
-                        });
-                    }
-                    if req.no_queue {
-                        let message = self
-                            .manager
-                            .send_message(task, session, &req.content)
-                            .await?;
-                        return Ok(pb::SendMessageResponse {
-                            message: Some(convert::message(&message)),
-                            queued: None,
-                        });
-                    }
+                    let outgoing = Outgoing {
+                        queue: !req.no_queue,
+                        request_id: (!req.request_id.is_empty()).then_some(req.request_id),
+                        text: req.content,
+                        attachments,
+                    };
                     Ok(
                         match self
                             .manager
-                            .send_or_queue(task, session, &req.content)
+                            .send_outgoing(task, session, outgoing)
                             .await?
                         {
                             Sent::Started(m) => pb::SendMessageResponse {

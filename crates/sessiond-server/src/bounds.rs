@@ -196,6 +196,7 @@ bounded! { max_message_bytes =>
         task_id: MAX_ID_BYTES,
         session_id: MAX_ID_BYTES,
         content: max_message_bytes; "max_message_bytes",
+        request_id: MAX_ID_BYTES,
     } nested { attachments => attachments };
     RetryTurnRequest {
         task_id: MAX_ID_BYTES,

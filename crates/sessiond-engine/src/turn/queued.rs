@@ -39,6 +39,21 @@ pub enum Sent {
     Queued(QueuedMessage),
 }
 
+/// A user message and what goes with it ([`SessionManager::send_outgoing`]).
+#[derive(Debug, Clone, Default)]
+pub struct Outgoing {
+    /// The text; may be empty when attachments go with it.
+    pub text: String,
+    /// Images, links and worktree files, after the text. A message with
+    /// attachments is never queued.
+    pub attachments: Vec<crate::Attachment>,
+    /// Queue it while a turn runs (or messages wait) instead of refusing.
+    pub queue: bool,
+    /// The client's idempotency key: the same key in the same session
+    /// names the same message ([`MessageId::for_request`]).
+    pub request_id: Option<String>,
+}
+
 impl SessionManager {
     /// Sends `text` as [`SessionManager::send_message`] does when the
     /// session waits for input; while a turn runs, or while messages already
@@ -57,7 +72,39 @@ impl SessionManager {
         text: &str,
     ) -> Result<Sent> {
         Turns(self)
-            .send(task, session_id, text, Vec::new(), true)
+            .send(task, session_id, text, Vec::new(), true, None)
+            .await
+    }
+
+    /// Sends `message` with everything SendMessage can carry: as
+    /// [`SessionManager::send_or_queue`] when it may be queued, else as
+    /// [`SessionManager::send_message_with`]. With a `request_id`, a send
+    /// repeated after an unknown outcome (a lost answer, UNAVAILABLE) does
+    /// not send the message twice: it answers with what the first did (the
+    /// stored message, or its queued copy), and if the first reached the
+    /// agent without being stored, the repeat's turn is that same turn
+    /// (agentctl starts a turn id once).
+    ///
+    /// # Errors
+    ///
+    /// As [`SessionManager::send_or_queue`]; [`Error::InvalidArgument`] when
+    /// the request id was used in this session for another text.
+    pub async fn send_outgoing(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        message: Outgoing,
+    ) -> Result<Sent> {
+        let queue = message.queue && message.attachments.is_empty();
+        Turns(self)
+            .send(
+                task,
+                session_id,
+                &message.text,
+                message.attachments,
+                queue,
+                message.request_id.as_deref(),
+            )
             .await
     }
 
@@ -124,8 +171,14 @@ pub(crate) fn queued_ahead(session: &Session) -> bool {
 }
 
 impl Turns<'_> {
-    /// Appends `text` to the session's queue. The caller holds the lock.
-    pub(crate) async fn enqueue(&self, session: Session, text: &str) -> Result<QueuedMessage> {
+    /// Appends `text` to the session's queue, as message `id` (new when
+    /// `None`). The caller holds the lock.
+    pub(crate) async fn enqueue(
+        &self,
+        session: Session,
+        text: &str,
+        id: Option<MessageId>,
+    ) -> Result<QueuedMessage> {
         let session_id = session.id;
         let waiting = queue::queued(&session.metadata);
         if waiting.len() >= MAX_QUEUED {
@@ -145,7 +198,7 @@ impl Turns<'_> {
             });
         }
         let entry = QueuedMessage {
-            id: MessageId::new(),
+            id: id.unwrap_or_default(),
             content: text.to_owned(),
             queued_at: Utc::now(),
         };

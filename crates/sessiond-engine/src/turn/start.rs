@@ -56,7 +56,7 @@ impl SessionManager {
         attachments: Vec<crate::Attachment>,
     ) -> Result<Message> {
         match Turns(self)
-            .send(task, session_id, text, attachments, false)
+            .send(task, session_id, text, attachments, false, None)
             .await?
         {
             crate::Sent::Started(m) => Ok(m),
@@ -298,10 +298,18 @@ impl Turns<'_> {
         text: &str,
         attachments: Vec<crate::Attachment>,
         queue: bool,
+        request_id: Option<&str>,
     ) -> Result<crate::Sent> {
         if text.trim().is_empty() && attachments.is_empty() {
             return Err(Error::InvalidArgument("the message is empty".into()));
         }
+        if request_id.is_some_and(str::is_empty) {
+            return Err(Error::InvalidArgument(
+                "request_id: empty; leave it unset, or give a key unique to this message".into(),
+            ));
+        }
+        // A retried send names the message (and turn) its first attempt made.
+        let requested = request_id.map(|key| MessageId::for_request(session_id, key));
         let t = std::time::Instant::now();
         let early = self.precede_pass(session_id);
         self.check_task(task, session_id).await?;
@@ -326,9 +334,14 @@ impl Turns<'_> {
                 s.state == SessionState::WaitingForInput && !crate::turn::queued::queued_ahead(s)
             });
         let sent = async {
+            if let (Some(id), Some(key)) = (requested, request_id)
+                && let Some(before) = self.sent_before(session_id, id, key, text).await?
+            {
+                return Ok(before);
+            }
             if let Some(s) = snapshot {
                 let started = self
-                    .start_turn_from(Session::clone(&s), text, None, Vec::new(), true)
+                    .start_turn_from(Session::clone(&s), text, requested, Vec::new(), true)
                     .await?;
                 if let Some(m) = started {
                     return Ok(crate::Sent::Started(m));
@@ -338,7 +351,10 @@ impl Turns<'_> {
             let session = self.inner.store.get_session(session_id).await?;
             if queue && attachments.is_empty() && crate::turn::queued::waits_behind_a_turn(&session)
             {
-                return self.enqueue(session, text).await.map(crate::Sent::Queued);
+                return self
+                    .enqueue(session, text, requested)
+                    .await
+                    .map(crate::Sent::Queued);
             }
             self.check_can_start_turn(&session, "send a message")
                 .await?;
@@ -351,7 +367,7 @@ impl Turns<'_> {
                            or cancel them",
                 });
             }
-            self.start_turn_as(session, text, None, attachments)
+            self.start_turn_as(session, text, requested, attachments)
                 .await
                 .map(crate::Sent::Started)
         }
@@ -369,6 +385,57 @@ impl Turns<'_> {
             // Lost the lease while the call ran: the new owner is named.
             Err(e) => Err(Fencing(self).unless_lost(session_id, e).await),
             ok => ok,
+        }
+    }
+
+    /// What an earlier send with the same request id (`key`, naming message
+    /// `id`) did, if it did: its stored user message (the turn it started,
+    /// or its queued copy delivered since), or its queued copy. The same key
+    /// with another text is refused: it would not be that message. A key
+    /// whose queued message was cancelled is free again. The caller holds
+    /// the session lock, so a delivery or a pump's record is not half done.
+    async fn sent_before(
+        &self,
+        session_id: SessionId,
+        id: MessageId,
+        key: &str,
+        text: &str,
+    ) -> Result<Option<crate::Sent>> {
+        let reused = || {
+            Error::InvalidArgument(format!(
+                "request_id {key:?} was already used in this session for a different message \
+                 (message {id}); a new message needs a new request_id"
+            ))
+        };
+        if let Some(m) = self.inner.store.get_message(session_id, id).await? {
+            if m.role != MessageRole::User || m.content != text {
+                return Err(reused());
+            }
+            tracing::info!(session = %session_id, message = %id,
+                "a send repeated with its request id: answering with the stored message");
+            return Ok(Some(crate::Sent::Started(m)));
+        }
+        let session = self.inner.store.get_session(session_id).await?;
+        if session.metadata.get(TURN_KEY) == Some(&id.to_string()) {
+            // Recovery found the turn at agentctl only (the first send died
+            // between its Prompt and its commit); the pump records it.
+            return Err(Error::Unavailable(format!(
+                "the message reached the agent and its turn runs (message {id}); sessiond is \
+                 recording it from agentctl's stream: send it again with the same request_id \
+                 in a moment to get it"
+            )));
+        }
+        let queued = sessiond_domain::queue::queued(&session.metadata)
+            .into_iter()
+            .find(|q| q.id == id);
+        match queued {
+            Some(q) if q.content != text => Err(reused()),
+            Some(q) => {
+                tracing::info!(session = %session_id, message = %id,
+                    "a send repeated with its request id: the message is queued already");
+                Ok(Some(crate::Sent::Queued(q)))
+            }
+            None => Ok(None),
         }
     }
 
@@ -450,17 +517,18 @@ impl Turns<'_> {
         self.start_turn_as(session, text, None, Vec::new()).await
     }
 
-    /// [`Self::start_turn`]; `from_queue`: the queued message this turn
-    /// delivers, taken off the queue in the commit that starts the turn
-    /// (its id becomes the user message's), so it is delivered once.
+    /// [`Self::start_turn`]; `id`: the user message's (and turn's) id, new
+    /// when `None`. A queued message's id takes it off the queue in the
+    /// commit that starts the turn, so it is delivered once; a request id's
+    /// makes a retried send's turn the same turn.
     pub(crate) async fn start_turn_as(
         &self,
         session: Session,
         text: &str,
-        from_queue: Option<MessageId>,
+        id: Option<MessageId>,
         attachments: Vec<crate::Attachment>,
     ) -> Result<Message> {
-        self.start_turn_from(session, text, from_queue, attachments, false)
+        self.start_turn_from(session, text, id, attachments, false)
             .await?
             .ok_or_else(|| Error::Internal("a turn start from the store found it stale".into()))
     }
@@ -477,7 +545,7 @@ impl Turns<'_> {
         &self,
         session: Session,
         text: &str,
-        from_queue: Option<MessageId>,
+        id: Option<MessageId>,
         attachments: Vec<crate::Attachment>,
         snapshot: bool,
     ) -> Result<Option<Message>> {
@@ -499,7 +567,7 @@ impl Turns<'_> {
 
         let now = Utc::now();
         let message = Message {
-            id: from_queue.unwrap_or_default(),
+            id: id.unwrap_or_default(),
             session_id,
             task_id: session.task_id,
             role: MessageRole::User,
@@ -719,7 +787,8 @@ impl Turns<'_> {
             Error::Unavailable(format!(
                 "the message reached the agent, but storing it failed ({why}); sessiond records \
                  it (message {}) from agentctl's stream as soon as the store takes it: read the \
-                 session's messages before sending it again",
+                 session's messages before sending it again (a send with the same request_id \
+                 answers with this message instead of sending it twice)",
                 message.id
             ))
         })

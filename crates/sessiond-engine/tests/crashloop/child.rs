@@ -17,7 +17,7 @@ use std::{
 };
 
 use sessiond_domain::{MessageRole, Session, SessionState};
-use sessiond_engine::SessionManager;
+use sessiond_engine::{Outgoing, SessionManager};
 use sessiond_store::{Store, StoreOptions};
 
 use crate::world::{
@@ -220,7 +220,14 @@ impl Child {
             .count();
         let name = s.metadata.get(NAME_KEY).cloned().unwrap_or_default();
         let text = format!("{name} message {}", users + 1);
-        if let Err(e) = self.mgr.send_message(self.task, s.id, &text).await {
+        // Keyed by its text (unique in its session), as a client that may
+        // send it again after a crash would.
+        let message = Outgoing {
+            text: text.clone(),
+            request_id: Some(text),
+            ..Outgoing::default()
+        };
+        if let Err(e) = self.mgr.send_outgoing(self.task, s.id, message).await {
             eprintln!("child backend: {name}: send failed: {e}");
             return;
         }

@@ -7,11 +7,15 @@
 //!
 //! Sessions on every runtime: standalone, remote, and Docker when enabled.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use sessiond_domain::{ExecutorStatus, OutcomeLabel, Runtime, Session, SessionState};
+use sessiond_domain::{
+    ExecutorStatus, MessageId, MessageKind, MessageRole, OutcomeLabel, Runtime, Session,
+    SessionState,
+};
+use sessiond_engine::{ErrorKind, Outgoing, Sent};
 
-use crate::world::{Db, Mode, Rt, World};
+use crate::world::{Db, Mode, NAME_KEY, Rt, World};
 
 fn name(rt: Rt) -> &'static str {
     match rt {
@@ -409,6 +413,68 @@ async fn prompt_before_commit_postgres() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_before_commit_executors_killed_postgres() {
     crash_between_prompt_and_commit(true, Rt::Standalone, Db::Postgres).await;
+}
+
+/// The backend dies between message 2's Prompt and its commit: its client
+/// never had an answer, and sends it again with its request id once the
+/// backend is back. The answer is the turn the agent ran (the same message
+/// id), and the agent ran it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_before_commit_then_the_same_request() {
+    let rt = Rt::Standalone;
+    let (w, sessions) = crash_at_second_message("prompt-before-commit", rt, Db::from_env()).await;
+    let p = sessions
+        .iter()
+        .find(|s| s.runtime == rt.runtime())
+        .expect("the crashed session");
+    // The crashed child keyed each message by its text.
+    let key = format!("{} message 2", p.metadata[NAME_KEY]);
+    let mgr = w.manager().await;
+    mgr.recovery().recover_all().await.unwrap();
+    let again = || Outgoing {
+        text: key.clone(),
+        request_id: Some(key.clone()),
+        ..Outgoing::default()
+    };
+    // UNAVAILABLE while the pump records the turn recovery found at
+    // agentctl only; the same request is safe to send again.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let sent = loop {
+        match mgr.send_outgoing(w.task.id, p.id, again()).await {
+            Ok(sent) => break sent,
+            Err(e) if e.kind() == ErrorKind::Unavailable && Instant::now() < deadline => {
+                eprintln!("sent again: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("sending message 2 again: {e}"),
+        }
+    };
+    let Sent::Started(m) = sent else {
+        panic!("message 2 was queued instead of found: {sent:?}");
+    };
+    assert_eq!(m.id, MessageId::for_request(p.id, &key), "{m:?}");
+    assert_eq!(m.content, key);
+    w.settle(Duration::from_secs(30)).await;
+    let session = w.store.get_session(p.id).await.unwrap();
+    let ran: Vec<_> = w
+        .transcript(&session)
+        .into_iter()
+        .filter(|(prompt, _)| *prompt == key)
+        .collect();
+    assert_eq!(ran.len(), 1, "the agent ran message 2 once: {ran:?}");
+    let users: Vec<String> = w
+        .store
+        .list_messages(p.id, 0, 1000)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|m| m.role == MessageRole::User && m.kind == MessageKind::Text)
+        .map(|m| m.content)
+        .collect();
+    assert_eq!(users.iter().filter(|u| **u == key).count(), 1, "{users:?}");
+    assert_eq!(users.len(), 2, "message 1 and message 2 only: {users:?}");
+    w.assert_converged(&mgr).await;
+    w.cleanup(&mgr).await;
 }
 
 /// The agent opened the conversation (agentctl holds its id), the backend

@@ -376,3 +376,136 @@ async fn a_queued_message_survives_kill_9_of_everything_and_is_delivered_once() 
         .collect();
     assert_eq!(users, ["one", "one", "two"]);
 }
+
+fn keyed(task: &str, session: &str, text: &str, key: &str) -> pb::SendMessageRequest {
+    pb::SendMessageRequest {
+        request_id: key.into(),
+        ..send(task, session, text)
+    }
+}
+
+/// A send repeated with its request id answers with what the first did —
+/// the turn it started, its queued copy, that copy once delivered — and
+/// the agent runs each message once; the same key with another text, or a
+/// key too long, is refused and stores nothing.
+#[tokio::test]
+async fn a_send_repeated_with_its_request_id_is_sent_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (side, gate) = (root.join("side.txt"), root.join("gate"));
+    let config = gated_config(root, &side, &gate);
+    let server = start(&root.join("data"), &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let work = root.join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let task = create_task(&mut c, "request ids").await;
+    let s = create_session(&mut c, &task.id, &work, "gated").await;
+
+    std::fs::write(&gate, "").unwrap();
+    let mut sent = Vec::new();
+    for _ in 0..2 {
+        let r = c
+            .send_message(keyed(&task.id, &s.id, "one", "key-1"))
+            .await
+            .unwrap()
+            .into_inner();
+        sent.push(r.message.expect("the turn, started or found"));
+    }
+    assert_eq!(sent[0].id, sent[1].id, "{sent:?}");
+    until_lines(&side, 1).await;
+
+    // Queued behind the running turn, once.
+    let mut queued = Vec::new();
+    for _ in 0..2 {
+        let r = c
+            .send_message(keyed(&task.id, &s.id, "two", "key-2"))
+            .await
+            .unwrap()
+            .into_inner();
+        queued.push(r.queued.expect("queued, or found queued"));
+    }
+    assert_eq!(queued[0].id, queued[1].id, "{queued:?}");
+    let st = status(&mut c, &task.id, &s.id).await;
+    assert_eq!(st.queued_messages.len(), 1, "{st:?}");
+
+    // The same key for another text is not that message.
+    let err = c
+        .send_message(keyed(&task.id, &s.id, "not one", "key-1"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("request_id"), "{err:?}");
+    let err = c
+        .send_message(keyed(&task.id, &s.id, "three", &"k".repeat(129)))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("request_id"), "{err:?}");
+
+    // The gate opens: "one", then "two"; a repeat now finds "two" stored.
+    std::fs::remove_file(&gate).unwrap();
+    turn_end(&mut c, &s.id, &queued[0].id).await;
+    let again = c
+        .send_message(keyed(&task.id, &s.id, "two", "key-2"))
+        .await
+        .unwrap()
+        .into_inner();
+    let delivered = again.message.expect("the delivered message");
+    assert_eq!(delivered.id, queued[0].id);
+    assert_eq!(lines(&side), ["one", "two"]);
+    let users = user_messages(&mut c, &task.id, &s.id).await;
+    assert_eq!(
+        users,
+        [
+            (sent[0].id.clone(), "one".to_owned()),
+            (queued[0].id.clone(), "two".to_owned()),
+        ]
+    );
+}
+
+/// sessiond is killed while a keyed message's turn runs (a heavy agent,
+/// slow to start and to load its history): the client, which may never
+/// have had its answer, sends the same request again to the restarted
+/// sessiond and gets the same message; the agent ran it once.
+#[tokio::test]
+async fn a_keyed_send_repeated_after_kill_9_of_sessiond_runs_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (side, gate) = (root.join("side.txt"), root.join("gate"));
+    let config = heavy_gated_config(root, &side, &gate);
+    let data = root.join("data");
+    let mut server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let work = root.join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let task = create_task(&mut c, "a keyed send across kill -9").await;
+    let s = create_session(&mut c, &task.id, &work, "gated").await;
+
+    std::fs::write(&gate, "").unwrap();
+    let first = c
+        .send_message(keyed(&task.id, &s.id, "one", "key-1"))
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .expect("started");
+    until_lines(&side, 1).await;
+    server.kill();
+
+    let server = start(&data, &["--config", &config]);
+    wait_serving(&server).await;
+    let mut c = sessions(&server).await;
+    let again = c
+        .send_message(keyed(&task.id, &s.id, "one", "key-1"))
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .expect("the running turn's message");
+    assert_eq!(again.id, first.id);
+    std::fs::remove_file(&gate).unwrap();
+    turn_end(&mut c, &s.id, &first.id).await;
+    assert_eq!(lines(&side), ["one"], "the agent ran it once");
+    let users = user_messages(&mut c, &task.id, &s.id).await;
+    assert_eq!(users, [(first.id.clone(), "one".to_owned())]);
+}
