@@ -1066,11 +1066,7 @@ impl pb::session_service_server::SessionService for Api {
                         attachments,
                     };
                     Ok(
-                        match self
-                            .manager
-                            .send_outgoing(task, session, outgoing)
-                            .await?
-                        {
+                        match self.manager.send_outgoing(task, session, outgoing).await? {
                             Sent::Started(m) => pb::SendMessageResponse {
                                 message: Some(convert::message(&m)),
                                 queued: None,
