@@ -944,3 +944,52 @@ test("a turn interrupted by a crash is not re-run by itself; Retry runs it again
     await server.stop();
   }
 });
+
+test("a send whose answer is lost: sending the same text again repeats that request, and the agent runs it once", async () => {
+  const { work, data } = scratch("lost-answer");
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();
+  const b = await browser("lost-answer");
+  try {
+    const { page } = b;
+    await page.goto(server.url);
+    await createTaskAndSession(page, { title: "Lost answer e2e", work });
+
+    // The first SendMessage reaches sessiond; its answer never reaches the page.
+    let calls = 0;
+    await page.route("**/SendMessage", async (route) => {
+      calls++;
+      if (calls > 1) return route.continue();
+      await route.fetch();
+      await route.abort("connectionreset");
+    });
+    await b.expectNetworkErrors(true);
+    await page.waitForFunction(() => !document.querySelector(".composer button[type=submit]").disabled, null, { timeout: T });
+    await page.fill("textarea[name=message]", "only once");
+    await page.keyboard.press("Enter");
+    await message(page, 'you said "only once"');
+    await visible(page, ".error[role=alert]");
+    assert.equal(await page.inputValue("textarea[name=message]"), "only once", "the text stays, to be sent again");
+    await b.screenshot("answer-lost");
+
+    // Sent again: sessiond answers with the message it has, the box empties.
+    await page.waitForFunction(() => !document.querySelector(".composer button[type=submit]").disabled, null, { timeout: T });
+    await page.click(".composer button[type=submit]");
+    await page.waitForFunction(() => document.querySelector("textarea[name=message]").value === "", null, { timeout: T });
+    assert.equal(calls, 2);
+    await b.expectNetworkErrors(false);
+
+    // The next message is the agent's second turn: the first ran once.
+    await send(page, "and then this");
+    await message(page, 'you said "and then this"');
+    const msgs = await conversation(page);
+    assertNoGapNoDuplicate(msgs);
+    assert.equal(msgs.filter(([, who, t]) => who === "you" && t.includes("only once")).length, 1, JSON.stringify(msgs));
+    assert.equal(msgs.filter(([, , t]) => t.includes('you said "only once"')).length, 1, JSON.stringify(msgs));
+    assert.ok(msgs.some(([, , t]) => t.includes("turn 2 of session") && t.includes('you said "and then this"')), JSON.stringify(msgs));
+    await b.screenshot("answered-once");
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});

@@ -1062,6 +1062,8 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   const [resuming, setResuming] = useState(false);
   const [resumeError, setResumeError] = useState<{ reason: string; message: string } | null>(null);
   const [draft, setDraft] = useState("");
+  // The last send that failed: its text and idempotency key.
+  const unsent = useRef<{ content: string; requestId: string } | null>(null);
   const [error, setError] = useState("");
   const [starting, setStarting] = useState(false);
   const [retrying, setRetrying] = useState(false);
@@ -1245,9 +1247,15 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
     const content = typed.trim();
     if (!content || !(canSend || canQueue)) return;
     setError("");
+    // Sending the same text again after a failure repeats that request:
+    // if the first reached sessiond after all, it answers with that
+    // message instead of sending it twice.
+    const requestId = unsent.current?.content === content ? unsent.current.requestId : newRequestId();
+    unsent.current = { content, requestId };
     try {
       // While a turn runs, sessiond queues it behind the turn.
-      await sessions.sendMessage({ taskId, sessionId, content });
+      await sessions.sendMessage({ taskId, sessionId, content, requestId });
+      unsent.current = null;
       // Clear only what was sent: the next message may already be typed.
       setDraft((d) => (d === typed ? "" : d));
       stick.current = true;
@@ -1731,4 +1739,11 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
       </div>
     </section>
   );
+}
+
+/** A fresh idempotency key for SendMessage (random, works without a secure context). */
+function newRequestId(): string {
+  const bytes = new Uint8Array(16);
+  crypto.getRandomValues(bytes);
+  return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
 }
