@@ -968,6 +968,49 @@ fn a_call_cut_off_by_a_dying_server_says_its_outcome_is_unknown() {
     assert!(!stderr.contains("(Unknown)"), "{stderr}");
 }
 
+/// `send --request-id` run again answers with the first run's message
+/// (its id) and the agent runs it once; the key with another text is
+/// refused, saying why.
+#[test]
+fn a_send_repeated_with_its_request_id_runs_once() {
+    let (env, scratch, server, session) = Env::with_session("k", "keyed");
+    let send_keyed = |text: &str| -> serde_json::Value {
+        let out = env.sessionctl(
+            &[
+                "--json",
+                "send",
+                "--no-wait",
+                "--request-id",
+                "key-1",
+                &session,
+                text,
+            ],
+            &scratch,
+        );
+        let v: serde_json::Value = serde_json::from_str(out.trim()).expect(&out);
+        v[0].clone()
+    };
+    let first = send_keyed("hello once");
+    let again = send_keyed("hello once");
+    assert_eq!(first["role"], "user", "{first}");
+    assert_eq!(first["id"], again["id"], "{first} {again}");
+    let (_, stderr, _) = env.sessionctl_fails(
+        &["send", "--request-id", "key-1", &session, "not the same"],
+        &scratch,
+    );
+    assert!(
+        stderr.contains("request_id") && stderr.contains("different message"),
+        "{stderr}"
+    );
+    // The next message is the agent's second turn: the first ran once.
+    let reply = env.sessionctl(&["send", &session, "next"], &scratch);
+    assert!(
+        reply.contains("turn 2") && reply.contains("you said \"next\""),
+        "{reply}"
+    );
+    terminate(server);
+}
+
 /// `send` follows its turn through a restart of sessiond: the reply keeps
 /// streaming to stdout once sessiond is back (from where it was, nothing
 /// twice), and the turn's end still ends the command.
