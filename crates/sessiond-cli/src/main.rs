@@ -468,6 +468,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let no_token = cli.token.as_deref().is_none_or(str::is_empty);
     let addr = cli.addr.clone();
+    // A keyed send is the one call that is safe to repeat as it is.
+    let keyed_send = matches!(&cli.command, Command::Send(a) if a.request_id.is_some());
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -483,11 +485,16 @@ fn main() -> ExitCode {
         Err(e) => {
             match e.downcast_ref::<tonic::Status>() {
                 Some(status) if lost_mid_call(status) => {
+                    let repeat = if keyed_send {
+                        "run the same `send` again (same --request-id): it answers with the \
+                         message if it was sent, and sends it otherwise"
+                    } else {
+                        "check (e.g. `sessionctl session status`) before repeating it"
+                    };
                     eprintln!(
                         "error: the connection to sessiond at {addr} was lost during the call \
                          ({}); sessiond may have stopped or restarted, so whether the call took \
-                         effect is unknown: check (e.g. `sessionctl session status`) before \
-                         repeating it",
+                         effect is unknown: {repeat}",
                         source_chain(status)
                     );
                 }
