@@ -218,6 +218,32 @@ pub(crate) fn to_json(attachments: &[Attachment]) -> Value {
     )
 }
 
+/// Whether `asked`, as a client gives them, are the attachments `stored`
+/// (a user message's, read and resolved): the same kinds in the same
+/// order, each the same image (its bytes, or its worktree path), link
+/// (its URI) or file (its path). What a repeated send is checked by.
+pub(crate) fn same_as_asked(stored: &[Attachment], asked: &[Attachment]) -> bool {
+    stored.len() == asked.len()
+        && stored.iter().zip(asked).all(|(s, a)| match (s, a) {
+            (
+                Attachment::Image {
+                    data: stored_data,
+                    path: stored_path,
+                    ..
+                },
+                Attachment::Image { data, path, .. },
+            ) => match path {
+                Some(path) => stored_path.as_ref() == Some(path),
+                None => stored_path.is_none() && stored_data == data,
+            },
+            (Attachment::Link { uri: stored, .. }, Attachment::Link { uri, .. }) => stored == uri,
+            (Attachment::File { path: stored, .. }, Attachment::File { path, .. }) => {
+                stored == path
+            }
+            _ => false,
+        })
+}
+
 /// The attachments stored in a user message's `data`.
 pub fn of_message_data(data: &str) -> Vec<Attachment> {
     let b64 = base64::engine::general_purpose::STANDARD;
@@ -311,6 +337,64 @@ pub(crate) fn stored_blocks(data: &str, root: &str) -> Vec<pb::PromptBlock> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_repeated_send_is_compared_by_its_attachments_as_given() {
+        let image = |data: &[u8]| Attachment::Image {
+            mime_type: String::new(),
+            data: data.to_vec(),
+            path: None,
+        };
+        let file = |path: &str, contents: &[u8]| Attachment::File {
+            path: path.into(),
+            contents: contents.to_vec(),
+        };
+        let link = |uri: &str| Attachment::Link {
+            uri: uri.into(),
+            name: String::new(),
+            mime_type: None,
+        };
+        // Stored: read and resolved, then kept in the message's data.
+        let stored = vec![
+            image(b"png-1"),
+            file("a.rs", b"fn main() {}"),
+            link("https://x/"),
+        ];
+        let kept = of_message_data(&json!({"attachments": to_json(&stored)}).to_string());
+        let asked = vec![image(b"png-1"), file("a.rs", b""), link("https://x/")];
+        assert!(same_as_asked(&kept, &asked));
+        assert!(!same_as_asked(&kept, &asked[..2]), "one fewer");
+        assert!(!same_as_asked(
+            &kept,
+            &[image(b"png-2"), asked[1].clone(), asked[2].clone()]
+        ));
+        assert!(!same_as_asked(
+            &kept,
+            &[asked[0].clone(), file("b.rs", b""), asked[2].clone()]
+        ));
+        assert!(!same_as_asked(
+            &kept,
+            &[asked[1].clone(), asked[0].clone(), asked[2].clone()]
+        ));
+        assert!(same_as_asked(&[], &[]));
+        // A worktree image is the same by its path.
+        let by_path = |p: &str| Attachment::Image {
+            mime_type: String::new(),
+            data: Vec::new(),
+            path: Some(p.into()),
+        };
+        let read = vec![Attachment::Image {
+            mime_type: "image/png".into(),
+            data: b"png-1".to_vec(),
+            path: Some("pic.png".into()),
+        }];
+        assert!(same_as_asked(&read, &[by_path("pic.png")]));
+        assert!(!same_as_asked(&read, &[by_path("other.png")]));
+        assert!(
+            !same_as_asked(&read, &[image(b"png-1")]),
+            "bytes, not the file"
+        );
+    }
 
     #[test]
     fn image_types_are_read_from_their_bytes() {

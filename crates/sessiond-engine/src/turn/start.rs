@@ -335,7 +335,9 @@ impl Turns<'_> {
             });
         let sent = async {
             if let (Some(id), Some(key)) = (requested, request_id)
-                && let Some(before) = self.sent_before(session_id, id, key, text).await?
+                && let Some(before) = self
+                    .sent_before(session_id, id, key, text, &attachments)
+                    .await?
             {
                 return Ok(before);
             }
@@ -391,24 +393,31 @@ impl Turns<'_> {
     /// What an earlier send with the same request id (`key`, naming message
     /// `id`) did, if it did: its stored user message (the turn it started,
     /// or its queued copy delivered since), or its queued copy. The same key
-    /// with another text is refused: it would not be that message. A key
-    /// whose queued message was cancelled is free again. The caller holds
-    /// the session lock, so a delivery or a pump's record is not half done.
+    /// with another text or other attachments is refused: it would not be
+    /// that message. A key whose queued message was cancelled is free
+    /// again. The caller holds the session lock, so a delivery or a pump's
+    /// record is not half done.
     async fn sent_before(
         &self,
         session_id: SessionId,
         id: MessageId,
         key: &str,
         text: &str,
+        attachments: &[crate::Attachment],
     ) -> Result<Option<crate::Sent>> {
         let reused = || {
             Error::InvalidArgument(format!(
                 "request_id {key:?} was already used in this session for a different message \
-                 (message {id}); a new message needs a new request_id"
+                 (message {id}: its text or attachments differ); a new message needs a new \
+                 request_id"
             ))
         };
         if let Some(m) = self.inner.store.get_message(session_id, id).await? {
-            if m.role != MessageRole::User || m.content != text {
+            let stored = crate::attachments::of_message_data(&m.data);
+            if m.role != MessageRole::User
+                || m.content != text
+                || !crate::attachments::same_as_asked(&stored, attachments)
+            {
                 return Err(reused());
             }
             tracing::info!(session = %session_id, message = %id,
@@ -429,7 +438,8 @@ impl Turns<'_> {
             .into_iter()
             .find(|q| q.id == id);
         match queued {
-            Some(q) if q.content != text => Err(reused()),
+            // A queued copy never has attachments.
+            Some(q) if q.content != text || !attachments.is_empty() => Err(reused()),
             Some(q) => {
                 tracing::info!(session = %session_id, message = %id,
                     "a send repeated with its request id: the message is queued already");

@@ -260,3 +260,60 @@ async fn images_files_and_links_reach_the_agent_and_what_it_cannot_take_is_refus
         .expect("started");
     turn_end(&mut c, &plain.id, &ok.id).await;
 }
+
+/// A keyed send with attachments, repeated: the same attachments answer
+/// with the first message (the agent got them once); other or no
+/// attachments with the same key and text are refused, storing nothing.
+#[tokio::test]
+async fn a_keyed_send_is_the_same_only_with_the_same_attachments() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let config = config(root);
+    let server = start(&root.join("data"), &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let work = root.join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    std::fs::write(work.join("notes.md"), "# Notes\n").unwrap();
+    let task = create_task(&mut c, "keyed attachments").await;
+    let s = create_session(&mut c, &task.id, &work, "pics").await;
+    let keyed = |attachments: Vec<pb::Attachment>| pb::SendMessageRequest {
+        request_id: "key-1".into(),
+        ..send(&task.id, &s.id, "look", attachments)
+    };
+
+    let first = c
+        .send_message(keyed(vec![image(PNG), file("notes.md")]))
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .expect("started");
+    turn_end(&mut c, &s.id, &first.id).await;
+    let again = c
+        .send_message(keyed(vec![image(PNG), file("notes.md")]))
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .expect("the first message");
+    assert_eq!(again.id, first.id);
+
+    let mut other = PNG.to_vec();
+    other.extend_from_slice(b"-another");
+    for attachments in [
+        vec![image(&other), file("notes.md")],
+        vec![image(PNG)],
+        Vec::new(),
+        vec![file("notes.md"), image(PNG)],
+    ] {
+        let err = c.send_message(keyed(attachments)).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+        assert!(err.message().contains("request_id"), "{err:?}");
+    }
+    assert_eq!(user_messages(&mut c, &task.id, &s.id).await.len(), 1);
+    let images = logged_blocks(root)
+        .iter()
+        .filter(|b| b["type"] == "image")
+        .count();
+    assert_eq!(images, 1, "the agent got the image once");
+}
