@@ -1963,6 +1963,8 @@ impl ExecutorRecovery<'_> {
             Some(outcomes) => batch::commit(outcomes, self, change).await?,
             None => self.commit(change).await?,
         };
+        // A record the commit wrote is in the cache already (`after_commit`).
+        let cached = committed.executor.is_some();
         let record = committed.executor.unwrap_or(record);
         tracing::debug!(session = %sid, executor_id = %record.id, label = %outcome.label,
             started_as = %run.started_as, "executor recovered");
@@ -1982,7 +1984,9 @@ impl ExecutorRecovery<'_> {
         match outcome.executor_status {
             ExecutorStatus::Stopped => self.inner.sessions.remove_execution(sid),
             _ => {
-                self.inner.sessions.cache_record(&record);
+                if !cached {
+                    self.inner.sessions.cache_record(&record);
+                }
                 if agent_back {
                     self.cache_update(sid, |e| e.agent = AgentProcessState::Running);
                 } else if outcome.label != OutcomeLabel::ExecutorOnly {

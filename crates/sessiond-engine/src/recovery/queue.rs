@@ -212,21 +212,26 @@ impl Queue<'_> {
     pub(crate) fn claim(&self, session: SessionId, lane: Lane) -> Option<Claim> {
         let mut queue = lock(&self.inner.queue);
         let entry = queue.entries.get_mut(&session)?;
-        let record = match entry {
-            Queued::Claimed(f, flag) => {
-                if lane == Lane::Call
-                    && let Some(flag) = flag
-                {
-                    // A call now waits for this pass recovery: it stops
-                    // giving way (it is the call's recovery too).
-                    flag.promote();
-                }
-                return Some(Claim::Joined(f.clone()));
+        if let Queued::Claimed(f, flag) = entry {
+            if lane == Lane::Call
+                && let Some(flag) = flag
+            {
+                // A call now waits for this pass recovery: it stops
+                // giving way (it is the call's recovery too).
+                flag.promote();
             }
-            Queued::Waiting(r) => (**r).clone(),
+            return Some(Claim::Joined(f.clone()));
+        }
+        // Waiting: the record moves to its recovery (a copy would be
+        // dropped with the entry), the entry becomes its claim; the queue
+        // stays locked throughout.
+        let Some(Queued::Waiting(record)) = queue.entries.remove(&session) else {
+            return None;
         };
-        let (fut, flag) = self.start_recovery(record, lane);
-        *entry = Queued::Claimed(fut.clone(), flag);
+        let (fut, flag) = self.start_recovery(*record, lane);
+        queue
+            .entries
+            .insert(session, Queued::Claimed(fut.clone(), flag));
         Some(Claim::Started(fut))
     }
 
