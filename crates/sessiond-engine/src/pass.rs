@@ -20,9 +20,27 @@ pub(crate) type SharedRecovery = Shared<BoxFuture<'static, Result<OutcomeLabel>>
 /// holds the pass open at a known point; calls still claim).
 pub type PassGate = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
 
+/// Which executor a recovery is for: all it needs to start, since it reads
+/// the record itself under the session's lock (a caller's copy may be
+/// stale), so nobody copies a whole record to hand it one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ExecutorKey {
+    pub(crate) id: ExecutorId,
+    pub(crate) session_id: SessionId,
+}
+
+impl From<&ExecutorRecord> for ExecutorKey {
+    fn from(record: &ExecutorRecord) -> Self {
+        ExecutorKey {
+            id: record.id,
+            session_id: record.session_id,
+        }
+    }
+}
+
 pub(crate) enum Queued {
-    /// Not claimed yet: the record the pass loaded.
-    Waiting(Box<ExecutorRecord>),
+    /// Not claimed yet: the executor the pass loaded.
+    Waiting(ExecutorKey),
     /// Being recovered (or recovered) in this pass; the pass's own claims
     /// carry the flag that makes their store calls give way to calls'.
     Claimed(SharedRecovery, Option<Yield>),

@@ -41,7 +41,8 @@ use crate::{
     ops::Agents,
     ops::{Resumed, load_refused, probe_verdict, surviving_agent},
     pass::{
-        CallRecovery, Claim, Lane, Outcomes, PassTicket, PendingWorkspaces, Ramp, SharedRecovery,
+        CallRecovery, Claim, ExecutorKey, Lane, Outcomes, PassTicket, PendingWorkspaces, Ramp,
+        SharedRecovery,
     },
     recovery::doorbell::Doorbell,
     recovery::liveness::Liveness,
@@ -568,6 +569,12 @@ impl Pass<'_> {
             Err(e) => tracing::debug!(error = %e, "profiles not preloaded"),
         }
         let queued = Queue(self).fill_queue(&records);
+        // Only which executor, for its span: each recovery reads its
+        // record again under its session's lock.
+        let records: Vec<_> = records
+            .into_iter()
+            .map(|r| (ExecutorKey::from(&r), r.runtime, r.status))
+            .collect();
         tracing::debug!(
             executors = total,
             took_ms = crate::metrics::ms(started.elapsed()),
@@ -600,7 +607,7 @@ impl Pass<'_> {
             self.mark_workspaces_back();
         }
         let passed: Vec<(SessionId, PassResult)> = futures::stream::iter(records)
-            .map(|record| {
+            .map(|(executor, runtime, status)| {
                 let me = self.0.clone();
                 let gate = gate.clone();
                 let slots = slots.clone();
@@ -608,10 +615,10 @@ impl Pass<'_> {
                 let pending = pending.clone();
                 let span = tracing::info_span!(
                     "recover_executor",
-                    executor_id = %record.id,
-                    session_id = %record.session_id,
-                    runtime = record.runtime.as_str(),
-                    status = record.status.as_str(),
+                    executor_id = %executor.id,
+                    session_id = %executor.session_id,
+                    runtime = runtime.as_str(),
+                    status = status.as_str(),
                     outcome = tracing::field::Empty,
                 );
                 tracing::Instrument::instrument(
@@ -619,7 +626,7 @@ impl Pass<'_> {
                         if let Some(gate) = gate {
                             gate().await;
                         }
-                        let session = record.session_id;
+                        let session = executor.session_id;
                         let ticket = match slots.acquire_owned().await {
                             Ok(slot) => PassTicket {
                                 _slot: slot,
@@ -640,7 +647,7 @@ impl Pass<'_> {
                         crate::sync::lock(&me.inner.pass_slots).insert(session, ticket);
                         let result = match claim {
                             Some(Claim::Started(fut)) => fut.await,
-                            _ => Pass(&me).recover_shared(record).await,
+                            _ => Pass(&me).recover_shared(executor).await,
                         };
                         let ticket = crate::sync::lock(&me.inner.pass_slots).remove(&session);
                         drop(ticket);
@@ -842,18 +849,18 @@ impl Pass<'_> {
 
     /// Recovers one executor as the session's exclusive operation (an
     /// explicit resume arriving meanwhile joins it).
-    pub(crate) async fn recover_shared(&self, record: ExecutorRecord) -> Result<OutcomeLabel> {
-        self.recover_shared_in(record, Lane::Other).await
+    pub(crate) async fn recover_shared(&self, executor: ExecutorKey) -> Result<OutcomeLabel> {
+        self.recover_shared_in(executor, Lane::Other).await
     }
 
     /// [`Self::recover_shared`] in a lane: a call's recovery goes ahead of
     /// the pass's (see [`Lane`]).
     pub(crate) async fn recover_shared_in(
         &self,
-        record: ExecutorRecord,
+        executor: ExecutorKey,
         lane: Lane,
     ) -> Result<OutcomeLabel> {
-        self.recover_shared_with(record, lane, None).await
+        self.recover_shared_with(executor, lane, None).await
     }
 
     /// [`Self::recover_shared_in`]; with `yielding`, the recovery's store
@@ -861,12 +868,12 @@ impl Pass<'_> {
     /// recoveries: see `sessiond_store::Store::yielding`).
     pub(crate) async fn recover_shared_with(
         &self,
-        record: ExecutorRecord,
+        executor: ExecutorKey,
         lane: Lane,
         yielding: Option<Yield>,
     ) -> Result<OutcomeLabel> {
         let me = self.0.clone();
-        let session = record.session_id;
+        let session = executor.session_id;
         // Each arm builds the recovery inside its await: a `run` local
         // would stay in this future beside the copy the arm awaits.
         let op = async move {
@@ -874,9 +881,9 @@ impl Pass<'_> {
             match yielding {
                 Some(flag) => {
                     let flagged = Some(flag.clone());
-                    Store::yielding(flag, recovery.recover_one(record, lane, flagged)).await
+                    Store::yielding(flag, recovery.recover_one(executor, lane, flagged)).await
                 }
-                None => recovery.recover_one(record, lane, None).await,
+                None => recovery.recover_one(executor, lane, None).await,
             }
             .map(OpOutcome::Recovery)
         };
@@ -909,7 +916,7 @@ impl std::ops::Deref for ExecutorRecovery<'_> {
 impl ExecutorRecovery<'_> {
     pub(crate) async fn recover_one(
         &self,
-        record: ExecutorRecord,
+        executor: ExecutorKey,
         lane: Lane,
         yielding: Option<Yield>,
     ) -> Result<OutcomeLabel> {
@@ -921,10 +928,10 @@ impl ExecutorRecovery<'_> {
             Queue(self).yield_to_calls().await;
         }
         let began = Instant::now();
-        let _guard = self.inner.sessions.lock(record.session_id).await;
+        let _guard = self.inner.sessions.lock(executor.session_id).await;
         if call {
             tracing::debug!(
-                session_id = %record.session_id,
+                session_id = %executor.session_id,
                 at_ms = crate::metrics::ms(began.elapsed()),
                 "call's recovery: session locked"
             );
@@ -936,8 +943,8 @@ impl ExecutorRecovery<'_> {
             .then(|| crate::sync::lock(&self.inner.pass_outcomes).clone())
             .flatten();
         let (record, session) = match &grouped {
-            Some(outcomes) => batch::read(outcomes, self, record.id).await?,
-            None => store.get_executor_and_session(record.id).await?,
+            Some(outcomes) => batch::read(outcomes, self, executor.id).await?,
+            None => store.get_executor_and_session(executor.id).await?,
         };
         // Only the lease holder recovers (its lease may have gone to another
         // replica since this recovery was queued).
@@ -1931,19 +1938,29 @@ impl ExecutorRecovery<'_> {
             || record.status != run.record.status
             || record.error_message != run.record.error_message
             || record.generation != run.record.generation;
-        if record_changed {
-            change = change.update_executor(record.clone());
-        }
-        if outcome.session_state != run.session.state || run.adopted_token || settled.is_some() {
-            let mut session = run.session.clone();
+        // What the commit writes moves into it (and comes back in
+        // `committed`); what it does not write is kept here.
+        let kept_record = if record_changed {
+            change = change.update_executor(record);
+            None
+        } else {
+            Some(record)
+        };
+        let was = run.session.state;
+        let task = run.session.task_id;
+        let mut kept_session = None;
+        if outcome.session_state != was || run.adopted_token || settled.is_some() {
+            let mut session = run.session;
             session.state = outcome.session_state;
             session.error_message = outcome.session_error.as_ref().map(|f| f.message());
-            if let Some((_, metadata)) = &settled {
-                session.metadata.clone_from(metadata);
+            if let Some((_, metadata)) = &mut settled {
+                session.metadata = std::mem::take(metadata);
             }
             change = change.update_session(session);
+        } else {
+            kept_session = Some(run.session);
         }
-        if let Some(event) = run.replaced.clone().filter(|_| agent_back) {
+        if let Some(event) = run.replaced.take().filter(|_| agent_back) {
             change = change.event(sid, event);
         }
         for event in outcome.events.iter().cloned() {
@@ -1955,17 +1972,20 @@ impl ExecutorRecovery<'_> {
         // user or its last turn left it, so a restart changes nothing there.
         if agent_back
             && outcome.session_state != SessionState::Running
-            && outcome.session_state != run.session.state
+            && outcome.session_state != was
         {
-            change = change.task_event(run.session.task_id, TaskEvent::ReadyForReview);
+            change = change.task_event(task, TaskEvent::ReadyForReview);
         }
         let committed = match &run.outcomes {
             Some(outcomes) => batch::commit(outcomes, self, change).await?,
             None => self.commit(change).await?,
         };
         // A record the commit wrote is in the cache already (`after_commit`).
-        let cached = committed.executor.is_some();
-        let record = committed.executor.unwrap_or(record);
+        let cached = kept_record.is_none();
+        let record = committed
+            .executor
+            .or(kept_record)
+            .ok_or_else(|| Error::Internal("the outcome's commit returned no executor".into()))?;
         tracing::debug!(session = %sid, executor_id = %record.id, label = %outcome.label,
             started_as = %run.started_as, "executor recovered");
         if let Some((turn, _)) = &settled {
@@ -2028,10 +2048,11 @@ impl ExecutorRecovery<'_> {
             }
         }
         if agent_back || (outcome.workspace_enabled && run.agent != SurvivingAgent::None) {
-            let session = committed
-                .session
-                .filter(|s| s.id == sid)
-                .unwrap_or(run.session);
+            let Some(session) = committed.session.filter(|s| s.id == sid).or(kept_session) else {
+                return Err(Error::Internal(
+                    "the outcome's commit returned no session".into(),
+                ));
+            };
             if run.agent == SurvivingAgent::Busy {
                 Turns(self).start_pump(&session, &record);
             } else {
@@ -2161,7 +2182,7 @@ impl ExecutorRecovery<'_> {
                 me.inner.agent_recoveries.clear(session);
                 return;
             }
-            match Pass(&me).recover_shared(current).await {
+            match Pass(&me).recover_shared((&current).into()).await {
                 Ok(label) => {
                     tracing::info!(%session, %label, attempt = attempt + 1, "retry: recovery ran");
                 }
@@ -2222,7 +2243,7 @@ impl ExecutorRecovery<'_> {
                 let Some(record) = me.inner.store.get_executor_for_session(session).await? else {
                     return Ok(None);
                 };
-                Pass(&me).recover_shared(record).await.map(Some)
+                Pass(&me).recover_shared((&record).into()).await.map(Some)
             }
             .await;
             if !matches!(outcome, Ok(Some(_))) {
@@ -2294,7 +2315,7 @@ impl ExecutorRecovery<'_> {
                 }
                 me.inner.sessions.stop_retrying(session);
                 // A `retrying` outcome starts a fresh reconnect loop itself.
-                match Pass(&me).recover_shared(current).await {
+                match Pass(&me).recover_shared((&current).into()).await {
                     Ok(label) => {
                         tracing::info!(%session, %label, attempts = attempt, "background reconnect: recovery ran");
                         return;

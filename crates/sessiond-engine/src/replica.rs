@@ -40,8 +40,7 @@ use crate::{
     lease::Fencing,
     manager::SessionManager,
     metrics::ms,
-    pass::Lane,
-    pass::SharedRecovery,
+    pass::{ExecutorKey, Lane, SharedRecovery},
     recovery::Pass,
     sync::lock,
 };
@@ -263,11 +262,11 @@ impl Adoptions<'_> {
         {
             return Some(f.clone());
         }
-        let record = entry.record.clone();
+        let executor = ExecutorKey::from(&entry.record);
         let me = self.0.clone();
         // On a task of its own, so a caller that goes away does not cut it short.
         let task = self.spawn_background(tracing::Instrument::in_current_span(async move {
-            Pass(&me).recover_shared_in(record, lane).await
+            Pass(&me).recover_shared_in(executor, lane).await
         }));
         let fut: SharedRecovery = async move {
             task.await
@@ -634,7 +633,9 @@ impl Adoptions<'_> {
             if let Some(record) = claimed.into_iter().next() {
                 tracing::info!(%session, executor_id = %record.id, "executor adopted by a call");
                 if self.adoptable(&record) {
-                    Pass(self).recover_shared_in(record, Lane::Call).await?;
+                    Pass(self)
+                        .recover_shared_in((&record).into(), Lane::Call)
+                        .await?;
                 }
                 return Ok(());
             }

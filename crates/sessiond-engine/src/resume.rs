@@ -224,7 +224,7 @@ impl Resume<'_> {
         drop(guard);
 
         let label = ExecutorRecovery(self)
-            .recover_one(record, crate::pass::Lane::Resume, None)
+            .recover_one((&record).into(), crate::pass::Lane::Resume, None)
             .await?;
         // A user took over: any background retry of this session is moot.
         if label != OutcomeLabel::Retrying {

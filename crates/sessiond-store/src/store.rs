@@ -1144,70 +1144,103 @@ impl Store {
     /// that fails (a stale version, a missing row) is rolled back alone and
     /// reported in its slot while the others are written (the lot is tried
     /// under one savepoint, then, after a failure, each changeset under its
-    /// own). Events get their seqs as with [`Store::commit`].
+    /// own). When the transaction itself fails (no connection, its begin or
+    /// commit refused: nothing of it is written), each changeset is written
+    /// on its own, as [`Store::commit`] would, and reported in its slot.
+    /// Events get their seqs as with [`Store::commit`].
     pub async fn commit_batch(&self, changes: Vec<Changeset>) -> Result<Vec<Result<Committed>>> {
         if changes.is_empty() {
             return Ok(Vec::new());
         }
         let origin = self.origin.clone();
         let tasks = self.tasks.clone();
-        self.write(move |c| {
-            // Nearly every batch writes whole: one savepoint for the lot
-            // instead of two statements per changeset. One that fails rolls
-            // the lot back, and the batch is written again below, each
-            // changeset in its own savepoint.
-            c.batch_execute("SAVEPOINT batch_whole")?;
-            let whole = changes
-                .iter()
-                .filter(|change| !change.is_empty())
-                .map(|change| {
-                    let done = changeset::apply(c, change.clone(), &tasks)?;
-                    crate::events::notify(c, origin.get().map(String::as_str), &done.events)?;
-                    Ok(done)
-                })
-                .collect::<Result<Vec<_>>>();
-            if let Ok(done) = whole {
-                c.batch_execute("RELEASE SAVEPOINT batch_whole")?;
-                // One `done` per changeset that was not empty, in order.
-                let mut done = done.into_iter();
-                return Ok(changes
+        // The lot comes back here however the write ends (even unrun), so
+        // a failed transaction's changesets are written one by one below
+        // without a copy of each kept beside the batch.
+        let returned = Arc::new(std::sync::Mutex::new(None));
+        let lot = Returned {
+            changes,
+            to: returned.clone(),
+        };
+        let written = self
+            .write(move |c| {
+                let changes = &lot.changes;
+                // Nearly every batch writes whole: one savepoint for the
+                // lot instead of two statements per changeset. One that
+                // fails rolls the lot back, and the batch is written again
+                // below, each changeset in its own savepoint.
+                c.batch_execute("SAVEPOINT batch_whole")?;
+                let whole = changes
                     .iter()
+                    .filter(|change| !change.is_empty())
                     .map(|change| {
-                        if change.is_empty() {
-                            Ok(Committed::default())
-                        } else {
-                            Ok(done.next().unwrap_or_default())
-                        }
+                        let done = changeset::apply(c, change.clone(), &tasks)?;
+                        crate::events::notify(c, origin.get().map(String::as_str), &done.events)?;
+                        Ok(done)
                     })
-                    .collect());
-            }
-            c.batch_execute("ROLLBACK TO SAVEPOINT batch_whole; RELEASE SAVEPOINT batch_whole")?;
-            let mut out = Vec::with_capacity(changes.len());
-            for change in changes {
-                if change.is_empty() {
-                    out.push(Ok(Committed::default()));
-                    continue;
+                    .collect::<Result<Vec<_>>>();
+                if let Ok(done) = whole {
+                    c.batch_execute("RELEASE SAVEPOINT batch_whole")?;
+                    // One `done` per changeset that was not empty, in order.
+                    let mut done = done.into_iter();
+                    return Ok(changes
+                        .iter()
+                        .map(|change| {
+                            if change.is_empty() {
+                                Ok(Committed::default())
+                            } else {
+                                Ok(done.next().unwrap_or_default())
+                            }
+                        })
+                        .collect());
                 }
-                c.batch_execute("SAVEPOINT batch_item")?;
-                match changeset::apply(c, change, &tasks).and_then(|done| {
-                    crate::events::notify(c, origin.get().map(String::as_str), &done.events)?;
-                    Ok(done)
-                }) {
-                    Ok(done) => {
-                        c.batch_execute("RELEASE SAVEPOINT batch_item")?;
-                        out.push(Ok(done));
+                c.batch_execute(
+                    "ROLLBACK TO SAVEPOINT batch_whole; RELEASE SAVEPOINT batch_whole",
+                )?;
+                let mut out = Vec::with_capacity(changes.len());
+                for change in changes {
+                    if change.is_empty() {
+                        out.push(Ok(Committed::default()));
+                        continue;
                     }
-                    Err(e) => {
-                        c.batch_execute(
-                            "ROLLBACK TO SAVEPOINT batch_item; RELEASE SAVEPOINT batch_item",
-                        )?;
-                        out.push(Err(e));
+                    c.batch_execute("SAVEPOINT batch_item")?;
+                    match changeset::apply(c, change.clone(), &tasks).and_then(|done| {
+                        crate::events::notify(c, origin.get().map(String::as_str), &done.events)?;
+                        Ok(done)
+                    }) {
+                        Ok(done) => {
+                            c.batch_execute("RELEASE SAVEPOINT batch_item")?;
+                            out.push(Ok(done));
+                        }
+                        Err(e) => {
+                            c.batch_execute(
+                                "ROLLBACK TO SAVEPOINT batch_item; RELEASE SAVEPOINT batch_item",
+                            )?;
+                            out.push(Err(e));
+                        }
                     }
                 }
-            }
-            Ok(out)
-        })
-        .await
+                Ok(out)
+            })
+            .await;
+        let failed = match written {
+            Ok(out) => return Ok(out),
+            Err(e) => e,
+        };
+        let Some(changes) = returned
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+        else {
+            return Err(failed);
+        };
+        tracing::debug!(error = %failed, changesets = changes.len(),
+            "a batch's transaction failed; writing its changesets one by one");
+        let mut out = Vec::with_capacity(changes.len());
+        for change in changes {
+            out.push(self.commit(change).await);
+        }
+        Ok(out)
     }
 
     // ------------------------------------------------------------ messages & events
@@ -1503,6 +1536,23 @@ fn few_lengths(mut ids: Vec<String>) -> Vec<String> {
     let last = ids[ids.len() - 1].clone();
     ids.resize(len, last);
     ids
+}
+
+/// A batch's changesets, handed back to `to` when the write that owns
+/// them ends: after it ran, or when it is dropped unrun (no connection).
+struct Returned {
+    changes: Vec<Changeset>,
+    to: Arc<std::sync::Mutex<Option<Vec<Changeset>>>>,
+}
+
+impl Drop for Returned {
+    fn drop(&mut self) {
+        let changes = std::mem::take(&mut self.changes);
+        *self
+            .to
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(changes);
+    }
 }
 
 /// How a write runs: in a transaction the store begins and commits, or

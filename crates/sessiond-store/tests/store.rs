@@ -2823,6 +2823,62 @@ async fn postgres_a_terminated_connection_is_unavailable() {
     store.list_tasks(None, 10).await.unwrap();
 }
 
+/// `commit_batch` whose transaction fails as a whole (here its one pooled
+/// connection was terminated, so its `BEGIN` fails and nothing of the lot
+/// is written): each changeset is then written on its own, on a fresh
+/// connection, and answered in its slot; none is lost, none written twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_batch_whose_transaction_fails_is_written_one_by_one() {
+    let db = tokio::task::spawn_blocking(sessiond_testkit::postgres::test_database)
+        .await
+        .unwrap();
+    let store = Store::connect(db.url(), StoreOptions::default().max_connections(1))
+        .await
+        .unwrap();
+    let mut executors = Vec::new();
+    for _ in 0..3 {
+        let (_, _, s) = seed(&store).await;
+        let rec = executor(&s, ExecutorStatus::Starting);
+        let stored = committed_executor(&store, Changeset::new().insert_executor(rec)).await;
+        let seq = store.last_event_seq(s.id).await.unwrap();
+        executors.push((s, stored, seq));
+    }
+    let batch = executors
+        .iter()
+        .map(|(s, rec, _)| {
+            let mut next = rec.clone();
+            next.status = ExecutorStatus::Ready;
+            Changeset::new().update_executor(next).event(
+                s.id,
+                state_changed(SessionState::Starting, SessionState::WaitingForInput),
+            )
+        })
+        .collect();
+    let killed = sessiond_testkit::postgres::psql_command(
+        db.url(),
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) \
+         FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .unwrap();
+    assert_eq!(killed.trim(), "1", "the store's one connection");
+    let results = store.commit_batch(batch).await.unwrap();
+    assert_eq!(results.len(), 3);
+    for ((s, rec, seq), result) in executors.iter().zip(results) {
+        let done = result.unwrap();
+        let stored = store.get_executor(rec.id).await.unwrap();
+        assert_eq!(stored.status, ExecutorStatus::Ready);
+        assert_eq!(stored.version, rec.version + 1, "written once");
+        assert_eq!(done.executor.unwrap(), stored);
+        assert_eq!(done.events.len(), 1);
+        assert_eq!(done.events[0].seq, seq + 1);
+        assert_eq!(
+            store.last_event_seq(s.id).await.unwrap(),
+            seq + 1,
+            "one event"
+        );
+    }
+}
+
 /// PostgreSQL shut down under a running store (fast shutdown: connections
 /// terminated, then connection refused): the call on the lost connection is
 /// `ConnectionLost`, and while the database stays down calls fail within

@@ -137,54 +137,53 @@ async fn writer(me: SessionManager, mut rx: mpsc::UnboundedReceiver<OutcomeCommi
     let mut items = Vec::with_capacity(MOST);
     while rx.recv_many(&mut items, MOST).await > 0 {
         gather(&mut rx, &mut items).await;
-        let (changes, replies): (Vec<_>, Vec<_>) = items.drain(..).unzip();
-        let fences: Vec<_> = changes
-            .iter()
-            .map(|c| c.subject().and_then(|s| Fencing(&me).fence(s)))
-            .collect();
-        let fenced = changes
-            .iter()
-            .zip(&fences)
-            .map(|(c, f)| match f {
-                Some(f) => c.clone().fenced(f.clone()),
-                None => c.clone(),
+        let mut fences = Vec::with_capacity(items.len());
+        let mut replies = Vec::with_capacity(items.len());
+        let fenced = items
+            .drain(..)
+            .map(|(change, reply)| {
+                let fence = change.subject().and_then(|s| Fencing(&me).fence(s));
+                replies.push(reply);
+                fences.push(fence.clone());
+                match fence {
+                    Some(f) => change.fenced(f),
+                    None => change,
+                }
             })
             .collect();
+        // A failed transaction is written again changeset by changeset
+        // inside `commit_batch`: each outcome gets its own answer.
         let written = Store::yielding(flag.clone(), me.inner.store.commit_batch(fenced)).await;
-        match written {
-            Ok(results) => {
-                for ((result, fence), reply) in results.into_iter().zip(fences).zip(replies) {
-                    let result = match result {
-                        Ok(done) => {
-                            me.after_commit(&done);
-                            Ok(done)
-                        }
-                        Err(e) => {
-                            if let Some(f) = &fence
-                                && e.is_lease_lost()
-                            {
-                                Fencing(&me).lease_lost(
-                                    f.session,
-                                    f.epoch,
-                                    "store",
-                                    &e.to_string(),
-                                );
-                            }
-                            Err(Fencing(&me).lease_error(e))
-                        }
-                    };
-                    let _ = reply.send(result);
-                }
-            }
-            // The transaction itself failed (nothing of it is written):
-            // each outcome on its own, as without a batch.
+        let results = match written {
+            Ok(results) => results,
+            // The lot never came back to be written one by one.
             Err(e) => {
-                tracing::debug!(error = %e, outcomes = changes.len(),
-                    "a batch of recovery outcomes failed; writing them one by one");
-                for (change, reply) in changes.into_iter().zip(replies) {
-                    let _ = reply.send(me.commit(change).await);
+                tracing::warn!(error = %e, outcomes = replies.len(),
+                    "a batch of recovery outcomes was not written");
+                for reply in replies {
+                    let _ = reply.send(Err(crate::error::Error::Internal(format!(
+                        "the recovery's outcome was not written: {e}"
+                    ))));
                 }
+                continue;
             }
+        };
+        for ((result, fence), reply) in results.into_iter().zip(fences).zip(replies) {
+            let result = match result {
+                Ok(done) => {
+                    me.after_commit(&done);
+                    Ok(done)
+                }
+                Err(e) => {
+                    if let Some(f) = &fence
+                        && e.is_lease_lost()
+                    {
+                        Fencing(&me).lease_lost(f.session, f.epoch, "store", &e.to_string());
+                    }
+                    Err(Fencing(&me).lease_error(e))
+                }
+            };
+            let _ = reply.send(result);
         }
     }
 }

@@ -42,7 +42,7 @@ use crate::{
     error::{Error, Result},
     flows::Ownership,
     lease::Fencing,
-    pass::{CallRecovery, Claim, Lane, PassGate, Phase, Queued, SharedRecovery},
+    pass::{CallRecovery, Claim, ExecutorKey, Lane, PassGate, Phase, Queued, SharedRecovery},
     recovery::Pass,
     sync::lock,
 };
@@ -170,7 +170,7 @@ impl Queue<'_> {
         if let Some(Queued::Claimed(f, _)) = queue.entries.get(&session) {
             return Ok(Some(Claim::Joined(f.clone())));
         }
-        let fut = self.start_claimed(record, Lane::Call);
+        let fut = self.start_claimed((&record).into(), Lane::Call);
         queue
             .entries
             .insert(session, Queued::Claimed(fut.clone(), None));
@@ -222,36 +222,31 @@ impl Queue<'_> {
             }
             return Some(Claim::Joined(f.clone()));
         }
-        // Waiting: the record moves to its recovery (a copy would be
-        // dropped with the entry), the entry becomes its claim; the queue
-        // stays locked throughout.
-        let Some(Queued::Waiting(record)) = queue.entries.remove(&session) else {
+        // Waiting: the entry becomes its recovery's claim; the queue stays
+        // locked throughout.
+        let Queued::Waiting(executor) = *entry else {
             return None;
         };
-        let (fut, flag) = self.start_recovery(*record, lane);
-        queue
-            .entries
-            .insert(session, Queued::Claimed(fut.clone(), flag));
+        let (fut, flag) = self.start_recovery(executor, lane);
+        *entry = Queued::Claimed(fut.clone(), flag);
         Some(Claim::Started(fut))
     }
 
-    fn start_claimed(&self, record: ExecutorRecord, lane: Lane) -> SharedRecovery {
-        self.start_recovery(record, lane).0
+    fn start_claimed(&self, executor: ExecutorKey, lane: Lane) -> SharedRecovery {
+        self.start_recovery(executor, lane).0
     }
 
     /// Starts a claimed recovery on a task of its own (in the claimer's
     /// span, so a caller that goes away does not cut it short); the pass's
     /// own claims yield to calls' store work (the flag, kept in the entry).
-    fn start_recovery(
-        &self,
-        record: ExecutorRecord,
-        lane: Lane,
-    ) -> (SharedRecovery, Option<Yield>) {
+    fn start_recovery(&self, executor: ExecutorKey, lane: Lane) -> (SharedRecovery, Option<Yield>) {
         let me = self.0.clone();
         let flag = (lane == Lane::Pass).then(Yield::new);
         let yielding = flag.clone();
         let task = self.spawn_background(tracing::Instrument::in_current_span(async move {
-            Pass(&me).recover_shared_with(record, lane, yielding).await
+            Pass(&me)
+                .recover_shared_with(executor, lane, yielding)
+                .await
         }));
         let fut: SharedRecovery = async move {
             task.await
@@ -276,7 +271,7 @@ impl Queue<'_> {
             queue
                 .entries
                 .entry(r.session_id)
-                .or_insert_with(|| Queued::Waiting(Box::new(r.clone())));
+                .or_insert_with(|| Queued::Waiting(r.into()));
         }
         drop(queue);
         self.inner.queue_phase.send_replace(Phase::Filled);
