@@ -127,8 +127,30 @@ impl AgentProfile {
     }
 }
 
+/// `Clone` for a struct of named fields, whose `clone_from` clones field by
+/// field: a copy kept up to date (the engine's cache of executor records)
+/// keeps its strings' buffers instead of allocating new ones. The patterns
+/// name every field, so a field added to the struct and not here fails to
+/// compile.
+macro_rules! clone_by_fields {
+    ($ty:ident { $($field:ident),* $(,)? }) => {
+        impl Clone for $ty {
+            #[allow(clippy::clone_on_copy)]
+            fn clone(&self) -> Self {
+                let $ty { $($field),* } = self;
+                $ty { $($field: $field.clone()),* }
+            }
+
+            fn clone_from(&mut self, source: &Self) {
+                let $ty { $($field),* } = source;
+                $(self.$field.clone_from($field);)*
+            }
+        }
+    };
+}
+
 /// The working tree a session's agent works in.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, PartialEq, Eq, Default)]
 pub struct Worktree {
     /// The caller's name for the worktree (opaque to sessiond).
     pub id: String,
@@ -254,7 +276,7 @@ pub fn prompt_title(prompt: &str) -> String {
 
 /// A row of `executors_running`: what the backend needs to find, trust and
 /// reattach to an executor after it restarts.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq)]
 pub struct ExecutorRecord {
     /// The executor's id; agentctl reports it in `Health` to prove identity.
     pub id: ExecutorId,
@@ -313,6 +335,42 @@ pub struct ExecutorRecord {
     /// When the record was last written (UTC).
     pub updated_at: DateTime<Utc>,
 }
+
+clone_by_fields!(Worktree {
+    id,
+    path,
+    branch,
+    repository,
+    base,
+});
+
+clone_by_fields!(ExecutorRecord {
+    id,
+    session_id,
+    task_id,
+    runtime,
+    status,
+    agentctl_url,
+    agentctl_port,
+    container_id,
+    pid,
+    pid_start_time,
+    auth_secret,
+    generation,
+    supports_session_resume,
+    supports_workspace_only,
+    resume_token,
+    workspace_path,
+    worktree,
+    last_seen_at,
+    error_message,
+    owner_id,
+    lease_expires_at,
+    lease_epoch,
+    version,
+    created_at,
+    updated_at,
+});
 
 impl ExecutorRecord {
     /// The id of the agent execution this record describes right now:
@@ -512,6 +570,60 @@ pub struct AgentMode {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    fn record(secret: &str, branch: &str, error: Option<&str>) -> ExecutorRecord {
+        let at = DateTime::<Utc>::from_timestamp(1_700_000_000, 0).expect("valid time");
+        ExecutorRecord {
+            id: crate::ExecutorId::new(),
+            session_id: crate::SessionId::new(),
+            task_id: crate::TaskId::new(),
+            runtime: Runtime::Remote,
+            status: ExecutorStatus::Ready,
+            agentctl_url: Some("http://127.0.0.1:7070".into()),
+            agentctl_port: Some(7070),
+            container_id: None,
+            pid: Some(1),
+            pid_start_time: Some(2),
+            auth_secret: secret.into(),
+            generation: 3,
+            supports_session_resume: true,
+            supports_workspace_only: false,
+            resume_token: Some("token".into()),
+            workspace_path: "/work/ws".into(),
+            worktree: Worktree {
+                id: "wt".into(),
+                path: "/work/ws".into(),
+                branch: branch.into(),
+                repository: "/work/repo".into(),
+                base: "main".into(),
+            },
+            last_seen_at: Some(at),
+            error_message: error.map(Into::into),
+            owner_id: None,
+            lease_expires_at: None,
+            lease_epoch: 4,
+            version: 5,
+            created_at: at,
+            updated_at: at,
+        }
+    }
+
+    /// `clone_from` makes an equal copy, and a copy kept up to date keeps
+    /// its strings' buffers where the new text fits them.
+    #[test]
+    fn an_executor_record_cloned_into_another_is_equal_and_keeps_its_buffers() {
+        let mut cached = record("secret-one", "feature/one", None);
+        let newer = record("secret-two", "feature/two", Some("lost"));
+        let secret_at = cached.auth_secret.as_ptr();
+        let branch_at = cached.worktree.branch.as_ptr();
+        cached.clone_from(&newer);
+        assert_eq!(cached, newer);
+        assert_eq!(cached.auth_secret.as_ptr(), secret_at);
+        assert_eq!(cached.worktree.branch.as_ptr(), branch_at);
+        assert_eq!(newer.clone(), newer);
+    }
+
     #[test]
     fn a_title_is_the_first_printable_line_cut_with_an_ellipsis() {
         assert_eq!(

@@ -16,13 +16,19 @@ pub(crate) fn executor_moved(
     record: &ExecutorRecord,
     event: ExecutorEvent,
 ) -> Result<ExecutorRecord> {
-    let status = record
+    let mut next = record.clone();
+    move_executor(&mut next, event)?;
+    Ok(next)
+}
+
+/// [`executor_moved`] in place, for a record its holder gives up anyway
+/// (no copy); an illegal move leaves it as it was.
+pub(crate) fn move_executor(record: &mut ExecutorRecord, event: ExecutorEvent) -> Result<()> {
+    record.status = record
         .status
         .transition(event)
         .map_err(|e| Error::Internal(format!("executor {}: {e}", record.id)))?;
-    let mut next = record.clone();
-    next.status = status;
-    Ok(next)
+    Ok(())
 }
 
 /// A session event applied: the new session and, if the state changed, its

@@ -61,8 +61,9 @@ pub(crate) struct Inner {
     pub(crate) sessions: Sessions,
     /// Agent profiles read once by `recover_all` for its executors (and by
     /// the adoption loop for one burst of adoptions).
+    /// Shared: each recovery holds its profile, which few of them change.
     pub(crate) recovery_profiles:
-        StdMutex<HashMap<sessiond_domain::AgentProfileId, sessiond_domain::AgentProfile>>,
+        StdMutex<HashMap<sessiond_domain::AgentProfileId, Arc<sessiond_domain::AgentProfile>>>,
     /// Held by a create from counting live sessions to committing its
     /// intent, so concurrent creates cannot all slip under the limit.
     pub(crate) create_gate: tokio::sync::Mutex<()>,

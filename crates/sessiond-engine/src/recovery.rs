@@ -32,7 +32,7 @@ use sessiond_executor::{AgentState, ExecutorHandle, Probe};
 use sessiond_store::{Changeset, Store, Yield};
 
 use crate::{
-    changes::executor_moved,
+    changes::{executor_moved, move_executor},
     error::{Error, Result},
     flows::TurnInFlight,
     launches::{Ended, Priority, host_of},
@@ -161,7 +161,7 @@ fn scopeguard<F: FnMut()>(f: F) -> Guard<F> {
 struct Run {
     record: ExecutorRecord,
     session: Session,
-    profile: AgentProfile,
+    profile: Arc<AgentProfile>,
     agent: SurvivingAgent,
     /// The agent's state as the last `Health` of this recovery saw it, if
     /// no agentctl was (re)started since (lets the resume skip a second
@@ -564,7 +564,7 @@ impl Pass<'_> {
         match store.list_agent_profiles().await {
             Ok(all) => {
                 *crate::sync::lock(&self.inner.recovery_profiles) =
-                    all.into_iter().map(|p| (p.id, p)).collect();
+                    all.into_iter().map(|p| (p.id, Arc::new(p))).collect();
             }
             Err(e) => tracing::debug!(error = %e, "profiles not preloaded"),
         }
@@ -954,7 +954,7 @@ impl ExecutorRecovery<'_> {
             .cloned();
         let profile = match preloaded {
             Some(p) => p,
-            None => store.get_agent_profile(session.agent_profile_id).await?,
+            None => Arc::new(store.get_agent_profile(session.agent_profile_id).await?),
         };
         let profile = crate::session_mcp::with_session_servers(profile, &session.metadata);
         if call {
@@ -1782,23 +1782,23 @@ impl ExecutorRecovery<'_> {
     /// a restart that finds everything as it was produces no event.
     async fn mark_ready(&self, run: &mut Run, event: EventPayload) -> Result<()> {
         let changed = run.record.status != ExecutorStatus::Ready;
-        let mut record = executor_moved(&run.record, ExecutorEvent::Healthy)?;
-        record.error_message = None;
-        record.last_seen_at = Some(Utc::now());
-        if run.probe == Some(false) {
-            record.supports_session_resume = false;
-        }
+        let resumes = run.record.supports_session_resume && run.probe != Some(false);
         if !changed
-            && record.error_message == run.record.error_message
-            && record.supports_session_resume == run.record.supports_session_resume
+            && run.record.error_message.is_none()
+            && resumes == run.record.supports_session_resume
         {
             // Already `ready` as stored: nothing to write before the next
             // step (a crash here finds the same row); the fresh
             // `last_seen_at` goes with the outcome, one commit instead of two.
-            self.inner.sessions.cache_record(&record);
-            run.record = record;
+            move_executor(&mut run.record, ExecutorEvent::Healthy)?;
+            run.record.last_seen_at = Some(Utc::now());
+            self.inner.sessions.cache_record(&run.record);
             run.seen_unsaved = true;
         } else {
+            let mut record = executor_moved(&run.record, ExecutorEvent::Healthy)?;
+            record.error_message = None;
+            record.last_seen_at = Some(Utc::now());
+            record.supports_session_resume = resumes;
             let mut change = Changeset::new().update_executor(record);
             if changed {
                 change = change.event(run.session.id, event);
@@ -1906,11 +1906,20 @@ impl ExecutorRecovery<'_> {
                 error_message: None,
             });
         }
-        let mut record = executor_moved(
-            &run.record,
+        // The run's record becomes the outcome's (no copy: the run ends here).
+        let (status_was, generation_was) = (run.record.status, run.record.generation);
+        let mut record = run.record;
+        move_executor(
+            &mut record,
             ExecutorEvent::reaching(outcome.executor_status),
         )?;
-        record.error_message = outcome.executor_error.as_ref().map(|f| f.message());
+        let error_message = outcome.executor_error.as_ref().map(|f| f.message());
+        let record_changed = run.seen_unsaved
+            || run.adopted_token
+            || record.status != status_was
+            || error_message != record.error_message
+            || outcome.generation != generation_was;
+        record.error_message = error_message;
         record.generation = outcome.generation;
         let mut change = Changeset::new();
         // The session leaves RUNNING without its agent back (executor
@@ -1933,11 +1942,6 @@ impl ExecutorRecovery<'_> {
                     .await?;
             settled = Some((turn, next.metadata));
         }
-        let record_changed = run.seen_unsaved
-            || run.adopted_token
-            || record.status != run.record.status
-            || record.error_message != run.record.error_message
-            || record.generation != run.record.generation;
         // What the commit writes moves into it (and comes back in
         // `committed`); what it does not write is kept here.
         let kept_record = if record_changed {

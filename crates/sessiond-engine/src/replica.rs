@@ -448,7 +448,8 @@ impl Adoptions<'_> {
     async fn preload_profiles(&self) {
         match self.inner.store.list_agent_profiles().await {
             Ok(all) => {
-                *lock(&self.inner.recovery_profiles) = all.into_iter().map(|p| (p.id, p)).collect();
+                *lock(&self.inner.recovery_profiles) =
+                    all.into_iter().map(|p| (p.id, Arc::new(p))).collect();
             }
             Err(e) => tracing::debug!(error = %e, "profiles not preloaded for adoption"),
         }

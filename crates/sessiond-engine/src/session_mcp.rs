@@ -5,7 +5,7 @@
 //! (`env` / `file`, which must be ones the configuration names, read at
 //! startup), never resolved into the database.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, sync::Arc};
 
 use serde_json::{Value, json};
 use sessiond_domain::{AgentProfile, McpServer, McpTransport, SecretValue, Secrets};
@@ -199,10 +199,14 @@ pub fn of_metadata(metadata: &BTreeMap<String, String>) -> Vec<McpServer> {
 
 /// `profile` with the session's own servers after its own.
 pub(crate) fn with_session_servers(
-    mut profile: AgentProfile,
+    mut profile: Arc<AgentProfile>,
     metadata: &BTreeMap<String, String>,
-) -> AgentProfile {
-    profile.mcp_servers.extend(of_metadata(metadata));
+) -> Arc<AgentProfile> {
+    // Shared: copied only when the session has servers of its own.
+    let servers = of_metadata(metadata);
+    if !servers.is_empty() {
+        Arc::make_mut(&mut profile).mcp_servers.extend(servers);
+    }
     profile
 }
 

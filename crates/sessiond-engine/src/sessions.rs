@@ -264,7 +264,8 @@ impl Sessions {
         let r = t.record(record.session_id);
         match &mut r.execution {
             Some(e) => {
-                e.record = record.clone();
+                // In place: the cached copy's strings keep their buffers.
+                e.record.clone_from(record);
                 e.keep_id();
             }
             None => r.execution = Some(Execution::new(record.clone())),
