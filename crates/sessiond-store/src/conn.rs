@@ -13,7 +13,7 @@ use diesel::{
     pg::{Pg, PgConnection},
     r2d2::{self, ManageConnection, R2D2Connection},
     serialize::{self, IsNull, Output, ToSql},
-    sql_types::{HasSqlType, SqlType, Text, Timestamptz},
+    sql_types::{HasSqlType, SqlType, Timestamptz},
     sqlite::{Sqlite, SqliteConnection},
 };
 
@@ -95,9 +95,10 @@ impl ToSql<UtcTimestamp, Sqlite> for Ts {
 }
 
 impl FromSql<UtcTimestamp, Sqlite> for Ts {
-    fn from_sql(bytes: <Sqlite as DieselBackend>::RawValue<'_>) -> deserialize::Result<Self> {
-        let text = <String as FromSql<Text, Sqlite>>::from_sql(bytes)?;
-        let t = DateTime::parse_from_rfc3339(&text)
+    fn from_sql(mut bytes: <Sqlite as DieselBackend>::RawValue<'_>) -> deserialize::Result<Self> {
+        // Parsed where SQLite holds it: no copy per timestamp read.
+        let text = bytes.read_text();
+        let t = DateTime::parse_from_rfc3339(text)
             .map_err(|e| format!("timestamp {text:?} is not RFC 3339: {e}"))?;
         Ok(Ts(t.with_timezone(&Utc)))
     }
