@@ -1040,11 +1040,12 @@ impl ExecutorRecovery<'_> {
                     Box::pin(self.finish(run, outcome, attempt)).await?;
                     return Ok(label);
                 }
-                // Boxed, as the large steps inside it are: a recovery's
+                // Each step boxes its own future (`perform`): a recovery's
                 // future stays a few KiB instead of tens, which every move
                 // of it would copy.
                 action => {
-                    Box::pin(self.perform(&mut run, action, deadline, retry, priority())).await?
+                    self.perform(&mut run, action, deadline, retry, priority())
+                        .await?
                 }
             };
             if call {
@@ -1062,6 +1063,10 @@ impl ExecutorRecovery<'_> {
     }
 
     /// Performs one action of the machine and reports what it saw.
+    ///
+    /// Each step that waits runs in a box of its own, allocated at its own
+    /// size: one box for the whole match would be the size of the largest
+    /// step (several KiB) for every step, allocated and copied each time.
     async fn perform(
         &self,
         run: &mut Run,
@@ -1073,68 +1078,71 @@ impl ExecutorRecovery<'_> {
         let remaining = deadline.saturating_duration_since(Instant::now());
         let timed_out = remaining.is_zero();
         Ok(match action {
-            Action::CheckWorktree { path } => {
-                // A remote host's directory is not ours to look at: its
-                // agentctl adopts or recreates it, and serves it again.
-                let here = run.record.runtime != Runtime::Remote;
-                let managed = run.session.worktree.is_managed();
-                // A create cut short may have left its `agentctl worktree`
-                // running (it outlives a killed sessiond): the directory it
-                // makes is whole only once the restore below adopted it,
-                // which waits for that operation.
-                let made = run
-                    .session
-                    .metadata
-                    .contains_key(crate::worktrees::WORKTREE_CREATED_KEY);
-                if here && (made || !managed) && Path::new(&path).is_dir() {
-                    Observation::WorktreeExists
-                } else if managed {
-                    // Ours: check it out again from its branch before the
-                    // agent is relaunched in it. Bounded by the driver, not
-                    // by the silence limit: a large checkout is work.
-                    let driver = Agents(self).driver(run.record.runtime)?;
-                    match Worktrees(self)
-                        .restore_worktree(&driver, &run.session)
-                        .await
-                    {
-                        Ok(anew) => {
-                            // A container still running has the removed
-                            // directory mounted, not the new one: stopped,
-                            // it is started again on the new one.
-                            if anew && run.record.runtime == Runtime::LocalDocker {
-                                let handle = ExecutorHandle::from_record(&run.record);
-                                if let Err(e) = driver.stop(&handle).await {
-                                    tracing::warn!(executor_id = %run.record.id, error = %e,
-                                        "could not stop the container of a recreated worktree");
+            Action::CheckWorktree { path } => Box::pin(async move {
+                Ok::<_, Error>({
+                    // A remote host's directory is not ours to look at: its
+                    // agentctl adopts or recreates it, and serves it again.
+                    let here = run.record.runtime != Runtime::Remote;
+                    let managed = run.session.worktree.is_managed();
+                    // A create cut short may have left its `agentctl worktree`
+                    // running (it outlives a killed sessiond): the directory it
+                    // makes is whole only once the restore below adopted it,
+                    // which waits for that operation.
+                    let made = run
+                        .session
+                        .metadata
+                        .contains_key(crate::worktrees::WORKTREE_CREATED_KEY);
+                    if here && (made || !managed) && Path::new(&path).is_dir() {
+                        Observation::WorktreeExists
+                    } else if managed {
+                        // Ours: check it out again from its branch before the
+                        // agent is relaunched in it. Bounded by the driver, not
+                        // by the silence limit: a large checkout is work.
+                        let driver = Agents(self).driver(run.record.runtime)?;
+                        match Worktrees(self)
+                            .restore_worktree(&driver, &run.session)
+                            .await
+                        {
+                            Ok(anew) => {
+                                // A container still running has the removed
+                                // directory mounted, not the new one: stopped,
+                                // it is started again on the new one.
+                                if anew && run.record.runtime == Runtime::LocalDocker {
+                                    let handle = ExecutorHandle::from_record(&run.record);
+                                    if let Err(e) = driver.stop(&handle).await {
+                                        tracing::warn!(executor_id = %run.record.id, error = %e,
+                                            "could not stop the container of a recreated worktree");
+                                    }
+                                }
+                                // Written with the outcome (a session whose
+                                // create was cut short leaves STARTING).
+                                run.session.metadata.insert(
+                                    crate::worktrees::WORKTREE_CREATED_KEY.into(),
+                                    "true".into(),
+                                );
+                                Observation::WorktreeExists
+                            }
+                            // A remote host that stopped answering says
+                            // nothing about the branch.
+                            Err(e)
+                                if run.record.runtime == Runtime::Remote
+                                    && e.kind() == crate::ErrorKind::Unavailable =>
+                            {
+                                Observation::HostUnreachable {
+                                    reason: e.to_string(),
+                                    retry_in_background,
                                 }
                             }
-                            // Written with the outcome (a session whose
-                            // create was cut short leaves STARTING).
-                            run.session.metadata.insert(
-                                crate::worktrees::WORKTREE_CREATED_KEY.into(),
-                                "true".into(),
-                            );
-                            Observation::WorktreeExists
-                        }
-                        // A remote host that stopped answering says
-                        // nothing about the branch.
-                        Err(e)
-                            if run.record.runtime == Runtime::Remote
-                                && e.kind() == crate::ErrorKind::Unavailable =>
-                        {
-                            Observation::HostUnreachable {
+                            Err(e) => Observation::WorktreeUnrecoverable {
                                 reason: e.to_string(),
-                                retry_in_background,
-                            }
+                            },
                         }
-                        Err(e) => Observation::WorktreeUnrecoverable {
-                            reason: e.to_string(),
-                        },
+                    } else {
+                        Observation::WorktreeMissing
                     }
-                } else {
-                    Observation::WorktreeMissing
-                }
-            }
+                })
+            })
+            .await?,
             Action::ProbeProcess {
                 pid,
                 pid_start_time,
@@ -1147,424 +1155,454 @@ impl ExecutorRecovery<'_> {
                 },
                 _ => Observation::ProcessGone,
             },
-            Action::LaunchAgentctl { generation, event } => {
-                run.agent_state = None;
-                self.write_intent(run, generation, event).await?;
-                if timed_out {
-                    return Ok(Observation::DeadlineExceeded);
-                }
-                match Agents(self)
-                    .launch_agentctl(&run.record, &run.profile, generation, remaining)
-                    .await
-                {
-                    None => Observation::DeadlineExceeded,
-                    Some(Err(e)) => Observation::ActionFailed {
-                        reason: e.to_string(),
-                    },
-                    Some(Ok(handle)) => {
-                        self.persist_handle(run, &handle).await?;
-                        Observation::Launched
+            Action::LaunchAgentctl { generation, event } => Box::pin(async move {
+                Ok::<_, Error>({
+                    run.agent_state = None;
+                    self.write_intent(run, generation, event).await?;
+                    if timed_out {
+                        return Ok(Observation::DeadlineExceeded);
                     }
-                }
-            }
-            Action::FindContainer { .. } => {
-                if timed_out {
-                    return Ok(Observation::DeadlineExceeded);
-                }
-                // `probe` starts nothing, so the intent of a start is written
-                // before `start` (Action::StartContainer).
-                let driver = Agents(self).driver(run.record.runtime)?;
-                let handle = ExecutorHandle::from_record(&run.record);
-                match tokio::time::timeout(remaining, driver.probe(&handle)).await {
-                    Err(_) => Observation::DeadlineExceeded,
-                    Ok(Ok(Probe::Reattachable { handle: found, .. })) => {
-                        if found != handle {
-                            self.persist_handle(run, &found).await?;
+                    match Agents(self)
+                        .launch_agentctl(&run.record, &run.profile, generation, remaining)
+                        .await
+                    {
+                        None => Observation::DeadlineExceeded,
+                        Some(Err(e)) => Observation::ActionFailed {
+                            reason: e.to_string(),
+                        },
+                        Some(Ok(handle)) => {
+                            self.persist_handle(run, &handle).await?;
+                            Observation::Launched
                         }
-                        Observation::ContainerRunning
                     }
-                    Ok(Ok(Probe::NeedsStart { .. })) => Observation::ContainerStopped,
-                    Ok(Ok(Probe::Missing { .. } | Probe::NeedsLaunch { .. }))
-                    | Ok(Err(sessiond_executor::Error::ContainerMissing { .. })) => {
-                        // Gone for good (the container, not the worktree
-                        // a stopped one mounts): what the driver kept for it
-                        // (run directory, secret) goes too.
-                        if Path::new(&run.record.workspace_path).is_dir() {
-                            self.remove_gone_executor(&driver, &handle).await;
+                })
+            })
+            .await?,
+            Action::FindContainer { .. } => Box::pin(async move {
+                Ok::<_, Error>({
+                    if timed_out {
+                        return Ok(Observation::DeadlineExceeded);
+                    }
+                    // `probe` starts nothing, so the intent of a start is written
+                    // before `start` (Action::StartContainer).
+                    let driver = Agents(self).driver(run.record.runtime)?;
+                    let handle = ExecutorHandle::from_record(&run.record);
+                    match tokio::time::timeout(remaining, driver.probe(&handle)).await {
+                        Err(_) => Observation::DeadlineExceeded,
+                        Ok(Ok(Probe::Reattachable { handle: found, .. })) => {
+                            if found != handle {
+                                self.persist_handle(run, &found).await?;
+                            }
+                            Observation::ContainerRunning
                         }
-                        Observation::ContainerMissing
-                    }
-                    Ok(Err(e)) => Observation::DockerUnavailable {
-                        reason: e.to_string(),
-                    },
-                }
-            }
-            Action::ProbeExecutor => {
-                // A custom runtime: its driver says what became of the
-                // executor; `probe` starts nothing, so the intent of a start
-                // or launch is written before it (StartContainer,
-                // LaunchAgentctl).
-                let Ok(driver) = Agents(self).driver(run.record.runtime) else {
-                    tracing::warn!(session = %run.session.id, executor_id = %run.record.id,
-                        runtime = %run.record.runtime,
-                        "recovery: no executor driver is registered for this runtime");
-                    return Ok(Observation::RuntimeNotRegistered);
-                };
-                if timed_out {
-                    return Ok(Observation::DeadlineExceeded);
-                }
-                let handle = ExecutorHandle::from_record(&run.record);
-                match tokio::time::timeout(remaining, driver.probe(&handle)).await {
-                    Err(_) => Observation::DeadlineExceeded,
-                    Ok(Ok(Probe::Reattachable { handle: found, .. })) => {
-                        if found != handle {
-                            self.persist_handle(run, &found).await?;
+                        Ok(Ok(Probe::NeedsStart { .. })) => Observation::ContainerStopped,
+                        Ok(Ok(Probe::Missing { .. } | Probe::NeedsLaunch { .. }))
+                        | Ok(Err(sessiond_executor::Error::ContainerMissing { .. })) => {
+                            // Gone for good (the container, not the worktree
+                            // a stopped one mounts): what the driver kept for it
+                            // (run directory, secret) goes too.
+                            if Path::new(&run.record.workspace_path).is_dir() {
+                                self.remove_gone_executor(&driver, &handle).await;
+                            }
+                            Observation::ContainerMissing
                         }
-                        Observation::ExecutorReattachable
+                        Ok(Err(e)) => Observation::DockerUnavailable {
+                            reason: e.to_string(),
+                        },
                     }
-                    Ok(Ok(Probe::NeedsStart { .. })) => Observation::ExecutorNeedsStart,
-                    Ok(Ok(Probe::NeedsLaunch { .. })) => Observation::ExecutorNeedsLaunch,
-                    Ok(Ok(Probe::Missing { reason })) => Observation::ExecutorMissing { reason },
-                    Ok(Err(e)) => Observation::ActionFailed {
-                        reason: e.to_string(),
-                    },
-                }
-            }
-            Action::StartContainer { generation, event } => {
-                run.agent_state = None;
-                self.write_intent(run, generation, event).await?;
-                #[cfg(feature = "failpoints")]
-                fail::fail_point!("launch-after-intent");
-                if timed_out {
-                    return Ok(Observation::DeadlineExceeded);
-                }
-                let driver = Agents(self).driver(run.record.runtime)?;
-                let handle = ExecutorHandle::from_record(&run.record);
-                match tokio::time::timeout(remaining, driver.start(&handle, generation)).await {
-                    Err(_) => Observation::DeadlineExceeded,
-                    Ok(Err(e)) => Observation::ActionFailed {
-                        reason: e.to_string(),
-                    },
-                    Ok(Ok(started)) => {
-                        #[cfg(feature = "failpoints")]
-                        fail::fail_point!("launch-after-spawn");
-                        self.persist_handle(run, &started).await?;
-                        Observation::Launched
+                })
+            })
+            .await?,
+            Action::ProbeExecutor => Box::pin(async move {
+                Ok::<_, Error>({
+                    // A custom runtime: its driver says what became of the
+                    // executor; `probe` starts nothing, so the intent of a start
+                    // or launch is written before it (StartContainer,
+                    // LaunchAgentctl).
+                    let Ok(driver) = Agents(self).driver(run.record.runtime) else {
+                        tracing::warn!(session = %run.session.id, executor_id = %run.record.id,
+                            runtime = %run.record.runtime,
+                            "recovery: no executor driver is registered for this runtime");
+                        return Ok(Observation::RuntimeNotRegistered);
+                    };
+                    if timed_out {
+                        return Ok(Observation::DeadlineExceeded);
                     }
-                }
-            }
-            Action::HealthCheck => {
-                if timed_out {
-                    return Ok(Observation::DeadlineExceeded);
-                }
-                let driver = Agents(self).driver(run.record.runtime)?;
-                let id = run.record.id;
-                let (_, modes_stamp) = self.inner.sessions.cached_modes(run.session.id, "");
-                let checked = match Box::pin(self.health_ahead(run, &driver, remaining)).await {
-                    Some(checked) => checked,
-                    None => {
-                        let health = async {
-                            Agents(self)
-                                .agentctl(&run.record, &driver)?
-                                .verify_identity(id)
-                                .await
-                        };
-                        tokio::time::timeout(remaining, health)
-                            .await
-                            .map_err(|_| ())
-                    }
-                };
-                match checked {
-                    Err(()) => Observation::DeadlineExceeded,
-                    Ok(Ok(health)) => {
-                        // Test-only crash point: agentctl proved it is alive
-                        // and ours (a reattach), nothing of it is written yet.
-                        #[cfg(feature = "failpoints")]
-                        fail::fail_point!("recovery-after-reattach");
-                        run.agent = surviving_agent(&health, run.session.resume_token.as_deref());
-                        run.unrecorded_turn = (!health.last_turn_id.is_empty()
-                            && run.session.metadata.get(crate::turn::LAST_TURN_KEY)
-                                != Some(&health.last_turn_id))
-                        .then(|| (health.last_turn_id.clone(), health.instance_id.clone()));
-                        if run.agent != SurvivingAgent::None
-                            && run.session.resume_token.is_none()
-                            && !health.acp_session_id.is_empty()
-                        {
-                            // A create died between the agent's `session/new`
-                            // and storing its id: the conversation agentctl
-                            // holds is the one that create opened. Without
-                            // adopting it the session would run on, unable
-                            // ever to be resumed.
-                            tracing::info!(session = %run.session.id, executor_id = %run.record.id,
-                                "recovery: adopting the surviving agent's conversation as the resume token");
-                            run.session.resume_token = Some(health.acp_session_id.clone());
-                            run.record.resume_token = Some(health.acp_session_id.clone());
-                            run.adopted_token = true;
+                    let handle = ExecutorHandle::from_record(&run.record);
+                    match tokio::time::timeout(remaining, driver.probe(&handle)).await {
+                        Err(_) => Observation::DeadlineExceeded,
+                        Ok(Ok(Probe::Reattachable { handle: found, .. })) => {
+                            if found != handle {
+                                self.persist_handle(run, &found).await?;
+                            }
+                            Observation::ExecutorReattachable
                         }
-                        if run.agent != SurvivingAgent::None {
-                            // A reattached agent's modes, for GetSessionStatus
-                            // (a resume keeps its load's answer instead).
-                            self.inner.sessions.remember_modes(
-                                run.session.id,
-                                run.record.execution_id(),
-                                modes_stamp,
-                                health.modes.as_ref().map(crate::ops::agent_modes),
-                            );
+                        Ok(Ok(Probe::NeedsStart { .. })) => Observation::ExecutorNeedsStart,
+                        Ok(Ok(Probe::NeedsLaunch { .. })) => Observation::ExecutorNeedsLaunch,
+                        Ok(Ok(Probe::Missing { reason })) => Observation::ExecutorMissing { reason },
+                        Ok(Err(e)) => Observation::ActionFailed {
+                            reason: e.to_string(),
+                        },
+                    }
+                })
+            })
+            .await?,
+            Action::StartContainer { generation, event } => Box::pin(async move {
+                Ok::<_, Error>({
+                    run.agent_state = None;
+                    self.write_intent(run, generation, event).await?;
+                    #[cfg(feature = "failpoints")]
+                    fail::fail_point!("launch-after-intent");
+                    if timed_out {
+                        return Ok(Observation::DeadlineExceeded);
+                    }
+                    let driver = Agents(self).driver(run.record.runtime)?;
+                    let handle = ExecutorHandle::from_record(&run.record);
+                    match tokio::time::timeout(remaining, driver.start(&handle, generation)).await {
+                        Err(_) => Observation::DeadlineExceeded,
+                        Ok(Err(e)) => Observation::ActionFailed {
+                            reason: e.to_string(),
+                        },
+                        Ok(Ok(started)) => {
+                            #[cfg(feature = "failpoints")]
+                            fail::fail_point!("launch-after-spawn");
+                            self.persist_handle(run, &started).await?;
+                            Observation::Launched
                         }
-                        run.agent_state = Some(health.agent_state);
-                        Observation::Healthy { agent: run.agent }
                     }
-                    // Not hung: agentctl serves a newer owner. Never
-                    // "end the hung agentctl" here: that would kill the
-                    // new owner's. This replica stops acting on it.
-                    Ok(Err(e)) if Fencing(self).executor_refused(run.session.id, &e) => {
-                        return Err(Fencing(self).not_owner_now(run.session.id).await);
+                })
+            })
+            .await?,
+            Action::HealthCheck => Box::pin(async move {
+                Ok::<_, Error>({
+                    if timed_out {
+                        return Ok(Observation::DeadlineExceeded);
                     }
-                    Ok(Err(e)) if e.is_unavailable() => Observation::HostUnreachable {
-                        reason: e.to_string(),
-                        retry_in_background,
-                    },
-                    Ok(Err(e)) => Observation::Unhealthy {
-                        reason: e.to_string(),
-                    },
-                }
-            }
-            Action::ProbeCapabilities => {
-                if timed_out {
-                    return Ok(Observation::DeadlineExceeded);
-                }
-                let driver = Agents(self).driver(run.record.runtime)?;
-                let seen = run.ahead.caps.take();
-                let caps = async {
-                    match seen {
-                        Some(caps) => Ok(caps),
+                    let driver = Agents(self).driver(run.record.runtime)?;
+                    let id = run.record.id;
+                    let (_, modes_stamp) = self.inner.sessions.cached_modes(run.session.id, "");
+                    let checked = match Box::pin(self.health_ahead(run, &driver, remaining)).await {
+                        Some(checked) => checked,
                         None => {
-                            Agents(self)
-                                .agentctl(&run.record, &driver)?
-                                .capabilities()
+                            let health = async {
+                                Agents(self)
+                                    .agentctl(&run.record, &driver)?
+                                    .verify_identity(id)
+                                    .await
+                            };
+                            tokio::time::timeout(remaining, health)
                                 .await
+                                .map_err(|_| ())
                         }
-                    }
-                };
-                match tokio::time::timeout(remaining, caps).await {
-                    Ok(Ok(caps)) => match probe_verdict(caps.supports_session_resume) {
-                        Some(v) => {
-                            run.probe = Some(v);
-                            Observation::Capabilities {
-                                supports_session_resume: v,
-                            }
-                        }
-                        None => Observation::CapabilitiesUnknown,
-                    },
-                    Ok(Err(e)) => Observation::ActionFailed {
-                        reason: e.to_string(),
-                    },
-                    Err(_) => Observation::CapabilitiesUnknown,
-                }
-            }
-            Action::MarkExecutorReady { event } => {
-                self.mark_ready(run, event).await?;
-                Observation::Applied
-            }
-            Action::ResumeAgent { .. } | Action::OpenConversation => {
-                // `None`: open the conversation an interrupted create never got.
-                let resume_token = match action {
-                    Action::ResumeAgent { resume_token } => Some(resume_token),
-                    _ => None,
-                };
-                let sid = run.session.id;
-                // Waiting for a launch is not the pass's work: its slot goes
-                // on to the reattaches behind this one.
-                let ticket = crate::sync::lock(&self.inner.pass_slots).remove(&sid);
-                drop(ticket);
-                let mut ahead = run
-                    .ahead
-                    .agent
-                    .take()
-                    .filter(|a| a.serves(resume_token.as_deref()));
-                let agent_up =
-                    matches!(run.agent_state, Some(AgentState::Ready | AgentState::Busy));
-                let (permit, began) = match ahead.as_mut() {
-                    Some(a) => a.take_permit(),
-                    None => {
-                        self.inner
-                            .agent_recoveries
-                            .enter(sid, RecoveryStage::Queued);
-                        // A new agent process waits for a launch slot of its
-                        // host; an agent that survived only reopens its
-                        // conversation.
-                        let permit = if agent_up {
-                            None
-                        } else {
-                            Some(
-                                self.inner
-                                    .launches
-                                    .acquire(host_of(&run.record), sid, priority)
-                                    .await,
-                            )
-                        };
-                        (permit, Instant::now())
-                    }
-                };
-                self.inner
-                    .agent_recoveries
-                    .enter(sid, RecoveryStage::Launching);
-                self.cache_update(sid, |e| e.agent = AgentProcessState::Starting);
-                let mut seen = run.agent_state.take();
-                let attempted = match ahead {
-                    Some(a) => Some(ExecutorRecovery(self).resumed_ahead(run, a).await?),
-                    None => match (&resume_token, agent_up) {
-                        (Some(token), false) => {
-                            let one = ExecutorRecovery(self).resume_in_one_call(run, token).await;
-                            // Not done by it: the agent's state is asked anew.
-                            seen = seen.filter(|_| one.is_some());
-                            one
-                        }
-                        _ => None,
-                    },
-                };
-                let attempted = match attempted {
-                    Some(result) => result,
-                    None => {
-                        let no_turn_yet =
-                            crate::turn::no_turn_yet(&self.inner.store, &run.session).await?;
-                        let attempt = async {
-                            match &resume_token {
-                                Some(token) => {
-                                    Agents(self)
-                                        .resume_agent_seen(
-                                            &run.record,
-                                            &run.profile,
-                                            token,
-                                            seen,
-                                            no_turn_yet,
-                                        )
-                                        .await
-                                }
-                                None => {
-                                    Agents(self)
-                                        .open_conversation_seen(&run.record, &run.profile, seen)
-                                        .await
-                                }
-                            }
-                        };
-                        Box::pin(self.until_silent(&run.record, attempt)).await
-                    }
-                };
-                let (observation, ended) = match attempted {
-                    Ok(Ok(resumed)) => {
-                        match resumed {
-                            Resumed::Loaded => {}
-                            Resumed::Replaced { token, reason } => {
-                                tracing::info!(session = %sid, reason = %reason,
-                                    "recovery: the agent had not kept the unprompted conversation; a new one replaces it");
-                                run.session.resume_token = Some(token.clone());
-                                run.record.resume_token = Some(token.clone());
+                    };
+                    match checked {
+                        Err(()) => Observation::DeadlineExceeded,
+                        Ok(Ok(health)) => {
+                            // Test-only crash point: agentctl proved it is alive
+                            // and ours (a reattach), nothing of it is written yet.
+                            #[cfg(feature = "failpoints")]
+                            fail::fail_point!("recovery-after-reattach");
+                            run.agent = surviving_agent(&health, run.session.resume_token.as_deref());
+                            run.unrecorded_turn = (!health.last_turn_id.is_empty()
+                                && run.session.metadata.get(crate::turn::LAST_TURN_KEY)
+                                    != Some(&health.last_turn_id))
+                            .then(|| (health.last_turn_id.clone(), health.instance_id.clone()));
+                            if run.agent != SurvivingAgent::None
+                                && run.session.resume_token.is_none()
+                                && !health.acp_session_id.is_empty()
+                            {
+                                // A create died between the agent's `session/new`
+                                // and storing its id: the conversation agentctl
+                                // holds is the one that create opened. Without
+                                // adopting it the session would run on, unable
+                                // ever to be resumed.
+                                tracing::info!(session = %run.session.id, executor_id = %run.record.id,
+                                    "recovery: adopting the surviving agent's conversation as the resume token");
+                                run.session.resume_token = Some(health.acp_session_id.clone());
+                                run.record.resume_token = Some(health.acp_session_id.clone());
                                 run.adopted_token = true;
-                                run.replaced = Some(EventPayload::ConversationReplaced {
-                                    previous_resume_token: resume_token.unwrap_or_default(),
-                                    resume_token: token,
+                            }
+                            if run.agent != SurvivingAgent::None {
+                                // A reattached agent's modes, for GetSessionStatus
+                                // (a resume keeps its load's answer instead).
+                                self.inner.sessions.remember_modes(
+                                    run.session.id,
+                                    run.record.execution_id(),
+                                    modes_stamp,
+                                    health.modes.as_ref().map(crate::ops::agent_modes),
+                                );
+                            }
+                            run.agent_state = Some(health.agent_state);
+                            Observation::Healthy { agent: run.agent }
+                        }
+                        // Not hung: agentctl serves a newer owner. Never
+                        // "end the hung agentctl" here: that would kill the
+                        // new owner's. This replica stops acting on it.
+                        Ok(Err(e)) if Fencing(self).executor_refused(run.session.id, &e) => {
+                            return Err(Fencing(self).not_owner_now(run.session.id).await);
+                        }
+                        Ok(Err(e)) if e.is_unavailable() => Observation::HostUnreachable {
+                            reason: e.to_string(),
+                            retry_in_background,
+                        },
+                        Ok(Err(e)) => Observation::Unhealthy {
+                            reason: e.to_string(),
+                        },
+                    }
+                })
+            })
+            .await?,
+            Action::ProbeCapabilities => Box::pin(async move {
+                Ok::<_, Error>({
+                    if timed_out {
+                        return Ok(Observation::DeadlineExceeded);
+                    }
+                    let driver = Agents(self).driver(run.record.runtime)?;
+                    let seen = run.ahead.caps.take();
+                    let caps = async {
+                        match seen {
+                            Some(caps) => Ok(caps),
+                            None => {
+                                Agents(self)
+                                    .agentctl(&run.record, &driver)?
+                                    .capabilities()
+                                    .await
+                            }
+                        }
+                    };
+                    match tokio::time::timeout(remaining, caps).await {
+                        Ok(Ok(caps)) => match probe_verdict(caps.supports_session_resume) {
+                            Some(v) => {
+                                run.probe = Some(v);
+                                Observation::Capabilities {
+                                    supports_session_resume: v,
+                                }
+                            }
+                            None => Observation::CapabilitiesUnknown,
+                        },
+                        Ok(Err(e)) => Observation::ActionFailed {
+                            reason: e.to_string(),
+                        },
+                        Err(_) => Observation::CapabilitiesUnknown,
+                    }
+                })
+            })
+            .await?,
+            Action::MarkExecutorReady { event } => Box::pin(async move {
+                Ok::<_, Error>({
+                    self.mark_ready(run, event).await?;
+                    Observation::Applied
+                })
+            })
+            .await?,
+            Action::ResumeAgent { .. } | Action::OpenConversation => Box::pin(async move {
+                Ok::<_, Error>({
+                    // `None`: open the conversation an interrupted create never got.
+                    let resume_token = match action {
+                        Action::ResumeAgent { resume_token } => Some(resume_token),
+                        _ => None,
+                    };
+                    let sid = run.session.id;
+                    // Waiting for a launch is not the pass's work: its slot goes
+                    // on to the reattaches behind this one.
+                    let ticket = crate::sync::lock(&self.inner.pass_slots).remove(&sid);
+                    drop(ticket);
+                    let mut ahead = run
+                        .ahead
+                        .agent
+                        .take()
+                        .filter(|a| a.serves(resume_token.as_deref()));
+                    let agent_up =
+                        matches!(run.agent_state, Some(AgentState::Ready | AgentState::Busy));
+                    let (permit, began) = match ahead.as_mut() {
+                        Some(a) => a.take_permit(),
+                        None => {
+                            self.inner
+                                .agent_recoveries
+                                .enter(sid, RecoveryStage::Queued);
+                            // A new agent process waits for a launch slot of its
+                            // host; an agent that survived only reopens its
+                            // conversation.
+                            let permit = if agent_up {
+                                None
+                            } else {
+                                Some(
+                                    self.inner
+                                        .launches
+                                        .acquire(host_of(&run.record), sid, priority)
+                                        .await,
+                                )
+                            };
+                            (permit, Instant::now())
+                        }
+                    };
+                    self.inner
+                        .agent_recoveries
+                        .enter(sid, RecoveryStage::Launching);
+                    self.cache_update(sid, |e| e.agent = AgentProcessState::Starting);
+                    let mut seen = run.agent_state.take();
+                    let attempted = match ahead {
+                        Some(a) => Some(ExecutorRecovery(self).resumed_ahead(run, a).await?),
+                        None => match (&resume_token, agent_up) {
+                            (Some(token), false) => {
+                                let one = ExecutorRecovery(self).resume_in_one_call(run, token).await;
+                                // Not done by it: the agent's state is asked anew.
+                                seen = seen.filter(|_| one.is_some());
+                                one
+                            }
+                            _ => None,
+                        },
+                    };
+                    let attempted = match attempted {
+                        Some(result) => result,
+                        None => {
+                            let no_turn_yet =
+                                crate::turn::no_turn_yet(&self.inner.store, &run.session).await?;
+                            let attempt = async {
+                                match &resume_token {
+                                    Some(token) => {
+                                        Agents(self)
+                                            .resume_agent_seen(
+                                                &run.record,
+                                                &run.profile,
+                                                token,
+                                                seen,
+                                                no_turn_yet,
+                                            )
+                                            .await
+                                    }
+                                    None => {
+                                        Agents(self)
+                                            .open_conversation_seen(&run.record, &run.profile, seen)
+                                            .await
+                                    }
+                                }
+                            };
+                            Box::pin(self.until_silent(&run.record, attempt)).await
+                        }
+                    };
+                    let (observation, ended) = match attempted {
+                        Ok(Ok(resumed)) => {
+                            match resumed {
+                                Resumed::Loaded => {}
+                                Resumed::Replaced { token, reason } => {
+                                    tracing::info!(session = %sid, reason = %reason,
+                                        "recovery: the agent had not kept the unprompted conversation; a new one replaces it");
+                                    run.session.resume_token = Some(token.clone());
+                                    run.record.resume_token = Some(token.clone());
+                                    run.adopted_token = true;
+                                    run.replaced = Some(EventPayload::ConversationReplaced {
+                                        previous_resume_token: resume_token.unwrap_or_default(),
+                                        resume_token: token,
+                                        reason,
+                                    });
+                                }
+                                Resumed::Opened { token } => {
+                                    tracing::info!(session = %sid,
+                                        "recovery: the session's create was interrupted before the agent's conversation; opened it");
+                                    run.session.resume_token = Some(token.clone());
+                                    run.record.resume_token = Some(token);
+                                    run.adopted_token = true;
+                                }
+                            }
+                            (Observation::ResumeSucceeded, Ended::Up(began.elapsed()))
+                        }
+                        Ok(Err(e)) => {
+                            // The remote host went away after its Health: the
+                            // host's failure, reconnected like any other.
+                            if let Some(reason) = self.remote_host_gone(&run.record, Some(&e)).await {
+                                self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
+                                return Ok(Observation::HostUnreachable {
                                     reason,
+                                    retry_in_background,
                                 });
                             }
-                            Resumed::Opened { token } => {
-                                tracing::info!(session = %sid,
-                                    "recovery: the session's create was interrupted before the agent's conversation; opened it");
-                                run.session.resume_token = Some(token.clone());
-                                run.record.resume_token = Some(token);
-                                run.adopted_token = true;
+                            Agents(self).stop_agent_quietly(&run.record).await;
+                            self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
+                            if load_refused(&e) {
+                                let reason = e.to_string();
+                                (Observation::ConversationLost { reason }, Ended::Neutral)
+                            } else if passes_by_itself(&e) {
+                                let reason = e.to_string();
+                                (Observation::ResumeInterrupted { reason }, Ended::Cut)
+                            } else {
+                                let reason = e.to_string();
+                                (Observation::ResumeFailed { reason }, Ended::Neutral)
                             }
                         }
-                        (Observation::ResumeSucceeded, Ended::Up(began.elapsed()))
-                    }
-                    Ok(Err(e)) => {
-                        // The remote host went away after its Health: the
-                        // host's failure, reconnected like any other.
-                        if let Some(reason) = self.remote_host_gone(&run.record, Some(&e)).await {
+                        Err(silence) => {
                             self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
-                            return Ok(Observation::HostUnreachable {
-                                reason,
-                                retry_in_background,
-                            });
+                            if let Some(reason) = self.remote_host_gone(&run.record, None).await {
+                                return Ok(Observation::HostUnreachable {
+                                    reason,
+                                    retry_in_background,
+                                });
+                            }
+                            tracing::warn!(session = %sid, executor_id = %run.record.id,
+                                took_ms = crate::metrics::ms(began.elapsed()), %silence,
+                                "recovery: the agent's launch or resume was cut");
+                            Agents(self).stop_agent_quietly(&run.record).await;
+                            (
+                                Observation::ResumeInterrupted { reason: silence },
+                                Ended::Cut,
+                            )
                         }
-                        Agents(self).stop_agent_quietly(&run.record).await;
-                        self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
-                        if load_refused(&e) {
-                            let reason = e.to_string();
-                            (Observation::ConversationLost { reason }, Ended::Neutral)
-                        } else if passes_by_itself(&e) {
-                            let reason = e.to_string();
-                            (Observation::ResumeInterrupted { reason }, Ended::Cut)
-                        } else {
-                            let reason = e.to_string();
-                            (Observation::ResumeFailed { reason }, Ended::Neutral)
-                        }
+                    };
+                    if let Some(permit) = permit {
+                        permit.finish(ended);
                     }
-                    Err(silence) => {
-                        self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
-                        if let Some(reason) = self.remote_host_gone(&run.record, None).await {
-                            return Ok(Observation::HostUnreachable {
-                                reason,
-                                retry_in_background,
-                            });
-                        }
-                        tracing::warn!(session = %sid, executor_id = %run.record.id,
-                            took_ms = crate::metrics::ms(began.elapsed()), %silence,
-                            "recovery: the agent's launch or resume was cut");
-                        Agents(self).stop_agent_quietly(&run.record).await;
-                        (
-                            Observation::ResumeInterrupted { reason: silence },
-                            Ended::Cut,
+                    observation
+                })
+            })
+            .await?,
+            Action::StopExecutor => Box::pin(async move {
+                Ok::<_, Error>({
+                    let driver = Agents(self).driver(run.record.runtime)?;
+                    let handle = ExecutorHandle::from_record(&run.record);
+                    let limit = remaining.max(Duration::from_secs(1));
+                    if let Ok(client) = driver.client(&handle) {
+                        let _ = tokio::time::timeout(
+                            limit,
+                            client.stop_agent(self.inner.config.agent_stop_grace),
                         )
+                        .await;
                     }
-                };
-                if let Some(permit) = permit {
-                    permit.finish(ended);
-                }
-                observation
-            }
-            Action::StopExecutor => {
-                let driver = Agents(self).driver(run.record.runtime)?;
-                let handle = ExecutorHandle::from_record(&run.record);
-                let limit = remaining.max(Duration::from_secs(1));
-                if let Ok(client) = driver.client(&handle) {
-                    let _ = tokio::time::timeout(
-                        limit,
-                        client.stop_agent(self.inner.config.agent_stop_grace),
-                    )
-                    .await;
-                }
-                match tokio::time::timeout(limit, driver.stop(&handle)).await {
-                    Ok(Ok(())) => Observation::ExecutorStopped,
-                    Ok(Err(e)) => Observation::ActionFailed {
-                        reason: e.to_string(),
-                    },
-                    Err(_) => Observation::ActionFailed {
-                        reason: "stopping did not finish in time".into(),
-                    },
-                }
-            }
-            Action::EndAgentctl => {
-                // The recorded agentctl is ours (pid + start time) and did not
-                // answer Health: a hung process. `stop` verifies the start
-                // time again, sends TERM, then KILL (which also ends a
-                // SIGSTOPped one); the launch that follows leaves exactly one.
-                tracing::warn!(session = %run.session.id, executor_id = %run.record.id,
-                    pid = ?run.record.pid, "recovery: our agentctl is hung, ending it to relaunch");
-                let driver = Agents(self).driver(run.record.runtime)?;
-                let handle = ExecutorHandle::from_record(&run.record);
-                let limit =
-                    remaining.max(Duration::from_secs(1)) + self.inner.config.agent_stop_grace;
-                match tokio::time::timeout(limit, driver.stop(&handle)).await {
-                    Ok(Ok(())) => Observation::ExecutorStopped,
-                    Ok(Err(e)) => Observation::ActionFailed {
-                        reason: e.to_string(),
-                    },
-                    Err(_) => Observation::ActionFailed {
-                        reason: "ending the hung agentctl did not finish in time".into(),
-                    },
-                }
-            }
+                    match tokio::time::timeout(limit, driver.stop(&handle)).await {
+                        Ok(Ok(())) => Observation::ExecutorStopped,
+                        Ok(Err(e)) => Observation::ActionFailed {
+                            reason: e.to_string(),
+                        },
+                        Err(_) => Observation::ActionFailed {
+                            reason: "stopping did not finish in time".into(),
+                        },
+                    }
+                })
+            })
+            .await?,
+            Action::EndAgentctl => Box::pin(async move {
+                Ok::<_, Error>({
+                    // The recorded agentctl is ours (pid + start time) and did not
+                    // answer Health: a hung process. `stop` verifies the start
+                    // time again, sends TERM, then KILL (which also ends a
+                    // SIGSTOPped one); the launch that follows leaves exactly one.
+                    tracing::warn!(session = %run.session.id, executor_id = %run.record.id,
+                        pid = ?run.record.pid, "recovery: our agentctl is hung, ending it to relaunch");
+                    let driver = Agents(self).driver(run.record.runtime)?;
+                    let handle = ExecutorHandle::from_record(&run.record);
+                    let limit =
+                        remaining.max(Duration::from_secs(1)) + self.inner.config.agent_stop_grace;
+                    match tokio::time::timeout(limit, driver.stop(&handle)).await {
+                        Ok(Ok(())) => Observation::ExecutorStopped,
+                        Ok(Err(e)) => Observation::ActionFailed {
+                            reason: e.to_string(),
+                        },
+                        Err(_) => Observation::ActionFailed {
+                            reason: "ending the hung agentctl did not finish in time".into(),
+                        },
+                    }
+                })
+            })
+            .await?,
             Action::Done(_) => {
                 return Err(Error::Internal("Done is handled by the caller".into()));
             }
