@@ -645,8 +645,6 @@ mod tests {
         );
     }
 
-    use super::*;
-
     fn profile(container: Option<ContainerAgent>) -> AgentProfile {
         AgentProfile {
             id: AgentProfileId::new(),
