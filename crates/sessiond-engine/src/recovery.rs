@@ -1567,15 +1567,7 @@ impl ExecutorRecovery<'_> {
                         )
                         .await;
                     }
-                    match tokio::time::timeout(limit, driver.stop(&handle)).await {
-                        Ok(Ok(())) => Observation::ExecutorStopped,
-                        Ok(Err(e)) => Observation::ActionFailed {
-                            reason: e.to_string(),
-                        },
-                        Err(_) => Observation::ActionFailed {
-                            reason: "stopping did not finish in time".into(),
-                        },
-                    }
+                    stopped_within(&driver, &handle, limit, "stopping").await
                 })
             })
             .await?,
@@ -1591,15 +1583,7 @@ impl ExecutorRecovery<'_> {
                     let handle = ExecutorHandle::from_record(&run.record);
                     let limit =
                         remaining.max(Duration::from_secs(1)) + self.inner.config.agent_stop_grace;
-                    match tokio::time::timeout(limit, driver.stop(&handle)).await {
-                        Ok(Ok(())) => Observation::ExecutorStopped,
-                        Ok(Err(e)) => Observation::ActionFailed {
-                            reason: e.to_string(),
-                        },
-                        Err(_) => Observation::ActionFailed {
-                            reason: "ending the hung agentctl did not finish in time".into(),
-                        },
-                    }
+                    stopped_within(&driver, &handle, limit, "ending the hung agentctl").await
                 })
             })
             .await?,
@@ -2370,5 +2354,24 @@ impl ExecutorRecovery<'_> {
             }
             me.inner.sessions.stop_retrying(session);
         });
+    }
+}
+
+/// The executor stopped through its driver within `limit`, as the step
+/// machine observes it; `what` names the step in the timeout's reason.
+async fn stopped_within(
+    driver: &Arc<dyn sessiond_executor::Executor>,
+    handle: &ExecutorHandle,
+    limit: Duration,
+    what: &str,
+) -> Observation {
+    match tokio::time::timeout(limit, driver.stop(handle)).await {
+        Ok(Ok(())) => Observation::ExecutorStopped,
+        Ok(Err(e)) => Observation::ActionFailed {
+            reason: e.to_string(),
+        },
+        Err(_) => Observation::ActionFailed {
+            reason: format!("{what} did not finish in time"),
+        },
     }
 }

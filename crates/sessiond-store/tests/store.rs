@@ -2789,6 +2789,30 @@ async fn postgres_concurrent_claims_skip_each_others_rows() {
     );
 }
 
+/// A fresh PostgreSQL database and a store on it with one pooled
+/// connection, so the next call meets a connection terminated under it.
+async fn one_connection_store() -> (sessiond_testkit::postgres::TestDatabase, Store) {
+    let db = tokio::task::spawn_blocking(sessiond_testkit::postgres::test_database)
+        .await
+        .unwrap();
+    let store = Store::connect(db.url(), StoreOptions::default().max_connections(1))
+        .await
+        .unwrap();
+    (db, store)
+}
+
+/// Terminates the one connection the store holds, from another session;
+/// returns once its backend has exited (the timeout argument waits).
+fn terminate_the_stores_connection(url: &str) {
+    let killed = sessiond_testkit::postgres::psql_command(
+        url,
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) \
+         FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .unwrap();
+    assert_eq!(killed.trim(), "1", "the store's one connection");
+}
+
 /// PostgreSQL: the server terminating a connection the pool holds
 /// (`pg_terminate_backend` from another session, as an operator or a
 /// failover does) fails the next call on it as `ConnectionLost`, which is
@@ -2796,22 +2820,9 @@ async fn postgres_concurrent_claims_skip_each_others_rows() {
 /// connection and the call after succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_terminated_connection_is_unavailable() {
-    let db = tokio::task::spawn_blocking(sessiond_testkit::postgres::test_database)
-        .await
-        .unwrap();
-    // One connection, so the next call meets the terminated one.
-    let store = Store::connect(db.url(), StoreOptions::default().max_connections(1))
-        .await
-        .unwrap();
+    let (db, store) = one_connection_store().await;
     store.list_tasks(None, 10).await.unwrap();
-    // The timeout argument makes it wait until the backend has exited.
-    let killed = sessiond_testkit::postgres::psql_command(
-        db.url(),
-        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) \
-         FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
-    )
-    .unwrap();
-    assert_eq!(killed.trim(), "1", "the store's one connection");
+    terminate_the_stores_connection(db.url());
     let err = store.list_tasks(None, 10).await.unwrap_err();
     assert!(matches!(err, Error::ConnectionLost(_)), "{err:?}");
     assert!(err.is_unavailable());
@@ -2829,12 +2840,7 @@ async fn postgres_a_terminated_connection_is_unavailable() {
 /// connection, and answered in its slot; none is lost, none written twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_batch_whose_transaction_fails_is_written_one_by_one() {
-    let db = tokio::task::spawn_blocking(sessiond_testkit::postgres::test_database)
-        .await
-        .unwrap();
-    let store = Store::connect(db.url(), StoreOptions::default().max_connections(1))
-        .await
-        .unwrap();
+    let (db, store) = one_connection_store().await;
     let mut executors = Vec::new();
     for _ in 0..3 {
         let (_, _, s) = seed(&store).await;
@@ -2854,13 +2860,7 @@ async fn postgres_a_batch_whose_transaction_fails_is_written_one_by_one() {
             )
         })
         .collect();
-    let killed = sessiond_testkit::postgres::psql_command(
-        db.url(),
-        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) \
-         FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
-    )
-    .unwrap();
-    assert_eq!(killed.trim(), "1", "the store's one connection");
+    terminate_the_stores_connection(db.url());
     let results = store.commit_batch(batch).await.unwrap();
     assert_eq!(results.len(), 3);
     for ((s, rec, seq), result) in executors.iter().zip(results) {
