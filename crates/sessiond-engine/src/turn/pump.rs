@@ -1053,7 +1053,24 @@ impl Pump {
                 .mgr
                 .agentctl_lost_change(&record, reason, crate::flows::TurnInFlight::Interrupt)
                 .await?;
-            let committed = self.mgr.commit(change).await?;
+            // The background recovery is announced before the commit makes
+            // the interrupted turn visible: a retry sent as soon as a client
+            // sees it waits for that recovery (`wait_agent_recovery`)
+            // instead of finding no agent and no recovery yet.
+            let recoveries = &self.mgr.inner.agent_recoveries;
+            if retry.is_some() {
+                let delay = self.mgr.inner.config.retry_backoff.delay(0);
+                recoveries.retry_after(self.session_id, 0, reason.to_owned(), delay);
+            }
+            let committed = match self.mgr.commit(change).await {
+                Ok(committed) => committed,
+                Err(e) => {
+                    if retry.is_some() {
+                        recoveries.clear(self.session_id);
+                    }
+                    return Err(e);
+                }
+            };
             retried = retry.map(|failed| committed.executor.unwrap_or(failed));
             self.mgr
                 .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
