@@ -1187,17 +1187,15 @@ impl ExecutorRecovery<'_> {
                     // before `start` (Action::StartContainer).
                     let driver = Agents(self).driver(run.record.runtime)?;
                     let handle = ExecutorHandle::from_record(&run.record);
-                    match tokio::time::timeout(remaining, driver.probe(&handle)).await {
-                        Err(_) => Observation::DeadlineExceeded,
-                        Ok(Ok(Probe::Reattachable { handle: found, .. })) => {
-                            if found != handle {
-                                self.persist_handle(run, &found).await?;
-                            }
-                            Observation::ContainerRunning
-                        }
-                        Ok(Ok(Probe::NeedsStart { .. })) => Observation::ContainerStopped,
-                        Ok(Ok(Probe::Missing { .. } | Probe::NeedsLaunch { .. }))
-                        | Ok(Err(sessiond_executor::Error::ContainerMissing { .. })) => {
+                    let Some(probed) = self.probe_recorded(run, &driver, &handle, remaining).await?
+                    else {
+                        return Ok(Observation::DeadlineExceeded);
+                    };
+                    match probed {
+                        Ok(Probe::Reattachable { .. }) => Observation::ContainerRunning,
+                        Ok(Probe::NeedsStart { .. }) => Observation::ContainerStopped,
+                        Ok(Probe::Missing { .. } | Probe::NeedsLaunch { .. })
+                        | Err(sessiond_executor::Error::ContainerMissing { .. }) => {
                             // Gone for good (the container, not the worktree
                             // a stopped one mounts): what the driver kept for it
                             // (run directory, secret) goes too.
@@ -1206,7 +1204,7 @@ impl ExecutorRecovery<'_> {
                             }
                             Observation::ContainerMissing
                         }
-                        Ok(Err(e)) => Observation::DockerUnavailable {
+                        Err(e) => Observation::DockerUnavailable {
                             reason: e.to_string(),
                         },
                     }
@@ -1229,18 +1227,16 @@ impl ExecutorRecovery<'_> {
                         return Ok(Observation::DeadlineExceeded);
                     }
                     let handle = ExecutorHandle::from_record(&run.record);
-                    match tokio::time::timeout(remaining, driver.probe(&handle)).await {
-                        Err(_) => Observation::DeadlineExceeded,
-                        Ok(Ok(Probe::Reattachable { handle: found, .. })) => {
-                            if found != handle {
-                                self.persist_handle(run, &found).await?;
-                            }
-                            Observation::ExecutorReattachable
-                        }
-                        Ok(Ok(Probe::NeedsStart { .. })) => Observation::ExecutorNeedsStart,
-                        Ok(Ok(Probe::NeedsLaunch { .. })) => Observation::ExecutorNeedsLaunch,
-                        Ok(Ok(Probe::Missing { reason })) => Observation::ExecutorMissing { reason },
-                        Ok(Err(e)) => Observation::ActionFailed {
+                    let Some(probed) = self.probe_recorded(run, &driver, &handle, remaining).await?
+                    else {
+                        return Ok(Observation::DeadlineExceeded);
+                    };
+                    match probed {
+                        Ok(Probe::Reattachable { .. }) => Observation::ExecutorReattachable,
+                        Ok(Probe::NeedsStart { .. }) => Observation::ExecutorNeedsStart,
+                        Ok(Probe::NeedsLaunch { .. }) => Observation::ExecutorNeedsLaunch,
+                        Ok(Probe::Missing { reason }) => Observation::ExecutorMissing { reason },
+                        Err(e) => Observation::ActionFailed {
                             reason: e.to_string(),
                         },
                     }
@@ -1784,6 +1780,27 @@ impl ExecutorRecovery<'_> {
             .session
             .ok_or_else(|| Error::Internal("no session".into()))?;
         Ok(())
+    }
+
+    /// The driver's probe of `handle` within `remaining` (`None`: no answer
+    /// in time). An executor found reattachable somewhere else than
+    /// recorded (a new port, a new container) is recorded there first.
+    async fn probe_recorded(
+        &self,
+        run: &mut Run,
+        driver: &Arc<dyn sessiond_executor::Executor>,
+        handle: &ExecutorHandle,
+        remaining: Duration,
+    ) -> Result<Option<std::result::Result<Probe, sessiond_executor::Error>>> {
+        let Ok(probed) = tokio::time::timeout(remaining, driver.probe(handle)).await else {
+            return Ok(None);
+        };
+        if let Ok(Probe::Reattachable { handle: found, .. }) = &probed
+            && found != handle
+        {
+            self.persist_handle(run, found).await?;
+        }
+        Ok(Some(probed))
     }
 
     /// Records where the freshly started agentctl is (pid, port, secret).
