@@ -362,7 +362,9 @@ impl World {
     ) -> SessionStatus {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            let st = self.status(mgr, session).await;
+            // The events first, then the status: a status read before them
+            // could be the one from before the exit was noticed (WAITING,
+            // agent running), paired with a restart committed just after.
             let events = self
                 .store
                 .events_after(session, after, 10_000)
@@ -385,7 +387,15 @@ impl World {
                         .is_some_and(|m| m.contains("sessiond restarts it"))
                     && w[1].0 == SessionState::Starting
             });
-            if restarted && st.state == SessionState::WaitingForInput && st.is_agent_running {
+            let back = changes
+                .last()
+                .is_some_and(|(to, _)| *to == SessionState::WaitingForInput);
+            let st = self.status(mgr, session).await;
+            if restarted
+                && back
+                && st.state == SessionState::WaitingForInput
+                && st.is_agent_running
+            {
                 return st;
             }
             assert!(
