@@ -391,10 +391,7 @@ impl World {
                 .last()
                 .is_some_and(|(to, _)| *to == SessionState::WaitingForInput);
             let st = self.status(mgr, session).await;
-            if restarted
-                && back
-                && st.state == SessionState::WaitingForInput
-                && st.is_agent_running
+            if restarted && back && st.state == SessionState::WaitingForInput && st.is_agent_running
             {
                 return st;
             }
