@@ -872,6 +872,19 @@ impl Pass<'_> {
         lane: Lane,
         yielding: Option<Yield>,
     ) -> Result<OutcomeLabel> {
+        self.start_shared(executor, lane, yielding).await
+    }
+
+    /// Starts the session's recovery now as its single flight (or joins the
+    /// operation in flight), on the single flight's own task; the returned
+    /// future only waits for the outcome. So a claim of the queue starts
+    /// the recovery at once without a task of its own to start it from.
+    pub(crate) fn start_shared(
+        &self,
+        executor: ExecutorKey,
+        lane: Lane,
+        yielding: Option<Yield>,
+    ) -> impl Future<Output = Result<OutcomeLabel>> + Send + 'static {
         let me = self.0.clone();
         let session = executor.session_id;
         // Each arm builds the recovery inside its await: a `run` local
@@ -887,15 +900,17 @@ impl Pass<'_> {
             }
             .map(OpOutcome::Recovery)
         };
-        let (kind, fut) = self.single_flight(session, OpKind::Recovery, op.boxed());
-        match (kind, fut.await?) {
-            (_, OpOutcome::Recovery(label)) => Ok(label),
-            // An explicit resume was running; it did the work.
-            (_, OpOutcome::Resume(status)) => Ok(if status.is_agent_running {
-                OutcomeLabel::Resumed
-            } else {
-                OutcomeLabel::ExecutorOnly
-            }),
+        let (_, fut) = self.single_flight(session, OpKind::Recovery, op.boxed());
+        async move {
+            match fut.await? {
+                OpOutcome::Recovery(label) => Ok(label),
+                // An explicit resume was running; it did the work.
+                OpOutcome::Resume(status) => Ok(if status.is_agent_running {
+                    OutcomeLabel::Resumed
+                } else {
+                    OutcomeLabel::ExecutorOnly
+                }),
+            }
         }
     }
 }

@@ -39,7 +39,7 @@ use sessiond_domain::{ExecutorRecord, ExecutorStatus, SessionId};
 use sessiond_store::Yield;
 
 use crate::{
-    error::{Error, Result},
+    error::Result,
     flows::Ownership,
     lease::Fencing,
     pass::{CallRecovery, Claim, ExecutorKey, Lane, PassGate, Phase, Queued, SharedRecovery},
@@ -113,7 +113,8 @@ impl Queue<'_> {
     ///
     /// With other replicas, the session's executor must then be this
     /// replica's: one whose lease is free or expired is claimed and
-    /// recovered here; one another replica holds is [`Error::NotOwner`].
+    /// recovered here; one another replica holds is
+    /// [`Error::NotOwner`](crate::error::Error::NotOwner).
     pub(crate) async fn ensure_recovered(&self, session: SessionId) -> Result<()> {
         self.recover_ahead(session).await.map(drop)
     }
@@ -236,24 +237,17 @@ impl Queue<'_> {
         self.start_recovery(executor, lane).0
     }
 
-    /// Starts a claimed recovery on a task of its own (in the claimer's
-    /// span, so a caller that goes away does not cut it short); the pass's
-    /// own claims yield to calls' store work (the flag, kept in the entry).
+    /// Starts a claimed recovery now, as its session's single flight (whose
+    /// own task runs it, in the claimer's span, so a caller that goes away
+    /// does not cut it short); the pass's own claims yield to calls' store
+    /// work (the flag, kept in the entry). Called with the queue locked:
+    /// the single flight's table is locked after it, never before.
     fn start_recovery(&self, executor: ExecutorKey, lane: Lane) -> (SharedRecovery, Option<Yield>) {
-        let me = self.0.clone();
         let flag = (lane == Lane::Pass).then(Yield::new);
-        let yielding = flag.clone();
-        let task = self.spawn_background(tracing::Instrument::in_current_span(async move {
-            Pass(&me)
-                .recover_shared_with(executor, lane, yielding)
-                .await
-        }));
-        let fut: SharedRecovery = async move {
-            task.await
-                .map_err(|e| Error::Internal(format!("recovery task ended: {e}")))?
-        }
-        .boxed()
-        .shared();
+        let fut: SharedRecovery = Pass(self)
+            .start_shared(executor, lane, flag.clone())
+            .boxed()
+            .shared();
         (fut, flag)
     }
 
