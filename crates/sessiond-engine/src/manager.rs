@@ -101,6 +101,9 @@ pub(crate) struct Inner {
     pub(crate) leases: crate::lease::Leases,
     /// Test hook: awaited before each heartbeat (see `gate_heartbeat`).
     pub(crate) heartbeat_gate: StdMutex<Option<crate::pass::PassGate>>,
+    /// Test hook: awaited by a pump that recorded a lost agentctl, before
+    /// it starts the background recovery (see `gate_lost_agentctl`).
+    pub(crate) lost_agentctl_gate: StdMutex<Option<crate::pass::PassGate>>,
     /// This replica's lease claims, one at a time (`replica.rs`): a call
     /// never claims again what the adoption loop just claimed.
     pub(crate) claims: tokio::sync::Mutex<()>,
@@ -229,6 +232,7 @@ impl SessionManager {
                 calls_recovering: tokio::sync::watch::Sender::new(0),
                 leases,
                 heartbeat_gate: StdMutex::default(),
+                lost_agentctl_gate: StdMutex::default(),
                 claims: tokio::sync::Mutex::new(()),
                 adoptions: StdMutex::default(),
             }),

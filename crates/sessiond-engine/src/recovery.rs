@@ -357,6 +357,15 @@ impl RecoveryControl<'_> {
         Queue(self.0).gate_recovery_pass(gate)
     }
 
+    /// Holds a pump that found its agentctl lost mid-turn, after it
+    /// committed the interrupted turn and before it starts the background
+    /// recovery, until `gate` resolves. For tests that must observe what a
+    /// client sees in that moment.
+    #[cfg(feature = "test-hooks")]
+    pub fn gate_lost_agentctl(&self, gate: crate::pass::PassGate) {
+        *crate::sync::lock(&self.0.inner.lost_agentctl_gate) = Some(gate);
+    }
+
     /// Whether calls jump the recovery queue (on by default). Off, a pass
     /// recovers strictly in its own order and a call on a session not yet
     /// recovered is answered from what is recorded: only the benchmark

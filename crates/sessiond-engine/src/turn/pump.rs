@@ -1082,6 +1082,11 @@ impl Pump {
         }
         // This pump ends; forget it.
         self.mgr.inner.sessions.forget_pump(self.session_id);
+        // A test's hold between the commit and the recovery's start.
+        let gate = crate::sync::lock(&self.mgr.inner.lost_agentctl_gate).clone();
+        if let Some(gate) = gate {
+            gate().await;
+        }
         if let Some(record) = reconnect {
             self.mgr.spawn_reconnect(record);
         }

@@ -9,6 +9,8 @@
 //!   The child is configured through `FAILPOINTS` (`name=kill` SIGKILLs the
 //!   child at the first hit, `name=kill@N` at the Nth); the test asserts the
 //!   point was hit, restarts cleanly and checks the world.
+//! - `hooks.rs`: windows held open in process with the engine's test
+//!   hooks, checked from a client's side.
 //! - `crashloop.rs`: 20 sessions across the runtimes, the backend SIGKILLed
 //!   at random 1.5-7.5 s intervals (some kills during recovery) for
 //!   `SESSIOND_CRASHLOOP_SECS` (a short smoke run when unset), then a clean
@@ -37,4 +39,5 @@ mod child;
 mod common;
 mod crashloop;
 mod failpoints;
+mod hooks;
 mod world;

@@ -1,0 +1,110 @@
+//! Moments held open with the engine's test hooks (built with the
+//! `failpoints` feature), in process: what a client sees inside a window
+//! that is otherwise microseconds wide.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use sessiond_domain::{MessageRole, SessionId, SessionState};
+
+use crate::world::{Rt, World, new_session};
+
+/// Waits until a message of `session` matches `found`.
+async fn wait_message(
+    w: &World,
+    session: SessionId,
+    what: &str,
+    found: impl Fn(&sessiond_domain::Message) -> bool,
+) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !w
+        .store
+        .list_messages(session, 0, u32::MAX)
+        .await
+        .unwrap()
+        .iter()
+        .any(&found)
+    {
+        assert!(Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A standalone agentctl killed mid-turn: the pump ends the turn
+/// interrupted and recovers the session in the background. Held between
+/// the commit that makes the interruption visible and the start of that
+/// recovery, the session's status already says its agent is being
+/// recovered, so a retry sent the moment a client sees the interruption
+/// waits for the recovery and runs the turn again (it used to find no
+/// agent and no recovery, and fail).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_agentctls_recovery_is_announced_with_the_interrupted_turn() {
+    let w = World::new().await;
+    let mgr = w.manager().await;
+    mgr.recovery().recover_all().await.unwrap();
+    let plan = w.plan("retry", Rt::Standalone).await;
+    let s = mgr
+        .create_session(new_session(
+            w.task.id,
+            w.local_profile.id,
+            None,
+            w.dir.path(),
+            &plan,
+        ))
+        .await
+        .unwrap();
+    let (release, released) = tokio::sync::watch::channel(false);
+    mgr.recovery().gate_lost_agentctl(Arc::new(move || {
+        let mut released = released.clone();
+        async move {
+            let _ = released.wait_for(|r| *r).await;
+        }
+        .boxed()
+    }));
+    let long = mgr
+        .send_message(w.task.id, s.id, "/long story")
+        .await
+        .unwrap();
+    wait_message(&w, s.id, "the reply never began", |m| {
+        m.role == MessageRole::Agent && m.seq > long.seq
+    })
+    .await;
+    assert!(w.kill_agentctl(&s).await, "no agentctl to kill");
+    wait_message(&w, s.id, "the turn never ended interrupted", |m| {
+        m.role == MessageRole::System && m.content.contains("interrupted")
+    })
+    .await;
+    // The pump is held now: the interruption is stored, the recovery has
+    // not started.
+    let st = mgr.session_status(w.task.id, s.id).await.unwrap();
+    assert!(
+        st.recovering && st.agent_recovery.is_some(),
+        "the interrupted turn is visible but no recovery is announced: {st:?}"
+    );
+    let retry = tokio::spawn({
+        let mgr = mgr.clone();
+        let (task, session) = (w.task.id, s.id);
+        async move { mgr.retry_turn(task, session, None).await }
+    });
+    release.send_replace(true);
+    let (retried, original) = retry
+        .await
+        .unwrap()
+        .expect("the retry waits for the agent's recovery");
+    assert_eq!(original, long.id);
+    assert_eq!(retried.content, "/long story");
+    // The recovered agent runs it.
+    wait_message(&w, s.id, "the retried turn got no reply", |m| {
+        m.role == MessageRole::Agent && m.seq > retried.seq
+    })
+    .await;
+    mgr.cancel_turn(w.task.id, s.id).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while mgr.session_status(w.task.id, s.id).await.unwrap().state != SessionState::WaitingForInput
+    {
+        assert!(Instant::now() < deadline, "the retried turn never ended");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    w.cleanup(&mgr).await;
+}
