@@ -138,6 +138,10 @@ impl Pump {
                     }
                     failures += 1;
                     tracing::debug!(session = %self.session_id, error = %status, failures, "update stream failed");
+                    if let Some(gone) = self.agentctl_process_gone() {
+                        self.agentctl_lost(&gone).await;
+                        return;
+                    }
                     if failures >= MAX_STREAM_FAILURES {
                         self.agentctl_lost(&status.to_string()).await;
                         return;
@@ -202,12 +206,33 @@ impl Pump {
             }
             // The stream ended (agentctl restarting, network); reconnect.
             failures += 1;
+            if let Some(gone) = self.agentctl_process_gone() {
+                self.agentctl_lost(&gone).await;
+                return;
+            }
             if failures >= MAX_STREAM_FAILURES {
                 self.agentctl_lost("the update stream keeps closing").await;
                 return;
             }
             tokio::time::sleep(Duration::from_millis(100 << failures.min(5))).await;
         }
+    }
+
+    /// This pump's agentctl is a local process that is gone (its recorded
+    /// pid and start time no longer run, as `watch_local_agentctls` checks
+    /// for idle sessions): its stream cannot come back, so it is lost at
+    /// once instead of after the reconnects' backoff (seconds during which
+    /// the status said RUNNING). Returns why, for the session's error.
+    fn agentctl_process_gone(&self) -> Option<String> {
+        let execution = self.mgr.execution(self.session_id)?;
+        let r = &execution.record;
+        let (Some(pid), Some(started)) = (r.pid, r.pid_start_time) else {
+            return None;
+        };
+        (r.runtime == Runtime::LocalStandalone
+            && r.generation == self.generation
+            && !sessiond_executor::process::is_same_running(pid, started))
+        .then(|| format!("its process {pid} exited"))
     }
 
     pub(super) async fn handle(&mut self, update: pb::AgentUpdate) -> Result<()> {

@@ -521,6 +521,18 @@ async fn a_retry_right_after_an_interrupted_turn_waits_for_the_recovery() {
         assert!(Instant::now() < deadline, "the turn never ended");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Found gone by its process, not after the stream's reconnects.
+    let note = w
+        .messages(s.id)
+        .await
+        .into_iter()
+        .find(|m| m.role == MessageRole::System && m.content.contains("interrupted"))
+        .unwrap();
+    assert!(
+        note.content
+            .contains(&format!("its process {} exited", old.pid.unwrap())),
+        "{note:?}"
+    );
     let (retried, original) = mgr
         .retry_turn(w.task.id, s.id, None)
         .await
