@@ -33,7 +33,9 @@
 //! A torn last line (a crash mid-write) is ignored: its step had not taken
 //! effect, since effects only follow a completed `fsync`. At open the file is
 //! compacted to the remembered turns and rewritten atomically (temp file,
-//! fsync, rename, fsync of the directory).
+//! fsync, rename, fsync of the directory), and again whenever
+//! [`COMPACT_AFTER`] bytes were appended since, so the file of an agentctl
+//! that runs for weeks stays the size of what it must remember.
 
 use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
@@ -113,11 +115,27 @@ pub struct Loaded {
     pub fresh: bool,
 }
 
+/// Appended bytes after which the file is compacted again (each turn adds
+/// its text and about 300 bytes).
+pub const COMPACT_AFTER: u64 = 1 << 20;
+
 /// The open journal (or none: then nothing is durable).
 #[derive(Debug)]
 pub struct Journal {
-    file: Option<Mutex<File>>,
+    file: Option<Mutex<Appender>>,
     path: Option<PathBuf>,
+    /// What a compaction keeps and writes: the turns remembered, the
+    /// instance that writes, and after how many appended bytes.
+    keep: usize,
+    instance: String,
+    compact_after: u64,
+}
+
+/// The file appended to, and how much was appended since it was compacted.
+#[derive(Debug)]
+struct Appender {
+    file: File,
+    appended: u64,
 }
 
 fn record(v: &Value) -> Option<(&str, &str)> {
@@ -242,6 +260,41 @@ fn render(loaded: &Loaded) -> String {
     out
 }
 
+/// Writes `loaded` (and `instance`'s start) as the whole journal at `path`,
+/// atomically: a temp file, `fsync`, rename, `fsync` of the directory; a
+/// crash at any point leaves the old file or the new one. Returns the new
+/// file open for appending.
+fn rewrite(path: &Path, loaded: &Loaded, instance: &str) -> Result<File> {
+    let mut compact = render(loaded);
+    compact.push_str(&json!({"k":"start","instance":instance}).to_string());
+    compact.push('\n');
+    let tmp = path.with_extension("journal.tmp");
+    {
+        // The journal holds prompts: private to agentctl's user, like its run dir.
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(|e| io(format!("creating journal {}", tmp.display()), e))?;
+        f.write_all(compact.as_bytes())
+            .and_then(|()| f.sync_all())
+            .map_err(|e| io(format!("writing journal {}", tmp.display()), e))?;
+    }
+    std::fs::rename(&tmp, path)
+        .map_err(|e| io(format!("renaming journal to {}", path.display()), e))?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| io(format!("syncing directory {}", dir.display()), e))?;
+    }
+    OpenOptions::new()
+        .append(true)
+        .open(path)
+        .map_err(|e| io(format!("opening journal {}", path.display()), e))
+}
+
 fn agent_line(a: &AgentRecord) -> Value {
     json!({"k":"agent","instance":a.instance,"pid":a.pid,"start_time":a.start_time,"marker":a.marker})
 }
@@ -260,6 +313,9 @@ impl Journal {
         Self {
             file: None,
             path: None,
+            keep: 0,
+            instance: String::new(),
+            compact_after: COMPACT_AFTER,
         }
     }
 
@@ -272,6 +328,17 @@ impl Journal {
         keep: usize,
         still_alive: impl Fn(&AgentRecord) -> bool,
     ) -> Result<(Self, Loaded)> {
+        Self::open_compacting_after(path, instance, keep, still_alive, COMPACT_AFTER)
+    }
+
+    /// [`Self::open`], compacting again after `compact_after` appended bytes.
+    pub fn open_compacting_after(
+        path: &Path,
+        instance: &str,
+        keep: usize,
+        still_alive: impl Fn(&AgentRecord) -> bool,
+        compact_after: u64,
+    ) -> Result<(Self, Loaded)> {
         let (text, fresh) = match std::fs::read(path) {
             Ok(b) => (String::from_utf8_lossy(&b).into_owned(), false),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => (String::new(), true),
@@ -280,38 +347,14 @@ impl Journal {
         let mut loaded = parse(&text, keep);
         loaded.fresh = fresh;
         loaded.agents.retain(|a| still_alive(a));
-        let mut compact = render(&loaded);
-        compact.push_str(&json!({"k":"start","instance":instance}).to_string());
-        compact.push('\n');
-        let tmp = path.with_extension("journal.tmp");
-        {
-            // The journal holds prompts: private to agentctl's user, like its run dir.
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&tmp)
-                .map_err(|e| io(format!("creating journal {}", tmp.display()), e))?;
-            f.write_all(compact.as_bytes())
-                .and_then(|()| f.sync_all())
-                .map_err(|e| io(format!("writing journal {}", tmp.display()), e))?;
-        }
-        std::fs::rename(&tmp, path)
-            .map_err(|e| io(format!("renaming journal to {}", path.display()), e))?;
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            File::open(dir)
-                .and_then(|d| d.sync_all())
-                .map_err(|e| io(format!("syncing directory {}", dir.display()), e))?;
-        }
-        let file = OpenOptions::new()
-            .append(true)
-            .open(path)
-            .map_err(|e| io(format!("opening journal {}", path.display()), e))?;
+        let file = rewrite(path, &loaded, instance)?;
         Ok((
             Self {
-                file: Some(Mutex::new(file)),
+                file: Some(Mutex::new(Appender { file, appended: 0 })),
                 path: Some(path.to_owned()),
+                keep,
+                instance: instance.to_owned(),
+                compact_after,
             },
             loaded,
         ))
@@ -327,9 +370,10 @@ impl Journal {
     }
 
     /// Appends `v`, then `fsync`s the file when `durable` (which makes every
-    /// line written before it durable too).
+    /// line written before it durable too). A durable write past
+    /// `compact_after` appended bytes compacts the file (see [`rewrite`]).
     fn write(&self, v: &Value, durable: bool) -> Result<()> {
-        let Some(file) = &self.file else {
+        let (Some(file), Some(path)) = (&self.file, &self.path) else {
             return Ok(());
         };
         let mut line = v.to_string();
@@ -337,12 +381,36 @@ impl Journal {
         let mut f = file
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        f.write_all(line.as_bytes())
-            .and_then(|()| if durable { f.sync_data() } else { Ok(()) })
-            .map_err(|e| {
-                let path = self.path.as_deref().unwrap_or(Path::new("?"));
-                io(format!("writing journal {}", path.display()), e)
-            })
+        f.file
+            .write_all(line.as_bytes())
+            .and_then(|()| if durable { f.file.sync_data() } else { Ok(()) })
+            .map_err(|e| io(format!("writing journal {}", path.display()), e))?;
+        f.appended += line.len() as u64;
+        if durable && f.appended >= self.compact_after {
+            // The line is durable already: a compaction that fails leaves
+            // the file whole, to be compacted at the next try or open.
+            match self.compact(path) {
+                Ok(compacted) => {
+                    *f = Appender {
+                        file: compacted,
+                        appended: 0,
+                    };
+                }
+                Err(e) => tracing::warn!(error = %e, "the turn journal could not be compacted"),
+            }
+        }
+        Ok(())
+    }
+
+    /// The file as it would be reopened: read, parsed to the remembered
+    /// turns (ended turns' texts dropped, resolved requests gone) and
+    /// rewritten atomically. Called with the appender locked, so no line
+    /// is appended to the old file meanwhile.
+    fn compact(&self, path: &Path) -> Result<File> {
+        let text = std::fs::read(path)
+            .map_err(|e| io(format!("reading journal {}", path.display()), e))?;
+        let loaded = parse(&String::from_utf8_lossy(&text), self.keep);
+        rewrite(path, &loaded, &self.instance)
     }
 
     /// Records `turn` (its `text`) accepted by `instance`; not `fsync`ed
@@ -446,6 +514,65 @@ mod tests {
             "through the compaction"
         );
         assert!(loaded.agents.is_empty(), "filtered by still_alive");
+    }
+
+    /// A long-lived agentctl's journal is compacted as it goes: it stays
+    /// the size of what it must remember, and what it must remember (the
+    /// last turns and their phases, the newest turn's text, requests still
+    /// waiting, agent trees) comes back whole at the next open.
+    #[test]
+    fn a_long_lived_journal_is_compacted_as_it_grows() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("long.journal");
+        let after = 4_000;
+        let (j, _) = Journal::open_compacting_after(&path, "i1", 3, |_| true, after).unwrap();
+        let waiting = PermissionRecord {
+            instance: "i1".into(),
+            turn_id: "t0".into(),
+            request_id: "r0".into(),
+            part: r#"{"requestId":"r0"}"#.into(),
+        };
+        j.permission(&waiting).unwrap();
+        j.agent(&AgentRecord {
+            instance: "i1".into(),
+            pid: 42,
+            start_time: 9,
+            marker: "mk".into(),
+        })
+        .unwrap();
+        let text = "x".repeat(200);
+        let mut largest = 0;
+        for i in 1..=500u64 {
+            let turn = format!("t{i}");
+            j.accepted(&turn, &format!("m{i}"), "i1", &format!("{i} {text}"))
+                .unwrap();
+            j.handed(&turn, "i1").unwrap();
+            if i < 500 {
+                j.ended(&turn, "i1", i * 10).unwrap();
+            }
+            largest = largest.max(std::fs::metadata(&path).unwrap().len());
+        }
+        // 500 turns appended ~250 KB; the file never held much more than
+        // one compaction's worth.
+        assert!(largest < 2 * after, "the journal grew to {largest} bytes");
+        drop(j);
+        let (_j, loaded) = Journal::open(&path, "i2", 3, |_| true).unwrap();
+        let phases: Vec<_> = loaded
+            .turns
+            .iter()
+            .map(|t| (t.turn_id.as_str(), t.phase, t.end_cursor))
+            .collect();
+        assert_eq!(
+            phases,
+            [
+                ("t498", Phase::Ended, 4980),
+                ("t499", Phase::Ended, 4990),
+                ("t500", Phase::Handed, 0)
+            ]
+        );
+        assert_eq!(loaded.turns[2].text, format!("500 {text}"));
+        assert_eq!(loaded.permissions, [waiting], "still waiting");
+        assert_eq!(loaded.agents.len(), 1);
     }
 
     #[test]
