@@ -453,6 +453,24 @@ impl Journal {
 mod tests {
     use super::*;
 
+    /// Each remembered turn's id, phase and end cursor.
+    fn phases(loaded: &Loaded) -> Vec<(&str, Phase, u64)> {
+        loaded
+            .turns
+            .iter()
+            .map(|t| (t.turn_id.as_str(), t.phase, t.end_cursor))
+            .collect()
+    }
+
+    fn agent_tree() -> AgentRecord {
+        AgentRecord {
+            instance: "i1".into(),
+            pid: 42,
+            start_time: 9,
+            marker: "mk".into(),
+        }
+    }
+
     #[test]
     fn phases_reaccept_torn_line_and_compaction() {
         let dir = tempfile::tempdir().unwrap();
@@ -466,13 +484,7 @@ mod tests {
         j.accepted("t2", "m2", "i1", "two\n\"quoted\"").unwrap();
         j.handed("t2", "i1").unwrap();
         j.accepted("t3", "m3", "i1", "").unwrap();
-        j.agent(&AgentRecord {
-            instance: "i1".into(),
-            pid: 42,
-            start_time: 9,
-            marker: "mk".into(),
-        })
-        .unwrap();
+        j.agent(&agent_tree()).unwrap();
         drop(j);
         // A crash mid-write leaves a torn line: ignored.
         let mut f = OpenOptions::new().append(true).open(&path).unwrap();
@@ -481,13 +493,8 @@ mod tests {
 
         let (j, loaded) = Journal::open(&path, "i2", 3, |_| true).unwrap();
         assert!(!loaded.fresh);
-        let phases: Vec<_> = loaded
-            .turns
-            .iter()
-            .map(|t| (t.turn_id.as_str(), t.phase, t.end_cursor))
-            .collect();
         assert_eq!(
-            phases,
+            phases(&loaded),
             [
                 ("t1", Phase::Ended, 7),
                 ("t2", Phase::Handed, 0),
@@ -533,13 +540,7 @@ mod tests {
             part: r#"{"requestId":"r0"}"#.into(),
         };
         j.permission(&waiting).unwrap();
-        j.agent(&AgentRecord {
-            instance: "i1".into(),
-            pid: 42,
-            start_time: 9,
-            marker: "mk".into(),
-        })
-        .unwrap();
+        j.agent(&agent_tree()).unwrap();
         let text = "x".repeat(200);
         let mut largest = 0;
         for i in 1..=500u64 {
@@ -557,13 +558,8 @@ mod tests {
         assert!(largest < 2 * after, "the journal grew to {largest} bytes");
         drop(j);
         let (_j, loaded) = Journal::open(&path, "i2", 3, |_| true).unwrap();
-        let phases: Vec<_> = loaded
-            .turns
-            .iter()
-            .map(|t| (t.turn_id.as_str(), t.phase, t.end_cursor))
-            .collect();
         assert_eq!(
-            phases,
+            phases(&loaded),
             [
                 ("t498", Phase::Ended, 4980),
                 ("t499", Phase::Ended, 4990),
