@@ -42,6 +42,11 @@ pub(crate) trait RecoverFirst {
     /// commit (`committed`) decided so (`restarts::after_agent_exit`).
     fn spawn_agent_restart(&self, session: SessionId, decision: AfterExit, committed: bool);
 
+    /// Recovers `session` in the background now (its agent relaunched and
+    /// its conversation resumed, a pending turn settled), the status saying
+    /// so meanwhile: its agentctl answers but runs no agent.
+    fn spawn_agent_relaunch(&self, session: SessionId, reason: String);
+
     /// What a lost agentctl of `record` changes (its executor, the session,
     /// a turn in flight as `turn` says), and the record to retry in the
     /// background if the loss may pass.

@@ -308,6 +308,10 @@ impl crate::flows::RecoverFirst for SessionManager {
         ExecutorRecovery(self).spawn_agent_restart(session, decision, committed)
     }
 
+    fn spawn_agent_relaunch(&self, session: SessionId, reason: String) {
+        ExecutorRecovery(self).spawn_agent_relaunch(session, reason)
+    }
+
     async fn agentctl_lost_change(
         &self,
         record: &ExecutorRecord,
@@ -2303,19 +2307,7 @@ impl ExecutorRecovery<'_> {
         let me = self.0.clone();
         self.spawn_background(async move {
             tokio::time::sleep(delay).await;
-            let outcome = async {
-                if !Fencing(&me).owns(session) {
-                    return Ok(None); // another replica holds it now
-                }
-                let Some(record) = me.inner.store.get_executor_for_session(session).await? else {
-                    return Ok(None);
-                };
-                Pass(&me).recover_shared((&record).into()).await.map(Some)
-            }
-            .await;
-            if !matches!(outcome, Ok(Some(_))) {
-                me.inner.agent_recoveries.clear(session);
-            }
+            let outcome = ExecutorRecovery(&me).recover_announced(session).await;
             me.inner.agent_restarts.finished(session);
             match outcome {
                 Ok(Some(label)) => {
@@ -2324,6 +2316,49 @@ impl ExecutorRecovery<'_> {
                 Ok(None) => {}
                 Err(e) => {
                     tracing::warn!(%session, error = %e, "agent restart: recovery failed");
+                }
+            }
+        });
+    }
+
+    /// The recovery of `session` that a background task announced in
+    /// `agent_recoveries`: run now, unless another replica holds the
+    /// session or it has no executor (`None`); the announcement is taken
+    /// back unless it ran (a recovery that ran clears it itself).
+    async fn recover_announced(&self, session: SessionId) -> Result<Option<OutcomeLabel>> {
+        let outcome = async {
+            if !Fencing(self).owns(session) {
+                return Ok(None); // another replica holds it now
+            }
+            let Some(record) = self.inner.store.get_executor_for_session(session).await? else {
+                return Ok(None);
+            };
+            Pass(self).recover_shared((&record).into()).await.map(Some)
+        }
+        .await;
+        if !matches!(outcome, Ok(Some(_))) {
+            self.inner.agent_recoveries.clear(session);
+        }
+        outcome
+    }
+
+    /// Recovers `session` in the background at once: its agentctl answers
+    /// but runs no agent (a restarted remote agentctl a parked session did
+    /// not notice). Announced first, so a message or a retry meanwhile
+    /// waits for it and the status says `recovering`.
+    pub(crate) fn spawn_agent_relaunch(&self, session: SessionId, reason: String) {
+        self.inner
+            .agent_recoveries
+            .retry_after(session, 0, reason, Duration::ZERO);
+        let me = self.0.clone();
+        self.spawn_background(async move {
+            match ExecutorRecovery(&me).recover_announced(session).await {
+                Ok(Some(label)) => {
+                    tracing::info!(%session, %label, "agent relaunch: recovery ran");
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(%session, error = %e, "agent relaunch: recovery failed");
                 }
             }
         });

@@ -711,6 +711,25 @@ impl Turns<'_> {
                      error)"
                 )));
             }
+            if let Some(refused_by) = self.no_agent_ran_it(&failed, &client).await {
+                // agentctl answers but runs no agent (it restarted unseen,
+                // or its agent died with no one to notice): the turn reached
+                // no agent. It stays pending, recorded as gone to the process
+                // that refused it, whose journal never saw it; the session's
+                // recovery relaunches the agent and delivers it once.
+                let mut pending = running.clone();
+                pending
+                    .metadata
+                    .insert(super::TURN_INSTANCE_KEY.into(), refused_by);
+                self.inner.sessions.stop_pump(session_id);
+                self.commit(Changeset::new().update_session(pending))
+                    .await?;
+                self.cache_update(session_id, |x| x.agent = AgentProcessState::NotRunning);
+                tracing::warn!(session = %session_id, turn_id = %stored.id, error = %e,
+                    "agentctl runs no agent; relaunching it, the message is delivered once it is up");
+                self.spawn_agent_relaunch(session_id, format!("agentctl runs no agent ({e})"));
+                return Ok(Some(stored));
+            }
             self.inner
                 .metrics
                 .turn_ended(session_id, crate::metrics::TurnOutcome::Failed);
@@ -818,6 +837,31 @@ impl Turns<'_> {
             tokio::time::timeout(self.inner.config.executor_deadline, client.health()).await,
             Ok(Ok(_))
         )
+    }
+
+    /// The Prompt was refused because agentctl runs no agent, as its
+    /// `Health` confirms now: the instance that refused it (whose journal
+    /// never took the turn), else `None`.
+    async fn no_agent_ran_it(
+        &self,
+        failed: &sessiond_executor::Error,
+        client: &sessiond_executor::AgentctlClient,
+    ) -> Option<String> {
+        if failed.failure() != sessiond_executor::Failure::FailedPrecondition {
+            return None;
+        }
+        let limit = self.inner.config.executor_deadline;
+        match tokio::time::timeout(limit, client.health()).await {
+            Ok(Ok(h))
+                if matches!(
+                    h.agent_state,
+                    sessiond_executor::AgentState::None | sessiond_executor::AgentState::Exited
+                ) && !h.instance_id.is_empty() =>
+            {
+                Some(h.instance_id)
+            }
+            _ => None,
+        }
     }
 
     /// The Prompt of a turn just started found agentctl gone: a remote

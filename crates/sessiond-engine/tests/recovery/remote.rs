@@ -650,19 +650,8 @@ async fn remote_explicit_resume_while_unreachable_keeps_the_turn_until_the_windo
 /// no agent, is delivered, exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_message_that_finds_the_host_gone_is_delivered_once_it_is_back() {
-    let w = World::new(Db::Sqlite).await;
-    let spot = RemoteSpot::at(&w.worktree("remote").path);
-    let journal = w.path("remote-agentctl.journal");
-    let host = RemoteHost::start_with(&w, &spot, Some(&journal), &[]).await;
-    let mgr = w.manager_with(ManagerConfig {
-        liveness_interval: None,
-        ..w.config()
-    });
-    let s = spot.create(&w, &mgr, &w.profile, &host).await;
+    let (w, spot, journal, mgr, s) = parked_remote_session_whose_agentctl_died().await;
     let token = s.resume_token.clone().unwrap();
-    w.prompt(&mgr, s.id, "one").await;
-    w.wait_parked(&mgr, s.id).await;
-    host.kill().await;
 
     let sent = mgr
         .send_message(w.task.id, s.id, "lost")
@@ -677,11 +666,63 @@ async fn remote_message_that_finds_the_host_gone_is_delivered_once_it_is_back() 
     );
 
     let host = RemoteHost::start_with(&w, &spot, Some(&journal), &[]).await;
-    let want = expected_reply(2, &token, "lost");
+    wait_delivered(&w, &mgr, s.id, &expected_reply(2, &token, "lost")).await;
+    goes_on_then_ends(w, &mgr, s.id, host, &token).await;
+}
+
+/// A remote session prompted once and parked, with the liveness checks off
+/// (nothing but a call notices its host), whose agentctl (journal at the
+/// returned path, kept for the next one on the same spot) is then killed.
+async fn parked_remote_session_whose_agentctl_died()
+-> (World, RemoteSpot, PathBuf, SessionManager, Session) {
+    let w = World::new(Db::Sqlite).await;
+    let spot = RemoteSpot::at(&w.worktree("remote").path);
+    let journal = w.path("remote-agentctl.journal");
+    let host = RemoteHost::start_with(&w, &spot, Some(&journal), &[]).await;
+    let mgr = w.manager_with(ManagerConfig {
+        liveness_interval: None,
+        ..w.config()
+    });
+    let s = spot.create(&w, &mgr, &w.profile, &host).await;
+    w.prompt(&mgr, s.id, "one").await;
+    w.wait_parked(&mgr, s.id).await;
+    host.kill().await;
+    (w, spot, journal, mgr, s)
+}
+
+/// The conversation goes on where it was (turn 3), then the session ends
+/// and its host stops.
+async fn goes_on_then_ends(
+    w: World,
+    mgr: &SessionManager,
+    session: SessionId,
+    host: RemoteHost,
+    token: &str,
+) {
+    host.track_agent(&w);
+    assert_eq!(
+        w.prompt(mgr, session, "two").await,
+        expected_reply(3, token, "two")
+    );
+    mgr.cancel_session(w.task.id, session).await.unwrap();
+    host.kill().await;
+    w.finish(mgr, &[]).await;
+}
+
+/// Waits until `session` waits for input with the agent's reply `want`
+/// stored, never passing through ERROR and with nothing interrupted (no
+/// system message); returns its messages.
+async fn wait_delivered(
+    w: &World,
+    mgr: &SessionManager,
+    session: SessionId,
+    want: &str,
+) -> Vec<sessiond_domain::Message> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let msgs = w.messages(s.id).await;
-        let st = w.status(&mgr, s.id).await;
+        let msgs = w.messages(session).await;
+        let st = w.status(mgr, session).await;
+        assert_ne!(st.state, SessionState::Error, "{st:?} {msgs:?}");
         if st.state == SessionState::WaitingForInput
             && msgs
                 .iter()
@@ -693,7 +734,7 @@ async fn remote_message_that_finds_the_host_gone_is_delivered_once_it_is_back() 
                     .any(|m| m.role == sessiond_domain::MessageRole::System),
                 "nothing interrupted: {msgs:?}"
             );
-            break;
+            return msgs;
         }
         assert!(
             Instant::now() < deadline,
@@ -701,14 +742,34 @@ async fn remote_message_that_finds_the_host_gone_is_delivered_once_it_is_back() 
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    host.track_agent(&w);
-    assert_eq!(
-        w.prompt(&mgr, s.id, "two").await,
-        expected_reply(3, &token, "two")
-    );
-    mgr.cancel_session(w.task.id, s.id).await.unwrap();
-    host.kill().await;
-    w.finish(&mgr, &[]).await;
+}
+
+/// A remote host's agentctl restarts while the session is idle (parked: no
+/// stream notices, and with the liveness checks off nothing else does): the
+/// next message's `Prompt` is refused, as no agent runs there. That turn
+/// reached no agent, so sessiond relaunches the agent, resumes the
+/// conversation and delivers the message once, by itself: the session is
+/// never ERROR and nothing is interrupted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_message_to_a_restarted_agentctl_with_no_agent_is_delivered_once() {
+    let (w, spot, journal, mgr, s) = parked_remote_session_whose_agentctl_died().await;
+    let token = s.resume_token.clone().unwrap();
+    let host = RemoteHost::start_with(&w, &spot, Some(&journal), &[]).await;
+
+    let sent = mgr
+        .send_message(w.task.id, s.id, "after the restart")
+        .await
+        .expect("stored, delivered once the agent is back");
+    let want = expected_reply(2, &token, "after the restart");
+    let msgs = wait_delivered(&w, &mgr, s.id, &want).await;
+    let users: Vec<_> = msgs
+        .iter()
+        .filter(|m| m.role == sessiond_domain::MessageRole::User)
+        .map(|m| m.id)
+        .collect();
+    assert_eq!(users.len(), 2, "sent once: {msgs:?}");
+    assert_eq!(users[1], sent.id);
+    goes_on_then_ends(w, &mgr, s.id, host, &token).await;
 }
 
 /// GetSessionStatus after a restart does not ask agentctl for the agent's
