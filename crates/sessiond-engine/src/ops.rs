@@ -57,6 +57,21 @@ pub(crate) fn probe_verdict(support: Support) -> Option<bool> {
     }
 }
 
+/// The pid of a standalone executor's recorded agentctl process when that
+/// process (pid and start time) no longer runs: its agentctl is gone, and
+/// nothing that talks to it can come back. `None` for other runtimes, or
+/// with no process recorded.
+pub(crate) fn local_agentctl_gone(record: &ExecutorRecord) -> Option<u32> {
+    match (record.runtime, record.pid, record.pid_start_time) {
+        (Runtime::LocalStandalone, Some(pid), Some(started))
+            if !sessiond_executor::process::is_same_running(pid, started) =>
+        {
+            Some(pid)
+        }
+        _ => None,
+    }
+}
+
 /// Local agentctl processes started for `executor_id` (found by their
 /// `--executor-id` argument): positive evidence that they belong to this
 /// executor, even when their pid was never recorded (a crash between spawn

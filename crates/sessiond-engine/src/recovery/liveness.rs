@@ -125,10 +125,8 @@ impl Liveness<'_> {
                 tokio::time::sleep(PID_WATCH_EVERY).await;
                 let gone: Vec<(ExecutorRecord, bool)> = me.inner.sessions.executions(|e| {
                     let r = &e.record;
-                    let dead = r.runtime == Runtime::LocalStandalone
-                        && r.status == ExecutorStatus::Ready
-                        && matches!((r.pid, r.pid_start_time), (Some(pid), Some(st))
-                            if !sessiond_executor::process::is_same_running(pid, st));
+                    let dead = r.status == ExecutorStatus::Ready
+                        && crate::ops::local_agentctl_gone(r).is_some();
                     dead.then(|| (r.clone(), e.agent == AgentProcessState::Running))
                 });
                 for (record, agent_running) in gone {

@@ -226,13 +226,8 @@ impl Pump {
     fn agentctl_process_gone(&self) -> Option<String> {
         let execution = self.mgr.execution(self.session_id)?;
         let r = &execution.record;
-        let (Some(pid), Some(started)) = (r.pid, r.pid_start_time) else {
-            return None;
-        };
-        (r.runtime == Runtime::LocalStandalone
-            && r.generation == self.generation
-            && !sessiond_executor::process::is_same_running(pid, started))
-        .then(|| format!("its process {pid} exited"))
+        let pid = crate::ops::local_agentctl_gone(r).filter(|_| r.generation == self.generation)?;
+        Some(format!("its process {pid} exited"))
     }
 
     pub(super) async fn handle(&mut self, update: pb::AgentUpdate) -> Result<()> {
