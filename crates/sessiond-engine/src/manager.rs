@@ -104,6 +104,8 @@ pub(crate) struct Inner {
     /// Test hook: awaited by a pump that recorded a lost agentctl, before
     /// it starts the background recovery (see `gate_lost_agentctl`).
     pub(crate) lost_agentctl_gate: StdMutex<Option<crate::pass::PassGate>>,
+    /// Test hook: while set, idle pumps do not park (see `hold_parking`).
+    pub(crate) parking_held: std::sync::atomic::AtomicBool,
     /// This replica's lease claims, one at a time (`replica.rs`): a call
     /// never claims again what the adoption loop just claimed.
     pub(crate) claims: tokio::sync::Mutex<()>,
@@ -233,6 +235,7 @@ impl SessionManager {
                 leases,
                 heartbeat_gate: StdMutex::default(),
                 lost_agentctl_gate: StdMutex::default(),
+                parking_held: std::sync::atomic::AtomicBool::new(false),
                 claims: tokio::sync::Mutex::new(()),
                 adoptions: StdMutex::default(),
             }),
@@ -360,6 +363,16 @@ impl SessionManager {
             });
         }
         Ok(s)
+    }
+
+    /// While `held`, an idle session's update pump stays up instead of
+    /// parking (it still does everything else at its idle check). For
+    /// tests that must act on a session whose stream is open.
+    #[cfg(feature = "test-hooks")]
+    pub fn hold_parking(&self, held: bool) {
+        self.inner
+            .parking_held
+            .store(held, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether the session's updates are parked (no pump, no stream open).

@@ -1006,7 +1006,34 @@ impl Pump {
         if h.latest_cursor > self.cursor {
             return false; // updates still to read
         }
+        let vanished = matches!(h.agent_state, AgentState::None | AgentState::Exited)
+            && self
+                .mgr
+                .execution(self.session_id)
+                .is_some_and(|e| e.agent == AgentProcessState::Running);
+        if vanished {
+            // The agent went without an `AgentExited` (a remote host
+            // restarted its agentctl, which runs none now). Liveness skips
+            // sessions with a pump, and the status would say "running" for
+            // as long as this pump lives: handled as the agent's exit
+            // (restarted, the conversation resumed).
+            drop(_guard);
+            tracing::warn!(session = %self.session_id, state = ?h.agent_state,
+                "agentctl runs no agent while the session's agent was running; handling it as the agent's exit");
+            if let Err(e) = self.agent_exited(h.agent_exit.as_ref()).await {
+                tracing::warn!(session = %self.session_id, error = %e, "could not record the vanished agent");
+            }
+            return false;
+        }
         if needs_idle_agent && h.agent_state != AgentState::Ready {
+            return false;
+        }
+        if self
+            .mgr
+            .inner
+            .parking_held
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
             return false;
         }
         if !h.instance_id.is_empty() {

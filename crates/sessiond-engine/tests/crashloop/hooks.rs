@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use sessiond_domain::{MessageRole, SessionId, SessionState};
+use sessiond_domain::{EventPayload, MessageRole, SessionId, SessionState};
 
 use crate::world::{Rt, World, new_session};
 
@@ -107,4 +107,114 @@ async fn a_lost_agentctls_recovery_is_announced_with_the_interrupted_turn() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     w.cleanup(&mgr).await;
+}
+
+/// A remote host restarts its agentctl while the session's update pump is
+/// up (its turn just ended; parking held, so the stream stays open): the new
+/// agentctl runs no agent, and nothing says so (no `AgentExited`; liveness
+/// skips sessions with a pump). The pump finds it at its idle check, and the
+/// agent is relaunched and the conversation resumed by itself, with no
+/// message sent; the next message is the conversation's second turn. It used to keep saying
+/// "agent running" for as long as the pump lived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_agentctl_restarted_under_a_live_pump_gets_its_agent_back() {
+    let w = World::new().await;
+    let mgr = w.manager().await;
+    mgr.recovery().recover_all().await.unwrap();
+    mgr.hold_parking(true);
+    let plan = w.plan("pumped", Rt::Remote).await;
+    let host = plan.remote.clone().expect("a remote plan names its host");
+    let s = mgr
+        .create_session(new_session(
+            w.task.id,
+            w.local_profile.id,
+            None,
+            w.dir.path(),
+            &plan,
+        ))
+        .await
+        .unwrap();
+    let first = mgr.send_message(w.task.id, s.id, "one").await.unwrap();
+    wait_message(&w, s.id, "the first turn got no reply", |m| {
+        m.role == MessageRole::Agent && m.seq > first.seq && m.content.contains("you said \"one\"")
+    })
+    .await;
+    wait_state(&mgr, &w, s.id, SessionState::WaitingForInput).await;
+    assert!(!mgr.is_parked(s.id), "parking is held: the pump stays up");
+    let before = last_seq(&w, s.id).await;
+    assert!(
+        w.restart_remote(&host.executor_id).await,
+        "the remote host's agentctl could not be restarted"
+    );
+    // Restarted by itself: ERROR (the agent gone) -> STARTING -> WAITING,
+    // and the status says the agent runs.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let changes: Vec<SessionState> = w
+            .store
+            .events_after(s.id, before, 10_000)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter_map(|e| match e.payload {
+                EventPayload::StateChanged { to, .. } => Some(to),
+                _ => None,
+            })
+            .collect();
+        let restarted = changes.contains(&SessionState::Starting)
+            && changes.last() == Some(&SessionState::WaitingForInput);
+        let st = mgr.session_status(w.task.id, s.id).await.unwrap();
+        if restarted && st.state == SessionState::WaitingForInput && st.is_agent_running {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the agent was never restarted after its agentctl restarted: {changes:?} {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    mgr.hold_parking(false);
+    let second = mgr.send_message(w.task.id, s.id, "two").await.unwrap();
+    wait_message(&w, s.id, "the resumed conversation got no reply", |m| {
+        m.role == MessageRole::Agent && m.seq > second.seq && m.content.contains("you said \"two\"")
+    })
+    .await;
+    let msgs = w.store.list_messages(s.id, 0, u32::MAX).await.unwrap();
+    let reply = msgs
+        .iter()
+        .rev()
+        .find(|m| m.role == MessageRole::Agent)
+        .unwrap();
+    assert!(
+        reply.content.starts_with("turn 2 "),
+        "the relaunched agent resumed the conversation: {msgs:?}"
+    );
+    w.cleanup(&mgr).await;
+}
+
+/// The seq of the session's last event.
+async fn last_seq(w: &World, s: SessionId) -> i64 {
+    w.store
+        .events_after(s, 0, 1_000_000)
+        .await
+        .unwrap()
+        .last()
+        .map_or(0, |e| e.seq)
+}
+
+async fn wait_state(
+    mgr: &sessiond_engine::SessionManager,
+    w: &World,
+    s: SessionId,
+    want: SessionState,
+) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let st = mgr.session_status(w.task.id, s).await.unwrap();
+        if st.state == want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "never {want:?}: {st:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
