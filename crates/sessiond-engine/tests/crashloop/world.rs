@@ -952,7 +952,43 @@ impl World {
             (SessionState::Error, Some(e)) => format!(" ({})", clip(e, 80)),
             _ => String::new(),
         };
-        format!("{name} {} {} {}{why}, {executor}", s.id, s.runtime, s.state)
+        let host = match s.runtime {
+            Runtime::Remote => self.remote_host_state(s).await,
+            _ => String::new(),
+        };
+        format!(
+            "{name} {} {} {}{why}, {executor}{host}",
+            s.id, s.runtime, s.state
+        )
+    }
+
+    /// For a remote session's failure message: whether its host's agentctl
+    /// process still runs, and the last lines of its log (the evidence when
+    /// a host does not answer at the end).
+    async fn remote_host_state(&self, s: &Session) -> String {
+        let Some(r) = self.record(s.id).await else {
+            return String::new();
+        };
+        let id = r.id.to_string();
+        let process = {
+            let mut remotes = self.remotes.lock().unwrap();
+            match remotes.iter_mut().find(|h| h.spec.executor_id == id) {
+                Some(h) => match h.child.try_wait() {
+                    Ok(None) => format!("host agentctl {} running", h.child.id()),
+                    Ok(Some(status)) => format!("host agentctl {} exited: {status}", h.child.id()),
+                    Err(e) => format!("host agentctl {}: {e}", h.child.id()),
+                },
+                None => return String::new(),
+            }
+        };
+        let log =
+            std::fs::read_to_string(self.path(&format!("remote-{id}.log"))).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(4).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        format!(
+            "; {process}; its log ends: {}",
+            clip(&tail.join(" | "), 600)
+        )
     }
 
     /// One line: how many sessions are in each state, and which are not
