@@ -12,7 +12,8 @@
 
 use std::ffi::OsString;
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::AsFd;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
@@ -31,7 +32,7 @@ pub const DEFAULT_MAX_READ: u64 = 16 << 20;
 pub struct Workspace {
     root: PathBuf,
     /// The root, opened once: every file call resolves beneath it.
-    root_fd: Arc<OwnedFd>,
+    root_fd: Arc<std::fs::File>,
     resolve: Resolve,
 }
 
@@ -50,9 +51,33 @@ impl Workspace {
             .map_err(|e| Error::io(format!("workspace {}", root.display()), e))?;
         Ok(Self {
             root,
-            root_fd: Arc::new(root_fd.into()),
+            root_fd: Arc::new(root_fd),
             resolve: Resolve::Best,
         })
+    }
+
+    /// Whether the directory at the root's path is still the one this
+    /// workspace opened: a worktree removed and checked out again (by
+    /// sessiond, on the agent's relaunch) is a new directory, and the held
+    /// descriptor still names the removed one, where every call would fail.
+    fn root_now(&self) -> RootNow {
+        let Ok(now) = std::fs::metadata(&self.root) else {
+            return RootNow::Missing;
+        };
+        if !now.is_dir() {
+            return RootNow::Missing;
+        }
+        // A removed directory has no links left; its inode number may be
+        // reused at once by the one made in its place, so that alone does
+        // not tell them apart.
+        let same = self.root_fd.metadata().is_ok_and(|held| {
+            held.nlink() > 0 && held.dev() == now.dev() && held.ino() == now.ino()
+        });
+        if same {
+            RootNow::Same
+        } else {
+            RootNow::Replaced
+        }
     }
 
     /// The same workspace resolving with `how` (tests of the fallback).
@@ -292,6 +317,13 @@ impl Workspace {
     }
 }
 
+/// What is at a workspace's root path now ([`Workspace::root_now`]).
+enum RootNow {
+    Same,
+    Replaced,
+    Missing,
+}
+
 /// The workspace an agentctl serves: fixed when it starts (`--workspace`),
 /// or, for an agentctl started with `--worktree-root` only, the worktree
 /// sessiond has it create (the `Worktree` call), bound by that call, opened
@@ -311,9 +343,12 @@ impl WorkspaceSlot {
         Self::default()
     }
 
-    /// The workspace, or FAILED_PRECONDITION when none is bound.
+    /// The workspace, or FAILED_PRECONDITION when none is bound or its
+    /// directory no longer exists. A directory made again at the same path
+    /// (a worktree checked out again) is opened and served from then on.
     pub fn get(&self) -> Result<Arc<Workspace>> {
-        self.0
+        let ws = self
+            .0
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
@@ -323,7 +358,30 @@ impl WorkspaceSlot {
                      create or restore (Worktree), and none is bound"
                         .into(),
                 )
-            })
+            })?;
+        match ws.root_now() {
+            RootNow::Same => Ok(ws),
+            RootNow::Missing => Err(Error::FailedPrecondition(format!(
+                "the workspace directory {} no longer exists (it was removed); sessiond \
+                 checks the session's worktree out again from its branch when it next \
+                 launches the agent",
+                ws.root().display()
+            ))),
+            RootNow::Replaced => {
+                let fresh = Arc::new(Workspace::open(ws.root())?.with_resolve(ws.resolve));
+                let mut slot = self
+                    .0
+                    .write()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                // Unless a bind or another call replaced it meanwhile.
+                if slot.as_ref().is_some_and(|cur| Arc::ptr_eq(cur, &ws)) {
+                    *slot = Some(fresh.clone());
+                    tracing::info!(root = %ws.root().display(),
+                        "the workspace directory was made again; serving the new one");
+                }
+                Ok(fresh)
+            }
+        }
     }
 
     /// The bound workspace's root, if any.
@@ -365,6 +423,49 @@ mod tests {
         std::fs::write(outside.join("secret"), "s").expect("write");
         let ws = Workspace::open(&root).expect("open");
         (base, ws, outside)
+    }
+
+    /// A worktree removed under a running agentctl and checked out again
+    /// at the same path: meanwhile a clear error, then the new directory
+    /// served (the held descriptor named the removed one, so every file
+    /// call failed until agentctl restarted).
+    #[test]
+    fn a_removed_root_is_refused_and_one_made_again_is_served() {
+        let base = tempfile::tempdir().expect("tempdir");
+        let root = base.path().join("ws");
+        std::fs::create_dir_all(&root).expect("mkdir");
+        let root = std::fs::canonicalize(&root).expect("canonical");
+        std::fs::write(root.join("old"), "o").expect("write");
+        let slot = WorkspaceSlot::fixed(Workspace::open(&root).expect("open"));
+        assert_eq!(
+            slot.get()
+                .expect("bound")
+                .read_file("old", 0)
+                .expect("read"),
+            b"o"
+        );
+        std::fs::remove_dir_all(&root).expect("rm");
+        let err = slot.get().expect_err("its directory is gone");
+        assert!(
+            matches!(&err, Error::FailedPrecondition(m)
+                if m.contains("no longer exists") && m.contains(&root.display().to_string())),
+            "{err:?}"
+        );
+        std::fs::create_dir_all(&root).expect("mkdir again");
+        std::fs::write(root.join("new"), "n").expect("write");
+        let ws = slot.get().expect("the new directory");
+        assert_eq!(ws.read_file("new", 0).expect("read"), b"n");
+        let names: Vec<String> = ws
+            .list_dir("")
+            .expect("list")
+            .into_iter()
+            .map(|e| e.name)
+            .collect();
+        assert_eq!(names, ["new"]);
+        ws.write_file("w.txt", b"w", false).expect("write");
+        assert_eq!(std::fs::read(root.join("w.txt")).expect("read back"), b"w");
+        // Served from then on, not opened again at every call.
+        assert!(Arc::ptr_eq(&ws, &slot.get().expect("bound")));
     }
 
     fn denied(r: Result<PathBuf>) -> bool {
