@@ -6,7 +6,7 @@ use sessiond_domain::{
 use sessiond_engine::ManagerConfig;
 
 use crate::support::{
-    Db, World, assert_consecutive, children_of, expected_reply, is_running, kill9,
+    Db, World, assert_consecutive, demo_agents_under, expected_reply, is_running, kill9,
 };
 
 /// Create a session, prompt it: the reply is one agent message (added once,
@@ -332,17 +332,6 @@ async fn idle_agent_killed_is_restarted_and_resumed_by_itself(db: Db) {
     let reply = w.prompt(&mgr, s.id, "two").await;
     assert_eq!(reply, expected_reply(2, &token, "two"));
     w.finish(&mgr, &[s.id]).await;
-}
-
-/// The demo agents among `agentctl`'s children.
-fn demo_agents_under(agentctl: u32) -> Vec<u32> {
-    children_of(agentctl)
-        .into_iter()
-        .filter(|p| {
-            std::fs::read(format!("/proc/{p}/cmdline"))
-                .is_ok_and(|c| String::from_utf8_lossy(&c).contains("acp-demo-agent"))
-        })
-        .collect()
 }
 
 /// GetSessionStatus shows the agent's session modes without asking

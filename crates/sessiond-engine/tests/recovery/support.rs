@@ -598,6 +598,17 @@ pub fn assert_consecutive(events: &[Event], first: i64) {
     }
 }
 
+/// The demo agents among `agentctl`'s children.
+pub fn demo_agents_under(agentctl: u32) -> Vec<u32> {
+    children_of(agentctl)
+        .into_iter()
+        .filter(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains("acp-demo-agent"))
+        })
+        .collect()
+}
+
 pub fn expected_reply(n: usize, token: &str, text: &str) -> String {
     format!("turn {n} of session {token}: you said \"{text}\"")
 }

@@ -11,7 +11,7 @@ use sessiond_domain::{
 };
 use sessiond_engine::{ManagerConfig, NewSession, SessionManager, WorktreeSettings};
 
-use crate::support::{Db, World, expected_reply, kill_tree};
+use crate::support::{Db, World, demo_agents_under, expected_reply, kill_tree, kill9};
 
 fn git(dir: &Path, args: &[&str]) -> String {
     let out = Command::new("git")
@@ -194,6 +194,46 @@ async fn a_removed_worktree_is_recreated_from_its_branch_after_kill9_sqlite() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_removed_worktree_is_recreated_from_its_branch_after_kill9_postgres() {
     a_removed_worktree_is_recreated_from_its_branch_after_kill9(Db::Postgres).await;
+}
+
+/// The worktree removed while its agentctl runs, then the agent killed:
+/// sessiond restarts the agent under the same agentctl and checks the
+/// worktree out again from its branch; agentctl serves the new directory,
+/// so the agent reads and writes files in it (ACP `fs/*`). agentctl used to
+/// keep serving the removed directory, every file call failing, until it
+/// was itself restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worktree_removed_under_a_live_agentctl_is_served_again_after_the_agents_restart() {
+    let w = World::new(Db::Sqlite).await;
+    let repo = repository(&w);
+    let mgr = w.manager_with(config(&w));
+    let s = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
+    let path = PathBuf::from(&s.worktree.path);
+    w.prompt(&mgr, s.id, "/edit notes.txt committed").await;
+    git(&path, &["commit", "-q", "-am", "work"]);
+    let agentctl = w.record(s.id).await.pid.unwrap();
+    let agents = demo_agents_under(agentctl);
+    assert_eq!(agents.len(), 1, "one agent under agentctl {agentctl}");
+    let seq_before = w.store.last_event_seq(s.id).await.unwrap();
+
+    std::fs::remove_dir_all(&path).unwrap();
+    kill9(agents[0]);
+    w.wait_agent_back(&mgr, s.id, seq_before).await;
+    assert_eq!(
+        w.record(s.id).await.pid,
+        Some(agentctl),
+        "the same agentctl"
+    );
+    assert!(path.is_dir(), "checked out again");
+    let read = w.prompt(&mgr, s.id, "/read notes.txt").await;
+    assert!(read.ends_with("\nread: committed"), "{read}");
+    let write = w.prompt(&mgr, s.id, "/write new.txt hello").await;
+    assert!(write.ends_with("\nwrite: ok"), "{write}");
+    assert_eq!(
+        std::fs::read_to_string(path.join("new.txt")).unwrap(),
+        "hello"
+    );
+    w.finish(&mgr, &[s.id]).await;
 }
 
 /// Directory and branch both gone: the session goes ERROR naming the
