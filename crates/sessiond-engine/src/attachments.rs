@@ -129,6 +129,9 @@ pub(crate) async fn resolve(
                 if uri.trim().is_empty() {
                     return Err(invalid(i, "a link needs its uri".into()));
                 }
+                if let Some(problem) = uri_problem(&uri) {
+                    return Err(invalid(i, problem));
+                }
                 Attachment::Link {
                     uri,
                     name,
@@ -334,8 +337,52 @@ pub(crate) fn stored_blocks(data: &str, root: &str) -> Vec<pb::PromptBlock> {
     blocks(&of_message_data(data), root)
 }
 
+/// Why `uri` is no absolute URI an agent could follow (RFC 3986: a
+/// scheme, a colon, then no spaces or control characters), if it is not.
+fn uri_problem(uri: &str) -> Option<String> {
+    let scheme = uri.split_once(':').map(|(s, _)| s).unwrap_or_default();
+    let scheme_ok = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+        && scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+    if !scheme_ok {
+        return Some(format!(
+            "link {uri:?} is not an absolute URI: it needs a scheme, as in https://example.com/page or file:///path"
+        ));
+    }
+    if uri.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Some(format!(
+            "link {uri:?} is not a URI: spaces and control characters must be percent-encoded"
+        ));
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_link_must_be_an_absolute_uri() {
+        for good in [
+            "https://example.com/a?b=c#d",
+            "file:///tmp/x",
+            "mailto:a@b",
+            "urn:isbn:1",
+        ] {
+            assert_eq!(super::uri_problem(good), None, "{good}");
+        }
+        for bad in [
+            "not a uri",
+            "example.com/page",
+            "/tmp/x",
+            ":x",
+            "1http://x",
+            "https://a b/",
+            "http://x/\n",
+        ] {
+            assert!(super::uri_problem(bad).is_some(), "{bad}");
+        }
+    }
+
     use super::*;
 
     #[test]

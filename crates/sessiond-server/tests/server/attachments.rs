@@ -209,6 +209,8 @@ async fn images_files_and_links_reach_the_agent_and_what_it_cannot_take_is_refus
             "does not match its bytes",
         ),
         (vec![image(&vec![0x89; 6 * 1024 * 1024])], "over the limit"),
+        (vec![link("not a uri")], "not an absolute URI"),
+        (vec![link("https://a b/")], "percent-encoded"),
     ];
     for (attachments, says) in cases {
         let err = c
