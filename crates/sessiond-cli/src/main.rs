@@ -1355,8 +1355,8 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
                 if let Some(q) = req.elicitation.as_ref().filter(|_| !answer.deny) {
                     // A question is answered by a person: said, and waited for.
                     eprintln!(
-                        "[question] {} — answer with `sessionctl permission {session_id} {} accept \
-                         --values JSON` (form {}{}), or decline / cancel",
+                        "[question] {} — answer with `sessionctl permission --task {task_id} \
+                         {session_id} {} accept --values JSON` (form {}{}), or decline / cancel",
                         output::text(&q.message),
                         req.request_id,
                         output::printable(&q.requested_schema_json),

@@ -1447,3 +1447,54 @@ fn sessionctl_shows_usage_and_cost() {
         let _ = Command::new("kill").args(["-KILL", &pid]).status();
     }
 }
+
+/// A question the agent asks while `send` waits: the command the hint
+/// prints answers it as printed, from a shell that has no default task.
+#[test]
+fn the_printed_answer_to_an_agents_question_works_as_printed() {
+    let (env, scratch, server, session) = Env::with_session("ask", "questions");
+    let mut send = env.spawn_sessionctl(&["send", &session, "/ask city"], &scratch);
+    drop(send.stdin.take()); // not a terminal: the hint is printed
+    let mut stderr = BufReader::new(send.stderr.take().unwrap());
+    let mut hint = String::new();
+    while !hint.contains("[question]") {
+        hint.clear();
+        assert!(
+            stderr.read_line(&mut hint).unwrap() > 0,
+            "send ended without asking"
+        );
+    }
+    let printed = hint
+        .split('`')
+        .nth(1)
+        .unwrap_or_else(|| panic!("no command in {hint:?}"));
+    let args: Vec<String> = printed
+        .split_whitespace()
+        .skip(1) // sessionctl
+        .map(|a| {
+            if a == "JSON" {
+                r#"{"city":"Lisbon"}"#.to_owned()
+            } else {
+                a.to_owned()
+            }
+        })
+        .collect();
+    let mut answer = Command::new("sessionctl");
+    env.apply(&mut answer);
+    let out = answer
+        .env_remove("SESSIOND_TASK")
+        .args(&args)
+        .current_dir(&scratch)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "the printed `{printed}` failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = send.wait_with_output().unwrap();
+    let reply = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{reply}");
+    assert!(reply.contains("Lisbon"), "{reply}");
+    terminate(server);
+}
