@@ -388,9 +388,9 @@ impl SessionManager {
                 );
                 let reason = match image {
                     _ if precondition => format!(
-                        "the agent of profile {:?} could not start a conversation: {e}; \
-                         fix the agent profile as described, then create a new session",
-                        profile.name
+                        "the agent of profile {:?} could not start a conversation: {e}; {}",
+                        profile.name,
+                        what_to_fix(&e.to_string(), &req.mcp_servers)
                     ),
                     // The command must exist in the image, not on the host.
                     Some(image) => format!(
@@ -708,5 +708,48 @@ impl<'m> Lifecycle<'m> {
         self.commit(Changeset::new().update_executor(stopped))
             .await?;
         Ok(())
+    }
+}
+
+/// What a user changes after agentctl refused to open a conversation
+/// (FAILED_PRECONDITION, which says why): an MCP server of the create
+/// request that the agent cannot take is the request's to drop, not the
+/// profile's to fix.
+fn what_to_fix(refusal: &str, request_servers: &[sessiond_domain::McpServer]) -> String {
+    let named = request_servers
+        .iter()
+        .find(|s| refusal.contains("MCP server") && refusal.contains(&format!("{:?}", s.name)));
+    match named {
+        Some(s) => format!(
+            "the MCP server {:?} came with this create request: create the session without it, \
+             or with an agent profile whose agent takes it",
+            s.name
+        ),
+        None => "fix the agent profile as described, then create a new session".to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_mcp_server_of_the_request_is_the_requests_to_drop() {
+        let web = sessiond_domain::McpServer {
+            name: "web".into(),
+            transport: sessiond_domain::McpTransport::Http {
+                url: "https://example.com/mcp".into(),
+                headers: Default::default(),
+            },
+        };
+        let refusal = "the agent does not take MCP servers over http (its mcpCapabilities.http \
+                       is false), and the session's MCP servers (its profile's, or its create \
+                       request's) include \"web\": remove that server or use an agent that offers it";
+        let fix = super::what_to_fix(refusal, std::slice::from_ref(&web));
+        assert!(
+            fix.contains("\"web\" came with this create request"),
+            "{fix}"
+        );
+        assert!(super::what_to_fix(refusal, &[]).contains("fix the agent profile"));
+        let other = "no auth method the agent offers is configured";
+        assert!(super::what_to_fix(other, &[web]).contains("fix the agent profile"));
     }
 }

@@ -289,6 +289,43 @@ async fn broken_profile_is_error_with_message() {
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// An MCP server given with the create request that the agent cannot take
+/// (the demo agent offers no http): the session is ERROR naming the server
+/// as the request's to drop, not telling the user to fix the profile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mcp_server_of_the_request_the_agent_cannot_take_is_named_as_the_requests() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = mgr
+        .create_session(sessiond_engine::NewSession {
+            task_id: w.task.id,
+            agent_profile_id: w.profile.id,
+            runtime: sessiond_domain::Runtime::LocalStandalone,
+            worktree: w.worktree("mcp"),
+            remote: None,
+            metadata: Default::default(),
+            mcp_servers: vec![sessiond_domain::McpServer {
+                name: "web".into(),
+                transport: sessiond_domain::McpTransport::Http {
+                    url: "https://mcp.example.invalid/web".into(),
+                    headers: Default::default(),
+                },
+            }],
+        })
+        .await
+        .unwrap();
+    w.track(s.id).await;
+    assert_eq!(s.state, SessionState::Error);
+    let msg = s.error_message.unwrap();
+    assert!(
+        msg.contains("mcpCapabilities.http")
+            && msg.contains("\"web\" came with this create request")
+            && !msg.contains("fix the agent profile"),
+        "{msg}"
+    );
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// An idle agent killed with SIGKILL (its agentctl lives on): agentctl
 /// pushes the exit (no liveness poll is involved), and sessiond starts a
 /// new agent under the same agentctl that continues the same conversation,
