@@ -18,7 +18,7 @@ use std::path::Path;
 use futures::FutureExt;
 use sessiond_domain::{
     AgentProcessState, OutcomeLabel, RecoveryFailure, ResumeRefused, Runtime, Session,
-    SessionEvent, SessionId, SessionStatus, TaskId, check_resume,
+    SessionEvent, SessionId, SessionState, SessionStatus, TaskId, check_resume,
 };
 use sessiond_executor::ExecutorHandle;
 use sessiond_store::Changeset;
@@ -165,7 +165,15 @@ impl Resume<'_> {
         {
             // Ours: recreated from its branch, or refused naming the branch.
             let driver = Agents(self).driver(s.runtime)?;
-            let anew = Worktrees(self).restore_worktree(&driver, s).await?;
+            let anew = match Worktrees(self).restore_worktree(&driver, s).await {
+                Ok(anew) => anew,
+                Err(e) => {
+                    if e.kind() == crate::ErrorKind::FailedPrecondition {
+                        self.record_unrecoverable_worktree(s, &e).await;
+                    }
+                    return Err(e);
+                }
+            };
             if anew
                 && s.runtime == Runtime::LocalDocker
                 && let Some(record) = self.inner.store.get_executor_for_session(s.id).await?
@@ -181,6 +189,36 @@ impl Resume<'_> {
             });
         }
         Ok(go)
+    }
+
+    /// A resume refused because an ERROR session's worktree cannot be
+    /// brought back (its branch is gone): its message says so from now on,
+    /// as startup recovery's does, instead of still telling the user to
+    /// resume. Optimistic (the version read): a session changed meanwhile
+    /// keeps what it has.
+    async fn record_unrecoverable_worktree(&self, s: &Session, e: &Error) {
+        if s.state != SessionState::Error {
+            return;
+        }
+        let reason = RecoveryFailure::WorktreeUnrecoverable {
+            reason: e.to_string(),
+        }
+        .message();
+        if s.error_message.as_deref() == Some(reason.as_str()) {
+            return;
+        }
+        let recorded = async {
+            let (next, ev) = transition(s, SessionEvent::Failed, Some(reason))?;
+            let mut change = Changeset::new().update_session(next);
+            if let Some(ev) = ev {
+                change = change.event(s.id, ev);
+            }
+            self.commit(change).await
+        }
+        .await;
+        if let Err(e) = recorded {
+            tracing::debug!(session = %s.id, error = %e, "could not record the worktree's failure");
+        }
     }
 
     /// The one resume attempt of a session.

@@ -278,6 +278,52 @@ async fn a_worktree_whose_branch_is_gone_is_an_error_naming_it() {
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// An ERROR session (its agent exited; restarts off) whose worktree and
+/// branch are then removed: the explicit resume is refused naming the
+/// branch, and the session's message says so from then on, as after a
+/// restart, instead of still telling the user to resume it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_refused_for_a_gone_branch_leaves_that_reason_on_the_session() {
+    let w = World::new(Db::Sqlite).await;
+    let repo = repository(&w);
+    let mgr = w.manager_with(ManagerConfig {
+        agent_restarts: 0,
+        ..config(&w)
+    });
+    w.listen_and_recover(&mgr).await;
+    let s = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
+    let agentctl = w.record(s.id).await.pid.unwrap();
+    let agents = demo_agents_under(agentctl);
+    assert_eq!(agents.len(), 1, "one agent under agentctl {agentctl}");
+    kill9(agents[0]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while w.status(&mgr, s.id).await.state != SessionState::Error {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent's exit was never noticed: {:?}",
+            w.status(&mgr, s.id).await
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let before = w.status(&mgr, s.id).await.error_message.unwrap_or_default();
+    assert!(before.contains("resume the session"), "{before}");
+    std::fs::remove_dir_all(&s.worktree.path).unwrap();
+    git(&repo, &["worktree", "prune"]);
+    git(&repo, &["branch", "-D", &s.worktree.branch]);
+
+    let err = mgr.resume_session(w.task.id, s.id).await.unwrap_err();
+    assert!(err.to_string().contains(&s.worktree.branch), "{err}");
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::Error);
+    let why = st.error_message.unwrap_or_default();
+    assert!(
+        why.starts_with("worktree_branch_missing: ") && why.contains(&s.worktree.branch),
+        "{why}"
+    );
+    assert!(!Path::new(&s.worktree.path).exists(), "nothing made up");
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// Delete never loses work: uncommitted files, then commits only the
 /// branch holds, refuse it (naming them) and leave everything in place;
 /// discard removes the worktree but keeps the unmerged branch; a clean,
