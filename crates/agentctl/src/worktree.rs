@@ -244,6 +244,16 @@ async fn resolve_base(repository: &Path, base: &str) -> Result<String> {
     let spec = format!("{base}^{{commit}}");
     let out = git(repository, &["rev-parse", "--verify", "--quiet", &spec]).await?;
     if out.exit_code != Some(0) {
+        // A repository made by `git init` and never committed to has no
+        // commit a worktree could start from, whatever the base is called.
+        let head = git(repository, &["rev-parse", "--verify", "--quiet", "HEAD"]).await?;
+        if head.exit_code != Some(0) {
+            return Err(Error::FailedPrecondition(format!(
+                "repository {} has no commits yet, so a worktree has nothing to start from: \
+                 commit something first (for example `git commit --allow-empty -m init`)",
+                repository.display()
+            )));
+        }
         return Err(Error::InvalidArgument(format!(
             "base: {base:?} is not a branch, tag or commit of {} (fetch it, or name an existing one)",
             repository.display()

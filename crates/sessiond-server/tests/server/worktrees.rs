@@ -351,6 +351,9 @@ async fn bad_repository_input_is_refused_precisely_and_creates_nothing() {
     git(&repo, &["branch", "taken"]);
     let plain = dir.path().join("plain");
     std::fs::create_dir_all(&plain).unwrap();
+    let empty = dir.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    git(&empty, &["init", "-q", "-b", "main"]);
     let data = dir.path().join("data");
     let server = start(&data, &[]);
     let mut c = sessions(&server).await;
@@ -375,6 +378,11 @@ async fn bad_repository_input_is_refused_precisely_and_creates_nothing() {
             from_repo(&task.id, &repo, ""),
             tonic::Code::InvalidArgument,
             "base: required",
+        ),
+        (
+            from_repo(&task.id, &empty, "main"),
+            tonic::Code::FailedPrecondition,
+            "has no commits yet",
         ),
         (
             taken,
