@@ -267,17 +267,20 @@ impl Liveness<'_> {
                 tracing::info!(session = %record.session_id, "liveness: the idle session's agent exited");
             }
             let committed = self.commit(change).await;
+            // Before the restart starts: its recovery announces itself at
+            // once, and a status read meanwhile must not pair it with a
+            // running agent.
+            if committed.is_ok() && exited.is_some() {
+                self.cache_update(record.session_id, |e| {
+                    e.agent = AgentProcessState::NotRunning
+                });
+            }
             ExecutorRecovery(self).spawn_agent_restart(
                 record.session_id,
                 restart,
                 committed.is_ok(),
             );
             committed?;
-            if exited.is_some() {
-                self.cache_update(record.session_id, |e| {
-                    e.agent = AgentProcessState::NotRunning
-                });
-            }
             return Ok(None);
         };
         if record.runtime == Runtime::Remote {

@@ -794,15 +794,17 @@ impl Pump {
             change = change.task_event(self.task_id, ev);
         }
         let committed = self.mgr.commit(change).await;
+        // Before the restart starts: its recovery announces itself at once,
+        // and a status read meanwhile must not pair it with a running agent.
+        if committed.is_ok() && exited && !replaced {
+            self.mgr
+                .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
+        }
         self.mgr
             .spawn_agent_restart(self.session_id, restart, committed.is_ok());
         committed?;
         if let Some(u) = counted {
             self.mgr.inner.metrics.turn_usage(&u);
-        }
-        if exited && !replaced {
-            self.mgr
-                .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
         }
         Ok(())
     }
