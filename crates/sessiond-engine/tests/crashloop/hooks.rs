@@ -10,6 +10,23 @@ use sessiond_domain::{EventPayload, MessageRole, SessionId, SessionState};
 
 use crate::world::{Rt, World, new_session};
 
+/// A session of `plan` (the world's local profile), created at once.
+async fn create(
+    w: &World,
+    mgr: &sessiond_engine::SessionManager,
+    plan: &crate::world::Plan,
+) -> sessiond_domain::Session {
+    mgr.create_session(new_session(
+        w.task.id,
+        w.local_profile.id,
+        None,
+        w.dir.path(),
+        plan,
+    ))
+    .await
+    .unwrap()
+}
+
 /// Waits until a message of `session` matches `found`.
 async fn wait_message(
     w: &World,
@@ -44,16 +61,7 @@ async fn a_lost_agentctls_recovery_is_announced_with_the_interrupted_turn() {
     let mgr = w.manager().await;
     mgr.recovery().recover_all().await.unwrap();
     let plan = w.plan("retry", Rt::Standalone).await;
-    let s = mgr
-        .create_session(new_session(
-            w.task.id,
-            w.local_profile.id,
-            None,
-            w.dir.path(),
-            &plan,
-        ))
-        .await
-        .unwrap();
+    let s = create(&w, &mgr, &plan).await;
     let (release, released) = tokio::sync::watch::channel(false);
     mgr.recovery().gate_lost_agentctl(Arc::new(move || {
         let mut released = released.clone();
@@ -124,16 +132,7 @@ async fn a_remote_agentctl_restarted_under_a_live_pump_gets_its_agent_back() {
     mgr.hold_parking(true);
     let plan = w.plan("pumped", Rt::Remote).await;
     let host = plan.remote.clone().expect("a remote plan names its host");
-    let s = mgr
-        .create_session(new_session(
-            w.task.id,
-            w.local_profile.id,
-            None,
-            w.dir.path(),
-            &plan,
-        ))
-        .await
-        .unwrap();
+    let s = create(&w, &mgr, &plan).await;
     let first = mgr.send_message(w.task.id, s.id, "one").await.unwrap();
     wait_message(&w, s.id, "the first turn got no reply", |m| {
         m.role == MessageRole::Agent && m.seq > first.seq && m.content.contains("you said \"one\"")

@@ -263,37 +263,19 @@ async fn remote_worktree_whose_branch_is_gone_is_an_error_naming_it() {
     mgr.shutdown();
     drop(mgr);
     host.kill().await;
-    std::fs::remove_dir_all(&s.worktree.path).unwrap();
-    git(&repo, &["worktree", "prune"]);
-    git(&repo, &["branch", "-D", &s.worktree.branch]);
+    crate::worktrees::remove_worktree_and_branch(&repo, &s);
     let host = start_host(&w, &spot, &root).await;
 
     let mgr = manager(&w, &root);
     let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::ExecutorError), 1, "{summary:?}");
-    let st = w.status(&mgr, s.id).await;
-    assert_eq!(st.state, SessionState::Error);
-    let why = st.error_message.unwrap_or_default();
-    assert!(
-        why.starts_with("worktree_branch_missing: ") && why.contains(&s.worktree.branch),
-        "{why}"
-    );
-    assert!(!Path::new(&s.worktree.path).exists(), "nothing made up");
-    assert!(!branch_exists(&repo, &s.worktree.branch));
+    crate::worktrees::assert_branch_missing(&w, &mgr, &s, &repo).await;
     // An explicit resume reaches the host's agentctl, which cannot bring
     // the worktree back: the same verdict, naming the branch, not a launch
     // failure.
     let err = mgr.resume_session(w.task.id, s.id).await.unwrap_err();
     assert!(err.to_string().contains(&s.worktree.branch), "{err}");
-    let st = w.status(&mgr, s.id).await;
-    assert_eq!(st.state, SessionState::Error);
-    let why = st.error_message.unwrap_or_default();
-    assert!(
-        why.starts_with("worktree_branch_missing: ") && why.contains(&s.worktree.branch),
-        "{why}"
-    );
-    assert!(!Path::new(&s.worktree.path).exists(), "nothing made up");
-    assert!(!branch_exists(&repo, &s.worktree.branch));
+    crate::worktrees::assert_branch_missing(&w, &mgr, &s, &repo).await;
     host.kill().await;
     w.finish(&mgr, &[]).await;
 }

@@ -78,6 +78,33 @@ async fn create(
     Ok(s)
 }
 
+/// Removes a session's worktree directory and its branch, as a user
+/// cleaning up by hand would.
+pub(crate) fn remove_worktree_and_branch(repo: &Path, s: &Session) {
+    std::fs::remove_dir_all(&s.worktree.path).unwrap();
+    git(repo, &["worktree", "prune"]);
+    git(repo, &["branch", "-D", &s.worktree.branch]);
+}
+
+/// The session is ERROR `worktree_branch_missing`, naming its branch, and
+/// nothing was made up in its place (no directory, no branch).
+pub(crate) async fn assert_branch_missing(
+    w: &World,
+    mgr: &SessionManager,
+    s: &Session,
+    repo: &Path,
+) {
+    let st = w.status(mgr, s.id).await;
+    assert_eq!(st.state, SessionState::Error);
+    let why = st.error_message.unwrap_or_default();
+    assert!(
+        why.starts_with("worktree_branch_missing: ") && why.contains(&s.worktree.branch),
+        "{why}"
+    );
+    assert!(!Path::new(&s.worktree.path).exists(), "nothing made up");
+    assert!(!branch_exists(repo, &s.worktree.branch));
+}
+
 fn branch_exists(repo: &Path, branch: &str) -> bool {
     Command::new("git")
         .arg("-C")
@@ -247,34 +274,16 @@ async fn a_worktree_whose_branch_is_gone_is_an_error_naming_it() {
     mgr.shutdown();
     drop(mgr);
     kill_tree(w.record(s.id).await.pid.unwrap()).await;
-    std::fs::remove_dir_all(&s.worktree.path).unwrap();
-    git(&repo, &["worktree", "prune"]);
-    git(&repo, &["branch", "-D", &s.worktree.branch]);
+    remove_worktree_and_branch(&repo, &s);
 
     let mgr = w.manager_with(config(&w));
     let summary = mgr.recovery().recover_all().await.unwrap();
     assert_eq!(summary.count(OutcomeLabel::ExecutorError), 1, "{summary:?}");
-    let st = w.status(&mgr, s.id).await;
-    assert_eq!(st.state, SessionState::Error);
-    let why = st.error_message.unwrap_or_default();
-    assert!(
-        why.starts_with("worktree_branch_missing: ") && why.contains(&s.worktree.branch),
-        "{why}"
-    );
-    assert!(!Path::new(&s.worktree.path).exists(), "nothing made up");
-    assert!(!branch_exists(&repo, &s.worktree.branch));
+    assert_branch_missing(&w, &mgr, &s, &repo).await;
     // An explicit resume says the same.
     let err = mgr.resume_session(w.task.id, s.id).await.unwrap_err();
     assert!(err.to_string().contains(&s.worktree.branch), "{err}");
-    let st = w.status(&mgr, s.id).await;
-    assert_eq!(st.state, SessionState::Error);
-    assert!(
-        st.error_message
-            .as_deref()
-            .is_some_and(|why| why.starts_with("worktree_branch_missing: ")),
-        "{:?}",
-        st.error_message
-    );
+    assert_branch_missing(&w, &mgr, &s, &repo).await;
     w.finish(&mgr, &[s.id]).await;
 }
 
@@ -307,20 +316,11 @@ async fn a_resume_refused_for_a_gone_branch_leaves_that_reason_on_the_session() 
     }
     let before = w.status(&mgr, s.id).await.error_message.unwrap_or_default();
     assert!(before.contains("resume the session"), "{before}");
-    std::fs::remove_dir_all(&s.worktree.path).unwrap();
-    git(&repo, &["worktree", "prune"]);
-    git(&repo, &["branch", "-D", &s.worktree.branch]);
+    remove_worktree_and_branch(&repo, &s);
 
     let err = mgr.resume_session(w.task.id, s.id).await.unwrap_err();
     assert!(err.to_string().contains(&s.worktree.branch), "{err}");
-    let st = w.status(&mgr, s.id).await;
-    assert_eq!(st.state, SessionState::Error);
-    let why = st.error_message.unwrap_or_default();
-    assert!(
-        why.starts_with("worktree_branch_missing: ") && why.contains(&s.worktree.branch),
-        "{why}"
-    );
-    assert!(!Path::new(&s.worktree.path).exists(), "nothing made up");
+    assert_branch_missing(&w, &mgr, &s, &repo).await;
     w.finish(&mgr, &[s.id]).await;
 }
 
