@@ -56,7 +56,7 @@ use super::{
 use crate::{
     changes::transition,
     error::Result,
-    flows::RecoverFirst,
+    flows::{RecoverFirst, TurnInFlight},
     lease::Fencing,
     manager::SessionManager,
     ops::Agents,
@@ -139,11 +139,12 @@ impl Pump {
                     failures += 1;
                     tracing::debug!(session = %self.session_id, error = %status, failures, "update stream failed");
                     if let Some(gone) = self.agentctl_process_gone() {
-                        self.agentctl_lost(&gone).await;
+                        self.agentctl_lost(&gone, TurnInFlight::Interrupt).await;
                         return;
                     }
                     if failures >= MAX_STREAM_FAILURES {
-                        self.agentctl_lost(&status.to_string()).await;
+                        self.agentctl_lost(&status.to_string(), TurnInFlight::Settle)
+                            .await;
                         return;
                     }
                     tokio::time::sleep(Duration::from_millis(100 << failures.min(5))).await;
@@ -207,11 +208,12 @@ impl Pump {
             // The stream ended (agentctl restarting, network); reconnect.
             failures += 1;
             if let Some(gone) = self.agentctl_process_gone() {
-                self.agentctl_lost(&gone).await;
+                self.agentctl_lost(&gone, TurnInFlight::Interrupt).await;
                 return;
             }
             if failures >= MAX_STREAM_FAILURES {
-                self.agentctl_lost("the update stream keeps closing").await;
+                self.agentctl_lost("the update stream keeps closing", TurnInFlight::Settle)
+                    .await;
                 return;
             }
             tokio::time::sleep(Duration::from_millis(100 << failures.min(5))).await;
@@ -1067,13 +1069,19 @@ impl Pump {
     }
 
     /// agentctl stopped answering: recovered in the background (see
-    /// `RecoverFirst::agentctl_lost_change`).
-    pub(super) async fn agentctl_lost(&mut self, reason: &str) {
+    /// `RecoverFirst::agentctl_lost_change`). A turn in flight ends
+    /// interrupted when agentctl's process is known gone (`Interrupt`: its
+    /// end cannot come); when it may still run (hung, paused, or only its
+    /// connection lost: `Settle`), the turn stays pending and the recovery
+    /// settles it: an agentctl that answers again is reattached and its
+    /// reply read on to its end, one that does not is replaced and the
+    /// turn settled by its journal (decision 0007).
+    pub(super) async fn agentctl_lost(&mut self, reason: &str, turn: TurnInFlight) {
         let mut reconnect = None;
         let mut retried = None;
         let result: Result<()> = async {
             // What was streamed is kept, not completed: the turn ends
-            // interrupted below (its end is unknown).
+            // interrupted below, or the next pump replays it to its end.
             let _ = self.flush(false).await;
             self.pending = None;
             let _guard = self.mgr.inner.sessions.lock(self.session_id).await;
@@ -1098,10 +1106,7 @@ impl Pump {
                 reconnect = Some(record);
                 return Ok(());
             }
-            let (change, retry) = self
-                .mgr
-                .agentctl_lost_change(&record, reason, crate::flows::TurnInFlight::Interrupt)
-                .await?;
+            let (change, retry) = self.mgr.agentctl_lost_change(&record, reason, turn).await?;
             // The background recovery is announced before the commit makes
             // the interrupted turn visible: a retry sent as soon as a client
             // sees it waits for that recovery (`wait_agent_recovery`)

@@ -42,6 +42,16 @@ pub fn local_drivers(dir: &Path) -> Vec<Arc<dyn Executor>> {
 
 /// [`local_drivers`] whose local agentctls get `agentctl_env` too (test hooks).
 pub fn local_drivers_with(dir: &Path, agentctl_env: &[(&str, &str)]) -> Vec<Arc<dyn Executor>> {
+    local_drivers_with_client(dir, agentctl_env, client_config())
+}
+
+/// [`local_drivers_with`] whose agentctl clients use `client` (a test
+/// that must see a hung agentctl's stream fail within seconds).
+pub fn local_drivers_with_client(
+    dir: &Path,
+    agentctl_env: &[(&str, &str)],
+    client: ClientConfig,
+) -> Vec<Arc<dyn Executor>> {
     let mut sc = StandaloneConfig::new(bin("agentctl"), dir.join("run"));
     sc.env.extend(
         agentctl_env
@@ -52,9 +62,9 @@ pub fn local_drivers_with(dir: &Path, agentctl_env: &[(&str, &str)]) -> Vec<Arc<
     // A safety net: an agentctl a failed test leaves behind ends itself.
     sc.idle_timeout = Some(Duration::from_secs(300));
     sc.stop_grace = Duration::from_secs(2);
-    sc.client = client_config();
+    sc.client = client.clone();
     let rc = RemoteConfig {
-        client: client_config(),
+        client,
         ready_deadline: Duration::from_secs(5),
         stop_grace: Duration::from_secs(2),
         ..RemoteConfig::default()

@@ -217,3 +217,110 @@ async fn wait_state(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A local agentctl that hangs mid-turn (SIGSTOP) until its stream is
+/// given up: the turn is not ended interrupted, as the agent may well go
+/// on. Held between the loss's commit and its recovery, the session is
+/// still RUNNING its turn with no "interrupted" message; agentctl then
+/// resumes (SIGCONT), the recovery reattaches it, and the reply is read
+/// on past where it stood, the turn ending once (here by a cancel). It
+/// used to end interrupted at the loss and throw the rest of the reply away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_local_agentctl_that_comes_back_keeps_its_turn() {
+    let w = World::new().await;
+    // Quick keep-alives: the stream of a stopped agentctl fails in seconds.
+    let client = sessiond_executor::ClientConfig {
+        keep_alive_interval: Duration::from_secs(1),
+        ..crate::common::client_config()
+    };
+    let mgr = sessiond_engine::SessionManager::new(
+        w.store.clone(),
+        crate::common::local_drivers_with_client(w.dir.path(), &[], client),
+        crate::world::manager_config_in(w.dir.path()),
+    );
+    mgr.recovery().recover_all().await.unwrap();
+    let plan = w.plan("hung", Rt::Standalone).await;
+    let s = create(&w, &mgr, &plan).await;
+    let (release, released) = tokio::sync::watch::channel(false);
+    mgr.recovery().gate_lost_agentctl(Arc::new(move || {
+        let mut released = released.clone();
+        async move {
+            let _ = released.wait_for(|r| *r).await;
+        }
+        .boxed()
+    }));
+    let long = mgr
+        .send_message(w.task.id, s.id, "/long story")
+        .await
+        .unwrap();
+    wait_message(&w, s.id, "the reply never began", |m| {
+        m.role == MessageRole::Agent && m.seq > long.seq
+    })
+    .await;
+    let agentctl = w
+        .record(s.id)
+        .await
+        .and_then(|r| r.pid)
+        .expect("a local agentctl");
+    let signal = |sig| {
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(agentctl as i32).unwrap(),
+            sig,
+        )
+    };
+    signal(rustix::process::Signal::STOP).unwrap();
+    // The loss is committed (the executor recovering), the pump held.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while w.record(s.id).await.unwrap().status != sessiond_domain::ExecutorStatus::Error {
+        assert!(
+            Instant::now() < deadline,
+            "the hung agentctl's stream was never given up"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let msgs = w.store.list_messages(s.id, 0, u32::MAX).await.unwrap();
+    assert!(
+        !msgs.iter().any(|m| m.role == MessageRole::System),
+        "the turn was ended while its agent may go on: {msgs:?}"
+    );
+    let st = mgr.session_status(w.task.id, s.id).await.unwrap();
+    assert_eq!(st.state, SessionState::Running, "{st:?}");
+    let stood = msgs
+        .iter()
+        .rev()
+        .find(|m| m.role == MessageRole::Agent)
+        .unwrap()
+        .content
+        .len();
+    signal(rustix::process::Signal::CONT).unwrap();
+    release.send_replace(true);
+    // Reattached (the same agentctl process), and the reply goes on.
+    wait_message(
+        &w,
+        s.id,
+        "the reply did not go on after agentctl came back",
+        |m| m.role == MessageRole::Agent && m.seq > long.seq && m.content.len() > stood + 100,
+    )
+    .await;
+    assert_eq!(
+        w.record(s.id).await.and_then(|r| r.pid),
+        Some(agentctl),
+        "reattached"
+    );
+    mgr.cancel_turn(w.task.id, s.id).await.unwrap();
+    wait_state(&mgr, &w, s.id, SessionState::WaitingForInput).await;
+    let notes: Vec<String> = w
+        .store
+        .list_messages(s.id, 0, u32::MAX)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|m| m.role == MessageRole::System)
+        .map(|m| m.content)
+        .collect();
+    assert!(
+        notes.len() == 1 && notes[0].contains("cancelled"),
+        "one ending, the cancel: {notes:?}"
+    );
+    w.cleanup(&mgr).await;
+}
