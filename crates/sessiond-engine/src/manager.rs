@@ -109,6 +109,9 @@ pub(crate) struct Inner {
     /// This replica's lease claims, one at a time (`replica.rs`): a call
     /// never claims again what the adoption loop just claimed.
     pub(crate) claims: tokio::sync::Mutex<()>,
+    /// Sessions whose agent's modes a status is asking for now
+    /// (`status.rs`): one question per session at a time.
+    pub(crate) modes_asked: StdMutex<std::collections::HashSet<SessionId>>,
     /// Sessions the adoption loop claimed and has yet to recover
     /// (`replica.rs`): a call on one joins (or starts) its recovery.
     pub(crate) adoptions: StdMutex<HashMap<SessionId, crate::lease::Adoption>>,
@@ -237,6 +240,7 @@ impl SessionManager {
                 lost_agentctl_gate: StdMutex::default(),
                 parking_held: std::sync::atomic::AtomicBool::new(false),
                 claims: tokio::sync::Mutex::new(()),
+                modes_asked: StdMutex::default(),
                 adoptions: StdMutex::default(),
             }),
         }

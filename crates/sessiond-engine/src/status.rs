@@ -33,7 +33,11 @@ impl SessionManager {
     /// [`Self::session_status`] and [`Self::session_modes`] in one read
     /// (GetSessionStatus): a running agent's modes come from the cache the
     /// status was read from, with no second lookup; an agent whose modes
-    /// are not cached is asked, as `session_modes` asks it.
+    /// are not cached is asked, as `session_modes` asks it, for at most
+    /// [`MODES_WAIT`]: a status never waits on an agentctl that does not
+    /// answer (hung, or its host paused). The question goes on in the
+    /// background, one per session at a time, and its answer is kept for
+    /// the next calls; meanwhile the status has no modes.
     pub async fn session_status_and_modes(
         &self,
         task: TaskId,
@@ -45,9 +49,30 @@ impl SessionManager {
             CachedModes::NoAgent => None,
             // Boxed, as the store reads below: the rare slow paths would
             // otherwise size every status call's future (moved per poll).
-            CachedModes::Ask => Box::pin(self.session_modes(task, session)).await?,
+            CachedModes::Ask => Box::pin(self.ask_modes(task, session)).await?,
         };
         Ok((status, modes))
+    }
+
+    /// `session_modes` on a task of its own (one per session at a time),
+    /// waited for at most [`MODES_WAIT`].
+    async fn ask_modes(&self, task: TaskId, session: SessionId) -> Result<Option<AgentModes>> {
+        if !crate::sync::lock(&self.inner.modes_asked).insert(session) {
+            return Ok(None); // asked already; its answer is kept when it comes
+        }
+        /// Ends the question however its task ends.
+        struct Asked(SessionManager, SessionId);
+        impl Drop for Asked {
+            fn drop(&mut self) {
+                crate::sync::lock(&self.0.inner.modes_asked).remove(&self.1);
+            }
+        }
+        let asked = Asked(self.clone(), session);
+        let asked = tokio::spawn(async move { asked.0.session_modes(task, session).await });
+        match tokio::time::timeout(MODES_WAIT, asked).await {
+            Ok(Ok(modes)) => modes,
+            Ok(Err(_)) | Err(_) => Ok(None),
+        }
     }
 
     /// Loads the status snapshot of every session with a live (not
@@ -71,6 +96,10 @@ impl SessionManager {
         Ok(added)
     }
 }
+
+/// How long a status waits for an agent's modes that are not cached (a
+/// healthy agentctl answers in about a millisecond).
+const MODES_WAIT: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// How a session's status is read: from the snapshot, or from the store
 /// once.

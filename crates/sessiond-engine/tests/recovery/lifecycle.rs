@@ -417,6 +417,53 @@ async fn session_modes_are_kept_until_they_change() {
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// GetSessionStatus never waits on an agentctl that does not answer: once
+/// the agent switched its mode by itself its modes are not cached, and
+/// with agentctl stopped (SIGSTOP) each status answers without them, well
+/// inside the agentctl call's deadline (5 s here) it used to wait on every
+/// call; once agentctl answers again, the question asked in the background
+/// is kept and the status has them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_status_does_not_wait_for_a_hung_agentctls_modes() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "hung-modes").await;
+    let agentctl = w.record(s.id).await.pid.unwrap();
+    let reply = w.prompt(&mgr, s.id, "/mode plan").await;
+    assert!(reply.contains("mode: plan"), "{reply}");
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &agentctl.to_string()])
+            .status()
+            .is_ok_and(|st| st.success());
+        assert!(ok, "kill {sig} {agentctl}");
+    };
+    signal("-STOP");
+    for _ in 0..3 {
+        let answered = tokio::time::timeout(
+            Duration::from_secs(4),
+            mgr.session_status_and_modes(w.task.id, s.id),
+        )
+        .await;
+        let (st, modes) = answered
+            .expect("the status waited on the stopped agentctl")
+            .unwrap();
+        assert_eq!(st.state, SessionState::WaitingForInput);
+        assert!(modes.is_none(), "{modes:?}");
+    }
+    signal("-CONT");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (_, modes) = mgr.session_status_and_modes(w.task.id, s.id).await.unwrap();
+        if modes.is_some() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the modes never came back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// The second restart of an agent within the window waits the retry
 /// backoff first; meanwhile the status says the session recovers by
 /// itself (waiting to retry), not that it needs a resume.
