@@ -351,6 +351,10 @@ enum WorkspaceCmd {
         cwd: String,
         #[arg(long, default_value_t = 60_000)]
         timeout_ms: u64,
+        /// Output kept per stream, in bytes (at most 16 MiB); 0: 1 MiB.
+        /// More is dropped, said on stderr, and the exit code is 3.
+        #[arg(long, default_value_t = 0)]
+        max_output_bytes: u64,
         /// The command and its arguments (after `--`).
         #[arg(last = true, required = true)]
         argv: Vec<String>,
@@ -1645,6 +1649,7 @@ async fn workspace(c: &mut Clients, out: &Out, cmd: WorkspaceCmd) -> anyhow::Res
             session,
             cwd,
             timeout_ms,
+            max_output_bytes,
             mut argv,
         } => {
             let command = argv.remove(0);
@@ -1656,11 +1661,16 @@ async fn workspace(c: &mut Clients, out: &Out, cmd: WorkspaceCmd) -> anyhow::Res
                     args: argv,
                     cwd,
                     timeout_ms,
-                    max_output_bytes: 0,
+                    max_output_bytes,
                 })
                 .await?
                 .into_inner();
             out.exec(&r);
+            // A command that succeeded but whose output was cut does not
+            // look like a success to a script reading it.
+            if r.exit_code == Some(0) && (r.stdout_truncated || r.stderr_truncated) {
+                return Ok(ExitCode::from(3));
+            }
             return Ok(match r.exit_code {
                 Some(0) => ExitCode::SUCCESS,
                 Some(n) => ExitCode::from(u8::try_from(n.clamp(1, 255)).unwrap_or(1)),

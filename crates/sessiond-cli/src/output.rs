@@ -1056,6 +1056,22 @@ impl Out {
         }
         let _ = std::io::stdout().write_all(&r.stdout);
         let _ = std::io::stderr().write_all(&r.stderr);
+        for (cut, stream) in [
+            (r.stdout_truncated, "stdout"),
+            (r.stderr_truncated, "stderr"),
+        ] {
+            if cut {
+                eprintln!(
+                    "sessionctl: the command's {stream} was cut at {} bytes; the rest was dropped \
+                     (--max-output-bytes keeps up to 16 MiB)",
+                    if stream == "stdout" {
+                        r.stdout.len()
+                    } else {
+                        r.stderr.len()
+                    }
+                );
+            }
+        }
         if r.timed_out {
             eprintln!("sessionctl: the command timed out");
         }

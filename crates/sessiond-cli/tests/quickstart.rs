@@ -1498,3 +1498,36 @@ fn the_printed_answer_to_an_agents_question_works_as_printed() {
     assert!(reply.contains("Lisbon"), "{reply}");
     terminate(server);
 }
+
+/// `workspace exec` whose output is longer than what is kept says so on
+/// stderr and exits 3 (it used to print the first 1 MiB and exit 0);
+/// `--max-output-bytes` keeps more.
+#[test]
+fn a_cut_exec_output_is_said_and_is_not_a_success() {
+    let (env, scratch, server, session) = Env::with_session("exec", "exec");
+    let script = "head -c 2000000 /dev/zero | tr '\\0' a; echo; echo END";
+    let run = |extra: &[&str]| {
+        let mut cmd = Command::new("sessionctl");
+        env.apply(&mut cmd);
+        let mut args = vec!["workspace", "exec", &session];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--", "sh", "-c", script]);
+        cmd.args(&args).current_dir(&scratch).output().unwrap()
+    };
+    let cut = run(&[]);
+    let stderr = String::from_utf8_lossy(&cut.stderr);
+    assert_eq!(cut.status.code(), Some(3), "{stderr}");
+    assert_eq!(cut.stdout.len(), 1 << 20);
+    assert!(
+        stderr.contains("stdout was cut at 1048576 bytes"),
+        "{stderr}"
+    );
+    let whole = run(&["--max-output-bytes", "4000000"]);
+    assert!(
+        whole.status.success(),
+        "{}",
+        String::from_utf8_lossy(&whole.stderr)
+    );
+    assert!(String::from_utf8_lossy(&whole.stdout).ends_with("\nEND\n"));
+    terminate(server);
+}
