@@ -133,6 +133,11 @@ impl SessionManager {
         Agents(self).driver(req.runtime)?;
         let session_id = SessionId::new();
         let mut req = req;
+        if let (Runtime::Remote, Some(remote)) = (req.runtime, req.remote.as_ref()) {
+            // Before anything reaches it (a worktree made through it would
+            // bind the host to this session).
+            self.check_remote_host(remote).await?;
+        }
         let managed = req.worktree.is_managed();
         if managed {
             // Before anything is stored: a repository, base, branch or

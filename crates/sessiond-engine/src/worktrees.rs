@@ -89,9 +89,12 @@ impl SessionManager {
                 ));
             }
             (Runtime::Remote, Some(r)) => Some((
-                RemoteTarget {
-                    url: r.url.clone(),
-                    auth_secret: r.auth_secret.clone(),
+                {
+                    self.check_remote_host(r).await?;
+                    RemoteTarget {
+                        url: r.url.clone(),
+                        auth_secret: r.auth_secret.clone(),
+                    }
                 },
                 None,
             )),
@@ -113,6 +116,48 @@ impl SessionManager {
             other => Err(Error::Internal(format!(
                 "agentctl answered a branch list with {other:?}"
             ))),
+        }
+    }
+}
+
+impl SessionManager {
+    /// A remote host's agentctl that a call names (URL, secret, executor
+    /// id), checked before anything reaches it: one that answers as
+    /// another executor is refused (INVALID_ARGUMENT), as a worktree made
+    /// through it would bind that host to a session it does not serve, and
+    /// the right session could not be created there after it. Any other
+    /// failure (unreachable, secret, TLS) is left to the call, which
+    /// reports it as before.
+    pub(crate) async fn check_remote_host(&self, remote: &RemoteAgentctl) -> Result<()> {
+        // Only the address, secret and identity matter to the client; the
+        // session and task are not known yet.
+        let handle = sessiond_executor::ExecutorHandle {
+            executor_id: remote.executor_id,
+            session_id: SessionId::new(),
+            task_id: sessiond_domain::TaskId::new(),
+            runtime: Runtime::Remote,
+            workspace_path: std::path::PathBuf::new(),
+            generation: 0,
+            auth_secret: remote.auth_secret.clone(),
+            agentctl_url: remote.url.clone(),
+            agentctl_port: None,
+            pid: None,
+            pid_start_time: None,
+            container_id: None,
+            lease_epoch: None,
+        };
+        let client = Agents(self).driver(Runtime::Remote)?.client(&handle)?;
+        match client.verify_identity(remote.executor_id).await {
+            Ok(_) => Ok(()),
+            Err(sessiond_executor::Error::IdentityMismatch { url, actual, .. }) => {
+                Err(Error::InvalidArgument(format!(
+                    "remote executor id: the agentctl at {url} serves executor {actual}, not {}; \
+                     name the executor id it was started with (--executor-id), or the URL of \
+                     that executor's host",
+                    remote.executor_id
+                )))
+            }
+            Err(_) => Ok(()),
         }
     }
 }

@@ -201,6 +201,49 @@ async fn remote_sessions_of_one_task_edit_the_same_file_apart() {
     w.finish(&mgr, &[]).await;
 }
 
+/// A create that names a host's agentctl with another executor id than
+/// the one it serves is refused before anything reaches the host: nothing
+/// stored, no worktree or branch made there; the create with the right id
+/// then works (the wrong one used to make a worktree through that
+/// agentctl first, which then refused to serve any other).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_create_naming_another_executor_is_refused_before_anything_is_made() {
+    let w = World::new(Db::Sqlite).await;
+    let (root, repo) = host_dir(&w);
+    let spot = RemoteSpot::at("");
+    let host = start_host(&w, &spot, &root).await;
+    let mgr = manager(&w, &root);
+    let wrong = RemoteSpot {
+        id: sessiond_domain::ExecutorId::new(),
+        secret: spot.secret.clone(),
+        port: spot.port,
+        workspace: spot.workspace.clone(),
+    };
+    let branches_before = git(&repo, &["branch", "--list"]);
+    let err = create(&w, &mgr, &wrong, &repo).await.unwrap_err();
+    assert_eq!(
+        err.kind(),
+        sessiond_engine::ErrorKind::InvalidArgument,
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains(&format!("serves executor {}", spot.id)),
+        "{err}"
+    );
+    assert!(w.store.list_sessions(w.task.id).await.unwrap().is_empty());
+    assert_eq!(
+        git(&repo, &["branch", "--list"]),
+        branches_before,
+        "no branch made"
+    );
+    let s = create(&w, &mgr, &spot, &repo).await.unwrap();
+    host.track_agent(&w);
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    host.kill().await;
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// Everything killed with SIGKILL (backend, the host's agentctl and its
 /// agent), the worktree directory removed, the host's agentctl started
 /// again by its operator with no workspace: recovery has it check the
