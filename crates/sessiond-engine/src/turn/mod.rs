@@ -224,9 +224,13 @@ pub(crate) async fn cut_turn(
         for r in msgs.iter().filter(|m| {
             m.role == MessageRole::Agent
                 && m.seq > seq
-                && !m.complete
                 // Requests are ended below, with their own state.
                 && m.kind != MessageKind::Permission
+                // A part stored complete may still say it runs: a tool call
+                // in progress, a terminal not exited.
+                && (!m.complete
+                    || (m.kind == MessageKind::ToolCall && failed_tool_call(&m.data) != m.data)
+                    || (m.kind == MessageKind::Terminal && released_terminal(&m.data) != m.data))
         }) {
             let mut m = r.clone();
             m.complete = true;
@@ -242,6 +246,9 @@ pub(crate) async fn cut_turn(
             } else {
                 if m.kind == MessageKind::ToolCall {
                     m.data = failed_tool_call(&r.data);
+                }
+                if m.kind == MessageKind::Terminal {
+                    m.data = released_terminal(&r.data);
                 }
                 change = change.update_part(r.id, m.content.clone(), m.data.clone(), true);
             }
@@ -339,9 +346,44 @@ fn failed_tool_call(data: &str) -> String {
     data.to_owned()
 }
 
+/// A terminal's stored state (`{"rev", "update"}`, agentctl's JSON with
+/// `exitStatus` once it exited) closed with its turn: one that has not
+/// exited is `released` (agentctl ends a turn's terminals
+/// with it, so nothing will report its exit); else it is kept.
+fn released_terminal(data: &str) -> String {
+    let Ok(mut v) = serde_json::from_str::<serde_json::Value>(data) else {
+        return data.to_owned();
+    };
+    if let Some(update) = v.get_mut("update").and_then(|u| u.as_object_mut())
+        && !update
+            .get("exitStatus")
+            .is_some_and(serde_json::Value::is_object)
+        && update.get("released").and_then(serde_json::Value::as_bool) != Some(true)
+    {
+        update.insert("released".into(), serde_json::Value::Bool(true));
+        return v.to_string();
+    }
+    data.to_owned()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::failed_tool_call;
+    use super::{failed_tool_call, released_terminal};
+
+    #[test]
+    fn a_running_terminal_is_released_with_its_turn() {
+        let running = r#"{"rev":2,"update":{"terminalId":"t","command":"sleep","released":false}}"#;
+        let closed: serde_json::Value = serde_json::from_str(&released_terminal(running)).unwrap();
+        assert_eq!(closed["update"]["released"], true);
+        assert_eq!(closed["update"]["terminalId"], "t");
+        assert_eq!(closed["rev"], 2);
+        let exited = r#"{"rev":3,"update":{"terminalId":"t","exitStatus":{"exitCode":0}}}"#;
+        assert_eq!(released_terminal(exited), exited);
+        let released = r#"{"rev":3,"update":{"terminalId":"t","released":true}}"#;
+        assert_eq!(released_terminal(released), released);
+        assert_eq!(released_terminal("not json"), "not json");
+    }
+
     use super::pump::{MAX_REPLY_BYTES, REPLY_CUT_NOTE, append_capped};
 
     #[test]

@@ -464,6 +464,58 @@ async fn a_status_does_not_wait_for_a_hung_agentctls_modes() {
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// A turn cut while its terminal runs (the agent killed mid-command): the
+/// terminal's part says it was released and its tool call failed; they
+/// used to say "running" and "in progress" for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminal_cut_with_its_turn_is_not_left_running() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    w.listen_and_recover(&mgr).await;
+    let s = w.create(&mgr, "terminal-cut").await;
+    let agentctl = w.record(s.id).await.pid.unwrap();
+    let seq = w.store.last_event_seq(s.id).await.unwrap();
+    let user = mgr
+        .send_message(w.task.id, s.id, "/terminal sleep 7781")
+        .await
+        .unwrap();
+    let parts = |kind: sessiond_domain::MessageKind| {
+        let w = &w;
+        async move {
+            w.store
+                .list_messages(s.id, 0, u32::MAX)
+                .await
+                .unwrap()
+                .into_iter()
+                .filter(|m| m.seq > user.seq && m.kind == kind)
+                .map(|m| serde_json::from_str::<serde_json::Value>(&m.data).unwrap())
+                .collect::<Vec<_>>()
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while parts(sessiond_domain::MessageKind::Terminal)
+        .await
+        .is_empty()
+    {
+        assert!(Instant::now() < deadline, "the terminal never showed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    kill9(demo_agents_under(agentctl)[0]);
+    w.wait_agent_back(&mgr, s.id, seq).await;
+    let terminals = parts(sessiond_domain::MessageKind::Terminal).await;
+    assert!(
+        terminals.iter().all(|t| t["update"]["released"] == true),
+        "{terminals:?}"
+    );
+    let calls = parts(sessiond_domain::MessageKind::ToolCall).await;
+    assert!(!calls.is_empty());
+    assert!(
+        calls.iter().all(|c| c["update"]["status"] == "failed"),
+        "{calls:?}"
+    );
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// The second restart of an agent within the window waits the retry
 /// backoff first; meanwhile the status says the session recovers by
 /// itself (waiting to retry), not that it needs a resume.
