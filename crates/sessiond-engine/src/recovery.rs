@@ -2407,7 +2407,13 @@ impl ExecutorRecovery<'_> {
                         d.probe(&handle).await,
                         Ok(_) | Err(sessiond_executor::Error::ContainerMissing { .. })
                     ),
-                    Ok(d) => d.health(&handle).await.is_ok(),
+                    Ok(d) => match d.health(&handle).await {
+                        Ok(_) => true,
+                        Err(e) => {
+                            ExecutorRecovery(&me).note_reconnect_failure(&current, &e).await;
+                            false
+                        }
+                    },
                     Err(_) => false,
                 };
                 me.inner.metrics.reconnect_attempt(answers);
@@ -2430,6 +2436,36 @@ impl ExecutorRecovery<'_> {
             }
             me.inner.sessions.stop_retrying(session);
         });
+    }
+}
+
+impl ExecutorRecovery<'_> {
+    /// A reconnect attempt failed: the executor's message says why now
+    /// (written only when the reason changed). A host that came back with
+    /// a rotated secret, or as another executor, said "Connection refused"
+    /// from its first failure for as long as the window stayed open.
+    async fn note_reconnect_failure(&self, current: &ExecutorRecord, e: &sessiond_executor::Error) {
+        let message = RecoveryFailure::Reconnecting {
+            url: current.agentctl_url.clone().unwrap_or_default(),
+            reason: e.to_string(),
+        }
+        .message();
+        if current.error_message.as_deref() == Some(message.as_str()) {
+            return;
+        }
+        let mut next = current.clone();
+        next.error_message = Some(message.clone());
+        let change = Changeset::new().update_executor(next).event(
+            current.session_id,
+            EventPayload::AgentctlError {
+                executor_id: current.id,
+                error_message: message,
+            },
+        );
+        // Optimistic (the version read): a recovery that moved it wins.
+        if let Err(e) = self.commit(change).await {
+            tracing::debug!(session = %current.session_id, error = %e, "reconnect: could not record why");
+        }
     }
 }
 

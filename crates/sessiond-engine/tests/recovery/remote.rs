@@ -21,6 +21,7 @@ pub struct RemoteHost {
 /// Where a remote executor lives: its id, secret, loopback port and
 /// workspace, so its host's agentctl can be stopped and started again as
 /// the same one.
+#[derive(Clone)]
 pub struct RemoteSpot {
     pub id: ExecutorId,
     pub secret: String,
@@ -273,6 +274,66 @@ async fn remote_window_counts_from_the_backend_start() {
 /// reconnecting; when the host answers again the background reconnect
 /// reattaches the same agent without a user call, and the conversation
 /// continues.
+/// A host whose agentctl comes back with another secret (rotated by its
+/// operator, sessiond not told): while the reconnect goes on, the status
+/// says the host rejects the secret, not the "Connection refused" of the
+/// first failure; started again with the right secret, the session comes
+/// back by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_host_back_with_another_secret_says_so_while_reconnecting() {
+    let w = World::new(Db::Sqlite).await;
+    let spot = RemoteSpot::at(&w.worktree("remote").path);
+    let host = RemoteHost::start(&w, &spot).await;
+    let mgr = w.manager_with(ManagerConfig {
+        liveness_interval: Some(Duration::from_millis(200)),
+        ..w.config()
+    });
+    let s = spot.create(&w, &mgr, &w.profile, &host).await;
+    w.prompt(&mgr, s.id, "one").await;
+    host.kill().await;
+    let says = |want: &'static str| {
+        let (w, mgr) = (&w, &mgr);
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let st = w.status(mgr, s.id).await;
+                if st
+                    .error_message
+                    .as_deref()
+                    .is_some_and(|m| m.contains(want))
+                {
+                    return st;
+                }
+                assert!(Instant::now() < deadline, "never said {want:?}: {st:?}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    says("reconnecting:").await;
+    let rotated = RemoteSpot {
+        secret: sessiond_executor::fresh_secret(),
+        ..spot.clone()
+    };
+    let host = RemoteHost::start(&w, &rotated).await;
+    let st = says("rejected the executor secret").await;
+    assert_eq!(st.executor_status, Some(ExecutorStatus::Error), "{st:?}");
+    host.kill().await;
+    let host = RemoteHost::start(&w, &spot).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let st = w.status(&mgr, s.id).await;
+        if st.executor_status == Some(ExecutorStatus::Ready) && st.is_agent_running {
+            assert_eq!(st.error_message, None, "{st:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "never came back: {st:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    host.kill().await;
+    w.finish(&mgr, &[s.id]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_blip_during_liveness_reconnects_by_itself() {
     let w = World::new(Db::Sqlite).await;
