@@ -27,6 +27,38 @@ async fn create(
     .unwrap()
 }
 
+/// Holds every pump that loses its agentctl between the loss's commit and
+/// its recovery until the returned sender says `true`.
+fn hold_lost_agentctls(mgr: &sessiond_engine::SessionManager) -> tokio::sync::watch::Sender<bool> {
+    let (release, released) = tokio::sync::watch::channel(false);
+    mgr.recovery().gate_lost_agentctl(Arc::new(move || {
+        let mut released = released.clone();
+        async move {
+            let _ = released.wait_for(|r| *r).await;
+        }
+        .boxed()
+    }));
+    release
+}
+
+/// Sends `/long story` (a reply streamed for a minute) and waits until its
+/// reply began; returns the user message.
+async fn long_reply_begun(
+    w: &World,
+    mgr: &sessiond_engine::SessionManager,
+    session: SessionId,
+) -> sessiond_domain::Message {
+    let long = mgr
+        .send_message(w.task.id, session, "/long story")
+        .await
+        .unwrap();
+    wait_message(w, session, "the reply never began", |m| {
+        m.role == MessageRole::Agent && m.seq > long.seq
+    })
+    .await;
+    long
+}
+
 /// Waits until a message of `session` matches `found`.
 async fn wait_message(
     w: &World,
@@ -62,22 +94,8 @@ async fn a_lost_agentctls_recovery_is_announced_with_the_interrupted_turn() {
     mgr.recovery().recover_all().await.unwrap();
     let plan = w.plan("retry", Rt::Standalone).await;
     let s = create(&w, &mgr, &plan).await;
-    let (release, released) = tokio::sync::watch::channel(false);
-    mgr.recovery().gate_lost_agentctl(Arc::new(move || {
-        let mut released = released.clone();
-        async move {
-            let _ = released.wait_for(|r| *r).await;
-        }
-        .boxed()
-    }));
-    let long = mgr
-        .send_message(w.task.id, s.id, "/long story")
-        .await
-        .unwrap();
-    wait_message(&w, s.id, "the reply never began", |m| {
-        m.role == MessageRole::Agent && m.seq > long.seq
-    })
-    .await;
+    let release = hold_lost_agentctls(&mgr);
+    let long = long_reply_begun(&w, &mgr, s.id).await;
     assert!(w.kill_agentctl(&s).await, "no agentctl to kill");
     wait_message(&w, s.id, "the turn never ended interrupted", |m| {
         m.role == MessageRole::System && m.content.contains("interrupted")
@@ -241,22 +259,8 @@ async fn a_hung_local_agentctl_that_comes_back_keeps_its_turn() {
     mgr.recovery().recover_all().await.unwrap();
     let plan = w.plan("hung", Rt::Standalone).await;
     let s = create(&w, &mgr, &plan).await;
-    let (release, released) = tokio::sync::watch::channel(false);
-    mgr.recovery().gate_lost_agentctl(Arc::new(move || {
-        let mut released = released.clone();
-        async move {
-            let _ = released.wait_for(|r| *r).await;
-        }
-        .boxed()
-    }));
-    let long = mgr
-        .send_message(w.task.id, s.id, "/long story")
-        .await
-        .unwrap();
-    wait_message(&w, s.id, "the reply never began", |m| {
-        m.role == MessageRole::Agent && m.seq > long.seq
-    })
-    .await;
+    let release = hold_lost_agentctls(&mgr);
+    let long = long_reply_begun(&w, &mgr, s.id).await;
     let agentctl = w
         .record(s.id)
         .await

@@ -390,13 +390,7 @@ async fn session_modes_are_kept_until_they_change() {
         .await
         .pid
         .expect("a standalone agentctl has a pid");
-    let signal = |sig: &str| {
-        let ok = std::process::Command::new("kill")
-            .args([sig, &agentctl.to_string()])
-            .status()
-            .is_ok_and(|st| st.success());
-        assert!(ok, "kill {sig} {agentctl}");
-    };
+    let signal = |sig: &str| crate::remote::signal(agentctl, sig);
     signal("-STOP");
     let first = mgr.session_modes(w.task.id, s.id).await;
     let second = mgr.session_modes(w.task.id, s.id).await;
@@ -431,13 +425,7 @@ async fn a_status_does_not_wait_for_a_hung_agentctls_modes() {
     let agentctl = w.record(s.id).await.pid.unwrap();
     let reply = w.prompt(&mgr, s.id, "/mode plan").await;
     assert!(reply.contains("mode: plan"), "{reply}");
-    let signal = |sig: &str| {
-        let ok = std::process::Command::new("kill")
-            .args([sig, &agentctl.to_string()])
-            .status()
-            .is_ok_and(|st| st.success());
-        assert!(ok, "kill {sig} {agentctl}");
-    };
+    let signal = |sig: &str| crate::remote::signal(agentctl, sig);
     signal("-STOP");
     for _ in 0..3 {
         let answered = tokio::time::timeout(

@@ -397,7 +397,7 @@ async fn remote_blip_during_liveness_reconnects_by_itself() {
     w.finish(&mgr, &[]).await;
 }
 
-fn signal(pid: u32, sig: &str) {
+pub fn signal(pid: u32, sig: &str) {
     let ok = Command::new("kill")
         .args([sig, &pid.to_string()])
         .status()
