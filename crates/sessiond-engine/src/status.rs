@@ -34,7 +34,7 @@ impl SessionManager {
     /// (GetSessionStatus): a running agent's modes come from the cache the
     /// status was read from, with no second lookup; an agent whose modes
     /// are not cached is asked, as `session_modes` asks it, for at most
-    /// [`MODES_WAIT`]: a status never waits on an agentctl that does not
+    /// 250 ms: a status never waits on an agentctl that does not
     /// answer (hung, or its host paused). The question goes on in the
     /// background, one per session at a time, and its answer is kept for
     /// the next calls; meanwhile the status has no modes.
