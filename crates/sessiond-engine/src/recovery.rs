@@ -361,8 +361,8 @@ impl RecoveryControl<'_> {
         Queue(self.0).gate_recovery_pass(gate)
     }
 
-    /// Holds a pump that found its agentctl lost mid-turn, after it
-    /// committed the interrupted turn and before it starts the background
+    /// Holds a pump (or a liveness check) that found its agentctl lost,
+    /// after it committed the loss and before it starts the background
     /// recovery, until `gate` resolves. For tests that must observe what a
     /// client sees in that moment.
     #[cfg(feature = "test-hooks")]

@@ -293,14 +293,27 @@ impl Liveness<'_> {
             ExecutorRecovery(self).spawn_reconnect(current);
             return Ok(None);
         }
+        // A turn in flight ends interrupted only when agentctl's process is
+        // known gone; one that may still run (hung, paused) keeps it pending
+        // for the recovery to settle, as the pump does (decision 0007).
+        let turn = if crate::ops::local_agentctl_gone(&current).is_some() {
+            TurnInFlight::Interrupt
+        } else {
+            TurnInFlight::Settle
+        };
         let (change, retry) = ExecutorRecovery(self)
-            .agentctl_lost_change(&current, &reason, TurnInFlight::Interrupt)
+            .agentctl_lost_change(&current, &reason, turn)
             .await?;
         let committed = self.commit(change).await?;
         self.inner.sessions.stop_pump(record.session_id);
         self.cache_update(record.session_id, |e| {
             e.agent = AgentProcessState::NotRunning
         });
+        // A test's hold between the commit and the recovery's start.
+        let gate = crate::sync::lock(&self.inner.lost_agentctl_gate).clone();
+        if let Some(gate) = gate {
+            gate().await;
+        }
         if let Some(failed) = retry {
             ExecutorRecovery(self).spawn_retry(committed.executor.unwrap_or(failed), 0, reason);
         }

@@ -261,8 +261,48 @@ async fn a_hung_local_agentctl_that_comes_back_keeps_its_turn() {
     let s = create(&w, &mgr, &plan).await;
     let release = hold_lost_agentctls(&mgr);
     let long = long_reply_begun(&w, &mgr, s.id).await;
+    hang_then_resume(&w, &mgr, s.id, &long, release).await;
+    w.cleanup(&mgr).await;
+}
+
+/// The same hang noticed by liveness first (its `Health` times out long
+/// before the stream's keep-alive): the turn is kept as well, and the
+/// reply read on to its end once agentctl answers again. Found from
+/// outside after the pump's path was fixed: liveness still ended the turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_local_agentctl_found_by_liveness_keeps_its_turn() {
+    let w = World::new().await;
+    let mgr = sessiond_engine::SessionManager::new(
+        w.store.clone(),
+        crate::world::drivers(w.dir.path(), None).await,
+        sessiond_engine::ManagerConfig {
+            liveness_interval: Some(Duration::from_millis(500)),
+            ..crate::world::manager_config_in(w.dir.path())
+        },
+    );
+    mgr.recovery().recover_all().await.unwrap();
+    let plan = w.plan("hung-liveness", Rt::Standalone).await;
+    let s = create(&w, &mgr, &plan).await;
+    let release = hold_lost_agentctls(&mgr);
+    let long = long_reply_begun(&w, &mgr, s.id).await;
+    hang_then_resume(&w, &mgr, s.id, &long, release).await;
+    w.cleanup(&mgr).await;
+}
+
+/// SIGSTOPs the session's local agentctl while its `/long` reply streams,
+/// waits until the loss is committed (the pump or liveness held by
+/// [`hold_lost_agentctls`]), checks the turn is still RUNNING with no
+/// system message, SIGCONTs and releases; the reply must go on from the
+/// same (reattached) agentctl, and a cancel ends the turn once.
+async fn hang_then_resume(
+    w: &World,
+    mgr: &sessiond_engine::SessionManager,
+    session: SessionId,
+    long: &sessiond_domain::Message,
+    release: tokio::sync::watch::Sender<bool>,
+) {
     let agentctl = w
-        .record(s.id)
+        .record(session)
         .await
         .and_then(|r| r.pid)
         .expect("a local agentctl");
@@ -275,19 +315,19 @@ async fn a_hung_local_agentctl_that_comes_back_keeps_its_turn() {
     signal(rustix::process::Signal::STOP).unwrap();
     // The loss is committed (the executor recovering), the pump held.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while w.record(s.id).await.unwrap().status != sessiond_domain::ExecutorStatus::Error {
+    while w.record(session).await.unwrap().status != sessiond_domain::ExecutorStatus::Error {
         assert!(
             Instant::now() < deadline,
             "the hung agentctl's stream was never given up"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let msgs = w.store.list_messages(s.id, 0, u32::MAX).await.unwrap();
+    let msgs = w.store.list_messages(session, 0, u32::MAX).await.unwrap();
     assert!(
         !msgs.iter().any(|m| m.role == MessageRole::System),
         "the turn was ended while its agent may go on: {msgs:?}"
     );
-    let st = mgr.session_status(w.task.id, s.id).await.unwrap();
+    let st = mgr.session_status(w.task.id, session).await.unwrap();
     assert_eq!(st.state, SessionState::Running, "{st:?}");
     let stood = msgs
         .iter()
@@ -300,22 +340,22 @@ async fn a_hung_local_agentctl_that_comes_back_keeps_its_turn() {
     release.send_replace(true);
     // Reattached (the same agentctl process), and the reply goes on.
     wait_message(
-        &w,
-        s.id,
+        w,
+        session,
         "the reply did not go on after agentctl came back",
         |m| m.role == MessageRole::Agent && m.seq > long.seq && m.content.len() > stood + 100,
     )
     .await;
     assert_eq!(
-        w.record(s.id).await.and_then(|r| r.pid),
+        w.record(session).await.and_then(|r| r.pid),
         Some(agentctl),
         "reattached"
     );
-    mgr.cancel_turn(w.task.id, s.id).await.unwrap();
-    wait_state(&mgr, &w, s.id, SessionState::WaitingForInput).await;
+    mgr.cancel_turn(w.task.id, session).await.unwrap();
+    wait_state(mgr, w, session, SessionState::WaitingForInput).await;
     let notes: Vec<String> = w
         .store
-        .list_messages(s.id, 0, u32::MAX)
+        .list_messages(session, 0, u32::MAX)
         .await
         .unwrap()
         .into_iter()
@@ -326,5 +366,4 @@ async fn a_hung_local_agentctl_that_comes_back_keeps_its_turn() {
         notes.len() == 1 && notes[0].contains("cancelled"),
         "one ending, the cancel: {notes:?}"
     );
-    w.cleanup(&mgr).await;
 }
