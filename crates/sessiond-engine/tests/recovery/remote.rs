@@ -267,20 +267,9 @@ async fn remote_window_counts_from_the_backend_start() {
     w.finish(&mgr, &[]).await;
 }
 
-/// A blip while the backend runs: the remote agentctl stops answering (it is
-/// SIGSTOPped, so its connections hang as on a broken network) and the
-/// liveness check notices. The executor shows `error` with a reconnecting
-/// message, the session keeps its state and the status says it is
-/// reconnecting; when the host answers again the background reconnect
-/// reattaches the same agent without a user call, and the conversation
-/// continues.
-/// A host whose agentctl comes back with another secret (rotated by its
-/// operator, sessiond not told): while the reconnect goes on, the status
-/// says the host rejects the secret, not the "Connection refused" of the
-/// first failure; started again with the right secret, the session comes
-/// back by itself.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn remote_host_back_with_another_secret_says_so_while_reconnecting() {
+/// A remote session on a fresh host whose liveness is checked every
+/// 200 ms, so a host that stops answering is noticed at once.
+async fn live_remote_session() -> (World, RemoteSpot, RemoteHost, SessionManager, Session) {
     let w = World::new(Db::Sqlite).await;
     let spot = RemoteSpot::at(&w.worktree("remote").path);
     let host = RemoteHost::start(&w, &spot).await;
@@ -289,6 +278,17 @@ async fn remote_host_back_with_another_secret_says_so_while_reconnecting() {
         ..w.config()
     });
     let s = spot.create(&w, &mgr, &w.profile, &host).await;
+    (w, spot, host, mgr, s)
+}
+
+/// A host whose agentctl comes back with another secret (rotated by its
+/// operator, sessiond not told): while the reconnect goes on, the status
+/// says the host rejects the secret, not the "Connection refused" of the
+/// first failure; started again with the right secret, the session comes
+/// back by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_host_back_with_another_secret_says_so_while_reconnecting() {
+    let (w, spot, host, mgr, s) = live_remote_session().await;
     w.prompt(&mgr, s.id, "one").await;
     host.kill().await;
     let says = |want: &'static str| {
@@ -334,16 +334,16 @@ async fn remote_host_back_with_another_secret_says_so_while_reconnecting() {
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// A blip while the backend runs: the remote agentctl stops answering (it is
+/// SIGSTOPped, so its connections hang as on a broken network) and the
+/// liveness check notices. The executor shows `error` with a reconnecting
+/// message, the session keeps its state and the status says it is
+/// reconnecting; when the host answers again the background reconnect
+/// reattaches the same agent without a user call, and the conversation
+/// continues.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_blip_during_liveness_reconnects_by_itself() {
-    let w = World::new(Db::Sqlite).await;
-    let spot = RemoteSpot::at(&w.worktree("remote").path);
-    let host = RemoteHost::start(&w, &spot).await;
-    let mgr = w.manager_with(ManagerConfig {
-        liveness_interval: Some(Duration::from_millis(200)),
-        ..w.config()
-    });
-    let s = spot.create(&w, &mgr, &w.profile, &host).await;
+    let (w, spot, host, mgr, s) = live_remote_session().await;
     let token = s.resume_token.clone().unwrap();
     w.prompt(&mgr, s.id, "one").await;
     let agent = children_of(host.child.id());
