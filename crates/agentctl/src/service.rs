@@ -242,6 +242,12 @@ impl AgentCtl {
             resuming: status.resuming,
             replayed: status.replayed,
             last_turn_id: self.agent.last_turn_id(),
+            workspace_root: Some(
+                self.workspace
+                    .root()
+                    .map(|r| r.display().to_string())
+                    .unwrap_or_default(),
+            ),
         }
     }
 

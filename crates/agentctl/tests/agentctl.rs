@@ -3624,6 +3624,8 @@ async fn worktree_call_binds_one_worktree_inside_the_roots() {
         "{}",
         err.message()
     );
+    // Health says so, for a backend that would start an agent here.
+    assert_eq!(health(&mut c).await.workspace_root.as_deref(), Some(""));
     for (path, says) in [
         (
             root.join("out/wt"),
@@ -3657,6 +3659,11 @@ async fn worktree_call_binds_one_worktree_inside_the_roots() {
         .expect("status")
         .into_inner();
     assert_eq!(st.branch, "s/one");
+    let served = health(&mut c).await.workspace_root.expect("workspace_root");
+    assert_eq!(
+        Path::new(&served),
+        std::fs::canonicalize(&wt).expect("canonical")
+    );
     let err = c
         .worktree(req("create", &root.join("wt/two")))
         .await
@@ -3672,6 +3679,7 @@ async fn worktree_call_binds_one_worktree_inside_the_roots() {
     assert!(!wt.exists());
     let err = c.git_status(GitStatusRequest {}).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition);
+    assert_eq!(health(&mut c).await.workspace_root.as_deref(), Some(""));
 }
 
 /// The `initialize` lines of every agent process in `calls.log`: one per

@@ -136,7 +136,8 @@ impl SessionManager {
         if let (Runtime::Remote, Some(remote)) = (req.runtime, req.remote.as_ref()) {
             // Before anything reaches it (a worktree made through it would
             // bind the host to this session).
-            self.check_remote_host(remote).await?;
+            self.check_remote_host(remote, !req.worktree.is_managed())
+                .await?;
         }
         let managed = req.worktree.is_managed();
         if managed {

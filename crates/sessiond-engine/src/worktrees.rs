@@ -90,7 +90,7 @@ impl SessionManager {
             }
             (Runtime::Remote, Some(r)) => Some((
                 {
-                    self.check_remote_host(r).await?;
+                    self.check_remote_host(r, false).await?;
                     RemoteTarget {
                         url: r.url.clone(),
                         auth_secret: r.auth_secret.clone(),
@@ -127,8 +127,16 @@ impl SessionManager {
     /// through it would bind that host to a session it does not serve, and
     /// the right session could not be created there after it. Any other
     /// failure (unreachable, secret, TLS) is left to the call, which
-    /// reports it as before.
-    pub(crate) async fn check_remote_host(&self, remote: &RemoteAgentctl) -> Result<()> {
+    /// reports it as before. With `serves_own_workspace` (a session in a
+    /// directory of the host's, not a worktree made for it), a host that
+    /// serves no workspace is refused too (INVALID_ARGUMENT): its agent
+    /// could not start, and the session would be stored ERROR with its
+    /// executor id taken.
+    pub(crate) async fn check_remote_host(
+        &self,
+        remote: &RemoteAgentctl,
+        serves_own_workspace: bool,
+    ) -> Result<()> {
         // Only the address, secret and identity matter to the client; the
         // session and task are not known yet.
         let handle = sessiond_executor::ExecutorHandle {
@@ -148,6 +156,15 @@ impl SessionManager {
         };
         let client = Agents(self).driver(Runtime::Remote)?.client(&handle)?;
         match client.verify_identity(remote.executor_id).await {
+            Ok(health) if serves_own_workspace && health.workspace_root.as_deref() == Some("") => {
+                Err(Error::InvalidArgument(format!(
+                    "remote session without --repo: the agentctl at {} serves no workspace: it was started with \
+                     --worktree-root only, so a session there needs a worktree sessiond \
+                     makes for it (--repo DIR --base REF, paths on that host); or start \
+                     that agentctl with --workspace DIR",
+                    remote.url
+                )))
+            }
             Ok(_) => Ok(()),
             Err(sessiond_executor::Error::IdentityMismatch { url, actual, .. }) => {
                 Err(Error::InvalidArgument(format!(

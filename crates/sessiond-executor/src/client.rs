@@ -322,6 +322,10 @@ pub struct Health {
     /// The newest turn agentctl (or its journal) knows; empty: none, or an
     /// agentctl too old to say.
     pub last_turn_id: String,
+    /// The workspace root agentctl serves: `Some("")` while none is bound
+    /// (a host's agentctl started with `--worktree-root` only, before a
+    /// worktree is made through it); `None` from an agentctl too old to say.
+    pub workspace_root: Option<String>,
 }
 
 /// Signs of life of an agent process as agentctl counts them (`Health`).
@@ -690,6 +694,7 @@ impl Health {
             },
             latest_cursor: resp.latest_cursor,
             last_turn_id: resp.last_turn_id,
+            workspace_root: resp.workspace_root,
             agent_exit: resp.agent_exit,
         }
     }

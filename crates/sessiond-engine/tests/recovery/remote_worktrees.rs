@@ -244,6 +244,51 @@ async fn remote_create_naming_another_executor_is_refused_before_anything_is_mad
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// A session in a directory of its host (no `--repo`) on a host whose
+/// agentctl serves no workspace (`--worktree-root` only) is refused before
+/// anything is stored: its agent could not start there, and an ERROR
+/// session would keep the executor id taken. A worktree session on the
+/// same host then works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_directory_session_on_a_host_without_a_workspace_is_refused_before_it_is_stored() {
+    let w = World::new(Db::Sqlite).await;
+    let (root, repo) = host_dir(&w);
+    let spot = RemoteSpot::at("");
+    let host = start_host(&w, &spot, &root).await;
+    let mgr = manager(&w, &root);
+    let err = mgr
+        .create_session(NewSession {
+            task_id: w.task.id,
+            agent_profile_id: w.profile.id,
+            runtime: Runtime::Remote,
+            worktree: Worktree {
+                path: root.join("worktrees").display().to_string(),
+                ..Worktree::default()
+            },
+            remote: Some(spot.agentctl()),
+            metadata: BTreeMap::new(),
+            mcp_servers: Vec::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.kind(),
+        sessiond_engine::ErrorKind::InvalidArgument,
+        "{err}"
+    );
+    let message = err.to_string();
+    assert!(
+        message.contains("serves no workspace") && message.contains("--repo"),
+        "{message}"
+    );
+    assert!(w.store.list_sessions(w.task.id).await.unwrap().is_empty());
+    let s = create(&w, &mgr, &spot, &repo).await.unwrap();
+    host.track_agent(&w);
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    host.kill().await;
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// Everything killed with SIGKILL (backend, the host's agentctl and its
 /// agent), the worktree directory removed, the host's agentctl started
 /// again by its operator with no workspace: recovery has it check the
