@@ -699,14 +699,35 @@ impl<'m> Lifecycle<'m> {
     }
 
     /// Stops the agent and the executor and records `stopped`. A failure
-    /// leaves the record as it was, so the next recovery stops it.
+    /// leaves the record as it was, so the next recovery stops it; except
+    /// a remote host that does not answer: the session's end is recorded
+    /// already, so the call succeeds, and the executor is recorded `error`
+    /// with a reconnect loop that stops the agent once the host answers
+    /// (recovering an ended session stops its executor).
     async fn stop_executor(&self, record: ExecutorRecord) -> Result<()> {
         let driver = Agents(self).driver(record.runtime)?;
         let handle = ExecutorHandle::from_record(&record);
-        if !record.auth_secret.is_empty() {
+        // The remote driver's stop is this same `StopAgent`: asking twice
+        // only doubles the wait on a host that does not answer.
+        if !record.auth_secret.is_empty() && record.runtime != Runtime::Remote {
             Agents(self).stop_agent_quietly(&record).await;
         }
         if let Err(e) = driver.stop(&handle).await {
+            if record.runtime == Runtime::Remote && e.is_unavailable() {
+                tracing::warn!(executor_id = %record.id, error = %e,
+                    "the remote agent could not be stopped yet; stopping it once its host answers");
+                let mut failed = executor_moved(&record, ExecutorEvent::Failed)?;
+                // `reconnecting:`: the status shows it while the loop runs.
+                failed.error_message = Some(format!(
+                    "reconnecting: the session ended, its agent could not be stopped yet ({e}); \
+                     sessiond stops it once its host answers again"
+                ));
+                let committed = self
+                    .commit(Changeset::new().update_executor(failed.clone()))
+                    .await?;
+                self.spawn_reconnect(committed.executor.unwrap_or(failed));
+                return Ok(());
+            }
             tracing::warn!(executor_id = %record.id, error = %e, "could not stop executor; recovery will retry");
             return Err(e.into());
         }

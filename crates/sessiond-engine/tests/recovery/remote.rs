@@ -397,6 +397,56 @@ async fn remote_blip_during_liveness_reconnects_by_itself() {
     w.finish(&mgr, &[]).await;
 }
 
+/// `session stop` while the remote host does not answer (its agentctl
+/// SIGSTOPped, as behind a broken network): the session ends CANCELLED and
+/// the call succeeds after one `StopAgent` deadline (it used to fail after
+/// two, with the end already recorded); the status says the agent is
+/// stopped once its host answers, and it is, without a user call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_stop_while_the_host_does_not_answer_ends_the_session_and_stops_the_agent_later() {
+    let (w, _spot, host, mgr, s) = live_remote_session().await;
+    w.prompt(&mgr, s.id, "one").await;
+    let agent = children_of(host.child.id());
+    assert_eq!(agent.len(), 1, "one agent runs on the host");
+
+    signal(host.child.id(), "-STOP");
+    let ended = mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    assert_eq!(ended.state, SessionState::Cancelled);
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::Cancelled, "{st:?}");
+    assert_eq!(st.executor_status, Some(ExecutorStatus::Error), "{st:?}");
+    assert!(
+        st.error_message
+            .as_deref()
+            .is_some_and(|m| m.starts_with("reconnecting:")),
+        "{st:?}"
+    );
+    assert_eq!(
+        children_of(host.child.id()),
+        agent,
+        "still running meanwhile"
+    );
+
+    signal(host.child.id(), "-CONT");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let st = w.status(&mgr, s.id).await;
+        if st.executor_status == Some(ExecutorStatus::Stopped)
+            && children_of(host.child.id()).is_empty()
+        {
+            assert_eq!(st.state, SessionState::Cancelled, "{st:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the agent was never stopped: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    host.kill().await;
+    w.finish(&mgr, &[]).await;
+}
+
 pub fn signal(pid: u32, sig: &str) {
     let ok = Command::new("kill")
         .args([sig, &pid.to_string()])
