@@ -458,7 +458,8 @@ impl SessionManager {
         // end below.
         self.inner.sessions.stop_pump(session_id);
         let session = self.inner.store.get_session(session_id).await?;
-        let session = if session.state.is_terminal() {
+        let already_ended = session.state.is_terminal();
+        let session = if already_ended {
             session
         } else {
             let event = match reason {
@@ -515,6 +516,8 @@ impl SessionManager {
             .get_executor_for_session(session_id)
             .await?
             && record.status != ExecutorStatus::Stopped
+            // Its reconnect loop stops it once the host answers.
+            && !(already_ended && remote_stop_pending(&record).is_some())
         {
             Lifecycle(self).stop_executor(record).await?;
         }
@@ -583,6 +586,20 @@ impl SessionManager {
             .get_executor_for_session(session_id)
             .await?
         {
+            // A remote host that did not answer the stop just now: its agent
+            // still runs, and removing the record would leave nothing to
+            // stop it by. Said at once rather than after another deadline.
+            if let Some(why) = remote_stop_pending(&record) {
+                return Err(Error::Unavailable(format!(
+                    "session {session_id} is ended, but its remote host at {} does not answer, \
+                     so its agent is not stopped yet ({why}); delete the session again once the \
+                     host answers (sessiond stops the agent by itself then)",
+                    record
+                        .agentctl_url
+                        .as_deref()
+                        .unwrap_or("its recorded address")
+                )));
+            }
             // Fenced twice: before the removal (a replica resumed after a
             // pause does not remove what another one adopted) and with the
             // delete itself.
@@ -736,6 +753,16 @@ impl<'m> Lifecycle<'m> {
             .await?;
         Ok(())
     }
+}
+
+/// Why the agent of a remote executor is not stopped yet, while a
+/// reconnect loop waits for its host to answer (the executor `error`,
+/// `reconnecting:`).
+fn remote_stop_pending(record: &ExecutorRecord) -> Option<&str> {
+    (record.runtime == Runtime::Remote && record.status == ExecutorStatus::Error)
+        .then_some(record.error_message.as_deref())
+        .flatten()
+        .filter(|m| m.starts_with("reconnecting:"))
 }
 
 /// What a user changes after agentctl refused to open a conversation

@@ -401,7 +401,9 @@ async fn remote_blip_during_liveness_reconnects_by_itself() {
 /// SIGSTOPped, as behind a broken network): the session ends CANCELLED and
 /// the call succeeds after one `StopAgent` deadline (it used to fail after
 /// two, with the end already recorded); the status says the agent is
-/// stopped once its host answers, and it is, without a user call.
+/// stopped once its host answers, and it is, without a user call; a
+/// delete meanwhile says to try again then (at once, not after another
+/// deadline), and then works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_stop_while_the_host_does_not_answer_ends_the_session_and_stops_the_agent_later() {
     let (w, _spot, host, mgr, s) = live_remote_session().await;
@@ -426,6 +428,22 @@ async fn remote_stop_while_the_host_does_not_answer_ends_the_session_and_stops_t
         agent,
         "still running meanwhile"
     );
+    // A delete cannot remove what it could not stop: it says so, and keeps
+    // the record that lets sessiond stop the agent later.
+    let err = mgr.delete_session(w.task.id, s.id).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(
+        err.to_string()
+            .contains("delete the session again once the host answers"),
+        "{err}"
+    );
+    assert!(
+        w.store
+            .get_executor_for_session(s.id)
+            .await
+            .unwrap()
+            .is_some()
+    );
 
     signal(host.child.id(), "-CONT");
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -443,6 +461,7 @@ async fn remote_stop_while_the_host_does_not_answer_ends_the_session_and_stops_t
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    mgr.delete_session(w.task.id, s.id).await.unwrap();
     host.kill().await;
     w.finish(&mgr, &[]).await;
 }
