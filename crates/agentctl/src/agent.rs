@@ -38,7 +38,7 @@ use sessiond_proto::agentctl::v1::{
     AgentExit, AgentExited, AgentState, AgentStateChanged, MessageChunk, TurnEnded, TurnStarted,
     agent_update::Kind,
 };
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::sync::{oneshot, watch};
 
 use crate::activity::{self, Parts};
@@ -46,6 +46,7 @@ use crate::error::{Error, Result};
 use crate::exec::explicit_env;
 use crate::journal::{AgentRecord, Journal, Loaded, Phase, TurnRecord};
 use crate::signs::{self, Signs};
+use crate::stdio;
 use crate::sys;
 use crate::terminal::{TerminalExit, TerminalSpec, Terminals};
 use crate::tree;
@@ -871,14 +872,22 @@ impl AgentManager {
             slot.generation
         };
 
-        // Agent stderr goes to our log, line by line; each line is a sign
-        // of life.
+        // Agent stderr goes to our log, line by line (a long one cut);
+        // each line is a sign of life.
         let stderr_signs = signs.clone();
         tokio::spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
+            let mut reader = BufReader::new(stderr);
+            let mut buf = Vec::new();
+            while let Ok(Some(line)) =
+                stdio::next_line(&mut reader, &mut buf, stdio::MAX_LOG_LINE).await
+            {
                 stderr_signs.line();
-                tracing::info!(target: "agent_stderr", pid, "{line}");
+                match &line {
+                    stdio::Line::TooLong { len, head } => {
+                        tracing::info!(target: "agent_stderr", pid, "{head}… ({len} bytes, cut)");
+                    }
+                    _ => tracing::info!(target: "agent_stderr", pid, "{}", line.shown()),
+                }
             }
         });
         // Exit watcher: the only place the child is reaped.
@@ -902,7 +911,7 @@ impl AgentManager {
 
         let (conn_tx, conn_rx) = oneshot::channel();
         let shared = self.shared.clone();
-        let transport = lines_transport(stdin, stdout, signs.clone());
+        let transport = lines_transport(pid, stdin, stdout, signs.clone());
         tokio::spawn(async move {
             let result = run_connection(shared, generation, transport, conn_tx, close_rx).await;
             if let Err(e) = result {
@@ -2183,26 +2192,41 @@ type Transport = Lines<
     std::pin::Pin<Box<dyn futures::Stream<Item = std::io::Result<String>> + Send>>,
 >;
 
-/// ACP over the agent's stdio, one JSON-RPC message per line; every line
-/// read is a sign of life.
+/// ACP over the agent's stdio, one JSON-RPC message per line; every
+/// message read is a sign of life. Lines that cannot be messages are
+/// dropped and counted (`stdio`), not answered.
 fn lines_transport(
+    pid: u32,
     stdin: tokio::process::ChildStdin,
     stdout: tokio::process::ChildStdout,
     signs: Arc<Signs>,
 ) -> Transport {
-    let incoming = futures::stream::unfold(
-        (BufReader::new(stdout).lines(), signs),
-        |(mut lines, signs)| async move {
-            match lines.next_line().await {
-                Ok(Some(line)) => {
-                    signs.line();
-                    Some((Ok(line), (lines, signs)))
+    struct Reading {
+        reader: BufReader<tokio::process::ChildStdout>,
+        buf: Vec<u8>,
+        noise: stdio::Noise,
+        signs: Arc<Signs>,
+    }
+    let reading = Reading {
+        reader: BufReader::new(stdout),
+        buf: Vec::new(),
+        noise: stdio::Noise::default(),
+        signs,
+    };
+    let incoming = futures::stream::unfold(reading, move |mut r| async move {
+        loop {
+            match stdio::next_line(&mut r.reader, &mut r.buf, stdio::MAX_MESSAGE_LINE).await {
+                Ok(Some(stdio::Line::Text(line))) if stdio::may_be_message(&line) => {
+                    r.signs.line();
+                    return Some((Ok(line), r));
                 }
-                Ok(None) => None,
-                Err(e) => Some((Err(e), (lines, signs))),
+                Ok(Some(stdio::Line::Text(line))) if line.trim().is_empty() => {}
+                Ok(Some(other)) => r.noise.note(pid, &other),
+                Ok(None) => return None,
+                Err(e) => return Some((Err(e), r)),
             }
-        },
-    );
+        }
+    });
     let outgoing = futures::sink::unfold(stdin, |mut stdin, line: String| async move {
         stdin.write_all(line.as_bytes()).await?;
         stdin.write_all(b"\n").await?;

@@ -27,6 +27,7 @@ pub mod prompt;
 pub mod recover;
 pub mod service;
 pub mod signs;
+mod stdio;
 pub mod sys;
 pub mod terminal;
 pub mod tree;

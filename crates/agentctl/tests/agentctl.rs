@@ -3912,3 +3912,64 @@ async fn recover_refuses_stale_epochs_generations_and_other_executors() {
     ctl.shutdown().await;
     h.assert_no_leftovers().await;
 }
+
+/// Peak resident memory of `pid` (`VmHWM`), in KiB.
+fn peak_rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// An agent that writes a flood of lines that are not ACP messages to its
+/// stdout before it speaks ACP (3 million, as `print` debugging in a loop
+/// would): agentctl drops them unanswered and says so in a few log lines;
+/// its memory stays small (each used to be answered with a parse error
+/// that an agent not reading stdin left queued: gigabytes), and the agent
+/// then opens its conversation and answers a prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_flooding_stdout_with_noise_costs_no_memory_and_still_works() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let mut launch = h.demo(true, &[]);
+    let demo = std::mem::replace(&mut launch.command, "sh".into());
+    let mut args = vec![
+        "-c".to_owned(),
+        "yes 'Loading, please wait...' | head -n 3000000; exec \"$0\" \"$@\"".to_owned(),
+        demo,
+    ];
+    args.append(&mut launch.args);
+    launch.args = args;
+    launch.initialize_timeout_ms = 60_000;
+    let before = peak_rss_kib(ctl.pid);
+    c.launch_agent(launch).await.expect("launch");
+    c.new_session(NewSessionRequest {})
+        .await
+        .expect("new session");
+    let mut stream = Stream::open(&mut c, 0).await;
+    let (reply, _) = prompt(&mut c, &mut stream, "hello").await;
+    assert!(reply.contains("hello"), "{reply}");
+
+    let peak = peak_rss_kib(ctl.pid);
+    assert!(
+        peak < before + 100 * 1024,
+        "agentctl's peak memory grew from {before} KiB to {peak} KiB"
+    );
+    let log = std::fs::read_to_string(h.base.path().join("agentctl.log")).expect("log");
+    let noise: Vec<&str> = log.lines().filter(|l| l.contains("to stdout")).collect();
+    assert!(
+        (1..=40).contains(&noise.len()),
+        "{} log lines about the noise: {:?}",
+        noise.len(),
+        &noise[..noise.len().min(3)]
+    );
+    assert!(
+        log.contains("Loading, please wait..."),
+        "an excerpt is shown"
+    );
+}
