@@ -188,6 +188,9 @@ struct Run {
     /// the session's newest: a turn the store never recorded (the backend
     /// died between its Prompt and its commit) is on agentctl's stream.
     unrecorded_turn: Option<(String, String)>,
+    /// How long the agent's launch and resume may show no sign of life
+    /// before this attempt is cut (`ExecutorRecovery::agent_silence`).
+    agent_silence: Duration,
 }
 
 /// A remote host stopped answering while the backend runs (a network blip,
@@ -992,6 +995,7 @@ impl ExecutorRecovery<'_> {
                 "call's recovery: records read"
             );
         }
+        let input_attempt = self.inner.agent_recoveries.attempt(session.id);
         let input = if lane == Lane::Resume {
             RecoveryInput::new(
                 &record,
@@ -1006,10 +1010,7 @@ impl ExecutorRecovery<'_> {
                 profile.supports_session_resume,
                 self.inner.config.resume_policy,
             )
-            .attempt(
-                self.inner.agent_recoveries.attempt(session.id),
-                self.inner.config.max_attempts,
-            )
+            .attempt(input_attempt, self.inner.config.max_attempts)
         };
         let retry = record.runtime == Runtime::Remote
             && window_open(
@@ -1034,6 +1035,7 @@ impl ExecutorRecovery<'_> {
             ahead: ahead::Ahead::default(),
             outcomes: None,
             unrecorded_turn: None,
+            agent_silence: self.agent_silence(lane == Lane::Resume, input_attempt),
         };
         let mut action = machine.start();
         // A call waits on this recovery (its own, or a pass recovery it
@@ -1502,7 +1504,7 @@ impl ExecutorRecovery<'_> {
                                     }
                                 }
                             };
-                            Box::pin(self.until_silent(&run.record, attempt)).await
+                            Box::pin(self.until_silent(&run.record, run.agent_silence, attempt)).await
                         }
                     };
                     let (observation, ended) = match attempted {
@@ -2142,21 +2144,44 @@ impl ExecutorRecovery<'_> {
         Ok(())
     }
 
+    /// How long an agent's launch and resume may stay silent before an
+    /// attempt is cut: `executor_deadline` at the first attempt of a
+    /// recovery, doubling with each attempt after it, up to what a create
+    /// allows the same agent (`agent_initialize_timeout`); that much at
+    /// once for an explicit resume (`explicit`), which a user waits on and
+    /// does not retry by itself. An agent that starts silently for longer
+    /// than the first limit (blocked on the network while it starts) comes
+    /// back at a later attempt instead of never.
+    pub(crate) fn agent_silence(&self, explicit: bool, attempt: u32) -> Duration {
+        let config = &self.inner.config;
+        let most = config
+            .executor_deadline
+            .max(config.agent_initialize_timeout);
+        if explicit {
+            return most;
+        }
+        let doublings = attempt.saturating_sub(1).min(16);
+        config
+            .executor_deadline
+            .saturating_mul(1 << doublings)
+            .min(most)
+    }
+
     /// Runs `work` (an agent's launch and resume) while watching agentctl's
     /// `Health` of `record` for the agent's signs of life: a line written,
     /// CPU used, history replayed, its state moving. `Err(why)` when none
-    /// showed (or agentctl did not answer) for the silence limit
-    /// (`executor_deadline`), or the attempt's cap (`resume_cap`) passed;
-    /// `work` is dropped then.
+    /// showed (or agentctl did not answer) for `silence` (see
+    /// [`Self::agent_silence`]), or the attempt's cap (`resume_cap`)
+    /// passed; `work` is dropped then.
     pub(crate) async fn until_silent<T>(
         &self,
         record: &ExecutorRecord,
+        silence: Duration,
         work: impl std::future::Future<Output = T>,
     ) -> std::result::Result<T, String> {
         /// CPU time that counts as a sign of life between two readings: more
         /// than an idle runtime's timers use in a silence limit.
         const CPU_SIGN_MS: u64 = 50;
-        let silence = self.inner.config.executor_deadline;
         let cap = self.inner.config.resume_cap;
         let poll = (silence / 5).clamp(Duration::from_millis(100), Duration::from_secs(2));
         let sid = record.session_id;

@@ -126,7 +126,10 @@ impl ExecutorRecovery<'_> {
             self.inner
                 .agent_recoveries
                 .enter(sid, RecoveryStage::Launching);
-            match ExecutorRecovery(self).until_silent(&run.record, call).await {
+            match ExecutorRecovery(self)
+                .until_silent(&run.record, run.agent_silence, call)
+                .await
+            {
                 Ok(a) => (a, Some(p)),
                 Err(silence) => {
                     // agentctl may be fine and only the agent silent: a
@@ -286,7 +289,10 @@ impl ExecutorRecovery<'_> {
             ..Default::default()
         };
         let call = client.recover(run.record.id, request);
-        let answer = match ExecutorRecovery(self).until_silent(&run.record, call).await {
+        let answer = match ExecutorRecovery(self)
+            .until_silent(&run.record, run.agent_silence, call)
+            .await
+        {
             Err(silence) => return Some(Err(silence)),
             Ok(Err(e)) if e.is_unimplemented() => {
                 run.ahead.unsupported = true;

@@ -248,6 +248,74 @@ async fn a_silent_agent_is_cut_retried_and_comes_back_or_fails_after_its_attempt
     w.finish(&mgr, &[comes_back.id, gives_up.id]).await;
 }
 
+/// An agent that starts silently (no output, no CPU: blocked on the
+/// network while it starts, say) for longer than the silence limit, which
+/// its create allowed: each attempt of a recovery waits twice as long as
+/// the one before, so a restart brings it back by itself (it used to be cut
+/// the same way at every attempt, then ERROR `attempts_exhausted`). An
+/// explicit resume, which a user waits on, waits as long as a create.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_silent_at_start_longer_than_the_limit_comes_back_at_a_later_attempt() {
+    let w = World::new(Db::Sqlite).await;
+    let profile = w
+        .demo_profile("silent-start", &[("ACP_DEMO_STARTUP_MS", "3000")])
+        .await;
+    // Silence limits of the attempts: 2, 4 and 8 s.
+    let config = ManagerConfig {
+        executor_deadline: Duration::from_secs(2),
+        max_attempts: 3,
+        retry_backoff: sessiond_executor::Backoff {
+            initial: Duration::from_millis(200),
+            max: Duration::from_millis(400),
+        },
+        ..defaults()
+    };
+    let mgr = w.manager_with(config.clone());
+    let s = w.create_with(&mgr, "silent", &profile, None).await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    let crash = |mgr: sessiond_engine::SessionManager| {
+        let w = &w;
+        async move {
+            mgr.shutdown();
+            drop(mgr);
+            kill_tree(w.record(s.id).await.pid.unwrap()).await;
+        }
+    };
+    crash(mgr).await;
+
+    let mgr = w.manager_with(config.clone());
+    let summary = mgr.recovery().recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Retrying), 1, "{summary:?}");
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let st = w.status(&mgr, s.id).await;
+        assert_ne!(st.state, SessionState::Error, "{st:?}");
+        if st.is_agent_running && st.agent_recovery.is_none() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never came back: {st:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    w.track(s.id).await;
+    let reply = w.prompt(&mgr, s.id, "two").await;
+    assert_eq!(reply, expected_reply(2, &token, "two"));
+    crash(mgr).await;
+
+    let on_demand = ManagerConfig {
+        resume_policy: sessiond_domain::ResumePolicy::OnDemand,
+        ..config
+    };
+    let mgr = w.manager_with(on_demand);
+    mgr.recovery().recover_all().await.unwrap();
+    let st = mgr.resume_session(w.task.id, s.id).await.unwrap();
+    assert!(st.is_agent_running, "{st:?}");
+    w.track(s.id).await;
+    let reply = w.prompt(&mgr, s.id, "three").await;
+    assert_eq!(reply, expected_reply(3, &token, "three"));
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// One line of the demo agent's `calls.log`.
 #[derive(Debug, serde::Deserialize)]
 struct Call {
