@@ -1,7 +1,10 @@
 //! `Recover`: a recovering backend's one round trip (see the proto).
 //!
-//! Calls run one at a time ([`Recoveries::begin`] holds a lock for the
-//! whole call), and the agent part acts only on an absent agent (none
+//! Calls that ask for the agent run one at a time ([`Recoveries::begin`]
+//! holds a lock for the whole call); one that asks only for health and
+//! capabilities does not wait for them (a launch and resume take as long as
+//! the agent does, and a backend restarted meanwhile must see a live
+//! agentctl, not one it would take for hung). The agent part acts only on an absent agent (none
 //! launched, or it exited). So two calls in a row, or the same call sent
 //! twice by a backend that crashed after sending it, cannot start two
 //! agents or reopen the conversation twice: the second finds the first's
@@ -22,12 +25,13 @@ pub const STALE_GENERATION: &str = "stale_generation";
 #[derive(Debug, Default)]
 pub struct Recoveries {
     memory: Mutex<Memory>,
+    /// The newest generation a call carried.
+    newest_generation: std::sync::Mutex<Option<i64>>,
 }
 
-/// Held for the length of one `Recover` call.
+/// Held for the length of one `Recover` call that asks for the agent.
 #[derive(Debug, Default)]
 pub struct Memory {
-    newest_generation: Option<i64>,
     last: Option<Remembered>,
 }
 
@@ -45,16 +49,27 @@ impl Recoveries {
     /// Waits for the calls before this one, then admits `generation`: one
     /// older than the newest a call carried is refused.
     pub async fn begin(&self, generation: i64) -> Result<MutexGuard<'_, Memory>, Status> {
-        let mut memory = self.memory.lock().await;
-        match memory.newest_generation {
+        let memory = self.memory.lock().await;
+        self.admit(generation)?;
+        Ok(memory)
+    }
+
+    /// Admits `generation` for a call that asks nothing of the agent, at
+    /// once, even while another call launches one.
+    pub fn admit(&self, generation: i64) -> Result<(), Status> {
+        let mut newest = self
+            .newest_generation
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match *newest {
             Some(n) if generation < n => Err(Status::failed_precondition(format!(
                 "{STALE_GENERATION}: this Recover carries executor generation {generation}, \
                  but agentctl has served generation {n}: the executor was relaunched since \
                  the caller read its record"
             ))),
             _ => {
-                memory.newest_generation = Some(generation);
-                Ok(memory)
+                *newest = Some(generation);
+                Ok(())
             }
         }
     }

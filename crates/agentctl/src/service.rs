@@ -280,16 +280,24 @@ impl AgentCtl {
         }
     }
 
-    /// `Recover`, after the identity check: one call at a time.
+    /// `Recover`, after the identity check: one call that asks for the
+    /// agent at a time; one that asks for health only answers at once.
     async fn recover_now(&self, r: pb::RecoverRequest) -> Result<pb::RecoverResponse, Status> {
-        let mut memory = self.recoveries.begin(r.generation).await?;
+        let asks_agent = r.launch.is_some() && !r.resume_token.is_empty();
+        let mut memory = match asks_agent {
+            true => Some(self.recoveries.begin(r.generation).await?),
+            false => {
+                self.recoveries.admit(r.generation)?;
+                None
+            }
+        };
         let status = self.agent.status();
         let capabilities = Self::capabilities_of(&status);
         let health = self.health_of(status);
-        let agent = match r.launch {
-            Some(launch) if !r.resume_token.is_empty() => match health.agent_state() {
+        let agent = match (r.launch, memory.as_deref_mut()) {
+            (Some(launch), Some(memory)) => match health.agent_state() {
                 AgentState::None | AgentState::Exited => {
-                    self.launch_and_resume(&mut memory, r.generation, launch, r.resume_token)
+                    self.launch_and_resume(memory, r.generation, launch, r.resume_token)
                         .await
                 }
                 // Someone else's to deal with (a starting agent, or one that

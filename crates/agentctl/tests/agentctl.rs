@@ -3812,6 +3812,54 @@ async fn concurrent_recovers_start_one_agent() {
     h.assert_no_leftovers().await;
 }
 
+/// A Recover that asks for health only answers at once while another
+/// Recover launches a slow agent (a backend restarted during its
+/// predecessor's launch): it sees the agent STARTING, and the launch goes
+/// on to its end. It used to wait behind the launch, past the new
+/// backend's deadline, which then ended this live agentctl as hung.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_health_only_recover_does_not_wait_for_a_launch_in_flight() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let token = stopped_conversation(&h, &mut c).await;
+    let mut slow = recover_request(&h, 1, &token);
+    slow.launch = Some(h.demo(true, &[("ACP_DEMO_STARTUP_MS", "4000")]));
+    let mut launching = c.clone();
+    let first = tokio::spawn(async move { launching.recover(slow).await });
+    let deadline = Instant::now() + WAIT;
+    while health(&mut c).await.agent_state() != AgentState::Starting {
+        assert!(Instant::now() < deadline, "the slow launch never began");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let quick = c
+        .recover(RecoverRequest {
+            executor_id: "exec-test".into(),
+            generation: 1,
+            launch: None,
+            resume_token: String::new(),
+        })
+        .await
+        .expect("health-only recover")
+        .into_inner();
+    assert!(!first.is_finished(), "answered while the launch runs");
+    assert_eq!(
+        quick.health.expect("health").agent_state(),
+        AgentState::Starting
+    );
+    assert_eq!(
+        quick.agent.expect("agent part").outcome(),
+        RecoverOutcome::NotAsked
+    );
+    let done = first.await.expect("join").expect("recover").into_inner();
+    assert_eq!(
+        done.agent.expect("agent part").outcome(),
+        RecoverOutcome::Done
+    );
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
 /// An agent already running (or starting) is left alone: no launch, no
 /// reopening, the outcome SKIPPED; a call without launch is NOT_ASKED and
 /// answers health and capabilities only.
