@@ -560,6 +560,10 @@ impl SessionManager {
         session_id: SessionId,
         asked: RemovalRequest,
     ) -> Result<()> {
+        // One delete at a time: two with opposite requests (keep, discard)
+        // each checked the worktree before either removed it, and a keep
+        // was told it succeeded after the other removed the work.
+        let _removal = self.inner.sessions.removal_lock(session_id).await;
         let session = self.session_of_task(task, session_id).await?;
         // Taken now: a remote host's agentctl is named by the executor
         // record, which goes before the worktree does.

@@ -184,6 +184,9 @@ struct SessionRecord {
     parked: Option<Parked>,
     /// Serializes state changes of the session within this manager.
     lock: Option<Arc<tokio::sync::Mutex<()>>>,
+    /// Serializes deletes of the session: each checks what it would remove
+    /// and removes it, or finds the session deleted, whole.
+    removal: Option<Arc<tokio::sync::Mutex<()>>>,
     /// The exclusive operation (recovery or resume) in flight.
     inflight: Option<Inflight>,
     /// The update pump's task.
@@ -615,6 +618,18 @@ impl Sessions {
     /// Locks `session`'s state changes within this manager (one at a time).
     pub async fn lock(&self, session: SessionId) -> tokio::sync::OwnedMutexGuard<()> {
         self.lock_of(session).lock_owned().await
+    }
+
+    /// Held for the whole of one delete of `session` (see
+    /// `SessionRecord::removal`).
+    pub async fn removal_lock(&self, session: SessionId) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = self
+            .table()
+            .record(session)
+            .removal
+            .get_or_insert_with(Default::default)
+            .clone();
+        lock.lock_owned().await
     }
 
     pub fn lock_of(&self, session: SessionId) -> Arc<tokio::sync::Mutex<()>> {

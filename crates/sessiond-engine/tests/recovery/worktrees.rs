@@ -442,6 +442,61 @@ async fn delete_keeps_work_and_removes_a_clean_worktree() {
 
 /// Bad input is refused precisely and creates nothing: no session, no
 /// directory, no branch.
+/// Two deletes of one session at once, one keeping its worktree (with
+/// uncommitted work) and one discarding it: they run one after the other,
+/// so exactly one succeeds and what it said is what happened; the other
+/// finds the session deleted. They used to both check before either
+/// removed, so the keep was told it succeeded after the discard had
+/// removed the work, and the discard was told NOT_FOUND.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_deletes_at_once_one_keeping_one_discarding_the_work_agree() {
+    let w = World::new(Db::Sqlite).await;
+    let repo = repository(&w);
+    let mgr = w.manager_with(config(&w));
+    for round in 0..3 {
+        let s = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
+        let path = PathBuf::from(&s.worktree.path);
+        std::fs::write(path.join("draft.txt"), format!("unsaved {round}")).unwrap();
+        let keep = RemovalRequest {
+            keep: true,
+            ..RemovalRequest::default()
+        };
+        let discard = RemovalRequest {
+            discard: true,
+            ..RemovalRequest::default()
+        };
+        let (kept, discarded) = tokio::join!(
+            mgr.delete_session_with(w.task.id, s.id, keep),
+            mgr.delete_session_with(w.task.id, s.id, discard),
+        );
+        match (&kept, &discarded) {
+            (Ok(()), Err(e)) => {
+                assert_eq!(e.kind(), sessiond_engine::ErrorKind::NotFound, "{e}");
+                assert_eq!(
+                    std::fs::read_to_string(path.join("draft.txt")).unwrap(),
+                    format!("unsaved {round}"),
+                    "the keep succeeded, so the work is there"
+                );
+                git(
+                    &repo,
+                    &["worktree", "remove", "--force", &path.display().to_string()],
+                );
+            }
+            (Err(e), Ok(())) => {
+                assert_eq!(e.kind(), sessiond_engine::ErrorKind::NotFound, "{e}");
+                assert!(
+                    !path.exists(),
+                    "the discard succeeded, so the worktree is gone"
+                );
+            }
+            other => panic!("exactly one delete succeeds: {other:?}"),
+        }
+        let gone = mgr.session_status(w.task.id, s.id).await.unwrap_err();
+        assert_eq!(gone.kind(), sessiond_engine::ErrorKind::NotFound, "{gone}");
+    }
+    w.finish(&mgr, &[]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_creates_nothing() {
     use sessiond_engine::ErrorKind as K;
