@@ -902,7 +902,7 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
                 })
                 .await?
                 .into_inner();
-            out.sessions(r.session.as_slice());
+            out.session(r.session.as_ref());
         }
         SessionCmd::Status(s) => {
             let r = c
@@ -924,7 +924,7 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
                 })
                 .await?
                 .into_inner();
-            out.sessions(r.session.as_slice());
+            out.session(r.session.as_ref());
         }
         SessionCmd::Stop { session, completed } => {
             let r = c
@@ -940,7 +940,7 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
                 })
                 .await?
                 .into_inner();
-            out.sessions(r.session.as_slice());
+            out.session(r.session.as_ref());
         }
         SessionCmd::Delete {
             session: s,

@@ -658,14 +658,19 @@ impl Out {
         }
     }
 
+    /// One session (create, get, stop): a JSON object with `--json`.
+    pub fn session(&self, session: Option<&pb::Session>) {
+        match (self.json, session) {
+            (true, Some(s)) => self.print_json(session_json(s)),
+            _ => self.sessions(session.map(std::slice::from_ref).unwrap_or_default()),
+        }
+    }
+
+    /// A list of sessions: a JSON array with `--json`, whatever its length.
     pub fn sessions(&self, sessions: &[pb::Session]) {
         if self.json {
             let v: Vec<Value> = sessions.iter().map(session_json).collect();
-            if sessions.len() == 1 {
-                self.print_json(v.into_iter().next().unwrap_or_default());
-            } else {
-                self.print_json(Value::Array(v));
-            }
+            self.print_json(Value::Array(v));
             return;
         }
         if sessions.is_empty() {

@@ -322,10 +322,15 @@ fn readme_quickstart_story() {
     assert!(messages.contains("[6] agent: turn 3"), "{messages}");
 
     // --json output of the same data.
+    // A list is an array whatever its length; one session is an object.
     let json = env.sessionctl(&["--json", "session", "list"], &scratch);
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v.as_array().map(Vec::len), Some(1), "{json}");
+    assert_eq!(v[0]["id"], session.as_str(), "{json}");
+    assert_eq!(v[0]["state"], "WAITING_FOR_INPUT");
+    let json = env.sessionctl(&["--json", "session", "get", &session], &scratch);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(v["id"], session.as_str(), "{json}");
-    assert_eq!(v["state"], "WAITING_FOR_INPUT");
 
     // Workspace access through the CLI.
     std::fs::write(scratch.join("notes.txt"), "quickstart\n").unwrap();
