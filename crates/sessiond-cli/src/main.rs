@@ -7,7 +7,25 @@
 
 #![allow(clippy::print_stdout)]
 
+/// `println!` for this binary: see `stdout`.
+macro_rules! println {
+    () => {
+        $crate::stdout::line(format_args!(""))
+    };
+    ($($arg:tt)*) => {
+        $crate::stdout::line(format_args!($($arg)*))
+    };
+}
+
+/// `print!` for this binary: see `stdout`.
+macro_rules! print {
+    ($($arg:tt)*) => {
+        $crate::stdout::text(format_args!($($arg)*))
+    };
+}
+
 mod output;
+mod stdout;
 
 use std::{io::Write, path::PathBuf, process::ExitCode, time::Duration};
 
@@ -455,20 +473,7 @@ async fn channel(addr: &str) -> anyhow::Result<Channel> {
         .with_context(|| format!("cannot connect to sessiond at {addr}"))
 }
 
-/// Output into a pipe whose reader left (`sessionctl messages ... | head`)
-/// ends the process quietly, as for any Unix tool, instead of a panic in
-/// `println!`: Rust starts programs with SIGPIPE ignored.
-#[allow(unsafe_code)]
-fn default_sigpipe() {
-    // SAFETY: restoring a signal's default disposition at startup, before
-    // any thread exists; no handler runs our code.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
-}
-
 fn main() -> ExitCode {
-    default_sigpipe();
     let cli = Cli::parse();
     let no_token = cli.token.as_deref().is_none_or(str::is_empty);
     let addr = cli.addr.clone();
@@ -1329,11 +1334,11 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
                 if m.role == pb::MessageRole::Agent as i32 && m.seq > user_seq =>
             {
                 if !out.json {
-                    let mut stdout = std::io::stdout().lock();
+                    let mut out_lock = std::io::stdout().lock();
                     let done = match &printing {
                         Some((id, n)) if *id == m.id => *n,
                         Some(_) => {
-                            let _ = stdout.write_all(b"\n");
+                            stdout::ended(out_lock.write_all(b"\n"));
                             0
                         }
                         None => 0,
@@ -1341,8 +1346,8 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
                     if m.content.len() > done {
                         // The agent's text, never its terminal controls.
                         let new = String::from_utf8_lossy(&m.content.as_bytes()[done..]);
-                        let _ = stdout.write_all(output::text(&new).as_bytes());
-                        let _ = stdout.flush();
+                        stdout::ended(out_lock.write_all(output::text(&new).as_bytes()));
+                        stdout::ended(out_lock.flush());
                     }
                     printing = Some((m.id.clone(), m.content.len().max(done)));
                 }

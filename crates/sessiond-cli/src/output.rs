@@ -975,7 +975,7 @@ impl Out {
             e.kind,
             printable(&detail)
         );
-        let _ = std::io::stdout().flush();
+        crate::stdout::ended(std::io::stdout().flush());
     }
 
     pub fn replicas(&self, r: &pb::ListReplicasResponse) {
@@ -1059,7 +1059,7 @@ impl Out {
             }));
             return;
         }
-        let _ = std::io::stdout().write_all(&r.stdout);
+        crate::stdout::ended(std::io::stdout().write_all(&r.stdout));
         let _ = std::io::stderr().write_all(&r.stderr);
         for (cut, stream) in [
             (r.stdout_truncated, "stdout"),
@@ -1086,7 +1086,7 @@ impl Out {
         if self.json {
             self.print_json(json!({"path": path, "content": String::from_utf8_lossy(content)}));
         } else {
-            let _ = std::io::stdout().write_all(content);
+            crate::stdout::ended(std::io::stdout().write_all(content));
         }
     }
 

@@ -1536,3 +1536,39 @@ fn a_cut_exec_output_is_said_and_is_not_a_success() {
     assert!(String::from_utf8_lossy(&whole.stdout).ends_with("\nEND\n"));
     terminate(server);
 }
+
+/// A server that hangs up on every connection (here, a listener that
+/// closes each at once; in the field, a TLS port called over plain HTTP):
+/// `health --wait` says what failed and exits 1, never killed by SIGPIPE
+/// when a write meets the closed socket (it used to exit 141 with nothing
+/// said).
+#[test]
+fn a_server_that_hangs_up_is_an_error_not_a_silent_sigpipe() {
+    use std::os::unix::process::ExitStatusExt;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            // Read the client's first bytes, so its next write meets a
+            // socket closed after them.
+            let mut first = [0u8; 64];
+            let _ = std::io::Read::read(&mut stream, &mut first);
+            drop(stream);
+        }
+    });
+    for _ in 0..3 {
+        let out = Command::new(bin("sessionctl"))
+            .args(["--addr", &format!("http://{addr}"), "health", "--wait"])
+            .args(["--timeout-secs", "2"])
+            .env_remove("SESSIOND_ADDR")
+            .env_remove("SESSIOND_TOKEN")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.signal(), None, "{:?}: {stderr}", out.status);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("error"), "{stderr}");
+    }
+}
