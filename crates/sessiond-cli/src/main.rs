@@ -62,6 +62,10 @@ struct Cli {
     /// API bearer token.
     #[arg(long, global = true, env = "SESSIOND_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// With an `https://` address: the certificate authority to trust (PEM;
+    /// for a self-signed server certificate, that certificate).
+    #[arg(long, global = true, env = "SESSIOND_CA_FILE")]
+    ca_file: Option<PathBuf>,
     /// Print JSON instead of text.
     #[arg(long, global = true)]
     json: bool,
@@ -464,13 +468,40 @@ impl Clients {
     }
 }
 
+/// `--ca-file`, read once: what an `https://` address is verified against.
+static TRUSTED_CA: std::sync::OnceLock<Option<tonic::transport::Certificate>> =
+    std::sync::OnceLock::new();
+
 async fn channel(addr: &str) -> anyhow::Result<Channel> {
-    tonic::transport::Endpoint::from_shared(addr.to_owned())
+    let mut endpoint = tonic::transport::Endpoint::from_shared(addr.to_owned())
         .with_context(|| format!("--addr {addr:?} is not a URL"))?
-        .connect_timeout(Duration::from_secs(5))
+        .connect_timeout(Duration::from_secs(5));
+    if addr.starts_with("https://") {
+        let Some(ca) = TRUSTED_CA.get().cloned().flatten() else {
+            bail!(
+                "--addr {addr} is https: pass the certificate authority to trust with --ca-file \
+                 PEM (or SESSIOND_CA_FILE; for a self-signed server certificate, that certificate)"
+            );
+        };
+        endpoint = endpoint
+            .tls_config(
+                tonic::transport::ClientTlsConfig::new()
+                    .ca_certificate(ca)
+                    .assume_http2(true),
+            )
+            .context("TLS configuration")?;
+    }
+    endpoint
         .connect()
         .await
         .with_context(|| format!("cannot connect to sessiond at {addr}"))
+}
+
+/// A plain-HTTP call answered with garbage: most likely a TLS port.
+fn tls_hint(addr: &str, error: &str) -> Option<&'static str> {
+    (!addr.starts_with("https://") && error.contains("h2 protocol error")).then_some(
+        "hint: if this sessiond serves TLS (--tls-cert), use an https:// address with --ca-file",
+    )
 }
 
 fn main() -> ExitCode {
@@ -509,6 +540,9 @@ fn main() -> ExitCode {
                 }
                 Some(status) => {
                     eprintln!("error: {} ({:?})", status.message(), status.code());
+                    if let Some(hint) = tls_hint(&addr, status.message()) {
+                        eprintln!("{hint}");
+                    }
                     if status.code() == tonic::Code::Unauthenticated && no_token {
                         eprintln!(
                             "hint: this sessiond wants an API token: pass --token or set \
@@ -516,7 +550,13 @@ fn main() -> ExitCode {
                         );
                     }
                 }
-                None => eprintln!("error: {}", error_text(&e)),
+                None => {
+                    let text = error_text(&e);
+                    eprintln!("error: {text}");
+                    if let Some(hint) = tls_hint(&addr, &text) {
+                        eprintln!("{hint}");
+                    }
+                }
             }
             ExitCode::FAILURE
         }
@@ -524,6 +564,13 @@ fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let ca = match &cli.ca_file {
+        Some(path) => Some(tonic::transport::Certificate::from_pem(
+            std::fs::read(path).with_context(|| format!("--ca-file {}", path.display()))?,
+        )),
+        None => None,
+    };
+    let _ = TRUSTED_CA.set(ca);
     let out = Out {
         json: cli.json,
         quiet: cli.quiet,

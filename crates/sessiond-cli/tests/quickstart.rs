@@ -1572,3 +1572,58 @@ fn a_server_that_hangs_up_is_an_error_not_a_silent_sigpipe() {
         assert!(stderr.contains("error"), "{stderr}");
     }
 }
+
+/// sessionctl against a sessiond serving TLS: an `https://` address with
+/// `--ca-file` (here the server's self-signed certificate) works; without
+/// it the error says what to pass; a plain `http://` address to the TLS
+/// port gets a hint to use https (it could not be used at all before).
+#[test]
+fn sessionctl_speaks_tls_with_a_ca_file() {
+    let env = Env::new();
+    let dir = env.home.path().join("tls");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    let made = Command::new("openssl")
+        .args(["req", "-x509", "-newkey", "ec", "-pkeyopt"])
+        .args(["ec_paramgen_curve:prime256v1", "-nodes", "-days", "2"])
+        .args(["-subj", "/CN=localhost"])
+        .args(["-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"])
+        .args(["-addext", "basicConstraints=critical,CA:FALSE"])
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .output()
+        .expect("the openssl CLI (apt-get install openssl)");
+    assert!(made.status.success(), "{made:?}");
+    let server = env.serve_with(&[
+        ("SESSIOND_TLS_CERT", cert.to_str().unwrap()),
+        ("SESSIOND_TLS_KEY", key.to_str().unwrap()),
+    ]);
+    let https = format!("https://{}", env.addr);
+    let ca = cert.display().to_string();
+    let health = env.sessionctl(
+        &["--addr", &https, "--ca-file", &ca, "health", "--wait"],
+        &dir,
+    );
+    assert_eq!(health.trim(), "SERVING");
+    let made = env.sessionctl(
+        &[
+            "--addr",
+            &https,
+            "--ca-file",
+            &ca,
+            "task",
+            "create",
+            "tls",
+            "-q",
+        ],
+        &dir,
+    );
+    assert!(!made.trim().is_empty());
+    let (_, stderr, _) = env.sessionctl_fails(&["--addr", &https, "task", "list"], &dir);
+    assert!(stderr.contains("--ca-file"), "{stderr}");
+    let (_, stderr, _) = env.sessionctl_fails(&["health"], &dir);
+    assert!(stderr.contains("use an https:// address"), "{stderr}");
+    terminate(server);
+}
