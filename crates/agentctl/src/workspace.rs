@@ -99,7 +99,13 @@ impl Workspace {
         })?;
         sys::open_beneath(self.root_fd.as_fd(), rel, flags, mode, self.resolve)
             .map(std::fs::File::from)
-            .map_err(|e| Error::io(format!("opening {what}"), e))
+            .map_err(|e| match e.raw_os_error() {
+                // A socket, or a FIFO opened for writing with no reader.
+                Some(libc::ENXIO) => Error::InvalidArgument(format!(
+                    "{what} is not a regular file (a socket, or a FIFO nothing reads)"
+                )),
+                _ => Error::io(format!("opening {what}"), e),
+            })
     }
 
     /// The canonical root.
@@ -606,7 +612,22 @@ mod tests {
             ws.read_file("fifo", 0),
             Err(Error::InvalidArgument(_))
         ));
-        assert!(ws.write_file("fifo", b"x", false).is_err());
+        assert!(matches!(
+            ws.write_file("fifo", b"x", false),
+            Err(Error::InvalidArgument(_))
+        ));
+        // A socket: refused as not a regular file (it was INTERNAL).
+        let _listener =
+            std::os::unix::net::UnixListener::bind(ws.root().join("sock")).expect("bind");
+        for result in [
+            ws.read_file("sock", 0).map(drop),
+            ws.write_file("sock", b"x", false).map(drop),
+        ] {
+            match result {
+                Err(Error::InvalidArgument(m)) => assert!(m.contains("not a regular file"), "{m}"),
+                other => panic!("{other:?}"),
+            }
+        }
         assert!(matches!(
             ws.read_file("", 0),
             Err(Error::InvalidArgument(_))
