@@ -1705,7 +1705,7 @@ async fn workspace(c: &mut Clients, out: &Out, cmd: WorkspaceCmd) -> anyhow::Res
             mut argv,
         } => {
             let command = argv.remove(0);
-            let r = c
+            let answer = c
                 .workspaces
                 .exec(pb::ExecRequest {
                     session: Some(session_ref(session)),
@@ -1715,8 +1715,22 @@ async fn workspace(c: &mut Clients, out: &Out, cmd: WorkspaceCmd) -> anyhow::Res
                     timeout_ms,
                     max_output_bytes,
                 })
-                .await?
-                .into_inner();
+                .await;
+            let r = match answer {
+                Ok(r) => r.into_inner(),
+                // Past its timeout: the output so far rides in the details.
+                Err(status) if status.code() == tonic::Code::DeadlineExceeded => {
+                    match <pb::ExecResponse as prost::Message>::decode(status.details()) {
+                        Ok(r) if !status.details().is_empty() => {
+                            out.exec(&r);
+                            eprintln!("sessionctl: {}", status.message());
+                            return Ok(ExitCode::from(124));
+                        }
+                        _ => return Err(status.into()),
+                    }
+                }
+                Err(status) => return Err(status.into()),
+            };
             out.exec(&r);
             // A command that succeeded but whose output was cut does not
             // look like a success to a script reading it.

@@ -1534,6 +1534,23 @@ fn a_cut_exec_output_is_said_and_is_not_a_success() {
         String::from_utf8_lossy(&whole.stderr)
     );
     assert!(String::from_utf8_lossy(&whole.stdout).ends_with("\nEND\n"));
+    // Past its timeout: the output so far is printed (it was dropped), the
+    // exit is 124 as timeout(1)'s.
+    let mut cmd = Command::new("sessionctl");
+    env.apply(&mut cmd);
+    let timed_out = cmd
+        .args(["workspace", "exec", &session, "--timeout-ms", "1500", "--"])
+        .args(["sh", "-c", "echo partial; echo oops >&2; sleep 100"])
+        .current_dir(&scratch)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&timed_out.stderr);
+    assert_eq!(timed_out.status.code(), Some(124), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&timed_out.stdout), "partial\n");
+    assert!(
+        stderr.contains("oops") && stderr.contains("ran past its timeout"),
+        "{stderr}"
+    );
     terminate(server);
 }
 

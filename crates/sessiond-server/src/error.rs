@@ -363,7 +363,8 @@ impl From<ApiError> for Status {
         let unavailable_db = database_unavailable(&e);
         let message = match unavailable_db {
             Some(x) => format!(
-                "the database is unavailable ({x}); nothing was changed unless the call had                  completed: retry in {} ms",
+                "the database is unavailable ({x}); nothing was changed unless the call had \
+                 completed: retry in {} ms",
                 DATABASE_RETRY_AFTER.as_millis()
             ),
             None => message,
