@@ -115,7 +115,8 @@ async fn git(ws: &Workspace, args: &[String]) -> Result<Vec<u8>> {
     }
     if out.exit_code != Some(0) {
         let stderr = String::from_utf8_lossy(&out.stderr);
-        if stderr.contains("not a git repository") {
+        // `git diff` says it capitalised, followed by its usage.
+        if stderr.to_ascii_lowercase().contains("not a git repository") {
             return Err(Error::FailedPrecondition(format!(
                 "workspace {} is not a git repository",
                 ws.root().display()

@@ -1390,6 +1390,13 @@ async fn git_status_and_diff_in_a_fresh_repository() {
         .await
         .expect_err("non-git");
     assert_eq!(err.code(), Code::FailedPrecondition);
+    // Said as for status, not with git's usage text (`git diff` outside a
+    // repository prints "Not a git repository" and its whole usage).
+    assert!(
+        err.message().ends_with("is not a git repository"),
+        "{}",
+        err.message()
+    );
 
     git(&ws, &["init", "-q", "-b", "main"]);
     let st = c
