@@ -156,6 +156,11 @@ impl EventBus {
     }
 }
 
+/// The payload a watcher's replay page holds at most (besides its count):
+/// a page of a long reply's updates, each carrying the whole message, held
+/// gigabytes for each watcher that did not read.
+const REPLAY_PAGE_BYTES: u64 = 4 << 20;
+
 /// What a watcher follows.
 #[derive(Debug, Clone, Copy)]
 enum Scope {
@@ -171,10 +176,19 @@ impl Scope {
         }
     }
 
-    async fn read(self, store: &Store, after: i64, limit: u32) -> Result<Vec<Event>> {
+    /// One replay page after `after`, and whether more may follow.
+    async fn read(self, store: &Store, after: i64, limit: u32) -> Result<(Vec<Event>, bool)> {
         Ok(match self {
-            Scope::Session(s) => store.events_after(s, after, limit).await?,
-            Scope::Task(t) => store.task_events_after(t, after, limit).await?,
+            Scope::Session(s) => {
+                store
+                    .events_page_after(s, after, limit, REPLAY_PAGE_BYTES)
+                    .await?
+            }
+            Scope::Task(t) => {
+                store
+                    .task_events_page_after(t, after, limit, REPLAY_PAGE_BYTES)
+                    .await?
+            }
         })
     }
 }
@@ -328,10 +342,9 @@ impl Watcher {
     }
 
     /// Queues one page of what is stored after the cursor; true when the page
-    /// was full, so there may be more.
+    /// was full (by count or by size), so there may be more.
     async fn read_page(&mut self) -> Result<bool> {
-        let batch = self.scope.read(&self.store, self.last, self.page).await?;
-        let full = batch.len() >= self.page as usize;
+        let (batch, full) = self.scope.read(&self.store, self.last, self.page).await?;
         for e in batch {
             let seq = self.scope.cursor(&e);
             if seq > self.last {

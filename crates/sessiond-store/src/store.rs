@@ -1379,6 +1379,80 @@ impl Store {
         .await
     }
 
+    /// A watcher's replay page: the session's events after `after_seq`, at
+    /// most `limit` of them and no more than `max_bytes` of payload (always
+    /// at least one), so a replay of large events (a long reply's updates,
+    /// each carrying the whole message) holds a bounded amount in memory;
+    /// and whether more may follow (the page was cut by either bound).
+    pub async fn events_page_after(
+        &self,
+        session: SessionId,
+        after_seq: i64,
+        limit: u32,
+        max_bytes: u64,
+    ) -> Result<(Vec<Event>, bool)> {
+        self.read(move |c| {
+            let base = || {
+                session_events::table
+                    .filter(session_events::session_id.eq(session.to_string()))
+                    .filter(session_events::seq.gt(after_seq))
+                    .order(session_events::seq)
+                    .into_boxed()
+            };
+            let sizes: Vec<i64> = base()
+                .limit(i64::from(limit))
+                .select(diesel::dsl::sql::<diesel::sql_types::BigInt>(
+                    "CAST(length(payload) AS BIGINT)",
+                ))
+                .load(c)?;
+            let (take, cut) = page_within(&sizes, max_bytes);
+            let events = base()
+                .limit(i64::try_from(take).unwrap_or(i64::MAX))
+                .select(EventRow::as_select())
+                .load(c)?
+                .into_iter()
+                .map(EventRow::into_domain)
+                .collect::<Result<Vec<_>>>()?;
+            Ok((events, cut || sizes.len() >= limit as usize))
+        })
+        .await
+    }
+
+    /// [`Self::events_page_after`] for a task's events, by `task_seq`.
+    pub async fn task_events_page_after(
+        &self,
+        task: TaskId,
+        after_task_seq: i64,
+        limit: u32,
+        max_bytes: u64,
+    ) -> Result<(Vec<Event>, bool)> {
+        self.read(move |c| {
+            let base = || {
+                session_events::table
+                    .filter(session_events::task_id.eq(task.to_string()))
+                    .filter(session_events::task_seq.gt(after_task_seq))
+                    .order(session_events::task_seq)
+                    .into_boxed()
+            };
+            let sizes: Vec<i64> = base()
+                .limit(i64::from(limit))
+                .select(diesel::dsl::sql::<diesel::sql_types::BigInt>(
+                    "CAST(length(payload) AS BIGINT)",
+                ))
+                .load(c)?;
+            let (take, cut) = page_within(&sizes, max_bytes);
+            let events = base()
+                .limit(i64::try_from(take).unwrap_or(i64::MAX))
+                .select(EventRow::as_select())
+                .load(c)?
+                .into_iter()
+                .map(EventRow::into_domain)
+                .collect::<Result<Vec<_>>>()?;
+            Ok((events, cut || sizes.len() >= limit as usize))
+        })
+        .await
+    }
+
     /// The seq of the session's newest event (0 when it has none): a
     /// watcher's snapshot cursor.
     pub async fn last_event_seq(&self, session: SessionId) -> Result<i64> {
@@ -1745,5 +1819,29 @@ mod tests {
         assert_eq!(store.pool.max_size(), 1);
         assert!(store.list_tasks(None, 1).await.unwrap().is_empty());
         assert!(store.run_pending_migrations().await.unwrap().is_empty());
+    }
+}
+
+/// How many of a page's events (their payload sizes, in order) fit in
+/// `max_bytes` (at least one), and whether that cut the page short.
+fn page_within(sizes: &[i64], max_bytes: u64) -> (usize, bool) {
+    let mut total = 0u64;
+    for (i, size) in sizes.iter().enumerate() {
+        total = total.saturating_add(u64::try_from(*size).unwrap_or(0));
+        if total > max_bytes && i > 0 {
+            return (i, true);
+        }
+    }
+    (sizes.len(), false)
+}
+
+#[cfg(test)]
+mod page_tests {
+    #[test]
+    fn a_page_holds_what_fits_and_at_least_one_event() {
+        assert_eq!(super::page_within(&[10, 10, 10], 25), (2, true));
+        assert_eq!(super::page_within(&[10, 10, 10], 30), (3, false));
+        assert_eq!(super::page_within(&[100, 1], 25), (1, true));
+        assert_eq!(super::page_within(&[], 25), (0, false));
     }
 }

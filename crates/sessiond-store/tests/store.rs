@@ -1601,6 +1601,35 @@ mod suite {
         assert_eq!(after.iter().map(|e| e.seq).collect::<Vec<_>>(), [2]);
         assert!(store.events_after(a.id, 3, 100).await.unwrap().is_empty());
 
+        // Replay pages: bounded by count and by payload size (at least one
+        // event), saying whether more may follow.
+        let seqs = |page: &(Vec<sessiond_domain::Event>, bool)| {
+            (page.0.iter().map(|e| e.seq).collect::<Vec<_>>(), page.1)
+        };
+        let page = store
+            .events_page_after(a.id, 0, 100, 1 << 20)
+            .await
+            .unwrap();
+        assert_eq!(seqs(&page), (vec![1, 2, 3], false));
+        let page = store.events_page_after(a.id, 0, 2, 1 << 20).await.unwrap();
+        assert_eq!(seqs(&page), (vec![1, 2], true));
+        let page = store.events_page_after(a.id, 0, 100, 1).await.unwrap();
+        assert_eq!(
+            seqs(&page),
+            (vec![1], true),
+            "one event over the bound still comes"
+        );
+        let page = store.events_page_after(a.id, 2, 100, 1).await.unwrap();
+        assert_eq!(seqs(&page), (vec![3], false));
+        let page = store.task_events_page_after(t.id, 0, 100, 1).await.unwrap();
+        assert_eq!(
+            (
+                page.0.iter().map(|e| e.task_seq).collect::<Vec<_>>(),
+                page.1
+            ),
+            (vec![1], true)
+        );
+
         let all = store.task_events_after(t.id, 0, 100).await.unwrap();
         let got: Vec<_> = all
             .iter()

@@ -71,6 +71,49 @@ async fn watch_replays_then_tails_postgres() {
     watch_replays_then_tails(Db::Postgres).await;
 }
 
+/// A replay of large events (each 3 MB, as a long reply's updates carry
+/// the whole message) comes in pages bounded in bytes, and every stored
+/// event arrives in order without waiting for a new one, on the session's
+/// stream and on the task's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_of_large_events_comes_whole_in_bounded_pages() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    let s = w.create(&mgr, "big").await;
+    let big = "x".repeat(3 << 20);
+    for _ in 0..4 {
+        w.store
+            .commit(sessiond_store::Changeset::new().event(
+                s.id,
+                EventPayload::AgentctlError {
+                    executor_id: sessiond_domain::ExecutorId::new(),
+                    error_message: big.clone(),
+                },
+            ))
+            .await
+            .unwrap();
+    }
+    let last = w.store.last_event_seq(s.id).await.unwrap();
+    let mut stream = mgr.watch_session(s.id, 0).await.unwrap();
+    let seen = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        collect_until(&mut stream, |e| e.seq == last),
+    )
+    .await
+    .expect("the whole replay, with no new event to wake it");
+    assert_consecutive(&seen, 1);
+    let last_task_seq = w.store.last_task_event_seq(w.task.id).await.unwrap();
+    let mut task_stream = mgr.watch_task(w.task.id, 0).await.unwrap();
+    let all = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        collect_until(&mut task_stream, |e| e.task_seq == last_task_seq),
+    )
+    .await
+    .expect("the whole task replay");
+    assert_eq!(all.len() as i64, last_task_seq);
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// Two sessions of one task: own executions, own statuses, own event
 /// streams; ending one leaves the other running.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
