@@ -617,6 +617,13 @@ impl AgentCtlService for AgentCtl {
         let ws = self.workspace.get()?;
         let cwd_arg = r.cwd.clone();
         let cwd = blocking(move || ws.resolve(&cwd_arg)).await?;
+        // Said here: the spawn's own ENOENT would blame the command.
+        if !cwd.is_dir() {
+            return Err(Status::not_found(format!(
+                "cwd {:?} is not a directory in the workspace",
+                r.cwd
+            )));
+        }
         let timeout = if r.timeout_ms == 0 {
             exec::DEFAULT_TIMEOUT
         } else {

@@ -1318,6 +1318,21 @@ async fn exec_timeout_output_cap_exit_code_and_cwd() {
         .await
         .expect_err("missing command");
     assert_eq!(err.code(), Code::NotFound);
+    // A missing cwd is named as the cwd, not blamed on the command.
+    let err = c
+        .exec(ExecRequest {
+            command: "pwd".into(),
+            cwd: "nope".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("missing cwd");
+    assert_eq!(err.code(), Code::NotFound);
+    assert!(
+        err.message().contains("cwd \"nope\" is not a directory"),
+        "{}",
+        err.message()
+    );
     ctl.shutdown().await;
     h.assert_no_leftovers().await;
 }

@@ -189,7 +189,12 @@ async fn read(client: &AgentctlClient, i: usize, path: &str, max: usize) -> Resu
             max_bytes: max as u64,
         })
         .await
-        .map_err(|e| invalid(i, format!("cannot read {path:?} in the worktree: {e}")))
+        .map_err(|e| {
+            invalid(
+                i,
+                format!("cannot read {path:?} in the worktree: {}", e.answer()),
+            )
+        })
 }
 
 fn invalid(i: usize, what: String) -> Error {

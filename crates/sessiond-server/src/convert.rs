@@ -241,7 +241,11 @@ pub fn attachments_in(list: &[pb::Attachment]) -> Result<Vec<sessiond_engine::At
                     data: Vec::new(),
                     path: Some(img.path.clone()),
                 }),
-                _ => Err(format!(
+                (true, true) => Err(format!(
+                    "attachments[{i}]: the image is empty: give its bytes (data; an empty \
+                     file has none) or a path in the worktree"
+                )),
+                (false, false) => Err(format!(
                     "attachments[{i}]: an image needs either its bytes (data) or a worktree path, not both"
                 )),
             },
@@ -787,6 +791,22 @@ pub fn mcp_servers_in(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_image_attachment_says_what_it_lacks() {
+        let image = |data: &[u8], path: &str| pb::Attachment {
+            kind: Some(pb::attachment::Kind::Image(pb::ImageAttachment {
+                data: data.to_vec(),
+                path: path.into(),
+                ..Default::default()
+            })),
+        };
+        let empty = attachments_in(&[image(b"", "")]).unwrap_err();
+        assert!(empty.contains("the image is empty"), "{empty}");
+        let both = attachments_in(&[image(b"x", "a.png")]).unwrap_err();
+        assert!(both.contains("not both"), "{both}");
+        assert!(attachments_in(&[image(b"x", "")]).is_ok());
+    }
 
     #[test]
     fn every_state_maps_to_its_proto_name() {
