@@ -246,14 +246,45 @@ pub const MAX_SESSION_TITLE_CHARS: usize = 200;
 /// Longest title taken from a prompt, in characters (an ellipsis marks the cut).
 const PROMPT_TITLE_CHARS: usize = 80;
 
+/// A character a one-line title must not hold though it is not a control
+/// character: a line or paragraph separator (U+2028, U+2029), or one that
+/// reorders or hides text (bidirectional embeddings, overrides and
+/// isolates; zero-width spaces and joiners; the byte-order mark), which
+/// would make a title read other than it is or look blank.
+pub fn is_layout_char(c: char) -> bool {
+    matches!(c,
+        '\u{2028}' | '\u{2029}'
+        | '\u{200B}'..='\u{200F}'
+        | '\u{202A}'..='\u{202E}'
+        | '\u{2060}'..='\u{2064}'
+        | '\u{2066}'..='\u{2069}'
+        | '\u{FEFF}')
+}
+
+/// Why `title` cannot be a session title a user gives (`None`: it can):
+/// a control or layout character ([`is_layout_char`]), or nothing visible.
+pub fn user_title_problem(title: &str) -> Option<String> {
+    if let Some(c) = title.chars().find(|c| c.is_control() || is_layout_char(*c)) {
+        return Some(format!(
+            "contains the character {c:?} (U+{:04X}), which breaks the line or hides or \
+             reorders text; titles are one line of printable text",
+            u32::from(c)
+        ));
+    }
+    if !title.is_empty() && title.chars().all(char::is_whitespace) {
+        return Some("has no visible character; an empty title clears it".into());
+    }
+    None
+}
+
 /// A title from free text (a prompt, an agent's title): its first non-blank
-/// line, control characters dropped, whitespace collapsed, cut at `max`
+/// line, control and layout characters dropped, whitespace collapsed, cut at `max`
 /// characters with an ellipsis. Empty when the text has no printable line.
 pub fn title_from_text(text: &str, max: usize) -> String {
     let line = text
         .lines()
         .map(|l| {
-            l.split(|c: char| c.is_whitespace() || c.is_control())
+            l.split(|c: char| c.is_whitespace() || c.is_control() || is_layout_char(c))
                 .filter(|w| !w.is_empty())
                 .collect::<Vec<_>>()
                 .join(" ")
@@ -632,6 +663,13 @@ mod tests {
         );
         assert_eq!(prompt_title("a\u{1b}[31mred"), "a [31mred");
         assert_eq!(prompt_title(" \n\t"), "");
+        // Reordering and invisible characters are dropped.
+        assert_eq!(prompt_title("gpj.\u{202E}exe now"), "gpj. exe now");
+        assert_eq!(prompt_title("\u{200B}\u{2028}real title"), "real title");
+        assert!(user_title_problem("gpj.\u{202E}exe").is_some());
+        assert!(user_title_problem("\u{200B}").is_some());
+        assert!(user_title_problem("Release notes é").is_none());
+        assert!(user_title_problem("").is_none());
         let long = "word ".repeat(40);
         let t = prompt_title(&long);
         assert_eq!(t.chars().count(), 80, "{t}");

@@ -616,13 +616,10 @@ impl pb::session_service_server::SessionService for Api {
                         "title: longer than {MAX_TITLE_CHARS} characters"
                     )));
                 }
-                // NUL and terminal escapes would reach every client's screen.
-                if let Some(c) = title.chars().find(|c| c.is_control()) {
-                    return Err(ApiError::invalid(format!(
-                        "title: contains the control character {:?}; titles are one line of \
-                         printable text",
-                        c
-                    )));
+                // NUL, terminal escapes and text reordering would reach
+                // every client's screen.
+                if let Some(problem) = sessiond_domain::user_title_problem(title) {
+                    return Err(ApiError::invalid(format!("title: {problem}")));
                 }
                 let now = Utc::now();
                 let task = self
@@ -1238,11 +1235,8 @@ impl pb::session_service_server::SessionService for Api {
                         "title: longer than {max} characters"
                     )));
                 }
-                if let Some(c) = title.chars().find(|c| c.is_control()) {
-                    return Err(ApiError::invalid(format!(
-                        "title: contains the control character {c:?}; titles are one line of \
-                         printable text"
-                    )));
+                if let Some(problem) = sessiond_domain::user_title_problem(title) {
+                    return Err(ApiError::invalid(format!("title: {problem}")));
                 }
                 self.session_of(task, session).await?;
                 let title = title.to_owned();

@@ -65,7 +65,15 @@ async fn titles_come_from_the_prompt_the_agent_and_the_user() {
     assert_eq!(listed[0].title, "Release notes");
 
     // Refused, naming the field; nothing written.
-    for bad in ["two\nlines", "bell\u{7}", &"x".repeat(201)] {
+    let bad = [
+        "two\nlines",
+        "bell\u{7}",
+        "two\u{2028}lines",
+        "gpj.\u{202E}exe",
+        "\u{200B}",
+        &"x".repeat(201),
+    ];
+    for bad in bad {
         let err = set(&mut c, &task.id, &s.id, bad).await.unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "{bad:?}: {err:?}");
         assert!(err.message().starts_with("title: "), "{}", err.message());
