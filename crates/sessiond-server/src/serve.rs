@@ -387,6 +387,14 @@ fn tighten_files(dir: &std::path::Path) {
 /// The configured agent profiles, stored by name (ids stay stable).
 pub(crate) async fn seed_profiles(store: &Store, config: &Config) -> anyhow::Result<()> {
     for (i, a) in config.agents.iter().enumerate() {
+        // Said at start rather than at the first create that fails; a
+        // profile with a container image runs its command in there.
+        if a.container.is_none() && !command_on_host(&a.command) {
+            tracing::warn!(profile = %a.name, command = %a.command,
+                "the agent profile's command is not found on this host (not a file, not on \
+                 PATH): sessions with it on local_standalone will not start; a remote \
+                 host needs it on its own PATH");
+        }
         let now = Utc::now();
         store
             .upsert_agent_profile(&AgentProfile {
@@ -409,6 +417,20 @@ pub(crate) async fn seed_profiles(store: &Store, config: &Config) -> anyhow::Res
             .with_context(|| format!("agents[{i}]: cannot store profile {:?}", a.name))?;
     }
     Ok(())
+}
+
+/// Whether `command` names a program here: a path to a file, or a name
+/// found in a directory of `PATH`.
+fn command_on_host(command: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    let runnable = |p: &std::path::Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if command.contains('/') {
+        return runnable(std::path::Path::new(command));
+    }
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| runnable(&dir.join(command))))
 }
 
 /// Whether commands for sessions other replicas own are forwarded to them
@@ -793,7 +815,21 @@ fn agentctl_telemetry_env(config: &Config) -> Vec<(String, String)> {
 mod tests {
     use std::time::Duration;
 
-    use super::{liveness_interval, redact, tcp_incoming};
+    use super::{command_on_host, liveness_interval, redact, tcp_incoming};
+
+    #[test]
+    fn a_command_is_found_by_path_or_on_path() {
+        assert!(command_on_host("sh"));
+        assert!(command_on_host("/bin/sh"));
+        assert!(!command_on_host("/nonexistent/agent"));
+        assert!(!command_on_host("definitely-not-a-command-xyz"));
+        // A directory or a file that is not executable is not a program.
+        let dir = tempfile::tempdir().unwrap();
+        let plain = dir.path().join("notes.txt");
+        std::fs::write(&plain, "not a program").unwrap();
+        assert!(!command_on_host(dir.path().to_str().unwrap()));
+        assert!(!command_on_host(plain.to_str().unwrap()));
+    }
 
     #[tokio::test]
     async fn accepted_connections_have_nagle_off() {
