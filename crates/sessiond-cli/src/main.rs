@@ -499,7 +499,12 @@ async fn channel(addr: &str) -> anyhow::Result<Channel> {
 
 /// A plain-HTTP call answered with garbage: most likely a TLS port.
 fn tls_hint(addr: &str, error: &str) -> Option<&'static str> {
-    (!addr.starts_with("https://") && error.contains("h2 protocol error")).then_some(
+    // A TLS listener closes a plain-HTTP connection: the client sees
+    // garbage (an h2 protocol error) or its next write fail.
+    let garbled = ["h2 protocol error", "broken pipe", "connection reset"]
+        .iter()
+        .any(|says| error.contains(says));
+    (!addr.starts_with("https://") && garbled).then_some(
         "hint: if this sessiond serves TLS (--tls-cert), use an https:// address with --ca-file",
     )
 }
@@ -537,6 +542,9 @@ fn main() -> ExitCode {
                          effect is unknown: {repeat}",
                         source_chain(status)
                     );
+                    if let Some(hint) = tls_hint(&addr, &source_chain(status)) {
+                        eprintln!("{hint}");
+                    }
                 }
                 Some(status) => {
                     eprintln!("error: {} ({:?})", status.message(), status.code());
