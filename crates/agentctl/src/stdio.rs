@@ -13,9 +13,10 @@ use std::io;
 
 use tokio::io::{AsyncBufRead, AsyncBufReadExt};
 
-/// The longest ACP message taken from stdout: above the largest file a
-/// workspace call moves (16 MiB) with room for JSON escaping.
-pub const MAX_MESSAGE_LINE: usize = 64 << 20;
+/// The longest ACP message taken from stdout: far above what agents send
+/// in one message (a 70 MB reply chunk is taken, then cut to what sessiond
+/// keeps), while a line that never ends cannot take all memory.
+pub const MAX_MESSAGE_LINE: usize = 256 << 20;
 
 /// The longest stderr line logged whole; a longer one is logged cut.
 pub const MAX_LOG_LINE: usize = 16 << 10;
