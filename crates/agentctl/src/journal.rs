@@ -21,7 +21,7 @@
 //!   got cursor `C` in instance `I`'s update log;
 //! - `{"k":"agent","instance":I,"pid":P,"sid":S,"start_time":T,"marker":X}`:
 //!   an agent process tree was started (for ending a previous generation's
-//!   leftovers, see [`crate::sys::end_session_tree`]).
+//!   leftovers, see [`crate::tree::end`]).
 //! - `{"k":"permission","instance":I,"turn":T,"request":R,"part":J}`: a
 //!   permission request of policy `ask` (its part's JSON), before the
 //!   backend is told about it;
