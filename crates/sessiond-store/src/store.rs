@@ -1392,28 +1392,13 @@ impl Store {
         max_bytes: u64,
     ) -> Result<(Vec<Event>, bool)> {
         self.read(move |c| {
-            let base = || {
+            replay_page(c, limit, max_bytes, || {
                 session_events::table
                     .filter(session_events::session_id.eq(session.to_string()))
                     .filter(session_events::seq.gt(after_seq))
                     .order(session_events::seq)
                     .into_boxed()
-            };
-            let sizes: Vec<i64> = base()
-                .limit(i64::from(limit))
-                .select(diesel::dsl::sql::<diesel::sql_types::BigInt>(
-                    "CAST(length(payload) AS BIGINT)",
-                ))
-                .load(c)?;
-            let (take, cut) = page_within(&sizes, max_bytes);
-            let events = base()
-                .limit(i64::try_from(take).unwrap_or(i64::MAX))
-                .select(EventRow::as_select())
-                .load(c)?
-                .into_iter()
-                .map(EventRow::into_domain)
-                .collect::<Result<Vec<_>>>()?;
-            Ok((events, cut || sizes.len() >= limit as usize))
+            })
         })
         .await
     }
@@ -1427,28 +1412,13 @@ impl Store {
         max_bytes: u64,
     ) -> Result<(Vec<Event>, bool)> {
         self.read(move |c| {
-            let base = || {
+            replay_page(c, limit, max_bytes, || {
                 session_events::table
                     .filter(session_events::task_id.eq(task.to_string()))
                     .filter(session_events::task_seq.gt(after_task_seq))
                     .order(session_events::task_seq)
                     .into_boxed()
-            };
-            let sizes: Vec<i64> = base()
-                .limit(i64::from(limit))
-                .select(diesel::dsl::sql::<diesel::sql_types::BigInt>(
-                    "CAST(length(payload) AS BIGINT)",
-                ))
-                .load(c)?;
-            let (take, cut) = page_within(&sizes, max_bytes);
-            let events = base()
-                .limit(i64::try_from(take).unwrap_or(i64::MAX))
-                .select(EventRow::as_select())
-                .load(c)?
-                .into_iter()
-                .map(EventRow::into_domain)
-                .collect::<Result<Vec<_>>>()?;
-            Ok((events, cut || sizes.len() >= limit as usize))
+            })
         })
         .await
     }
@@ -1820,6 +1790,32 @@ mod tests {
         assert!(store.list_tasks(None, 1).await.unwrap().is_empty());
         assert!(store.run_pending_migrations().await.unwrap().is_empty());
     }
+}
+
+/// A replay page of the events `events` selects in order: their payload
+/// sizes first (no payload read), then as many events as fit in
+/// `max_bytes` (at least one); and whether more may follow.
+fn replay_page(
+    c: &mut crate::conn::AnyConnection,
+    limit: u32,
+    max_bytes: u64,
+    events: impl Fn() -> session_events::BoxedQuery<'static, crate::conn::MultiBackend>,
+) -> Result<(Vec<Event>, bool)> {
+    let sizes: Vec<i64> = events()
+        .limit(i64::from(limit))
+        .select(diesel::dsl::sql::<diesel::sql_types::BigInt>(
+            "CAST(length(payload) AS BIGINT)",
+        ))
+        .load(c)?;
+    let (take, cut) = page_within(&sizes, max_bytes);
+    let page = events()
+        .limit(i64::try_from(take).unwrap_or(i64::MAX))
+        .select(EventRow::as_select())
+        .load(c)?
+        .into_iter()
+        .map(EventRow::into_domain)
+        .collect::<Result<Vec<_>>>()?;
+    Ok((page, cut || sizes.len() >= limit as usize))
 }
 
 /// How many of a page's events (their payload sizes, in order) fit in
