@@ -101,6 +101,11 @@ pub(crate) struct Inner {
     pub(crate) leases: crate::lease::Leases,
     /// Test hook: awaited before each heartbeat (see `gate_heartbeat`).
     pub(crate) heartbeat_gate: StdMutex<Option<crate::pass::PassGate>>,
+    /// Whether the database answered this replica lately (see
+    /// `replica::DatabaseSeen`): adoption waits while it does not.
+    pub(crate) database_seen: StdMutex<crate::replica::DatabaseSeen>,
+    /// Wakes the adoption loop: another replica released its leases.
+    pub(crate) adoption_wake: tokio::sync::Notify,
     /// Test hook: awaited by a pump that recorded a lost agentctl, before
     /// it starts the background recovery (see `gate_lost_agentctl`).
     pub(crate) lost_agentctl_gate: StdMutex<Option<crate::pass::PassGate>>,
@@ -237,6 +242,8 @@ impl SessionManager {
                 calls_recovering: tokio::sync::watch::Sender::new(0),
                 leases,
                 heartbeat_gate: StdMutex::default(),
+                database_seen: StdMutex::default(),
+                adoption_wake: tokio::sync::Notify::new(),
                 lost_agentctl_gate: StdMutex::default(),
                 parking_held: std::sync::atomic::AtomicBool::new(false),
                 claims: tokio::sync::Mutex::new(()),

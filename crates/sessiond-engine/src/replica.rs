@@ -55,6 +55,43 @@ const ADOPTION_BATCH: u32 = 64;
 /// share, without leaving rows unclaimed for long if they do not.
 const SHARE_PAUSE: Duration = Duration::from_millis(20);
 
+/// How soon a failed heartbeat is tried again: once the database is back,
+/// each replica renews its leases within this, before another claims them.
+const HEARTBEAT_RETRY: Duration = Duration::from_millis(500);
+
+/// Whether the database answered this replica lately. While a heartbeat or
+/// a claim fails, and for one heartbeat period after the database answers
+/// again, this replica claims nothing: every other replica, whose leases
+/// ran out during the outage through no fault of its own, renews them
+/// first (decision 0022: a database outage moves nothing). Adoption of a
+/// replica that died meanwhile waits that much longer.
+#[derive(Debug, Default)]
+pub(crate) struct DatabaseSeen {
+    failing: bool,
+    settle_until: Option<Instant>,
+}
+
+impl DatabaseSeen {
+    fn failed(&mut self) {
+        self.failing = true;
+    }
+
+    /// A heartbeat went through; after a failure, the others get `settle`.
+    fn answered(&mut self, settle: Duration) {
+        if std::mem::take(&mut self.failing) {
+            self.settle_until = Some(Instant::now() + settle);
+        }
+    }
+
+    /// When this replica may claim again (`None`: now).
+    fn claims_from(&self) -> Option<Instant> {
+        if self.failing {
+            return Some(Instant::now() + HEARTBEAT_RETRY);
+        }
+        self.settle_until.filter(|t| *t > Instant::now())
+    }
+}
+
 /// One stretch of adoption (from its first claim until nothing is left in
 /// flight), summed up in one log line at its end.
 #[derive(Default)]
@@ -206,9 +243,13 @@ impl Adoptions<'_> {
         let every = (ttl / 3).max(Duration::from_millis(50));
         let me = self.0.clone();
         self.spawn_background(async move {
+            let mut wait = every;
             loop {
-                tokio::time::sleep(every).await;
-                Adoptions(&me).heartbeat(&info).await;
+                tokio::time::sleep(wait).await;
+                wait = match Adoptions(&me).heartbeat(&info, every).await {
+                    true => every,
+                    false => HEARTBEAT_RETRY.min(every),
+                };
             }
         });
         if !Fencing(self).exclusive() {
@@ -305,8 +346,9 @@ impl Adoptions<'_> {
         *lock(&self.inner.heartbeat_gate) = Some(gate);
     }
 
-    /// One heartbeat: the replica row and every lease, then drop what was lost.
-    async fn heartbeat(&self, info: &ReplicaInfo) {
+    /// One heartbeat: the replica row and every lease, then drop what was
+    /// lost. False when the database did not answer.
+    async fn heartbeat(&self, info: &ReplicaInfo, every: Duration) -> bool {
         let gate = lock(&self.inner.heartbeat_gate).clone();
         if let Some(gate) = gate {
             gate().await;
@@ -320,6 +362,7 @@ impl Adoptions<'_> {
             .await
         {
             Ok(now_owned) => {
+                lock(&self.inner.database_seen).answered(every);
                 let now_owned: HashSet<SessionId> = now_owned.into_iter().collect();
                 for lost in before.difference(&now_owned) {
                     Fencing(self).relinquish(*lost);
@@ -335,8 +378,13 @@ impl Adoptions<'_> {
                     tracing::warn!(error = %e, "replica could not register again");
                 }
             }
-            Err(e) => tracing::warn!(error = %e, "replica heartbeat failed; leases not renewed"),
+            Err(e) => {
+                lock(&self.inner.database_seen).failed();
+                tracing::warn!(error = %e, "replica heartbeat failed; leases not renewed");
+                return false;
+            }
         }
+        true
     }
 
     /// The adoption of expired leases, as a pipeline: up to
@@ -377,6 +425,10 @@ impl Adoptions<'_> {
                 lock(&self.inner.recovery_profiles).clear();
             }
             let now = Instant::now();
+            let database_wait = lock(&self.inner.database_seen).claims_from();
+            if let Some(t) = database_wait {
+                dry_until = Some(dry_until.map_or(t, |d| d.max(t)));
+            }
             let may_claim = dry_until.is_none_or(|t| now >= t)
                 && after_share.is_none_or(|t| now >= t + SHARE_PAUSE);
             if may_claim && (idle || free >= low_water) {
@@ -422,6 +474,9 @@ impl Adoptions<'_> {
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "adoption claim failed");
+                        if e.kind() == crate::ErrorKind::Unavailable {
+                            lock(&self.inner.database_seen).failed();
+                        }
                         dry_until = Some(Instant::now() + every);
                     }
                 }
@@ -436,6 +491,7 @@ impl Adoptions<'_> {
                     burst.done(ok);
                     after_share = None;
                 }
+                () = self.inner.adoption_wake.notified() => dry_until = None,
                 () = tokio::time::sleep_until(until.into()) => {}
             }
         }
@@ -570,6 +626,11 @@ impl Adoptions<'_> {
                 let events = store.events_after(session, seq - 1, 1).await?;
                 bus.publish(&events);
             }
+            EventWake::LeasesReleased => {
+                // Every survivor claims its share now, not the one that
+                // happened to look first all of them.
+                self.inner.adoption_wake.notify_one();
+            }
             EventWake::Resync => {
                 let (sessions, tasks) = bus.watched_keys();
                 for s in sessions {
@@ -655,5 +716,37 @@ impl Adoptions<'_> {
 impl crate::flows::Ownership for SessionManager {
     async fn ensure_owned(&self, session: SessionId) -> Result<()> {
         Adoptions(self).ensure_owned(session).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{DatabaseSeen, Duration, HEARTBEAT_RETRY, Instant};
+
+    #[test]
+    fn claims_wait_while_the_database_fails_and_one_period_after() {
+        let mut seen = DatabaseSeen::default();
+        assert_eq!(seen.claims_from(), None, "a healthy replica claims now");
+        seen.answered(Duration::from_secs(5));
+        assert_eq!(
+            seen.claims_from(),
+            None,
+            "an answer without a failure settles nothing"
+        );
+        seen.failed();
+        let t = seen.claims_from().expect("no claim while failing");
+        assert!(t <= Instant::now() + HEARTBEAT_RETRY);
+        seen.answered(Duration::from_secs(5));
+        let t = seen.claims_from().expect("the others renew first");
+        assert!(t > Instant::now() + Duration::from_secs(4));
+        seen.answered(Duration::from_secs(5));
+        assert!(
+            seen.claims_from().is_some(),
+            "a later answer does not cut the wait"
+        );
+        let mut past = DatabaseSeen::default();
+        past.failed();
+        past.answered(Duration::ZERO);
+        assert_eq!(past.claims_from(), None, "the wait ends");
     }
 }

@@ -42,6 +42,24 @@ pub enum EventWake {
     /// The listener (re)connected: notifications may have been missed
     /// meanwhile; readers should look at the outbox.
     Resync,
+    /// Another replica stopped and released its leases: they may be
+    /// claimed now.
+    LeasesReleased,
+}
+
+/// The payload word of a release (`{origin} released`).
+const RELEASED: &str = "released";
+
+/// PostgreSQL: tells the other replicas that `origin` released its leases,
+/// in the caller's transaction (delivered when it commits).
+pub(crate) fn notify_released(c: &mut AnyConnection, origin: &str) -> Result<()> {
+    if let AnyConnection::Pg(pg) = c {
+        diesel::sql_query("SELECT pg_notify($1, $2)")
+            .bind::<diesel::sql_types::Text, _>(CHANNEL)
+            .bind::<diesel::sql_types::Text, _>(format!("{origin} {RELEASED}"))
+            .execute(pg)?;
+    }
+    Ok(())
 }
 
 /// Sends one notification per event in the caller's transaction (Postgres,
@@ -76,6 +94,11 @@ fn parse(payload: &str, me: &str) -> Option<EventWake> {
     if origin == me {
         return None;
     }
+    let first = parts.next()?;
+    if first == RELEASED {
+        return Some(EventWake::LeasesReleased);
+    }
+    let mut parts = std::iter::once(first).chain(parts);
     Some(EventWake::Committed {
         session: SessionId::parse(parts.next()?).ok()?,
         seq: parts.next()?.parse().ok()?,
@@ -192,5 +215,10 @@ mod tests {
         );
         assert_eq!(parse(&payload, "replica-a"), None);
         assert_eq!(parse("garbage", "x"), None);
+        assert_eq!(
+            parse("replica-a released", "replica-b"),
+            Some(EventWake::LeasesReleased)
+        );
+        assert_eq!(parse("replica-a released", "replica-a"), None);
     }
 }

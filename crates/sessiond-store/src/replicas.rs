@@ -239,18 +239,32 @@ impl Store {
 
     /// Ends replica `id`'s leases at once (a graceful stop): the others
     /// adopt its executors on their next look, without waiting for a TTL.
-    /// Its row stays, with its last heartbeat, until it starts again.
+    /// Its row stays, with a heartbeat one TTL old, so it no longer counts
+    /// as live (the others' fair shares of its executors are split among
+    /// them) until it starts again; on PostgreSQL the others are told at
+    /// once (a `released` notification), instead of at their next look.
     pub async fn release_leases(&self, id: &str, now: DateTime<Utc>) -> Result<usize> {
         let id = id.to_owned();
         self.write(move |c| {
             lock_owned_in_id_order(c, &id)?;
-            Ok(
-                diesel::update(
-                    executors_running::table.filter(executors_running::owner_id.eq(&id)),
-                )
-                .set(executors_running::lease_expires_at.eq(Some(Ts::new(now))))
-                .execute(c)?,
+            let released = diesel::update(
+                executors_running::table.filter(executors_running::owner_id.eq(&id)),
             )
+            .set(executors_running::lease_expires_at.eq(Some(Ts::new(now))))
+            .execute(c)?;
+            let ttl_ms: Option<i64> = replicas::table
+                .find(&id)
+                .select(replicas::lease_ttl_ms)
+                .get_result(c)
+                .optional()?;
+            if let Some(ttl_ms) = ttl_ms {
+                let gone = now - chrono::Duration::milliseconds(ttl_ms);
+                diesel::update(replicas::table.find(&id))
+                    .set(replicas::heartbeat_at.eq(Ts::new(gone)))
+                    .execute(c)?;
+            }
+            crate::events::notify_released(c, &id)?;
+            Ok(released)
         })
         .await
     }

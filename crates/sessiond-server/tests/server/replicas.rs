@@ -465,6 +465,9 @@ async fn three_replicas_adopt_the_sessions_of_one_killed_with_sigkill() {
     drop(c);
 }
 
+/// SIGTERM of a replica hands its sessions over at once: it is no longer
+/// listed live, and both survivors, told of the release, take a share
+/// (the first to look used to take them all, its stopped peer counted live).
 #[tokio::test]
 async fn sigterm_hands_sessions_over_without_waiting_for_the_ttl() {
     let db = sessiond_testkit::postgres::test_database();
@@ -476,39 +479,81 @@ async fn sigterm_hands_sessions_over_without_waiting_for_the_ttl() {
     // A TTL far longer than the handoff may take.
     let mut a = start_replica(root, "replica-a", db.url(), "60s");
     let b = start_replica(root, "replica-b", db.url(), "60s");
+    let c = start_replica(root, "replica-c", db.url(), "60s");
     wait_serving(&a.server).await;
     wait_serving(&b.server).await;
+    wait_serving(&c.server).await;
     let mut ca = sessions(&a.server).await;
     let task = create_task(&mut ca, "handoff").await;
-    let s = create_session(&mut ca, &task.id, &worktree(root, "w"), "").await;
+    let mut created = Vec::new();
+    for i in 0..6 {
+        let s = create_session(&mut ca, &task.id, &worktree(root, &format!("w{i}")), "").await;
+        assert_eq!(owner(&store, &s.id).await.as_deref(), Some("replica-a"));
+        created.push(s);
+    }
+    let s = created[0].clone();
     assert!(
         prompt(&mut ca, &task.id, &s.id, "hi")
             .await
             .contains("turn 1")
     );
-    assert_eq!(owner(&store, &s.id).await.as_deref(), Some("replica-a"));
     let pids = world(root);
 
     let stopped = Instant::now();
     assert!(a.server.terminate().success());
-    until("B adopted A's session", Duration::from_secs(30), || {
-        let store = store.clone();
-        let s = s.id.clone();
-        async move { owner(&store, &s).await.as_deref() == Some("replica-b") }
-    })
+    let gone = store.list_replicas(chrono::Utc::now()).await.unwrap();
+    let a_row = gone.iter().find(|r| r.id == "replica-a").unwrap();
+    assert!(!a_row.is_live(chrono::Utc::now()), "{a_row:?}");
+    until(
+        "B and C adopted A's sessions",
+        Duration::from_secs(30),
+        || {
+            let store = store.clone();
+            let ids: Vec<String> = created.iter().map(|s| s.id.clone()).collect();
+            async move {
+                for id in ids {
+                    if owner(&store, &id)
+                        .await
+                        .as_deref()
+                        .is_none_or(|o| o == "replica-a")
+                    {
+                        return false;
+                    }
+                }
+                true
+            }
+        },
+    )
     .await;
     assert!(
         stopped.elapsed() < Duration::from_secs(60),
         "handed over before the TTL could run out"
     );
-    let mut cb = sessions(&b.server).await;
+    let mut owners = Vec::new();
+    for s in &created {
+        owners.push(owner(&store, &s.id).await.unwrap());
+    }
+    for survivor in ["replica-b", "replica-c"] {
+        assert!(
+            owners.iter().any(|o| o == survivor),
+            "{survivor} took none: {owners:?}"
+        );
+    }
+    let on = owner(&store, &s.id).await.unwrap();
+    let mut cs = sessions(if on == "replica-b" {
+        &b.server
+    } else {
+        &c.server
+    })
+    .await;
     assert!(
-        prompt(&mut cb, &task.id, &s.id, "on b")
+        prompt(&mut cs, &task.id, &s.id, "on a survivor")
             .await
             .contains("turn 2")
     );
-    assert_eq!(world(root), pids, "the same agentctl, reattached");
+    assert_eq!(world(root), pids, "the same agentctls, reattached");
     drop(b);
+    drop(c);
 }
 
 /// A start right after `kill -9` of the last sessiond finds its lock still
