@@ -878,10 +878,20 @@ impl AgentManager {
         tokio::spawn(async move {
             let mut reader = BufReader::new(stderr);
             let mut buf = Vec::new();
+            let mut budget = stdio::LogBudget::default();
             while let Ok(Some(line)) =
                 stdio::next_line(&mut reader, &mut buf, stdio::MAX_LOG_LINE).await
             {
                 stderr_signs.line();
+                let (log, skipped) = budget.admit();
+                if skipped > 0 {
+                    tracing::info!(target: "agent_stderr", pid, skipped,
+                        "({skipped} lines of the agent's stderr not logged: over {} a second)",
+                        stdio::STDERR_LINES_PER_SECOND);
+                }
+                if !log {
+                    continue;
+                }
                 match &line {
                     stdio::Line::TooLong { len, head } => {
                         tracing::info!(target: "agent_stderr", pid, "{head}… ({len} bytes, cut)");
@@ -2221,6 +2231,14 @@ fn lines_transport(
                     return Some((Ok(line), r));
                 }
                 Ok(Some(stdio::Line::Text(line))) if line.trim().is_empty() => {}
+                Ok(Some(stdio::Line::Text(line))) => match stdio::message_after_noise(&line) {
+                    Some((noise, message)) => {
+                        r.noise.note(pid, &stdio::Line::Text(noise.to_owned()));
+                        r.signs.line();
+                        return Some((Ok(message.to_owned()), r));
+                    }
+                    None => r.noise.note(pid, &stdio::Line::Text(line)),
+                },
                 Ok(Some(other)) => r.noise.note(pid, &other),
                 Ok(None) => return None,
                 Err(e) => return Some((Err(e), r)),

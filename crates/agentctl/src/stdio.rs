@@ -21,6 +21,10 @@ pub const MAX_MESSAGE_LINE: usize = 256 << 20;
 /// The longest stderr line logged whole; a longer one is logged cut.
 pub const MAX_LOG_LINE: usize = 16 << 10;
 
+/// The line buffer kept between lines; a larger one (after a long line) is
+/// given back.
+const KEPT_BUFFER: usize = 1 << 20;
+
 /// One line as read: its text, what of it was not UTF-8 (replaced), or
 /// how long it was when over the bound (`head` is its first bytes).
 #[derive(Debug, PartialEq, Eq)]
@@ -56,6 +60,10 @@ pub async fn next_line<R: AsyncBufRead + Unpin>(
     max: usize,
 ) -> io::Result<Option<Line>> {
     buf.clear();
+    // One long line must not keep its buffer for the agent's whole life.
+    if buf.capacity() > KEPT_BUFFER {
+        *buf = Vec::new();
+    }
     let mut len = 0usize;
     let mut ended = false;
     loop {
@@ -103,6 +111,23 @@ pub fn may_be_message(line: &str) -> bool {
     (t.starts_with('{') && t.ends_with('}')) || (t.starts_with('[') && t.ends_with(']'))
 }
 
+/// A message written right after text that did not end its line (a banner
+/// printed with no newline, a stray write): the JSON object that ends the
+/// line, and the text before it. `None` when the line does not end with a
+/// whole JSON object.
+pub fn message_after_noise(line: &str) -> Option<(&str, &str)> {
+    /// Openings tried, from the left: enough for any banner.
+    const TRIES: usize = 16;
+    if !line.trim_end().ends_with('}') {
+        return None;
+    }
+    line.match_indices('{')
+        .take(TRIES)
+        .map(|(at, _)| at)
+        .find(|&at| serde_json::from_str::<serde::de::IgnoredAny>(&line[at..]).is_ok())
+        .map(|at| (&line[..at], &line[at..]))
+}
+
 /// Counts the stdout lines an agent wrote that are not ACP messages, and
 /// says so in the log without letting a flood fill it: the first few with
 /// an excerpt, then one line at each power of two.
@@ -142,6 +167,50 @@ impl Noise {
                 "the agent keeps writing lines that are not ACP \
                 messages to stdout; dropped so far"
             );
+        }
+    }
+}
+
+/// How many stderr lines of an agent are logged per second; the rest are
+/// counted, and the count logged when logging resumes.
+pub const STDERR_LINES_PER_SECOND: u32 = 200;
+
+/// Keeps an agent's stderr from filling the log: at most
+/// [`STDERR_LINES_PER_SECOND`] lines a second are logged.
+#[derive(Debug)]
+pub struct LogBudget {
+    window: std::time::Instant,
+    logged: u32,
+    skipped: u64,
+}
+
+impl Default for LogBudget {
+    fn default() -> Self {
+        Self {
+            window: std::time::Instant::now(),
+            logged: 0,
+            skipped: 0,
+        }
+    }
+}
+
+impl LogBudget {
+    /// Whether the next line is logged, and how many lines were skipped
+    /// before it (to say so first) when a new second began.
+    pub fn admit(&mut self) -> (bool, u64) {
+        let now = std::time::Instant::now();
+        let mut skipped = 0;
+        if now.duration_since(self.window) >= std::time::Duration::from_secs(1) {
+            self.window = now;
+            self.logged = 0;
+            skipped = std::mem::take(&mut self.skipped);
+        }
+        if self.logged < STDERR_LINES_PER_SECOND {
+            self.logged += 1;
+            (true, skipped)
+        } else {
+            self.skipped += 1;
+            (false, skipped)
         }
     }
 }
@@ -199,6 +268,40 @@ mod tests {
         assert!(!may_be_message("garbage"));
         assert!(!may_be_message("Loading... {"));
         assert!(!may_be_message(""));
+    }
+
+    #[test]
+    fn a_message_glued_to_noise_is_found() {
+        let msg = r#"{"jsonrpc":"2.0","id":1,"result":{"a":{}}}"#;
+        let line = format!("Loading agent... {msg}");
+        assert_eq!(message_after_noise(&line), Some(("Loading agent... ", msg)));
+        assert_eq!(message_after_noise("noise {not json}"), None);
+        assert_eq!(message_after_noise("no braces"), None);
+        assert_eq!(message_after_noise("{\"a\":1} trailing"), None);
+    }
+
+    #[tokio::test]
+    async fn a_long_line_does_not_keep_its_buffer() {
+        let mut input = vec![b'a'; 3 << 20];
+        input.extend_from_slice(b"\nok\n");
+        let mut r = tokio::io::BufReader::new(&input[..]);
+        let mut buf = Vec::new();
+        next_line(&mut r, &mut buf, 8 << 20).await.unwrap();
+        assert!(buf.capacity() >= 3 << 20);
+        next_line(&mut r, &mut buf, 8 << 20).await.unwrap();
+        assert!(buf.capacity() < KEPT_BUFFER, "{}", buf.capacity());
+    }
+
+    #[test]
+    fn a_stderr_flood_is_logged_at_a_bounded_rate() {
+        let mut budget = LogBudget::default();
+        let admitted = (0..10_000).filter(|_| budget.admit().0).count();
+        assert_eq!(admitted, STDERR_LINES_PER_SECOND as usize);
+        budget.window -= std::time::Duration::from_secs(1);
+        assert_eq!(
+            budget.admit(),
+            (true, 10_000 - u64::from(STDERR_LINES_PER_SECOND))
+        );
     }
 
     #[test]

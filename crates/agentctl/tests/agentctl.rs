@@ -3997,7 +3997,9 @@ fn peak_rss_kib(pid: u32) -> u64 {
 
 /// An agent that writes a flood of lines that are not ACP messages to its
 /// stdout before it speaks ACP (3 million, as `print` debugging in a loop
-/// would): agentctl drops them unanswered and says so in a few log lines;
+/// would), then a banner with no line end, to which its first message is
+/// glued: agentctl drops the noise unanswered and says so in a few log
+/// lines, and takes the message after the banner;
 /// its memory stays small (each used to be answered with a parse error
 /// that an agent not reading stdin left queued: gigabytes), and the agent
 /// then opens its conversation and answers a prompt.
@@ -4010,7 +4012,9 @@ async fn an_agent_flooding_stdout_with_noise_costs_no_memory_and_still_works() {
     let demo = std::mem::replace(&mut launch.command, "sh".into());
     let mut args = vec![
         "-c".to_owned(),
-        "yes 'Loading, please wait...' | head -n 3000000; exec \"$0\" \"$@\"".to_owned(),
+        "yes 'Loading, please wait...' | head -n 3000000; printf 'Ready. '; \
+         exec \"$0\" \"$@\""
+            .to_owned(),
         demo,
     ];
     args.append(&mut launch.args);

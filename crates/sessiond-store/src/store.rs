@@ -1033,6 +1033,11 @@ impl Store {
         if seen.is_empty() {
             return Ok(Touched::default());
         }
+        // In id order, the lock order of every multi-row writer (see
+        // `replicas.rs`): in the order the checks finished, this deadlocked
+        // with a heartbeat locking the same rows.
+        let mut seen = seen;
+        seen.sort_by_key(|h| h.executor.to_string());
         self.write(move |c| {
             let at = Ts::new(at);
             let mut out = Touched::default();
