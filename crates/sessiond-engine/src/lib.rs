@@ -41,6 +41,7 @@
 pub mod attachments;
 mod changes;
 mod config;
+mod database_seen;
 mod error;
 mod events;
 mod flows;

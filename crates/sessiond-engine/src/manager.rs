@@ -102,8 +102,8 @@ pub(crate) struct Inner {
     /// Test hook: awaited before each heartbeat (see `gate_heartbeat`).
     pub(crate) heartbeat_gate: StdMutex<Option<crate::pass::PassGate>>,
     /// Whether the database answered this replica lately (see
-    /// `replica::DatabaseSeen`): adoption waits while it does not.
-    pub(crate) database_seen: StdMutex<crate::replica::DatabaseSeen>,
+    /// `database_seen::DatabaseSeen`): adoption waits while it does not.
+    pub(crate) database_seen: StdMutex<crate::database_seen::DatabaseSeen>,
     /// Wakes the adoption loop: another replica released its leases.
     pub(crate) adoption_wake: tokio::sync::Notify,
     /// Test hook: awaited by a pump that recorded a lost agentctl, before
