@@ -2179,9 +2179,17 @@ impl ExecutorRecovery<'_> {
         silence: Duration,
         work: impl std::future::Future<Output = T>,
     ) -> std::result::Result<T, String> {
-        /// CPU time that counts as a sign of life between two readings: more
-        /// than an idle runtime's timers use in a silence limit.
+        /// CPU time that counts as a sign of life since the last one, in
+        /// a silence limit of `executor_deadline`: more than an idle
+        /// runtime's timers use in it.
         const CPU_SIGN_MS: u64 = 50;
+        // A longer limit (a later attempt) takes proportionally more: the
+        // same idle timers add up over it, and would read as life for ever.
+        let deadline_ms = self.inner.config.executor_deadline.as_millis().max(1);
+        let cpu_sign_ms =
+            u64::try_from(u128::from(CPU_SIGN_MS) * silence.as_millis() / deadline_ms)
+                .unwrap_or(u64::MAX)
+                .max(CPU_SIGN_MS);
         let cap = self.inner.config.resume_cap;
         let poll = (silence / 5).clamp(Duration::from_millis(100), Duration::from_secs(2));
         let sid = record.session_id;
@@ -2208,7 +2216,7 @@ impl ExecutorRecovery<'_> {
             if let Some(h) = health {
                 let p = h.progress;
                 let sign = (p.activity, p.replayed, p.resuming, h.agent_state as i32);
-                if last_sign != Some(sign) || p.cpu_ms >= cpu_mark.saturating_add(CPU_SIGN_MS) {
+                if last_sign != Some(sign) || p.cpu_ms >= cpu_mark.saturating_add(cpu_sign_ms) {
                     last_sign = Some(sign);
                     cpu_mark = p.cpu_ms;
                     last_progress = Instant::now();
