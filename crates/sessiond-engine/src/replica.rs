@@ -590,8 +590,8 @@ impl Adoptions<'_> {
                 bus.publish(&events);
             }
             EventWake::LeasesReleased => {
-                // Every survivor claims its share now, not the one that
-                // happened to look first all of them.
+                // Every survivor claims its share now, instead of the first
+                // to look taking all of them.
                 self.inner.adoption_wake.notify_one();
             }
             EventWake::Resync => {
