@@ -214,6 +214,7 @@ fn session_json(s: &pb::Session) -> Value {
         "version": s.version,
         "created_at": ts(s.created_at.as_ref()), "updated_at": ts(s.updated_at.as_ref()),
         "usage": s.usage.as_ref().map(usage_json), "title": s.title,
+        "recovering": s.recovering,
     })
 }
 
@@ -677,15 +678,26 @@ impl Out {
             println!("no sessions");
             return;
         }
+        // A session being brought back shows the state it returns to,
+        // marked: its recorded state is not yet what runs.
+        let width = if sessions.iter().any(|s| s.recovering) {
+            30
+        } else {
+            17
+        };
         println!(
-            "{:<36}  {:<17}  {:<16}  {:<20}  {:<30}  ERROR",
+            "{:<36}  {:<width$}  {:<16}  {:<20}  {:<30}  ERROR",
             "ID", "STATE", "RUNTIME", "USAGE", "TITLE"
         );
         for s in sessions {
+            let mut state = session_state(s.state);
+            if s.recovering {
+                state.push_str(" (recovering)");
+            }
             println!(
-                "{:<36}  {:<17}  {:<16}  {:<20}  {:<30}  {}",
+                "{:<36}  {:<width$}  {:<16}  {:<20}  {:<30}  {}",
                 s.id,
-                session_state(s.state),
+                state,
                 runtime(s.runtime, &s.runtime_name),
                 usage_short(s.usage.as_ref()),
                 one_line(&s.title, 30),

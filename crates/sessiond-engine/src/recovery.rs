@@ -386,6 +386,13 @@ impl RecoveryControl<'_> {
         Queue(self.0).is_recovering(session)
     }
 
+    /// Whether sessiond is bringing `session` back now: startup recovery
+    /// has yet to finish with it, or its agent's recovery (a relaunch and
+    /// resume after its agentctl or agent was lost) is under way.
+    pub fn is_bringing_back(&self, session: SessionId) -> bool {
+        Queue(self.0).is_recovering(session) || self.0.inner.agent_recoveries.under_way(session)
+    }
+
     /// A call on `session` is about to act on it: if startup recovery has
     /// not finished with it, recover it now (ahead of the pass) or join the
     /// recovery under way, and wait for that one session only. Whatever the

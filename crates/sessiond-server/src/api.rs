@@ -262,6 +262,15 @@ impl Api {
         }
     }
 
+    /// A stored session as answered now: with whether it is being brought
+    /// back (its stored state is what it returns to).
+    fn session_now(&self, s: &Session) -> pb::Session {
+        pb::Session {
+            recovering: self.manager.recovery().is_bringing_back(s.id),
+            ..convert::session(s)
+        }
+    }
+
     /// The session, checked to belong to `task`.
     async fn session_of(&self, task: TaskId, session: SessionId) -> ApiResult<Session> {
         let s = self.store.get_session(session).await?;
@@ -945,7 +954,7 @@ impl pb::session_service_server::SessionService for Api {
                 let (task, session) = ids(&req.task_id, &req.session_id)?;
                 let s = self.session_of(task, session).await?;
                 Ok(pb::GetSessionResponse {
-                    session: Some(convert::session(&s)),
+                    session: Some(self.session_now(&s)),
                 })
             }
             .await,
@@ -965,7 +974,7 @@ impl pb::session_service_server::SessionService for Api {
                 self.store.get_task(task).await?;
                 let sessions = self.store.list_sessions(task).await?;
                 Ok(pb::ListSessionsResponse {
-                    sessions: sessions.iter().map(convert::session).collect(),
+                    sessions: sessions.iter().map(|s| self.session_now(s)).collect(),
                 })
             }
             .await,

@@ -162,6 +162,7 @@ pub fn session(s: &Session) -> pb::Session {
         updated_at: Some(timestamp(s.updated_at)),
         usage: Some(usage_totals(&UsageTotals::from_metadata(&s.metadata))),
         title: s.title.clone(),
+        recovering: false,
     }
 }
 

@@ -404,6 +404,13 @@ async fn a_call_jumps_the_recovery_queue_while_health_is_not_serving() {
     assert_eq!(health_of(&server).await, ServingStatus::NotServing as i32);
     let (ok, out, _) = sessionctl(&server, &["session", "status", "--task", &task.id, &b.id]);
     assert!(ok && out.contains("recovering        true"), "{out}");
+    // The list and a get say so too, with the state recorded before.
+    let (ok, out, _) = sessionctl(&server, &["session", "list", "--task", &task.id]);
+    assert!(
+        ok && out.matches("WAITING_FOR_INPUT (recovering)").count() == 2,
+        "{out}"
+    );
+    assert!(get(&mut c, &task.id, &b.id).await.recovering);
 
     // A message to A: recovered ahead of the held pass, and answered.
     let reply = prompt(&mut c, &task.id, &a.id, "two").await;
@@ -411,6 +418,16 @@ async fn a_call_jumps_the_recovery_queue_while_health_is_not_serving() {
     let st_a = status(&mut c, &task.id, &a.id).await;
     assert!(!st_a.recovering && st_a.is_agent_running, "{st_a:?}");
     assert!(status(&mut c, &task.id, &b.id).await.recovering);
+    let listed = c
+        .list_sessions(pb::ListSessionsRequest {
+            task_id: task.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .sessions;
+    let recovering = |id: &str| listed.iter().find(|s| s.id == id).unwrap().recovering;
+    assert!(!recovering(&a.id) && recovering(&b.id), "{listed:?}");
     assert_eq!(health_of(&server).await, ServingStatus::NotServing as i32);
     let only_a = agentctl_pids(&data);
     assert_eq!(only_a.len(), 1, "only A's agentctl runs: {only_a:?}");
@@ -419,6 +436,7 @@ async fn a_call_jumps_the_recovery_queue_while_health_is_not_serving() {
     wait_serving(&server).await;
     let st_b = status(&mut c, &task.id, &b.id).await;
     assert!(!st_b.recovering && st_b.is_agent_running, "{st_b:?}");
+    assert!(!get(&mut c, &task.id, &b.id).await.recovering);
     let after = status(&mut c, &task.id, &a.id).await;
     assert_eq!(
         after.agent_execution_id, st_a.agent_execution_id,
