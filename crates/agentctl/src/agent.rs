@@ -230,6 +230,8 @@ pub struct Status {
     pub activity: u64,
     /// CPU time of the last launched agent's tree, in milliseconds.
     pub cpu_ms: u64,
+    /// Its wait for a CPU, in milliseconds; `None` where none is counted.
+    pub cpu_wait_ms: Option<u64>,
     /// A `resume_session` is in progress.
     pub resuming: bool,
     /// History updates dropped so far by the `resume_session` in progress.
@@ -738,6 +740,7 @@ impl AgentManager {
                 session: slot.session.as_ref().map(|s| s.0.to_string()),
                 activity: 0,
                 cpu_ms: 0,
+                cpu_wait_ms: None,
                 resuming,
                 replayed: if resuming { slot.replayed } else { 0 },
             };
@@ -745,11 +748,9 @@ impl AgentManager {
         };
         if let Some(signs) = signs {
             status.activity = signs.lines();
-            status.cpu_ms = if alive {
-                signs.sample_cpu_ms()
-            } else {
-                signs.last_cpu_ms()
-            };
+            let used = if alive { signs.sample() } else { signs.last() };
+            status.cpu_ms = used.cpu_ms;
+            status.cpu_wait_ms = used.wait_ms;
         }
         status
     }
@@ -1028,7 +1029,7 @@ impl AgentManager {
                 slot.mcp_caps = resp.agent_capabilities.mcp_capabilities.clone();
                 slot.auth_methods = auth_methods.clone();
                 slot.set_state(&self.shared.updates, AgentState::Ready);
-                tracing::info!(pid, %name, %version, load_session, resume_session, activity = signs.lines(), cpu_ms = signs.sample_cpu_ms(), "agent initialized");
+                tracing::info!(pid, %name, %version, load_session, resume_session, activity = signs.lines(), cpu_ms = signs.sample().cpu_ms, "agent initialized");
                 Ok(Launched {
                     pid,
                     name,

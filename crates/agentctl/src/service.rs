@@ -239,6 +239,7 @@ impl AgentCtl {
             ),
             agent_activity: status.activity,
             agent_cpu_ms: status.cpu_ms,
+            agent_cpu_wait_ms: status.cpu_wait_ms,
             resuming: status.resuming,
             replayed: status.replayed,
             last_turn_id: self.agent.last_turn_id(),

@@ -39,6 +39,8 @@ pub struct Signs {
     tree: AgentRecord,
     lines: AtomicU64,
     cpu_ms: AtomicU64,
+    /// `u64::MAX` until a count was read (see [`tree::CpuUse::wait_ms`]).
+    wait_ms: AtomicU64,
 }
 
 impl Signs {
@@ -48,6 +50,7 @@ impl Signs {
             tree,
             lines: AtomicU64::new(0),
             cpu_ms: AtomicU64::new(0),
+            wait_ms: AtomicU64::new(u64::MAX),
         }
     }
 
@@ -61,18 +64,31 @@ impl Signs {
         self.lines.load(Ordering::Relaxed)
     }
 
-    /// Reads the CPU time (user + system, in milliseconds) of the agent's
-    /// process tree now. Never less than an earlier reading: a descendant
-    /// that ended without being waited for by the tree takes its time
-    /// with it, which must not read as going backwards.
-    pub fn sample_cpu_ms(&self) -> u64 {
-        let now = tree::cpu_ms(&self.tree);
-        self.cpu_ms.fetch_max(now, Ordering::Relaxed).max(now)
+    /// Reads what the agent's process tree has used of the CPU now (its
+    /// CPU time, and its wait for a CPU). Never less than an earlier
+    /// reading: a descendant that ended without being waited for by the
+    /// tree takes its time with it, which must not read as going backwards.
+    pub fn sample(&self) -> tree::CpuUse {
+        let now = tree::cpu_use(&self.tree);
+        self.cpu_ms.fetch_max(now.cpu_ms, Ordering::Relaxed);
+        if let Some(w) = now.wait_ms {
+            // The unknown mark is the largest value: the first count replaces it.
+            let _ = self
+                .wait_ms
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
+                    (old == u64::MAX || w > old).then_some(w)
+                });
+        }
+        self.last()
     }
 
-    /// The last CPU time read (for an agent that has exited).
-    pub fn last_cpu_ms(&self) -> u64 {
-        self.cpu_ms.load(Ordering::Relaxed)
+    /// The last reading (for an agent that has exited).
+    pub fn last(&self) -> tree::CpuUse {
+        let wait = self.wait_ms.load(Ordering::Relaxed);
+        tree::CpuUse {
+            cpu_ms: self.cpu_ms.load(Ordering::Relaxed),
+            wait_ms: (wait != u64::MAX).then_some(wait),
+        }
     }
 }
 
@@ -103,7 +119,8 @@ impl Cut {
 
 /// Runs `work` (a call the agent must answer) to its end, unless the agent
 /// shows no sign of life ([`Signs`]: a line written, or [`CPU_SIGN_MS`] of
-/// CPU time used since the last sign) for `silence`, or `cap` passes. A
+/// CPU time used or of waiting for a CPU since the last sign: an agent
+/// starved by a crowded host is not hung) for `silence`, or `cap` passes. A
 /// reading that comes late (agentctl itself got no CPU for half
 /// the limit: a host paused or overloaded) starts the count again rather
 /// than blame the agent for time nobody watched.
@@ -119,7 +136,7 @@ pub async fn until_silent<F: Future>(
     let mut ticks = tokio::time::interval(tick);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut lines = signs.lines();
-    let mut cpu_mark = signs.sample_cpu_ms();
+    let mut cpu_mark = signs.sample();
     let mut quiet_since = Instant::now();
     let mut last_tick = Instant::now();
     tokio::pin!(work);
@@ -128,10 +145,17 @@ pub async fn until_silent<F: Future>(
             biased;
             out = &mut work => return Ok(out),
             _ = ticks.tick() => {
-                let (now_lines, now_cpu) = (signs.lines(), signs.sample_cpu_ms());
+                let (now_lines, now_cpu) = (signs.lines(), signs.sample());
                 let was_late = last_tick.elapsed() > late;
                 last_tick = Instant::now();
-                if now_lines != lines || now_cpu >= cpu_mark + CPU_SIGN_MS || was_late {
+                let waited = now_cpu
+                    .wait_ms
+                    .is_some_and(|w| w >= cpu_mark.wait_ms.unwrap_or(0) + CPU_SIGN_MS);
+                if now_lines != lines
+                    || now_cpu.cpu_ms >= cpu_mark.cpu_ms + CPU_SIGN_MS
+                    || waited
+                    || was_late
+                {
                     lines = now_lines;
                     cpu_mark = now_cpu;
                     quiet_since = Instant::now();
@@ -159,6 +183,62 @@ mod tests {
             start_time: 0,
             marker: String::new(),
         })
+    }
+
+    /// A process that always wants the CPU but hardly gets it (pinned to
+    /// CPU 0 at nice 10 beside four spinning processes at nice 0: about 3%
+    /// of the CPU, under the CPU time that counts per silence limit) writes
+    /// nothing: it is starved, not hung, and its wait for a CPU keeps it
+    /// from being cut (it was, before the wait counted). The kernel adds to
+    /// the wait each time the process gets the CPU, every ~100 ms here, so
+    /// the limit is a second. `taskset` (util-linux) is needed: its
+    /// absence fails here.
+    #[tokio::test]
+    async fn an_agent_starved_of_cpu_is_not_cut_for_silence() {
+        let spin = |nice: &str| {
+            std::process::Command::new("taskset")
+                .args([
+                    "-c",
+                    "0",
+                    "nice",
+                    "-n",
+                    nice,
+                    "sh",
+                    "-c",
+                    "while :; do :; done",
+                ])
+                .spawn()
+                .expect("taskset (util-linux) runs a pinned spinner")
+        };
+        let mut hogs = [spin("0"), spin("0"), spin("0"), spin("0")];
+        let mut starved = spin("10");
+        let signs = Signs::new(AgentRecord {
+            instance: String::new(),
+            pid: starved.id(),
+            start_time: 0,
+            marker: String::new(),
+        });
+        // Settle: taskset and nice exec into the shell.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let before = signs.sample();
+        let work = tokio::time::sleep(Duration::from_secs(3));
+        let result = until_silent(&signs, Duration::from_secs(1), SETUP_CAP, work).await;
+        let after = signs.sample();
+        for c in hogs.iter_mut().chain([&mut starved]) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let used = after.cpu_ms - before.cpu_ms;
+        let waited = after.wait_ms.unwrap_or(0) - before.wait_ms.unwrap_or(0);
+        assert!(
+            waited >= 1000,
+            "the starved process waited {waited} ms for a CPU ({before:?} -> {after:?})"
+        );
+        assert_eq!(
+            result,
+            Ok(()),
+            "cut though it waited {waited} ms for a CPU and used {used} ms of it"
+        );
     }
 
     #[tokio::test]

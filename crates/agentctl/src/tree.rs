@@ -118,6 +118,14 @@ pub fn cpu_ticks(pid: u32) -> Option<u64> {
     Some(f.get(11..15)?.iter().sum())
 }
 
+/// Time `pid`'s main thread has spent runnable but waiting for a CPU, in
+/// nanoseconds (the second field of `/proc/<pid>/schedstat`); `None` when
+/// the kernel keeps no such count or `pid` is gone.
+pub fn run_delay_ns(pid: u32) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/schedstat")).ok()?;
+    text.split_whitespace().nth(1)?.parse().ok()
+}
+
 /// `pid` and its live descendants, from the kernel's `children` lists
 /// (`/proc/<pid>/task/<tid>/children`); `None` when the kernel keeps none
 /// (built without `CONFIG_PROC_CHILDREN`) or `pid` is gone.
@@ -149,14 +157,33 @@ pub fn descendants(pid: u32) -> Option<Vec<u32>> {
     Some(found)
 }
 
-/// CPU time the tree `a` has used, in milliseconds (see [`cpu_ticks`]):
+/// What a tree of processes has used of the CPU so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CpuUse {
+    /// CPU time, in milliseconds (see [`cpu_ticks`]).
+    pub cpu_ms: u64,
+    /// Time spent runnable but waiting for a CPU, in milliseconds (see
+    /// [`run_delay_ns`]); `None` when no process of the tree has a count.
+    pub wait_ms: Option<u64>,
+}
+
+/// What the tree `a` has used of the CPU ([`CpuUse`]), read in one walk:
 /// the leader and its descendants, or, where the kernel lists no children
 /// or the leader is gone, the processes carrying the tree's marker
-/// ([`members`]). 0 when nothing is found.
-pub fn cpu_ms(a: &AgentRecord) -> u64 {
+/// ([`members`]). Zero when nothing is found. A total that drops (a
+/// process ended) is kept from going backwards by [`crate::signs::Signs`].
+pub fn cpu_use(a: &AgentRecord) -> CpuUse {
     let pids = descendants(a.pid).unwrap_or_else(|| members(a));
     let ticks: u64 = pids.iter().filter_map(|&p| cpu_ticks(p)).sum();
-    ticks.saturating_mul(1000) / sys::clock_ticks_per_sec()
+    let mut delays = pids.iter().filter_map(|&p| run_delay_ns(p)).peekable();
+    let wait_ms = delays
+        .peek()
+        .is_some()
+        .then(|| delays.sum::<u64>() / 1_000_000);
+    CpuUse {
+        cpu_ms: ticks.saturating_mul(1000) / sys::clock_ticks_per_sec(),
+        wait_ms,
+    }
 }
 
 #[cfg(test)]
@@ -173,14 +200,36 @@ mod tests {
             start_time: 0,
             marker: String::new(),
         };
-        let before = cpu_ms(&record);
+        let before = cpu_use(&record).cpu_ms;
         // Spin until the kernel has charged at least two more ticks.
         let mut x = 0u64;
-        while cpu_ms(&record) < before + 20 {
+        while cpu_use(&record).cpu_ms < before + 20 {
             for i in 0..100_000u64 {
                 x = std::hint::black_box(x.wrapping_add(i));
             }
         }
-        assert!(cpu_ms(&record) >= before + 20);
+        assert!(cpu_use(&record).cpu_ms >= before + 20);
+    }
+
+    #[test]
+    fn cpu_wait_of_this_process_is_counted_and_never_drops() {
+        let me = std::process::id();
+        let record = AgentRecord {
+            instance: String::new(),
+            pid: me,
+            start_time: 0,
+            marker: String::new(),
+        };
+        // Linux keeps the count (`CONFIG_SCHED_INFO`, on in every
+        // distribution kernel): a machine without it fails here, naming it.
+        let first = cpu_use(&record)
+            .wait_ms
+            .expect("/proc/self/schedstat: the kernel keeps no run-queue delay");
+        assert!(cpu_use(&record).wait_ms.unwrap() >= first);
+        let gone = AgentRecord {
+            pid: u32::MAX - 1,
+            ..record
+        };
+        assert_eq!(cpu_use(&gone), CpuUse::default());
     }
 }

@@ -3018,6 +3018,10 @@ async fn health_shows_a_heavy_launch_working() {
         after.agent_cpu_ms >= 1500,
         "the agent computed for 1.5 s: {after:?}"
     );
+    assert!(
+        after.agent_cpu_wait_ms.is_some(),
+        "no wait for a CPU counted (/proc/PID/schedstat): {after:?}"
+    );
     assert!(!after.resuming);
     let rss = rss_kib(launched.agent_pid);
     assert!(rss >= 64 * 1024, "agent RSS {rss} KiB");

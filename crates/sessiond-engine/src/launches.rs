@@ -15,7 +15,11 @@
 //! launches, so a host that carries many finds it within a few rounds) and
 //! `1 / limit` after (one slot per window); a launch slower than four times
 //! the fastest, or cut for silence, halves it. The first launch slower than
-//! twice the fastest ends slow start. The limit stays within
+//! twice the fastest ends slow start. Neither counts when agentctl counted
+//! that the agent spent under a quarter of its launch waiting for a CPU
+//! (its tree's run-queue delay, [`CpuWait`]): such an agent was slow by
+//! itself (asleep, blocked on the network), not crowded out, and cutting
+//! the limit for it would queue every other agent behind it. The limit stays within
 //! `1..=LaunchLimits::ceiling`, except while launches are cheap (up within
 //! [`CHEAP_LAUNCH`], which no real agent is): they always count as fast and
 //! the limit grows past the ceiling, since there is no load to protect.
@@ -66,6 +70,22 @@ pub(crate) enum Ended {
     Cut,
     /// It failed for a reason of its own (a verdict): says nothing of load.
     Neutral,
+}
+
+/// How long a launch's agent waited for a CPU (agentctl's count of its
+/// process tree's run-queue delay) over how long the launch had run then.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CpuWait {
+    pub(crate) waited: Duration,
+    pub(crate) over: Duration,
+}
+
+impl CpuWait {
+    /// The agent spent a quarter or more of its launch ready to run with
+    /// no CPU free: the host is crowded, and its slowness says so.
+    fn crowded(self) -> bool {
+        self.waited.saturating_mul(4) >= self.over
+    }
 }
 
 /// The host a launch runs on: the machine itself for local runtimes and
@@ -127,14 +147,25 @@ pub(crate) struct LaunchPermit {
     shared: Arc<Shared>,
     host: String,
     ended: Option<Ended>,
+    cpu_wait: Option<CpuWait>,
     /// False for a grant nobody took: `dispatch` frees its slot itself.
     armed: bool,
 }
 
 impl LaunchPermit {
     /// Frees the slot, telling how the launch ended.
-    pub(crate) fn finish(mut self, ended: Ended) {
+    #[cfg(test)]
+    pub(crate) fn finish(self, ended: Ended) {
+        self.finish_seen(ended, None);
+    }
+
+    /// Frees the slot, telling how the launch ended and, when agentctl
+    /// counted it, how long its agent waited for a CPU: a slow or cut
+    /// launch whose agent hardly waited (blocked on the network, asleep)
+    /// says nothing of the host's load, and does not cut its limit.
+    pub(crate) fn finish_seen(mut self, ended: Ended, cpu_wait: Option<CpuWait>) {
         self.ended = Some(ended);
+        self.cpu_wait = cpu_wait;
     }
 }
 
@@ -142,7 +173,7 @@ impl Drop for LaunchPermit {
     fn drop(&mut self) {
         if self.armed {
             let ended = self.ended.take().unwrap_or(Ended::Neutral);
-            release(&self.shared, &self.host, ended);
+            release(&self.shared, &self.host, ended, self.cpu_wait);
         }
     }
 }
@@ -239,6 +270,7 @@ impl LaunchScheduler {
             shared: self.shared.clone(),
             host,
             ended: None,
+            cpu_wait: None,
             armed: true,
         })
     }
@@ -295,6 +327,7 @@ fn dispatch(shared: &Arc<Shared>, host: &str, h: &mut Host) {
             shared: shared.clone(),
             host: host.to_owned(),
             ended: None,
+            cpu_wait: None,
             armed: true,
         };
         if let Err(mut permit) = w.grant.send(permit) {
@@ -306,7 +339,7 @@ fn dispatch(shared: &Arc<Shared>, host: &str, h: &mut Host) {
     }
 }
 
-fn release(shared: &Arc<Shared>, host: &str, ended: Ended) {
+fn release(shared: &Arc<Shared>, host: &str, ended: Ended, cpu_wait: Option<CpuWait>) {
     let mut hosts = lock(&shared.hosts);
     let Some(h) = hosts.get_mut(host) else {
         return;
@@ -326,10 +359,13 @@ fn release(shared: &Arc<Shared>, host: &str, ended: Ended) {
             if !cheap {
                 h.limit = h.limit.min(ceiling);
             }
-            if took > fastest.saturating_mul(4) && !cheap {
+            // Slow, but not for want of a CPU (its agent hardly waited for
+            // one): another agent's start, not the host's load.
+            let loaded = !cheap && cpu_wait.is_none_or(CpuWait::crowded);
+            if took > fastest.saturating_mul(4) && loaded {
                 h.slow_start = false;
                 h.limit = (h.limit / 2.0).max(1.0);
-            } else if took > fastest.saturating_mul(2) && !cheap {
+            } else if took > fastest.saturating_mul(2) && loaded {
                 h.slow_start = false;
             } else if !overloaded {
                 let step = if h.slow_start {
@@ -345,10 +381,13 @@ fn release(shared: &Arc<Shared>, host: &str, ended: Ended) {
                 h.limit = (h.limit + step).min(most);
             }
         }
-        Ended::Cut => {
+        // An agent cut for silence that did not wait for a CPU was silent
+        // by itself (asleep, blocked), not crowded out.
+        Ended::Cut if cpu_wait.is_none_or(CpuWait::crowded) => {
             h.slow_start = false;
             h.limit = (h.limit / 2.0).max(1.0);
         }
+        Ended::Cut => {}
         Ended::Neutral => {}
     }
     tracing::debug!(
@@ -356,6 +395,7 @@ fn release(shared: &Arc<Shared>, host: &str, ended: Ended) {
         limit = h.limit,
         running = h.running,
         ?ended,
+        ?cpu_wait,
         "launch slot freed"
     );
     dispatch(shared, host, h);
@@ -572,6 +612,65 @@ mod tests {
         launch(Duration::from_secs(2)).await;
         let (cut, _) = s.load("fleet").expect("host");
         assert_eq!(cut, 4, "a slow launch: back under the ceiling, then halved");
+    }
+
+    /// helper-31 D6: agents that sleep as they start (a CLI waiting on the
+    /// network) made every launch "slow" and halved the limit down to one,
+    /// so fast agents queued behind them. A slow or cut launch whose agent
+    /// hardly waited for a CPU leaves the limit alone; one whose agent
+    /// waited a quarter of the time or more (or not counted) still halves it.
+    #[tokio::test]
+    async fn slow_or_cut_launches_of_agents_that_did_not_wait_for_a_cpu_keep_the_limit() {
+        let s = LaunchScheduler::new(limits(4, 8));
+        let host = "remote-c";
+        let finish = |ended: Ended, waited_ms: Option<u64>, over: Duration| {
+            let s = s.clone();
+            async move {
+                s.acquire(host.into(), SessionId::new(), Priority::Background)
+                    .await
+                    .finish_seen(
+                        ended,
+                        waited_ms.map(|w| CpuWait {
+                            waited: Duration::from_millis(w),
+                            over,
+                        }),
+                    );
+            }
+        };
+        let limit = || s.load(host).expect("host").0;
+        finish(
+            Ended::Up(Duration::from_millis(200)),
+            Some(0),
+            Duration::ZERO,
+        )
+        .await;
+        let start = limit();
+        // Asleep 8 s at start (40 times the fastest), 30 ms of it waiting.
+        let eight = Duration::from_secs(8);
+        finish(Ended::Up(eight), Some(30), eight).await;
+        assert!(limit() >= start, "{start} -> {}", limit());
+        finish(Ended::Cut, Some(10), Duration::from_secs(5)).await;
+        assert!(
+            limit() >= start,
+            "a silent agent's cut: {start} -> {}",
+            limit()
+        );
+        let kept = limit();
+        assert!(kept >= 4, "{kept}");
+        // Not counted (an older agentctl): halved as before.
+        finish(Ended::Cut, None, Duration::ZERO).await;
+        assert_eq!(limit(), kept / 2, "an uncounted cut halves it");
+        let uncounted = limit();
+        // Crowded out: 3 of its 8 s waiting for a CPU.
+        finish(Ended::Up(eight), Some(3_000), eight).await;
+        assert_eq!(
+            limit(),
+            (uncounted / 2).max(1),
+            "a crowded slow launch halves it"
+        );
+        let crowded = limit();
+        finish(Ended::Cut, Some(2_000), Duration::from_secs(5)).await;
+        assert_eq!(limit(), (crowded / 2).max(1), "a crowded cut halves it");
     }
 
     #[test]

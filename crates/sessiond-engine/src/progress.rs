@@ -16,7 +16,7 @@ use std::{
 
 use sessiond_domain::{AgentRecovery, RecoveryStage, SessionId};
 
-use crate::sync::lock;
+use crate::{launches::CpuWait, sync::lock};
 
 #[derive(Debug, Clone)]
 struct Entry {
@@ -25,6 +25,8 @@ struct Entry {
     last_error: Option<String>,
     retry_at: Option<Instant>,
     replayed: u64,
+    /// The launch in flight's wait for a CPU, as last read.
+    cpu_wait: Option<CpuWait>,
 }
 
 /// The agent recoveries under way, per session.
@@ -53,6 +55,7 @@ impl AgentRecoveries {
             last_error: None,
             retry_at: None,
             replayed: 0,
+            cpu_wait: None,
         });
         e.stage = stage;
         if stage != RecoveryStage::WaitingToRetry {
@@ -82,12 +85,30 @@ impl AgentRecoveries {
             last_error: None,
             retry_at: None,
             replayed: 0,
+            cpu_wait: None,
         });
         e.stage = RecoveryStage::WaitingToRetry;
         e.attempt = attempt.saturating_add(1);
         e.last_error = Some(reason);
         e.retry_at = Some(Instant::now() + delay);
         e.replayed = 0;
+        e.cpu_wait = None;
+    }
+
+    /// The agent being launched for `session` has waited `wait` for a CPU
+    /// so far (agentctl's count), read while it starts.
+    pub(crate) fn saw_cpu_wait(&self, session: SessionId, wait: CpuWait) {
+        if let Some(e) = lock(&self.entries).get_mut(&session) {
+            e.cpu_wait = Some(wait);
+        }
+    }
+
+    /// The last [`Self::saw_cpu_wait`] of `session`'s launch, taken: what
+    /// its launch slot is freed with.
+    pub(crate) fn take_cpu_wait(&self, session: SessionId) -> Option<CpuWait> {
+        lock(&self.entries)
+            .get_mut(&session)
+            .and_then(|e| e.cpu_wait.take())
     }
 
     /// Recovery is done with `session` (its agent is back, or it failed for

@@ -1581,8 +1581,9 @@ impl ExecutorRecovery<'_> {
                             )
                         }
                     };
+                    let cpu_wait = self.inner.agent_recoveries.take_cpu_wait(sid);
                     if let Some(permit) = permit {
-                        permit.finish(ended);
+                        permit.finish_seen(ended, cpu_wait);
                     }
                     observation
                 })
@@ -2205,6 +2206,7 @@ impl ExecutorRecovery<'_> {
         let began = Instant::now();
         let mut last_sign = None;
         let mut cpu_mark = 0u64;
+        let mut wait_mark = 0u64;
         let mut last_progress = Instant::now();
         let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + poll, poll);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -2223,10 +2225,26 @@ impl ExecutorRecovery<'_> {
             if let Some(h) = health {
                 let p = h.progress;
                 let sign = (p.activity, p.replayed, p.resuming, h.agent_state as i32);
-                if last_sign != Some(sign) || p.cpu_ms >= cpu_mark.saturating_add(cpu_sign_ms) {
+                // Waiting for a CPU is a sign of life too: a crowded host's
+                // agent is not hung.
+                let waited = p.cpu_wait_ms.unwrap_or(0);
+                if last_sign != Some(sign)
+                    || p.cpu_ms >= cpu_mark.saturating_add(cpu_sign_ms)
+                    || waited >= wait_mark.saturating_add(cpu_sign_ms)
+                {
                     last_sign = Some(sign);
                     cpu_mark = p.cpu_ms;
+                    wait_mark = waited;
                     last_progress = Instant::now();
+                }
+                if let Some(w) = p.cpu_wait_ms {
+                    self.inner.agent_recoveries.saw_cpu_wait(
+                        sid,
+                        crate::launches::CpuWait {
+                            waited: Duration::from_millis(w),
+                            over: began.elapsed(),
+                        },
+                    );
                 }
                 let stage = if p.resuming {
                     RecoveryStage::Resuming

@@ -338,6 +338,9 @@ pub struct AgentProgress {
     pub activity: u64,
     /// CPU time its process tree used, in milliseconds (0: unknown).
     pub cpu_ms: u64,
+    /// Time its process tree waited for a CPU, in milliseconds (`None`:
+    /// not counted there, or an agentctl from before the count).
+    pub cpu_wait_ms: Option<u64>,
     /// A ResumeSession is in progress.
     pub resuming: bool,
     /// History updates replayed so far by a `session/load` in progress.
@@ -689,6 +692,7 @@ impl Health {
             progress: AgentProgress {
                 activity: resp.agent_activity,
                 cpu_ms: resp.agent_cpu_ms,
+                cpu_wait_ms: resp.agent_cpu_wait_ms,
                 resuming: resp.resuming,
                 replayed: resp.replayed,
             },

@@ -153,7 +153,7 @@ impl ExecutorRecovery<'_> {
                             began,
                         });
                     } else {
-                        p.finish(Ended::Cut);
+                        p.finish_seen(Ended::Cut, self.inner.agent_recoveries.take_cpu_wait(sid));
                     }
                     return Some(health);
                 }
