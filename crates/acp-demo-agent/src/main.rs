@@ -146,6 +146,11 @@ struct Cli {
     /// the turn's tokens in the prompt's answer (100 in, 50 out).
     #[arg(long, env = "ACP_DEMO_USAGE", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
     usage: bool,
+    /// With `--usage`: the cost is the session's, as ACP defines it (0.25
+    /// USD per stored turn, across processes), and `session/load` replays
+    /// it as a `usage_update` after the history.
+    #[arg(long, env = "ACP_DEMO_USAGE_PER_SESSION", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
+    usage_per_session: bool,
     /// A tool call with a side effect before the reply: every prompt first
     /// appends one line (the prompt) to this file (relative to the working
     /// directory, i.e. the worktree) and reports a tool call.
@@ -428,6 +433,16 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
                         // Let the message go out before the next one's work.
                         tokio::task::yield_now().await;
                     }
+                }
+                if d_load.cli.usage && d_load.cli.usage_per_session && !turns.is_empty() {
+                    use agent_client_protocol::v1::schema::{Cost, UsageUpdate};
+                    cx.send_notification(SessionNotification::new(
+                        req.session_id.clone(),
+                        SessionUpdate::UsageUpdate(
+                            UsageUpdate::new(1000 * turns.len() as u64, 200_000)
+                                .cost(Cost::new(0.25 * turns.len() as f64, "USD")),
+                        ),
+                    ))?;
                 }
                 log_call(&d_load.state_dir, "session/load", Some(&id), Some(replayed));
                 responder.respond(LoadSessionResponse::new().modes(mode_state(&mode)))
@@ -767,10 +782,14 @@ async fn run_turn(
         use agent_client_protocol::v1::schema::{Cost, Usage, UsageUpdate};
         cx.send_notification(SessionNotification::new(
             req.session_id.clone(),
-            SessionUpdate::UsageUpdate(
-                UsageUpdate::new(1000 * n as u64, 200_000)
-                    .cost(Cost::new(0.25 * f64::from(count), "USD")),
-            ),
+            SessionUpdate::UsageUpdate(UsageUpdate::new(1000 * n as u64, 200_000).cost(Cost::new(
+                if demo.cli.usage_per_session {
+                    0.25 * n as f64
+                } else {
+                    0.25 * f64::from(count)
+                },
+                "USD",
+            ))),
         ))?;
         return Ok(PromptResponse::new(StopReason::EndTurn).usage(Usage::new(150, 100, 50)));
     }

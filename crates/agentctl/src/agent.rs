@@ -2102,6 +2102,12 @@ fn on_session_update(shared: &Shared, generation: u64, n: SessionNotification) {
     }
     if slot.replaying.as_ref() == Some(&n.session_id) {
         slot.replayed += 1;
+        // The session's cost so far, told as the history is replayed: the
+        // next turn's cost counts from it (a new process's first figure is
+        // otherwise all that turn's, helper-35: counted twice).
+        if let SessionUpdate::UsageUpdate(u) = &n.update {
+            slot.usage.update(u, false);
+        }
         return;
     }
     // Options the agent changed (often with a mode or a model) replace the

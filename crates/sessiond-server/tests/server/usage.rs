@@ -227,3 +227,77 @@ async fn usage_is_stored_per_turn_totalled_and_counted_once_across_restarts() {
     assert_eq!((t.turns, t.total_tokens), (4, 600));
     assert_eq!(t.costs[0].amount, 1.0);
 }
+
+/// An agent whose cost is the session's (ACP's "cumulative session cost",
+/// the demo agent with `ACP_DEMO_USAGE_PER_SESSION`) tells it again as it
+/// replays the history on `session/load`: after everything was killed and
+/// recovery relaunched and reloaded it, the next turn costs what it added,
+/// not the session's whole cost again (helper-35: 0.75 counted for a 0.25
+/// turn).
+#[tokio::test]
+async fn a_session_cost_replayed_on_load_is_where_the_next_turn_counts_from() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let config = dir.path().join("sessiond.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[agents]]\nname = \"session-metered\"\ncommand = \"{}\"\n\
+             env = {{ ACP_DEMO_STATE_DIR = \"{}\", ACP_DEMO_USAGE = \"1\", \
+             ACP_DEMO_USAGE_PER_SESSION = \"1\", ACP_DEMO_NO_RESUME_SESSION = \"1\" }}\n",
+            bin("acp-demo-agent").display(),
+            dir.path().join("demo-state").display(),
+        ),
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    let mut server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "usage").await;
+    let s = create_session(&mut c, &task.id, &work, "session-metered").await;
+    for text in ["one", "two"] {
+        let sent = send(&mut c, &task.id, &s.id, text).await;
+        turn_end(&mut c, &s.id, &sent.id).await;
+    }
+    assert_eq!(
+        totals(&mut c, &task.id, &s.id).await,
+        (2, 200, 100, 300, 0.5)
+    );
+
+    // sessiond and every agentctl (their agents die with them) gone: the
+    // recovery relaunches the agent, which reloads the conversation.
+    server.kill();
+    for pid in agentctl_pids(&data) {
+        std::process::Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    for _ in 0..400 {
+        if agentctl_pids(&data).is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(agentctl_pids(&data).is_empty(), "old agentctls still alive");
+    let server = start(&data, &["--config", &config]);
+    let mut c = sessions(&server).await;
+    let sent = send(&mut c, &task.id, &s.id, "three").await;
+    turn_end(&mut c, &s.id, &sent.id).await;
+    let loads = std::fs::read_to_string(dir.path().join("demo-state").join("calls.log"))
+        .unwrap_or_default();
+    let cost = user_message(&mut c, &task.id, &s.id, &sent.id)
+        .await
+        .usage
+        .and_then(|u| u.cost)
+        .expect("the third turn's cost");
+    assert!(loads.contains("\"session/load\""), "no load: {loads}");
+    assert_eq!(cost.amount, 0.25, "the third turn's own cost ({loads})");
+    assert_eq!(
+        totals(&mut c, &task.id, &s.id).await,
+        (3, 300, 150, 450, 0.75)
+    );
+    drop(server);
+}
