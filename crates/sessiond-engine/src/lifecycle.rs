@@ -411,9 +411,20 @@ impl SessionManager {
                         profile.name, agent.command
                     ),
                 };
-                return Lifecycle(self)
-                    .fail_create(session, record, reason, false)
-                    .await;
+                let failed = Lifecycle(self)
+                    .fail_create(session, record.clone(), reason, false)
+                    .await?;
+                // The session never had a conversation, and the answer says
+                // to create a new one: its agentctl keeps nothing worth a
+                // live slot (helper-35: refused creates filled
+                // `max_live_sessions`). A stop that fails leaves the record
+                // for the next recovery, which stops an ERROR session's
+                // executor as well.
+                if let Err(e) = Lifecycle(self).stop_executor(record).await {
+                    tracing::warn!(session = %session_id, error = %e,
+                        "could not stop the executor of a session whose agent could not start");
+                }
+                return Ok(failed);
             }
         };
         let (mut waiting, ev) = transition(&session, SessionEvent::AgentReady, None)?;

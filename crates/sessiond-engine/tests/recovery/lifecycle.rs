@@ -291,11 +291,16 @@ async fn broken_profile_is_error_with_message() {
 
 /// An MCP server given with the create request that the agent cannot take
 /// (the demo agent offers no http): the session is ERROR naming the server
-/// as the request's to drop, not telling the user to fix the profile.
+/// as the request's to drop, not telling the user to fix the profile; its
+/// agentctl is stopped (the session never had a conversation), so it takes
+/// no live slot: under `max_live_sessions = 1` the next create is admitted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_mcp_server_of_the_request_the_agent_cannot_take_is_named_as_the_requests() {
     let w = World::new(Db::Sqlite).await;
-    let mgr = w.manager();
+    let mgr = w.manager_with(ManagerConfig {
+        max_live_sessions: Some(1),
+        ..w.config()
+    });
     let s = mgr
         .create_session(sessiond_engine::NewSession {
             task_id: w.task.id,
@@ -323,7 +328,13 @@ async fn an_mcp_server_of_the_request_the_agent_cannot_take_is_named_as_the_requ
             && !msg.contains("fix the agent profile"),
         "{msg}"
     );
-    w.finish(&mgr, &[s.id]).await;
+    let record = w.record(s.id).await;
+    assert_eq!(record.status, sessiond_domain::ExecutorStatus::Stopped);
+    let pid = record.pid.expect("agentctl's pid");
+    assert!(!is_running(pid), "agentctl {pid} still runs");
+    let next = w.create(&mgr, "after-refusal").await;
+    assert_eq!(next.state, SessionState::WaitingForInput);
+    w.finish(&mgr, &[s.id, next.id]).await;
 }
 
 /// An idle agent killed with SIGKILL (its agentctl lives on): agentctl
