@@ -285,7 +285,9 @@ async fn broken_profile_is_error_with_message() {
         msg.contains("broken") && msg.contains("create a new session"),
         "{msg}"
     );
-    assert_eq!(w.record(s.id).await.status, ExecutorStatus::Ready);
+    // Its agentctl is stopped: it would hold a live slot for a session
+    // that never had a conversation.
+    assert_eq!(w.record(s.id).await.status, ExecutorStatus::Stopped);
     w.finish(&mgr, &[s.id]).await;
 }
 
