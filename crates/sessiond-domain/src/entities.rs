@@ -466,6 +466,45 @@ pub struct McpServer {
     pub transport: McpTransport,
 }
 
+/// What is wrong with `url` as an MCP server's endpoint (`http://` or
+/// `https://`, a host, a port from 1 to 65535 if one is given, no blank or
+/// control character), for a message that names the URL; `None` when
+/// nothing is. An agent handed `https://` or `http://:0` fails later, in
+/// words of its own.
+pub fn http_url_problem(url: &str) -> Option<&'static str> {
+    let Some(rest) = url
+        .strip_prefix("http://")
+        .or_else(|| url.strip_prefix("https://"))
+    else {
+        return Some("not an http:// or https:// URL");
+    };
+    if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Some("holds a blank or control character");
+    }
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let (host, port) = match host_port.strip_prefix('[') {
+        // An IPv6 literal: `[::1]` or `[::1]:8080`.
+        Some(v6) => match v6.split_once(']') {
+            Some((addr, after)) => (addr, after.strip_prefix(':')),
+            None => return Some("has an unclosed [ in its host"),
+        },
+        None => match host_port.rsplit_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (host_port, None),
+        },
+    };
+    if host.is_empty() {
+        return Some("names no host");
+    }
+    if let Some(p) = port
+        && !p.parse::<u16>().is_ok_and(|p| p > 0)
+    {
+        return Some("has a port that is not a number from 1 to 65535");
+    }
+    None
+}
+
 /// An MCP server's transport.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum McpTransport {
@@ -602,6 +641,33 @@ pub struct AgentMode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mcp_urls_need_a_scheme_a_host_and_a_real_port() {
+        for ok in [
+            "http://127.0.0.1:8080/mcp",
+            "https://mcp.example.com",
+            "https://user:pw@host/x?y#z",
+            "http://[::1]:7000/sse",
+            "http://[::1]",
+        ] {
+            assert_eq!(http_url_problem(ok), None, "{ok}");
+        }
+        for (bad, why) in [
+            ("ftp://h", "not an http"),
+            ("https://", "no host"),
+            ("http://:0", "no host"),
+            ("https://a b", "blank"),
+            ("https://h\n", "control"),
+            ("http://h:0/x", "port"),
+            ("http://h:99999", "port"),
+            ("http://h:x", "port"),
+            ("http://[::1", "unclosed"),
+        ] {
+            let problem = http_url_problem(bad).unwrap_or_default();
+            assert!(problem.contains(why), "{bad:?}: {problem:?}");
+        }
+    }
 
     fn record(secret: &str, branch: &str, error: Option<&str>) -> ExecutorRecord {
         let at = DateTime::<Utc>::from_timestamp(1_700_000_000, 0).expect("valid time");

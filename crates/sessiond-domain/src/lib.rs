@@ -21,8 +21,8 @@ pub mod worktree;
 pub use entities::{
     AgentCommand, AgentMode, AgentModes, AgentProfile, ConfigOption, ConfigValue, ContainerAgent,
     DEFAULT_PERMISSION_TIMEOUT, ExecutorRecord, MAX_SESSION_TITLE_CHARS, McpServer, McpTransport,
-    Message, SecretValue, Secrets, Session, Task, TitleSource, Worktree, is_layout_char,
-    prompt_title, title_from_text, user_title_problem,
+    Message, SecretValue, Secrets, Session, Task, TitleSource, Worktree, http_url_problem,
+    is_layout_char, prompt_title, title_from_text, user_title_problem,
 };
 pub use events::{Event, EventKind, EventPayload};
 pub use ids::{AgentProfileId, ExecutorId, IdParseError, MessageId, SessionId, TaskId};

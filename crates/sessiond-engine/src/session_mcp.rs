@@ -76,8 +76,8 @@ pub(crate) fn check(
                 env
             }
             McpTransport::Http { url, headers } | McpTransport::Sse { url, headers } => {
-                if !(url.starts_with("http://") || url.starts_with("https://")) {
-                    return Err(bad(format!("url {url:?} is not an http(s) URL")));
+                if let Some(problem) = sessiond_domain::http_url_problem(url) {
+                    return Err(bad(format!("url {url:?}: {problem}")));
                 }
                 headers
             }

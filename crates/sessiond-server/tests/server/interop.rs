@@ -1273,6 +1273,25 @@ async fn python_sdk_agent_gets_a_sessions_own_mcp_servers() {
             }],
             "looks like a URL",
         ),
+        // helper-35: only the scheme was checked.
+        (
+            vec![pb::McpServerSpec {
+                r#type: "http".into(),
+                command: String::new(),
+                url: "http://:0".into(),
+                ..extra("nohost", vec![])
+            }],
+            "url \"http://:0\": names no host",
+        ),
+        (
+            vec![pb::McpServerSpec {
+                r#type: "http".into(),
+                command: String::new(),
+                url: "https://a b".into(),
+                ..extra("blank", vec![])
+            }],
+            "holds a blank",
+        ),
         (
             vec![extra("eq", vec![("A=B", Source::Value("v".into()))])],
             "is not a variable name",
