@@ -2220,10 +2220,10 @@ fn mcp_servers(
             }
             "http" | "sse" => {
                 let url = m.url.clone().unwrap_or_default();
-                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                if let Some(problem) = sessiond_domain::http_url_problem(&url) {
                     p.add(
                         &format!("{key}.url"),
-                        format!("{url:?}: an http:// or https:// URL"),
+                        format!("{url:?}: {problem}; an http:// or https:// URL with a host"),
                     );
                 }
                 if m.command.is_some() || !m.args.is_empty() || !m.env.is_empty() {
@@ -2307,6 +2307,19 @@ fn agent_profiles(
             p.add(
                 &format!("{key}.name"),
                 format!("{:?} is used by an earlier profile", a.name),
+            );
+        } else if let Some(other) = std::iter::once(DEMO_PROFILE)
+            .chain(sections[..i].iter().map(|b| b.name.as_str()))
+            .find(|b| *b != a.name && b.eq_ignore_ascii_case(&a.name))
+        {
+            // `--agent x` picking `X`'s agent (or no agent) is a mistake
+            // waiting to happen: names must differ in more than case.
+            p.add(
+                &format!("{key}.name"),
+                format!(
+                    "{:?} differs from profile {other:?} only in case; give it a name of its own",
+                    a.name
+                ),
             );
         }
         if let Some(c) = &a.container {
@@ -2895,6 +2908,34 @@ mod tests {
         f.data_dir = Some("/tmp/x".into());
         f.auth.tokens = vec!["0123456789abcdef".into()];
         f.validate().unwrap();
+    }
+
+    /// helper-30: profiles `X` and `x` were both taken, and `--agent x`
+    /// ran one where the user meant the other.
+    #[test]
+    fn profile_names_must_differ_in_more_than_case() {
+        let parse = |text: &str| {
+            let mut f = FileConfig::parse(text).unwrap();
+            f.data_dir = Some("/tmp/x".into());
+            f.auth.tokens = vec!["0123456789abcdef".into()];
+            f.validate().map(drop).map_err(|e| e.to_string())
+        };
+        let e = parse(
+            "[[agents]]\nname = \"claude\"\ncommand = \"a\"\n\
+             [[agents]]\nname = \"Claude\"\ncommand = \"b\"\n",
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("agents[1].name: \"Claude\" differs from profile \"claude\" only in case"),
+            "{e}"
+        );
+        let e = parse("[[agents]]\nname = \"DEMO\"\ncommand = \"a\"\n").unwrap_err();
+        assert!(
+            e.contains("agents[0].name: \"DEMO\" differs from profile \"demo\""),
+            "{e}"
+        );
+        // The built-in profile is replaced by its own name, as before.
+        parse("[[agents]]\nname = \"demo\"\ncommand = \"a\"\n").unwrap();
     }
 
     #[test]
