@@ -299,6 +299,11 @@ struct Slot {
     policy: PermissionPolicy,
     running: Option<Running>,
     session: Option<SessionId>,
+    /// The conversation `new_session` opened in this agent process, until
+    /// it is prompted: a `NewSession` while it is still the open one is
+    /// the same request again (its answer was lost with the backend that
+    /// asked), and gets it instead of a second conversation.
+    opened: Option<SessionId>,
     turn: Option<Turn>,
     /// A turn journaled as accepted by [`AgentManager::hold_prompt`] and
     /// not handed to any agent: the Prompt of the same turn id starts it
@@ -604,6 +609,7 @@ impl AgentManager {
                     policy,
                     running: None,
                     session: None,
+                    opened: None,
                     turn: None,
                     held: None,
                     replaying: None,
@@ -858,6 +864,7 @@ impl AgentManager {
             };
             slot.asks.clear();
             slot.session = None;
+            slot.opened = None;
             slot.modes = None;
             slot.config = None;
             slot.turn = None;
@@ -1057,6 +1064,18 @@ impl AgentManager {
             if slot.state == AgentState::Busy {
                 return Err(Error::FailedPrecondition("a turn is in progress".into()));
             }
+            // A backend killed while this agent opened its conversation
+            // (or after, before it stored the answer) asks again: one
+            // conversation per agent, not one more agent-side session
+            // (the Claude Code adapter runs a CLI process per conversation).
+            if let Some(open) = slot
+                .opened
+                .as_ref()
+                .filter(|o| slot.session.as_ref() == Some(*o))
+            {
+                tracing::info!(session = %open, "session/new asked again before the conversation it opened was prompted: answering that one");
+                return Ok(open.0.to_string());
+            }
             slot.connection()?
         };
         let signs = self.signs()?;
@@ -1080,6 +1099,7 @@ impl AgentManager {
         let defaults = {
             let mut slot = self.shared.slot();
             slot.session = Some(id.clone());
+            slot.opened = Some(id.clone());
             slot.modes = resp.modes;
             slot.config = resp.config_options;
             slot.config_defaults.clone()
@@ -1465,6 +1485,8 @@ impl AgentManager {
             }));
             slot.parts = Parts::default();
             slot.usage.turn_started();
+            // Prompted: a NewSession from now on means another conversation.
+            slot.opened = None;
             slot.turn = Some(Turn {
                 turn_id: turn_id.clone(),
                 message_id: message_id.clone(),

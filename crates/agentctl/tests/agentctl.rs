@@ -593,6 +593,54 @@ async fn launch_prompt_stop_relaunch_resume_continues_conversation() {
 /// runs, after it ended, after the agent was relaunched in the same agentctl)
 /// starts nothing and answers with the first call's ids; the agent answers
 /// the prompt once. A new id still starts a turn.
+/// helper-34 D1: a backend killed while (or just after) the agent opened
+/// its conversation asks `NewSession` again, and the Claude Code adapter
+/// kept a CLI process for each conversation. agentctl answers with the
+/// conversation it opened as long as nobody prompted it; once prompted, a
+/// `NewSession` opens another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_session_asked_again_before_a_prompt_answers_the_same_conversation() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let mut stream = Stream::open(&mut c, 0).await;
+    let launched = c
+        .launch_agent(h.demo(true, &[]))
+        .await
+        .expect("launch")
+        .into_inner();
+    let open = async || {
+        c.clone()
+            .new_session(NewSessionRequest {})
+            .await
+            .expect("session")
+            .into_inner()
+            .resume_token
+    };
+    let first = open().await;
+    let again = open().await;
+    assert_eq!(again, first, "a second conversation for the same request");
+    let (reply, _) = prompt(&mut c, &mut stream, "hello").await;
+    assert!(reply.contains("hello"), "{reply}");
+    let after_a_turn = c
+        .new_session(NewSessionRequest {})
+        .await
+        .expect("session")
+        .into_inner()
+        .resume_token;
+    assert_ne!(
+        after_a_turn, first,
+        "a prompted conversation is not reopened as new"
+    );
+    let news = calls_of(&h, launched.agent_pid)
+        .into_iter()
+        .filter(|(m, _)| m == "session/new")
+        .count();
+    assert_eq!(news, 2, "session/new calls the agent got");
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_is_idempotent_by_turn_id() {
     let h = Harness::new();
