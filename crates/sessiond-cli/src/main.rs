@@ -150,7 +150,7 @@ enum Command {
     /// The sessiond replicas sharing the server's database: id, address,
     /// heartbeat age, and load (executors each owns).
     Replicas,
-    /// The server's health: NOT_SERVING until startup recovery is done.
+    /// The server's health: NOT_SERVING until startup recovery has every workspace back.
     Health {
         /// Wait (up to --timeout-secs) until the server is SERVING; retries
         /// while it is not reachable yet.
