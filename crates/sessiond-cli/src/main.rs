@@ -1665,19 +1665,35 @@ fn retryable(status: &tonic::Status) -> bool {
 }
 
 /// Waits (250 ms doubling to 5 s) and reconnects; the caller resumes from
-/// its cursor.
+/// its cursor. Said at the first attempt and then about every 30 s, with
+/// the last error: a server down for minutes made two lines per attempt.
 async fn reconnect_after(c: &mut Clients, attempt: &mut u32, why: &tonic::Status) {
     let delay = Duration::from_millis(250) * 2u32.pow((*attempt).min(5));
     let delay = delay.min(Duration::from_secs(5));
+    let n = *attempt;
     *attempt += 1;
-    eprintln!(
-        "sessionctl: disconnected ({}); reconnecting in {delay:?}",
-        why.message()
-    );
+    let report = reconnect_reported(n);
+    if n == 0 {
+        eprintln!("sessionctl: disconnected ({}); reconnecting", why.message());
+    } else if report {
+        eprintln!(
+            "sessionctl: still reconnecting after {n} attempts ({}); every {delay:?}",
+            why.message()
+        );
+    }
     tokio::time::sleep(delay).await;
-    if let Err(e) = c.reconnect().await {
+    if let Err(e) = c.reconnect().await
+        && report
+    {
         eprintln!("sessionctl: {}", error_text(&e));
     }
+}
+
+/// Whether reconnect attempt `n` (0-based) is said: the first, then one in
+/// six at the 5 s cap (about every 30 s).
+fn reconnect_reported(n: u32) -> bool {
+    const REPORT_EVERY: u32 = 6;
+    n == 0 || (n >= 5 && (n - 5) % REPORT_EVERY == REPORT_EVERY - 1)
 }
 
 /// An error and its causes, `: `-separated, each said once (a transport
@@ -1812,4 +1828,14 @@ async fn workspace(c: &mut Clients, out: &Out, cmd: WorkspaceCmd) -> anyhow::Res
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn reconnects_are_said_at_first_then_about_every_30_seconds() {
+        let said: Vec<u32> = (0..30).filter(|&n| super::reconnect_reported(n)).collect();
+        // Waits 0.25, 0.5, 1, 2, 4 s, then 5 s each: 30 s between reports.
+        assert_eq!(said, [0, 10, 16, 22, 28]);
+    }
 }
