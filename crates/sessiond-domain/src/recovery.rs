@@ -205,6 +205,11 @@ pub enum Observation {
     Applied,
     /// After [`Action::ResumeAgent`]: the conversation is loaded, the agent idle.
     ResumeSucceeded,
+    /// After [`Action::ResumeAgent`]: not attempted, as a stop or a delete
+    /// of the session came first (no agent is launched only to be
+    /// stopped): the workspace is back, the session as it was, the agent
+    /// down (`executor_only`).
+    ResumeWithdrawn,
     /// After [`Action::ResumeAgent`]: launching the agent or loading failed
     /// (another try may succeed).
     ResumeFailed {
@@ -905,6 +910,7 @@ impl Recovery {
                 };
                 self.ready_done(label, SessionEvent::Resumed, None)
             }
+            (P::Resuming, O::ResumeWithdrawn) => self.ready_unchanged(OutcomeLabel::ExecutorOnly),
             (P::Resuming, O::ResumeFailed { reason } | O::ActionFailed { reason }) => self
                 .ready_done(
                     OutcomeLabel::ResumeFailed,
@@ -1698,6 +1704,27 @@ mod tests {
             Expect {
                 actions: full,
                 label: L::Resumed,
+                executor: ExecutorStatus::Ready,
+                session: S::WaitingForInput,
+                workspace: true,
+                events: &[],
+            },
+        );
+        check(
+            "process gone, a stop came first: the workspace only, the session as it was",
+            standalone(S::WaitingForInput),
+            vec![
+                O::WorktreeExists,
+                O::ProcessGone,
+                O::Launched,
+                healthy(),
+                caps(true),
+                O::Applied,
+                O::ResumeWithdrawn,
+            ],
+            Expect {
+                actions: full,
+                label: L::ExecutorOnly,
                 executor: ExecutorStatus::Ready,
                 session: S::WaitingForInput,
                 workspace: true,

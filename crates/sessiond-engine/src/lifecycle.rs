@@ -463,6 +463,9 @@ impl SessionManager {
         reason: EndReason,
     ) -> Result<Session> {
         self.session_of_task(task, session_id).await?;
+        // A recovery under way brings the workspace back but launches no
+        // agent only for it to be stopped here.
+        let _withdrawn = self.inner.agent_recoveries.withdraw(session_id);
         self.ensure_recovered(session_id).await?;
         let _guard = self.inner.sessions.lock(session_id).await;
         // First: a reply the pump streams is not written after the turn's
@@ -576,6 +579,9 @@ impl SessionManager {
         // was told it succeeded after the other removed the work.
         let _removal = self.inner.sessions.removal_lock(session_id).await;
         let session = self.session_of_task(task, session_id).await?;
+        // From here: the worktree checks below may recover the session
+        // first, which must not launch its agent (see `end_session`).
+        let _withdrawn = self.inner.agent_recoveries.withdraw(session_id);
         // Taken now: a remote host's agentctl is named by the executor
         // record, which goes before the worktree does.
         let managed = match session.worktree.is_managed() {

@@ -35,6 +35,29 @@ pub(crate) struct AgentRecoveries {
     entries: Mutex<HashMap<SessionId, Entry>>,
     /// Woken each time a recovery is done with a session.
     done: tokio::sync::Notify,
+    /// Sessions a stop or delete is ending (how many at once): their
+    /// recovery launches no agent (see [`Self::withdraw`]).
+    withdrawn: Mutex<HashMap<SessionId, usize>>,
+    /// Woken at each [`Self::withdraw`].
+    withdrawing: tokio::sync::Notify,
+}
+
+/// Held while a stop or delete ends a session; see [`AgentRecoveries::withdraw`].
+pub(crate) struct Withdrawal<'a> {
+    recoveries: &'a AgentRecoveries,
+    session: SessionId,
+}
+
+impl Drop for Withdrawal<'_> {
+    fn drop(&mut self) {
+        let mut withdrawn = lock(&self.recoveries.withdrawn);
+        if let Some(n) = withdrawn.get_mut(&self.session) {
+            *n -= 1;
+            if *n == 0 {
+                withdrawn.remove(&self.session);
+            }
+        }
+    }
 }
 
 impl AgentRecoveries {
@@ -109,6 +132,41 @@ impl AgentRecoveries {
         lock(&self.entries)
             .get_mut(&session)
             .and_then(|e| e.cpu_wait.take())
+    }
+
+    /// A stop or delete is ending `session`: while the returned guard
+    /// lives, a recovery of it that has not launched its agent yet does not
+    /// (it ends with the workspace back and the agent down), and one that
+    /// waits for a launch slot stops waiting. The stop waits for the
+    /// recovery (it holds the session's lock) and then ends the session
+    /// and its executor; launching an agent only to stop it cost a real
+    /// agent's whole start (helper-34: a stop during recovery took 11 s).
+    pub(crate) fn withdraw(&self, session: SessionId) -> Withdrawal<'_> {
+        *lock(&self.withdrawn).entry(session).or_default() += 1;
+        self.withdrawing.notify_waiters();
+        Withdrawal {
+            recoveries: self,
+            session,
+        }
+    }
+
+    /// Whether a stop or delete is ending `session` ([`Self::withdraw`]).
+    pub(crate) fn is_withdrawn(&self, session: SessionId) -> bool {
+        lock(&self.withdrawn).contains_key(&session)
+    }
+
+    /// Resolves once a stop or delete is ending `session`.
+    pub(crate) async fn withdrawn(&self, session: SessionId) {
+        loop {
+            // Registered before the look, so a `withdraw` in between wakes it.
+            let woken = self.withdrawing.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            if self.is_withdrawn(session) {
+                return;
+            }
+            woken.await;
+        }
     }
 
     /// Recovery is done with `session` (its agent is back, or it failed for

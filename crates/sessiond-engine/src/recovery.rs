@@ -1064,7 +1064,14 @@ impl ExecutorRecovery<'_> {
             // of life instead: `until_silent`).
             deadline = Instant::now() + self.inner.config.executor_deadline;
             if action == Action::HealthCheck {
-                run.ahead.intent = machine.resume_after_health();
+                // No launch rides on the health check of a session a stop
+                // or delete is ending.
+                run.ahead.intent = machine.resume_after_health().filter(|_| {
+                    !self
+                        .inner
+                        .agent_recoveries
+                        .is_withdrawn(executor.session_id)
+                });
             }
             let observation = match action {
                 Action::Done(outcome) => {
@@ -1447,6 +1454,12 @@ impl ExecutorRecovery<'_> {
                         .filter(|a| a.serves(resume_token.as_deref()));
                     let agent_up =
                         matches!(run.agent_state, Some(AgentState::Ready | AgentState::Busy));
+                    // A stop or delete came first: no agent is launched (or
+                    // reopened) only to be stopped. One the health check's
+                    // `Recover` launched already is taken as it is.
+                    if ahead.is_none() && self.inner.agent_recoveries.is_withdrawn(sid) {
+                        return Ok(Observation::ResumeWithdrawn);
+                    }
                     let (permit, began) = match ahead.as_mut() {
                         Some(a) => a.take_permit(),
                         None => {
@@ -1459,12 +1472,17 @@ impl ExecutorRecovery<'_> {
                             let permit = if agent_up {
                                 None
                             } else {
-                                Some(
-                                    self.inner
-                                        .launches
-                                        .acquire(host_of(&run.record), sid, priority)
-                                        .await,
-                                )
+                                let slot = self.inner.launches.acquire(
+                                    host_of(&run.record),
+                                    sid,
+                                    priority,
+                                );
+                                tokio::select! {
+                                    permit = slot => Some(permit),
+                                    () = self.inner.agent_recoveries.withdrawn(sid) => {
+                                        return Ok(Observation::ResumeWithdrawn);
+                                    }
+                                }
                             };
                             (permit, Instant::now())
                         }

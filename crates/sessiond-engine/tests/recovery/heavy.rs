@@ -884,3 +884,93 @@ async fn an_agent_that_dies_again_while_restarting_is_retried() {
     assert_eq!(reply, expected_reply(2, &token, "two"));
     w.finish(&mgr, &[s.id]).await;
 }
+
+/// helper-31 D5, helper-34: a stop of a session whose recovery waits for a
+/// launch slot (the host's only slot held by another agent that is slow to
+/// start) waited for that slot and for its own agent's launch, only to
+/// stop it (11 s with Claude Code). Now the stop goes ahead at once: the
+/// recovery brings the workspace back and launches nothing
+/// (`executor_only`), and the slow one comes back once it starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_during_recovery_does_not_wait_for_a_launch() {
+    let w = World::new(Db::Sqlite).await;
+    let gate = w.path("gate");
+    let text = gate.display().to_string();
+    let gated = w
+        .demo_profile("gated", &[("ACP_DEMO_START_GATE_FILE", text.as_str())])
+        .await;
+    let config = ManagerConfig {
+        // The gated start is silent: never cut while the test runs.
+        executor_deadline: Duration::from_secs(120),
+        launches: sessiond_engine::LaunchLimits { initial: 1, max: 1 },
+        ..defaults()
+    };
+    let mgr = w.manager_with(config.clone());
+    let a = w.create_with(&mgr, "a", &gated, None).await;
+    let b = w.create_with(&mgr, "b", &gated, None).await;
+    let token_a = a.resume_token.clone().unwrap();
+    let token_b = b.resume_token.clone().unwrap();
+    w.prompt(&mgr, a.id, "one").await;
+    w.prompt(&mgr, b.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    for s in [&a, &b] {
+        kill_tree(w.record(s.id).await.pid.unwrap()).await;
+    }
+
+    std::fs::write(&gate, b"closed").unwrap();
+    let mgr = std::sync::Arc::new(w.manager_with(config));
+    let pass = tokio::spawn({
+        let mgr = mgr.clone();
+        async move { mgr.recovery().recover_all().await }
+    });
+    // One of them holds the slot (its agent waits at the gate), the other
+    // waits for the slot: that one is stopped.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (waiting, held) = loop {
+        let queued = |st: &sessiond_domain::SessionStatus| {
+            st.agent_recovery
+                .as_ref()
+                .is_some_and(|r| r.stage == RecoveryStage::Queued && r.place.is_some())
+        };
+        let (sa, sb) = (w.status(&mgr, a.id).await, w.status(&mgr, b.id).await);
+        if queued(&sa) {
+            break (a.id, (b.id, token_b.clone()));
+        }
+        if queued(&sb) {
+            break (b.id, (a.id, token_a.clone()));
+        }
+        assert!(Instant::now() < deadline, "none queued: {sa:?} / {sb:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // The gate stays closed throughout the stop: waiting for the slot
+    // would wait for the executor deadline (120 s) at least.
+    let stopped = tokio::time::timeout(
+        Duration::from_secs(30),
+        mgr.cancel_session(w.task.id, waiting),
+    )
+    .await
+    .expect("the stop waited for a launch")
+    .unwrap();
+    assert_eq!(stopped.state, SessionState::Cancelled);
+    assert!(gate.exists(), "the gate opened during the stop");
+    assert_eq!(w.record(waiting).await.status, ExecutorStatus::Stopped);
+
+    std::fs::remove_file(&gate).unwrap();
+    let summary = pass.await.unwrap().unwrap();
+    assert_eq!(
+        summary.outcome(waiting).cloned(),
+        Some(Ok(OutcomeLabel::ExecutorOnly)),
+        "{summary:?}"
+    );
+    assert_eq!(
+        summary.outcome(held.0).cloned(),
+        Some(Ok(OutcomeLabel::Resumed)),
+        "{summary:?}"
+    );
+    w.track(held.0).await;
+    let reply = w.prompt(&mgr, held.0, "two").await;
+    assert_eq!(reply, expected_reply(2, &held.1, "two"));
+    let mgr = std::sync::Arc::into_inner(mgr).expect("the pass is done");
+    w.finish(&mgr, &[held.0, waiting]).await;
+}
