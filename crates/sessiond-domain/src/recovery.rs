@@ -23,7 +23,7 @@
 //! | runtime          | probe                                                                 |
 //! |------------------|-----------------------------------------------------------------------|
 //! | local_standalone | CheckWorktree (missing => executor_error) -> ProbeProcess if a pid is recorded (alive with pid + start time matching -> reattach: HealthCheck, and if that fails our agentctl is hung -> EndAgentctl -> LaunchAgentctl; gone or not ours -> LaunchAgentctl) -> HealthCheck |
-//! | local_docker     | CheckWorktree first when sessiond created the worktree (restored from its branch; unrecoverable => executor_error) -> FindContainer (running -> HealthCheck; stopped -> StartContainer -> HealthCheck; missing => executor_error; Docker down => retrying until the engine answers) |
+//! | local_docker     | CheckWorktree (a worktree sessiond created is restored from its branch; unrecoverable or missing => executor_error) -> FindContainer (running -> HealthCheck; stopped -> StartContainer -> HealthCheck; missing => executor_error; Docker down => retrying until the engine answers) |
 //! | remote           | HealthCheck (unreachable => retrying, or executor_error once the background window is over) -> CheckWorktree when sessiond created the worktree (the host's agentctl restores it and serves it; unrecoverable => executor_error) |
 //! | custom (a registered name) | ProbeExecutor: the driver's `probe` (reattachable -> HealthCheck; needs start -> StartContainer -> HealthCheck; needs launch -> LaunchAgentctl -> HealthCheck; missing => executor_error; the driver cannot tell => executor_error; no driver registered => executor `error` `runtime_not_registered`, session unchanged, taken up again by the first startup with the driver) |
 //!
@@ -866,11 +866,14 @@ impl Recovery {
                 let path = self.input.worktree_path.clone();
                 self.go(Phase::CheckingWorktree, Action::CheckWorktree { path })
             }
-            Runtime::LocalDocker if self.input.worktree_managed => {
+            // The container mounts the worktree: without it the container
+            // cannot start, which is the worktree's verdict, not the
+            // container's (helper-37: a deleted directory read as
+            // `container_missing`, never resumable even once it was back).
+            Runtime::LocalDocker => {
                 let path = self.input.worktree_path.clone();
                 self.go(Phase::CheckingWorktree, Action::CheckWorktree { path })
             }
-            Runtime::LocalDocker => self.find_container(),
             Runtime::Remote => self.go(Phase::CheckingHealth, Action::HealthCheck),
             Runtime::Custom(_) => self.go(Phase::ProbingExecutor, Action::ProbeExecutor),
         }
@@ -2018,6 +2021,41 @@ mod tests {
     #[test]
     fn docker_table() {
         let docker = |state| input(Runtime::LocalDocker, state);
+        // Every Docker recovery looks at the worktree first (the container
+        // mounts it); the rows below start where a present one leads.
+        let check = |name: &str, input: RecoveryInput, obs: Vec<Observation>, expect: Expect| {
+            if input.worktree_managed {
+                return check(name, input, obs, expect);
+            }
+            let obs = std::iter::once(O::WorktreeExists).chain(obs).collect();
+            let actions: Vec<&'static str> = std::iter::once("check_worktree")
+                .chain(expect.actions.iter().copied())
+                .collect();
+            check(
+                name,
+                input,
+                obs,
+                Expect {
+                    actions: Box::leak(actions.into_boxed_slice()),
+                    ..expect
+                },
+            )
+        };
+        // helper-37: the directory a stopped container mounts, gone, read as
+        // `container_missing` (never resumable, even once it was back).
+        super::tests::check(
+            "the directory it mounts gone: worktree_missing, the container left",
+            docker(S::WaitingForInput),
+            vec![O::WorktreeMissing],
+            Expect {
+                actions: &["check_worktree", "done"],
+                label: L::ExecutorError,
+                executor: ExecutorStatus::Error,
+                session: S::Error,
+                workspace: false,
+                events: AGENTCTL_ERROR_AND_STATE,
+            },
+        );
         let to_ready = |first: Observation| vec![first, healthy(), caps(true), O::Applied];
         let with = |mut obs: Vec<Observation>, last: Observation| {
             obs.push(last);
@@ -3064,6 +3102,9 @@ mod tests {
             "before start"
         );
         recovery.start();
+        recovery
+            .observe(O::WorktreeExists)
+            .expect("the worktree first");
         let err = recovery.observe(O::ResumeSucceeded).unwrap_err();
         assert_eq!(err.phase, "finding the container");
         assert_eq!(
