@@ -130,7 +130,8 @@ test("chat streams live, survives SIGTERM and kill -9 of sessiond without gap or
     // Stop from the session view.
     await page.setViewportSize({ width: 1280, height: 800 });
     await page.click("[data-testid=sessions] a");
-    await page.click("button:has-text('Stop')");
+    await page.click("[data-testid=stop]");
+    await page.click("[data-testid=confirm-stop]");
     await page.waitForSelector("[data-testid=state]:has-text('cancelled')", { timeout: T });
     await b.screenshot("stopped");
     assert.deepEqual(b.errors, []);
@@ -193,6 +194,16 @@ test("new-session form: an isolated worktree of a repository and base branch; th
     await page.click("nav a:text-is('Task')");
     await page.waitForSelector("[data-testid=sessions] [data-testid=branch]:text-matches('sessiond/[0-9a-f]{8}-isolated-work')", { timeout: T });
     await page.waitForSelector(`datalist#repositories option[value='${work}']`, { state: "attached", timeout: T });
+    // Its branch has a commit nothing else has: a delete is refused for
+    // that work, and the console offers what to do with it (it used to
+    // end at the error); "keep the worktree" deletes the session and
+    // leaves the branch.
+    const row = page.locator("[data-testid=sessions] li").first();
+    await row.locator("[data-testid=delete]").click();
+    await row.locator("[data-testid=confirm-delete]").click();
+    await row.locator("[data-testid=delete-keep-worktree]").click();
+    await page.waitForFunction(() => document.querySelectorAll("[data-testid=sessions] li").length === 0, null, { timeout: T });
+    assert.match(execFileSync("git", ["branch", "--list", "sessiond/*"], { cwd: work }).toString(), /sessiond\/[0-9a-f]{8}-isolated-work/);
     assert.deepEqual(b.errors, []);
   } finally {
     await b.close();
@@ -843,8 +854,14 @@ test("while sessiond brings an agent back: where it stands, not errors; then the
     assert.equal(await page.locator("p.error, [data-testid=not-resumable]").count(), 0, "a banner, not errors");
     // Recovery resumes the agent by itself: no Resume call to action meanwhile.
     assert.equal(await page.locator("[data-testid=needs-resume]").count(), 0);
+    // The task's list says so as well (it showed the recorded state only),
+    // and stops saying it once the agent is back.
+    await page.click("nav a:text-is('Task')");
+    await visible(page, "[data-testid=sessions] [data-testid=recovering]");
 
     rmSync(gate);
+    await hidden(page, "[data-testid=sessions] [data-testid=recovering]");
+    await page.click("[data-testid=sessions] a");
     await hidden(page, "[data-testid=agent-recovery]");
     await hidden(page, "[data-testid=banner-recovering]");
     await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });

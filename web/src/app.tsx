@@ -369,6 +369,9 @@ function TaskView(props: { taskId: string; backend: Backend }) {
   const [query, setQuery] = useState("");
   const [stateFilter, setStateFilter] = useState("all");
   const [confirming, setConfirming] = useState("");
+  // A session whose delete was refused for the work in its worktree: the
+  // user picks what becomes of that work.
+  const [withWork, setWithWork] = useState("");
   const rowsRef = useRef(new Map<string, SessionRow>());
   const pending = useRef<Event[]>([]);
   const loaded = useRef(false);
@@ -441,10 +444,16 @@ function TaskView(props: { taskId: string; backend: Backend }) {
         setWatch(s);
       },
     );
+    // A session being brought back (a restart) says so in the list, and
+    // no event says when it is back: ask again while one is.
+    const poll = window.setInterval(() => {
+      if (!refetching && [...rowsRef.current.values()].some((r) => r.session.recovering)) refetch();
+    }, 2000);
     return () => {
       stop();
       cancelAnimationFrame(frame);
       clearTimeout(renameTimer);
+      clearInterval(poll);
     };
   }, [taskId]);
 
@@ -462,14 +471,16 @@ function TaskView(props: { taskId: string; backend: Backend }) {
       const hay = [s.title, s.id, profileName.get(s.agentProfileId) ?? "", s.worktree?.branch ?? "", stateLabel[s.state]].join(" ").toLowerCase();
       return hay.includes(needle);
     }) ?? null;
-  const remove = async (id: string) => {
+  const remove = async (id: string, work: "" | "discard" | "keep" = "") => {
     setError("");
     try {
-      await sessions.deleteSession({ taskId, sessionId: id });
+      await sessions.deleteSession({ taskId, sessionId: id, discardWorktree: work === "discard", keepWorktree: work === "keep" });
       rowsRef.current.delete(id);
       setRows(new Map(rowsRef.current));
+      setWithWork("");
     } catch (err) {
       fail(setError)(err);
+      if (reason(err) === "worktree_has_work") setWithWork(id);
     } finally {
       setConfirming("");
     }
@@ -520,6 +531,7 @@ function TaskView(props: { taskId: string; backend: Backend }) {
                   <span class="badges">
                     <Badge tone={stateTone(s.state)} testid="state">{stateLabel[s.state]}</Badge>
                     <Badge tone={executorTone(executor)} testid="executor">{executorLabel[executor]}</Badge>
+                    {s.recovering && <Badge tone="warn" testid="recovering">recovering</Badge>}
                     <Badge tone="idle">{profileName.get(s.agentProfileId) ?? "agent"}</Badge>
                     <Badge tone="idle">{runtimeName(s.runtime, s.runtimeName)}</Badge>
                     {s.worktree?.repository && (
@@ -536,7 +548,19 @@ function TaskView(props: { taskId: string; backend: Backend }) {
                       {age(s.createdAt?.seconds)}
                     </span>
                   </span>
-                  {confirming === s.id ? (
+                  {withWork === s.id ? (
+                    <span class="row">
+                      <button type="button" class="danger" data-testid="delete-discard" onClick={() => remove(s.id, "discard")}>
+                        Delete and discard the work
+                      </button>
+                      <button type="button" class="secondary" data-testid="delete-keep-worktree" onClick={() => remove(s.id, "keep")}>
+                        Delete, keep the worktree
+                      </button>
+                      <button type="button" class="secondary" onClick={() => setWithWork("")}>
+                        Keep the session
+                      </button>
+                    </span>
+                  ) : confirming === s.id ? (
                     <span class="row">
                       <button type="button" class="danger" data-testid="confirm-delete" onClick={() => remove(s.id)}>
                         Delete for good
@@ -1054,6 +1078,8 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   // Stop reason of each ended turn, by the id of its user message.
   const [stops, setStops] = useState<ReadonlyMap<string, string>>(new Map());
   const [cancelling, setCancelling] = useState(false);
+  // Stop ends the session for good: asked once more, as Delete is.
+  const [stopping, setStopping] = useState(false);
   // The agent's permission requests that wait for an answer: those of the
   // last status plus those asked since, less those resolved since (by id).
   const [asked, setAsked] = useState<ReadonlyMap<string, PermissionRequest>>(new Map());
@@ -1314,6 +1340,8 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
       refresh();
     } catch (err) {
       fail(setError)(err);
+    } finally {
+      setStopping(false);
     }
   };
 
@@ -1450,10 +1478,20 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
             )}
           </span>
         )}
-        {s && !ended && (
-          <button type="button" class="secondary" onClick={stopSession}>
+        {s && !ended && !stopping && (
+          <button type="button" class="secondary" data-testid="stop" onClick={() => setStopping(true)}>
             Stop
           </button>
+        )}
+        {s && !ended && stopping && (
+          <span class="row">
+            <button type="button" class="danger" data-testid="confirm-stop" onClick={stopSession} title="The session ends for good; its messages and workspace stay">
+              End the session for good
+            </button>
+            <button type="button" class="secondary" onClick={() => setStopping(false)}>
+              Keep it
+            </button>
+          </span>
         )}
       </div>
       {renaming !== null && (
