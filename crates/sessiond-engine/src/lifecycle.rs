@@ -328,9 +328,22 @@ impl SessionManager {
                         "agentctl did not start within {limit:?}; check the executor and create a new session"
                     ),
                 };
-                return Lifecycle(self)
-                    .fail_create(session, record, reason, true)
-                    .await;
+                let failed = Lifecycle(self)
+                    .fail_create(session, record.clone(), reason, true)
+                    .await?;
+                // What the failed launch left here (a container created but
+                // never started, its run directory and secret) goes now, not
+                // at the session's delete (helper-37: `Created` containers
+                // and run directories of failed creates). A remote host's
+                // agentctl is not ours to remove.
+                if record.runtime != Runtime::Remote
+                    && let Ok(driver) = Agents(self).driver(record.runtime)
+                    && let Err(e) = driver.remove(&ExecutorHandle::from_record(&record)).await
+                {
+                    tracing::warn!(session = %session_id, error = %e,
+                        "could not remove what a failed agentctl launch left; the session's delete removes it");
+                }
+                return Ok(failed);
             }
         };
         let mut ready = executor_moved(&record, ExecutorEvent::Healthy)?;

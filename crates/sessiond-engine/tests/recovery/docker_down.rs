@@ -280,3 +280,49 @@ async fn engine_restart_while_serving_recovers_by_itself() {
         .await
         .unwrap();
 }
+
+/// helper-37 D2: a create whose container cannot start (a `user` the image
+/// does not have) stored its ERROR and left the container `Created`, with
+/// its run directory and secret, until the session was deleted. They go
+/// with the failed create now; the session says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs Docker: run by cargo xtask ci"]
+async fn a_container_that_cannot_start_leaves_nothing_behind() {
+    let w = World::new(Db::Sqlite).await;
+    let env = docker_env();
+    let mut config = crate::docker_support::docker_config(&env, w.dir.path(), &[]);
+    config.user = Some("sessiond-no-such-user".into());
+    let driver = crate::docker_support::docker_driver_from(&env, config).await;
+    let profile = demo_profile_in_docker(&w, "demo-in-docker", &[]).await;
+    let mgr = SessionManager::new(
+        w.store.clone(),
+        drivers_with(w.dir.path(), &driver),
+        w.config(),
+    );
+    let s = w
+        .create_rt(&mgr, "no-user", &profile, Runtime::LocalDocker, None)
+        .await;
+    assert_eq!(s.state, SessionState::Error, "{s:?}");
+    let why = s.error_message.clone().unwrap_or_default();
+    assert!(why.contains("could not start agentctl"), "{why}");
+    let label = s.id.to_string();
+    let left: Vec<_> = driver
+        .labelled_containers()
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|c| c.labels.get(sessiond_executor::docker::LABEL_SESSION_ID) == Some(&label))
+        .collect();
+    assert!(left.is_empty(), "containers left: {left:?}");
+    let executor = w.record(s.id).await.id.to_string();
+    let run: Vec<_> = std::fs::read_dir(w.dir.path().join("docker-run"))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(&executor))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(run.is_empty(), "run directory entries left: {run:?}");
+    mgr.shutdown();
+}
