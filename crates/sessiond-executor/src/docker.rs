@@ -1027,7 +1027,24 @@ impl Executor for DockerExecutor {
         } else {
             None
         };
-        crate::worktree::run_local(agentctl, &self.config.host_env, target, op, as_user).await
+        let made =
+            crate::worktree::run_local(agentctl, &self.config.host_env, target, op, as_user).await;
+        match (made, as_user) {
+            // The default worktrees directory is in sessiond's own data
+            // directory, which that user may not enter (helper-37: every
+            // `--repo` create failed, naming no setting).
+            (Err(Error::Worktree { code, message }), Some((uid, gid)))
+                if message.contains("Permission denied") =>
+            {
+                Err(Error::Worktree {
+                    code,
+                    message: format!(
+                        "{message}; the worktree is made as the container's user {uid}:{gid}                          (executors.docker.user): give that user a directory it may write in                          executors.docker.worktrees_dir, and the repository"
+                    ),
+                })
+            }
+            (made, _) => made,
+        }
     }
 }
 
