@@ -82,9 +82,12 @@ test("session titles: from the first prompt, then the agent's, renamed by the us
 
     // Renamed from the header; a bad title is refused with the server's reason.
     await page.click("[data-testid=rename]");
+    // The box takes no more than the 200 characters a title may have.
     await page.fill("input[name=session-title]", "x".repeat(201));
+    assert.equal((await page.inputValue("input[name=session-title]")).length, 200);
+    await page.fill("input[name=session-title]", "right\u202eleft");
     await page.keyboard.press("Enter");
-    await waitText(page, ".session [role=alert]", "title: longer than 200 characters");
+    await waitText(page, ".session [role=alert]", "U+202E");
     await page.fill("input[name=session-title]", "Release notes");
     await page.keyboard.press("Enter");
     await waitText(page, "[data-testid=session-title]", "Release notes");

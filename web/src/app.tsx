@@ -1508,6 +1508,7 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
             <input
               name="session-title"
               value={renaming}
+              maxLength={200}
               placeholder="A title for this session"
               autoFocus
               onInput={(e) => setRenaming((e.target as HTMLInputElement).value)}
