@@ -369,19 +369,7 @@ async fn a_call_jumps_the_recovery_queue_while_health_is_not_serving() {
     // Backend and every agentctl (their agents die with them) gone: each
     // session's recovery must relaunch agentctl and resume the agent.
     server.kill();
-    for pid in agentctl_pids(&data) {
-        Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status()
-            .unwrap();
-    }
-    for _ in 0..200 {
-        if agentctl_pids(&data).is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    assert!(agentctl_pids(&data).is_empty(), "old agentctls still alive");
+    kill_agentctls_and_wait(&data).await;
 
     let gate = dir.path().join("recovery-gate");
     std::fs::write(&gate, b"").unwrap();

@@ -147,6 +147,24 @@ fn runs(pid: u32) -> bool {
 }
 
 /// Pids of agentctl processes whose command line mentions `data_dir`.
+/// SIGKILLs every agentctl of `data_dir` (their agents die with them) and
+/// waits until none is left.
+pub async fn kill_agentctls_and_wait(data_dir: &Path) {
+    for pid in agentctl_pids(data_dir) {
+        std::process::Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    for _ in 0..400 {
+        if agentctl_pids(data_dir).is_empty() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    panic!("old agentctls still alive: {:?}", agentctl_pids(data_dir));
+}
+
 pub fn agentctl_pids(data_dir: &Path) -> Vec<u32> {
     let needle = data_dir.display().to_string();
     let mut pids = Vec::new();

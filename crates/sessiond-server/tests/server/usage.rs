@@ -269,19 +269,7 @@ async fn a_session_cost_replayed_on_load_is_where_the_next_turn_counts_from() {
     // sessiond and every agentctl (their agents die with them) gone: the
     // recovery relaunches the agent, which reloads the conversation.
     server.kill();
-    for pid in agentctl_pids(&data) {
-        std::process::Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status()
-            .unwrap();
-    }
-    for _ in 0..400 {
-        if agentctl_pids(&data).is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    assert!(agentctl_pids(&data).is_empty(), "old agentctls still alive");
+    kill_agentctls_and_wait(&data).await;
     let server = start(&data, &["--config", &config]);
     let mut c = sessions(&server).await;
     let sent = send(&mut c, &task.id, &s.id, "three").await;
