@@ -748,7 +748,10 @@ impl Out {
         println!("agent running     {}", s.is_agent_running);
         println!("resumable         {}", s.is_resumable);
         println!("needs resume      {}", s.needs_resume);
-        println!("resume reason     {}", resume_reason(s.resume_reason));
+        // Unspecified while its agent runs or starts: nothing to resume.
+        if s.resume_reason != pb::ResumeReason::Unspecified as i32 {
+            println!("resume reason     {}", resume_reason(s.resume_reason));
+        }
         println!("execution         {}", s.agent_execution_id);
         println!(
             "worktree          {} {}",
