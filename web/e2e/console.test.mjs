@@ -854,6 +854,8 @@ test("while sessiond brings an agent back: where it stands, not errors; then the
     assert.equal(await page.locator("p.error, [data-testid=not-resumable]").count(), 0, "a banner, not errors");
     // Recovery resumes the agent by itself: no Resume call to action meanwhile.
     assert.equal(await page.locator("[data-testid=needs-resume]").count(), 0);
+    // Nothing streams while the agent is down (a cut reply waits to be settled).
+    assert.equal(await page.locator("[data-testid=messages].agent-down").count(), 1);
     // The task's list says so as well (it showed the recorded state only),
     // and stops saying it once the agent is back.
     await page.click("nav a:text-is('Task')");

@@ -1632,7 +1632,9 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
       <div class="session-body">
         <div class="conversation">
           <ol
-            class="messages"
+            // While its agent is brought back, a reply cut by the restart
+            // is not streaming (it is settled once the agent is back).
+            class={s?.agentRecovery && !ended ? "messages agent-down" : "messages"}
             ref={list}
             data-testid="messages"
             aria-live="polite"
@@ -1728,7 +1730,9 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
                     : offline
                       ? "sessiond is unreachable; sending resumes once it is back"
                       : canQueue
-                        ? "The agent is answering: Enter queues your message for after it (Esc cancels the turn)"
+                        ? s?.agentRecovery
+                          ? "The agent is being brought back: Enter queues your message for after its turn is settled"
+                          : "The agent is answering: Enter queues your message for after it (Esc cancels the turn)"
                         : "The agent is not running"
                 }
                 value={draft}
