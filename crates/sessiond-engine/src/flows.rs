@@ -32,6 +32,12 @@ pub(crate) trait RecoverFirst {
     /// still take that session.
     fn precede_pass(&self, session: SessionId) -> Option<CallRecovery>;
 
+    /// Whether sessiond brings the agent of `record`'s session back by
+    /// itself: its recovery is under way or waits to retry, or its executor
+    /// is retried in the background (a Docker engine or a remote host that
+    /// does not answer).
+    fn comes_back_by_itself(&self, record: &ExecutorRecord) -> bool;
+
     /// Retries a lost agentctl in the background (`attempt` so far).
     fn spawn_retry(&self, record: ExecutorRecord, attempt: u32, reason: String);
 

@@ -291,6 +291,16 @@ impl crate::flows::RecoverFirst for SessionManager {
         Queue(self).ensure_recovered(session).await
     }
 
+    fn comes_back_by_itself(&self, record: &ExecutorRecord) -> bool {
+        self.inner.agent_recoveries.under_way(record.session_id)
+            || retried_in_background(
+                record,
+                &self.inner.drivers,
+                &self.inner.config,
+                self.inner.started_at,
+            )
+    }
+
     async fn recover_ahead(&self, session: SessionId) -> Result<Option<CallRecovery>> {
         Queue(self).recover_ahead(session).await
     }

@@ -475,6 +475,24 @@ impl Turns<'_> {
             .as_deref()
             .map(|m| format!(" ({m})"))
             .unwrap_or_default();
+        // Brought back by sessiond itself (a Docker engine or a remote host
+        // that does not answer, a recovery under way): a resume would be
+        // told there is no need (helper-37 D5: the two answers disagreed).
+        if let Ok(Some(record)) = self.inner.store.get_executor_for_session(session_id).await
+            && self.comes_back_by_itself(&record)
+        {
+            return Error::AgentNotRunning {
+                session_id,
+                hint: format!(
+                    "sessiond brings it back by itself{}; send the message again once                      `session status` no longer says it is recovering",
+                    record
+                        .error_message
+                        .as_deref()
+                        .map(|m| format!(" ({m})"))
+                        .unwrap_or_default()
+                ),
+            };
+        }
         let hint = match crate::manager::status_of(self, session)
             .await
             .map(|s| check_resume(&s))

@@ -373,6 +373,17 @@ async fn remote_blip_during_liveness_reconnects_by_itself() {
             .is_some_and(|m| m.starts_with("reconnecting:") && m.contains(&spot.port.to_string())),
         "the status says it is reconnecting: {st:?}"
     );
+    // A message meanwhile is told that sessiond brings the agent back by
+    // itself, as a resume would be; not to resume the session first.
+    let refused = mgr
+        .send_message(w.task.id, s.id, "during the blip")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains("brings it back by itself") && !refused.contains("resume the session"),
+        "{refused}"
+    );
 
     signal(host.child.id(), "-CONT");
     let deadline = Instant::now() + Duration::from_secs(60);
