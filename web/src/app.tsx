@@ -1290,12 +1290,23 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
     }
   };
 
+  // Queued messages being removed: a second click on one is not a second
+  // request (which found it gone and showed NOT_FOUND).
+  const [unqueuing, setUnqueuing] = useState<ReadonlySet<string>>(new Set());
   const unqueue = async (messageId: string) => {
+    if (unqueuing.has(messageId)) return;
     setError("");
+    setUnqueuing((s) => new Set(s).add(messageId));
     try {
       await sessions.cancelQueuedMessage({ taskId, sessionId, messageId });
     } catch (err) {
       fail(setError)(err);
+    } finally {
+      setUnqueuing((s) => {
+        const next = new Set(s);
+        next.delete(messageId);
+        return next;
+      });
     }
   };
 
@@ -1683,7 +1694,7 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
                 {s.queuedMessages.map((q) => (
                   <li key={q.id} data-queued={q.id}>
                     <span class="grow">{q.content}</span>
-                    <button type="button" class="secondary" onClick={() => unqueue(q.id)} aria-label={`Remove the queued message: ${q.content}`}>
+                    <button type="button" class="secondary" disabled={unqueuing.has(q.id)} onClick={() => unqueue(q.id)} aria-label={`Remove the queued message: ${q.content}`}>
                       Remove
                     </button>
                   </li>

@@ -155,7 +155,7 @@ export function PermissionPrompts(props: {
             {r.expiresAt && (
               <span class="hint" data-testid="permission-expires">
                 {" "}
-                (rejected by itself at {new Date(Number(r.expiresAt.seconds) * 1000).toLocaleTimeString()})
+                (rejected automatically at {new Date(Number(r.expiresAt.seconds) * 1000).toLocaleTimeString()} unless you answer)
               </span>
             )}
           </span>
