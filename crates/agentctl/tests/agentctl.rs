@@ -609,25 +609,19 @@ async fn new_session_asked_again_before_a_prompt_answers_the_same_conversation()
         .await
         .expect("launch")
         .into_inner();
-    let open = async || {
-        c.clone()
-            .new_session(NewSessionRequest {})
+    let open = async |c: &mut Client| {
+        c.new_session(NewSessionRequest {})
             .await
             .expect("session")
             .into_inner()
             .resume_token
     };
-    let first = open().await;
-    let again = open().await;
+    let first = open(&mut c).await;
+    let again = open(&mut c).await;
     assert_eq!(again, first, "a second conversation for the same request");
     let (reply, _) = prompt(&mut c, &mut stream, "hello").await;
     assert!(reply.contains("hello"), "{reply}");
-    let after_a_turn = c
-        .new_session(NewSessionRequest {})
-        .await
-        .expect("session")
-        .into_inner()
-        .resume_token;
+    let after_a_turn = open(&mut c).await;
     assert_ne!(
         after_a_turn, first,
         "a prompted conversation is not reopened as new"

@@ -161,14 +161,7 @@ async fn session_lifecycle_workspace_and_events() {
         .session
         .unwrap();
     assert_eq!(got.id, s.id);
-    let list = c
-        .list_sessions(pb::ListSessionsRequest {
-            task_id: task.id.clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .sessions;
+    let list = list(&mut c, &task.id).await;
     assert_eq!(list.len(), 1);
 
     let status = c

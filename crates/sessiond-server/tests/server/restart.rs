@@ -406,14 +406,7 @@ async fn a_call_jumps_the_recovery_queue_while_health_is_not_serving() {
     let st_a = status(&mut c, &task.id, &a.id).await;
     assert!(!st_a.recovering && st_a.is_agent_running, "{st_a:?}");
     assert!(status(&mut c, &task.id, &b.id).await.recovering);
-    let listed = c
-        .list_sessions(pb::ListSessionsRequest {
-            task_id: task.id.clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .sessions;
+    let listed = list(&mut c, &task.id).await;
     let recovering = |id: &str| listed.iter().find(|s| s.id == id).unwrap().recovering;
     assert!(!recovering(&a.id) && recovering(&b.id), "{listed:?}");
     assert_eq!(health_of(&server).await, ServingStatus::NotServing as i32);

@@ -412,6 +412,17 @@ pub async fn send(c: &mut Sessions, task: &str, session: &str, text: &str) -> pb
 }
 
 /// The session as stored (GetSession).
+/// The task's sessions, as ListSessions answers.
+pub async fn list(c: &mut Sessions, task: &str) -> Vec<pb::Session> {
+    c.list_sessions(pb::ListSessionsRequest {
+        task_id: task.into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .sessions
+}
+
 pub async fn get(c: &mut Sessions, task: &str, session: &str) -> pb::Session {
     c.get_session(pb::GetSessionRequest {
         task_id: task.into(),

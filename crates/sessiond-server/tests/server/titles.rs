@@ -54,14 +54,7 @@ async fn titles_come_from_the_prompt_the_agent_and_the_user() {
         .unwrap();
     assert_eq!(renamed.title, "Release notes", "trimmed");
     prompt(&mut c, &task.id, &s.id, "/activity").await;
-    let listed = c
-        .list_sessions(pb::ListSessionsRequest {
-            task_id: task.id.clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .sessions;
+    let listed = list(&mut c, &task.id).await;
     assert_eq!(listed[0].title, "Release notes");
 
     // Refused, naming the field; nothing written.

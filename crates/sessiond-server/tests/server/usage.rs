@@ -18,11 +18,14 @@ fn config(dir: &Path) -> String {
     std::fs::write(
         &path,
         format!(
-            "[[agents]]\nname = \"metered\"\ncommand = \"{}\"\n\
-             env = {{ ACP_DEMO_STATE_DIR = \"{}\", ACP_DEMO_USAGE = \"1\", ACP_DEMO_MID_GATE_FILE = \"{}\" }}\n",
-            bin("acp-demo-agent").display(),
-            dir.join("demo-state").display(),
+            "[[agents]]\nname = \"metered\"\ncommand = \"{agent}\"\n\
+             env = {{ ACP_DEMO_STATE_DIR = \"{state}\", ACP_DEMO_USAGE = \"1\", ACP_DEMO_MID_GATE_FILE = \"{}\" }}\n\
+             [[agents]]\nname = \"session-metered\"\ncommand = \"{agent}\"\n\
+             env = {{ ACP_DEMO_STATE_DIR = \"{state}\", ACP_DEMO_USAGE = \"1\", \
+             ACP_DEMO_USAGE_PER_SESSION = \"1\", ACP_DEMO_NO_RESUME_SESSION = \"1\" }}\n",
             dir.join("gate").display(),
+            agent = bin("acp-demo-agent").display(),
+            state = dir.join("demo-state").display(),
         ),
     )
     .unwrap();
@@ -203,14 +206,7 @@ async fn usage_is_stored_per_turn_totalled_and_counted_once_across_restarts() {
     let s2 = create_session(&mut c, &task.id, &work, "metered").await;
     let sent = send(&mut c, &task.id, &s2.id, "other").await;
     turn_end(&mut c, &s2.id, &sent.id).await;
-    let listed = c
-        .list_sessions(pb::ListSessionsRequest {
-            task_id: task.id.clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .sessions;
+    let listed = list(&mut c, &task.id).await;
     let first = listed.iter().find(|x| x.id == s.id).unwrap();
     assert_eq!(first.usage.as_ref().unwrap().turns, 3);
     let t = c
@@ -240,19 +236,7 @@ async fn a_session_cost_replayed_on_load_is_where_the_next_turn_counts_from() {
     let data = dir.path().join("data");
     let work = dir.path().join("work");
     std::fs::create_dir_all(&work).unwrap();
-    let config = dir.path().join("sessiond.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[[agents]]\nname = \"session-metered\"\ncommand = \"{}\"\n\
-             env = {{ ACP_DEMO_STATE_DIR = \"{}\", ACP_DEMO_USAGE = \"1\", \
-             ACP_DEMO_USAGE_PER_SESSION = \"1\", ACP_DEMO_NO_RESUME_SESSION = \"1\" }}\n",
-            bin("acp-demo-agent").display(),
-            dir.path().join("demo-state").display(),
-        ),
-    )
-    .unwrap();
-    let config = config.display().to_string();
+    let config = config(dir.path());
     let mut server = start(&data, &["--config", &config]);
     let mut c = sessions(&server).await;
     let task = create_task(&mut c, "usage").await;
