@@ -130,7 +130,9 @@ impl SessionManager {
                 enabled,
             });
         }
-        Agents(self).driver(req.runtime)?;
+        // An engine that does not answer (Docker stopped) refuses the create
+        // as UNAVAILABLE, with nothing stored: a retry once it runs works.
+        Agents(self).driver(req.runtime)?.check_ready().await?;
         let session_id = SessionId::new();
         let mut req = req;
         if let (Runtime::Remote, Some(remote)) = (req.runtime, req.remote.as_ref()) {

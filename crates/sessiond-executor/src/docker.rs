@@ -91,6 +91,9 @@ const SECRET_NAME: &str = "secret";
 /// (its own session files) survives a container restart.
 pub const CONTAINER_HOME: &str = "/run/sessiond/home";
 
+/// How long a create waits for the engine's ping ([`Executor::check_ready`]).
+const ENGINE_PING_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The deterministic container name of an executor.
 pub fn container_name(executor_id: ExecutorId) -> String {
     format!("sessiond-{executor_id}")
@@ -806,6 +809,24 @@ impl DockerExecutor {
 impl Executor for DockerExecutor {
     fn runtime(&self) -> Runtime {
         Runtime::LocalDocker
+    }
+
+    /// The engine's `/_ping`, within the API timeout but at most
+    /// [`ENGINE_PING_TIMEOUT`]: a create waits that long at most for a
+    /// stopped engine before it is refused.
+    async fn check_ready(&self) -> Result<()> {
+        let unavailable = |message: String| Error::EngineUnavailable {
+            host: self.config.docker_host.clone(),
+            message,
+        };
+        let limit = self.config.api_timeout.min(ENGINE_PING_TIMEOUT);
+        let ping = async { self.engine().await?.ping().await.map_err(Error::from) };
+        match tokio::time::timeout(limit, ping).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(Error::Docker(e))) => Err(unavailable(e.to_string())),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(unavailable(format!("no answer within {limit:?}"))),
+        }
     }
 
     async fn launch(&self, spec: &LaunchSpec) -> Result<ExecutorHandle> {

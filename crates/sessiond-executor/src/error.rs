@@ -159,6 +159,19 @@ pub enum Error {
     #[error("docker engine: {0}")]
     Docker(Box<bollard::errors::Error>),
 
+    /// The Docker engine did not answer its ping: nothing can be launched
+    /// there until it does.
+    #[error(
+        "the Docker engine at {host} does not answer ({message}); start it, or point \
+         executors.docker.docker_host at one that runs, then try again"
+    )]
+    EngineUnavailable {
+        /// The engine's address (`executors.docker.docker_host`).
+        host: String,
+        /// The client's error.
+        message: String,
+    },
+
     /// A local file operation failed.
     #[error("{action} {path}: {source}")]
     Io {
@@ -286,7 +299,7 @@ impl Error {
                 status.code(),
                 tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Unknown
             ),
-            Error::Docker(_) => true,
+            Error::Docker(_) | Error::EngineUnavailable { .. } => true,
             _ => false,
         }
     }

@@ -370,6 +370,19 @@ pub trait Executor: Send + Sync + fmt::Debug {
     /// The runtime this driver serves.
     fn runtime(&self) -> Runtime;
 
+    /// Whether a launch can reach what this driver runs executors on, asked
+    /// before a create stores anything: a session whose engine does not
+    /// answer would only be stored to fail. Drivers with nothing to ask
+    /// answer `Ok` (the default).
+    ///
+    /// # Errors
+    ///
+    /// An error [`Error::is_unavailable`] accepts (Docker:
+    /// [`Error::EngineUnavailable`]) when the engine does not answer.
+    async fn check_ready(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Starts (or, for remote, connects to) the agentctl of `spec` and returns
     /// once it answered `Health` with the executor's id.
     ///

@@ -326,3 +326,73 @@ async fn a_container_that_cannot_start_leaves_nothing_behind() {
     assert!(run.is_empty(), "run directory entries left: {run:?}");
     mgr.shutdown();
 }
+
+/// helper-37 D3: a create while the Docker engine did not answer stored a
+/// session that could only be ERROR. The engine's ping comes first now: the
+/// create is UNAVAILABLE, naming the engine, and nothing is stored; once
+/// the engine answers again a create works. Both an engine never reached
+/// and one that stopped answering after the driver had negotiated with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs Docker: run by cargo xtask ci"]
+async fn a_create_while_the_engine_is_down_stores_nothing() {
+    let w = World::new(Db::Sqlite).await;
+    let kit = DockerKit::new(&w).await;
+    let mut relay = EngineRelay::new(w.path("engine.sock"), &kit.env.host);
+    let host = format!("unix://{}", relay.path.display());
+    let mut config = DockerConfig::new(
+        host.clone(),
+        kit.env.image.clone(),
+        w.dir.path().join("docker-run"),
+    );
+    config.stop_grace = Duration::from_secs(2);
+    let lazy = DockerExecutor::new(config).unwrap();
+    let mut drivers = drivers_in(w.dir.path());
+    drivers.push(Arc::new(lazy));
+    let mgr = SessionManager::new(w.store.clone(), drivers, w.config());
+    mgr.recovery().recover_all().await.unwrap();
+    let create = |name: &'static str| {
+        mgr.create_session(sessiond_engine::NewSession {
+            task_id: w.task.id,
+            agent_profile_id: kit.profile.id,
+            runtime: Runtime::LocalDocker,
+            worktree: w.worktree(name),
+            remote: None,
+            metadata: Default::default(),
+            mcp_servers: Vec::new(),
+        })
+    };
+    let refused = |e: sessiond_engine::Error| {
+        assert_eq!(e.kind(), sessiond_engine::ErrorKind::Unavailable, "{e}");
+        let text = e.to_string();
+        assert!(
+            text.contains("does not answer") && text.contains(&host),
+            "{text}"
+        );
+    };
+
+    // Never reached.
+    refused(create("never").await.unwrap_err());
+    assert!(w.store.list_sessions(w.task.id).await.unwrap().is_empty());
+
+    relay.open();
+    let up = create("up").await.unwrap();
+    w.track(up.id).await;
+    assert_eq!(up.state, SessionState::WaitingForInput, "{up:?}");
+
+    // Negotiated once, then gone.
+    relay.close();
+    refused(create("gone").await.unwrap_err());
+    let stored = w.store.list_sessions(w.task.id).await.unwrap();
+    assert_eq!(
+        stored.iter().map(|s| s.id).collect::<Vec<_>>(),
+        vec![up.id],
+        "only the session created while the engine answered"
+    );
+
+    relay.open();
+    let back = create("back").await.unwrap();
+    w.track(back.id).await;
+    assert_eq!(back.state, SessionState::WaitingForInput, "{back:?}");
+    w.finish(&mgr, &[up.id, back.id]).await;
+    drop(relay);
+}
