@@ -114,6 +114,13 @@ test("chat streams live, survives SIGTERM and kill -9 of sessiond without gap or
     await page.waitForSelector("[data-testid=exec-result]:has-text('exit 0')", { timeout: T });
     assert.match(await page.textContent("[data-testid=exec-result] .stdout"), /done/);
     await b.screenshot("workspace-run");
+    // A second command: the first one's output goes while it runs (helper-36 #8).
+    await page.fill("input[name=command]", "sleep 2 && echo second");
+    await page.click(".run form button[type=submit]");
+    await page.waitForSelector("[data-testid=exec-running]:has-text('sleep 2 && echo second')", { timeout: T });
+    assert.equal(await page.locator("[data-testid=exec-result]").count(), 0, "no stale output while the next command runs");
+    await page.waitForSelector("[data-testid=exec-result] .stdout:has-text('second')", { timeout: T });
+    assert.doesNotMatch(await page.textContent("[data-testid=exec-result] .stdout"), /done/);
     await page.click("role=tab[name='Git']");
     await page.waitForSelector("[data-testid=git-diff] .add:has-text('+changed by the console')", { timeout: T });
     await page.waitForSelector("[data-testid=git-status]:has-text('README.md')", { timeout: T });
@@ -833,7 +840,8 @@ test("while sessiond brings an agent back: where it stands, not errors; then the
       `env = { ACP_DEMO_STATE_DIR = "${join(dir, "demo-state")}", ACP_DEMO_START_GATE_FILE = "${gate}" }\n`,
   );
   const server = await new Sessiond({ data, args: ["--insecure-no-auth", "--config", config] }).start();
-  const b = await browser("recovering");
+  // A short window (400 px): the banners must leave the composer in view.
+  const b = await browser("recovering", { height: 400 });
   try {
     const { page } = b;
     await page.goto(server.url);
@@ -851,6 +859,10 @@ test("while sessiond brings an agent back: where it stands, not errors; then the
     await server.start();
     await visible(page, "[data-testid=agent-recovery]");
     await b.screenshot("agent-recovery-banner");
+    // The banners leave the composer in view (helper-36 #7).
+    await page.evaluate(() => window.scrollTo(0, 0));
+    const box = await page.locator(".composer textarea").boundingBox();
+    assert.ok(box && box.y >= 0 && box.y + box.height <= 400, `the composer is in view: ${JSON.stringify(box)}`);
     assert.equal(await page.locator("p.error, [data-testid=not-resumable]").count(), 0, "a banner, not errors");
     // Recovery resumes the agent by itself: no Resume call to action meanwhile.
     assert.equal(await page.locator("[data-testid=needs-resume]").count(), 0);

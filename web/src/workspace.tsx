@@ -192,6 +192,8 @@ function Git(props: { session: Ref; branch: string; base: string }) {
 
 function Run(props: { session: Ref }) {
   const [command, setCommand] = useState("");
+  // The command line the result (or the run under way) is of.
+  const [ran, setRan] = useState("");
   const [result, setResult] = useState<ExecResponse | null>(null);
   const [busy, setBusy] = useState(false);
   const [error, setError, onError] = useError();
@@ -201,6 +203,9 @@ function Run(props: { session: Ref }) {
         class="row"
         onSubmit={async (e) => {
           e.preventDefault();
+          // The previous command's output goes: it would read as this one's.
+          setResult(null);
+          setRan(command);
           setBusy(true);
           setError("");
           try {
@@ -222,10 +227,15 @@ function Run(props: { session: Ref }) {
         </button>
       </form>
       {error && <p class="error">{error}</p>}
+      {busy && (
+        <p class="muted" data-testid="exec-running" role="status">
+          running <code>{ran}</code>…
+        </p>
+      )}
       {result && (
         <div data-testid="exec-result">
           <p>
-            exit {result.exitCode ?? "none"}
+            <code>{ran}</code>: exit {result.exitCode ?? "none"}
             {result.timedOut ? " (timed out)" : ""}
           </p>
           <pre class="stdout">{text.decode(result.stdout)}</pre>
