@@ -235,6 +235,35 @@ async fn branch_tip(repository: &Path, branch: &str) -> Result<Option<String>> {
     Ok((out.exit_code == Some(0)).then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned()))
 }
 
+/// A branch that `branch` would have to sit beside as a file and a
+/// directory of one name (`feat` for `feat/a`, or `feat/a/b` for
+/// `feat/a`), which git refuses: the first found.
+async fn nested_branch(repository: &Path, branch: &str) -> Result<Option<String>> {
+    let mut prefix = String::new();
+    for part in branch.split('/') {
+        if !prefix.is_empty() {
+            if branch_tip(repository, &prefix).await?.is_some() {
+                return Ok(Some(prefix));
+            }
+            prefix.push('/');
+        }
+        prefix.push_str(part);
+    }
+    let under = format!("refs/heads/{branch}/");
+    let out = git(
+        repository,
+        &[
+            "for-each-ref",
+            "--count=1",
+            "--format=%(refname:short)",
+            &under,
+        ],
+    )
+    .await?;
+    let found = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    Ok((out.exit_code == Some(0) && !found.is_empty()).then_some(found))
+}
+
 async fn resolve_base(repository: &Path, base: &str) -> Result<String> {
     if base.is_empty() || base.starts_with('-') {
         return Err(Error::InvalidArgument(format!(
@@ -336,6 +365,14 @@ pub async fn check(spec: &Spec) -> Result<()> {
     if branch_tip(&spec.repository, &spec.branch).await?.is_some() {
         return Err(Error::AlreadyExists(format!(
             "branch {:?} already exists in {}; name another branch (or, for a generated name, another branch prefix) or delete that one",
+            spec.branch,
+            spec.repository.display()
+        )));
+    }
+    if let Some(other) = nested_branch(&spec.repository, &spec.branch).await? {
+        return Err(Error::AlreadyExists(format!(
+            "branch {:?} cannot be made in {}: branch {other:?} exists, and git cannot keep a \
+             branch and another one inside its name (a/b beside a); name another branch",
             spec.branch,
             spec.repository.display()
         )));

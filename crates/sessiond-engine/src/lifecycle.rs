@@ -22,8 +22,8 @@ use crate::{
     ops::probe_verdict,
     turn::Turns,
     turn::{CURSOR_KEY, Cut, cursor_value, cut_turn, pending_turn},
-    worktrees::WORKTREE_CREATED_KEY,
     worktrees::Worktrees,
+    worktrees::{WORKTREE_CREATED_KEY, WORKTREE_NOT_MADE_KEY},
 };
 
 /// What [`SessionManager::create_session`] needs.
@@ -142,6 +142,13 @@ impl SessionManager {
                 .await?;
         }
         let managed = req.worktree.is_managed();
+        // Until the worktree is made (below): see `named_branch_gate`.
+        let named_branch = (managed && !req.worktree.branch.is_empty())
+            .then(|| self.inner.named_branch_gate.lock());
+        let _named_branch = match named_branch {
+            Some(gate) => Some(gate.await),
+            None => None,
+        };
         if managed {
             // Before anything is stored: a repository, base, branch or
             // directory that cannot work creates nothing.
@@ -296,10 +303,17 @@ impl SessionManager {
                 let reason = format!(
                     "could not create the worktree: {e}; delete this session and create a new one"
                 );
+                // Its branch and directory may be another's (a branch made
+                // meanwhile by hand): a delete of this session leaves them.
+                let mut session = session;
+                session
+                    .metadata
+                    .insert(WORKTREE_NOT_MADE_KEY.into(), "true".into());
                 return Lifecycle(self)
                     .fail_create(session, record, reason, true)
                     .await;
             }
+            drop(_named_branch);
             // Test-only crash point: the worktree exists, the session does
             // not say so yet (recovery adopts it).
             #[cfg(feature = "failpoints")]
@@ -599,7 +613,11 @@ impl SessionManager {
         let _withdrawn = self.inner.agent_recoveries.withdraw(session_id);
         // Taken now: a remote host's agentctl is named by the executor
         // record, which goes before the worktree does.
-        let managed = match session.worktree.is_managed() {
+        // A worktree its create failed to make is not this session's to
+        // remove (its branch may be another session's).
+        let managed = match session.worktree.is_managed()
+            && !session.metadata.contains_key(WORKTREE_NOT_MADE_KEY)
+        {
             true => Some(Worktrees(self).worktree_target(&session).await?),
             false => None,
         };

@@ -67,6 +67,12 @@ pub(crate) struct Inner {
     /// Held by a create from counting live sessions to committing its
     /// intent, so concurrent creates cannot all slip under the limit.
     pub(crate) create_gate: tokio::sync::Mutex<()>,
+    /// Held by a create that names its worktree's branch, from its check
+    /// that the branch is free until `git worktree add` made it: two such
+    /// creates (of one branch) would both pass the check, and the loser's
+    /// ERROR session would name the winner's branch (helper-38 1).
+    /// Branches sessiond names carry the session's id and never clash.
+    pub(crate) named_branch_gate: tokio::sync::Mutex<()>,
     background: StdMutex<Vec<AbortHandle>>,
     next_op: AtomicU64,
     pub liveness_started: std::sync::atomic::AtomicBool,
@@ -226,6 +232,7 @@ impl SessionManager {
                 sessions: Sessions::default(),
                 recovery_profiles: StdMutex::default(),
                 create_gate: tokio::sync::Mutex::default(),
+                named_branch_gate: tokio::sync::Mutex::default(),
                 background: StdMutex::default(),
                 next_op: AtomicU64::new(1),
                 liveness_started: std::sync::atomic::AtomicBool::new(false),

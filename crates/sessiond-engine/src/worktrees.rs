@@ -23,6 +23,9 @@ use crate::{
 /// made. Until then a restore may create them from the base (the create was
 /// cut short); after, a missing branch is lost work and said so.
 pub(crate) const WORKTREE_CREATED_KEY: &str = "worktree_created";
+/// Metadata key set on a session whose create could not make its
+/// worktree: what its worktree names is not its own, and a delete leaves it.
+pub(crate) const WORKTREE_NOT_MADE_KEY: &str = "worktree_not_made";
 
 /// `agentctl`: a remote session's host agentctl, which makes its worktree.
 pub(crate) fn target(

@@ -506,6 +506,9 @@ async fn bad_input_creates_nothing() {
     let plain = w.path("plain");
     std::fs::create_dir_all(&plain).unwrap();
     git(&repo, &["branch", "taken"]);
+    // git cannot keep `feat` beside `feat/a` (helper-38 3).
+    git(&repo, &["branch", "feat"]);
+    git(&repo, &["branch", "nest/inner"]);
 
     let cases = [
         (
@@ -526,6 +529,22 @@ async fn bad_input_creates_nothing() {
             },
             K::FailedPrecondition,
             "branch \"taken\" already exists",
+        ),
+        (
+            Worktree {
+                branch: "feat/a".into(),
+                ..from_repo(&repo, "main")
+            },
+            K::FailedPrecondition,
+            "branch \"feat\" exists",
+        ),
+        (
+            Worktree {
+                branch: "nest".into(),
+                ..from_repo(&repo, "main")
+            },
+            K::FailedPrecondition,
+            "branch \"nest/inner\" exists",
         ),
     ];
     for (worktree, kind, says) in cases {
@@ -549,7 +568,10 @@ async fn bad_input_creates_nothing() {
                 .is_none()
     );
     let branches = git(&repo, &["branch", "--format=%(refname:short)"]);
-    assert_eq!(branches.lines().collect::<Vec<_>>(), ["main", "taken"]);
+    assert_eq!(
+        branches.lines().collect::<Vec<_>>(),
+        ["feat", "main", "nest/inner", "taken"]
+    );
     bare.shutdown();
     w.finish(&mgr, &[]).await;
 }
@@ -603,4 +625,54 @@ async fn sessions_created_at_once_from_one_repository_each_get_their_own() {
         );
     }
     w.finish(&mgr, &ids).await;
+}
+
+/// Creates naming one branch at once (helper-38 1): one gets it, the others
+/// are refused before anything is stored, so no ERROR session names the
+/// winner's branch (whose delete could remove the winner's work).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creates_naming_one_branch_at_once_one_wins_the_rest_store_nothing() {
+    let w = World::new(Db::Sqlite).await;
+    let repo = repository(&w);
+    let mgr = w.manager_with(config(&w));
+    let made = futures::future::join_all((0..4).map(|_| {
+        mgr.create_session(NewSession {
+            task_id: w.task.id,
+            agent_profile_id: w.profile.id,
+            runtime: Runtime::LocalStandalone,
+            worktree: Worktree {
+                branch: "race/two".into(),
+                ..from_repo(&repo, "main")
+            },
+            remote: None,
+            metadata: BTreeMap::new(),
+            mcp_servers: Vec::new(),
+        })
+    }))
+    .await;
+    let mut won = Vec::new();
+    for m in made {
+        match m {
+            Ok(s) => {
+                w.track(s.id).await;
+                assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
+                won.push(s);
+            }
+            Err(e) => {
+                assert_eq!(
+                    e.kind(),
+                    sessiond_engine::ErrorKind::FailedPrecondition,
+                    "{e}"
+                );
+                assert!(e.to_string().contains("already exists"), "{e}");
+            }
+        }
+    }
+    assert_eq!(won.len(), 1, "one create gets the branch");
+    let stored = w.store.list_sessions(w.task.id).await.unwrap();
+    assert_eq!(
+        stored.iter().map(|s| s.id).collect::<Vec<_>>(),
+        vec![won[0].id]
+    );
+    w.finish(&mgr, &[won[0].id]).await;
 }
