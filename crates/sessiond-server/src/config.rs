@@ -1745,10 +1745,32 @@ fn executors_config(e: &ExecutorsSection, data_dir: &Path, p: &mut Problems) -> 
             })
     };
     let check_worktrees_dir = |p: &mut Problems, key: &str, dir: &Path| {
+        let resolved = resolved_path(dir);
+        let inside_roots = |d: &Path| {
+            worktree_roots.iter().any(|r| {
+                d.starts_with(r) || std::fs::canonicalize(r).is_ok_and(|c| d.starts_with(c))
+            })
+        };
         if !normal(dir) {
             p.add(
                 key,
                 format!("{} is not an absolute, normalised path", dir.display()),
+            );
+        } else if worktree_roots.iter().any(|r| dir.starts_with(r)) && !inside_roots(&resolved) {
+            // A symlink on the way leads out of the roots (helper-38 2).
+            p.add(
+                key,
+                format!(
+                    "{} resolves to {} (through a symlink), outside executors.worktree_roots ({}); \
+                     name a directory inside one",
+                    dir.display(),
+                    resolved.display(),
+                    worktree_roots
+                        .iter()
+                        .map(|r| r.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
             );
         } else if !worktree_roots.iter().any(|r| dir.starts_with(r)) {
             p.add(
@@ -2461,6 +2483,25 @@ pub fn parse_duration(value: &str) -> Result<Duration, String> {
         return Err(format!("{value:?} is out of range"));
     }
     Ok(Duration::from_secs_f64(secs))
+}
+
+/// `path` with its symlinks resolved: its longest existing ancestor made
+/// canonical, the rest (not made yet) appended as written.
+fn resolved_path(path: &Path) -> PathBuf {
+    let mut existing = path;
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(canonical) = std::fs::canonicalize(existing) {
+            return rest.iter().rev().fold(canonical, |p, part| p.join(part));
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_owned());
+                existing = parent;
+            }
+            _ => return path.to_path_buf(),
+        }
+    }
 }
 
 #[cfg(test)]

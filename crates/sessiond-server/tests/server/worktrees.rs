@@ -450,6 +450,46 @@ fn a_worktrees_dir_outside_the_roots_is_a_configuration_error() {
     );
 }
 
+/// A worktrees dir inside the roots by name but reached through a symlink
+/// that leads out of them stops `serve` too (helper-38 2: worktrees were
+/// made outside the roots).
+#[test]
+fn a_worktrees_dir_through_a_symlink_out_of_the_roots_is_a_configuration_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let roots = dir.path().join("roots");
+    std::fs::create_dir_all(&roots).unwrap();
+    std::os::unix::fs::symlink(outside.path(), roots.join("link")).unwrap();
+    let through = roots.join("link").join("worktrees");
+    let data = dir.path().join("data");
+    let (ok, stderr) = run_sessiond(
+        &[
+            "serve",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        &[
+            ("SESSIOND_API_TOKENS", TOKEN),
+            ("SESSIOND_WORKTREE_ROOTS", roots.to_str().unwrap()),
+            ("SESSIOND_WORKTREES_DIR", through.to_str().unwrap()),
+        ],
+    );
+    assert!(!ok);
+    let resolved = std::fs::canonicalize(outside.path())
+        .unwrap()
+        .join("worktrees");
+    assert!(
+        stderr.contains(&format!(
+            "executors.worktrees_dir: {} resolves to {} (through a symlink)",
+            through.display(),
+            resolved.display()
+        )),
+        "{stderr}"
+    );
+}
+
 /// The Docker and remote worktrees dirs are checked too: Docker's inside
 /// the roots (it is on this host), remote's an absolute path (on the hosts,
 /// whose agentctls confine it). Each problem names its key.
