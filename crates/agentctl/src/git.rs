@@ -1,6 +1,7 @@
 //! `git status` / `git diff` of the workspace through the `git` binary.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use sessiond_proto::agentctl::v1::{GitFileStatus, GitStatusResponse};
@@ -63,7 +64,19 @@ async fn filter_drivers(ws: &Workspace, env: &HashMap<String, String>) -> Result
 }
 
 async fn git(ws: &Workspace, args: &[String]) -> Result<Vec<u8>> {
+    git_on_index(ws, args, None).await
+}
+
+/// [`git`] with `GIT_INDEX_FILE` set to `index` when given: a copy of the
+/// worktree's index that a command may change without touching the real one.
+async fn git_on_index(ws: &Workspace, args: &[String], index: Option<&Path>) -> Result<Vec<u8>> {
     let mut env = HashMap::new();
+    if let Some(index) = index {
+        env.insert(
+            "GIT_INDEX_FILE".to_owned(),
+            index.to_string_lossy().into_owned(),
+        );
+    }
     // No system-wide config; the user's own (~/.gitconfig) is theirs.
     env.insert("GIT_CONFIG_NOSYSTEM".to_owned(), "1".to_owned());
     env.insert("GIT_PAGER".to_owned(), "cat".to_owned());
@@ -212,8 +225,11 @@ pub async fn diff(ws: &Workspace, staged: bool, paths: &[String]) -> Result<Stri
 }
 
 /// `git diff` of the working tree against the commit where HEAD left
-/// `base`: what the worktree's branch changed, committed or not (untracked
-/// files are not in it, as in any `git diff`).
+/// `base`: what the worktree's branch changed, committed or not. Files
+/// nobody added (that `.gitignore` does not exclude) are in it as new
+/// files: they are the session's work too. They are marked intent-to-add
+/// in a temporary copy of the index, so the worktree's own index is left
+/// as it was.
 pub async fn diff_against(ws: &Workspace, base: &str, paths: &[String]) -> Result<String> {
     if base.starts_with('-') || base.contains(['\0', '\n']) {
         return Err(Error::InvalidArgument(format!(
@@ -234,22 +250,74 @@ pub async fn diff_against(ws: &Workspace, base: &str, paths: &[String]) -> Resul
     .map_err(|_| Error::InvalidArgument(format!("base {base:?} is not a ref of the repository")))?;
     let base_commit = String::from_utf8_lossy(&resolved).trim().to_owned();
     let fork = git(ws, &["merge-base".into(), base_commit, "HEAD".into()]).await?;
-    let mut args: Vec<String> = ["diff", "--no-color", "--no-ext-diff", "--no-textconv"]
-        .map(String::from)
-        .to_vec();
-    args.push(String::from_utf8_lossy(&fork).trim().to_owned());
-    args.push("--".into());
+    let mut pathspec = vec!["--".to_owned()];
     for p in paths {
         let resolved = ws.resolve(p)?;
         let rel = ws.relative(&resolved);
-        args.push(if rel.as_os_str().is_empty() {
+        pathspec.push(if rel.as_os_str().is_empty() {
             ".".to_owned()
         } else {
             rel.to_string_lossy().into_owned()
         });
     }
-    let out = git(ws, &args).await?;
+    if pathspec.len() == 1 {
+        pathspec.push(".".to_owned());
+    }
+    let index = IndexCopy::of(ws).await?;
+    let mut add: Vec<String> = vec!["add".into(), "--intent-to-add".into()];
+    add.extend(pathspec.iter().cloned());
+    git_on_index(ws, &add, Some(&index.0)).await?;
+    let mut args: Vec<String> = ["diff", "--no-color", "--no-ext-diff", "--no-textconv"]
+        .map(String::from)
+        .to_vec();
+    args.push(String::from_utf8_lossy(&fork).trim().to_owned());
+    args.extend(pathspec);
+    let out = git_on_index(ws, &args, Some(&index.0)).await?;
     Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// A copy of the worktree's index in the temporary directory, removed
+/// when dropped.
+struct IndexCopy(PathBuf);
+
+impl IndexCopy {
+    async fn of(ws: &Workspace) -> Result<Self> {
+        let path = git(
+            ws,
+            &[
+                "rev-parse".into(),
+                "--path-format=absolute".into(),
+                "--git-path".into(),
+                "index".into(),
+            ],
+        )
+        .await?;
+        let index = PathBuf::from(String::from_utf8_lossy(&path).trim());
+        // Outside the repository, which sessiond changes only through
+        // `git worktree` and the session's branch.
+        let copy =
+            std::env::temp_dir().join(format!("sessiond-diff-index-{}", uuid::Uuid::new_v4()));
+        match std::fs::copy(&index, &copy) {
+            Ok(_) => {}
+            // No index yet (nothing was ever added): git starts an empty one.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(Error::FailedPrecondition(format!(
+                    "copying the index {} to {}: {e}",
+                    index.display(),
+                    copy.display()
+                )));
+            }
+        }
+        Ok(Self(copy))
+    }
+}
+
+impl Drop for IndexCopy {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+        let _ = std::fs::remove_file(self.0.with_extension("lock"));
+    }
 }
 
 #[cfg(test)]

@@ -163,6 +163,16 @@ async fn a_session_from_a_repository_is_created_reviewed_and_deleted_without_los
     })
     .await
     .unwrap();
+    // A file nobody added is the session's work too (helper-38 5).
+    ws.write_file(pb::WriteFileRequest {
+        session: sref.clone(),
+        path: "fresh/made.txt".into(),
+        content: b"made by the agent".to_vec(),
+        create_parents: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
 
     let plain = ws
         .git_diff(pb::GitDiffRequest {
@@ -190,6 +200,27 @@ async fn a_session_from_a_repository_is_created_reviewed_and_deleted_without_los
     assert!(
         against_base.contains("-original") && against_base.contains("+not committed yet"),
         "everything since the base, committed or not: {against_base}"
+    );
+    assert!(
+        against_base.contains("+++ b/fresh/made.txt")
+            && against_base.contains("+made by the agent"),
+        "untracked files too: {against_base}"
+    );
+    assert!(!plain.contains("made by the agent"), "{plain}");
+    // The worktree's own index is left as it was: still untracked.
+    let status = ws
+        .git_status(pb::GitStatusRequest {
+            session: sref.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        status
+            .files
+            .iter()
+            .any(|f| f.path == "fresh/made.txt" && f.code == "??"),
+        "{status:?}"
     );
     let commits = ws
         .list_branch_commits(pb::ListBranchCommitsRequest {
@@ -219,7 +250,7 @@ async fn a_session_from_a_repository_is_created_reviewed_and_deleted_without_los
     assert_eq!(reason(&err), "worktree_has_work");
     assert!(
         err.message()
-            .contains("1 file(s) with uncommitted changes (notes.txt)")
+            .contains("2 file(s) with uncommitted changes (notes.txt, fresh/made.txt)")
             && err
                 .message()
                 .contains(&format!("1 commit(s) found only on branch {}", w.branch)),
