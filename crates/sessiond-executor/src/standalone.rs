@@ -237,6 +237,14 @@ impl StandaloneExecutor {
         let secret_file = self.secret_file(id);
         write_secret_file(&secret_file, &secret)?;
         let (stdout, stderr) = self.output(id)?;
+        // What an earlier agentctl of this executor left in its cgroup ends
+        // before the new one starts beside it: a process that cleared its
+        // environment escapes the new agentctl's reap of its predecessor's
+        // tree, and would go on working in the worktree (helper-39 2).
+        if let Err(e) = self.kill_cgroup(id).await {
+            tracing::warn!(executor_id = %id, error = %e,
+                "what the previous agentctl left could not all be ended; launching anyway");
+        }
         let group = self.prepare_cgroup(id);
 
         let mut cmd = tokio::process::Command::new(&self.config.agentctl_path);

@@ -106,6 +106,39 @@ async fn delete_by_a_restarted_backend_ends_everything_the_agent_started() {
     w.finish(&mgr, &[]).await;
 }
 
+/// helper-39 2: an agentctl launched again (a restart after `kill -9` of
+/// it) ended what its predecessor's agent had left that cleared its
+/// environment only at the session's stop: the old processes ran beside the
+/// new agent. They end before the new agentctl starts now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relaunched_agentctl_starts_after_what_the_old_one_left_ended() {
+    let w = World::new(Db::Sqlite).await;
+    let profile = escaping_profile(&w).await;
+    let mgr = w.manager();
+    let s = w.create_with(&mgr, "contained", &profile, None).await;
+    w.prompt(&mgr, s.id, "one").await;
+    let old = escaped(&w).await;
+    for name in ["escaped-marked.pid", "escaped-bare.pid"] {
+        std::fs::remove_file(w.path(name)).unwrap();
+    }
+    mgr.shutdown();
+    drop(mgr);
+    let agentctl = w.record(s.id).await.pid.unwrap();
+    kill9(agentctl);
+    let mgr = w.manager();
+    mgr.recovery().recover_all().await.unwrap();
+    let new = escaped(&w).await;
+    assert_all_gone(&old).await;
+    assert!(
+        new.iter().all(|&p| is_running(p)),
+        "the new agent's own run"
+    );
+    w.prompt(&mgr, s.id, "two").await;
+    mgr.cancel_session(w.task.id, s.id).await.unwrap();
+    assert_all_gone(&new).await;
+    w.finish(&mgr, &[]).await;
+}
+
 /// The Docker runtime: the container is the kill domain. The agent's
 /// command first leaves a process behind (stopped, so it lives until
 /// killed: the image has no `sleep`); agentctl is killed -9 from the host;
