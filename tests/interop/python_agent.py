@@ -29,7 +29,8 @@ What it does, deterministically:
   `/terminal-start CMD` only creates it (kept in memory, by session);
   `/terminal-output`, `/terminal-wait`, `/terminal-kill` and
   `/terminal-release` act on the last one started and reply what the
-  client answered (or `error: ...`).
+  client answered (or `error: ...`); `/terminal-foreign CMD` asks for a
+  terminal of another conversation (refused by agentctl).
   `--terminal-output-limit N` passes `outputByteLimit` N.
 - `session/set_mode`, `session/cancel`.
 - `--resume-only`: `initialize` advertises `sessionCapabilities.resume` and
@@ -329,6 +330,12 @@ class InteropAgent:
     async def terminal(self, session_id: str, turn: int, verb: str, command: str) -> str:
         """The client's terminals; returns what it answered."""
         try:
+            if verb == "/terminal-foreign":
+                # A conversation that is not this one: agentctl must refuse.
+                created = await self.conn.create_terminal(
+                    session_id=f"not-{session_id}", command="sh", args=["-c", command]
+                )
+                return f"terminal started {created.terminal_id}"
             if verb in ("/terminal", "/terminal-start"):
                 created = await self.conn.create_terminal(
                     session_id=session_id,

@@ -2502,6 +2502,15 @@ fn create_terminal(shared: &Shared, generation: u64, req: CreateTerminalRequest)
         if slot.generation != generation || slot.running.is_none() {
             return Err(Error::Unavailable("the agent is gone".into()));
         }
+        // Only for the conversation this agentctl serves: a terminal of
+        // another would be nobody's (no turn's cancel or stop names it).
+        let known = [slot.session.as_ref(), slot.opened.as_ref()];
+        if !known.contains(&Some(&req.session_id)) {
+            return Err(Error::InvalidArgument(format!(
+                "terminal/create: sessionId {:?} is not this agent's conversation",
+                req.session_id.0
+            )));
+        }
         let turn = slot
             .turn
             .as_ref()

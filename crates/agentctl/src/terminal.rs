@@ -319,7 +319,7 @@ impl Terminals {
             cwd: spec.cwd.to_string_lossy().into_owned(),
             pgid,
             marker,
-            limit: limit.max(1),
+            limit,
             output: Mutex::new(Buffer::default()),
             exit: watch::channel(None).0,
             changed: Notify::new(),
@@ -489,5 +489,9 @@ mod tests {
         let (tail, cut) = b.tail(3);
         assert_eq!(std::str::from_utf8(tail).unwrap(), "dé");
         assert!(cut);
+        // `outputByteLimit: 0` keeps nothing (helper-39 8: it kept 1 byte).
+        let mut none = Buffer::default();
+        none.append(b"abc\n", 0);
+        assert!(none.bytes.is_empty() && none.truncated);
     }
 }

@@ -706,6 +706,13 @@ async fn python_sdk_agent_terminals_run_in_the_worktree_and_end_with_the_session
     assert!(out.trim_end().ends_with("\n3000"), "{out}");
     assert!(!out.starts_with("1\n2\n"), "the beginning was dropped");
 
+    // A terminal of another conversation is nobody's: refused (helper-39 3).
+    let reply = prompt(&mut c, &task.id, &s.id, "/terminal-foreign sleep 1000").await;
+    assert!(
+        note(&reply).contains("is not this agent's conversation"),
+        "{reply}"
+    );
+
     // A terminal left running, with a child that left its session.
     let reply = prompt(
         &mut c,
