@@ -169,7 +169,6 @@ async fn a_session_from_a_repository_is_created_reviewed_and_deleted_without_los
         path: "fresh/made.txt".into(),
         content: b"made by the agent".to_vec(),
         create_parents: true,
-        ..Default::default()
     })
     .await
     .unwrap();
