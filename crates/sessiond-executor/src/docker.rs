@@ -811,9 +811,9 @@ impl Executor for DockerExecutor {
         Runtime::LocalDocker
     }
 
-    /// The engine's `/_ping`, within the API timeout but at most
-    /// [`ENGINE_PING_TIMEOUT`]: a create waits that long at most for a
-    /// stopped engine before it is refused.
+    /// The engine's `/_ping`, within the API timeout but at most 5 s: a
+    /// create waits that long at most for a stopped engine before it is
+    /// refused.
     async fn check_ready(&self) -> Result<()> {
         let unavailable = |message: String| Error::EngineUnavailable {
             host: self.config.docker_host.clone(),
