@@ -1744,6 +1744,13 @@ fn executors_config(e: &ExecutorsSection, data_dir: &Path, p: &mut Problems) -> 
                 )
             })
     };
+    let listed_roots = || {
+        worktree_roots
+            .iter()
+            .map(|r| r.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     let check_worktrees_dir = |p: &mut Problems, key: &str, dir: &Path| {
         let resolved = resolved_path(dir);
         let inside_roots = |d: &Path| {
@@ -1765,11 +1772,7 @@ fn executors_config(e: &ExecutorsSection, data_dir: &Path, p: &mut Problems) -> 
                      name a directory inside one",
                     dir.display(),
                     resolved.display(),
-                    worktree_roots
-                        .iter()
-                        .map(|r| r.display().to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
+                    listed_roots()
                 ),
             );
         } else if !worktree_roots.iter().any(|r| dir.starts_with(r)) {
@@ -1778,11 +1781,7 @@ fn executors_config(e: &ExecutorsSection, data_dir: &Path, p: &mut Problems) -> 
                     format!(
                         "{} is outside executors.worktree_roots ({}); move it inside one, or add a root",
                         dir.display(),
-                        worktree_roots
-                            .iter()
-                            .map(|r| r.display().to_string())
-                            .collect::<Vec<_>>()
-                            .join(", ")
+                        listed_roots()
                     ),
                 );
         }

@@ -636,25 +636,17 @@ async fn creates_naming_one_branch_at_once_one_wins_the_rest_store_nothing() {
     let repo = repository(&w);
     let mgr = w.manager_with(config(&w));
     let made = futures::future::join_all((0..4).map(|_| {
-        mgr.create_session(NewSession {
-            task_id: w.task.id,
-            agent_profile_id: w.profile.id,
-            runtime: Runtime::LocalStandalone,
-            worktree: Worktree {
-                branch: "race/two".into(),
-                ..from_repo(&repo, "main")
-            },
-            remote: None,
-            metadata: BTreeMap::new(),
-            mcp_servers: Vec::new(),
-        })
+        let named = Worktree {
+            branch: "race/two".into(),
+            ..from_repo(&repo, "main")
+        };
+        create(&w, &mgr, named)
     }))
     .await;
     let mut won = Vec::new();
     for m in made {
         match m {
             Ok(s) => {
-                w.track(s.id).await;
                 assert_eq!(s.state, SessionState::WaitingForInput, "{s:?}");
                 won.push(s);
             }
