@@ -548,7 +548,13 @@ fn main() -> ExitCode {
                 }
                 Some(status) => {
                     eprintln!("error: {} ({:?})", status.message(), status.code());
-                    if let Some(hint) = tls_hint(&addr, status.message()) {
+                    // Only for this client's own transport failures: a
+                    // status sessiond sent (it has headers) proves the
+                    // connection works, whatever its message quotes
+                    // (helper-39 7: agentctl's "broken pipe").
+                    if status.metadata().is_empty()
+                        && let Some(hint) = tls_hint(&addr, status.message())
+                    {
                         eprintln!("{hint}");
                     }
                     if status.code() == tonic::Code::Unauthenticated && no_token {
@@ -833,14 +839,19 @@ fn local_repository(
         }
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
     };
-    let top = git(&["rev-parse", "--show-toplevel"])?;
-    // From inside a linked worktree (another session's, say): its main
-    // repository, which outlives the worktree, not the worktree itself.
     let common = git(&["rev-parse", "--path-format=absolute", "--git-common-dir"])?;
-    let common = std::path::Path::new(&common);
-    let top = match (common.file_name(), common.parent()) {
-        (Some(name), Some(main)) if name == ".git" => main.display().to_string(),
-        _ => top,
+    let top = if git(&["rev-parse", "--is-bare-repository"])? == "true" {
+        // A bare repository has no work tree: it is its own top (helper-38 8).
+        common
+    } else {
+        let top = git(&["rev-parse", "--show-toplevel"])?;
+        // From inside a linked worktree (another session's, say): its main
+        // repository, which outlives the worktree, not the worktree itself.
+        let common = std::path::Path::new(&common);
+        match (common.file_name(), common.parent()) {
+            (Some(name), Some(main)) if name == ".git" => main.display().to_string(),
+            _ => top,
+        }
     };
     let base = match base {
         Some(b) => b,

@@ -423,6 +423,30 @@ fn readme_worktree_story() {
     );
     env.sessionctl(&["session", "delete", &nested], &repo);
 
+    // A bare repository is its own top (helper-38 8: "must be run in a
+    // work tree").
+    let bare = env.home.path().join("src/myproject.git");
+    git(
+        env.home.path(),
+        &[
+            "clone",
+            "--bare",
+            "-q",
+            repo.to_str().unwrap(),
+            bare.to_str().unwrap(),
+        ],
+    );
+    let from_bare = env
+        .sessionctl(&["session", "create", "--repo", "-q"], &bare)
+        .trim()
+        .to_owned();
+    let status = env.sessionctl(&["session", "status", &from_bare], &repo);
+    assert!(
+        status.contains(&format!("repository        {} (base main", bare.display())),
+        "{status}"
+    );
+    env.sessionctl(&["session", "delete", &from_bare], &repo);
+
     env.sessionctl(&["send", &session, "/edit notes.txt from the agent"], &repo);
     let diff = env.sessionctl(&["workspace", "git-diff", "--base", &session], &repo);
     assert!(
