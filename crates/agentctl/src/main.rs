@@ -391,6 +391,7 @@ fn announce(addr: &str) {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    agentctl::sys::keep_inherited_descriptors_from_children();
     if std::env::args_os().nth(1).is_some_and(|a| a == "worktree") {
         return worktree_main().await;
     }

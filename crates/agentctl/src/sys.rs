@@ -1,5 +1,6 @@
 //! The only place agentctl calls libc directly: signalling a process group,
-//! tying the agent's life to agentctl's, and the clock tick of CPU times.
+//! tying the agent's life to agentctl's, the clock tick of CPU times, and
+//! keeping inherited descriptors from its children.
 #![allow(unsafe_code)]
 
 use std::io;
@@ -82,6 +83,24 @@ pub fn kill_on_parent_death(cmd: &mut tokio::process::Command) {
             }
             Ok(())
         });
+    }
+}
+
+/// Marks every descriptor from 3 up close-on-exec: one that agentctl's
+/// parent left open without the flag (a shell's, a harness's pipe) must
+/// not reach the agent, its terminals and Exec's children. agentctl's own
+/// descriptors carry the flag already. An old kernel (no `close_range`)
+/// changes nothing.
+pub fn keep_inherited_descriptors_from_children() {
+    // SAFETY: close_range takes integers; with CLOSE_RANGE_CLOEXEC it only
+    // sets a flag on descriptors of this process, closing none.
+    unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3 as libc::c_uint,
+            libc::c_uint::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        );
     }
 }
 

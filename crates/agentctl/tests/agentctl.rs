@@ -72,9 +72,9 @@ fn demo_agent_exe() -> PathBuf {
 /// (the demo agent's transcripts) and `outside/` (must stay untouched).
 struct Harness {
     base: tempfile::TempDir,
-    /// Signals agentctl starts with ignored (`trap '' SIGS` of a shell
-    /// that execs it), as `nohup` or a shell's background job leave them.
-    ignored_signals: Option<&'static str>,
+    /// A shell command run before agentctl is exec'd in its place (what
+    /// a parent leaves: ignored signals, open descriptors).
+    before_exec: Option<&'static str>,
 }
 
 impl Harness {
@@ -89,7 +89,7 @@ impl Harness {
         std::fs::write(base.path().join("outside/secret.txt"), "top secret").expect("write");
         Self {
             base,
-            ignored_signals: None,
+            before_exec: None,
         }
     }
 
@@ -124,11 +124,11 @@ impl Harness {
     ) -> Ctl {
         let port_file = self.base.path().join("agentctl.port");
         let log = std::fs::File::create(self.base.path().join("agentctl.log")).expect("log");
-        let mut cmd = match self.ignored_signals {
-            Some(sigs) => {
+        let mut cmd = match self.before_exec {
+            Some(before) => {
                 let mut sh = tokio::process::Command::new("sh");
                 sh.arg("-c")
-                    .arg(format!("trap '' {sigs}; exec \"$0\" \"$@\""))
+                    .arg(format!("{before}; exec \"$0\" \"$@\""))
                     .arg(agentctl_exe());
                 sh
             }
@@ -3453,7 +3453,7 @@ async fn a_python_sdk_agent_offering_only_resume_is_resumed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_commands_start_with_default_signal_actions() {
     let mut h = Harness::new();
-    h.ignored_signals = Some("HUP QUIT");
+    h.before_exec = Some("trap '' HUP QUIT");
     let ctl = h.spawn(&[]).await;
     let ignored_of = |status: &str| {
         let line = status
@@ -3491,6 +3491,33 @@ async fn exec_commands_start_with_default_signal_actions() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_children_get_no_descriptor_agentctl_inherited() {
+    // helper-39 9: a descriptor agentctl's parent left open (no
+    // close-on-exec) reached the agent and every Exec and terminal.
+    let mut h = Harness::new();
+    h.before_exec = Some("exec 7</dev/null");
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let out = c
+        .exec(ExecRequest {
+            command: "ls".into(),
+            args: vec!["/proc/self/fd".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("exec")
+        .into_inner();
+    assert_eq!(out.exit_code, Some(0));
+    let fds = String::from_utf8_lossy(&out.stdout).into_owned();
+    // 0-2, and ls's own handle on the directory it lists.
+    assert!(
+        fds.lines()
+            .all(|fd| fd.parse::<u32>().is_ok_and(|n| n <= 3)),
+        "{fds}"
+    );
+}
+
+#[tokio::test]
 async fn exec_leaves_nothing_running_even_what_left_its_session() {
     let h = Harness::new();
     let ctl = h.spawn(&[]).await;
