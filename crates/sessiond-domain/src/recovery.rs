@@ -135,6 +135,13 @@ pub enum Observation {
         /// What was tried and what to do, naming the branch.
         reason: String,
     },
+    /// After [`Action::CheckWorktree`] of a worktree sessiond created:
+    /// something else is at its directory (a directory made by hand,
+    /// another clone), which is neither taken for it nor touched.
+    WorktreeInTheWay {
+        /// What is there and what to do, naming the branch.
+        reason: String,
+    },
     /// The recorded pid is alive; `identity_proven` when its start time matches
     /// the record too (otherwise the pid was reused and must not be touched).
     ProcessAlive {
@@ -402,6 +409,13 @@ pub enum RecoveryFailure {
         /// What is gone, naming the branch, and what to do.
         reason: String,
     },
+    /// `worktree_in_the_way`: something else is where the worktree sessiond
+    /// created was; it is left as it is.
+    #[error("{reason}")]
+    WorktreeInTheWay {
+        /// What is there, and what to do.
+        reason: String,
+    },
     /// `docker_unavailable`: the engine did not answer; retried in the background.
     #[error(
         "Docker is not available ({reason}); the session recovers by itself once the engine answers"
@@ -536,6 +550,7 @@ impl RecoveryFailure {
         match self {
             RecoveryFailure::WorktreeMissing { .. } => "worktree_missing",
             RecoveryFailure::WorktreeUnrecoverable { .. } => "worktree_branch_missing",
+            RecoveryFailure::WorktreeInTheWay { .. } => "worktree_in_the_way",
             RecoveryFailure::DockerUnavailable { .. } => "docker_unavailable",
             RecoveryFailure::ContainerMissing => "container_missing",
             RecoveryFailure::ExecutorMissing { .. } => "executor_missing",
@@ -972,6 +987,9 @@ impl Recovery {
             }
             (P::CheckingWorktree, O::WorktreeUnrecoverable { reason }) => {
                 self.executor_failed(RecoveryFailure::WorktreeUnrecoverable { reason })
+            }
+            (P::CheckingWorktree, O::WorktreeInTheWay { reason }) => {
+                self.executor_failed(RecoveryFailure::WorktreeInTheWay { reason })
             }
             // A remote host's agentctl went away between its Health and the
             // worktree's restore: the host's failure, not a lost branch.
@@ -1682,6 +1700,21 @@ mod tests {
             standalone(S::WaitingForInput),
             vec![O::WorktreeUnrecoverable {
                 reason: "branch \"s/1\" no longer exists".into(),
+            }],
+            Expect {
+                actions: &["check_worktree", "done"],
+                label: L::ExecutorError,
+                executor: ExecutorStatus::Error,
+                session: S::Error,
+                workspace: false,
+                events: AGENTCTL_ERROR_AND_STATE,
+            },
+        );
+        check(
+            "something else where the worktree was",
+            standalone(S::WaitingForInput),
+            vec![O::WorktreeInTheWay {
+                reason: "/w/s-1 exists and is not the worktree of branch \"s/1\"".into(),
             }],
             Expect {
                 actions: &["check_worktree", "done"],

@@ -1146,7 +1146,16 @@ impl ExecutorRecovery<'_> {
                         .session
                         .metadata
                         .contains_key(crate::worktrees::WORKTREE_CREATED_KEY);
-                    if here && (made || !managed) && Path::new(&path).is_dir() {
+                    // A made worktree whose directory is there but is not
+                    // it any more (a plain directory, another clone: the
+                    // agent would work in it unknowing) goes to the restore
+                    // below, which names what is in the way (helper-38 7).
+                    let ours = !managed
+                        || crate::worktrees::may_be_linked_worktree(
+                            Path::new(&path),
+                            Path::new(&run.session.worktree.repository),
+                        );
+                    if here && (made || !managed) && ours && Path::new(&path).is_dir() {
                         Observation::WorktreeExists
                     } else if managed {
                         // Ours: check it out again from its branch before the
@@ -1185,6 +1194,25 @@ impl ExecutorRecovery<'_> {
                                 Observation::HostUnreachable {
                                     reason: e.to_string(),
                                     retry_in_background,
+                                }
+                            }
+                            // Something else stands at the directory.
+                            Err(Error::Executor(x))
+                                if matches!(
+                                    &*x,
+                                    sessiond_executor::Error::Worktree {
+                                        code: tonic::Code::AlreadyExists,
+                                        ..
+                                    }
+                                ) =>
+                            {
+                                Observation::WorktreeInTheWay {
+                                    reason: format!(
+                                        "{x}; sessiond leaves it as it is: move it away and \
+                                         resume the session (the worktree is checked out again \
+                                         from its branch), or delete the session with \
+                                         keep_worktree"
+                                    ),
                                 }
                             }
                             Err(e) => Observation::WorktreeUnrecoverable {

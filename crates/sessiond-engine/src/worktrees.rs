@@ -27,6 +27,48 @@ pub(crate) const WORKTREE_CREATED_KEY: &str = "worktree_created";
 /// worktree: what its worktree names is not its own, and a delete leaves it.
 pub(crate) const WORKTREE_NOT_MADE_KEY: &str = "worktree_not_made";
 
+/// Whether the directory at `path`, which exists on this host, may still be
+/// the linked worktree sessiond made there from `repository`, read from
+/// git's files alone (no git run; recovery asks it of every such session):
+/// `path/.git` names an admin directory under the repository's git
+/// directory, which names `path/.git` back. False only when that is known
+/// not to hold: a directory put there by hand, another repository's clone.
+/// A repository that cannot be read answers true (the restore, or the
+/// agent, says what is wrong then).
+pub(crate) fn may_be_linked_worktree(path: &Path, repository: &Path) -> bool {
+    let dot_git = path.join(".git");
+    let Ok(text) = std::fs::read_to_string(&dot_git) else {
+        // No `.git` file: nothing of git's (or a clone's own directory).
+        return false;
+    };
+    let Some(admin) = text
+        .lines()
+        .find_map(|l| l.strip_prefix("gitdir:"))
+        .map(|g| path.join(g.trim()))
+    else {
+        return false;
+    };
+    let points_back = std::fs::read_to_string(admin.join("gitdir"))
+        .ok()
+        .and_then(|back| std::fs::canonicalize(back.trim()).ok())
+        .zip(std::fs::canonicalize(&dot_git).ok())
+        .is_some_and(|(back, ours)| back == ours);
+    if !points_back {
+        return false;
+    }
+    match (
+        std::fs::canonicalize(&admin),
+        std::fs::canonicalize(repository),
+    ) {
+        // Under `repository/.git` (or a bare repository itself); a
+        // repository that is a linked worktree keeps its admin elsewhere.
+        (Ok(admin), Ok(repository)) => {
+            admin.starts_with(&repository) || !repository.join(".git").is_dir()
+        }
+        _ => true,
+    }
+}
+
 /// `agentctl`: a remote session's host agentctl, which makes its worktree.
 pub(crate) fn target(
     w: &Worktree,

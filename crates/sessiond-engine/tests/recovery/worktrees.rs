@@ -263,6 +263,61 @@ async fn a_worktree_removed_under_a_live_agentctl_is_served_again_after_the_agen
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// helper-38 7: after `kill -9` of everything, a plain directory put where
+/// the worktree was (the worktree itself removed) was taken for it: the
+/// agent ran there, and git calls failed. Recovery sees it is not the
+/// worktree: the session goes ERROR saying what is in the way, nothing in
+/// it is touched, and once it is moved away a resume checks the worktree
+/// out again from its branch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_put_where_the_worktree_was_is_not_taken_for_it() {
+    let w = World::new(Db::Sqlite).await;
+    let repo = repository(&w);
+    let mgr = w.manager_with(config(&w));
+    let s = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
+    let path = PathBuf::from(&s.worktree.path);
+    mgr.shutdown();
+    drop(mgr);
+    kill_tree(w.record(s.id).await.pid.unwrap()).await;
+    std::fs::remove_dir_all(&path).unwrap();
+    std::fs::create_dir_all(&path).unwrap();
+    std::fs::write(path.join("precious.txt"), "mine").unwrap();
+
+    let mgr = w.manager_with(config(&w));
+    let summary = mgr.recovery().recover_all().await.unwrap();
+    assert_eq!(summary.count(OutcomeLabel::ExecutorError), 1, "{summary:?}");
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::Error);
+    let why = st.error_message.unwrap_or_default();
+    assert!(
+        why.starts_with("worktree_in_the_way: ")
+            && why.contains("is not the worktree of branch")
+            && why.contains(&s.worktree.branch),
+        "{why}"
+    );
+    assert!(!st.is_agent_running);
+    assert_eq!(
+        std::fs::read_to_string(path.join("precious.txt")).unwrap(),
+        "mine"
+    );
+
+    let moved = PathBuf::from(format!("{}.moved", path.display()));
+    std::fs::rename(&path, &moved).unwrap();
+    mgr.resume_session(w.task.id, s.id).await.unwrap();
+    w.track(s.id).await;
+    assert_eq!(
+        git(&path, &["symbolic-ref", "--short", "HEAD"]),
+        s.worktree.branch
+    );
+    assert_eq!(
+        std::fs::read_to_string(moved.join("precious.txt")).unwrap(),
+        "mine"
+    );
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::WaitingForInput, "{st:?}");
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// Directory and branch both gone: the session goes ERROR naming the
 /// branch; nothing is made up from the base in its place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
