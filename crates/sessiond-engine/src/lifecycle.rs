@@ -299,7 +299,8 @@ impl SessionManager {
             // nothing yet (recovery makes the worktree from the base).
             #[cfg(feature = "failpoints")]
             fail::fail_point!("create-before-worktree");
-            if let Err(e) = Worktrees(self).make_worktree(&session).await {
+            let made = Worktrees(self).make_worktree(&session).await;
+            if let Err(e) = made {
                 let reason = format!(
                     "could not create the worktree: {e}; delete this session and create a new one"
                 );
@@ -318,11 +319,19 @@ impl SessionManager {
             // not say so yet (recovery adopts it).
             #[cfg(feature = "failpoints")]
             fail::fail_point!("create-after-worktree");
-            let mut made = session.clone();
-            made.metadata
+            let mut done = session.clone();
+            done.metadata
                 .insert(WORKTREE_CREATED_KEY.into(), "true".into());
+            // A base relative to where the repository is now (HEAD~1) is
+            // kept as the commit it named, so the review's "since the base"
+            // stays that commit (helper-38 4).
+            if let (Ok(Some(head)), true) =
+                (&made, crate::worktrees::base_moves(&session.worktree.base))
+            {
+                done.worktree.base = head.clone();
+            }
             session = self
-                .commit(Changeset::new().update_session(made))
+                .commit(Changeset::new().update_session(done))
                 .await?
                 .session
                 .ok_or_else(|| Error::Internal("no session".into()))?;

@@ -27,6 +27,17 @@ pub(crate) const WORKTREE_CREATED_KEY: &str = "worktree_created";
 /// worktree: what its worktree names is not its own, and a delete leaves it.
 pub(crate) const WORKTREE_NOT_MADE_KEY: &str = "worktree_not_made";
 
+/// Whether `base` names a commit relative to where a repository is now
+/// (`HEAD`, `HEAD~1`, `main^`, `@{upstream}`, `FETCH_HEAD`): kept as
+/// written, it would mean another commit later, and inside the worktree
+/// its own HEAD. Branch, tag and commit names are kept as written.
+pub(crate) fn base_moves(base: &str) -> bool {
+    base == "@"
+        || base.contains(['~', '^', ':'])
+        || base.contains("@{")
+        || (base.ends_with("HEAD") && base.chars().all(|c| c.is_ascii_uppercase() || c == '_'))
+}
+
 /// Whether the directory at `path`, which exists on this host, may still be
 /// the linked worktree sessiond made there from `repository`, read from
 /// git's files alone (no git run; recovery asks it of every such session):
@@ -296,6 +307,13 @@ impl Worktrees<'_> {
                 w.repository
             )));
         }
+        // One name per repository (helper-38 10): no trailing `/`, and the
+        // repository rather than its `.git` directory.
+        let mut repository: std::path::PathBuf = Path::new(&w.repository).components().collect();
+        if repository.file_name().is_some_and(|n| n == ".git") {
+            repository.pop();
+        }
+        w.repository = repository.display().to_string();
         let settings = &self.inner.config.worktrees;
         let dir = settings.dir(runtime).ok_or_else(|| {
             Error::InvalidArgument(if runtime == Runtime::LocalStandalone {
@@ -344,13 +362,17 @@ impl Worktrees<'_> {
         Ok(())
     }
 
-    /// Makes the planned worktree (the session's intent is committed).
-    pub(crate) async fn make_worktree(&self, s: &Session) -> Result<()> {
-        Agents(self)
+    /// Makes the planned worktree (the session's intent is committed);
+    /// the commit it checked out, when agentctl says.
+    pub(crate) async fn make_worktree(&self, s: &Session) -> Result<Option<String>> {
+        let made = Agents(self)
             .driver(s.runtime)?
             .worktree(&self.worktree_target(s).await?, WorktreeOp::Create)
             .await?;
-        Ok(())
+        Ok(match made {
+            WorktreeAnswer::Ensured { head, .. } if !head.is_empty() => Some(head),
+            _ => None,
+        })
     }
 
     /// Brings back the directory of a session's worktree before an agent

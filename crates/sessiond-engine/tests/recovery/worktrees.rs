@@ -723,3 +723,36 @@ async fn creates_naming_one_branch_at_once_one_wins_the_rest_store_nothing() {
     );
     w.finish(&mgr, &[won[0].id]).await;
 }
+
+/// helper-38 4 and 10: a base relative to where the repository is now
+/// (`HEAD~1`) is kept as the commit it named, so "since the base" does not
+/// move (inside the worktree `HEAD~1` is the worktree's own parent); a
+/// repository named with a trailing `/` or as its `.git` directory is kept
+/// by its one name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relative_base_is_kept_as_its_commit_and_a_repository_by_one_name() {
+    let w = World::new(Db::Sqlite).await;
+    let repo = repository(&w);
+    std::fs::write(repo.join("notes.txt"), "second\n").unwrap();
+    git(&repo, &["commit", "-q", "-am", "second"]);
+    let parent = git(&repo, &["rev-parse", "HEAD~1"]);
+    let mgr = w.manager_with(config(&w));
+    let s = create(
+        &w,
+        &mgr,
+        from_repo(Path::new(&format!("{}/.git/", repo.display())), "HEAD~1"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(s.worktree.base, parent);
+    assert_eq!(s.worktree.repository, repo.display().to_string());
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(
+        (st.worktree_base.as_str(), st.worktree_repository.as_str()),
+        (parent.as_str(), repo.to_str().unwrap())
+    );
+    // A branch name stays a name.
+    let named = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
+    assert_eq!(named.worktree.base, "main");
+    w.finish(&mgr, &[s.id, named.id]).await;
+}
