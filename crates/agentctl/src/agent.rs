@@ -538,6 +538,10 @@ fn stop_reason_name(r: StopReason) -> String {
         .unwrap_or_else(|| format!("{r:?}"))
 }
 
+/// How long an agent whose output closed during `initialize` is given to
+/// be seen exiting, so its exit status is what the error says.
+const EXIT_AFTER_CLOSE: Duration = Duration::from_secs(2);
+
 fn acp_error(what: &str, e: &agent_client_protocol::Error) -> Error {
     if agent_client_protocol::is_connection_terminated(e)
         || agent_client_protocol::is_incoming_transport_closed(e)
@@ -1006,6 +1010,25 @@ impl AgentManager {
                     describe_exit(&exit)
                 )))
             }
+        };
+        // An agent that exits closes its output before its exit is seen:
+        // say how it exited rather than that its connection closed
+        // (helper-39 10).
+        let outcome = match outcome {
+            Err(Error::Unavailable(m)) if m.ends_with("the agent's connection closed") => {
+                let mut exit_wait = exit_rx.clone();
+                let exited =
+                    tokio::time::timeout(EXIT_AFTER_CLOSE, exit_wait.wait_for(Option::is_some))
+                        .await;
+                match exited {
+                    Ok(Ok(exit)) => Err(Error::Unavailable(format!(
+                        "the agent exited during ACP initialize ({})",
+                        describe_exit(&(*exit).unwrap_or_default())
+                    ))),
+                    _ => Err(Error::Unavailable(m)),
+                }
+            }
+            other => other,
         };
         match outcome {
             Ok((conn, resp, auth_methods, authenticated_with)) => {

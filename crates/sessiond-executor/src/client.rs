@@ -1155,9 +1155,12 @@ fn is_timeout(status: &tonic::Status) -> bool {
 /// True when the status was made on this side from a transport failure
 /// (connection refused, reset, ...), not sent by agentctl.
 fn is_transport_error(status: &tonic::Status) -> bool {
+    // A status agentctl sent comes with its headers: whatever its message
+    // says ("the agent's connection closed"), agentctl was reached.
     std::error::Error::source(status).is_some()
-        || status.message().contains("transport error")
-        || status.message().contains("connection")
+        || (status.metadata().is_empty()
+            && (status.message().contains("transport error")
+                || status.message().contains("connection")))
 }
 
 fn error_chain(status: &tonic::Status) -> String {

@@ -557,3 +557,23 @@ async fn a_restart_waiting_its_backoff_shows_as_recovering() {
     w.track(s.id).await;
     w.finish(&mgr, &[s.id]).await;
 }
+
+/// helper-39 10: an agent that exits as it starts was reported as "agentctl
+/// at ... is unreachable: ... the agent's connection closed": agentctl was
+/// reached, and the agent's exit status was what the user needed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_exits_at_start_is_reported_with_its_exit_status() {
+    let w = World::new(Db::Sqlite).await;
+    let args = ["-c".to_owned(), "echo starting >&2; exit 3".to_owned()];
+    let profile = w.upsert_profile("exits", "/bin/sh", &args, &[], true).await;
+    let mgr = w.manager();
+    let s = w.create_with(&mgr, "exits", &profile, None).await;
+    assert_eq!(s.state, SessionState::Error, "{s:?}");
+    let why = s.error_message.clone().unwrap_or_default();
+    assert!(
+        why.contains("the agent exited during ACP initialize (exit code 3)"),
+        "{why}"
+    );
+    assert!(!why.contains("unreachable"), "{why}");
+    w.finish(&mgr, &[]).await;
+}
