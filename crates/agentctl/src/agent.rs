@@ -2547,6 +2547,7 @@ fn create_terminal(shared: &Shared, generation: u64, req: CreateTerminalRequest)
         Some(dir) => ws.resolve(&dir.to_string_lossy())?,
         None => ws.root().to_path_buf(),
     };
+    let cwd_handle = Some(std::sync::Arc::new(ws.open_dir(&cwd)?));
     shared.terminals.create(TerminalSpec {
         session_id: req.session_id.0.to_string(),
         turn_id,
@@ -2554,6 +2555,7 @@ fn create_terminal(shared: &Shared, generation: u64, req: CreateTerminalRequest)
         args: req.args,
         env: req.env.into_iter().map(|v| (v.name, v.value)).collect(),
         cwd,
+        cwd_handle,
         output_byte_limit: req.output_byte_limit,
         agent_marker,
     })

@@ -33,6 +33,10 @@ pub struct ExecSpec<'a> {
     pub args: &'a [String],
     /// Working directory, already confined to the workspace.
     pub cwd: &'a Path,
+    /// The same directory, opened beneath the workspace's root: the child
+    /// enters it by this handle, so a path component swapped for a symlink
+    /// after `cwd` was checked leads nowhere outside.
+    pub cwd_handle: Option<&'a std::os::fd::OwnedFd>,
     /// Extra environment.
     pub env: &'a HashMap<String, String>,
     /// Wall-clock limit; the whole process group is killed when it passes.
@@ -184,6 +188,9 @@ pub async fn run(spec: ExecSpec<'_>) -> Result<ExecOutput> {
     // controlling terminal, and one signal reaches everything it starts
     // that does not leave the group on purpose.
     sys::new_session(&mut cmd);
+    if let Some(dir) = spec.cwd_handle {
+        sys::enter_dir(&mut cmd, dir);
+    }
     let mut child = cmd
         .spawn()
         .map_err(|e| Error::io(format!("starting `{}`", spec.command), e))?;

@@ -617,14 +617,18 @@ impl AgentCtlService for AgentCtl {
         let r = req.into_inner();
         let ws = self.workspace.get()?;
         let cwd_arg = r.cwd.clone();
-        let cwd = blocking(move || ws.resolve(&cwd_arg)).await?;
-        // Said here: the spawn's own ENOENT would blame the command.
-        if !cwd.is_dir() {
-            return Err(Status::not_found(format!(
-                "cwd {:?} is not a directory in the workspace",
-                r.cwd
-            )));
-        }
+        let (cwd, handle) = blocking(move || {
+            let cwd = ws.resolve(&cwd_arg)?;
+            // Said here: the spawn's own ENOENT would blame the command.
+            if !cwd.is_dir() {
+                return Err(crate::error::Error::NotFound(format!(
+                    "cwd {cwd_arg:?} is not a directory in the workspace"
+                )));
+            }
+            let handle = ws.open_dir(&cwd)?;
+            Ok((cwd, handle))
+        })
+        .await?;
         let timeout = if r.timeout_ms == 0 {
             exec::DEFAULT_TIMEOUT
         } else {
@@ -639,6 +643,7 @@ impl AgentCtlService for AgentCtl {
             command: &r.command,
             args: &r.args,
             cwd: &cwd,
+            cwd_handle: Some(&handle),
             env: &r.env,
             timeout,
             max_output,

@@ -104,6 +104,25 @@ pub fn keep_inherited_descriptors_from_children() {
     }
 }
 
+/// Makes the child `cmd` spawns enter the directory `dir` (an open handle)
+/// just before it execs, whatever its path names by then.
+pub fn enter_dir(cmd: &mut tokio::process::Command, dir: &std::os::fd::OwnedFd) {
+    use std::os::fd::AsRawFd;
+    let raw = dir.as_raw_fd();
+    // SAFETY: the closure runs in the forked child before exec and calls
+    // only `fchdir`, an async-signal-safe system call, on a descriptor the
+    // parent keeps open until the spawn returned (the caller borrows it for
+    // that long); on failure it reads `errno`.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::fchdir(raw) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 /// Marks agentctl non-dumpable (`PR_SET_DUMPABLE` 0): its `/proc/<pid>`
 /// files (`environ`, `mem`, `fd`, ...) become root's and `ptrace` is refused
 /// to processes without `CAP_SYS_PTRACE`, so the agent and the commands it

@@ -74,6 +74,9 @@ pub struct TerminalSpec {
     pub env: HashMap<String, String>,
     /// Working directory, already confined to the workspace.
     pub cwd: PathBuf,
+    /// The same directory opened beneath the workspace's root, entered by
+    /// handle (see `exec::ExecSpec::cwd_handle`).
+    pub cwd_handle: Option<std::sync::Arc<std::os::fd::OwnedFd>>,
     /// The agent's `outputByteLimit`.
     pub output_byte_limit: Option<u64>,
     /// The marker of the agent's process tree (see [`tree`]).
@@ -305,6 +308,9 @@ impl Terminals {
         }
         // Its own session: no controlling terminal, one group to signal.
         sys::new_session(&mut cmd);
+        if let Some(dir) = &spec.cwd_handle {
+            sys::enter_dir(&mut cmd, dir);
+        }
         let mut child = cmd
             .spawn()
             .map_err(|e| Error::io(format!("starting terminal command `{}`", spec.command), e))?;

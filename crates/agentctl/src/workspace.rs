@@ -108,6 +108,15 @@ impl Workspace {
             })
     }
 
+    /// A handle on a directory [`Workspace::resolve`] answered, opened
+    /// beneath the root without following a symlink: a working directory
+    /// a child enters by handle, so a component swapped for a symlink after
+    /// the check fails here instead of leading outside.
+    pub fn open_dir(&self, resolved: &Path) -> Result<std::os::fd::OwnedFd> {
+        self.open_resolved(resolved, "cwd", libc::O_PATH | libc::O_DIRECTORY, 0)
+            .map(std::os::fd::OwnedFd::from)
+    }
+
     /// The canonical root.
     pub fn root(&self) -> &Path {
         &self.root

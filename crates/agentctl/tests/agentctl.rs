@@ -1379,6 +1379,59 @@ async fn exec_timeout_output_cap_exit_code_and_cwd() {
     h.assert_no_leftovers().await;
 }
 
+/// helper-39 5: Exec checked its cwd, then started the command by path: a
+/// directory swapped for a symlink in between ran the command outside the
+/// workspace (3 of 150 calls). The command enters the directory it checked,
+/// by handle: whatever wins the race, nothing runs outside.
+#[tokio::test]
+async fn exec_cwd_swapped_for_a_symlink_never_runs_outside() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let dir = h.ws().join("d");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::create_dir_all(h.outside()).expect("mkdir outside");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let swapper = {
+        let (dir, outside, stop) = (dir.clone(), h.outside(), stop.clone());
+        std::thread::spawn(move || {
+            let aside = dir.with_file_name("d.real");
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = std::fs::rename(&dir, &aside);
+                let _ = std::os::unix::fs::symlink(&outside, &dir);
+                std::thread::yield_now();
+                let _ = std::fs::remove_file(&dir);
+                let _ = std::fs::rename(&aside, &dir);
+                std::thread::yield_now();
+            }
+        })
+    };
+    let outside = std::fs::canonicalize(h.outside()).expect("canonical");
+    let mut ran = 0;
+    for _ in 0..150 {
+        let out = c
+            .exec(ExecRequest {
+                command: "sh".into(),
+                args: vec!["-c".into(), "pwd -P".into()],
+                cwd: "d".into(),
+                ..Default::default()
+            })
+            .await;
+        if let Ok(out) = out {
+            let text = String::from_utf8_lossy(&out.get_ref().stdout).into_owned();
+            assert!(
+                !text.trim().starts_with(outside.to_str().expect("utf-8")),
+                "ran outside the workspace: {text}"
+            );
+            ran += 1;
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    swapper.join().expect("swapper");
+    assert!(ran > 0, "no call ran at all");
+    ctl.shutdown().await;
+}
+
 fn group_members(pgid: u32) -> Vec<u32> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc").expect("proc").flatten() {
