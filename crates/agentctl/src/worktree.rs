@@ -68,6 +68,9 @@ pub struct State {
     pub merged: bool,
     /// The branch's tip; empty when it does not exist.
     pub head: String,
+    /// `git worktree lock` holds the worktree: its reason (maybe empty).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub locked: Option<String>,
 }
 
 /// One commit of the branch since its base.
@@ -331,6 +334,8 @@ struct Listed {
     path: PathBuf,
     branch: Option<String>,
     prunable: bool,
+    /// `locked`, with its reason (maybe empty).
+    locked: Option<String>,
 }
 
 async fn list(repository: &Path) -> Result<Vec<Listed>> {
@@ -341,6 +346,7 @@ async fn list(repository: &Path) -> Result<Vec<Listed>> {
             path: PathBuf::new(),
             branch: None,
             prunable: false,
+            locked: None,
         };
         for line in block.lines() {
             if let Some(p) = line.strip_prefix("worktree ") {
@@ -349,6 +355,8 @@ async fn list(repository: &Path) -> Result<Vec<Listed>> {
                 entry.branch = Some(b.to_owned());
             } else if line.starts_with("prunable") {
                 entry.prunable = true;
+            } else if let Some(reason) = line.strip_prefix("locked") {
+                entry.locked = Some(reason.trim().to_owned());
             }
         }
         if !entry.path.as_os_str().is_empty() {
@@ -596,6 +604,11 @@ pub async fn state(spec: &Spec) -> Result<State> {
         ..State::default()
     };
     if state.path_exists {
+        state.locked = list(&spec.repository)
+            .await?
+            .into_iter()
+            .find(|e| e.path == spec.path)
+            .and_then(|e| e.locked);
         let args = [
             "status",
             "--porcelain=v1",

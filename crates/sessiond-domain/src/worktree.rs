@@ -62,6 +62,8 @@ pub struct WorktreeContents {
     pub unique_commits: u64,
     /// The branch's tip is contained in the base.
     pub merged: bool,
+    /// `git worktree lock` holds it (with the reason given, maybe empty).
+    pub locked: Option<String>,
 }
 
 /// What the caller of a delete asked for its worktree.
@@ -96,6 +98,18 @@ pub enum Removal {
 pub fn removal(branch: &str, found: &WorktreeContents, asked: RemovalRequest) -> Removal {
     if asked.keep {
         return Removal::Keep;
+    }
+    // Someone locked it on purpose: not even a discard overrides that.
+    if let Some(reason) = &found.locked {
+        return Removal::Refuse(format!(
+            "the worktree is locked (git worktree lock{}); unlock it (git worktree unlock \
+             <path>) and delete again, or delete with keep_worktree (keeps the worktree and branch)",
+            if reason.is_empty() {
+                String::new()
+            } else {
+                format!(": {reason}")
+            }
+        ));
     }
     if !asked.discard {
         let mut lost = Vec::new();
@@ -203,6 +217,34 @@ mod tests {
             ..RemovalRequest::default()
         };
         assert_eq!(removal("b", &dirty, keep), Removal::Keep);
+    }
+
+    #[test]
+    fn a_locked_worktree_is_refused_even_with_discard_and_kept_on_request() {
+        let locked = WorktreeContents {
+            locked: Some("user lock".into()),
+            ..clean()
+        };
+        for asked in [
+            RemovalRequest::default(),
+            RemovalRequest {
+                discard: true,
+                delete_branch: true,
+                ..RemovalRequest::default()
+            },
+        ] {
+            match removal("b", &locked, asked) {
+                Removal::Refuse(m) => {
+                    assert!(m.contains("locked") && m.contains("user lock"), "{m}")
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let keep = RemovalRequest {
+            keep: true,
+            ..RemovalRequest::default()
+        };
+        assert_eq!(removal("b", &locked, keep), Removal::Keep);
     }
 
     #[test]

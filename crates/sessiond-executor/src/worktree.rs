@@ -228,6 +228,8 @@ pub fn parse_ok(ok: &serde_json::Value, op: WorktreeOp) -> Option<Result<Worktre
                 .collect(),
             unique_commits: ok.get("unique_commits")?.as_u64()?,
             merged: ok.get("merged")?.as_bool()?,
+            // Absent from an older agentctl's answer.
+            locked: ok.get("locked").and_then(|l| l.as_str()).map(str::to_owned),
         }),
         WorktreeOp::Branches => WorktreeAnswer::Branches {
             names: ok

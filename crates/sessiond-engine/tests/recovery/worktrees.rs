@@ -756,3 +756,53 @@ async fn a_relative_base_is_kept_as_its_commit_and_a_repository_by_one_name() {
     assert_eq!(named.worktree.base, "main");
     w.finish(&mgr, &[s.id, named.id]).await;
 }
+
+/// helper-38 11: a worktree locked with `git worktree lock` made a delete
+/// stop the agent (the session CANCELLED) and only then fail with git's
+/// own words; `discard` did not help. A lock is the user's: the delete is
+/// refused up front, discard or not, naming the lock, and nothing is
+/// stopped; keep_worktree deletes the session and leaves the worktree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_locked_worktree_refuses_the_delete_before_anything_is_stopped() {
+    let w = World::new(Db::Sqlite).await;
+    let repo = repository(&w);
+    let mgr = w.manager_with(config(&w));
+    let s = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
+    git(
+        &repo,
+        &[
+            "worktree",
+            "lock",
+            "--reason",
+            "user lock",
+            &s.worktree.path,
+        ],
+    );
+    for discard in [false, true] {
+        let asked = RemovalRequest {
+            discard,
+            ..RemovalRequest::default()
+        };
+        let err = mgr
+            .delete_session_with(w.task.id, s.id, asked)
+            .await
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("locked") && text.contains("user lock"),
+            "{text}"
+        );
+        let st = w.status(&mgr, s.id).await;
+        assert_eq!(st.state, SessionState::WaitingForInput, "nothing stopped");
+        assert!(st.is_agent_running);
+    }
+    let keep = RemovalRequest {
+        keep: true,
+        ..RemovalRequest::default()
+    };
+    mgr.delete_session_with(w.task.id, s.id, keep)
+        .await
+        .unwrap();
+    assert!(Path::new(&s.worktree.path).is_dir(), "kept");
+    w.finish(&mgr, &[]).await;
+}
