@@ -639,7 +639,7 @@ impl AgentCtlService for AgentCtl {
         } else {
             r.max_output_bytes.min(exec::MAX_OUTPUT)
         };
-        let out = exec::run(ExecSpec {
+        let run = exec::run(ExecSpec {
             command: &r.command,
             args: &r.args,
             cwd: &cwd,
@@ -647,8 +647,19 @@ impl AgentCtlService for AgentCtl {
             env: &r.env,
             timeout,
             max_output,
-        })
-        .await?;
+        });
+        // agentctl stopping (its session stopped or deleted) ends the
+        // command at once, as a dropped call does: the shutdown does not
+        // wait out its timeout, nor the caller a broken connection.
+        let mut shutdown = self.shutdown.clone();
+        let out = tokio::select! {
+            out = run => out?,
+            _ = shutdown.wait_for(|s| *s) => {
+                return Err(Status::failed_precondition(
+                    "the command was ended: agentctl is stopping (its session was stopped or deleted)",
+                ));
+            }
+        };
         Ok(Response::new(ExecResponse {
             exit_code: out.exit_code,
             stdout: out.stdout,

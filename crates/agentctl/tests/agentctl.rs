@@ -1379,6 +1379,54 @@ async fn exec_timeout_output_cap_exit_code_and_cwd() {
     h.assert_no_leftovers().await;
 }
 
+/// helper-39 7: a session stopped during a long Exec waited for agentctl's
+/// 5 s drain, and the caller saw a broken connection. agentctl stopping
+/// ends the command at once and answers the call with why.
+#[tokio::test]
+async fn agentctl_stopping_ends_a_running_exec_and_says_why() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let call = tokio::spawn(async move {
+        c.exec(ExecRequest {
+            command: "sh".into(),
+            args: vec!["-c".into(), "echo $$ > long.pid; exec sleep 300".into()],
+            timeout_ms: 600_000,
+            ..Default::default()
+        })
+        .await
+    });
+    let pid_file = h.ws().join("long.pid");
+    let deadline = std::time::Instant::now() + WAIT;
+    let pid: u32 = loop {
+        if let Some(pid) = std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+        {
+            break pid;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the command never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    ctl.shutdown().await;
+    let err = call.await.expect("join").expect_err("ended");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(
+        err.message().contains("agentctl is stopping"),
+        "{}",
+        err.message()
+    );
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists()
+            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|s| s.contains(") Z ")),
+        "the command still runs"
+    );
+}
+
 /// helper-39 5: Exec checked its cwd, then started the command by path: a
 /// directory swapped for a symlink in between ran the command outside the
 /// workspace (3 of 150 calls). The command enters the directory it checked,
