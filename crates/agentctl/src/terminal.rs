@@ -46,6 +46,24 @@ pub const MAX_TERMINALS: usize = 64;
 pub const PUBLISHED_TAIL: usize = 64 << 10;
 /// How often a running terminal's part is published at most.
 const PUBLISH_EVERY: Duration = Duration::from_millis(200);
+/// Every this many bytes of output published for one terminal, the pause
+/// between its parts doubles (up to [`PUBLISH_AT_MOST_EVERY`]): each part
+/// carries the whole tail, and sessiond stores every part, so a terminal
+/// that prints for long would otherwise cost storage without bound.
+const PUBLISH_BUDGET_STEP: usize = 1 << 20;
+/// The longest pause between two parts of a running terminal.
+const PUBLISH_AT_MOST_EVERY: Duration = Duration::from_secs(30);
+
+/// The pause after a terminal's parts carried `published` bytes in all.
+fn publish_pause(published: usize) -> Duration {
+    let doublings = u32::try_from(published / PUBLISH_BUDGET_STEP)
+        .unwrap_or(u32::MAX)
+        .min(16);
+    PUBLISH_EVERY
+        .saturating_mul(1 << doublings)
+        .min(PUBLISH_AT_MOST_EVERY)
+}
+
 /// How long readers may drain the pipes once the command has exited (a
 /// background child may hold them open).
 const DRAIN: Duration = Duration::from_millis(200);
@@ -169,12 +187,14 @@ impl Terminal {
     /// output's tail, the exit, whether it was released. Revisions are
     /// taken and pushed under one lock, so the stream never carries a
     /// later state under a lower revision.
-    fn publish(&self, updates: &UpdateLog) {
+    /// Publishes the terminal's part; answers the bytes of output it carried.
+    fn publish(&self, updates: &UpdateLog) -> usize {
         let (tail, truncated) = {
             let b = self.buffer();
             let (t, cut) = b.tail(PUBLISHED_TAIL);
             (String::from_utf8_lossy(t).into_owned(), cut)
         };
+        let tail_len = tail.len();
         let exit = self.exit.borrow().clone();
         let mut rev = self
             .rev
@@ -209,6 +229,7 @@ impl Terminal {
             json: json.to_string(),
             complete: exit.is_some() || released,
         }));
+        tail_len
     }
 
     /// Ends every process of the terminal: its group, then whatever carries
@@ -366,6 +387,7 @@ impl Terminals {
         let updates = self.updates.clone();
         tokio::spawn(async move {
             let mut exit = publisher.exit.subscribe();
+            let mut published = 0usize;
             loop {
                 tokio::select! {
                     () = publisher.changed.notified() => {}
@@ -375,11 +397,15 @@ impl Terminals {
                 if publisher.released.load(Ordering::SeqCst) {
                     break;
                 }
-                publisher.publish(&updates);
+                published = published.saturating_add(publisher.publish(&updates));
                 if done {
                     break;
                 }
-                tokio::time::sleep(PUBLISH_EVERY).await;
+                // The exit is published at once, whatever the pause.
+                tokio::select! {
+                    () = tokio::time::sleep(publish_pause(published)) => {}
+                    _ = exit.wait_for(Option::is_some) => {}
+                }
             }
         });
         self.live().insert(id.clone(), term);
@@ -479,6 +505,23 @@ fn signal_name(sig: i32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_terminal_that_prints_long_is_published_less_often() {
+        assert_eq!(publish_pause(0), PUBLISH_EVERY);
+        assert_eq!(publish_pause(PUBLISH_BUDGET_STEP - 1), PUBLISH_EVERY);
+        assert_eq!(publish_pause(PUBLISH_BUDGET_STEP), PUBLISH_EVERY * 2);
+        assert_eq!(publish_pause(3 * PUBLISH_BUDGET_STEP), PUBLISH_EVERY * 8);
+        assert_eq!(publish_pause(usize::MAX), PUBLISH_AT_MOST_EVERY);
+        // Bytes stored for a terminal printing 64 KiB tails for an hour:
+        // bounded by the pauses, not by how fast it prints.
+        let (mut stored, mut t) = (0usize, Duration::ZERO);
+        while t < Duration::from_secs(3600) {
+            stored += PUBLISHED_TAIL;
+            t += publish_pause(stored);
+        }
+        assert!(stored < 16 << 20, "{stored} bytes");
+    }
 
     #[test]
     fn the_oldest_bytes_go_first_at_a_character_boundary() {
