@@ -895,11 +895,15 @@ impl AgentManager {
                 stdio::next_line(&mut reader, &mut buf, stdio::MAX_LOG_LINE).await
             {
                 stderr_signs.line();
-                let (log, skipped) = budget.admit();
+                let shown = match &line {
+                    stdio::Line::TooLong { head, .. } => head.len(),
+                    _ => line.shown().len(),
+                };
+                let (log, skipped) = budget.admit(shown);
                 if skipped > 0 {
                     tracing::info!(target: "agent_stderr", pid, skipped,
-                        "({skipped} lines of the agent's stderr not logged: over {} a second)",
-                        stdio::STDERR_LINES_PER_SECOND);
+                        "({skipped} lines of the agent's stderr not logged: over {} lines or {} bytes a second)",
+                        stdio::STDERR_LINES_PER_SECOND, stdio::STDERR_BYTES_PER_SECOND);
                 }
                 if !log {
                     continue;

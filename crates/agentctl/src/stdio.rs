@@ -175,12 +175,19 @@ impl Noise {
 /// counted, and the count logged when logging resumes.
 pub const STDERR_LINES_PER_SECOND: u32 = 200;
 
+/// How many bytes of an agent's stderr are logged per second (64 KiB):
+/// with lines of up to [`MAX_LOG_LINE`], the line count alone let a
+/// flood write megabytes a second (helper-39 11).
+pub const STDERR_BYTES_PER_SECOND: usize = 64 << 10;
+
 /// Keeps an agent's stderr from filling the log: at most
-/// [`STDERR_LINES_PER_SECOND`] lines a second are logged.
+/// [`STDERR_LINES_PER_SECOND`] lines and [`STDERR_BYTES_PER_SECOND`] bytes
+/// a second are logged (the first line of a second always is).
 #[derive(Debug)]
 pub struct LogBudget {
     window: std::time::Instant,
     logged: u32,
+    logged_bytes: usize,
     skipped: u64,
 }
 
@@ -189,24 +196,31 @@ impl Default for LogBudget {
         Self {
             window: std::time::Instant::now(),
             logged: 0,
+            logged_bytes: 0,
             skipped: 0,
         }
     }
 }
 
 impl LogBudget {
-    /// Whether the next line is logged, and how many lines were skipped
-    /// before it (to say so first) when a new second began.
-    pub fn admit(&mut self) -> (bool, u64) {
+    /// Whether the next line (`bytes` long as logged) is logged, and how
+    /// many lines were skipped before it (to say so first) when a new
+    /// second began.
+    pub fn admit(&mut self, bytes: usize) -> (bool, u64) {
         let now = std::time::Instant::now();
         let mut skipped = 0;
         if now.duration_since(self.window) >= std::time::Duration::from_secs(1) {
             self.window = now;
             self.logged = 0;
+            self.logged_bytes = 0;
             skipped = std::mem::take(&mut self.skipped);
         }
-        if self.logged < STDERR_LINES_PER_SECOND {
+        let fits = self.logged == 0
+            || (self.logged < STDERR_LINES_PER_SECOND
+                && self.logged_bytes.saturating_add(bytes) <= STDERR_BYTES_PER_SECOND);
+        if fits {
             self.logged += 1;
+            self.logged_bytes = self.logged_bytes.saturating_add(bytes);
             (true, skipped)
         } else {
             self.skipped += 1;
@@ -293,13 +307,21 @@ mod tests {
     }
 
     #[test]
+    fn a_flood_of_long_lines_is_logged_at_a_bounded_byte_rate() {
+        let mut budget = LogBudget::default();
+        let admitted = (0..1_000).filter(|_| budget.admit(MAX_LOG_LINE).0).count();
+        assert!(admitted * MAX_LOG_LINE <= STDERR_BYTES_PER_SECOND.max(MAX_LOG_LINE));
+        assert!(admitted >= 1, "the first line of a second is logged");
+    }
+
+    #[test]
     fn a_stderr_flood_is_logged_at_a_bounded_rate() {
         let mut budget = LogBudget::default();
-        let admitted = (0..10_000).filter(|_| budget.admit().0).count();
+        let admitted = (0..10_000).filter(|_| budget.admit(10).0).count();
         assert_eq!(admitted, STDERR_LINES_PER_SECOND as usize);
         budget.window -= std::time::Duration::from_secs(1);
         assert_eq!(
-            budget.admit(),
+            budget.admit(10),
             (true, 10_000 - u64::from(STDERR_LINES_PER_SECOND))
         );
     }
