@@ -840,18 +840,16 @@ fn local_repository(
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
     };
     let common = git(&["rev-parse", "--path-format=absolute", "--git-common-dir"])?;
-    let top = if git(&["rev-parse", "--is-bare-repository"])? == "true" {
+    let common_path = std::path::Path::new(&common);
+    let top = match (common_path.file_name(), common_path.parent()) {
+        // The repository whose `.git` this is: from inside a linked
+        // worktree (another session's, say), its main repository, which
+        // outlives the worktree; from inside `.git` itself, the repository
+        // (helper-41 7).
+        (Some(name), Some(main)) if name == ".git" => main.display().to_string(),
         // A bare repository has no work tree: it is its own top (helper-38 8).
-        common
-    } else {
-        let top = git(&["rev-parse", "--show-toplevel"])?;
-        // From inside a linked worktree (another session's, say): its main
-        // repository, which outlives the worktree, not the worktree itself.
-        let common = std::path::Path::new(&common);
-        match (common.file_name(), common.parent()) {
-            (Some(name), Some(main)) if name == ".git" => main.display().to_string(),
-            _ => top,
-        }
+        _ if git(&["rev-parse", "--is-bare-repository"])? == "true" => common,
+        _ => git(&["rev-parse", "--show-toplevel"])?,
     };
     let base = match base {
         Some(b) => b,

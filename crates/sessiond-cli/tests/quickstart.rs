@@ -110,7 +110,22 @@ impl Env {
 
     /// [`Env::serve_with`], started in `cwd`.
     fn serve_in(&self, cwd: &Path, extra: &[(&str, &str)]) -> Served {
-        let mut cmd = Command::new("sessiond");
+        self.serve_after(cwd, extra, None)
+    }
+
+    /// [`Env::serve_in`], `before` (a shell command) run first by the shell
+    /// that then execs sessiond: what a parent leaves it (open descriptors).
+    fn serve_after(&self, cwd: &Path, extra: &[(&str, &str)], before: Option<&str>) -> Served {
+        let mut cmd = match before {
+            Some(before) => {
+                let mut sh = Command::new("sh");
+                sh.arg("-c")
+                    .arg(format!("{before}; exec sessiond \"$@\""))
+                    .arg("sh");
+                sh
+            }
+            None => Command::new("sessiond"),
+        };
         self.apply(&mut cmd);
         cmd.current_dir(cwd).envs(extra.iter().copied());
         cmd.arg("serve")
@@ -248,6 +263,46 @@ fn agentctls_under(dir: &Path) -> Vec<String> {
             (cmd.contains("agentctl") && cmd.contains(&needle)).then(|| pid.to_string())
         })
         .collect()
+}
+
+/// helper-41 3: a descriptor sessiond's parent left open (a supervisor's
+/// lock file) reached every agentctl, which outlives sessiond and kept it:
+/// `flock` could not start sessiond again. None reaches agentctl now.
+#[test]
+fn agentctl_gets_no_descriptor_that_sessiond_inherited() {
+    let mut env = Env::new();
+    let scratch = env.home.path().join("fds");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let marker = env.home.path().join("inherited-lock");
+    std::fs::write(&marker, "").unwrap();
+    let server = env.serve_after(
+        &std::env::current_dir().unwrap(),
+        &[],
+        Some(&format!("exec 9<'{}'", marker.display())),
+    );
+    env.sessionctl(&["health", "--wait"], &scratch);
+    let task = env
+        .sessionctl(&["task", "create", "fds", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    env.task = Some(task);
+    env.sessionctl(&["session", "create", "-q"], &scratch);
+    let agentctls = agentctls_under(env.home.path());
+    assert_eq!(agentctls.len(), 1, "{agentctls:?}");
+    let held: Vec<String> = std::fs::read_dir(format!("/proc/{}/fd", agentctls[0]))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .map(|t| t.display().to_string())
+        .collect();
+    assert!(
+        !held.iter().any(|t| t == &marker.display().to_string()),
+        "agentctl holds sessiond's inherited descriptor: {held:?}"
+    );
+    terminate(server);
+    for pid in agentctls_under(env.home.path()) {
+        let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    }
 }
 
 #[test]
@@ -446,6 +501,17 @@ fn readme_worktree_story() {
         "{status}"
     );
     env.sessionctl(&["session", "delete", &from_bare], &repo);
+    // The repository named by its `.git` directory (helper-41 7).
+    let from_dot_git = env
+        .sessionctl(&["session", "create", "--repo", "-q"], &repo.join(".git"))
+        .trim()
+        .to_owned();
+    let status = env.sessionctl(&["session", "status", &from_dot_git], &repo);
+    assert!(
+        status.contains(&format!("repository        {} (base main", repo.display())),
+        "{status}"
+    );
+    env.sessionctl(&["session", "delete", &from_dot_git], &repo);
 
     env.sessionctl(&["send", &session, "/edit notes.txt from the agent"], &repo);
     let diff = env.sessionctl(&["workspace", "git-diff", "--base", &session], &repo);

@@ -163,10 +163,10 @@ pub enum Error {
     /// there until it does.
     #[error(
         "the Docker engine at {host} does not answer ({message}); start it, or point \
-         executors.docker.docker_host at one that runs, then try again"
+         executors.docker.host (or --docker-host) at one that runs, then try again"
     )]
     EngineUnavailable {
-        /// The engine's address (`executors.docker.docker_host`).
+        /// The engine's address (`executors.docker.host`).
         host: String,
         /// The client's error.
         message: String,

@@ -28,6 +28,7 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
+    keep_inherited_descriptors_from_children();
     let cli = Cli::parse();
     match cli.command {
         Command::Version => {
@@ -90,6 +91,29 @@ fn fewer_malloc_arenas() {
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn fewer_malloc_arenas() {}
+
+/// Marks every descriptor from 3 up close-on-exec: one this process's
+/// parent left open without the flag (a supervisor's lock file, a shell's
+/// pipe) must not reach agentctl, which outlives sessiond and would hold it
+/// (helper-41 3: `flock` could not restart sessiond). sessiond's own
+/// descriptors carry the flag already. An old kernel changes nothing.
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+fn keep_inherited_descriptors_from_children() {
+    // SAFETY: close_range takes integers; with CLOSE_RANGE_CLOEXEC it only
+    // sets a flag on descriptors of this process, closing none.
+    unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3 as libc::c_uint,
+            libc::c_uint::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        );
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn keep_inherited_descriptors_from_children() {}
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()
