@@ -94,6 +94,11 @@ pub struct WorktreeSettings {
     /// The first part of every branch sessiond creates
     /// (`<prefix>/<short id>-<slug>`).
     pub branch_prefix: String,
+    /// The directories worktrees on this host must stay inside
+    /// (`executors.worktree_roots`): a create whose worktree directory
+    /// resolves outside them, through a symlink made at any time, is
+    /// refused. Empty: not checked.
+    pub roots: Vec<std::path::PathBuf>,
 }
 
 impl Default for WorktreeSettings {
@@ -101,6 +106,7 @@ impl Default for WorktreeSettings {
         Self {
             dirs: Vec::new(),
             branch_prefix: "sessiond".into(),
+            roots: Vec::new(),
         }
     }
 }

@@ -343,6 +343,31 @@ impl Worktrees<'_> {
             .join(format!("{}-{}", short_id(session_id), slug(task_title)))
             .display()
             .to_string();
+        // On this host, where the directory really is: a symlink on the way
+        // (the default dir's parents, or the dir swapped after the start)
+        // must not lead out of the roots (helper-41 1).
+        if runtime != Runtime::Remote && !settings.roots.is_empty() {
+            let resolved = sessiond_executor::worktree::resolved_path(Path::new(&w.path));
+            let inside = settings.roots.iter().any(|r| {
+                resolved.starts_with(r)
+                    || std::fs::canonicalize(r).is_ok_and(|c| resolved.starts_with(c))
+            });
+            if !inside {
+                return Err(Error::InvalidArgument(format!(
+                    "the worktree directory {} resolves to {} (through a symlink), outside \
+                     executors.worktree_roots ({}); nothing was created: point the worktrees \
+                     directory at one inside the roots",
+                    w.path,
+                    resolved.display(),
+                    settings
+                        .roots
+                        .iter()
+                        .map(|r| r.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            }
+        }
         if w.id.is_empty() {
             w.id = short_id(session_id);
         }

@@ -255,3 +255,22 @@ pub fn parse_ok(ok: &serde_json::Value, op: WorktreeOp) -> Option<Result<Worktre
         ),
     }))
 }
+
+/// `path` with its symlinks resolved: its longest existing ancestor made
+/// canonical, the rest (not made yet) appended as written.
+pub fn resolved_path(path: &Path) -> PathBuf {
+    let mut existing = path;
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(canonical) = std::fs::canonicalize(existing) {
+            return rest.iter().rev().fold(canonical, |p, part| p.join(part));
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_owned());
+                existing = parent;
+            }
+            _ => return path.to_path_buf(),
+        }
+    }
+}

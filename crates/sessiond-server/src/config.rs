@@ -1752,7 +1752,7 @@ fn executors_config(e: &ExecutorsSection, data_dir: &Path, p: &mut Problems) -> 
             .join(", ")
     };
     let check_worktrees_dir = |p: &mut Problems, key: &str, dir: &Path| {
-        let resolved = resolved_path(dir);
+        let resolved = sessiond_executor::worktree::resolved_path(dir);
         let inside_roots = |d: &Path| {
             worktree_roots.iter().any(|r| {
                 d.starts_with(r) || std::fs::canonicalize(r).is_ok_and(|c| d.starts_with(c))
@@ -2482,25 +2482,6 @@ pub fn parse_duration(value: &str) -> Result<Duration, String> {
         return Err(format!("{value:?} is out of range"));
     }
     Ok(Duration::from_secs_f64(secs))
-}
-
-/// `path` with its symlinks resolved: its longest existing ancestor made
-/// canonical, the rest (not made yet) appended as written.
-fn resolved_path(path: &Path) -> PathBuf {
-    let mut existing = path;
-    let mut rest = Vec::new();
-    loop {
-        if let Ok(canonical) = std::fs::canonicalize(existing) {
-            return rest.iter().rev().fold(canonical, |p, part| p.join(part));
-        }
-        match (existing.parent(), existing.file_name()) {
-            (Some(parent), Some(name)) => {
-                rest.push(name.to_owned());
-                existing = parent;
-            }
-            _ => return path.to_path_buf(),
-        }
-    }
 }
 
 #[cfg(test)]

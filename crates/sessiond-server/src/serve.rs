@@ -658,6 +658,7 @@ pub(crate) fn manager_config(
                 )
                 .collect(),
             branch_prefix: config.executors.worktree_branch_prefix.clone(),
+            roots: config.executors.worktree_roots.clone(),
         },
         ..ManagerConfig::default()
     }

@@ -141,6 +141,7 @@ pub fn manager_config_in(dir: &Path) -> ManagerConfig {
                 (Runtime::LocalDocker, docker_worktrees(dir)),
             ],
             branch_prefix: "crash".into(),
+            roots: Vec::new(),
         },
         ..manager_config()
     }

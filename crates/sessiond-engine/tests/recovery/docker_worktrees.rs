@@ -109,6 +109,7 @@ fn manager(w: &World, kit: &DockerKit, driver: &Arc<dyn Executor>) -> SessionMan
             worktrees: WorktreeSettings {
                 dirs: vec![(Runtime::LocalDocker, w.path("worktrees"))],
                 branch_prefix: "sessiond".into(),
+                roots: Vec::new(),
             },
             ..w.config()
         },

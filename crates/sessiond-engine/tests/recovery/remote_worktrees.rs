@@ -83,6 +83,7 @@ fn manager(w: &World, host: &Path) -> SessionManager {
         worktrees: WorktreeSettings {
             dirs: vec![(Runtime::Remote, host.join("worktrees"))],
             branch_prefix: "sessiond".into(),
+            roots: Vec::new(),
         },
         ..w.config()
     })

@@ -45,6 +45,8 @@ fn config(w: &World) -> ManagerConfig {
         worktrees: WorktreeSettings {
             dirs: vec![(Runtime::LocalStandalone, w.path("worktrees"))],
             branch_prefix: "sessiond".into(),
+            // Where the test's repositories and worktrees live.
+            roots: vec![w.dir.path().to_path_buf()],
         },
         ..w.config()
     }
@@ -804,5 +806,35 @@ async fn a_locked_worktree_refuses_the_delete_before_anything_is_stopped() {
         .await
         .unwrap();
     assert!(Path::new(&s.worktree.path).is_dir(), "kept");
+    w.finish(&mgr, &[]).await;
+}
+
+/// helper-41 1: the worktrees directory checked at startup was later a
+/// symlink out of the roots (or reached through one: the default dir's
+/// parents), and worktrees were made outside them. Each create resolves the
+/// directory it is about to make: outside the roots, nothing is created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worktrees_dir_swapped_for_a_symlink_out_of_the_roots_creates_nothing() {
+    let w = World::new(Db::Sqlite).await;
+    let repo = repository(&w);
+    let outside = tempfile::tempdir().unwrap();
+    let mgr = w.manager_with(config(&w));
+    let _ = std::fs::remove_dir_all(w.path("worktrees"));
+    std::os::unix::fs::symlink(outside.path(), w.path("worktrees")).unwrap();
+    let err = create(&w, &mgr, from_repo(&repo, "main"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.kind(),
+        sessiond_engine::ErrorKind::InvalidArgument,
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("outside executors.worktree_roots"),
+        "{err}"
+    );
+    assert!(w.store.list_sessions(w.task.id).await.unwrap().is_empty());
+    assert_eq!(std::fs::read_dir(outside.path()).unwrap().count(), 0);
+    assert_eq!(git(&repo, &["branch", "--format=%(refname:short)"]), "main");
     w.finish(&mgr, &[]).await;
 }
