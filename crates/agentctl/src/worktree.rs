@@ -186,10 +186,35 @@ async fn git_ok(cwd: &Path, args: &[&str]) -> Result<String> {
         return Err(Error::FailedPrecondition(format!(
             "git {} failed: {}",
             args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
+            shortened(String::from_utf8_lossy(&out.stderr).trim())
         )));
     }
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// git's error output as an error message keeps: its start (the first
+/// errors) and its end (the `fatal:` line), not every line of a checkout
+/// that failed on each file (a full disk: some 19,000 lines; helper-41 2).
+fn shortened(stderr: &str) -> String {
+    const HEAD: usize = 2048;
+    const TAIL: usize = 1024;
+    if stderr.len() <= HEAD + TAIL {
+        return stderr.to_owned();
+    }
+    let mut head = HEAD;
+    while !stderr.is_char_boundary(head) {
+        head -= 1;
+    }
+    let mut tail = stderr.len() - TAIL;
+    while !stderr.is_char_boundary(tail) {
+        tail += 1;
+    }
+    format!(
+        "{} … ({} bytes not shown) … {}",
+        &stderr[..head],
+        tail - head,
+        &stderr[tail..]
+    )
 }
 
 /// `git worktree ARGS` in `repository`, one at a time per repository.
@@ -408,7 +433,7 @@ pub async fn create(spec: &Spec) -> Result<Ensured> {
     if let Some(ensured) = adopt(spec, &common).await? {
         return Ok(ensured);
     }
-    resolve_base(&spec.repository, &spec.base).await?;
+    let base_commit = resolve_base(&spec.repository, &spec.base).await?;
     if branch_tip(&spec.repository, &spec.branch).await?.is_some() {
         if cut_short {
             // The add cut short had made the branch already: check it out.
@@ -432,16 +457,50 @@ pub async fn create(spec: &Spec) -> Result<Ensured> {
     }
     make_parent(&spec.path)?;
     let path = path_str(&spec.path)?;
-    worktree_git(
+    let added = worktree_git(
         &spec.repository,
         &["add", "--no-track", "-b", &spec.branch, path, &spec.base],
     )
-    .await?;
+    .await;
+    if let Err(e) = added {
+        drop_unused_branch(spec, &base_commit).await;
+        return Err(e);
+    }
     let head = git_ok(&spec.path, &["rev-parse", "HEAD"]).await?;
     Ok(Ensured {
         outcome: Outcome::Created,
         head,
     })
+}
+
+/// After a `git worktree add -b` that failed: git may have made the branch
+/// before the checkout failed (a full disk, a directory it may not write).
+/// The branch goes when it is still at the base and no worktree has it
+/// checked out, so it holds nothing and a create can be made again
+/// (helper-41 2); otherwise it is left as it is.
+async fn drop_unused_branch(spec: &Spec, base_commit: &str) {
+    let at_base = matches!(
+        branch_tip(&spec.repository, &spec.branch).await,
+        Ok(Some(tip)) if tip == base_commit
+    );
+    if !at_base {
+        return;
+    }
+    let checked_out = match list(&spec.repository).await {
+        Ok(all) => all
+            .iter()
+            .any(|e| e.branch.as_deref() == Some(spec.branch.as_str())),
+        Err(_) => true,
+    };
+    if checked_out {
+        return;
+    }
+    match git_ok(&spec.repository, &["branch", "-D", "--", &spec.branch]).await {
+        Ok(_) => tracing::info!(branch = %spec.branch,
+            "the failed worktree add's branch was removed (still at its base)"),
+        Err(e) => tracing::warn!(branch = %spec.branch, error = %e,
+            "could not remove the failed worktree add's branch"),
+    }
 }
 
 /// Brings a session's worktree back: adopted when present, checked out
@@ -475,9 +534,12 @@ pub async fn restore(spec: &Spec, never_created: bool) -> Result<Ensured> {
             registered_here = true;
         } else if !entry.prunable {
             return Err(Error::FailedPrecondition(format!(
-                "branch {:?} is checked out at {}; remove that worktree so the session's can be recreated",
+                "branch {:?} is checked out at {}, which may hold the session's work (a worktree \
+                 moved there?): move it back to {} (git worktree move) and resume; remove it only \
+                 if it holds nothing you need",
                 spec.branch,
-                entry.path.display()
+                entry.path.display(),
+                spec.path.display()
             )));
         }
     }

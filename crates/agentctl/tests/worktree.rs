@@ -302,3 +302,72 @@ fn an_add_cut_short_is_removed_and_made_again() {
     );
     assert!(!listed.contains("locked"), "{listed}");
 }
+
+/// helper-41 2: a `git worktree add` whose checkout failed (there: a full
+/// disk) left the branch it had made, so the create could not be made
+/// again, and its error held every line git printed. Here the base holds
+/// a file whose name is too long for the file system (a tree made with
+/// `git mktree`; no checkout can write it): the branch goes with the
+/// failure, and the error is cut to its start and end.
+#[test]
+fn a_failed_checkout_leaves_no_branch_and_a_short_error() {
+    let (dir, repo) = repository();
+    let long = "a".repeat(300);
+    let blob = {
+        let out = Command::new("git")
+            .arg("-C")
+            .arg(&repo)
+            .args(["hash-object", "-w", "--stdin"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        out.stdin.as_ref().unwrap().write_all(b"x\n").unwrap();
+        let done = out.wait_with_output().unwrap();
+        String::from_utf8_lossy(&done.stdout).trim().to_owned()
+    };
+    // Many entries, each failing: git prints a line per file.
+    let mut tree = String::new();
+    for i in 0..200 {
+        tree.push_str(&format!("100644 blob {blob}\t{long}{i}\n"));
+    }
+    let tree_id = {
+        let out = Command::new("git")
+            .arg("-C")
+            .arg(&repo)
+            .arg("mktree")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        out.stdin
+            .as_ref()
+            .unwrap()
+            .write_all(tree.as_bytes())
+            .unwrap();
+        let done = out.wait_with_output().unwrap();
+        String::from_utf8_lossy(&done.stdout).trim().to_owned()
+    };
+    let commit = git(
+        &repo,
+        &["commit-tree", &tree_id, "-p", "main", "-m", "long names"],
+    );
+    git(&repo, &["branch", "unwritable", &commit]);
+
+    let path = dir.path().join("wts/one");
+    let out = Command::new(env!("CARGO_BIN_EXE_agentctl"))
+        .args(["worktree", "create"])
+        .arg(format!("--repository={}", repo.display()))
+        .args(["--base=unwritable", "--branch=s/failed"])
+        .arg(format!("--path={}", path.display()))
+        .output()
+        .unwrap();
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let message = answer["error"]["message"].as_str().unwrap_or_default();
+    assert!(!message.is_empty(), "{answer}");
+    assert!(message.len() < 4096, "{} bytes: {message}", message.len());
+    let branches = git(&repo, &["branch", "--format=%(refname:short)"]);
+    assert!(!branches.contains("s/failed"), "{branches}");
+}
