@@ -58,6 +58,9 @@ impl SessionManager {
             }
         }
         let s = self.inner.store.get_session(s.id).await?;
+        if Resume(self).worktree_gone_under_its_agent(&s) {
+            return Resume(self).bring_back_worktree_and_agent(task, &s).await;
+        }
         if !Resume(self).validate_resume(&s).await? {
             // The agent is running or being started. If an attempt began
             // after the check above, its outcome is the answer every caller
@@ -104,6 +107,44 @@ impl std::ops::Deref for Resume<'_> {
 }
 
 impl Resume<'_> {
+    /// The session's agent runs (or is being started) in a worktree sessiond
+    /// made on this host whose directory is gone: the agent works in a
+    /// directory that no longer exists, and each workspace call fails.
+    fn worktree_gone_under_its_agent(&self, s: &Session) -> bool {
+        s.runtime == Runtime::LocalStandalone
+            && s.worktree.is_managed()
+            && s.metadata
+                .contains_key(crate::worktrees::WORKTREE_CREATED_KEY)
+            && !s.state.is_terminal()
+            && !Path::new(&s.worktree.path).is_dir()
+            && self
+                .execution(s.id)
+                .is_some_and(|e| e.agent != AgentProcessState::NotRunning)
+    }
+
+    /// Stops the agent and has recovery check the worktree out again from
+    /// its branch and bring the agent back there, as it does after the
+    /// agent's own exit (helper-38 6); answers once that is done (or the
+    /// agent's start allowance passed: the status then says it recovers).
+    async fn bring_back_worktree_and_agent(
+        &self,
+        task: TaskId,
+        s: &Session,
+    ) -> Result<SessionStatus> {
+        if let Some(record) = self.inner.store.get_executor_for_session(s.id).await? {
+            Agents(self).stop_agent_quietly(&record).await;
+        }
+        self.spawn_agent_relaunch(
+            s.id,
+            "its worktree directory was removed; it is checked out again from its branch".into(),
+        );
+        let deadline = tokio::time::Instant::now() + self.inner.config.agent_initialize_timeout;
+        while self.recovery().is_bringing_back(s.id) && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        self.session_status(task, s.id).await
+    }
+
     /// What a caller who joined an operation answers: the resume's outcome,
     /// or a recovery's when that recovery tried the agent. `None`: the
     /// recovery did not try the agent, decide anew.

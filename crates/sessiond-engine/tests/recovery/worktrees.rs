@@ -838,3 +838,40 @@ async fn a_worktrees_dir_swapped_for_a_symlink_out_of_the_roots_creates_nothing(
     assert_eq!(git(&repo, &["branch", "--format=%(refname:short)"]), "main");
     w.finish(&mgr, &[]).await;
 }
+
+/// helper-38 6 / helper-41 4: the worktree directory removed while the
+/// agent runs: every workspace call failed, and an explicit resume answered
+/// success and changed nothing (the agent "was running"). The resume now
+/// stops the agent, which works in a directory that is gone, checks the
+/// worktree out again from its branch and brings the agent back there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_brings_back_a_worktree_removed_under_a_running_agent() {
+    let w = World::new(Db::Sqlite).await;
+    let repo = repository(&w);
+    let mgr = w.manager_with(config(&w));
+    let s = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
+    let token = s.resume_token.clone().unwrap();
+    let path = PathBuf::from(&s.worktree.path);
+    w.prompt(&mgr, s.id, "/edit notes.txt committed").await;
+    git(&path, &["commit", "-q", "-am", "work"]);
+    std::fs::remove_dir_all(&path).unwrap();
+
+    let st = mgr.resume_session(w.task.id, s.id).await.unwrap();
+    assert!(path.is_dir(), "checked out again: {st:?}");
+    assert_eq!(
+        std::fs::read_to_string(path.join("notes.txt")).unwrap(),
+        "committed"
+    );
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::WaitingForInput, "{st:?}");
+    assert!(st.is_agent_running, "{st:?}");
+    let write = w.prompt(&mgr, s.id, "/write new.txt hello").await;
+    assert!(write.ends_with("\nwrite: ok"), "{write}");
+    assert_eq!(
+        std::fs::read_to_string(path.join("new.txt")).unwrap(),
+        "hello"
+    );
+    let reply = w.prompt(&mgr, s.id, "still there?").await;
+    assert!(reply.contains(&token), "{reply}");
+    w.finish(&mgr, &[s.id]).await;
+}
