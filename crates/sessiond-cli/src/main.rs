@@ -499,11 +499,11 @@ async fn channel(addr: &str) -> anyhow::Result<Channel> {
 
 /// A plain-HTTP call answered with garbage: most likely a TLS port.
 fn tls_hint(addr: &str, error: &str) -> Option<&'static str> {
-    // A TLS listener closes a plain-HTTP connection: the client sees
-    // garbage (an h2 protocol error) or its next write fail.
-    let garbled = ["h2 protocol error", "broken pipe", "connection reset"]
-        .iter()
-        .any(|says| error.contains(says));
+    // A TLS listener answers a plain-HTTP/2 client with a TLS alert, which
+    // the client reads as a malformed frame (an h2 protocol error). A
+    // broken pipe or a reset says only that the connection went, as when
+    // sessiond stops mid-call: no hint then (helper-40 5).
+    let garbled = error.contains("h2 protocol error");
     (!addr.starts_with("https://") && garbled).then_some(
         "hint: if this sessiond serves TLS (--tls-cert), use an https:// address with --ca-file",
     )
