@@ -120,6 +120,11 @@ struct Cli {
     /// Reject every `session/load` and `session/resume`.
     #[arg(long, env = "ACP_DEMO_FAIL_LOAD", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
     fail_load: bool,
+    /// While this file exists, every prompt fails as the Claude Code
+    /// adapter's do once the CLI under it died (the adapter lives on):
+    /// JSON-RPC internal error, `{"details":"Session not found"}`.
+    #[arg(long, env = "ACP_DEMO_LOST_SESSION_FILE")]
+    lost_session_file: Option<PathBuf>,
     /// Exit with status 43 right after answering the Nth prompt of this process.
     #[arg(long, env = "ACP_DEMO_CRASH_AFTER_PROMPTS")]
     crash_after_prompts: Option<u32>,
@@ -474,6 +479,17 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
             async move |req: PromptRequest, responder, cx: ConnectionTo<Client>| {
                 let demo = d_prompt.clone();
                 let conn = cx.clone();
+                if demo
+                    .cli
+                    .lost_session_file
+                    .as_ref()
+                    .is_some_and(|f| f.exists())
+                {
+                    return responder.respond_with_error(
+                        Error::internal_error()
+                            .data(serde_json::json!({"details": "Session not found"})),
+                    );
+                }
                 cx.spawn(async move {
                     let result = run_turn(&demo, &conn, req).await;
                     let crash_after = demo.cli.crash_after_prompts;

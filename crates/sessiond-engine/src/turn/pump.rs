@@ -808,7 +808,42 @@ impl Pump {
         if let Some(u) = counted {
             self.mgr.inner.metrics.turn_usage(&u);
         }
+        if end.stop_reason == "error" && !exited && conversation_gone_in_agent(&end.error_message) {
+            self.relaunch_for_lost_conversation(&end.error_message)
+                .await;
+        }
         Ok(())
+    }
+
+    /// The agent process lives but no longer has the conversation (the
+    /// Claude Code adapter whose CLI died: every prompt then fails "Session
+    /// not found", while the session looked healthy; helper-40 1). The
+    /// agent is stopped and brought back, which loads the conversation
+    /// again from its resume token, as after the agent's own exit.
+    async fn relaunch_for_lost_conversation(&self, said: &str) {
+        tracing::warn!(session = %self.session_id, said,
+            "the agent lost the conversation; relaunching it to load the conversation again");
+        match self
+            .mgr
+            .inner
+            .store
+            .get_executor_for_session(self.session_id)
+            .await
+        {
+            Ok(Some(record)) => Agents(&self.mgr).stop_agent_quietly(&record).await,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(session = %self.session_id, error = %e,
+                    "cannot read the executor to relaunch the agent");
+                return;
+            }
+        }
+        self.mgr
+            .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
+        self.mgr.spawn_agent_relaunch(
+            self.session_id,
+            format!("the agent lost the conversation ({said})"),
+        );
     }
 
     /// True when agentctl reports no running agent right now.
@@ -1277,4 +1312,12 @@ impl Turns<'_> {
         self.inner.sessions.set_parked(session.id, parked);
         self.inner.sessions.evict_client(session.id);
     }
+}
+
+/// Whether a failed turn's error says the agent, still running, no longer
+/// has the conversation: the words the Claude Code adapter uses once its
+/// CLI died ("Session not found", "process exited unexpectedly").
+fn conversation_gone_in_agent(error: &str) -> bool {
+    let e = error.to_ascii_lowercase();
+    e.contains("session not found") || e.contains("process exited unexpectedly")
 }

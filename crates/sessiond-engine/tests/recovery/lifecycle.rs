@@ -577,3 +577,69 @@ async fn an_agent_that_exits_at_start_is_reported_with_its_exit_status() {
     assert!(!why.contains("unreachable"), "{why}");
     w.finish(&mgr, &[]).await;
 }
+
+/// helper-40 1: the Claude Code adapter whose CLI died lives on, and every
+/// prompt then fails "Session not found", while the session showed healthy
+/// and a resume changed nothing. A turn failing so has sessiond relaunch
+/// the agent, which loads the conversation again: the next message works
+/// and the history is there. (The demo agent fails its prompts the same
+/// way while a file exists.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_lost_its_conversation_is_relaunched_and_loads_it() {
+    let w = World::new(Db::Sqlite).await;
+    let lost = w.path("lost-session");
+    let profile = w
+        .demo_profile(
+            "forgets",
+            &[("ACP_DEMO_LOST_SESSION_FILE", lost.to_str().unwrap())],
+        )
+        .await;
+    let mgr = w.manager();
+    let s = w.create_with(&mgr, "forgets", &profile, None).await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    let agentctl = w.record(s.id).await.pid.unwrap();
+    let before = demo_agents_under(agentctl);
+
+    std::fs::write(&lost, "").unwrap();
+    mgr.send_message(w.task.id, s.id, "two").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let msgs = w.messages(s.id).await;
+        if msgs.last().is_some_and(|m| {
+            m.role == MessageRole::System && m.content.contains("Session not found")
+        }) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the failed turn never ended: {msgs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    std::fs::remove_file(&lost).unwrap();
+
+    // Back by itself: another agent process under the same agentctl.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let st = w.status(&mgr, s.id).await;
+        let now = demo_agents_under(agentctl);
+        if st.state == SessionState::WaitingForInput
+            && st.is_agent_running
+            && !st.recovering
+            && !now.is_empty()
+            && now != before
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the agent never came back: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let reply = w.prompt(&mgr, s.id, "three").await;
+    assert_eq!(reply, expected_reply(2, &token, "three"));
+    w.track(s.id).await;
+    w.finish(&mgr, &[s.id]).await;
+}
