@@ -499,14 +499,34 @@ async fn channel(addr: &str) -> anyhow::Result<Channel> {
 
 /// A plain-HTTP call answered with garbage: most likely a TLS port.
 fn tls_hint(addr: &str, error: &str) -> Option<&'static str> {
-    // A TLS listener answers a plain-HTTP/2 client with a TLS alert, which
-    // the client reads as a malformed frame (an h2 protocol error). A
-    // broken pipe or a reset says only that the connection went, as when
-    // sessiond stops mid-call: no hint then (helper-40 5).
-    let garbled = error.contains("h2 protocol error");
-    (!addr.starts_with("https://") && garbled).then_some(
+    // A TLS listener closes a plain-HTTP connection: the client sees
+    // garbage (an h2 protocol error) or its next write fail.
+    let garbled = ["h2 protocol error", "broken pipe", "connection reset"]
+        .iter()
+        .any(|says| error.contains(says));
+    // A broken pipe or a reset is also what a sessiond that stopped
+    // mid-call leaves: then nothing listens any more, and no TLS hint is
+    // given (helper-40 5).
+    (!addr.starts_with("https://") && garbled && still_listening(addr)).then_some(
         "hint: if this sessiond serves TLS (--tls-cert), use an https:// address with --ca-file",
     )
+}
+
+/// Whether something accepts a TCP connection at `addr` (`host:port`, or
+/// with an `http://` scheme) within half a second.
+fn still_listening(addr: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    let hostport = addr
+        .strip_prefix("http://")
+        .unwrap_or(addr)
+        .split('/')
+        .next()
+        .unwrap_or_default();
+    hostport.to_socket_addrs().is_ok_and(|mut all| {
+        all.any(|a| {
+            std::net::TcpStream::connect_timeout(&a, std::time::Duration::from_millis(500)).is_ok()
+        })
+    })
 }
 
 fn main() -> ExitCode {
