@@ -53,6 +53,10 @@ pub(crate) trait RecoverFirst {
     /// so meanwhile: its agentctl answers but runs no agent.
     fn spawn_agent_relaunch(&self, session: SessionId, reason: String);
 
+    /// [`Self::spawn_agent_relaunch`], waited for: the caller holds no lock
+    /// of `session` and answers with what the recovery left.
+    fn relaunch_now(&self, session: SessionId, reason: String) -> impl Future<Output = ()> + Send;
+
     /// What a lost agentctl of `record` changes (its executor, the session,
     /// a turn in flight as `turn` says), and the record to retry in the
     /// background if the loss may pass.

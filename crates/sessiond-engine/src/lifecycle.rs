@@ -411,6 +411,23 @@ impl SessionManager {
         // token is not stored yet (recovery adopts agentctl's).
         #[cfg(feature = "failpoints")]
         fail::fail_point!("create-after-conversation");
+        // agentctl itself went away under the start (killed, out of memory):
+        // nothing the profile could fix, and it passes by itself. Recovery
+        // brings the session up as after a crash here (helper-40 3: such a
+        // session was ERROR for good, the profile blamed).
+        let agentctl_lost = match &opened {
+            Err(e) if e.is_transport() => client.health().await.is_err(),
+            _ => false,
+        };
+        if let (true, Err(e)) = (agentctl_lost, &opened) {
+            drop(_guard);
+            self.relaunch_now(
+                session_id,
+                format!("agentctl went away while the agent started ({e})"),
+            )
+            .await;
+            return Ok(store.get_session(session_id).await?);
+        }
         let (probe, token) = match opened {
             Ok(v) => v,
             Err(e) => {

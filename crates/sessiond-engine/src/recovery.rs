@@ -325,6 +325,10 @@ impl crate::flows::RecoverFirst for SessionManager {
         ExecutorRecovery(self).spawn_agent_relaunch(session, reason)
     }
 
+    async fn relaunch_now(&self, session: SessionId, reason: String) {
+        ExecutorRecovery(self).relaunch_now(session, reason).await
+    }
+
     async fn agentctl_lost_change(
         &self,
         record: &ExecutorRecord,
@@ -2465,17 +2469,29 @@ impl ExecutorRecovery<'_> {
             .agent_recoveries
             .retry_after(session, 0, reason, Duration::ZERO);
         let me = self.0.clone();
-        self.spawn_background(async move {
-            match ExecutorRecovery(&me).recover_announced(session).await {
-                Ok(Some(label)) => {
-                    tracing::info!(%session, %label, "agent relaunch: recovery ran");
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    tracing::warn!(%session, error = %e, "agent relaunch: recovery failed");
-                }
+        self.spawn_background(async move { ExecutorRecovery(&me).run_relaunch(session).await });
+    }
+
+    /// [`Self::spawn_agent_relaunch`] on the caller's task, waited for.
+    pub(crate) async fn relaunch_now(&self, session: SessionId, reason: String) {
+        self.inner
+            .agent_recoveries
+            .retry_after(session, 0, reason, Duration::ZERO);
+        self.run_relaunch(session).await
+    }
+
+    /// The announced relaunch's recovery; one that could not run is logged
+    /// (its retries, if any, are scheduled already).
+    async fn run_relaunch(&self, session: SessionId) {
+        match self.recover_announced(session).await {
+            Ok(Some(label)) => {
+                tracing::info!(%session, %label, "agent relaunch: recovery ran");
             }
-        });
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(%session, error = %e, "agent relaunch: recovery failed");
+            }
+        }
     }
 
     /// Keeps trying an unreachable remote host in the background, with

@@ -643,3 +643,72 @@ async fn an_agent_that_lost_its_conversation_is_relaunched_and_loads_it() {
     w.track(s.id).await;
     w.finish(&mgr, &[s.id]).await;
 }
+
+/// helper-40 3: agentctl killed while the agent started (the create still
+/// waiting on it) left the session ERROR for good, blaming the profile.
+/// agentctl's loss passes by itself: the create brings the session up
+/// through recovery, on a new agentctl, and answers it WAITING.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agentctl_killed_while_the_agent_starts_does_not_fail_the_create() {
+    let w = World::new(Db::Sqlite).await;
+    let gate = w.path("gate");
+    let text = gate.display().to_string();
+    let gated = w
+        .demo_profile("gated", &[("ACP_DEMO_START_GATE_FILE", text.as_str())])
+        .await;
+    std::fs::write(&gate, b"closed").unwrap();
+    let mgr = w.manager();
+    let create = {
+        let (mgr, task, profile, worktree) =
+            (mgr.clone(), w.task.id, gated.clone(), w.worktree("lost"));
+        tokio::spawn(async move {
+            mgr.create_session(sessiond_engine::NewSession {
+                task_id: task,
+                agent_profile_id: profile.id,
+                runtime: sessiond_domain::Runtime::LocalStandalone,
+                worktree,
+                remote: None,
+                metadata: Default::default(),
+                mcp_servers: Vec::new(),
+            })
+            .await
+        })
+    };
+    // The agent waits at its gate: agentctl is up and recorded.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let first = loop {
+        let sessions = w.store.list_sessions(w.task.id).await.unwrap();
+        if let Some(s) = sessions.first()
+            && let Some(r) = w.store.get_executor_for_session(s.id).await.unwrap()
+            && r.status == ExecutorStatus::Ready
+            && let Some(pid) = r.pid
+            && !demo_agents_under(pid).is_empty()
+        {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "the agent never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    kill9(first.pid.unwrap());
+    while is_running(first.pid.unwrap()) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    std::fs::remove_file(&gate).unwrap();
+
+    let s = create.await.unwrap().expect("the create answers");
+    w.track(s.id).await;
+    assert_eq!(
+        s.state,
+        SessionState::WaitingForInput,
+        "{:?}",
+        s.error_message
+    );
+    let token = s.resume_token.clone().expect("a conversation was opened");
+    let record = w.record(s.id).await;
+    assert_eq!(record.status, ExecutorStatus::Ready, "{record:?}");
+    assert!(record.generation > first.generation, "{record:?}");
+    assert_ne!(record.pid, first.pid, "a new agentctl");
+    let reply = w.prompt(&mgr, s.id, "hello").await;
+    assert_eq!(reply, expected_reply(1, &token, "hello"));
+    w.finish(&mgr, &[s.id]).await;
+}
