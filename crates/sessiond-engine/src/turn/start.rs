@@ -176,9 +176,30 @@ impl SessionManager {
                 });
             }
         }
-        let Some(execution) = self.execution(session_id).filter(|e| {
-            e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
-        }) else {
+        let execution = match self
+            .execution(session_id)
+            .filter(|e| e.record.status == ExecutorStatus::Ready)
+        {
+            Some(e) if e.agent == AgentProcessState::Running => Some(e),
+            // The cache lags behind an agent just restarted (the stream
+            // replays the old agent's state changes before the new one's):
+            // agentctl says whether an agent runs.
+            Some(e) => {
+                let running = match Agents(self).client(&e.record) {
+                    Ok(client) => client.health().await.is_ok_and(|h| {
+                        matches!(
+                            h.agent_state,
+                            sessiond_executor::AgentState::Ready
+                                | sessiond_executor::AgentState::Busy
+                        )
+                    }),
+                    Err(_) => false,
+                };
+                running.then_some(e)
+            }
+            None => None,
+        };
+        let Some(execution) = execution else {
             return Err(Error::AgentNotRunning {
                 session_id,
                 hint: "its turn ends as soon as the agent is resumed or found gone".into(),
@@ -484,7 +505,8 @@ impl Turns<'_> {
             return Error::AgentNotRunning {
                 session_id,
                 hint: format!(
-                    "sessiond brings it back by itself{}; send the message again once                      `session status` no longer says it is recovering",
+                    "sessiond brings it back by itself{}; send the message again once \
+                     `session status` no longer says it is recovering",
                     record
                         .error_message
                         .as_deref()

@@ -688,20 +688,10 @@ async fn a_heavy_agent_killed_mid_reply_while_sessiond_is_down_ends_interrupted(
         .await
         .unwrap();
     assert_eq!(retried.content, "/long", "{retried:?}");
-    // Cleanup: the retried /long is cancelled. Right after the agent's
-    // restart, a cancel can find the executors cache not yet saying the
-    // agent runs (AgentNotRunning, "ends as soon as the agent is resumed"):
-    // asked again until it takes (seen once under CI load; see the note).
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        match mgr.cancel_turn(w.task.id, s.id).await {
-            Ok(_) => break,
-            Err(sessiond_engine::Error::AgentNotRunning { .. }) if Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(e) => panic!("cancel: {e}"),
-        }
-    }
+    // Cleanup: the retried /long is cancelled, right after the agent's
+    // restart (the executors cache may not say yet that it runs; the
+    // cancel asks agentctl then: CI saw AgentNotRunning here once).
+    mgr.cancel_turn(w.task.id, s.id).await.unwrap();
     w.finish(&mgr, &[s.id]).await;
 }
 
