@@ -759,6 +759,24 @@ pub async fn remove(spec: &Spec, delete_branch: bool) -> Result<()> {
 /// The branch's commits since its base (`base..branch`), newest first.
 pub async fn commits(spec: &Spec, limit: u32) -> Result<Vec<Commit>> {
     common_dir(&spec.repository).await?;
+    // A base branch deleted since the create: say so, not git's "unknown
+    // revision" (helper-41 8).
+    let base = format!("{}^{{commit}}", spec.base);
+    let found = git(
+        &spec.repository,
+        &["rev-parse", "--verify", "--quiet", &base],
+    )
+    .await?;
+    if found.exit_code != Some(0) {
+        return Err(Error::FailedPrecondition(format!(
+            "the session's base {:?} is no longer a branch, tag or commit of {} (deleted since \
+             the session was created?): recreate it to list the commits since it, or review \
+             the branch {:?} with git directly",
+            spec.base,
+            spec.repository.display(),
+            spec.branch
+        )));
+    }
     let range = format!("{}..refs/heads/{}", spec.base, spec.branch);
     let max = format!("--max-count={}", limit.max(1));
     let out = git_ok(

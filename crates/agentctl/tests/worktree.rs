@@ -141,6 +141,14 @@ fn answers_and_refusals() {
     assert_eq!(st["ok"]["merged"], false, "{st}");
     let commits = worktree("commits", &repo, "s/one", &path, &[]);
     assert_eq!(commits["ok"][0]["subject"], "mine", "{commits}");
+    // The base branch renamed away: FAILED_PRECONDITION (9) naming it, not
+    // git's "unknown revision" (helper-41 8).
+    git(&repo, &["branch", "-m", "main", "trunk"]);
+    let lost = worktree("commits", &repo, "s/one", &path, &[]);
+    assert_eq!(lost["error"]["code"], 9, "{lost}");
+    let said = lost["error"]["message"].as_str().unwrap_or_default();
+    assert!(said.contains("base \"main\" is no longer"), "{lost}");
+    git(&repo, &["branch", "-m", "trunk", "main"]);
 
     // Remove with the branch: the foreign directory stays untouched.
     assert_eq!(
