@@ -156,14 +156,8 @@ async fn heavy_agents_come_back_by_themselves_on_a_busy_host() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_agent_is_cut_retried_and_comes_back_or_fails_after_its_attempts() {
     let w = World::new(Db::Sqlite).await;
-    let (gate_a, gate_b) = (w.path("gate-a"), w.path("gate-b"));
-    let (text_a, text_b) = (gate_a.display().to_string(), gate_b.display().to_string());
-    let profile_a = w
-        .demo_profile("gated-a", &[("ACP_DEMO_START_GATE_FILE", text_a.as_str())])
-        .await;
-    let profile_b = w
-        .demo_profile("gated-b", &[("ACP_DEMO_START_GATE_FILE", text_b.as_str())])
-        .await;
+    let (profile_a, gate_a) = w.gated_profile("gated-a").await;
+    let (profile_b, gate_b) = w.gated_profile("gated-b").await;
     let config = ManagerConfig {
         executor_deadline: Duration::from_millis(1500),
         max_attempts: 3,
@@ -897,11 +891,7 @@ async fn an_agent_that_dies_again_while_restarting_is_retried() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_during_recovery_does_not_wait_for_a_launch() {
     let w = World::new(Db::Sqlite).await;
-    let gate = w.path("gate");
-    let text = gate.display().to_string();
-    let gated = w
-        .demo_profile("gated", &[("ACP_DEMO_START_GATE_FILE", text.as_str())])
-        .await;
+    let (gated, gate) = w.gated_profile("gated").await;
     let config = ManagerConfig {
         // The gated start is silent: never cut while the test runs.
         executor_deadline: Duration::from_secs(120),

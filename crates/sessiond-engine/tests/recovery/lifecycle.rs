@@ -651,11 +651,7 @@ async fn an_agent_that_lost_its_conversation_is_relaunched_and_loads_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agentctl_killed_while_the_agent_starts_does_not_fail_the_create() {
     let w = World::new(Db::Sqlite).await;
-    let gate = w.path("gate");
-    let text = gate.display().to_string();
-    let gated = w
-        .demo_profile("gated", &[("ACP_DEMO_START_GATE_FILE", text.as_str())])
-        .await;
+    let (gated, gate) = w.gated_profile("gated").await;
     std::fs::write(&gate, b"closed").unwrap();
     let mgr = w.manager();
     let create = {

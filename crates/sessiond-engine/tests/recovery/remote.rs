@@ -640,11 +640,7 @@ async fn remote_explicit_resume_refused_by_the_agent_is_a_plain_failure() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_host_gone_during_the_agents_resume_reconnects() {
     let w = World::new(Db::Sqlite).await;
-    let gate = w.path("start-gate");
-    let gate_env = gate.display().to_string();
-    let profile = w
-        .demo_profile("gated", &[("ACP_DEMO_START_GATE_FILE", gate_env.as_str())])
-        .await;
+    let (profile, gate) = w.gated_profile("gated").await;
     let spot = RemoteSpot::at(&w.worktree("remote").path);
     let host = RemoteHost::start(&w, &spot).await;
     let mgr = w.manager();

@@ -106,6 +106,17 @@ impl World {
         self.profile_with(name, env, true).await
     }
 
+    /// A demo-agent profile whose agents wait at start while the file it
+    /// returns exists (`ACP_DEMO_START_GATE_FILE`; the file is not made).
+    pub async fn gated_profile(&self, name: &str) -> (AgentProfile, PathBuf) {
+        let gate = self.path(&format!("{name}.gate"));
+        let text = gate.display().to_string();
+        let profile = self
+            .demo_profile(name, &[("ACP_DEMO_START_GATE_FILE", text.as_str())])
+            .await;
+        (profile, gate)
+    }
+
     pub async fn profile_with(
         &self,
         name: &str,
