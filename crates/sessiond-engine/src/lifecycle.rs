@@ -411,21 +411,20 @@ impl SessionManager {
         // token is not stored yet (recovery adopts agentctl's).
         #[cfg(feature = "failpoints")]
         fail::fail_point!("create-after-conversation");
-        // agentctl itself went away under the start (killed, out of memory):
-        // nothing the profile could fix, and it passes by itself. Recovery
-        // brings the session up as after a crash here (helper-40 3: such a
-        // session was ERROR for good, the profile blamed).
-        let agentctl_lost = match &opened {
-            Err(e) if e.is_transport() => client.health().await.is_err(),
-            _ => false,
+        // Killed under the start (agentctl, the agent, or the process under
+        // an adapter; the out-of-memory killer's pick): nothing the profile
+        // could fix, and it passes by itself. Recovery brings the session up
+        // as after a crash here (helper-40 3, helper-43 1: such a session
+        // was ERROR for good, the profile blamed).
+        let killed = match &opened {
+            Err(e) => Lifecycle(self).killed_while_starting(&client, e).await,
+            Ok(_) => None,
         };
-        if let (true, Err(e)) = (agentctl_lost, &opened) {
+        if let Some(what) = killed {
             drop(_guard);
-            self.relaunch_now(
-                session_id,
-                format!("agentctl went away while the agent started ({e})"),
-            )
-            .await;
+            Agents(self).stop_agent_quietly(&record).await;
+            self.relaunch_now(session_id, format!("{what} while the agent started"))
+                .await;
             return Ok(store.get_session(session_id).await?);
         }
         let (probe, token) = match opened {
@@ -762,6 +761,34 @@ impl<'m> Lifecycle<'m> {
             });
         }
         Ok(Some(gate))
+    }
+
+    /// What killed the start whose conversation failed with `e`, if it
+    /// was killed rather than refused: agentctl gone, the agent ended by a
+    /// signal, or the process under an adapter gone (`None`: the profile's
+    /// command, environment or answer is the likelier cause).
+    async fn killed_while_starting(
+        &self,
+        client: &sessiond_executor::AgentctlClient,
+        e: &Error,
+    ) -> Option<String> {
+        if crate::turn::conversation_gone_in_agent(&e.to_string()) {
+            return Some(format!("the agent lost the conversation ({e})"));
+        }
+        let said = e.to_string();
+        // agentctl's own verdict (an agent silent past its limit, which it
+        // ended) is the profile's to fix; only an agent whose connection
+        // closed under the call may have been killed by someone else.
+        let cut_off = said.contains("connection closed") || said.contains("exited during");
+        match client.health().await {
+            Err(_) => Some(format!("agentctl went away ({e})")),
+            Ok(_) if !cut_off => None,
+            Ok(h) => h
+                .agent_exit
+                .and_then(|x| x.signal)
+                .filter(|_| h.agent_state == sessiond_executor::AgentState::Exited)
+                .map(|signal| format!("the agent was killed by signal {signal}")),
+        }
     }
 
     async fn fail_create(

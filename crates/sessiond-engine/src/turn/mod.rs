@@ -80,6 +80,18 @@ pub(crate) const QUEUE_HELD_MANY: &str =
 /// The stored state of an activity part (`Message::data`):
 /// `{"rev": n, "update": <the part as ACP JSON>}`. JSON that does not parse
 /// is kept as a string, never dropped.
+/// Whether an agent's error says the agent, still running, no longer has
+/// the conversation (or could not open it) because the process under it
+/// died: the words of the Claude Code adapter once its CLI died ("Session
+/// not found", "process exited unexpectedly", and "Query closed before
+/// response received" while a conversation is opened).
+pub(crate) fn conversation_gone_in_agent(error: &str) -> bool {
+    let e = error.to_ascii_lowercase();
+    e.contains("session not found")
+        || e.contains("process exited unexpectedly")
+        || e.contains("query closed before response received")
+}
+
 pub(crate) fn part_data(rev: u64, json: &str) -> String {
     let update = serde_json::from_str::<serde_json::Value>(json)
         .unwrap_or_else(|_| serde_json::Value::String(json.to_owned()));

@@ -629,6 +629,15 @@ impl Pump {
         // The turn is still cut (interrupted, the queue held); nothing is
         // restarted again.
         let replaced = exited && running_now == Some(true);
+        // The agent lives but lost the conversation (the Claude Code adapter
+        // whose CLI died answers every prompt "Session not found"; helper-40
+        // 1): restarted as if it had exited, so it loads the conversation
+        // again, within the same restart limit, and watchers see the
+        // session go STARTING and come back.
+        let lost = end.stop_reason == "error"
+            && !exited
+            && running_now != Some(false)
+            && super::conversation_gone_in_agent(&end.error_message);
         let _guard = self.mgr.inner.sessions.lock(self.session_id).await;
         let session = self.mgr.inner.store.get_session(self.session_id).await?;
         let current_turn = session.metadata.get(TURN_KEY).cloned();
@@ -677,12 +686,17 @@ impl Pump {
                 // stream, is read (it finds an agent running).
                 self.mgr.inner.agent_restarts.exit_to_count(self.session_id);
             }
-            let (s, events) = if exited && !replaced {
+            let (s, events) = if (exited && !replaced) || lost {
+                let what = if lost {
+                    format!("the agent lost the conversation ({})", end.error_message)
+                } else {
+                    exit_what.clone()
+                };
                 let (s, events, decided) = after_agent_exit(
                     &self.mgr.inner.config,
                     &self.mgr.inner.agent_restarts,
                     &session,
-                    &exit_what,
+                    &what,
                 )?;
                 restart = decided;
                 (s, events)
@@ -735,6 +749,14 @@ impl Pump {
                 change = change.event(self.session_id, ev);
             }
             let note = match end.stop_reason.as_str() {
+                // The adapter's own advice ("start a new session") is wrong
+                // here: the conversation comes back (helper-43 5).
+                "error" if lost && matches!(restart, AfterExit::Restart(_)) => Some(format!(
+                    "the agent's turn failed: {}; the agent lost the conversation, so sessiond \
+                     restarts it and loads the conversation again: send the message again once \
+                     the session is waiting for input",
+                    end.error_message
+                )),
                 "error" if !exited => {
                     Some(format!("the agent's turn failed: {}", end.error_message))
                 }
@@ -796,9 +818,17 @@ impl Pump {
             change = change.task_event(self.task_id, ev);
         }
         let committed = self.mgr.commit(change).await;
+        let restarting = matches!(restart, AfterExit::Restart(_));
+        if committed.is_ok() && lost && restarting {
+            // Its restart must find no agent running, or it would only
+            // reattach to the one that lost the conversation.
+            tracing::warn!(session = %self.session_id, said = %end.error_message,
+                "the agent lost the conversation; restarting it to load the conversation again");
+            self.stop_agent_that_lost_the_conversation().await;
+        }
         // Before the restart starts: its recovery announces itself at once,
         // and a status read meanwhile must not pair it with a running agent.
-        if committed.is_ok() && exited && !replaced {
+        if committed.is_ok() && ((exited && !replaced) || (lost && restarting)) {
             self.mgr
                 .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
         }
@@ -808,21 +838,13 @@ impl Pump {
         if let Some(u) = counted {
             self.mgr.inner.metrics.turn_usage(&u);
         }
-        if end.stop_reason == "error" && !exited && conversation_gone_in_agent(&end.error_message) {
-            self.relaunch_for_lost_conversation(&end.error_message)
-                .await;
-        }
         Ok(())
     }
 
-    /// The agent process lives but no longer has the conversation (the
-    /// Claude Code adapter whose CLI died: every prompt then fails "Session
-    /// not found", while the session looked healthy; helper-40 1). The
-    /// agent is stopped and brought back, which loads the conversation
-    /// again from its resume token, as after the agent's own exit.
-    async fn relaunch_for_lost_conversation(&self, said: &str) {
-        tracing::warn!(session = %self.session_id, said,
-            "the agent lost the conversation; relaunching it to load the conversation again");
+    /// Stops the agent whose restart was just decided because it lost the
+    /// conversation (its exit, read next on the stream, belongs to that
+    /// restart).
+    async fn stop_agent_that_lost_the_conversation(&self) {
         match self
             .mgr
             .inner
@@ -831,19 +853,10 @@ impl Pump {
             .await
         {
             Ok(Some(record)) => Agents(&self.mgr).stop_agent_quietly(&record).await,
-            Ok(None) => return,
-            Err(e) => {
-                tracing::warn!(session = %self.session_id, error = %e,
-                    "cannot read the executor to relaunch the agent");
-                return;
-            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!(session = %self.session_id, error = %e,
+                "cannot read the executor to stop the agent that lost the conversation"),
         }
-        self.mgr
-            .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
-        self.mgr.spawn_agent_relaunch(
-            self.session_id,
-            format!("the agent lost the conversation ({said})"),
-        );
     }
 
     /// True when agentctl reports no running agent right now.
@@ -1312,12 +1325,4 @@ impl Turns<'_> {
         self.inner.sessions.set_parked(session.id, parked);
         self.inner.sessions.evict_client(session.id);
     }
-}
-
-/// Whether a failed turn's error says the agent, still running, no longer
-/// has the conversation: the words the Claude Code adapter uses once its
-/// CLI died ("Session not found", "process exited unexpectedly").
-fn conversation_gone_in_agent(error: &str) -> bool {
-    let e = error.to_ascii_lowercase();
-    e.contains("session not found") || e.contains("process exited unexpectedly")
 }

@@ -638,18 +638,71 @@ async fn an_agent_that_lost_its_conversation_is_relaunched_and_loads_it() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Watchers saw it: the session went STARTING (saying why) and came back,
+    // and the failed turn's note says to send the message again.
+    let changes: Vec<_> = w
+        .events(s.id)
+        .await
+        .into_iter()
+        .filter_map(|e| match e.payload {
+            EventPayload::StateChanged {
+                to, error_message, ..
+            } => Some((to, error_message)),
+            _ => None,
+        })
+        .collect();
+    let lost_at = changes
+        .iter()
+        .position(|(to, why)| {
+            *to == SessionState::Error
+                && why
+                    .as_deref()
+                    .is_some_and(|m| m.contains("the agent lost the conversation"))
+        })
+        .unwrap_or_else(|| panic!("no restart announced: {changes:?}"));
+    assert_eq!(
+        changes[lost_at + 1..]
+            .iter()
+            .map(|(to, _)| *to)
+            .take(2)
+            .collect::<Vec<_>>(),
+        [SessionState::Starting, SessionState::WaitingForInput],
+        "{changes:?}"
+    );
+    let notes = w.messages(s.id).await;
+    assert!(
+        notes
+            .iter()
+            .any(|m| m.role == MessageRole::System && m.content.contains("send the message again")),
+        "{notes:?}"
+    );
     let reply = w.prompt(&mgr, s.id, "three").await;
     assert_eq!(reply, expected_reply(2, &token, "three"));
     w.track(s.id).await;
     w.finish(&mgr, &[s.id]).await;
 }
 
-/// helper-40 3: agentctl killed while the agent started (the create still
-/// waiting on it) left the session ERROR for good, blaming the profile.
-/// agentctl's loss passes by itself: the create brings the session up
-/// through recovery, on a new agentctl, and answers it WAITING.
+/// helper-40 3, helper-43 1: agentctl or the agent killed while the agent
+/// started (the create still waiting on it) left the session ERROR for
+/// good, blaming the profile. Such a kill passes by itself: the create
+/// brings the session up through recovery and answers it WAITING.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agentctl_killed_while_the_agent_starts_does_not_fail_the_create() {
+    killed_while_the_agent_starts(Killed::Agentctl).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_killed_while_it_starts_does_not_fail_the_create() {
+    killed_while_the_agent_starts(Killed::Agent).await;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Killed {
+    Agentctl,
+    Agent,
+}
+
+async fn killed_while_the_agent_starts(killed: Killed) {
     let w = World::new(Db::Sqlite).await;
     let (gated, gate) = w.gated_profile("gated").await;
     std::fs::write(&gate, b"closed").unwrap();
@@ -672,21 +725,25 @@ async fn agentctl_killed_while_the_agent_starts_does_not_fail_the_create() {
     };
     // The agent waits at its gate: agentctl is up and recorded.
     let deadline = Instant::now() + Duration::from_secs(60);
-    let first = loop {
+    let (first, agent) = loop {
         let sessions = w.store.list_sessions(w.task.id).await.unwrap();
         if let Some(s) = sessions.first()
             && let Some(r) = w.store.get_executor_for_session(s.id).await.unwrap()
             && r.status == ExecutorStatus::Ready
             && let Some(pid) = r.pid
-            && !demo_agents_under(pid).is_empty()
+            && let [agent] = demo_agents_under(pid)[..]
         {
-            break r;
+            break (r, agent);
         }
         assert!(Instant::now() < deadline, "the agent never started");
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    kill9(first.pid.unwrap());
-    while is_running(first.pid.unwrap()) {
+    let victim = match killed {
+        Killed::Agentctl => first.pid.unwrap(),
+        Killed::Agent => agent,
+    };
+    kill9(victim);
+    while is_running(victim) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     std::fs::remove_file(&gate).unwrap();
@@ -696,14 +753,16 @@ async fn agentctl_killed_while_the_agent_starts_does_not_fail_the_create() {
     assert_eq!(
         s.state,
         SessionState::WaitingForInput,
-        "{:?}",
+        "{killed:?}: {:?}",
         s.error_message
     );
     let token = s.resume_token.clone().expect("a conversation was opened");
     let record = w.record(s.id).await;
     assert_eq!(record.status, ExecutorStatus::Ready, "{record:?}");
-    assert!(record.generation > first.generation, "{record:?}");
-    assert_ne!(record.pid, first.pid, "a new agentctl");
+    if killed == Killed::Agentctl {
+        assert!(record.generation > first.generation, "{record:?}");
+        assert_ne!(record.pid, first.pid, "a new agentctl");
+    }
     let reply = w.prompt(&mgr, s.id, "hello").await;
     assert_eq!(reply, expected_reply(1, &token, "hello"));
     w.finish(&mgr, &[s.id]).await;
