@@ -575,23 +575,22 @@ impl Pass<'_> {
             .await?
             .into_iter()
             .collect();
-        let remote = self.inner.drivers.contains_key(&Runtime::Remote);
-        let docker = self.inner.drivers.contains_key(&Runtime::LocalDocker);
-        if remote || docker || !resuming.is_empty() {
-            let failed = store
-                .list_executors_with_status(vec![ExecutorStatus::Error])
-                .await?;
-            records.extend(failed.into_iter().filter(|r| {
-                r.status == ExecutorStatus::Error
-                    && (resuming.contains(&r.session_id)
-                        || retried_in_background(
-                            r,
-                            &self.inner.drivers,
-                            &self.inner.config,
-                            self.inner.started_at,
-                        ))
-            }));
-        }
+        // Read whatever drivers are registered: a custom runtime's executors
+        // parked while its driver was missing come back under any manager
+        // (helper-44 1: one with no remote or Docker driver never read them).
+        let failed = store
+            .list_executors_with_status(vec![ExecutorStatus::Error])
+            .await?;
+        records.extend(failed.into_iter().filter(|r| {
+            r.status == ExecutorStatus::Error
+                && (resuming.contains(&r.session_id)
+                    || retried_in_background(
+                        r,
+                        &self.inner.drivers,
+                        &self.inner.config,
+                        self.inner.started_at,
+                    ))
+        }));
         // With other replicas: only what this one could claim (its own from
         // before a restart, free or expired leases); the rest is theirs.
         let records = Fencing(self).claim_records(records).await?;

@@ -11,10 +11,16 @@
 mod common;
 mod support;
 
+/// The custom executor driver of sessiond-server's example, as a third
+/// party writes one.
+#[path = "../../../sessiond-server/examples/custom_executor/wrapper.rs"]
+mod wrapper;
+
 mod background;
 mod claude;
 mod containment;
 mod crash;
+mod custom_runtime;
 mod docker_down;
 mod docker_support;
 mod docker_worktrees;
