@@ -168,6 +168,14 @@ impl SessionManager {
                 .await?;
         } else if req.worktree.path.is_empty() {
             return Err(Error::InvalidArgument("worktree path is empty".into()));
+        } else if !Path::new(&req.worktree.path).is_absolute() || req.worktree.path.contains('\0') {
+            // The server checks it too; an embedder's caller may not
+            // (helper-44 9: such a path was "no longer exists" of a session
+            // that was never stored).
+            return Err(Error::InvalidArgument(format!(
+                "worktree path {:?} is not an absolute path",
+                req.worktree.path
+            )));
         }
         if req.runtime == Runtime::Remote && req.remote.is_none() {
             return Err(Error::InvalidArgument(

@@ -767,3 +767,34 @@ async fn killed_while_the_agent_starts(killed: Killed) {
     assert_eq!(reply, expected_reply(1, &token, "hello"));
     w.finish(&mgr, &[s.id]).await;
 }
+
+/// helper-44 9: a relative (or NUL-holding) worktree path reached the
+/// engine from an embedder and was answered "no longer exists" for a
+/// session never stored. It is refused as input, and nothing is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worktree_path_that_is_not_absolute_is_refused_as_input() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager();
+    for path in ["relative/dir", "/tmp/with\0nul"] {
+        let mut worktree = w.worktree("refused");
+        worktree.path = path.to_owned();
+        let err = mgr
+            .create_session(sessiond_engine::NewSession {
+                task_id: w.task.id,
+                agent_profile_id: w.profile.id,
+                runtime: sessiond_domain::Runtime::LocalStandalone,
+                worktree,
+                remote: None,
+                metadata: Default::default(),
+                mcp_servers: Vec::new(),
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, sessiond_engine::Error::InvalidArgument(m) if m.contains("not an absolute path")),
+            "{path:?}: {err}"
+        );
+    }
+    assert!(w.store.list_sessions(w.task.id).await.unwrap().is_empty());
+    w.finish(&mgr, &[]).await;
+}
