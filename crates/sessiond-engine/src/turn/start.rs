@@ -540,6 +540,17 @@ impl Turns<'_> {
                     state: s,
                 });
             }
+            // A turn left RUNNING with no agent to finish it (a restart
+            // under `on_demand` brought the workspace only): waiting never
+            // helps, a resume does (helper-44 4).
+            SessionState::Running
+                if !self.execution(session_id).is_some_and(|e| {
+                    e.record.status == ExecutorStatus::Ready
+                        && e.agent != AgentProcessState::NotRunning
+                }) && !self.inner.agent_recoveries.under_way(session_id) =>
+            {
+                return Err(self.agent_not_running(session).await);
+            }
             SessionState::Running => {
                 return Err(Error::InvalidState {
                     session_id,

@@ -381,6 +381,17 @@ async fn explicit_resume_delivers_the_pending_message() {
     w.track(s.id).await;
     assert_eq!(w.status(&mgr, s.id).await.state, SessionState::Running);
     assert_eq!(transcript(&w, &s).len(), 1);
+    // No agent to finish the turn: a send says to resume, not to wait
+    // (helper-44 4).
+    let refused = mgr
+        .send_message(w.task.id, s.id, "meanwhile")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, sessiond_engine::Error::AgentNotRunning { .. })
+            && refused.to_string().contains("resume"),
+        "{refused}"
+    );
 
     let st = mgr.resume_session(w.task.id, s.id).await.unwrap();
     assert!(st.is_agent_running, "{st:?}");
