@@ -346,6 +346,12 @@ impl Error {
 
     /// The call did not reach its peer, or its answer did not come back (a
     /// transport failure), as opposed to an answer that is an error.
+    /// The store could not be reached (the database is down, or the
+    /// connection was lost): nothing was written, and a retry may succeed.
+    pub(crate) fn is_store_unavailable(&self) -> bool {
+        matches!(self, Error::Store(e) if e.is_unavailable())
+    }
+
     pub(crate) fn is_transport(&self) -> bool {
         match self {
             Error::Unavailable(_) => true,

@@ -195,6 +195,17 @@ impl Pump {
                         }
                         let turn_start = matches!(update.kind, Some(Kind::TurnStarted(_)));
                         if let Err(e) = self.handle(update).await {
+                            if e.is_store_unavailable() {
+                                // The update is read past but not stored (a
+                                // turn's end among them: helper-42, sessions
+                                // left RUNNING). Read again from what is
+                                // stored once the database answers, as a
+                                // restarted backend does.
+                                tracing::warn!(session = %self.session_id, error = %e,
+                                    "the database is unavailable; the agent's updates are read again from the stored cursor once it answers");
+                                self.restart_from_store().await;
+                                return;
+                            }
                             tracing::warn!(session = %self.session_id, error = %e, "could not apply agent update");
                             if turn_start {
                                 break;
@@ -218,6 +229,44 @@ impl Pump {
             }
             tokio::time::sleep(Duration::from_millis(100 << failures.min(5))).await;
         }
+    }
+
+    /// Waits until the store answers again, then replaces this pump with
+    /// one started from the session as stored (its cursor, its reply so
+    /// far, a turn to settle), which replays what agentctl buffered since:
+    /// what this pump held in memory and could not store is read again.
+    /// An executor replaced meanwhile, or a session gone, starts nothing.
+    async fn restart_from_store(&self) {
+        let store = &self.mgr.inner.store;
+        let mut pause = Duration::from_millis(200);
+        let (session, record) = loop {
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(5));
+            let read = async {
+                let session = store.get_session(self.session_id).await?;
+                let record = store.get_executor_for_session(self.session_id).await?;
+                Ok::<_, sessiond_store::Error>((session, record))
+            }
+            .await;
+            match read {
+                Ok((session, Some(record))) => break (session, record),
+                Ok((_, None)) => return,
+                Err(e) if e.is_unavailable() => continue,
+                Err(e) => {
+                    tracing::warn!(session = %self.session_id, error = %e,
+                        "cannot read the session again after the database came back");
+                    return;
+                }
+            }
+        };
+        if record.generation != self.generation
+            || session.state.is_terminal()
+            || !Fencing(&self.mgr).owns(self.session_id)
+        {
+            return;
+        }
+        tracing::info!(session = %self.session_id, "the database answers again; reading the agent's updates from the stored cursor");
+        Turns(&self.mgr).start_pump(&session, &record);
     }
 
     /// This pump's agentctl is a local process that is gone (its recorded

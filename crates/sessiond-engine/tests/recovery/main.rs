@@ -21,6 +21,7 @@ mod claude;
 mod containment;
 mod crash;
 mod custom_runtime;
+mod db_outage;
 mod docker_down;
 mod docker_support;
 mod docker_worktrees;

@@ -51,6 +51,29 @@ pub fn init_tracing() {
 }
 
 impl World {
+    /// A world on a PostgreSQL database reached through `proxy` (started
+    /// here), so the test can take the database away and give it back.
+    pub async fn postgres_through_proxy() -> (World, DbProxy) {
+        init_tracing();
+        let dir = tempfile::tempdir().unwrap();
+        let tdb = tokio::task::spawn_blocking(sessiond_testkit::postgres::test_database)
+            .await
+            .unwrap();
+        let (host, rest) = tdb
+            .url()
+            .split_once('@')
+            .and_then(|(user, at)| at.split_once('/').map(|(hp, db)| ((user, hp), db)))
+            .map(|((user, hp), db)| (hp.to_owned(), format!("{user}@{{}}/{db}")))
+            .expect("a postgres://user@host:port/db URL");
+        let proxy = DbProxy::start(host).await;
+        let url = rest.replace("{}", &format!("127.0.0.1:{}", proxy.port));
+        let store = Store::connect(&url, StoreOptions::default()).await.unwrap();
+        (
+            World::with_store(store, DbGuard::Postgres(tdb), dir).await,
+            proxy,
+        )
+    }
+
     pub async fn new(db: Db) -> World {
         init_tracing();
         let dir = tempfile::tempdir().unwrap();
@@ -74,6 +97,10 @@ impl World {
                 )
             }
         };
+        World::with_store(store, guard, dir).await
+    }
+
+    async fn with_store(store: Store, guard: DbGuard, dir: tempfile::TempDir) -> World {
         let now = Utc::now();
         let task = store
             .create_task(&Task {
@@ -637,4 +664,78 @@ pub fn agent_calls(w: &World) -> Vec<(String, u64)> {
             )
         })
         .collect()
+}
+
+/// A TCP proxy in front of a database: `cut` closes every connection through
+/// it and refuses new ones (each refused one counted) until `restore`.
+pub struct DbProxy {
+    pub port: u16,
+    up: Arc<std::sync::atomic::AtomicBool>,
+    refused: Arc<std::sync::atomic::AtomicUsize>,
+    conns: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl DbProxy {
+    async fn start(target: String) -> DbProxy {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let up = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let conns: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
+        let accept = {
+            let (up, refused, conns) = (up.clone(), refused.clone(), conns.clone());
+            tokio::spawn(async move {
+                while let Ok((mut client, _)) = listener.accept().await {
+                    if !up.load(Ordering::SeqCst) {
+                        refused.fetch_add(1, Ordering::SeqCst);
+                        drop(client);
+                        continue;
+                    }
+                    let target = target.clone();
+                    let copy = tokio::spawn(async move {
+                        if let Ok(mut server) = tokio::net::TcpStream::connect(&target).await {
+                            let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                        }
+                    });
+                    conns.lock().unwrap().push(copy.abort_handle());
+                }
+            })
+        };
+        DbProxy {
+            port,
+            up,
+            refused,
+            conns,
+            accept,
+        }
+    }
+
+    /// The database goes away: open connections close, new ones are refused.
+    pub fn cut(&self) {
+        self.up.store(false, std::sync::atomic::Ordering::SeqCst);
+        for c in self.conns.lock().unwrap().drain(..) {
+            c.abort();
+        }
+    }
+
+    /// The database is back.
+    pub fn restore(&self) {
+        self.up.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Connections refused while cut, so far.
+    pub fn refused(&self) -> usize {
+        self.refused.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for DbProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        for c in self.conns.lock().unwrap().drain(..) {
+            c.abort();
+        }
+    }
 }

@@ -1,0 +1,84 @@
+//! The database goes away while agents work (PostgreSQL behind a proxy the
+//! test cuts), and comes back: nothing the agents did meanwhile is lost.
+
+use std::time::{Duration, Instant};
+
+use sessiond_domain::{MessageRole, SessionState};
+
+use crate::support::{World, expected_reply};
+
+/// helper-42 1: a turn that ended while PostgreSQL was down was read past
+/// and never stored: the session stayed RUNNING (its reply unfinished, the
+/// queue stuck) until sessiond restarted. The pump now reads the agent's
+/// updates again from the stored cursor once the database answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_that_ends_while_the_database_is_down_is_stored_once_it_is_back() {
+    let (w, proxy) = World::postgres_through_proxy().await;
+    // The agent holds its answer after its last (third) chunk while the
+    // gate exists: the whole reply is stored before the database goes, and
+    // only the turn's end comes while it is away.
+    let gate = w.path("mid-gate");
+    let profile = w
+        .demo_profile(
+            "held",
+            &[
+                ("ACP_DEMO_MID_GATE_FILE", gate.to_str().unwrap()),
+                ("ACP_DEMO_MID_GATE_AFTER", "3"),
+            ],
+        )
+        .await;
+    let mgr = w.manager();
+    let s = w.create_with(&mgr, "outage", &profile, None).await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+
+    std::fs::write(&gate, b"closed").unwrap();
+    mgr.send_message(w.task.id, s.id, "two").await.unwrap();
+    let whole = expected_reply(2, &token, "two");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !w
+        .messages(s.id)
+        .await
+        .last()
+        .is_some_and(|m| m.role == MessageRole::Agent && m.content == whole)
+    {
+        assert!(Instant::now() < deadline, "the reply was never stored");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    proxy.cut();
+    let seen = proxy.refused();
+    std::fs::remove_file(&gate).unwrap();
+    // The turn ends; sessiond tries to store its end (a connection refused
+    // since the agent went on: nothing else of this test uses the store).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while proxy.refused() == seen {
+        assert!(Instant::now() < deadline, "nothing tried the database");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    proxy.restore();
+
+    // The turn's end is stored: the reply complete, the session waiting.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let msgs = w.messages(s.id).await;
+        let st = w.status(&mgr, s.id).await;
+        if st.state == SessionState::WaitingForInput
+            && msgs
+                .last()
+                .is_some_and(|m| m.complete && m.content == whole)
+        {
+            let users = msgs.iter().filter(|m| m.role == MessageRole::User).count();
+            assert_eq!(users, 2, "{msgs:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the turn's end was never stored: {st:?} {msgs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let reply = w.prompt(&mgr, s.id, "three").await;
+    assert_eq!(reply, expected_reply(3, &token, "three"));
+    w.track(s.id).await;
+    w.finish(&mgr, &[s.id]).await;
+}
