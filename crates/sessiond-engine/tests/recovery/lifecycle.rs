@@ -248,15 +248,7 @@ async fn a_create_whose_agent_stays_silent_says_so() {
         ..w.config()
     });
     let s = mgr
-        .create_session(sessiond_engine::NewSession {
-            task_id: w.task.id,
-            agent_profile_id: profile.id,
-            runtime: sessiond_domain::Runtime::LocalStandalone,
-            worktree: w.worktree("silent"),
-            remote: None,
-            metadata: Default::default(),
-            mcp_servers: Vec::new(),
-        })
+        .create_session(w.new_session("silent", &profile))
         .await
         .unwrap();
     w.track(s.id).await;
@@ -708,20 +700,8 @@ async fn killed_while_the_agent_starts(killed: Killed) {
     std::fs::write(&gate, b"closed").unwrap();
     let mgr = w.manager();
     let create = {
-        let (mgr, task, profile, worktree) =
-            (mgr.clone(), w.task.id, gated.clone(), w.worktree("lost"));
-        tokio::spawn(async move {
-            mgr.create_session(sessiond_engine::NewSession {
-                task_id: task,
-                agent_profile_id: profile.id,
-                runtime: sessiond_domain::Runtime::LocalStandalone,
-                worktree,
-                remote: None,
-                metadata: Default::default(),
-                mcp_servers: Vec::new(),
-            })
-            .await
-        })
+        let (mgr, req) = (mgr.clone(), w.new_session("lost", &gated));
+        tokio::spawn(async move { mgr.create_session(req).await })
     };
     // The agent waits at its gate: agentctl is up and recorded.
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -776,20 +756,9 @@ async fn a_worktree_path_that_is_not_absolute_is_refused_as_input() {
     let w = World::new(Db::Sqlite).await;
     let mgr = w.manager();
     for path in ["relative/dir", "/tmp/with\0nul"] {
-        let mut worktree = w.worktree("refused");
-        worktree.path = path.to_owned();
-        let err = mgr
-            .create_session(sessiond_engine::NewSession {
-                task_id: w.task.id,
-                agent_profile_id: w.profile.id,
-                runtime: sessiond_domain::Runtime::LocalStandalone,
-                worktree,
-                remote: None,
-                metadata: Default::default(),
-                mcp_servers: Vec::new(),
-            })
-            .await
-            .unwrap_err();
+        let mut req = w.new_session("refused", &w.profile);
+        req.worktree.path = path.to_owned();
+        let err = mgr.create_session(req).await.unwrap_err();
         assert!(
             matches!(&err, sessiond_engine::Error::InvalidArgument(m) if m.contains("not an absolute path")),
             "{path:?}: {err}"

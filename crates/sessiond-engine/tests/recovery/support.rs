@@ -258,6 +258,19 @@ impl World {
         self.create_rt(mgr, name, profile, runtime, remote).await
     }
 
+    /// A local standalone session's request: `name`'s worktree, `profile`.
+    pub fn new_session(&self, name: &str, profile: &AgentProfile) -> NewSession {
+        NewSession {
+            task_id: self.task.id,
+            agent_profile_id: profile.id,
+            runtime: Runtime::LocalStandalone,
+            worktree: self.worktree(name),
+            remote: None,
+            metadata: BTreeMap::new(),
+            mcp_servers: Vec::new(),
+        }
+    }
+
     pub async fn create_rt(
         &self,
         mgr: &SessionManager,
