@@ -163,6 +163,10 @@ impl Pump {
                     m = stream.message() => m,
                     () = sleep_until(flush_at) => {
                         if let Err(e) = self.flush(false).await {
+                            if e.is_store_unavailable() {
+                                self.restart_from_store(&e).await;
+                                return;
+                            }
                             tracing::warn!(session = %self.session_id, error = %e, "could not write agent message");
                         }
                         continue;
@@ -196,14 +200,7 @@ impl Pump {
                         let turn_start = matches!(update.kind, Some(Kind::TurnStarted(_)));
                         if let Err(e) = self.handle(update).await {
                             if e.is_store_unavailable() {
-                                // The update is read past but not stored (a
-                                // turn's end among them: helper-42, sessions
-                                // left RUNNING). Read again from what is
-                                // stored once the database answers, as a
-                                // restarted backend does.
-                                tracing::warn!(session = %self.session_id, error = %e,
-                                    "the database is unavailable; the agent's updates are read again from the stored cursor once it answers");
-                                self.restart_from_store().await;
+                                self.restart_from_store(&e).await;
                                 return;
                             }
                             tracing::warn!(session = %self.session_id, error = %e, "could not apply agent update");
@@ -231,12 +228,17 @@ impl Pump {
         }
     }
 
-    /// Waits until the store answers again, then replaces this pump with
-    /// one started from the session as stored (its cursor, its reply so
-    /// far, a turn to settle), which replays what agentctl buffered since:
-    /// what this pump held in memory and could not store is read again.
-    /// An executor replaced meanwhile, or a session gone, starts nothing.
-    async fn restart_from_store(&self) {
+    /// The store could not take what this pump read (`e`: the database is
+    /// down), so an update is read past but not stored (a turn's end among
+    /// them: helper-42, sessions left RUNNING until a restart). Waits until
+    /// the store answers again, then replaces this pump with one started
+    /// from the session as stored (its cursor, its reply so far, a turn to
+    /// settle), which replays what agentctl buffered since, as a restarted
+    /// backend does. An executor replaced meanwhile, or a session gone or
+    /// no longer this replica's, starts nothing.
+    async fn restart_from_store(&self, e: &crate::error::Error) {
+        tracing::warn!(session = %self.session_id, error = %e,
+            "the database is unavailable; the agent's updates are read again from the stored cursor once it answers");
         let store = &self.mgr.inner.store;
         let mut pause = Duration::from_millis(200);
         let (session, record) = loop {

@@ -82,3 +82,68 @@ async fn a_turn_that_ends_while_the_database_is_down_is_stored_once_it_is_back()
     w.track(s.id).await;
     w.finish(&mgr, &[s.id]).await;
 }
+
+/// The database goes away in the middle of a reply (its chunks stored in
+/// part) and stays away past the turn's end: once it is back the reply is
+/// stored whole, each chunk once, and the session takes the next message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_cut_by_a_database_outage_is_stored_whole_once() {
+    let (w, proxy) = World::postgres_through_proxy().await;
+    let profile = w
+        .demo_profile(
+            "slow",
+            &[
+                ("ACP_DEMO_CHUNK_DELAY_MS", "150"),
+                ("ACP_DEMO_EXTRA_CHUNKS", "8"),
+            ],
+        )
+        .await;
+    let mgr = w.manager();
+    let s = w.create_with(&mgr, "mid-reply", &profile, None).await;
+    let token = s.resume_token.clone().unwrap();
+    let extras = " [1] [2] [3] [4] [5] [6] [7] [8]";
+    let agentctl = w.agentctl(&w.record(s.id).await);
+
+    mgr.send_message(w.task.id, s.id, "one").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while w.messages(s.id).await.len() < 2 {
+        assert!(Instant::now() < deadline, "the reply never began");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    proxy.cut();
+    let seen = proxy.refused();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let h = agentctl.health().await.unwrap();
+        if h.agent_state == sessiond_executor::AgentState::Ready && proxy.refused() > seen {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the turn never ended: {h:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    proxy.restore();
+
+    let whole = format!("{}{extras}", expected_reply(1, &token, "one"));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let msgs = w.messages(s.id).await;
+        let st = w.status(&mgr, s.id).await;
+        if st.state == SessionState::WaitingForInput && msgs.last().is_some_and(|m| m.complete) {
+            assert_eq!(msgs.len(), 2, "{msgs:?}");
+            assert_eq!(msgs[1].content, whole, "{msgs:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the turn's end was never stored: {st:?} {msgs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let reply = w.prompt(&mgr, s.id, "two").await;
+    assert_eq!(
+        reply,
+        format!("{}{extras}", expected_reply(2, &token, "two"))
+    );
+    w.track(s.id).await;
+    w.finish(&mgr, &[s.id]).await;
+}
