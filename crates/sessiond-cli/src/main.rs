@@ -276,7 +276,10 @@ struct SendArgs {
     /// The prompt; `-` reads it from standard input (a prompt longer than
     /// a command line can hold).
     text: String,
-    /// Return once the message is stored instead of waiting for the reply.
+    /// Return once the message is stored (or queued) instead of waiting for
+    /// the reply. While sessiond brings the session's agent back (after a
+    /// restart, seconds for a real agent), the message is stored once the
+    /// agent is back, so this waits for that.
     #[arg(long)]
     no_wait: bool,
     /// Give up waiting for the reply after this many seconds.
