@@ -808,6 +808,11 @@ impl Pump {
                      the session is waiting for input",
                     end.error_message
                 )),
+                "error" if lost => Some(format!(
+                    "the agent's turn failed: {}; the agent lost the conversation and sessiond \
+                     does not restart it again by itself: resume the session to continue",
+                    end.error_message
+                )),
                 "error" if !exited => {
                     Some(format!("the agent's turn failed: {}", end.error_message))
                 }
@@ -870,16 +875,18 @@ impl Pump {
         }
         let committed = self.mgr.commit(change).await;
         let restarting = matches!(restart, AfterExit::Restart(_));
-        if committed.is_ok() && lost && restarting {
-            // Its restart must find no agent running, or it would only
-            // reattach to the one that lost the conversation.
-            tracing::warn!(session = %self.session_id, said = %end.error_message,
-                "the agent lost the conversation; restarting it to load the conversation again");
+        if committed.is_ok() && lost {
+            // Its restart (or, past the restart limit, the user's resume)
+            // must find no agent running, or it would only reattach to the
+            // one that lost the conversation (helper-45 F1: a resume then
+            // changed nothing).
+            tracing::warn!(session = %self.session_id, said = %end.error_message, restarting,
+                "the agent lost the conversation; stopping it so that it loads the conversation again");
             self.stop_agent_that_lost_the_conversation().await;
         }
         // Before the restart starts: its recovery announces itself at once,
         // and a status read meanwhile must not pair it with a running agent.
-        if committed.is_ok() && ((exited && !replaced) || (lost && restarting)) {
+        if committed.is_ok() && ((exited && !replaced) || lost) {
             self.mgr
                 .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
         }

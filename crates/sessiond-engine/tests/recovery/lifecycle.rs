@@ -767,3 +767,61 @@ async fn a_worktree_path_that_is_not_absolute_is_refused_as_input() {
     assert!(w.store.list_sessions(w.task.id).await.unwrap().is_empty());
     w.finish(&mgr, &[]).await;
 }
+
+/// helper-45 F1: past the restart limit, an agent that lost its
+/// conversation was left running (a live adapter over a dead CLI): the
+/// session said to resume, and the resume found the agent running and
+/// changed nothing. The agent is stopped; the resume brings it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_restart_limit_a_lost_conversation_comes_back_on_resume() {
+    let w = World::new(Db::Sqlite).await;
+    let lost = w.path("lost-session");
+    let profile = w
+        .demo_profile(
+            "forgets",
+            &[("ACP_DEMO_LOST_SESSION_FILE", lost.to_str().unwrap())],
+        )
+        .await;
+    let mgr = w.manager_with(ManagerConfig {
+        agent_restarts: 0,
+        ..w.config()
+    });
+    let s = w.create_with(&mgr, "forgets", &profile, None).await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+
+    std::fs::write(&lost, "").unwrap();
+    mgr.send_message(w.task.id, s.id, "two").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let st = loop {
+        let st = w.status(&mgr, s.id).await;
+        if st.state == SessionState::Error && !st.is_agent_running && st.needs_resume {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the agent that lost the conversation was left running: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(
+        st.error_message
+            .as_deref()
+            .is_some_and(|m| m.contains("resume the session")),
+        "{st:?}"
+    );
+    let notes = w.messages(s.id).await;
+    assert!(
+        notes.last().is_some_and(|m| m.role == MessageRole::System
+            && m.content.contains("resume the session to continue")),
+        "{notes:?}"
+    );
+    std::fs::remove_file(&lost).unwrap();
+
+    let resumed = mgr.resume_session(w.task.id, s.id).await.unwrap();
+    assert!(resumed.is_agent_running, "{resumed:?}");
+    let reply = w.prompt(&mgr, s.id, "three").await;
+    assert_eq!(reply, expected_reply(2, &token, "three"));
+    w.track(s.id).await;
+    w.finish(&mgr, &[s.id]).await;
+}
