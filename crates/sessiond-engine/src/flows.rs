@@ -53,6 +53,11 @@ pub(crate) trait RecoverFirst {
     /// so meanwhile: its agentctl answers but runs no agent.
     fn spawn_agent_relaunch(&self, session: SessionId, reason: String);
 
+    /// Recovers `session` in the background once the store answers again:
+    /// a call the database's outage cut short (a create, a stop) left it
+    /// between two writes, as a crash would, and no restart may come.
+    fn recover_once_store_answers(&self, session: SessionId, reason: String);
+
     /// [`Self::spawn_agent_relaunch`], waited for: the caller holds no lock
     /// of `session` and answers with what the recovery left.
     fn relaunch_now(&self, session: SessionId, reason: String) -> impl Future<Output = ()> + Send;

@@ -91,6 +91,37 @@ impl SessionManager {
     /// session exists, a failure is not an `Err`: the session is returned in
     /// ERROR with an `error_message` saying what to do.
     pub async fn create_session(&self, req: NewSession) -> Result<Session> {
+        let mut stored = Stored::default();
+        let created = self.create_session_stored(req, &mut stored).await;
+        match (created, stored) {
+            // The database went away after the session was stored (helper-45
+            // F2: such sessions stayed STARTING until a restart): it comes up
+            // through recovery once the database answers, as after a crash.
+            (
+                Err(e),
+                Stored {
+                    id: Some(id),
+                    session,
+                },
+            ) if e.is_store_unavailable() => {
+                self.recover_once_store_answers(
+                    id,
+                    "the database was unavailable while the session was created".into(),
+                );
+                match session {
+                    Some(s) => Ok(s),
+                    None => Err(Error::Unavailable(format!(
+                        "the database became unavailable while session {id} was being stored \
+                         ({e}); if it was stored, it comes up by itself once the database \
+                         answers (look for it before you create another)"
+                    ))),
+                }
+            }
+            (created, _) => created,
+        }
+    }
+
+    async fn create_session_stored(&self, req: NewSession, out: &mut Stored) -> Result<Session> {
         let store = &self.inner.store;
         let task = store.get_task(req.task_id).await?;
         if task.state.is_terminal() {
@@ -276,6 +307,7 @@ impl SessionManager {
             },
         );
         change = change.task_event(req.task_id, TaskEvent::WorkStarted);
+        out.id = Some(session_id);
         let committed = store.create_session_with(&created, change).await?;
         // After the commit: a heartbeat never sees it owned before the row exists.
         Fencing(self).mark_owned(
@@ -299,6 +331,7 @@ impl SessionManager {
         let mut record = committed
             .executor
             .ok_or_else(|| Error::Internal("no executor".into()))?;
+        out.session = Some(session.clone());
 
         // The worktree, now that its intent is stored: a crash from here on
         // leaves a session whose recovery finishes (or adopts) it.
@@ -524,6 +557,27 @@ impl SessionManager {
         session_id: SessionId,
         reason: EndReason,
     ) -> Result<Session> {
+        let ended = self.end_session_now(task, session_id, reason).await;
+        if let Err(e) = &ended
+            && e.is_store_unavailable()
+        {
+            // Ended or not, and its executor stopped or not (helper-45 F3:
+            // a session CANCELLED with its agent running): recovery, once
+            // the database answers, stops an ended session's executor.
+            self.recover_once_store_answers(
+                session_id,
+                "the database was unavailable while the session was ended".into(),
+            );
+        }
+        ended
+    }
+
+    async fn end_session_now(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        reason: EndReason,
+    ) -> Result<Session> {
         self.session_of_task(task, session_id).await?;
         // A recovery under way brings the workspace back but launches no
         // agent only for it to be stopped here.
@@ -727,6 +781,15 @@ impl SessionManager {
         self.inner.agent_restarts.forget(session_id);
         Ok(())
     }
+}
+
+/// How far a create got: the id it stores the session under (set before
+/// the insert), and the session once the insert is known to have been
+/// stored.
+#[derive(Default)]
+struct Stored {
+    id: Option<SessionId>,
+    session: Option<Session>,
 }
 
 /// The steps of creating and ending a session that its public calls share.

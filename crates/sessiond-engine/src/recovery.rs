@@ -329,6 +329,10 @@ impl crate::flows::RecoverFirst for SessionManager {
         ExecutorRecovery(self).relaunch_now(session, reason).await
     }
 
+    fn recover_once_store_answers(&self, session: SessionId, reason: String) {
+        ExecutorRecovery(self).recover_once_store_answers(session, reason)
+    }
+
     async fn agentctl_lost_change(
         &self,
         record: &ExecutorRecord,
@@ -2477,6 +2481,26 @@ impl ExecutorRecovery<'_> {
             .agent_recoveries
             .retry_after(session, 0, reason, Duration::ZERO);
         self.run_relaunch(session).await
+    }
+
+    /// See `flows::RecoverFirst::recover_once_store_answers`. A session
+    /// that was never stored (the outage came first) is left alone.
+    pub(crate) fn recover_once_store_answers(&self, session: SessionId, reason: String) {
+        let me = self.0.clone();
+        self.spawn_background(async move {
+            let mut pause = Duration::from_millis(500);
+            loop {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(10));
+                match me.inner.store.get_session(session).await {
+                    Ok(_) => break,
+                    Err(e) if e.is_unavailable() => {}
+                    Err(_) => return,
+                }
+            }
+            tracing::info!(%session, %reason, "the database answers again; recovering the session");
+            ExecutorRecovery(&me).relaunch_now(session, reason).await;
+        });
     }
 
     /// The announced relaunch's recovery; one that could not run is logged

@@ -147,3 +147,61 @@ async fn a_reply_cut_by_a_database_outage_is_stored_whole_once() {
     w.track(s.id).await;
     w.finish(&mgr, &[s.id]).await;
 }
+
+/// helper-45 F2: the database went away while a create waited for its
+/// agent (the session and agentctl stored, the conversation not): the
+/// create answered UNAVAILABLE and the session stayed STARTING until a
+/// restart. The create now answers the session, which comes up by itself
+/// once the database is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_cut_by_a_database_outage_comes_up_once_it_is_back() {
+    let (w, proxy) = World::postgres_through_proxy().await;
+    let (gated, gate) = w.gated_profile("gated").await;
+    std::fs::write(&gate, b"closed").unwrap();
+    let mgr = w.manager();
+    let create = {
+        let (mgr, req) = (mgr.clone(), w.new_session("cut", &gated));
+        tokio::spawn(async move { mgr.create_session(req).await })
+    };
+    // agentctl is up and stored; the agent waits at its gate.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let sessions = w.store.list_sessions(w.task.id).await.unwrap();
+        if let Some(s) = sessions.first()
+            && let Some(r) = w.store.get_executor_for_session(s.id).await.unwrap()
+            && r.status == sessiond_domain::ExecutorStatus::Ready
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "agentctl never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    proxy.cut();
+    std::fs::remove_file(&gate).unwrap();
+    // The conversation opens; storing it fails.
+    let s = create
+        .await
+        .unwrap()
+        .expect("the stored session is answered, not UNAVAILABLE");
+    assert_eq!(s.state, SessionState::Starting, "{s:?}");
+    proxy.restore();
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let st = loop {
+        let st = w.status(&mgr, s.id).await;
+        if st.state == SessionState::WaitingForInput && st.is_agent_running {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the session never came up: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let token = w.store.get_session(s.id).await.unwrap().resume_token;
+    let token = token.unwrap_or_else(|| panic!("no conversation stored: {st:?}"));
+    let reply = w.prompt(&mgr, s.id, "hello").await;
+    assert_eq!(reply, expected_reply(1, &token, "hello"));
+    w.track(s.id).await;
+    w.finish(&mgr, &[s.id]).await;
+}
