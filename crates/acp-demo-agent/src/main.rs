@@ -125,6 +125,11 @@ struct Cli {
     /// JSON-RPC internal error, `{"details":"Session not found"}`.
     #[arg(long, env = "ACP_DEMO_LOST_SESSION_FILE")]
     lost_session_file: Option<PathBuf>,
+    /// After a cancelled prompt, answer the next one at once with
+    /// `end_turn` and nothing else, as the Claude Code adapter (0.23) does
+    /// with the stop its cancelled turn left behind (claude-agent-acp #551).
+    #[arg(long, env = "ACP_DEMO_STALE_STOP_AFTER_CANCEL", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
+    stale_stop_after_cancel: bool,
     /// Exit with status 43 right after answering the Nth prompt of this process.
     #[arg(long, env = "ACP_DEMO_CRASH_AFTER_PROMPTS")]
     crash_after_prompts: Option<u32>,
@@ -197,6 +202,8 @@ struct Demo {
     state_dir: PathBuf,
     prompts: Mutex<u32>,
     cancelled: Mutex<HashSet<String>>,
+    /// `--stale-stop-after-cancel`: sessions whose last prompt was cancelled.
+    stale_stop: Mutex<HashSet<String>>,
     authenticated: Mutex<bool>,
     /// `--lazy-persist`: sessions of this process not written yet, with their cwd.
     unsaved: Mutex<std::collections::HashMap<String, PathBuf>>,
@@ -312,6 +319,7 @@ async fn main() -> anyhow::Result<()> {
         state_dir,
         prompts: Mutex::new(0),
         cancelled: Mutex::new(HashSet::new()),
+        stale_stop: Mutex::new(HashSet::new()),
         authenticated: Mutex::new(false),
         unsaved: Mutex::new(std::collections::HashMap::new()),
         modes: Mutex::new(std::collections::HashMap::new()),
@@ -650,6 +658,15 @@ fn text_chunk(text: &str) -> ContentChunk {
     ContentChunk::new(ContentBlock::Text(TextContent::new(text)))
 }
 
+/// The answer to a cancelled prompt (remembered for
+/// `--stale-stop-after-cancel`).
+fn cancelled_turn(demo: &Demo, session: &str) -> PromptResponse {
+    if demo.cli.stale_stop_after_cancel {
+        lock(&demo.stale_stop).insert(session.to_owned());
+    }
+    PromptResponse::new(StopReason::Cancelled)
+}
+
 async fn run_turn(
     demo: &Demo,
     cx: &ConnectionTo<Client>,
@@ -675,6 +692,9 @@ async fn run_turn(
         *n
     };
     lock(&demo.cancelled).remove(&id);
+    if lock(&demo.stale_stop).remove(&id) {
+        return Ok(PromptResponse::new(StopReason::EndTurn));
+    }
     if let Some(file) = &demo.cli.traceparent_file {
         let traceparent = req
             .meta
@@ -758,7 +778,7 @@ async fn run_turn(
             tokio::time::sleep(delay).await;
         }
         if lock(&demo.cancelled).remove(&id) {
-            return Ok(PromptResponse::new(StopReason::Cancelled));
+            return Ok(cancelled_turn(demo, &id));
         }
         cx.send_notification(SessionNotification::new(
             req.session_id.clone(),
@@ -778,7 +798,7 @@ async fn run_turn(
         }
     }
     if lock(&demo.cancelled).remove(&id) {
-        return Ok(PromptResponse::new(StopReason::Cancelled));
+        return Ok(cancelled_turn(demo, &id));
     }
     turns.push(Turn {
         prompt,

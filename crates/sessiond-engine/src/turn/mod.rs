@@ -42,6 +42,23 @@ pub(crate) const LAST_TURN_KEY: &str = "last_turn";
 /// restarted backend sends the cancel again and keeps its grace.
 pub(crate) const CANCEL_KEY: &str = "cancel_requested";
 
+/// Session metadata key of the last turn (its id) if it ended cancelled:
+/// the next turn ending at once with nothing is the stop the cancel left
+/// behind (`pump.rs`, `stale`). Replaced or removed at every turn's end.
+pub(crate) const CANCELLED_LAST_KEY: &str = "last_turn_cancelled";
+
+/// The system message after a turn that ended with its cancelled
+/// predecessor's stop, the agent restarted.
+pub(crate) const STALE_STOP_RESTARTED: &str = "the agent ended this turn before answering it, \
+with the stop the cancelled turn before it left behind (its later replies would come one turn \
+late), so sessiond restarts it and loads the conversation again: send the message again once \
+the session is waiting for input";
+
+/// [`STALE_STOP_RESTARTED`] past the restart limit: the agent is stopped.
+pub(crate) const STALE_STOP_STOPPED: &str = "the agent ended this turn before answering it, \
+with the stop the cancelled turn before it left behind (its later replies would come one turn \
+late), and sessiond does not restart it again by itself: resume the session to continue";
+
 /// Appended to a partial reply that a settled turn completes: the prompt had
 /// reached the agent, which stopped before it finished, and it is not asked
 /// again.

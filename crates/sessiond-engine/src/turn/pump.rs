@@ -50,8 +50,9 @@ use sessiond_proto::agentctl::v1::{self as pb, agent_update::Kind};
 use sessiond_store::Changeset;
 
 use super::{
-    CURSOR_KEY, Cut, TURN_CANCELLED, TURN_GENERATION_KEY, TURN_INSTANCE_KEY, TURN_KEY, Turns,
-    agent_title, cursor_value, cut_turn, part_data, pending_turn, stored_cursor, stored_part_rev,
+    CANCELLED_LAST_KEY, CURSOR_KEY, Cut, STALE_STOP_RESTARTED, STALE_STOP_STOPPED, TURN_CANCELLED,
+    TURN_GENERATION_KEY, TURN_INSTANCE_KEY, TURN_KEY, Turns, agent_title, cursor_value, cut_turn,
+    part_data, pending_turn, stored_cursor, stored_part_rev,
 };
 use crate::{
     changes::transition,
@@ -685,7 +686,7 @@ impl Pump {
         // 1): restarted as if it had exited, so it loads the conversation
         // again, within the same restart limit, and watchers see the
         // session go STARTING and come back.
-        let lost = end.stop_reason == "error"
+        let gone = end.stop_reason == "error"
             && !exited
             && running_now != Some(false)
             && super::conversation_gone_in_agent(&end.error_message);
@@ -693,6 +694,27 @@ impl Pump {
         let session = self.mgr.inner.store.get_session(self.session_id).await?;
         let current_turn = session.metadata.get(TURN_KEY).cloned();
         let ours = current_turn.as_deref().is_none_or(|t| t == end.turn_id);
+        // The turn after a cancelled one ended at once with nothing at all:
+        // the stop the cancelled turn left behind (the Claude Code adapter
+        // 0.23, claude-agent-acp #551), after which every reply comes one
+        // turn late. The agent is out of step with its turns; restarted
+        // like one that lost the conversation, it loads it in step
+        // (helper-43 2, helper-45 F4).
+        let stale = end.stop_reason == "end_turn"
+            && ours
+            && session.state == SessionState::Running
+            && session.metadata.contains_key(CANCELLED_LAST_KEY)
+            && self.pending.is_none()
+            && end.usage.as_ref().is_none_or(|u| {
+                [u.input_tokens, u.output_tokens, u.total_tokens]
+                    .iter()
+                    .all(|n| n.unwrap_or(0) == 0)
+            });
+        // ... and nothing of it is stored either (a tool call, a thought: a
+        // turn that did work is never taken for a stale stop, whose message
+        // would then be sent twice).
+        let stale = stale && !self.turn_left_anything(current_turn.as_deref()).await?;
+        let lost = gone || stale;
         // The agent died in the middle of the session's turn: its reply is
         // kept as streamed and the turn ends interrupted, not as if whole.
         let died_in = current_turn
@@ -738,7 +760,11 @@ impl Pump {
                 self.mgr.inner.agent_restarts.exit_to_count(self.session_id);
             }
             let (s, events) = if (exited && !replaced) || lost {
-                let what = if lost {
+                let what = if stale {
+                    "the agent ended a turn before answering it (the stop its cancelled turn \
+                     left behind)"
+                        .to_owned()
+                } else if lost {
                     format!("the agent lost the conversation ({})", end.error_message)
                 } else {
                     exit_what.clone()
@@ -800,6 +826,10 @@ impl Pump {
                 change = change.event(self.session_id, ev);
             }
             let note = match end.stop_reason.as_str() {
+                _ if stale => Some(match restart {
+                    AfterExit::Restart(_) => STALE_STOP_RESTARTED.to_owned(),
+                    AfterExit::Error { .. } => STALE_STOP_STOPPED.to_owned(),
+                }),
                 // The adapter's own advice ("start a new session") is wrong
                 // here: the conversation comes back (helper-43 5).
                 "error" if lost && matches!(restart, AfterExit::Restart(_)) => Some(format!(
@@ -853,6 +883,12 @@ impl Pump {
             super::end_turn_record(&mut next.metadata);
             next.metadata.remove(TURN_GENERATION_KEY);
             next.metadata.remove(TURN_INSTANCE_KEY);
+            if end.stop_reason == "cancelled" {
+                next.metadata
+                    .insert(CANCELLED_LAST_KEY.into(), end.turn_id.clone());
+            } else {
+                next.metadata.remove(CANCELLED_LAST_KEY);
+            }
             if died_in.is_none() {
                 // agentctl resolves every request before the turn ends; one
                 // still open can never be answered now.
@@ -897,6 +933,22 @@ impl Pump {
             self.mgr.inner.metrics.turn_usage(&u);
         }
         Ok(())
+    }
+
+    /// Whether the store holds anything after the turn's user message
+    /// (`turn`: its id): a reply, a tool call, a note. Unknown turn: true.
+    async fn turn_left_anything(&self, turn: Option<&str>) -> Result<bool> {
+        let Some(Ok(id)) = turn.map(MessageId::parse) else {
+            return Ok(true);
+        };
+        let store = &self.mgr.inner.store;
+        let Some(user) = store.get_message(self.session_id, id).await? else {
+            return Ok(true);
+        };
+        Ok(!store
+            .list_messages(self.session_id, user.seq, 1)
+            .await?
+            .is_empty())
     }
 
     /// Stops the agent whose restart was just decided because it lost the

@@ -825,3 +825,68 @@ async fn past_the_restart_limit_a_lost_conversation_comes_back_on_resume() {
     w.track(s.id).await;
     w.finish(&mgr, &[s.id]).await;
 }
+
+/// helper-43 2, helper-45 F4: after a cancel, the Claude Code adapter
+/// (0.23) ends the next turn at once with the stop the cancelled turn left
+/// behind, and every later reply comes one turn late (the demo agent does
+/// the same with `ACP_DEMO_STALE_STOP_AFTER_CANCEL`). That turn's empty
+/// end restarts the agent, which loads the conversation in step: the note
+/// says to send the message again, and the next replies are their own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_stop_after_a_cancel_restarts_the_agent_in_step() {
+    let w = World::new(Db::Sqlite).await;
+    let profile = w
+        .demo_profile("stale", &[("ACP_DEMO_STALE_STOP_AFTER_CANCEL", "1")])
+        .await;
+    let mgr = w.manager();
+    let s = w.create_with(&mgr, "stale", &profile, None).await;
+    let token = s.resume_token.clone().unwrap();
+    w.prompt(&mgr, s.id, "one").await;
+    let agentctl = w.record(s.id).await.pid.unwrap();
+    let before = demo_agents_under(agentctl);
+
+    mgr.send_message(w.task.id, s.id, "/long").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while w.messages(s.id).await.len() < 4 {
+        assert!(Instant::now() < deadline, "the long reply never began");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(mgr.cancel_turn(w.task.id, s.id).await.unwrap());
+    w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
+        .await;
+
+    // The stale stop: the turn ends at once, and the agent is restarted.
+    mgr.send_message(w.task.id, s.id, "two").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let st = w.status(&mgr, s.id).await;
+        let now = demo_agents_under(agentctl);
+        if st.state == SessionState::WaitingForInput
+            && st.is_agent_running
+            && !st.recovering
+            && !now.is_empty()
+            && now != before
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the agent was not restarted: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let msgs = w.messages(s.id).await;
+    assert!(
+        msgs.last().is_some_and(
+            |m| m.role == MessageRole::System && m.content.contains("send the message again")
+        ),
+        "{msgs:?}"
+    );
+    // In step again: each reply answers its own prompt.
+    let reply = w.prompt(&mgr, s.id, "three").await;
+    assert_eq!(reply, expected_reply(2, &token, "three"));
+    let reply = w.prompt(&mgr, s.id, "four").await;
+    assert_eq!(reply, expected_reply(3, &token, "four"));
+    w.track(s.id).await;
+    w.finish(&mgr, &[s.id]).await;
+}
