@@ -909,6 +909,14 @@ impl Pump {
         if let Some(ev) = task_event {
             change = change.task_event(self.task_id, ev);
         }
+        // An agent that exited is not running, whatever the commit does:
+        // said before the commit publishes the session's end of turn, so no
+        // status read in between pairs it with a running agent (CI saw
+        // ERROR with `agent running` once).
+        if exited && !replaced {
+            self.mgr
+                .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
+        }
         let committed = self.mgr.commit(change).await;
         let restarting = matches!(restart, AfterExit::Restart(_));
         if committed.is_ok() && lost {
@@ -922,7 +930,7 @@ impl Pump {
         }
         // Before the restart starts: its recovery announces itself at once,
         // and a status read meanwhile must not pair it with a running agent.
-        if committed.is_ok() && ((exited && !replaced) || lost) {
+        if committed.is_ok() && lost {
             self.mgr
                 .cache_update(self.session_id, |e| e.agent = AgentProcessState::NotRunning);
         }
