@@ -612,24 +612,7 @@ async fn an_agent_that_lost_its_conversation_is_relaunched_and_loads_it() {
     std::fs::remove_file(&lost).unwrap();
 
     // Back by itself: another agent process under the same agentctl.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let st = w.status(&mgr, s.id).await;
-        let now = demo_agents_under(agentctl);
-        if st.state == SessionState::WaitingForInput
-            && st.is_agent_running
-            && !st.recovering
-            && !now.is_empty()
-            && now != before
-        {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the agent never came back: {st:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    w.wait_new_agent(&mgr, s.id, agentctl, &before).await;
     // Watchers saw it: the session went STARTING (saying why) and came back,
     // and the failed turn's note says to send the message again.
     let changes: Vec<_> = w
@@ -857,24 +840,7 @@ async fn a_stale_stop_after_a_cancel_restarts_the_agent_in_step() {
 
     // The stale stop: the turn ends at once, and the agent is restarted.
     mgr.send_message(w.task.id, s.id, "two").await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let st = w.status(&mgr, s.id).await;
-        let now = demo_agents_under(agentctl);
-        if st.state == SessionState::WaitingForInput
-            && st.is_agent_running
-            && !st.recovering
-            && !now.is_empty()
-            && now != before
-        {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the agent was not restarted: {st:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    w.wait_new_agent(&mgr, s.id, agentctl, &before).await;
     let msgs = w.messages(s.id).await;
     assert!(
         msgs.last().is_some_and(

@@ -454,6 +454,35 @@ impl World {
         }
     }
 
+    /// Waits until the session is back WAITING_FOR_INPUT with another
+    /// agent process under `agentctl` than `before` (the agent restarted).
+    pub async fn wait_new_agent(
+        &self,
+        mgr: &SessionManager,
+        session: SessionId,
+        agentctl: u32,
+        before: &[u32],
+    ) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let st = self.status(mgr, session).await;
+            let now = demo_agents_under(agentctl);
+            if st.state == SessionState::WaitingForInput
+                && st.is_agent_running
+                && !st.recovering
+                && !now.is_empty()
+                && now != before
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the agent was not restarted: {st:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Waits until the session's update pump is parked (it holds no
     /// stream, so nothing sees its agentctl go).
     pub async fn wait_parked(&self, mgr: &SessionManager, session: SessionId) {
