@@ -110,6 +110,8 @@ pub struct SessiondBuilder {
     store: Option<Store>,
     executors: Vec<Arc<dyn Executor>>,
     agentctl_env: Option<Vec<(String, String)>>,
+    /// `serve`: a PostgreSQL that does not answer yet is waited for.
+    wait_for_database: bool,
     #[cfg(feature = "test-hooks")]
     recovery_gate: Option<PassGate>,
     #[cfg(feature = "test-hooks")]
@@ -138,6 +140,15 @@ impl SessiondBuilder {
     /// database.
     pub fn store(mut self, store: Store) -> Self {
         self.store = Some(store);
+        self
+    }
+
+    /// A PostgreSQL that does not answer yet (starting with the machine,
+    /// restarting) is waited for instead of failing the build: what
+    /// `sessiond serve` does, so that a supervisor is not needed to order
+    /// it after the database.
+    pub(crate) fn waiting_for_database(mut self) -> Self {
+        self.wait_for_database = true;
         self
     }
 
@@ -198,6 +209,7 @@ impl SessiondBuilder {
         let instance_lock = crate::replica::lock_instance(&config)?;
         let store = match self.store {
             Some(store) => store,
+            None if self.wait_for_database => serve::open_store_waiting(&config).await?,
             None => serve::open_store(&config).await?,
         };
         serve::seed_profiles(&store, &config).await?;
@@ -467,6 +479,7 @@ impl Sessiond {
             store: None,
             executors: Vec::new(),
             agentctl_env: None,
+            wait_for_database: false,
             #[cfg(feature = "test-hooks")]
             recovery_gate: None,
             #[cfg(feature = "test-hooks")]

@@ -46,7 +46,7 @@ impl SessiondBuilder {
     /// [`crate::serve`] with this builder's parts: builds, then serves until
     /// SIGTERM or ctrl-c.
     pub async fn serve(self) -> Result<()> {
-        Ok(serve_until(self, shutdown_signal()).await?)
+        Ok(serve_until(self.waiting_for_database(), shutdown_signal()).await?)
     }
 }
 
@@ -220,9 +220,65 @@ pub(crate) async fn open_store(config: &Config) -> anyhow::Result<Store> {
     .with_context(|| format!("database_url: cannot open {}", redact(&config.database_url)))
 }
 
-/// Creates `dir` (and missing parents) readable by this user only, or
-/// tightens an existing one to 0700 with a warning: it holds the database
-/// with every agentctl's secret, logs and port files.
+/// [`open_store`], waiting while a PostgreSQL `database_url` cannot be
+/// reached (refused, unreachable, starting up): one warning per attempt,
+/// the pause growing to 5 s. An answer that will not change by waiting (a
+/// wrong password, a database that does not exist, a failed migration)
+/// fails at once. SIGTERM and ctrl-c still end the process meanwhile: the
+/// server installs its handlers only once it serves.
+pub(crate) async fn open_store_waiting(config: &Config) -> anyhow::Result<Store> {
+    let mut pause = std::time::Duration::from_millis(500);
+    let mut attempt = 1u32;
+    loop {
+        match open_store(config).await {
+            Ok(store) => {
+                if attempt > 1 {
+                    tracing::info!(attempts = attempt, "the database answers; starting");
+                }
+                return Ok(store);
+            }
+            Err(e) if config.database_url.starts_with("postgres") && worth_waiting_for(&e) => {
+                let error = e
+                    .downcast_ref::<sessiond_store::Error>()
+                    .map_or_else(|| format!("{e:#}"), ToString::to_string);
+                tracing::warn!(
+                    attempt,
+                    retry_in_ms = pause.as_millis() as u64,
+                    error = error.trim_end(),
+                    "database_url: {} does not answer yet; waiting for it (sessiond serves once it answers)",
+                    redact(&config.database_url)
+                );
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(std::time::Duration::from_secs(5));
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Whether a failure to open the database may pass by waiting: the server
+/// could not be reached, or is not accepting connections yet.
+fn worth_waiting_for(e: &anyhow::Error) -> bool {
+    let Some(store) = e.downcast_ref::<sessiond_store::Error>() else {
+        return false;
+    };
+    if !store.is_unavailable() {
+        return false;
+    }
+    // PostgreSQL's answers that waiting will not change.
+    let text = store.to_string().to_lowercase();
+    const FINAL: [&str; 6] = [
+        "authentication failed",
+        "does not exist",
+        "pg_hba.conf",
+        "permission denied",
+        "invalid",
+        "ssl",
+    ];
+    !FINAL.iter().any(|word| text.contains(word))
+}
+
 /// Accepted connections with Nagle's algorithm off: with it on, a reply
 /// written in parts (HTTP/2 headers, then data and trailers) can wait for
 /// the client's delayed ACK, a 40 ms stall on a call that takes 1 ms.
@@ -330,6 +386,9 @@ impl tonic::transport::server::Connected for FirstBytes {
     }
 }
 
+/// Creates `dir` (and missing parents) readable by this user only, or
+/// tightens an existing one to 0700 with a warning: it holds the database
+/// with every agentctl's secret, logs and port files.
 fn private_dir(dir: &std::path::Path, key: &str) -> anyhow::Result<()> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     if !dir.exists() {

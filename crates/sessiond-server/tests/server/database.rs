@@ -59,3 +59,99 @@ async fn a_lost_database_is_unavailable_with_retry_advice() {
         assert!(took < Duration::from_secs(5), "call {i} took {took:?}");
     }
 }
+
+/// PostgreSQL not answering yet when `sessiond serve` starts (the machine
+/// booting, both restarted together): sessiond waits for it, saying so in
+/// its log, and serves once it answers, instead of exiting.
+#[tokio::test]
+async fn serve_waits_for_a_database_that_is_not_up_yet() {
+    let cluster = tokio::task::spawn_blocking(sessiond_testkit::postgres::start_cluster)
+        .await
+        .unwrap();
+    let db = cluster.create_database();
+    // A port nothing listens on yet: the database "is not up".
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let real = format!("127.0.0.1:{}", cluster.port());
+    let url = db.url().replacen(&real, &format!("127.0.0.1:{port}"), 1);
+    assert_ne!(url, db.url(), "the test database's URL names {real}");
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("sessiond.log");
+    let server = {
+        let (data, log, url) = (dir.path().join("data"), log.clone(), url.clone());
+        tokio::task::spawn_blocking(move || {
+            start_with(&data, &["--database-url", &url], Some(TOKEN), Some(&log))
+        })
+    };
+
+    // It says it waits (and has not exited: its listening line is awaited).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("waiting for it (sessiond serves once it answers)")
+    {
+        assert!(!server.is_finished(), "sessiond ended instead of waiting");
+        assert!(Instant::now() < deadline, "no wait in the log");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // The database comes up on that port: a forwarder to the cluster.
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let forward = tokio::spawn(async move {
+        loop {
+            let (mut inbound, _) = listener.accept().await.unwrap();
+            let real = real.clone();
+            tokio::spawn(async move {
+                let mut outbound = tokio::net::TcpStream::connect(real).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            });
+        }
+    });
+    let server = server.await.unwrap();
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "after the wait").await;
+    assert!(!task.id.is_empty());
+    forward.abort();
+}
+
+/// A database that waiting will not bring (it does not exist) fails the
+/// start at once, naming it, rather than being waited for.
+#[tokio::test]
+async fn serve_does_not_wait_for_a_database_that_does_not_exist() {
+    let cluster = tokio::task::spawn_blocking(sessiond_testkit::postgres::start_cluster)
+        .await
+        .unwrap();
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/no_such_db",
+        cluster.port()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let (ok, stderr) = tokio::task::spawn_blocking(move || {
+        run_sessiond(
+            &[
+                "serve",
+                "--insecure-no-auth",
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                data.to_str().unwrap(),
+                "--database-url",
+                &url,
+            ],
+            &[],
+        )
+    })
+    .await
+    .unwrap();
+    assert!(!ok, "{stderr}");
+    assert!(stderr.contains("no_such_db"), "{stderr}");
+    assert!(
+        !stderr.contains("waiting for it (sessiond serves once it answers)"),
+        "{stderr}"
+    );
+}
