@@ -156,9 +156,33 @@ impl SessionManager {
     /// more (it ended just before). The session lock is not held: the
     /// update pump takes it to end the turn.
     pub async fn cancel_turn(&self, task: TaskId, session_id: SessionId) -> Result<bool> {
-        self.session_of_task(task, session_id).await?;
-        self.ensure_recovered(session_id).await?;
-        let session = self.inner.store.get_session(session_id).await?;
+        let session = match self.session_of_task(task, session_id).await {
+            Ok(_) => {
+                self.ensure_recovered(session_id).await?;
+                self.inner
+                    .store
+                    .get_session(session_id)
+                    .await
+                    .map_err(Error::from)
+            }
+            Err(e) => Err(e),
+        };
+        // The database away (helper-45 F8): a stop asked for while it is
+        // away still reaches the agent, from the session as this manager
+        // last committed it; the turn's end is stored once it is back.
+        let session = match session {
+            Ok(s) => s,
+            Err(e) if e.is_store_unavailable() && Fencing(self).owns(session_id) => {
+                match self.inner.sessions.status_read(session_id).entry {
+                    Some(entry) if entry.session.task_id == task => {
+                        tracing::info!(session = %session_id, "cancel while the database is away: from the session as last committed");
+                        (*entry.session).clone()
+                    }
+                    _ => return Err(e),
+                }
+            }
+            Err(e) => return Err(e),
+        };
         match session.state {
             SessionState::Running => {}
             s if s.is_terminal() => {

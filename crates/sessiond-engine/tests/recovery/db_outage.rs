@@ -205,3 +205,64 @@ async fn a_create_cut_by_a_database_outage_comes_up_once_it_is_back() {
     w.track(s.id).await;
     w.finish(&mgr, &[s.id]).await;
 }
+
+/// helper-45 F8: a cancel while the database was away was refused
+/// UNAVAILABLE and the turn ran on. It now reaches the agent (from the
+/// session as last committed); the cancelled turn's end is stored once the
+/// database is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_while_the_database_is_down_stops_the_turn() {
+    let (w, proxy) = World::postgres_through_proxy().await;
+    let profile = w.demo_profile("plain", &[]).await;
+    let mgr = w.manager();
+    let s = w.create_with(&mgr, "cancel-outage", &profile, None).await;
+    let token = s.resume_token.clone().unwrap();
+    let agentctl = w.agentctl(&w.record(s.id).await);
+
+    // `/long`: 600 chunks 100 ms apart, a minute unless cancelled.
+    mgr.send_message(w.task.id, s.id, "/long").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while w.messages(s.id).await.len() < 2 {
+        assert!(Instant::now() < deadline, "the reply never began");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    proxy.cut();
+    let cancelled = mgr.cancel_turn(w.task.id, s.id).await;
+    assert!(matches!(cancelled, Ok(true)), "{cancelled:?}");
+    // The agent ended its turn while the database is still away.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let h = agentctl.health().await.unwrap();
+        if h.agent_state == sessiond_executor::AgentState::Ready {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the turn runs on: {h:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    proxy.restore();
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let msgs = w.messages(s.id).await;
+        let st = w.status(&mgr, s.id).await;
+        if st.state == SessionState::WaitingForInput {
+            let reply = msgs.iter().rev().find(|m| m.role == MessageRole::Agent);
+            assert!(
+                reply.is_some_and(|m| !m.content.contains("[600]")),
+                "the turn ran to its end: {msgs:?}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the cancelled turn's end was never stored: {st:?} {msgs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The demo agent numbers the turns it finished: the cancelled one is
+    // not among them.
+    let reply = w.prompt(&mgr, s.id, "after").await;
+    assert_eq!(reply, expected_reply(1, &token, "after"));
+    w.track(s.id).await;
+    w.finish(&mgr, &[s.id]).await;
+}
