@@ -32,6 +32,7 @@ pub enum ErrorKind {
 /// Cheap to clone (sources are shared), so one resume attempt can hand the
 /// same outcome to every caller that joined it.
 #[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A task, session, agent profile or executor does not exist.
     #[error("{entity} {id} not found")]

@@ -13,6 +13,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// on them; [`Error::is_unavailable`] tells the caller whether waiting and
 /// retrying may help.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// The driver's configuration or the caller's input cannot work.
     #[error("invalid executor configuration: {0}")]
