@@ -125,6 +125,11 @@ struct Cli {
     /// JSON-RPC internal error, `{"details":"Session not found"}`.
     #[arg(long, env = "ACP_DEMO_LOST_SESSION_FILE")]
     lost_session_file: Option<PathBuf>,
+    /// With `--lost-session-file`: fail the prompts as the adapter 0.101
+    /// does once it dropped the conversation of a CLI that died while idle:
+    /// ACP's -32002 "Resource not found" with `{"sessionId": ID}`.
+    #[arg(long, env = "ACP_DEMO_LOST_SESSION_NOT_FOUND", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
+    lost_session_not_found: bool,
     /// After a cancelled prompt, answer the next one at once with
     /// `end_turn` and nothing else, as the Claude Code adapter (0.23) does
     /// with the stop its cancelled turn left behind (claude-agent-acp #551).
@@ -493,10 +498,14 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
                     .as_ref()
                     .is_some_and(|f| f.exists())
                 {
-                    return responder.respond_with_error(
+                    let lost = if demo.cli.lost_session_not_found {
+                        Error::new(-32002, "Resource not found")
+                            .data(serde_json::json!({"sessionId": req.session_id.0.to_string()}))
+                    } else {
                         Error::internal_error()
-                            .data(serde_json::json!({"details": "Session not found"})),
-                    );
+                            .data(serde_json::json!({"details": "Session not found"}))
+                    };
+                    return responder.respond_with_error(lost);
                 }
                 cx.spawn(async move {
                     let result = run_turn(&demo, &conn, req).await;

@@ -94,20 +94,24 @@ pub(crate) const QUEUE_HELD_ONE: &str = " The queued message waits until you ret
 pub(crate) const QUEUE_HELD_MANY: &str =
     "wait until you retry this turn, or send a new message to go on without it.";
 
-/// The stored state of an activity part (`Message::data`):
-/// `{"rev": n, "update": <the part as ACP JSON>}`. JSON that does not parse
-/// is kept as a string, never dropped.
 /// Whether an agent's error says the agent, still running, no longer has
 /// the conversation (or could not open it) because the process under it
 /// died: the words of the Claude Code adapter once its CLI died ("Session
 /// not found", "process exited unexpectedly", and "Query closed before
-/// response received" while a conversation is opened).
+/// response received" while a conversation is opened); since 0.101 it
+/// forgets the conversation of a CLI that died while idle and answers the
+/// next prompt ACP's "Resource not found" naming the session (helper-46 F1).
 pub(crate) fn conversation_gone_in_agent(error: &str) -> bool {
     let e = error.to_ascii_lowercase();
     e.contains("session not found")
         || e.contains("process exited unexpectedly")
         || e.contains("query closed before response received")
+        || (e.contains("resource not found") && e.contains("sessionid"))
 }
+
+/// The stored state of an activity part (`Message::data`):
+/// `{"rev": n, "update": <the part as ACP JSON>}`. JSON that does not parse
+/// is kept as a string, never dropped.
 
 pub(crate) fn part_data(rev: u64, json: &str) -> String {
     let update = serde_json::from_str::<serde_json::Value>(json)
@@ -179,9 +183,28 @@ pub(crate) fn pending_turn(session: &Session) -> Option<String> {
         .flatten()
 }
 
-/// True when the session has no message yet: it was never prompted.
+/// True when no prompt has been answered in the session yet: no user
+/// message but the pending turn's (its first message, which an agentctl
+/// killed before it took it never delivered: helper-46 F4) and nothing of
+/// a reply. The agent then holds nothing of the conversation, so a new one
+/// may replace it when its load is refused. Read from the first few
+/// messages only (session-wide parts such as the agent's commands may come
+/// before any prompt); more than that is taken as prompted.
 pub(crate) async fn no_turn_yet(store: &sessiond_store::Store, session: &Session) -> Result<bool> {
-    Ok(pending_turn(session).is_none() && store.list_messages(session.id, 0, 1).await?.is_empty())
+    const LOOK: u32 = 8;
+    let pending = pending_turn(session);
+    let first = store.list_messages(session.id, 0, LOOK).await?;
+    if first.len() >= LOOK as usize {
+        return Ok(false);
+    }
+    Ok(first.iter().all(|m| match m.role {
+        MessageRole::User => pending.as_deref() == Some(m.id.to_string().as_str()),
+        MessageRole::Agent => matches!(
+            m.kind,
+            MessageKind::AvailableCommands | MessageKind::CurrentMode | MessageKind::Other
+        ),
+        _ => true,
+    }))
 }
 
 /// What ends turn `turn` of `session` *interrupted*, added to `change`: the

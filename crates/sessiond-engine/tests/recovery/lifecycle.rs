@@ -578,12 +578,29 @@ async fn an_agent_that_exits_at_start_is_reported_with_its_exit_status() {
 /// way while a file exists.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_that_lost_its_conversation_is_relaunched_and_loads_it() {
+    lost_conversation_relaunched(false, "Session not found").await;
+}
+
+/// helper-46 F1: the adapter 0.101 forgets the conversation of a CLI that
+/// died while idle and answers every prompt ACP's -32002 "Resource not
+/// found" naming the session: the session was stuck for good, its resume
+/// a no-op. Taken as the lost conversation above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_forgot_the_session_is_relaunched_and_loads_it() {
+    lost_conversation_relaunched(true, "Resource not found").await;
+}
+
+async fn lost_conversation_relaunched(not_found: bool, says: &str) {
     let w = World::new(Db::Sqlite).await;
     let lost = w.path("lost-session");
+    let form = if not_found { "true" } else { "false" };
     let profile = w
         .demo_profile(
             "forgets",
-            &[("ACP_DEMO_LOST_SESSION_FILE", lost.to_str().unwrap())],
+            &[
+                ("ACP_DEMO_LOST_SESSION_FILE", lost.to_str().unwrap()),
+                ("ACP_DEMO_LOST_SESSION_NOT_FOUND", form),
+            ],
         )
         .await;
     let mgr = w.manager();
@@ -598,9 +615,10 @@ async fn an_agent_that_lost_its_conversation_is_relaunched_and_loads_it() {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let msgs = w.messages(s.id).await;
-        if msgs.last().is_some_and(|m| {
-            m.role == MessageRole::System && m.content.contains("Session not found")
-        }) {
+        if msgs
+            .last()
+            .is_some_and(|m| m.role == MessageRole::System && m.content.contains(says))
+        {
             break;
         }
         assert!(
@@ -853,6 +871,62 @@ async fn a_stale_stop_after_a_cancel_restarts_the_agent_in_step() {
     assert_eq!(reply, expected_reply(2, &token, "three"));
     let reply = w.prompt(&mgr, s.id, "four").await;
     assert_eq!(reply, expected_reply(3, &token, "four"));
+    w.track(s.id).await;
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// helper-46 F4: agentctl killed between the create and the first message
+/// of an agent that stores nothing before its first prompt (Claude Code,
+/// codex): the first message found agentctl gone, the relaunched agent
+/// could not load the never-prompted conversation, and the session ended
+/// ERROR `resume_failed` for good (the message never reached any agent). A
+/// new conversation now replaces it, and the message is delivered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agentctl_killed_before_the_first_message_loses_nothing() {
+    let w = World::new(Db::Sqlite).await;
+    let profile = w
+        .demo_profile("lazy", &[("ACP_DEMO_LAZY_PERSIST", "true")])
+        .await;
+    let mgr = w.manager();
+    let s = w.create_with(&mgr, "lazy", &profile, None).await;
+    let old = w.record(s.id).await;
+    crate::support::kill_tree(old.pid.unwrap()).await;
+
+    let sent = mgr.send_message(w.task.id, s.id, "first").await;
+    assert!(sent.is_ok(), "{sent:?}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let reply = loop {
+        let st = w.status(&mgr, s.id).await;
+        assert_ne!(st.state, SessionState::Error, "{st:?}");
+        let msgs = w.messages(s.id).await;
+        if st.state == SessionState::WaitingForInput
+            && let Some(m) = msgs.iter().find(|m| {
+                m.role == MessageRole::Agent && m.kind == sessiond_domain::MessageKind::Text
+            })
+        {
+            let users = msgs.iter().filter(|m| m.role == MessageRole::User).count();
+            assert_eq!(users, 1, "{msgs:?}");
+            break m.content.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the first message was never answered: {st:?} {msgs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let now = w.store.get_session(s.id).await.unwrap();
+    let token = now.resume_token.clone().unwrap();
+    assert_ne!(Some(&token), s.resume_token.as_ref(), "not replaced");
+    assert_eq!(reply, expected_reply(1, &token, "first"));
+    assert!(
+        w.events(s.id)
+            .await
+            .iter()
+            .any(|e| matches!(e.payload, EventPayload::ConversationReplaced { .. })),
+        "no ConversationReplaced event"
+    );
+    let reply = w.prompt(&mgr, s.id, "second").await;
+    assert_eq!(reply, expected_reply(2, &token, "second"));
     w.track(s.id).await;
     w.finish(&mgr, &[s.id]).await;
 }
