@@ -47,6 +47,11 @@ pub(crate) const CANCEL_KEY: &str = "cancel_requested";
 /// behind (`pump.rs`, `stale`). Replaced or removed at every turn's end.
 pub(crate) const CANCELLED_LAST_KEY: &str = "last_turn_cancelled";
 
+/// What a stale stop after a cancel is, in the session's error while the
+/// agent restarts and in the turn's end.
+pub(crate) const STALE_STOP_WHY: &str =
+    "the agent ended a turn before answering it (the stop its cancelled turn left behind)";
+
 /// The system message after a turn that ended with its cancelled
 /// predecessor's stop, the agent restarted.
 pub(crate) const STALE_STOP_RESTARTED: &str = "the agent ended this turn before answering it, \

@@ -50,9 +50,9 @@ use sessiond_proto::agentctl::v1::{self as pb, agent_update::Kind};
 use sessiond_store::Changeset;
 
 use super::{
-    CANCELLED_LAST_KEY, CURSOR_KEY, Cut, STALE_STOP_RESTARTED, STALE_STOP_STOPPED, TURN_CANCELLED,
-    TURN_GENERATION_KEY, TURN_INSTANCE_KEY, TURN_KEY, Turns, agent_title, cursor_value, cut_turn,
-    part_data, pending_turn, stored_cursor, stored_part_rev,
+    CANCELLED_LAST_KEY, CURSOR_KEY, Cut, STALE_STOP_RESTARTED, STALE_STOP_STOPPED, STALE_STOP_WHY,
+    TURN_CANCELLED, TURN_GENERATION_KEY, TURN_INSTANCE_KEY, TURN_KEY, Turns, agent_title,
+    cursor_value, cut_turn, part_data, pending_turn, stored_cursor, stored_part_rev,
 };
 use crate::{
     changes::transition,
@@ -748,7 +748,7 @@ impl Pump {
                 crate::metrics::TurnOutcome::Cancelled
             } else if died_in.is_some() {
                 crate::metrics::TurnOutcome::Interrupted
-            } else if exited {
+            } else if exited || stale {
                 crate::metrics::TurnOutcome::Failed
             } else {
                 crate::metrics::TurnOutcome::from_stop_reason(&end.stop_reason)
@@ -761,9 +761,7 @@ impl Pump {
             }
             let (s, events) = if (exited && !replaced) || lost {
                 let what = if stale {
-                    "the agent ended a turn before answering it (the stop its cancelled turn \
-                     left behind)"
-                        .to_owned()
+                    STALE_STOP_WHY.to_owned()
                 } else if lost {
                     format!("the agent lost the conversation ({})", end.error_message)
                 } else {
@@ -871,12 +869,23 @@ impl Pump {
             // A turn that died with the agent has its `turn_ended`
             // (interrupted) from `interrupt_turn`.
             if died_in.is_none() {
+                // A stale stop answered nothing: a failed turn to clients
+                // (`sessionctl send` exits non-zero; helper-46 F3), not the
+                // agent's `end_turn`.
+                let (stop_reason, error_message) = if stale {
+                    ("error".to_owned(), Some(STALE_STOP_WHY.to_owned()))
+                } else {
+                    (
+                        end.stop_reason.clone(),
+                        Some(end.error_message.clone()).filter(|m| !m.is_empty()),
+                    )
+                };
                 change = change.event(
                     self.session_id,
                     EventPayload::TurnEnded {
                         turn_id: current_turn.clone().unwrap_or_else(|| end.turn_id.clone()),
-                        stop_reason: end.stop_reason.clone(),
-                        error_message: Some(end.error_message.clone()).filter(|m| !m.is_empty()),
+                        stop_reason,
+                        error_message,
                     },
                 );
             }

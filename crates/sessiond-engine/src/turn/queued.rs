@@ -155,11 +155,13 @@ impl SessionManager {
     }
 }
 
-/// The session has a turn running, or messages waiting ahead: a new
-/// message goes to the back of the queue.
+/// The session has a turn running, its agent is being started (a create,
+/// a restart after the agent exited or lost the conversation, a resume:
+/// helper-46 F3), or messages wait ahead: a new message goes to the back of
+/// the queue, delivered once the session waits for input.
 pub(crate) fn waits_behind_a_turn(session: &Session) -> bool {
     match session.state {
-        SessionState::Running => true,
+        SessionState::Running | SessionState::Starting => true,
         SessionState::WaitingForInput => !queue::is_empty(&session.metadata),
         _ => false,
     }

@@ -857,8 +857,23 @@ async fn a_stale_stop_after_a_cancel_restarts_the_agent_in_step() {
         .await;
 
     // The stale stop: the turn ends at once, and the agent is restarted.
-    mgr.send_message(w.task.id, s.id, "two").await.unwrap();
+    let two = mgr.send_message(w.task.id, s.id, "two").await.unwrap();
     w.wait_new_agent(&mgr, s.id, agentctl, &before).await;
+    // Clients see a failed turn, not the agent's `end_turn` (helper-46 F3:
+    // `sessionctl send` exited 0 with nothing answered).
+    let ended = w
+        .events(s.id)
+        .await
+        .into_iter()
+        .find_map(|e| match e.payload {
+            EventPayload::TurnEnded {
+                turn_id,
+                stop_reason,
+                ..
+            } if turn_id == two.id.to_string() => Some(stop_reason),
+            _ => None,
+        });
+    assert_eq!(ended.as_deref(), Some("error"));
     let msgs = w.messages(s.id).await;
     assert!(
         msgs.last().is_some_and(
