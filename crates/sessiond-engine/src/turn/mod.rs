@@ -117,7 +117,6 @@ pub(crate) fn conversation_gone_in_agent(error: &str) -> bool {
 /// The stored state of an activity part (`Message::data`):
 /// `{"rev": n, "update": <the part as ACP JSON>}`. JSON that does not parse
 /// is kept as a string, never dropped.
-
 pub(crate) fn part_data(rev: u64, json: &str) -> String {
     let update = serde_json::from_str::<serde_json::Value>(json)
         .unwrap_or_else(|_| serde_json::Value::String(json.to_owned()));
