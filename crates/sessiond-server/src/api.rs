@@ -307,6 +307,23 @@ impl Api {
         events: sessiond_engine::EventStream,
         permit: crate::limits::WatchPermit,
     ) -> EventStream {
+        let events = events
+            .map(|item| {
+                item.map(|e| convert::event(&e))
+                    .map_err(|e| Status::from(ApiError::from(e)))
+            })
+            .boxed();
+        self.until_stopped(events, permit)
+    }
+
+    /// `answers` until the server shuts down, then UNAVAILABLE
+    /// `shutting_down` (resubscribe from your last cursor); holding
+    /// `permit` meanwhile.
+    fn until_stopped<T: Send + 'static>(
+        &self,
+        answers: Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>,
+        permit: crate::limits::WatchPermit,
+    ) -> Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>> {
         let mut stop = self.stop.clone();
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;
@@ -325,11 +342,10 @@ impl Api {
             })
         })
         .filter_map(futures::future::ready);
-        events
+        answers
             .map(move |item| {
                 let _slot = &permit;
-                item.map(|e| convert::event(&e))
-                    .map_err(|e| Status::from(ApiError::from(e)))
+                item
             })
             .take_until(stopped)
             .chain(cut)
@@ -1454,6 +1470,123 @@ impl pb::session_service_server::SessionService for Api {
             .await,
         )
     }
+
+    type WatchManyStream = WatchManyStream;
+
+    async fn watch_many(
+        &self,
+        request: Request<pb::WatchManyRequest>,
+    ) -> Result<Response<Self::WatchManyStream>, Status> {
+        let caller = caller(&request);
+        let req = request.into_inner();
+        req.check_bounds(self.settings.max_message_bytes)
+            .map_err(Status::from)?;
+        reply(
+            async {
+                if req.targets.is_empty() || req.targets.len() > MAX_WATCH_TARGETS {
+                    return Err(ApiError::invalid(format!(
+                        "targets: {} given; watch 1 to {MAX_WATCH_TARGETS} sessions or tasks per call",
+                        req.targets.len()
+                    )));
+                }
+                enum Target {
+                    Session(SessionId),
+                    Task(TaskId),
+                }
+                let mut targets = Vec::with_capacity(req.targets.len());
+                for (i, t) in req.targets.iter().enumerate() {
+                    let target = match (t.session_id.is_empty(), t.task_id.is_empty()) {
+                        (false, true) => SessionId::parse(&t.session_id)
+                            .map(Target::Session)
+                            .map_err(|e| {
+                                ApiError::invalid(format!("targets[{i}].session_id: {e}"))
+                            })?,
+                        (true, false) => TaskId::parse(&t.task_id).map(Target::Task).map_err(
+                            |e| ApiError::invalid(format!("targets[{i}].task_id: {e}")),
+                        )?,
+                        _ => {
+                            return Err(ApiError::invalid(format!(
+                                "targets[{i}]: give exactly one of session_id and task_id"
+                            )));
+                        }
+                    };
+                    if t.after < 0 {
+                        return Err(ApiError::invalid(format!(
+                            "targets[{i}].after: must not be negative"
+                        )));
+                    }
+                    targets.push((target, t.after));
+                }
+                let permit = self.settings.watch_limits.acquire(caller)?;
+                let mut streams = Vec::with_capacity(targets.len());
+                for (i, (target, after)) in targets.into_iter().enumerate() {
+                    let index = i as u32;
+                    let opened = match target {
+                        Target::Session(id) => self.manager.watch_session(id, after).await,
+                        Target::Task(id) => self.manager.watch_task(id, after).await,
+                    };
+                    // A target that cannot be followed (deleted) ends alone.
+                    let events = match opened {
+                        Ok(events) => events,
+                        Err(e) => futures::stream::once(futures::future::ready(Err(e))).boxed(),
+                    };
+                    streams.push(watch_target(index, events));
+                }
+                let merged = futures::stream::select_all(streams).map(Ok).boxed();
+                Ok(self.until_stopped(merged, permit))
+            }
+            .await,
+        )
+    }
+}
+
+/// The most targets one WatchMany call follows.
+const MAX_WATCH_TARGETS: usize = 64;
+
+/// WatchMany's answer stream.
+pub type WatchManyStream =
+    Pin<Box<dyn Stream<Item = Result<pb::WatchManyResponse, Status>> + Send>>;
+
+/// One WatchMany target's events, each naming `index`; an error ends the
+/// target with a `WatchEnded`, not the call.
+fn watch_target(
+    index: u32,
+    events: sessiond_engine::EventStream,
+) -> Pin<Box<dyn Stream<Item = pb::WatchManyResponse> + Send>> {
+    events
+        .scan(false, move |ended, item| {
+            if *ended {
+                return futures::future::ready(None);
+            }
+            let answer = match item {
+                Ok(e) => pb::WatchManyResponse {
+                    target: index,
+                    event: Some(convert::event(&e)),
+                    ended: None,
+                },
+                Err(e) => {
+                    *ended = true;
+                    let status = Status::from(ApiError::from(e));
+                    let error = status
+                        .metadata()
+                        .get("sessiond-error")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_owned();
+                    pb::WatchManyResponse {
+                        target: index,
+                        event: None,
+                        ended: Some(pb::WatchEnded {
+                            code: status.code() as i32,
+                            message: status.message().to_owned(),
+                            error,
+                        }),
+                    }
+                }
+            };
+            futures::future::ready(Some(answer))
+        })
+        .boxed()
 }
 
 #[tonic::async_trait]

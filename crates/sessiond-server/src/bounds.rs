@@ -98,6 +98,24 @@ fn mcp_servers(list: &[pb::McpServerSpec]) -> ApiResult<()> {
     Ok(())
 }
 
+fn watch_targets(list: &[pb::WatchTarget]) -> ApiResult<()> {
+    for (i, t) in list.iter().enumerate() {
+        check(
+            &format!("targets[{i}].session_id"),
+            &t.session_id,
+            MAX_ID_BYTES,
+            None,
+        )?;
+        check(
+            &format!("targets[{i}].task_id"),
+            &t.task_id,
+            MAX_ID_BYTES,
+            None,
+        )?;
+    }
+    Ok(())
+}
+
 fn attachments(list: &[pb::Attachment]) -> ApiResult<()> {
     use pb::attachment::Kind;
     for (i, a) in list.iter().enumerate() {
@@ -214,6 +232,7 @@ bounded! { max_message_bytes =>
     DeleteSessionRequest { task_id: MAX_ID_BYTES, session_id: MAX_ID_BYTES };
     WatchSessionRequest { session_id: MAX_ID_BYTES };
     WatchTaskRequest { task_id: MAX_ID_BYTES };
+    WatchManyRequest {} nested { targets => watch_targets };
     ExecRequest { command: MAX_PATH_BYTES, cwd: MAX_PATH_BYTES }
         each { args: MAX_ARG_BYTES } nested { session => session_ref };
     ReadFileRequest { path: MAX_PATH_BYTES } nested { session => session_ref };
@@ -269,6 +288,7 @@ mod tests {
         DeleteSessionRequest,
         WatchSessionRequest,
         WatchTaskRequest,
+        WatchManyRequest,
         ExecRequest,
         ReadFileRequest,
         WriteFileRequest,

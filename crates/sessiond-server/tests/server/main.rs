@@ -32,5 +32,6 @@ mod support;
 mod titles;
 mod traces;
 mod usage;
+mod watch_many;
 mod web;
 mod worktrees;
