@@ -362,6 +362,45 @@ test("ten tabs over HTTP/1.1 (six connections per host) all load and all see a r
   }
 });
 
+test("eight tabs on eight sessions over HTTP/1.1 share one stream call: every tab loads, streams a reply, and its calls answer", async () => {
+  const { work, data } = scratch("many-sessions");
+  const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();
+  const b = await browser("many-sessions");
+  try {
+    const { page, context } = b;
+    await page.goto(server.url);
+    await createTaskAndSession(page, { title: "Many sessions e2e", work });
+    const [, task, first] = /#\/tasks\/([^/]+)\/sessions\/([^/]+)$/.exec(page.url());
+    const ids = [first];
+    for (let i = 1; i < 8; i++) {
+      const out = execFileSync(bin("sessionctl"), ["session", "create", "--task", task, "--worktree", work, "-q"], {
+        env: { ...process.env, SESSIOND_ADDR: `http://${server.addr}`, SESSIOND_TOKEN: "" },
+      });
+      ids.push(out.toString().trim());
+    }
+    const tabs = [page];
+    for (let i = 1; i < 8; i++) {
+      const p = await context.newPage();
+      p.on("pageerror", (e) => b.errors.push(`tab ${i}: ${e.message}`));
+      await p.goto(`${server.url}#/tasks/${task}/sessions/${ids[i]}`);
+      tabs.push(p);
+    }
+    // With a stream call per session, the six connections per host would
+    // all hold streams and the tabs' other calls would wait forever.
+    for (const p of tabs) await p.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
+    for (let i = 0; i < 8; i++) await send(tabs[i], `hello to session ${i}`);
+    for (let i = 0; i < 8; i++) await message(tabs[i], `you said "hello to session ${i}"`);
+    // A plain call answers in every tab: the workspace's file list.
+    for (const p of tabs) await p.waitForSelector("button.file:has-text('README.md')", { timeout: T });
+    await b.screenshot("eight-sessions");
+    for (const p of tabs) assertNoGapNoDuplicate(await conversation(p));
+    assert.deepEqual(b.errors, []);
+  } finally {
+    await b.close();
+    await server.stop();
+  }
+});
+
 test("honest states: unknown and malformed ids are not-found pages; Send queues while a turn runs and waits while sessiond is down", async () => {
   const { work, data } = scratch("honest");
   const server = await new Sessiond({ data, args: ["--insecure-no-auth"] }).start();

@@ -1,9 +1,10 @@
 // One set of watch streams for all tabs of the origin. A browser allows six
-// HTTP/1.1 connections per host and each watch stream holds one, so a
-// seventh tab would never load. Instead one tab, the leader (elected with a
-// Web Lock, which passes to another tab when it closes), holds one stream
-// per task or session any tab follows, keeps what it received, and
-// broadcasts each event to the tabs (BroadcastChannel). A tab that
+// HTTP/1.1 connections per host, all tabs together, and each watch call
+// holds one, so tabs on six sessions would leave no connection for calls.
+// Instead one tab, the leader (elected with a Web Lock, which passes to
+// another tab when it closes), follows every task or session any tab
+// follows in one WatchMany call, keeps what it received, and broadcasts
+// each event to the tabs (BroadcastChannel). A tab that
 // subscribes gets what the leader kept after its own cursor, then the live
 // events; every tab applies each cursor once, so a new leader starting its
 // streams from the beginning costs nothing but bandwidth.
@@ -12,7 +13,8 @@
 // lock are named after a hash of it). Without BroadcastChannel or Web Locks
 // each tab follows on its own.
 import { fromBinary, toBinary } from "@bufbuild/protobuf";
-import { follow, getToken, sessions, type WatchState } from "./api";
+import { Code, ConnectError } from "@connectrpc/connect";
+import { follow, getToken, health, isUnauthenticated, sessions, type WatchState } from "./api";
 import { EventSchema, type Event } from "./gen/sessiond/v1/events_pb";
 
 /** What a stream is: `task:<id>` or `session:<id>`. */
@@ -60,40 +62,133 @@ const supported = typeof BroadcastChannel !== "undefined" && typeof navigator !=
 const candidacies = new Set<string>();
 
 type Stream = {
-  stop: () => void;
   kept: { cursor: bigint; bytes: Uint8Array }[];
   state: WatchState;
   subs: Map<string, number>;
+  /** The last cursor received: where a new call resumes the stream. */
+  last: bigint;
+  /** Ended for good (deleted, or an id the server refuses): not asked again. */
+  done: boolean;
 };
 
-/** Runs the leader's side on `name` until the tab closes. */
+/** Targets per WatchMany call (the server's limit). */
+const MAX_TARGETS = 64;
+
+const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
+
+function target(key: StreamKey, after: bigint) {
+  const [kind, id] = key.split(":", 2) as ["task" | "session", string];
+  return kind === "task" ? { taskId: id, after } : { sessionId: id, after };
+}
+
+/**
+ * Runs the leader's side on `name` until the tab closes: every stream any
+ * tab follows goes through one WatchMany call (up to 64 per call), so all
+ * of the origin's tabs hold one connection for their streams however many
+ * sessions they show, and the other five stay free for calls. The call is
+ * made anew, from each stream's last cursor, when the set of streams
+ * changes.
+ */
 function lead(name: string) {
   const ch = new BroadcastChannel(name);
   const streams = new Map<StreamKey, Stream>();
   const send = (m: Msg) => ch.postMessage(m);
+  const setState = (key: StreamKey, s: Stream, state: WatchState) => {
+    if (s.state === state) return;
+    s.state = state;
+    send({ t: "state", key, state });
+  };
+  let abort = new AbortController();
+  let pending: ReturnType<typeof setTimeout> | undefined;
+  // Coalesces the subscriptions of tabs opening together into one new call.
+  const resubscribe = () => {
+    if (pending !== undefined) return;
+    pending = setTimeout(() => {
+      pending = undefined;
+      abort.abort();
+      abort = new AbortController();
+      const keys = [...streams].filter(([, s]) => !s.done).map(([k]) => k);
+      for (let i = 0; i < keys.length; i += MAX_TARGETS) {
+        void run(keys.slice(i, i + MAX_TARGETS), abort.signal);
+      }
+    }, 20);
+  };
+  // One call for `keys` until `signal` aborts, again after any end.
+  const run = async (keys: StreamKey[], signal: AbortSignal) => {
+    let attempt = 0;
+    while (!signal.aborted) {
+      if (attempt > 0) {
+        for (const k of keys) setState(k, streams.get(k)!, "reconnecting");
+        await new Promise((r) => setTimeout(r, Math.min(250 * 2 ** (attempt - 1), 2000)));
+        if (signal.aborted) return;
+        try {
+          await health.check({}, { signal, timeoutMs: 2000 });
+        } catch {
+          attempt++;
+          continue;
+        }
+      }
+      const live = keys.filter((k) => !streams.get(k)!.done);
+      if (live.length === 0) return;
+      for (const k of live) setState(k, streams.get(k)!, "live");
+      try {
+        const call = sessions.watchMany(
+          { targets: live.map((k) => target(k, streams.get(k)!.last)) },
+          { signal },
+        );
+        for await (const answer of call) {
+          const key = live[answer.target];
+          const s = key && streams.get(key);
+          if (!key || !s) continue;
+          if (answer.event) {
+            const cursor = cursorOf(key, answer.event);
+            if (cursor <= s.last) continue;
+            s.last = cursor;
+            attempt = 0;
+            const bytes = toBinary(EventSchema, answer.event);
+            s.kept.push({ cursor, bytes });
+            send({ t: "ev", key, cursor: cursor.toString(), bytes });
+          } else if (answer.ended) {
+            // Deleted (NOT_FOUND): nothing more will come. Anything else
+            // ends this call, which is made again.
+            if (answer.ended.code === Code.NotFound) {
+              s.done = true;
+              setState(key, s, "missing");
+            } else {
+              break;
+            }
+          }
+        }
+      } catch (err) {
+        if (signal.aborted) return;
+        if (isUnauthenticated(err)) {
+          for (const k of live) setState(k, streams.get(k)!, "unauthenticated");
+          return;
+        }
+        // An id the server refuses is named by its index; the others go on.
+        const bad = err instanceof ConnectError && err.code === Code.InvalidArgument
+          ? /targets\[(\d+)\]/.exec(err.rawMessage)
+          : null;
+        const refused = bad ? live[Number(bad[1])] : undefined;
+        if (refused) {
+          streams.get(refused)!.done = true;
+          setState(refused, streams.get(refused)!, "missing");
+          continue;
+        }
+      }
+      attempt++;
+    }
+  };
   ch.onmessage = (ev: MessageEvent<Msg>) => {
     const m = ev.data;
     if (m.t === "sub") {
       let s = streams.get(m.key);
       if (!s) {
-        const key = m.key;
-        const stream: Stream = { stop: () => {}, kept: [], state: "reconnecting", subs: new Map() };
-        streams.set(key, stream);
-        stream.stop = follow(
-          (after, signal) => open(key, after, signal),
-          (e) => cursorOf(key, e),
-          (e) => {
-            const bytes = toBinary(EventSchema, e);
-            const cursor = cursorOf(key, e);
-            stream.kept.push({ cursor, bytes });
-            send({ t: "ev", key, cursor: cursor.toString(), bytes });
-          },
-          (state) => {
-            stream.state = state;
-            send({ t: "state", key, state });
-          },
-        );
-        s = stream;
+        const id = m.key.split(":", 2)[1];
+        const valid = UUID.test(id);
+        s = { kept: [], state: valid ? "reconnecting" : "missing", subs: new Map(), last: 0n, done: !valid };
+        streams.set(m.key, s);
+        if (valid) resubscribe();
       }
       const fresh = !s.subs.has(m.tab);
       s.subs.set(m.tab, Date.now());
@@ -111,13 +206,15 @@ function lead(name: string) {
   // Streams nobody follows any more (tabs closed or moved on) end.
   setInterval(() => {
     const now = Date.now();
+    let dropped = false;
     for (const [key, s] of streams) {
       for (const [tab, seen] of s.subs) if (now - seen > 3 * HEARTBEAT_MS) s.subs.delete(tab);
       if (s.subs.size === 0) {
-        s.stop();
         streams.delete(key);
+        dropped ||= !s.done;
       }
     }
+    if (dropped) resubscribe();
   }, HEARTBEAT_MS);
   send({ t: "leader" });
 }
