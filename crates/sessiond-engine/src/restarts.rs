@@ -122,6 +122,16 @@ impl AgentRestarts {
         AfterExit::Restart(u32::try_from(e.at.len()).unwrap_or(u32::MAX))
     }
 
+    /// Decides a restart of `session`'s agent that is not counted against
+    /// the limit ([`restart_uncounted`]); otherwise as [`Self::admit`].
+    pub(crate) fn admit_uncounted(&self, session: SessionId) -> AfterExit {
+        let mut all = lock(&self.0);
+        let e = all.entry(session).or_default();
+        e.pending = true;
+        e.uncounted = true;
+        AfterExit::Restart(0)
+    }
+
     /// How long before `now` each restart of `session`'s window was.
     pub(crate) fn recent(&self, session: SessionId, now: Instant) -> Vec<Duration> {
         lock(&self.0).get(&session).map_or_else(Vec::new, |e| {
@@ -252,6 +262,30 @@ pub(crate) fn after_agent_exit(
     session: &Session,
     what: &str,
 ) -> Result<(Session, Vec<EventPayload>, AfterExit)> {
+    restart_or_error(config, restarts, session, what, true)
+}
+
+/// [`after_agent_exit`] for a restart that the user's own action made
+/// necessary (a cancel that left the Claude adapter 0.23 out of step): not
+/// counted against the restart limit, which is for agents that fail by
+/// themselves (helper-48 A: the fourth cancel in ten minutes left the
+/// session ERROR).
+pub(crate) fn restart_uncounted(
+    config: &ManagerConfig,
+    restarts: &AgentRestarts,
+    session: &Session,
+    what: &str,
+) -> Result<(Session, Vec<EventPayload>, AfterExit)> {
+    restart_or_error(config, restarts, session, what, false)
+}
+
+fn restart_or_error(
+    config: &ManagerConfig,
+    restarts: &AgentRestarts,
+    session: &Session,
+    what: &str,
+    counted: bool,
+) -> Result<(Session, Vec<EventPayload>, AfterExit)> {
     let (now, now_ms) = (Instant::now(), chrono::Utc::now().timestamp_millis());
     let decision = if config.resume_policy == ResumePolicy::Startup
         && session.resume_token.is_some()
@@ -259,19 +293,27 @@ pub(crate) fn after_agent_exit(
             session.state,
             SessionState::Running | SessionState::WaitingForInput
         ) {
-        let stored = stored_restarts(&session.metadata, now_ms);
-        restarts.admit(session.id, config.agent_restarts, now, &stored)
+        if counted {
+            let stored = stored_restarts(&session.metadata, now_ms);
+            restarts.admit(session.id, config.agent_restarts, now, &stored)
+        } else {
+            restarts.admit_uncounted(session.id)
+        }
     } else {
         AfterExit::Error { exhausted: false }
     };
     match decision {
         AfterExit::Restart(n) => {
-            let why = format!(
-                "{what}; sessiond restarts it and resumes the conversation (restart {n} of \
-                 at most {} in {} minutes)",
-                config.agent_restarts,
-                RESTART_WINDOW.as_secs() / 60
-            );
+            let why = if counted {
+                format!(
+                    "{what}; sessiond restarts it and resumes the conversation (restart {n} of \
+                     at most {} in {} minutes)",
+                    config.agent_restarts,
+                    RESTART_WINDOW.as_secs() / 60
+                )
+            } else {
+                format!("{what}; sessiond restarts it and resumes the conversation")
+            };
             let (failed, first) = transition(session, SessionEvent::Failed, Some(why))?;
             let (mut starting, second) = transition(&failed, SessionEvent::ResumeRequested, None)?;
             let at: Vec<String> = restarts

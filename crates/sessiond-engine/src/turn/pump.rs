@@ -767,7 +767,12 @@ impl Pump {
                 } else {
                     exit_what.clone()
                 };
-                let (s, events, decided) = after_agent_exit(
+                let restart_or_error = if stale {
+                    crate::restarts::restart_uncounted
+                } else {
+                    after_agent_exit
+                };
+                let (s, events, decided) = restart_or_error(
                     &self.mgr.inner.config,
                     &self.mgr.inner.agent_restarts,
                     &session,
@@ -933,8 +938,13 @@ impl Pump {
             // must find no agent running, or it would only reattach to the
             // one that lost the conversation (helper-45 F1: a resume then
             // changed nothing).
-            tracing::warn!(session = %self.session_id, said = %end.error_message, restarting,
-                "the agent lost the conversation; stopping it so that it loads the conversation again");
+            if stale {
+                tracing::warn!(session = %self.session_id, restarting,
+                    "the agent ended a turn after a cancel with nothing (out of step); stopping it so that it loads the conversation again");
+            } else {
+                tracing::warn!(session = %self.session_id, said = %end.error_message, restarting,
+                    "the agent lost the conversation; stopping it so that it loads the conversation again");
+            }
             self.stop_agent_that_lost_the_conversation().await;
         }
         // Before the restart starts: its recovery announces itself at once,
