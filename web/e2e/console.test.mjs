@@ -34,6 +34,20 @@ function assertNoGapNoDuplicate(msgs) {
   const seqs = msgs.map(([s]) => s);
   assert.deepEqual(seqs, seqs.map((_, i) => i + 1), `messages are 1..n in order: ${JSON.stringify(msgs)}`);
 }
+/** The element is in the window and not under the composer pinned to its bottom. */
+async function unobscured(page, selector) {
+  await page.waitForFunction(
+    (sel) => {
+      const el = document.querySelector(sel);
+      const composer = document.querySelector(".composer");
+      if (!el || !composer) return false;
+      const r = el.getBoundingClientRect();
+      return r.top >= 0 && r.bottom <= composer.getBoundingClientRect().top;
+    },
+    selector,
+    { timeout: T },
+  );
+}
 async function send(page, text) {
   await page.waitForFunction(() => !document.querySelector(".composer button[type=submit]").disabled, null, { timeout: T });
   await page.fill("textarea[name=message]", text);
@@ -121,6 +135,10 @@ test("chat streams live, survives SIGTERM and kill -9 of sessiond without gap or
     assert.equal(await page.locator("[data-testid=exec-result]").count(), 0, "no stale output while the next command runs");
     await page.waitForSelector("[data-testid=exec-result] .stdout:has-text('second')", { timeout: T });
     assert.doesNotMatch(await page.textContent("[data-testid=exec-result] .stdout"), /done/);
+    // Output past the limit says it was cut (helper-47 5).
+    await page.fill("input[name=command]", "seq 1 300000");
+    await page.click(".run form button[type=submit]");
+    await page.waitForSelector("[data-testid=exec-truncated]:has-text('cut at')", { timeout: T });
     await page.click("role=tab[name='Git']");
     await page.waitForSelector("[data-testid=git-diff] .add:has-text('+changed by the console')", { timeout: T });
     await page.waitForSelector("[data-testid=git-status]:has-text('README.md')", { timeout: T });
@@ -452,9 +470,18 @@ test("honest states: unknown and malformed ids are not-found pages; Send queues 
     assert.equal((await conversation(page)).filter(([, , t]) => t.includes("taken back")).length, 0);
 
     // sessiond down: Send is off and says why; back, it sends again.
+    const others = [await page.context().newPage(), await page.context().newPage()];
+    for (const p of others) {
+      await p.goto(sessionUrl);
+      await p.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
+    }
     await b.expectNetworkErrors(true);
     await server.kill();
     await visible(page, "[data-testid=banner-unreachable]");
+    // A task page and the task list opened while it is down fill in once
+    // it is back, with no reload.
+    await others[0].evaluate((h) => (location.hash = h), new URL(taskUrl).hash);
+    await others[1].evaluate(() => (location.hash = "#/"));
     // One banner, and the badges say they are as last seen.
     await page.waitForSelector("[data-testid=session-badges].stale", { timeout: T });
     assert.equal(await page.locator("[data-testid=reconnecting]").count(), 0);
@@ -462,6 +489,9 @@ test("honest states: unknown and malformed ids are not-found pages; Send queues 
     assert.match(await page.getAttribute("textarea[name=message]", "placeholder"), /unreachable/);
     await server.start();
     await hidden(page, "[data-testid=banner-unreachable]");
+    await others[0].waitForSelector("[data-testid=sessions] [data-testid=state]", { timeout: T });
+    await others[1].waitForSelector("[data-testid=tasks] a", { timeout: T });
+    for (const p of others) await p.close();
     await b.expectNetworkErrors(false);
     await send(page, "after the outage");
     await message(page, 'you said "after the outage"');
@@ -715,6 +745,8 @@ test("permission policy ask: a prompt with a button per option, kept over a relo
     const prompt = "[data-testid=permissions] [role=group]";
     await visible(page, `${prompt} button[data-option=allow]`);
     await visible(page, `${prompt} button[data-option=reject]`);
+    // Brought into view, not left below the fold under the composer.
+    await unobscured(page, `${prompt} button[data-option=allow]`);
     assert.match(await page.textContent(prompt), /demo permission/);
     // Announced: the always-present live region says what is asked.
     assert.equal(await page.textContent("[data-testid=permissions-live]"), "The agent asks permission: demo permission.");
@@ -998,6 +1030,7 @@ test("a turn interrupted by a crash is not re-run by itself; Retry runs it again
     await page.goto(url);
     // Refused fetches of the page before the restart may be reported late.
     await visible(page, "[data-testid=interrupted] button:has-text('Retry it')");
+    await unobscured(page, "[data-testid=interrupted] button");
     await b.expectNetworkErrors(false);
     await message(page, "the turn was interrupted");
     assert.deepEqual(lines(), ["edit the file"], "not run again by itself");

@@ -240,13 +240,28 @@ function TasksView() {
   const [title, setTitle] = useState("");
   const [error, setError] = useState("");
   const [busy, setBusy] = useState(false);
-  const load = useCallback(() => {
-    sessions
-      .listTasks({ pageSize: 1000 })
-      .then((r) => setTasks(r.tasks))
-      .catch(fail(setError));
+  // Asked again every 2 s until it answers: a page opened while sessiond
+  // is down fills in once it is back.
+  useEffect(() => {
+    let timer = 0;
+    let stopped = false;
+    const load = () =>
+      sessions
+        .listTasks({ pageSize: 1000 })
+        .then((r) => {
+          setTasks(r.tasks);
+          setError("");
+        })
+        .catch((err) => {
+          fail(setError)(err);
+          if (!stopped && !authFailed(err)) timer = window.setTimeout(load, 2000);
+        });
+    load();
+    return () => {
+      stopped = true;
+      clearTimeout(timer);
+    };
   }, []);
-  useEffect(load, [load]);
 
   return (
     <section>
@@ -377,11 +392,34 @@ function TaskView(props: { taskId: string; backend: Backend }) {
   const loaded = useRef(false);
 
   useEffect(() => {
-    sessions
-      .getTask({ taskId })
-      .then((r) => setTask(r.task ?? null))
-      .catch((err) => (isMissing(err) ? setMissing(describe(err)) : fail(setError)(err)));
-    sessions.listAgentProfiles({}).then((r) => setProfiles(r.profiles)).catch(fail(setError));
+    // What failed to load (sessiond down when the page opened) is asked
+    // again by the poll below until it answers.
+    let taskLoaded = false;
+    let profilesLoaded = false;
+    let listFailed = false;
+    const loadMeta = () => {
+      if (!taskLoaded)
+        sessions
+          .getTask({ taskId })
+          .then((r) => {
+            taskLoaded = true;
+            setTask(r.task ?? null);
+          })
+          .catch((err) => {
+            if (!isMissing(err)) return fail(setError)(err);
+            taskLoaded = true;
+            setMissing(describe(err));
+          });
+      if (!profilesLoaded)
+        sessions
+          .listAgentProfiles({})
+          .then((r) => {
+            profilesLoaded = true;
+            setProfiles(r.profiles);
+          })
+          .catch(fail(setError));
+    };
+    loadMeta();
     let refetching = false;
     let frame = 0;
     let renameTimer = 0;
@@ -412,12 +450,19 @@ function TaskView(props: { taskId: string; backend: Backend }) {
           }
           rowsRef.current = next;
           loaded.current = true;
+          if (listFailed) {
+            listFailed = false;
+            setError("");
+          }
           const queued = pending.current;
           pending.current = [];
           for (const e of queued) applyTaskEvent(next, e);
           schedule();
         })
-        .catch(fail(setError))
+        .catch((err) => {
+          listFailed = true;
+          fail(setError)(err);
+        })
         .finally(() => (refetching = false));
     };
     refetch();
@@ -447,7 +492,8 @@ function TaskView(props: { taskId: string; backend: Backend }) {
     // A session being brought back (a restart) says so in the list, and
     // no event says when it is back: ask again while one is.
     const poll = window.setInterval(() => {
-      if (!refetching && [...rowsRef.current.values()].some((r) => r.session.recovering)) refetch();
+      if (!refetching && (listFailed || [...rowsRef.current.values()].some((r) => r.session.recovering))) refetch();
+      if (!taskLoaded || !profilesLoaded) loadMeta();
     }, 2000);
     return () => {
       stop();
@@ -1179,6 +1225,9 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
         } else {
           if (p.case === "turnEnded") {
             stopAcc.set(p.value.turnId, p.value.stopReason);
+            // Whatever turn was being cancelled has ended: the next one
+            // (a queued message) can be cancelled again.
+            setCancelling(false);
             if (!frame) frame = requestAnimationFrame(publish);
           } else if (p.case === "permissionRequested" && p.value.request) {
             askedAcc.set(p.value.request.requestId, p.value.request);
@@ -1454,6 +1503,13 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   useEffect(() => {
     if (!turnRunning) setCancelling(false);
   }, [turnRunning]);
+  // The offer to retry an interrupted turn is brought into view, clear of
+  // the pinned composer, as a permission request is.
+  const offerRetry = !!interrupted && canSend && s?.state === SessionState.WAITING_FOR_INPUT;
+  const retryBanner = useRef<HTMLDivElement>(null);
+  useEffect(() => {
+    if (offerRetry) retryBanner.current?.scrollIntoView({ block: "nearest" });
+  }, [offerRetry]);
 
   if (missing || watch === "missing") {
     return (
@@ -1675,8 +1731,8 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
             onGone={(id) => setResolved((r) => new Set(r).add(id))}
             onError={fail(setError)}
           />
-          {interrupted && canSend && s?.state === SessionState.WAITING_FOR_INPUT && (
-            <div class="banner warn" data-testid="interrupted">
+          {offerRetry && (
+            <div class="banner warn" data-testid="interrupted" ref={retryBanner}>
               <span>The last turn was interrupted and not sent again; the agent may have run part of it.</span>
               <button type="button" onClick={retry} disabled={retrying}>
                 Retry it

@@ -1,4 +1,4 @@
-import { useState } from "preact/hooks";
+import { useEffect, useRef, useState } from "preact/hooks";
 import { reason, sessions } from "./api";
 import type { FileDiff, PermissionRequest, ToolCallPart } from "./gen/sessiond/v1/types_pb";
 
@@ -127,6 +127,13 @@ export function PermissionPrompts(props: {
       {props.requests.map((r) => `The agent asks permission: ${r.toolCall?.title || "a tool call"}.`).join(" ")}
     </p>
   );
+  // A request that appears needs an answer: it is brought into view, clear
+  // of the composer pinned below it (the page's `scroll-padding-bottom`).
+  const region = useRef<HTMLDivElement>(null);
+  const ids = props.requests.map((r) => r.requestId).join(",");
+  useEffect(() => {
+    if (ids) region.current?.scrollIntoView({ block: "nearest" });
+  }, [ids]);
   if (props.requests.length === 0) return announced;
   const answer = async (r: PermissionRequest, optionId: string, contentJson = "") => {
     setBusy(r.requestId);
@@ -144,7 +151,7 @@ export function PermissionPrompts(props: {
   return (
     <>
     {announced}
-    <div class="permissions" data-testid="permissions" role="region" aria-label="Permission requests">
+    <div class="permissions" data-testid="permissions" role="region" aria-label="Permission requests" ref={region}>
       {props.requests.map((r) =>
         r.elicitation ? (
           <Question key={r.requestId} request={r} busy={busy === r.requestId} answer={answer} />

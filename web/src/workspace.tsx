@@ -239,7 +239,18 @@ function Run(props: { session: Ref }) {
             {result.timedOut ? " (timed out)" : ""}
           </p>
           <pre class="stdout">{text.decode(result.stdout)}</pre>
+          {result.stdoutTruncated && (
+            <p class="banner warn" data-testid="exec-truncated">
+              The output was cut at {result.stdout.length.toLocaleString()} bytes: the command printed more. Send it to a
+              file and open that file to see it all.
+            </p>
+          )}
           {result.stderr.length > 0 && <pre class="stderr">{text.decode(result.stderr)}</pre>}
+          {result.stderrTruncated && (
+            <p class="banner warn" data-testid="exec-truncated">
+              Its errors were cut at {result.stderr.length.toLocaleString()} bytes.
+            </p>
+          )}
         </div>
       )}
     </div>
