@@ -336,6 +336,28 @@ test("cancel a running turn: the reply so far stays and the turn shows as cancel
     await page.keyboard.press("Escape");
     await page.waitForFunction(() => document.querySelectorAll("[data-testid=turn-stop]").length === 2, null, { timeout: T });
     await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
+    // A turn cancelled with a message queued behind it: the queued one
+    // starts, and the button cancels it in turn (helper-47 4: it stayed
+    // "Cancelling…" and did nothing).
+    await send(page, "/long first");
+    await page.waitForFunction(
+      () => [...document.querySelectorAll("[data-testid=messages] .msg.streaming")].some((m) => m.textContent.includes(" [1]")),
+      null,
+      { timeout: T },
+    );
+    await page.fill("textarea[name=message]", "/long second");
+    await page.click("[data-testid=send]:has-text('Queue')");
+    await visible(page, "[data-testid=queued]");
+    await page.click("[data-testid=cancel-turn]");
+    await page.waitForFunction(
+      () => [...document.querySelectorAll("[data-testid=messages] .msg.streaming")].some((m) => m.textContent.includes('you said "/long second" [1]')),
+      null,
+      { timeout: T },
+    );
+    await page.waitForSelector("[data-testid=cancel-turn]:has-text('Cancel turn')", { timeout: T });
+    await page.click("[data-testid=cancel-turn]");
+    await page.waitForFunction(() => document.querySelectorAll("[data-testid=turn-stop]").length === 4, null, { timeout: T });
+    await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
     await send(page, "after the cancels");
     await message(page, 'you said "after the cancels"');
     assertNoGapNoDuplicate(await conversation(page));
