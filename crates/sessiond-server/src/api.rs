@@ -1517,7 +1517,11 @@ impl pb::session_service_server::SessionService for Api {
                     }
                     targets.push((target, t.after));
                 }
-                let permit = self.settings.watch_limits.acquire(caller)?;
+                // Each target is a stream the server follows.
+                let permit = self
+                    .settings
+                    .watch_limits
+                    .acquire_n(caller, targets.len())?;
                 let mut streams = Vec::with_capacity(targets.len());
                 for (i, (target, after)) in targets.into_iter().enumerate() {
                     let index = i as u32;

@@ -256,6 +256,7 @@ pub struct WatchLimits {
 pub struct WatchPermit {
     limits: Arc<WatchLimits>,
     caller: Caller,
+    count: usize,
 }
 
 impl WatchLimits {
@@ -268,28 +269,39 @@ impl WatchLimits {
     }
 
     pub fn acquire(self: &Arc<Self>, caller: Caller) -> Result<WatchPermit, ApiError> {
+        self.acquire_n(caller, 1)
+    }
+
+    /// `n` streams at once (a WatchMany call's targets: each is a stream
+    /// the server follows), all or none.
+    pub fn acquire_n(self: &Arc<Self>, caller: Caller, n: usize) -> Result<WatchPermit, ApiError> {
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         let (total, per) = &mut *open;
-        if *total >= self.max {
+        if *total + n > self.max {
             return Err(ApiError::LimitReached(format!(
                 "watch streams: the limit of {} open streams (limits.max_watch_streams) is \
-                 reached; close a stream or retry later",
-                self.max
+                 reached ({} open, {n} asked for); close a stream or retry later",
+                self.max, *total
             )));
         }
         let mine = per.entry(caller).or_default();
-        if *mine >= self.max_per_token {
+        if *mine + n > self.max_per_token {
+            let have = *mine;
+            if have == 0 {
+                per.remove(&caller);
+            }
             return Err(ApiError::LimitReached(format!(
-                "watch streams: this token has {} open streams, the limit \
-                 (limits.max_watch_streams_per_token); close one first",
+                "watch streams: this token has {have} open streams and asks for {n}, past the \
+                 limit of {} (limits.max_watch_streams_per_token); close some first",
                 self.max_per_token
             )));
         }
-        *mine += 1;
-        *total += 1;
+        *mine += n;
+        *total += n;
         Ok(WatchPermit {
             limits: self.clone(),
             caller,
+            count: n,
         })
     }
 }
@@ -298,9 +310,9 @@ impl Drop for WatchPermit {
     fn drop(&mut self) {
         let mut open = self.limits.open.lock().unwrap_or_else(|e| e.into_inner());
         let (total, per) = &mut *open;
-        *total = total.saturating_sub(1);
+        *total = total.saturating_sub(self.count);
         if let Some(n) = per.get_mut(&self.caller) {
-            *n = n.saturating_sub(1);
+            *n = n.saturating_sub(self.count);
             if *n == 0 {
                 per.remove(&self.caller);
             }
@@ -428,5 +440,26 @@ mod tests {
         );
         drop(a1);
         let _c = l.acquire(Caller(3)).unwrap();
+    }
+
+    /// A WatchMany call takes a slot per target, all or none, and gives
+    /// them all back.
+    #[test]
+    fn watch_limits_count_each_target() {
+        let l = WatchLimits::new(10, 4);
+        let e = l.acquire_n(Caller(1), 5).unwrap_err();
+        assert!(
+            matches!(&e, ApiError::LimitReached(m) if m.contains("asks for 5")),
+            "{e:?}"
+        );
+        let many = l.acquire_n(Caller(1), 4).unwrap();
+        assert!(l.acquire(Caller(1)).is_err());
+        let _other = l.acquire_n(Caller(2), 4).unwrap();
+        let e = l.acquire_n(Caller(3), 3).unwrap_err();
+        assert!(
+            matches!(&e, ApiError::LimitReached(m) if m.contains("(limits.max_watch_streams)"))
+        );
+        drop(many);
+        let _again = l.acquire_n(Caller(1), 4).unwrap();
     }
 }
