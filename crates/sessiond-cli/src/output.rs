@@ -799,8 +799,9 @@ impl Out {
             self.print_json(json!({"queued": queued_json(q)}));
         } else {
             eprintln!(
-                "message {} is queued: it goes to the agent after the turn running now and \
-                 the messages queued before it (`sessionctl unqueue` takes it back)",
+                "message {} is queued: it goes to the agent once the session waits for input \
+                 (after the running turn, or once the agent is up), after the messages queued \
+                 before it (`sessionctl unqueue` takes it back)",
                 q.id
             );
         }
