@@ -1222,6 +1222,12 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
             clearTimeout(titleTimer);
             titleTimer = window.setTimeout(loadTitle, 200);
           }
+          // The mode or the options changed (set here, in another tab, by
+          // sessionctl, or by the agent): the selectors read the status.
+          if (m.part.case === "currentMode" || (m.part.case === "other" && m.part.value.updateKind === "config_option_update")) {
+            clearTimeout(statusTimer);
+            statusTimer = window.setTimeout(refresh, 50);
+          }
         } else {
           if (p.case === "turnEnded") {
             stopAcc.set(p.value.turnId, p.value.stopReason);

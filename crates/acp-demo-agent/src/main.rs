@@ -125,6 +125,10 @@ struct Cli {
     /// JSON-RPC internal error, `{"details":"Session not found"}`.
     #[arg(long, env = "ACP_DEMO_LOST_SESSION_FILE")]
     lost_session_file: Option<PathBuf>,
+    /// Do not announce a mode the client set (`current_mode_update`), as
+    /// most agents do not.
+    #[arg(long, env = "ACP_DEMO_QUIET_MODE_SET", value_parser = BoolishValueParser::new(), default_value_t = false, num_args = 0..=1, default_missing_value = "true")]
+    quiet_mode_set: bool,
     /// With `--lost-session-file`: fail the prompts as the adapter 0.101
     /// does once it dropped the conversation of a CLI that died while idle:
     /// ACP's -32002 "Resource not found" with `{"sessionId": ID}`.
@@ -531,10 +535,12 @@ async fn serve(demo: Arc<Demo>) -> Result<(), Error> {
                     )));
                 }
                 lock(&d_mode.modes).insert(req.session_id.0.to_string(), mode.clone());
-                cx.send_notification(SessionNotification::new(
-                    req.session_id.clone(),
-                    SessionUpdate::CurrentModeUpdate(CurrentModeUpdate::new(mode)),
-                ))?;
+                if !d_mode.cli.quiet_mode_set {
+                    cx.send_notification(SessionNotification::new(
+                        req.session_id.clone(),
+                        SessionUpdate::CurrentModeUpdate(CurrentModeUpdate::new(mode)),
+                    ))?;
+                }
                 responder.respond(SetSessionModeResponse::new())
             },
             agent_client_protocol::on_receive_request!(),

@@ -20,12 +20,13 @@ use agent_client_protocol::schema::ProtocolVersion;
 use agent_client_protocol::v1::ConnectionTo;
 use agent_client_protocol::v1::schema::{
     AuthMethod, AuthenticateRequest, CancelNotification, ClientCapabilities, CloseSessionRequest,
-    ContentBlock, CreateElicitationRequest, CreateElicitationResponse, CreateTerminalRequest,
-    CreateTerminalResponse, ElicitationAcceptAction, ElicitationAction, ElicitationCapabilities,
-    ElicitationFormCapabilities, ElicitationUrlCapabilities, FileSystemCapabilities,
-    Implementation, InitializeRequest, KillTerminalRequest, KillTerminalResponse,
-    LoadSessionRequest, NewSessionRequest, PermissionOptionKind, PromptCapabilities, PromptRequest,
-    ReadTextFileRequest, ReadTextFileResponse, ReleaseTerminalRequest, ReleaseTerminalResponse,
+    ConfigOptionUpdate, ContentBlock, CreateElicitationRequest, CreateElicitationResponse,
+    CreateTerminalRequest, CreateTerminalResponse, CurrentModeUpdate, ElicitationAcceptAction,
+    ElicitationAction, ElicitationCapabilities, ElicitationFormCapabilities,
+    ElicitationUrlCapabilities, FileSystemCapabilities, Implementation, InitializeRequest,
+    KillTerminalRequest, KillTerminalResponse, LoadSessionRequest, NewSessionRequest,
+    PermissionOptionKind, PromptCapabilities, PromptRequest, ReadTextFileRequest,
+    ReadTextFileResponse, ReleaseTerminalRequest, ReleaseTerminalResponse,
     RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
     ResumeSessionRequest, SelectedPermissionOutcome, SessionConfigOption, SessionId, SessionModeId,
     SessionModeState, SessionNotification, SessionUpdate, SetSessionConfigOptionRequest,
@@ -1319,8 +1320,13 @@ impl AgentManager {
         .await
         .map_err(|cut| Error::DeadlineExceeded(cut.describe("ACP session/set_config_option")))?
         .map_err(|e| self.shared.acp_error("ACP session/set_config_option", &e))?;
-        let mut slot = self.shared.slot();
-        slot.config = Some(resp.config_options.clone());
+        self.shared.slot().config = Some(resp.config_options.clone());
+        // Every watcher sees the options as set, as for a mode.
+        let update =
+            SessionUpdate::ConfigOptionUpdate(ConfigOptionUpdate::new(resp.config_options.clone()));
+        if let Some(part) = crate::activity::outside_turn(update) {
+            self.shared.updates.push(Kind::Activity(part));
+        }
         Ok(resp.config_options)
     }
 
@@ -1361,10 +1367,20 @@ impl AgentManager {
         .await
         .map_err(|cut| Error::DeadlineExceeded(cut.describe("ACP session/set_mode")))?
         .map_err(|e| self.shared.acp_error("ACP session/set_mode", &e))?;
-        let mut slot = self.shared.slot();
-        let mut modes = slot.modes.clone().unwrap_or(modes);
-        modes.current_mode_id = SessionModeId::new(mode_id);
-        slot.modes = Some(modes.clone());
+        let modes = {
+            let mut slot = self.shared.slot();
+            let mut modes = slot.modes.clone().unwrap_or(modes);
+            modes.current_mode_id = SessionModeId::new(mode_id);
+            slot.modes = Some(modes.clone());
+            modes
+        };
+        // On the update stream as if the agent had said it (agents seldom
+        // announce a mode the client set): every watcher of the session
+        // sees the new mode, not only the caller.
+        let update = SessionUpdate::CurrentModeUpdate(CurrentModeUpdate::new(mode_id.to_owned()));
+        if let Some(part) = crate::activity::outside_turn(update) {
+            self.shared.updates.push(Kind::Activity(part));
+        }
         Ok(modes)
     }
 

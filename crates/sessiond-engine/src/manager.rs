@@ -383,6 +383,13 @@ impl SessionManager {
         Ok(s)
     }
 
+    /// Whether the session's update pump runs now: reading its agent's
+    /// updates over an open stream (an idle session's is parked, holding
+    /// no stream and no connection).
+    pub fn has_update_pump(&self, session: SessionId) -> bool {
+        self.inner.sessions.has_pump(session)
+    }
+
     /// While `held`, an idle session's update pump stays up instead of
     /// parking (it still does everything else at its idle check). For
     /// tests that must act on a session whose stream is open.

@@ -2,7 +2,8 @@
 //! kept per execution so a status call does not ask agentctl every time.
 
 use sessiond_domain::{
-    AgentModes, AgentProcessState, ExecutorStatus, SessionId, SessionState, TaskId,
+    AgentModes, AgentProcessState, ExecutorRecord, ExecutorStatus, Session, SessionId,
+    SessionState, TaskId,
 };
 use sessiond_executor::Failure;
 
@@ -106,6 +107,7 @@ impl SessionManager {
             stamp,
             Some(modes.clone()),
         );
+        self.read_session_updates(&session, &execution.record);
         Ok(modes)
     }
 
@@ -178,7 +180,18 @@ impl SessionManager {
             stamp,
             Some(modes.clone()),
         );
+        self.read_session_updates(&session, &execution.record);
         Ok(modes)
+    }
+
+    /// agentctl puts a mode or options set through it on the session's
+    /// update stream, so every watcher sees them (other tabs, other
+    /// clients: helper-49 1); an idle session's parked pump reads it now
+    /// rather than at the next turn.
+    fn read_session_updates(&self, session: &Session, record: &ExecutorRecord) {
+        if !self.inner.sessions.has_pump(session.id) {
+            Turns(self).start_pump(session, record);
+        }
     }
 }
 

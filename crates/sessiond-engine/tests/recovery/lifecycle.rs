@@ -407,12 +407,57 @@ async fn session_modes_are_kept_until_they_change() {
     assert_eq!(set.current, "plan");
     let modes = mgr.session_modes(w.task.id, s.id).await.unwrap();
     assert_eq!(current(modes), "plan", "a mode set is shown at once");
-
     // The agent switches by itself during a turn.
     let reply = w.prompt(&mgr, s.id, "/mode default").await;
     assert!(reply.contains("mode: default"), "{reply}");
     let modes = mgr.session_modes(w.task.id, s.id).await.unwrap();
     assert_eq!(current(modes), "default", "the agent's own switch is shown");
+    w.finish(&mgr, &[s.id]).await;
+}
+
+/// helper-49 1: a mode set through one client (a tab, sessionctl) reached
+/// no other: agents seldom announce a mode the client set, and an idle
+/// session's pump is parked. agentctl puts it on the session's stream and
+/// the pump reads it at once: a `current_mode` part every watcher sees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mode_set_reaches_every_watcher_of_an_idle_session() {
+    let w = World::new(Db::Sqlite).await;
+    let profile = w
+        .demo_profile("quiet", &[("ACP_DEMO_QUIET_MODE_SET", "1")])
+        .await;
+    let mgr = w.manager();
+    let s = w.create_with(&mgr, "mode-watch", &profile, None).await;
+    w.prompt(&mgr, s.id, "one").await;
+    // Idle: its pump parks.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while mgr.has_update_pump(s.id) {
+        assert!(
+            Instant::now() < deadline,
+            "the idle session's pump never parked"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let set = mgr.set_session_mode(w.task.id, s.id, "plan").await.unwrap();
+    assert_eq!(set.current, "plan");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let modes: Vec<_> = w
+            .all_messages(s.id)
+            .await
+            .into_iter()
+            .filter(|m| m.kind == sessiond_domain::MessageKind::CurrentMode)
+            .collect();
+        if let Some(m) = modes.first() {
+            assert_eq!(m.content, "plan");
+            assert_eq!(modes.len(), 1, "one part for one mode set: {modes:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no watcher heard of the mode set"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     w.finish(&mgr, &[s.id]).await;
 }
 
