@@ -284,8 +284,9 @@ impl Pump {
         Some(format!("its process {pid} exited"))
     }
 
-    pub(super) async fn handle(&mut self, update: pb::AgentUpdate) -> Result<()> {
+    pub(super) async fn handle(&mut self, mut update: pb::AgentUpdate) -> Result<()> {
         let cursor = update.cursor;
+        without_nul(&mut update);
         match update.kind {
             Some(Kind::MessageChunk(chunk)) => {
                 self.cursor = cursor;
@@ -1461,5 +1462,26 @@ impl Turns<'_> {
         };
         self.inner.sessions.set_parked(session.id, parked);
         self.inner.sessions.evict_client(session.id);
+    }
+}
+
+/// The agent's text with each NUL (U+0000) replaced by U+FFFD: PostgreSQL
+/// refuses NUL in text, and a reply holding one (a binary file read, say)
+/// left its turn RUNNING for good there (helper-50 1). Replaced on every
+/// store alike, so a conversation reads the same on both.
+fn without_nul(update: &mut pb::AgentUpdate) {
+    fn clean(text: &mut String) {
+        if text.contains('\0') {
+            *text = text.replace('\0', "\u{FFFD}");
+        }
+    }
+    match &mut update.kind {
+        Some(Kind::MessageChunk(c)) => clean(&mut c.text),
+        Some(Kind::Activity(a)) => {
+            clean(&mut a.text);
+            clean(&mut a.json);
+        }
+        Some(Kind::TurnEnded(e)) => clean(&mut e.error_message),
+        _ => {}
     }
 }

@@ -348,6 +348,15 @@ impl Turns<'_> {
         if text.trim().is_empty() && attachments.is_empty() {
             return Err(Error::InvalidArgument("the message is empty".into()));
         }
+        // Refused before anything reaches the agent: PostgreSQL cannot
+        // store it, and the prompt would run unrecorded (helper-50 1).
+        if text.contains('\0') {
+            return Err(Error::InvalidArgument(
+                "the message holds a NUL character (U+0000), which sessiond does not store; \
+                 remove it"
+                    .into(),
+            ));
+        }
         if request_id.is_some_and(str::is_empty) {
             return Err(Error::InvalidArgument(
                 "request_id: empty; leave it unset, or give a key unique to this message".into(),

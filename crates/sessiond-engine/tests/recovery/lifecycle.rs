@@ -1005,3 +1005,40 @@ async fn agentctl_killed_before_the_first_message_loses_nothing() {
     w.track(s.id).await;
     w.finish(&mgr, &[s.id]).await;
 }
+
+/// helper-50 1: PostgreSQL refuses NUL (U+0000) in text. A reply holding
+/// one (the agent read a binary file) failed every write of its turn,
+/// which stayed RUNNING for good; a user message holding one reached the
+/// agent and was never stored. The agent's NULs are stored as U+FFFD, and
+/// a message with one is refused before anything reaches the agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nul_in_text_neither_sticks_a_turn_nor_reaches_the_agent_unstored() {
+    let w = World::new(Db::Postgres).await;
+    let profile = w.demo_profile("plain", &[]).await;
+    let mgr = w.manager();
+    let s = w.create_with(&mgr, "nul", &profile, None).await;
+    let file = std::path::Path::new(&s.worktree.path).join("nul.txt");
+    std::fs::write(&file, b"before\0after").unwrap();
+
+    let reply = w
+        .prompt(&mgr, s.id, &format!("/read {}", file.display()))
+        .await;
+    assert!(reply.contains("read: before\u{FFFD}after"), "{reply}");
+    w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
+        .await;
+
+    let before = w.all_messages(s.id).await.len();
+    let err = mgr.send_message(w.task.id, s.id, "a\0b").await.unwrap_err();
+    assert_eq!(
+        err.kind(),
+        sessiond_engine::ErrorKind::InvalidArgument,
+        "{err}"
+    );
+    assert!(err.to_string().contains("NUL"), "{err}");
+    assert_eq!(w.all_messages(s.id).await.len(), before, "nothing stored");
+    let token = s.resume_token.clone().unwrap();
+    let next = w.prompt(&mgr, s.id, "after").await;
+    assert_eq!(next, expected_reply(2, &token, "after"));
+    w.track(s.id).await;
+    w.finish(&mgr, &[s.id]).await;
+}
