@@ -1418,7 +1418,29 @@ impl FileConfig {
                 );
                 String::new()
             }
-            Some(url) => url,
+            Some(url) => {
+                // Refused here, before a lock file or a SQLite file is made
+                // from a mistyped URL (helper-50 3: `postgres//host/db`
+                // served on a new, empty SQLite file of that name).
+                match sessiond_store::parse_database_url(&url) {
+                    Err(e) => p.add("database_url", &e.to_string()),
+                    Ok((sessiond_store::Backend::Sqlite, target))
+                        if ["postgres:", "postgresql:", "postgres//", "postgresql//"]
+                            .iter()
+                            .any(|start| target.to_ascii_lowercase().starts_with(start)) =>
+                    {
+                        p.add(
+                            "database_url",
+                            &format!(
+                                "{target:?} is neither a PostgreSQL URL \
+                                 (postgres://USER@HOST:PORT/DATABASE) nor a SQLite path"
+                            ),
+                        );
+                    }
+                    Ok(_) => {}
+                }
+                url
+            }
             None => data_dir.join("sessiond.sqlite3").display().to_string(),
         };
         let listen = p.addr("listen", &self.listen);

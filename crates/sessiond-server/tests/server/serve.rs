@@ -155,6 +155,38 @@ fn empty_database_url_is_rejected_naming_the_key() {
     assert!(stderr.contains("database_url"), "{stderr}");
 }
 
+/// helper-50 3: a mistyped PostgreSQL URL served on a new, empty SQLite
+/// file of that name (and an unsupported scheme left directories behind):
+/// both are configuration errors naming the key, and nothing is created.
+#[test]
+fn a_mistyped_database_url_is_refused_and_creates_nothing() {
+    for url in [
+        "postgres//db.example/sessiond",
+        "postgres:/x@y/z",
+        "mysql://x@y/z",
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_sessiond"))
+            .current_dir(dir.path())
+            .args(["serve", "--insecure-no-auth", "--listen", "127.0.0.1:0"])
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .args(["--database-url", url])
+            .env_remove("SESSIOND_API_TOKENS")
+            .env_remove("SESSIOND_CONFIG")
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{url}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("database_url"), "{url}: {stderr}");
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(left.is_empty(), "{url}: created {left:?}");
+    }
+}
+
 /// Logs written to a file (not a terminal) carry no ANSI colour codes.
 #[test]
 fn logs_to_a_file_have_no_colour_codes() {
