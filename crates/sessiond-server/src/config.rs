@@ -1423,7 +1423,7 @@ impl FileConfig {
                 // from a mistyped URL (helper-50 3: `postgres//host/db`
                 // served on a new, empty SQLite file of that name).
                 match sessiond_store::parse_database_url(&url) {
-                    Err(e) => p.add("database_url", &e.to_string()),
+                    Err(e) => p.add("database_url", e.to_string()),
                     Ok((sessiond_store::Backend::Sqlite, target))
                         if ["postgres:", "postgresql:", "postgres//", "postgresql//"]
                             .iter()
@@ -1431,7 +1431,7 @@ impl FileConfig {
                     {
                         p.add(
                             "database_url",
-                            &format!(
+                            format!(
                                 "{target:?} is neither a PostgreSQL URL \
                                  (postgres://USER@HOST:PORT/DATABASE) nor a SQLite path"
                             ),
