@@ -1536,7 +1536,7 @@ impl pb::session_service_server::SessionService for Api {
                     };
                     streams.push(watch_target(index, events));
                 }
-                let merged = futures::stream::select_all(streams).map(Ok).boxed();
+                let merged = futures::stream::select_all(streams).boxed();
                 Ok(self.until_stopped(merged, permit))
             }
             .await,
@@ -1551,40 +1551,46 @@ const MAX_WATCH_TARGETS: usize = 64;
 pub type WatchManyStream =
     Pin<Box<dyn Stream<Item = Result<pb::WatchManyResponse, Status>> + Send>>;
 
-/// One WatchMany target's events, each naming `index`; an error ends the
-/// target with a `WatchEnded`, not the call.
+/// One WatchMany target's events, each naming `index`. Its session or task
+/// deleted (NOT_FOUND), the target ends alone with a `WatchEnded`; any
+/// other failure (the database away, shutting down) ends the call, as it
+/// would end a WatchSession, for the client to resubscribe.
 fn watch_target(
     index: u32,
     events: sessiond_engine::EventStream,
-) -> Pin<Box<dyn Stream<Item = pb::WatchManyResponse> + Send>> {
+) -> Pin<Box<dyn Stream<Item = Result<pb::WatchManyResponse, Status>> + Send>> {
     events
         .scan(false, move |ended, item| {
             if *ended {
                 return futures::future::ready(None);
             }
             let answer = match item {
-                Ok(e) => pb::WatchManyResponse {
+                Ok(e) => Ok(pb::WatchManyResponse {
                     target: index,
                     event: Some(convert::event(&e)),
                     ended: None,
-                },
+                }),
                 Err(e) => {
                     *ended = true;
                     let status = Status::from(ApiError::from(e));
-                    let error = status
-                        .metadata()
-                        .get("sessiond-error")
-                        .and_then(|v| v.to_str().ok())
-                        .unwrap_or_default()
-                        .to_owned();
-                    pb::WatchManyResponse {
-                        target: index,
-                        event: None,
-                        ended: Some(pb::WatchEnded {
-                            code: status.code() as i32,
-                            message: status.message().to_owned(),
-                            error,
-                        }),
+                    if status.code() == tonic::Code::NotFound {
+                        let error = status
+                            .metadata()
+                            .get("sessiond-error")
+                            .and_then(|v| v.to_str().ok())
+                            .unwrap_or_default()
+                            .to_owned();
+                        Ok(pb::WatchManyResponse {
+                            target: index,
+                            event: None,
+                            ended: Some(pb::WatchEnded {
+                                code: status.code() as i32,
+                                message: status.message().to_owned(),
+                                error,
+                            }),
+                        })
+                    } else {
+                        Err(status)
                     }
                 }
             };
