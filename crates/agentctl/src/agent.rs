@@ -1320,11 +1320,17 @@ impl AgentManager {
         .await
         .map_err(|cut| Error::DeadlineExceeded(cut.describe("ACP session/set_config_option")))?
         .map_err(|e| self.shared.acp_error("ACP session/set_config_option", &e))?;
-        self.shared.slot().config = Some(resp.config_options.clone());
-        // Every watcher sees the options as set, as for a mode.
+        // Every watcher sees the options as set, as for a mode, unless the
+        // agent announced them during the call (that was the part).
+        let announced = {
+            let mut slot = self.shared.slot();
+            let announced = slot.config.as_ref() == Some(&resp.config_options);
+            slot.config = Some(resp.config_options.clone());
+            announced
+        };
         let update =
             SessionUpdate::ConfigOptionUpdate(ConfigOptionUpdate::new(resp.config_options.clone()));
-        if let Some(part) = crate::activity::outside_turn(update) {
+        if !announced && let Some(part) = crate::activity::outside_turn(update) {
             self.shared.updates.push(Kind::Activity(part));
         }
         Ok(resp.config_options)
@@ -1367,18 +1373,21 @@ impl AgentManager {
         .await
         .map_err(|cut| Error::DeadlineExceeded(cut.describe("ACP session/set_mode")))?
         .map_err(|e| self.shared.acp_error("ACP session/set_mode", &e))?;
-        let modes = {
+        let (modes, announced) = {
             let mut slot = self.shared.slot();
             let mut modes = slot.modes.clone().unwrap_or(modes);
+            let announced = *modes.current_mode_id.0 == *mode_id;
             modes.current_mode_id = SessionModeId::new(mode_id);
             slot.modes = Some(modes.clone());
-            modes
+            (modes, announced)
         };
         // On the update stream as if the agent had said it (agents seldom
         // announce a mode the client set): every watcher of the session
-        // sees the new mode, not only the caller.
+        // sees the new mode, not only the caller. One the agent announced
+        // during the call was the part already; one it announces later is
+        // a repeat (`on_session_update`).
         let update = SessionUpdate::CurrentModeUpdate(CurrentModeUpdate::new(mode_id.to_owned()));
-        if let Some(part) = crate::activity::outside_turn(update) {
+        if !announced && let Some(part) = crate::activity::outside_turn(update) {
             self.shared.updates.push(Kind::Activity(part));
         }
         Ok(modes)
@@ -2175,11 +2184,17 @@ fn on_session_update(shared: &Shared, generation: u64, n: SessionNotification) {
         }
         return;
     }
+    // An update that repeats what the conversation already holds changes
+    // nothing and is not a part: most often the agent confirming a mode or
+    // options a client just set, which `set_mode` and `set_config_option`
+    // put on the stream themselves (the conversation showed it twice).
+    let mut repeat = false;
     // Options the agent changed (often with a mode or a model) replace the
     // ones it offered; the update also goes on as a part.
     if let SessionUpdate::ConfigOptionUpdate(u) = &n.update
         && slot.session.as_ref() == Some(&n.session_id)
     {
+        repeat = slot.config.as_ref() == Some(&u.config_options);
         slot.config = Some(u.config_options.clone());
     }
     // A mode the agent switched to by itself is the current one from now on
@@ -2188,7 +2203,12 @@ fn on_session_update(shared: &Shared, generation: u64, n: SessionNotification) {
         && slot.session.as_ref() == Some(&n.session_id)
         && let Some(modes) = slot.modes.as_mut()
     {
+        repeat = modes.current_mode_id == u.current_mode_id;
         modes.current_mode_id = u.current_mode_id.clone();
+    }
+    if repeat {
+        tracing::debug!(session = %n.session_id, "a mode or options update that changes nothing: not a part");
+        return;
     }
     let turn = slot
         .turn

@@ -458,7 +458,31 @@ async fn a_mode_set_reaches_every_watcher_of_an_idle_session() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    w.finish(&mgr, &[s.id]).await;
+    // An agent that announces the mode it was set to (the demo agent
+    // does, before its answer) makes no second part: the conversation
+    // showed "mode: plan" twice.
+    let loud = w.create(&mgr, "mode-announced").await;
+    w.prompt(&mgr, loud.id, "one").await;
+    let set = mgr
+        .set_session_mode(w.task.id, loud.id, "plan")
+        .await
+        .unwrap();
+    assert_eq!(set.current, "plan");
+    // A turn after the set: the agent's announcement came before it on the
+    // same connection, so it is stored by the time the turn's reply is.
+    w.prompt(&mgr, loud.id, "two").await;
+    let modes: Vec<_> = w
+        .all_messages(loud.id)
+        .await
+        .into_iter()
+        .filter(|m| m.kind == sessiond_domain::MessageKind::CurrentMode)
+        .collect();
+    assert_eq!(
+        modes.iter().map(|m| m.content.as_str()).collect::<Vec<_>>(),
+        ["plan"],
+        "one part for one mode set the agent also announced"
+    );
+    w.finish(&mgr, &[s.id, loud.id]).await;
 }
 
 /// GetSessionStatus never waits on an agentctl that does not answer: once
