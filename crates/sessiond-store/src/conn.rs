@@ -194,7 +194,7 @@ where
 
 /// Opens connections of one backend for the pool; never guesses the backend
 /// from a failed attempt at the other one.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Manager {
     pub(crate) backend: Backend,
     pub(crate) target: String,

@@ -277,6 +277,27 @@ fn is_memory(target: &str) -> bool {
     target == ":memory:" || target.contains("mode=memory")
 }
 
+/// One PostgreSQL connection alone, before the pool: the server's own
+/// answer (a wrong password, a database that does not exist, nothing
+/// listening) comes at once, instead of after the pool's `timeout` and a
+/// warning for each of its attempts (helper-50 4). An attempt still
+/// running after `timeout` (a host that drops packets) is left to the
+/// pool, which times out as before.
+fn first_connection(manager: &Manager, timeout: Duration) -> Result<()> {
+    let alone = manager.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("sessiond-db-first".into())
+        .spawn(move || {
+            let _ = tx.send(alone.connect().map(drop));
+        })
+        .map_err(|e| Error::Blocking(format!("cannot start a thread to connect: {e}")))?;
+    match rx.recv_timeout(timeout) {
+        Ok(Err(e)) => Err(Error::Pool(Box::new(e))),
+        Ok(Ok(())) | Err(_) => Ok(()),
+    }
+}
+
 impl Store {
     /// Opens a pool on `url` (see [`parse_database_url`]) and, unless
     /// `opts.migrate` is false, applies pending migrations. A SQLite file and
@@ -315,10 +336,11 @@ impl Store {
             } else {
                 1
             };
-            if backend == Backend::Sqlite {
+            match backend {
                 // One connection alone first switches a new file to WAL, so
                 // the pool's connections, opened at once, only read the mode.
-                drop(manager.connect().map_err(|e| Error::Pool(Box::new(e)))?);
+                Backend::Sqlite => drop(manager.connect().map_err(|e| Error::Pool(Box::new(e)))?),
+                Backend::Postgres => first_connection(&manager, opts.connect_timeout)?,
             }
             let checkpointer = if backend == Backend::Sqlite && !is_memory(&target) {
                 let started = Checkpointer::start(&target).map_err(|e| {
