@@ -313,7 +313,7 @@ impl Api {
                     .map_err(|e| Status::from(ApiError::from(e)))
             })
             .boxed();
-        self.until_stopped(events, permit)
+        self.until_stopped(events, Some(permit))
     }
 
     /// `answers` until the server shuts down, then UNAVAILABLE
@@ -322,7 +322,7 @@ impl Api {
     fn until_stopped<T: Send + 'static>(
         &self,
         answers: Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>,
-        permit: crate::limits::WatchPermit,
+        permit: Option<crate::limits::WatchPermit>,
     ) -> Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>> {
         let mut stop = self.stop.clone();
         let stopped = async move {
@@ -1518,12 +1518,13 @@ impl pb::session_service_server::SessionService for Api {
                     targets.push((target, t.after));
                 }
                 // Each target is a stream the server follows.
-                let permit = self
+                let permits = self
                     .settings
                     .watch_limits
-                    .acquire_n(caller, targets.len())?;
+                    .acquire_n(caller, targets.len())?
+                    .split();
                 let mut streams = Vec::with_capacity(targets.len());
-                for (i, (target, after)) in targets.into_iter().enumerate() {
+                for (i, ((target, after), permit)) in targets.into_iter().zip(permits).enumerate() {
                     let index = i as u32;
                     let opened = match target {
                         Target::Session(id) => self.manager.watch_session(id, after).await,
@@ -1534,10 +1535,11 @@ impl pb::session_service_server::SessionService for Api {
                         Ok(events) => events,
                         Err(e) => futures::stream::once(futures::future::ready(Err(e))).boxed(),
                     };
-                    streams.push(watch_target(index, events));
+                    streams.push(watch_target(index, events, permit));
                 }
                 let merged = futures::stream::select_all(streams).boxed();
-                Ok(self.until_stopped(merged, permit))
+                // Each target holds its own slot (`watch_target`).
+                Ok(self.until_stopped(merged, None))
             }
             .await,
         )
@@ -1558,45 +1560,50 @@ pub type WatchManyStream =
 fn watch_target(
     index: u32,
     events: sessiond_engine::EventStream,
+    permit: crate::limits::WatchPermit,
 ) -> Pin<Box<dyn Stream<Item = Result<pb::WatchManyResponse, Status>> + Send>> {
-    events
-        .scan(false, move |ended, item| {
-            if *ended {
-                return futures::future::ready(None);
-            }
-            let answer = match item {
-                Ok(e) => Ok(pb::WatchManyResponse {
+    // The state holds the target's slot until its last answer: an ended
+    // target's stream ends (and frees the slot) at once, without waiting
+    // for another event of its source.
+    futures::stream::unfold(Some((events, permit)), move |state| async move {
+        let (mut events, permit) = state?;
+        let item = events.next().await?;
+        let answer = match item {
+            Ok(e) => {
+                let answer = pb::WatchManyResponse {
                     target: index,
                     event: Some(convert::event(&e)),
                     ended: None,
-                }),
-                Err(e) => {
-                    *ended = true;
-                    let status = Status::from(ApiError::from(e));
-                    if status.code() == tonic::Code::NotFound {
-                        let error = status
-                            .metadata()
-                            .get("sessiond-error")
-                            .and_then(|v| v.to_str().ok())
-                            .unwrap_or_default()
-                            .to_owned();
-                        Ok(pb::WatchManyResponse {
-                            target: index,
-                            event: None,
-                            ended: Some(pb::WatchEnded {
-                                code: status.code() as i32,
-                                message: status.message().to_owned(),
-                                error,
-                            }),
-                        })
-                    } else {
-                        Err(status)
-                    }
+                };
+                return Some((Ok(answer), Some((events, permit))));
+            }
+            Err(e) => {
+                let status = Status::from(ApiError::from(e));
+                if status.code() == tonic::Code::NotFound {
+                    let error = status
+                        .metadata()
+                        .get("sessiond-error")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_owned();
+                    Ok(pb::WatchManyResponse {
+                        target: index,
+                        event: None,
+                        ended: Some(pb::WatchEnded {
+                            code: status.code() as i32,
+                            message: status.message().to_owned(),
+                            error,
+                        }),
+                    })
+                } else {
+                    Err(status)
                 }
-            };
-            futures::future::ready(Some(answer))
-        })
-        .boxed()
+            }
+        };
+        drop((events, permit));
+        Some((answer, None))
+    })
+    .boxed()
 }
 
 #[tonic::async_trait]

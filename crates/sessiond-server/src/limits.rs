@@ -306,6 +306,22 @@ impl WatchLimits {
     }
 }
 
+impl WatchPermit {
+    /// One permit per stream it counts, each freeing its own slot when
+    /// dropped: a WatchMany target that ended gives its slot back while
+    /// the call goes on.
+    pub fn split(mut self) -> Vec<WatchPermit> {
+        let count = std::mem::take(&mut self.count);
+        (0..count)
+            .map(|_| WatchPermit {
+                limits: self.limits.clone(),
+                caller: self.caller,
+                count: 1,
+            })
+            .collect()
+    }
+}
+
 impl Drop for WatchPermit {
     fn drop(&mut self) {
         let mut open = self.limits.open.lock().unwrap_or_else(|e| e.into_inner());

@@ -113,6 +113,81 @@ async fn targets_are_followed_apart_and_end_apart() {
     assert_eq!(next.event.unwrap().seq, last + 1);
 }
 
+/// A target that ended gives its watch-stream slot back while the call
+/// goes on (helper-50 5: it was held until the call ended).
+#[tokio::test]
+async fn an_ended_target_frees_its_slot() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(
+        &dir.path().join("data"),
+        &["--max-watch-streams-per-token", "2"],
+    );
+    let mut c = sessions(&server).await;
+    let task = create_task(&mut c, "slots").await;
+    let (wa, wb) = (dir.path().join("a"), dir.path().join("b"));
+    std::fs::create_dir_all(&wa).unwrap();
+    std::fs::create_dir_all(&wb).unwrap();
+    let a = create_session(&mut c, &task.id, &wa, "").await;
+    let b = create_session(&mut c, &task.id, &wb, "").await;
+    let target = |session: &str| pb::WatchTarget {
+        session_id: session.into(),
+        ..Default::default()
+    };
+    let mut stream = c
+        .watch_many(pb::WatchManyRequest {
+            targets: vec![target(&a.id), target(&b.id)],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let watch_b = pb::WatchSessionRequest {
+        session_id: b.id.clone(),
+        after_seq: 0,
+    };
+    let err = c.watch_session(watch_b.clone()).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    c.delete_session(pb::DeleteSessionRequest {
+        task_id: task.id.clone(),
+        session_id: a.id.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let answer = tokio::time::timeout(left, stream.message())
+            .await
+            .expect("a's target never ended")
+            .unwrap()
+            .expect("the call ended");
+        if answer.ended.is_some() {
+            assert_eq!(answer.target, 0);
+            break;
+        }
+    }
+    // The slot is given back as the target's stream ends, in the server's
+    // own time after the answer went out.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match c.watch_session(watch_b.clone()).await {
+            Ok(_) => break,
+            Err(e) if e.code() == Code::ResourceExhausted && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("the ended target kept its slot: {e}"),
+        }
+    }
+    // The call goes on for b.
+    prompt(&mut c, &task.id, &b.id, "still here").await;
+    let next = tokio::time::timeout(Duration::from_secs(30), stream.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(next.target, 1);
+}
+
 /// Bad targets are refused as input, naming the target.
 #[tokio::test]
 async fn bad_targets_are_invalid_arguments() {
