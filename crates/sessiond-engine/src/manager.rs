@@ -96,6 +96,8 @@ pub(crate) struct Inner {
     /// gives its slot back when it starts waiting for a launch, so the
     /// pass's concurrency goes on to reattaches (`recovery.rs`).
     pub(crate) pass_slots: StdMutex<HashMap<SessionId, crate::pass::PassTicket>>,
+    /// Sessions whose running recovery has their workspace back.
+    pub(crate) workspaces_ready: crate::pass::WorkspacesReady,
     /// The startup pass's outcome writer while the pass runs.
     pub(crate) pass_outcomes: StdMutex<Option<crate::pass::Outcomes>>,
     /// Startup recovery's queue (`queue.rs`).
@@ -243,6 +245,7 @@ impl SessionManager {
                 agent_recoveries: crate::progress::AgentRecoveries::default(),
                 agent_restarts: crate::restarts::AgentRestarts::default(),
                 pass_slots: StdMutex::default(),
+                workspaces_ready: crate::pass::WorkspacesReady::default(),
                 pass_outcomes: StdMutex::default(),
                 queue: StdMutex::default(),
                 queue_phase: tokio::sync::watch::Sender::new(crate::pass::Phase::Idle),

@@ -4,7 +4,10 @@
 //! its count of workspaces not back yet, and its outcome writer's handle.
 //! The pass itself is `recovery.rs`; the queue's rules are `queue.rs`.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{
+    collections::{HashMap, HashSet},
+    sync::Arc,
+};
 
 use futures::future::{BoxFuture, Shared};
 use sessiond_domain::{ExecutorId, ExecutorRecord, OutcomeLabel, Session, SessionId};
@@ -181,5 +184,41 @@ pub(crate) struct CallRecovery(pub(crate) tokio::sync::watch::Sender<usize>);
 impl Drop for CallRecovery {
     fn drop(&mut self) {
         self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+/// The sessions whose recovery, still running, has their workspace back
+/// (the executor marked ready; the agent may still be relaunching): a
+/// workspace call waits for this, not for the agent (helper-52 1: a file
+/// read after a restart waited 33 s for a slow agent's resume).
+#[derive(Default)]
+pub(crate) struct WorkspacesReady {
+    marked: std::sync::Mutex<HashSet<SessionId>>,
+    changed: tokio::sync::Notify,
+}
+
+impl WorkspacesReady {
+    /// `session`'s recovery marked its executor ready.
+    pub(crate) fn mark(&self, session: SessionId) {
+        crate::sync::lock(&self.marked).insert(session);
+        self.changed.notify_waiters();
+    }
+
+    /// `session`'s recovery ended (its outcome answers from now on).
+    pub(crate) fn forget(&self, session: SessionId) {
+        crate::sync::lock(&self.marked).remove(&session);
+    }
+
+    /// Until `session`'s running recovery has its workspace back.
+    pub(crate) async fn wait(&self, session: SessionId) {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if crate::sync::lock(&self.marked).contains(&session) {
+                return;
+            }
+            changed.await;
+        }
     }
 }

@@ -425,6 +425,17 @@ impl RecoveryControl<'_> {
         Queue(self.0).ensure_recovered(session).await
     }
 
+    /// [`Self::ensure_recovered`] for a workspace call (shell, files, git):
+    /// waits only until the session's workspace is back (its executor
+    /// marked ready), not for its agent's relaunch and resume, which go on.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::ensure_recovered`].
+    pub async fn ensure_workspace(&self, session: SessionId) -> Result<()> {
+        Queue(self.0).ensure_workspace(session).await
+    }
+
     /// Whether the first startup recovery pass has every executor's
     /// workspace back (reattached, relaunched up to the agent, or failed):
     /// what health reports SERVING on. Agents may still be relaunching;
@@ -984,6 +995,10 @@ impl ExecutorRecovery<'_> {
         }
         let began = Instant::now();
         let _guard = self.inner.sessions.lock(executor.session_id).await;
+        // However it ends, a workspace call waits on its outcome from then.
+        let _ready_until_done = scopeguard(|| {
+            self.inner.workspaces_ready.forget(executor.session_id);
+        });
         if call {
             tracing::debug!(
                 session_id = %executor.session_id,
@@ -1492,11 +1507,13 @@ impl ExecutorRecovery<'_> {
                     // on to the reattaches behind this one.
                     let ticket = crate::sync::lock(&self.inner.pass_slots).remove(&sid);
                     drop(ticket);
-                    let mut ahead = run
-                        .ahead
-                        .agent
-                        .take()
-                        .filter(|a| a.serves(resume_token.as_deref()));
+                    let mut ahead = run.ahead.agent.take();
+                    // A launch the health check left running is waited for
+                    // here, where the agent is (the workspace is back).
+                    if let Some(a) = ahead.as_mut() {
+                        a.settle().await;
+                    }
+                    let mut ahead = ahead.filter(|a| a.serves(resume_token.as_deref()));
                     let agent_up =
                         matches!(run.agent_state, Some(AgentState::Ready | AgentState::Busy));
                     // A stop or delete came first: no agent is launched (or
@@ -1962,6 +1979,7 @@ impl ExecutorRecovery<'_> {
             e.agent = agent;
             e.probe = probe;
         });
+        self.inner.workspaces_ready.mark(run.session.id);
         Ok(())
     }
 

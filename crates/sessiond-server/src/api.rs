@@ -359,12 +359,28 @@ impl Api {
     /// and the executor recovered), or on the replica that owns it, to which
     /// the call is forwarded (see `forward.rs`).
     async fn route(&self, session: SessionId, origin: &Origin) -> ApiResult<Option<Owner>> {
+        self.route_for(session, origin, false).await
+    }
+
+    /// [`Self::route`]; for a workspace call (`workspace`), a recovery here
+    /// is waited for only until the workspace is back, not the agent.
+    async fn route_for(
+        &self,
+        session: SessionId,
+        origin: &Origin,
+        workspace: bool,
+    ) -> ApiResult<Option<Owner>> {
         // Already ours: the call's own recovery step (which may pause the
         // startup pass for it) does the rest.
         if self.manager.replica().owns(session) {
             return Ok(None);
         }
-        match self.manager.recovery().ensure_recovered(session).await {
+        let recovered = if workspace {
+            self.manager.recovery().ensure_workspace(session).await
+        } else {
+            self.manager.recovery().ensure_recovered(session).await
+        };
+        match recovered {
             Ok(()) => Ok(None),
             Err(sessiond_engine::Error::NotOwner {
                 session_id,
@@ -508,10 +524,11 @@ impl Api {
         self.session_of(task, session).await?;
         // Not recovered since the restart yet: recover it first; another
         // replica's: forward the call there.
-        if let Some(owner) = self.route(session, origin).await? {
+        if let Some(owner) = self.route_for(session, origin, true).await? {
             return Ok(Target::Owner(owner));
         }
-        self.manager.recovery().ensure_recovered(session).await?;
+        // Its workspace, not its agent: that relaunch goes on (helper-52 1).
+        self.manager.recovery().ensure_workspace(session).await?;
         let record: Option<ExecutorRecord> = match self.manager.execution(session) {
             Some(e) => Some(e.record),
             None => self.store.get_executor_for_session(session).await?,

@@ -59,7 +59,20 @@ enum Answer {
     /// No sign of life for the silence limit while agentctl launched the
     /// agent or reopened the conversation (agentctl itself answers).
     Cut(String),
+    /// Still running: the agent takes its time, and the health check
+    /// answered on its own so that the workspace is not held up by it.
+    Pending(tokio::task::JoinHandle<Launched>),
 }
+
+/// A `Recover` that carries a launch, as watched for signs of life.
+type Launched =
+    std::result::Result<sessiond_executor::Result<sessiond_executor::RecoverAnswer>, String>;
+
+/// How long a health check that carries an agent's launch waits for the
+/// whole `Recover` before it asks agentctl's health alone: a quick agent
+/// (most relaunches) costs one round trip; a slow one (Claude Code loading
+/// a long history takes seconds) gives the workspace back after this.
+const WORKSPACE_FIRST: Duration = Duration::from_millis(500);
 
 impl AgentAhead {
     /// It did (or tried) what the resume step of `token` asks: launched,
@@ -75,7 +88,23 @@ impl AgentAhead {
                         | pb::RecoverOutcome::Failed
                 ),
                 Answer::Cut(_) => true,
+                // Settled first (`settle`); it serves if it launched.
+                Answer::Pending(_) => true,
             }
+    }
+
+    /// Waits for a [`Answer::Pending`] part to end, as the steps after the
+    /// health check would have waited for it inside the check.
+    pub(super) async fn settle(&mut self) {
+        let Answer::Pending(task) = &mut self.answer else {
+            return;
+        };
+        self.answer = match task.await {
+            Ok(Ok(Ok(a))) => Answer::Given(Box::new(a.agent)),
+            Ok(Ok(Err(e))) => Answer::Cut(format!("agentctl's Recover failed: {e}")),
+            Ok(Err(silence)) => Answer::Cut(silence),
+            Err(e) => Answer::Cut(format!("the agent's launch did not finish: {e}")),
+        };
     }
 
     /// The launch slot it held, and when the launch began.
@@ -121,15 +150,63 @@ impl ExecutorRecovery<'_> {
             permit = Some(p);
         }
         let began = Instant::now();
-        let call = client.recover(run.record.id, request);
         let answer = if let Some(p) = permit.take() {
             self.inner
                 .agent_recoveries
                 .enter(sid, RecoveryStage::Launching);
-            match ExecutorRecovery(self)
-                .until_silent(&run.record, run.agent_silence, call)
-                .await
-            {
+            let mut launched = {
+                let me = self.0.clone();
+                let record = run.record.clone();
+                let silence = run.agent_silence;
+                let client = client.clone();
+                tokio::spawn(async move {
+                    let call = client.recover(record.id, request);
+                    ExecutorRecovery(&me)
+                        .until_silent(&record, silence, call)
+                        .await
+                })
+            };
+            let joined = match tokio::time::timeout(WORKSPACE_FIRST, &mut launched).await {
+                Ok(joined) => joined,
+                Err(_) => {
+                    // The agent takes its time: agentctl's health alone
+                    // gives the workspace back now (helper-52 1: a slow
+                    // agent's resume held it, and SERVING, for 33 s).
+                    let health =
+                        tokio::time::timeout(remaining, client.verify_identity(run.record.id))
+                            .await
+                            .map_err(|_| ());
+                    match &health {
+                        Ok(Ok(h))
+                            if surviving_agent(h, intent.as_deref()) == SurvivingAgent::None =>
+                        {
+                            if let Some(token) = intent {
+                                run.ahead.agent = Some(AgentAhead {
+                                    token,
+                                    answer: Answer::Pending(launched),
+                                    permit: Some(p),
+                                    began,
+                                });
+                                return Some(health);
+                            }
+                            launched.await
+                        }
+                        // The agent is up: its answer is on its way.
+                        Ok(Ok(_)) => launched.await,
+                        _ => {
+                            launched.abort();
+                            p.finish_seen(
+                                Ended::Cut,
+                                self.inner.agent_recoveries.take_cpu_wait(sid),
+                            );
+                            return Some(health);
+                        }
+                    }
+                }
+            };
+            let joined =
+                joined.unwrap_or_else(|e| Err(format!("the agent's launch did not finish: {e}")));
+            match joined {
                 Ok(a) => (a, Some(p)),
                 Err(silence) => {
                     // agentctl may be fine and only the agent silent: a
@@ -159,6 +236,7 @@ impl ExecutorRecovery<'_> {
                 }
             }
         } else {
+            let call = client.recover(run.record.id, request);
             match tokio::time::timeout(remaining, call).await {
                 Ok(a) => (a, None),
                 Err(_) => return Some(Err(())),
@@ -201,6 +279,11 @@ impl ExecutorRecovery<'_> {
         let a = match &ahead.answer {
             Answer::Given(a) => a,
             Answer::Cut(silence) => return Ok(Err(silence.clone())),
+            Answer::Pending(_) => {
+                return Err(Error::Internal(
+                    "an agent part still running was taken for a resume".into(),
+                ));
+            }
         };
         let (_, stamp) = self.inner.sessions.cached_modes(run.session.id, "");
         let counters = &self.inner.counters;
@@ -324,12 +407,15 @@ impl ExecutorRecovery<'_> {
         let Some(ahead) = run.ahead.agent.take() else {
             return;
         };
+        let mut ahead = ahead;
+        ahead.settle().await;
         let launched = match &ahead.answer {
             Answer::Given(a) => matches!(
                 a.outcome(),
                 pb::RecoverOutcome::Done | pb::RecoverOutcome::Failed
             ),
             Answer::Cut(_) => true,
+            Answer::Pending(_) => unreachable!("settled above"),
         };
         if launched {
             tracing::info!(session = %run.session.id, executor_id = %run.record.id,

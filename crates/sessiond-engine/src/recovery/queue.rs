@@ -147,6 +147,34 @@ impl Queue<'_> {
         Ok(ahead)
     }
 
+    /// [`Self::ensure_recovered`] up to the workspace: returns once the
+    /// session's recovery marked its executor ready (or ended), and leaves
+    /// the recovery running (driven by a task of its own, since a recovery
+    /// this call started is polled by nobody else until the pass's end).
+    pub(crate) async fn ensure_workspace(&self, session: SessionId) -> Result<()> {
+        let early = self.claim_while_loading(session).await?;
+        if early.is_none() {
+            self.queue_filled().await;
+        }
+        let claim = early.or_else(|| self.claim(session, Lane::Call));
+        if let Some(Claim::Started(fut) | Claim::Joined(fut)) = claim {
+            let _ahead = self.call_recovery_started();
+            self.inner.launches.promote(session);
+            let outcome = tokio::spawn(fut);
+            tokio::select! {
+                done = outcome => {
+                    if let Ok(Err(e)) = done {
+                        tracing::debug!(%session, error = %e, "prioritised recovery failed");
+                    }
+                }
+                () = self.inner.workspaces_ready.wait(session) => {
+                    tracing::debug!(%session, "workspace back; the agent's recovery goes on");
+                }
+            }
+        }
+        self.ensure_owned(session).await
+    }
+
     /// While an announced pass of an exclusive store loads its executors:
     /// if `session`'s executor is live (`starting` or `ready`, which the
     /// pass will recover), claim it for this call; the pass, once its queue

@@ -4,6 +4,7 @@
 //! by itself is retried, never ERROR.
 
 use std::{
+    path::Path,
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
@@ -13,7 +14,7 @@ use sessiond_domain::{
 };
 use sessiond_engine::ManagerConfig;
 
-use crate::support::{Db, World, children_of, expected_reply, kill_tree, kill9};
+use crate::support::{Db, World, children_of, demo_agents_under, expected_reply, kill_tree, kill9};
 
 /// How many heavy sessions the burst test recovers (16 in CI; more with
 /// `SESSIOND_HEAVY_SESSIONS`).
@@ -880,6 +881,91 @@ async fn an_agent_that_dies_again_while_restarting_is_retried() {
     let reply = w.prompt(&mgr, s.id, "two").await;
     assert_eq!(reply, expected_reply(2, &token, "two"));
     w.finish(&mgr, &[s.id]).await;
+}
+
+/// helper-52 1: after kill -9 of everything, a session whose agent is slow
+/// to come back (Claude Code loading a long history; here an agent held at
+/// its start gate) has its workspace back at once. SERVING, and a workspace
+/// call on the session itself, waited for the agent's launch and resume (33
+/// s with a slow history load), which agentctl's `Recover` carried with
+/// the health check; now they wait only for agentctl, and the agent's
+/// relaunch goes on to bring the conversation back, launched once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_agent_does_not_hold_its_workspace_after_a_restart() {
+    let w = World::new(Db::Sqlite).await;
+    let (gated, gate) = w.gated_profile("gated").await;
+    let config = ManagerConfig {
+        // The gated start is silent: never cut while the test runs.
+        executor_deadline: Duration::from_secs(120),
+        ..defaults()
+    };
+    let mgr = w.manager_with(config.clone());
+    // `a` loses its agentctl too; `b`'s agentctl survives, its agent not.
+    let a = w.create_with(&mgr, "a", &gated, None).await;
+    let b = w.create_with(&mgr, "b", &gated, None).await;
+    let ids = [a.id, b.id];
+    for s in [&a, &b] {
+        w.prompt(&mgr, s.id, "one").await;
+        std::fs::write(Path::new(&s.worktree.path).join("notes.txt"), b"kept").unwrap();
+    }
+    mgr.shutdown();
+    drop(mgr);
+    kill_tree(w.record(a.id).await.pid.unwrap()).await;
+    let b_agentctl = w.record(b.id).await.pid.unwrap();
+    for agent in demo_agents_under(b_agentctl) {
+        kill9(agent);
+    }
+
+    std::fs::write(&gate, b"closed").unwrap();
+    let mgr = std::sync::Arc::new(w.manager_with(config));
+    let pass = tokio::spawn({
+        let mgr = mgr.clone();
+        async move { mgr.recovery().recover_all().await }
+    });
+    // The gate stays closed: waiting for the agents would wait for the
+    // executor deadline (120 s) at least.
+    for id in ids {
+        tokio::time::timeout(Duration::from_secs(60), mgr.recovery().ensure_workspace(id))
+            .await
+            .expect("the workspace call waited for the agent")
+            .unwrap();
+    }
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        mgr.recovery().wait_workspaces_recovered(),
+    )
+    .await
+    .expect("SERVING waited for the agents");
+    assert!(gate.exists(), "the gate opened early");
+    for id in ids {
+        let st = w.status(&mgr, id).await;
+        assert_eq!(st.executor_status, Some(ExecutorStatus::Ready), "{st:?}");
+        assert!(st.recovering && !st.is_agent_running, "{st:?}");
+        // The workspace answers, through its agentctl.
+        let record = w.record(id).await;
+        assert_eq!(record.status, ExecutorStatus::Ready);
+        let entries = w.agentctl(&record).list_dir(".").await.unwrap();
+        assert!(entries.iter().any(|e| e.name == "notes.txt"), "{entries:?}");
+    }
+    assert_eq!(
+        w.record(b.id).await.pid,
+        Some(b_agentctl),
+        "b's agentctl was replaced"
+    );
+
+    std::fs::remove_file(&gate).unwrap();
+    let summary = pass.await.unwrap().unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 2, "{summary:?}");
+    for s in [&a, &b] {
+        w.track(s.id).await;
+        let token = s.resume_token.clone().unwrap();
+        let reply = w.prompt(&mgr, s.id, "two").await;
+        assert_eq!(reply, expected_reply(2, &token, "two"));
+        // One agent was launched for the recovery, not a second one beside it.
+        let agentctl = w.record(s.id).await.pid.unwrap();
+        assert_eq!(demo_agents_under(agentctl).len(), 1);
+    }
+    w.finish(&mgr, &ids).await;
 }
 
 /// helper-31 D5, helper-34: a stop of a session whose recovery waits for a
