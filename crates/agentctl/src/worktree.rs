@@ -71,6 +71,10 @@ pub struct State {
     /// `git worktree lock` holds the worktree: its reason (maybe empty).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub locked: Option<String>,
+    /// The directory is there but is not this worktree on its branch any
+    /// more ([`remove`] would refuse it): a delete refuses before it stops
+    /// anything.
+    pub not_ours: bool,
 }
 
 /// One commit of the branch since its base.
@@ -660,12 +664,13 @@ fn make_parent(path: &Path) -> Result<()> {
 
 /// What removing the worktree (and its branch) would lose.
 pub async fn state(spec: &Spec) -> Result<State> {
-    common_dir(&spec.repository).await?;
+    let common = common_dir(&spec.repository).await?;
     let mut state = State {
         path_exists: spec.path.is_dir(),
         ..State::default()
     };
     if state.path_exists {
+        state.not_ours = !is_ours(&spec.path, &common, &spec.branch).await?;
         state.locked = list(&spec.repository)
             .await?
             .into_iter()

@@ -64,6 +64,9 @@ pub struct WorktreeContents {
     pub merged: bool,
     /// `git worktree lock` holds it (with the reason given, maybe empty).
     pub locked: Option<String>,
+    /// The directory is there but is not this worktree on its branch any
+    /// more (another branch checked out in it, or another repository's).
+    pub not_ours: bool,
 }
 
 /// What the caller of a delete asked for its worktree.
@@ -109,6 +112,16 @@ pub fn removal(branch: &str, found: &WorktreeContents, asked: RemovalRequest) ->
             } else {
                 format!(": {reason}")
             }
+        ));
+    }
+    // Removing it would take what is not this session's: not even a
+    // discard does (agentctl's removal refuses too, but only after the
+    // agent was stopped).
+    if found.not_ours {
+        return Removal::Refuse(format!(
+            "the worktree is not on branch {branch} any more (another branch is checked out in \
+             it, or it is not this repository's worktree); switch it back (git switch {branch}) \
+             and delete again, or delete with keep_worktree (keeps the directory and branch)"
         ));
     }
     if !asked.discard {
@@ -192,6 +205,29 @@ mod tests {
                 delete_branch: true
             }
         );
+    }
+
+    #[test]
+    fn a_worktree_on_another_branch_refuses_even_a_discard() {
+        let elsewhere = WorktreeContents {
+            not_ours: true,
+            ..clean()
+        };
+        for discard in [false, true] {
+            let asked = RemovalRequest {
+                discard,
+                ..RemovalRequest::default()
+            };
+            match removal("b", &elsewhere, asked) {
+                Removal::Refuse(why) => assert!(why.contains("not on branch b"), "{why}"),
+                other => panic!("{other:?}"),
+            }
+        }
+        let keep = RemovalRequest {
+            keep: true,
+            ..RemovalRequest::default()
+        };
+        assert_eq!(removal("b", &elsewhere, keep), Removal::Keep);
     }
 
     #[test]

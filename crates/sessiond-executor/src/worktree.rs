@@ -230,6 +230,11 @@ pub fn parse_ok(ok: &serde_json::Value, op: WorktreeOp) -> Option<Result<Worktre
             merged: ok.get("merged")?.as_bool()?,
             // Absent from an older agentctl's answer.
             locked: ok.get("locked").and_then(|l| l.as_str()).map(str::to_owned),
+            // Absent from an older agentctl's answer (its removal refuses).
+            not_ours: ok
+                .get("not_ours")
+                .and_then(serde_json::Value::as_bool)
+                .unwrap_or(false),
         }),
         WorktreeOp::Branches => WorktreeAnswer::Branches {
             names: ok

@@ -809,6 +809,43 @@ async fn a_locked_worktree_refuses_the_delete_before_anything_is_stopped() {
     w.finish(&mgr, &[]).await;
 }
 
+/// helper-52 2: a worktree with another branch checked out in it made a
+/// delete stop the agent (the session CANCELLED, never to be resumed) and
+/// only then fail, telling the user to switch it back. The delete is now
+/// refused up front, discard or not, and nothing is stopped; once switched
+/// back, it goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worktree_on_another_branch_refuses_the_delete_before_anything_is_stopped() {
+    let w = World::new(Db::Sqlite).await;
+    let repo = repository(&w);
+    let mgr = w.manager_with(config(&w));
+    let s = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
+    let wt = Path::new(&s.worktree.path);
+    git(wt, &["checkout", "-q", "-b", "switched"]);
+    for discard in [false, true] {
+        let asked = RemovalRequest {
+            discard,
+            ..RemovalRequest::default()
+        };
+        let err = mgr
+            .delete_session_with(w.task.id, s.id, asked)
+            .await
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!("not on branch {}", s.worktree.branch)),
+            "{text}"
+        );
+        let st = w.status(&mgr, s.id).await;
+        assert_eq!(st.state, SessionState::WaitingForInput, "nothing stopped");
+        assert!(st.is_agent_running);
+    }
+    git(wt, &["checkout", "-q", &s.worktree.branch]);
+    mgr.delete_session(w.task.id, s.id).await.unwrap();
+    assert!(!wt.exists(), "removed once switched back");
+    w.finish(&mgr, &[]).await;
+}
+
 /// helper-41 1: the worktrees directory checked at startup was later a
 /// symlink out of the roots (or reached through one: the default dir's
 /// parents), and worktrees were made outside them. Each create resolves the
