@@ -56,6 +56,8 @@ pub struct ExecOutput {
     pub stderr: Vec<u8>,
     /// The timeout passed and the group was killed.
     pub timed_out: bool,
+    /// The signal that ended it, when not the timeout's.
+    pub signal: Option<i32>,
     /// Stdout had more than `max_output` bytes.
     pub stdout_truncated: bool,
     /// Stderr had more than `max_output` bytes.
@@ -188,6 +190,10 @@ pub async fn run(spec: ExecSpec<'_>) -> Result<ExecOutput> {
     // controlling terminal, and one signal reaches everything it starts
     // that does not leave the group on purpose.
     sys::new_session(&mut cmd);
+    // A `kill -9` of agentctl ends the command too, as it ends the agent
+    // (helper-52 4: it ran on in the worktree until agentctl's relaunch
+    // ended its cgroup). What it started itself is left to that cleanup.
+    sys::kill_on_parent_death(&mut cmd);
     if let Some(dir) = spec.cwd_handle {
         sys::enter_dir(&mut cmd, dir);
     }
@@ -278,6 +284,9 @@ pub async fn run(spec: ExecSpec<'_>) -> Result<ExecOutput> {
     let (stderr, stderr_truncated) = take(&err_buf);
     Ok(ExecOutput {
         exit_code: status.and_then(|s| s.code()),
+        signal: status
+            .filter(|_| !timed_out)
+            .and_then(|s| std::os::unix::process::ExitStatusExt::signal(&s)),
         stdout,
         stderr,
         timed_out,

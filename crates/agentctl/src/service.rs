@@ -668,6 +668,7 @@ impl AgentCtlService for AgentCtl {
             stdout_truncated: out.stdout_truncated,
             stderr_truncated: out.stderr_truncated,
             duration_ms: u64::try_from(out.duration.as_millis()).unwrap_or(u64::MAX),
+            signal: out.signal,
         }))
     }
 

@@ -329,6 +329,8 @@ impl Terminals {
         }
         // Its own session: no controlling terminal, one group to signal.
         sys::new_session(&mut cmd);
+        // Ends with agentctl, as the agent does (see `exec`).
+        sys::kill_on_parent_death(&mut cmd);
         if let Some(dir) = &spec.cwd_handle {
             sys::enter_dir(&mut cmd, dir);
         }

@@ -2174,6 +2174,53 @@ async fn a_cursor_from_another_agentctl_process_starts_with_a_gap() {
     h.assert_no_leftovers().await;
 }
 
+/// helper-52 4: a command Exec runs ends with a `kill -9` of agentctl, as
+/// the agent does; it ran on in the worktree until agentctl's relaunch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exec_command_dies_with_a_sigkilled_agentctl() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let marker = h.marker();
+    let exec = tokio::spawn(async move {
+        c.exec(ExecRequest {
+            command: "sh".into(),
+            args: vec![
+                "-c".into(),
+                "trap '' TERM HUP PIPE; while :; do sleep 1; done".into(),
+                marker,
+            ],
+            timeout_ms: 600_000,
+            ..Default::default()
+        })
+        .await
+    });
+    let deadline = Instant::now() + WAIT;
+    let command = loop {
+        let others: Vec<u32> = h
+            .leftovers()
+            .into_iter()
+            .filter(|p| *p != ctl.pid)
+            .collect();
+        if let Some(pid) = others.first() {
+            break *pid;
+        }
+        assert!(Instant::now() < deadline, "the command did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    ctl.signal("-KILL");
+    let started = Instant::now();
+    while alive(command) {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "command {command} outlived its SIGKILLed agentctl"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = exec.await;
+    h.assert_no_leftovers().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_dies_with_a_sigkilled_agentctl() {
     let h = Harness::new();

@@ -1796,7 +1796,13 @@ async fn workspace(c: &mut Clients, out: &Out, cmd: WorkspaceCmd) -> anyhow::Res
             return Ok(match r.exit_code {
                 Some(0) => ExitCode::SUCCESS,
                 Some(n) => ExitCode::from(u8::try_from(n.clamp(1, 255)).unwrap_or(1)),
-                None => ExitCode::from(124),
+                // As a shell says it: 128 + the signal (137 for SIGKILL).
+                None => match r.signal {
+                    Some(signal) => {
+                        ExitCode::from(u8::try_from(128 + signal.clamp(1, 127)).unwrap_or(255))
+                    }
+                    None => ExitCode::from(124),
+                },
             });
         }
         WorkspaceCmd::Cat { session, path } => {

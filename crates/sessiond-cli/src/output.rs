@@ -1068,7 +1068,7 @@ impl Out {
     pub fn exec(&self, r: &pb::ExecResponse) {
         if self.json {
             self.print_json(json!({
-                "exit_code": r.exit_code, "timed_out": r.timed_out,
+                "exit_code": r.exit_code, "timed_out": r.timed_out, "signal": r.signal,
                 "stdout": String::from_utf8_lossy(&r.stdout),
                 "stderr": String::from_utf8_lossy(&r.stderr),
                 "stdout_truncated": r.stdout_truncated, "stderr_truncated": r.stderr_truncated,
@@ -1095,6 +1095,9 @@ impl Out {
         }
         if r.timed_out {
             eprintln!("sessionctl: the command timed out");
+        }
+        if let Some(signal) = r.signal {
+            eprintln!("sessionctl: the command was killed by signal {signal}");
         }
     }
 

@@ -1641,6 +1641,20 @@ fn a_cut_exec_output_is_said_and_is_not_a_success() {
         stderr.contains("oops") && stderr.contains("ran past its timeout"),
         "{stderr}"
     );
+    // Killed by a signal: 128 + its number, as a shell says it, and named
+    // (helper-52 6: it exited 124, as if it had timed out).
+    let mut cmd = Command::new("sessionctl");
+    env.apply(&mut cmd);
+    let killed = cmd
+        .args(["workspace", "exec", &session, "--"])
+        .args(["sh", "-c", "echo hi; kill -TERM $$"])
+        .current_dir(&scratch)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&killed.stderr);
+    assert_eq!(killed.status.code(), Some(128 + 15), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&killed.stdout), "hi\n");
+    assert!(stderr.contains("killed by signal 15"), "{stderr}");
     terminate(server);
 }
 

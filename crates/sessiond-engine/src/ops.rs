@@ -288,6 +288,24 @@ impl Agents<'_> {
         // is spawned yet (compiled only with the `failpoints` feature).
         #[cfg(feature = "failpoints")]
         fail::fail_point!("launch-after-intent");
+        // Checked at the create, and again at every launch: the directory
+        // (or a parent) swapped for a symlink since would run the agent, and
+        // the workspace calls, outside the roots (helper-52 3).
+        if record.runtime != Runtime::Remote
+            && let Some(resolved) = crate::worktrees::outside_roots(
+                std::path::Path::new(&record.workspace_path),
+                &self.inner.config.worktrees.roots,
+            )
+        {
+            return Some(Err(Error::InvalidArgument(format!(
+                "the session's directory {} now resolves to {} (through a symlink), outside \
+                 executors.worktree_roots ({}); agentctl was not started there: put the \
+                 directory back, then resume the session",
+                record.workspace_path,
+                resolved.display(),
+                crate::worktrees::listed_roots(&self.inner.config.worktrees.roots)
+            ))));
+        }
         self.end_stray_agentctls(record).await;
         let spec = LaunchSpec {
             executor_id: record.id,

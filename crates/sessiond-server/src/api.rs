@@ -163,6 +163,50 @@ fn check_command_line(command: &str, args: &[String]) -> ApiResult<()> {
     Ok(())
 }
 
+/// The longest branch name sessiond takes (git hosts take 255 bytes; a
+/// ref's file name must stay under the file system's 255 with `.lock`).
+const MAX_BRANCH_BYTES: usize = 240;
+
+/// A worktree's names are shown on terminals and passed to git: no control
+/// character (a NUL reached agentctl's command line, an escape sequence
+/// the terminal of whoever lists the session: helper-52 5, 7), and a
+/// branch git can make a ref of (300 bytes stored an ERROR session).
+fn check_worktree_names(w: &pb::Worktree) -> ApiResult<()> {
+    for (field, value) in [
+        ("worktree.id", &w.id),
+        ("worktree.branch", &w.branch),
+        ("worktree.base", &w.base),
+        ("worktree.repository", &w.repository),
+    ] {
+        if value.chars().any(char::is_control) {
+            return Err(ApiError::invalid(format!(
+                "{field}: contains a control character"
+            )));
+        }
+    }
+    if w.id.len() > MAX_NAME_BYTES {
+        return Err(ApiError::invalid(format!(
+            "worktree.id: {} bytes is longer than {MAX_NAME_BYTES} bytes",
+            w.id.len()
+        )));
+    }
+    if w.branch.len() > MAX_BRANCH_BYTES {
+        return Err(ApiError::invalid(format!(
+            "worktree.branch: {} bytes is longer than {MAX_BRANCH_BYTES} bytes",
+            w.branch.len()
+        )));
+    }
+    if !w.repository.is_empty() && (w.branch == "@" || w.branch.starts_with("refs/")) {
+        return Err(ApiError::invalid(format!(
+            "worktree.branch: {:?} is not a branch name sessiond makes (git reads \"@\" as HEAD, \
+             and a name starting with refs/ as a full ref); give the short name, e.g. \
+             feature/login",
+            w.branch
+        )));
+    }
+    Ok(())
+}
+
 /// A local worktree must be a normalised absolute path inside one of
 /// `roots`, and, when it exists, stay inside one after symlinks resolve.
 fn check_worktree(path: &str, roots: &[std::path::PathBuf]) -> ApiResult<()> {
@@ -876,6 +920,7 @@ impl pb::session_service_server::SessionService for Api {
                     .map_err(ApiError::InvalidArgument)?
                     .unwrap_or(self.settings.default_runtime);
                 let w = req.worktree.unwrap_or_default();
+                check_worktree_names(&w)?;
                 let managed = !w.repository.is_empty();
                 if managed {
                     if !w.path.is_empty() {
@@ -1677,6 +1722,7 @@ impl pb::workspace_service_server::WorkspaceService for Api {
                         timed_out: r.timed_out,
                         stdout_truncated: r.stdout_truncated,
                         stderr_truncated: r.stderr_truncated,
+                        signal: r.signal,
                     };
                     if response.timed_out {
                         // Details travel in a trailer: keep them well inside

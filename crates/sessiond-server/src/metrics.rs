@@ -547,17 +547,25 @@ where
 }
 
 /// A request body that is not the method's message (tonic answers
-/// INTERNAL "failed to decode Protobuf message") is the caller's mistake:
-/// INVALID_ARGUMENT, as for any other bad input. Decoding fails before the
+/// INTERNAL "failed to decode Protobuf message"), that holds no message, or
+/// whose frame is cut short, is the caller's mistake: INVALID_ARGUMENT, as
+/// for any other bad input (helper-52 14). A compressed-flag without an
+/// encoding stays INTERNAL, as the gRPC spec says. Decoding fails before the
 /// method runs, so the answer is trailers-only: the status is in the headers.
 fn undecodable_is_invalid_argument(headers: &mut http::HeaderMap) {
+    const UNDECODABLE: [&str; 3] = [
+        "failed to decode Protobuf message",
+        "Missing request message.",
+        "Unexpected EOF decoding stream.",
+    ];
     let internal = headers
         .get("grpc-status")
         .is_some_and(|v| v.as_bytes() == b"13");
     let undecodable = headers.get("grpc-message").is_some_and(|m| {
         let m = m.as_bytes();
-        m.starts_with(b"failed%20to%20decode%20Protobuf%20message")
-            || m.starts_with(b"failed to decode Protobuf message")
+        UNDECODABLE.iter().any(|text| {
+            m.starts_with(text.as_bytes()) || m.starts_with(text.replace(' ', "%20").as_bytes())
+        })
     });
     if internal && undecodable {
         headers.insert("grpc-status", http::HeaderValue::from_static("3"));

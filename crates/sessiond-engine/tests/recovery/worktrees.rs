@@ -320,6 +320,52 @@ async fn a_directory_put_where_the_worktree_was_is_not_taken_for_it() {
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// helper-52 3: a directory swapped for a symlink out of the roots after the
+/// create was taken at the next launch of agentctl, so the agent and the
+/// workspace calls ran outside `executors.worktree_roots`. Every launch
+/// checks it: the session goes ERROR naming it, and nothing runs there;
+/// once the directory is back, a resume brings the session back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_swapped_for_a_symlink_out_of_the_roots_is_not_launched_in() {
+    let w = World::new(Db::Sqlite).await;
+    let mgr = w.manager_with(config(&w));
+    // A directory the session shares (a managed worktree swapped so is
+    // `worktree_in_the_way` already).
+    let s = create(&w, &mgr, w.worktree("shared")).await.unwrap();
+    let path = PathBuf::from(&s.worktree.path);
+    mgr.shutdown();
+    drop(mgr);
+    kill_tree(w.record(s.id).await.pid.unwrap()).await;
+    let outside = tempfile::tempdir().unwrap();
+    let moved = PathBuf::from(format!("{}.moved", path.display()));
+    std::fs::rename(&path, &moved).unwrap();
+    std::os::unix::fs::symlink(outside.path(), &path).unwrap();
+
+    let mgr = w.manager_with(config(&w));
+    let summary = mgr.recovery().recover_all().await.unwrap();
+    assert_eq!(summary.not_back + summary.failed, 1, "{summary:?}");
+    let st = w.status(&mgr, s.id).await;
+    assert!(!st.is_agent_running, "{st:?}");
+    let why = st.error_message.clone().unwrap_or_default();
+    assert!(why.contains("outside executors.worktree_roots"), "{st:?}");
+    assert!(
+        w.record(s.id)
+            .await
+            .pid
+            .is_none_or(|pid| !crate::common::is_running(pid)),
+        "an agentctl runs for it"
+    );
+    assert_eq!(std::fs::read_dir(outside.path()).unwrap().count(), 0);
+
+    std::fs::remove_file(&path).unwrap();
+    std::fs::rename(&moved, &path).unwrap();
+    mgr.resume_session(w.task.id, s.id).await.unwrap();
+    w.track(s.id).await;
+    let st = w.status(&mgr, s.id).await;
+    assert_eq!(st.state, SessionState::WaitingForInput, "{st:?}");
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// Directory and branch both gone: the session goes ERROR naming the
 /// branch; nothing is made up from the base in its place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

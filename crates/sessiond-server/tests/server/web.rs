@@ -481,6 +481,26 @@ async fn an_undecodable_request_is_invalid_argument() {
     );
     let r = http1(&server.addr, &head, &body).await;
     assert_eq!(grpc_web_status(&r).as_deref(), Some("3"), "{:?}", r.headers);
+    // No message at all, and a frame cut short (helper-52 14).
+    for raw in [&[][..], &[0, 0, 0][..], &[0, 0, 0, 0, 10, 1, 2][..]] {
+        let (head, _) = grpc_web_request(
+            &server.addr,
+            "/sessiond.v1.SessionService/GetTask",
+            Some(TOKEN),
+            &[],
+        );
+        let head = head.replace(
+            "content-length: 5",
+            &format!("content-length: {}", raw.len()),
+        );
+        let r = http1(&server.addr, &head, raw).await;
+        assert_eq!(
+            grpc_web_status(&r).as_deref(),
+            Some("3"),
+            "{raw:?}: {:?}",
+            r.headers
+        );
+    }
 
     // The same over gRPC (HTTP/2), through a codec that sends raw bytes.
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))

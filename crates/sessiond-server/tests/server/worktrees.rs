@@ -393,7 +393,39 @@ async fn bad_repository_input_is_refused_precisely_and_creates_nothing() {
     taken.worktree.as_mut().unwrap().branch = "taken".into();
     let mut both = from_repo(&task.id, &repo, "main");
     both.worktree.as_mut().unwrap().path = plain.display().to_string();
+    // helper-52 5, 7, 13.
+    let with = |change: &dyn Fn(&mut pb::Worktree)| {
+        let mut req = from_repo(&task.id, &repo, "main");
+        change(req.worktree.as_mut().unwrap());
+        req
+    };
+    let long = with(&|w| w.branch = "y".repeat(300));
+    let nul = with(&|w| w.branch = "a\0b".into());
+    let escape = with(&|w| w.id = "a\nb\x1b[31m".into());
+    let at = with(&|w| w.branch = "@".into());
+    let full = with(&|w| w.branch = "refs/heads/zz".into());
     let cases = [
+        (
+            long,
+            tonic::Code::InvalidArgument,
+            "worktree.branch: 300 bytes is longer than 240 bytes",
+        ),
+        (
+            nul,
+            tonic::Code::InvalidArgument,
+            "worktree.branch: contains a control character",
+        ),
+        (
+            escape,
+            tonic::Code::InvalidArgument,
+            "worktree.id: contains a control character",
+        ),
+        (
+            at,
+            tonic::Code::InvalidArgument,
+            "is not a branch name sessiond makes",
+        ),
+        (full, tonic::Code::InvalidArgument, "give the short name"),
         (
             from_repo(&task.id, &plain, "main"),
             tonic::Code::InvalidArgument,
