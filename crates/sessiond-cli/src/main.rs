@@ -1316,6 +1316,8 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
     // The reply may be several agent messages (text around tool calls):
     // each is printed as it grows.
     let mut printing: Option<(String, usize)> = None;
+    // The reply's last line was ended (before the usage line).
+    let mut line_ended = false;
     // Activity lines shown, by message id (printed again when they change).
     let mut shown: std::collections::HashMap<String, String> = Default::default();
     let mut reply: Option<pb::Message> = None;
@@ -1389,6 +1391,12 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
                 if m.id == user_id =>
             {
                 if let Some(u) = m.usage.as_ref().filter(|_| !out.json) {
+                    // The reply's line ends first: with stdout and stderr in
+                    // one file, the usage ran on after the reply's text.
+                    if printing.is_some() && !line_ended {
+                        println!();
+                        line_ended = true;
+                    }
                     eprintln!("{}", output::turn_usage_line(u));
                 }
             }
@@ -1435,6 +1443,7 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
                         let new = String::from_utf8_lossy(&m.content.as_bytes()[done..]);
                         stdout::ended(out_lock.write_all(output::text(&new).as_bytes()));
                         stdout::ended(out_lock.flush());
+                        line_ended = false;
                     }
                     printing = Some((m.id.clone(), m.content.len().max(done)));
                 }
@@ -1501,7 +1510,7 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
             _ => {}
         }
     };
-    if !out.json && printing.is_some() {
+    if !out.json && printing.is_some() && !line_ended {
         println!();
     }
     if out.json {

@@ -1535,6 +1535,23 @@ fn sessionctl_shows_usage_and_cost() {
         2,
         "{messages}"
     );
+    // stdout and stderr in one file (helper-51 5): the usage line starts a
+    // line of its own, it ran on after the reply's text.
+    let both = scratch.join("both.txt");
+    let file = std::fs::File::create(&both).unwrap();
+    let mut cmd = Command::new("sessionctl");
+    env.apply(&mut cmd);
+    let status = cmd
+        .args(["send", &session, "third"])
+        .current_dir(&scratch)
+        .stdout(file.try_clone().unwrap())
+        .stderr(file)
+        .status()
+        .unwrap();
+    let text = std::fs::read_to_string(&both).unwrap();
+    assert!(status.success(), "{text}");
+    assert!(text.contains("\n[usage] 150 tokens"), "{text:?}");
+    assert!(text.ends_with(" USD\n"), "{text:?}");
 
     env.sessionctl(&["session", "stop", &session], &scratch);
     terminate(server);
