@@ -249,7 +249,14 @@ pub async fn diff_against(ws: &Workspace, base: &str, paths: &[String]) -> Resul
         ],
     )
     .await
-    .map_err(|_| Error::InvalidArgument(format!("base {base:?} is not a ref of the repository")))?;
+    .map_err(|e| match e {
+        // A workspace that is no repository (helper-52 8: its `.git` broken)
+        // says so, as git-status does; only an unknown ref is the base's fault.
+        Error::FailedPrecondition(m) if !m.contains("is not a git repository") => {
+            Error::InvalidArgument(format!("base {base:?} is not a ref of the repository"))
+        }
+        other => other,
+    })?;
     let base_commit = String::from_utf8_lossy(&resolved).trim().to_owned();
     let fork = git(ws, &["merge-base".into(), base_commit, "HEAD".into()]).await?;
     let mut pathspec = vec!["--".to_owned()];

@@ -1555,6 +1555,20 @@ async fn git_status_and_diff_in_a_fresh_repository() {
         "{}",
         err.message()
     );
+    // Against a base too, not "base is not a ref" (helper-52 8).
+    let err = c
+        .git_diff(GitDiffRequest {
+            base: "main".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("non-git");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(
+        err.message().ends_with("is not a git repository"),
+        "{}",
+        err.message()
+    );
 
     git(&ws, &["init", "-q", "-b", "main"]);
     let st = c

@@ -152,9 +152,19 @@ pub fn removal(branch: &str, found: &WorktreeContents, asked: RemovalRequest) ->
             ));
         }
         if !lost.is_empty() {
+            // Commits are kept by a ref (merge, push, tag); uncommitted
+            // changes by a commit or a stash.
+            let keep = if found.dirty_files.is_empty() {
+                format!(
+                    "merge them, push them, or put a branch or tag on them (git branch \
+                     keep-work {branch})"
+                )
+            } else {
+                "commit or stash them".to_owned()
+            };
             return Removal::Refuse(format!(
-                "deleting would lose {}; commit or stash them, or delete with discard \
-                 (loses them) or keep_worktree (keeps the worktree and branch)",
+                "deleting would lose {}; {keep}, or delete with discard (loses them) or \
+                 keep_worktree (keeps the worktree and branch)",
                 lost.join(" and ")
             ));
         }
@@ -291,7 +301,13 @@ mod tests {
             ..clean()
         };
         match removal("s/1", &ahead, RemovalRequest::default()) {
-            Removal::Refuse(m) => assert!(m.contains("3 commit(s)") && m.contains("s/1"), "{m}"),
+            // Commits alone: kept by a ref, not by a stash (helper-52 16).
+            Removal::Refuse(m) => assert!(
+                m.contains("3 commit(s)")
+                    && m.contains("git branch keep-work s/1")
+                    && !m.contains("stash"),
+                "{m}"
+            ),
             other => panic!("{other:?}"),
         }
         let discard = RemovalRequest {
