@@ -208,6 +208,10 @@ test("new-session form: an isolated worktree of a repository and base branch; th
     await page.fill("input[name=command]", "git -c user.name=e2e -c user.email=e2e@localhost commit -qam 'edit the readme' && echo committed");
     await page.click(".run form button[type=submit]");
     await page.waitForSelector("[data-testid=exec-result]:has-text('exit 0')", { timeout: T });
+    // A command a signal ended says which (it said "exit none").
+    await page.fill("input[name=command]", "kill -TERM $$");
+    await page.click(".run form button[type=submit]");
+    await page.waitForSelector("[data-testid=exec-result]:has-text('killed by signal 15')", { timeout: T });
     await page.click("role=tab[name='Git']");
     await page.check("input[name=against-base]");
     await page.waitForSelector("[data-testid=branch-commits]:has-text('edit the readme')", { timeout: T });

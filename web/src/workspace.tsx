@@ -235,7 +235,11 @@ function Run(props: { session: Ref }) {
       {result && (
         <div data-testid="exec-result">
           <p>
-            <code>{ran}</code>: exit {result.exitCode ?? "none"}
+            <code>{ran}</code>: {result.exitCode !== undefined
+              ? `exit ${result.exitCode}`
+              : result.signal !== undefined
+                ? `killed by signal ${result.signal}`
+                : "no exit code"}
             {result.timedOut ? " (timed out)" : ""}
           </p>
           <pre class="stdout">{text.decode(result.stdout)}</pre>
