@@ -101,6 +101,32 @@ pub struct WorktreeSettings {
     pub roots: Vec<std::path::PathBuf>,
 }
 
+impl WorktreeSettings {
+    /// Where `path` really is on this host when that is outside the roots
+    /// (a symlink on the way leads out); `None` when inside, or when no
+    /// roots are set (not checked).
+    pub(crate) fn outside_roots(&self, path: &std::path::Path) -> Option<std::path::PathBuf> {
+        if self.roots.is_empty() {
+            return None;
+        }
+        let resolved = sessiond_executor::worktree::resolved_path(path);
+        let inside = self.roots.iter().any(|r| {
+            resolved.starts_with(r)
+                || std::fs::canonicalize(r).is_ok_and(|c| resolved.starts_with(c))
+        });
+        (!inside).then_some(resolved)
+    }
+
+    /// The roots as an error names them.
+    pub(crate) fn listed_roots(&self) -> String {
+        self.roots
+            .iter()
+            .map(|r| r.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
 impl Default for WorktreeSettings {
     fn default() -> Self {
         Self {

@@ -292,10 +292,11 @@ impl Agents<'_> {
         // (or a parent) swapped for a symlink since would run the agent, and
         // the workspace calls, outside the roots (helper-52 3).
         if record.runtime != Runtime::Remote
-            && let Some(resolved) = crate::worktrees::outside_roots(
-                std::path::Path::new(&record.workspace_path),
-                &self.inner.config.worktrees.roots,
-            )
+            && let Some(resolved) = self
+                .inner
+                .config
+                .worktrees
+                .outside_roots(std::path::Path::new(&record.workspace_path))
         {
             return Some(Err(Error::InvalidArgument(format!(
                 "the session's directory {} now resolves to {} (through a symlink), outside \
@@ -303,7 +304,7 @@ impl Agents<'_> {
                  directory back, then resume the session",
                 record.workspace_path,
                 resolved.display(),
-                crate::worktrees::listed_roots(&self.inner.config.worktrees.roots)
+                self.inner.config.worktrees.listed_roots()
             ))));
         }
         self.end_stray_agentctls(record).await;

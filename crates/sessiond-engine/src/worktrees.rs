@@ -347,7 +347,7 @@ impl Worktrees<'_> {
         // (the default dir's parents, or the dir swapped after the start)
         // must not lead out of the roots (helper-41 1).
         if runtime != Runtime::Remote
-            && let Some(resolved) = outside_roots(Path::new(&w.path), &settings.roots)
+            && let Some(resolved) = settings.outside_roots(Path::new(&w.path))
         {
             return Err(Error::InvalidArgument(format!(
                 "the worktree directory {} resolves to {} (through a symlink), outside \
@@ -355,7 +355,7 @@ impl Worktrees<'_> {
                  directory at one inside the roots",
                 w.path,
                 resolved.display(),
-                listed_roots(&settings.roots)
+                settings.listed_roots()
             )));
         }
         if w.id.is_empty() {
@@ -517,30 +517,4 @@ impl Worktrees<'_> {
             .await?;
         Ok(())
     }
-}
-
-/// Where `path` really is on this host when that is outside `roots` (a
-/// symlink on the way leads out); `None` when inside, or when `roots` is
-/// empty (not checked).
-pub(crate) fn outside_roots(
-    path: &Path,
-    roots: &[std::path::PathBuf],
-) -> Option<std::path::PathBuf> {
-    if roots.is_empty() {
-        return None;
-    }
-    let resolved = sessiond_executor::worktree::resolved_path(path);
-    let inside = roots.iter().any(|r| {
-        resolved.starts_with(r) || std::fs::canonicalize(r).is_ok_and(|c| resolved.starts_with(c))
-    });
-    (!inside).then_some(resolved)
-}
-
-/// `roots` as an error names them.
-pub(crate) fn listed_roots(roots: &[std::path::PathBuf]) -> String {
-    roots
-        .iter()
-        .map(|r| r.display().to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
 }
