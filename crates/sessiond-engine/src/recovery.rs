@@ -191,6 +191,10 @@ struct Run {
     /// How long the agent's launch and resume may show no sign of life
     /// before this attempt is cut (`ExecutorRecovery::agent_silence`).
     agent_silence: Duration,
+    /// A call's recovery pauses the pass until its workspace is back; the
+    /// agent's launch after it does not (helper-54 F1: a send before
+    /// SERVING held SERVING back 3-4 s), its launch slot goes first anyway.
+    pausing: Option<CallRecovery>,
 }
 
 /// A remote host stopped answering while the backend runs (a network blip,
@@ -646,7 +650,9 @@ impl Pass<'_> {
                 let at = workspaces_back.clone();
                 move || {
                     *crate::sync::lock(&at) = Some(started.elapsed());
+                    // The pass's, not the span of the recovery that came last.
                     tracing::info!(
+                        parent: None,
                         took_ms = crate::metrics::ms(started.elapsed()),
                         "startup recovery: every workspace is back; serving while agents relaunch"
                     );
@@ -987,7 +993,7 @@ impl ExecutorRecovery<'_> {
         yielding: Option<Yield>,
     ) -> Result<OutcomeLabel> {
         let call = matches!(lane, Lane::Call | Lane::Resume);
-        let _ahead = call.then(|| Queue(self).call_recovery_started());
+        let pausing = call.then(|| Queue(self).call_recovery_started());
         // A pass recovery a call joined (promoted) no longer pauses for calls.
         let pauses = || lane == Lane::Pass && yielding.as_ref().is_none_or(Yield::is_yielding);
         if pauses() {
@@ -1075,6 +1081,7 @@ impl ExecutorRecovery<'_> {
             outcomes: None,
             unrecorded_turn: None,
             agent_silence: self.agent_silence(lane == Lane::Resume, input_attempt),
+            pausing,
         };
         let mut action = machine.start();
         // A call waits on this recovery (its own, or a pass recovery it
@@ -1504,12 +1511,16 @@ impl ExecutorRecovery<'_> {
                     };
                     let sid = run.session.id;
                     // Waiting for a launch is not the pass's work: its slot goes
-                    // on to the reattaches behind this one.
+                    // on to the reattaches behind this one, and a call's
+                    // pause of the pass ends with its workspace back.
                     let ticket = crate::sync::lock(&self.inner.pass_slots).remove(&sid);
                     drop(ticket);
+                    drop(run.pausing.take());
                     let mut ahead = run.ahead.agent.take();
                     // A launch the health check left running is waited for
-                    // here, where the agent is (the workspace is back).
+                    // here, where the agent is (the workspace is back); its
+                    // stage moved on meanwhile (launching, resuming).
+                    let settled_late = ahead.as_ref().is_some_and(|a| a.is_pending());
                     if let Some(a) = ahead.as_mut() {
                         a.settle().await;
                     }
@@ -1549,9 +1560,11 @@ impl ExecutorRecovery<'_> {
                             (permit, Instant::now())
                         }
                     };
-                    self.inner
-                        .agent_recoveries
-                        .enter(sid, RecoveryStage::Launching);
+                    if !settled_late {
+                        self.inner
+                            .agent_recoveries
+                            .enter(sid, RecoveryStage::Launching);
+                    }
                     self.cache_update(sid, |e| e.agent = AgentProcessState::Starting);
                     let mut seen = run.agent_state.take();
                     let attempted = match ahead {

@@ -93,6 +93,11 @@ impl AgentAhead {
             }
     }
 
+    /// Its agent's launch still runs (see [`Self::settle`]).
+    pub(super) fn is_pending(&self) -> bool {
+        matches!(self.answer, Answer::Pending(_))
+    }
+
     /// Waits for a [`Answer::Pending`] part to end, as the steps after the
     /// health check would have waited for it inside the check.
     pub(super) async fn settle(&mut self) {

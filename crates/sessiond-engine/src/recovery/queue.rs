@@ -135,13 +135,28 @@ impl Queue<'_> {
         }
         let claim = early.or_else(|| self.claim(session, Lane::Call));
         let mut ahead = None;
-        if let Some(Claim::Started(fut) | Claim::Joined(fut)) = claim {
-            ahead = Some(self.call_recovery_started());
+        if let Some(Claim::Started(mut fut) | Claim::Joined(mut fut)) = claim {
+            // The pass pauses for it until its workspace is back; its
+            // agent's launch does not hold the pass (and SERVING) up: its
+            // launch slot goes first (helper-54 F1).
+            let pausing = self.call_recovery_started();
             // A caller waits on it now: its agent's launch goes first.
             self.inner.launches.promote(session);
-            if let Err(e) = fut.await {
+            let mut done = None;
+            tokio::select! {
+                r = &mut fut => done = Some(r),
+                () = self.inner.workspaces_ready.wait(session) => {}
+            }
+            drop(pausing);
+            let outcome = match done {
+                Some(r) => r,
+                None => fut.await,
+            };
+            if let Err(e) = outcome {
                 tracing::debug!(%session, error = %e, "prioritised recovery failed");
             }
+            // The rest of the call (its writes, its Prompt) goes first again.
+            ahead = Some(self.call_recovery_started());
         }
         self.ensure_owned(session).await?;
         Ok(ahead)
