@@ -383,7 +383,19 @@ impl WorkspaceSlot {
                 ws.root().display()
             ))),
             RootNow::Replaced => {
-                let fresh = Arc::new(Workspace::open(ws.root())?.with_resolve(ws.resolve));
+                let fresh = Workspace::open(ws.root())?.with_resolve(ws.resolve);
+                // Only the directory it was given, made again at its path:
+                // a link put there leads elsewhere (helper-53 c: outside
+                // the worktree roots, where every call then ran).
+                if fresh.root() != ws.root() {
+                    return Err(Error::FailedPrecondition(format!(
+                        "the workspace directory {} was replaced by a link to {}; agentctl \
+                         serves only the directory it was given: put it back",
+                        ws.root().display(),
+                        fresh.root().display()
+                    )));
+                }
+                let fresh = Arc::new(fresh);
                 let mut slot = self
                     .0
                     .write()
@@ -481,6 +493,26 @@ mod tests {
         assert_eq!(std::fs::read(root.join("w.txt")).expect("read back"), b"w");
         // Served from then on, not opened again at every call.
         assert!(Arc::ptr_eq(&ws, &slot.get().expect("bound")));
+    }
+
+    /// helper-53 c: the root swapped for a link to another directory was
+    /// opened through it and served from there.
+    #[test]
+    fn a_root_swapped_for_a_link_elsewhere_is_refused() {
+        let (base, ws, outside) = setup();
+        let root = ws.root().to_path_buf();
+        let slot = WorkspaceSlot::fixed(ws);
+        std::fs::rename(&root, base.path().join("moved")).expect("move");
+        std::os::unix::fs::symlink(&outside, &root).expect("link");
+        let err = slot.get().expect_err("a link elsewhere");
+        assert!(
+            matches!(&err, Error::FailedPrecondition(m) if m.contains("was replaced by a link")),
+            "{err:?}"
+        );
+        // Put back: served again.
+        std::fs::remove_file(&root).expect("unlink");
+        std::fs::rename(base.path().join("moved"), &root).expect("move back");
+        slot.get().expect("its own directory");
     }
 
     fn denied(r: Result<PathBuf>) -> bool {

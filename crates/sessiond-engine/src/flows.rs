@@ -22,10 +22,13 @@ pub(crate) trait RecoverFirst {
 
     /// As [`Self::ensure_recovered`], keeping the pass paused (between its
     /// steps) while the returned hold lives, so the call's own writes do not
-    /// compete with it.
+    /// compete with it. `arrival` ([`Self::precede_pass`]) is let go with
+    /// the recovery's own pause, once the workspace is back: the agent's
+    /// launch does not hold the pass up.
     fn recover_ahead(
         &self,
         session: SessionId,
+        arrival: Option<CallRecovery>,
     ) -> impl Future<Output = Result<Option<CallRecovery>>> + Send;
 
     /// Pauses the pass while the call on `session` runs, if the pass may

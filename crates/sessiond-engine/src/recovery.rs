@@ -305,8 +305,12 @@ impl crate::flows::RecoverFirst for SessionManager {
             )
     }
 
-    async fn recover_ahead(&self, session: SessionId) -> Result<Option<CallRecovery>> {
-        Queue(self).recover_ahead(session).await
+    async fn recover_ahead(
+        &self,
+        session: SessionId,
+        arrival: Option<CallRecovery>,
+    ) -> Result<Option<CallRecovery>> {
+        Queue(self).recover_ahead(session, arrival).await
     }
 
     fn precede_pass(&self, session: SessionId) -> Option<CallRecovery> {
@@ -1145,6 +1149,19 @@ impl ExecutorRecovery<'_> {
         }
     }
 
+    /// A stop or delete came while the agent was being launched or its
+    /// conversation loaded: the agent goes (the session is ending), and the
+    /// recovery ends with the workspace back and no agent, as if the launch
+    /// had never begun.
+    async fn launch_withdrawn(&self, run: &Run) -> Observation {
+        let sid = run.session.id;
+        tracing::info!(session = %sid, executor_id = %run.record.id,
+            "recovery: a stop or delete came during the agent's launch; the launch is cut");
+        Agents(self).stop_agent_quietly(&run.record).await;
+        self.cache_update(sid, |e| e.agent = AgentProcessState::NotRunning);
+        Observation::ResumeWithdrawn
+    }
+
     /// Performs one action of the machine and reports what it saw.
     ///
     /// Each step that waits runs in a box of its own, allocated at its own
@@ -1521,8 +1538,18 @@ impl ExecutorRecovery<'_> {
                     // here, where the agent is (the workspace is back); its
                     // stage moved on meanwhile (launching, resuming).
                     let settled_late = ahead.as_ref().is_some_and(|a| a.is_pending());
+                    // A stop or delete meanwhile cuts the launch: it waited
+                    // for the whole load (helper-53 a: 40-90 s).
+                    let withdrawn = || self.inner.agent_recoveries.withdrawn(sid);
                     if let Some(a) = ahead.as_mut() {
-                        a.settle().await;
+                        let settled = tokio::select! {
+                            () = a.settle() => true,
+                            () = withdrawn() => false,
+                        };
+                        if !settled {
+                            drop(ahead);
+                            return Ok(ExecutorRecovery(self).launch_withdrawn(run).await);
+                        }
                     }
                     let mut ahead = ahead.filter(|a| a.serves(resume_token.as_deref()));
                     let agent_up =
@@ -1571,7 +1598,14 @@ impl ExecutorRecovery<'_> {
                         Some(a) => Some(ExecutorRecovery(self).resumed_ahead(run, a).await?),
                         None => match (&resume_token, agent_up) {
                             (Some(token), false) => {
-                                let one = ExecutorRecovery(self).resume_in_one_call(run, token).await;
+                                let recovery = ExecutorRecovery(self);
+                                let one = tokio::select! {
+                                    one = recovery.resume_in_one_call(run, token) => Some(one),
+                                    () = withdrawn() => None,
+                                };
+                                let Some(one) = one else {
+                                    return Ok(ExecutorRecovery(self).launch_withdrawn(run).await);
+                                };
                                 // Not done by it: the agent's state is asked anew.
                                 seen = seen.filter(|_| one.is_some());
                                 one
@@ -1604,7 +1638,14 @@ impl ExecutorRecovery<'_> {
                                     }
                                 }
                             };
-                            Box::pin(self.until_silent(&run.record, run.agent_silence, attempt)).await
+                            let attempted = tokio::select! {
+                                r = Box::pin(self.until_silent(&run.record, run.agent_silence, attempt)) => Some(r),
+                                () = withdrawn() => None,
+                            };
+                            let Some(attempted) = attempted else {
+                                return Ok(ExecutorRecovery(self).launch_withdrawn(run).await);
+                            };
+                            attempted
                         }
                     };
                     let (observation, ended) = match attempted {

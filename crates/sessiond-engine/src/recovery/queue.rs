@@ -116,7 +116,7 @@ impl Queue<'_> {
     /// recovered here; one another replica holds is
     /// [`Error::NotOwner`](crate::error::Error::NotOwner).
     pub(crate) async fn ensure_recovered(&self, session: SessionId) -> Result<()> {
-        self.recover_ahead(session).await.map(drop)
+        self.recover_ahead(session, None).await.map(drop)
     }
 
     /// [`Self::ensure_recovered`] for a call that goes on to use the
@@ -125,7 +125,11 @@ impl Queue<'_> {
     /// until the call is done (at most [`MAX_PAUSE`] at a time), so the rest
     /// of the call (its writes, its `Prompt`) does not compete with the
     /// pass's `concurrency` recoveries either.
-    pub(crate) async fn recover_ahead(&self, session: SessionId) -> Result<Option<CallRecovery>> {
+    pub(crate) async fn recover_ahead(
+        &self,
+        session: SessionId,
+        arrival: Option<CallRecovery>,
+    ) -> Result<Option<CallRecovery>> {
         // A call during the pass's load (exclusive store: the pass takes
         // every live executor) starts its session's recovery now instead of
         // waiting for the load of all the others.
@@ -148,6 +152,7 @@ impl Queue<'_> {
                 () = self.inner.workspaces_ready.wait(session) => {}
             }
             drop(pausing);
+            drop(arrival);
             let outcome = match done {
                 Some(r) => r,
                 None => fut.await,

@@ -80,8 +80,7 @@ impl SessionManager {
     ) -> Result<(Message, MessageId)> {
         let early = self.precede_pass(session_id);
         self.check_task(task, session_id).await?;
-        let _ahead = self.recover_ahead(session_id).await?;
-        drop(early);
+        let _ahead = self.recover_ahead(session_id, early).await?;
         Turns(self).wait_agent_recovery(session_id).await;
         let _guard = self.inner.sessions.lock(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
@@ -368,9 +367,9 @@ impl Turns<'_> {
         let early = self.precede_pass(session_id);
         self.check_task(task, session_id).await?;
         let checked = t.elapsed();
-        let _ahead = self.recover_ahead(session_id).await?;
-        // `_ahead` (if the session needed recovering) now holds the pause.
-        drop(early);
+        // `early` goes once the session's workspace is back; `_ahead` (if
+        // the session needed recovering) then holds the pause for the call.
+        let _ahead = self.recover_ahead(session_id, early).await?;
         self.wait_agent_recovery(session_id).await;
         let recovered = t.elapsed();
         let _guard = self.inner.sessions.lock(session_id).await;

@@ -1053,3 +1053,64 @@ async fn a_stop_during_recovery_does_not_wait_for_a_launch() {
     let mgr = std::sync::Arc::into_inner(mgr).expect("the pass is done");
     w.finish(&mgr, &[held.0, waiting]).await;
 }
+
+/// helper-53 a: a stop (or delete) of a session whose agent was being
+/// launched and loading its conversation waited for the whole load (40-90
+/// s with a slow history), the session lock held by the recovery. The stop
+/// now cuts the launch: the agent goes, the session ends at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_during_an_agents_launch_cuts_it() {
+    let w = World::new(Db::Sqlite).await;
+    let (gated, gate) = w.gated_profile("gated").await;
+    let config = ManagerConfig {
+        // The gated start is silent: never cut while the test runs.
+        executor_deadline: Duration::from_secs(120),
+        ..defaults()
+    };
+    let mgr = w.manager_with(config.clone());
+    let s = w.create_with(&mgr, "stopped", &gated, None).await;
+    w.prompt(&mgr, s.id, "one").await;
+    mgr.shutdown();
+    drop(mgr);
+    kill_tree(w.record(s.id).await.pid.unwrap()).await;
+
+    std::fs::write(&gate, b"closed").unwrap();
+    let mgr = std::sync::Arc::new(w.manager_with(config));
+    let pass = tokio::spawn({
+        let mgr = mgr.clone();
+        async move { mgr.recovery().recover_all().await }
+    });
+    // Its agent is being launched (held at the gate).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let st = w.status(&mgr, s.id).await;
+        if st
+            .agent_recovery
+            .as_ref()
+            .is_some_and(|r| r.stage == RecoveryStage::Launching)
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never launching: {st:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The gate stays closed: waiting for the launch would wait for the
+    // executor deadline (120 s) at least.
+    let stopped =
+        tokio::time::timeout(Duration::from_secs(30), mgr.cancel_session(w.task.id, s.id))
+            .await
+            .expect("the stop waited for the agent's launch")
+            .unwrap();
+    assert_eq!(stopped.state, SessionState::Cancelled);
+    assert!(gate.exists(), "the gate opened during the stop");
+    let summary = pass.await.unwrap().unwrap();
+    assert_eq!(
+        summary.outcome(s.id).cloned(),
+        Some(Ok(OutcomeLabel::ExecutorOnly)),
+        "{summary:?}"
+    );
+    assert_eq!(w.record(s.id).await.status, ExecutorStatus::Stopped);
+    std::fs::remove_file(&gate).unwrap();
+    let mgr = std::sync::Arc::into_inner(mgr).expect("the pass is done");
+    w.finish(&mgr, &[]).await;
+}
