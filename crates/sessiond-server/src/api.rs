@@ -183,6 +183,16 @@ fn check_worktree_names(w: &pb::Worktree) -> ApiResult<()> {
                 "{field}: contains a control character"
             )));
         }
+        // Bidirectional controls make a name read as another (U+202E
+        // shows `x\u{202e}live` as `xevil`: helper-53 e).
+        if value.chars().any(|c| {
+            matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+        }) {
+            return Err(ApiError::invalid(format!(
+                "{field}: contains a bidirectional text control (U+200E, U+200F, U+202A-U+202E \
+                 or U+2066-U+2069)"
+            )));
+        }
     }
     if w.id.len() > MAX_NAME_BYTES {
         return Err(ApiError::invalid(format!(

@@ -403,6 +403,7 @@ async fn bad_repository_input_is_refused_precisely_and_creates_nothing() {
     let nul = with(&|w| w.branch = "a\0b".into());
     let escape = with(&|w| w.id = "a\nb\x1b[31m".into());
     let at = with(&|w| w.branch = "@".into());
+    let bidi = with(&|w| w.branch = "x\u{202e}evil".into());
     let full = with(&|w| w.branch = "refs/heads/zz".into());
     let cases = [
         (
@@ -419,6 +420,11 @@ async fn bad_repository_input_is_refused_precisely_and_creates_nothing() {
             escape,
             tonic::Code::InvalidArgument,
             "worktree.id: contains a control character",
+        ),
+        (
+            bidi,
+            tonic::Code::InvalidArgument,
+            "worktree.branch: contains a bidirectional text control",
         ),
         (
             at,
