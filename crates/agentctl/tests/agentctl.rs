@@ -2188,99 +2188,83 @@ async fn a_cursor_from_another_agentctl_process_starts_with_a_gap() {
     h.assert_no_leftovers().await;
 }
 
+/// A process that ignores TERM, HUP and PIPE (only the kernel's
+/// parent-death signal can end it once agentctl is SIGKILLed), `$0` the
+/// test's marker so the harness finds it.
+fn stubborn(marker: String) -> (String, Vec<String>) {
+    let script = "trap '' TERM HUP PIPE; while :; do sleep 1; done";
+    ("sh".into(), vec!["-c".into(), script.into(), marker])
+}
+
+/// Waits for the marked process `start` has agentctl run, SIGKILLs
+/// agentctl, and checks that process dies with it.
+async fn dies_with_a_sigkilled_agentctl<F, Fut>(what: &str, start: F)
+where
+    F: FnOnce(Client, String) -> Fut,
+    Fut: std::future::Future + Send + 'static,
+    Fut::Output: Send,
+{
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let c = ctl.client().await;
+    let call = tokio::spawn(start(c, h.marker()));
+    let deadline = Instant::now() + WAIT;
+    let child = loop {
+        let others: Vec<u32> = h
+            .leftovers()
+            .into_iter()
+            .filter(|p| *p != ctl.pid)
+            .collect();
+        if let Some(pid) = others.first() {
+            break *pid;
+        }
+        assert!(Instant::now() < deadline, "the {what} did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    ctl.signal("-KILL");
+    let started = Instant::now();
+    while alive(child) {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{what} {child} outlived its SIGKILLed agentctl"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = call.await;
+    h.assert_no_leftovers().await;
+}
+
 /// helper-52 4: a command Exec runs ends with a `kill -9` of agentctl, as
 /// the agent does; it ran on in the worktree until agentctl's relaunch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exec_command_dies_with_a_sigkilled_agentctl() {
-    let h = Harness::new();
-    let ctl = h.spawn(&[]).await;
-    let mut c = ctl.client().await;
-    let marker = h.marker();
-    let exec = tokio::spawn(async move {
+    dies_with_a_sigkilled_agentctl("command", |mut c, marker| async move {
+        let (command, args) = stubborn(marker);
         c.exec(ExecRequest {
-            command: "sh".into(),
-            args: vec![
-                "-c".into(),
-                "trap '' TERM HUP PIPE; while :; do sleep 1; done".into(),
-                marker,
-            ],
+            command,
+            args,
             timeout_ms: 600_000,
             ..Default::default()
         })
         .await
-    });
-    let deadline = Instant::now() + WAIT;
-    let command = loop {
-        let others: Vec<u32> = h
-            .leftovers()
-            .into_iter()
-            .filter(|p| *p != ctl.pid)
-            .collect();
-        if let Some(pid) = others.first() {
-            break *pid;
-        }
-        assert!(Instant::now() < deadline, "the command did not start");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    ctl.signal("-KILL");
-    let started = Instant::now();
-    while alive(command) {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "command {command} outlived its SIGKILLed agentctl"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let _ = exec.await;
-    h.assert_no_leftovers().await;
+    })
+    .await;
 }
 
+/// An "agent" that never answers ACP and ignores its stdin closing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_dies_with_a_sigkilled_agentctl() {
-    let h = Harness::new();
-    let ctl = h.spawn(&[]).await;
-    let mut c = ctl.client().await;
-    // An "agent" that never answers ACP and ignores its stdin closing, so
-    // only the kernel's parent-death signal can end it. `$0` carries the
-    // test's marker so the harness can find it.
-    let marker = h.marker();
-    let launch = tokio::spawn(async move {
+    dies_with_a_sigkilled_agentctl("agent", |mut c, marker| async move {
+        let (command, args) = stubborn(marker);
         c.launch_agent(LaunchAgentRequest {
-            command: "sh".into(),
-            args: vec![
-                "-c".into(),
-                "trap '' TERM HUP PIPE; while :; do sleep 1; done".into(),
-                marker,
-            ],
+            command,
+            args,
             initialize_timeout_ms: 60_000,
             ..Default::default()
         })
         .await
-    });
-    let deadline = Instant::now() + WAIT;
-    let agent = loop {
-        let others: Vec<u32> = h
-            .leftovers()
-            .into_iter()
-            .filter(|p| *p != ctl.pid)
-            .collect();
-        if let Some(pid) = others.first() {
-            break *pid;
-        }
-        assert!(Instant::now() < deadline, "the agent did not start");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    ctl.signal("-KILL");
-    let started = Instant::now();
-    while alive(agent) {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "agent {agent} outlived its SIGKILLed agentctl"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let _ = launch.await;
-    h.assert_no_leftovers().await;
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
