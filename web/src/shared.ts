@@ -113,12 +113,21 @@ function lead(name: string) {
       }
     }, 20);
   };
-  // One call for `keys` until `signal` aborts, again after any end.
+  // One call for `keys` until `signal` aborts, again after any end. A key
+  // whose stream nobody follows any more (its tabs closed) is dropped from
+  // `streams` meanwhile: it is done here too.
+  const following = (k: StreamKey) => {
+    const s = streams.get(k);
+    return s !== undefined && !s.done ? s : undefined;
+  };
   const run = async (keys: StreamKey[], signal: AbortSignal) => {
     let attempt = 0;
     while (!signal.aborted) {
       if (attempt > 0) {
-        for (const k of keys) setState(k, streams.get(k)!, "reconnecting");
+        for (const k of keys) {
+          const s = following(k);
+          if (s) setState(k, s, "reconnecting");
+        }
         await new Promise((r) => setTimeout(r, Math.min(250 * 2 ** (attempt - 1), 2000)));
         if (signal.aborted) return;
         try {
@@ -128,7 +137,7 @@ function lead(name: string) {
           continue;
         }
       }
-      const live = keys.filter((k) => !streams.get(k)!.done);
+      const live = keys.filter((k) => following(k) !== undefined);
       if (live.length === 0) return;
       for (const k of live) setState(k, streams.get(k)!, "live");
       try {
@@ -162,7 +171,10 @@ function lead(name: string) {
       } catch (err) {
         if (signal.aborted) return;
         if (isUnauthenticated(err)) {
-          for (const k of live) setState(k, streams.get(k)!, "unauthenticated");
+          for (const k of live) {
+            const s = streams.get(k);
+            if (s) setState(k, s, "unauthenticated");
+          }
           return;
         }
         // An id the server refuses is named by its index; the others go on.
@@ -171,8 +183,11 @@ function lead(name: string) {
           : null;
         const refused = bad ? live[Number(bad[1])] : undefined;
         if (refused) {
-          streams.get(refused)!.done = true;
-          setState(refused, streams.get(refused)!, "missing");
+          const s = streams.get(refused);
+          if (s) {
+            s.done = true;
+            setState(refused, s, "missing");
+          }
           continue;
         }
       }
