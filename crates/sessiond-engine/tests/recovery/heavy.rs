@@ -71,6 +71,24 @@ fn defaults() -> ManagerConfig {
     }
 }
 
+/// [`defaults`] for an agent held at its start gate: the gated start is
+/// silent, and is never cut while a test runs (a wait for it would wait for
+/// this deadline at least).
+fn patient() -> ManagerConfig {
+    ManagerConfig {
+        executor_deadline: Duration::from_secs(120),
+        ..defaults()
+    }
+}
+
+/// The startup pass of `mgr`, run in the background.
+fn pass_in_background(
+    mgr: &sessiond_engine::SessionManager,
+) -> tokio::task::JoinHandle<sessiond_engine::Result<sessiond_engine::RecoverySummary>> {
+    let mgr = mgr.clone();
+    tokio::spawn(async move { mgr.recovery().recover_all().await })
+}
+
 /// Heavy agents (each ≥ 2 s to relaunch) on a machine kept busy by two busy
 /// loops: after `kill -9` of everything, every session comes back by
 /// itself (no call), none is ERROR, the workspaces are back (and the
@@ -99,10 +117,7 @@ async fn heavy_agents_come_back_by_themselves_on_a_busy_host() {
     let load = Load::start(2);
     let mgr = w.manager_with(defaults());
     let started = Instant::now();
-    let pass = tokio::spawn({
-        let mgr = mgr.clone();
-        async move { mgr.recovery().recover_all().await }
-    });
+    let pass = pass_in_background(&mgr);
     // Serving once every workspace is back, while agents still relaunch:
     // their sessions say where they stand, their workspaces are usable.
     mgr.recovery().wait_workspaces_recovered().await;
@@ -894,11 +909,7 @@ async fn an_agent_that_dies_again_while_restarting_is_retried() {
 async fn a_slow_agent_does_not_hold_its_workspace_after_a_restart() {
     let w = World::new(Db::Sqlite).await;
     let (gated, gate) = w.gated_profile("gated").await;
-    let config = ManagerConfig {
-        // The gated start is silent: never cut while the test runs.
-        executor_deadline: Duration::from_secs(120),
-        ..defaults()
-    };
+    let config = patient();
     let mgr = w.manager_with(config.clone());
     // `a` loses its agentctl too; `b`'s agentctl survives, its agent not.
     let a = w.create_with(&mgr, "a", &gated, None).await;
@@ -918,10 +929,7 @@ async fn a_slow_agent_does_not_hold_its_workspace_after_a_restart() {
 
     std::fs::write(&gate, b"closed").unwrap();
     let mgr = std::sync::Arc::new(w.manager_with(config));
-    let pass = tokio::spawn({
-        let mgr = mgr.clone();
-        async move { mgr.recovery().recover_all().await }
-    });
+    let pass = pass_in_background(&mgr);
     // The gate stays closed: waiting for the agents would wait for the
     // executor deadline (120 s) at least.
     for id in ids {
@@ -979,10 +987,8 @@ async fn a_stop_during_recovery_does_not_wait_for_a_launch() {
     let w = World::new(Db::Sqlite).await;
     let (gated, gate) = w.gated_profile("gated").await;
     let config = ManagerConfig {
-        // The gated start is silent: never cut while the test runs.
-        executor_deadline: Duration::from_secs(120),
         launches: sessiond_engine::LaunchLimits { initial: 1, max: 1 },
-        ..defaults()
+        ..patient()
     };
     let mgr = w.manager_with(config.clone());
     let a = w.create_with(&mgr, "a", &gated, None).await;
@@ -999,10 +1005,7 @@ async fn a_stop_during_recovery_does_not_wait_for_a_launch() {
 
     std::fs::write(&gate, b"closed").unwrap();
     let mgr = std::sync::Arc::new(w.manager_with(config));
-    let pass = tokio::spawn({
-        let mgr = mgr.clone();
-        async move { mgr.recovery().recover_all().await }
-    });
+    let pass = pass_in_background(&mgr);
     // One of them holds the slot (its agent waits at the gate), the other
     // waits for the slot: that one is stopped.
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -1062,11 +1065,7 @@ async fn a_stop_during_recovery_does_not_wait_for_a_launch() {
 async fn a_stop_during_an_agents_launch_cuts_it() {
     let w = World::new(Db::Sqlite).await;
     let (gated, gate) = w.gated_profile("gated").await;
-    let config = ManagerConfig {
-        // The gated start is silent: never cut while the test runs.
-        executor_deadline: Duration::from_secs(120),
-        ..defaults()
-    };
+    let config = patient();
     let mgr = w.manager_with(config.clone());
     let s = w.create_with(&mgr, "stopped", &gated, None).await;
     w.prompt(&mgr, s.id, "one").await;
@@ -1076,10 +1075,7 @@ async fn a_stop_during_an_agents_launch_cuts_it() {
 
     std::fs::write(&gate, b"closed").unwrap();
     let mgr = std::sync::Arc::new(w.manager_with(config));
-    let pass = tokio::spawn({
-        let mgr = mgr.clone();
-        async move { mgr.recovery().recover_all().await }
-    });
+    let pass = pass_in_background(&mgr);
     // Its agent is being launched (held at the gate).
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
