@@ -1547,7 +1547,9 @@ impl ExecutorRecovery<'_> {
                             () = withdrawn() => false,
                         };
                         if !settled {
-                            drop(ahead);
+                            if let Some(a) = ahead.take() {
+                                a.abandon();
+                            }
                             return Ok(ExecutorRecovery(self).launch_withdrawn(run).await);
                         }
                     }

@@ -93,6 +93,14 @@ impl AgentAhead {
             }
     }
 
+    /// Stops waiting for a launch still running: its task ends (the
+    /// agent, if agentctl started it, is the caller's to stop).
+    pub(super) fn abandon(&self) {
+        if let Answer::Pending(task) = &self.answer {
+            task.abort();
+        }
+    }
+
     /// Its agent's launch still runs (see [`Self::settle`]).
     pub(super) fn is_pending(&self) -> bool {
         matches!(self.answer, Answer::Pending(_))
@@ -420,7 +428,8 @@ impl ExecutorRecovery<'_> {
                 pb::RecoverOutcome::Done | pb::RecoverOutcome::Failed
             ),
             Answer::Cut(_) => true,
-            Answer::Pending(_) => unreachable!("settled above"),
+            // (Settled above; were it not, its agent is stopped all the same.)
+            Answer::Pending(_) => true,
         };
         if launched {
             tracing::info!(session = %run.session.id, executor_id = %run.record.id,
