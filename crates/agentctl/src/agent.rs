@@ -305,6 +305,11 @@ struct Slot {
     /// the same request again (its answer was lost with the backend that
     /// asked), and gets it instead of a second conversation.
     opened: Option<SessionId>,
+    /// What reopened `session` in this agent process (a `resume_session`):
+    /// another resume of the same conversation (a second backend's, or the
+    /// same call retried after its backend died) answers it again instead
+    /// of making the agent load the history twice.
+    reopened: Option<Resumed>,
     turn: Option<Turn>,
     /// A turn journaled as accepted by [`AgentManager::hold_prompt`] and
     /// not handed to any agent: the Prompt of the same turn id starts it
@@ -615,6 +620,7 @@ impl AgentManager {
                     running: None,
                     session: None,
                     opened: None,
+                    reopened: None,
                     turn: None,
                     held: None,
                     replaying: None,
@@ -870,6 +876,7 @@ impl AgentManager {
             slot.asks.clear();
             slot.session = None;
             slot.opened = None;
+            slot.reopened = None;
             slot.modes = None;
             slot.config = None;
             slot.turn = None;
@@ -1128,6 +1135,7 @@ impl AgentManager {
             let mut slot = self.shared.slot();
             slot.session = Some(id.clone());
             slot.opened = Some(id.clone());
+            slot.reopened = None;
             slot.modes = resp.modes;
             slot.config = resp.config_options;
             slot.config_defaults.clone()
@@ -1177,6 +1185,12 @@ impl AgentManager {
         let (conn, offers_resume, offers_load) = {
             let mut slot = self.shared.slot();
             let conn = slot.connection()?;
+            if let Some(done) = slot.reopened.as_ref().filter(|r| r.token == token)
+                && slot.session.as_ref() == Some(&session)
+            {
+                tracing::info!(session = %session, "the conversation is open already; not reopened");
+                return Ok(done.clone());
+            }
             if slot.state == AgentState::Busy {
                 return Err(Error::FailedPrecondition("a turn is in progress".into()));
             }
@@ -1263,11 +1277,13 @@ impl AgentManager {
         slot.session = Some(session);
         slot.modes = modes;
         slot.config = config;
-        Ok(Resumed {
+        let resumed = Resumed {
             token: token.to_owned(),
             method,
             replayed,
-        })
+        };
+        slot.reopened = Some(resumed.clone());
+        Ok(resumed)
     }
 
     /// Process id of the agent running now, if one runs.
@@ -1843,6 +1859,7 @@ fn on_exit(shared: &Shared, generation: u64, exit: AgentExit) -> bool {
     slot.asks.clear();
     slot.replaying = None;
     slot.session = None;
+    slot.reopened = None;
     slot.modes = None;
     slot.config = None;
     if let Some(turn) = slot.turn.take() {

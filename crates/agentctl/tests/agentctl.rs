@@ -4053,6 +4053,70 @@ async fn concurrent_recovers_start_one_agent() {
     h.assert_no_leftovers().await;
 }
 
+/// A ResumeSession of the conversation a Recover is reopening (a second
+/// backend, restarted during the first one's slow load, that saw the agent
+/// running) waits for that reopening and answers it: the agent loads the
+/// history once. Asked again afterwards, it answers at once, still without
+/// the agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_of_the_conversation_being_reopened_does_not_reopen_it_twice() {
+    let h = Harness::new();
+    let ctl = h.spawn(&[]).await;
+    let mut c = ctl.client().await;
+    let token = stopped_conversation(&h, &mut c).await;
+    let mut slow = recover_request(&h, 1, &token);
+    slow.launch = Some(h.demo(
+        true,
+        &[
+            ("ACP_DEMO_NO_RESUME_SESSION", "1"),
+            ("ACP_DEMO_LOAD_MS_PER_MESSAGE", "300"),
+        ],
+    ));
+    let mut recovering = c.clone();
+    let first = tokio::spawn(async move { recovering.recover(slow).await });
+    let deadline = Instant::now() + WAIT;
+    while !health(&mut c).await.resuming {
+        assert!(Instant::now() < deadline, "the load never began");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let second = c
+        .resume_session(ResumeSessionRequest {
+            resume_token: token.clone(),
+        })
+        .await
+        .expect("resume during the load")
+        .into_inner();
+    let done = first.await.expect("join").expect("recover").into_inner();
+    let agent = done.agent.expect("agent part");
+    assert_eq!(agent.outcome(), RecoverOutcome::Done, "{agent:?}");
+    let pid = agent.launched.expect("launched").agent_pid;
+    assert_eq!(agent.resumed.as_ref(), Some(&second), "the load's own answer");
+    assert_eq!(second.method(), ResumeMethod::Load);
+    let again = c
+        .resume_session(ResumeSessionRequest {
+            resume_token: token.clone(),
+        })
+        .await
+        .expect("resume once loaded")
+        .into_inner();
+    assert_eq!(again, second);
+    let reopened: Vec<_> = calls_of(&h, pid)
+        .into_iter()
+        .map(|(method, _)| method)
+        .collect();
+    assert_eq!(reopened, ["initialize", "session/load"], "one load");
+    assert!(
+        c.resume_session(ResumeSessionRequest {
+            resume_token: "another-conversation".into(),
+        })
+        .await
+        .is_err(),
+        "another token is asked of the agent (which knows no such conversation)"
+    );
+    ctl.shutdown().await;
+    h.assert_no_leftovers().await;
+}
+
 /// A Recover that asks for health only answers at once while another
 /// Recover launches a slow agent (a backend restarted during its
 /// predecessor's launch): it sees the agent STARTING, and the launch goes
