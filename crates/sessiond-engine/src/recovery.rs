@@ -51,6 +51,7 @@ use crate::{
     restarts::AfterExit,
     sessions::{OpKind, OpOutcome},
     turn::Turns,
+    turn::letters,
     turn::{pending_turn, turn_in_flight},
     worktrees::Worktrees,
 };
@@ -1088,6 +1089,8 @@ impl ExecutorRecovery<'_> {
             pausing,
         };
         let mut action = machine.start();
+        // Open from the agent's launch to the recovery's end.
+        let mut mailbox = None;
         // A call waits on this recovery (its own, or a pass recovery it
         // joined, which no longer yields): its agent's launch goes first.
         let priority = || {
@@ -1130,6 +1133,21 @@ impl ExecutorRecovery<'_> {
                 // Each step boxes its own future (`perform`): a recovery's
                 // future stays a few KiB instead of tens, which every move
                 // of it would copy.
+                // The agent's launch and resume take as long as the agent
+                // does: messages sent meanwhile are queued at once (the
+                // step writes no session, so the letters' commits do not
+                // race one of its own).
+                action @ (Action::ResumeAgent { .. } | Action::OpenConversation) => {
+                    let mailbox =
+                        mailbox.get_or_insert_with(|| self.inner.mailboxes.open(run.session.id));
+                    let mut latest = None;
+                    let step = self.perform(&mut run, action, deadline, retry, priority());
+                    let observed = letters::serve_during(self, mailbox, &mut latest, step).await?;
+                    if let Some(latest) = latest {
+                        letters::carry_queue(latest, &mut run.session);
+                    }
+                    observed
+                }
                 action => {
                     self.perform(&mut run, action, deadline, retry, priority())
                         .await?

@@ -153,12 +153,17 @@ impl Queue<'_> {
             }
             drop(pausing);
             drop(arrival);
-            let outcome = match done {
-                Some(r) => r,
-                None => fut.await,
+            let report = move |r: Result<_>| {
+                if let Err(e) = r {
+                    tracing::debug!(%session, error = %e, "prioritised recovery failed");
+                }
             };
-            if let Err(e) = outcome {
-                tracing::debug!(%session, error = %e, "prioritised recovery failed");
+            match done {
+                Some(r) => report(r),
+                // The agent's part goes on by itself: the call waits for
+                // it (`wait_agent_recovery`), or a message that may wait is
+                // queued by it meanwhile (`turn/letters.rs`).
+                None => drop(tokio::spawn(async move { report(fut.await) })),
             }
             // The rest of the call (its writes, its Prompt) goes first again.
             ahead = Some(self.call_recovery_started());

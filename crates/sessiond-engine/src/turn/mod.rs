@@ -7,6 +7,8 @@
 //! - `settle.rs`: a turn left RUNNING by a restart, settled once the pump has
 //!   caught up; what to do is [`sessiond_domain::turn::settle`]'s decision.
 //! - `queued.rs`: messages sent while a turn runs, delivered in order.
+//! - `letters.rs`: messages sent while the agent is brought back, queued
+//!   at once by the recovery that holds the session.
 //! - `adopt.rs`: a turn agentctl started that the store never recorded
 //!   (the backend died between the Prompt and its commit), recorded from
 //!   agentctl's `TurnStarted`.
@@ -14,6 +16,7 @@
 //! The session-metadata keys below are the turn's durable record.
 
 mod adopt;
+pub(crate) mod letters;
 mod pump;
 pub(crate) mod queued;
 mod settle;

@@ -181,6 +181,16 @@ impl Turns<'_> {
         text: &str,
         id: Option<MessageId>,
     ) -> Result<QueuedMessage> {
+        self.enqueue_as(session, text, id).await.map(|(m, _)| m)
+    }
+
+    /// [`Self::enqueue`], returning the session as committed too.
+    pub(crate) async fn enqueue_as(
+        &self,
+        session: Session,
+        text: &str,
+        id: Option<MessageId>,
+    ) -> Result<(QueuedMessage, Session)> {
         let session_id = session.id;
         let waiting = queue::queued(&session.metadata);
         if waiting.len() >= MAX_QUEUED {
@@ -217,9 +227,12 @@ impl Turns<'_> {
         let change = Changeset::new()
             .update_session(next)
             .event(session_id, EventPayload::QueueChanged(queued));
-        self.commit(change).await?;
+        let committed = self.commit(change).await?;
         tracing::info!(session = %session_id, message = %entry.id, place, "message queued behind the running turn");
-        Ok(entry)
+        let session = committed
+            .session
+            .ok_or_else(|| Error::Internal("the queue's commit wrote no session".into()))?;
+        Ok((entry, session))
     }
 
     async fn deliver_queued(&self, session_id: SessionId) -> Result<()> {

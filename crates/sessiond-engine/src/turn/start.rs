@@ -317,7 +317,7 @@ impl SessionManager {
 /// How long a message or a retry waits for a background recovery of the
 /// session's agent (a heavy agent takes seconds to start and load its
 /// history).
-const RECOVERY_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+pub(super) const RECOVERY_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Turns: starting one (its intent committed before the Prompt), the
 /// update pump that stores the agent's reply, and queued messages.
@@ -370,6 +370,20 @@ impl Turns<'_> {
         // `early` goes once the session's workspace is back; `_ahead` (if
         // the session needed recovering) then holds the pause for the call.
         let _ahead = self.recover_ahead(session_id, early).await?;
+        // Its agent being brought back, a message that may wait is queued
+        // at once, not after the agent's launch and load.
+        let posted = match queue && attachments.is_empty() {
+            true => {
+                self.post_while_recovering(session_id, text, requested, request_id)
+                    .await
+            }
+            false => None,
+        };
+        match posted {
+            Some(Err(e)) => return Err(Fencing(self).unless_lost(session_id, e).await),
+            Some(Ok(sent)) => return Ok(sent),
+            None => {}
+        }
         self.wait_agent_recovery(session_id).await;
         let recovered = t.elapsed();
         let _guard = self.inner.sessions.lock(session_id).await;
@@ -450,7 +464,7 @@ impl Turns<'_> {
     /// that message. A key whose queued message was cancelled is free
     /// again. The caller holds the session lock, so a delivery or a pump's
     /// record is not half done.
-    async fn sent_before(
+    pub(super) async fn sent_before(
         &self,
         session_id: SessionId,
         id: MessageId,
@@ -507,16 +521,21 @@ impl Turns<'_> {
     /// it, at most [`RECOVERY_WAIT`], instead of finding no agent. Taken
     /// before the session lock, which the recovery needs.
     pub(crate) async fn wait_agent_recovery(&self, session_id: SessionId) {
-        let agent_runs = self.execution(session_id).is_some_and(|e| {
-            e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
-        });
-        if agent_runs {
+        if self.agent_runs(session_id) {
             return;
         }
         let recoveries = &self.inner.agent_recoveries;
         if !recoveries.wait_done(session_id, RECOVERY_WAIT).await {
             tracing::debug!(session = %session_id, "the agent's recovery goes on; answering from what is known");
         }
+    }
+
+    /// Whether the session's executor is ready and its agent runs (as this
+    /// manager last saw).
+    pub(super) fn agent_runs(&self, session_id: SessionId) -> bool {
+        self.execution(session_id).is_some_and(|e| {
+            e.record.status == ExecutorStatus::Ready && e.agent == AgentProcessState::Running
+        })
     }
 
     /// The error for a session whose agent does not run, with the hint that

@@ -976,6 +976,97 @@ async fn a_slow_agent_does_not_hold_its_workspace_after_a_restart() {
     w.finish(&mgr, &ids).await;
 }
 
+/// helper-51 1: after kill -9 of everything, a message to a session whose
+/// agent is still coming back (one held at its start gate, one waiting for
+/// the host's only launch slot behind it) is queued at once by the
+/// recovery that holds the session; it waited for the agent's launch and
+/// load (2-39 s with Claude Code). A repeat with the same request id
+/// answers the same queued message. Once the agents are back each queued
+/// message is delivered, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_to_a_session_whose_agent_is_coming_back_is_queued_at_once() {
+    let w = World::new(Db::Sqlite).await;
+    let (gated, gate) = w.gated_profile("gated").await;
+    let config = ManagerConfig {
+        launches: sessiond_engine::LaunchLimits { initial: 1, max: 1 },
+        ..patient()
+    };
+    let mgr = w.manager_with(config.clone());
+    let a = w.create_with(&mgr, "a", &gated, None).await;
+    let b = w.create_with(&mgr, "b", &gated, None).await;
+    let ids = [a.id, b.id];
+    for s in [&a, &b] {
+        w.prompt(&mgr, s.id, "one").await;
+    }
+    mgr.shutdown();
+    drop(mgr);
+    for s in [&a, &b] {
+        kill_tree(w.record(s.id).await.pid.unwrap()).await;
+    }
+
+    std::fs::write(&gate, b"closed").unwrap();
+    let mgr = std::sync::Arc::new(w.manager_with(config));
+    let pass = pass_in_background(&mgr);
+    let mut queued = Vec::new();
+    for id in ids {
+        let message = sessiond_engine::Outgoing {
+            text: "two".into(),
+            queue: true,
+            request_id: Some("key-two".into()),
+            ..Default::default()
+        };
+        let send = || mgr.send_outgoing(w.task.id, id, message.clone());
+        // The gate stays closed: waiting for the agent would wait for the
+        // executor deadline (120 s) at least.
+        let first = tokio::time::timeout(Duration::from_secs(30), send())
+            .await
+            .expect("the send waited for the agent")
+            .unwrap();
+        let sessiond_engine::Sent::Queued(q) = first else {
+            panic!("not queued while the agent comes back: {first:?}");
+        };
+        let again = tokio::time::timeout(Duration::from_secs(30), send())
+            .await
+            .expect("the repeat waited for the agent")
+            .unwrap();
+        match again {
+            sessiond_engine::Sent::Queued(r) => assert_eq!(r.id, q.id),
+            other => panic!("the repeat is not the queued message: {other:?}"),
+        }
+        let st = w.status(&mgr, id).await;
+        assert!(st.recovering && !st.is_agent_running, "{st:?}");
+        assert_eq!(
+            st.queued.iter().map(|m| m.id).collect::<Vec<_>>(),
+            [q.id],
+            "{st:?}"
+        );
+        queued.push(q.id);
+    }
+    assert!(gate.exists(), "the gate opened early");
+
+    std::fs::remove_file(&gate).unwrap();
+    let summary = pass.await.unwrap().unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 2, "{summary:?}");
+    for (s, q) in [&a, &b].into_iter().zip(queued) {
+        let token = s.resume_token.clone().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let msgs = loop {
+            let msgs = w.messages(s.id).await;
+            if msgs.len() >= 4 && msgs[3].complete {
+                break msgs;
+            }
+            assert!(Instant::now() < deadline, "not delivered: {msgs:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(msgs.len(), 4, "delivered once: {msgs:?}");
+        assert_eq!((msgs[2].id, msgs[2].content.as_str()), (q, "two"));
+        assert_eq!(msgs[3].content, expected_reply(2, &token, "two"));
+        w.wait_state(&mgr, s.id, SessionState::WaitingForInput).await;
+        w.track(s.id).await;
+    }
+    w.finish(&mgr, &ids).await;
+}
+
 /// helper-31 D5, helper-34: a stop of a session whose recovery waits for a
 /// launch slot (the host's only slot held by another agent that is slow to
 /// start) waited for that slot and for its own agent's launch, only to

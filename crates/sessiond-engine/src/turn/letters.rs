@@ -1,0 +1,188 @@
+//! Messages sent while the session's agent is being brought back: queued
+//! by the recovery that holds the session's lock, at once, instead of
+//! waiting for the agent (a heavy agent takes seconds to start and load
+//! its history, and a launch slot may be minutes away: helper-51 1).
+//!
+//! A recovery that launches or reopens an agent opens the session's
+//! *mailbox* for that step ([`Mailboxes::open`]). A queueable send
+//! ([`Turns::post_while_recovering`]) posts its message there as a
+//! [`Letter`]; the recovery, between the step's own awaits
+//! ([`serve_during`]), reads the session under its lock, appends the
+//! message to the session's queue in one commit (as a send behind a running
+//! turn does), and answers the sender with the queued copy. The queue is
+//! delivered once the agent is back, by the usual kick. The recovery's own
+//! later writes carry the queue on ([`carry_queue`]).
+//!
+//! A send finds no mailbox when no agent is being brought back; a letter
+//! the recovery did not take (its step ended first, the session is in no
+//! state to queue) is answered `None`, and the send goes the usual way.
+
+use std::{collections::HashMap, future::Future, sync::Mutex};
+
+use sessiond_domain::{MessageId, Session, SessionId, SessionState, queue};
+use tokio::sync::{mpsc, oneshot};
+
+use super::{INTERRUPTED_TURN_KEY, Turns};
+use crate::{Result, Sent, sync::lock};
+
+/// A message posted to a recovering session.
+pub(crate) struct Letter {
+    text: String,
+    /// The message's id when the send named one (its request id).
+    id: Option<MessageId>,
+    /// The send's request id.
+    key: Option<String>,
+    /// `Some`: what became of it; `None`: not taken, send it the usual way.
+    reply: oneshot::Sender<Result<Option<Sent>>>,
+}
+
+/// Open mailboxes, by session.
+#[derive(Default)]
+pub(crate) struct Mailboxes {
+    open: Mutex<HashMap<SessionId, mpsc::UnboundedSender<Letter>>>,
+    /// Woken at each [`Self::open`].
+    opened: tokio::sync::Notify,
+}
+
+/// A session's open mailbox; closed when dropped.
+pub(crate) struct Mailbox<'a> {
+    boxes: &'a Mailboxes,
+    session: SessionId,
+    letters: mpsc::UnboundedReceiver<Letter>,
+}
+
+impl Drop for Mailbox<'_> {
+    fn drop(&mut self) {
+        lock(&self.boxes.open).remove(&self.session);
+        // Letters still in it are answered `None` as they drop.
+    }
+}
+
+impl Mailboxes {
+    /// Opens `session`'s mailbox (the caller holds the session's lock).
+    pub(crate) fn open(&self, session: SessionId) -> Mailbox<'_> {
+        let (tx, letters) = mpsc::unbounded_channel();
+        lock(&self.open).insert(session, tx);
+        self.opened.notify_waiters();
+        Mailbox {
+            boxes: self,
+            session,
+            letters,
+        }
+    }
+
+    fn sender(&self, session: SessionId) -> Option<mpsc::UnboundedSender<Letter>> {
+        lock(&self.open).get(&session).cloned()
+    }
+}
+
+/// Runs `step`, taking the letters posted to `mailbox` meanwhile; the
+/// session as the last letter's commit left it goes to `latest`. The step
+/// must not write the session itself (its version would be stale).
+pub(crate) async fn serve_during<T>(
+    mgr: &crate::SessionManager,
+    mailbox: &mut Mailbox<'_>,
+    latest: &mut Option<Session>,
+    step: impl Future<Output = T>,
+) -> T {
+    tokio::pin!(step);
+    loop {
+        tokio::select! {
+            biased;
+            done = &mut step => return done,
+            Some(letter) = mailbox.letters.recv() => {
+                let taken = Turns(mgr).take_letter(mailbox.session, &letter, latest).await;
+                // The sender may have gone (its client's deadline): the
+                // message is queued all the same, as any queued message.
+                let _ = letter.reply.send(taken);
+            }
+        }
+    }
+}
+
+/// `run`'s copy of the session, brought up to what the letters' commits
+/// wrote (`latest`): their version, and the queue (and the interrupted
+/// turn a new message gives up). The rest of `run` stays as the recovery
+/// has it (what it has not written yet).
+pub(crate) fn carry_queue(latest: Session, run: &mut Session) {
+    let is_ours = |k: &String| k.starts_with(queue::QUEUE_PREFIX) || k == INTERRUPTED_TURN_KEY;
+    run.metadata.retain(|k, _| !is_ours(k));
+    run.metadata
+        .extend(latest.metadata.into_iter().filter(|(k, _)| is_ours(k)));
+    run.version = latest.version;
+    run.updated_at = latest.updated_at;
+}
+
+impl Turns<'_> {
+    /// Queues `text` with the recovery bringing `session_id`'s agent back,
+    /// if one is: `None` when none is (or it did not take the message), and
+    /// the send goes on the usual way.
+    pub(crate) async fn post_while_recovering(
+        &self,
+        session_id: SessionId,
+        text: &str,
+        id: Option<MessageId>,
+        key: Option<&str>,
+    ) -> Option<Result<Sent>> {
+        let boxes = &self.inner.mailboxes;
+        let until = tokio::time::Instant::now() + super::start::RECOVERY_WAIT;
+        loop {
+            let opened = boxes.opened.notified();
+            tokio::pin!(opened);
+            opened.as_mut().enable();
+            if self.agent_runs(session_id) {
+                return None;
+            }
+            if let Some(tx) = boxes.sender(session_id) {
+                let (reply, answer) = oneshot::channel();
+                let letter = Letter {
+                    text: text.to_owned(),
+                    id,
+                    key: key.map(str::to_owned),
+                    reply,
+                };
+                tx.send(letter).ok()?;
+                return answer.await.ok()?.transpose();
+            }
+            // A recovery under way opens the mailbox once it launches or
+            // reopens the agent (or ends without).
+            let recoveries = &self.inner.agent_recoveries;
+            if !recoveries.under_way(session_id) {
+                return None;
+            }
+            let remaining = until.saturating_duration_since(tokio::time::Instant::now());
+            tokio::select! {
+                () = opened => {}
+                _ = recoveries.wait_done(session_id, remaining) => return None,
+            }
+        }
+    }
+
+    /// What the recovery does with `letter` (it holds the lock).
+    async fn take_letter(
+        &self,
+        session_id: SessionId,
+        letter: &Letter,
+        latest: &mut Option<Session>,
+    ) -> Result<Option<Sent>> {
+        let session = self.inner.store.get_session(session_id).await?;
+        if !matches!(
+            session.state,
+            SessionState::WaitingForInput | SessionState::Running | SessionState::Starting
+        ) {
+            return Ok(None);
+        }
+        if let (Some(id), Some(key)) = (letter.id, letter.key.as_deref())
+            && let Some(before) = self
+                .sent_before(session_id, id, key, &letter.text, &[])
+                .await?
+        {
+            return Ok(Some(before));
+        }
+        let (queued, committed) = self.enqueue_as(session, &letter.text, letter.id).await?;
+        tracing::info!(session = %session_id, message = %queued.id,
+            "message queued while the agent is brought back");
+        *latest = Some(committed);
+        Ok(Some(Sent::Queued(queued)))
+    }
+}
