@@ -420,6 +420,15 @@ impl RecoveryControl<'_> {
         Queue(self.0).is_recovering(session) || self.0.inner.agent_recoveries.under_way(session)
     }
 
+    /// Resolves once sessiond no longer brings `session` back
+    /// ([`Self::is_bringing_back`] false), or after `limit`.
+    pub(crate) async fn brought_back(&self, session: SessionId, limit: Duration) {
+        let until = tokio::time::Instant::now() + limit;
+        let _ = tokio::time::timeout_at(until, Queue(self.0).recovered(session)).await;
+        let left = until.saturating_duration_since(tokio::time::Instant::now());
+        self.0.inner.agent_recoveries.wait_done(session, left).await;
+    }
+
     /// A call on `session` is about to act on it: if startup recovery has
     /// not finished with it, recover it now (ahead of the pass) or join the
     /// recovery under way, and wait for that one session only. Whatever the

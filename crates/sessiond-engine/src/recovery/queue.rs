@@ -98,6 +98,18 @@ impl Queue<'_> {
         }
     }
 
+    /// Resolves once this pass's recovery of `session` has ended (at once
+    /// when it is not queued, or ended already).
+    pub(crate) async fn recovered(&self, session: SessionId) {
+        let claimed = match lock(&self.inner.queue).entries.get(&session) {
+            Some(Queued::Claimed(f, _)) if f.peek().is_none() => Some(f.clone()),
+            _ => None,
+        };
+        if let Some(f) = claimed {
+            let _ = f.await;
+        }
+    }
+
     /// Waits until the announced pass has filled its queue.
     pub(crate) async fn queue_filled(&self) {
         let mut rx = self.inner.queue_phase.subscribe();

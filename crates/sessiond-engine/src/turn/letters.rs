@@ -145,15 +145,15 @@ impl Turns<'_> {
                 return answer.await.ok()?.transpose();
             }
             // A recovery under way opens the mailbox once it launches or
-            // reopens the agent (or ends without).
-            let recoveries = &self.inner.agent_recoveries;
-            if !recoveries.under_way(session_id) {
+            // reopens the agent, or ends without (the agent was alive).
+            let left = until.saturating_duration_since(tokio::time::Instant::now());
+            let recovery = self.recovery();
+            if !recovery.is_bringing_back(session_id) || left.is_zero() {
                 return None;
             }
-            let remaining = until.saturating_duration_since(tokio::time::Instant::now());
             tokio::select! {
                 () = opened => {}
-                _ = recoveries.wait_done(session_id, remaining) => return None,
+                () = recovery.brought_back(session_id, left) => return None,
             }
         }
     }
