@@ -4090,7 +4090,11 @@ async fn a_resume_of_the_conversation_being_reopened_does_not_reopen_it_twice() 
     let agent = done.agent.expect("agent part");
     assert_eq!(agent.outcome(), RecoverOutcome::Done, "{agent:?}");
     let pid = agent.launched.expect("launched").agent_pid;
-    assert_eq!(agent.resumed.as_ref(), Some(&second), "the load's own answer");
+    assert_eq!(
+        agent.resumed.as_ref(),
+        Some(&second),
+        "the load's own answer"
+    );
     assert_eq!(second.method(), ResumeMethod::Load);
     let again = c
         .resume_session(ResumeSessionRequest {

@@ -1061,7 +1061,8 @@ async fn a_message_to_a_session_whose_agent_is_coming_back_is_queued_at_once() {
         assert_eq!(msgs.len(), 4, "delivered once: {msgs:?}");
         assert_eq!((msgs[2].id, msgs[2].content.as_str()), (q, "two"));
         assert_eq!(msgs[3].content, expected_reply(2, &token, "two"));
-        w.wait_state(&mgr, s.id, SessionState::WaitingForInput).await;
+        w.wait_state(&mgr, s.id, SessionState::WaitingForInput)
+            .await;
         w.track(s.id).await;
     }
     w.finish(&mgr, &ids).await;
