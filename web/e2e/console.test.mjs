@@ -965,6 +965,13 @@ test("while sessiond brings an agent back: where it stands, not errors; then the
     assert.equal(await page.locator("[data-testid=needs-resume]").count(), 0);
     // Nothing streams while the agent is down (a cut reply waits to be settled).
     assert.equal(await page.locator("[data-testid=messages].agent-down").count(), 1);
+    // A message sent meanwhile is queued at once, to be sent once the
+    // agent is back.
+    await page.waitForFunction(() => document.querySelector("[data-testid=send]").textContent.trim() === "Queue", null, { timeout: T });
+    await page.fill(".composer textarea", "queued while away");
+    await page.click("[data-testid=send]:has-text('Queue')");
+    await page.waitForSelector("[data-testid=queued]:has-text('queued while away')", { timeout: T });
+    assert.match(await page.textContent("[data-testid=queued]"), /once the agent is back/);
     // The task's list says so as well (it showed the recorded state only),
     // and stops saying it once the agent is back.
     await page.click("nav a:text-is('Task')");
@@ -977,8 +984,12 @@ test("while sessiond brings an agent back: where it stands, not errors; then the
     await hidden(page, "[data-testid=banner-recovering]");
     await page.waitForSelector("[data-testid=state]:has-text('waiting for input')", { timeout: T });
     await b.expectNetworkErrors(false);
-    await send(page, "after the restart");
+    // The message queued while the agent was away went first, once.
     await message(page, "turn 2 of session");
+    assert.match(await page.textContent("[data-testid=messages]"), /you said "queued while away"/);
+    await hidden(page, "[data-testid=queued]");
+    await send(page, "after the restart");
+    await message(page, "turn 3 of session");
     assertNoGapNoDuplicate(await conversation(page));
     await b.screenshot("recovered");
     assert.deepEqual(b.errors, []);

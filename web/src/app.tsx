@@ -1503,8 +1503,13 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
   const offline = props.backend === "unreachable";
   // One turn at a time: Send waits for the running one to end (Esc cancels it).
   const canSend = !!s && s.isAgentRunning && s.state === SessionState.WAITING_FOR_INPUT && !offline && s.queuedMessages.length === 0;
+  // sessiond is bringing the agent back (a restart, an agent that exited):
+  // a message sent meanwhile is queued at once and sent once it is back.
+  const bringingBack =
+    !!s && !!s.agentRecovery && (s.state === SessionState.WAITING_FOR_INPUT || s.state === SessionState.RUNNING || s.state === SessionState.STARTING);
   // A message sent while the agent works waits in the session's queue.
-  const canQueue = !!s && !offline && (s.state === SessionState.RUNNING || (s.state === SessionState.WAITING_FOR_INPUT && s.queuedMessages.length > 0));
+  const canQueue =
+    !!s && !offline && (s.state === SessionState.RUNNING || (s.state === SessionState.WAITING_FOR_INPUT && s.queuedMessages.length > 0) || bringingBack);
   // A cancel is done once the turn has ended (the session left RUNNING).
   useEffect(() => {
     if (!turnRunning) setCancelling(false);
@@ -1750,7 +1755,9 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
               <span class="muted">
                 {s.queueHeld
                   ? "Queued, held because the last turn was interrupted: Retry it first, or send a new message to go on without it:"
-                  : "Queued, sent one turn at a time after the running turn:"}
+                  : bringingBack
+                    ? "Queued, sent one turn at a time once the agent is back:"
+                    : "Queued, sent one turn at a time after the running turn:"}
               </span>
               <ol>
                 {s.queuedMessages.map((q) => (
@@ -1803,8 +1810,8 @@ function SessionView(props: { taskId: string; sessionId: string; backend: Backen
                     : offline
                       ? "sessiond is unreachable; sending resumes once it is back"
                       : canQueue
-                        ? s?.agentRecovery
-                          ? "The agent is being brought back: Enter queues your message for after its turn is settled"
+                        ? bringingBack
+                          ? "The agent is being brought back: Enter queues your message, sent once it is back"
                           : "The agent is answering: Enter queues your message for after it (Esc cancels the turn)"
                         : "The agent is not running"
                 }
