@@ -1377,6 +1377,32 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
                 }
                 in_queue = queued_now;
             }
+            // sessiond could not bring the agent back: the message waits
+            // for a resume, not for this command. (ERROR on the way to a
+            // restart sessiond does by itself passes: status says so.)
+            Some(pb::event::Payload::StateChanged(sc))
+                if in_queue && !in_turn && sc.to == pb::SessionState::Error as i32 =>
+            {
+                let st = c
+                    .sessions
+                    .get_session_status(pb::GetSessionStatusRequest {
+                        task_id: task_id.clone(),
+                        session_id: session_id.clone(),
+                    })
+                    .await?
+                    .into_inner();
+                if st.state == pb::SessionState::Error as i32
+                    && st.agent_recovery.is_none()
+                    && !st.recovering
+                {
+                    bail!(
+                        "the session went ERROR before your queued message {user_id} was sent ({}): \
+                         it stays queued and is sent once the session is resumed \
+                         (`sessionctl session resume {session_id}`); `sessionctl unqueue` withdraws it",
+                        output::text(&sc.error_message)
+                    );
+                }
+            }
             Some(pb::event::Payload::TurnEnded(t))
                 if in_queue && !in_turn && t.stop_reason == "interrupted" =>
             {

@@ -1029,6 +1029,87 @@ fn a_waiting_send_whose_queued_message_will_not_be_sent_ends_saying_so() {
     terminate(server);
 }
 
+/// After a restart, a `send` to a session whose agent sessiond is still
+/// bringing back (held at its start gate) is queued at once. If the agent
+/// then cannot come back (it refuses to reopen the conversation), the
+/// waiting `send` ends saying the message stays queued for a resume; it
+/// does not wait out its timeout.
+#[test]
+fn a_send_queued_while_the_agent_comes_back_ends_when_it_cannot() {
+    let mut env = Env::new();
+    let scratch = env.home.path().join("back");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let config = env.home.path().join("sessiond.toml");
+    let gate = env.home.path().join("start-gate");
+    std::fs::write(
+        &config,
+        format!(
+            "[recovery]\nexecutor_deadline = \"120s\"\n\
+             [[agents]]\nname = \"gated\"\ncommand = \"{}\"\n\
+             env = {{ ACP_DEMO_STATE_DIR = \"{}\", ACP_DEMO_START_GATE_FILE = \"{}\", \
+             ACP_DEMO_FAIL_LOAD = \"1\" }}\n",
+            bin("acp-demo-agent").display(),
+            env.home.path().join("demo-state").display(),
+            gate.display()
+        ),
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    let server = env.serve_with(&[("SESSIOND_CONFIG", &config)]);
+    env.sessionctl(&["health", "--wait"], &scratch);
+    let task = env
+        .sessionctl(&["task", "create", "back", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    env.task = Some(task);
+    let session = env
+        .sessionctl(&["session", "create", "--agent", "gated", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    env.sessionctl(&["send", &session, "one"], &scratch);
+
+    // sessiond stops, its agentctl is killed (the agent with it): the
+    // restart relaunches the agent, which waits at the gate.
+    terminate(server);
+    for pid in agentctls_under(env.home.path()) {
+        Command::new("kill").args(["-KILL", &pid]).status().unwrap();
+    }
+    std::fs::write(&gate, b"closed").unwrap();
+    let server = env.serve_with(&[("SESSIOND_CONFIG", &config)]);
+    env.sessionctl(&["health", "--wait"], &scratch);
+    let mut send = env.spawn_sessionctl(
+        &["--json", "send", "--timeout-secs", "90", &session, "two"],
+        &scratch,
+    );
+    let mut line = String::new();
+    BufReader::new(send.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&line).expect(&line);
+    let id = v["queued"]["id"].as_str().expect("queued").to_owned();
+    assert!(gate.exists(), "queued while the agent waits at its gate");
+
+    std::fs::remove_file(&gate).unwrap();
+    let out = send.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "the session went ERROR before your queued message {id} was sent"
+        )) && stderr.contains("stays queued")
+            && stderr.contains("session resume"),
+        "{stderr}"
+    );
+    let status = env.sessionctl(&["--json", "session", "status", &session], &scratch);
+    assert!(status.contains(&id), "still queued: {status}");
+
+    env.sessionctl(&["session", "stop", &session], &scratch);
+    terminate(server);
+    for pid in agentctls_under(env.home.path()) {
+        let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    }
+}
+
 /// A call cut off by sessiond's death says what happened and that its
 /// outcome is unknown, not a bare "transport error (Unknown)".
 #[test]
