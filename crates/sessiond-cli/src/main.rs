@@ -278,8 +278,9 @@ struct SendArgs {
     text: String,
     /// Return once the message is stored (or queued) instead of waiting for
     /// the reply. While sessiond brings the session's agent back (after a
-    /// restart, seconds for a real agent), the message is stored once the
-    /// agent is back, so this waits for that.
+    /// restart, seconds for a real agent), the message is queued at once
+    /// and sent once the agent is back (with `--no-queue`, this waits for
+    /// the agent).
     #[arg(long)]
     no_wait: bool,
     /// Give up waiting for the reply after this many seconds.
@@ -1330,11 +1331,16 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
     let end = loop {
         let next = tokio::time::timeout_at(deadline, events.next())
             .await
-            .with_context(|| {
-                format!(
+            .with_context(|| match in_queue && !in_turn {
+                true => format!(
+                    "timed out after {timeout_secs} s with your message {user_id} still queued; \
+                     it stays queued (`sessionctl unqueue {session_id} {user_id}` withdraws it, \
+                     `sessionctl session status` shows the queue)"
+                ),
+                false => format!(
                     "timed out after {timeout_secs} s waiting for the end of the agent's turn; \
                      it goes on (`sessionctl cancel` cancels it, `sessionctl messages` shows it)"
-                )
+                ),
             })?;
         let event = match next {
             Some(Ok(event)) => {

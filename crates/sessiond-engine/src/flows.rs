@@ -11,7 +11,11 @@ use std::future::Future;
 use sessiond_domain::{ExecutorRecord, Session, SessionId};
 use sessiond_store::Changeset;
 
-use crate::{error::Result, pass::CallRecovery, restarts::AfterExit};
+use crate::{
+    error::Result,
+    pass::{Ahead, CallRecovery},
+    restarts::AfterExit,
+};
 
 /// Recovery's side of a call (implemented in `recovery`).
 pub(crate) trait RecoverFirst {
@@ -25,11 +29,16 @@ pub(crate) trait RecoverFirst {
     /// compete with it. `arrival` ([`Self::precede_pass`]) is let go with
     /// the recovery's own pause, once the workspace is back: the agent's
     /// launch does not hold the pass up.
+    ///
+    /// `leave`: return once the workspace is back, leaving the agent's
+    /// relaunch running ([`Ahead::settle`] waits for it); a message that
+    /// may be queued is queued by that recovery meanwhile.
     fn recover_ahead(
         &self,
         session: SessionId,
         arrival: Option<CallRecovery>,
-    ) -> impl Future<Output = Result<Option<CallRecovery>>> + Send;
+        leave: bool,
+    ) -> impl Future<Output = Result<Ahead>> + Send;
 
     /// Pauses the pass while the call on `session` runs, if the pass may
     /// still take that session.

@@ -187,6 +187,49 @@ impl Drop for CallRecovery {
     }
 }
 
+/// What [`RecoverFirst::recover_ahead`](crate::flows::RecoverFirst::recover_ahead)
+/// leaves a call: the pass's pause for the rest of the call, or the
+/// session's recovery still running (its agent's launch) when the call
+/// asked to go on once the workspace is back.
+#[derive(Default)]
+pub(crate) struct Ahead {
+    pause: Option<CallRecovery>,
+    rest: Option<(
+        tokio::task::JoinHandle<()>,
+        tokio::sync::watch::Sender<usize>,
+    )>,
+}
+
+impl Ahead {
+    /// The pass paused by `pause` for the rest of the call.
+    pub(crate) fn paused(pause: Option<CallRecovery>) -> Ahead {
+        Ahead { pause, rest: None }
+    }
+
+    /// The recovery `rest` goes on; the pass is paused (through `calls`)
+    /// only once it is done ([`Self::settle`]).
+    pub(crate) fn left(
+        rest: tokio::task::JoinHandle<()>,
+        calls: tokio::sync::watch::Sender<usize>,
+    ) -> Ahead {
+        Ahead {
+            pause: None,
+            rest: Some((rest, calls)),
+        }
+    }
+
+    /// Waits for the recovery left running, if one was, then pauses the
+    /// pass for the rest of the call: waiting for an agent's launch holds
+    /// no pause (helper-57 F3: it held SERVING back).
+    pub(crate) async fn settle(&mut self) {
+        if let Some((rest, calls)) = self.rest.take() {
+            let _ = rest.await;
+            calls.send_modify(|n| *n += 1);
+            self.pause = Some(CallRecovery(calls));
+        }
+    }
+}
+
 /// The sessions whose recovery, still running, has their workspace back
 /// (the executor marked ready; the agent may still be relaunching): a
 /// workspace call waits for this, not for the agent (helper-52 1: a file

@@ -310,8 +310,9 @@ impl crate::flows::RecoverFirst for SessionManager {
         &self,
         session: SessionId,
         arrival: Option<CallRecovery>,
-    ) -> Result<Option<CallRecovery>> {
-        Queue(self).recover_ahead(session, arrival).await
+        leave: bool,
+    ) -> Result<crate::pass::Ahead> {
+        Queue(self).recover_ahead(session, arrival, leave).await
     }
 
     fn precede_pass(&self, session: SessionId) -> Option<CallRecovery> {

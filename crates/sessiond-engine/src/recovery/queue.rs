@@ -42,7 +42,9 @@ use crate::{
     error::Result,
     flows::Ownership,
     lease::Fencing,
-    pass::{CallRecovery, Claim, ExecutorKey, Lane, PassGate, Phase, Queued, SharedRecovery},
+    pass::{
+        Ahead, CallRecovery, Claim, ExecutorKey, Lane, PassGate, Phase, Queued, SharedRecovery,
+    },
     recovery::Pass,
     sync::lock,
 };
@@ -128,7 +130,7 @@ impl Queue<'_> {
     /// recovered here; one another replica holds is
     /// [`Error::NotOwner`](crate::error::Error::NotOwner).
     pub(crate) async fn ensure_recovered(&self, session: SessionId) -> Result<()> {
-        self.recover_ahead(session, None).await.map(drop)
+        self.recover_ahead(session, None, false).await.map(drop)
     }
 
     /// [`Self::ensure_recovered`] for a call that goes on to use the
@@ -137,11 +139,16 @@ impl Queue<'_> {
     /// until the call is done (at most [`MAX_PAUSE`] at a time), so the rest
     /// of the call (its writes, its `Prompt`) does not compete with the
     /// pass's `concurrency` recoveries either.
+    ///
+    /// `leave`: return once the workspace is back; the rest of the recovery
+    /// (the agent's launch) goes on in a task of its own, which
+    /// [`Ahead::settle`] waits for before it pauses the pass.
     pub(crate) async fn recover_ahead(
         &self,
         session: SessionId,
         arrival: Option<CallRecovery>,
-    ) -> Result<Option<CallRecovery>> {
+        leave: bool,
+    ) -> Result<Ahead> {
         // A call during the pass's load (exclusive store: the pass takes
         // every live executor) starts its session's recovery now instead of
         // waiting for the load of all the others.
@@ -150,7 +157,7 @@ impl Queue<'_> {
             self.queue_filled().await;
         }
         let claim = early.or_else(|| self.claim(session, Lane::Call));
-        let mut ahead = None;
+        let mut ahead = Ahead::default();
         if let Some(Claim::Started(mut fut) | Claim::Joined(mut fut)) = claim {
             // The pass pauses for it until its workspace is back; its
             // agent's launch does not hold the pass (and SERVING) up: its
@@ -170,15 +177,21 @@ impl Queue<'_> {
                     tracing::debug!(%session, error = %e, "prioritised recovery failed");
                 }
             };
+            let finished = done.is_some();
             match done {
                 Some(r) => report(r),
-                // The agent's part goes on by itself: the call waits for
-                // it (`wait_agent_recovery`), or a message that may wait is
-                // queued by it meanwhile (`turn/letters.rs`).
-                None => drop(tokio::spawn(async move { report(fut.await) })),
+                // The agent's part goes on by itself; a message that may
+                // wait is queued by it meanwhile (`turn/letters.rs`).
+                None if leave => {
+                    let rest = tokio::spawn(async move { report(fut.await) });
+                    ahead = Ahead::left(rest, self.inner.calls_recovering.clone());
+                }
+                None => report(fut.await),
             }
             // The rest of the call (its writes, its Prompt) goes first again.
-            ahead = Some(self.call_recovery_started());
+            if !leave || finished {
+                ahead = Ahead::paused(Some(self.call_recovery_started()));
+            }
         }
         self.ensure_owned(session).await?;
         Ok(ahead)

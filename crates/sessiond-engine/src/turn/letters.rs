@@ -11,7 +11,9 @@
 //! message to the session's queue in one commit (as a send behind a running
 //! turn does), and answers the sender with the queued copy. The queue is
 //! delivered once the agent is back, by the usual kick. The recovery's own
-//! later writes carry the queue on ([`carry_queue`]).
+//! later writes carry the queue on ([`carry_queue`]). A queued message is
+//! taken off the queue the same way (`CancelQueuedMessage`), not after the
+//! agent is back, by when it would have been delivered.
 //!
 //! A send finds no mailbox when no agent is being brought back; a letter
 //! the recovery did not take (its step ended first, the session is in no
@@ -19,21 +21,30 @@
 
 use std::{collections::HashMap, future::Future, sync::Mutex};
 
-use sessiond_domain::{MessageId, Session, SessionId, SessionState, queue};
+use sessiond_domain::{MessageId, QueuedMessage, Session, SessionId, SessionState, queue};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{INTERRUPTED_TURN_KEY, Turns};
 use crate::{Result, Sent, sync::lock};
 
-/// A message posted to a recovering session.
-pub(crate) struct Letter {
-    text: String,
-    /// The message's id when the send named one (its request id).
-    id: Option<MessageId>,
-    /// The send's request id.
-    key: Option<String>,
-    /// `Some`: what became of it; `None`: not taken, send it the usual way.
-    reply: oneshot::Sender<Result<Option<Sent>>>,
+/// What a call asks of the recovery holding its session.
+pub(crate) enum Letter {
+    /// Queue a message.
+    Send {
+        text: String,
+        /// The message's id when the send named one (its request id).
+        id: Option<MessageId>,
+        /// The send's request id.
+        key: Option<String>,
+        /// `Some`: what became of it; `None`: not taken, send it the usual
+        /// way.
+        reply: oneshot::Sender<Result<Option<Sent>>>,
+    },
+    /// Take a queued message off the queue.
+    Unqueue {
+        id: MessageId,
+        reply: oneshot::Sender<Result<(QueuedMessage, Session)>>,
+    },
 }
 
 /// Open mailboxes, by session.
@@ -91,10 +102,23 @@ pub(crate) async fn serve_during<T>(
             biased;
             done = &mut step => return done,
             Some(letter) = mailbox.letters.recv() => {
-                let taken = Turns(mgr).take_letter(mailbox.session, &letter, latest).await;
-                // The sender may have gone (its client's deadline): the
-                // message is queued all the same, as any queued message.
-                let _ = letter.reply.send(taken);
+                let turns = Turns(mgr);
+                let session = mailbox.session;
+                // The sender may have gone (its client's deadline): what
+                // was done stands, as for any call whose answer is lost.
+                match letter {
+                    Letter::Send { text, id, key, reply } => {
+                        let taken = turns.take_letter(session, &text, id, key.as_deref(), latest).await;
+                        let _ = reply.send(taken);
+                    }
+                    Letter::Unqueue { id, reply } => {
+                        let taken = turns.unqueue(session, id).await;
+                        if let Ok((_, committed)) = &taken {
+                            *latest = Some(committed.clone());
+                        }
+                        let _ = reply.send(taken);
+                    }
+                }
             }
         }
     }
@@ -124,6 +148,34 @@ impl Turns<'_> {
         id: Option<MessageId>,
         key: Option<&str>,
     ) -> Option<Result<Sent>> {
+        let mailbox = self.mailbox(session_id).await?;
+        let (reply, answer) = oneshot::channel();
+        let letter = Letter::Send {
+            text: text.to_owned(),
+            id,
+            key: key.map(str::to_owned),
+            reply,
+        };
+        mailbox.send(letter).ok()?;
+        answer.await.ok()?.transpose()
+    }
+
+    /// Takes queued message `id` off the queue through the recovery
+    /// bringing `session_id`'s agent back, if one is (`None`: none is).
+    pub(crate) async fn unqueue_while_recovering(
+        &self,
+        session_id: SessionId,
+        id: MessageId,
+    ) -> Option<Result<(QueuedMessage, Session)>> {
+        let mailbox = self.mailbox(session_id).await?;
+        let (reply, answer) = oneshot::channel();
+        mailbox.send(Letter::Unqueue { id, reply }).ok()?;
+        answer.await.ok()
+    }
+
+    /// The session's open mailbox, once the recovery bringing its agent
+    /// back opens it; `None` when no recovery does (or it ends without).
+    async fn mailbox(&self, session_id: SessionId) -> Option<mpsc::UnboundedSender<Letter>> {
         let boxes = &self.inner.mailboxes;
         let until = tokio::time::Instant::now() + super::start::RECOVERY_WAIT;
         loop {
@@ -134,15 +186,7 @@ impl Turns<'_> {
                 return None;
             }
             if let Some(tx) = boxes.sender(session_id) {
-                let (reply, answer) = oneshot::channel();
-                let letter = Letter {
-                    text: text.to_owned(),
-                    id,
-                    key: key.map(str::to_owned),
-                    reply,
-                };
-                tx.send(letter).ok()?;
-                return answer.await.ok()?.transpose();
+                return Some(tx);
             }
             // A recovery under way opens the mailbox once it launches or
             // reopens the agent, or ends without (the agent was alive).
@@ -162,7 +206,9 @@ impl Turns<'_> {
     async fn take_letter(
         &self,
         session_id: SessionId,
-        letter: &Letter,
+        text: &str,
+        id: Option<MessageId>,
+        key: Option<&str>,
         latest: &mut Option<Session>,
     ) -> Result<Option<Sent>> {
         let session = self.inner.store.get_session(session_id).await?;
@@ -172,16 +218,14 @@ impl Turns<'_> {
         ) {
             return Ok(None);
         }
-        if let (Some(id), Some(key)) = (letter.id, letter.key.as_deref())
-            && let Some(before) = self
-                .sent_before(session_id, id, key, &letter.text, &[])
-                .await?
+        if let (Some(id), Some(key)) = (id, key)
+            && let Some(before) = self.sent_before(session_id, id, key, text, &[]).await?
         {
             return Ok(Some(before));
         }
-        let (queued, committed) = self.enqueue_as(session, &letter.text, letter.id).await?;
-        tracing::info!(session = %session_id, message = %queued.id,
-            "message queued while the agent is brought back");
+        let (queued, committed) = self
+            .enqueue_as(session, text, id, "while the agent is brought back")
+            .await?;
         *latest = Some(committed);
         Ok(Some(Sent::Queued(queued)))
     }

@@ -121,9 +121,36 @@ impl SessionManager {
         id: MessageId,
     ) -> Result<QueuedMessage> {
         self.check_task(task, session_id).await?;
-        let _guard = self.inner.sessions.lock(session_id).await;
+        // The session's agent being brought back, the recovery holding the
+        // session takes it off (helper-57 F1: it waited for the agent, whose
+        // return then delivered it first).
+        let taken = match Turns(self).unqueue_while_recovering(session_id, id).await {
+            Some(taken) => taken,
+            None => {
+                let _guard = self.inner.sessions.lock(session_id).await;
+                Turns(self).unqueue(session_id, id).await
+            }
+        };
+        match taken {
+            Ok((cancelled, _)) => {
+                tracing::info!(session = %session_id, message = %id, "queued message cancelled");
+                Ok(cancelled)
+            }
+            Err(e) => Err(Fencing(self).unless_lost(session_id, e).await),
+        }
+    }
+}
+
+impl Turns<'_> {
+    /// Takes queued message `id` off the session's queue; returns it and
+    /// the session as committed. The caller holds the lock.
+    pub(crate) async fn unqueue(
+        &self,
+        session_id: SessionId,
+        id: MessageId,
+    ) -> Result<(QueuedMessage, Session)> {
         let session = self.inner.store.get_session(session_id).await?;
-        let mut next = session.clone();
+        let mut next = session;
         let Some(cancelled) = queue::remove(&mut next.metadata, id) else {
             if self
                 .inner
@@ -147,11 +174,11 @@ impl SessionManager {
         let change = Changeset::new()
             .update_session(next)
             .event(session_id, EventPayload::QueueChanged(queued));
-        if let Err(e) = self.commit(change).await {
-            return Err(Fencing(self).unless_lost(session_id, e).await);
-        }
-        tracing::info!(session = %session_id, message = %id, "queued message cancelled");
-        Ok(cancelled)
+        let committed = self.commit(change).await?;
+        let session = committed
+            .session
+            .ok_or_else(|| Error::Internal("the queue's commit wrote no session".into()))?;
+        Ok((cancelled, session))
     }
 }
 
@@ -181,15 +208,24 @@ impl Turns<'_> {
         text: &str,
         id: Option<MessageId>,
     ) -> Result<QueuedMessage> {
-        self.enqueue_as(session, text, id).await.map(|(m, _)| m)
+        self.enqueue_as(
+            session,
+            text,
+            id,
+            "behind the running turn or the messages before it",
+        )
+        .await
+        .map(|(m, _)| m)
     }
 
-    /// [`Self::enqueue`], returning the session as committed too.
+    /// [`Self::enqueue`], returning the session as committed too; `why`
+    /// it is queued goes to the log.
     pub(crate) async fn enqueue_as(
         &self,
         session: Session,
         text: &str,
         id: Option<MessageId>,
+        why: &str,
     ) -> Result<(QueuedMessage, Session)> {
         let session_id = session.id;
         let waiting = queue::queued(&session.metadata);
@@ -228,7 +264,7 @@ impl Turns<'_> {
             .update_session(next)
             .event(session_id, EventPayload::QueueChanged(queued));
         let committed = self.commit(change).await?;
-        tracing::info!(session = %session_id, message = %entry.id, place, "message queued behind the running turn");
+        tracing::info!(session = %session_id, message = %entry.id, place, "message queued {why}");
         let session = committed
             .session
             .ok_or_else(|| Error::Internal("the queue's commit wrote no session".into()))?;

@@ -80,7 +80,7 @@ impl SessionManager {
     ) -> Result<(Message, MessageId)> {
         let early = self.precede_pass(session_id);
         self.check_task(task, session_id).await?;
-        let _ahead = self.recover_ahead(session_id, early).await?;
+        let _ahead = self.recover_ahead(session_id, early, false).await?;
         Turns(self).wait_agent_recovery(session_id).await;
         let _guard = self.inner.sessions.lock(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
@@ -367,12 +367,13 @@ impl Turns<'_> {
         let early = self.precede_pass(session_id);
         self.check_task(task, session_id).await?;
         let checked = t.elapsed();
-        // `early` goes once the session's workspace is back; `_ahead` (if
+        // `early` goes once the session's workspace is back; `ahead` (if
         // the session needed recovering) then holds the pause for the call.
-        let _ahead = self.recover_ahead(session_id, early).await?;
         // Its agent being brought back, a message that may wait is queued
         // at once, not after the agent's launch and load.
-        let posted = match queue && attachments.is_empty() {
+        let queueable = queue && attachments.is_empty();
+        let mut ahead = self.recover_ahead(session_id, early, queueable).await?;
+        let posted = match queueable {
             true => {
                 self.post_while_recovering(session_id, text, requested, request_id)
                     .await
@@ -384,6 +385,7 @@ impl Turns<'_> {
             Some(Ok(sent)) => return Ok(sent),
             None => {}
         }
+        ahead.settle().await;
         self.wait_agent_recovery(session_id).await;
         let recovered = t.elapsed();
         let _guard = self.inner.sessions.lock(session_id).await;

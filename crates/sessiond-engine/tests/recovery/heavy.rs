@@ -981,8 +981,9 @@ async fn a_slow_agent_does_not_hold_its_workspace_after_a_restart() {
 /// the host's only launch slot behind it) is queued at once by the
 /// recovery that holds the session; it waited for the agent's launch and
 /// load (2-39 s with Claude Code). A repeat with the same request id
-/// answers the same queued message. Once the agents are back each queued
-/// message is delivered, once.
+/// answers the same queued message, and one taken off the queue meanwhile
+/// goes at once too. Once the agents are back each queued message is
+/// delivered, once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_to_a_session_whose_agent_is_coming_back_is_queued_at_once() {
     let w = World::new(Db::Sqlite).await;
@@ -1033,6 +1034,19 @@ async fn a_message_to_a_session_whose_agent_is_coming_back_is_queued_at_once() {
             sessiond_engine::Sent::Queued(r) => assert_eq!(r.id, q.id),
             other => panic!("the repeat is not the queued message: {other:?}"),
         }
+        // One more, taken back at once too (helper-57 F1: the unqueue
+        // waited for the agent, whose return delivered it first).
+        let three = mgr.send_or_queue(w.task.id, id, "three");
+        let three = match tokio::time::timeout(Duration::from_secs(30), three).await {
+            Ok(Ok(sessiond_engine::Sent::Queued(q))) => q,
+            other => panic!("not queued at once: {other:?}"),
+        };
+        let unqueue = mgr.cancel_queued_message(w.task.id, id, three.id);
+        let taken = tokio::time::timeout(Duration::from_secs(30), unqueue)
+            .await
+            .expect("the unqueue waited for the agent")
+            .unwrap();
+        assert_eq!(taken.id, three.id);
         let st = w.status(&mgr, id).await;
         assert!(st.recovering && !st.is_agent_running, "{st:?}");
         assert_eq!(
