@@ -48,6 +48,7 @@ mod flows;
 mod launches;
 mod lease;
 mod lifecycle;
+mod mailboxes;
 mod manager;
 mod metrics;
 mod modes;

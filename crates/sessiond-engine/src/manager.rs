@@ -91,7 +91,7 @@ pub(crate) struct Inner {
     /// Where each session's agent recovery stands (`progress.rs`).
     pub(crate) agent_recoveries: crate::progress::AgentRecoveries,
     /// Messages sent to sessions whose agent is brought back (`turn/letters.rs`).
-    pub(crate) mailboxes: crate::turn::letters::Mailboxes,
+    pub(crate) mailboxes: crate::mailboxes::Mailboxes,
     /// Restarts of agents that exited by themselves (`restarts.rs`).
     pub(crate) agent_restarts: crate::restarts::AgentRestarts,
     /// The pass's slots held by its recoveries, by session: a recovery
@@ -245,7 +245,7 @@ impl SessionManager {
                 workspaces_back: tokio::sync::watch::Sender::new(false),
                 launches,
                 agent_recoveries: crate::progress::AgentRecoveries::default(),
-                mailboxes: crate::turn::letters::Mailboxes::default(),
+                mailboxes: crate::mailboxes::Mailboxes::default(),
                 agent_restarts: crate::restarts::AgentRestarts::default(),
                 pass_slots: StdMutex::default(),
                 workspaces_ready: crate::pass::WorkspacesReady::default(),

@@ -4,7 +4,7 @@
 //! its history, and a launch slot may be minutes away: helper-51 1).
 //!
 //! A recovery that launches or reopens an agent opens the session's
-//! *mailbox* for that step ([`Mailboxes::open`]). A queueable send
+//! *mailbox* for that step ([`Mailboxes::open`](crate::mailboxes::Mailboxes::open)). A queueable send
 //! ([`Turns::post_while_recovering`]) posts its message there as a
 //! [`Letter`]; the recovery, between the step's own awaits
 //! ([`serve_during`]), reads the session under its lock, appends the
@@ -19,73 +19,15 @@
 //! the recovery did not take (its step ended first, the session is in no
 //! state to queue) is answered `None`, and the send goes the usual way.
 
-use std::{collections::HashMap, future::Future, sync::Mutex};
+use std::future::Future;
 
 use sessiond_domain::{MessageId, QueuedMessage, Session, SessionId, SessionState, queue};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::mailboxes::{Letter, Mailbox};
+
 use super::{INTERRUPTED_TURN_KEY, Turns};
-use crate::{Result, Sent, sync::lock};
-
-/// What a call asks of the recovery holding its session.
-pub(crate) enum Letter {
-    /// Queue a message.
-    Send {
-        text: String,
-        /// The message's id when the send named one (its request id).
-        id: Option<MessageId>,
-        /// The send's request id.
-        key: Option<String>,
-        /// `Some`: what became of it; `None`: not taken, send it the usual
-        /// way.
-        reply: oneshot::Sender<Result<Option<Sent>>>,
-    },
-    /// Take a queued message off the queue.
-    Unqueue {
-        id: MessageId,
-        reply: oneshot::Sender<Result<(QueuedMessage, Session)>>,
-    },
-}
-
-/// Open mailboxes, by session.
-#[derive(Default)]
-pub(crate) struct Mailboxes {
-    open: Mutex<HashMap<SessionId, mpsc::UnboundedSender<Letter>>>,
-    /// Woken at each [`Self::open`].
-    opened: tokio::sync::Notify,
-}
-
-/// A session's open mailbox; closed when dropped.
-pub(crate) struct Mailbox<'a> {
-    boxes: &'a Mailboxes,
-    session: SessionId,
-    letters: mpsc::UnboundedReceiver<Letter>,
-}
-
-impl Drop for Mailbox<'_> {
-    fn drop(&mut self) {
-        lock(&self.boxes.open).remove(&self.session);
-        // Letters still in it are answered `None` as they drop.
-    }
-}
-
-impl Mailboxes {
-    /// Opens `session`'s mailbox (the caller holds the session's lock).
-    pub(crate) fn open(&self, session: SessionId) -> Mailbox<'_> {
-        let (tx, letters) = mpsc::unbounded_channel();
-        lock(&self.open).insert(session, tx);
-        self.opened.notify_waiters();
-        Mailbox {
-            boxes: self,
-            session,
-            letters,
-        }
-    }
-
-    fn sender(&self, session: SessionId) -> Option<mpsc::UnboundedSender<Letter>> {
-        lock(&self.open).get(&session).cloned()
-    }
-}
+use crate::{Result, Sent};
 
 /// Runs `step`, taking the letters posted to `mailbox` meanwhile; the
 /// session as the last letter's commit left it goes to `latest`. The step
@@ -179,7 +121,7 @@ impl Turns<'_> {
         let boxes = &self.inner.mailboxes;
         let until = tokio::time::Instant::now() + super::start::RECOVERY_WAIT;
         loop {
-            let opened = boxes.opened.notified();
+            let opened = boxes.opened().notified();
             tokio::pin!(opened);
             opened.as_mut().enable();
             if self.agent_runs(session_id) {
