@@ -1484,7 +1484,17 @@ impl ExecutorRecovery<'_> {
                                     health.modes.as_ref().map(crate::ops::agent_modes),
                                 );
                             }
-                            run.agent_state = Some(health.agent_state);
+                            // An agent still reopening its conversation (a
+                            // predecessor's resume, found by a restart of
+                            // sessiond alone) is waited for as a launch is,
+                            // holding a launch slot (helper-57 F4: two such
+                            // loads ran beside two new launches at a limit of 2).
+                            run.agent_state = Some(match health.agent_state {
+                                AgentState::Ready if health.progress.resuming => {
+                                    AgentState::Starting
+                                }
+                                state => state,
+                            });
                             Observation::Healthy { agent: run.agent }
                         }
                         // Not hung: agentctl serves a newer owner. Never
