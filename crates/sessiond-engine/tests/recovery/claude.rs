@@ -209,11 +209,30 @@ async fn claude_sessions_come_back_after_kill9_of_everything() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
-    // The restart: what `sessiond serve` does before SERVING, nothing more.
+    // The restart: what `sessiond serve` does before SERVING, nothing more;
+    // and a message to the first session while its agent comes back (queued
+    // at once by its recovery, or sent if the agent was back already).
     let mgr = w.manager_with(ManagerConfig::default());
     let restarted = Instant::now();
-    let summary = mgr.recovery().recover_all().await.unwrap();
+    let pass = {
+        let mgr = mgr.clone();
+        tokio::spawn(async move { mgr.recovery().recover_all().await })
+    };
+    const EARLY: &str = "sent while the agent comes back";
+    let early = tokio::time::timeout(RECOVERY_LIMIT, mgr.send_or_queue(w.task.id, ids[0], EARLY))
+        .await
+        .expect("the early send never returned")
+        .unwrap();
+    let early_in = restarted.elapsed();
+    let summary = pass.await.unwrap().unwrap();
     let pass = restarted.elapsed();
+    eprintln!(
+        "claude recovery: the early send answered {} after {early_in:?}",
+        match early {
+            sessiond_engine::Sent::Queued(_) => "queued",
+            sessiond_engine::Sent::Started(_) => "started",
+        }
+    );
     // Settled: each session is back (waiting, its agent running on a ready
     // executor) or has a verdict (ERROR, or ended). Anything else (STARTING,
     // a retry in the background) is waited for, up to the overall limit.
@@ -264,14 +283,34 @@ async fn claude_sessions_come_back_after_kill9_of_everything() {
         bad.join("\n")
     );
 
+    // The early message reached the model once, with the history, and its
+    // reply is stored after it.
+    let msgs = w.messages(ids[0]).await;
+    let at = msgs
+        .iter()
+        .position(|m| m.role == MessageRole::User && m.content == EARLY)
+        .unwrap_or_else(|| panic!("the early message is not stored: {msgs:?}"));
+    assert_eq!(
+        msgs.get(at + 1).map(|m| m.content.as_str()),
+        Some(format!("claude-fake: you said \"{EARLY}\" (2 user messages)").as_str()),
+        "{msgs:?}"
+    );
+    let asked = fake
+        .agent_turns()
+        .iter()
+        .filter(|r| r.prompt.as_deref() == Some(EARLY))
+        .count();
+    assert_eq!(asked, 1, "the early message reached the model once");
+
     // Each conversation goes on where it was.
     for (i, id) in ids.iter().enumerate() {
         w.track(*id).await;
         let text = format!("after the restart {i}");
         let reply = prompt(&w, &mgr, *id, &text).await;
+        let earlier = if i == 0 { 3 } else { 2 };
         assert_eq!(
             reply,
-            format!("claude-fake: you said \"{text}\" (2 user messages)"),
+            format!("claude-fake: you said \"{text}\" ({earlier} user messages)"),
             "session {i}"
         );
     }
