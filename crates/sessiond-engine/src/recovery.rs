@@ -1140,9 +1140,6 @@ impl ExecutorRecovery<'_> {
                     Box::pin(self.finish(run, outcome, attempt)).await?;
                     return Ok(label);
                 }
-                // Each step boxes its own future (`perform`): a recovery's
-                // future stays a few KiB instead of tens, which every move
-                // of it would copy.
                 // The agent's launch and resume take as long as the agent
                 // does: messages sent meanwhile are queued at once (the
                 // step writes no session, so the letters' commits do not
@@ -1158,6 +1155,9 @@ impl ExecutorRecovery<'_> {
                     }
                     observed
                 }
+                // Each step boxes its own future (`perform`): a recovery's
+                // future stays a few KiB instead of tens, which every move
+                // of it would copy.
                 action => {
                     self.perform(&mut run, action, deadline, retry, priority())
                         .await?
