@@ -976,6 +976,40 @@ async fn a_slow_agent_does_not_hold_its_workspace_after_a_restart() {
     w.finish(&mgr, &ids).await;
 }
 
+/// Two sessions of an agent held at its start gate, each prompted once,
+/// then kill -9 of everything and a restart with one launch slot, the
+/// gate closed and the pass running in the background: (world, the two
+/// sessions, the gate, the new manager, its pass).
+async fn two_gated_sessions_restarted() -> (
+    World,
+    [sessiond_domain::Session; 2],
+    std::path::PathBuf,
+    std::sync::Arc<sessiond_engine::SessionManager>,
+    tokio::task::JoinHandle<sessiond_engine::Result<sessiond_engine::RecoverySummary>>,
+) {
+    let w = World::new(Db::Sqlite).await;
+    let (gated, gate) = w.gated_profile("gated").await;
+    let config = ManagerConfig {
+        launches: sessiond_engine::LaunchLimits { initial: 1, max: 1 },
+        ..patient()
+    };
+    let mgr = w.manager_with(config.clone());
+    let a = w.create_with(&mgr, "a", &gated, None).await;
+    let b = w.create_with(&mgr, "b", &gated, None).await;
+    for s in [&a, &b] {
+        w.prompt(&mgr, s.id, "one").await;
+    }
+    mgr.shutdown();
+    drop(mgr);
+    for s in [&a, &b] {
+        kill_tree(w.record(s.id).await.pid.unwrap()).await;
+    }
+    std::fs::write(&gate, b"closed").unwrap();
+    let mgr = std::sync::Arc::new(w.manager_with(config));
+    let pass = pass_in_background(&mgr);
+    (w, [a, b], gate, mgr, pass)
+}
+
 /// helper-51 1: after kill -9 of everything, a message to a session whose
 /// agent is still coming back (one held at its start gate, one waiting for
 /// the host's only launch slot behind it) is queued at once by the
@@ -986,28 +1020,8 @@ async fn a_slow_agent_does_not_hold_its_workspace_after_a_restart() {
 /// delivered, once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_to_a_session_whose_agent_is_coming_back_is_queued_at_once() {
-    let w = World::new(Db::Sqlite).await;
-    let (gated, gate) = w.gated_profile("gated").await;
-    let config = ManagerConfig {
-        launches: sessiond_engine::LaunchLimits { initial: 1, max: 1 },
-        ..patient()
-    };
-    let mgr = w.manager_with(config.clone());
-    let a = w.create_with(&mgr, "a", &gated, None).await;
-    let b = w.create_with(&mgr, "b", &gated, None).await;
+    let (w, [a, b], gate, mgr, pass) = two_gated_sessions_restarted().await;
     let ids = [a.id, b.id];
-    for s in [&a, &b] {
-        w.prompt(&mgr, s.id, "one").await;
-    }
-    mgr.shutdown();
-    drop(mgr);
-    for s in [&a, &b] {
-        kill_tree(w.record(s.id).await.pid.unwrap()).await;
-    }
-
-    std::fs::write(&gate, b"closed").unwrap();
-    let mgr = std::sync::Arc::new(w.manager_with(config));
-    let pass = pass_in_background(&mgr);
     let mut queued = Vec::new();
     for id in ids {
         let message = sessiond_engine::Outgoing {
@@ -1090,28 +1104,9 @@ async fn a_message_to_a_session_whose_agent_is_coming_back_is_queued_at_once() {
 /// (`executor_only`), and the slow one comes back once it starts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_during_recovery_does_not_wait_for_a_launch() {
-    let w = World::new(Db::Sqlite).await;
-    let (gated, gate) = w.gated_profile("gated").await;
-    let config = ManagerConfig {
-        launches: sessiond_engine::LaunchLimits { initial: 1, max: 1 },
-        ..patient()
-    };
-    let mgr = w.manager_with(config.clone());
-    let a = w.create_with(&mgr, "a", &gated, None).await;
-    let b = w.create_with(&mgr, "b", &gated, None).await;
+    let (w, [a, b], gate, mgr, pass) = two_gated_sessions_restarted().await;
     let token_a = a.resume_token.clone().unwrap();
     let token_b = b.resume_token.clone().unwrap();
-    w.prompt(&mgr, a.id, "one").await;
-    w.prompt(&mgr, b.id, "one").await;
-    mgr.shutdown();
-    drop(mgr);
-    for s in [&a, &b] {
-        kill_tree(w.record(s.id).await.pid.unwrap()).await;
-    }
-
-    std::fs::write(&gate, b"closed").unwrap();
-    let mgr = std::sync::Arc::new(w.manager_with(config));
-    let pass = pass_in_background(&mgr);
     // One of them holds the slot (its agent waits at the gate), the other
     // waits for the slot: that one is stopped.
     let deadline = Instant::now() + Duration::from_secs(60);
