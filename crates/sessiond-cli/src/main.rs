@@ -1144,7 +1144,12 @@ async fn not_sent_unless_delivered(
                 return Ok(());
             }
             if m.role == pb::MessageRole::System as i32 && m.content.contains("not sent") {
-                why = Some(output::text(&m.content));
+                // "N queued message(s) were not sent: <why>": the why alone.
+                let said = m
+                    .content
+                    .split_once("were not sent: ")
+                    .map_or(m.content.as_str(), |(_, why)| why);
+                why = Some(output::text(said));
             }
         }
         if page.next_after_seq == 0 {

@@ -35,6 +35,29 @@ pub(crate) struct Mailboxes {
     open: Mutex<HashMap<SessionId, mpsc::UnboundedSender<Letter>>>,
     /// Woken at each [`Self::open`].
     opened: tokio::sync::Notify,
+    /// Sends that go before the queue ([`GoesFirst`]), by session.
+    first: Mutex<HashMap<SessionId, usize>>,
+}
+
+/// Held by a send that cannot be queued (`no_queue`, attachments), made
+/// while the session's agent is brought back with nothing queued: messages
+/// queued after it wait for it (helper-58 F1: they went first, and it was
+/// then refused as the session was RUNNING).
+pub(crate) struct GoesFirst<'a> {
+    boxes: &'a Mailboxes,
+    session: SessionId,
+}
+
+impl Drop for GoesFirst<'_> {
+    fn drop(&mut self) {
+        let mut first = lock(&self.boxes.first);
+        if let Some(n) = first.get_mut(&self.session) {
+            *n -= 1;
+            if *n == 0 {
+                first.remove(&self.session);
+            }
+        }
+    }
 }
 
 /// A session's open mailbox; closed when dropped.
@@ -62,6 +85,20 @@ impl Mailboxes {
             session,
             letters,
         }
+    }
+
+    /// A send on `session` goes before the queue while the guard lives.
+    pub(crate) fn goes_first(&self, session: SessionId) -> GoesFirst<'_> {
+        *lock(&self.first).entry(session).or_default() += 1;
+        GoesFirst {
+            boxes: self,
+            session,
+        }
+    }
+
+    /// Whether a send on `session` goes before its queue now.
+    pub(crate) fn someone_first(&self, session: SessionId) -> bool {
+        lock(&self.first).contains_key(&session)
     }
 
     /// The open mailbox of `session`, if any.

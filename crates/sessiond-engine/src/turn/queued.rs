@@ -234,7 +234,8 @@ impl Turns<'_> {
                 limit: "queued messages per session",
                 max: MAX_QUEUED,
                 what: "queued messages",
-                hint: "wait for the running turn to end, or cancel a queued message",
+                hint: "wait for the queued messages to go to the agent, or take one off the queue \
+                       (CancelQueuedMessage; `sessionctl unqueue`)",
             });
         }
         if queue::queued_bytes(&session.metadata) + text.len() > MAX_QUEUED_BYTES {
@@ -242,7 +243,8 @@ impl Turns<'_> {
                 limit: "bytes of queued text per session",
                 max: MAX_QUEUED_BYTES,
                 what: "queued text",
-                hint: "wait for the running turn to end, or cancel a queued message",
+                hint: "wait for the queued messages to go to the agent, or take one off the queue \
+                       (CancelQueuedMessage; `sessionctl unqueue`)",
             });
         }
         let entry = QueuedMessage {
@@ -293,6 +295,11 @@ impl Turns<'_> {
         });
         if session.state != SessionState::WaitingForInput || !agent_runs {
             // A later commit, or the agent seen running again, kicks again.
+            return Ok(());
+        }
+        if self.inner.mailboxes.someone_first(session_id) {
+            // A send made before these were queued goes first; its end
+            // kicks the queue again.
             return Ok(());
         }
         if queue::is_held(&session.metadata) {

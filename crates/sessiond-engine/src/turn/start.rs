@@ -372,6 +372,15 @@ impl Turns<'_> {
         // Its agent being brought back, a message that may wait is queued
         // at once, not after the agent's launch and load.
         let queueable = queue && attachments.is_empty();
+        // One that cannot be queued, made while the agent is brought back
+        // with nothing queued yet, goes before what is queued after it.
+        let mut first = None;
+        if !queueable && (early.is_some() || self.recovery().is_bringing_back(session_id)) {
+            let stored = self.inner.store.get_session(session_id).await?;
+            if sessiond_domain::queue::is_empty(&stored.metadata) {
+                first = Some(self.inner.mailboxes.goes_first(session_id));
+            }
+        }
         let mut ahead = self.recover_ahead(session_id, early, queueable).await?;
         let posted = match queueable {
             true => {
@@ -429,7 +438,7 @@ impl Turns<'_> {
             }
             self.check_can_start_turn(&session, "send a message")
                 .await?;
-            if crate::turn::queued::queued_ahead(&session) {
+            if crate::turn::queued::queued_ahead(&session) && first.is_none() {
                 return Err(Error::InvalidState {
                     session_id,
                     state: session.state,
@@ -443,6 +452,12 @@ impl Turns<'_> {
                 .map(crate::Sent::Started)
         }
         .await;
+        if first.take().is_some() {
+            // What was queued behind it goes on (after its turn, if it
+            // started one).
+            drop(_guard);
+            crate::flows::QueuedMessages::kick_queue(self.0, session_id);
+        }
         // Where a slow call spent its time (availability while recovering).
         tracing::debug!(
             %session_id,

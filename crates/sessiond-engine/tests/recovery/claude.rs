@@ -214,6 +214,7 @@ async fn claude_sessions_come_back_after_kill9_of_everything() {
     // at once by its recovery, or sent if the agent was back already).
     let mgr = w.manager_with(ManagerConfig::default());
     let restarted = Instant::now();
+    mgr.recovery().expect_startup_recovery();
     let pass = {
         let mgr = mgr.clone();
         tokio::spawn(async move { mgr.recovery().recover_all().await })

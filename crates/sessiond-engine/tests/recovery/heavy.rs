@@ -81,10 +81,13 @@ fn patient() -> ManagerConfig {
     }
 }
 
-/// The startup pass of `mgr`, run in the background.
+/// The startup pass of `mgr`, run in the background; announced first, as
+/// `sessiond serve` does before it serves, so that no call slips in before
+/// the pass has loaded what it recovers.
 fn pass_in_background(
     mgr: &sessiond_engine::SessionManager,
 ) -> tokio::task::JoinHandle<sessiond_engine::Result<sessiond_engine::RecoverySummary>> {
+    mgr.recovery().expect_startup_recovery();
     let mgr = mgr.clone();
     tokio::spawn(async move { mgr.recovery().recover_all().await })
 }
