@@ -7,7 +7,10 @@ use std::{collections::HashMap, sync::Mutex};
 use sessiond_domain::{MessageId, QueuedMessage, Session, SessionId};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::{Result, Sent, sync::lock};
+use crate::{
+    Result, Sent,
+    sync::{Held, Holds, lock},
+};
 
 /// What a call asks of the recovery holding its session.
 pub(crate) enum Letter {
@@ -35,29 +38,8 @@ pub(crate) struct Mailboxes {
     open: Mutex<HashMap<SessionId, mpsc::UnboundedSender<Letter>>>,
     /// Woken at each [`Self::open`].
     opened: tokio::sync::Notify,
-    /// Sends that go before the queue ([`GoesFirst`]), by session.
-    first: Mutex<HashMap<SessionId, usize>>,
-}
-
-/// Held by a send that cannot be queued (`no_queue`, attachments), made
-/// while the session's agent is brought back with nothing queued: messages
-/// queued after it wait for it (helper-58 F1: they went first, and it was
-/// then refused as the session was RUNNING).
-pub(crate) struct GoesFirst<'a> {
-    boxes: &'a Mailboxes,
-    session: SessionId,
-}
-
-impl Drop for GoesFirst<'_> {
-    fn drop(&mut self) {
-        let mut first = lock(&self.boxes.first);
-        if let Some(n) = first.get_mut(&self.session) {
-            *n -= 1;
-            if *n == 0 {
-                first.remove(&self.session);
-            }
-        }
-    }
+    /// Sessions where a send goes before the queue ([`Self::goes_first`]).
+    first: Holds<SessionId>,
 }
 
 /// A session's open mailbox; closed when dropped.
@@ -87,18 +69,18 @@ impl Mailboxes {
         }
     }
 
-    /// A send on `session` goes before the queue while the guard lives.
-    pub(crate) fn goes_first(&self, session: SessionId) -> GoesFirst<'_> {
-        *lock(&self.first).entry(session).or_default() += 1;
-        GoesFirst {
-            boxes: self,
-            session,
-        }
+    /// A send on `session` goes before the queue while the guard lives:
+    /// one that cannot be queued (`no_queue`, attachments), made while the
+    /// session's agent is brought back with nothing queued, so messages
+    /// queued after it wait for it (helper-58 F1: they went first, and it
+    /// was then refused as the session was RUNNING).
+    pub(crate) fn goes_first(&self, session: SessionId) -> Held<'_, SessionId> {
+        self.first.hold(session)
     }
 
     /// Whether a send on `session` goes before its queue now.
     pub(crate) fn someone_first(&self, session: SessionId) -> bool {
-        lock(&self.first).contains_key(&session)
+        self.first.is_held(session)
     }
 
     /// The open mailbox of `session`, if any.

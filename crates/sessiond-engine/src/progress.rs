@@ -16,7 +16,10 @@ use std::{
 
 use sessiond_domain::{AgentRecovery, RecoveryStage, SessionId};
 
-use crate::{launches::CpuWait, sync::lock};
+use crate::{
+    launches::CpuWait,
+    sync::{Held, Holds, lock},
+};
 
 #[derive(Debug, Clone)]
 struct Entry {
@@ -37,27 +40,9 @@ pub(crate) struct AgentRecoveries {
     done: tokio::sync::Notify,
     /// Sessions a stop or delete is ending (how many at once): their
     /// recovery launches no agent (see [`Self::withdraw`]).
-    withdrawn: Mutex<HashMap<SessionId, usize>>,
+    withdrawn: Holds<SessionId>,
     /// Woken at each [`Self::withdraw`].
     withdrawing: tokio::sync::Notify,
-}
-
-/// Held while a stop or delete ends a session; see [`AgentRecoveries::withdraw`].
-pub(crate) struct Withdrawal<'a> {
-    recoveries: &'a AgentRecoveries,
-    session: SessionId,
-}
-
-impl Drop for Withdrawal<'_> {
-    fn drop(&mut self) {
-        let mut withdrawn = lock(&self.recoveries.withdrawn);
-        if let Some(n) = withdrawn.get_mut(&self.session) {
-            *n -= 1;
-            if *n == 0 {
-                withdrawn.remove(&self.session);
-            }
-        }
-    }
 }
 
 impl AgentRecoveries {
@@ -141,18 +126,15 @@ impl AgentRecoveries {
     /// recovery (it holds the session's lock) and then ends the session
     /// and its executor; launching an agent only to stop it cost a real
     /// agent's whole start (helper-34: a stop during recovery took 11 s).
-    pub(crate) fn withdraw(&self, session: SessionId) -> Withdrawal<'_> {
-        *lock(&self.withdrawn).entry(session).or_default() += 1;
+    pub(crate) fn withdraw(&self, session: SessionId) -> Held<'_, SessionId> {
+        let held = self.withdrawn.hold(session);
         self.withdrawing.notify_waiters();
-        Withdrawal {
-            recoveries: self,
-            session,
-        }
+        held
     }
 
     /// Whether a stop or delete is ending `session` ([`Self::withdraw`]).
     pub(crate) fn is_withdrawn(&self, session: SessionId) -> bool {
-        lock(&self.withdrawn).contains_key(&session)
+        self.withdrawn.is_held(session)
     }
 
     /// Resolves once a stop or delete is ending `session`.
