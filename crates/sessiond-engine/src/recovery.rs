@@ -421,6 +421,13 @@ impl RecoveryControl<'_> {
         Queue(self.0).is_recovering(session) || self.0.inner.agent_recoveries.under_way(session)
     }
 
+    /// [`Self::is_bringing_back`], once an announced pass has loaded what
+    /// it recovers (until then it is not known whether `session` is in it).
+    pub(crate) async fn bringing_back(&self, session: SessionId) -> bool {
+        Queue(self.0).queue_filled().await;
+        self.is_bringing_back(session)
+    }
+
     /// Resolves once sessiond no longer brings `session` back
     /// ([`Self::is_bringing_back`] false), or after `limit`.
     pub(crate) async fn brought_back(&self, session: SessionId, limit: Duration) {

@@ -80,6 +80,28 @@ impl SessionManager {
     ) -> Result<(Message, MessageId)> {
         let early = self.precede_pass(session_id);
         self.check_task(task, session_id).await?;
+        // No turn interrupted, and none pending that the agent's coming
+        // back could end interrupted: answer now, not once the agent is
+        // back (helper-58 F2).
+        if self.recovery().bringing_back(session_id).await {
+            let stored = self.inner.store.get_session(session_id).await?;
+            let settled = stored.state != SessionState::Running
+                && !stored.metadata.contains_key(TURN_KEY)
+                && !stored.metadata.contains_key(INTERRUPTED_TURN_KEY);
+            if settled {
+                let msgs = match message {
+                    Some(_) => {
+                        self.inner
+                            .store
+                            .list_messages(session_id, 0, u32::MAX)
+                            .await?
+                    }
+                    None => Vec::new(),
+                };
+                // With no turn interrupted, always the error to answer.
+                interrupted_turn_message(session_id, message, None, &msgs)?;
+            }
+        }
         let _ahead = self.recover_ahead(session_id, early, false).await?;
         Turns(self).wait_agent_recovery(session_id).await;
         let _guard = self.inner.sessions.lock(session_id).await;
@@ -96,51 +118,7 @@ impl SessionManager {
             .store
             .list_messages(session_id, 0, u32::MAX)
             .await?;
-        let original = match (message, interrupted) {
-            (Some(m), interrupted) => {
-                let Some(found) = msgs.iter().find(|x| x.id == m) else {
-                    return Err(Error::NotFound {
-                        entity: "message",
-                        id: format!("{m} (in session {session_id})"),
-                    });
-                };
-                if found.role != MessageRole::User {
-                    return Err(Error::InvalidArgument(format!(
-                        "message_id: message {m} is a {} message; name the user message of the interrupted turn",
-                        found.role
-                    )));
-                }
-                if interrupted.as_deref() != Some(m.to_string().as_str()) {
-                    return Err(Error::TurnNotInterrupted {
-                        session_id,
-                        detail: match interrupted {
-                            Some(_) => format!(
-                                "message {m} is not the session's interrupted turn (only the last turn can be retried)"
-                            ),
-                            None => format!(
-                                "the turn of message {m} did not end interrupted, or a later message was sent"
-                            ),
-                        },
-                    });
-                }
-                found.clone()
-            }
-            (None, Some(turn)) => msgs
-                .iter()
-                .find(|x| x.role == MessageRole::User && x.id.to_string() == turn)
-                .cloned()
-                .ok_or_else(|| {
-                    Error::Internal(format!(
-                        "interrupted turn {turn} has no stored user message"
-                    ))
-                })?,
-            (None, None) => {
-                return Err(Error::TurnNotInterrupted {
-                    session_id,
-                    detail: "its last turn did not end interrupted".into(),
-                });
-            }
-        };
+        let original = interrupted_turn_message(session_id, message, interrupted, &msgs)?;
         let message = Turns(self).start_turn(session, &original.content).await?;
         tracing::info!(session = %session_id, retried = %original.id, turn = %message.id,
             "interrupted turn retried on the user's request");
@@ -156,6 +134,15 @@ impl SessionManager {
     /// update pump takes it to end the turn.
     pub async fn cancel_turn(&self, task: TaskId, session_id: SessionId) -> Result<bool> {
         let session = match self.session_of_task(task, session_id).await {
+            // No turn was running when the agent went: there is none to
+            // cancel while it is brought back (a queued message starts its
+            // turn after); say so now, not once it is back (helper-58 F2).
+            Ok(found)
+                if found.state != SessionState::Running
+                    && self.recovery().bringing_back(session_id).await =>
+            {
+                Ok(found)
+            }
             Ok(_) => {
                 self.ensure_recovered(session_id).await?;
                 self.inner
@@ -1108,4 +1095,58 @@ where
         }
     }
     tokio::join!(commit, prompt)
+}
+
+/// The user message of the session's interrupted turn that a retry runs
+/// again: `message` if it names that turn, else the turn `interrupted`
+/// names; an error a user can act on otherwise.
+fn interrupted_turn_message(
+    session_id: SessionId,
+    message: Option<MessageId>,
+    interrupted: Option<String>,
+    msgs: &[Message],
+) -> Result<Message> {
+    match (message, interrupted) {
+        (Some(m), interrupted) => {
+            let Some(found) = msgs.iter().find(|x| x.id == m) else {
+                return Err(Error::NotFound {
+                    entity: "message",
+                    id: format!("{m} (in session {session_id})"),
+                });
+            };
+            if found.role != MessageRole::User {
+                return Err(Error::InvalidArgument(format!(
+                    "message_id: message {m} is a {} message; name the user message of the interrupted turn",
+                    found.role
+                )));
+            }
+            if interrupted.as_deref() != Some(m.to_string().as_str()) {
+                return Err(Error::TurnNotInterrupted {
+                    session_id,
+                    detail: match interrupted {
+                        Some(_) => format!(
+                            "message {m} is not the session's interrupted turn (only the last turn can be retried)"
+                        ),
+                        None => format!(
+                            "the turn of message {m} did not end interrupted, or a later message was sent"
+                        ),
+                    },
+                });
+            }
+            Ok(found.clone())
+        }
+        (None, Some(turn)) => msgs
+            .iter()
+            .find(|x| x.role == MessageRole::User && x.id.to_string() == turn)
+            .cloned()
+            .ok_or_else(|| {
+                Error::Internal(format!(
+                    "interrupted turn {turn} has no stored user message"
+                ))
+            }),
+        (None, None) => Err(Error::TurnNotInterrupted {
+            session_id,
+            detail: "its last turn did not end interrupted".into(),
+        }),
+    }
 }

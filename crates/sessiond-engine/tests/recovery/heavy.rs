@@ -1099,6 +1099,55 @@ async fn a_message_to_a_session_whose_agent_is_coming_back_is_queued_at_once() {
     w.finish(&mgr, &ids).await;
 }
 
+/// helper-58 F2: after kill -9 of everything, a cancel or a retry on a
+/// session with no turn in flight, whose agent is still coming back (one
+/// held at its start gate, one waiting for the host's only launch slot),
+/// waited for the agent and then answered what was known before: no turn
+/// in progress, none interrupted. They answer at once now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_or_retry_with_no_turn_answers_while_the_agent_comes_back() {
+    let (w, [a, b], gate, mgr, pass) = two_gated_sessions_restarted().await;
+    let ids = [a.id, b.id];
+    for id in ids {
+        // The gate stays closed: waiting for the agent would wait for the
+        // executor deadline (120 s) at least.
+        let cancel = tokio::time::timeout(Duration::from_secs(30), mgr.cancel_turn(w.task.id, id))
+            .await
+            .expect("the cancel waited for the agent");
+        match cancel {
+            Err(sessiond_engine::Error::InvalidState { hint, .. }) => {
+                assert_eq!(hint, "no turn is in progress")
+            }
+            other => panic!("not refused for want of a turn: {other:?}"),
+        }
+        let retry = mgr.retry_turn(w.task.id, id, None);
+        let retry = tokio::time::timeout(Duration::from_secs(30), retry)
+            .await
+            .expect("the retry waited for the agent");
+        assert!(
+            matches!(
+                retry,
+                Err(sessiond_engine::Error::TurnNotInterrupted { .. })
+            ),
+            "{retry:?}"
+        );
+        let st = w.status(&mgr, id).await;
+        assert!(st.recovering && !st.is_agent_running, "{st:?}");
+    }
+    assert!(gate.exists(), "the gate opened early");
+
+    std::fs::remove_file(&gate).unwrap();
+    let summary = pass.await.unwrap().unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 2, "{summary:?}");
+    for s in [&a, &b] {
+        w.track(s.id).await;
+        let token = s.resume_token.clone().unwrap();
+        let reply = w.prompt(&mgr, s.id, "two").await;
+        assert_eq!(reply, expected_reply(2, &token, "two"));
+    }
+    w.finish(&mgr, &ids).await;
+}
+
 /// helper-31 D5, helper-34: a stop of a session whose recovery waits for a
 /// launch slot (the host's only slot held by another agent that is slow to
 /// start) waited for that slot and for its own agent's launch, only to
