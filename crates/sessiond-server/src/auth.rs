@@ -21,7 +21,7 @@ use crate::{config::AllowedOrigins, limits::Caller};
 
 /// Paths that never need a token: health checks by load balancers and
 /// orchestrators.
-const PUBLIC_PREFIX: &str = "/grpc.health.v1.Health/";
+pub(crate) const PUBLIC_PREFIX: &str = "/grpc.health.v1.Health/";
 
 /// sessiond's authentication as a tower layer, for the services of
 /// [`crate::Services`]: every call but `grpc.health.v1` must carry

@@ -110,8 +110,9 @@ pub struct SessiondBuilder {
     store: Option<Store>,
     executors: Vec<Arc<dyn Executor>>,
     agentctl_env: Option<Vec<(String, String)>>,
-    /// `serve`: a PostgreSQL that does not answer yet is waited for.
-    wait_for_database: bool,
+    /// `serve`: a PostgreSQL that does not answer yet is waited for, its
+    /// last error told here.
+    wait_for_database: Option<tokio::sync::watch::Sender<Option<String>>>,
     #[cfg(feature = "test-hooks")]
     recovery_gate: Option<PassGate>,
     #[cfg(feature = "test-hooks")]
@@ -146,9 +147,12 @@ impl SessiondBuilder {
     /// A PostgreSQL that does not answer yet (starting with the machine,
     /// restarting) is waited for instead of failing the build: what
     /// `sessiond serve` does, so that a supervisor is not needed to order
-    /// it after the database.
-    pub(crate) fn waiting_for_database(mut self) -> Self {
-        self.wait_for_database = true;
+    /// it after the database. Each failed attempt's error is sent to `told`.
+    pub(crate) fn waiting_for_database(
+        mut self,
+        told: tokio::sync::watch::Sender<Option<String>>,
+    ) -> Self {
+        self.wait_for_database = Some(told);
         self
     }
 
@@ -207,10 +211,10 @@ impl SessiondBuilder {
         // Before the store is opened: a second sessiond on the same SQLite
         // file (or data directory) stops here, having touched nothing.
         let instance_lock = crate::replica::lock_instance(&config)?;
-        let store = match self.store {
-            Some(store) => store,
-            None if self.wait_for_database => serve::open_store_waiting(&config).await?,
-            None => serve::open_store(&config).await?,
+        let store = match (self.store, self.wait_for_database) {
+            (Some(store), _) => store,
+            (None, Some(told)) => serve::open_store_waiting(&config, &told).await?,
+            (None, None) => serve::open_store(&config).await?,
         };
         serve::seed_profiles(&store, &config).await?;
         let agentctl_env = self.agentctl_env.unwrap_or_else(inherited_agentctl_env);
@@ -479,7 +483,7 @@ impl Sessiond {
             store: None,
             executors: Vec::new(),
             agentctl_env: None,
-            wait_for_database: false,
+            wait_for_database: None,
             #[cfg(feature = "test-hooks")]
             recovery_gate: None,
             #[cfg(feature = "test-hooks")]

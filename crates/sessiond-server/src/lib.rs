@@ -38,6 +38,7 @@ mod limits;
 mod metrics;
 mod replica;
 mod serve;
+mod waiting;
 
 pub use api::Api;
 pub use auth::AuthLayer;

@@ -46,7 +46,7 @@ impl SessiondBuilder {
     /// [`crate::serve`] with this builder's parts: builds, then serves until
     /// SIGTERM or ctrl-c.
     pub async fn serve(self) -> Result<()> {
-        Ok(serve_until(self.waiting_for_database(), shutdown_signal()).await?)
+        Ok(serve_until(self, shutdown_signal()).await?)
     }
 }
 
@@ -62,29 +62,45 @@ async fn serve_until(
     if matches!(config.auth, AuthConfig::Disabled) {
         tracing::warn!(listen = %config.listen, "authentication is disabled (--insecure-no-auth); loopback only");
     }
-    let sessiond = builder.build().await?;
-
-    let listener = TcpListener::bind(config.listen)
-        .await
-        .with_context(|| format!("listen: cannot bind {}", config.listen))?;
-    let local_addr = listener.local_addr()?;
-    let metrics_listener = match config.metrics_listen {
-        Some(addr) => Some(
-            TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("metrics.listen: cannot bind {addr}"))?,
-        ),
-        None => None,
+    let (told, mut database) = tokio::sync::watch::channel(None::<String>);
+    let build = builder.waiting_for_database(told).build();
+    tokio::pin!(build);
+    // Once the database is found not to answer yet: the sockets, bound
+    // then (after the instance lock) and served by `serve_while_waiting`
+    // until the build is done; dropping `meanwhile` stops that server and
+    // the real one takes the same socket over.
+    let mut bound = None;
+    let mut meanwhile: Option<tokio::sync::oneshot::Sender<()>> = None;
+    let mut told_closed = false;
+    let sessiond = loop {
+        tokio::select! {
+            built = &mut build => break built?,
+            changed = database.changed(), if bound.is_none() && !told_closed => {
+                if changed.is_err() {
+                    told_closed = true;
+                    continue;
+                }
+                let (listener, metrics_listener) = bind(&config).await?;
+                meanwhile = Some(
+                    serve_while_waiting(&config, listener.try_clone()?, database.clone()).await?,
+                );
+                announce(listener.local_addr()?, metrics_listener.as_ref())?;
+                bound = Some((listener, metrics_listener));
+            }
+        }
     };
+    drop(meanwhile);
+    let announced = bound.is_some();
+    let (listener, metrics_listener) = match bound {
+        Some(bound) => bound,
+        None => bind(&config).await?,
+    };
+    let local_addr = listener.local_addr()?;
+    let listener = TcpListener::from_std(listener)?;
     // Registered before the first recovery pass claims anything.
     sessiond.start(&local_addr.to_string()).await?;
-    // Machine-readable lines on stdout so scripts (and tests) find the ports.
-    #[allow(clippy::print_stdout)]
-    {
-        println!("sessiond listening on {local_addr}");
-        if let Some(l) = &metrics_listener {
-            println!("sessiond metrics on {}", l.local_addr()?);
-        }
+    if !announced {
+        announce(local_addr, metrics_listener.as_ref())?;
     }
     if let Some(l) = metrics_listener {
         let limits = metrics::HttpLimits {
@@ -99,35 +115,10 @@ async fn serve_until(
         ));
     }
 
-    let tokens = match &config.auth {
-        AuthConfig::Tokens(t) => Some(t.clone()),
-        AuthConfig::Disabled => None,
-    };
-    let mut builder = tonic::transport::Server::builder();
-    if let Some((cert, key)) = &config.tls {
-        // ALPN offers h2, so browsers speak HTTP/2 (no 6-connection limit of
-        // HTTP/1.1); a client sending no ALPN may still speak HTTP/1.1.
-        let read = |key_name: &str, path: &std::path::Path| {
-            std::fs::read(path)
-                .with_context(|| format!("{key_name}: cannot read {}", path.display()))
-        };
-        let identity = tonic::transport::Identity::from_pem(
-            read("tls.cert_file", cert)?,
-            read("tls.key_file", key)?,
-        );
-        // A connection that never finishes its handshake (never sends a
-        // ClientHello, or stalls in it) is closed, not held open forever.
-        builder = builder
-            .tls_config(
-                tonic::transport::ServerTlsConfig::new()
-                    .identity(identity)
-                    .timeout(config.handshake_timeout),
-            )
-            .context("tls.cert_file / tls.key_file")?;
-    }
+    let tokens = api_tokens(&config);
     let services = sessiond.services();
     let request_body_timeout = config.request_body_timeout;
-    let router = builder
+    let router = tonic_server(&config)?
         .accept_http1(true)
         .layer(crate::console::ConsoleLayer)
         .layer(crate::cors::BrowserCorsLayer(cors_layer(&config.cors)))
@@ -183,6 +174,114 @@ async fn serve_until(
     Ok(())
 }
 
+/// The API's socket (a std listener, so that a second handle of it can
+/// serve while the database is awaited) and the metrics'.
+async fn bind(config: &Config) -> anyhow::Result<(std::net::TcpListener, Option<TcpListener>)> {
+    let listener = std::net::TcpListener::bind(config.listen)
+        .and_then(|l| l.set_nonblocking(true).map(|()| l))
+        .with_context(|| format!("listen: cannot bind {}", config.listen))?;
+    let metrics = match config.metrics_listen {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("metrics.listen: cannot bind {addr}"))?,
+        ),
+        None => None,
+    };
+    Ok((listener, metrics))
+}
+
+/// Machine-readable lines on stdout, so scripts (and tests) find the ports.
+#[allow(clippy::print_stdout)]
+fn announce(listening: std::net::SocketAddr, metrics: Option<&TcpListener>) -> std::io::Result<()> {
+    println!("sessiond listening on {listening}");
+    if let Some(l) = metrics {
+        println!("sessiond metrics on {}", l.local_addr()?);
+    }
+    Ok(())
+}
+
+/// The bearer tokens calls must present (`None`: authentication off).
+fn api_tokens(config: &Config) -> Option<Vec<String>> {
+    match &config.auth {
+        AuthConfig::Tokens(t) => Some(t.clone()),
+        AuthConfig::Disabled => None,
+    }
+}
+
+/// A tonic server with the configured TLS, if any.
+fn tonic_server(config: &Config) -> anyhow::Result<tonic::transport::Server> {
+    let mut builder = tonic::transport::Server::builder();
+    if let Some((cert, key)) = &config.tls {
+        // ALPN offers h2, so browsers speak HTTP/2 (no 6-connection limit of
+        // HTTP/1.1); a client sending no ALPN may still speak HTTP/1.1.
+        let read = |key_name: &str, path: &std::path::Path| {
+            std::fs::read(path)
+                .with_context(|| format!("{key_name}: cannot read {}", path.display()))
+        };
+        let identity = tonic::transport::Identity::from_pem(
+            read("tls.cert_file", cert)?,
+            read("tls.key_file", key)?,
+        );
+        // A connection that never finishes its handshake (never sends a
+        // ClientHello, or stalls in it) is closed, not held open forever.
+        builder = builder
+            .tls_config(
+                tonic::transport::ServerTlsConfig::new()
+                    .identity(identity)
+                    .timeout(config.handshake_timeout),
+            )
+            .context("tls.cert_file / tls.key_file")?;
+    }
+    Ok(builder)
+}
+
+/// Serves on `listener` (a second handle of the real server's socket)
+/// while the database does not answer: health NOT_SERVING, every other
+/// call told to retry (`waiting::WaitingLayer`), behind the same TLS and
+/// auth as the real server. Stops when the returned sender is dropped.
+async fn serve_while_waiting(
+    config: &Config,
+    listener: std::net::TcpListener,
+    why: tokio::sync::watch::Receiver<Option<String>>,
+) -> anyhow::Result<tokio::sync::oneshot::Sender<()>> {
+    let health = tonic_health::server::HealthReporter::new();
+    for service in crate::embed::HEALTH_SERVICES {
+        health
+            .set_service_status(*service, tonic_health::ServingStatus::NotServing)
+            .await;
+    }
+    let router = tonic_server(config)?
+        .accept_http1(true)
+        .layer(crate::waiting::WaitingLayer {
+            why: why.clone(),
+            http: true,
+        })
+        .layer(tonic_web::GrpcWebLayer::new())
+        .layer(AuthLayer::new(
+            api_tokens(config),
+            config.cors.allowed_origins.clone(),
+        ))
+        .layer(crate::waiting::WaitingLayer { why, http: false })
+        .add_service(tonic_health::pb::health_server::HealthServer::new(
+            tonic_health::server::HealthService::from_health_reporter(health),
+        ));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let incoming = first_bytes_within(
+        tcp_incoming(TcpListener::from_std(listener)?),
+        config.handshake_timeout,
+    );
+    tokio::spawn(async move {
+        let stopped = async {
+            let _ = stopped.await;
+        };
+        if let Err(e) = router.serve_with_incoming_shutdown(incoming, stopped).await {
+            tracing::warn!(error = %e, "the server answering while the database is awaited failed");
+        }
+    });
+    Ok(stop)
+}
+
 /// What `sessiond migrate` does: opens the database named by
 /// `config.database_url` and applies pending migrations.
 pub async fn migrate(config: Config) -> Result<()> {
@@ -226,7 +325,10 @@ pub(crate) async fn open_store(config: &Config) -> anyhow::Result<Store> {
 /// wrong password, a database that does not exist, a failed migration)
 /// fails at once. SIGTERM and ctrl-c still end the process meanwhile: the
 /// server installs its handlers only once it serves.
-pub(crate) async fn open_store_waiting(config: &Config) -> anyhow::Result<Store> {
+pub(crate) async fn open_store_waiting(
+    config: &Config,
+    told: &tokio::sync::watch::Sender<Option<String>>,
+) -> anyhow::Result<Store> {
     let mut pause = std::time::Duration::from_millis(500);
     let mut attempt = 1u32;
     loop {
@@ -241,11 +343,12 @@ pub(crate) async fn open_store_waiting(config: &Config) -> anyhow::Result<Store>
                 let error = e
                     .downcast_ref::<sessiond_store::Error>()
                     .map_or_else(|| format!("{e:#}"), ToString::to_string);
+                told.send_replace(Some(error.trim_end().to_owned()));
                 tracing::warn!(
                     attempt,
                     retry_in_ms = pause.as_millis() as u64,
                     error = error.trim_end(),
-                    "database_url: {} does not answer yet; waiting for it (sessiond serves once it answers)",
+                    "database_url: {} does not answer yet; waiting for it (sessiond serves once it answers; calls meanwhile are UNAVAILABLE)",
                     redact(&config.database_url)
                 );
                 tokio::time::sleep(pause).await;

@@ -62,9 +62,15 @@ async fn a_lost_database_is_unavailable_with_retry_advice() {
 
 /// PostgreSQL not answering yet when `sessiond serve` starts (the machine
 /// booting, both restarted together): sessiond waits for it, saying so in
-/// its log, and serves once it answers, instead of exiting.
+/// its log, and serves once it answers, instead of exiting. Meanwhile it
+/// listens (helper-50 4b: connections were refused): health says
+/// NOT_SERVING, a call is UNAVAILABLE `database_unavailable` with
+/// `retry-after-ms` and the database's error, and auth still applies.
 #[tokio::test]
 async fn serve_waits_for_a_database_that_is_not_up_yet() {
+    use tonic_health::pb::{
+        HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+    };
     let cluster = tokio::task::spawn_blocking(sessiond_testkit::postgres::start_cluster)
         .await
         .unwrap();
@@ -85,17 +91,52 @@ async fn serve_waits_for_a_database_that_is_not_up_yet() {
             start_with(&data, &["--database-url", &url], Some(TOKEN), Some(&log))
         })
     };
+    // It listens while it waits, and says it waits.
+    let server = tokio::time::timeout(Duration::from_secs(120), server)
+        .await
+        .expect("sessiond does not listen while it waits for its database")
+        .unwrap();
+    let logged = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        logged.contains("waiting for it (sessiond serves once it answers"),
+        "{logged}"
+    );
 
-    // It says it waits (and has not exited: its listening line is awaited).
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !std::fs::read_to_string(&log)
-        .unwrap_or_default()
-        .contains("waiting for it (sessiond serves once it answers)")
-    {
-        assert!(!server.is_finished(), "sessiond ended instead of waiting");
-        assert!(Instant::now() < deadline, "no wait in the log");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut health = HealthClient::new(channel(&server.addr).await);
+    for service in ["", "sessiond.v1.SessionService"] {
+        let status = health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status();
+        assert_eq!(status, ServingStatus::NotServing, "{service:?}");
     }
+    let mut c = sessions(&server).await;
+    let err = c
+        .list_tasks(pb::ListTasksRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert_eq!(
+        err.metadata().get("sessiond-error").unwrap(),
+        "database_unavailable",
+        "{err:?}"
+    );
+    assert!(err.metadata().get("retry-after-ms").is_some(), "{err:?}");
+    assert!(
+        err.message().contains("database does not answer yet") && err.message().contains("retry"),
+        "{}",
+        err.message()
+    );
+    let mut anonymous = sessions_with(&server, None).await;
+    let err = anonymous
+        .list_tasks(pb::ListTasksRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
 
     // The database comes up on that port: a forwarder to the cluster.
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
@@ -111,10 +152,36 @@ async fn serve_waits_for_a_database_that_is_not_up_yet() {
             });
         }
     });
-    let server = server.await.unwrap();
-    let mut c = sessions(&server).await;
-    let task = create_task(&mut c, "after the wait").await;
-    assert!(!task.id.is_empty());
+    // The same clients, on the same address, are served once it answers.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let task = loop {
+        match c
+            .create_task(pb::CreateTaskRequest {
+                title: "after the wait".into(),
+            })
+            .await
+        {
+            Ok(task) => break task.into_inner(),
+            Err(e) => {
+                assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+                assert!(Instant::now() < deadline, "never served: {e:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    assert!(!task.task.unwrap().id.is_empty());
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let status = health
+            .check(HealthCheckRequest::default())
+            .await
+            .map(|r| r.into_inner().status());
+        if matches!(status, Ok(ServingStatus::Serving)) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never SERVING: {status:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     forward.abort();
 }
 
