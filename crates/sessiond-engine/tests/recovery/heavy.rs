@@ -964,19 +964,34 @@ async fn a_slow_agent_does_not_hold_its_workspace_after_a_restart() {
         "b's agentctl was replaced"
     );
 
-    std::fs::remove_file(&gate).unwrap();
-    let summary = pass.await.unwrap().unwrap();
-    assert_eq!(summary.count(OutcomeLabel::Resumed), 2, "{summary:?}");
+    open_gate_and_prompt_again(&w, &mgr, &gate, pass, [&a, &b]).await;
     for s in [&a, &b] {
-        w.track(s.id).await;
-        let token = s.resume_token.clone().unwrap();
-        let reply = w.prompt(&mgr, s.id, "two").await;
-        assert_eq!(reply, expected_reply(2, &token, "two"));
         // One agent was launched for the recovery, not a second one beside it.
         let agentctl = w.record(s.id).await.pid.unwrap();
         assert_eq!(demo_agents_under(agentctl).len(), 1);
     }
     w.finish(&mgr, &ids).await;
+}
+
+/// Opens the start gate of two sessions' agents, waits for the pass to
+/// resume both, and prompts each once more: the agent answers from the
+/// whole history (its second prompt), and the session is tracked.
+async fn open_gate_and_prompt_again(
+    w: &World,
+    mgr: &sessiond_engine::SessionManager,
+    gate: &Path,
+    pass: tokio::task::JoinHandle<sessiond_engine::Result<sessiond_engine::RecoverySummary>>,
+    sessions: [&sessiond_domain::Session; 2],
+) {
+    std::fs::remove_file(gate).unwrap();
+    let summary = pass.await.unwrap().unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 2, "{summary:?}");
+    for s in sessions {
+        w.track(s.id).await;
+        let token = s.resume_token.clone().unwrap();
+        let reply = w.prompt(mgr, s.id, "two").await;
+        assert_eq!(reply, expected_reply(2, &token, "two"));
+    }
 }
 
 /// Two sessions of an agent held at its start gate, each prompted once,
@@ -1136,15 +1151,7 @@ async fn a_cancel_or_retry_with_no_turn_answers_while_the_agent_comes_back() {
     }
     assert!(gate.exists(), "the gate opened early");
 
-    std::fs::remove_file(&gate).unwrap();
-    let summary = pass.await.unwrap().unwrap();
-    assert_eq!(summary.count(OutcomeLabel::Resumed), 2, "{summary:?}");
-    for s in [&a, &b] {
-        w.track(s.id).await;
-        let token = s.resume_token.clone().unwrap();
-        let reply = w.prompt(&mgr, s.id, "two").await;
-        assert_eq!(reply, expected_reply(2, &token, "two"));
-    }
+    open_gate_and_prompt_again(&w, &mgr, &gate, pass, [&a, &b]).await;
     w.finish(&mgr, &ids).await;
 }
 
