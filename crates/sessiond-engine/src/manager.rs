@@ -92,6 +92,10 @@ pub(crate) struct Inner {
     pub(crate) agent_recoveries: crate::progress::AgentRecoveries,
     /// Messages sent to sessions whose agent is brought back (`turn/letters.rs`).
     pub(crate) mailboxes: crate::mailboxes::Mailboxes,
+    /// Sessions whose pump has a turn a restart left RUNNING to settle, by
+    /// the pumps that have (`turn/settle.rs`): a call that would start a
+    /// turn waits for its fate instead of finding it RUNNING.
+    pub(crate) settling: tokio::sync::watch::Sender<HashMap<SessionId, usize>>,
     /// Restarts of agents that exited by themselves (`restarts.rs`).
     pub(crate) agent_restarts: crate::restarts::AgentRestarts,
     /// The pass's slots held by its recoveries, by session: a recovery
@@ -246,6 +250,7 @@ impl SessionManager {
                 launches,
                 agent_recoveries: crate::progress::AgentRecoveries::default(),
                 mailboxes: crate::mailboxes::Mailboxes::default(),
+                settling: tokio::sync::watch::Sender::new(HashMap::new()),
                 agent_restarts: crate::restarts::AgentRestarts::default(),
                 pass_slots: StdMutex::default(),
                 workspaces_ready: crate::pass::WorkspacesReady::default(),

@@ -102,6 +102,8 @@ pub(super) struct Pump {
     pub(super) settle: Option<String>,
     /// agentctl's latest cursor when this pump started (for `settle`).
     pub(super) target: Option<u64>,
+    /// This pump counts in the manager's `settling` (`settle` is set).
+    pub(super) settling: bool,
     /// The agentctl instance `cursor` belongs to (empty: not known).
     pub(super) instance: String,
     /// The instance was checked against agentctl's before the first open.
@@ -1140,6 +1142,7 @@ impl Pump {
         let session = self.mgr.inner.store.get_session(self.session_id).await?;
         if let Some(turn) = pending_turn(&session) {
             self.settle = Some(turn);
+            self.note_settling();
             self.target = self.latest_cursor().await;
             self.try_settle().await;
         }
@@ -1422,10 +1425,13 @@ impl Turns<'_> {
             parts: HashMap::new(),
             settle: pending_turn(session),
             target: None,
+            settling: false,
             instance,
             instance_checked: false,
             last_activity: Instant::now(),
         };
+        let mut pump = pump;
+        pump.note_settling();
         let handle = tokio::spawn(pump.run());
         self.inner
             .sessions

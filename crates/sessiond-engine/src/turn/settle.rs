@@ -2,7 +2,7 @@
 //! `sessiond_domain::turn::settle`; docs/decisions/0007-at-most-once-turns.md).
 
 use sessiond_domain::{
-    MessageKind, MessageRole, SessionEvent, TaskEvent,
+    MessageKind, MessageRole, SessionEvent, SessionId, TaskEvent,
     turn::{AgentNow, Redelivered, Redelivery, Settle, SettleFacts},
 };
 use sessiond_executor::AgentState;
@@ -33,8 +33,52 @@ impl Pump {
         if let Err(e) = self.settle_pending(&turn).await {
             tracing::warn!(session = %self.session_id, %turn, error = %e, "could not settle the pending turn");
         }
+        self.note_settling();
     }
 
+    /// Keeps the manager's `settling` count in step with `settle`.
+    pub(super) fn note_settling(&mut self) {
+        let now = self.settle.is_some();
+        if now == self.settling {
+            return;
+        }
+        self.settling = now;
+        let id = self.session_id;
+        self.mgr.inner.settling.send_modify(|pumps| {
+            if now {
+                *pumps.entry(id).or_default() += 1;
+            } else if let Some(n) = pumps.get_mut(&id) {
+                *n -= 1;
+                if *n == 0 {
+                    pumps.remove(&id);
+                }
+            }
+        });
+    }
+}
+
+impl Drop for Pump {
+    fn drop(&mut self) {
+        self.settle = None;
+        self.note_settling();
+    }
+}
+
+impl crate::turn::Turns<'_> {
+    /// Waits, at most `limit`, while the session's pump settles a turn a
+    /// restart left RUNNING (helper-59 1: a retry right after the agent
+    /// came back found the turn RUNNING, and was told to wait for a reply
+    /// that never came; the pump ended it interrupted a moment later).
+    pub(crate) async fn turn_settled(&self, session: SessionId, limit: std::time::Duration) {
+        if !self.inner.settling.borrow().contains_key(&session) {
+            return;
+        }
+        let mut pumps = self.inner.settling.subscribe();
+        let _ = tokio::time::timeout(limit, pumps.wait_for(|p| !p.contains_key(&session))).await;
+    }
+}
+
+impl Pump {
     /// The session is RUNNING turn `turn`, everything agentctl had when the
     /// pump started has been applied, and no `TurnEnded` of the turn came.
     /// The decision table (docs/decisions/0007-at-most-once-turns.md): at

@@ -104,6 +104,11 @@ impl SessionManager {
         }
         let _ahead = self.recover_ahead(session_id, early, false).await?;
         Turns(self).wait_agent_recovery(session_id).await;
+        // A turn the restart left RUNNING ends interrupted once the pump
+        // has caught up: that is the turn to retry.
+        Turns(self)
+            .turn_settled(session_id, self.inner.config.executor_deadline)
+            .await;
         let _guard = self.inner.sessions.lock(session_id).await;
         let session = self.inner.store.get_session(session_id).await?;
         if let Err(e) = Turns(self)
@@ -383,6 +388,13 @@ impl Turns<'_> {
         }
         ahead.settle().await;
         self.wait_agent_recovery(session_id).await;
+        // One that cannot be queued behind a turn a restart left RUNNING
+        // goes once that turn's fate is known, as a retry does (a queued
+        // one waits in the queue, held if that turn ends interrupted).
+        if !queueable {
+            self.turn_settled(session_id, self.inner.config.executor_deadline)
+                .await;
+        }
         let recovered = t.elapsed();
         let _guard = self.inner.sessions.lock(session_id).await;
         let locked = t.elapsed();

@@ -1114,6 +1114,60 @@ async fn a_message_to_a_session_whose_agent_is_coming_back_is_queued_at_once() {
     w.finish(&mgr, &ids).await;
 }
 
+/// helper-59 1: kill -9 of everything mid-reply; a retry made while the
+/// agent is brought back waited for the agent, then found the turn still
+/// RUNNING (its pump had yet to end it interrupted) and was refused, the
+/// user told to wait for a reply that never came (5 of 5 runs). It waits
+/// for the turn's fate now, and runs it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_while_the_agent_comes_back_runs_the_turn_the_restart_interrupted() {
+    let w = World::new(Db::Sqlite).await;
+    let (gated, gate) = w.gated_profile("gated").await;
+    let mgr = w.manager_with(patient());
+    let s = w.create_with(&mgr, "retried", &gated, None).await;
+    w.prompt(&mgr, s.id, "one").await;
+    let long = mgr.send_message(w.task.id, s.id, "/long").await.unwrap();
+    wait_reply_streaming(&w, s.id, 3).await;
+    mgr.shutdown();
+    drop(mgr);
+    kill_tree(w.record(s.id).await.pid.unwrap()).await;
+
+    std::fs::write(&gate, b"closed").unwrap();
+    let mgr = std::sync::Arc::new(w.manager_with(patient()));
+    let pass = pass_in_background(&mgr);
+    let retry = {
+        let (mgr, task) = (mgr.clone(), w.task.id);
+        tokio::spawn(async move { mgr.retry_turn(task, s.id, None).await })
+    };
+    let st = w.status(&mgr, s.id).await;
+    assert!(st.recovering, "{st:?}");
+    std::fs::remove_file(&gate).unwrap();
+    let summary = pass.await.unwrap().unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
+    let (retried, original) = retry
+        .await
+        .unwrap()
+        .expect("the retry of the interrupted turn");
+    assert_eq!((original, retried.content.as_str()), (long.id, "/long"));
+    let msgs = w.messages(s.id).await;
+    let users: Vec<_> = msgs
+        .iter()
+        .filter(|m| m.role == MessageRole::User)
+        .map(|m| m.content.as_str())
+        .collect();
+    assert_eq!(users, ["one", "/long", "/long"], "{msgs:?}");
+    assert!(
+        msgs.iter()
+            .any(|m| m.role == MessageRole::System
+                && m.content.starts_with("the turn was interrupted")),
+        "{msgs:?}"
+    );
+    // Cleanup: the retried /long is cancelled.
+    w.track(s.id).await;
+    mgr.cancel_turn(w.task.id, s.id).await.unwrap();
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// helper-58 F2: after kill -9 of everything, a cancel or a retry on a
 /// session with no turn in flight, whose agent is still coming back (one
 /// held at its start gate, one waiting for the host's only launch slot),
