@@ -427,10 +427,34 @@ pub struct HttpLimits {
     pub idle_timeout: Duration,
 }
 
+/// What the metrics endpoint serves: the server's [`Metrics`] once they
+/// exist. Before (`serve` waiting for its database), `/livez` answers
+/// 200 and the rest 503.
+pub type MetricsSlot = Arc<std::sync::OnceLock<Metrics>>;
+
+/// The answer while no [`Metrics`] exist yet: the process is alive, not
+/// ready.
+fn before_metrics(request: &Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+    let (status, body): (StatusCode, &'static [u8]) = match request.uri().path() {
+        "/livez" => (StatusCode::OK, b"ok\n"),
+        _ => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            b"not ready: sessiond is starting and its database does not answer yet\n",
+        ),
+    };
+    let mut r = Response::new(Full::new(Bytes::from_static(body)));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    r
+}
+
 /// Serves `/metrics`, `/livez` and `/readyz` on `listener` until `shutdown`.
 pub async fn serve(
     listener: TcpListener,
-    metrics: Metrics,
+    metrics: MetricsSlot,
     limits: HttpLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
@@ -463,8 +487,13 @@ pub async fn serve(
         let connection = http.serve_connection(
             TokioIo::new(stream),
             service_fn(move |request| {
-                let metrics = metrics.clone();
-                async move { Ok::<_, Infallible>(metrics.respond(request).await) }
+                let metrics = metrics.get().cloned();
+                async move {
+                    Ok::<_, Infallible>(match metrics {
+                        Some(metrics) => metrics.respond(request).await,
+                        None => before_metrics(&request),
+                    })
+                }
             }),
         );
         tokio::spawn(async move {
@@ -714,7 +743,7 @@ mod tests {
         let idle_timeout = Duration::from_millis(500);
         tokio::spawn(serve(
             listener,
-            m.clone(),
+            Arc::new(std::sync::OnceLock::from(m.clone())),
             HttpLimits {
                 max_connections: 4,
                 idle_timeout,

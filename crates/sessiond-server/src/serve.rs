@@ -65,12 +65,18 @@ async fn serve_until(
     let (told, mut database) = tokio::sync::watch::channel(None::<String>);
     let build = builder.waiting_for_database(told).build();
     tokio::pin!(build);
+    // The metrics endpoint serves these once they exist, and stops when
+    // `metrics_stop` fires or is dropped.
+    let metrics_slot = metrics::MetricsSlot::default();
+    let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
+    let mut metrics_stopped = Some(metrics_stopped);
     // Once the database is found not to answer yet: the sockets, bound
-    // then (after the instance lock) and served by `serve_while_waiting`
-    // until the build is done; dropping `meanwhile` stops that server and
-    // the real one takes the same socket over.
+    // then (after the instance lock), the API's served by
+    // `serve_while_waiting` until the build is done (dropping `meanwhile`
+    // stops that server; the real one takes the same socket over), the
+    // metrics' by its server from the start.
     let mut bound = None;
-    let mut meanwhile: Option<tokio::sync::oneshot::Sender<()>> = None;
+    let mut meanwhile = None;
     let mut told_closed = false;
     let sessiond = loop {
         tokio::select! {
@@ -85,14 +91,23 @@ async fn serve_until(
                     serve_while_waiting(&config, listener.try_clone()?, database.clone()).await?,
                 );
                 announce(listener.local_addr()?, metrics_listener.as_ref())?;
-                bound = Some((listener, metrics_listener));
+                if let (Some(l), Some(stopped)) = (metrics_listener, metrics_stopped.take()) {
+                    spawn_metrics(&config, l, metrics_slot.clone(), stopped);
+                }
+                bound = Some(listener);
             }
         }
     };
     drop(meanwhile);
+    let _ = metrics_slot.set(sessiond.metrics().clone());
+    let stopped = sessiond.stopped();
+    tokio::spawn(async move {
+        stopped.await;
+        let _ = metrics_stop.send(());
+    });
     let announced = bound.is_some();
     let (listener, metrics_listener) = match bound {
-        Some(bound) => bound,
+        Some(listener) => (listener, None),
         None => bind(&config).await?,
     };
     let local_addr = listener.local_addr()?;
@@ -101,18 +116,9 @@ async fn serve_until(
     sessiond.start(&local_addr.to_string()).await?;
     if !announced {
         announce(local_addr, metrics_listener.as_ref())?;
-    }
-    if let Some(l) = metrics_listener {
-        let limits = metrics::HttpLimits {
-            max_connections: config.metrics_max_connections,
-            idle_timeout: config.metrics_idle_timeout,
-        };
-        tokio::spawn(metrics::serve(
-            l,
-            sessiond.metrics().clone(),
-            limits,
-            sessiond.stopped(),
-        ));
+        if let (Some(l), Some(stopped)) = (metrics_listener, metrics_stopped) {
+            spawn_metrics(&config, l, metrics_slot, stopped);
+        }
     }
 
     let tokens = api_tokens(&config);
@@ -191,6 +197,22 @@ async fn bind(config: &Config) -> anyhow::Result<(std::net::TcpListener, Option<
     Ok((listener, metrics))
 }
 
+/// Serves the metrics endpoint on `listener` until `stopped` resolves.
+fn spawn_metrics(
+    config: &Config,
+    listener: TcpListener,
+    slot: metrics::MetricsSlot,
+    stopped: tokio::sync::oneshot::Receiver<()>,
+) {
+    let limits = metrics::HttpLimits {
+        max_connections: config.metrics_max_connections,
+        idle_timeout: config.metrics_idle_timeout,
+    };
+    tokio::spawn(metrics::serve(listener, slot, limits, async move {
+        let _ = stopped.await;
+    }));
+}
+
 /// Machine-readable lines on stdout, so scripts (and tests) find the ports.
 #[allow(clippy::print_stdout)]
 fn announce(listening: std::net::SocketAddr, metrics: Option<&TcpListener>) -> std::io::Result<()> {
@@ -236,6 +258,10 @@ fn tonic_server(config: &Config) -> anyhow::Result<tonic::transport::Server> {
     Ok(builder)
 }
 
+/// How long the server answering while the database is awaited may finish
+/// what it has open once the real one serves.
+const WAITING_SERVER_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Serves on `listener` (a second handle of the real server's socket)
 /// while the database does not answer: health NOT_SERVING, every other
 /// call told to retry (`waiting::WaitingLayer`), behind the same TLS and
@@ -245,7 +271,7 @@ async fn serve_while_waiting(
     listener: std::net::TcpListener,
     why: tokio::sync::watch::Receiver<Option<String>>,
 ) -> anyhow::Result<tokio::sync::oneshot::Sender<()>> {
-    let health = tonic_health::server::HealthReporter::new();
+    let mut health = tonic_health::server::HealthReporter::new();
     for service in crate::embed::HEALTH_SERVICES {
         health
             .set_service_status(*service, tonic_health::ServingStatus::NotServing)
@@ -264,19 +290,42 @@ async fn serve_while_waiting(
         ))
         .layer(crate::waiting::WaitingLayer { why, http: false })
         .add_service(tonic_health::pb::health_server::HealthServer::new(
-            tonic_health::server::HealthService::from_health_reporter(health),
+            tonic_health::server::HealthService::from_health_reporter(health.clone()),
         ));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (stopping, stopping_seen) = tokio::sync::oneshot::channel::<()>();
     let incoming = first_bytes_within(
         tcp_incoming(TcpListener::from_std(listener)?),
         config.handshake_timeout,
     );
+    let shutdown = async move {
+        let _ = stopped.await;
+        // Ends the health Watch streams opened meanwhile (their statuses
+        // gone, the streams close), so their clients watch again, on the
+        // real server (helper-59 3: they stayed NOT_SERVING).
+        for service in crate::embed::HEALTH_SERVICES {
+            health.clear_service_status(service).await;
+        }
+        let _ = stopping.send(());
+    };
     tokio::spawn(async move {
-        let stopped = async {
-            let _ = stopped.await;
+        let serving = router.serve_with_incoming_shutdown(incoming, shutdown);
+        tokio::pin!(serving);
+        // Everything else it answers at once: what is still open after a
+        // short grace is cut, so its clients reconnect to the real server.
+        let cut = async {
+            match stopping_seen.await {
+                Ok(()) => tokio::time::sleep(WAITING_SERVER_GRACE).await,
+                Err(_) => std::future::pending().await,
+            }
         };
-        if let Err(e) = router.serve_with_incoming_shutdown(incoming, stopped).await {
-            tracing::warn!(error = %e, "the server answering while the database is awaited failed");
+        tokio::select! {
+            ended = &mut serving => {
+                if let Err(e) = ended {
+                    tracing::warn!(error = %e, "the server answering while the database is awaited failed");
+                }
+            }
+            () = cut => {}
         }
     });
     Ok(stop)

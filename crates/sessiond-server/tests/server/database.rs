@@ -114,6 +114,23 @@ async fn serve_waits_for_a_database_that_is_not_up_yet() {
             .status();
         assert_eq!(status, ServingStatus::NotServing, "{service:?}");
     }
+    // A health Watch opened now says NOT_SERVING, and ends once the real
+    // server takes over (helper-59 3: it stayed open, NOT_SERVING).
+    let mut watch = health
+        .watch(HealthCheckRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let first = watch.message().await.unwrap().unwrap();
+    assert_eq!(first.status(), ServingStatus::NotServing);
+    // The metrics endpoint: alive, not ready (helper-59 2: it answered
+    // nothing until the database did).
+    let metrics = server.metrics.clone().expect("a metrics address");
+    let (status, _) = crate::metrics::http_get(&metrics, "/livez").await;
+    assert!(status.contains(" 200 "), "{status}");
+    let (status, body) = crate::metrics::http_get(&metrics, "/readyz").await;
+    assert!(status.contains(" 503 "), "{status}");
+    assert!(body.contains("database does not answer yet"), "{body}");
     let mut c = sessions(&server).await;
     let err = c
         .list_tasks(pb::ListTasksRequest::default())
@@ -170,6 +187,17 @@ async fn serve_waits_for_a_database_that_is_not_up_yet() {
         }
     };
     assert!(!task.task.unwrap().id.is_empty());
+    let ended = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            match watch.message().await {
+                Ok(Some(m)) => assert_eq!(m.status(), ServingStatus::NotServing),
+                other => break other.map(|_| ()),
+            }
+        }
+    })
+    .await
+    .expect("the Watch opened while waiting stayed open");
+    drop(ended);
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let status = health
@@ -182,6 +210,20 @@ async fn serve_waits_for_a_database_that_is_not_up_yet() {
         assert!(Instant::now() < deadline, "never SERVING: {status:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (status, _) = crate::metrics::http_get(&metrics, "/readyz").await;
+        if status.contains(" 200 ") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never ready: {status}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, body) = crate::metrics::http_get(&metrics, "/metrics").await;
+    assert!(
+        status.contains(" 200 ") && body.contains("sessiond_"),
+        "{status}"
+    );
     forward.abort();
 }
 
