@@ -63,7 +63,8 @@ struct Cli {
     #[arg(long, global = true, env = "SESSIOND_TOKEN", hide_env_values = true)]
     token: Option<String>,
     /// With an `https://` address: the certificate authority to trust (PEM;
-    /// for a self-signed server certificate, that certificate).
+    /// for a self-signed server certificate, that certificate, made with
+    /// basicConstraints CA:FALSE as the README shows).
     #[arg(long, global = true, env = "SESSIOND_CA_FILE")]
     ca_file: Option<PathBuf>,
     /// Print JSON instead of text.
@@ -516,6 +517,18 @@ fn tls_hint(addr: &str, error: &str) -> Option<&'static str> {
     )
 }
 
+/// A server certificate that is itself a CA (`openssl req -x509` makes
+/// one unless told otherwise): TLS refuses it as the server's own
+/// (helper-59 6).
+fn ca_as_server_hint(error: &str) -> Option<&'static str> {
+    error.contains("CaUsedAsEndEntity").then_some(
+        "hint: the server's certificate is a CA certificate (basicConstraints CA:TRUE, what \
+         `openssl req -x509` makes by default); make it with \
+         `-addext basicConstraints=critical,CA:FALSE` (see the README) and pass that certificate \
+         with --ca-file",
+    )
+}
+
 /// Whether something accepts a TCP connection at `addr` (`host:port`, or
 /// with an `http://` scheme) within half a second.
 fn still_listening(addr: &str) -> bool {
@@ -591,7 +604,8 @@ fn main() -> ExitCode {
                 None => {
                     let text = error_text(&e);
                     eprintln!("error: {text}");
-                    if let Some(hint) = tls_hint(&addr, &text) {
+                    if let Some(hint) = tls_hint(&addr, &text).or_else(|| ca_as_server_hint(&text))
+                    {
                         eprintln!("{hint}");
                     }
                 }

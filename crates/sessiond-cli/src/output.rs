@@ -801,7 +801,8 @@ impl Out {
             eprintln!(
                 "message {} is queued: it goes to the agent once the session waits for input \
                  (after the running turn, or once the agent is up), after the messages queued \
-                 before it (`sessionctl unqueue` takes it back)",
+                 before it; if that turn ends interrupted, the queue waits for `sessionctl \
+                 retry` or a new message (`sessionctl unqueue` takes it back)",
                 q.id
             );
         }

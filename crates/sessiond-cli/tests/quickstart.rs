@@ -1791,6 +1791,54 @@ fn a_server_that_hangs_up_is_an_error_not_a_silent_sigpipe() {
     }
 }
 
+/// A self-signed certificate for localhost and its key, in `dir`, with
+/// `basicConstraints` `constraints`.
+fn self_signed(dir: &Path, constraints: &str) -> (PathBuf, PathBuf) {
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    let made = Command::new("openssl")
+        .args(["req", "-x509", "-newkey", "ec", "-pkeyopt"])
+        .args(["ec_paramgen_curve:prime256v1", "-nodes", "-days", "2"])
+        .args(["-subj", "/CN=localhost"])
+        .args(["-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"])
+        .args([
+            "-addext",
+            &format!("basicConstraints=critical,{constraints}"),
+        ])
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .output()
+        .expect("the openssl CLI (apt-get install openssl)");
+    assert!(made.status.success(), "{made:?}");
+    (cert, key)
+}
+
+/// helper-59 6: a server certificate that is a CA (what `openssl req
+/// -x509` makes by default) is refused by TLS as the server's own; the
+/// error (rustls' `CaUsedAsEndEntity`) now comes with how to make one.
+#[test]
+fn a_ca_certificate_serving_tls_is_refused_with_how_to_make_one() {
+    let env = Env::new();
+    let dir = env.home.path().join("tls");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cert, key) = self_signed(&dir, "CA:TRUE");
+    let server = env.serve_with(&[
+        ("SESSIOND_TLS_CERT", cert.to_str().unwrap()),
+        ("SESSIOND_TLS_KEY", key.to_str().unwrap()),
+    ]);
+    let https = format!("https://{}", env.addr);
+    let ca = cert.display().to_string();
+    let (_, stderr, _) =
+        env.sessionctl_fails(&["--addr", &https, "--ca-file", &ca, "task", "list"], &dir);
+    assert!(
+        stderr.contains("CaUsedAsEndEntity")
+            && stderr.contains("basicConstraints=critical,CA:FALSE"),
+        "{stderr}"
+    );
+    terminate(server);
+}
+
 /// sessionctl against a sessiond serving TLS: an `https://` address with
 /// `--ca-file` (here the server's self-signed certificate) works; without
 /// it the error says what to pass; a plain `http://` address to the TLS
@@ -1800,20 +1848,7 @@ fn sessionctl_speaks_tls_with_a_ca_file() {
     let env = Env::new();
     let dir = env.home.path().join("tls");
     std::fs::create_dir_all(&dir).unwrap();
-    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
-    let made = Command::new("openssl")
-        .args(["req", "-x509", "-newkey", "ec", "-pkeyopt"])
-        .args(["ec_paramgen_curve:prime256v1", "-nodes", "-days", "2"])
-        .args(["-subj", "/CN=localhost"])
-        .args(["-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"])
-        .args(["-addext", "basicConstraints=critical,CA:FALSE"])
-        .arg("-keyout")
-        .arg(&key)
-        .arg("-out")
-        .arg(&cert)
-        .output()
-        .expect("the openssl CLI (apt-get install openssl)");
-    assert!(made.status.success(), "{made:?}");
+    let (cert, key) = self_signed(&dir, "CA:FALSE");
     let server = env.serve_with(&[
         ("SESSIOND_TLS_CERT", cert.to_str().unwrap()),
         ("SESSIOND_TLS_KEY", key.to_str().unwrap()),

@@ -65,6 +65,7 @@ async fn serve_until(
     let (told, mut database) = tokio::sync::watch::channel(None::<String>);
     let build = builder.waiting_for_database(told).build();
     tokio::pin!(build);
+    tokio::pin!(stop);
     // The metrics endpoint serves these once they exist, and stops when
     // `metrics_stop` fires or is dropped.
     let metrics_slot = metrics::MetricsSlot::default();
@@ -81,6 +82,13 @@ async fn serve_until(
     let sessiond = loop {
         tokio::select! {
             built = &mut build => break built?,
+            // SIGTERM or ctrl-c while the database is awaited: nothing was
+            // started yet, so there is nothing to stop (helper-59 4: the
+            // signal's default action ended the process, saying nothing).
+            () = &mut stop, if bound.is_some() => {
+                tracing::info!("stopped while waiting for the database; nothing was started");
+                return Ok(());
+            }
             changed = database.changed(), if bound.is_none() && !told_closed => {
                 if changed.is_err() {
                     told_closed = true;
@@ -372,8 +380,8 @@ pub(crate) async fn open_store(config: &Config) -> anyhow::Result<Store> {
 /// reached (refused, unreachable, starting up): one warning per attempt,
 /// the pause growing to 5 s. An answer that will not change by waiting (a
 /// wrong password, a database that does not exist, a failed migration)
-/// fails at once. SIGTERM and ctrl-c still end the process meanwhile: the
-/// server installs its handlers only once it serves.
+/// fails at once. Each attempt's error goes to `told`: `serve` answers
+/// calls with it meanwhile, and stops cleanly on SIGTERM or ctrl-c.
 pub(crate) async fn open_store_waiting(
     config: &Config,
     told: &tokio::sync::watch::Sender<Option<String>>,
@@ -981,29 +989,41 @@ fn redact(url: &str) -> String {
     }
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
+/// Resolves on SIGTERM or ctrl-c (SIGINT).
+fn shutdown_signal() -> impl Future<Output = ()> {
+    // Registered now, not at the first poll: `serve` polls this only once
+    // it waits for its database or serves, and a SIGTERM in between must
+    // not take the signal's default action (helper-59 4).
     #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(term) => term,
-                Err(err) => {
-                    tracing::warn!(%err, "cannot listen for SIGTERM; only ctrl-c stops the server");
-                    let _ = ctrl_c.await;
-                    return;
+    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
+    #[cfg(unix)]
+    let interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt());
+    async move {
+        #[cfg(unix)]
+        match (term, interrupt) {
+            (Ok(mut term), Ok(mut interrupt)) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = interrupt.recv() => {}
                 }
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
+            }
+            (Ok(mut term), Err(_)) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            (Err(err), _) => {
+                tracing::warn!(%err, "cannot listen for SIGTERM; only ctrl-c stops the server");
+                let _ = tokio::signal::ctrl_c().await;
+            }
         }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+        tracing::info!("shutdown requested; finishing in-flight calls");
     }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
-    }
-    tracing::info!("shutdown requested; finishing in-flight calls");
 }
 
 /// What agentctl needs to continue our traces (and log like us): the same

@@ -227,6 +227,37 @@ async fn serve_waits_for_a_database_that_is_not_up_yet() {
     forward.abort();
 }
 
+/// SIGTERM while `serve` waits for its database: it stops cleanly, saying
+/// so (helper-59 4: the signal's default action ended it, with no word).
+#[tokio::test]
+async fn serve_stops_cleanly_on_sigterm_while_it_waits_for_its_database() {
+    // A port nothing listens on: the database "is not up".
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let url = format!("postgres://postgres@127.0.0.1:{port}/sessiond");
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("sessiond.log");
+    let mut server = {
+        let (data, log) = (dir.path().join("data"), log.clone());
+        tokio::task::spawn_blocking(move || {
+            start_with(&data, &["--database-url", &url], Some(TOKEN), Some(&log))
+        })
+        .await
+        .unwrap()
+    };
+    let status = tokio::task::spawn_blocking(move || server.terminate())
+        .await
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+    let logged = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        logged.contains("stopped while waiting for the database"),
+        "{logged}"
+    );
+}
+
 /// A database that waiting will not bring (it does not exist) fails the
 /// start at once, naming it, rather than being waited for.
 #[tokio::test]
