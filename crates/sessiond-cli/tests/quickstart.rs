@@ -1791,6 +1791,21 @@ fn a_server_that_hangs_up_is_an_error_not_a_silent_sigpipe() {
     }
 }
 
+/// sessiond serving TLS with a self-signed certificate whose
+/// `basicConstraints` are `constraints`: (the server, the certificate's
+/// directory, its `https://` address, the certificate's path).
+fn serving_tls(env: &Env, constraints: &str) -> (Served, PathBuf, String, String) {
+    let dir = env.home.path().join("tls");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cert, key) = self_signed(&dir, constraints);
+    let server = env.serve_with(&[
+        ("SESSIOND_TLS_CERT", cert.to_str().unwrap()),
+        ("SESSIOND_TLS_KEY", key.to_str().unwrap()),
+    ]);
+    let https = format!("https://{}", env.addr);
+    (server, dir, https, cert.display().to_string())
+}
+
 /// A self-signed certificate for localhost and its key, in `dir`, with
 /// `basicConstraints` `constraints`.
 fn self_signed(dir: &Path, constraints: &str) -> (PathBuf, PathBuf) {
@@ -1820,15 +1835,7 @@ fn self_signed(dir: &Path, constraints: &str) -> (PathBuf, PathBuf) {
 #[test]
 fn a_ca_certificate_serving_tls_is_refused_with_how_to_make_one() {
     let env = Env::new();
-    let dir = env.home.path().join("tls");
-    std::fs::create_dir_all(&dir).unwrap();
-    let (cert, key) = self_signed(&dir, "CA:TRUE");
-    let server = env.serve_with(&[
-        ("SESSIOND_TLS_CERT", cert.to_str().unwrap()),
-        ("SESSIOND_TLS_KEY", key.to_str().unwrap()),
-    ]);
-    let https = format!("https://{}", env.addr);
-    let ca = cert.display().to_string();
+    let (server, dir, https, ca) = serving_tls(&env, "CA:TRUE");
     let (_, stderr, _) =
         env.sessionctl_fails(&["--addr", &https, "--ca-file", &ca, "task", "list"], &dir);
     assert!(
@@ -1846,15 +1853,7 @@ fn a_ca_certificate_serving_tls_is_refused_with_how_to_make_one() {
 #[test]
 fn sessionctl_speaks_tls_with_a_ca_file() {
     let env = Env::new();
-    let dir = env.home.path().join("tls");
-    std::fs::create_dir_all(&dir).unwrap();
-    let (cert, key) = self_signed(&dir, "CA:FALSE");
-    let server = env.serve_with(&[
-        ("SESSIOND_TLS_CERT", cert.to_str().unwrap()),
-        ("SESSIOND_TLS_KEY", key.to_str().unwrap()),
-    ]);
-    let https = format!("https://{}", env.addr);
-    let ca = cert.display().to_string();
+    let (server, dir, https, ca) = serving_tls(&env, "CA:FALSE");
     let health = env.sessionctl(
         &["--addr", &https, "--ca-file", &ca, "health", "--wait"],
         &dir,
