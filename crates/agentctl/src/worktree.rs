@@ -459,6 +459,7 @@ pub async fn create(spec: &Spec) -> Result<Ensured> {
             spec.repository.display()
         )));
     }
+    clear_stale_ref_lock(spec, &common)?;
     make_parent(&spec.path)?;
     let path = path_str(&spec.path)?;
     let added = worktree_git(
@@ -475,6 +476,27 @@ pub async fn create(spec: &Spec) -> Result<Ensured> {
         outcome: Outcome::Created,
         head,
     })
+}
+
+/// A `git worktree add -b` killed while it wrote the branch's ref leaves
+/// the ref's lock file, and every later add fails "cannot lock ref …:
+/// File exists" (the crash loop: a session ERROR for good). The branch is
+/// this session's own and does not exist yet: with no add of its path
+/// running, that lock is the dead git's, and goes.
+fn clear_stale_ref_lock(spec: &Spec, common: &Path) -> Result<()> {
+    let lock = common
+        .join("refs/heads")
+        .join(format!("{}.lock", spec.branch));
+    if lock.symlink_metadata().is_err() || git_add_running(&spec.path) {
+        return Ok(());
+    }
+    tracing::warn!(lock = %lock.display(), "a git worktree add of this session's branch was cut short; removing the ref lock it left");
+    match std::fs::remove_file(&lock) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(Error::io(format!("removing {}", lock.display()), e))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// After a `git worktree add -b` that failed: git may have made the branch

@@ -311,6 +311,24 @@ fn an_add_cut_short_is_removed_and_made_again() {
     assert!(!listed.contains("locked"), "{listed}");
 }
 
+/// A `git worktree add -b` killed while it wrote the branch's ref left
+/// `refs/heads/<branch>.lock`: every later create failed "cannot lock
+/// ref" (the crash loop saw a session go ERROR for good). The lock of the
+/// session's own branch, with no add of its path running, is removed and
+/// the create goes through.
+#[test]
+fn a_ref_lock_left_by_a_killed_add_does_not_block_the_create() {
+    let (dir, repo) = repository();
+    let path = dir.path().join("wts/locked");
+    let lock = repo.join(".git/refs/heads/s/locked.lock");
+    std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
+    std::fs::write(&lock, "").unwrap();
+    let created = worktree("create", &repo, "s/locked", &path, &[]);
+    assert_eq!(created["ok"]["outcome"], "created", "{created}");
+    assert!(!lock.exists());
+    assert_eq!(git(&path, &["branch", "--show-current"]), "s/locked");
+}
+
 /// helper-41 2: a `git worktree add` whose checkout failed (there: a full
 /// disk) left the branch it had made, so the create could not be made
 /// again, and its error held every line git printed. Here the base holds
