@@ -607,7 +607,8 @@ impl Sessiond {
         self.manager.recovery().workspaces_recovered()
     }
 
-    /// Begins the shutdown: health NOT_SERVING, watch streams end,
+    /// Begins the shutdown: health NOT_SERVING (then its Watch streams
+    /// end, and Check answers NOT_FOUND), watch streams end,
     /// [`Sessiond::stopped`] resolves, and the manager stops its
     /// background work. Executors keep running.
     pub async fn shutdown(&self) {
@@ -624,6 +625,13 @@ impl Sessiond {
             self.health
                 .set_service_status(*service, ServingStatus::NotServing)
                 .await;
+        }
+        // Then health Watch streams end (their statuses cleared, the
+        // streams close): one left open held the stop for the whole
+        // shutdown grace (helper-60 F1).
+        let mut health = self.health.clone();
+        for service in HEALTH_SERVICES {
+            health.clear_service_status(service).await;
         }
         let _ = self.stop_tx.send(true);
         self.manager.shutdown();

@@ -153,6 +153,40 @@ async fn health_is_not_serving_until_startup_recovery_is_done() {
     assert_eq!(st.session_id, s.id);
 }
 
+/// helper-60 F1: an open health Watch held a SIGTERM's stop for the whole
+/// shutdown grace (10 s by default; here 600 s). It ends with the
+/// shutdown now, after saying NOT_SERVING.
+#[tokio::test]
+async fn an_open_health_watch_does_not_hold_the_shutdown() {
+    use tonic_health::pb::{
+        HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("sessiond.toml");
+    std::fs::write(&config, "shutdown_grace = \"600s\"\n").unwrap();
+    let mut server = start(
+        &dir.path().join("data"),
+        &["--config", config.to_str().unwrap()],
+    );
+    let mut health = HealthClient::new(channel(&server.addr).await);
+    let mut watch = health
+        .watch(HealthCheckRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let first = watch.message().await.unwrap().unwrap();
+    assert!(
+        [ServingStatus::Serving, ServingStatus::NotServing].contains(&first.status()),
+        "{first:?}"
+    );
+    let stopped = tokio::task::spawn_blocking(move || server.terminate());
+    let exit = tokio::time::timeout(Duration::from_secs(120), stopped)
+        .await
+        .expect("the shutdown waited for the health Watch")
+        .unwrap();
+    assert!(exit.success(), "{exit:?}");
+}
+
 #[tokio::test]
 async fn sigterm_leaves_executors_running_and_the_next_start_reattaches() {
     let dir = tempfile::tempdir().unwrap();
