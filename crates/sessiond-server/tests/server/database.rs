@@ -116,13 +116,8 @@ async fn serve_waits_for_a_database_that_is_not_up_yet() {
     }
     // A health Watch opened now says NOT_SERVING, and ends once the real
     // server takes over (helper-59 3: it stayed open, NOT_SERVING).
-    let mut watch = health
-        .watch(HealthCheckRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
-    let first = watch.message().await.unwrap().unwrap();
-    assert_eq!(first.status(), ServingStatus::NotServing);
+    let (mut watch, first) = health_watch(&server.addr).await;
+    assert_eq!(first, ServingStatus::NotServing);
     // The metrics endpoint: alive, not ready (helper-59 2: it answered
     // nothing until the database did).
     let metrics = server.metrics.clone().expect("a metrics address");

@@ -158,9 +158,7 @@ async fn health_is_not_serving_until_startup_recovery_is_done() {
 /// shutdown now, after saying NOT_SERVING.
 #[tokio::test]
 async fn an_open_health_watch_does_not_hold_the_shutdown() {
-    use tonic_health::pb::{
-        HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
-    };
+    use tonic_health::pb::health_check_response::ServingStatus;
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("sessiond.toml");
     std::fs::write(&config, "shutdown_grace = \"600s\"\n").unwrap();
@@ -168,15 +166,9 @@ async fn an_open_health_watch_does_not_hold_the_shutdown() {
         &dir.path().join("data"),
         &["--config", config.to_str().unwrap()],
     );
-    let mut health = HealthClient::new(channel(&server.addr).await);
-    let mut watch = health
-        .watch(HealthCheckRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
-    let first = watch.message().await.unwrap().unwrap();
+    let (_watch, first) = health_watch(&server.addr).await;
     assert!(
-        [ServingStatus::Serving, ServingStatus::NotServing].contains(&first.status()),
+        [ServingStatus::Serving, ServingStatus::NotServing].contains(&first),
         "{first:?}"
     );
     let stopped = tokio::task::spawn_blocking(move || server.terminate());

@@ -313,6 +313,24 @@ pub async fn channel(addr: &str) -> Channel {
         .unwrap()
 }
 
+/// A health `Watch` (of the server as a whole) opened on `addr`, and the
+/// status it answered first.
+pub async fn health_watch(
+    addr: &str,
+) -> (
+    tonic::Streaming<tonic_health::pb::HealthCheckResponse>,
+    tonic_health::pb::health_check_response::ServingStatus,
+) {
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel(addr).await);
+    let mut watch = health
+        .watch(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let first = watch.message().await.unwrap().unwrap();
+    (watch, first.status())
+}
+
 pub fn bearer(token: Option<&str>) -> Bearer {
     Bearer(token.map(|t| format!("Bearer {t}").parse().unwrap()))
 }
