@@ -91,6 +91,11 @@ impl SessionManager {
     /// session exists, a failure is not an `Err`: the session is returned in
     /// ERROR with an `error_message` saying what to do.
     pub async fn create_session(&self, req: NewSession) -> Result<Session> {
+        self.to_completion(move |m| async move { m.create_session_inner(req).await })
+            .await
+    }
+
+    async fn create_session_inner(&self, req: NewSession) -> Result<Session> {
         let mut stored = Stored::default();
         let created = self.create_session_stored(req, &mut stored).await;
         match (created, stored) {
@@ -557,6 +562,18 @@ impl SessionManager {
         session_id: SessionId,
         reason: EndReason,
     ) -> Result<Session> {
+        self.to_completion(
+            move |m| async move { m.end_session_inner(task, session_id, reason).await },
+        )
+        .await
+    }
+
+    async fn end_session_inner(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        reason: EndReason,
+    ) -> Result<Session> {
         let ended = self.end_session_now(task, session_id, reason).await;
         if let Err(e) = &ended
             && e.is_store_unavailable()
@@ -685,6 +702,18 @@ impl SessionManager {
     /// anyway, `asked.keep` leaves worktree and branch alone,
     /// `asked.delete_branch` deletes the branch even when not merged.
     pub async fn delete_session_with(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        asked: RemovalRequest,
+    ) -> Result<()> {
+        self.to_completion(move |m| async move {
+            m.delete_session_with_inner(task, session_id, asked).await
+        })
+        .await
+    }
+
+    async fn delete_session_with_inner(
         &self,
         task: TaskId,
         session_id: SessionId,

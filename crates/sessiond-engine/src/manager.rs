@@ -339,6 +339,18 @@ impl SessionManager {
         title: String,
         source: sessiond_domain::TitleSource,
     ) -> Result<(Session, bool)> {
+        self.to_completion(move |m| async move {
+            m.set_session_title_inner(session, title, source).await
+        })
+        .await
+    }
+
+    async fn set_session_title_inner(
+        &self,
+        session: SessionId,
+        title: String,
+        source: sessiond_domain::TitleSource,
+    ) -> Result<(Session, bool)> {
         let (stored, written) = self
             .inner
             .store
@@ -493,6 +505,28 @@ impl SessionManager {
         bg.retain(|h| !h.is_finished());
         bg.push(h.abort_handle());
         h
+    }
+
+    /// Runs a call's `work` on a task of its own and waits for it. A caller
+    /// that goes away mid-call (a client's deadline or closed connection
+    /// drops the handler's future, as does an embedder's `timeout`) would
+    /// otherwise cut the work between a commit and what must follow it:
+    /// the status snapshot and the events, a turn's Prompt, an agent's
+    /// stop. The work ends as if the caller had stayed. It is not this
+    /// manager's background work: a shutdown lets it end, as it let the
+    /// call (`sessiond serve` waits for calls in flight for its grace).
+    pub(crate) async fn to_completion<T, W>(
+        &self,
+        work: impl FnOnce(SessionManager) -> W,
+    ) -> Result<T>
+    where
+        W: Future<Output = Result<T>> + Send + 'static,
+        T: Send + 'static,
+    {
+        let work = tracing::Instrument::in_current_span(work(self.clone()));
+        tokio::spawn(work)
+            .await
+            .unwrap_or_else(|e| Err(Error::Internal(format!("the call's task failed: {e}"))))
     }
 
     /// Runs `op` as the one exclusive operation of `session`, or joins the

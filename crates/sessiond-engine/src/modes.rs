@@ -60,6 +60,19 @@ impl SessionManager {
         session_id: SessionId,
         mode_id: &str,
     ) -> Result<AgentModes> {
+        let mode_id = mode_id.to_owned();
+        self.to_completion(move |m| async move {
+            m.set_session_mode_inner(task, session_id, &mode_id).await
+        })
+        .await
+    }
+
+    async fn set_session_mode_inner(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        mode_id: &str,
+    ) -> Result<AgentModes> {
         if mode_id.trim().is_empty() {
             return Err(Error::InvalidArgument("mode_id: must not be empty".into()));
         }
@@ -117,6 +130,22 @@ impl SessionManager {
     /// a value the agent does not offer is INVALID_ARGUMENT naming what it
     /// offers.
     pub async fn set_session_config_option(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        config_id: &str,
+        value: &str,
+    ) -> Result<AgentModes> {
+        let config_id = config_id.to_owned();
+        let value = value.to_owned();
+        self.to_completion(move |m| async move {
+            m.set_session_config_option_inner(task, session_id, &config_id, &value)
+                .await
+        })
+        .await
+    }
+
+    async fn set_session_config_option_inner(
         &self,
         task: TaskId,
         session_id: SessionId,

@@ -160,6 +160,24 @@ impl SessionManager {
         option_id: &str,
         content_json: &str,
     ) -> Result<Message> {
+        let request_id = request_id.to_owned();
+        let option_id = option_id.to_owned();
+        let content_json = content_json.to_owned();
+        self.to_completion(move |m| async move {
+            m.respond_with_values_inner(task, session_id, &request_id, &option_id, &content_json)
+                .await
+        })
+        .await
+    }
+
+    async fn respond_with_values_inner(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        request_id: &str,
+        option_id: &str,
+        content_json: &str,
+    ) -> Result<Message> {
         self.session_of_task(task, session_id).await?;
         let not_found = || Error::PermissionNotFound {
             session_id,

@@ -47,6 +47,15 @@ impl SessionManager {
     /// [`Error::Unavailable`]: the reconnect goes on in the background and
     /// resumes the session by itself once the host answers.
     pub async fn resume_session(&self, task: TaskId, session: SessionId) -> Result<SessionStatus> {
+        self.to_completion(move |m| async move { m.resume_session_inner(task, session).await })
+            .await
+    }
+
+    async fn resume_session_inner(
+        &self,
+        task: TaskId,
+        session: SessionId,
+    ) -> Result<SessionStatus> {
         let s = self.session_of_task(task, session).await?;
         // Not recovered yet since the restart: recovery first (it may well
         // resume the agent itself), then decide.

@@ -120,6 +120,18 @@ impl SessionManager {
         session_id: SessionId,
         id: MessageId,
     ) -> Result<QueuedMessage> {
+        self.to_completion(move |m| async move {
+            m.cancel_queued_message_inner(task, session_id, id).await
+        })
+        .await
+    }
+
+    async fn cancel_queued_message_inner(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        id: MessageId,
+    ) -> Result<QueuedMessage> {
         self.check_task(task, session_id).await?;
         // The session's agent being brought back, the recovery holding the
         // session takes it off (helper-57 F1: it waited for the agent, whose

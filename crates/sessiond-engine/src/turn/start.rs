@@ -78,6 +78,18 @@ impl SessionManager {
         session_id: SessionId,
         message: Option<MessageId>,
     ) -> Result<(Message, MessageId)> {
+        self.to_completion(
+            move |m| async move { m.retry_turn_inner(task, session_id, message).await },
+        )
+        .await
+    }
+
+    async fn retry_turn_inner(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        message: Option<MessageId>,
+    ) -> Result<(Message, MessageId)> {
         let early = self.precede_pass(session_id);
         self.check_task(task, session_id).await?;
         // No turn interrupted, and none pending that the agent's coming
@@ -138,6 +150,11 @@ impl SessionManager {
     /// more (it ended just before). The session lock is not held: the
     /// update pump takes it to end the turn.
     pub async fn cancel_turn(&self, task: TaskId, session_id: SessionId) -> Result<bool> {
+        self.to_completion(move |m| async move { m.cancel_turn_inner(task, session_id).await })
+            .await
+    }
+
+    async fn cancel_turn_inner(&self, task: TaskId, session_id: SessionId) -> Result<bool> {
         let session = match self.session_of_task(task, session_id).await {
             // No turn was running when the agent went: there is none to
             // cancel while it is brought back (a queued message starts its
@@ -326,8 +343,34 @@ impl std::ops::Deref for Turns<'_> {
 impl Turns<'_> {
     /// The one path of SendMessage: `queue` puts the message behind a
     /// running turn (or behind messages already waiting) instead of
-    /// refusing it. A message with attachments is never queued.
+    /// refusing it. A message with attachments is never queued. It runs to
+    /// its end if the caller goes away ([`SessionManager::to_completion`]).
     pub(crate) async fn send(
+        &self,
+        task: TaskId,
+        session_id: SessionId,
+        text: &str,
+        attachments: Vec<crate::Attachment>,
+        queue: bool,
+        request_id: Option<&str>,
+    ) -> Result<crate::Sent> {
+        let (text, request_id) = (text.to_owned(), request_id.map(str::to_owned));
+        self.to_completion(move |m| async move {
+            Turns(&m)
+                .send_inner(
+                    task,
+                    session_id,
+                    &text,
+                    attachments,
+                    queue,
+                    request_id.as_deref(),
+                )
+                .await
+        })
+        .await
+    }
+
+    async fn send_inner(
         &self,
         task: TaskId,
         session_id: SessionId,

@@ -25,6 +25,7 @@ mod db_outage;
 mod docker_down;
 mod docker_support;
 mod docker_worktrees;
+mod dropped_calls;
 mod events;
 mod heavy;
 mod kill9;
