@@ -377,9 +377,10 @@ impl WorkspaceSlot {
         match ws.root_now() {
             RootNow::Same => Ok(ws),
             RootNow::Missing => Err(Error::FailedPrecondition(format!(
-                "the workspace directory {} no longer exists (it was removed); sessiond \
-                 checks the session's worktree out again from its branch when it next \
-                 launches the agent",
+                "the workspace directory {} no longer exists (it was removed); for a \
+                 worktree sessiond created, a resume of the session (`sessionctl session \
+                 resume`) checks it out again from its branch and brings the agent back \
+                 there, as the agent's next launch would",
                 ws.root().display()
             ))),
             RootNow::Replaced => {

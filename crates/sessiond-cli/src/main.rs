@@ -284,7 +284,8 @@ struct SendArgs {
     /// the agent).
     #[arg(long)]
     no_wait: bool,
-    /// Give up waiting for the reply after this many seconds.
+    /// Give up after this many seconds: the call itself (which waits while
+    /// the session's agent is brought back) and the wait for the reply.
     #[arg(long, default_value_t = 300)]
     timeout_secs: u64,
     /// Fail while a turn runs instead of queueing the message behind it.
@@ -335,7 +336,8 @@ struct RetryArgs {
     /// Return once the message is stored instead of waiting for the reply.
     #[arg(long)]
     no_wait: bool,
-    /// Give up waiting for the reply after this many seconds.
+    /// Give up after this many seconds: the call itself (which waits while
+    /// the session's agent is brought back) and the wait for the reply.
     #[arg(long, default_value_t = 300)]
     timeout_secs: u64,
     #[command(flatten)]
@@ -898,6 +900,26 @@ fn local_repository(
     Ok((top, base))
 }
 
+/// The absolute path of directory `dir` on this host, without `.` or `..`
+/// (which the server refuses): `../x` is the `x` beside the working
+/// directory, as `ls ../x` finds it; a symlink named on the way stays one,
+/// for the server to check where it leads.
+fn directory_named(dir: &str) -> anyhow::Result<String> {
+    use std::path::{Component, PathBuf};
+    let absolute = std::path::absolute(dir).with_context(|| format!("--worktree {dir:?}"))?;
+    let mut normal = PathBuf::new();
+    for part in absolute.components() {
+        match part {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                normal.pop();
+            }
+            other => normal.push(other),
+        }
+    }
+    Ok(normal.display().to_string())
+}
+
 async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<()> {
     match cmd {
         SessionCmd::Create {
@@ -952,10 +974,7 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
             let path = if !repository.is_empty() {
                 String::new()
             } else if remote_url.is_none() {
-                std::path::absolute(&worktree)
-                    .with_context(|| format!("--worktree {worktree:?}"))?
-                    .display()
-                    .to_string()
+                directory_named(&worktree)?
             } else {
                 worktree
             };
@@ -1073,6 +1092,9 @@ async fn session(c: &mut Clients, out: &Out, cmd: SessionCmd) -> anyhow::Result<
 /// Sends the prompt, then follows the session's events and prints the
 /// agent's reply as it streams, until the turn ends.
 async fn send(c: &mut Clients, out: &Out, mut args: SendArgs) -> anyhow::Result<()> {
+    // `--timeout-secs` bounds the whole command, the call's own wait for
+    // an agent being brought back included.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout_secs);
     if args.text == "-" {
         let mut text = String::new();
         std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
@@ -1104,17 +1126,34 @@ async fn send(c: &mut Clients, out: &Out, mut args: SendArgs) -> anyhow::Result<
             })),
         });
     }
+    let request_id = args.request_id.unwrap_or_default();
     let sent = c
         .sessions
-        .send_message(pb::SendMessageRequest {
-            task_id: task_id.clone(),
-            session_id: session_id.clone(),
-            content: args.text,
-            no_queue: args.no_queue,
-            attachments,
-            request_id: args.request_id.unwrap_or_default(),
-        })
-        .await?
+        .send_message(until(
+            deadline,
+            pb::SendMessageRequest {
+                task_id: task_id.clone(),
+                session_id: session_id.clone(),
+                content: args.text,
+                no_queue: args.no_queue,
+                attachments,
+                request_id: request_id.clone(),
+            },
+        ))
+        .await
+        .map_err(|status| {
+            unanswered(status, deadline, args.timeout_secs, || {
+                match request_id.is_empty() {
+                    true => "the message is sent if sessiond received it (`sessionctl messages` \
+                         shows it); to send it at most once, give it a --request-id"
+                        .to_owned(),
+                    false => format!(
+                        "the message is sent if sessiond received it; the same command with \
+                     --request-id {request_id} sends it at most once"
+                    ),
+                }
+            })
+        })?
         .into_inner();
     if let Some(q) = &sent.queued {
         out.queued(q);
@@ -1126,9 +1165,44 @@ async fn send(c: &mut Clients, out: &Out, mut args: SendArgs) -> anyhow::Result<
         queued: sent.queued,
         no_wait: args.no_wait,
         timeout_secs: args.timeout_secs,
+        deadline,
         answer: args.answer,
     };
     follow_turn(c, out, turn).await
+}
+
+/// `message` as a call that gives up at `deadline` (sessiond stops
+/// waiting for it too).
+fn until<T>(deadline: tokio::time::Instant, message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.set_timeout(deadline.saturating_duration_since(tokio::time::Instant::now()));
+    request
+}
+
+/// A send or retry whose call itself ran out of `--timeout-secs` (its
+/// agent being brought back, say) says so, and what became of it
+/// (`what_now`); any other failure is returned as it is.
+fn unanswered(
+    status: tonic::Status,
+    deadline: tokio::time::Instant,
+    timeout_secs: u64,
+    what_now: impl FnOnce() -> String,
+) -> anyhow::Error {
+    // The server's answer to the call's deadline, or this client's own
+    // timer (tonic's "Timeout expired", CANCELLED), whichever came first.
+    let timed_out = match status.code() {
+        tonic::Code::DeadlineExceeded => true,
+        tonic::Code::Cancelled => tokio::time::Instant::now() >= deadline,
+        _ => false,
+    };
+    match timed_out {
+        true => anyhow::anyhow!(
+            "timed out after {timeout_secs} s before sessiond answered (it waits while the \
+             session's agent is brought back); {}",
+            what_now()
+        ),
+        false => status.into(),
+    }
 }
 
 /// A queued message `id` left the queue: Ok when it was delivered (its
@@ -1179,16 +1253,27 @@ async fn not_sent_unless_delivered(
 
 /// Retries the interrupted turn, then prints its reply as `send` does.
 async fn retry(c: &mut Clients, out: &Out, args: RetryArgs) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout_secs);
     let session_id = args.session.session_id;
     let task_id = args.session.task.task;
     let sent = c
         .sessions
-        .retry_turn(pb::RetryTurnRequest {
-            task_id: task_id.clone(),
-            session_id: session_id.clone(),
-            message_id: args.message_id.unwrap_or_default(),
-        })
-        .await?
+        .retry_turn(until(
+            deadline,
+            pb::RetryTurnRequest {
+                task_id: task_id.clone(),
+                session_id: session_id.clone(),
+                message_id: args.message_id.unwrap_or_default(),
+            },
+        ))
+        .await
+        .map_err(|status| {
+            unanswered(status, deadline, args.timeout_secs, || {
+                "the retry goes on if sessiond received it (`sessionctl messages` shows its \
+                 turn once it starts); run it again with --message-id to retry at most once"
+                    .to_owned()
+            })
+        })?
         .into_inner();
     if !out.json {
         eprintln!("retrying message {}", sent.retried_message_id);
@@ -1200,6 +1285,7 @@ async fn retry(c: &mut Clients, out: &Out, args: RetryArgs) -> anyhow::Result<()
         queued: None,
         no_wait: args.no_wait,
         timeout_secs: args.timeout_secs,
+        deadline,
         answer: args.answer,
     };
     follow_turn(c, out, turn).await
@@ -1215,6 +1301,8 @@ struct Turn {
     queued: Option<pb::QueuedMessage>,
     no_wait: bool,
     timeout_secs: u64,
+    /// When `timeout_secs` from the command's start runs out.
+    deadline: tokio::time::Instant,
     answer: AnswerArgs,
 }
 
@@ -1311,6 +1399,7 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
         queued,
         no_wait,
         timeout_secs,
+        deadline,
         answer,
     } = turn;
     if no_wait {
@@ -1332,7 +1421,6 @@ async fn follow_turn(c: &mut Clients, out: &Out, turn: Turn) -> anyhow::Result<(
     let mut cursor = 0i64;
     let mut attempt = 0u32;
     let mut events = watch_after(c, &session_id, cursor, &mut attempt).await?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout_secs);
     // The reply may be several agent messages (text around tool calls):
     // each is printed as it grows.
     let mut printing: Option<(String, usize)> = None;

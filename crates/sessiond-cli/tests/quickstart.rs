@@ -1110,6 +1110,101 @@ fn a_send_queued_while_the_agent_comes_back_ends_when_it_cannot() {
     }
 }
 
+/// `--timeout-secs` bounds a `send` whose call waits for the session's
+/// agent (held at its start gate after a restart), saying so; the send,
+/// received by sessiond, still goes once the agent is back (helper-60 F2:
+/// the call's wait was not bounded, and a client that gave up dropped it).
+#[test]
+fn a_send_timeout_bounds_the_wait_for_an_agent_and_the_send_still_goes() {
+    let mut env = Env::new();
+    let scratch = env.home.path().join("bound");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let config = env.home.path().join("sessiond.toml");
+    let gate = env.home.path().join("start-gate");
+    std::fs::write(
+        &config,
+        format!(
+            "[recovery]\nexecutor_deadline = \"120s\"\n\
+             [[agents]]\nname = \"gated\"\ncommand = \"{}\"\n\
+             env = {{ ACP_DEMO_STATE_DIR = \"{}\", ACP_DEMO_START_GATE_FILE = \"{}\" }}\n",
+            bin("acp-demo-agent").display(),
+            env.home.path().join("demo-state").display(),
+            gate.display()
+        ),
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    let server = env.serve_with(&[("SESSIOND_CONFIG", &config)]);
+    env.sessionctl(&["health", "--wait"], &scratch);
+    let task = env
+        .sessionctl(&["task", "create", "bound", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    env.task = Some(task);
+    let session = env
+        .sessionctl(&["session", "create", "--agent", "gated", "-q"], &scratch)
+        .trim()
+        .to_owned();
+    env.sessionctl(&["send", &session, "one"], &scratch);
+
+    terminate(server);
+    for pid in agentctls_under(env.home.path()) {
+        Command::new("kill").args(["-KILL", &pid]).status().unwrap();
+    }
+    std::fs::write(&gate, b"closed").unwrap();
+    let server = env.serve_with(&[("SESSIOND_CONFIG", &config)]);
+    env.sessionctl(&["health", "--wait"], &scratch);
+    // Not queueable: the call waits for the agent.
+    let (_, stderr, _) = env.sessionctl_fails(
+        &["send", "--no-queue", "--timeout-secs", "2", &session, "two"],
+        &scratch,
+    );
+    assert!(
+        stderr.contains("timed out after 2 s before sessiond answered")
+            && stderr.contains("--request-id"),
+        "{stderr}"
+    );
+    assert!(gate.exists(), "answered while the agent waits at its gate");
+
+    std::fs::remove_file(&gate).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let msgs = env.sessionctl(&["messages", &session], &scratch);
+        if msgs.contains("you said \"two\"") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the send did not go: {msgs}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    env.sessionctl(&["session", "stop", &session], &scratch);
+    terminate(server);
+    for pid in agentctls_under(env.home.path()) {
+        let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    }
+}
+
+/// `--worktree ../x` names the directory beside the working one: the
+/// server, which refuses `.` and `..` in a path, gets its plain path
+/// (helper-62 3: "is not normalised").
+#[test]
+fn a_worktree_named_with_dot_dot_is_the_directory_it_names() {
+    let (env, scratch, server, _) = Env::with_session("dots", "dots");
+    let beside = env.home.path().join("beside");
+    std::fs::create_dir_all(&beside).unwrap();
+    let session = env
+        .sessionctl(
+            &["session", "create", "--worktree", "./../beside", "-q"],
+            &scratch,
+        )
+        .trim()
+        .to_owned();
+    let status = env.sessionctl(&["--json", "session", "status", &session], &scratch);
+    let v: serde_json::Value = serde_json::from_str(status.trim()).expect(&status);
+    assert_eq!(v["worktree_path"], beside.display().to_string(), "{status}");
+    env.sessionctl(&["session", "stop", &session], &scratch);
+    terminate(server);
+}
+
 /// A call cut off by sessiond's death says what happened and that its
 /// outcome is unknown, not a bare "transport error (Unknown)".
 #[test]

@@ -308,8 +308,16 @@ impl Worktrees<'_> {
             )));
         }
         // One name per repository (helper-38 10): no trailing `/`, and the
-        // repository rather than its `.git` directory.
+        // repository rather than its `.git` directory. On this host (the
+        // local runtimes), its real path: a symlink is followed once, now, where the create
+        // checks where it leads; kept, a later restore or delete would
+        // follow it wherever it pointed by then (helper-62 1).
         let mut repository: std::path::PathBuf = Path::new(&w.repository).components().collect();
+        if matches!(runtime, Runtime::LocalStandalone | Runtime::LocalDocker)
+            && let Ok(real) = std::fs::canonicalize(&repository)
+        {
+            repository = real;
+        }
         if repository.file_name().is_some_and(|n| n == ".git") {
             repository.pop();
         }

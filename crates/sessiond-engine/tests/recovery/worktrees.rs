@@ -775,8 +775,8 @@ async fn creates_naming_one_branch_at_once_one_wins_the_rest_store_nothing() {
 /// helper-38 4 and 10: a base relative to where the repository is now
 /// (`HEAD~1`) is kept as the commit it named, so "since the base" does not
 /// move (inside the worktree `HEAD~1` is the worktree's own parent); a
-/// repository named with a trailing `/` or as its `.git` directory is kept
-/// by its one name.
+/// repository named with a trailing `/`, as its `.git` directory or
+/// through a symlink is kept by its one real name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relative_base_is_kept_as_its_commit_and_a_repository_by_one_name() {
     let w = World::new(Db::Sqlite).await;
@@ -792,17 +792,25 @@ async fn a_relative_base_is_kept_as_its_commit_and_a_repository_by_one_name() {
     )
     .await
     .unwrap();
+    let real = std::fs::canonicalize(&repo).unwrap().display().to_string();
     assert_eq!(s.worktree.base, parent);
-    assert_eq!(s.worktree.repository, repo.display().to_string());
+    assert_eq!(s.worktree.repository, real);
     let st = w.status(&mgr, s.id).await;
     assert_eq!(
         (st.worktree_base.as_str(), st.worktree_repository.as_str()),
-        (parent.as_str(), repo.to_str().unwrap())
+        (parent.as_str(), real.as_str())
     );
     // A branch name stays a name.
     let named = create(&w, &mgr, from_repo(&repo, "main")).await.unwrap();
     assert_eq!(named.worktree.base, "main");
-    w.finish(&mgr, &[s.id, named.id]).await;
+    // A symlink is followed at the create and kept by its target's name,
+    // so retargeting it later leads no restore or delete elsewhere
+    // (helper-62 1).
+    let link = w.path("repo-link");
+    std::os::unix::fs::symlink(&repo, &link).unwrap();
+    let linked = create(&w, &mgr, from_repo(&link, "main")).await.unwrap();
+    assert_eq!(linked.worktree.repository, real);
+    w.finish(&mgr, &[s.id, named.id, linked.id]).await;
 }
 
 /// helper-38 11: a worktree locked with `git worktree lock` made a delete
