@@ -551,9 +551,16 @@ where
         let uri = request.uri().clone();
         let metrics = self.metrics.clone();
         let started = Instant::now();
+        let mut unanswered = Unanswered {
+            uri: Some(uri.clone()),
+            deadline: request.headers().get("grpc-timeout").and_then(grpc_timeout),
+            metrics: metrics.clone(),
+            started,
+        };
         self.inner
             .call(request)
             .map(move |mut result| {
+                unanswered.answered();
                 if let Ok(response) = &mut result {
                     undecodable_is_invalid_argument(response.headers_mut());
                 }
@@ -573,6 +580,53 @@ where
             })
             .boxed()
     }
+}
+
+/// A call dropped before its answer (its client went away, or its
+/// `grpc-timeout` passed) is counted too: DEADLINE_EXCEEDED once its
+/// deadline passed, else CANCELLED (helper-61 F5: such calls were not
+/// counted at all).
+struct Unanswered {
+    /// `None` once answered.
+    uri: Option<http::Uri>,
+    deadline: Option<Duration>,
+    metrics: Metrics,
+    started: Instant,
+}
+
+impl Unanswered {
+    fn answered(&mut self) {
+        self.uri = None;
+    }
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if let Some(uri) = self.uri.take() {
+            let took = self.started.elapsed();
+            let code = match self.deadline {
+                Some(deadline) if took >= deadline => tonic::Code::DeadlineExceeded,
+                _ => tonic::Code::Cancelled,
+            };
+            self.metrics.observe_rpc(uri.path(), code_name(code), took);
+        }
+    }
+}
+
+/// A `grpc-timeout` header's value: digits and a unit (gRPC over HTTP/2).
+fn grpc_timeout(value: &http::HeaderValue) -> Option<Duration> {
+    let value = value.to_str().ok()?;
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.checked_mul(3600)?),
+        "M" => Duration::from_secs(n.checked_mul(60)?),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
 }
 
 /// A request body that is not the method's message (tonic answers
@@ -707,6 +761,40 @@ mod tests {
         );
         assert!(text.contains("sessiond_recovery_done 1"), "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+
+    /// A call dropped before its answer is counted: CANCELLED, or
+    /// DEADLINE_EXCEEDED once its `grpc-timeout` passed (helper-61 F5).
+    #[tokio::test]
+    async fn a_call_dropped_before_its_answer_is_counted() {
+        let m = metrics();
+        let never = tower::service_fn(|_: http::Request<()>| {
+            futures::future::pending::<Result<http::Response<()>, std::convert::Infallible>>()
+        });
+        let mut service = RpcMetricsLayer { metrics: m.clone() }.layer(never);
+        let call = |timeout: Option<&'static str>| {
+            let mut request = http::Request::builder()
+                .uri("http://x/sessiond.v1.SessionService/SendMessage");
+            if let Some(t) = timeout {
+                request = request.header("grpc-timeout", t);
+            }
+            request.body(()).unwrap()
+        };
+        for timeout in [None, Some("1n"), Some("1H"), Some("bogus")] {
+            let mut answer = service.call(call(timeout));
+            assert!(futures::poll!(&mut answer).is_pending());
+            drop(answer);
+        }
+        let text = m.render().await;
+        let count = |code: &str| {
+            format!(
+                "sessiond_rpc_duration_seconds_count{{method=\"/sessiond.v1.SessionService/SendMessage\",code=\"{code}\"}}"
+            )
+        };
+        assert!(text.contains(&format!("{} 3", count("CANCELLED"))), "{text}");
+        assert!(text.contains(&format!("{} 1", count("DEADLINE_EXCEEDED"))), "{text}");
+        assert_eq!(grpc_timeout(&http::HeaderValue::from_static("250m")), Some(Duration::from_millis(250)));
+        assert_eq!(grpc_timeout(&http::HeaderValue::from_static("m")), None);
     }
 
     #[test]
