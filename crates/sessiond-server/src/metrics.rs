@@ -773,8 +773,8 @@ mod tests {
         });
         let mut service = RpcMetricsLayer { metrics: m.clone() }.layer(never);
         let call = |timeout: Option<&'static str>| {
-            let mut request = http::Request::builder()
-                .uri("http://x/sessiond.v1.SessionService/SendMessage");
+            let mut request =
+                http::Request::builder().uri("http://x/sessiond.v1.SessionService/SendMessage");
             if let Some(t) = timeout {
                 request = request.header("grpc-timeout", t);
             }
@@ -791,9 +791,18 @@ mod tests {
                 "sessiond_rpc_duration_seconds_count{{method=\"/sessiond.v1.SessionService/SendMessage\",code=\"{code}\"}}"
             )
         };
-        assert!(text.contains(&format!("{} 3", count("CANCELLED"))), "{text}");
-        assert!(text.contains(&format!("{} 1", count("DEADLINE_EXCEEDED"))), "{text}");
-        assert_eq!(grpc_timeout(&http::HeaderValue::from_static("250m")), Some(Duration::from_millis(250)));
+        assert!(
+            text.contains(&format!("{} 3", count("CANCELLED"))),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("{} 1", count("DEADLINE_EXCEEDED"))),
+            "{text}"
+        );
+        assert_eq!(
+            grpc_timeout(&http::HeaderValue::from_static("250m")),
+            Some(Duration::from_millis(250))
+        );
         assert_eq!(grpc_timeout(&http::HeaderValue::from_static("m")), None);
     }
 
