@@ -1029,14 +1029,12 @@ fn a_waiting_send_whose_queued_message_will_not_be_sent_ends_saying_so() {
     terminate(server);
 }
 
-/// After a restart, a `send` to a session whose agent sessiond is still
-/// bringing back (held at its start gate) is queued at once. If the agent
-/// then cannot come back (it refuses to reopen the conversation), the
-/// waiting `send` ends saying the message stays queued for a resume; it
-/// does not wait out its timeout.
-#[test]
-fn a_send_queued_while_the_agent_comes_back_ends_when_it_cannot() {
-    let mut env = Env::new();
+/// A session of a demo agent whose start waits at a gate file, after a
+/// turn, a stop of sessiond, a kill of its agentctl and a start again
+/// with the gate closed: sessiond is bringing its agent back, held at the
+/// gate. `agent_env`: more of the agent's environment (TOML pairs).
+/// Returns the server, the session, the gate and the working directory.
+fn held_back_at_its_gate(env: &mut Env, agent_env: &str) -> (Served, String, PathBuf, PathBuf) {
     let scratch = env.home.path().join("back");
     std::fs::create_dir_all(&scratch).unwrap();
     let config = env.home.path().join("sessiond.toml");
@@ -1046,8 +1044,7 @@ fn a_send_queued_while_the_agent_comes_back_ends_when_it_cannot() {
         format!(
             "[recovery]\nexecutor_deadline = \"120s\"\n\
              [[agents]]\nname = \"gated\"\ncommand = \"{}\"\n\
-             env = {{ ACP_DEMO_STATE_DIR = \"{}\", ACP_DEMO_START_GATE_FILE = \"{}\", \
-             ACP_DEMO_FAIL_LOAD = \"1\" }}\n",
+             env = {{ ACP_DEMO_STATE_DIR = \"{}\", ACP_DEMO_START_GATE_FILE = \"{}\"{agent_env} }}\n",
             bin("acp-demo-agent").display(),
             env.home.path().join("demo-state").display(),
             gate.display()
@@ -1077,6 +1074,19 @@ fn a_send_queued_while_the_agent_comes_back_ends_when_it_cannot() {
     std::fs::write(&gate, b"closed").unwrap();
     let server = env.serve_with(&[("SESSIOND_CONFIG", &config)]);
     env.sessionctl(&["health", "--wait"], &scratch);
+    (server, session, gate, scratch)
+}
+
+/// After a restart, a `send` to a session whose agent sessiond is still
+/// bringing back (held at its start gate) is queued at once. If the agent
+/// then cannot come back (it refuses to reopen the conversation), the
+/// waiting `send` ends saying the message stays queued for a resume; it
+/// does not wait out its timeout.
+#[test]
+fn a_send_queued_while_the_agent_comes_back_ends_when_it_cannot() {
+    let mut env = Env::new();
+    let (server, session, gate, scratch) =
+        held_back_at_its_gate(&mut env, ", ACP_DEMO_FAIL_LOAD = \"1\"");
     let mut send = env.spawn_sessionctl(
         &["--json", "send", "--timeout-secs", "90", &session, "two"],
         &scratch,
@@ -1117,43 +1127,7 @@ fn a_send_queued_while_the_agent_comes_back_ends_when_it_cannot() {
 #[test]
 fn a_send_timeout_bounds_the_wait_for_an_agent_and_the_send_still_goes() {
     let mut env = Env::new();
-    let scratch = env.home.path().join("bound");
-    std::fs::create_dir_all(&scratch).unwrap();
-    let config = env.home.path().join("sessiond.toml");
-    let gate = env.home.path().join("start-gate");
-    std::fs::write(
-        &config,
-        format!(
-            "[recovery]\nexecutor_deadline = \"120s\"\n\
-             [[agents]]\nname = \"gated\"\ncommand = \"{}\"\n\
-             env = {{ ACP_DEMO_STATE_DIR = \"{}\", ACP_DEMO_START_GATE_FILE = \"{}\" }}\n",
-            bin("acp-demo-agent").display(),
-            env.home.path().join("demo-state").display(),
-            gate.display()
-        ),
-    )
-    .unwrap();
-    let config = config.display().to_string();
-    let server = env.serve_with(&[("SESSIOND_CONFIG", &config)]);
-    env.sessionctl(&["health", "--wait"], &scratch);
-    let task = env
-        .sessionctl(&["task", "create", "bound", "-q"], &scratch)
-        .trim()
-        .to_owned();
-    env.task = Some(task);
-    let session = env
-        .sessionctl(&["session", "create", "--agent", "gated", "-q"], &scratch)
-        .trim()
-        .to_owned();
-    env.sessionctl(&["send", &session, "one"], &scratch);
-
-    terminate(server);
-    for pid in agentctls_under(env.home.path()) {
-        Command::new("kill").args(["-KILL", &pid]).status().unwrap();
-    }
-    std::fs::write(&gate, b"closed").unwrap();
-    let server = env.serve_with(&[("SESSIOND_CONFIG", &config)]);
-    env.sessionctl(&["health", "--wait"], &scratch);
+    let (server, session, gate, scratch) = held_back_at_its_gate(&mut env, "");
     // Not queueable: the call waits for the agent.
     let (_, stderr, _) = env.sessionctl_fails(
         &["send", "--no-queue", "--timeout-secs", "2", &session, "two"],

@@ -163,7 +163,7 @@ impl Origin {
 }
 
 /// `grpc-timeout`: at most 8 digits and a unit (H M S m u n).
-fn parse_grpc_timeout(value: &str) -> Option<Duration> {
+pub(crate) fn parse_grpc_timeout(value: &str) -> Option<Duration> {
     if value.len() < 2 || value.len() > 9 {
         return None;
     }

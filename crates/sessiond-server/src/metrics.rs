@@ -553,7 +553,11 @@ where
         let started = Instant::now();
         let mut unanswered = Unanswered {
             uri: Some(uri.clone()),
-            deadline: request.headers().get("grpc-timeout").and_then(grpc_timeout),
+            deadline: request
+                .headers()
+                .get("grpc-timeout")
+                .and_then(|v| v.to_str().ok())
+                .and_then(crate::forward::parse_grpc_timeout),
             metrics: metrics.clone(),
             started,
         };
@@ -611,22 +615,6 @@ impl Drop for Unanswered {
             self.metrics.observe_rpc(uri.path(), code_name(code), took);
         }
     }
-}
-
-/// A `grpc-timeout` header's value: digits and a unit (gRPC over HTTP/2).
-fn grpc_timeout(value: &http::HeaderValue) -> Option<Duration> {
-    let value = value.to_str().ok()?;
-    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
-    let n: u64 = digits.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(n.checked_mul(3600)?),
-        "M" => Duration::from_secs(n.checked_mul(60)?),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
-        _ => return None,
-    })
 }
 
 /// A request body that is not the method's message (tonic answers
@@ -799,11 +787,6 @@ mod tests {
             text.contains(&format!("{} 1", count("DEADLINE_EXCEEDED"))),
             "{text}"
         );
-        assert_eq!(
-            grpc_timeout(&http::HeaderValue::from_static("250m")),
-            Some(Duration::from_millis(250))
-        );
-        assert_eq!(grpc_timeout(&http::HeaderValue::from_static("m")), None);
     }
 
     #[test]
