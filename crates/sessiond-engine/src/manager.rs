@@ -512,9 +512,9 @@ impl SessionManager {
     /// drops the handler's future, as does an embedder's `timeout`) would
     /// otherwise cut the work between a commit and what must follow it:
     /// the status snapshot and the events, a turn's Prompt, an agent's
-    /// stop. The work ends as if the caller had stayed. It is not this
-    /// manager's background work: a shutdown lets it end, as it let the
-    /// call (`sessiond serve` waits for calls in flight for its grace).
+    /// stop. The work ends as if the caller had stayed; a shutdown of the
+    /// manager ends it with the rest of its work, as a crash would, for the
+    /// next start to recover.
     pub(crate) async fn to_completion<T, W>(
         &self,
         work: impl FnOnce(SessionManager) -> W,
@@ -524,9 +524,15 @@ impl SessionManager {
         T: Send + 'static,
     {
         let work = tracing::Instrument::in_current_span(work(self.clone()));
-        tokio::spawn(work)
-            .await
-            .unwrap_or_else(|e| Err(Error::Internal(format!("the call's task failed: {e}"))))
+        match self.spawn_background(work).await {
+            Ok(done) => done,
+            Err(e) if e.is_cancelled() => Err(Error::Unavailable(
+                "sessiond stopped before the call finished; what it had done is recovered at \
+                 its next start"
+                    .into(),
+            )),
+            Err(e) => Err(Error::Internal(format!("the call's task failed: {e}"))),
+        }
     }
 
     /// Runs `op` as the one exclusive operation of `session`, or joins the

@@ -2137,6 +2137,9 @@ impl ExecutorRecovery<'_> {
             m.remove(crate::turn::INTERRUPTED_TURN_KEY);
         }
         let turn = turn_in_flight(&run.session);
+        // Settling from here until the pump started below counts itself.
+        let _settling =
+            (agent_back && turn.is_some()).then(|| crate::turn::SettlingHold::new(self, sid));
         if agent_back && turn.is_some() {
             outcome.session_state = SessionState::Running;
             outcome.session_error = None;

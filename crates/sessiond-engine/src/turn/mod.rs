@@ -22,6 +22,7 @@ pub(crate) mod queued;
 mod settle;
 mod start;
 
+pub(crate) use settle::SettlingHold;
 pub(crate) use start::Turns;
 
 use chrono::Utc;

@@ -17,6 +17,7 @@ use crate::{
     changes::transition,
     error::{Error, Result},
     lease::Fencing,
+    manager::SessionManager,
     turn::Turns,
 };
 
@@ -43,17 +44,49 @@ impl Pump {
             return;
         }
         self.settling = now;
-        let id = self.session_id;
-        self.mgr.inner.settling.send_modify(|pumps| {
-            if now {
-                *pumps.entry(id).or_default() += 1;
-            } else if let Some(n) = pumps.get_mut(&id) {
-                *n -= 1;
-                if *n == 0 {
-                    pumps.remove(&id);
-                }
+        count_settling(&self.mgr, self.session_id, now);
+    }
+}
+
+/// One settler of `session` more (`up`) or fewer in the manager's
+/// `settling`, which [`Turns::turn_settled`] waits on.
+fn count_settling(mgr: &SessionManager, session: SessionId, up: bool) {
+    mgr.inner.settling.send_modify(|settlers| {
+        if up {
+            *settlers.entry(session).or_default() += 1;
+        } else if let Some(n) = settlers.get_mut(&session) {
+            *n -= 1;
+            if *n == 0 {
+                settlers.remove(&session);
             }
-        });
+        }
+    });
+}
+
+/// A turn a restart left RUNNING, counted as settling while held: by a
+/// recovery from before it shows the agent back (and wakes the calls that
+/// wait for it) until the pump it starts, which settles the turn, counts
+/// itself. A retry woken in between found the turn RUNNING with no
+/// settler yet, and was refused as if a reply were coming (helper-63: two
+/// retries both refused, and the turn never ran again).
+pub(crate) struct SettlingHold {
+    mgr: SessionManager,
+    session: SessionId,
+}
+
+impl SettlingHold {
+    pub(crate) fn new(mgr: &SessionManager, session: SessionId) -> Self {
+        count_settling(mgr, session, true);
+        Self {
+            mgr: mgr.clone(),
+            session,
+        }
+    }
+}
+
+impl Drop for SettlingHold {
+    fn drop(&mut self) {
+        count_settling(&self.mgr, self.session, false);
     }
 }
 

@@ -1168,6 +1168,61 @@ async fn a_retry_while_the_agent_comes_back_runs_the_turn_the_restart_interrupte
     w.finish(&mgr, &[s.id]).await;
 }
 
+/// Two retries made while the agent is brought back after kill -9 of
+/// everything mid-reply: one runs the interrupted turn, once; the other is
+/// refused, the turn having started again. (helper-63 saw both refused and
+/// the turn never run again, when the recovery that brought the agent back
+/// was a background retry: `SettlingHold` closes that window. This test
+/// joins the pass's recovery instead and does not reach it; the fix was
+/// checked with helper-63's script against release binaries.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_retries_while_the_agent_comes_back_run_the_interrupted_turn_once() {
+    let w = World::new(Db::Sqlite).await;
+    let (gated, gate) = w.gated_profile("gated").await;
+    let mgr = w.manager_with(patient());
+    let s = w.create_with(&mgr, "retried", &gated, None).await;
+    w.prompt(&mgr, s.id, "one").await;
+    let long = mgr.send_message(w.task.id, s.id, "/long").await.unwrap();
+    wait_reply_streaming(&w, s.id, 3).await;
+    mgr.shutdown();
+    drop(mgr);
+    kill_tree(w.record(s.id).await.pid.unwrap()).await;
+
+    std::fs::write(&gate, b"closed").unwrap();
+    let mgr = std::sync::Arc::new(w.manager_with(patient()));
+    let pass = pass_in_background(&mgr);
+    let retries: Vec<_> = (0..2)
+        .map(|_| {
+            let (mgr, task) = (mgr.clone(), w.task.id);
+            tokio::spawn(async move { mgr.retry_turn(task, s.id, None).await })
+        })
+        .collect();
+    let st = w.status(&mgr, s.id).await;
+    assert!(st.recovering, "{st:?}");
+    std::fs::remove_file(&gate).unwrap();
+    let summary = pass.await.unwrap().unwrap();
+    assert_eq!(summary.count(OutcomeLabel::Resumed), 1, "{summary:?}");
+    let mut ran = Vec::new();
+    let mut refused = Vec::new();
+    for retry in retries {
+        match retry.await.unwrap() {
+            Ok((retried, original)) => ran.push((original, retried.content)),
+            Err(e) => refused.push(e.to_string()),
+        }
+    }
+    assert_eq!(ran, [(long.id, "/long".to_owned())], "refused: {refused:?}");
+    let msgs = w.messages(s.id).await;
+    let users: Vec<_> = msgs
+        .iter()
+        .filter(|m| m.role == MessageRole::User)
+        .map(|m| m.content.as_str())
+        .collect();
+    assert_eq!(users, ["one", "/long", "/long"], "{msgs:?}");
+    w.track(s.id).await;
+    mgr.cancel_turn(w.task.id, s.id).await.unwrap();
+    w.finish(&mgr, &[s.id]).await;
+}
+
 /// helper-58 F2: after kill -9 of everything, a cancel or a retry on a
 /// session with no turn in flight, whose agent is still coming back (one
 /// held at its start gate, one waiting for the host's only launch slot),
