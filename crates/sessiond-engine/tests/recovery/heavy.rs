@@ -1114,13 +1114,18 @@ async fn a_message_to_a_session_whose_agent_is_coming_back_is_queued_at_once() {
     w.finish(&mgr, &ids).await;
 }
 
-/// helper-59 1: kill -9 of everything mid-reply; a retry made while the
-/// agent is brought back waited for the agent, then found the turn still
-/// RUNNING (its pump had yet to end it interrupted) and was refused, the
-/// user told to wait for a reply that never came (5 of 5 runs). It waits
-/// for the turn's fate now, and runs it again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_retry_while_the_agent_comes_back_runs_the_turn_the_restart_interrupted() {
+/// A gated session whose `/long` reply is cut by kill -9 of everything
+/// mid-stream, then a new manager whose startup pass brings the agent back,
+/// held at its closed start gate. Returns the world, the session, the
+/// `/long` message, the gate, the manager and its pass.
+async fn long_turn_cut_then_held_at_the_gate() -> (
+    World,
+    sessiond_domain::Session,
+    sessiond_domain::Message,
+    std::path::PathBuf,
+    std::sync::Arc<sessiond_engine::SessionManager>,
+    tokio::task::JoinHandle<sessiond_engine::Result<sessiond_engine::RecoverySummary>>,
+) {
     let w = World::new(Db::Sqlite).await;
     let (gated, gate) = w.gated_profile("gated").await;
     let mgr = w.manager_with(patient());
@@ -1135,6 +1140,17 @@ async fn a_retry_while_the_agent_comes_back_runs_the_turn_the_restart_interrupte
     std::fs::write(&gate, b"closed").unwrap();
     let mgr = std::sync::Arc::new(w.manager_with(patient()));
     let pass = pass_in_background(&mgr);
+    (w, s, long, gate, mgr, pass)
+}
+
+/// helper-59 1: kill -9 of everything mid-reply; a retry made while the
+/// agent is brought back waited for the agent, then found the turn still
+/// RUNNING (its pump had yet to end it interrupted) and was refused, the
+/// user told to wait for a reply that never came (5 of 5 runs). It waits
+/// for the turn's fate now, and runs it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_while_the_agent_comes_back_runs_the_turn_the_restart_interrupted() {
+    let (w, s, long, gate, mgr, pass) = long_turn_cut_then_held_at_the_gate().await;
     let retry = {
         let (mgr, task) = (mgr.clone(), w.task.id);
         tokio::spawn(async move { mgr.retry_turn(task, s.id, None).await })
@@ -1177,20 +1193,7 @@ async fn a_retry_while_the_agent_comes_back_runs_the_turn_the_restart_interrupte
 /// checked with helper-63's script against release binaries.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_retries_while_the_agent_comes_back_run_the_interrupted_turn_once() {
-    let w = World::new(Db::Sqlite).await;
-    let (gated, gate) = w.gated_profile("gated").await;
-    let mgr = w.manager_with(patient());
-    let s = w.create_with(&mgr, "retried", &gated, None).await;
-    w.prompt(&mgr, s.id, "one").await;
-    let long = mgr.send_message(w.task.id, s.id, "/long").await.unwrap();
-    wait_reply_streaming(&w, s.id, 3).await;
-    mgr.shutdown();
-    drop(mgr);
-    kill_tree(w.record(s.id).await.pid.unwrap()).await;
-
-    std::fs::write(&gate, b"closed").unwrap();
-    let mgr = std::sync::Arc::new(w.manager_with(patient()));
-    let pass = pass_in_background(&mgr);
+    let (w, s, long, gate, mgr, pass) = long_turn_cut_then_held_at_the_gate().await;
     let retries: Vec<_> = (0..2)
         .map(|_| {
             let (mgr, task) = (mgr.clone(), w.task.id);
